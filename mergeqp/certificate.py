@@ -1,0 +1,318 @@
+"""Optimality certificates for a point of the merge QP, recomputed in float64.
+
+Nothing here reads what a solver said about itself, and this module imports no solver.
+For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it reports:
+
+- ``objective``: ``J(d)``;
+- ``infeasibility``: the largest violation of the constraints at ``d`` (units of ``d``);
+- ``fw_gap``: an upper bound on ``J(d) - J*`` valid for any feasible ``d``. For bounded sets
+  it is the Frank-Wolfe gap ``max_{s in C} grad J(d)'(d - s)`` (closed-form oracle for built-in
+  sets, an LP otherwise). For boxes with infinite sides (and no constraint at all) the
+  Frank-Wolfe gap is infinite, so the Lagrangian duality gap is used instead: with
+  multipliers taken from the gradient, ``sum lam_lo (d - lo) + sum lam_hi (hi - d)
+  + 1/2 w' H^+ w``, where ``w`` is the part of the gradient no finite bound can absorb
+  (with no constraint this is the exact gap ``1/2 grad' H^+ grad``). ``gap_method`` says which;
+- ``lower_bound``: ``J(d) - fw_gap`` (a lower bound on ``J*`` when ``d`` is feasible);
+- ``kkt_residual``: the projected-gradient (natural) residual
+  ``eta * ||d - P_C(d - grad/eta)||_inf`` with ``eta = max diag H``, where the projection is
+  closed-form (``None`` otherwise);
+- ``unconstrained_bound``: ``c - 1/2 g'H^+g`` (``-inf`` if ``g`` is not in ``range(H)``): a lower
+  bound on ``J`` over every ``d``;
+- ``pinv_distance`` and ``binding``: whether the pseudo-inverse (minimum-norm unconstrained)
+  solution ``-H^+ g`` is feasible; if it is (no constraint binds), the distance of ``d`` from it.
+
+A point is ``certified(rel_tol)`` when it is feasible within ``feas_tol * max(1, ||d||_inf)`` and
+``fw_gap <= rel_tol * scale`` with ``scale = max(|J(d)|, 1e-8 |c|)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
+
+from .constraints import Box, ConstraintSet, Unconstrained, as_constraint_set
+from .errors import ValidationError
+from .problem import MergeQP
+
+DEFAULT_REL_TOL = 1e-6
+DEFAULT_FEAS_TOL = 1e-7
+#: the pseudo-inverse quantities (an eigendecomposition when H is singular) are computed by
+#: default only up to this many variables; larger problems use a Cholesky when H is definite
+PINV_MAX_N = 4096
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """How far from optimal a point provably is. All values float64; see the module doc."""
+
+    objective: float
+    infeasibility: float
+    fw_gap: float
+    gap_method: str
+    lower_bound: float
+    kkt_residual: float | None
+    unconstrained_bound: float | None
+    pinv_distance: float | None
+    binding: bool | None
+    scale: float
+    feas_tol: float = DEFAULT_FEAS_TOL
+    rel_tol: float = DEFAULT_REL_TOL
+    d_norm: float = 1.0
+    constraints: str = "none"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def relative_gap(self) -> float:
+        return self.fw_gap / self.scale if self.scale > 0 else math.inf
+
+    @property
+    def feasible(self) -> bool:
+        return self.infeasibility <= self.feas_tol * max(1.0, self.d_norm)
+
+    def certified(self, rel_tol: float | None = None) -> bool:
+        """Feasible (within ``feas_tol``) and ``fw_gap <= rel_tol * scale``."""
+        tol = self.rel_tol if rel_tol is None else float(rel_tol)
+        return bool(self.feasible and math.isfinite(self.fw_gap) and self.fw_gap <= tol * self.scale)
+
+    def reasons(self, rel_tol: float | None = None) -> list[str]:
+        """Why the point is not certified (empty when it is)."""
+        tol = self.rel_tol if rel_tol is None else float(rel_tol)
+        out = []
+        if not self.feasible:
+            out.append(
+                f"infeasible: constraint violation {self.infeasibility:.3g} exceeds "
+                f"{self.feas_tol * max(1.0, self.d_norm):.3g}"
+            )
+        if not math.isfinite(self.fw_gap):
+            out.append(f"no finite optimality bound ({self.gap_method}): " + "; ".join(self.notes))
+        elif self.fw_gap > tol * self.scale:
+            out.append(
+                f"gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds rel_tol {tol:.3g}"
+            )
+        return out
+
+    def explain(self, rel_tol: float | None = None) -> str:
+        """A readable account of the certificate."""
+        ok = self.certified(rel_tol)
+        lines = [
+            f"certificate: {'CERTIFIED' if ok else 'NOT CERTIFIED'} "
+            f"(rel_tol {self.rel_tol if rel_tol is None else rel_tol:.1g})",
+            f"  objective J(d)       = {self.objective:.12g}",
+            f"  optimality gap       <= {self.fw_gap:.3g} (relative {self.relative_gap:.3g}; {self.gap_method})",
+            f"  lower bound on J*    >= {self.lower_bound:.12g}",
+            f"  constraint violation = {self.infeasibility:.3g}",
+        ]
+        if self.kkt_residual is not None:
+            lines.append(f"  projected-gradient residual = {self.kkt_residual:.3g}")
+        if self.unconstrained_bound is not None:
+            lines.append(f"  unconstrained bound c - g'H^+g/2 = {self.unconstrained_bound:.12g}")
+        if self.binding is not None:
+            if self.binding:
+                lines.append("  constraints bind: the unconstrained (pseudo-inverse) solution is infeasible")
+            else:
+                lines.append(f"  no constraint binds; distance to -H^+ g: {self.pinv_distance:.3g}")
+        for r in self.reasons(rel_tol):
+            lines.append(f"  reason: {r}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        def num(x: float | None) -> float | str | None:
+            if x is None:
+                return None
+            return x if math.isfinite(x) else ("inf" if x > 0 else "-inf")
+
+        return {
+            "certified": self.certified(),
+            "objective": self.objective,
+            "fw_gap": num(self.fw_gap),
+            "relative_gap": num(self.relative_gap),
+            "gap_method": self.gap_method,
+            "lower_bound": num(self.lower_bound),
+            "infeasibility": self.infeasibility,
+            "kkt_residual": num(self.kkt_residual),
+            "unconstrained_bound": num(self.unconstrained_bound),
+            "pinv_distance": num(self.pinv_distance),
+            "binding": self.binding,
+            "rel_tol": self.rel_tol,
+            "feas_tol": self.feas_tol,
+            "constraints": self.constraints,
+            "notes": list(self.notes),
+            "reasons": self.reasons(),
+        }
+
+
+class _PseudoInverse:
+    """Solves ``H x = b`` in the least-squares / minimum-norm sense, factorising once."""
+
+    def __init__(self, H: np.ndarray, allow_eig: bool):
+        self.H = H
+        self.chol = None
+        self.eig = None
+        n = H.shape[0]
+        top = float(np.max(np.abs(np.diag(H)))) if n else 0.0
+        try:
+            c, low = sla.cho_factor(H, lower=True, check_finite=False)
+            # reject near-singular factors: pivots tiny relative to the scale
+            if np.min(np.abs(np.diag(c))) ** 2 > 1e-12 * max(top, np.finfo(float).tiny):
+                self.chol = (c, low)
+        except np.linalg.LinAlgError:
+            pass
+        if self.chol is None and allow_eig:
+            w, V = np.linalg.eigh(H)
+            cut = max(abs(w[-1]), np.finfo(float).tiny) * n * np.finfo(float).eps * 10
+            self.eig = (w, V, cut)
+
+    @property
+    def available(self) -> bool:
+        return self.chol is not None or self.eig is not None
+
+    def solve(self, b: np.ndarray) -> tuple[np.ndarray, float]:
+        """Return ``x = H^+ b`` and the relative residual of ``b`` outside ``range(H)``."""
+        if self.chol is not None:
+            x = sla.cho_solve(self.chol, b, check_finite=False)
+            return x, 0.0
+        assert self.eig is not None
+        w, V, cut = self.eig
+        coef = V.T @ b
+        keep = w > cut
+        x = V[:, keep] @ (coef[keep] / w[keep])
+        out = float(np.linalg.norm(coef[~keep])) / max(float(np.linalg.norm(b)), np.finfo(float).tiny)
+        return x, out
+
+
+def certify(
+    problem: MergeQP,
+    constraints: ConstraintSet | Any,
+    d: np.ndarray,
+    *,
+    rel_tol: float = DEFAULT_REL_TOL,
+    feas_tol: float = DEFAULT_FEAS_TOL,
+    pinv: bool | None = None,
+) -> Certificate:
+    """Certify the point ``d`` (``(K, n_atoms)`` or flat) for ``min_{d in C} J(d)``.
+
+    ``pinv``: compute the pseudo-inverse quantities (unconstrained bound, distance to
+    ``-H^+ g``). Default: when H is explicit and ``n <= PINV_MAX_N`` (an eigendecomposition
+    is used only when H is singular), or when the Lagrangian gap needs it.
+    """
+    cset = as_constraint_set(constraints)
+    shape = problem.shape
+    x = problem.flat(d)
+    D = x.reshape(shape)
+    cset.validate(shape)
+    notes: list[str] = []
+
+    objective = problem.objective(x)
+    grad = problem.gradient(x).reshape(shape)
+    infeasibility = float(cset.violation(D))
+    d_norm = float(np.max(np.abs(x))) if x.size else 0.0
+
+    explicit = problem.H is not None
+    want_pinv = explicit and (problem.n <= PINV_MAX_N if pinv is None else pinv)
+    solver: _PseudoInverse | None = None
+
+    def pseudo() -> _PseudoInverse | None:
+        nonlocal solver
+        if solver is None and explicit:
+            assert problem.H is not None
+            solver = _PseudoInverse(problem.H, allow_eig=problem.n <= PINV_MAX_N or bool(pinv))
+        return solver
+
+    # ------------------------------------------------------------- optimality gap
+    support_value, _ = cset.support(grad)
+    if math.isfinite(support_value):
+        fw_gap = float(np.sum(grad * D) - support_value)
+        gap_method = "frank-wolfe"
+    else:
+        fw_gap, gap_method = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
+    if infeasibility <= feas_tol * max(1.0, d_norm):
+        fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
+    lower_bound = objective - fw_gap if math.isfinite(fw_gap) else -math.inf
+
+    # ------------------------------------------------------------- projected gradient
+    kkt = None
+    if cset.has_projection:
+        eta = float(np.max(np.abs(problem.diagonal()))) if explicit else 1.0
+        eta = eta if eta > 0 else 1.0
+        try:
+            step = cset.project(D - grad / eta)
+            kkt = eta * float(np.max(np.abs(D - step)))
+        except NotImplementedError:
+            kkt = None
+
+    # ------------------------------------------------------------- pseudo-inverse facts
+    unconstrained_bound = pinv_distance = None
+    binding = None
+    if want_pinv:
+        ps = pseudo()
+        if ps is not None and ps.available:
+            x_u, outside = ps.solve(-problem.g)
+            if outside > 1e-8:
+                unconstrained_bound = -math.inf
+                notes.append("g is not in range(H): J is unbounded below without constraints")
+                binding = True
+            else:
+                unconstrained_bound = float(problem.c + 0.5 * problem.g @ x_u)
+                viol = cset.violation(x_u.reshape(shape))
+                binding = bool(viol > feas_tol * max(1.0, float(np.max(np.abs(x_u)))))
+                if not binding:
+                    pinv_distance = float(np.linalg.norm(x - x_u))
+                    if ps.eig is not None:
+                        notes.append("H is singular: -H^+ g is the minimum-norm minimiser; others differ by ker(H)")
+        else:
+            notes.append("pseudo-inverse quantities skipped (H too large for an eigendecomposition)")
+
+    scale = max(abs(objective), 1e-8 * abs(problem.c), np.finfo(float).tiny)
+    return Certificate(
+        objective=objective, infeasibility=infeasibility, fw_gap=float(fw_gap), gap_method=gap_method,
+        lower_bound=float(lower_bound), kkt_residual=kkt, unconstrained_bound=unconstrained_bound,
+        pinv_distance=pinv_distance, binding=binding, scale=float(scale), feas_tol=feas_tol,
+        rel_tol=rel_tol, d_norm=d_norm, constraints=cset.spec, notes=tuple(notes),
+    )
+
+
+def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: np.ndarray,
+                    pseudo: Any, notes: list[str]) -> tuple[float, str]:
+    """Duality gap for unbounded boxes / no constraint (see the module docstring)."""
+    members = cset.members()
+    if isinstance(cset, Unconstrained) or not members:
+        lo = np.full(D.shape, -np.inf)
+        hi = np.full(D.shape, np.inf)
+    elif len(members) == 1 and isinstance(members[0], Box):
+        lo, hi = members[0].bounds(D.shape)
+    else:
+        notes.append(f"{cset.spec} is unbounded along -grad J(d): the Frank-Wolfe gap is infinite; "
+                     "add bounds (e.g. a box) to obtain a finite certificate")
+        return math.inf, "frank-wolfe (unbounded set)"
+    lam_lo = np.where(np.isfinite(lo), np.maximum(grad, 0.0), 0.0)
+    lam_hi = np.where(np.isfinite(hi), np.maximum(-grad, 0.0), 0.0)
+    w = grad - lam_lo + lam_hi
+    comp = float(np.sum(lam_lo * np.where(np.isfinite(lo), D - lo, 0.0))
+                 + np.sum(lam_hi * np.where(np.isfinite(hi), hi - D, 0.0)))
+    if not np.any(w):
+        return comp, "lagrangian duality"
+    ps = pseudo()
+    if ps is None or not ps.available:
+        notes.append("the duality gap needs H^+ w, unavailable for a matvec-only or very large H")
+        return math.inf, "lagrangian duality (unavailable)"
+    wf = w.ravel()
+    y, outside = ps.solve(wf)
+    if outside > 1e-8:
+        notes.append("the unabsorbed gradient is not in range(H): J is unbounded below on this set, "
+                     "or d is far from optimal")
+        return math.inf, "lagrangian duality"
+    return comp + 0.5 * float(wf @ y), "lagrangian duality"
+
+
+def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:
+    """Validate a user-supplied point for :func:`certify` and return it as ``(K, n_atoms)``."""
+    d = np.asarray(d, dtype=np.float64)
+    if d.size != problem.n:
+        raise ValidationError(f"point has {d.size} entries, the problem has {problem.n} ({problem.shape})")
+    return problem.flat(d.reshape(problem.shape)).reshape(problem.shape)

@@ -1,0 +1,59 @@
+"""The solver interface. A solver converts the canonical problem to its own form, solves, and
+returns a :class:`RawResult`; :func:`mergeqp.solvers.registry.solve` times it and certifies
+the answer (the solver's own status is never the verdict)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..constraints import ConstraintSet
+from ..problem import MergeQP
+from ..solution import SolveStatus
+
+
+@dataclass
+class RawResult:
+    """What a solver hands back: ``d`` (``(K, n_atoms)``), its own status, iterations, extras."""
+
+    d: np.ndarray
+    status: SolveStatus
+    iterations: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    setup_seconds: float = 0.0
+
+
+class QPSolver(ABC):
+    """A registered solver. Options are keyword arguments validated by ``check_options``."""
+
+    name: str = ""
+    #: option name -> default; unknown options are an error that lists these
+    defaults: Mapping[str, Any] = {}
+
+    def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        from ..errors import ValidationError
+
+        bad = sorted(set(options) - set(self.defaults))
+        if bad:
+            raise ValidationError(
+                f"{self.name}: unrecognised solver option(s) {bad}; valid options: "
+                f"{', '.join(sorted(self.defaults)) or '(none)'}"
+            )
+        return {**self.defaults, **options}
+
+    def available(self) -> str | None:
+        """``None`` when usable here, else why not (e.g. how to install a missing package)."""
+        return None
+
+    @abstractmethod
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        """``None`` if this solver handles the problem and constraint set, else the reason."""
+
+    @abstractmethod
+    def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
+              **options: Any) -> RawResult:
+        """Solve ``min_{d in C} J(d)``; ``x0`` an optional ``(K, n_atoms)`` warm start."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
@@ -38,6 +38,19 @@ def _as_names(names: Sequence[str] | None, count: int, prefix: str, field_name: 
     return names
 
 
+def as_float_array(value: Any, name: str) -> np.ndarray:
+    """``value`` (array-like, torch tensor, scipy sparse matrix) as a float64 ndarray, or a
+    :class:`ValidationError` naming ``name``."""
+    if hasattr(value, "detach"):  # torch
+        value = value.detach().cpu().numpy()
+    if hasattr(value, "toarray") and hasattr(value, "nnz"):  # scipy.sparse
+        value = value.toarray()
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{name} must be an array of real numbers ({exc})") from None
+
+
 def check_finite(name: str, array: np.ndarray) -> None:
     """Raise :class:`ValidationError` naming ``name`` and the first bad index if not finite."""
     if not np.all(np.isfinite(array)):
@@ -46,6 +59,33 @@ def check_finite(name: str, array: np.ndarray) -> None:
         raise ValidationError(
             f"{name} contains {len(bad)} non-finite value(s) (NaN or inf), first at index {first}"
         )
+
+
+_TILE = 512
+
+
+def _max_asymmetry(H: np.ndarray) -> tuple[float, tuple[int, int]]:
+    """``max |H - H'|`` and where, tile by tile (no ``n x n`` temporaries; cache-friendly)."""
+    n = H.shape[0]
+    worst, where = 0.0, (0, 0)
+    for a in range(0, n, _TILE):
+        for b in range(a, n, _TILE):
+            d = np.abs(H[a:a + _TILE, b:b + _TILE] - H[b:b + _TILE, a:a + _TILE].T)
+            m = float(d.max()) if d.size else 0.0
+            if m > worst:
+                k = np.unravel_index(int(np.argmax(d)), d.shape)
+                worst, where = m, (a + int(k[0]), b + int(k[1]))
+    return worst, where
+
+
+def _symmetrise_in_place(H: np.ndarray) -> None:
+    """``H <- (H + H')/2`` tile by tile."""
+    n = H.shape[0]
+    for a in range(0, n, _TILE):
+        for b in range(a, n, _TILE):
+            avg = 0.5 * (H[a:a + _TILE, b:b + _TILE] + H[b:b + _TILE, a:a + _TILE].T)
+            H[a:a + _TILE, b:b + _TILE] = avg
+            H[b:b + _TILE, a:a + _TILE] = avg.T
 
 
 @dataclass(frozen=True, eq=False)
@@ -89,29 +129,35 @@ class MergeQP:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        g = np.asarray(self.g, dtype=np.float64)
-        if g.ndim == 2 and self.shape is not None and g.shape == tuple(self.shape):
+        for tol_name in ("psd_tol", "sym_tol"):
+            tol = getattr(self, tol_name)
+            if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+                raise ValidationError(f"{tol_name} must be a finite number >= 0, got {tol!r}")
+        shape_in = _as_shape(self.shape)
+        g = np.array(as_float_array(self.g, "g"), copy=True)
+        if g.ndim == 2 and shape_in is not None and g.shape == shape_in:
             g = g.ravel()
         if g.ndim != 1:
-            raise ValidationError(f"g must be a vector of length n, got shape {g.shape}")
+            raise ValidationError(
+                f"g must be a vector of length n = K * n_atoms (or of shape (K, n_atoms) = shape), "
+                f"got shape {g.shape}"
+            )
         n = g.shape[0]
         if n == 0:
             raise ValidationError("g is empty: the problem has no variables")
         check_finite("g", g)
 
-        try:
-            c = float(self.c)
-        except (TypeError, ValueError):
-            raise ValidationError(f"c must be a scalar, got {type(self.c).__name__}") from None
+        c_arr = as_float_array(self.c, "c (a scalar)")
+        if c_arr.size != 1:
+            raise ValidationError(f"c must be a scalar, got an array of shape {c_arr.shape}")
+        c = float(c_arr.reshape(()))
         if not math.isfinite(c):
             raise ValidationError(f"c is not finite ({c})")
 
-        shape = (1, n) if self.shape is None else tuple(int(s) for s in self.shape)
-        if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
-            raise ValidationError(f"shape must be (K, n_atoms) with positive entries, got {shape}")
+        shape = (1, n) if shape_in is None else shape_in
         if shape[0] * shape[1] != n:
             raise ValidationError(
-                f"shape {shape} has {shape[0] * shape[1]} entries but g has length {n}"
+                f"shape {shape} (models x atoms) has {shape[0] * shape[1]} entries but g has length {n}"
             )
 
         H = self.H
@@ -119,23 +165,28 @@ class MergeQP:
             if self.hessian_matvec is None:
                 raise ValidationError("give H (n x n) or hessian_matvec")
         else:
-            H = np.array(H, dtype=np.float64, copy=True)
+            H = np.array(as_float_array(H, "H"), copy=True)
             if H.shape != (n, n):
                 raise ValidationError(f"H must have shape ({n}, {n}) to match g, got {H.shape}")
             check_finite("H", H)
-            scale = float(np.max(np.abs(H))) if H.size else 0.0
-            asym = float(np.max(np.abs(H - H.T))) if H.size else 0.0
+            scale = max(float(H.max()), -float(H.min())) if H.size else 0.0
+            asym, (i, j) = _max_asymmetry(H)
             if asym > self.sym_tol * max(scale, np.finfo(float).tiny):
-                i, j = np.unravel_index(int(np.argmax(np.abs(H - H.T))), H.shape)
                 raise ValidationError(
                     f"H is not symmetric: |H[{i},{j}] - H[{j},{i}]| = {asym:.3g} exceeds "
                     f"sym_tol * max|H| = {self.sym_tol * scale:.3g}"
                 )
-            H = 0.5 * (H + H.T)
+            if asym > 0:
+                _symmetrise_in_place(H)
             H.setflags(write=False)
 
         model_names = _as_names(self.model_names, shape[0], "model", "model_names")
         atom_names = _as_names(self.atom_names, shape[1], "atom", "atom_names")
+
+        if not isinstance(self.metadata, Mapping):
+            raise ValidationError(f"metadata must be a mapping, got {type(self.metadata).__name__}")
+        if H is None and not callable(self.hessian_matvec):
+            raise ValidationError("hessian_matvec must be a callable x (n,) -> H x (n,)")
 
         g.setflags(write=False)
         object.__setattr__(self, "H", H)
@@ -191,12 +242,24 @@ class MergeQP:
         else:
             from scipy.sparse.linalg import ArpackNoConvergence, eigsh
 
+            diag = np.diag(H)
+            lo_diag = float(np.min(diag))
+            if lo_diag < -self.psd_tol * max(abs(top), np.finfo(float).tiny):
+                # lambda_min <= min diag and lambda_max >= max diag: a proof of indefiniteness
+                i = int(np.argmin(diag))
+                raise NotConvexError(
+                    f"H is not positive semidefinite: its diagonal entry H[{i},{i}] = {lo_diag:.6g} "
+                    f"is negative (below -psd_tol * max diag); the merge QP must be convex"
+                )
             try:
                 hi = float(eigsh(H, k=1, which="LA", return_eigenvectors=False, tol=1e-6)[0])
                 lo = float(eigsh(H, k=1, which="SA", return_eigenvectors=False, tol=1e-4,
-                                 maxiter=20 * n)[0])
-            except ArpackNoConvergence:
-                return
+                                 maxiter=20)[0])  # bounded effort: best-effort check
+            except ArpackNoConvergence as exc:
+                found = np.asarray(getattr(exc, "eigenvalues", []), dtype=np.float64)
+                if found.size == 0:
+                    return
+                lo, hi = float(found.min()), max(float(found.max()), top)
         if lo < -self.psd_tol * max(abs(hi), np.finfo(float).tiny):
             raise NotConvexError(
                 f"H is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
@@ -206,7 +269,7 @@ class MergeQP:
     # ------------------------------------------------------------------ algebra
     def flat(self, d: np.ndarray) -> np.ndarray:
         """Validate ``d`` (``(K, n_atoms)`` or ``(n,)``) and return it flattened, float64."""
-        d = np.asarray(d, dtype=np.float64)
+        d = as_float_array(d, "d")
         if d.shape == self.shape:
             d = d.reshape(-1)
         elif d.shape != (self.n,):
@@ -260,14 +323,29 @@ class MergeQP:
         if reference is None:
             ref = self.soup_point().ravel()
         else:
-            ref = np.broadcast_to(np.asarray(reference, dtype=np.float64), self.shape).ravel()
+            ref_arr = as_float_array(reference, "reference")
+            try:
+                ref = np.broadcast_to(ref_arr, self.shape).ravel()
+            except ValueError:
+                raise ValidationError(
+                    f"reference has shape {ref_arr.shape}, which does not broadcast to d's shape "
+                    f"{self.shape} (models x atoms)"
+                ) from None
             check_finite("reference", ref)
         g = self.g - 2.0 * mu * ref
         c = self.c + mu * float(ref @ ref)
         meta = dict(self.metadata)
-        meta["regularisation"] = {"mu": mu, "reference": "soup" if reference is None else "given"}
+        if reference is None:
+            ref_label: Any = "soup"
+        elif np.ndim(reference) == 0:
+            ref_label = float(np.asarray(reference))
+        else:
+            ref_label = "array"
+        meta["regularisation"] = {"mu": mu, "reference": ref_label}
         if self.H is not None:
-            H = self.H + 2.0 * mu * np.eye(self.n)
+            H = np.array(self.H, copy=True)
+            H[np.diag_indices_from(H)] += 2.0 * mu
+            H.setflags(write=False)
             matvec = None
         else:
             base = self.hessian_matvec
@@ -277,11 +355,16 @@ class MergeQP:
             def matvec(x: np.ndarray, _base: Matvec = base, _mu: float = mu) -> np.ndarray:
                 return np.asarray(_base(x)) + 2.0 * _mu * x
 
-        return MergeQP(
-            H=H, g=g, c=c, shape=self.shape, model_names=self.model_names,
-            atom_names=self.atom_names, hessian_matvec=matvec, psd_tol=self.psd_tol,
-            sym_tol=self.sym_tol, psd_check_max_n=self.psd_check_max_n, metadata=meta,
-        )
+        g.setflags(write=False)
+        # H + 2 mu I is symmetric PSD when H is: no need to validate (and factorise) again
+        return self._derived(H=H, g=g, c=c, hessian_matvec=matvec, metadata=MappingProxyType(meta))
+
+    def _derived(self, **changes: Any) -> MergeQP:
+        """A copy with already-validated fields replaced (skips ``__post_init__``)."""
+        new = object.__new__(MergeQP)
+        for f in fields(MergeQP):
+            object.__setattr__(new, f.name, changes.get(f.name, getattr(self, f.name)))
+        return new
 
     def diagonal(self) -> np.ndarray:
         """The diagonal of ``H`` (``(n,)``); with a matvec-only H, computed by n products."""
@@ -291,46 +374,113 @@ class MergeQP:
         return np.array([self.matvec(eye[i])[i] for i in range(self.n)])
 
     # ------------------------------------------------------------------ io
-    def save_npz(self, path: str) -> None:
-        """Write ``H, g, c, shape`` (+ names) to an ``.npz`` file readable by ``mergeqp solve``."""
+    def save_npz(self, path: str, extra: Mapping[str, Any] | None = None) -> None:
+        """Write ``H, g, c, shape`` (+ names, metadata, and ``extra`` arrays such as ``deltas``
+        (K, r, m) and ``parametrisation`` for the ``sign`` constraint) to an ``.npz`` file
+        readable by ``mergeqp solve``."""
         if self.H is None:
             raise ValidationError("cannot save a problem whose H is only a matvec callback")
         import json
 
-        np.savez(
-            path, H=self.H, g=self.g, c=np.float64(self.c), shape=np.array(self.shape),
-            model_names=np.array(self.model_names), atom_names=np.array(self.atom_names),
-            metadata=np.array(json.dumps(dict(self.metadata), default=str)),
-        )
+        arrays: dict[str, Any] = {
+            "H": self.H, "g": self.g, "c": np.float64(self.c), "shape": np.array(self.shape),
+            "model_names": np.array(self.model_names), "atom_names": np.array(self.atom_names),
+            "metadata": np.array(json.dumps(dict(self.metadata), default=str)),
+        }
+        for key, value in (extra or {}).items():
+            if key in arrays:
+                raise ValidationError(f"extra array {key!r} would overwrite the problem's own field")
+            arrays[key] = np.asarray(value)
+        np.savez(path, **arrays)
 
     @classmethod
     def load_npz(cls, path: str) -> MergeQP:
         """Read a problem written by :meth:`save_npz` (or any npz with ``H``, ``g``[, ``c``, ``shape``])."""
-        import json
-        import os
+        return load_problem_file(path)[0]
 
-        if not os.path.exists(path):
-            raise ValidationError(f"problem file not found: {path}")
+
+def _as_shape(shape: Any) -> tuple[int, int] | None:
+    """Validate ``(K, n_atoms)`` (positive integers) or ``None``."""
+    if shape is None:
+        return None
+    try:
+        vals = [float(s) for s in np.asarray(shape).ravel()]
+    except (TypeError, ValueError):
+        raise ValidationError(f"shape must be (K, n_atoms), two positive integers; got {shape!r}") from None
+    if len(vals) != 2 or any(not math.isfinite(v) or v != int(v) or v < 1 for v in vals):
+        raise ValidationError(f"shape must be (K, n_atoms), two positive integers; got {shape!r}")
+    return int(vals[0]), int(vals[1])
+
+
+#: arrays of a problem file that are not part of the QP itself, returned as context
+#: (the ``sign`` constraint needs ``deltas`` (K, r, m) and ``parametrisation``)
+CONTEXT_KEYS = ("deltas", "parametrisation")
+
+
+def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
+    """Read an ``.npz`` problem file: ``H`` (n x n), ``g`` (n), optional ``c`` (scalar),
+    ``shape`` (K, n_atoms), ``model_names``, ``atom_names``, ``metadata`` (JSON string), and
+    the context arrays ``deltas`` / ``parametrisation``. Returns ``(problem, context)``.
+    Every defect is a :class:`ValidationError` naming the file and the array."""
+    import json
+    import os
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise ValidationError(f"problem file not found: {path}")
+    if os.path.isdir(path):
+        raise ValidationError(f"problem file {path} is a directory, not an .npz file")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - report any unreadable file the same way
+        raise ValidationError(f"cannot read problem file {path}: {type(exc).__name__}: {exc}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValidationError(
+            f"{path} holds a single array, not an .npz archive with H, g, c and shape "
+            f"(write one with MergeQP.save_npz or numpy.savez)"
+        )
+
+    def get(key: str) -> np.ndarray:
         try:
-            data = np.load(path, allow_pickle=False)
-        except Exception as exc:  # noqa: BLE001 - report any unreadable file the same way
-            raise ValidationError(f"cannot read problem file {path}: {exc}") from None
+            return data[key]
+        except Exception as exc:  # noqa: BLE001 - object arrays, truncated files, ...
+            raise ValidationError(f"{path}: cannot read array {key!r}: {exc}") from None
+
+    with data:
         missing = [k for k in ("H", "g") if k not in data.files]
         if missing:
             raise ValidationError(
-                f"{path} lacks array(s) {missing}; a problem npz holds H (n x n), g (n), "
-                f"optional c (scalar) and shape (K, n_atoms)"
+                f"{path} lacks array(s) {missing} (it has {sorted(data.files)}); a problem npz holds "
+                f"H (n x n), g (n), optional c (scalar) and shape (K, n_atoms)"
             )
-        shape = tuple(int(s) for s in data["shape"]) if "shape" in data.files else None
-        kwargs: dict[str, Any] = {}
-        if "model_names" in data.files:
-            kwargs["model_names"] = tuple(str(s) for s in data["model_names"])
-        if "atom_names" in data.files:
-            kwargs["atom_names"] = tuple(str(s) for s in data["atom_names"])
+        kwargs: dict[str, Any] = {"H": get("H"), "g": get("g")}
+        if "shape" in data.files:
+            try:
+                kwargs["shape"] = _as_shape(get("shape"))
+            except ValidationError as exc:
+                raise ValidationError(f"{path}: {exc}") from None
+        if "c" in data.files:
+            c = get("c")
+            if c.size != 1:
+                raise ValidationError(f"{path}: c must be a scalar, got an array of shape {c.shape}")
+            kwargs["c"] = c.reshape(())
+        for key in ("model_names", "atom_names"):
+            if key in data.files:
+                kwargs[key] = tuple(str(x) for x in np.atleast_1d(get(key)))
         if "metadata" in data.files:
             try:
-                kwargs["metadata"] = json.loads(str(data["metadata"]))
+                meta = json.loads(str(get("metadata")))
             except json.JSONDecodeError:
-                pass
-        c = float(data["c"]) if "c" in data.files else 0.0
-        return cls(H=data["H"], g=data["g"], c=c, shape=shape, **kwargs)
+                meta = None
+            if isinstance(meta, dict):
+                kwargs["metadata"] = meta
+        context: dict[str, Any] = {}
+        if "deltas" in data.files:
+            context["deltas"] = get("deltas")
+        if "parametrisation" in data.files:
+            context["parametrisation"] = str(get("parametrisation"))
+    try:
+        problem = MergeQP(**kwargs)
+    except ValidationError as exc:
+        raise type(exc)(f"{path}: {exc}") from None
+    return problem, context

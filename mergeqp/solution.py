@@ -91,8 +91,8 @@ class Solution:
         t = self.timings.get("total", float("nan"))
         lines = [
             f"solver {self.solver}: status {self.status.value}, {self.iterations} iterations, {t:.3f} s",
-            f"objective J(d) = {self.objective:.10g}   d: {np.asarray(self.d).shape[0]} models x "
-            f"{np.asarray(self.d).shape[1]} atoms, range [{np.min(self.d):.4g}, {np.max(self.d):.4g}]",
+            (f"objective J(d) = {self.objective:.10g}   d: {np.asarray(self.d).shape[0]} models x "
+             f"{np.asarray(self.d).shape[1]} atoms, range [{np.min(self.d):.4g}, {np.max(self.d):.4g}]"),
             f"constraints: {self.constraints}",
         ]
         if self.certificate is not None:

@@ -49,6 +49,11 @@ class QPSolver(ABC):
         """``None`` when usable here, else why not (e.g. how to install a missing package)."""
         return None
 
+    def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        """Why ``solver="auto"`` should pass over this solver although it supports the problem
+        (e.g. a size beyond which another solver was measured faster); ``None`` to accept."""
+        return None
+
     @abstractmethod
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         """``None`` if this solver handles the problem and constraint set, else the reason."""

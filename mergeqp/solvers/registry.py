@@ -9,11 +9,22 @@ import numpy as np
 
 from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify
 from ..constraints import ConstraintSet, as_constraint_set, check_feasible
-from ..errors import SolverError, UnsupportedError, ValidationError, unknown
+from ..errors import (
+    MergeQPError,
+    SolverError,
+    UnsupportedError,
+    ValidationError,
+    unknown,
+)
 from ..problem import MergeQP
 from ..solution import Solution
+from .active_set import ActiveSetSolver
 from .base import QPSolver
+from .clarabel_solver import ClarabelSolver
 from .closed_form import ClosedFormSolver
+from .cvxpy_solvers import CvxpyClarabelSolver, CvxpyOSQPSolver
+from .osqp_solver import OSQPSolver
+from .torch_solvers import TorchAdamSolver, TorchFISTASolver
 
 SOLVERS: dict[str, QPSolver] = {}
 
@@ -39,11 +50,18 @@ def available_solvers() -> dict[str, str | None]:
 
 
 def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
-    """The ``auto`` dispatch: the first registered solver that is available and supports the
-    problem (registration order encodes the measured preference; see docs/solvers.md)."""
+    """The ``auto`` dispatch: the first registered solver that is available, supports the
+    problem and does not decline it for ``auto`` (registration order encodes the measured
+    preference; the thresholds are in docs/solvers.md):
+
+    unconstrained with explicit H -> ``closed_form``; box / simplex / L1 sets with explicit H
+    and ``n <= ActiveSetSolver.auto_max_n`` -> ``active_set``; sets with a projection and a
+    matrix-vector-only (or larger) H -> ``torch_fista``; other polyhedral sets (sign
+    consensus) -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
+    ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
-        why = s.available() or s.supports(problem, cset)
+        why = s.available() or s.supports(problem, cset) or s.auto_declines(problem, cset)
         if why is None:
             return s
         reasons.append(f"{s.name}: {why}")
@@ -88,9 +106,9 @@ def solve(
     t1 = time.perf_counter()
     try:
         raw = chosen.solve(problem, cset, x0=x0, **options)
-    except (SolverError, ValidationError):
+    except MergeQPError:
         raise
-    except Exception as exc:  # noqa: BLE001 - never leak a raw solver traceback
+    except Exception as exc:
         raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {exc}") from exc
     t2 = time.perf_counter()
     d = np.asarray(raw.d, dtype=np.float64).reshape(problem.shape)
@@ -107,3 +125,10 @@ def solve(
 
 
 register_solver(ClosedFormSolver())
+register_solver(ActiveSetSolver())
+register_solver(TorchFISTASolver())
+register_solver(ClarabelSolver())
+register_solver(CvxpyClarabelSolver())
+register_solver(OSQPSolver())
+register_solver(CvxpyOSQPSolver())
+register_solver(TorchAdamSolver())

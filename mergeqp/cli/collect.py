@@ -1,0 +1,226 @@
+"""``mergeqp collect``: calibration statistics (and the merge QP) from checkpoints and data.
+
+Models come from a Python factory (``package.module:function`` or ``path/to/file.py:function``,
+called with ``--factory-kwargs`` as keyword arguments) into which the state dicts
+(``.safetensors``, or ``.pt``/``.pth``/``.bin`` torch state dicts) are loaded strictly.
+Calibration files hold one task each: ``.pt`` (a tensor of inputs, a tuple ``(inputs,
+labels)``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``) or ``.npz`` (arrays
+``inputs``/``x`` and optional ``labels``/``y``, or a single array).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+from typing import Any
+
+from ..errors import ConfigError, ValidationError
+
+INPUT_KEYS = ("inputs", "x")
+LABEL_KEYS = ("labels", "y")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "collect",
+        help="collect calibration statistics of a merge layer and write the merge QP",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--factory", required=True,
+                   help="model factory: package.module:function or path/to/file.py:function")
+    p.add_argument("--factory-kwargs", default="{}", help="JSON object of keyword arguments")
+    p.add_argument("--base", required=True, help="base model state dict (.safetensors/.pt)")
+    p.add_argument("--finetuned", required=True, nargs="+", help="fine-tuned state dicts (K)")
+    p.add_argument("--names", nargs="+", help="names of the fine-tuned models (default: file stems)")
+    p.add_argument("--layer", required=True, help="name of the nn.Linear merge layer")
+    p.add_argument("--calibration", required=True, nargs="+",
+                   help="calibration data files, one per fine-tuned model, same order (.pt/.npz)")
+    p.add_argument("--targets", choices=("finetuned", "labels"), default="finetuned")
+    p.add_argument("--output-fn", help="module:function selecting the compared output")
+    p.add_argument("--parametrisation", nargs="+", default=["rows", "scalar"],
+                   help="parametrisations to stream (rows, scalar, columns)")
+    p.add_argument("--keep-samples", action="store_true",
+                   help="keep per-sample data (any basis later; memory grows with samples)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--dtype", choices=("float32", "float64"),
+                   help="convert the models to this dtype (default: as loaded)")
+    p.add_argument("--device", default="cpu", help="torch device for the models")
+    p.add_argument("--jacobian-mode", choices=("auto", "reverse", "forward"), default="auto")
+    p.add_argument("--out", required=True, help="statistics file to write (.npz)")
+    p.add_argument("--problem", help="merge QP file to write (default: OUT stem + _problem.npz)")
+    p.add_argument("--problem-parametrisation", default="rows",
+                   help="parametrisation of the written QP (rows, scalar, columns, NAME:P basis)")
+    p.add_argument("--task-weights", help="'mean' or comma-separated weights, one per task")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..stats import collect_statistics
+
+    try:
+        factory_kwargs = json.loads(args.factory_kwargs)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--factory-kwargs is not valid JSON: {exc}") from None
+    if not isinstance(factory_kwargs, dict):
+        raise ConfigError("--factory-kwargs must be a JSON object")
+    for path in [args.base, *args.finetuned, *args.calibration]:
+        if not os.path.exists(path):
+            raise ValidationError(f"file not found: {path}")
+    if len(args.calibration) != len(args.finetuned):
+        raise ValidationError(
+            f"--calibration has {len(args.calibration)} file(s) but --finetuned has "
+            f"{len(args.finetuned)}; give one calibration file per fine-tuned model"
+        )
+    factory = load_callable(args.factory, "--factory")
+    output_fn = load_callable(args.output_fn, "--output-fn") if args.output_fn else None
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    base = build_model(factory, factory_kwargs, args.base, dtype, args.device)
+    fts = [build_model(factory, factory_kwargs, f, dtype, args.device) for f in args.finetuned]
+    names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
+    calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
+    task_weights = parse_task_weights(args.task_weights)
+    stats = collect_statistics(
+        base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
+        parametrisations=args.parametrisation, keep_samples=args.keep_samples,
+        model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
+        progress=not args.quiet,
+    )
+    stats.save(args.out)
+    problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
+    problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
+    problem.save_npz(problem_path)
+    print(stats.summary())
+    print(f"collected in {stats.metadata['seconds']:.2f} s")
+    print(f"statistics -> {args.out}")
+    print(f"merge QP ({args.problem_parametrisation}, n = {problem.n}) -> {problem_path}")
+    return 0
+
+
+def parse_task_weights(spec: str | None) -> Any:
+    if spec is None or spec == "mean":
+        return spec
+    try:
+        return [float(v) for v in spec.split(",")]
+    except ValueError:
+        raise ConfigError(f"--task-weights must be 'mean' or comma-separated numbers, got {spec!r}") from None
+
+
+def load_callable(spec: str, option: str) -> Any:
+    """``package.module:function`` or ``path/to/file.py:function`` -> the callable."""
+    if ":" not in spec:
+        raise ConfigError(f"{option} must look like module:function or file.py:function, got {spec!r}")
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            if not os.path.exists(target):
+                raise ConfigError(f"{option}: file not found: {target}")
+            mod_name = "_mergeqp_user_" + os.path.splitext(os.path.basename(target))[0]
+            spec_obj = importlib.util.spec_from_file_location(mod_name, target)
+            assert spec_obj is not None and spec_obj.loader is not None
+            module = importlib.util.module_from_spec(spec_obj)
+            spec_obj.loader.exec_module(module)
+        else:
+            module = importlib.import_module(target)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report any import failure of user code
+        raise ConfigError(f"{option}: cannot import {target!r}: {type(exc).__name__}: {exc}") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"{option}: {target!r} has no callable {name!r}")
+    return fn
+
+
+def load_state_dict(path: str) -> dict[str, Any]:
+    import torch
+
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            sd = load_file(path)
+        else:
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint
+        raise ValidationError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
+    if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
+        sd = sd["state_dict"]
+    if not isinstance(sd, dict):
+        raise ValidationError(f"{path} does not hold a state dict (got {type(sd).__name__})")
+    return sd
+
+
+def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, device: str) -> Any:
+    import torch
+
+    try:
+        model = factory(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - user code
+        raise ConfigError(f"the model factory failed: {type(exc).__name__}: {exc}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
+    sd = load_state_dict(path)
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as exc:
+        detail = " ".join(str(exc).split())
+        raise ValidationError(f"checkpoint {path} does not fit the factory's model: {detail}") from None
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval()
+
+
+def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
+    """One task's calibration file -> a list of batches (``inputs`` or ``(inputs, labels)``)."""
+    import numpy as np
+    import torch
+
+    if path.endswith(".npz"):
+        with np.load(path, allow_pickle=False) as data:
+            files = list(data.files)
+            key = next((k for k in INPUT_KEYS if k in files), files[0] if len(files) == 1 else None)
+            if key is None:
+                raise ValidationError(
+                    f"{path}: expected an array named {' or '.join(INPUT_KEYS)} (arrays: {files})"
+                )
+            inputs = torch.from_numpy(data[key])
+            lkey = next((k for k in LABEL_KEYS if k in files), None)
+            labels = torch.from_numpy(data[lkey]) if lkey else None
+    else:
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ValidationError(f"cannot read calibration file {path}: {type(exc).__name__}: {exc}") from None
+        labels = None
+        if isinstance(obj, torch.Tensor):
+            inputs = obj
+        elif isinstance(obj, dict):
+            key = next((k for k in INPUT_KEYS if k in obj), None)
+            if key is None:
+                raise ValidationError(f"{path}: expected a key {' or '.join(INPUT_KEYS)} (keys: {list(obj)})")
+            inputs = obj[key]
+            labels = next((obj[k] for k in LABEL_KEYS if k in obj), None)
+        elif isinstance(obj, (tuple, list)) and len(obj) == 2:
+            inputs, labels = obj
+        else:
+            raise ValidationError(f"{path}: expected a tensor, (inputs, labels) or a dict, got {type(obj).__name__}")
+    if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0:
+        raise ValidationError(f"{path}: the inputs must be a tensor with a sample dimension")
+    if inputs.shape[0] == 0:
+        raise ValidationError(f"{path}: the calibration inputs are empty (0 samples)")
+    if labels is not None and len(labels) != inputs.shape[0]:
+        raise ValidationError(f"{path}: {inputs.shape[0]} inputs but {len(labels)} labels")
+    if dtype is not None and inputs.is_floating_point():
+        inputs = inputs.to(dtype)
+    batches = []
+    for start in range(0, int(inputs.shape[0]), batch_size):
+        x = inputs[start:start + batch_size]
+        batches.append(x if labels is None else (x, labels[start:start + batch_size]))
+    return batches

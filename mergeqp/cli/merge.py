@@ -1,0 +1,65 @@
+"""``mergeqp merge CONFIG.yaml --out DIR [--dry-run]``: merge Hugging Face checkpoints from a config.
+
+``--dry-run`` validates the config against its inputs and prints the plan (layers, statistics
+to collect, solver per layer, memory estimate) without loading any weight. Otherwise the merged
+model is written to ``DIR`` (safetensors, config, tokenizer files) with ``DIR/report.json`` and
+``DIR/report.md``. The config format is documented in ``docs/hf.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "merge",
+        help="merge Hugging Face checkpoints as a YAML config says (QP or a baseline)",
+        description=__doc__.split("\n\n")[0],
+    )
+    p.add_argument("config", help="YAML config file (see docs/hf.md)")
+    p.add_argument("--out", help="output folder for the merged model and its report (required unless --dry-run)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the plan; load no weights")
+    p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out folder")
+    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress messages")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..config import load_config
+    from ..errors import ConfigError
+    from ..merge.plan import build_plan
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = load_config(args.config)
+    if not args.dry_run and not args.out:
+        raise ConfigError("--out DIR is required (or pass --dry-run to validate only)")
+    plan = build_plan(cfg)
+    if args.dry_run:
+        if args.json:
+            from ..merge.report import jsonable
+
+            print(json.dumps(jsonable(plan.to_json()), indent=2))
+        else:
+            print(plan.render())
+        return 0
+    from ..merge.pipeline import run_merge
+
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    if not args.quiet:
+        print(plan.render(), file=sys.stderr)
+    result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not args.quiet, log=log, plan=plan)
+    rep = result.report
+    print(f"merged model written to {result.out_dir} ({rep['output']['tensors']} tensors); "
+          f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
+    for layer in rep.get("layers", []):
+        cert = layer["certificate"]
+        print(f"  {layer['layer']}: J {layer['objective_before']:.6g} -> {layer['objective_after']:.6g} "
+              f"(exact {layer['objective_after_exact']:.6g}); fw_gap {cert['fw_gap']}, "
+              f"certified {cert['certified']}; energy {layer['energy_fraction']:.3f}")
+    return 0

@@ -1,0 +1,210 @@
+"""``mergeqp solve`` and ``mergeqp certify``: solve a merge QP stored in an ``.npz`` file, or
+certify a point computed elsewhere.
+
+    mergeqp solve PROBLEM.npz --constraint box:0,1 [--constraint simplex] --solver auto --out sol.json
+    mergeqp certify PROBLEM.npz --point d.npy --constraint box:0,1
+
+The problem file holds ``H`` (n x n), ``g`` (n), optional ``c`` (scalar) and ``shape``
+(K, n_atoms); for ``--constraint sign`` also ``deltas`` (K, r, m) and ``parametrisation``
+(rows | columns | scalar). Several ``--constraint`` options intersect (so does ``a & b``).
+
+Exit codes: 0 when the answer is certified at ``--rel-tol``; 1 when it is not (the reasons are
+printed); 2 for bad input (missing or malformed file, unknown constraint or solver name,
+infeasible constraints), with one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, ValidationError
+
+CONSTRAINT_HELP = ("constraint set, repeatable (intersection): box:LO,HI | simplex[:TOTAL] | "
+                   "global_simplex[:TOTAL] | l1:RADIUS[,CENTER] | nonneg | sign[:DENSITY] | none; "
+                   "default: none")
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``solve`` and ``certify`` subcommands."""
+    p = subparsers.add_parser(
+        "solve", help="solve a merge QP (.npz) and certify the answer",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("problem", metavar="PROBLEM.npz", help="problem file (H, g, c, shape[, deltas])")
+    _common(p)
+    p.add_argument("--solver", default="auto",
+                   help="solver name or 'auto' (default); see mergeqp.available_solvers()")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="solver option, repeatable (e.g. --option max_iter=500); values are "
+                        "Python literals (numbers, True/False) or plain strings")
+    p.add_argument("--out", default=None, metavar="SOL.json",
+                   help="write the solution as JSON (objective, d as K x n_atoms, solver, certificate)")
+    p.add_argument("--save-d", default=None, metavar="D.npy", help="also write d (K x n_atoms) as .npy")
+    p.set_defaults(func=run_solve)
+
+    c = subparsers.add_parser(
+        "certify", help="certify a point d computed elsewhere; exit 0 only if certified",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("problem", metavar="PROBLEM.npz", help="problem file (H, g, c, shape[, deltas])")
+    c.add_argument("--point", required=True, metavar="D",
+                   help="the point: .npy (K x n_atoms or flat), .npz (array 'd'), .json (a "
+                        "'mergeqp solve --out' file or a nested list), or .txt/.csv")
+    _common(c)
+    c.add_argument("--out", default=None, metavar="CERT.json", help="write the certificate as JSON")
+    c.set_defaults(func=run_certify)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--constraint", action="append", default=[], metavar="SPEC", help=CONSTRAINT_HELP)
+    p.add_argument("--rel-tol", type=float, default=1e-6,
+                   help="certified when the gap is at most rel-tol * |J(d)| (default 1e-6)")
+    p.add_argument("--feas-tol", type=float, default=1e-7,
+                   help="largest tolerated constraint violation, times max(1, |d|_inf) (default 1e-7)")
+    p.add_argument("--pinv", action="store_true",
+                   help="always compute the unconstrained bound c - g'H^+g/2 and the distance to "
+                        "-H^+ g (one Cholesky; by default only up to n = 2048)")
+
+
+# ---------------------------------------------------------------------- helpers
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    from ..constraints import parse_constraints
+    from ..problem import load_problem_file
+
+    problem, context = load_problem_file(args.problem)
+    cset = parse_constraints(args.constraint, context)
+    if not (args.rel_tol >= 0 and args.feas_tol >= 0):
+        raise ConfigError(f"--rel-tol and --feas-tol must be >= 0, got {args.rel_tol}, {args.feas_tol}")
+    return problem, cset
+
+
+def _parse_options(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--option {item!r}: expected KEY=VALUE")
+        try:
+            value: Any = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            value = raw.strip()
+        out[key] = value
+    return out
+
+
+def load_point(path: str) -> np.ndarray:
+    """Read a point from ``.npy``, ``.npz`` (array ``d``, or its only array), ``.json`` (a
+    solution written by ``mergeqp solve --out``, ``{"d": ...}`` or a nested list) or text
+    (``.txt`` / ``.csv``, whitespace or comma separated)."""
+    if not os.path.exists(path):
+        raise ValidationError(f"point file not found: {path}")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".json":
+            with open(path, encoding="utf-8") as fh:
+                obj = json.load(fh)
+            value = obj.get("d") if isinstance(obj, dict) else obj
+            if value is None:
+                raise ValidationError(f"point file {path}: the JSON object has no key 'd'")
+            arr = np.asarray(value, dtype=np.float64)
+        elif ext == ".npz":
+            with np.load(path, allow_pickle=False) as data:
+                if "d" in data.files:
+                    arr = data["d"]
+                elif len(data.files) == 1:
+                    arr = data[data.files[0]]
+                else:
+                    raise ValidationError(
+                        f"point file {path} holds {sorted(data.files)}; name the point's array 'd'"
+                    )
+        elif ext in (".txt", ".csv", ".tsv"):
+            arr = np.loadtxt(path, delimiter="," if ext == ".csv" else None, ndmin=1)
+        else:
+            arr = np.load(path, allow_pickle=False)
+            if not isinstance(arr, np.ndarray):
+                raise ValidationError(f"point file {path} is an archive; use the .npz extension")
+    except ValidationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
+        raise ValidationError(f"cannot read point file {path}: {type(exc).__name__}: {exc}") from None
+    return np.asarray(arr)
+
+
+def _write_json(path: str, payload: dict[str, Any], what: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(payload, fh, indent=1)
+            fh.write("\n")
+    except OSError as exc:
+        raise ConfigError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+
+
+def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
+    reasons = "; ".join(cert.reasons(rel_tol)) or "not certified"
+    print(f"mergeqp {command}: NOT CERTIFIED: {reasons}", file=sys.stderr)
+    return 1
+
+
+# ---------------------------------------------------------------------- commands
+def run_solve(args: argparse.Namespace) -> int:
+    """Solve, print the summary and certificate, optionally write JSON; exit 0 iff certified."""
+    from ..certificate import certify
+    from ..solvers.registry import solve
+
+    problem, cset = _load(args)
+    options = _parse_options(args.option)
+    solution = solve(problem, cset, solver=args.solver, rel_tol=args.rel_tol,
+                     feas_tol=args.feas_tol, **options)
+    if args.pinv:
+        cert = certify(problem, cset, solution.d, rel_tol=args.rel_tol, feas_tol=args.feas_tol, pinv=True)
+        solution = dataclasses.replace(solution, certificate=cert)
+    print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
+    print(solution.summary())
+    if args.out:
+        payload = solution.to_dict()
+        payload["problem"] = os.path.abspath(args.problem)
+        payload["constraint_specs"] = list(args.constraint)
+        _write_json(args.out, payload, "solution")
+        print(f"wrote {args.out}")
+    if args.save_d:
+        try:
+            np.save(args.save_d, solution.d)
+        except OSError as exc:
+            raise ConfigError(f"cannot write d to {args.save_d}: {exc.strerror or exc}") from None
+        print(f"wrote {args.save_d}")
+    cert = solution.certificate
+    if cert is None or not cert.certified(args.rel_tol):
+        return _not_certified("solve", cert, args.rel_tol) if cert is not None else 1
+    return 0
+
+
+def run_certify(args: argparse.Namespace) -> int:
+    """Certify ``--point``; print the certificate; exit 0 iff certified."""
+    from ..certificate import certify, check_point_shape
+
+    problem, cset = _load(args)
+    d = check_point_shape(problem, load_point(args.point))
+    cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
+                   pinv=True if args.pinv else None)
+    print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
+          f"point {args.point}")
+    print(cert.explain(args.rel_tol))
+    if args.out:
+        payload = cert.to_dict()
+        payload["certified"] = cert.certified(args.rel_tol)
+        payload["problem"] = os.path.abspath(args.problem)
+        payload["point"] = os.path.abspath(args.point)
+        _write_json(args.out, payload, "certificate")
+        print(f"wrote {args.out}")
+    if not cert.certified(args.rel_tol):
+        return _not_certified("certify", cert, args.rel_tol)
+    return 0

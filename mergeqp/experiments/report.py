@@ -1,0 +1,213 @@
+"""Markdown report of an MNIST results dict (what ``report.md`` holds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .claims import claims_table
+
+
+def _f(x: Any, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    if isinstance(x, (int, np.integer)):
+        return str(x)
+    x = float(x)
+    if x != 0 and (abs(x) >= 1e5 or abs(x) < 1e-3):
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def command_line(results: dict[str, Any]) -> str:
+    parts = ["mergeqp experiment mnist"]
+    if results.get("mode") == "quick":
+        parts.append("--quick")
+    if results["data"]["source"] and not results["data"]["source"].endswith(".csv.gz"):
+        parts.append(f"--idx-dir {results['data']['source']}")
+    parts.append(f"--seed {results['seed']}")
+    if results.get("finetune", "layer2") != "layer2":
+        parts.append(f"--finetune {results['finetune']}")
+    parts.append("--out DIR")
+    return " ".join(parts)
+
+
+def _with_references(results: dict[str, Any]) -> dict[str, Any]:
+    out = dict(results["methods"])
+    out.update({f"{k} (reference)": v for k, v in results.get("references", {}).items()})
+    return out
+
+
+def methods_table(results: dict[str, Any]) -> str:
+    rows = []
+    for name, m in _with_references(results).items():
+        cal = m.get("calibration", {})
+        rows.append([
+            f"**{name}**" if name.startswith("qp") else name,
+            _f(m["average"]["mse"]), _f(m["average"]["accuracy"]), _f(m["average"]["cross_entropy"]),
+            _f(cal.get("linearised"), 6), _f(cal.get("true"), 6),
+        ])
+    return _table(["method", "test MSE", "test accuracy", "test cross-entropy",
+                   "calibration J(d) (linearised)", "calibration true error"], rows)
+
+
+def per_task_table(results: dict[str, Any], metric: str) -> str:
+    tasks = list(results["methods"]["qp"]["tasks"])
+    rows = []
+    for name, m in _with_references(results).items():
+        rows.append([name] + [_f(m["tasks"][t][metric]) for t in tasks] + [_f(m["average"][metric])])
+    return _table(["method"] + tasks + ["average"], rows)
+
+
+def geometry_table(results: dict[str, Any]) -> str:
+    geo = results["geometry"]
+    rows = []
+    for p in geo["p"]:
+        row = [str(p)]
+        for b in geo["bases"]:
+            pts = [q for q in geo["points"] if q["p"] == p and q["basis"] == b]
+            if not pts:
+                row.append("-")
+                continue
+            e = np.mean([q["energy_fraction"] for q in pts])
+            mse = np.mean([q["mse"] for q in pts])
+            suffix = f" (mean of {len(pts)})" if len(pts) > 1 else ""
+            row.append(f"{e:.3f} / {mse:.4g}{suffix}")
+        rows.append(row)
+    return _table(["p"] + [f"{b}: energy / MSE" for b in geo["bases"]], rows)
+
+
+def trust_region_table(results: dict[str, Any]) -> str:
+    rows = []
+    for s in results["qp_tr"]["steps"]:
+        rows.append([str(s["iteration"]), _f(s["delta"], 3), _f(s["true_before"], 7), _f(s["predicted"], 4),
+                     _f(s["true_after"], 7), _f(s["rho"], 3), "yes" if s["accepted"] else "no",
+                     _f(s["fw_gap"], 3), "yes" if s["certified"] else "no"])
+    return _table(["QP", "Delta", "F(d_t)", "predicted decrease", "F(d_new)", "rho", "accepted",
+                   "FW gap", "certified"], rows)
+
+
+def render_report(results: dict[str, Any]) -> str:
+    d = results["data"]
+    claims = results["claims"]
+    n_pass = sum(c["passed"] for c in claims)
+    lines = [
+        "# MNIST merge experiment",
+        "",
+        (
+            f"Command: `{command_line(results)}` ({results['mode']} mode). Data: `{d['source']}` "
+            f"({d['n_classes']} classes, {d['n_features']} pixels)."
+        ),
+        "",
+        (
+            f"Base MLP 784-256-128-10 trained on every task's training digits; one copy fine-tuned per "
+            f"task with **{'only layer2 (weight and bias)' if results['finetune'] == 'layer2' else 'every layer'}** "
+            f"trainable (tensors changed: {', '.join(results['training']['changed_tensors'])}). "
+            f"Merge at `{results['layer']}` (rows parametrisation, d is {results['problem']['shape'][0]} x "
+            f"{results['problem']['shape'][1]}, box [0, 1]); other layers come from the base."
+        ),
+        "",
+        (
+            "Samples per task (train / calibration / test): "
+            + ", ".join(f"{t}: {v['train']}/{v['calibration']}/{v['test']}" for t, v in d["tasks"].items()) + "."
+        ),
+        "",
+        f"## Claims: {n_pass}/{len(claims)} pass (as measured)",
+        "",
+        _table(["claim", "result", "value", "statement", "detail"],
+               [[c["id"], "PASS" if c["passed"] else "**FAIL**", str(c["value"]), c["statement"], c["detail"]]
+                for c in claims]),
+        "",
+        "## Methods (held-out test averages over tasks; calibration sums over all calibration samples)",
+        "",
+        (
+            "MSE: logits against the task's fine-tuned model. `J(d)` is the QP objective linearised at "
+            "the base (for points of the QP); the true error is the same sum of squares for the merged "
+            "nonlinear model, so their difference is the linearisation error. `finetuned (reference)` "
+            "evaluates each task with its own fine-tuned model (not a merge)."
+        ),
+        "",
+        methods_table(results),
+        "",
+        "### Per-task MSE",
+        "",
+        per_task_table(results, "mse"),
+        "",
+        "### Per-task accuracy",
+        "",
+        per_task_table(results, "accuracy"),
+        "",
+        "## Solvers",
+        "",
+    ]
+    s = results["solvers"]
+    lines += [
+        (
+            f"- exact QP: `{s['qp']['solver']}`, J = {s['qp']['objective']:.10g}, certified: "
+            f"{_f(s['qp']['certified'])} (Frank-Wolfe gap <= {_f(s['qp']['fw_gap'], 3)}), {_f(s['qp']['seconds'], 3)} s"
+        ),
+        (
+            f"- the paper's Adam (lr {s['qp_adam']['lr']}, {s['qp_adam']['steps']} steps from the soup, clamped): "
+            f"J = {s['qp_adam']['objective']:.10g}, certified: {_f(s['qp_adam']['certified'])} "
+            f"(gap <= {_f(s['qp_adam']['fw_gap'], 3)})"
+        ),
+        (
+            f"- J(0) = tr(S) = {_f(results['problem']['total_energy'], 7)}; unconstrained lower bound "
+            f"c - g'H^+g/2 = {_f(results['problem']['unconstrained_bound'], 7)}"
+        ),
+        "",
+        "## qp_tr: trust-region QPs re-linearised at the merged model",
+        "",
+        (
+            f"{results['qp_tr']['n_qps']} QPs, {results['qp_tr']['n_accepted']} accepted, every subproblem "
+            f"certified: {_f(results['qp_tr']['all_certified'])}; stop: {results['qp_tr']['stop_reason']}. "
+            f"F is the true calibration error."
+        ),
+        "",
+        trust_region_table(results),
+        "",
+        "## Geometry: captured energy vs MSE",
+        "",
+        (
+            f"Box [0, 1] QPs in each basis; energy fraction tr(SP)/tr(S) on the calibration set "
+            f"(per-sample Jacobians), MSE on the held-out test set. Random bases: seeds "
+            f"{results['geometry']['random_seeds']}."
+        ),
+        "",
+        geometry_table(results),
+        "",
+    ]
+    if results.get("figures"):
+        lines += ["## Figures", ""]
+        for name, file in results["figures"].items():
+            lines += [f"![{name}]({file})", ""]
+    t = results.get("timings", {})
+    lines += ["## Timings (seconds)", "",
+              ", ".join(f"{k} {v:.1f}" for k, v in t.items()) + f"; torch threads {results['environment']['threads']}.",
+              ""]
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, Any], path: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(render_report(results))
+
+
+def console_summary(results: dict[str, Any]) -> str:
+    """What the CLI prints: a method table and the claims table."""
+    rows = [f"{'method':22s} {'test MSE':>10s} {'accuracy':>9s} {'J(d) cal':>12s} {'true cal':>12s}"]
+    for name, m in _with_references(results).items():
+        cal = m.get("calibration", {})
+        lin = cal.get("linearised")
+        rows.append(f"{name:22s} {m['average']['mse']:10.4f} {m['average']['accuracy']:9.4f} "
+                    f"{'-' if lin is None else f'{lin:.6g}':>12s} {cal.get('true', float('nan')):12.6g}")
+    return "\n".join(rows) + "\n\n" + claims_table(results["claims"])

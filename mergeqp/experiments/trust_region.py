@@ -1,0 +1,390 @@
+"""``qp_tr``: sequential convex QPs with a trust region, for merges where the first-order
+linearisation at the base model stops being accurate (e.g. a ReLU after the merge layer).
+
+The merge QP ``J(d)`` linearises the model at the *base* weights. Its optimum can lie where the
+linearisation is poor: its linearised objective falls while the merged model's true error
+does not. :func:`sequential_trust_region` instead minimises the true objective ``F(d)`` (the
+calibration squared error of the merged nonlinear model) by a sequence of QPs:
+
+1. at the current point ``d_t``, build the QP ``J_t`` linearised at the merged model ``d_t``
+   (residual directions ``delta_k = W_k - W_base`` and targets unchanged, so ``J_t(d_t) =
+   F(d_t)`` and ``grad J_t(d_t) = grad F(d_t)``);
+2. solve ``min J_t(d) (+ ridge ||d - d_ref||^2)`` over ``C intersect {||d - d_t||_inf <=
+   Delta}`` (for a box ``C`` this is again a box) and certify the solution like any other QP;
+3. ``rho = (F(d_t) - F(d_new)) / (J_t(d_t) - J_t(d_new))`` (true over predicted decrease);
+   accept ``d_new`` when ``rho > accept``; double ``Delta`` when ``rho > expand_above`` and the
+   step reached the trust-region boundary, halve it when ``rho < shrink_below``;
+4. stop after ``max_qps`` QP solves, when the predicted decrease is below ``tol * F(d_t)``,
+   or when ``Delta < delta_min``.
+
+Every accepted step lowers ``F``: the result is never worse than the start (the soup by
+default) on the calibration objective.
+
+:func:`trust_region_merge` applies this to PyTorch models at one ``nn.Linear`` layer through
+:func:`mergeqp.stats.collect_statistics` (``reference_model=base`` keeps the original deltas,
+``targets="finetuned"`` the original targets, ``problem(offset=d_t)`` expresses the QP in
+absolute ``d``). The loop itself only needs two callables, so other producers of linearised
+QPs (multi-layer, Hugging Face) can reuse it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..constraints import Box, Intersection, Unconstrained, as_constraint_set
+from ..errors import ValidationError
+from ..problem import MergeQP
+
+
+@dataclass(frozen=True)
+class TrustRegionConfig:
+    """Settings of :func:`sequential_trust_region` (defaults = the prototype in issue 5).
+
+    ``delta0``: initial trust-region radius (units of ``d``, infinity norm); ``max_qps``: QP
+    solves in all (accepted or not); ``accept``: smallest ``rho`` for accepting a step;
+    ``expand_above`` / ``shrink_below``: ``rho`` thresholds for multiplying ``Delta`` by
+    ``expand`` / ``shrink``; ``delta_min`` / ``delta_max``: radius limits; ``tol``: stop when
+    the predicted decrease is below ``tol * F(d_t)``; ``ridge``: weight ``mu >= 0`` of a
+    proximal term ``mu ||d - ridge_reference||^2`` added to both the QPs and the true objective
+    (``ridge_reference`` ``None``: the soup ``1/K``).
+    """
+
+    delta0: float = 0.1
+    max_qps: int = 12
+    accept: float = 0.1
+    expand_above: float = 0.75
+    shrink_below: float = 0.25
+    expand: float = 2.0
+    shrink: float = 0.5
+    delta_min: float = 1e-4
+    delta_max: float = 1.0
+    tol: float = 1e-9
+    ridge: float = 0.0
+    ridge_reference: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "delta0": self.delta0 > 0, "max_qps": self.max_qps >= 1,
+            "accept": 0 <= self.accept < 1,
+            "expand_above": self.accept <= self.expand_above,
+            "shrink_below": 0 <= self.shrink_below <= self.expand_above,
+            "expand": self.expand >= 1, "shrink": 0 < self.shrink < 1,
+            "delta_min": self.delta_min > 0, "delta_max": self.delta_max >= self.delta_min,
+            "tol": self.tol >= 0, "ridge": self.ridge >= 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValidationError(
+                f"invalid trust-region setting(s) {', '.join(bad)} in {asdict(self)}: need delta0 > 0, "
+                f"max_qps >= 1, 0 <= accept <= expand_above, 0 <= shrink_below <= expand_above, "
+                f"expand >= 1, 0 < shrink < 1, 0 < delta_min <= delta_max, tol >= 0, ridge >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class TrustRegionStep:
+    """One QP solve: radius ``delta``, objective at the current point ``true_before``, the QP's
+    ``predicted`` decrease, the true objective at its solution ``true_after``, their ratio
+    ``rho``, whether it was ``accepted``, the step's infinity norm, and the subproblem's
+    certificate (``fw_gap``, ``certified``) and solver."""
+
+    iteration: int
+    delta: float
+    true_before: float
+    predicted: float
+    true_after: float
+    rho: float
+    accepted: bool
+    step_norm: float
+    fw_gap: float
+    certified: bool
+    solver: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True, eq=False)
+class TrustRegionResult:
+    """Final point ``d`` (``(K, n_atoms)``), its true objective, the start's, the steps taken,
+    and whether every subproblem was certified."""
+
+    d: np.ndarray
+    objective: float
+    start_objective: float
+    steps: tuple[TrustRegionStep, ...]
+    stop_reason: str
+    seconds: float
+    config: TrustRegionConfig
+    last_problem: MergeQP | None = field(default=None, repr=False)
+
+    @property
+    def n_qps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    @property
+    def all_certified(self) -> bool:
+        return all(s.certified for s in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "objective": self.objective, "start_objective": self.start_objective,
+            "n_qps": self.n_qps, "n_accepted": self.n_accepted,
+            "all_certified": self.all_certified, "stop_reason": self.stop_reason,
+            "seconds": self.seconds, "config": asdict(self.config),
+            "steps": [s.to_dict() for s in self.steps],
+        }
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def trust_region_set(constraints: Any, center: np.ndarray, delta: float) -> Any:
+    """``C intersect {||d - center||_inf <= delta}``: one :class:`Box` when ``C`` is a box (or
+    no constraint), else an :class:`Intersection`. Raises :class:`ValidationError` if ``center``
+    violates a box (the trust region would be empty)."""
+    cset = as_constraint_set(constraints)
+    lo_t, hi_t = center - delta, center + delta
+    if isinstance(cset, (Box, Unconstrained)):
+        if isinstance(cset, Box):
+            lo, hi = cset.bounds(center.shape)
+            lo_t, hi_t = np.maximum(lo, lo_t), np.minimum(hi, hi_t)
+        if np.any(lo_t > hi_t):
+            raise ValidationError("the current point lies outside the box constraints")
+        return Box(lo_t, hi_t)
+    return Intersection([cset, Box(lo_t, hi_t)])
+
+
+def sequential_trust_region(
+    linearise: Callable[[np.ndarray], MergeQP],
+    true_objective: Callable[[np.ndarray], float],
+    constraints: Any,
+    d0: np.ndarray,
+    config: TrustRegionConfig | None = None,
+    *,
+    solver: str = "auto",
+    solver_options: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> TrustRegionResult:
+    """Minimise ``true_objective`` over ``constraints`` by trust-region QPs (module docstring).
+
+    ``linearise(d)``: the QP linearised at the point ``d`` (``(K, n_atoms)``), in absolute ``d``
+    (its value at ``d`` should equal ``true_objective(d)``); ``true_objective(d)``: the true
+    objective (float). ``d0`` must be feasible. Each subproblem is solved with
+    :func:`mergeqp.solve` (``solver``, ``solver_options``) and certified.
+    """
+    from tqdm.auto import tqdm
+
+    from ..solvers.registry import solve
+
+    cfg = config or TrustRegionConfig()
+    cset = as_constraint_set(constraints)
+    d = np.array(d0, dtype=np.float64)
+    viol = cset.violation(d)
+    if viol > 1e-9 * max(1.0, float(np.max(np.abs(d)))):
+        raise ValidationError(f"the trust-region start d0 violates the constraints by {viol:.3g}")
+    ref = None
+    if cfg.ridge > 0:
+        ref = np.full(d.shape, 1.0 / d.shape[0] if cfg.ridge_reference is None else cfg.ridge_reference)
+
+    def merit(x: np.ndarray) -> float:
+        value = float(true_objective(x))
+        if ref is not None:
+            value += cfg.ridge * float(np.sum((x - ref) ** 2))
+        return value
+
+    t_start = time.perf_counter()
+    f_d = merit(d)
+    start = f_d
+    delta = min(cfg.delta0, cfg.delta_max)
+    steps: list[TrustRegionStep] = []
+    problem: MergeQP | None = None
+    stop = f"max_qps ({cfg.max_qps}) reached"
+    bar = tqdm(total=cfg.max_qps, desc="qp_tr", unit="QP", disable=not progress, leave=False)
+    try:
+        while len(steps) < cfg.max_qps:
+            t0 = time.perf_counter()
+            if problem is None:
+                problem = linearise(d)
+                if problem.shape != d.shape:
+                    raise ValidationError(
+                        f"linearise() returned a problem of shape {problem.shape}, expected {d.shape}"
+                    )
+                if ref is not None:
+                    problem = problem.regularised(cfg.ridge, ref)
+            region = trust_region_set(cset, d, delta)
+            sol = solve(problem, region, solver=solver, x0=np.clip(d, *_box_bounds(region, d)),
+                        **dict(solver_options or {}))
+            d_new = sol.d
+            model_now = problem.objective(d)
+            predicted = model_now - problem.objective(d_new)
+            cert = sol.certificate
+            if not predicted > cfg.tol * max(abs(f_d), 1e-30):
+                steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_d, float("nan"),
+                                             False, 0.0, float(cert.fw_gap), bool(cert.certified()),
+                                             sol.solver, time.perf_counter() - t0))
+                stop = "predicted decrease below tol (stationary within the trust region)"
+                bar.update(1)
+                break
+            f_new = merit(d_new)
+            rho = (f_d - f_new) / predicted
+            accepted = bool(rho > cfg.accept)
+            step_norm = float(np.max(np.abs(d_new - d)))
+            steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_new, float(rho),
+                                         accepted, step_norm, float(cert.fw_gap),
+                                         bool(cert.certified()), sol.solver, time.perf_counter() - t0))
+            bar.update(1)
+            bar.set_postfix(F=f"{f_d:.5g}", rho=f"{rho:.2f}", delta=f"{delta:.3g}")
+            on_boundary = step_norm >= delta * (1 - 1e-6)
+            if rho < cfg.shrink_below:
+                delta *= cfg.shrink
+            elif rho > cfg.expand_above and on_boundary:
+                delta = min(delta * cfg.expand, cfg.delta_max)
+            if accepted:
+                d, f_d = d_new, f_new
+                problem = None
+            if delta < cfg.delta_min:
+                stop = f"trust-region radius below delta_min ({cfg.delta_min:g})"
+                break
+    finally:
+        bar.close()
+    return TrustRegionResult(d=d, objective=f_d, start_objective=start, steps=tuple(steps),
+                             stop_reason=stop, seconds=time.perf_counter() - t_start, config=cfg,
+                             last_problem=problem)
+
+
+def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if isinstance(region, Box):
+        return region.bounds(d.shape)
+    return np.full(d.shape, -np.inf), np.full(d.shape, np.inf)
+
+
+# ---------------------------------------------------------------------------- models
+def calibration_targets(finetuned_models: Sequence[Any], calibration: Sequence[Any],
+                        output_fn: Callable[..., Any] | None = None, batch_size: int = 256) -> list[list[Any]]:
+    """Per task, per batch: the task's fine-tuned model's compared output (``(B, c)`` float64).
+
+    ``calibration`` as for :func:`mergeqp.stats.collect_statistics` (K sets; each must be
+    re-iterable: a tensor or a list of batches)."""
+    import torch
+
+    from ..stats.data import call_model, iterate_batches, split_batch
+    from ..stats.linearise import flatten_output, resolve_output_fn
+
+    out_fn = resolve_output_fn(output_fn)
+    targets = []
+    for t, (model, source) in enumerate(zip(finetuned_models, calibration)):
+        per_batch = []
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i, batch in enumerate(iterate_batches(source, batch_size, f"task {t}")):
+                    inputs, _ = split_batch(batch, f"task {t} batch {i}")
+                    out = out_fn(call_model(model, inputs), t)
+                    per_batch.append(flatten_output(out, out.shape[0], f"task {t}").to(torch.float64))
+        finally:
+            model.train(was_training)
+        targets.append(per_batch)
+    return targets
+
+
+def calibration_error(model: Any, calibration: Sequence[Any], targets: Sequence[Sequence[Any]],
+                      output_fn: Callable[..., Any] | None = None, task_weights: Sequence[float] | None = None,
+                      batch_size: int = 256) -> float:
+    """``sum_t w_t sum_j ||h(x_j) - y_j||^2``: the true (nonlinear) calibration objective of
+    ``model`` against ``targets`` (from :func:`calibration_targets`), in the units of ``J``."""
+    import torch
+
+    from ..stats.data import call_model, iterate_batches, split_batch
+    from ..stats.linearise import flatten_output, resolve_output_fn
+
+    out_fn = resolve_output_fn(output_fn)
+    w = [1.0] * len(targets) if task_weights is None else [float(x) for x in task_weights]
+    total = 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for t, source in enumerate(calibration):
+                for i, batch in enumerate(iterate_batches(source, batch_size, f"task {t}")):
+                    inputs, _ = split_batch(batch, f"task {t} batch {i}")
+                    out = out_fn(call_model(model, inputs), t)
+                    h = flatten_output(out, out.shape[0], f"task {t}").to(torch.float64)
+                    total += w[t] * float(((h - targets[t][i]) ** 2).sum())
+    finally:
+        model.train(was_training)
+    return total
+
+
+def trust_region_merge(
+    base_model: Any,
+    finetuned_models: Sequence[Any],
+    layer: str,
+    calibration: Sequence[Any],
+    *,
+    parametrisation: Any = "rows",
+    constraints: Any = None,
+    d0: np.ndarray | None = None,
+    config: TrustRegionConfig | None = None,
+    output_fn: Callable[..., Any] | None = None,
+    task_weights: Sequence[float] | None = None,
+    solver: str = "auto",
+    batch_size: int = 256,
+    progress: bool = True,
+) -> TrustRegionResult:
+    """``qp_tr`` on PyTorch models: trust-region QPs at ``layer`` (module docstring).
+
+    ``parametrisation``: ``rows`` (default), ``scalar``, ``columns`` or a basis (``(r, p)``
+    array or :class:`~mergeqp.stats.Basis`); ``constraints``: default ``Box(0, 1)``; ``d0``:
+    default the soup ``1/K``; ``task_weights``: one weight per task (default 1, the plain sum).
+    The true objective is the calibration squared error of the merged model against the
+    fine-tuned models' outputs (``output_fn`` selects the compared output). Inputs are
+    untouched; apply ``result.d`` with :func:`mergeqp.apply_merge`.
+    """
+    from ..stats import apply_merge, collect_statistics
+    from ..stats.parametrisation import as_parametrisation
+
+    finetuned_models = list(finetuned_models)
+    K = len(finetuned_models)
+    if len(calibration) != K:
+        raise ValidationError(f"calibration has {len(calibration)} sets for {K} fine-tuned models")
+    cset = as_constraint_set(Box(0.0, 1.0) if constraints is None else constraints)
+    param = as_parametrisation(parametrisation)
+    targets = calibration_targets(finetuned_models, calibration, output_fn, batch_size)
+
+    def model_at(d: np.ndarray) -> Any:
+        return apply_merge(base_model, finetuned_models, layer, d, param)
+
+    def linearise(d: np.ndarray) -> MergeQP:
+        stats = collect_statistics(
+            model_at(d), finetuned_models, layer, calibration, targets="finetuned",
+            output_fn=output_fn, parametrisations=[param], reference_model=base_model,
+            batch_size=batch_size, progress=False,
+        )
+        return stats.problem(param, task_weights=task_weights, offset=d)
+
+    def true_objective(d: np.ndarray) -> float:
+        return calibration_error(model_at(d), calibration, targets, output_fn, task_weights, batch_size)
+
+    if d0 is None:
+        from ..stats.apply import layer_deltas
+
+        _, deltas, _ = layer_deltas(base_model, finetuned_models, layer)
+        d0 = np.full((K, param.n_atoms(deltas.shape[1], deltas.shape[2])), 1.0 / K)
+    return sequential_trust_region(linearise, true_objective, cset, np.asarray(d0, dtype=np.float64),
+                                   config, solver=solver, progress=progress)

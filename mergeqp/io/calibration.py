@@ -1,0 +1,203 @@
+"""Calibration data for Hugging Face models: prompt files -> tokenised batches.
+
+Prompt files (one per task):
+
+- ``.txt``: one prompt per non-empty line (surrounding whitespace stripped);
+- ``.jsonl``: one JSON object per non-empty line; the prompt is the object's ``field``
+  (default ``"text"``); a line that is a bare JSON string is used as is;
+- ``.json``: a list of strings, or of objects holding ``field``;
+- ``.safetensors`` / ``.pt``: not prompts but ready model inputs, a dict of tensors sharing
+  their first (sample) dimension, e.g. ``{"pixel_values": (N, C, H, W)}`` for a ViT.
+
+Prompts are split into calibration and held-out prompts with a seeded permutation
+(:func:`split_holdout`) and tokenised with the base model's tokenizer, right-padded per batch
+(:func:`tokenize_batches`); the attention mask marks the real tokens, and only those positions
+enter the statistics and the evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ValidationError
+
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of model inputs: ``inputs`` (keyword arguments of the model's forward, e.g.
+    ``input_ids`` and ``attention_mask`` of shape ``(B, T)``), and ``mask`` (``(B, T)`` of 0/1,
+    the positions compared, or ``None`` when every position / the whole output counts)."""
+
+    inputs: dict[str, Any]
+    mask: Any = None
+
+    @property
+    def size(self) -> int:
+        first = next(iter(self.inputs.values()))
+        return int(first.shape[0])
+
+    def to(self, device: Any) -> Batch:
+        return Batch({k: v.to(device) for k, v in self.inputs.items()},
+                     None if self.mask is None else self.mask.to(device))
+
+
+def read_prompts(path: str | Path, field: str = "text", max_prompts: int | None = None) -> list[str]:
+    """Read the prompts of a ``.txt`` / ``.jsonl`` / ``.json`` file (see the module docstring)."""
+    p = Path(path)
+    if p.suffix not in TEXT_SUFFIXES:
+        raise ValidationError(f"{p}: prompt files are {', '.join(TEXT_SUFFIXES)}; got {p.suffix!r}")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"cannot read prompt file {p}: {exc}") from None
+    prompts: list[str] = []
+    if p.suffix == ".txt":
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    elif p.suffix == ".jsonl":
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(f"{p}:{number}: not JSON ({exc.msg})") from None
+            prompts.append(_prompt_of(obj, field, f"{p}:{number}"))
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"{p}: not JSON ({exc.msg})") from None
+        if not isinstance(data, list):
+            raise ValidationError(f"{p}: a .json prompt file holds a list of strings or objects")
+        prompts = [_prompt_of(obj, field, f"{p}[{i}]") for i, obj in enumerate(data)]
+    prompts = [x for x in prompts if x.strip()]
+    if max_prompts is not None:
+        prompts = prompts[:max_prompts]
+    if not prompts:
+        raise ValidationError(f"{p}: no prompts found")
+    return prompts
+
+
+def _prompt_of(obj: Any, field: str, where: str) -> str:
+    if isinstance(obj, str):
+        return obj
+    if isinstance(obj, dict):
+        if field not in obj:
+            raise ValidationError(f"{where}: object has no field {field!r} (fields: {sorted(obj)})")
+        value = obj[field]
+        if not isinstance(value, str):
+            raise ValidationError(f"{where}: field {field!r} is {type(value).__name__}, not a string")
+        return value
+    raise ValidationError(f"{where}: expected a string or an object, got {type(obj).__name__}")
+
+
+def holdout_count(n: int, holdout: float) -> int:
+    """How many of ``n`` items a holdout spec (count, or fraction in (0, 1)) keeps aside.
+    At least one item is always left for calibration."""
+    if isinstance(holdout, float) and not float(holdout).is_integer():
+        count = math.floor(holdout * n)
+    else:
+        count = int(holdout)
+    return max(0, min(count, n - 1))
+
+
+def split_holdout(items: Sequence[Any], holdout: float, seed: int) -> tuple[list[Any], list[Any]]:
+    """``(calibration, held_out)``: a seeded permutation; ``held_out`` gets
+    :func:`holdout_count` items, both keep the file order among themselves."""
+    import numpy as np
+
+    n = len(items)
+    count = holdout_count(n, holdout)
+    order = np.random.default_rng(seed).permutation(n)
+    held = {int(i) for i in order[:count]}
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+def load_tokenizer(folder: str | Path) -> Any:
+    """``AutoTokenizer`` of a model folder, with a pad token (eos or unk when it has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - a missing / broken tokenizer, reported by name
+        raise ValidationError(f"cannot load a tokenizer from {folder}: {type(exc).__name__}: {exc}") from None
+    if tok.pad_token is None:
+        fallback = tok.eos_token or tok.unk_token
+        if fallback is None:
+            raise ValidationError(f"tokenizer of {folder} has no pad, eos or unk token to pad batches with")
+        tok.pad_token = fallback
+    tok.padding_side = "right"
+    return tok
+
+
+def tokenize_batches(tokenizer: Any, prompts: Sequence[str], max_length: int, batch_size: int) -> list[Batch]:
+    """Tokenise ``prompts`` (truncated to ``max_length`` tokens) into right-padded batches of
+    ``batch_size``; each :class:`Batch` holds ``input_ids``, ``attention_mask`` (``(B, T)``,
+    int64) and uses the attention mask as its comparison mask."""
+    import torch
+
+    batches = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = list(prompts[start:start + batch_size])
+        enc = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        ids = enc["input_ids"].to(torch.int64)
+        mask = enc["attention_mask"].to(torch.int64)
+        empty = [chunk[i] for i in range(len(chunk)) if int(mask[i].sum()) == 0]
+        if empty:
+            raise ValidationError(f"prompt(s) tokenise to nothing: {empty[:3]}")
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        if "token_type_ids" in enc:
+            inputs["token_type_ids"] = enc["token_type_ids"].to(torch.int64)
+        batches.append(Batch(inputs, mask))
+    return batches
+
+
+def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
+    """A dict of model-input tensors sharing the first dimension (``.safetensors`` / ``.pt``)."""
+    import torch
+
+    p = Path(path)
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            data = load_file(str(p))
+        except Exception as exc:  # noqa: BLE001
+            raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
+    else:
+        try:
+            data = torch.load(str(p), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001
+            raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
+    if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
+        raise ValidationError(f"{p}: expected a dict of model-input tensors, e.g. {{'pixel_values': (N, C, H, W)}}")
+    sizes = {k: int(v.shape[0]) for k, v in data.items()}
+    if len(set(sizes.values())) != 1:
+        raise ValidationError(f"{p}: input tensors disagree on the number of samples: {sizes}")
+    return dict(data)
+
+
+def tensor_batches(data: dict[str, Any], indices: Sequence[int], batch_size: int) -> list[Batch]:
+    """Slice ready model inputs (``read_tensor_inputs``) at ``indices`` into batches. The
+    ``attention_mask`` (if any) is the comparison mask."""
+    import torch
+
+    out = []
+    idx = list(indices)
+    for start in range(0, len(idx), batch_size):
+        sel = torch.as_tensor(idx[start:start + batch_size], dtype=torch.int64)
+        inputs = {k: v.index_select(0, sel) for k, v in data.items()}
+        out.append(Batch(inputs, inputs.get("attention_mask")))
+    return out
+
+
+def is_tensor_file(path: str | Path) -> bool:
+    return Path(path).suffix in TENSOR_SUFFIXES

@@ -1,0 +1,350 @@
+"""Read-only, lazy access to checkpoints: Hugging Face folders, safetensors files, torch files.
+
+:func:`open_checkpoint` accepts
+
+- a Hugging Face model folder: ``config.json`` plus ``model.safetensors``, or sharded
+  ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json`` (the ``weight_map``
+  says which shard holds each tensor); legacy ``pytorch_model.bin`` (sharded or not) too;
+- a single ``.safetensors`` file;
+- a torch file (``.pt``, ``.pth``, ``.bin``) holding a state dict (or ``{"state_dict": ...}``).
+
+Nothing is read when the checkpoint is opened except safetensors *headers* (the JSON table of
+names, dtypes and shapes at the start of each file), so names, shapes and sizes are known
+without touching a weight. :meth:`Checkpoint.get` loads one tensor (``safe_open`` per shard,
+memory-mapped); torch files are loaded with ``mmap=True, weights_only=True`` so that they too
+are paged in only when a tensor is used. A checkpoint never writes to its files.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from ..errors import ValidationError
+
+#: safetensors dtype codes -> torch dtype names
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64",
+}
+#: bytes per element of each torch dtype name
+DTYPE_BYTES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1,
+    "float8_e5m2": 1, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+}
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+TORCH_INDEX = "pytorch_model.bin.index.json"
+TORCH_SINGLE = "pytorch_model.bin"
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor lives and what it is, read from a header (no data loaded).
+
+    ``shape`` is the tensor's shape, ``dtype`` a torch dtype name (``"float32"``), ``file`` the
+    file holding it, ``nbytes`` its size in bytes.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: Path
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= int(s)
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse the JSON header of a safetensors file: ``({name: TensorInfo}, metadata)``.
+
+    Reads only the first ``8 + header_length`` bytes.
+    """
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(8)
+            if len(raw) != 8:
+                raise ValidationError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > 100_000_000:
+                raise ValidationError(f"{path}: not a safetensors file (header length {length})")
+            header = json.loads(fh.read(length))
+    except OSError as exc:
+        raise ValidationError(f"cannot read checkpoint file {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValidationError(f"{path}: not a safetensors file (header is not JSON)") from None
+    meta = header.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        dtype = SAFETENSORS_DTYPES.get(str(entry.get("dtype")), str(entry.get("dtype")).lower())
+        infos[name] = TensorInfo(name, tuple(int(s) for s in entry.get("shape", ())), dtype, path)
+    return infos, {str(k): str(v) for k, v in meta.items()}
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+class Checkpoint:
+    """A read-only, lazily loaded collection of named tensors.
+
+    Use :func:`open_checkpoint` to build one. ``names()`` lists the tensors (in file order),
+    ``info(name)`` gives shape / dtype / size from the headers, ``get(name)`` loads one tensor.
+    ``config`` is the parsed ``config.json`` of a Hugging Face folder (``None`` for bare files).
+    Usable as a context manager; :meth:`close` releases open file handles.
+    """
+
+    def __init__(self, path: Path, kind: str, infos: Mapping[str, TensorInfo],
+                 config: dict[str, Any] | None = None, torch_state: dict[str, Any] | None = None):
+        self.path = path
+        self.kind = kind
+        self._infos = dict(infos)
+        self.config = config
+        self._torch_state = torch_state  # lazily loaded torch files: file -> state dict
+        self._handles: dict[Path, Any] = {}
+        self._source_names: dict[str, str] = {}  # name here -> name in the file (renamed views)
+
+    # ------------------------------------------------------------------ facts
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._infos)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._infos
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._infos:
+            raise ValidationError(self._missing(name))
+        return self._infos[name]
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: i.shape for n, i in self._infos.items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.nbytes for i in self._infos.values())
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(dict.fromkeys(i.file for i in self._infos.values()))
+
+    @property
+    def is_hf_folder(self) -> bool:
+        return self.kind.startswith("hf")
+
+    @property
+    def folder(self) -> Path | None:
+        """The Hugging Face folder (for its config and tokenizer), ``None`` for bare files."""
+        return self.path if self.path.is_dir() else None
+
+    def _missing(self, name: str) -> str:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(self._infos), n=3)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        return f"tensor {name!r} is not in checkpoint {self.path} ({len(self._infos)} tensors){hint}"
+
+    # ------------------------------------------------------------------ loading
+    def get(self, name: str, dtype: Any = None, device: Any = "cpu") -> Any:
+        """Load one tensor (a new CPU tensor unless ``device`` says otherwise).
+
+        ``dtype``: optional torch dtype to convert to.
+        """
+        info = self.info(name)
+        name = self._source_names.get(name, name)
+        if self.kind.endswith("torch"):
+            tensor = self._torch_file(info.file)[name]
+        else:
+            handle = self._handles.get(info.file)
+            if handle is None:
+                from safetensors import safe_open
+
+                handle = safe_open(str(info.file), framework="pt", device="cpu")
+                self._handles[info.file] = handle
+            tensor = handle.get_tensor(name)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if device is not None and str(device) != "cpu":
+            tensor = tensor.to(device)
+        elif self.kind.endswith("torch"):
+            tensor = tensor.clone()  # never hand out views of the mmapped file
+        return tensor
+
+    def get_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
+        return {n: self.get(n, dtype=dtype, device=device) for n in names}
+
+    def state_dict(self, dtype: Any = None) -> dict[str, Any]:
+        """Load every tensor (use sparingly: the point of this class is not to)."""
+        return self.get_many(self.names(), dtype=dtype)
+
+    def _torch_file(self, path: Path) -> dict[str, Any]:
+        assert self._torch_state is not None
+        if path not in self._torch_state:
+            self._torch_state[path] = load_torch_state(path)
+        return self._torch_state[path]
+
+    def renamed(self, mapping: Mapping[str, str]) -> Checkpoint:
+        """A view whose tensor ``old`` is called ``mapping[old]`` (names not in ``mapping`` keep
+        theirs); it shares this checkpoint's files and handles."""
+        infos = {}
+        sources = {}
+        for old, info in self._infos.items():
+            new = mapping.get(old, old)
+            if new in infos:
+                raise ValidationError(f"renaming {self.path}: two tensors would be called {new!r}")
+            infos[new] = TensorInfo(new, info.shape, info.dtype, info.file)
+            sources[new] = self._source_names.get(old, old)
+        view = Checkpoint(self.path, self.kind, infos, self.config, self._torch_state)
+        view._handles = self._handles
+        view._source_names = sources
+        return view
+
+    def close(self) -> None:
+        self._handles.clear()
+        if self._torch_state is not None:
+            self._torch_state.clear()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, kind={self.kind!r}, tensors={len(self)})"
+
+
+def load_torch_state(path: Path) -> dict[str, Any]:
+    """Load a torch state dict file memory-mapped and with ``weights_only=True``."""
+    import torch
+
+    try:
+        obj = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a corrupt / pickled-code file: report, don't leak
+        raise ValidationError(
+            f"cannot load torch checkpoint {path}: {type(exc).__name__}: {exc}"
+        ) from None
+    if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
+        obj = obj["state_dict"]
+    if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValidationError(
+            f"{path}: expected a state dict (a mapping of names to tensors, or "
+            f"{{'state_dict': ...}}), got {type(obj).__name__}"
+        )
+    return dict(obj)
+
+
+def _torch_infos(path: Path, state: Mapping[str, Any]) -> dict[str, TensorInfo]:
+    return {n: TensorInfo(n, tuple(t.shape), _dtype_name(t.dtype), path) for n, t in state.items()}
+
+
+def read_config(folder: Path) -> dict[str, Any] | None:
+    """The parsed ``config.json`` of a folder, or ``None`` if it has none."""
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None
+    try:
+        return json.loads(cfg.read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"{cfg}: not valid JSON ({exc})") from None
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValidationError(f"{index}: not a valid shard index (needs 'weight_map'): {exc}") from None
+    if not isinstance(weight_map, dict):
+        raise ValidationError(f"{index}: 'weight_map' must map tensor names to shard files")
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _open_folder(folder: Path) -> Checkpoint:
+    config = read_config(folder)
+    if (folder / SAFETENSORS_INDEX).is_file():
+        weight_map = _read_index(folder / SAFETENSORS_INDEX)
+        infos: dict[str, TensorInfo] = {}
+        for shard in dict.fromkeys(weight_map.values()):
+            shard_path = folder / shard
+            if not shard_path.is_file():
+                raise ValidationError(f"{folder / SAFETENSORS_INDEX} names shard {shard!r}, which is missing")
+            shard_infos, _ = read_safetensors_header(shard_path)
+            for name, file in weight_map.items():
+                if file == shard:
+                    if name not in shard_infos:
+                        raise ValidationError(f"shard {shard_path} lacks tensor {name!r} listed in its index")
+                    infos[name] = shard_infos[name]
+        return Checkpoint(folder, "hf_safetensors", infos, config)
+    if (folder / SAFETENSORS_SINGLE).is_file():
+        infos, _ = read_safetensors_header(folder / SAFETENSORS_SINGLE)
+        return Checkpoint(folder, "hf_safetensors", infos, config)
+    if (folder / TORCH_INDEX).is_file():
+        weight_map = _read_index(folder / TORCH_INDEX)
+        states = {}
+        infos = {}
+        for shard in dict.fromkeys(weight_map.values()):
+            state = load_torch_state(folder / shard)
+            states[folder / shard] = state
+            infos.update(_torch_infos(folder / shard, state))
+        return Checkpoint(folder, "hf_torch", infos, config, torch_state=states)
+    if (folder / TORCH_SINGLE).is_file():
+        state = load_torch_state(folder / TORCH_SINGLE)
+        return Checkpoint(folder, "hf_torch", _torch_infos(folder / TORCH_SINGLE, state), config,
+                          torch_state={folder / TORCH_SINGLE: state})
+    loose = sorted(p.name for p in folder.glob("*.safetensors"))
+    if len(loose) == 1:
+        infos, _ = read_safetensors_header(folder / loose[0])
+        return Checkpoint(folder, "hf_safetensors", infos, config)
+    raise ValidationError(
+        f"{folder}: no weights found; a model folder holds {SAFETENSORS_SINGLE}, or shards with "
+        f"{SAFETENSORS_INDEX} (or {TORCH_SINGLE} / {TORCH_INDEX})"
+    )
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a checkpoint without loading its tensors (see the module docstring for formats)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValidationError(f"checkpoint not found: {p}")
+    if p.is_dir():
+        return _open_folder(p)
+    if p.suffix == ".safetensors":
+        infos, _ = read_safetensors_header(p)
+        return Checkpoint(p, "safetensors", infos, None)
+    if p.suffix in TORCH_SUFFIXES:
+        state = load_torch_state(p)
+        return Checkpoint(p, "torch", _torch_infos(p, state), None, torch_state={p: state})
+    raise ValidationError(
+        f"{p}: unknown checkpoint format; expected a Hugging Face folder, a .safetensors file or "
+        f"a torch file ({', '.join(TORCH_SUFFIXES)})"
+    )
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """Files of a folder that hold weights or their index (what a writer must not copy)."""
+    out = []
+    for p in folder.iterdir():
+        if p.suffix in (".safetensors", ".bin", ".pt", ".pth", ".gguf") or p.name.endswith(".index.json"):
+            out.append(p)
+    return out

@@ -1,0 +1,202 @@
+"""Write a merged model as a Hugging Face folder that ``AutoModel*.from_pretrained`` loads.
+
+:func:`save_hf_folder` streams ``(name, tensor)`` pairs into safetensors shards: a shard is
+flushed as soon as adding the next tensor would exceed ``max_shard_bytes``, so at most one
+shard's worth of tensors is held at once. One shard is written as ``model.safetensors``;
+several as ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.json``
+(``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``), the layout
+``transformers`` writes and reads. ``config.json`` is copied from the source folder (its dtype
+entry updated to the dtype written), and so are ``generation_config.json``, tokenizer and
+processor files when present. The writer refuses to write into (or over) an input folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ValidationError
+from .checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_config
+
+#: files copied from the source folder when present (besides config.json)
+AUX_FILES: tuple[str, ...] = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+)
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """``"5GB"`` / ``"200MiB"`` / ``1000`` -> bytes (decimal units for KB/MB/GB, binary for KiB...)."""
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValidationError(f"size must be positive, got {value}")
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValidationError(f"cannot parse size {value!r}; write e.g. 5GB, 500MB, 200MiB or a byte count")
+    out = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()])
+    if out <= 0:
+        raise ValidationError(f"size must be positive, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class WrittenModel:
+    """What :func:`save_hf_folder` wrote: the folder, its weight files, bytes and tensor count."""
+
+    folder: Path
+    weight_files: tuple[str, ...]
+    total_bytes: int
+    n_tensors: int
+    copied: tuple[str, ...]
+    index: str | None
+
+
+def check_output_folder(out: Path, protected: Sequence[Path], overwrite: bool = False) -> None:
+    """Refuse an output folder that is, contains or lies inside a protected (input) path, and a
+    non-empty one unless ``overwrite``."""
+    out_r = out.expanduser().resolve()
+    for p in protected:
+        pr = Path(p).expanduser().resolve()
+        inside_input = pr.is_dir() and out_r.is_relative_to(pr)
+        if out_r == pr or pr.is_relative_to(out_r) or inside_input:
+            raise ValidationError(
+                f"output folder {out} overlaps input {p}; inputs are never modified: choose another --out"
+            )
+    if out_r.exists() and not out_r.is_dir():
+        raise ValidationError(f"output path {out} exists and is not a folder")
+    if out_r.is_dir() and any(out_r.iterdir()) and not overwrite:
+        raise ValidationError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
+
+
+def _config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
+    cfg = dict(config)
+    if dtype is None:
+        return cfg
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    for k in keys:
+        cfg[k] = dtype
+    return cfg
+
+
+def save_hf_folder(
+    out_dir: str | Path,
+    tensors: Iterable[tuple[str, Any]],
+    *,
+    source_folder: str | Path | None = None,
+    config: Mapping[str, Any] | None = None,
+    tokenizer_folder: str | Path | None = None,
+    max_shard_bytes: int | str = DEFAULT_MAX_SHARD_BYTES,
+    dtype: Any = None,
+    protected: Sequence[str | Path] = (),
+    overwrite: bool = False,
+    metadata: Mapping[str, str] | None = None,
+) -> WrittenModel:
+    """Write ``tensors`` (an iterable of ``(name, torch.Tensor)``; consumed once, in order) as a
+    Hugging Face folder.
+
+    ``source_folder``: where ``config.json`` and auxiliary files are copied from (or pass
+    ``config``); ``tokenizer_folder``: where tokenizer files come from (default the source).
+    ``dtype``: torch dtype (or name) to cast floating tensors to (default: as given); the
+    config's dtype entry records it. ``protected``: input paths the output must not overlap.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    out = Path(out_dir).expanduser()
+    check_output_folder(out, [Path(p) for p in protected], overwrite=overwrite)
+    limit = parse_size(max_shard_bytes)
+    cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    out.mkdir(parents=True, exist_ok=True)
+    for old in list(out.glob("model*.safetensors")) + [out / SAFETENSORS_INDEX]:
+        if old.exists() and overwrite:
+            old.unlink()
+    st_meta = {"format": "pt", "producer": "mergeqp"}
+    st_meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
+
+    shards: list[tuple[str, list[str]]] = []
+    current: dict[str, Any] = {}
+    current_bytes = 0
+    total = 0
+    seen: set[str] = set()
+    written_dtypes: set[str] = set()
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if not current:
+            return
+        tmp = f"tmp-mergeqp-{len(shards):05d}.safetensors"
+        save_file(current, str(out / tmp), metadata=st_meta)
+        shards.append((tmp, list(current)))
+        current, current_bytes = {}, 0
+
+    for name, tensor in tensors:
+        if name in seen:
+            raise ValidationError(f"tensor {name!r} given twice to the writer")
+        seen.add(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise ValidationError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
+        t = tensor.detach()
+        if cast is not None and t.is_floating_point():
+            t = t.to(cast)
+        # own, contiguous CPU storage (safetensors refuses shared or strided storage)
+        t = t.to("cpu").contiguous().clone()
+        written_dtypes.add(str(t.dtype).replace("torch.", ""))
+        nbytes = t.numel() * t.element_size()
+        if current and current_bytes + nbytes > limit:
+            flush()
+        current[name] = t
+        current_bytes += nbytes
+        total += nbytes
+    flush()
+    if not shards:
+        raise ValidationError("no tensors to write")
+
+    files: list[str] = []
+    index_name: str | None = None
+    if len(shards) == 1:
+        os.replace(out / shards[0][0], out / SAFETENSORS_SINGLE)
+        files.append(SAFETENSORS_SINGLE)
+    else:
+        weight_map: dict[str, str] = {}
+        n = len(shards)
+        for i, (tmp, names) in enumerate(shards, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(out / tmp, out / final)
+            files.append(final)
+            weight_map.update({nm: final for nm in names})
+        (out / SAFETENSORS_INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        index_name = SAFETENSORS_INDEX
+
+    copied: list[str] = []
+    src = Path(source_folder).expanduser() if source_folder is not None else None
+    cfg = dict(config) if config is not None else (read_config(src) if src is not None and src.is_dir() else None)
+    if cfg is not None:
+        float_dtypes = sorted(d for d in written_dtypes if d.startswith(("float", "bfloat")))
+        dtype_name = float_dtypes[0] if len(float_dtypes) == 1 else None
+        (out / "config.json").write_text(json.dumps(_config_with_dtype(cfg, dtype_name), indent=2))
+        copied.append("config.json")
+    tok = Path(tokenizer_folder).expanduser() if tokenizer_folder is not None else src
+    for folder, names in ((src, ("generation_config.json", "preprocessor_config.json")), (tok, AUX_FILES)):
+        if folder is None or not folder.is_dir():
+            continue
+        for fname in names:
+            if fname in copied:
+                continue
+            if (folder / fname).is_file():
+                shutil.copyfile(folder / fname, out / fname)
+                copied.append(fname)
+    return WrittenModel(out, tuple(files), total, len(seen), tuple(copied), index_name)

@@ -1,0 +1,332 @@
+"""First-order merge statistics at one or several layers of a live model, by Jacobian-vector products.
+
+Given a model at a linearisation point (the base, a partially merged model, or a baseline merge),
+merge sites ``l = 1..L`` with their *original* residuals ``delta_k^(l) = W_k^(l) - W_base^(l)``
+(``(K, r_l, m1_l)``, augmented with the bias column) and a parametrisation per site, the compared
+output of sample ``j`` is, to first order in every site's update at once,
+
+    h_j(d) ~= h_j + sum_l A_j^(l) (d^(l) - d0^(l)),
+
+where ``A_j^(l)[:, (k, a)]`` is the output's directional derivative along the layer-output
+perturbation ``B_(k,a)^(l) z_j^(l)`` (the atom's activation). The derivative is one
+``torch.func.jvp`` per atom (vectorised over atoms with ``vmap``), through a forward hook that adds
+a perturbation to the site's output, so no ``(c, T r)`` Jacobian is ever formed: the cost is
+``n`` JVPs per batch for ``n`` atoms. When the model's site weight is not the base weight (hybrid
+merging), its offset ``W_cur - W_base`` is pushed forward too and subtracted, so that the
+quadratic model is expressed in the absolute coefficients ``d`` (merged weight
+``W_base + sum d_a B_a``) while being accurate around the current weights.
+
+With ``b_j = h_j - y_j - A_j^off`` the statistics per task ``t`` are ``H_t = 2 sum A_j'A_j``,
+``g_t = 2 sum A_j'b_j``, ``c_t = sum ||b_j||^2`` (float64), so that
+``J(d) = sum_t w_t (1/2 d'H_t d + g_t'd + c_t)``. With several sites the QP is *joint*: its
+Hessian holds the cross-layer blocks ``A^(l)'A^(l')``; it is convex (a Gram matrix) and is the
+first-order model of the non-convex multi-layer objective.
+
+The layout of ``d`` is ``(K, N)`` with ``N = sum_l n_atoms_l`` (sites concatenated along atoms),
+row-major, as :class:`~mergeqp.problem.MergeQP` requires.
+
+Energy fraction (reported per site and jointly): ``sum_j ||P_j b_j||^2 / sum_j ||b_j||^2`` with
+``P_j`` the projector onto ``range(A_j)``, the output directions the atoms can reach with
+per-sample coefficients (the relaxed problem of the paper's Theorem 4.1 for the atoms' span).
+For a vector-valued layer output (``T = 1``) ``range(A_j) = span{L_j q}``, the paper's
+definition; for sequences the coefficients are shared across positions, so the span is that of
+the ``K n_atoms`` atom responses rather than all of ``range(L_j)``. ``c_t (1 - fraction)``
+lower-bounds the (per-sample relaxed) objective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..lm import OutputSpec, TargetBatch
+from ..problem import MergeQP
+from .sites import LayerSite, site_module
+
+
+@dataclass(frozen=True, eq=False)
+class SiteAtoms:
+    """One site's atoms: its parametrisation (a :class:`mergeqp.stats.parametrisation.Parametrisation`),
+    original deltas ``(K, r, m1)`` (float64 torch), and the offset ``W_cur - W_base`` of the
+    model's current weight (``(r, m1)``) or ``None`` when the model holds the base weight."""
+
+    site: LayerSite
+    param: Any
+    deltas: Any
+    offset: Any = None
+
+    def __post_init__(self) -> None:
+        K, r, m1 = (int(s) for s in self.deltas.shape)
+        if (r, m1) != (self.site.r, self.site.m1):
+            raise ValidationError(f"deltas of {self.site.name!r} have shape {(K, r, m1)}, expected (K, {self.site.r}, {self.site.m1})")
+        self.param.check(r, m1)
+
+    @property
+    def K(self) -> int:
+        return int(self.deltas.shape[0])
+
+    @property
+    def n_atoms(self) -> int:
+        return int(self.param.n_atoms(self.site.r, self.site.m1))
+
+    def atom_names(self) -> tuple[str, ...]:
+        return tuple(self.param.atom_names(self.site.r, self.site.m1, self.site.has_bias))
+
+    def tangents(self, Z: Any, k: int) -> Any:
+        """Layer-output perturbations of model ``k``'s atoms: ``(n_atoms, *Z.shape[:-1], r)``
+        from augmented layer inputs ``Z`` (``(..., m1)``)."""
+        import torch
+
+        delta = self.deltas[k].to(Z.dtype).to(Z.device)  # (r, m1)
+        name = self.param.name
+        R = Z @ delta.t()  # (..., r)
+        if name == "scalar":
+            return R.unsqueeze(0)
+        if name == "rows":
+            eye = torch.eye(self.site.r, dtype=Z.dtype, device=Z.device)  # (r, r)
+            return R.unsqueeze(0) * eye.reshape(self.site.r, *([1] * (R.dim() - 1)), self.site.r)
+        if name == "columns":
+            # atom i: z_i * delta[:, i]
+            return Z.movedim(-1, 0).unsqueeze(-1) * delta.t().reshape(self.site.m1, *([1] * (Z.dim() - 1)), self.site.r)
+        if name == "basis":
+            Q = torch.as_tensor(self.param.basis.Q, dtype=Z.dtype, device=Z.device)  # (r, p)
+            alpha = R @ Q  # (..., p)
+            return alpha.movedim(-1, 0).unsqueeze(-1) * Q.t().reshape(Q.shape[1], *([1] * (R.dim() - 1)), self.site.r)
+        raise ValidationError(f"parametrisation {name!r} has no tangent rule for HF merging")
+
+    def offset_tangent(self, Z: Any) -> Any:
+        if self.offset is None:
+            return None
+        return Z @ self.offset.to(Z.dtype).to(Z.device).t()
+
+
+@dataclass(frozen=True)
+class TaskTargets:
+    """A task's calibration batches with targets, its name and objective weight."""
+
+    name: str
+    weight: float
+    batches: Sequence[TargetBatch]
+
+
+@dataclass(frozen=True, eq=False)
+class FirstOrderStats:
+    """Per-task statistics of the joint first-order model (see the module docstring).
+
+    ``H``: ``(n_tasks, n, n)``, ``g``: ``(n_tasks, n)``, ``c``: ``(n_tasks,)``, float64, with
+    ``n = K * N``. ``site_names`` / ``site_atoms`` give each site's block of the ``N`` atoms.
+    ``energy``: per task, ``{"current": sum ||h - y||^2`` (the model's exact objective),
+    ``"total": sum ||b||^2, "joint": sum ||P_A b||^2, site: ...}``.
+    """
+
+    H: np.ndarray
+    g: np.ndarray
+    c: np.ndarray
+    K: int
+    site_names: tuple[str, ...]
+    site_atoms: tuple[int, ...]
+    atom_names: tuple[str, ...]
+    model_names: tuple[str, ...]
+    task_names: tuple[str, ...]
+    task_weights: tuple[float, ...]
+    counts: tuple[int, ...]
+    energy: tuple[dict[str, float], ...]
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def N(self) -> int:
+        return int(sum(self.site_atoms))
+
+    def site_slice(self, site: str) -> slice:
+        i = self.site_names.index(site)
+        start = int(sum(self.site_atoms[:i]))
+        return slice(start, start + self.site_atoms[i])
+
+    def problem(self, weights: Sequence[float] | None = None) -> MergeQP:
+        """The merge QP ``sum_t w_t J_t(d)`` over ``d`` of shape ``(K, N)``."""
+        w = np.asarray(self.task_weights if weights is None else weights, dtype=np.float64)
+        if w.shape != (len(self.task_names),):
+            raise ValidationError(f"task weights: expected {len(self.task_names)}, got {w.shape}")
+        H = np.einsum("t,tij->ij", w, self.H)
+        return MergeQP(
+            H=0.5 * (H + H.T), g=w @ self.g, c=float(w @ self.c), shape=(self.K, self.N),
+            model_names=self.model_names, atom_names=self.atom_names,
+            metadata={"sites": list(self.site_names), "site_atoms": list(self.site_atoms),
+                      "tasks": list(self.task_names), "task_weights": w.tolist(), **self.metadata},
+        )
+
+    def energy_fraction(self, site: str | None = None, weights: Sequence[float] | None = None) -> float:
+        """Weighted captured-energy fraction of one site's atoms (``None``: all sites jointly)."""
+        w = np.asarray(self.task_weights if weights is None else weights, dtype=np.float64)
+        key = "joint" if site is None else site
+        total = float(sum(wi * e["total"] for wi, e in zip(w, self.energy)))
+        got = float(sum(wi * e[key] for wi, e in zip(w, self.energy)))
+        return got / total if total > 0 else 0.0
+
+
+def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
+    """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
+    import torch
+
+    G = A.transpose(1, 2) @ A  # (B, n, n)
+    v = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)  # (B, n)
+    evals, evecs = torch.linalg.eigh(G)
+    top = evals.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(G.dtype).tiny)
+    inv = torch.where(evals > rcond * top, 1.0 / evals, torch.zeros_like(evals))
+    proj = (evecs.transpose(1, 2) @ v.unsqueeze(-1)).squeeze(-1)
+    return float((proj * proj * inv).sum())
+
+
+def _augment(z: Any, has_bias: bool) -> Any:
+    import torch
+
+    if not has_bias:
+        return z
+    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
+
+
+def collect_first_order(
+    model: Any,
+    atoms: Sequence[SiteAtoms],
+    tasks: Sequence[TaskTargets],
+    spec: OutputSpec,
+    device: Any = "cpu",
+    *,
+    model_names: Sequence[str] | None = None,
+    chunk_size: int = 256,
+    progress: bool = False,
+    energy: bool = True,
+) -> FirstOrderStats:
+    """Linearise ``model`` (in eval mode, unchanged) at ``atoms``' sites jointly on every task's
+    batches and accumulate the statistics (see the module docstring)."""
+    import torch
+    from torch.func import jvp, vmap
+
+    from ..stats.hooks import PerturbationHook, eval_mode
+
+    if not atoms:
+        raise ValidationError("no merge sites given")
+    K = atoms[0].K
+    if any(a.K != K for a in atoms):
+        raise ValidationError("every site needs the same number of models K")
+    names = tuple(model_names) if model_names is not None else tuple(f"model{k}" for k in range(K))
+    N = sum(a.n_atoms for a in atoms)
+    n = K * N
+    hooks = [PerturbationHook() for _ in atoms]
+    H = torch.zeros(len(tasks), n, n, dtype=torch.float64, device=device)
+    g = torch.zeros(len(tasks), n, dtype=torch.float64, device=device)
+    c = torch.zeros(len(tasks), dtype=torch.float64)
+    counts = []
+    energies = []
+    total_batches = sum(len(t.batches) for t in tasks)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_batches, desc="statistics " + ",".join(a.site.name for a in atoms)[:60], leave=False)
+
+    def compared(out: Any, tb: TargetBatch, mask: Any, index: Any) -> Any:
+        raw = spec.raw(out)
+        o = spec.select(raw, mask, index)
+        return o.reshape(o.shape[0], -1)
+
+    with ExitStack() as stack, eval_mode(model):
+        for a, hook in zip(atoms, hooks):
+            handle = site_module(model, a.site).register_forward_hook(hook)
+            stack.callback(handle.remove)
+        params = [p for p in model.parameters()]
+        saved = [p.requires_grad for p in params]
+        stack.callback(lambda: [p.requires_grad_(s) for p, s in zip(params, saved)])
+        for p in params:
+            p.requires_grad_(False)
+
+        for ti, task in enumerate(tasks):
+            e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
+            count = 0
+            for tb in task.batches:
+                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+                index = None if tb.index is None else tb.index.to(device)
+                for hook in hooks:
+                    hook.record = True
+                    hook.calls = 0
+                try:
+                    with torch.no_grad():
+                        out = model(**inputs)
+                finally:
+                    for hook in hooks:
+                        hook.record = False
+                for a, hook in zip(atoms, hooks):
+                    if hook.calls != 1:
+                        raise ValidationError(
+                            f"layer {a.site.name!r} ran {hook.calls} times in one forward pass; a merge "
+                            f"site must run exactly once (shared or reused layers cannot be merged)"
+                        )
+                h = compared(out, tb, mask, index)
+                Bsz = h.shape[0]
+                y = tb.target.to(device=device, dtype=torch.float64).reshape(Bsz, -1)
+                b = h.to(torch.float64) - y
+                e["current"] += float((b * b).sum())
+                blocks = []
+                for a, hook in zip(atoms, hooks):
+                    Z = _augment(hook.layer_input, a.site.has_bias)
+                    u0 = torch.zeros_like(hook.layer_output)
+
+                    def f(p: Any, _hook: Any = hook, _inputs: Any = inputs, _tb: Any = tb,
+                          _mask: Any = mask, _index: Any = index) -> Any:
+                        _hook.perturbation = p
+                        try:
+                            return compared(model(**_inputs), _tb, _mask, _index)
+                        finally:
+                            _hook.perturbation = None
+
+                    def push(v: Any, _f: Any = f, _u0: Any = u0) -> Any:
+                        return jvp(_f, (_u0,), (v,))[1]
+
+                    off = a.offset_tangent(Z)
+                    if off is not None:
+                        b = b - push(off.to(u0.dtype)).to(torch.float64)
+                    # all K * n_atoms tangents, model-major, pushed forward in chunks
+                    tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
+                    cols = vmap(push, chunk_size=chunk_size)(tang)  # (K n, B, c)
+                    cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
+                    blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
+                A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
+                if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
+                    raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
+                H[ti] += 2.0 * torch.einsum("bcn,bcm->nm", A, A)
+                g[ti] += 2.0 * torch.einsum("bcn,bc->n", A, b)
+                c[ti] += float((b * b).sum())
+                count += tb.count
+                if energy:
+                    e["total"] += float((b * b).sum())
+                    e["joint"] += _captured(A, b)
+                    if len(atoms) > 1:
+                        offset = 0
+                        A4 = A.reshape(Bsz, -1, K, N)
+                        for a in atoms:
+                            sub = A4[:, :, :, offset:offset + a.n_atoms].reshape(Bsz, A.shape[1], -1)
+                            e[a.site.name] += _captured(sub, b)
+                            offset += a.n_atoms
+                    else:
+                        e[atoms[0].site.name] = e["joint"]
+                if bar is not None:
+                    bar.update(1)
+            counts.append(count)
+            energies.append(e)
+    if bar is not None:
+        bar.close()
+    atom_names = tuple(f"{a.site.name}:{nm}" if len(atoms) > 1 else nm for a in atoms for nm in a.atom_names())
+    return FirstOrderStats(
+        H=H.cpu().numpy(), g=g.cpu().numpy(), c=c.numpy(), K=K,
+        site_names=tuple(a.site.name for a in atoms), site_atoms=tuple(a.n_atoms for a in atoms),
+        atom_names=atom_names, model_names=names, task_names=tuple(t.name for t in tasks),
+        task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),
+        metadata={"parametrisations": [a.param.to_json() for a in atoms],
+                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k}},
+    )

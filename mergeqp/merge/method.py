@@ -1,0 +1,170 @@
+"""The merge-method type, the parameters every method shares, and small shared helpers.
+
+A :class:`MergeMethod` couples a name, a pydantic parameter model (``extra="forbid"``: an
+unknown or misspelt parameter is an error listing the valid ones) and a ``run`` function
+``run(inputs, names, params) -> {name: merged tensor}`` over the *selected* floating-point
+tensors. :func:`mergeqp.merge.registry.merge_state_dicts` does the selection and assembles the
+full state dict around what ``run`` returns.
+
+Shared parameters (every method):
+
+- ``include``: patterns (exact names or globs, see :mod:`mergeqp.merge.selection`) of the
+  tensors to merge; default ``None`` = every floating-point tensor.
+- ``exclude``: patterns removed from the selection; default none.
+- ``unselected``: what the output holds for tensors not merged: ``"base"`` (a copy of the
+  base's tensor, the default when a base is given), ``"average"`` (the uniform mean of the
+  fine-tuned tensors; the default when ``base`` is ``None``) or ``"drop"`` (left out: the result
+  holds only the merged tensors, the cheap way to get one layer). Non-floating tensors (integer
+  buffers, masks) are never merged: they are copied from the reference model (base, else
+  ``finetuned[0]``) unless ``"drop"``.
+- ``progress``: show a progress bar over tensors (on a terminal); default ``True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import ValidationError as PydanticValidationError
+
+from ..errors import ConfigError
+
+MAX_REPR = 60
+
+
+class MethodParams(BaseModel):
+    """Parameters every merge method accepts (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    include: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()
+    unselected: Literal["base", "average", "drop"] | None = None
+    progress: bool = True
+
+    @field_validator("include", "exclude", mode="before")
+    @classmethod
+    def _one_pattern(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+
+class WeightedParams(MethodParams):
+    """Adds ``weights``: one float per fine-tuned model, or one float for all; ``None`` = the
+    method's default (documented per method)."""
+
+    weights: float | tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """A registered merge method.
+
+    ``run(inputs, names, params)``: ``inputs`` a :class:`~mergeqp.merge.inputs.MergeInputs`,
+    ``names`` the selected floating-point tensors (reference order), ``params`` an instance of
+    ``params``; returns ``{name: tensor}`` for exactly ``names`` (any float dtype; the caller
+    casts to the reference dtype). ``needs_base``: whether task vectors (``finetuned - base``)
+    are used. ``tensorwise``: whether each tensor is merged from its own values alone (so
+    :func:`~mergeqp.merge.registry.merge_tensors` applies).
+    """
+
+    name: str
+    summary: str
+    reference: str
+    params: type[MethodParams]
+    run: Callable[..., dict[str, Any]]
+    needs_base: bool = True
+    tensorwise: bool = True
+
+    def valid_params(self) -> list[str]:
+        return sorted(self.params.model_fields)
+
+    def defaults(self) -> dict[str, Any]:
+        """Default value of every parameter."""
+        return {n: f.default for n, f in self.params.model_fields.items()}
+
+    def parse(self, given: Mapping[str, Any]) -> MethodParams:
+        """Validate ``given``; raise :class:`ConfigError` naming each bad parameter and listing
+        the valid ones."""
+        try:
+            return self.params(**given)
+        except PydanticValidationError as exc:
+            problems = []
+            for err in exc.errors():
+                field = ".".join(str(p) for p in err["loc"])
+                if err["type"] == "extra_forbidden":
+                    problems.append(f"unknown parameter {field!r}")
+                    continue
+                got = repr(err.get("input"))
+                got = got if len(got) <= MAX_REPR else got[: MAX_REPR - 3] + "..."
+                msg = err["msg"].removeprefix("Value error, ")
+                problems.append(f"parameter {field!r}: {msg} (got {got})" if field else msg)
+            raise ConfigError(
+                f"merge method {self.name!r}: {'; '.join(problems)}; valid parameters: "
+                f"{', '.join(self.valid_params())}"
+            ) from None
+
+
+# ---------------------------------------------------------------------------- helpers
+def resolve_weights(weights: float | Sequence[float] | None, K: int, default: float | None) -> list[float]:
+    """``K`` model weights from a scalar, a length-K sequence, or ``None`` (-> ``default``,
+    where ``default=None`` means uniform ``1/K``)."""
+    if weights is None:
+        return [1.0 / K if default is None else float(default)] * K
+    if isinstance(weights, (int, float)):
+        return [float(weights)] * K
+    w = [float(x) for x in weights]
+    if len(w) != K:
+        raise ConfigError(f"parameter 'weights' has {len(w)} entries but there are {K} fine-tuned models")
+    return w
+
+
+def compute_dtype(tensor: Any) -> Any:
+    """float64 tensors are merged in float64, every other float dtype in float32."""
+    import torch
+
+    return torch.float64 if tensor.dtype == torch.float64 else torch.float32
+
+
+def iterate(names: Sequence[str], params: MethodParams, desc: str) -> Iterable[str]:
+    """``names`` with a tqdm bar when ``params.progress`` (shown only on a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(names, desc=desc, unit="tensor", disable=None if params.progress else True, leave=False)
+
+
+def stacked(tensors: Sequence[Any], dtype: Any, device: Any) -> Any:
+    """``(K, *shape)`` stack of ``tensors`` in ``dtype`` on ``device``."""
+    import torch
+
+    return torch.stack([t.to(device=device, dtype=dtype) for t in tensors], dim=0)
+
+
+def weight_column(weights: Sequence[float], like: Any) -> Any:
+    """Weights as a ``(K, 1, ..., 1)`` tensor broadcasting against ``like`` (``(K, *shape)``)."""
+    import torch
+
+    w = torch.tensor(list(weights), dtype=like.dtype, device=like.device)
+    return w.reshape((-1,) + (1,) * (like.dim() - 1))
+
+
+def tensorwise_run(merge_one: Callable[..., Any], desc: str) -> Callable[..., dict[str, Any]]:
+    """A ``run`` applying ``merge_one(name, base, finetuned, params, state)`` per tensor.
+
+    ``base`` is the reference model's tensor (``None`` if there is no base), ``finetuned`` the K
+    fine-tuned tensors, ``state`` a per-merge dict the method may use (e.g. its mask drawer);
+    ``state["finish"]``, when set, is called once at the end.
+    """
+
+    def run(inputs: Any, names: Sequence[str], params: MethodParams) -> dict[str, Any]:
+        state: dict[str, Any] = {"inputs": inputs}
+        out = {}
+        for name in iterate(names, params, desc):
+            base = inputs.base.get(name) if inputs.base is not None else None
+            out[name] = merge_one(name, base, inputs.finetuned_tensors(name), params, state)
+        if "finish" in state:
+            state["finish"]()
+        return out
+
+    return run

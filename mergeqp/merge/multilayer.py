@@ -1,0 +1,355 @@
+"""Multi-layer merging with the QP (the paper's appendix "Multi-layer merging", and a joint QP).
+
+Every mode works on a *live* model (modified in place: the caller owns a copy) whose merge
+sites start at the base weights (``single``, ``sequential``, ``joint``) or at a baseline merge
+(``hybrid``). The residual directions are always the *original* ones,
+``delta_k = W_k - W_base`` read from the checkpoints, and the targets always the original
+fine-tuned models' outputs; only the linearisation point moves.
+
+- ``single``: every site is linearised at the base model and solved on its own; all solutions
+  are applied at the end (exact for one site; ignores cross-layer effects for several).
+- ``sequential`` (paper): sites in model order; at each step the statistics are recomputed on the
+  partially merged model (earlier sites merged), the site's QP is solved and applied. Greedy.
+- ``hybrid`` (paper): the model already holds a baseline merge of all layers; the selected sites
+  are refined sequentially, linearised at the baseline's weights (the baseline's own update is
+  pushed forward and subtracted so that the QP is in the absolute coefficients ``d``).
+- ``joint`` (beyond the paper): ONE QP over all sites' coefficients, linearised at the base in
+  every site's update at once (:mod:`.firstorder`): convex, with cross-layer Hessian blocks; it
+  accounts for how sites interact to first order, but not for the second-order products of
+  updates (``delta_2 delta_1``) that the sequential scheme sees through its re-linearisation.
+
+For each solved group the record holds ``objective_before`` (the calibration objective of the
+model before the step; exact), ``objective_after`` (the QP objective at the solution: what the
+certificate bounds), ``objective_after_exact`` (the model's calibration objective after applying
+the step: the gap to ``objective_after`` is the linearisation error), the certificate, the
+captured-energy fraction and timings.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..lm import OutputSpec, squared_error
+from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
+from .sites import LayerSite, read_augmented, write_augmented
+
+MODES = ("single", "sequential", "hybrid", "joint")
+HF_BASES = ("svd", "random")
+
+
+@dataclass(frozen=True)
+class QPSettings:
+    """How each QP is built and solved.
+
+    ``parametrisation``: ``scalar`` | ``rows`` | ``columns`` | ``basis`` (with ``basis`` =
+    ``svd`` (top singular vectors of ``[delta_1 ... delta_K]``) or ``random`` (seeded), and
+    ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
+    ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
+    ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
+    vectorised JVP call.
+    """
+
+    parametrisation: str = "rows"
+    basis: str | None = None
+    rank: int | None = None
+    constraints: tuple[str, ...] = ("box:0,1",)
+    solver: str = "auto"
+    solver_options: Mapping[str, Any] = field(default_factory=dict)
+    regularisation: float = 0.0
+    reference: str = "soup"
+    chunk_size: int = 256
+    seed: int = 0
+
+
+class WeightSource:
+    """Base weights and original residuals of merge sites, read lazily from checkpoints.
+
+    ``base``: a :class:`~mergeqp.io.checkpoint.Checkpoint` (or any object with ``get(name)``);
+    ``finetuned``: K of them. Only the tensors of the requested site are read; results are
+    float64 CPU tensors, augmented with the bias column: ``base_weight`` ``(r, m1)``,
+    ``deltas`` ``(K, r, m1)``.
+    """
+
+    def __init__(self, base: Any, finetuned: Sequence[Any]):
+        self.base = base
+        self.finetuned = list(finetuned)
+
+    @property
+    def K(self) -> int:
+        return len(self.finetuned)
+
+    def _augmented(self, ckpt: Any, site: LayerSite) -> Any:
+        from .sites import weight_from_tensors
+
+        bias = ckpt.get(site.bias_key) if site.bias_key else None
+        return weight_from_tensors(site, ckpt.get(site.weight_key), bias)
+
+    def base_weight(self, site: LayerSite) -> Any:
+        return self._augmented(self.base, site)
+
+    def deltas(self, site: LayerSite) -> Any:
+        import torch
+
+        W0 = self.base_weight(site)
+        return torch.stack([self._augmented(ft, site) - W0 for ft in self.finetuned])
+
+
+@dataclass
+class MergeContext:
+    """What every mode needs: the live ``model`` (modified in place), the ``weights`` source,
+    the ``tasks`` with their targets, the compared-output ``spec``, the ``device``, the QP
+    ``settings`` and model names."""
+
+    model: Any
+    weights: WeightSource
+    tasks: Sequence[TaskTargets]
+    spec: OutputSpec
+    settings: QPSettings
+    device: Any = "cpu"
+    model_names: Sequence[str] | None = None
+    progress: bool = False
+    log: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
+class LayerRecord:
+    """The outcome of one merged site (shared fields for a joint group)."""
+
+    layer: str
+    mode: str
+    objective_before: float
+    objective_after: float
+    objective_after_exact: float
+    certificate: dict[str, Any]
+    energy_fraction: float
+    seconds: float
+    solver: str
+    status: str
+    n_variables: int
+    group: int
+    points: dict[str, float]
+    d: np.ndarray
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        cert = self.certificate
+        return {
+            "layer": self.layer, "mode": self.mode, "group": self.group,
+            "objective_before": self.objective_before, "objective_after": self.objective_after,
+            "objective_after_exact": self.objective_after_exact,
+            "certificate": {"fw_gap": cert.get("fw_gap"), "certified": cert.get("certified"),
+                            "relative_gap": cert.get("relative_gap"),
+                            "gap_method": cert.get("gap_method"),
+                            "infeasibility": cert.get("infeasibility")},
+            "energy_fraction": self.energy_fraction, "seconds": self.seconds,
+            "solver": self.solver, "status": self.status, "n_variables": self.n_variables,
+            "objective_at": self.points,
+            "coefficients": {"mean": float(np.mean(self.d)), "min": float(np.min(self.d)),
+                             "max": float(np.max(self.d))},
+            "timings": self.timings,
+        }
+
+
+def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any) -> Any:
+    """The stats parametrisation for a site (``basis`` ones are built from its deltas)."""
+    from ..stats.bases import random_basis, svd_basis
+    from ..stats.parametrisation import BasisParametrisation, as_parametrisation
+
+    if settings.parametrisation != "basis":
+        return as_parametrisation(settings.parametrisation)
+    if settings.basis not in HF_BASES:
+        raise ValidationError(
+            f"basis {settings.basis!r} is not available when merging checkpoints; valid: {', '.join(HF_BASES)}"
+        )
+    p = settings.rank if settings.rank is not None else site.r
+    if not 1 <= p <= site.r:
+        raise ValidationError(f"basis rank {p} must be in [1, {site.r}] for layer {site.name!r}")
+    holder = SimpleNamespace(r=site.r, deltas=deltas.numpy())
+    builder = svd_basis if settings.basis == "svd" else random_basis
+    return BasisParametrisation(builder(holder, p, seed=settings.seed))
+
+
+def calibration_objective(ctx: MergeContext) -> float:
+    """``sum_t w_t sum_j ||h_j - y_j||^2`` of the live model on the calibration batches (exact)."""
+    total = 0.0
+    for task in ctx.tasks:
+        sse, _ = squared_error(ctx.model, task.batches, ctx.spec, ctx.device)
+        total += task.weight * sse
+    return total
+
+
+def _constraints(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
+    from ..constraints import parse_constraint
+
+    out = []
+    for spec in settings.constraints:
+        name = spec.split(":", 1)[0].strip().lower()
+        if name == "sign" and len(atoms) != 1:
+            raise ValidationError("the 'sign' constraint is per layer; it cannot be used with mode: joint")
+        context = {"deltas": atoms[0].deltas.numpy(), "parametrisation": atoms[0].param.name} if name == "sign" else None
+        out.append(parse_constraint(spec, context))
+    return out
+
+
+def _reference_points(stats: FirstOrderStats, atoms: Sequence[SiteAtoms]) -> dict[str, np.ndarray]:
+    shape = (stats.K, stats.N)
+    points = {"zero": np.zeros(shape), "soup": np.full(shape, 1.0 / stats.K)}
+    if all(a.param.name != "basis" for a in atoms):
+        points["task_arithmetic"] = np.ones(shape)
+    return points
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """A solved group: its statistics, the solution, new augmented weights per site."""
+
+    stats: FirstOrderStats
+    solution: Any
+    new_weights: dict[str, Any]
+    records: tuple[LayerRecord, ...]
+
+
+def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, group: int,
+                relinearise_offsets: bool) -> GroupResult:
+    """Linearise the live model at ``sites`` jointly, solve the QP, return new weights (not yet
+    applied). ``relinearise_offsets``: the model's site weights may differ from the base
+    (hybrid); their offset is accounted for."""
+    import torch
+
+    from ..solvers.registry import solve
+
+    t0 = time.perf_counter()
+    atoms = []
+    for site in sites:
+        deltas = ctx.weights.deltas(site)
+        W_base = ctx.weights.base_weight(site)
+        offset = None
+        if relinearise_offsets:
+            current = read_augmented(ctx.model, site)
+            diff = current - W_base
+            if float(diff.abs().max()) > 0.0:
+                offset = diff
+        atoms.append(SiteAtoms(site, make_parametrisation(ctx.settings, site, deltas), deltas, offset))
+    t1 = time.perf_counter()
+    stats = collect_first_order(ctx.model, atoms, ctx.tasks, ctx.spec, ctx.device,
+                                model_names=ctx.model_names, chunk_size=ctx.settings.chunk_size,
+                                progress=ctx.progress)
+    t2 = time.perf_counter()
+    qp = stats.problem()
+    mu = ctx.settings.regularisation
+    solved_problem = qp
+    if mu > 0:
+        solved_problem = qp.regularised(mu, None if ctx.settings.reference == "soup" else 0.0)
+    cset = _constraints(ctx.settings, atoms)
+    solution = solve(solved_problem, cset or None, solver=ctx.settings.solver, **dict(ctx.settings.solver_options))
+    t3 = time.perf_counter()
+    d = solution.d
+    new_weights = {}
+    for a in atoms:
+        block = d[:, stats.site_slice(a.site.name)]
+        update = a.param.update(block, a.deltas.numpy())
+        new_weights[a.site.name] = ctx.weights.base_weight(a.site) + torch.from_numpy(update)
+    current = float(sum(w * e["current"] for w, e in zip(stats.task_weights, stats.energy)))
+    points = {name: qp.objective(p) for name, p in _reference_points(stats, atoms).items()}
+    cert = solution.certificate.to_dict() if solution.certificate is not None else {}
+    common: dict[str, Any] = {
+        "mode": mode, "objective_before": current, "objective_after": qp.objective(d), "certificate": cert,
+        "solver": solution.solver, "status": str(getattr(solution.status, "value", solution.status)),
+        "n_variables": qp.n, "group": group, "points": points,
+        "timings": {"weights": t1 - t0, "statistics": t2 - t1, "solve": t3 - t2},
+    }
+    records = tuple(
+        LayerRecord(layer=a.site.name, objective_after_exact=math.nan,
+                    energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
+                    d=d[:, stats.site_slice(a.site.name)], **common)
+        for a in atoms
+    )
+    return GroupResult(stats, solution, new_weights, records)
+
+
+def _apply(ctx: MergeContext, sites: Sequence[LayerSite], weights: Mapping[str, Any]) -> None:
+    for site in sites:
+        write_augmented(ctx.model, site, weights[site.name])
+
+
+def _with_exact(records: Sequence[LayerRecord], exact: float, extra_seconds: float) -> list[LayerRecord]:
+    import dataclasses
+
+    return [dataclasses.replace(r, objective_after_exact=exact, seconds=r.seconds + extra_seconds,
+                                timings={**r.timings, "evaluate": extra_seconds}) for r in records]
+
+
+def _say(ctx: MergeContext, msg: str) -> None:
+    if ctx.log is not None:
+        ctx.log(msg)
+
+
+def merge_sequential(ctx: MergeContext, sites: Sequence[LayerSite], *, hybrid: bool = False) -> list[LayerRecord]:
+    """Sequential (or, with ``hybrid``, baseline-refining) layer-by-layer QP merging in model order."""
+    out: list[LayerRecord] = []
+    mode = "hybrid" if hybrid else "sequential"
+    for i, site in enumerate(sites):
+        res = solve_group(ctx, [site], mode=mode, group=i, relinearise_offsets=hybrid)
+        _apply(ctx, [site], res.new_weights)
+        t = time.perf_counter()
+        exact = calibration_objective(ctx)
+        out.extend(_with_exact(res.records, exact, time.perf_counter() - t))
+        r = out[-1]
+        _say(ctx, f"[{mode} {i + 1}/{len(sites)}] {site.name}: J {r.objective_before:.6g} -> "
+                  f"{r.objective_after:.6g} (exact {exact:.6g}), gap {r.certificate.get('fw_gap')}")
+    return out
+
+
+def merge_single(ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+    """Each site linearised at the current (base) model and solved independently; all applied
+    at the end. The exact objective after is measured with that site alone applied."""
+    results = [solve_group(ctx, [site], mode="single", group=i, relinearise_offsets=False)
+               for i, site in enumerate(sites)]
+    out: list[LayerRecord] = []
+    for site, res in zip(sites, results):
+        before = read_augmented(ctx.model, site)
+        _apply(ctx, [site], res.new_weights)
+        t = time.perf_counter()
+        exact = calibration_objective(ctx)
+        write_augmented(ctx.model, site, before)
+        out.extend(_with_exact(res.records, exact, time.perf_counter() - t))
+    for site, res in zip(sites, results):
+        _apply(ctx, [site], res.new_weights)
+    return out
+
+
+def merge_joint(ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+    """One joint first-order QP over every site's coefficients (see the module docstring)."""
+    res = solve_group(ctx, list(sites), mode="joint", group=0, relinearise_offsets=False)
+    _apply(ctx, sites, res.new_weights)
+    t = time.perf_counter()
+    exact = calibration_objective(ctx)
+    records = _with_exact(res.records, exact, time.perf_counter() - t)
+    _say(ctx, f"[joint] {len(sites)} layers, {res.records[0].n_variables} variables: J "
+              f"{records[0].objective_before:.6g} -> {records[0].objective_after:.6g} (exact {exact:.6g})")
+    return records
+
+
+def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+    """Dispatch on ``mode`` (``single`` | ``sequential`` | ``hybrid`` | ``joint``)."""
+    if mode not in MODES:
+        from ..errors import unknown
+
+        raise unknown("merge mode", mode, MODES)
+    if not sites:
+        raise ValidationError("no layers to merge")
+    if mode == "single":
+        return merge_single(ctx, sites)
+    if mode == "sequential":
+        return merge_sequential(ctx, sites)
+    if mode == "hybrid":
+        return merge_sequential(ctx, sites, hybrid=True)
+    return merge_joint(ctx, sites)

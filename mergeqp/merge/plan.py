@@ -1,0 +1,478 @@
+"""Validate a ``mergeqp merge`` config against its checkpoints and build the plan, loading no weights.
+
+Everything here reads only metadata: ``config.json``, safetensors headers (names, dtypes,
+shapes), tokenizer files, prompt files, and a ``meta``-device skeleton of the architecture
+(module types without storage). Errors found here (missing files, models of different
+architectures, tokenizer mismatch, a layer pattern that matches nothing, a bad constraint or
+solver name) are raised before any tensor is loaded. ``mergeqp merge --dry-run`` prints
+:meth:`MergePlan.render`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import MergeConfig, check_paths
+from ..errors import ConfigError, MergeQPError, ValidationError
+from ..io.calibration import (
+    holdout_count,
+    is_tensor_file,
+    read_prompts,
+    read_tensor_inputs,
+)
+from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
+from .sites import (
+    LayerSite,
+    checkpoint_names,
+    listing,
+    match_sites,
+    model_sites,
+    site_matches,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+                   "merges.txt", "tokenizer.model", "spiece.model", "special_tokens_map.json")
+MODES_NEEDING_CALIBRATION = ("single", "sequential", "hybrid", "joint")
+
+
+@dataclass(frozen=True)
+class TaskPlan:
+    name: str
+    checkpoint: str
+    prompts_file: str | None
+    n_prompts: int
+    n_calibration: int
+    n_heldout: int
+    weight: float
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One QP: the sites solved together, its variable count and solver."""
+
+    sites: tuple[str, ...]
+    n_variables: int
+    solver: str
+    linearised_at: str
+
+
+@dataclass
+class MergePlan:
+    """What a merge will do (JSON-able via :meth:`to_json`)."""
+
+    config: MergeConfig
+    base: Checkpoint
+    finetuned: list[Checkpoint]
+    architecture: str
+    model_type: str | None
+    sites: list[LayerSite]
+    extra_tensors: list[str]
+    tasks: list[TaskPlan]
+    groups: list[GroupPlan]
+    vocab_size: int | None
+    tokenizer_folder: str | None
+    memory: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def method(self) -> str:
+        m = self.config.method
+        return f"qp ({m.mode})" if m.is_qp else m.name
+
+    def merged_keys(self) -> list[str]:
+        keys = [k for s in self.sites for k in s.keys]
+        return keys + [k for k in self.extra_tensors if k not in keys]
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.config.method
+        return {
+            "base": str(self.base.path), "architecture": self.architecture, "model_type": self.model_type,
+            "models": [t.__dict__ for t in self.tasks],
+            "method": m.model_dump(),
+            "layers": [s.to_json() for s in self.sites],
+            "extra_tensors": self.extra_tensors,
+            "groups": [g.__dict__ for g in self.groups],
+            "output": self.config.output.model_dump(),
+            "device": self.config.device, "dtype": self.config.dtype, "seed": self.config.seed,
+            "memory_estimate_bytes": self.memory,
+            "notes": self.notes,
+        }
+
+    def render(self) -> str:
+        cfg = self.config
+        lines = [f"merge plan: {self.method}, {len(self.sites)} layer(s) of {self.architecture}"]
+        lines.append(f"  base: {self.base.path} ({len(self.base)} tensors, {_human(self.base.total_bytes)})")
+        for t in self.tasks:
+            lines.append(f"  model {t.name}: {t.checkpoint}; prompts {t.prompts_file or '-'} "
+                         f"({t.n_calibration} calibration + {t.n_heldout} held out), weight {t.weight:g}")
+        if cfg.method.is_qp:
+            m = cfg.method
+            par = m.parametrisation + (f" ({m.basis}, rank {m.rank})" if m.parametrisation == "basis" else "")
+            lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
+                         f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
+            if m.start is not None:
+                lines.append(f"  hybrid start: {m.start.name} {m.start.params or ''} on every tensor")
+            o = cfg.output
+            restrict = "all logits" if o.restrict == "none" else f"{o.restrict} k={o.k}"
+            lines.append(f"  compared output: {o.field} ({restrict}), targets: fine-tuned models, teacher forced")
+            lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
+            for g in self.groups:
+                lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "
+                             f"linearised at {g.linearised_at}")
+        else:
+            lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
+            for s in self.sites:
+                lines.append(f"    {s.label} ({s.r} x {s.m}{' + bias' if s.has_bias else ''})")
+            for k in self.extra_tensors:
+                lines.append(f"    {k}")
+        lines.append(f"  device {cfg.device}, dtype {cfg.dtype}, seed {cfg.seed}")
+        lines.append("  memory estimate: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---------------------------------------------------------------------- checks
+def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) -> None:
+    """Same model type / architecture (when configs exist) and the same tensor names and shapes;
+    the error names the model and the first differing tensor."""
+    bcfg = base.config or {}
+    for name, ck in others:
+        cfg = ck.config
+        if cfg is not None and base.config is not None:
+            for key in ("model_type", "architectures"):
+                if key in cfg and key in bcfg and cfg[key] != bcfg[key]:
+                    raise ConfigError(
+                        f"model {name!r} is a different architecture: its config has {key} "
+                        f"{cfg[key]!r} but the base has {bcfg[key]!r}"
+                    )
+        ref, theirs = base.shapes(), ck.shapes()
+        missing = [k for k in ref if k not in theirs]
+        extra = [k for k in theirs if k not in ref]
+        if missing or extra:
+            what = (f"lacks tensor {missing[0]!r} of the base" if missing else f"has tensor {extra[0]!r} that the base lacks")
+            raise ConfigError(
+                f"model {name!r} ({ck.path}) {what} ({len(missing)} missing, {len(extra)} extra): "
+                f"all models must share the base's architecture"
+            )
+        for k, shape in ref.items():
+            if theirs[k] != shape:
+                raise ConfigError(
+                    f"tensor {k!r} has shape {theirs[k]} in model {name!r} but {shape} in the base: "
+                    f"all models must share the base's architecture"
+                )
+
+
+def has_tokenizer(folder: Path) -> bool:
+    return folder.is_dir() and any((folder / f).is_file() for f in TOKENIZER_FILES)
+
+
+def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
+    """Every fine-tuned folder that ships a tokenizer must have the base's vocabulary and
+    special tokens (identical files are accepted without loading)."""
+    from ..io.calibration import load_tokenizer
+
+    ref = None
+    for name, folder in others:
+        if not has_tokenizer(folder):
+            continue
+        same = all(
+            ((base_folder / f).is_file() == (folder / f).is_file())
+            and (not (folder / f).is_file() or (base_folder / f).read_bytes() == (folder / f).read_bytes())
+            for f in TOKENIZER_FILES
+        )
+        if same:
+            continue
+        if ref is None:
+            ref = load_tokenizer(base_folder)
+        tok = load_tokenizer(folder)
+        v_ref, v = ref.get_vocab(), tok.get_vocab()
+        if v_ref != v:
+            only_theirs = sorted(set(v) - set(v_ref))[:3]
+            only_base = sorted(set(v_ref) - set(v))[:3]
+            moved = sorted(t for t in set(v) & set(v_ref) if v[t] != v_ref[t])[:3]
+            detail = (f"tokens only in it: {only_theirs}" if only_theirs else
+                      f"tokens missing from it: {only_base}" if only_base else f"tokens with other ids: {moved}")
+            raise ConfigError(
+                f"tokenizer mismatch: model {name!r} ({folder}) has a vocabulary of {len(v)} tokens, "
+                f"the base tokenizer ({base_folder}) {len(v_ref)}; {detail}. All models must share the "
+                f"base's tokenizer for teacher-forced targets"
+            )
+        if ref.all_special_tokens != tok.all_special_tokens:
+            raise ConfigError(
+                f"tokenizer mismatch: model {name!r} has special tokens {tok.all_special_tokens}, the base "
+                f"{ref.all_special_tokens}"
+            )
+
+
+def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
+    """The ``transformers`` class named by ``config["architectures"][0]`` (``AutoModel`` if none)."""
+    import transformers
+
+    archs = (config or {}).get("architectures") or []
+    if archs:
+        cls = getattr(transformers, archs[0], None)
+        if cls is None:
+            raise ConfigError(f"{where}: architecture {archs[0]!r} is not known to transformers {transformers.__version__}")
+        return cls
+    return transformers.AutoModel
+
+
+def skeleton(folder: Path) -> Any:
+    """The model built on the ``meta`` device (module structure and shapes, no storage)."""
+    import torch
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"cannot read the model config of {folder}: {exc}") from None
+    cls = architecture_class(config.to_dict(), str(folder))
+    try:
+        with torch.device("meta"):
+            return cls(config) if cls.__name__ != "AutoModel" else cls.from_config(config)
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"cannot build the architecture of {folder}: {type(exc).__name__}: {exc}") from None
+
+
+def _stored_names(ck: Checkpoint, base: Checkpoint, model: Any) -> Checkpoint:
+    """A bare state dict saved from a live model (``torch.save(model.state_dict())``) may use the
+    live names where ``transformers`` stores others (it renames some architectures' weights on
+    load): view it under the stored names so it lines up with the base folder."""
+    if ck.is_hf_folder or set(ck.names()) <= set(base.names()):
+        return ck
+    mapping = {live: stored for live, stored in checkpoint_names(model).items() if live in ck}
+    return ck.renamed(mapping) if mapping else ck
+
+
+def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple[list[LayerSite], list[str]]:
+    """Sites (QP) or sites + other checkpoint tensors (baselines) matched by the layer patterns."""
+    if cfg.method.is_qp:
+        return match_sites(sites, cfg.layers), []
+    chosen: list[LayerSite] = []
+    extra: list[str] = []
+    site_keys = {k for s in sites for k in s.keys}
+    for pattern in cfg.layers:
+        p = pattern.removesuffix(".weight")
+        hit_sites = [s for s in sites if site_matches(s, p)]
+        hit_tensors = [n for n in names if n not in site_keys
+                       and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
+        if not hit_sites and not hit_tensors:
+            raise ConfigError(
+                f"layer pattern {pattern!r} matches no layer or tensor; linear layers: "
+                f"{listing([s.label for s in sites])}"
+            )
+        chosen.extend(s for s in hit_sites if s not in chosen)
+        extra.extend(t for t in hit_tensors if t not in extra)
+    order = {s.name: i for i, s in enumerate(sites)}
+    return sorted(chosen, key=lambda s: order[s.name]), [n for n in names if n in set(extra)]
+
+
+def _solver_name(cfg: MergeConfig, n: int) -> str:
+    """The solver ``auto`` would pick for an ``n``-variable problem with these constraints."""
+    import numpy as np
+
+    from ..constraints import parse_constraint
+    from ..problem import MergeQP
+    from ..solvers.registry import choose_solver, get_solver
+
+    m = cfg.method
+    if m.solver != "auto":
+        try:
+            get_solver(m.solver).check_options(m.solver_options)
+        except MergeQPError as exc:
+            raise ConfigError(f"method.solver: {exc}") from None
+        return m.solver
+    if m.solver_options:
+        raise ConfigError("method.solver_options: name a solver (options differ between solvers), not 'auto'")
+    try:
+        sets = [parse_constraint(s, {"deltas": np.zeros((len(cfg.models), 1, 1)), "parametrisation": "rows"})
+                for s in m.constraints]
+        from ..constraints import as_constraint_set
+
+        K = len(cfg.models)
+        if n <= 2048:  # an explicit H of the real size, so the choice matches the run's
+            probe = MergeQP(H=np.eye(n), g=np.zeros(n), shape=(K, n // K))
+        else:
+            probe = MergeQP(H=None, g=np.zeros(n), shape=(K, n // K), hessian_matvec=lambda x: x)
+        return "auto -> " + choose_solver(probe, as_constraint_set(sets or None)).name
+    except MergeQPError:
+        return "auto (decided at solve time)"
+
+
+def _n_atoms(cfg: MergeConfig, site: LayerSite) -> int:
+    m = cfg.method
+    return {"scalar": 1, "rows": site.r, "columns": site.m1}.get(
+        m.parametrisation, m.rank if m.rank is not None else site.r)
+
+
+def _check_method(cfg: MergeConfig) -> None:
+    from ..constraints import parse_constraint
+
+    m = cfg.method
+    if not m.is_qp:
+        _check_baseline(m.name, m.params, "method")
+        return
+    if m.start is not None:
+        _check_baseline(m.start.name, m.start.params, "method.start")
+    for spec in m.constraints:
+        name = spec.split(":", 1)[0].strip().lower()
+        if name == "sign":
+            if m.mode == "joint":
+                raise ConfigError("method.constraints: 'sign' is per layer and cannot be used with mode: joint")
+            continue  # needs the deltas; parsed at solve time
+        try:
+            parse_constraint(spec)
+        except MergeQPError as exc:
+            raise ConfigError(f"method.constraints: {exc}") from None
+    if m.parametrisation == "basis" and m.basis not in ("svd", "random"):
+        raise ConfigError(
+            f"method.basis: {m.basis!r} is not available when merging checkpoints (the optimal basis needs "
+            f"per-sample output Jacobians of shape (c, T r), which are not collected for sequence models); "
+            f"valid: svd, random (standard = parametrisation: rows)"
+        )
+
+
+def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
+    """Known, tensor-wise baseline with valid parameters (checked by the method's own schema)."""
+    try:
+        from . import get_merge_method  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        raise ConfigError(f"{where}: baseline merge methods are not available (mergeqp.merge registry)") from None
+    try:
+        method = get_merge_method(name)
+    except MergeQPError as exc:
+        raise ConfigError(f"{where}: {exc} (or qp)") from None
+    if not getattr(method, "tensorwise", True):
+        raise ConfigError(
+            f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise); mergeqp merge "
+            f"streams baselines tensor by tensor: use it from Python with merge_state_dicts, or use the QP"
+        )
+    if "include" in params or "exclude" in params:
+        raise ConfigError(f"{where}.params: select tensors with the top-level 'layers', not include/exclude")
+    try:
+        method.parse(params)
+    except MergeQPError as exc:
+        raise ConfigError(f"{where}.params: {exc}") from None
+
+
+def build_plan(cfg: MergeConfig) -> MergePlan:
+    """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
+    check_paths(cfg)
+    _check_method(cfg)
+    names = cfg.model_names()
+    base_path = cfg.resolve(cfg.base)
+    try:
+        base = open_checkpoint(base_path)
+        fts = [open_checkpoint(cfg.resolve(m.path)) for m in cfg.models]
+    except ValidationError as exc:
+        raise ConfigError(str(exc)) from None
+    if not base.is_hf_folder or base.config is None:
+        raise ConfigError(f"base {base_path} must be a Hugging Face model folder (config.json + weights): "
+                          f"its config gives the architecture")
+    model = skeleton(base_path)
+    fts = [_stored_names(ck, base, model) for ck in fts]
+    check_architectures(base, list(zip(names, fts)))
+
+    tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
+    needs_text = cfg.method.is_qp and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
+    if needs_text and not has_tokenizer(tok_folder):
+        raise ConfigError(f"no tokenizer files in {tok_folder}: text prompts need the base model's tokenizer "
+                          f"(or set 'tokenizer:' to a folder holding it)")
+    if has_tokenizer(tok_folder):
+        check_tokenizers(tok_folder, [(n, ck.path) for n, ck in zip(names, fts) if ck.folder is not None])
+
+    tasks = []
+    for i, (name, entry, ck) in enumerate(zip(names, cfg.models, fts)):
+        src = entry.prompts()
+        if src is None:
+            tasks.append(TaskPlan(name, str(ck.path), None, 0, 0, 0, entry.weight))
+            continue
+        path = cfg.resolve(src.path)
+        try:
+            if is_tensor_file(path):
+                data = read_tensor_inputs(path)
+                n = int(next(iter(data.values())).shape[0])
+                if src.max_prompts is not None:
+                    n = min(n, src.max_prompts)
+            else:
+                n = len(read_prompts(path, src.field, src.max_prompts))
+        except ValidationError as exc:
+            raise ConfigError(f"models[{name}].calibration: {exc}") from None
+        held = holdout_count(n, cfg.holdout_for(i)) if cfg.evaluate else 0
+        tasks.append(TaskPlan(name, str(ck.path), str(path), n, n - held, held, entry.weight))
+
+    all_sites = model_sites(model, base.names())
+    sites, extra = _select(cfg, all_sites, list(base.names()))
+    vocab = (base.config or {}).get("vocab_size")
+    K = len(cfg.models)
+    groups: list[GroupPlan] = []
+    notes: list[str] = []
+    if cfg.method.is_qp:
+        mode = cfg.method.mode
+        at = {"single": "the base model", "sequential": "the partially merged model",
+              "hybrid": f"the {cfg.method.start.name if cfg.method.start else ''} merge", "joint": "the base model"}[mode]
+        if mode == "joint":
+            n = K * sum(_n_atoms(cfg, s) for s in sites)
+            groups.append(GroupPlan(tuple(s.name for s in sites), n, _solver_name(cfg, n), at))
+            notes.append("joint mode also runs the sequential QP on the same layers for the report's comparison"
+                         if cfg.method.compare_sequential else "joint mode: no sequential comparison (compare_sequential: false)")
+        else:
+            for s in sites:
+                n = K * _n_atoms(cfg, s)
+                groups.append(GroupPlan((s.name,), n, _solver_name(cfg, n), at))
+        if cfg.output.restrict == "none" and vocab and vocab > 4096:
+            notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
+                         f"the statistics tractable")
+    plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
+                     (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
+                     str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes)
+    plan.memory = estimate_memory(plan)
+    return plan
+
+
+def estimate_memory(plan: MergePlan) -> dict[str, int]:
+    """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
+    cfg = plan.config
+    elem = DTYPE_BYTES[cfg.dtype]
+    numel = sum(plan.base.info(n).numel for n in plan.base.names())
+    K = len(cfg.models)
+    if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk, no model
+        from .pipeline import DEFAULT_CHUNK_BYTES
+
+        merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
+        return {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
+    models = 2 + (1 if cfg.method.mode == "joint" and cfg.method.compare_sequential else 0)
+    out = {"models": models * numel * elem}
+    if cfg.method.mode == "hybrid":
+        out["start merge (all tensors)"] = plan.base.total_bytes
+    T = cfg.calibration.max_length
+    B = cfg.calibration.batch_size
+    per_pos = cfg.output.k if cfg.output.restrict != "none" else (plan.vocab_size or 1)
+    n_max = max((g.n_variables for g in plan.groups), default=0)
+    n_tasks = len(cfg.models)
+    out["statistics"] = n_tasks * n_max * n_max * 8
+    out["jacobian block"] = B * T * per_pos * n_max * 8
+    deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
+    out["deltas"] = deltas * (len(plan.sites) if cfg.method.mode == "joint" else 1)
+    prompts = sum(t.n_calibration for t in plan.tasks)
+    held = sum(t.n_heldout for t in plan.tasks)
+    out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
+    chunk = min(256, n_max) if n_max else 0
+    bcfg = plan.base.config or {}
+    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
+    vocab = plan.vocab_size or per_pos
+    # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once
+    out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + vocab) * elem * 2
+    return out

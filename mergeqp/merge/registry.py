@@ -1,0 +1,111 @@
+"""The registry of baseline merge methods and the state-dict entry points.
+
+``MERGE_METHODS`` maps a name to its :class:`~mergeqp.merge.method.MergeMethod`; the built-in
+methods are registered explicitly below (see ``docs/baselines.md`` for the formulas, defaults
+and references). :func:`register_merge_method` adds a method; :func:`get_merge_method` looks one
+up (an unknown name lists the valid ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import ConfigError, unknown
+from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
+from .fisher import FISHER
+from .inputs import prepare_inputs
+from .method import MergeMethod
+from .regmean import REGMEAN
+from .selection import select_tensors
+from .task_arithmetic import SOUP, TASK_ARITHMETIC
+from .ties import TIES
+
+MERGE_METHODS: dict[str, MergeMethod] = {}
+
+
+def register_merge_method(method: MergeMethod) -> MergeMethod:
+    """Add ``method`` under ``method.name``; a duplicate name is an error."""
+    if not isinstance(method, MergeMethod):
+        raise ConfigError(f"register_merge_method expects a MergeMethod, got {type(method).__name__}")
+    if method.name in MERGE_METHODS:
+        raise ConfigError(f"merge method {method.name!r} is already registered")
+    MERGE_METHODS[method.name] = method
+    return method
+
+
+def get_merge_method(name: str) -> MergeMethod:
+    try:
+        return MERGE_METHODS[name]
+    except (KeyError, TypeError):
+        raise unknown("merge method", str(name), MERGE_METHODS) from None
+
+
+for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_DARE, FISHER, REGMEAN):
+    register_merge_method(_method)
+del _method
+
+
+def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params: Any) -> dict[str, Any]:
+    """Merge ``finetuned`` (K models) onto ``base`` with the registered method ``method``.
+
+    ``base`` and each fine-tuned model: a state dict (``name -> tensor``), an ``nn.Module`` or a
+    mergeqp ``Checkpoint`` (read lazily). ``base`` may be ``None`` for methods that do not use task
+    vectors (``soup``, ``fisher``, ``regmean``). ``params`` are the method's parameters plus the
+    shared ``include`` / ``exclude`` / ``unselected`` / ``progress`` (see
+    :mod:`mergeqp.merge.method`); unknown parameters are a :class:`ConfigError` listing the
+    valid ones.
+
+    Returns a new dict in the reference model's key order (base, else ``finetuned[0]``) and
+    dtypes: merged tensors for the selected floating-point names; the others per
+    ``unselected`` (tensors copied from the base are the base's own objects, not clones).
+    """
+    import torch
+
+    spec = get_merge_method(method)
+    parsed = spec.parse(params)
+    inputs = prepare_inputs(base, finetuned, needs_base=spec.needs_base, method=spec.name)
+    names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
+    merged = spec.run(inputs, names, parsed)
+    missing = [n for n in names if n not in merged]
+    if missing:  # a method bug, never user input
+        raise RuntimeError(f"merge method {spec.name!r} returned no tensor for {missing[0]!r}")
+    unselected = parsed.unselected or ("base" if inputs.base is not None else "average")
+    if unselected == "base" and inputs.base is None:
+        raise ConfigError("unselected='base' needs a base model; pass base= or unselected='average'")
+    float_names = set(inputs.float_names)
+    ref = inputs.reference
+    out: dict[str, Any] = {}
+    for name in inputs.names:
+        if name in merged:
+            dtype, device = ref.dtype_device(name)
+            out[name] = merged[name].to(dtype=dtype, device=device)
+        elif unselected == "drop":
+            continue
+        elif unselected == "average" and name in float_names:
+            dtype, device = ref.dtype_device(name)
+            wide = torch.float64 if dtype == torch.float64 else torch.float32
+            tensors = inputs.finetuned_tensors(name)
+            out[name] = (sum(t.to(device, dtype=wide) for t in tensors) / len(tensors)).to(dtype)
+        else:
+            out[name] = ref.get(name)
+    return out
+
+
+def merge_tensors(method: str, base: Any, finetuned: Sequence[Any], *, name: str = "tensor", **params: Any) -> Any:
+    """Merge single tensors: ``base`` (a tensor, or ``None`` where allowed) and K fine-tuned
+    tensors of the same shape; returns the merged tensor. Only for methods that merge each
+    tensor from its own values (not ``fisher`` / ``regmean``). ``name`` is the tensor's name,
+    used for error messages, per-tensor seeds and injected masks."""
+    spec = get_merge_method(method)
+    if not spec.tensorwise:
+        raise ConfigError(f"merge method {spec.name!r} needs a model and calibration data; use merge_state_dicts")
+    if not isinstance(finetuned, Sequence) or isinstance(finetuned, Mapping):
+        raise ConfigError("finetuned must be a list of tensors")
+    result = merge_state_dicts(
+        method,
+        None if base is None else {name: base},
+        [{name: t} for t in finetuned],
+        **params,
+    )
+    return result[name]

@@ -1,0 +1,136 @@
+"""``report.json`` and ``report.md`` of ``mergeqp merge``.
+
+The JSON holds the plan, one entry per merged layer (``objective_before``, ``objective_after``,
+``objective_after_exact``, ``certificate`` {``fw_gap``, ``certified``, ...}, ``energy_fraction``,
+``seconds``, the QP objective at reference points), the evaluation (calibration objective and
+held-out teacher-forced MSE per task, for the base, the hybrid start and the merged model) and,
+for a joint QP, its comparison with the sequential QP on the same layers. Non-finite numbers are
+written as the strings ``"inf"``, ``"-inf"``, ``"nan"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def jsonable(x: Any) -> Any:
+    """Plain JSON types (numpy scalars/arrays -> numbers/lists, non-finite floats -> strings)."""
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, np.ndarray):
+        return jsonable(x.tolist())
+    if isinstance(x, (np.floating, float)):
+        v = float(x)
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return v
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.bool_,)):
+        return bool(x)
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.write_text(json.dumps(jsonable(report), indent=2))
+
+
+def _f(x: Any, digits: int = 6) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, str):
+        return x
+    if isinstance(x, bool):
+        return "yes" if x else "no"
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return str(x)
+    if math.isnan(v):
+        return "nan"
+    return f"{v:.{digits}g}"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    plan = report.get("plan", {})
+    method = plan.get("method", {})
+    lines = ["# mergeqp merge report", ""]
+    lines.append(f"- base: `{plan.get('base')}` ({plan.get('architecture')})")
+    for m in plan.get("models", []):
+        lines.append(f"- model `{m['name']}`: `{m['checkpoint']}`, {m['n_calibration']} calibration + "
+                     f"{m['n_heldout']} held-out prompts, weight {m['weight']}")
+    name = method.get("name")
+    if name == "qp":
+        lines.append(f"- method: QP, mode `{method.get('mode')}`, parametrisation `{method.get('parametrisation')}`, "
+                     f"constraints `{', '.join(method.get('constraints') or []) or 'none'}`, solver `{method.get('solver')}`, "
+                     f"regularisation {method.get('regularisation')}")
+        out = plan.get("output", {})
+        restrict = "all logits" if out.get("restrict") == "none" else f"{out.get('restrict')} (k = {out.get('k')})"
+        lines.append(f"- compared output: `{out.get('field')}`, {restrict}; device `{report.get('device')}`, "
+                     f"dtype `{plan.get('dtype')}`")
+    else:
+        lines.append(f"- method: baseline `{name}` with {method.get('params') or {}}")
+    lines.append(f"- total time: {_f(report.get('seconds'), 3)} s")
+    for n in report.get("notes", []):
+        lines.append(f"- note: {n}")
+
+    layers = report.get("layers") or []
+    if layers:
+        lines += ["", "## Merged layers", "",
+                  "| layer | mode | J before | J after (QP) | J after (exact) | fw gap | certified | energy | solver | s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in layers:
+            c = r.get("certificate", {})
+            lines.append(f"| `{r['layer']}` | {r['mode']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
+                         f"{_f(r['objective_after_exact'])} | {_f(c.get('fw_gap'), 3)} | {_f(c.get('certified'))} | "
+                         f"{_f(r['energy_fraction'], 4)} | {r.get('solver')} | {_f(r['seconds'], 3)} |")
+        lines += ["", "QP objective at reference points of the same problem (soup = 1/K, task arithmetic = 1):", "",
+                  "| layer | " + " | ".join(sorted(layers[0].get("objective_at", {}))) + " | optimum |",
+                  "|---|" + "---|" * (len(layers[0].get("objective_at", {})) + 1)]
+        for r in layers:
+            pts = r.get("objective_at", {})
+            lines.append(f"| `{r['layer']}` | " + " | ".join(_f(pts[k]) for k in sorted(pts)) + f" | {_f(r['objective_after'])} |")
+
+    ev = report.get("evaluation")
+    if ev:
+        lines += ["", "## Evaluation", "",
+                  ("Calibration objective (sum of squared compared-output errors) and held-out teacher-forced "
+                   "MSE per logit against each task's fine-tuned model."), ""]
+        tasks = sorted({t for v in ev.values() if isinstance(v, dict) for t in v.get("heldout_mse", {})})
+        lines.append("| model | calibration J | " + " | ".join(f"MSE {t}" for t in tasks) + " |")
+        lines.append("|---|---|" + "---|" * len(tasks))
+        for key, v in ev.items():
+            label = key if key != "start" else f"start ({v.get('method')})"
+            mse = v.get("heldout_mse", {})
+            lines.append(f"| {label} | {_f(v.get('calibration_objective'))} | " + " | ".join(_f(mse.get(t)) for t in tasks) + " |")
+
+    cmp_ = report.get("joint_vs_sequential")
+    if cmp_:
+        lines += ["", "## Joint QP vs sequential QP on the same layers", "",
+                  "| scheme | calibration J (exact) | held-out MSE (mean over tasks) | s |", "|---|---|---|---|"]
+        for key in ("joint", "sequential"):
+            v = cmp_[key]
+            mse = list(v.get("heldout_mse", {}).values())
+            mean = sum(mse) / len(mse) if mse else None
+            lines.append(f"| {key} | {_f(v['calibration_objective'])} | {_f(mean)} | {_f(v.get('seconds'), 3)} |")
+
+    out = report.get("output")
+    if out:
+        lines += ["", (f"Written: `{out['folder']}`: {', '.join(out['weight_files'])} ({out['tensors']} tensors, "
+                       f"{out['bytes']} bytes); copied {', '.join(out['copied']) or 'nothing'}.")]
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(path: Path, report: dict[str, Any]) -> None:
+    path.write_text(render_markdown(jsonable(report)))

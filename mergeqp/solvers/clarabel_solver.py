@@ -1,0 +1,91 @@
+"""Clarabel (interior point) called directly on the sparse standard form (no CVXPY).
+
+Defaults we set, all overridable as solver options: ``tol_gap_abs = tol_gap_rel = 1e-10``
+and ``tol_feas = 1e-10`` (Clarabel's own are 1e-8), ``max_iter = 200`` (Clarabel's default),
+``direct_solve_method = "faer"`` (a supernodal factorisation, measured 5x faster than the
+default ``qdldl`` on a dense H), ``presolve_enable = True`` (default), ``verbose = False``,
+``time_limit = inf``. Constraints ``A z + s = b`` with ``s`` in the zero cone (equalities) and
+the non-negative cone (inequalities and finite bounds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from ..constraints import ConstraintSet
+from ..errors import InfeasibleError, SolverError
+from ..problem import MergeQP
+from ..solution import SolveStatus
+from .base import QPSolver, RawResult
+from .standard_form import standard_form, standard_form_reason
+
+_SETTINGS = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "direct_solve_method",
+             "presolve_enable", "verbose", "time_limit")
+
+
+class ClarabelSolver(QPSolver):
+    """Clarabel on ``A z + s = b``, ``s`` in zero x non-negative cones; L1 via auxiliaries."""
+
+    name = "clarabel"
+    defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
+                "direct_solve_method": "faer", "presolve_enable": True, "verbose": False,
+                "time_limit": math.inf}
+
+    def available(self) -> str | None:
+        try:
+            import clarabel  # noqa: F401
+        except ImportError:
+            return "the clarabel package is not installed (pip install clarabel)"
+        return None
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        if problem.H is None:
+            return "needs an explicit H"
+        return standard_form_reason(constraints, problem.shape)
+
+    def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
+              **options: Any) -> RawResult:
+        import clarabel
+
+        opts = self.check_options(options)
+        t0 = time.perf_counter()
+        qp = standard_form(problem, constraints)
+        A = sp.vstack([qp.A_eq, qp.A_in]).tocsc()
+        b = np.concatenate([qp.b_eq, qp.b_in])
+        cones = []
+        if qp.b_eq.size:
+            cones.append(clarabel.ZeroConeT(int(qp.b_eq.size)))
+        if qp.b_in.size:
+            cones.append(clarabel.NonnegativeConeT(int(qp.b_in.size)))
+        settings = clarabel.DefaultSettings()
+        for key in _SETTINGS:
+            setattr(settings, key, opts[key])
+        try:
+            solver = clarabel.DefaultSolver(qp.P, qp.q, A, b, cones, settings)
+        except Exception as exc:
+            raise SolverError(f"clarabel: setup failed: {exc}") from exc
+        setup = time.perf_counter() - t0
+        sol = solver.solve()
+        status = str(sol.status)
+        info = {"clarabel_status": status, "settings": dict(opts)}
+        if status in ("PrimalInfeasible", "AlmostPrimalInfeasible"):
+            raise InfeasibleError(f"clarabel: the constraint set {constraints.spec} is infeasible ({status})")
+        if status in ("DualInfeasible", "AlmostDualInfeasible"):
+            raise SolverError(f"clarabel: the problem is unbounded below on {constraints.spec} ({status})")
+        x = np.asarray(sol.x, dtype=np.float64)[: qp.n]
+        if x.size != qp.n or not np.all(np.isfinite(x)):
+            raise SolverError(f"clarabel: no solution ({status})")
+        if status == "Solved":
+            st = SolveStatus.OPTIMAL
+        elif status in ("AlmostSolved", "InsufficientProgress"):
+            st = SolveStatus.INACCURATE
+        elif status in ("MaxIterations", "MaxTime"):
+            st = SolveStatus.MAX_ITERATIONS
+        else:
+            raise SolverError(f"clarabel: failed with status {status}")
+        return RawResult(problem.unflat(x), st, int(sol.iterations), info, setup_seconds=setup)

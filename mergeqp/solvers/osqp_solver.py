@@ -1,0 +1,82 @@
+"""OSQP called directly on the sparse standard form (no CVXPY).
+
+Defaults we set (and why), all overridable as solver options: ``eps_abs = eps_rel = 1e-9``
+(OSQP's own 1e-3 leaves bound violations of ~5e-4 on merge QPs), ``polishing = True`` (an
+active-set refinement step that makes the answer exact when it succeeds), ``max_iter =
+100000``, ``adaptive_rho = True`` (OSQP's default), ``scaling = 10`` (default),
+``verbose = False``, ``time_limit = 1e10`` s (none). OSQP factorises a sparse KKT matrix holding
+the dense H, which is slow for large n (see docs/solvers.md).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ..constraints import ConstraintSet
+from ..errors import InfeasibleError, SolverError
+from ..problem import MergeQP
+from ..solution import SolveStatus
+from .base import QPSolver, RawResult
+from .standard_form import standard_form, standard_form_reason
+
+
+class OSQPSolver(QPSolver):
+    """OSQP (ADMM) on ``l <= A z <= u``; L1 balls through auxiliary variables."""
+
+    name = "osqp"
+    defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100000,
+                "adaptive_rho": True, "scaling": 10, "verbose": False, "time_limit": 1e10}
+
+    def available(self) -> str | None:
+        try:
+            import osqp  # noqa: F401
+        except ImportError:
+            return "the osqp package is not installed (pip install osqp)"
+        return None
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        if problem.H is None:
+            return "needs an explicit H"
+        return standard_form_reason(constraints, problem.shape)
+
+    def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
+              **options: Any) -> RawResult:
+        import osqp
+
+        opts = self.check_options(options)
+        t0 = time.perf_counter()
+        qp = standard_form(problem, constraints)
+        A, lo, hi = qp.osqp_form()
+        solver = osqp.OSQP()
+        try:
+            solver.setup(P=qp.P, q=qp.q, A=A, l=lo, u=hi, **opts)
+            if x0 is not None:
+                z0 = np.zeros(qp.n_total)
+                z0[: qp.n] = np.asarray(x0, dtype=np.float64).ravel()
+                solver.warm_start(x=z0)
+        except Exception as exc:
+            raise SolverError(f"osqp: setup failed: {exc}") from exc
+        setup = time.perf_counter() - t0
+        res = solver.solve(raise_error=False)
+        status = str(res.info.status).lower()
+        info = {"osqp_status": res.info.status, "iterations": int(res.info.iter),
+                "polish_status": int(getattr(res.info, "status_polish", 0)),
+                "settings": dict(opts)}
+        if "primal infeasible" in status:
+            raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
+        if "dual infeasible" in status:
+            raise SolverError(f"osqp: the problem is unbounded below on {constraints.spec} ({res.info.status})")
+        if res.x is None or not np.all(np.isfinite(res.x[: qp.n])):
+            raise SolverError(f"osqp: no solution ({res.info.status})")
+        if status == "solved":
+            st = SolveStatus.OPTIMAL
+        elif "inaccurate" in status:
+            st = SolveStatus.INACCURATE
+        elif "maximum iterations" in status or "time limit" in status:
+            st = SolveStatus.MAX_ITERATIONS
+        else:
+            raise SolverError(f"osqp: failed with status {res.info.status!r}")
+        return RawResult(problem.unflat(res.x[: qp.n]), st, int(res.info.iter), info, setup_seconds=setup)

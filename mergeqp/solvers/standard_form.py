@@ -1,0 +1,113 @@
+"""The merge QP in the sparse standard forms of general QP solvers (OSQP, Clarabel).
+
+Variables ``z = [x; t]``: ``x`` the flat ``d`` (``n = K * n_atoms``, row-major) and, for each
+L1 ball ``||x - c||_1 <= r``, ``n`` auxiliary ``t`` with ``-t <= x - c <= t``, ``1't <= r``.
+Every other polyhedral set contributes its :meth:`~mergeqp.constraints.ConstraintSet.linear_form`
+(bounds, equalities, inequalities). User CVXPY constraints have no such form (use the CVXPY
+solvers). The objective is ``1/2 z'Pz + q'z`` with ``P = blockdiag(H, 0)`` (upper triangle for
+the solvers), ``q = [g; 0]``; the constant ``c`` is added back by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.sparse as sp
+
+from ..constraints import ConstraintSet, L1Ball, LinearForm, Unconstrained
+from ..problem import MergeQP
+
+
+@dataclass(frozen=True)
+class StandardQP:
+    """``min 1/2 z'Pz + q'z`` s.t. ``A_eq z = b_eq``, ``A_in z <= b_in`` (bounds included as
+    rows), ``z`` of length ``n_total``; ``x = z[:n]``. ``P`` is upper-triangular CSC."""
+
+    n: int
+    n_total: int
+    P: sp.csc_matrix
+    q: np.ndarray
+    A_eq: sp.csr_matrix
+    b_eq: np.ndarray
+    A_in: sp.csr_matrix
+    b_in: np.ndarray
+
+    def osqp_form(self) -> tuple[sp.csc_matrix, np.ndarray, np.ndarray]:
+        """``(A, l, u)`` with ``l <= A z <= u`` (equalities as ``l = u``)."""
+        A = sp.vstack([self.A_eq, self.A_in]).tocsc()
+        lo = np.concatenate([self.b_eq, np.full(self.b_in.size, -np.inf)])
+        hi = np.concatenate([self.b_eq, self.b_in])
+        return A, lo, hi
+
+
+def standard_form_reason(constraints: ConstraintSet, shape: tuple[int, int]) -> str | None:
+    """``None`` when :func:`standard_form` handles the set, else why not."""
+    for s in constraints.members():
+        if isinstance(s, (L1Ball, Unconstrained)):
+            continue
+        if s.linear_form(shape) is None:
+            return f"{s.spec} is not polyhedral (use cvxpy_clarabel or cvxpy_osqp for user constraints)"
+    return None
+
+
+def standard_form(problem: MergeQP, constraints: ConstraintSet) -> StandardQP:
+    """Build the standard form (needs an explicit H)."""
+    assert problem.H is not None
+    n = problem.n
+    shape = problem.shape
+    form = LinearForm.empty(n)
+    balls: list[L1Ball] = []
+    for s in constraints.members():
+        if isinstance(s, L1Ball):
+            balls.append(s)
+        elif isinstance(s, Unconstrained):
+            continue
+        else:
+            f = s.linear_form(shape)
+            if f is None:
+                raise ValueError(standard_form_reason(constraints, shape))
+            form = form & f
+    n_total = n * (1 + len(balls))
+
+    def widen(M: sp.spmatrix) -> sp.csr_matrix:
+        return sp.hstack([M, sp.csr_matrix((M.shape[0], n_total - n))]).tocsr()
+
+    eq_rows = [widen(form.A_eq)]
+    eq_rhs = [form.b_eq]
+    in_rows = [widen(form.A_ub)]
+    in_rhs = [form.b_ub]
+    fin_hi = np.flatnonzero(np.isfinite(form.ub))
+    fin_lo = np.flatnonzero(np.isfinite(form.lb))
+    fixed = np.intersect1d(fin_hi, fin_lo)
+    fixed = fixed[form.lb[fixed] == form.ub[fixed]]
+    if fixed.size:  # lo == hi: an equality (keeps interior-point solvers well posed)
+        eq_rows.append(sp.csr_matrix((np.ones(fixed.size), (np.arange(fixed.size), fixed)), shape=(fixed.size, n_total)))
+        eq_rhs.append(form.lb[fixed])
+        fin_hi = np.setdiff1d(fin_hi, fixed)
+        fin_lo = np.setdiff1d(fin_lo, fixed)
+    if fin_hi.size:
+        in_rows.append(sp.csr_matrix((np.ones(fin_hi.size), (np.arange(fin_hi.size), fin_hi)), shape=(fin_hi.size, n_total)))
+        in_rhs.append(form.ub[fin_hi])
+    if fin_lo.size:
+        in_rows.append(sp.csr_matrix((-np.ones(fin_lo.size), (np.arange(fin_lo.size), fin_lo)), shape=(fin_lo.size, n_total)))
+        in_rhs.append(-form.lb[fin_lo])
+    eye = sp.identity(n, format="csr")
+    for b, ball in enumerate(balls):
+        c = ball._center(shape).ravel()
+        off = n * (1 + b)
+        T = sp.csr_matrix((np.ones(n), (np.arange(n), off + np.arange(n))), shape=(n, n_total))
+        X = widen(eye)
+        in_rows += [X - T, -X - T]
+        in_rhs += [c, -c]
+        in_rows.append(sp.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), off + np.arange(n))), shape=(1, n_total)))
+        in_rhs.append(np.array([ball.radius]))
+    P = sp.triu(sp.csc_matrix(problem.H), format="csc")
+    if n_total > n:
+        P = sp.block_diag([P, sp.csc_matrix((n_total - n, n_total - n))], format="csc")
+    q = np.concatenate([problem.g, np.zeros(n_total - n)])
+    return StandardQP(
+        n=n, n_total=n_total, P=P, q=q,
+        A_eq=sp.vstack(eq_rows).tocsr(), b_eq=np.concatenate(eq_rhs),
+        A_in=sp.vstack(in_rows).tocsr(), b_in=np.concatenate(in_rhs),
+    )

@@ -1,0 +1,158 @@
+"""Finding the merge layer, checking architectures, and the forward hook that perturbs it.
+
+The hook lets any ``nn.Module`` be linearised at a layer without model surgery: it records the
+layer's input and output and, when a perturbation is set, returns ``output + perturbation``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+
+MAX_LISTED = 40
+
+
+def linear_layer_names(model: Any) -> list[str]:
+    """Names (``model.named_modules()``) of every ``nn.Linear`` in ``model``."""
+    from torch import nn
+
+    return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
+
+
+def _listing(names: Sequence[str]) -> str:
+    if not names:
+        return "(none)"
+    shown = ", ".join(names[:MAX_LISTED])
+    more = len(names) - MAX_LISTED
+    return shown + (f", ... and {more} more" if more > 0 else "")
+
+
+def resolve_linear(model: Any, layer: str, what: str = "base model") -> Any:
+    """Return the ``nn.Linear`` called ``layer`` in ``model``; the error lists the valid names."""
+    from torch import nn
+
+    if not isinstance(layer, str) or not layer:
+        raise ValidationError(f"layer must be a module name (str), got {layer!r}")
+    modules = dict(model.named_modules())
+    module = modules.get(layer)
+    if module is None:
+        raise ValidationError(
+            f"the {what} has no module named {layer!r}; its nn.Linear layers are: "
+            f"{_listing(linear_layer_names(model))}"
+        )
+    if not isinstance(module, nn.Linear):
+        raise ValidationError(
+            f"module {layer!r} of the {what} is a {type(module).__name__}, not an nn.Linear; "
+            f"the nn.Linear layers are: {_listing(linear_layer_names(model))}"
+        )
+    return module
+
+
+def check_same_architecture(base: Any, others: Sequence[tuple[str, Any]]) -> None:
+    """Raise naming the first tensor whose presence or shape differs from the base model's."""
+    ref = {k: tuple(v.shape) for k, v in base.state_dict().items()}
+    for name, model in others:
+        theirs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        missing = [k for k in ref if k not in theirs]
+        if missing:
+            raise ValidationError(
+                f"model {name!r} lacks tensor {missing[0]!r} of the base model "
+                f"({len(missing)} missing in all)"
+            )
+        extra = [k for k in theirs if k not in ref]
+        if extra:
+            raise ValidationError(
+                f"model {name!r} has tensor {extra[0]!r} that the base model lacks "
+                f"({len(extra)} extra in all)"
+            )
+        for key, shape in ref.items():
+            if theirs[key] != shape:
+                raise ValidationError(
+                    f"tensor {key!r} has shape {theirs[key]} in model {name!r} but {shape} in "
+                    f"the base model; all models must share one architecture"
+                )
+
+
+def differing_tensors(base: Any, model: Any, skip_prefix: str) -> int:
+    """How many tensors of ``model`` differ from ``base`` outside the module ``skip_prefix``."""
+    import torch
+
+    count = 0
+    theirs = model.state_dict()
+    for key, value in base.state_dict().items():
+        if key.startswith(skip_prefix + "."):
+            continue
+        other = theirs[key]
+        if other.device != value.device:
+            other = other.to(value.device)
+        if not torch.equal(value, other):
+            count += 1
+    return count
+
+
+def augmented_weight(module: Any) -> np.ndarray:
+    """``[W, b]`` (``(r, m + 1)``) of an ``nn.Linear`` with a bias, else ``W`` (``(r, m)``),
+    as a numpy array in float64 (or the layer's own dtype when that is wider)."""
+    import torch
+
+    with torch.no_grad():
+        W = module.weight.detach().to("cpu", torch.float64)
+        if module.bias is not None:
+            W = torch.cat([W, module.bias.detach().to("cpu", torch.float64)[:, None]], dim=1)
+    return W.numpy().copy()
+
+
+class PerturbationHook:
+    """Forward hook for one layer: records its input/output; adds ``perturbation`` if set."""
+
+    def __init__(self) -> None:
+        self.record = False
+        self.perturbation: Any = None
+        self.layer_input: Any = None
+        self.layer_output: Any = None
+        self.calls = 0
+
+    def __call__(self, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        self.calls += 1
+        if self.record:
+            self.layer_input = inputs[0].detach()
+            self.layer_output = output.detach()
+        if self.perturbation is not None:
+            if self.perturbation.shape != output.shape:
+                raise ValidationError(
+                    f"perturbation shape {tuple(self.perturbation.shape)} does not match the "
+                    f"layer output shape {tuple(output.shape)} (is the layer called more than "
+                    f"once per forward pass?)"
+                )
+            return output + self.perturbation
+        return None
+
+
+@contextmanager
+def perturbation_hook(module: Any) -> Iterator[PerturbationHook]:
+    """Register a :class:`PerturbationHook` on ``module`` for the duration of the block."""
+    hook = PerturbationHook()
+    handle = module.register_forward_hook(hook)
+    try:
+        yield hook
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def eval_mode(*models: Any) -> Iterator[None]:
+    """Put models in eval mode (no dropout, running batch-norm statistics); restore after."""
+    saved = [[(m, m.training) for m in model.modules()] for model in models]
+    try:
+        for model in models:
+            model.eval()
+        yield
+    finally:
+        for flags in saved:
+            for module, training in flags:
+                module.training = training

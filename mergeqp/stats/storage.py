@@ -1,0 +1,121 @@
+"""Saving and loading :class:`CalibrationStats` as one ``.npz`` (arrays + JSON metadata).
+
+Layout (``allow_pickle=False`` throughout): ``meta`` is a JSON string (format tag, version,
+layer, names, flags, the collected parametrisations and the free-form metadata); every array
+field of the statistics is stored under its own name; each collected parametrisation ``i``
+under ``collected{i}_H``, ``collected{i}_g`` (and ``collected{i}_Q`` for a basis); kept samples
+as ``sample{i}_z``, ``sample{i}_jacobian``, ``sample{i}_residual`` with their tasks in
+``sample_tasks``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from .calibration import CalibrationStats, CollectedProblem, SampleChunk
+from .parametrisation import Basis, BasisParametrisation, as_parametrisation
+
+FORMAT = "mergeqp.stats"
+VERSION = 1
+ARRAY_FIELDS = ("deltas", "base_weight", "task_counts", "task_c", "task_S", "task_cross",
+                "task_jacobian_sum", "task_gram", "reference_weight")
+
+
+def save_stats(stats: CalibrationStats, path: str, *, include_samples: bool = True) -> None:
+    """Write ``stats`` to ``path`` (``.npz``)."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in ARRAY_FIELDS:
+        value = getattr(stats, name)
+        if value is not None:
+            arrays[name] = np.asarray(value)
+    collected = []
+    for i, (key, item) in enumerate(stats.collected.items()):
+        entry: dict[str, Any] = {"key": key, "name": item.parametrisation.name, "index": i}
+        arrays[f"collected{i}_H"] = item.H
+        arrays[f"collected{i}_g"] = item.g
+        if isinstance(item.parametrisation, BasisParametrisation):
+            basis = item.parametrisation.basis
+            arrays[f"collected{i}_Q"] = basis.Q
+            entry["basis_name"] = basis.name
+            entry["basis_info"] = dict(basis.info)
+        collected.append(entry)
+    n_chunks = 0
+    if include_samples and stats.samples is not None:
+        for i, chunk in enumerate(stats.samples):
+            arrays[f"sample{i}_z"] = chunk.layer_input
+            arrays[f"sample{i}_jacobian"] = chunk.jacobian
+            arrays[f"sample{i}_residual"] = chunk.residual
+        arrays["sample_tasks"] = np.array([ch.task for ch in stats.samples], dtype=np.int64)
+        n_chunks = len(stats.samples)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "layer": stats.layer,
+        "model_names": list(stats.model_names),
+        "task_names": list(stats.task_names),
+        "has_bias": bool(stats.has_bias),
+        "jacobian_shared": bool(stats.jacobian_shared),
+        "jacobian_variation": float(stats.jacobian_variation),
+        "positions": stats.positions,
+        "collected": collected,
+        "samples": n_chunks if (include_samples and stats.samples is not None) else None,
+        "metadata": dict(stats.metadata),
+    }
+    arrays["meta"] = np.array(json.dumps(meta, default=str))
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValidationError(f"cannot write {path}: directory {directory} does not exist")
+    with open(path, "wb") as fh:
+        np.savez(fh, **arrays)
+
+
+def load_stats(path: str) -> CalibrationStats:
+    """Read statistics written by :func:`save_stats`."""
+    if not os.path.exists(path):
+        raise ValidationError(f"statistics file not found: {path}")
+    try:
+        data = np.load(path, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
+        raise ValidationError(f"cannot read statistics file {path}: {exc}") from None
+    with data:
+        if "meta" not in data.files:
+            raise ValidationError(f"{path} is not a mergeqp statistics file (no 'meta' entry)")
+        try:
+            meta = json.loads(str(data["meta"]))
+        except json.JSONDecodeError as exc:
+            raise ValidationError(f"{path}: corrupt metadata ({exc})") from None
+        if meta.get("format") != FORMAT:
+            raise ValidationError(f"{path} is not a mergeqp statistics file (format {meta.get('format')!r})")
+        if int(meta.get("version", 0)) > VERSION:
+            raise ValidationError(f"{path} was written by a newer mergeqp (version {meta['version']})")
+        arrays = {name: (data[name] if name in data.files else None) for name in ARRAY_FIELDS}
+        collected = {}
+        for entry in meta["collected"]:
+            i = entry["index"]
+            if f"collected{i}_Q" in data.files:
+                param = BasisParametrisation(Basis(data[f"collected{i}_Q"], name=entry.get("basis_name", "user"),
+                                                   info=entry.get("basis_info", {})))
+            else:
+                param = as_parametrisation(entry["name"])
+            collected[entry["key"]] = CollectedProblem(param, data[f"collected{i}_H"], data[f"collected{i}_g"])
+        samples = None
+        if meta.get("samples") is not None:
+            tasks = data["sample_tasks"]
+            samples = tuple(
+                SampleChunk(task=int(tasks[i]), layer_input=data[f"sample{i}_z"],
+                            jacobian=data[f"sample{i}_jacobian"], residual=data[f"sample{i}_residual"])
+                for i in range(int(meta["samples"]))
+            )
+        return CalibrationStats(
+            layer=meta["layer"], model_names=tuple(meta["model_names"]),
+            task_names=tuple(meta["task_names"]), has_bias=bool(meta["has_bias"]),
+            jacobian_shared=bool(meta["jacobian_shared"]),
+            jacobian_variation=float(meta["jacobian_variation"]),
+            positions=meta["positions"], collected=collected, samples=samples,
+            metadata=meta.get("metadata", {}), **arrays,
+        )

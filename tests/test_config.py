@@ -1,0 +1,212 @@
+"""The merge config schema, and bad configs failing fast (before any weight is loaded)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergeqp.config import check_paths, load_config, parse_config
+from mergeqp.errors import ConfigError
+
+MINIMAL = {"base": "b", "models": [{"path": "x", "calibration": "c.txt"}], "layers": "m.*"}
+
+
+def _err(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+def test_minimal_config_defaults():
+    cfg = parse_config(MINIMAL, root="/r")
+    assert cfg.layers == ["m.*"]
+    m = cfg.method
+    assert (m.name, m.mode, m.parametrisation, m.constraints, m.solver) == ("qp", "sequential", "rows", ["box:0,1"], "auto")
+    assert cfg.output.restrict == "none" and cfg.targets == "finetuned" and cfg.dtype == "float32"
+    assert cfg.models[0].prompts().path == "c.txt" and cfg.models[0].prompts().field == "text"
+    assert cfg.resolve("x") == Path("/r/x") and cfg.resolve("/abs") == Path("/abs")
+    assert cfg.model_names() == ["x"]
+    one = parse_config({**MINIMAL, "method": {"constraints": "simplex"}})
+    assert one.method.constraints == ["simplex"]
+
+
+@pytest.mark.parametrize("data, where, key", [
+    ({**MINIMAL, "desnity": 1}, "(top level)", "desnity"),
+    ({**MINIMAL, "method": {"name": "qp", "constraint": "box"}}, "method", "constraint"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "wieght": 2}]}, "models.0", "wieght"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "fild": "t"}}]}, "models.0.calibration", "fild"),
+    ({**MINIMAL, "calibration": {"max_len": 3}}, "calibration", "max_len"),
+    ({**MINIMAL, "output": {"restrict": "topk", "k": 3, "kk": 1}}, "output", "kk"),
+    ({**MINIMAL, "root": "/"}, "root", "root"),
+])
+def test_unknown_keys_name_the_key_and_the_valid_ones(data, where, key):
+    msg = _err(data)
+    assert f"{where}: unknown key {key!r}" in msg
+    if key != "root":
+        assert "valid keys:" in msg
+
+
+def test_unknown_key_suggests_the_close_one():
+    assert "did you mean 'constraints'" in _err({**MINIMAL, "method": {"constraint": "box"}})
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({**MINIMAL, "method": {"name": "ties", "mode": "joint"}}, "apply only to name: qp"),
+    ({**MINIMAL, "method": {"name": "qp", "params": {"a": 1}}}, "'params' is for baselines"),
+    ({**MINIMAL, "method": {"mode": "hybrid"}}, "needs 'start'"),
+    ({**MINIMAL, "method": {"mode": "joint", "start": {"name": "soup"}}}, "only used with mode: hybrid"),
+    ({**MINIMAL, "method": {"parametrisation": "basis"}}, "needs 'rank'"),
+    ({**MINIMAL, "method": {"rank": 3}}, "apply only to parametrisation: basis"),
+    ({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2}}, "method.basis"),
+    ({**MINIMAL, "method": {"mode": "parallel"}}, "method.mode"),
+    ({**MINIMAL, "output": {"restrict": "topk"}}, "needs 'k'"),
+    ({**MINIMAL, "models": [{"path": "x"}]}, "needs calibration prompts"),
+    ({**MINIMAL, "models": [{"path": "a/x", "calibration": "c"}, {"path": "b/x", "calibration": "c"}]}, "must be unique"),
+    ({**MINIMAL, "calibration": {"holdout": 1.5}}, "holdout"),
+    ({**MINIMAL, "device": "tpu"}, "device"),
+    ({**MINIMAL, "models": []}, "models"),
+    ({"models": [{"path": "x", "calibration": "c"}], "layers": "a"}, "base: required key is missing"),
+])
+def test_invalid_values(data, fragment):
+    assert fragment in _err(data)
+
+
+def test_baseline_config_needs_no_prompts():
+    cfg = parse_config({**MINIMAL, "models": [{"path": "x"}], "method": {"name": "ties", "params": {"density": 0.5}}})
+    assert not cfg.method.is_qp and cfg.method.params == {"density": 0.5}
+
+
+def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(MINIMAL))
+    cfg = load_config(tmp_path / "cfg.yml")
+    assert cfg.resolve(cfg.base) == tmp_path.resolve() / "b"
+    with pytest.raises(ConfigError, match="missing input"):
+        check_paths(cfg)
+    try:
+        check_paths(cfg)
+    except ConfigError as exc:  # every missing input is listed at once
+        assert "base" in str(exc) and "models[x].path" in str(exc) and "models[x].calibration" in str(exc)
+    (tmp_path / "bad.yml").write_text("base: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yml")
+    (tmp_path / "list.yml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(tmp_path / "list.yml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yml")
+
+
+# ---------------------------------------------------------------------- against real checkpoints
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import _hf_helpers as H
+
+
+@pytest.fixture(scope="module")
+def fam(tmp_path_factory):
+    return H.make_family(tmp_path_factory.mktemp("cfg") / "llama", "llama", K=2,
+                         perturbed=("model.layers.1.mlp.*",), n_prompts=6)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Make every way of loading a tensor or a model fail loudly."""
+    import safetensors
+    import transformers
+
+    from mergeqp.io.checkpoint import Checkpoint
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(Checkpoint, "get", boom)
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(boom))
+
+
+def _cfg(fam, tmp_path, **changes):
+    path = H.write_config(fam, tmp_path / "cfg.yml", H.MLP_LAYER["llama"], {"name": "qp", "mode": "single"})
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def test_dry_run_plan_loads_no_weights(fam, tmp_path, no_weights, capsys):
+    from mergeqp.cli import main
+
+    cfg = _cfg(fam, tmp_path, layers=["model.layers.1.*"])
+    from mergeqp.merge.plan import build_plan
+
+    plan = build_plan(cfg)
+    assert [s.name for s in plan.sites] == [f"model.layers.1.{n}" for n in
+                                          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert [g.n_variables for g in plan.groups] == [2 * s.r for s in plan.sites]
+    assert all(g.solver.startswith("auto ->") for g in plan.groups)
+    assert plan.memory["statistics"] == 2 * (2 * 32) ** 2 * 8  # 2 tasks, n = K r = 64 for gate/up
+    assert [t.n_heldout for t in plan.tasks] == [4, 4]
+    assert main(["merge", str(tmp_path / "cfg.yml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "merge plan: qp (single), 7 layer(s) of LlamaForCausalLM" in out
+    assert "memory estimate" in out and "solver auto ->" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsys):
+    from mergeqp.cli import main
+    from mergeqp.merge.plan import build_plan
+
+    with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.9\.\*' matches no linear layer; .*model\.layers\.0\.self_attn\.q_proj"):
+        build_plan(_cfg(fam, tmp_path, layers=["model.layers.9.*"]))
+    bad = _cfg(fam, tmp_path, method={"name": "qp", "constraints": ["boxx:0,1"]})
+    with pytest.raises(ConfigError, match="unknown constraint set 'boxx'"):
+        build_plan(bad)
+    with pytest.raises(ConfigError, match="unknown solver"):
+        build_plan(_cfg(fam, tmp_path, method={"name": "qp", "solver": "gurobi"}))
+    data = yaml.safe_load((tmp_path / "cfg.yml").read_text())
+    data["models"][1]["calibration"] = str(tmp_path / "nowhere.txt")
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(data))
+    assert main(["merge", str(tmp_path / "cfg.yml"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "missing input" in err and "nowhere.txt" in err and "Traceback" not in err
+
+
+def test_different_architectures_fail_fast(fam, tmp_path, no_weights):
+    from mergeqp.merge.plan import build_plan
+
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][1]["path"] = str(fam.root / "gpt2_model")
+    with pytest.raises(ConfigError, match=r"different architecture: its config has model_type 'gpt2'"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+    data["models"][1]["path"] = str(fam.root / "wide_llama")
+    with pytest.raises(ConfigError, match=r"tensor '[\w.]+' has shape \(\d+, 24\) in model 'math' but \(\d+, 16\) in the base"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+
+
+def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
+    from mergeqp.merge.plan import build_plan
+
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][0]["path"] = str(fam.root / "retok")
+    with pytest.raises(ConfigError, match=r"tokenizer mismatch: model 'code' .* tokens only in it: \['zebra'\]"):
+        build_plan(parse_config(data, root=cfg.root))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _odd_models(fam):
+    """Checkpoints that must be rejected: another architecture, other shapes, another tokenizer."""
+    from transformers import LlamaConfig
+
+    H.build_base(fam.root / "gpt2_model", "gpt2")
+    cfg = H.make_config("llama")
+    wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 24, "head_dim": 12})
+    H.model_class("llama")(wide).save_pretrained(str(fam.root / "wide_llama"))
+    shutil.copytree(fam.finetuned[0], fam.root / "retok")
+    H.build_tokenizer(fam.root / "retok", extra_word="zebra")

@@ -1,0 +1,161 @@
+"""``qp_tr``: sequential trust-region QPs. References: an exactly quadratic objective and an
+exactly linear network (where qp_tr must reach the certified QP optimum), finite differences
+of the true objective of a ReLU network (the re-linearised QP must match its value and
+gradient at the current point), and monotone decrease."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import mergeqp as mq
+from mergeqp.constraints import Box, Intersection, Simplex, Unconstrained
+from mergeqp.errors import ValidationError
+from mergeqp.experiments.trust_region import (
+    TrustRegionConfig,
+    calibration_error,
+    calibration_targets,
+    sequential_trust_region,
+    trust_region_merge,
+    trust_region_set,
+)
+from mergeqp.stats import apply_merge, collect_statistics
+
+
+def _random_qp(seed: int, K: int = 3, n: int = 4) -> mq.MergeQP:
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((2 * K * n, K * n))
+    b = rng.standard_normal(2 * K * n) * 3
+    return mq.MergeQP(H=2 * A.T @ A, g=2 * A.T @ b, c=float(b @ b), shape=(K, n))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_exact_quadratic_reaches_the_box_optimum(seed):
+    problem = _random_qp(seed)
+    box = Box(0.0, 1.0)
+    exact = mq.solve(problem, box, solver="clarabel")
+    result = sequential_trust_region(lambda d: problem, problem.objective, box, problem.soup_point(),
+                                     TrustRegionConfig(max_qps=40, tol=1e-12), solver="clarabel",
+                                     progress=False)
+    assert result.all_certified
+    assert all(s.accepted and abs(s.rho - 1) < 1e-6 for s in result.steps if np.isfinite(s.rho))
+    assert result.objective == pytest.approx(exact.objective, rel=1e-7, abs=1e-7)
+    assert result.objective <= problem.objective(problem.soup_point())
+
+
+def _net(relu: bool, seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    act = [nn.ReLU()] if relu else []
+    return nn.Sequential(nn.Linear(6, 8), *act, nn.Linear(8, 7), *act, nn.Linear(7, 3)).to(torch.float64)
+
+
+def _finetuned(base: nn.Module, layer: str, K: int, scale: float, seed: int) -> list[nn.Module]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(K):
+        m = copy.deepcopy(base)
+        with torch.no_grad():
+            lin = m.get_submodule(layer)
+            lin.weight.add_(scale * torch.randn(lin.weight.shape, generator=g, dtype=torch.float64))
+            lin.bias.add_(scale * torch.randn(lin.bias.shape, generator=g, dtype=torch.float64))
+        out.append(m)
+    return out
+
+
+def _calibration(K: int, n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, 6, generator=g, dtype=torch.float64) + k for k in range(K)]
+
+
+def test_exactly_linear_network_reaches_the_certified_qp_optimum():
+    base = _net(relu=False, seed=0)
+    layer = "1"
+    fts = _finetuned(base, layer, K=3, scale=0.5, seed=1)
+    cal = _calibration(3, 20, seed=2)
+    stats = collect_statistics(base, fts, layer, cal, progress=False)
+    exact = mq.solve(stats.problem("rows"), Box(0.0, 1.0), solver="clarabel")
+    assert exact.certificate.certified()
+    result = trust_region_merge(base, fts, layer, cal, config=TrustRegionConfig(max_qps=40, tol=1e-12),
+                                solver="clarabel", progress=False)
+    assert result.all_certified
+    assert result.objective == pytest.approx(exact.objective, rel=1e-7)
+    np.testing.assert_allclose(result.d, exact.d, atol=1e-4)
+
+
+def test_relinearised_qp_matches_true_objective_value_and_gradient():
+    base = _net(relu=True, seed=3)
+    layer = "2"
+    K = 3
+    fts = _finetuned(base, layer, K=K, scale=0.4, seed=4)
+    cal = _calibration(K, 15, seed=5)
+    rng = np.random.default_rng(6)
+    d = rng.uniform(0.1, 0.9, (K, 7))
+    merged = apply_merge(base, fts, layer, d)
+    stats = collect_statistics(merged, fts, layer, cal, parametrisations=["rows"], reference_model=base,
+                               progress=False)
+    problem = stats.problem("rows", offset=d)
+    targets = calibration_targets(fts, cal)
+
+    def F(x):
+        return calibration_error(apply_merge(base, fts, layer, x), cal, targets)
+
+    assert problem.objective(d) == pytest.approx(F(d), rel=1e-10)
+    direction = rng.standard_normal(d.shape)
+    h = 1e-6
+    fd = (F(d + h * direction) - F(d - h * direction)) / (2 * h)
+    assert float(problem.gradient(d).ravel() @ direction.ravel()) == pytest.approx(fd, rel=1e-5)
+    # at the base (d = 0) the re-linearised problem is the ordinary QP
+    plain = collect_statistics(base, fts, layer, cal, parametrisations=["rows"], progress=False).problem("rows")
+    np.testing.assert_allclose(plain.objective(d * 0), F(d * 0), rtol=1e-10)
+
+
+def test_relu_network_decreases_monotonically_and_reports_steps():
+    base = _net(relu=True, seed=7)
+    layer = "2"
+    fts = _finetuned(base, layer, K=3, scale=0.8, seed=8)
+    cal = _calibration(3, 15, seed=9)
+    cfg = TrustRegionConfig(max_qps=6)
+    result = trust_region_merge(base, fts, layer, cal, config=cfg, solver="clarabel", progress=False)
+    targets = calibration_targets(fts, cal)
+    soup = np.full((3, 7), 1 / 3)
+    assert result.start_objective == pytest.approx(
+        calibration_error(apply_merge(base, fts, layer, soup), cal, targets), rel=1e-12)
+    assert result.objective == pytest.approx(
+        calibration_error(apply_merge(base, fts, layer, result.d), cal, targets), rel=1e-12)
+    assert result.objective <= result.start_objective
+    assert 1 <= result.n_qps <= cfg.max_qps and result.all_certified
+    current = result.start_objective
+    for step in result.steps:
+        assert step.true_before == pytest.approx(current, rel=1e-12)
+        assert step.step_norm <= step.delta * (1 + 1e-6) + 1e-9
+        if step.accepted:
+            assert step.true_after < step.true_before
+            current = step.true_after
+    assert np.all(result.d >= -1e-9) and np.all(result.d <= 1 + 1e-9)
+    summary = result.to_dict()
+    assert summary["n_qps"] == result.n_qps and len(summary["steps"]) == result.n_qps
+
+
+def test_trust_region_sets_and_validation():
+    center = np.array([[0.05, 0.5], [0.95, 0.2]])
+    region = trust_region_set(Box(0.0, 1.0), center, 0.1)
+    lo, hi = region.bounds(center.shape)
+    np.testing.assert_allclose(lo, [[0.0, 0.4], [0.85, 0.1]])
+    np.testing.assert_allclose(hi, [[0.15, 0.6], [1.0, 0.3]])
+    free = trust_region_set(Unconstrained(), center, 0.5)
+    np.testing.assert_allclose(free.bounds(center.shape)[0], center - 0.5)
+    assert isinstance(trust_region_set(Simplex(1.0), center, 0.1), Intersection)
+    with pytest.raises(ValidationError, match="outside the box"):
+        trust_region_set(Box(0.0, 1.0), center + 2.0, 0.1)
+    with pytest.raises(ValidationError, match="delta0"):
+        TrustRegionConfig(delta0=0.0)
+    with pytest.raises(ValidationError, match="shrink"):
+        TrustRegionConfig(shrink=1.5)
+    problem = _random_qp(0)
+    with pytest.raises(ValidationError, match="violates the constraints"):
+        sequential_trust_region(lambda d: problem, problem.objective, Box(0.0, 1.0),
+                                np.full(problem.shape, 2.0), progress=False)

@@ -1,0 +1,108 @@
+"""Reference-problem generator, active-set internals, and ``mergeqp bench``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergeqp.cli import main
+from mergeqp.constraints import Box, Simplex
+from mergeqp.problem import MergeQP
+from mergeqp.solvers import active_set as A
+from mergeqp.solvers.reference_problems import (
+    REFERENCE_SPECS,
+    merge_qp_from_factors,
+    spec_slug,
+    synthetic_factors,
+    synthetic_merge_qp,
+)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dead_rows": 0.2, "duplicate_last": True}])
+def test_structured_hessian_equals_naive_construction(kwargs) -> None:
+    """H = 2 (R'R) o (1 1' (x) L'L) equals 2 sum_j A_j'A_j with A_j = [L diag(r_1j) ... L diag(r_Kj)]."""
+    f = synthetic_factors(3, 7, 4, 11, m=5, seed=4, **kwargs)
+    p = merge_qp_from_factors(f)
+    K, N, r = f.R.shape
+    A = [np.hstack([f.L @ np.diag(f.R[k, j]) for k in range(K)]) for j in range(N)]
+    H = 2 * sum(a.T @ a for a in A)
+    g = 2 * sum(a.T @ f.B[j] for j, a in enumerate(A))
+    c = sum(float(b @ b) for b in f.B)
+    assert np.allclose(p.H, H, rtol=1e-12, atol=1e-12 * np.abs(H).max())
+    assert np.allclose(p.g, g) and np.isclose(p.c, c)
+    d = np.random.default_rng(0).standard_normal(K * r)
+    J = sum(float(np.sum((a @ d + f.B[j]) ** 2)) for j, a in enumerate(A))
+    assert np.isclose(p.objective(d), J, rtol=1e-10)
+    if kwargs:
+        assert np.linalg.matrix_rank(p.H) < K * r
+
+
+def test_generator_is_deterministic_and_leaves_the_box() -> None:
+    a = synthetic_merge_qp(3, 16, 4, 30, seed=7)
+    b = synthetic_merge_qp(3, 16, 4, 30, seed=7)
+    assert np.array_equal(a.H, b.H) and np.array_equal(a.g, b.g)
+    x = np.linalg.lstsq(a.H, -a.g, rcond=None)[0]
+    assert np.mean((x < 0) | (x > 1)) > 0.2  # the unconstrained optimum leaves [0, 1]
+
+
+def test_reference_specs_match_the_paper_sizes() -> None:
+    sizes = {name: spec.n for name, spec in REFERENCE_SPECS.items()}
+    assert sizes["mnist640"] == 640 and sizes["vit3072"] == 3072 and sizes["llama12288"] == 12288
+    assert REFERENCE_SPECS["k1_100"].K == 1
+    assert spec_slug("box:0,1 & simplex") == "box_0_1__simplex"
+
+
+def test_bordered_update_equals_fresh_factorisation() -> None:
+    rng = np.random.default_rng(0)
+    K, m = 3, 30
+    n = K * m
+    B = rng.standard_normal((n, n + 5))
+    p = MergeQP(B @ B.T / n, rng.standard_normal(n), shape=(K, m))
+    for cset in (Box(0, 1), Simplex()):
+        st = A.set_structure(cset, p.shape)
+        opts = dict(A.ActiveSetSolver.defaults, precision="float64", update_ratio=0.5)
+        e = A._Engine(p, cset, st, opts)
+        f1 = A._Face(np.where(rng.random(n) < 0.3, A.LO, A.FREE).astype(np.int8), None, False)
+        x1, _ = e.face_solve(f1, np.full(n, 1 / K))
+        s2 = f1.status.copy()
+        flip = rng.choice(n, 6, replace=False)
+        s2[flip] = np.where(s2[flip] == A.FREE, A.LO, A.FREE)
+        f2 = A._Face(s2, None, False)
+        x2, _g2 = e.face_solve(f2, x1)
+        assert "bordered update" in e.solve_methods
+        fresh = A._Engine(p, cset, st, opts)
+        x3, _ = fresh.face_solve(f2, x1)
+        assert np.max(np.abs(x2 - x3)) <= 1e-9 * (1 + np.max(np.abs(x3)))
+
+
+def test_solve_psd_singular_finds_a_minimiser() -> None:
+    rng = np.random.default_rng(1)
+    V = rng.standard_normal((8, 3))
+    M = V @ V.T
+    rhs = M @ rng.standard_normal(8)  # in range(M)
+    y, method = A.solve_psd(M, rhs)
+    assert method == "ridge+refinement"
+    assert np.linalg.norm(M @ y - rhs) <= 1e-8 * np.linalg.norm(rhs)
+
+
+def test_bench_cli_prints_a_certified_table(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--problems", "tiny96", "--solvers", "active_set,clarabel,torch_adam",
+                 "--constraint", "box:0,1", "--constraint", "box:0,1 & simplex", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "problem" in text and "rel. gap" in text
+    rows = [line for line in text.splitlines() if line.startswith("tiny96")]
+    assert len(rows) == 6
+    assert all(" yes " in r for r in rows if "active_set" in r or "clarabel" in r)
+    assert any(" NO " in r for r in rows if "torch_adam" in r)  # Adam stalls on the simplex
+    import json
+
+    data = json.loads(out.read_text())
+    assert {r["solver"] for r in data["rows"]} == {"active_set", "clarabel", "torch_adam"}
+
+
+def test_bench_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--problems", "nope"]) == 2
+    assert "valid problems" in capsys.readouterr().err
+    assert main(["bench", "--problems", "tiny96", "--solvers", "gurobi"]) == 2

@@ -25,6 +25,9 @@ _EXPORTS: dict[str, str] = {
     "Unconstrained": "mergeqp.constraints",
     "Intersection": "mergeqp.constraints",
     "parse_constraint": "mergeqp.constraints",
+    "parse_constraints": "mergeqp.constraints",
+    "register_constraint": "mergeqp.constraints",
+    "check_feasible": "mergeqp.constraints",
     "as_constraint_set": "mergeqp.constraints",
     "CONSTRAINT_SETS": "mergeqp.constraints",
     "Solution": "mergeqp.solution",
@@ -34,6 +37,9 @@ _EXPORTS: dict[str, str] = {
     "solve": "mergeqp.solvers.registry",
     "SOLVERS": "mergeqp.solvers.registry",
     "available_solvers": "mergeqp.solvers.registry",
+    "register_solver": "mergeqp.solvers.registry",
+    "load_problem_file": "mergeqp.problem",
+    "load_reference_problem": "mergeqp.solvers.reference_problems",
     # errors
     "MergeQPError": "mergeqp.errors",
     "ValidationError": "mergeqp.errors",
@@ -47,9 +53,27 @@ _EXPORTS: dict[str, str] = {
     "collect_statistics": "mergeqp.stats",
     "optimal_basis": "mergeqp.stats",
     "apply_merge": "mergeqp.stats",
+    "apply_merge_state_dict": "mergeqp.stats",
+    "Basis": "mergeqp.stats",
+    "BASES": "mergeqp.stats",
+    "make_basis": "mergeqp.stats",
+    "energy_report": "mergeqp.stats",
+    "save_stats": "mergeqp.stats",
+    "load_stats": "mergeqp.stats",
     # baselines (issue: baseline merge methods)
     "merge_state_dicts": "mergeqp.merge",
     "MERGE_METHODS": "mergeqp.merge",
+    "merge_tensors": "mergeqp.merge",
+    "register_merge_method": "mergeqp.merge",
+    # experiments (issue: MNIST reproduction)
+    "run_mnist_experiment": "mergeqp.experiments",
+    "trust_region_merge": "mergeqp.experiments",
+    # Hugging Face folders and multi-layer merging
+    "MergeConfig": "mergeqp.config",
+    "load_config": "mergeqp.config",
+    "open_checkpoint": "mergeqp.io",
+    "save_hf_folder": "mergeqp.io",
+    "run_merge": "mergeqp.merge.pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -7,7 +7,7 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class MergeQPError(Exception):
@@ -54,3 +54,13 @@ class ConfigError(MergeQPError, ValueError):
 def unknown(kind: str, name: str, valid: Iterable[str]) -> UnknownNameError:
     """Build the standard "unknown X; valid Xs: ..." error."""
     return UnknownNameError(kind, name, valid)
+
+
+def listing(names: Sequence[str], limit: int = 30) -> str:
+    """``"a, b, ... and N more"`` (at most ``limit`` names) for error messages; ``"(none)"``."""
+    names = list(names)
+    if not names:
+        return "(none)"
+    shown = ", ".join(str(n) for n in names[:limit])
+    more = len(names) - limit
+    return shown + (f", ... and {more} more" if more > 0 else "")

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .jsonutil import to_jsonable
+
 if TYPE_CHECKING:
     from .certificate import Certificate
 
@@ -83,7 +85,7 @@ class Solution:
             "timings": dict(self.timings),
             "constraints": self.constraints,
             "certificate": None if self.certificate is None else self.certificate.to_dict(),
-            "info": _jsonable(dict(self.info)),
+            "info": to_jsonable(dict(self.info), nonfinite="keep"),
         }
 
     def summary(self) -> str:
@@ -99,16 +101,3 @@ class Solution:
             lines.append(self.certificate.explain())
         return "\n".join(lines)
 
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if isinstance(x, (np.floating, np.integer, np.bool_)):
-        return x.item()
-    if isinstance(x, enum.Enum):
-        return x.value
-    return x

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError
+from ..jsonutil import to_jsonable
 from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig
 from .trust_region import TrustRegionConfig
 
@@ -331,7 +332,7 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     timer.lap("claims")
     results["timings"] = dict(timer.seconds)
     results["timings"]["total_before_report"] = time.perf_counter() - t_start
-    results = _json_safe(results)
+    results = to_jsonable(results, nonfinite="null")
     figure_files: dict[str, str] = {}
     if figures:
         from .plots import make_figures
@@ -431,23 +432,6 @@ def _geometry(cfg: MnistConfig, stats: Any, base: Any, fts: Sequence[Any], names
     return {"p": ps, "bases": list(cfg.geometry_bases), "random_seeds": list(cfg.random_seeds),
             "constraints": "box:0,1", "points": points}
 
-
-def _json_safe(x: Any) -> Any:
-    """numpy scalars/arrays -> Python; non-finite floats -> None (strict JSON)."""
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _json_safe(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        v = float(x)
-        return v if np.isfinite(v) else None
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.bool_,)):
-        return bool(x)
-    return x
 
 
 def with_overrides(config: MnistConfig, **changes: Any) -> MnistConfig:

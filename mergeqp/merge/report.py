@@ -15,31 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..jsonutil import to_jsonable
+
 
 def jsonable(x: Any) -> Any:
     """Plain JSON types (numpy scalars/arrays -> numbers/lists, non-finite floats -> strings)."""
-    import numpy as np
-
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return jsonable(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        v = float(x)
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return v
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.bool_,)):
-        return bool(x)
-    if isinstance(x, Path):
-        return str(x)
-    return x
+    return to_jsonable(x, nonfinite="string")
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

@@ -14,18 +14,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Sequence
 
-from ..errors import ConfigError
-
-MAX_LISTED = 30
-
-
-def listing(names: Sequence[str]) -> str:
-    """``"a, b, ... and N more"`` for error messages."""
-    if not names:
-        return "(none)"
-    shown = ", ".join(names[:MAX_LISTED])
-    more = len(names) - MAX_LISTED
-    return shown + (f", ... and {more} more" if more > 0 else "")
+from ..errors import ConfigError, listing
 
 
 def matches(name: str, pattern: str) -> bool:

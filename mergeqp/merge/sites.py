@@ -18,10 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ValidationError
+from ..errors import ConfigError, ValidationError, listing
 
 LINEAR_KINDS = ("linear", "conv1d")
-MAX_LISTED = 30
 
 
 @dataclass(frozen=True)
@@ -152,13 +151,6 @@ def site_matches(site: LayerSite, pattern: str) -> bool:
     """Whether a (normalised) pattern matches the site's module name or its checkpoint name."""
     return any(n == pattern or fnmatch.fnmatchcase(n, pattern) for n in {site.name, site.stored})
 
-
-def listing(names: Sequence[str]) -> str:
-    if not names:
-        return "(none)"
-    shown = ", ".join(names[:MAX_LISTED])
-    more = len(names) - MAX_LISTED
-    return shown + (f", ... and {more} more" if more > 0 else "")
 
 
 # ---------------------------------------------------------------------- weights in Linear convention

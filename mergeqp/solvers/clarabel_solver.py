@@ -21,32 +21,21 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult
-from .standard_form import standard_form, standard_form_reason
+from .base import RawResult
+from .standard_form import StandardFormSolver, standard_form
 
 _SETTINGS = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "direct_solve_method",
              "presolve_enable", "verbose", "time_limit")
 
 
-class ClarabelSolver(QPSolver):
+class ClarabelSolver(StandardFormSolver):
     """Clarabel on ``A z + s = b``, ``s`` in zero x non-negative cones; L1 via auxiliaries."""
 
     name = "clarabel"
+    package = "clarabel"
     defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
                 "direct_solve_method": "faer", "presolve_enable": True, "verbose": False,
                 "time_limit": math.inf}
-
-    def available(self) -> str | None:
-        try:
-            import clarabel  # noqa: F401
-        except ImportError:
-            return "the clarabel package is not installed (pip install clarabel)"
-        return None
-
-    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        if problem.H is None:
-            return "needs an explicit H"
-        return standard_form_reason(constraints, problem.shape)
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

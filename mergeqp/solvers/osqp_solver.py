@@ -19,28 +19,17 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult
-from .standard_form import standard_form, standard_form_reason
+from .base import RawResult
+from .standard_form import StandardFormSolver, standard_form
 
 
-class OSQPSolver(QPSolver):
+class OSQPSolver(StandardFormSolver):
     """OSQP (ADMM) on ``l <= A z <= u``; L1 balls through auxiliary variables."""
 
     name = "osqp"
+    package = "osqp"
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100000,
                 "adaptive_rho": True, "scaling": 10, "verbose": False, "time_limit": 1e10}
-
-    def available(self) -> str | None:
-        try:
-            import osqp  # noqa: F401
-        except ImportError:
-            return "the osqp package is not installed (pip install osqp)"
-        return None
-
-    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        if problem.H is None:
-            return "needs an explicit H"
-        return standard_form_reason(constraints, problem.shape)
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

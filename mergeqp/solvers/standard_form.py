@@ -10,6 +10,7 @@ the solvers), ``q = [g; 0]``; the constant ``c`` is added back by the caller.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +18,26 @@ import scipy.sparse as sp
 
 from ..constraints import ConstraintSet, L1Ball, LinearForm, Unconstrained
 from ..problem import MergeQP
+from .base import QPSolver
+
+
+class StandardFormSolver(QPSolver):
+    """A solver called directly on :func:`standard_form`: needs an explicit H and a set with a
+    linear form; ``package`` is the Python package it imports (checked by :meth:`available`)."""
+
+    package: str = ""
+
+    def available(self) -> str | None:
+        try:
+            importlib.import_module(self.package)
+        except ImportError:
+            return f"the {self.package} package is not installed (pip install {self.package})"
+        return None
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        if problem.H is None:
+            return "needs an explicit H"
+        return standard_form_reason(constraints, problem.shape)
 
 
 @dataclass(frozen=True)

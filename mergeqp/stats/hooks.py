@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import ValidationError, listing
 
 MAX_LISTED = 40
 
@@ -23,13 +23,6 @@ def linear_layer_names(model: Any) -> list[str]:
 
     return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
 
-
-def _listing(names: Sequence[str]) -> str:
-    if not names:
-        return "(none)"
-    shown = ", ".join(names[:MAX_LISTED])
-    more = len(names) - MAX_LISTED
-    return shown + (f", ... and {more} more" if more > 0 else "")
 
 
 def resolve_linear(model: Any, layer: str, what: str = "base model") -> Any:
@@ -43,12 +36,12 @@ def resolve_linear(model: Any, layer: str, what: str = "base model") -> Any:
     if module is None:
         raise ValidationError(
             f"the {what} has no module named {layer!r}; its nn.Linear layers are: "
-            f"{_listing(linear_layer_names(model))}"
+            f"{listing(linear_layer_names(model), MAX_LISTED)}"
         )
     if not isinstance(module, nn.Linear):
         raise ValidationError(
             f"module {layer!r} of the {what} is a {type(module).__name__}, not an nn.Linear; "
-            f"the nn.Linear layers are: {_listing(linear_layer_names(model))}"
+            f"the nn.Linear layers are: {listing(linear_layer_names(model), MAX_LISTED)}"
         )
     return module
 

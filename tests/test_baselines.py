@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _baseline_helpers import TinyMLP, mlp_family, random_family, require
+
 from mergeqp.errors import ConfigError, UnknownNameError, ValidationError
-from mergeqp.merge import MERGE_METHODS, merge_state_dicts, merge_tensors, select_tensors
+from mergeqp.merge import (
+    MERGE_METHODS,
+    merge_state_dicts,
+    merge_tensors,
+    select_tensors,
+)
 
 ALL = ("task_arithmetic", "soup", "ties", "dare", "dare_linear", "dare_ties", "row_dare", "fisher", "regmean")
 
@@ -205,9 +210,8 @@ def test_every_method_merges_a_model_that_loads_and_runs(method):
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap over SDPA
 def test_tiny_llama_merges_load_and_run():
     require("transformers")
-    from transformers import LlamaForCausalLM
-
     from _baseline_helpers import llama_config
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(llama_config()).eval()

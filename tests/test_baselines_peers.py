@@ -13,9 +13,6 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from _baseline_helpers import (
     DARE_TENSOR,
     make_llama_family,
@@ -25,6 +22,9 @@ from _baseline_helpers import (
     read_folder,
     require,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from mergeqp.merge import merge_state_dicts, merge_tensors
 
 EXACT = 0.0

@@ -18,9 +18,9 @@ is put in ``eval()`` mode while statistics are collected and restored afterwards
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import ConfigError, ValidationError
 

@@ -46,7 +46,13 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from .masks import MaskDrawer
-from .method import MergeMethod, WeightedParams, resolve_weights, tensorwise_run, weight_column
+from .method import (
+    MergeMethod,
+    WeightedParams,
+    resolve_weights,
+    tensorwise_run,
+    weight_column,
+)
 from .task_arithmetic import task_vectors
 from .ties import SignMethod, Variant, consensus_merge
 

@@ -23,7 +23,15 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ValidationError
-from .method import MergeMethod, WeightedParams, compute_dtype, resolve_weights, stacked, tensorwise_run, weight_column
+from .method import (
+    MergeMethod,
+    WeightedParams,
+    compute_dtype,
+    resolve_weights,
+    stacked,
+    tensorwise_run,
+    weight_column,
+)
 
 
 class TaskArithmeticParams(WeightedParams):

@@ -40,7 +40,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .method import MergeMethod, WeightedParams, resolve_weights, tensorwise_run, weight_column
+from .method import (
+    MergeMethod,
+    WeightedParams,
+    resolve_weights,
+    tensorwise_run,
+    weight_column,
+)
 from .task_arithmetic import task_vectors
 
 Variant = Literal["paper", "peft", "mergekit"]

@@ -37,7 +37,7 @@ from .errors import ConfigError
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 MODES = ("single", "sequential", "joint", "hybrid")
 PARAMETRISATIONS = ("scalar", "rows", "columns", "basis")
-BASES = ("svd", "random")
+BASES = ("svd", "random", "optimal")
 RESTRICTIONS = ("none", "topk", "projection")
 
 
@@ -148,8 +148,11 @@ class MethodConfig(_Strict):
     ``sequential`` = layer by layer, statistics recomputed on the partially merged model;
     ``joint`` = one first-order QP over all selected layers' coefficients; ``hybrid`` = start from
     the ``start`` baseline merged on ALL layers, then refine the selected layers sequentially);
-    ``parametrisation`` (``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` and ``rank``
-    (for ``basis``); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
+    ``parametrisation`` (``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (``svd``,
+    ``random`` or ``optimal``: the paper's Corollary 4.2 with the calibration-mean output
+    Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); ``basis_max_size``: cap on the
+    ``(c, r)`` float64 mean Jacobian that ``basis: optimal`` forms per layer (``c`` = compared
+    outputs per sample, e.g. tokens x k); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
     ``box:0,1``, ``simplex``, ``l1:R``, ``nonneg``, ``global_simplex``, ``sign[:density]``);
     ``solver`` (``auto`` or a registry name) and ``solver_options``; ``regularisation`` ``mu``
     adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup ``1/K`` (``reference: soup``) or 0;
@@ -160,8 +163,9 @@ class MethodConfig(_Strict):
     name: str = "qp"
     mode: Literal["single", "sequential", "joint", "hybrid"] = "sequential"
     parametrisation: Literal["scalar", "rows", "columns", "basis"] = "rows"
-    basis: Literal["svd", "random"] = "svd"
+    basis: Literal["svd", "random", "optimal"] = "svd"
     rank: int | None = Field(default=None, ge=1)
+    basis_max_size: str | int = "2GB"
     constraints: list[str] = Field(default_factory=lambda: ["box:0,1"])
     solver: str = "auto"
     solver_options: dict[str, Any] = Field(default_factory=dict)
@@ -184,7 +188,7 @@ class MethodConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> MethodConfig:
         if self.name != "qp":
-            qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "constraints", "solver",
+            qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "basis_max_size", "constraints", "solver",
                                    "solver_options", "regularisation", "reference", "start",
                                    "compare_sequential", "chunk_size")
                        if k in self.model_fields_set]
@@ -205,6 +209,8 @@ class MethodConfig(_Strict):
             raise ValueError("parametrisation: basis needs 'rank' (the number of basis directions p)")
         if self.parametrisation != "basis" and ("basis" in self.model_fields_set or self.rank is not None):
             raise ValueError("'basis' and 'rank' apply only to parametrisation: basis")
+        if "basis_max_size" in self.model_fields_set and not (self.parametrisation == "basis" and self.basis == "optimal"):
+            raise ValueError("'basis_max_size' applies only to parametrisation: basis with basis: optimal")
         return self
 
     @property

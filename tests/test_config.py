@@ -60,7 +60,9 @@ def test_unknown_key_suggests_the_close_one():
     ({**MINIMAL, "method": {"mode": "joint", "start": {"name": "soup"}}}, "only used with mode: hybrid"),
     ({**MINIMAL, "method": {"parametrisation": "basis"}}, "needs 'rank'"),
     ({**MINIMAL, "method": {"rank": 3}}, "apply only to parametrisation: basis"),
-    ({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2}}, "method.basis"),
+    ({**MINIMAL, "method": {"parametrisation": "basis", "basis": "best", "rank": 2}}, "method.basis"),
+    ({**MINIMAL, "method": {"parametrisation": "basis", "rank": 2, "basis_max_size": "1GB"}}, "basis: optimal"),
+    ({**MINIMAL, "method": {"name": "fisher", "basis_max_size": "1GB"}}, "apply only to name: qp"),
     ({**MINIMAL, "method": {"mode": "parallel"}}, "method.mode"),
     ({**MINIMAL, "output": {"restrict": "topk"}}, "needs 'k'"),
     ({**MINIMAL, "models": [{"path": "x"}]}, "needs calibration prompts"),
@@ -72,6 +74,22 @@ def test_unknown_key_suggests_the_close_one():
 ])
 def test_invalid_values(data, fragment):
     assert fragment in _err(data)
+
+
+def test_optimal_basis_config():
+    m = parse_config({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2}}).method
+    assert (m.basis, m.rank, m.basis_max_size) == ("optimal", 2, "2GB")
+    m = parse_config({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2,
+                                            "basis_max_size": 1000}}).method
+    assert m.basis_max_size == 1000
+
+
+def test_fisher_and_regmean_configs_parse():
+    for name in ("fisher", "regmean"):
+        cfg = parse_config({**MINIMAL, "method": {"name": name, "params": {"weights": [1.0]}}})
+        assert cfg.method.name == name and not cfg.method.is_qp
+    cfg = parse_config({**MINIMAL, "method": {"mode": "hybrid", "start": {"name": "regmean", "params": {"alpha": 0.5}}}})
+    assert cfg.method.start.name == "regmean"
 
 
 def test_baseline_config_needs_no_prompts():
@@ -210,3 +228,31 @@ def _odd_models(fam):
     H.model_class("llama")(wide).save_pretrained(str(fam.root / "wide_llama"))
     shutil.copytree(fam.finetuned[0], fam.root / "retok")
     H.build_tokenizer(fam.root / "retok", extra_word="zebra")
+
+
+def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_path, no_weights):
+    from mergeqp.merge.plan import build_plan
+
+    layer_numel = 16 * 32  # down_proj, no bias
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "fisher", "params": {"fisher_floor": 1e-5}}))
+    assert plan.memory["fisher statistics"] == 2 * 8 * layer_numel
+    assert "diagonal Fisher of the selected tensors" in plan.render() and "evaluation:" in plan.render()
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "regmean", "params": {"alpha": 0.5}}))
+    assert plan.memory["regmean statistics"] == 2 * 8 * 32 * 32
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "mode": "hybrid", "start": {"name": "fisher"}}))
+    assert "fisher statistics (all tensors)" in plan.memory and "diagonal Fisher" in plan.render()
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
+                                                  "rank": 4}))
+    V = len(H.vocab())
+    assert plan.memory["optimal-basis mean Jacobian (one layer)"] == 12 * V * 16 * 8  # max_length x V x r
+    assert "optimal basis per layer (Corollary 4.2)" in plan.render()
+    assert plan.groups[0].n_variables == 2 * 4
+    with pytest.raises(ConfigError, match="method.basis_max_size: cannot parse size 'lots'"):
+        build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
+                                               "rank": 4, "basis_max_size": "lots"}))
+    with pytest.raises(ConfigError, match=r"method: 'regmean' needs calibration prompts for every model"):
+        data = yaml.safe_load((tmp_path / "cfg.yml").read_text())
+        data["method"] = {"name": "regmean"}
+        del data["models"][0]["calibration"]
+        (tmp_path / "cfg.yml").write_text(yaml.safe_dump(data))
+        build_plan(load_config(tmp_path / "cfg.yml"))

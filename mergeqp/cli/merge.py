@@ -59,7 +59,19 @@ def run(args: argparse.Namespace) -> int:
           f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
     for layer in rep.get("layers", []):
         cert = layer["certificate"]
+        basis = layer.get("basis") or {}
+        mj = basis.get("mean_jacobian_energy")
+        extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
         print(f"  {layer['layer']}: J {layer['objective_before']:.6g} -> {layer['objective_after']:.6g} "
               f"(exact {layer['objective_after_exact']:.6g}); fw_gap {cert['fw_gap']}, "
-              f"certified {cert['certified']}; energy {layer['energy_fraction']:.3f}")
+              f"certified {cert['certified']}; energy {layer['energy_fraction']:.3f}{extra}")
+    ev = rep.get("evaluation")
+    if ev and "merged" in ev:
+        mse = ev["merged"].get("heldout_mse") or {}
+        print(f"  calibration objective: base {ev['base']['calibration_objective']:.6g} -> merged "
+              f"{ev['merged']['calibration_objective']:.6g}"
+              + (f"; held-out MSE {', '.join(f'{t} {v:.4g}' for t, v in mse.items())}" if mse else ""))
+    for note in rep.get("notes", []):
+        print(f"  note: {note}")
     return 0

@@ -201,3 +201,46 @@ def tensor_batches(data: dict[str, Any], indices: Sequence[int], batch_size: int
 
 def is_tensor_file(path: str | Path) -> bool:
     return Path(path).suffix in TENSOR_SUFFIXES
+
+
+def unpadded_inputs(batches: Sequence[Batch], batch_size: int) -> list[dict[str, Any]]:
+    """The examples of ``batches`` with their padding removed, regrouped into batches of
+    examples of equal length (at most ``batch_size`` each, in order of first appearance).
+
+    For statistics that would otherwise count padded positions (RegMean's input Gram matrices
+    take every position as a row; Fisher's argmax labels cover every position). Text batches
+    must be right-padded (as :func:`tokenize_batches` makes them): example ``i`` keeps its first
+    ``mask[i].sum()`` positions of every ``(B, T)`` input (its ``attention_mask`` is then all
+    ones). Batches without a mask (ready tensor inputs such as ``pixel_values``) are returned as
+    they are. Returns ``model(**inputs)`` keyword dicts."""
+    import torch
+
+    if batch_size < 1:
+        raise ValidationError(f"batch_size must be >= 1, got {batch_size}")
+    groups: dict[int, list[dict[str, Any]]] = {}
+    out: list[dict[str, Any]] = []
+    for number, batch in enumerate(batches):
+        if batch.mask is None:
+            out.append(dict(batch.inputs))
+            continue
+        mask = batch.mask
+        B, T = (int(s) for s in mask.shape)
+        lengths = mask.sum(dim=1).tolist()
+        for i, n in enumerate(int(x) for x in lengths):
+            if n == 0 or not bool(torch.all(mask[i, :n] != 0)) or bool(torch.any(mask[i, n:] != 0)):
+                raise ValidationError(
+                    f"calibration batch {number}, example {i}: the attention mask is not right padding "
+                    f"({mask[i].tolist()}); statistics need the real tokens to come first"
+                )
+            example = {}
+            for key, value in batch.inputs.items():
+                if value.dim() >= 2 and tuple(value.shape[:2]) == (B, T):
+                    example[key] = value[i:i + 1, :n]
+                else:
+                    example[key] = value[i:i + 1]
+            groups.setdefault(n, []).append(example)
+    for examples in groups.values():
+        for start in range(0, len(examples), batch_size):
+            chunk = examples[start:start + batch_size]
+            out.append({k: torch.cat([e[k] for e in chunk]) for k in chunk[0]})
+    return out

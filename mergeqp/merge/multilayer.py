@@ -42,7 +42,7 @@ from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_o
 from .sites import LayerSite, read_augmented, write_augmented
 
 MODES = ("single", "sequential", "hybrid", "joint")
-HF_BASES = ("svd", "random")
+HF_BASES = ("svd", "random", "optimal")
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,10 @@ class QPSettings:
     """How each QP is built and solved.
 
     ``parametrisation``: ``scalar`` | ``rows`` | ``columns`` | ``basis`` (with ``basis`` =
-    ``svd`` (top singular vectors of ``[delta_1 ... delta_K]``) or ``random`` (seeded), and
-    ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
+    ``svd`` (top singular vectors of ``[delta_1 ... delta_K]``), ``random`` (seeded) or
+    ``optimal`` (Corollary 4.2 with the calibration-mean output Jacobian, computed per site at
+    the linearisation point, :mod:`.outputbasis`; its ``(c, r)`` Jacobian must fit
+    ``basis_max_bytes``), and ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
     ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
     ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
     vectorised JVP call.
@@ -67,6 +69,7 @@ class QPSettings:
     reference: str = "soup"
     chunk_size: int = 256
     seed: int = 0
+    basis_max_bytes: int = 2 * 2**30
 
 
 class WeightSource:
@@ -138,10 +141,12 @@ class LayerRecord:
     points: dict[str, float]
     d: np.ndarray
     timings: dict[str, float]
+    basis: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
-        return {
+        extra = {} if self.basis is None else {"basis": self.basis}
+        return {**extra,
             "layer": self.layer, "mode": self.mode, "group": self.group,
             "objective_before": self.objective_before, "objective_after": self.objective_after,
             "objective_after_exact": self.objective_after_exact,
@@ -158,8 +163,9 @@ class LayerRecord:
         }
 
 
-def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any) -> Any:
-    """The stats parametrisation for a site (``basis`` ones are built from its deltas)."""
+def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None) -> Any:
+    """The stats parametrisation for a site (``basis`` ones are built from its deltas, or for
+    ``optimal`` from ``optimal``, the site's :class:`~.outputbasis.OutputBasisStats`)."""
     from ..stats.bases import random_basis, svd_basis
     from ..stats.parametrisation import BasisParametrisation, as_parametrisation
 
@@ -169,12 +175,48 @@ def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any) -> 
         raise ValidationError(
             f"basis {settings.basis!r} is not available when merging checkpoints; valid: {', '.join(HF_BASES)}"
         )
-    p = settings.rank if settings.rank is not None else site.r
-    if not 1 <= p <= site.r:
-        raise ValidationError(f"basis rank {p} must be in [1, {site.r}] for layer {site.name!r}")
+    p = basis_rank(settings, site)
+    if settings.basis == "optimal":
+        if optimal is None:
+            raise ValidationError(f"basis: optimal at layer {site.name!r} needs its output-basis statistics")
+        return BasisParametrisation(optimal.basis(p))
     holder = SimpleNamespace(r=site.r, deltas=deltas.numpy())
     builder = svd_basis if settings.basis == "svd" else random_basis
     return BasisParametrisation(builder(holder, p, seed=settings.seed))
+
+
+def basis_rank(settings: QPSettings, site: LayerSite) -> int:
+    p = settings.rank if settings.rank is not None else site.r
+    if not 1 <= p <= site.r:
+        raise ValidationError(f"basis rank {p} must be in [1, {site.r}] for layer {site.name!r}")
+    return p
+
+
+def _optimal_basis_stats(ctx: MergeContext, site: LayerSite, offset: Any) -> Any:
+    from .outputbasis import collect_output_basis
+
+    return collect_output_basis(ctx.model, site, ctx.tasks, ctx.spec, ctx.device, offset=offset,
+                                chunk_size=ctx.settings.chunk_size, max_bytes=ctx.settings.basis_max_bytes,
+                                progress=ctx.progress)
+
+
+def _basis_record(ctx: MergeContext, site: LayerSite, param: Any, deltas: Any, optimal: Any) -> dict[str, Any] | None:
+    """The report's ``basis`` entry of a site (``None`` unless the parametrisation is a basis)."""
+    if ctx.settings.parametrisation != "basis":
+        return None
+    basis = param.basis
+    out: dict[str, Any] = {"name": basis.name, "rank": basis.p}
+    if optimal is not None:
+        from .outputbasis import compare_bases
+
+        info = dict(basis.info)
+        out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
+                    "output_size": optimal.c, "samples": optimal.n_samples, "seconds": optimal.seconds,
+                    "captured_eigenvalues": info.get("captured_eigenvalues"),
+                    "mean_jacobian_energy": compare_bases(optimal, basis.p, deltas.numpy(), ctx.settings.seed)})
+        if "note" in info:
+            out["note"] = info["note"]
+    return out
 
 
 def calibration_objective(ctx: MergeContext) -> float:
@@ -228,6 +270,8 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
 
     t0 = time.perf_counter()
     atoms = []
+    bases: dict[str, dict[str, Any] | None] = {}
+    basis_seconds = 0.0
     for site in sites:
         deltas = ctx.weights.deltas(site)
         W_base = ctx.weights.base_weight(site)
@@ -237,7 +281,14 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
             diff = current - W_base
             if float(diff.abs().max()) > 0.0:
                 offset = diff
-        atoms.append(SiteAtoms(site, make_parametrisation(ctx.settings, site, deltas), deltas, offset))
+        optimal = None
+        if ctx.settings.parametrisation == "basis" and ctx.settings.basis == "optimal":
+            basis_rank(ctx.settings, site)
+            optimal = _optimal_basis_stats(ctx, site, offset)
+            basis_seconds += optimal.seconds
+        param = make_parametrisation(ctx.settings, site, deltas, optimal)
+        bases[site.name] = _basis_record(ctx, site, param, deltas, optimal)
+        atoms.append(SiteAtoms(site, param, deltas, offset))
     t1 = time.perf_counter()
     stats = collect_first_order(ctx.model, atoms, ctx.tasks, ctx.spec, ctx.device,
                                 model_names=ctx.model_names, chunk_size=ctx.settings.chunk_size,
@@ -264,12 +315,13 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
         "mode": mode, "objective_before": current, "objective_after": qp.objective(d), "certificate": cert,
         "solver": solution.solver, "status": str(getattr(solution.status, "value", solution.status)),
         "n_variables": qp.n, "group": group, "points": points,
-        "timings": {"weights": t1 - t0, "statistics": t2 - t1, "solve": t3 - t2},
+        "timings": {"weights": t1 - t0 - basis_seconds, **({"basis": basis_seconds} if basis_seconds else {}),
+                    "statistics": t2 - t1, "solve": t3 - t2},
     }
     records = tuple(
         LayerRecord(layer=a.site.name, objective_after_exact=math.nan,
                     energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
-                    d=d[:, stats.site_slice(a.site.name)], **common)
+                    d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name), **common)
         for a in atoms
     )
     return GroupResult(stats, solution, new_weights, records)

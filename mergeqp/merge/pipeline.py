@@ -6,7 +6,11 @@ Order of work (each step only after the previous one succeeded):
    tokenizers, layer patterns, method / constraint / solver names); the output folder is checked
    too (it must not overlap an input, and must be empty unless ``overwrite``).
 2. Baseline methods: the selected tensors are merged with :func:`mergeqp.merge_state_dicts`, read
-   lazily from the checkpoints in chunks of ``chunk_bytes``; nothing else is loaded.
+   lazily from the checkpoints in chunks of ``chunk_bytes``. Fisher and RegMean first get their
+   statistics from each fine-tuned model on its calibration prompts (:mod:`.calibrated`); when
+   every model has prompts (and ``evaluate`` is on) each fine-tuned model also gives its
+   targets, and the base and the merged model are evaluated with the QP's metrics. A
+   tensor-wise baseline without prompts loads no model.
 3. QP methods: prompts are tokenised with the base tokenizer; each fine-tuned model is loaded in
    turn (one at a time) to compute its task's teacher-forced targets on the calibration and
    held-out prompts, then freed; the base model is loaded once as the working model; the residuals
@@ -41,6 +45,7 @@ from ..io.calibration import (
 from ..io.checkpoint import Checkpoint
 from ..io.writer import check_output_folder, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, teacher_forced_mse, teacher_forced_targets
+from .calibrated import StatisticsCollector, needs_statistics
 from .firstorder import TaskTargets
 from .multilayer import (
     MergeContext,
@@ -49,7 +54,13 @@ from .multilayer import (
     calibration_objective,
     run_mode,
 )
-from .plan import MergePlan, architecture_class, build_plan
+from .plan import (
+    MergePlan,
+    architecture_class,
+    build_plan,
+    evaluates_baseline,
+    statistics_method,
+)
 from .sites import checkpoint_names, read_augmented, stored_tensors
 
 DEFAULT_CHUNK_BYTES = 512 * 2**20
@@ -58,7 +69,7 @@ DEFAULT_CHUNK_BYTES = 512 * 2**20
 @dataclass
 class MergeResult:
     """What :func:`run_merge` produced: the plan, the report dict, the output folder and, for QP
-    methods, the merged in-memory model."""
+    methods and evaluated baselines, the merged in-memory model."""
 
     plan: MergePlan
     report: dict[str, Any]
@@ -161,8 +172,13 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
 
 
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
-                  log: Callable[[str], None]) -> list[TaskData]:
-    """Batches and teacher-forced targets per task; each fine-tuned model is loaded, used, freed."""
+                  log: Callable[[str], None], *, targets: bool = True,
+                  visit: Callable[[int, str, Any, list[Any]], None] | None = None) -> list[TaskData]:
+    """Batches and teacher-forced targets per task; each fine-tuned model is loaded, used, freed.
+
+    ``targets=False`` skips the targets (the tasks then hold no batches); ``visit(index, name,
+    model, calibration_batches)`` is called while each fine-tuned model is loaded (Fisher /
+    RegMean statistics), so that no model is loaded twice."""
     import gc
 
     cfg = plan.config
@@ -173,19 +189,39 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         calib, held = _batches(cfg, i, tok)
         t = time.perf_counter()
         model = load_model(ck, base_folder, dtype, device)
-        targets = teacher_forced_targets(model, calib, spec, device)
-        held_targets = teacher_forced_targets(model, held, eval_spec, device) if held else []
+        calib_targets = teacher_forced_targets(model, calib, spec, device) if targets else []
+        held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
+        if visit is not None:
+            visit(i, name, model, calib)
         del model
         gc.collect()
-        log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
-            f"({time.perf_counter() - t:.1f} s)")
-        tasks.append(TaskData(name, entry.weight, targets, held_targets))
+        if targets:
+            log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
+                f"({time.perf_counter() - t:.1f} s)")
+        tasks.append(TaskData(name, entry.weight, calib_targets, held_targets))
     return tasks
 
 
 def heldout_mse(model: Any, tasks: Sequence[TaskData], eval_spec: OutputSpec, device: str) -> dict[str, float]:
     """Teacher-forced MSE per logit of real tokens on each task's held-out prompts."""
     return {t.name: teacher_forced_mse(model, t.heldout, eval_spec, device) for t in tasks if t.heldout}
+
+
+def evaluate(model: Any, tasks: Sequence[TaskData], spec: OutputSpec, eval_spec: OutputSpec,
+             device: str) -> dict[str, Any]:
+    """The report's evaluation of one model: the calibration objective ``sum_t w_t sum_j
+    ||h_j - y_j||^2`` (compared output, as the QP's) and the held-out MSE per task."""
+    from ..lm import squared_error
+
+    objective = sum(t.weight * squared_error(model, t.calibration, spec, device)[0] for t in tasks)
+    return {"calibration_objective": objective, "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
+
+
+def statistics_collector(plan: MergePlan, name: str, params: dict[str, Any], keys: Sequence[str],
+                         log: Callable[[str], None]) -> StatisticsCollector:
+    """A Fisher / RegMean :class:`~.calibrated.StatisticsCollector` for the checkpoint ``keys``."""
+    cfg = plan.config
+    return StatisticsCollector(name, params, plan.skeleton, keys, len(cfg.models), cfg.calibration.batch_size, log)
 
 
 # ---------------------------------------------------------------------- baselines
@@ -257,20 +293,23 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     }
     report: dict[str, Any] = {"plan": plan.to_json(), "device": device, "notes": notes}
 
-    if not cfg.method.is_qp:
-        t = time.perf_counter()
-        merged = baseline_merge(plan, cfg.method.name, cfg.method.params, plan.merged_keys())
-        report["baseline"] = {"method": cfg.method.name, "params": cfg.method.params,
-                              "tensors": len(merged), "seconds": time.perf_counter() - t}
-        written = save_hf_folder(out, _stream(plan, merged), **write_kwargs)
-        report["output"] = _written_json(written)
-        report["seconds"] = time.perf_counter() - t_start
-        _write_reports(out, report)
-        return MergeResult(plan, report, out)
-
     spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed)
     eval_spec = OutputSpec(cfg.output.field, "none")
-    tasks = prepare_tasks(plan, spec, eval_spec, dtype, device, say)
+    if not cfg.method.is_qp:
+        return _run_baseline(plan, out, report, write_kwargs, spec, eval_spec, dtype, device, say, t_start)
+
+    collector = None
+    if statistics_method(cfg) is not None:  # a Fisher / RegMean hybrid start: statistics of every tensor
+        assert cfg.method.start is not None
+        collector = statistics_collector(plan, cfg.method.start.name, cfg.method.start.params,
+                                         _float_keys(plan), say)
+    tasks = prepare_tasks(plan, spec, eval_spec, dtype, device, say, visit=collector)
+    if cfg.method.parametrisation == "basis" and cfg.method.basis == "optimal":
+        from .outputbasis import check_jacobian_size
+
+        c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
+        for site in plan.sites:  # before any model is linearised
+            check_jacobian_size(site.name, c, site.r, parse_size(cfg.method.basis_max_size))
     model = load_model(plan.base, base_folder, dtype, device)
     task_targets = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
     settings = QPSettings(
@@ -278,6 +317,7 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
         constraints=tuple(cfg.method.constraints), solver=cfg.method.solver,
         solver_options=_solver_options(cfg, device), regularisation=cfg.method.regularisation,
         reference=cfg.method.reference, chunk_size=cfg.method.chunk_size, seed=cfg.seed,
+        basis_max_bytes=parse_size(cfg.method.basis_max_size),
     )
     weights = WeightSource(plan.base, plan.finetuned)
     ctx = MergeContext(model, weights, task_targets, spec, settings, device, cfg.model_names(), progress, say)
@@ -287,16 +327,30 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     if cfg.method.mode == "hybrid":
         assert cfg.method.start is not None
         t = time.perf_counter()
-        floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
-        start_overrides = baseline_merge(plan, cfg.method.start.name, cfg.method.start.params, floats)
+        floats = _float_keys(plan)
+        if collector is not None:
+            start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
+        else:
+            start_overrides = baseline_merge(plan, cfg.method.start.name, cfg.method.start.params, floats)
         _load_into(model, start_overrides)
         evaluation["start"] = {"method": cfg.method.start.name, "params": cfg.method.start.params,
                                "calibration_objective": calibration_objective(ctx),
                                "heldout_mse": heldout_mse(model, tasks, eval_spec, device),
                                "seconds": time.perf_counter() - t}
+        if collector is not None:
+            evaluation["start"]["statistics"] = collector.summary()
+            notes.extend(n for n in collector.notes if n not in notes)
     comparison_model = copy.deepcopy(model) if cfg.method.mode == "joint" and cfg.method.compare_sequential else None
 
     records = run_mode(ctx, cfg.method.mode, plan.sites)
+    if cfg.method.mode == "hybrid":
+        worse = [r.layer for r in records if r.objective_after_exact > r.objective_before]
+        if worse:
+            notes.append(
+                f"hybrid: the QP step raised the exact calibration objective at {worse}: the QP's merged weight "
+                f"is W_base + sum_a d_a B_a, and the {cfg.method.start.name} weight of a layer is a feasible point "  # type: ignore[union-attr]
+                f"only when it has that form (task arithmetic / soup with rows or scalar); the linearisation "
+                f"error can do it too")
     evaluation["merged"] = {"calibration_objective": calibration_objective(ctx),
                             "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
     if comparison_model is not None:
@@ -328,6 +382,54 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     report["seconds"] = time.perf_counter() - t_start
     _write_reports(out, report)
     return MergeResult(plan, report, out, model)
+
+
+def _run_baseline(plan: MergePlan, out: Path, report: dict[str, Any], write_kwargs: dict[str, Any],
+                  spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
+                  say: Callable[[str], None], t_start: float) -> MergeResult:
+    """A baseline method: statistics (Fisher / RegMean) and targets (evaluation) while each
+    fine-tuned model is loaded, the merge of the selected tensors, the evaluation of the base and
+    the merged model, the folder and the report."""
+    import gc
+
+    cfg = plan.config
+    name, params = cfg.method.name, cfg.method.params
+    keys = plan.merged_keys()
+    collector = statistics_collector(plan, name, params, keys, say) if needs_statistics(name) else None
+    evaluated = evaluates_baseline(cfg)
+    tasks: list[TaskData] = []
+    t = time.perf_counter()
+    if collector is not None or evaluated:
+        tasks = prepare_tasks(plan, spec, eval_spec, dtype, device, say, targets=evaluated, visit=collector)
+    t_stats = time.perf_counter() - t
+    t = time.perf_counter()
+    if collector is not None:
+        merged = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
+    else:
+        merged = baseline_merge(plan, name, params, keys)
+    report["baseline"] = {"method": name, "params": params, "tensors": len(merged),
+                          "seconds": time.perf_counter() - t + t_stats}
+    if collector is not None:
+        report["baseline"]["statistics"] = collector.summary()
+        report["notes"].extend(n for n in collector.notes if n not in report["notes"])
+    model = None
+    if evaluated:
+        model = load_model(plan.base, cfg.resolve(cfg.base), dtype, device)
+        evaluation = {"base": evaluate(model, tasks, spec, eval_spec, device)}
+        _load_into(model, merged)
+        evaluation["merged"] = {"method": name, **evaluate(model, tasks, spec, eval_spec, device)}
+        report["evaluation"] = evaluation
+    written = save_hf_folder(out, _stream(plan, merged), **write_kwargs)
+    report["output"] = _written_json(written)
+    report["seconds"] = time.perf_counter() - t_start
+    _write_reports(out, report)
+    del merged
+    gc.collect()
+    return MergeResult(plan, report, out, model)
+
+
+def _float_keys(plan: MergePlan) -> list[str]:
+    return [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
 
 
 def _solver_options(cfg: MergeConfig, device: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from ..io.calibration import (
     read_tensor_inputs,
 )
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
+from .calibrated import STATISTICS_METHODS, check_params, needs_statistics
 from .sites import (
     LayerSite,
     checkpoint_names,
@@ -76,6 +77,8 @@ class MergePlan:
     tokenizer_folder: str | None
     memory: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: the architecture on the ``meta`` device (module structure, no storage)
+    skeleton: Any = field(default=None, repr=False, compare=False)
 
     @property
     def method(self) -> str:
@@ -115,6 +118,12 @@ class MergePlan:
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if m.start is not None:
                 lines.append(f"  hybrid start: {m.start.name} {m.start.params or ''} on every tensor")
+                if statistics_method(cfg):
+                    lines.append(f"    {_statistics_line(m.start.name)}")
+            if m.parametrisation == "basis" and m.basis == "optimal":
+                lines.append("  optimal basis per layer (Corollary 4.2): calibration-mean output Jacobian summed over "
+                             f"positions (r JVPs per batch), residual energy restricted to its range; Jacobian cap "
+                             f"{m.basis_max_size}")
             o = cfg.output
             restrict = "all logits" if o.restrict == "none" else f"{o.restrict} k={o.k}"
             lines.append(f"  compared output: {o.field} ({restrict}), targets: fine-tuned models, teacher forced")
@@ -123,6 +132,10 @@ class MergePlan:
                 lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "
                              f"linearised at {g.linearised_at}")
         else:
+            if statistics_method(cfg):
+                lines.append(f"  {_statistics_line(cfg.method.name)}")
+            if evaluates_baseline(cfg):
+                lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
             for s in self.sites:
                 lines.append(f"    {s.label} ({s.r} x {s.m}{' + bias' if s.has_bias else ''})")
@@ -133,6 +146,13 @@ class MergePlan:
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
+
+
+def _statistics_line(method: str) -> str:
+    if method == "fisher":
+        return ("statistics: diagonal Fisher of the selected tensors per model on its calibration prompts "
+                "(per prompt; labels = the model's own argmax at each real token)")
+    return "statistics: input Gram matrices of the selected linear layers per model on its calibration prompts (real tokens)"
 
 
 def _human(n: float) -> str:
@@ -317,10 +337,37 @@ def _n_atoms(cfg: MergeConfig, site: LayerSite) -> int:
         m.parametrisation, m.rank if m.rank is not None else site.r)
 
 
+def statistics_method(cfg: MergeConfig) -> str | None:
+    """The baseline (the method, or the hybrid start) whose calibration statistics the pipeline
+    collects (``fisher`` / ``regmean``), else ``None``."""
+    m = cfg.method
+    if not m.is_qp and needs_statistics(m.name):
+        return m.name
+    if m.is_qp and m.start is not None and needs_statistics(m.start.name):
+        return m.start.name
+    return None
+
+
+def evaluates_baseline(cfg: MergeConfig) -> bool:
+    """A baseline run is evaluated (calibration objective, held-out MSE) when ``evaluate`` is on
+    and every model has calibration prompts."""
+    return not cfg.method.is_qp and cfg.evaluate and all(m.prompts() is not None for m in cfg.models)
+
+
+def uses_prompts(cfg: MergeConfig) -> bool:
+    return cfg.method.is_qp or statistics_method(cfg) is not None or evaluates_baseline(cfg)
+
+
 def _check_method(cfg: MergeConfig) -> None:
     from ..constraints import parse_constraint
 
     m = cfg.method
+    stats = statistics_method(cfg)
+    if stats is not None:
+        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        if missing:
+            raise ConfigError(f"{'method' if not m.is_qp else 'method.start'}: {stats!r} needs calibration prompts "
+                              f"for every model (its statistics are computed on them); missing for {missing}")
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method")
         return
@@ -336,12 +383,13 @@ def _check_method(cfg: MergeConfig) -> None:
             parse_constraint(spec)
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
-    if m.parametrisation == "basis" and m.basis not in ("svd", "random"):
-        raise ConfigError(
-            f"method.basis: {m.basis!r} is not available when merging checkpoints (the optimal basis needs "
-            f"per-sample output Jacobians of shape (c, T r), which are not collected for sequence models); "
-            f"valid: svd, random (standard = parametrisation: rows)"
-        )
+    if m.parametrisation == "basis" and m.basis == "optimal":
+        from ..io.writer import parse_size
+
+        try:
+            parse_size(m.basis_max_size)
+        except MergeQPError as exc:
+            raise ConfigError(f"method.basis_max_size: {exc}") from None
 
 
 def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
@@ -354,13 +402,17 @@ def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
         method = get_merge_method(name)
     except MergeQPError as exc:
         raise ConfigError(f"{where}: {exc} (or qp)") from None
-    if not getattr(method, "tensorwise", True):
-        raise ConfigError(
-            f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise); mergeqp merge "
-            f"streams baselines tensor by tensor: use it from Python with merge_state_dicts, or use the QP"
-        )
     if "include" in params or "exclude" in params:
         raise ConfigError(f"{where}.params: select tensors with the top-level 'layers', not include/exclude")
+    if needs_statistics(name):
+        check_params(name, params, where)
+        return
+    if not getattr(method, "tensorwise", True):
+        raise ConfigError(
+            f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise) and mergeqp merge "
+            f"computes them only for {', '.join(STATISTICS_METHODS)}: use it from Python with "
+            f"merge_state_dicts, or use the QP"
+        )
     try:
         method.parse(params)
     except MergeQPError as exc:
@@ -386,10 +438,11 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     check_architectures(base, list(zip(names, fts)))
 
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
-    needs_text = cfg.method.is_qp and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
+    needs_text = uses_prompts(cfg) and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
     if needs_text and not has_tokenizer(tok_folder):
+        hint = "" if cfg.method.is_qp or statistics_method(cfg) else "; or set 'evaluate: false' to skip the evaluation"
         raise ConfigError(f"no tokenizer files in {tok_folder}: text prompts need the base model's tokenizer "
-                          f"(or set 'tokenizer:' to a folder holding it)")
+                          f"(or set 'tokenizer:' to a folder holding it){hint}")
     if has_tokenizer(tok_folder):
         check_tokenizers(tok_folder, [(n, ck.path) for n, ck in zip(names, fts) if ck.folder is not None])
 
@@ -437,7 +490,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                          f"the statistics tractable")
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
-                     str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes)
+                     str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model)
     plan.memory = estimate_memory(plan)
     return plan
 
@@ -448,26 +501,44 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     elem = DTYPE_BYTES[cfg.dtype]
     numel = sum(plan.base.info(n).numel for n in plan.base.names())
     K = len(cfg.models)
-    if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk, no model
+    T = cfg.calibration.max_length
+    B = cfg.calibration.batch_size
+    per_pos = cfg.output.k if cfg.output.restrict != "none" else (plan.vocab_size or 1)
+    prompts = sum(t.n_calibration for t in plan.tasks)
+    held = sum(t.n_heldout for t in plan.tasks)
+    stats_method = statistics_method(cfg)
+    if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
         from .pipeline import DEFAULT_CHUNK_BYTES
 
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
-        return {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
+        out = {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
+        if stats_method is not None or evaluates_baseline(cfg):
+            out["models (one at a time)"] = numel * elem
+        if stats_method is not None:
+            out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
+        if evaluates_baseline(cfg):
+            out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
+        return out
     models = 2 + (1 if cfg.method.mode == "joint" and cfg.method.compare_sequential else 0)
     out = {"models": models * numel * elem}
     if cfg.method.mode == "hybrid":
         out["start merge (all tensors)"] = plan.base.total_bytes
-    T = cfg.calibration.max_length
-    B = cfg.calibration.batch_size
-    per_pos = cfg.output.k if cfg.output.restrict != "none" else (plan.vocab_size or 1)
+        if stats_method is not None:
+            floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
+            out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, floats)
+    m = cfg.method
+    if m.parametrisation == "basis" and m.basis == "optimal":
+        from .outputbasis import jacobian_bytes
+
+        # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
+        out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
+        out["optimal-basis residuals"] = prompts * T * per_pos * 8
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8
     out["jacobian block"] = B * T * per_pos * n_max * 8
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
     out["deltas"] = deltas * (len(plan.sites) if cfg.method.mode == "joint" else 1)
-    prompts = sum(t.n_calibration for t in plan.tasks)
-    held = sum(t.n_heldout for t in plan.tasks)
     out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
     chunk = min(256, n_max) if n_max else 0
     bcfg = plan.base.config or {}
@@ -476,3 +547,13 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once
     out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + vocab) * elem * 2
     return out
+
+
+def _statistics_bytes(plan: MergePlan, method: str, keys: list[str]) -> int:
+    """Float64 bytes of K models' Fisher (the tensors' sizes) or Gram matrices (``m1^2`` per layer)."""
+    K = len(plan.config.models)
+    if method == "fisher":
+        return K * 8 * sum(plan.base.info(k).numel for k in keys)
+    chosen = set(keys)
+    sites = model_sites(plan.skeleton, plan.base.names()) if plan.skeleton is not None else plan.sites
+    return K * 8 * sum(s.m1 * s.m1 for s in sites if s.weight_key in chosen)

@@ -2,10 +2,11 @@
 
 The JSON holds the plan, one entry per merged layer (``objective_before``, ``objective_after``,
 ``objective_after_exact``, ``certificate`` {``fw_gap``, ``certified``, ...}, ``energy_fraction``,
-``seconds``, the QP objective at reference points), the evaluation (calibration objective and
-held-out teacher-forced MSE per task, for the base, the hybrid start and the merged model) and,
-for a joint QP, its comparison with the sequential QP on the same layers. Non-finite numbers are
-written as the strings ``"inf"``, ``"-inf"``, ``"nan"``.
+``seconds``, the QP objective at reference points, and for a basis parametrisation its ``basis``
+entry), the evaluation (calibration objective and held-out teacher-forced MSE per task, for the
+base, the hybrid start and the merged model; for the QP and for baselines alike) and, for a joint
+QP, its comparison with the sequential QP on the same layers. Non-finite numbers are written as
+the strings ``"inf"``, ``"-inf"``, ``"nan"``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"dtype `{plan.get('dtype')}`")
     else:
         lines.append(f"- method: baseline `{name}` with {method.get('params') or {}}")
+        stats = (report.get("baseline") or {}).get("statistics")
+        if stats:
+            lines.append(f"- statistics: {stats.get('statistic')}"
+                         + (f"; labels: {stats['labels']}" if stats.get("labels") else "")
+                         + "; " + ", ".join(f"`{m.get('model')}` {m.get('examples')} examples" for m in stats.get("models", [])))
     lines.append(f"- total time: {_f(report.get('seconds'), 3)} s")
     for n in report.get("notes", []):
         lines.append(f"- note: {n}")
@@ -83,6 +89,21 @@ def render_markdown(report: dict[str, Any]) -> str:
             pts = r.get("objective_at", {})
             lines.append(f"| `{r['layer']}` | " + " | ".join(_f(pts[k]) for k in sorted(pts)) + f" | {_f(r['objective_after'])} |")
 
+    with_basis = [r for r in layers if r.get("basis")]
+    if with_basis:
+        lines += ["", "## Bases", "",
+                  ("Energy fractions: `per-sample` = the QP's own (the table above); `mean-Jacobian` = "
+                   "tr(S P_LQ)/tr(S) with the calibration-mean Jacobian summed over positions, the quantity "
+                   "the optimal basis maximises, for the optimal, SVD and random bases of the same rank."), "",
+                  "| layer | basis | p | rank L | per-sample | mean-Jacobian optimal | svd | random |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in with_basis:
+            b = r["basis"]
+            mj = b.get("mean_jacobian_energy") or {}
+            lines.append(f"| `{r['layer']}` | {b.get('name')} | {b.get('rank')} | {_f(b.get('rank_L'))} | "
+                         f"{_f(r['energy_fraction'], 4)} | {_f(mj.get('optimal'), 4)} | {_f(mj.get('svd'), 4)} | "
+                         f"{_f(mj.get('random'), 4)} |")
+
     ev = report.get("evaluation")
     if ev:
         lines += ["", "## Evaluation", "",
@@ -92,7 +113,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("| model | calibration J | " + " | ".join(f"MSE {t}" for t in tasks) + " |")
         lines.append("|---|---|" + "---|" * len(tasks))
         for key, v in ev.items():
-            label = key if key != "start" else f"start ({v.get('method')})"
+            label = f"{key} ({v.get('method')})" if v.get("method") else key
             mse = v.get("heldout_mse", {})
             lines.append(f"| {label} | {_f(v.get('calibration_objective'))} | " + " | ".join(_f(mse.get(t)) for t in tasks) + " |")
 

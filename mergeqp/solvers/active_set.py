@@ -1,36 +1,48 @@
 """A dense active-set solver for box / simplex / L1-ball merge QPs (dense LAPACK).
 
 Method: a primal-dual active-set iteration (PDAS, Hintermueller, Ito & Kunisch 2002) on
-faces of the set, globalised by monotone projected-gradient / damped-Newton steps:
+faces of the set, globalised by proximal-point regularisation when it cycles:
 
 1. *Face solve*: fix the variables at their bounds (and, for an active L1 ball, at the
    centre); the free variables obey one linear equation per group (per-atom or global simplex
    sum; the active ball's ``sum s_i (x_i - c_i) = radius``), eliminated through one pivot per
    group (null-space method: the reduced Hessian ``Z'HZ`` costs ``O(n_free^2)`` gathers).
-   ``Z'HZ`` is factorised by Cholesky: in float32 for large faces, with iterative refinement
-   against float64 products ``H x`` until the reduced gradient reaches float64 accuracy; when
-   the face differs from the last factorised one in few coordinates, the old factor is reused
-   through a bordered (Schur complement) solve. Singular faces (singular H) get a ridge
-   ``1e-10 max diag`` plus refinement (proximal-point iterations recover a minimiser).
+   The face problem minimises ``J(x) + rho/2 |x - xc|^2`` (``rho = 0`` in plain PDAS), i.e.
+   ``Z'(H + rho I)Z y = -Z'grad``. It is factorised by Cholesky: in float32 for large faces,
+   with iterative refinement against float64 products until the reduced gradient reaches
+   float64 accuracy; when the face differs from the last factorised one in few coordinates,
+   the old factor is reused through a bordered (Schur complement) solve. Singular faces with
+   ``rho = 0`` (zero rows of H: dead units; duplicated models) get a ridge
+   ``1e-10 max diag H`` plus refinement (proximal iterations from the previous point).
 2. *PDAS update*: free variables that left the set become fixed, fixed variables whose
    multiplier has the wrong sign are freed (group multipliers from the free variables), the
    L1 ball is activated / released by its multiplier; a group left without a free variable
    and an unmet equation frees one. The first face, when (nearly) all variables are free, is
    only approximated by 40 conjugate-gradient steps (products, no factorisation).
 3. *Stop* when the Frank-Wolfe gap of the projected face minimiser (an exact, vectorised LMO)
-   is below ``tol * max(|J|, 1e-8 |c|)`` -- the certificate's own test. A stable face is solved
-   once more to float64 accuracy before that test.
-4. *Safeguard*: PDAS is not monotone and can cycle on ill-conditioned problems. When a face
-   repeats or ``patience`` steps bring no decrease, a few monotone steps follow: a projected
-   gradient step with ``1 / lambda_max(H)`` (optionally FISTA steps) identifies a face, a
-   damped Newton step on it is kept when its projection lowers J (Levenberg-Marquardt
-   damping adapts), then PDAS resumes from the best point. The iteration never returns a
-   point worse than the best feasible one seen.
+   is below ``tol * max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))`` -- the certificate's own test --
+   or below its float64 rounding floor (interpolating problems, ``J* ~ 0``). On a box with an
+   infinite side the gap is taken over the cube of half-width ``max(1, |x|_inf)`` around ``x``.
+4. *Proximal PDAS*: on singular or ill-conditioned H (real merge QPs: dead units, fewer
+   samples x outputs than unknowns) the face minimisers jump along nearly flat directions and
+   PDAS cycles. When a face repeats, ``patience`` steps bring no decrease of J, or the gap
+   does not halve within ``patience + 3`` steps, PDAS is run instead on the proximal problems
+   ``min_C J(x) + rho/2 |x - xc|^2`` (strongly convex; PDAS converges for rho large enough),
+   starting at ``rho = prox_start * max diag H`` from the best point. A solved subproblem
+   (stable face) gives the next centre ``xc`` and ``rho`` shrinks by ``prox_decrease``
+   (down to ``prox_min * max diag H``); a subproblem whose PDAS stalls (2 steps without
+   decrease of its objective, or ``prox_inner_max`` steps) restarts from the centre with
+   ``rho`` grown by the same factor. When the same face is accepted twice in a row, ``rho``
+   jumps to its minimum (the plain problem on that face) and returns if that fails. Proximal
+   steps move only where H is flat and never raise J, and the face of the optimum is found
+   after a few subproblems.
 
-Supported sets: ``Box`` (finite or infinite sides), ``Simplex``, ``GlobalSimplex``,
-``L1Ball``, ``Box & Simplex``, ``Box & GlobalSimplex``, ``Box & L1Ball`` (centre inside the
-box), and the unconstrained problem. Needs an explicit H. Memory: H, its float32 copy and up
-to a few ``n_free x n_free`` work arrays.
+The returned point is the best feasible point seen (lowest J; among values of J equal up to
+their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite sides),
+``Simplex``, ``GlobalSimplex``, ``L1Ball``, ``Box & Simplex``, ``Box & GlobalSimplex``,
+``Box & L1Ball`` (centre inside the box), and the unconstrained problem. Needs an explicit H.
+Memory: H, its float32 copy and up to a few ``n_free x n_free`` work arrays. Projections
+onto the sets are computed here by sorting breakpoints (exact), not by bisection.
 """
 
 from __future__ import annotations
@@ -51,7 +63,7 @@ from ..constraints import (
     Simplex,
     Unconstrained,
 )
-from ..errors import SolverError
+from ..errors import SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
@@ -128,10 +140,15 @@ def set_structure(cset: ConstraintSet, shape: tuple[int, int]) -> SetStructure |
 
 
 # ---------------------------------------------------------------------- linear algebra
-def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int = 30) -> tuple[np.ndarray, str]:
+def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int = 30,
+              try_plain: bool = True, rtol: float = 1e-14, scale: float = 0.0) -> tuple[np.ndarray, str]:
     """Solve ``M y = rhs`` for symmetric PSD ``M`` (``(p, p)``): Cholesky when well posed, else
     Cholesky of ``M + ridge * max(diag M) * I`` with iterative refinement (proximal-point
-    iterations from 0, converging to a minimiser of ``1/2 y'My - rhs'y`` when one exists).
+    iterations from 0, converging to a minimiser of ``1/2 y'My - rhs'y`` when one exists)
+    until the residual is below ``rtol (|rhs| + max(diag M) |y|)`` or stalls.
+    ``try_plain=False`` skips the plain Cholesky (the caller knows it fails). ``scale``: the
+    problem's curvature scale (max diag H); the ridge is relative to ``max(max diag M, scale)``
+    so that a face whose curvature is all rounding noise still factorises.
     Returns ``(y, method)``."""
     p = rhs.shape[0]
     if p == 0:
@@ -139,13 +156,14 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
     top = float(np.max(np.diag(M)))
     if not top > 0:
         return np.zeros(p), "zero"
-    try:
-        fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=False)
-        if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * top:
-            return sla.cho_solve(fac, rhs, check_finite=False), "cholesky"
-    except np.linalg.LinAlgError:
-        pass
-    eps = ridge * top
+    if try_plain:
+        try:
+            fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=False)
+            if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * top:
+                return sla.cho_solve(fac, rhs, check_finite=False), "cholesky"
+        except np.linalg.LinAlgError:
+            pass
+    eps = ridge * max(top, scale)
     for _ in range(6):
         try:
             fac = sla.cho_factor(M + eps * np.eye(p), lower=False, check_finite=False)
@@ -162,7 +180,7 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
         y += sla.cho_solve(fac, res, check_finite=False)
         res = rhs - M @ y
         nr = float(np.linalg.norm(res))
-        if nr <= 1e-14 * (r0 + top * float(np.linalg.norm(y))) or nr > 0.999 * prev:
+        if nr <= rtol * (r0 + top * float(np.linalg.norm(y))) or nr > 0.999 * prev:
             break
         prev = nr
     return y, "ridge+refinement"
@@ -219,6 +237,83 @@ def support_value(st: SetStructure, grad: np.ndarray) -> float:
     return float(grad @ s)
 
 
+# ---------------------------------------------------------------------- projection
+def capped_shift(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, group: np.ndarray,
+                 totals: np.ndarray) -> np.ndarray:
+    """Per group ``G``, the shift ``tau_G`` with ``sum_{i in G} clip(v_i - tau_G, lo_i, hi_i) =
+    totals[G]`` (exact, by sorting the breakpoints ``v - hi`` and ``v - lo``; ``+-inf`` bounds
+    allowed). ``v``, ``lo``, ``hi``, ``group``: ``(n,)``; ``totals``: ``(n_groups,)``; assumes
+    ``sum lo <= total <= sum hi`` in every group. Cost: one sort of ``2n`` numbers."""
+    n = v.size
+    ngr = totals.size
+    fin_hi = np.isfinite(hi)
+    # sum_i clip(v_i - tau, lo_i, hi_i) = C - S tau between breakpoints: entering (tau passes
+    # v_i - hi_i) turns hi_i into v_i - tau, leaving (tau passes v_i - lo_i) turns it into lo_i
+    base = np.bincount(group, np.where(fin_hi, hi, 0.0), minlength=ngr)
+    b = np.concatenate([v - hi, v - lo])
+    dC = np.concatenate([v - np.where(fin_hi, hi, 0.0), lo - v])
+    dS = np.concatenate([np.ones(n), -np.ones(n)])
+    grp = np.concatenate([group, group])
+    order = np.lexsort((b, grp))
+    b, dC, dS, grp = b[order], dC[order], dS[order], grp[order]
+    with np.errstate(invalid="ignore"):
+        # cumulative state after each event, restarted per group
+        C = np.cumsum(np.where(np.isfinite(dC), dC, 0.0))
+        S = np.cumsum(dS)
+        starts = np.searchsorted(grp, np.arange(ngr))
+        prevC = np.where(starts > 0, C[np.maximum(starts - 1, 0)], 0.0)
+        prevS = np.where(starts > 0, S[np.maximum(starts - 1, 0)], 0.0)
+        C = C - prevC[grp] + base[grp]
+        S = S - prevS[grp]
+        phi = np.where(np.isposinf(b), -np.inf, np.where(np.isneginf(b), np.where(S > 0, np.inf, C), C - S * b))
+        # the last event per group at which the sum is still >= the total
+        ok = phi >= totals[grp]
+        idx = np.where(ok, np.arange(2 * n), -1)
+        last = np.full(ngr, -1, dtype=np.intp)
+        np.maximum.at(last, grp, idx)
+    tau = np.empty(ngr)
+    for_groups = last >= 0
+    k = last[for_groups]
+    Sk, Ck = S[k], C[k]
+    tau_k = np.where(Sk > 0, (Ck - totals[for_groups]) / np.where(Sk > 0, Sk, 1.0), b[k])
+    tau[for_groups] = np.where(np.isfinite(tau_k), tau_k, 0.0)
+    # no event reaches the total: every variable at its upper bound (sum hi = total)
+    first = np.minimum(starts, 2 * n - 1)
+    tau[~for_groups] = b[first[~for_groups]] - 1.0
+    return tau
+
+
+def project_structure(st: SetStructure, x: np.ndarray) -> np.ndarray:
+    """Euclidean projection onto the recognised set (exact; sorts instead of bisection). A
+    point that is feasible up to rounding in the equations (``1e-14`` relative) is returned
+    as it is."""
+    lo, hi = st.lo, st.hi
+    if st.group is not None:
+        assert st.totals is not None
+        if bool(np.all(x >= lo)) and bool(np.all(x <= hi)):
+            sums = np.bincount(st.group, x, minlength=st.totals.size)
+            size = np.bincount(st.group, np.abs(x), minlength=st.totals.size)
+            if float(np.max(np.abs(sums - st.totals) - 1e-14 * (size + np.abs(st.totals)))) <= 0:
+                return x
+        tau = capped_shift(x, lo, hi, st.group, st.totals)
+        return np.clip(x - tau[st.group], lo, hi)
+    y = np.clip(x, lo, hi)
+    if st.center is None:
+        return y
+    assert st.radius is not None
+    c = st.center
+    if float(np.sum(np.abs(y - c))) <= st.radius:
+        return y
+    u = x - c
+    au = np.abs(u)
+    # x_i = c_i + sign(u_i) min(max(|u_i| - tau, 0), cap_i): a capped sum over |u|
+    cap = np.where(u > 0, hi - c, c - lo)
+    zero = np.zeros(x.size, dtype=np.intp)
+    tau = float(capped_shift(au, np.zeros(x.size), cap, zero, np.array([st.radius]))[0])
+    step = np.clip(au - max(tau, 0.0), 0.0, cap)
+    return c + np.sign(u) * step
+
+
 # ---------------------------------------------------------------------- the engine
 @dataclass
 class _Face:
@@ -258,21 +353,80 @@ class _Engine:
         #: refine face solves to the float64 floor (else to 1e-11 relative, enough to find faces)
         self.fine = False
         self._few_changes = False
+        self._singular = False
+        #: proximal term ``rho/2 ||x - xc||^2`` added to J in the face solves (0: plain J)
+        self.rho = 0.0
+        self.xc = np.zeros(self.n)
+        self.proximal_restarts = 0
+        self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
+        #: a bound on |s|_1 over the set (for the rounding floor of the gap)
+        lo_f = np.where(np.isfinite(st.lo), np.abs(st.lo), 0.0)
+        if st.group is not None:
+            assert st.totals is not None
+            budget = st.totals - np.bincount(st.group, np.where(np.isfinite(st.lo), st.lo, 0.0), minlength=st.totals.size)
+            self.s_bound = float(np.sum(lo_f) + np.sum(np.abs(budget)))
+        elif st.center is not None:
+            assert st.radius is not None
+            self.s_bound = float(np.sum(np.abs(st.center)) + st.radius)
+        else:
+            self.s_bound = float(np.sum(np.maximum(np.abs(st.lo), np.abs(st.hi))))
 
     # -- basic pieces
     def project(self, x: np.ndarray) -> np.ndarray:
-        return self.cset.project(x.reshape(self.shape)).ravel()
+        return project_structure(self.st, x)
 
     def objective(self, x: np.ndarray, grad: np.ndarray) -> float:
         # J = 1/2 x'(Hx + g) + 1/2 g'x + c, using grad = Hx + g
         return float(0.5 * x @ grad + 0.5 * self.g @ x + self.c)
 
     def gap(self, x: np.ndarray, grad: np.ndarray) -> float:
+        """The Frank-Wolfe gap ``max_{s in C} grad'(x - s)``. On an unbounded box, where it is
+        infinite, the gap over ``C`` intersected with the cube of half-width
+        ``max(1, |x|_inf)`` around ``x`` (a stopping rule, not a bound: the certificate
+        then uses a Lagrangian gap)."""
         sv = support_value(self.st, grad)
-        return float(grad @ x - sv) if math.isfinite(sv) else math.inf
+        if math.isfinite(sv):
+            return float(grad @ x - sv)
+        R = max(1.0, float(np.max(np.abs(x), initial=0.0)))
+        s = np.where(grad > 0, np.maximum(self.st.lo, x - R), np.minimum(self.st.hi, x + R))
+        return float(grad @ (x - s))
+
+    def inner_grad(self, x: np.ndarray) -> np.ndarray:
+        """Gradient of the face solves' objective ``J(x) + rho/2 ||x - xc||^2``."""
+        grad = self.H @ x + self.g
+        if self.rho > 0:
+            grad += self.rho * (x - self.xc)
+        return grad
+
+    def inner_step(self, dx: np.ndarray) -> np.ndarray:
+        """Change of :meth:`inner_grad` along ``dx``: ``(H + rho I) dx``."""
+        out = self.H @ dx
+        if self.rho > 0:
+            out += self.rho * dx
+        return out
 
     def scale(self, J: float) -> float:
         return max(abs(J), 1e-8 * abs(self.c), np.finfo(float).tiny)
+
+    def term_scale(self, x: np.ndarray, grad: np.ndarray) -> float:
+        """``|c| + |x'Hx|/2 + |g'x|``: the size of the terms that J sums (its rounding unit)."""
+        lin = float(self.g @ x)
+        quad = 0.5 * float(x @ grad) - 0.5 * lin
+        return abs(self.c) + abs(quad) + abs(lin)
+
+    def certificate_scale(self, J: float, x: np.ndarray, grad: np.ndarray) -> float:
+        """The certificate's scale ``max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))``."""
+        return max(abs(J), 1e-8 * self.term_scale(x, grad), np.finfo(float).tiny)
+
+    def rounding_floor(self, x: np.ndarray) -> float:
+        """A bound on the rounding error of the float64 gap at ``x``: each gradient entry is
+        off by ~``sqrt(n) eps (|g|_inf + max diag H |x|_inf)``, times ``|x - s|_1``. Below it
+        the gap cannot be reduced (interpolating problems, where J* ~ 0, end there)."""
+        err = math.sqrt(self.n) * np.finfo(float).eps * (self.g_inf + self.eta * float(np.max(np.abs(x), initial=0.0)))
+        width = float(np.sum(np.abs(x))) + self.s_bound
+        if not math.isfinite(width):  # unbounded box: the local gap's cube
+            width = float(np.sum(np.abs(x))) + self.n * max(1.0, float(np.max(np.abs(x), initial=0.0)))
+        return 8.0 * err * width
 
     def lipschitz(self) -> float:
         if self._lipschitz is None:
@@ -457,10 +611,9 @@ class _Engine:
                 sign = None
         return _Face(s, sign, ball)
 
-    def face_solve(self, face: _Face, x_prev: np.ndarray, mu: float = 0.0,
-                   cg_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Minimise J (plus ``mu/2 ||y||^2`` in the reduced coordinates, a damping toward
-        ``x_prev``) over the affine hull of ``face``. Returns the minimiser and its gradient.
+    def face_solve(self, face: _Face, x_prev: np.ndarray, cg_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Minimise ``J(x) + rho/2 ||x - xc||^2`` (``rho = self.rho``, usually 0) over the affine
+        hull of ``face``. Returns the minimiser and the gradient of that objective there.
         ``cg_steps > 0``: only that many conjugate-gradient steps (no factorisation).
 
         The free variables ``F`` minus one pivot per group are the reduced coordinates ``y``;
@@ -470,9 +623,11 @@ class _Engine:
         solution refined in float64 with full products ``H x`` until the reduced gradient
         ``Z'(Hx + g)`` vanishes to float64 accuracy. When the face differs from the last
         factorised one in few coordinates, the old factor is reused through a bordered
-        (Schur complement) solve instead of a new factorisation. Singular faces use
+        (Schur complement) solve instead of a new factorisation. With ``rho > 0`` the reduced
+        matrix is ``Z'(H + rho I)Z`` (positive definite). Singular faces with ``rho = 0`` use
         :func:`solve_psd` (ridge + refinement)."""
-        H, g = self.H, self.g
+        H = self.H
+        rho = self.rho
         x = self.fixed_values(face, x_prev)
         status = face.status
         changed = self.n if self._prev_status is None else int(np.count_nonzero(status != self._prev_status))
@@ -510,7 +665,7 @@ class _Engine:
             pivots = np.zeros(0, dtype=np.intp)
             gidx = np.zeros(0, dtype=np.intp)
             w = np.zeros(0)
-        grad = H @ x + g
+        grad = self.inner_grad(x)
         if N.size == 0:
             return x, grad
         piv_of_N = pivots[gidx] if pivots.size else np.full(N.size, -1, dtype=np.intp)
@@ -530,25 +685,33 @@ class _Engine:
             return self._face_cg(reduced, expand, x, grad, cg_steps)
 
         def gather(src: np.ndarray) -> np.ndarray:
-            # M_ij = H_ij - w_j H_i,p(j) - w_i (H_p(i),j - w_j H_p(i),p(j)): row-contiguous gathers
+            # M = Z'(H + rho I)Z: M_ij = H_ij - A_ij - A_ji + w_i w_j Q_p(i),p(j) + rho [i = j]
+            # with A_ij = H_i,p(j) w_j and Q = H_PP + rho I on the pivots (row-contiguous gathers)
             rows = np.take(src, N, axis=0)
             M = np.take(rows, N, axis=1)
             if pivots.size:
                 wd = w.astype(src.dtype)
-                M -= np.take(rows, piv_of_N, axis=1) * wd[None, :]
-                prow = np.take(src, pivots, axis=0)
-                TP = np.take(prow, N, axis=1)
-                TP -= np.take(prow, piv_of_N, axis=1) * wd[None, :]
-                M -= np.take(TP, gidx, axis=0) * wd[:, None]
-            if mu > 0:
-                M[np.diag_indices_from(M)] += mu
+                HNP = np.take(rows, pivots, axis=1)  # (|N|, n_pivots)
+                Q = np.take(np.take(src, pivots, axis=0), pivots, axis=1)
+                if rho > 0:
+                    Q[np.diag_indices_from(Q)] += rho
+                if pivots.size == 1:  # one group (global simplex, L1 ball): rank-one terms
+                    A = np.multiply.outer(HNP[:, 0], wd)
+                    M += Q[0, 0] * np.multiply.outer(wd, wd)
+                else:
+                    A = np.take(HNP, gidx, axis=1) * wd[None, :]
+                    M += np.take(np.take(Q, gidx, axis=0), gidx, axis=1) * np.multiply.outer(wd, wd)
+                M -= A
+                M -= A.T
+            if rho > 0:
+                M[np.diag_indices_from(M)] += rho
             return M
 
         ident = (N, piv_of_N, w_full)
-        if mu == 0 and self._factor is not None:
+        if self._factor is not None:
             apply = self._bordered(ident)
             if apply is not None:
-                res = self._refine(apply, reduced, expand, x, grad, 0.0)
+                res = self._refine(apply, reduced, expand, x, grad)
                 if res is not None:
                     self.solve_methods.add("bordered update")
                     return res
@@ -558,28 +721,32 @@ class _Engine:
         # without loss of accuracy) once the changes are few
         tail = changed < float(self.opts["update_ratio"]) * N.size
         self.inexact_ok = changed > 0.25 * N.size
+        self._singular = False
         if self.use_mixed(N.size) and not tail:
-            apply = self._factorise(gather, np.float32, ident if mu == 0 else None)
+            apply = self._factorise(gather, np.float32, ident)
             if apply is not None:
                 # far from the final face one float32 solve is accurate enough to find the next
                 # face (the iteration is exact only on the face it stops on)
-                res = self._refine(apply, reduced, expand, x, grad, mu, exact=mu > 0 or not self.inexact_ok)
+                res = self._refine(apply, reduced, expand, x, grad, exact=not self.inexact_ok)
                 if res is not None:
                     self.solve_methods.add("cholesky-float32+refinement")
                     return res
             self._factor = None
         M = gather(H)
-        apply = self._factorise(lambda _src: M, np.float64, ident if mu == 0 else None, copy=True)
-        if apply is not None:
-            res = self._refine(apply, reduced, expand, x, grad, mu)
-            if res is not None:
-                self.solve_methods.add("cholesky")
-                return res
+        if not self._singular:  # (a zero pivot in float32 is one in float64 too)
+            apply = self._factorise(lambda _src: M, np.float64, ident, copy=True)
+            if apply is not None:
+                res = self._refine(apply, reduced, expand, x, grad)
+                if res is not None:
+                    self.solve_methods.add("cholesky")
+                    return res
         self._factor = None
-        y, method = solve_psd(M, -reduced(grad), self.opts["ridge"], self.opts["refine_steps"])
+        rtol = 1e-14 if self.fine or self._few_changes else 1e-10
+        y, method = solve_psd(M, -reduced(grad), self.opts["ridge"], self.opts["refine_steps"], try_plain=False,
+                              rtol=rtol, scale=self.eta)
         self.solve_methods.add(method)
         dx = expand(y)
-        return x + dx, grad + H @ dx
+        return x + dx, grad + self.inner_step(dx)
 
     def use_mixed(self, size: int) -> bool:
         prec = self.opts["precision"]
@@ -597,8 +764,12 @@ class _Engine:
         else:
             M = gather(self.H)
             thresh = 1e-12
-        top = float(np.max(np.diag(M))) if M.size else 0.0
+        diag = np.diag(M)
+        top = float(np.max(diag)) if M.size else 0.0
         if not top > 0:
+            return None
+        if float(np.min(diag)) <= 1e-14 * top:
+            self._singular = True  # a (numerically) zero row: singular in every precision
             return None
         try:
             fac = sla.cho_factor(M.copy() if copy else M, lower=False, check_finite=False, overwrite_a=True)
@@ -610,7 +781,8 @@ class _Engine:
             N, piv, w = ident
             pos = np.full(self.n, -1, dtype=np.intp)
             pos[N] = np.arange(N.size)
-            self._factor = {"fac": fac, "dtype": dtype, "N": N, "piv": piv, "w": w, "pos": pos}
+            self._factor = {"fac": fac, "dtype": dtype, "N": N, "piv": piv, "w": w, "pos": pos,
+                            "rho": self.rho}
 
         def apply(r: np.ndarray) -> np.ndarray:
             return sla.cho_solve(fac, r.astype(dtype), check_finite=False).astype(np.float64)
@@ -625,6 +797,8 @@ class _Engine:
         Costs ``O(|N_old|^2 (|A| + |D|))``; ``None`` when too many coordinates changed."""
         cache = self._factor
         assert cache is not None
+        if cache["rho"] != self.rho:
+            return None  # factor of another proximal matrix
         N, piv, w = ident
         N0, piv0, w0, pos0 = cache["N"], cache["piv"], cache["w"], cache["pos"]
         pos = pos0[N]
@@ -650,10 +824,13 @@ class _Engine:
         try:
             if A.size:
                 iA, pA, wA = N[A], piv[A], w[A]
-                B = self._zhz(src, N0, piv0, w0, iA, pA, wA).astype(np.float64)
-                MAA = self._zhz(src, iA, pA, wA, iA, pA, wA).astype(np.float64)
-                X = solve_old(B)
-                S = MAA - B.T @ X
+                B = self._zhz(src, N0, piv0, w0, iA, pA, wA, self.rho).astype(np.float64)
+                MAA = self._zhz(src, iA, pA, wA, iA, pA, wA, self.rho).astype(np.float64)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    X = solve_old(B)
+                    S = MAA - B.T @ X
+                if not (np.all(np.isfinite(X)) and np.all(np.isfinite(S))):
+                    return None  # the old factor is too ill-conditioned for these columns
                 facS = _robust_cholesky(0.5 * (S + S.T))
             else:
                 X = np.zeros((n0, 0))
@@ -670,7 +847,10 @@ class _Engine:
             if D.size:
                 E = np.zeros((n0 + A.size, D.size))
                 E[D, np.arange(D.size)] = 1.0
-                T = solve_U(E)
+                with np.errstate(invalid="ignore", over="ignore"):
+                    T = solve_U(E)
+                if not np.all(np.isfinite(T)):
+                    return None
                 facW = _robust_cholesky(0.5 * (T[D] + T[D].T))
             else:
                 T = facW = None
@@ -679,13 +859,14 @@ class _Engine:
         new_pos_same = pos[same]
         where_same = np.flatnonzero(same)
 
-        def apply(r: np.ndarray) -> np.ndarray:
+        def apply(r: np.ndarray) -> np.ndarray:  # (non-finite results are rejected by _refine)
             b = np.zeros(n0 + A.size)
             b[new_pos_same] = r[where_same]
             b[n0:] = r[A]
-            u = solve_U(b)
-            if T is not None:
-                u = u - T @ sla.cho_solve(facW, u[D], check_finite=False)
+            with np.errstate(invalid="ignore", over="ignore"):
+                u = solve_U(b)
+                if T is not None:
+                    u = u - T @ sla.cho_solve(facW, u[D], check_finite=False)
             y = np.empty(r.size)
             y[where_same] = u[new_pos_same]
             y[A] = u[n0:]
@@ -695,8 +876,9 @@ class _Engine:
 
     @staticmethod
     def _zhz(src: np.ndarray, i: np.ndarray, pi: np.ndarray, wi: np.ndarray,
-             j: np.ndarray, pj: np.ndarray, wj: np.ndarray) -> np.ndarray:
-        """``z_i' H z_j`` for reduced coordinates ``z = e_k - w e_p`` (``p = -1``: no pivot)."""
+             j: np.ndarray, pj: np.ndarray, wj: np.ndarray, rho: float = 0.0) -> np.ndarray:
+        """``z_i' (H + rho I) z_j`` for reduced coordinates ``z = e_k - w e_p`` (``p = -1``: no
+        pivot)."""
         pi0, pj0 = np.maximum(pi, 0), np.maximum(pj, 0)
         wi = wi.astype(src.dtype)
         wj = wj.astype(src.dtype)
@@ -709,20 +891,25 @@ class _Engine:
             out -= np.take(prow, j, axis=1) * wi[:, None]
             if np.any(wj):
                 out += np.take(prow, pj0, axis=1) * np.outer(wi, wj)
+        if rho > 0:  # z_i'z_j = [k_i = k_j] - w_j [k_i = p_j] - w_i [p_i = k_j] + w_i w_j [p_i = p_j]
+            ztz = (i[:, None] == j[None, :]).astype(np.float64)
+            ztz -= wj[None, :] * (i[:, None] == pj[None, :])
+            ztz -= wi[:, None] * (pi[:, None] == j[None, :])
+            ztz += np.outer(wi, wj) * ((pi[:, None] == pj[None, :]) & (pi[:, None] >= 0))
+            out += (rho * ztz).astype(out.dtype)
         return out
 
     def _refine(self, apply: Any, reduced: Any, expand: Any, x: np.ndarray, grad: np.ndarray,
-                mu: float, exact: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
-        """Iterative refinement ``y += apply(-r)`` with float64 reduced gradients ``r``;
-        ``None`` when it stalls before the reduced gradient reaches float64 accuracy.
-        ``exact=False``: a single step."""
-        H = self.H
+                exact: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
+        """Iterative refinement ``y += apply(-r)`` with float64 reduced gradients ``r`` (of the
+        face solves' objective, proximal term included); ``None`` when it stalls before the
+        reduced gradient reaches float64 accuracy. ``exact=False``: a single step."""
         if not exact:
             y = apply(-reduced(grad))
             if not np.all(np.isfinite(y)):
                 return None
             dx = expand(y)
-            return x + dx, grad + H @ dx
+            return x + dx, grad + self.inner_step(dx)
         # aim for the rounding floor of the float64 gradient; accept a stall near it
         scale = (float(np.max(np.abs(self.g), initial=0.0)) + self.eta * (1.0 + float(np.max(np.abs(x), initial=0.0))))
         # coarse (faces still changing): 1e-8 relative is plenty to find the next face
@@ -730,25 +917,22 @@ class _Engine:
         accept = 1e-11 * scale if fine else 1e-8 * scale
         aim = 1e-15 * scale * math.sqrt(self.n) if fine else accept
         r = reduced(grad)
-        y_total = np.zeros(r.size)
         prev = math.inf
         for _ in range(int(self.opts["refine_steps"])):
-            rr = r + mu * y_total if mu > 0 else r
-            nr = float(np.max(np.abs(rr), initial=0.0))
+            nr = float(np.max(np.abs(r), initial=0.0))
             if nr <= aim:
                 return x, grad
             if nr > 0.5 * prev:
                 return (x, grad) if prev <= accept else None
             prev = nr
-            y = apply(-rr)
+            y = apply(-r)
             if not np.all(np.isfinite(y)):
                 return None
-            y_total += y
             dx = expand(y)
             x_new = x + dx
-            grad_new = grad + H @ dx
+            grad_new = grad + self.inner_step(dx)
             r_new = reduced(grad_new)
-            if float(np.max(np.abs(r_new + mu * y_total if mu > 0 else r_new), initial=0.0)) > nr:
+            if float(np.max(np.abs(r_new), initial=0.0)) > nr:
                 return (x, grad) if nr <= accept else None  # the step made it worse: keep x
             x, grad, r = x_new, grad_new, r_new
         return (x, grad) if prev <= accept else None
@@ -769,6 +953,8 @@ class _Engine:
         for _ in range(steps):
             zp = expand(p)
             Hzp = (Hm @ zp.astype(Hm.dtype)).astype(np.float64)
+            if self.rho > 0:
+                Hzp += self.rho * zp
             curv = float(zp @ Hzp)
             if not curv > 0 or rr == 0:
                 break
@@ -778,7 +964,7 @@ class _Engine:
             rr_new = float(r @ r)
             p = r + (rr_new / rr) * p
             rr = rr_new
-        return x, self.H @ x + self.g
+        return x, self.inner_grad(x)
 
     # -- projected gradient / FISTA with adaptive (gradient) restart
     def fista(self, x: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, float]:
@@ -811,6 +997,8 @@ class _Engine:
 
     # -- main loop
     def run(self, x0: np.ndarray | None) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
+        """PDAS on J; on cycling or stalling, proximal PDAS (see the module doc). Returns the
+        best feasible point seen, the status, the face iterations and diagnostics."""
         opts = self.opts
         H, g = self.H, self.g
         start = np.full(self.n, 1.0 / self.shape[0]) if x0 is None else np.asarray(x0, dtype=np.float64).ravel()
@@ -818,135 +1006,173 @@ class _Engine:
         if opts["warm_steps"]:
             x = self.fista(x, int(opts["warm_steps"]))[0]
         grad = H @ x + g
-        best_x, best_g, best_J = x, grad, self.objective(x, grad)
+        best_x, best_J = x, self.objective(x, grad)
         tol = float(opts["tol"])
+        patience = int(opts["patience"])
         status = SolveStatus.MAX_ITERATIONS
-        last_gap = self.gap(best_x, best_g)
-        mode = "pdas"
+        last_gap = self.gap(best_x, grad)
         face = self.identify(self.project(x - grad / self.eta))
         if int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n:
             # (nearly) all free: the first face solve would be a large factorisation; a few CG
             # steps on that face (products only) find most of its bound violations for less
             x, g_cg = self.face_solve(face, x, cg_steps=int(opts["cg_start"]))
             face = self.update_face(face, x, g_cg)
+
+        def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
+            return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x)
+
+        if converged(best_J, last_gap, best_x, grad):
+            return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)
+        rho_min = float(opts["prox_min"]) * self.eta
+        rho_max = 1e4 * self.eta
+        dec = float(opts["prox_decrease"])
+        anchor = face  # the face of the last accepted proximal point
+        xc_J = best_J
         seen: set[bytes] = set()
-        stall = 0
+        inner_best, stall, inner_it = math.inf, 0, 0
+        gap_best, gap_stall = last_gap, 0  # plain PDAS: steps since the gap last halved
+        fail_rho = 0.0  # the last rho at which proximal PDAS failed (decrease slowly past it)
+        jump_back = 0.0  # rho to return to when a jump to rho_min fails
+        no_jump: bytes | None = None  # a face from which a jump failed
+        idle = 0  # accepted proximal steps at rho_min that did not lower J
+        since_best = 0  # face solves since J fell by more than its rounding or the gap halved
+        low_gap = last_gap
         it = 0
-        mu: float | None = None
-        L = 0.0
-        mono_left = 0
-        mono_stall = 0
-
-        def converged(J: float, gap: float) -> bool:
-            return gap <= tol * self.scale(J)
-
-        if converged(best_J, last_gap):
-            return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap, mode)
         for it in range(1, int(opts["max_iter"]) + 1):
-            if mode == "pdas":
-                # non-monotone primal-dual active-set step from the last face minimiser
-                key = face.key()
-                seen.add(key)
-                xf, gf = self.face_solve(face, x)
-                xp = self.project(xf)
-                gp = gf if np.array_equal(xp, xf) else H @ xp + g
-                Jp = self.objective(xp, gp)
-                gap = self.gap(xp, gp)
-                new_face = self.update_face(face, xf, gf)
-                fixed = new_face.key() == key and np.array_equal(xp, xf)
-                improved = Jp < best_J - 1e-15 * self.scale(best_J)
-                if Jp <= best_J:
-                    best_x, best_g, best_J, last_gap = xp, gp, Jp, gap
-                if converged(Jp, gap) or (fixed and self.fine and not math.isfinite(gap)):
-                    best_x, best_g, best_J, last_gap = xp, gp, Jp, gap
-                    status = SolveStatus.OPTIMAL
-                    break
-                if new_face.key() == key and not self.fine:
-                    # the face is stable: solve on it once more to float64 accuracy
-                    self.fine = True
-                    x = xf
-                    continue
-                self.fine = new_face.key() == key
-                stall = 0 if improved else stall + 1
-                if stall >= int(opts["patience"]) or new_face.key() in seen:
-                    mode = "monotone"  # cycling or stalling: a few globalised steps
-                    self.fine = True
-                    mono_left = int(opts["monotone_steps"])
-                    continue
-                face, x = new_face, xf
+            rho = self.rho
+            key = face.key()
+            seen.add(key)
+            xf, gf = self.face_solve(face, x)  # gf: gradient of J + rho/2 ||x - xc||^2
+            xp = self.project(xf)
+            inside = np.array_equal(xp, xf)
+            if inside:
+                gp = gf - self.rho * (xf - self.xc) if rho > 0 else gf
             else:
-                # monotone: a projected-gradient (or FISTA) step p identifies the face; the
-                # damped Newton step on that face is kept when P(face minimiser) beats p
-                if mu is None:
-                    mu = float(opts["damping"]) * self.eta
-                    L = self.lipschitz()
-                steps = int(opts["fista_steps"])
-                if steps:
-                    p, gp, Jp = self.fista(best_x, steps)
-                else:
-                    p = self.project(best_x - best_g / L)
-                    gp = H @ p + g
-                    Jp = self.objective(p, gp)
-                face = self.identify(p)
-                xf, _ = self.face_solve(face, p, mu)
-                z = self.project(xf)
-                gz = H @ z + g
-                Jz = self.objective(z, gz)
-                if Jz < Jp:
-                    cand = (z, gz, Jz)
-                    mu = 0.0 if mu < 1e-9 * self.eta else mu / 10.0
-                else:
-                    cand = (p, gp, Jp)
-                    mu = min(max(10.0 * mu, 1e-9 * self.eta), 1e6 * self.eta)
-                mono_stall = mono_stall + 1 if cand[2] >= best_J - 1e-15 * self.scale(best_J) else 0
-                if cand[2] <= best_J:
-                    best_x, best_g, best_J = cand
-                    last_gap = self.gap(best_x, best_g)
-                if converged(best_J, last_gap):
-                    status = SolveStatus.OPTIMAL
-                    break
-                if mono_stall >= 2 * int(opts["patience"]):
+                gp = H @ xp + g
+            Jp = self.objective(xp, gp)
+            gap = self.gap(xp, gp)
+            noise = 8.0 * np.finfo(float).eps * self.term_scale(xp, gp)  # rounding of J
+            if Jp < best_J - 1e-13 * self.term_scale(xp, gp) or gap < 0.5 * low_gap:
+                since_best = 0
+            else:
+                since_best += 1
+            low_gap = min(low_gap, gap)
+            # the best point: the lowest J; among Js equal up to rounding, the smallest gap
+            if Jp < best_J - noise or (Jp <= best_J + noise and gap < last_gap):
+                best_x, best_J, last_gap = xp, Jp, gap
+            new_face = self.update_face(face, xf, gf)
+            stable = new_face.key() == key
+            if converged(Jp, gap, xp, gp):
+                best_x, best_J, last_gap = xp, Jp, gap
+                status = SolveStatus.OPTIMAL
+                break
+            if since_best >= 10 * max(patience, 3):
+                status = SolveStatus.INACCURATE  # J stopped falling: the gap is at its floor
+                break
+            if stable and rho > 0:
+                # the proximal subproblem is solved: its minimiser is the next centre (to the
+                # accuracy of this solve; solves on a stable face are then refined fully)
+                idle = idle + 1 if rho <= rho_min and Jp >= xc_J - 1e-15 * self.scale(xc_J) else 0
+                if idle >= patience:
                     status = SolveStatus.INACCURATE  # no progress at float64 resolution
                     break
-                mono_left -= 1
-                if mono_left <= 0:  # back to the fast iteration from the improved point
-                    mode = "pdas"
-                    self.fine = False
-                    stall = 0
-                    seen.clear()
-                    face = self.identify(self.project(best_x - best_g / self.eta))
-                    x = best_x
-        return best_x, status, it, self._info(it, face, last_gap, mode)
+                settled = key == anchor.key()
+                self.xc, xc_J, anchor = xp, Jp, face
+                jump_back = 0.0
+                if settled and rho > rho_min and key != no_jump:
+                    # the same face twice in a row: try the plain problem on it at once
+                    jump_back = max(rho / dec, rho_min)
+                    self.rho = rho_min
+                elif rho / dec <= fail_rho * (1.0 + 1e-12):
+                    fail_rho /= dec  # failed there recently: stay once more, then try again
+                else:
+                    self.rho = max(rho / dec, rho_min)
+                self.fine = True
+                seen.clear()
+                inner_best, stall, inner_it = math.inf, 0, 0
+                x = xp
+                continue
+            if stable and not self.fine:
+                # the face is stable: solve on it once more to float64 accuracy
+                self.fine = True
+                x = xf
+                continue
+            self.fine = stable
+            # the PDAS step did not settle: is the iteration still making progress?
+            Jr = Jp + 0.5 * rho * float(np.sum((xp - self.xc) ** 2)) if rho > 0 else Jp
+            if Jr < inner_best - 1e-15 * self.scale(Jr):
+                inner_best, stall = Jr, 0
+            else:
+                stall += 1
+            if rho == 0:
+                # plain PDAS that does not halve the gap within a few more steps is not
+                # converging either (the objective can fall slowly while the faces wander)
+                gap_best, gap_stall = (gap, 0) if gap <= 0.5 * gap_best else (gap_best, gap_stall + 1)
+                stall = max(stall, gap_stall - 3)
+            inner_it += 1
+            if rho == 0:
+                failed = stall >= patience
+            else:
+                failed = stall >= 2 or inner_it >= int(opts["prox_inner_max"])
+            if failed or new_face.key() in seen or stable:
+                # cycling or stalling: (re)start proximal PDAS with more regularisation
+                # (PDAS converges on J + rho/2 ||x - xc||^2 for rho large enough)
+                if rho >= rho_max:
+                    status = SolveStatus.INACCURATE
+                    break
+                if rho == 0:
+                    self.rho = float(opts["prox_start"]) * self.eta
+                elif jump_back > 0:
+                    self.rho, jump_back, no_jump = jump_back, 0.0, anchor.key()
+                else:
+                    fail_rho = rho
+                    self.rho = min(dec * rho, rho_max)
+                if rho == 0 or best_J < xc_J - 1e-15 * self.scale(xc_J):
+                    # restart from the best point, on the face of a gradient step there
+                    self.xc, xc_J = best_x, best_J
+                    gc = self.inner_grad(best_x)
+                    face = self.identify(self.project(best_x - gc / (self.eta + self.rho)))
+                else:
+                    face = anchor
+                self.proximal_restarts += 1
+                seen.clear()
+                inner_best, stall, inner_it = math.inf, 0, 0
+                self.fine = False
+                x = self.xc
+                continue
+            face, x = new_face, xf
+        return best_x, status, it, self._info(it, face, last_gap)
 
-    def _info(self, it: int, face: _Face, gap: float, mode: str) -> dict[str, Any]:
+    def _info(self, it: int, face: _Face, gap: float) -> dict[str, Any]:
         return {
             "face_iterations": it, "factorisations": self.factorisations,
             "fista_steps": self.fista_steps, "linear_solves": sorted(self.solve_methods),
             "n_free": int(np.sum(face.status == FREE)), "frank_wolfe_gap": gap,
-            "tol": float(self.opts["tol"]), "final_mode": mode,
+            "tol": float(self.opts["tol"]), "proximal_restarts": self.proximal_restarts,
+            "final_rho": self.rho,
         }
 
 
 class ActiveSetSolver(QPSolver):
-    """Dense primal-dual active-set solver with a monotone safeguard (see the module doc).
+    """Dense primal-dual active-set solver with proximal-point globalisation (see the module doc).
 
     Options (defaults): ``tol`` 1e-10 (stop when the Frank-Wolfe gap is below ``tol`` times
-    ``max(|J|, 1e-8 |c|)``), ``max_iter`` 500 face iterations, ``warm_steps`` 0 FISTA steps
-    before the first face, ``cg_start`` 40 conjugate-gradient steps when the first face is
-    (nearly) all free, ``patience`` 3 non-improving active-set steps before
-    ``monotone_steps`` 3 safeguarded steps (a projected-gradient step with ``1/lambda_max``,
-    or ``fista_steps`` FISTA steps if > 0, then a damped Newton step on its face, damping
-    starting at ``damping`` 1e-6 x max diag H), ``precision`` "auto" (float32 factorisations
-    with float64 refinement for faces with >= 512 free coordinates; "float64" or "mixed" to
-    force), ``update_ratio`` 0.05 (reuse the last factor through a bordered solve while
-    fewer than this fraction of coordinates changed), ``ridge`` 1e-10 (relative to max
-    diag, only for singular faces) and ``refine_steps`` 30.
+    ``max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))``), ``max_iter`` 500 face solves, ``warm_steps``
+    0 FISTA steps before the first face, ``cg_start`` 40 conjugate-gradient steps when the
+    first face is (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
+    proximal mode (which starts at ``prox_start`` 3e-2 x max diag H, divides rho by
+    ``prox_decrease`` 4 after each solved subproblem down to ``prox_min`` 1e-12 x max diag H,
+    and gives a subproblem ``prox_inner_max`` 8 face solves), ``precision`` "auto" (float32
+    factorisations with float64 refinement for faces with >= 512 free coordinates; "float64"
+    or "mixed" to force), ``update_ratio`` 0.05 (reuse the last factor through a bordered
+    solve while fewer than this fraction of coordinates changed), ``ridge`` 1e-10 (relative
+    to max diag H, only for singular faces without proximal term) and ``refine_steps`` 30.
     """
 
     name = "active_set"
-    defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "monotone_steps": 3,
-                "fista_steps": 0, "damping": 1e-6, "ridge": 1e-10, "refine_steps": 30,
-                "precision": "auto", "update_ratio": 0.05, "cg_start": 40}
+    defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
+                "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
+                "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40}
 
     #: ``auto`` passes larger problems to torch_fista (the factorisations need ~2 more dense
     #: n x n arrays beside H: 3.6 GB at n = 16384); see docs/solvers.md
@@ -962,6 +1188,31 @@ class ActiveSetSolver(QPSolver):
             return "needs an explicit H (use torch_fista for a matvec-only problem)"
         st = set_structure(constraints, problem.shape)
         return st if isinstance(st, str) else None
+
+    def check_options(self, options: Any) -> dict[str, Any]:
+        """Known names (base class) and admissible values; errors name the option."""
+        opts = super().check_options(options)
+        rules = {
+            "tol": lambda v: v >= 0, "max_iter": lambda v: v >= 1, "warm_steps": lambda v: v >= 0,
+            "patience": lambda v: v >= 1, "prox_start": lambda v: v > 0, "prox_decrease": lambda v: v > 1,
+            "prox_min": lambda v: 0 < v <= opts["prox_start"], "prox_inner_max": lambda v: v >= 1,
+            "ridge": lambda v: v > 0, "refine_steps": lambda v: v >= 1,
+            "update_ratio": lambda v: v >= 0, "cg_start": lambda v: v >= 0,
+        }
+        for key, ok in rules.items():
+            value = opts[key]
+            try:
+                good = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
+                    and math.isfinite(float(value)) and bool(ok(float(value)))
+            except TypeError:
+                good = False
+            if not good:
+                raise ValidationError(f"active_set: option {key}={value!r} is out of range "
+                                      f"(default {self.defaults[key]!r})")
+        if opts["precision"] not in ("auto", "float64", "mixed"):
+            raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
+                                  "'auto', 'float64' or 'mixed'")
+        return opts
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

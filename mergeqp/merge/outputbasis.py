@@ -1,0 +1,267 @@
+"""The optimal basis (paper, Corollary 4.2) of a merge site of a Hugging Face model, by streaming.
+
+Corollary 4.2 needs a Jacobian ``L`` (``(c, r)``) from the layer's output to the compared output
+and the residual energy ``S = sum_j w_j b_j b_j'`` (``(c, c)``): with ``U_p`` the top-p
+eigenvectors of ``S`` restricted to ``range(L)``, ``Q = orth(L^+ U_p)`` maximises the captured
+energy ``tr(S P_{LQ})`` over every ``p``-dimensional basis (Ky Fan); the top eigenvectors of
+``L'SL`` do not. For a model whose layer output is a sequence (``(T, r)``) the Jacobian varies
+with the sample and acts on ``T r`` outputs, so -- as :func:`mergeqp.stats.optimal_basis` does --
+``L`` is the **calibration-mean Jacobian summed over positions**::
+
+    L e_i = sum_j w_j J_j (1_T (x) e_i) / sum_j w_j        (one column per output feature i)
+
+the mean response of the compared output (``c`` = positions x restricted logits, padded
+positions are zero) to the same perturbation ``e_i`` at every position of the layer output.
+Each column is one ``torch.func.jvp`` per batch, vectorised over ``i`` (``r`` JVPs per batch,
+fewer than the ``K r`` of the rows QP), so no per-sample ``(c, T r)`` Jacobian is formed.
+``S`` is never formed either: the residuals ``b_j`` (``(N, c)``, as large as the targets the
+pipeline already holds) are kept and, once ``L = U diag(s) V'`` is known, projected,
+``S_L = (B U)'(B U)`` (``(rank, rank)``). Corollary 4.2 in the coordinates of ``range(L)``
+(``L_red = diag(s) V'``, an isometric change of output coordinates) gives the same ``Q`` as the
+full ``(c, c)`` computation (checked against :func:`mergeqp.stats.optimal_basis` in the tests).
+
+Memory: ``L`` is ``c x r`` float64, ``c = T_max k`` for a language model (``T_max`` the longest
+calibration prompt, ``k`` the compared outputs per position: the vocabulary, or
+``output.restrict``'s ``k``). It must fit ``max_bytes`` (``method.basis_max_size``); otherwise
+:class:`~mergeqp.errors.ValidationError` names the cap and the ways to shrink ``c``.
+
+The captured-energy fraction reported with it, ``tr(S P_{L Q}) / tr(S)``, is the quantity the
+basis maximises (the relaxed problem of Theorem 4.1 for the mean Jacobian); it is an
+approximation of the per-sample fraction the pipeline reports for every QP, which has no closed
+form optimum.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..lm import OutputSpec
+from .sites import LayerSite, site_module
+
+DEFAULT_MAX_BYTES = 2 * 2**30
+RANK_RTOL = 1e-10
+JACOBIAN = "calibration-mean Jacobian summed over positions (the response to the same perturbation at every position)"
+
+
+def jacobian_bytes(c: int, r: int) -> int:
+    """Bytes of the ``(c, r)`` float64 mean Jacobian."""
+    return int(c) * int(r) * 8
+
+
+def check_jacobian_size(site: str, c: int, r: int, max_bytes: int) -> None:
+    """Raise when the mean Jacobian of ``site`` would exceed ``max_bytes``."""
+    need = jacobian_bytes(c, r)
+    if need > max_bytes:
+        raise ValidationError(
+            f"basis: optimal at layer {site!r} needs its mean output Jacobian of shape (c, r) = ({c}, {r}) in "
+            f"float64, {need / 2**30:.3g} GiB, above method.basis_max_size ({max_bytes / 2**30:.3g} GiB): "
+            f"shrink c (output: {{restrict: projection, k: ...}} or a smaller calibration.max_length), raise "
+            f"method.basis_max_size, or use basis: svd"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class OutputBasisStats:
+    """The statistics Corollary 4.2 needs at one site, in the coordinates of ``range(L)``.
+
+    ``L``: ``(rank, r)`` = ``diag(s) V'`` of the mean Jacobian's thin SVD; ``S``: ``(rank,
+    rank)`` = ``U' S U``; ``total``: ``tr(S) = sum_j w_j ||b_j||^2`` (all of it, not only the
+    part in ``range(L)``); ``c``: compared outputs per sample; ``n_samples``; ``seconds``."""
+
+    site: str
+    L: np.ndarray
+    S: np.ndarray
+    total: float
+    c: int
+    r: int
+    n_samples: int
+    seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def rank(self) -> int:
+        return int(self.L.shape[0])
+
+    def basis(self, p: int) -> Any:
+        """The optimal :class:`~mergeqp.stats.parametrisation.Basis` with ``p`` directions."""
+        from ..stats.bases import _complete, optimal_basis_from
+        from ..stats.parametrisation import Basis
+
+        if not 1 <= p <= self.r:
+            raise ValidationError(f"basis rank {p} must be in [1, {self.r}] for layer {self.site!r}")
+        if self.rank == 0:
+            Q, info = _complete(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
+        else:
+            Q, info = optimal_basis_from(self.L, self.S, p)
+        info = {**info, "jacobian": JACOBIAN, "output_size": self.c, "samples": self.n_samples}
+        if info.get("rank_L", p) < p:
+            info["note"] = f"rank(L) = {info['rank_L']} < p = {p}: the extra directions capture no energy"
+        return Basis(Q, name="optimal", info=info)
+
+    def captured(self, Q: np.ndarray) -> float:
+        """``tr(S P_{L Q})`` for an ``(r, p)`` basis ``Q``."""
+        from ..stats.diagnostics import range_basis
+
+        if self.rank == 0:
+            return 0.0
+        P = range_basis(self.L @ np.asarray(Q, dtype=np.float64))
+        return float(np.einsum("ci,cd,di->", P, self.S, P))
+
+    def energy_fraction(self, Q: np.ndarray) -> float:
+        """``tr(S P_{L Q}) / tr(S)`` (the quantity the optimal basis maximises)."""
+        return min(self.captured(Q) / self.total, 1.0) if self.total > 0 else 0.0
+
+
+def _augment(z: Any, has_bias: bool) -> Any:
+    import torch
+
+    if not has_bias:
+        return z
+    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
+
+
+def collect_output_basis(
+    model: Any,
+    site: LayerSite,
+    tasks: Sequence[Any],
+    spec: OutputSpec,
+    device: Any = "cpu",
+    *,
+    offset: Any = None,
+    chunk_size: int = 256,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: bool = False,
+) -> OutputBasisStats:
+    """Stream the calibration batches of ``tasks`` (:class:`~mergeqp.merge.firstorder.TaskTargets`)
+    through ``model`` (unchanged) and return the statistics of the optimal basis at ``site``.
+
+    ``offset``: ``W_cur - W_base`` (``(r, m1)``) when the model's site weight is not the base's
+    (hybrid): its first-order effect is subtracted from the residuals, as in the QP."""
+    import torch
+    from torch.func import jvp, vmap
+
+    from ..stats.hooks import PerturbationHook, eval_mode
+
+    t0 = time.perf_counter()
+    sizes = [int(tb.target[0].numel()) for task in tasks for tb in task.batches]
+    if not sizes:
+        raise ValidationError(f"basis: optimal at layer {site.name!r}: no calibration batches")
+    c = max(sizes)
+    r = site.r
+    check_jacobian_size(site.name, c, r, max_bytes)
+    L_sum = torch.zeros(c, r, dtype=torch.float64, device=device)
+    residuals: list[Any] = []
+    total = 0.0
+    weight_sum = 0.0
+    n_samples = 0
+    hook = PerturbationHook()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(sizes), desc=f"optimal basis {site.name}"[:60], leave=False)
+    with ExitStack() as stack, eval_mode(model):
+        handle = site_module(model, site).register_forward_hook(hook)
+        stack.callback(handle.remove)
+        params = list(model.parameters())
+        saved = [p.requires_grad for p in params]
+        stack.callback(lambda: [p.requires_grad_(s) for p, s in zip(params, saved)])
+        for p in params:
+            p.requires_grad_(False)
+        for task in tasks:
+            w = float(task.weight)
+            for tb in task.batches:
+                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+                index = None if tb.index is None else tb.index.to(device)
+
+                def compared(out: Any, _mask: Any = mask, _index: Any = index) -> Any:
+                    o = spec.select(spec.raw(out), _mask, _index)
+                    return o.reshape(o.shape[0], -1)
+
+                hook.record, hook.calls = True, 0
+                try:
+                    with torch.no_grad():
+                        out = model(**inputs)
+                finally:
+                    hook.record = False
+                if hook.calls != 1:
+                    raise ValidationError(f"layer {site.name!r} ran {hook.calls} times in one forward pass; a merge "
+                                          f"site must run exactly once")
+                h = compared(out)
+                B, cb = int(h.shape[0]), int(h.shape[1])
+                b = h.to(torch.float64) - tb.target.to(device=device, dtype=torch.float64).reshape(B, -1)
+                u0 = torch.zeros_like(hook.layer_output)
+
+                def f(p: Any, _inputs: Any = inputs, _compared: Any = compared) -> Any:
+                    hook.perturbation = p
+                    try:
+                        return _compared(model(**_inputs))
+                    finally:
+                        hook.perturbation = None
+
+                def push(v: Any, _f: Any = f, _u0: Any = u0) -> Any:
+                    return jvp(_f, (_u0,), (v,))[1]
+
+                if offset is not None:
+                    Z = _augment(hook.layer_input, site.has_bias)
+                    off = Z @ offset.to(Z.dtype).to(Z.device).t()
+                    b = b - push(off.to(u0.dtype)).to(torch.float64)
+                if not torch.all(torch.isfinite(b)):
+                    raise ValidationError(f"non-finite outputs at layer {site.name!r} on task {task.name!r}")
+                eye = torch.eye(r, dtype=u0.dtype, device=u0.device)
+                lead = (1,) * (u0.dim() - 1)
+                for start in range(0, r, chunk_size):
+                    stop = min(start + chunk_size, r)
+                    tang = eye[start:stop].reshape(stop - start, *lead, r).expand(stop - start, *u0.shape).contiguous()
+                    cols = vmap(push)(tang).to(torch.float64)  # (n, B, cb)
+                    if not torch.all(torch.isfinite(cols)):
+                        raise ValidationError(f"non-finite Jacobian at layer {site.name!r} on task {task.name!r}")
+                    L_sum[:cb, start:stop] += w * cols.sum(dim=1).t()
+                total += w * float((b * b).sum())
+                weight_sum += w * B
+                n_samples += B
+                padded = torch.zeros(B, c, dtype=torch.float64)
+                padded[:, :cb] = math.sqrt(w) * b.cpu()
+                residuals.append(padded)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
+    if weight_sum <= 0:
+        raise ValidationError(f"basis: optimal at layer {site.name!r}: every task has weight 0")
+    L = L_sum / weight_sum
+    U, s, Vt = torch.linalg.svd(L, full_matrices=False)
+    rank = int((s > RANK_RTOL * s[0]).sum()) if s.numel() and float(s[0]) > 0 else 0
+    U = U[:, :rank].cpu()
+    S_red = torch.zeros(rank, rank, dtype=torch.float64)
+    for chunk in residuals:
+        Y = chunk @ U
+        S_red += Y.t() @ Y
+    L_red = (s[:rank, None] * Vt[:rank]).cpu()
+    return OutputBasisStats(site.name, L_red.numpy(), S_red.numpy(), total, c, r, n_samples,
+                            time.perf_counter() - t0, {"singular_values_L": s[: min(rank, 8)].cpu().tolist()})
+
+
+def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
+    """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
+    from types import SimpleNamespace
+
+    from ..stats.bases import random_basis, svd_basis
+
+    holder = SimpleNamespace(r=stats.r, deltas=np.asarray(deltas))
+    return {"optimal": stats.energy_fraction(stats.basis(p).Q),
+            "svd": stats.energy_fraction(svd_basis(holder, p).Q),
+            "random": stats.energy_fraction(random_basis(stats.r, p, seed=seed).Q)}
+
+
+__all__ = ["DEFAULT_MAX_BYTES", "OutputBasisStats", "check_jacobian_size", "collect_output_basis",
+           "compare_bases", "jacobian_bytes"]

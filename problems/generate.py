@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         path = problem_path(name)
         if args.regenerate and path.exists():
-            path.unlink()
+            if REFERENCE_SPECS[name].saved:
+                print(f"{name}: saved from a real run, not regenerated (its optima are recomputed)")
+            else:
+                path.unlink()
         problem = load_reference_problem(name)
         print(f"{name}: n = {problem.n}, shape {problem.shape} -> {path}")
         out = build_references(name)

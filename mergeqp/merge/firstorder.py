@@ -94,7 +94,7 @@ class SiteAtoms:
             # atom i: z_i * delta[:, i]
             return Z.movedim(-1, 0).unsqueeze(-1) * delta.t().reshape(self.site.m1, *([1] * (Z.dim() - 1)), self.site.r)
         if name == "basis":
-            Q = torch.as_tensor(self.param.basis.Q, dtype=Z.dtype, device=Z.device)  # (r, p)
+            Q = torch.as_tensor(np.array(self.param.basis.Q), dtype=Z.dtype, device=Z.device)  # (r, p)
             alpha = R @ Q  # (..., p)
             return alpha.movedim(-1, 0).unsqueeze(-1) * Q.t().reshape(Q.shape[1], *([1] * (R.dim() - 1)), self.site.r)
         raise ValidationError(f"parametrisation {name!r} has no tangent rule for HF merging")

@@ -132,7 +132,9 @@ def synthetic_merge_qp(K: int, r: int, c: int, N: int, *, m: int | None = None, 
 class ReferenceSpec:
     """A named reference instance. ``constraints``: constraint specs (``" & "`` joins an
     intersection) whose certified optima are stored; ``infeasible``: specs that must raise
-    :class:`~mergeqp.errors.InfeasibleError`; ``committed``: whether the ``.npz`` is in git."""
+    :class:`~mergeqp.errors.InfeasibleError`; ``committed``: whether the ``.npz`` is in git;
+    ``saved``: the instance is not synthetic but saved from a real run (its ``.npz`` is the
+    only source: :meth:`build` refuses, and nothing regenerates it)."""
 
     name: str
     K: int
@@ -149,12 +151,17 @@ class ReferenceSpec:
     constraints: tuple[str, ...] = ("box:0,1", "simplex")
     infeasible: tuple[str, ...] = ()
     extra: Mapping[str, Any] = field(default_factory=dict)
+    saved: bool = False
 
     @property
     def n(self) -> int:
         return self.K * self.r
 
     def build(self) -> MergeQP:
+        if self.saved:
+            raise ValidationError(
+                f"reference problem {self.name!r} was saved from a real run and cannot be "
+                f"regenerated; restore problems/{self.name}.npz from git")
         return synthetic_merge_qp(self.K, self.r, self.c, self.N, m=self.m, noise=self.noise,
                                   seed=self.seed, dead_rows=self.dead_rows,
                                   duplicate_last=self.duplicate_last, name=self.name)
@@ -194,6 +201,12 @@ register_reference(ReferenceSpec(
 register_reference(ReferenceSpec(
     "mnist640", K=5, r=128, c=10, N=500, seed=4, committed=True,
     description="MNIST MLP penultimate layer size: K=5 x 128 rows, c=10 classes, N=500 samples",
+    constraints=_ALL_SETS,
+))
+register_reference(ReferenceSpec(
+    "mnist_real640", K=5, r=128, c=10, N=500, seed=0, committed=True, saved=True,
+    description="real merge QP saved from `mergeqp experiment mnist` (seed 0, layer2, rows, 100 "
+                "calibration samples per task): singular H (84 zero rows, rank 553 of 640)",
     constraints=_ALL_SETS,
 ))
 register_reference(ReferenceSpec(
@@ -237,6 +250,9 @@ def load_reference_problem(name: str, *, generate: bool = True, cache: bool = Tr
     path = problem_path(name, root)
     if path.exists():
         return MergeQP.load_npz(str(path))
+    if spec.saved:
+        raise ValidationError(f"reference problem {name!r} not found at {path}: it was saved from a "
+                              "real run and cannot be regenerated; restore it from git")
     if not generate:
         raise ValidationError(f"reference problem {name!r} not found at {path}; run problems/generate.py")
     problem = spec.build()

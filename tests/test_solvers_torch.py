@@ -88,3 +88,19 @@ def test_fista_on_cuda() -> None:  # pragma: no cover - needs a GPU
         sol = solve(problem, cset, solver="torch_fista", device="cuda", dtype=dtype, tol=tol / 10)
         assert sol.info["device"].startswith("cuda")
         assert rel_diff(sol.objective, ref["objective"]) <= tol
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_fista_stops_at_roundoff_when_the_optimum_is_zero(seed: int) -> None:
+    """J* = 0 (rank-2 H, the interpolating point inside the box): the relative target
+    ``tol * 1e-8 size`` lies below float64 roundoff; FISTA must stop there, not run to
+    ``max_iter``, and the point must still certify at the default tolerance."""
+    from _solver_helpers import random_psd_problem
+
+    problem = random_psd_problem(np.random.default_rng(seed), 3, 5, 2)
+    sol = solve(problem, Box(0.0, 1.0), solver="torch_fista", dtype="float64", device="cpu",
+                tol=1e-10, max_iter=20000)
+    assert sol.status.value == "optimal" and sol.iterations < 2000, (sol.status, sol.iterations)
+    assert sol.info["stopped_at_roundoff"] is True
+    assert abs(sol.objective) <= 1e-12
+    assert sol.certificate.certified()

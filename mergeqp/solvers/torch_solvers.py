@@ -98,18 +98,27 @@ class _TorchQP:
         return max(lam, float(nw))
 
 
-def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) -> tuple[float, float]:
-    """``(J(x), gap)`` in float64: the Frank-Wolfe gap, or for unbounded sets (where it is
-    infinite) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
-    ``G = L (x - P(x - grad/L))``."""
+def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) -> tuple[float, float, float]:
+    """``(J(x), gap, size)`` in float64: the Frank-Wolfe gap, or for unbounded sets (where it
+    is infinite) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
+    ``G = L (x - P(x - grad/L))``; ``size = |c| + |x'Hx|/2 + |g'x|``, the magnitude of the
+    terms that cancel in ``J`` (float64 roundoff in ``J`` and the gap is ~ eps * size)."""
     d = x.reshape(problem.shape)
     grad = problem.gradient(d)
-    J = float(0.5 * np.sum(d * (grad - problem.g.reshape(problem.shape))) + problem.g @ x + problem.c)
+    lin = float(problem.g @ x)
+    quad = float(0.5 * np.sum(d * (grad - problem.g.reshape(problem.shape))))
+    J = quad + lin + problem.c
+    size = abs(problem.c) + abs(quad) + abs(lin)
     val, _ = cset.support(grad)
     if math.isfinite(val):
-        return J, float(np.sum(grad * d) - val)
+        return J, float(np.sum(grad * d) - val), size
     G = L * (d - cset.project(d - grad / L))
-    return J, float(np.linalg.norm(G)) * max(1.0, float(np.linalg.norm(x)))
+    return J, float(np.linalg.norm(G)) * max(1.0, float(np.linalg.norm(x))), size
+
+
+#: the FISTA stop also accepts a gap below this multiple of float64 roundoff in ``J``
+#: (``eps * size``): where ``J* ~ 0`` the relative target ``tol * 1e-8 size`` lies below it
+ROUNDOFF_FLOOR = 32.0 * float(np.finfo(float).eps)
 
 
 def _start(problem: MergeQP, x0: np.ndarray | None, init: str) -> np.ndarray:
@@ -144,7 +153,10 @@ class TorchFISTASolver(_TorchSolver):
     Options (defaults): ``device`` "auto" (CUDA when available), ``dtype`` "float64"
     ("float32" halves memory traffic but its gradients limit the attainable gap to ~1e-7
     relative), ``max_iter`` 20000, ``tol`` 1e-9 (stop when the float64 Frank-Wolfe gap is
-    below ``tol * max(|J|, 1e-8 |c|)``), ``check_every`` 25 iterations, ``lipschitz`` None
+    below ``tol * max(|J|, 1e-8 size)``, the certificate's scale with ``size = |c| + |d'Hd|/2 +
+    |g'd|``, or below float64 roundoff ``32 eps size`` (under the certificate's default 1e-6
+    target) where ``J* ~ 0`` makes the relative target unreachable;
+    ``info["stopped_at_roundoff"]`` says so), ``check_every`` 25 iterations, ``lipschitz`` None
     (power iteration estimate x 1.05; give a number to skip it), ``init`` "soup". The
     returned point is the best checked iterate, projected once more in float64.
     """
@@ -173,6 +185,7 @@ class TorchFISTASolver(_TorchSolver):
             t = 1.0
             best_x, best_J, gap = qp.to_host(x), math.inf, math.inf
             restarts = 0
+            at_roundoff = False
             status = SolveStatus.MAX_ITERATIONS
             it = 0
             for it in range(1, int(opts["max_iter"]) + 1):
@@ -189,7 +202,7 @@ class TorchFISTASolver(_TorchSolver):
                 x = x_new
                 if it % check == 0 or it == int(opts["max_iter"]):
                     xh = constraints.project(qp.to_host(x).reshape(problem.shape)).ravel()
-                    J, gap = _progress(problem, constraints, xh, L)
+                    J, gap, size = _progress(problem, constraints, xh, L)
                     if J < best_J:
                         best_x, best_J = xh, J
                     if not math.isfinite(J) or J > 1e6 * (abs(best_J) + abs(problem.c) + 1.0):
@@ -197,12 +210,15 @@ class TorchFISTASolver(_TorchSolver):
                         x = torch.as_tensor(best_x, dtype=dtype, device=device)
                         y, t = x.clone(), 1.0
                         continue
-                    if gap <= tol * max(abs(J), 1e-8 * abs(problem.c), np.finfo(float).tiny):
+                    target = tol * max(abs(J), 1e-8 * size, np.finfo(float).tiny)
+                    if gap <= max(target, ROUNDOFF_FLOOR * size):
                         best_x, best_J = xh, J
                         status = SolveStatus.OPTIMAL
+                        at_roundoff = gap > target
                         break
         info = {"device": str(device), "dtype": str(opts["dtype"]), "lipschitz": L, "restarts": restarts,
-                "gap_estimate": gap, "tol": tol, "matvec_only": problem.H is None}
+                "gap_estimate": gap, "tol": tol, "stopped_at_roundoff": at_roundoff,
+                "matvec_only": problem.H is None}
         return RawResult(problem.unflat(best_x), status, it, info, setup_seconds=setup)
 
 

@@ -31,13 +31,14 @@ second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
 sets. The pseudo-inverse quantities need a Cholesky factorisation (an eigendecomposition only
-when H is singular) and are computed by default up to ``PINV_MAX_N`` variables, or whenever
-the Lagrangian gap needs the factorisation anyway.
+when H is singular; cached per problem object) and are computed by default up to
+``PINV_MAX_N`` variables, or whenever the Lagrangian gap needs the factorisation anyway.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +221,22 @@ class _PseudoInverse:
         return x, float(np.linalg.norm(coef[~keep]))
 
 
+#: factorisations kept per problem (H is read-only after validation, so they stay valid):
+#: certifying several points or constraint sets of one problem factorises H once
+_PINV_CACHE: weakref.WeakKeyDictionary[MergeQP, _PseudoInverse] = weakref.WeakKeyDictionary()
+
+
+def _pseudo_inverse(problem: MergeQP, allow_eig: bool) -> _PseudoInverse:
+    """The problem's cached :class:`_PseudoInverse` (rebuilt when an eigendecomposition is
+    now allowed but the cached one lacks it)."""
+    assert problem.H is not None
+    cached = _PINV_CACHE.get(problem)
+    if cached is None or (allow_eig and cached.singular and cached.eig is None):
+        cached = _PseudoInverse(problem.H, allow_eig=allow_eig)
+        _PINV_CACHE[problem] = cached
+    return cached
+
+
 def certify(
     problem: MergeQP,
     constraints: ConstraintSet | Any,
@@ -264,7 +281,7 @@ def certify(
         nonlocal solver
         if solver is None and explicit:
             assert problem.H is not None
-            solver = _PseudoInverse(problem.H, allow_eig=bool(pinv) or problem.n <= EIG_MAX_N)
+            solver = _pseudo_inverse(problem, allow_eig=bool(pinv) or problem.n <= EIG_MAX_N)
         return solver
 
     # ------------------------------------------------------------- optimality gap

@@ -287,3 +287,29 @@ def test_cvxpy_reference_helper_is_consistent() -> None:
     expr = 0.5 * cp.quad_form(x, cp.psd_wrap(problem.H)) + problem.g @ x + problem.c
     var.value = np.ones(problem.shape)
     assert float(expr.value) == pytest.approx(problem.objective(np.ones(problem.shape)), rel=1e-12)
+
+
+def test_pseudo_inverse_is_factorised_once_per_problem(monkeypatch) -> None:
+    """Certifying several points / sets of one singular problem factorises H once; the
+    cached factorisation gives the same certificate as a fresh one."""
+    import mergeqp.certificate as cm
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((5, 12))
+    problem = MergeQP(2 * A.T @ A, 2 * A.T @ rng.standard_normal(5), 3.0, shape=(3, 4))
+    calls = [0]
+    real_eigh = np.linalg.eigh
+
+    def counting_eigh(M):
+        calls[0] += 1
+        return real_eigh(M)
+
+    monkeypatch.setattr(cm.np.linalg, "eigh", counting_eigh)
+    first = certify(problem, Box(0.0, 1.0), np.full((3, 4), 0.5))
+    again = certify(problem, Simplex(), np.full((3, 4), 1 / 3))
+    assert calls[0] == 1
+    fresh_problem = MergeQP(problem.H, problem.g, problem.c, shape=(3, 4))
+    fresh = certify(fresh_problem, Box(0.0, 1.0), np.full((3, 4), 0.5))
+    assert calls[0] == 2
+    assert first.unconstrained_bound == pytest.approx(fresh.unconstrained_bound, rel=1e-12)
+    assert again.unconstrained_bound == first.unconstrained_bound

@@ -226,6 +226,11 @@ class _PseudoInverse:
 _PINV_CACHE: weakref.WeakKeyDictionary[MergeQP, _PseudoInverse] = weakref.WeakKeyDictionary()
 
 
+def forget_factorisation(problem: MergeQP) -> None:
+    """Drop the cached factorisation of ``problem`` (benchmarks time a cold certificate)."""
+    _PINV_CACHE.pop(problem, None)
+
+
 def _pseudo_inverse(problem: MergeQP, allow_eig: bool) -> _PseudoInverse:
     """The problem's cached :class:`_PseudoInverse` (rebuilt when an eigendecomposition is
     now allowed but the cached one lacks it)."""

@@ -34,7 +34,7 @@ def register(subparsers: Any) -> None:
     m.add_argument("--finetune", choices=("layer2", "all"), default="layer2",
                    help="layers fine-tuned per task (the merge is always at layer2)")
     m.add_argument("--solver", default=None,
-                   help="solver of the exact QPs (default clarabel; any registered solver or auto)")
+                   help="solver of the exact QPs (default auto; any registered solver)")
     m.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: min(2, CPU count))")
     m.add_argument("--no-figures", action="store_true", help="skip the PNG figures")

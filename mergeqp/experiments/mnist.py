@@ -57,7 +57,8 @@ class MnistConfig:
     Data: ``tasks`` (class groups), ``calibration_per_task``, ``test_fraction`` (of each task's
     samples, when the data has no separate test part), ``train_per_task`` / ``test_per_task``
     caps (``None`` = all). Training: ``base_train``, ``finetune_train``. Merging: ``solver``
-    for the exact QP (``clarabel``: interior point, certified; ``auto`` also works),
+    for the exact QP (``auto``: the dense active-set solver here; any registered exact solver,
+    e.g. ``clarabel``, gives the same certified optimum),
     ``adam_lr`` / ``adam_steps`` (the paper's solver), ``ta_lambda``, ``dare_p``,
     ``ties_density``, ``regmean_alpha``, ``trust_region``. Geometry: ``geometry_p`` (basis
     dimensions), ``geometry_bases``, ``random_seeds``.
@@ -70,7 +71,7 @@ class MnistConfig:
     test_per_task: int | None = None
     base_train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=10, lr=1e-3, batch_size=64))
     finetune_train: TrainConfig = field(default_factory=lambda: TrainConfig(epochs=5, lr=1e-3, batch_size=64))
-    solver: str = "clarabel"
+    solver: str = "auto"
     adam_lr: float = 1e-2
     adam_steps: int = 500
     ta_lambda: float = 1.0

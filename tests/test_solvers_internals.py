@@ -52,28 +52,42 @@ def test_reference_specs_match_the_paper_sizes() -> None:
     assert spec_slug("box:0,1 & simplex") == "box_0_1__simplex"
 
 
-def test_bordered_update_equals_fresh_factorisation() -> None:
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("proximal", [False, True], ids=["plain", "proximal"])
+def test_bordered_update_equals_fresh_factorisation(proximal: bool) -> None:
+    """A face two flips away from the factorised one, solved through the bordered (Schur
+    complement) update, equals a fresh factorisation; ``proximal``: a singular H (rank 20)
+    with the proximal term ``rho/2 |x - xc|^2`` of the safeguard."""
+    rng = np.random.default_rng(4 if proximal else 0)
     K, m = 3, 30
     n = K * m
-    B = rng.standard_normal((n, n + 5))
-    p = MergeQP(B @ B.T / n, rng.standard_normal(n), shape=(K, m))
+    if proximal:
+        B = rng.standard_normal((n, 20))
+        p = MergeQP(B @ B.T, rng.standard_normal(n), shape=(K, m))
+    else:
+        B = rng.standard_normal((n, n + 5))
+        p = MergeQP(B @ B.T / n, rng.standard_normal(n), shape=(K, m))
     for cset in (Box(0, 1), Simplex()):
         st = A.set_structure(cset, p.shape)
         opts = dict(A.ActiveSetSolver.defaults, precision="float64", update_ratio=0.5)
-        e = A._Engine(p, cset, st, opts)
+        xc = rng.uniform(0, 1, n) if proximal else None
+
+        def engine(cset=cset, st=st, opts=opts, xc=xc) -> A._Engine:
+            e = A._Engine(p, cset, st, opts)
+            e.fine = True  # solves refined to float64 accuracy (coarse ones stop at 1e-8)
+            if proximal:
+                e.rho, e.xc = 0.05, xc
+            return e
+
+        e = engine()
         f1 = A._Face(np.where(rng.random(n) < 0.3, A.LO, A.FREE).astype(np.int8), None, False)
         x1, _ = e.face_solve(f1, np.full(n, 1 / K))
         s2 = f1.status.copy()
         flip = rng.choice(n, 6, replace=False)
         s2[flip] = np.where(s2[flip] == A.FREE, A.LO, A.FREE)
         f2 = A._Face(s2, None, False)
-        e.fine = True  # both solves refined to float64 accuracy (coarse ones stop at 1e-8)
         x2, _g2 = e.face_solve(f2, x1)
         assert "bordered update" in e.solve_methods
-        fresh = A._Engine(p, cset, st, opts)
-        fresh.fine = True
-        x3, _ = fresh.face_solve(f2, x1)
+        x3, _ = engine().face_solve(f2, x1)
         assert np.max(np.abs(x2 - x3)) <= 1e-9 * (1 + np.max(np.abs(x3)))
 
 

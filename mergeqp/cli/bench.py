@@ -80,13 +80,13 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
                rel_tol: float = 1e-8, max_n: int | None = None, echo: Any = None,
                options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run every (problem, constraint, solver) cell; returns one dict per cell."""
+    from ..certificate import forget_factorisation
     from ..solvers.reference_problems import (
         constraint_from_spec,
         load_reference_problem,
         load_references,
         resolve_spec,
     )
-    from ..certificate import forget_factorisation
     from ..solvers.registry import SOLVERS, solve
 
     rows = []

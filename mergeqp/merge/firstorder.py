@@ -46,7 +46,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..lm import OutputSpec, TargetBatch
 from ..problem import MergeQP
-from .sites import LayerSite, site_module
+from .sites import LayerSite, append_ones, site_module
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,14 +182,6 @@ def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     return float((proj * proj * inv).sum())
 
 
-def _augment(z: Any, has_bias: bool) -> Any:
-    import torch
-
-    if not has_bias:
-        return z
-    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
-
-
 def collect_first_order(
     model: Any,
     atoms: Sequence[SiteAtoms],
@@ -274,7 +266,7 @@ def collect_first_order(
                 e["current"] += float((b * b).sum())
                 blocks = []
                 for a, hook in zip(atoms, hooks):
-                    Z = _augment(hook.layer_input, a.site.has_bias)
+                    Z = append_ones(hook.layer_input, a.site.has_bias)
                     u0 = torch.zeros_like(hook.layer_output)
 
                     def f(p: Any, _hook: Any = hook, _inputs: Any = inputs, _tb: Any = tb,

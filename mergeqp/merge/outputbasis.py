@@ -44,7 +44,7 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..lm import OutputSpec
-from .sites import LayerSite, site_module
+from .sites import LayerSite, append_ones, site_module
 
 DEFAULT_MAX_BYTES = 2 * 2**30
 RANK_RTOL = 1e-10
@@ -118,14 +118,6 @@ class OutputBasisStats:
     def energy_fraction(self, Q: np.ndarray) -> float:
         """``tr(S P_{L Q}) / tr(S)`` (the quantity the optimal basis maximises)."""
         return min(self.captured(Q) / self.total, 1.0) if self.total > 0 else 0.0
-
-
-def _augment(z: Any, has_bias: bool) -> Any:
-    import torch
-
-    if not has_bias:
-        return z
-    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
 
 
 def collect_output_basis(
@@ -212,7 +204,7 @@ def collect_output_basis(
                     return jvp(_f, (_u0,), (v,))[1]
 
                 if offset is not None:
-                    Z = _augment(hook.layer_input, site.has_bias)
+                    Z = append_ones(hook.layer_input, site.has_bias)
                     off = Z @ offset.to(Z.dtype).to(Z.device).t()
                     b = b - push(off.to(u0.dtype)).to(torch.float64)
                 if not torch.all(torch.isfinite(b)):

@@ -179,6 +179,16 @@ def weight_from_tensors(site: LayerSite, weight: Any, bias: Any = None) -> Any:
     return W.contiguous()
 
 
+def append_ones(z: Any, has_bias: bool) -> Any:
+    """The layer input ``z`` (``(..., n_in)``) with a column of ones appended when the layer
+    has a bias (``(..., n_in + 1)``), matching :func:`read_augmented`'s ``[W | b]``."""
+    import torch
+
+    if not has_bias:
+        return z
+    return torch.cat([z, torch.ones(*z.shape[:-1], 1, dtype=z.dtype, device=z.device)], dim=-1)
+
+
 def read_augmented(model: Any, site: LayerSite) -> Any:
     """The site's current augmented weight ``(r, m1)`` (float64, CPU) from a live model."""
     module = site_module(model, site)

@@ -155,13 +155,18 @@ def test_cli_quick_writes_results(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mnist_mod.MnistConfig, "quick", classmethod(lambda cls: tiny_config()))
     out = str(tmp_path / "cli")
     code = main(["experiment", "mnist", "--quick", "--seed", "1", "--threads", "1", "--quiet",
-                 "--no-figures", "--out", out])
+                 "--no-figures", "--qp-tr-ridge", "0,1", "--out", out])
     assert code == 0
     printed = capsys.readouterr().out
     assert "claim" in printed and "qp_tr" in printed
     with open(os.path.join(out, "results.json")) as fh:
         results = json.load(fh)
     assert results["mode"] == "quick" and results["seed"] == 1 and results["figures"] == {}
+    sel = results["qp_tr"]["ridge_selection"]
+    assert sel["relative"] == [0.0, 1.0] and sel["chosen"] in sel["weights"]
+    assert results["qp_tr"]["config"]["ridge"] == sel["chosen"]
+    with open(os.path.join(out, "report.md")) as fh:
+        assert "held-out true error" in fh.read()
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -171,6 +176,10 @@ def test_cli_errors(tmp_path, capsys):
     assert "--threads" in capsys.readouterr().err
     assert main(["experiment", "mnist", "--solver", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown solver 'nope'" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--qp-tr-ridge", "0,x", "--out", str(tmp_path)]) == 2
+    assert "--qp-tr-ridge expects comma-separated numbers" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--qp-tr-ridge", "0,-1", "--out", str(tmp_path)]) == 2
+    assert "finite and >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["experiment", "mnist", "--finetune", "layer9", "--out", str(tmp_path)])
 

@@ -20,6 +20,7 @@ from mergeqp.experiments.trust_region import (
     calibration_error,
     calibration_targets,
     sequential_trust_region,
+    split_calibration,
     trust_region_merge,
     trust_region_set,
 )
@@ -159,3 +160,52 @@ def test_trust_region_sets_and_validation():
     with pytest.raises(ValidationError, match="violates the constraints"):
         sequential_trust_region(lambda d: problem, problem.objective, Box(0.0, 1.0),
                                 np.full(problem.shape, 2.0), progress=False)
+
+
+def test_split_calibration_is_a_seeded_disjoint_partition():
+    cal = [torch.arange(10, dtype=torch.float64).reshape(10, 1), [torch.full((3, 1), 7.0), torch.full((2, 1), 9.0)]]
+    fit, held = split_calibration(cal, 0.25, seed=3, batch_size=4)
+    assert [int(x.shape[0]) for x in held] == [2, 1] and [int(x.shape[0]) for x in fit] == [8, 4]
+    assert sorted(torch.cat([fit[0], held[0]]).ravel().tolist()) == list(range(10))
+    again = split_calibration(cal, 0.25, seed=3, batch_size=4)
+    assert all(torch.equal(a, b) for a, b in zip(fit + held, again[0] + again[1], strict=True))
+    with pytest.raises(ValidationError, match="needs >= 2"):
+        split_calibration([torch.ones(1, 6)], 0.5)
+    with pytest.raises(ValidationError, match="holdout_fraction"):
+        split_calibration(cal, 1.0)
+    with pytest.raises(ValidationError, match="tensor inputs"):
+        split_calibration([[{"input_ids": [1, 2]}]], 0.5)
+
+
+def test_ridge_weight_is_chosen_on_held_out_samples():
+    """The selection table equals independent runs on the same split, the chosen weight has
+    the lowest held-out error, and the final merge is qp_tr on all samples with that weight."""
+    base = _net(relu=True, seed=7)
+    layer = "2"
+    fts = _finetuned(base, layer, K=3, scale=0.8, seed=8)
+    cal = _calibration(3, 16, seed=9)
+    cfg = TrustRegionConfig(max_qps=4)
+    relative = (0.0, 0.01, 1.0, 100.0)
+    result = trust_region_merge(base, fts, layer, cal, config=cfg, solver="active_set", progress=False,
+                                ridge_candidates=relative, holdout_fraction=0.25, seed=5)
+    sel = result.ridge_selection
+    assert sel is not None and sel.relative == relative and sel.scale > 0
+    assert sel.n_fit == (12, 12, 12) and sel.n_heldout == (4, 4, 4)
+    fit, held = split_calibration(cal, 0.25, seed=5)
+    held_targets = calibration_targets(fts, held)
+    errors = []
+    for mu in sel.weights:
+        run = trust_region_merge(base, fts, layer, fit, config=TrustRegionConfig(max_qps=4, ridge=mu),
+                                 solver="active_set", progress=False)
+        errors.append(calibration_error(apply_merge(base, fts, layer, run.d), held, held_targets))
+    np.testing.assert_allclose(sel.heldout_errors, errors, rtol=1e-9)
+    assert sel.chosen == sel.weights[int(np.argmin(errors))]
+    assert len(set(np.round(errors, 9))) > 1  # the weight matters on this problem
+    final = trust_region_merge(base, fts, layer, cal, config=TrustRegionConfig(max_qps=4, ridge=sel.chosen),
+                               solver="active_set", progress=False)
+    np.testing.assert_allclose(result.d, final.d, atol=1e-10)
+    assert result.config.ridge == sel.chosen
+    summary = result.to_dict()["ridge_selection"]
+    assert summary["chosen_relative"] == sel.chosen_relative and len(summary["heldout_errors"]) == 4
+    with pytest.raises(ValidationError, match="ridge_candidates"):
+        trust_region_merge(base, fts, layer, cal, config=cfg, progress=False, ridge_candidates=[-1.0])

@@ -35,6 +35,11 @@ def register(subparsers: Any) -> None:
                    help="layers fine-tuned per task (the merge is always at layer2)")
     m.add_argument("--solver", default=None,
                    help="solver of the exact QPs (default auto; any registered solver)")
+    m.add_argument("--qp-tr-ridge", nargs="?", const="0,0.001,0.01,0.1,1", default=None,
+                   metavar="R,R,...",
+                   help="choose qp_tr's ridge weight toward the soup on a held-out quarter of the "
+                        "calibration samples among these relative weights (x mean diag H; "
+                        "default list 0,0.001,0.01,0.1,1); one qp_tr run per weight")
     m.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: min(2, CPU count))")
     m.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
@@ -59,6 +64,14 @@ def run_mnist(args: argparse.Namespace) -> int:
 
             raise unknown("solver", args.solver, ["auto", *SOLVERS])
         config = with_overrides(config, solver=args.solver)
+    if args.qp_tr_ridge is not None:
+        try:
+            ridge = tuple(float(x) for x in args.qp_tr_ridge.split(","))
+        except ValueError:
+            raise ConfigError(f"--qp-tr-ridge expects comma-separated numbers, got {args.qp_tr_ridge!r}") from None
+        if not ridge or any(not (r >= 0) or r == float("inf") for r in ridge):
+            raise ConfigError(f"--qp-tr-ridge weights must be finite and >= 0, got {args.qp_tr_ridge!r}")
+        config = with_overrides(config, qp_tr_ridge_select=ridge)
     threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
     results = run_mnist_experiment(args.out, quick=args.quick, seed=args.seed, idx_dir=args.idx_dir,
                                    finetune=args.finetune, config=config, threads=threads,

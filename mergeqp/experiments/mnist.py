@@ -60,7 +60,9 @@ class MnistConfig:
     for the exact QP (``auto``: the dense active-set solver here; any registered exact solver,
     e.g. ``clarabel``, gives the same certified optimum),
     ``adam_lr`` / ``adam_steps`` (the paper's solver), ``ta_lambda``, ``dare_p``,
-    ``ties_density``, ``regmean_alpha``, ``trust_region``. Geometry: ``geometry_p`` (basis
+    ``ties_density``, ``regmean_alpha``, ``trust_region``, ``qp_tr_ridge_select`` (relative ridge
+    weights toward the soup for ``qp_tr``, chosen on a held-out quarter of the calibration
+    samples; ``None``: ``trust_region.ridge`` as given). Geometry: ``geometry_p`` (basis
     dimensions), ``geometry_bases``, ``random_seeds``.
     """
 
@@ -79,6 +81,7 @@ class MnistConfig:
     ties_density: float = 0.2
     regmean_alpha: float = 0.9
     trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
+    qp_tr_ridge_select: tuple[float, ...] | None = None
     geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
     geometry_bases: tuple[str, ...] = BASES
     random_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
@@ -254,12 +257,17 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     # qp_tr: trust-region QPs from the soup
     tr = trust_region_merge(base, fts, MERGE_LAYER, calib_x, parametrisation="rows", constraints=box,
                             d0=points["soup"], config=cfg.trust_region, solver=cfg.solver,
-                            progress=progress)
+                            progress=progress, ridge_candidates=cfg.qp_tr_ridge_select, seed=seed)
     d_points["qp_tr"] = tr.d
     models["qp_tr"] = apply_merge(base, fts, MERGE_LAYER, tr.d)
     timer.lap("qp_tr")
     _log(progress, f"qp_tr: {tr.n_qps} QPs ({tr.n_accepted} accepted), true calibration error "
                    f"{tr.start_objective:.6g} -> {tr.objective:.6g}; {tr.stop_reason}")
+    if tr.ridge_selection is not None:
+        sel = tr.ridge_selection
+        _log(progress, "qp_tr ridge on held-out samples: " + ", ".join(
+            f"{r:g}: {e:.6g}" for r, e in zip(sel.relative, sel.heldout_errors, strict=True))
+            + f" -> relative {sel.chosen_relative:g} (mu = {sel.chosen:.6g})")
 
     # 4. evaluation
     targets = calibration_targets(fts, calib_x)

@@ -96,6 +96,23 @@ def trust_region_table(results: dict[str, Any]) -> str:
                    "FW gap", "certified"], rows)
 
 
+def ridge_selection_lines(results: dict[str, Any]) -> list[str]:
+    """The held-out choice of ``qp_tr``'s ridge weight, when it was made (else nothing)."""
+    sel = results["qp_tr"].get("ridge_selection")
+    if not sel:
+        return []
+    rows = [[_f(r, 3), _f(w, 4), _f(e, 7), "yes" if w == sel["chosen"] else ""]
+            for r, w, e in zip(sel["relative"], sel["weights"], sel["heldout_errors"], strict=True)]
+    return [
+        "",
+        (f"Ridge weight toward the soup chosen on held-out calibration samples ({sel['n_heldout'][0]} "
+         f"of {sel['n_heldout'][0] + sel['n_fit'][0]} per task; qp_tr fitted on the rest; mu = relative "
+         f"x mean diag H = {_f(sel['scale'], 4)}), then qp_tr rerun on all samples with the chosen mu:"),
+        "",
+        _table(["relative", "mu", "held-out true error", "chosen"], rows),
+    ]
+
+
 def render_report(results: dict[str, Any]) -> str:
     d = results["data"]
     claims = results["claims"]
@@ -172,6 +189,7 @@ def render_report(results: dict[str, Any]) -> str:
             f"certified: {_f(results['qp_tr']['all_certified'])}; stop: {results['qp_tr']['stop_reason']}. "
             f"F is the true calibration error."
         ),
+        *ridge_selection_lines(results),
         "",
         trust_region_table(results),
         "",

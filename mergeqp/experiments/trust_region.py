@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -124,6 +124,7 @@ class TrustRegionResult:
     seconds: float
     config: TrustRegionConfig
     last_problem: MergeQP | None = field(default=None, repr=False)
+    ridge_selection: RidgeSelection | None = None
 
     @property
     def n_qps(self) -> int:
@@ -144,7 +145,40 @@ class TrustRegionResult:
             "all_certified": self.all_certified, "stop_reason": self.stop_reason,
             "seconds": self.seconds, "config": asdict(self.config),
             "steps": [s.to_dict() for s in self.steps],
+            "ridge_selection": None if self.ridge_selection is None else self.ridge_selection.to_dict(),
         }
+
+
+@dataclass(frozen=True)
+class RidgeSelection:
+    """How :func:`trust_region_merge` chose the ridge weight on held-out calibration samples.
+
+    ``relative``: the candidate weights relative to ``scale`` (the mean diagonal of the QP's
+    ``H`` at the start point on the fitting part, so ``mu = relative * scale`` is comparable
+    with the curvature of ``J``); ``weights``: the absolute ``mu`` tried; ``heldout_errors``:
+    the true squared error (no ridge term) of each candidate's ``qp_tr`` merge on the held-out
+    samples; ``chosen``: the ``mu`` with the lowest one (the smaller ``mu`` on a tie), used for
+    the final run on all calibration samples; ``n_fit`` / ``n_heldout``: samples per task."""
+
+    relative: tuple[float, ...]
+    weights: tuple[float, ...]
+    scale: float
+    heldout_errors: tuple[float, ...]
+    chosen: float
+    holdout_fraction: float
+    n_fit: tuple[int, ...]
+    n_heldout: tuple[int, ...]
+    seconds: float
+
+    @property
+    def chosen_relative(self) -> float:
+        return self.relative[self.weights.index(self.chosen)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: _json_float(v) if not isinstance(v, tuple) else [_json_float(x) for x in v]
+               for k, v in asdict(self).items()}
+        out["chosen_relative"] = self.chosen_relative
+        return out
 
 
 def _json_float(v: Any) -> Any:
@@ -331,6 +365,42 @@ def calibration_error(model: Any, calibration: Sequence[Any], targets: Sequence[
     return total
 
 
+def split_calibration(calibration: Sequence[Any], holdout_fraction: float, seed: int = 0,
+                      batch_size: int = 256) -> tuple[list[Any], list[Any]]:
+    """Split each task's calibration inputs at random into a fitting and a held-out part.
+
+    Each set must yield tensor inputs (a tensor, or batches whose inputs are tensors; labels
+    are dropped: ``qp_tr`` compares with the fine-tuned models' outputs). Returns two lists of
+    K tensors; each part keeps at least one sample (so a set needs >= 2)."""
+    import torch
+
+    from ..stats.data import iterate_batches, split_batch
+
+    if not 0 < holdout_fraction < 1:
+        raise ValidationError(f"holdout_fraction must lie in (0, 1), got {holdout_fraction}")
+    gen = torch.Generator().manual_seed(int(seed))
+    fit, held = [], []
+    for t, source in enumerate(calibration):
+        parts = []
+        for i, batch in enumerate(iterate_batches(source, batch_size, f"task {t}")):
+            inputs, _ = split_batch(batch, f"task {t} batch {i}")
+            if not isinstance(inputs, torch.Tensor):
+                raise ValidationError(
+                    f"task {t} batch {i}: choosing the ridge weight on held-out samples needs tensor "
+                    f"inputs, got {type(inputs).__name__}; pass ridge_candidates=None and a fixed "
+                    "TrustRegionConfig.ridge instead")
+            parts.append(inputs)
+        x = torch.cat(parts) if parts else None
+        n = 0 if x is None else int(x.shape[0])
+        if n < 2:
+            raise ValidationError(f"task {t}: {n} calibration sample(s); a held-out split needs >= 2")
+        n_held = min(max(1, round(holdout_fraction * n)), n - 1)
+        perm = torch.randperm(n, generator=gen)
+        held.append(x[perm[:n_held]])
+        fit.append(x[perm[n_held:]])
+    return fit, held
+
+
 def trust_region_merge(
     base_model: Any,
     finetuned_models: Sequence[Any],
@@ -346,6 +416,9 @@ def trust_region_merge(
     solver: str = "auto",
     batch_size: int = 256,
     progress: bool = True,
+    ridge_candidates: Sequence[float] | None = None,
+    holdout_fraction: float = 0.25,
+    seed: int = 0,
 ) -> TrustRegionResult:
     """``qp_tr`` on PyTorch models: trust-region QPs at ``layer`` (module docstring).
 
@@ -355,6 +428,14 @@ def trust_region_merge(
     The true objective is the calibration squared error of the merged model against the
     fine-tuned models' outputs (``output_fn`` selects the compared output). Inputs are
     untouched; apply ``result.d`` with :func:`mergeqp.apply_merge`.
+
+    ``ridge_candidates``: choose the ridge weight toward the soup instead of using
+    ``config.ridge``: each task's calibration samples are split at random (``seed``) into a
+    fitting part and a held-out ``holdout_fraction``; ``qp_tr`` runs on the fitting part once
+    per candidate ``mu = relative * scale`` (``scale``: the mean diagonal of ``H`` at ``d0`` on
+    the fitting part; include 0 for no ridge), and the ``mu`` whose merge has the lowest true
+    error on the held-out part is used for the final run on all samples
+    (``result.ridge_selection`` records the table). Cost: one ``qp_tr`` run per candidate.
     """
     from ..stats import apply_merge, collect_statistics
     from ..stats.parametrisation import as_parametrisation
@@ -386,5 +467,53 @@ def trust_region_merge(
 
         _, deltas, _ = layer_deltas(base_model, finetuned_models, layer)
         d0 = np.full((K, param.n_atoms(deltas.shape[1], deltas.shape[2])), 1.0 / K)
-    return sequential_trust_region(linearise, true_objective, cset, np.asarray(d0, dtype=np.float64),
-                                   config, solver=solver, progress=progress)
+    d0 = np.asarray(d0, dtype=np.float64)
+    cfg = config or TrustRegionConfig()
+    selection = None
+    if ridge_candidates is not None:
+        selection = _select_ridge(base_model, finetuned_models, layer, calibration, cfg, d0,
+                                  ridge_candidates, holdout_fraction, seed, param=param, cset=cset,
+                                  output_fn=output_fn, task_weights=task_weights, solver=solver,
+                                  batch_size=batch_size, progress=progress)
+        cfg = replace(cfg, ridge=selection.chosen)
+    result = sequential_trust_region(linearise, true_objective, cset, d0, cfg, solver=solver,
+                                     progress=progress)
+    return result if selection is None else replace(result, ridge_selection=selection)
+
+
+def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, calibration: Sequence[Any],
+                  cfg: TrustRegionConfig, d0: np.ndarray, candidates: Sequence[float],
+                  holdout_fraction: float, seed: int, *, param: Any, cset: Any,
+                  output_fn: Callable[..., Any] | None, task_weights: Sequence[float] | None,
+                  solver: str, batch_size: int, progress: bool) -> RidgeSelection:
+    """The held-out choice of the ridge weight (see :func:`trust_region_merge`)."""
+    from ..stats import apply_merge, collect_statistics
+
+    relative = tuple(float(r) for r in candidates)
+    if not relative or not all(math.isfinite(r) and r >= 0 for r in relative):
+        raise ValidationError(f"ridge_candidates must be a non-empty list of finite numbers >= 0, got {list(candidates)}")
+    t0 = time.perf_counter()
+    fit, held = split_calibration(calibration, holdout_fraction, seed, batch_size)
+    held_targets = calibration_targets(finetuned_models, held, output_fn, batch_size)
+    start = collect_statistics(
+        apply_merge(base_model, finetuned_models, layer, d0, param), finetuned_models, layer, fit,
+        targets="finetuned", output_fn=output_fn, parametrisations=[param], reference_model=base_model,
+        batch_size=batch_size, progress=False,
+    ).problem(param, task_weights=task_weights, offset=d0)
+    assert start.H is not None
+    scale = float(np.mean(np.diag(start.H))) if start.n else 0.0
+    weights = tuple(r * scale for r in relative)
+    errors = []
+    for mu in weights:
+        run = trust_region_merge(base_model, finetuned_models, layer, fit, parametrisation=param,
+                                 constraints=cset, d0=d0, config=replace(cfg, ridge=mu),
+                                 output_fn=output_fn, task_weights=task_weights, solver=solver,
+                                 batch_size=batch_size, progress=progress)
+        merged = apply_merge(base_model, finetuned_models, layer, run.d, param)
+        errors.append(calibration_error(merged, held, held_targets, output_fn, task_weights, batch_size))
+    best = min(range(len(weights)), key=lambda i: (errors[i], weights[i]))
+    return RidgeSelection(relative=relative, weights=weights, scale=scale, heldout_errors=tuple(errors),
+                          chosen=weights[best], holdout_fraction=float(holdout_fraction),
+                          n_fit=tuple(int(x.shape[0]) for x in fit),
+                          n_heldout=tuple(int(x.shape[0]) for x in held),
+                          seconds=time.perf_counter() - t0)

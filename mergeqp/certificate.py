@@ -87,6 +87,14 @@ class Certificate:
     d_norm: float = 1.0
     constraints: str = "none"
     notes: tuple[str, ...] = field(default_factory=tuple)
+    rounding: float = 0.0
+
+    @property
+    def at_rounding_floor(self) -> bool:
+        """The gap is within twice its own float64 rounding error (``rounding``): ``d`` is
+        optimal to float64 precision, even where that is above ``rel_tol * scale`` (``J* ~ 0``
+        on badly scaled problems). ``certified()`` does not relax for it."""
+        return bool(self.rounding > 0 and math.isfinite(self.fw_gap) and self.fw_gap <= 2.0 * self.rounding)
 
     @property
     def relative_gap(self) -> float:
@@ -119,6 +127,12 @@ class Certificate:
                 f"optimality gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds "
                 f"rel_tol {tol:.3g}"
             )
+            if self.at_rounding_floor:
+                out.append(
+                    f"the gap is at this problem's float64 rounding floor (~{self.rounding:.2g}): no "
+                    f"float64 computation can certify d further; J(d) - J* <= "
+                    f"{self.fw_gap + self.rounding:.3g} in absolute terms (J* ~ 0 or a badly scaled H)"
+                )
         return out
 
     def explain(self, rel_tol: float | None = None) -> str:
@@ -132,6 +146,7 @@ class Certificate:
             (f"  optimality gap        <= {self.fw_gap:.3g} (relative {self.relative_gap:.3g} of "
              f"{self.scale:.6g}; {self.gap_method})"),
             f"  lower bound on J*     >= {self.lower_bound:.12g}",
+            f"  rounding of the gap   ~ {self.rounding:.3g} (float64 estimate)",
             f"  constraint violation  = {self.infeasibility:.3g}",
         ]
         if self.kkt_residual is not None:
@@ -165,6 +180,8 @@ class Certificate:
             "gap_method": self.gap_method,
             "lower_bound": num(self.lower_bound),
             "scale": self.scale,
+            "rounding": self.rounding,
+            "at_rounding_floor": self.at_rounding_floor,
             "infeasibility": self.infeasibility,
             "feasible": self.feasible,
             "kkt_residual": num(self.kkt_residual),
@@ -291,15 +308,17 @@ def certify(
 
     # ------------------------------------------------------------- optimality gap
     value, s = cset.support(grad)
+    rounding = 0.0
     if math.isfinite(value):
         if s is not None:
             # sum grad (d - s) is accurate near the optimum; the second term is the LP's slack
             fw_gap = float(np.sum(grad * (D - s))) + max(float(np.sum(grad * s)) - value, 0.0)
+            rounding = _gap_rounding(problem, x, grad, float(np.sum(np.abs(D - s))))
         else:
             fw_gap = float(np.sum(grad * D)) - value
         gap_method = f"frank-wolfe, {cset.lmo_method}"
     else:
-        fw_gap, gap_method = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
+        fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
     if feasible:
         fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
     else:
@@ -353,18 +372,42 @@ def certify(
         gap_method=gap_method, lower_bound=float(lower_bound), kkt_residual=kkt,
         unconstrained_bound=unconstrained_bound, pinv_distance=pinv_distance, binding=binding,
         scale=float(scale), feas_tol=feas_tol, rel_tol=rel_tol, d_norm=d_norm,
-        constraints=cset.spec, notes=tuple(notes),
+        constraints=cset.spec, notes=tuple(notes), rounding=float(rounding),
     )
 
 
+def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: float) -> float:
+    """Estimated float64 error of ``grad'(d - s)``: :func:`_gradient_rounding` times
+    ``|d - s|_1`` (the same estimate as ``active_set``'s stopping floor)."""
+    return 8.0 * _gradient_rounding(problem, x, grad) * width
+
+
+def _gradient_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray) -> float:
+    """Estimated float64 error of one gradient entry: ``sqrt(n) eps (|g|_inf + max diag H
+    |d|_inf)`` (``|H_ij| <= max diag H`` for a PSD H; a matvec-only H uses ``|grad|_inf``)."""
+    eps = float(np.finfo(float).eps)
+    g_inf = float(np.max(np.abs(problem.g), initial=0.0))
+    x_inf = float(np.max(np.abs(x), initial=0.0))
+    if problem.H is not None:
+        eta = float(np.max(np.abs(problem.diagonal()), initial=0.0))
+        size = g_inf + eta * x_inf
+    else:
+        size = g_inf + float(np.max(np.abs(grad), initial=0.0))
+    return math.sqrt(max(problem.n, 1)) * eps * size
+
+
 def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: np.ndarray,
-                    pseudo: Any, notes: list[str]) -> tuple[float, str]:
-    """Duality gap for a box with infinite sides or no constraint (see the module docstring).
+                    pseudo: Any, notes: list[str]) -> tuple[float, str, float]:
+    """Duality gap for a box with infinite sides or no constraint (see the module docstring),
+    the method's name, and the gap's estimated float64 rounding.
 
     With ``lam_lo = max(grad, 0)`` on finite lower bounds, ``lam_hi = max(-grad, 0)`` on finite
     upper bounds and ``w = grad - lam_lo + lam_hi`` (the gradient no bound absorbs), weak
     duality gives ``J(d) - J* <= lam_lo'(d - lo) + lam_hi'(hi - d) + 1/2 w'H^+w`` when ``w`` is
-    in ``range(H)`` (otherwise the dual bound is ``-inf``).
+    in ``range(H)`` (otherwise the dual bound is ``-inf``). Rounding: each gradient entry is
+    off by ``e`` (:func:`_gradient_rounding`), which moves the first terms by ``e`` times the
+    distance to the bounds and the last by ``e |H^+ w|_1 + 1/2 e'H^+e`` (``e`` on the entries
+    of ``w``, signed like ``H^+ w``).
     """
     members = cset.members()
     if isinstance(cset, Unconstrained) or not members:
@@ -378,21 +421,24 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     else:
         notes.append(f"{cset.spec} is unbounded along -grad J(d): the Frank-Wolfe gap is infinite; "
                      "add bounds (e.g. a box) to obtain a finite certificate")
-        return math.inf, "frank-wolfe (unbounded set)"
+        return math.inf, "frank-wolfe (unbounded set)", 0.0
     lam_lo = np.where(np.isfinite(lo), np.maximum(grad, 0.0), 0.0)
     lam_hi = np.where(np.isfinite(hi), np.maximum(-grad, 0.0), 0.0)
     w = grad - lam_lo + lam_hi
     comp = float(np.sum(lam_lo * np.where(np.isfinite(lo), D - lo, 0.0))
                  + np.sum(lam_hi * np.where(np.isfinite(hi), hi - D, 0.0)))
     method = "lagrangian duality"
+    err = _gradient_rounding(problem, D.ravel(), grad)
+    rounding = err * float(np.sum(np.where(np.isfinite(lo), np.abs(D - lo), 0.0))
+                           + np.sum(np.where(np.isfinite(hi), np.abs(hi - D), 0.0)))
     if not np.any(w):
-        return comp, method
+        return comp, method, 8.0 * rounding
     ps = pseudo()
     if ps is None or not ps.available:
         why = ("H is only a matrix-vector product" if ps is None else
                f"H is singular and n = {problem.n} > {EIG_MAX_N} (pass pinv=True)")
         notes.append(f"the duality gap needs H^+ w, unavailable: {why}")
-        return math.inf, method + " (unavailable)"
+        return math.inf, method + " (unavailable)", 0.0
     wf = w.ravel()
     y, outside = ps.solve(wf)
     ref = max(float(np.linalg.norm(problem.g)), float(np.linalg.norm(problem.matvec(D.ravel()))),
@@ -400,11 +446,14 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     if outside > RANGE_TOL * ref:
         notes.append(f"the gradient no bound absorbs has a component of norm {outside:.3g} outside "
                      "range(H): J is unbounded below on this set, or d is far from optimal")
-        return math.inf, method
+        return math.inf, method, 0.0
     if outside > 0 and outside > RANGE_TOL * float(np.linalg.norm(wf)):
         notes.append(f"a round-off component of norm {outside:.3g} of the gradient outside range(H) "
                      f"was ignored (below {RANGE_TOL:g} of the problem's scale)")
-    return comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else "")
+    e = np.where(wf != 0, err * np.sign(y), 0.0)
+    rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
+    return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
+            8.0 * rounding)
 
 
 def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:

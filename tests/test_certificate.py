@@ -313,3 +313,22 @@ def test_pseudo_inverse_is_factorised_once_per_problem(monkeypatch) -> None:
     assert calls[0] == 2
     assert first.unconstrained_bound == pytest.approx(fresh.unconstrained_bound, rel=1e-12)
     assert again.unconstrained_bound == first.unconstrained_bound
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_exact_optimum_of_a_badly_scaled_interpolating_problem_is_at_the_rounding_floor(seed) -> None:
+    """J* = 0 at a known interior x* with H ~ 1e9 and c ~ 1: the float64 gap of x* itself is
+    above rel_tol * scale (not certified) but within its rounding estimate; a shifted point is
+    far above it."""
+    rng = np.random.default_rng(seed)
+    K, m = 3, 10
+    A = rng.standard_normal((5, K * m)) * 1e4
+    x = rng.uniform(-1e-4, 1e-4, K * m)
+    b = -A @ x
+    problem = MergeQP(2 * A.T @ A, 2 * A.T @ b, float(b @ b), shape=(K, m))
+    cert = certify(problem, Box(-1.0, 1.0), x.reshape(K, m))
+    assert not cert.certified() and cert.at_rounding_floor
+    assert any("rounding floor" in r for r in cert.reasons())
+    assert cert.to_dict()["at_rounding_floor"] is True and "rounding of the gap" in cert.explain()
+    shifted = certify(problem, Box(-1.0, 1.0), x.reshape(K, m) + 1e-3)
+    assert not shifted.at_rounding_floor and shifted.fw_gap > 1e6 * shifted.rounding

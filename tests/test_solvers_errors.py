@@ -10,6 +10,7 @@ from _solver_helpers import random_psd_problem
 from mergeqp.constraints import Box, L1Ball, SignConsensus, Simplex, UserConstraints
 from mergeqp.errors import (
     InfeasibleError,
+    SolverError,
     UnknownNameError,
     UnsupportedError,
     ValidationError,
@@ -117,3 +118,61 @@ def test_sign_consensus_and_user_constraints_agree_across_solvers(problem: Merge
     b = solve(problem, user, solver="cvxpy_osqp")
     assert abs(a.objective - b.objective) <= 1e-6 * max(1.0, abs(a.objective))
     assert np.all(a.d[0] + a.d[1] <= 1.2 + 1e-7)
+
+
+# ---------------------------------------------------------------------- auto's fallback
+def _broken_active_set(monkeypatch, mode: str) -> None:
+    """Make the registered active_set return the soup (not optimal) or raise."""
+    from mergeqp.solution import SolveStatus
+    from mergeqp.solvers.base import RawResult
+
+    def fake(problem, constraints, x0=None, **options):
+        if mode == "raise":
+            raise SolverError("solver 'active_set' failed: injected")
+        K, m = problem.shape
+        return RawResult(np.full((K, m), 1.0 / K), SolveStatus.INACCURATE, 1, {"injected": True})
+
+    monkeypatch.setattr(SOLVERS["active_set"], "solve", fake)
+
+
+@pytest.mark.parametrize("mode", ["wrong point", "raise"])
+def test_auto_falls_back_when_its_choice_does_not_certify(monkeypatch, mode: str) -> None:
+    problem = random_psd_problem(np.random.default_rng(0), 3, 6, 18)
+    reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
+    _broken_active_set(monkeypatch, mode)
+    sol = solve(problem, Box(0.0, 1.0))
+    assert sol.solver == "clarabel" and sol.certificate.certified()
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
+    tried = sol.info["auto_tried"]
+    assert [t["solver"] for t in tried] == ["active_set", "clarabel"]
+    assert ("error" in tried[0]) == (mode == "raise")
+    assert any("auto: active_set" in n and "kept clarabel" in n for n in sol.certificate.notes)
+    # an explicit solver, or options meant for auto's choice, get no fallback
+    if mode == "raise":
+        with pytest.raises(SolverError, match="injected"):
+            solve(problem, Box(0.0, 1.0), solver="active_set")
+    else:
+        assert not solve(problem, Box(0.0, 1.0), solver="active_set").certificate.certified()
+        assert solve(problem, Box(0.0, 1.0), tol=1e-10).solver == "active_set"
+
+
+def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) -> None:
+    """J* = 0 on a badly scaled problem: the float64 gap cannot reach rel_tol * scale; the
+    certificate says the point is at the rounding floor and auto does not try other solvers."""
+    rng = np.random.default_rng(1)
+    K, m = 2, 12
+    A = rng.standard_normal((6, K * m)) * 1e3
+    x_star = rng.uniform(0.2, 0.8, K * m)  # inside the box: J* = 0 there
+    b = -A @ x_star
+    problem = MergeQP(2 * A.T @ A, 2 * A.T @ b, float(b @ b), shape=(K, m))
+    sol = solve(problem, Box(0.0, 1.0))
+    cert = sol.certificate
+    assert abs(sol.objective) <= 1e-6
+    assert cert.certified() or cert.at_rounding_floor, cert.explain()
+    assert "auto_tried" not in sol.info
+    wrong = np.clip(sol.d + 0.05, 0.0, 1.0)
+    from mergeqp.certificate import certify
+
+    bad = certify(problem, Box(0.0, 1.0), wrong)
+    assert not bad.certified() and not bad.at_rounding_floor
+    assert not any("rounding floor" in r for r in bad.reasons())

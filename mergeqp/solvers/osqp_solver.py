@@ -10,6 +10,8 @@ the dense H, which is slow for large n (see docs/solvers.md).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from typing import Any
 
@@ -49,11 +51,16 @@ class OSQPSolver(StandardFormSolver):
         except Exception as exc:
             raise SolverError(f"osqp: setup failed: {exc}") from exc
         setup = time.perf_counter() - t0
-        res = solver.solve(raise_error=False)
+        printed = io.StringIO()
+        # OSQP prints some messages ("Polishing not needed ...") even with verbose False
+        with contextlib.redirect_stdout(printed) if not opts["verbose"] else contextlib.nullcontext():
+            res = solver.solve(raise_error=False)
         status = str(res.info.status).lower()
         info = {"osqp_status": res.info.status, "iterations": int(res.info.iter),
                 "polish_status": int(getattr(res.info, "status_polish", 0)),
                 "settings": dict(opts)}
+        if printed.getvalue():
+            info["osqp_output"] = printed.getvalue().strip()
         if "primal infeasible" in status:
             raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
         if "dual infeasible" in status:

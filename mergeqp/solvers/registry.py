@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -27,6 +28,12 @@ from .osqp_solver import OSQPSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
 
 SOLVERS: dict[str, QPSolver] = {}
+
+#: ``solve(solver="auto")`` tries these in turn when the chosen solver's point does not certify
+#: (and is not at its float64 rounding floor), up to this many variables, keeping the best
+#: certificate; they handle every polyhedral set with an explicit H
+AUTO_FALLBACKS: tuple[str, ...] = ("clarabel", "osqp")
+AUTO_FALLBACK_MAX_N = 4096
 
 
 def register_solver(solver: QPSolver) -> None:
@@ -103,6 +110,23 @@ def solve(
             raise UnsupportedError(f"solver {chosen.name!r} cannot solve this problem: {why}")
     if x0 is not None:
         x0 = problem.flat(x0).reshape(problem.shape)
+    setup = time.perf_counter() - t0
+    fallback = solver == "auto" and certify_result and not options
+    try:
+        sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options)
+    except SolverError as exc:
+        if not fallback:
+            raise
+        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0)
+    if fallback and not _settled(sol, rel_tol):
+        return _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0)
+    return sol
+
+
+def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray | None,
+         certify_result: bool, rel_tol: float, feas_tol: float, setup: float,
+         options: dict[str, Any]) -> Solution:
+    """One solver's solve, checked and certified."""
     t1 = time.perf_counter()
     try:
         raw = chosen.solve(problem, cset, x0=x0, **options)
@@ -119,9 +143,69 @@ def solve(
     return Solution(
         d=d, objective=problem.objective(d), status=raw.status, solver=chosen.name,
         iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
-        timings={"setup": t1 - t0 + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
-                 "certify": t3 - t2, "total": t3 - t0},
+        timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
+                 "certify": t3 - t2, "total": setup + t3 - t1},
     )
+
+
+def _settled(sol: Solution, rel_tol: float) -> bool:
+    cert = sol.certificate
+    return cert is None or cert.certified(rel_tol) or (cert.feasible and cert.at_rounding_floor)
+
+
+def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
+    """Sort key: feasible before infeasible, settled before not, then the smaller gap."""
+    cert = sol.certificate
+    assert cert is not None
+    return (not cert.feasible, not _settled(sol, rel_tol), cert.fw_gap)
+
+
+def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None,
+                   error: SolverError | None, first_name: str, x0: np.ndarray | None,
+                   rel_tol: float, feas_tol: float, t0: float) -> Solution:
+    """``auto``'s answer when its first choice failed or did not certify: try
+    :data:`AUTO_FALLBACKS` (up to :data:`AUTO_FALLBACK_MAX_N` variables) and keep the best
+    certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
+    tried: list[dict[str, Any]] = []
+    candidates: list[Solution] = []
+    if first is not None:
+        candidates.append(first)
+        assert first.certificate is not None
+        tried.append({"solver": first_name, "fw_gap": first.certificate.fw_gap,
+                      "certified": first.certificate.certified(rel_tol)})
+    else:
+        tried.append({"solver": first_name, "error": str(error)})
+    if problem.n <= AUTO_FALLBACK_MAX_N:
+        for name in AUTO_FALLBACKS:
+            alt = SOLVERS.get(name)
+            if name == first_name or alt is None or alt.available() or alt.supports(problem, cset):
+                continue
+            try:
+                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {})
+            except SolverError as exc:
+                tried.append({"solver": name, "error": str(exc)})
+                continue
+            assert sol.certificate is not None
+            tried.append({"solver": name, "fw_gap": sol.certificate.fw_gap,
+                          "certified": sol.certificate.certified(rel_tol)})
+            candidates.append(sol)
+            if _settled(sol, rel_tol):
+                break
+    if not candidates:
+        assert error is not None
+        raise error
+    best = min(candidates, key=lambda s: _rank(s, rel_tol))
+    assert best.certificate is not None
+    summary = "; ".join(
+        f"{t['solver']}: " + (f"error {t['error']}" if "error" in t else
+                              f"gap {t['fw_gap']:.3g}{' (certified)' if t['certified'] else ''}")
+        for t in tried)
+    note = (f"auto: {first_name} " + ("failed" if first is None else "did not certify")
+            + f"; tried {summary}; kept {best.solver}'s point")
+    cert = dataclasses.replace(best.certificate, notes=(*best.certificate.notes, note))
+    timings = dict(best.timings, total=time.perf_counter() - t0)
+    return dataclasses.replace(best, certificate=cert, info={**best.info, "auto_tried": tried},
+                               timings=timings)
 
 
 register_solver(ClosedFormSolver())

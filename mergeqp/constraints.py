@@ -517,7 +517,9 @@ def project_box_l1(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, center: np.nda
     """Project onto ``{lo <= x <= hi, ||x - center||_1 <= radius}`` with ``lo <= center <= hi``.
 
     For a multiplier ``lam >= 0`` the separable minimiser is
-    ``clip(center + soft(v - center, lam), lo, hi)``; bisect on ``lam`` for the radius.
+    ``clip(center + soft(v - center, lam), lo, hi)``; bisect on ``lam`` for the radius, then
+    solve exactly on the final linear piece (the coordinates neither zeroed nor clipped there
+    each contribute ``|v_i - c_i| - lam``).
     """
     v = np.asarray(v, dtype=np.float64)
 
@@ -537,7 +539,17 @@ def project_box_l1(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, center: np.nda
             lam_hi = mid
         if lam_hi - lam_lo <= 1e-16 * (1.0 + lam_hi):
             break
-    return at(lam_hi)
+    x = at(lam_hi)
+    a = np.abs(v - center)
+    free = (a > lam_hi) & (x > lo) & (x < hi)
+    if np.any(free):
+        fixed = float(np.sum(np.abs(x - center)[~free]))
+        lam = (float(np.sum(a[free])) + fixed - radius) / int(np.count_nonzero(free))
+        if lam_lo - 1e-12 * (1.0 + lam_hi) <= lam <= lam_hi:
+            exact = at(max(lam, 0.0))
+            if np.sum(np.abs(exact - center)) <= radius * (1.0 + 1e-14) + 1e-300:
+                return exact
+    return x
 
 
 class SignConsensus(ConstraintSet):
@@ -914,8 +926,48 @@ class Intersection(ConstraintSet):
 
 
 def _polyhedral(s: ConstraintSet) -> bool:
-    """Whether the LMO over ``s`` can be a HiGHS LP (a linear form exists for any shape)."""
-    return isinstance(s, (Box, Simplex, SignConsensus, Unconstrained))
+    """Whether the LMO over ``s`` can be a HiGHS LP (a linear form for any shape; L1 balls
+    through auxiliary variables, see :func:`_lp_form`)."""
+    return isinstance(s, (Box, Simplex, SignConsensus, Unconstrained, L1Ball))
+
+
+def _lp_form(sets: list[ConstraintSet], shape: Shape) -> LinearForm:
+    """The intersection as one linear form over ``z = (x, t_1, ..., t_b)``: ``x`` the flat
+    ``d`` (n entries), one ``t_i >= 0`` block of n per L1 ball ``|x - c|_1 <= r``, written as
+    ``x - t <= c``, ``-x - t <= -c``, ``sum t <= r``."""
+    n = shape[0] * shape[1]
+    balls = [s for s in sets if isinstance(s, L1Ball)]
+    N = n * (1 + len(balls))
+
+    def pad(f: LinearForm) -> LinearForm:
+        extra = N - n
+        return LinearForm(N, sp.hstack([f.A_ub, sp.csr_matrix((f.A_ub.shape[0], extra))]).tocsr(), f.b_ub,
+                          sp.hstack([f.A_eq, sp.csr_matrix((f.A_eq.shape[0], extra))]).tocsr(), f.b_eq,
+                          np.concatenate([f.lb, np.zeros(extra)]), np.concatenate([f.ub, np.full(extra, np.inf)]))
+
+    form = pad(LinearForm.empty(n))
+    for s in sets:
+        if isinstance(s, L1Ball):
+            continue
+        f = s.linear_form(shape)
+        assert f is not None
+        form = form & pad(f)
+    eye = sp.identity(n, format="csr")
+    for i, ball in enumerate(balls):
+        c = ball._center(shape).ravel()
+        blocks: list[list[Any]] = [[None] * (1 + len(balls)) for _ in range(3)]
+        blocks[0][0], blocks[0][1 + i] = eye, -eye
+        blocks[1][0], blocks[1][1 + i] = -eye, -eye
+        blocks[2][0], blocks[2][1 + i] = sp.csr_matrix((1, n)), sp.csr_matrix(np.ones((1, n)))
+        for row in blocks:
+            for j in range(len(row)):
+                if row[j] is None:
+                    row[j] = sp.csr_matrix((row[0].shape[0], n))
+        A = sp.bmat(blocks, format="csr")
+        f = LinearForm(N, A, np.concatenate([c, -c, [ball.radius]]), sp.csr_matrix((0, N)), np.zeros(0),
+                       np.full(N, -np.inf), np.full(N, np.inf))
+        form = form & f
+    return form
 
 
 # ---------------------------------------------------------------------- LMO via LPs
@@ -936,16 +988,15 @@ def _lp_support(sets: Iterable[ConstraintSet], grad: np.ndarray) -> tuple[float,
     sets = list(sets)
     label = " & ".join(s.spec for s in sets) or "R^n"
     shape = grad.shape
-    form = LinearForm.empty(shape[0] * shape[1])
-    for s in sets:
-        f = s.linear_form(shape)
-        assert f is not None
-        form = form & f
+    n = shape[0] * shape[1]
+    form = _lp_form(sets, shape)
     if np.any(form.lb > form.ub):
         raise InfeasibleError(f"the constraint set {label} is empty: its bounds cross")
     gflat = np.asarray(grad, dtype=np.float64).ravel()
     gscale = float(np.max(np.abs(gflat))) if gflat.size else 0.0
-    cost = gflat / gscale if gscale > 0 else np.zeros_like(gflat)
+    cost = np.zeros(form.n)
+    if gscale > 0:
+        cost[:n] = gflat / gscale
     A_ub = form.A_ub if form.A_ub.shape[0] else None
     A_eq = form.A_eq if form.A_eq.shape[0] else None
     kwargs: dict[str, Any] = {"A_ub": A_ub, "b_ub": form.b_ub if A_ub is not None else None,
@@ -968,7 +1019,7 @@ def _lp_support(sets: Iterable[ConstraintSet], grad: np.ndarray) -> tuple[float,
     x = np.asarray(res.x, dtype=np.float64)
     primal = float(cost @ x)
     value = min(primal, _highs_dual_bound(cost, form, res, x))
-    s = x.reshape(shape)
+    s = x[:n].reshape(shape)
     return value * gscale if gscale > 0 else 0.0, s
 
 

@@ -72,8 +72,12 @@ def test_projection_equals_cvxpy_projection_qp(name: str, seed: int, scale: floa
     ref = cvxpy_project(cset, v)
     assert cset.violation(ours) <= 1e-10 * max(1.0, np.max(np.abs(ours)))
     np.testing.assert_allclose(ours, ref, atol=2e-6)
-    # ours is at least as close as the reference (the projection is the unique minimiser)
-    assert np.sum((ours - v) ** 2) <= np.sum((ref - v) ** 2) + 1e-9
+    # ours is at least as close as the reference (the projection is the unique minimiser), up
+    # to the reference's own infeasibility (CVXPY's points violate the set by ~1e-10, which
+    # moves the squared distance by about 2 |ref - v| viol)
+    viol = cset.violation(ref)
+    ref_dist = float(np.linalg.norm(ref - v))
+    assert np.sum((ours - v) ** 2) <= ref_dist**2 + 2 * ref_dist * viol + viol**2 + 1e-9
     # idempotent
     np.testing.assert_allclose(cset.project(ours), ours, atol=1e-12)
 
@@ -135,9 +139,11 @@ def test_lp_support_gives_a_lower_bound_for_polyhedral_intersections() -> None:
             assert cset.violation(s) <= 1e-9
 
 
-def test_l1_intersection_with_simplex_uses_cvxpy_lp() -> None:
+def test_l1_intersection_with_simplex_uses_the_lifted_highs_lp() -> None:
+    """The L1 ball enters the HiGHS LP through auxiliary variables; its dual bound agrees with
+    an independent CVXPY LP and never exceeds it."""
     cset = Simplex() & L1Ball(3.0, center=0.3)
-    assert cset.lmo_method.startswith("LP (CVXPY")
+    assert cset.lmo_method.startswith("LP (HiGHS")
     grad = np.random.default_rng(2).normal(size=SHAPE)
     value, _ = cset.support(grad)
     ref = cvxpy_lmo(cset, grad)

@@ -493,7 +493,7 @@ class L1Ball(ConstraintSet):
 
     def linear_form(self, shape: Shape) -> LinearForm | None:
         # |x - c|_1 <= r is polyhedral but needs 2^n facets or n auxiliary variables; the
-        # solvers add the auxiliaries themselves, the LMO is closed-form or a CVXPY LP.
+        # solvers add the auxiliaries themselves, and so does the LMO's HiGHS LP (_lp_form).
         return None
 
 
@@ -794,8 +794,9 @@ class Intersection(ConstraintSet):
 
     Boxes among the members are merged (elementwise ``max`` of lower, ``min`` of upper
     bounds). Closed forms exist for box(es) alone, box & (global) simplex (projection and LMO)
-    and box & L1 ball with its centre inside the box; any other polyhedral combination uses an
-    LP (HiGHS) for the LMO, and combinations with user constraints a CVXPY LP.
+    and box & L1 ball with its centre inside the box; any other polyhedral combination (L1
+    balls included, through auxiliary variables) uses an LP (HiGHS) for the LMO, and
+    combinations with user constraints a CVXPY LP.
     """
 
     name = "intersection"

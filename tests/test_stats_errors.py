@@ -142,3 +142,21 @@ def test_layer_called_twice_is_rejected():
     fts = finetuned_copies(base, 2, scale=0.1)
     with pytest.raises(ValidationError, match="the merge layer ran 2 times in one forward pass"):
         collect_statistics(base, fts, "lin", [torch.randn(2, 3, dtype=torch.float64)] * 2, progress=False)
+
+
+def test_a_model_that_fails_on_the_calibration_inputs_is_named() -> None:
+    """Inputs of the wrong width: one ValidationError naming the task, batch and model, not
+    torch's raw RuntimeError."""
+    import copy
+
+    import torch
+
+    import mergeqp as mq
+    from mergeqp.errors import ValidationError
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fts = [copy.deepcopy(base) for _ in range(2)]
+    good = [torch.randn(6, 8)]
+    with pytest.raises(ValidationError, match=r"batch 0: the base model failed on this batch \(RuntimeError"):
+        mq.collect_statistics(base, fts, "2", [[torch.randn(4, 9)], good], progress=False)

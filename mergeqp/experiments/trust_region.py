@@ -316,7 +316,7 @@ def calibration_targets(finetuned_models: Sequence[Any], calibration: Sequence[A
     re-iterable: a tensor or a list of batches)."""
     import torch
 
-    from ..stats.data import call_model, iterate_batches, split_batch
+    from ..stats.data import checked_call, iterate_batches, split_batch
     from ..stats.linearise import flatten_output, resolve_output_fn
 
     out_fn = resolve_output_fn(output_fn)
@@ -329,7 +329,7 @@ def calibration_targets(finetuned_models: Sequence[Any], calibration: Sequence[A
             with torch.no_grad():
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {t}")):
                     inputs, _ = split_batch(batch, f"task {t} batch {i}")
-                    out = out_fn(call_model(model, inputs), t)
+                    out = out_fn(checked_call(model, inputs, f"task {t} batch {i}"), t)
                     per_batch.append(flatten_output(out, out.shape[0], f"task {t}").to(torch.float64))
         finally:
             model.train(was_training)
@@ -344,7 +344,7 @@ def calibration_error(model: Any, calibration: Sequence[Any], targets: Sequence[
     ``model`` against ``targets`` (from :func:`calibration_targets`), in the units of ``J``."""
     import torch
 
-    from ..stats.data import call_model, iterate_batches, split_batch
+    from ..stats.data import checked_call, iterate_batches, split_batch
     from ..stats.linearise import flatten_output, resolve_output_fn
 
     out_fn = resolve_output_fn(output_fn)
@@ -357,7 +357,7 @@ def calibration_error(model: Any, calibration: Sequence[Any], targets: Sequence[
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {t}")):
                     inputs, _ = split_batch(batch, f"task {t} batch {i}")
-                    out = out_fn(call_model(model, inputs), t)
+                    out = out_fn(checked_call(model, inputs, f"task {t} batch {i}"), t)
                     h = flatten_output(out, out.shape[0], f"task {t}").to(torch.float64)
                     total += w[t] * float(((h - targets[t][i]) ** 2).sum())
     finally:

@@ -267,9 +267,10 @@ def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,
     elif targets == "finetuned":
         dev = next((p.device for p in model.parameters()), None)
         with torch.no_grad():
-            from .data import call_model
+            from .data import checked_call
 
-            out = call_model(model, to_device(inputs, dev) if dev is not None else inputs)
+            out = checked_call(model, to_device(inputs, dev) if dev is not None else inputs, where,
+                               f"fine-tuned model {name!r}")
             y = flatten_output(out_fn(out, task), B, f"{where}: fine-tuned model {name!r}")
         _check_finite(y, f"{where}: the output of fine-tuned model {name!r}")
     else:

@@ -94,6 +94,24 @@ def call_model(model: Any, inputs: Any) -> Any:
     return model(inputs)
 
 
+def checked_call(model: Any, inputs: Any, where: str, who: str = "the model") -> Any:
+    """:func:`call_model`, with a failure of the model on these inputs (wrong feature size,
+    dtype or device, missing keyword) turned into one :class:`ValidationError` naming the
+    batch and the model."""
+    from ..errors import MergeQPError
+
+    try:
+        return call_model(model, inputs)
+    except MergeQPError:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise ValidationError(
+            f"{where}: {who} failed on this batch ({type(exc).__name__}: {first}); check that "
+            f"the calibration inputs fit the model (shape, dtype, device, keywords)"
+        ) from exc
+
+
 def iterate_batches(source: Any, batch_size: int, where: str) -> Iterator[Any]:
     """Batches of one calibration set (a tensor is cut along its first dimension)."""
     import torch

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ValidationError
-from .data import call_model
+from .data import call_model, checked_call
 
 JACOBIAN_MODES = ("auto", "reverse", "forward")
 
@@ -141,7 +141,7 @@ def linearise_batch(
     hook.record = True
     try:
         with torch.no_grad():
-            out = call_model(model, inputs)
+            out = checked_call(model, inputs, where, "the base model")
     finally:
         hook.record = False
     ncalls = hook.calls - calls

@@ -46,6 +46,7 @@ _EXPORTS: dict[str, str] = {
     "InfeasibleError": "mergeqp.errors",
     "UnknownNameError": "mergeqp.errors",
     "SolverError": "mergeqp.errors",
+    "UnboundedError": "mergeqp.errors",
     "ConfigError": "mergeqp.errors",
     # statistics (issue: calibration statistics)
     "CalibrationStats": "mergeqp.stats",

@@ -47,6 +47,11 @@ class UnsupportedError(SolverError):
     """The chosen solver cannot handle this problem / constraint combination."""
 
 
+class UnboundedError(SolverError):
+    """``J`` is unbounded below on the constraint set (a solver proved it: a dual
+    infeasibility certificate or a recession direction along which ``J`` falls)."""
+
+
 class ConfigError(MergeQPError, ValueError):
     """A configuration file or command-line setting is invalid."""
 

@@ -176,3 +176,30 @@ def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) 
     bad = certify(problem, Box(0.0, 1.0), wrong)
     assert not bad.certified() and not bad.at_rounding_floor
     assert not any("rounding floor" in r for r in bad.reasons())
+
+
+# ---------------------------------------------------------------------- unbounded problems
+@pytest.mark.parametrize("H", [np.zeros((4, 4)), np.diag([1.0, 1.0, 0.0, 0.0])], ids=["zero H", "singular H"])
+@pytest.mark.parametrize("solver", ["active_set", "clarabel", "osqp", "auto"])
+def test_unbounded_below_on_an_unbounded_box_is_an_unbounded_error(H, solver, monkeypatch) -> None:
+    """J = -sum d (+ 1/2 |d_0|^2) over d >= 0 has no minimum: every exact solver says so with
+    UnboundedError; auto does not try other solvers after such a proof."""
+    from mergeqp.errors import UnboundedError
+
+    problem = MergeQP(H, -np.ones(4), shape=(2, 2))
+    if solver == "auto":
+        def never(*args, **kwargs):
+            raise AssertionError("auto must not fall back after a proof of unboundedness")
+
+        monkeypatch.setattr(SOLVERS["clarabel"], "solve", never)
+        monkeypatch.setattr(SOLVERS["osqp"], "solve", never)
+    with pytest.raises(UnboundedError, match="unbounded below on nonneg"):
+        solve(problem, "nonneg", solver=solver)
+
+
+def test_a_far_but_finite_optimum_is_not_called_unbounded() -> None:
+    """H = diag(1, 1e-12), g = (0, -1) on d >= 0: the optimum d = (0, 1e12) is far away but
+    finite (the ray's minimiser), so active_set returns it."""
+    problem = MergeQP(np.diag([1.0, 1e-12]), np.array([0.0, -1.0]), shape=(1, 2))
+    sol = solve(problem, "nonneg", solver="active_set", certify_result=False)
+    assert sol.d[0, 1] == pytest.approx(1e12, rel=1e-6) and abs(sol.d[0, 0]) <= 1e-6

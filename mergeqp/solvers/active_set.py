@@ -63,7 +63,7 @@ from ..constraints import (
     Simplex,
     Unconstrained,
 )
-from ..errors import SolverError, ValidationError
+from ..errors import SolverError, UnboundedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
@@ -1224,4 +1224,48 @@ class ActiveSetSolver(QPSolver):
         engine = _Engine(problem, constraints, st, opts)
         setup = time.perf_counter() - t0
         x, status, it, info = engine.run(x0)
+        if not st.bounded:
+            why = unbounded_direction(problem, st, x)
+            if why is not None:
+                raise UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}")
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
+
+
+#: iterates beyond this multiple of the problem's own size count as diverged (see
+#: :func:`unbounded_direction`)
+DIVERGED = 1e8
+
+
+def unbounded_direction(problem: MergeQP, st: SetStructure, x: np.ndarray) -> str | None:
+    """Why ``J`` is unbounded below on an unbounded box, read off diverged iterates ``x``:
+    ``None`` unless ``|x|_inf`` exceeds :data:`DIVERGED` times the size of the finite bounds,
+    ``|g|`` and ``c`` (in units of ``d``), and the direction ``v = x / |x|``, put in the
+    box's recession cone, has ``v'Hv <= 1e-10 max diag H``, ``g'v < 0`` and the minimiser of
+    ``J`` along the ray, ``t = -g'v / v'Hv``, beyond ``1e3 |x|`` (so a far but finite optimum of
+    a badly conditioned problem, which the iterates reach, is not mistaken for one): then
+    ``J(t v)`` falls without bound (to float64 precision)."""
+    x = np.asarray(x, dtype=np.float64).ravel()
+    finite = np.concatenate([np.abs(st.lo[np.isfinite(st.lo)]), np.abs(st.hi[np.isfinite(st.hi)])])
+    size = 1.0 + float(np.max(finite, initial=0.0))
+    norm = float(np.max(np.abs(x), initial=0.0))
+    if not norm > DIVERGED * size:
+        return None
+    v = x / float(np.linalg.norm(x))
+    lo_f, hi_f = np.isfinite(st.lo), np.isfinite(st.hi)
+    v = np.where(lo_f & hi_f, 0.0, v)
+    v = np.where(lo_f & ~hi_f, np.maximum(v, 0.0), v)
+    v = np.where(hi_f & ~lo_f, np.minimum(v, 0.0), v)
+    nv = float(np.linalg.norm(v))
+    if nv == 0:
+        return None
+    v /= nv
+    gv = float(problem.g @ v)
+    curv = float(v @ problem.matvec(v))
+    top = float(np.max(np.abs(problem.diagonal()), initial=0.0))
+    flat = curv <= 1e-10 * max(top, 1e-300)
+    beyond = curv <= 0 or -gv / curv > 1e3 * float(np.linalg.norm(x))
+    if gv < -1e-8 * max(float(np.linalg.norm(problem.g)), np.finfo(float).tiny) and flat and beyond:
+        return (f"J decreases without bound along the direction v (|v| = 1, inside the set's "
+                f"recession cone) with v'Hv = {curv:.2g} and g'v = {gv:.3g} < 0 (the iterates "
+                f"reached |d|_inf = {norm:.3g})")
+    return None

@@ -18,7 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError
+from ..errors import InfeasibleError, SolverError, UnboundedError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import RawResult
@@ -65,7 +65,7 @@ class ClarabelSolver(StandardFormSolver):
         if status in ("PrimalInfeasible", "AlmostPrimalInfeasible"):
             raise InfeasibleError(f"clarabel: the constraint set {constraints.spec} is infeasible ({status})")
         if status in ("DualInfeasible", "AlmostDualInfeasible"):
-            raise SolverError(f"clarabel: the problem is unbounded below on {constraints.spec} ({status})")
+            raise UnboundedError(f"clarabel: the problem is unbounded below on {constraints.spec} ({status})")
         x = np.asarray(sol.x, dtype=np.float64)[: qp.n]
         if x.size != qp.n or not np.all(np.isfinite(x)):
             raise SolverError(f"clarabel: no solution ({status})")

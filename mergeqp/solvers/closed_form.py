@@ -9,7 +9,7 @@ import numpy as np
 import scipy.linalg as sla
 
 from ..constraints import ConstraintSet, Unconstrained
-from ..errors import SolverError
+from ..errors import UnboundedError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
@@ -56,7 +56,7 @@ class ClosedFormSolver(QPSolver):
         assert problem.H is not None
         x, method, outside = unconstrained_minimiser(problem.H, problem.g, opts["rcond"])
         if outside > 1e-8:
-            raise SolverError(
+            raise UnboundedError(
                 f"closed_form: the problem is unbounded below without constraints (a relative "
                 f"{outside:.2g} of g lies outside range(H)); add constraints"
             )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError
+from ..errors import InfeasibleError, SolverError, UnboundedError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import RawResult
@@ -64,7 +64,7 @@ class OSQPSolver(StandardFormSolver):
         if "primal infeasible" in status:
             raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
         if "dual infeasible" in status:
-            raise SolverError(f"osqp: the problem is unbounded below on {constraints.spec} ({res.info.status})")
+            raise UnboundedError(f"osqp: the problem is unbounded below on {constraints.spec} ({res.info.status})")
         if res.x is None or not np.all(np.isfinite(res.x[: qp.n])):
             raise SolverError(f"osqp: no solution ({res.info.status})")
         if status == "solved":

@@ -13,6 +13,7 @@ from ..constraints import ConstraintSet, as_constraint_set, check_feasible
 from ..errors import (
     MergeQPError,
     SolverError,
+    UnboundedError,
     UnsupportedError,
     ValidationError,
     unknown,
@@ -115,7 +116,7 @@ def solve(
     try:
         sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options)
     except SolverError as exc:
-        if not fallback:
+        if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
         return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0)
     if fallback and not _settled(sol, rel_tol):
@@ -182,6 +183,8 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                 continue
             try:
                 sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {})
+            except UnboundedError:
+                raise  # the first choice's point cannot be optimal: J has no minimum
             except SolverError as exc:
                 tried.append({"solver": name, "error": str(exc)})
                 continue

@@ -804,6 +804,11 @@ class _Engine:
         pos = pos0[N]
         same = pos >= 0
         same[same] = (piv0[pos[same]] == piv[same]) & (w0[pos[same]] == w[same])
+        if np.any((pos >= 0) & ~same):
+            # a group's pivot changed while some of its coordinates stayed free: their old and
+            # new reduced coordinates (e_i - e_p0, e_i - e_p1, e_p1 - e_p0) are linearly
+            # dependent, so the bordered matrix M_U is singular; factorise afresh
+            return None
         A = np.flatnonzero(~same)
         kept_old = np.zeros(N0.size, dtype=bool)
         kept_old[pos[same]] = True

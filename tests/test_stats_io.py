@@ -136,3 +136,55 @@ def test_cli_collect_errors(tmp_path, capsys):
                  "--base", str(tmp_path / "wrong.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
                  "--calibration", str(tmp_path / "cal.pt"), "--out", str(tmp_path / "s.npz")])
     assert code == 2 and "cannot import 'no_such_module_xyz'" in capsys.readouterr().err
+
+
+def _collect_files(tmp_path):
+    """A factory file, base / fine-tuned state dicts and two calibration files."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("factory_for_test2", tmp_path / "factory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    base = module.make(hidden=16)
+    fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=3)
+    save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
+    for i, ft in enumerate(fts):
+        save_file(ft.state_dict(), str(tmp_path / f"ft{i}.safetensors"))
+        torch.save(torch.randn(6, 12, generator=torch.Generator().manual_seed(i)), tmp_path / f"cal{i}.pt")
+    return ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--factory-kwargs", '{"hidden": 16}',
+            "--base", str(tmp_path / "base.safetensors"),
+            "--finetuned", str(tmp_path / "ft0.safetensors"), str(tmp_path / "ft1.safetensors"),
+            "--layer", "2", "--calibration", str(tmp_path / "cal0.pt"), str(tmp_path / "cal1.pt"),
+            "--quiet"]
+
+
+def test_cli_collect_writes_what_solve_needs(tmp_path, capsys):
+    """The written QP carries the residuals, so `solve --constraint sign` works on it; a
+    parametrisation asked for the QP is streamed without also naming it in --parametrisation."""
+    common = _collect_files(tmp_path)
+    out = tmp_path / "s.npz"
+    assert main(common + ["--out", str(out), "--problem-parametrisation", "columns"]) == 0
+    capsys.readouterr()
+    problem = MergeQP.load_npz(str(tmp_path / "s_problem.npz"))
+    assert problem.shape == (2, 16 + 1)  # columns of [W, b] (layer 2: hidden 16 inputs)
+    assert main(["solve", str(tmp_path / "s_problem.npz"), "--constraint", "box:0,1",
+                 "--constraint", "sign", "--out", str(tmp_path / "sol.json")]) == 0
+    assert "CERTIFIED" in capsys.readouterr().out
+    assert main(common + ["--out", str(tmp_path / "o.npz"), "--problem-parametrisation", "optimal:3"]) == 0
+    assert "keeping per-sample data" in capsys.readouterr().out
+    assert MergeQP.load_npz(str(tmp_path / "o_problem.npz")).shape == (2, 3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--device", "meta"], "cannot run the models"),
+    (["--device", "nonsense"], "unknown torch device"),
+])
+def test_cli_collect_rejects_bad_settings(tmp_path, capsys, extra, message):
+    common = _collect_files(tmp_path)
+    assert main(common + ["--out", str(tmp_path / "s.npz"), *extra]) == 2
+    assert message in capsys.readouterr().err

@@ -48,7 +48,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--dtype", choices=("float32", "float64"),
                    help="convert the models to this dtype (default: as loaded)")
-    p.add_argument("--device", default="cpu", help="torch device for the models")
+    p.add_argument("--device", default="cpu", help="torch device for the models: cpu, cuda, cuda:N or auto")
     p.add_argument("--jacobian-mode", choices=("auto", "reverse", "forward"), default="auto")
     p.add_argument("--out", required=True, help="statistics file to write (.npz)")
     p.add_argument("--problem", help="merge QP file to write (default: OUT stem + _problem.npz)")
@@ -60,6 +60,7 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import numpy as np
     import torch
 
     from ..stats import collect_statistics
@@ -78,29 +79,61 @@ def run(args: argparse.Namespace) -> int:
             f"--calibration has {len(args.calibration)} file(s) but --finetuned has "
             f"{len(args.finetuned)}; give one calibration file per fine-tuned model"
         )
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    device = check_device(args.device)
+    plain = ("rows", "scalar", "columns")
+    streamed = list(args.parametrisation)
+    keep_samples = args.keep_samples
+    if args.problem_parametrisation in plain:
+        if args.problem_parametrisation not in streamed:
+            streamed.append(args.problem_parametrisation)
+    elif not keep_samples:
+        # a basis is built after collection from per-sample data (or from a shared Jacobian's
+        # sufficient statistics, which are only known to suffice after collection)
+        print(f"note: --problem-parametrisation {args.problem_parametrisation} is a basis; "
+              f"keeping per-sample data (as with --keep-samples)")
+        keep_samples = True
     factory = load_callable(args.factory, "--factory")
     output_fn = load_callable(args.output_fn, "--output-fn") if args.output_fn else None
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    base = build_model(factory, factory_kwargs, args.base, dtype, args.device)
-    fts = [build_model(factory, factory_kwargs, f, dtype, args.device) for f in args.finetuned]
+    base = build_model(factory, factory_kwargs, args.base, dtype, device)
+    fts = [build_model(factory, factory_kwargs, f, dtype, device) for f in args.finetuned]
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
     calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
     task_weights = parse_task_weights(args.task_weights)
     stats = collect_statistics(
         base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
-        parametrisations=args.parametrisation, keep_samples=args.keep_samples,
+        parametrisations=streamed, keep_samples=keep_samples,
         model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
         progress=not args.quiet,
     )
     stats.save(args.out)
     problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
     problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
-    problem.save_npz(problem_path)
+    # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
+    # TIES-like sign-consensus set from the problem file alone
+    extra = {}
+    if args.problem_parametrisation in plain:
+        extra = {"deltas": np.asarray(stats.deltas, dtype=np.float64),
+                 "parametrisation": np.array(args.problem_parametrisation)}
+    problem.save_npz(problem_path, extra=extra)
     print(stats.summary())
     print(f"collected in {stats.metadata['seconds']:.2f} s")
     print(f"statistics -> {args.out}")
     print(f"merge QP ({args.problem_parametrisation}, n = {problem.n}) -> {problem_path}")
     return 0
+
+
+def check_device(name: str) -> str:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available); a clear error for a
+    device that torch lacks here (or a non-compute device such as ``meta``)."""
+    from ..solvers.torch_solvers import _device
+
+    device = _device(name)
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValidationError(f"--device {name!r} cannot run the models; use cpu, cuda, cuda:N or auto")
+    return str(device)
 
 
 def parse_task_weights(spec: str | None) -> Any:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError
-from .hooks import augmented_weight, check_same_architecture, resolve_linear
+from .hooks import augmented_weight, check_same_architecture, check_untied, resolve_linear
 from .parametrisation import (
     Parametrisation,
     RowsParametrisation,
@@ -88,7 +88,16 @@ def merged_layer_weight(base_weight: np.ndarray, deltas: np.ndarray, d: Any,
     K, r, m1 = deltas.shape
     param.check(r, m1)
     d = check_d(d, K, param.n_atoms(r, m1), param)
-    return np.asarray(base_weight, dtype=np.float64) + param.update(d, np.asarray(deltas, dtype=np.float64))
+    base_weight = np.asarray(base_weight, dtype=np.float64)
+    deltas = np.asarray(deltas, dtype=np.float64)
+    if not np.all(np.isfinite(base_weight)):
+        raise ValidationError("the base model's layer weights contain NaN or inf")
+    bad = [k for k in range(K) if not np.all(np.isfinite(deltas[k]))]
+    if bad:
+        raise ValidationError(
+            f"the layer weights of fine-tuned model(s) {bad} (0-based) contain NaN or inf"
+        )
+    return base_weight + param.update(d, deltas)
 
 
 def set_linear_weights(model: Any, layer: str, weight: np.ndarray, bias: np.ndarray | None,
@@ -100,6 +109,7 @@ def set_linear_weights(model: Any, layer: str, weight: np.ndarray, bias: np.ndar
     import torch
 
     module = resolve_linear(model, layer, "model")
+    check_untied(model, layer, "model")
     if expected_base is not None:
         have = augmented_weight(module)
         if have.shape != expected_base.shape or not np.allclose(have, expected_base, rtol=1e-5, atol=1e-6):

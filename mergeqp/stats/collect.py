@@ -28,6 +28,7 @@ from .data import batch_len, count_batches, iterate_batches, split_batch, to_dev
 from .hooks import (
     augmented_weight,
     check_same_architecture,
+    check_untied,
     differing_tensors,
     eval_mode,
     perturbation_hook,
@@ -140,6 +141,7 @@ def collect_statistics(
     if reference_model is not None:
         check_same_architecture(base_model, [("reference_model", reference_model)])
     base_layer = resolve_linear(base_model, layer, "base model")
+    check_untied(base_model, layer)
     base_weight = augmented_weight(base_layer)
     ref_weight = (augmented_weight(resolve_linear(reference_model, layer, "reference model"))
                   if reference_model is not None else None)
@@ -164,6 +166,7 @@ def collect_statistics(
 
     bar = tqdm(total=total, desc=f"collect {layer}", unit="batch", disable=not progress)
     try:
+        checked = [False] * K  # the first batch of each task also checks sample independence
         with eval_mode(base_model, *finetuned_models), perturbation_hook(base_layer) as hook:
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {tasks[t]!r}")):
@@ -176,8 +179,9 @@ def collect_statistics(
                     lin = linearise_batch(
                         base_model, hook, inputs, out_fn, t, mode=jacobian_mode,
                         chunk_size=chunk_size, vectorize=vectorize, where=where,
-                        max_jacobian_bytes=max_jacobian_bytes,
+                        max_jacobian_bytes=max_jacobian_bytes, check_independence=not checked[t],
                     )
+                    checked[t] = True
                     _check_finite(lin.output, f"{where}: the base model's compared output")
                     _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
                     y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,
@@ -306,6 +310,12 @@ def _encode_labels(labels: Any, task: int, B: int, c: int,
                 f"but there are {c} outputs; pass label_encoding=..."
             )
         return torch.nn.functional.one_hot(labels.long(), c).to(torch.float64)
+    if not labels.is_floating_point() and labels.ndim > 1:
+        raise ValidationError(
+            f"{where}: integer labels of shape {tuple(labels.shape)} are neither class indices "
+            f"(shape ({B},)) nor target outputs; pass label_encoding=... to turn them into the "
+            f"compared output's values (e.g. one-hot logits per token), or float targets"
+        )
     return flatten_output(labels.to(torch.float64), B, f"{where}: labels")
 
 

@@ -5,8 +5,10 @@ cut into batches of ``batch_size`` along its first dimension. A batch is
 
 - a tensor ``x`` (called as ``model(x)``);
 - a tuple/list ``(inputs, labels)`` or ``(inputs,)``;
-- a mapping: ``{"inputs" | "x": ..., "labels" | "y": ...}``, or keyword arguments for the model
-  (Hugging Face style: ``model(**batch)``), from which a ``"labels"`` entry is taken out.
+- a mapping: ``{"inputs" | "x": ..., "labels" | "y": ...}`` (called as ``model(inputs)``), or
+  keyword arguments for the model (Hugging Face style: ``model(**batch)``), from which a
+  ``"labels"`` entry is taken out; a mapping with ``"inputs"``/``"x"`` *and* other entries
+  (a mask, ...) is called with all of them (labels removed) as keywords.
 
 The first dimension of the inputs is the batch; samples must not interact inside a model in
 eval mode (true for MLPs, transformers, batch norm in eval mode).
@@ -33,6 +35,9 @@ def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
         for key in INPUT_KEYS:
             if key in batch:
                 labels = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+                rest = {k: v for k, v in batch.items() if k not in LABEL_KEYS}
+                if len(rest) > 1:  # further model arguments (a mask, ...): all are keywords
+                    return rest, labels
                 return batch[key], labels
         kwargs = dict(batch)
         labels = kwargs.pop("labels", None)

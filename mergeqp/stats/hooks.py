@@ -46,6 +46,25 @@ def resolve_linear(model: Any, layer: str, what: str = "base model") -> Any:
     return module
 
 
+def check_untied(model: Any, layer: str, what: str = "base model") -> None:
+    """Raise if the weight or bias of ``layer`` is also a parameter of another module (tied
+    weights, e.g. an ``lm_head`` tied to the input embedding): merging it would change that
+    module too, which the layer's linearisation does not see."""
+    module = resolve_linear(model, layer, what)
+    mine = {id(p): pname for pname, p in (("weight", module.weight), ("bias", module.bias)) if p is not None}
+    for name, other in model.named_modules(remove_duplicate=False):
+        if other is module or name == layer:
+            continue
+        for pname, param in other.named_parameters(recurse=False):
+            if id(param) in mine:
+                where = f"{name}.{pname}" if name else pname
+                raise ValidationError(
+                    f"the {mine[id(param)]} of layer {layer!r} is tied to {where!r} of the {what} "
+                    f"(one shared tensor): merging the layer alone would change that module too, "
+                    f"which its statistics do not account for; choose an untied layer"
+                )
+
+
 def check_same_architecture(base: Any, others: Sequence[tuple[str, Any]]) -> None:
     """Raise naming the first tensor whose presence or shape differs from the base model's."""
     ref = {k: tuple(v.shape) for k, v in base.state_dict().items()}
@@ -113,8 +132,10 @@ class PerturbationHook:
     def __call__(self, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
         self.calls += 1
         if self.record:
-            self.layer_input = inputs[0].detach()
-            self.layer_output = output.detach()
+            # copies: the model may modify them in place later (``x += layer(x)``,
+            # ``nn.ReLU(inplace=True)``), which would corrupt what is recorded
+            self.layer_input = inputs[0].detach().clone()
+            self.layer_output = output.detach().clone()
         if self.perturbation is not None:
             if self.perturbation.shape != output.shape:
                 raise ValidationError(

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ValidationError
-from .data import call_model, checked_call
+from .data import batch_len, call_model, checked_call
 
 JACOBIAN_MODES = ("auto", "reverse", "forward")
 
@@ -127,13 +127,17 @@ def linearise_batch(
     vectorize: bool = True,
     where: str = "batch",
     max_jacobian_bytes: float = float("inf"),
+    check_independence: bool = False,
 ) -> LinearisedBatch:
     """Linearise ``model`` at the layer carrying ``hook`` (a registered
     :class:`~mergeqp.stats.hooks.PerturbationHook`) for one batch of ``inputs``.
 
     ``output_fn`` is already normalised (:func:`resolve_output_fn`). Raises
     :class:`ValidationError` if the layer is not called exactly once per forward pass or
-    the Jacobian would exceed ``max_jacobian_bytes``.
+    the Jacobian would exceed ``max_jacobian_bytes``, or when the layer's first dimension is
+    not the batch. ``check_independence``: also check, with one extra forward pass, that
+    perturbing one sample's layer output changes no other sample's compared output (what the
+    per-sample Jacobians assume; it fails for sequence-first layouts inside the model).
     """
     import torch
 
@@ -145,6 +149,12 @@ def linearise_batch(
     finally:
         hook.record = False
     ncalls = hook.calls - calls
+    if ncalls == 0:
+        raise ValidationError(
+            f"{where}: the merge layer did not run in the forward pass (is it used by this "
+            f"model's forward at all? some fused fast paths, such as nn.MultiheadAttention's "
+            f"out_proj in eval mode, bypass the module's hooks)"
+        )
     if ncalls != 1:
         raise ValidationError(
             f"{where}: the merge layer ran {ncalls} times in one forward pass; it must run "
@@ -153,6 +163,14 @@ def linearise_batch(
     u = hook.layer_output
     z = hook.layer_input
     B = int(u.shape[0])
+    B_in = batch_len(inputs, where)
+    if B != B_in:
+        raise ValidationError(
+            f"{where}: the merge layer's output has shape {tuple(u.shape)}, whose first dimension "
+            f"({B}) is not the batch size of the inputs ({B_in}); the layer must see samples "
+            f"along its first dimension (sequence-first layouts or (B*T, r) reshapes inside the "
+            f"model are not supported)"
+        )
     positions = tuple(int(s) for s in u.shape[1:-1])
     T = int(math.prod(positions))
     r = int(u.shape[-1])
@@ -173,12 +191,21 @@ def linearise_batch(
         finally:
             hook.perturbation = None
 
+    if check_independence and B > 1:
+        _check_samples_independent(f, u, h, where)
     p0 = torch.zeros_like(u)
     chosen = _choose_mode(mode, c, T * r)
     jac = None
     if vectorize:
         try:
-            jac = _vectorised(f, p0, chosen, B, c, T, r, positions, chunk_size)
+            try:
+                jac = _vectorised(f, p0, chosen, B, c, T, r, positions, chunk_size)
+            except (RuntimeError, NotImplementedError):
+                if chosen != "forward":
+                    raise
+                # some kernels (e.g. CPU flash attention) have no forward-mode AD: reverse mode
+                hook.perturbation = None
+                jac = _vectorised(f, p0, "reverse", B, c, T, r, positions, chunk_size)
         except (RuntimeError, NotImplementedError) as exc:
             warnings.warn(
                 f"vmap over the model failed ({str(exc).splitlines()[0][:200]}); falling back "
@@ -196,12 +223,39 @@ def linearise_batch(
     )
 
 
+def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: str) -> None:
+    """Perturb sample 0's layer output only; raise if another sample's output moves."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    noise = torch.randn(tuple(u.shape[1:]), generator=gen, dtype=torch.float64)
+    scale = 1e-3 * (float(u[0].abs().max()) + 1.0)
+    p = torch.zeros_like(u)
+    p[0] = (scale * noise).to(dtype=u.dtype, device=u.device)
+    with torch.no_grad():
+        moved = (f(p) - h).abs()
+    own = float(moved[0].max())
+    others = float(moved[1:].max())
+    eps = float(torch.finfo(h.dtype).eps) if h.is_floating_point() else 0.0
+    tol = max(1e-3 * own, 1e3 * eps * float(h.abs().max()))
+    if own > 0 and others > tol:
+        raise ValidationError(
+            f"{where}: perturbing the merge layer's output for sample 0 changed the compared "
+            f"output of other samples (by {others:.3g}, against {own:.3g} for sample 0): the "
+            f"layer's first dimension must be the batch and samples must not interact (a "
+            f"sequence-first layout inside the model, or batch statistics, break this)"
+        )
+
+
 def _vectorised(f: Callable[[Any], Any], p0: Any, mode: str, B: int, c: int, T: int, r: int,
                 positions: tuple[int, ...], chunk_size: int | None) -> Any:
     import torch
     from torch.func import jvp, vjp, vmap
 
-    with torch.no_grad():  # torch.func transforms still differentiate; parameters are constants
+    with torch.no_grad(), warnings.catch_warnings():
+        # (torch.func transforms still differentiate; parameters are constants.) vmap's notice
+        # that an op has no batching rule only says it runs a slower loop: still exact
+        warnings.filterwarnings("ignore", message=r"There is a performance drop", category=UserWarning)
         if mode == "reverse":
             _, vjp_fn = vjp(f, p0)
             eye = torch.eye(c, dtype=p0.dtype, device=p0.device)

@@ -198,6 +198,8 @@ class MergeQP:
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
         if H is not None:
             self._check_psd()
+        else:
+            self._check_matvec()
 
     # ------------------------------------------------------------------ basic facts
     @property
@@ -264,6 +266,59 @@ class MergeQP:
             raise NotConvexError(
                 f"H is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
                 f"-psd_tol * largest ({-self.psd_tol * abs(hi):.3g}); the merge QP must be convex"
+            )
+
+    def _check_matvec(self) -> None:
+        """Checks of a matrix-vector-only H (the certificate's bounds assume a convex J):
+        the callback returns finite ``(n,)`` vectors, is symmetric (``y'Hx = x'Hy`` for random
+        probes, within ``sym_tol``) and PSD: exactly (``n`` products, the dense test above) up
+        to ``matvec_dense_check_n`` variables, else a bounded Lanczos estimate of the smallest
+        eigenvalue (ARPACK, at most ~20 restarts)."""
+        n = self.n
+        rng = np.random.default_rng(0)
+        X = rng.standard_normal((n, 2))
+        HX = np.empty_like(X)
+        for j in range(2):
+            try:
+                out = np.asarray(self.hessian_matvec(X[:, j]), dtype=np.float64)  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - user callback
+                raise ValidationError(f"hessian_matvec failed on a probe vector: {type(exc).__name__}: {exc}") from exc
+            if out.shape != (n,):
+                raise ValidationError(f"hessian_matvec must return a vector of shape ({n},), got {out.shape}")
+            if not np.all(np.isfinite(out)):
+                raise ValidationError("hessian_matvec returned NaN or inf for a finite probe vector")
+            HX[:, j] = out
+        scale = float(np.linalg.norm(X[:, 0]) * np.linalg.norm(HX[:, 1]) + np.linalg.norm(X[:, 1]) * np.linalg.norm(HX[:, 0]))
+        asym = abs(float(X[:, 1] @ HX[:, 0] - X[:, 0] @ HX[:, 1]))
+        if asym > max(self.sym_tol, 1e-12) * max(scale, np.finfo(float).tiny):
+            raise ValidationError(
+                f"hessian_matvec is not symmetric: y'Hx - x'Hy = {asym:.3g} for random x, y "
+                f"(relative {asym / max(scale, np.finfo(float).tiny):.2g})"
+            )
+        if n <= MATVEC_DENSE_CHECK_N:
+            H = np.column_stack([self.matvec(e) for e in np.eye(n)])
+            try:
+                MergeQP(0.5 * (H + H.T), self.g, shape=self.shape, psd_tol=self.psd_tol)
+            except NotConvexError as exc:
+                raise NotConvexError(f"hessian_matvec: {exc}") from None
+            return
+        from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+
+        op = LinearOperator((n, n), matvec=lambda v: self.matvec(np.asarray(v, dtype=np.float64).ravel()),
+                            dtype=np.float64)
+        try:
+            hi = float(eigsh(op, k=1, which="LA", return_eigenvectors=False, tol=1e-6, maxiter=50)[0])
+            lo = float(eigsh(op, k=1, which="SA", return_eigenvectors=False, tol=1e-4, maxiter=20)[0])
+        except ArpackNoConvergence as exc:
+            found = np.asarray(getattr(exc, "eigenvalues", []), dtype=np.float64)
+            if found.size == 0:
+                return
+            lo, hi = float(found.min()), float(found.max())
+        if lo < -self.psd_tol * max(abs(hi), np.finfo(float).tiny):
+            raise NotConvexError(
+                f"hessian_matvec is not positive semidefinite: a Lanczos estimate of its smallest "
+                f"eigenvalue is {lo:.6g}, below -psd_tol * largest ({-self.psd_tol * abs(hi):.3g}); "
+                f"the merge QP must be convex"
             )
 
     # ------------------------------------------------------------------ algebra
@@ -397,6 +452,11 @@ class MergeQP:
     def load_npz(cls, path: str) -> MergeQP:
         """Read a problem written by :meth:`save_npz` (or any npz with ``H``, ``g``[, ``c``, ``shape``])."""
         return load_problem_file(path)[0]
+
+
+#: a matrix-vector-only H with at most this many variables is checked for convexity exactly
+#: (by forming it from ``n`` products); above, by a Lanczos estimate
+MATVEC_DENSE_CHECK_N = 512
 
 
 def _as_shape(shape: Any) -> tuple[int, int] | None:

@@ -296,3 +296,31 @@ def test_metadata_survives_as_json(tmp_path) -> None:
     p.save_npz(path)
     with np.load(path) as data:
         assert json.loads(str(data["metadata"])) == {"a": [1, 2], "b": {"c": "d"}}
+
+
+@pytest.mark.parametrize("matvec, error", [
+    (lambda x: -x, "not positive semidefinite"),
+    (lambda x: np.array([1.0, -1.0, 1.0, 1.0]) * x, "not positive semidefinite"),
+    (lambda x: np.triu(np.ones((4, 4))) @ x, "not symmetric"),
+    (lambda x: x * np.nan, "NaN or inf"),
+    (lambda x: x[:2], "must return a vector of shape"),
+])
+def test_a_matvec_only_hessian_is_checked_like_an_explicit_one(matvec, error) -> None:
+    """A callback H that is not convex would make the certificate's bounds false (a concave J
+    over a box 'certified' at a vertex): it is rejected when the problem is built."""
+    from mergeqp.errors import MergeQPError
+
+    with pytest.raises(MergeQPError, match=error):
+        MergeQP(None, np.array([-1.0, 1.0, -2.0, 0.5]), shape=(2, 2), hessian_matvec=matvec)
+
+
+def test_a_large_indefinite_matvec_is_caught_by_lanczos() -> None:
+    from mergeqp.errors import NotConvexError
+    from mergeqp.problem import MATVEC_DENSE_CHECK_N
+
+    n = MATVEC_DENSE_CHECK_N + 88
+    B = np.random.default_rng(0).standard_normal((n, 20))
+    g = np.ones(n)
+    MergeQP(None, g, hessian_matvec=lambda x: B @ (B.T @ x))  # PSD (rank 20): accepted
+    with pytest.raises(NotConvexError, match="Lanczos estimate"):
+        MergeQP(None, g, hessian_matvec=lambda x: B @ (B.T @ x) - 1e-2 * x)

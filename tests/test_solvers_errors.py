@@ -203,3 +203,34 @@ def test_a_far_but_finite_optimum_is_not_called_unbounded() -> None:
     problem = MergeQP(np.diag([1.0, 1e-12]), np.array([0.0, -1.0]), shape=(1, 2))
     sol = solve(problem, "nonneg", solver="active_set", certify_result=False)
     assert sol.d[0, 1] == pytest.approx(1e12, rel=1e-6) and abs(sol.d[0, 0]) <= 1e-6
+
+
+def test_badly_conditioned_bounded_problem_is_not_called_unbounded() -> None:
+    """H = diag(1e8, 1e-8): the pseudo-inverse's cut drops the small eigenvalue, but J has a
+    finite minimum (-0.500000005) along it: closed_form and auto return it, certified."""
+    problem = MergeQP(np.diag([1e8, 1e-8]), np.array([1.0, 1e-4]))
+    for name in ("closed_form", "auto"):
+        sol = solve(problem, None, solver=name)
+        assert sol.objective == pytest.approx(-0.500000005, rel=1e-12)
+        assert sol.certificate.certified(), sol.certificate.explain()
+
+
+def test_unboundedness_claims_are_verified() -> None:
+    """A sparse solver's 'dual infeasible' status is a proof only when it survives float64
+    checks: refuted on a bounded set, on a J bounded below, or along a direction of finite
+    descent; confirmed along an exactly flat descent ray."""
+    from mergeqp.constraints import Box, Unconstrained
+    from mergeqp.errors import SolverError, UnboundedError
+    from mergeqp.solvers.unbounded import unbounded_claim
+
+    bounded_below = MergeQP(np.diag([1e8, 1e-8]), np.array([1.0, 1e-4]))
+    flat = MergeQP(np.diag([1.0, 0.0]), np.array([0.0, 1.0]))
+    err = unbounded_claim(bounded_below, Unconstrained(), "osqp", "dual infeasible")
+    assert type(err) is SolverError and "bounded below even without constraints" in str(err)
+    err = unbounded_claim(bounded_below, Unconstrained(), "osqp", "dual infeasible", np.array([0.0, -1.0]))
+    assert type(err) is SolverError and "not one of unbounded descent" in str(err)
+    err = unbounded_claim(flat, Box(-1, 1), "clarabel", "DualInfeasible")
+    assert type(err) is SolverError and "is bounded" in str(err)
+    assert isinstance(unbounded_claim(flat, Unconstrained(), "cvxpy_osqp", "unbounded"), UnboundedError)
+    err = unbounded_claim(flat, Unconstrained(), "osqp", "dual infeasible", np.array([0.0, -3.0]))
+    assert isinstance(err, UnboundedError) and "v'Hv = 0" in str(err)

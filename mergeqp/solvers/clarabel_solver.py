@@ -18,11 +18,12 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError, UnboundedError
+from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import RawResult
 from .standard_form import StandardFormSolver, standard_form
+from .unbounded import unbounded_claim
 
 _SETTINGS = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "direct_solve_method",
              "presolve_enable", "verbose", "time_limit")
@@ -65,7 +66,9 @@ class ClarabelSolver(StandardFormSolver):
         if status in ("PrimalInfeasible", "AlmostPrimalInfeasible"):
             raise InfeasibleError(f"clarabel: the constraint set {constraints.spec} is infeasible ({status})")
         if status in ("DualInfeasible", "AlmostDualInfeasible"):
-            raise UnboundedError(f"clarabel: the problem is unbounded below on {constraints.spec} ({status})")
+            # Clarabel returns its certificate of dual infeasibility (a direction) in x
+            direction = np.asarray(sol.x, dtype=np.float64)[: qp.n] if sol.x is not None else None
+            raise unbounded_claim(problem, constraints, "clarabel", status, direction)
         x = np.asarray(sol.x, dtype=np.float64)[: qp.n]
         if x.size != qp.n or not np.all(np.isfinite(x)):
             raise SolverError(f"clarabel: no solution ({status})")

@@ -20,10 +20,11 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError, UnboundedError, ValidationError
+from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
+from .unbounded import unbounded_claim
 
 
 class _CvxpySolver(QPSolver):
@@ -71,7 +72,7 @@ class _CvxpySolver(QPSolver):
         if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
             raise InfeasibleError(f"{self.name}: the constraint set {constraints.spec} is infeasible ({status})")
         if status in (cp.UNBOUNDED, cp.UNBOUNDED_INACCURATE):
-            raise UnboundedError(f"{self.name}: the problem is unbounded below on {constraints.spec} ({status})")
+            raise unbounded_claim(problem, constraints, self.name, str(status))
         if var.value is None:
             raise SolverError(f"{self.name}: {self.backend} returned no solution (status {status})")
         st = {cp.OPTIMAL: SolveStatus.OPTIMAL, cp.OPTIMAL_INACCURATE: SolveStatus.INACCURATE,

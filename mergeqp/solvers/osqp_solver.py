@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError, UnboundedError
+from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import RawResult
 from .standard_form import StandardFormSolver, standard_form
+from .unbounded import unbounded_claim
 
 
 class OSQPSolver(StandardFormSolver):
@@ -64,7 +65,9 @@ class OSQPSolver(StandardFormSolver):
         if "primal infeasible" in status:
             raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
         if "dual infeasible" in status:
-            raise UnboundedError(f"osqp: the problem is unbounded below on {constraints.spec} ({res.info.status})")
+            cert = getattr(res, "dual_inf_cert", None)
+            direction = None if cert is None else np.asarray(cert, dtype=np.float64)[: qp.n]
+            raise unbounded_claim(problem, constraints, "osqp", str(res.info.status), direction)
         if res.x is None or not np.all(np.isfinite(res.x[: qp.n])):
             raise SolverError(f"osqp: no solution ({res.info.status})")
         if status == "solved":

@@ -1306,5 +1306,8 @@ def parse_constraint(spec: str, context: Mapping[str, Any] | None = None) -> Con
 
 
 def parse_constraints(specs: Iterable[str], context: Mapping[str, Any] | None = None) -> ConstraintSet:
-    """Parse several specs (e.g. repeated ``--constraint`` options) into their intersection."""
+    """Parse several specs (e.g. repeated ``--constraint`` options) into their intersection
+    (one string is one spec, which may itself join sets with ``&``)."""
+    if isinstance(specs, str):
+        specs = [specs]
     return as_constraint_set([parse_constraint(s, context) for s in specs])

@@ -41,12 +41,25 @@ def _as_names(names: Sequence[str] | None, count: int, prefix: str, field_name: 
 def as_float_array(value: Any, name: str) -> np.ndarray:
     """``value`` (array-like, torch tensor, scipy sparse matrix) as a float64 ndarray, or a
     :class:`ValidationError` naming ``name``."""
-    if hasattr(value, "detach"):  # torch
-        value = value.detach().cpu().numpy()
+    if hasattr(value, "detach"):  # torch (bfloat16 and other types numpy lacks: via float64)
+        value = value.detach().cpu()
+        if value.is_complex():
+            raise ValidationError(f"{name} must be real, got a complex tensor")
+        value = value.double().numpy() if value.is_floating_point() else value.numpy()
     if hasattr(value, "toarray") and hasattr(value, "nnz"):  # scipy.sparse
         value = value.toarray()
+    if isinstance(value, (str, bytes)):
+        raise ValidationError(f"{name} must be an array of real numbers, got a string {value!r}")
     try:
-        return np.asarray(value, dtype=np.float64)
+        arr = np.asarray(value)
+    except (TypeError, ValueError) as exc:
+        raise ValidationError(f"{name} must be an array of real numbers ({exc})") from None
+    if arr.dtype.kind == "c":
+        raise ValidationError(f"{name} must be real, got complex values")
+    if arr.dtype.kind in "SUb" or (arr.dtype.kind == "O" and any(isinstance(v, (str, bytes, bool)) for v in arr.ravel())):
+        raise ValidationError(f"{name} must be an array of real numbers, got dtype {arr.dtype}")
+    try:
+        return np.asarray(arr, dtype=np.float64)
     except (TypeError, ValueError) as exc:
         raise ValidationError(f"{name} must be an array of real numbers ({exc})") from None
 
@@ -372,7 +385,10 @@ class MergeQP:
 
         ``reference`` defaults to the soup ``1/K``; a scalar broadcasts. ``mu >= 0``.
         """
-        mu = float(mu)
+        mu_arr = as_float_array(mu, "regularisation weight mu")
+        if mu_arr.size != 1:
+            raise ValidationError(f"regularisation weight mu must be a scalar, got shape {mu_arr.shape}")
+        mu = float(mu_arr.reshape(()))
         if not math.isfinite(mu) or mu < 0:
             raise ValidationError(f"regularisation weight mu must be finite and >= 0, got {mu}")
         if reference is None:
@@ -464,7 +480,10 @@ def _as_shape(shape: Any) -> tuple[int, int] | None:
     if shape is None:
         return None
     try:
-        vals = [float(s) for s in np.asarray(shape).ravel()]
+        arr = np.asarray(shape)
+        if arr.dtype.kind not in "iuf" or any(isinstance(v, (bool, np.bool_)) for v in np.ravel(np.asarray(shape, dtype=object))):
+            raise TypeError  # not booleans, strings or objects
+        vals = [float(s) for s in arr.ravel()]
     except (TypeError, ValueError):
         raise ValidationError(f"shape must be (K, n_atoms), two positive integers; got {shape!r}") from None
     if len(vals) != 2 or any(not math.isfinite(v) or v != int(v) or v < 1 for v in vals):
@@ -486,6 +505,8 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
     import os
 
     path = os.fspath(path)
+    if not os.path.exists(path) and os.path.exists(path + ".npz"):
+        path = path + ".npz"  # as np.savez names the file it writes
     if not os.path.exists(path):
         raise ValidationError(f"problem file not found: {path}")
     if os.path.isdir(path):

@@ -175,3 +175,27 @@ def test_point_formats_and_pinv_flag(problem_file, tmp_path, capsys) -> None:
     cert = read_json(out)["certificate"]
     assert cert["unconstrained_bound"] <= cert["lower_bound"] + 1e-9
     assert cert["binding"] is True
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--json", "/nonexistent-folder-xyz/x.json"], "does not exist"),
+    (["--opt", "active_set.foo=1"], "unrecognised solver option"),
+    (["--problems", ","], "--problems is empty"),
+])
+def test_bench_rejects_bad_arguments_before_running(extra, message, capsys) -> None:
+    from mergeqp.cli import main
+
+    args = ["bench", "--problems", "tiny96", "--solvers", "active_set", *extra]
+    if "--problems" in extra:
+        args = ["bench", "--solvers", "active_set", *extra]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "problem" not in captured.out  # no table was started
+
+
+def test_overflowing_objective_is_a_solver_error() -> None:
+    import mergeqp as mq
+    from mergeqp.errors import SolverError
+
+    with pytest.raises(SolverError, match="overflows float64"):
+        mq.solve(mq.MergeQP(np.eye(2), [1e300, -1e300]), None)

@@ -324,3 +324,26 @@ def test_a_large_indefinite_matvec_is_caught_by_lanczos() -> None:
     MergeQP(None, g, hessian_matvec=lambda x: B @ (B.T @ x))  # PSD (rank 20): accepted
     with pytest.raises(NotConvexError, match="Lanczos estimate"):
         MergeQP(None, g, hessian_matvec=lambda x: B @ (B.T @ x) - 1e-2 * x)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(shape=(True, 2)), "shape must be"),
+    (dict(c="1.0"), "got a string"),
+    (dict(H=np.eye(2) * (1 + 1j)), "must be real"),
+])
+def test_inputs_numpy_would_coerce_are_rejected(kwargs, message) -> None:
+    args = dict(H=np.eye(2), g=[1.0, 1.0])
+    args.update(kwargs)
+    with pytest.raises(ValidationError, match=message):
+        MergeQP(**args)
+
+
+def test_torch_bfloat16_hessian_and_array_mu(tmp_path) -> None:
+    import torch
+
+    p = MergeQP(torch.eye(2, dtype=torch.bfloat16), [1.0, 1.0])
+    assert p.H.dtype == np.float64 and p.H[0, 0] == 1.0
+    with pytest.raises(ValidationError, match="mu must be a scalar"):
+        p.regularised(np.array([1.0, 2.0]))
+    p.save_npz(str(tmp_path / "q"))  # numpy appends .npz; loading by the same name works
+    assert MergeQP.load_npz(str(tmp_path / "q")).n == 2

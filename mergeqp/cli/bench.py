@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -52,6 +53,8 @@ def _names(arg: str, known: dict[str, Any], kind: str, committed_only: bool = Fa
             return [n for n, s in known.items() if getattr(s, "committed", True)]
         return list(known)
     names = [s.strip() for s in arg.split(",") if s.strip()]
+    if not names:
+        raise ConfigError(f"--{kind}s is empty; valid: all, {', '.join(known)}")
     for name in names:
         if name not in known:
             raise unknown(kind, name, known)
@@ -73,6 +76,8 @@ def parse_options(items: list[str], solvers: dict[str, Any]) -> dict[str, dict[s
         except json.JSONDecodeError:
             value = raw
         out.setdefault(solver, {})[opt] = value
+    for solver, opts in out.items():
+        solvers[solver].check_options(opts)  # unknown keys fail now, not inside the table
     return out
 
 
@@ -174,9 +179,15 @@ def run(args: argparse.Namespace) -> int:
     if args.solvers == "all":  # every available solver (closed_form only for 'none')
         solvers = [s for s in solvers if SOLVERS[s].available() is None
                    and (s != "closed_form" or "none" in constraints)]
+    options = parse_options(args.opt, SOLVERS)
+    if args.json:  # fail before the run, not after it
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):
+            raise ConfigError(f"--json {args.json!r}: folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise ConfigError(f"--json {args.json!r}: folder {folder} is not writable")
     print(HEADER)
     print("-" * len(HEADER))
-    options = parse_options(args.opt, SOLVERS)
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,
                       max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options)
     if args.json:

@@ -72,6 +72,10 @@ class ClarabelSolver(StandardFormSolver):
         x = np.asarray(sol.x, dtype=np.float64)[: qp.n]
         if x.size != qp.n or not np.all(np.isfinite(x)):
             raise SolverError(f"clarabel: no solution ({status})")
+        if status == "InsufficientProgress" and float(np.max(np.abs(x), initial=0.0)) > 1e12 * (
+                1.0 + float(np.max(np.abs(qp.q), initial=0.0))):
+            raise SolverError(f"clarabel: no progress and a diverged iterate (|d|_inf = "
+                              f"{float(np.max(np.abs(x))):.3g}; {status}); try solver='active_set'")
         if status == "Solved":
             st = SolveStatus.OPTIMAL
         elif status in ("AlmostSolved", "InsufficientProgress"):

@@ -139,10 +139,17 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
     d = np.asarray(raw.d, dtype=np.float64).reshape(problem.shape)
     if not np.all(np.isfinite(d)):
         raise SolverError(f"solver {chosen.name!r} returned non-finite coefficients")
+    with np.errstate(over="ignore", invalid="ignore"):
+        objective = problem.objective(d)
+    if not np.isfinite(objective):
+        raise SolverError(
+            f"solver {chosen.name!r}: the objective overflows float64 at its point "
+            f"(|d|_inf = {float(np.max(np.abs(d))):.3g}); rescale H, g and c"
+        )
     cert = certify(problem, cset, d, rel_tol=rel_tol, feas_tol=feas_tol) if certify_result else None
     t3 = time.perf_counter()
     return Solution(
-        d=d, objective=problem.objective(d), status=raw.status, solver=chosen.name,
+        d=d, objective=objective, status=raw.status, solver=chosen.name,
         iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
         timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
                  "certify": t3 - t2, "total": setup + t3 - t1},

@@ -26,7 +26,8 @@ For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it re
   solution ``-H^+ g`` is feasible; if it is (no constraint binds), the distance of ``d`` from it.
 
 A point is ``certified(rel_tol)`` when it is feasible within ``feas_tol * max(1, ||d||_inf)`` and
-``fw_gap <= rel_tol * scale`` with ``scale = max(|J(d)|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))`` (the
+``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol`` 0 by default; set it where ``J* = 0``,
+which no relative test short of exactness passes) with ``scale = max(|J(d)|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))`` (the
 second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
@@ -88,6 +89,7 @@ class Certificate:
     constraints: str = "none"
     notes: tuple[str, ...] = field(default_factory=tuple)
     rounding: float = 0.0
+    abs_tol: float = 0.0
 
     @property
     def at_rounding_floor(self) -> bool:
@@ -106,10 +108,17 @@ class Certificate:
         """Constraint violation within ``feas_tol * max(1, ||d||_inf)``."""
         return self.infeasibility <= self.feas_tol * max(1.0, self.d_norm)
 
-    def certified(self, rel_tol: float | None = None) -> bool:
-        """Feasible (within ``feas_tol``) and ``fw_gap <= rel_tol * scale``."""
+    def allowed_gap(self, rel_tol: float | None = None, abs_tol: float | None = None) -> float:
+        """``max(rel_tol * scale, abs_tol)``: the largest gap that certifies."""
         tol = self.rel_tol if rel_tol is None else float(rel_tol)
-        return bool(self.feasible and math.isfinite(self.fw_gap) and self.fw_gap <= tol * self.scale)
+        atol = self.abs_tol if abs_tol is None else float(abs_tol)
+        return max(tol * self.scale, atol)
+
+    def certified(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
+        """Feasible (within ``feas_tol``) and ``fw_gap <= max(rel_tol * scale, abs_tol)``
+        (``abs_tol``, in units of J, defaults to 0: purely relative)."""
+        return bool(self.feasible and math.isfinite(self.fw_gap)
+                    and self.fw_gap <= self.allowed_gap(rel_tol, abs_tol))
 
     def reasons(self, rel_tol: float | None = None) -> list[str]:
         """Why the point is not certified (empty when it is)."""
@@ -122,11 +131,17 @@ class Certificate:
             )
         if not math.isfinite(self.fw_gap):
             out.append(f"no finite optimality bound ({self.gap_method})")
-        elif self.fw_gap > tol * self.scale:
+        elif self.fw_gap > self.allowed_gap(tol):
             out.append(
                 f"optimality gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds "
-                f"rel_tol {tol:.3g}"
+                f"rel_tol {tol:.3g}" + (f" and abs_tol {self.abs_tol:.3g}" if self.abs_tol > 0 else "")
             )
+            if self.fw_gap >= abs(self.objective) and self.abs_tol == 0:
+                out.append(
+                    f"J(d) = {self.objective:.3g} is itself within the gap, so J* ~ 0 and a relative "
+                    f"test is as strict as exactness; an absolute tolerance (abs_tol, --abs-tol, "
+                    f"in units of J) can accept it"
+                )
             if self.at_rounding_floor:
                 out.append(
                     f"the gap is at this problem's float64 rounding floor (~{self.rounding:.2g}): no "
@@ -141,7 +156,8 @@ class Certificate:
         tol = self.rel_tol if rel_tol is None else float(rel_tol)
         lines = [
             (f"certificate: {'CERTIFIED' if ok else 'NOT CERTIFIED'} (rel_tol {tol:.1g}, "
-             f"feas_tol {self.feas_tol:.1g}; constraints: {self.constraints})"),
+             + (f"abs_tol {self.abs_tol:.1g}, " if self.abs_tol > 0 else "")
+             + f"feas_tol {self.feas_tol:.1g}; constraints: {self.constraints})"),
             f"  objective J(d)        = {self.objective:.12g}",
             (f"  optimality gap        <= {self.fw_gap:.3g} (relative {self.relative_gap:.3g} of "
              f"{self.scale:.6g}; {self.gap_method})"),
@@ -189,6 +205,7 @@ class Certificate:
             "pinv_distance": num(self.pinv_distance),
             "binding": self.binding,
             "rel_tol": self.rel_tol,
+            "abs_tol": self.abs_tol,
             "feas_tol": self.feas_tol,
             "constraints": self.constraints,
             "notes": list(self.notes),
@@ -267,6 +284,7 @@ def certify(
     rel_tol: float = DEFAULT_REL_TOL,
     feas_tol: float = DEFAULT_FEAS_TOL,
     pinv: bool | None = None,
+    abs_tol: float = 0.0,
 ) -> Certificate:
     """Certify the point ``d`` (``(K, n_atoms)`` or flat ``(n,)``) for ``min_{d in C} J(d)``.
 
@@ -282,9 +300,9 @@ def certify(
     x = problem.flat(d)
     D = x.reshape(shape)
     cset.validate(shape)
-    rel_tol, feas_tol = float(rel_tol), float(feas_tol)
-    if not (rel_tol >= 0 and feas_tol >= 0):
-        raise ValidationError(f"rel_tol and feas_tol must be >= 0, got {rel_tol}, {feas_tol}")
+    rel_tol, feas_tol, abs_tol = float(rel_tol), float(feas_tol), float(abs_tol)
+    if not (rel_tol >= 0 and feas_tol >= 0 and abs_tol >= 0):
+        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be >= 0, got {rel_tol}, {feas_tol}, {abs_tol}")
     notes: list[str] = []
 
     Hx = problem.matvec(x)
@@ -371,7 +389,7 @@ def certify(
         objective=float(objective), infeasibility=infeasibility, fw_gap=float(fw_gap),
         gap_method=gap_method, lower_bound=float(lower_bound), kkt_residual=kkt,
         unconstrained_bound=unconstrained_bound, pinv_distance=pinv_distance, binding=binding,
-        scale=float(scale), feas_tol=feas_tol, rel_tol=rel_tol, d_norm=d_norm,
+        scale=float(scale), feas_tol=feas_tol, rel_tol=rel_tol, abs_tol=abs_tol, d_norm=d_norm,
         constraints=cset.spec, notes=tuple(notes), rounding=float(rounding),
     )
 

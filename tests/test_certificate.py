@@ -275,7 +275,7 @@ def test_point_validation() -> None:
         check_point_shape(problem, np.array(["a"] * 15))
     with pytest.raises(ValidationError, match="non-finite"):
         certify(problem, Box(0, 1), np.full(problem.shape, np.nan))
-    with pytest.raises(ValidationError, match="rel_tol and feas_tol"):
+    with pytest.raises(ValidationError, match="rel_tol, feas_tol and abs_tol"):
         certify(problem, Box(0, 1), d, rel_tol=-1.0)
 
 
@@ -332,3 +332,28 @@ def test_exact_optimum_of_a_badly_scaled_interpolating_problem_is_at_the_roundin
     assert cert.to_dict()["at_rounding_floor"] is True and "rounding of the gap" in cert.explain()
     shifted = certify(problem, Box(-1.0, 1.0), x.reshape(K, m) + 1e-3)
     assert not shifted.at_rounding_floor and shifted.fw_gap > 1e6 * shifted.rounding
+
+
+def test_abs_tol_certifies_a_near_exact_point_where_j_star_is_zero(tmp_path) -> None:
+    """H = I, g = 1 on [0, 1]: J* = 0 = c at d = 0. A point 1e-12 away has J = 4e-12 and a gap
+    as large as J itself: no relative test passes; abs_tol accepts it, and the reasons say so."""
+    from mergeqp.certificate import certify
+    from mergeqp.cli import main
+
+    problem = MergeQP(np.eye(4), np.ones(4), shape=(2, 2))
+    d = np.full((2, 2), 1e-12)
+    cert = certify(problem, Box(0, 1), d)
+    assert not cert.certified()
+    assert any("J* ~ 0" in r for r in cert.reasons())
+    loose = certify(problem, Box(0, 1), d, abs_tol=1e-9)
+    assert loose.certified() and "abs_tol" in loose.explain()
+    assert not certify(problem, Box(0, 1), np.full((2, 2), 1e-3), abs_tol=1e-9).certified()
+    from mergeqp import solve
+
+    sol = solve(problem, Box(0, 1), solver="clarabel", abs_tol=1e-9)
+    assert sol.certificate.abs_tol == 1e-9 and sol.certificate.certified()
+    problem.save_npz(str(tmp_path / "p.npz"))
+    np.save(tmp_path / "d.npy", d)
+    base = ["certify", str(tmp_path / "p.npz"), "--point", str(tmp_path / "d.npy"), "--constraint", "box:0,1"]
+    assert main(base) == 1
+    assert main(base + ["--abs-tol", "1e-9"]) == 0

@@ -67,6 +67,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--constraint", action="append", default=[], metavar="SPEC", help=CONSTRAINT_HELP)
     p.add_argument("--rel-tol", type=float, default=1e-6,
                    help="certified when the gap is at most rel-tol * |J(d)| (default 1e-6)")
+    p.add_argument("--abs-tol", type=float, default=0.0,
+                   help="also certified when the gap is at most this, in units of J (default 0; "
+                        "useful where J* = 0, which no relative test short of exactness passes)")
     p.add_argument("--feas-tol", type=float, default=1e-7,
                    help="largest tolerated constraint violation, times max(1, |d|_inf) (default 1e-7)")
     p.add_argument("--pinv", action="store_true",
@@ -81,8 +84,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     problem, context = load_problem_file(args.problem)
     cset = parse_constraints(args.constraint, context)
-    if not (args.rel_tol >= 0 and args.feas_tol >= 0):
-        raise ConfigError(f"--rel-tol and --feas-tol must be >= 0, got {args.rel_tol}, {args.feas_tol}")
+    if not (args.rel_tol >= 0 and args.feas_tol >= 0 and args.abs_tol >= 0):
+        raise ConfigError(f"--rel-tol, --feas-tol and --abs-tol must be >= 0, got {args.rel_tol}, "
+                          f"{args.feas_tol}, {args.abs_tol}")
     return problem, cset
 
 
@@ -163,9 +167,10 @@ def run_solve(args: argparse.Namespace) -> int:
     problem, cset = _load(args)
     options = _parse_options(args.option)
     solution = solve(problem, cset, solver=args.solver, rel_tol=args.rel_tol,
-                     feas_tol=args.feas_tol, **options)
+                     feas_tol=args.feas_tol, abs_tol=args.abs_tol, **options)
     if args.pinv:
-        cert = certify(problem, cset, solution.d, rel_tol=args.rel_tol, feas_tol=args.feas_tol, pinv=True)
+        cert = certify(problem, cset, solution.d, rel_tol=args.rel_tol, feas_tol=args.feas_tol, pinv=True,
+                       abs_tol=args.abs_tol)
         solution = dataclasses.replace(solution, certificate=cert)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
     print(solution.summary())
@@ -194,7 +199,7 @@ def run_certify(args: argparse.Namespace) -> int:
     problem, cset = _load(args)
     d = check_point_shape(problem, load_point(args.point))
     cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
-                   pinv=True if args.pinv else None)
+                   pinv=True if args.pinv else None, abs_tol=args.abs_tol)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
           f"point {args.point}")
     print(cert.explain(args.rel_tol))

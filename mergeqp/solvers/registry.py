@@ -86,6 +86,7 @@ def solve(
     rel_tol: float = DEFAULT_REL_TOL,
     feas_tol: float = DEFAULT_FEAS_TOL,
     check_feasibility: bool = True,
+    abs_tol: float = 0.0,
     **options: Any,
 ) -> Solution:
     """Solve ``min_{d in C} 1/2 d'Hd + g'd + c`` and certify the answer.
@@ -93,11 +94,14 @@ def solve(
     ``constraints``: ``None``, a :class:`~mergeqp.constraints.ConstraintSet`, a spec string
     (``"box:0,1"``), a callable (user CVXPY constraints) or a list of these (intersection).
     ``solver``: a registry name or ``"auto"``. ``options`` go to the solver (unknown options
-    are an error listing the valid ones). Raises :class:`~mergeqp.errors.InfeasibleError`
+    are an error listing the valid ones). ``abs_tol`` (units of J, default 0) is recorded in
+    the certificate: ``certified()`` also accepts a gap up to it (for ``J* = 0``). Raises :class:`~mergeqp.errors.InfeasibleError`
     for an empty constraint set, :class:`~mergeqp.errors.UnknownNameError` for a bad solver name.
     """
     if not isinstance(problem, MergeQP):
         raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")
+    if not float(abs_tol) >= 0:
+        raise ValidationError(f"abs_tol must be >= 0, got {abs_tol}")
     t0 = time.perf_counter()
     cset = as_constraint_set(constraints)
     if check_feasibility:
@@ -119,9 +123,19 @@ def solve(
         if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
         return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0)
-    if fallback and not _settled(sol, rel_tol):
-        return _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0)
-    return sol
+    if fallback and not _settled(sol, rel_tol, abs_tol):
+        sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0)
+    return _with_abs_tol(sol, abs_tol)
+
+
+def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:
+    """The solution with ``abs_tol`` recorded in its certificate (see ``Certificate.certified``)."""
+    abs_tol = float(abs_tol)
+    if not abs_tol >= 0:
+        raise ValidationError(f"abs_tol must be >= 0, got {abs_tol}")
+    if sol.certificate is None or abs_tol == 0:
+        return sol
+    return dataclasses.replace(sol, certificate=dataclasses.replace(sol.certificate, abs_tol=abs_tol))
 
 
 def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray | None,
@@ -156,9 +170,9 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
     )
 
 
-def _settled(sol: Solution, rel_tol: float) -> bool:
+def _settled(sol: Solution, rel_tol: float, abs_tol: float = 0.0) -> bool:
     cert = sol.certificate
-    return cert is None or cert.certified(rel_tol) or (cert.feasible and cert.at_rounding_floor)
+    return cert is None or cert.certified(rel_tol, abs_tol) or (cert.feasible and cert.at_rounding_floor)
 
 
 def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:

@@ -44,7 +44,9 @@ RESTRICTIONS = ("none", "topk", "projection")
 class _Strict(BaseModel):
     """Base block: frozen, unknown keys are errors that list the valid keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # strict: YAML already gives typed values; `batch_size: true` or `seed: "3"` are errors,
+    # not silently coerced (an integer is still accepted where a float is expected)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -81,6 +83,11 @@ class PromptSource(_Strict):
     field: str = "text"
     max_prompts: int | None = Field(default=None, ge=1)
     holdout: float | int | None = None
+
+    @field_validator("holdout")
+    @classmethod
+    def _holdout(cls, v: float | None) -> float | int | None:
+        return None if v is None else _check_holdout(v)
 
 
 class ModelEntry(_Strict):
@@ -258,7 +265,7 @@ class MergeConfig(_Strict):
     output_dtype: Literal["float32", "float64", "bfloat16", "float16"] | None = None
     max_shard_size: str | int = "5GB"
     evaluate: bool = True
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
 
     #: folder of the config file (relative paths are resolved against it); not a YAML key
     root: str = Field(default=".", exclude=True)
@@ -284,6 +291,8 @@ class MergeConfig(_Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"model names must be unique; repeated: {dup} (set 'name' on each model)")
+        if all(m.weight == 0 for m in self.models):
+            raise ValueError("every model has weight 0: at least one task must count in the objective")
         if self.method.is_qp:
             missing = [n for n, m in zip(names, self.models) if m.prompts() is None]
             if missing:

@@ -71,6 +71,13 @@ def test_unknown_key_suggests_the_close_one():
     ({**MINIMAL, "device": "tpu"}, "device"),
     ({**MINIMAL, "models": []}, "models"),
     ({"models": [{"path": "x", "calibration": "c"}], "layers": "a"}, "base: required key is missing"),
+    ({**MINIMAL, "seed": -1}, "seed"),
+    ({**MINIMAL, "seed": 2**70}, "seed"),
+    ({**MINIMAL, "calibration": {"batch_size": True}}, "batch_size"),
+    ({**MINIMAL, "calibration": {"batch_size": "4"}}, "batch_size"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "holdout": 2.5}}]}, "holdout is a count"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "holdout": -1}}]}, "holdout must be >= 0"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "weight": 0}]}, "every model has weight 0"),
 ])
 def test_invalid_values(data, fragment):
     assert fragment in _err(data)
@@ -256,3 +263,12 @@ def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_p
         del data["models"][0]["calibration"]
         (tmp_path / "cfg.yml").write_text(yaml.safe_dump(data))
         build_plan(load_config(tmp_path / "cfg.yml"))
+
+
+def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path, no_weights):
+    from mergeqp.merge.plan import build_plan
+
+    plan = build_plan(_cfg(fam, tmp_path, calibration={"holdout": 500}))
+    assert all(t.n_calibration == 1 for t in plan.tasks)
+    assert any("holdout 500" in n and "would leave none" in n for n in plan.notes)
+    assert "holdout 500" in plan.render()

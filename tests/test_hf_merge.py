@@ -82,6 +82,9 @@ def _check_layer_entries(report, n_layers):
             assert r["objective_after"] <= value + 1e-9 * scale, (point, r)
         if r["mode"] in ("single", "sequential"):  # relaxed (per-sample) bound c (1 - energy) <= J*
             assert r["objective_after"] >= r["objective_before"] * (1 - r["energy_fraction"]) - 1e-9 * scale
+        if r["mode"] == "joint":  # the same bound with the group's joint energy
+            assert 0.0 <= r["group_energy_fraction"] <= 1.0 + 1e-9
+            assert r["objective_after"] >= r["objective_before"] * (1 - r["group_energy_fraction"]) - 1e-9 * scale
 
 
 # ---------------------------------------------------------------------- single layer
@@ -530,3 +533,35 @@ def test_first_order_statistics_match_the_stats_layer(families, param):
     np.testing.assert_allclose(ours.H[0], H_ref, rtol=1e-9, atol=1e-11 * np.abs(H_ref).max())
     np.testing.assert_allclose(ours.g[0], g_ref, rtol=1e-9, atol=1e-11 * np.abs(g_ref).max())
     assert ours.c[0] == pytest.approx(c_ref, rel=1e-12)
+
+
+# ---------------------------------------------------------------------- solver trouble
+def test_an_uncertified_qp_layer_is_noted_and_exits_1(families, tmp_path, capsys):
+    """A solver stopped early: its (projected, feasible) point is written, the report notes that
+    the layer is not certified, and `mergeqp merge` exits 1."""
+    from mergeqp.cli import main
+
+    fam = families["llama"]
+    path = H.write_config(fam, tmp_path / "c.yml", H.MLP_LAYER["llama"],
+                          {"name": "qp", "mode": "single", "solver": "torch_fista", "solver_options": {"max_iter": 2}})
+    assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "not certified" in captured.err
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["layers"][0]["certificate"]["certified"] is False
+    assert rep["layers"][0]["certificate"]["reasons"]
+    assert any("NOT certified" in n for n in rep["notes"])
+
+
+def test_an_infeasible_solver_point_stops_the_merge(families, tmp_path, capsys):
+    """OSQP cut off after 3 iterations leaves the box: nothing is written, exit 2, one message."""
+    from mergeqp.cli import main
+
+    fam = families["llama"]
+    path = H.write_config(fam, tmp_path / "c.yml", H.MLP_LAYER["llama"],
+                          {"name": "qp", "mode": "single", "solver": "osqp",
+                           "solver_options": {"max_iter": 3, "polishing": False}})
+    assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "violates the constraints" in err and "no model was written" in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "model.safetensors").exists()

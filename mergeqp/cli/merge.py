@@ -51,6 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from ..merge.pipeline import run_merge
 
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
+    if args.quiet:  # transformers' own "Loading weights" bars too
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
     if not args.quiet:
         print(plan.render(), file=sys.stderr)
     result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not args.quiet, log=log, plan=plan)
@@ -74,4 +81,10 @@ def run(args: argparse.Namespace) -> int:
               + (f"; held-out MSE {', '.join(f'{t} {v:.4g}' for t, v in mse.items())}" if mse else ""))
     for note in rep.get("notes", []):
         print(f"  note: {note}")
+    uncertified = [r["layer"] for r in rep.get("layers", []) if r["certificate"].get("certified") is False]
+    if uncertified:
+        print(f"mergeqp merge: the QP solution is not certified at {len(uncertified)} layer(s) "
+              f"({', '.join(uncertified[:5])}{', ...' if len(uncertified) > 5 else ''}); the model was "
+              f"written, but its coefficients are not proven optimal (see the report's notes)", file=sys.stderr)
+        return 1
     return 0

@@ -37,7 +37,7 @@ MAX_REPR = 60
 class MethodParams(BaseModel):
     """Parameters every merge method accepts (see the module docstring)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False)
 
     include: tuple[str, ...] | None = None
     exclude: tuple[str, ...] = ()

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
 from .sites import LayerSite, read_augmented, write_augmented
@@ -142,10 +142,13 @@ class LayerRecord:
     d: np.ndarray
     timings: dict[str, float]
     basis: dict[str, Any] | None = None
+    group_energy_fraction: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
         extra = {} if self.basis is None else {"basis": self.basis}
+        if self.group_energy_fraction is not None:
+            extra["group_energy_fraction"] = self.group_energy_fraction
         return {**extra,
             "layer": self.layer, "mode": self.mode, "group": self.group,
             "objective_before": self.objective_before, "objective_after": self.objective_after,
@@ -153,7 +156,8 @@ class LayerRecord:
             "certificate": {"fw_gap": cert.get("fw_gap"), "certified": cert.get("certified"),
                             "relative_gap": cert.get("relative_gap"),
                             "gap_method": cert.get("gap_method"),
-                            "infeasibility": cert.get("infeasibility")},
+                            "infeasibility": cert.get("infeasibility"),
+                            **({"reasons": list(cert["reasons"])} if cert.get("reasons") else {})},
             "energy_fraction": self.energy_fraction, "seconds": self.seconds,
             "solver": self.solver, "status": self.status, "n_variables": self.n_variables,
             "objective_at": self.points,
@@ -302,6 +306,14 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     cset = _constraints(ctx.settings, atoms)
     solution = solve(solved_problem, cset or None, solver=ctx.settings.solver, **dict(ctx.settings.solver_options))
     t3 = time.perf_counter()
+    if solution.certificate is not None and not solution.certificate.feasible:
+        cert_ = solution.certificate
+        raise SolverError(
+            f"layer(s) {[a.site.name for a in atoms]}: the {solution.solver} solution violates the "
+            f"constraints {solution.constraints} by {cert_.infeasibility:.3g} (status "
+            f"{getattr(solution.status, 'value', solution.status)}); no model was written. Give the "
+            f"solver more iterations (solver_options) or use solver: auto"
+        )
     d = solution.d
     new_weights = {}
     for a in atoms:
@@ -321,7 +333,8 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     records = tuple(
         LayerRecord(layer=a.site.name, objective_after_exact=math.nan,
                     energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
-                    d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name), **common)
+                    d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name),
+                    group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None, **common)
         for a in atoms
     )
     return GroupResult(stats, solution, new_weights, records)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MergeConfig
-from ..errors import ValidationError
+from ..errors import MergeQPError, ValidationError
 from ..io.calibration import (
     is_tensor_file,
     load_tokenizer,
@@ -189,10 +189,19 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         calib, held = _batches(cfg, i, tok)
         t = time.perf_counter()
         model = load_model(ck, base_folder, dtype, device)
-        calib_targets = teacher_forced_targets(model, calib, spec, device) if targets else []
-        held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
-        if visit is not None:
-            visit(i, name, model, calib)
+        try:
+            calib_targets = teacher_forced_targets(model, calib, spec, device) if targets else []
+            held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
+            if visit is not None:
+                visit(i, name, model, calib)
+        except MergeQPError:
+            raise
+        except Exception as exc:  # the model rejects these inputs: one message, no traceback
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise ValidationError(
+                f"models[{name}]: the model failed on its calibration inputs ({type(exc).__name__}: "
+                f"{first}); check the prompts / input tensors (names, shapes, dtype) against the model"
+            ) from exc
         del model
         gc.collect()
         if targets:
@@ -349,8 +358,20 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
             notes.append(
                 f"hybrid: the QP step raised the exact calibration objective at {worse}: the QP's merged weight "
                 f"is W_base + sum_a d_a B_a, and the {cfg.method.start.name} weight of a layer is a feasible point "  # type: ignore[union-attr]
-                f"only when it has that form (task arithmetic / soup with rows or scalar); the linearisation "
-                f"error can do it too")
+                f"only when it has that form (task arithmetic / soup with rows or scalar, not TIES, DARE, "
+                f"Fisher or RegMean); the linearisation error can do it too")
+    uncertified = [r.layer for r in records if not r.certificate.get("certified", True)]
+    if uncertified:
+        why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
+        notes.append(f"QP solution NOT certified at {uncertified}: {why or 'see the certificates'}")
+    if cfg.method.mode != "hybrid":
+        worse = [r.layer for r in records
+                 if r.objective_after > r.objective_before + 1e-9 * abs(r.objective_before)]
+        if worse:
+            notes.append(
+                f"the QP objective rose at {worse}: the starting point (the current weights, d = 0) "
+                f"is not in the constraint set {cfg.method.constraints}, so its optimum can lie above "
+                f"it (an L1 ball or simplex away from 0), or the solve was not certified")
     evaluation["merged"] = {"calibration_objective": calibration_objective(ctx),
                             "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
     if comparison_model is not None:

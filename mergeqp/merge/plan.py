@@ -447,6 +447,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         check_tokenizers(tok_folder, [(n, ck.path) for n, ck in zip(names, fts) if ck.folder is not None])
 
     tasks = []
+    holdout_notes: list[str] = []
     for i, (name, entry, ck) in enumerate(zip(names, cfg.models, fts)):
         src = entry.prompts()
         if src is None:
@@ -463,7 +464,12 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                 n = len(read_prompts(path, src.field, src.max_prompts))
         except ValidationError as exc:
             raise ConfigError(f"models[{name}].calibration: {exc}") from None
-        held = holdout_count(n, cfg.holdout_for(i)) if cfg.evaluate else 0
+        spec = cfg.holdout_for(i)
+        held = holdout_count(n, spec) if cfg.evaluate else 0
+        if cfg.evaluate and not (isinstance(spec, float) and not spec.is_integer()) and int(spec) > held:
+            holdout_notes.append(
+                f"models[{name}]: holdout {int(spec)} of {n} prompts would leave none for the "
+                f"statistics; {held} held out, {n - held} used for calibration")
         tasks.append(TaskPlan(name, str(ck.path), str(path), n, n - held, held, entry.weight))
 
     all_sites = model_sites(model, base.names())
@@ -471,7 +477,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     vocab = (base.config or {}).get("vocab_size")
     K = len(cfg.models)
     groups: list[GroupPlan] = []
-    notes: list[str] = []
+    notes: list[str] = list(holdout_notes)
     if cfg.method.is_qp:
         mode = cfg.method.mode
         at = {"single": "the base model", "sequential": "the partially merged model",

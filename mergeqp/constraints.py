@@ -1119,15 +1119,20 @@ def _cvxpy_distance(sets: Iterable[ConstraintSet], d: np.ndarray) -> float:
 
 
 # ---------------------------------------------------------------------- building / checking
+def _vacuous(cset: ConstraintSet) -> bool:
+    """A sign-consensus set without a single inequality (all residuals zero): all of R^n."""
+    return isinstance(cset, SignConsensus) and cset.G.shape[0] == 0
+
+
 def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any], Any] | str | None) -> ConstraintSet:
     """Normalise ``None`` / a set / a spec string (``"box:0,1 & simplex"``) / a callable (user
     CVXPY constraints) / a list of those into one set (an :class:`Intersection` if several)."""
     if constraints is None:
         return Unconstrained()
     if isinstance(constraints, ConstraintSet):
-        return constraints
+        return Unconstrained() if _vacuous(constraints) else constraints
     if isinstance(constraints, str):
-        return parse_constraint(constraints)
+        return as_constraint_set([parse_constraint(constraints)])
     if callable(constraints):
         return UserConstraints(constraints)
     if not isinstance(constraints, Iterable):
@@ -1137,7 +1142,7 @@ def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any
         )
     flat: list[ConstraintSet] = []
     for c in constraints:
-        flat.extend(as_constraint_set(c).members())
+        flat.extend(m for m in as_constraint_set(c).members() if not _vacuous(m))
     if not flat:
         return Unconstrained()
     if len(flat) == 1:

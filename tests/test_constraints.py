@@ -420,3 +420,17 @@ def test_highs_dual_bound_is_a_lower_bound_for_any_multipliers(seed: int) -> Non
                           eqlin=SimpleNamespace(marginals=rng.normal(size=form.A_eq.shape[0])))
     bound = _highs_dual_bound(cost, form, res, np.full(12, 1 / 3))
     assert bound <= true_min + 1e-9
+
+
+def test_a_sign_set_without_inequalities_is_the_whole_space() -> None:
+    """All residuals zero: no sign is elected, the set has no inequality and is treated as
+    unconstrained (the unconstrained optimum is then certified, not given an infinite gap)."""
+    import mergeqp as mq
+    from mergeqp.constraints import SignConsensus, as_constraint_set
+
+    S = SignConsensus.from_deltas(np.zeros((2, 3, 4)), "rows")
+    assert S.G.shape[0] == 0
+    assert as_constraint_set(S).spec == "none"
+    assert as_constraint_set([S, mq.Box(0, 1)]).spec == "box:0,1"
+    sol = mq.solve(mq.MergeQP(np.eye(6), np.ones(6), shape=(2, 3)), S)
+    assert sol.certificate.certified()

@@ -43,14 +43,17 @@ class OSQPSolver(StandardFormSolver):
         qp = standard_form(problem, constraints)
         A, lo, hi = qp.osqp_form()
         solver = osqp.OSQP()
+        said = io.StringIO()  # OSQP prints why it rejects settings (e.g. max_iter 0) to stdout
         try:
-            solver.setup(P=qp.P, q=qp.q, A=A, l=lo, u=hi, **opts)
-            if x0 is not None:
-                z0 = np.zeros(qp.n_total)
-                z0[: qp.n] = np.asarray(x0, dtype=np.float64).ravel()
-                solver.warm_start(x=z0)
+            with contextlib.redirect_stdout(said):
+                solver.setup(P=qp.P, q=qp.q, A=A, l=lo, u=hi, **opts)
+                if x0 is not None:
+                    z0 = np.zeros(qp.n_total)
+                    z0[: qp.n] = np.asarray(x0, dtype=np.float64).ravel()
+                    solver.warm_start(x=z0)
         except Exception as exc:
-            raise SolverError(f"osqp: setup failed: {exc}") from exc
+            detail = " ".join(said.getvalue().split())
+            raise SolverError(f"osqp: setup failed: {exc}" + (f" ({detail})" if detail else "")) from exc
         setup = time.perf_counter() - t0
         printed = io.StringIO()
         # OSQP prints some messages ("Polishing not needed ...") even with verbose False

@@ -272,3 +272,17 @@ def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path,
     assert all(t.n_calibration == 1 for t in plan.tasks)
     assert any("holdout 500" in n and "would leave none" in n for n in plan.notes)
     assert "holdout 500" in plan.render()
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"method": {"name": "qp", "constraints": ["box:0,0.1", "simplex"]}}, "is empty"),
+    ({"method": {"name": "qp", "constraints": ["box:0,1", "sign:2"]}}, "density must lie in (0, 1]"),
+    ({"max_shard_size": "tiny"}, "max_shard_size: cannot parse size"),
+    ({"max_shard_size": -5}, "max_shard_size: size must be positive"),
+])
+def test_dry_run_catches_what_would_fail_after_the_statistics(fam, tmp_path, no_weights, changes, fragment):
+    from mergeqp.merge.plan import build_plan
+
+    with pytest.raises(ConfigError, match=None) as info:
+        build_plan(_cfg(fam, tmp_path, **changes))
+    assert fragment in str(info.value)

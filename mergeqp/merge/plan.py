@@ -13,6 +13,7 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from ..config import MergeConfig, check_paths
@@ -24,6 +25,7 @@ from ..io.calibration import (
     read_tensor_inputs,
 )
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
+from ..io.writer import parse_size
 from .calibrated import STATISTICS_METHODS, check_params, needs_statistics
 from .sites import (
     LayerSite,
@@ -359,6 +361,8 @@ def uses_prompts(cfg: MergeConfig) -> bool:
 
 
 def _check_method(cfg: MergeConfig) -> None:
+    import numpy as np
+
     from ..constraints import parse_constraint
 
     m = cfg.method
@@ -378,18 +382,44 @@ def _check_method(cfg: MergeConfig) -> None:
         if name == "sign":
             if m.mode == "joint":
                 raise ConfigError("method.constraints: 'sign' is per layer and cannot be used with mode: joint")
-            continue  # needs the deltas; parsed at solve time
+            try:  # the set needs the deltas (solve time); its spelling and density are checked now
+                parse_constraint(spec, {"deltas": np.ones((len(cfg.models), 1, 1)), "parametrisation": "rows"})
+            except MergeQPError as exc:
+                raise ConfigError(f"method.constraints: {exc}") from None
+            continue
         try:
             parse_constraint(spec)
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
     if m.parametrisation == "basis" and m.basis == "optimal":
-        from ..io.writer import parse_size
-
         try:
             parse_size(m.basis_max_size)
         except MergeQPError as exc:
             raise ConfigError(f"method.basis_max_size: {exc}") from None
+
+
+def _check_output(cfg: MergeConfig) -> None:
+    try:
+        parse_size(cfg.max_shard_size)
+    except MergeQPError as exc:
+        raise ConfigError(f"max_shard_size: {exc}") from None
+
+
+def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
+    """The QP's constraint set (without 'sign', which needs the deltas) is non-empty for every
+    planned problem shape: an empty intersection fails now, not after the statistics."""
+    from ..constraints import as_constraint_set, check_feasible, parse_constraint
+
+    specs = [s for s in cfg.method.constraints if s.split(":", 1)[0].strip().lower() != "sign"]
+    if not specs:
+        return
+    cset = as_constraint_set([parse_constraint(s) for s in specs])
+    K = len(cfg.models)
+    for n in sorted({int(g.n_variables) for g in groups}):
+        try:
+            check_feasible(cset, (K, n // K))
+        except MergeQPError as exc:
+            raise ConfigError(f"method.constraints: {exc}") from None
 
 
 def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
@@ -423,6 +453,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
     check_paths(cfg)
     _check_method(cfg)
+    _check_output(cfg)
     names = cfg.model_names()
     base_path = cfg.resolve(cfg.base)
     try:
@@ -491,6 +522,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             for s in sites:
                 n = K * _n_atoms(cfg, s)
                 groups.append(GroupPlan((s.name,), n, _solver_name(cfg, n), at))
+        _check_feasible_sets(cfg, groups)
         if cfg.output.restrict == "none" and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")

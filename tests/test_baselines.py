@@ -230,3 +230,54 @@ def test_tiny_llama_merges_load_and_run():
         with torch.no_grad():
             logits = fresh(input_ids=ids).logits
         assert logits.shape == (3, 8, 128) and bool(torch.isfinite(logits).all()), method
+
+
+def test_tied_tensors_are_merged_once_and_stay_tied() -> None:
+    """An embedding tied to an output layer: DARE draws one mask for the one tensor."""
+    import torch
+    from torch import nn
+
+    from mergeqp import merge_state_dicts
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    models = [Tied() for _ in range(3)]
+    for method in ("dare", "dare_ties", "row_dare", "task_arithmetic"):
+        out = merge_state_dicts(method, models[0], models[1:], progress=False)
+        assert torch.equal(out["emb.weight"], out["head.weight"]), method
+
+
+def test_regmean_rejects_a_bare_linear_model_and_baseline_inputs_are_checked() -> None:
+    import pytest
+    import torch
+    from torch import nn
+
+    from mergeqp import merge_state_dicts
+    from mergeqp.errors import ConfigError, ValidationError
+
+    torch.manual_seed(0)
+    ms = [nn.Linear(4, 2) for _ in range(2)]
+    cal = [[torch.randn(10, 4)] for _ in range(2)]
+    with pytest.raises(ValidationError, match="is itself a linear layer"):
+        merge_state_dicts("regmean", None, ms, model=nn.Linear(4, 2), calibration=cal)
+    base = {"w": torch.zeros(3), "pos": torch.arange(3)}
+    fts = [{"w": torch.ones(3), "pos": torch.arange(3)}] * 2
+    with pytest.raises(ConfigError, match="include is empty"):
+        merge_state_dicts("task_arithmetic", base, fts, include=[])
+    with pytest.raises(ConfigError, match="masks were given for tensors that were not merged"):
+        merge_state_dicts("dare", base, fts, include="pos", masks={"w": torch.ones(2, 3)})
+    with pytest.raises(ConfigError, match="seed"):
+        merge_state_dicts("dare", base, fts, seed=2**70, seed_scope="global")
+    seq = [nn.Sequential(nn.Linear(4, 3)) for _ in range(3)]
+    with pytest.raises(ValidationError, match="integer class targets"):
+        merge_state_dicts("fisher", None, seq[1:], model=seq[0],
+                          calibration=[[(torch.randn(5, 4), torch.randn(5))]] * 2)
+    with pytest.raises(ValidationError, match="not below the number of logits"):
+        merge_state_dicts("fisher", None, seq[1:], model=seq[0],
+                          calibration=[[(torch.randn(5, 4), torch.full((5,), 10))]] * 2)

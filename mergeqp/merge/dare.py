@@ -62,7 +62,7 @@ L1_EPS = 1e-7
 
 class DareCommon(WeightedParams):
     scaling: float = 1.0
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     seed_scope: Literal["tensor", "global"] = "tensor"
     masks: Mapping[str, Any] | None = None
 

@@ -94,6 +94,9 @@ def categorical_log_likelihood(output: Any, targets: Any) -> Any:
     if tuple(logits.shape[:-1]) != tuple(targets.shape):
         raise ValidationError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                               f"{tuple(targets.shape)} (expected logits (..., C) and targets (...))")
+    if targets.is_floating_point() or targets.is_complex():
+        raise ValidationError(f"the categorical log-likelihood needs integer class targets, got "
+                              f"{targets.dtype} (pass log_likelihood= for other targets)")
     logp = torch.log_softmax(logits, dim=-1)
     keep = targets != IGNORE_INDEX
     picked = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)
@@ -169,6 +172,10 @@ def compute_fisher(
                 if targets.dim() == 0 or targets.shape[0] != n:
                     raise ValidationError(f"{where}: targets have shape {tuple(targets.shape)}, "
                                           f"expected {n} examples along dimension 0")
+                if log_likelihood is None and not targets.is_floating_point():
+                    keep = targets != IGNORE_INDEX  # class indices: checked outside vmap
+                    if bool(keep.any()) and (int(targets[keep].min()) < 0):
+                        raise ValidationError(f"{where}: negative class targets (only -100 is ignored)")
             if estimator == "batch":
                 leaves = {k: v.clone().requires_grad_(True) for k, v in diff.items()}
                 total = ll(call(model, {**fixed, **leaves}, inputs), targets)
@@ -177,7 +184,13 @@ def compute_fisher(
                 count += 1
             elif per_example == "vmap":
                 in_dims = (None, 0, None if targets is None else 0)
-                add(vmap(grad(one), in_dims=in_dims, chunk_size=chunk_size)(diff, inputs, targets), per_row=True)
+                try:
+                    add(vmap(grad(one), in_dims=in_dims, chunk_size=chunk_size)(diff, inputs, targets), per_row=True)
+                except (RuntimeError, IndexError) as exc:
+                    if "out of bounds" in str(exc):
+                        raise ValidationError(f"{where}: a class target is not below the number of "
+                                              f"logits ({str(exc).splitlines()[0]})") from None
+                    raise
                 count += n
             else:
                 for i in range(n):

@@ -85,6 +85,19 @@ class TensorSource:
         t = self.get(name)
         return t.dtype, t.device
 
+    def alias_key(self, name: str) -> tuple[Any, ...] | None:
+        """What identifies the memory of an in-memory tensor (two names with the same key are
+        one tied tensor); ``None`` for a lazily read checkpoint."""
+        import torch
+
+        if self._checkpoint is not None:
+            return None
+        value = self._tensors[name]  # type: ignore[index]
+        if not isinstance(value, torch.Tensor) or value.device.type == "meta" or value.numel() == 0:
+            return None
+        return (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape),
+                tuple(value.stride()), value.dtype, str(value.device))
+
     def get(self, name: str) -> Any:
         """The tensor ``name`` (a torch tensor; not copied when the source holds tensors)."""
         import torch
@@ -120,6 +133,24 @@ class MergeInputs:
 
     def finetuned_tensors(self, name: str) -> list[Any]:
         return [ft.get(name) for ft in self.finetuned]
+
+    def tied_groups(self, names: Sequence[str]) -> dict[str, str]:
+        """``{alias: first}`` for names that are one tied tensor (the same memory) in every
+        model (base and fine-tuned, all in memory): such names are merged once, so that a
+        random method (DARE) gives them one mask and the tie survives."""
+        sources = ([self.base] if self.base is not None else []) + list(self.finetuned)
+        first_of: dict[tuple[Any, ...], str] = {}
+        out: dict[str, str] = {}
+        for name in names:
+            keys = [src.alias_key(name) for src in sources]
+            if any(k is None for k in keys):
+                continue
+            key = tuple(keys)
+            if key in first_of:
+                out[name] = first_of[key]
+            else:
+                first_of[key] = name
+        return out
 
 
 def _listing(names: Sequence[str]) -> str:

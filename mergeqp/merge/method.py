@@ -165,6 +165,10 @@ def tensorwise_run(merge_one: Callable[..., Any], desc: str) -> Callable[..., di
             out[name] = merge_one(name, base, inputs.finetuned_tensors(name), params, state)
         if "finish" in state:
             state["finish"]()
+        elif getattr(params, "masks", None):  # no tensor drew a mask: every injected one is unused
+            raise ConfigError(
+                f"masks were given for tensors that were not merged: "
+                f"{', '.join(map(repr, sorted(params.masks)))} (check the names against include/exclude)")
         return out
 
     return run

@@ -66,7 +66,10 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     parsed = spec.parse(params)
     inputs = prepare_inputs(base, finetuned, needs_base=spec.needs_base, method=spec.name)
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
-    merged = spec.run(inputs, names, parsed)
+    tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
+    merged = spec.run(inputs, [n for n in names if n not in tied], parsed)
+    for alias, first in tied.items():
+        merged[alias] = merged[first]
     missing = [n for n in names if n not in merged]
     if missing:  # a method bug, never user input
         raise RuntimeError(f"merge method {spec.name!r} returned no tensor for {missing[0]!r}")

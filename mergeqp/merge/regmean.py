@@ -96,9 +96,19 @@ class _Layer:
 
 
 def _model_layers(model: Any) -> list[_Layer]:
-    from .sites import model_sites
+    from .sites import _kind, model_sites
 
-    return [_Layer(s.name, s.kind, s.has_bias) for s in model_sites(model)]
+    if _kind(model) is not None:
+        raise ValidationError(
+            f"regmean: the model is itself a linear layer ({type(model).__name__}); RegMean finds "
+            f"its layers among the submodules: wrap it (e.g. nn.Sequential(layer), whose state dict "
+            f"keys are '0.weight', '0.bias') or pass grams= for it"
+        )
+    layers = [_Layer(s.name, s.kind, s.has_bias) for s in model_sites(model)]
+    if not layers:
+        raise ValidationError(f"regmean: the {type(model).__name__} model has no nn.Linear / Conv1D "
+                              f"layer to solve for (every tensor would just be averaged)")
+    return layers
 
 
 def compute_grams(

@@ -31,6 +31,9 @@ def _as_patterns(patterns: str | Iterable[str] | None, what: str) -> tuple[str, 
     if isinstance(patterns, str):
         return (patterns,)
     out = tuple(patterns)
+    if not out and what == "include":
+        raise ConfigError("include is empty, so it selects no tensor; omit it (None) to merge every "
+                          "floating-point tensor")
     for p in out:
         if not isinstance(p, str) or not p:
             raise ConfigError(f"{what} patterns must be non-empty strings, got {p!r}")

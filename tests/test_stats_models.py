@@ -146,3 +146,67 @@ def test_integer_token_labels_ask_for_a_label_encoding() -> None:
     cal = [[(torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4, 2)))]] * 2
     with pytest.raises(ValidationError, match="pass label_encoding"):
         mq.collect_statistics(base, fts, "0", cal, targets="labels", progress=False)
+
+
+class BatchStats(nn.Module):
+    """Always normalises with the batch's statistics (samples interact)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(0)) / (x.std(0) + 1e-3)
+
+
+class Roll(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.roll(x, 1, 0)
+
+
+@pytest.mark.parametrize("mixer", [BatchStats, Roll], ids=["batch statistics", "roll"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=["f64", "f16", "bf16"])
+def test_samples_that_interact_are_caught_in_every_precision(mixer, dtype) -> None:
+    """Also in half precision, and when sample 0's own output does not move (roll)."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), mixer(), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
+    fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=1)
+    cal = [torch.randn(8, 6).to(dtype)] * 2
+    with pytest.raises(ValidationError, match="changed the compared output of other samples"):
+        mq.collect_statistics(base, fts, "2", cal, batch_size=4, progress=False)
+
+
+def test_a_first_batch_of_one_does_not_use_up_the_check() -> None:
+    torch.manual_seed(0)
+    class Center(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x - x.mean(0)
+
+    base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), Center(), nn.Linear(12, 3)).double()
+    fts = finetuned_copies(base, 1, scale=0.1, layer="2", seed=1)
+    x = torch.randn(9, 6, dtype=torch.float64)
+    with pytest.raises(ValidationError, match="other samples"):
+        mq.collect_statistics(base, fts, "2", [[x[:1], x[1:]]], progress=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_independent_half_precision_models_pass(dtype) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.LayerNorm(12), nn.Linear(12, 3)).to(dtype)
+    fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=1)
+    stats = mq.collect_statistics(base, fts, "2", [torch.randn(8, 6).to(dtype)] * 2, batch_size=4, progress=False)
+    assert stats.problem("rows").shape == (2, 12)
+
+
+def test_broadcast_keyword_inputs_do_not_set_the_batch_size() -> None:
+    """A (1, T) position tensor listed before the (B, T) main input is not the batch."""
+    class Pos(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, position_ids, x):
+            return self.b(self.a(x + position_ids[..., None]))
+
+    torch.manual_seed(0)
+    base = Pos().double()
+    fts = finetuned_copies(base, 2, scale=0.1, layer="a", seed=1)
+    batch = {"position_ids": torch.arange(5, dtype=torch.float64)[None], "x": torch.randn(4, 5, 3, dtype=torch.float64)}
+    stats = mq.collect_statistics(base, fts, "a", [[batch], [batch]], progress=False)
+    assert stats.n_samples == 8

@@ -181,7 +181,7 @@ def collect_statistics(
                         chunk_size=chunk_size, vectorize=vectorize, where=where,
                         max_jacobian_bytes=max_jacobian_bytes, check_independence=not checked[t],
                     )
-                    checked[t] = True
+                    checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
                     _check_finite(lin.output, f"{where}: the base model's compared output")
                     _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
                     y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,

@@ -22,6 +22,9 @@ from typing import Any
 from ..errors import ValidationError
 
 INPUT_KEYS = ("inputs", "x")
+#: keyword inputs whose first dimension is the batch (Hugging Face names first)
+BATCH_KEYS = ("input_ids", "inputs_embeds", "pixel_values", "input_values", "input_features",
+              "inputs", "x")
 LABEL_KEYS = ("labels", "y")
 
 
@@ -67,9 +70,15 @@ def batch_len(inputs: Any, where: str) -> int:
             raise ValidationError(f"{where}: inputs are a scalar tensor; expected a batch")
         return int(inputs.shape[0])
     if isinstance(inputs, Mapping):
-        for value in inputs.values():
+        for key in BATCH_KEYS:  # the main input, when it has a usual name
+            value = inputs.get(key)
             if isinstance(value, torch.Tensor) and value.ndim > 0:
                 return int(value.shape[0])
+        # else the largest first dimension: broadcast extras (position_ids (1, T), a scalar
+        # factor of shape (1,)) are not the batch
+        sizes = [int(v.shape[0]) for v in inputs.values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+        if sizes:
+            return max(sizes)
     if isinstance(inputs, (tuple, list)):
         for value in inputs:
             if isinstance(value, torch.Tensor) and value.ndim > 0:

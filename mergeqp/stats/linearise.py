@@ -229,16 +229,20 @@ def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: s
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     noise = torch.randn(tuple(u.shape[1:]), generator=gen, dtype=torch.float64)
-    scale = 1e-3 * (float(u[0].abs().max()) + 1.0)
+    # large enough to stand out of half-precision rounding (sqrt(eps): 0.03 in float16)
+    rel = max(1e-3, math.sqrt(float(torch.finfo(u.dtype).eps)))
+    scale = rel * (float(u[0].abs().max()) + 1.0)
     p = torch.zeros_like(u)
     p[0] = (scale * noise).to(dtype=u.dtype, device=u.device)
     with torch.no_grad():
         moved = (f(p) - h).abs()
     own = float(moved[0].max())
     others = float(moved[1:].max())
+    # independent samples give other outputs that do not move at all (the same computation);
+    # allow a few units of rounding of the largest output (nondeterministic kernels)
     eps = float(torch.finfo(h.dtype).eps) if h.is_floating_point() else 0.0
-    tol = max(1e-3 * own, 1e3 * eps * float(h.abs().max()))
-    if own > 0 and others > tol:
+    tol = max(1e-3 * own, 16.0 * eps * float(h.abs().max()))
+    if others > tol:
         raise ValidationError(
             f"{where}: perturbing the merge layer's output for sample 0 changed the compared "
             f"output of other samples (by {others:.3g}, against {own:.3g} for sample 0): the "

@@ -223,3 +223,49 @@ def test_training_is_deterministic_and_finetune_touches_only_layer2():
     torch.testing.assert_close(ref.layer2.weight, ft.layer2.weight, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValidationError, match="fine-tune mode"):
         finetune(a, x, y, cfg, seed=0, mode="layer3")
+
+
+@pytest.mark.parametrize("labels, message", [
+    (np.full(10, 7.5, dtype=np.float32), "class labels must be integers"),
+    (np.array([0, 1, -1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int8), r"must lie in \[0, 1000\)"),
+    (np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 1_000_000], dtype=np.int32), r"must lie in \[0, 1000\)"),
+])
+def test_idx_labels_are_validated_when_loaded(tmp_path, labels, message):
+    images, _ = _mnist_like(10)
+    write_idx(str(tmp_path / "train-images-idx3-ubyte"), images, False)
+    write_idx(str(tmp_path / "train-labels-idx1-ubyte"), labels, False)
+    with pytest.raises(ValidationError, match=message):
+        load_idx_folder(str(tmp_path))
+
+
+def test_empty_idx_files_and_missing_classes_are_errors(tmp_path):
+    write_idx(str(tmp_path / "train-images-idx3-ubyte"), np.zeros((0, 28, 28), np.uint8), False)
+    write_idx(str(tmp_path / "train-labels-idx1-ubyte"), np.zeros(0, np.uint8), False)
+    with pytest.raises(ValidationError, match="no images"):
+        load_idx_folder(str(tmp_path))
+    data = _toy_dataset()
+    no_nine = Dataset(data.images[data.labels != 9], data.labels[data.labels != 9], source="toy")
+    with pytest.raises(ValidationError, match=r"task 8-9: class\(es\) \[9\] have no samples in the training data"):
+        make_task_splits(no_nine, [(0, 1), (8, 9)], calibration_per_task=5)
+
+
+def test_experiment_rejects_bad_seed_and_out_before_any_work(tmp_path):
+    from mergeqp.experiments.mnist import run_mnist_experiment
+
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValidationError, match="exists and is not a folder"):
+        run_mnist_experiment(str(tmp_path / "file"), quick=True)
+    with pytest.raises(ValidationError, match="cannot create the output folder"):
+        run_mnist_experiment(str(tmp_path / "file" / "sub"), quick=True)
+    (tmp_path / "o" / "results.json").mkdir(parents=True)
+    with pytest.raises(ValidationError, match="is a folder"):
+        run_mnist_experiment(str(tmp_path / "o"), quick=True)
+    for seed in (-1, 2**60, 1.7, "2"):
+        with pytest.raises(ValidationError, match="seed must be an integer"):
+            run_mnist_experiment(str(tmp_path / "p"), quick=True, seed=seed)
+
+
+def test_claims_with_one_task_are_finite():
+    from mergeqp.experiments.claims import _reduction
+
+    assert _reduction(0.0, 0.0) == 0.0 and _reduction(1.0, 2.0) == 0.5 and _reduction(1.0, 0.0) == -1.0

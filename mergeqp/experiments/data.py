@@ -81,6 +81,10 @@ class Dataset:
         return self.test_images is not None
 
 
+#: class labels must lie in [0, MAX_CLASSES)
+MAX_CLASSES = 1000
+
+
 def _check_pair(images: np.ndarray, labels: np.ndarray, what: str) -> None:
     if images.ndim != 2:
         raise ValidationError(f"{what}: images must be (N, pixels), got shape {images.shape}")
@@ -88,6 +92,13 @@ def _check_pair(images: np.ndarray, labels: np.ndarray, what: str) -> None:
         raise ValidationError(
             f"{what}: {images.shape[0]} images but labels of shape {labels.shape}"
         )
+    if images.shape[0] == 0 or images.shape[1] == 0:
+        raise ValidationError(f"{what}: the dataset is empty ({images.shape[0]} images of {images.shape[1]} pixels)")
+    if labels.dtype.kind not in "iu":
+        raise ValidationError(f"{what}: class labels must be integers, got {labels.dtype}")
+    lo, hi = int(labels.min()), int(labels.max())
+    if lo < 0 or hi >= MAX_CLASSES:
+        raise ValidationError(f"{what}: class labels must lie in [0, {MAX_CLASSES}), got values in [{lo}, {hi}]")
 
 
 # ---------------------------------------------------------------------------- CSV
@@ -197,6 +208,10 @@ def _idx_pair(folder: str, prefix: str) -> tuple[np.ndarray, np.ndarray] | None:
         )
     if images.dtype != np.uint8:
         raise ValidationError(f"{img_path}: expected unsigned-byte pixels, got {images.dtype}")
+    if images.shape[0] == 0:
+        raise ValidationError(f"{img_path}: the file holds no images")
+    if labels.dtype.kind not in "iu":
+        raise ValidationError(f"{lab_path}: class labels must be integers, got {labels.dtype}")
     return images.reshape(images.shape[0], -1), labels.astype(np.int64)
 
 
@@ -263,6 +278,15 @@ def make_task_splits(
             raise ValidationError(f"task {t} {classes}: tasks must be non-empty and disjoint class groups")
         seen |= set(classes)
         groups.append(classes)
+    for t, classes in enumerate(groups):  # every class of a task must have samples everywhere
+        for part, labels in (("training", data.labels),) + ((("test", data.test_labels),) if data.has_test_part else ()):
+            counts = {c: int(np.count_nonzero(labels == c)) for c in classes}
+            missing = [c for c, k in counts.items() if k == 0]
+            if missing:
+                raise ValidationError(
+                    f"task {'-'.join(map(str, classes))}: class(es) {missing} have no samples in the "
+                    f"{part} data (classes present: {sorted(int(c) for c in np.unique(labels))})"
+                )
     out = []
     for t, classes in enumerate(groups):
         name = "-".join(str(c) for c in classes)

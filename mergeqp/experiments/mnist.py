@@ -116,6 +116,29 @@ class MnistConfig:
         return asdict(self)
 
 
+#: largest seed (fine-tuning seeds are ``seed * 1000 + task + 1``, which must fit torch's int64)
+MAX_SEED = 2**53
+
+
+def prepare_out_dir(out_dir: Any) -> None:
+    """Create ``out_dir`` (and parents), or a clear error before any work: not a folder, not
+    writable, or ``results.json`` inside is a folder."""
+    path = os.fspath(out_dir)
+    if not path:
+        raise ValidationError("the output folder (--out) is empty")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValidationError(f"--out {path!r} exists and is not a folder")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValidationError(f"cannot create the output folder {path!r}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK):
+        raise ValidationError(f"the output folder {path!r} is not writable")
+    for name in ("results.json", "report.md"):
+        if os.path.isdir(os.path.join(path, name)):
+            raise ValidationError(f"{os.path.join(path, name)!r} is a folder; it would be overwritten by a file")
+
+
 def run_mnist_experiment(
     out_dir: str,
     quick: bool = False,
@@ -142,8 +165,10 @@ def run_mnist_experiment(
         raise ValidationError(f"unknown fine-tune mode {finetune!r}; valid: {', '.join(FINETUNE_MODES)}")
     if threads is not None and threads < 1:
         raise ValidationError(f"threads must be >= 1, got {threads}")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:
+        raise ValidationError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
     cfg = config or (MnistConfig.quick() if quick else MnistConfig.full())
-    os.makedirs(out_dir, exist_ok=True)
+    prepare_out_dir(out_dir)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

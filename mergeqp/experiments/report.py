@@ -126,7 +126,7 @@ def render_report(results: dict[str, Any]) -> str:
         ),
         "",
         (
-            f"Base MLP 784-256-128-10 trained on every task's training digits; one copy fine-tuned per "
+            f"Base MLP {d['n_features']}-256-128-{d['n_classes']} trained on every task's training digits; one copy fine-tuned per "
             f"task with **{'only layer2 (weight and bias)' if results['finetune'] == 'layer2' else 'every layer'}** "
             f"trainable (tensors changed: {', '.join(results['training']['changed_tensors'])}). "
             f"Merge at `{results['layer']}` (rows parametrisation, d is {results['problem']['shape'][0]} x "

@@ -234,3 +234,17 @@ def test_unboundedness_claims_are_verified() -> None:
     assert isinstance(unbounded_claim(flat, Unconstrained(), "cvxpy_osqp", "unbounded"), UnboundedError)
     err = unbounded_claim(flat, Unconstrained(), "osqp", "dual infeasible", np.array([0.0, -3.0]))
     assert isinstance(err, UnboundedError) and "v'Hv = 0" in str(err)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_iter": "many"}, "'max_iter' must be an integer"),
+    ({"max_iter": True}, "'max_iter' must be an integer"),
+    ({"eps_abs": "1e-3"}, "'eps_abs' must be a number"),
+    ({"polishing": 1}, "'polishing' must be true or false"),
+])
+def test_solver_option_values_of_the_wrong_kind_are_named(options, message) -> None:
+    from mergeqp.errors import ValidationError
+
+    problem = MergeQP(np.eye(4), np.ones(4), shape=(2, 2))
+    with pytest.raises(ValidationError, match=message):
+        solve(problem, "box:0,1", solver="osqp", **options)

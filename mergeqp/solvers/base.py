@@ -43,6 +43,23 @@ class QPSolver(ABC):
                 f"{self.name}: unrecognised solver option(s) {bad}; valid options: "
                 f"{', '.join(sorted(self.defaults)) or '(none)'}"
             )
+        for key, value in options.items():  # numbers and switches keep their kind
+            default = self.defaults[key]
+            if isinstance(default, bool):
+                ok = isinstance(value, (bool, np.bool_))
+                kind = "true or false"
+            elif isinstance(default, int):
+                ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+                kind = "an integer"
+            elif isinstance(default, float):
+                ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+                kind = "a number"
+            else:
+                continue
+            if not ok:
+                raise ValidationError(
+                    f"{self.name}: solver option {key!r} must be {kind} (default {default!r}), got {value!r}"
+                )
         return {**self.defaults, **options}
 
     def available(self) -> str | None:

@@ -109,6 +109,8 @@ def rescale_masked(delta: Any, mask: Any, density: float, rescale: Rescale) -> A
 
 
 def _drawer(state: dict, params: DareCommon) -> MaskDrawer:
+    """The merge's mask drawer (created by ``tensorwise_run``'s setup, so that its check of
+    unused injected masks runs even when no tensor is merged)."""
     if "drawer" not in state:
         drawer = MaskDrawer(state["inputs"].K, params.seed, params.seed_scope, params.masks)
         state["drawer"] = drawer
@@ -188,7 +190,7 @@ DARE = MergeMethod(
     summary="drop each task-vector entry with probability drop_rate, rescale by 1/(1-p), add",
     reference="Yu et al., DARE (Super Mario), ICML 2024 (arXiv:2311.03099)",
     params=DareParams,
-    run=tensorwise_run(_dare_one, "DARE"),
+    run=tensorwise_run(_dare_one, "DARE", setup=_drawer),
 )
 
 DARE_LINEAR = MergeMethod(
@@ -196,7 +198,7 @@ DARE_LINEAR = MergeMethod(
     summary="DARE-sparsified task vectors, weighted sum (PEFT / mergekit dare_linear)",
     reference="Yu et al., DARE (Super Mario), ICML 2024 (arXiv:2311.03099)",
     params=DareLinearParams,
-    run=tensorwise_run(_dare_linear_one, "DARE-linear"),
+    run=tensorwise_run(_dare_linear_one, "DARE-linear", setup=_drawer),
 )
 
 DARE_TIES = MergeMethod(
@@ -204,7 +206,7 @@ DARE_TIES = MergeMethod(
     summary="DARE-sparsified task vectors merged by TIES sign election and disjoint merge",
     reference="Yu et al., DARE, ICML 2024 (arXiv:2311.03099); Yadav et al., TIES, NeurIPS 2023",
     params=DareTiesParams,
-    run=tensorwise_run(_dare_ties_one, "DARE-TIES"),
+    run=tensorwise_run(_dare_ties_one, "DARE-TIES", setup=_drawer),
 )
 
 ROW_DARE = MergeMethod(
@@ -212,5 +214,5 @@ ROW_DARE = MergeMethod(
     summary="row-uniform DARE: one Bernoulli(density) keep-draw per row, rescaled by 1/density",
     reference="output-space-projection paper, Sec. 2 (row-uniform restriction of Yu et al.'s DARE)",
     params=RowDareParams,
-    run=tensorwise_run(_row_dare_one, "row-DARE"),
+    run=tensorwise_run(_row_dare_one, "row-DARE", setup=_drawer),
 )

@@ -149,26 +149,26 @@ def weight_column(weights: Sequence[float], like: Any) -> Any:
     return w.reshape((-1,) + (1,) * (like.dim() - 1))
 
 
-def tensorwise_run(merge_one: Callable[..., Any], desc: str) -> Callable[..., dict[str, Any]]:
+def tensorwise_run(merge_one: Callable[..., Any], desc: str,
+                   setup: Callable[[dict[str, Any], Any], Any] | None = None) -> Callable[..., dict[str, Any]]:
     """A ``run`` applying ``merge_one(name, base, finetuned, params, state)`` per tensor.
 
     ``base`` is the reference model's tensor (``None`` if there is no base), ``finetuned`` the K
     fine-tuned tensors, ``state`` a per-merge dict the method may use (e.g. its mask drawer);
-    ``state["finish"]``, when set, is called once at the end.
+    ``setup(state, params)``, when given, runs once before the first tensor (even when no tensor
+    is selected); ``state["finish"]``, when set, is called once at the end.
     """
 
     def run(inputs: Any, names: Sequence[str], params: MethodParams) -> dict[str, Any]:
         state: dict[str, Any] = {"inputs": inputs}
+        if setup is not None:
+            setup(state, params)
         out = {}
         for name in iterate(names, params, desc):
             base = inputs.base.get(name) if inputs.base is not None else None
             out[name] = merge_one(name, base, inputs.finetuned_tensors(name), params, state)
         if "finish" in state:
             state["finish"]()
-        elif getattr(params, "masks", None):  # no tensor drew a mask: every injected one is unused
-            raise ConfigError(
-                f"masks were given for tensors that were not merged: "
-                f"{', '.join(map(repr, sorted(params.masks)))} (check the names against include/exclude)")
         return out
 
     return run

@@ -129,10 +129,9 @@ def solve(
 
 
 def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:
-    """The solution with ``abs_tol`` recorded in its certificate (see ``Certificate.certified``)."""
+    """The solution with ``abs_tol`` (checked by :func:`solve`) recorded in its certificate
+    (see ``Certificate.certified``)."""
     abs_tol = float(abs_tol)
-    if not abs_tol >= 0:
-        raise ValidationError(f"abs_tol must be >= 0, got {abs_tol}")
     if sol.certificate is None or abs_tol == 0:
         return sol
     return dataclasses.replace(sol, certificate=dataclasses.replace(sol.certificate, abs_tol=abs_tol))

@@ -3,6 +3,7 @@ minimum-norm minimiser ``-H^+ g`` (eigendecomposition) when H is singular."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -16,21 +17,32 @@ from .base import QPSolver, RawResult
 from .unbounded import descent_ray
 
 
-def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = None
-                            ) -> tuple[np.ndarray, str, float, np.ndarray | None]:
-    """Return ``(x, method, outside, v)``: ``x = -H^{-1} g`` (Cholesky) or ``-H^+ g`` (eigh).
+@dataclass(frozen=True)
+class UnconstrainedMinimiser:
+    """What :func:`unconstrained_minimiser` found.
 
-    ``outside`` is the relative norm of ``g`` outside the numerical ``range(H)`` (0 for a
-    definite H) and ``v`` that part of ``-g`` (``None`` when ``outside`` is 0): when
-    ``outside`` is not ~0, J may be unbounded below along ``v`` (see :mod:`.unbounded`), and
-    ``x`` minimises only the part in ``range(H)``.
-    """
+    ``x``: ``-H^{-1} g`` (Cholesky) or ``-H^+ g`` (eigh; ``method`` says which). ``outside``: the
+    relative norm of ``g`` outside the numerical ``range(H)`` (0 for a definite H); ``ray``: that
+    part of ``-g`` (``None`` when ``outside`` is 0), along which J may be unbounded below (see
+    :mod:`.unbounded`). ``x_positive``: when eigenvalues below the pseudo-inverse's cut are still
+    positive, the minimiser using them too (a badly conditioned but definite H has a finite
+    minimum along them), else ``None``."""
+
+    x: np.ndarray
+    method: str
+    outside: float = 0.0
+    ray: np.ndarray | None = None
+    x_positive: np.ndarray | None = None
+
+
+def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = None) -> UnconstrainedMinimiser:
+    """The minimiser of ``1/2 x'Hx + g'x`` over ``R^n`` (see :class:`UnconstrainedMinimiser`)."""
     n = H.shape[0]
     top = float(np.max(np.abs(np.diag(H)))) if n else 0.0
     try:
         c = sla.cho_factor(H, lower=True, check_finite=False)
         if np.min(np.abs(np.diag(c[0]))) ** 2 > 1e-12 * max(top, np.finfo(float).tiny):
-            return -sla.cho_solve(c, g, check_finite=False), "cholesky", 0.0, None
+            return UnconstrainedMinimiser(-sla.cho_solve(c, g, check_finite=False), "cholesky")
     except np.linalg.LinAlgError:
         pass
     w, V = np.linalg.eigh(H)
@@ -39,15 +51,16 @@ def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = 
     coef = V.T @ g
     x = -(V[:, keep] @ (coef[keep] / w[keep]))
     outside = float(np.linalg.norm(coef[~keep])) / max(float(np.linalg.norm(g)), np.finfo(float).tiny)
-    v = -(V[:, ~keep] @ coef[~keep]) if outside > 0 else None
-    if v is not None and np.any(~keep & (w > 0)):
-        # eigenvalues below the cut but positive: the minimum along them may be finite (a
-        # badly conditioned but definite H); the full inverse on them, for the caller to use
-        # when v turns out not to be a ray of unbounded descent
+    if outside == 0:
+        return UnconstrainedMinimiser(x, "pseudo-inverse")
+    ray = -(V[:, ~keep] @ coef[~keep])
+    x_positive = None
+    if np.any(~keep & (w > 0)):
         pos = w > 0
-        x_pos = -(V[:, pos] @ (coef[pos] / w[pos]))
-        return x, "pseudo-inverse", outside, v if not np.all(np.isfinite(x_pos)) else np.stack([v, x_pos])
-    return x, "pseudo-inverse", outside, v
+        x_positive = -(V[:, pos] @ (coef[pos] / w[pos]))
+        if not np.all(np.isfinite(x_positive)):
+            x_positive = None
+    return UnconstrainedMinimiser(x, "pseudo-inverse", outside, ray, x_positive)
 
 
 class ClosedFormSolver(QPSolver):
@@ -66,20 +79,18 @@ class ClosedFormSolver(QPSolver):
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None, **options: Any) -> RawResult:
         opts = self.check_options(options)
         assert problem.H is not None
-        x, method, outside, v = unconstrained_minimiser(problem.H, problem.g, opts["rcond"])
-        if outside > 1e-8 and v is not None:
-            x_pos = None
-            if v.ndim == 2:
-                v, x_pos = v
-            why = descent_ray(problem, v)
+        found = unconstrained_minimiser(problem.H, problem.g, opts["rcond"])
+        x, method = found.x, found.method
+        if found.outside > 1e-8 and found.ray is not None:
+            why = descent_ray(problem, found.ray)
             if why is not None:
                 raise UnboundedError(f"closed_form: the problem is unbounded below without constraints: {why}; "
                                      f"add constraints")
-            if x_pos is None:
+            if found.x_positive is None:
                 raise SolverError(
-                    f"closed_form: a relative {outside:.2g} of g lies outside the numerical range of H, "
+                    f"closed_form: a relative {found.outside:.2g} of g lies outside the numerical range of H, "
                     f"but J is not unbounded along it (H is badly conditioned); try solver='active_set'"
                 )
             # tiny positive eigenvalues carry a finite minimum: use them (the certificate judges)
-            x, method = x_pos, "eigh (all positive eigenvalues; H badly conditioned)"
+            x, method = found.x_positive, "eigh (all positive eigenvalues; H badly conditioned)"
         return RawResult(problem.unflat(x), SolveStatus.CLOSED_FORM, 0, {"method": method})

@@ -80,12 +80,10 @@ def bounded_below_everywhere(problem: MergeQP) -> bool:
         return False
     from .closed_form import unconstrained_minimiser
 
-    _x, _method, outside, v = unconstrained_minimiser(problem.H, problem.g)
-    if outside <= 1e-8 or v is None:
+    found = unconstrained_minimiser(problem.H, problem.g)
+    if found.outside <= 1e-8 or found.ray is None:
         return True
-    if v.ndim == 2:
-        v = v[0]
-    return descent_ray(problem, v) is None
+    return descent_ray(problem, found.ray) is None
 
 
 def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: str,

@@ -233,60 +233,17 @@ class MergeQP:
         return self.H is not None
 
     def _check_psd(self) -> None:
-        """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``.
-
-        Up to ``psd_check_max_n`` variables: a Cholesky factorisation of
-        ``H + psd_tol * max(diag H) * I`` (one LAPACK ``potrf``; ``max diag <= lambda_max``, so
-        success proves the condition); only when it fails are the eigenvalues computed to
-        report the smallest one. Above that size: a Lanczos estimate (ARPACK).
-        """
-        import scipy.linalg as sla
-
-        H = self.H
-        assert H is not None
-        n = H.shape[0]
-        top = float(np.max(np.diag(H))) if n else 0.0
-        if n <= self.psd_check_max_n:
-            shift = self.psd_tol * max(top, np.finfo(float).tiny)
-            try:
-                sla.cholesky(H + shift * np.eye(n), lower=True, check_finite=False)
-                return
-            except np.linalg.LinAlgError:
-                eig = np.linalg.eigvalsh(H)
-                lo, hi = float(eig[0]), float(eig[-1])
-        else:
-            from scipy.sparse.linalg import ArpackNoConvergence, eigsh
-
-            diag = np.diag(H)
-            lo_diag = float(np.min(diag))
-            if lo_diag < -self.psd_tol * max(abs(top), np.finfo(float).tiny):
-                # lambda_min <= min diag and lambda_max >= max diag: a proof of indefiniteness
-                i = int(np.argmin(diag))
-                raise NotConvexError(
-                    f"H is not positive semidefinite: its diagonal entry H[{i},{i}] = {lo_diag:.6g} "
-                    f"is negative (below -psd_tol * max diag); the merge QP must be convex"
-                )
-            try:
-                hi = float(eigsh(H, k=1, which="LA", return_eigenvectors=False, tol=1e-6)[0])
-                lo = float(eigsh(H, k=1, which="SA", return_eigenvectors=False, tol=1e-4,
-                                 maxiter=20)[0])  # bounded effort: best-effort check
-            except ArpackNoConvergence as exc:
-                found = np.asarray(getattr(exc, "eigenvalues", []), dtype=np.float64)
-                if found.size == 0:
-                    return
-                lo, hi = float(found.min()), max(float(found.max()), top)
-        if lo < -self.psd_tol * max(abs(hi), np.finfo(float).tiny):
-            raise NotConvexError(
-                f"H is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
-                f"-psd_tol * largest ({-self.psd_tol * abs(hi):.3g}); the merge QP must be convex"
-            )
+        """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``
+        (see :func:`check_psd_matrix`)."""
+        assert self.H is not None
+        check_psd_matrix(self.H, self.psd_tol, self.psd_check_max_n)
 
     def _check_matvec(self) -> None:
         """Checks of a matrix-vector-only H (the certificate's bounds assume a convex J):
         the callback returns finite ``(n,)`` vectors, is symmetric (``y'Hx = x'Hy`` for random
-        probes, within ``sym_tol``) and PSD: exactly (``n`` products, the dense test above) up
-        to ``matvec_dense_check_n`` variables, else a bounded Lanczos estimate of the smallest
-        eigenvalue (ARPACK, at most ~20 restarts)."""
+        probes, within ``sym_tol``) and PSD: exactly (H formed from ``n`` products, then
+        :func:`check_psd_matrix`) up to :data:`MATVEC_DENSE_CHECK_N` variables, else a bounded
+        Lanczos estimate of the smallest eigenvalue (:func:`_lanczos_extremes`)."""
         n = self.n
         rng = np.random.default_rng(0)
         X = rng.standard_normal((n, 2))
@@ -310,23 +267,16 @@ class MergeQP:
             )
         if n <= MATVEC_DENSE_CHECK_N:
             H = np.column_stack([self.matvec(e) for e in np.eye(n)])
-            try:
-                MergeQP(0.5 * (H + H.T), self.g, shape=self.shape, psd_tol=self.psd_tol)
-            except NotConvexError as exc:
-                raise NotConvexError(f"hessian_matvec: {exc}") from None
+            check_psd_matrix(0.5 * (H + H.T), self.psd_tol, MATVEC_DENSE_CHECK_N, what="hessian_matvec: H")
             return
-        from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
+        from scipy.sparse.linalg import LinearOperator
 
         op = LinearOperator((n, n), matvec=lambda v: self.matvec(np.asarray(v, dtype=np.float64).ravel()),
                             dtype=np.float64)
-        try:
-            hi = float(eigsh(op, k=1, which="LA", return_eigenvectors=False, tol=1e-6, maxiter=50)[0])
-            lo = float(eigsh(op, k=1, which="SA", return_eigenvectors=False, tol=1e-4, maxiter=20)[0])
-        except ArpackNoConvergence as exc:
-            found = np.asarray(getattr(exc, "eigenvalues", []), dtype=np.float64)
-            if found.size == 0:
-                return
-            lo, hi = float(found.min()), float(found.max())
+        found = _lanczos_extremes(op, max_iter_top=50)  # each product is a user callback
+        if found is None:
+            return
+        lo, hi, _converged = found
         if lo < -self.psd_tol * max(abs(hi), np.finfo(float).tiny):
             raise NotConvexError(
                 f"hessian_matvec is not positive semidefinite: a Lanczos estimate of its smallest "
@@ -473,6 +423,68 @@ class MergeQP:
 #: a matrix-vector-only H with at most this many variables is checked for convexity exactly
 #: (by forming it from ``n`` products); above, by a Lanczos estimate
 MATVEC_DENSE_CHECK_N = 512
+
+
+def _lanczos_extremes(A: Any, max_iter_top: int | None = None) -> tuple[float, float, bool] | None:
+    """``(lambda_min, lambda_max, converged)`` of a symmetric ``A`` (dense or a
+    ``LinearOperator``) by ARPACK, the smallest with bounded effort (``max_iter_top`` bounds the
+    largest's too; ``None``: ARPACK's default); on non-convergence the Ritz values found so far
+    (``converged`` False), or ``None`` when there are none."""
+    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
+
+    try:
+        hi = float(eigsh(A, k=1, which="LA", return_eigenvectors=False, tol=1e-6, maxiter=max_iter_top)[0])
+        lo = float(eigsh(A, k=1, which="SA", return_eigenvectors=False, tol=1e-4,
+                         maxiter=20)[0])  # bounded effort: best-effort check
+        return lo, hi, True
+    except ArpackNoConvergence as exc:
+        found = np.asarray(getattr(exc, "eigenvalues", []), dtype=np.float64)
+        if found.size == 0:
+            return None
+        return float(found.min()), float(found.max()), False
+
+
+def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H") -> None:
+    """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``.
+
+    Up to ``max_n`` variables: a Cholesky factorisation of ``H + psd_tol * max(diag H) * I``
+    (one LAPACK ``potrf``; ``max diag <= lambda_max``, so success proves the condition); only
+    when it fails are the eigenvalues computed to report the smallest one. Above that size: a
+    negative-diagonal test (a proof of indefiniteness) and a Lanczos estimate (ARPACK).
+    """
+    import scipy.linalg as sla
+
+    n = H.shape[0]
+    top = float(np.max(np.diag(H))) if n else 0.0
+    if n <= max_n:
+        shift = psd_tol * max(top, np.finfo(float).tiny)
+        try:
+            sla.cholesky(H + shift * np.eye(n), lower=True, check_finite=False)
+            return
+        except np.linalg.LinAlgError:
+            eig = np.linalg.eigvalsh(H)
+            lo, hi = float(eig[0]), float(eig[-1])
+    else:
+        diag = np.diag(H)
+        lo_diag = float(np.min(diag))
+        if lo_diag < -psd_tol * max(abs(top), np.finfo(float).tiny):
+            # lambda_min <= min diag and lambda_max >= max diag: a proof of indefiniteness
+            i = int(np.argmin(diag))
+            raise NotConvexError(
+                f"{what} is not positive semidefinite: its diagonal entry H[{i},{i}] = {lo_diag:.6g} "
+                f"is negative (below -psd_tol * max diag); the merge QP must be convex"
+            )
+        found = _lanczos_extremes(H)
+        if found is None:
+            return
+        lo, hi, converged = found
+        if not converged:
+            hi = max(hi, top)
+    if lo < -psd_tol * max(abs(hi), np.finfo(float).tiny):
+        raise NotConvexError(
+            f"{what} is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
+            f"-psd_tol * largest ({-psd_tol * abs(hi):.3g}); the merge QP must be convex"
+        )
 
 
 def _as_shape(shape: Any) -> tuple[int, int] | None:

@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
 def check_device(name: str) -> str:
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available); a clear error for a
     device that torch lacks here (or a non-compute device such as ``meta``)."""
-    from ..solvers.torch_solvers import _device
+    from ..solvers.torch_solvers import torch_device
 
-    device = _device(name)
+    device = torch_device(name)
     if device.type not in ("cpu", "cuda", "mps", "xpu"):
         raise ValidationError(f"--device {name!r} cannot run the models; use cpu, cuda, cuda:N or auto")
     return str(device)

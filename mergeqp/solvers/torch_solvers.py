@@ -25,7 +25,9 @@ from .base import QPSolver, RawResult
 _DTYPES = ("float32", "float64")
 
 
-def _device(name: str) -> Any:
+def torch_device(name: str) -> Any:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N`` as a ``torch.device``; a
+    :class:`ValidationError` for CUDA that is not available or an unknown name."""
     import torch
 
     if name == "auto":
@@ -171,7 +173,7 @@ class TorchFISTASolver(_TorchSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        device, dtype = _device(str(opts["device"])), _dtype(str(opts["dtype"]))
+        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]))
         qp = _TorchQP(problem, constraints, device, dtype)
         L = float(opts["lipschitz"]) if opts["lipschitz"] is not None else 1.05 * qp.lipschitz()
         if not L > 0:
@@ -240,7 +242,7 @@ class TorchAdamSolver(_TorchSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        device, dtype = _device(str(opts["device"])), _dtype(str(opts["dtype"]))
+        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]))
         qp = _TorchQP(problem, constraints, device, dtype)
         lr, steps = float(opts["lr"]), int(opts["steps"])
         if not lr > 0 or steps < 0:

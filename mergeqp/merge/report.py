@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..io.atomic import write_text_atomic
 from ..jsonutil import to_jsonable
 
 
@@ -25,7 +26,7 @@ def jsonable(x: Any) -> Any:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    path.write_text(json.dumps(jsonable(report), indent=2))
+    write_text_atomic(path, json.dumps(jsonable(report), indent=2))
 
 
 def _f(x: Any, digits: int = 6) -> str:
@@ -135,4 +136,4 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
-    path.write_text(render_markdown(jsonable(report)))
+    write_text_atomic(path, render_markdown(jsonable(report)))

@@ -88,7 +88,7 @@ def check_tensor_finite(name: str, tensor: Any, model: str) -> None:
         count = int(bad.sum())
         first = tuple(int(i) for i in torch.nonzero(bad)[0]) if tensor.ndim else ()
         raise BadDataError(f"tensor {name!r} of {model} has {count} non-finite value(s) (NaN or inf), "
-                           f"first at index {first}; nothing was written")
+                           f"first at index {first}")
 
 
 def _config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, unknown
+from ..io.writer import check_tensor_finite
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
 from .inputs import prepare_inputs
@@ -68,6 +69,8 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
     tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
     merged = spec.run(inputs, [n for n in names if n not in tied], parsed)
+    for name, tensor in merged.items():  # e.g. float16 overflow, or a user method's bug
+        check_tensor_finite(name, tensor, f"the {spec.name} merge")
     for alias, first in tied.items():
         merged[alias] = merged[first]
     missing = [n for n in names if n not in merged]

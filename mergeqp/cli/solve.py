@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ValidationError
+from ..errors import BadDataError, ConfigError, ValidationError
 from ..io.atomic import check_output_file, save_npy_atomic, write_json_atomic
 
 CONSTRAINT_HELP = ("constraint set, repeatable (intersection): box:LO,HI | simplex[:TOTAL] | "
@@ -175,7 +175,11 @@ def load_point(path: str) -> np.ndarray:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
         raise ValidationError(f"cannot read point file {path}: {type(exc).__name__}: {exc}") from None
-    return np.asarray(arr)
+    arr = np.asarray(arr)
+    if np.issubdtype(arr.dtype, np.number) and not np.all(np.isfinite(arr)):
+        raise BadDataError(f"point file {path}: d holds {int(np.sum(~np.isfinite(arr)))} non-finite "
+                           f"value(s) (NaN or inf)")
+    return arr
 
 
 #: the certificate's hint that an absolute tolerance could accept the point (certificate.py)

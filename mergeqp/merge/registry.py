@@ -69,8 +69,6 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
     tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
     merged = spec.run(inputs, [n for n in names if n not in tied], parsed)
-    for name, tensor in merged.items():  # e.g. float16 overflow, or a user method's bug
-        check_tensor_finite(name, tensor, f"the {spec.name} merge")
     for alias, first in tied.items():
         merged[alias] = merged[first]
     missing = [n for n in names if n not in merged]
@@ -95,6 +93,9 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
             out[name] = (sum(t.to(device, dtype=wide) for t in tensors) / len(tensors)).to(dtype)
         else:
             out[name] = ref.get(name)
+            continue  # checked finite when read
+        # in the output's dtype: a float16 overflow, or a user method's bug
+        check_tensor_finite(name, out[name], f"the {spec.name} merge")
     return out
 
 

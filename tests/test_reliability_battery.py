@@ -345,3 +345,28 @@ def test_api_bad_input(world, call, exc, message):
     assert digests(world) == before
     assert not (world / "never").exists() and not (world / "ckpt_folder" / "sub").exists()
     assert leftovers(world) == []
+
+
+# ---------------------------------------------------------------------- the published list
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_every_case_and_exit_code_is_published():
+    from mergeqp.errors import EXIT_CODES
+
+    doc = (ROOT / "docs" / "reliability.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    missing = [p.id for p in CLI_CASES if f"| `{p.id}` |" not in doc]
+    assert missing == [], f"cases not in docs/reliability.md: {missing}"
+    for code, meaning in EXIT_CODES:
+        assert f"| {code} | {meaning} |" in doc and f"| {code} | {meaning} |" in readme
+
+
+@pytest.mark.parametrize("argv", [[], ["solve"], ["certify"], ["bench"], ["collect"], ["experiment"],
+                                  ["experiment", "mnist"], ["merge"]])
+def test_every_help_lists_the_exit_codes(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "exit codes:" in out and "130" in out and "I/O error" in out

@@ -191,3 +191,20 @@ def test_signal_mid_run_keeps_the_old_output(problem_path, tmp_path, signum):
     assert proc.returncode == 130, err
     assert "outputs keep their previous state" in err and "Traceback" not in err
     assert out.read_text() == "old solution" and leftovers(tmp_path) == []
+
+
+def test_collect_refuses_a_disk_too_small_before_collecting(tmp_path, monkeypatch, capsys):
+    """The statistics' size is estimated once the layer is known, before the collection."""
+    import collections
+
+    world = build_world(tmp_path / "w")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr("mergeqp.stats.collect_statistics",
+                        lambda *a, **k: pytest.fail("collected despite the full disk"))
+    code = main(["collect", "--factory", f"{world}/factory.py:make", "--layer", "2", "--quiet",
+                 "--base", f"{world}/base.safetensors", "--finetuned", f"{world}/ft0.safetensors",
+                 "--calibration", f"{world}/cal0.pt", "--out", str(tmp_path / "s.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "not enough free space for the statistics and problem files" in err
+    assert not (tmp_path / "s.npz").exists()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadDataError, ConfigError, ValidationError, unknown
-from ..io.atomic import check_output_file
+from ..io.atomic import check_free_space, check_output_file
 from ..io.writer import check_tensor_finite
 
 INPUT_KEYS = ("inputs", "x")
@@ -125,6 +125,20 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     return CollectArgs(factory_kwargs, device, task_weights, problem_path)
 
 
+def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisations: list[str]) -> int:
+    """A rough size (bytes) of the statistics and problem files for a merge layer with ``rows`` x
+    ``columns`` (weight and bias) and ``n_models`` models: float64 ``H`` (n x n) and ``g`` per
+    task and in total for each streamed parametrisation, once more for the problem file, plus
+    the residuals. Per-sample data (``--keep-samples``) comes on top."""
+    atoms = {"rows": rows, "columns": columns, "scalar": 1}
+    n_tasks = n_models
+    total = 0
+    for name in parametrisations:
+        n = n_models * atoms.get(name, rows)
+        total += 8 * (n * n + n) * (n_tasks + 2)
+    return total + 2 * 8 * n_models * rows * columns
+
+
 def check_problem_parametrisation(spec: str) -> None:
     """``rows`` / ``scalar`` / ``columns`` or a basis ``NAME:P[:SEED]`` with a registered NAME
     and integers P >= 1, SEED >= 0 (P <= r is checked once the layer is known)."""
@@ -171,6 +185,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     base = build_model(factory, factory_kwargs, args.base, dtype, device)
     fts = [build_model(factory, factory_kwargs, f, dtype, device) for f in args.finetuned]
+    layer = dict(base.named_modules()).get(args.layer)
+    if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
+        need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
+        check_free_space(args.out, need, "the statistics and problem files")
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
     calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
     stats = collect_statistics(

@@ -121,14 +121,16 @@ MAX_SEED = 2**53
 
 
 def prepare_out_dir(out_dir: Any, overwrite: bool = False) -> None:
-    """Create ``out_dir`` (and parents), or a clear error before any work: not a folder, not
-    writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then its
-    content is replaced when the run has finished)."""
+    """Check ``out_dir`` before any work, with a clear error: not a folder, cannot be created,
+    not writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then
+    its content is replaced when the run has finished). A folder created for the check is
+    removed again (the run writes the whole folder atomically at its end)."""
     path = os.fspath(out_dir)
     if not path:
         raise ValidationError("the output folder (--out) is empty")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValidationError(f"--out {path!r} exists and is not a folder")
+    created = not os.path.exists(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -141,6 +143,8 @@ def prepare_out_dir(out_dir: Any, overwrite: bool = False) -> None:
     if os.listdir(path) and not overwrite:
         raise ValidationError(f"the output folder {path!r} is not empty; pass --overwrite (overwrite=True) "
                               f"to replace its contents")
+    if created:  # an interrupted run then leaves no empty folder behind
+        os.rmdir(path)
 
 
 def run_mnist_experiment(

@@ -29,7 +29,6 @@ from typing import Any
 from ..errors import BadDataError, OutputError, ValidationError
 from .atomic import (
     atomic_folder,
-    check_free_space,
     check_output_folder,
     copy_file_atomic,
     write_text_atomic,

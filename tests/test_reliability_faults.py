@@ -208,3 +208,12 @@ def test_collect_refuses_a_disk_too_small_before_collecting(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert code == 2 and "not enough free space for the statistics and problem files" in err
     assert not (tmp_path / "s.npz").exists()
+
+
+def test_atomic_file_writes_exact_name_and_keeps_permissions(tmp_path):
+    target = tmp_path / "d"
+    target.write_text("old")
+    os.chmod(target, 0o640)
+    atomic.save_npy_atomic(target, np.arange(3.0))
+    assert np.load(target).tolist() == [0.0, 1.0, 2.0] and not (tmp_path / "d.npy").exists()
+    assert (os.stat(target).st_mode & 0o777) == 0o640 and leftovers(tmp_path) == []

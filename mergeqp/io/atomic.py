@@ -26,6 +26,7 @@ import io
 import json
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -86,6 +87,8 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", encoding: str | 
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()
+            with contextlib.suppress(OSError):  # a replaced file keeps its permissions
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
             os.replace(tmp, target)
         except OSError as exc:
             raise _output_error(target, exc) from None
@@ -179,8 +182,6 @@ def check_output_file(path: str | os.PathLike[str], option: str,
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} is not writable")
-    if p.exists() and not os.access(p, os.W_OK) and not os.access(folder, os.W_OK):
-        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: the file is read-only")
 
 
 def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]] = (),

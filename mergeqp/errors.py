@@ -56,6 +56,60 @@ class ConfigError(MergeQPError, ValueError):
     """A configuration file or command-line setting is invalid."""
 
 
+class BadDataError(ValidationError):
+    """The input files were read, but their numbers are unusable: NaN or inf in a checkpoint
+    tensor, in calibration statistics or in a problem's arrays, or a merge that would write
+    non-finite weights. The message names the tensor (or array) and the model (or file)."""
+
+
+class OutputError(MergeQPError, OSError):
+    """Writing an output failed (disk full, permission denied, read-only file system, ...).
+    Outputs are written atomically, so the previous state of the path is left as it was."""
+
+
+class Interrupted(MergeQPError):
+    """The run was stopped by SIGINT (Ctrl-C) or SIGTERM; no output was left half-written."""
+
+
+#: exit codes of the ``mergeqp`` command line (README, ``docs/reliability.md``, every ``--help``)
+EXIT_OK = 0
+EXIT_NOT_CERTIFIED = 1
+EXIT_USAGE = 2
+EXIT_BAD_DATA = 3
+EXIT_IO = 4
+EXIT_INTERRUPTED = 130
+
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success (solved and certified; the output was written)"),
+    (EXIT_NOT_CERTIFIED, "solved (and written), but the answer is not certified"),
+    (EXIT_USAGE, "usage or configuration error: a bad argument or config value, an unknown name, "
+                 "a missing or malformed input file, an output that would overwrite an input"),
+    (EXIT_BAD_DATA, "bad input data: NaN or inf in a checkpoint, statistics or problem file, or a "
+                    "merge that would produce non-finite weights"),
+    (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
+              "previous state of the output is kept"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); the previous state of the output is kept"),
+)
+
+
+def exit_code(exc: BaseException) -> int:
+    """The command-line exit code for an exception that stopped a command (see :data:`EXIT_CODES`)."""
+    if isinstance(exc, (KeyboardInterrupt, Interrupted)):
+        return EXIT_INTERRUPTED
+    if isinstance(exc, BadDataError):
+        return EXIT_BAD_DATA
+    if isinstance(exc, OutputError) or (isinstance(exc, OSError) and not isinstance(exc, MergeQPError)):
+        return EXIT_IO
+    if isinstance(exc, MergeQPError):
+        return EXIT_USAGE
+    raise TypeError(f"no exit code for {type(exc).__name__}")
+
+
+def exit_code_epilog() -> str:
+    """The exit-code table as ``--help`` epilog text."""
+    return "exit codes:\n" + "\n".join(f"  {code:<4d} {what}" for code, what in EXIT_CODES)
+
+
 def unknown(kind: str, name: str, valid: Iterable[str]) -> UnknownNameError:
     """Build the standard "unknown X; valid Xs: ..." error."""
     return UnknownNameError(kind, name, valid)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ValidationError
+from .errors import BadDataError, ValidationError
 from .io.calibration import Batch
 
 RESTRICTIONS = ("none", "topk", "projection")
@@ -154,7 +154,8 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
     for batch in batches:
         raw = spec.raw(forward(model, batch, device))
         if not torch.all(torch.isfinite(raw)):
-            raise ValidationError("the fine-tuned model produced non-finite outputs on the calibration prompts")
+            raise BadDataError("the fine-tuned model produced non-finite outputs on the calibration prompts "
+                               "(NaN or inf in its checkpoint, or an overflow in its dtype)")
         index = spec.topk_index(raw) if spec.restrict == "topk" else None
         target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index)
         out.append(TargetBatch(batch, target.detach().to("cpu", torch.float64),

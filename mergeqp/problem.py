@@ -15,6 +15,7 @@ large to store; then only the solvers and certificate quantities that need produ
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import NotConvexError, ValidationError
+from .errors import BadDataError, NotConvexError, ValidationError
+from .io.atomic import save_npz_atomic
 
 Matvec = Callable[[np.ndarray], np.ndarray]
 
@@ -65,11 +67,12 @@ def as_float_array(value: Any, name: str) -> np.ndarray:
 
 
 def check_finite(name: str, array: np.ndarray) -> None:
-    """Raise :class:`ValidationError` naming ``name`` and the first bad index if not finite."""
+    """Raise :class:`BadDataError` (a :class:`ValidationError`) naming ``name`` and the first
+    bad index if not finite."""
     if not np.all(np.isfinite(array)):
         bad = np.argwhere(~np.isfinite(array))
         first = tuple(int(i) for i in bad[0]) if bad.size else ()
-        raise ValidationError(
+        raise BadDataError(
             f"{name} contains {len(bad)} non-finite value(s) (NaN or inf), first at index {first}"
         )
 
@@ -165,7 +168,7 @@ class MergeQP:
             raise ValidationError(f"c must be a scalar, got an array of shape {c_arr.shape}")
         c = float(c_arr.reshape(()))
         if not math.isfinite(c):
-            raise ValidationError(f"c is not finite ({c})")
+            raise BadDataError(f"c is not finite ({c})")
 
         shape = (1, n) if shape_in is None else shape_in
         if shape[0] * shape[1] != n:
@@ -412,7 +415,10 @@ class MergeQP:
             if key in arrays:
                 raise ValidationError(f"extra array {key!r} would overwrite the problem's own field")
             arrays[key] = np.asarray(value)
-        np.savez(path, **arrays)
+        path = os.fspath(path)
+        if not path.endswith(".npz"):
+            path += ".npz"  # the name numpy.savez has always given the file
+        save_npz_atomic(path, arrays)
 
     @classmethod
     def load_npz(cls, path: str) -> MergeQP:
@@ -523,10 +529,19 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
         raise ValidationError(f"problem file not found: {path}")
     if os.path.isdir(path):
         raise ValidationError(f"problem file {path} is a directory, not an .npz file")
+    not_ours = (f"cannot read problem file {path}: not a mergeqp problem file (an .npz archive "
+                f"with H, g, c and shape, as written by MergeQP.save_npz or mergeqp collect)")
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(6)
+    except OSError as exc:
+        raise ValidationError(f"cannot read problem file {path}: {exc.strerror or exc}") from None
+    if not magic.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+        raise ValidationError(f"{not_ours}; it {'is empty' if not magic else 'starts with ' + repr(magic)}")
     try:
         data = np.load(path, allow_pickle=False)
     except Exception as exc:  # noqa: BLE001 - report any unreadable file the same way
-        raise ValidationError(f"cannot read problem file {path}: {type(exc).__name__}: {exc}") from None
+        raise ValidationError(f"{not_ours}; numpy says {type(exc).__name__}: {exc}") from None
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise ValidationError(
             f"{path} holds a single array, not an .npz archive with H, g, c and shape "
@@ -537,6 +552,9 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
         try:
             return data[key]
         except Exception as exc:  # noqa: BLE001 - object arrays, truncated files, ...
+            if "allow_pickle" in str(exc):  # numpy's advice to unpickle would run arbitrary code
+                raise ValidationError(f"{path}: array {key!r} holds pickled Python objects, not numbers: "
+                                      f"not a mergeqp problem file") from None
             raise ValidationError(f"{path}: cannot read array {key!r}: {exc}") from None
 
     with data:

@@ -1,14 +1,31 @@
-"""The ``mergeqp`` command line: one module per subcommand, registered explicitly below."""
+"""The ``mergeqp`` command line: one module per subcommand, registered explicitly below.
+
+:func:`main` maps what stopped a command to its exit code (:data:`mergeqp.errors.EXIT_CODES`,
+printed in every ``--help``): 0 success, 1 solved but not certified, 2 usage or configuration
+error, 3 bad input data (NaN / inf), 4 I/O error while writing, 130 interrupted (Ctrl-C or
+SIGTERM). Errors are one line ``mergeqp COMMAND: error: ...`` on stderr, never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
-from ..errors import MergeQPError
+from ..errors import (
+    EXIT_INTERRUPTED,
+    EXIT_IO,
+    EXIT_USAGE,
+    Interrupted,
+    MergeQPError,
+    exit_code,
+    exit_code_epilog,
+)
 
 # subcommand -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
 SUBCOMMANDS: dict[str, str] = {
@@ -39,7 +56,37 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         module.register(sub)
+    _add_exit_codes(parser)
     return parser
+
+
+def _add_exit_codes(parser: argparse.ArgumentParser) -> None:
+    """Put the exit-code table in the ``--help`` of ``parser`` and of every subcommand (nested)."""
+    epilog = exit_code_epilog()
+    parser.epilog = epilog
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    for action in parser._actions:  # noqa: SLF001 - argparse offers no public walk over subparsers
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            for child in dict.fromkeys(action.choices.values()):
+                _add_exit_codes(child)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`Interrupted` (like Ctrl-C), so that atomic writes clean up and the
+    previous outputs stay; only in the main thread (where signal handlers can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        raise Interrupted(f"stopped by signal {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,15 +94,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return EXIT_USAGE
     try:
-        return int(args.func(args) or 0)
+        with _sigterm_as_interrupt():
+            return int(args.func(args) or 0)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        how = str(exc) if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
+        print(f"mergeqp {args.command}: {how}; outputs keep their previous state", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except MergeQPError as exc:
         print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return exit_code(exc)
     except BrokenPipeError:
         # output piped into a program that stopped reading (e.g. `mergeqp bench | head`):
         # silence the second error Python would print at exit and exit like other tools do
@@ -64,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError:
             pass
         return 141
+    except OSError as exc:  # a write outside the atomic helpers; they name the path themselves
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"mergeqp {args.command}: error: I/O error{where}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_IO
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -9,6 +9,10 @@ certificate), objective, certified relative gap (the certificate's Frank-Wolfe /
 over the certificate's scale ``max(|J|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))``), certified yes/no at ``--rel-tol``, and the relative difference
 to the stored reference optimum when one exists. This is a benchmark, not a test: numbers
 depend on the machine.
+
+Exit codes: 0 when at least one cell ran (failed cells are listed on stderr); 2 when every cell
+failed or was skipped (nothing was measured), or for a bad argument; 4 when ``--json`` cannot
+be written (it is checked before the run and written atomically).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
+import sys
 import time
 from typing import Any
 
 from ..errors import ConfigError, MergeQPError, unknown
+from ..io.atomic import check_output_file, write_json_atomic
 
 
 def register(subparsers: Any) -> None:
@@ -181,16 +186,20 @@ def run(args: argparse.Namespace) -> int:
                    and (s != "closed_form" or "none" in constraints)]
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):
-            raise ConfigError(f"--json {args.json!r}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise ConfigError(f"--json {args.json!r}: folder {folder} is not writable")
+        check_output_file(args.json, "--json")
     print(HEADER)
     print("-" * len(HEADER))
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,
                       max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options)
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"rel_tol": args.rel_tol, "rows": rows}, fh, indent=1, default=str)
+        write_json_atomic(args.json, {"rel_tol": args.rel_tol, "rows": rows}, indent=1, default=str)
+    failed = [r for r in rows if "error" in r]
+    measured = [r for r in rows if "error" not in r and "skipped" not in r]
+    if failed:
+        print(f"mergeqp bench: {len(failed)} of {len(rows)} cell(s) failed: "
+              + "; ".join(f"{r['problem']} / {r['constraint']} / {r['solver']}" for r in failed[:10])
+              + (" ..." if len(failed) > 10 else ""), file=sys.stderr)
+    if not measured:
+        raise ConfigError(f"no cell of the benchmark ran: {len(failed)} failed and "
+                          f"{len(rows) - len(failed)} were skipped (see the table); nothing was measured")
     return 0

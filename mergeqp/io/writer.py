@@ -8,20 +8,31 @@ several as ``model-0000i-of-0000N.safetensors`` plus ``model.safetensors.index.j
 ``transformers`` writes and reads. ``config.json`` is copied from the source folder (its dtype
 entry updated to the dtype written), and so are ``generation_config.json``, tokenizer and
 processor files when present. The writer refuses to write into (or over) an input folder.
+
+The folder is written atomically (:func:`mergeqp.io.atomic.atomic_folder`): it is assembled in
+a hidden sibling folder and renamed into place once complete, so a full disk, Ctrl-C or an
+error leaves the previous ``out_dir`` (or none) and never a partial model. Every floating-point
+tensor is checked finite before it is written (a :class:`~mergeqp.errors.BadDataError` naming
+the tensor). ``extra_files`` lets the caller add files (a report) that need the
+:class:`WrittenModel` and must be in the folder when it appears.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ValidationError
+from ..errors import BadDataError, OutputError, ValidationError
+from .atomic import (
+    atomic_folder,
+    check_output_folder,
+    copy_file_atomic,
+    write_text_atomic,
+)
 from .checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_config
 
 #: files copied from the source folder when present (besides config.json)
@@ -64,21 +75,19 @@ class WrittenModel:
     index: str | None
 
 
-def check_output_folder(out: Path, protected: Sequence[Path], overwrite: bool = False) -> None:
-    """Refuse an output folder that is, contains or lies inside a protected (input) path, and a
-    non-empty one unless ``overwrite``."""
-    out_r = out.expanduser().resolve()
-    for p in protected:
-        pr = Path(p).expanduser().resolve()
-        inside_input = pr.is_dir() and out_r.is_relative_to(pr)
-        if out_r == pr or pr.is_relative_to(out_r) or inside_input:
-            raise ValidationError(
-                f"output folder {out} overlaps input {p}; inputs are never modified: choose another --out"
-            )
-    if out_r.exists() and not out_r.is_dir():
-        raise ValidationError(f"output path {out} exists and is not a folder")
-    if out_r.is_dir() and any(out_r.iterdir()) and not overwrite:
-        raise ValidationError(f"output folder {out} is not empty; pass --overwrite to replace its contents")
+def check_tensor_finite(name: str, tensor: Any, model: str) -> None:
+    """Raise :class:`~mergeqp.errors.BadDataError` naming ``name`` and ``model`` when the
+    floating-point torch ``tensor`` holds NaN or inf (integer / bool tensors always pass)."""
+    import torch
+
+    if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
+        return
+    bad = ~torch.isfinite(tensor)
+    if bool(bad.any()):
+        count = int(bad.sum())
+        first = tuple(int(i) for i in torch.nonzero(bad)[0]) if tensor.ndim else ()
+        raise BadDataError(f"tensor {name!r} of {model} has {count} non-finite value(s) (NaN or inf), "
+                           f"first at index {first}")
 
 
 def _config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
@@ -103,6 +112,7 @@ def save_hf_folder(
     protected: Sequence[str | Path] = (),
     overwrite: bool = False,
     metadata: Mapping[str, str] | None = None,
+    extra_files: Callable[[WrittenModel], Mapping[str, str]] | None = None,
 ) -> WrittenModel:
     """Write ``tensors`` (an iterable of ``(name, torch.Tensor)``; consumed once, in order) as a
     Hugging Face folder.
@@ -111,6 +121,12 @@ def save_hf_folder(
     ``config``); ``tokenizer_folder``: where tokenizer files come from (default the source).
     ``dtype``: torch dtype (or name) to cast floating tensors to (default: as given); the
     config's dtype entry records it. ``protected``: input paths the output must not overlap.
+    ``extra_files``: called with the result (its ``folder`` is the final ``out_dir``) before
+    the folder is renamed into place; returns ``{file name: text}`` to write into it too (e.g.
+    ``report.json`` / ``report.md``), so that the folder appears complete with them or not at all.
+    Raises :class:`~mergeqp.errors.BadDataError` for a non-finite tensor,
+    :class:`~mergeqp.errors.OutputError` when the disk refuses a write; in both cases nothing
+    changes at ``out_dir``.
     """
     import torch
     from safetensors.torch import save_file
@@ -119,10 +135,22 @@ def save_hf_folder(
     check_output_folder(out, [Path(p) for p in protected], overwrite=overwrite)
     limit = parse_size(max_shard_bytes)
     cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("model*.safetensors")) + [out / SAFETENSORS_INDEX]:
-        if old.exists() and overwrite:
-            old.unlink()
+    with atomic_folder(out, overwrite=overwrite) as staging:
+        written = _write_folder(staging, tensors, limit, cast, metadata, source_folder, config,
+                                tokenizer_folder, save_file)
+        written = replace(written, folder=out)
+        for fname, text in (extra_files(written) if extra_files is not None else {}).items():
+            write_text_atomic(staging / fname, text)
+    return written
+
+
+def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cast: Any,
+                  metadata: Mapping[str, str] | None, source_folder: str | Path | None,
+                  config: Mapping[str, Any] | None, tokenizer_folder: str | Path | None,
+                  save_file: Callable[..., None]) -> WrittenModel:
+    """Write the shards, index, config and auxiliary files into ``out`` (the staging folder)."""
+    import torch
+
     st_meta = {"format": "pt", "producer": "mergeqp"}
     st_meta.update({str(k): str(v) for k, v in (metadata or {}).items()})
 
@@ -138,7 +166,11 @@ def save_hf_folder(
         if not current:
             return
         tmp = f"tmp-mergeqp-{len(shards):05d}.safetensors"
-        save_file(current, str(out / tmp), metadata=st_meta)
+        try:
+            save_file(current, str(out / tmp), metadata=st_meta)
+        except OSError as exc:
+            raise OutputError(f"cannot write the model shard {tmp}: {exc.strerror or exc}; "
+                              f"the output folder was not changed") from None
         shards.append((tmp, list(current)))
         current, current_bytes = {}, 0
 
@@ -153,6 +185,7 @@ def save_hf_folder(
             t = t.to(cast)
         # own, contiguous CPU storage (safetensors refuses shared or strided storage)
         t = t.to("cpu").contiguous().clone()
+        check_tensor_finite(name, t, "the merged model")
         written_dtypes.add(str(t.dtype).replace("torch.", ""))
         nbytes = t.numel() * t.element_size()
         if current and current_bytes + nbytes > limit:
@@ -167,17 +200,17 @@ def save_hf_folder(
     files: list[str] = []
     index_name: str | None = None
     if len(shards) == 1:
-        os.replace(out / shards[0][0], out / SAFETENSORS_SINGLE)
+        (out / shards[0][0]).rename(out / SAFETENSORS_SINGLE)
         files.append(SAFETENSORS_SINGLE)
     else:
         weight_map: dict[str, str] = {}
         n = len(shards)
         for i, (tmp, names) in enumerate(shards, start=1):
             final = f"model-{i:05d}-of-{n:05d}.safetensors"
-            os.replace(out / tmp, out / final)
+            (out / tmp).rename(out / final)
             files.append(final)
             weight_map.update({nm: final for nm in names})
-        (out / SAFETENSORS_INDEX).write_text(json.dumps(
+        write_text_atomic(out / SAFETENSORS_INDEX, json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         index_name = SAFETENSORS_INDEX
 
@@ -187,7 +220,7 @@ def save_hf_folder(
     if cfg is not None:
         float_dtypes = sorted(d for d in written_dtypes if d.startswith(("float", "bfloat")))
         dtype_name = float_dtypes[0] if len(float_dtypes) == 1 else None
-        (out / "config.json").write_text(json.dumps(_config_with_dtype(cfg, dtype_name), indent=2))
+        write_text_atomic(out / "config.json", json.dumps(_config_with_dtype(cfg, dtype_name), indent=2))
         copied.append("config.json")
     tok = Path(tokenizer_folder).expanduser() if tokenizer_folder is not None else src
     for folder, names in ((src, ("generation_config.json", "preprocessor_config.json")), (tok, AUX_FILES)):
@@ -197,6 +230,6 @@ def save_hf_folder(
             if fname in copied:
                 continue
             if (folder / fname).is_file():
-                shutil.copyfile(folder / fname, out / fname)
+                copy_file_atomic(folder / fname, out / fname)
                 copied.append(fname)
     return WrittenModel(out, tuple(files), total, len(seen), tuple(copied), index_name)

@@ -10,7 +10,9 @@ Each model may be given as
 The *reference* model is the base when there is one, else ``finetuned[0]``: its names fix the
 output's keys and order, its dtypes the output's dtypes. Every model must hold exactly the
 reference's tensor names with the same shapes; the error names the first offending tensor and
-the model (``base`` or ``finetuned[k]``, 0-based).
+the model (``base`` or ``finetuned[k]``, 0-based). Every floating-point tensor is checked
+finite when it is first read: NaN or inf is a :class:`~mergeqp.errors.BadDataError` naming the
+tensor and the model, whatever the method or its ``evaluate`` setting.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ValidationError
+from ..io.writer import check_tensor_finite
 
 MAX_LISTED = 5
 
@@ -35,6 +38,7 @@ class TensorSource:
         import torch
 
         self.label = label
+        self._checked: set[str] = set()  # names already checked finite
         self._checkpoint = None
         self._tensors: Mapping[str, Any] | None = None
         if isinstance(obj, torch.nn.Module):
@@ -99,13 +103,25 @@ class TensorSource:
                 tuple(value.stride()), value.dtype, str(value.device))
 
     def get(self, name: str) -> Any:
-        """The tensor ``name`` (a torch tensor; not copied when the source holds tensors)."""
+        """The tensor ``name`` (a torch tensor; not copied when the source holds tensors).
+        Raises :class:`~mergeqp.errors.BadDataError` when it holds NaN or inf."""
         import torch
 
         if self._checkpoint is not None:
-            return self._checkpoint.get(name)
-        value = self._tensors[name]  # type: ignore[index]
-        return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+            tensor = self._checkpoint.get(name)
+        else:
+            value = self._tensors[name]  # type: ignore[index]
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+        if name not in self._checked:
+            if tensor.device.type != "meta":
+                check_tensor_finite(name, tensor, self.describe())
+            self._checked.add(name)
+        return tensor
+
+    def describe(self) -> str:
+        """The model's label, with its checkpoint path when read from disk."""
+        path = getattr(self._checkpoint, "path", None)
+        return self.label if path is None else f"{self.label} ({path})"
 
 
 @dataclass(frozen=True, eq=False)

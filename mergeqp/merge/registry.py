@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, unknown
+from ..io.writer import check_tensor_finite
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
 from .inputs import prepare_inputs
@@ -92,6 +93,9 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
             out[name] = (sum(t.to(device, dtype=wide) for t in tensors) / len(tensors)).to(dtype)
         else:
             out[name] = ref.get(name)
+            continue  # checked finite when read
+        # in the output's dtype: a float16 overflow, or a user method's bug
+        check_tensor_finite(name, out[name], f"the {spec.name} merge")
     return out
 
 

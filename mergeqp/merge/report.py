@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from ..io.atomic import write_text_atomic
 from ..jsonutil import to_jsonable
 
 
@@ -25,7 +26,7 @@ def jsonable(x: Any) -> Any:
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:
-    path.write_text(json.dumps(jsonable(report), indent=2))
+    write_text_atomic(path, json.dumps(jsonable(report), indent=2))
 
 
 def _f(x: Any, digits: int = 6) -> str:
@@ -134,5 +135,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_files(report: dict[str, Any]) -> dict[str, str]:
+    """``{"report.json": text, "report.md": text}``: what :func:`write_json` and
+    :func:`write_markdown` write, for ``save_hf_folder(..., extra_files=...)`` (the folder then
+    appears with its report, or not at all)."""
+    data = jsonable(report)
+    return {"report.json": json.dumps(data, indent=2), "report.md": render_markdown(data)}
+
+
 def write_markdown(path: Path, report: dict[str, Any]) -> None:
-    path.write_text(render_markdown(jsonable(report)))
+    write_text_atomic(path, render_markdown(jsonable(report)))

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError
+from ..io.atomic import save_npz_atomic
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk
 from .parametrisation import Basis, BasisParametrisation, as_parametrisation
 
@@ -70,8 +71,7 @@ def save_stats(stats: CalibrationStats, path: str, *, include_samples: bool = Tr
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValidationError(f"cannot write {path}: directory {directory} does not exist")
-    with open(path, "wb") as fh:
-        np.savez(fh, **arrays)
+    save_npz_atomic(path, arrays)
 
 
 def load_stats(path: str) -> CalibrationStats:

@@ -1,0 +1,274 @@
+"""Atomic writes: an output path holds either its previous content or the new, complete one.
+
+Every file mergeqp writes (solutions, arrays, statistics, problem files, reports, plots,
+safetensors shards) goes through this module:
+
+- :func:`atomic_file` opens a temporary file *in the same folder* (``.NAME.tmp-mergeqp-*``),
+  hands it to the caller, then flushes, ``fsync``s and ``os.replace``s it onto ``NAME`` (and
+  ``fsync``s the folder). If anything goes wrong first (an exception, ``OSError(ENOSPC)``,
+  Ctrl-C), the temporary file is removed and ``NAME`` keeps its old content. A hard kill
+  (SIGKILL, power loss) can leave a ``.tmp-mergeqp-`` file beside it, never a half-written ``NAME``.
+- :func:`atomic_folder` assembles a folder output in a sibling temporary folder and renames it
+  into place at the end; a previous folder (``overwrite``) is moved aside first and deleted
+  after the rename.
+- :func:`check_output_file` / :func:`check_output_folder` / :func:`check_free_space` validate an
+  output before any heavy work: not an input (after resolving links), the folder exists and is
+  writable, and (where the caller can estimate it) there is room for it.
+
+Failures while writing are :class:`~mergeqp.errors.OutputError` (exit code 4) naming the path;
+a bad output path found before the work is a :class:`~mergeqp.errors.ValidationError` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from ..errors import ConfigError, OutputError, ValidationError
+
+TMP_MARK = ".tmp-mergeqp-"
+OLD_MARK = ".old-mergeqp-"
+#: free space kept in reserve beyond an output's estimated size (bytes)
+SPACE_MARGIN = 16 * 1024**2
+
+
+def _tmp_name(path: Path, mark: str = TMP_MARK) -> Path:
+    return path.with_name(f".{path.name}{mark}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Persist a rename (POSIX: the folder's entry table); a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _output_error(path: Any, exc: OSError) -> OutputError:
+    err = OutputError(f"cannot write {os.fspath(path)}: {exc.strerror or exc}; its previous state is kept")
+    err.errno = exc.errno
+    return err
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str], mode: str = "wb", encoding: str | None = None) -> Iterator[IO[Any]]:
+    """``with atomic_file(path, "w") as fh: ...``: write ``path`` all at once or not at all.
+
+    ``mode``: ``"wb"`` (binary) or ``"w"`` (text, ``encoding`` default UTF-8). The file is
+    written exactly at ``path`` (no extension is added). An ``OSError`` while writing becomes an
+    :class:`OutputError` naming ``path``; any exception (also ``KeyboardInterrupt``) removes
+    the temporary file and leaves ``path`` untouched.
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_file writes new content: mode 'w' or 'wb', got {mode!r}")
+    target = Path(path)
+    tmp = _tmp_name(target)
+    fh: IO[Any] | None = None
+    try:
+        try:
+            fh = open(tmp, mode, encoding=(encoding or "utf-8") if mode == "w" else None)  # noqa: SIM115
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+            with contextlib.suppress(OSError):  # a replaced file keeps its permissions
+                os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
+            os.replace(tmp, target)
+        except OSError as exc:
+            raise _output_error(target, exc) from None
+    except BaseException:
+        if fh is not None and not fh.closed:
+            with contextlib.suppress(OSError):
+                fh.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_folder(target.parent)
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_file(path, "wb") as fh:
+        fh.write(data)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    with atomic_file(path, "w") as fh:
+        fh.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int = 1, **dumps_kwargs: Any) -> None:
+    """Serialise ``obj`` first (a serialisation error writes nothing), then write it atomically
+    with a final newline."""
+    text = json.dumps(obj, indent=indent, **dumps_kwargs) + "\n"
+    write_text_atomic(path, text)
+
+
+def save_npy_atomic(path: str | os.PathLike[str], array: Any) -> None:
+    """``numpy.save`` to exactly ``path`` (numpy itself would append ``.npy``), atomically."""
+    with atomic_file(path, "wb") as fh:
+        np.save(fh, np.asarray(array), allow_pickle=False)
+
+
+def save_npz_atomic(path: str | os.PathLike[str], arrays: dict[str, Any]) -> None:
+    """``numpy.savez`` of ``arrays`` to exactly ``path``, atomically."""
+    with atomic_file(path, "wb") as fh:
+        np.savez(fh, **arrays)
+
+
+def savefig_atomic(fig: Any, path: str | os.PathLike[str], **kwargs: Any) -> None:
+    """``fig.savefig`` into memory, then write the bytes atomically (the format from the suffix)."""
+    buffer = io.BytesIO()
+    fmt = Path(path).suffix.lstrip(".") or "png"
+    fig.savefig(buffer, format=fmt, **kwargs)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def copy_file_atomic(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+    """Copy ``src`` to ``dst`` atomically (``dst`` is complete or unchanged)."""
+    with atomic_file(dst, "wb") as fh, open(src, "rb") as source:
+        shutil.copyfileobj(source, fh)
+
+
+# ---------------------------------------------------------------------- checks before work
+def _resolved(p: str | os.PathLike[str]) -> Path:
+    return Path(p).expanduser().resolve()
+
+
+def overlapping_input(out: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> str | None:
+    """The first input that ``out`` is, contains or lies inside (links resolved), else ``None``."""
+    out_r = _resolved(out)
+    for p in inputs:
+        pr = _resolved(p)
+        if out_r == pr or pr.is_relative_to(out_r) or (pr.is_dir() and out_r.is_relative_to(pr)):
+            return os.fspath(p)
+        with contextlib.suppress(OSError):
+            if out_r.exists() and pr.exists() and os.path.samefile(out_r, pr):  # hard links
+                return os.fspath(p)
+    return None
+
+
+def check_output_file(path: str | os.PathLike[str], option: str,
+                      inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
+    """Before any work: refuse an output file that is (or lies inside) an input, is a folder,
+    or whose folder is missing or not writable. ``option`` names it in the message
+    (``"--out"``, ``"the solution"``...). Raises :class:`ValidationError`."""
+    p = Path(path).expanduser()
+    clash = overlapping_input(p, inputs)
+    if clash is not None:
+        raise ValidationError(f"{option} {os.fspath(path)} would overwrite the input {clash}; inputs are never "
+                          f"written: choose another path")
+    if p.is_dir():
+        raise ValidationError(f"{option} {os.fspath(path)} is a folder; give a file name")
+    folder = p.resolve().parent
+    if not folder.is_dir():
+        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} is not writable")
+
+
+def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]] = (),
+                        overwrite: bool = False, option: str = "output folder") -> None:
+    """Before any work: refuse an output folder that is, contains or lies inside an input (links
+    resolved), a path that is a file, a non-empty folder unless ``overwrite``, and a place where
+    it cannot be created (the nearest existing parent must be a writable folder). Raises
+    :class:`ConfigError`."""
+    out_p = Path(out).expanduser()
+    clash = overlapping_input(out_p, inputs)
+    if clash is not None:
+        raise ValidationError(f"{option} {os.fspath(out)} overlaps input {clash}; inputs are never modified: "
+                          f"choose another --out")
+    out_r = out_p.resolve()
+    if out_r.exists() and not out_r.is_dir():
+        raise ValidationError(f"{option} {os.fspath(out)} exists and is not a folder")
+    if out_r.is_dir() and any(out_r.iterdir()) and not overwrite:
+        raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+    parent = out_r.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValidationError(f"cannot create {option} {os.fspath(out)}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValidationError(f"cannot create {option} {os.fspath(out)}: folder {parent} is not writable")
+
+
+def check_free_space(path: str | os.PathLike[str], need_bytes: int, option: str = "the output") -> None:
+    """Before any work: refuse when the file system holding ``path`` (or its nearest existing
+    parent) has less than ``need_bytes`` plus a small margin free. Raises :class:`ConfigError`."""
+    p = Path(path).expanduser().resolve()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        free = shutil.disk_usage(p).free
+    except OSError:
+        return  # cannot tell: the atomic writes still keep the old state if the disk fills
+    if free < int(need_bytes) + SPACE_MARGIN:
+        raise ConfigError(
+            f"not enough free space for {option} at {os.fspath(path)}: about {int(need_bytes) / 1e6:.1f} MB "
+            f"needed, {free / 1e6:.1f} MB free"
+        )
+
+
+# ---------------------------------------------------------------------- folders
+@contextlib.contextmanager
+def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """``with atomic_folder(out) as staging: ...write files into staging...``; on success the
+    staging folder (a sibling of ``out``) becomes ``out``. A previous ``out`` (empty, or any
+    content with ``overwrite``) is moved aside first and removed after the rename. On any
+    exception (also Ctrl-C) the staging folder is removed and ``out`` is left as it was.
+    Call :func:`check_output_folder` first for a clear message about a bad ``out``."""
+    target = Path(out).expanduser().absolute()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"output path {os.fspath(out)} exists and is not a folder")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ConfigError(f"output folder {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+    staging = _tmp_name(target)
+    try:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+        except OSError as exc:
+            raise _output_error(target, exc) from None
+        yield staging
+        old = _tmp_name(target, OLD_MARK) if target.exists() else None
+        try:
+            if old is not None:
+                os.replace(target, old)
+            try:
+                os.replace(staging, target)
+            except OSError:
+                if old is not None:
+                    os.replace(old, target)  # put the previous folder back
+                raise
+        except OSError as exc:
+            raise _output_error(target, exc) from None
+        _fsync_folder(target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+__all__ = [
+    "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
+    "copy_file_atomic", "overlapping_input", "save_npy_atomic", "save_npz_atomic", "savefig_atomic",
+    "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
+]

@@ -1,0 +1,63 @@
+"""Warnings a merge report must carry (issue #14): a merged model that is worse than the base on
+a held-out metric, and layers whose residuals are zero.
+
+Both functions return notes (plain sentences) for the report's ``notes`` list; they never
+raise for a bad merge -- the model is still written, the report says what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+def _finite(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def heldout_regression_notes(evaluation: Mapping[str, Any]) -> list[str]:
+    """Notes for every task whose held-out MSE is higher (worse) for the merged model than for
+    the base, and for a calibration objective that rose. ``evaluation``: the report's
+    ``{"base": {"heldout_mse": {task: mse}, "calibration_objective": J}, "merged": {...}}``
+    (MSE per logit, objective in units of squared output). Missing entries give no note."""
+    base, merged = evaluation.get("base") or {}, evaluation.get("merged") or {}
+    notes: list[str] = []
+    b_mse, m_mse = base.get("heldout_mse") or {}, merged.get("heldout_mse") or {}
+    worse = []
+    for task, b in b_mse.items():
+        bv, mv = _finite(b), _finite(m_mse.get(task))
+        if bv is not None and mv is not None and mv > bv:
+            worse.append(f"{task} {bv:.4g} -> {mv:.4g}")
+    if worse:
+        notes.append(f"WORSE THAN THE BASE: the merged model's held-out MSE is higher than the base model's "
+                     f"on {len(worse)} of {len(b_mse)} task(s): {'; '.join(worse)}")
+    bj, mj = _finite(base.get("calibration_objective")), _finite(merged.get("calibration_objective"))
+    if bj is not None and mj is not None and mj > bj:
+        notes.append(f"WORSE THAN THE BASE: the merged model's calibration objective is higher than the base "
+                     f"model's ({bj:.6g} -> {mj:.6g})")
+    return notes
+
+
+def zero_residual_notes(layer: str, residual_norms: Sequence[float], model_names: Sequence[str]) -> list[str]:
+    """Notes for a layer whose residuals ``delta_k = W_k - W_base`` are zero: for every model
+    (the layer has nothing to merge: it keeps the base weight and its coefficients mean
+    nothing), or for some models (their coefficients have no effect). ``residual_norms``: the
+    Frobenius norm of each model's residual at ``layer``, in the order of ``model_names``."""
+    if len(residual_norms) != len(model_names):
+        raise ValueError(f"{len(residual_norms)} residual norms for {len(model_names)} models")
+    zero = [name for name, norm in zip(model_names, residual_norms) if float(norm) == 0.0]
+    if not zero:
+        return []
+    if len(zero) == len(model_names):
+        return [f"layer {layer}: every model's residual is zero (the fine-tuned weights equal the base's): "
+                f"there is nothing to merge; the layer keeps the base weight and its coefficients d are arbitrary"]
+    return [f"layer {layer}: the residual of {', '.join(repr(z) for z in zero)} is zero (its weight equals the "
+            f"base's), so its coefficients have no effect"]
+
+
+__all__ = ["heldout_regression_notes", "zero_residual_notes"]

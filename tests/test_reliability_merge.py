@@ -1,0 +1,43 @@
+"""`mergeqp merge` (Hugging Face folders) given a checkpoint with NaN: refused with exit code 3
+naming the tensor and the model, whatever `evaluate` says, and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+import _hf_helpers as H  # noqa: E402
+from _reliability_helpers import digests, leftovers  # noqa: E402
+
+from mergeqp.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    fam = H.make_family(tmp_path_factory.mktemp("nanfam") / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    for path in fam.finetuned[1].glob("*.safetensors"):
+        sd = load_file(str(path))
+        if "model.layers.1.mlp.down_proj.weight" in sd:
+            sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+            save_file(sd, str(path), metadata={"format": "pt"})
+    return fam
+
+
+@pytest.mark.parametrize("method", [{"name": "ties", "params": {"density": 0.5}}, {"name": "task_arithmetic"},
+                                    {"name": "qp", "mode": "single"}])
+def test_merge_refuses_nan_checkpoint(family, tmp_path, capsys, method):
+    cfg = H.write_config(family, tmp_path / "c.yml", [H.MLP_LAYER["llama"]], method,
+                         evaluate=method["name"] == "qp")
+    before = digests(family.root)
+    code = main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "non-finite" in err and "Traceback" not in err
+    if method["name"] != "qp":  # the baselines name the tensor and the model
+        assert "tensor 'model.layers.1.mlp.down_proj.weight' of finetuned[1]" in err
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+    assert digests(family.root) == before

@@ -1,0 +1,52 @@
+"""Report flags of issue #14: a merged model worse than the base on a held-out metric, and
+layers whose residuals are zero; and the report files written inside the atomic model folder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mergeqp.io import save_hf_folder
+from mergeqp.merge.flags import heldout_regression_notes, zero_residual_notes
+from mergeqp.merge.report import report_files
+
+
+def test_worse_than_base_is_flagged_per_task():
+    evaluation = {"base": {"heldout_mse": {"code": 1.0, "math": 2.0}, "calibration_objective": 10.0},
+                  "merged": {"heldout_mse": {"code": 1.5, "math": 1.0}, "calibration_objective": 12.0}}
+    notes = heldout_regression_notes(evaluation)
+    assert len(notes) == 2
+    assert "on 1 of 2 task(s): code 1 -> 1.5" in notes[0] and "math" not in notes[0]
+    assert "calibration objective" in notes[1] and "10 -> 12" in notes[1]
+
+
+def test_better_or_missing_metrics_give_no_note():
+    assert heldout_regression_notes({"base": {"heldout_mse": {"a": 2.0}}, "merged": {"heldout_mse": {"a": 1.0}}}) == []
+    assert heldout_regression_notes({"base": {"heldout_mse": {"a": 2.0}}}) == []
+    assert heldout_regression_notes({"base": {"heldout_mse": {"a": "nan"}},
+                                     "merged": {"heldout_mse": {"a": 3.0}}}) == []
+
+
+def test_zero_residuals_are_flagged():
+    assert zero_residual_notes("mlp.down", [0.0, 0.0], ["a", "b"])[0].startswith(
+        "layer mlp.down: every model's residual is zero")
+    assert "the residual of 'b' is zero" in zero_residual_notes("l", [1.0, 0.0], ["a", "b"])[0]
+    assert zero_residual_notes("l", [1.0, 2.0], ["a", "b"]) == []
+    with pytest.raises(ValueError, match="2 residual norms for 1 models"):
+        zero_residual_notes("l", [1.0, 2.0], ["a"])
+
+
+def test_report_files_land_inside_the_model_folder(tmp_path):
+    def files(written):
+        return report_files({"output": {"folder": str(written.folder), "weight_files": list(written.weight_files),
+                                        "tensors": written.n_tensors, "bytes": written.total_bytes,
+                                        "copied": list(written.copied)}})
+
+    out = tmp_path / "merged"
+    written = save_hf_folder(out, iter([("w", torch.ones(3))]), extra_files=files)
+    assert written.folder == out
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["output"]["folder"] == str(out) and rep["output"]["weight_files"] == ["model.safetensors"]
+    assert (out / "report.md").read_text().startswith("# mergeqp merge report")

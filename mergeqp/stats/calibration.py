@@ -322,7 +322,7 @@ class CalibrationStats:
             )
 
     def _from_samples(self, param: Parametrisation, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import torch
+        import torch  # deferred: torch is heavy
 
         assert self.samples is not None
         n = self.K * param.n_atoms(self.r, self.m1)
@@ -339,7 +339,7 @@ class CalibrationStats:
         return H.numpy(), g.numpy()
 
     def _chunk_design(self, param: Parametrisation, chunk: SampleChunk, D: Any) -> tuple[Any, Any]:
-        import torch
+        import torch  # deferred: torch is heavy
 
         Z = torch.from_numpy(chunk.layer_input)
         L = torch.from_numpy(chunk.jacobian)
@@ -424,7 +424,7 @@ class CalibrationStats:
 
     def linearised_change(self, d: Any, parametrisation: Any = "rows") -> np.ndarray:
         """First-order output change ``A_j d`` for every sample (``(N, c)``, calibration order)."""
-        import torch
+        import torch  # deferred: torch is heavy
 
         samples = self._require_samples("linearised_change()")
         param = self.parametrisation(parametrisation)

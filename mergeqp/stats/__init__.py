@@ -33,7 +33,7 @@ from .bases import (
     standard_basis,
     svd_basis,
 )
-from .calibration import CalibrationStats, CollectedProblem, SampleChunk
+from .calibration import CalibrationStats, CollectedProblem, SampleChunk, load_stats
 from .collect import collect_statistics, estimate_statistics_bytes
 from .diagnostics import EnergyReport, energy_report, suboptimality_gap
 from .hooks import linear_layer_names
@@ -49,7 +49,7 @@ from .parametrisation import (
     as_parametrisation,
     register_parametrisation,
 )
-from .storage import load_stats, save_stats
+from .storage import save_stats
 
 __all__ = [
     "BASES",

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import ValidationError
+from ..errors import MergeQPError, ValidationError
 
 INPUT_KEYS = ("inputs", "x")
 #: keyword inputs whose first dimension is the batch (Hugging Face names first)
@@ -112,8 +112,6 @@ def checked_call(model: Any, inputs: Any, where: str, who: str = "the model") ->
     """:func:`call_model`, with a failure of the model on these inputs (wrong feature size,
     dtype or device, missing keyword) turned into one :class:`ValidationError` naming the
     batch and the model."""
-    from ..errors import MergeQPError
-
     try:
         return call_model(model, inputs)
     except MergeQPError:

@@ -43,12 +43,12 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError
 from ..lm import OutputSpec, TargetBatch
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
-from ..stats.linearise import JACOBIAN_MODES, OutputDerivatives, perturbed_output, run_recorded
+from ..stats.linearise import OutputDerivatives, check_mode, perturbed_output, run_recorded
 from .sites import LayerSite, append_ones, site_module
 
 
@@ -209,8 +209,7 @@ def collect_first_order(
 
     if not atoms:
         raise ValidationError("no merge sites given")
-    if jacobian_mode not in JACOBIAN_MODES:
-        raise unknown("jacobian_mode", jacobian_mode, JACOBIAN_MODES)
+    check_mode(jacobian_mode)
     K = atoms[0].K
     if any(a.K != K for a in atoms):
         raise ValidationError("every site needs the same number of models K")

@@ -127,13 +127,18 @@ def flatten_output(y: Any, batch: int, where: str) -> Any:
 
 
 
+def check_mode(mode: str) -> None:
+    """Raise :class:`ValidationError` unless ``mode`` is one of :data:`JACOBIAN_MODES`."""
+    if mode not in JACOBIAN_MODES:
+        raise ValidationError(f"jacobian_mode must be one of {JACOBIAN_MODES}, got {mode!r}")
+
+
 def choose_mode(mode: str, n_outputs: int, n_tangents: int) -> str:
     """``"forward"`` or ``"reverse"`` for ``mode`` (one of :data:`JACOBIAN_MODES`), by counting:
     derivatives along ``n_tangents`` tangents of ``n_outputs`` compared outputs cost
     ``n_tangents`` JVPs forward or ``n_outputs`` VJPs in reverse; ``auto`` takes the fewer
     (reverse on a tie, as it needs one forward pass less)."""
-    if mode not in JACOBIAN_MODES:
-        raise ValidationError(f"jacobian_mode must be one of {JACOBIAN_MODES}, got {mode!r}")
+    check_mode(mode)
     if mode == "auto":
         return "reverse" if n_outputs <= n_tangents else "forward"
     return mode

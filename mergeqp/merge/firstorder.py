@@ -203,8 +203,9 @@ def collect_first_order(
 
     ``jacobian_mode``: how each site's ``K n_atoms`` directional derivatives are computed
     (:meth:`mergeqp.stats.linearise.OutputDerivatives.along`): ``forward`` (one JVP per atom,
-    the default), ``reverse`` (one VJP per compared output, then contracted) or ``auto``
-    (the fewer of the two, :func:`mergeqp.stats.linearise.choose_mode`)."""
+    the default), ``reverse`` (one VJP per compared output, then contracted; needs samples that
+    do not interact inside the model) or ``auto`` (the fewer of the two,
+    :func:`mergeqp.stats.linearise.choose_mode`)."""
     import torch  # deferred: torch is heavy
 
     if not atoms:

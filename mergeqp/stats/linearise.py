@@ -30,8 +30,9 @@ The pieces, in the order a producer uses them:
 - :class:`~mergeqp.stats.gauss_newton.GaussNewtonSums`: the float64 sums ``H_t``, ``g_t``.
 
 Products over the whole batch give per-sample Jacobians because samples do not interact
-(``d h_j / d u_i = 0`` for ``i != j``; models are put in eval mode). Directional derivatives
-along tangents that perturb every sample need no such assumption. The Jacobian is exact for a
+(``d h_j / d u_i = 0`` for ``i != j``; models are put in eval mode): reverse mode and the full
+Jacobian rely on it. Forward-mode directional derivatives along tangents that perturb every
+sample need no such assumption. The Jacobian is exact for a
 linear downstream and first-order correct through nonlinearities, and for sequences it
 includes how perturbing one position changes the outputs at others (attention).
 """
@@ -235,7 +236,8 @@ class OutputDerivatives:
         """``(d f)[v_i]`` for tangents ``v`` (``(n, *zero.shape)``): ``(n, B, c)``.
 
         ``mode``: ``forward`` (``n`` JVPs), ``reverse`` (``c`` VJPs, then a contraction with
-        the Jacobian, kept for the next call) or ``auto`` (:func:`choose_mode`)."""
+        the per-sample Jacobian, kept for the next call; exact only when samples do not
+        interact, see the module docstring) or ``auto`` (:func:`choose_mode`)."""
         import torch  # deferred: torch is heavy
         from torch.func import jvp, vmap  # deferred: torch is heavy
 

@@ -8,10 +8,12 @@ output of sample ``j`` is, to first order in every site's update at once,
     h_j(d) ~= h_j + sum_l A_j^(l) (d^(l) - d0^(l)),
 
 where ``A_j^(l)[:, (k, a)]`` is the output's directional derivative along the layer-output
-perturbation ``B_(k,a)^(l) z_j^(l)`` (the atom's activation). The derivative is one
-``torch.func.jvp`` per atom (vectorised over atoms with ``vmap``), through a forward hook that adds
-a perturbation to the site's output, so no ``(c, T r)`` Jacobian is ever formed: the cost is
-``n`` JVPs per batch for ``n`` atoms. When the model's site weight is not the base weight (hybrid
+perturbation ``B_(k,a)^(l) z_j^(l)`` (the atom's activation). The derivatives come from the
+linearisation core (:mod:`mergeqp.stats.linearise`), through a forward hook that adds a
+perturbation to the site's output. By default one ``torch.func.jvp`` per atom (vectorised over
+atoms with ``vmap``), so no ``(c, T r)`` Jacobian is ever formed: the cost is ``n`` JVPs per
+batch for ``n`` atoms; ``jacobian_mode="reverse"`` (or ``"auto"`` when ``c <= n``) takes ``c``
+VJPs for ``c`` compared outputs instead. When the model's site weight is not the base weight (hybrid
 merging), its offset ``W_cur - W_base`` is pushed forward too and subtracted, so that the
 quadratic model is expressed in the absolute coefficients ``d`` (merged weight
 ``W_base + sum d_a B_a``) while being accurate around the current weights.

@@ -409,7 +409,7 @@ def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: s
     # independent samples give other outputs that do not move at all (the same computation);
     # allow a few units of rounding of the largest output (nondeterministic kernels)
     eps = float(torch.finfo(h.dtype).eps) if h.is_floating_point() else 0.0
-    tol = max(1e-3 * own, 16.0 * eps * float(h.abs().max()))
+    tol = max(1e-3 * own, 16.0 * eps * float(h.detach().abs().max()))
     if others > tol:
         raise ValidationError(
             f"{where}: perturbing the merge layer's output for sample 0 changed the compared "

@@ -38,7 +38,7 @@ lower-bounds the (per-sample relaxed) objective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +174,25 @@ class FirstOrderStats:
         return got / total if total > 0 else 0.0
 
 
+def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
+                    device: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """For one batch with targets, its inputs, mask and positions moved to ``device``:
+    ``call()`` runs ``model`` on the inputs; ``compared(output)`` is the compared output that
+    ``spec`` selects (with the batch's mask and target positions), flattened to ``(B, c)``."""
+    inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+    index = None if tb.index is None else tb.index.to(device)
+
+    def call() -> Any:
+        return model(**inputs)
+
+    def compared(out: Any) -> Any:
+        o = spec.select(spec.raw(out), mask, index)
+        return o.reshape(o.shape[0], -1)
+
+    return call, compared
+
+
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
     import torch  # deferred: torch is heavy
@@ -232,17 +251,7 @@ def collect_first_order(
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
             for bi, tb in enumerate(task.batches):
-                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-                index = None if tb.index is None else tb.index.to(device)
-
-                def call(_inputs: Any = inputs) -> Any:
-                    return model(**_inputs)
-
-                def compared(out: Any, _mask: Any = mask, _index: Any = index) -> Any:
-                    o = spec.select(spec.raw(out), _mask, _index)
-                    return o.reshape(o.shape[0], -1)
-
+                call, compared = batch_functions(model, spec, tb, device)
                 out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 Bsz = h.shape[0]

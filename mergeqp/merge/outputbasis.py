@@ -49,6 +49,7 @@ from ..stats.bases import random_basis, svd_basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
+from .firstorder import batch_functions
 from .sites import LayerSite, append_ones, site_module
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -159,17 +160,7 @@ def collect_output_basis(
         for task in tasks:
             w = float(task.weight)
             for bi, tb in enumerate(task.batches):
-                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-                index = None if tb.index is None else tb.index.to(device)
-
-                def call(_inputs: Any = inputs) -> Any:
-                    return model(**_inputs)
-
-                def compared(out: Any, _mask: Any = mask, _index: Any = index) -> Any:
-                    o = spec.select(spec.raw(out), _mask, _index)
-                    return o.reshape(o.shape[0], -1)
-
+                call, compared = batch_functions(model, spec, tb, device)
                 out = run_recorded(call, [hook], [f"layer {site.name!r}"], f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 B, cb = int(h.shape[0]), int(h.shape[1])

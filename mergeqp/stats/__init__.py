@@ -9,6 +9,10 @@
   :func:`optimal_basis`) and energy diagnostics (:func:`energy_report`);
 - :func:`apply_merge` turns a solution ``d`` into a merged model (a copy).
 
+Every producer of statistics (here and in :mod:`mergeqp.merge.firstorder`) linearises through
+one core: :mod:`.linearise` (hooked forward pass, forward/reverse derivatives chosen by counting)
+and :mod:`.gauss_newton` (float64 ``H``, ``g``, ``c`` sums).
+
 See ``docs/statistics.md``.
 """
 

@@ -8,10 +8,12 @@ output of sample ``j`` is, to first order in every site's update at once,
     h_j(d) ~= h_j + sum_l A_j^(l) (d^(l) - d0^(l)),
 
 where ``A_j^(l)[:, (k, a)]`` is the output's directional derivative along the layer-output
-perturbation ``B_(k,a)^(l) z_j^(l)`` (the atom's activation). The derivative is one
-``torch.func.jvp`` per atom (vectorised over atoms with ``vmap``), through a forward hook that adds
-a perturbation to the site's output, so no ``(c, T r)`` Jacobian is ever formed: the cost is
-``n`` JVPs per batch for ``n`` atoms. When the model's site weight is not the base weight (hybrid
+perturbation ``B_(k,a)^(l) z_j^(l)`` (the atom's activation). The derivatives come from the
+linearisation core (:mod:`mergeqp.stats.linearise`), through a forward hook that adds a
+perturbation to the site's output. By default one ``torch.func.jvp`` per atom (vectorised over
+atoms with ``vmap``), so no ``(c, T r)`` Jacobian is ever formed: the cost is ``n`` JVPs per
+batch for ``n`` atoms; ``jacobian_mode="reverse"`` (or ``"auto"`` when ``c <= n``) takes ``c``
+VJPs for ``c`` compared outputs instead. When the model's site weight is not the base weight (hybrid
 merging), its offset ``W_cur - W_base`` is pushed forward too and subtracted, so that the
 quadratic model is expressed in the absolute coefficients ``d`` (merged weight
 ``W_base + sum d_a B_a``) while being accurate around the current weights.
@@ -36,16 +38,19 @@ lower-bounds the (per-sample relaxed) objective.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import ExitStack
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..errors import ValidationError
 from ..lm import OutputSpec, TargetBatch
 from ..problem import MergeQP
+from ..stats.gauss_newton import GaussNewtonSums
+from ..stats.hooks import hooked_layers
+from ..stats.linearise import OutputDerivatives, check_mode, perturbed_output, run_recorded
 from .sites import LayerSite, append_ones, site_module
 
 
@@ -169,9 +174,28 @@ class FirstOrderStats:
         return got / total if total > 0 else 0.0
 
 
+def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
+                    device: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """For one batch with targets, its inputs, mask and positions moved to ``device``:
+    ``call()`` runs ``model`` on the inputs; ``compared(output)`` is the compared output that
+    ``spec`` selects (with the batch's mask and target positions), flattened to ``(B, c)``."""
+    inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+    index = None if tb.index is None else tb.index.to(device)
+
+    def call() -> Any:
+        return model(**inputs)
+
+    def compared(out: Any) -> Any:
+        o = spec.select(spec.raw(out), mask, index)
+        return o.reshape(o.shape[0], -1)
+
+    return call, compared
+
+
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     G = A.transpose(1, 2) @ A  # (B, n, n)
     v = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)  # (B, n)
@@ -193,73 +217,43 @@ def collect_first_order(
     chunk_size: int = 256,
     progress: bool = False,
     energy: bool = True,
+    jacobian_mode: str = "forward",
 ) -> FirstOrderStats:
     """Linearise ``model`` (in eval mode, unchanged) at ``atoms``' sites jointly on every task's
-    batches and accumulate the statistics (see the module docstring)."""
-    import torch
-    from torch.func import jvp, vmap
+    batches and accumulate the statistics (see the module docstring).
 
-    from ..stats.hooks import PerturbationHook, eval_mode
+    ``jacobian_mode``: how each site's ``K n_atoms`` directional derivatives are computed
+    (:meth:`mergeqp.stats.linearise.OutputDerivatives.along`): ``forward`` (one JVP per atom,
+    the default), ``reverse`` (one VJP per compared output, then contracted; needs samples that
+    do not interact inside the model) or ``auto`` (the fewer of the two,
+    :func:`mergeqp.stats.linearise.choose_mode`)."""
+    import torch  # deferred: torch is heavy
 
     if not atoms:
         raise ValidationError("no merge sites given")
+    check_mode(jacobian_mode)
     K = atoms[0].K
     if any(a.K != K for a in atoms):
         raise ValidationError("every site needs the same number of models K")
     names = tuple(model_names) if model_names is not None else tuple(f"model{k}" for k in range(K))
     N = sum(a.n_atoms for a in atoms)
     n = K * N
-    hooks = [PerturbationHook() for _ in atoms]
-    H = torch.zeros(len(tasks), n, n, dtype=torch.float64, device=device)
-    g = torch.zeros(len(tasks), n, dtype=torch.float64, device=device)
-    c = torch.zeros(len(tasks), dtype=torch.float64)
+    sums = GaussNewtonSums(len(tasks), n, device)
     counts = []
     energies = []
     total_batches = sum(len(t.batches) for t in tasks)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total_batches, desc="statistics " + ",".join(a.site.name for a in atoms)[:60], leave=False)
-
-    def compared(out: Any, tb: TargetBatch, mask: Any, index: Any) -> Any:
-        raw = spec.raw(out)
-        o = spec.select(raw, mask, index)
-        return o.reshape(o.shape[0], -1)
-
-    with ExitStack() as stack, eval_mode(model):
-        for a, hook in zip(atoms, hooks):
-            handle = site_module(model, a.site).register_forward_hook(hook)
-            stack.callback(handle.remove)
-        params = [p for p in model.parameters()]
-        saved = [p.requires_grad for p in params]
-        stack.callback(lambda: [p.requires_grad_(s) for p, s in zip(params, saved)])
-        for p in params:
-            p.requires_grad_(False)
-
+    bar = tqdm(total=total_batches, desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
+               leave=False, disable=not progress)
+    modules = [site_module(model, a.site) for a in atoms]
+    labels = [f"layer {a.site.name!r}" for a in atoms]
+    with hooked_layers(model, modules) as hooks:
         for ti, task in enumerate(tasks):
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
-            for tb in task.batches:
-                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-                index = None if tb.index is None else tb.index.to(device)
-                for hook in hooks:
-                    hook.record = True
-                    hook.calls = 0
-                try:
-                    with torch.no_grad():
-                        out = model(**inputs)
-                finally:
-                    for hook in hooks:
-                        hook.record = False
-                for a, hook in zip(atoms, hooks):
-                    if hook.calls != 1:
-                        raise ValidationError(
-                            f"layer {a.site.name!r} ran {hook.calls} times in one forward pass; a merge "
-                            f"site must run exactly once (shared or reused layers cannot be merged)"
-                        )
-                h = compared(out, tb, mask, index)
+            for bi, tb in enumerate(task.batches):
+                call, compared = batch_functions(model, spec, tb, device)
+                out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
+                h = compared(out)
                 Bsz = h.shape[0]
                 y = tb.target.to(device=device, dtype=torch.float64).reshape(Bsz, -1)
                 b = h.to(torch.float64) - y
@@ -268,32 +262,21 @@ def collect_first_order(
                 for a, hook in zip(atoms, hooks):
                     Z = append_ones(hook.layer_input, a.site.has_bias)
                     u0 = torch.zeros_like(hook.layer_output)
-
-                    def f(p: Any, _hook: Any = hook, _inputs: Any = inputs, _tb: Any = tb,
-                          _mask: Any = mask, _index: Any = index) -> Any:
-                        _hook.perturbation = p
-                        try:
-                            return compared(model(**_inputs), _tb, _mask, _index)
-                        finally:
-                            _hook.perturbation = None
-
-                    def push(v: Any, _f: Any = f, _u0: Any = u0) -> Any:
-                        return jvp(_f, (_u0,), (v,))[1]
-
+                    derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0,
+                                                    int(h.shape[1]), chunk_size=chunk_size)
                     off = a.offset_tangent(Z)
                     if off is not None:
-                        b = b - push(off.to(u0.dtype)).to(torch.float64)
-                    # all K * n_atoms tangents, model-major, pushed forward in chunks
+                        b = b - derivatives.push(off.to(u0.dtype)).to(torch.float64)
+                    # all K * n_atoms tangents, model-major
                     tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
-                    cols = vmap(push, chunk_size=chunk_size)(tang)  # (K n, B, c)
+                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c)
                     cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
                     blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
                 A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
                 if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
                     raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
-                H[ti] += 2.0 * torch.einsum("bcn,bcm->nm", A, A)
-                g[ti] += 2.0 * torch.einsum("bcn,bc->n", A, b)
-                c[ti] += float((b * b).sum())
+                sums.add_design(ti, A, b)
+                sums.add_residual(ti, b)
                 count += tb.count
                 if energy:
                     e["total"] += float((b * b).sum())
@@ -307,15 +290,14 @@ def collect_first_order(
                             offset += a.n_atoms
                     else:
                         e[atoms[0].site.name] = e["joint"]
-                if bar is not None:
-                    bar.update(1)
+                bar.update(1)
             counts.append(count)
             energies.append(e)
-    if bar is not None:
-        bar.close()
+    bar.close()
     atom_names = tuple(f"{a.site.name}:{nm}" if len(atoms) > 1 else nm for a in atoms for nm in a.atom_names())
+    H, g, c = sums.numpy()
     return FirstOrderStats(
-        H=H.cpu().numpy(), g=g.cpu().numpy(), c=c.numpy(), K=K,
+        H=H, g=g, c=c, K=K,
         site_names=tuple(a.site.name for a in atoms), site_atoms=tuple(a.n_atoms for a in atoms),
         atom_names=atom_names, model_names=names, task_names=tuple(t.name for t in tasks),
         task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),

@@ -36,14 +36,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..errors import ValidationError
 from ..lm import OutputSpec
+from ..stats.bases import random_basis, svd_basis
+from ..stats.diagnostics import range_basis
+from ..stats.hooks import hooked_layers
+from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
+from .firstorder import batch_functions
 from .sites import LayerSite, append_ones, site_module
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -108,8 +114,6 @@ class OutputBasisStats:
 
     def captured(self, Q: np.ndarray) -> float:
         """``tr(S P_{L Q})`` for an ``(r, p)`` basis ``Q``."""
-        from ..stats.diagnostics import range_basis
-
         if self.rank == 0:
             return 0.0
         P = range_basis(self.L @ np.asarray(Q, dtype=np.float64))
@@ -137,10 +141,7 @@ def collect_output_basis(
 
     ``offset``: ``W_cur - W_base`` (``(r, m1)``) when the model's site weight is not the base's
     (hybrid): its first-order effect is subtracted from the residuals, as in the QP."""
-    import torch
-    from torch.func import jvp, vmap
-
-    from ..stats.hooks import PerturbationHook, eval_mode
+    import torch  # deferred: torch is heavy
 
     t0 = time.perf_counter()
     sizes = [int(tb.target[0].numel()) for task in tasks for tb in task.batches]
@@ -154,59 +155,22 @@ def collect_output_basis(
     total = 0.0
     weight_sum = 0.0
     n_samples = 0
-    hook = PerturbationHook()
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(sizes), desc=f"optimal basis {site.name}"[:60], leave=False)
-    with ExitStack() as stack, eval_mode(model):
-        handle = site_module(model, site).register_forward_hook(hook)
-        stack.callback(handle.remove)
-        params = list(model.parameters())
-        saved = [p.requires_grad for p in params]
-        stack.callback(lambda: [p.requires_grad_(s) for p, s in zip(params, saved)])
-        for p in params:
-            p.requires_grad_(False)
+    bar = tqdm(total=len(sizes), desc=f"optimal basis {site.name}"[:60], leave=False, disable=not progress)
+    with hooked_layers(model, [site_module(model, site)]) as (hook,):
         for task in tasks:
             w = float(task.weight)
-            for tb in task.batches:
-                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-                mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-                index = None if tb.index is None else tb.index.to(device)
-
-                def compared(out: Any, _mask: Any = mask, _index: Any = index) -> Any:
-                    o = spec.select(spec.raw(out), _mask, _index)
-                    return o.reshape(o.shape[0], -1)
-
-                hook.record, hook.calls = True, 0
-                try:
-                    with torch.no_grad():
-                        out = model(**inputs)
-                finally:
-                    hook.record = False
-                if hook.calls != 1:
-                    raise ValidationError(f"layer {site.name!r} ran {hook.calls} times in one forward pass; a merge "
-                                          f"site must run exactly once")
+            for bi, tb in enumerate(task.batches):
+                call, compared = batch_functions(model, spec, tb, device)
+                out = run_recorded(call, [hook], [f"layer {site.name!r}"], f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 B, cb = int(h.shape[0]), int(h.shape[1])
                 b = h.to(torch.float64) - tb.target.to(device=device, dtype=torch.float64).reshape(B, -1)
                 u0 = torch.zeros_like(hook.layer_output)
-
-                def f(p: Any, _inputs: Any = inputs, _compared: Any = compared) -> Any:
-                    hook.perturbation = p
-                    try:
-                        return _compared(model(**_inputs))
-                    finally:
-                        hook.perturbation = None
-
-                def push(v: Any, _f: Any = f, _u0: Any = u0) -> Any:
-                    return jvp(_f, (_u0,), (v,))[1]
-
+                derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0, cb)
                 if offset is not None:
                     Z = append_ones(hook.layer_input, site.has_bias)
                     off = Z @ offset.to(Z.dtype).to(Z.device).t()
-                    b = b - push(off.to(u0.dtype)).to(torch.float64)
+                    b = b - derivatives.push(off.to(u0.dtype)).to(torch.float64)
                 if not torch.all(torch.isfinite(b)):
                     raise ValidationError(f"non-finite outputs at layer {site.name!r} on task {task.name!r}")
                 eye = torch.eye(r, dtype=u0.dtype, device=u0.device)
@@ -214,7 +178,7 @@ def collect_output_basis(
                 for start in range(0, r, chunk_size):
                     stop = min(start + chunk_size, r)
                     tang = eye[start:stop].reshape(stop - start, *lead, r).expand(stop - start, *u0.shape).contiguous()
-                    cols = vmap(push)(tang).to(torch.float64)  # (n, B, cb)
+                    cols = derivatives.along(tang).to(torch.float64)  # (n, B, cb)
                     if not torch.all(torch.isfinite(cols)):
                         raise ValidationError(f"non-finite Jacobian at layer {site.name!r} on task {task.name!r}")
                     L_sum[:cb, start:stop] += w * cols.sum(dim=1).t()
@@ -224,10 +188,8 @@ def collect_output_basis(
                 padded = torch.zeros(B, c, dtype=torch.float64)
                 padded[:, :cb] = math.sqrt(w) * b.cpu()
                 residuals.append(padded)
-                if bar is not None:
-                    bar.update(1)
-    if bar is not None:
-        bar.close()
+                bar.update(1)
+    bar.close()
     if weight_sum <= 0:
         raise ValidationError(f"basis: optimal at layer {site.name!r}: every task has weight 0")
     L = L_sum / weight_sum
@@ -245,10 +207,6 @@ def collect_output_basis(
 
 def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
     """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
-    from types import SimpleNamespace
-
-    from ..stats.bases import random_basis, svd_basis
-
     holder = SimpleNamespace(r=stats.r, deltas=np.asarray(deltas))
     return {"optimal": stats.energy_fraction(stats.basis(p).Q),
             "svd": stats.energy_fraction(svd_basis(holder, p).Q),

@@ -9,6 +9,10 @@
   :func:`optimal_basis`) and energy diagnostics (:func:`energy_report`);
 - :func:`apply_merge` turns a solution ``d`` into a merged model (a copy).
 
+Every producer of statistics (here and in :mod:`mergeqp.merge.firstorder`) linearises through
+one core: :mod:`.linearise` (hooked forward pass, forward/reverse derivatives chosen by counting)
+and :mod:`.gauss_newton` (float64 ``H``, ``g``, ``c`` sums).
+
 See ``docs/statistics.md``.
 """
 
@@ -33,7 +37,7 @@ from .bases import (
     standard_basis,
     svd_basis,
 )
-from .calibration import CalibrationStats, CollectedProblem, SampleChunk
+from .calibration import CalibrationStats, CollectedProblem, SampleChunk, load_stats
 from .collect import collect_statistics, estimate_statistics_bytes
 from .diagnostics import EnergyReport, energy_report, suboptimality_gap
 from .hooks import linear_layer_names
@@ -49,7 +53,7 @@ from .parametrisation import (
     as_parametrisation,
     register_parametrisation,
 )
-from .storage import load_stats, save_stats
+from .storage import save_stats
 
 __all__ = [
     "BASES",

@@ -106,7 +106,7 @@ def set_linear_weights(model: Any, layer: str, weight: np.ndarray, bias: np.ndar
 
     ``expected_base`` (augmented ``(r, m1)``): if given, the model's layer must hold it (checks
     that the statistics belong to this model)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     module = resolve_linear(model, layer, "model")
     check_untied(model, layer, "model")
@@ -149,7 +149,7 @@ def apply_merge_state_dict(base_state_dict: Mapping[str, Any], finetuned_state_d
                            layer: str, d: Any, parametrisation: Any = "rows") -> dict[str, Any]:
     """The state-dict form of :func:`apply_merge`: a new dict with ``{layer}.weight`` (and
     ``.bias``) merged; other entries are the base's tensors (not copied)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     wkey, bkey = f"{layer}.weight", f"{layer}.bias"
     if wkey not in base_state_dict:

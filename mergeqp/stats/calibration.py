@@ -34,6 +34,9 @@ import numpy as np
 
 from ..errors import ValidationError, unknown
 from ..problem import MergeQP
+from .apply import merge_points, set_linear_weights
+from .bases import parse_basis_spec
+from .diagnostics import energy_report, suboptimality_gap
 from .parametrisation import (
     Basis,
     BasisParametrisation,
@@ -41,36 +44,10 @@ from .parametrisation import (
     as_parametrisation,
     check_d,
 )
+from .records import CollectedProblem, SampleChunk
+from .storage import read_stats, save_stats
 
 SOURCES = ("auto", "collected", "samples", "shared")
-
-
-@dataclass(frozen=True, eq=False)
-class SampleChunk:
-    """Per-sample data of one batch of one task (float64): ``layer_input`` ``(B, T, m1)``
-    (augmented), ``jacobian`` ``(B, c, T, r)``, ``residual`` ``(B, c)`` = ``h - y``."""
-
-    task: int
-    layer_input: np.ndarray
-    jacobian: np.ndarray
-    residual: np.ndarray
-
-    @property
-    def size(self) -> int:
-        return int(self.residual.shape[0])
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.layer_input.nbytes + self.jacobian.nbytes + self.residual.nbytes)
-
-
-@dataclass(frozen=True, eq=False)
-class CollectedProblem:
-    """Per-task ``H_t`` (``(K, n, n)``) and ``g_t`` (``(K, n)``) of one parametrisation."""
-
-    parametrisation: Parametrisation
-    H: np.ndarray
-    g: np.ndarray
 
 
 def _frozen(a: np.ndarray | None) -> np.ndarray | None:
@@ -217,8 +194,6 @@ class CalibrationStats:
         ``"NAME:P[:SEED]"`` (``standard``, ``svd``, ``random``, ``optimal``) is built from these
         statistics."""
         if isinstance(spec, str) and ":" in spec:
-            from .bases import parse_basis_spec
-
             return BasisParametrisation(parse_basis_spec(spec, self, seed=seed,
                                                          task_weights=task_weights))
         param = as_parametrisation(spec)
@@ -322,7 +297,7 @@ class CalibrationStats:
             )
 
     def _from_samples(self, param: Parametrisation, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import torch
+        import torch  # deferred: torch is heavy
 
         assert self.samples is not None
         n = self.K * param.n_atoms(self.r, self.m1)
@@ -339,7 +314,7 @@ class CalibrationStats:
         return H.numpy(), g.numpy()
 
     def _chunk_design(self, param: Parametrisation, chunk: SampleChunk, D: Any) -> tuple[Any, Any]:
-        import torch
+        import torch  # deferred: torch is heavy
 
         Z = torch.from_numpy(chunk.layer_input)
         L = torch.from_numpy(chunk.jacobian)
@@ -364,8 +339,6 @@ class CalibrationStats:
     # ------------------------------------------------------------------ diagnostics
     def energy_report(self, basis: Any, task_weights: Any = None, method: str = "auto") -> Any:
         """Captured energy, fraction and relaxed bound of a basis (:func:`energy_report`)."""
-        from .diagnostics import energy_report
-
         return energy_report(self, basis, task_weights=task_weights, method=method)
 
     def energy_fraction(self, basis: Any, task_weights: Any = None, method: str = "auto") -> float:
@@ -380,8 +353,6 @@ class CalibrationStats:
     def suboptimality_gap(self, basis: Any, reference: Any = None, task_weights: Any = None,
                           method: str = "auto") -> float:
         """``tr(S (P_ref - P_basis))``; ``reference`` defaults to the optimal basis of equal p."""
-        from .diagnostics import suboptimality_gap
-
         return suboptimality_gap(self, basis, reference, task_weights=task_weights, method=method)
 
     # ------------------------------------------------------------------ merged weights
@@ -397,8 +368,6 @@ class CalibrationStats:
 
     def apply(self, base_model: Any, d: Any, parametrisation: Any = "rows") -> Any:
         """A copy of ``base_model`` with the merge layer set to :meth:`merged_weights`."""
-        from .apply import set_linear_weights
-
         weight, bias = self.merged_weights(d, parametrisation)
         return set_linear_weights(base_model, self.layer, weight, bias,
                                   expected_base=self.reference_weight if self.reference_weight
@@ -407,8 +376,6 @@ class CalibrationStats:
     def merge_points(self, parametrisation: Any = "rows", *, lam: float = 1.0,
                      dare_p: float = 0.5, seed: int = 0) -> dict[str, np.ndarray]:
         """Known merges as points of the QP: ``task_arithmetic``, ``soup`` and (rows) ``row_dare``."""
-        from .apply import merge_points
-
         param = self.parametrisation(parametrisation)
         return merge_points(param, self.K, self.r, self.m1, lam=lam, dare_p=dare_p, seed=seed)
 
@@ -424,7 +391,7 @@ class CalibrationStats:
 
     def linearised_change(self, d: Any, parametrisation: Any = "rows") -> np.ndarray:
         """First-order output change ``A_j d`` for every sample (``(N, c)``, calibration order)."""
-        import torch
+        import torch  # deferred: torch is heavy
 
         samples = self._require_samples("linearised_change()")
         param = self.parametrisation(parametrisation)
@@ -440,15 +407,11 @@ class CalibrationStats:
     # ------------------------------------------------------------------ io and display
     def save(self, path: str, *, include_samples: bool = True) -> None:
         """Write the statistics to an ``.npz`` (arrays + JSON metadata); see :mod:`.storage`."""
-        from .storage import save_stats
-
         save_stats(self, path, include_samples=include_samples)
 
     @classmethod
     def load(cls, path: str) -> CalibrationStats:
-        from .storage import load_stats
-
-        return load_stats(path)
+        return cls(**read_stats(path))
 
     def summary(self) -> str:
         T = self.positions if self.positions is not None else "varying"
@@ -480,4 +443,10 @@ def stack_names(names: Sequence[str] | None, count: int, prefix: str, field_name
     return names
 
 
-__all__ = ["Basis", "CalibrationStats", "CollectedProblem", "SampleChunk"]
+def load_stats(path: str) -> CalibrationStats:
+    """Read statistics written by :func:`~mergeqp.stats.storage.save_stats`
+    (:meth:`CalibrationStats.save`)."""
+    return CalibrationStats.load(path)
+
+
+__all__ = ["Basis", "CalibrationStats", "CollectedProblem", "SampleChunk", "load_stats"]

@@ -21,17 +21,18 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..errors import ValidationError
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
-from .data import batch_len, count_batches, iterate_batches, split_batch, to_device
+from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
+from .gauss_newton import GaussNewtonSums
 from .hooks import (
     augmented_weight,
     check_same_architecture,
     check_untied,
     differing_tensors,
-    eval_mode,
-    perturbation_hook,
+    hooked_layers,
     resolve_linear,
 )
 from .linearise import (
@@ -107,7 +108,7 @@ def collect_statistics(
     max_gram_dim:
         the input Gram ``sum z z'`` is kept only when ``m + 1 <= max_gram_dim``.
     """
-    import torch
+    import torch  # deferred: torch is heavy
 
     t_start = time.perf_counter()
     names_given = model_names
@@ -162,12 +163,10 @@ def collect_statistics(
     totals = [count_batches(s, batch_size) for s in calibration]
     total = sum(totals) if all(t is not None for t in totals) else None
 
-    from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc=f"collect {layer}", unit="batch", disable=not progress)
     try:
         checked = [False] * K  # the first batch of each task also checks sample independence
-        with eval_mode(base_model, *finetuned_models), perturbation_hook(base_layer) as hook:
+        with hooked_layers(base_model, [base_layer], also_eval=finetuned_models) as (hook,):
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {tasks[t]!r}")):
                     where = f"task {tasks[t]!r} batch {i}"
@@ -248,13 +247,13 @@ def _resolve_params(specs: Sequence[Any], r: int, m1: int) -> list[Parametrisati
 
 
 def _shared_tol(dtype: Any) -> float:
-    import torch
+    import torch  # deferred: torch is heavy
 
     return 100.0 * float(torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-6
 
 
 def _check_finite(x: Any, what: str) -> None:
-    import torch
+    import torch  # deferred: torch is heavy
 
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
@@ -264,15 +263,13 @@ def _check_finite(x: Any, what: str) -> None:
 def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,
              out_fn: Callable[[Any, int], Any], task: int, B: int, c: int,
              label_encoding: Callable[..., Any] | None, where: str) -> Any:
-    import torch
+    import torch  # deferred: torch is heavy
 
     if callable(targets):
         y = flatten_output(targets(inputs, labels, task), B, f"{where}: targets()")
     elif targets == "finetuned":
         dev = next((p.device for p in model.parameters()), None)
         with torch.no_grad():
-            from .data import checked_call
-
             out = checked_call(model, to_device(inputs, dev) if dev is not None else inputs, where,
                                f"fine-tuned model {name!r}")
             y = flatten_output(out_fn(out, task), B, f"{where}: fine-tuned model {name!r}")
@@ -294,7 +291,7 @@ def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,
 
 def _encode_labels(labels: Any, task: int, B: int, c: int,
                    label_encoding: Callable[..., Any] | None, where: str) -> Any:
-    import torch
+    import torch  # deferred: torch is heavy
 
     labels = torch.as_tensor(labels)
     if label_encoding is not None:
@@ -325,7 +322,7 @@ class _Accumulator:
     def __init__(self, deltas: Any, has_bias: bool, params: list[Parametrisation],
                  keep_samples: bool, max_sample_bytes: float, max_gram_dim: int,
                  shared_tol: float) -> None:
-        import torch
+        import torch  # deferred: torch is heavy
 
         self.D = deltas.to(dtype=torch.float64)
         self.K, self.r, self.m1 = (int(s) for s in deltas.shape)
@@ -344,9 +341,10 @@ class _Accumulator:
         self.samples: list[SampleChunk] = []
         self.sample_bytes = 0
         self.state: dict[str, Any] = {}
+        self.sums: dict[str, GaussNewtonSums] = {}
 
     def _init(self, c: int, T: int) -> None:
-        import torch
+        import torch  # deferred: torch is heavy
 
         z = {"dtype": torch.float64, "device": self.D.device}
         K, r, m1 = self.K, self.r, self.m1
@@ -358,14 +356,12 @@ class _Accumulator:
             "jac": torch.zeros(K, c, T, r, **z),
             "gram": torch.zeros(K, m1, m1, **z) if (T == 1 and m1 <= self.max_gram_dim) else None,
         }
-        for p in self.params:
-            n = K * p.n_atoms(r, m1)
-            self.state["H:" + p.key] = torch.zeros(K, n, n, **z)
-            self.state["g:" + p.key] = torch.zeros(K, n, **z)
+        self.sums = {p.key: GaussNewtonSums(K, K * p.n_atoms(r, m1), self.D.device)
+                     for p in self.params}
 
     def add(self, t: int, lin: LinearisedBatch, y: Any, where: str, expected: int | None) -> None:
         """Add one batch of task ``t``; ``expected`` estimates the total number of samples."""
-        import torch
+        import torch  # deferred: torch is heavy
 
         f64 = torch.float64
         L = lin.jacobian.to(f64)
@@ -408,12 +404,8 @@ class _Accumulator:
             else:
                 L_red, b_red = L, b
             R = torch.einsum("btm,krm->bktr", Z, self.D)
-            bflat = b_red.reshape(-1)
             for p in self.params:
-                A = p.design(L_red, R, Z, self.D)
-                A = A.reshape(A.shape[0] * A.shape[1], -1)
-                s["H:" + p.key][t] += 2.0 * (A.T @ A)
-                s["g:" + p.key][t] += 2.0 * (A.T @ bflat)
+                self.sums[p.key].add_design(t, p.design(L_red, R, Z, self.D), b_red)
         self.counts[t] += B
         if self.keep:
             chunk = SampleChunk(task=t, layer_input=Z.cpu().numpy(), jacobian=L.cpu().numpy(),
@@ -453,7 +445,7 @@ class _Accumulator:
             return None if x is None else x.cpu().numpy()
 
         collected = {
-            p.key: CollectedProblem(p, np_(s["H:" + p.key]), np_(s["g:" + p.key]))
+            p.key: CollectedProblem(p, np_(self.sums[p.key].H), np_(self.sums[p.key].g))
             for p in self.params
         }
         shared = (not self.T_varies) and self.variation <= self.shared_tol

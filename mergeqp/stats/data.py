@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import ValidationError
+from ..errors import MergeQPError, ValidationError
 
 INPUT_KEYS = ("inputs", "x")
 #: keyword inputs whose first dimension is the batch (Hugging Face names first)
@@ -30,7 +30,7 @@ LABEL_KEYS = ("labels", "y")
 
 def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
     """``(inputs, labels or None)`` from one batch (see the module docstring)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(batch, torch.Tensor):
         return batch, None
@@ -63,7 +63,7 @@ def split_batch(batch: Any, where: str) -> tuple[Any, Any]:
 
 def batch_len(inputs: Any, where: str) -> int:
     """Number of samples in a batch of inputs (first dimension)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(inputs, torch.Tensor):
         if inputs.ndim == 0:
@@ -88,7 +88,7 @@ def batch_len(inputs: Any, where: str) -> int:
 
 def to_device(x: Any, device: Any) -> Any:
     """Move tensors (possibly nested in tuples / mappings) to ``device``."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -112,8 +112,6 @@ def checked_call(model: Any, inputs: Any, where: str, who: str = "the model") ->
     """:func:`call_model`, with a failure of the model on these inputs (wrong feature size,
     dtype or device, missing keyword) turned into one :class:`ValidationError` naming the
     batch and the model."""
-    from ..errors import MergeQPError
-
     try:
         return call_model(model, inputs)
     except MergeQPError:
@@ -128,7 +126,7 @@ def checked_call(model: Any, inputs: Any, where: str, who: str = "the model") ->
 
 def iterate_batches(source: Any, batch_size: int, where: str) -> Iterator[Any]:
     """Batches of one calibration set (a tensor is cut along its first dimension)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(source, torch.Tensor):
         if source.ndim == 0:
@@ -146,7 +144,7 @@ def iterate_batches(source: Any, batch_size: int, where: str) -> Iterator[Any]:
 
 def count_batches(source: Any, batch_size: int) -> int | None:
     """Number of batches if known without consuming the set (for the progress bar)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(source, torch.Tensor):
         return -(-int(source.shape[0]) // batch_size) if source.ndim else None

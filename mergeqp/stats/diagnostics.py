@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError, unknown
+from .bases import optimal_basis, parse_basis_spec
 from .parametrisation import Basis, BasisParametrisation, RowsParametrisation
 
 ENERGY_METHODS = ("auto", "per_sample", "shared", "mean_jacobian")
@@ -70,8 +71,6 @@ def as_basis(stats: Any, basis: Any, task_weights: Any = None) -> Basis:
     elif isinstance(basis, RowsParametrisation) or (isinstance(basis, str) and basis in ("rows", "standard")):
         out = Basis(np.eye(stats.r), name="standard")
     elif isinstance(basis, str):
-        from .bases import parse_basis_spec
-
         if ":" not in basis:
             raise ValidationError(
                 f"energy diagnostics need a basis: a Basis, an (r, p) array, 'rows', or a spec "
@@ -149,8 +148,6 @@ def suboptimality_gap(stats: Any, basis: Any, reference: Any = None, task_weight
     (the reference defaults to the optimal basis of the same ``p``)."""
     B = as_basis(stats, basis, task_weights)
     if reference is None:
-        from .bases import optimal_basis
-
         R = optimal_basis(stats, B.p, task_weights=task_weights)
     else:
         R = as_basis(stats, reference, task_weights)

@@ -7,7 +7,7 @@ layer's input and output and, when a perturbation is set, returns ``output + per
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ MAX_LISTED = 40
 
 def linear_layer_names(model: Any) -> list[str]:
     """Names (``model.named_modules()``) of every ``nn.Linear`` in ``model``."""
-    from torch import nn
+    from torch import nn  # deferred: torch is heavy
 
     return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
 
@@ -27,7 +27,7 @@ def linear_layer_names(model: Any) -> list[str]:
 
 def resolve_linear(model: Any, layer: str, what: str = "base model") -> Any:
     """Return the ``nn.Linear`` called ``layer`` in ``model``; the error lists the valid names."""
-    from torch import nn
+    from torch import nn  # deferred: torch is heavy
 
     if not isinstance(layer, str) or not layer:
         raise ValidationError(f"layer must be a module name (str), got {layer!r}")
@@ -92,7 +92,7 @@ def check_same_architecture(base: Any, others: Sequence[tuple[str, Any]]) -> Non
 
 def differing_tensors(base: Any, model: Any, skip_prefix: str) -> int:
     """How many tensors of ``model`` differ from ``base`` outside the module ``skip_prefix``."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     count = 0
     theirs = model.state_dict()
@@ -110,7 +110,7 @@ def differing_tensors(base: Any, model: Any, skip_prefix: str) -> int:
 def augmented_weight(module: Any) -> np.ndarray:
     """``[W, b]`` (``(r, m + 1)``) of an ``nn.Linear`` with a bias, else ``W`` (``(r, m)``),
     as a numpy array in float64 (or the layer's own dtype when that is wider)."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     with torch.no_grad():
         W = module.weight.detach().to("cpu", torch.float64)
@@ -170,3 +170,31 @@ def eval_mode(*models: Any) -> Iterator[None]:
         for flags in saved:
             for module, training in flags:
                 module.training = training
+
+
+@contextmanager
+def frozen_parameters(model: Any) -> Iterator[None]:
+    """Set ``requires_grad=False`` on every parameter of ``model`` (differentiation then
+    follows only the layer-output perturbations); restore the flags after."""
+    params = list(model.parameters())
+    saved = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in zip(params, saved):
+            p.requires_grad_(flag)
+
+
+@contextmanager
+def hooked_layers(model: Any, modules: Sequence[Any], *,
+                  also_eval: Sequence[Any] = ()) -> Iterator[list[PerturbationHook]]:
+    """The set-up of a linearisation: ``model`` (and ``also_eval``, e.g. the fine-tuned models
+    that give targets) in eval mode, ``model``'s parameters frozen, and one
+    :class:`PerturbationHook` per module of ``modules`` (in order); all undone after."""
+    with ExitStack() as stack:
+        stack.enter_context(eval_mode(model, *also_eval))
+        stack.enter_context(frozen_parameters(model))
+        hooks = [stack.enter_context(perturbation_hook(module)) for module in modules]
+        yield hooks

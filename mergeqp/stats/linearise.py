@@ -1,21 +1,40 @@
-"""The downstream Jacobian ``L_j = d h_j / d u_j`` of the compared output at the base model.
+"""The linearisation core: derivatives of a model's compared output with respect to the
+outputs of hooked layers, shared by every producer of statistics (:mod:`mergeqp.stats.collect`,
+:mod:`mergeqp.merge.firstorder`, :mod:`mergeqp.merge.outputbasis`).
 
-``u_j`` is the merge layer's output for sample ``j`` (``(r,)``, or ``(T, r)`` with ``T``
-positions: any shape ``(*positions, r)``, flattened to ``T = prod(positions)``) and ``h_j`` the
-compared model output (``output_fn`` of the model output, flattened to ``(c,)``). A forward hook
-adds a perturbation ``p`` to the layer output and ``torch.func`` differentiates the model
-output with respect to ``p`` at ``p = 0``:
+``u`` is a hooked layer's output for one batch (``(B, *positions, r)``, ``T = prod(positions)``)
+and ``h`` the compared model output (flattened to ``(B, c)``). A forward hook
+(:class:`~mergeqp.stats.hooks.PerturbationHook`) adds a perturbation ``p`` to the layer output,
+so ``f(p) = h`` of the perturbed model, and ``torch.func`` differentiates ``f`` at ``p = 0``.
+The pieces, in the order a producer uses them:
 
-- ``reverse`` mode: one forward pass and ``c`` vector-Jacobian products, vectorised with
-  ``vmap`` over the output coordinates (cotangent ``e_o`` for every sample at once);
-- ``forward`` mode: ``T * r`` Jacobian-vector products, vectorised over the tangents;
-- ``auto``: reverse when ``c <= T * r``, else forward.
+- :func:`~mergeqp.stats.hooks.hooked_layers`: eval mode, frozen parameters, one hook per layer;
+- :func:`run_recorded`: one forward pass without gradients that records every hooked layer's
+  input and output and checks that each ran exactly once;
+- :func:`perturbed_output`: ``f`` for one hooked layer;
+- :class:`OutputDerivatives`: for one batch and layer, directional derivatives ``(d f)[v]``
+  along tangents ``v`` (``(n, B, *positions, r)``) and the full per-sample Jacobian
+  ``L_j = d h_j / d u_j`` (``(B, c, T, r)``). Two ways, chosen by counting (:func:`choose_mode`):
+
+  - ``forward``: one Jacobian-vector product per tangent, vectorised with ``vmap``
+    (``n`` JVPs; for the full Jacobian the ``T r`` unit tangents);
+  - ``reverse``: one forward pass and ``c`` vector-Jacobian products (cotangent ``e_o`` for
+    every sample at once, vectorised over ``o``), then the tangents are contracted with the
+    Jacobian (``c`` VJPs whatever ``n``);
+  - ``auto``: reverse when ``c <= n``, else forward.
+
+  If an operation has no forward-mode AD (e.g. CPU flash attention) forward falls back to
+  reverse; if it has no ``vmap`` batching rule, a plain autograd loop over the ``c`` outputs.
+- :func:`linearise_batch`: the per-sample Jacobian of one batch with the checks the
+  per-sample statistics need (the batch is the layer's first dimension, samples independent);
+- :class:`~mergeqp.stats.gauss_newton.GaussNewtonSums`: the float64 sums ``H_t``, ``g_t``.
 
 Products over the whole batch give per-sample Jacobians because samples do not interact
-(``d h_j / d u_i = 0`` for ``i != j``; models are put in eval mode). The Jacobian is exact
-for a linear downstream and first-order correct through nonlinearities, and for sequences it
-includes how perturbing one position changes the outputs at others (attention). If an
-operation has no ``vmap`` batching rule, a plain autograd loop over output coordinates is used.
+(``d h_j / d u_i = 0`` for ``i != j``; models are put in eval mode): reverse mode and the full
+Jacobian rely on it. Forward-mode directional derivatives along tangents that perturb every
+sample need no such assumption. The Jacobian is exact for a
+linear downstream and first-order correct through nonlinearities, and for sequences it
+includes how perturbing one position changes the outputs at others (attention).
 """
 
 from __future__ import annotations
@@ -23,7 +42,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +72,7 @@ class LinearisedBatch:
 
 def default_output(out: Any) -> Any:
     """The tensor compared by default: the output itself, ``.logits``, or the first element."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if isinstance(out, torch.Tensor):
         return out
@@ -95,7 +114,7 @@ def resolve_output_fn(output_fn: Callable[..., Any] | None) -> Callable[[Any, in
 
 def flatten_output(y: Any, batch: int, where: str) -> Any:
     """``(B, ...)`` -> ``(B, c)``; error naming ``where`` if it is not a batched tensor."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     if not isinstance(y, torch.Tensor):
         raise ValidationError(f"{where}: the compared output is a {type(y).__name__}, not a tensor")
@@ -107,12 +126,202 @@ def flatten_output(y: Any, batch: int, where: str) -> Any:
     return y.reshape(batch, -1)
 
 
-def _choose_mode(mode: str, c: int, Tr: int) -> str:
+
+
+def check_mode(mode: str) -> None:
+    """Raise :class:`ValidationError` unless ``mode`` is one of :data:`JACOBIAN_MODES`."""
     if mode not in JACOBIAN_MODES:
         raise ValidationError(f"jacobian_mode must be one of {JACOBIAN_MODES}, got {mode!r}")
+
+
+def choose_mode(mode: str, n_outputs: int, n_tangents: int) -> str:
+    """``"forward"`` or ``"reverse"`` for ``mode`` (one of :data:`JACOBIAN_MODES`), by counting:
+    derivatives along ``n_tangents`` tangents of ``n_outputs`` compared outputs cost
+    ``n_tangents`` JVPs forward or ``n_outputs`` VJPs in reverse; ``auto`` takes the fewer
+    (reverse on a tie, as it needs one forward pass less)."""
+    check_mode(mode)
     if mode == "auto":
-        return "reverse" if c <= Tr else "forward"
+        return "reverse" if n_outputs <= n_tangents else "forward"
     return mode
+
+
+def run_recorded(call: Callable[[], Any], hooks: Sequence[Any], labels: Sequence[str],
+                 where: str) -> Any:
+    """Run the model once (``call()``, without gradients) with every hook of ``hooks``
+    recording its layer's input and output; return the model output.
+
+    Raises :class:`ValidationError` (prefixed by ``where``, naming the layer by ``labels[i]``)
+    unless every hooked layer ran exactly once.
+    """
+    import torch  # deferred: torch is heavy
+
+    for hook in hooks:
+        hook.record, hook.calls = True, 0
+    try:
+        with torch.no_grad():
+            out = call()
+    finally:
+        for hook in hooks:
+            hook.record = False
+    for hook, label in zip(hooks, labels):
+        if hook.calls == 0:
+            raise ValidationError(
+                f"{where}: {label} did not run in the forward pass (is it used by this "
+                f"model's forward at all? some fused fast paths, such as nn.MultiheadAttention's "
+                f"out_proj in eval mode, bypass the module's hooks)"
+            )
+        if hook.calls != 1:
+            raise ValidationError(
+                f"{where}: {label} ran {hook.calls} times in one forward pass; it must run "
+                f"exactly once (a layer shared or reused inside the model cannot be merged alone)"
+            )
+    return out
+
+
+def perturbed_output(hook: Any, call: Callable[[], Any], compare: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``f(p)``: the compared output ``compare(call())`` (``(B, c)``) of the model whose layer
+    carrying ``hook`` has ``p`` (the layer output's shape) added to its output."""
+
+    def f(p: Any) -> Any:
+        hook.perturbation = p
+        try:
+            return compare(call())
+        finally:
+            hook.perturbation = None
+
+    return f
+
+
+class OutputDerivatives:
+    """Derivatives at ``p = 0`` of ``f`` (:func:`perturbed_output`, values ``(B, c)``) for one
+    batch and one hooked layer whose output has the shape of ``zero`` (``(B, *positions, r)``,
+    zeros in the model's dtype). Results are in the model's dtype.
+
+    ``chunk_size``: tangents (or output coordinates) per ``vmap`` call (``None``: all at once);
+    ``vectorize=False`` skips ``vmap`` and loops over the outputs.
+    """
+
+    def __init__(self, f: Callable[[Any], Any], zero: Any, n_outputs: int, *,
+                 chunk_size: int | None = None, vectorize: bool = True) -> None:
+        self.f = f
+        self.zero = zero
+        self.c = int(n_outputs)
+        self.chunk_size = chunk_size
+        self.vectorize = vectorize
+        self._reverse_jacobian: Any = None
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        return tuple(int(s) for s in self.zero.shape[1:-1])
+
+    @property
+    def T(self) -> int:
+        return int(math.prod(self.positions))
+
+    @property
+    def r(self) -> int:
+        return int(self.zero.shape[-1])
+
+    def push(self, v: Any) -> Any:
+        """``(d f)[v]`` (``(B, c)``) along one tangent ``v`` (``zero``'s shape): one JVP."""
+        from torch.func import jvp  # deferred: torch is heavy
+
+        try:
+            return jvp(self.f, (self.zero,), (v,))[1]
+        except (RuntimeError, NotImplementedError):
+            # some kernels (e.g. CPU flash attention) have no forward-mode AD: reverse mode
+            return self.along(v.unsqueeze(0), "reverse")[0]
+
+    def along(self, tangents: Any, mode: str = "forward") -> Any:
+        """``(d f)[v_i]`` for tangents ``v`` (``(n, *zero.shape)``): ``(n, B, c)``.
+
+        ``mode``: ``forward`` (``n`` JVPs), ``reverse`` (``c`` VJPs, then a contraction with
+        the per-sample Jacobian, kept for the next call; exact only when samples do not
+        interact, see the module docstring) or ``auto`` (:func:`choose_mode`)."""
+        import torch  # deferred: torch is heavy
+        from torch.func import jvp, vmap  # deferred: torch is heavy
+
+        n = int(tangents.shape[0])
+        if choose_mode(mode, self.c, n) == "forward" and self.vectorize:
+            def push(v: Any) -> Any:
+                return jvp(self.f, (self.zero,), (v,))[1]
+
+            try:
+                with warnings.catch_warnings():
+                    _quiet_transforms()
+                    return vmap(push, chunk_size=self.chunk_size)(tangents)
+            except (RuntimeError, NotImplementedError):
+                pass  # no forward-mode AD for some op (e.g. CPU flash attention): reverse mode
+        jac = self._reverse_jacobian
+        if jac is None:
+            jac = self._reverse_jacobian = self.jacobian("reverse")
+        return torch.einsum("bctr,nbtr->nbc", jac, tangents.reshape(n, -1, self.T, self.r))
+
+    def jacobian(self, mode: str = "auto") -> Any:
+        """The per-sample Jacobian ``L_j = d h_j / d u_j``: ``(B, c, T, r)``; ``auto`` counts
+        ``c`` VJPs against ``T r`` JVPs. Needs samples that do not interact (module docstring)."""
+        chosen = choose_mode(mode, self.c, self.T * self.r)
+        if self.vectorize:
+            try:
+                try:
+                    return self._vectorised(chosen)
+                except (RuntimeError, NotImplementedError):
+                    if chosen != "forward":
+                        raise
+                    # some kernels (e.g. CPU flash attention) have no forward-mode AD: reverse mode
+                    return self._vectorised("reverse")
+            except (RuntimeError, NotImplementedError) as exc:
+                warnings.warn(
+                    f"vmap over the model failed ({str(exc).splitlines()[0][:200]}); falling back "
+                    f"to a loop of {self.c} backward passes per batch",
+                    RuntimeWarning, stacklevel=4,
+                )
+        return self._looped()
+
+    def _vectorised(self, mode: str) -> Any:
+        import torch  # deferred: torch is heavy
+        from torch.func import jvp, vjp, vmap  # deferred: torch is heavy
+
+        p0, B, c, T, r, positions = self.zero, int(self.zero.shape[0]), self.c, self.T, self.r, self.positions
+        with torch.no_grad(), warnings.catch_warnings():
+            # (torch.func transforms still differentiate; parameters are constants.)
+            _quiet_transforms()
+            if mode == "reverse":
+                _, vjp_fn = vjp(self.f, p0)
+                eye = torch.eye(c, dtype=p0.dtype, device=p0.device)
+                cotangents = eye[:, None, :].expand(c, B, c)
+                rows = vmap(vjp_fn, chunk_size=self.chunk_size)(cotangents)[0]  # (c, B, *pos, r)
+                return rows.reshape(c, B, T, r).permute(1, 0, 2, 3).contiguous()
+            eye = torch.eye(T * r, dtype=p0.dtype, device=p0.device)
+            tangents = eye.reshape(T * r, 1, *positions, r).expand(T * r, B, *positions, r)
+
+            def push(v: Any) -> Any:
+                return jvp(self.f, (p0,), (v,))[1]
+
+            cols = vmap(push, chunk_size=self.chunk_size)(tangents)  # (T*r, B, c)
+        return cols.permute(1, 2, 0).reshape(B, c, T, r).contiguous()
+
+    def _looped(self) -> Any:
+        import torch  # deferred: torch is heavy
+
+        p0, c = self.zero, self.c
+        p = p0.clone().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.f(p)
+            rows = []
+            for o in range(c):
+                (grad,) = torch.autograd.grad(y[:, o].sum(), p, retain_graph=o < c - 1,
+                                              allow_unused=True)
+                rows.append(torch.zeros_like(p0) if grad is None else grad.detach())
+        return torch.stack(rows, 1).reshape(int(p0.shape[0]), c, self.T, self.r)
+
+
+def _quiet_transforms() -> None:
+    """Inside ``warnings.catch_warnings()``: silence what torch.func says that is no problem."""
+    # vmap's notice that an op has no batching rule only says it runs a slower loop: still exact
+    warnings.filterwarnings("ignore", message=r"There is a performance drop", category=UserWarning)
+    # torch's own forward-AD set-up (first use only)
+    warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=DeprecationWarning)
 
 
 def linearise_batch(
@@ -130,7 +339,8 @@ def linearise_batch(
     check_independence: bool = False,
 ) -> LinearisedBatch:
     """Linearise ``model`` at the layer carrying ``hook`` (a registered
-    :class:`~mergeqp.stats.hooks.PerturbationHook`) for one batch of ``inputs``.
+    :class:`~mergeqp.stats.hooks.PerturbationHook`) for one batch of ``inputs``: the
+    per-sample Jacobian ``(B, c, T, r)`` (:meth:`OutputDerivatives.jacobian`).
 
     ``output_fn`` is already normalised (:func:`resolve_output_fn`). Raises
     :class:`ValidationError` if the layer is not called exactly once per forward pass or
@@ -139,27 +349,10 @@ def linearise_batch(
     perturbing one sample's layer output changes no other sample's compared output (what the
     per-sample Jacobians assume; it fails for sequence-first layouts inside the model).
     """
-    import torch
+    import torch  # deferred: torch is heavy
 
-    calls = hook.calls
-    hook.record = True
-    try:
-        with torch.no_grad():
-            out = checked_call(model, inputs, where, "the base model")
-    finally:
-        hook.record = False
-    ncalls = hook.calls - calls
-    if ncalls == 0:
-        raise ValidationError(
-            f"{where}: the merge layer did not run in the forward pass (is it used by this "
-            f"model's forward at all? some fused fast paths, such as nn.MultiheadAttention's "
-            f"out_proj in eval mode, bypass the module's hooks)"
-        )
-    if ncalls != 1:
-        raise ValidationError(
-            f"{where}: the merge layer ran {ncalls} times in one forward pass; it must run "
-            f"exactly once (a layer shared or reused inside the model cannot be merged alone)"
-        )
+    out = run_recorded(lambda: checked_call(model, inputs, where, "the base model"), [hook],
+                       ["the merge layer"], where)
     u = hook.layer_output
     z = hook.layer_input
     B = int(u.shape[0])
@@ -183,38 +376,13 @@ def linearise_batch(
             f"(B={B}, c={c}, T={T}, r={r}); use smaller batches or an output_fn that compares "
             f"fewer outputs (e.g. selected logits or a projection)"
         )
-
-    def f(p: Any) -> Any:
-        hook.perturbation = p
-        try:
-            return flatten_output(output_fn(call_model(model, inputs), task), B, where)
-        finally:
-            hook.perturbation = None
-
+    f = perturbed_output(hook, lambda: call_model(model, inputs),
+                         lambda y: flatten_output(output_fn(y, task), B, where))
     if check_independence and B > 1:
         _check_samples_independent(f, u, h, where)
-    p0 = torch.zeros_like(u)
-    chosen = _choose_mode(mode, c, T * r)
-    jac = None
-    if vectorize:
-        try:
-            try:
-                jac = _vectorised(f, p0, chosen, B, c, T, r, positions, chunk_size)
-            except (RuntimeError, NotImplementedError):
-                if chosen != "forward":
-                    raise
-                # some kernels (e.g. CPU flash attention) have no forward-mode AD: reverse mode
-                hook.perturbation = None
-                jac = _vectorised(f, p0, "reverse", B, c, T, r, positions, chunk_size)
-        except (RuntimeError, NotImplementedError) as exc:
-            warnings.warn(
-                f"vmap over the model failed ({str(exc).splitlines()[0][:200]}); falling back "
-                f"to a loop of {c} backward passes per batch",
-                RuntimeWarning, stacklevel=3,
-            )
-            hook.perturbation = None
-    if jac is None:
-        jac = _looped(f, p0, B, c, T, r)
+    derivatives = OutputDerivatives(f, torch.zeros_like(u), c, chunk_size=chunk_size,
+                                    vectorize=vectorize)
+    jac = derivatives.jacobian(mode)
     return LinearisedBatch(
         layer_input=z.reshape(B, T, z.shape[-1]),
         output=h.detach(),
@@ -225,7 +393,7 @@ def linearise_batch(
 
 def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: str) -> None:
     """Perturb sample 0's layer output only; raise if another sample's output moves."""
-    import torch
+    import torch  # deferred: torch is heavy
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     noise = torch.randn(tuple(u.shape[1:]), generator=gen, dtype=torch.float64)
@@ -241,7 +409,7 @@ def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: s
     # independent samples give other outputs that do not move at all (the same computation);
     # allow a few units of rounding of the largest output (nondeterministic kernels)
     eps = float(torch.finfo(h.dtype).eps) if h.is_floating_point() else 0.0
-    tol = max(1e-3 * own, 16.0 * eps * float(h.abs().max()))
+    tol = max(1e-3 * own, 16.0 * eps * float(h.detach().abs().max()))
     if others > tol:
         raise ValidationError(
             f"{where}: perturbing the merge layer's output for sample 0 changed the compared "
@@ -249,45 +417,3 @@ def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: s
             f"layer's first dimension must be the batch and samples must not interact (a "
             f"sequence-first layout inside the model, or batch statistics, break this)"
         )
-
-
-def _vectorised(f: Callable[[Any], Any], p0: Any, mode: str, B: int, c: int, T: int, r: int,
-                positions: tuple[int, ...], chunk_size: int | None) -> Any:
-    import torch
-    from torch.func import jvp, vjp, vmap
-
-    with torch.no_grad(), warnings.catch_warnings():
-        # (torch.func transforms still differentiate; parameters are constants.) vmap's notice
-        # that an op has no batching rule only says it runs a slower loop: still exact
-        warnings.filterwarnings("ignore", message=r"There is a performance drop", category=UserWarning)
-        if mode == "reverse":
-            _, vjp_fn = vjp(f, p0)
-            eye = torch.eye(c, dtype=p0.dtype, device=p0.device)
-            cotangents = eye[:, None, :].expand(c, B, c)
-            rows = vmap(vjp_fn, chunk_size=chunk_size)(cotangents)[0]  # (c, B, *pos, r)
-            return rows.reshape(c, B, T, r).permute(1, 0, 2, 3).contiguous()
-        eye = torch.eye(T * r, dtype=p0.dtype, device=p0.device)
-        tangents = eye.reshape(T * r, 1, *positions, r).expand(T * r, B, *positions, r)
-
-        def push(v: Any) -> Any:
-            return jvp(f, (p0,), (v,))[1]
-
-        with warnings.catch_warnings():  # torch's own forward-AD set-up (first use only)
-            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*",
-                                    category=DeprecationWarning)
-            cols = vmap(push, chunk_size=chunk_size)(tangents)  # (T*r, B, c)
-        return cols.permute(1, 2, 0).reshape(B, c, T, r).contiguous()
-
-
-def _looped(f: Callable[[Any], Any], p0: Any, B: int, c: int, T: int, r: int) -> Any:
-    import torch
-
-    p = p0.clone().requires_grad_(True)
-    with torch.enable_grad():
-        y = f(p)
-        rows = []
-        for o in range(c):
-            (grad,) = torch.autograd.grad(y[:, o].sum(), p, retain_graph=o < c - 1,
-                                          allow_unused=True)
-            rows.append(torch.zeros_like(p0) if grad is None else grad.detach())
-    return torch.stack(rows, 1).reshape(B, c, T, r)

@@ -1,4 +1,6 @@
-"""Saving and loading :class:`CalibrationStats` as one ``.npz`` (arrays + JSON metadata).
+"""The ``.npz`` file format of :class:`~mergeqp.stats.calibration.CalibrationStats` (arrays +
+JSON metadata): :func:`save_stats` writes one, :func:`read_stats` reads its fields back
+(:meth:`CalibrationStats.load` builds the statistics from them).
 
 Layout (``allow_pickle=False`` throughout): ``meta`` is a JSON string (format tag, version,
 layer, names, flags, the collected parametrisations and the free-form metadata); every array
@@ -18,8 +20,8 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..io.atomic import save_npz_atomic
-from .calibration import CalibrationStats, CollectedProblem, SampleChunk
 from .parametrisation import Basis, BasisParametrisation, as_parametrisation
+from .records import CollectedProblem, SampleChunk
 
 FORMAT = "mergeqp.stats"
 VERSION = 1
@@ -27,8 +29,9 @@ ARRAY_FIELDS = ("deltas", "base_weight", "task_counts", "task_c", "task_S", "tas
                 "task_jacobian_sum", "task_gram", "reference_weight")
 
 
-def save_stats(stats: CalibrationStats, path: str, *, include_samples: bool = True) -> None:
-    """Write ``stats`` to ``path`` (``.npz``)."""
+def save_stats(stats: Any, path: str, *, include_samples: bool = True) -> None:
+    """Write ``stats`` (a :class:`~mergeqp.stats.calibration.CalibrationStats`) to ``path``
+    (``.npz``)."""
     arrays: dict[str, np.ndarray] = {}
     for name in ARRAY_FIELDS:
         value = getattr(stats, name)
@@ -74,8 +77,9 @@ def save_stats(stats: CalibrationStats, path: str, *, include_samples: bool = Tr
     save_npz_atomic(path, arrays)
 
 
-def load_stats(path: str) -> CalibrationStats:
-    """Read statistics written by :func:`save_stats`."""
+def read_stats(path: str) -> dict[str, Any]:
+    """The fields (keyword arguments of ``CalibrationStats``) of a file written by
+    :func:`save_stats`; raises :class:`ValidationError` for a missing or foreign file."""
     if not os.path.exists(path):
         raise ValidationError(f"statistics file not found: {path}")
     try:
@@ -111,7 +115,7 @@ def load_stats(path: str) -> CalibrationStats:
                             jacobian=data[f"sample{i}_jacobian"], residual=data[f"sample{i}_residual"])
                 for i in range(int(meta["samples"]))
             )
-        return CalibrationStats(
+        return dict(
             layer=meta["layer"], model_names=tuple(meta["model_names"]),
             task_names=tuple(meta["task_names"]), has_bias=bool(meta["has_bias"]),
             jacobian_shared=bool(meta["jacobian_shared"]),

@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -394,8 +395,6 @@ def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>") -> M
 
 def load_config(path: str | Path) -> MergeConfig:
     """Read and validate a YAML config file (relative paths resolve against its folder)."""
-    import yaml
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")

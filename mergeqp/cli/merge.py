@@ -14,6 +14,11 @@ import os
 import sys
 from typing import Any
 
+from ..config import load_config
+from ..errors import ConfigError
+from ..merge.report import jsonable
+from ..run import build_plan, run_merge
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -31,12 +36,6 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # deferred: the run layer pulls in the numerical stack, which `mergeqp --help` does not need
-    from ..config import load_config
-    from ..errors import ConfigError
-    from ..merge.report import jsonable
-    from ..run import build_plan, run_merge
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config)
     if not args.dry_run and not args.out:

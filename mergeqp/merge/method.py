@@ -152,28 +152,28 @@ def resolve_weights(weights: float | Sequence[float] | None, K: int, default: fl
 
 def compute_dtype(tensor: Any) -> Any:
     """float64 tensors are merged in float64, every other float dtype in float32."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 def iterate(names: Sequence[str], params: MethodParams, desc: str) -> Iterable[str]:
     """``names`` with a tqdm bar when ``params.progress`` (shown only on a terminal)."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return tqdm(names, desc=desc, unit="tensor", disable=None if params.progress else True, leave=False)
 
 
 def stacked(tensors: Sequence[Any], dtype: Any, device: Any) -> Any:
     """``(K, *shape)`` stack of ``tensors`` in ``dtype`` on ``device``."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return torch.stack([t.to(device=device, dtype=dtype) for t in tensors], dim=0)
 
 
 def weight_column(weights: Sequence[float], like: Any) -> Any:
     """Weights as a ``(K, 1, ..., 1)`` tensor broadcasting against ``like`` (``(K, *shape)``)."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     w = torch.tensor(list(weights), dtype=like.dtype, device=like.device)
     return w.reshape((-1,) + (1,) * (like.dim() - 1))

@@ -38,12 +38,16 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..errors import ValidationError
 from ..lm import OutputSpec
+from ..stats.bases import complete_basis, optimal_basis_from, random_basis, svd_basis
+from ..stats.basis import Basis
+from ..stats.diagnostics import range_basis
 from .sites import LayerSite, append_ones, site_module
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -92,13 +96,10 @@ class OutputBasisStats:
 
     def basis(self, p: int) -> Any:
         """The optimal :class:`~mergeqp.stats.parametrisation.Basis` with ``p`` directions."""
-        from ..stats.bases import _complete, optimal_basis_from
-        from ..stats.parametrisation import Basis
-
         if not 1 <= p <= self.r:
             raise ValidationError(f"basis rank {p} must be in [1, {self.r}] for layer {self.site!r}")
         if self.rank == 0:
-            Q, info = _complete(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
+            Q, info = complete_basis(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
         else:
             Q, info = optimal_basis_from(self.L, self.S, p)
         info = {**info, "jacobian": JACOBIAN, "output_size": self.c, "samples": self.n_samples}
@@ -108,8 +109,6 @@ class OutputBasisStats:
 
     def captured(self, Q: np.ndarray) -> float:
         """``tr(S P_{L Q})`` for an ``(r, p)`` basis ``Q``."""
-        from ..stats.diagnostics import range_basis
-
         if self.rank == 0:
             return 0.0
         P = range_basis(self.L @ np.asarray(Q, dtype=np.float64))
@@ -245,10 +244,6 @@ def collect_output_basis(
 
 def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
     """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
-    from types import SimpleNamespace
-
-    from ..stats.bases import random_basis, svd_basis
-
     holder = SimpleNamespace(r=stats.r, deltas=np.asarray(deltas))
     return {"optimal": stats.energy_fraction(stats.basis(p).Q),
             "svd": stats.energy_fraction(svd_basis(holder, p).Q),

@@ -67,7 +67,7 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     dtypes: merged tensors for the selected floating-point names; the others per
     ``unselected`` (tensors copied from the base are the base's own objects, not clones).
     """
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     spec = get_merge_method(method)
     parsed = spec.parse(params)

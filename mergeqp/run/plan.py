@@ -254,7 +254,7 @@ def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
 
 def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
     """The ``transformers`` class named by ``config["architectures"][0]`` (``AutoModel`` if none)."""
-    import transformers
+    import transformers  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     archs = (config or {}).get("architectures") or []
     if archs:
@@ -267,8 +267,8 @@ def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
 
 def skeleton(folder: Path) -> Any:
     """The model built on the ``meta`` device (module structure and shapes, no storage)."""
-    import torch
-    from transformers import AutoConfig
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+    from transformers import AutoConfig  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     try:
         config = AutoConfig.from_pretrained(str(folder))

@@ -112,8 +112,8 @@ def _check_p(p: int, r: int) -> None:
         raise ValidationError(f"basis dimension p must be an integer in [1, r = {r}], got {p!r}")
 
 
-def _complete(Q1: np.ndarray, r: int, p: int) -> np.ndarray:
-    """Extend orthonormal columns ``Q1`` (``(r, k)``, k <= p) to ``p`` orthonormal columns."""
+def complete_basis(Q1: np.ndarray, r: int, p: int) -> np.ndarray:
+    """Extend orthonormal columns ``Q1`` (``(r, k)``, k <= p) to ``p`` orthonormal columns (``(r, p)``)."""
     k = Q1.shape[1]
     if k >= p:
         return Q1[:, :p]
@@ -147,7 +147,7 @@ def optimal_basis_from(L: np.ndarray, S: np.ndarray, p: int, rtol: float = 1e-10
     info: dict[str, Any] = {"rank_L": rank}
     if rank == 0:
         info["captured_eigenvalues"] = []
-        return _complete(np.zeros((r, 0)), r, p), info
+        return complete_basis(np.zeros((r, 0)), r, p), info
     U, s, V = U[:, :rank], s[:rank], Vt[:rank].T
     evals, E = np.linalg.eigh(U.T @ S @ U)
     order = np.argsort(evals)[::-1][: min(p, rank)]
@@ -156,7 +156,7 @@ def optimal_basis_from(L: np.ndarray, S: np.ndarray, p: int, rtol: float = 1e-10
     Q1, R = np.linalg.qr(X)
     Q1 = Q1 * np.sign(np.where(np.diag(R) == 0, 1.0, np.diag(R)))
     info["captured_eigenvalues"] = [float(v) for v in evals[order]]
-    return _complete(Q1, r, p), info
+    return complete_basis(Q1, r, p), info
 
 
 def optimal_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0) -> Basis:
@@ -196,7 +196,7 @@ def svd_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0) ->
     stacked = np.concatenate(list(np.asarray(stats.deltas, dtype=np.float64)), axis=1)
     U, s, _ = np.linalg.svd(stacked, full_matrices=False)
     rank = int(np.sum(s > 1e-12 * s[0])) if s.size and s[0] > 0 else 0
-    Q = _complete(U[:, : min(p, rank)], stats.r, p)
+    Q = complete_basis(U[:, : min(p, rank)], stats.r, p)
     return Basis(Q, name="svd", info={"singular_values": [float(v) for v in s[: min(p, rank)]]})
 
 

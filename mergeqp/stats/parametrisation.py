@@ -149,7 +149,7 @@ class ScalarParametrisation(Parametrisation):
         return ("delta",)
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         return torch.einsum("bcti,bkti->bck", L, R).unsqueeze(-1)
 
@@ -181,7 +181,7 @@ class RowsParametrisation(Parametrisation):
         return tuple(f"row{i}" for i in range(r))
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         return torch.einsum("bcti,bkti->bcki", L, R)
 
@@ -220,7 +220,7 @@ class ColumnsParametrisation(Parametrisation):
         return tuple(names)
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         # A[b,c,k,i] = sum_t Z[b,t,i] (L[b,:,t,:] @ delta_k[:, i])[c]; one position at a time
         # keeps the intermediate at (B, c, K, m1).
@@ -335,7 +335,7 @@ class BasisParametrisation(Parametrisation):
             )
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         Q = torch.tensor(np.array(self.basis.Q), dtype=L.dtype, device=L.device)
         LQ = torch.einsum("bctr,rp->bctp", L, Q)

@@ -66,6 +66,7 @@ _EXPORTS: dict[str, str] = {
     "merge_tensors": "mergeqp.merge",
     "register_merge_method": "mergeqp.merge",
     "MergeMethod": "mergeqp.merge",
+    "CalibrationStatistics": "mergeqp.merge.method",
     # registry entries a user can add (used from Python and from a YAML merge)
     "Parametrisation": "mergeqp.stats.parametrisation",
     "register_parametrisation": "mergeqp.stats.parametrisation",

@@ -131,8 +131,9 @@ def module_chunks(keys: Sequence[str], nbytes: Callable[[str], int], chunk_bytes
 
 
 class StatisticsCollector:
-    """Collects Fisher or RegMean statistics of each fine-tuned model (called once per model,
-    while it is loaded) for the checkpoint tensors ``keys``, then merges them.
+    """Collects the calibration statistics of method ``name`` (its ``statistics`` capability: Fisher,
+    RegMean or a user's) from each fine-tuned model (called once per model, while it is loaded)
+    for the checkpoint tensors ``keys``, then merges them.
 
     ``skeleton``: the architecture (``meta`` device is enough); ``params``: the method's
     parameters from the config; ``batch_size``: examples per statistics batch."""
@@ -176,8 +177,8 @@ class StatisticsCollector:
 
     # ------------------------------------------------------------------ merge
     def merge(self, plan: Any, keys: Sequence[str], chunk_bytes: int) -> dict[str, Any]:
-        """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registry's
-        Fisher / RegMean merge with the collected statistics, in module-aligned chunks."""
+        """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registered
+        method's merge with the collected statistics, in module-aligned chunks."""
         missing = [i for i, s in enumerate(self.statistics) if s is None]
         if missing:
             raise ValidationError(f"{self.name}: no statistics for model(s) {missing}")

@@ -545,7 +545,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         if evaluates_baseline(cfg):
             out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
         return out
-    mode = get_merge_mode(cfg.method.mode)
+    mode = plan.mode
     out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
     if mode.uses_start:
         out["start merge (all tensors)"] = plan.base.total_bytes

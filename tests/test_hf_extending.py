@@ -140,3 +140,29 @@ def test_config_lists_registered_names(registered):
     assert "did you mean 'blocks'" in str(info.value) and "rows" in str(info.value)
     with pytest.raises(ConfigError, match="apply only to parametrisation: basis"):
         parse_config({**base, "method": {"parametrisation": "blocks", "rank": 2}})
+
+
+def test_a_user_basis_is_usable_from_a_config():
+    """A basis registered with ``checkpoint_source="deltas"`` is a valid ``method.basis`` and the
+    ``basis`` parametrisation builds it per layer from the layer's residuals."""
+    from types import SimpleNamespace
+
+    from mergeqp.stats.bases import BASES
+    from mergeqp.stats.basis import Basis
+
+    def leading_rows(stats, p, *, seed=0, task_weights=None):
+        return Basis(np.eye(stats.r)[:, :p], name="leading_rows")
+
+    base = {"base": "b", "models": [{"path": "x", "calibration": "c"}], "layers": ["l"]}
+    method = {"parametrisation": "basis", "basis": "leading_rows", "rank": 2}
+    with pytest.raises(ConfigError, match="unknown basis 'leading_rows'"):
+        parse_config({**base, "method": method})
+    mergeqp.register_basis("leading_rows", leading_rows, checkpoint_source="deltas")
+    try:
+        m = parse_config({**base, "method": method}).method
+        site = SimpleNamespace(name="layer", r=4, m1=3)
+        param = PARAMETRISATIONS["basis"].for_site(site, np.ones((2, 4, 3)), m.parametrisation_options())
+        assert param.basis.name == "leading_rows" and param.n_atoms(4, 3) == 2
+        assert np.allclose(param.update(np.ones((2, 2)), np.ones((2, 4, 3))), [[2] * 3] * 2 + [[0] * 3] * 2)
+    finally:
+        BASES.pop("leading_rows")

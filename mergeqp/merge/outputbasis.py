@@ -38,14 +38,13 @@ import time
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..errors import ValidationError
 from ..lm import OutputSpec
-from ..stats.bases import complete_basis, optimal_basis_from, random_basis, svd_basis
+from ..stats.bases import SiteResiduals, complete_basis, optimal_basis_from, random_basis, svd_basis
 from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from .sites import LayerSite, append_ones, site_module
@@ -244,7 +243,7 @@ def collect_output_basis(
 
 def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
     """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
-    holder = SimpleNamespace(r=stats.r, deltas=np.asarray(deltas))
+    holder = SiteResiduals(stats.r, np.asarray(deltas, dtype=np.float64))
     return {"optimal": stats.energy_fraction(stats.basis(p).Q),
             "svd": stats.energy_fraction(svd_basis(holder, p).Q),
             "random": stats.energy_fraction(random_basis(stats.r, p, seed=seed).Q)}

@@ -56,6 +56,15 @@ class BasisEntry:
         return self.build(stats, p, **kwargs)
 
 
+@dataclass(frozen=True)
+class SiteResiduals:
+    """What a ``"deltas"`` basis builder reads at one merge layer: ``r`` (outputs) and ``deltas``
+    (``(K, r, m1)`` float64 residuals ``W_k - W_base``, bias column included)."""
+
+    r: int
+    deltas: np.ndarray
+
+
 BASES: dict[str, BasisEntry] = {}
 
 

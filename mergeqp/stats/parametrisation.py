@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ValidationError, unknown
-from .bases import BASES, checkpoint_bases
+from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
 __all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS",
@@ -305,7 +305,7 @@ class BasisParametrisation(Parametrisation):
             if output_stats is None:
                 raise ValidationError(f"basis: {kind} at layer {site.name!r} needs its output-basis statistics")
             return BasisParametrisation(output_stats.basis(p))
-        return BasisParametrisation(entry.build(_SiteResiduals(int(site.r), deltas), p, seed=seed))
+        return BasisParametrisation(entry.build(SiteResiduals(int(site.r), deltas), p, seed=seed))
 
     def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
         self.site_rank(site, options)
@@ -375,14 +375,6 @@ class BasisParametrisation(Parametrisation):
         if self._basis is None:
             return "BasisParametrisation(<built per layer>)"
         return f"BasisParametrisation({self.basis.name}, r={self.basis.r}, p={self.basis.p})"
-
-
-class _SiteResiduals:
-    """What a ``"deltas"`` basis builder reads at one merge layer: ``r`` and ``deltas`` ``(K, r, m1)``."""
-
-    def __init__(self, r: int, deltas: np.ndarray):
-        self.r = r
-        self.deltas = deltas
 
 
 PARAMETRISATIONS: dict[str, Parametrisation] = {}

@@ -65,6 +65,14 @@ _EXPORTS: dict[str, str] = {
     "MERGE_METHODS": "mergeqp.merge",
     "merge_tensors": "mergeqp.merge",
     "register_merge_method": "mergeqp.merge",
+    "MergeMethod": "mergeqp.merge",
+    "CalibrationStatistics": "mergeqp.merge.method",
+    # registry entries a user can add (used from Python and from a YAML merge)
+    "Parametrisation": "mergeqp.stats.parametrisation",
+    "register_parametrisation": "mergeqp.stats.parametrisation",
+    "MergeMode": "mergeqp.merge.modes",
+    "register_merge_mode": "mergeqp.merge.modes",
+    "register_basis": "mergeqp.stats.bases",
     # experiments (issue: MNIST reproduction)
     "run_mnist_experiment": "mergeqp.experiments",
     "trust_region_merge": "mergeqp.experiments",
@@ -73,7 +81,9 @@ _EXPORTS: dict[str, str] = {
     "load_config": "mergeqp.config",
     "open_checkpoint": "mergeqp.io",
     "save_hf_folder": "mergeqp.io",
-    "run_merge": "mergeqp.merge.pipeline",
+    "run_merge": "mergeqp.run",
+    "build_plan": "mergeqp.run",
+    "MergeReport": "mergeqp.run",
 }
 
 __all__ = sorted(_EXPORTS)

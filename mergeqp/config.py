@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -33,12 +34,26 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .merge.modes import MERGE_MODES
+from .stats.bases import checkpoint_bases
+from .stats.parametrisation import PARAMETRISATIONS
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
-MODES = ("single", "sequential", "joint", "hybrid")
-PARAMETRISATIONS = ("scalar", "rows", "columns", "basis")
-BASES = ("svd", "random", "optimal")
 RESTRICTIONS = ("none", "topk", "projection")
+
+
+def _registered(kind: str, name: str, valid: list[str]) -> str:
+    """``name`` if it is one of the registry's ``valid`` names, else a ``ValueError`` listing them
+    (with a did-you-mean)."""
+    if name in valid:
+        return name
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
+
+
+def _keys(names: list[str]) -> str:
+    return " and ".join(repr(n) for n in names)
 
 
 class _Strict(BaseModel):
@@ -151,13 +166,15 @@ class MethodConfig(_Strict):
     ``name: qp`` (the default) solves the merge QP at every selected layer; any other name is a
     baseline of ``mergeqp.MERGE_METHODS`` applied to the selected layers with ``params``.
 
-    QP settings: ``mode`` (``single`` = each layer independently at the base model;
-    ``sequential`` = layer by layer, statistics recomputed on the partially merged model;
-    ``joint`` = one first-order QP over all selected layers' coefficients; ``hybrid`` = start from
-    the ``start`` baseline merged on ALL layers, then refine the selected layers sequentially);
-    ``parametrisation`` (``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (``svd``,
-    ``random`` or ``optimal``: the paper's Corollary 4.2 with the calibration-mean output
-    Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); ``basis_max_size``: cap on the
+    QP settings: ``mode`` (a registered merge mode, :mod:`mergeqp.merge.modes`: ``single`` = each
+    layer independently at the base model; ``sequential`` = layer by layer, statistics recomputed
+    on the partially merged model; ``joint`` = one first-order QP over all selected layers'
+    coefficients; ``hybrid`` = start from the ``start`` baseline merged on ALL layers, then refine
+    the selected layers sequentially); ``parametrisation`` (a registered parametrisation:
+    ``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (a registered basis a checkpoint
+    merge can build: ``svd``, ``random`` or ``optimal``: the paper's Corollary 4.2 with the
+    calibration-mean output Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); the
+    parametrisation entry checks the keys it reads; ``basis_max_size``: cap on the
     ``(c, r)`` float64 mean Jacobian that ``basis: optimal`` forms per layer (``c`` = compared
     outputs per sample, e.g. tokens x k); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
     ``box:0,1``, ``simplex``, ``l1:R``, ``nonneg``, ``global_simplex``, ``sign[:density]``);
@@ -168,9 +185,9 @@ class MethodConfig(_Strict):
     """
 
     name: str = "qp"
-    mode: Literal["single", "sequential", "joint", "hybrid"] = "sequential"
-    parametrisation: Literal["scalar", "rows", "columns", "basis"] = "rows"
-    basis: Literal["svd", "random", "optimal"] = "svd"
+    mode: str = "sequential"
+    parametrisation: str = "rows"
+    basis: str = "svd"
     rank: int | None = Field(default=None, ge=1)
     basis_max_size: str | int = "2GB"
     constraints: list[str] = Field(default_factory=lambda: ["box:0,1"])
@@ -192,6 +209,21 @@ class MethodConfig(_Strict):
             return []
         return v
 
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        return _registered("merge mode", v, list(MERGE_MODES))
+
+    @field_validator("parametrisation")
+    @classmethod
+    def _parametrisation(cls, v: str) -> str:
+        return _registered("parametrisation", v, list(PARAMETRISATIONS))
+
+    @field_validator("basis")
+    @classmethod
+    def _basis(cls, v: str) -> str:
+        return _registered("basis", v, checkpoint_bases())
+
     @model_validator(mode="after")
     def _consistent(self) -> MethodConfig:
         if self.name != "qp":
@@ -207,18 +239,29 @@ class MethodConfig(_Strict):
             return self
         if self.params:
             raise ValueError("'params' is for baselines; the QP is configured by its own keys")
-        if self.mode == "hybrid" and self.start is None:
-            raise ValueError("mode: hybrid needs 'start': the baseline merged on all layers first, "
+        mode = MERGE_MODES[self.mode]
+        if mode.uses_start and self.start is None:
+            raise ValueError(f"mode: {self.mode} needs 'start': the baseline merged on all layers first, "
                              "e.g. start: {name: task_arithmetic, params: {scaling: 0.5}}")
-        if self.mode != "hybrid" and self.start is not None:
-            raise ValueError("'start' is only used with mode: hybrid")
-        if self.parametrisation == "basis" and self.rank is None:
-            raise ValueError("parametrisation: basis needs 'rank' (the number of basis directions p)")
-        if self.parametrisation != "basis" and ("basis" in self.model_fields_set or self.rank is not None):
-            raise ValueError("'basis' and 'rank' apply only to parametrisation: basis")
-        if "basis_max_size" in self.model_fields_set and not (self.parametrisation == "basis" and self.basis == "optimal"):
-            raise ValueError("'basis_max_size' applies only to parametrisation: basis with basis: optimal")
+        if not mode.uses_start and self.start is not None:
+            users = [n for n, m in MERGE_MODES.items() if m.uses_start]
+            raise ValueError(f"'start' is only used with mode: {' or '.join(users)}")
+        param = PARAMETRISATIONS[self.parametrisation]
+        options = self.parametrisation_options()
+        given = [k for k in options if k in self.model_fields_set or (k == "rank" and self.rank is not None)]
+        foreign = [k for k in given if k not in param.config_options]
+        if foreign:
+            owners = [n for n, p in PARAMETRISATIONS.items() if set(foreign) <= set(p.config_options)]
+            raise ValueError(f"the key(s) {_keys(foreign)} apply only to parametrisation: "
+                             f"{' or '.join(owners) or '(none registered)'}")
+        param.check_config(options, given)
         return self
+
+    def parametrisation_options(self) -> dict[str, Any]:
+        """The parametrisation options of this block: every key some registered parametrisation
+        reads (``config_options``), with its value."""
+        keys = dict.fromkeys(k for p in PARAMETRISATIONS.values() for k in p.config_options)
+        return {k: getattr(self, k) for k in keys}
 
     @property
     def is_qp(self) -> bool:
@@ -352,8 +395,6 @@ def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>") -> M
 
 def load_config(path: str | Path) -> MergeConfig:
     """Read and validate a YAML config file (relative paths resolve against its folder)."""
-    import yaml
-
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")

@@ -165,7 +165,7 @@ def test_dry_run_plan_loads_no_weights(fam, tmp_path, no_weights, capsys):
     from mergeqp.cli import main
 
     cfg = _cfg(fam, tmp_path, layers=["model.layers.1.*"])
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     plan = build_plan(cfg)
     assert [s.name for s in plan.sites] == [f"model.layers.1.{n}" for n in
@@ -184,7 +184,7 @@ def test_dry_run_plan_loads_no_weights(fam, tmp_path, no_weights, capsys):
 
 def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsys):
     from mergeqp.cli import main
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.9\.\*' matches no linear layer; .*model\.layers\.0\.self_attn\.q_proj"):
         build_plan(_cfg(fam, tmp_path, layers=["model.layers.9.*"]))
@@ -202,7 +202,7 @@ def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsy
 
 
 def test_different_architectures_fail_fast(fam, tmp_path, no_weights):
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     cfg = _cfg(fam, tmp_path)
     data = cfg.model_dump(exclude_unset=True)
@@ -215,7 +215,7 @@ def test_different_architectures_fail_fast(fam, tmp_path, no_weights):
 
 
 def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     cfg = _cfg(fam, tmp_path)
     data = cfg.model_dump(exclude_unset=True)
@@ -238,7 +238,7 @@ def _odd_models(fam):
 
 
 def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_path, no_weights):
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     layer_numel = 16 * 32  # down_proj, no bias
     plan = build_plan(_cfg(fam, tmp_path, method={"name": "fisher", "params": {"fisher_floor": 1e-5}}))
@@ -266,7 +266,7 @@ def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_p
 
 
 def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path, no_weights):
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     plan = build_plan(_cfg(fam, tmp_path, calibration={"holdout": 500}))
     assert all(t.n_calibration == 1 for t in plan.tasks)
@@ -281,7 +281,7 @@ def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path,
     ({"max_shard_size": -5}, "max_shard_size: size must be positive"),
 ])
 def test_dry_run_catches_what_would_fail_after_the_statistics(fam, tmp_path, no_weights, changes, fragment):
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.plan import build_plan
 
     with pytest.raises(ConfigError, match=None) as info:
         build_plan(_cfg(fam, tmp_path, **changes))

@@ -29,8 +29,8 @@ from mergeqp.io.calibration import (
     unpadded_inputs,
 )
 from mergeqp.io.checkpoint import open_checkpoint
-from mergeqp.merge.pipeline import run_merge
-from mergeqp.merge.plan import build_plan
+from mergeqp.run.pipeline import run_merge
+from mergeqp.run.plan import build_plan
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_fisher_vmap_equals_loop_and_normalisation_is_global(families, tmp_path,
     tensors whatever the chunking (merged chunk by chunk vs merge_state_dicts in one go)."""
     from mergeqp.lm import OutputSpec
     from mergeqp.merge import merge_state_dicts
-    from mergeqp.merge.pipeline import prepare_tasks, statistics_collector
+    from mergeqp.run.pipeline import prepare_tasks, statistics_collector
 
     fam = families[arch]
     layers = [H.BLOCK_PATTERN[arch]]
@@ -216,7 +216,7 @@ def test_baselines_and_qp_are_reported_with_the_same_metrics(families, tmp_path)
     task, the base rows agree, and the merged rows match an independent evaluation of the
     written folder."""
     from mergeqp.lm import OutputSpec, squared_error, teacher_forced_mse
-    from mergeqp.merge.pipeline import load_model, prepare_tasks
+    from mergeqp.run.pipeline import load_model, prepare_tasks
 
     fam = families["llama"]
     layers = "model.layers.1.mlp.*"

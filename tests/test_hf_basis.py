@@ -30,7 +30,7 @@ from mergeqp.lm import OutputSpec, teacher_forced_targets
 from mergeqp.merge.firstorder import TaskTargets
 from mergeqp.merge.multilayer import WeightSource
 from mergeqp.merge.outputbasis import OutputBasisStats, collect_output_basis
-from mergeqp.merge.pipeline import run_merge
+from mergeqp.run.pipeline import run_merge
 from mergeqp.merge.sites import match_sites, model_sites
 
 

@@ -22,7 +22,7 @@ import _hf_helpers as H
 
 from mergeqp.config import load_config
 from mergeqp.io.checkpoint import open_checkpoint
-from mergeqp.merge.pipeline import run_merge
+from mergeqp.run.pipeline import run_merge
 
 REQUIRED = {"objective_before", "objective_after", "certificate", "energy_fraction", "seconds"}
 
@@ -284,8 +284,8 @@ def test_linear_downstream_objective_is_exact(families, tmp_path):
         calibration_objective,
         solve_group,
     )
-    from mergeqp.merge.pipeline import load_model, prepare_tasks
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.pipeline import load_model, prepare_tasks
+    from mergeqp.run.plan import build_plan
     from mergeqp.merge.sites import write_augmented
 
     fam = families["llama"]
@@ -442,7 +442,7 @@ def test_baseline_method_merges_only_the_selected_layers(families, tmp_path):
     assert _reload(fam, tmp_path / "o") is not None
     bad = H.write_config(fam, tmp_path / "bad.yml", layers, {"name": "ties", "params": {"desnity": 0.5}})
     with pytest.raises(Exception, match="unknown parameter 'desnity'"):
-        from mergeqp.merge.plan import build_plan
+        from mergeqp.run.plan import build_plan
 
         build_plan(load_config(bad))
     bad = H.write_config(fam, tmp_path / "bad2.yml", layers, {"name": "tiez"})

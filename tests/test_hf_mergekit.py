@@ -44,8 +44,8 @@ def _mergekit(fam, method, params, out):
 
 def test_qp_vs_mergekit_teacher_forced_mse(tmp_path):
     from mergeqp.lm import OutputSpec, squared_error, teacher_forced_mse
-    from mergeqp.merge.pipeline import load_model, prepare_tasks, run_merge
-    from mergeqp.merge.plan import build_plan
+    from mergeqp.run.pipeline import load_model, prepare_tasks, run_merge
+    from mergeqp.run.plan import build_plan
     from mergeqp.merge.report import jsonable
 
     fam = H.make_family(tmp_path / "fam", "llama", K=2, perturbed=(MERGED,), scale=0.3, n_prompts=16)

@@ -319,7 +319,7 @@ API_CASES = [
      ValidationError, "not a mergeqp problem file"),
     ("load-pickled", lambda w: __import__("mergeqp").MergeQP.load_npz(str(w / "pickled.npz")),
      ValidationError, "pickled"),
-    ("load-stats-garbage", lambda w: __import__("mergeqp.stats.storage").stats.storage.load_stats(
+    ("load-stats-garbage", lambda w: __import__("mergeqp.stats").stats.load_stats(
         str(w / "garbage.npz")), ValidationError, "garbage.npz"),
     ("unknown-method", lambda w: __import__("mergeqp.merge").merge.merge_state_dicts("magic", _sd(0), [_sd(1)]),
      UnknownNameError, "unknown merge method 'magic'"),

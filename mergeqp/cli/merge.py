@@ -14,6 +14,11 @@ import os
 import sys
 from typing import Any
 
+from ..config import load_config
+from ..errors import ConfigError
+from ..merge.report import jsonable
+from ..run import build_plan, run_merge
+
 
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -31,60 +36,57 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..config import load_config
-    from ..errors import ConfigError
-    from ..merge.plan import build_plan
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config)
     if not args.dry_run and not args.out:
         raise ConfigError("--out DIR is required (or pass --dry-run to validate only)")
     plan = build_plan(cfg)
     if args.dry_run:
-        if args.json:
-            from ..merge.report import jsonable
-
-            print(json.dumps(jsonable(plan.to_json()), indent=2))
-        else:
-            print(plan.render())
+        print(json.dumps(jsonable(plan.to_json()), indent=2) if args.json else plan.render())
         return 0
-    from ..merge.pipeline import run_merge
-
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
     if args.quiet:  # transformers' own "Loading weights" bars too
-        try:
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        except ImportError:
-            pass
-    if not args.quiet:
+        _quiet_transformers()
+    else:
         print(plan.render(), file=sys.stderr)
     result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not args.quiet, log=log, plan=plan)
-    rep = result.report
-    print(f"merged model written to {result.out_dir} ({rep['output']['tensors']} tensors); "
-          f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
-    for layer in rep.get("layers", []):
-        cert = layer["certificate"]
-        basis = layer.get("basis") or {}
-        mj = basis.get("mean_jacobian_energy")
-        extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
-                 + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
-        print(f"  {layer['layer']}: J {layer['objective_before']:.6g} -> {layer['objective_after']:.6g} "
-              f"(exact {layer['objective_after_exact']:.6g}); fw_gap {cert['fw_gap']}, "
-              f"certified {cert['certified']}; energy {layer['energy_fraction']:.3f}{extra}")
-    ev = rep.get("evaluation")
-    if ev and "merged" in ev:
-        mse = ev["merged"].get("heldout_mse") or {}
-        print(f"  calibration objective: base {ev['base']['calibration_objective']:.6g} -> merged "
-              f"{ev['merged']['calibration_objective']:.6g}"
-              + (f"; held-out MSE {', '.join(f'{t} {v:.4g}' for t, v in mse.items())}" if mse else ""))
-    for note in rep.get("notes", []):
-        print(f"  note: {note}")
-    uncertified = [r["layer"] for r in rep.get("layers", []) if r["certificate"].get("certified") is False]
-    if uncertified:
-        print(f"mergeqp merge: the QP solution is not certified at {len(uncertified)} layer(s) "
-              f"({', '.join(uncertified[:5])}{', ...' if len(uncertified) > 5 else ''}); the model was "
+    _print_summary(result)
+    failed = result.summary.uncertified_layers
+    if failed:
+        print(f"mergeqp merge: the QP solution is not certified at {len(failed)} layer(s) "
+              f"({', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}); the model was "
               f"written, but its coefficients are not proven optimal (see the report's notes)", file=sys.stderr)
         return 1
     return 0
+
+
+def _quiet_transformers() -> None:
+    try:
+        from transformers.utils import logging as hf_logging  # optional heavy dependency
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
+def _print_summary(result: Any) -> None:
+    """One line per merged layer, the evaluation and the notes (stdout)."""
+    rep = result.summary
+    print(f"merged model written to {result.out_dir} ({rep.output.tensors} tensors); "
+          f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
+    for layer in rep.layers or ():
+        cert = layer.certificate
+        basis = layer.basis or {}
+        mj = basis.get("mean_jacobian_energy")
+        extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
+                 + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
+        print(f"  {layer.layer}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
+              f"(exact {layer.objective_after_exact:.6g}); fw_gap {cert.get('fw_gap')}, "
+              f"certified {cert.get('certified')}; energy {layer.energy_fraction:.3f}{extra}")
+    ev = rep.evaluation
+    if ev is not None:
+        mse = ev.merged.heldout_mse or {}
+        print(f"  calibration objective: base {ev.base.calibration_objective:.6g} -> merged "
+              f"{ev.merged.calibration_objective:.6g}"
+              + (f"; held-out MSE {', '.join(f'{t} {v:.4g}' for t, v in mse.items())}" if mse else ""))
+    for note in rep.notes:
+        print(f"  note: {note}")

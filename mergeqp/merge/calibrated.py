@@ -4,7 +4,7 @@ The two baselines that are not tensor-wise (``fisher``, ``regmean``; see ``docs/
 need statistics of each fine-tuned model on its own task's data. ``mergeqp merge`` gets them from
 the same calibration prompts as the QP (tokenised with the base tokenizer, the held-out prompts
 left out), while each fine-tuned model is loaded anyway for its teacher-forced targets (one model
-at a time, :func:`mergeqp.merge.pipeline.prepare_tasks` calls the :class:`StatisticsCollector`):
+at a time, :func:`mergeqp.run.pipeline.prepare_tasks` calls the :class:`StatisticsCollector`):
 
 - ``regmean``: :func:`mergeqp.merge.compute_grams` of the selected linear layers only, on the
   real tokens (padding removed, :func:`mergeqp.io.calibration.unpadded_inputs`): every real
@@ -22,6 +22,10 @@ at a time, :func:`mergeqp.merge.pipeline.prepare_tasks` calls the :class:`Statis
   (Kunstner et al., 2019); (3) it measures what the merge has to preserve here -- the
   fine-tuned model's own outputs, the same targets the QP and the evaluation use.
 
+Which methods take statistics, and which, is a capability of the registered method
+(``MergeMethod.statistics``, a :class:`~mergeqp.merge.method.CalibrationStatistics`; the two
+built in are in :mod:`.calibration_statistics`), so a user's method can declare its own.
+
 The merge itself is :func:`mergeqp.merge_state_dicts` with the precomputed ``fishers=`` /
 ``grams=`` (RegMean also gets the ``meta``-device architecture, which tells it which tensors
 are linear layers and how they are stored), run on the selected tensors in chunks that never
@@ -31,49 +35,55 @@ tensors before chunking, so the result does not depend on the chunk size.
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, MergeQPError, ValidationError
+from ..io.calibration import unpadded_inputs
+from .method import CalibrationStatistics, MergeMethod
+from .registry import MERGE_METHODS, get_merge_method, merge_state_dicts
 from .sites import checkpoint_names, model_sites
 
-#: parameters that ``mergeqp merge`` supplies itself (a YAML file cannot hold them)
-SUPPLIED = {
-    "fisher": ("model", "calibration", "fishers", "log_likelihood"),
-    "regmean": ("model", "calibration", "grams"),
-}
-STATISTICS_METHODS = tuple(SUPPLIED)
+
+def statistics_of(name: str) -> CalibrationStatistics | None:
+    """The calibration statistics the registered method ``name`` takes from the pipeline, or ``None``
+    (also for an unknown name: the method check reports those)."""
+    method = MERGE_METHODS.get(name)
+    return None if method is None else method.statistics
 
 
 def needs_statistics(name: str) -> bool:
-    """Whether the baseline ``name`` gets calibration statistics from the pipeline."""
-    return name in SUPPLIED
+    """Whether the method ``name`` gets calibration statistics from the pipeline."""
+    return statistics_of(name) is not None
+
+
+def statistics_methods() -> list[str]:
+    """Names of the registered methods that take calibration statistics."""
+    return [n for n, m in MERGE_METHODS.items() if m.statistics is not None]
 
 
 def check_params(name: str, params: Mapping[str, Any], where: str) -> None:
-    """Validate a Fisher / RegMean parameter block from a config (the pipeline supplies the
-    model, the calibration data and the statistics; everything else is the method's own)."""
-    from . import get_merge_method  # type: ignore[attr-defined]
-
-    supplied = [k for k in params if k in SUPPLIED[name]]
+    """Validate the parameter block of a method with calibration statistics from a config (the
+    pipeline supplies the model, the calibration data and the statistics; everything else is
+    the method's own)."""
+    method = get_merge_method(name)
+    spec = _spec(method)
+    supplied = [k for k in params if k in spec.supplied]
     if supplied:
         raise ConfigError(
             f"{where}.params: {', '.join(repr(k) for k in supplied)} cannot be set in a config: mergeqp merge "
-            f"computes the {'Fisher information' if name == 'fisher' else 'Gram matrices'} from each model's "
-            f"calibration prompts (give 'calibration' per model)"
+            f"computes the {spec.what} from each model's calibration prompts (give 'calibration' per model)"
         )
-    method = get_merge_method(name)
     valid = config_params(name)
-    unknown = [k for k in params if k not in valid and k not in SUPPLIED[name]]
+    unknown = [k for k in params if k not in valid and k not in spec.supplied]
     if unknown:
-        import difflib
-
         close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ConfigError(f"{where}.params: unknown parameter {unknown[0]!r} of {name!r}{hint}; valid: "
                           f"{', '.join(valid)}")
-    placeholder = {"model": object(), "calibration": []}
+    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items() if k in spec.supplied}
     try:
         method.parse({**params, **placeholder})
     except MergeQPError as exc:
@@ -83,10 +93,15 @@ def check_params(name: str, params: Mapping[str, Any], where: str) -> None:
 def config_params(name: str) -> list[str]:
     """The parameters of ``name`` a config may set (the method's own, minus what the pipeline
     supplies and the tensor selection, which is the config's ``layers``)."""
-    from . import get_merge_method  # type: ignore[attr-defined]
+    method = get_merge_method(name)
+    skip = set(_spec(method).supplied) | {"include", "exclude", "progress"}
+    return [p for p in method.valid_params() if p not in skip]
 
-    skip = set(SUPPLIED[name]) | {"include", "exclude", "progress"}
-    return [p for p in get_merge_method(name).valid_params() if p not in skip]
+
+def _spec(method: MergeMethod) -> CalibrationStatistics:
+    if method.statistics is None:
+        raise ValidationError(f"merge method {method.name!r} takes no calibration statistics from the pipeline")
+    return method.statistics
 
 
 def live_names(skeleton: Any) -> dict[str, str]:
@@ -116,21 +131,21 @@ def module_chunks(keys: Sequence[str], nbytes: Callable[[str], int], chunk_bytes
 
 
 class StatisticsCollector:
-    """Collects Fisher or RegMean statistics of each fine-tuned model (called once per model,
-    while it is loaded) for the checkpoint tensors ``keys``, then merges them.
+    """Collects the calibration statistics of method ``name`` (its ``statistics`` capability: Fisher,
+    RegMean or a user's) from each fine-tuned model (called once per model, while it is loaded)
+    for the checkpoint tensors ``keys``, then merges them.
 
     ``skeleton``: the architecture (``meta`` device is enough); ``params``: the method's
     parameters from the config; ``batch_size``: examples per statistics batch."""
 
     def __init__(self, name: str, params: Mapping[str, Any], skeleton: Any, keys: Sequence[str],
                  n_models: int, batch_size: int, log: Callable[[str], None] | None = None):
-        from . import get_merge_method  # type: ignore[attr-defined]
-
-        if name not in SUPPLIED:
-            raise ValidationError(f"merge method {name!r} takes no calibration statistics from the pipeline")
+        method = get_merge_method(name)
+        self.spec = _spec(method)
         self.name = name
         self.params = dict(params)
-        self.parsed = get_merge_method(name).parse({**self.params, "model": skeleton, "calibration": []})
+        placeholder = {k: v for k, v in {"model": skeleton, "calibration": []}.items() if k in self.spec.supplied}
+        self.parsed = method.parse({**self.params, **placeholder})
         self.skeleton = skeleton
         self.keys = list(keys)
         self.batch_size = batch_size
@@ -148,75 +163,29 @@ class StatisticsCollector:
     def __call__(self, index: int, model_name: str, model: Any, batches: Sequence[Any]) -> None:
         """Statistics of fine-tuned model ``index`` (a live model on its device) on its task's
         calibration ``batches`` (:class:`mergeqp.io.calibration.Batch`)."""
-        import torch
-
-        from ..io.calibration import unpadded_inputs
+        import torch  # optional heavy dependency: only called with a loaded model
 
         t = time.perf_counter()
         inputs = unpadded_inputs(batches, self.batch_size)
         examples = sum(int(next(iter(b.values())).shape[0]) for b in inputs)
         tokens = sum(int(b["input_ids"].numel()) for b in inputs if "input_ids" in b)
-        if self.name == "regmean":
-            stats = self._grams(model, inputs, model_name) if self.layers else {}
-            what = f"input Gram matrices of {len(stats)} linear layer(s)"
-        else:
-            stats = self._fisher(model, inputs, model_name) if self.fisher_names else {}
-            what = f"diagonal Fisher of {len(stats)} tensor(s)"
+        stats, what = self.spec.collect(self, model, inputs, model_name)
         self.statistics[index] = {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()}
         seconds = time.perf_counter() - t
         self.records[index] = {"model": model_name, "examples": examples, "tokens": tokens, "seconds": seconds}
         self.log(f"{self.name} statistics for {model_name}: {what} on {examples} example(s) ({seconds:.1f} s)")
 
-    def _grams(self, model: Any, inputs: list[dict[str, Any]], label: str) -> dict[str, Any]:
-        from .regmean import compute_grams
-
-        return compute_grams(model, inputs, layers=self.layers, label=label)
-
-    def _fisher(self, model: Any, inputs: list[dict[str, Any]], label: str) -> dict[str, Any]:
-        from .fisher import compute_fisher
-
-        p = self.parsed
-        kwargs = {"names": self.fisher_names, "estimator": p.estimator, "chunk_size": p.chunk_size, "label": label}
-        if p.per_example != "vmap" or p.estimator != "per_example":
-            return compute_fisher(model, inputs, per_example=p.per_example, **kwargs)
-        # torch.func.vmap trips over data-dependent checks in some models: BERT's with an attention
-        # mask, GPT-2's without one (the masks are all ones here, so either form is the same model)
-        unmasked = [{k: v for k, v in b.items() if k != "attention_mask"} for b in inputs]
-        errors = []
-        for attempt in (inputs, unmasked):
-            try:
-                return compute_fisher(model, attempt, per_example="vmap", **kwargs)
-            except RuntimeError as exc:
-                errors.append(str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__)
-        if "per_example" in self.params:
-            raise ValidationError(f"Fisher of model {label!r}: torch.func.vmap cannot trace the model "
-                                  f"({errors[-1]}); set per_example: loop") from None
-        note = (f"fisher: torch.func.vmap cannot trace this model ({errors[-1]}); per-example gradients "
-                f"computed in a loop (per_example: loop)")
-        if note not in self.notes:
-            self.notes.append(note)
-            self.log(note)
-        return compute_fisher(model, inputs, per_example="loop", **kwargs)
-
     # ------------------------------------------------------------------ merge
     def merge(self, plan: Any, keys: Sequence[str], chunk_bytes: int) -> dict[str, Any]:
-        """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registry's
-        Fisher / RegMean merge with the collected statistics, in module-aligned chunks."""
-        import torch
-
-        from . import merge_state_dicts  # type: ignore[attr-defined]
-
+        """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registered
+        method's merge with the collected statistics, in module-aligned chunks."""
         missing = [i for i, s in enumerate(self.statistics) if s is None]
         if missing:
             raise ValidationError(f"{self.name}: no statistics for model(s) {missing}")
         stats: list[dict[str, Any]] = [s for s in self.statistics if s is not None]
-        params = {k: v for k, v in self.params.items()}
-        if self.name == "fisher" and self.parsed.normalize_fisher:
-            for k, F in enumerate(stats):
-                norm = float(torch.sqrt(sum((v ** 2).sum() for v in F.values()))) if F else 0.0
-                if norm > 0:
-                    stats[k] = {n: v / norm for n, v in F.items()}
-            params["normalize_fisher"] = False
+        params = dict(self.params)
+        if self.spec.prepare is not None:
+            stats, params = self.spec.prepare(self, stats, params)
         out: dict[str, Any] = {}
         for chunk in module_chunks(list(keys), lambda k: plan.base.info(k).nbytes, chunk_bytes):
             base_sd = plan.base.get_many(chunk)
@@ -229,12 +198,7 @@ class StatisticsCollector:
             live = {k: self.live.get(k, k) for k in floats}
             base_live = {live[k]: base_sd[k] for k in floats}
             fts_live = [{live[k]: v for k, v in ft.get_many(floats).items()} for ft in plan.finetuned]
-            names = set(live.values())
-            if self.name == "fisher":
-                extra = {"fishers": [{n: F[n] for n in F if n in names} for F in stats]}
-            else:
-                extra = {"model": self.skeleton, "grams": [{n: G[n] for n in G if f"{n}.weight" in names}
-                                                           for G in stats]}
+            extra = self.spec.merge_kwargs(self, stats, set(live.values()))
             try:
                 merged = merge_state_dicts(self.name, base_live, fts_live, **{"progress": False, **params, **extra})
             except MergeQPError as exc:
@@ -245,15 +209,8 @@ class StatisticsCollector:
 
     def summary(self) -> dict[str, Any]:
         """What was collected (for the report)."""
-        if self.name == "fisher":
-            p = self.parsed
-            what = {"statistic": "diagonal empirical Fisher, per example (one prompt), of the selected tensors",
-                    "labels": "argmax of the fine-tuned model's own logits at every real token (teacher forced)",
-                    "estimator": p.estimator, "tensors": len(self.fisher_names)}
-        else:
-            what = {"statistic": "input Gram matrices X'X/N of the selected linear layers (real tokens only)",
-                    "layers": list(self.layers)}
-        return {**what, "models": self.records, "notes": list(self.notes)}
+        return {**self.spec.summary(self), "models": self.records, "notes": list(self.notes)}
 
 
-__all__ = ["STATISTICS_METHODS", "StatisticsCollector", "check_params", "module_chunks", "needs_statistics"]
+__all__ = ["StatisticsCollector", "check_params", "config_params", "module_chunks", "needs_statistics",
+           "statistics_methods", "statistics_of"]

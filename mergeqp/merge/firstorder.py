@@ -85,24 +85,8 @@ class SiteAtoms:
     def tangents(self, Z: Any, k: int) -> Any:
         """Layer-output perturbations of model ``k``'s atoms: ``(n_atoms, *Z.shape[:-1], r)``
         from augmented layer inputs ``Z`` (``(..., m1)``)."""
-        import torch
-
         delta = self.deltas[k].to(Z.dtype).to(Z.device)  # (r, m1)
-        name = self.param.name
-        R = Z @ delta.t()  # (..., r)
-        if name == "scalar":
-            return R.unsqueeze(0)
-        if name == "rows":
-            eye = torch.eye(self.site.r, dtype=Z.dtype, device=Z.device)  # (r, r)
-            return R.unsqueeze(0) * eye.reshape(self.site.r, *([1] * (R.dim() - 1)), self.site.r)
-        if name == "columns":
-            # atom i: z_i * delta[:, i]
-            return Z.movedim(-1, 0).unsqueeze(-1) * delta.t().reshape(self.site.m1, *([1] * (Z.dim() - 1)), self.site.r)
-        if name == "basis":
-            Q = torch.as_tensor(np.array(self.param.basis.Q), dtype=Z.dtype, device=Z.device)  # (r, p)
-            alpha = R @ Q  # (..., p)
-            return alpha.movedim(-1, 0).unsqueeze(-1) * Q.t().reshape(Q.shape[1], *([1] * (R.dim() - 1)), self.site.r)
-        raise ValidationError(f"parametrisation {name!r} has no tangent rule for HF merging")
+        return self.param.tangents(Z, delta)
 
     def offset_tangent(self, Z: Any) -> Any:
         if self.offset is None:

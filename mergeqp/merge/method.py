@@ -58,6 +58,34 @@ class WeightedParams(MethodParams):
 
 
 @dataclass(frozen=True)
+class CalibrationStatistics:
+    """What a merge method that is not tensor-wise needs from ``mergeqp merge``: statistics of
+    each fine-tuned model on its own calibration prompts (the capability Fisher and RegMean
+    declare; see :mod:`mergeqp.merge.calibration_statistics`).
+
+    ``supplied``: parameters the pipeline fills in (a config may not set them); ``what``: the
+    statistics' name for messages; ``plan_line``: the plan's description; ``collect(collector,
+    model, inputs, label) -> ({name: tensor}, text)`` for one loaded fine-tuned model
+    (``collector`` a :class:`~mergeqp.merge.calibrated.StatisticsCollector`: it holds the parsed
+    parameters, the selected parameter names and linear layers); ``prepare(collector, stats,
+    params) -> (stats, params)`` runs once before the merge (e.g. a global normalisation);
+    ``merge_kwargs(collector, stats, names) -> dict`` the statistics' keyword arguments of one
+    chunk merge (``names``: the chunk's live tensor names); ``summary(collector) -> dict`` for the
+    report; ``nbytes(K, keys, numel, sites) -> int`` the float64 memory of K models' statistics
+    for checkpoint ``keys`` (``numel(key)``; ``sites`` the architecture's linear layers).
+    """
+
+    supplied: tuple[str, ...]
+    what: str
+    plan_line: str
+    collect: Callable[..., tuple[dict[str, Any], str]]
+    merge_kwargs: Callable[..., dict[str, Any]]
+    summary: Callable[..., dict[str, Any]]
+    nbytes: Callable[..., int]
+    prepare: Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]] | None = None
+
+
+@dataclass(frozen=True)
 class MergeMethod:
     """A registered merge method.
 
@@ -66,7 +94,8 @@ class MergeMethod:
     ``params``; returns ``{name: tensor}`` for exactly ``names`` (any float dtype; the caller
     casts to the reference dtype). ``needs_base``: whether task vectors (``finetuned - base``)
     are used. ``tensorwise``: whether each tensor is merged from its own values alone (so
-    :func:`~mergeqp.merge.registry.merge_tensors` applies).
+    :func:`~mergeqp.merge.registry.merge_tensors` applies). ``statistics``: the calibration
+    statistics ``mergeqp merge`` collects for it (a :class:`CalibrationStatistics`), or ``None``.
     """
 
     name: str
@@ -76,6 +105,7 @@ class MergeMethod:
     run: Callable[..., dict[str, Any]]
     needs_base: bool = True
     tensorwise: bool = True
+    statistics: CalibrationStatistics | None = None
 
     def valid_params(self) -> list[str]:
         return sorted(self.params.model_fields)
@@ -122,28 +152,28 @@ def resolve_weights(weights: float | Sequence[float] | None, K: int, default: fl
 
 def compute_dtype(tensor: Any) -> Any:
     """float64 tensors are merged in float64, every other float dtype in float32."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return torch.float64 if tensor.dtype == torch.float64 else torch.float32
 
 
 def iterate(names: Sequence[str], params: MethodParams, desc: str) -> Iterable[str]:
     """``names`` with a tqdm bar when ``params.progress`` (shown only on a terminal)."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return tqdm(names, desc=desc, unit="tensor", disable=None if params.progress else True, leave=False)
 
 
 def stacked(tensors: Sequence[Any], dtype: Any, device: Any) -> Any:
     """``(K, *shape)`` stack of ``tensors`` in ``dtype`` on ``device``."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     return torch.stack([t.to(device=device, dtype=dtype) for t in tensors], dim=0)
 
 
 def weight_column(weights: Sequence[float], like: Any) -> Any:
     """Weights as a ``(K, 1, ..., 1)`` tensor broadcasting against ``like`` (``(K, *shape)``)."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     w = torch.tensor(list(weights), dtype=like.dtype, device=like.device)
     return w.reshape((-1,) + (1,) * (like.dim() - 1))

@@ -27,22 +27,23 @@ captured-energy fraction and timings.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from ..constraints import parse_constraint
 from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
+from ..solvers.registry import solve
+from ..stats.parametrisation import BasisParametrisation, Parametrisation, get_parametrisation
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
-from .sites import LayerSite, read_augmented, write_augmented
-
-MODES = ("single", "sequential", "hybrid", "joint")
-HF_BASES = ("svd", "random", "optimal")
+from .outputbasis import collect_output_basis, compare_bases
+from .sites import LayerSite, read_augmented, weight_from_tensors, write_augmented
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class QPSettings:
     ``basis_max_bytes``), and ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
     ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
     ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
-    vectorised JVP call.
+    vectorised JVP call; ``compare_sequential`` (``joint`` mode): also run the sequential QP on a
+    copy of the model for the report.
     """
 
     parametrisation: str = "rows"
@@ -70,6 +72,12 @@ class QPSettings:
     chunk_size: int = 256
     seed: int = 0
     basis_max_bytes: int = 2 * 2**30
+    compare_sequential: bool = True
+
+    @property
+    def parametrisation_options(self) -> dict[str, Any]:
+        """The options the parametrisation entry reads (:meth:`Parametrisation.for_site`)."""
+        return {"basis": self.basis, "rank": self.rank}
 
 
 class WeightSource:
@@ -90,8 +98,6 @@ class WeightSource:
         return len(self.finetuned)
 
     def _augmented(self, ckpt: Any, site: LayerSite) -> Any:
-        from .sites import weight_from_tensors
-
         bias = ckpt.get(site.bias_key) if site.bias_key else None
         return weight_from_tensors(site, ckpt.get(site.weight_key), bias)
 
@@ -99,7 +105,7 @@ class WeightSource:
         return self._augmented(self.base, site)
 
     def deltas(self, site: LayerSite) -> Any:
-        import torch
+        import torch  # optional heavy dependency (the merge needs it; importing this module does not)
 
         W0 = self.base_weight(site)
         return torch.stack([self._augmented(ft, site) - W0 for ft in self.finetuned])
@@ -167,38 +173,16 @@ class LayerRecord:
         }
 
 
-def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None) -> Any:
-    """The stats parametrisation for a site (``basis`` ones are built from its deltas, or for
-    ``optimal`` from ``optimal``, the site's :class:`~.outputbasis.OutputBasisStats`)."""
-    from ..stats.bases import random_basis, svd_basis
-    from ..stats.parametrisation import BasisParametrisation, as_parametrisation
-
-    if settings.parametrisation != "basis":
-        return as_parametrisation(settings.parametrisation)
-    if settings.basis not in HF_BASES:
-        raise ValidationError(
-            f"basis {settings.basis!r} is not available when merging checkpoints; valid: {', '.join(HF_BASES)}"
-        )
-    p = basis_rank(settings, site)
-    if settings.basis == "optimal":
-        if optimal is None:
-            raise ValidationError(f"basis: optimal at layer {site.name!r} needs its output-basis statistics")
-        return BasisParametrisation(optimal.basis(p))
-    holder = SimpleNamespace(r=site.r, deltas=deltas.numpy())
-    builder = svd_basis if settings.basis == "svd" else random_basis
-    return BasisParametrisation(builder(holder, p, seed=settings.seed))
-
-
-def basis_rank(settings: QPSettings, site: LayerSite) -> int:
-    p = settings.rank if settings.rank is not None else site.r
-    if not 1 <= p <= site.r:
-        raise ValidationError(f"basis rank {p} must be in [1, {site.r}] for layer {site.name!r}")
-    return p
+def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None) -> Parametrisation:
+    """The parametrisation of ``site`` (the registered entry's :meth:`~Parametrisation.for_site`:
+    a basis is built from the site's deltas, or from ``optimal``, its
+    :class:`~.outputbasis.OutputBasisStats`)."""
+    entry = get_parametrisation(settings.parametrisation)
+    return entry.for_site(site, deltas.numpy(), settings.parametrisation_options, seed=settings.seed,
+                          output_stats=optimal)
 
 
 def _optimal_basis_stats(ctx: MergeContext, site: LayerSite, offset: Any) -> Any:
-    from .outputbasis import collect_output_basis
-
     return collect_output_basis(ctx.model, site, ctx.tasks, ctx.spec, ctx.device, offset=offset,
                                 chunk_size=ctx.settings.chunk_size, max_bytes=ctx.settings.basis_max_bytes,
                                 progress=ctx.progress)
@@ -206,13 +190,11 @@ def _optimal_basis_stats(ctx: MergeContext, site: LayerSite, offset: Any) -> Any
 
 def _basis_record(ctx: MergeContext, site: LayerSite, param: Any, deltas: Any, optimal: Any) -> dict[str, Any] | None:
     """The report's ``basis`` entry of a site (``None`` unless the parametrisation is a basis)."""
-    if ctx.settings.parametrisation != "basis":
+    if not isinstance(param, BasisParametrisation):
         return None
     basis = param.basis
     out: dict[str, Any] = {"name": basis.name, "rank": basis.p}
     if optimal is not None:
-        from .outputbasis import compare_bases
-
         info = dict(basis.info)
         out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
                     "output_size": optimal.c, "samples": optimal.n_samples, "seconds": optimal.seconds,
@@ -233,8 +215,6 @@ def calibration_objective(ctx: MergeContext) -> float:
 
 
 def _constraints(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
-    from ..constraints import parse_constraint
-
     out = []
     for spec in settings.constraints:
         name = spec.split(":", 1)[0].strip().lower()
@@ -248,7 +228,7 @@ def _constraints(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
 def _reference_points(stats: FirstOrderStats, atoms: Sequence[SiteAtoms]) -> dict[str, np.ndarray]:
     shape = (stats.K, stats.N)
     points = {"zero": np.zeros(shape), "soup": np.full(shape, 1.0 / stats.K)}
-    if all(a.param.name != "basis" for a in atoms):
+    if all(a.param.contains_task_vectors for a in atoms):
         points["task_arithmetic"] = np.ones(shape)
     return points
 
@@ -268,9 +248,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     """Linearise the live model at ``sites`` jointly, solve the QP, return new weights (not yet
     applied). ``relinearise_offsets``: the model's site weights may differ from the base
     (hybrid); their offset is accounted for."""
-    import torch
-
-    from ..solvers.registry import solve
+    import torch  # optional heavy dependency (the merge needs it; importing this module does not)
 
     t0 = time.perf_counter()
     atoms = []
@@ -286,8 +264,10 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
             if float(diff.abs().max()) > 0.0:
                 offset = diff
         optimal = None
-        if ctx.settings.parametrisation == "basis" and ctx.settings.basis == "optimal":
-            basis_rank(ctx.settings, site)
+        entry = get_parametrisation(ctx.settings.parametrisation)
+        options = ctx.settings.parametrisation_options
+        entry.check_site(site, options)
+        if entry.needs_output_jacobian(options):
             optimal = _optimal_basis_stats(ctx, site, offset)
             basis_seconds += optimal.seconds
         param = make_parametrisation(ctx.settings, site, deltas, optimal)
@@ -340,81 +320,19 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     return GroupResult(stats, solution, new_weights, records)
 
 
-def _apply(ctx: MergeContext, sites: Sequence[LayerSite], weights: Mapping[str, Any]) -> None:
+def apply_weights(ctx: MergeContext, sites: Sequence[LayerSite], weights: Mapping[str, Any]) -> None:
+    """Write the new augmented ``weights`` of ``sites`` into the live model."""
     for site in sites:
         write_augmented(ctx.model, site, weights[site.name])
 
 
-def _with_exact(records: Sequence[LayerRecord], exact: float, extra_seconds: float) -> list[LayerRecord]:
-    import dataclasses
-
+def with_exact(records: Sequence[LayerRecord], exact: float, extra_seconds: float) -> list[LayerRecord]:
+    """``records`` with the measured exact objective after the step and its evaluation time."""
     return [dataclasses.replace(r, objective_after_exact=exact, seconds=r.seconds + extra_seconds,
                                 timings={**r.timings, "evaluate": extra_seconds}) for r in records]
 
 
-def _say(ctx: MergeContext, msg: str) -> None:
+def say(ctx: MergeContext, msg: str) -> None:
+    """A progress message through the context's ``log`` (if any)."""
     if ctx.log is not None:
         ctx.log(msg)
-
-
-def merge_sequential(ctx: MergeContext, sites: Sequence[LayerSite], *, hybrid: bool = False) -> list[LayerRecord]:
-    """Sequential (or, with ``hybrid``, baseline-refining) layer-by-layer QP merging in model order."""
-    out: list[LayerRecord] = []
-    mode = "hybrid" if hybrid else "sequential"
-    for i, site in enumerate(sites):
-        res = solve_group(ctx, [site], mode=mode, group=i, relinearise_offsets=hybrid)
-        _apply(ctx, [site], res.new_weights)
-        t = time.perf_counter()
-        exact = calibration_objective(ctx)
-        out.extend(_with_exact(res.records, exact, time.perf_counter() - t))
-        r = out[-1]
-        _say(ctx, f"[{mode} {i + 1}/{len(sites)}] {site.name}: J {r.objective_before:.6g} -> "
-                  f"{r.objective_after:.6g} (exact {exact:.6g}), gap {r.certificate.get('fw_gap')}")
-    return out
-
-
-def merge_single(ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-    """Each site linearised at the current (base) model and solved independently; all applied
-    at the end. The exact objective after is measured with that site alone applied."""
-    results = [solve_group(ctx, [site], mode="single", group=i, relinearise_offsets=False)
-               for i, site in enumerate(sites)]
-    out: list[LayerRecord] = []
-    for site, res in zip(sites, results):
-        before = read_augmented(ctx.model, site)
-        _apply(ctx, [site], res.new_weights)
-        t = time.perf_counter()
-        exact = calibration_objective(ctx)
-        write_augmented(ctx.model, site, before)
-        out.extend(_with_exact(res.records, exact, time.perf_counter() - t))
-    for site, res in zip(sites, results):
-        _apply(ctx, [site], res.new_weights)
-    return out
-
-
-def merge_joint(ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-    """One joint first-order QP over every site's coefficients (see the module docstring)."""
-    res = solve_group(ctx, list(sites), mode="joint", group=0, relinearise_offsets=False)
-    _apply(ctx, sites, res.new_weights)
-    t = time.perf_counter()
-    exact = calibration_objective(ctx)
-    records = _with_exact(res.records, exact, time.perf_counter() - t)
-    _say(ctx, f"[joint] {len(sites)} layers, {res.records[0].n_variables} variables: J "
-              f"{records[0].objective_before:.6g} -> {records[0].objective_after:.6g} (exact {exact:.6g})")
-    return records
-
-
-def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-    """Dispatch on ``mode`` (``single`` | ``sequential`` | ``hybrid`` | ``joint``)."""
-    if mode not in MODES:
-        from ..errors import unknown
-
-        raise unknown("merge mode", mode, MODES)
-    if not sites:
-        raise ValidationError("no layers to merge")
-    if mode == "single":
-        return merge_single(ctx, sites)
-    if mode == "sequential":
-        return merge_sequential(ctx, sites)
-    if mode == "hybrid":
-        return merge_sequential(ctx, sites, hybrid=True)
-    return merge_joint(ctx, sites)

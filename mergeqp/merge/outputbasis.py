@@ -37,7 +37,6 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,8 @@ from tqdm.auto import tqdm
 
 from ..errors import ValidationError
 from ..lm import OutputSpec
-from ..stats.bases import random_basis, svd_basis
+from ..stats.bases import SiteResiduals, complete_basis, optimal_basis_from, random_basis, svd_basis
+from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
@@ -98,13 +98,10 @@ class OutputBasisStats:
 
     def basis(self, p: int) -> Any:
         """The optimal :class:`~mergeqp.stats.parametrisation.Basis` with ``p`` directions."""
-        from ..stats.bases import _complete, optimal_basis_from
-        from ..stats.parametrisation import Basis
-
         if not 1 <= p <= self.r:
             raise ValidationError(f"basis rank {p} must be in [1, {self.r}] for layer {self.site!r}")
         if self.rank == 0:
-            Q, info = _complete(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
+            Q, info = complete_basis(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
         else:
             Q, info = optimal_basis_from(self.L, self.S, p)
         info = {**info, "jacobian": JACOBIAN, "output_size": self.c, "samples": self.n_samples}
@@ -207,7 +204,7 @@ def collect_output_basis(
 
 def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
     """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
-    holder = SimpleNamespace(r=stats.r, deltas=np.asarray(deltas))
+    holder = SiteResiduals(stats.r, np.asarray(deltas, dtype=np.float64))
     return {"optimal": stats.energy_fraction(stats.basis(p).Q),
             "svd": stats.energy_fraction(svd_basis(holder, p).Q),
             "random": stats.energy_fraction(random_basis(stats.r, p, seed=seed).Q)}

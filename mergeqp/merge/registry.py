@@ -8,11 +8,13 @@ up (an unknown name lists the valid ones).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError, unknown
 from ..io.writer import check_tensor_finite
+from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
 from .inputs import prepare_inputs
@@ -26,7 +28,10 @@ MERGE_METHODS: dict[str, MergeMethod] = {}
 
 
 def register_merge_method(method: MergeMethod) -> MergeMethod:
-    """Add ``method`` under ``method.name``; a duplicate name is an error."""
+    """Add ``method`` under ``method.name``; a duplicate name is an error. A registered method is
+    usable from Python (:func:`merge_state_dicts`) and from a ``mergeqp merge`` config
+    (``method: {name: NAME, params: {...}}``, or as a hybrid ``start``) when it is tensor-wise or
+    declares its calibration ``statistics``."""
     if not isinstance(method, MergeMethod):
         raise ConfigError(f"register_merge_method expects a MergeMethod, got {type(method).__name__}")
     if method.name in MERGE_METHODS:
@@ -42,7 +47,9 @@ def get_merge_method(name: str) -> MergeMethod:
         raise unknown("merge method", str(name), MERGE_METHODS) from None
 
 
-for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_DARE, FISHER, REGMEAN):
+for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_DARE,
+                dataclasses.replace(FISHER, statistics=FISHER_STATISTICS),
+                dataclasses.replace(REGMEAN, statistics=REGMEAN_STATISTICS)):
     register_merge_method(_method)
 del _method
 
@@ -61,7 +68,7 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     dtypes: merged tensors for the selected floating-point names; the others per
     ``unselected`` (tensors copied from the base are the base's own objects, not clones).
     """
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     spec = get_merge_method(method)
     parsed = spec.parse(params)

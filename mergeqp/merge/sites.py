@@ -69,7 +69,7 @@ class LayerSite:
 
 
 def _kind(module: Any) -> str | None:
-    from torch import nn
+    from torch import nn  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     if isinstance(module, nn.Linear):
         return "linear"
@@ -84,7 +84,7 @@ def checkpoint_names(model: Any) -> dict[str, str]:
     whose stored form is not a plain rename (fused / split by a converter) are left out."""
     state = model.state_dict()
     try:
-        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.core_model_loading import revert_weight_conversion  # optional heavy dependency, imported on first use (importing mergeqp stays light)
     except ImportError:  # transformers 4: names are stored as they are
         return {k: k for k in state}
     try:
@@ -164,7 +164,7 @@ def site_module(model: Any, site: LayerSite) -> Any:
 def weight_from_tensors(site: LayerSite, weight: Any, bias: Any = None) -> Any:
     """Augmented ``(r, m1)`` float64 weight (a new tensor) from stored tensors (Conv1D weights
     transposed)."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     W = weight.detach().to("cpu", torch.float64, copy=True)  # never a view of a live parameter
     if site.kind == "conv1d":
@@ -182,7 +182,7 @@ def weight_from_tensors(site: LayerSite, weight: Any, bias: Any = None) -> Any:
 def append_ones(z: Any, has_bias: bool) -> Any:
     """The layer input ``z`` (``(..., n_in)``) with a column of ones appended when the layer
     has a bias (``(..., n_in + 1)``), matching :func:`read_augmented`'s ``[W | b]``."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     if not has_bias:
         return z
@@ -197,7 +197,7 @@ def read_augmented(model: Any, site: LayerSite) -> Any:
 
 def write_augmented(model: Any, site: LayerSite, W: Any) -> None:
     """Set the site's weight (and bias) in a live model from an augmented ``(r, m1)`` matrix."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     module = site_module(model, site)
     W = torch.as_tensor(W)
@@ -214,7 +214,7 @@ def write_augmented(model: Any, site: LayerSite, W: Any) -> None:
 def stored_tensors(site: LayerSite, W: Any, like: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Checkpoint tensors (``{weight_key: ..., bias_key: ...}``) of an augmented weight, in the
     stored layout (Conv1D transposed) and the dtype of ``like``'s tensors when given."""
-    import torch
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     W = torch.as_tensor(W)
     weight = W[:, : site.m]

@@ -21,30 +21,85 @@ When fewer than ``p`` useful directions exist (``rank(L) < p``, or rank of the u
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 from ..errors import ValidationError, unknown
-from .parametrisation import Basis
+from .basis import Basis
 
 BasisBuilder = Callable[..., Basis]
-BASES: dict[str, BasisBuilder] = {}
+
+#: what a checkpoint merge (``mergeqp merge``) builds a basis from at one layer: ``"deltas"``
+#: (the layer's residuals: the builder gets an object with ``r`` and ``deltas`` ``(K, r, m1)``),
+#: ``"output_jacobian"`` (the calibration-mean output Jacobian of the layer, collected by the
+#: merge at the linearisation point), or ``None`` (needs full calibration statistics: Python only)
+CheckpointSource = Literal["deltas", "output_jacobian"] | None
 
 
-def register_basis(name: str, builder: BasisBuilder) -> None:
-    """Register ``builder(stats, p, *, seed, task_weights) -> Basis`` under ``name``."""
+@dataclass(frozen=True)
+class BasisEntry:
+    """A registered basis kind.
+
+    ``build(stats, p, *, seed, task_weights) -> Basis`` builds ``p`` directions from
+    :class:`~mergeqp.stats.CalibrationStats` (or any object with the attributes it reads);
+    ``checkpoint_source`` says whether and from what a checkpoint merge can build it (see
+    :data:`CheckpointSource`). Calling the entry calls ``build``."""
+
+    name: str
+    build: BasisBuilder
+    checkpoint_source: CheckpointSource = None
+    description: str = ""
+
+    def __call__(self, stats: Any, p: int, **kwargs: Any) -> Basis:
+        return self.build(stats, p, **kwargs)
+
+
+@dataclass(frozen=True)
+class SiteResiduals:
+    """What a ``"deltas"`` basis builder reads at one merge layer: ``r`` (outputs) and ``deltas``
+    (``(K, r, m1)`` float64 residuals ``W_k - W_base``, bias column included)."""
+
+    r: int
+    deltas: np.ndarray
+
+
+BASES: dict[str, BasisEntry] = {}
+
+
+def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: CheckpointSource = None,
+                   description: str = "") -> BasisEntry:
+    """Register ``builder(stats, p, *, seed, task_weights) -> Basis`` under ``name``;
+    ``checkpoint_source`` (``"deltas"`` / ``"output_jacobian"``) makes it usable as
+    ``basis: NAME`` in a ``mergeqp merge`` config."""
     if not name or name in BASES or ":" in name:
         raise ValidationError(f"basis name {name!r} is empty, contains ':' or is already taken")
-    BASES[name] = builder
+    if checkpoint_source not in (None, "deltas", "output_jacobian"):
+        raise ValidationError(f"basis {name!r}: checkpoint_source must be 'deltas', 'output_jacobian' or None, "
+                              f"got {checkpoint_source!r}")
+    entry = BasisEntry(name, builder, checkpoint_source, description or (builder.__doc__ or "").split("\n")[0])
+    BASES[name] = entry
+    return entry
+
+
+def get_basis(name: str) -> BasisEntry:
+    """The registered basis ``name`` (an unknown name lists the valid ones)."""
+    if name not in BASES:
+        raise unknown("basis name", name, BASES)
+    return BASES[name]
+
+
+def checkpoint_bases() -> list[str]:
+    """Names of the bases a checkpoint merge can build (``checkpoint_source`` set)."""
+    return [n for n, e in BASES.items() if e.checkpoint_source is not None]
 
 
 def make_basis(name: str, stats: Any, p: int, *, seed: int = 0, task_weights: Any = None) -> Basis:
     """Build the registered basis ``name`` with ``p`` directions from ``stats``."""
-    if name not in BASES:
-        raise unknown("basis name", name, BASES)
+    entry = get_basis(name)
     _check_p(p, stats.r)
-    return BASES[name](stats, p, seed=seed, task_weights=task_weights)
+    return entry.build(stats, p, seed=seed, task_weights=task_weights)
 
 
 def parse_basis_spec(spec: str, stats: Any, *, seed: int = 0, task_weights: Any = None) -> Basis:
@@ -66,8 +121,8 @@ def _check_p(p: int, r: int) -> None:
         raise ValidationError(f"basis dimension p must be an integer in [1, r = {r}], got {p!r}")
 
 
-def _complete(Q1: np.ndarray, r: int, p: int) -> np.ndarray:
-    """Extend orthonormal columns ``Q1`` (``(r, k)``, k <= p) to ``p`` orthonormal columns."""
+def complete_basis(Q1: np.ndarray, r: int, p: int) -> np.ndarray:
+    """Extend orthonormal columns ``Q1`` (``(r, k)``, k <= p) to ``p`` orthonormal columns (``(r, p)``)."""
     k = Q1.shape[1]
     if k >= p:
         return Q1[:, :p]
@@ -101,7 +156,7 @@ def optimal_basis_from(L: np.ndarray, S: np.ndarray, p: int, rtol: float = 1e-10
     info: dict[str, Any] = {"rank_L": rank}
     if rank == 0:
         info["captured_eigenvalues"] = []
-        return _complete(np.zeros((r, 0)), r, p), info
+        return complete_basis(np.zeros((r, 0)), r, p), info
     U, s, V = U[:, :rank], s[:rank], Vt[:rank].T
     evals, E = np.linalg.eigh(U.T @ S @ U)
     order = np.argsort(evals)[::-1][: min(p, rank)]
@@ -110,7 +165,7 @@ def optimal_basis_from(L: np.ndarray, S: np.ndarray, p: int, rtol: float = 1e-10
     Q1, R = np.linalg.qr(X)
     Q1 = Q1 * np.sign(np.where(np.diag(R) == 0, 1.0, np.diag(R)))
     info["captured_eigenvalues"] = [float(v) for v in evals[order]]
-    return _complete(Q1, r, p), info
+    return complete_basis(Q1, r, p), info
 
 
 def optimal_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0) -> Basis:
@@ -150,7 +205,7 @@ def svd_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0) ->
     stacked = np.concatenate(list(np.asarray(stats.deltas, dtype=np.float64)), axis=1)
     U, s, _ = np.linalg.svd(stacked, full_matrices=False)
     rank = int(np.sum(s > 1e-12 * s[0])) if s.size and s[0] > 0 else 0
-    Q = _complete(U[:, : min(p, rank)], stats.r, p)
+    Q = complete_basis(U[:, : min(p, rank)], stats.r, p)
     return Basis(Q, name="svd", info={"singular_values": [float(v) for v in s[: min(p, rank)]]})
 
 
@@ -165,6 +220,6 @@ def random_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0)
 
 
 register_basis("standard", standard_basis)
-register_basis("svd", svd_basis)
-register_basis("random", random_basis)
-register_basis("optimal", optimal_basis)
+register_basis("svd", svd_basis, checkpoint_source="deltas")
+register_basis("random", random_basis, checkpoint_source="deltas")
+register_basis("optimal", optimal_basis, checkpoint_source="output_jacobian")

@@ -24,83 +24,40 @@ downstream Jacobian ``L`` (``(B, c, T, r)``), the residual activations
 
 from __future__ import annotations
 
-import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import ValidationError, unknown
+from .bases import BASES, SiteResiduals, checkpoint_bases
+from .basis import ORTHONORMAL_TOL, Basis
 
-ORTHONORMAL_TOL = 1e-8
-
-
-@dataclass(frozen=True, eq=False)
-class Basis:
-    """An orthonormal basis ``Q`` (``(r, p)``, float64, ``Q'Q = I``) of the layer's output space.
-
-    ``name`` says where it came from (``standard``, ``svd``, ``random``, ``optimal`` or
-    ``user``); ``info`` records how it was built (e.g. which Jacobian the optimal basis used).
-    """
-
-    Q: np.ndarray
-    name: str = "user"
-    info: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        Q = np.array(self.Q, dtype=np.float64, copy=True)
-        if Q.ndim == 1:
-            Q = Q[:, None]
-        if Q.ndim != 2 or Q.shape[1] < 1 or Q.shape[0] < Q.shape[1]:
-            raise ValidationError(
-                f"basis Q must be a matrix of shape (r, p) with 1 <= p <= r, got shape {Q.shape}"
-            )
-        if not np.all(np.isfinite(Q)):
-            raise ValidationError("basis Q contains NaN or inf")
-        dev = float(np.max(np.abs(Q.T @ Q - np.eye(Q.shape[1]))))
-        if dev > ORTHONORMAL_TOL:
-            raise ValidationError(
-                f"basis Q (shape {Q.shape}) is not orthonormal: max |Q'Q - I| = {dev:.3g} "
-                f"exceeds {ORTHONORMAL_TOL:g}; orthonormalise it first (Basis.orthonormalised)"
-            )
-        Q.setflags(write=False)
-        object.__setattr__(self, "Q", Q)
-        object.__setattr__(self, "info", MappingProxyType(dict(self.info)))
-
-    @classmethod
-    def orthonormalised(cls, X: np.ndarray, name: str = "user", **info: Any) -> Basis:
-        """The basis of ``span(X)`` from a thin QR of ``X`` (``(r, p)``, full column rank)."""
-        X = np.asarray(X, dtype=np.float64)
-        if X.ndim != 2:
-            raise ValidationError(f"X must be (r, p), got shape {X.shape}")
-        Q, R = np.linalg.qr(X)
-        diag = np.abs(np.diag(R))
-        if diag.size and diag.min() <= 1e-12 * max(diag.max(), np.finfo(float).tiny):
-            raise ValidationError("X is rank deficient: its columns do not span p dimensions")
-        return cls(Q=Q * np.sign(np.where(np.diag(R) == 0, 1.0, np.diag(R))), name=name, info=info)
-
-    @property
-    def r(self) -> int:
-        return int(self.Q.shape[0])
-
-    @property
-    def p(self) -> int:
-        return int(self.Q.shape[1])
-
-    @property
-    def key(self) -> str:
-        """A content hash identifying ``Q`` (used to find statistics collected for it)."""
-        digest = hashlib.sha1(np.ascontiguousarray(self.Q).tobytes()).hexdigest()[:16]
-        return f"basis:{self.r}x{self.p}:{digest}"
+__all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS",
+           "Parametrisation", "RowsParametrisation", "ScalarParametrisation", "as_parametrisation", "check_d",
+           "get_parametrisation", "register_parametrisation"]
 
 
 class Parametrisation(ABC):
-    """A set of atoms (weight-space directions); see the module docstring for the layout."""
+    """A set of atoms (weight-space directions); see the module docstring for the layout.
+
+    A registered parametrisation (:func:`register_parametrisation`) is also the entry that a
+    ``mergeqp merge`` config names (``method.parametrisation``); it owns every rule of its kind:
+    the statistics shape (:meth:`n_atoms`, :meth:`atom_names`), the design rule (:meth:`design`,
+    :meth:`shared_hessian`, :meth:`gradient`: calibration statistics), the tangent rule
+    (:meth:`tangents`: JVP-based checkpoint merging), the update rule (:meth:`update`), the config
+    keys it reads (:attr:`config_options`, :meth:`check_config`), how it is built for one layer
+    of a checkpoint merge (:meth:`for_site`, :meth:`planned_atoms`) and whether task arithmetic
+    is one of its points (:attr:`contains_task_vectors`).
+    """
 
     name: str = ""
+    #: method-level config keys (besides ``parametrisation``) this parametrisation reads
+    config_options: ClassVar[tuple[str, ...]] = ()
+    #: whether ``d = 1`` (every atom weight one) is ``W_base + sum_k delta_k``: task arithmetic is
+    #: then a point of the family (a reference point in the merge report)
+    contains_task_vectors: ClassVar[bool] = True
 
     @property
     def key(self) -> str:
@@ -135,6 +92,41 @@ class Parametrisation(ABC):
         """``g`` (``(n,)``, factor 2 included) from ``cross = sum_(j,t) w_j (L_jt' b_j) z_jt'``
         (``(r, m1)``); exact for per-sample Jacobians and any number of positions."""
 
+    def tangents(self, Z: Any, delta: Any) -> Any:
+        """Layer-output perturbations of one model's atoms: ``(n_atoms, *Z.shape[:-1], r)`` (torch)
+        from augmented layer inputs ``Z`` (``(..., m1)``) and that model's ``delta`` (``(r, m1)``):
+        atom ``a`` maps the input ``z`` to ``B_a z``."""
+        raise ValidationError(f"parametrisation {self.name!r} has no tangent rule (tangents) for checkpoint merging")
+
+    # ------------------------------------------------------------------ registry-entry rules
+    def check_config(self, options: Mapping[str, Any], given: Collection[str]) -> None:
+        """Raise ``ValueError`` (its message is shown under ``method``) when the config's
+        ``options`` (every key of :attr:`config_options` with its value; ``given``: the ones the
+        file set) do not suit this parametrisation."""
+
+    def planned_atoms(self, r: int, m1: int, options: Mapping[str, Any]) -> int:
+        """Atoms per model at a layer of shape ``(r, m1)`` as the plan counts them (no weights loaded)."""
+        return self.n_atoms(r, m1)
+
+    def needs_output_jacobian(self, options: Mapping[str, Any]) -> bool:
+        """Whether :meth:`for_site` needs the layer's output-Jacobian statistics (collected by the merge)."""
+        return False
+
+    def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
+        """Raise :class:`ValidationError` if the options do not fit merge layer ``site`` (checked
+        before anything is computed at the layer)."""
+
+    def for_site(self, site: Any, deltas: np.ndarray, options: Mapping[str, Any], *, seed: int = 0,
+                 output_stats: Any = None) -> Parametrisation:
+        """The parametrisation to use at one merge layer ``site`` (an object with ``name``, ``r``,
+        ``m1``) with residuals ``deltas`` (``(K, r, m1)`` float64): ``self`` unless the atoms depend
+        on the layer (a basis)."""
+        return self
+
+    def describe(self, options: Mapping[str, Any]) -> str:
+        """One phrase for the merge plan."""
+        return self.name
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name}
 
@@ -157,12 +149,15 @@ class ScalarParametrisation(Parametrisation):
         return ("delta",)
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         return torch.einsum("bcti,bkti->bck", L, R).unsqueeze(-1)
 
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         return np.einsum("k,kim->im", d[:, 0], deltas)
+
+    def tangents(self, Z: Any, delta: Any) -> Any:
+        return (Z @ delta.t()).unsqueeze(0)
 
     def shared_hessian(self, deltas: np.ndarray, gram: np.ndarray, G: np.ndarray) -> np.ndarray:
         # H[k,l] = 2 sum_j (delta_k z_j)' G (delta_l z_j) = 2 <delta_k gram, G delta_l>
@@ -186,12 +181,20 @@ class RowsParametrisation(Parametrisation):
         return tuple(f"row{i}" for i in range(r))
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         return torch.einsum("bcti,bkti->bcki", L, R)
 
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         return np.einsum("ki,kim->im", d, deltas)
+
+    def tangents(self, Z: Any, delta: Any) -> Any:
+        import torch  # optional heavy dependency: only checkpoint merging calls the tangent rule
+
+        r = int(delta.shape[0])
+        R = Z @ delta.t()  # (..., r)
+        eye = torch.eye(r, dtype=Z.dtype, device=Z.device)  # (r, r)
+        return R.unsqueeze(0) * eye.reshape(r, *([1] * (R.dim() - 1)), r)
 
     def shared_hessian(self, deltas: np.ndarray, gram: np.ndarray, G: np.ndarray) -> np.ndarray:
         K, r, m1 = deltas.shape
@@ -217,7 +220,7 @@ class ColumnsParametrisation(Parametrisation):
         return tuple(names)
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         # A[b,c,k,i] = sum_t Z[b,t,i] (L[b,:,t,:] @ delta_k[:, i])[c]; one position at a time
         # keeps the intermediate at (B, c, K, m1).
@@ -230,6 +233,11 @@ class ColumnsParametrisation(Parametrisation):
 
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         return np.einsum("km,kim->im", d, deltas)
+
+    def tangents(self, Z: Any, delta: Any) -> Any:
+        # atom i: z_i * delta[:, i]
+        r, m1 = (int(x) for x in delta.shape)
+        return Z.movedim(-1, 0).unsqueeze(-1) * delta.t().reshape(m1, *([1] * (Z.dim() - 1)), r)
 
     def shared_hessian(self, deltas: np.ndarray, gram: np.ndarray, G: np.ndarray) -> np.ndarray:
         # H[(k,a),(l,b)] = 2 gram[a,b] * delta_k[:,a]' G delta_l[:,b]
@@ -245,15 +253,74 @@ class BasisParametrisation(Parametrisation):
     """General basis: ``B_(k,q) = q q' delta_k`` for the columns ``q`` of an orthonormal ``Q``."""
 
     name = "basis"
+    config_options = ("basis", "rank", "basis_max_size")
+    contains_task_vectors = False
 
-    def __init__(self, basis: Basis):
-        if not isinstance(basis, Basis):
+    def __init__(self, basis: Basis | Any = None):
+        """``basis``: a :class:`Basis` or an orthonormal ``(r, p)`` array; ``None`` only for the
+        registry entry, which builds the basis of each merge layer (:meth:`for_site`)."""
+        if basis is not None and not isinstance(basis, Basis):
             basis = Basis(basis)
-        self.basis = basis
+        self._basis = basis
+
+    @property
+    def basis(self) -> Basis:
+        if self._basis is None:
+            raise ValidationError("parametrisation 'basis' needs a basis Q: pass a Basis or an orthonormal "
+                                  "(r, p) array, or build one per layer with for_site")
+        return self._basis
 
     @property
     def key(self) -> str:
         return self.basis.key
+
+    # ------------------------------------------------------------------ registry-entry rules
+    def check_config(self, options: Mapping[str, Any], given: Collection[str]) -> None:
+        if options.get("rank") is None:
+            raise ValueError("parametrisation: basis needs 'rank' (the number of basis directions p)")
+        kind = options.get("basis", "svd")
+        if kind not in BASES or BASES[kind].checkpoint_source is None:
+            raise ValueError(f"basis {kind!r} is not available when merging checkpoints; valid: "
+                             f"{', '.join(checkpoint_bases())}")
+        if "basis_max_size" in given and BASES[kind].checkpoint_source != "output_jacobian":
+            raise ValueError("'basis_max_size' applies only to parametrisation: basis with basis: optimal")
+
+    def planned_atoms(self, r: int, m1: int, options: Mapping[str, Any]) -> int:
+        rank = options.get("rank")
+        return int(rank) if rank is not None else r
+
+    def needs_output_jacobian(self, options: Mapping[str, Any]) -> bool:
+        kind = options.get("basis")
+        return kind in BASES and BASES[kind].checkpoint_source == "output_jacobian"
+
+    def for_site(self, site: Any, deltas: np.ndarray, options: Mapping[str, Any], *, seed: int = 0,
+                 output_stats: Any = None) -> Parametrisation:
+        kind = options.get("basis")
+        if kind not in BASES or BASES[kind].checkpoint_source is None:
+            raise ValidationError(f"basis {kind!r} is not available when merging checkpoints; valid: "
+                                  f"{', '.join(checkpoint_bases())}")
+        p = self.site_rank(site, options)
+        entry = BASES[kind]
+        if entry.checkpoint_source == "output_jacobian":
+            if output_stats is None:
+                raise ValidationError(f"basis: {kind} at layer {site.name!r} needs its output-basis statistics")
+            return BasisParametrisation(output_stats.basis(p))
+        return BasisParametrisation(entry.build(SiteResiduals(int(site.r), deltas), p, seed=seed))
+
+    def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
+        self.site_rank(site, options)
+
+    @staticmethod
+    def site_rank(site: Any, options: Mapping[str, Any]) -> int:
+        """The basis rank ``p`` at ``site`` (``rank``, else ``r``), checked against ``[1, r]``."""
+        rank = options.get("rank")
+        p = int(rank) if rank is not None else int(site.r)
+        if not 1 <= p <= site.r:
+            raise ValidationError(f"basis rank {p} must be in [1, {site.r}] for layer {site.name!r}")
+        return p
+
+    def describe(self, options: Mapping[str, Any]) -> str:
+        return f"{self.name} ({options.get('basis')}, rank {options.get('rank')})"
 
     def n_atoms(self, r: int, m1: int) -> int:
         return self.basis.p
@@ -268,12 +335,20 @@ class BasisParametrisation(Parametrisation):
             )
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         Q = torch.tensor(np.array(self.basis.Q), dtype=L.dtype, device=L.device)
         LQ = torch.einsum("bctr,rp->bctp", L, Q)
         alpha = torch.einsum("bktr,rp->bktp", R, Q)
         return torch.einsum("bctp,bktp->bckp", LQ, alpha)
+
+    def tangents(self, Z: Any, delta: Any) -> Any:
+        import torch  # optional heavy dependency: only checkpoint merging calls the tangent rule
+
+        Q = torch.as_tensor(np.array(self.basis.Q), dtype=Z.dtype, device=Z.device)  # (r, p)
+        R = Z @ delta.t()  # (..., r)
+        alpha = R @ Q  # (..., p)
+        return alpha.movedim(-1, 0).unsqueeze(-1) * Q.t().reshape(Q.shape[1], *([1] * (R.dim() - 1)), Q.shape[0])
 
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         Q = self.basis.Q
@@ -297,22 +372,40 @@ class BasisParametrisation(Parametrisation):
                 "info": dict(self.basis.info)}
 
     def __repr__(self) -> str:
+        if self._basis is None:
+            return "BasisParametrisation(<built per layer>)"
         return f"BasisParametrisation({self.basis.name}, r={self.basis.r}, p={self.basis.p})"
 
 
 PARAMETRISATIONS: dict[str, Parametrisation] = {}
 
 
-def register_parametrisation(param: Parametrisation) -> None:
-    """Add a named parametrisation (explicit registration; names must be unique)."""
-    if not param.name or param.name in PARAMETRISATIONS:
-        raise ValidationError(f"parametrisation name {param.name!r} is empty or already taken")
+def register_parametrisation(param: Parametrisation) -> Parametrisation:
+    """Add a named parametrisation (explicit registration; names must be unique). Once
+    registered, ``method.parametrisation: NAME`` selects it in a ``mergeqp merge`` config."""
+    if not isinstance(param, Parametrisation):
+        raise ValidationError(f"register_parametrisation expects a Parametrisation instance, got {type(param).__name__}")
+    if not param.name or param.name in PARAMETRISATIONS or ":" in param.name:
+        raise ValidationError(f"parametrisation name {param.name!r} is empty, contains ':' or is already taken")
     PARAMETRISATIONS[param.name] = param
+    return param
+
+
+def get_parametrisation(name: str) -> Parametrisation:
+    """The registered parametrisation ``name`` (an unknown name lists the valid ones)."""
+    if name not in PARAMETRISATIONS:
+        raise unknown("parametrisation", name, PARAMETRISATIONS)
+    return PARAMETRISATIONS[name]
+
+
+def _needs_layer(param: Parametrisation) -> bool:
+    return isinstance(param, BasisParametrisation) and param._basis is None
 
 
 register_parametrisation(ScalarParametrisation())
 register_parametrisation(RowsParametrisation())
 register_parametrisation(ColumnsParametrisation())
+register_parametrisation(BasisParametrisation())
 
 
 def as_parametrisation(spec: Any) -> Parametrisation:
@@ -326,18 +419,23 @@ def as_parametrisation(spec: Any) -> Parametrisation:
     if isinstance(spec, np.ndarray) or (hasattr(spec, "shape") and hasattr(spec, "dtype")):
         return BasisParametrisation(Basis(np.asarray(spec)))
     if isinstance(spec, str):
-        if spec in PARAMETRISATIONS:
+        if spec in PARAMETRISATIONS and not _needs_layer(PARAMETRISATIONS[spec]):
             return PARAMETRISATIONS[spec]
-        if ":" in spec:
+        if ":" in spec or spec in PARAMETRISATIONS:
             raise ValidationError(
                 f"the basis spec {spec!r} needs calibration statistics: build it with "
                 f"stats.parametrisation({spec!r}) or make_basis(...) and pass the Basis"
             )
-        raise unknown("parametrisation", spec, [*PARAMETRISATIONS, "<basis>:<p>"])
+        raise unknown("parametrisation", spec, [*_named(), "<basis>:<p>"])
     raise ValidationError(
-        f"parametrisation must be a name ({', '.join(PARAMETRISATIONS)}), a Basis or an "
+        f"parametrisation must be a name ({', '.join(_named())}), a Basis or an "
         f"orthonormal (r, p) array, got {type(spec).__name__}"
     )
+
+
+def _named() -> list[str]:
+    """Registered names usable without a layer (every one but the per-layer ``basis`` entry)."""
+    return [n for n, p in PARAMETRISATIONS.items() if not _needs_layer(p)]
 
 
 def check_d(d: Any, K: int, n_atoms: int, param: Parametrisation) -> np.ndarray:

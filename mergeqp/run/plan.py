@@ -11,23 +11,30 @@ solver name) are raised before any tensor is loaded. ``mergeqp merge --dry-run``
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..config import MergeConfig, check_paths
+from ..constraints import as_constraint_set, check_feasible, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.calibration import (
     holdout_count,
     is_tensor_file,
+    load_tokenizer,
     read_prompts,
     read_tensor_inputs,
 )
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
 from ..io.writer import parse_size
-from .calibrated import STATISTICS_METHODS, check_params, needs_statistics
-from .sites import (
+from ..merge.calibrated import check_params, statistics_methods, statistics_of
+from ..merge.modes import MergeMode, get_merge_mode
+from ..merge.outputbasis import jacobian_bytes
+from ..merge.registry import get_merge_method
+from ..merge.sites import (
     LayerSite,
     checkpoint_names,
     listing,
@@ -35,10 +42,13 @@ from .sites import (
     model_sites,
     site_matches,
 )
+from ..problem import MergeQP
+from ..solvers.registry import choose_solver, get_solver
+from ..stats.parametrisation import Parametrisation, get_parametrisation
+from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "spiece.model", "special_tokens_map.json")
-MODES_NEEDING_CALIBRATION = ("single", "sequential", "hybrid", "joint")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,16 @@ class MergePlan:
         m = self.config.method
         return f"qp ({m.mode})" if m.is_qp else m.name
 
+    @property
+    def mode(self) -> MergeMode:
+        """The registered merge mode entry (QP methods)."""
+        return get_merge_mode(self.config.method.mode)
+
+    @property
+    def parametrisation(self) -> Parametrisation:
+        """The registered parametrisation entry (QP methods)."""
+        return get_parametrisation(self.config.method.parametrisation)
+
     def merged_keys(self) -> list[str]:
         keys = [k for s in self.sites for k in s.keys]
         return keys + [k for k in self.extra_tensors if k not in keys]
@@ -115,14 +135,16 @@ class MergePlan:
                          f"({t.n_calibration} calibration + {t.n_heldout} held out), weight {t.weight:g}")
         if cfg.method.is_qp:
             m = cfg.method
-            par = m.parametrisation + (f" ({m.basis}, rank {m.rank})" if m.parametrisation == "basis" else "")
+            options = m.parametrisation_options()
+            par = self.parametrisation.describe(options)
             lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if m.start is not None:
                 lines.append(f"  hybrid start: {m.start.name} {m.start.params or ''} on every tensor")
-                if statistics_method(cfg):
-                    lines.append(f"    {_statistics_line(m.start.name)}")
-            if m.parametrisation == "basis" and m.basis == "optimal":
+                spec = statistics_of(m.start.name)
+                if spec is not None:
+                    lines.append(f"    {spec.plan_line}")
+            if self.parametrisation.needs_output_jacobian(options):
                 lines.append("  optimal basis per layer (Corollary 4.2): calibration-mean output Jacobian summed over "
                              f"positions (r JVPs per batch), residual energy restricted to its range; Jacobian cap "
                              f"{m.basis_max_size}")
@@ -134,8 +156,9 @@ class MergePlan:
                 lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "
                              f"linearised at {g.linearised_at}")
         else:
-            if statistics_method(cfg):
-                lines.append(f"  {_statistics_line(cfg.method.name)}")
+            spec = statistics_of(cfg.method.name)
+            if spec is not None:
+                lines.append(f"  {spec.plan_line}")
             if evaluates_baseline(cfg):
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
@@ -148,13 +171,6 @@ class MergePlan:
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
-
-
-def _statistics_line(method: str) -> str:
-    if method == "fisher":
-        return ("statistics: diagonal Fisher of the selected tensors per model on its calibration prompts "
-                "(per prompt; labels = the model's own argmax at each real token)")
-    return "statistics: input Gram matrices of the selected linear layers per model on its calibration prompts (real tokens)"
 
 
 def _human(n: float) -> str:
@@ -203,8 +219,6 @@ def has_tokenizer(folder: Path) -> bool:
 def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
     """Every fine-tuned folder that ships a tokenizer must have the base's vocabulary and
     special tokens (identical files are accepted without loading)."""
-    from ..io.calibration import load_tokenizer
-
     ref = None
     for name, folder in others:
         if not has_tokenizer(folder):
@@ -240,7 +254,7 @@ def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
 
 def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
     """The ``transformers`` class named by ``config["architectures"][0]`` (``AutoModel`` if none)."""
-    import transformers
+    import transformers  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     archs = (config or {}).get("architectures") or []
     if archs:
@@ -253,8 +267,8 @@ def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
 
 def skeleton(folder: Path) -> Any:
     """The model built on the ``meta`` device (module structure and shapes, no storage)."""
-    import torch
-    from transformers import AutoConfig
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+    from transformers import AutoConfig  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     try:
         config = AutoConfig.from_pretrained(str(folder))
@@ -303,12 +317,6 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple
 
 def _solver_name(cfg: MergeConfig, n: int) -> str:
     """The solver ``auto`` would pick for an ``n``-variable problem with these constraints."""
-    import numpy as np
-
-    from ..constraints import parse_constraint
-    from ..problem import MergeQP
-    from ..solvers.registry import choose_solver, get_solver
-
     m = cfg.method
     if m.solver != "auto":
         try:
@@ -321,8 +329,6 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
     try:
         sets = [parse_constraint(s, {"deltas": np.zeros((len(cfg.models), 1, 1)), "parametrisation": "rows"})
                 for s in m.constraints]
-        from ..constraints import as_constraint_set
-
         K = len(cfg.models)
         if n <= 2048:  # an explicit H of the real size, so the choice matches the run's
             probe = MergeQP(H=np.eye(n), g=np.zeros(n), shape=(K, n // K))
@@ -335,17 +341,16 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
 
 def _n_atoms(cfg: MergeConfig, site: LayerSite) -> int:
     m = cfg.method
-    return {"scalar": 1, "rows": site.r, "columns": site.m1}.get(
-        m.parametrisation, m.rank if m.rank is not None else site.r)
+    return get_parametrisation(m.parametrisation).planned_atoms(site.r, site.m1, m.parametrisation_options())
 
 
 def statistics_method(cfg: MergeConfig) -> str | None:
     """The baseline (the method, or the hybrid start) whose calibration statistics the pipeline
-    collects (``fisher`` / ``regmean``), else ``None``."""
+    collects (a method that declares ``statistics``: ``fisher`` / ``regmean``), else ``None``."""
     m = cfg.method
-    if not m.is_qp and needs_statistics(m.name):
+    if not m.is_qp and statistics_of(m.name) is not None:
         return m.name
-    if m.is_qp and m.start is not None and needs_statistics(m.start.name):
+    if m.is_qp and m.start is not None and statistics_of(m.start.name) is not None:
         return m.start.name
     return None
 
@@ -361,10 +366,6 @@ def uses_prompts(cfg: MergeConfig) -> bool:
 
 
 def _check_method(cfg: MergeConfig) -> None:
-    import numpy as np
-
-    from ..constraints import parse_constraint
-
     m = cfg.method
     stats = statistics_method(cfg)
     if stats is not None:
@@ -380,8 +381,8 @@ def _check_method(cfg: MergeConfig) -> None:
     for spec in m.constraints:
         name = spec.split(":", 1)[0].strip().lower()
         if name == "sign":
-            if m.mode == "joint":
-                raise ConfigError("method.constraints: 'sign' is per layer and cannot be used with mode: joint")
+            if get_merge_mode(m.mode).spans_layers:
+                raise ConfigError(f"method.constraints: 'sign' is per layer and cannot be used with mode: {m.mode}")
             try:  # the set needs the deltas (solve time); its spelling and density are checked now
                 parse_constraint(spec, {"deltas": np.ones((len(cfg.models), 1, 1)), "parametrisation": "rows"})
             except MergeQPError as exc:
@@ -391,7 +392,7 @@ def _check_method(cfg: MergeConfig) -> None:
             parse_constraint(spec)
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
-    if m.parametrisation == "basis" and m.basis == "optimal":
+    if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         try:
             parse_size(m.basis_max_size)
         except MergeQPError as exc:
@@ -408,8 +409,6 @@ def _check_output(cfg: MergeConfig) -> None:
 def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
     """The QP's constraint set (without 'sign', which needs the deltas) is non-empty for every
     planned problem shape: an empty intersection fails now, not after the statistics."""
-    from ..constraints import as_constraint_set, check_feasible, parse_constraint
-
     specs = [s for s in cfg.method.constraints if s.split(":", 1)[0].strip().lower() != "sign"]
     if not specs:
         return
@@ -423,24 +422,21 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
 
 
 def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
-    """Known, tensor-wise baseline with valid parameters (checked by the method's own schema)."""
-    try:
-        from . import get_merge_method  # type: ignore[attr-defined]
-    except (ImportError, AttributeError):
-        raise ConfigError(f"{where}: baseline merge methods are not available (mergeqp.merge registry)") from None
+    """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
+    by the method's own schema)."""
     try:
         method = get_merge_method(name)
     except MergeQPError as exc:
         raise ConfigError(f"{where}: {exc} (or qp)") from None
     if "include" in params or "exclude" in params:
         raise ConfigError(f"{where}.params: select tensors with the top-level 'layers', not include/exclude")
-    if needs_statistics(name):
+    if method.statistics is not None:
         check_params(name, params, where)
         return
-    if not getattr(method, "tensorwise", True):
+    if not method.tensorwise:
         raise ConfigError(
             f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise) and mergeqp merge "
-            f"computes them only for {', '.join(STATISTICS_METHODS)}: use it from Python with "
+            f"computes them only for {', '.join(statistics_methods())}: use it from Python with "
             f"merge_state_dicts, or use the QP"
         )
     try:
@@ -510,18 +506,12 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     groups: list[GroupPlan] = []
     notes: list[str] = list(holdout_notes)
     if cfg.method.is_qp:
-        mode = cfg.method.mode
-        at = {"single": "the base model", "sequential": "the partially merged model",
-              "hybrid": f"the {cfg.method.start.name if cfg.method.start else ''} merge", "joint": "the base model"}[mode]
-        if mode == "joint":
-            n = K * sum(_n_atoms(cfg, s) for s in sites)
-            groups.append(GroupPlan(tuple(s.name for s in sites), n, _solver_name(cfg, n), at))
-            notes.append("joint mode also runs the sequential QP on the same layers for the report's comparison"
-                         if cfg.method.compare_sequential else "joint mode: no sequential comparison (compare_sequential: false)")
-        else:
-            for s in sites:
-                n = K * _n_atoms(cfg, s)
-                groups.append(GroupPlan((s.name,), n, _solver_name(cfg, n), at))
+        mode = get_merge_mode(cfg.method.mode)
+        at = mode.linearised_at(cfg.method.start.name if cfg.method.start else None)
+        for group in mode.groups(sites):
+            n = K * sum(_n_atoms(cfg, s) for s in group)
+            groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
+        notes.extend(mode.plan_notes(qp_settings(cfg)))
         _check_feasible_sets(cfg, groups)
         if cfg.output.restrict == "none" and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
@@ -546,8 +536,6 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     held = sum(t.n_heldout for t in plan.tasks)
     stats_method = statistics_method(cfg)
     if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
-        from .pipeline import DEFAULT_CHUNK_BYTES
-
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
         out = {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
         if stats_method is not None or evaluates_baseline(cfg):
@@ -557,17 +545,15 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         if evaluates_baseline(cfg):
             out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
         return out
-    models = 2 + (1 if cfg.method.mode == "joint" and cfg.method.compare_sequential else 0)
-    out = {"models": models * numel * elem}
-    if cfg.method.mode == "hybrid":
+    mode = plan.mode
+    out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
+    if mode.uses_start:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
             floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
             out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, floats)
     m = cfg.method
-    if m.parametrisation == "basis" and m.basis == "optimal":
-        from .outputbasis import jacobian_bytes
-
+    if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
         out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
         out["optimal-basis residuals"] = prompts * T * per_pos * 8
@@ -576,7 +562,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     out["statistics"] = n_tasks * n_max * n_max * 8
     out["jacobian block"] = B * T * per_pos * n_max * 8
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
-    out["deltas"] = deltas * (len(plan.sites) if cfg.method.mode == "joint" else 1)
+    out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
     out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
     chunk = min(256, n_max) if n_max else 0
     bcfg = plan.base.config or {}
@@ -588,10 +574,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
 
 
 def _statistics_bytes(plan: MergePlan, method: str, keys: list[str]) -> int:
-    """Float64 bytes of K models' Fisher (the tensors' sizes) or Gram matrices (``m1^2`` per layer)."""
-    K = len(plan.config.models)
-    if method == "fisher":
-        return K * 8 * sum(plan.base.info(k).numel for k in keys)
-    chosen = set(keys)
+    """Float64 bytes of K models' calibration statistics of ``method`` for ``keys`` (its own rule)."""
+    spec = statistics_of(method)
+    assert spec is not None
     sites = model_sites(plan.skeleton, plan.base.names()) if plan.skeleton is not None else plan.sites
-    return K * 8 * sum(s.m1 * s.m1 for s in sites if s.weight_key in chosen)
+    return spec.nbytes(len(plan.config.models), keys, lambda k: plan.base.info(k).numel, sites)

@@ -2,12 +2,13 @@
 
 Order of work (each step only after the previous one succeeded):
 
-1. :func:`~mergeqp.merge.plan.build_plan`: every check that needs no weights (paths, architectures,
+1. :func:`~mergeqp.run.plan.build_plan`: every check that needs no weights (paths, architectures,
    tokenizers, layer patterns, method / constraint / solver names); the output folder is checked
    too (it must not overlap an input, and must be empty unless ``overwrite``).
 2. Baseline methods: the selected tensors are merged with :func:`mergeqp.merge_state_dicts`, read
-   lazily from the checkpoints in chunks of ``chunk_bytes``. Fisher and RegMean first get their
-   statistics from each fine-tuned model on its calibration prompts (:mod:`.calibrated`); when
+   lazily from the checkpoints in chunks of ``chunk_bytes``. Methods that declare calibration
+   statistics (Fisher, RegMean) first get them from each fine-tuned model on its calibration
+   prompts (:mod:`mergeqp.merge.calibrated`); when
    every model has prompts (and ``evaluate`` is on) each fine-tuned model also gives its
    targets, and the base and the merged model are evaluated with the QP's metrics. A
    tensor-wise baseline without prompts loads no model.
@@ -19,12 +20,18 @@ Order of work (each step only after the previous one succeeded):
    is copied from the base checkpoint unchanged (same dtype) -- so the output differs from the base
    exactly at the merged layers. Config and tokenizer files are copied.
 5. ``report.json`` and ``report.md`` (per layer: objective before / after, certificate, energy
-   fraction, seconds; held-out teacher-forced MSE per task for the base and the merged model).
+   fraction, seconds; held-out teacher-forced MSE per task for the base and the merged model),
+   from the typed :class:`~mergeqp.run.report.MergeReport`.
+
+The merge mode (:mod:`mergeqp.merge.modes`) decides how the selected layers are solved, what
+the plan says about it and the extra report fields; the parametrisation entry how each layer's
+atoms are built. A layer whose certificate is missing or failed is never counted as certified.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,18 +49,18 @@ from ..io.calibration import (
     tensor_batches,
     tokenize_batches,
 )
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import Checkpoint, read_config
 from ..io.writer import check_output_folder, parse_size, save_hf_folder
-from ..lm import OutputSpec, TargetBatch, teacher_forced_mse, teacher_forced_targets
-from .calibrated import StatisticsCollector, needs_statistics
-from .firstorder import TaskTargets
-from .multilayer import (
-    MergeContext,
-    QPSettings,
-    WeightSource,
-    calibration_objective,
-    run_mode,
-)
+from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_mse, teacher_forced_targets
+from ..merge.calibrated import StatisticsCollector, needs_statistics
+from ..merge.firstorder import TaskTargets
+from ..merge.modes import get_merge_mode, run_mode
+from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
+from ..merge.outputbasis import check_jacobian_size
+from ..merge.registry import merge_state_dicts
+from ..merge.report import write_json, write_markdown
+from ..merge.sites import checkpoint_names, read_augmented, stored_tensors
+from ..stats.parametrisation import get_parametrisation
 from .plan import (
     MergePlan,
     architecture_class,
@@ -61,25 +68,30 @@ from .plan import (
     evaluates_baseline,
     statistics_method,
 )
-from .sites import checkpoint_names, read_augmented, stored_tensors
+from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
+from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
-DEFAULT_CHUNK_BYTES = 512 * 2**20
 
-
-@dataclass
+@dataclass(frozen=True)
 class MergeResult:
-    """What :func:`run_merge` produced: the plan, the report dict, the output folder and, for QP
-    methods and evaluated baselines, the merged in-memory model."""
+    """What :func:`run_merge` produced: the plan, the typed ``summary`` (:class:`MergeReport`;
+    :attr:`report` is its ``report.json`` mapping), the output folder and, for QP methods and
+    evaluated baselines, the merged in-memory model."""
 
     plan: MergePlan
-    report: dict[str, Any]
+    summary: MergeReport
     out_dir: Path
     model: Any = None
+
+    @property
+    def report(self) -> dict[str, Any]:
+        """The ``report.json`` mapping (:meth:`MergeReport.to_json`)."""
+        return self.summary.to_json()
 
 
 def resolve_device(name: str) -> tuple[str, str | None]:
     """``(device, note)``: ``auto`` -> CUDA when available; ``cuda`` without CUDA -> CPU with a note."""
-    import torch
+    import torch  # optional heavy dependency: the merge runs on torch
 
     if name == "auto":
         return ("cuda" if torch.cuda.is_available() else "cpu"), None
@@ -137,8 +149,6 @@ def _from_pretrained(cls: Any, folder: Path, dtype: Any) -> Any:
 
 
 def _read_cfg(folder: Path) -> dict[str, Any] | None:
-    from ..io.checkpoint import read_config
-
     return read_config(folder)
 
 
@@ -179,8 +189,6 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
     ``targets=False`` skips the targets (the tasks then hold no batches); ``visit(index, name,
     model, calibration_batches)`` is called while each fine-tuned model is loaded (Fisher /
     RegMean statistics), so that no model is loaded twice."""
-    import gc
-
     cfg = plan.config
     tok = load_tokenizer(plan.tokenizer_folder) if plan.tokenizer_folder else None
     base_folder = cfg.resolve(cfg.base)
@@ -220,15 +228,14 @@ def evaluate(model: Any, tasks: Sequence[TaskData], spec: OutputSpec, eval_spec:
              device: str) -> dict[str, Any]:
     """The report's evaluation of one model: the calibration objective ``sum_t w_t sum_j
     ||h_j - y_j||^2`` (compared output, as the QP's) and the held-out MSE per task."""
-    from ..lm import squared_error
-
     objective = sum(t.weight * squared_error(model, t.calibration, spec, device)[0] for t in tasks)
     return {"calibration_objective": objective, "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
 
 
 def statistics_collector(plan: MergePlan, name: str, params: dict[str, Any], keys: Sequence[str],
                          log: Callable[[str], None]) -> StatisticsCollector:
-    """A Fisher / RegMean :class:`~.calibrated.StatisticsCollector` for the checkpoint ``keys``."""
+    """A :class:`~mergeqp.merge.calibrated.StatisticsCollector` of the method ``name`` (one that
+    declares calibration statistics) for the checkpoint ``keys``."""
     cfg = plan.config
     return StatisticsCollector(name, params, plan.skeleton, keys, len(cfg.models), cfg.calibration.batch_size, log)
 
@@ -239,8 +246,6 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
     """``{key: merged tensor}`` for ``keys`` with :func:`mergeqp.merge_state_dicts`, read lazily in
     chunks of at most ``chunk_bytes`` (of base tensors). Non-floating tensors are copied from the
     base."""
-    from . import merge_state_dicts  # type: ignore[attr-defined]
-
     out: dict[str, Any] = {}
     chunk: list[str] = []
     size = 0
@@ -281,9 +286,9 @@ def _protected(cfg: MergeConfig) -> list[Path]:
 
 def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False, progress: bool = True,
               log: Callable[[str], None] | None = None, plan: MergePlan | None = None) -> MergeResult:
-    """Merge per ``cfg`` into ``out_dir`` (see the module docstring). Returns the plan, the report
-    and, for QP methods, the merged model (in memory, on the configured device)."""
-    import torch
+    """Merge per ``cfg`` into ``out_dir`` (see the module docstring). Returns the plan, the typed
+    report and, for QP methods, the merged model (in memory, on the configured device)."""
+    import torch  # optional heavy dependency: the merge runs on torch
 
     say = log or (lambda msg: None)
     t_start = time.perf_counter()
@@ -294,175 +299,158 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    base_folder = cfg.resolve(cfg.base)
-    write_kwargs: dict[str, Any] = {
-        "source_folder": base_folder, "tokenizer_folder": plan.tokenizer_folder,
-        "max_shard_bytes": parse_size(cfg.max_shard_size), "protected": _protected(cfg),
-        "overwrite": overwrite, "dtype": cfg.output_dtype,
-    }
-    report: dict[str, Any] = {"plan": plan.to_json(), "device": device, "notes": notes}
+    run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start)
+    return run.qp() if cfg.method.is_qp else run.baseline()
 
-    spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed)
-    eval_spec = OutputSpec(cfg.output.field, "none")
-    if not cfg.method.is_qp:
-        return _run_baseline(plan, out, report, write_kwargs, spec, eval_spec, dtype, device, say, t_start)
 
-    collector = None
-    if statistics_method(cfg) is not None:  # a Fisher / RegMean hybrid start: statistics of every tensor
-        assert cfg.method.start is not None
-        collector = statistics_collector(plan, cfg.method.start.name, cfg.method.start.params,
-                                         _float_keys(plan), say)
-    tasks = prepare_tasks(plan, spec, eval_spec, dtype, device, say, visit=collector)
-    if cfg.method.parametrisation == "basis" and cfg.method.basis == "optimal":
-        from .outputbasis import check_jacobian_size
+@dataclass
+class _Run:
+    """One merge in progress: what every step shares."""
 
-        c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
-        for site in plan.sites:  # before any model is linearised
-            check_jacobian_size(site.name, c, site.r, parse_size(cfg.method.basis_max_size))
-    model = load_model(plan.base, base_folder, dtype, device)
-    task_targets = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
-    settings = QPSettings(
-        parametrisation=cfg.method.parametrisation, basis=cfg.method.basis, rank=cfg.method.rank,
-        constraints=tuple(cfg.method.constraints), solver=cfg.method.solver,
-        solver_options=_solver_options(cfg, device), regularisation=cfg.method.regularisation,
-        reference=cfg.method.reference, chunk_size=cfg.method.chunk_size, seed=cfg.seed,
-        basis_max_bytes=parse_size(cfg.method.basis_max_size),
-    )
-    weights = WeightSource(plan.base, plan.finetuned)
-    ctx = MergeContext(model, weights, task_targets, spec, settings, device, cfg.model_names(), progress, say)
-    evaluation: dict[str, Any] = {"base": {"calibration_objective": calibration_objective(ctx),
-                                           "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}}
-    start_overrides: dict[str, Any] = {}
-    if cfg.method.mode == "hybrid":
-        assert cfg.method.start is not None
+    plan: MergePlan
+    out: Path
+    overwrite: bool
+    device: str
+    dtype: Any
+    notes: list[str]
+    say: Callable[[str], None]
+    progress: bool
+    t_start: float
+
+    def __post_init__(self) -> None:
+        cfg = self.plan.config
+        self.cfg = cfg
+        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed)
+        self.eval_spec = OutputSpec(cfg.output.field, "none")
+
+    def _write(self, overrides: dict[str, Any]) -> WrittenOutput:
+        cfg = self.cfg
+        written = save_hf_folder(
+            self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
+            tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
+            protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype)
+        return WrittenOutput.of(written)
+
+    def _finish(self, report_fields: dict[str, Any], output: WrittenOutput, model: Any) -> MergeResult:
+        report = MergeReport(plan=self.plan.to_json(), device=self.device, notes=tuple(self.notes), output=output,
+                             seconds=time.perf_counter() - self.t_start, **report_fields)
+        _write_reports(self.out, report)
+        return MergeResult(self.plan, report, self.out, model)
+
+    # ------------------------------------------------------------------ QP
+    def qp(self) -> MergeResult:
+        plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
+        m = cfg.method
+        collector = None
+        if statistics_method(cfg) is not None:  # a hybrid start with statistics: those of every tensor
+            assert m.start is not None
+            collector = statistics_collector(plan, m.start.name, m.start.params, _float_keys(plan), say)
+        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector)
+        if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
+            c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
+            for site in plan.sites:  # before any model is linearised
+                check_jacobian_size(site.name, c, site.r, parse_size(m.basis_max_size))
+        model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
+        task_targets = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
+        settings = qp_settings(cfg, device)
+        weights = WeightSource(plan.base, plan.finetuned)
+        ctx = MergeContext(model, weights, task_targets, self.spec, settings, device, cfg.model_names(),
+                           self.progress, say)
+
+        def evaluate_model(live: Any) -> dict[str, Any]:
+            """The QP's calibration objective and the held-out MSE of a live model."""
+            return {"calibration_objective": calibration_objective(dataclasses.replace(ctx, model=live)),
+                    "heldout_mse": heldout_mse(live, tasks, self.eval_spec, device)}
+
+        base_eval = ModelEvaluation(**evaluate_model(model))
+        start_eval = None
+        start_overrides: dict[str, Any] = {}
+        mode = get_merge_mode(m.mode)
+        if mode.uses_start:
+            assert m.start is not None
+            t = time.perf_counter()
+            floats = _float_keys(plan)
+            if collector is not None:
+                start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
+            else:
+                start_overrides = baseline_merge(plan, m.start.name, m.start.params, floats)
+            _load_into(model, start_overrides)
+            measured = evaluate_model(model)
+            start_eval = ModelEvaluation(**measured, method=m.start.name, params=m.start.params,
+                                         seconds=time.perf_counter() - t,
+                                         statistics=collector.summary() if collector is not None else None)
+            if collector is not None:
+                self.notes.extend(n for n in collector.notes if n not in self.notes)
+        prepared = mode.prepare(ctx)
+        records = run_mode(ctx, m.mode, plan.sites)
+        mode_notes = mode.notes(records, m.constraints, m.start.name if m.start else None)
+        # a start-based mode's notes explain the records; the others' follow the certificate note
+        self.notes.extend(mode_notes if mode.uses_start else [])
+        failed = uncertified(records)  # a missing or failed certificate is never certified
+        if failed:
+            why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
+            self.notes.append(f"QP solution NOT certified at {failed}: {why or 'see the certificates'}")
+        self.notes.extend([] if mode.uses_start else mode_notes)
+        merged = evaluate_model(model)
+        mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model)
+        del prepared
+        overrides = dict(start_overrides)
+        for site in plan.sites:
+            # stored in the base checkpoint's dtype, unless output_dtype says otherwise (the writer casts)
+            like = None if cfg.output_dtype else {k: plan.base.get(k) for k in site.keys}
+            overrides.update(stored_tensors(site, read_augmented(model, site), like))
+        output = self._write(overrides)
+        evaluation = Evaluation(base=base_eval, start=start_eval, merged=ModelEvaluation(**merged))
+        return self._finish({"layers": tuple(records), "evaluation": evaluation, "mode_fields": mode_fields},
+                            output, model)
+
+    # ------------------------------------------------------------------ baselines
+    def baseline(self) -> MergeResult:
+        """A baseline method: statistics (a method that declares them) and targets (evaluation)
+        while each fine-tuned model is loaded, the merge of the selected tensors, the evaluation
+        of the base and the merged model, the folder and the report."""
+        plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
+        name, params = cfg.method.name, cfg.method.params
+        keys = plan.merged_keys()
+        collector = statistics_collector(plan, name, params, keys, say) if needs_statistics(name) else None
+        evaluated = evaluates_baseline(cfg)
+        tasks: list[TaskData] = []
         t = time.perf_counter()
-        floats = _float_keys(plan)
+        if collector is not None or evaluated:
+            tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, targets=evaluated,
+                                  visit=collector)
+        t_stats = time.perf_counter() - t
+        t = time.perf_counter()
         if collector is not None:
-            start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
+            merged = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
         else:
-            start_overrides = baseline_merge(plan, cfg.method.start.name, cfg.method.start.params, floats)
-        _load_into(model, start_overrides)
-        evaluation["start"] = {"method": cfg.method.start.name, "params": cfg.method.start.params,
-                               "calibration_objective": calibration_objective(ctx),
-                               "heldout_mse": heldout_mse(model, tasks, eval_spec, device),
-                               "seconds": time.perf_counter() - t}
+            merged = baseline_merge(plan, name, params, keys)
+        summary = BaselineSummary(name, params, len(merged), time.perf_counter() - t + t_stats,
+                                  collector.summary() if collector is not None else None)
         if collector is not None:
-            evaluation["start"]["statistics"] = collector.summary()
-            notes.extend(n for n in collector.notes if n not in notes)
-    comparison_model = copy.deepcopy(model) if cfg.method.mode == "joint" and cfg.method.compare_sequential else None
-
-    records = run_mode(ctx, cfg.method.mode, plan.sites)
-    if cfg.method.mode == "hybrid":
-        worse = [r.layer for r in records if r.objective_after_exact > r.objective_before]
-        if worse:
-            notes.append(
-                f"hybrid: the QP step raised the exact calibration objective at {worse}: the QP's merged weight "
-                f"is W_base + sum_a d_a B_a, and the {cfg.method.start.name} weight of a layer is a feasible point "  # type: ignore[union-attr]
-                f"only when it has that form (task arithmetic / soup with rows or scalar, not TIES, DARE, "
-                f"Fisher or RegMean); the linearisation error can do it too")
-    uncertified = [r.layer for r in records if not r.certificate.get("certified", True)]
-    if uncertified:
-        why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
-        notes.append(f"QP solution NOT certified at {uncertified}: {why or 'see the certificates'}")
-    if cfg.method.mode != "hybrid":
-        worse = [r.layer for r in records
-                 if r.objective_after > r.objective_before + 1e-9 * abs(r.objective_before)]
-        if worse:
-            notes.append(
-                f"the QP objective rose at {worse}: the starting point (the current weights, d = 0) "
-                f"is not in the constraint set {cfg.method.constraints}, so its optimum can lie above "
-                f"it (an L1 ball or simplex away from 0), or the solve was not certified")
-    evaluation["merged"] = {"calibration_objective": calibration_objective(ctx),
-                            "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
-    if comparison_model is not None:
-        t = time.perf_counter()
-        seq_ctx = MergeContext(comparison_model, weights, task_targets, spec, settings, device,
-                               cfg.model_names(), progress, say)
-        seq_records = run_mode(seq_ctx, "sequential", plan.sites)
-        report["joint_vs_sequential"] = {
-            "joint": {"calibration_objective": evaluation["merged"]["calibration_objective"],
-                      "heldout_mse": evaluation["merged"]["heldout_mse"],
-                      "qp_objective": records[0].objective_after,
-                      "seconds": records[0].seconds},
-            "sequential": {"calibration_objective": calibration_objective(seq_ctx),
-                           "heldout_mse": heldout_mse(comparison_model, tasks, eval_spec, device),
-                           "layers": [r.to_json() for r in seq_records],
-                           "seconds": time.perf_counter() - t},
-        }
-        del comparison_model
-
-    overrides = dict(start_overrides)
-    for site in plan.sites:
-        # stored in the base checkpoint's dtype, unless output_dtype says otherwise (the writer casts)
-        like = None if cfg.output_dtype else {k: plan.base.get(k) for k in site.keys}
-        overrides.update(stored_tensors(site, read_augmented(model, site), like))
-    written = save_hf_folder(out, _stream(plan, overrides), **write_kwargs)
-    report["layers"] = [r.to_json() for r in records]
-    report["evaluation"] = evaluation
-    report["output"] = _written_json(written)
-    report["seconds"] = time.perf_counter() - t_start
-    _write_reports(out, report)
-    return MergeResult(plan, report, out, model)
-
-
-def _run_baseline(plan: MergePlan, out: Path, report: dict[str, Any], write_kwargs: dict[str, Any],
-                  spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
-                  say: Callable[[str], None], t_start: float) -> MergeResult:
-    """A baseline method: statistics (Fisher / RegMean) and targets (evaluation) while each
-    fine-tuned model is loaded, the merge of the selected tensors, the evaluation of the base and
-    the merged model, the folder and the report."""
-    import gc
-
-    cfg = plan.config
-    name, params = cfg.method.name, cfg.method.params
-    keys = plan.merged_keys()
-    collector = statistics_collector(plan, name, params, keys, say) if needs_statistics(name) else None
-    evaluated = evaluates_baseline(cfg)
-    tasks: list[TaskData] = []
-    t = time.perf_counter()
-    if collector is not None or evaluated:
-        tasks = prepare_tasks(plan, spec, eval_spec, dtype, device, say, targets=evaluated, visit=collector)
-    t_stats = time.perf_counter() - t
-    t = time.perf_counter()
-    if collector is not None:
-        merged = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
-    else:
-        merged = baseline_merge(plan, name, params, keys)
-    report["baseline"] = {"method": name, "params": params, "tensors": len(merged),
-                          "seconds": time.perf_counter() - t + t_stats}
-    if collector is not None:
-        report["baseline"]["statistics"] = collector.summary()
-        report["notes"].extend(n for n in collector.notes if n not in report["notes"])
-    model = None
-    if evaluated:
-        model = load_model(plan.base, cfg.resolve(cfg.base), dtype, device)
-        evaluation = {"base": evaluate(model, tasks, spec, eval_spec, device)}
-        _load_into(model, merged)
-        evaluation["merged"] = {"method": name, **evaluate(model, tasks, spec, eval_spec, device)}
-        report["evaluation"] = evaluation
-    written = save_hf_folder(out, _stream(plan, merged), **write_kwargs)
-    report["output"] = _written_json(written)
-    report["seconds"] = time.perf_counter() - t_start
-    _write_reports(out, report)
-    del merged
-    gc.collect()
-    return MergeResult(plan, report, out, model)
+            self.notes.extend(n for n in collector.notes if n not in self.notes)
+        model = None
+        evaluation = None
+        if evaluated:
+            model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
+            base_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device))
+            _load_into(model, merged)
+            merged_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device), method=name)
+            evaluation = Evaluation(base=base_eval, merged=merged_eval)
+        output = self._write(merged)
+        result = self._finish({"baseline": summary, "evaluation": evaluation}, output, model)
+        del merged
+        gc.collect()
+        return result
 
 
 def _float_keys(plan: MergePlan) -> list[str]:
     return [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
 
 
-def _solver_options(cfg: MergeConfig, device: str) -> dict[str, Any]:
-    opts = dict(cfg.method.solver_options)
-    if cfg.method.solver.startswith("torch") and "device" not in opts:
-        opts["device"] = device
-    return opts
-
-
 def _load_into(model: Any, tensors: dict[str, Any]) -> None:
     """Copy checkpoint-named ``tensors`` into the live model (renamed as ``transformers`` does)."""
-    import torch
+    import torch  # optional heavy dependency: the merge runs on torch
 
     state = model.state_dict()
     live = live_names(model)
@@ -481,16 +469,11 @@ def _stream(plan: MergePlan, overrides: dict[str, Any]):
         yield name, (tensor if tensor is not None else plan.base.get(name))
 
 
-def _written_json(w: Any) -> dict[str, Any]:
-    return {"folder": str(w.folder), "weight_files": list(w.weight_files), "bytes": w.total_bytes,
-            "tensors": w.n_tensors, "copied": list(w.copied), "index": w.index}
+def _write_reports(out: Path, report: MergeReport) -> None:
+    data = report.to_json()
+    write_json(out / "report.json", data)
+    write_markdown(out / "report.md", data)
 
 
-def _write_reports(out: Path, report: dict[str, Any]) -> None:
-    from .report import write_json, write_markdown
-
-    write_json(out / "report.json", report)
-    write_markdown(out / "report.md", report)
-
-
-__all__ = ["MergeResult", "baseline_merge", "load_model", "prepare_tasks", "resolve_device", "run_merge"]
+__all__ = ["MergeResult", "baseline_merge", "load_model", "prepare_tasks", "resolve_device", "run_merge",
+           "statistics_collector"]

@@ -1,0 +1,36 @@
+"""The run layer's translation of a validated config into the typed settings that :mod:`mergeqp.merge` takes.
+
+``mergeqp.merge`` never reads a :class:`~mergeqp.config.MergeConfig`; this module is where its
+``method`` block becomes a :class:`~mergeqp.merge.multilayer.QPSettings`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..config import MergeConfig
+from ..io.writer import parse_size
+from ..merge.multilayer import QPSettings
+
+#: bytes of base tensors read at once when a baseline merges checkpoint tensors
+DEFAULT_CHUNK_BYTES = 512 * 2**20
+
+
+def solver_options(cfg: MergeConfig, device: str | None) -> dict[str, Any]:
+    """``method.solver_options``; a torch solver runs on the merge's ``device`` unless told otherwise."""
+    opts = dict(cfg.method.solver_options)
+    if device is not None and cfg.method.solver.startswith("torch") and "device" not in opts:
+        opts["device"] = device
+    return opts
+
+
+def qp_settings(cfg: MergeConfig, device: str | None = None) -> QPSettings:
+    """The QP settings of a ``name: qp`` config (``device``: where torch solvers run)."""
+    m = cfg.method
+    return QPSettings(
+        parametrisation=m.parametrisation, basis=m.basis, rank=m.rank,
+        constraints=tuple(m.constraints), solver=m.solver,
+        solver_options=solver_options(cfg, device), regularisation=m.regularisation,
+        reference=m.reference, chunk_size=m.chunk_size, seed=cfg.seed,
+        basis_max_bytes=parse_size(m.basis_max_size), compare_sequential=m.compare_sequential,
+    )

@@ -42,7 +42,9 @@ their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite s
 ``Simplex``, ``GlobalSimplex``, ``L1Ball``, ``Box & Simplex``, ``Box & GlobalSimplex``,
 ``Box & L1Ball`` (centre inside the box), and the unconstrained problem. Needs an explicit H.
 Memory: H, its float32 copy and up to a few ``n_free x n_free`` work arrays. Projections
-onto the sets are computed here by sorting breakpoints (exact), not by bisection.
+and the LMO are the shared kernels of :mod:`mergeqp.constraints.kernels` (exact, by sorting
+breakpoints); the set is recognised through its members' ``structure`` capability, so a user's
+set that declares one is solved here too.
 """
 
 from __future__ import annotations
@@ -55,14 +57,9 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sla
 
-from ..constraints import (
-    Box,
-    ConstraintSet,
-    GlobalSimplex,
-    L1Ball,
-    Simplex,
-    Unconstrained,
-)
+from ..constraints import ConstraintSet, SetStructure
+from ..constraints.base import members_structure
+from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
@@ -71,72 +68,10 @@ from .base import QPSolver, RawResult
 FREE, LO, HI, CEN = 0, 1, 2, 3
 
 
-@dataclass(frozen=True)
-class SetStructure:
-    """A recognised set in flat variables (``n = K * n_atoms``, row-major).
-
-    ``lo``/``hi``: bounds (``+-inf`` allowed); ``group``: simplex group of each variable
-    (``-1`` = none) with ``totals``; ``center``/``radius``: the L1 ball (``None`` if absent).
-    """
-
-    lo: np.ndarray
-    hi: np.ndarray
-    group: np.ndarray | None
-    totals: np.ndarray | None
-    center: np.ndarray | None
-    radius: float | None
-
-    @property
-    def bounded(self) -> bool:
-        """Whether the set is bounded (so the Frank-Wolfe gap is finite)."""
-        if self.group is not None or self.center is not None:
-            return True
-        return bool(np.all(np.isfinite(self.lo)) and np.all(np.isfinite(self.hi)))
-
-
 def set_structure(cset: ConstraintSet, shape: tuple[int, int]) -> SetStructure | str:
-    """Recognise ``cset`` as box / simplex / L1 structure, or return why it is not supported."""
-    K, m = shape
-    n = K * m
-    lo = np.full(n, -np.inf)
-    hi = np.full(n, np.inf)
-    simplex: Simplex | None = None
-    ball: L1Ball | None = None
-    for s in cset.members():
-        if isinstance(s, Box):
-            b_lo, b_hi = s.bounds(shape)
-            lo = np.maximum(lo, b_lo.ravel())
-            hi = np.minimum(hi, b_hi.ravel())
-        elif isinstance(s, Simplex):  # includes GlobalSimplex
-            if simplex is not None:
-                return "handles at most one simplex constraint"
-            simplex = s
-        elif isinstance(s, L1Ball):
-            if ball is not None:
-                return "handles at most one L1 ball"
-            ball = s
-        elif isinstance(s, Unconstrained):
-            continue
-        else:
-            return f"does not handle {s.spec} (only box, simplex, global_simplex, l1 and their box intersections)"
-    if simplex is not None and ball is not None:
-        return "does not handle a simplex intersected with an L1 ball"
-    group = totals = center = None
-    radius = None
-    if simplex is not None:
-        lo = np.maximum(lo, 0.0)
-        if isinstance(simplex, GlobalSimplex):
-            group = np.zeros(n, dtype=np.intp)
-            totals = np.array([simplex.total])
-        else:
-            group = np.tile(np.arange(m, dtype=np.intp), K)
-            totals = np.full(m, simplex.total)
-    if ball is not None:
-        center = ball._center(shape).ravel().copy()
-        radius = ball.radius
-        if np.any(center < lo) or np.any(center > hi):
-            return "handles an L1 ball intersected with a box only when the centre lies in the box"
-    return SetStructure(lo, hi, group, totals, center, radius)
+    """The set's structure (bounds, one simplex family or one L1 ball), from the members'
+    ``structure`` capability, or why the active-set engine cannot handle it."""
+    return members_structure(cset.members(), shape)
 
 
 # ---------------------------------------------------------------------- linear algebra
@@ -197,121 +132,9 @@ def _robust_cholesky(S: np.ndarray) -> tuple[np.ndarray, bool]:
     raise np.linalg.LinAlgError("bordered update: Schur complement is not positive definite")
 
 
-# ---------------------------------------------------------------------- linear minimisation
 def support_value(st: SetStructure, grad: np.ndarray) -> float:
-    """``min_{s in C} grad's`` (``-inf`` when unbounded), exact and vectorised."""
-    lo, hi = st.lo, st.hi
-    if st.group is not None:
-        assert st.totals is not None
-        # start every variable at its lower bound, then fill each group's remaining budget in
-        # increasing order of the gradient up to the upper bounds (a fractional knapsack)
-        budget = st.totals - np.bincount(st.group, lo, minlength=st.totals.size)
-        order = np.lexsort((grad, st.group))
-        cap = (hi - lo)[order]
-        grp = st.group[order]
-        csum = np.cumsum(np.where(np.isfinite(cap), cap, 0.0))
-        inf_seen = np.cumsum(~np.isfinite(cap))
-        starts = np.searchsorted(grp, np.arange(st.totals.size))
-        base = np.where(starts > 0, csum[np.maximum(starts - 1, 0)], 0.0)
-        inf_base = np.where(starts > 0, inf_seen[np.maximum(starts - 1, 0)], 0)
-        before = np.concatenate([[0.0], csum[:-1]]) - base[grp]  # capacity used before this var
-        inf_before = np.concatenate([[0], inf_seen[:-1]]) - inf_base[grp]
-        rem = budget[grp] - before
-        take = np.where(inf_before > 0, 0.0, np.clip(rem, 0.0, cap))
-        s = lo[order] + take
-        return float(grad[order] @ s)
-    if st.center is not None:
-        c = st.center
-        assert st.radius is not None
-        # move away from the centre along -sign(grad), largest |grad| first, within the box
-        cap = np.where(grad > 0, c - lo, hi - c)
-        gain = np.abs(grad)
-        order = np.argsort(-gain, kind="stable")
-        capo = np.minimum(cap[order], st.radius)
-        before = np.concatenate([[0.0], np.cumsum(capo)[:-1]])
-        step = np.clip(st.radius - before, 0.0, capo)
-        return float(grad @ c - gain[order] @ step)
-    s = np.where(grad > 0, lo, np.where(grad < 0, hi, np.where(np.isfinite(lo), lo, np.where(np.isfinite(hi), hi, 0.0))))
-    if not np.all(np.isfinite(s)):
-        return -math.inf
-    return float(grad @ s)
-
-
-# ---------------------------------------------------------------------- projection
-def capped_shift(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, group: np.ndarray,
-                 totals: np.ndarray) -> np.ndarray:
-    """Per group ``G``, the shift ``tau_G`` with ``sum_{i in G} clip(v_i - tau_G, lo_i, hi_i) =
-    totals[G]`` (exact, by sorting the breakpoints ``v - hi`` and ``v - lo``; ``+-inf`` bounds
-    allowed). ``v``, ``lo``, ``hi``, ``group``: ``(n,)``; ``totals``: ``(n_groups,)``; assumes
-    ``sum lo <= total <= sum hi`` in every group. Cost: one sort of ``2n`` numbers."""
-    n = v.size
-    ngr = totals.size
-    fin_hi = np.isfinite(hi)
-    # sum_i clip(v_i - tau, lo_i, hi_i) = C - S tau between breakpoints: entering (tau passes
-    # v_i - hi_i) turns hi_i into v_i - tau, leaving (tau passes v_i - lo_i) turns it into lo_i
-    base = np.bincount(group, np.where(fin_hi, hi, 0.0), minlength=ngr)
-    b = np.concatenate([v - hi, v - lo])
-    dC = np.concatenate([v - np.where(fin_hi, hi, 0.0), lo - v])
-    dS = np.concatenate([np.ones(n), -np.ones(n)])
-    grp = np.concatenate([group, group])
-    order = np.lexsort((b, grp))
-    b, dC, dS, grp = b[order], dC[order], dS[order], grp[order]
-    with np.errstate(invalid="ignore"):
-        # cumulative state after each event, restarted per group
-        C = np.cumsum(np.where(np.isfinite(dC), dC, 0.0))
-        S = np.cumsum(dS)
-        starts = np.searchsorted(grp, np.arange(ngr))
-        prevC = np.where(starts > 0, C[np.maximum(starts - 1, 0)], 0.0)
-        prevS = np.where(starts > 0, S[np.maximum(starts - 1, 0)], 0.0)
-        C = C - prevC[grp] + base[grp]
-        S = S - prevS[grp]
-        phi = np.where(np.isposinf(b), -np.inf, np.where(np.isneginf(b), np.where(S > 0, np.inf, C), C - S * b))
-        # the last event per group at which the sum is still >= the total
-        ok = phi >= totals[grp]
-        idx = np.where(ok, np.arange(2 * n), -1)
-        last = np.full(ngr, -1, dtype=np.intp)
-        np.maximum.at(last, grp, idx)
-    tau = np.empty(ngr)
-    for_groups = last >= 0
-    k = last[for_groups]
-    Sk, Ck = S[k], C[k]
-    tau_k = np.where(Sk > 0, (Ck - totals[for_groups]) / np.where(Sk > 0, Sk, 1.0), b[k])
-    tau[for_groups] = np.where(np.isfinite(tau_k), tau_k, 0.0)
-    # no event reaches the total: every variable at its upper bound (sum hi = total)
-    first = np.minimum(starts, 2 * n - 1)
-    tau[~for_groups] = b[first[~for_groups]] - 1.0
-    return tau
-
-
-def project_structure(st: SetStructure, x: np.ndarray) -> np.ndarray:
-    """Euclidean projection onto the recognised set (exact; sorts instead of bisection). A
-    point that is feasible up to rounding in the equations (``1e-14`` relative) is returned
-    as it is."""
-    lo, hi = st.lo, st.hi
-    if st.group is not None:
-        assert st.totals is not None
-        if bool(np.all(x >= lo)) and bool(np.all(x <= hi)):
-            sums = np.bincount(st.group, x, minlength=st.totals.size)
-            size = np.bincount(st.group, np.abs(x), minlength=st.totals.size)
-            if float(np.max(np.abs(sums - st.totals) - 1e-14 * (size + np.abs(st.totals)))) <= 0:
-                return x
-        tau = capped_shift(x, lo, hi, st.group, st.totals)
-        return np.clip(x - tau[st.group], lo, hi)
-    y = np.clip(x, lo, hi)
-    if st.center is None:
-        return y
-    assert st.radius is not None
-    c = st.center
-    if float(np.sum(np.abs(y - c))) <= st.radius:
-        return y
-    u = x - c
-    au = np.abs(u)
-    # x_i = c_i + sign(u_i) min(max(|u_i| - tau, 0), cap_i): a capped sum over |u|
-    cap = np.where(u > 0, hi - c, c - lo)
-    zero = np.zeros(x.size, dtype=np.intp)
-    tau = float(capped_shift(au, np.zeros(x.size), cap, zero, np.array([st.radius]))[0])
-    step = np.clip(au - max(tau, 0.0), 0.0, cap)
-    return c + np.sign(u) * step
+    """``min_{s in C} grad's`` (``-inf`` when unbounded), exact (the shared kernel)."""
+    return lmo_structure(st, grad)[0]
 
 
 # ---------------------------------------------------------------------- the engine

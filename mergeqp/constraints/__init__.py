@@ -24,6 +24,7 @@ from .base import (
     Shape,
     Unconstrained,
     capabilities,
+    cvxpy_reason,
     intersect,
 )
 from .box import Box
@@ -48,7 +49,7 @@ __all__ = [
     "CONSTRAINT_SETS", "LMO_CLOSED_FORM", "LMO_CVXPY", "LMO_HIGHS", "AuxiliaryForm", "Box",
     "ConstraintParser", "ConstraintSet", "GlobalSimplex", "Intersection", "L1Ball", "LinearForm",
     "SetStructure", "Shape", "SignConsensus", "Simplex", "Unconstrained", "UserConstraints",
-    "_highs_dual_bound", "as_constraint_set", "capabilities", "check_feasible", "intersect",
+    "_highs_dual_bound", "as_constraint_set", "capabilities", "check_feasible", "cvxpy_reason", "intersect",
     "lmo_box_l1", "lmo_capped_sum", "parse_constraint", "parse_constraints", "project_box_l1",
     "project_capped_sum", "project_l1", "register_constraint",
 ]

@@ -112,18 +112,21 @@ class ConstraintSet(ABC):
     def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
         """The linear minimisation oracle: ``min_{s in C} <grad, s>`` with its evidence for a
         lower bound (:class:`~mergeqp.lower_bounds.LinearMinimum`). The default uses
-        :meth:`structure` (exact)."""
+        :meth:`structure` (exact), else a HiGHS LP over a polyhedral set (``polyhedral``)."""
         grad = np.asarray(grad, dtype=np.float64)
         st = self.structure(grad.shape)  # type: ignore[arg-type]
-        if st is None:
-            raise UnsupportedError(f"{self.spec} declares no linear minimisation oracle "
-                                   f"(linear_minimum) and no separable structure")
-        return structure_minimum(st, grad)
+        if st is not None:
+            return structure_minimum(st, grad)
+        if self.polyhedral:
+            return lp_minimum([self], grad)
+        raise UnsupportedError(f"{self.spec} declares no linear minimisation oracle: implement "
+                               f"linear_minimum(grad), structure(shape), or linear_form(shape) with "
+                               f"polyhedral = True")
 
     @property
     def lmo_method(self) -> str:
         """How :meth:`linear_minimum` computes: ``closed form`` or the LP it solves."""
-        return LMO_CLOSED_FORM
+        return LMO_HIGHS if self.polyhedral and not self.has_projection else LMO_CLOSED_FORM
 
     def support(self, grad: np.ndarray) -> tuple[float, np.ndarray | None]:
         """``(value, s)``: ``value <= min_{s' in C} <grad, s'>`` (equal for closed forms; an LP's
@@ -170,6 +173,14 @@ def members_structure(sets: tuple[ConstraintSet, ...], shape: Shape) -> SetStruc
     return combine_structures([(s.spec, s.structure(shape)) for s in sets], shape[0] * shape[1])
 
 
+def cvxpy_reason(cset: ConstraintSet) -> str | None:
+    """``None`` when every member of ``cset`` has a CVXPY form, else which one lacks it."""
+    for s in cset.members():
+        if type(s).cvxpy is ConstraintSet.cvxpy:
+            return f"{s.spec} declares no CVXPY form (cvxpy(var))"
+    return None
+
+
 def capabilities(cset: ConstraintSet, shape: Shape) -> frozenset[str]:
     """What ``cset`` offers at this shape: ``projection``, ``structure``, ``polyhedral``,
     ``bounded``, ``recession``, ``cvxpy``, ``lmo`` (names used in solvers' reasons)."""
@@ -184,7 +195,7 @@ def capabilities(cset: ConstraintSet, shape: Shape) -> frozenset[str]:
         out.add("bounded")
     if type(cset).linear_minimum is not ConstraintSet.linear_minimum:
         out.add("lmo")
-    if type(cset).cvxpy is not ConstraintSet.cvxpy:
+    if cvxpy_reason(cset) is None:
         out.add("cvxpy")
     if cset.recession_violation(np.zeros(shape)) is not None:
         out.add("recession")

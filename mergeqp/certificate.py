@@ -52,7 +52,7 @@ import scipy.linalg as sla
 from .constraints import ConstraintSet, SetStructure, as_constraint_set
 from .errors import ValidationError
 from .lower_bounds import lower_bound as linear_minimum_bound
-from .problem import MergeQP
+from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_FEAS_TOL = 1e-7
@@ -416,22 +416,18 @@ def certify(
 
 def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: float) -> float:
     """Estimated float64 error of ``grad'(d - s)``: :func:`_gradient_rounding` times
-    ``|d - s|_1`` (the same estimate as ``active_set``'s stopping floor)."""
-    return 8.0 * _gradient_rounding(problem, x, grad) * width
+    ``|d - s|_1`` (the same floor as ``active_set``'s stopping rule)."""
+    return GAP_ROUNDING_FACTOR * _gradient_rounding(problem, x, grad) * width
 
 
 def _gradient_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray) -> float:
-    """Estimated float64 error of one gradient entry: ``sqrt(n) eps (|g|_inf + max diag H
-    |d|_inf)`` (``|H_ij| <= max diag H`` for a PSD H; a matvec-only H uses ``|grad|_inf``)."""
-    eps = float(np.finfo(float).eps)
+    """:func:`~mergeqp.problem.gradient_rounding` at ``x`` (a matvec-only H uses
+    ``|grad|_inf`` in place of ``max diag H |d|_inf``)."""
     g_inf = float(np.max(np.abs(problem.g), initial=0.0))
-    x_inf = float(np.max(np.abs(x), initial=0.0))
     if problem.H is not None:
         eta = float(np.max(np.abs(problem.diagonal()), initial=0.0))
-        size = g_inf + eta * x_inf
-    else:
-        size = g_inf + float(np.max(np.abs(grad), initial=0.0))
-    return math.sqrt(max(problem.n, 1)) * eps * size
+        return gradient_rounding(problem.n, g_inf, eta, float(np.max(np.abs(x), initial=0.0)))
+    return gradient_rounding(problem.n, g_inf, 1.0, float(np.max(np.abs(grad), initial=0.0)))
 
 
 def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: np.ndarray,
@@ -464,7 +460,7 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     rounding = err * float(np.sum(np.where(np.isfinite(lo), np.abs(D - lo), 0.0))
                            + np.sum(np.where(np.isfinite(hi), np.abs(hi - D), 0.0)))
     if not np.any(w):
-        return comp, method, 8.0 * rounding
+        return comp, method, GAP_ROUNDING_FACTOR * rounding
     ps = pseudo()
     if ps is None or not ps.available:
         why = ("H is only a matrix-vector product" if ps is None else
@@ -485,7 +481,7 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     e = np.where(wf != 0, err * np.sign(y), 0.0)
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
-            8.0 * rounding)
+            GAP_ROUNDING_FACTOR * rounding)
 
 
 def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:

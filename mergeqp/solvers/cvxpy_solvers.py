@@ -34,7 +34,7 @@ class _CvxpySolver(QPSolver):
 
     def available(self) -> str | None:
         try:
-            import cvxpy as cp
+            import cvxpy as cp  # optional heavy dependency: checked by available()
         except ImportError:
             return "cvxpy is not installed (pip install cvxpy)"
         if self.backend not in cp.installed_solvers():
@@ -48,7 +48,7 @@ class _CvxpySolver(QPSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import cvxpy as cp
+        import cvxpy as cp  # optional heavy dependency: checked by available()
 
         opts = self.check_options(options)
         t0 = time.perf_counter()

@@ -26,19 +26,17 @@ from scipy.optimize import linprog
 
 from ..errors import InfeasibleError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, LPDuals, dual_bound
-from .forms import LinearForm
+from .forms import AuxiliaryForm, LinearForm
 
 LMO_HIGHS = "LP (HiGHS dual bound)"
 LMO_CVXPY = "LP (CVXPY/Clarabel)"
 
 
-def lifted_form(sets: Sequence[Any], shape: tuple[int, int], aux_bounds: bool = True) -> LinearForm | None:
-    """The intersection as one linear form over ``z = (x, t_1, ..., t_b)`` (``x`` flat ``d``, n
-    entries, then each set's auxiliary block), or ``None`` when a set is not polyhedral.
-    ``aux_bounds``: add the (implied) lower bounds of the auxiliary variables as bounds."""
-    n = shape[0] * shape[1]
-    plain: list[LinearForm] = []
-    lifted = []
+def polyhedral_parts(sets: Sequence[Any], shape: tuple[int, int]) -> tuple[LinearForm, list[AuxiliaryForm]] | None:
+    """The sets' plain linear forms intersected (over the flat ``d``, n entries) and, in order,
+    the auxiliary forms of those that declare one; ``None`` when a set has neither."""
+    form = LinearForm.empty(shape[0] * shape[1])
+    lifted: list[AuxiliaryForm] = []
     for s in sets:
         aux = s.auxiliary_form(shape)
         if aux is not None:
@@ -47,7 +45,19 @@ def lifted_form(sets: Sequence[Any], shape: tuple[int, int], aux_bounds: bool = 
         f = s.linear_form(shape)
         if f is None:
             return None
-        plain.append(f)
+        form = form & f
+    return form, lifted
+
+
+def lifted_form(sets: Sequence[Any], shape: tuple[int, int], aux_bounds: bool = True) -> LinearForm | None:
+    """The intersection as one linear form over ``z = (x, t_1, ..., t_b)`` (``x`` flat ``d``, n
+    entries, then each set's auxiliary block), or ``None`` when a set is not polyhedral.
+    ``aux_bounds``: add the (implied) lower bounds of the auxiliary variables as bounds."""
+    n = shape[0] * shape[1]
+    parts = polyhedral_parts(sets, shape)
+    if parts is None:
+        return None
+    plain, lifted = parts
     N = n + sum(a.n_aux for a in lifted)
 
     def pad(f: LinearForm) -> LinearForm:
@@ -59,9 +69,7 @@ def lifted_form(sets: Sequence[Any], shape: tuple[int, int], aux_bounds: bool = 
                           np.concatenate([f.lb, np.full(extra, 0.0 if aux_bounds else -np.inf)]),
                           np.concatenate([f.ub, np.full(extra, np.inf)]))
 
-    form = pad(LinearForm.empty(n))
-    for f in plain:
-        form = form & pad(f)
+    form = pad(plain)
     off = n
     for a in lifted:
         before = sp.csr_matrix((a.A_x.shape[0], off - n))

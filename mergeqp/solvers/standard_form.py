@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from ..constraints import AuxiliaryForm, ConstraintSet, LinearForm
+from ..constraints import ConstraintSet
+from ..constraints.lp import polyhedral_parts
 from ..problem import MergeQP
 from .base import QPSolver
 
@@ -77,17 +78,10 @@ def standard_form(problem: MergeQP, constraints: ConstraintSet) -> StandardQP:
     assert problem.H is not None
     n = problem.n
     shape = problem.shape
-    form = LinearForm.empty(n)
-    lifted: list[AuxiliaryForm] = []
-    for s in constraints.members():
-        aux = s.auxiliary_form(shape)
-        if aux is not None:
-            lifted.append(aux)
-            continue
-        f = s.linear_form(shape)
-        if f is None:
-            raise ValueError(standard_form_reason(constraints, shape))
-        form = form & f
+    parts = polyhedral_parts(constraints.members(), shape)
+    if parts is None:
+        raise ValueError(standard_form_reason(constraints, shape))
+    form, lifted = parts
     n_total = n + sum(a.n_aux for a in lifted)
 
     def widen(M: sp.spmatrix) -> sp.csr_matrix:

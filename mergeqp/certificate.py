@@ -50,7 +50,8 @@ import numpy as np
 import scipy.linalg as sla
 
 from .constraints import ConstraintSet, SetStructure, as_constraint_set
-from .errors import ValidationError
+from .errors import UnsupportedError, ValidationError
+from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
 from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 
@@ -335,7 +336,11 @@ def certify(
         return solver
 
     # ------------------------------------------------------------- optimality gap
-    lm = cset.linear_minimum(grad)
+    try:
+        lm = cset.linear_minimum(grad)
+    except UnsupportedError as exc:  # the set declares no oracle: no bound, and say so
+        lm = LinearMinimum(math.nan, None, "no oracle")
+        notes.append(str(exc))
     bound = linear_minimum_bound(lm)
     s = lm.s
     rounding = 0.0

@@ -99,6 +99,8 @@ def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, 
 
 def lower_bound(lm: LinearMinimum) -> Bound:
     """The certificate's lower bound on ``min_{s in C} <grad, s>`` from a set's answer."""
+    if math.isnan(lm.value):
+        return Bound(None, BOUND_NONE, f"the oracle ({lm.method}) gave no value")
     if not math.isfinite(lm.value):
         return Bound(lm.value, BOUND_EXACT if lm.exact else lm.method)
     if lm.exact:

@@ -166,3 +166,25 @@ def test_an_unbounded_claim_needs_a_ray_that_stays_in_the_set() -> None:
 
     err = unbounded_claim(flat, NoCone(), "osqp", "dual infeasible", down)
     assert type(err) is SolverError and "recession-cone" in str(err)
+
+
+def test_a_set_with_a_projection_but_no_oracle_is_solved_but_not_certified() -> None:
+    """torch_fista needs only the projection; the certificate needs an oracle and says so."""
+
+    class ProjectionOnly(ConstraintSet):
+        name = "projection_only"
+        has_projection = True
+
+        def violation(self, d):
+            return Box(0, 1).violation(d)
+
+        def project(self, d):
+            return np.clip(d, 0.0, 1.0)
+
+    problem = random_problem(np.random.default_rng(16), K=2, m=3)
+    sol = mq.solve(problem, ProjectionOnly(), solver="torch_fista")
+    assert sol.objective == pytest.approx(mq.solve(problem, Box(0, 1)).objective, rel=1e-7)
+    cert = sol.certificate
+    assert cert is not None and not cert.certified() and cert.fw_gap == math.inf
+    assert any("declares no linear minimisation oracle" in n for n in cert.notes)
+    assert cert.bound_method.endswith("(unavailable)")

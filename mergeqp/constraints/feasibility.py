@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InfeasibleError, ValidationError
-from .base import ConstraintSet, Shape, Unconstrained, intersect
+from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect
 from .kernels import SetStructure
 from .lp import lp_minimum
 from .parse import parse_constraint
@@ -39,7 +39,8 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
 
     Closed-form checks first, from the members' structures (crossed bounds, bounds vs. simplex
     totals, bounds vs. L1 ball); otherwise one LP with a zero objective (HiGHS for polyhedral
-    sets, CVXPY otherwise).
+    sets, CVXPY otherwise). A set with neither a polyhedral nor a CVXPY form cannot be checked
+    here (a solver's point then shows any emptiness as a violation in the certificate).
     """
     constraints.validate(shape)
     members = constraints.members()
@@ -70,6 +71,8 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
                                   f"{dist:g} from the ball's centre, more than the radius {st.radius:g}")
     if len(boxes) == len(members) or (constraints.has_projection and constraints.structure(shape) is not None):
         return  # the closed-form checks above are exact for these
+    if not all(s.polyhedral for s in members) and cvxpy_reason(constraints) is not None:
+        return  # no LP can be written over it: emptiness shows as an infeasible point, not here
     lp_minimum(members, np.zeros(shape))
 
 

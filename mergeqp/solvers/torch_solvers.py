@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
@@ -102,7 +102,7 @@ class _TorchQP:
 
 def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) -> tuple[float, float, float]:
     """``(J(x), gap, size)`` in float64: the Frank-Wolfe gap, or for unbounded sets (where it
-    is infinite) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
+    is infinite, or the set declares no oracle) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
     ``G = L (x - P(x - grad/L))``; ``size = |c| + |x'Hx|/2 + |g'x|``, the magnitude of the
     terms that cancel in ``J`` (float64 roundoff in ``J`` and the gap is ~ eps * size)."""
     d = x.reshape(problem.shape)
@@ -111,7 +111,10 @@ def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) ->
     quad = float(0.5 * np.sum(d * (grad - problem.g.reshape(problem.shape))))
     J = quad + lin + problem.c
     size = abs(problem.c) + abs(quad) + abs(lin)
-    val, _ = cset.support(grad)
+    try:
+        val, _ = cset.support(grad)
+    except UnsupportedError:  # a set with a projection but no oracle: the gradient mapping
+        val = -math.inf
     if math.isfinite(val):
         return J, float(np.sum(grad * d) - val), size
     G = L * (d - cset.project(d - grad / L))

@@ -8,9 +8,12 @@ For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it re
 - ``fw_gap``: an upper bound on ``J(d) - J*`` valid for any feasible ``d``. For bounded sets
   it is the Frank-Wolfe gap ``max_{s in C} grad J(d)'(d - s)`` (convexity:
   ``J(s) >= J(d) + grad'(s - d)`` for every ``s``, so ``J* >= J(d) - gap``), from the set's
-  linear minimisation oracle: closed form for box, simplex, global simplex, L1 ball, box &
-  (global) simplex and box & L1; the dual bound of a HiGHS LP for other polyhedral sets (sign
-  consensus); a CVXPY (Clarabel) LP with a stated margin for user constraints. For boxes with
+  linear minimisation oracle (``ConstraintSet.linear_minimum``) and the certificate's own lower
+  bound on it (:mod:`mergeqp.lower_bounds`, reported as ``bound_method``): exact for closed
+  forms (box, simplex, global simplex, L1 ball, box & (global) simplex, box & L1); the weak-duality
+  bound from a HiGHS LP's multipliers for other polyhedral sets (sign consensus); Clarabel's primal
+  value minus a labelled margin for user CVXPY constraints. When no bound can be proven (HiGHS
+  gives no usable multipliers) the gap is infinite and a note says why: never a silent fallback. For boxes with
   infinite sides (and no constraint at all) the Frank-Wolfe gap is infinite, so the
   Lagrangian duality gap is used instead: with multipliers taken from the gradient,
   ``sum lam_lo (d - lo) + sum lam_hi (hi - d) + 1/2 w' H^+ w``, where ``w`` is the part of the
@@ -46,9 +49,11 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sla
 
-from .constraints import Box, ConstraintSet, Unconstrained, as_constraint_set
-from .errors import ValidationError
-from .problem import MergeQP
+from .constraints import ConstraintSet, SetStructure, as_constraint_set
+from .errors import UnsupportedError, ValidationError
+from .lower_bounds import LinearMinimum
+from .lower_bounds import lower_bound as linear_minimum_bound
+from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_FEAS_TOL = 1e-7
@@ -90,6 +95,10 @@ class Certificate:
     notes: tuple[str, ...] = field(default_factory=tuple)
     rounding: float = 0.0
     abs_tol: float = 0.0
+    #: which lower bound on the linear minimum the gap rests on: ``exact (closed form)``,
+    #: ``dual (HiGHS)``, ``user set (clarabel primal minus a labelled margin) ...``,
+    #: ``lagrangian duality``, or ``... (unavailable)`` when none could be proven
+    bound_method: str = ""
 
     @property
     def at_rounding_floor(self) -> bool:
@@ -161,6 +170,7 @@ class Certificate:
             f"  objective J(d)        = {self.objective:.12g}",
             (f"  optimality gap        <= {self.fw_gap:.3g} (relative {self.relative_gap:.3g} of "
              f"{self.scale:.6g}; {self.gap_method})"),
+            f"  bound used            : {self.bound_method or 'n/a'}",
             f"  lower bound on J*     >= {self.lower_bound:.12g}",
             f"  rounding of the gap   ~ {self.rounding:.3g} (float64 estimate)",
             f"  constraint violation  = {self.infeasibility:.3g}",
@@ -194,6 +204,7 @@ class Certificate:
             "fw_gap": num(self.fw_gap),
             "relative_gap": num(self.relative_gap),
             "gap_method": self.gap_method,
+            "bound_method": self.bound_method,
             "lower_bound": num(self.lower_bound),
             "scale": self.scale,
             "rounding": self.rounding,
@@ -325,18 +336,32 @@ def certify(
         return solver
 
     # ------------------------------------------------------------- optimality gap
-    value, s = cset.support(grad)
+    try:
+        lm = cset.linear_minimum(grad)
+    except UnsupportedError as exc:  # the set declares no oracle: no bound, and say so
+        lm = LinearMinimum(math.nan, None, "no oracle")
+        notes.append(str(exc))
+    bound = linear_minimum_bound(lm)
+    s = lm.s
     rounding = 0.0
-    if math.isfinite(value):
+    if bound.value is None:
+        # the oracle answered but nothing proves a bound: no certificate, and say why
+        fw_gap, gap_method = math.inf, f"frank-wolfe, {lm.method} (no proven bound)"
+        bound_method = f"{bound.method} (unavailable)"
+        notes.append(f"no lower bound on the linear minimum: {bound.reason}")
+    elif math.isfinite(bound.value):
+        value = bound.value
         if s is not None:
             # sum grad (d - s) is accurate near the optimum; the second term is the LP's slack
             fw_gap = float(np.sum(grad * (D - s))) + max(float(np.sum(grad * s)) - value, 0.0)
             rounding = _gap_rounding(problem, x, grad, float(np.sum(np.abs(D - s))))
         else:
             fw_gap = float(np.sum(grad * D)) - value
-        gap_method = f"frank-wolfe, {cset.lmo_method}"
+        gap_method = f"frank-wolfe, {lm.method}"
+        bound_method = bound.method
     else:
         fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
+        bound_method = "lagrangian duality" if math.isfinite(fw_gap) else "none (unbounded set)"
     if feasible:
         fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
     else:
@@ -390,28 +415,24 @@ def certify(
         gap_method=gap_method, lower_bound=float(lower_bound), kkt_residual=kkt,
         unconstrained_bound=unconstrained_bound, pinv_distance=pinv_distance, binding=binding,
         scale=float(scale), feas_tol=feas_tol, rel_tol=rel_tol, abs_tol=abs_tol, d_norm=d_norm,
-        constraints=cset.spec, notes=tuple(notes), rounding=float(rounding),
+        constraints=cset.spec, notes=tuple(notes), rounding=float(rounding), bound_method=bound_method,
     )
 
 
 def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: float) -> float:
     """Estimated float64 error of ``grad'(d - s)``: :func:`_gradient_rounding` times
-    ``|d - s|_1`` (the same estimate as ``active_set``'s stopping floor)."""
-    return 8.0 * _gradient_rounding(problem, x, grad) * width
+    ``|d - s|_1`` (the same floor as ``active_set``'s stopping rule)."""
+    return GAP_ROUNDING_FACTOR * _gradient_rounding(problem, x, grad) * width
 
 
 def _gradient_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray) -> float:
-    """Estimated float64 error of one gradient entry: ``sqrt(n) eps (|g|_inf + max diag H
-    |d|_inf)`` (``|H_ij| <= max diag H`` for a PSD H; a matvec-only H uses ``|grad|_inf``)."""
-    eps = float(np.finfo(float).eps)
+    """:func:`~mergeqp.problem.gradient_rounding` at ``x`` (a matvec-only H uses
+    ``|grad|_inf`` in place of ``max diag H |d|_inf``)."""
     g_inf = float(np.max(np.abs(problem.g), initial=0.0))
-    x_inf = float(np.max(np.abs(x), initial=0.0))
     if problem.H is not None:
         eta = float(np.max(np.abs(problem.diagonal()), initial=0.0))
-        size = g_inf + eta * x_inf
-    else:
-        size = g_inf + float(np.max(np.abs(grad), initial=0.0))
-    return math.sqrt(max(problem.n, 1)) * eps * size
+        return gradient_rounding(problem.n, g_inf, eta, float(np.max(np.abs(x), initial=0.0)))
+    return gradient_rounding(problem.n, g_inf, 1.0, float(np.max(np.abs(grad), initial=0.0)))
 
 
 def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: np.ndarray,
@@ -427,15 +448,9 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     distance to the bounds and the last by ``e |H^+ w|_1 + 1/2 e'H^+e`` (``e`` on the entries
     of ``w``, signed like ``H^+ w``).
     """
-    members = cset.members()
-    if isinstance(cset, Unconstrained) or not members:
-        lo = np.full(D.shape, -np.inf)
-        hi = np.full(D.shape, np.inf)
-    elif all(isinstance(m, Box) for m in members):
-        lo, hi = members[0].bounds(D.shape)  # type: ignore[attr-defined]
-        for m in members[1:]:
-            m_lo, m_hi = m.bounds(D.shape)  # type: ignore[attr-defined]
-            lo, hi = np.maximum(lo, m_lo), np.minimum(hi, m_hi)
+    st = cset.structure(D.shape) if cset.members() else SetStructure.free(D.size)
+    if st is not None and st.bounds_only:
+        lo, hi = st.lo.reshape(D.shape), st.hi.reshape(D.shape)
     else:
         notes.append(f"{cset.spec} is unbounded along -grad J(d): the Frank-Wolfe gap is infinite; "
                      "add bounds (e.g. a box) to obtain a finite certificate")
@@ -450,7 +465,7 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     rounding = err * float(np.sum(np.where(np.isfinite(lo), np.abs(D - lo), 0.0))
                            + np.sum(np.where(np.isfinite(hi), np.abs(hi - D), 0.0)))
     if not np.any(w):
-        return comp, method, 8.0 * rounding
+        return comp, method, GAP_ROUNDING_FACTOR * rounding
     ps = pseudo()
     if ps is None or not ps.available:
         why = ("H is only a matrix-vector product" if ps is None else
@@ -471,7 +486,7 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     e = np.where(wf != 0, err * np.sign(y), 0.0)
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
-            8.0 * rounding)
+            GAP_ROUNDING_FACTOR * rounding)
 
 
 def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:

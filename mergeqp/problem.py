@@ -14,6 +14,7 @@ large to store; then only the solvers and certificate quantities that need produ
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,8 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import scipy.linalg as sla
+from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 
 from .errors import BadDataError, NotConvexError, ValidationError
 from .io.atomic import save_npz_atomic
@@ -272,8 +275,6 @@ class MergeQP:
             H = np.column_stack([self.matvec(e) for e in np.eye(n)])
             check_psd_matrix(0.5 * (H + H.T), self.psd_tol, MATVEC_DENSE_CHECK_N, what="hessian_matvec: H")
             return
-        from scipy.sparse.linalg import LinearOperator
-
         op = LinearOperator((n, n), matvec=lambda v: self.matvec(np.asarray(v, dtype=np.float64).ravel()),
                             dtype=np.float64)
         found = _lanczos_extremes(op, max_iter_top=50)  # each product is a user callback
@@ -404,8 +405,6 @@ class MergeQP:
         readable by ``mergeqp solve``."""
         if self.H is None:
             raise ValidationError("cannot save a problem whose H is only a matvec callback")
-        import json
-
         arrays: dict[str, Any] = {
             "H": self.H, "g": self.g, "c": np.float64(self.c), "shape": np.array(self.shape),
             "model_names": np.array(self.model_names), "atom_names": np.array(self.atom_names),
@@ -430,14 +429,24 @@ class MergeQP:
 #: (by forming it from ``n`` products); above, by a Lanczos estimate
 MATVEC_DENSE_CHECK_N = 512
 
+#: the rounding error of a Frank-Wolfe gap ``grad'(d - s)`` is taken as this multiple of one
+#: gradient entry's error (:func:`gradient_rounding`) times ``|d - s|_1``
+GAP_ROUNDING_FACTOR = 8.0
+
+
+def gradient_rounding(n: int, g_inf: float, curvature: float, x_inf: float) -> float:
+    """Estimated float64 error of one entry of ``grad J = H x + g`` (units of the gradient):
+    ``sqrt(n) eps (|g|_inf + curvature |x|_inf)``, with ``curvature = max diag H`` (which bounds
+    every ``|H_ij|`` of a PSD H). The one rounding floor of the certificate and the solvers'
+    stopping rules."""
+    return math.sqrt(max(n, 1)) * float(np.finfo(float).eps) * (g_inf + curvature * x_inf)
+
 
 def _lanczos_extremes(A: Any, max_iter_top: int | None = None) -> tuple[float, float, bool] | None:
     """``(lambda_min, lambda_max, converged)`` of a symmetric ``A`` (dense or a
     ``LinearOperator``) by ARPACK, the smallest with bounded effort (``max_iter_top`` bounds the
     largest's too; ``None``: ARPACK's default); on non-convergence the Ritz values found so far
     (``converged`` False), or ``None`` when there are none."""
-    from scipy.sparse.linalg import ArpackNoConvergence, eigsh
-
     try:
         hi = float(eigsh(A, k=1, which="LA", return_eigenvectors=False, tol=1e-6, maxiter=max_iter_top)[0])
         lo = float(eigsh(A, k=1, which="SA", return_eigenvectors=False, tol=1e-4,
@@ -458,8 +467,6 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
     when it fails are the eigenvalues computed to report the smallest one. Above that size: a
     negative-diagonal test (a proof of indefiniteness) and a Lanczos estimate (ARPACK).
     """
-    import scipy.linalg as sla
-
     n = H.shape[0]
     top = float(np.max(np.diag(H))) if n else 0.0
     if n <= max_n:
@@ -519,9 +526,6 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
     ``shape`` (K, n_atoms), ``model_names``, ``atom_names``, ``metadata`` (JSON string), and
     the context arrays ``deltas`` / ``parametrisation``. Returns ``(problem, context)``.
     Every defect is a :class:`ValidationError` naming the file and the array."""
-    import json
-    import os
-
     path = os.fspath(path)
     if not os.path.exists(path) and os.path.exists(path + ".npz"):
         path = path + ".npz"  # as np.savez names the file it writes

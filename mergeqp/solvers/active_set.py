@@ -42,291 +42,69 @@ their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite s
 ``Simplex``, ``GlobalSimplex``, ``L1Ball``, ``Box & Simplex``, ``Box & GlobalSimplex``,
 ``Box & L1Ball`` (centre inside the box), and the unconstrained problem. Needs an explicit H.
 Memory: H, its float32 copy and up to a few ``n_free x n_free`` work arrays. Projections
-onto the sets are computed here by sorting breakpoints (exact), not by bisection.
+and the LMO are the shared kernels of :mod:`mergeqp.constraints.kernels` (exact, by sorting
+breakpoints); the set is recognised through its members' ``structure`` capability, so a user's
+set that declares one is solved here too.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import scipy.linalg as sla
+from scipy.sparse.linalg import eigsh
 
-from ..constraints import (
-    Box,
-    ConstraintSet,
-    GlobalSimplex,
-    L1Ball,
-    Simplex,
-    Unconstrained,
-)
+from ..constraints import ConstraintSet, SetStructure
+from ..constraints.base import members_structure
+from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
-from ..problem import MergeQP
+from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 from ..solution import SolveStatus
+from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
+from .active_set_linalg import FaceFactorisation, solve_psd
 from .base import QPSolver, RawResult
 
-FREE, LO, HI, CEN = 0, 1, 2, 3
-
-
-@dataclass(frozen=True)
-class SetStructure:
-    """A recognised set in flat variables (``n = K * n_atoms``, row-major).
-
-    ``lo``/``hi``: bounds (``+-inf`` allowed); ``group``: simplex group of each variable
-    (``-1`` = none) with ``totals``; ``center``/``radius``: the L1 ball (``None`` if absent).
-    """
-
-    lo: np.ndarray
-    hi: np.ndarray
-    group: np.ndarray | None
-    totals: np.ndarray | None
-    center: np.ndarray | None
-    radius: float | None
-
-    @property
-    def bounded(self) -> bool:
-        """Whether the set is bounded (so the Frank-Wolfe gap is finite)."""
-        if self.group is not None or self.center is not None:
-            return True
-        return bool(np.all(np.isfinite(self.lo)) and np.all(np.isfinite(self.hi)))
+__all__ = ["CEN", "FREE", "HI", "LO", "ActiveSetSolver", "set_structure", "solve_psd", "support_value",
+           "project_structure", "unbounded_direction"]
 
 
 def set_structure(cset: ConstraintSet, shape: tuple[int, int]) -> SetStructure | str:
-    """Recognise ``cset`` as box / simplex / L1 structure, or return why it is not supported."""
-    K, m = shape
-    n = K * m
-    lo = np.full(n, -np.inf)
-    hi = np.full(n, np.inf)
-    simplex: Simplex | None = None
-    ball: L1Ball | None = None
-    for s in cset.members():
-        if isinstance(s, Box):
-            b_lo, b_hi = s.bounds(shape)
-            lo = np.maximum(lo, b_lo.ravel())
-            hi = np.minimum(hi, b_hi.ravel())
-        elif isinstance(s, Simplex):  # includes GlobalSimplex
-            if simplex is not None:
-                return "handles at most one simplex constraint"
-            simplex = s
-        elif isinstance(s, L1Ball):
-            if ball is not None:
-                return "handles at most one L1 ball"
-            ball = s
-        elif isinstance(s, Unconstrained):
-            continue
-        else:
-            return f"does not handle {s.spec} (only box, simplex, global_simplex, l1 and their box intersections)"
-    if simplex is not None and ball is not None:
-        return "does not handle a simplex intersected with an L1 ball"
-    group = totals = center = None
-    radius = None
-    if simplex is not None:
-        lo = np.maximum(lo, 0.0)
-        if isinstance(simplex, GlobalSimplex):
-            group = np.zeros(n, dtype=np.intp)
-            totals = np.array([simplex.total])
-        else:
-            group = np.tile(np.arange(m, dtype=np.intp), K)
-            totals = np.full(m, simplex.total)
-    if ball is not None:
-        center = ball._center(shape).ravel().copy()
-        radius = ball.radius
-        if np.any(center < lo) or np.any(center > hi):
-            return "handles an L1 ball intersected with a box only when the centre lies in the box"
-    return SetStructure(lo, hi, group, totals, center, radius)
+    """The set's structure (bounds, one simplex family or one L1 ball), from the members'
+    ``structure`` capability, or why the active-set engine cannot handle it."""
+    return members_structure(cset.members(), shape)
 
 
 # ---------------------------------------------------------------------- linear algebra
-def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int = 30,
-              try_plain: bool = True, rtol: float = 1e-14, scale: float = 0.0) -> tuple[np.ndarray, str]:
-    """Solve ``M y = rhs`` for symmetric PSD ``M`` (``(p, p)``): Cholesky when well posed, else
-    Cholesky of ``M + ridge * max(diag M) * I`` with iterative refinement (proximal-point
-    iterations from 0, converging to a minimiser of ``1/2 y'My - rhs'y`` when one exists)
-    until the residual is below ``rtol (|rhs| + max(diag M) |y|)`` or stalls.
-    ``try_plain=False`` skips the plain Cholesky (the caller knows it fails). ``scale``: the
-    problem's curvature scale (max diag H); the ridge is relative to ``max(max diag M, scale)``
-    so that a face whose curvature is all rounding noise still factorises.
-    Returns ``(y, method)``."""
-    p = rhs.shape[0]
-    if p == 0:
-        return np.zeros(0), "empty"
-    top = float(np.max(np.diag(M)))
-    if not top > 0:
-        return np.zeros(p), "zero"
-    if try_plain:
-        try:
-            fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=False)
-            if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * top:
-                return sla.cho_solve(fac, rhs, check_finite=False), "cholesky"
-        except np.linalg.LinAlgError:
-            pass
-    eps = ridge * max(top, scale)
-    for _ in range(6):
-        try:
-            fac = sla.cho_factor(M + eps * np.eye(p), lower=False, check_finite=False)
-            break
-        except np.linalg.LinAlgError:
-            eps *= 100.0
-    else:
-        raise SolverError("active_set: could not factorise the reduced Hessian even with a ridge")
-    y = np.zeros(p)
-    res = rhs.copy()
-    r0 = float(np.linalg.norm(rhs)) or 1.0
-    prev = math.inf
-    for _ in range(refine):
-        y += sla.cho_solve(fac, res, check_finite=False)
-        res = rhs - M @ y
-        nr = float(np.linalg.norm(res))
-        if nr <= rtol * (r0 + top * float(np.linalg.norm(y))) or nr > 0.999 * prev:
-            break
-        prev = nr
-    return y, "ridge+refinement"
 
 
-def _robust_cholesky(S: np.ndarray) -> tuple[np.ndarray, bool]:
-    """Cholesky of a small SPD matrix, with a tiny ridge if rounding made it indefinite."""
-    top = max(float(np.max(np.abs(np.diag(S)))), np.finfo(float).tiny)
-    for eps in (0.0, 1e-10, 1e-6, 1e-3):
-        try:
-            return sla.cho_factor(S + eps * top * np.eye(S.shape[0]) if eps else S, lower=False, check_finite=False)
-        except np.linalg.LinAlgError:
-            continue
-    raise np.linalg.LinAlgError("bordered update: Schur complement is not positive definite")
-
-
-# ---------------------------------------------------------------------- linear minimisation
 def support_value(st: SetStructure, grad: np.ndarray) -> float:
-    """``min_{s in C} grad's`` (``-inf`` when unbounded), exact and vectorised."""
-    lo, hi = st.lo, st.hi
-    if st.group is not None:
-        assert st.totals is not None
-        # start every variable at its lower bound, then fill each group's remaining budget in
-        # increasing order of the gradient up to the upper bounds (a fractional knapsack)
-        budget = st.totals - np.bincount(st.group, lo, minlength=st.totals.size)
-        order = np.lexsort((grad, st.group))
-        cap = (hi - lo)[order]
-        grp = st.group[order]
-        csum = np.cumsum(np.where(np.isfinite(cap), cap, 0.0))
-        inf_seen = np.cumsum(~np.isfinite(cap))
-        starts = np.searchsorted(grp, np.arange(st.totals.size))
-        base = np.where(starts > 0, csum[np.maximum(starts - 1, 0)], 0.0)
-        inf_base = np.where(starts > 0, inf_seen[np.maximum(starts - 1, 0)], 0)
-        before = np.concatenate([[0.0], csum[:-1]]) - base[grp]  # capacity used before this var
-        inf_before = np.concatenate([[0], inf_seen[:-1]]) - inf_base[grp]
-        rem = budget[grp] - before
-        take = np.where(inf_before > 0, 0.0, np.clip(rem, 0.0, cap))
-        s = lo[order] + take
-        return float(grad[order] @ s)
-    if st.center is not None:
-        c = st.center
-        assert st.radius is not None
-        # move away from the centre along -sign(grad), largest |grad| first, within the box
-        cap = np.where(grad > 0, c - lo, hi - c)
-        gain = np.abs(grad)
-        order = np.argsort(-gain, kind="stable")
-        capo = np.minimum(cap[order], st.radius)
-        before = np.concatenate([[0.0], np.cumsum(capo)[:-1]])
-        step = np.clip(st.radius - before, 0.0, capo)
-        return float(grad @ c - gain[order] @ step)
-    s = np.where(grad > 0, lo, np.where(grad < 0, hi, np.where(np.isfinite(lo), lo, np.where(np.isfinite(hi), hi, 0.0))))
-    if not np.all(np.isfinite(s)):
-        return -math.inf
-    return float(grad @ s)
-
-
-# ---------------------------------------------------------------------- projection
-def capped_shift(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, group: np.ndarray,
-                 totals: np.ndarray) -> np.ndarray:
-    """Per group ``G``, the shift ``tau_G`` with ``sum_{i in G} clip(v_i - tau_G, lo_i, hi_i) =
-    totals[G]`` (exact, by sorting the breakpoints ``v - hi`` and ``v - lo``; ``+-inf`` bounds
-    allowed). ``v``, ``lo``, ``hi``, ``group``: ``(n,)``; ``totals``: ``(n_groups,)``; assumes
-    ``sum lo <= total <= sum hi`` in every group. Cost: one sort of ``2n`` numbers."""
-    n = v.size
-    ngr = totals.size
-    fin_hi = np.isfinite(hi)
-    # sum_i clip(v_i - tau, lo_i, hi_i) = C - S tau between breakpoints: entering (tau passes
-    # v_i - hi_i) turns hi_i into v_i - tau, leaving (tau passes v_i - lo_i) turns it into lo_i
-    base = np.bincount(group, np.where(fin_hi, hi, 0.0), minlength=ngr)
-    b = np.concatenate([v - hi, v - lo])
-    dC = np.concatenate([v - np.where(fin_hi, hi, 0.0), lo - v])
-    dS = np.concatenate([np.ones(n), -np.ones(n)])
-    grp = np.concatenate([group, group])
-    order = np.lexsort((b, grp))
-    b, dC, dS, grp = b[order], dC[order], dS[order], grp[order]
-    with np.errstate(invalid="ignore"):
-        # cumulative state after each event, restarted per group
-        C = np.cumsum(np.where(np.isfinite(dC), dC, 0.0))
-        S = np.cumsum(dS)
-        starts = np.searchsorted(grp, np.arange(ngr))
-        prevC = np.where(starts > 0, C[np.maximum(starts - 1, 0)], 0.0)
-        prevS = np.where(starts > 0, S[np.maximum(starts - 1, 0)], 0.0)
-        C = C - prevC[grp] + base[grp]
-        S = S - prevS[grp]
-        phi = np.where(np.isposinf(b), -np.inf, np.where(np.isneginf(b), np.where(S > 0, np.inf, C), C - S * b))
-        # the last event per group at which the sum is still >= the total
-        ok = phi >= totals[grp]
-        idx = np.where(ok, np.arange(2 * n), -1)
-        last = np.full(ngr, -1, dtype=np.intp)
-        np.maximum.at(last, grp, idx)
-    tau = np.empty(ngr)
-    for_groups = last >= 0
-    k = last[for_groups]
-    Sk, Ck = S[k], C[k]
-    tau_k = np.where(Sk > 0, (Ck - totals[for_groups]) / np.where(Sk > 0, Sk, 1.0), b[k])
-    tau[for_groups] = np.where(np.isfinite(tau_k), tau_k, 0.0)
-    # no event reaches the total: every variable at its upper bound (sum hi = total)
-    first = np.minimum(starts, 2 * n - 1)
-    tau[~for_groups] = b[first[~for_groups]] - 1.0
-    return tau
-
-
-def project_structure(st: SetStructure, x: np.ndarray) -> np.ndarray:
-    """Euclidean projection onto the recognised set (exact; sorts instead of bisection). A
-    point that is feasible up to rounding in the equations (``1e-14`` relative) is returned
-    as it is."""
-    lo, hi = st.lo, st.hi
-    if st.group is not None:
-        assert st.totals is not None
-        if bool(np.all(x >= lo)) and bool(np.all(x <= hi)):
-            sums = np.bincount(st.group, x, minlength=st.totals.size)
-            size = np.bincount(st.group, np.abs(x), minlength=st.totals.size)
-            if float(np.max(np.abs(sums - st.totals) - 1e-14 * (size + np.abs(st.totals)))) <= 0:
-                return x
-        tau = capped_shift(x, lo, hi, st.group, st.totals)
-        return np.clip(x - tau[st.group], lo, hi)
-    y = np.clip(x, lo, hi)
-    if st.center is None:
-        return y
-    assert st.radius is not None
-    c = st.center
-    if float(np.sum(np.abs(y - c))) <= st.radius:
-        return y
-    u = x - c
-    au = np.abs(u)
-    # x_i = c_i + sign(u_i) min(max(|u_i| - tau, 0), cap_i): a capped sum over |u|
-    cap = np.where(u > 0, hi - c, c - lo)
-    zero = np.zeros(x.size, dtype=np.intp)
-    tau = float(capped_shift(au, np.zeros(x.size), cap, zero, np.array([st.radius]))[0])
-    step = np.clip(au - max(tau, 0.0), 0.0, cap)
-    return c + np.sign(u) * step
+    """``min_{s in C} grad's`` (``-inf`` when unbounded), exact (the shared kernel)."""
+    return lmo_structure(st, grad)[0]
 
 
 # ---------------------------------------------------------------------- the engine
-@dataclass
-class _Face:
-    status: np.ndarray  # int8 FREE / LO / HI / CEN
-    sign: np.ndarray | None  # int8 +-1 on free variables when the L1 ball is active
-    ball_active: bool
-
-    def key(self) -> bytes:
-        s = b"" if self.sign is None else self.sign.tobytes()
-        return self.status.tobytes() + s + bytes([self.ball_active])
 
 
-class _Engine:
+# ---------------------------------------------------------------------- the engine
+class _Engine(FaceBookkeeping, FaceFactorisation):
+    """One active-set solve of ``min_C J`` for a structured set ``st`` (see the module doc).
+
+    The parts, one responsibility each:
+
+    - :class:`~.active_set_faces.FaceBookkeeping`: faces (which variables are free, at a
+      bound or at the ball's centre), their equations and the primal-dual face update;
+    - :class:`~.active_set_linalg.FaceFactorisation`: the face solves (reduced Cholesky, float32
+      with float64 refinement, bordered updates, ridge, CG);
+    - this class: the objective, gap and rounding floor, the FISTA warm-up (:meth:`fista`)
+      and the outer iteration with its proximal globalisation and stopping rule (:meth:`run`).
+
+    State: ``H`` (explicit, ``(n, n)``), ``g``, ``c``; ``rho``/``xc``: the proximal term of the
+    face solves (0: plain J); ``fine``: refine face solves to the float64 floor; counters
+    ``factorisations``, ``fista_steps``, ``proximal_restarts`` for the solution's info.
+    """
+
     def __init__(self, problem: MergeQP, cset: ConstraintSet, st: SetStructure, opts: dict[str, Any]):
         assert problem.H is not None
         self.H = problem.H
@@ -422,16 +200,14 @@ class _Engine:
         """A bound on the rounding error of the float64 gap at ``x``: each gradient entry is
         off by ~``sqrt(n) eps (|g|_inf + max diag H |x|_inf)``, times ``|x - s|_1``. Below it
         the gap cannot be reduced (interpolating problems, where J* ~ 0, end there)."""
-        err = math.sqrt(self.n) * np.finfo(float).eps * (self.g_inf + self.eta * float(np.max(np.abs(x), initial=0.0)))
+        err = gradient_rounding(self.n, self.g_inf, self.eta, float(np.max(np.abs(x), initial=0.0)))
         width = float(np.sum(np.abs(x))) + self.s_bound
         if not math.isfinite(width):  # unbounded box: the local gap's cube
             width = float(np.sum(np.abs(x))) + self.n * max(1.0, float(np.max(np.abs(x), initial=0.0)))
-        return 8.0 * err * width
+        return GAP_ROUNDING_FACTOR * err * width
 
     def lipschitz(self) -> float:
         if self._lipschitz is None:
-            from scipy.sparse.linalg import eigsh
-
             try:
                 top = float(eigsh(self.H, k=1, which="LA", return_eigenvectors=False, tol=1e-6)[0])
             except Exception:  # noqa: BLE001 - fall back to a safe bound
@@ -442,536 +218,6 @@ class _Engine:
         return self._lipschitz
 
     # -- faces
-    def identify(self, y: np.ndarray) -> _Face:
-        """The face of the feasible point ``y`` (exact comparisons: projections return bounds
-        and centres exactly)."""
-        st = self.st
-        status = np.zeros(self.n, dtype=np.int8)
-        status[y == st.lo] = LO
-        status[(y == st.hi) & (status == FREE)] = HI
-        sign = None
-        ball = False
-        if st.center is not None:
-            assert st.radius is not None
-            dist = float(np.sum(np.abs(y - st.center)))
-            ball = dist >= st.radius * (1.0 - 1e-12)
-            if ball:
-                status[(y == st.center) & (status == FREE)] = CEN
-                sign = np.where(status == FREE, np.sign(y - st.center), 0).astype(np.int8)
-        return _Face(status, sign, ball)
-
-    def equations(self, face: _Face) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """The face's group equations ``sum_{i in G} a_i x_i = t_G`` as ``(group, a, t)``.
-
-        Simplex: ``a = 1``. Active L1 ball: one group, ``a_i`` the sign of ``x_i - c_i`` on
-        free variables, for a variable fixed at a bound the direction in which moving it
-        increases ``|x_i - c_i|`` (so ``a_i (x_i - c_i) = |x_i - c_i|``), 0 at the centre."""
-        st = self.st
-        if st.group is not None:
-            assert st.totals is not None
-            return st.group, np.ones(self.n), st.totals
-        if st.center is not None and face.ball_active:
-            assert face.sign is not None and st.radius is not None
-            c = st.center
-            s = face.status
-            a = np.zeros(self.n)
-            a[s == FREE] = face.sign[s == FREE]
-            a[s == LO] = np.where(st.lo[s == LO] < c[s == LO], -1.0, 1.0)
-            a[s == HI] = np.where(st.hi[s == HI] > c[s == HI], 1.0, -1.0)
-            return np.zeros(self.n, dtype=np.intp), a, np.array([st.radius + float(a @ c)])
-        return None
-
-    def fixed_values(self, face: _Face, x: np.ndarray) -> np.ndarray:
-        st = self.st
-        x = x.copy()
-        s = face.status
-        x[s == LO] = st.lo[s == LO]
-        x[s == HI] = st.hi[s == HI]
-        if st.center is not None:
-            x[s == CEN] = st.center[s == CEN]
-        return x
-
-    def update_face(self, face: _Face, xf: np.ndarray, gf: np.ndarray) -> _Face:
-        """The primal-dual active-set rule: free variables that violate a bound (or cross the
-        L1 centre) become fixed; fixed variables whose multiplier has the wrong sign are freed;
-        the L1 ball is activated when violated and released when its multiplier is negative.
-        Groups left without a free variable and an unmet equation free one variable."""
-        st = self.st
-        s = face.status
-        new = s.copy()
-        free = s == FREE
-        sign = None if face.sign is None else face.sign.copy()
-        eq = self.equations(face)
-        tiny_x = 1e-13 * (1.0 + np.abs(xf))
-        tiny_g = 1e-13 * (float(np.max(np.abs(gf), initial=0.0)) + 1e-300)
-        lam = gf
-        nu = np.zeros(0)
-        if eq is not None:
-            group, a, totals = eq
-            ngr = totals.size
-            q = gf * a
-            cnt = np.bincount(group[free], minlength=ngr)
-            nu = np.bincount(group[free], q[free], minlength=ngr) / np.maximum(cnt, 1)
-            if np.any(cnt == 0):  # groups without free variables: nu in the admissible interval
-                upper = np.full(ngr, np.inf)
-                lower = np.full(ngr, -np.inf)
-                up_mask = ((s == LO) & (a > 0)) | ((s == HI) & (a < 0))
-                lo_mask = ((s == HI) & (a > 0)) | ((s == LO) & (a < 0))
-                np.minimum.at(upper, group[up_mask], q[up_mask])
-                np.maximum.at(lower, group[lo_mask], q[lo_mask])
-                if st.center is not None:  # ball multiplier -nu >= |grad| at the centre, >= 0
-                    cen = s == CEN
-                    np.minimum.at(upper, group[cen], -np.abs(gf[cen]))
-                    upper = np.minimum(upper, 0.0)
-                lo_f, up_f = np.isfinite(lower), np.isfinite(upper)
-                both = np.where(lo_f & up_f, 0.5 * (np.where(lo_f, lower, 0.0) + np.where(up_f, upper, 0.0)), 0.0)
-                pick = np.where(lo_f & up_f, both, np.where(lo_f, lower, np.where(up_f, upper, 0.0)))
-                nu = np.where(cnt == 0, pick, nu)
-            lam = gf - nu[group] * a
-        # free variables leaving the face
-        new[free & (xf < st.lo - tiny_x)] = LO
-        new[free & (xf > st.hi + tiny_x) & (new == FREE)] = HI
-        # fixed variables with a multiplier of the wrong sign
-        new[(s == LO) & (lam < -tiny_g)] = FREE
-        new[(s == HI) & (lam > tiny_g)] = FREE
-        ball = face.ball_active
-        if st.center is not None:
-            assert st.radius is not None
-            c = st.center
-            if ball:
-                assert sign is not None and eq is not None
-                nu_ball = -float(nu[0])
-                if nu_ball < -tiny_g:
-                    ball = False  # the ball constraint is not binding any more
-                else:
-                    released = ((s == LO) | (s == HI)) & (new == FREE)
-                    sign[released] = eq[1][released].astype(np.int8)
-                    cross = free & (new == FREE) & (sign * (xf - c) < -tiny_x)
-                    new[cross] = CEN
-                    up = (s == CEN) & (gf < -nu_ball - tiny_g) & (c < st.hi)
-                    down = (s == CEN) & (gf > nu_ball + tiny_g) & (c > st.lo)
-                    new[up | down] = FREE
-                    sign[up] = 1
-                    sign[down] = -1
-                    sign[new != FREE] = 0
-            if not ball:
-                new[new == CEN] = FREE
-                sign = None
-                dist = float(np.sum(np.abs(np.clip(xf, st.lo, st.hi) - c)))
-                if dist > st.radius * (1.0 + 1e-12):
-                    ball = True
-                    xc = np.where(new == LO, st.lo, np.where(new == HI, st.hi, xf))
-                    on_c = (new == FREE) & (xc == c)
-                    new[on_c] = CEN
-                    sign = np.where(new == FREE, np.sign(xc - c), 0).astype(np.int8)
-        out = _Face(new, sign, ball)
-        return self._repair(out, gf)
-
-    def _repair(self, face: _Face, gf: np.ndarray) -> _Face:
-        """Free one variable in each group that has none and whose fixed values miss its total."""
-        eq = self.equations(face)
-        if eq is None:
-            return face
-        group, a, totals = eq
-        s = face.status
-        ngr = totals.size
-        free_cnt = np.bincount(group[s == FREE], minlength=ngr)
-        xv = self.fixed_values(face, np.zeros(self.n))
-        sums = np.bincount(group, a * xv, minlength=ngr)
-        bad = np.flatnonzero((free_cnt == 0) & (np.abs(sums - totals) > 1e-12 * (1.0 + np.abs(totals))))
-        if bad.size == 0:
-            return face
-        s = s.copy()
-        sign = None if face.sign is None else face.sign.copy()
-        ball = face.ball_active
-        for G in bad:
-            idx = np.flatnonzero(group == G)
-            need_up = sums[G] < totals[G]
-            # candidates that move sum_i a_i x_i the needed way when released
-            if need_up:
-                cand = idx[((s[idx] == LO) & (a[idx] > 0)) | ((s[idx] == HI) & (a[idx] < 0))]
-            else:
-                cand = idx[((s[idx] == HI) & (a[idx] > 0)) | ((s[idx] == LO) & (a[idx] < 0))]
-            if need_up and self.st.center is not None:
-                cen = idx[s[idx] == CEN]
-                if cen.size:
-                    j = int(cen[np.argmax(np.abs(gf[cen]))])
-                    s[j] = FREE
-                    assert sign is not None
-                    sign[j] = -1 if gf[j] > 0 else 1
-                    continue
-            if cand.size:
-                j = int(cand[np.argmin(np.abs(gf[cand]))])
-                s[j] = FREE
-                if sign is not None:
-                    sign[j] = int(a[j])
-            elif self.st.center is not None:
-                ball = False
-                s[s == CEN] = FREE
-                sign = None
-        return _Face(s, sign, ball)
-
-    def face_solve(self, face: _Face, x_prev: np.ndarray, cg_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Minimise ``J(x) + rho/2 ||x - xc||^2`` (``rho = self.rho``, usually 0) over the affine
-        hull of ``face``. Returns the minimiser and the gradient of that objective there.
-        ``cg_steps > 0``: only that many conjugate-gradient steps (no factorisation).
-
-        The free variables ``F`` minus one pivot per group are the reduced coordinates ``y``;
-        ``x = x0 + Z y`` with ``Z`` eliminating each group's equation through its pivot
-        (column ``z_i = e_i - w_i e_p(i)``), and ``M = Z'HZ`` is formed by gathers
-        (``O(|F|^2)``). ``M`` is factorised by Cholesky (float32 in mixed precision) and the
-        solution refined in float64 with full products ``H x`` until the reduced gradient
-        ``Z'(Hx + g)`` vanishes to float64 accuracy. When the face differs from the last
-        factorised one in few coordinates, the old factor is reused through a bordered
-        (Schur complement) solve instead of a new factorisation. With ``rho > 0`` the reduced
-        matrix is ``Z'(H + rho I)Z`` (positive definite). Singular faces with ``rho = 0`` use
-        :func:`solve_psd` (ridge + refinement)."""
-        H = self.H
-        rho = self.rho
-        x = self.fixed_values(face, x_prev)
-        status = face.status
-        changed = self.n if self._prev_status is None else int(np.count_nonzero(status != self._prev_status))
-        self._prev_status = status
-        # few changes: this is likely the last face, so solve it to float64 accuracy at once
-        self._few_changes = changed <= max(3, 0.002 * self.n)
-        free = np.flatnonzero(status == FREE)
-        eq = self.equations(face)
-        if eq is not None:
-            group, a, totals = eq
-            # one pivot per group with free variables; keep the last pivot when still free
-            first_free = np.full(totals.size, -1, dtype=np.intp)
-            first_free[group[free[::-1]]] = free[::-1]
-            pivot_of_group = first_free
-            if self._pivot_of_group is not None and self._pivot_of_group.size == totals.size:
-                old = self._pivot_of_group
-                keep = (old >= 0) & (status[np.maximum(old, 0)] == FREE) & (group[np.maximum(old, 0)] == np.arange(totals.size))
-                pivot_of_group = np.where(keep & (first_free >= 0), old, first_free)
-            self._pivot_of_group = pivot_of_group
-            has = pivot_of_group >= 0
-            pivots = pivot_of_group[has]
-            piv_group = np.flatnonzero(has)
-            slot = np.full(totals.size, -1, dtype=np.intp)
-            slot[piv_group] = np.arange(pivots.size)
-            is_piv = np.zeros(self.n, dtype=bool)
-            is_piv[pivots] = True
-            N = free[~is_piv[free]]
-            gidx = slot[group[N]]
-            w = a[N] * a[pivots[gidx]]  # a_i / a_p with a = +-1
-            # particular solution: pivots absorb each group's equation
-            contrib = np.bincount(group, a * np.where(is_piv, 0.0, x), minlength=totals.size)
-            x[pivots] = (totals[piv_group] - contrib[piv_group]) / a[pivots]
-        else:
-            N = free
-            pivots = np.zeros(0, dtype=np.intp)
-            gidx = np.zeros(0, dtype=np.intp)
-            w = np.zeros(0)
-        grad = self.inner_grad(x)
-        if N.size == 0:
-            return x, grad
-        piv_of_N = pivots[gidx] if pivots.size else np.full(N.size, -1, dtype=np.intp)
-        w_full = w if pivots.size else np.zeros(N.size)
-
-        def reduced(v: np.ndarray) -> np.ndarray:  # Z' v
-            return v[N] - w * v[piv_of_N] if pivots.size else v[N]
-
-        def expand(y: np.ndarray) -> np.ndarray:  # Z y
-            dx = np.zeros(self.n)
-            dx[N] = y
-            if pivots.size:
-                dx[pivots] -= np.bincount(gidx, w * y, minlength=pivots.size)
-            return dx
-
-        if cg_steps:
-            return self._face_cg(reduced, expand, x, grad, cg_steps)
-
-        def gather(src: np.ndarray) -> np.ndarray:
-            # M = Z'(H + rho I)Z: M_ij = H_ij - A_ij - A_ji + w_i w_j Q_p(i),p(j) + rho [i = j]
-            # with A_ij = H_i,p(j) w_j and Q = H_PP + rho I on the pivots (row-contiguous gathers)
-            rows = np.take(src, N, axis=0)
-            M = np.take(rows, N, axis=1)
-            if pivots.size:
-                wd = w.astype(src.dtype)
-                HNP = np.take(rows, pivots, axis=1)  # (|N|, n_pivots)
-                Q = np.take(np.take(src, pivots, axis=0), pivots, axis=1)
-                if rho > 0:
-                    Q[np.diag_indices_from(Q)] += rho
-                if pivots.size == 1:  # one group (global simplex, L1 ball): rank-one terms
-                    A = np.multiply.outer(HNP[:, 0], wd)
-                    M += Q[0, 0] * np.multiply.outer(wd, wd)
-                else:
-                    A = np.take(HNP, gidx, axis=1) * wd[None, :]
-                    M += np.take(np.take(Q, gidx, axis=0), gidx, axis=1) * np.multiply.outer(wd, wd)
-                M -= A
-                M -= A.T
-            if rho > 0:
-                M[np.diag_indices_from(M)] += rho
-            return M
-
-        ident = (N, piv_of_N, w_full)
-        if self._factor is not None:
-            apply = self._bordered(ident)
-            if apply is not None:
-                res = self._refine(apply, reduced, expand, x, grad)
-                if res is not None:
-                    self.solve_methods.add("bordered update")
-                    return res
-        self.factorisations += 1
-        self._factor = None
-        # float32 while the face still changes a lot; float64 (reusable by bordered updates
-        # without loss of accuracy) once the changes are few
-        tail = changed < float(self.opts["update_ratio"]) * N.size
-        self.inexact_ok = changed > 0.25 * N.size
-        self._singular = False
-        if self.use_mixed(N.size) and not tail:
-            apply = self._factorise(gather, np.float32, ident)
-            if apply is not None:
-                # far from the final face one float32 solve is accurate enough to find the next
-                # face (the iteration is exact only on the face it stops on)
-                res = self._refine(apply, reduced, expand, x, grad, exact=not self.inexact_ok)
-                if res is not None:
-                    self.solve_methods.add("cholesky-float32+refinement")
-                    return res
-            self._factor = None
-        M = gather(H)
-        if not self._singular:  # (a zero pivot in float32 is one in float64 too)
-            apply = self._factorise(lambda _src: M, np.float64, ident, copy=True)
-            if apply is not None:
-                res = self._refine(apply, reduced, expand, x, grad)
-                if res is not None:
-                    self.solve_methods.add("cholesky")
-                    return res
-        self._factor = None
-        rtol = 1e-14 if self.fine or self._few_changes else 1e-10
-        y, method = solve_psd(M, -reduced(grad), self.opts["ridge"], self.opts["refine_steps"], try_plain=False,
-                              rtol=rtol, scale=self.eta)
-        self.solve_methods.add(method)
-        dx = expand(y)
-        return x + dx, grad + self.inner_step(dx)
-
-    def use_mixed(self, size: int) -> bool:
-        prec = self.opts["precision"]
-        return prec == "mixed" or (prec == "auto" and size >= 512)
-
-    def _factorise(self, gather: Any, dtype: Any, ident: tuple[np.ndarray, ...] | None,
-                   copy: bool = False) -> Any:
-        """Cholesky of ``M`` in ``dtype``; remembers it (for bordered updates) when ``ident``
-        is given. ``None`` when ``M`` is not numerically positive definite in that precision."""
-        if dtype == np.float32:
-            if self.H32 is None:
-                self.H32 = self.H.astype(np.float32)
-            M = gather(self.H32)
-            thresh = 1e-7
-        else:
-            M = gather(self.H)
-            thresh = 1e-12
-        diag = np.diag(M)
-        top = float(np.max(diag)) if M.size else 0.0
-        if not top > 0:
-            return None
-        if float(np.min(diag)) <= 1e-14 * top:
-            self._singular = True  # a (numerically) zero row: singular in every precision
-            return None
-        try:
-            fac = sla.cho_factor(M.copy() if copy else M, lower=False, check_finite=False, overwrite_a=True)
-        except np.linalg.LinAlgError:
-            return None
-        if float(np.min(np.abs(np.diag(fac[0])))) ** 2 <= thresh * top:
-            return None  # too ill-conditioned for this precision
-        if ident is not None:
-            N, piv, w = ident
-            pos = np.full(self.n, -1, dtype=np.intp)
-            pos[N] = np.arange(N.size)
-            self._factor = {"fac": fac, "dtype": dtype, "N": N, "piv": piv, "w": w, "pos": pos,
-                            "rho": self.rho}
-
-        def apply(r: np.ndarray) -> np.ndarray:
-            return sla.cho_solve(fac, r.astype(dtype), check_finite=False).astype(np.float64)
-
-        return apply
-
-    def _bordered(self, ident: tuple[np.ndarray, ...]) -> Any:
-        """An approximate inverse of the new ``M`` from the last factor ``C`` of ``M_old``.
-
-        On ``U = N_old + A`` (``A``: new coordinates), ``M_U = [[M_old, B], [B', M_AA]]``;
-        the coordinates ``D`` of ``N_old`` that left the face are pinned to 0 with multipliers.
-        Costs ``O(|N_old|^2 (|A| + |D|))``; ``None`` when too many coordinates changed."""
-        cache = self._factor
-        assert cache is not None
-        if cache["rho"] != self.rho:
-            return None  # factor of another proximal matrix
-        N, piv, w = ident
-        N0, piv0, w0, pos0 = cache["N"], cache["piv"], cache["w"], cache["pos"]
-        pos = pos0[N]
-        same = pos >= 0
-        same[same] = (piv0[pos[same]] == piv[same]) & (w0[pos[same]] == w[same])
-        if np.any((pos >= 0) & ~same):
-            # a group's pivot changed while some of its coordinates stayed free: their old and
-            # new reduced coordinates (e_i - e_p0, e_i - e_p1, e_p1 - e_p0) are linearly
-            # dependent, so the bordered matrix M_U is singular; factorise afresh
-            return None
-        A = np.flatnonzero(~same)
-        kept_old = np.zeros(N0.size, dtype=bool)
-        kept_old[pos[same]] = True
-        D = np.flatnonzero(~kept_old)
-        if A.size + D.size > float(self.opts["update_ratio"]) * N0.size:
-            return None
-        if A.size == 0 and D.size == 0:
-            fac, dt = cache["fac"], cache["dtype"]
-            return lambda r: sla.cho_solve(fac, r.astype(dt), check_finite=False).astype(np.float64)
-        fac, dt = cache["fac"], cache["dtype"]
-        src = self.H32 if dt == np.float32 else self.H
-        assert src is not None
-        n0 = N0.size
-
-        def solve_old(R: np.ndarray) -> np.ndarray:
-            return sla.cho_solve(fac, R.astype(dt), check_finite=False).astype(np.float64)
-
-        try:
-            if A.size:
-                iA, pA, wA = N[A], piv[A], w[A]
-                B = self._zhz(src, N0, piv0, w0, iA, pA, wA, self.rho).astype(np.float64)
-                MAA = self._zhz(src, iA, pA, wA, iA, pA, wA, self.rho).astype(np.float64)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    X = solve_old(B)
-                    S = MAA - B.T @ X
-                if not (np.all(np.isfinite(X)) and np.all(np.isfinite(S))):
-                    return None  # the old factor is too ill-conditioned for these columns
-                facS = _robust_cholesky(0.5 * (S + S.T))
-            else:
-                X = np.zeros((n0, 0))
-                facS = None
-
-            def solve_U(b: np.ndarray) -> np.ndarray:  # M_U^{-1} b, b of length n0 + |A| (or matrix)
-                b1, b2 = b[:n0], b[n0:]
-                u1 = solve_old(b1)
-                if facS is None:
-                    return u1
-                u2 = sla.cho_solve(facS, b2 - X.T @ b1, check_finite=False)
-                return np.concatenate([u1 - X @ u2, u2])
-
-            if D.size:
-                E = np.zeros((n0 + A.size, D.size))
-                E[D, np.arange(D.size)] = 1.0
-                with np.errstate(invalid="ignore", over="ignore"):
-                    T = solve_U(E)
-                if not np.all(np.isfinite(T)):
-                    return None
-                facW = _robust_cholesky(0.5 * (T[D] + T[D].T))
-            else:
-                T = facW = None
-        except np.linalg.LinAlgError:
-            return None
-        new_pos_same = pos[same]
-        where_same = np.flatnonzero(same)
-
-        def apply(r: np.ndarray) -> np.ndarray:  # (non-finite results are rejected by _refine)
-            b = np.zeros(n0 + A.size)
-            b[new_pos_same] = r[where_same]
-            b[n0:] = r[A]
-            with np.errstate(invalid="ignore", over="ignore"):
-                u = solve_U(b)
-                if T is not None:
-                    u = u - T @ sla.cho_solve(facW, u[D], check_finite=False)
-            y = np.empty(r.size)
-            y[where_same] = u[new_pos_same]
-            y[A] = u[n0:]
-            return y
-
-        return apply
-
-    @staticmethod
-    def _zhz(src: np.ndarray, i: np.ndarray, pi: np.ndarray, wi: np.ndarray,
-             j: np.ndarray, pj: np.ndarray, wj: np.ndarray, rho: float = 0.0) -> np.ndarray:
-        """``z_i' (H + rho I) z_j`` for reduced coordinates ``z = e_k - w e_p`` (``p = -1``: no
-        pivot)."""
-        pi0, pj0 = np.maximum(pi, 0), np.maximum(pj, 0)
-        wi = wi.astype(src.dtype)
-        wj = wj.astype(src.dtype)
-        rows = np.take(src, i, axis=0)
-        out = np.take(rows, j, axis=1)
-        if np.any(wj):
-            out -= np.take(rows, pj0, axis=1) * wj[None, :]
-        if np.any(wi):
-            prow = np.take(src, pi0, axis=0)
-            out -= np.take(prow, j, axis=1) * wi[:, None]
-            if np.any(wj):
-                out += np.take(prow, pj0, axis=1) * np.outer(wi, wj)
-        if rho > 0:  # z_i'z_j = [k_i = k_j] - w_j [k_i = p_j] - w_i [p_i = k_j] + w_i w_j [p_i = p_j]
-            ztz = (i[:, None] == j[None, :]).astype(np.float64)
-            ztz -= wj[None, :] * (i[:, None] == pj[None, :])
-            ztz -= wi[:, None] * (pi[:, None] == j[None, :])
-            ztz += np.outer(wi, wj) * ((pi[:, None] == pj[None, :]) & (pi[:, None] >= 0))
-            out += (rho * ztz).astype(out.dtype)
-        return out
-
-    def _refine(self, apply: Any, reduced: Any, expand: Any, x: np.ndarray, grad: np.ndarray,
-                exact: bool = True) -> tuple[np.ndarray, np.ndarray] | None:
-        """Iterative refinement ``y += apply(-r)`` with float64 reduced gradients ``r`` (of the
-        face solves' objective, proximal term included); ``None`` when it stalls before the
-        reduced gradient reaches float64 accuracy. ``exact=False``: a single step."""
-        if not exact:
-            y = apply(-reduced(grad))
-            if not np.all(np.isfinite(y)):
-                return None
-            dx = expand(y)
-            return x + dx, grad + self.inner_step(dx)
-        # aim for the rounding floor of the float64 gradient; accept a stall near it
-        scale = (float(np.max(np.abs(self.g), initial=0.0)) + self.eta * (1.0 + float(np.max(np.abs(x), initial=0.0))))
-        # coarse (faces still changing): 1e-8 relative is plenty to find the next face
-        fine = self.fine or self._few_changes
-        accept = 1e-11 * scale if fine else 1e-8 * scale
-        aim = 1e-15 * scale * math.sqrt(self.n) if fine else accept
-        r = reduced(grad)
-        prev = math.inf
-        for _ in range(int(self.opts["refine_steps"])):
-            nr = float(np.max(np.abs(r), initial=0.0))
-            if nr <= aim:
-                return x, grad
-            if nr > 0.5 * prev:
-                return (x, grad) if prev <= accept else None
-            prev = nr
-            y = apply(-r)
-            if not np.all(np.isfinite(y)):
-                return None
-            dx = expand(y)
-            x_new = x + dx
-            grad_new = grad + self.inner_step(dx)
-            r_new = reduced(grad_new)
-            if float(np.max(np.abs(r_new), initial=0.0)) > nr:
-                return (x, grad) if nr <= accept else None  # the step made it worse: keep x
-            x, grad, r = x_new, grad_new, r_new
-        return (x, grad) if prev <= accept else None
-
-    def _face_cg(self, reduced: Any, expand: Any, x: np.ndarray, grad: np.ndarray,
-                 steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """Conjugate gradients on the face's reduced problem (float32 products for large n)."""
-        if self.n >= 512:
-            if self.H32 is None:
-                self.H32 = self.H.astype(np.float32)
-            Hm = self.H32
-        else:
-            Hm = self.H
-        x = x.copy()
-        r = -reduced(grad)
-        p = r.copy()
-        rr = float(r @ r)
-        for _ in range(steps):
-            zp = expand(p)
-            Hzp = (Hm @ zp.astype(Hm.dtype)).astype(np.float64)
-            if self.rho > 0:
-                Hzp += self.rho * zp
-            curv = float(zp @ Hzp)
-            if not curv > 0 or rr == 0:
-                break
-            alpha = rr / curv
-            x += alpha * zp
-            r -= alpha * reduced(Hzp)
-            rr_new = float(r @ r)
-            p = r + (rr_new / rr) * p
-            rr = rr_new
-        return x, self.inner_grad(x)
-
-    # -- projected gradient / FISTA with adaptive (gradient) restart
     def fista(self, x: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, float]:
         """``steps`` FISTA steps (step ``1/lambda_max(H)``, gradient restart) from feasible ``x``;
         returns the best iterate, its gradient and objective (never worse than ``x``)."""

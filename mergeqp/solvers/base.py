@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
+from ..errors import ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 
@@ -35,8 +36,6 @@ class QPSolver(ABC):
     defaults: Mapping[str, Any] = {}
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
-        from ..errors import ValidationError
-
         bad = sorted(set(options) - set(self.defaults))
         if bad:
             raise ValidationError(

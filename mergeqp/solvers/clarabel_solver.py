@@ -40,7 +40,7 @@ class ClarabelSolver(StandardFormSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import clarabel
+        import clarabel  # optional dependency: checked by available()
 
         opts = self.check_options(options)
         t0 = time.perf_counter()

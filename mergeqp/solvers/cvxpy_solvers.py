@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import ConstraintSet
+from ..constraints import ConstraintSet, cvxpy_reason
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
@@ -34,7 +34,7 @@ class _CvxpySolver(QPSolver):
 
     def available(self) -> str | None:
         try:
-            import cvxpy as cp
+            import cvxpy as cp  # optional heavy dependency: checked by available()
         except ImportError:
             return "cvxpy is not installed (pip install cvxpy)"
         if self.backend not in cp.installed_solvers():
@@ -44,11 +44,11 @@ class _CvxpySolver(QPSolver):
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         if problem.H is None:
             return "needs an explicit H (CVXPY cannot use a matrix-vector callback)"
-        return None
+        return cvxpy_reason(constraints)
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import cvxpy as cp
+        import cvxpy as cp  # optional heavy dependency: checked by available()
 
         opts = self.check_options(options)
         t0 = time.perf_counter()

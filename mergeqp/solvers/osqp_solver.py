@@ -36,7 +36,7 @@ class OSQPSolver(StandardFormSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import osqp
+        import osqp  # optional dependency: checked by available()
 
         opts = self.check_options(options)
         t0 = time.perf_counter()

@@ -33,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet, as_constraint_set, parse_constraint
-from ..errors import ValidationError, unknown
+from ..errors import InfeasibleError, MergeQPError, ValidationError, unknown
 from ..problem import MergeQP
+from .registry import solve
 
 
 @dataclass(frozen=True)
@@ -311,8 +312,6 @@ def spec_slug(spec: str) -> str:
 
 def choose_l1_radius(problem: MergeQP) -> float:
     """Half the L1 norm of the box-[0, 1] optimum, to 2 significant digits (so the ball binds)."""
-    from .registry import solve
-
     d = solve(problem, constraint_from_spec("box:0,1"), solver="active_set", certify_result=False).d
     r = 0.5 * float(np.sum(np.abs(d)))
     if r <= 0:
@@ -327,9 +326,6 @@ def build_references(name: str, *, root: Path | None = None, solvers: tuple[str,
     certified point (lowest objective among points certified at ``rel_tol``), write its ``d``
     as ``.npy`` and the JSON of optima; check that the ``infeasible`` specs raise
     :class:`~mergeqp.errors.InfeasibleError`. Returns the JSON dictionary."""
-    from ..errors import InfeasibleError, MergeQPError
-    from .registry import solve
-
     spec = get_reference(name)
     problem = load_reference_problem(name, root=root)
     radius = choose_l1_radius(problem)
@@ -339,7 +335,7 @@ def build_references(name: str, *, root: Path | None = None, solvers: tuple[str,
     optima: dict[str, Any] = {}
     specs = [resolve_spec(s, radius) for s in spec.constraints]
     try:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: a progress bar when it is installed
 
         iterator = tqdm(specs, desc=f"references {name}", disable=not progress)
     except ImportError:  # pragma: no cover

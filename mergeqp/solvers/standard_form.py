@@ -1,7 +1,8 @@
 """The merge QP in the sparse standard forms of general QP solvers (OSQP, Clarabel).
 
-Variables ``z = [x; t]``: ``x`` the flat ``d`` (``n = K * n_atoms``, row-major) and, for each
-L1 ball ``||x - c||_1 <= r``, ``n`` auxiliary ``t`` with ``-t <= x - c <= t``, ``1't <= r``.
+Variables ``z = [x; t]``: ``x`` the flat ``d`` (``n = K * n_atoms``, row-major) and the
+auxiliary variables of each set that declares an ``auxiliary_form`` (the L1 ball
+``||x - c||_1 <= r``: ``n`` auxiliary ``t`` with ``-t <= x - c <= t``, ``1't <= r``).
 Every other polyhedral set contributes its :meth:`~mergeqp.constraints.ConstraintSet.linear_form`
 (bounds, equalities, inequalities). User CVXPY constraints have no such form (use the CVXPY
 solvers). The objective is ``1/2 z'Pz + q'z`` with ``P = blockdiag(H, 0)`` (upper triangle for
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from ..constraints import ConstraintSet, L1Ball, LinearForm, Unconstrained
+from ..constraints import ConstraintSet
+from ..constraints.lp import polyhedral_parts
 from ..problem import MergeQP
 from .base import QPSolver
 
@@ -63,12 +65,11 @@ class StandardQP:
 
 
 def standard_form_reason(constraints: ConstraintSet, shape: tuple[int, int]) -> str | None:
-    """``None`` when :func:`standard_form` handles the set, else why not."""
+    """``None`` when :func:`standard_form` handles the set, else why not (the missing capability)."""
     for s in constraints.members():
-        if isinstance(s, (L1Ball, Unconstrained)):
-            continue
-        if s.linear_form(shape) is None:
-            return f"{s.spec} is not polyhedral (use cvxpy_clarabel or cvxpy_osqp for user constraints)"
+        if s.auxiliary_form(shape) is None and s.linear_form(shape) is None:
+            return (f"{s.spec} is not polyhedral: it declares neither linear_form nor auxiliary_form "
+                    f"(use cvxpy_clarabel or cvxpy_osqp for user constraints)")
     return None
 
 
@@ -77,19 +78,11 @@ def standard_form(problem: MergeQP, constraints: ConstraintSet) -> StandardQP:
     assert problem.H is not None
     n = problem.n
     shape = problem.shape
-    form = LinearForm.empty(n)
-    balls: list[L1Ball] = []
-    for s in constraints.members():
-        if isinstance(s, L1Ball):
-            balls.append(s)
-        elif isinstance(s, Unconstrained):
-            continue
-        else:
-            f = s.linear_form(shape)
-            if f is None:
-                raise ValueError(standard_form_reason(constraints, shape))
-            form = form & f
-    n_total = n * (1 + len(balls))
+    parts = polyhedral_parts(constraints.members(), shape)
+    if parts is None:
+        raise ValueError(standard_form_reason(constraints, shape))
+    form, lifted = parts
+    n_total = n + sum(a.n_aux for a in lifted)
 
     def widen(M: sp.spmatrix) -> sp.csr_matrix:
         return sp.hstack([M, sp.csr_matrix((M.shape[0], n_total - n))]).tocsr()
@@ -113,16 +106,13 @@ def standard_form(problem: MergeQP, constraints: ConstraintSet) -> StandardQP:
     if fin_lo.size:
         in_rows.append(sp.csr_matrix((-np.ones(fin_lo.size), (np.arange(fin_lo.size), fin_lo)), shape=(fin_lo.size, n_total)))
         in_rhs.append(-form.lb[fin_lo])
-    eye = sp.identity(n, format="csr")
-    for b, ball in enumerate(balls):
-        c = ball._center(shape).ravel()
-        off = n * (1 + b)
-        T = sp.csr_matrix((np.ones(n), (np.arange(n), off + np.arange(n))), shape=(n, n_total))
-        X = widen(eye)
-        in_rows += [X - T, -X - T]
-        in_rhs += [c, -c]
-        in_rows.append(sp.csr_matrix((np.ones(n), (np.zeros(n, dtype=int), off + np.arange(n))), shape=(1, n_total)))
-        in_rhs.append(np.array([ball.radius]))
+    off = n
+    for a in lifted:  # e.g. the L1 ball's -t <= x - c <= t, 1't <= r (t free: implied >= 0)
+        rows = a.A_x.shape[0]
+        in_rows.append(sp.hstack([a.A_x, sp.csr_matrix((rows, off - n)), a.A_t,
+                                  sp.csr_matrix((rows, n_total - off - a.n_aux))]).tocsr())
+        in_rhs.append(a.b)
+        off += a.n_aux
     P = sp.triu(sp.csc_matrix(problem.H), format="csc")
     if n_total > n:
         P = sp.block_diag([P, sp.csc_matrix((n_total - n, n_total - n))], format="csc")

@@ -17,10 +17,11 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
+from .torch_projections import torch_projection
 
 _DTYPES = ("float32", "float64")
 
@@ -28,7 +29,7 @@ _DTYPES = ("float32", "float64")
 def torch_device(name: str) -> Any:
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N`` as a ``torch.device``; a
     :class:`ValidationError` for CUDA that is not available or an unknown name."""
-    import torch
+    import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +42,7 @@ def torch_device(name: str) -> Any:
 
 
 def _dtype(name: str) -> Any:
-    import torch
+    import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
     if name not in _DTYPES:
         raise ValidationError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
@@ -52,9 +53,8 @@ class _TorchQP:
     """The problem on a device: ``hv(x)`` (H x), ``grad(x)``, the projection."""
 
     def __init__(self, problem: MergeQP, cset: ConstraintSet, device: Any, dtype: Any):
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
-        from .torch_projections import torch_projection
 
         self.problem = problem
         self.device, self.dtype = device, dtype
@@ -63,7 +63,7 @@ class _TorchQP:
         self.project = torch_projection(cset, problem.shape, device, dtype)
 
     def hv(self, x: Any) -> Any:
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
         if self.H is not None:
             return self.H @ x
@@ -74,13 +74,13 @@ class _TorchQP:
         return self.hv(x) + self.g
 
     def to_host(self, x: Any) -> np.ndarray:
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
         return x.detach().to("cpu", torch.float64).numpy().copy()
 
     def lipschitz(self, iters: int = 100, tol: float = 1e-6, seed: int = 0) -> float:
         """``lambda_max(H)`` by power iteration (from a fixed random start)."""
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
         gen = torch.Generator(device="cpu").manual_seed(seed)
         v = torch.randn(self.problem.n, generator=gen, dtype=torch.float64).to(self.device, self.dtype)
@@ -102,7 +102,7 @@ class _TorchQP:
 
 def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) -> tuple[float, float, float]:
     """``(J(x), gap, size)`` in float64: the Frank-Wolfe gap, or for unbounded sets (where it
-    is infinite) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
+    is infinite, or the set declares no oracle) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
     ``G = L (x - P(x - grad/L))``; ``size = |c| + |x'Hx|/2 + |g'x|``, the magnitude of the
     terms that cancel in ``J`` (float64 roundoff in ``J`` and the gap is ~ eps * size)."""
     d = x.reshape(problem.shape)
@@ -111,7 +111,10 @@ def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) ->
     quad = float(0.5 * np.sum(d * (grad - problem.g.reshape(problem.shape))))
     J = quad + lin + problem.c
     size = abs(problem.c) + abs(quad) + abs(lin)
-    val, _ = cset.support(grad)
+    try:
+        val, _ = cset.support(grad)
+    except UnsupportedError:  # a set with a projection but no oracle: the gradient mapping
+        val = -math.inf
     if math.isfinite(val):
         return J, float(np.sum(grad * d) - val), size
     G = L * (d - cset.project(d - grad / L))
@@ -169,7 +172,7 @@ class TorchFISTASolver(_TorchSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
@@ -238,7 +241,7 @@ class TorchAdamSolver(_TorchSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import torch
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
         opts = self.check_options(options)
         t0 = time.perf_counter()

@@ -6,10 +6,12 @@ wrongly (``H = diag(1e8, 1e-8)`` has a finite minimum). A claim becomes an
 :class:`~mergeqp.errors.UnboundedError` only when it survives these float64 checks; otherwise
 it is a :class:`~mergeqp.errors.SolverError` (so ``auto`` falls back to another solver):
 
-- the constraint set is not known to be bounded (a box with finite bounds, a simplex, an L1
-  ball, or an intersection with one of them, is bounded: J has a minimum there);
+- the constraint set is not known to be bounded (its ``bounded`` capability: a box with finite
+  bounds, a simplex, an L1 ball, or an intersection with one of them, is bounded: J has a
+  minimum there);
 - with a direction ``v`` (the solver's certificate, or the part of ``-g`` outside the numerical
-  range of H): ``g'v < 0``, ``v'Hv <= FLAT * max diag H`` and the decrease of J along the ray,
+  range of H): the ray stays in the set (its ``recession_violation`` is at most
+  :data:`RAY_IN_SET_TOL` for ``|v|_inf = 1``), ``g'v < 0``, ``v'Hv <= FLAT * max diag H`` and the decrease of J along the ray,
   ``(g'v)^2 / (2 v'Hv)`` (infinite when ``v'Hv <= 0``), above :data:`RAY_RATIO` times the
   problem's natural scale ``|c| + |g|^2 / max diag H``: a minimum that far out is beyond float64;
 - without a direction (CVXPY reports only a status): J is not bounded below on all of ``R^n``
@@ -23,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import Box, ConstraintSet, Intersection, L1Ball, Simplex
+from ..constraints import ConstraintSet
 from ..errors import SolverError, UnboundedError
 from ..problem import MergeQP
+from .unconstrained import unconstrained_minimiser
 
 #: a ray counts as flat when its curvature is at most this fraction of the largest diagonal of H
 FLAT = 1e-10
@@ -34,14 +37,12 @@ RAY_RATIO = 1e12
 
 
 def known_bounded(cset: ConstraintSet) -> bool:
-    """Whether ``cset`` is certainly bounded (so ``J`` attains a minimum on it)."""
-    if isinstance(cset, Box):
-        return cset.bounded
-    if isinstance(cset, (Simplex, L1Ball)):
-        return True
-    if isinstance(cset, Intersection):
-        return any(known_bounded(s) for s in cset.sets)
-    return False
+    """Whether ``cset`` is certainly bounded (its ``bounded`` capability)."""
+    return cset.bounded
+
+
+#: a ray stays in the set when its recession-cone violation is at most this (|v|_inf = 1)
+RAY_IN_SET_TOL = 1e-6
 
 
 def _top_diag(problem: MergeQP) -> float:
@@ -78,8 +79,6 @@ def bounded_below_everywhere(problem: MergeQP) -> bool:
     a ray of unbounded descent (:func:`descent_ray`). ``False`` when unknown (matvec-only H)."""
     if problem.H is None:
         return False
-    from .closed_form import unconstrained_minimiser
-
     found = unconstrained_minimiser(problem.H, problem.g)
     if found.outside <= 1e-8 or found.ray is None:
         return True
@@ -100,6 +99,16 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
     if known_bounded(cset):
         return refuted(f"the set {cset.spec} is bounded, so J has a minimum on it")
     if direction is not None:
+        v = np.asarray(direction, dtype=np.float64).ravel()
+        top = float(np.max(np.abs(v), initial=0.0))
+        if v.size == problem.n and top > 0 and math.isfinite(top):
+            off = cset.recession_violation((v / top).reshape(problem.shape))
+            if off is None:
+                return refuted(f"the set {cset.spec} declares no recession-cone test, so the ray "
+                               f"cannot be shown to stay in it")
+            if off > RAY_IN_SET_TOL:
+                return refuted(f"its direction leaves the set {cset.spec} (recession-cone violation "
+                               f"{off:.2g})")
         why = descent_ray(problem, direction)
         if why is None:
             return refuted("its direction of unboundedness is not one of unbounded descent")

@@ -1,0 +1,378 @@
+"""The constraint-set protocol: what a set of merge coefficients ``d`` (shape ``(K, n_atoms)``)
+can do, declared by the set itself and asked for by the solvers and the certificate.
+
+Every set implements ``violation(d)`` and an oracle (``linear_minimum``); the rest are
+capabilities, each a method that returns ``None`` (or a flag that is ``False``) when the set
+does not have it:
+
+============================  ======================================================  =====================
+capability                    method                                                  used by
+============================  ======================================================  =====================
+projection                    ``has_projection`` + ``project(d)``                     torch solvers, KKT
+linear minimisation oracle    ``linear_minimum(grad)`` (``support(grad)``)            certificate, FISTA
+separable structure           ``structure(shape)`` (:class:`SetStructure`)            active_set, kernels
+polyhedral standard form      ``linear_form(shape)`` / ``auxiliary_form(shape)``      osqp, clarabel, HiGHS
+boundedness / recession cone  ``bounded`` / ``recession_violation(v)``                unboundedness checks
+CVXPY form                    ``cvxpy(var)``                                          cvxpy_* solvers
+============================  ======================================================  =====================
+
+A set defined outside the package that implements some of these works with every solver
+whose needs it meets (:func:`capabilities` lists what a set offers; a solver that lacks one
+names it in its ``supports`` reason).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import InfeasibleError, UnsupportedError, ValidationError
+from ..lower_bounds import LinearMinimum, lower_bound
+from .forms import AuxiliaryForm, LinearForm
+from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
+from .lp import LMO_CVXPY, LMO_HIGHS, lp_method, lp_minimum
+
+Shape = tuple[int, int]
+
+LMO_CLOSED_FORM = "closed form"
+
+
+class ConstraintSet(ABC):
+    """A closed convex set of merge coefficients ``d`` (shape ``(K, n_atoms)``); see the module
+    docstring for the capabilities a set declares."""
+
+    #: registry name
+    name: str = ""
+    #: whether :meth:`project` has a closed form
+    has_projection: bool = False
+    #: whether the set is non-empty whenever it was constructed and validated
+    known_nonempty: bool = False
+    #: whether the set is polyhedral for every shape (:meth:`linear_form` or
+    #: :meth:`auxiliary_form`), so its LMO can be a HiGHS LP
+    polyhedral: bool = False
+
+    @property
+    def spec(self) -> str:
+        """The command-line spelling (``box:0,1``) used in reports and JSON."""
+        return self.name
+
+    def validate(self, shape: Shape) -> None:
+        """Raise :class:`ValidationError` if the set does not fit ``d`` of this shape."""
+
+    @abstractmethod
+    def violation(self, d: np.ndarray) -> float:
+        """Largest violation of the set's constraints at ``d`` (0 when feasible), units of ``d``."""
+
+    # ------------------------------------------------------------- capabilities
+    def cvxpy(self, var: Any) -> list[Any]:
+        """CVXPY constraints on ``var`` (a ``cp.Variable`` of shape ``(K, n_atoms)``)."""
+        raise UnsupportedError(f"{self.spec} declares no CVXPY form (cvxpy(var))")
+
+    def project(self, d: np.ndarray) -> np.ndarray:
+        """Euclidean projection of ``d`` onto the set (closed form only)."""
+        st = self.structure(np.shape(d))  # type: ignore[arg-type]
+        if st is None or not self.has_projection:
+            raise NotImplementedError(f"{self.spec} has no closed-form projection")
+        return project_structure(st, np.asarray(d, dtype=np.float64).ravel()).reshape(np.shape(d))
+
+    def structure(self, shape: Shape) -> SetStructure | None:
+        """The set as bounds / group sums / one L1 ball in flat variables (the kernels' form,
+        :mod:`.kernels`), or ``None`` when it is not of that form."""
+        return None
+
+    def linear_form(self, shape: Shape) -> LinearForm | None:
+        """Polyhedral description in flat variables, or ``None`` if not available."""
+        return None
+
+    def auxiliary_form(self, shape: Shape) -> AuxiliaryForm | None:
+        """Polyhedral description with auxiliary variables (for sets such as the L1 ball whose
+        :meth:`linear_form` would need exponentially many rows), or ``None``."""
+        return None
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the set is certainly bounded (so ``J`` attains a minimum on it)."""
+        return False
+
+    def recession_violation(self, v: np.ndarray) -> float | None:
+        """How far the direction ``v`` (shape ``(K, n_atoms)``) is from the set's recession cone
+        (0 when every ray ``d + t v`` stays in the set), or ``None`` when unknown. The default
+        uses :meth:`linear_form`; a bounded set's cone is ``{0}``."""
+        v = np.asarray(v, dtype=np.float64)
+        if self.bounded:
+            return float(np.max(np.abs(v), initial=0.0))
+        form = self.linear_form(v.shape)  # type: ignore[arg-type]
+        return None if form is None else form.recession_violation(v.ravel())
+
+    def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
+        """The linear minimisation oracle: ``min_{s in C} <grad, s>`` with its evidence for a
+        lower bound (:class:`~mergeqp.lower_bounds.LinearMinimum`). The default uses
+        :meth:`structure` (exact), else a HiGHS LP over a polyhedral set (``polyhedral``)."""
+        grad = np.asarray(grad, dtype=np.float64)
+        st = self.structure(grad.shape)  # type: ignore[arg-type]
+        if st is not None:
+            return structure_minimum(st, grad)
+        if self.polyhedral:
+            return lp_minimum([self], grad)
+        raise UnsupportedError(f"{self.spec} declares no linear minimisation oracle: implement "
+                               f"linear_minimum(grad), structure(shape), or linear_form(shape) with "
+                               f"polyhedral = True")
+
+    @property
+    def lmo_method(self) -> str:
+        """How :meth:`linear_minimum` computes: ``closed form`` or the LP it solves."""
+        return LMO_HIGHS if self.polyhedral and not self.has_projection else LMO_CLOSED_FORM
+
+    def support(self, grad: np.ndarray) -> tuple[float, np.ndarray | None]:
+        """``(value, s)``: ``value <= min_{s' in C} <grad, s'>`` (equal for closed forms; an LP's
+        dual bound otherwise, through :func:`~mergeqp.lower_bounds.lower_bound`) and a minimiser
+        ``s``; ``(-inf, None)`` if unbounded below. Where no bound is proven, ``value`` is the
+        oracle's primal value: a stopping rule for solvers, never a verdict (the certificate asks
+        :meth:`linear_minimum` and reports the missing bound)."""
+        lm = self.linear_minimum(np.asarray(grad, dtype=np.float64))
+        bound = lower_bound(lm)
+        return (bound.value if bound.value is not None else lm.value), lm.s
+
+    # ------------------------------------------------------------- composition
+    def parameters(self) -> tuple[np.ndarray, ...]:
+        """The set's own arrays (bounds, centres) whose shapes must broadcast to ``d``'s."""
+        return ()
+
+    def members(self) -> tuple[ConstraintSet, ...]:
+        """The sets whose intersection this is (itself for a basic set)."""
+        return (self,)
+
+    @property
+    def vacuous(self) -> bool:
+        """Whether the set is all of ``R^n`` (it is then dropped from intersections)."""
+        return False
+
+    def __and__(self, other: ConstraintSet) -> ConstraintSet:
+        return intersect([self, other])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.spec!r})"
+
+
+def structure_minimum(st: SetStructure, grad: np.ndarray) -> LinearMinimum:
+    """The exact linear minimum over a structure, for ``grad`` of the shape of ``d``."""
+    value, s = lmo_structure(st, grad.ravel())
+    if s is None:
+        return LinearMinimum(value, None, LMO_CLOSED_FORM, exact=True)
+    s = s.reshape(grad.shape)
+    return LinearMinimum(float(np.sum(grad * s)), s, LMO_CLOSED_FORM, exact=True)
+
+
+def members_structure(sets: tuple[ConstraintSet, ...], shape: Shape) -> SetStructure | str:
+    """The intersection of the sets' structures, or why the kernels cannot handle it."""
+    return combine_structures([(s.spec, s.structure(shape)) for s in sets], shape[0] * shape[1])
+
+
+def cvxpy_reason(cset: ConstraintSet) -> str | None:
+    """``None`` when every member of ``cset`` has a CVXPY form, else which one lacks it."""
+    for s in cset.members():
+        if type(s).cvxpy is ConstraintSet.cvxpy:
+            return f"{s.spec} declares no CVXPY form (cvxpy(var))"
+    return None
+
+
+def capabilities(cset: ConstraintSet, shape: Shape) -> frozenset[str]:
+    """What ``cset`` offers at this shape: ``projection``, ``structure``, ``polyhedral``,
+    ``bounded``, ``recession``, ``cvxpy``, ``lmo`` (names used in solvers' reasons)."""
+    out = set()
+    if cset.has_projection:
+        out.add("projection")
+    if cset.structure(shape) is not None:
+        out.update({"structure", "lmo"})
+    if cset.linear_form(shape) is not None or cset.auxiliary_form(shape) is not None:
+        out.update({"polyhedral", "lmo"})
+    if cset.bounded:
+        out.add("bounded")
+    if type(cset).linear_minimum is not ConstraintSet.linear_minimum:
+        out.add("lmo")
+    if cvxpy_reason(cset) is None:
+        out.add("cvxpy")
+    if cset.recession_violation(np.zeros(shape)) is not None:
+        out.add("recession")
+    return frozenset(out)
+
+
+def float_array(value: Any, what: str) -> np.ndarray:
+    """``value`` as a float64 array, or a :class:`ValidationError` naming ``what``."""
+    if hasattr(value, "detach"):  # torch tensors
+        value = value.detach().cpu().numpy()
+    try:
+        return np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValidationError(f"{what} must be a number or an array of numbers, got {type(value).__name__}") from None
+
+
+def broadcast(value: Any, shape: Shape, what: str) -> np.ndarray:
+    """``value`` broadcast to ``shape`` (a fresh float64 array), or a :class:`ValidationError`."""
+    arr = np.asarray(value, dtype=np.float64)
+    try:
+        return np.broadcast_to(arr, shape).astype(np.float64)
+    except ValueError:
+        raise ValidationError(
+            f"{what} has shape {arr.shape}, which does not broadcast to d's shape {tuple(shape)} "
+            f"(models x atoms)"
+        ) from None
+
+
+def fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+# ---------------------------------------------------------------------- the whole space
+class Unconstrained(ConstraintSet):
+    """No constraint: ``d`` ranges over all of ``R^(K x n_atoms)``."""
+
+    name = "none"
+    has_projection = True
+    polyhedral = True
+
+    def cvxpy(self, var: Any) -> list[Any]:
+        return []
+
+    def project(self, d: np.ndarray) -> np.ndarray:
+        return np.array(d, dtype=np.float64)
+
+    def structure(self, shape: Shape) -> SetStructure:
+        return SetStructure.free(shape[0] * shape[1])
+
+    def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
+        if np.all(grad == 0):
+            return LinearMinimum(0.0, np.zeros_like(grad, dtype=np.float64), LMO_CLOSED_FORM, exact=True)
+        return LinearMinimum(-math.inf, None, LMO_CLOSED_FORM, exact=True)
+
+    def violation(self, d: np.ndarray) -> float:
+        return 0.0
+
+    def linear_form(self, shape: Shape) -> LinearForm:
+        return LinearForm.empty(shape[0] * shape[1])
+
+    @property
+    def vacuous(self) -> bool:
+        return True
+
+    def members(self) -> tuple[ConstraintSet, ...]:
+        return ()
+
+
+def intersect(sets: Sequence[ConstraintSet]) -> ConstraintSet:
+    """The intersection of ``sets`` (flattened, the whole-space ones dropped): the set itself
+    when one remains, :class:`Unconstrained` when none, else an :class:`Intersection`."""
+    flat = [m for s in sets for m in s.members() if not m.vacuous]
+    if not flat:
+        return Unconstrained()
+    if len(flat) == 1:
+        return flat[0]
+    return Intersection(flat)
+
+
+# ---------------------------------------------------------------------- intersections
+class Intersection(ConstraintSet):
+    """The intersection of several constraint sets (build with ``a & b`` or
+    :func:`~mergeqp.constraints.as_constraint_set`).
+
+    When the members' structures combine (:func:`~.kernels.combine_structures`: bounds, at most
+    one simplex, or one L1 ball with its centre inside the bounds) projection and LMO are the
+    kernels' closed forms; any other polyhedral combination (L1 balls through auxiliary
+    variables) uses an LP (HiGHS) for the LMO, and combinations with CVXPY-only sets (user
+    constraints) a CVXPY LP.
+    """
+
+    name = "intersection"
+
+    def __init__(self, sets: Sequence[ConstraintSet]):
+        self.sets = tuple(sets)
+
+    @property
+    def spec(self) -> str:
+        return " & ".join(s.spec for s in self.sets)
+
+    def members(self) -> tuple[ConstraintSet, ...]:
+        return self.sets
+
+    def validate(self, shape: Shape) -> None:
+        for s in self.sets:
+            s.validate(shape)
+
+    def cvxpy(self, var: Any) -> list[Any]:
+        return [c for s in self.sets for c in s.cvxpy(var)]
+
+    @property
+    def polyhedral(self) -> bool:  # type: ignore[override]
+        return all(s.polyhedral for s in self.sets)
+
+    @property
+    def bounded(self) -> bool:
+        return any(s.bounded for s in self.sets)
+
+    def structure(self, shape: Shape) -> SetStructure | None:
+        st = members_structure(self.sets, shape)
+        return None if isinstance(st, str) else st
+
+    def _probe_shape(self) -> Shape | None:
+        """A shape at which the members' own arrays broadcast (``None`` if they do not)."""
+        shapes = [np.shape(a) for s in self.sets for a in s.parameters()]
+        try:
+            probe = np.broadcast_shapes(*shapes) if shapes else ()
+        except ValueError:
+            return None
+        if len(probe) > 2:
+            return None
+        full = (1,) * (2 - len(probe)) + tuple(probe)
+        return (int(full[0]), int(full[1]))
+
+    @property
+    def has_projection(self) -> bool:  # type: ignore[override]
+        if not all(s.has_projection for s in self.sets):
+            return False
+        shape = self._probe_shape()
+        return shape is not None and self.structure(shape) is not None
+
+    @property
+    def lmo_method(self) -> str:
+        if self.has_projection:
+            return LMO_CLOSED_FORM
+        return lp_method(self.sets)
+
+    def project(self, d: np.ndarray) -> np.ndarray:
+        if not self.has_projection:
+            raise NotImplementedError(f"{self.spec} has no closed-form projection")
+        return super().project(d)
+
+    def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
+        grad = np.asarray(grad, dtype=np.float64)
+        if self.has_projection:
+            st = self.structure(grad.shape)  # type: ignore[arg-type]
+            if st is not None:
+                if np.any(st.lo > st.hi):
+                    raise InfeasibleError(f"{self.spec} is empty: the boxes' bounds cross")
+                check_sum_feasible(st, self.spec)
+                return structure_minimum(st, grad)
+        return lp_minimum(self.sets, grad)
+
+    def violation(self, d: np.ndarray) -> float:
+        return max((s.violation(d) for s in self.sets), default=0.0)
+
+    def linear_form(self, shape: Shape) -> LinearForm | None:
+        forms = [s.linear_form(shape) for s in self.sets]
+        if any(f is None for f in forms):
+            return None
+        out = LinearForm.empty(shape[0] * shape[1])
+        for f in forms:
+            out = out & f  # type: ignore[operator]
+        return out
+
+    def recession_violation(self, v: np.ndarray) -> float | None:
+        if self.bounded:
+            return float(np.max(np.abs(v), initial=0.0))
+        parts = [s.recession_violation(v) for s in self.sets]
+        return None if any(p is None for p in parts) else max(parts, default=0.0)  # type: ignore[type-var]

@@ -1,0 +1,100 @@
+"""Building one set from what users pass, and checking that an intersection is not empty."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InfeasibleError, ValidationError
+from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect
+from .kernels import SetStructure
+from .lp import lp_minimum
+from .parse import parse_constraint
+from .user import UserConstraints
+
+
+def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any], Any] | str | None) -> ConstraintSet:
+    """Normalise ``None`` / a set / a spec string (``"box:0,1 & simplex"``) / a callable (user
+    CVXPY constraints) / a list of those into one set (an :class:`Intersection` if several)."""
+    if constraints is None:
+        return Unconstrained()
+    if isinstance(constraints, ConstraintSet):
+        return Unconstrained() if constraints.vacuous else constraints
+    if isinstance(constraints, str):
+        return intersect([parse_constraint(constraints)])
+    if callable(constraints):
+        return UserConstraints(constraints)
+    if not isinstance(constraints, Iterable):
+        raise ValidationError(
+            f"constraints must be a ConstraintSet, a spec string, a callable or a list of these, "
+            f"got {type(constraints).__name__}"
+        )
+    return intersect([as_constraint_set(c) for c in constraints])
+
+
+def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
+    """Raise :class:`InfeasibleError` (naming the sets) if the intersection is empty.
+
+    Closed-form checks first, from the members' structures (crossed bounds, bounds vs. simplex
+    totals, bounds vs. L1 ball); otherwise one LP with a zero objective (HiGHS for polyhedral
+    sets, CVXPY otherwise). A set with neither a polyhedral nor a CVXPY form cannot be checked
+    here (a solver's point then shows any emptiness as a violation in the certificate).
+    """
+    constraints.validate(shape)
+    members = constraints.members()
+    if not members:
+        return
+    if len(members) == 1 and members[0].known_nonempty:
+        return  # non-empty whenever it was constructed and validated
+    parts = [(s, s.structure(shape)) for s in members]
+    boxes = [(s, st) for s, st in parts if st is not None and st.bounds_only]
+    box_label = " & ".join(s.spec for s, _ in boxes)
+    lo = np.full(shape, -np.inf)
+    hi = np.full(shape, np.inf)
+    for _, st in boxes:
+        lo, hi = np.maximum(lo, st.lo.reshape(shape)), np.minimum(hi, st.hi.reshape(shape))
+    bad = np.argwhere(lo > hi)
+    if bad.size:
+        k, a = (int(i) for i in bad[0])
+        raise InfeasibleError(f"{box_label} is empty: at d[{k}, {a}] the bounds give "
+                              f"[{lo[k, a]:g}, {hi[k, a]:g}]")
+    for simplex, st in ((s, st) for s, st in parts if st is not None and st.group is not None):
+        _check_sum(simplex.spec, st, lo, hi, box_label)
+    for ball, st in ((s, st) for s, st in parts if st is not None and st.center is not None):
+        assert st.radius is not None
+        c = st.center.reshape(shape)
+        dist = float(np.sum(np.maximum(lo - c, 0.0) + np.maximum(c - hi, 0.0)))
+        if boxes and dist > st.radius * (1 + 1e-12):
+            raise InfeasibleError(f"{box_label} & {ball.spec} is empty: the box is at L1 distance "
+                                  f"{dist:g} from the ball's centre, more than the radius {st.radius:g}")
+    if len(boxes) == len(members) or (constraints.has_projection and constraints.structure(shape) is not None):
+        return  # the closed-form checks above are exact for these
+    if not all(s.polyhedral for s in members) and cvxpy_reason(constraints) is not None:
+        return  # no LP can be written over it: emptiness shows as an infeasible point, not here
+    lp_minimum(members, np.zeros(shape))
+
+
+def _check_sum(spec: str, st: SetStructure, lo: np.ndarray, hi: np.ndarray, box_label: str) -> None:
+    """The bounds ``lo``/``hi`` (shape of ``d``) against a sum structure's totals."""
+    assert st.group is not None and st.totals is not None
+    lo0 = np.maximum(lo, st.lo.reshape(lo.shape))
+    where = "the whole d" if st.totals.size == 1 and lo.shape[1] != 1 else "atom {}"
+    pair = f"{box_label} & {spec}" if box_label else spec
+    neg = np.argwhere(lo0 > hi)
+    if neg.size:
+        k, a = (int(i) for i in neg[0])
+        raise InfeasibleError(f"{pair} is empty: the box's upper bound {hi[k, a]:g} < 0 at d[{k}, {a}] "
+                              f"but the simplex needs d >= 0")
+    lo_sum = np.bincount(st.group, lo0.ravel(), minlength=st.totals.size)
+    hi_sum = np.bincount(st.group, hi.ravel(), minlength=st.totals.size)
+    total = float(st.totals[0])
+    tol = 1e-12 * (1.0 + abs(total))
+    bad_sum = np.nonzero((lo_sum > st.totals + tol) | (hi_sum < st.totals - tol))[0]
+    if bad_sum.size:
+        i = int(bad_sum[0])
+        raise InfeasibleError(
+            f"{pair} is empty: at {where.format(i)} the box allows sums in "
+            f"[{lo_sum[i]:g}, {hi_sum[i]:g}] but the simplex needs {total:g}"
+        )

@@ -1,0 +1,124 @@
+"""Lower bounds on a linear minimum ``min_{s in C} <grad, s>``: the verdict maths behind the
+Frank-Wolfe gap, owned by the certificate (:mod:`mergeqp.certificate`).
+
+A constraint set's oracle (``ConstraintSet.linear_minimum``) returns a :class:`LinearMinimum`:
+its minimiser ``s``, the value there, and the evidence it has for a bound (the set says it is
+exact; HiGHS's multipliers; a CVXPY solve's status). :func:`lower_bound` turns the evidence
+into a :class:`Bound` that says which bound it is (``bound_method``) and, when no bound can be
+proven, says why instead of falling back to the primal value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: reduced costs this small (relative to max |grad|) on unbounded variables count as zero
+#: in the HiGHS dual bound (they are round-off on basic variables)
+RC_TOL = 1e-9
+#: margin charged below a CVXPY (Clarabel) primal value, relative to ``1 + |value|``: ten times
+#: the duality-gap tolerance the LP is solved to (1e-10), or 1e-6 for an ``inaccurate`` solve
+SOLVER_MARGIN = 1e-9
+SOLVER_MARGIN_INACCURATE = 1e-6
+
+BOUND_EXACT = "exact (closed form)"
+BOUND_DUAL = "dual (HiGHS)"
+BOUND_USER = "user set (clarabel primal minus a labelled margin)"
+BOUND_NONE = "none"
+
+
+@dataclass(frozen=True)
+class LPDuals:
+    """What a HiGHS LP ``min cost'z`` over ``A_ub z <= b_ub, A_eq z = b_eq, lb <= z <= ub``
+    returned: its multipliers ``y_ub`` (``<= 0`` for a bound) and ``y_eq`` (``None`` when HiGHS
+    gave none) and its vertex ``z``. ``cost`` is the scaled objective (``max |grad| = 1``)."""
+
+    cost: np.ndarray
+    form: Any  # a LinearForm (A_ub, b_ub, A_eq, b_eq, lb, ub) over z
+    y_ub: np.ndarray | None
+    y_eq: np.ndarray | None
+    z: np.ndarray
+
+
+@dataclass(frozen=True)
+class LinearMinimum:
+    """A set's answer to ``min_{s in C} <grad, s>`` (``grad`` of the shape of ``d``).
+
+    ``value``: ``<grad, s>`` at the minimiser ``s`` (``-inf`` with ``s = None`` when the set is
+    unbounded along ``-grad``); ``method``: how it was computed (``closed form``, ``LP (HiGHS
+    dual bound)``, ``LP (CVXPY/Clarabel)``); ``exact``: ``value`` is the exact minimum (closed
+    forms). Evidence for a bound otherwise: ``lp`` (HiGHS multipliers) or ``solver_status``
+    (a CVXPY solve, whose value on the scaled objective is ``scaled_primal``); ``scale`` is the
+    factor the LP's objective was divided by."""
+
+    value: float
+    s: np.ndarray | None
+    method: str
+    exact: bool = False
+    lp: LPDuals | None = None
+    solver_status: str | None = None
+    scale: float = 1.0
+    scaled_primal: float = 0.0
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A lower bound ``value`` on the linear minimum (``None``: none proven, ``reason`` says
+    why) and the rule that gave it (``method``)."""
+
+    value: float | None
+    method: str
+    reason: str = ""
+
+
+def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, z: np.ndarray) -> float | None:
+    """``y_ub'b_ub + y_eq'b_eq + sum_i min_{lb_i <= z_i <= ub_i} r_i z_i`` with ``y_ub <= 0``
+    (clipped) and reduced costs ``r = cost - A_ub'y_ub - A_eq'y_eq``: weak duality makes it a
+    lower bound on the LP minimum for any such multipliers. ``None`` when the multipliers do not
+    prove a bound (a reduced cost above :data:`RC_TOL` on a variable with no bound on that side)."""
+    y_ub = np.minimum(np.asarray(y_ub, dtype=np.float64), 0.0)
+    y_eq = np.asarray(y_eq, dtype=np.float64)
+    r = cost.copy()
+    if y_ub.size:
+        r -= form.A_ub.T @ y_ub
+    if y_eq.size:
+        r -= form.A_eq.T @ y_eq
+    bound = float(form.b_ub @ y_ub + form.b_eq @ y_eq)
+    pos, neg = r > 0, r < 0
+    lower = np.where(pos, form.lb, np.where(neg, form.ub, 0.0))
+    unbounded = (pos | neg) & ~np.isfinite(lower)
+    if np.any(unbounded & (np.abs(r) > RC_TOL)):
+        return None
+    # round-off reduced costs on unbounded (basic) variables: charge them at the vertex
+    term = np.where(unbounded, r * z, r * np.where(np.isfinite(lower), lower, 0.0))
+    return bound + float(np.sum(term))
+
+
+def lower_bound(lm: LinearMinimum) -> Bound:
+    """The certificate's lower bound on ``min_{s in C} <grad, s>`` from a set's answer."""
+    if math.isnan(lm.value):
+        return Bound(None, BOUND_NONE, f"the oracle ({lm.method}) gave no value")
+    if not math.isfinite(lm.value):
+        return Bound(lm.value, BOUND_EXACT if lm.exact else lm.method)
+    if lm.exact:
+        return Bound(lm.value, BOUND_EXACT)
+    if lm.lp is not None:
+        lp = lm.lp
+        if lp.y_ub is None or lp.y_eq is None:
+            return Bound(None, BOUND_DUAL, "HiGHS returned no usable multipliers, so no dual bound is proven")
+        value = dual_bound(lp.cost, lp.form, lp.y_ub, lp.y_eq, lp.z)
+        if value is None:
+            return Bound(None, BOUND_DUAL, "HiGHS's multipliers leave a reduced cost on an unbounded "
+                                           "variable, so they prove no bound")
+        primal = float(lp.cost @ lp.z)
+        return Bound(min(primal, value) * lm.scale if lm.scale > 0 else 0.0, BOUND_DUAL)
+    if lm.solver_status is not None:
+        primal = lm.scaled_primal
+        rel = SOLVER_MARGIN_INACCURATE if "inaccurate" in lm.solver_status else SOLVER_MARGIN
+        margin = rel * (1.0 + abs(primal))
+        return Bound((primal - margin) * lm.scale if lm.scale > 0 else 0.0,
+                     f"{BOUND_USER} {rel:g} ({lm.solver_status})")
+    return Bound(None, BOUND_NONE, f"the oracle ({lm.method}) gave no evidence for a lower bound")

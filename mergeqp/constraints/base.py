@@ -40,6 +40,7 @@ from .lp import LMO_CVXPY, LMO_HIGHS, lp_method, lp_minimum
 Shape = tuple[int, int]
 
 LMO_CLOSED_FORM = "closed form"
+LMO_USER_SUPPORT = "the set's own support(grad)"
 
 
 class ConstraintSet(ABC):
@@ -112,13 +113,20 @@ class ConstraintSet(ABC):
     def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
         """The linear minimisation oracle: ``min_{s in C} <grad, s>`` with its evidence for a
         lower bound (:class:`~mergeqp.lower_bounds.LinearMinimum`). The default uses
-        :meth:`structure` (exact), else a HiGHS LP over a polyhedral set (``polyhedral``)."""
+        :meth:`structure` (exact), else a HiGHS LP over a polyhedral set (``polyhedral``), else
+        the set's own exact :meth:`support` when it overrides it."""
         grad = np.asarray(grad, dtype=np.float64)
         st = self.structure(grad.shape)  # type: ignore[arg-type]
         if st is not None:
             return structure_minimum(st, grad)
         if self.polyhedral:
             return lp_minimum([self], grad)
+        if type(self).support is not ConstraintSet.support:
+            # a set that defines its own exact support(grad) = (min value, minimiser), the
+            # oracle's spelling before linear_minimum existed: the set vouches for it
+            value, s = self.support(grad)
+            return LinearMinimum(float(value), None if s is None else np.asarray(s, dtype=np.float64),
+                                 LMO_USER_SUPPORT, exact=True)
         raise UnsupportedError(f"{self.spec} declares no linear minimisation oracle: implement "
                                f"linear_minimum(grad), structure(shape), or linear_form(shape) with "
                                f"polyhedral = True")

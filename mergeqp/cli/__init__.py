@@ -4,6 +4,11 @@
 printed in every ``--help``): 0 success, 1 solved but not certified, 2 usage or configuration
 error, 3 bad input data (NaN / inf), 4 I/O error while writing, 130 interrupted (Ctrl-C or
 SIGTERM). Errors are one line ``mergeqp COMMAND: error: ...`` on stderr, never a traceback.
+
+Import policy: the subcommand modules import the package's numerical and model layers inside
+their ``run`` functions, so that ``mergeqp --help`` and argument errors answer without loading
+torch, cvxpy or transformers. This is the one layer where the package defers its own imports
+(``tests/architecture/test_imports.py`` allows it here and nowhere else).
 """
 
 from __future__ import annotations

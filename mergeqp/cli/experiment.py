@@ -11,6 +11,8 @@ import argparse
 import os
 from typing import Any
 
+from ..errors import ConfigError, unknown
+
 EXPERIMENTS = ("mnist",)
 
 
@@ -51,7 +53,6 @@ def register(subparsers: Any) -> None:
 
 
 def run_mnist(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
     from ..experiments.mnist import MnistConfig, run_mnist_experiment, with_overrides
     from ..experiments.report import console_summary
 
@@ -62,8 +63,6 @@ def run_mnist(args: argparse.Namespace) -> int:
         from ..solvers.registry import SOLVERS
 
         if args.solver != "auto" and args.solver not in SOLVERS:
-            from ..errors import unknown
-
             raise unknown("solver", args.solver, ["auto", *SOLVERS])
         config = with_overrides(config, solver=args.solver)
     if args.qp_tr_ridge is not None:

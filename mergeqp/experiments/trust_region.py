@@ -37,9 +37,15 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import Box, Intersection, Unconstrained, as_constraint_set
+from ..constraints import Box, as_constraint_set
 from ..errors import ValidationError
 from ..problem import MergeQP
+from ..solvers.registry import solve
+from ..stats import apply_merge, collect_statistics
+from ..stats.apply import layer_deltas
+from ..stats.data import checked_call, iterate_batches, split_batch
+from ..stats.linearise import flatten_output, resolve_output_fn
+from ..stats.parametrisation import as_parametrisation
 
 
 @dataclass(frozen=True)
@@ -188,19 +194,27 @@ def _json_float(v: Any) -> Any:
 
 
 def trust_region_set(constraints: Any, center: np.ndarray, delta: float) -> Any:
-    """``C intersect {||d - center||_inf <= delta}``: one :class:`Box` when ``C`` is a box (or
-    no constraint), else an :class:`Intersection`. Raises :class:`ValidationError` if ``center``
-    violates a box (the trust region would be empty)."""
+    """``C intersect {||d - center||_inf <= delta}``: one :class:`Box` when ``C`` is only bounds
+    (a box, or no constraint), else the intersection. Raises :class:`ValidationError` if ``center``
+    violates those bounds (the trust region would be empty)."""
     cset = as_constraint_set(constraints)
     lo_t, hi_t = center - delta, center + delta
-    if isinstance(cset, (Box, Unconstrained)):
-        if isinstance(cset, Box):
-            lo, hi = cset.bounds(center.shape)
-            lo_t, hi_t = np.maximum(lo, lo_t), np.minimum(hi, hi_t)
+    bounds = _bounds_only(cset, center.shape)
+    if bounds is not None:
+        lo_t, hi_t = np.maximum(bounds[0], lo_t), np.minimum(bounds[1], hi_t)
         if np.any(lo_t > hi_t):
             raise ValidationError("the current point lies outside the box constraints")
         return Box(lo_t, hi_t)
-    return Intersection([cset, Box(lo_t, hi_t)])
+    return cset & Box(lo_t, hi_t)
+
+
+def _bounds_only(cset: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(lo, hi)`` of shape ``shape`` when the set is nothing but bounds, else ``None`` (asked of
+    the set's declared structure)."""
+    st = cset.structure(shape)
+    if st is None or not st.bounds_only:
+        return None
+    return st.lo.reshape(shape), st.hi.reshape(shape)
 
 
 def sequential_trust_region(
@@ -223,7 +237,6 @@ def sequential_trust_region(
     """
     from tqdm.auto import tqdm
 
-    from ..solvers.registry import solve
 
     cfg = config or TrustRegionConfig()
     cset = as_constraint_set(constraints)
@@ -302,8 +315,9 @@ def sequential_trust_region(
 
 
 def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if isinstance(region, Box):
-        return region.bounds(d.shape)
+    bounds = _bounds_only(region, d.shape)
+    if bounds is not None:
+        return bounds
     return np.full(d.shape, -np.inf), np.full(d.shape, np.inf)
 
 
@@ -315,9 +329,6 @@ def calibration_targets(finetuned_models: Sequence[Any], calibration: Sequence[A
     ``calibration`` as for :func:`mergeqp.stats.collect_statistics` (K sets; each must be
     re-iterable: a tensor or a list of batches)."""
     import torch
-
-    from ..stats.data import checked_call, iterate_batches, split_batch
-    from ..stats.linearise import flatten_output, resolve_output_fn
 
     out_fn = resolve_output_fn(output_fn)
     targets = []
@@ -343,9 +354,6 @@ def calibration_error(model: Any, calibration: Sequence[Any], targets: Sequence[
     """``sum_t w_t sum_j ||h(x_j) - y_j||^2``: the true (nonlinear) calibration objective of
     ``model`` against ``targets`` (from :func:`calibration_targets`), in the units of ``J``."""
     import torch
-
-    from ..stats.data import checked_call, iterate_batches, split_batch
-    from ..stats.linearise import flatten_output, resolve_output_fn
 
     out_fn = resolve_output_fn(output_fn)
     w = [1.0] * len(targets) if task_weights is None else [float(x) for x in task_weights]
@@ -373,8 +381,6 @@ def split_calibration(calibration: Sequence[Any], holdout_fraction: float, seed:
     are dropped: ``qp_tr`` compares with the fine-tuned models' outputs). Returns two lists of
     K tensors; each part keeps at least one sample (so a set needs >= 2)."""
     import torch
-
-    from ..stats.data import iterate_batches, split_batch
 
     if not 0 < holdout_fraction < 1:
         raise ValidationError(f"holdout_fraction must lie in (0, 1), got {holdout_fraction}")
@@ -437,8 +443,6 @@ def trust_region_merge(
     error on the held-out part is used for the final run on all samples
     (``result.ridge_selection`` records the table). Cost: one ``qp_tr`` run per candidate.
     """
-    from ..stats import apply_merge, collect_statistics
-    from ..stats.parametrisation import as_parametrisation
 
     finetuned_models = list(finetuned_models)
     K = len(finetuned_models)
@@ -463,7 +467,6 @@ def trust_region_merge(
         return calibration_error(model_at(d), calibration, targets, output_fn, task_weights, batch_size)
 
     if d0 is None:
-        from ..stats.apply import layer_deltas
 
         _, deltas, _ = layer_deltas(base_model, finetuned_models, layer)
         d0 = np.full((K, param.n_atoms(deltas.shape[1], deltas.shape[2])), 1.0 / K)
@@ -487,7 +490,6 @@ def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, cali
                   output_fn: Callable[..., Any] | None, task_weights: Sequence[float] | None,
                   solver: str, batch_size: int, progress: bool) -> RidgeSelection:
     """The held-out choice of the ridge weight (see :func:`trust_region_merge`)."""
-    from ..stats import apply_merge, collect_statistics
 
     relative = tuple(float(r) for r in candidates)
     if not relative or not all(math.isfinite(r) and r >= 0 for r in relative):

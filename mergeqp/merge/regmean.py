@@ -59,6 +59,7 @@ from .batches import (
 )
 from .inputs import TensorSource
 from .method import MergeMethod, WeightedParams, iterate, resolve_weights
+from .sites import _kind, model_sites
 
 #: relative threshold below which sum_k c_k G~_k counts as singular (see regmean_solve)
 RANK_RTOL = 1e-10
@@ -96,8 +97,6 @@ class _Layer:
 
 
 def _model_layers(model: Any) -> list[_Layer]:
-    from .sites import _kind, model_sites
-
     if _kind(model) is not None:
         raise ValidationError(
             f"regmean: the model is itself a linear layer ({type(model).__name__}); RegMean finds "

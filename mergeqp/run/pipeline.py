@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import MergeConfig
+from .schema import MergeConfig
 from ..errors import MergeQPError, ValidationError
 from ..io.calibration import (
     is_tensor_file,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..config import MergeConfig, check_paths
+from .schema import MergeConfig, check_paths
 from ..constraints import as_constraint_set, check_feasible, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.calibration import (

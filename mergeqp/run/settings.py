@@ -1,6 +1,6 @@
 """The run layer's translation of a validated config into the typed settings that :mod:`mergeqp.merge` takes.
 
-``mergeqp.merge`` never reads a :class:`~mergeqp.config.MergeConfig`; this module is where its
+``mergeqp.merge`` never reads a :class:`~mergeqp.run.schema.MergeConfig`; this module is where its
 ``method`` block becomes a :class:`~mergeqp.merge.multilayer.QPSettings`.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import MergeConfig
+from .schema import MergeConfig
 from ..io.writer import parse_size
 from ..merge.multilayer import QPSettings
 

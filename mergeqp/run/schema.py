@@ -1,0 +1,376 @@
+"""The typed input of a ``mergeqp merge`` run: the config schema (pydantic v2, unknown keys forbidden).
+
+A minimal file::
+
+    base: ./base                      # Hugging Face folder (or .safetensors / torch file)
+    models:
+      - {name: code, path: ./ft_code, calibration: ./code.jsonl}
+      - {name: math, path: ./ft_math, calibration: ./math.txt}
+    layers: ["model.layers.*.mlp.down_proj"]
+    method: {name: qp, parametrisation: rows, constraints: ["box:0,1"]}
+
+Every block rejects keys it does not know with an error that names the key and lists the valid
+ones (a misspelt ``desnity`` is an error, never a silent default); names of modes,
+parametrisations and bases are checked against their registries. Relative paths are resolved
+against ``root`` (the folder of the config file). :func:`check_paths` verifies that every input
+exists (run before anything heavy). Reading YAML files is :mod:`mergeqp.config`'s job; the full
+reference is ``docs/hf.md``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from ..errors import ConfigError
+from ..merge.modes import MERGE_MODES
+from ..stats.bases import checkpoint_bases
+from ..stats.parametrisation import PARAMETRISATIONS
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+RESTRICTIONS = ("none", "topk", "projection")
+
+
+def _registered(kind: str, name: str, valid: list[str]) -> str:
+    """``name`` if it is one of the registry's ``valid`` names, else a ``ValueError`` listing them
+    (with a did-you-mean)."""
+    if name in valid:
+        return name
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
+
+
+def _keys(names: list[str]) -> str:
+    return " and ".join(repr(n) for n in names)
+
+
+class _Strict(BaseModel):
+    """Base block: frozen, unknown keys are errors that list the valid keys."""
+
+    # strict: YAML already gives typed values; `batch_size: true` or `seed: "3"` are errors,
+    # not silently coerced (an integer is still accepted where a float is expected)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            valid = set()
+            internal = set()
+            for name, f in cls.model_fields.items():
+                (internal if f.exclude else valid).add(name)
+                if f.alias:
+                    valid.add(f.alias)
+            bad = [k for k in data if k not in valid and k not in internal]
+            if bad:
+                key = str(bad[0])
+                close = difflib.get_close_matches(key, sorted(valid), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(
+                    f"unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}"
+                )
+        return data
+
+
+class PromptSource(_Strict):
+    """Calibration prompts of one task.
+
+    ``path``: a ``.txt`` file (one prompt per non-empty line), a ``.jsonl`` file (one JSON object
+    per line; the prompt is ``field``), or a ``.json`` list of strings / objects.
+    ``max_prompts``: use at most this many (the first ones). ``holdout``: how many prompts (an
+    integer) or what fraction (a float in (0, 1)) to hold out for evaluation (overrides the
+    global ``calibration.holdout``).
+    """
+
+    path: str
+    field: str = "text"
+    max_prompts: int | None = Field(default=None, ge=1)
+    holdout: float | int | None = None
+
+    @field_validator("holdout")
+    @classmethod
+    def _holdout(cls, v: float | None) -> float | int | None:
+        return None if v is None else _check_holdout(v)
+
+
+class ModelEntry(_Strict):
+    """One fine-tuned model: its checkpoint, a name, the task weight in the objective, and the
+    task's calibration prompts (a path, or a :class:`PromptSource` block)."""
+
+    path: str
+    name: str | None = None
+    weight: float = Field(default=1.0, ge=0.0)
+    calibration: PromptSource | None = None
+
+    @field_validator("calibration", mode="before")
+    @classmethod
+    def _path_shorthand(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, (str, Path)) else v
+
+    @field_validator("weight")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("weight must be finite")
+        return v
+
+    def prompts(self) -> PromptSource | None:
+        return self.calibration
+
+
+class CalibrationOptions(_Strict):
+    """How prompts become batches: ``max_length`` tokens per prompt (longer ones are
+    truncated), ``batch_size`` prompts per batch, ``holdout`` prompts per task kept out of the
+    statistics for the held-out evaluation (count or fraction; 0 disables evaluation)."""
+
+    max_length: int = Field(default=128, ge=2)
+    batch_size: int = Field(default=8, ge=1)
+    holdout: float | int = 0.25
+
+    @field_validator("holdout")
+    @classmethod
+    def _holdout(cls, v: float) -> float | int:
+        return _check_holdout(v)
+
+
+def _check_holdout(v: float) -> float | int:
+    if isinstance(v, float) and not v.is_integer() and not 0.0 < v < 1.0:
+        raise ValueError("holdout is a count (integer >= 0) or a fraction in (0, 1)")
+    if isinstance(v, (int, float)) and v < 0:
+        raise ValueError("holdout must be >= 0")
+    return v
+
+
+class BaselineSpec(_Strict):
+    """A baseline merge (``mergeqp.merge_state_dicts`` method name) and its parameters."""
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class MethodConfig(_Strict):
+    """How to merge.
+
+    ``name: qp`` (the default) solves the merge QP at every selected layer; any other name is a
+    baseline of ``mergeqp.MERGE_METHODS`` applied to the selected layers with ``params``.
+
+    QP settings: ``mode`` (a registered merge mode, :mod:`mergeqp.merge.modes`: ``single`` = each
+    layer independently at the base model; ``sequential`` = layer by layer, statistics recomputed
+    on the partially merged model; ``joint`` = one first-order QP over all selected layers'
+    coefficients; ``hybrid`` = start from the ``start`` baseline merged on ALL layers, then refine
+    the selected layers sequentially); ``parametrisation`` (a registered parametrisation:
+    ``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (a registered basis a checkpoint
+    merge can build: ``svd``, ``random`` or ``optimal``: the paper's Corollary 4.2 with the
+    calibration-mean output Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); the
+    parametrisation entry checks the keys it reads; ``basis_max_size``: cap on the
+    ``(c, r)`` float64 mean Jacobian that ``basis: optimal`` forms per layer (``c`` = compared
+    outputs per sample, e.g. tokens x k); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
+    ``box:0,1``, ``simplex``, ``l1:R``, ``nonneg``, ``global_simplex``, ``sign[:density]``);
+    ``solver`` (``auto`` or a registry name) and ``solver_options``; ``regularisation`` ``mu``
+    adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup ``1/K`` (``reference: soup``) or 0;
+    ``compare_sequential`` (joint mode): also run the sequential QP on the same layers and put
+    the comparison in the report; ``chunk_size``: atoms per vectorised JVP call.
+    """
+
+    name: str = "qp"
+    mode: str = "sequential"
+    parametrisation: str = "rows"
+    basis: str = "svd"
+    rank: int | None = Field(default=None, ge=1)
+    basis_max_size: str | int = "2GB"
+    constraints: list[str] = Field(default_factory=lambda: ["box:0,1"])
+    solver: str = "auto"
+    solver_options: dict[str, Any] = Field(default_factory=dict)
+    regularisation: float = Field(default=0.0, ge=0.0)
+    reference: Literal["soup", "zero"] = "soup"
+    start: BaselineSpec | None = None
+    compare_sequential: bool = True
+    chunk_size: int = Field(default=256, ge=1)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("constraints", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        if v is None:
+            return []
+        return v
+
+    @field_validator("mode")
+    @classmethod
+    def _mode(cls, v: str) -> str:
+        return _registered("merge mode", v, list(MERGE_MODES))
+
+    @field_validator("parametrisation")
+    @classmethod
+    def _parametrisation(cls, v: str) -> str:
+        return _registered("parametrisation", v, list(PARAMETRISATIONS))
+
+    @field_validator("basis")
+    @classmethod
+    def _basis(cls, v: str) -> str:
+        return _registered("basis", v, checkpoint_bases())
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MethodConfig:
+        if self.name != "qp":
+            qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "basis_max_size", "constraints", "solver",
+                                   "solver_options", "regularisation", "reference", "start",
+                                   "compare_sequential", "chunk_size")
+                       if k in self.model_fields_set]
+            if qp_only:
+                raise ValueError(
+                    f"method {self.name!r} is a baseline: key(s) {qp_only} apply only to name: qp; "
+                    f"give the baseline's parameters under 'params'"
+                )
+            return self
+        if self.params:
+            raise ValueError("'params' is for baselines; the QP is configured by its own keys")
+        mode = MERGE_MODES[self.mode]
+        if mode.uses_start and self.start is None:
+            raise ValueError(f"mode: {self.mode} needs 'start': the baseline merged on all layers first, "
+                             "e.g. start: {name: task_arithmetic, params: {scaling: 0.5}}")
+        if not mode.uses_start and self.start is not None:
+            users = [n for n, m in MERGE_MODES.items() if m.uses_start]
+            raise ValueError(f"'start' is only used with mode: {' or '.join(users)}")
+        param = PARAMETRISATIONS[self.parametrisation]
+        options = self.parametrisation_options()
+        given = [k for k in options if k in self.model_fields_set or (k == "rank" and self.rank is not None)]
+        foreign = [k for k in given if k not in param.config_options]
+        if foreign:
+            owners = [n for n, p in PARAMETRISATIONS.items() if set(foreign) <= set(p.config_options)]
+            raise ValueError(f"the key(s) {_keys(foreign)} apply only to parametrisation: "
+                             f"{' or '.join(owners) or '(none registered)'}")
+        param.check_config(options, given)
+        return self
+
+    def parametrisation_options(self) -> dict[str, Any]:
+        """The parametrisation options of this block: every key some registered parametrisation
+        reads (``config_options``), with its value."""
+        keys = dict.fromkeys(k for p in PARAMETRISATIONS.values() for k in p.config_options)
+        return {k: getattr(self, k) for k in keys}
+
+    @property
+    def is_qp(self) -> bool:
+        return self.name == "qp"
+
+
+class OutputConfig(_Strict):
+    """What model output is compared, and how a large vocabulary is made tractable.
+
+    ``field``: the attribute of the model output (``logits`` by default; ``last_hidden_state``
+    for bare encoders). ``restrict``: ``none`` (every logit), ``projection`` (a seeded Gaussian
+    random projection of each position's logits to ``k`` dimensions, scaled by ``1/sqrt(k)``:
+    an unbiased estimate of the squared error, Johnson-Lindenstrauss), or ``topk`` (the ``k``
+    logits that the task's fine-tuned model ranks highest at each position, the same indices for
+    the merged model: the objective only sees those entries).
+    """
+
+    field: str = "logits"
+    restrict: Literal["none", "topk", "projection"] = "none"
+    k: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _k(self) -> OutputConfig:
+        if self.restrict != "none" and self.k is None:
+            raise ValueError(f"restrict: {self.restrict} needs 'k'")
+        if self.restrict == "none" and self.k is not None:
+            raise ValueError("'k' applies only to restrict: topk or projection")
+        return self
+
+
+class MergeConfig(_Strict):
+    """The whole ``mergeqp merge`` file (see the module docstring and ``docs/hf.md``)."""
+
+    base: str
+    models: list[ModelEntry] = Field(min_length=1)
+    layers: list[str] = Field(min_length=1)
+    method: MethodConfig = Field(default_factory=MethodConfig)
+    calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
+    targets: Literal["finetuned"] = "finetuned"
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
+    output_dtype: Literal["float32", "float64", "bfloat16", "float16"] | None = None
+    max_shard_size: str | int = "5GB"
+    evaluate: bool = True
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+
+    #: folder of the config file (relative paths are resolved against it); not a YAML key
+    root: str = Field(default=".", exclude=True)
+
+    @field_validator("layers", mode="before")
+    @classmethod
+    def _layers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        v = v.strip().lower()
+        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"device {v!r}; valid: auto, cpu, cuda, cuda:N")
+
+    @model_validator(mode="after")
+    def _names(self) -> MergeConfig:
+        names = self.model_names()
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"model names must be unique; repeated: {dup} (set 'name' on each model)")
+        if all(m.weight == 0 for m in self.models):
+            raise ValueError("every model has weight 0: at least one task must count in the objective")
+        if self.method.is_qp:
+            missing = [n for n, m in zip(names, self.models) if m.prompts() is None]
+            if missing:
+                raise ValueError(f"the QP needs calibration prompts for every model; missing for {missing}")
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    def model_names(self) -> list[str]:
+        return [m.name or Path(m.path).name or f"model{i}" for i, m in enumerate(self.models)]
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path).expanduser()
+        return p if p.is_absolute() else (Path(self.root) / p)
+
+    def input_paths(self) -> list[tuple[str, Path]]:
+        """``(what, path)`` for every input the config names, in order."""
+        out = [("base", self.resolve(self.base))]
+        for name, m in zip(self.model_names(), self.models):
+            out.append((f"models[{name}].path", self.resolve(m.path)))
+            src = m.prompts()
+            if src is not None:
+                out.append((f"models[{name}].calibration", self.resolve(src.path)))
+        if self.tokenizer is not None:
+            out.append(("tokenizer", self.resolve(self.tokenizer)))
+        return out
+
+    def holdout_for(self, index: int) -> float | int:
+        src = self.models[index].prompts()
+        if src is not None and src.holdout is not None:
+            return _check_holdout(src.holdout)
+        return self.calibration.holdout
+
+
+def check_paths(cfg: MergeConfig) -> None:
+    """Every input path exists (checkpoints, prompt files, tokenizer): one error listing all
+    missing ones, before anything is loaded."""
+    missing = [f"  {what}: {path}" for what, path in cfg.input_paths() if not path.exists()]
+    if missing:
+        raise ConfigError("missing input(s):\n" + "\n".join(missing))

@@ -1,17 +1,14 @@
 """The linearisation core (mergeqp.stats.linearise, .gauss_newton, .hooks) that every producer of
-statistics uses, and the statistics package's import graph."""
+statistics uses (the package-wide import graph: tests/architecture/test_imports.py)."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from _stats_helpers import LinearSequence, TinyTransformer, seeded
 
-import mergeqp
 from mergeqp.errors import ValidationError
 from mergeqp.stats.gauss_newton import GaussNewtonSums
 from mergeqp.stats.hooks import hooked_layers
@@ -22,7 +19,6 @@ from mergeqp.stats.linearise import (
     run_recorded,
 )
 
-STATS = Path(mergeqp.__file__).parent / "stats"
 
 
 def _derivatives(model, layer, x, **kwargs):
@@ -158,54 +154,3 @@ def test_first_order_statistics_are_the_same_in_forward_reverse_and_auto_mode(tm
         np.testing.assert_allclose(got.c, ref.c, rtol=1e-12)
     with pytest.raises(ValidationError, match="jacobian_mode"):
         collect_first_order(model, atoms, tasks, spec, jacobian_mode="sideways")
-
-
-def _module_imports(path: Path, package: str) -> tuple[set[str], list[str]]:
-    """Package modules imported at module level by ``path``, and those imported inside functions."""
-    tree = ast.parse(path.read_text())
-    top: set[str] = set()
-    deferred: list[str] = []
-
-    def target(node: ast.ImportFrom | ast.Import) -> list[str]:
-        if isinstance(node, ast.Import):
-            return [a.name for a in node.names]
-        if node.level == 0:
-            return [node.module or ""]
-        base = package.split(".")[: len(package.split(".")) - node.level + 1]
-        mod = ".".join(base + ([node.module] if node.module else []))
-        return [mod] if node.module else [f"{mod}.{a.name}" for a in node.names]
-
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            top.update(target(node))
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for inner in ast.walk(node):
-                if isinstance(inner, (ast.Import, ast.ImportFrom)):
-                    deferred += [m for m in target(inner) if m.startswith("mergeqp")]
-    return {m for m in top if m.startswith("mergeqp")}, deferred
-
-
-def test_statistics_package_imports_have_no_cycle_and_point_one_way():
-    graph = {}
-    for path in sorted(STATS.glob("*.py")):
-        name = "mergeqp.stats" if path.stem == "__init__" else f"mergeqp.stats.{path.stem}"
-        top, deferred = _module_imports(path, "mergeqp.stats")
-        assert not deferred, f"{path.name} imports package modules inside functions: {deferred}"
-        assert not any(m.startswith(("mergeqp.merge", "mergeqp.cli", "mergeqp.config")) for m in top), \
-            f"{path.name} imports a higher layer: {sorted(top)}"
-        graph[name] = {m for m in top if m.startswith("mergeqp.stats.")}
-    assert "mergeqp.stats.calibration" in graph and "mergeqp.stats.storage" in graph
-    done: set[str] = set()
-
-    def visit(node: str, stack: list[str]) -> None:
-        if node in stack:
-            raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(node):] + [node]))
-        if node in done:
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, stack + [node])
-        done.add(node)
-
-    for node in graph:
-        visit(node, [])

@@ -30,7 +30,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", help="output folder for the merged model and its report (required unless --dry-run)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the plan; load no weights")
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out folder")
-    p.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan (with --dry-run) or, after a merge, the report as JSON on stdout")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=run)
 
@@ -50,7 +51,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan.render(), file=sys.stderr)
     result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not args.quiet, log=log, plan=plan)
-    _print_summary(result)
+    if args.json:
+        print(json.dumps(jsonable(result.report), indent=2))
+    else:
+        _print_summary(result)
     failed = result.summary.uncertified_layers
     if failed:
         print(f"mergeqp merge: the QP solution is not certified at {len(failed)} layer(s) "

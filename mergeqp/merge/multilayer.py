@@ -149,6 +149,9 @@ class LayerRecord:
     timings: dict[str, float]
     basis: dict[str, Any] | None = None
     group_energy_fraction: float | None = None
+    #: Frobenius norm of each model's residual ``delta_k`` at this site (not in the JSON record;
+    #: the run layer turns zeros into report notes)
+    residual_norms: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
@@ -253,6 +256,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     t0 = time.perf_counter()
     atoms = []
     bases: dict[str, dict[str, Any] | None] = {}
+    norms: dict[str, tuple[float, ...]] = {}
     basis_seconds = 0.0
     for site in sites:
         deltas = ctx.weights.deltas(site)
@@ -273,6 +277,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
         param = make_parametrisation(ctx.settings, site, deltas, optimal)
         bases[site.name] = _basis_record(ctx, site, param, deltas, optimal)
         atoms.append(SiteAtoms(site, param, deltas, offset))
+        norms[site.name] = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
     t1 = time.perf_counter()
     stats = collect_first_order(ctx.model, atoms, ctx.tasks, ctx.spec, ctx.device,
                                 model_names=ctx.model_names, chunk_size=ctx.settings.chunk_size,
@@ -314,7 +319,8 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
         LayerRecord(layer=a.site.name, objective_after_exact=math.nan,
                     energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
                     d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name),
-                    group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None, **common)
+                    group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
+                    residual_norms=norms[a.site.name], **common)
         for a in atoms
     )
     return GroupResult(stats, solution, new_weights, records)

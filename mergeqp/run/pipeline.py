@@ -50,7 +50,8 @@ from ..io.calibration import (
     tokenize_batches,
 )
 from ..io.checkpoint import Checkpoint, read_config
-from ..io.writer import check_output_folder, parse_size, save_hf_folder
+from ..io.atomic import check_free_space
+from ..io.writer import check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_mse, teacher_forced_targets
 from ..merge.calibrated import StatisticsCollector, needs_statistics
 from ..merge.firstorder import TaskTargets
@@ -58,7 +59,8 @@ from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
-from ..merge.report import write_json, write_markdown
+from ..merge.flags import heldout_regression_notes, zero_residual_notes
+from ..merge.report import report_files
 from ..merge.sites import checkpoint_names, read_augmented, stored_tensors
 from ..stats.parametrisation import get_parametrisation
 from .plan import (
@@ -125,6 +127,8 @@ def load_model(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str) -> 
         raise
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint: report which
         raise ValidationError(f"cannot load model {ckpt.path}: {type(exc).__name__}: {exc}") from None
+    for name, tensor in model.state_dict().items():  # NaN / inf named before any statistics
+        check_tensor_finite(name, tensor, f"checkpoint {ckpt.path}")
     model.to(device)
     model.eval()
     for p in model.parameters():
@@ -295,6 +299,7 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     plan = plan or build_plan(cfg)
     out = Path(out_dir).expanduser()
     check_output_folder(out, _protected(cfg), overwrite=overwrite)
+    check_free_space(out, plan.base.total_bytes, "the merged model")
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
@@ -323,19 +328,27 @@ class _Run:
         self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed)
         self.eval_spec = OutputSpec(cfg.output.field, "none")
 
-    def _write(self, overrides: dict[str, Any]) -> WrittenOutput:
+    def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
+        """Write the merged folder with its ``report.json`` / ``report.md`` inside, atomically (the
+        folder appears complete with its report, or not at all), and return the result."""
         cfg = self.cfg
-        written = save_hf_folder(
+        evaluation = report_fields.get("evaluation")
+        if evaluation is not None:
+            self.notes.extend(n for n in heldout_regression_notes(evaluation.to_json()) if n not in self.notes)
+        made: list[MergeReport] = []
+
+        def report_of(written: Any) -> dict[str, str]:
+            report = MergeReport(plan=self.plan.to_json(), device=self.device, notes=tuple(self.notes),
+                                 output=WrittenOutput.of(written), seconds=time.perf_counter() - self.t_start,
+                                 **report_fields)
+            made.append(report)
+            return report_files(report.to_json())
+
+        save_hf_folder(
             self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
             tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
-            protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype)
-        return WrittenOutput.of(written)
-
-    def _finish(self, report_fields: dict[str, Any], output: WrittenOutput, model: Any) -> MergeResult:
-        report = MergeReport(plan=self.plan.to_json(), device=self.device, notes=tuple(self.notes), output=output,
-                             seconds=time.perf_counter() - self.t_start, **report_fields)
-        _write_reports(self.out, report)
-        return MergeResult(self.plan, report, self.out, model)
+            protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype, extra_files=report_of)
+        return MergeResult(self.plan, made[-1], self.out, model)
 
     # ------------------------------------------------------------------ QP
     def qp(self) -> MergeResult:
@@ -391,6 +404,10 @@ class _Run:
             why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
             self.notes.append(f"QP solution NOT certified at {failed}: {why or 'see the certificates'}")
         self.notes.extend([] if mode.uses_start else mode_notes)
+        for r in records:
+            if r.residual_norms:
+                self.notes.extend(n for n in zero_residual_notes(r.layer, r.residual_norms, cfg.model_names())
+                                  if n not in self.notes)
         merged = evaluate_model(model)
         mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model)
         del prepared
@@ -399,10 +416,9 @@ class _Run:
             # stored in the base checkpoint's dtype, unless output_dtype says otherwise (the writer casts)
             like = None if cfg.output_dtype else {k: plan.base.get(k) for k in site.keys}
             overrides.update(stored_tensors(site, read_augmented(model, site), like))
-        output = self._write(overrides)
         evaluation = Evaluation(base=base_eval, start=start_eval, merged=ModelEvaluation(**merged))
-        return self._finish({"layers": tuple(records), "evaluation": evaluation, "mode_fields": mode_fields},
-                            output, model)
+        return self._finish(overrides, {"layers": tuple(records), "evaluation": evaluation,
+                                        "mode_fields": mode_fields}, model)
 
     # ------------------------------------------------------------------ baselines
     def baseline(self) -> MergeResult:
@@ -437,8 +453,7 @@ class _Run:
             _load_into(model, merged)
             merged_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device), method=name)
             evaluation = Evaluation(base=base_eval, merged=merged_eval)
-        output = self._write(merged)
-        result = self._finish({"baseline": summary, "evaluation": evaluation}, output, model)
+        result = self._finish(merged, {"baseline": summary, "evaluation": evaluation}, model)
         del merged
         gc.collect()
         return result
@@ -467,12 +482,6 @@ def _stream(plan: MergePlan, overrides: dict[str, Any]):
     for name in plan.base.names():
         tensor = overrides.get(name)
         yield name, (tensor if tensor is not None else plan.base.get(name))
-
-
-def _write_reports(out: Path, report: MergeReport) -> None:
-    data = report.to_json()
-    write_json(out / "report.json", data)
-    write_markdown(out / "report.md", data)
 
 
 __all__ = ["MergeResult", "baseline_merge", "load_model", "prepare_tasks", "resolve_device", "run_merge",

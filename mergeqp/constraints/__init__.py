@@ -17,7 +17,6 @@ outside this package that implements the protocol works wherever its capabilitie
 
 from .base import (
     LMO_CLOSED_FORM,
-    LMO_CVXPY,
     LMO_HIGHS,
     ConstraintSet,
     Intersection,
@@ -40,16 +39,26 @@ from .kernels import (
 )
 from .l1 import L1Ball
 from .lp import _highs_dual_bound
-from .parse import CONSTRAINT_SETS, ConstraintParser, parse_constraint, parse_constraints, register_constraint
+from .lp import LMO_CVXPY
+from .parse import (
+    CONSTRAINT_SETS,
+    LAYER_CONSTRAINTS,
+    ConstraintParser,
+    layer_constraint,
+    layer_context,
+    parse_constraint,
+    parse_constraints,
+    register_constraint,
+)
 from .sign import SignConsensus
 from .simplex import GlobalSimplex, Simplex
 from .user import UserConstraints
 
 __all__ = [
-    "CONSTRAINT_SETS", "LMO_CLOSED_FORM", "LMO_CVXPY", "LMO_HIGHS", "AuxiliaryForm", "Box",
+    "CONSTRAINT_SETS", "LAYER_CONSTRAINTS", "LMO_CLOSED_FORM", "LMO_CVXPY", "LMO_HIGHS", "AuxiliaryForm", "Box",
     "ConstraintParser", "ConstraintSet", "GlobalSimplex", "Intersection", "L1Ball", "LinearForm",
     "SetStructure", "Shape", "SignConsensus", "Simplex", "Unconstrained", "UserConstraints",
     "_highs_dual_bound", "as_constraint_set", "capabilities", "check_feasible", "cvxpy_reason", "intersect",
-    "lmo_box_l1", "lmo_capped_sum", "parse_constraint", "parse_constraints", "project_box_l1",
+    "layer_constraint", "layer_context", "lmo_box_l1", "lmo_capped_sum", "parse_constraint", "parse_constraints", "project_box_l1",
     "project_capped_sum", "project_l1", "register_constraint",
 ]

@@ -30,12 +30,13 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+import scipy.sparse as sp
 
 from ..errors import InfeasibleError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
-from .lp import LMO_CVXPY, LMO_HIGHS, lp_method, lp_minimum
+from .lp import LMO_HIGHS, lp_method, lp_minimum
 
 Shape = tuple[int, int]
 
@@ -87,8 +88,12 @@ class ConstraintSet(ABC):
         return None
 
     def linear_form(self, shape: Shape) -> LinearForm | None:
-        """Polyhedral description in flat variables, or ``None`` if not available."""
-        return None
+        """Polyhedral description in flat variables, or ``None`` if not available. The default
+        derives it from :meth:`structure` when that is bounds and group sums (no L1 ball)."""
+        st = self.structure(shape)
+        if st is None or st.center is not None:
+            return None
+        return structure_linear_form(st)
 
     def auxiliary_form(self, shape: Shape) -> AuxiliaryForm | None:
         """Polyhedral description with auxiliary variables (for sets such as the L1 ball whose
@@ -165,6 +170,20 @@ class ConstraintSet(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def structure_linear_form(st: SetStructure) -> LinearForm:
+    """``lo <= x <= hi`` and, per sum group ``g``, ``sum_{i in g} x_i = totals[g]`` (a structure
+    without an L1 ball) as a :class:`LinearForm`."""
+    n = int(st.lo.size)
+    base = LinearForm.empty(n)
+    A_eq, b_eq = base.A_eq, base.b_eq
+    if st.group is not None and st.totals is not None:
+        groups = np.asarray(st.group, dtype=np.int64)
+        A_eq = sp.csr_matrix((np.ones(n), (groups, np.arange(n))), shape=(int(np.asarray(st.totals).size), n))
+        b_eq = np.asarray(st.totals, dtype=np.float64)
+    return LinearForm(n, base.A_ub, base.b_ub, A_eq, b_eq, np.asarray(st.lo, dtype=np.float64).copy(),
+                      np.asarray(st.hi, dtype=np.float64).copy())
 
 
 def structure_minimum(st: SetStructure, grad: np.ndarray) -> LinearMinimum:

@@ -78,13 +78,37 @@ def _parse_sign(args: list[str], spec: str, ctx: Mapping[str, Any]) -> Constrain
 CONSTRAINT_SETS: dict[str, ConstraintParser] = {}
 
 
-def register_constraint(name: str, parser: ConstraintParser) -> None:
-    """Register a command-line constraint spelling ``name[:args]``."""
+#: spellings whose parser reads one layer's data from ``context`` (``deltas`` ``(K, r, m)``,
+#: ``parametrisation``): they are built per layer at solve time and cannot span several layers
+LAYER_CONSTRAINTS: set[str] = set()
+
+
+def register_constraint(name: str, parser: ConstraintParser, *, needs_layer: bool = False) -> None:
+    """Register a command-line constraint spelling ``name[:args]``; ``needs_layer``: the parser
+    reads the layer's residuals from its ``context`` (see :data:`LAYER_CONSTRAINTS`)."""
     if not name or any(ch in name for ch in ":,& "):
         raise ValidationError(f"constraint set name {name!r} must be non-empty without ':', ',', '&' or spaces")
     if name in CONSTRAINT_SETS:
         raise ValidationError(f"constraint set {name!r} is already registered")
     CONSTRAINT_SETS[name] = parser
+    if needs_layer:
+        LAYER_CONSTRAINTS.add(name)
+
+
+def layer_constraint(spec: str) -> str | None:
+    """The first part of ``spec`` (parts joined by ``&``) whose spelling needs a layer's data,
+    else ``None``."""
+    for part in str(spec).split("&"):
+        name = part.split(":", 1)[0].strip().lower()
+        if name in LAYER_CONSTRAINTS:
+            return name
+    return None
+
+
+def layer_context(deltas: Any, parametrisation: str) -> dict[str, Any]:
+    """The ``context`` a layer constraint is parsed with: the layer's residuals ``deltas``
+    ``(K, r, m)`` (numpy) and the parametrisation's name."""
+    return {"deltas": deltas, "parametrisation": parametrisation}
 
 
 register_constraint("box", _parse_box)
@@ -92,7 +116,7 @@ register_constraint("simplex", _parse_simplex)
 register_constraint("global_simplex", _parse_global_simplex)
 register_constraint("l1", _parse_l1)
 register_constraint("nonneg", _parse_nonneg)
-register_constraint("sign", _parse_sign)
+register_constraint("sign", _parse_sign, needs_layer=True)
 register_constraint("none", _parse_none)
 
 

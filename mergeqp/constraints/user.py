@@ -9,7 +9,8 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..lower_bounds import LinearMinimum
-from .base import LMO_CVXPY, ConstraintSet
+from .base import ConstraintSet
+from .lp import LMO_CVXPY
 from .lp import cvxpy_distance, cvxpy_minimum
 
 

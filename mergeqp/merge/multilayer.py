@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import parse_constraint
+from ..constraints import layer_constraint, layer_context, parse_constraint
 from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from ..solvers.registry import solve
@@ -220,10 +220,10 @@ def calibration_objective(ctx: MergeContext) -> float:
 def _constraints(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
     out = []
     for spec in settings.constraints:
-        name = spec.split(":", 1)[0].strip().lower()
-        if name == "sign" and len(atoms) != 1:
-            raise ValidationError("the 'sign' constraint is per layer; it cannot be used with mode: joint")
-        context = {"deltas": atoms[0].deltas.numpy(), "parametrisation": atoms[0].param.name} if name == "sign" else None
+        name = layer_constraint(spec)
+        if name is not None and len(atoms) != 1:
+            raise ValidationError(f"the {name!r} constraint is per layer; it cannot be used with mode: joint")
+        context = layer_context(atoms[0].deltas.numpy(), atoms[0].param.name) if name is not None else None
         out.append(parse_constraint(spec, context))
     return out
 

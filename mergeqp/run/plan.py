@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .schema import MergeConfig, check_paths
-from ..constraints import as_constraint_set, check_feasible, parse_constraint
+from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.calibration import (
     holdout_count,
@@ -379,12 +379,12 @@ def _check_method(cfg: MergeConfig) -> None:
     if m.start is not None:
         _check_baseline(m.start.name, m.start.params, "method.start")
     for spec in m.constraints:
-        name = spec.split(":", 1)[0].strip().lower()
-        if name == "sign":
+        name = layer_constraint(spec)
+        if name is not None:
             if get_merge_mode(m.mode).spans_layers:
-                raise ConfigError(f"method.constraints: 'sign' is per layer and cannot be used with mode: {m.mode}")
-            try:  # the set needs the deltas (solve time); its spelling and density are checked now
-                parse_constraint(spec, {"deltas": np.ones((len(cfg.models), 1, 1)), "parametrisation": "rows"})
+                raise ConfigError(f"method.constraints: {name!r} is per layer and cannot be used with mode: {m.mode}")
+            try:  # the set needs the layer's deltas (solve time); its spelling is checked now on a stand-in
+                parse_constraint(spec, layer_context(np.ones((len(cfg.models), 1, 1)), "rows"))
             except MergeQPError as exc:
                 raise ConfigError(f"method.constraints: {exc}") from None
             continue
@@ -407,9 +407,10 @@ def _check_output(cfg: MergeConfig) -> None:
 
 
 def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
-    """The QP's constraint set (without 'sign', which needs the deltas) is non-empty for every
-    planned problem shape: an empty intersection fails now, not after the statistics."""
-    specs = [s for s in cfg.method.constraints if s.split(":", 1)[0].strip().lower() != "sign"]
+    """The QP's constraint set (without the layer constraints such as 'sign', which need the
+    deltas) is non-empty for every planned problem shape: an empty intersection fails now, not
+    after the statistics."""
+    specs = [s for s in cfg.method.constraints if layer_constraint(s) is None]
     if not specs:
         return
     cset = as_constraint_set([parse_constraint(s) for s in specs])

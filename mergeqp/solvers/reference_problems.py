@@ -34,6 +34,7 @@ import numpy as np
 
 from ..constraints import ConstraintSet, as_constraint_set, parse_constraint
 from ..errors import InfeasibleError, MergeQPError, ValidationError, unknown
+from ..io.atomic import save_npy_atomic, write_json_atomic
 from ..problem import MergeQP
 from .registry import solve
 
@@ -359,7 +360,7 @@ def build_references(name: str, *, root: Path | None = None, solvers: tuple[str,
         if best is None:
             raise ValidationError(f"{name} / {s}: no solver certified a point at rel_tol {rel_tol}: {tried}")
         d_file = d_dir / f"{spec_slug(s)}.npy"
-        np.save(d_file, best.d)
+        save_npy_atomic(d_file, best.d)
         cert = best.certificate
         assert cert is not None
         optima[s] = {
@@ -382,7 +383,5 @@ def build_references(name: str, *, root: Path | None = None, solvers: tuple[str,
         "generator": meta, "l1_radius": radius, "rel_tol": rel_tol, "optima": optima,
         "infeasible": infeasible,
     }
-    with open(json_path, "w") as fh:
-        json.dump(out, fh, indent=1, default=float)
-        fh.write("\n")
+    write_json_atomic(json_path, out, indent=1, default=float)
     return out

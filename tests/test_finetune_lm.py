@@ -59,6 +59,13 @@ def test_bad_settings_and_patterns(tiny_base, tmp_path):
     with pytest.raises(ValidationError, match="matches no parameter"):
         finetune_causal_lm(tiny_base, ["a cat"], tmp_path / "o", FinetuneSettings(train_patterns=("nope.*",), steps=1),
                            progress=False)
+    foreign = tmp_path / "notes"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    with pytest.raises(ValidationError, match="never overwritten"):
+        finetune_causal_lm(tiny_base, ["a cat"], foreign, FinetuneSettings(train_patterns=("x",), steps=1),
+                           progress=False)
+    assert (foreign / "keep.txt").read_text() == "mine"
     with pytest.raises(ValidationError, match="overlaps"):
         finetune_causal_lm(tiny_base, ["a cat"], tiny_base, FinetuneSettings(train_patterns=("x",), steps=1),
                            progress=False)

@@ -10,7 +10,7 @@
   key (a hash of the base weights' identity, the texts and the settings) and the loss curve; a
   call whose key matches an existing folder returns it without training (the cache).
 
-Every folder is written to a sibling temporary folder first and renamed into place, so an
+Every folder is written atomically (:func:`mergeqp.io.atomic.atomic_folder`), so an
 interrupted run leaves either no folder or a complete one.
 """
 
@@ -21,9 +21,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -31,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
+from ..io.atomic import atomic_folder, write_json_atomic
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
@@ -83,17 +81,6 @@ def last_mlp_patterns(num_layers: int, blocks: int, template: str = "model.layer
     return tuple(template.format(i=i) for i in range(num_layers - blocks, num_layers))
 
 
-def _commit_folder(tmp: Path, out: Path) -> None:
-    """Move a finished temporary folder into place (replacing an older ``out``)."""
-    if out.exists():
-        old = out.with_name(out.name + f".old-{os.getpid()}")
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-
-
 def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = None) -> Path:
     """The cached Hugging Face folder of SmolLM2-135M-Instruct (float32), made on first use."""
     import torch
@@ -116,14 +103,9 @@ def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = No
         del config.quantization_config
     model = LlamaForCausalLM(config)
     model.load_state_dict(gguf.state_dict())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        _commit_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_folder(out, overwrite=True) as staging:
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
     if log is not None:
         log(f"SmolLM2-135M-Instruct dequantised and cached at {out} ({time.perf_counter() - t:.0f} s)")
     return out
@@ -176,6 +158,9 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
         raise ValidationError(f"no non-empty texts to fine-tune {out.name!r} on")
     if out.resolve() == base.resolve() or base.resolve().is_relative_to(out.resolve()):
         raise ValidationError(f"fine-tune output {out} overlaps the base model folder {base}")
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / FINETUNE_RECORD).is_file())):
+        raise ValidationError(f"fine-tune output {out} exists and is not a fine-tune folder of mergeqp (no "
+                              f"{FINETUNE_RECORD}); it is never overwritten: choose another folder")
     key = finetune_key(base, texts, settings)
     record_path = out / FINETUNE_RECORD
     if record_path.is_file():
@@ -224,17 +209,12 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     model.eval()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     record = {"key": key, "base": str(base), "trained": trained, "losses": losses, "seconds": seconds,
               "texts": len(texts), "settings": asdict(settings)}
-    try:
-        model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
-        (tmp / FINETUNE_RECORD).write_text(json.dumps(record, indent=1))
-        _commit_folder(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
+        model.save_pretrained(str(staging))
+        tokenizer.save_pretrained(str(staging))
+        write_json_atomic(staging / FINETUNE_RECORD, record)
     if log is not None:
         log(f"fine-tuned {out.name}: {len(trained)} tensors, loss {losses[0]:.3f} -> {losses[-1]:.3f} "
             f"({seconds:.0f} s)")

@@ -16,14 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _reliability_helpers import build_world, digests, leftovers, small_problem
 
 import mergeqp.io.atomic as atomic
 from mergeqp.cli import main
 from mergeqp.errors import OutputError
 from mergeqp.io import save_hf_folder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class _HalfThenFail:
@@ -59,7 +58,7 @@ def _failing_open(monkeypatch, fail_on: int, interrupt: type[BaseException] | No
 
 
 @pytest.fixture()
-def problem_path(tmp_path) -> Path:
+def problem_path(small_problem, tmp_path) -> Path:
     path = tmp_path / "in" / "p.npz"
     path.parent.mkdir()
     np.savez(path, **small_problem())
@@ -67,7 +66,7 @@ def problem_path(tmp_path) -> Path:
 
 
 @pytest.mark.parametrize("fail_on", [1, 2])
-def test_full_disk_while_solve_writes_keeps_old_files(problem_path, tmp_path, monkeypatch, capsys, fail_on):
+def test_full_disk_while_solve_writes_keeps_old_files(digests, leftovers, problem_path, tmp_path, monkeypatch, capsys, fail_on):
     out = tmp_path / "out"
     out.mkdir()
     (out / "sol.json").write_text("old solution")
@@ -87,7 +86,7 @@ def test_full_disk_while_solve_writes_keeps_old_files(problem_path, tmp_path, mo
     assert leftovers(tmp_path) == [] and digests(problem_path.parent) == inputs
 
 
-def test_ctrl_c_inside_a_write_keeps_the_old_file(problem_path, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_inside_a_write_keeps_the_old_file(leftovers, problem_path, tmp_path, monkeypatch, capsys):
     (tmp_path / "sol.json").write_text("old")
     _failing_open(monkeypatch, 1, interrupt=KeyboardInterrupt)
     code = main(["solve", str(problem_path), "--out", str(tmp_path / "sol.json")])
@@ -95,7 +94,7 @@ def test_ctrl_c_inside_a_write_keeps_the_old_file(problem_path, tmp_path, monkey
     assert (tmp_path / "sol.json").read_text() == "old" and leftovers(tmp_path) == []
 
 
-def test_full_disk_while_collect_writes(tmp_path, monkeypatch, capsys):
+def test_full_disk_while_collect_writes(build_world, digests, leftovers, tmp_path, monkeypatch, capsys):
     world = build_world(tmp_path / "w")
     inputs = digests(world)
     out = tmp_path / "o"
@@ -111,7 +110,7 @@ def test_full_disk_while_collect_writes(tmp_path, monkeypatch, capsys):
     assert leftovers(tmp_path) == [] and digests(world) == inputs
 
 
-def test_full_disk_half_way_through_a_sharded_model_keeps_the_old_folder(tmp_path, monkeypatch):
+def test_full_disk_half_way_through_a_sharded_model_keeps_the_old_folder(digests, leftovers, tmp_path, monkeypatch):
     import safetensors.torch as st
 
     tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(6)}
@@ -144,7 +143,7 @@ def test_a_failed_folder_write_leaves_no_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_atomic_folder_replaces_old_content_only_when_complete(tmp_path):
+def test_atomic_folder_replaces_old_content_only_when_complete(leftovers, tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "results.json").write_text("old")
@@ -166,7 +165,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_mid_run_keeps_the_old_output(problem_path, tmp_path, signum):
+def test_signal_mid_run_keeps_the_old_output(leftovers, problem_path, tmp_path, signum):
     """A long solve (the paper's Adam with 10^9 steps) is stopped by a signal: exit 130, the old
     --out file untouched, no temporary file."""
     out = tmp_path / "sol.json"
@@ -193,7 +192,7 @@ def test_signal_mid_run_keeps_the_old_output(problem_path, tmp_path, signum):
     assert out.read_text() == "old solution" and leftovers(tmp_path) == []
 
 
-def test_collect_refuses_a_disk_too_small_before_collecting(tmp_path, monkeypatch, capsys):
+def test_collect_refuses_a_disk_too_small_before_collecting(build_world, tmp_path, monkeypatch, capsys):
     """The statistics' size is estimated once the layer is known, before the collection."""
     import collections
 
@@ -210,7 +209,7 @@ def test_collect_refuses_a_disk_too_small_before_collecting(tmp_path, monkeypatc
     assert not (tmp_path / "s.npz").exists()
 
 
-def test_atomic_file_writes_exact_name_and_keeps_permissions(tmp_path):
+def test_atomic_file_writes_exact_name_and_keeps_permissions(leftovers, tmp_path):
     target = tmp_path / "d"
     target.write_text("old")
     os.chmod(target, 0o640)

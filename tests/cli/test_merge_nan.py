@@ -8,17 +8,15 @@ import pytest
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-import _hf_helpers as H  # noqa: E402
-from _reliability_helpers import digests, leftovers  # noqa: E402
 
 from mergeqp.cli import main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
+def family(tiny_hf, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    fam = H.make_family(tmp_path_factory.mktemp("nanfam") / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    fam = tiny_hf.make_family(tmp_path_factory.mktemp("nanfam") / "llama", "llama", K=2, scale=0.3, n_prompts=6)
     for path in fam.finetuned[1].glob("*.safetensors"):
         sd = load_file(str(path))
         if "model.layers.1.mlp.down_proj.weight" in sd:
@@ -29,8 +27,8 @@ def family(tmp_path_factory):
 
 @pytest.mark.parametrize("method", [{"name": "ties", "params": {"density": 0.5}}, {"name": "task_arithmetic"},
                                     {"name": "qp", "mode": "single"}])
-def test_merge_refuses_nan_checkpoint(family, tmp_path, capsys, method):
-    cfg = H.write_config(family, tmp_path / "c.yml", [H.MLP_LAYER["llama"]], method,
+def test_merge_refuses_nan_checkpoint(digests, leftovers, tiny_hf, family, tmp_path, capsys, method):
+    cfg = family.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["llama"]], method,
                          evaluate=method["name"] == "qp")
     before = digests(family.root)
     code = main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"])

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _reliability_helpers import build_world, digests, leftovers
 
 from mergeqp.cli import main
 from mergeqp.errors import BadDataError, ConfigError, UnknownNameError, ValidationError
@@ -216,7 +215,7 @@ CLI_CASES = [pytest.param(*c[1:], id=c[0]) for group in
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory) -> Path:
+def world(build_world, tmp_path_factory) -> Path:
     return build_world(tmp_path_factory.mktemp("world"))
 
 
@@ -230,7 +229,7 @@ def run_cli(capsys, argv: list[str]) -> tuple[int, str, str]:
 
 
 @pytest.mark.parametrize("argv, code, message", CLI_CASES)
-def test_cli_bad_input(world, tmp_path, capsys, argv, code, message):
+def test_cli_bad_input(digests, leftovers, world, tmp_path, capsys, argv, code, message):
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     (out_dir / "keep.txt").write_text("an earlier result")  # a non-empty folder, which must survive
@@ -338,7 +337,7 @@ API_CASES = [
 
 
 @pytest.mark.parametrize("call, exc, message", [pytest.param(*c[1:], id=c[0]) for c in API_CASES])
-def test_api_bad_input(world, call, exc, message):
+def test_api_bad_input(digests, leftovers, world, call, exc, message):
     before = digests(world)
     with pytest.raises(exc, match=message.replace("(", r"\(").replace("[", r"\[")):
         call(world)
@@ -348,7 +347,7 @@ def test_api_bad_input(world, call, exc, message):
 
 
 # ---------------------------------------------------------------------- the published list
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_case_and_exit_code_is_published():

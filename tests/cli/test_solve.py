@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-from _core_helpers import cvxpy_solve, random_problem
 
 from mergeqp.cli import main
 from mergeqp.constraints import Box, SignConsensus, Simplex
@@ -17,7 +16,7 @@ from mergeqp.problem import MergeQP
 
 
 @pytest.fixture()
-def problem_file(tmp_path) -> tuple[str, MergeQP]:
+def problem_file(random_problem, tmp_path) -> tuple[str, MergeQP]:
     problem = random_problem(np.random.default_rng(0), K=3, m=4, offset=0.7)
     path = str(tmp_path / "p.npz")
     problem.save_npz(path)
@@ -50,7 +49,7 @@ def test_solve_unconstrained_writes_json(problem_file, tmp_path, capsys) -> None
     assert sol["certificate"]["certified"] is True and sol["certificate"]["fw_gap"] >= 0
 
 
-def test_solve_box_and_simplex_then_certify(problem_file, tmp_path, capsys) -> None:
+def test_solve_box_and_simplex_then_certify(cvxpy_solve, problem_file, tmp_path, capsys) -> None:
     path, problem = problem_file
     out, d_file = str(tmp_path / "sol.json"), str(tmp_path / "d.npy")
     code, stdout, _ = run(capsys, "solve", path, "--constraint", "box:0,0.8", "--constraint", "simplex",
@@ -74,7 +73,7 @@ def test_solve_box_and_simplex_then_certify(problem_file, tmp_path, capsys) -> N
     assert "NOT CERTIFIED" in stdout and "optimality gap" in stderr
 
 
-def test_certify_wrong_points(problem_file, tmp_path, capsys) -> None:
+def test_certify_wrong_points(cvxpy_solve, problem_file, tmp_path, capsys) -> None:
     path, problem = problem_file
     _, d = cvxpy_solve(problem, Box(0, 1))
     bad = np.clip(d, 0, 1) + 0.3  # infeasible
@@ -86,7 +85,7 @@ def test_certify_wrong_points(problem_file, tmp_path, capsys) -> None:
     assert code == 1 and "optimality gap" in stderr
 
 
-def test_sign_constraint_from_the_problem_file(tmp_path, capsys) -> None:
+def test_sign_constraint_from_the_problem_file(cvxpy_solve, random_problem, tmp_path, capsys) -> None:
     rng = np.random.default_rng(1)
     K, r, m = 3, 4, 5
     deltas = rng.normal(size=(K, r, m)) + 0.1
@@ -143,7 +142,7 @@ def test_python_dash_m_entry_point(problem_file, tmp_path) -> None:
     path, _ = problem_file
     out = tmp_path / "sol.json"
     env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "mergeqp", "solve", path, "--constraint", "box:0,1",
                            "--out", str(out)], capture_output=True, text=True, env=env, timeout=300, check=False)

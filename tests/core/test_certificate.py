@@ -9,7 +9,6 @@ import math
 import cvxpy as cp
 import numpy as np
 import pytest
-from _core_helpers import cvxpy_solve, random_feasible_point, random_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +53,7 @@ def tol(value: float) -> float:
 @settings(max_examples=6, deadline=None)
 @given(seed=st.integers(0, 100_000), offset=st.sampled_from([0.0, 0.5, 3.0]),
        rank=st.sampled_from([None, 5]))
-def test_gap_bounds_the_suboptimality_of_any_feasible_point(name: str, seed: int, offset: float,
+def test_gap_bounds_the_suboptimality_of_any_feasible_point(cvxpy_solve, random_feasible_point, random_problem, name: str, seed: int, offset: float,
                                                             rank: int | None) -> None:
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, K=3, m=4, rank=rank, offset=offset)
@@ -80,7 +79,7 @@ def test_gap_bounds_the_suboptimality_of_any_feasible_point(name: str, seed: int
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 100_000), rank=st.sampled_from([None, 4]))
-def test_lagrangian_gap_for_one_sided_and_missing_bounds(seed: int, rank: int | None) -> None:
+def test_lagrangian_gap_for_one_sided_and_missing_bounds(cvxpy_solve, random_problem, seed: int, rank: int | None) -> None:
     rng = np.random.default_rng(seed)
     problem = random_problem(rng, K=2, m=3, rank=rank, offset=0.3)
     methods = set()
@@ -99,19 +98,24 @@ def test_lagrangian_gap_for_one_sided_and_missing_bounds(seed: int, rank: int | 
 
 
 # ---------------------------------------------------------------------- wrong points fail
-def box_optimum(seed: int = 1) -> tuple[MergeQP, np.ndarray]:
+@pytest.fixture(scope="session")
+def box_optimum(cvxpy_solve, random_problem):
     """A box-constrained instance and its exact optimum: CVXPY's active set, then the free
     block solved exactly (``H_FF d_F = -(g_F + H_FA d_A)``)."""
-    problem = random_problem(np.random.default_rng(seed), K=3, m=5, offset=0.6)
-    _, d = cvxpy_solve(problem, Box(0, 1))
-    x = np.where(d.ravel() < 1e-6, 0.0, np.where(d.ravel() > 1 - 1e-6, 1.0, d.ravel()))
-    free = (x > 0) & (x < 1)
-    H, g = problem.H, problem.g
-    x[free] = np.linalg.solve(H[np.ix_(free, free)], -(g[free] + H[np.ix_(free, ~free)] @ x[~free]))
-    return problem, x.reshape(problem.shape)
+
+    def _box_optimum(seed: int = 1) -> tuple[MergeQP, np.ndarray]:
+        problem = random_problem(np.random.default_rng(seed), K=3, m=5, offset=0.6)
+        _, d = cvxpy_solve(problem, Box(0, 1))
+        x = np.where(d.ravel() < 1e-6, 0.0, np.where(d.ravel() > 1 - 1e-6, 1.0, d.ravel()))
+        free = (x > 0) & (x < 1)
+        H, g = problem.H, problem.g
+        x[free] = np.linalg.solve(H[np.ix_(free, free)], -(g[free] + H[np.ix_(free, ~free)] @ x[~free]))
+        return problem, x.reshape(problem.shape)
+
+    return _box_optimum
 
 
-def test_reference_optimum_is_certified_and_wrong_points_fail() -> None:
+def test_reference_optimum_is_certified_and_wrong_points_fail(box_optimum) -> None:
     problem, d = box_optimum()
     box = Box(0, 1)
     good = certify(problem, box, d)
@@ -138,7 +142,7 @@ def test_reference_optimum_is_certified_and_wrong_points_fail() -> None:
     assert "NOT CERTIFIED" in cert.explain() and "reason:" in cert.explain()
 
 
-def test_certified_depends_on_rel_tol() -> None:
+def test_certified_depends_on_rel_tol(box_optimum) -> None:
     problem, d = box_optimum(2)
     near = np.clip(d + 1e-4, 0, 1)
     cert = certify(problem, Box(0, 1), near)
@@ -148,7 +152,7 @@ def test_certified_depends_on_rel_tol() -> None:
 
 
 # ---------------------------------------------------------------------- unconstrained, singular
-def test_unconstrained_bound_and_distance() -> None:
+def test_unconstrained_bound_and_distance(cvxpy_solve, random_problem) -> None:
     problem = random_problem(np.random.default_rng(3), K=2, m=4)
     d = np.linalg.solve(problem.H, -problem.g)
     j_star = problem.objective(d)
@@ -173,7 +177,7 @@ def test_unconstrained_bound_and_distance() -> None:
     assert cert.fw_gap == pytest.approx(problem.objective(x) - j_star, rel=1e-7)
 
 
-def test_singular_hessian() -> None:
+def test_singular_hessian(cvxpy_solve, random_problem) -> None:
     rng = np.random.default_rng(4)
     problem = random_problem(rng, K=3, m=4, rank=5)  # H = A'A of rank 5 < 12, g in range(H)
     d_pinv = -np.linalg.pinv(problem.H) @ problem.g
@@ -201,7 +205,7 @@ def test_singular_hessian() -> None:
     assert cert.certified(), cert.explain()
 
 
-def test_one_model() -> None:
+def test_one_model(cvxpy_solve, random_problem) -> None:
     rng = np.random.default_rng(5)
     problem = random_problem(rng, K=1, m=6, offset=0.5)
     # the per-atom simplex with K = 1 pins d = 1
@@ -214,7 +218,7 @@ def test_one_model() -> None:
     assert certify(problem, Box(0, 1), d_star.ravel()).certified()  # flat layout accepted
 
 
-def test_user_constraints_certificate_matches_the_built_in_set() -> None:
+def test_user_constraints_certificate_matches_the_built_in_set(box_optimum) -> None:
     problem, d = box_optimum(6)
     user = UserConstraints(lambda v: [v >= 0, v <= 1], label="user box")
     built_in = certify(problem, Box(0, 1), d)
@@ -227,7 +231,7 @@ def test_user_constraints_certificate_matches_the_built_in_set() -> None:
     assert not certify(problem, user, wrong).certified()
 
 
-def test_sign_consensus_alone_is_unbounded() -> None:
+def test_sign_consensus_alone_is_unbounded(random_problem) -> None:
     problem = random_problem(np.random.default_rng(7), K=3, m=4)
     sign = sign_set(1)
     cert = certify(problem, sign, np.zeros((3, 4)))
@@ -235,7 +239,7 @@ def test_sign_consensus_alone_is_unbounded() -> None:
     assert "unbounded" in cert.gap_method and any("add bounds" in n for n in cert.notes)
 
 
-def test_matvec_only_problem() -> None:
+def test_matvec_only_problem(box_optimum) -> None:
     base, d = box_optimum(8)
     H = np.array(base.H)
     problem = MergeQP(None, base.g, c=base.c, shape=base.shape, hessian_matvec=lambda x: H @ x)
@@ -245,14 +249,14 @@ def test_matvec_only_problem() -> None:
     assert cert.fw_gap == math.inf and "unavailable" in cert.gap_method
 
 
-def test_pinv_switch_and_notes() -> None:
+def test_pinv_switch_and_notes(box_optimum) -> None:
     problem, d = box_optimum(9)
     assert certify(problem, Box(0, 1), d, pinv=False).unconstrained_bound is None
     assert certify(problem, Box(0, 1), d, pinv=True).unconstrained_bound is not None
 
 
 # ---------------------------------------------------------------------- reporting
-def test_to_dict_is_json_and_explain_is_readable() -> None:
+def test_to_dict_is_json_and_explain_is_readable(box_optimum) -> None:
     problem, d = box_optimum(10)
     cert = certify(problem, Box(0, 1), d)
     payload = json.loads(json.dumps(cert.to_dict()))
@@ -266,7 +270,7 @@ def test_to_dict_is_json_and_explain_is_readable() -> None:
     assert isinstance(Certificate.__dataclass_fields__, dict)
 
 
-def test_point_validation() -> None:
+def test_point_validation(box_optimum) -> None:
     problem, d = box_optimum(11)
     assert check_point_shape(problem, d.ravel()).shape == problem.shape
     with pytest.raises(ValidationError, match=r"point has shape \(5, 3\), the problem needs d of shape \(3, 5\)"):
@@ -279,7 +283,7 @@ def test_point_validation() -> None:
         certify(problem, Box(0, 1), d, rel_tol=-1.0)
 
 
-def test_cvxpy_reference_helper_is_consistent() -> None:
+def test_cvxpy_reference_helper_is_consistent(random_problem) -> None:
     # guards the reference used above: CVXPY's objective equals ours at its solution
     problem = random_problem(np.random.default_rng(12), K=2, m=2)
     var = cp.Variable(problem.shape)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import cvxpy as cp
 import numpy as np
 import pytest
-from _core_helpers import cvxpy_lmo, cvxpy_project
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.optimize import linprog
@@ -64,7 +63,7 @@ BOUNDED = {k: v for k, v in PROJECTABLE.items() if k not in ("nonneg", "none", "
 @pytest.mark.parametrize("name", sorted(PROJECTABLE))
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 100_000), scale=st.sampled_from([0.1, 1.0, 5.0]))
-def test_projection_equals_cvxpy_projection_qp(name: str, seed: int, scale: float) -> None:
+def test_projection_equals_cvxpy_projection_qp(cvxpy_project, name: str, seed: int, scale: float) -> None:
     cset = PROJECTABLE[name]()
     assert cset.has_projection
     v = scale * np.random.default_rng(seed).normal(size=SHAPE)
@@ -92,7 +91,7 @@ def test_box_l1_with_centre_outside_the_box_has_no_closed_form() -> None:
 @pytest.mark.parametrize("name", sorted(BOUNDED))
 @settings(max_examples=8, deadline=None)
 @given(seed=st.integers(0, 100_000))
-def test_support_equals_an_lp(name: str, seed: int) -> None:
+def test_support_equals_an_lp(cvxpy_lmo, name: str, seed: int) -> None:
     cset = BOUNDED[name]()
     grad = np.random.default_rng(seed).normal(size=SHAPE)
     value, s = cset.support(grad)
@@ -124,7 +123,7 @@ def test_support_of_unbounded_sets_is_minus_infinity() -> None:
     assert value == 0.0 and s is not None
 
 
-def test_lp_support_gives_a_lower_bound_for_polyhedral_intersections() -> None:
+def test_lp_support_gives_a_lower_bound_for_polyhedral_intersections(cvxpy_lmo) -> None:
     rng = np.random.default_rng(0)
     deltas = rng.normal(size=(3, 4, 5)) + 0.2
     sign = SignConsensus.from_deltas(deltas, "rows")
@@ -139,7 +138,7 @@ def test_lp_support_gives_a_lower_bound_for_polyhedral_intersections() -> None:
             assert cset.violation(s) <= 1e-9
 
 
-def test_l1_intersection_with_simplex_uses_the_lifted_highs_lp() -> None:
+def test_l1_intersection_with_simplex_uses_the_lifted_highs_lp(cvxpy_lmo) -> None:
     """The L1 ball enters the HiGHS LP through auxiliary variables; its dual bound agrees with
     an independent CVXPY LP and never exceeds it."""
     cset = Simplex() & L1Ball(3.0, center=0.3)
@@ -401,7 +400,7 @@ def test_bad_user_constraints(fn, match: str) -> None:
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 100_000))
-def test_highs_dual_bound_is_a_lower_bound_for_any_multipliers(seed: int) -> None:
+def test_highs_dual_bound_is_a_lower_bound_for_any_multipliers(cvxpy_lmo, seed: int) -> None:
     """Weak duality: the bound built from arbitrary multipliers (y_ub <= 0, any y_eq) never
     exceeds the LP minimum, so a sloppy LP can only loosen the certificate, not break it."""
     from types import SimpleNamespace

@@ -20,9 +20,8 @@ from mergeqp.lower_bounds import LinearMinimum, LPDuals, lower_bound
 from mergeqp.problem import MergeQP
 from mergeqp.solvers.unbounded import unbounded_claim
 
-from _core_helpers import cvxpy_solve, random_problem
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "constraints.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "constraints.md"
 
 
 def _user_sets() -> dict[str, object]:
@@ -51,7 +50,7 @@ def _budget() -> ConstraintSet:
     (_budget, ["auto", "clarabel", "osqp", "cvxpy_clarabel", "cvxpy_osqp"]),
     (lambda: _budget() & Box(0.1, 1.0), ["auto", "clarabel", "osqp", "cvxpy_clarabel"]),
 ], ids=["ball", "budget", "budget&box"])
-def test_a_users_set_is_solved_and_certified_by_every_capable_solver(make, solvers) -> None:
+def test_a_users_set_is_solved_and_certified_by_every_capable_solver(cvxpy_solve, random_problem, make, solvers) -> None:
     cset = make()
     assert any(type(m).__module__ == "user_script" for m in cset.members())
     problem = random_problem(np.random.default_rng(11), K=3, m=4)
@@ -63,7 +62,7 @@ def test_a_users_set_is_solved_and_certified_by_every_capable_solver(make, solve
         assert cset.violation(sol.d) <= 1e-7
 
 
-def test_the_certificate_of_a_users_set_uses_its_declared_oracle() -> None:
+def test_the_certificate_of_a_users_set_uses_its_declared_oracle(random_problem) -> None:
     problem = random_problem(np.random.default_rng(12), K=3, m=4)
     ball = _ball()
     cert = mq.solve(problem, ball, solver="cvxpy_clarabel").certificate
@@ -82,7 +81,7 @@ def test_the_certificate_of_a_users_set_uses_its_declared_oracle() -> None:
     (_budget, "active_set", "separable structure"),
     (_budget, "torch_fista", "closed-form projection"),
 ], ids=["ball-active_set", "ball-clarabel", "ball-osqp", "ball-closed_form", "budget-active_set", "budget-torch"])
-def test_a_solver_missing_a_capability_names_it(make, solver, missing) -> None:
+def test_a_solver_missing_a_capability_names_it(random_problem, make, solver, missing) -> None:
     problem = random_problem(np.random.default_rng(13), K=3, m=4)
     with pytest.raises(UnsupportedError, match=re.escape(missing)):
         mq.solve(problem, make(), solver=solver)
@@ -96,7 +95,7 @@ def test_capabilities_lists_what_a_set_declares() -> None:
     assert {"projection", "structure", "polyhedral", "lmo", "cvxpy"} <= capabilities(Box(0, 1) & Simplex(), shape)
 
 
-def test_a_set_without_cvxpy_form_is_declined_by_the_cvxpy_solvers() -> None:
+def test_a_set_without_cvxpy_form_is_declined_by_the_cvxpy_solvers(random_problem) -> None:
     class Bare(ConstraintSet):
         name = "bare"
         has_projection = True
@@ -128,7 +127,7 @@ class _NoMultipliers(ConstraintSet):
                              lp=LPDuals(grad.ravel(), None, None, None, s.ravel()))
 
 
-def test_no_proven_bound_is_never_certified_and_says_why() -> None:
+def test_no_proven_bound_is_never_certified_and_says_why(random_problem) -> None:
     problem = random_problem(np.random.default_rng(15), K=2, m=3)
     d = mq.solve(problem, Box(0, 1)).d
     good = certify(problem, Box(0, 1), d)
@@ -168,7 +167,7 @@ def test_an_unbounded_claim_needs_a_ray_that_stays_in_the_set() -> None:
     assert type(err) is SolverError and "recession-cone" in str(err)
 
 
-def test_a_set_with_a_projection_but_no_oracle_is_solved_but_not_certified() -> None:
+def test_a_set_with_a_projection_but_no_oracle_is_solved_but_not_certified(random_problem) -> None:
     """torch_fista needs only the projection; the certificate needs an oracle and says so."""
 
     class ProjectionOnly(ConstraintSet):

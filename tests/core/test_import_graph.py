@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1] / "mergeqp"
+ROOT = Path(__file__).resolve().parents[2] / "mergeqp"
 CORE = ("constraints", "solvers", "certificate", "lower_bounds", "problem", "solution", "errors")
 SET_CLASSES = ("Box", "Simplex", "GlobalSimplex", "L1Ball", "SignConsensus", "UserConstraints",
                "Unconstrained", "Intersection")

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from _core_helpers import random_problem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,14 +24,18 @@ def _save_npy(path, array) -> None:
         np.save(fh, array)
 
 
-def small(K: int = 2, m: int = 3, seed: int = 0) -> MergeQP:
-    return random_problem(np.random.default_rng(seed), K=K, m=m)
+@pytest.fixture(scope="session")
+def small_qp(random_problem):
+    def _small_qp(K: int = 2, m: int = 3, seed: int = 0) -> MergeQP:
+        return random_problem(np.random.default_rng(seed), K=K, m=m)
+
+    return _small_qp
 
 
 # ---------------------------------------------------------------------- algebra and layout
 @settings(max_examples=25, deadline=None)
 @given(K=st.integers(1, 4), m=st.integers(1, 5), seed=st.integers(0, 10_000))
-def test_objective_and_gradient_match_the_formula(K: int, m: int, seed: int) -> None:
+def test_objective_and_gradient_match_the_formula(random_problem, K: int, m: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     p = random_problem(rng, K=K, m=m)
     d = rng.normal(size=(K, m))
@@ -65,8 +68,8 @@ def test_layout_is_models_by_atoms_row_major() -> None:
     assert p.model_names == ("a", "b") and p.atom_names == ("x", "y", "z")
 
 
-def test_soup_and_constant_points() -> None:
-    p = small(K=4, m=2)
+def test_soup_and_constant_points(small_qp) -> None:
+    p = small_qp(K=4, m=2)
     np.testing.assert_allclose(p.soup_point(), np.full((4, 2), 0.25))
     np.testing.assert_allclose(p.constant_point(0.3), np.full((4, 2), 0.3))
 
@@ -92,8 +95,8 @@ def test_accepts_sparse_and_torch_hessians() -> None:
     np.testing.assert_array_equal(p2.H, H)
 
 
-def test_matvec_only_problem() -> None:
-    base = small(K=2, m=3)
+def test_matvec_only_problem(small_qp) -> None:
+    base = small_qp(K=2, m=3)
     H = np.array(base.H)
     p = MergeQP(None, base.g, c=base.c, shape=base.shape, hessian_matvec=lambda x: H @ x)
     d = np.random.default_rng(1).normal(size=base.shape)
@@ -191,8 +194,8 @@ def test_large_problem_psd_check_catches_negative_diagonal_and_eigenvalue() -> N
         MergeQP(H, np.zeros(40), psd_check_max_n=10)
 
 
-def test_bad_point_shape_is_named() -> None:
-    p = small(K=2, m=3)
+def test_bad_point_shape_is_named(small_qp) -> None:
+    p = small_qp(K=2, m=3)
     with pytest.raises(ValidationError, match=r"d must have shape \(2, 3\).*got \(3, 2\)"):
         p.objective(np.zeros((3, 2)))
     with pytest.raises(ValidationError, match=r"d contains 1 non-finite"):
@@ -202,7 +205,7 @@ def test_bad_point_shape_is_named() -> None:
 # ---------------------------------------------------------------------- regularisation
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10_000), mu=st.floats(0.0, 10.0))
-def test_regularised_adds_mu_distance_squared(seed: int, mu: float) -> None:
+def test_regularised_adds_mu_distance_squared(random_problem, seed: int, mu: float) -> None:
     rng = np.random.default_rng(seed)
     p = random_problem(rng, K=3, m=2)
     d = rng.normal(size=p.shape)
@@ -214,8 +217,8 @@ def test_regularised_adds_mu_distance_squared(seed: int, mu: float) -> None:
         assert q.shape == p.shape and q.model_names == p.model_names
 
 
-def test_regularised_optimum_moves_to_the_reference() -> None:
-    p = small(K=2, m=3, seed=4)
+def test_regularised_optimum_moves_to_the_reference(small_qp) -> None:
+    p = small_qp(K=2, m=3, seed=4)
     ref = np.full(p.shape, 0.5)
     q = p.regularised(1e6, ref)
     d = np.linalg.solve(q.H, -q.g).reshape(p.shape)
@@ -224,16 +227,16 @@ def test_regularised_optimum_moves_to_the_reference() -> None:
     assert p.regularised(1.0).metadata["regularisation"]["reference"] == "soup"
 
 
-def test_regularised_matvec_problem() -> None:
-    base = small(K=2, m=2)
+def test_regularised_matvec_problem(small_qp) -> None:
+    base = small_qp(K=2, m=2)
     H = np.array(base.H)
     p = MergeQP(None, base.g, c=base.c, shape=base.shape, hessian_matvec=lambda x: H @ x)
     d = np.ones(base.shape)
     assert p.regularised(2.0).objective(d) == pytest.approx(base.regularised(2.0).objective(d), rel=1e-13)
 
 
-def test_regularised_bad_arguments() -> None:
-    p = small()
+def test_regularised_bad_arguments(small_qp) -> None:
+    p = small_qp()
     with pytest.raises(ValidationError, match=r"mu must be finite and >= 0"):
         p.regularised(-1.0)
     with pytest.raises(ValidationError, match=r"reference has shape \(5,\)"):

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _hf_helpers import build_base, sentences
 from mergeqp.errors import ValidationError
 from mergeqp.experiments.finetune_lm import (
     FINETUNE_RECORD,
@@ -20,14 +19,14 @@ from mergeqp.experiments.finetune_lm import (
 
 
 @pytest.fixture(scope="module")
-def tiny_base(tmp_path_factory):
+def tiny_base(tiny_hf, tmp_path_factory):
     folder = tmp_path_factory.mktemp("base")
-    build_base(folder, "llama", seed=0)
+    tiny_hf.build_base(folder, "llama", seed=0)
     return folder
 
 
-def test_trains_only_matching_tensors_and_caches(tiny_base, tmp_path):
-    texts = sentences("code", 24, seed=1)
+def test_trains_only_matching_tensors_and_caches(tiny_hf, tiny_base, tmp_path):
+    texts = tiny_hf.sentences("code", 24, seed=1)
     settings = FinetuneSettings(train_patterns=last_mlp_patterns(2, 1), steps=30, lr=3e-3, batch_size=4,
                                 max_length=16, seed=0)
     out = tmp_path / "ft_code"

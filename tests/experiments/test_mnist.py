@@ -11,7 +11,6 @@ import os
 
 import numpy as np
 import pytest
-from _mnist_helpers import tiny_config
 
 from mergeqp.cli import main
 from mergeqp.experiments import mnist as mnist_mod
@@ -22,7 +21,7 @@ CLAIM_IDS = ["a", "b", "c", "d", "e", "f", "g"]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tiny_config, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mnist"))
     results = run_mnist_experiment(out, seed=0, config=tiny_config(), threads=1, progress=False)
     return out, results
@@ -151,7 +150,7 @@ def test_figures_report_and_claims_table(run):
     assert len(table.splitlines()) == 2 + len(CLAIM_IDS)
 
 
-def test_cli_quick_writes_results(tmp_path, monkeypatch, capsys):
+def test_cli_quick_writes_results(tiny_config, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(mnist_mod.MnistConfig, "quick", classmethod(lambda cls: tiny_config()))
     out = str(tmp_path / "cli")
     code = main(["experiment", "mnist", "--quick", "--seed", "1", "--threads", "1", "--quiet",
@@ -184,7 +183,7 @@ def test_cli_errors(tmp_path, capsys):
         main(["experiment", "mnist", "--finetune", "layer9", "--out", str(tmp_path)])
 
 
-def test_finetune_all_layers_merges_layer2_only(tmp_path):
+def test_finetune_all_layers_merges_layer2_only(tiny_config, tmp_path):
     results = run_mnist_experiment(str(tmp_path), seed=2, finetune="all", config=tiny_config(), threads=1,
                                    figures=False, progress=False)
     assert results["finetune"] == "all"

@@ -9,7 +9,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from _mnist_helpers import write_idx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +37,7 @@ from mergeqp.experiments.models import (
 # ---------------------------------------------------------------------------- IDX
 @pytest.mark.parametrize("gz", [False, True])
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8, ">i2", ">i4", ">f4", ">f8"])
-def test_read_idx_round_trip(tmp_path, gz, dtype):
+def test_read_idx_round_trip(write_idx, tmp_path, gz, dtype):
     rng = np.random.default_rng(0)
     arr = (rng.standard_normal((3, 4, 5)) * 50).astype(dtype)
     path = str(tmp_path / ("a.idx" + (".gz" if gz else "")))
@@ -51,7 +50,7 @@ def test_read_idx_round_trip(tmp_path, gz, dtype):
 
 @settings(max_examples=20, deadline=None)
 @given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=4), gz=st.booleans(), seed=st.integers(0, 99))
-def test_read_idx_any_shape(tmp_path_factory, shape, gz, seed):
+def test_read_idx_any_shape(write_idx, tmp_path_factory, shape, gz, seed):
     arr = np.random.default_rng(seed).integers(0, 256, size=shape).astype(np.uint8)
     path = str(tmp_path_factory.mktemp("idx") / "x")
     write_idx(path, arr, gz)
@@ -80,7 +79,7 @@ def _mnist_like(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return rng.integers(0, 256, (n, 28, 28)).astype(np.uint8), (np.arange(n) % 10).astype(np.uint8)
 
 
-def test_idx_folder_with_and_without_test_part(tmp_path):
+def test_idx_folder_with_and_without_test_part(write_idx, tmp_path):
     images, labels = _mnist_like(60)
     write_idx(str(tmp_path / "train-images-idx3-ubyte.gz"), images, True)
     write_idx(str(tmp_path / "train-labels-idx1-ubyte.gz"), labels, True)
@@ -97,7 +96,7 @@ def test_idx_folder_with_and_without_test_part(tmp_path):
     np.testing.assert_array_equal(data.test_labels, t_labels)
 
 
-def test_idx_folder_errors(tmp_path):
+def test_idx_folder_errors(write_idx, tmp_path):
     with pytest.raises(ValidationError, match="not a folder"):
         load_idx_folder(str(tmp_path / "nope"))
     with pytest.raises(ValidationError, match="no train-images"):
@@ -230,7 +229,7 @@ def test_training_is_deterministic_and_finetune_touches_only_layer2():
     (np.array([0, 1, -1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int8), r"must lie in \[0, 1000\)"),
     (np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 1_000_000], dtype=np.int32), r"must lie in \[0, 1000\)"),
 ])
-def test_idx_labels_are_validated_when_loaded(tmp_path, labels, message):
+def test_idx_labels_are_validated_when_loaded(write_idx, tmp_path, labels, message):
     images, _ = _mnist_like(10)
     write_idx(str(tmp_path / "train-images-idx3-ubyte"), images, False)
     write_idx(str(tmp_path / "train-labels-idx1-ubyte"), labels, False)
@@ -238,7 +237,7 @@ def test_idx_labels_are_validated_when_loaded(tmp_path, labels, message):
         load_idx_folder(str(tmp_path))
 
 
-def test_empty_idx_files_and_missing_classes_are_errors(tmp_path):
+def test_empty_idx_files_and_missing_classes_are_errors(write_idx, tmp_path):
     write_idx(str(tmp_path / "train-images-idx3-ubyte"), np.zeros((0, 28, 28), np.uint8), False)
     write_idx(str(tmp_path / "train-labels-idx1-ubyte"), np.zeros(0, np.uint8), False)
     with pytest.raises(ValidationError, match="no images"):

@@ -11,7 +11,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,16 +27,16 @@ from mergeqp.lm import OutputSpec
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> Path:
+def llama_dir(tiny_hf, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("io") / "llama"
-    H.build_base(folder, "llama", seed=3)
+    tiny_hf.build_base(folder, "llama", seed=3)
     return folder
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory) -> Path:
+def gpt2_dir(tiny_hf, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("io") / "gpt2"
-    H.build_base(folder, "gpt2", seed=4)
+    tiny_hf.build_base(folder, "gpt2", seed=4)
     return folder
 
 
@@ -46,8 +45,8 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-def test_hf_folder_names_shapes_and_values(llama_dir):
-    model = H.model_class("llama").from_pretrained(str(llama_dir))
+def test_hf_folder_names_shapes_and_values(tiny_hf, llama_dir):
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
     ck = open_checkpoint(llama_dir)
     sd = model.state_dict()
     assert ck.kind == "hf_safetensors" and ck.config["model_type"] == "llama"
@@ -60,7 +59,7 @@ def test_hf_folder_names_shapes_and_values(llama_dir):
         ck.info("model.layers.0.mlp.down_proj.weigth")
 
 
-def test_open_reads_headers_only(llama_dir, monkeypatch):
+def test_open_reads_headers_only(tiny_hf, llama_dir, monkeypatch):
     """Opening and inspecting never loads a tensor: safe_open is not even called."""
     import safetensors
 
@@ -69,13 +68,13 @@ def test_open_reads_headers_only(llama_dir, monkeypatch):
 
     monkeypatch.setattr(safetensors, "safe_open", boom)
     ck = open_checkpoint(llama_dir)
-    assert ck.info("lm_head.weight").shape == (len(H.vocab()), 16)
+    assert ck.info("lm_head.weight").shape == (len(tiny_hf.vocab()), 16)
     with pytest.raises(AssertionError, match="tensor was loaded"):
         ck.get("lm_head.weight")
 
 
-def test_sharded_folder_round_trip(llama_dir, tmp_path):
-    model = H.model_class("llama").from_pretrained(str(llama_dir))
+def test_sharded_folder_round_trip(tiny_hf, llama_dir, tmp_path):
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
     model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="8KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     ck = open_checkpoint(tmp_path / "sharded")
@@ -86,10 +85,10 @@ def test_sharded_folder_round_trip(llama_dir, tmp_path):
         assert torch.equal(ck.get(name), sd[name])
 
 
-def test_bare_safetensors_and_torch_files(llama_dir, tmp_path):
+def test_bare_safetensors_and_torch_files(tiny_hf, llama_dir, tmp_path):
     from safetensors.torch import save_file
 
-    sd = {k: v.clone() for k, v in H.model_class("llama").from_pretrained(str(llama_dir)).state_dict().items()}
+    sd = {k: v.clone() for k, v in tiny_hf.model_class("llama").from_pretrained(str(llama_dir)).state_dict().items()}
     save_file(sd, str(tmp_path / "w.safetensors"))
     torch.save(sd, tmp_path / "w.pt")
     torch.save({"state_dict": sd}, tmp_path / "wrapped.bin")
@@ -112,10 +111,10 @@ def test_bare_safetensors_and_torch_files(llama_dir, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_writer_sharded_folder_loads_with_from_pretrained(arch, llama_dir, gpt2_dir, tmp_path):
+def test_writer_sharded_folder_loads_with_from_pretrained(tiny_hf, arch, llama_dir, gpt2_dir, tmp_path):
     src = llama_dir if arch == "llama" else gpt2_dir
     ck = open_checkpoint(src)
-    before = H.file_digests(src)
+    before = tiny_hf.file_digests(src)
     written = save_hf_folder(tmp_path / "out", ((n, ck.get(n)) for n in ck.names()), source_folder=src,
                              max_shard_bytes=6000, protected=[src])
     assert len(written.weight_files) > 1 and written.index == "model.safetensors.index.json"
@@ -127,14 +126,14 @@ def test_writer_sharded_folder_loads_with_from_pretrained(arch, llama_dir, gpt2_
         assert meta["format"] == "pt"
         assert sum(i.nbytes for i in infos.values()) <= 6000 or len(infos) == 1
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(written.copied)
-    cls = H.auto_class(arch)
+    cls = tiny_hf.auto_class(arch)
     a, b = cls.from_pretrained(str(src)).eval(), cls.from_pretrained(str(tmp_path / "out")).eval()
     ids = torch.tensor([[4, 9, 12, 7, 5]])
     assert torch.equal(_logits(a, ids), _logits(b, ids))
     from transformers import AutoTokenizer
 
-    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).get_vocab() == H.vocab()
-    assert H.file_digests(src) == before  # inputs untouched
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).get_vocab() == tiny_hf.vocab()
+    assert tiny_hf.file_digests(src) == before  # inputs untouched
 
 
 def test_writer_dtype_and_refusals(llama_dir, tmp_path):

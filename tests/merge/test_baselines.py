@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _baseline_helpers import TinyMLP, mlp_family, random_family, require
 
 from mergeqp.errors import ConfigError, UnknownNameError, ValidationError
 from mergeqp.merge import (
@@ -35,7 +34,7 @@ def test_registry_lists_every_method_with_reference_and_defaults():
     assert MERGE_METHODS["regmean"].defaults()["alpha"] == 0.9
 
 
-def test_unknown_method_and_parameters_are_errors_listing_valid_names():
+def test_unknown_method_and_parameters_are_errors_listing_valid_names(random_family):
     base, fts = random_family((4, 3), K=2)
     with pytest.raises(UnknownNameError, match="valid merge methods: .*dare_ties.*ties"):
         merge_tensors("tie", base, fts)
@@ -54,7 +53,7 @@ def test_unknown_method_and_parameters_are_errors_listing_valid_names():
 
 
 # --------------------------------------------------------------------------------- formulas
-def test_task_arithmetic_and_soup_formulas():
+def test_task_arithmetic_and_soup_formulas(random_family):
     base, fts = random_family((6, 4), K=3, seed=1)
     ta = merge_tensors("task_arithmetic", base, fts, scaling=0.3, progress=False)
     assert torch.allclose(ta, base + 0.3 * sum(f - base for f in fts), atol=1e-6)
@@ -98,7 +97,7 @@ def test_row_dare_keeps_or_drops_whole_rows_and_shares_the_bias_draw():
                                                                for k in range(2)), atol=1e-5)
 
 
-def test_dare_masks_keep_the_expected_fraction_and_inverse_rescale():
+def test_dare_masks_keep_the_expected_fraction_and_inverse_rescale(random_family):
     base, fts = random_family((300, 40), K=1, seed=2)
     out = merge_tensors("dare", base, fts, drop_rate=0.75, progress=False)
     ratio = (out - base) / (fts[0] - base)
@@ -109,7 +108,7 @@ def test_dare_masks_keep_the_expected_fraction_and_inverse_rescale():
 
 # ------------------------------------------------------------------------------------- seeding
 @pytest.mark.parametrize("method", ["dare", "dare_ties", "dare_linear", "row_dare"])
-def test_tensor_seed_scope_is_independent_of_the_selection(method):
+def test_tensor_seed_scope_is_independent_of_the_selection(mlp_family, method):
     model, base, fts = mlp_family(K=3)
     full = merge_state_dicts(method, base, fts, seed=5, progress=False)
     one = merge_state_dicts(method, base, fts, seed=5, include=["fc2"], unselected="drop", progress=False)
@@ -139,7 +138,7 @@ def test_select_tensors_globs_module_names_and_errors():
         select_tensors(names, exclude=["zzz"])
 
 
-def test_unselected_tensors_base_average_drop_and_integer_buffers():
+def test_unselected_tensors_base_average_drop_and_integer_buffers(mlp_family):
     model, base, fts = mlp_family(K=2)
     fts[1]["steps"] = torch.tensor(99)  # integer buffers differ: never merged
     out = merge_state_dicts("task_arithmetic", base, fts, include=["fc1.*"], progress=False)
@@ -159,7 +158,7 @@ def test_unselected_tensors_base_average_drop_and_integer_buffers():
         merge_state_dicts("soup", None, fts, unselected="base", progress=False)
 
 
-def test_half_precision_tensors_merge_in_float32_and_keep_their_dtype():
+def test_half_precision_tensors_merge_in_float32_and_keep_their_dtype(random_family):
     base, fts = random_family((8, 8), K=2, seed=3)
     base16, fts16 = base.to(torch.bfloat16), [f.to(torch.bfloat16) for f in fts]
     out = merge_tensors("ties", base16, fts16, density=0.5, progress=False)
@@ -169,7 +168,7 @@ def test_half_precision_tensors_merge_in_float32_and_keep_their_dtype():
 
 
 # --------------------------------------------------------------------------------------- errors
-def test_mismatched_keys_and_shapes_name_the_tensor():
+def test_mismatched_keys_and_shapes_name_the_tensor(mlp_family):
     model, base, fts = mlp_family(K=2)
     missing = dict(fts[1])
     del missing["fc2.bias"]
@@ -194,12 +193,12 @@ def test_mismatched_keys_and_shapes_name_the_tensor():
 
 # ------------------------------------------------------------------------- merged models run
 @pytest.mark.parametrize("method", ALL)
-def test_every_method_merges_a_model_that_loads_and_runs(method):
+def test_every_method_merges_a_model_that_loads_and_runs(mlp_family, method):
     model, base, fts = mlp_family(K=3)
     extra = calibration_params(model, 3).get(method, {})
     merged = merge_state_dicts(method, base, fts, progress=False, **extra)
     assert list(merged) == list(base)
-    fresh = TinyMLP()
+    fresh = type(model)()
     fresh.load_state_dict(merged, strict=True)
     out = fresh(torch.randn(5, 6))
     assert out.shape == (5, 3) and bool(torch.isfinite(out).all())
@@ -208,9 +207,8 @@ def test_every_method_merges_a_model_that_loads_and_runs(method):
 
 
 @pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # vmap over SDPA
-def test_tiny_llama_merges_load_and_run():
+def test_tiny_llama_merges_load_and_run(llama_config, require):
     require("transformers")
-    from _baseline_helpers import llama_config
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)

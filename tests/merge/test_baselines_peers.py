@@ -13,26 +13,24 @@ import warnings
 
 import pytest
 import torch
-from _baseline_helpers import (
-    DARE_TENSOR,
-    make_llama_family,
-    max_abs_diff,
-    mergekit_cli,
-    random_family,
-    read_folder,
-    require,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergeqp.merge import merge_state_dicts, merge_tensors
 
+#: the one tensor that gets a DARE density < 1 in the mergekit runs (mergekit's filter is a
+#: substring match), so that mergekit's global RNG draws masks for this tensor only
+DARE_TENSOR = "model.layers.1.mlp.down_proj.weight"
 EXACT = 0.0
 ROUNDING = 1e-6
 
 
-def _peft():
-    return require("peft.utils.merge_utils")
+@pytest.fixture(scope="session")
+def peft_merge_utils(require):
+    def _peft_merge_utils():
+        return require("peft.utils.merge_utils")
+
+    return _peft_merge_utils
 
 
 def _quiet(fn, *args, **kwargs):
@@ -44,8 +42,8 @@ def _quiet(fn, *args, **kwargs):
 # ------------------------------------------------------------------------------------ PEFT, tensors
 @pytest.mark.parametrize("density", [0.1, 0.37, 0.5, 1.0])
 @pytest.mark.parametrize("sign_method,peft_sign", [("sum", "total"), ("count", "frequency")])
-def test_ties_equals_peft(density, sign_method, peft_sign):
-    mu = _peft()
+def test_ties_equals_peft(peft_merge_utils, random_family, density, sign_method, peft_sign):
+    mu = peft_merge_utils()
     base, fts = random_family((24, 10), K=3, seed=1)
     weights = [0.5, 1.3, 0.8]
     ref = base + _quiet(mu.ties, [f - base for f in fts], torch.tensor(weights), density, peft_sign)
@@ -58,8 +56,8 @@ def test_ties_equals_peft(density, sign_method, peft_sign):
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 9), cols=st.integers(1, 9), K=st.integers(1, 4),
        density=st.floats(0.05, 1.0), seed=st.integers(0, 10_000))
-def test_ties_equals_peft_property(rows, cols, K, density, seed):
-    mu = _peft()
+def test_ties_equals_peft_property(peft_merge_utils, random_family, rows, cols, K, density, seed):
+    mu = peft_merge_utils()
     base, fts = random_family((rows, cols), K=K, seed=seed)
     weights = torch.linspace(0.3, 1.2, K)
     ref = base + _quiet(mu.ties, [f - base for f in fts], weights, density)
@@ -67,8 +65,8 @@ def test_ties_equals_peft_property(rows, cols, K, density, seed):
     assert torch.allclose(ours, ref, rtol=0, atol=ROUNDING)
 
 
-def test_task_arithmetic_equals_peft():
-    mu = _peft()
+def test_task_arithmetic_equals_peft(peft_merge_utils, random_family):
+    mu = peft_merge_utils()
     base, fts = random_family((7, 5, 3), K=3, seed=2)
     weights = [0.2, -0.4, 1.1]
     ref = base + mu.task_arithmetic([f - base for f in fts], torch.tensor(weights))
@@ -77,9 +75,9 @@ def test_task_arithmetic_equals_peft():
 
 
 @pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
-def test_dare_equals_peft_same_rng(method):
+def test_dare_equals_peft_same_rng(peft_merge_utils, random_family, method):
     """seed_scope='global' draws the masks PEFT draws after torch.manual_seed(seed)."""
-    mu = _peft()
+    mu = peft_merge_utils()
     base, fts = random_family((20, 11), K=3, seed=3)
     weights = [0.7, 1.0, 0.4]
     torch.manual_seed(11)
@@ -96,9 +94,9 @@ def test_dare_equals_peft_same_rng(method):
         assert float((ours - ref).abs().max()) <= EXACT
 
 
-def test_dare_injected_mask_equals_peft():
+def test_dare_injected_mask_equals_peft(peft_merge_utils, random_family):
     """The same mask, injected: PEFT draws it from the global RNG, we are handed it."""
-    mu = _peft()
+    mu = peft_merge_utils()
     base, fts = random_family((9, 13), K=2, seed=4)
     density = 0.6
     torch.manual_seed(99)
@@ -112,7 +110,7 @@ def test_dare_injected_mask_equals_peft():
         merge_tensors("dare_ties", base, fts, name="w", masks={"v": masks}, progress=False)
 
 
-def test_peft_ties_equals_mergekit_ties_with_weights_1_over_K():
+def test_peft_ties_equals_mergekit_ties_with_weights_1_over_K(random_family):
     """The documented equivalence: paper/PEFT TIES (unit weights) == mergekit TIES (1/K, normalize)."""
     base, fts = random_family((30, 8), K=4, seed=5)
     paper = merge_tensors("ties", base, fts, density=0.4, progress=False)
@@ -121,29 +119,37 @@ def test_peft_ties_equals_mergekit_ties_with_weights_1_over_K():
 
 
 # ------------------------------------------------------------------------------- mergekit, tensors
-def _mergekit_method(name):
-    require("mergekit")
-    from mergekit.merge_methods import registry
+@pytest.fixture(scope="session")
+def mergekit_method(require):
+    def _mergekit_method(name):
+        require("mergekit")
+        from mergekit.merge_methods import registry
 
-    return registry.get(name)
+        return registry.get(name)
+
+    return _mergekit_method
 
 
-def _mergekit_merge(name, base, fts, **parameters):
-    method = _mergekit_method(name)  # skips when mergekit is missing
-    from mergekit.merge_methods.base import TensorGroup
+@pytest.fixture(scope="session")
+def mergekit_merge(mergekit_method):
+    def _mergekit_merge(name, base, fts, **parameters):
+        method = mergekit_method(name)  # skips when mergekit is missing
+        from mergekit.merge_methods.base import TensorGroup
 
-    tensors = ([base] if base is not None else []) + list(fts)
-    group = TensorGroup.from_tensors(tensors, base_index=0 if base is not None else None, name="w")
-    return method([group], parameters=parameters)[0]
+        tensors = ([base] if base is not None else []) + list(fts)
+        group = TensorGroup.from_tensors(tensors, base_index=0 if base is not None else None, name="w")
+        return method([group], parameters=parameters)[0]
+
+    return _mergekit_merge
 
 
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("density", [0.01, 0.3, 1.0])
-def test_ties_equals_mergekit(normalize, density):
-    _mergekit_method("ties")
+def test_ties_equals_mergekit(mergekit_merge, mergekit_method, random_family, normalize, density):
+    mergekit_method("ties")
     base, fts = random_family((16, 12), K=3, seed=6)
     weights = [0.5, 1.0, 0.7]
-    ref = _mergekit_merge("ties", base, fts, weight=weights, density=density, normalize=normalize,
+    ref = mergekit_merge("ties", base, fts, weight=weights, density=density, normalize=normalize,
                           **{"lambda": 0.8})
     ours = merge_tensors("ties", base, fts, density=density, weights=weights, variant="mergekit",
                          normalize=normalize, scaling=0.8, progress=False)
@@ -151,12 +157,12 @@ def test_ties_equals_mergekit(normalize, density):
 
 
 @pytest.mark.parametrize("method", ["dare_ties", "dare_linear"])
-def test_dare_equals_mergekit_same_rng(method):
-    _mergekit_method(method)
+def test_dare_equals_mergekit_same_rng(mergekit_merge, mergekit_method, random_family, method):
+    mergekit_method(method)
     base, fts = random_family((16, 12), K=3, seed=7)
     weights = [0.5, 1.0, 0.7]
     torch.manual_seed(3)
-    ref = _mergekit_merge(method, base, fts, weight=weights, density=0.3)
+    ref = mergekit_merge(method, base, fts, weight=weights, density=0.3)
     extra = {"variant": "mergekit"} if method == "dare_ties" else {"rescale": "l1"}
     ours = merge_tensors(method, base, fts, density=0.3, weights=weights, seed=3, seed_scope="global",
                          progress=False, **extra)
@@ -168,13 +174,13 @@ def test_dare_equals_mergekit_same_rng(method):
     assert float((inverse - ref).abs().max()) > 1e-3
 
 
-def test_task_arithmetic_and_soup_equal_mergekit():
+def test_task_arithmetic_and_soup_equal_mergekit(mergekit_merge, random_family):
     base, fts = random_family((5, 9), K=3, seed=8)
     weights = [0.3, 0.9, 0.5]
-    ref = _mergekit_merge("task_arithmetic", base, fts, weight=weights, **{"lambda": 0.6})
+    ref = mergekit_merge("task_arithmetic", base, fts, weight=weights, **{"lambda": 0.6})
     ours = merge_tensors("task_arithmetic", base, fts, weights=weights, scaling=0.6, progress=False)
     assert float((ours - ref).abs().max()) <= ROUNDING
-    ref = _mergekit_merge("linear", None, fts, weight=weights)
+    ref = mergekit_merge("linear", None, fts, weight=weights)
     ours = merge_tensors("soup", None, fts, weights=weights, progress=False)
     assert float((ours - ref).abs().max()) <= ROUNDING
 
@@ -199,7 +205,7 @@ def _recipe(name, method, base, fts, density, shared):
 
 
 @pytest.fixture(scope="module")
-def llama_family(tmp_path_factory):
+def llama_family(make_llama_family, require, tmp_path_factory):
     """A tiny random Llama base and two fine-tuned copies, written as Hugging Face folders."""
     require("transformers")
     folder = tmp_path_factory.mktemp("llama")
@@ -208,7 +214,7 @@ def llama_family(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llama_merges(llama_family):
+def llama_merges(mergekit_cli, read_folder, llama_family):
     """mergekit's merges of the Llama family (ties, dare_ties, dare_linear, task_arithmetic)."""
     import os
     import subprocess
@@ -237,7 +243,7 @@ def llama_merges(llama_family):
     return {**d, "out": outputs}
 
 
-def test_llama_ties_equals_mergekit(llama_merges):
+def test_llama_ties_equals_mergekit(max_abs_diff, llama_merges):
     from mergeqp.io.checkpoint import open_checkpoint
 
     d = llama_merges
@@ -249,7 +255,7 @@ def test_llama_ties_equals_mergekit(llama_merges):
     assert worst <= ROUNDING, where
 
 
-def test_llama_task_arithmetic_equals_mergekit(llama_merges):
+def test_llama_task_arithmetic_equals_mergekit(max_abs_diff, llama_merges):
     d = llama_merges
     ours = merge_state_dicts("task_arithmetic", d["base_state"], d["ft_states"], weights=list(WEIGHTS),
                              scaling=0.7, progress=False)
@@ -258,7 +264,7 @@ def test_llama_task_arithmetic_equals_mergekit(llama_merges):
 
 
 @pytest.mark.parametrize("method", ["dare_ties", "dare_linear"])
-def test_llama_dare_equals_mergekit(llama_merges, method):
+def test_llama_dare_equals_mergekit(max_abs_diff, llama_merges, method):
     """mergekit draws masks only for DARE_TENSOR (density 1 elsewhere draws nothing), from the
     global RNG seeded 17: our global-scope generator seeded 17 draws the same masks."""
     d = llama_merges
@@ -279,9 +285,9 @@ def test_llama_dare_equals_mergekit(llama_merges, method):
 
 
 @pytest.mark.parametrize("method", ["ties", "dare_ties", "dare_linear", "task_arithmetic"])
-def test_llama_equals_peft(llama_family, method):
+def test_llama_equals_peft(max_abs_diff, peft_merge_utils, llama_family, method):
     """PEFT's merge_utils applied tensor by tensor (global RNG seeded once) == our state-dict merge."""
-    mu = _peft()
+    mu = peft_merge_utils()
     d = llama_family
     base, fts = d["base_state"], d["ft_states"]
     w = torch.tensor(WEIGHTS)

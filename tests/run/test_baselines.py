@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 
 from mergeqp.config import load_config
 from mergeqp.errors import ConfigError, ValidationError
@@ -34,13 +33,13 @@ from mergeqp.run.plan import build_plan
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def families(tiny_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("hfbase")
-    return {arch: H.make_family(root / arch, arch, K=2, scale=0.3, n_prompts=10) for arch in ("llama", "gpt2", "bert")}
+    return {arch: tiny_hf.make_family(root / arch, arch, K=2, scale=0.3, n_prompts=10) for arch in ("llama", "gpt2", "bert")}
 
 
 def _cfg(fam, tmp_path, layers, method, name="cfg", **extra):
-    return load_config(H.write_config(fam, tmp_path / f"{name}.yml", layers, method, **extra))
+    return load_config(fam.write_config(tmp_path / f"{name}.yml", layers, method, **extra))
 
 
 def _merge(fam, tmp_path, layers, method, name="cfg", **extra):
@@ -59,7 +58,7 @@ def _single_prompt_inputs(tok, prompt, max_length=12):
 
 
 def _load(fam, folder):
-    return H.auto_class(fam.arch).from_pretrained(str(folder), dtype=torch.float64, attn_implementation="eager").eval()
+    return fam.auto_class.from_pretrained(str(folder), dtype=torch.float64, attn_implementation="eager").eval()
 
 
 # ---------------------------------------------------------------------- helpers
@@ -179,7 +178,7 @@ def test_fisher_matches_per_prompt_autograd(families, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "bert"])
-def test_fisher_vmap_equals_loop_and_normalisation_is_global(families, tmp_path, arch):
+def test_fisher_vmap_equals_loop_and_normalisation_is_global(tiny_hf, families, tmp_path, arch):
     """per_example: loop gives the vmap result; normalize_fisher uses the norm over all selected
     tensors whatever the chunking (merged chunk by chunk vs merge_state_dicts in one go)."""
     from mergeqp.lm import OutputSpec
@@ -187,7 +186,7 @@ def test_fisher_vmap_equals_loop_and_normalisation_is_global(families, tmp_path,
     from mergeqp.run.pipeline import prepare_tasks, statistics_collector
 
     fam = families[arch]
-    layers = [H.BLOCK_PATTERN[arch]]
+    layers = [tiny_hf.BLOCK_PATTERN[arch]]
     a = _merge(fam, tmp_path, layers, {"name": "fisher"}, name="vmap", output_dtype="float64")
     b = _merge(fam, tmp_path, layers, {"name": "fisher", "params": {"per_example": "loop"}}, name="loop",
                output_dtype="float64")
@@ -256,11 +255,11 @@ def test_baselines_and_qp_are_reported_with_the_same_metrics(families, tmp_path)
         soup.report["evaluation"]["merged"]["calibration_objective"], rel=1e-6)
 
 
-def test_hybrid_start_from_regmean_and_fisher(families, tmp_path):
+def test_hybrid_start_from_regmean_and_fisher(tiny_hf, families, tmp_path):
     """mode: hybrid with a Fisher / RegMean start: every tensor outside the refined layer is the
     method-mode merge of all tensors; the QP is linearised at it."""
     fam = families["gpt2"]
-    layer = H.MLP_LAYER["gpt2"]
+    layer = tiny_hf.MLP_LAYER["gpt2"]
     for name, params in (("regmean", {"alpha": 0.5}), ("fisher", {})):
         full = _merge(fam, tmp_path, ["*"], {"name": name, "params": params}, name=f"full_{name}")
         hyb = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "hybrid", "start": {"name": name, "params": params}},
@@ -281,9 +280,9 @@ def test_hybrid_start_from_regmean_and_fisher(families, tmp_path):
 
 
 # ---------------------------------------------------------------------- config errors
-def test_fisher_regmean_config_errors_before_loading_weights(families, tmp_path):
+def test_fisher_regmean_config_errors_before_loading_weights(tiny_hf, families, tmp_path):
     fam = families["llama"]
-    layers = H.MLP_LAYER["llama"]
+    layers = tiny_hf.MLP_LAYER["llama"]
 
     def plan_error(method, **extra):
         with pytest.raises(ConfigError) as info:
@@ -302,7 +301,7 @@ def test_fisher_regmean_config_errors_before_loading_weights(families, tmp_path)
     # a model without calibration prompts
     import yaml
 
-    path = H.write_config(fam, tmp_path / "noprompt.yml", layers, {"name": "fisher"})
+    path = fam.write_config(tmp_path / "noprompt.yml", layers, {"name": "fisher"})
     data = yaml.safe_load(path.read_text())
     del data["models"][1]["calibration"]
     path.write_text(yaml.safe_dump(data))
@@ -311,7 +310,7 @@ def test_fisher_regmean_config_errors_before_loading_weights(families, tmp_path)
     # the dry run describes the statistics
     from mergeqp.cli import main
 
-    good = H.write_config(fam, tmp_path / "good.yml", layers, {"name": "regmean", "params": {"alpha": 0.5}})
+    good = fam.write_config(tmp_path / "good.yml", layers, {"name": "regmean", "params": {"alpha": 0.5}})
     assert main(["merge", str(good), "--dry-run"]) == 0
 
 

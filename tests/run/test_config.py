@@ -128,12 +128,11 @@ def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 
 
 @pytest.fixture(scope="module")
-def fam(tmp_path_factory):
-    return H.make_family(tmp_path_factory.mktemp("cfg") / "llama", "llama", K=2,
+def fam(tiny_hf, tmp_path_factory):
+    return tiny_hf.make_family(tmp_path_factory.mktemp("cfg") / "llama", "llama", K=2,
                          perturbed=("model.layers.1.mlp.*",), n_prompts=6)
 
 
@@ -154,7 +153,7 @@ def no_weights(monkeypatch):
 
 
 def _cfg(fam, tmp_path, **changes):
-    path = H.write_config(fam, tmp_path / "cfg.yml", H.MLP_LAYER["llama"], {"name": "qp", "mode": "single"})
+    path = fam.write_config(tmp_path / "cfg.yml", fam.mlp_layer, {"name": "qp", "mode": "single"})
     data = yaml.safe_load(path.read_text())
     data.update(changes)
     path.write_text(yaml.safe_dump(data))
@@ -225,19 +224,19 @@ def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _odd_models(fam):
+def _odd_models(tiny_hf, fam):
     """Checkpoints that must be rejected: another architecture, other shapes, another tokenizer."""
     from transformers import LlamaConfig
 
-    H.build_base(fam.root / "gpt2_model", "gpt2")
-    cfg = H.make_config("llama")
+    tiny_hf.build_base(fam.root / "gpt2_model", "gpt2")
+    cfg = tiny_hf.make_config("llama")
     wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 24, "head_dim": 12})
-    H.model_class("llama")(wide).save_pretrained(str(fam.root / "wide_llama"))
+    tiny_hf.model_class("llama")(wide).save_pretrained(str(fam.root / "wide_llama"))
     shutil.copytree(fam.finetuned[0], fam.root / "retok")
-    H.build_tokenizer(fam.root / "retok", extra_word="zebra")
+    tiny_hf.build_tokenizer(fam.root / "retok", extra_word="zebra")
 
 
-def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_path, no_weights):
+def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(tiny_hf, fam, tmp_path, no_weights):
     from mergeqp.run.plan import build_plan
 
     layer_numel = 16 * 32  # down_proj, no bias
@@ -250,7 +249,7 @@ def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(fam, tmp_p
     assert "fisher statistics (all tensors)" in plan.memory and "diagonal Fisher" in plan.render()
     plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
                                                   "rank": 4}))
-    V = len(H.vocab())
+    V = len(tiny_hf.vocab())
     assert plan.memory["optimal-basis mean Jacobian (one layer)"] == 12 * V * 16 * 8  # max_length x V x r
     assert "optimal basis per layer (Corollary 4.2)" in plan.render()
     assert plan.groups[0].n_variables == 2 * 4

@@ -14,7 +14,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 
 import mergeqp
 from mergeqp.cli import main
@@ -26,7 +25,7 @@ from mergeqp.merge.report import jsonable
 from mergeqp.merge.registry import MERGE_METHODS
 from mergeqp.stats.parametrisation import PARAMETRISATIONS
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "hf.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "hf.md"
 
 
 def _example() -> str:
@@ -47,8 +46,8 @@ def registered():
 
 
 @pytest.fixture(scope="module")
-def fam(tmp_path_factory):
-    return H.make_family(tmp_path_factory.mktemp("extending"), "llama", K=2, scale=0.3, n_prompts=10)
+def fam(tiny_hf, tmp_path_factory):
+    return tiny_hf.make_family(tmp_path_factory.mktemp("extending"), "llama", K=2, scale=0.3, n_prompts=10)
 
 
 def test_the_blocks_rules_agree_with_rows(registered):
@@ -70,9 +69,9 @@ def test_the_blocks_rules_agree_with_rows(registered):
     assert np.allclose(blocks.shared_hessian(deltas, gram, G), P @ H_rows @ P.T)
 
 
-def test_yaml_merge_with_user_entries_is_certified(registered, fam, tmp_path, capsys):
-    layer = H.MLP_LAYER["llama"]
-    cfg = H.write_config(fam, tmp_path / "qp.yml", ["model.layers.1.mlp.*"],
+def test_yaml_merge_with_user_entries_is_certified(tiny_hf, registered, fam, tmp_path, capsys):
+    layer = tiny_hf.MLP_LAYER["llama"]
+    cfg = fam.write_config(tmp_path / "qp.yml", ["model.layers.1.mlp.*"],
                          {"name": "qp", "mode": "reverse", "parametrisation": "blocks", "constraints": ["cap:0.8"]})
     assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -92,14 +91,14 @@ def test_yaml_merge_with_user_entries_is_certified(registered, fam, tmp_path, ca
     assert "certified True" in capsys.readouterr().out
 
 
-def test_yaml_baseline_with_a_user_method(registered, fam, tmp_path):
-    cfg = H.write_config(fam, tmp_path / "median.yml", [H.MLP_LAYER["llama"]],
+def test_yaml_baseline_with_a_user_method(tiny_hf, registered, fam, tmp_path):
+    cfg = fam.write_config(tmp_path / "median.yml", [tiny_hf.MLP_LAYER["llama"]],
                          {"name": "median_tv", "params": {"scaling": 0.5}})
     assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 0
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["baseline"]["method"] == "median_tv" and report["baseline"]["tensors"] == 1
     # K = 2: the median of two task vectors is their mean, so scaling 0.5 is half the task-arithmetic sum
-    key = f"{H.MLP_LAYER['llama']}.weight"
+    key = f"{tiny_hf.MLP_LAYER['llama']}.weight"
     merged = mergeqp.open_checkpoint(tmp_path / "out").get(key).to(torch.float64)
     base = mergeqp.open_checkpoint(fam.base).get(key).to(torch.float64)
     fts = [mergeqp.open_checkpoint(f).get(key).to(torch.float64) for f in fam.finetuned]
@@ -107,8 +106,8 @@ def test_yaml_baseline_with_a_user_method(registered, fam, tmp_path):
     assert torch.allclose(merged, expected.to(merged.dtype))
 
 
-def test_python_api_with_user_entries(registered, fam, tmp_path):
-    cfg = load_config(H.write_config(fam, tmp_path / "py.yml", [H.MLP_LAYER["llama"]],
+def test_python_api_with_user_entries(tiny_hf, registered, fam, tmp_path):
+    cfg = load_config(fam.write_config(tmp_path / "py.yml", [tiny_hf.MLP_LAYER["llama"]],
                                      {"name": "qp", "mode": "single", "parametrisation": "blocks",
                                       "constraints": ["cap:0.5"]}))
     result = mergeqp.run_merge(cfg, tmp_path / "out", progress=False)

@@ -18,29 +18,30 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 
 from mergeqp.config import load_config
 from mergeqp.io.checkpoint import open_checkpoint
 from mergeqp.run.pipeline import run_merge
 
+#: the architectures of the ``tiny_hf`` kit, one family each (parametrize needs them at import)
+ARCHS = ("llama", "gpt2", "bert")
 REQUIRED = {"objective_before", "objective_after", "certificate", "energy_fraction", "seconds"}
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
+def families(tiny_hf, tmp_path_factory):
     """One family per architecture; Llama also perturbs its (untied) lm_head."""
     root = tmp_path_factory.mktemp("hfmerge")
     fams = {}
-    for arch in H.ARCHS:
+    for arch in ARCHS:
         extra = ("lm_head",) if arch == "llama" else ()
-        fams[arch] = H.make_family(root / arch, arch, K=2, perturbed=(H.BLOCK_PATTERN[arch], *extra),
+        fams[arch] = tiny_hf.make_family(root / arch, arch, K=2, perturbed=(tiny_hf.BLOCK_PATTERN[arch], *extra),
                                    scale=0.3, n_prompts=10)
     return fams
 
 
 def _merge(fam, tmp_path, layers, method, name="cfg", **extra):
-    cfg = load_config(H.write_config(fam, tmp_path / f"{name}.yml", layers, method, **extra))
+    cfg = load_config(fam.write_config(tmp_path / f"{name}.yml", layers, method, **extra))
     return run_merge(cfg, tmp_path / f"out_{name}", progress=False)
 
 
@@ -60,7 +61,7 @@ def _outputs(model, batch):
 
 
 def _reload(fam, folder, dtype=torch.float64):
-    return H.auto_class(fam.arch).from_pretrained(str(folder), dtype=dtype, attn_implementation="eager").eval()
+    return fam.auto_class.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager").eval()
 
 
 def _changed_keys(base_dir, out_dir):
@@ -88,22 +89,22 @@ def _check_layer_entries(report, n_layers):
 
 
 # ---------------------------------------------------------------------- single layer
-@pytest.mark.parametrize("arch", H.ARCHS)
-def test_single_layer_qp_on_mlp_projection(families, tmp_path, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_layer_qp_on_mlp_projection(tiny_hf, families, tmp_path, arch):
     fam = families[arch]
-    before = {p: H.file_digests(p) for p in [fam.base, *fam.finetuned]}
-    res = _merge(fam, tmp_path, H.MLP_LAYER[arch], {"name": "qp", "mode": "single"}, output_dtype="float64")
+    before = {p: tiny_hf.file_digests(p) for p in [fam.base, *fam.finetuned]}
+    res = _merge(fam, tmp_path, tiny_hf.MLP_LAYER[arch], {"name": "qp", "mode": "single"}, output_dtype="float64")
     rep = json.loads((res.out_dir / "report.json").read_text())
     assert "## Merged layers" in (res.out_dir / "report.md").read_text()
     _check_layer_entries(rep, 1)
     layer = rep["layers"][0]
-    assert layer["layer"] == H.MLP_LAYER[arch]
+    assert layer["layer"] == tiny_hf.MLP_LAYER[arch]
     # linearised at the base: J(0) is the base model's exact calibration objective
     assert layer["objective_before"] == pytest.approx(rep["evaluation"]["base"]["calibration_objective"], rel=1e-9)
     assert layer["objective_after_exact"] == pytest.approx(rep["evaluation"]["merged"]["calibration_objective"], rel=1e-9)
     assert rep["evaluation"]["merged"]["calibration_objective"] < rep["evaluation"]["base"]["calibration_objective"]
     # only the merged layer's tensors differ from the base
-    site_keys = {f"{H.MLP_LAYER[arch]}.weight", f"{H.MLP_LAYER[arch]}.bias"}
+    site_keys = {f"{tiny_hf.MLP_LAYER[arch]}.weight", f"{tiny_hf.MLP_LAYER[arch]}.bias"}
     changed = _changed_keys(fam.base, res.out_dir)
     assert changed and changed <= site_keys
     # the folder reloads with from_pretrained and reproduces the in-memory merged model
@@ -111,7 +112,7 @@ def test_single_layer_qp_on_mlp_projection(families, tmp_path, arch):
     reloaded = _reload(fam, res.out_dir)
     diff = (_outputs(reloaded, batch) - _outputs(res.model, batch)).abs().max()
     assert float(diff) <= 1e-9, float(diff)
-    assert {p: H.file_digests(p) for p in [fam.base, *fam.finetuned]} == before
+    assert {p: tiny_hf.file_digests(p) for p in [fam.base, *fam.finetuned]} == before
 
 
 def test_single_mode_on_two_layers_solves_each_at_the_base(families, tmp_path):
@@ -134,10 +135,10 @@ def test_single_mode_on_two_layers_solves_each_at_the_base(families, tmp_path):
 
 
 # ---------------------------------------------------------------------- sequential over a block
-@pytest.mark.parametrize("arch", H.ARCHS)
-def test_sequential_over_a_block(families, tmp_path, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sequential_over_a_block(tiny_hf, families, tmp_path, arch):
     fam = families[arch]
-    res = _merge(fam, tmp_path, H.BLOCK_PATTERN[arch], {"name": "qp", "mode": "sequential"})
+    res = _merge(fam, tmp_path, tiny_hf.BLOCK_PATTERN[arch], {"name": "qp", "mode": "sequential"})
     rep = res.report
     sites = [s.name for s in res.plan.sites]
     assert len(sites) >= 4 and [r["layer"] for r in rep["layers"]] == sites  # model order
@@ -159,13 +160,13 @@ def test_sequential_over_a_block(families, tmp_path, arch):
 
 
 # ---------------------------------------------------------------------- hybrid
-@pytest.mark.parametrize("arch", H.ARCHS)
-def test_hybrid_refines_a_task_arithmetic_merge(families, tmp_path, arch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_refines_a_task_arithmetic_merge(tiny_hf, families, tmp_path, arch):
     pytest.importorskip("mergeqp.merge.registry", reason="baseline merge methods not available")
     from mergeqp.merge import merge_state_dicts
 
     fam = families[arch]
-    mlp = H.MLP_LAYER[arch]
+    mlp = tiny_hf.MLP_LAYER[arch]
     res = _merge(fam, tmp_path, mlp, {"name": "qp", "mode": "hybrid",
                                       "start": {"name": "task_arithmetic", "params": {"scaling": 1.0}}})
     rep = res.report
@@ -209,7 +210,7 @@ def test_joint_qp_and_its_comparison_with_sequential(families, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_joint_statistics_blocks_and_gauss_newton_curvature(families, arch):
+def test_joint_statistics_blocks_and_gauss_newton_curvature(tiny_hf, families, arch):
     """Joint statistics: diagonal blocks equal the single-site ones; the full quadratic form
     (with cross-layer blocks) equals 2 sum ||J v||^2 with J v from finite differences of the
     model's outputs along a combined weight perturbation of both layers."""
@@ -227,7 +228,7 @@ def test_joint_statistics_blocks_and_gauss_newton_curvature(families, arch):
     from mergeqp.stats.parametrisation import as_parametrisation
 
     fam = families[arch]
-    cls = H.auto_class(arch)
+    cls = tiny_hf.auto_class(arch)
     model = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
     ft = cls.from_pretrained(str(fam.finetuned[0]), dtype=torch.float64).eval()
     tok = load_tokenizer(fam.base)
@@ -289,7 +290,7 @@ def test_linear_downstream_objective_is_exact(families, tmp_path):
     from mergeqp.merge.sites import write_augmented
 
     fam = families["llama"]
-    cfg = load_config(H.write_config(fam, tmp_path / "lin.yml", "lm_head", {"name": "qp", "mode": "single",
+    cfg = load_config(fam.write_config(tmp_path / "lin.yml", "lm_head", {"name": "qp", "mode": "single",
                                                                          "constraints": []}))
     plan = build_plan(cfg)
     spec, evs = OutputSpec(), OutputSpec()
@@ -313,7 +314,7 @@ def test_linear_downstream_objective_is_exact(families, tmp_path):
 
 
 # ---------------------------------------------------------------------- output restriction
-def test_output_restriction_effect_on_the_objective(families, tmp_path):
+def test_output_restriction_effect_on_the_objective(tiny_hf, families, tmp_path):
     """Statistics on restricted outputs (random projection, top-k) give other QPs; their solutions,
     scored on the full-logit objective, can only be worse than the full QP's own optimum, and
     the projection's objective is an unbiased estimate of the full one."""
@@ -326,14 +327,14 @@ def test_output_restriction_effect_on_the_objective(families, tmp_path):
     from mergeqp.stats.parametrisation import as_parametrisation
 
     fam = families["llama"]
-    cls = H.auto_class("llama")
+    cls = tiny_hf.auto_class("llama")
     base = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
     fts = [cls.from_pretrained(str(p), dtype=torch.float64).eval() for p in fam.finetuned]
     tok = load_tokenizer(fam.base)
-    site = match_sites(model_sites(base), [H.MLP_LAYER["llama"]])[0]
+    site = match_sites(model_sites(base), [tiny_hf.MLP_LAYER["llama"]])[0]
     src = WeightSource(open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned])
     atoms = [SiteAtoms(site, as_parametrisation("rows"), src.deltas(site))]
-    V = len(H.vocab())
+    V = len(tiny_hf.vocab())
     results = {}
     specs = {"none": OutputSpec(), "projection k=16": OutputSpec(restrict="projection", k=16, seed=0),
              "projection k=64": OutputSpec(restrict="projection", k=64, seed=0),
@@ -361,22 +362,22 @@ def test_output_restriction_effect_on_the_objective(families, tmp_path):
 
 
 # ---------------------------------------------------------------------- inputs in other formats
-def test_bare_state_dict_inputs_and_sharded_io(families, tmp_path):
+def test_bare_state_dict_inputs_and_sharded_io(tiny_hf, families, tmp_path):
     """A fine-tuned model given as a bare .safetensors file and another as a torch file, a base
     stored in shards; the output is sharded too. Same result as with plain folders."""
     from safetensors.torch import save_file
 
     fam = families["gpt2"]
-    ref = _merge(fam, tmp_path, H.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="ref")
+    ref = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="ref")
     sd0 = {k: v.clone() for k, v in open_checkpoint(fam.finetuned[0]).state_dict().items()}
     save_file(sd0, str(tmp_path / "ft0.safetensors"))
     torch.save(open_checkpoint(fam.finetuned[1]).state_dict(), tmp_path / "ft1.pt")
     sharded = tmp_path / "base_sharded"
-    H.auto_class("gpt2").from_pretrained(str(fam.base)).save_pretrained(str(sharded), max_shard_size="20KB")
-    H.build_tokenizer(sharded)
+    tiny_hf.auto_class("gpt2").from_pretrained(str(fam.base)).save_pretrained(str(sharded), max_shard_size="20KB")
+    tiny_hf.build_tokenizer(sharded)
     assert (sharded / "model.safetensors.index.json").is_file()
-    alt = H.Family(fam.root, "gpt2", sharded, [tmp_path / "ft0.safetensors", tmp_path / "ft1.pt"], fam.prompts, fam.tasks)
-    res = _merge(alt, tmp_path, H.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="alt", max_shard_size="20KB")
+    alt = tiny_hf.Family(fam.root, "gpt2", sharded, [tmp_path / "ft0.safetensors", tmp_path / "ft1.pt"], fam.prompts, fam.tasks)
+    res = _merge(alt, tmp_path, tiny_hf.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="alt", max_shard_size="20KB")
     assert (res.out_dir / "model.safetensors.index.json").is_file()
     a, b = ref.report["layers"][0], res.report["layers"][0]
     assert b["objective_after"] == pytest.approx(a["objective_after"], rel=1e-9)
@@ -386,11 +387,11 @@ def test_bare_state_dict_inputs_and_sharded_io(families, tmp_path):
         assert torch.allclose(ra.get(n), rb.get(n), atol=1e-7), n
 
 
-def test_cli_merge_writes_folder_and_report(families, tmp_path, capsys):
+def test_cli_merge_writes_folder_and_report(tiny_hf, families, tmp_path, capsys):
     from mergeqp.cli import main
 
     fam = families["bert"]
-    cfg = H.write_config(fam, tmp_path / "cli.yml", H.MLP_LAYER["bert"],
+    cfg = fam.write_config(tmp_path / "cli.yml", tiny_hf.MLP_LAYER["bert"],
                          {"name": "qp", "mode": "single", "constraints": ["box:0,1", "sign"]},
                          output={"restrict": "projection", "k": 8})
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
@@ -406,10 +407,10 @@ def test_cli_merge_writes_folder_and_report(families, tmp_path, capsys):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available on this machine")
-def test_cuda_matches_cpu(families, tmp_path):
+def test_cuda_matches_cpu(tiny_hf, families, tmp_path):
     fam = families["llama"]
-    cpu = _merge(fam, tmp_path, H.MLP_LAYER["llama"], {"name": "qp", "mode": "single"}, name="cpu")
-    gpu = _merge(fam, tmp_path, H.MLP_LAYER["llama"], {"name": "qp", "mode": "single", "solver": "torch_fista"},
+    cpu = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"}, name="cpu")
+    gpu = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single", "solver": "torch_fista"},
                  name="gpu", device="cuda")
     assert gpu.report["device"] == "cuda"
     a, b = cpu.report["layers"][0], gpu.report["layers"][0]
@@ -427,7 +428,7 @@ def test_baseline_method_merges_only_the_selected_layers(families, tmp_path):
 
     fam = families["gpt2"]
     layers = ["transformer.h.1.mlp.*", "transformer.ln_f"]
-    cfg = H.write_config(fam, tmp_path / "ties.yml", layers, {"name": "ties", "params": {"density": 0.5}})
+    cfg = fam.write_config(tmp_path / "ties.yml", layers, {"name": "ties", "params": {"density": 0.5}})
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
     base, fts = open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]
     selected = [n for n in base.names() if n.startswith(("transformer.h.1.mlp.", "transformer.ln_f."))]
@@ -440,12 +441,12 @@ def test_baseline_method_merges_only_the_selected_layers(families, tmp_path):
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
     assert rep["baseline"]["method"] == "ties" and rep["baseline"]["tensors"] == 6
     assert _reload(fam, tmp_path / "o") is not None
-    bad = H.write_config(fam, tmp_path / "bad.yml", layers, {"name": "ties", "params": {"desnity": 0.5}})
+    bad = fam.write_config(tmp_path / "bad.yml", layers, {"name": "ties", "params": {"desnity": 0.5}})
     with pytest.raises(Exception, match="unknown parameter 'desnity'"):
         from mergeqp.run.plan import build_plan
 
         build_plan(load_config(bad))
-    bad = H.write_config(fam, tmp_path / "bad2.yml", layers, {"name": "tiez"})
+    bad = fam.write_config(tmp_path / "bad2.yml", layers, {"name": "tiez"})
     assert main(["merge", str(bad), "--dry-run"]) == 2
 
 
@@ -463,12 +464,12 @@ def test_captured_energy_matches_an_explicit_projector():
     assert _captured(torch.from_numpy(A), torch.from_numpy(b)) == pytest.approx(expect, rel=1e-10)
 
 
-def test_vit_image_classifier_from_tensor_inputs(tmp_path):
+def test_vit_image_classifier_from_tensor_inputs(tiny_hf, tmp_path):
     """A ViT merged at an MLP projection, calibrated on ready model inputs (pixel_values files);
     its logits are (B, labels): one compared vector per image."""
     from transformers import ViTForImageClassification
 
-    fam = H.make_vit_family(tmp_path / "vit")
+    fam = tiny_hf.make_vit_family(tmp_path / "vit")
     layer = "vit.encoder.layer.1.intermediate.dense"
     res = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "single"}, output_dtype="float64")
     _check_layer_entries(res.report, 1)
@@ -486,14 +487,14 @@ def test_vit_image_classifier_from_tensor_inputs(tmp_path):
     # ViT's weights on load: the file uses the live names, the folders the stored ones)
     live = ViTForImageClassification.from_pretrained(str(fam.finetuned[0])).state_dict()
     torch.save(live, tmp_path / "ft0_live.pt")
-    alt = H.Family(fam.root, "vit", fam.base, [tmp_path / "ft0_live.pt", fam.finetuned[1]], fam.prompts, fam.tasks)
+    alt = tiny_hf.Family(fam.root, "vit", fam.base, [tmp_path / "ft0_live.pt", fam.finetuned[1]], fam.prompts, fam.tasks)
     res2 = _merge(alt, tmp_path, layer, {"name": "qp", "mode": "single"}, name="live", output_dtype="float64")
     for key in ("objective_before", "objective_after", "objective_after_exact"):
         assert res2.report["layers"][0][key] == pytest.approx(res.report["layers"][0][key], rel=1e-9)
 
 
 @pytest.mark.parametrize("param", ["rows", "columns", "scalar"])
-def test_first_order_statistics_match_the_stats_layer(families, param):
+def test_first_order_statistics_match_the_stats_layer(tiny_hf, families, param):
     """The JVP-per-atom statistics equal those built from mergeqp.stats' full per-sample
     Jacobian (linearise_batch) and its parametrisation design, on GPT-2 (Conv1D, bias, masks)."""
     from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
@@ -506,7 +507,7 @@ def test_first_order_statistics_match_the_stats_layer(families, param):
     from mergeqp.stats.parametrisation import as_parametrisation
 
     fam = families["gpt2"]
-    cls = H.auto_class("gpt2")
+    cls = tiny_hf.auto_class("gpt2")
     base = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
     ft = cls.from_pretrained(str(fam.finetuned[0]), dtype=torch.float64).eval()
     batches = tokenize_batches(load_tokenizer(fam.base), read_prompts(fam.prompts[0])[:6], 10, 3)
@@ -536,13 +537,13 @@ def test_first_order_statistics_match_the_stats_layer(families, param):
 
 
 # ---------------------------------------------------------------------- solver trouble
-def test_an_uncertified_qp_layer_is_noted_and_exits_1(families, tmp_path, capsys):
+def test_an_uncertified_qp_layer_is_noted_and_exits_1(tiny_hf, families, tmp_path, capsys):
     """A solver stopped early: its (projected, feasible) point is written, the report notes that
     the layer is not certified, and `mergeqp merge` exits 1."""
     from mergeqp.cli import main
 
     fam = families["llama"]
-    path = H.write_config(fam, tmp_path / "c.yml", H.MLP_LAYER["llama"],
+    path = fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"],
                           {"name": "qp", "mode": "single", "solver": "torch_fista", "solver_options": {"max_iter": 2}})
     assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 1
     captured = capsys.readouterr()
@@ -553,12 +554,12 @@ def test_an_uncertified_qp_layer_is_noted_and_exits_1(families, tmp_path, capsys
     assert any("NOT certified" in n for n in rep["notes"])
 
 
-def test_an_infeasible_solver_point_stops_the_merge(families, tmp_path, capsys):
+def test_an_infeasible_solver_point_stops_the_merge(tiny_hf, families, tmp_path, capsys):
     """OSQP cut off after 3 iterations leaves the box: nothing is written, exit 2, one message."""
     from mergeqp.cli import main
 
     fam = families["llama"]
-    path = H.write_config(fam, tmp_path / "c.yml", H.MLP_LAYER["llama"],
+    path = fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"],
                           {"name": "qp", "mode": "single", "solver": "osqp",
                            "solver_options": {"max_iter": 3, "polishing": False}})
     assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2

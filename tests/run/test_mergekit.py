@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("mergekit", reason="mergekit (a test-only peer) is not installed")
 
-import _hf_helpers as H
 
 from mergeqp.config import load_config
 from mergeqp.io.checkpoint import open_checkpoint
@@ -42,14 +41,14 @@ def _mergekit(fam, method, params, out):
     return out
 
 
-def test_qp_vs_mergekit_teacher_forced_mse(tmp_path):
+def test_qp_vs_mergekit_teacher_forced_mse(tiny_hf, tmp_path):
     from mergeqp.lm import OutputSpec, squared_error, teacher_forced_mse
     from mergeqp.run.pipeline import load_model, prepare_tasks, run_merge
     from mergeqp.run.plan import build_plan
     from mergeqp.merge.report import jsonable
 
-    fam = H.make_family(tmp_path / "fam", "llama", K=2, perturbed=(MERGED,), scale=0.3, n_prompts=16)
-    cfg_path = H.write_config(fam, tmp_path / "qp.yml", MERGED, {"name": "qp", "mode": "sequential"},
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, perturbed=(MERGED,), scale=0.3, n_prompts=16)
+    cfg_path = fam.write_config(tmp_path / "qp.yml", MERGED, {"name": "qp", "mode": "sequential"},
                               calibration={"max_length": 12, "batch_size": 4, "holdout": 6})
     cfg = load_config(cfg_path)
     qp = run_merge(cfg, tmp_path / "qp", progress=False)

@@ -20,7 +20,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import _hf_helpers as H
 
 from mergeqp.config import load_config
 from mergeqp.errors import ValidationError
@@ -35,25 +34,25 @@ from mergeqp.merge.sites import match_sites, model_sites
 
 
 @pytest.fixture(scope="module")
-def fam(tmp_path_factory):
+def fam(tiny_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("hfbasis")
-    return H.make_family(root / "llama", "llama", K=2, perturbed=(H.BLOCK_PATTERN["llama"], "lm_head"),
+    return tiny_hf.make_family(root / "llama", "llama", K=2, perturbed=(tiny_hf.BLOCK_PATTERN["llama"], "lm_head"),
                          scale=0.3, n_prompts=10)
 
 
 def _models(fam):
-    cls = H.auto_class("llama")
+    cls = fam.auto_class
     base = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
     fts = [cls.from_pretrained(str(p), dtype=torch.float64, attn_implementation="eager").eval() for p in fam.finetuned]
     return base, fts
 
 
-def _equal_length_prompts(task, n, seed):
-    return H.sentences(task, n, seed, length=(6, 6))
+def _equal_length_prompts(tiny_hf, task, n, seed):
+    return tiny_hf.sentences(task, n, seed, length=(6, 6))
 
 
 @pytest.fixture(scope="module")
-def reference(fam):
+def reference(tiny_hf, fam):
     """Our streamed statistics and mergeqp.stats' CalibrationStats for down_proj of block 1, on
     equal-length prompts (no padding: the stats module needs a fixed number of positions)."""
     from mergeqp.stats import collect_statistics
@@ -61,8 +60,8 @@ def reference(fam):
     base, fts = _models(fam)
     tok = load_tokenizer(fam.base)
     spec = OutputSpec()
-    site = match_sites(model_sites(base), [H.MLP_LAYER["llama"]])[0]
-    batches = [tokenize_batches(tok, _equal_length_prompts(t, 5, 7 + k), 12, 3) for k, t in enumerate(fam.tasks)]
+    site = match_sites(model_sites(base), [tiny_hf.MLP_LAYER["llama"]])[0]
+    batches = [tokenize_batches(tok, _equal_length_prompts(tiny_hf, t, 5, 7 + k), 12, 3) for k, t in enumerate(fam.tasks)]
     assert all(int(b.mask.min()) == 1 for bs in batches for b in bs)
     tasks = [TaskTargets(t, 1.0, teacher_forced_targets(ft, bs, spec, "cpu")) for t, ft, bs in zip(fam.tasks, fts, batches)]
     ours = collect_output_basis(base, site, tasks, spec, chunk_size=7)
@@ -133,12 +132,12 @@ def test_output_basis_stats_without_range_complete_the_basis():
 
 # ---------------------------------------------------------------------- end to end
 def _run(fam, tmp_path, layers, method, name, **extra):
-    cfg = load_config(H.write_config(fam, tmp_path / f"{name}.yml", layers, method, **extra))
+    cfg = load_config(fam.write_config(tmp_path / f"{name}.yml", layers, method, **extra))
     return run_merge(cfg, tmp_path / f"out_{name}", progress=False)
 
 
 @pytest.mark.parametrize("mode", ["single", "sequential", "joint"])
-def test_yaml_optimal_basis_end_to_end(fam, tmp_path, mode):
+def test_yaml_optimal_basis_end_to_end(tiny_hf, fam, tmp_path, mode):
     layers = ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
     method = {"name": "qp", "mode": mode, "parametrisation": "basis", "basis": "optimal", "rank": 4}
     if mode == "joint":
@@ -149,7 +148,7 @@ def test_yaml_optimal_basis_end_to_end(fam, tmp_path, mode):
     for r in rep["layers"]:
         b = r["basis"]
         assert b["name"] == "optimal" and b["rank"] == 4 and r["n_variables"] == (2 * 4 * (2 if mode == "joint" else 1))
-        assert b["rank_L"] >= 4 and b["output_size"] % len(H.vocab()) == 0 and b["output_size"] <= 12 * len(H.vocab())
+        assert b["rank_L"] >= 4 and b["output_size"] % len(tiny_hf.vocab()) == 0 and b["output_size"] <= 12 * len(tiny_hf.vocab())
         mj = b["mean_jacobian_energy"]
         assert mj["optimal"] >= max(mj["svd"], mj["random"]) - 1e-12
         assert r["certificate"]["certified"] is True
@@ -161,7 +160,7 @@ def test_yaml_optimal_basis_end_to_end(fam, tmp_path, mode):
             assert r["objective_after"] >= r["objective_before"] * (1 - r["energy_fraction"]) - 1e-9 * scale
     assert rep["evaluation"]["merged"]["calibration_objective"] < rep["evaluation"]["base"]["calibration_objective"]
     # the folder reloads and reproduces the in-memory merged model
-    reloaded = H.auto_class("llama").from_pretrained(str(res.out_dir), dtype=torch.float64,
+    reloaded = tiny_hf.auto_class("llama").from_pretrained(str(res.out_dir), dtype=torch.float64,
                                                      attn_implementation="eager").eval()
     ids = torch.tensor([[4, 9, 12, 20, 7]])
     with torch.no_grad():
@@ -200,12 +199,12 @@ def test_optimal_vs_svd_and_random_in_the_qp(fam, tmp_path):
           "| mean-Jacobian energy opt | svd | random |\n" + "\n".join(lines))
 
 
-def test_where_the_relaxed_problem_is_the_qp_optimal_beats_svd(fam, tmp_path):
+def test_where_the_relaxed_problem_is_the_qp_optimal_beats_svd(tiny_hf, fam, tmp_path):
     """lm_head (logits = W z, so L = I and the downstream is linear), one calibration prompt of
     one token (one sample, one position), no constraints: every basis's QP optimum equals the
     relaxed optimum tr(S)(1 - fraction) (Theorem 4.1), so Ky Fan orders the QP objectives too.
     With p = 1 the optimal direction is the residual itself: J* = 0."""
-    one = H.Family(fam.root, "llama", fam.base, fam.finetuned[:1], [tmp_path / "one.txt"], fam.tasks[:1])
+    one = tiny_hf.Family(fam.root, "llama", fam.base, fam.finetuned[:1], [tmp_path / "one.txt"], fam.tasks[:1])
     (tmp_path / "one.txt").write_text("cat\n")
     for p in (1, 3):
         got = {}
@@ -216,7 +215,7 @@ def test_where_the_relaxed_problem_is_the_qp_optimal_beats_svd(fam, tmp_path):
         opt = got["optimal"]
         c = opt["objective_before"]
         mj = opt["basis"]["mean_jacobian_energy"]
-        assert opt["basis"]["samples"] == 1 and opt["basis"]["output_size"] == len(H.vocab())
+        assert opt["basis"]["samples"] == 1 and opt["basis"]["output_size"] == len(tiny_hf.vocab())
         for basis, r in got.items():
             assert r["objective_after"] == pytest.approx(c * (1 - mj[basis]), rel=1e-7, abs=1e-9 * c), basis
             assert r["energy_fraction"] == pytest.approx(mj[basis], rel=1e-7, abs=1e-9)
@@ -225,14 +224,14 @@ def test_where_the_relaxed_problem_is_the_qp_optimal_beats_svd(fam, tmp_path):
             assert opt["objective_after"] <= 1e-9 * c and mj["optimal"] == pytest.approx(1.0, abs=1e-9)
 
 
-def test_jacobian_memory_cap_names_the_setting(fam, tmp_path):
+def test_jacobian_memory_cap_names_the_setting(tiny_hf, fam, tmp_path):
     method = {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": "optimal", "rank": 2,
               "basis_max_size": "4KB"}
     with pytest.raises(ValidationError, match=r"method\.basis_max_size.*restrict: projection"):
-        _run(fam, tmp_path, H.MLP_LAYER["llama"], method, "cap")
+        _run(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], method, "cap")
     # a projection of the logits shrinks c = positions x k: the same cap then suffices
     method["basis_max_size"] = 12 * 4 * 16 * 8
-    res = _run(fam, tmp_path, H.MLP_LAYER["llama"], method, "cap_ok", output={"restrict": "projection", "k": 4})
+    res = _run(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], method, "cap_ok", output={"restrict": "projection", "k": 4})
     assert res.report["layers"][0]["basis"]["output_size"] <= 12 * 4
 
 

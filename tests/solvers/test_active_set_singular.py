@@ -19,7 +19,7 @@ from mergeqp.solvers import active_set as A
 from mergeqp.solvers.reference_problems import constraint_from_spec, synthetic_merge_qp
 from mergeqp.solvers.registry import solve
 
-ROOT = Path(__file__).resolve().parents[1] / "problems"
+ROOT = Path(__file__).resolve().parents[2] / "problems"
 REAL = "mnist_real640"
 
 

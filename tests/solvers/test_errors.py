@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from _solver_helpers import random_psd_problem
 
 from mergeqp.constraints import Box, L1Ball, SignConsensus, Simplex, UserConstraints
 from mergeqp.errors import (
@@ -20,7 +19,7 @@ from mergeqp.solvers.registry import SOLVERS, choose_solver, solve
 
 
 @pytest.fixture()
-def problem() -> MergeQP:
+def problem(random_psd_problem) -> MergeQP:
     return random_psd_problem(np.random.default_rng(0), 3, 4, 12)
 
 
@@ -136,7 +135,7 @@ def _broken_active_set(monkeypatch, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["wrong point", "raise"])
-def test_auto_falls_back_when_its_choice_does_not_certify(monkeypatch, mode: str) -> None:
+def test_auto_falls_back_when_its_choice_does_not_certify(random_psd_problem, monkeypatch, mode: str) -> None:
     problem = random_psd_problem(np.random.default_rng(0), 3, 6, 18)
     reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
     _broken_active_set(monkeypatch, mode)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _solver_helpers import cvxpy_reference, random_psd_problem, rel_diff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,7 +39,7 @@ problems = st.tuples(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems)
-def test_active_set_matches_independent_cvxpy(params) -> None:
+def test_active_set_matches_independent_cvxpy(cvxpy_reference, random_psd_problem, rel_diff, params) -> None:
     K, m, frac, seed, which = params
     rng = np.random.default_rng(seed)
     rank = round(frac * K * m)
@@ -56,7 +55,7 @@ def test_active_set_matches_independent_cvxpy(params) -> None:
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems)
-def test_solvers_agree_with_each_other(params) -> None:
+def test_solvers_agree_with_each_other(random_psd_problem, rel_diff, params) -> None:
     K, m, frac, seed, which = params
     rng = np.random.default_rng(seed)
     problem = random_psd_problem(rng, K, m, max(1, round(frac * K * m)))
@@ -74,7 +73,7 @@ def test_solvers_agree_with_each_other(params) -> None:
 
 @settings(max_examples=20, deadline=None)
 @given(st.integers(1, 3), st.integers(1, 6), st.integers(0, 2**31 - 1))
-def test_unconstrained_agrees_with_closed_form(K: int, m: int, seed: int) -> None:
+def test_unconstrained_agrees_with_closed_form(random_psd_problem, rel_diff, K: int, m: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     problem = random_psd_problem(rng, K, m, K * m + 2)
     a = solve(problem, Unconstrained(), solver="active_set")
@@ -83,7 +82,7 @@ def test_unconstrained_agrees_with_closed_form(K: int, m: int, seed: int) -> Non
 
 
 @pytest.mark.parametrize("K", [1, 2, 4])
-def test_k1_and_degenerate_groups(K: int) -> None:
+def test_k1_and_degenerate_groups(random_psd_problem, K: int) -> None:
     """Per-atom simplex with one model fixes d = 1; zero H still solves (a linear program)."""
     rng = np.random.default_rng(K)
     m = 5

@@ -7,13 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from _solver_helpers import (
-    COMMITTED,
-    EXACT_SOLVERS,
-    load_case,
-    reference_cases,
-    rel_diff,
-)
 
 from mergeqp.errors import InfeasibleError
 from mergeqp.solvers.reference_problems import (
@@ -23,13 +16,14 @@ from mergeqp.solvers.reference_problems import (
     reference_path,
 )
 from mergeqp.solvers.registry import SOLVERS, solve
+from tests.solvers.reference_cases import COMMITTED, EXACT_SOLVERS, reference_cases
 
 CASES = reference_cases()
 
 
 @pytest.mark.parametrize("solver", list(EXACT_SOLVERS))
 @pytest.mark.parametrize(("name", "spec"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_exact_solver_matches_reference_and_certifies(solver: str, name: str, spec: str) -> None:
+def test_exact_solver_matches_reference_and_certifies(load_case, rel_diff, solver: str, name: str, spec: str) -> None:
     problem, cset, ref = load_case(name, spec)
     why = SOLVERS[solver].supports(problem, cset)
     if why is not None:
@@ -45,7 +39,7 @@ def test_exact_solver_matches_reference_and_certifies(solver: str, name: str, sp
 
 
 @pytest.mark.parametrize(("name", "spec"), CASES, ids=[f"{n}-{s}" for n, s in CASES])
-def test_paper_adam_is_feasible_and_never_beats_the_optimum(name: str, spec: str) -> None:
+def test_paper_adam_is_feasible_and_never_beats_the_optimum(load_case, name: str, spec: str) -> None:
     problem, cset, ref = load_case(name, spec)
     if SOLVERS["torch_adam"].supports(problem, cset) is not None:
         pytest.skip("no projection for this set")
@@ -55,14 +49,14 @@ def test_paper_adam_is_feasible_and_never_beats_the_optimum(name: str, spec: str
     assert sol.iterations == 500
 
 
-def test_paper_adam_reaches_the_box_optimum_on_mnist640() -> None:
+def test_paper_adam_reaches_the_box_optimum_on_mnist640(load_case, rel_diff) -> None:
     problem, cset, ref = load_case("mnist640", "box:0,1")
     sol = solve(problem, cset, solver="torch_adam", device="cpu")
     assert rel_diff(sol.objective, ref["objective"]) <= 1e-4
 
 
 @pytest.mark.parametrize("name", COMMITTED)
-def test_reference_files_are_consistent(name: str) -> None:
+def test_reference_files_are_consistent(rel_diff, name: str) -> None:
     """Stored d reproduces the stored objective, is certified, and an independent solver agrees."""
     refs = load_references(name)
     problem = load_reference_problem(name, generate=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _solver_helpers import load_case, rel_diff
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +26,7 @@ def matvec_copy(p: MergeQP, counter: list[int] | None = None) -> MergeQP:
 
 
 @pytest.mark.parametrize("spec", ["box:0,1", "simplex", "box:0,1 & simplex"])
-def test_fista_with_matvec_only_hessian(spec: str) -> None:
+def test_fista_with_matvec_only_hessian(load_case, rel_diff, spec: str) -> None:
     problem, cset, ref = load_case("tiny96", spec)
     calls = [0]
     mv = matvec_copy(problem, calls)
@@ -38,14 +37,14 @@ def test_fista_with_matvec_only_hessian(spec: str) -> None:
     assert sol.certificate.certified(1e-6), sol.certificate.explain()
 
 
-def test_auto_uses_fista_for_matvec_only() -> None:
+def test_auto_uses_fista_for_matvec_only(load_case, rel_diff) -> None:
     problem, cset, ref = load_case("singular192", "box:0,1")
     sol = solve(matvec_copy(problem), cset, solver="auto")
     assert sol.solver == "torch_fista"
     assert rel_diff(sol.objective, ref["objective"]) <= 1e-6
 
 
-def test_float32_paths() -> None:
+def test_float32_paths(load_case, rel_diff) -> None:
     problem, cset, ref = load_case("mnist640", "box:0,1")
     sol = solve(problem, cset, solver="torch_fista", device="cpu", dtype="float32", tol=1e-6, max_iter=5000)
     assert sol.info["dtype"] == "float32"
@@ -82,7 +81,7 @@ def test_torch_projection_matches_numpy(K: int, m: int, which: str, seed: int, d
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
-def test_fista_on_cuda() -> None:  # pragma: no cover - needs a GPU
+def test_fista_on_cuda(load_case, rel_diff) -> None:  # pragma: no cover - needs a GPU
     problem, cset, ref = load_case("mnist640", "simplex")
     for dtype, tol in (("float64", 1e-6), ("float32", 1e-4)):
         sol = solve(problem, cset, solver="torch_fista", device="cuda", dtype=dtype, tol=tol / 10)
@@ -91,11 +90,10 @@ def test_fista_on_cuda() -> None:  # pragma: no cover - needs a GPU
 
 
 @pytest.mark.parametrize("seed", [0, 2, 3])
-def test_fista_stops_at_roundoff_when_the_optimum_is_zero(seed: int) -> None:
+def test_fista_stops_at_roundoff_when_the_optimum_is_zero(random_psd_problem, seed: int) -> None:
     """J* = 0 (rank-2 H, the interpolating point inside the box): the relative target
     ``tol * 1e-8 size`` lies below float64 roundoff; FISTA must stop there, not run to
     ``max_iter``, and the point must still certify at the default tolerance."""
-    from _solver_helpers import random_psd_problem
 
     problem = random_psd_problem(np.random.default_rng(seed), 3, 5, 2)
     sol = solve(problem, Box(0.0, 1.0), solver="torch_fista", dtype="float64", device="cpu",

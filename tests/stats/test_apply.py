@@ -7,7 +7,6 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import finetuned_copies, linear_net, true_error
 
 from mergeqp.errors import ValidationError
 from mergeqp.stats import (
@@ -20,7 +19,7 @@ from mergeqp.stats import (
 
 
 @pytest.fixture(scope="module")
-def case():
+def case(finetuned_copies, linear_net):
     base = linear_net((5, 6, 4, 3), seed=0)
     fts = finetuned_copies(base, 3, scale=0.3, layer="1", seed=1)
     cal = [torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
@@ -59,7 +58,7 @@ def test_apply_merge_sets_only_the_layer_and_leaves_inputs(case, spec):
     assert all(_same(s, _snapshot(m)) for s, m in zip(before, (base, *fts)))
 
 
-def test_known_merges_are_points_of_the_qp(case):
+def test_known_merges_are_points_of_the_qp(true_error, case):
     base, fts, cal, stats = case
     W_ft = np.stack([np.concatenate([f[1].weight.detach().numpy(), f[1].bias.detach().numpy()[:, None]], 1)
                      for f in fts])

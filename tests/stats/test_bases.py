@@ -6,7 +6,6 @@ import cvxpy as cp
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import finetuned_copies, linear_net
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,25 +20,34 @@ from mergeqp.stats import (
 )
 
 
-def _linear_stats(seed: int, dims=(6, 7, 6, 4), n=(9, 8, 7), keep=True):
+@pytest.fixture(scope="session")
+def linear_stats(finetuned_copies, linear_net):
     """Layer "1" (7 -> 6) with an exactly linear downstream L = W_3 (4 x 6): shared L."""
-    base = linear_net(dims, seed=seed)
-    fts = finetuned_copies(base, len(n), scale=0.4, seed=seed + 1)
-    gen = torch.Generator().manual_seed(seed + 2)
-    cal = [torch.randn(k, dims[0], generator=gen, dtype=torch.float64) for k in n]
-    stats = collect_statistics(base, fts, "1", cal, keep_samples=keep, progress=False)
-    L = base[2].weight.detach().numpy()
-    return stats, L
+
+    def _linear_stats(seed: int, dims=(6, 7, 6, 4), n=(9, 8, 7), keep=True):
+        base = linear_net(dims, seed=seed)
+        fts = finetuned_copies(base, len(n), scale=0.4, seed=seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        cal = [torch.randn(k, dims[0], generator=gen, dtype=torch.float64) for k in n]
+        stats = collect_statistics(base, fts, "1", cal, keep_samples=keep, progress=False)
+        L = base[2].weight.detach().numpy()
+        return stats, L
+
+    return _linear_stats
 
 
-def _relu_stats(seed: int = 0):
-    torch.manual_seed(seed)
-    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 7),
-                               torch.nn.ReLU(), torch.nn.Linear(7, 5)).double()
-    fts = finetuned_copies(base, 3, scale=0.3, seed=seed + 1)
-    gen = torch.Generator().manual_seed(seed + 2)
-    cal = [torch.randn(10, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
-    return collect_statistics(base, fts, "2", cal, keep_samples=True, progress=False)
+@pytest.fixture(scope="session")
+def relu_stats(finetuned_copies):
+    def _relu_stats(seed: int = 0):
+        torch.manual_seed(seed)
+        base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 7),
+                                   torch.nn.ReLU(), torch.nn.Linear(7, 5)).double()
+        fts = finetuned_copies(base, 3, scale=0.3, seed=seed + 1)
+        gen = torch.Generator().manual_seed(seed + 2)
+        cal = [torch.randn(10, 6, generator=gen, dtype=torch.float64) for _ in range(3)]
+        return collect_statistics(base, fts, "2", cal, keep_samples=True, progress=False)
+
+    return _relu_stats
 
 
 def _relaxed_by_least_squares(stats, Q):
@@ -58,8 +66,8 @@ def _unconstrained_min(problem):
     return problem.c - 0.5 * float(problem.g @ np.linalg.pinv(problem.H, rcond=1e-12, hermitian=True) @ problem.g)
 
 
-def test_theorem_4_1_trace_formula_shared_L():
-    stats, L = _linear_stats(0)
+def test_theorem_4_1_trace_formula_shared_L(linear_stats):
+    stats, L = linear_stats(0)
     assert stats.jacobian_shared
     b = stats.residuals()
     S = b.T @ b
@@ -76,8 +84,8 @@ def test_theorem_4_1_trace_formula_shared_L():
         assert report.fraction == pytest.approx(np.trace(S @ P) / np.trace(S), rel=1e-10)
 
 
-def test_theorem_4_1_per_sample_form_with_varying_L():
-    stats = _relu_stats(3)
+def test_theorem_4_1_per_sample_form_with_varying_L(relu_stats):
+    stats = relu_stats(3)
     assert not stats.jacobian_shared
     Q = random_basis(stats.r, 3, seed=4).Q
     report = stats.energy_report(Q)
@@ -85,9 +93,9 @@ def test_theorem_4_1_per_sample_form_with_varying_L():
     assert report.relaxed_bound == pytest.approx(_relaxed_by_least_squares(stats, Q), rel=1e-10)
 
 
-def test_one_sample_qp_attains_the_relaxed_bound():
+def test_one_sample_qp_attains_the_relaxed_bound(linear_stats):
     """With one sample, tied coefficients cost nothing: the QP minimum is tr(S) - tr(S P)."""
-    stats, _ = _linear_stats(5, n=(1,))
+    stats, _ = linear_stats(5, n=(1,))
     for p in (1, 2, 4):
         basis = random_basis(stats.r, p, seed=p)
         problem = stats.problem(basis)
@@ -105,8 +113,8 @@ def _competitors(stats, L, p, seed):
 
 @settings(max_examples=15, deadline=None)
 @given(seed=st.integers(0, 10_000), p=st.integers(1, 6))
-def test_optimal_basis_captures_most_energy_shared_L(seed, p):
-    stats, L = _linear_stats(seed, keep=False)
+def test_optimal_basis_captures_most_energy_shared_L(linear_stats, seed, p):
+    stats, L = linear_stats(seed, keep=False)
     opt = optimal_basis(stats, p)
     e_opt = stats.energy_report(opt)
     assert e_opt.method == "shared"
@@ -119,8 +127,8 @@ def test_optimal_basis_captures_most_energy_shared_L(seed, p):
         assert stats.suboptimality_gap(basis, opt) >= -1e-9 * e_opt.total
 
 
-def test_optimal_span_is_top_eigenspace_when_L_is_invertible():
-    stats, L = _linear_stats(11, dims=(5, 6, 4, 4))  # L = W_3 is 4 x 4, invertible
+def test_optimal_span_is_top_eigenspace_when_L_is_invertible(linear_stats):
+    stats, L = linear_stats(11, dims=(5, 6, 4, 4))  # L = W_3 is 4 x 4, invertible
     S = stats.S()
     w, V = np.linalg.eigh(S)
     for p in (1, 2, 3):
@@ -130,9 +138,9 @@ def test_optimal_span_is_top_eigenspace_when_L_is_invertible():
 
 
 @pytest.mark.parametrize("name", ["optimal", "standard", "svd", "random"])
-def test_relaxed_bound_never_exceeds_the_solved_qp(name):
-    stats, _ = _linear_stats(21)
-    relu = _relu_stats(22)
+def test_relaxed_bound_never_exceeds_the_solved_qp(linear_stats, relu_stats, name):
+    stats, _ = linear_stats(21)
+    relu = relu_stats(22)
     for s in (stats, relu):
         for p in (1, 3, s.r):
             basis = make_basis(name, s, p, seed=p)
@@ -149,8 +157,8 @@ def test_relaxed_bound_never_exceeds_the_solved_qp(name):
             assert bound <= problem.objective(np.clip(x.value, 0, 1)) + tol
 
 
-def test_suboptimality_gap_and_mean_jacobian_recorded():
-    stats = _relu_stats(30)
+def test_suboptimality_gap_and_mean_jacobian_recorded(linear_stats, relu_stats):
+    stats = relu_stats(30)
     opt = optimal_basis(stats, 3)
     assert opt.info["jacobian"] == "calibration-mean" and "note" in opt.info
     assert stats.suboptimality_gap(opt, opt) == pytest.approx(0.0, abs=1e-12)
@@ -159,12 +167,12 @@ def test_suboptimality_gap_and_mean_jacobian_recorded():
     assert gap == pytest.approx(stats.relaxed_bound(std, method="mean_jacobian")
                                 - stats.relaxed_bound(opt, method="mean_jacobian"), rel=1e-10, abs=1e-12)
     assert gap >= -1e-12  # optimal for the mean Jacobian
-    shared, _ = _linear_stats(31)
+    shared, _ = linear_stats(31)
     assert optimal_basis(shared, 2).info["jacobian"] == "shared"
 
 
-def test_basis_specs_and_registry():
-    stats, _ = _linear_stats(40, keep=False)
+def test_basis_specs_and_registry(linear_stats):
+    stats, _ = linear_stats(40, keep=False)
     assert set(BASES) >= {"standard", "svd", "random", "optimal"}
     a = stats.parametrisation("random:3:7")
     b = random_basis(stats.r, 3, seed=7)

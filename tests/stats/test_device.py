@@ -7,14 +7,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import TinyTransformer, finetuned_copies
 
 from mergeqp.stats import collect_statistics
+from tests.stats.tiny_models import TinyTransformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 
 
-def test_cuda_statistics_match_cpu():
+def test_cuda_statistics_match_cpu(finetuned_copies):
     base = TinyTransformer(seed=0).double()
     fts = finetuned_copies(base, 2, scale=0.1, layer="fc1", seed=1)
     gen = torch.Generator().manual_seed(2)

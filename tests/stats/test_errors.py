@@ -7,14 +7,14 @@ import copy
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import TinyTransformer, finetuned_copies, linear_net, mnist_mlp
 
 from mergeqp.errors import UnknownNameError, ValidationError
 from mergeqp.stats import collect_statistics
+from tests.stats.tiny_models import TinyTransformer
 
 
 @pytest.fixture()
-def models():
+def models(finetuned_copies, linear_net):
     base = linear_net((5, 4, 3, 2), seed=0)
     return base, finetuned_copies(base, 2, scale=0.2, seed=1)
 
@@ -23,7 +23,7 @@ def _cal(n=(4, 4)):
     return [torch.randn(k, 5, dtype=torch.float64) for k in n]
 
 
-def test_unknown_layer_lists_linear_layers():
+def test_unknown_layer_lists_linear_layers(finetuned_copies, mnist_mlp):
     base = mnist_mlp(dtype=torch.float32)
     fts = finetuned_copies(base, 2, scale=0.01)
     with pytest.raises(ValidationError, match=r"no module named 'layer2'; its nn.Linear layers are: 0, 2, 4"):
@@ -32,7 +32,7 @@ def test_unknown_layer_lists_linear_layers():
         collect_statistics(base, fts, "1", [torch.rand(2, 784)] * 2, progress=False)
 
 
-def test_shape_mismatch_names_the_tensor(models):
+def test_shape_mismatch_names_the_tensor(linear_net, models):
     base, fts = models
     other = linear_net((5, 4, 6, 2), seed=0)
     with pytest.raises(ValidationError, match=r"tensor '1.weight' has shape \(6, 4\) in model 'model1'"):
@@ -92,7 +92,7 @@ def test_output_length_must_agree_between_tasks(models):
         collect_statistics(base, fts, "1", _cal(), output_fn=output_fn, progress=False)
 
 
-def test_missing_statistics_and_settings():
+def test_missing_statistics_and_settings(finetuned_copies, mnist_mlp):
     base = mnist_mlp(dtype=torch.float64)
     fts = finetuned_copies(base, 2, scale=0.01, layer="2")
     stats = collect_statistics(base, fts, "2", [torch.rand(3, 784, dtype=torch.float64)] * 2,
@@ -113,7 +113,7 @@ def test_missing_statistics_and_settings():
         stats.energy_report(np.eye(128)[:, :2], method="shared")
 
 
-def test_sample_memory_cap():
+def test_sample_memory_cap(finetuned_copies, mnist_mlp):
     base = mnist_mlp(dtype=torch.float64)
     fts = finetuned_copies(base, 2, scale=0.01, layer="2")
     with pytest.raises(ValidationError, match=r"keeping per-sample data needs about .* above max_sample_bytes"):
@@ -121,7 +121,7 @@ def test_sample_memory_cap():
                            keep_samples=True, batch_size=10, max_sample_bytes=100_000, progress=False)
 
 
-def test_jacobian_size_guard():
+def test_jacobian_size_guard(finetuned_copies):
     base = TinyTransformer(seed=0).double()
     fts = finetuned_copies(base, 2, scale=0.1, layer="fc1")
     with pytest.raises(ValidationError, match=r"the Jacobian of this batch would take .* use smaller batches"):
@@ -129,7 +129,7 @@ def test_jacobian_size_guard():
                            max_jacobian_bytes=100, progress=False)
 
 
-def test_layer_called_twice_is_rejected():
+def test_layer_called_twice_is_rejected(finetuned_copies):
     class Twice(torch.nn.Module):
         def __init__(self):
             super().__init__()

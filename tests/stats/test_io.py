@@ -7,7 +7,6 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import finetuned_copies, linear_net, mnist_mlp
 
 from mergeqp.cli import main
 from mergeqp.errors import ValidationError
@@ -16,7 +15,7 @@ from mergeqp.stats import CalibrationStats, collect_statistics, random_basis
 
 
 @pytest.fixture(scope="module")
-def small_stats():
+def small_stats(finetuned_copies, linear_net):
     base = linear_net((5, 4, 3, 2), seed=0)
     fts = finetuned_copies(base, 2, scale=0.3, seed=1)
     cal = [torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
@@ -76,7 +75,7 @@ def make(hidden=16):
 """
 
 
-def test_cli_collect_end_to_end(tmp_path, capsys):
+def test_cli_collect_end_to_end(finetuned_copies, tmp_path, capsys):
     from safetensors.torch import save_file
 
     (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
@@ -118,7 +117,7 @@ def test_cli_collect_end_to_end(tmp_path, capsys):
     np.testing.assert_allclose(problem.g, expected.g, rtol=1e-10, atol=1e-14)
 
 
-def test_cli_collect_errors(tmp_path, capsys):
+def test_cli_collect_errors(mnist_mlp, tmp_path, capsys):
     (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
     base = mnist_mlp(dtype=torch.float32)
     torch.save(base.state_dict(), tmp_path / "wrong.pt")
@@ -138,34 +137,39 @@ def test_cli_collect_errors(tmp_path, capsys):
     assert code == 2 and "cannot import 'no_such_module_xyz'" in capsys.readouterr().err
 
 
-def _collect_files(tmp_path):
+@pytest.fixture(scope="session")
+def collect_files(finetuned_copies):
     """A factory file, base / fine-tuned state dicts and two calibration files."""
-    from safetensors.torch import save_file
 
-    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
-    import importlib.util
+    def _collect_files(tmp_path):
+        from safetensors.torch import save_file
 
-    spec = importlib.util.spec_from_file_location("factory_for_test2", tmp_path / "factory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    torch.manual_seed(0)
-    base = module.make(hidden=16)
-    fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=3)
-    save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
-    for i, ft in enumerate(fts):
-        save_file(ft.state_dict(), str(tmp_path / f"ft{i}.safetensors"))
-        torch.save(torch.randn(6, 12, generator=torch.Generator().manual_seed(i)), tmp_path / f"cal{i}.pt")
-    return ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--factory-kwargs", '{"hidden": 16}',
-            "--base", str(tmp_path / "base.safetensors"),
-            "--finetuned", str(tmp_path / "ft0.safetensors"), str(tmp_path / "ft1.safetensors"),
-            "--layer", "2", "--calibration", str(tmp_path / "cal0.pt"), str(tmp_path / "cal1.pt"),
-            "--quiet"]
+        (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("factory_for_test2", tmp_path / "factory.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        base = module.make(hidden=16)
+        fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=3)
+        save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
+        for i, ft in enumerate(fts):
+            save_file(ft.state_dict(), str(tmp_path / f"ft{i}.safetensors"))
+            torch.save(torch.randn(6, 12, generator=torch.Generator().manual_seed(i)), tmp_path / f"cal{i}.pt")
+        return ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--factory-kwargs", '{"hidden": 16}',
+                "--base", str(tmp_path / "base.safetensors"),
+                "--finetuned", str(tmp_path / "ft0.safetensors"), str(tmp_path / "ft1.safetensors"),
+                "--layer", "2", "--calibration", str(tmp_path / "cal0.pt"), str(tmp_path / "cal1.pt"),
+                "--quiet"]
+
+    return _collect_files
 
 
-def test_cli_collect_writes_what_solve_needs(tmp_path, capsys):
+def test_cli_collect_writes_what_solve_needs(collect_files, tmp_path, capsys):
     """The written QP carries the residuals, so `solve --constraint sign` works on it; a
     parametrisation asked for the QP is streamed without also naming it in --parametrisation."""
-    common = _collect_files(tmp_path)
+    common = collect_files(tmp_path)
     out = tmp_path / "s.npz"
     assert main(common + ["--out", str(out), "--problem-parametrisation", "columns"]) == 0
     capsys.readouterr()
@@ -184,7 +188,7 @@ def test_cli_collect_writes_what_solve_needs(tmp_path, capsys):
     (["--device", "meta"], "cannot run the models"),
     (["--device", "nonsense"], "unknown torch device"),
 ])
-def test_cli_collect_rejects_bad_settings(tmp_path, capsys, extra, message):
-    common = _collect_files(tmp_path)
+def test_cli_collect_rejects_bad_settings(collect_files, tmp_path, capsys, extra, message):
+    common = collect_files(tmp_path)
     assert main(common + ["--out", str(tmp_path / "s.npz"), *extra]) == 2
     assert message in capsys.readouterr().err

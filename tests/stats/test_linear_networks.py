@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import LinearSequence, finetuned_copies, linear_net, true_error
 
 from mergeqp.stats import Basis, apply_merge, collect_statistics, random_basis
+from tests.stats.tiny_models import LinearSequence
 
 PARAMS = ["rows", "scalar", "columns", "basis"]
 
@@ -19,7 +19,7 @@ def _param(spec, r, seed=3):
 
 
 @pytest.fixture(scope="module")
-def linear_case():
+def linear_case(finetuned_copies, linear_net):
     base = linear_net((6, 5, 4, 3), seed=1)
     fts = finetuned_copies(base, 3, scale=0.3, seed=2)  # every layer differs: targets exact too
     gen = torch.Generator().manual_seed(5)
@@ -30,7 +30,7 @@ def linear_case():
 
 
 @pytest.mark.parametrize("spec", PARAMS)
-def test_objective_equals_true_error(linear_case, spec):
+def test_objective_equals_true_error(true_error, linear_case, spec):
     base, fts, cal, stats = linear_case
     param = _param(spec, stats.r)
     problem = stats.problem(param)
@@ -59,7 +59,7 @@ def test_every_source_gives_the_same_problem(linear_case, spec):
         assert other.c == pytest.approx(ref.c, rel=1e-12)
 
 
-def test_task_weights_weight_each_task_error(linear_case):
+def test_task_weights_weight_each_task_error(true_error, linear_case):
     base, fts, cal, stats = linear_case
     w = np.array([0.2, 3.0, 1.5])
     problem = stats.problem("rows", task_weights=w)
@@ -101,7 +101,7 @@ def test_unconstrained_optimum_is_least_squares(linear_case, spec):
     np.testing.assert_allclose(sol.d.reshape(-1), d_ls, rtol=1e-6, atol=1e-8)
 
 
-def test_sequence_model_is_exact_and_mixes_positions():
+def test_sequence_model_is_exact_and_mixes_positions(finetuned_copies, true_error):
     base = LinearSequence(T=3, seed=4)
     fts = finetuned_copies(base, 2, scale=0.2, seed=6)
     gen = torch.Generator().manual_seed(8)
@@ -121,7 +121,7 @@ def test_sequence_model_is_exact_and_mixes_positions():
             assert problem.objective(d) == pytest.approx(truth, rel=1e-10)
 
 
-def test_long_output_uses_exact_qr_reduction():
+def test_long_output_uses_exact_qr_reduction(finetuned_copies, linear_net, true_error):
     """c = 7 outputs > r = 2: the streamed H uses the QR-reduced Jacobian and must still agree."""
     base = linear_net((4, 3, 2, 7), seed=9)
     fts = finetuned_copies(base, 2, scale=0.3, seed=10)

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import LinearSequence, TinyTransformer, seeded
 
 import mergeqp
 from mergeqp.errors import ValidationError
@@ -21,6 +20,7 @@ from mergeqp.stats.linearise import (
     perturbed_output,
     run_recorded,
 )
+from tests.stats.tiny_models import LinearSequence, TinyTransformer
 
 STATS = Path(mergeqp.__file__).parent / "stats"
 
@@ -42,7 +42,7 @@ def _derivatives(model, layer, x, **kwargs):
 
 @pytest.mark.parametrize("make, layer", [(lambda: TinyTransformer().double(), "fc1"),
                                          (lambda: LinearSequence().double(), "merge")])
-def test_forward_reverse_and_looped_derivatives_agree(make, layer):
+def test_forward_reverse_and_looped_derivatives_agree(seeded, make, layer):
     model = make()
     x = torch.randn(4, 3, model.embed.in_features, generator=seeded(1), dtype=torch.float64)
     for deriv, hook, h in _derivatives(model, layer, x, chunk_size=5):
@@ -65,7 +65,7 @@ def test_forward_reverse_and_looped_derivatives_agree(make, layer):
         assert hook.perturbation is None
 
 
-def test_directional_derivative_is_the_finite_difference_of_the_perturbed_output():
+def test_directional_derivative_is_the_finite_difference_of_the_perturbed_output(seeded):
     model = TinyTransformer().double()
     x = torch.randn(3, 4, 5, generator=seeded(3), dtype=torch.float64)
     for deriv, _, h in _derivatives(model, "fc1", x):
@@ -127,10 +127,9 @@ def test_gauss_newton_sums_are_twice_the_gram_and_cross_products():
     assert not H[0].any() and not g[0].any() and c[0] == 0.0
 
 
-def test_first_order_statistics_are_the_same_in_forward_reverse_and_auto_mode(tmp_path):
+def test_first_order_statistics_are_the_same_in_forward_reverse_and_auto_mode(tiny_hf, tmp_path):
     """collect_first_order (the multi-layer merge's producer) through the core's reverse mode
     (one VJP per compared output) equals its default forward mode (one JVP per atom)."""
-    import _hf_helpers as H
 
     from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
     from mergeqp.io.checkpoint import open_checkpoint
@@ -140,8 +139,8 @@ def test_first_order_statistics_are_the_same_in_forward_reverse_and_auto_mode(tm
     from mergeqp.merge.sites import match_sites, model_sites
     from mergeqp.stats.parametrisation import as_parametrisation
 
-    fam = H.make_family(tmp_path / "gpt2", "gpt2", K=2, n_prompts=6)
-    cls = H.auto_class("gpt2")
+    fam = tiny_hf.make_family(tmp_path / "gpt2", "gpt2", K=2, n_prompts=6)
+    cls = tiny_hf.auto_class("gpt2")
     model = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
     ft = cls.from_pretrained(str(fam.finetuned[0]), dtype=torch.float64).eval()
     spec = OutputSpec(restrict="topk", k=4)

@@ -7,16 +7,9 @@ import time
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import (
-    TinyTransformer,
-    finetuned_copies,
-    linear_net,
-    mnist_mlp,
-    true_error,
-    weight_jacobian_change,
-)
 
 from mergeqp.stats import apply_merge, collect_statistics, random_basis
+from tests.stats.tiny_models import TinyTransformer
 
 
 def _update(stats, d, spec):
@@ -26,7 +19,7 @@ def _update(stats, d, spec):
 
 
 @pytest.fixture(scope="module")
-def mnist_case():
+def mnist_case(finetuned_copies, mnist_mlp):
     base = mnist_mlp(seed=0)
     fts = finetuned_copies(base, 5, scale=0.02, layer="2", seed=1)
     gen = torch.Generator().manual_seed(2)
@@ -38,7 +31,7 @@ def mnist_case():
     return base, fts, cal, stats
 
 
-def test_mnist_shape_statistics(mnist_case):
+def test_mnist_shape_statistics(true_error, mnist_case):
     base, fts, cal, stats = mnist_case
     assert (stats.K, stats.r, stats.m1, stats.c) == (5, 128, 257, 10)
     assert stats.n_samples == 500 and not stats.jacobian_shared  # ReLU: L_j varies
@@ -90,7 +83,7 @@ def test_mnist_linearisation_error_is_superlinear(mnist_case):
 
 @pytest.mark.parametrize("layer", ["v", "fc1"])
 @pytest.mark.parametrize("mode", ["reverse", "forward"])
-def test_attention_model_matches_brute_force_jacobian(layer, mode):
+def test_attention_model_matches_brute_force_jacobian(finetuned_copies, weight_jacobian_change, layer, mode):
     base = TinyTransformer(seed=4).double()
     fts = finetuned_copies(base, 2, scale=0.1, layer=layer, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -111,7 +104,7 @@ def test_attention_model_matches_brute_force_jacobian(layer, mode):
         assert np.abs(J[:, 0:3, 3, :]).max() > 1e-4
 
 
-def test_loop_fallback_and_modes_agree():
+def test_loop_fallback_and_modes_agree(finetuned_copies):
     base = TinyTransformer(seed=9).double()
     fts = finetuned_copies(base, 2, scale=0.1, layer="fc1", seed=10)
     cal = [torch.randn(2, 3, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
@@ -125,7 +118,7 @@ def test_loop_fallback_and_modes_agree():
                                    rtol=1e-12, atol=1e-13)
 
 
-def test_task_specific_output_fn_is_exact_for_linear_heads():
+def test_task_specific_output_fn_is_exact_for_linear_heads(finetuned_copies, linear_net):
     body = linear_net((5, 4, 3), seed=11)
     fts = finetuned_copies(body, 2, scale=0.3, seed=12)
     torch.manual_seed(13)
@@ -146,7 +139,7 @@ def test_task_specific_output_fn_is_exact_for_linear_heads():
     assert problem.objective(d) == pytest.approx(truth, rel=1e-10)
 
 
-def test_label_targets_one_hot():
+def test_label_targets_one_hot(finetuned_copies, linear_net):
     base = linear_net((5, 4, 3), seed=15)
     fts = finetuned_copies(base, 2, scale=0.3, seed=16)
     gen = torch.Generator().manual_seed(17)
@@ -165,7 +158,7 @@ def test_label_targets_one_hot():
 
 
 @pytest.mark.slow
-def test_hugging_face_llama_with_dict_batches():
+def test_hugging_face_llama_with_dict_batches(finetuned_copies, weight_jacobian_change):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24,
                                    num_hidden_layers=2, num_attention_heads=2,

@@ -6,19 +6,23 @@ import gc
 import weakref
 
 import numpy as np
+import pytest
 import torch
-from _stats_helpers import finetuned_copies, mnist_mlp
 
 from mergeqp.stats import collect_statistics, estimate_statistics_bytes
 
 
-def _models():
-    base = mnist_mlp(dtype=torch.float32, seed=0)
-    return base, finetuned_copies(base, 3, scale=0.02, layer="2", seed=1)
+@pytest.fixture(scope="session")
+def mnist_models(finetuned_copies, mnist_mlp):
+    def _mnist_models():
+        base = mnist_mlp(dtype=torch.float32, seed=0)
+        return base, finetuned_copies(base, 3, scale=0.02, layer="2", seed=1)
+
+    return _mnist_models
 
 
-def test_statistics_size_is_independent_of_sample_count():
-    base, fts = _models()
+def test_statistics_size_is_independent_of_sample_count(mnist_models):
+    base, fts = mnist_models()
     sizes = []
     for n in (10, 150):
         cal = [torch.rand(n, 784, generator=torch.Generator().manual_seed(k)) for k in range(3)]
@@ -40,7 +44,7 @@ def test_statistics_size_is_independent_of_sample_count():
     assert kept.nbytes() == est["total"] and kept.nbytes(include_samples=False) == est["statistics"]
 
 
-def test_batches_are_streamed_not_held():
+def test_batches_are_streamed_not_held(finetuned_copies):
     """Each batch is released (reference count zero) before the next-but-one is requested."""
     torch.manual_seed(2)
     base = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.ReLU(), torch.nn.Linear(16, 12),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _stats_helpers import finetuned_copies, true_error
 from torch import nn
 
 import mergeqp as mq
@@ -28,7 +27,7 @@ class InplaceResidual(nn.Module):
 
 
 @pytest.mark.parametrize("param", ["rows", "scalar", "columns"])
-def test_in_place_residual_gives_the_exact_objective(param: str) -> None:
+def test_in_place_residual_gives_the_exact_objective(finetuned_copies, true_error, param: str) -> None:
     """Exactly linear model: J(d) equals the merged model's true squared error, although the
     model overwrites the layer's input in place after the layer ran."""
     torch.manual_seed(0)
@@ -52,7 +51,7 @@ class Tied(nn.Module):
         return self.c(self.b(self.a(x)))
 
 
-def test_tied_weights_are_rejected_by_collect_and_apply() -> None:
+def test_tied_weights_are_rejected_by_collect_and_apply(finetuned_copies) -> None:
     torch.manual_seed(0)
     base = Tied().double()
     fts = finetuned_copies(base, 2, scale=0.1, seed=1)
@@ -80,7 +79,7 @@ class SeqFirst(nn.Module):
 
 
 @pytest.mark.parametrize("T", [5, 6])
-def test_a_layer_whose_first_dimension_is_not_the_batch_is_rejected(T: int) -> None:
+def test_a_layer_whose_first_dimension_is_not_the_batch_is_rejected(finetuned_copies, T: int) -> None:
     torch.manual_seed(0)
     base = SeqFirst().double()
     fts = finetuned_copies(base, 2, scale=0.1, layer="fc", seed=1)
@@ -100,7 +99,7 @@ class Masked(nn.Module):
         return self.b(h if mask is None else h * mask)
 
 
-def test_dict_batch_with_x_and_more_model_arguments_passes_all_of_them() -> None:
+def test_dict_batch_with_x_and_more_model_arguments_passes_all_of_them(finetuned_copies) -> None:
     torch.manual_seed(0)
     base = Masked().double()
     fts = finetuned_copies(base, 2, scale=0.2, layer="a", seed=1)
@@ -115,7 +114,7 @@ def test_dict_batch_with_x_and_more_model_arguments_passes_all_of_them() -> None
     np.testing.assert_allclose(a.H, b.H, rtol=1e-12, atol=1e-14)
 
 
-def test_layer_that_never_runs_says_so() -> None:
+def test_layer_that_never_runs_says_so(finetuned_copies) -> None:
     class Skips(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -131,7 +130,7 @@ def test_layer_that_never_runs_says_so() -> None:
                               progress=False)
 
 
-def test_non_finite_finetuned_weights_are_named_by_apply() -> None:
+def test_non_finite_finetuned_weights_are_named_by_apply(finetuned_copies) -> None:
     base = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
     fts = finetuned_copies(base, 2, scale=0.1, seed=1)
     with torch.no_grad():
@@ -140,7 +139,7 @@ def test_non_finite_finetuned_weights_are_named_by_apply() -> None:
         mq.apply_merge(base, fts, "0", np.full((2, 4), 0.5))
 
 
-def test_integer_token_labels_ask_for_a_label_encoding() -> None:
+def test_integer_token_labels_ask_for_a_label_encoding(finetuned_copies) -> None:
     base = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 6)).double()
     fts = finetuned_copies(base, 2, scale=0.1, seed=1)
     cal = [[(torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4, 2)))]] * 2
@@ -162,7 +161,7 @@ class Roll(nn.Module):
 
 @pytest.mark.parametrize("mixer", [BatchStats, Roll], ids=["batch statistics", "roll"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=["f64", "f16", "bf16"])
-def test_samples_that_interact_are_caught_in_every_precision(mixer, dtype) -> None:
+def test_samples_that_interact_are_caught_in_every_precision(finetuned_copies, mixer, dtype) -> None:
     """Also in half precision, and when sample 0's own output does not move (roll)."""
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), mixer(), nn.Tanh(), nn.Linear(12, 3)).to(dtype)
@@ -172,7 +171,7 @@ def test_samples_that_interact_are_caught_in_every_precision(mixer, dtype) -> No
         mq.collect_statistics(base, fts, "2", cal, batch_size=4, progress=False)
 
 
-def test_a_first_batch_of_one_does_not_use_up_the_check() -> None:
+def test_a_first_batch_of_one_does_not_use_up_the_check(finetuned_copies) -> None:
     torch.manual_seed(0)
     class Center(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +185,7 @@ def test_a_first_batch_of_one_does_not_use_up_the_check() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
-def test_independent_half_precision_models_pass(dtype) -> None:
+def test_independent_half_precision_models_pass(finetuned_copies, dtype) -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 12), nn.LayerNorm(12), nn.Linear(12, 3)).to(dtype)
     fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=1)
@@ -194,7 +193,7 @@ def test_independent_half_precision_models_pass(dtype) -> None:
     assert stats.problem("rows").shape == (2, 12)
 
 
-def test_broadcast_keyword_inputs_do_not_set_the_batch_size() -> None:
+def test_broadcast_keyword_inputs_do_not_set_the_batch_size(finetuned_copies) -> None:
     """A (1, T) position tensor listed before the (B, T) main input is not the batch."""
     class Pos(nn.Module):
         def __init__(self) -> None:

@@ -147,7 +147,6 @@ class TinyCheckpoints:
         "math": ["math", "plus", "two", "one", "three", "sum", "zero", "four", "five", "times", "minus", "equals", "proof", "lemma"],
         "story": ["the", "a", "cat", "dog", "runs", "sits", "on", "mat", "is", "fun"],
     }
-    ARCHS = ("llama", "gpt2", "bert")
     #: an MLP projection and the linear layers of one block, per architecture
     MLP_LAYER = {"llama": "model.layers.1.mlp.down_proj", "gpt2": "transformer.h.1.mlp.c_fc",
                  "bert": "bert.encoder.layer.1.intermediate.dense"}

@@ -26,6 +26,8 @@ def _save_npy(path, array) -> None:
 
 @pytest.fixture(scope="session")
 def small_qp(random_problem):
+    """``small_qp(K=2, m=3, seed=0)``: a small random merge QP of shape ``(K, m)``."""
+
     def _small_qp(K: int = 2, m: int = 3, seed: int = 0) -> MergeQP:
         return random_problem(np.random.default_rng(seed), K=K, m=m)
 

@@ -27,6 +27,8 @@ ROUNDING = 1e-6
 
 @pytest.fixture(scope="session")
 def peft_merge_utils(require):
+    """``peft_merge_utils()``: PEFT's ``merge_utils`` module (skips the test when PEFT is missing)."""
+
     def _peft_merge_utils():
         return require("peft.utils.merge_utils")
 
@@ -121,6 +123,9 @@ def test_peft_ties_equals_mergekit_ties_with_weights_1_over_K(random_family):
 # ------------------------------------------------------------------------------- mergekit, tensors
 @pytest.fixture(scope="session")
 def mergekit_method(require):
+    """``mergekit_method(name)``: mergekit's registered merge method ``name`` (skips the test
+    when mergekit is missing)."""
+
     def _mergekit_method(name):
         require("mergekit")
         from mergekit.merge_methods import registry
@@ -132,6 +137,9 @@ def mergekit_method(require):
 
 @pytest.fixture(scope="session")
 def mergekit_merge(mergekit_method):
+    """``mergekit_merge(name, base, fts, **parameters)``: mergekit's method ``name`` applied to
+    one tensor group (``base`` may be None); returns the merged tensor."""
+
     def _mergekit_merge(name, base, fts, **parameters):
         method = mergekit_method(name)  # skips when mergekit is missing
         from mergekit.merge_methods.base import TensorGroup

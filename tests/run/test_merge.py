@@ -23,7 +23,7 @@ from mergeqp.config import load_config
 from mergeqp.io.checkpoint import open_checkpoint
 from mergeqp.run.pipeline import run_merge
 
-#: the architectures of the ``tiny_hf`` kit, one family each (parametrize needs them at import)
+#: the architectures that ``tiny_hf.make_family`` builds, one family each (parametrize reads them at import)
 ARCHS = ("llama", "gpt2", "bert")
 REQUIRED = {"objective_before", "objective_after", "certificate", "energy_fraction", "seconds"}
 

@@ -14,6 +14,9 @@ from mergeqp.stats import collect_statistics, estimate_statistics_bytes
 
 @pytest.fixture(scope="session")
 def mnist_models(finetuned_copies, mnist_mlp):
+    """``mnist_models() -> (base, [3 fine-tuned copies])``: the float32 MNIST MLP and copies
+    perturbed in layer ``"2"``."""
+
     def _mnist_models():
         base = mnist_mlp(dtype=torch.float32, seed=0)
         return base, finetuned_copies(base, 3, scale=0.02, layer="2", seed=1)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "mergeqp"
 
@@ -149,7 +148,7 @@ def test_dependencies_run_one_way():
     assert not bad, "imports that run up the layers:\n" + "\n".join(sorted(bad))
 
 
-def test_the_graph_reader_sees_imports(tmp_path):
+def test_the_graph_reader_sees_imports():
     """The reader itself: relative, absolute and deferred imports are found, TYPE_CHECKING ones not."""
     g = graph()
     assert "mergeqp.errors" in g["mergeqp.problem"]

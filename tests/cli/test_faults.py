@@ -1,0 +1,218 @@
+"""Fault injection: a write that fails with ENOSPC half-way, Ctrl-C inside a write, and SIGINT /
+SIGTERM sent to a running ``mergeqp`` process. Each must leave the previous outputs intact (or
+the new ones complete), no temporary files, and the documented exit code."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import mergeqp.io.atomic as atomic
+from mergeqp.cli import main
+from mergeqp.errors import OutputError
+from mergeqp.io import save_hf_folder
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class _HalfThenFail:
+    """A file object that writes half of what it is given, then fails like a full disk (or
+    raises ``interrupt``)."""
+
+    def __init__(self, fh, interrupt: type[BaseException] | None = None):
+        self._fh = fh
+        self._interrupt = interrupt
+
+    def write(self, data):
+        self._fh.write(data[: max(1, len(data) // 2)])
+        self._fh.flush()
+        if self._interrupt is not None:
+            raise self._interrupt()
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._fh, name)
+
+
+def _failing_open(monkeypatch, fail_on: int, interrupt: type[BaseException] | None = None) -> None:
+    """Make the ``fail_on``-th file opened by the atomic writers fail half-way."""
+    calls = {"n": 0}
+    real_open = open
+
+    def fake_open(path, *args, **kwargs):
+        fh = real_open(path, *args, **kwargs)
+        calls["n"] += 1
+        return _HalfThenFail(fh, interrupt) if calls["n"] == fail_on else fh
+
+    monkeypatch.setattr(atomic, "open", fake_open, raising=False)
+
+
+@pytest.fixture()
+def problem_path(small_problem, tmp_path) -> Path:
+    path = tmp_path / "in" / "p.npz"
+    path.parent.mkdir()
+    np.savez(path, **small_problem())
+    return path
+
+
+@pytest.mark.parametrize("fail_on", [1, 2])
+def test_full_disk_while_solve_writes_keeps_old_files(digests, leftovers, problem_path, tmp_path, monkeypatch, capsys, fail_on):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "sol.json").write_text("old solution")
+    (out / "d.npy").write_bytes(b"old d")
+    inputs = digests(problem_path.parent)
+    _failing_open(monkeypatch, fail_on)
+    code = main(["solve", str(problem_path), "--out", str(out / "sol.json"), "--save-d", str(out / "d.npy")])
+    err = capsys.readouterr().err
+    assert code == 4, err
+    failed = "sol.json" if fail_on == 1 else "d.npy"
+    assert f"cannot write {out / failed}: No space left on device; its previous state is kept" in err
+    assert (out / "d.npy").read_bytes() == b"old d"  # the failed file, or one never reached
+    if fail_on == 1:
+        assert (out / "sol.json").read_text() == "old solution"
+    else:  # the first file was complete before the second failed
+        assert json.loads((out / "sol.json").read_text())["certificate"]["certified"] is True
+    assert leftovers(tmp_path) == [] and digests(problem_path.parent) == inputs
+
+
+def test_ctrl_c_inside_a_write_keeps_the_old_file(leftovers, problem_path, tmp_path, monkeypatch, capsys):
+    (tmp_path / "sol.json").write_text("old")
+    _failing_open(monkeypatch, 1, interrupt=KeyboardInterrupt)
+    code = main(["solve", str(problem_path), "--out", str(tmp_path / "sol.json")])
+    assert code == 130 and "interrupted" in capsys.readouterr().err
+    assert (tmp_path / "sol.json").read_text() == "old" and leftovers(tmp_path) == []
+
+
+def test_full_disk_while_collect_writes(build_world, digests, leftovers, tmp_path, monkeypatch, capsys):
+    world = build_world(tmp_path / "w")
+    inputs = digests(world)
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "s.npz").write_bytes(b"old statistics")
+    _failing_open(monkeypatch, 1)
+    code = main(["collect", "--factory", f"{world}/factory.py:make", "--layer", "2", "--quiet",
+                 "--base", f"{world}/base.safetensors", "--finetuned", f"{world}/ft0.safetensors",
+                 "--calibration", f"{world}/cal0.pt", "--out", str(out / "s.npz")])
+    err = capsys.readouterr().err
+    assert code == 4 and "No space left on device" in err and str(out / "s.npz") in err
+    assert (out / "s.npz").read_bytes() == b"old statistics" and not (out / "s_problem.npz").exists()
+    assert leftovers(tmp_path) == [] and digests(world) == inputs
+
+
+def test_full_disk_half_way_through_a_sharded_model_keeps_the_old_folder(digests, leftovers, tmp_path, monkeypatch):
+    import safetensors.torch as st
+
+    tensors = {f"t{i}": torch.full((64,), float(i)) for i in range(6)}
+    out = tmp_path / "model"
+    save_hf_folder(out, iter(tensors.items()), max_shard_bytes=600)
+    before = digests(out)
+    real_save, calls = st.save_file, {"n": 0}
+
+    def save_file(data, path, metadata=None):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second shard: half its bytes, then the disk is full
+            real_save(data, path, metadata=metadata)
+            with open(path, "r+b") as fh:
+                fh.truncate(os.path.getsize(path) // 2)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(data, path, metadata=metadata)
+
+    monkeypatch.setattr(st, "save_file", save_file)
+    new = {k: v + 1 for k, v in tensors.items()}
+    with pytest.raises(OutputError, match="No space left on device; the output folder was not changed"):
+        save_hf_folder(out, iter(new.items()), max_shard_bytes=600, overwrite=True)
+    assert digests(out) == before and leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_failed_folder_write_leaves_no_folder(tmp_path):
+    with pytest.raises(RuntimeError), atomic.atomic_folder(tmp_path / "new") as staging:
+        (staging / "results.json").write_text("{}")
+        raise RuntimeError("the run failed after its first file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_folder_replaces_old_content_only_when_complete(leftovers, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "results.json").write_text("old")
+    with pytest.raises(KeyboardInterrupt), atomic.atomic_folder(out, overwrite=True) as staging:
+        (staging / "results.json").write_text("new, half")
+        raise KeyboardInterrupt
+    assert (out / "results.json").read_text() == "old"
+    with atomic.atomic_folder(out, overwrite=True) as staging:
+        (staging / "results.json").write_text("new")
+    assert (out / "results.json").read_text() == "new" and leftovers(tmp_path) == []
+
+
+SCRIPT = """
+import sys
+from mergeqp.cli import main
+print("ready", flush=True)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_run_keeps_the_old_output(leftovers, problem_path, tmp_path, signum):
+    """A long solve (the paper's Adam with 10^9 steps) is stopped by a signal: exit 130, the old
+    --out file untouched, no temporary file."""
+    out = tmp_path / "sol.json"
+    out.write_text("old solution")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, "solve", str(problem_path), "--constraint", "box:0,1",
+         "--solver", "torch_adam", "--option", "steps=1000000000", "--option", "device='cpu'",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(2.0)  # into the solve
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert "outputs keep their previous state" in err and "Traceback" not in err
+    assert out.read_text() == "old solution" and leftovers(tmp_path) == []
+
+
+def test_collect_refuses_a_disk_too_small_before_collecting(build_world, tmp_path, monkeypatch, capsys):
+    """The statistics' size is estimated once the layer is known, before the collection."""
+    import collections
+
+    world = build_world(tmp_path / "w")
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr("mergeqp.stats.collect_statistics",
+                        lambda *a, **k: pytest.fail("collected despite the full disk"))
+    code = main(["collect", "--factory", f"{world}/factory.py:make", "--layer", "2", "--quiet",
+                 "--base", f"{world}/base.safetensors", "--finetuned", f"{world}/ft0.safetensors",
+                 "--calibration", f"{world}/cal0.pt", "--out", str(tmp_path / "s.npz")])
+    err = capsys.readouterr().err
+    assert code == 2 and "not enough free space for the statistics and problem files" in err
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_atomic_file_writes_exact_name_and_keeps_permissions(leftovers, tmp_path):
+    target = tmp_path / "d"
+    target.write_text("old")
+    os.chmod(target, 0o640)
+    atomic.save_npy_atomic(target, np.arange(3.0))
+    assert np.load(target).tolist() == [0.0, 1.0, 2.0] and not (tmp_path / "d.npy").exists()
+    assert (os.stat(target).st_mode & 0o777) == 0o640 and leftovers(tmp_path) == []

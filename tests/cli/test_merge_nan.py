@@ -1,0 +1,41 @@
+"""`mergeqp merge` (Hugging Face folders) given a checkpoint with NaN: refused with exit code 3
+naming the tensor and the model, whatever `evaluate` says, and nothing is written."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+from mergeqp.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def family(tiny_hf, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    fam = tiny_hf.make_family(tmp_path_factory.mktemp("nanfam") / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    for path in fam.finetuned[1].glob("*.safetensors"):
+        sd = load_file(str(path))
+        if "model.layers.1.mlp.down_proj.weight" in sd:
+            sd["model.layers.1.mlp.down_proj.weight"][0, 0] = float("nan")
+            save_file(sd, str(path), metadata={"format": "pt"})
+    return fam
+
+
+@pytest.mark.parametrize("method", [{"name": "ties", "params": {"density": 0.5}}, {"name": "task_arithmetic"},
+                                    {"name": "qp", "mode": "single"}])
+def test_merge_refuses_nan_checkpoint(digests, leftovers, tiny_hf, family, tmp_path, capsys, method):
+    cfg = family.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["llama"]], method,
+                         evaluate=method["name"] == "qp")
+    before = digests(family.root)
+    code = main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "non-finite" in err and "Traceback" not in err
+    if method["name"] != "qp":  # the baselines name the tensor and the model
+        assert "tensor 'model.layers.1.mlp.down_proj.weight' of finetuned[1]" in err
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+    assert digests(family.root) == before

@@ -1,0 +1,200 @@
+"""``mergeqp solve`` / ``mergeqp certify``: JSON output, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mergeqp.cli import main
+from mergeqp.constraints import Box, SignConsensus, Simplex
+from mergeqp.problem import MergeQP
+
+
+@pytest.fixture()
+def problem_file(random_problem, tmp_path) -> tuple[str, MergeQP]:
+    problem = random_problem(np.random.default_rng(0), K=3, m=4, offset=0.7)
+    path = str(tmp_path / "p.npz")
+    problem.save_npz(path)
+    return path, problem
+
+
+def read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_solve_unconstrained_writes_json(problem_file, tmp_path, capsys) -> None:
+    path, problem = problem_file
+    out = str(tmp_path / "sol.json")
+    code, stdout, _ = run(capsys, "solve", path, "--out", out)
+    assert code == 0
+    assert "certificate: CERTIFIED" in stdout and "objective J(d)" in stdout
+    sol = read_json(out)
+    d = np.linalg.solve(problem.H, -problem.g).reshape(problem.shape)
+    np.testing.assert_allclose(np.array(sol["d"]), d, rtol=1e-8, atol=1e-10)
+    assert len(sol["d"]) == 3 and len(sol["d"][0]) == 4  # K x n_atoms
+    assert sol["objective"] == pytest.approx(problem.objective(d), rel=1e-10)
+    assert sol["solver"] == "closed_form"
+    assert sol["certificate"]["certified"] is True and sol["certificate"]["fw_gap"] >= 0
+
+
+def test_solve_box_and_simplex_then_certify(cvxpy_solve, problem_file, tmp_path, capsys) -> None:
+    path, problem = problem_file
+    out, d_file = str(tmp_path / "sol.json"), str(tmp_path / "d.npy")
+    code, stdout, _ = run(capsys, "solve", path, "--constraint", "box:0,0.8", "--constraint", "simplex",
+                          "--out", out, "--save-d", d_file)
+    assert code == 0, stdout
+    sol = read_json(out)
+    j_star, _ = cvxpy_solve(problem, Box(0, 0.8) & Simplex())
+    assert sol["objective"] == pytest.approx(j_star, rel=1e-7)
+    assert sol["constraints"] == "box:0,0.8 & simplex"
+    assert sol["certificate"]["certified"] is True
+    # certify the saved point (npy), and the JSON itself
+    code, stdout, _ = run(capsys, "certify", path, "--point", d_file, "--constraint", "box:0,0.8 & simplex")
+    assert code == 0 and "CERTIFIED" in stdout
+    cert_out = str(tmp_path / "cert.json")
+    code, _, _ = run(capsys, "certify", path, "--point", out, "--constraint", "box:0,0.8",
+                     "--constraint", "simplex", "--out", cert_out)
+    assert code == 0 and read_json(cert_out)["certified"] is True
+    # the same point is not optimal for another set: exit 1 with the reason
+    code, stdout, stderr = run(capsys, "certify", path, "--point", d_file, "--constraint", "box:0,1")
+    assert code == 1
+    assert "NOT CERTIFIED" in stdout and "optimality gap" in stderr
+
+
+def test_certify_wrong_points(cvxpy_solve, problem_file, tmp_path, capsys) -> None:
+    path, problem = problem_file
+    _, d = cvxpy_solve(problem, Box(0, 1))
+    bad = np.clip(d, 0, 1) + 0.3  # infeasible
+    np.save(tmp_path / "bad.npy", bad)
+    code, _, stderr = run(capsys, "certify", path, "--point", str(tmp_path / "bad.npy"), "--constraint", "box:0,1")
+    assert code == 1 and "infeasible: constraint violation" in stderr
+    np.savetxt(tmp_path / "soup.txt", problem.soup_point().ravel())
+    code, _, stderr = run(capsys, "certify", path, "--point", str(tmp_path / "soup.txt"), "--constraint", "box:0,1")
+    assert code == 1 and "optimality gap" in stderr
+
+
+def test_sign_constraint_from_the_problem_file(cvxpy_solve, random_problem, tmp_path, capsys) -> None:
+    rng = np.random.default_rng(1)
+    K, r, m = 3, 4, 5
+    deltas = rng.normal(size=(K, r, m)) + 0.1
+    problem = random_problem(rng, K=K, m=r, offset=0.8)
+    path = str(tmp_path / "sign.npz")
+    problem.save_npz(path, extra={"deltas": deltas, "parametrisation": "rows"})
+    out = str(tmp_path / "sol.json")
+    code, stdout, _ = run(capsys, "solve", path, "--constraint", "box:0,1", "--constraint", "sign", "--out", out)
+    assert code == 0, stdout
+    cset = Box(0, 1) & SignConsensus.from_deltas(deltas, "rows")
+    j_star, _ = cvxpy_solve(problem, cset)
+    sol = read_json(out)
+    assert sol["objective"] == pytest.approx(j_star, rel=1e-6)
+    assert sol["certificate"]["gap_method"].startswith("frank-wolfe, LP (HiGHS")
+    assert cset.violation(np.array(sol["d"])) <= 1e-7
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["solve", "{missing}"], "problem file not found"),
+        (["solve", "{garbage}"], "cannot read problem file"),
+        (["solve", "{noH}"], "lacks array(s) ['H']"),
+        (["solve", "{ok}", "--constraint", "boxx:0,1"], "unknown constraint set 'boxx'; valid constraint sets: box,"),
+        (["solve", "{ok}", "--constraint", "box:0"], "box takes two bounds"),
+        (["solve", "{ok}", "--constraint", "box:0,0.1", "--constraint", "simplex"], "box:0,0.1 & simplex is empty"),
+        (["solve", "{ok}", "--constraint", "sign"], "'sign' needs the residual tensors"),
+        (["solve", "{ok}", "--solver", "magic"], "unknown solver 'magic'; valid solvers: "),
+        (["solve", "{ok}", "--option", "novalue"], "expected KEY=VALUE"),
+        (["solve", "{ok}", "--out", "/nonexistent-dir/x.json"], "cannot write the solution to /nonexistent-dir/x.json"),
+        (["certify", "{ok}", "--point", "{missing}"], "point file not found"),
+        (["certify", "{ok}", "--point", "{transposed}"], "point has shape (4, 3), the problem needs d of shape (3, 4)"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(problem_file, tmp_path, capsys, argv, message) -> None:
+    path, _ = problem_file
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"\x00\x01 not an archive")
+    noH = tmp_path / "noH.npz"
+    np.savez(noH, g=np.ones(3))
+    transposed = tmp_path / "t.npy"
+    np.save(transposed, np.zeros((4, 3)))
+    names = {"missing": str(tmp_path / "missing.npz"), "garbage": str(garbage), "noH": str(noH),
+             "ok": path, "transposed": str(transposed)}
+    code, _, stderr = run(capsys, *[a.format(**names) for a in argv])
+    assert code == 2
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith(f"mergeqp {argv[0]}: error: ") and message in lines[0]
+    assert "Traceback" not in stderr
+
+
+def test_python_dash_m_entry_point(problem_file, tmp_path) -> None:
+    path, _ = problem_file
+    out = tmp_path / "sol.json"
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "mergeqp", "solve", path, "--constraint", "box:0,1",
+                           "--out", str(out)], capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "certificate: CERTIFIED" in proc.stdout
+    sol = json.loads(out.read_text())
+    assert sol["certificate"]["certified"] is True and np.array(sol["d"]).shape == (3, 4)
+
+
+def test_point_formats_and_pinv_flag(problem_file, tmp_path, capsys) -> None:
+    from mergeqp.cli.solve import load_point
+
+    path, problem = problem_file
+    d = np.linalg.solve(problem.H, -problem.g).reshape(problem.shape)
+    np.savez(tmp_path / "point.npz", d=d)
+    np.savez(tmp_path / "other.npz", x=d)
+    np.savetxt(tmp_path / "p.csv", d, delimiter=",")
+    (tmp_path / "p.json").write_text(json.dumps(d.tolist()))
+    for name in ("point.npz", "other.npz", "p.csv", "p.json"):
+        np.testing.assert_allclose(load_point(str(tmp_path / name)), d, rtol=1e-15)
+        code, _, _ = run(capsys, "certify", path, "--point", str(tmp_path / name), "--pinv")
+        assert code == 0, name
+    np.savez(tmp_path / "two.npz", a=d, b=d)
+    code, _, stderr = run(capsys, "certify", path, "--point", str(tmp_path / "two.npz"))
+    assert code == 2 and "name the point's array 'd'" in stderr
+    out = str(tmp_path / "sol.json")
+    code, _, _ = run(capsys, "solve", path, "--constraint", "box:0,1", "--pinv", "--out", out)
+    assert code == 0
+    cert = read_json(out)["certificate"]
+    assert cert["unconstrained_bound"] <= cert["lower_bound"] + 1e-9
+    assert cert["binding"] is True
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--json", "/nonexistent-folder-xyz/x.json"], "does not exist"),
+    (["--opt", "active_set.foo=1"], "unrecognised solver option"),
+    (["--problems", ","], "--problems is empty"),
+])
+def test_bench_rejects_bad_arguments_before_running(extra, message, capsys) -> None:
+    from mergeqp.cli import main
+
+    args = ["bench", "--problems", "tiny96", "--solvers", "active_set", *extra]
+    if "--problems" in extra:
+        args = ["bench", "--solvers", "active_set", *extra]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "problem" not in captured.out  # no table was started
+
+
+def test_overflowing_objective_is_a_solver_error() -> None:
+    import mergeqp as mq
+    from mergeqp.errors import SolverError
+
+    with pytest.raises(SolverError, match="overflows float64"):
+        mq.solve(mq.MergeQP(np.eye(2), [1e300, -1e300]), None)

@@ -1,0 +1,52 @@
+"""Fixtures of the experiment tests: a tiny MNIST configuration and an IDX file writer."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from mergeqp.experiments.mnist import MnistConfig
+from mergeqp.experiments.models import TrainConfig
+from mergeqp.experiments.trust_region import TrustRegionConfig
+
+IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(">i2"): 0x0B,
+             np.dtype(">i4"): 0x0C, np.dtype(">f4"): 0x0D, np.dtype(">f8"): 0x0E}
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Callable[[], MnistConfig]:
+    """``tiny_config()``: the MNIST experiment shrunk to a few seconds: fewer samples, epochs,
+    QPs and bases."""
+
+    def _tiny_config() -> MnistConfig:
+        return MnistConfig(
+            calibration_per_task=40, train_per_task=120, test_per_task=60,
+            base_train=TrainConfig(epochs=2, lr=2e-3, batch_size=64),
+            finetune_train=TrainConfig(epochs=2, lr=1e-3, batch_size=64),
+            adam_steps=200,
+            trust_region=TrustRegionConfig(max_qps=3),
+            geometry_p=(2, 8), random_seeds=(0,),
+        )
+
+    return _tiny_config
+
+
+@pytest.fixture(scope="session")
+def write_idx() -> Callable[[str, np.ndarray, bool], None]:
+    """``write_idx(path, array, gz)``: write ``array`` as an IDX file (big-endian data, the type
+    code from its dtype), gzip-compressed when ``gz``."""
+
+    def _write_idx(path: str, array: np.ndarray, gz: bool) -> None:
+        arr = np.asarray(array)
+        be = arr.dtype.newbyteorder(">") if arr.dtype.itemsize > 1 else arr.dtype
+        code = IDX_CODES[np.dtype(be)]
+        header = bytes([0, 0, code, arr.ndim]) + struct.pack(">" + "I" * arr.ndim, *arr.shape)
+        data = header + arr.astype(be).tobytes()
+        with (gzip.open(path, "wb") if gz else open(path, "wb")) as fh:
+            fh.write(data)
+
+    return _write_idx

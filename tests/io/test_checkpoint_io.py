@@ -1,0 +1,264 @@
+"""Checkpoint reading (lazy, sharded, bare files), the HF folder writer, prompts and output specs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeqp.errors import ValidationError
+from mergeqp.io.calibration import (
+    holdout_count,
+    read_prompts,
+    split_holdout,
+    tokenize_batches,
+)
+from mergeqp.io.checkpoint import open_checkpoint, read_safetensors_header
+from mergeqp.io.writer import check_output_folder, parse_size, save_hf_folder
+from mergeqp.lm import OutputSpec
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_hf, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("io") / "llama"
+    tiny_hf.build_base(folder, "llama", seed=3)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tiny_hf, tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("io") / "gpt2"
+    tiny_hf.build_base(folder, "gpt2", seed=4)
+    return folder
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_hf_folder_names_shapes_and_values(tiny_hf, llama_dir):
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
+    ck = open_checkpoint(llama_dir)
+    sd = model.state_dict()
+    assert ck.kind == "hf_safetensors" and ck.config["model_type"] == "llama"
+    assert set(ck.names()) == set(sd)
+    for name in ck.names():
+        assert ck.info(name).shape == tuple(sd[name].shape)
+        assert torch.equal(ck.get(name), sd[name])
+    assert ck.total_bytes == sum(t.numel() * t.element_size() for t in sd.values())
+    with pytest.raises(ValidationError, match="did you mean"):
+        ck.info("model.layers.0.mlp.down_proj.weigth")
+
+
+def test_open_reads_headers_only(tiny_hf, llama_dir, monkeypatch):
+    """Opening and inspecting never loads a tensor: safe_open is not even called."""
+    import safetensors
+
+    def boom(*a, **k):
+        raise AssertionError("a tensor was loaded")
+
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+    ck = open_checkpoint(llama_dir)
+    assert ck.info("lm_head.weight").shape == (len(tiny_hf.vocab()), 16)
+    with pytest.raises(AssertionError, match="tensor was loaded"):
+        ck.get("lm_head.weight")
+
+
+def test_sharded_folder_round_trip(tiny_hf, llama_dir, tmp_path):
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="8KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ck = open_checkpoint(tmp_path / "sharded")
+    assert len(ck.files) > 1
+    sd = model.state_dict()
+    assert set(ck.names()) == set(sd)
+    for name in ck.names():
+        assert torch.equal(ck.get(name), sd[name])
+
+
+def test_bare_safetensors_and_torch_files(tiny_hf, llama_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    sd = {k: v.clone() for k, v in tiny_hf.model_class("llama").from_pretrained(str(llama_dir)).state_dict().items()}
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    torch.save(sd, tmp_path / "w.pt")
+    torch.save({"state_dict": sd}, tmp_path / "wrapped.bin")
+    for name, kind in (("w.safetensors", "safetensors"), ("w.pt", "torch"), ("wrapped.bin", "torch")):
+        ck = open_checkpoint(tmp_path / name)
+        assert ck.kind == kind and ck.config is None
+        for key, value in sd.items():
+            assert torch.equal(ck.get(key), value)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00nope!")
+    with pytest.raises(ValidationError, match="not a safetensors file"):
+        open_checkpoint(tmp_path / "bad.safetensors")
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with pytest.raises(ValidationError, match="expected a state dict"):
+        open_checkpoint(tmp_path / "list.pt")
+    with pytest.raises(ValidationError, match="not found"):
+        open_checkpoint(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValidationError, match="no weights found"):
+        open_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_writer_sharded_folder_loads_with_from_pretrained(tiny_hf, arch, llama_dir, gpt2_dir, tmp_path):
+    src = llama_dir if arch == "llama" else gpt2_dir
+    ck = open_checkpoint(src)
+    before = tiny_hf.file_digests(src)
+    written = save_hf_folder(tmp_path / "out", ((n, ck.get(n)) for n in ck.names()), source_folder=src,
+                             max_shard_bytes=6000, protected=[src])
+    assert len(written.weight_files) > 1 and written.index == "model.safetensors.index.json"
+    index = json.loads((tmp_path / "out" / written.index).read_text())
+    assert set(index["weight_map"]) == set(ck.names())
+    assert index["metadata"]["total_size"] == ck.total_bytes
+    for f in written.weight_files:  # every shard holds <= limit unless it is a single tensor
+        infos, meta = read_safetensors_header(tmp_path / "out" / f)
+        assert meta["format"] == "pt"
+        assert sum(i.nbytes for i in infos.values()) <= 6000 or len(infos) == 1
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(written.copied)
+    cls = tiny_hf.auto_class(arch)
+    a, b = cls.from_pretrained(str(src)).eval(), cls.from_pretrained(str(tmp_path / "out")).eval()
+    ids = torch.tensor([[4, 9, 12, 7, 5]])
+    assert torch.equal(_logits(a, ids), _logits(b, ids))
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).get_vocab() == tiny_hf.vocab()
+    assert tiny_hf.file_digests(src) == before  # inputs untouched
+
+
+def test_writer_dtype_and_refusals(llama_dir, tmp_path):
+    ck = open_checkpoint(llama_dir)
+    out = tmp_path / "half"
+    save_hf_folder(out, ((n, ck.get(n)) for n in ck.names()), source_folder=llama_dir, dtype="bfloat16")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    assert open_checkpoint(out).info("lm_head.weight").dtype == "bfloat16"
+    with pytest.raises(ValidationError, match="not empty"):
+        check_output_folder(out, [])
+    with pytest.raises(ValidationError, match="overlaps input"):
+        check_output_folder(llama_dir, [llama_dir], overwrite=True)
+    with pytest.raises(ValidationError, match="overlaps input"):
+        check_output_folder(llama_dir / "sub", [llama_dir])
+    with pytest.raises(ValidationError, match="overlaps input"):
+        check_output_folder(llama_dir.parent, [llama_dir], overwrite=True)
+    with pytest.raises(ValidationError, match="given twice"):
+        save_hf_folder(tmp_path / "dup", iter([("a", torch.zeros(2)), ("a", torch.ones(2))]))
+
+
+def test_parse_size():
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("200MiB") == 200 * 2**20
+    assert parse_size(1234) == 1234
+    assert parse_size("1.5KB") == 1500
+    for bad in ("five", "-1GB", 0, "0B"):
+        with pytest.raises(ValidationError):
+            parse_size(bad)
+
+
+@settings(max_examples=15, deadline=None)
+@given(limit=st.integers(min_value=16, max_value=4000), sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12))
+def test_writer_round_trip_property(tmp_path_factory, limit, sizes):
+    out = tmp_path_factory.mktemp("prop")
+    tensors = {f"t{i}": torch.arange(n, dtype=torch.float32) * (i + 1) for i, n in enumerate(sizes)}
+    written = save_hf_folder(out, iter(tensors.items()), max_shard_bytes=limit, overwrite=True)
+    ck = open_checkpoint(out / written.weight_files[0]) if len(written.weight_files) == 1 else None
+    if ck is None:
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        got = {}
+        for name, f in index["weight_map"].items():
+            got[name] = open_checkpoint(out / f).get(name)
+    else:
+        got = ck.state_dict()
+    assert set(got) == set(tensors)
+    for k, value in tensors.items():
+        assert torch.equal(got[k], value)
+    assert written.total_bytes == 4 * sum(sizes)
+
+
+# ---------------------------------------------------------------------- prompts and batches
+def test_read_prompts_formats_and_errors(tmp_path):
+    (tmp_path / "a.txt").write_text("first prompt\n\n  second  \n")
+    assert read_prompts(tmp_path / "a.txt") == ["first prompt", "second"]
+    (tmp_path / "b.jsonl").write_text('{"text": "x y"}\n"bare"\n\n{"text": "z"}\n')
+    assert read_prompts(tmp_path / "b.jsonl") == ["x y", "bare", "z"]
+    assert read_prompts(tmp_path / "b.jsonl", max_prompts=2) == ["x y", "bare"]
+    (tmp_path / "c.jsonl").write_text('{"prompt": "p"}\n')
+    assert read_prompts(tmp_path / "c.jsonl", field="prompt") == ["p"]
+    with pytest.raises(ValidationError, match=r"c.jsonl:1: object has no field 'text'"):
+        read_prompts(tmp_path / "c.jsonl")
+    (tmp_path / "d.jsonl").write_text('{"text": "ok"}\n{broken\n')
+    with pytest.raises(ValidationError, match=r"d.jsonl:2: not JSON"):
+        read_prompts(tmp_path / "d.jsonl")
+    (tmp_path / "e.json").write_text('["u", {"text": "v"}]')
+    assert read_prompts(tmp_path / "e.json") == ["u", "v"]
+    (tmp_path / "f.txt").write_text("\n\n")
+    with pytest.raises(ValidationError, match="no prompts"):
+        read_prompts(tmp_path / "f.txt")
+    with pytest.raises(ValidationError, match="prompt files are"):
+        read_prompts(tmp_path / "g.csv")
+
+
+def test_split_holdout_is_seeded_partition():
+    items = list(range(20))
+    calib, held = split_holdout(items, 0.25, seed=7)
+    assert len(held) == 5 and sorted(calib + held) == items and not set(calib) & set(held)
+    assert split_holdout(items, 0.25, seed=7) == (calib, held)
+    assert split_holdout(items, 0.25, seed=8) != (calib, held)
+    assert holdout_count(3, 10) == 2 and holdout_count(10, 0) == 0 and holdout_count(10, 3) == 3
+
+
+def test_tokenize_batches_pads_right_and_masks(llama_dir):
+    from mergeqp.io.calibration import load_tokenizer
+
+    tok = load_tokenizer(llama_dir)
+    batches = tokenize_batches(tok, ["the cat sits on the mat", "code", "x y z plus two"], max_length=4, batch_size=2)
+    assert [b.size for b in batches] == [2, 1]
+    first = batches[0]
+    assert first.inputs["input_ids"].shape == (2, 4)
+    assert first.mask.tolist() == [[1, 1, 1, 1], [1, 0, 0, 0]]
+    assert int(first.inputs["input_ids"][1, 1]) == tok.pad_token_id
+
+
+def test_output_spec_restrictions():
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randn(3, 5, 40, generator=gen, dtype=torch.float64)
+    mask = torch.ones(3, 5, dtype=torch.int64)
+    mask[1, 3:] = 0
+    top = OutputSpec(restrict="topk", k=4)
+    idx = top.topk_index(raw)
+    sel = top.select(raw, mask, idx)
+    assert sel.shape == (3, 5, 4)
+    assert torch.equal(sel[0, 0], raw[0, 0].sort(descending=True).values[:4])
+    assert torch.all(sel[1, 3:] == 0)
+    # the projection is an unbiased estimate of the squared norm: E ||P'x||^2 = ||x||^2
+    x = torch.randn(40, generator=gen, dtype=torch.float64)
+    ests = [float((OutputSpec(restrict="projection", k=16, seed=s).select(x[None]) ** 2).sum()) for s in range(400)]
+    assert abs(np.mean(ests) / float(x @ x) - 1.0) < 0.08
+    P = OutputSpec(restrict="projection", k=16, seed=1).projection(40, torch.float64, "cpu")
+    assert torch.equal(P, OutputSpec(restrict="projection", k=16, seed=1).projection(40, torch.float64, "cpu"))
+    with pytest.raises(ValidationError, match="needs k"):
+        OutputSpec(restrict="topk")
+    with pytest.raises(ValidationError, match="valid"):
+        OutputSpec(restrict="fancy", k=2)
+
+
+def test_target_batch_counts():
+    from mergeqp.io.calibration import Batch
+    from mergeqp.lm import TargetBatch
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    seq = TargetBatch(Batch({"input_ids": mask}, mask), torch.zeros(2, 3, 5))
+    assert (seq.count, seq.entries) == (3, 15)
+    unmasked = TargetBatch(Batch({"pixel_values": torch.zeros(2, 1)}), torch.zeros(2, 4, 5))
+    assert (unmasked.count, unmasked.entries) == (8, 40)
+    vec = TargetBatch(Batch({"pixel_values": torch.zeros(2, 1)}), torch.zeros(2, 3))
+    assert (vec.count, vec.entries) == (2, 6)

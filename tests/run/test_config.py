@@ -1,0 +1,287 @@
+"""The merge config schema, and bad configs failing fast (before any weight is loaded)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mergeqp.config import check_paths, load_config, parse_config
+from mergeqp.errors import ConfigError
+
+MINIMAL = {"base": "b", "models": [{"path": "x", "calibration": "c.txt"}], "layers": "m.*"}
+
+
+def _err(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return str(info.value)
+
+
+def test_minimal_config_defaults():
+    cfg = parse_config(MINIMAL, root="/r")
+    assert cfg.layers == ["m.*"]
+    m = cfg.method
+    assert (m.name, m.mode, m.parametrisation, m.constraints, m.solver) == ("qp", "sequential", "rows", ["box:0,1"], "auto")
+    assert cfg.output.restrict == "none" and cfg.targets == "finetuned" and cfg.dtype == "float32"
+    assert cfg.models[0].prompts().path == "c.txt" and cfg.models[0].prompts().field == "text"
+    assert cfg.resolve("x") == Path("/r/x") and cfg.resolve("/abs") == Path("/abs")
+    assert cfg.model_names() == ["x"]
+    one = parse_config({**MINIMAL, "method": {"constraints": "simplex"}})
+    assert one.method.constraints == ["simplex"]
+
+
+@pytest.mark.parametrize("data, where, key", [
+    ({**MINIMAL, "desnity": 1}, "(top level)", "desnity"),
+    ({**MINIMAL, "method": {"name": "qp", "constraint": "box"}}, "method", "constraint"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "wieght": 2}]}, "models.0", "wieght"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "fild": "t"}}]}, "models.0.calibration", "fild"),
+    ({**MINIMAL, "calibration": {"max_len": 3}}, "calibration", "max_len"),
+    ({**MINIMAL, "output": {"restrict": "topk", "k": 3, "kk": 1}}, "output", "kk"),
+    ({**MINIMAL, "root": "/"}, "root", "root"),
+])
+def test_unknown_keys_name_the_key_and_the_valid_ones(data, where, key):
+    msg = _err(data)
+    assert f"{where}: unknown key {key!r}" in msg
+    if key != "root":
+        assert "valid keys:" in msg
+
+
+def test_unknown_key_suggests_the_close_one():
+    assert "did you mean 'constraints'" in _err({**MINIMAL, "method": {"constraint": "box"}})
+
+
+@pytest.mark.parametrize("data, fragment", [
+    ({**MINIMAL, "method": {"name": "ties", "mode": "joint"}}, "apply only to name: qp"),
+    ({**MINIMAL, "method": {"name": "qp", "params": {"a": 1}}}, "'params' is for baselines"),
+    ({**MINIMAL, "method": {"mode": "hybrid"}}, "needs 'start'"),
+    ({**MINIMAL, "method": {"mode": "joint", "start": {"name": "soup"}}}, "only used with mode: hybrid"),
+    ({**MINIMAL, "method": {"parametrisation": "basis"}}, "needs 'rank'"),
+    ({**MINIMAL, "method": {"rank": 3}}, "apply only to parametrisation: basis"),
+    ({**MINIMAL, "method": {"parametrisation": "basis", "basis": "best", "rank": 2}}, "method.basis"),
+    ({**MINIMAL, "method": {"parametrisation": "basis", "rank": 2, "basis_max_size": "1GB"}}, "basis: optimal"),
+    ({**MINIMAL, "method": {"name": "fisher", "basis_max_size": "1GB"}}, "apply only to name: qp"),
+    ({**MINIMAL, "method": {"mode": "parallel"}}, "method.mode"),
+    ({**MINIMAL, "output": {"restrict": "topk"}}, "needs 'k'"),
+    ({**MINIMAL, "models": [{"path": "x"}]}, "needs calibration prompts"),
+    ({**MINIMAL, "models": [{"path": "a/x", "calibration": "c"}, {"path": "b/x", "calibration": "c"}]}, "must be unique"),
+    ({**MINIMAL, "calibration": {"holdout": 1.5}}, "holdout"),
+    ({**MINIMAL, "device": "tpu"}, "device"),
+    ({**MINIMAL, "models": []}, "models"),
+    ({"models": [{"path": "x", "calibration": "c"}], "layers": "a"}, "base: required key is missing"),
+    ({**MINIMAL, "seed": -1}, "seed"),
+    ({**MINIMAL, "seed": 2**70}, "seed"),
+    ({**MINIMAL, "calibration": {"batch_size": True}}, "batch_size"),
+    ({**MINIMAL, "calibration": {"batch_size": "4"}}, "batch_size"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "holdout": 2.5}}]}, "holdout is a count"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "holdout": -1}}]}, "holdout must be >= 0"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "weight": 0}]}, "every model has weight 0"),
+])
+def test_invalid_values(data, fragment):
+    assert fragment in _err(data)
+
+
+def test_optimal_basis_config():
+    m = parse_config({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2}}).method
+    assert (m.basis, m.rank, m.basis_max_size) == ("optimal", 2, "2GB")
+    m = parse_config({**MINIMAL, "method": {"parametrisation": "basis", "basis": "optimal", "rank": 2,
+                                            "basis_max_size": 1000}}).method
+    assert m.basis_max_size == 1000
+
+
+def test_fisher_and_regmean_configs_parse():
+    for name in ("fisher", "regmean"):
+        cfg = parse_config({**MINIMAL, "method": {"name": name, "params": {"weights": [1.0]}}})
+        assert cfg.method.name == name and not cfg.method.is_qp
+    cfg = parse_config({**MINIMAL, "method": {"mode": "hybrid", "start": {"name": "regmean", "params": {"alpha": 0.5}}}})
+    assert cfg.method.start.name == "regmean"
+
+
+def test_baseline_config_needs_no_prompts():
+    cfg = parse_config({**MINIMAL, "models": [{"path": "x"}], "method": {"name": "ties", "params": {"density": 0.5}}})
+    assert not cfg.method.is_qp and cfg.method.params == {"density": 0.5}
+
+
+def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(MINIMAL))
+    cfg = load_config(tmp_path / "cfg.yml")
+    assert cfg.resolve(cfg.base) == tmp_path.resolve() / "b"
+    with pytest.raises(ConfigError, match="missing input"):
+        check_paths(cfg)
+    try:
+        check_paths(cfg)
+    except ConfigError as exc:  # every missing input is listed at once
+        assert "base" in str(exc) and "models[x].path" in str(exc) and "models[x].calibration" in str(exc)
+    (tmp_path / "bad.yml").write_text("base: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yml")
+    (tmp_path / "list.yml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(tmp_path / "list.yml")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yml")
+
+
+# ---------------------------------------------------------------------- against real checkpoints
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+
+@pytest.fixture(scope="module")
+def fam(tiny_hf, tmp_path_factory):
+    return tiny_hf.make_family(tmp_path_factory.mktemp("cfg") / "llama", "llama", K=2,
+                         perturbed=("model.layers.1.mlp.*",), n_prompts=6)
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Make every way of loading a tensor or a model fail loudly."""
+    import safetensors
+    import transformers
+
+    from mergeqp.io.checkpoint import Checkpoint
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(Checkpoint, "get", boom)
+    monkeypatch.setattr(safetensors, "safe_open", boom)
+    monkeypatch.setattr(transformers.PreTrainedModel, "from_pretrained", classmethod(boom))
+
+
+def _cfg(fam, tmp_path, **changes):
+    path = fam.write_config(tmp_path / "cfg.yml", fam.mlp_layer, {"name": "qp", "mode": "single"})
+    data = yaml.safe_load(path.read_text())
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def test_dry_run_plan_loads_no_weights(fam, tmp_path, no_weights, capsys):
+    from mergeqp.cli import main
+
+    cfg = _cfg(fam, tmp_path, layers=["model.layers.1.*"])
+    from mergeqp.run.plan import build_plan
+
+    plan = build_plan(cfg)
+    assert [s.name for s in plan.sites] == [f"model.layers.1.{n}" for n in
+                                          ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                           "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert [g.n_variables for g in plan.groups] == [2 * s.r for s in plan.sites]
+    assert all(g.solver.startswith("auto ->") for g in plan.groups)
+    assert plan.memory["statistics"] == 2 * (2 * 32) ** 2 * 8  # 2 tasks, n = K r = 64 for gate/up
+    assert [t.n_heldout for t in plan.tasks] == [4, 4]
+    assert main(["merge", str(tmp_path / "cfg.yml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "merge plan: qp (single), 7 layer(s) of LlamaForCausalLM" in out
+    assert "memory estimate" in out and "solver auto ->" in out
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsys):
+    from mergeqp.cli import main
+    from mergeqp.run.plan import build_plan
+
+    with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.9\.\*' matches no linear layer; .*model\.layers\.0\.self_attn\.q_proj"):
+        build_plan(_cfg(fam, tmp_path, layers=["model.layers.9.*"]))
+    bad = _cfg(fam, tmp_path, method={"name": "qp", "constraints": ["boxx:0,1"]})
+    with pytest.raises(ConfigError, match="unknown constraint set 'boxx'"):
+        build_plan(bad)
+    with pytest.raises(ConfigError, match="unknown solver"):
+        build_plan(_cfg(fam, tmp_path, method={"name": "qp", "solver": "gurobi"}))
+    data = yaml.safe_load((tmp_path / "cfg.yml").read_text())
+    data["models"][1]["calibration"] = str(tmp_path / "nowhere.txt")
+    (tmp_path / "cfg.yml").write_text(yaml.safe_dump(data))
+    assert main(["merge", str(tmp_path / "cfg.yml"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "missing input" in err and "nowhere.txt" in err and "Traceback" not in err
+
+
+def test_different_architectures_fail_fast(fam, tmp_path, no_weights):
+    from mergeqp.run.plan import build_plan
+
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][1]["path"] = str(fam.root / "gpt2_model")
+    with pytest.raises(ConfigError, match=r"different architecture: its config has model_type 'gpt2'"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+    data["models"][1]["path"] = str(fam.root / "wide_llama")
+    with pytest.raises(ConfigError, match=r"tensor '[\w.]+' has shape \(\d+, 24\) in model 'math' but \(\d+, 16\) in the base"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+
+
+def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
+    from mergeqp.run.plan import build_plan
+
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][0]["path"] = str(fam.root / "retok")
+    with pytest.raises(ConfigError, match=r"tokenizer mismatch: model 'code' .* tokens only in it: \['zebra'\]"):
+        build_plan(parse_config(data, root=cfg.root))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _odd_models(tiny_hf, fam):
+    """Checkpoints that must be rejected: another architecture, other shapes, another tokenizer."""
+    from transformers import LlamaConfig
+
+    tiny_hf.build_base(fam.root / "gpt2_model", "gpt2")
+    cfg = tiny_hf.make_config("llama")
+    wide = LlamaConfig(**{**cfg.to_dict(), "hidden_size": 24, "head_dim": 12})
+    tiny_hf.model_class("llama")(wide).save_pretrained(str(fam.root / "wide_llama"))
+    shutil.copytree(fam.finetuned[0], fam.root / "retok")
+    tiny_hf.build_tokenizer(fam.root / "retok", extra_word="zebra")
+
+
+def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(tiny_hf, fam, tmp_path, no_weights):
+    from mergeqp.run.plan import build_plan
+
+    layer_numel = 16 * 32  # down_proj, no bias
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "fisher", "params": {"fisher_floor": 1e-5}}))
+    assert plan.memory["fisher statistics"] == 2 * 8 * layer_numel
+    assert "diagonal Fisher of the selected tensors" in plan.render() and "evaluation:" in plan.render()
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "regmean", "params": {"alpha": 0.5}}))
+    assert plan.memory["regmean statistics"] == 2 * 8 * 32 * 32
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "mode": "hybrid", "start": {"name": "fisher"}}))
+    assert "fisher statistics (all tensors)" in plan.memory and "diagonal Fisher" in plan.render()
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
+                                                  "rank": 4}))
+    V = len(tiny_hf.vocab())
+    assert plan.memory["optimal-basis mean Jacobian (one layer)"] == 12 * V * 16 * 8  # max_length x V x r
+    assert "optimal basis per layer (Corollary 4.2)" in plan.render()
+    assert plan.groups[0].n_variables == 2 * 4
+    with pytest.raises(ConfigError, match="method.basis_max_size: cannot parse size 'lots'"):
+        build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
+                                               "rank": 4, "basis_max_size": "lots"}))
+    with pytest.raises(ConfigError, match=r"method: 'regmean' needs calibration prompts for every model"):
+        data = yaml.safe_load((tmp_path / "cfg.yml").read_text())
+        data["method"] = {"name": "regmean"}
+        del data["models"][0]["calibration"]
+        (tmp_path / "cfg.yml").write_text(yaml.safe_dump(data))
+        build_plan(load_config(tmp_path / "cfg.yml"))
+
+
+def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path, no_weights):
+    from mergeqp.run.plan import build_plan
+
+    plan = build_plan(_cfg(fam, tmp_path, calibration={"holdout": 500}))
+    assert all(t.n_calibration == 1 for t in plan.tasks)
+    assert any("holdout 500" in n and "would leave none" in n for n in plan.notes)
+    assert "holdout 500" in plan.render()
+
+
+@pytest.mark.parametrize("changes, fragment", [
+    ({"method": {"name": "qp", "constraints": ["box:0,0.1", "simplex"]}}, "is empty"),
+    ({"method": {"name": "qp", "constraints": ["box:0,1", "sign:2"]}}, "density must lie in (0, 1]"),
+    ({"max_shard_size": "tiny"}, "max_shard_size: cannot parse size"),
+    ({"max_shard_size": -5}, "max_shard_size: size must be positive"),
+])
+def test_dry_run_catches_what_would_fail_after_the_statistics(fam, tmp_path, no_weights, changes, fragment):
+    from mergeqp.run.plan import build_plan
+
+    with pytest.raises(ConfigError, match=None) as info:
+        build_plan(_cfg(fam, tmp_path, **changes))
+    assert fragment in str(info.value)

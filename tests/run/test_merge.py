@@ -1,0 +1,568 @@
+"""End-to-end merging of tiny Hugging Face checkpoints (Llama, GPT-2, BERT) from YAML configs.
+
+Checks: single-layer QP on an MLP projection, sequential over every linear layer of a block,
+hybrid (baseline start + QP refinement), the joint multi-layer QP; the merged folder reloads
+with ``from_pretrained`` and reproduces the in-memory merged model; only merged tensors differ
+from the base; certificates; the first-order statistics against exact / finite-difference
+references; inputs untouched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+from mergeqp.config import load_config
+from mergeqp.io.checkpoint import open_checkpoint
+from mergeqp.run.pipeline import run_merge
+
+#: the architectures that ``tiny_hf.make_family`` builds, one family each (parametrize reads them at import)
+ARCHS = ("llama", "gpt2", "bert")
+REQUIRED = {"objective_before", "objective_after", "certificate", "energy_fraction", "seconds"}
+
+
+@pytest.fixture(scope="module")
+def families(tiny_hf, tmp_path_factory):
+    """One family per architecture; Llama also perturbs its (untied) lm_head."""
+    root = tmp_path_factory.mktemp("hfmerge")
+    fams = {}
+    for arch in ARCHS:
+        extra = ("lm_head",) if arch == "llama" else ()
+        fams[arch] = tiny_hf.make_family(root / arch, arch, K=2, perturbed=(tiny_hf.BLOCK_PATTERN[arch], *extra),
+                                   scale=0.3, n_prompts=10)
+    return fams
+
+
+def _merge(fam, tmp_path, layers, method, name="cfg", **extra):
+    cfg = load_config(fam.write_config(tmp_path / f"{name}.yml", layers, method, **extra))
+    return run_merge(cfg, tmp_path / f"out_{name}", progress=False)
+
+
+def _prompts(fam):
+    from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
+
+    tok = load_tokenizer(fam.base)
+    texts = read_prompts(fam.prompts[0])[:3] + read_prompts(fam.prompts[1])[:3]
+    return tokenize_batches(tok, texts, 12, 6)[0]
+
+
+def _outputs(model, batch):
+    """Logits at the real (unpadded) tokens, ``(n_tokens, V)`` float64."""
+    with torch.no_grad():
+        logits = model(**batch.inputs).logits.to(torch.float64)
+    return logits[batch.mask.bool()]
+
+
+def _reload(fam, folder, dtype=torch.float64):
+    return fam.auto_class.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager").eval()
+
+
+def _changed_keys(base_dir, out_dir):
+    a, b = open_checkpoint(base_dir), open_checkpoint(out_dir)
+    assert a.names() == b.names()
+    return {n for n in a.names() if not torch.equal(a.get(n).to(torch.float64), b.get(n).to(torch.float64))}
+
+
+def _check_layer_entries(report, n_layers):
+    layers = report["layers"]
+    assert len(layers) == n_layers
+    for r in layers:
+        assert REQUIRED <= set(r)
+        assert set(r["certificate"]) >= {"fw_gap", "certified"}
+        assert r["certificate"]["certified"] is True, r
+        assert 0.0 <= r["energy_fraction"] <= 1.0 + 1e-9
+        scale = max(1.0, abs(r["objective_after"]))
+        for point, value in r["objective_at"].items():  # zero, soup, task arithmetic are feasible
+            assert r["objective_after"] <= value + 1e-9 * scale, (point, r)
+        if r["mode"] in ("single", "sequential"):  # relaxed (per-sample) bound c (1 - energy) <= J*
+            assert r["objective_after"] >= r["objective_before"] * (1 - r["energy_fraction"]) - 1e-9 * scale
+        if r["mode"] == "joint":  # the same bound with the group's joint energy
+            assert 0.0 <= r["group_energy_fraction"] <= 1.0 + 1e-9
+            assert r["objective_after"] >= r["objective_before"] * (1 - r["group_energy_fraction"]) - 1e-9 * scale
+
+
+# ---------------------------------------------------------------------- single layer
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_layer_qp_on_mlp_projection(tiny_hf, families, tmp_path, arch):
+    fam = families[arch]
+    before = {p: tiny_hf.file_digests(p) for p in [fam.base, *fam.finetuned]}
+    res = _merge(fam, tmp_path, tiny_hf.MLP_LAYER[arch], {"name": "qp", "mode": "single"}, output_dtype="float64")
+    rep = json.loads((res.out_dir / "report.json").read_text())
+    assert "## Merged layers" in (res.out_dir / "report.md").read_text()
+    _check_layer_entries(rep, 1)
+    layer = rep["layers"][0]
+    assert layer["layer"] == tiny_hf.MLP_LAYER[arch]
+    # linearised at the base: J(0) is the base model's exact calibration objective
+    assert layer["objective_before"] == pytest.approx(rep["evaluation"]["base"]["calibration_objective"], rel=1e-9)
+    assert layer["objective_after_exact"] == pytest.approx(rep["evaluation"]["merged"]["calibration_objective"], rel=1e-9)
+    assert rep["evaluation"]["merged"]["calibration_objective"] < rep["evaluation"]["base"]["calibration_objective"]
+    # only the merged layer's tensors differ from the base
+    site_keys = {f"{tiny_hf.MLP_LAYER[arch]}.weight", f"{tiny_hf.MLP_LAYER[arch]}.bias"}
+    changed = _changed_keys(fam.base, res.out_dir)
+    assert changed and changed <= site_keys
+    # the folder reloads with from_pretrained and reproduces the in-memory merged model
+    batch = _prompts(fam)
+    reloaded = _reload(fam, res.out_dir)
+    diff = (_outputs(reloaded, batch) - _outputs(res.model, batch)).abs().max()
+    assert float(diff) <= 1e-9, float(diff)
+    assert {p: tiny_hf.file_digests(p) for p in [fam.base, *fam.finetuned]} == before
+
+
+def test_single_mode_on_two_layers_solves_each_at_the_base(families, tmp_path):
+    """mode: single linearises every layer at the base: each layer's QP and written tensors are
+    those of a single-layer run, and its exact objective is measured with that layer alone."""
+    fam = families["bert"]
+    layers = ["bert.encoder.layer.1.intermediate.dense", "bert.encoder.layer.1.output.dense"]
+    both = _merge(fam, tmp_path, layers, {"name": "qp", "mode": "single"}, name="both")
+    out = open_checkpoint(both.out_dir)
+    for i, layer in enumerate(layers):
+        alone = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "single"}, name=f"alone{i}")
+        a, b = both.report["layers"][i], alone.report["layers"][0]
+        for key in ("objective_before", "objective_after", "objective_after_exact"):
+            assert a[key] == pytest.approx(b[key], rel=1e-9), key
+        ref = open_checkpoint(alone.out_dir)
+        for key in (f"{layer}.weight", f"{layer}.bias"):
+            assert torch.equal(out.get(key), ref.get(key))
+    final = both.report["evaluation"]["merged"]["calibration_objective"]
+    assert all(final != pytest.approx(r["objective_after_exact"], rel=1e-6) for r in both.report["layers"])
+
+
+# ---------------------------------------------------------------------- sequential over a block
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sequential_over_a_block(tiny_hf, families, tmp_path, arch):
+    fam = families[arch]
+    res = _merge(fam, tmp_path, tiny_hf.BLOCK_PATTERN[arch], {"name": "qp", "mode": "sequential"})
+    rep = res.report
+    sites = [s.name for s in res.plan.sites]
+    assert len(sites) >= 4 and [r["layer"] for r in rep["layers"]] == sites  # model order
+    _check_layer_entries(rep, len(sites))
+    layers = rep["layers"]
+    assert layers[0]["objective_before"] == pytest.approx(rep["evaluation"]["base"]["calibration_objective"], rel=1e-9)
+    for prev, nxt in itertools.pairwise(layers):
+        # each step is linearised at the partially merged model left by the previous one
+        assert nxt["objective_before"] == pytest.approx(prev["objective_after_exact"], rel=1e-9)
+    for r in layers:
+        assert r["objective_after"] <= r["objective_before"] * (1 + 1e-12)  # d = 0 is feasible
+    assert rep["evaluation"]["merged"]["calibration_objective"] < 0.8 * rep["evaluation"]["base"]["calibration_objective"]
+    assert _changed_keys(fam.base, res.out_dir) <= {k for s in res.plan.sites for k in s.keys}
+    # default output dtype = the base checkpoint's (float32): reload matches to float32 rounding
+    batch = _prompts(fam)
+    ref = _outputs(res.model, batch)
+    got = _outputs(_reload(fam, res.out_dir, torch.float32), batch)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+# ---------------------------------------------------------------------- hybrid
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hybrid_refines_a_task_arithmetic_merge(tiny_hf, families, tmp_path, arch):
+    pytest.importorskip("mergeqp.merge.registry", reason="baseline merge methods not available")
+    from mergeqp.merge import merge_state_dicts
+
+    fam = families[arch]
+    mlp = tiny_hf.MLP_LAYER[arch]
+    res = _merge(fam, tmp_path, mlp, {"name": "qp", "mode": "hybrid",
+                                      "start": {"name": "task_arithmetic", "params": {"scaling": 1.0}}})
+    rep = res.report
+    _check_layer_entries(rep, 1)
+    layer = rep["layers"][0]
+    start = rep["evaluation"]["start"]
+    # the QP is linearised at the task-arithmetic weights, a feasible point (d = 1): it can only improve
+    assert layer["objective_before"] == pytest.approx(start["calibration_objective"], rel=1e-9)
+    assert layer["objective_after"] <= layer["objective_before"] * (1 + 1e-12)
+    assert layer["objective_at"]["task_arithmetic"] == pytest.approx(layer["objective_before"], rel=1e-7)
+    # every other tensor is the task-arithmetic merge
+    base, fts = open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]
+    ta = merge_state_dicts("task_arithmetic", base.state_dict(), [f.state_dict() for f in fts], progress=False)
+    out = open_checkpoint(res.out_dir)
+    site_keys = set(res.plan.sites[0].keys)
+    for name in base.names():
+        if name not in site_keys:
+            assert torch.allclose(out.get(name).to(torch.float64), ta[name].to(torch.float64), atol=1e-6), name
+    assert any(not torch.allclose(out.get(k), ta[k], atol=1e-6) for k in site_keys)
+    batch = _prompts(fam)  # the folder (float32) reproduces the in-memory merged model
+    ref = _outputs(res.model, batch)
+    got = _outputs(_reload(fam, res.out_dir, torch.float32), batch)
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+# ---------------------------------------------------------------------- joint
+def test_joint_qp_and_its_comparison_with_sequential(families, tmp_path):
+    fam = families["gpt2"]
+    res = _merge(fam, tmp_path, ["transformer.h.1.mlp.*"], {"name": "qp", "mode": "joint"})
+    rep = res.report
+    _check_layer_entries(rep, 2)
+    assert len({r["objective_after"] for r in rep["layers"]}) == 1  # one QP for both layers
+    assert rep["layers"][0]["n_variables"] == 2 * (64 + 16)
+    cmp_ = rep["joint_vs_sequential"]
+    assert set(cmp_) == {"joint", "sequential"}
+    for v in cmp_.values():
+        assert v["calibration_objective"] < rep["evaluation"]["base"]["calibration_objective"]
+    assert "## Joint QP vs sequential QP" in (res.out_dir / "report.md").read_text()
+    print("\njoint vs sequential (GPT-2, both MLP projections of block 1): exact calibration J "
+          f"{cmp_['joint']['calibration_objective']:.6g} vs {cmp_['sequential']['calibration_objective']:.6g}")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_joint_statistics_blocks_and_gauss_newton_curvature(tiny_hf, families, arch):
+    """Joint statistics: diagonal blocks equal the single-site ones; the full quadratic form
+    (with cross-layer blocks) equals 2 sum ||J v||^2 with J v from finite differences of the
+    model's outputs along a combined weight perturbation of both layers."""
+    from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
+    from mergeqp.io.checkpoint import open_checkpoint
+    from mergeqp.lm import OutputSpec, teacher_forced_targets
+    from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order
+    from mergeqp.merge.multilayer import WeightSource
+    from mergeqp.merge.sites import (
+        match_sites,
+        model_sites,
+        read_augmented,
+        write_augmented,
+    )
+    from mergeqp.stats.parametrisation import as_parametrisation
+
+    fam = families[arch]
+    cls = tiny_hf.auto_class(arch)
+    model = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
+    ft = cls.from_pretrained(str(fam.finetuned[0]), dtype=torch.float64).eval()
+    tok = load_tokenizer(fam.base)
+    batches = tokenize_batches(tok, read_prompts(fam.prompts[0])[:4], 10, 4)
+    spec = OutputSpec()
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(ft, batches, spec, "cpu"))]
+    pattern = "transformer.h.1.mlp.*" if arch == "gpt2" else "model.layers.1.mlp.[ud]*"
+    sites = match_sites(model_sites(model), [pattern])
+    assert len(sites) == 2
+    src = WeightSource(open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned])
+    atoms = [SiteAtoms(s, as_parametrisation("rows"), src.deltas(s)) for s in sites]
+    joint = collect_first_order(model, atoms, tasks, spec)
+    for a in atoms:
+        single = collect_first_order(model, [a], tasks, spec)
+        sl = joint.site_slice(a.site.name)
+        idx = np.concatenate([np.arange(sl.start, sl.stop) + k * joint.N for k in range(joint.K)])
+        np.testing.assert_allclose(joint.H[0][np.ix_(idx, idx)], single.H[0], rtol=1e-9, atol=1e-12 * np.abs(single.H[0]).max())
+        np.testing.assert_allclose(joint.g[0][idx], single.g[0], rtol=1e-9, atol=1e-12 * np.abs(single.g[0]).max())
+    rng = np.random.default_rng(0)
+    v = rng.standard_normal((joint.K, joint.N))
+    W0 = {s.name: read_augmented(model, s) for s in sites}
+
+    def outputs(t):
+        for a in atoms:
+            upd = a.param.update(v[:, joint.site_slice(a.site.name)], a.deltas.numpy())
+            write_augmented(model, a.site, W0[a.site.name] + t * torch.from_numpy(upd))
+        outs = [spec.select(spec.raw(model(**tb.batch.inputs)), tb.batch.mask).to(torch.float64) for tb in tasks[0].batches]
+        return torch.cat([o.reshape(o.shape[0], -1) for o in outs])
+
+    with torch.no_grad():
+        eps = 1e-5 if arch == "gpt2" else 1e-3  # Llama's RMSNorm runs in float32
+        Jv = (outputs(eps) - outputs(-eps)) / (2 * eps)
+        for s in sites:
+            write_augmented(model, s, W0[s.name])
+    quad = float(v.ravel() @ joint.H[0] @ v.ravel())
+    assert quad == pytest.approx(2.0 * float((Jv * Jv).sum()), rel=1e-6 if arch == "gpt2" else 2e-3)
+    cross = joint.H[0].copy()
+    for a in atoms:  # the cross-layer blocks are not negligible here
+        sl = joint.site_slice(a.site.name)
+        idx = np.concatenate([np.arange(sl.start, sl.stop) + k * joint.N for k in range(joint.K)])
+        cross[np.ix_(idx, idx)] = 0.0
+    assert np.abs(cross).max() > 1e-3 * np.abs(joint.H[0]).max()
+
+
+def test_linear_downstream_objective_is_exact(families, tmp_path):
+    """Llama's lm_head maps its input linearly to the logits: the QP objective equals the merged
+    model's true calibration error for any d, and the optimum is certified."""
+    from mergeqp.lm import OutputSpec
+    from mergeqp.merge.firstorder import TaskTargets
+    from mergeqp.merge.multilayer import (
+        MergeContext,
+        QPSettings,
+        WeightSource,
+        calibration_objective,
+        solve_group,
+    )
+    from mergeqp.run.pipeline import load_model, prepare_tasks
+    from mergeqp.run.plan import build_plan
+    from mergeqp.merge.sites import write_augmented
+
+    fam = families["llama"]
+    cfg = load_config(fam.write_config(tmp_path / "lin.yml", "lm_head", {"name": "qp", "mode": "single",
+                                                                         "constraints": []}))
+    plan = build_plan(cfg)
+    spec, evs = OutputSpec(), OutputSpec()
+    tasks = prepare_tasks(plan, spec, evs, torch.float64, "cpu", lambda m: None)
+    model = load_model(plan.base, fam.base, torch.float64, "cpu")
+    ws = WeightSource(plan.base, plan.finetuned)
+    ctx = MergeContext(model, ws, [TaskTargets(t.name, t.weight, t.calibration) for t in tasks], spec,
+                       QPSettings(constraints=()), "cpu")
+    site = plan.sites[0]
+    res = solve_group(ctx, [site], mode="single", group=0, relinearise_offsets=False)
+    qp = res.stats.problem()
+    W0 = ws.base_weight(site)
+    rng = np.random.default_rng(1)
+    D = ws.deltas(site).numpy()
+    for d in [rng.uniform(-1, 2, qp.shape) for _ in range(3)] + [res.solution.d]:
+        write_augmented(model, site, W0 + torch.from_numpy(np.einsum("ki,kim->im", d, D)))
+        assert qp.objective(d) == pytest.approx(calibration_objective(ctx), rel=1e-10)
+    assert res.solution.certificate.certified()
+    # unconstrained optimum = least squares: the gradient vanishes there
+    assert np.abs(qp.gradient(res.solution.d)).max() <= 1e-7 * np.abs(qp.g).max()
+
+
+# ---------------------------------------------------------------------- output restriction
+def test_output_restriction_effect_on_the_objective(tiny_hf, families, tmp_path):
+    """Statistics on restricted outputs (random projection, top-k) give other QPs; their solutions,
+    scored on the full-logit objective, can only be worse than the full QP's own optimum, and
+    the projection's objective is an unbiased estimate of the full one."""
+    from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
+    from mergeqp.lm import OutputSpec, teacher_forced_targets
+    from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order
+    from mergeqp.merge.multilayer import WeightSource
+    from mergeqp.merge.sites import match_sites, model_sites
+    from mergeqp.solvers.registry import solve
+    from mergeqp.stats.parametrisation import as_parametrisation
+
+    fam = families["llama"]
+    cls = tiny_hf.auto_class("llama")
+    base = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
+    fts = [cls.from_pretrained(str(p), dtype=torch.float64).eval() for p in fam.finetuned]
+    tok = load_tokenizer(fam.base)
+    site = match_sites(model_sites(base), [tiny_hf.MLP_LAYER["llama"]])[0]
+    src = WeightSource(open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned])
+    atoms = [SiteAtoms(site, as_parametrisation("rows"), src.deltas(site))]
+    V = len(tiny_hf.vocab())
+    results = {}
+    specs = {"none": OutputSpec(), "projection k=16": OutputSpec(restrict="projection", k=16, seed=0),
+             "projection k=64": OutputSpec(restrict="projection", k=64, seed=0),
+             "topk k=8": OutputSpec(restrict="topk", k=8)}
+    for label, spec in specs.items():
+        tasks = []
+        for t, ft, p in zip(fam.tasks, fts, fam.prompts):
+            batches = tokenize_batches(tok, read_prompts(p), 12, 5)
+            tasks.append(TaskTargets(t, 1.0, teacher_forced_targets(ft, batches, spec, "cpu")))
+        qp = collect_first_order(base, atoms, tasks, spec).problem()
+        results[label] = (qp, solve(qp, "box:0,1").d)
+    full = results["none"][0]
+    best = full.objective(results["none"][1])
+    lines = [f"output restriction at {site.name} (V = {V}); full-logit objective of each solution:"]
+    for label, (qp, d) in results.items():
+        value = full.objective(d)
+        lines.append(f"  {label:16s} J_full(d*) = {value:.6g} ({100 * (value / best - 1):+.2f}% vs full optimum); "
+                     f"its own J(0) = {qp.c:.6g} vs full J(0) = {full.c:.6g}")
+        assert value >= best * (1 - 1e-9)
+        assert value < full.objective(np.zeros(full.shape))  # still better than the base
+    print("\n" + "\n".join(lines))
+    # unbiasedness of the projection: the base objective is estimated within sampling error
+    for k in (16, 64):
+        assert results[f"projection k={k}"][0].c == pytest.approx(full.c, rel=1.5 / np.sqrt(k))
+
+
+# ---------------------------------------------------------------------- inputs in other formats
+def test_bare_state_dict_inputs_and_sharded_io(tiny_hf, families, tmp_path):
+    """A fine-tuned model given as a bare .safetensors file and another as a torch file, a base
+    stored in shards; the output is sharded too. Same result as with plain folders."""
+    from safetensors.torch import save_file
+
+    fam = families["gpt2"]
+    ref = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="ref")
+    sd0 = {k: v.clone() for k, v in open_checkpoint(fam.finetuned[0]).state_dict().items()}
+    save_file(sd0, str(tmp_path / "ft0.safetensors"))
+    torch.save(open_checkpoint(fam.finetuned[1]).state_dict(), tmp_path / "ft1.pt")
+    sharded = tmp_path / "base_sharded"
+    tiny_hf.auto_class("gpt2").from_pretrained(str(fam.base)).save_pretrained(str(sharded), max_shard_size="20KB")
+    tiny_hf.build_tokenizer(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    alt = tiny_hf.Family(fam.root, "gpt2", sharded, [tmp_path / "ft0.safetensors", tmp_path / "ft1.pt"], fam.prompts, fam.tasks)
+    res = _merge(alt, tmp_path, tiny_hf.MLP_LAYER["gpt2"], {"name": "qp", "mode": "single"}, name="alt", max_shard_size="20KB")
+    assert (res.out_dir / "model.safetensors.index.json").is_file()
+    a, b = ref.report["layers"][0], res.report["layers"][0]
+    assert b["objective_after"] == pytest.approx(a["objective_after"], rel=1e-9)
+    assert b["objective_before"] == pytest.approx(a["objective_before"], rel=1e-9)
+    ra, rb = open_checkpoint(ref.out_dir), open_checkpoint(res.out_dir)
+    for n in ra.names():
+        assert torch.allclose(ra.get(n), rb.get(n), atol=1e-7), n
+
+
+def test_cli_merge_writes_folder_and_report(tiny_hf, families, tmp_path, capsys):
+    from mergeqp.cli import main
+
+    fam = families["bert"]
+    cfg = fam.write_config(tmp_path / "cli.yml", tiny_hf.MLP_LAYER["bert"],
+                         {"name": "qp", "mode": "single", "constraints": ["box:0,1", "sign"]},
+                         output={"restrict": "projection", "k": 8})
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "merged model written to" in out and "certified True" in out
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert REQUIRED <= set(rep["layers"][0])
+    assert rep["layers"][0]["certificate"]["certified"] is True
+    assert rep["plan"]["output"] == {"field": "logits", "restrict": "projection", "k": 8}
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 2  # not empty
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet", "--overwrite"]) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available on this machine")
+def test_cuda_matches_cpu(tiny_hf, families, tmp_path):
+    fam = families["llama"]
+    cpu = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"}, name="cpu")
+    gpu = _merge(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single", "solver": "torch_fista"},
+                 name="gpu", device="cuda")
+    assert gpu.report["device"] == "cuda"
+    a, b = cpu.report["layers"][0], gpu.report["layers"][0]
+    for key in ("objective_before", "objective_after", "objective_after_exact"):
+        assert b[key] == pytest.approx(a[key], rel=1e-6)
+    assert b["certificate"]["certified"]
+
+
+def test_baseline_method_merges_only_the_selected_layers(families, tmp_path):
+    """method: a baseline (no calibration needed): the selected tensors are the registry's merge,
+    every other tensor is the base's."""
+    pytest.importorskip("mergeqp.merge.registry", reason="baseline merge methods not available")
+    from mergeqp.cli import main
+    from mergeqp.merge import merge_state_dicts
+
+    fam = families["gpt2"]
+    layers = ["transformer.h.1.mlp.*", "transformer.ln_f"]
+    cfg = fam.write_config(tmp_path / "ties.yml", layers, {"name": "ties", "params": {"density": 0.5}})
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    base, fts = open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]
+    selected = [n for n in base.names() if n.startswith(("transformer.h.1.mlp.", "transformer.ln_f."))]
+    assert len(selected) == 6
+    ref = merge_state_dicts("ties", {k: base.get(k) for k in selected}, [{k: f.get(k) for k in selected} for f in fts],
+                            density=0.5, progress=False)
+    out = open_checkpoint(tmp_path / "o")
+    for n in base.names():
+        assert torch.equal(out.get(n), ref[n] if n in selected else base.get(n)), n
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["baseline"]["method"] == "ties" and rep["baseline"]["tensors"] == 6
+    assert _reload(fam, tmp_path / "o") is not None
+    bad = fam.write_config(tmp_path / "bad.yml", layers, {"name": "ties", "params": {"desnity": 0.5}})
+    with pytest.raises(Exception, match="unknown parameter 'desnity'"):
+        from mergeqp.run.plan import build_plan
+
+        build_plan(load_config(bad))
+    bad = fam.write_config(tmp_path / "bad2.yml", layers, {"name": "tiez"})
+    assert main(["merge", str(bad), "--dry-run"]) == 2
+
+
+def test_captured_energy_matches_an_explicit_projector():
+    from mergeqp.merge.firstorder import _captured
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((4, 30, 6))
+    A[1, :, 5] = A[1, :, 0]  # a rank-deficient sample
+    b = rng.standard_normal((4, 30))
+    expect = 0.0
+    for j in range(4):
+        x, *_ = np.linalg.lstsq(A[j], b[j], rcond=None)
+        expect += float(np.sum((A[j] @ x) ** 2))
+    assert _captured(torch.from_numpy(A), torch.from_numpy(b)) == pytest.approx(expect, rel=1e-10)
+
+
+def test_vit_image_classifier_from_tensor_inputs(tiny_hf, tmp_path):
+    """A ViT merged at an MLP projection, calibrated on ready model inputs (pixel_values files);
+    its logits are (B, labels): one compared vector per image."""
+    from transformers import ViTForImageClassification
+
+    fam = tiny_hf.make_vit_family(tmp_path / "vit")
+    layer = "vit.encoder.layer.1.intermediate.dense"
+    res = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "single"}, output_dtype="float64")
+    _check_layer_entries(res.report, 1)
+    ev = res.report["evaluation"]
+    assert ev["merged"]["calibration_objective"] < ev["base"]["calibration_objective"]
+    assert set(ev["merged"]["heldout_mse"]) == {"task0", "task1"}
+    assert _changed_keys(fam.base, res.out_dir) == {f"{layer}.weight", f"{layer}.bias"}
+    x = torch.randn(5, 1, 8, 8, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    reloaded = ViTForImageClassification.from_pretrained(str(res.out_dir), dtype=torch.float64,
+                                                         attn_implementation="eager").eval()
+    with torch.no_grad():
+        diff = (reloaded(pixel_values=x).logits - res.model(pixel_values=x).logits).abs().max()
+    assert float(diff) <= 1e-10
+    # a fine-tuned model saved as a bare state dict of the live model (transformers 5 renames
+    # ViT's weights on load: the file uses the live names, the folders the stored ones)
+    live = ViTForImageClassification.from_pretrained(str(fam.finetuned[0])).state_dict()
+    torch.save(live, tmp_path / "ft0_live.pt")
+    alt = tiny_hf.Family(fam.root, "vit", fam.base, [tmp_path / "ft0_live.pt", fam.finetuned[1]], fam.prompts, fam.tasks)
+    res2 = _merge(alt, tmp_path, layer, {"name": "qp", "mode": "single"}, name="live", output_dtype="float64")
+    for key in ("objective_before", "objective_after", "objective_after_exact"):
+        assert res2.report["layers"][0][key] == pytest.approx(res.report["layers"][0][key], rel=1e-9)
+
+
+@pytest.mark.parametrize("param", ["rows", "columns", "scalar"])
+def test_first_order_statistics_match_the_stats_layer(tiny_hf, families, param):
+    """The JVP-per-atom statistics equal those built from mergeqp.stats' full per-sample
+    Jacobian (linearise_batch) and its parametrisation design, on GPT-2 (Conv1D, bias, masks)."""
+    from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
+    from mergeqp.lm import OutputSpec, teacher_forced_targets
+    from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order
+    from mergeqp.merge.multilayer import WeightSource
+    from mergeqp.merge.sites import match_sites, model_sites
+    from mergeqp.stats.hooks import perturbation_hook
+    from mergeqp.stats.linearise import linearise_batch
+    from mergeqp.stats.parametrisation import as_parametrisation
+
+    fam = families["gpt2"]
+    cls = tiny_hf.auto_class("gpt2")
+    base = cls.from_pretrained(str(fam.base), dtype=torch.float64, attn_implementation="eager").eval()
+    ft = cls.from_pretrained(str(fam.finetuned[0]), dtype=torch.float64).eval()
+    batches = tokenize_batches(load_tokenizer(fam.base), read_prompts(fam.prompts[0])[:6], 10, 3)
+    spec = OutputSpec(restrict="topk", k=6)
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(ft, batches, spec, "cpu"))]
+    site = match_sites(model_sites(base), ["transformer.h.1.mlp.c_fc"])[0]
+    D = WeightSource(open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]).deltas(site)
+    p = as_parametrisation(param)
+    ours = collect_first_order(base, [SiteAtoms(site, p, D)], tasks, spec)
+    n = ours.H.shape[1]
+    H_ref, g_ref, c_ref = np.zeros((n, n)), np.zeros(n), 0.0
+    with perturbation_hook(base.get_submodule(site.name)) as hook:
+        for tb in tasks[0].batches:
+            def fn(out, task, _tb=tb):
+                return spec.select(spec.raw(out), _tb.batch.mask, _tb.index)
+            lin = linearise_batch(base, hook, tb.batch.inputs, fn, 0)
+            Z = torch.cat([lin.layer_input, torch.ones(*lin.layer_input.shape[:-1], 1, dtype=torch.float64)], -1)
+            R = torch.einsum("btm,krm->bktr", Z, D)
+            A = p.design(lin.jacobian, R, Z, D).reshape(Z.shape[0], lin.output.shape[1], -1)
+            b = lin.output - tb.target.reshape(Z.shape[0], -1)
+            H_ref += 2 * torch.einsum("bcn,bcm->nm", A, A).numpy()
+            g_ref += 2 * torch.einsum("bcn,bc->n", A, b).numpy()
+            c_ref += float((b * b).sum())
+    np.testing.assert_allclose(ours.H[0], H_ref, rtol=1e-9, atol=1e-11 * np.abs(H_ref).max())
+    np.testing.assert_allclose(ours.g[0], g_ref, rtol=1e-9, atol=1e-11 * np.abs(g_ref).max())
+    assert ours.c[0] == pytest.approx(c_ref, rel=1e-12)
+
+
+# ---------------------------------------------------------------------- solver trouble
+def test_an_uncertified_qp_layer_is_noted_and_exits_1(tiny_hf, families, tmp_path, capsys):
+    """A solver stopped early: its (projected, feasible) point is written, the report notes that
+    the layer is not certified, and `mergeqp merge` exits 1."""
+    from mergeqp.cli import main
+
+    fam = families["llama"]
+    path = fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"],
+                          {"name": "qp", "mode": "single", "solver": "torch_fista", "solver_options": {"max_iter": 2}})
+    assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 1
+    captured = capsys.readouterr()
+    assert "not certified" in captured.err
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert rep["layers"][0]["certificate"]["certified"] is False
+    assert rep["layers"][0]["certificate"]["reasons"]
+    assert any("NOT certified" in n for n in rep["notes"])
+
+
+def test_an_infeasible_solver_point_stops_the_merge(tiny_hf, families, tmp_path, capsys):
+    """OSQP cut off after 3 iterations leaves the box: nothing is written, exit 2, one message."""
+    from mergeqp.cli import main
+
+    fam = families["llama"]
+    path = fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"],
+                          {"name": "qp", "mode": "single", "solver": "osqp",
+                           "solver_options": {"max_iter": 3, "polishing": False}})
+    assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "violates the constraints" in err and "no model was written" in err and "Traceback" not in err
+    assert not (tmp_path / "o" / "model.safetensors").exists()

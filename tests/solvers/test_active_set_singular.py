@@ -1,0 +1,195 @@
+"""active_set on singular Hessians: the real MNIST merge QP (problems/mnist_real640), random
+rank-deficient problems with zero rows and duplicated models against Clarabel, the proximal
+face solves, the sort-based projections, and rounding-floor stops on interpolating problems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mergeqp.certificate import certify
+from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex
+from mergeqp.problem import MergeQP
+from mergeqp.solvers import active_set as A
+from mergeqp.solvers.reference_problems import constraint_from_spec, synthetic_merge_qp
+from mergeqp.solvers.registry import solve
+
+ROOT = Path(__file__).resolve().parents[2] / "problems"
+REAL = "mnist_real640"
+
+
+def _real() -> tuple[MergeQP, dict]:
+    problem = MergeQP.load_npz(str(ROOT / f"{REAL}.npz"))
+    refs = json.loads((ROOT / f"{REAL}.json").read_text())
+    return problem, refs
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1.0)
+
+
+# ---------------------------------------------------------------------- the real instance
+def test_real_instance_is_singular_as_documented() -> None:
+    problem, refs = _real()
+    assert problem.shape == (5, 128) and refs["n"] == 640 and refs["committed"] is True
+    H = problem.H
+    zero_rows = np.all(H == 0, axis=1)
+    assert zero_rows.sum() == 84 and np.all(problem.g[zero_rows] == 0)  # dead units
+    assert np.linalg.matrix_rank(H) < 600  # 553 numerically
+    assert refs["generator"]["saved"] is True and "mergeqp experiment mnist" in refs["generator"]["source"]
+
+
+@pytest.mark.parametrize("spec", ["box:0,1", "simplex"])
+def test_active_set_solves_the_real_instance(spec: str) -> None:
+    problem, refs = _real()
+    ref = refs["optima"][spec]
+    sol = solve(problem, constraint_from_spec(spec), solver="active_set")
+    assert sol.status.value == "optimal"
+    assert sol.certificate.certified(1e-8), sol.certificate.explain()
+    assert _rel(sol.objective, ref["objective"]) <= 1e-8
+    # the independent solvers stored with the reference agree with it
+    others = [v["objective"] for k, v in ref["cross_check"].items() if k != "active_set"]
+    assert others and max(_rel(J, ref["objective"]) for J in others) <= 1e-8
+
+
+def test_real_reference_files_are_consistent() -> None:
+    problem, refs = _real()
+    for spec, ref in refs["optima"].items():
+        d = np.load(ROOT / ref["d_file"])
+        assert d.shape == problem.shape
+        assert abs(problem.objective(d) - ref["objective"]) <= 1e-12 * abs(ref["objective"])
+        cert = certify(problem, constraint_from_spec(spec), d)
+        assert cert.certified(1e-8), (spec, cert.explain())
+        assert cert.lower_bound <= ref["objective"]
+
+
+# ---------------------------------------------------------------------- random singular problems
+def singular_problem(rng: np.random.Generator, K: int, m: int, rank_frac: float, dead_frac: float,
+                     duplicate: bool) -> MergeQP:
+    """``J(d) = |A d - y|^2`` with ``rank(A) = max(1, rank_frac n)`` < rows (so ``J* > 0``),
+    zero columns (dead units: zero rows of H) and optionally the last model a copy of the first."""
+    n = K * m
+    rank = max(1, round(rank_frac * n))
+    rows = rank + 3 + n // 4
+    A = rng.standard_normal((rows, rank)) @ rng.standard_normal((rank, n)) / np.sqrt(rows * rank)
+    A *= np.exp(rng.standard_normal(n))  # uneven column scales (ill-conditioning)
+    A[:, rng.random(n) < dead_frac] = 0.0
+    if duplicate and K > 1:
+        A[:, (K - 1) * m:] = A[:, :m]
+    y = A @ rng.uniform(-0.5, 1.5, n) + 0.3 * rng.standard_normal(rows)
+    return MergeQP(2.0 * A.T @ A, -2.0 * A.T @ y, float(y @ y), shape=(K, m))
+
+
+def _sets(K: int, m: int):
+    return [Box(0, 1), Simplex(), Box(0, 1) & Simplex(), Box(0, 0.6 if K > 1 else 1.0) & Simplex(),
+            GlobalSimplex(1.0), L1Ball(0.3 * K * m), Box(0, 1) & L1Ball(0.2 * K * m), Box(-1, 2)]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 4), st.integers(2, 24), st.floats(0.05, 0.9), st.sampled_from([0.0, 0.15, 0.4]),
+       st.booleans(), st.integers(0, 7), st.integers(0, 2**31 - 1))
+def test_active_set_agrees_with_clarabel_on_singular_problems(K, m, rank_frac, dead_frac, duplicate,
+                                                              which, seed) -> None:
+    rng = np.random.default_rng(seed)
+    problem = singular_problem(rng, K, m, rank_frac, dead_frac, duplicate)
+    cset = _sets(K, m)[which]
+    sol = solve(problem, cset, solver="active_set")
+    ref = solve(problem, cset, solver="clarabel")
+    assert sol.certificate.feasible
+    assert sol.certificate.certified(1e-8), sol.certificate.explain()
+    eps = 1e-9 * max(1.0, abs(ref.objective))
+    assert sol.objective <= ref.objective + eps  # never worse than Clarabel
+    # and not below Clarabel's certified lower bound on J* (Clarabel stops at ~1e-8 here)
+    assert sol.objective >= ref.certificate.lower_bound - eps
+    assert _rel(sol.objective, ref.objective) <= 1e-6
+
+
+def test_zero_curvature_face_is_handled() -> None:
+    """Two identical models: along d_0 - d_1 on a simplex face the reduced Hessian is rounding
+    noise (it used to make the ridge factorisation fail)."""
+    problem = synthetic_merge_qp(2, 23, 7, 32, seed=823931328, dead_rows=0.3, duplicate_last=True, noise=0.0)
+    cset = Box(0, 0.6) & Simplex()
+    sol = solve(problem, cset, solver="active_set")
+    ref = solve(problem, cset, solver="clarabel")
+    assert sol.certificate.fw_gap <= 1e-9 * problem.c
+    assert sol.objective <= ref.objective + 1e-9 * problem.c
+
+
+def test_interpolating_problem_on_an_unbounded_box_stops_early() -> None:
+    """J* = 0 (more unknowns than data, no noise): the gap cannot fall below its rounding floor
+    relative to J ~ 0; the solver stops there instead of running to max_iter."""
+    problem = synthetic_merge_qp(4, 46, 2, 12, seed=5, dead_rows=0.1, duplicate_last=True, noise=0.0)
+    sol = solve(problem, Box(0, np.inf), solver="active_set")
+    assert sol.status.value in ("optimal", "inaccurate")
+    assert sol.iterations < A.ActiveSetSolver.defaults["max_iter"]
+    assert sol.objective <= 1e-10 * problem.c
+
+
+# ---------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("cset", [Box(0, 1), Simplex(), L1Ball(3.0)], ids=["box", "simplex", "l1"])
+def test_proximal_face_solve_matches_a_dense_solve(cset) -> None:
+    """The face solve with rho > 0 minimises J + rho/2 |x - xc|^2 on the face's affine hull."""
+    rng = np.random.default_rng(3)
+    K, m = 3, 12
+    n = K * m
+    B = rng.standard_normal((n, 5))
+    B[:, :4] = 0.0
+    problem = MergeQP(B @ B.T, rng.standard_normal(n), shape=(K, m))  # rank 5, zero rows
+    st_ = A.set_structure(cset, problem.shape)
+    engine = A._Engine(problem, cset, st_, dict(A.ActiveSetSolver.defaults, precision="float64"))
+    engine.rho, engine.xc, engine.fine = 0.37, rng.uniform(0, 1, n), True
+    status = np.where(rng.random(n) < 0.3, A.LO, A.FREE).astype(np.int8)
+    sign = None
+    if isinstance(cset, L1Ball):  # the ball is active: fixed variables sit at the centre
+        status = np.where(status == A.LO, A.CEN, A.FREE).astype(np.int8)
+        sign = np.where(status == A.FREE, rng.choice([-1, 1], n), 0).astype(np.int8)
+    face = A._Face(status, sign, sign is not None)
+    x, grad = engine.face_solve(face, rng.uniform(0, 1, n))
+    # independent: KKT system of min J + rho/2 |x - xc|^2 s.t. fixed values and the equations
+    eq = engine.equations(face)
+    fixed = np.flatnonzero(status != A.FREE)
+    rows = [np.eye(n)[i] for i in fixed]
+    rhs = list(engine.fixed_values(face, np.zeros(n))[fixed])
+    if eq is not None:
+        group, a, totals = eq
+        for G, t in enumerate(totals):
+            rows.append(np.where(group == G, a, 0.0))
+            rhs.append(t)
+    C = np.array(rows)
+    Hr = problem.H + engine.rho * np.eye(n)
+    kkt = np.block([[Hr, C.T], [C, np.zeros((len(rows), len(rows)))]])
+    sol = np.linalg.lstsq(kkt, np.concatenate([-(problem.g - engine.rho * engine.xc), rhs]), rcond=None)[0]
+    assert np.allclose(x, sol[:n], atol=1e-9)
+    assert np.allclose(grad, Hr @ x + problem.g - engine.rho * engine.xc, atol=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.integers(1, 9), st.integers(0, 7), st.sampled_from([0.01, 1.0, 30.0]),
+       st.integers(0, 2**31 - 1))
+def test_sort_based_projection_equals_the_sets_projection(K, m, which, spread, seed) -> None:
+    rng = np.random.default_rng(seed)
+    shape = (K, m)
+    sets = [Simplex(), Box(0, 1) & Simplex(), Box(-0.5, np.inf) & Simplex(), GlobalSimplex(2.0),
+            Box(0, 1) & GlobalSimplex(1.0), L1Ball(1.5), Box(-1, 1) & L1Ball(0.7),
+            L1Ball(1.0, rng.uniform(-0.5, 0.5, size=shape))]
+    cset = sets[which]
+    v = spread * rng.standard_normal(K * m)
+    mine = A.project_structure(A.set_structure(cset, shape), v)
+    theirs = cset.project(v.reshape(shape)).ravel()
+    assert cset.violation(mine.reshape(shape)) <= 1e-12 * (1 + spread)
+    assert np.max(np.abs(mine - theirs)) <= 1e-9 * (1 + spread)
+    # the projection is the closest point: no worse than the set's own
+    assert np.sum((mine - v) ** 2) <= np.sum((theirs - v) ** 2) * (1 + 1e-12) + 1e-24
+
+
+@pytest.mark.parametrize(("option", "value"), [("prox_decrease", 1.0), ("prox_start", 0.0), ("prox_min", 1.0),
+                                               ("patience", 0), ("precision", "half"), ("tol", "tight")])
+def test_bad_option_values_are_named(option: str, value) -> None:
+    problem = synthetic_merge_qp(2, 4, 2, 5, seed=1)
+    with pytest.raises(ValueError, match=rf"active_set: (option {option}=|solver option '{option}' must be)"):
+        solve(problem, Box(0, 1), solver="active_set", **{option: value})

@@ -1,0 +1,249 @@
+"""Bad input to the solvers, and the ``auto`` dispatch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+from mergeqp.constraints import Box, L1Ball, SignConsensus, Simplex, UserConstraints
+from mergeqp.errors import (
+    InfeasibleError,
+    SolverError,
+    UnknownNameError,
+    UnsupportedError,
+    ValidationError,
+)
+from mergeqp.problem import MergeQP
+from mergeqp.solvers.registry import SOLVERS, choose_solver, solve
+
+
+@pytest.fixture()
+def problem(random_psd_problem) -> MergeQP:
+    return random_psd_problem(np.random.default_rng(0), 3, 4, 12)
+
+
+def matvec_only(p: MergeQP) -> MergeQP:
+    H = np.array(p.H)
+    return MergeQP(None, p.g, p.c, shape=p.shape, hessian_matvec=lambda x: H @ x)
+
+
+def test_unknown_solver_lists_valid_names(problem: MergeQP) -> None:
+    with pytest.raises(UnknownNameError) as info:
+        solve(problem, Box(0, 1), solver="gurobi")
+    msg = str(info.value)
+    assert "gurobi" in msg
+    for name in ("auto", "active_set", "clarabel", "osqp", "cvxpy_clarabel", "torch_fista", "torch_adam"):
+        assert name in msg
+
+
+@pytest.mark.parametrize("solver", list(SOLVERS))
+def test_unknown_option_lists_valid_options(problem: MergeQP, solver: str) -> None:
+    cset = None if solver == "closed_form" else Box(0, 1)
+    with pytest.raises(ValidationError, match="unrecognised solver option.*bogus") as info:
+        solve(problem, cset, solver=solver, bogus=1)
+    for opt in SOLVERS[solver].defaults:
+        assert opt in str(info.value)
+
+
+@pytest.mark.parametrize("solver", ["auto", "active_set", "clarabel", "osqp", "cvxpy_osqp", "torch_fista", "torch_adam"])
+def test_infeasible_sets_raise(problem: MergeQP, solver: str) -> None:
+    with pytest.raises(InfeasibleError, match="empty|infeasible"):
+        solve(problem, [Box(0.0, 0.1), Simplex()], solver=solver)
+    with pytest.raises(InfeasibleError):
+        solve(problem, Box(1.0, 0.0), solver=solver)
+
+
+def test_unsupported_sets_give_clear_errors(problem: MergeQP) -> None:
+    user = UserConstraints(lambda v: [v >= 0, v <= 1], label="my-box")
+    with pytest.raises(UnsupportedError, match="active_set.*user|my-box"):
+        solve(problem, user, solver="active_set")
+    with pytest.raises(UnsupportedError, match="projection"):
+        solve(problem, user, solver="torch_fista")
+    with pytest.raises(UnsupportedError, match="not polyhedral"):
+        solve(problem, user, solver="clarabel")
+    with pytest.raises(UnsupportedError, match="unconstrained"):
+        solve(problem, Box(0, 1), solver="closed_form")
+    with pytest.raises(UnsupportedError, match="explicit H"):
+        solve(matvec_only(problem), Box(0, 1), solver="active_set")
+    with pytest.raises(UnsupportedError, match="explicit H"):
+        solve(matvec_only(problem), Box(0, 1), solver="cvxpy_clarabel")
+
+
+def test_bad_torch_options(problem: MergeQP) -> None:
+    with pytest.raises(ValidationError, match="dtype"):
+        solve(problem, Box(0, 1), solver="torch_fista", dtype="float16")
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValidationError, match="CUDA is not available"):
+            solve(problem, Box(0, 1), solver="torch_fista", device="cuda")
+    with pytest.raises(ValidationError, match="init"):
+        solve(problem, Box(0, 1), solver="torch_adam", init="random")
+    with pytest.raises(ValidationError, match="lr"):
+        solve(problem, Box(0, 1), solver="torch_adam", lr=-1.0)
+
+
+def test_auto_dispatch(problem: MergeQP) -> None:
+    from mergeqp.constraints import as_constraint_set
+
+    assert choose_solver(problem, as_constraint_set(None)).name == "closed_form"
+    for cset in (Box(0, 1), Simplex(), L1Ball(2.0), Box(0, 1) & Simplex()):
+        assert choose_solver(problem, cset).name == "active_set"
+    assert choose_solver(matvec_only(problem), Box(0, 1)).name == "torch_fista"
+    G = sp.random(20, problem.n, density=0.3, random_state=1)
+    sign = SignConsensus(G, problem.shape)
+    assert choose_solver(problem, Box(0, 1) & sign).name == "clarabel"
+    user = UserConstraints(lambda v: v <= 1)
+    assert choose_solver(problem, Box(0, 1) & user).name == "cvxpy_clarabel"
+    with pytest.raises(UnsupportedError, match="no registered solver"):
+        choose_solver(matvec_only(problem), user)
+
+
+def test_auto_size_threshold_declines_active_set(problem: MergeQP, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(SOLVERS["active_set"]), "auto_max_n", 5)
+    assert choose_solver(problem, Box(0, 1)).name == "torch_fista"
+
+
+def test_sign_consensus_and_user_constraints_agree_across_solvers(problem: MergeQP) -> None:
+    rng = np.random.default_rng(3)
+    deltas = rng.standard_normal((3, 4, 5))
+    sign = SignConsensus.from_deltas(deltas, "rows")
+    cset = Box(0, 1) & sign
+    objs = [solve(problem, cset, solver=s).objective for s in ("clarabel", "osqp", "cvxpy_clarabel", "cvxpy_osqp")]
+    assert max(objs) - min(objs) <= 1e-6 * max(1.0, abs(min(objs)))
+    user = Box(0, 1) & UserConstraints(lambda v: [v[0, :] + v[1, :] <= 1.2])
+    a = solve(problem, user, solver="cvxpy_clarabel")
+    b = solve(problem, user, solver="cvxpy_osqp")
+    assert abs(a.objective - b.objective) <= 1e-6 * max(1.0, abs(a.objective))
+    assert np.all(a.d[0] + a.d[1] <= 1.2 + 1e-7)
+
+
+# ---------------------------------------------------------------------- auto's fallback
+def _broken_active_set(monkeypatch, mode: str) -> None:
+    """Make the registered active_set return the soup (not optimal) or raise."""
+    from mergeqp.solution import SolveStatus
+    from mergeqp.solvers.base import RawResult
+
+    def fake(problem, constraints, x0=None, **options):
+        if mode == "raise":
+            raise SolverError("solver 'active_set' failed: injected")
+        K, m = problem.shape
+        return RawResult(np.full((K, m), 1.0 / K), SolveStatus.INACCURATE, 1, {"injected": True})
+
+    monkeypatch.setattr(SOLVERS["active_set"], "solve", fake)
+
+
+@pytest.mark.parametrize("mode", ["wrong point", "raise"])
+def test_auto_falls_back_when_its_choice_does_not_certify(random_psd_problem, monkeypatch, mode: str) -> None:
+    problem = random_psd_problem(np.random.default_rng(0), 3, 6, 18)
+    reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
+    _broken_active_set(monkeypatch, mode)
+    sol = solve(problem, Box(0.0, 1.0))
+    assert sol.solver == "clarabel" and sol.certificate.certified()
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
+    tried = sol.info["auto_tried"]
+    assert [t["solver"] for t in tried] == ["active_set", "clarabel"]
+    assert ("error" in tried[0]) == (mode == "raise")
+    assert any("auto: active_set" in n and "kept clarabel" in n for n in sol.certificate.notes)
+    # an explicit solver, or options meant for auto's choice, get no fallback
+    if mode == "raise":
+        with pytest.raises(SolverError, match="injected"):
+            solve(problem, Box(0.0, 1.0), solver="active_set")
+    else:
+        assert not solve(problem, Box(0.0, 1.0), solver="active_set").certificate.certified()
+        assert solve(problem, Box(0.0, 1.0), tol=1e-10).solver == "active_set"
+
+
+def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) -> None:
+    """J* = 0 on a badly scaled problem: the float64 gap cannot reach rel_tol * scale; the
+    certificate says the point is at the rounding floor and auto does not try other solvers."""
+    rng = np.random.default_rng(1)
+    K, m = 2, 12
+    A = rng.standard_normal((6, K * m)) * 1e3
+    x_star = rng.uniform(0.2, 0.8, K * m)  # inside the box: J* = 0 there
+    b = -A @ x_star
+    problem = MergeQP(2 * A.T @ A, 2 * A.T @ b, float(b @ b), shape=(K, m))
+    sol = solve(problem, Box(0.0, 1.0))
+    cert = sol.certificate
+    assert abs(sol.objective) <= 1e-6
+    assert cert.certified() or cert.at_rounding_floor, cert.explain()
+    assert "auto_tried" not in sol.info
+    wrong = np.clip(sol.d + 0.05, 0.0, 1.0)
+    from mergeqp.certificate import certify
+
+    bad = certify(problem, Box(0.0, 1.0), wrong)
+    assert not bad.certified() and not bad.at_rounding_floor
+    assert not any("rounding floor" in r for r in bad.reasons())
+
+
+# ---------------------------------------------------------------------- unbounded problems
+@pytest.mark.parametrize("H", [np.zeros((4, 4)), np.diag([1.0, 1.0, 0.0, 0.0])], ids=["zero H", "singular H"])
+@pytest.mark.parametrize("solver", ["active_set", "clarabel", "osqp", "auto"])
+def test_unbounded_below_on_an_unbounded_box_is_an_unbounded_error(H, solver, monkeypatch) -> None:
+    """J = -sum d (+ 1/2 |d_0|^2) over d >= 0 has no minimum: every exact solver says so with
+    UnboundedError; auto does not try other solvers after such a proof."""
+    from mergeqp.errors import UnboundedError
+
+    problem = MergeQP(H, -np.ones(4), shape=(2, 2))
+    if solver == "auto":
+        def never(*args, **kwargs):
+            raise AssertionError("auto must not fall back after a proof of unboundedness")
+
+        monkeypatch.setattr(SOLVERS["clarabel"], "solve", never)
+        monkeypatch.setattr(SOLVERS["osqp"], "solve", never)
+    with pytest.raises(UnboundedError, match="unbounded below on nonneg"):
+        solve(problem, "nonneg", solver=solver)
+
+
+def test_a_far_but_finite_optimum_is_not_called_unbounded() -> None:
+    """H = diag(1, 1e-12), g = (0, -1) on d >= 0: the optimum d = (0, 1e12) is far away but
+    finite (the ray's minimiser), so active_set returns it."""
+    problem = MergeQP(np.diag([1.0, 1e-12]), np.array([0.0, -1.0]), shape=(1, 2))
+    sol = solve(problem, "nonneg", solver="active_set", certify_result=False)
+    assert sol.d[0, 1] == pytest.approx(1e12, rel=1e-6) and abs(sol.d[0, 0]) <= 1e-6
+
+
+def test_badly_conditioned_bounded_problem_is_not_called_unbounded() -> None:
+    """H = diag(1e8, 1e-8): the pseudo-inverse's cut drops the small eigenvalue, but J has a
+    finite minimum (-0.500000005) along it: closed_form and auto return it, certified."""
+    problem = MergeQP(np.diag([1e8, 1e-8]), np.array([1.0, 1e-4]))
+    for name in ("closed_form", "auto"):
+        sol = solve(problem, None, solver=name)
+        assert sol.objective == pytest.approx(-0.500000005, rel=1e-12)
+        assert sol.certificate.certified(), sol.certificate.explain()
+
+
+def test_unboundedness_claims_are_verified() -> None:
+    """A sparse solver's 'dual infeasible' status is a proof only when it survives float64
+    checks: refuted on a bounded set, on a J bounded below, or along a direction of finite
+    descent; confirmed along an exactly flat descent ray."""
+    from mergeqp.constraints import Box, Unconstrained
+    from mergeqp.errors import SolverError, UnboundedError
+    from mergeqp.solvers.unbounded import unbounded_claim
+
+    bounded_below = MergeQP(np.diag([1e8, 1e-8]), np.array([1.0, 1e-4]))
+    flat = MergeQP(np.diag([1.0, 0.0]), np.array([0.0, 1.0]))
+    err = unbounded_claim(bounded_below, Unconstrained(), "osqp", "dual infeasible")
+    assert type(err) is SolverError and "bounded below even without constraints" in str(err)
+    err = unbounded_claim(bounded_below, Unconstrained(), "osqp", "dual infeasible", np.array([0.0, -1.0]))
+    assert type(err) is SolverError and "not one of unbounded descent" in str(err)
+    err = unbounded_claim(flat, Box(-1, 1), "clarabel", "DualInfeasible")
+    assert type(err) is SolverError and "is bounded" in str(err)
+    assert isinstance(unbounded_claim(flat, Unconstrained(), "cvxpy_osqp", "unbounded"), UnboundedError)
+    err = unbounded_claim(flat, Unconstrained(), "osqp", "dual infeasible", np.array([0.0, -3.0]))
+    assert isinstance(err, UnboundedError) and "v'Hv = 0" in str(err)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_iter": "many"}, "'max_iter' must be an integer"),
+    ({"max_iter": True}, "'max_iter' must be an integer"),
+    ({"eps_abs": "1e-3"}, "'eps_abs' must be a number"),
+    ({"polishing": 1}, "'polishing' must be true or false"),
+])
+def test_solver_option_values_of_the_wrong_kind_are_named(options, message) -> None:
+    from mergeqp.errors import ValidationError
+
+    problem = MergeQP(np.eye(4), np.ones(4), shape=(2, 2))
+    with pytest.raises(ValidationError, match=message):
+        solve(problem, "box:0,1", solver="osqp", **options)

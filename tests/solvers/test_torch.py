@@ -1,0 +1,104 @@
+"""The PyTorch solvers: matrix-vector-only H, float32, exact projections, devices."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex
+from mergeqp.problem import MergeQP
+from mergeqp.solvers.registry import solve
+from mergeqp.solvers.torch_projections import torch_projection
+
+
+def matvec_copy(p: MergeQP, counter: list[int] | None = None) -> MergeQP:
+    H = np.array(p.H)
+
+    def mv(x: np.ndarray) -> np.ndarray:
+        if counter is not None:
+            counter[0] += 1
+        return H @ x
+
+    return MergeQP(None, p.g, p.c, shape=p.shape, hessian_matvec=mv)
+
+
+@pytest.mark.parametrize("spec", ["box:0,1", "simplex", "box:0,1 & simplex"])
+def test_fista_with_matvec_only_hessian(load_case, rel_diff, spec: str) -> None:
+    problem, cset, ref = load_case("tiny96", spec)
+    calls = [0]
+    mv = matvec_copy(problem, calls)
+    sol = solve(mv, cset, solver="torch_fista", device="cpu", dtype="float64", tol=1e-9)
+    assert calls[0] > 10  # H was only ever used through the callback
+    assert sol.info["matvec_only"] is True
+    assert rel_diff(sol.objective, ref["objective"]) <= 1e-6
+    assert sol.certificate.certified(1e-6), sol.certificate.explain()
+
+
+def test_auto_uses_fista_for_matvec_only(load_case, rel_diff) -> None:
+    problem, cset, ref = load_case("singular192", "box:0,1")
+    sol = solve(matvec_copy(problem), cset, solver="auto")
+    assert sol.solver == "torch_fista"
+    assert rel_diff(sol.objective, ref["objective"]) <= 1e-6
+
+
+def test_float32_paths(load_case, rel_diff) -> None:
+    problem, cset, ref = load_case("mnist640", "box:0,1")
+    sol = solve(problem, cset, solver="torch_fista", device="cpu", dtype="float32", tol=1e-6, max_iter=5000)
+    assert sol.info["dtype"] == "float32"
+    assert sol.certificate.feasible  # final projection in float64
+    assert rel_diff(sol.objective, ref["objective"]) <= 1e-5
+    # the active-set solver's mixed precision (float32 factor, float64 refinement) is exact
+    exact = solve(problem, cset, solver="active_set", precision="mixed")
+    assert rel_diff(exact.objective, ref["objective"]) <= 1e-12
+    assert exact.certificate.certified(1e-10)
+    adam = solve(problem, cset, solver="torch_adam", device="cpu", dtype="float32")
+    assert adam.certificate.feasible
+
+
+sets = st.sampled_from(["box", "nonneg", "simplex", "global", "capped", "l1", "l1c", "boxl1", "capped_global"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 9), sets, st.integers(0, 2**31 - 1), st.sampled_from(["float64", "float32"]))
+def test_torch_projection_matches_numpy(K: int, m: int, which: str, seed: int, dtype: str) -> None:
+    rng = np.random.default_rng(seed)
+    shape = (K, m)
+    cset = {
+        "box": Box(-0.3, 0.8), "nonneg": Box(0, np.inf), "simplex": Simplex(), "global": GlobalSimplex(2.0),
+        "capped": Box(0, 1.0 if K == 1 else 0.6) & Simplex(), "l1": L1Ball(1.5),
+        "l1c": L1Ball(0.7, rng.uniform(-1, 1, shape)), "boxl1": Box(-1, 1) & L1Ball(1.2),
+        "capped_global": Box(0, max(0.4, 1.0 / (K * m))) & GlobalSimplex(1.0),
+    }[which]
+    v = rng.standard_normal(shape) * 3
+    proj = torch_projection(cset, shape, torch.device("cpu"), getattr(torch, dtype))
+    got = proj(torch.as_tensor(v.ravel(), dtype=getattr(torch, dtype))).double().numpy().reshape(shape)
+    want = cset.project(v)
+    tol = 1e-10 if dtype == "float64" else 1e-5
+    assert np.max(np.abs(got - want)) <= tol * (1 + np.max(np.abs(v)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_fista_on_cuda(load_case, rel_diff) -> None:  # pragma: no cover - needs a GPU
+    problem, cset, ref = load_case("mnist640", "simplex")
+    for dtype, tol in (("float64", 1e-6), ("float32", 1e-4)):
+        sol = solve(problem, cset, solver="torch_fista", device="cuda", dtype=dtype, tol=tol / 10)
+        assert sol.info["device"].startswith("cuda")
+        assert rel_diff(sol.objective, ref["objective"]) <= tol
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3])
+def test_fista_stops_at_roundoff_when_the_optimum_is_zero(random_psd_problem, seed: int) -> None:
+    """J* = 0 (rank-2 H, the interpolating point inside the box): the relative target
+    ``tol * 1e-8 size`` lies below float64 roundoff; FISTA must stop there, not run to
+    ``max_iter``, and the point must still certify at the default tolerance."""
+
+    problem = random_psd_problem(np.random.default_rng(seed), 3, 5, 2)
+    sol = solve(problem, Box(0.0, 1.0), solver="torch_fista", dtype="float64", device="cpu",
+                tol=1e-10, max_iter=20000)
+    assert sol.status.value == "optimal" and sol.iterations < 2000, (sol.status, sol.iterations)
+    assert sol.info["stopped_at_roundoff"] is True
+    assert abs(sol.objective) <= 1e-12
+    assert sol.certificate.certified()

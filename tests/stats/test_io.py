@@ -1,0 +1,194 @@
+"""Saving / loading statistics, the problem npz, and the ``mergeqp collect`` command."""
+
+from __future__ import annotations
+
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from mergeqp.cli import main
+from mergeqp.errors import ValidationError
+from mergeqp.problem import MergeQP
+from mergeqp.stats import CalibrationStats, collect_statistics, random_basis
+
+
+@pytest.fixture(scope="module")
+def small_stats(finetuned_copies, linear_net):
+    base = linear_net((5, 4, 3, 2), seed=0)
+    fts = finetuned_copies(base, 2, scale=0.3, seed=1)
+    cal = [torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(k))
+           for k in range(2)]
+    basis = random_basis(3, 2, seed=2)
+    return collect_statistics(base, fts, "1", cal, parametrisations=["rows", basis],
+                              keep_samples=True, batch_size=4, progress=False), basis
+
+
+def test_save_load_roundtrip(small_stats, tmp_path):
+    stats, basis = small_stats
+    path = tmp_path / "stats.npz"
+    stats.save(str(path))
+    loaded = CalibrationStats.load(str(path))
+    for name in ("deltas", "base_weight", "task_counts", "task_c", "task_S", "task_cross",
+                 "task_jacobian_sum", "task_gram"):
+        np.testing.assert_array_equal(getattr(loaded, name), getattr(stats, name))
+    assert loaded.model_names == stats.model_names and loaded.layer == stats.layer
+    assert set(loaded.collected) == set(stats.collected)
+    assert loaded.jacobian_shared == stats.jacobian_shared and loaded.positions == stats.positions
+    for spec in ("rows", basis, "columns", "optimal:2"):
+        a, b = stats.problem(spec), loaded.problem(spec)
+        np.testing.assert_array_equal(a.H, b.H)
+        np.testing.assert_array_equal(a.g, b.g)
+    assert loaded.problem(basis, source="collected").n == 4
+    np.testing.assert_array_equal(loaded.residuals(), stats.residuals())
+    stats.save(str(tmp_path / "nosamples.npz"), include_samples=False)
+    assert CalibrationStats.load(str(tmp_path / "nosamples.npz")).samples is None
+
+
+def test_problem_npz_readable(small_stats, tmp_path):
+    stats, _ = small_stats
+    problem = stats.problem("rows", task_weights=[1.0, 2.0])
+    path = tmp_path / "problem.npz"
+    problem.save_npz(str(path))
+    back = MergeQP.load_npz(str(path))
+    np.testing.assert_array_equal(back.H, problem.H)
+    np.testing.assert_array_equal(back.g, problem.g)
+    assert back.c == problem.c and back.shape == problem.shape
+    assert back.metadata["layer"] == "1" and back.metadata["task_weights"] == [1.0, 2.0]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(ValidationError, match="not found"):
+        CalibrationStats.load(str(tmp_path / "missing.npz"))
+    np.savez(tmp_path / "other.npz", a=np.zeros(2))
+    with pytest.raises(ValidationError, match="not a mergeqp statistics file"):
+        CalibrationStats.load(str(tmp_path / "other.npz"))
+
+
+FACTORY = """
+import torch.nn as nn
+
+def make(hidden=16):
+    return nn.Sequential(nn.Linear(12, hidden), nn.ReLU(), nn.Linear(hidden, 8), nn.ReLU(),
+                         nn.Linear(8, 3))
+"""
+
+
+def test_cli_collect_end_to_end(finetuned_copies, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    torch.manual_seed(0)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("factory_for_test", tmp_path / "factory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = module.make(hidden=16)
+    fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=3)
+    save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
+    torch.save(fts[0].state_dict(), tmp_path / "a.pt")
+    save_file(fts[1].state_dict(), str(tmp_path / "b.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    xa = torch.randn(10, 12, generator=gen)
+    xb = torch.randn(7, 12, generator=gen)
+    torch.save({"inputs": xa}, tmp_path / "cal_a.pt")
+    np.savez(tmp_path / "cal_b.npz", x=xb.numpy())
+    out = tmp_path / "stats.npz"
+    code = main([
+        "collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--factory-kwargs", '{"hidden": 16}',
+        "--base", str(tmp_path / "base.safetensors"),
+        "--finetuned", str(tmp_path / "a.pt"), str(tmp_path / "b.safetensors"),
+        "--layer", "2", "--calibration", str(tmp_path / "cal_a.pt"), str(tmp_path / "cal_b.npz"),
+        "--batch-size", "4", "--dtype", "float64", "--out", str(out), "--quiet",
+    ])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "merge QP (rows, n = 16)" in printed
+    stats = CalibrationStats.load(str(out))
+    assert stats.model_names == ("a", "b") and stats.n_samples == 17
+    problem = MergeQP.load_npz(str(tmp_path / "stats_problem.npz"))
+    ref = collect_statistics(base.double(), [f.double() for f in fts], "2",
+                             [xa.double(), xb.double()], batch_size=4, progress=False,
+                             model_names=["a", "b"])
+    expected = ref.problem("rows")
+    np.testing.assert_allclose(problem.H, expected.H, rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(problem.g, expected.g, rtol=1e-10, atol=1e-14)
+
+
+def test_cli_collect_errors(mnist_mlp, tmp_path, capsys):
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    base = mnist_mlp(dtype=torch.float32)
+    torch.save(base.state_dict(), tmp_path / "wrong.pt")
+    torch.save(torch.randn(3, 12), tmp_path / "cal.pt")
+    common = ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--layer", "2",
+              "--out", str(tmp_path / "s.npz"), "--quiet"]
+    code = main(common + ["--base", str(tmp_path / "wrong.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
+                          "--calibration", str(tmp_path / "cal.pt")])
+    assert code == 2
+    assert "does not fit the factory's model" in capsys.readouterr().err
+    code = main(common + ["--base", str(tmp_path / "missing.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
+                          "--calibration", str(tmp_path / "cal.pt")])
+    assert code == 2 and "file not found" in capsys.readouterr().err
+    code = main(["collect", "--factory", "no_such_module_xyz:make", "--layer", "2",
+                 "--base", str(tmp_path / "wrong.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
+                 "--calibration", str(tmp_path / "cal.pt"), "--out", str(tmp_path / "s.npz")])
+    assert code == 2 and "cannot import 'no_such_module_xyz'" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="session")
+def collect_files(finetuned_copies):
+    """A factory file, base / fine-tuned state dicts and two calibration files."""
+
+    def _collect_files(tmp_path):
+        from safetensors.torch import save_file
+
+        (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("factory_for_test2", tmp_path / "factory.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        torch.manual_seed(0)
+        base = module.make(hidden=16)
+        fts = finetuned_copies(base, 2, scale=0.1, layer="2", seed=3)
+        save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
+        for i, ft in enumerate(fts):
+            save_file(ft.state_dict(), str(tmp_path / f"ft{i}.safetensors"))
+            torch.save(torch.randn(6, 12, generator=torch.Generator().manual_seed(i)), tmp_path / f"cal{i}.pt")
+        return ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--factory-kwargs", '{"hidden": 16}',
+                "--base", str(tmp_path / "base.safetensors"),
+                "--finetuned", str(tmp_path / "ft0.safetensors"), str(tmp_path / "ft1.safetensors"),
+                "--layer", "2", "--calibration", str(tmp_path / "cal0.pt"), str(tmp_path / "cal1.pt"),
+                "--quiet"]
+
+    return _collect_files
+
+
+def test_cli_collect_writes_what_solve_needs(collect_files, tmp_path, capsys):
+    """The written QP carries the residuals, so `solve --constraint sign` works on it; a
+    parametrisation asked for the QP is streamed without also naming it in --parametrisation."""
+    common = collect_files(tmp_path)
+    out = tmp_path / "s.npz"
+    assert main(common + ["--out", str(out), "--problem-parametrisation", "columns"]) == 0
+    capsys.readouterr()
+    problem = MergeQP.load_npz(str(tmp_path / "s_problem.npz"))
+    assert problem.shape == (2, 16 + 1)  # columns of [W, b] (layer 2: hidden 16 inputs)
+    assert main(["solve", str(tmp_path / "s_problem.npz"), "--constraint", "box:0,1",
+                 "--constraint", "sign", "--out", str(tmp_path / "sol.json")]) == 0
+    assert "CERTIFIED" in capsys.readouterr().out
+    assert main(common + ["--out", str(tmp_path / "o.npz"), "--problem-parametrisation", "optimal:3"]) == 0
+    assert "keeping per-sample data" in capsys.readouterr().out
+    assert MergeQP.load_npz(str(tmp_path / "o_problem.npz")).shape == (2, 3)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--device", "meta"], "cannot run the models"),
+    (["--device", "nonsense"], "unknown torch device"),
+])
+def test_cli_collect_rejects_bad_settings(collect_files, tmp_path, capsys, extra, message):
+    common = collect_files(tmp_path)
+    assert main(common + ["--out", str(tmp_path / "s.npz"), *extra]) == 2
+    assert message in capsys.readouterr().err

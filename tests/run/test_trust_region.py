@@ -88,15 +88,21 @@ def test_trust_region_dry_run_plan_says_what_it_does(llama, tmp_path):
     assert "initial 0.25" in text and "up to 3 QPs" in text and "constraints none" in text
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=8, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(seed=st.integers(0, 1000), scale=st.floats(0.05, 1.0), n_prompts=st.integers(6, 9))
-def test_trust_region_never_worse_on_random_networks(tiny_hf, tmp_path_factory, seed, scale, n_prompts):
+@given(seed=st.integers(0, 1000), scale=st.floats(0.05, 1.0), n_prompts=st.integers(6, 9), K=st.sampled_from([2, 3]),
+       start=st.sampled_from([None, "soup", "ties"]), radius=st.sampled_from([0.1, 1.0, 3.0]))
+def test_trust_region_never_worse_on_random_networks(tiny_hf, tmp_path_factory, seed, scale, n_prompts, K, start,
+                                                     radius):
+    """Random tiny Llama families (weights, perturbation scale, prompts, K, start, radius): the
+    result's true calibration objective is never above the start's."""
     root = tmp_path_factory.mktemp("tr_random")
-    fam = tiny_hf.make_family(root / "fam", "llama", K=2, scale=scale, n_prompts=n_prompts, seed=seed)
-    res = _merge(fam, root, {"name": "qp", "mode": "trust_region", "constraints": ["box:-1,1"],
-                             "mode_options": {"max_steps": 3, "radius": 1.0}},
-                 layers=("model.layers.1.mlp.down_proj",))
+    fam = tiny_hf.make_family(root / "fam", "llama", K=K, scale=scale, n_prompts=n_prompts, seed=seed)
+    method = {"name": "qp", "mode": "trust_region", "constraints": ["box:-1,1"],
+              "mode_options": {"max_steps": 3, "radius": radius}}
+    if start is not None:
+        method["start"] = {"name": start}
+    res = _merge(fam, root, method, layers=("model.layers.1.mlp.down_proj",))
     _check_never_worse(res.report)
 
 
@@ -128,3 +134,11 @@ def test_trust_region_config_defaults(llama, tmp_path):
                               {"name": "ties", "mode_options": {"radius": 1.0}})
     with pytest.raises(ConfigError, match="mode_options"):
         load_config(path)
+
+
+def test_trust_region_constraints_must_contain_the_start(llama, tmp_path):
+    from mergeqp.errors import ValidationError
+
+    with pytest.raises(ValidationError, match=r"the start \(D = 0.*violates the constraints \['simplex'\]"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "constraints": ["simplex"]},
+               layers=("model.layers.1.mlp.down_proj",))

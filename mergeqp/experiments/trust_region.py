@@ -23,302 +23,37 @@ default) on the calibration objective.
 :func:`trust_region_merge` applies this to PyTorch models at one ``nn.Linear`` layer through
 :func:`mergeqp.stats.collect_statistics` (``reference_model=base`` keeps the original deltas,
 ``targets="finetuned"`` the original targets, ``problem(offset=d_t)`` expresses the QP in
-absolute ``d``). The loop itself only needs two callables, so other producers of linearised
-QPs (multi-layer, Hugging Face) can reuse it.
+absolute ``d``). The loop itself (:func:`sequential_trust_region`, its config, result and step
+records, :func:`trust_region_set`) lives in :mod:`mergeqp.merge.trust_region`, where the
+``trust_region`` merge mode of Hugging Face merges uses it too; it is re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..constraints import Box, as_constraint_set
 from ..errors import ValidationError
+from ..merge.trust_region import (
+    RidgeSelection,
+    TrustRegionConfig,
+    TrustRegionResult,
+    TrustRegionStep,
+    sequential_trust_region,
+    trust_region_set,
+)
 from ..problem import MergeQP
-from ..solvers.registry import solve
 from ..stats import apply_merge, collect_statistics
 from ..stats.apply import layer_deltas
 from ..stats.data import checked_call, iterate_batches, split_batch
 from ..stats.linearise import flatten_output, resolve_output_fn
 from ..stats.parametrisation import as_parametrisation
-
-
-@dataclass(frozen=True)
-class TrustRegionConfig:
-    """Settings of :func:`sequential_trust_region` (defaults = the prototype in issue 5).
-
-    ``delta0``: initial trust-region radius (units of ``d``, infinity norm); ``max_qps``: QP
-    solves in all (accepted or not); ``accept``: smallest ``rho`` for accepting a step;
-    ``expand_above`` / ``shrink_below``: ``rho`` thresholds for multiplying ``Delta`` by
-    ``expand`` / ``shrink``; ``delta_min`` / ``delta_max``: radius limits; ``tol``: stop when
-    the predicted decrease is below ``tol * F(d_t)``; ``ridge``: weight ``mu >= 0`` of a
-    proximal term ``mu ||d - ridge_reference||^2`` added to both the QPs and the true objective
-    (``ridge_reference`` ``None``: the soup ``1/K``).
-    """
-
-    delta0: float = 0.1
-    max_qps: int = 12
-    accept: float = 0.1
-    expand_above: float = 0.75
-    shrink_below: float = 0.25
-    expand: float = 2.0
-    shrink: float = 0.5
-    delta_min: float = 1e-4
-    delta_max: float = 1.0
-    tol: float = 1e-9
-    ridge: float = 0.0
-    ridge_reference: float | None = None
-
-    def __post_init__(self) -> None:
-        checks = {
-            "delta0": self.delta0 > 0, "max_qps": self.max_qps >= 1,
-            "accept": 0 <= self.accept < 1,
-            "expand_above": self.accept <= self.expand_above,
-            "shrink_below": 0 <= self.shrink_below <= self.expand_above,
-            "expand": self.expand >= 1, "shrink": 0 < self.shrink < 1,
-            "delta_min": self.delta_min > 0, "delta_max": self.delta_max >= self.delta_min,
-            "tol": self.tol >= 0, "ridge": self.ridge >= 0,
-        }
-        bad = [k for k, ok in checks.items() if not ok]
-        if bad:
-            raise ValidationError(
-                f"invalid trust-region setting(s) {', '.join(bad)} in {asdict(self)}: need delta0 > 0, "
-                f"max_qps >= 1, 0 <= accept <= expand_above, 0 <= shrink_below <= expand_above, "
-                f"expand >= 1, 0 < shrink < 1, 0 < delta_min <= delta_max, tol >= 0, ridge >= 0"
-            )
-
-
-@dataclass(frozen=True)
-class TrustRegionStep:
-    """One QP solve: radius ``delta``, objective at the current point ``true_before``, the QP's
-    ``predicted`` decrease, the true objective at its solution ``true_after``, their ratio
-    ``rho``, whether it was ``accepted``, the step's infinity norm, and the subproblem's
-    certificate (``fw_gap``, ``certified``) and solver."""
-
-    iteration: int
-    delta: float
-    true_before: float
-    predicted: float
-    true_after: float
-    rho: float
-    accepted: bool
-    step_norm: float
-    fw_gap: float
-    certified: bool
-    solver: str
-    seconds: float
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: _json_float(v) for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True, eq=False)
-class TrustRegionResult:
-    """Final point ``d`` (``(K, n_atoms)``), its true objective, the start's, the steps taken,
-    and whether every subproblem was certified."""
-
-    d: np.ndarray
-    objective: float
-    start_objective: float
-    steps: tuple[TrustRegionStep, ...]
-    stop_reason: str
-    seconds: float
-    config: TrustRegionConfig
-    last_problem: MergeQP | None = field(default=None, repr=False)
-    ridge_selection: RidgeSelection | None = None
-
-    @property
-    def n_qps(self) -> int:
-        return len(self.steps)
-
-    @property
-    def n_accepted(self) -> int:
-        return sum(s.accepted for s in self.steps)
-
-    @property
-    def all_certified(self) -> bool:
-        return all(s.certified for s in self.steps)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "objective": self.objective, "start_objective": self.start_objective,
-            "n_qps": self.n_qps, "n_accepted": self.n_accepted,
-            "all_certified": self.all_certified, "stop_reason": self.stop_reason,
-            "seconds": self.seconds, "config": asdict(self.config),
-            "steps": [s.to_dict() for s in self.steps],
-            "ridge_selection": None if self.ridge_selection is None else self.ridge_selection.to_dict(),
-        }
-
-
-@dataclass(frozen=True)
-class RidgeSelection:
-    """How :func:`trust_region_merge` chose the ridge weight on held-out calibration samples.
-
-    ``relative``: the candidate weights relative to ``scale`` (the mean diagonal of the QP's
-    ``H`` at the start point on the fitting part, so ``mu = relative * scale`` is comparable
-    with the curvature of ``J``); ``weights``: the absolute ``mu`` tried; ``heldout_errors``:
-    the true squared error (no ridge term) of each candidate's ``qp_tr`` merge on the held-out
-    samples; ``chosen``: the ``mu`` with the lowest one (the smaller ``mu`` on a tie), used for
-    the final run on all calibration samples; ``n_fit`` / ``n_heldout``: samples per task."""
-
-    relative: tuple[float, ...]
-    weights: tuple[float, ...]
-    scale: float
-    heldout_errors: tuple[float, ...]
-    chosen: float
-    holdout_fraction: float
-    n_fit: tuple[int, ...]
-    n_heldout: tuple[int, ...]
-    seconds: float
-
-    @property
-    def chosen_relative(self) -> float:
-        return self.relative[self.weights.index(self.chosen)]
-
-    def to_dict(self) -> dict[str, Any]:
-        out = {k: _json_float(v) if not isinstance(v, tuple) else [_json_float(x) for x in v]
-               for k, v in asdict(self).items()}
-        out["chosen_relative"] = self.chosen_relative
-        return out
-
-
-def _json_float(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def trust_region_set(constraints: Any, center: np.ndarray, delta: float) -> Any:
-    """``C intersect {||d - center||_inf <= delta}``: one :class:`Box` when ``C`` is only bounds
-    (a box, or no constraint), else the intersection. Raises :class:`ValidationError` if ``center``
-    violates those bounds (the trust region would be empty)."""
-    cset = as_constraint_set(constraints)
-    lo_t, hi_t = center - delta, center + delta
-    bounds = _bounds_only(cset, center.shape)
-    if bounds is not None:
-        lo_t, hi_t = np.maximum(bounds[0], lo_t), np.minimum(bounds[1], hi_t)
-        if np.any(lo_t > hi_t):
-            raise ValidationError("the current point lies outside the box constraints")
-        return Box(lo_t, hi_t)
-    return cset & Box(lo_t, hi_t)
-
-
-def _bounds_only(cset: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(lo, hi)`` of shape ``shape`` when the set is nothing but bounds, else ``None`` (asked of
-    the set's declared structure)."""
-    st = cset.structure(shape)
-    if st is None or not st.bounds_only:
-        return None
-    return st.lo.reshape(shape), st.hi.reshape(shape)
-
-
-def sequential_trust_region(
-    linearise: Callable[[np.ndarray], MergeQP],
-    true_objective: Callable[[np.ndarray], float],
-    constraints: Any,
-    d0: np.ndarray,
-    config: TrustRegionConfig | None = None,
-    *,
-    solver: str = "auto",
-    solver_options: Mapping[str, Any] | None = None,
-    progress: bool = True,
-) -> TrustRegionResult:
-    """Minimise ``true_objective`` over ``constraints`` by trust-region QPs (module docstring).
-
-    ``linearise(d)``: the QP linearised at the point ``d`` (``(K, n_atoms)``), in absolute ``d``
-    (its value at ``d`` should equal ``true_objective(d)``); ``true_objective(d)``: the true
-    objective (float). ``d0`` must be feasible. Each subproblem is solved with
-    :func:`mergeqp.solve` (``solver``, ``solver_options``) and certified.
-    """
-    from tqdm.auto import tqdm
-
-
-    cfg = config or TrustRegionConfig()
-    cset = as_constraint_set(constraints)
-    d = np.array(d0, dtype=np.float64)
-    viol = cset.violation(d)
-    if viol > 1e-9 * max(1.0, float(np.max(np.abs(d)))):
-        raise ValidationError(f"the trust-region start d0 violates the constraints by {viol:.3g}")
-    ref = None
-    if cfg.ridge > 0:
-        ref = np.full(d.shape, 1.0 / d.shape[0] if cfg.ridge_reference is None else cfg.ridge_reference)
-
-    def merit(x: np.ndarray) -> float:
-        value = float(true_objective(x))
-        if ref is not None:
-            value += cfg.ridge * float(np.sum((x - ref) ** 2))
-        return value
-
-    t_start = time.perf_counter()
-    f_d = merit(d)
-    start = f_d
-    delta = min(cfg.delta0, cfg.delta_max)
-    steps: list[TrustRegionStep] = []
-    problem: MergeQP | None = None
-    stop = f"max_qps ({cfg.max_qps}) reached"
-    bar = tqdm(total=cfg.max_qps, desc="qp_tr", unit="QP", disable=not progress, leave=False)
-    try:
-        while len(steps) < cfg.max_qps:
-            t0 = time.perf_counter()
-            if problem is None:
-                problem = linearise(d)
-                if problem.shape != d.shape:
-                    raise ValidationError(
-                        f"linearise() returned a problem of shape {problem.shape}, expected {d.shape}"
-                    )
-                if ref is not None:
-                    problem = problem.regularised(cfg.ridge, ref)
-            region = trust_region_set(cset, d, delta)
-            sol = solve(problem, region, solver=solver, x0=np.clip(d, *_box_bounds(region, d)),
-                        **dict(solver_options or {}))
-            d_new = sol.d
-            model_now = problem.objective(d)
-            predicted = model_now - problem.objective(d_new)
-            cert = sol.certificate
-            if not predicted > cfg.tol * max(abs(f_d), 1e-30):
-                steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_d, float("nan"),
-                                             False, 0.0, float(cert.fw_gap), bool(cert.certified()),
-                                             sol.solver, time.perf_counter() - t0))
-                stop = "predicted decrease below tol (stationary within the trust region)"
-                bar.update(1)
-                break
-            f_new = merit(d_new)
-            rho = (f_d - f_new) / predicted
-            accepted = bool(rho > cfg.accept)
-            step_norm = float(np.max(np.abs(d_new - d)))
-            steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_new, float(rho),
-                                         accepted, step_norm, float(cert.fw_gap),
-                                         bool(cert.certified()), sol.solver, time.perf_counter() - t0))
-            bar.update(1)
-            bar.set_postfix(F=f"{f_d:.5g}", rho=f"{rho:.2f}", delta=f"{delta:.3g}")
-            on_boundary = step_norm >= delta * (1 - 1e-6)
-            if rho < cfg.shrink_below:
-                delta *= cfg.shrink
-            elif rho > cfg.expand_above and on_boundary:
-                delta = min(delta * cfg.expand, cfg.delta_max)
-            if accepted:
-                d, f_d = d_new, f_new
-                problem = None
-            if delta < cfg.delta_min:
-                stop = f"trust-region radius below delta_min ({cfg.delta_min:g})"
-                break
-    finally:
-        bar.close()
-    return TrustRegionResult(d=d, objective=f_d, start_objective=start, steps=tuple(steps),
-                             stop_reason=stop, seconds=time.perf_counter() - t_start, config=cfg,
-                             last_problem=problem)
-
-
-def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    bounds = _bounds_only(region, d.shape)
-    if bounds is not None:
-        return bounds
-    return np.full(d.shape, -np.inf), np.full(d.shape, np.inf)
 
 
 # ---------------------------------------------------------------------------- models
@@ -519,3 +254,8 @@ def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, cali
                           n_fit=tuple(int(x.shape[0]) for x in fit),
                           n_heldout=tuple(int(x.shape[0]) for x in held),
                           seconds=time.perf_counter() - t0)
+
+
+__all__ = ["RidgeSelection", "TrustRegionConfig", "TrustRegionResult", "TrustRegionStep", "calibration_error",
+           "calibration_targets", "sequential_trust_region", "split_calibration", "trust_region_merge",
+           "trust_region_set"]

@@ -6,8 +6,10 @@ config requirements (:attr:`~MergeMode.uses_start`, :attr:`~MergeMode.spans_laye
 keeps in memory, how it runs on a live model (:meth:`~MergeMode.run`), its notes and the extra
 fields of its report (:meth:`~MergeMode.prepare`, :meth:`~MergeMode.report_fields`).
 
-Built in: ``single``, ``sequential``, ``hybrid`` and ``joint``. :func:`register_merge_mode` adds
-one (then ``method.mode: NAME`` selects it in a ``mergeqp merge`` config).
+Built in: ``single``, ``sequential``, ``hybrid``, ``joint`` and ``trust_region``.
+:func:`register_merge_mode` adds one (then ``method.mode: NAME`` selects it in a ``mergeqp
+merge`` config). A mode with options declares them as a pydantic model (:attr:`MergeMode.options`);
+the config's ``method.mode_options`` block is validated by it (:meth:`MergeMode.check_options`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import copy
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ValidationError as PydanticError
 
 from ..errors import ValidationError, unknown
 from .multilayer import (
@@ -28,6 +33,7 @@ from .multilayer import (
     with_exact,
 )
 from .sites import LayerSite, read_augmented, write_augmented
+from .trust_region import TrustRegionConfig, TrustRegionLayerRecord, trust_region_sites
 
 #: ``evaluate(model) -> {"calibration_objective": float, "heldout_mse": {task: float}}``
 Evaluator = Callable[[Any], dict[str, Any]]
@@ -39,13 +45,41 @@ class MergeMode:
     ``name``: the config's ``method.mode``; ``description``: one line for docs and errors;
     ``uses_start``: the mode starts from a baseline merged on every tensor (``method.start``
     is required, and the model holds that merge when :meth:`run` is called); ``spans_layers``:
-    one QP may couple several layers (per-layer constraints such as ``sign`` cannot be used).
+    one QP may couple several layers (per-layer constraints such as ``sign`` cannot be used);
+    ``start_required``: with ``uses_start``, whether ``method.start`` must be given (``False``:
+    without it the mode starts from the base model); ``default_constraints``: the constraint
+    spellings used when the config gives none (``None``: the config's default ``box:0,1``);
+    ``options``: the pydantic model of ``method.mode_options`` (``None``: the mode takes none).
     """
 
     name: str = ""
     description: str = ""
     uses_start: bool = False
+    start_required: bool = True
     spans_layers: bool = False
+    default_constraints: tuple[str, ...] | None = None
+    options: type[BaseModel] | None = None
+
+    def check_options(self, raw: Mapping[str, Any] | None) -> BaseModel | None:
+        """``raw`` (the config's ``method.mode_options``) validated by :attr:`options`; a
+        :class:`~mergeqp.errors.ValidationError` names each bad key or value and lists the valid
+        keys. A mode without options accepts only an empty block (``None`` is returned)."""
+        raw = dict(raw or {})
+        if self.options is None:
+            if raw:
+                raise ValidationError(f"mode: {self.name} takes no mode_options (got {sorted(raw)})")
+            return None
+        valid = sorted(self.options.model_fields)
+        bad = [k for k in raw if k not in valid]
+        if bad:
+            raise ValidationError(f"mode_options: unknown key {bad[0]!r} for mode: {self.name}; valid keys: "
+                                  f"{', '.join(valid)}")
+        try:
+            return self.options(**raw)
+        except PydanticError as exc:
+            why = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'mode_options'}: {e['msg']}"
+                            for e in exc.errors())
+            raise ValidationError(f"mode_options of mode: {self.name}: {why}") from None
 
     # ------------------------------------------------------------------ planning
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
@@ -226,6 +260,133 @@ class JointMode(MergeMode):
         }}
 
 
+class TrustRegionOptions(BaseModel):
+    """``method.mode_options`` of ``mode: trust_region`` (radii in units of the coefficients ``D``,
+    infinity norm).
+
+    ``radius``: initial trust-region radius; ``min_radius``: stop when the radius falls below it;
+    ``max_radius``: the radius never grows beyond it; ``shrink``: factor applied to the radius
+    when ``rho`` (true over predicted decrease) is below ``shrink_below``; ``grow``: factor when
+    ``rho > grow_above`` and the step reached the boundary; ``eta``: a step is accepted when
+    ``rho > eta`` (``eta >= 0``: only on a true decrease); ``max_steps``: QP solves in all
+    (accepted or not); ``tol``: stop when the predicted decrease is below ``tol`` times the
+    current objective."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    radius: float = Field(default=0.5, gt=0)
+    min_radius: float = Field(default=1e-4, gt=0)
+    max_radius: float = Field(default=4.0, gt=0)
+    shrink: float = Field(default=0.5, gt=0, lt=1)
+    grow: float = Field(default=2.0, ge=1)
+    eta: float = Field(default=0.1, ge=0, lt=1)
+    shrink_below: float = Field(default=0.25, ge=0, lt=1)
+    grow_above: float = Field(default=0.75, ge=0, lt=1)
+    max_steps: int = Field(default=10, ge=1)
+    tol: float = Field(default=1e-9, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> TrustRegionOptions:
+        if self.min_radius > self.max_radius:
+            raise ValueError(f"min_radius ({self.min_radius:g}) must not exceed max_radius ({self.max_radius:g})")
+        if not self.eta <= self.grow_above:
+            raise ValueError(f"need eta ({self.eta:g}) <= grow_above ({self.grow_above:g})")
+        if not self.shrink_below <= self.grow_above:
+            raise ValueError(f"need shrink_below ({self.shrink_below:g}) <= grow_above ({self.grow_above:g})")
+        return self
+
+    def config(self, ridge: float) -> TrustRegionConfig:
+        """The loop's settings (``ridge``: weight of ``mu ||D||^2``, toward the start)."""
+        return TrustRegionConfig(delta0=min(self.radius, self.max_radius), max_qps=self.max_steps, accept=self.eta,
+                                 expand_above=self.grow_above, shrink_below=self.shrink_below, expand=self.grow,
+                                 shrink=self.shrink, delta_min=self.min_radius, delta_max=self.max_radius,
+                                 tol=self.tol, ridge=ridge, ridge_reference=0.0)
+
+
+class TrustRegionMode(MergeMode):
+    """Trust-region QPs over every selected layer at once, from the ``start`` merge (or the base):
+    in the coordinates ``D`` of ``W = W_start + sum_a D_a B_a`` (``D = 0`` is the start), each step
+    re-linearises the live model at the current weights, solves the QP over the user's set
+    intersected with ``||D - D_current||_inf <= radius`` (certified), and accepts the candidate only
+    when the true calibration objective falls (:mod:`.trust_region`). Never worse than the start on
+    the calibration objective. Options: :class:`TrustRegionOptions`."""
+
+    name = "trust_region"
+    description = ("from the 'start' merge (or the base), trust-region QPs over all layers, re-linearised at "
+                   "the merged model, accepted only on a true calibration decrease")
+    uses_start = True
+    start_required = False
+    spans_layers = True
+    default_constraints = ()
+    options = TrustRegionOptions
+
+    def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
+        return [tuple(sites)]
+
+    def linearised_at(self, start: str | None) -> str:
+        return f"the current merge, re-linearised each accepted step (from the {start or 'base'} model)"
+
+    def plan_notes(self, settings: Any) -> list[str]:
+        o = self.check_options(settings.mode_options)
+        assert isinstance(o, TrustRegionOptions)
+        ridge = (f"; regularisation {settings.regularisation:g} ||D||^2 toward the start"
+                 if settings.regularisation else "")
+        return [f"trust_region: coefficients D of W = W_start + sum_a D_a B_a (D = 0 is the start); up to "
+                f"{o.max_steps} QPs over all layers, each linearised at the current merge, over the constraints "
+                f"{list(settings.constraints) or 'none'} and ||D - D_current||_inf <= radius (initial {o.radius:g}); "
+                f"a step is accepted when rho = true / predicted decrease > {o.eta:g}; radius x{o.shrink:g} when "
+                f"rho < {o.shrink_below:g}, x{o.grow:g} (<= {o.max_radius:g}) when rho > {o.grow_above:g} at the "
+                f"boundary; stops below radius {o.min_radius:g}, after {o.max_steps} QPs, or when the predicted "
+                f"decrease is below {o.tol:g} x the objective{ridge}. Never worse than the start on the "
+                f"calibration objective"]
+
+    def models_in_memory(self, settings: Any) -> int:
+        return 2
+
+    def deltas_in_memory(self, n_sites: int) -> int:
+        return n_sites
+
+    def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+        o = self.check_options(ctx.settings.mode_options)
+        assert isinstance(o, TrustRegionOptions)
+        return list(trust_region_sites(ctx, sites, o.config(ctx.settings.regularisation), mode=self.name))
+
+    def notes(self, records: Sequence[LayerRecord], constraints: Sequence[str], start: str | None) -> list[str]:
+        if not records or not isinstance(records[0], TrustRegionLayerRecord):
+            return []
+        r = records[0]
+        out = [f"trust_region: {r.status}; calibration objective {r.objective_before:.6g} (start: "
+               f"{start or 'base'}) -> {r.objective_after_exact:.6g}"]
+        if r.objective_after_exact > r.objective_before:
+            out.append("trust_region: the result's calibration objective is above the start's although no step "
+                       "raised it (a regularisation term, or a non-deterministic model)")
+        return out
+
+    def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
+                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator) -> dict[str, Any]:
+        outcome = getattr(records[0], "outcome", None) if records else None
+        if outcome is None:
+            return {}
+        result = outcome.result
+        final = {s.name: read_augmented(ctx.model, s) for s in sites}
+        apply_weights(ctx, sites, outcome.start_weights)  # evaluate the start (D = 0), then restore
+        try:
+            start_eval = evaluate(ctx.model)
+        finally:
+            apply_weights(ctx, sites, final)
+        return {"trust_region": {
+            "options": self.check_options(ctx.settings.mode_options).model_dump(),  # type: ignore[union-attr]
+            "constraints": list(ctx.settings.constraints),
+            "start": {"calibration_objective": start_eval["calibration_objective"],
+                      "heldout_mse": start_eval["heldout_mse"]},
+            "result": {"calibration_objective": merged["calibration_objective"],
+                       "heldout_mse": merged["heldout_mse"]},
+            "steps": outcome.step_rows(), "n_steps": result.n_qps, "n_accepted": result.n_accepted,
+            "all_certified": result.all_certified, "stop_reason": result.stop_reason,
+            "seconds": result.seconds,
+        }}
+
+
 MERGE_MODES: dict[str, MergeMode] = {}
 
 
@@ -255,9 +416,9 @@ def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[L
     return entry.run(ctx, sites)
 
 
-for _mode in (SingleMode(), SequentialMode(), HybridMode(), JointMode()):
+for _mode in (SingleMode(), SequentialMode(), HybridMode(), JointMode(), TrustRegionMode()):
     register_merge_mode(_mode)
 del _mode
 
 __all__ = ["MERGE_MODES", "HybridMode", "JointMode", "MergeMode", "SequentialMode", "SingleMode",
-           "get_merge_mode", "register_merge_mode", "run_mode"]
+           "TrustRegionMode", "TrustRegionOptions", "get_merge_mode", "register_merge_mode", "run_mode"]

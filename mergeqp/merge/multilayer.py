@@ -58,7 +58,8 @@ class QPSettings:
     ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
     ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
     vectorised JVP call; ``compare_sequential`` (``joint`` mode): also run the sequential QP on a
-    copy of the model for the report.
+    copy of the model for the report; ``mode_options``: the merge mode's own options (validated
+    by its entry, :meth:`mergeqp.merge.modes.MergeMode.check_options`).
     """
 
     parametrisation: str = "rows"
@@ -73,6 +74,7 @@ class QPSettings:
     seed: int = 0
     basis_max_bytes: int = 2 * 2**30
     compare_sequential: bool = True
+    mode_options: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def parametrisation_options(self) -> dict[str, Any]:
@@ -217,7 +219,9 @@ def calibration_objective(ctx: MergeContext) -> float:
     return total
 
 
-def _constraints(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
+def constraint_sets(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[Any]:
+    """The parsed ``settings.constraints`` for a QP over ``atoms`` (a per-layer spelling such as
+    ``sign`` needs exactly one site)."""
     out = []
     for spec in settings.constraints:
         name = layer_constraint(spec)
@@ -234,6 +238,41 @@ def _reference_points(stats: FirstOrderStats, atoms: Sequence[SiteAtoms]) -> dic
     if all(a.param.contains_task_vectors for a in atoms):
         points["task_arithmetic"] = np.ones(shape)
     return points
+
+
+@dataclass(frozen=True)
+class BuiltSite:
+    """One site's atoms at the live model (:func:`site_atoms`), with the report's ``basis``
+    entry, the Frobenius norm of each residual and the seconds spent on an optimal basis."""
+
+    atoms: SiteAtoms
+    basis: dict[str, Any] | None
+    residual_norms: tuple[float, ...]
+    basis_seconds: float
+
+
+def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> BuiltSite:
+    """The atoms of ``site`` (original residuals ``delta_k = W_k - W_base``, the configured
+    parametrisation built at the live model) for a QP in the coefficients of ``W = W_ref +
+    sum_a d_a B_a``. ``reference``: ``W_ref`` (augmented ``(r, m1)``, float64); the offset
+    ``W_current - W_ref`` of the live model is pushed forward (``None``: no offset, the model is
+    taken to hold ``W_ref``; a zero offset is dropped)."""
+    deltas = ctx.weights.deltas(site)
+    offset = None
+    if reference is not None:
+        diff = read_augmented(ctx.model, site) - reference
+        if float(diff.abs().max()) > 0.0:
+            offset = diff
+    optimal = None
+    entry = get_parametrisation(ctx.settings.parametrisation)
+    options = ctx.settings.parametrisation_options
+    entry.check_site(site, options)
+    if entry.needs_output_jacobian(options):
+        optimal = _optimal_basis_stats(ctx, site, offset)
+    param = make_parametrisation(ctx.settings, site, deltas, optimal)
+    norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
+    return BuiltSite(SiteAtoms(site, param, deltas, offset), _basis_record(ctx, site, param, deltas, optimal),
+                     norms, optimal.seconds if optimal is not None else 0.0)
 
 
 @dataclass(frozen=True)
@@ -259,25 +298,11 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     norms: dict[str, tuple[float, ...]] = {}
     basis_seconds = 0.0
     for site in sites:
-        deltas = ctx.weights.deltas(site)
-        W_base = ctx.weights.base_weight(site)
-        offset = None
-        if relinearise_offsets:
-            current = read_augmented(ctx.model, site)
-            diff = current - W_base
-            if float(diff.abs().max()) > 0.0:
-                offset = diff
-        optimal = None
-        entry = get_parametrisation(ctx.settings.parametrisation)
-        options = ctx.settings.parametrisation_options
-        entry.check_site(site, options)
-        if entry.needs_output_jacobian(options):
-            optimal = _optimal_basis_stats(ctx, site, offset)
-            basis_seconds += optimal.seconds
-        param = make_parametrisation(ctx.settings, site, deltas, optimal)
-        bases[site.name] = _basis_record(ctx, site, param, deltas, optimal)
-        atoms.append(SiteAtoms(site, param, deltas, offset))
-        norms[site.name] = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
+        built = site_atoms(ctx, site, ctx.weights.base_weight(site) if relinearise_offsets else None)
+        atoms.append(built.atoms)
+        bases[site.name] = built.basis
+        norms[site.name] = built.residual_norms
+        basis_seconds += built.basis_seconds
     t1 = time.perf_counter()
     stats = collect_first_order(ctx.model, atoms, ctx.tasks, ctx.spec, ctx.device,
                                 model_names=ctx.model_names, chunk_size=ctx.settings.chunk_size,
@@ -288,7 +313,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     solved_problem = qp
     if mu > 0:
         solved_problem = qp.regularised(mu, None if ctx.settings.reference == "soup" else 0.0)
-    cset = _constraints(ctx.settings, atoms)
+    cset = constraint_sets(ctx.settings, atoms)
     solution = solve(solved_problem, cset or None, solver=ctx.settings.solver, **dict(ctx.settings.solver_options))
     t3 = time.perf_counter()
     if solution.certificate is not None and not solution.certificate.feasible:

@@ -379,8 +379,7 @@ class _Run:
         start_eval = None
         start_overrides: dict[str, Any] = {}
         mode = get_merge_mode(m.mode)
-        if mode.uses_start:
-            assert m.start is not None
+        if mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
             t = time.perf_counter()
             floats = _float_keys(plan)
             if collector is not None:

@@ -140,7 +140,7 @@ class MergePlan:
             lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if m.start is not None:
-                lines.append(f"  hybrid start: {m.start.name} {m.start.params or ''} on every tensor")
+                lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
                 spec = statistics_of(m.start.name)
                 if spec is not None:
                     lines.append(f"    {spec.plan_line}")
@@ -546,14 +546,14 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         if evaluates_baseline(cfg):
             out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
         return out
+    m = cfg.method
     mode = plan.mode
     out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
-    if mode.uses_start:
+    if mode.uses_start and m.start is not None:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
             floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
             out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, floats)
-    m = cfg.method
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
         out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)

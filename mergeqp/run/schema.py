@@ -169,7 +169,10 @@ class MethodConfig(_Strict):
     layer independently at the base model; ``sequential`` = layer by layer, statistics recomputed
     on the partially merged model; ``joint`` = one first-order QP over all selected layers'
     coefficients; ``hybrid`` = start from the ``start`` baseline merged on ALL layers, then refine
-    the selected layers sequentially); ``parametrisation`` (a registered parametrisation:
+    the selected layers sequentially; ``trust_region`` = from the ``start`` merge, or the base when
+    none is given, trust-region QPs over all selected layers accepted only on a true calibration
+    decrease, default constraints none); ``mode_options``: the selected mode's own options
+    (validated by its entry; modes without options reject a non-empty block); ``parametrisation`` (a registered parametrisation:
     ``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (a registered basis a checkpoint
     merge can build: ``svd``, ``random`` or ``optimal``: the paper's Corollary 4.2 with the
     calibration-mean output Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); the
@@ -195,9 +198,20 @@ class MethodConfig(_Strict):
     regularisation: float = Field(default=0.0, ge=0.0)
     reference: Literal["soup", "zero"] = "soup"
     start: BaselineSpec | None = None
+    mode_options: dict[str, Any] = Field(default_factory=dict)
     compare_sequential: bool = True
     chunk_size: int = Field(default=256, ge=1)
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mode_default_constraints(cls, data: Any) -> Any:
+        """A mode's own default constraint set (``default_constraints``) when none is given."""
+        if isinstance(data, dict) and "constraints" not in data and data.get("mode") in MERGE_MODES:
+            default = MERGE_MODES[data["mode"]].default_constraints
+            if default is not None:
+                return {**data, "constraints": list(default)}
+        return data
 
     @field_validator("constraints", mode="before")
     @classmethod
@@ -228,7 +242,7 @@ class MethodConfig(_Strict):
         if self.name != "qp":
             qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "basis_max_size", "constraints", "solver",
                                    "solver_options", "regularisation", "reference", "start",
-                                   "compare_sequential", "chunk_size")
+                                   "mode_options", "compare_sequential", "chunk_size")
                        if k in self.model_fields_set]
             if qp_only:
                 raise ValueError(
@@ -239,12 +253,17 @@ class MethodConfig(_Strict):
         if self.params:
             raise ValueError("'params' is for baselines; the QP is configured by its own keys")
         mode = MERGE_MODES[self.mode]
-        if mode.uses_start and self.start is None:
+        if mode.uses_start and mode.start_required and self.start is None:
             raise ValueError(f"mode: {self.mode} needs 'start': the baseline merged on all layers first, "
                              "e.g. start: {name: task_arithmetic, params: {scaling: 0.5}}")
         if not mode.uses_start and self.start is not None:
             users = [n for n, m in MERGE_MODES.items() if m.uses_start]
             raise ValueError(f"'start' is only used with mode: {' or '.join(users)}")
+        if mode.options is None and self.mode_options:
+            owners = [n for n, m in MERGE_MODES.items() if m.options is not None]
+            raise ValueError(f"mode_options: mode: {self.mode} takes no options (modes with options: "
+                             f"{', '.join(owners) or 'none'})")
+        mode.check_options(self.mode_options)
         param = PARAMETRISATIONS[self.parametrisation]
         options = self.parametrisation_options()
         given = [k for k in options if k in self.model_fields_set or (k == "rank" and self.rank is not None)]

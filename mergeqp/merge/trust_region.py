@@ -1,0 +1,453 @@
+"""Trust-region merging: the generic loop over linearised merge QPs (``qp_tr``), shared by the
+MNIST experiment (:mod:`mergeqp.experiments.trust_region`), and its application to merge sites
+of a live model (:func:`trust_region_sites`, behind the ``trust_region`` merge mode).
+
+:func:`sequential_trust_region` minimises a true objective ``F(d)`` by a sequence of QPs:
+
+1. at the current point ``d_t``, build the QP ``J_t`` linearised there (``linearise(d_t)``, in
+   absolute ``d``, so ``J_t(d_t) = F(d_t)`` and ``grad J_t(d_t) = grad F(d_t)``);
+2. solve ``min J_t(d) (+ ridge ||d - d_ref||^2)`` over ``C intersect {||d - d_t||_inf <=
+   Delta}`` (:func:`trust_region_set`; for a box ``C`` this is again a box) and certify the
+   solution like any other QP;
+3. ``rho = (F(d_t) - F(d_new)) / (J_t(d_t) - J_t(d_new))`` (true over predicted decrease);
+   accept ``d_new`` when ``rho > accept``; multiply ``Delta`` by ``expand`` when ``rho >
+   expand_above`` and the step reached the trust-region boundary, by ``shrink`` when ``rho <
+   shrink_below``;
+4. stop after ``max_qps`` QP solves, when the predicted decrease is below ``tol * F(d_t)``, or
+   when ``Delta < delta_min``.
+
+Every accepted step lowers ``F`` (``accept >= 0``): the result is never worse than ``d0``.
+The loop only needs two callables, so any producer of linearised QPs can use it.
+
+:func:`trust_region_sites` runs it on merge sites of a live model in the coordinates ``D`` of
+``W = W_start + sum_a D_a B_a`` (every site at once, atoms of the original residuals
+``delta_k = W_k - W_base``), where ``W_start`` is the model's weight when it is called (a start
+merge, or the base): ``D = 0`` is the start. Each QP is the joint first-order model
+(:func:`~.firstorder.collect_first_order`) at the current ``W``, the offset ``W - W_start``
+pushed forward, so the QP is in absolute ``D``; the true objective is the live model's
+calibration objective (:func:`~.multilayer.calibration_objective`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..constraints import Box, as_constraint_set
+from ..errors import ValidationError
+from ..problem import MergeQP
+from ..solvers.registry import solve
+from .firstorder import FirstOrderStats, collect_first_order
+from .multilayer import (
+    LayerRecord,
+    MergeContext,
+    apply_weights,
+    calibration_objective,
+    constraint_sets,
+    say,
+    site_atoms,
+)
+from .sites import LayerSite, read_augmented
+
+
+@dataclass(frozen=True)
+class TrustRegionConfig:
+    """Settings of :func:`sequential_trust_region` (defaults = the prototype in issue 5).
+
+    ``delta0``: initial trust-region radius (units of ``d``, infinity norm); ``max_qps``: QP
+    solves in all (accepted or not); ``accept``: smallest ``rho`` for accepting a step;
+    ``expand_above`` / ``shrink_below``: ``rho`` thresholds for multiplying ``Delta`` by
+    ``expand`` / ``shrink``; ``delta_min`` / ``delta_max``: radius limits; ``tol``: stop when
+    the predicted decrease is below ``tol * F(d_t)``; ``ridge``: weight ``mu >= 0`` of a
+    proximal term ``mu ||d - ridge_reference||^2`` added to both the QPs and the true objective
+    (``ridge_reference`` ``None``: the soup ``1/K``).
+    """
+
+    delta0: float = 0.1
+    max_qps: int = 12
+    accept: float = 0.1
+    expand_above: float = 0.75
+    shrink_below: float = 0.25
+    expand: float = 2.0
+    shrink: float = 0.5
+    delta_min: float = 1e-4
+    delta_max: float = 1.0
+    tol: float = 1e-9
+    ridge: float = 0.0
+    ridge_reference: float | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "delta0": self.delta0 > 0, "max_qps": self.max_qps >= 1,
+            "accept": 0 <= self.accept < 1,
+            "expand_above": self.accept <= self.expand_above,
+            "shrink_below": 0 <= self.shrink_below <= self.expand_above,
+            "expand": self.expand >= 1, "shrink": 0 < self.shrink < 1,
+            "delta_min": self.delta_min > 0, "delta_max": self.delta_max >= self.delta_min,
+            "tol": self.tol >= 0, "ridge": self.ridge >= 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValidationError(
+                f"invalid trust-region setting(s) {', '.join(bad)} in {asdict(self)}: need delta0 > 0, "
+                f"max_qps >= 1, 0 <= accept <= expand_above, 0 <= shrink_below <= expand_above, "
+                f"expand >= 1, 0 < shrink < 1, 0 < delta_min <= delta_max, tol >= 0, ridge >= 0"
+            )
+
+
+@dataclass(frozen=True)
+class TrustRegionStep:
+    """One QP solve: radius ``delta``, objective at the current point ``true_before``, the QP's
+    ``predicted`` decrease, the true objective at its solution ``true_after``, their ratio
+    ``rho``, whether it was ``accepted``, the step's infinity norm, and the subproblem's
+    certificate (``fw_gap``, ``certified``) and solver."""
+
+    iteration: int
+    delta: float
+    true_before: float
+    predicted: float
+    true_after: float
+    rho: float
+    accepted: bool
+    step_norm: float
+    fw_gap: float
+    certified: bool
+    solver: str
+    seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: _json_float(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True, eq=False)
+class TrustRegionResult:
+    """Final point ``d`` (``(K, n_atoms)``), its true objective, the start's, the steps taken,
+    and whether every subproblem was certified."""
+
+    d: np.ndarray
+    objective: float
+    start_objective: float
+    steps: tuple[TrustRegionStep, ...]
+    stop_reason: str
+    seconds: float
+    config: TrustRegionConfig
+    last_problem: MergeQP | None = field(default=None, repr=False)
+    ridge_selection: RidgeSelection | None = None
+
+    @property
+    def n_qps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def n_accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    @property
+    def all_certified(self) -> bool:
+        return all(s.certified for s in self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "objective": self.objective, "start_objective": self.start_objective,
+            "n_qps": self.n_qps, "n_accepted": self.n_accepted,
+            "all_certified": self.all_certified, "stop_reason": self.stop_reason,
+            "seconds": self.seconds, "config": asdict(self.config),
+            "steps": [s.to_dict() for s in self.steps],
+            "ridge_selection": None if self.ridge_selection is None else self.ridge_selection.to_dict(),
+        }
+
+
+@dataclass(frozen=True)
+class RidgeSelection:
+    """How :func:`trust_region_merge` chose the ridge weight on held-out calibration samples.
+
+    ``relative``: the candidate weights relative to ``scale`` (the mean diagonal of the QP's
+    ``H`` at the start point on the fitting part, so ``mu = relative * scale`` is comparable
+    with the curvature of ``J``); ``weights``: the absolute ``mu`` tried; ``heldout_errors``:
+    the true squared error (no ridge term) of each candidate's ``qp_tr`` merge on the held-out
+    samples; ``chosen``: the ``mu`` with the lowest one (the smaller ``mu`` on a tie), used for
+    the final run on all calibration samples; ``n_fit`` / ``n_heldout``: samples per task."""
+
+    relative: tuple[float, ...]
+    weights: tuple[float, ...]
+    scale: float
+    heldout_errors: tuple[float, ...]
+    chosen: float
+    holdout_fraction: float
+    n_fit: tuple[int, ...]
+    n_heldout: tuple[int, ...]
+    seconds: float
+
+    @property
+    def chosen_relative(self) -> float:
+        return self.relative[self.weights.index(self.chosen)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: _json_float(v) if not isinstance(v, tuple) else [_json_float(x) for x in v]
+               for k, v in asdict(self).items()}
+        out["chosen_relative"] = self.chosen_relative
+        return out
+
+
+def _json_float(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def trust_region_set(constraints: Any, center: np.ndarray, delta: float) -> Any:
+    """``C intersect {||d - center||_inf <= delta}``: one :class:`Box` when ``C`` is only bounds
+    (a box, or no constraint), else the intersection. Raises :class:`ValidationError` if ``center``
+    violates those bounds (the trust region would be empty)."""
+    cset = as_constraint_set(constraints)
+    lo_t, hi_t = center - delta, center + delta
+    bounds = _bounds_only(cset, center.shape)
+    if bounds is not None:
+        lo_t, hi_t = np.maximum(bounds[0], lo_t), np.minimum(bounds[1], hi_t)
+        if np.any(lo_t > hi_t):
+            raise ValidationError("the current point lies outside the box constraints")
+        return Box(lo_t, hi_t)
+    return cset & Box(lo_t, hi_t)
+
+
+def _bounds_only(cset: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(lo, hi)`` of shape ``shape`` when the set is nothing but bounds, else ``None`` (asked of
+    the set's declared structure)."""
+    st = cset.structure(shape)
+    if st is None or not st.bounds_only:
+        return None
+    return st.lo.reshape(shape), st.hi.reshape(shape)
+
+
+def sequential_trust_region(
+    linearise: Callable[[np.ndarray], MergeQP],
+    true_objective: Callable[[np.ndarray], float],
+    constraints: Any,
+    d0: np.ndarray,
+    config: TrustRegionConfig | None = None,
+    *,
+    solver: str = "auto",
+    solver_options: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> TrustRegionResult:
+    """Minimise ``true_objective`` over ``constraints`` by trust-region QPs (module docstring).
+
+    ``linearise(d)``: the QP linearised at the point ``d`` (``(K, n_atoms)``), in absolute ``d``
+    (its value at ``d`` should equal ``true_objective(d)``); ``true_objective(d)``: the true
+    objective (float). ``d0`` must be feasible. Each subproblem is solved with
+    :func:`mergeqp.solve` (``solver``, ``solver_options``) and certified.
+    """
+    cfg = config or TrustRegionConfig()
+    cset = as_constraint_set(constraints)
+    d = np.array(d0, dtype=np.float64)
+    viol = cset.violation(d)
+    if viol > 1e-9 * max(1.0, float(np.max(np.abs(d)))):
+        raise ValidationError(f"the trust-region start d0 violates the constraints by {viol:.3g}")
+    ref = None
+    if cfg.ridge > 0:
+        ref = np.full(d.shape, 1.0 / d.shape[0] if cfg.ridge_reference is None else cfg.ridge_reference)
+
+    def merit(x: np.ndarray) -> float:
+        value = float(true_objective(x))
+        if ref is not None:
+            value += cfg.ridge * float(np.sum((x - ref) ** 2))
+        return value
+
+    t_start = time.perf_counter()
+    f_d = merit(d)
+    start = f_d
+    delta = min(cfg.delta0, cfg.delta_max)
+    steps: list[TrustRegionStep] = []
+    problem: MergeQP | None = None
+    stop = f"max_qps ({cfg.max_qps}) reached"
+    bar = tqdm(total=cfg.max_qps, desc="qp_tr", unit="QP", disable=not progress, leave=False)
+    try:
+        while len(steps) < cfg.max_qps:
+            t0 = time.perf_counter()
+            if problem is None:
+                problem = linearise(d)
+                if problem.shape != d.shape:
+                    raise ValidationError(
+                        f"linearise() returned a problem of shape {problem.shape}, expected {d.shape}"
+                    )
+                if ref is not None:
+                    problem = problem.regularised(cfg.ridge, ref)
+            region = trust_region_set(cset, d, delta)
+            sol = solve(problem, region, solver=solver, x0=np.clip(d, *_box_bounds(region, d)),
+                        **dict(solver_options or {}))
+            d_new = sol.d
+            model_now = problem.objective(d)
+            predicted = model_now - problem.objective(d_new)
+            cert = sol.certificate
+            if not predicted > cfg.tol * max(abs(f_d), 1e-30):
+                steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_d, float("nan"),
+                                             False, 0.0, float(cert.fw_gap), bool(cert.certified()),
+                                             sol.solver, time.perf_counter() - t0))
+                stop = "predicted decrease below tol (stationary within the trust region)"
+                bar.update(1)
+                break
+            f_new = merit(d_new)
+            rho = (f_d - f_new) / predicted
+            accepted = bool(rho > cfg.accept)
+            step_norm = float(np.max(np.abs(d_new - d)))
+            steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_new, float(rho),
+                                         accepted, step_norm, float(cert.fw_gap),
+                                         bool(cert.certified()), sol.solver, time.perf_counter() - t0))
+            bar.update(1)
+            bar.set_postfix(F=f"{f_d:.5g}", rho=f"{rho:.2f}", delta=f"{delta:.3g}")
+            on_boundary = step_norm >= delta * (1 - 1e-6)
+            if rho < cfg.shrink_below:
+                delta *= cfg.shrink
+            elif rho > cfg.expand_above and on_boundary:
+                delta = min(delta * cfg.expand, cfg.delta_max)
+            if accepted:
+                d, f_d = d_new, f_new
+                problem = None
+            if delta < cfg.delta_min:
+                stop = f"trust-region radius below delta_min ({cfg.delta_min:g})"
+                break
+    finally:
+        bar.close()
+    return TrustRegionResult(d=d, objective=f_d, start_objective=start, steps=tuple(steps),
+                             stop_reason=stop, seconds=time.perf_counter() - t_start, config=cfg,
+                             last_problem=problem)
+
+
+def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    bounds = _bounds_only(region, d.shape)
+    if bounds is not None:
+        return bounds
+    return np.full(d.shape, -np.inf), np.full(d.shape, np.inf)
+
+
+# ---------------------------------------------------------------------------- merge sites
+@dataclass(frozen=True, eq=False)
+class SitesTrustRegion:
+    """What :func:`trust_region_sites` did: the loop's ``result`` (``result.d``: ``(K, N)``, the
+    sites' ``D`` blocks side by side), one report row per QP step (:meth:`step_rows`), and the
+    start weights ``W_start`` of each site (augmented ``(r, m1)`` float64; not in the report)."""
+
+    result: TrustRegionResult
+    start_weights: Mapping[str, Any] = field(repr=False)
+
+    def step_rows(self) -> list[dict[str, Any]]:
+        """Per step: ``radius`` (infinity norm in ``D``), the true objective at the current point
+        ``objective_before``, the QP's value at the candidate ``linearised_after`` (the QP equals
+        the true objective at the current point), the true objective there ``true_after``, the
+        ``predicted_decrease``, ``rho`` (true over predicted), ``accepted``, ``step_norm``, the
+        subproblem's certificate (``certified``, ``fw_gap``), ``solver`` and ``seconds``. Objectives
+        in the units of ``J`` (sum of squared compared outputs, task-weighted)."""
+        return [{"step": s.iteration, "radius": s.delta, "objective_before": s.true_before,
+                 "linearised_after": _json_float(s.true_before - s.predicted),
+                 "true_after": _json_float(s.true_after), "predicted_decrease": _json_float(s.predicted),
+                 "rho": _json_float(s.rho), "accepted": s.accepted, "step_norm": s.step_norm,
+                 "certified": s.certified, "fw_gap": _json_float(s.fw_gap), "solver": s.solver,
+                 "seconds": s.seconds} for s in self.result.steps]
+
+
+@dataclass(frozen=True)
+class TrustRegionLayerRecord(LayerRecord):
+    """A site's record in ``trust_region`` mode (``d``: its final ``D`` block); ``outcome`` (the
+    same object on every site's record, not in the per-layer JSON) holds the whole run."""
+
+    outcome: SitesTrustRegion | None = field(default=None, repr=False)
+
+
+def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: TrustRegionConfig,
+                       *, mode: str = "trust_region") -> list[TrustRegionLayerRecord]:
+    """Trust-region QPs over ``sites`` of the live ``ctx.model`` jointly (module docstring), from
+    the weights the model holds now (``D = 0``); the model is left at the result, which is never
+    worse than the start on the calibration objective. ``config.ridge`` (``ctx.settings``'s
+    ``regularisation``) pulls toward the start, ``mu ||D||^2``. Constraints
+    (``ctx.settings.constraints``) apply to ``D`` and must contain ``D = 0``. One record per
+    site, in ``sites`` order."""
+    import torch  # optional heavy dependency (the merge needs it; importing this module does not)
+
+    t0 = time.perf_counter()
+    start = {s.name: read_augmented(ctx.model, s) for s in sites}
+    built = [site_atoms(ctx, s, start[s.name]) for s in sites]
+    atoms = [b.atoms for b in built]
+    K = atoms[0].K
+    bounds = np.cumsum([0] + [a.n_atoms for a in atoms])
+    blocks = {a.site.name: slice(int(lo), int(hi)) for a, lo, hi in zip(atoms, bounds[:-1], bounds[1:])}
+    residuals = {a.site.name: a.deltas.numpy() for a in atoms}
+
+    def updates(D: np.ndarray) -> dict[str, Any]:
+        return {a.site.name: torch.from_numpy(a.param.update(D[:, blocks[a.site.name]], residuals[a.site.name]))
+                for a in atoms}
+
+    def move_to(D: np.ndarray) -> dict[str, Any]:
+        up = updates(D)
+        apply_weights(ctx, sites, {name: start[name] + u for name, u in up.items()})
+        return up
+
+    first: list[FirstOrderStats] = []
+
+    def linearise(D: np.ndarray) -> MergeQP:
+        up = move_to(D)
+        now = [dataclasses.replace(a, offset=up[a.site.name] if np.any(D[:, blocks[a.site.name]]) else None)
+               for a in atoms]
+        stats = collect_first_order(ctx.model, now, ctx.tasks, ctx.spec, ctx.device, model_names=ctx.model_names,
+                                    chunk_size=ctx.settings.chunk_size, progress=ctx.progress)
+        if not first:
+            first.append(stats)
+        return stats.problem()
+
+    def true_objective(D: np.ndarray) -> float:
+        move_to(D)
+        return calibration_objective(ctx)
+
+    cset = as_constraint_set(constraint_sets(ctx.settings, atoms) or None)
+    d0 = np.zeros((K, int(bounds[-1])))
+    viol = cset.violation(d0)
+    if viol > 1e-9:
+        raise ValidationError(
+            f"mode: {mode}: the start (D = 0, the coefficients of W = W_start + sum_a D_a B_a) violates the "
+            f"constraints {list(ctx.settings.constraints)} by {viol:.3g}; use a set that contains 0 (e.g. "
+            f"box:-1,1 or none)")
+    result = sequential_trust_region(linearise, true_objective, cset, d0, config, solver=ctx.settings.solver,
+                                     solver_options=ctx.settings.solver_options, progress=ctx.progress)
+    move_to(result.d)
+    exact = calibration_objective(ctx)
+    outcome = SitesTrustRegion(result, start)
+    for row in outcome.step_rows():
+        say(ctx, f"[{mode} step {row['step'] + 1}] radius {row['radius']:.3g}: J {row['objective_before']:.6g} -> "
+                 f"linearised {row['linearised_after']} true {row['true_after']} "
+                 f"({'accepted' if row['accepted'] else 'rejected'}, certified {row['certified']})")
+    accepted = [s for s in result.steps if s.accepted]
+    linearised = accepted[-1].true_before - accepted[-1].predicted if accepted else result.start_objective
+    certificate = _steps_certificate(result)
+    stats = first[0]
+    seconds = time.perf_counter() - t0
+    return [TrustRegionLayerRecord(
+        layer=a.site.name, mode=mode, objective_before=result.start_objective, objective_after=float(linearised),
+        objective_after_exact=exact, certificate=certificate, energy_fraction=stats.energy_fraction(a.site.name),
+        seconds=seconds, solver=result.steps[-1].solver if result.steps else "",
+        status=f"{result.n_accepted} of {result.n_qps} steps accepted; {result.stop_reason}",
+        n_variables=int(d0.size), group=0, points={"start": result.start_objective, "result": result.objective},
+        d=result.d[:, blocks[a.site.name]], timings={"trust_region": seconds}, basis=b.basis,
+        group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
+        residual_norms=b.residual_norms, outcome=outcome) for a, b in zip(atoms, built)]
+
+
+def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:
+    """A run's certificate entry: certified when every step's QP was; ``fw_gap`` the largest."""
+    gaps = [s.fw_gap for s in result.steps if math.isfinite(s.fw_gap)]
+    failed = [s.iteration for s in result.steps if not s.certified]
+    out: dict[str, Any] = {"certified": bool(result.steps) and not failed, "fw_gap": max(gaps) if gaps else None,
+                           "relative_gap": None, "gap_method": "every trust-region step's QP certified on its own",
+                           "infeasibility": None}
+    if failed:
+        out["reasons"] = [f"trust-region step(s) {failed} not certified"]
+    return out
+
+
+__all__ = ["RidgeSelection", "SitesTrustRegion", "TrustRegionConfig", "TrustRegionLayerRecord", "TrustRegionResult",
+           "TrustRegionStep", "sequential_trust_region", "trust_region_set", "trust_region_sites"]

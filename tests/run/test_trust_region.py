@@ -1,0 +1,144 @@
+"""``mode: trust_region`` of ``mergeqp merge`` on tiny Hugging Face checkpoints.
+
+Checks: from the base (no start) and from TIES and RegMean starts, the merged model's true
+calibration objective is at most the start's (from ``report.json``); every accepted step lowers
+it, rejected steps leave it; the subproblems are certified; a hypothesis property on random
+small families (seeds, perturbation scales, prompt counts); the ``mode_options`` block is
+validated by the mode's own schema (unknown keys, bad values, options for another mode).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.config import load_config
+from mergeqp.errors import ConfigError
+from mergeqp.run.pipeline import run_merge
+from mergeqp.run.plan import build_plan
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_hf, tmp_path_factory):
+    """A tiny Llama family whose block 1 is perturbed in both fine-tunes."""
+    return tiny_hf.make_family(tmp_path_factory.mktemp("trust_region") / "llama", "llama", K=2, scale=0.3, n_prompts=10)
+
+
+def _merge(fam, tmp_path, method, name="cfg", layers=("model.layers.1.mlp.*",)):
+    cfg = load_config(fam.write_config(tmp_path / f"{name}.yml", list(layers), method))
+    return run_merge(cfg, tmp_path / f"out_{name}", progress=False)
+
+
+def _check_never_worse(report):
+    tr = report["trust_region"]
+    start = tr["start"]["calibration_objective"]
+    result = tr["result"]["calibration_objective"]
+    assert result <= start * (1 + 1e-12)
+    assert report["evaluation"]["merged"]["calibration_objective"] == pytest.approx(result, rel=1e-12)
+    current = start
+    for step in tr["steps"]:
+        assert step["objective_before"] == pytest.approx(current, rel=1e-9)
+        if step["accepted"]:
+            assert step["true_after"] < step["objective_before"]
+            assert step["predicted_decrease"] > 0
+            current = step["true_after"]
+    assert result == pytest.approx(current, rel=1e-9)
+    return tr
+
+
+@pytest.mark.parametrize("start", [None, {"name": "ties"}, {"name": "regmean"}], ids=["base", "ties", "regmean"])
+def test_trust_region_never_worse_than_its_start(llama, tmp_path, start):
+    method = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 4}}
+    if start is not None:
+        method["start"] = start
+    res = _merge(llama, tmp_path, method)
+    rep = json.loads((res.out_dir / "report.json").read_text())
+    tr = _check_never_worse(rep)
+    assert tr["n_steps"] == len(tr["steps"]) >= 1
+    assert tr["all_certified"] is True
+    assert all(s["certified"] for s in tr["steps"])
+    assert tr["n_accepted"] >= 1, tr  # the first-order model is accurate near the start
+    assert tr["result"]["calibration_objective"] < tr["start"]["calibration_objective"]
+    if start is None:  # D = 0 is the base model
+        assert tr["start"]["calibration_objective"] == pytest.approx(
+            rep["evaluation"]["base"]["calibration_objective"], rel=1e-9)
+    else:
+        assert rep["evaluation"]["start"]["method"] == start["name"]
+        assert tr["start"]["calibration_objective"] == pytest.approx(
+            rep["evaluation"]["start"]["calibration_objective"], rel=1e-9)
+    assert set(tr["start"]["heldout_mse"]) == set(tr["result"]["heldout_mse"]) == set(llama.tasks)
+    layers = rep["layers"]
+    assert [r["layer"] for r in layers] == [s.name for s in res.plan.sites]
+    assert len(layers) == 3 and all(r["mode"] == "trust_region" and r["certificate"]["certified"] for r in layers)
+    assert tr["constraints"] == []
+
+
+def test_trust_region_dry_run_plan_says_what_it_does(llama, tmp_path):
+    cfg = load_config(llama.write_config(tmp_path / "plan.yml", ["model.layers.1.mlp.down_proj"],
+                                         {"name": "qp", "mode": "trust_region", "start": {"name": "ties"},
+                                          "mode_options": {"radius": 0.25, "max_steps": 3}}))
+    text = build_plan(cfg).render()
+    assert "trust_region start: ties" in text
+    assert "initial 0.25" in text and "up to 3 QPs" in text and "constraints none" in text
+
+
+@settings(max_examples=8, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(seed=st.integers(0, 1000), scale=st.floats(0.05, 1.0), n_prompts=st.integers(6, 9), K=st.sampled_from([2, 3]),
+       start=st.sampled_from([None, "soup", "ties"]), radius=st.sampled_from([0.1, 1.0, 3.0]))
+def test_trust_region_never_worse_on_random_networks(tiny_hf, tmp_path_factory, seed, scale, n_prompts, K, start,
+                                                     radius):
+    """Random tiny Llama families (weights, perturbation scale, prompts, K, start, radius): the
+    result's true calibration objective is never above the start's."""
+    root = tmp_path_factory.mktemp("tr_random")
+    fam = tiny_hf.make_family(root / "fam", "llama", K=K, scale=scale, n_prompts=n_prompts, seed=seed)
+    method = {"name": "qp", "mode": "trust_region", "constraints": ["box:-1,1"],
+              "mode_options": {"max_steps": 3, "radius": radius}}
+    if start is not None:
+        method["start"] = {"name": start}
+    res = _merge(fam, root, method, layers=("model.layers.1.mlp.down_proj",))
+    _check_never_worse(res.report)
+
+
+@pytest.mark.parametrize("method, match", [
+    ({"mode": "trust_region", "mode_options": {"radious": 1.0}}, "unknown key 'radious'.*valid keys: .*radius"),
+    ({"mode": "trust_region", "mode_options": {"radius": -1.0}}, "radius"),
+    ({"mode": "trust_region", "mode_options": {"shrink": 1.5}}, "shrink"),
+    ({"mode": "trust_region", "mode_options": {"max_steps": 0}}, "max_steps"),
+    ({"mode": "trust_region", "mode_options": {"eta": 0.9, "grow_above": 0.5}}, "eta"),
+    ({"mode": "trust_region", "mode_options": {"min_radius": 2.0, "max_radius": 1.0}}, "min_radius"),
+    ({"mode": "trust_region", "mode_options": {"max_steps": "3"}}, "max_steps"),
+    ({"mode": "sequential", "mode_options": {"radius": 1.0}}, "takes no options.*trust_region"),
+    ({"mode": "hybrid", "start": {"name": "soup"}, "mode_options": {"radius": 1.0}}, "takes no options"),
+])
+def test_mode_options_are_validated_by_the_mode(llama, tmp_path, method, match):
+    path = llama.write_config(tmp_path / "bad.yml", ["model.layers.1.mlp.down_proj"], {"name": "qp", **method})
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+def test_trust_region_config_defaults(llama, tmp_path):
+    path = llama.write_config(tmp_path / "ok.yml", ["model.layers.1.mlp.down_proj"], {"name": "qp", "mode": "trust_region"})
+    m = load_config(path).method
+    assert m.start is None and m.constraints == [] and m.mode_options == {}
+    path = llama.write_config(tmp_path / "hyb.yml", ["model.layers.1.mlp.down_proj"], {"name": "qp", "mode": "hybrid"})
+    with pytest.raises(ConfigError, match="needs 'start'"):
+        load_config(path)
+    path = llama.write_config(tmp_path / "bl.yml", ["model.layers.1.mlp.down_proj"],
+                              {"name": "ties", "mode_options": {"radius": 1.0}})
+    with pytest.raises(ConfigError, match="mode_options"):
+        load_config(path)
+
+
+def test_trust_region_constraints_must_contain_the_start(llama, tmp_path):
+    from mergeqp.errors import ValidationError
+
+    with pytest.raises(ValidationError, match=r"the start \(D = 0.*violates the constraints \['simplex'\]"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "constraints": ["simplex"]},
+               layers=("model.layers.1.mlp.down_proj",))

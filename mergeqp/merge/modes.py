@@ -49,7 +49,9 @@ class MergeMode:
     ``start_required``: with ``uses_start``, whether ``method.start`` must be given (``False``:
     without it the mode starts from the base model); ``default_constraints``: the constraint
     spellings used when the config gives none (``None``: the config's default ``box:0,1``);
-    ``options``: the pydantic model of ``method.mode_options`` (``None``: the mode takes none).
+    ``options``: the pydantic model of ``method.mode_options`` (``None``: the mode takes none);
+    ``origin_feasible``: the QP's coefficients are corrections from the start, so the constraint
+    set must contain ``0`` (the plan checks it before any weight is loaded).
     """
 
     name: str = ""
@@ -59,6 +61,7 @@ class MergeMode:
     spans_layers: bool = False
     default_constraints: tuple[str, ...] | None = None
     options: type[BaseModel] | None = None
+    origin_feasible: bool = False
 
     def check_options(self, raw: Mapping[str, Any] | None) -> BaseModel | None:
         """``raw`` (the config's ``method.mode_options``) validated by :attr:`options`; a
@@ -319,6 +322,7 @@ class TrustRegionMode(MergeMode):
     spans_layers = True
     default_constraints = ()
     options = TrustRegionOptions
+    origin_feasible = True
 
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
         return [tuple(sites)]

@@ -415,11 +415,18 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
         return
     cset = as_constraint_set([parse_constraint(s) for s in specs])
     K = len(cfg.models)
+    origin = get_merge_mode(cfg.method.mode).origin_feasible
     for n in sorted({int(g.n_variables) for g in groups}):
         try:
             check_feasible(cset, (K, n // K))
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
+        viol = cset.violation(np.zeros((K, n // K))) if origin else 0.0
+        if viol > 1e-9:
+            raise ConfigError(
+                f"method.constraints: mode {cfg.method.mode} solves for corrections D from the start (D = 0), "
+                f"which the constraints {cfg.method.constraints} exclude (violation {viol:.3g}); use a set that "
+                f"contains 0, e.g. box:-1,1, or none")
 
 
 def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:

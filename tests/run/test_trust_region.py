@@ -137,8 +137,14 @@ def test_trust_region_config_defaults(llama, tmp_path):
 
 
 def test_trust_region_constraints_must_contain_the_start(llama, tmp_path):
-    from mergeqp.errors import ValidationError
-
-    with pytest.raises(ValidationError, match=r"the start \(D = 0.*violates the constraints \['simplex'\]"):
+    """Refused by the plan, before any weight is loaded (the dry run too)."""
+    path = llama.write_config(tmp_path / "simplex.yml", ["model.layers.1.mlp.down_proj"],
+                              {"name": "qp", "mode": "trust_region", "constraints": ["simplex"]})
+    with pytest.raises(ConfigError, match=r"corrections D from the start \(D = 0\).*\['simplex'\] exclude"):
+        build_plan(load_config(path))
+    with pytest.raises(ConfigError, match="exclude"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "constraints": ["simplex"]},
                layers=("model.layers.1.mlp.down_proj",))
+    ok = llama.write_config(tmp_path / "box.yml", ["model.layers.1.mlp.down_proj"],
+                            {"name": "qp", "mode": "trust_region", "constraints": ["box:-1,1"]})
+    build_plan(load_config(ok))

@@ -67,6 +67,11 @@ EIG_MAX_N = 4096
 #: a component of a vector outside range(H) below this fraction of the problem's scale is
 #: treated as round-off
 RANGE_TOL = 1e-8
+#: the hint that an absolute tolerance could accept a point is given only when its gap is at
+#: most this fraction of the problem's natural scale (``Certificate.natural_scale``): then
+#: ``J* ~ 0`` and the relative test fails only by dividing by ``|J| ~ 0``; a clearly wrong point
+#: gets no hint
+HONEST_GAP_FRACTION = 1e-6
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,9 @@ class Certificate:
     #: ``dual (HiGHS)``, ``user set (clarabel primal minus a labelled margin) ...``,
     #: ``lagrangian duality``, or ``... (unavailable)`` when none could be proven
     bound_method: str = ""
+    #: ``|c| + ||g||_1 + sum_i |H_ii| / 2`` (units of J; ``|d'Hd|/2`` in place of the diagonal for a
+    #: matvec-only H): the size of J's terms at coefficients of order one
+    natural_scale: float = 0.0
 
     @property
     def at_rounding_floor(self) -> bool:
@@ -106,6 +114,16 @@ class Certificate:
         optimal to float64 precision, even where that is above ``rel_tol * scale`` (``J* ~ 0``
         on badly scaled problems). ``certified()`` does not relax for it."""
         return bool(self.rounding > 0 and math.isfinite(self.fw_gap) and self.fw_gap <= 2.0 * self.rounding)
+
+    @property
+    def abs_tol_could_accept(self) -> bool:
+        """Whether an absolute tolerance could honestly certify this point: it is feasible,
+        ``J(d)`` lies within its own gap (``J* ~ 0``), and the gap is at most
+        :data:`HONEST_GAP_FRACTION` of the problem's :attr:`natural_scale` (the point is optimal up
+        to cancellation, not clearly wrong)."""
+        return bool(self.feasible and self.abs_tol == 0 and math.isfinite(self.fw_gap)
+                    and self.fw_gap >= abs(self.objective)
+                    and self.fw_gap <= HONEST_GAP_FRACTION * self.natural_scale)
 
     @property
     def relative_gap(self) -> float:
@@ -145,7 +163,7 @@ class Certificate:
                 f"optimality gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds "
                 f"rel_tol {tol:.3g}" + (f" and abs_tol {self.abs_tol:.3g}" if self.abs_tol > 0 else "")
             )
-            if self.fw_gap >= abs(self.objective) and self.abs_tol == 0:
+            if self.abs_tol_could_accept:
                 out.append(
                     f"J(d) = {self.objective:.3g} is itself within the gap, so J* ~ 0 and a relative "
                     f"test is as strict as exactness; an absolute tolerance (abs_tol, --abs-tol, "
@@ -416,7 +434,14 @@ def certify(
         unconstrained_bound=unconstrained_bound, pinv_distance=pinv_distance, binding=binding,
         scale=float(scale), feas_tol=feas_tol, rel_tol=rel_tol, abs_tol=abs_tol, d_norm=d_norm,
         constraints=cset.spec, notes=tuple(notes), rounding=float(rounding), bound_method=bound_method,
+        natural_scale=_natural_scale(problem, quad),
     )
+
+
+def _natural_scale(problem: MergeQP, quad: float) -> float:
+    """``|c| + ||g||_1 + sum_i |H_ii| / 2`` (``|d'Hd| / 2`` for a matvec-only H)."""
+    curvature = 0.5 * float(np.sum(np.abs(problem.diagonal()))) if problem.H is not None else abs(quad)
+    return float(abs(problem.c) + np.sum(np.abs(problem.g)) + curvature)
 
 
 def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: float) -> float:

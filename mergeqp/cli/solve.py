@@ -182,42 +182,12 @@ def load_point(path: str) -> np.ndarray:
     return arr
 
 
-#: the certificate's hint that an absolute tolerance could accept the point (certificate.py)
-ABS_TOL_HINT = "an absolute tolerance (abs_tol, --abs-tol"
-#: the hint is honest only when the gap is this small next to the objective's own terms
-#: (|c| + |d'Hd|/2 + |g'd|): then J* ~ 0 and the gap is cancellation, not a wrong point
-HONEST_GAP_FRACTION = 1e-6
-
-
-def abs_tol_could_accept(problem: Any, cert: Any, d: np.ndarray) -> bool:
-    """Whether ``--abs-tol`` could honestly certify ``d``: feasible, a finite gap, and the gap
-    at most :data:`HONEST_GAP_FRACTION` of ``|c| + |d'Hd|/2 + |g'd|`` (so ``J* ~ 0`` and the
-    relative test fails only because it divides by ``|J| ~ 0``)."""
-    if not cert.feasible or not np.isfinite(cert.fw_gap):
-        return False
-    x = np.asarray(d, dtype=np.float64).reshape(-1)
-    magnitude = abs(problem.c) + abs(float(x @ problem.matvec(x))) / 2 + abs(float(problem.g @ x))
-    return bool(magnitude > 0 and cert.fw_gap <= HONEST_GAP_FRACTION * magnitude)
-
-
-def _reasons(problem: Any, cert: Any, d: np.ndarray, rel_tol: float) -> list[str]:
-    honest = abs_tol_could_accept(problem, cert, d)
-    return [r for r in cert.reasons(rel_tol) if honest or ABS_TOL_HINT not in r]
-
-
-def _honest(text: str, problem: Any, cert: Any, d: np.ndarray) -> str:
-    """``text`` (a certificate's account) without the ``--abs-tol`` hint where it is not honest."""
-    if cert is None or abs_tol_could_accept(problem, cert, d):
-        return text
-    return "\n".join(line for line in text.splitlines() if ABS_TOL_HINT not in line)
-
-
 def _write_json(path: str, payload: dict[str, Any]) -> None:
     write_json_atomic(path, payload, indent=1)
 
 
-def _not_certified(command: str, problem: Any, cert: Any, d: np.ndarray, rel_tol: float) -> int:
-    reasons = "; ".join(_reasons(problem, cert, d, rel_tol)) or "not certified"
+def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
+    reasons = "; ".join(cert.reasons(rel_tol)) or "not certified"
     print(f"mergeqp {command}: NOT CERTIFIED: {reasons}", file=sys.stderr)
     return 1
 
@@ -239,7 +209,7 @@ def run_solve(args: argparse.Namespace) -> int:
                        abs_tol=args.abs_tol)
         solution = dataclasses.replace(solution, certificate=cert)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
-    print(_honest(solution.summary(), problem, solution.certificate, solution.d))
+    print(solution.summary())
     if options:
         print(f"options {options} were passed to solver {solution.solver}")
     if args.out:
@@ -253,7 +223,7 @@ def run_solve(args: argparse.Namespace) -> int:
         print(f"wrote {args.save_d}")
     cert = solution.certificate
     if cert is None or not cert.certified(args.rel_tol):
-        return _not_certified("solve", problem, cert, solution.d, args.rel_tol) if cert is not None else 1
+        return _not_certified("solve", cert, args.rel_tol) if cert is not None else 1
     return 0
 
 
@@ -268,7 +238,7 @@ def run_certify(args: argparse.Namespace) -> int:
                    pinv=True if args.pinv else None, abs_tol=args.abs_tol)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
           f"point {args.point}")
-    print(_honest(cert.explain(args.rel_tol), problem, cert, d))
+    print(cert.explain(args.rel_tol))
     if args.out:
         payload = cert.to_dict()
         payload["certified"] = cert.certified(args.rel_tol)
@@ -277,5 +247,5 @@ def run_certify(args: argparse.Namespace) -> int:
         _write_json(args.out, payload)
         print(f"wrote {args.out}")
     if not cert.certified(args.rel_tol):
-        return _not_certified("certify", problem, cert, d, args.rel_tol)
+        return _not_certified("certify", cert, args.rel_tol)
     return 0

@@ -361,3 +361,19 @@ def test_abs_tol_certifies_a_near_exact_point_where_j_star_is_zero(tmp_path) -> 
     base = ["certify", str(tmp_path / "p.npz"), "--point", str(tmp_path / "d.npy"), "--constraint", "box:0,1"]
     assert main(base) == 1
     assert main(base + ["--abs-tol", "1e-9"]) == 0
+
+
+def test_abs_tol_hint_only_where_a_tolerance_could_honestly_accept() -> None:
+    """The certificate decides (not the CLI): a clearly wrong point whose J happens to lie within
+    its gap (d = 0 with c = 0, J* < 0) gets no abs_tol hint; a point 1e-12 from J* = 0 does."""
+    from mergeqp.certificate import HONEST_GAP_FRACTION, certify
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((8, 6))
+    wrong = certify(MergeQP(A.T @ A + 0.1 * np.eye(6), rng.standard_normal(6), shape=(2, 3)), Box(-1, 1),
+                    np.zeros((2, 3)))
+    assert not wrong.certified() and wrong.fw_gap >= abs(wrong.objective)
+    assert not wrong.abs_tol_could_accept and not any("abs_tol" in r for r in wrong.reasons())
+    near = certify(MergeQP(np.eye(4), np.ones(4), shape=(2, 2)), Box(0, 1), np.full((2, 2), 1e-12))
+    assert near.natural_scale == pytest.approx(4 + 2) and near.fw_gap <= HONEST_GAP_FRACTION * near.natural_scale
+    assert near.abs_tol_could_accept and any("abs_tol" in r for r in near.reasons())

@@ -87,3 +87,11 @@ def test_a_user_method_with_calibration_statistics_from_yaml(tiny_hf, tmp_path, 
         assert report["baseline"]["method"] == "my_regmean"
     else:
         assert all(r["certificate"]["certified"] is True for r in report["layers"])
+
+
+def test_a_layer_constraint_is_checked_with_the_configured_parametrisation(tiny_hf, tmp_path):
+    """``sign`` builds its rows per parametrisation (rows, columns, scalar): with another one the
+    plan refuses it, before any statistics are collected."""
+    with pytest.raises(ConfigError, match=r"method.constraints: unknown sign-consensus parametrisation 'basis'"):
+        _run(tiny_hf, tmp_path, "llama", {"name": "qp", "mode": "single", "parametrisation": "basis",
+                                          "rank": 2, "constraints": ["sign"]})

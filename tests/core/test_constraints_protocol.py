@@ -15,7 +15,7 @@ import pytest
 import mergeqp as mq
 from mergeqp.certificate import certify
 from mergeqp.constraints import Box, ConstraintSet, SetStructure, Simplex, capabilities
-from mergeqp.errors import SolverError, UnboundedError, UnsupportedError
+from mergeqp.errors import SolverError, UnboundedError, UnsupportedError, ValidationError
 from mergeqp.lower_bounds import LinearMinimum, LPDuals, lower_bound
 from mergeqp.problem import MergeQP
 from mergeqp.solvers.unbounded import unbounded_claim
@@ -240,3 +240,27 @@ def test_an_intersection_with_a_structure_only_set_keeps_the_exact_oracle(random
         assert cert is not None and cert.certified(), (name, cert.explain())
         assert cert.bound_method == "exact (closed form)"
         assert sol.objective == pytest.approx(ref, rel=1e-6, abs=1e-8)
+
+
+class _OracleAnswer(_BoxViolation):
+    """A box whose oracle answers in the form given to it (a user's slip)."""
+
+    name = "oracle_answer"
+
+    def __init__(self, form):
+        self.form = form
+
+    def linear_minimum(self, grad):
+        s = np.where(grad > 0, _LO, _HI)
+        return self.form(float(np.sum(grad * s)), s)
+
+
+def test_the_certificate_checks_the_form_of_a_users_oracle_answer(random_problem) -> None:
+    problem = random_problem(np.random.default_rng(23), K=3, m=4, offset=0.8)
+    d = mq.solve(problem, Box(_LO, _HI), solver="active_set").d
+    flat = certify(problem, _OracleAnswer(lambda v, s: LinearMinimum(v, s.ravel(), "closed form", exact=True)), d)
+    assert flat.certified() and flat.bound_method == "exact (closed form)"  # a flat minimiser is reshaped
+    with pytest.raises(ValidationError, match=r"oracle_answer: linear_minimum\(grad\) returned a minimiser of shape \(11,\)"):
+        certify(problem, _OracleAnswer(lambda v, s: LinearMinimum(v, s.ravel()[:-1], "closed form", exact=True)), d)
+    with pytest.raises(ValidationError, match=r"must return a mergeqp.lower_bounds.LinearMinimum, got tuple"):
+        certify(problem, _OracleAnswer(lambda v, s: (v, s)), d)

@@ -41,6 +41,7 @@ when H is singular; cached per problem object) and are computed by default up to
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -359,6 +360,7 @@ def certify(
     except UnsupportedError as exc:  # the set declares no oracle: no bound, and say so
         lm = LinearMinimum(math.nan, None, "no oracle")
         notes.append(str(exc))
+    lm = _checked_answer(cset, lm, shape)
     bound = linear_minimum_bound(lm)
     s = lm.s
     rounding = 0.0
@@ -442,6 +444,22 @@ def _natural_scale(problem: MergeQP, quad: float) -> float:
     """``|c| + ||g||_1 + sum_i |H_ii| / 2`` (``|d'Hd| / 2`` for a matvec-only H)."""
     curvature = 0.5 * float(np.sum(np.abs(problem.diagonal()))) if problem.H is not None else abs(quad)
     return float(abs(problem.c) + np.sum(np.abs(problem.g)) + curvature)
+
+
+def _checked_answer(cset: ConstraintSet, lm: Any, shape: tuple[int, int]) -> LinearMinimum:
+    """The oracle's answer with its minimiser ``s`` of the shape of ``d`` (a flat ``s`` of the
+    right size is reshaped), or a :class:`ValidationError` naming the set (a user's set may
+    answer in another form)."""
+    if not isinstance(lm, LinearMinimum):
+        raise ValidationError(f"constraint set {cset.spec}: linear_minimum(grad) must return a "
+                              f"mergeqp.lower_bounds.LinearMinimum, got {type(lm).__name__}")
+    if lm.s is None:
+        return lm
+    s = np.asarray(lm.s, dtype=np.float64)
+    if s.size != shape[0] * shape[1]:
+        raise ValidationError(f"constraint set {cset.spec}: linear_minimum(grad) returned a minimiser "
+                              f"of shape {s.shape}, not d's shape {tuple(shape)}")
+    return lm if s.shape == tuple(shape) else dataclasses.replace(lm, s=s.reshape(shape))
 
 
 def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: float) -> float:

@@ -7,7 +7,8 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import difflib
+from collections.abc import Container, Iterable, Sequence
 
 
 class MergeQPError(Exception):
@@ -33,7 +34,9 @@ class UnknownNameError(MergeQPError, KeyError):
         self.kind = kind
         self.name = name
         self.valid = sorted(valid)
-        super().__init__(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(self.valid)}")
+        close = difflib.get_close_matches(str(name), self.valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        super().__init__(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(self.valid)}{hint}")
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
         return self.args[0]
@@ -113,6 +116,28 @@ def exit_code_epilog() -> str:
 def unknown(kind: str, name: str, valid: Iterable[str]) -> UnknownNameError:
     """Build the standard "unknown X; valid Xs: ..." error."""
     return UnknownNameError(kind, name, valid)
+
+
+def check_new_name(kind: str, name: object, taken: Container[str], *, forbidden: str = ":",
+                   error: type[MergeQPError] = ValidationError) -> str:
+    """``name`` when it can be registered as a new ``kind``: a non-empty string without spaces
+    or any of the ``forbidden`` characters (the separators of the spellings that name it, such as
+    ``box:0,1``), not already in ``taken``; else ``error`` saying which rule it breaks."""
+    if not isinstance(name, str) or not name:
+        raise error(f"a {kind} name must be a non-empty string, got {name!r}")
+    if any(ch in forbidden or ch.isspace() for ch in name):
+        raise error(f"{kind} name {name!r} must be non-empty without "
+                    f"{', '.join(repr(ch) for ch in forbidden)} or spaces")
+    if name in taken:
+        raise error(f"{kind} {name!r} is already registered")
+    return name
+
+
+def check_callable(kind: str, name: str, what: str, value: object,
+                   error: type[MergeQPError] = ValidationError) -> None:
+    """``error`` unless ``value`` (the ``what`` of a ``kind`` being registered) is callable."""
+    if not callable(value):
+        raise error(f"{kind} {name!r}: {what} must be callable, got {type(value).__name__}")
 
 
 def listing(names: Sequence[str], limit: int = 30) -> str:

@@ -36,7 +36,7 @@ from ..errors import InfeasibleError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
-from .lp import LMO_HIGHS, lp_method, lp_minimum
+from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_minimum, lp_method, lp_minimum
 
 Shape = tuple[int, int]
 
@@ -119,7 +119,8 @@ class ConstraintSet(ABC):
         """The linear minimisation oracle: ``min_{s in C} <grad, s>`` with its evidence for a
         lower bound (:class:`~mergeqp.lower_bounds.LinearMinimum`). The default uses
         :meth:`structure` (exact), else a HiGHS LP over a polyhedral set (``polyhedral``), else
-        the set's own exact :meth:`support` when it overrides it."""
+        the set's own exact :meth:`support` when it overrides it, else a CVXPY LP over its
+        :meth:`cvxpy` form (the certificate labels that bound as a user set's)."""
         grad = np.asarray(grad, dtype=np.float64)
         st = self.structure(grad.shape)  # type: ignore[arg-type]
         if st is not None:
@@ -132,14 +133,21 @@ class ConstraintSet(ABC):
             value, s = self.support(grad)
             return LinearMinimum(float(value), None if s is None else np.asarray(s, dtype=np.float64),
                                  LMO_USER_SUPPORT, exact=True)
+        if cvxpy_reason(self) is None:
+            return cvxpy_minimum([self], grad)
         raise UnsupportedError(f"{self.spec} declares no linear minimisation oracle: implement "
-                               f"linear_minimum(grad), structure(shape), or linear_form(shape) with "
-                               f"polyhedral = True")
+                               f"linear_minimum(grad), structure(shape), linear_form(shape) with "
+                               f"polyhedral = True, or cvxpy(var)")
 
     @property
     def lmo_method(self) -> str:
         """How :meth:`linear_minimum` computes: ``closed form`` or the LP it solves."""
-        return LMO_HIGHS if self.polyhedral and not self.has_projection else LMO_CLOSED_FORM
+        if self.polyhedral and not self.has_projection:
+            return LMO_HIGHS
+        if (not self.has_projection and type(self).linear_minimum is ConstraintSet.linear_minimum
+                and type(self).support is ConstraintSet.support and cvxpy_reason(self) is None):
+            return LMO_CVXPY
+        return LMO_CLOSED_FORM
 
     def support(self, grad: np.ndarray) -> tuple[float, np.ndarray | None]:
         """``(value, s)``: ``value <= min_{s' in C} <grad, s'>`` (equal for closed forms; an LP's
@@ -220,10 +228,10 @@ def capabilities(cset: ConstraintSet, shape: Shape) -> frozenset[str]:
         out.update({"polyhedral", "lmo"})
     if cset.bounded:
         out.add("bounded")
-    if type(cset).linear_minimum is not ConstraintSet.linear_minimum:
+    if type(cset).linear_minimum is not ConstraintSet.linear_minimum or type(cset).support is not ConstraintSet.support:
         out.add("lmo")
     if cvxpy_reason(cset) is None:
-        out.add("cvxpy")
+        out.update({"cvxpy", "lmo"})  # the default oracle is then a CVXPY LP
     if cset.recession_violation(np.zeros(shape)) is not None:
         out.add("recession")
     return frozenset(out)
@@ -377,13 +385,14 @@ class Intersection(ConstraintSet):
 
     def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
         grad = np.asarray(grad, dtype=np.float64)
-        if self.has_projection:
-            st = self.structure(grad.shape)  # type: ignore[arg-type]
-            if st is not None:
-                if np.any(st.lo > st.hi):
-                    raise InfeasibleError(f"{self.spec} is empty: the boxes' bounds cross")
-                check_sum_feasible(st, self.spec)
-                return structure_minimum(st, grad)
+        # the combined structure gives the exact oracle whether or not each member also
+        # declares its projection (a user set may declare only structure(shape))
+        st = self.structure(grad.shape)  # type: ignore[arg-type]
+        if st is not None:
+            if np.any(st.lo > st.hi):
+                raise InfeasibleError(f"{self.spec} is empty: the boxes' bounds cross")
+            check_sum_feasible(st, self.spec)
+            return structure_minimum(st, grad)
         return lp_minimum(self.sets, grad)
 
     def violation(self, d: np.ndarray) -> float:

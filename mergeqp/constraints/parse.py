@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError, unknown
+from ..errors import MergeQPError, ValidationError, check_callable, check_new_name, unknown
 from .base import ConstraintSet, Unconstrained, intersect
 from .box import Box
 from .l1 import L1Ball
@@ -86,10 +86,11 @@ LAYER_CONSTRAINTS: set[str] = set()
 def register_constraint(name: str, parser: ConstraintParser, *, needs_layer: bool = False) -> None:
     """Register a command-line constraint spelling ``name[:args]``; ``needs_layer``: the parser
     reads the layer's residuals from its ``context`` (see :data:`LAYER_CONSTRAINTS`)."""
-    if not name or any(ch in name for ch in ":,& "):
-        raise ValidationError(f"constraint set name {name!r} must be non-empty without ':', ',', '&' or spaces")
-    if name in CONSTRAINT_SETS:
-        raise ValidationError(f"constraint set {name!r} is already registered")
+    check_new_name("constraint set", name, CONSTRAINT_SETS, forbidden=":,&")
+    if name != name.lower():
+        raise ValidationError(f"constraint set name {name!r} must be lower-case: specs are read "
+                              f"case-insensitively (register {name.lower()!r})")
+    check_callable("constraint set", name, "the parser (args, spec, context) -> ConstraintSet", parser)
     CONSTRAINT_SETS[name] = parser
     if needs_layer:
         LAYER_CONSTRAINTS.add(name)
@@ -138,7 +139,17 @@ def parse_constraint(spec: str, context: Mapping[str, Any] | None = None) -> Con
     if name not in CONSTRAINT_SETS:
         raise unknown("constraint set", name, CONSTRAINT_SETS)
     args = [a.strip() for a in rest.split(",")] if rest.strip() else []
-    return CONSTRAINT_SETS[name](args, spec, context or {})
+    try:
+        cset = CONSTRAINT_SETS[name](args, spec, context or {})
+    except MergeQPError:
+        raise
+    except Exception as exc:  # a user's parser: name the spec, never a raw traceback
+        raise ValidationError(f"constraint {spec!r}: the parser of {name!r} raised "
+                              f"{type(exc).__name__}: {exc}") from exc
+    if not isinstance(cset, ConstraintSet):
+        raise ValidationError(f"constraint {spec!r}: the parser of {name!r} returned "
+                              f"{type(cset).__name__}, not a ConstraintSet")
+    return cset
 
 
 def parse_constraints(specs: Iterable[str], context: Mapping[str, Any] | None = None) -> ConstraintSet:

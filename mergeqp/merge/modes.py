@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError, check_new_name, unknown
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -399,8 +399,7 @@ def register_merge_mode(mode: MergeMode) -> MergeMode:
     Once registered, ``method.mode: NAME`` selects it in a ``mergeqp merge`` config."""
     if not isinstance(mode, MergeMode):
         raise ValidationError(f"register_merge_mode expects a MergeMode instance, got {type(mode).__name__}")
-    if not mode.name or mode.name in MERGE_MODES:
-        raise ValidationError(f"merge mode name {mode.name!r} is empty or already taken")
+    check_new_name("merge mode", mode.name, MERGE_MODES)
     MERGE_MODES[mode.name] = mode
     return mode
 

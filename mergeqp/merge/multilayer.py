@@ -166,7 +166,7 @@ class LayerRecord:
             "objective_after_exact": self.objective_after_exact,
             "certificate": {"fw_gap": cert.get("fw_gap"), "certified": cert.get("certified"),
                             "relative_gap": cert.get("relative_gap"),
-                            "gap_method": cert.get("gap_method"),
+                            "gap_method": cert.get("gap_method"), "bound_method": cert.get("bound_method"),
                             "infeasibility": cert.get("infeasibility"),
                             **({"reasons": list(cert["reasons"])} if cert.get("reasons") else {})},
             "energy_fraction": self.energy_fraction, "seconds": self.seconds,

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, unknown
+from ..errors import ConfigError, check_callable, check_new_name, unknown
 from ..io.writer import check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
@@ -34,8 +34,8 @@ def register_merge_method(method: MergeMethod) -> MergeMethod:
     declares its calibration ``statistics``."""
     if not isinstance(method, MergeMethod):
         raise ConfigError(f"register_merge_method expects a MergeMethod, got {type(method).__name__}")
-    if method.name in MERGE_METHODS:
-        raise ConfigError(f"merge method {method.name!r} is already registered")
+    check_new_name("merge method", method.name, MERGE_METHODS, error=ConfigError)
+    check_callable("merge method", method.name, "run(inputs, names, params)", method.run, ConfigError)
     MERGE_METHODS[method.name] = method
     return method
 

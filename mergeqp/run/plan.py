@@ -384,7 +384,8 @@ def _check_method(cfg: MergeConfig) -> None:
             if get_merge_mode(m.mode).spans_layers:
                 raise ConfigError(f"method.constraints: {name!r} is per layer and cannot be used with mode: {m.mode}")
             try:  # the set needs the layer's deltas (solve time); its spelling is checked now on a stand-in
-                parse_constraint(spec, layer_context(np.ones((len(cfg.models), 1, 1)), "rows"))
+                # with the configured parametrisation (a set built per parametrisation may refuse it)
+                parse_constraint(spec, layer_context(np.ones((len(cfg.models), 1, 1)), m.parametrisation))
             except MergeQPError as exc:
                 raise ConfigError(f"method.constraints: {exc}") from None
             continue

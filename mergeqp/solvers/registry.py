@@ -16,6 +16,7 @@ from ..errors import (
     UnboundedError,
     UnsupportedError,
     ValidationError,
+    check_new_name,
     unknown,
 )
 from ..problem import MergeQP
@@ -39,10 +40,9 @@ AUTO_FALLBACK_MAX_N = 4096
 
 def register_solver(solver: QPSolver) -> None:
     """Add a solver to the registry (explicitly; nothing registers on import side effects)."""
-    if not solver.name:
-        raise ValidationError("a solver needs a name")
-    if solver.name in SOLVERS or solver.name == "auto":
-        raise ValidationError(f"solver {solver.name!r} is already registered")
+    if not isinstance(solver, QPSolver):
+        raise ValidationError(f"register_solver expects a QPSolver instance, got {type(solver).__name__}")
+    check_new_name("solver", solver.name, [*SOLVERS, "auto"])
     SOLVERS[solver.name] = solver
 
 

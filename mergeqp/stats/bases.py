@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError, check_callable, check_new_name, unknown
 from .basis import Basis
 
 BasisBuilder = Callable[..., Basis]
@@ -73,8 +73,8 @@ def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: Check
     """Register ``builder(stats, p, *, seed, task_weights) -> Basis`` under ``name``;
     ``checkpoint_source`` (``"deltas"`` / ``"output_jacobian"``) makes it usable as
     ``basis: NAME`` in a ``mergeqp merge`` config."""
-    if not name or name in BASES or ":" in name:
-        raise ValidationError(f"basis name {name!r} is empty, contains ':' or is already taken")
+    check_new_name("basis", name, BASES)
+    check_callable("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder)
     if checkpoint_source not in (None, "deltas", "output_jacobian"):
         raise ValidationError(f"basis {name!r}: checkpoint_source must be 'deltas', 'output_jacobian' or None, "
                               f"got {checkpoint_source!r}")

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError, check_new_name, unknown
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
@@ -385,8 +385,7 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
     registered, ``method.parametrisation: NAME`` selects it in a ``mergeqp merge`` config."""
     if not isinstance(param, Parametrisation):
         raise ValidationError(f"register_parametrisation expects a Parametrisation instance, got {type(param).__name__}")
-    if not param.name or param.name in PARAMETRISATIONS or ":" in param.name:
-        raise ValidationError(f"parametrisation name {param.name!r} is empty, contains ':' or is already taken")
+    check_new_name("parametrisation", param.name, PARAMETRISATIONS)
     PARAMETRISATIONS[param.name] = param
     return param
 

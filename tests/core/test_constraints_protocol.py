@@ -14,8 +14,8 @@ import pytest
 
 import mergeqp as mq
 from mergeqp.certificate import certify
-from mergeqp.constraints import Box, ConstraintSet, Simplex, capabilities
-from mergeqp.errors import SolverError, UnboundedError, UnsupportedError
+from mergeqp.constraints import Box, ConstraintSet, SetStructure, Simplex, capabilities
+from mergeqp.errors import SolverError, UnboundedError, UnsupportedError, ValidationError
 from mergeqp.lower_bounds import LinearMinimum, LPDuals, lower_bound
 from mergeqp.problem import MergeQP
 from mergeqp.solvers.unbounded import unbounded_claim
@@ -187,3 +187,80 @@ def test_a_set_with_a_projection_but_no_oracle_is_solved_but_not_certified(rando
     assert cert is not None and not cert.certified() and cert.fw_gap == math.inf
     assert any("declares no linear minimisation oracle" in n for n in cert.notes)
     assert cert.bound_method.endswith("(unavailable)")
+
+
+# ---------------------------------------------------------------------- partial protocols (review)
+_LO, _HI = -0.2, 0.5
+
+
+class _BoxViolation(ConstraintSet):
+    """``_LO <= d <= _HI``, declared through one capability by each subclass below."""
+
+    def violation(self, d):
+        return float(max(np.max(_LO - d), np.max(d - _HI), 0.0))
+
+
+class _StructureOnly(_BoxViolation):
+    name = "structure_only"
+
+    def structure(self, shape):
+        n = shape[0] * shape[1]
+        return SetStructure(np.full(n, _LO), np.full(n, _HI))
+
+
+class _CvxpyOnly(_BoxViolation):
+    name = "cvxpy_only"
+
+    def cvxpy(self, var):
+        return [var >= _LO, var <= _HI]
+
+
+def test_a_set_with_only_a_cvxpy_form_is_certified_through_a_cvxpy_lp(cvxpy_solve, random_problem) -> None:
+    """Its default oracle is the CVXPY LP (as for callable user constraints), so every solver
+    that can solve it also certifies it, alone or intersected with a built-in set."""
+    problem = random_problem(np.random.default_rng(21), K=3, m=4, offset=0.8)
+    assert "lmo" in capabilities(_CvxpyOnly(), problem.shape)
+    for cset in (_CvxpyOnly(), Box(0, 1) & _CvxpyOnly()):
+        ref, _ = cvxpy_solve(problem, cset)
+        for name in ("auto", "cvxpy_clarabel", "cvxpy_osqp"):
+            sol = mq.solve(problem, cset, solver=name)
+            assert sol.certificate is not None and sol.certificate.certified(), (name, sol.certificate.explain())
+            assert sol.certificate.bound_method.startswith("user set")
+            assert sol.objective == pytest.approx(ref, rel=1e-6, abs=1e-8)
+
+
+def test_an_intersection_with_a_structure_only_set_keeps_the_exact_oracle(random_problem) -> None:
+    """A user set declaring only ``structure(shape)`` (no projection flag) combines with a box:
+    the intersection's oracle is the kernels' closed form, so the answer is certified."""
+    problem = random_problem(np.random.default_rng(22), K=3, m=4, offset=0.8)
+    ref = mq.solve(problem, Box(0.0, _HI), solver="active_set").objective
+    for name in ("auto", "active_set", "clarabel", "osqp"):
+        sol = mq.solve(problem, Box(0, 1) & _StructureOnly(), solver=name)
+        cert = sol.certificate
+        assert cert is not None and cert.certified(), (name, cert.explain())
+        assert cert.bound_method == "exact (closed form)"
+        assert sol.objective == pytest.approx(ref, rel=1e-6, abs=1e-8)
+
+
+class _OracleAnswer(_BoxViolation):
+    """A box whose oracle answers in the form given to it (a user's slip)."""
+
+    name = "oracle_answer"
+
+    def __init__(self, form):
+        self.form = form
+
+    def linear_minimum(self, grad):
+        s = np.where(grad > 0, _LO, _HI)
+        return self.form(float(np.sum(grad * s)), s)
+
+
+def test_the_certificate_checks_the_form_of_a_users_oracle_answer(random_problem) -> None:
+    problem = random_problem(np.random.default_rng(23), K=3, m=4, offset=0.8)
+    d = mq.solve(problem, Box(_LO, _HI), solver="active_set").d
+    flat = certify(problem, _OracleAnswer(lambda v, s: LinearMinimum(v, s.ravel(), "closed form", exact=True)), d)
+    assert flat.certified() and flat.bound_method == "exact (closed form)"  # a flat minimiser is reshaped
+    with pytest.raises(ValidationError, match=r"oracle_answer: linear_minimum\(grad\) returned a minimiser of shape \(11,\)"):
+        certify(problem, _OracleAnswer(lambda v, s: LinearMinimum(v, s.ravel()[:-1], "closed form", exact=True)), d)
+    with pytest.raises(ValidationError, match=r"must return a mergeqp.lower_bounds.LinearMinimum, got tuple"):
+        certify(problem, _OracleAnswer(lambda v, s: (v, s)), d)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import ValidationError
+from ..errors import BadDataError, ValidationError
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
@@ -141,6 +141,9 @@ def collect_statistics(
     check_same_architecture(base_model, list(zip(names, finetuned_models)))
     if reference_model is not None:
         check_same_architecture(base_model, [("reference_model", reference_model)])
+    _check_models_finite([("the base model", base_model)]
+                         + [(f"fine-tuned model {n!r}", m) for n, m in zip(names, finetuned_models)]
+                         + ([("the reference model", reference_model)] if reference_model is not None else []))
     base_layer = resolve_linear(base_model, layer, "base model")
     check_untied(base_model, layer)
     base_weight = augmented_weight(base_layer)
@@ -257,7 +260,19 @@ def _check_finite(x: Any, what: str) -> None:
 
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValidationError(f"{what} contains {bad} NaN/inf value(s)")
+        raise BadDataError(f"{what} contains {bad} NaN/inf value(s)")
+
+
+def _check_models_finite(models: Sequence[tuple[str, Any]]) -> None:
+    """Before any statistics: every floating parameter and buffer of every model is finite, else
+    :class:`BadDataError` naming the tensor and the model."""
+    import torch  # deferred: torch is heavy
+
+    for who, model in models:
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and tensor.numel() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise BadDataError(f"tensor {name!r} of {who} has {bad} non-finite value(s) (NaN or inf)")
 
 
 def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,

@@ -186,19 +186,19 @@ class Checkpoint:
         if self.kind.endswith("torch"):
             tensor = self._torch_file(info.file)[name]
         else:
+            from safetensors import SafetensorError, safe_open  # deferred: optional heavy dependency
+
             handle = self._handles.get(info.file)
             if handle is None:
-                from safetensors import safe_open
-
                 try:
                     handle = safe_open(str(info.file), framework="pt", device="cpu")
-                except Exception as exc:  # noqa: BLE001 - safetensors' own error types: name the file
+                except (SafetensorError, OSError) as exc:  # name the file
                     raise ValidationError(f"cannot read checkpoint file {info.file}: {type(exc).__name__}: "
                                           f"{exc}") from None
                 self._handles[info.file] = handle
             try:
                 tensor = handle.get_tensor(name)
-            except Exception as exc:  # noqa: BLE001 - e.g. the file changed since it was opened
+            except (SafetensorError, OSError) as exc:  # e.g. the file changed since it was opened
                 raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: "
                                       f"{type(exc).__name__}: {exc}") from None
         if dtype is not None:

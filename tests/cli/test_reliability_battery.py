@@ -243,6 +243,8 @@ REVIEW_CASES = [
     ("bench-json-under-a-file", ["bench", "--problems", "tiny96", "--json", f"{W}/ok.npz/b.json"], 2,
      "does not exist"),
     ("bench-repeat-negative", ["bench", "--problems", "tiny96", "--repeat", "-2"], 2, "--repeat must be >= 1"),
+    ("bench-empty-box", ["bench", "--problems", "tiny96", "--constraint", "box:1,0"], 2,
+     "box is empty: lower bound 1 > upper bound 0"),
     ("collect-out-hard-link-to-base", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/hard_base.safetensors"], 2,
      "would overwrite the input"),
     ("collect-out-dotdot-to-base", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/sub/../base.safetensors"], 2,
@@ -327,6 +329,11 @@ def test_wrong_point_gets_no_abs_tol_hint(world, capsys):
     code, stdout, stderr = run_cli(capsys, ["certify", str(world / "ok.npz"), "--point", str(world / "d_zero.npy")])
     assert code == 1
     assert "--abs-tol" not in stdout + stderr
+
+
+def test_bench_checks_constraints_before_the_table(capsys):
+    code, stdout, stderr = run_cli(capsys, ["bench", "--problems", "tiny96", "--constraint", "box:1,0"])
+    assert code == 2 and stdout == "" and "box is empty" in stderr
 
 
 def test_bench_all_rows_failed_still_prints_the_table(world, capsys):

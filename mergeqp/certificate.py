@@ -331,8 +331,9 @@ def certify(
     D = x.reshape(shape)
     cset.validate(shape)
     rel_tol, feas_tol, abs_tol = float(rel_tol), float(feas_tol), float(abs_tol)
-    if not (rel_tol >= 0 and feas_tol >= 0 and abs_tol >= 0):
-        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be >= 0, got {rel_tol}, {feas_tol}, {abs_tol}")
+    if not all(0 <= t < math.inf for t in (rel_tol, feas_tol, abs_tol)):  # an infinite tolerance certifies anything
+        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be finite and >= 0, got {rel_tol}, {feas_tol}, "
+                              f"{abs_tol}")
     notes: list[str] = []
 
     Hx = problem.matvec(x)

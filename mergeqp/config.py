@@ -42,14 +42,18 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
     return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
 
 
-def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>") -> MergeConfig:
-    """Validate a config mapping (as read from YAML). Raises :class:`ConfigError`."""
+def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>",
+                 config_file: str | Path | None = None) -> MergeConfig:
+    """Validate a config mapping (as read from YAML; ``config_file``: the file it came from, which
+    outputs must never overwrite). Raises :class:`ConfigError`."""
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping, got {type(data).__name__}")
-    if "root" in data:
-        raise ConfigError(f"invalid config {source}:\n  root: unknown key 'root'")
+    for internal in ("root", "config_file"):
+        if internal in data:
+            raise ConfigError(f"invalid config {source}:\n  {internal}: unknown key {internal!r}")
+    extra = {"config_file": str(config_file)} if config_file is not None else {}
     try:
-        return MergeConfig.model_validate({**data, "root": str(root)})
+        return MergeConfig.model_validate({**data, "root": str(root), **extra})
     except ValidationError as exc:
         raise _format_errors(exc, source) from None
 
@@ -63,4 +67,4 @@ def load_config(path: str | Path) -> MergeConfig:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
-    return parse_config(data, root=p.resolve().parent, source=str(p))
+    return parse_config(data, root=p.resolve().parent, source=str(p), config_file=p.resolve())

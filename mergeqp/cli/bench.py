@@ -173,7 +173,7 @@ def format_row(row: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..solvers.reference_problems import REFERENCE_SPECS
+    from ..solvers.reference_problems import REFERENCE_SPECS, constraint_from_spec, resolve_spec
     from ..solvers.registry import SOLVERS
 
     problems = _names(args.problems, REFERENCE_SPECS, "problem")
@@ -187,6 +187,9 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
         check_output_file(args.json, "--json")
+    for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
+        if spec != "none":
+            constraint_from_spec(resolve_spec(spec, 1.0))
     print(HEADER)
     print("-" * len(HEADER))
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,

@@ -22,6 +22,7 @@ import argparse
 import ast
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -104,8 +105,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     problem, context = load_problem_file(args.problem)
     cset = parse_constraints(args.constraint, context)
-    if not (args.rel_tol >= 0 and args.feas_tol >= 0 and args.abs_tol >= 0):
-        raise ConfigError(f"--rel-tol, --feas-tol and --abs-tol must be >= 0, got {args.rel_tol}, "
+    if not all(0 <= t < math.inf for t in (args.rel_tol, args.feas_tol, args.abs_tol)):
+        raise ConfigError(f"--rel-tol, --feas-tol and --abs-tol must be finite and >= 0, got {args.rel_tol}, "
                           f"{args.feas_tol}, {args.abs_tol}")
     return problem, cset
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..constraints import Box
 from ..errors import ValidationError
-from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.atomic import atomic_folder, overlapping_input, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge import merge_state_dicts
 from ..solvers.registry import solve
@@ -128,14 +128,19 @@ class MnistConfig:
 MAX_SEED = 2**53
 
 
-def prepare_out_dir(out_dir: Any, overwrite: bool = False) -> None:
-    """Check ``out_dir`` before any work, with a clear error: not a folder, cannot be created,
-    not writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then
+def prepare_out_dir(out_dir: Any, overwrite: bool = False, inputs: Sequence[Any] = ()) -> None:
+    """Check ``out_dir`` before any work, with a clear error: is, contains or lies inside one of
+    ``inputs`` (links resolved; e.g. ``--idx-dir``), not a folder, cannot be created, not
+    writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then
     its content is replaced when the run has finished). A folder created for the check is
     removed again (the run writes the whole folder atomically at its end)."""
     path = os.fspath(out_dir)
     if not path:
         raise ValidationError("the output folder (--out) is empty")
+    clash = overlapping_input(path, inputs)
+    if clash is not None:
+        raise ValidationError(f"--out {path!r} overlaps the input {clash!r}; inputs are never modified: "
+                              f"choose another --out")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValidationError(f"--out {path!r} exists and is not a folder")
     created = not os.path.exists(path)
@@ -190,7 +195,7 @@ def run_mnist_experiment(
     if idx_dir is not None and not os.path.isdir(idx_dir):
         raise ValidationError(f"--idx-dir {idx_dir!r} is not a folder")
     cfg = config or (MnistConfig.quick() if quick else MnistConfig.full())
-    prepare_out_dir(out_dir, overwrite=overwrite)
+    prepare_out_dir(out_dir, overwrite=overwrite, inputs=[idx_dir] if idx_dir is not None else [])
     old_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -5,12 +5,12 @@ safetensors shards) goes through this module:
 
 - :func:`atomic_file` opens a temporary file *in the same folder* (``.NAME.tmp-mergeqp-*``),
   hands it to the caller, then flushes, ``fsync``s and ``os.replace``s it onto ``NAME`` (and
-  ``fsync``s the folder). If anything goes wrong first (an exception, ``OSError(ENOSPC)``,
+  ``fsync``s the folder); a symbolic link is written through. If anything goes wrong first (an exception, ``OSError(ENOSPC)``,
   Ctrl-C), the temporary file is removed and ``NAME`` keeps its old content. A hard kill
   (SIGKILL, power loss) can leave a ``.tmp-mergeqp-`` file beside it, never a half-written ``NAME``.
 - :func:`atomic_folder` assembles a folder output in a sibling temporary folder and renames it
-  into place at the end; a previous folder (``overwrite``) is moved aside first and deleted
-  after the rename.
+  into place at the end (through a symbolic link to a folder); a previous folder (``overwrite``)
+  is moved aside first and deleted after the rename.
 - :func:`check_output_file` / :func:`check_output_folder` / :func:`check_free_space` validate an
   output before any heavy work: not an input (after resolving links), the folder exists and is
   writable, and (where the caller can estimate it) there is room for it.
@@ -77,7 +77,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", encoding: str | 
     """
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_file writes new content: mode 'w' or 'wb', got {mode!r}")
-    target = Path(path)
+    target = Path(path).expanduser().resolve()  # a link is written through: its target gets the new content
     tmp = _tmp_name(target)
     fh: IO[Any] | None = None
     try:
@@ -234,7 +234,9 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
     content with ``overwrite``) is moved aside first and removed after the rename. On any
     exception (also Ctrl-C) the staging folder is removed and ``out`` is left as it was.
     Call :func:`check_output_folder` first for a clear message about a bad ``out``."""
-    target = Path(out).expanduser().absolute()
+    # a link to a folder is written through: the staging folder is a sibling of its target (same
+    # file system) and the link keeps pointing at the new folder
+    target = Path(out).expanduser().resolve()
     if target.exists() and not target.is_dir():
         raise ConfigError(f"output path {os.fspath(out)} exists and is not a folder")
     if target.is_dir() and any(target.iterdir()) and not overwrite:

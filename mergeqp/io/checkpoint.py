@@ -18,6 +18,7 @@ are paged in only when a tensor is used. A checkpoint never writes to its files.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -85,15 +86,24 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
             if length > 100_000_000:
                 raise ValidationError(f"{path}: not a safetensors file (header length {length})")
             header = json.loads(fh.read(length))
+            data_bytes = os.fstat(fh.fileno()).st_size - 8 - length
     except OSError as exc:
         raise ValidationError(f"cannot read checkpoint file {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValidationError(f"{path}: not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict) or not all(isinstance(e, dict) for k, e in header.items() if k != "__metadata__"):
+        raise ValidationError(f"{path}: not a safetensors file (the header is not a mapping of tensor entries)")
     meta = header.pop("__metadata__", None) or {}
     infos: dict[str, TensorInfo] = {}
+    data_end = 0
     for name, entry in header.items():
         dtype = SAFETENSORS_DTYPES.get(str(entry.get("dtype")), str(entry.get("dtype")).lower())
         infos[name] = TensorInfo(name, tuple(int(s) for s in entry.get("shape", ())), dtype, path)
+        offsets = entry.get("data_offsets") or (0, 0)
+        data_end = max(data_end, int(offsets[-1]))
+    if data_bytes != data_end:  # a truncated (or padded) file: caught here, before any weight is read
+        raise ValidationError(f"{path}: truncated or damaged safetensors file: its header describes {data_end} bytes "
+                              f"of tensor data, the file holds {max(data_bytes, 0)}")
     return infos, {str(k): str(v) for k, v in meta.items()}
 
 
@@ -176,13 +186,21 @@ class Checkpoint:
         if self.kind.endswith("torch"):
             tensor = self._torch_file(info.file)[name]
         else:
+            from safetensors import SafetensorError, safe_open  # deferred: optional heavy dependency
+
             handle = self._handles.get(info.file)
             if handle is None:
-                from safetensors import safe_open
-
-                handle = safe_open(str(info.file), framework="pt", device="cpu")
+                try:
+                    handle = safe_open(str(info.file), framework="pt", device="cpu")
+                except (SafetensorError, OSError) as exc:  # name the file
+                    raise ValidationError(f"cannot read checkpoint file {info.file}: {type(exc).__name__}: "
+                                          f"{exc}") from None
                 self._handles[info.file] = handle
-            tensor = handle.get_tensor(name)
+            try:
+                tensor = handle.get_tensor(name)
+            except (SafetensorError, OSError) as exc:  # e.g. the file changed since it was opened
+                raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: "
+                                      f"{type(exc).__name__}: {exc}") from None
         if dtype is not None:
             tensor = tensor.to(dtype)
         if device is not None and str(device) != "cpu":

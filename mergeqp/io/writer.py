@@ -43,6 +43,8 @@ AUX_FILES: tuple[str, ...] = (
     "chat_template.json", "preprocessor_config.json", "processor_config.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+#: how safetensors words a failed write: "... I/O error: No space left on device (os error 28)"
+_SAFETENSORS_IO_ERROR = re.compile(r"I/O error: ([^(]*?)\s*(?:\(os error (\d+)\))?$")
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -120,7 +122,8 @@ def save_hf_folder(
     ``source_folder``: where ``config.json`` and auxiliary files are copied from (or pass
     ``config``); ``tokenizer_folder``: where tokenizer files come from (default the source).
     ``dtype``: torch dtype (or name) to cast floating tensors to (default: as given); the
-    config's dtype entry records it. ``protected``: input paths the output must not overlap.
+    config's dtype entry records it. ``protected``: input paths the output must not overlap
+    (``source_folder`` and ``tokenizer_folder`` are always protected).
     ``extra_files``: called with the result (its ``folder`` is the final ``out_dir``) before
     the folder is renamed into place; returns ``{file name: text}`` to write into it too (e.g.
     ``report.json`` / ``report.md``), so that the folder appears complete with them or not at all.
@@ -132,7 +135,8 @@ def save_hf_folder(
     from safetensors.torch import save_file
 
     out = Path(out_dir).expanduser()
-    check_output_folder(out, [Path(p) for p in protected], overwrite=overwrite)
+    sources = [Path(p) for p in (source_folder, tokenizer_folder) if p is not None]  # inputs too
+    check_output_folder(out, [Path(p) for p in protected] + sources, overwrite=overwrite)
     limit = parse_size(max_shard_bytes)
     cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with atomic_folder(out, overwrite=overwrite) as staging:
@@ -171,6 +175,14 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
         except OSError as exc:
             raise OutputError(f"cannot write the model shard {tmp}: {exc.strerror or exc}; "
                               f"the output folder was not changed") from None
+        except Exception as exc:  # noqa: BLE001 - safetensors reports a failed write as its own SafetensorError
+            match = _SAFETENSORS_IO_ERROR.search(str(exc))
+            if match is None:
+                raise
+            err = OutputError(f"cannot write the model shard {tmp}: {match.group(1)}; the output folder was not "
+                              f"changed")
+            err.errno = int(match.group(2)) if match.group(2) else None
+            raise err from None
         shards.append((tmp, list(current)))
         current, current_bytes = {}, 0
 

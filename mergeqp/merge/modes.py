@@ -275,7 +275,7 @@ class TrustRegionOptions(BaseModel):
     (accepted or not); ``tol``: stop when the predicted decrease is below ``tol`` times the
     current objective."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
     radius: float = Field(default=0.5, gt=0)
     min_radius: float = Field(default=1e-4, gt=0)

@@ -285,7 +285,7 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
 
 # ---------------------------------------------------------------------- main entry
 def _protected(cfg: MergeConfig) -> list[Path]:
-    return [p for _, p in cfg.input_paths()]
+    return cfg.protected_paths()
 
 
 def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False, progress: bool = True,

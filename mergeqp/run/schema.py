@@ -59,8 +59,9 @@ class _Strict(BaseModel):
     """Base block: frozen, unknown keys are errors that list the valid keys."""
 
     # strict: YAML already gives typed values; `batch_size: true` or `seed: "3"` are errors,
-    # not silently coerced (an integer is still accepted where a float is expected)
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True)
+    # not silently coerced (an integer is still accepted where a float is expected); no float
+    # setting takes inf or NaN
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +331,8 @@ class MergeConfig(_Strict):
 
     #: folder of the config file (relative paths are resolved against it); not a YAML key
     root: str = Field(default=".", exclude=True)
+    #: the config file itself, when read from one (an input: never overwritten); not a YAML key
+    config_file: str | None = Field(default=None, exclude=True)
 
     @field_validator("layers", mode="before")
     @classmethod
@@ -379,6 +382,10 @@ class MergeConfig(_Strict):
         if self.tokenizer is not None:
             out.append(("tokenizer", self.resolve(self.tokenizer)))
         return out
+
+    def protected_paths(self) -> list[Path]:
+        """Every path an output must not be, contain or lie inside: the inputs and the config file."""
+        return [p for _, p in self.input_paths()] + ([Path(self.config_file)] if self.config_file else [])
 
     def holdout_for(self, index: int) -> float | int:
         src = self.models[index].prompts()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any
 
@@ -100,8 +101,9 @@ def solve(
     """
     if not isinstance(problem, MergeQP):
         raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")
-    if not float(abs_tol) >= 0:
-        raise ValidationError(f"abs_tol must be >= 0, got {abs_tol}")
+    if not all(0 <= float(t) < math.inf for t in (rel_tol, feas_tol, abs_tol)):  # infinite: certifies anything
+        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be finite and >= 0, got {rel_tol}, {feas_tol}, "
+                              f"{abs_tol}")
     t0 = time.perf_counter()
     cset = as_constraint_set(constraints)
     if check_feasibility:

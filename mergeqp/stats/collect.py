@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import ValidationError
+from ..errors import BadDataError, ValidationError
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
@@ -181,7 +181,7 @@ def collect_statistics(
                         max_jacobian_bytes=max_jacobian_bytes, check_independence=not checked[t],
                     )
                     checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
-                    _check_finite(lin.output, f"{where}: the base model's compared output")
+                    _check_finite(lin.output, f"{where}: the base model's compared output", base_model)
                     _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
                     y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,
                                  B, int(lin.output.shape[1]), label_encoding, where)
@@ -252,12 +252,26 @@ def _shared_tol(dtype: Any) -> float:
     return 100.0 * float(torch.finfo(dtype).eps) if dtype.is_floating_point else 1e-6
 
 
-def _check_finite(x: Any, what: str) -> None:
+def _check_finite(x: Any, what: str, model: Any = None) -> None:
+    """:class:`BadDataError` when ``x`` holds NaN / inf; with the ``model`` that produced it, the
+    message also names the first of its tensors that is not finite (if one is)."""
     import torch  # deferred: torch is heavy
 
     if not bool(torch.isfinite(x).all()):
         bad = int((~torch.isfinite(x)).sum())
-        raise ValidationError(f"{what} contains {bad} NaN/inf value(s)")
+        tensor = _nonfinite_tensor(model) if model is not None else None
+        culprit = f" (its tensor {tensor!r} holds NaN or inf)" if tensor is not None else ""
+        raise BadDataError(f"{what} contains {bad} NaN/inf value(s){culprit}")
+
+
+def _nonfinite_tensor(model: Any) -> str | None:
+    """The name of the first floating parameter or buffer of ``model`` holding NaN / inf."""
+    import torch  # deferred: torch is heavy
+
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
 
 
 def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,
@@ -273,7 +287,7 @@ def _targets(targets: Any, model: Any, name: str, inputs: Any, labels: Any,
             out = checked_call(model, to_device(inputs, dev) if dev is not None else inputs, where,
                                f"fine-tuned model {name!r}")
             y = flatten_output(out_fn(out, task), B, f"{where}: fine-tuned model {name!r}")
-        _check_finite(y, f"{where}: the output of fine-tuned model {name!r}")
+        _check_finite(y, f"{where}: the output of fine-tuned model {name!r}", model)
     else:
         if labels is None:
             raise ValidationError(

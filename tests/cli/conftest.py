@@ -154,6 +154,16 @@ def build_world(small_problem) -> Callable[[Path], Path]:
         os.symlink(root / "base.safetensors", root / "link_to_base.safetensors")
         (root / "ckpt_folder").mkdir()
         (root / "config.yml").write_text("base: ./nowhere\nmodels: []\n")
+        # links and damaged files of the review cases: a hard link to an input, a folder reached
+        # through a symbolic link, an empty and a truncated checkpoint, a point with inf
+        os.link(root / "ok.npz", root / "hard_ok.npz")
+        os.link(root / "base.safetensors", root / "hard_base.safetensors")
+        (root / "sub").mkdir()
+        os.symlink(root, root / "sub" / "up")
+        (root / "empty.safetensors").write_bytes(b"")
+        data = (root / "base.safetensors").read_bytes()
+        (root / "trunc.safetensors").write_bytes(data[:-20])  # header intact, data cut short
+        (root / "d_inf.json").write_text('{"d": [[Infinity, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]}')
         return root
 
     return _build_world

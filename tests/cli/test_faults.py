@@ -223,3 +223,20 @@ def test_atomic_file_writes_exact_name_and_keeps_permissions(leftovers, tmp_path
     atomic.save_npy_atomic(target, np.arange(3.0))
     assert np.load(target).tolist() == [0.0, 1.0, 2.0] and not (tmp_path / "d.npy").exists()
     assert (os.stat(target).st_mode & 0o777) == 0o640 and leftovers(tmp_path) == []
+
+
+def test_outputs_given_as_links_are_written_through(leftovers, tmp_path):
+    """A symbolic link to a folder (or file) as the output: the target gets the new content, the
+    link stays a link, and nothing (no '.old-mergeqp-' link) is left beside it."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "results.json").write_text("old")
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with atomic.atomic_folder(tmp_path / "link", overwrite=True) as staging:
+        (staging / "results.json").write_text("new")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "real" / "results.json").read_text() == "new"
+    (tmp_path / "sol.json").write_text("old")
+    os.symlink(tmp_path / "sol.json", tmp_path / "sol_link.json")
+    atomic.write_text_atomic(tmp_path / "sol_link.json", "new")
+    assert (tmp_path / "sol_link.json").is_symlink() and (tmp_path / "sol.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "sol.json", "sol_link.json"]
+    assert leftovers(tmp_path) == []

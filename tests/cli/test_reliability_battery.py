@@ -209,8 +209,82 @@ EXPERIMENT_CASES = [
     ("merge-config-missing", ["merge", f"{W}/nope.yml", "--dry-run"], 2, "nope.yml"),
 ]
 
+# the review of issue 14: links and '..' paths to inputs, infinite tolerances, damaged files
+SOK = ["solve", f"{W}/ok.npz"]
+CERT = ["certify", f"{W}/ok.npz"]
+ONE_MODEL = ["--finetuned", f"{W}/ft0.safetensors", "--calibration", f"{W}/cal0.pt", *OUT]
+REVIEW_CASES = [
+    ("solve-out-hard-link-to-input", [*SOK, "--out", f"{W}/hard_ok.npz"], 2, "would overwrite the input"),
+    ("solve-out-dotdot-to-input", [*SOK, "--out", f"{W}/sub/../ok.npz"], 2, "would overwrite the input"),
+    ("solve-out-through-linked-folder", [*SOK, "--out", f"{W}/sub/up/ok.npz"], 2, "would overwrite the input"),
+    ("solve-out-under-a-file", [*SOK, "--out", f"{W}/ok.npz/sol.json"], 2, "does not exist"),
+    ("solve-save-d-hard-link-to-input", [*SOK, "--save-d", f"{W}/hard_ok.npz"], 2, "would overwrite the input"),
+    ("solve-out-equals-save-d-dotdot", [*SOK, "--out", f"{O}/a.json", "--save-d", f"{O}/../out/a.json"], 2,
+     "would both be written"),
+    ("solve-rel-tol-inf", [*SOK, "--rel-tol", "inf"], 2, "must be finite and >= 0"),
+    ("solve-feas-tol-inf", [*SOK, "--feas-tol", "inf"], 2, "must be finite and >= 0"),
+    ("solve-abs-tol-nan", [*SOK, "--abs-tol", "nan"], 2, "must be finite and >= 0"),
+    ("solve-box-nan", [*SOK, "--constraint", "box:nan,1"], 2, "box bounds contain NaN"),
+    ("solve-l1-inf", [*SOK, "--constraint", "l1:inf"], 2, "radius must be finite"),
+    ("solve-option-out-of-range", [*SOK, "--constraint", "box:0,1", "--solver", "active_set", "--option",
+                                   "max_iter=-3"], 2, "max_iter=-3 is out of range"),
+    ("solve-empty-safetensors", ["solve", f"{W}/empty.safetensors"], 2, "not a mergeqp problem file"),
+    ("certify-rel-tol-inf", [*CERT, "--point", f"{W}/d_zero.npy", "--rel-tol", "inf"], 2, "must be finite"),
+    ("certify-abs-tol-inf", [*CERT, "--point", f"{W}/d_zero.npy", "--abs-tol", "inf"], 2, "must be finite"),
+    ("certify-feas-tol-inf", [*CERT, "--point", f"{W}/d_far.npy", "--constraint", "box:0,1", "--feas-tol", "inf"],
+     2, "must be finite"),
+    ("certify-point-empty-file", [*CERT, "--point", f"{W}/empty.npz"], 2, "cannot read point file"),
+    ("certify-point-is-problem", [*CERT, "--point", f"{W}/ok.npz"], 2, "name the point's array 'd'"),
+    ("certify-point-inf-json", [*CERT, "--point", f"{W}/d_inf.json"], 3, "d_inf.json: d holds 1 non-finite"),
+    ("certify-out-hard-link-to-problem", [*CERT, "--point", f"{W}/d_ok.npy", "--out", f"{W}/hard_ok.npz"], 2,
+     "would overwrite the input"),
+    ("certify-out-dotdot-to-point", [*CERT, "--point", f"{W}/d_ok.npy", "--out", f"{W}/sub/../d_ok.npy"], 2,
+     "would overwrite the input"),
+    ("bench-json-under-a-file", ["bench", "--problems", "tiny96", "--json", f"{W}/ok.npz/b.json"], 2,
+     "does not exist"),
+    ("bench-repeat-negative", ["bench", "--problems", "tiny96", "--repeat", "-2"], 2, "--repeat must be >= 1"),
+    ("bench-empty-box", ["bench", "--problems", "tiny96", "--constraint", "box:1,0"], 2,
+     "box is empty: lower bound 1 > upper bound 0"),
+    ("collect-out-hard-link-to-base", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/hard_base.safetensors"], 2,
+     "would overwrite the input"),
+    ("collect-out-dotdot-to-base", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/sub/../base.safetensors"], 2,
+     "would overwrite the input"),
+    ("collect-out-through-linked-folder", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/sub/up/cal0.pt"], 2,
+     "would overwrite the input"),
+    ("collect-problem-link-to-base", [*COLLECT, *GOOD_MODELS, *OUT, "--problem", f"{W}/link_to_base.safetensors"],
+     2, "would overwrite the input"),
+    ("collect-problem-dotdot-to-finetuned", [*COLLECT, *GOOD_MODELS, *OUT, "--problem",
+                                             f"{W}/sub/../ft0.safetensors"], 2, "would overwrite the input"),
+    ("collect-problem-equals-out-dotdot", [*COLLECT, *GOOD_MODELS, *OUT, "--problem", f"{O}/../out/stats.npz"], 2,
+     "are the same file"),
+    ("collect-out-under-a-file", [*COLLECT, *GOOD_MODELS, "--out", f"{W}/ok.npz/s.npz"], 2, "does not exist"),
+    ("collect-base-empty-file", [*COLLECT, "--base", f"{W}/empty.safetensors", *ONE_MODEL], 2,
+     "cannot read checkpoint"),
+    ("collect-base-truncated", [*COLLECT, "--base", f"{W}/trunc.safetensors", *ONE_MODEL], 2,
+     "cannot read checkpoint"),
+    ("collect-finetuned-truncated", [*COLLECT, "--base", f"{W}/base.safetensors", "--finetuned",
+                                     f"{W}/trunc.safetensors", "--calibration", f"{W}/cal0.pt", *OUT], 2,
+     "trunc.safetensors"),
+    ("collect-calibration-empty-file", [*COLLECT, "--base", f"{W}/base.safetensors", "--finetuned",
+                                        f"{W}/ft0.safetensors", "--calibration", f"{W}/empty.npz", *OUT], 2,
+     "cannot read calibration file"),
+    ("collect-task-weights-inf", [*COLLECT, *GOOD_MODELS, *OUT, "--task-weights", "inf,1"], 2, "finite, >= 0"),
+    ("collect-batch-size-negative", [*COLLECT, *GOOD_MODELS, *OUT, "--batch-size", "-1"], 2,
+     "--batch-size must be >= 1"),
+    ("collect-factory-kwargs-mismatch", [*COLLECT, *GOOD_MODELS, *OUT, "--factory-kwargs", '{{"hidden": 7}}'], 2,
+     "does not fit the factory's model"),
+    ("experiment-out-under-a-file", ["experiment", "mnist", "--out", f"{W}/ok.npz/e"], 2,
+     "cannot create the output folder"),
+    ("experiment-out-is-idx-dir", ["experiment", "mnist", "--idx-dir", f"{W}/sub", "--out", f"{W}/sub",
+                                   "--overwrite"], 2, "overlaps the input"),
+    ("experiment-out-contains-idx-dir", ["experiment", "mnist", "--idx-dir", f"{W}/sub", "--out", W,
+                                         "--overwrite"], 2, "overlaps the input"),
+    ("experiment-threads-negative", ["experiment", "mnist", "--threads", "-1", "--out", f"{O}/e"], 2,
+     "--threads must be >= 1"),
+]
+
 CLI_CASES = [pytest.param(*c[1:], id=c[0]) for group in
-             (PROBLEM_CASES, SOLVE_CASES, CERTIFY_CASES, BENCH_CASES, COLLECT_CASES, EXPERIMENT_CASES)
+             (PROBLEM_CASES, SOLVE_CASES, CERTIFY_CASES, BENCH_CASES, COLLECT_CASES, EXPERIMENT_CASES, REVIEW_CASES)
              for c in group]
 
 
@@ -255,6 +329,11 @@ def test_wrong_point_gets_no_abs_tol_hint(world, capsys):
     code, stdout, stderr = run_cli(capsys, ["certify", str(world / "ok.npz"), "--point", str(world / "d_zero.npy")])
     assert code == 1
     assert "--abs-tol" not in stdout + stderr
+
+
+def test_bench_checks_constraints_before_the_table(capsys):
+    code, stdout, stderr = run_cli(capsys, ["bench", "--problems", "tiny96", "--constraint", "box:1,0"])
+    assert code == 2 and stdout == "" and "box is empty" in stderr
 
 
 def test_bench_all_rows_failed_still_prints_the_table(world, capsys):
@@ -333,7 +412,34 @@ API_CASES = [
     ("writer-over-input", lambda w: __import__("mergeqp.io").io.save_hf_folder(
         w / "ckpt_folder" / "sub", iter([("a", torch.zeros(2))]), protected=[w / "ckpt_folder"]),
      ValidationError, "overlaps input"),
+    ("solve-rel-tol-inf", lambda w: __import__("mergeqp").solve(
+        __import__("mergeqp").MergeQP(H=np.eye(2), g=-np.ones(2)), rel_tol=float("inf")), ValidationError,
+     "must be finite and >= 0"),
+    ("certify-abs-tol-inf", lambda w: __import__("mergeqp").certify(
+        __import__("mergeqp").MergeQP(H=np.eye(2), g=-np.ones(2)), None, np.zeros(2), abs_tol=float("inf")),
+     ValidationError, "must be finite and >= 0"),
+    ("writer-over-its-source", lambda w: __import__("mergeqp.io").io.save_hf_folder(
+        w / "ckpt_folder", iter([("a", torch.zeros(2))]), source_folder=w / "ckpt_folder", overwrite=True),
+     ValidationError, "overlaps input"),
+    ("open-truncated-checkpoint", lambda w: __import__("mergeqp.io.checkpoint").io.checkpoint.open_checkpoint(
+        w / "trunc.safetensors"), ValidationError, "truncated or damaged safetensors file"),
+    ("collect-statistics-nan-finetuned", lambda w: __import__("mergeqp.stats.collect").stats.collect.collect_statistics(
+        _mlp(), [_mlp(nan=True)], "2", [torch.randn(8, 5)], progress=False), BadDataError,
+     "its tensor '2.weight' holds NaN or inf"),
+    ("experiment-out-is-idx-dir", lambda w: __import__("mergeqp.experiments.mnist").experiments.mnist
+     .run_mnist_experiment(str(w / "sub"), idx_dir=str(w / "sub"), overwrite=True), ValidationError,
+     "overlaps the input"),
 ]
+
+
+def _mlp(nan: bool = False) -> torch.nn.Module:
+    """The factory's architecture (5 -> 6 -> 3), seeded; ``nan``: one NaN weight in layer 2."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    if nan:
+        with torch.no_grad():
+            model[2].weight[0, 0] = float("nan")
+    return model
 
 
 @pytest.mark.parametrize("call, exc, message", [pytest.param(*c[1:], id=c[0]) for c in API_CASES])

@@ -295,12 +295,15 @@ class OutputConfig(_Strict):
     random projection of each position's logits to ``k`` dimensions, scaled by ``1/sqrt(k)``:
     an unbiased estimate of the squared error, Johnson-Lindenstrauss), or ``topk`` (the ``k``
     logits that the task's fine-tuned model ranks highest at each position, the same indices for
-    the merged model: the objective only sees those entries).
+    the merged model: the objective only sees those entries). ``metric``: ``euclidean`` (the
+    squared logit error) or ``kl`` (the softmax Gauss-Newton metric: the objective approximates
+    ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`).
     """
 
     field: str = "logits"
     restrict: Literal["none", "topk", "projection"] = "none"
     k: int | None = Field(default=None, ge=1)
+    metric: Literal["euclidean", "kl"] = "euclidean"
 
     @model_validator(mode="after")
     def _k(self) -> OutputConfig:

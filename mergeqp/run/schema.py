@@ -28,7 +28,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -312,6 +314,14 @@ class OutputConfig(_Strict):
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The default metric is left out, so that a Euclidean run's plan reads as before."""
+        out = handler(self)
+        if out.get("metric") == "euclidean":
+            del out["metric"]
+        return out
 
 
 class MergeConfig(_Strict):

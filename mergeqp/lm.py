@@ -1,4 +1,4 @@
-"""What output of a Hugging Face model is compared, teacher-forced targets, and the MSE metric.
+"""What output of a Hugging Face model is compared, teacher-forced targets, and the metrics.
 
 The merge objective compares, at every real (unpadded) token position, the merged model's
 output with the task's fine-tuned model's output on the same prompt (teacher forcing: the
@@ -18,6 +18,23 @@ output's length):
   every other logit (a biased restriction that weights the tokens that matter to the task).
 
 Positions outside the attention mask are multiplied by 0 in both the output and the target.
+
+``metric`` says how a position's logits are compared:
+
+- ``metric="euclidean"`` (default): the squared error of the (restricted) output, as above.
+- ``metric="kl"``: the softmax Gauss-Newton (Fisher) metric. With the target's logits ``y``
+  (``V`` entries) and ``p = softmax(y)``, ``KL(p || softmax(x))`` has the Hessian
+  ``M = diag(p) - p p'`` at ``x = y`` and zero gradient there, so
+  ``KL ~ 1/2 (x - y)' M (x - y)``. ``M = F'F`` with the linear map
+  ``F x = sqrt(p) * (x - (p'x) 1)`` (:func:`kl_whiten`), which depends only on the target, so
+  the compared output becomes ``F x`` and the target ``F y``: ``||F x - F y||^2 =
+  (x - y)' M (x - y)``, about ``2 KL`` per position. The objective stays linear in ``x`` (a
+  convex QP) and approximates ``2 * sum KL`` over the compared positions. ``F`` is applied
+  before ``projection`` (``P`` then acts on the whitened logits); with ``topk`` the logits are
+  gathered first and ``p`` is the target's distribution restricted to its top ``k`` entries
+  and renormalised (``softmax`` of the target's top-``k`` logits), so the objective is the
+  second-order KL between the distributions conditioned on those ``k`` tokens. Each target
+  batch stores ``p`` (``probs``, float64, the compared entries' size before projection).
 """
 
 from __future__ import annotations
@@ -32,6 +49,7 @@ from .errors import BadDataError, ValidationError
 from .io.calibration import Batch
 
 RESTRICTIONS = ("none", "topk", "projection")
+METRICS = ("euclidean", "kl")
 
 
 @dataclass(frozen=True)
@@ -40,12 +58,14 @@ class OutputSpec:
 
     ``field``: attribute of the model's output (``logits``, ``last_hidden_state``, ...).
     ``restrict``: ``none`` | ``topk`` | ``projection``; ``k``: their size; ``seed``: of ``P``.
+    ``metric``: ``euclidean`` | ``kl`` (the softmax Gauss-Newton metric on logits).
     """
 
     field: str = "logits"
     restrict: str = "none"
     k: int | None = None
     seed: int = 0
+    metric: str = "euclidean"
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +73,8 @@ class OutputSpec:
             raise ValidationError(f"output restriction {self.restrict!r}; valid: {', '.join(RESTRICTIONS)}")
         if self.restrict != "none" and (self.k is None or self.k < 1):
             raise ValidationError(f"output restriction {self.restrict!r} needs k >= 1")
+        if self.metric not in METRICS:
+            raise ValidationError(f"output metric {self.metric!r}; valid: {', '.join(METRICS)}")
 
     def raw(self, model_output: Any) -> Any:
         """The compared tensor of a model's forward output (``(B, T, V)``, ``(B, C)``, ...)."""
@@ -88,17 +110,41 @@ class OutputSpec:
             raise ValidationError(f"output topk k={self.k} exceeds the output size {target_raw.shape[-1]}")
         return target_raw.topk(self.k, dim=-1).indices
 
-    def select(self, raw: Any, mask: Any = None, index: Any = None) -> Any:
-        """Restrict ``raw`` (last axis = vocabulary / features) and zero the masked positions."""
-        if self.restrict == "projection":
-            out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
-        elif self.restrict == "topk":
+    def target_probs(self, target_raw: Any, index: Any = None) -> Any:
+        """The target's distribution ``p`` (float64, ``(..., V)``; ``(..., k)`` renormalised over the
+        top-``k`` ``index`` for ``topk``) that the ``kl`` metric's map :func:`kl_whiten` uses."""
+        import torch
+
+        logits = target_raw.gather(-1, index) if self.restrict == "topk" else target_raw
+        return torch.softmax(logits.to(torch.float64), dim=-1)
+
+    def select(self, raw: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:
+        """Restrict ``raw`` (last axis = vocabulary / features) and zero the masked positions.
+
+        For ``metric="kl"``, ``probs`` is the target's distribution (:meth:`target_probs`, on
+        ``raw``'s device) and ``raw`` is whitened by :func:`kl_whiten` (after a ``topk`` gather,
+        before a ``projection``)."""
+        if self.metric == "kl" and probs is None:
+            raise ValidationError("the kl output metric needs the target's distribution (probs)")
+        if self.restrict == "topk":
             if index is None:
                 raise ValidationError("topk restriction needs the target's indices")
-            out = raw.gather(-1, index)
+            raw = raw.gather(-1, index)
+        if self.metric == "kl":
+            raw = kl_whiten(raw, probs)
+        if self.restrict == "projection":
+            out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
         else:
             out = raw
         return apply_mask(out, mask)
+
+
+def kl_whiten(x: Any, p: Any) -> Any:
+    """``F x = sqrt(p) * (x - (p'x) 1)`` along the last axis (``x``: logits ``(..., V)``; ``p``: a
+    distribution of the same shape), in ``x``'s dtype: ``||F x - F y||^2 = (x - y)' (diag(p) -
+    p p') (x - y)``, twice the second-order ``KL(p || softmax(x))`` at ``p = softmax(y)``."""
+    p = p.to(dtype=x.dtype)
+    return p.sqrt() * (x - (p * x).sum(dim=-1, keepdim=True))
 
 
 def apply_mask(out: Any, mask: Any) -> Any:
@@ -115,11 +161,14 @@ def apply_mask(out: Any, mask: Any) -> Any:
 class TargetBatch:
     """A batch with its target: ``target`` is the fine-tuned model's compared output
     (restricted and masked, float64 on CPU); ``index`` the top-k indices (or ``None``);
-    ``count`` the number of compared positions (real tokens, or samples)."""
+    ``probs`` the target's distribution for the ``kl`` metric (float64 on CPU, ``(B, T, V)`` or
+    ``(B, T, k)`` for ``topk``; else ``None``); ``count`` the number of compared positions (real
+    tokens, or samples)."""
 
     batch: Batch
     target: Any
     index: Any = None
+    probs: Any = None
 
     @property
     def count(self) -> int:
@@ -157,9 +206,11 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
             raise BadDataError("the fine-tuned model produced non-finite outputs on the calibration prompts "
                                "(NaN or inf in its checkpoint, or an overflow in its dtype)")
         index = spec.topk_index(raw) if spec.restrict == "topk" else None
-        target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index)
+        probs = spec.target_probs(raw, index) if spec.metric == "kl" else None
+        target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index, probs)
         out.append(TargetBatch(batch, target.detach().to("cpu", torch.float64),
-                               None if index is None else index.to("cpu")))
+                               None if index is None else index.to("cpu"),
+                               None if probs is None else probs.detach().to("cpu")))
     return out
 
 
@@ -170,21 +221,73 @@ def compared_output(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) 
     raw = spec.raw(forward(model, tb.batch, device))
     index = None if tb.index is None else tb.index.to(raw.device)
     mask = None if tb.batch.mask is None else tb.batch.mask.to(raw.device)
-    return spec.select(raw, mask, index).to("cpu", torch.float64)
+    probs = None if tb.probs is None else tb.probs.to(raw.device)
+    return spec.select(raw, mask, index, probs).to("cpu", torch.float64)
 
 
 def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> tuple[float, int]:
-    """``(sum of squared errors, number of compared entries)`` of ``model`` against the targets."""
+    """``(sum of squared errors, number of compared entries)`` of ``model`` against the targets
+    (for the ``kl`` metric, of the whitened outputs: about ``2 * sum KL``)."""
     total = 0.0
     entries = 0
     for tb in batches:
-        diff = compared_output(model, tb, spec, device) - tb.target
-        total += float((diff * diff).sum())
+        total += _squared(compared_output(model, tb, spec, device), tb)
         entries += tb.entries
     return total, entries
+
+
+def _squared(output: Any, tb: TargetBatch) -> float:
+    diff = output - tb.target
+    return float((diff * diff).sum())
 
 
 def teacher_forced_mse(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> float:
     """Mean squared error per compared entry (e.g. per logit of each real token)."""
     total, entries = squared_error(model, batches, spec, device)
     return total / max(entries, 1)
+
+
+@dataclass(frozen=True)
+class HeldoutMetrics:
+    """A model's teacher-forced metrics against one task's fine-tuned model.
+
+    ``mse``: squared error per compared entry (per logit of each real token). ``kl``: mean
+    ``KL(softmax(y) || softmax(x))`` per compared position, in nats (``None`` unless the compared
+    output is the full, unprojected ``logits``). ``cross_entropy``: mean next-token cross-entropy
+    of the prompts' real tokens, in nats per predicted token (``None`` unless the output is
+    ``(B, T, V)`` logits of ``input_ids`` prompts with at least one predicted token)."""
+
+    mse: float
+    kl: float | None
+    cross_entropy: float | None
+
+
+def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec,
+                           device: Any) -> HeldoutMetrics:
+    """:class:`HeldoutMetrics` of ``model`` on ``batches`` (one forward pass per batch); ``mse``
+    equals :func:`teacher_forced_mse`."""
+    import torch
+
+    distributions = spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+    total = kl = ce = 0.0
+    entries = positions = predicted = 0
+    for tb in batches:
+        x = compared_output(model, tb, spec, device)
+        total += _squared(x, tb)
+        entries += tb.entries
+        if not distributions:
+            continue
+        log_q = torch.log_softmax(x, dim=-1)
+        log_p = torch.log_softmax(tb.target, dim=-1)
+        kl += float((log_p.exp() * (log_p - log_q)).sum())  # masked positions: both rows 0, KL 0
+        positions += tb.count
+        ids = tb.batch.inputs.get("input_ids")
+        if ids is None or x.dim() != 3 or tuple(ids.shape) != tuple(x.shape[:2]):
+            continue
+        real = torch.ones_like(ids, dtype=torch.bool) if tb.batch.mask is None else tb.batch.mask.bool()
+        pairs = real[:, :-1] & real[:, 1:]  # position t predicts the real token t + 1
+        nll = -log_q[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1).to(torch.int64)).squeeze(-1)
+        ce += float(nll[pairs].sum())
+        predicted += int(pairs.sum())
+    return HeldoutMetrics(total / max(entries, 1), kl / positions if distributions and positions else None,
+                          ce / predicted if predicted else None)

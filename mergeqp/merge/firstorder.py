@@ -162,16 +162,17 @@ def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
                     device: Any) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     """For one batch with targets, its inputs, mask and positions moved to ``device``:
     ``call()`` runs ``model`` on the inputs; ``compared(output)`` is the compared output that
-    ``spec`` selects (with the batch's mask and target positions), flattened to ``(B, c)``."""
+    ``spec`` selects (with the batch's mask, target positions and distribution), flattened to ``(B, c)``."""
     inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
     mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
     index = None if tb.index is None else tb.index.to(device)
+    probs = None if tb.probs is None else tb.probs.to(device)
 
     def call() -> Any:
         return model(**inputs)
 
     def compared(out: Any) -> Any:
-        o = spec.select(spec.raw(out), mask, index)
+        o = spec.select(spec.raw(out), mask, index, probs)
         return o.reshape(o.shape[0], -1)
 
     return call, compared

@@ -109,14 +109,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     if ev:
         lines += ["", "## Evaluation", "",
                   ("Calibration objective (sum of squared compared-output errors) and held-out teacher-forced "
-                   "MSE per logit against each task's fine-tuned model."), ""]
+                   "MSE per logit against each task's fine-tuned model (KL: mean KL from the fine-tune's "
+                   "next-token distribution per real token; CE: next-token cross-entropy; nats)."), ""]
         tasks = sorted({t for v in ev.values() if isinstance(v, dict) for t in v.get("heldout_mse", {})})
-        lines.append("| model | calibration J | " + " | ".join(f"MSE {t}" for t in tasks) + " |")
-        lines.append("|---|---|" + "---|" * len(tasks))
+        columns = [(key, label, t) for key, label in (("heldout_mse", "MSE"), ("heldout_kl", "KL"),
+                                                      ("heldout_cross_entropy", "CE"))
+                   if any(isinstance(v, dict) and v.get(key) for v in ev.values()) for t in tasks]
+        lines.append("| model | calibration J | " + " | ".join(f"{label} {t}" for _, label, t in columns) + " |")
+        lines.append("|---|---|" + "---|" * len(columns))
         for key, v in ev.items():
             label = f"{key} ({v.get('method')})" if v.get("method") else key
-            mse = v.get("heldout_mse", {})
-            lines.append(f"| {label} | {_f(v.get('calibration_objective'))} | " + " | ".join(_f(mse.get(t)) for t in tasks) + " |")
+            lines.append(f"| {label} | {_f(v.get('calibration_objective'))} | "
+                         + " | ".join(_f((v.get(k) or {}).get(t)) for k, _, t in columns) + " |")
 
     cmp_ = report.get("joint_vs_sequential")
     if cmp_:

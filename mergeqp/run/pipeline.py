@@ -52,7 +52,7 @@ from ..io.calibration import (
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.writer import check_output_folder, check_tensor_finite, parse_size, save_hf_folder
-from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_mse, teacher_forced_targets
+from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
 from ..merge.calibrated import StatisticsCollector, needs_statistics
 from ..merge.firstorder import TaskTargets
 from ..merge.modes import get_merge_mode, run_mode
@@ -223,17 +223,27 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
     return tasks
 
 
-def heldout_mse(model: Any, tasks: Sequence[TaskData], eval_spec: OutputSpec, device: str) -> dict[str, float]:
-    """Teacher-forced MSE per logit of real tokens on each task's held-out prompts."""
-    return {t.name: teacher_forced_mse(model, t.heldout, eval_spec, device) for t in tasks if t.heldout}
+def heldout_metrics(model: Any, tasks: Sequence[TaskData], eval_spec: OutputSpec, device: str) -> dict[str, Any]:
+    """On each task's held-out prompts: ``heldout_mse`` (teacher-forced MSE per logit of real
+    tokens) and, where the output is logits, ``heldout_kl`` (mean KL from the fine-tune's
+    distribution per real token, nats) and ``heldout_cross_entropy`` (next-token, nats), each
+    ``{task: value}``, whatever the objective's metric."""
+    measured = {t.name: teacher_forced_metrics(model, t.heldout, eval_spec, device) for t in tasks if t.heldout}
+    out: dict[str, Any] = {"heldout_mse": {name: m.mse for name, m in measured.items()}}
+    for key, attr in (("heldout_kl", "kl"), ("heldout_cross_entropy", "cross_entropy")):
+        values = {name: getattr(m, attr) for name, m in measured.items() if getattr(m, attr) is not None}
+        if values:
+            out[key] = values
+    return out
 
 
 def evaluate(model: Any, tasks: Sequence[TaskData], spec: OutputSpec, eval_spec: OutputSpec,
              device: str) -> dict[str, Any]:
     """The report's evaluation of one model: the calibration objective ``sum_t w_t sum_j
-    ||h_j - y_j||^2`` (compared output, as the QP's) and the held-out MSE per task."""
+    ||h_j - y_j||^2`` (compared output, as the QP's) and the held-out metrics per task
+    (:func:`heldout_metrics`)."""
     objective = sum(t.weight * squared_error(model, t.calibration, spec, device)[0] for t in tasks)
-    return {"calibration_objective": objective, "heldout_mse": heldout_mse(model, tasks, eval_spec, device)}
+    return {"calibration_objective": objective, **heldout_metrics(model, tasks, eval_spec, device)}
 
 
 def statistics_collector(plan: MergePlan, name: str, params: dict[str, Any], keys: Sequence[str],
@@ -325,7 +335,7 @@ class _Run:
     def __post_init__(self) -> None:
         cfg = self.plan.config
         self.cfg = cfg
-        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed)
+        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric)
         self.eval_spec = OutputSpec(cfg.output.field, "none")
 
     def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
@@ -371,9 +381,9 @@ class _Run:
                            self.progress, say)
 
         def evaluate_model(live: Any) -> dict[str, Any]:
-            """The QP's calibration objective and the held-out MSE of a live model."""
+            """The QP's calibration objective and the held-out metrics of a live model."""
             return {"calibration_objective": calibration_objective(dataclasses.replace(ctx, model=live)),
-                    "heldout_mse": heldout_mse(live, tasks, self.eval_spec, device)}
+                    **heldout_metrics(live, tasks, self.eval_spec, device)}
 
         base_eval = ModelEvaluation(**evaluate_model(model))
         start_eval = None

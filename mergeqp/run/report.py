@@ -17,8 +17,9 @@ from ..merge.multilayer import LayerRecord
 @dataclass(frozen=True)
 class ModelEvaluation:
     """One model's evaluation: the calibration objective ``sum_t w_t sum_j ||h_j - y_j||^2`` (compared
-    output, squared units of the output) and the held-out teacher-forced MSE per task (per logit).
-    ``method`` / ``params`` / ``seconds`` / ``statistics`` describe a baseline (hybrid start or
+    output, squared units of the output) and the held-out teacher-forced MSE per task (per logit);
+    for logits also the held-out mean KL from the fine-tune per real token and the next-token
+    cross-entropy per predicted token (nats; ``None`` where not measured). ``method`` / ``params`` / ``seconds`` / ``statistics`` describe a baseline (hybrid start or
     baseline merge) when the evaluated model is one."""
 
     calibration_objective: float
@@ -27,6 +28,8 @@ class ModelEvaluation:
     params: Mapping[str, Any] | None = None
     seconds: float | None = None
     statistics: Mapping[str, Any] | None = None
+    heldout_kl: Mapping[str, float] | None = None
+    heldout_cross_entropy: Mapping[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -36,6 +39,10 @@ class ModelEvaluation:
             out["params"] = dict(self.params)
         out["calibration_objective"] = self.calibration_objective
         out["heldout_mse"] = dict(self.heldout_mse)
+        if self.heldout_kl is not None:
+            out["heldout_kl"] = dict(self.heldout_kl)
+        if self.heldout_cross_entropy is not None:
+            out["heldout_cross_entropy"] = dict(self.heldout_cross_entropy)
         if self.seconds is not None:
             out["seconds"] = self.seconds
         if self.statistics is not None:

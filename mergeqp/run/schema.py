@@ -28,7 +28,9 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -295,12 +297,15 @@ class OutputConfig(_Strict):
     random projection of each position's logits to ``k`` dimensions, scaled by ``1/sqrt(k)``:
     an unbiased estimate of the squared error, Johnson-Lindenstrauss), or ``topk`` (the ``k``
     logits that the task's fine-tuned model ranks highest at each position, the same indices for
-    the merged model: the objective only sees those entries).
+    the merged model: the objective only sees those entries). ``metric``: ``euclidean`` (the
+    squared logit error) or ``kl`` (the softmax Gauss-Newton metric: the objective approximates
+    ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`).
     """
 
     field: str = "logits"
     restrict: Literal["none", "topk", "projection"] = "none"
     k: int | None = Field(default=None, ge=1)
+    metric: Literal["euclidean", "kl"] = "euclidean"
 
     @model_validator(mode="after")
     def _k(self) -> OutputConfig:
@@ -309,6 +314,14 @@ class OutputConfig(_Strict):
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The default metric is left out, so that a Euclidean run's plan reads as before."""
+        out = handler(self)
+        if out.get("metric") == "euclidean":
+            del out["metric"]
+        return out
 
 
 class MergeConfig(_Strict):

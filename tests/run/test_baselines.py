@@ -238,7 +238,8 @@ def test_baselines_and_qp_are_reported_with_the_same_metrics(families, tmp_path)
     rows = {"base": base_row}
     for label, (res, rep) in reports.items():
         ev = rep["evaluation"]
-        assert set(ev["base"]) == set(ev["merged"]) - {"method"} == {"calibration_objective", "heldout_mse"}
+        assert set(ev["base"]) == set(ev["merged"]) - {"method"} == {"calibration_objective", "heldout_mse", "heldout_kl",
+                                                                       "heldout_cross_entropy"}
         assert set(ev["merged"]["heldout_mse"]) == set(fam.tasks)
         assert ev["base"]["calibration_objective"] == pytest.approx(base_row["calibration_objective"], rel=1e-12)
         model = load_model(open_checkpoint(res.out_dir), fam.base, torch.float64, "cpu")  # the float32 folder

@@ -167,3 +167,34 @@ def build_world(small_problem) -> Callable[[Path], Path]:
         return root
 
     return _build_world
+
+
+@pytest.fixture(scope="session")
+def interrupt_child() -> Callable[..., tuple[int, str]]:
+    """``interrupt_child(script, args, announce, signum, settle=0.0) -> (returncode, stderr)``: run
+    ``python -c script *args`` with this checkout first on ``PYTHONPATH``, wait until the child
+    prints the line ``announce`` (the script says when it is where the signal should land, never a
+    fixed sleep), wait ``settle`` seconds more, send ``signum`` and collect the child."""
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[2]
+
+    def _interrupt(script: str, args: list[str], announce: str, signum: int, settle: float = 0.0) -> tuple[int, str]:
+        env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout.readline().strip() == announce, proc.stderr.read()
+            time.sleep(settle)
+            assert proc.poll() is None, proc.stderr.read()
+            proc.send_signal(signum)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        return proc.returncode, err
+
+    return _interrupt

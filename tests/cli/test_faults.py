@@ -8,9 +8,6 @@ import errno
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -172,29 +169,16 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
-def test_signal_mid_run_keeps_the_old_output(leftovers, problem_path, tmp_path, signum):
+def test_signal_mid_run_keeps_the_old_output(leftovers, interrupt_child, problem_path, tmp_path, signum):
     """A long solve (the paper's Adam with 10^9 steps) is stopped by a signal: exit 130, the old
     --out file untouched, no temporary file."""
     out = tmp_path / "sol.json"
     out.write_text("old solution")
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, "solve", str(problem_path), "--constraint", "box:0,1",
-         "--solver", "torch_adam", "--option", "steps=1000000000", "--option", "device='cpu'",
-         "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "solving", proc.stderr.read()
-        time.sleep(0.5)  # into the loop
-        assert proc.poll() is None, proc.stderr.read()
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    code, err = interrupt_child(
+        SCRIPT, ["solve", str(problem_path), "--constraint", "box:0,1", "--solver", "torch_adam", "--option",
+                 "steps=1000000000", "--option", "device='cpu'", "--out", str(out)],
+        "solving", signum, settle=0.5)  # into the loop
+    assert code == 130, err
     assert "outputs keep their previous state" in err and "Traceback" not in err
     assert out.read_text() == "old solution" and leftovers(tmp_path) == []
 

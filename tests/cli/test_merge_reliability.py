@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -166,24 +164,15 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_sigint_while_merge_writes_keeps_the_old_folder(world, tiny_hf, digests, leftovers):
+def test_sigint_while_merge_writes_keeps_the_old_folder(world, tiny_hf, digests, leftovers, interrupt_child):
     fam, root = world
     cfg = _config(world, tiny_hf, "sigint")
     out = root / "sigint_out"
     assert main(["merge", str(cfg), "--out", str(out), "--quiet"]) == 0
     before_out, before_in = digests(out), digests(fam.root)
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, "merge", str(cfg), "--out", str(out), "--overwrite",
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        assert proc.stdout.readline().strip() == "writing", proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, err
+    code, err = interrupt_child(SCRIPT, ["merge", str(cfg), "--out", str(out), "--overwrite", "--quiet"], "writing",
+                                signal.SIGINT)
+    assert code == 130, err
     assert "Traceback" not in err
     assert digests(out) == before_out and digests(fam.root) == before_in
     assert leftovers(root) == []

@@ -8,7 +8,10 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 from __future__ import annotations
 
 import difflib
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class MergeQPError(Exception):
@@ -116,6 +119,15 @@ def exit_code_epilog() -> str:
 def unknown(kind: str, name: str, valid: Iterable[str]) -> UnknownNameError:
     """Build the standard "unknown X; valid Xs: ..." error."""
     return UnknownNameError(kind, name, valid)
+
+
+def lookup(kind: str, name: object, registry: Mapping[str, T]) -> T:
+    """``registry[name]``, or the standard :func:`unknown` error listing the registered names
+    (also for a name that is not a string)."""
+    try:
+        return registry[name]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise unknown(kind, str(name), registry) from None
 
 
 def check_new_name(kind: str, name: object, taken: Container[str], *, forbidden: str = ":",

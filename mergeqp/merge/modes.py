@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
-from ..errors import ValidationError, check_new_name, unknown
+from ..errors import ValidationError, check_new_name, lookup
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -406,9 +406,7 @@ def register_merge_mode(mode: MergeMode) -> MergeMode:
 
 def get_merge_mode(name: str) -> MergeMode:
     """The registered mode ``name`` (an unknown name lists the valid ones)."""
-    if name not in MERGE_MODES:
-        raise unknown("merge mode", name, MERGE_MODES)
-    return MERGE_MODES[name]
+    return lookup("merge mode", name, MERGE_MODES)
 
 
 def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[LayerRecord]:

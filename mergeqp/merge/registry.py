@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, check_callable, check_new_name, unknown
+from ..errors import ConfigError, check_callable, check_new_name, lookup
 from ..io.writer import check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
@@ -41,10 +41,7 @@ def register_merge_method(method: MergeMethod) -> MergeMethod:
 
 
 def get_merge_method(name: str) -> MergeMethod:
-    try:
-        return MERGE_METHODS[name]
-    except (KeyError, TypeError):
-        raise unknown("merge method", str(name), MERGE_METHODS) from None
+    return lookup("merge method", name, MERGE_METHODS)
 
 
 for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_DARE,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet, as_constraint_set, parse_constraint
-from ..errors import InfeasibleError, MergeQPError, ValidationError, unknown
+from ..errors import InfeasibleError, MergeQPError, ValidationError, lookup
 from ..io.atomic import save_npy_atomic, write_json_atomic
 from ..problem import MergeQP
 from .registry import solve
@@ -232,9 +232,7 @@ def repo_problems_dir() -> Path:
 
 
 def get_reference(name: str) -> ReferenceSpec:
-    if name not in REFERENCE_SPECS:
-        raise unknown("reference problem", name, REFERENCE_SPECS)
-    return REFERENCE_SPECS[name]
+    return lookup("reference problem", name, REFERENCE_SPECS)
 
 
 def problem_path(name: str, root: Path | None = None) -> Path:

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ValidationError, check_callable, check_new_name, unknown
+from ..errors import ValidationError, check_callable, check_new_name, lookup, unknown
 from .basis import Basis
 
 BasisBuilder = Callable[..., Basis]
@@ -85,9 +85,7 @@ def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: Check
 
 def get_basis(name: str) -> BasisEntry:
     """The registered basis ``name`` (an unknown name lists the valid ones)."""
-    if name not in BASES:
-        raise unknown("basis name", name, BASES)
-    return BASES[name]
+    return lookup("basis name", name, BASES)
 
 
 def checkpoint_bases() -> list[str]:

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ValidationError, check_new_name, unknown
+from ..errors import ValidationError, check_new_name, lookup, unknown
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
@@ -392,9 +392,7 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
 
 def get_parametrisation(name: str) -> Parametrisation:
     """The registered parametrisation ``name`` (an unknown name lists the valid ones)."""
-    if name not in PARAMETRISATIONS:
-        raise unknown("parametrisation", name, PARAMETRISATIONS)
-    return PARAMETRISATIONS[name]
+    return lookup("parametrisation", name, PARAMETRISATIONS)
 
 
 def _needs_layer(param: Parametrisation) -> bool:

@@ -125,8 +125,11 @@ class MergeMode:
                 f"it (an L1 ball or simplex away from 0), or the solve was not certified"]
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
-                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator) -> dict[str, Any]:
-        """Extra top-level fields of ``report.json`` (``merged``: the merged model's evaluation)."""
+                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,
+                      before: Mapping[str, Any]) -> dict[str, Any]:
+        """Extra top-level fields of ``report.json`` (``merged``: the merged model's evaluation;
+        ``before``: the evaluation of the model as :meth:`run` began, the start merge or the base,
+        already measured by the run layer; ``evaluate(model)`` measures any other model)."""
         return {}
 
     def __repr__(self) -> str:
@@ -243,7 +246,8 @@ class JointMode(MergeMode):
         return records
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
-                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator) -> dict[str, Any]:
+                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,
+                      before: Mapping[str, Any]) -> dict[str, Any]:
         if prepared is None:
             return {}
         t = time.perf_counter()
@@ -367,22 +371,17 @@ class TrustRegionMode(MergeMode):
         return out
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
-                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator) -> dict[str, Any]:
+                      prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,
+                      before: Mapping[str, Any]) -> dict[str, Any]:
         outcome = getattr(records[0], "outcome", None) if records else None
         if outcome is None:
             return {}
         result = outcome.result
-        final = {s.name: read_augmented(ctx.model, s) for s in sites}
-        apply_weights(ctx, sites, outcome.start_weights)  # evaluate the start (D = 0), then restore
-        try:
-            start_eval = evaluate(ctx.model)
-        finally:
-            apply_weights(ctx, sites, final)
         return {"trust_region": {
             "options": self.check_options(ctx.settings.mode_options).model_dump(),  # type: ignore[union-attr]
             "constraints": list(ctx.settings.constraints),
-            "start": {"calibration_objective": start_eval["calibration_objective"],
-                      "heldout_mse": start_eval["heldout_mse"]},
+            "start": {"calibration_objective": before["calibration_objective"],  # D = 0: the model run began with
+                      "heldout_mse": before["heldout_mse"]},
             "result": {"calibration_objective": merged["calibration_objective"],
                        "heldout_mse": merged["heldout_mse"]},
             "steps": outcome.step_rows(), "n_steps": result.n_qps, "n_accepted": result.n_accepted,

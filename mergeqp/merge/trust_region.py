@@ -331,11 +331,9 @@ def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @dataclass(frozen=True, eq=False)
 class SitesTrustRegion:
     """What :func:`trust_region_sites` did: the loop's ``result`` (``result.d``: ``(K, N)``, the
-    sites' ``D`` blocks side by side), one report row per QP step (:meth:`step_rows`), and the
-    start weights ``W_start`` of each site (augmented ``(r, m1)`` float64; not in the report)."""
+    sites' ``D`` blocks side by side) and one report row per QP step (:meth:`step_rows`)."""
 
     result: TrustRegionResult
-    start_weights: Mapping[str, Any] = field(repr=False)
 
     def step_rows(self) -> list[dict[str, Any]]:
         """Per step: ``radius`` (infinity norm in ``D``), the true objective at the current point
@@ -416,7 +414,7 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
                                      solver_options=ctx.settings.solver_options, progress=ctx.progress)
     move_to(result.d)
     exact = calibration_objective(ctx)
-    outcome = SitesTrustRegion(result, start)
+    outcome = SitesTrustRegion(result)
     for row in outcome.step_rows():
         say(ctx, f"[{mode} step {row['step'] + 1}] radius {row['radius']:.3g}: J {row['objective_before']:.6g} -> "
                  f"linearised {row['linearised_after']} true {row['true_after']} "

@@ -385,7 +385,8 @@ class _Run:
             return {"calibration_objective": calibration_objective(dataclasses.replace(ctx, model=live)),
                     **heldout_metrics(live, tasks, self.eval_spec, device)}
 
-        base_eval = ModelEvaluation(**evaluate_model(model))
+        before = evaluate_model(model)  # the model as the mode's run begins: the base, or the start below
+        base_eval = ModelEvaluation(**before)
         start_eval = None
         start_overrides: dict[str, Any] = {}
         mode = get_merge_mode(m.mode)
@@ -397,8 +398,8 @@ class _Run:
             else:
                 start_overrides = baseline_merge(plan, m.start.name, m.start.params, floats)
             _load_into(model, start_overrides)
-            measured = evaluate_model(model)
-            start_eval = ModelEvaluation(**measured, method=m.start.name, params=m.start.params,
+            before = evaluate_model(model)
+            start_eval = ModelEvaluation(**before, method=m.start.name, params=m.start.params,
                                          seconds=time.perf_counter() - t,
                                          statistics=collector.summary() if collector is not None else None)
             if collector is not None:
@@ -418,7 +419,7 @@ class _Run:
                 self.notes.extend(n for n in zero_residual_notes(r.layer, r.residual_norms, cfg.model_names())
                                   if n not in self.notes)
         merged = evaluate_model(model)
-        mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model)
+        mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model, before)
         del prepared
         overrides = dict(start_overrides)
         for site in plan.sites:

@@ -28,6 +28,7 @@ captured-energy fraction and timings.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +42,7 @@ from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from ..solvers.registry import solve
 from ..stats.parametrisation import BasisParametrisation, Parametrisation, get_parametrisation
+from .baseline_residuals import BaselineChoice, site_baseline_residuals
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
 from .outputbasis import collect_output_basis, compare_bases
 from .sites import LayerSite, read_augmented, weight_from_tensors, write_augmented
@@ -75,11 +77,13 @@ class QPSettings:
     basis_max_bytes: int = 2 * 2**30
     compare_sequential: bool = True
     mode_options: Mapping[str, Any] = field(default_factory=dict)
+    #: ``rows+baselines``: the tensor-wise baselines whose merged residuals are atoms (name, params)
+    baselines: tuple[BaselineChoice, ...] = ()
 
     @property
     def parametrisation_options(self) -> dict[str, Any]:
         """The options the parametrisation entry reads (:meth:`Parametrisation.for_site`)."""
-        return {"basis": self.basis, "rank": self.rank}
+        return {"basis": self.basis, "rank": self.rank, "baselines": tuple(n for n, _ in self.baselines)}
 
 
 class WeightSource:
@@ -178,13 +182,17 @@ class LayerRecord:
         }
 
 
-def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None) -> Parametrisation:
+def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None,
+                         base_weight: Any = None) -> Parametrisation:
     """The parametrisation of ``site`` (the registered entry's :meth:`~Parametrisation.for_site`:
     a basis is built from the site's deltas, or from ``optimal``, its
-    :class:`~.outputbasis.OutputBasisStats`)."""
+    :class:`~.outputbasis.OutputBasisStats`; baselines' residuals from ``base_weight``, the
+    site's augmented base weight)."""
     entry = get_parametrisation(settings.parametrisation)
-    return entry.for_site(site, deltas.numpy(), settings.parametrisation_options, seed=settings.seed,
-                          output_stats=optimal)
+    options = settings.parametrisation_options
+    if settings.baselines and base_weight is not None:
+        options["baseline_residuals"] = functools.partial(site_baseline_residuals, settings.baselines, base_weight)
+    return entry.for_site(site, deltas.numpy(), options, seed=settings.seed, output_stats=optimal)
 
 
 def _optimal_basis_stats(ctx: MergeContext, site: LayerSite, offset: Any) -> Any:
@@ -269,7 +277,8 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     entry.check_site(site, options)
     if entry.needs_output_jacobian(options):
         optimal = _optimal_basis_stats(ctx, site, offset)
-    param = make_parametrisation(ctx.settings, site, deltas, optimal)
+    base_weight = ctx.weights.base_weight(site) if ctx.settings.baselines else None
+    param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight)
     norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
     return BuiltSite(SiteAtoms(site, param, deltas, offset), _basis_record(ctx, site, param, deltas, optimal),
                      norms, optimal.seconds if optimal is not None else 0.0)

@@ -34,7 +34,8 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MergeQPError
+from ..merge.baseline_residuals import check_tensorwise_baselines
 from ..merge.modes import MERGE_MODES
 from ..stats.bases import checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
@@ -179,7 +180,10 @@ class MethodConfig(_Strict):
     ``scalar``, ``rows``, ``columns``, ``basis``); ``basis`` (a registered basis a checkpoint
     merge can build: ``svd``, ``random`` or ``optimal``: the paper's Corollary 4.2 with the
     calibration-mean output Jacobian, see ``docs/hf.md``) and ``rank`` (for ``basis``); the
-    parametrisation entry checks the keys it reads; ``basis_max_size``: cap on the
+    parametrisation entry checks the keys it reads; ``baselines`` (for ``rows+baselines``: the
+    tensor-wise baselines whose merged residuals are atoms beside the rows, each a method name or
+    ``{name, params}``; every baseline is then a feasible point, see ``docs/statistics.md``);
+    ``basis_max_size``: cap on the
     ``(c, r)`` float64 mean Jacobian that ``basis: optimal`` forms per layer (``c`` = compared
     outputs per sample, e.g. tokens x k); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
     ``box:0,1``, ``simplex``, ``l1:R``, ``nonneg``, ``global_simplex``, ``sign[:density]``);
@@ -202,6 +206,7 @@ class MethodConfig(_Strict):
     reference: Literal["soup", "zero"] = "soup"
     start: BaselineSpec | None = None
     mode_options: dict[str, Any] = Field(default_factory=dict)
+    baselines: list[BaselineSpec] = Field(default_factory=list)
     compare_sequential: bool = True
     chunk_size: int = Field(default=256, ge=1)
     params: dict[str, Any] = Field(default_factory=dict)
@@ -215,6 +220,14 @@ class MethodConfig(_Strict):
             if default is not None:
                 return {**data, "constraints": list(default)}
         return data
+
+    @field_validator("baselines", mode="before")
+    @classmethod
+    def _baseline_names(cls, v: Any) -> Any:
+        """``baselines: [ties, {name: dare, params: {...}}]``: a bare name is that method with its defaults."""
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return [{"name": b} if isinstance(b, str) else b for b in (v or [])]
 
     @field_validator("constraints", mode="before")
     @classmethod
@@ -245,7 +258,7 @@ class MethodConfig(_Strict):
         if self.name != "qp":
             qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "basis_max_size", "constraints", "solver",
                                    "solver_options", "regularisation", "reference", "start",
-                                   "mode_options", "compare_sequential", "chunk_size")
+                                   "mode_options", "baselines", "compare_sequential", "chunk_size")
                        if k in self.model_fields_set]
             if qp_only:
                 raise ValueError(
@@ -276,6 +289,11 @@ class MethodConfig(_Strict):
             raise ValueError(f"the key(s) {_keys(foreign)} apply only to parametrisation: "
                              f"{' or '.join(owners) or '(none registered)'}")
         param.check_config(options, given)
+        if self.baselines:
+            try:
+                check_tensorwise_baselines([(b.name, b.params) for b in self.baselines])
+            except MergeQPError as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     def parametrisation_options(self) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from .apply import (
     soup_point,
     task_arithmetic_point,
 )
+from .baseline_atoms import RowsBaselinesParametrisation
 from .bases import (
     BASES,
     make_basis,
@@ -66,6 +67,7 @@ __all__ = [
     "EnergyReport",
     "LinearisedBatch",
     "Parametrisation",
+    "RowsBaselinesParametrisation",
     "RowsParametrisation",
     "SampleChunk",
     "ScalarParametrisation",

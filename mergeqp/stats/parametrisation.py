@@ -127,6 +127,12 @@ class Parametrisation(ABC):
         """One phrase for the merge plan."""
         return self.name
 
+    @property
+    def built_per_layer(self) -> bool:
+        """Whether this is a registry entry whose atoms are built for each layer (:meth:`for_site`)
+        and so cannot be used as it is."""
+        return False
+
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name}
 
@@ -274,6 +280,10 @@ class BasisParametrisation(Parametrisation):
     def key(self) -> str:
         return self.basis.key
 
+    @property
+    def built_per_layer(self) -> bool:
+        return self._basis is None
+
     # ------------------------------------------------------------------ registry-entry rules
     def check_config(self, options: Mapping[str, Any], given: Collection[str]) -> None:
         if options.get("rank") is None:
@@ -396,7 +406,7 @@ def get_parametrisation(name: str) -> Parametrisation:
 
 
 def _needs_layer(param: Parametrisation) -> bool:
-    return isinstance(param, BasisParametrisation) and param._basis is None
+    return param.built_per_layer
 
 
 register_parametrisation(ScalarParametrisation())
@@ -418,6 +428,11 @@ def as_parametrisation(spec: Any) -> Parametrisation:
     if isinstance(spec, str):
         if spec in PARAMETRISATIONS and not _needs_layer(PARAMETRISATIONS[spec]):
             return PARAMETRISATIONS[spec]
+        if spec in PARAMETRISATIONS and not isinstance(PARAMETRISATIONS[spec], BasisParametrisation):
+            raise ValidationError(
+                f"the parametrisation {spec!r} is built for each layer: construct it with its atoms "
+                f"(e.g. {type(PARAMETRISATIONS[spec]).__name__}(...)) and pass the instance"
+            )
         if ":" in spec or spec in PARAMETRISATIONS:
             raise ValidationError(
                 f"the basis spec {spec!r} needs calibration statistics: build it with "

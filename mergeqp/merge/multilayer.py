@@ -245,6 +245,9 @@ def _reference_points(stats: FirstOrderStats, atoms: Sequence[SiteAtoms]) -> dic
     points = {"zero": np.zeros(shape), "soup": np.full(shape, 1.0 / stats.K)}
     if all(a.param.contains_task_vectors for a in atoms):
         points["task_arithmetic"] = np.ones(shape)
+    own = [a.param.reference_points(stats.K) for a in atoms]  # e.g. the baselines of rows+baselines
+    for name in sorted(set.intersection(*(set(p) for p in own)) if own else ()):
+        points[name] = np.concatenate([p[name] for p in own], axis=1)
     return points
 
 

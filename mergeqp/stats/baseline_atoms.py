@@ -116,6 +116,9 @@ class RowsBaselinesParametrisation(Parametrisation):
         d[:, r + self._names.index(name)] = 1.0 / K
         return d
 
+    def reference_points(self, K: int) -> dict[str, np.ndarray]:
+        return {f"baseline:{n}": self.baseline_point(n, K) for n in self._names}
+
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
         import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 

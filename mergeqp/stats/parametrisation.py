@@ -127,6 +127,11 @@ class Parametrisation(ABC):
         """One phrase for the merge plan."""
         return self.name
 
+    def reference_points(self, K: int) -> dict[str, np.ndarray]:
+        """Named points ``d`` (``(K, n_atoms)``) of this family that a merge report evaluates
+        beside the optimum (besides zero and the soup), e.g. the baselines of ``rows+baselines``."""
+        return {}
+
     @property
     def built_per_layer(self) -> bool:
         """Whether this is a registry entry whose atoms are built for each layer (:meth:`for_site`)

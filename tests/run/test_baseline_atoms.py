@@ -1,0 +1,78 @@
+"""``parametrisation: rows+baselines`` in a ``mergeqp merge`` config: the baselines' merged residuals
+are atoms, every baseline is a feasible point, the report gives each one's linearised objective
+beside the optimum (which is never above them), and bad configurations are refused up front."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import mergeqp
+from mergeqp.config import load_config, parse_config
+from mergeqp.errors import ConfigError
+from mergeqp.merge.registry import merge_state_dicts
+from mergeqp.run.pipeline import run_merge
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_hf, tmp_path_factory):
+    return tiny_hf.make_family(tmp_path_factory.mktemp("baseline_atoms") / "llama", "llama", K=2, scale=0.3,
+                               n_prompts=10)
+
+
+def test_optimum_is_never_above_any_baseline(tiny_hf, llama, tmp_path):
+    layer = tiny_hf.MLP_LAYER["llama"]
+    method = {"name": "qp", "mode": "single", "parametrisation": "rows+baselines",
+              "baselines": ["ties", {"name": "task_arithmetic", "params": {"scaling": 0.5}}],
+              "constraints": ["box:0,1"]}
+    cfg = load_config(llama.write_config(tmp_path / "cfg.yml", [layer], method))
+    run_merge(cfg, tmp_path / "out", progress=False)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (record,) = report["layers"]
+    assert record["certificate"]["certified"] is True
+    points = record["objective_at"]
+    assert {"baseline:ties", "baseline:task_arithmetic", "zero"} <= set(points)
+    tol = 1e-9 * abs(points["zero"])
+    assert record["objective_after"] <= min(points["baseline:ties"], points["baseline:task_arithmetic"]) + tol
+    assert record["n_variables"] == 2 * (report["plan"]["layers"][0]["out_features"] + 2)
+
+
+def test_baseline_atom_is_the_checkpoint_baseline(tiny_hf, llama):
+    """The TIES atom is exactly the TIES merge of the layer's weight and bias (same code path)."""
+    from mergeqp.merge.baseline_residuals import site_baseline_residuals
+    from mergeqp.merge.multilayer import WeightSource
+    from mergeqp.merge.sites import LayerSite, weight_from_tensors
+
+    base = mergeqp.open_checkpoint(llama.base)
+    fts = [mergeqp.open_checkpoint(f) for f in llama.finetuned]
+    key = f"{tiny_hf.MLP_LAYER['llama']}.weight"
+    r, m = base.get(key).shape
+    site = LayerSite(tiny_hf.MLP_LAYER["llama"], "linear", int(r), int(m), False)
+    ws = WeightSource(base, fts)
+    U = site_baseline_residuals([("ties", {"density": 0.5})], ws.base_weight(site), site,
+                                ws.deltas(site).numpy(), ["ties"])["ties"]
+    merged = merge_state_dicts("ties", {key: base.get(key)}, [{key: f.get(key)} for f in fts], density=0.5,
+                               progress=False)[key]
+    expected = weight_from_tensors(site, merged) - ws.base_weight(site)
+    assert torch.allclose(torch.from_numpy(U), expected, atol=1e-6)
+
+
+def test_config_errors():
+    base = {"base": "b", "models": [{"path": "x", "calibration": "c"}], "layers": ["l"]}
+    with pytest.raises(ConfigError, match="needs 'baselines'"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines"}})
+    with pytest.raises(ConfigError, match="'regmean' needs calibration statistics"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": ["regmean"]}})
+    with pytest.raises(ConfigError, match="apply only to parametrisation: rows\\+baselines"):
+        parse_config({**base, "method": {"parametrisation": "rows", "baselines": ["ties"]}})
+    with pytest.raises(ConfigError, match="names a baseline twice"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": ["ties", "ties"]}})
+    with pytest.raises(ConfigError, match="ties"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines",
+                                         "baselines": [{"name": "ties", "params": {"densty": 0.5}}]}})
+    cfg = parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": "ties"}})
+    assert [b.name for b in cfg.method.baselines] == ["ties"]

@@ -13,6 +13,15 @@ the verdict rests on. Nothing here is tuned: a claim that does not hold is repor
 - (e) the exact solve's objective is at most the paper's Adam solve's (up to 1e-9 relative);
 - (f) ``qp_tr`` has a lower true calibration error than the soup and than ``qp``;
 - (g) ``qp_tr``'s average held-out MSE is no worse than the soup's.
+
+Beyond the paper (issue 16, baselines as feasible points):
+
+- (h) the certified optimum of the ``rows+baselines`` QP (``qp_atoms``) is at or below every
+  baseline's linearised objective (by construction: each baseline is a feasible point);
+- (i) the recommended merge (``qp_tr_regmean``) has a true calibration error no larger than
+  RegMean's, its start;
+- (j) the recommended merge's average held-out MSE is at most 0.9 x the best baseline's and its
+  accuracy at least that baseline's (the issue's goal; the test set is never used to choose).
 """
 
 from __future__ import annotations
@@ -143,11 +152,51 @@ def claim_g(results: dict[str, Any]) -> dict[str, Any]:
                   f"{m['soup']['average']['accuracy']:.4f}")
 
 
-CLAIMS = (claim_a, claim_b, claim_c, claim_d, claim_e, claim_f, claim_g)
+#: claim (j): the recommended merge's held-out MSE at most this fraction of the best baseline's
+GOAL_MSE_FRACTION = 0.9
+
+
+def claim_h(results: dict[str, Any]) -> dict[str, Any]:
+    atoms = results["atoms"]
+    opt = atoms["qp_atoms"]["objective"]
+    base = atoms["baseline_objectives"]
+    worst = max(opt - j for j in base.values())
+    return _claim("h", "the rows+baselines optimum is at or below every baseline's linearised objective",
+                  atoms["never_worse_than_every_baseline"], round(min(base.values()) - opt, 6),
+                  f"J qp_atoms {opt:.8g} (certified {atoms['qp_atoms']['certified']}) vs "
+                  + ", ".join(f"{n} {j:.8g}" for n, j in base.items())
+                  + f"; value = best baseline's J minus the optimum's (largest excess over a baseline {worst:.3g})")
+
+
+def claim_i(results: dict[str, Any]) -> dict[str, Any]:
+    m = results["methods"]
+    rec, start = m["qp_tr_regmean"]["calibration"]["true"], m["regmean"]["calibration"]["true"]
+    return _claim("i", "the recommended merge's true calibration error <= RegMean's (its start)",
+                  rec <= start * (1 + 1e-12), round(_reduction(rec, start), 6),
+                  f"true calibration error qp_tr_regmean {rec:.6g} vs regmean {start:.6g} "
+                  f"(value = reduction {_reduction(rec, start):.2%})")
+
+
+def claim_j(results: dict[str, Any]) -> dict[str, Any]:
+    m = results["methods"]
+    others = [b for b in CLAIM_BASELINES if b in m]
+    best = min(others, key=lambda b: m[b]["average"]["mse"])
+    most_accurate = max(others, key=lambda b: m[b]["average"]["accuracy"])
+    rec = m["qp_tr_regmean"]["average"]
+    ratio = rec["mse"] / m[best]["average"]["mse"] if m[best]["average"]["mse"] > 0 else float("inf")
+    ok = ratio <= GOAL_MSE_FRACTION and rec["accuracy"] >= m[best]["average"]["accuracy"]
+    return _claim("j", f"the recommended merge's held-out MSE <= {GOAL_MSE_FRACTION} x the best baseline's, "
+                       "accuracy >= its", ok, round(ratio, 6),
+                  f"qp_tr_regmean MSE {rec['mse']:.5g}, accuracy {rec['accuracy']:.4f}; best baseline {best} MSE "
+                  f"{m[best]['average']['mse']:.5g}, accuracy {m[best]['average']['accuracy']:.4f} (value = MSE "
+                  f"ratio); most accurate baseline {most_accurate} {m[most_accurate]['average']['accuracy']:.4f}")
+
+
+CLAIMS = (claim_a, claim_b, claim_c, claim_d, claim_e, claim_f, claim_g, claim_h, claim_i, claim_j)
 
 
 def evaluate_claims(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """All claims, in order (a)-(g)."""
+    """All claims, in order (a)-(j)."""
     return [fn(results) for fn in CLAIMS]
 
 

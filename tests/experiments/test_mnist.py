@@ -17,7 +17,7 @@ from mergeqp.experiments import mnist as mnist_mod
 from mergeqp.experiments.claims import claims_table
 from mergeqp.experiments.mnist import METHOD_ORDER, QP_POINTS, run_mnist_experiment
 
-CLAIM_IDS = ["a", "b", "c", "d", "e", "f", "g"]
+CLAIM_IDS = ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j"]
 
 
 @pytest.fixture(scope="module")

@@ -110,7 +110,7 @@ class MnistConfig:
     trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
     qp_tr_ridge_select: tuple[float, ...] | None = None
     atom_baselines: tuple[str, ...] = ("regmean", "fisher", "ties", "dare")
-    atoms_tr_ridge_select: tuple[float, ...] = (0.0, 0.01, 0.1, 1.0)
+    atoms_tr_ridge_select: tuple[float, ...] = (0.0, 0.1)
     kfold: int = 3
     geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
     geometry_bases: tuple[str, ...] = BASES

@@ -40,6 +40,7 @@ SUBCOMMANDS: dict[str, str] = {
     "collect": "mergeqp.cli.collect",
     "experiment": "mergeqp.cli.experiment",
     "merge": "mergeqp.cli.merge",
+    "sweep": "mergeqp.cli.sweep",
 }
 
 

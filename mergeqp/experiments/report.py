@@ -114,6 +114,45 @@ def ridge_selection_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def atoms_lines(results: dict[str, Any]) -> list[str]:
+    """The rows+baselines section: each baseline's linearised objective beside the certified
+    optimum (``qp_atoms``), the k-fold choice and the trust region from RegMean (``qp_tr_regmean``)."""
+    atoms = results.get("atoms")
+    if not atoms:
+        return []
+    qa, tr = atoms["qp_atoms"], atoms["qp_tr_regmean"]
+    sel = tr["kfold_selection"]
+    objective_rows = [["**qp_atoms** (certified optimum)", _f(qa["objective"], 8)]]
+    objective_rows += [[f"{n} (rows 0, its atoms 1/K)", _f(j, 8)] for n, j in atoms["baseline_objectives"].items()]
+    fold_rows = [[_f(v, 3), _f(v * tr["ridge_scale"], 4)] + [_f(e, 7) for e in errs] + [_f(m, 7),
+                 "yes" if v == sel["chosen"] else ""]
+                 for v, errs, m in zip(sel["candidates"], sel["fold_errors"], sel["mean_errors"], strict=True)]
+    return [
+        "## Baselines as feasible points: rows+baselines",
+        "",
+        (
+            f"Atoms: the {atoms['shape'][1] - len(atoms['baseline_objectives'])} row atoms of each fine-tune's "
+            f"residual plus the merged residual W_baseline - W_base of {', '.join(atoms['baseline_objectives'])} "
+            f"(d is {atoms['shape'][0]} x {atoms['shape'][1]}, box [0, 1]); each baseline is the point with rows 0 "
+            f"and its atoms 1/K, so the certified optimum is never above it on the linearised objective "
+            f"(solver `{qa['solver']}`, certified {_f(qa['certified'])}, Frank-Wolfe gap <= {_f(qa['fw_gap'], 3)}):"
+        ),
+        "",
+        _table(["point", "linearised J(d)"], objective_rows),
+        "",
+        (
+            f"`qp_tr_regmean`: trust-region QPs in the same atoms from the RegMean point ({tr['n_qps']} QPs, "
+            f"{tr['n_accepted']} accepted; true calibration error {_f(tr['start_objective'], 7)} -> "
+            f"{_f(tr['objective'], 7)}; stop: {tr['stop_reason']}), with a ridge toward RegMean whose weight "
+            f"was chosen by {sel['folds']}-fold splits of the calibration set (mean held-out true error; mu = "
+            f"relative x mean diag H = {_f(tr['ridge_scale'], 4)}):"
+        ),
+        "",
+        _table(["relative", "mu"] + [f"fold {i + 1}" for i in range(sel["folds"])] + ["mean", "chosen"], fold_rows),
+        "",
+    ]
+
+
 def render_report(results: dict[str, Any]) -> str:
     d = results["data"]
     claims = results["claims"]
@@ -194,6 +233,7 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         trust_region_table(results),
         "",
+        *atoms_lines(results),
         "## Geometry: captured energy vs MSE",
         "",
         (

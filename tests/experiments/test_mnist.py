@@ -135,6 +135,34 @@ def test_trust_region_and_geometry(run):
         assert pt["energy_fraction"] <= opt[pt["p"]] + 0.05
 
 
+def test_baselines_as_feasible_points(run):
+    """qp_atoms: certified and never above any baseline's linearised objective; qp_tr_regmean:
+    starts at RegMean's true calibration error and never ends above it; the k-fold choice is
+    recorded; the report shows each baseline's objective beside the optimum."""
+    out, results = run
+    atoms, methods = results["atoms"], results["methods"]
+    assert list(atoms["baseline_objectives"]) == ["regmean", "fisher", "ties", "dare"]
+    assert atoms["shape"] == [5, 128 + 4] and atoms["qp_atoms"]["certified"]
+    opt = atoms["qp_atoms"]["objective"]
+    assert methods["qp_atoms"]["calibration"]["linearised"] == pytest.approx(opt, rel=1e-9)
+    for j in atoms["baseline_objectives"].values():
+        assert opt <= j + 1e-9 * abs(j)
+    assert atoms["never_worse_than_every_baseline"] and methods["qp_atoms"]["feasible"]
+    tr = atoms["qp_tr_regmean"]
+    regmean_true = methods["regmean"]["calibration"]["true"]
+    assert tr["start_objective"] == pytest.approx(regmean_true, rel=1e-9)
+    assert methods["qp_tr_regmean"]["calibration"]["true"] <= regmean_true * (1 + 1e-12)
+    sel = tr["kfold_selection"]
+    assert sel["folds"] == 3 and sel["chosen"] in sel["candidates"]
+    assert sel["mean_errors"][sel["candidates"].index(sel["chosen"])] == min(sel["mean_errors"])
+    assert [sum(n) for n in zip(*sel["n_heldout"])] == [40] * 5  # the folds partition each task's 40
+    coef = np.array(atoms["coefficients"]["qp_tr_regmean"])
+    assert coef.shape == (5, 132) and coef.min() >= -1e-9 and coef.max() <= 1 + 1e-9
+    with open(os.path.join(out, "report.md")) as fh:
+        report = fh.read()
+    assert "## Baselines as feasible points" in report and "| regmean (rows 0, its atoms 1/K) |" in report
+
+
 def test_figures_report_and_claims_table(run):
     out, results = run
     assert set(results["figures"]) == {"mse_per_task", "accuracy_per_task", "energy_vs_mse", "coefficients"}

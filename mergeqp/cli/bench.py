@@ -64,6 +64,10 @@ def register(subparsers: Any) -> None:
                         "instead of --problems; times are also given as multiples of one Cholesky of H")
     p.add_argument("--n", type=int, default=None, help="unknowns of the family instances (default: the family's)")
     p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
+    p.add_argument("--sequence", type=int, default=0, metavar="T",
+                   help="with --family: also solve T related QPs (same H, g perturbed by a random walk of "
+                        "1%% steps, as a trust region's sequence) cold and warm-started from the previous "
+                        "solution, and print both totals")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=run)
 
@@ -223,6 +227,40 @@ def family_rows(families: list[str], solvers: list[str], n: int | None = None, s
     return rows
 
 
+def sequence_row(family: str, solver: str, steps: int, n: int | None = None, seed: int = 0,
+                 rel_tol: float = 1e-8, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Solve ``steps`` related QPs of instance ``seed`` of ``family`` -- the same H and set, ``g``
+    moved by a random walk of steps of 1% of its RMS, as the trust region's sequence -- cold
+    and warm-started (``x0`` the previous solution). Seconds of each whole sequence (solve and
+    certificate), their ratio to one Cholesky of H, and whether every point certified."""
+    from ..problem import MergeQP
+    from ..solvers.instance_families import draw
+    from ..solvers.registry import solve
+
+    inst = draw(family, seed, n)
+    P = inst.problem
+    assert P.H is not None
+    rng = np.random.default_rng(seed)
+    step = 0.01 * float(np.sqrt(np.mean(P.g ** 2)))
+    gs = np.cumsum(step * rng.standard_normal((steps, P.n)), axis=0) + P.g
+    problems = [MergeQP(P.H, gt, P.c, shape=P.shape) for gt in gs]
+    chol = cholesky_seconds(P.H)
+    row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
+                           "steps": steps, "cholesky_seconds": chol}
+    for mode in ("cold", "warm"):
+        t0 = time.perf_counter()
+        x0, certified = None, True
+        for prob in problems:
+            sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
+            assert sol.certificate is not None
+            certified &= sol.certificate.certified(rel_tol)
+            x0 = sol.d if mode == "warm" else None
+        row[f"{mode}_seconds"] = time.perf_counter() - t0
+        row[f"{mode}_certified"] = certified
+    row["warm_over_one_cold"] = row["warm_seconds"] / (row["cold_seconds"] / steps)
+    return row
+
+
 HEADER = f"{'problem':16s} {'n':>6s} {'constraint':24s} {'solver':15s} {'seconds':>9s} {'objective':>18s} {'rel. gap':>9s} {'cert':>4s} {'vs ref':>9s}"
 
 
@@ -259,8 +297,8 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
         check_output_file(args.json, "--json")
-    if args.n is not None or args.seed != 0:
-        raise ConfigError("--n and --seed apply to --family only")
+    if args.n is not None or args.seed != 0 or args.sequence:
+        raise ConfigError("--n, --seed and --sequence apply to --family only")
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
             constraint_from_spec(resolve_spec(spec, 1.0))
@@ -278,6 +316,8 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         raise ConfigError("--family benchmarks drawn instances: --problems, --constraint and --max-n do not apply")
     from ..solvers.instance_families import get_family
 
+    if args.sequence < 0:
+        raise ConfigError(f"--sequence must be >= 0, got {args.sequence}")
     if args.n is not None:  # a bad size fails before the table starts
         for name in families:
             get_family(name).with_n(args.n)
@@ -290,6 +330,17 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     print("-" * (len(HEADER) + 8))
     rows = family_rows(families, solvers, n=args.n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
                        echo=lambda r: print(format_row(r), flush=True), options=options)
+    for name in families if args.sequence > 0 else []:
+        for solver in solvers:
+            try:
+                row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver))
+            except MergeQPError as exc:
+                print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            rows.append(row)
+            print(f"{name} {solver}: {args.sequence} related QPs: cold {row['cold_seconds']:.3f} s, warm "
+                  f"{row['warm_seconds']:.3f} s = {row['warm_over_one_cold']:.2f} cold solves "
+                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']})", flush=True)
     return _finish(args, rows)
 
 

@@ -262,7 +262,10 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         patience = int(opts["patience"])
         status = SolveStatus.MAX_ITERATIONS
         last_gap = self.gap(best_x, grad)
-        face = self.identify(self.project(x - grad / self.eta))
+        if opts["start_face"] == "point" and x0 is not None:
+            face = self._repair(self.identify(x), grad)  # the warm start's face: the guess
+        else:
+            face = self.identify(self.project(x - grad / self.eta))
         if int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n:
             # (nearly) all free: the first face solve would be a large factorisation; a few CG
             # steps on that face (products only) find most of its bound violations for less
@@ -417,13 +420,17 @@ class ActiveSetSolver(QPSolver):
     factorisations with float64 refinement for faces with >= 512 free coordinates; "float64"
     or "mixed" to force), ``update_ratio`` 0.05 (reuse the last factor through a bordered
     solve while fewer than this fraction of coordinates changed), ``ridge`` 1e-10 (relative
-    to max diag H, only for singular faces without proximal term) and ``refine_steps`` 30.
+    to max diag H, only for singular faces without proximal term), ``refine_steps`` 30 and
+    ``start_face`` "gradient" (the first face is that of a projected gradient step from the start;
+    "point": the face the start ``x0`` lies on, an active-set guess from a warm start, e.g. the
+    previous solution of a sequence of related QPs).
     """
 
     name = "active_set"
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
-                "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40}
+                "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
+                "start_face": "gradient"}
 
     #: ``auto`` passes larger problems to torch_fista (the factorisations need ~2 more dense
     #: n x n arrays beside H: 3.6 GB at n = 16384); see docs/solvers.md
@@ -460,6 +467,9 @@ class ActiveSetSolver(QPSolver):
             if not good:
                 raise ValidationError(f"active_set: option {key}={value!r} is out of range "
                                       f"(default {self.defaults[key]!r})")
+        if opts["start_face"] not in ("gradient", "point"):
+            raise ValidationError(f"active_set: option start_face={opts['start_face']!r} must be "
+                                  "'gradient' or 'point'")
         if opts["precision"] not in ("auto", "float64", "mixed"):
             raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")

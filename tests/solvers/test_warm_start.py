@@ -52,3 +52,26 @@ def test_cli_solve_takes_a_warm_start(tmp_path, capsys: pytest.CaptureFixture[st
     capsys.readouterr()
     assert main(["solve", path, "--constraint", "box:0,1", "--x0", str(tmp_path / "missing.npy")]) == 2
     assert "missing.npy" in capsys.readouterr().err
+
+
+def test_gradient_updates_from_nearby_points_match_full_products() -> None:
+    from mergeqp.solvers.active_set import SPARSE_PRODUCT, _Engine, set_structure
+    from mergeqp.solvers.registry import get_solver
+
+    inst = draw("box", 0, 96)
+    P = inst.problem
+    engine = _Engine(P, inst.constraints, set_structure(inst.constraints, P.shape),
+                     get_solver("active_set").check_options({}))
+    rng = np.random.default_rng(0)
+    x = rng.random(P.n)
+    engine.remember_gradient(x, P.H @ x + P.g)
+    y = x.copy()
+    moved = rng.choice(P.n, int(0.5 * SPARSE_PRODUCT * P.n), replace=False)
+    y[moved] = 0.0
+    np.testing.assert_allclose(engine.objective_gradient(y), P.H @ y + P.g, rtol=1e-12, atol=1e-12)
+    dx = np.zeros(P.n)
+    dx[moved] = rng.standard_normal(moved.size)
+    for _ in range(2):  # the second product reuses the gathered rows
+        np.testing.assert_allclose(engine.sparse_product(dx), P.H @ dx, rtol=1e-12, atol=1e-12)
+    far = rng.random(P.n)  # differs everywhere: a full product
+    np.testing.assert_allclose(engine.objective_gradient(far), P.H @ far + P.g, rtol=1e-12, atol=1e-12)

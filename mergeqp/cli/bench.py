@@ -40,6 +40,10 @@ from ..errors import ConfigError, MergeQPError, unknown
 from ..io.atomic import check_output_file, write_json_atomic
 
 
+#: ``--clock``: how ``--family`` times the solvers and the Cholesky
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark solvers on the reference problems",
@@ -69,6 +73,9 @@ def register(subparsers: Any) -> None:
                    help="with --family: also solve T related QPs (same H, g perturbed by a random walk of "
                         "1%% steps, as a trust region's sequence) cold and warm-started from the previous "
                         "solution, and print both totals")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="with --family: time by the wall clock (default) or by this process's CPU time "
+                        "(steadier on a shared machine; equal to wall time when BLAS uses one thread)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=run)
 
@@ -141,11 +148,13 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
 def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str], repeat: int = 1,
                rel_tol: float = 1e-8, max_n: int | None = None, echo: Any = None,
                options: dict[str, dict[str, Any]] | None = None, ref: float | None = None,
-               cholesky: Callable[[], float] | None = None) -> list[dict[str, Any]]:
+               cholesky: Callable[[], float] | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
     """Run each solver (a registry name or ``auto``) on one problem; one row per solver, the
     fastest of ``repeat`` runs. ``cholesky``: times one Cholesky of H; it runs right before each
     run, and ``vs_cholesky`` is the smallest ratio of a run to the Cholesky just before it (so a
-    change of the machine's load between cells does not skew the ratio)."""
+    change of the machine's load between cells does not skew the ratio). ``clock``: wall
+    (``time.perf_counter``, default) or this process's CPU time (``time.process_time``)."""
     from ..certificate import forget_factorisation
     from ..solvers.registry import SOLVERS, choose_solver, solve
 
@@ -172,13 +181,13 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
         for _ in range(max(1, repeat)):
             forget_factorisation(problem)  # every run pays for its certificate in full
             chol = cholesky() if cholesky is not None else None
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 sol = solve(problem, cset, solver=solver, rel_tol=rel_tol, **(options or {}).get(solver, {}))
             except MergeQPError as exc:
                 row.update(error=f"{type(exc).__name__}: {exc}")
                 break
-            seconds = time.perf_counter() - t0
+            seconds = clock() - t0
             if chol:
                 ratio = min(ratio, seconds / chol)
             if best is None or seconds < best[0]:
@@ -201,7 +210,7 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
     return rows
 
 
-def cholesky_seconds(H: np.ndarray, repeat: int = 2) -> float:
+def cholesky_seconds(H: np.ndarray, repeat: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
     """Seconds of one dense Cholesky factorisation of ``H + 1e-10 max diag H I`` (``(n, n)``,
     float64; the ridge lets a singular H factorise at the same cost), fastest of ``repeat``."""
     M = np.array(H, dtype=np.float64)
@@ -209,15 +218,16 @@ def cholesky_seconds(H: np.ndarray, repeat: int = 2) -> float:
     best = math.inf
     for _ in range(max(1, repeat)):
         work = M.copy()
-        t0 = time.perf_counter()
+        t0 = clock()
         sla.cho_factor(work, lower=False, overwrite_a=True, check_finite=False)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
 
 
 def family_rows(families: list[str], solvers: list[str], n: int | None = None, seed: int = 0, repeat: int = 1,
                 rel_tol: float = 1e-8, echo: Any = None,
-                options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+                options: dict[str, dict[str, Any]] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
     """Benchmark instance ``seed`` of each family (``n`` unknowns): one row per solver, with
     ``vs_cholesky`` and, for planted families, ``vs_reference`` to the planted optimum."""
     from ..solvers.instance_families import draw
@@ -229,12 +239,13 @@ def family_rows(families: list[str], solvers: list[str], n: int | None = None, s
         H = inst.problem.H
         base = {"problem": name, "n": inst.problem.n, "constraint": inst.constraints.spec, "seed": seed}
         rows.extend(bench_cell(inst.problem, inst.constraints, base, solvers, repeat, rel_tol, None, echo,
-                               options, inst.objective, lambda H=H: cholesky_seconds(H, repeat=1)))
+                               options, inst.objective, lambda H=H: cholesky_seconds(H, 1, clock), clock))
     return rows
 
 
 def sequence_row(family: str, solver: str, steps: int, n: int | None = None, seed: int = 0,
-                 rel_tol: float = 1e-8, options: dict[str, Any] | None = None) -> dict[str, Any]:
+                 rel_tol: float = 1e-8, options: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Solve ``steps`` related QPs of instance ``seed`` of ``family`` -- the same H and set, ``g``
     moved by a random walk of steps of 1% of its RMS, as the trust region's sequence -- cold
     and warm-started (``x0`` the previous solution). Seconds of each whole sequence (solve and
@@ -250,18 +261,18 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     step = 0.01 * float(np.sqrt(np.mean(P.g ** 2)))
     gs = np.cumsum(step * rng.standard_normal((steps, P.n)), axis=0) + P.g
     problems = [MergeQP(P.H, gt, P.c, shape=P.shape) for gt in gs]
-    chol = cholesky_seconds(P.H)
+    chol = cholesky_seconds(P.H, clock=clock)
     row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
                            "steps": steps, "cholesky_seconds": chol}
     for mode in ("cold", "warm"):
-        t0 = time.perf_counter()
+        t0 = clock()
         x0, certified = None, True
         for prob in problems:
             sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
             assert sol.certificate is not None
             certified &= sol.certificate.certified(rel_tol)
             x0 = sol.d if mode == "warm" else None
-        row[f"{mode}_seconds"] = time.perf_counter() - t0
+        row[f"{mode}_seconds"] = clock() - t0
         row[f"{mode}_certified"] = certified
     row["warm_over_one_cold"] = row["warm_seconds"] / (row["cold_seconds"] / steps)
     return row
@@ -303,8 +314,8 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
         check_output_file(args.json, "--json")
-    if args.n is not None or args.seed != 0 or args.sequence:
-        raise ConfigError("--n, --seed and --sequence apply to --family only")
+    if args.n is not None or args.seed != 0 or args.sequence or args.clock != "wall":
+        raise ConfigError("--n, --seed, --sequence and --clock apply to --family only")
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
             constraint_from_spec(resolve_spec(spec, 1.0))
@@ -334,12 +345,14 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         check_output_file(args.json, "--json")
     print(HEADER + f" {'x chol':>7s}")
     print("-" * (len(HEADER) + 8))
+    clock = CLOCKS[args.clock]
     rows = family_rows(families, solvers, n=args.n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
-                       echo=lambda r: print(format_row(r), flush=True), options=options)
+                       echo=lambda r: print(format_row(r), flush=True), options=options, clock=clock)
     for name in families if args.sequence > 0 else []:
         for solver in solvers:
             try:
-                row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver))
+                row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver),
+                                   clock)
             except MergeQPError as exc:
                 print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue

@@ -13,7 +13,7 @@ from mergeqp.cli import main
 def test_family_table_has_cholesky_ratios(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     out = tmp_path / "fam.json"
     code = main(["bench", "--family", "box,simplex", "--n", "48", "--solvers", "auto,active_set",
-                 "--sequence", "3", "--json", str(out)])
+                 "--sequence", "3", "--clock", "cpu", "--json", str(out)])
     assert code == 0
     text = capsys.readouterr().out
     assert "x chol" in text and "related QPs" in text
@@ -33,6 +33,7 @@ def test_family_table_has_cholesky_ratios(capsys: pytest.CaptureFixture[str], tm
     (["--family", "box", "--n", "10"], "multiple of K = 4"),
     (["--family", "box", "--constraint", "simplex"], "do not apply"),
     (["--problems", "tiny96", "--n", "96"], "apply to --family only"),
+    (["--problems", "tiny96", "--clock", "cpu"], "apply to --family only"),
     (["--family", "box", "--sequence", "-1"], "--sequence must be >= 0"),
 ])
 def test_family_argument_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,6 +175,8 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
     base = merge_qp_from_factors(factors)
     assert base.H is not None
     H = np.array(base.H)
+    g0, c0 = base.g, base.c
+    del base, factors  # one n x n array at a time beside the problem's own copy
     if np.isfinite(fam.cond):
         H[np.diag_indices_from(H)] += _top_eigenvalue(H, rng) / fam.cond
     shape = (fam.K, fam.r)
@@ -192,7 +194,7 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
             cset = Simplex(1.0)
         else:  # the ball through the soup's scale: |d|_1 <= n / (2 K)
             cset = L1Ball(0.5 * fam.r)
-        problem = MergeQP(H, base.g, base.c, shape=shape, metadata=meta)
+        problem = MergeQP(H, g0, c0, shape=shape, metadata=meta)
         return FamilyInstance(fam, seed, problem, cset, None, None)
     if fam.set_type == "box":
         d, lam = _plant_box(rng, fam.n, fam.at_bounds, scale)
@@ -209,7 +211,7 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
     return FamilyInstance(fam, seed, problem, cset, d.reshape(shape), problem.objective(d.reshape(shape)))
 
 
-#: the built-in families (n = 3072 = 4 x 768; ``mergeqp bench --family NAME --n N`` rescales them)
+#: the built-in families (n = 3072 = 4 x 768 but box_llama, 3 x 4096; ``mergeqp bench --family NAME --n N`` rescales them)
 for _fam in (
     InstanceFamily("box", 4, 768, "box", 0.8, description="box [0,1], 80% at a bound, cond 1e6"),
     InstanceFamily("box_ill", 4, 768, "box", 0.7, cond=1e9, description="box [0,1], 70% at a bound, cond 1e9"),
@@ -224,6 +226,8 @@ for _fam in (
                    description="box [0,1], the synthetic g, rank(H) <= 800 (N c < n): ~85% at a bound"),
     InstanceFamily("simplex_singular", 4, 768, "simplex", cond=float("inf"), c=8, N=100, planted=False,
                    description="per-atom simplex, the synthetic g, rank(H) <= 800"),
+    InstanceFamily("box_llama", 3, 4096, "box", 0.8,
+                   description="box [0,1], 3 x 4096 (n = 12288, a Llama down_proj), 80% at a bound, cond 1e6"),
     InstanceFamily("sign", 4, 768, "sign", 0.0, description="box [0,1] and TIES sign consensus (no planted optimum)"),
 ):
     register_family(_fam)

@@ -3,6 +3,14 @@
     mergeqp bench                                   # committed instances, all solvers
     mergeqp bench --problems vit3072 --solvers active_set,clarabel --constraint box:0,1
     mergeqp bench --problems all --json bench.json
+    mergeqp bench --family box,simplex --n 3072 --solvers auto,active_set,clarabel
+
+``--family NAME`` (comma-separated, or ``all``) benchmarks drawn instances of the seeded
+families of :mod:`mergeqp.solvers.instance_families` instead of the reference problems
+(``--n`` unknowns, ``--seed`` the draw) and adds a column ``x chol``: each solver's time over
+the time of one dense Cholesky factorisation of H measured in the same process (of
+``H + 1e-10 max diag H I``, so that a singular H factorises; the same flops). ``auto`` is a
+valid solver name here.
 
 Columns: problem, n, constraint set, solver, seconds (wall clock of ``solve``, setup + solve +
 certificate), objective, certified relative gap (the certificate's Frank-Wolfe / duality gap
@@ -22,10 +30,18 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
 
 from ..errors import ConfigError, MergeQPError, unknown
 from ..io.atomic import check_output_file, write_json_atomic
+
+
+#: ``--clock``: how ``--family`` times the solvers and the Cholesky
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def register(subparsers: Any) -> None:
@@ -48,6 +64,18 @@ def register(subparsers: Any) -> None:
                    help="skip solvers other than active_set/torch_fista above this n (default: none)")
     p.add_argument("--opt", action="append", default=[], metavar="SOLVER.KEY=VALUE",
                    help="a solver option, e.g. torch_fista.dtype=float32 (repeatable)")
+    p.add_argument("--family", default=None, metavar="NAMES",
+                   help="benchmark drawn instances of these instance families (comma-separated or 'all') "
+                        "instead of --problems; times are also given as multiples of one Cholesky of H")
+    p.add_argument("--n", type=int, default=None, help="unknowns of the family instances (default: the family's)")
+    p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
+    p.add_argument("--sequence", type=int, default=0, metavar="T",
+                   help="with --family: also solve T related QPs (same H, g perturbed by a random walk of "
+                        "1%% steps, as a trust region's sequence) cold and warm-started from the previous "
+                        "solution, and print both totals")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="with --family: time by the wall clock (default) or by this process's CPU time "
+                        "(steadier on a shared machine; equal to wall time when BLAS uses one thread)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=run)
 
@@ -90,16 +118,13 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
                rel_tol: float = 1e-8, max_n: int | None = None, echo: Any = None,
                options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Run every (problem, constraint, solver) cell; returns one dict per cell."""
-    from ..certificate import forget_factorisation
     from ..solvers.reference_problems import (
         constraint_from_spec,
         load_reference_problem,
         load_references,
         resolve_spec,
     )
-    from ..solvers.registry import SOLVERS, solve
-
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name in problems:
         problem = load_reference_problem(name)
         try:
@@ -115,51 +140,149 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
             spec_r = resolve_spec(spec, radius)
             cset = constraint_from_spec(spec_r) if spec_r != "none" else constraint_from_spec("")
             ref = refs.get("optima", {}).get(spec_r, {}).get("objective")
-            for solver in solvers:
-                row: dict[str, Any] = {"problem": name, "n": problem.n, "constraint": spec_r, "solver": solver}
-                why = SOLVERS[solver].available() or SOLVERS[solver].supports(problem, cset)
-                if why is None and max_n is not None and problem.n > max_n and solver not in ("active_set", "torch_fista"):
-                    why = f"skipped: n > --max-n {max_n}"
-                if why is not None:
-                    row.update(skipped=why)
-                    rows.append(row)
-                    if echo:
-                        echo(row)
-                    continue
-                best = None
-                for _ in range(max(1, repeat)):
-                    forget_factorisation(problem)  # every run pays for its certificate in full
-                    t0 = time.perf_counter()
-                    try:
-                        sol = solve(problem, cset, solver=solver, rel_tol=rel_tol,
-                                    **(options or {}).get(solver, {}))
-                    except MergeQPError as exc:
-                        row.update(error=f"{type(exc).__name__}: {exc}")
-                        break
-                    seconds = time.perf_counter() - t0
-                    if best is None or seconds < best[0]:
-                        best = (seconds, sol)
-                if best is not None:
-                    seconds, sol = best
-                    cert = sol.certificate
-                    assert cert is not None
-                    row.update(
-                        seconds=seconds, objective=sol.objective, relative_gap=cert.relative_gap,
-                        certified=cert.certified(rel_tol), status=sol.status.value,
-                        iterations=sol.iterations, timings=dict(sol.timings),
-                        vs_reference=None if ref is None else (sol.objective - ref) / max(abs(ref), 1e-300),
-                    )
-                rows.append(row)
-                if echo:
-                    echo(row)
+            base = {"problem": name, "n": problem.n, "constraint": spec_r}
+            rows.extend(bench_cell(problem, cset, base, solvers, repeat, rel_tol, max_n, echo, options, ref))
     return rows
 
 
-HEADER = f"{'problem':12s} {'n':>6s} {'constraint':24s} {'solver':15s} {'seconds':>9s} {'objective':>18s} {'rel. gap':>9s} {'cert':>4s} {'vs ref':>9s}"
+def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str], repeat: int = 1,
+               rel_tol: float = 1e-8, max_n: int | None = None, echo: Any = None,
+               options: dict[str, dict[str, Any]] | None = None, ref: float | None = None,
+               cholesky: Callable[[], float] | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
+    """Run each solver (a registry name or ``auto``) on one problem; one row per solver, the
+    fastest of ``repeat`` runs. ``cholesky``: times one Cholesky of H; it runs right before each
+    run, and ``vs_cholesky`` is the smallest ratio of a run to the Cholesky just before it (so a
+    change of the machine's load between cells does not skew the ratio). ``clock``: wall
+    (``time.perf_counter``, default) or this process's CPU time (``time.process_time``)."""
+    from ..certificate import forget_factorisation
+    from ..solvers.registry import SOLVERS, choose_solver, solve
+
+    rows = []
+    for solver in solvers:
+        row: dict[str, Any] = {**base, "solver": solver}
+        if solver == "auto":
+            try:
+                why = choose_solver(problem, cset) and None
+            except MergeQPError as exc:
+                why = str(exc)
+        else:
+            why = SOLVERS[solver].available() or SOLVERS[solver].supports(problem, cset)
+        if why is None and max_n is not None and problem.n > max_n and solver not in ("active_set", "torch_fista", "auto"):
+            why = f"skipped: n > --max-n {max_n}"
+        if why is not None:
+            row.update(skipped=why)
+            rows.append(row)
+            if echo:
+                echo(row)
+            continue
+        best = None
+        ratio = math.inf
+        for _ in range(max(1, repeat)):
+            forget_factorisation(problem)  # every run pays for its certificate in full
+            chol = cholesky() if cholesky is not None else None
+            t0 = clock()
+            try:
+                sol = solve(problem, cset, solver=solver, rel_tol=rel_tol, **(options or {}).get(solver, {}))
+            except MergeQPError as exc:
+                row.update(error=f"{type(exc).__name__}: {exc}")
+                break
+            seconds = clock() - t0
+            if chol:
+                ratio = min(ratio, seconds / chol)
+            if best is None or seconds < best[0]:
+                best = (seconds, sol)
+        if best is not None:
+            seconds, sol = best
+            cert = sol.certificate
+            assert cert is not None
+            row.update(
+                seconds=seconds, objective=sol.objective, relative_gap=cert.relative_gap,
+                certified=cert.certified(rel_tol), status=sol.status.value, chosen=sol.solver,
+                iterations=sol.iterations, timings=dict(sol.timings),
+                vs_reference=None if ref is None else (sol.objective - ref) / max(abs(ref), 1e-300),
+            )
+            if cholesky is not None:
+                row["vs_cholesky"] = ratio
+        rows.append(row)
+        if echo:
+            echo(row)
+    return rows
+
+
+def cholesky_seconds(H: np.ndarray, repeat: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds of one dense Cholesky factorisation of ``H + 1e-10 max diag H I`` (``(n, n)``,
+    float64; the ridge lets a singular H factorise at the same cost), fastest of ``repeat``."""
+    M = np.array(H, dtype=np.float64)
+    M[np.diag_indices_from(M)] += 1e-10 * max(float(np.max(np.diag(M))), np.finfo(float).tiny)
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        work = M.copy()
+        t0 = clock()
+        sla.cho_factor(work, lower=False, overwrite_a=True, check_finite=False)
+        best = min(best, clock() - t0)
+    return best
+
+
+def family_rows(families: list[str], solvers: list[str], n: int | None = None, seed: int = 0, repeat: int = 1,
+                rel_tol: float = 1e-8, echo: Any = None,
+                options: dict[str, dict[str, Any]] | None = None,
+                clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
+    """Benchmark instance ``seed`` of each family (``n`` unknowns): one row per solver, with
+    ``vs_cholesky`` and, for planted families, ``vs_reference`` to the planted optimum."""
+    from ..solvers.instance_families import draw
+
+    rows: list[dict[str, Any]] = []
+    for name in families:
+        inst = draw(name, seed, n)
+        assert inst.problem.H is not None
+        H = inst.problem.H
+        base = {"problem": name, "n": inst.problem.n, "constraint": inst.constraints.spec, "seed": seed}
+        rows.extend(bench_cell(inst.problem, inst.constraints, base, solvers, repeat, rel_tol, None, echo,
+                               options, inst.objective, lambda H=H: cholesky_seconds(H, 1, clock), clock))
+    return rows
+
+
+def sequence_row(family: str, solver: str, steps: int, n: int | None = None, seed: int = 0,
+                 rel_tol: float = 1e-8, options: dict[str, Any] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Solve ``steps`` related QPs of instance ``seed`` of ``family`` -- the same H and set, ``g``
+    moved by a random walk of steps of 1% of its RMS, as the trust region's sequence -- cold
+    and warm-started (``x0`` the previous solution). Seconds of each whole sequence (solve and
+    certificate), their ratio to one Cholesky of H, and whether every point certified."""
+    from ..problem import MergeQP
+    from ..solvers.instance_families import draw
+    from ..solvers.registry import solve
+
+    inst = draw(family, seed, n)
+    P = inst.problem
+    assert P.H is not None
+    rng = np.random.default_rng(seed)
+    step = 0.01 * float(np.sqrt(np.mean(P.g ** 2)))
+    gs = np.cumsum(step * rng.standard_normal((steps, P.n)), axis=0) + P.g
+    problems = [MergeQP(P.H, gt, P.c, shape=P.shape) for gt in gs]
+    chol = cholesky_seconds(P.H, clock=clock)
+    row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
+                           "steps": steps, "cholesky_seconds": chol}
+    for mode in ("cold", "warm"):
+        t0 = clock()
+        x0, certified = None, True
+        for prob in problems:
+            sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
+            assert sol.certificate is not None
+            certified &= sol.certificate.certified(rel_tol)
+            x0 = sol.d if mode == "warm" else None
+        row[f"{mode}_seconds"] = clock() - t0
+        row[f"{mode}_certified"] = certified
+    row["warm_over_one_cold"] = row["warm_seconds"] / (row["cold_seconds"] / steps)
+    return row
+
+
+HEADER = f"{'problem':16s} {'n':>6s} {'constraint':24s} {'solver':15s} {'seconds':>9s} {'objective':>18s} {'rel. gap':>9s} {'cert':>4s} {'vs ref':>9s}"
 
 
 def format_row(row: dict[str, Any]) -> str:
-    head = f"{row['problem']:12s} {row['n']:6d} {row['constraint']:24s} {row['solver']:15s}"
+    head = f"{row['problem']:16s} {row['n']:6d} {row['constraint']:24s} {row['solver']:15s}"
     if "skipped" in row:
         return f"{head} {'-':>9s}  (not run: {row['skipped']})"
     if "error" in row:
@@ -168,18 +291,22 @@ def format_row(row: dict[str, Any]) -> str:
     gap_s = f"{gap:9.1e}" if math.isfinite(gap) else f"{'inf':>9s}"
     ref = row["vs_reference"]
     ref_s = f"{ref:9.1e}" if ref is not None else f"{'-':>9s}"
+    chol = f" {row['vs_cholesky']:7.2f}" if "vs_cholesky" in row else ""
     return (f"{head} {row['seconds']:9.3f} {row['objective']:18.10g} {gap_s} "
-            f"{'yes' if row['certified'] else 'NO':>4s} {ref_s}")
+            f"{'yes' if row['certified'] else 'NO':>4s} {ref_s}{chol}")
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..solvers.instance_families import FAMILIES
     from ..solvers.reference_problems import REFERENCE_SPECS, constraint_from_spec, resolve_spec
     from ..solvers.registry import SOLVERS
 
-    problems = _names(args.problems, REFERENCE_SPECS, "problem")
-    solvers = _names(args.solvers, SOLVERS, "solver")
+    solvers = _names(args.solvers, {"auto": None, **SOLVERS} if args.family else SOLVERS, "solver")
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
+    if args.family is not None:
+        return _run_families(args, _names(args.family, FAMILIES, "family"), solvers)
+    problems = _names(args.problems, REFERENCE_SPECS, "problem")
     constraints = args.constraint or ["box:0,1", "simplex"]
     if args.solvers == "all":  # every available solver (closed_form only for 'none')
         solvers = [s for s in solvers if SOLVERS[s].available() is None
@@ -187,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
         check_output_file(args.json, "--json")
+    if args.n is not None or args.seed != 0 or args.sequence or args.clock != "wall":
+        raise ConfigError("--n, --seed, --sequence and --clock apply to --family only")
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
             constraint_from_spec(resolve_spec(spec, 1.0))
@@ -194,6 +323,48 @@ def run(args: argparse.Namespace) -> int:
     print("-" * len(HEADER))
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,
                       max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options)
+    return _finish(args, rows)
+
+
+def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
+    from ..solvers.registry import SOLVERS
+
+    if args.problems != "committed" or args.constraint or args.max_n is not None:
+        raise ConfigError("--family benchmarks drawn instances: --problems, --constraint and --max-n do not apply")
+    from ..solvers.instance_families import get_family
+
+    if args.sequence < 0:
+        raise ConfigError(f"--sequence must be >= 0, got {args.sequence}")
+    if args.n is not None:  # a bad size fails before the table starts
+        for name in families:
+            get_family(name).with_n(args.n)
+    if args.solvers == "all":  # every available solver that can take a constrained problem
+        solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
+    options = parse_options(args.opt, SOLVERS)
+    if args.json:
+        check_output_file(args.json, "--json")
+    print(HEADER + f" {'x chol':>7s}")
+    print("-" * (len(HEADER) + 8))
+    clock = CLOCKS[args.clock]
+    rows = family_rows(families, solvers, n=args.n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
+                       echo=lambda r: print(format_row(r), flush=True), options=options, clock=clock)
+    for name in families if args.sequence > 0 else []:
+        for solver in solvers:
+            try:
+                row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver),
+                                   clock)
+            except MergeQPError as exc:
+                print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            rows.append(row)
+            print(f"{name} {solver}: {args.sequence} related QPs: cold {row['cold_seconds']:.3f} s, warm "
+                  f"{row['warm_seconds']:.3f} s = {row['warm_over_one_cold']:.2f} cold solves "
+                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']})", flush=True)
+    return _finish(args, rows)
+
+
+def _finish(args: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
+    """Write ``--json``, list failed cells on stderr; an error when nothing was measured."""
     if args.json:
         write_json_atomic(args.json, {"rel_tol": args.rel_tol, "rows": rows}, indent=1, default=str)
     failed = [r for r in rows if "error" in r]

@@ -50,6 +50,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="solver option, repeatable (e.g. --option max_iter=500); values are "
                         "Python literals (numbers, True/False) or plain strings")
+    p.add_argument("--x0", default=None, metavar="D",
+                   help="warm start: a point d (K x n_atoms), in any format --point of 'mergeqp certify' "
+                        "reads (e.g. an earlier 'mergeqp solve --out' file); active_set also takes its "
+                        "face as the first active-set guess with --option start_face=point")
     p.add_argument("--out", default=None, metavar="SOL.json",
                    help="write the solution as JSON (objective, d as K x n_atoms, solver, certificate)")
     p.add_argument("--save-d", default=None, metavar="D.npy",
@@ -196,14 +200,15 @@ def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
 # ---------------------------------------------------------------------- commands
 def run_solve(args: argparse.Namespace) -> int:
     """Solve, print the summary and certificate, optionally write JSON; exit 0 iff certified."""
-    from ..certificate import certify
+    from ..certificate import certify, check_point_shape
     from ..solvers.registry import solve
 
     _check_outputs(args, [(args.out, "the solution"), (args.save_d, "d (--save-d)")])
     options = _parse_options(args.option)
     problem, cset = _load(args)
+    x0 = None if args.x0 is None else check_point_shape(problem, load_point(args.x0))
     _check_auto_options(problem, cset, args.solver, options)
-    solution = solve(problem, cset, solver=args.solver, rel_tol=args.rel_tol,
+    solution = solve(problem, cset, solver=args.solver, x0=x0, rel_tol=args.rel_tol,
                      feas_tol=args.feas_tol, abs_tol=args.abs_tol, **options)
     if args.pinv:
         cert = certify(problem, cset, solution.d, rel_tol=args.rel_tol, feas_tol=args.feas_tol, pinv=True,

@@ -137,6 +137,10 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.xc = np.zeros(self.n)
         self.proximal_restarts = 0
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
+        #: recent ``(x, H x + g)`` pairs (:meth:`objective_gradient`)
+        self._known: list[tuple[np.ndarray, np.ndarray]] = []
+        #: the rows of H that the last sparse product read, ``(S, H[S])``
+        self._rows: tuple[np.ndarray, np.ndarray] | None = None
         #: a bound on |s|_1 over the set (for the rounding floor of the gap)
         lo_f = np.where(np.isfinite(st.lo), np.abs(st.lo), 0.0)
         if st.group is not None:
@@ -169,16 +173,53 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         s = np.where(grad > 0, np.maximum(self.st.lo, x - R), np.minimum(self.st.hi, x + R))
         return float(grad @ (x - s))
 
+    def sparse_product(self, dx: np.ndarray, support: np.ndarray | None = None) -> np.ndarray:
+        """``H dx`` (``(n,)``). When ``dx`` is nonzero on fewer than :data:`SPARSE_PRODUCT`
+        of the coordinates, from those rows of H only (H is symmetric: ``H dx = H[S]' dx[S]``),
+        which reads a fraction of H instead of all of it (faces change few coordinates)."""
+        S = np.flatnonzero(dx) if support is None else support
+        if S.size > SPARSE_PRODUCT * self.n:
+            return self.H @ dx
+        if S.size == 0:
+            return np.zeros(self.n)
+        cached = self._rows
+        if cached is not None and np.array_equal(cached[0], S):
+            rows = cached[1]  # the refinement of a face solve repeats the same support
+        else:
+            rows = np.take(self.H, S, axis=0)
+            self._rows = (S, rows)
+        return dx[S] @ rows
+
+    def remember_gradient(self, x: np.ndarray, grad_J: np.ndarray) -> None:
+        """Keep ``(x, H x + g)`` (the last two) to update gradients at nearby points."""
+        self._known = [(x, grad_J), *self._known[:1]]
+
+    def objective_gradient(self, x: np.ndarray) -> np.ndarray:
+        """``H x + g`` (``(n,)``): updated from a remembered gradient at a point that differs from
+        ``x`` in few coordinates (:meth:`sparse_product`), else a full product; always a full
+        product while solving to float64 accuracy (``fine``, or a face that changed in few
+        coordinates: likely the last), so that rounding does not accumulate into the answer."""
+        if not (self.fine or self._few_changes):
+            best: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+            for xr, gr in self._known:
+                diff = np.flatnonzero(x != xr)
+                if best is None or diff.size < best[0].size:
+                    best = (diff, xr, gr)
+            if best is not None and best[0].size <= SPARSE_PRODUCT * self.n:
+                S, xr, gr = best
+                return gr + self.sparse_product(x - xr, S)
+        return self.H @ x + self.g
+
     def inner_grad(self, x: np.ndarray) -> np.ndarray:
         """Gradient of the face solves' objective ``J(x) + rho/2 ||x - xc||^2``."""
-        grad = self.H @ x + self.g
+        grad = self.objective_gradient(x)
         if self.rho > 0:
             grad += self.rho * (x - self.xc)
         return grad
 
     def inner_step(self, dx: np.ndarray) -> np.ndarray:
         """Change of :meth:`inner_grad` along ``dx``: ``(H + rho I) dx``."""
-        out = self.H @ dx
+        out = self.sparse_product(dx)
         if self.rho > 0:
             out += self.rho * dx
         return out
@@ -262,7 +303,10 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         patience = int(opts["patience"])
         status = SolveStatus.MAX_ITERATIONS
         last_gap = self.gap(best_x, grad)
-        face = self.identify(self.project(x - grad / self.eta))
+        if opts["start_face"] == "point" and x0 is not None:
+            face = self._repair(self.identify(x), grad)  # the warm start's face: the guess
+        else:
+            face = self.identify(self.project(x - grad / self.eta))
         if int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n:
             # (nearly) all free: the first face solve would be a large factorisation; a few CG
             # steps on that face (products only) find most of its bound violations for less
@@ -296,12 +340,21 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             xf, gf = self.face_solve(face, x)  # gf: gradient of J + rho/2 ||x - xc||^2
             xp = self.project(xf)
             inside = np.array_equal(xp, xf)
+            gJf = gf - self.rho * (xf - self.xc) if rho > 0 else gf
+            self.remember_gradient(xf, gJf)
             if inside:
-                gp = gf - self.rho * (xf - self.xc) if rho > 0 else gf
+                gp = gJf
             else:
-                gp = H @ xp + g
+                gp = self.objective_gradient(xp)
+                self.remember_gradient(xp, gp)
             Jp = self.objective(xp, gp)
             gap = self.gap(xp, gp)
+            verified = self.fine or not converged(Jp, gap, xp, gp)
+            if not verified:  # gp was updated from nearby points: stop on a full product only
+                gp = H @ xp + g
+                Jp = self.objective(xp, gp)
+                gap = self.gap(xp, gp)
+                self.remember_gradient(xp, gp)
             noise = 8.0 * np.finfo(float).eps * self.term_scale(xp, gp)  # rounding of J
             if Jp < best_J - 1e-13 * self.term_scale(xp, gp) or gap < 0.5 * low_gap:
                 since_best = 0
@@ -317,6 +370,12 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 best_x, best_J, last_gap = xp, Jp, gap
                 status = SolveStatus.OPTIMAL
                 break
+            if not verified:
+                # converged only with the updated gradient: solve this face again to float64
+                # accuracy with full products
+                self.fine = True
+                x = xf
+                continue
             if since_best >= 10 * max(patience, 3):
                 status = SolveStatus.INACCURATE  # J stopped falling: the gap is at its floor
                 break
@@ -417,13 +476,17 @@ class ActiveSetSolver(QPSolver):
     factorisations with float64 refinement for faces with >= 512 free coordinates; "float64"
     or "mixed" to force), ``update_ratio`` 0.05 (reuse the last factor through a bordered
     solve while fewer than this fraction of coordinates changed), ``ridge`` 1e-10 (relative
-    to max diag H, only for singular faces without proximal term) and ``refine_steps`` 30.
+    to max diag H, only for singular faces without proximal term), ``refine_steps`` 30 and
+    ``start_face`` "gradient" (the first face is that of a projected gradient step from the start;
+    "point": the face the start ``x0`` lies on, an active-set guess from a warm start, e.g. the
+    previous solution of a sequence of related QPs).
     """
 
     name = "active_set"
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
-                "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40}
+                "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
+                "start_face": "gradient"}
 
     #: ``auto`` passes larger problems to torch_fista (the factorisations need ~2 more dense
     #: n x n arrays beside H: 3.6 GB at n = 16384); see docs/solvers.md
@@ -460,6 +523,9 @@ class ActiveSetSolver(QPSolver):
             if not good:
                 raise ValidationError(f"active_set: option {key}={value!r} is out of range "
                                       f"(default {self.defaults[key]!r})")
+        if opts["start_face"] not in ("gradient", "point"):
+            raise ValidationError(f"active_set: option start_face={opts['start_face']!r} must be "
+                                  "'gradient' or 'point'")
         if opts["precision"] not in ("auto", "float64", "mixed"):
             raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")
@@ -481,6 +547,9 @@ class ActiveSetSolver(QPSolver):
                 raise UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}")
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
+
+#: products with H whose vector has fewer nonzeros than this fraction of n read only those rows
+SPARSE_PRODUCT = 0.25
 
 #: iterates beyond this multiple of the problem's own size count as diverged (see
 #: :func:`unbounded_direction`)

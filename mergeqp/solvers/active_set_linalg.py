@@ -177,14 +177,30 @@ class FaceFactorisation:
                 Q = np.take(np.take(src, pivots, axis=0), pivots, axis=1)
                 if rho > 0:
                     Q[np.diag_indices_from(Q)] += rho
-                if pivots.size == 1:  # one group (global simplex, L1 ball): rank-one terms
-                    A = np.multiply.outer(HNP[:, 0], wd)
-                    M += Q[0, 0] * np.multiply.outer(wd, wd)
-                else:
-                    A = np.take(HNP, gidx, axis=1) * wd[None, :]
-                    M += np.take(np.take(Q, gidx, axis=0), gidx, axis=1) * np.multiply.outer(wd, wd)
-                M -= A
-                M -= A.T
+                if pivots.size == 1:  # one group (global simplex, L1 ball): a rank-two update
+                    # M -= a w' + w a' - Q w w' = u w' + w u' with u = a - Q/2 w (a = H_N,p),
+                    # in place (BLAS ger on the Fortran view of M): one pass, no temporaries
+                    u = HNP[:, 0] - (0.5 * Q[0, 0]) * wd
+                    ger = sla.get_blas_funcs("ger", (M,))
+                    Mt = M.T
+                    Mt = ger(-1.0, u, wd, a=Mt, overwrite_a=True)
+                    Mt = ger(-1.0, wd, u, a=Mt, overwrite_a=True)
+                    M = Mt.T
+                    if rho > 0:
+                        M[np.diag_indices_from(M)] += rho
+                    return M
+                # M -= B + B' with B = A - 1/2 Q_p(i),p(j) w_i w_j (fewer passes, two temporaries;
+                # w = 1 on simplices)
+                B = np.take(HNP, gidx, axis=1)
+                QG = np.take(np.take(Q, gidx, axis=0), gidx, axis=1)
+                if not np.all(w == 1.0):
+                    B *= wd[None, :]
+                    QG *= np.multiply.outer(wd, wd)
+                QG *= 0.5
+                B -= QG
+                del QG
+                M -= B
+                M -= B.T
             if rho > 0:
                 M[np.diag_indices_from(M)] += rho
             return M

@@ -1,0 +1,41 @@
+"""``mergeqp bench --family``: times relative to one Cholesky, warm-started sequences, and
+errors for arguments that do not apply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mergeqp.cli import main
+
+
+def test_family_table_has_cholesky_ratios(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    out = tmp_path / "fam.json"
+    code = main(["bench", "--family", "box,simplex", "--n", "48", "--solvers", "auto,active_set",
+                 "--sequence", "3", "--clock", "cpu", "--json", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "x chol" in text and "related QPs" in text
+    rows = json.loads(out.read_text())["rows"]
+    cells = [r for r in rows if "seconds" in r]
+    assert {(r["problem"], r["solver"]) for r in cells} == {
+        (f, s) for f in ("box", "simplex") for s in ("auto", "active_set")}
+    for r in cells:
+        assert r["certified"] and 0 < r["vs_cholesky"] < float("inf")
+        assert abs(r["vs_reference"]) <= 1e-9  # the planted optimum
+    seq = [r for r in rows if "steps" in r]
+    assert len(seq) == 4 and all(r["cold_certified"] and r["warm_certified"] and r["steps"] == 3 for r in seq)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--family", "nope"], "unknown family 'nope'"),
+    (["--family", "box", "--n", "10"], "multiple of K = 4"),
+    (["--family", "box", "--constraint", "simplex"], "do not apply"),
+    (["--problems", "tiny96", "--n", "96"], "apply to --family only"),
+    (["--problems", "tiny96", "--clock", "cpu"], "apply to --family only"),
+    (["--family", "box", "--sequence", "-1"], "--sequence must be >= 0"),
+])
+def test_family_argument_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,60 @@
+"""Seeded instance families: planted optima are the certified optima, draws are deterministic,
+and bad family parameters are clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mergeqp.errors import UnknownNameError, ValidationError
+from mergeqp.solvers.instance_families import FAMILIES, InstanceFamily, draw, get_family, register_family
+from mergeqp.solvers.registry import solve
+
+
+@pytest.mark.parametrize("name", ["box", "box_ill", "simplex", "l1"])
+def test_planted_optimum_is_the_solution(name: str) -> None:
+    inst = draw(name, seed=3, n=96)
+    assert inst.d_star is not None and inst.objective is not None
+    assert inst.constraints.violation(inst.d_star) <= 1e-12
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.certificate is not None and sol.certificate.certified(1e-8)
+    assert sol.objective == pytest.approx(inst.objective, rel=1e-9, abs=1e-9)
+    np.testing.assert_allclose(sol.d, inst.d_star, atol=1e-6)
+
+
+def test_fraction_at_bounds_is_planted() -> None:
+    fam = get_family("box").with_n(400)
+    inst = draw(fam, seed=1)
+    d = inst.d_star
+    assert d is not None
+    assert np.mean((d == 0) | (d == 1)) == pytest.approx(fam.at_bounds, abs=1e-9)
+
+
+def test_draw_is_deterministic_and_seeded() -> None:
+    a, b, c = draw("simplex", 0, 48), draw("simplex", 0, 48), draw("simplex", 1, 48)
+    assert a.problem.H is not None and b.problem.H is not None and c.problem.H is not None
+    np.testing.assert_array_equal(a.problem.H, b.problem.H)
+    np.testing.assert_array_equal(a.problem.g, b.problem.g)
+    assert not np.array_equal(a.problem.g, c.problem.g)
+    assert a.problem.shape == (4, 12)
+
+
+def test_natural_and_sign_families_solve_and_certify() -> None:
+    for name, solver in (("box_singular", "active_set"), ("sign", "clarabel")):
+        inst = draw(name, 0, 64)
+        assert inst.d_star is None
+        sol = solve(inst.problem, inst.constraints, solver=solver)
+        assert sol.certificate is not None and sol.certificate.certified(1e-8), name
+
+
+def test_bad_family_parameters_are_named() -> None:
+    with pytest.raises(UnknownNameError, match="box_singular"):
+        get_family("nope")
+    with pytest.raises(ValidationError, match="multiple of K = 4"):
+        get_family("box").with_n(10)
+    with pytest.raises(ValidationError, match="set_type"):
+        InstanceFamily("x", 2, 3, "cube")
+    with pytest.raises(ValidationError, match="at_bounds"):
+        InstanceFamily("x", 2, 3, "box", at_bounds=1.0)
+    with pytest.raises(ValidationError, match="already"):
+        register_family(FAMILIES["box"])

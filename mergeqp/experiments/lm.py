@@ -46,20 +46,20 @@ from typing import Any
 
 import numpy as np
 
-from ..config import parse_config
 from ..errors import ValidationError, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
 from .finetune_lm import FinetuneSettings, finetune_causal_lm, finetune_key, last_mlp_patterns, smollm2_folder
 from .lm_eval import ModelTensors, UpperEvaluator
-from .mnist import prepare_out_dir
 
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
 DEFAULT_CACHE = "~/.cache/mergeqp"
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
 OUTPUT_METRICS = ("euclidean", "kl")
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+#: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
+BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
 
 
 #: domain name -> loader of its :class:`Corpus` (``register_domain`` adds more)
@@ -91,8 +91,8 @@ class LmMergeSettings:
     ``calibration_max_length`` tokens per prompt and ``calibration_batch_size`` prompts per batch
     for the statistics; ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
-    arithmetic's scaling, chosen by the mean calibration cross-entropy), ``ties_density``,
-    ``dare_density``, ``regmean_alpha``; ``mergekit`` methods (run when mergekit is importable).
+    arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
+    (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``; ``mergekit`` methods (run when mergekit is importable).
     ``solver``: the QP solver (``auto``)."""
 
     modes: tuple[str, ...] = QP_MODES
@@ -104,6 +104,7 @@ class LmMergeSettings:
     calibration_batch_size: int = 8
     trust_region: Mapping[str, Any] = field(default_factory=lambda: {"max_steps": 4})
     ta_scalings: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    baselines: tuple[str, ...] = BASELINES
     ties_density: float = 0.5
     dare_density: float = 0.5
     regmean_alpha: float = 0.9
@@ -119,6 +120,9 @@ class LmMergeSettings:
         for m in self.metrics:
             if m not in OUTPUT_METRICS:
                 raise unknown("output metric", m, list(OUTPUT_METRICS))
+        for m in self.baselines:
+            if m not in BASELINES:
+                raise unknown("baseline", m, list(BASELINES))
         for m in self.mergekit:
             if m not in MERGEKIT_METHODS:
                 raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
@@ -299,6 +303,8 @@ class _Context:
 
 def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str], metric: str = "euclidean") -> Any:
     """The run layer's :class:`~mergeqp.run.MergeConfig` of one merge of this experiment."""
+    from ..config import parse_config  # the run layer's schema loads every registry: only when merging
+
     s = ctx.settings
     raw = {
         "base": str(ctx.base),
@@ -435,7 +441,8 @@ def load_domains(names: Sequence[str]) -> list[Corpus]:
     for n in names:
         if n not in DOMAINS:
             raise unknown("domain", n, sorted(DOMAINS))
-        out.append(DOMAINS[n]())
+        corpus = DOMAINS[n]()
+        out.append(corpus if corpus.name == n else replace(corpus, name=n))  # results name the domain as asked
     return out
 
 
@@ -455,6 +462,7 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     import torch  # optional heavy dependency (experiment extra)
 
     from ..run.pipeline import resolve_device
+    from .mnist import prepare_out_dir  # the MNIST module imports torch at its top
 
     config = config or (LmConfig.quick() if quick else LmConfig.full())
     if seed < 0:
@@ -577,15 +585,15 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 5. baselines through the run layer
     t = time.perf_counter()
-    baselines = {
+    baseline_methods = {
         "soup": {"name": "soup"},
         "ties": {"name": "ties", "params": {"density": mset.ties_density}},
         "dare_ties": {"name": "dare_ties", "params": {"density": mset.dare_density, "seed": seed}},
         "fisher": {"name": "fisher"},
         "regmean": {"name": "regmean", "params": {"alpha": mset.regmean_alpha}},
     }
-    for label, method in baselines.items():
-        models[label], rec = run_layer_merge(ctx, label, method, linear_layers)
+    for label in mset.baselines:
+        models[label], rec = run_layer_merge(ctx, label, baseline_methods[label], linear_layers)
         records[label] = {"kind": "baseline", **rec}
     timings["baselines"] = time.perf_counter() - t
 
@@ -659,6 +667,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     return results
 
 
-__all__ = ["DEFAULT_CACHE", "DEFAULT_DOMAINS", "DOMAINS", "DomainSplit", "LmConfig", "LmMergeSettings",
+__all__ = ["BASELINES", "DEFAULT_CACHE", "DEFAULT_DOMAINS", "DOMAINS", "DomainSplit", "LmConfig", "LmMergeSettings",
            "MERGEKIT_METHODS", "PeakRss", "default_cache", "load_domains", "merge_config", "mergekit_yaml",
            "register_domain", "run_lm_experiment", "split_domains", "with_overrides"]

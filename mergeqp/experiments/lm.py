@@ -50,8 +50,17 @@ from ..errors import ValidationError, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
-from .finetune_lm import FinetuneSettings, finetune_causal_lm, finetune_key, last_mlp_patterns, smollm2_folder
+from .finetune_lm import (
+    FinetuneSettings,
+    finetune_causal_lm,
+    finetune_key,
+    last_mlp_patterns,
+    smollm2_folder,
+    split_block,
+)
+from .lm_claims import evaluate_lm_claims, lm_goal, recommended_merge
 from .lm_eval import ModelTensors, UpperEvaluator
+from .lm_report import write_lm_outputs
 
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
 DEFAULT_CACHE = "~/.cache/mergeqp"
@@ -303,7 +312,9 @@ class _Context:
 
 def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str], metric: str = "euclidean") -> Any:
     """The run layer's :class:`~mergeqp.run.MergeConfig` of one merge of this experiment."""
-    from ..config import parse_config  # the run layer's schema loads every registry: only when merging
+    import pydantic  # the run layer's schema is pydantic
+
+    from ..run.schema import MergeConfig  # deferred: the schema loads every registry (only when merging)
 
     s = ctx.settings
     raw = {
@@ -319,7 +330,11 @@ def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str]
         "evaluate": False,
         "seed": ctx.seed,
     }
-    return parse_config(raw, root=ctx.work, source=f"(the lm experiment's merge {method.get('name')}, {metric})")
+    try:
+        return MergeConfig.model_validate({**raw, "root": str(ctx.work)})
+    except pydantic.ValidationError as exc:
+        raise ValidationError(f"the lm experiment's merge {dict(method)} is not a valid run-layer config "
+                              f"(check LmMergeSettings): {exc}") from None
 
 
 def read_folder_state(folder: Path) -> dict[str, Any]:
@@ -339,7 +354,7 @@ def run_layer_merge(ctx: _Context, label: str, method: Mapping[str, Any], layers
                     metric: str = "euclidean") -> tuple[ModelTensors, dict[str, Any]]:
     """One merge through :func:`mergeqp.run.run_merge`; returns the merged model's tensors that
     differ from the base and a record (settings, time, memory, the run report's summary)."""
-    from ..run import run_merge  # the run layer
+    from ..run.pipeline import run_merge  # deferred: the pipeline loads every registry (only when merging)
 
     cfg = merge_config(ctx, method, layers, metric)
     out = ctx.work / f"merge_{label}"
@@ -461,8 +476,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs))."""
     import torch  # optional heavy dependency (experiment extra)
 
-    from ..run.pipeline import resolve_device
-    from .mnist import prepare_out_dir  # the MNIST module imports torch at its top
+    from ..run.pipeline import resolve_device  # deferred: the pipeline loads every registry
+    from .mnist import prepare_out_dir  # deferred: the MNIST module imports torch at its top
 
     config = config or (LmConfig.quick() if quick else LmConfig.full())
     if seed < 0:
@@ -477,8 +492,6 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     try:
         results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
                        device_note, quick, progress)
-        from .lm_report import write_lm_outputs
-
         with atomic_folder(out_dir, overwrite=overwrite) as staging:
             results["figures"] = write_lm_outputs(results, staging, figures=figures)
             write_json_atomic(staging / "results.json", to_jsonable(results))
@@ -495,7 +508,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     say = lambda msg: _log(progress, msg)  # noqa: E731
-    t_start = time.perf_counter()
+    t_start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
     timings: dict[str, float] = {}
     notes = [device_note] if device_note else []
@@ -541,8 +554,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device).eval()
-    from .finetune_lm import split_block
-
     first = split_block(model, trained)
     if first is None:
         raise ValidationError("the fine-tuned tensors are not all inside decoder blocks; this experiment "
@@ -638,6 +649,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         records[name]["mean_test"] = {k: float(np.mean([test[name][d][k] for d in names])) for k in ("ce", "mse", "kl")}
         records[name]["mean_calibration_ce"] = float(np.mean([calib[name][d]["ce"] for d in names]))
     timings["total"] = time.perf_counter() - t_start
+    timings["total_cpu"] = time.process_time() - cpu_start  # this process's CPU seconds, all threads
 
     results: dict[str, Any] = {
         "experiment": "lm",
@@ -659,8 +671,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
                         "threads": torch.get_num_threads(), "machine": platform.machine()},
     }
-    from .lm_claims import evaluate_lm_claims, lm_goal, recommended_merge
-
     results["recommended"] = recommended_merge(results)
     results["goal"] = lm_goal(results)
     results["claims"] = evaluate_lm_claims(results)

@@ -178,10 +178,10 @@ class LmConfig:
     @classmethod
     def quick(cls) -> LmConfig:
         """Fewer texts, steps and tokens: about 10 minutes on 2 CPU cores with cached fine-tunes."""
-        return cls(train_texts=192, calibration_texts=8, test_texts=16, finetune_steps=40, eval_max_length=48,
-                   finetune_max_length=48,
-                   merge=LmMergeSettings(calibration_max_length=32, ta_scalings=(0.5, 1.0),
-                                         trust_region={"max_steps": 3}))
+        return cls(train_texts=96, calibration_texts=6, test_texts=12, finetune_steps=24, finetune_max_length=32,
+                   eval_max_length=32,
+                   merge=LmMergeSettings(calibration_max_length=24, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
+                                         trust_region={"max_steps": 2}))
 
 
 def with_overrides(config: LmConfig, **changes: Any) -> LmConfig:
@@ -560,7 +560,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
                               "evaluates models that differ from the base only in their upper blocks")
     kw = {"max_length": config.eval_max_length, "batch_size": config.eval_batch, "device": device}
     test_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.test for s in splits}, **kw)
-    calib_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.calibration for s in splits}, **kw)
+    calib_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.calibration for s in splits},
+                                base_state=test_eval.base_state, **kw)
     references = {name: test_eval.tensors_of(read_folder_state(folder)) for name, folder in finetunes}
     timings["evaluation_setup"] = time.perf_counter() - t
 

@@ -59,10 +59,12 @@ class UpperEvaluator:
     """Scores models on domains' texts (see the module docstring).
 
     ``base``: the base model (eval mode, float32, on ``device``); ``first``: the first block that
-    any model changes; ``domains``: name -> texts; ``max_length`` tokens per text."""
+    any model changes; ``domains``: name -> texts; ``max_length`` tokens per text; ``base_state``:
+    the base's parameters (name -> tensor) when another evaluator of the same model already holds
+    a copy (default: cloned here). Evaluators may share one model: each call leaves it as the base."""
 
     def __init__(self, base: Any, tokenizer: Any, first: int, domains: Mapping[str, Sequence[str]], *,
-                 max_length: int, batch_size: int, device: str) -> None:
+                 max_length: int, batch_size: int, device: str, base_state: Mapping[str, Any] | None = None) -> None:
         import torch  # optional heavy dependency (experiment extra)
 
         self.model = base
@@ -78,7 +80,8 @@ class UpperEvaluator:
         if head is not None and head.weight is not embed:  # a tied head is also the (lower) embedding
             upper_ids |= {id(p) for p in head.parameters()}
         self.upper_names = {n for n, p in base.named_parameters() if id(p) in upper_ids}
-        self.base_state = {n: p.detach().clone() for n, p in base.named_parameters()}
+        self.base_state = dict(base_state) if base_state is not None else {
+            n: p.detach().clone() for n, p in base.named_parameters()}
         self._changed: set[str] = set()
         self.texts: dict[str, list[Any]] = {}
         self.states: dict[str, list[Any]] = {}

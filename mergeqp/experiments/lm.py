@@ -101,7 +101,8 @@ class LmMergeSettings:
     for the statistics; ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
     arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
-    (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``; ``mergekit`` methods (run when mergekit is importable).
+    (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``;
+    ``mergekit`` methods (run when mergekit is importable).
     ``solver``: the QP solver (``auto``)."""
 
     modes: tuple[str, ...] = QP_MODES
@@ -543,7 +544,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         finetunes.append((s.name, folder))
         trained = res.trained
         ft_records[s.name] = {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
-                              "loss_first": float(np.mean(res.losses[:5])), "loss_last": float(np.mean(res.losses[-5:])),
+                              "loss_first": float(np.mean(res.losses[:5])),
+                              "loss_last": float(np.mean(res.losses[-5:])),
                               "steps": len(res.losses), "key": res.key}
     timings["finetune"] = time.perf_counter() - t
     linear_layers = [n[: -len(".weight")] for n in trained if n.endswith(".weight")]

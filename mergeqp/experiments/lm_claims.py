@@ -76,7 +76,8 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
 def _lowest(results: dict[str, Any], name: str, key: str, rivals: dict[str, Any]) -> tuple[bool, str]:
     mine = results["methods"][name]["mean_test"][key]
     best = min(rivals, key=lambda n: rivals[n]["mean_test"][key])
-    return mine < rivals[best]["mean_test"][key], f"{name} {mine:.4g} vs best rival {best} {rivals[best]['mean_test'][key]:.4g}"
+    theirs = rivals[best]["mean_test"][key]
+    return mine < theirs, f"{name} {mine:.4g} vs best rival {best} {theirs:.4g}"
 
 
 def evaluate_lm_claims(results: dict[str, Any]) -> list[dict[str, Any]]:

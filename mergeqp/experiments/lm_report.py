@@ -67,7 +67,8 @@ def render_report(results: dict[str, Any]) -> str:
         f"{results['environment']['threads']} torch threads, total {timings['total']:.0f} s wall, "
         f"{timings.get('total_cpu', float('nan')):.0f} s CPU (this process; mergekit subprocesses not included).", "",
         f"Fine-tuned tensors: {', '.join(results['finetuned_tensors'])}. Texts per domain (train / calibration / "
-        f"test): " + ", ".join(f"{d} {v['train']}/{v['calibration']}/{v['test']}" for d, v in results['domains'].items())
+        f"test): " + ", ".join(f"{d} {v['train']}/{v['calibration']}/{v['test']}"
+                               for d, v in results['domains'].items())
         + ".", "",
         "## Goal (issue 15, language models)", "",
         f"**{'PASS' if goal['passed'] else 'FAIL'}**: {goal['detail']}.", "",

@@ -58,7 +58,7 @@ def lm_run(tiny_hf, tiny_base, tmp_path_factory):
     root = tmp_path_factory.mktemp("lm_run")
     out = root / "out"
     results = run_lm_experiment(out, corpora=_corpora(tiny_hf), config=_config(), cache=root / "cache",
-                                base_folder=tiny_base, progress=False)
+                                base_folder=tiny_base, threads=1, progress=False)
     return results, out, root
 
 
@@ -125,9 +125,10 @@ def test_report_and_claims_render(lm_run):
 
 def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
     results, _, root = lm_run
-    again = run_lm_experiment(tmp_path / "again", corpora=_corpora(tiny_hf), cache=root / "cache", base_folder=tiny_base,
+    again = run_lm_experiment(tmp_path / "again", corpora=_corpora(tiny_hf), cache=root / "cache",
+                              base_folder=tiny_base,
                               config=_config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(),
-                                             ta_scalings=(1.0,)), progress=False)
+                                             ta_scalings=(1.0,)), threads=1, progress=False)
     for d in DOMAINS:
         assert again["finetunes"][d]["cached"] and again["finetunes"][d]["folder"] == results["finetunes"][d]["folder"]
         # same fine-tunes, same test texts: the same reference numbers

@@ -3,6 +3,11 @@
 ``mergeqp experiment mnist [--quick] [--idx-dir DIR] [--seed N] [--finetune layer2|all]
 [--threads N] --out DIR`` writes ``DIR/results.json``, ``DIR/report.md`` and PNG figures, and
 prints the method and claims tables (claims PASS/FAIL as measured).
+
+``mergeqp experiment lm [--quick] --out DIR [--cache DIR] [--device cpu|cuda|auto] [--domains ...]
+[--seed N]`` fine-tunes SmolLM2-135M-Instruct per text domain (cached), merges the fine-tunes with
+every QP mode and baseline (and mergekit when installed) and writes the same kind of report
+(docs/lm.md).
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 from ..errors import ConfigError, unknown
 
-EXPERIMENTS = ("mnist",)
+EXPERIMENTS = ("mnist", "lm")
 
 
 def register(subparsers: Any) -> None:
@@ -50,6 +55,7 @@ def register(subparsers: Any) -> None:
     m.add_argument("--overwrite", action="store_true",
                    help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
     m.set_defaults(func=run_mnist)
+    _register_lm(sub)
 
 
 def run_mnist(args: argparse.Namespace) -> int:
@@ -78,6 +84,54 @@ def run_mnist(args: argparse.Namespace) -> int:
                                    finetune=args.finetune, config=config, threads=threads,
                                    figures=not args.no_figures, progress=not args.quiet,
                                    overwrite=args.overwrite)
+    print(console_summary(results))
+    print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
+          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
+    return 0
+
+
+def _register_lm(sub: Any) -> None:
+    from ..experiments.lm import DEFAULT_CACHE, DEFAULT_DOMAINS  # light: no torch at import
+
+    lm = sub.add_parser(
+        "lm",
+        help="language-model merge on SmolLM2-135M: domain fine-tunes, every QP mode, baselines, mergekit",
+        description="The paper's LLM experiment on SmolLM2-135M-Instruct end to end (see docs/lm.md).",
+    )
+    lm.add_argument("--quick", action="store_true",
+                    help="fewer texts, steps and tokens (about 10 minutes on 2 cores with cached fine-tunes)")
+    lm.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
+    lm.add_argument("--cache", default=None,
+                    help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
+    lm.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                    help="cuda without CUDA runs on CPU and says so (default cpu)")
+    lm.add_argument("--domains", nargs="+", default=list(DEFAULT_DOMAINS), metavar="DOMAIN",
+                    help=f"text domains, two or more (default: {' '.join(DEFAULT_DOMAINS)})")
+    lm.add_argument("--seed", type=int, default=0, help="seed of the splits, fine-tunes and merges")
+    lm.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")
+    lm.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    lm.add_argument("--quiet", action="store_true", help="no progress output")
+    lm.add_argument("--overwrite", action="store_true",
+                    help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+    lm.set_defaults(func=run_lm)
+
+
+def run_lm(args: argparse.Namespace) -> int:
+    from ..experiments.lm import DOMAINS, run_lm_experiment
+    from ..experiments.lm_report import console_summary
+
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    for name in args.domains:
+        if name not in DOMAINS:
+            raise unknown("domain", name, sorted(DOMAINS))
+    if len(set(args.domains)) < 2:
+        raise ConfigError(f"--domains needs two or more distinct domains, got {args.domains}")
+    results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
+                                device=args.device, threads=args.threads, figures=not args.no_figures,
+                                progress=not args.quiet, overwrite=args.overwrite)
     print(console_summary(results))
     print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
           + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))

@@ -6,7 +6,13 @@
   later calls return the cached folder (about 0.5 GB).
 - :func:`finetune_causal_lm`: fine-tune only the parameters whose names match ``train_patterns``
   (e.g. the MLPs of the last blocks) on a domain's texts with next-token cross-entropy and Adam, and
-  save the result as a Hugging Face folder. The folder holds ``finetune.json`` with the settings, a
+  save the result as a Hugging Face folder. When every trained parameter lies in decoder blocks
+  ``>= first`` of a model whose decoder keeps its blocks in ``<backbone>.layers`` and its final norm
+  in ``<backbone>.norm`` (Llama, Mistral, Qwen2, SmolLM2, ...), the hidden states entering block
+  ``first`` are computed once per text (no gradient; the frozen lower blocks never change) and
+  training runs only the upper blocks, the norm and the output head (:class:`DecoderSplit`); the
+  split is checked against the full model's logits on the first batch and training falls back to
+  full forward passes when they differ. The folder holds ``finetune.json`` with the settings, a
   key (a hash of the base weights' identity, the texts and the settings) and the loss curve; a
   call whose key matches an existing folder returns it without training (the cache).
 
@@ -21,8 +27,10 @@ import hashlib
 import importlib.util
 import json
 import math
+import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,6 +119,139 @@ def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = No
     return out
 
 
+@dataclass(frozen=True)
+class DecoderSplit:
+    """A causal LM cut before decoder block ``first``: :meth:`lower` gives the hidden states
+    entering that block ``(B, T, hidden)``, :meth:`upper` the logits ``(B, T, vocab)`` from them.
+
+    Both call the model's own backbone forward with its block list temporarily replaced by the
+    lower (resp. upper) blocks, so rotary position embeddings, the causal mask and the padding mask
+    are made exactly as in a full forward (right padding, positions ``0..T-1``); the lower call
+    also replaces the final norm by the identity. ``upper(lower(x))`` equals the full model's
+    logits (tested to 1e-5 on a tiny random Llama)."""
+
+    model: Any
+    first: int
+
+    @staticmethod
+    def backbone(model: Any) -> Any:
+        """The decoder backbone holding ``layers`` and ``norm``, or ``None`` for other models."""
+        inner = getattr(model, "model", None)
+        layers = getattr(inner, "layers", None)
+        if inner is None or getattr(inner, "norm", None) is None or layers is None or not hasattr(layers, "__len__"):
+            return None
+        return inner
+
+    @classmethod
+    def of(cls, model: Any, first: int) -> DecoderSplit:
+        inner = cls.backbone(model)
+        if inner is None:
+            raise ValidationError(f"{type(model).__name__} has no <backbone>.layers / .norm: cannot split it "
+                                  "before a decoder block")
+        if not 0 <= first < len(inner.layers):
+            raise ValidationError(f"split block must be in [0, {len(inner.layers)}), got {first}")
+        return cls(model, first)
+
+    @contextmanager
+    def _blocks(self, lower: bool) -> Iterator[Any]:
+        import torch  # optional heavy dependency (experiment extra)
+
+        inner = self.backbone(self.model)
+        layers, norm = inner.layers, inner.norm
+        inner.layers = torch.nn.ModuleList(list(layers)[: self.first] if lower else list(layers)[self.first:])
+        if lower:
+            inner.norm = torch.nn.Identity()
+        try:
+            yield inner
+        finally:
+            inner.layers, inner.norm = layers, norm
+
+    def lower(self, input_ids: Any, attention_mask: Any) -> Any:
+        """Hidden states entering block ``first``, ``(B, T, hidden)``, without gradient."""
+        import torch  # optional heavy dependency (experiment extra)
+
+        with torch.no_grad(), self._blocks(lower=True) as inner:
+            return inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+
+    def upper(self, hidden: Any, attention_mask: Any) -> Any:
+        """Logits ``(B, T, vocab)`` of the model from the hidden states entering block ``first``."""
+        with self._blocks(lower=False):
+            return self.model(inputs_embeds=hidden, attention_mask=attention_mask, use_cache=False).logits
+
+
+_BLOCK_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+def split_block(model: Any, trained: Sequence[str]) -> int | None:
+    """The first decoder block holding a trained parameter when every trained parameter lies in a
+    decoder block (so the blocks below it are frozen); ``None`` otherwise (e.g. a trained head)."""
+    inner = DecoderSplit.backbone(model)
+    if inner is None:
+        return None
+    prefix = next((n for n, m in model.named_modules() if m is inner.layers), None)
+    blocks = []
+    for name in trained:
+        m = _BLOCK_INDEX.search(name)
+        if m is None or prefix is None or not name.startswith(f"{prefix}."):
+            return None
+        blocks.append(int(m.group(1)))
+    return min(blocks) if blocks else None
+
+
+def next_token_loss(logits: Any, input_ids: Any, attention_mask: Any) -> Any:
+    """Mean next-token cross-entropy over the real tokens (nats): position ``i`` predicts token
+    ``i + 1`` where both are real (the Hugging Face ``labels`` loss with padding masked)."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    labels = input_ids[:, 1:].masked_fill(attention_mask[:, 1:] == 0, -100)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             labels.reshape(-1), ignore_index=-100)
+
+
+def pad_hidden(states: Sequence[Any]) -> tuple[Any, Any]:
+    """Right-pad per-text hidden states ``(T_i, hidden)`` into ``(B, T, hidden)`` and its mask ``(B, T)``."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    width = max(s.shape[0] for s in states)
+    hidden = states[0].new_zeros((len(states), width, states[0].shape[1]))
+    mask = torch.zeros((len(states), width), dtype=torch.long, device=states[0].device)
+    for i, s in enumerate(states):
+        hidden[i, : s.shape[0]] = s
+        mask[i, : s.shape[0]] = 1
+    return hidden, mask
+
+
+def pad_ids(ids: Sequence[Any], pad_id: int) -> Any:
+    """Right-pad per-text token ids ``(T_i,)`` into ``(B, T)`` with ``pad_id``."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    width = max(int(t.shape[0]) for t in ids)
+    out = torch.full((len(ids), width), int(pad_id), dtype=torch.long, device=ids[0].device)
+    for i, t in enumerate(ids):
+        out[i, : t.shape[0]] = t
+    return out
+
+
+def tokenize_each(tokenizer: Any, texts: Sequence[str], max_length: int) -> list[Any]:
+    """Token ids of each text ``(T_i,)`` (truncated to ``max_length``; texts of one token are kept)."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    enc = tokenizer(list(texts), truncation=True, max_length=max_length)
+    return [torch.tensor(ids, dtype=torch.long) for ids in enc["input_ids"]]
+
+
+def lower_states(split: DecoderSplit, ids: Sequence[Any], batch_size: int, device: str) -> list[Any]:
+    """The hidden states entering ``split.first`` for each text, ``(T_i, hidden)`` each."""
+    out = []
+    for s in range(0, len(ids), batch_size):
+        chunk = ids[s: s + batch_size]
+        batch = pad_ids(chunk, 0).to(device)
+        mask = pad_ids([t.new_ones(t.shape) for t in chunk], 0).to(device)
+        hidden = split.lower(batch, mask)
+        out.extend(hidden[i, : t.shape[0]].detach() for i, t in enumerate(chunk))
+    return out
+
+
 def _weights_identity(folder: Path) -> str:
     """Identity of a folder's weights for the cache key: file names, sizes and modification times."""
     parts = []
@@ -140,6 +281,17 @@ def trainable_names(model: Any, patterns: Sequence[str]) -> list[str]:
             raise ValidationError(f"train pattern {p!r} matches no parameter; e.g. {names[-6:]}")
         out.extend(n for n in hit if n not in out)
     return out
+
+
+def _split_matches(model: Any, input_ids: Any, attention_mask: Any, split_logits: Any) -> bool:
+    """Whether the split forward's logits equal the full model's on this batch (real tokens)."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    with torch.no_grad():
+        full = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    real = attention_mask.bool()
+    diff = float((full[real] - split_logits.detach()[real]).abs().max())
+    return diff <= 1e-4 * (1.0 + float(full[real].abs().max()))
 
 
 def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder: str | Path,
@@ -188,17 +340,29 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     opt = torch.optim.Adam(params, lr=settings.lr)
     gen = torch.Generator().manual_seed(settings.seed)
     order = torch.randperm(len(texts), generator=gen).tolist()
-    losses: list[float] = []
+    ids = tokenize_each(tokenizer, texts, settings.max_length)
+    pad_id = int(tokenizer.pad_token_id)
+    first = split_block(model, trained)
+    split = DecoderSplit.of(model, first) if first is not None else None
     t0 = time.perf_counter()
+    states = lower_states(split, ids, settings.batch_size, device) if split is not None else None
+    losses: list[float] = []
     bar = tqdm(range(settings.steps), desc=f"fine-tune {out.name}", leave=False, disable=None if progress else True)
     for step in bar:
         idx = [order[(step * settings.batch_size + i) % len(order)] for i in range(settings.batch_size)]
-        enc = tokenizer([texts[i] for i in idx], return_tensors="pt", padding=True, truncation=True,
-                        max_length=settings.max_length)
-        ids = enc["input_ids"].to(device)
-        mask = enc["attention_mask"].to(device)
-        labels = ids.masked_fill(mask == 0, -100)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        if split is not None:
+            hidden, mask = pad_hidden([states[i] for i in idx])
+            batch_ids = pad_ids([ids[i] for i in idx], pad_id).to(device)
+            logits = split.upper(hidden, mask)
+            if step == 0 and not _split_matches(model, batch_ids, mask, logits):
+                split = None  # this architecture's backbone does not split cleanly: full passes
+                if log is not None:
+                    log(f"fine-tune {out.name}: the split forward differs from the full model; full passes")
+        if split is None:
+            batch_ids = pad_ids([ids[i] for i in idx], pad_id).to(device)
+            mask = pad_ids([t.new_ones(t.shape) for t in (ids[i] for i in idx)], 0).to(device)
+            logits = model(input_ids=batch_ids, attention_mask=mask, use_cache=False).logits
+        loss = next_token_loss(logits, batch_ids, mask)
         if not torch.isfinite(loss.detach()):
             raise ValidationError(f"fine-tune {out.name!r}: the loss became {float(loss)} at step {step}; "
                                   f"lower the learning rate (lr={settings.lr})")
@@ -210,7 +374,8 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     seconds = time.perf_counter() - t0
     model.eval()
     record = {"key": key, "base": str(base), "trained": trained, "losses": losses, "seconds": seconds,
-              "texts": len(texts), "settings": asdict(settings)}
+              "texts": len(texts), "settings": asdict(settings),
+              "split_block": split.first if split is not None else None}
     with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
@@ -221,5 +386,6 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["FinetuneResult", "FinetuneSettings", "finetune_causal_lm", "finetune_key", "last_mlp_patterns",
-           "smollm2_folder", "trainable_names"]
+__all__ = ["DecoderSplit", "FinetuneResult", "FinetuneSettings", "finetune_causal_lm", "finetune_key",
+           "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
+           "split_block", "tokenize_each", "trainable_names"]

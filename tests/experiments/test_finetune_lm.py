@@ -68,3 +68,45 @@ def test_bad_settings_and_patterns(tiny_base, tmp_path):
     with pytest.raises(ValidationError, match="overlaps"):
         finetune_causal_lm(tiny_base, ["a cat"], tiny_base, FinetuneSettings(train_patterns=("x",), steps=1),
                            progress=False)
+
+
+def test_split_forward_equals_full_model(tiny_hf, tiny_base):
+    """The split forward (cached hidden states entering a block, then the upper blocks + norm + head)
+    gives the full model's logits on right-padded texts of different lengths, at every cut."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergeqp.experiments.finetune_lm import DecoderSplit, lower_states, pad_hidden, pad_ids, tokenize_each
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_base), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    ids = tokenize_each(tok, tiny_hf.sentences("math", 5, seed=3, length=(2, 12)), 16)
+    assert len({int(t.shape[0]) for t in ids}) > 1  # padding is exercised
+    batch = pad_ids(ids, tok.pad_token_id)
+    mask = pad_ids([t.new_ones(t.shape) for t in ids], 0)
+    with torch.no_grad():
+        full = model(input_ids=batch, attention_mask=mask).logits
+        for first in (0, 1):
+            split = DecoderSplit.of(model, first)
+            hidden, hmask = pad_hidden(lower_states(split, ids, 2, "cpu"))
+            assert torch.equal(hmask, mask)
+            logits = split.upper(hidden, hmask)
+            real = mask.bool()
+            assert torch.allclose(logits[real], full[real], atol=1e-5, rtol=0)
+    assert len(model.model.layers) == 2 and not isinstance(model.model.norm, torch.nn.Identity)  # restored
+    with pytest.raises(ValidationError, match="split block"):
+        DecoderSplit.of(model, 2)
+
+
+def test_split_training_matches_full_training(tiny_hf, tiny_base, tmp_path, monkeypatch):
+    """Training through the split forward follows the same loss curve as full forward passes."""
+    from mergeqp.experiments import finetune_lm
+
+    texts = tiny_hf.sentences("math", 16, seed=2)
+    settings = FinetuneSettings(train_patterns=last_mlp_patterns(2, 1), steps=6, lr=3e-3, batch_size=4,
+                                max_length=16, seed=0)
+    split = finetune_causal_lm(tiny_base, texts, tmp_path / "split", settings, progress=False)
+    assert json.loads((tmp_path / "split" / FINETUNE_RECORD).read_text())["split_block"] == 1
+    monkeypatch.setattr(finetune_lm, "split_block", lambda model, trained: None)
+    full = finetune_causal_lm(tiny_base, texts, tmp_path / "full", settings, progress=False)
+    assert json.loads((tmp_path / "full" / FINETUNE_RECORD).read_text())["split_block"] is None
+    assert full.losses == pytest.approx(split.losses, rel=1e-4)

@@ -1,0 +1,685 @@
+"""The paper's language-model experiment on a real small Llama (``mergeqp experiment lm``).
+
+:func:`run_lm_experiment`, deterministically from a seed:
+
+1. loads each domain's offline texts (:data:`DOMAINS`: BBC News, WordNet glosses, fortunes, or
+   any :class:`~mergeqp.experiments.corpora.Corpus`) and splits it into disjoint, seeded train /
+   calibration / held-out test texts (:func:`split_domains`);
+2. fine-tunes the base (SmolLM2-135M-Instruct by default) once per domain, training only the MLPs
+   of the last ``finetune_blocks`` blocks through the split forward (cached hidden states entering
+   the first trained block); the fine-tunes are cached by key (:mod:`.finetune_lm`);
+3. merges the fine-tunes through the product's own run layer (:func:`mergeqp.run.run_merge` with a
+   :class:`~mergeqp.run.MergeConfig` built here and calibration prompt files written in a work
+   folder): the QP in every mode (``single``: the last fine-tuned linear layer; ``sequential``,
+   ``hybrid``, ``joint``, ``trust_region``: every fine-tuned linear layer) with the Euclidean and
+   the KL output metric, and every baseline (task arithmetic with its scaling chosen on the
+   calibration texts, TIES, DARE-TIES, soup, Fisher, RegMean); when mergekit is importable, also
+   mergekit's own ``linear`` / ``task_arithmetic`` / ``ties`` / ``dare_ties`` via ``mergekit-yaml``
+   in a subprocess on the same folders;
+4. evaluates the base, each fine-tune and every merge on each domain's held-out texts
+   (cross-entropy, logit MSE and KL to the domain's fine-tune; :mod:`.lm_eval`) and on the
+   calibration texts (used only to choose the task-arithmetic scaling and the recommended merge);
+5. checks the paper's LLM claims and the issue's LM goal as measured and writes ``results.json``,
+   ``report.md`` and PNG figures (:mod:`.lm_report`), atomically.
+
+Every setting lives in :class:`LmConfig` (its merge and statistics settings in one
+:class:`LmMergeSettings`); ``quick()`` and ``full()`` are the presets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError, unknown
+from ..io.atomic import atomic_folder, write_json_atomic
+from ..jsonutil import to_jsonable
+from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
+from .finetune_lm import (
+    FinetuneSettings,
+    finetune_causal_lm,
+    finetune_key,
+    last_mlp_patterns,
+    smollm2_folder,
+    split_block,
+)
+from .lm_claims import evaluate_lm_claims, lm_goal, recommended_merge
+from .lm_eval import ModelTensors, UpperEvaluator
+from .lm_report import write_lm_outputs
+
+#: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
+DEFAULT_CACHE = "~/.cache/mergeqp"
+QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
+OUTPUT_METRICS = ("euclidean", "kl")
+MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+#: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
+BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
+
+
+#: domain name -> loader of its :class:`Corpus` (``register_domain`` adds more)
+DOMAINS: dict[str, Callable[[], Corpus]] = {}
+
+
+def register_domain(name: str, loader: Callable[[], Corpus], *, replace_existing: bool = False) -> None:
+    """Make ``name`` a valid ``--domains`` entry: ``loader()`` returns its texts as a Corpus."""
+    if not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValidationError(f"domain names are letters, digits, '_' and '-', got {name!r}")
+    if name in DOMAINS and not replace_existing:
+        raise ValidationError(f"domain {name!r} is already registered")
+    DOMAINS[name] = loader
+
+
+register_domain("bbc_news", bbc_news)
+register_domain("wordnet_glosses", wordnet_glosses)
+register_domain("fortunes", fortunes)
+DEFAULT_DOMAINS = ("bbc_news", "wordnet_glosses", "fortunes")
+
+
+@dataclass(frozen=True)
+class LmMergeSettings:
+    """Every merge and statistics setting of the experiment (the one place to change them).
+
+    QP: ``modes`` x ``metrics`` (``output.metric``); ``parametrisation`` per mode (the run layer's
+    ``method`` keys: ``parametrisation``, ``basis``, ``rank``); ``output`` (the run layer's
+    ``output`` block besides ``metric``: the restriction of the compared logits);
+    ``calibration_max_length`` tokens per prompt and ``calibration_batch_size`` prompts per batch
+    for the statistics; ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
+    starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
+    arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
+    (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``;
+    ``mergekit`` methods (run when mergekit is importable).
+    ``solver``: the QP solver (``auto``)."""
+
+    modes: tuple[str, ...] = QP_MODES
+    metrics: tuple[str, ...] = OUTPUT_METRICS
+    parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
+        m: {"parametrisation": "scalar"} for m in QP_MODES})
+    output: Mapping[str, Any] = field(default_factory=lambda: {"restrict": "projection", "k": 64})
+    calibration_max_length: int = 48
+    calibration_batch_size: int = 8
+    trust_region: Mapping[str, Any] = field(default_factory=lambda: {"max_steps": 4})
+    ta_scalings: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
+    baselines: tuple[str, ...] = BASELINES
+    ties_density: float = 0.5
+    dare_density: float = 0.5
+    regmean_alpha: float = 0.9
+    mergekit: tuple[str, ...] = MERGEKIT_METHODS
+    solver: str = "auto"
+
+    def __post_init__(self) -> None:
+        for m in self.modes:
+            if m not in QP_MODES:
+                raise unknown("QP mode", m, list(QP_MODES))
+            if m not in self.parametrisation:
+                raise ValidationError(f"parametrisation: no entry for mode {m!r}")
+        for m in self.metrics:
+            if m not in OUTPUT_METRICS:
+                raise unknown("output metric", m, list(OUTPUT_METRICS))
+        for m in self.baselines:
+            if m not in BASELINES:
+                raise unknown("baseline", m, list(BASELINES))
+        for m in self.mergekit:
+            if m not in MERGEKIT_METHODS:
+                raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
+        if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
+            raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
+
+
+@dataclass(frozen=True)
+class LmConfig:
+    """Every setting of the language experiment (``quick()`` / ``full()`` presets).
+
+    Texts per domain: ``train_texts`` (fine-tuning), ``calibration_texts`` (merge statistics,
+    the task-arithmetic scaling and the recommended merge), ``test_texts`` (held-out evaluation
+    only); ``min_chars``: shorter texts are dropped first. Fine-tuning: the MLPs of the last
+    ``finetune_blocks`` blocks, ``finetune_steps`` Adam steps of ``finetune_batch`` texts of at
+    most ``finetune_max_length`` tokens at ``finetune_lr``. Evaluation: ``eval_max_length`` tokens
+    per text, ``eval_batch`` texts per batch. ``merge``: :class:`LmMergeSettings`."""
+
+    train_texts: int = 512
+    calibration_texts: int = 24
+    test_texts: int = 64
+    min_chars: int = 20
+    finetune_blocks: int = 2
+    finetune_steps: int = 120
+    finetune_batch: int = 8
+    finetune_max_length: int = 64
+    finetune_lr: float = 2e-3
+    eval_max_length: int = 64
+    eval_batch: int = 8
+    merge: LmMergeSettings = field(default_factory=LmMergeSettings)
+
+    def __post_init__(self) -> None:
+        for name in ("train_texts", "calibration_texts", "test_texts", "finetune_blocks", "finetune_steps",
+                     "finetune_batch", "finetune_max_length", "eval_max_length", "eval_batch"):
+            if int(getattr(self, name)) < 1:
+                raise ValidationError(f"LmConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.eval_max_length < 2 or self.finetune_max_length < 2:
+            raise ValidationError("eval_max_length and finetune_max_length must be >= 2 tokens")
+
+    @classmethod
+    def full(cls) -> LmConfig:
+        return cls()
+
+    @classmethod
+    def quick(cls) -> LmConfig:
+        """Fewer texts, steps and tokens: about 10 minutes on 2 CPU cores with cached fine-tunes."""
+        return cls(train_texts=96, calibration_texts=6, test_texts=12, finetune_steps=24, finetune_max_length=32,
+                   eval_max_length=32,
+                   merge=LmMergeSettings(calibration_max_length=24, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
+                                         trust_region={"max_steps": 2}))
+
+
+def with_overrides(config: LmConfig, **changes: Any) -> LmConfig:
+    """``config`` with fields replaced (``merge`` fields by name too)."""
+    merge_fields = {k: v for k, v in changes.items() if k in LmMergeSettings.__dataclass_fields__}
+    top = {k: v for k, v in changes.items() if k not in merge_fields}
+    bad = [k for k in top if k not in LmConfig.__dataclass_fields__]
+    if bad:
+        raise unknown("LM experiment setting", bad[0], sorted({*LmConfig.__dataclass_fields__,
+                                                                *LmMergeSettings.__dataclass_fields__}))
+    merge = replace(config.merge, **merge_fields) if merge_fields else config.merge
+    return replace(config, merge=merge, **top)
+
+
+@dataclass(frozen=True)
+class DomainSplit:
+    """One domain's disjoint texts: ``train`` (fine-tuning), ``calibration``, ``test``."""
+
+    name: str
+    train: tuple[str, ...]
+    calibration: tuple[str, ...]
+    test: tuple[str, ...]
+
+
+def split_domains(corpora: Sequence[Corpus], config: LmConfig, seed: int) -> list[DomainSplit]:
+    """Disjoint, seeded train / calibration / test texts per corpus (stratified by label; texts
+    shorter than ``min_chars`` and duplicates within a corpus are dropped first, so no text is in
+    two parts)."""
+    names = [c.name for c in corpora]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"domain names must be distinct, got {names}")
+    if len(corpora) < 2:
+        raise ValidationError(f"merging needs two or more domains, got {names}")
+    out = []
+    for i, c in enumerate(corpora):
+        seen: set[str] = set()
+        keep = []
+        for j, t in enumerate(c.texts):
+            if len(t) >= config.min_chars and t not in seen:
+                seen.add(t)
+                keep.append(j)
+        kept = c.subset(keep)
+        want = config.train_texts + config.calibration_texts + config.test_texts
+        if len(kept) < want:
+            raise ValidationError(f"domain {c.name!r} has {len(kept)} distinct texts of >= {config.min_chars} "
+                                  f"characters; the experiment needs {want} (train {config.train_texts} + "
+                                  f"calibration {config.calibration_texts} + test {config.test_texts})")
+        train, calib, test = kept.split((config.train_texts, config.calibration_texts, config.test_texts),
+                                        seed=seed * 1000 + i)
+        out.append(DomainSplit(c.name, train.texts, calib.texts, test.texts))
+    return out
+
+
+def default_cache() -> Path:
+    """The cache folder: ``$MERGEQP_CACHE`` when set, else ``~/.cache/mergeqp``."""
+    return Path(os.environ.get("MERGEQP_CACHE") or DEFAULT_CACHE).expanduser()
+
+
+# ---------------------------------------------------------------------------------------------- #
+# measuring a step: wall time and peak resident memory
+
+
+class PeakRss:
+    """Samples a process's resident set size every ``interval`` s in a thread while in use; ``peak``
+    (bytes) is the largest sample, ``start`` the first. ``pid`` ``None``: this process."""
+
+    def __init__(self, pid: int | None = None, interval: float = 0.02) -> None:
+        import psutil  # optional dependency: memory measurement only
+
+        self._proc = psutil.Process(pid)
+        self.interval = interval
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _rss(self) -> int:
+        try:
+            return int(self._proc.memory_info().rss)
+        except Exception:  # the process ended between samples
+            return 0
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+
+@contextmanager
+def measured(record: dict[str, Any]) -> Iterator[None]:
+    """Time a step and sample this process's RSS; fills ``record`` with ``seconds``,
+    ``peak_rss_mb`` (whole process) and ``rss_increase_mb`` (peak minus the RSS at the start)."""
+    t = time.perf_counter()
+    with PeakRss() as rss:
+        yield
+    record["seconds"] = time.perf_counter() - t
+    record["peak_rss_mb"] = rss.peak / 2**20
+    record["rss_increase_mb"] = (rss.peak - rss.start) / 2**20
+
+
+# ---------------------------------------------------------------------------------------------- #
+# merges
+
+
+@dataclass
+class _Context:
+    """What the merge steps share."""
+
+    base: Path
+    finetunes: list[tuple[str, Path]]
+    calibration_files: list[Path]
+    layers: list[str]
+    work: Path
+    device: str
+    seed: int
+    settings: LmMergeSettings
+    evaluator_tensors: Callable[[Mapping[str, Any]], ModelTensors]
+    say: Callable[[str], None]
+    progress: bool
+
+
+def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str], metric: str = "euclidean") -> Any:
+    """The run layer's :class:`~mergeqp.run.MergeConfig` of one merge of this experiment."""
+    import pydantic  # the run layer's schema is pydantic
+
+    from ..run.schema import MergeConfig  # deferred: the schema loads every registry (only when merging)
+
+    s = ctx.settings
+    raw = {
+        "base": str(ctx.base),
+        "models": [{"name": name, "path": str(folder), "calibration": {"path": str(cal), "holdout": 0}}
+                   for (name, folder), cal in zip(ctx.finetunes, ctx.calibration_files)],
+        "layers": list(layers),
+        "method": dict(method),
+        "calibration": {"max_length": s.calibration_max_length, "batch_size": s.calibration_batch_size,
+                        "holdout": 0},
+        "output": {**dict(s.output), "metric": metric},
+        "device": ctx.device,
+        "evaluate": False,
+        "seed": ctx.seed,
+    }
+    try:
+        return MergeConfig.model_validate({**raw, "root": str(ctx.work)})
+    except pydantic.ValidationError as exc:
+        raise ValidationError(f"the lm experiment's merge {dict(method)} is not a valid run-layer config "
+                              f"(check LmMergeSettings): {exc}") from None
+
+
+def read_folder_state(folder: Path) -> dict[str, Any]:
+    """Every tensor of a Hugging Face folder's safetensors files."""
+    from safetensors.torch import load_file  # optional heavy dependency (experiment extra)
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValidationError(f"no .safetensors file in {folder}")
+    state: dict[str, Any] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def run_layer_merge(ctx: _Context, label: str, method: Mapping[str, Any], layers: Sequence[str],
+                    metric: str = "euclidean") -> tuple[ModelTensors, dict[str, Any]]:
+    """One merge through :func:`mergeqp.run.run_merge`; returns the merged model's tensors that
+    differ from the base and a record (settings, time, memory, the run report's summary)."""
+    from ..run.pipeline import run_merge  # deferred: the pipeline loads every registry (only when merging)
+
+    cfg = merge_config(ctx, method, layers, metric)
+    out = ctx.work / f"merge_{label}"
+    record: dict[str, Any] = {"method": dict(method), "layers": list(layers), "metric": metric}
+    ctx.say(f"merging {label}")
+    with measured(record):
+        result = run_merge(cfg, out, overwrite=True, progress=False)
+    report = result.report
+    record["report"] = _report_summary(report)
+    tensors = ctx.evaluator_tensors(read_folder_state(out))
+    shutil.rmtree(out, ignore_errors=True)
+    return tensors, record
+
+
+def _report_summary(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a run report worth keeping: per layer the objective and certificate, notes."""
+    layers = []
+    for layer in report.get("layers", []) or []:
+        cert = layer.get("certificate") or {}
+        layers.append({k: layer.get(k) for k in ("name", "objective_before", "objective_after",
+                                                 "objective_after_exact") if k in layer}
+                      | {"certified": cert.get("certified")})
+    out: dict[str, Any] = {"layers": layers, "notes": list(report.get("notes", []) or [])}
+    for key in ("trust_region", "joint", "comparison"):
+        if key in report:
+            out[key] = report[key]
+    return out
+
+
+def mergekit_available() -> str | None:
+    """The ``mergekit-yaml`` command when mergekit is importable, else ``None``."""
+    if importlib.util.find_spec("mergekit") is None:
+        return None
+    sibling = Path(sys.executable).parent / "mergekit-yaml"
+    return str(sibling) if sibling.is_file() else shutil.which("mergekit-yaml")
+
+
+def mergekit_yaml(method: str, base: Path, finetunes: Sequence[tuple[str, Path]], ta_scaling: float,
+                  density: float) -> str:
+    """A mergekit YAML for ``method`` on the same folders: ``linear`` (equal weights, normalised:
+    the soup), ``task_arithmetic`` (weight = the calibration-tuned scaling per model), ``ties`` /
+    ``dare_ties`` (``density``, weight 1, mergekit's default normalisation)."""
+    import yaml  # pyyaml, a core dependency (config files)
+
+    params: dict[str, Any] = {"weight": 1.0}
+    if method == "task_arithmetic":
+        params = {"weight": float(ta_scaling)}
+    elif method in ("ties", "dare_ties"):
+        params = {"weight": 1.0, "density": float(density)}
+    doc: dict[str, Any] = {"models": [{"model": str(f), "parameters": dict(params)} for _, f in finetunes],
+                           "merge_method": method, "dtype": "float32"}
+    if method != "linear":
+        doc["base_model"] = str(base)
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def run_mergekit(ctx: _Context, command: str, method: str, ta_scaling: float) -> tuple[ModelTensors, dict[str, Any]]:
+    """mergekit's ``method`` via ``mergekit-yaml`` in a subprocess (its peak RSS sampled)."""
+    spec = ctx.work / f"mergekit_{method}.yml"
+    spec.write_text(mergekit_yaml(method, ctx.base, ctx.finetunes, ta_scaling, ctx.settings.dare_density
+                                  if method == "dare_ties" else ctx.settings.ties_density))
+    out = ctx.work / f"mergekit_{method}"
+    cmd = [command, str(spec), str(out), "--no-copy-tokenizer", "--random-seed", str(ctx.seed)]
+    if ctx.device.startswith("cuda"):  # mergekit runs on CPU unless --cuda is given
+        cmd.append("--cuda")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    record: dict[str, Any] = {"command": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)),
+                              "yaml": spec.read_text()}
+    ctx.say(f"mergekit {method}")
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    with PeakRss(proc.pid) as rss:
+        output, _ = proc.communicate()
+    record["seconds"] = time.perf_counter() - t
+    record["peak_rss_mb"] = rss.peak / 2**20
+    record["rss_increase_mb"] = None
+    record["memory_note"] = "peak RSS of the mergekit-yaml subprocess"
+    if proc.returncode != 0:
+        raise ValidationError(f"mergekit-yaml {method} failed (exit {proc.returncode}): {output[-2000:]}")
+    tensors = ctx.evaluator_tensors(read_folder_state(out))
+    shutil.rmtree(out, ignore_errors=True)
+    return tensors, record
+
+
+# ---------------------------------------------------------------------------------------------- #
+# the experiment
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        from tqdm.auto import tqdm  # progress output only
+
+        tqdm.write(msg)
+
+
+def load_domains(names: Sequence[str]) -> list[Corpus]:
+    """The registered domains' corpora, in order."""
+    out = []
+    for n in names:
+        if n not in DOMAINS:
+            raise unknown("domain", n, sorted(DOMAINS))
+        corpus = DOMAINS[n]()
+        out.append(corpus if corpus.name == n else replace(corpus, name=n))  # results name the domain as asked
+    return out
+
+
+def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, seed: int = 0,
+                      domains: Sequence[str] | None = None, corpora: Sequence[Corpus] | None = None,
+                      config: LmConfig | None = None, cache: str | os.PathLike[str] | None = None,
+                      base_folder: str | os.PathLike[str] | None = None, device: str = "cpu",
+                      threads: int | None = None, figures: bool = True, progress: bool = True,
+                      overwrite: bool = False) -> dict[str, Any]:
+    """Run the experiment (see the module docstring) and write ``out_dir``; returns the results.
+
+    ``corpora`` (any :class:`Corpus` list) replaces ``domains`` (registered names, default
+    :data:`DEFAULT_DOMAINS`); ``base_folder`` replaces SmolLM2 (any Hugging Face causal LM folder
+    with a tokenizer); ``cache``: where the base and the fine-tunes are kept (default
+    :func:`default_cache`); ``device``: ``cpu``, ``cuda`` (CPU when CUDA is missing, said in the
+    results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs))."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    from ..run.pipeline import resolve_device  # deferred: the pipeline loads every registry
+    from .mnist import prepare_out_dir  # deferred: the MNIST module imports torch at its top
+
+    config = config or (LmConfig.quick() if quick else LmConfig.full())
+    if seed < 0:
+        raise ValidationError(f"seed must be >= 0, got {seed}")
+    prepare_out_dir(out_dir, overwrite=overwrite,
+                    inputs=[p for p in (cache, base_folder) if p is not None])
+    dev, device_note = resolve_device(device)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
+    cache_dir = Path(cache).expanduser() if cache is not None else default_cache()
+    work = Path(tempfile.mkdtemp(prefix=".lm-work-", dir=str(Path(out_dir).expanduser().resolve().parent)))
+    try:
+        results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
+                       device_note, quick, progress)
+        with atomic_folder(out_dir, overwrite=overwrite) as staging:
+            results["figures"] = write_lm_outputs(results, staging, figures=figures)
+            write_json_atomic(staging / "results.json", to_jsonable(results))
+        return results
+    finally:
+        torch.set_num_threads(old_threads)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int, domain_names: Sequence[str] | None,
+         corpora: Sequence[Corpus] | None, base_folder: Any, device: str, device_note: str | None, quick: bool,
+         progress: bool) -> dict[str, Any]:
+    import torch  # optional heavy dependency (experiment extra)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    say = lambda msg: _log(progress, msg)  # noqa: E731
+    t_start, cpu_start = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    timings: dict[str, float] = {}
+    notes = [device_note] if device_note else []
+
+    # 1. texts
+    t = time.perf_counter()
+    if corpora is None:
+        corpora = load_domains(domain_names or DEFAULT_DOMAINS)
+    splits = split_domains(corpora, config, seed)
+    names = [s.name for s in splits]
+    timings["data"] = time.perf_counter() - t
+    say(f"domains {', '.join(names)}: train/calibration/test = {config.train_texts}/{config.calibration_texts}/"
+        f"{config.test_texts} texts each")
+
+    # 2. base and fine-tunes
+    t = time.perf_counter()
+    base = Path(base_folder).expanduser() if base_folder is not None else smollm2_folder(cache_dir, log=say)
+    n_layers = int(json.loads((base / "config.json").read_text()).get("num_hidden_layers", 0))
+    if config.finetune_blocks > n_layers:
+        raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {n_layers} blocks")
+    settings = FinetuneSettings(train_patterns=last_mlp_patterns(n_layers, config.finetune_blocks),
+                                steps=config.finetune_steps, lr=config.finetune_lr, batch_size=config.finetune_batch,
+                                max_length=config.finetune_max_length, seed=seed)
+    finetunes: list[tuple[str, Path]] = []
+    ft_records: dict[str, Any] = {}
+    trained: tuple[str, ...] = ()
+    for i, s in enumerate(splits):
+        s_settings = replace(settings, seed=seed * 1000 + i)
+        key = finetune_key(base, s.train, s_settings)
+        folder = cache_dir / "lm-finetunes" / f"{base.name}-{s.name}-{key[:12]}"
+        res = finetune_causal_lm(base, s.train, folder, s_settings, device=device, progress=progress, log=say)
+        finetunes.append((s.name, folder))
+        trained = res.trained
+        ft_records[s.name] = {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
+                              "loss_first": float(np.mean(res.losses[:5])),
+                              "loss_last": float(np.mean(res.losses[-5:])),
+                              "steps": len(res.losses), "key": res.key}
+    timings["finetune"] = time.perf_counter() - t
+    linear_layers = [n[: -len(".weight")] for n in trained if n.endswith(".weight")]
+
+    # 3. evaluators (held-out test texts, calibration texts) on the base model
+    t = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device).eval()
+    first = split_block(model, trained)
+    if first is None:
+        raise ValidationError("the fine-tuned tensors are not all inside decoder blocks; this experiment "
+                              "evaluates models that differ from the base only in their upper blocks")
+    kw = {"max_length": config.eval_max_length, "batch_size": config.eval_batch, "device": device}
+    test_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.test for s in splits}, **kw)
+    calib_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.calibration for s in splits},
+                                base_state=test_eval.base_state, **kw)
+    references = {name: test_eval.tensors_of(read_folder_state(folder)) for name, folder in finetunes}
+    timings["evaluation_setup"] = time.perf_counter() - t
+
+    # calibration prompt files for the run layer
+    cal_files = []
+    for s in splits:
+        f = work / f"calibration_{s.name}.jsonl"
+        f.write_text("".join(json.dumps({"text": x}) + "\n" for x in s.calibration))
+        cal_files.append(f)
+    ctx = _Context(base, finetunes, cal_files, linear_layers, work, device, seed, config.merge,
+                   test_eval.tensors_of, say, progress)
+    mset = config.merge
+    models: dict[str, ModelTensors | None] = {"base": None}
+    models.update({f"finetune:{name}": references[name] for name, _ in finetunes})
+    records: dict[str, dict[str, Any]] = {"base": {"kind": "reference"}}
+    records.update({f"finetune:{name}": {"kind": "reference"} for name, _ in finetunes})
+
+    # 4. task arithmetic: the scaling chosen by the mean calibration cross-entropy
+    t = time.perf_counter()
+    ta_models, ta_records = {}, {}
+    for scaling in mset.ta_scalings:
+        tensors, rec = run_layer_merge(ctx, f"ta_{scaling:g}", {"name": "task_arithmetic",
+                                                                "params": {"scaling": float(scaling)}}, linear_layers)
+        ta_models[scaling], ta_records[scaling] = tensors, rec
+    ta_calib = calib_eval.evaluate({f"{s:g}": m for s, m in ta_models.items()}, references)
+    ta_ce = {s: float(np.mean([ta_calib[f"{s:g}"][d]["ce"] for d in names])) for s in mset.ta_scalings}
+    best_scaling = min(mset.ta_scalings, key=lambda s: (ta_ce[s], s))
+    models["task_arithmetic"] = ta_models[best_scaling]
+    records["task_arithmetic"] = {"kind": "baseline", **ta_records[best_scaling], "scaling": best_scaling}
+    timings["task_arithmetic_tuning"] = time.perf_counter() - t
+    say(f"task arithmetic scaling {best_scaling:g} (mean calibration CE "
+        + ", ".join(f"{s:g}: {ta_ce[s]:.4f}" for s in mset.ta_scalings) + ")")
+
+    # 5. baselines through the run layer
+    t = time.perf_counter()
+    baseline_methods = {
+        "soup": {"name": "soup"},
+        "ties": {"name": "ties", "params": {"density": mset.ties_density}},
+        "dare_ties": {"name": "dare_ties", "params": {"density": mset.dare_density, "seed": seed}},
+        "fisher": {"name": "fisher"},
+        "regmean": {"name": "regmean", "params": {"alpha": mset.regmean_alpha}},
+    }
+    for label in mset.baselines:
+        models[label], rec = run_layer_merge(ctx, label, baseline_methods[label], linear_layers)
+        records[label] = {"kind": "baseline", **rec}
+    timings["baselines"] = time.perf_counter() - t
+
+    # 6. QP modes x metrics
+    t = time.perf_counter()
+    for mode in mset.modes:
+        for metric in mset.metrics:
+            label = f"qp_{mode}_{metric}"
+            method: dict[str, Any] = {"name": "qp", "mode": mode, "solver": mset.solver,
+                                      **dict(mset.parametrisation[mode])}
+            if mode == "hybrid":
+                method["start"] = {"name": "task_arithmetic", "params": {"scaling": float(best_scaling)}}
+            if mode == "trust_region":
+                method["mode_options"] = dict(mset.trust_region)
+            layers = linear_layers[-1:] if mode == "single" else linear_layers
+            models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
+            records[label] = {"kind": "qp", "mode": mode, **rec}
+    timings["qp"] = time.perf_counter() - t
+
+    # 7. mergekit on the same folders
+    t = time.perf_counter()
+    command = mergekit_available()
+    if command is None:
+        notes.append("mergekit is not importable: its methods were not run")
+    else:
+        for method_name in mset.mergekit:
+            label = f"mergekit_{method_name}"
+            models[label], rec = run_mergekit(ctx, command, method_name, best_scaling)
+            records[label] = {"kind": "mergekit", **rec}
+    timings["mergekit"] = time.perf_counter() - t
+
+    # 8. evaluation of every model
+    t = time.perf_counter()
+    say(f"evaluating {len(models)} models on {len(names)} domains")
+    test = test_eval.evaluate(models, references)
+    calib = calib_eval.evaluate(models, references)
+    timings["evaluation"] = time.perf_counter() - t
+    for name, tensors in models.items():
+        records[name]["changed_outside_upper_blocks"] = sorted(tensors.other) if tensors is not None else []
+        records[name]["test"] = test[name]
+        records[name]["calibration"] = calib[name]
+        records[name]["mean_test"] = {k: float(np.mean([test[name][d][k] for d in names])) for k in ("ce", "mse", "kl")}
+        records[name]["mean_calibration_ce"] = float(np.mean([calib[name][d]["ce"] for d in names]))
+    timings["total"] = time.perf_counter() - t_start
+    timings["total_cpu"] = time.process_time() - cpu_start  # this process's CPU seconds, all threads
+
+    results: dict[str, Any] = {
+        "experiment": "lm",
+        "mode": "quick" if quick else "full",
+        "seed": seed,
+        "config": asdict(config),
+        "base": str(base),
+        "device": device,
+        "domains": {s.name: {"train": len(s.train), "calibration": len(s.calibration), "test": len(s.test)}
+                    for s in splits},
+        "finetuned_tensors": list(trained),
+        "merged_layers": linear_layers,
+        "finetunes": ft_records,
+        "task_arithmetic_tuning": {"scalings": {f"{s:g}": ta_ce[s] for s in mset.ta_scalings},
+                                   "chosen": best_scaling, "criterion": "mean calibration cross-entropy"},
+        "methods": records,
+        "notes": notes,
+        "timings": timings,
+        "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                        "threads": torch.get_num_threads(), "machine": platform.machine()},
+    }
+    results["recommended"] = recommended_merge(results)
+    results["goal"] = lm_goal(results)
+    results["claims"] = evaluate_lm_claims(results)
+    return results
+
+
+__all__ = ["BASELINES", "DEFAULT_CACHE", "DEFAULT_DOMAINS", "DOMAINS", "DomainSplit", "LmConfig", "LmMergeSettings",
+           "MERGEKIT_METHODS", "PeakRss", "default_cache", "load_domains", "merge_config", "mergekit_yaml",
+           "register_domain", "run_lm_experiment", "split_domains", "with_overrides"]

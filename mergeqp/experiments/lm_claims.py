@@ -1,0 +1,121 @@
+"""The language experiment's verdicts, computed from its results dict: the recommended merge
+(chosen on calibration texts), the issue's LM goal, and the paper's LLM claims, each PASS/FAIL as
+measured.
+
+- **Recommended merge** (documented rule, no test texts): among the QP runs (every mode and
+  output metric), the one whose merged model has the lowest mean cross-entropy on the
+  calibration texts.
+- **Goal**: the recommended merge's mean held-out cross-entropy is below every baseline's and
+  every mergekit method's, and it closes at least half of the gap from the best of them to the
+  ceiling (each fine-tune on its own domain, averaged over domains).
+- **Claims** of the paper's Llama appendix (its figures "Performance on LLaMA 3.1"), with the
+  paper's Euclidean output metric: (L1) the single-layer QP attains the lowest logit MSE; (L2)
+  the sequential multi-layer QP attains the lowest logit MSE; (L3) the sequential QP has the best
+  task metric (here: held-out cross-entropy) on at least two of three domains; (L4) lower logit
+  MSE does not always mean a better task metric. Also (F) every fine-tune beats the base on its
+  own domain (the experiment's premise).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+COMPETITOR_KINDS = ("baseline", "mergekit")
+
+
+def _claim(cid: str, statement: str, passed: bool, value: Any, detail: str) -> dict[str, Any]:
+    return {"id": cid, "statement": statement, "passed": bool(passed), "value": value, "detail": detail}
+
+
+def _of_kind(results: dict[str, Any], kinds: tuple[str, ...]) -> dict[str, Any]:
+    return {n: m for n, m in results["methods"].items() if m.get("kind") in kinds}
+
+
+def ceiling_ce(results: dict[str, Any]) -> float:
+    """Mean over domains of each domain's fine-tune's held-out CE on its own domain."""
+    domains = list(results["domains"])
+    return sum(results["methods"][f"finetune:{d}"]["test"][d]["ce"] for d in domains) / len(domains)
+
+
+def recommended_merge(results: dict[str, Any]) -> dict[str, Any] | None:
+    """The QP run with the lowest mean calibration cross-entropy (see the module docstring)."""
+    qps = _of_kind(results, ("qp",))
+    if not qps:
+        return None
+    name = min(qps, key=lambda n: (qps[n]["mean_calibration_ce"], n))
+    m = qps[name]
+    return {"method": name, "mode": m.get("mode"), "metric": m.get("metric"),
+            "mean_calibration_ce": m["mean_calibration_ce"], "mean_test_ce": m["mean_test"]["ce"],
+            "rule": "the QP run (any mode and output metric) with the lowest mean cross-entropy on the "
+                    "calibration texts"}
+
+
+def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
+    """The issue's LM goal as measured (see the module docstring)."""
+    rec = results.get("recommended")
+    rivals = _of_kind(results, COMPETITOR_KINDS)
+    if rec is None or not rivals:
+        return {"passed": False, "detail": "no QP run or no baseline to compare"}
+    ceiling = ceiling_ce(results)
+    best = min(rivals, key=lambda n: rivals[n]["mean_test"]["ce"])
+    best_ce = rivals[best]["mean_test"]["ce"]
+    ce = rec["mean_test_ce"]
+    beats = all(ce < m["mean_test"]["ce"] for m in rivals.values())
+    gap = best_ce - ceiling
+    closed = (best_ce - ce) / gap if gap > 0 else math.nan
+    passed = beats and gap > 0 and closed >= 0.5
+    return {"passed": passed, "recommended": rec["method"], "recommended_ce": ce, "best_rival": best,
+            "best_rival_ce": best_ce, "ceiling_ce": ceiling, "beats_every_rival": beats,
+            "gap_closed": closed,
+            "detail": f"{rec['method']} mean held-out CE {ce:.4f} vs best baseline/mergekit {best} {best_ce:.4f}, "
+                      f"ceiling {ceiling:.4f}: closes {closed:.1%} of the gap (goal: lower than every rival "
+                      f"and >= 50%)"}
+
+
+def _lowest(results: dict[str, Any], name: str, key: str, rivals: dict[str, Any]) -> tuple[bool, str]:
+    mine = results["methods"][name]["mean_test"][key]
+    best = min(rivals, key=lambda n: rivals[n]["mean_test"][key])
+    theirs = rivals[best]["mean_test"][key]
+    return mine < theirs, f"{name} {mine:.4g} vs best rival {best} {theirs:.4g}"
+
+
+def evaluate_lm_claims(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The claims table (see the module docstring); a claim whose methods did not run is left out."""
+    methods = results["methods"]
+    domains = list(results["domains"])
+    rivals = _of_kind(results, COMPETITOR_KINDS)
+    out = []
+    own = {d: (methods[f"finetune:{d}"]["test"][d]["ce"], methods["base"]["test"][d]["ce"]) for d in domains}
+    out.append(_claim("F", "each fine-tune has a lower held-out cross-entropy than the base on its own domain",
+                      all(a < b for a, b in own.values()), {d: {"finetune": a, "base": b} for d, (a, b) in own.items()},
+                      "; ".join(f"{d}: {a:.3f} vs base {b:.3f}" for d, (a, b) in own.items())))
+    if "qp_single_euclidean" in methods and rivals:
+        ok, detail = _lowest(results, "qp_single_euclidean", "mse", rivals)
+        out.append(_claim("L1", "the single-layer QP (last fine-tuned layer; Euclidean metric) attains a lower "
+                                "mean logit MSE than every baseline and mergekit method (which merge every "
+                                "fine-tuned layer)", ok, methods["qp_single_euclidean"]["mean_test"]["mse"], detail))
+    seq = "qp_sequential_euclidean"
+    if seq in methods and rivals:
+        ok, detail = _lowest(results, seq, "mse", rivals)
+        out.append(_claim("L2", "the sequential multi-layer QP (Euclidean) attains the lowest mean logit MSE of "
+                                "the baselines and mergekit methods", ok, methods[seq]["mean_test"]["mse"], detail))
+        wins = [d for d in domains if methods[seq]["test"][d]["ce"] < min(m["test"][d]["ce"] for m in rivals.values())]
+        need = math.ceil(2 * len(domains) / 3)
+        out.append(_claim("L3", f"the sequential QP (Euclidean) has the lowest held-out cross-entropy on at least "
+                                f"{need} of {len(domains)} domains", len(wins) >= need, wins,
+                          f"lowest on: {', '.join(wins) or 'none'}"))
+    merges = {n: m for n, m in methods.items() if m.get("kind") in ("qp", *COMPETITOR_KINDS)}
+    names = sorted(merges)
+    discordant = [(a, b) for i, a in enumerate(names) for b in names[i + 1:]
+                  if (merges[a]["mean_test"]["mse"] - merges[b]["mean_test"]["mse"])
+                  * (merges[a]["mean_test"]["ce"] - merges[b]["mean_test"]["ce"]) < 0]
+    if len(names) >= 2:
+        pairs = len(names) * (len(names) - 1) // 2
+        out.append(_claim("L4", "lower logit MSE does not always mean a lower cross-entropy (some pair of merges "
+                                "is ordered differently by the two)", bool(discordant), len(discordant),
+                          f"{len(discordant)} of {pairs} pairs of merges ordered differently by MSE and CE"))
+    return out
+
+
+__all__ = ["ceiling_ce", "evaluate_lm_claims", "lm_goal", "recommended_merge"]

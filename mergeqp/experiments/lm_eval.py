@@ -1,0 +1,166 @@
+"""Teacher-forced evaluation of many merged causal LMs that differ from the base only in their
+upper decoder blocks (the language experiment's evaluation).
+
+:class:`UpperEvaluator` computes, once per text, the hidden states entering the first fine-tuned
+block with the base model (:class:`~mergeqp.experiments.finetune_lm.DecoderSplit`), then scores
+every model by running only the upper blocks, the final norm and the output head with that model's
+upper tensors swapped in. A model whose tensors outside the upper blocks differ from the base
+(beyond float rounding) is scored with full forward passes instead, so the numbers never depend
+on the shortcut. Per domain (its texts, the domain's fine-tune as the reference):
+
+- ``ce``: next-token cross-entropy of the texts' real tokens (nats per predicted token);
+- ``mse``: teacher-forced logit MSE to the reference, mean over real tokens and vocabulary;
+- ``kl``: mean ``KL(reference || model)`` per real token (nats).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ValidationError
+from .finetune_lm import DecoderSplit, lower_states, pad_hidden, pad_ids, tokenize_each
+
+METRICS = ("ce", "mse", "kl")
+#: relative tolerance under which a tensor counts as the base's (mergekit's float32 averages of
+#: identical tensors differ from them by rounding)
+SAME_AS_BASE_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class ModelTensors:
+    """A model given by its tensors that differ from the base: ``upper`` (inside the evaluator's
+    upper part) and ``other`` (anywhere else; empty for the merges of this experiment)."""
+
+    upper: Mapping[str, Any]
+    other: Mapping[str, Any]
+
+
+def differing_tensors(base_state: Mapping[str, Any], state: Mapping[str, Any], upper_names: set[str],
+                      rtol: float = SAME_AS_BASE_RTOL) -> ModelTensors:
+    """Split ``state``'s tensors that differ from ``base_state`` (max abs difference above ``rtol`` x
+    the base tensor's max abs) into upper / other; a missing or reshaped tensor is an error."""
+    upper, other = {}, {}
+    for name, ref in base_state.items():
+        if name not in state:
+            raise ValidationError(f"merged model lacks tensor {name!r} of the base")
+        t = state[name]
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValidationError(f"merged tensor {name!r} has shape {tuple(t.shape)}, base {tuple(ref.shape)}")
+        t = t.to(ref.dtype)
+        scale = float(ref.abs().max()) if ref.numel() else 0.0
+        if ref.numel() and float((t - ref).abs().max()) > rtol * max(scale, 1e-30):
+            (upper if name in upper_names else other)[name] = t
+    return ModelTensors(upper, other)
+
+
+class UpperEvaluator:
+    """Scores models on domains' texts (see the module docstring).
+
+    ``base``: the base model (eval mode, float32, on ``device``); ``first``: the first block that
+    any model changes; ``domains``: name -> texts; ``max_length`` tokens per text; ``base_state``:
+    the base's parameters (name -> tensor) when another evaluator of the same model already holds
+    a copy (default: cloned here). Evaluators may share one model: each call leaves it as the base."""
+
+    def __init__(self, base: Any, tokenizer: Any, first: int, domains: Mapping[str, Sequence[str]], *,
+                 max_length: int, batch_size: int, device: str, base_state: Mapping[str, Any] | None = None) -> None:
+        import torch  # optional heavy dependency (experiment extra)
+
+        self.model = base
+        self.split = DecoderSplit.of(base, first)
+        self.device = device
+        self.batch_size = batch_size
+        self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
+        blocks = list(DecoderSplit.backbone(base).layers)[first:]
+        upper_ids = {id(p) for b in blocks for p in b.parameters()}
+        upper_ids |= {id(p) for p in DecoderSplit.backbone(base).norm.parameters()}
+        embed = base.get_input_embeddings().weight
+        head = base.get_output_embeddings()
+        if head is not None and head.weight is not embed:  # a tied head is also the (lower) embedding
+            upper_ids |= {id(p) for p in head.parameters()}
+        self.upper_names = {n for n, p in base.named_parameters() if id(p) in upper_ids}
+        self.base_state = dict(base_state) if base_state is not None else {
+            n: p.detach().clone() for n, p in base.named_parameters()}
+        self._changed: set[str] = set()
+        self.texts: dict[str, list[Any]] = {}
+        self.states: dict[str, list[Any]] = {}
+        with torch.no_grad():
+            for name, texts in domains.items():
+                ids = [t for t in tokenize_each(tokenizer, texts, max_length) if t.shape[0] >= 2]
+                if not ids:
+                    raise ValidationError(f"domain {name!r}: no evaluation text has two or more tokens")
+                self.texts[name] = ids
+                self.states[name] = lower_states(self.split, ids, batch_size, device)
+
+    def tensors_of(self, state: Mapping[str, Any]) -> ModelTensors:
+        """The tensors of a full state dict ``state`` that differ from the base."""
+        return differing_tensors(self.base_state, state, self.upper_names)
+
+    def _load(self, tensors: ModelTensors | None) -> None:
+        """Put ``tensors`` into the working model (``None``: the base); only the tensors that the
+        previous model changed or this one changes are copied."""
+        import torch  # optional heavy dependency (experiment extra)
+
+        params = dict(self.model.named_parameters())
+        new = {} if tensors is None else {**tensors.upper, **tensors.other}
+        with torch.no_grad():
+            for name in self._changed - set(new):
+                params[name].copy_(self.base_state[name])
+            for name, t in new.items():
+                params[name].copy_(t.to(params[name].device, params[name].dtype))
+        self._changed = set(new)
+
+    def _logits(self, tensors: ModelTensors | None, domain: str, start: int) -> tuple[Any, Any, Any]:
+        import torch  # optional heavy dependency (experiment extra)
+
+        ids = self.texts[domain][start: start + self.batch_size]
+        batch_ids = pad_ids(ids, self.pad_id).to(self.device)
+        with torch.no_grad():
+            if tensors is not None and tensors.other:
+                mask = pad_ids([t.new_ones(t.shape) for t in ids], 0).to(self.device)
+                logits = self.model(input_ids=batch_ids, attention_mask=mask, use_cache=False).logits
+            else:
+                hidden, mask = pad_hidden(self.states[domain][start: start + self.batch_size])
+                logits = self.split.upper(hidden, mask)
+        return logits.double(), batch_ids, mask
+
+    def evaluate(self, models: Mapping[str, ModelTensors | None], references: Mapping[str, ModelTensors],
+                 progress: Callable[[str], None] | None = None) -> dict[str, dict[str, dict[str, float]]]:
+        """``{model: {domain: {ce, mse, kl}}}`` for every model (``None`` = the base) on every
+        domain, against ``references[domain]`` (that domain's fine-tune)."""
+        import torch  # optional heavy dependency (experiment extra)
+
+        missing = [d for d in self.texts if d not in references]
+        if missing:
+            raise ValidationError(f"no reference model for domain(s) {missing}")
+        sums = {m: {d: {"nll": 0.0, "pred": 0, "se": 0.0, "kl": 0.0, "tok": 0} for d in self.texts} for m in models}
+        vocab = None
+        for domain in self.texts:
+            if progress is not None:
+                progress(f"evaluating {len(models)} models on {domain}")
+            for start in range(0, len(self.texts[domain]), self.batch_size):
+                self._load(references[domain])
+                ref, ids, mask = self._logits(references[domain], domain, start)
+                real = mask.bool()
+                ref_real = ref[real]
+                log_p = torch.log_softmax(ref_real, -1)
+                vocab = ref.shape[-1]
+                nxt = real[:, 1:] & real[:, :-1]
+                for name, tensors in models.items():
+                    self._load(tensors)
+                    x, _, _ = self._logits(tensors, domain, start)
+                    s = sums[name][domain]
+                    log_q_all = torch.log_softmax(x, -1)
+                    s["nll"] -= float(log_q_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][nxt].sum())
+                    s["pred"] += int(nxt.sum())
+                    x_real = x[real]
+                    s["se"] += float(((x_real - ref_real) ** 2).sum())
+                    s["kl"] += float((log_p.exp() * (log_p - log_q_all[real])).sum())
+                    s["tok"] += int(real.sum())
+        self._load(None)
+        return {m: {d: {"ce": s["nll"] / max(s["pred"], 1), "mse": s["se"] / max(s["tok"] * (vocab or 1), 1),
+                        "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
+
+
+__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors"]

@@ -1,0 +1,262 @@
+"""The language experiment (``mergeqp experiment lm``) on a tiny random Llama with tiny synthetic
+corpora: the whole pipeline end to end (fine-tunes, run-layer merges, evaluation, report), the
+evaluator against plain full-model forwards, disjoint splits, the cache, the calibration-only
+choices, claims / goal rendering and CLI errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.cli import main  # noqa: E402
+from mergeqp.errors import UnknownNameError, ValidationError  # noqa: E402
+from mergeqp.experiments.corpora import Corpus  # noqa: E402
+from mergeqp.experiments.lm import (  # noqa: E402
+    LmConfig,
+    LmMergeSettings,
+    mergekit_yaml,
+    run_lm_experiment,
+    split_domains,
+    with_overrides,
+)
+from mergeqp.experiments.lm_claims import evaluate_lm_claims, lm_goal, recommended_merge  # noqa: E402
+from mergeqp.experiments.lm_report import console_summary, render_report  # noqa: E402
+
+DOMAINS = ("code", "math", "story")
+
+
+def _corpora(tiny_hf, n=40):
+    return [Corpus(t, tuple(tiny_hf.sentences(t, n, seed=i)), np.arange(n) % 2, ("a", "b"), "synthetic")
+            for i, t in enumerate(DOMAINS)]
+
+
+def _config(**merge):
+    settings = {"calibration_max_length": 16, "calibration_batch_size": 4, "ta_scalings": (0.5, 1.0),
+                "modes": ("single", "sequential"), "metrics": ("euclidean",), "baselines": ("ties",),
+                "mergekit": ("ties",) if importlib.util.find_spec("mergekit") else (), **merge}
+    return LmConfig(train_texts=16, calibration_texts=6, test_texts=6, min_chars=5, finetune_blocks=1,
+                    finetune_steps=12, finetune_batch=4, finetune_max_length=16, finetune_lr=1e-2,
+                    eval_max_length=16, eval_batch=4, merge=LmMergeSettings(**settings))
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_hf, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm_base")
+    tiny_hf.build_base(folder, "llama", seed=0)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lm_run(tiny_hf, tiny_base, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lm_run")
+    out = root / "out"
+    results = run_lm_experiment(out, corpora=_corpora(tiny_hf), config=_config(), cache=root / "cache",
+                                base_folder=tiny_base, threads=1, progress=False)
+    return results, out, root
+
+
+def test_pipeline_end_to_end(lm_run):
+    results, out, root = lm_run
+    on_disk = json.loads((out / "results.json").read_text())
+    assert set(on_disk["domains"]) == set(DOMAINS)
+    for name in ("mean_ce.png", "domain_ce.png", "ce_vs_mse.png", "report.md"):
+        assert (out / name).is_file()
+    assert not list(root.glob(".lm-work-*"))  # the work folder (merged models, prompt files) is removed
+    methods = results["methods"]
+    expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "task_arithmetic", "ties", "qp_single_euclidean",
+                "qp_sequential_euclidean"}
+    if importlib.util.find_spec("mergekit"):
+        expected.add("mergekit_ties")
+    assert set(methods) == expected
+    for name, m in methods.items():
+        for d in DOMAINS:
+            assert all(math.isfinite(m["test"][d][k]) for k in ("ce", "mse", "kl")), name
+        assert m["changed_outside_upper_blocks"] == []
+        if m["kind"] != "reference":
+            assert m["seconds"] > 0 and m["peak_rss_mb"] > 0
+    # each fine-tune is its own domain's reference: zero distance there, not elsewhere
+    for d in DOMAINS:
+        own = methods[f"finetune:{d}"]["test"][d]
+        assert own["mse"] == 0 and abs(own["kl"]) < 1e-9
+        assert methods["base"]["test"][d]["mse"] > 0
+    # the merges changed something and are not the base
+    seq = methods["qp_sequential_euclidean"]
+    assert seq["test"]["code"]["mse"] != methods["base"]["test"]["code"]["mse"]
+    # the single-layer QP merged only the last fine-tuned layer
+    assert methods["qp_single_euclidean"]["layers"] == ["model.layers.1.mlp.down_proj"]
+    assert seq["layers"] == [f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    assert seq["metric"] == "euclidean" and seq["method"]["parametrisation"] == "scalar"
+    assert all(layer["certified"] for layer in seq["report"]["layers"])
+
+
+def test_choices_use_calibration_texts_only(lm_run):
+    results, _, _ = lm_run
+    tuning = results["task_arithmetic_tuning"]
+    ce = {float(k): v for k, v in tuning["scalings"].items()}
+    assert tuning["chosen"] == min(ce, key=ce.get)
+    ta = results["methods"]["task_arithmetic"]
+    assert ta["method"]["params"]["scaling"] == tuning["chosen"]
+    # the tuning criterion is the calibration evaluation of the chosen merge, not its test evaluation
+    assert ce[tuning["chosen"]] == pytest.approx(ta["mean_calibration_ce"], rel=1e-9)
+    assert ce[tuning["chosen"]] != pytest.approx(ta["mean_test"]["ce"], rel=1e-6)
+    rec = results["recommended"]
+    qps = {n: m for n, m in results["methods"].items() if m["kind"] == "qp"}
+    assert rec["method"] == min(qps, key=lambda n: qps[n]["mean_calibration_ce"])
+
+
+def test_report_and_claims_render(lm_run):
+    results, out, _ = lm_run
+    text = (out / "report.md").read_text()
+    assert text == render_report(results)
+    assert "## Goal" in text and ("**PASS**" in text or "**FAIL**" in text)
+    assert "| qp_sequential_euclidean |" in text or "| **qp_sequential_euclidean** |" in text
+    ids = [c["id"] for c in results["claims"]]
+    assert ids == ["F", "L1", "L2", "L3", "L4"]
+    summary = console_summary(results)
+    assert "goal:" in summary and "qp_single_euclidean" in summary
+
+
+def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
+    results, _, root = lm_run
+    again = run_lm_experiment(tmp_path / "again", corpora=_corpora(tiny_hf), cache=root / "cache",
+                              base_folder=tiny_base,
+                              config=_config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(),
+                                             ta_scalings=(1.0,)), threads=1, progress=False)
+    for d in DOMAINS:
+        assert again["finetunes"][d]["cached"] and again["finetunes"][d]["folder"] == results["finetunes"][d]["folder"]
+        # same fine-tunes, same test texts: the same reference numbers
+        for e in DOMAINS:
+            assert again["methods"][f"finetune:{d}"]["test"][e] == pytest.approx(
+                results["methods"][f"finetune:{d}"]["test"][e])
+    assert again["methods"]["qp_single_kl"]["metric"] == "kl"
+    assert set(again["methods"]) == {"base", *(f"finetune:{d}" for d in DOMAINS), "task_arithmetic", "qp_single_kl"}
+
+
+def test_evaluator_matches_full_forward(tiny_hf, tiny_base, tmp_path):
+    """CE, logit MSE and KL of the split evaluator equal those computed from plain full-model
+    forwards, one text at a time."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mergeqp.experiments.lm import read_folder_state
+    from mergeqp.experiments.lm_eval import UpperEvaluator
+
+    ft = tmp_path / "ft"
+    tiny_hf.perturb(tiny_base, ft, "llama", ("model.layers.1.mlp.*",), 0.5, seed=3)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_base), dtype=torch.float32).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(str(ft), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    texts = tiny_hf.sentences("code", 5, seed=9, length=(2, 12))
+    ev = UpperEvaluator(base, tok, 1, {"code": texts}, max_length=16, batch_size=2, device="cpu")
+    ref = ev.tensors_of(read_folder_state(ft))
+    assert set(ref.upper) == {f"model.layers.1.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    got = ev.evaluate({"base": None, "ft": ref}, {"code": ref})
+    nll = se = kl = 0.0
+    pred = tok_count = 0
+    for text in texts:
+        ids = torch.tensor([tok(text, truncation=True, max_length=16)["input_ids"]])
+        with torch.no_grad():
+            x = base(input_ids=ids).logits[0].double()
+            y = ref_model(input_ids=ids).logits[0].double()
+        nll -= float(torch.log_softmax(x[:-1], -1).gather(-1, ids[0, 1:, None]).sum())
+        pred += ids.shape[1] - 1
+        se += float(((x - y) ** 2).sum())
+        log_p, log_q = torch.log_softmax(y, -1), torch.log_softmax(x, -1)
+        kl += float((log_p.exp() * (log_p - log_q)).sum())
+        tok_count += ids.shape[1]
+    assert got["base"]["code"]["ce"] == pytest.approx(nll / pred, rel=1e-5)
+    assert got["base"]["code"]["mse"] == pytest.approx(se / (tok_count * x.shape[-1]), rel=1e-4)
+    assert got["base"]["code"]["kl"] == pytest.approx(kl / tok_count, rel=1e-4)
+    assert got["ft"]["code"]["mse"] == 0
+    # the working model is the base again afterwards
+    for n, p in base.named_parameters():
+        assert torch.equal(p, ev.base_state[n])
+
+
+def test_splits_are_disjoint_and_seeded(tiny_hf):
+    corpora = _corpora(tiny_hf)
+    dup = Corpus("dup", corpora[0].texts + corpora[0].texts[:5] + ("x",), np.zeros(46, int), ("all",), "s")
+    cfg = LmConfig(train_texts=20, calibration_texts=6, test_texts=8, min_chars=5)
+    splits = split_domains([dup, corpora[1]], cfg, seed=0)
+    for s in splits:
+        parts = [set(s.train), set(s.calibration), set(s.test)]
+        assert [len(p) for p in parts] == [20, 6, 8]
+        assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
+    assert "x" not in splits[0].train + splits[0].calibration + splits[0].test  # below min_chars
+    assert split_domains([dup, corpora[1]], cfg, seed=0) == splits
+    assert split_domains([dup, corpora[1]], cfg, seed=1) != splits
+    with pytest.raises(ValidationError, match="needs 60"):
+        split_domains(corpora, LmConfig(train_texts=50, calibration_texts=5, test_texts=5, min_chars=5), seed=0)
+    with pytest.raises(ValidationError, match="two or more"):
+        split_domains(corpora[:1], cfg, seed=0)
+    with pytest.raises(ValidationError, match="distinct"):
+        split_domains([corpora[0], corpora[0]], cfg, seed=0)
+
+
+def test_settings_validation():
+    with pytest.raises(UnknownNameError, match="unknown QP mode 'nope'"):
+        LmMergeSettings(modes=("nope",))
+    with pytest.raises(UnknownNameError, match="unknown output metric"):
+        LmMergeSettings(metrics=("cosine",))
+    with pytest.raises(UnknownNameError, match="unknown mergekit method"):
+        LmMergeSettings(mergekit=("slerp",))
+    with pytest.raises(ValidationError, match="ta_scalings"):
+        LmMergeSettings(ta_scalings=(0.0,))
+    with pytest.raises(ValidationError, match="test_texts"):
+        LmConfig(test_texts=0)
+    cfg = with_overrides(LmConfig.quick(), test_texts=5, ties_density=0.3)
+    assert cfg.test_texts == 5 and cfg.merge.ties_density == 0.3
+    with pytest.raises(UnknownNameError, match="unknown LM experiment setting"):
+        with_overrides(cfg, nope=1)
+    text = mergekit_yaml("task_arithmetic", __import__("pathlib").Path("/b"), [("a", "/fa"), ("c", "/fc")], 0.7, 0.5)
+    assert "weight: 0.7" in text and "base_model: /b" in text and "merge_method: task_arithmetic" in text
+
+
+def _fake_results(rec_ce: float) -> dict:
+    def m(kind, ce, mse=1.0, cal=None, **extra):
+        return {"kind": kind, "mean_test": {"ce": ce, "mse": mse, "kl": 0.1}, "mean_calibration_ce": cal or ce,
+                "test": {"a": {"ce": ce, "mse": mse, "kl": 0.1}}, **extra}
+
+    methods = {"base": m("reference", 4.0), "finetune:a": m("reference", 3.0),
+               "ties": m("baseline", 3.6, 0.5), "mergekit_ties": m("mergekit", 3.8, 0.4),
+               "qp_single_euclidean": m("qp", 3.9, 0.8, cal=3.95, mode="single", metric="euclidean"),
+               "qp_sequential_kl": m("qp", rec_ce, 0.3, cal=3.1, mode="sequential", metric="kl")}
+    return {"domains": {"a": {}}, "methods": methods}
+
+
+def test_goal_and_recommendation_rules():
+    res = _fake_results(3.2)
+    res["recommended"] = recommended_merge(res)
+    assert res["recommended"]["method"] == "qp_sequential_kl"  # lowest calibration CE among QP runs
+    goal = lm_goal(res)
+    assert goal["passed"] and goal["best_rival"] == "ties" and goal["gap_closed"] == pytest.approx(2 / 3)
+    res = _fake_results(3.4)  # beats every rival but closes only a third of the gap
+    res["recommended"] = recommended_merge(res)
+    assert not lm_goal(res)["passed"] and lm_goal(res)["beats_every_rival"]
+    res = _fake_results(3.7)
+    res["recommended"] = recommended_merge(res)
+    assert not lm_goal(res)["beats_every_rival"]
+    claims = {c["id"]: c for c in evaluate_lm_claims(res)}
+    assert claims["F"]["passed"] and not claims["L1"]["passed"] and claims["L4"]["passed"]
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["experiment", "lm", "--domains", "nope", "fortunes", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown domain 'nope'" in capsys.readouterr().err
+    assert main(["experiment", "lm", "--domains", "fortunes", "--out", str(tmp_path / "o")]) == 2
+    assert "two or more" in capsys.readouterr().err
+    assert main(["experiment", "lm", "--threads", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--threads" in capsys.readouterr().err
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    assert main(["experiment", "lm", "--out", str(busy)]) == 2
+    assert "not empty" in capsys.readouterr().err and (busy / "keep.txt").read_text() == "mine"
+    with pytest.raises(SystemExit):
+        main(["experiment", "lm", "--device", "tpu", "--out", str(tmp_path / "o")])

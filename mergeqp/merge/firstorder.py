@@ -46,7 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
-from ..lm import OutputSpec, TargetBatch
+from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
@@ -178,6 +178,32 @@ def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
     return call, compared
 
 
+def folded_batch_functions(model: Any, fold: FoldedHead, tb: TargetBatch,
+                           device: Any) -> tuple[Callable[[], Any], Callable[[Any], Any], Any]:
+    """:func:`batch_functions` through a folded head: ``call()`` runs the model's backbone (no
+    head, no ``(B, T, V)`` logits), ``compared(output)`` is ``fold`` of its last hidden state,
+    ``(B, c)`` with ``c = T q``; and the target ``fold(n*)`` of the fine-tune's hidden state
+    (``(B, c)``, float64)."""
+    import torch  # deferred: torch is heavy
+
+    inner = backbone(model)
+    inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+    index = None if tb.index is None else tb.index.to(device)
+    probs = None if tb.probs is None else tb.probs.to(device)
+
+    def call() -> Any:
+        return inner(**inputs)
+
+    def compared(out: Any) -> Any:
+        o = fold.compared(last_hidden(out), mask, index, probs)
+        return o.reshape(o.shape[0], -1)
+
+    with torch.no_grad():
+        target = compared(tb.hidden.to(device=device, dtype=fold.weight.dtype)).to(torch.float64)
+    return call, compared, target
+
+
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
     import torch  # deferred: torch is heavy
@@ -231,17 +257,21 @@ def collect_first_order(
                leave=False, disable=not progress)
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
+    fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
     with hooked_layers(model, modules) as hooks:
         for ti, task in enumerate(tasks):
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
             for bi, tb in enumerate(task.batches):
-                call, compared = batch_functions(model, spec, tb, device)
+                if fold is None:
+                    call, compared = batch_functions(model, spec, tb, device)
+                    y = tb.target.to(device=device, dtype=torch.float64)
+                else:
+                    call, compared, y = folded_batch_functions(model, fold, tb, device)
                 out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 Bsz = h.shape[0]
-                y = tb.target.to(device=device, dtype=torch.float64).reshape(Bsz, -1)
-                b = h.to(torch.float64) - y
+                b = h.to(torch.float64) - y.reshape(Bsz, -1)
                 e["current"] += float((b * b).sum())
                 blocks = []
                 for a, hook in zip(atoms, hooks):
@@ -287,5 +317,6 @@ def collect_first_order(
         atom_names=atom_names, model_names=names, task_names=tuple(t.name for t in tasks),
         task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),
         metadata={"parametrisations": [a.param.to_json() for a in atoms],
-                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k}},
+                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k},
+                  **({} if fold is None else {"folded_head_width": fold.width})},
     )

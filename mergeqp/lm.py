@@ -60,7 +60,8 @@ class OutputSpec:
     ``restrict``: ``none`` | ``topk`` | ``projection``; ``k``: their size; ``seed``: of ``P``.
     ``metric``: ``euclidean`` | ``kl`` (the softmax Gauss-Newton metric on logits).
     ``fold_head``: ``None`` (auto) | ``True`` | ``False``: compute the statistics from the final
-    hidden state through the folded linear head (:class:`FoldedHead`).
+    hidden state through the folded linear head (:class:`FoldedHead`). ``sketch``: ``None`` or
+    ``s``: the statistics' Hessian from ``s`` Gaussian combinations of each sample's outputs.
     """
 
     field: str = "logits"
@@ -69,6 +70,7 @@ class OutputSpec:
     seed: int = 0
     metric: str = "euclidean"
     fold_head: bool | None = None
+    sketch: int | None = None
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,28 @@ class OutputSpec:
             raise ValidationError(f"output metric {self.metric!r}; valid: {', '.join(METRICS)}")
         if self.fold_head not in (None, True, False):
             raise ValidationError(f"output fold_head {self.fold_head!r}; valid: auto (None), true, false")
+        if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
+                                        or self.sketch < 1):
+            raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
+
+    def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
+        ``E[S_j'S_j] = I``) of the batch identified by ``key`` (e.g. task and batch index): a
+        float64 draw from ``seed`` and ``key``, cast to ``dtype``."""
+        import torch
+
+        assert self.sketch is not None
+        size = batch * self.sketch * outputs
+        if size > 2**28:
+            raise ValidationError(
+                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over 2^28); "
+                f"fold the head (output.fold_head) or restrict the output first, or use smaller batches")
+        seed = int(self.seed)
+        for part in key:
+            seed = (seed * 1_000_003 + int(part) + 1) % (2**63 - 1)
+        gen = torch.Generator().manual_seed(seed)
+        S = torch.randn(batch, self.sketch, outputs, generator=gen, dtype=torch.float64) / math.sqrt(self.sketch)
+        return S.to(dtype=dtype, device=device)
 
     def fold_obstacle(self) -> str | None:
         """Why this output cannot be folded into the final hidden state (``None``: it can)."""

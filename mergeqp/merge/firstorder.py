@@ -204,6 +204,28 @@ def folded_batch_functions(model: Any, fold: FoldedHead, tb: TargetBatch,
     return call, compared, target
 
 
+def _sketched(compared: Callable[[Any], Any], S: Any) -> Callable[[Any], Any]:
+    """``compared`` followed by each sample's sketch ``S_j`` (``S``: ``(B, s, c)``): ``(B, s)``."""
+    import torch  # deferred: torch is heavy
+
+    return lambda out: torch.einsum("bsc,bc->bs", S, compared(out))
+
+
+def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, Any]], b: Any, K: int) -> Any:
+    """``A'b`` (``(K N,)`` float64, row-major ``(k, atom)`` over the sites' atoms) from one VJP per
+    site with cotangent ``b`` (``(B, c)``): ``(A'b)_(k,a) = <v_(k,a), (d f)' b>``."""
+    import torch  # deferred: torch is heavy
+    from torch.func import vjp  # deferred: torch is heavy
+
+    parts = []
+    for a, f, Z, u0 in sites:
+        _, pull = vjp(f, u0)
+        (w,) = pull(b.to(u0.dtype))  # (B, *positions, r)
+        tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(torch.float64)  # (K n, B, ..., r)
+        parts.append((tang.reshape(tang.shape[0], -1) @ w.reshape(-1).to(torch.float64)).reshape(K, a.n_atoms))
+    return torch.cat(parts, dim=1).reshape(-1)
+
+
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
     import torch  # deferred: torch is heavy
@@ -273,25 +295,38 @@ def collect_first_order(
                 Bsz = h.shape[0]
                 b = h.to(torch.float64) - y.reshape(Bsz, -1)
                 e["current"] += float((b * b).sum())
+                S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
+                measured = compared if S is None else _sketched(compared, S)
                 blocks = []
+                exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):
                     Z = append_ones(hook.layer_input, a.site.has_bias)
                     u0 = torch.zeros_like(hook.layer_output)
-                    derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0,
-                                                    int(h.shape[1]), chunk_size=chunk_size)
+                    f = perturbed_output(hook, call, compared)
+                    derivatives = OutputDerivatives(perturbed_output(hook, call, measured), u0,
+                                                    int(h.shape[1]) if S is None else int(S.shape[1]),
+                                                    chunk_size=chunk_size)
                     off = a.offset_tangent(Z)
                     if off is not None:
-                        b = b - derivatives.push(off.to(u0.dtype)).to(torch.float64)
+                        push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
+                        b = b - push.push(off.to(u0.dtype)).to(torch.float64)
                     # all K * n_atoms tangents, model-major
                     tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
-                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c)
+                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c) (c = s with a sketch)
                     cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
                     blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
+                    if S is not None:
+                        exact_f.append((a, f, Z, u0))
                 A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
                 if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
                     raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
-                sums.add_design(ti, A, b)
-                sums.add_residual(ti, b)
+                sums.add_residual(ti, b)  # c exact, sketch or not
+                if S is None:
+                    sums.add_design(ti, A, b)
+                else:  # unbiased H from the sketched rows; g exact: one VJP per site with cotangent b
+                    sums.add_design(ti, A, torch.zeros(A.shape[:2], dtype=torch.float64, device=A.device))
+                    sums.g[ti] += 2.0 * _exact_gradient(exact_f, b, K)
+                    b = torch.einsum("bsc,bc->bs", S.to(torch.float64), b)  # the energy is the sketched one
                 count += tb.count
                 if energy:
                     e["total"] += float((b * b).sum())
@@ -318,5 +353,6 @@ def collect_first_order(
         task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),
         metadata={"parametrisations": [a.param.to_json() for a in atoms],
                   "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k},
-                  **({} if fold is None else {"folded_head_width": fold.width})},
+                  **({} if fold is None else {"folded_head_width": fold.width}),
+                  **({} if spec.sketch is None else {"sketch": spec.sketch})},
     )

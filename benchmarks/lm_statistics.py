@@ -129,7 +129,7 @@ def exact_objectives(model, site, base_w, deltas, d, batches, fts):
             x = model(**b.inputs).logits.double()
             m = b.mask.bool()
             for ft in fts:
-                y = ft[id(b)]
+                y = ft[id(b)]  # the fine-tune's full logits
                 sq += float(((x - y)[m] ** 2).sum())
                 log_p, log_q = torch.log_softmax(y[m], -1), torch.log_softmax(x[m], -1)
                 kl += 2.0 * float((log_p.exp() * (log_p - log_q)).sum())
@@ -150,8 +150,14 @@ def main() -> None:
     ap.add_argument("--before-batches", type=int, default=1)
     ap.add_argument("--before-tokens", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=128)
+    ap.add_argument("--sketch", type=int, default=64)
+    ap.add_argument("--small-k", type=int, default=None, help="k of the first-batch before/after rows (default --k)")
+    ap.add_argument("--skip-before", action="store_true", help="only the folded first-batch row (the unfolded one is slow)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--options", type=json.loads, default={},
+                    help='JSON {layer: [option indices]} to run a subset, e.g. \'{"28": [4, 6]}\'')
     args = ap.parse_args()
+    args.options = {int(a): set(b) for a, b in args.options.items()}
     torch.manual_seed(0)
     from transformers import AutoModelForCausalLM  # deferred: heavy
 
@@ -176,71 +182,73 @@ def main() -> None:
         atoms = [SiteAtoms(site, as_parametrisation("rows"), deltas)]
         t_fwd, t_jvp = pass_times(model, batches, module)
         t_fwd_small, t_jvp_small = pass_times(model, small, module)
-        options = {
-            "none (folded, exact)": OutputSpec(fold_head=True),
-            f"projection k={args.k}": OutputSpec(restrict="projection", k=args.k, fold_head=True),
-            f"topk k={args.k}": OutputSpec(restrict="topk", k=args.k, fold_head=True),
-            f"kl topk k={args.k}": OutputSpec(restrict="topk", k=args.k, metric="kl", fold_head=True),
+        k, s_ = args.k, args.sketch
+        options = {  # label: (spec, jacobian mode)
+            "none (folded), forward": (OutputSpec(fold_head=True), "forward"),
+            f"projection k={k}, forward": (OutputSpec(restrict="projection", k=k, fold_head=True), "forward"),
+            f"topk k={k}, forward": (OutputSpec(restrict="topk", k=k, fold_head=True), "forward"),
+            f"kl topk k={k}, forward": (OutputSpec(restrict="topk", k=k, metric="kl", fold_head=True), "forward"),
+            f"none (folded) + sketch {s_}, reverse": (OutputSpec(fold_head=True, sketch=s_), "reverse"),
+            f"projection k={k} + sketch {s_}, reverse": (OutputSpec(restrict="projection", k=k, fold_head=True,
+                                                                    sketch=s_), "reverse"),
+            f"kl topk k={k} + sketch {s_}, reverse": (OutputSpec(restrict="topk", k=k, metric="kl", fold_head=True,
+                                                                 sketch=s_), "reverse"),
         }
+        wanted = args.options.get(layer)
+        if wanted is not None:
+            options = {lb: v for i, (lb, v) in enumerate(options.items()) if i in wanted}
         rows = []
-        # before: the unfolded full-vocabulary statistics on the small batch(es)
-        spec = OutputSpec(fold_head=False)
-        tasks = []
-        for k, ft in enumerate(fts):
-            swap(model, ft)
-            tasks.append(TaskTargets(f"ft{k}", 1.0, teacher_forced_targets(model, small, spec, "cpu")))
-            swap(model, base)
-        t_before, _ = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk))
-        spec_after = OutputSpec(fold_head=True)
-        tasks_after = []
-        for k, ft in enumerate(fts):
-            swap(model, ft)
-            tasks_after.append(TaskTargets(f"ft{k}", 1.0, teacher_forced_targets(model, small, spec_after, "cpu")))
-            swap(model, base)
-        t_after_small, _ = timed(lambda: collect_first_order(model, atoms, tasks_after, spec_after, chunk_size=args.chunk))
-        rows.append({"option": "before: none, unfolded (first batch)", "seconds": t_before,
-                     "x_fwd_jvp": t_before / t_jvp_small})
-        rows.append({"option": "after: none, folded (first batch)", "seconds": t_after_small,
-                     "x_fwd_jvp": t_after_small / t_jvp_small})
+
+        def targets(spec, on):
+            tasks = []
+            for i, ft in enumerate(fts):
+                swap(model, ft)
+                tasks.append(TaskTargets(f"ft{i}", 1.0, teacher_forced_targets(model, on, spec, "cpu")))
+                swap(model, base)
+            return tasks
+
+        # before / after on the first batch: projection k, forward mode, unfolded then folded
+        kb = args.small_k or k
+        for label, fold in (("before: projection k=%d unfolded, forward (first batch)" % kb, False),
+                            ("after: projection k=%d folded, forward (first batch)" % kb, True)):
+            if args.skip_before and not fold:
+                continue
+            spec = OutputSpec(restrict="projection", k=kb, fold_head=fold)
+            tasks = targets(spec, small)
+            t, _ = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk,
+                                                     jacobian_mode="forward", energy=False))
+            rows.append({"option": label, "seconds": t, "x_fwd_jvp": t / t_jvp_small})
+            print(json.dumps(rows[-1]), flush=True)
         # full-logit targets of every fine-tune (for the exact objectives)
         full = [{} for _ in fts]
-        for k, ft in enumerate(fts):
+        for i, ft in enumerate(fts):
             swap(model, ft)
             with torch.no_grad():
                 for b in batches:
-                    full[k][id(b)] = model(**b.inputs).logits.double()
+                    full[i][id(b)] = model(**b.inputs).logits.double()
             swap(model, base)
-        fts_by_id = [{bid: full[k][bid] for bid in full[k]} for k in range(K)]
         rng = np.random.default_rng(0)
         n_atoms = int(base_w.shape[0])
-        points = {"soup": np.full((K, n_atoms), 1.0 / K), "task arithmetic 0.3": np.full((K, n_atoms), 0.3),
-                  "random box point": rng.uniform(0.0, 1.0, (K, n_atoms))}
-        exact_at = {p: exact_objectives(model, site, base_w, deltas, d, batches, fts_by_id) for p, d in points.items()}
-        for label, spec in options.items():
-            tasks = []
-            for k, ft in enumerate(fts):
-                swap(model, ft)
-                tasks.append(TaskTargets(f"ft{k}", 1.0, teacher_forced_targets(model, batches, spec, "cpu")))
-                swap(model, base)
-            for mode in ("forward", "reverse"):
-                if mode == "reverse" and spec.restrict == "none":
-                    continue  # T x 576 VJPs per sample: more than the 1,728 JVPs
-                t, stats = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk,
-                                                             jacobian_mode=mode))
-                qp = stats.problem()
-                row = {"option": f"{label}, {mode}", "seconds": t, "x_fwd_jvp": t / t_jvp}
-                which = 1 if spec.metric == "kl" else 0
-                for p, d in points.items():
-                    row[f"relerr J({p})"] = qp.objective(d) / exact_at[p][which] - 1.0
-                sol = solve(qp, "box:0,1")
-                d_opt = np.asarray(sol.d).reshape(K, n_atoms)
-                exact_opt = exact_objectives(model, site, base_w, deltas, d_opt, batches, fts_by_id)[which]
-                row["J(opt) model"] = qp.objective(d_opt)
-                row["J(opt) exact"] = exact_opt
-                row["relerr J(opt)"] = qp.objective(d_opt) / exact_opt - 1.0
-                row["exact(opt)/exact(soup)"] = exact_opt / exact_at["soup"][which]
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        points = {"soup": np.full((K, n_atoms), 1.0 / K), "TA 0.3": np.full((K, n_atoms), 0.3),
+                  "random": rng.uniform(0.0, 1.0, (K, n_atoms))}
+        exact_at = {p: exact_objectives(model, site, base_w, deltas, d, batches, full) for p, d in points.items()}
+        print(json.dumps({"exact": exact_at}), flush=True)
+        for label, (spec, mode) in options.items():
+            tasks = targets(spec, batches)
+            t, stats = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk,
+                                                         jacobian_mode=mode, energy=False))
+            qp = stats.problem()
+            row = {"option": label, "seconds": t, "x_fwd_jvp": t / t_jvp}
+            which = 1 if spec.metric == "kl" else 0
+            for p, d in points.items():
+                row[f"relerr J({p})"] = qp.objective(d) / exact_at[p][which] - 1.0
+            sol = solve(qp, "box:0,1")
+            d_opt = np.asarray(sol.d).reshape(K, n_atoms)
+            exact_opt = exact_objectives(model, site, base_w, deltas, d_opt, batches, full)[which]
+            row["relerr J(opt)"] = qp.objective(d_opt) / exact_opt - 1.0
+            row["exact(opt)/exact(soup)"] = exact_opt / exact_at["soup"][which]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
         results[name] = {"forward_s": t_fwd, "forward_jvp_s": t_jvp, "forward_small_s": t_fwd_small,
                          "forward_jvp_small_s": t_jvp_small, "exact": exact_at, "rows": rows}
         print(f"\n### {name}: {len(batches)} batches of <= {args.batch} x {args.tokens} tokens; "

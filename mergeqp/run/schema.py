@@ -335,7 +335,7 @@ class OutputConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The default metric and fold_head are left out, so that such a run's plan reads as before."""
+        """The default metric, fold_head and sketch are left out, so that such a run's plan reads as before."""
         out = handler(self)
         if out.get("metric") == "euclidean":
             del out["metric"]

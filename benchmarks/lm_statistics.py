@@ -14,9 +14,10 @@ What it does, on a Llama-style Hugging Face causal LM (float32):
    repository's docs), in batches of ``--batch``.
 3. Per site (per-row atoms, K = 3 -> 3 r atoms): the time of one forward pass and of one
    forward + JVP pass of the model along one tangent at the site (the issue's yardstick), and
-   of the first-order statistics (``collect_first_order``) for each output option; the
-   unfolded full-vocabulary path (before) on the first batch only (``--before-batches``), as
-   its cost per batch.
+   of the first-order statistics (``collect_first_order``, ``energy=False``) for each output
+   option (``--options`` picks a subset); before / after on the first prompt only
+   (``--before-tokens`` tokens, ``projection`` with ``--small-k``): the unfolded logits (slow:
+   every JVP crosses the ``V x H`` head; ``--skip-before`` leaves it out) and the folded head.
 4. Quality: ``J(d)`` of every option's QP at the soup, task arithmetic (``d = 0.3``), a seeded
    random point of the box, and each option's own box-constrained optimum, against the exact
    objective (the nonlinear full-vocabulary calibration squared error of the merged model;

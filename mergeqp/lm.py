@@ -59,6 +59,9 @@ class OutputSpec:
     ``field``: attribute of the model's output (``logits``, ``last_hidden_state``, ...).
     ``restrict``: ``none`` | ``topk`` | ``projection``; ``k``: their size; ``seed``: of ``P``.
     ``metric``: ``euclidean`` | ``kl`` (the softmax Gauss-Newton metric on logits).
+    ``fold_head``: ``None`` (auto) | ``True`` | ``False``: compute the statistics from the final
+    hidden state through the folded linear head (:class:`FoldedHead`). ``sketch``: ``None`` or
+    ``s``: the statistics' Hessian from ``s`` Gaussian combinations of each sample's outputs.
     """
 
     field: str = "logits"
@@ -66,6 +69,8 @@ class OutputSpec:
     k: int | None = None
     seed: int = 0
     metric: str = "euclidean"
+    fold_head: bool | None = None
+    sketch: int | None = None
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +80,41 @@ class OutputSpec:
             raise ValidationError(f"output restriction {self.restrict!r} needs k >= 1")
         if self.metric not in METRICS:
             raise ValidationError(f"output metric {self.metric!r}; valid: {', '.join(METRICS)}")
+        if self.fold_head not in (None, True, False):
+            raise ValidationError(f"output fold_head {self.fold_head!r}; valid: auto (None), true, false")
+        if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
+                                        or self.sketch < 1):
+            raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
+
+    def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
+        """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
+        ``E[S_j'S_j] = I``) of the batch identified by ``key`` (e.g. task and batch index): a
+        float64 draw from ``seed`` and ``key``, cast to ``dtype``."""
+        import torch
+
+        assert self.sketch is not None
+        size = batch * self.sketch * outputs
+        if size > 2**28:
+            raise ValidationError(
+                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over 2^28); "
+                f"fold the head (output.fold_head) or restrict the output first, or use smaller batches")
+        seed = int(self.seed)
+        for part in key:
+            seed = (seed * 1_000_003 + int(part) + 1) % (2**63 - 1)
+        gen = torch.Generator().manual_seed(seed)
+        S = torch.randn(batch, self.sketch, outputs, generator=gen, dtype=torch.float64) / math.sqrt(self.sketch)
+        return S.to(dtype=dtype, device=device)
+
+    def fold_obstacle(self) -> str | None:
+        """Why this output cannot be folded into the final hidden state (``None``: it can)."""
+        if self.fold_head is False:
+            return "fold_head is false"
+        if self.field != "logits":
+            return f"the compared output is {self.field!r}, not logits"
+        if self.metric == "kl" and self.restrict != "topk":
+            return (f"the kl metric with restrict {self.restrict!r} has a vocabulary-size metric "
+                    f"W'(diag p - p p')W per position (fold it with restrict: topk)")
+        return None
 
     def raw(self, model_output: Any) -> Any:
         """The compared tensor of a model's forward output (``(B, T, V)``, ``(B, C)``, ...)."""
@@ -162,13 +202,16 @@ class TargetBatch:
     """A batch with its target: ``target`` is the fine-tuned model's compared output
     (restricted and masked, float64 on CPU); ``index`` the top-k indices (or ``None``);
     ``probs`` the target's distribution for the ``kl`` metric (float64 on CPU, ``(B, T, V)`` or
-    ``(B, T, k)`` for ``topk``; else ``None``); ``count`` the number of compared positions (real
+    ``(B, T, k)`` for ``topk``; else ``None``); ``hidden`` the fine-tune's final hidden state
+    ``n*`` (the head's input, ``(B, T, H)`` float64 on CPU) when the head may be folded (see
+    :class:`FoldedHead`), else ``None``; ``count`` the number of compared positions (real
     tokens, or samples)."""
 
     batch: Batch
     target: Any
     index: Any = None
     probs: Any = None
+    hidden: Any = None
 
     @property
     def count(self) -> int:
@@ -200,8 +243,18 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
     import torch
 
     out = []
+    head = linear_head(model) if spec.fold_obstacle() is None else None
     for batch in batches:
-        raw = spec.raw(forward(model, batch, device))
+        if head is None:
+            raw, hidden = spec.raw(forward(model, batch, device)), None
+        else:
+            captured: list[Any] = []
+            handle = head.register_forward_hook(lambda mod, args, output: captured.append(args[0]))
+            try:
+                raw = spec.raw(forward(model, batch, device))
+            finally:
+                handle.remove()
+            hidden = captured[0].detach().to("cpu", torch.float64) if len(captured) == 1 else None
         if not torch.all(torch.isfinite(raw)):
             raise BadDataError("the fine-tuned model produced non-finite outputs on the calibration prompts "
                                "(NaN or inf in its checkpoint, or an overflow in its dtype)")
@@ -210,7 +263,7 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
         target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index, probs)
         out.append(TargetBatch(batch, target.detach().to("cpu", torch.float64),
                                None if index is None else index.to("cpu"),
-                               None if probs is None else probs.detach().to("cpu")))
+                               None if probs is None else probs.detach().to("cpu"), hidden))
     return out
 
 
@@ -291,3 +344,162 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
         predicted += int(pairs.sum())
     return HeldoutMetrics(total / max(entries, 1), kl / positions if distributions and positions else None,
                           ce / predicted if predicted else None)
+
+
+# ---------------------------------------------------------------------- folding a linear head
+def linear_head(model: Any) -> Any:
+    """The model's output head (``get_output_embeddings()``) if it is an ``nn.Linear``, else ``None``."""
+    import torch
+
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, torch.nn.Linear) else None
+
+
+def backbone(model: Any) -> Any:
+    """The module whose output's ``last_hidden_state`` feeds the head (``model.base_model``), or
+    ``None`` when the model has no separate one."""
+    inner = getattr(model, "base_model", None)
+    return inner if inner is not None and inner is not model else None
+
+
+def last_hidden(out: Any) -> Any:
+    """``last_hidden_state`` of a backbone's output (or its first element)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    value = getattr(out, "last_hidden_state", None)
+    return value if value is not None else out[0]
+
+
+@dataclass(frozen=True, eq=False)
+class FoldedHead:
+    """The compared output as a small linear map of the final hidden state ``n`` (``(B, T, H)``;
+    see the module docstring). ``weight``: the head ``W`` (``(V, H)``) and ``bias`` (``(V,)`` or
+    ``None``) in the model's dtype; ``reduced``: the fixed map ``G`` (``(q, H)``: ``R`` with
+    ``R'R = W'W`` for ``none``, ``P'W`` for ``projection``) or ``None`` for ``topk``."""
+
+    spec: OutputSpec
+    weight: Any
+    bias: Any
+    reduced: Any
+
+    @classmethod
+    def of(cls, head: Any, spec: OutputSpec) -> FoldedHead:
+        """The folded head of an ``nn.Linear`` ``head`` for ``spec`` (the ``(q, H)`` map is
+        computed in float64 once per head weight and kept in ``spec``'s cache)."""
+        import torch
+
+        W = head.weight.detach()
+        bias = None if head.bias is None else head.bias.detach()
+        if spec.restrict == "topk":
+            return cls(spec, W, bias, None)
+        key = ("fold", W.data_ptr(), W._version, tuple(W.shape), str(W.dtype), str(W.device))
+        if key not in spec._cache:
+            G = W.to(torch.float64)
+            if spec.restrict == "projection":
+                G = spec.projection(int(W.shape[0]), torch.float64, W.device).t() @ G  # (k, H)
+            if G.shape[0] > G.shape[1]:  # more rows than H: the Gram's root carries the same metric
+                evals, evecs = torch.linalg.eigh(G.t() @ G)
+                keep = evals > float(evals.max().clamp_min(0.0)) * G.shape[1] * torch.finfo(torch.float64).eps
+                G = evals[keep].sqrt().unsqueeze(1) * evecs[:, keep].t()  # (q, H), R'R = G'G
+            if len(spec._cache) > 8:  # heads of models no longer used
+                spec._cache.clear()
+            spec._cache[key] = G.to(W.dtype)
+        return cls(spec, W, bias, spec._cache[key])
+
+    @property
+    def width(self) -> int | None:
+        """Numbers per position of the folded output (``q`` or ``k``)."""
+        return int(self.reduced.shape[0]) if self.reduced is not None else self.spec.k
+
+    def compared(self, n: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:
+        """The folded compared output of hidden states ``n`` (``(B, T, H)``): ``(B, T, q)``, masked;
+        ``index`` / ``probs``: the target's top-``k`` indices and distribution (``topk``)."""
+        import torch
+
+        if self.reduced is not None:
+            return apply_mask(n @ self.reduced.t(), mask)
+        if index is None:
+            raise ValidationError("topk restriction needs the target's indices")
+        rows = self.weight[index]  # (B, T, k, H): only the target's top-k rows of the head
+        x = torch.einsum("bth,btkh->btk", n.to(rows.dtype), rows)
+        if self.bias is not None:
+            x = x + self.bias[index]
+        if self.spec.metric == "kl":
+            x = kl_whiten(x, probs)
+        return apply_mask(x, mask)
+
+    def unfolded(self, n: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:
+        """``spec.select`` of the head's logits ``W n + b`` (``(B, T, V)`` formed): the check of the fold."""
+        logits = n.to(self.weight.dtype) @ self.weight.t()
+        if self.bias is not None:
+            logits = logits + self.bias
+        return self.spec.select(logits, mask, index, probs)
+
+
+def _agree(a: Any, b: Any, dtype: Any) -> bool:
+    """``a`` and ``b`` equal to rounding of ``dtype`` (relative to ``b``'s norm, float64)."""
+    import torch
+
+    a, b = a.to("cpu", torch.float64), b.to("cpu", torch.float64)
+    tol = min(1e3 * float(torch.finfo(dtype).eps), 1e-2)
+    return float((a - b).norm()) <= tol * float(b.norm()) + 1e-300
+
+
+def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], device: Any,
+                 sites: Sequence[Any] = ()) -> FoldedHead | None:
+    """The :class:`FoldedHead` that the statistics of ``model`` (the linearisation point) on
+    ``batches`` may use, or ``None`` (``spec.fold_head`` ``None``: whenever folding is impossible;
+    ``True``: raise :class:`ValidationError` naming why). Checked, not assumed: the model's
+    logits on the first batch are the head of its backbone's ``last_hidden_state``; every
+    target is the head (this model's) of the fine-tune's stored hidden state, so the
+    fine-tunes share the head; every module of ``sites`` lies inside the backbone."""
+    reason = spec.fold_obstacle()
+    head = linear_head(model) if reason is None else None
+    inner = backbone(model) if head is not None else None
+    if reason is None and head is None:
+        reason = "the model's output head is not an nn.Linear"
+    if reason is None and inner is None:
+        reason = "the model has no backbone (base_model) separate from its head"
+    if reason is None and any(tb.hidden is None for tb in batches):
+        reason = "the targets hold no final hidden state (the fine-tune's head is not an nn.Linear)"
+    if reason is None:
+        inside = {id(m) for m in inner.modules()}
+        outside = [type(s).__name__ for s in sites if id(s) not in inside]
+        if outside:
+            reason = f"merge site(s) outside the backbone ({', '.join(outside)})"
+    fold = None if reason is not None else FoldedHead.of(head, spec)
+    if fold is not None and batches:
+        reason = _fold_mismatch(model, inner, fold, batches, device)
+    if reason is None:
+        return fold
+    if spec.fold_head:
+        raise ValidationError(f"output fold_head: true, but the head cannot be folded: {reason}")
+    return None
+
+
+def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[TargetBatch],
+                   device: Any) -> str | None:
+    """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it does)."""
+    import torch
+
+    dtype = fold.weight.dtype
+    for i, tb in enumerate(batches):
+        mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+        index = None if tb.index is None else tb.index.to(device)
+        probs = None if tb.probs is None else tb.probs.to(device)
+        with torch.no_grad():
+            if i == 0:
+                inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+                full = fold.spec.select(fold.spec.raw(model(**inputs)), mask, index, probs)
+                folded = fold.unfolded(last_hidden(inner(**inputs)), mask, index, probs)
+                if tuple(full.shape) != tuple(folded.shape) or not _agree(folded, full, dtype):
+                    return ("the model's logits are not its head applied to its backbone's last_hidden_state "
+                            "(a scaled or soft-capped head?)")
+            mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
+        if tuple(mine.shape) != tuple(tb.target.shape) or not _agree(mine, tb.target, dtype):
+            return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
+                    f"its final hidden state (the head differs between the base and the fine-tune?)")
+    return None

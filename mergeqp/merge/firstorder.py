@@ -46,7 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
-from ..lm import OutputSpec, TargetBatch
+from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
@@ -178,6 +178,54 @@ def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
     return call, compared
 
 
+def folded_batch_functions(model: Any, fold: FoldedHead, tb: TargetBatch,
+                           device: Any) -> tuple[Callable[[], Any], Callable[[Any], Any], Any]:
+    """:func:`batch_functions` through a folded head: ``call()`` runs the model's backbone (no
+    head, no ``(B, T, V)`` logits), ``compared(output)`` is ``fold`` of its last hidden state,
+    ``(B, c)`` with ``c = T q``; and the target ``fold(n*)`` of the fine-tune's hidden state
+    (``(B, c)``, float64)."""
+    import torch  # deferred: torch is heavy
+
+    inner = backbone(model)
+    inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
+    index = None if tb.index is None else tb.index.to(device)
+    probs = None if tb.probs is None else tb.probs.to(device)
+
+    def call() -> Any:
+        return inner(**inputs)
+
+    def compared(out: Any) -> Any:
+        o = fold.compared(last_hidden(out), mask, index, probs)
+        return o.reshape(o.shape[0], -1)
+
+    with torch.no_grad():
+        target = compared(tb.hidden.to(device=device, dtype=fold.weight.dtype)).to(torch.float64)
+    return call, compared, target
+
+
+def _sketched(compared: Callable[[Any], Any], S: Any) -> Callable[[Any], Any]:
+    """``compared`` followed by each sample's sketch ``S_j`` (``S``: ``(B, s, c)``): ``(B, s)``."""
+    import torch  # deferred: torch is heavy
+
+    return lambda out: torch.einsum("bsc,bc->bs", S, compared(out))
+
+
+def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, Any]], b: Any, K: int) -> Any:
+    """``A'b`` (``(K N,)`` float64, row-major ``(k, atom)`` over the sites' atoms) from one VJP per
+    site with cotangent ``b`` (``(B, c)``): ``(A'b)_(k,a) = <v_(k,a), (d f)' b>``."""
+    import torch  # deferred: torch is heavy
+    from torch.func import vjp  # deferred: torch is heavy
+
+    parts = []
+    for a, f, Z, u0 in sites:
+        _, pull = vjp(f, u0)
+        (w,) = pull(b.to(u0.dtype))  # (B, *positions, r)
+        tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(torch.float64)  # (K n, B, ..., r)
+        parts.append((tang.reshape(tang.shape[0], -1) @ w.reshape(-1).to(torch.float64)).reshape(K, a.n_atoms))
+    return torch.cat(parts, dim=1).reshape(-1)
+
+
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
     import torch  # deferred: torch is heavy
@@ -231,37 +279,54 @@ def collect_first_order(
                leave=False, disable=not progress)
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
+    fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
     with hooked_layers(model, modules) as hooks:
         for ti, task in enumerate(tasks):
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
             for bi, tb in enumerate(task.batches):
-                call, compared = batch_functions(model, spec, tb, device)
+                if fold is None:
+                    call, compared = batch_functions(model, spec, tb, device)
+                    y = tb.target.to(device=device, dtype=torch.float64)
+                else:
+                    call, compared, y = folded_batch_functions(model, fold, tb, device)
                 out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 Bsz = h.shape[0]
-                y = tb.target.to(device=device, dtype=torch.float64).reshape(Bsz, -1)
-                b = h.to(torch.float64) - y
+                b = h.to(torch.float64) - y.reshape(Bsz, -1)
                 e["current"] += float((b * b).sum())
+                S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
+                measured = compared if S is None else _sketched(compared, S)
                 blocks = []
+                exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):
                     Z = append_ones(hook.layer_input, a.site.has_bias)
                     u0 = torch.zeros_like(hook.layer_output)
-                    derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0,
-                                                    int(h.shape[1]), chunk_size=chunk_size)
+                    f = perturbed_output(hook, call, compared)
+                    derivatives = OutputDerivatives(perturbed_output(hook, call, measured), u0,
+                                                    int(h.shape[1]) if S is None else int(S.shape[1]),
+                                                    chunk_size=chunk_size)
                     off = a.offset_tangent(Z)
                     if off is not None:
-                        b = b - derivatives.push(off.to(u0.dtype)).to(torch.float64)
+                        push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
+                        b = b - push.push(off.to(u0.dtype)).to(torch.float64)
                     # all K * n_atoms tangents, model-major
                     tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
-                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c)
+                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c) (c = s with a sketch)
                     cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
                     blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
+                    if S is not None:
+                        exact_f.append((a, f, Z, u0))
                 A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
                 if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
                     raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
-                sums.add_design(ti, A, b)
-                sums.add_residual(ti, b)
+                sums.add_residual(ti, b)  # c exact, sketch or not
+                if S is None:
+                    sums.add_design(ti, A, b)
+                else:  # unbiased H from the sketched rows; g exact: one VJP per site with cotangent b
+                    sums.add_design(ti, A, torch.zeros(A.shape[:2], dtype=torch.float64, device=A.device))
+                    sums.g[ti] += 2.0 * _exact_gradient(exact_f, b, K)
+                    b = torch.einsum("bsc,bc->bs", S.to(torch.float64), b)  # the energy is the sketched one
                 count += tb.count
                 if energy:
                     e["total"] += float((b * b).sum())
@@ -287,5 +352,7 @@ def collect_first_order(
         atom_names=atom_names, model_names=names, task_names=tuple(t.name for t in tasks),
         task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),
         metadata={"parametrisations": [a.param.to_json() for a in atoms],
-                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k}},
+                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k},
+                  **({} if fold is None else {"folded_head_width": fold.width}),
+                  **({} if spec.sketch is None else {"sketch": spec.sketch})},
     )

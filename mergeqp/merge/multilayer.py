@@ -61,7 +61,8 @@ class QPSettings:
     ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
     vectorised JVP call; ``compare_sequential`` (``joint`` mode): also run the sequential QP on a
     copy of the model for the report; ``mode_options``: the merge mode's own options (validated
-    by its entry, :meth:`mergeqp.merge.modes.MergeMode.check_options`).
+    by its entry, :meth:`mergeqp.merge.modes.MergeMode.check_options`); ``jacobian_mode``: of the
+    statistics' derivatives (:func:`~.firstorder.collect_first_order`).
     """
 
     parametrisation: str = "rows"
@@ -79,6 +80,7 @@ class QPSettings:
     mode_options: Mapping[str, Any] = field(default_factory=dict)
     #: ``rows+baselines``: the tensor-wise baselines whose merged residuals are atoms (name, params)
     baselines: tuple[BaselineChoice, ...] = ()
+    jacobian_mode: str = "auto"
 
     @property
     def parametrisation_options(self) -> dict[str, Any]:
@@ -318,7 +320,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     t1 = time.perf_counter()
     stats = collect_first_order(ctx.model, atoms, ctx.tasks, ctx.spec, ctx.device,
                                 model_names=ctx.model_names, chunk_size=ctx.settings.chunk_size,
-                                progress=ctx.progress)
+                                progress=ctx.progress, jacobian_mode=ctx.settings.jacobian_mode)
     t2 = time.perf_counter()
     qp = stats.problem()
     mu = ctx.settings.regularisation

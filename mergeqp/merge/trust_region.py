@@ -393,7 +393,8 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         now = [dataclasses.replace(a, offset=up[a.site.name] if np.any(D[:, blocks[a.site.name]]) else None)
                for a in atoms]
         stats = collect_first_order(ctx.model, now, ctx.tasks, ctx.spec, ctx.device, model_names=ctx.model_names,
-                                    chunk_size=ctx.settings.chunk_size, progress=ctx.progress)
+                                    chunk_size=ctx.settings.chunk_size, progress=ctx.progress,
+                                    jacobian_mode=ctx.settings.jacobian_mode)
         if not first:
             first.append(stats)
         return stats.problem()

@@ -335,8 +335,9 @@ class _Run:
     def __post_init__(self) -> None:
         cfg = self.plan.config
         self.cfg = cfg
-        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric)
-        self.eval_spec = OutputSpec(cfg.output.field, "none")
+        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
+                               cfg.output.fold_head_flag, cfg.output.sketch)
+        self.eval_spec = OutputSpec(cfg.output.field, "none", fold_head=False)
 
     def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
         """Write the merged folder with its ``report.json`` / ``report.md`` inside, atomically (the

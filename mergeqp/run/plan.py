@@ -151,6 +151,9 @@ class MergePlan:
             o = cfg.output
             restrict = "all logits" if o.restrict == "none" else f"{o.restrict} k={o.k}"
             lines.append(f"  compared output: {o.field} ({restrict}), targets: fine-tuned models, teacher forced")
+            if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
+                lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {o.sketch or 'none'}, "
+                             f"jacobian_mode {m.jacobian_mode}")
             lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
             for g in self.groups:
                 lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "

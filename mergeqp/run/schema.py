@@ -190,7 +190,10 @@ class MethodConfig(_Strict):
     ``solver`` (``auto`` or a registry name) and ``solver_options``; ``regularisation`` ``mu``
     adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup ``1/K`` (``reference: soup``) or 0;
     ``compare_sequential`` (joint mode): also run the sequential QP on the same layers and put
-    the comparison in the report; ``chunk_size``: atoms per vectorised JVP call.
+    the comparison in the report; ``chunk_size``: atoms per vectorised JVP call;
+    ``jacobian_mode``: how the statistics' derivatives are taken: ``forward`` (one JVP per atom),
+    ``reverse`` (one VJP per compared output) or ``auto`` (default: the fewer, by counting; the
+    two agree to rounding, :func:`mergeqp.stats.linearise.choose_mode`).
     """
 
     name: str = "qp"
@@ -209,6 +212,7 @@ class MethodConfig(_Strict):
     baselines: list[BaselineSpec] = Field(default_factory=list)
     compare_sequential: bool = True
     chunk_size: int = Field(default=256, ge=1)
+    jacobian_mode: Literal["auto", "forward", "reverse"] = "auto"
     params: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -258,7 +262,7 @@ class MethodConfig(_Strict):
         if self.name != "qp":
             qp_only = [k for k in ("mode", "parametrisation", "basis", "rank", "basis_max_size", "constraints", "solver",
                                    "solver_options", "regularisation", "reference", "start",
-                                   "mode_options", "baselines", "compare_sequential", "chunk_size")
+                                   "mode_options", "baselines", "compare_sequential", "chunk_size", "jacobian_mode")
                        if k in self.model_fields_set]
             if qp_only:
                 raise ValueError(
@@ -318,12 +322,26 @@ class OutputConfig(_Strict):
     the merged model: the objective only sees those entries). ``metric``: ``euclidean`` (the
     squared logit error) or ``kl`` (the softmax Gauss-Newton metric: the objective approximates
     ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`).
+    ``fold_head``: ``auto`` (default), ``true`` or ``false``: compute the statistics from the final
+    hidden state through the model's linear head folded into the metric (the same objective to
+    rounding, no ``tokens x vocabulary`` logits in the derivative passes; ``auto`` folds whenever
+    the head is a shared ``nn.Linear`` and the output allows it, ``true`` fails naming why not;
+    :class:`mergeqp.lm.FoldedHead`). ``sketch``: ``s`` (default none): the statistics' Hessian
+    from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
+    and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch.
     """
 
     field: str = "logits"
     restrict: Literal["none", "topk", "projection"] = "none"
     k: int | None = Field(default=None, ge=1)
     metric: Literal["euclidean", "kl"] = "euclidean"
+    fold_head: bool | Literal["auto"] = "auto"
+    sketch: int | None = Field(default=None, ge=1)
+
+    @property
+    def fold_head_flag(self) -> bool | None:
+        """``fold_head`` as :class:`mergeqp.lm.OutputSpec` takes it (``None`` for ``auto``)."""
+        return None if self.fold_head == "auto" else bool(self.fold_head)
 
     @model_validator(mode="after")
     def _k(self) -> OutputConfig:
@@ -335,10 +353,14 @@ class OutputConfig(_Strict):
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The default metric is left out, so that a Euclidean run's plan reads as before."""
+        """The default metric, fold_head and sketch are left out, so that such a run's plan reads as before."""
         out = handler(self)
         if out.get("metric") == "euclidean":
             del out["metric"]
+        if out.get("fold_head") == "auto":
+            del out["fold_head"]
+        if out.get("sketch") is None:
+            out.pop("sketch", None)
         return out
 
 

@@ -270,6 +270,37 @@ def _read_cached(out: Path, key: str) -> EncoderFinetune | None:
                            0.0, True, key, record.get("settings", {}))
 
 
+def write_like_base(base: Path, staging: Path, tensors: dict[str, Any]) -> None:
+    """Write a copy of the base folder's top-level files into ``staging`` with ``tensors`` (live
+    parameter names) replaced in its safetensors: the same stored names, buffers and metadata as
+    the base (``save_pretrained`` would drop stored buffers such as BERT's ``position_ids``, and
+    a merge requires every model to hold the base's tensors)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    done = set()
+    for f in sorted(base.iterdir()):
+        if not f.is_file():
+            continue
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, staging / f.name)
+            continue
+        with safe_open(str(f), framework="pt") as fh:
+            meta = fh.metadata()
+            stored = {k: fh.get_tensor(k) for k in fh.keys()}
+        for key in stored:
+            for n, v in tensors.items():
+                if key == n or key.endswith("." + n):
+                    stored[key] = v.to(stored[key].dtype).contiguous()
+                    done.add(n)
+        save_file(stored, str(staging / f.name), metadata=meta)
+    missing = sorted(set(tensors) - done)
+    if missing:
+        raise ValidationError(f"{base}: trained tensors {missing[:4]} not found in its safetensors")
+
+
 def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], texts: Sequence[str],
                      labels: np.ndarray, n_classes: int, out_folder: str | Path, settings: EncoderSettings, *,
                      device: str = "cpu", progress: bool = True,
@@ -280,7 +311,6 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
-    from transformers import AutoTokenizer
 
     base = Path(base_folder).expanduser()
     out = Path(out_folder).expanduser()
@@ -332,10 +362,9 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     bias = head.bias.detach().cpu().contiguous()
     record = {"key": key, "base": str(base), "trained": trained, "losses": losses, "seconds": seconds,
               "texts": len(texts), "classes": n_classes, "settings": asdict(settings)}
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
+    tuned = {n: p.detach().cpu() for n, p in model.named_parameters() if n in chosen}
     with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
-        model.save_pretrained(str(staging))
-        tokenizer.save_pretrained(str(staging))
+        write_like_base(base, staging, tuned)
         save_file({"weight": weight, "bias": bias}, str(staging / HEAD_FILE))
         write_json_atomic(staging / FINETUNE_RECORD, record)
     if log is not None:

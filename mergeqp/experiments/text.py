@@ -66,7 +66,9 @@ class TextConfig:
     glob of the layer(s) of the single-layer QP and the geometry experiment (default: all trained
     layers); ``ta_scalings``: the task-arithmetic weights tried on calibration data; ``ranks``:
     basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
-    ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
+    ``output_k``: the merge QPs compare each token state through a seeded ``(H, k)`` Gaussian
+    projection (``output: {restrict: projection, k}``, an unbiased estimate of the token states'
+    squared error; ``None``: all ``H`` dimensions); ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
 
     train_per_task: int = 1024
     calibration_per_task: int = 100
@@ -82,6 +84,7 @@ class TextConfig:
     bases: tuple[str, ...] = BASES
     trust_region: dict[str, Any] = field(default_factory=lambda: {"max_steps": 6})
     ties_density: float = 0.5
+    output_k: int | None = 64
     merge_batch_size: int = 16
     chunk_size: int = 256
 
@@ -92,6 +95,8 @@ class TextConfig:
                 raise ValidationError(f"text experiment {name} must be >= 1, got {getattr(self, name)}")
         if not self.ta_scalings or any(not np.isfinite(s) for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be finite numbers, got {self.ta_scalings}")
+        if self.output_k is not None and int(self.output_k) < 1:
+            raise ValidationError(f"output_k must be >= 1 or None, got {self.output_k}")
         if any(int(p) < 1 for p in self.ranks):
             raise ValidationError(f"ranks must be >= 1, got {self.ranks}")
         bad = [b for b in self.bases if b not in BASES]
@@ -106,7 +111,8 @@ class TextConfig:
     def quick(cls) -> TextConfig:
         return cls(train_per_task=256, calibration_per_task=32, test_per_task=128, max_length=48,
                    train_patterns=("encoder.layer.5.output.dense.*",), epochs=3,
-                   ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 4, 16), trust_region={"max_steps": 3})
+                   ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 8), trust_region={"max_steps": 2},
+                   output_k=4, merge_batch_size=32)
 
     def encoder_settings(self, seed: int, task_index: int) -> EncoderSettings:
         return EncoderSettings(self.train_patterns, self.epochs, self.lr, self.head_lr, self.batch_size,
@@ -289,7 +295,13 @@ class _Run:
         return MergeConfig(base=str(self.base), models=models, layers=list(layers), method=method,
                            calibration={"max_length": cfg.max_length, "batch_size": cfg.merge_batch_size,
                                         "holdout": 0},
-                           output={"field": "last_hidden_state"}, device=self.device, evaluate=False, seed=self.seed)
+                           output=self.output_block(), device=self.device, evaluate=False, seed=self.seed)
+
+    def output_block(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"field": "last_hidden_state"}
+        if self.cfg.output_k is not None:
+            out.update(restrict="projection", k=int(self.cfg.output_k))
+        return out
 
     def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None) -> dict[str, Any]:
         """Run one merge through :func:`mergeqp.run.run_merge`, evaluate it, drop its folder."""
@@ -436,7 +448,9 @@ class _Run:
             "config": cfg.to_dict(), "base_model": str(self.base), "device": self.device,
             "device_note": self.device_note, "cache": str(self.cache), "features_cached": self.features_cached,
             "trained": list(self.trained), "layers": self.layers, "tasks": tasks,
-            "compared_output": "last_hidden_state (token states of real tokens; the pooled embedding is their mean)",
+            "compared_output": "last_hidden_state (token states of real tokens; the pooled embedding is their mean)"
+                               + (f", each token state seen through a seeded Gaussian projection to k = {cfg.output_k} "
+                                  f"dimensions (unbiased estimate of its squared error)" if cfg.output_k else ""),
             "mse_definition": "mean over test texts and embedding dimensions of (pooled merged - pooled fine-tune)^2",
             "methods": methods, "references": references, "selection": selection, "geometry": geometry,
             "environment": {"python": platform.python_version(), "torch": torch.__version__,

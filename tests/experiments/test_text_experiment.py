@@ -34,7 +34,7 @@ LAYER = "encoder.layer.1.output.dense"
 def tiny_config() -> TextConfig:
     return TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
                       train_patterns=(LAYER + ".*",), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1, 2),
-                      trust_region={"max_steps": 1})
+                      trust_region={"max_steps": 1}, output_k=8)
 
 
 def synthetic_tasks(tiny_hf, n: int = 90) -> list[Corpus]:

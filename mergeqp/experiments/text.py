@@ -43,10 +43,15 @@ import numpy as np
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
+from ..merge.registry import merge_state_dicts
+from ..run.pipeline import resolve_device, run_merge
+from ..run.schema import MergeConfig
+from . import text_report
 from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
-from .text_encoder import (EncoderSettings, cached_block_inputs, finetune_encoder, first_trained_block,
-                           load_encoder, pooled_embeddings)
+from .finetune_lm import trainable_names
+from .text_encoder import (EncoderSettings, FeatureBatch, cached_block_inputs, finetune_encoder,
+                           first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
@@ -134,8 +139,6 @@ def default_base_folder() -> Path:
 
 def resolve_text_device(name: str) -> tuple[str, str | None]:
     """``(device, note)``: ``cuda`` without CUDA runs on CPU and says so (the run layer's rule)."""
-    from ..run.pipeline import resolve_device
-
     if name not in DEVICES and not name.startswith("cuda:"):
         raise ValidationError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (or cuda:N)")
     return resolve_device(name)
@@ -221,7 +224,6 @@ class _Run:
     def prepare(self) -> None:
         from transformers import AutoTokenizer
 
-        from .finetune_lm import trainable_names
 
         cfg = self.cfg
         self.top = load_encoder(self.base, self.device)
@@ -286,8 +288,6 @@ class _Run:
 
     # ------------------------------------------------------------------ merges
     def merge_config(self, method: dict[str, Any], layers: Sequence[str]) -> Any:
-        from ..run.schema import MergeConfig
-
         cfg = self.cfg
         models = [{"name": t.splits.name, "path": str(t.finetune.folder),
                    "calibration": {"path": str(self.prompt_files[i]), "field": "text"}}
@@ -305,8 +305,6 @@ class _Run:
 
     def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None) -> dict[str, Any]:
         """Run one merge through :func:`mergeqp.run.run_merge`, evaluate it, drop its folder."""
-        from ..run.pipeline import run_merge
-
         mc = self.merge_config(method, layers or self.layers)
         out = self.work / label
         t0 = time.perf_counter()
@@ -325,8 +323,6 @@ class _Run:
         needs logits, which a bare encoder does not output. Per calibration text of a task, the
         squared gradient of ``log p(y | text)`` at the fine-tune's own prediction ``y`` (the run
         layer's label rule), averaged; then :func:`mergeqp.merge_state_dicts` ``fisher``."""
-        from ..merge.registry import merge_state_dicts
-
         t0 = time.perf_counter()
         states, fishers = [], []
         for t, head in zip(self.tasks, self.head):
@@ -342,8 +338,6 @@ class _Run:
         return entry
 
     def run(self, out_dir: str, figures: bool) -> dict[str, Any]:
-        from . import text_report
-
         t_start = time.perf_counter()
         self.prepare()
         with tempfile.TemporaryDirectory(prefix="mergeqp-text-") as work:
@@ -464,8 +458,6 @@ def classifier_fisher(model: Any, tensors: dict[str, Any], head: tuple[Any, Any]
     ``head(pooled(model))``: mean over texts of the squared gradient of ``log p(y | text)``, ``y``
     the classifier's own prediction. One text at a time (its real tokens only)."""
     import torch
-
-    from .text_encoder import FeatureBatch, run_top
 
     params = dict(model.named_parameters())
     with torch.no_grad():

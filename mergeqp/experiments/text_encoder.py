@@ -1,0 +1,378 @@
+"""A sentence encoder whose lower blocks are frozen: cached block inputs, pooled embeddings, fine-tunes.
+
+The text experiment trains and merges only tensors in the top blocks of a BERT-style encoder
+(``model.encoder.layer[i]``, e.g. all-MiniLM-L6-v2's ``encoder.layer.5.output.dense``). Everything
+below the first trained block is the base's, so its output is computed once per text and cached:
+
+- :func:`block_inputs`: tokenise texts (truncated to ``max_length``, right-padded per batch of
+  texts sorted by length) and record, per batch, the hidden states entering block ``first_block``
+  ``(B, T, H)``, the attention mask ``(B, T)`` and the mask the block receives (captured by a
+  forward pre-hook, so it is the model's own format); the forward stops there.
+- :func:`pooled_embeddings`: run blocks ``first_block..`` on cached inputs and mean-pool the last
+  hidden state over real tokens: the sentence embedding ``(N, H)`` (all-MiniLM-L6-v2's pooling,
+  without its final normalisation).
+- :func:`finetune_encoder`: train the tensors named by ``train_patterns`` together with a linear
+  head ``(C, H)`` on the pooled embedding (cross-entropy, Adam) and save the encoder as a Hugging
+  Face folder plus ``head.safetensors`` and ``finetune.json`` (settings, key, loss curve). The
+  folder is written atomically; a call whose key (base weights' identity, texts, labels,
+  settings) matches an existing folder returns it without training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
+from .finetune_lm import FINETUNE_RECORD, trainable_names
+from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
+
+HEAD_FILE = "head.safetensors"
+_BLOCK = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class FeatureBatch:
+    """Cached inputs of the first trained block for one batch: ``hidden`` ``(B, T, H)``, the
+    tokens' ``attention_mask`` ``(B, T)`` (1 = real token), the block's own ``block_mask`` (any
+    format the model uses, or ``None``), integer ``labels`` ``(B,)`` and the texts' positions
+    ``rows`` ``(B,)`` in the list given to :func:`block_inputs`."""
+
+    hidden: Any
+    attention_mask: Any
+    block_mask: Any
+    labels: Any
+    rows: Any
+
+
+@dataclass(frozen=True)
+class EncoderSettings:
+    """How tasks are fine-tuned: ``train_patterns`` (globs over the encoder's parameter names,
+    all in blocks >= the first trained block), ``epochs`` over the training batches, Adam ``lr``
+    for the encoder tensors and ``head_lr`` for the head, ``batch_size`` texts of at most
+    ``max_length`` tokens, ``seed``."""
+
+    train_patterns: tuple[str, ...]
+    epochs: int = 4
+    lr: float = 1e-3
+    head_lr: float = 1e-2
+    batch_size: int = 32
+    max_length: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.train_patterns:
+            raise ValidationError("train_patterns: give at least one parameter-name glob to train")
+        for name in ("epochs", "batch_size", "max_length"):
+            if int(getattr(self, name)) < 1:
+                raise ValidationError(f"fine-tune {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "head_lr"):
+            v = float(getattr(self, name))
+            if not (np.isfinite(v) and v > 0):
+                raise ValidationError(f"fine-tune {name} must be a positive number, got {v}")
+
+
+@dataclass(frozen=True)
+class EncoderFinetune:
+    """A fine-tuned task: ``folder`` (Hugging Face encoder + head), ``trained`` parameter names,
+    ``head_weight`` ``(C, H)`` / ``head_bias`` ``(C,)`` (torch tensors), per-step ``losses``,
+    wall ``seconds`` of training (0 when ``cached``) and the cache ``key``."""
+
+    folder: Path
+    trained: tuple[str, ...]
+    head_weight: Any
+    head_bias: Any
+    losses: tuple[float, ...]
+    seconds: float
+    cached: bool
+    key: str
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def encoder_blocks(model: Any) -> Any:
+    """The block list of a BERT-style encoder (``model.encoder.layer``); an error names what is missing."""
+    enc = getattr(model, "encoder", None)
+    blocks = getattr(enc, "layer", None)
+    if blocks is None:
+        raise ValidationError(f"{type(model).__name__} has no encoder.layer block list; the text experiment "
+                              f"needs a BERT-style encoder (e.g. BertModel)")
+    return blocks
+
+
+def first_trained_block(names: Sequence[str]) -> int:
+    """The lowest block index among parameter names ``encoder.layer.<i>.*``; a name outside the
+    blocks is an error (everything below the first trained block is cached)."""
+    blocks = []
+    for n in names:
+        m = _BLOCK.search(n)
+        if m is None:
+            raise ValidationError(f"trained parameter {n!r} is not inside encoder.layer.<i>; the text experiment "
+                                  f"trains tensors of the top blocks only")
+        blocks.append(int(m.group(1)))
+    if not blocks:
+        raise ValidationError("no trained parameters")
+    return min(blocks)
+
+
+def load_encoder(folder: str | Path, device: str = "cpu") -> Any:
+    """A frozen encoder in eval mode (eager attention, the run layer's choice, so that the block
+    masks captured here fit the blocks of every model loaded the same way)."""
+    from transformers import AutoModel  # optional heavy dependency: the experiment runs on transformers
+
+    try:
+        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager")
+    except (ValueError, TypeError):
+        model = AutoModel.from_pretrained(str(folder))
+    model.to(device).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+class _Stop(Exception):
+    """Raised by the capture hook to end a forward at the first trained block."""
+
+
+def block_inputs(model: Any, tokenizer: Any, texts: Sequence[str], labels: Sequence[int], first_block: int,
+                 max_length: int, batch_size: int, device: str = "cpu") -> list[FeatureBatch]:
+    """Per batch of texts (sorted by token count), the inputs of block ``first_block``; see the
+    module docstring. Tensors are kept on ``device``."""
+    import torch
+
+    blocks = encoder_blocks(model)
+    if not 0 <= first_block < len(blocks):
+        raise ValidationError(f"first trained block {first_block} outside the encoder's {len(blocks)} blocks")
+    lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]]
+    order = np.argsort(lengths, kind="stable")
+    captured: dict[str, Any] = {}
+
+    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
+        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
+        captured["mask"] = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        raise _Stop
+
+    handle = blocks[first_block].register_forward_pre_hook(hook, with_kwargs=True)
+    out = []
+    try:
+        with torch.no_grad():
+            for s in range(0, len(order), batch_size):
+                rows = order[s: s + batch_size]
+                enc = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, truncation=True,
+                                max_length=max_length)
+                enc = {k: v.to(device) for k, v in enc.items()}
+                try:
+                    model(**enc)
+                except _Stop:
+                    pass
+                out.append(FeatureBatch(captured["hidden"].detach(), enc["attention_mask"], captured["mask"],
+                                        torch.as_tensor(np.asarray(labels)[rows], dtype=torch.long, device=device),
+                                        torch.as_tensor(rows, dtype=torch.long)))
+    finally:
+        handle.remove()
+    return out
+
+
+def run_top(model: Any, batch: FeatureBatch, first_block: int) -> Any:
+    """The pooled embedding ``(B, H)`` of one cached batch through blocks ``first_block..``."""
+    h = batch.hidden
+    for block in list(encoder_blocks(model))[first_block:]:
+        out = block(h, batch.block_mask)
+        h = out[0] if isinstance(out, tuple) else out
+    m = batch.attention_mask.to(h.dtype).unsqueeze(-1)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def pooled_embeddings(model: Any, batches: Sequence[FeatureBatch], first_block: int) -> tuple[Any, Any]:
+    """``(embeddings (N, H), labels (N,))`` in the original text order (float32, CPU)."""
+    import torch
+
+    n = sum(len(b.rows) for b in batches)
+    emb: Any = None
+    labels = torch.empty(n, dtype=torch.long)
+    with torch.no_grad():
+        for b in batches:
+            e = run_top(model, b, first_block).float().cpu()
+            if emb is None:
+                emb = torch.empty(n, e.shape[1])
+            emb[b.rows] = e
+            labels[b.rows] = b.labels.cpu()
+    return emb, labels
+
+
+def texts_key(*items: Any) -> str:
+    """A short hash of strings, sequences of texts and label arrays (cache keys)."""
+    h = hashlib.sha256()
+    for item in items:
+        if isinstance(item, str):
+            h.update(b"s" + item.encode())
+        elif isinstance(item, np.ndarray):
+            h.update(b"a" + np.ascontiguousarray(item, dtype=np.int64).tobytes())
+        else:
+            for t in item:
+                h.update(hashlib.sha256(str(t).encode()).digest())
+        h.update(b"|")
+    return h.hexdigest()[:24]
+
+
+def cached_block_inputs(cache_dir: Path | None, base_folder: Path, model: Any, tokenizer: Any, texts: Sequence[str],
+                        labels: np.ndarray, first_block: int, max_length: int, batch_size: int,
+                        device: str = "cpu") -> tuple[list[FeatureBatch], bool]:
+    """:func:`block_inputs`, stored in ``cache_dir/features/<key>.pt`` (atomic) and read back when
+    the key (base weights, texts, labels, block, length, batch size) matches. Returns
+    ``(batches, from_cache)``."""
+    import torch
+
+    key = texts_key(weights_identity(base_folder), texts, np.asarray(labels),
+                    f"{first_block}:{max_length}:{batch_size}")
+    path = None if cache_dir is None else Path(cache_dir) / "features" / f"{key}.pt"
+    if path is not None and path.is_file():
+        try:
+            raw = torch.load(path, map_location=device, weights_only=True)
+            return [FeatureBatch(**b) for b in raw], True
+        except Exception:  # noqa: BLE001 - an unreadable cache entry is recomputed
+            pass
+    batches = block_inputs(model, tokenizer, texts, labels, first_block, max_length, batch_size, device)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path, "wb") as fh:
+            torch.save([asdict(b) for b in batches], fh)
+    return batches, False
+
+
+def finetune_key(base_folder: Path, texts: Sequence[str], labels: np.ndarray, settings: EncoderSettings) -> str:
+    return texts_key(weights_identity(base_folder), json.dumps(asdict(settings), sort_keys=True), texts,
+                     np.asarray(labels))
+
+
+def _read_cached(out: Path, key: str) -> EncoderFinetune | None:
+    from safetensors.torch import load_file
+
+    record_path = out / FINETUNE_RECORD
+    if not (record_path.is_file() and (out / HEAD_FILE).is_file()):
+        return None
+    try:
+        record = json.loads(record_path.read_text())
+        if record.get("key") != key:
+            return None
+        head = load_file(str(out / HEAD_FILE))
+    except (OSError, json.JSONDecodeError, ValueError, RuntimeError):
+        return None
+    return EncoderFinetune(out, tuple(record["trained"]), head["weight"], head["bias"], tuple(record["losses"]),
+                           0.0, True, key, record.get("settings", {}))
+
+
+def write_like_base(base: Path, staging: Path, tensors: dict[str, Any]) -> None:
+    """Write a copy of the base folder's top-level files into ``staging`` with ``tensors`` (live
+    parameter names) replaced in its safetensors: the same stored names, buffers and metadata as
+    the base (``save_pretrained`` would drop stored buffers such as BERT's ``position_ids``, and
+    a merge requires every model to hold the base's tensors)."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    done = set()
+    for f in sorted(base.iterdir()):
+        if not f.is_file():
+            continue
+        if f.suffix != ".safetensors":
+            shutil.copy2(f, staging / f.name)
+            continue
+        with safe_open(str(f), framework="pt") as fh:
+            meta = fh.metadata()
+            stored = {k: fh.get_tensor(k) for k in fh.keys()}
+        for key in stored:
+            for n, v in tensors.items():
+                if key == n or key.endswith("." + n):
+                    stored[key] = v.to(stored[key].dtype).contiguous()
+                    done.add(n)
+        save_file(stored, str(staging / f.name), metadata=meta)
+    missing = sorted(set(tensors) - done)
+    if missing:
+        raise ValidationError(f"{base}: trained tensors {missing[:4]} not found in its safetensors")
+
+
+def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], texts: Sequence[str],
+                     labels: np.ndarray, n_classes: int, out_folder: str | Path, settings: EncoderSettings, *,
+                     device: str = "cpu", progress: bool = True,
+                     log: Callable[[str], None] | None = None) -> EncoderFinetune:
+    """Fine-tune (see the module docstring) on the cached training ``batches`` (made from
+    ``texts`` / ``labels`` with the settings' ``max_length`` and ``batch_size``); ``texts`` and
+    ``labels`` only enter the cache key. Returns the cached folder when its key matches."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    base = Path(base_folder).expanduser()
+    out = Path(out_folder).expanduser()
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / FINETUNE_RECORD).is_file())):
+        raise ValidationError(f"fine-tune output {out} exists and is not a fine-tune folder of mergeqp (no "
+                              f"{FINETUNE_RECORD}); it is never overwritten: choose another folder")
+    key = finetune_key(base, texts, labels, settings)
+    hit = _read_cached(out, key)
+    if hit is not None:
+        return hit
+    torch.manual_seed(settings.seed)
+    model = load_encoder(base, device)
+    trained = trainable_names(model, settings.train_patterns)
+    first = first_trained_block(trained)
+    chosen = set(trained)
+    params = []
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in chosen)
+        if name in chosen:
+            params.append(p)
+    hidden = int(batches[0].hidden.shape[-1])
+    head = torch.nn.Linear(hidden, n_classes).to(device)
+    opt = torch.optim.Adam([{"params": params, "lr": settings.lr},
+                            {"params": head.parameters(), "lr": settings.head_lr}])
+    gen = torch.Generator().manual_seed(settings.seed)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    steps = settings.epochs * len(batches)
+    bar = tqdm(total=steps, desc=f"fine-tune {out.name}", leave=False, disable=None if progress else True)
+    for _ in range(settings.epochs):
+        for i in torch.randperm(len(batches), generator=gen).tolist():
+            b = batches[i]
+            loss = torch.nn.functional.cross_entropy(head(run_top(model, b, first)), b.labels)
+            if not torch.isfinite(loss.detach()):
+                raise ValidationError(f"fine-tune {out.name!r}: the loss became {float(loss)}; lower the learning "
+                                      f"rate (lr={settings.lr}, head_lr={settings.head_lr})")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    weight = head.weight.detach().cpu().contiguous()
+    bias = head.bias.detach().cpu().contiguous()
+    record = {"key": key, "base": str(base), "trained": trained, "losses": losses, "seconds": seconds,
+              "texts": len(texts), "classes": n_classes, "settings": asdict(settings)}
+    tuned = {n: p.detach().cpu() for n, p in model.named_parameters() if n in chosen}
+    with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
+        write_like_base(base, staging, tuned)
+        save_file({"weight": weight, "bias": bias}, str(staging / HEAD_FILE))
+        write_json_atomic(staging / FINETUNE_RECORD, record)
+    if log is not None:
+        log(f"fine-tuned {out.name}: {len(trained)} tensors + head, loss {np.mean(losses[:5]):.3f} -> "
+            f"{np.mean(losses[-5:]):.3f} ({seconds:.0f} s)")
+    return EncoderFinetune(out, tuple(trained), weight, bias, tuple(losses), seconds, False, key, asdict(settings))
+
+
+__all__ = ["EncoderFinetune", "EncoderSettings", "FeatureBatch", "block_inputs", "cached_block_inputs",
+           "encoder_blocks", "finetune_encoder", "first_trained_block", "load_encoder", "pooled_embeddings",
+           "run_top", "texts_key"]

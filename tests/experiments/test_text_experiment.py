@@ -1,0 +1,232 @@
+"""``mergeqp experiment text`` end to end on a tiny random BertModel with tiny synthetic tasks.
+
+Checks: the CLI run writes results / report / figures with every QP mode and baseline; splits are
+disjoint and stratified; fine-tunes and block inputs are cached (second call trains nothing);
+choices (task-arithmetic weight, recommended merge) follow the calibration numbers only; the
+cached-prefix embeddings equal a full forward; the report renders; CLI errors are clear.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mergeqp.cli import main
+from mergeqp.errors import ValidationError
+from mergeqp.experiments import text as text_mod
+from mergeqp.experiments.corpora import Corpus
+from mergeqp.experiments.text import BASELINES, QP_MODES, TextConfig, run_text_experiment
+from mergeqp.experiments.text_encoder import (EncoderSettings, cached_block_inputs, finetune_encoder,
+                                              load_encoder, pooled_embeddings)
+from mergeqp.experiments.text_report import render_text_report
+from mergeqp.experiments.text_tasks import check_disjoint, split_task
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+LAYER = "encoder.layer.1.output.dense"
+
+
+def tiny_config() -> TextConfig:
+    return TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
+                      train_patterns=(LAYER + ".*",), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1, 2),
+                      trust_region={"max_steps": 1}, output_k=8)
+
+
+def synthetic_tasks(tiny_hf, n: int = 90) -> list[Corpus]:
+    rng = np.random.default_rng(0)
+    words = tiny_hf.TASK_WORDS
+
+    def task(name: str, groups: list[list[str]]) -> Corpus:
+        texts, labels = [], []
+        for i in range(n):
+            lab = i % len(groups)
+            texts.append(" ".join(rng.choice(groups[lab], size=int(rng.integers(2, 9)))))
+            labels.append(lab)
+        return Corpus(name, tuple(texts), np.array(labels), tuple(f"c{j}" for j in range(len(groups))), "synthetic")
+
+    return [task("a", [words["code"], words["math"]]), task("b", [words["story"], words["math"]]),
+            task("c", [words["code"], words["story"], words["math"]])]
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tiny_hf, tmp_path_factory) -> Path:
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("text_base")
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=len(tiny_hf.vocab()), hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=64, pad_token_id=0)
+    cfg.architectures = ["BertModel"]
+    BertModel(cfg).save_pretrained(str(folder))
+    # like all-MiniLM-L6-v2's file: a stored buffer that save_pretrained leaves out
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state["embeddings.position_ids"] = torch.arange(64).unsqueeze(0)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    tiny_hf.build_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cli_run(tiny_hf, tiny_base, tmp_path_factory):
+    """One quick run through the CLI (quick preset, base model and tasks replaced by tiny ones)."""
+    root = tmp_path_factory.mktemp("text_run")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(text_mod.TextConfig, "quick", classmethod(lambda cls: tiny_config()))
+    mp.setattr(text_mod, "default_base_folder", lambda: tiny_base)
+    mp.setattr(text_mod, "default_tasks", lambda: synthetic_tasks(tiny_hf))
+    out = root / "out"
+    try:
+        code = main(["experiment", "text", "--quick", "--seed", "3", "--threads", "1", "--quiet", "--device", "cuda",
+                     "--cache", str(root / "cache"), "--out", str(out)])
+    finally:
+        mp.undo()
+    assert code == 0
+    with open(out / "results.json") as fh:
+        return json.load(fh), out
+
+
+def test_cli_run_writes_every_method_claims_and_figures(cli_run):
+    results, out = cli_run
+    assert results["mode"] == "quick" and results["seed"] == 3
+    assert set(results["methods"]) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES)
+    assert results["trained"] == [LAYER + ".weight", LAYER + ".bias"] and results["layers"] == [LAYER]
+    for name, m in results["methods"].items():
+        for part in ("calibration", "test"):
+            assert set(m[part]["tasks"]) == {"a", "b", "c"}, name
+            assert 0 <= m[part]["mean"]["accuracy"] <= 1 and m[part]["mean"]["mse"] >= 0
+    # the fine-tunes against themselves: zero output MSE; the base is not
+    assert results["references"]["finetuned"]["test"]["mean"]["mse"] == 0
+    assert results["references"]["base"]["test"]["mean"]["mse"] > 0
+    assert [c["id"] for c in results["claims"]] == ["V1", "V2", "V3", "V4", "V5"]
+    assert {"passed", "recommended", "accuracy_ok", "mse_ok"} <= set(results["goal"])
+    assert {(p["basis"], p["p"]) for p in results["geometry"]} == {(b, p) for b in ("svd", "random", "optimal")
+                                                                  for p in (1, 2)}
+    assert all(0 <= p["energy_fraction"] <= 1 for p in results["geometry"])
+    assert set(results["figures"]) == {"accuracy_per_task", "mse_per_task", "energy_vs_mse"}
+    assert all((out / f).is_file() for f in results["figures"].values())
+    if not torch.cuda.is_available():
+        assert results["device"] == "cpu" and "CUDA is not available" in results["device_note"]
+    report = (out / "report.md").read_text()
+    assert "## Claims of the paper's ViT section" in report and "Goal (issue 15, text classifier)" in report
+
+
+def test_choices_follow_calibration_numbers_only(cli_run):
+    results, _ = cli_run
+    sel = results["selection"]
+    grid = sel["task_arithmetic"]["grid"]
+    best = max(grid, key=lambda s: (grid[s]["accuracy"], -grid[s]["mse"]))
+    assert float(best) == sel["task_arithmetic"]["chosen"] == results["methods"]["task_arithmetic"]["tuned_scaling"]
+    assert results["methods"]["task_arithmetic"]["calibration"]["mean"] == grid[best]
+    cal = sel["recommended"]["calibration"]
+    assert sel["recommended"]["chosen"] == min(cal, key=lambda m: cal[m]["mse"])
+    for m, v in cal.items():
+        assert results["methods"][m]["calibration"]["mean"] == v
+    assert results["goal"]["recommended"] == sel["recommended"]["chosen"]
+    hybrid_start = results["methods"]["qp_hybrid"]["method"]["start"]
+    assert hybrid_start == {"name": "task_arithmetic", "params": {"scaling": sel["task_arithmetic"]["chosen"]}}
+
+
+def test_report_renders_claims_and_goal_from_results(cli_run):
+    results, _ = cli_run
+    changed = json.loads(json.dumps(results))
+    changed["goal"]["passed"] = not results["goal"]["passed"]
+    text = render_text_report(changed)
+    verdict = "PASS" if changed["goal"]["passed"] else "FAIL"
+    assert f"**Goal (issue 15, text classifier): {verdict}**" in text
+    for c in results["claims"]:
+        assert f"| {c['id']} | {c['statement']} | {'PASS' if c['passed'] else 'FAIL'} |" in text
+    for t in results["tasks"]:
+        assert f"| {t['name']} |" in text
+
+
+def test_splits_are_disjoint_stratified_and_seeded(tiny_hf):
+    task = synthetic_tasks(tiny_hf, n=60)[2]
+    sp = split_task(task, 30, 9, 15, seed=1)
+    idx = np.concatenate(list(sp.index.values()))
+    assert len(idx) == len(set(idx.tolist())) == 54
+    assert [len(sp.train), len(sp.calibration), len(sp.test)] == [30, 9, 15]
+    assert np.bincount(sp.calibration.labels).tolist() == [3, 3, 3]
+    assert [task.texts[i] for i in sp.index["test"]] == list(sp.test.texts)
+    again = split_task(task, 30, 9, 15, seed=1)
+    assert all(np.array_equal(again.index[k], sp.index[k]) for k in sp.index)
+    assert not np.array_equal(split_task(task, 30, 9, 15, seed=2).index["test"], sp.index["test"])
+    with pytest.raises(ValidationError, match="both train and test"):
+        check_disjoint({"train": np.array([1, 2]), "test": np.array([2])}, "t")
+    small = split_task(task, 100, 100, 100, seed=0)  # more than the task holds: proportional parts
+    assert len(small.train) + len(small.calibration) + len(small.test) <= len(task)
+
+
+def test_prefix_cache_matches_full_forward_and_finetunes_are_cached(tiny_hf, tiny_base, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = load_encoder(tiny_base)
+    tok = AutoTokenizer.from_pretrained(str(tiny_base))
+    task = synthetic_tasks(tiny_hf, n=40)[0]
+    batches, hit = cached_block_inputs(tmp_path, tiny_base, model, tok, task.texts, task.labels, 1, 10, 16)
+    assert not hit
+    again, hit = cached_block_inputs(tmp_path, tiny_base, model, tok, task.texts, task.labels, 1, 10, 16)
+    assert hit and all(torch.equal(a.hidden, b.hidden) for a, b in zip(batches, again))
+    emb, labels = pooled_embeddings(model, again, 1)
+    enc = tok(list(task.texts), return_tensors="pt", padding=True, truncation=True, max_length=10)
+    with torch.no_grad():
+        h = model(**enc).last_hidden_state
+    m = enc["attention_mask"].unsqueeze(-1).float()
+    assert torch.allclose(emb, (h * m).sum(1) / m.sum(1), atol=1e-5)
+    assert labels.tolist() == task.labels.tolist()
+
+    settings = EncoderSettings((LAYER + ".*",), epochs=2, batch_size=16, max_length=10)
+    first = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings, progress=False)
+    assert not first.cached and len(first.losses) == 2 * len(batches)
+    second = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings,
+                              progress=False)
+    assert second.cached and second.key == first.key and torch.equal(second.head_weight, first.head_weight)
+    other = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft",
+                             EncoderSettings((LAYER + ".*",), epochs=1, batch_size=16, max_length=10), progress=False)
+    assert not other.cached and other.key != first.key
+    tuned = load_encoder(tmp_path / "ft")
+    base_sd, ft_sd = model.state_dict(), tuned.state_dict()
+    changed = {k for k in base_sd if not torch.equal(base_sd[k], ft_sd[k])}
+    assert changed == {LAYER + ".weight", LAYER + ".bias"}
+    from safetensors import safe_open
+
+    def stored(folder: Path) -> set[str]:
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+            return set(fh.keys())
+
+    assert stored(tmp_path / "ft") == stored(tiny_base)  # the base's stored names, buffers included
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "x.txt").write_text("x")
+    with pytest.raises(ValidationError, match="never overwritten"):
+        finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "foreign", settings,
+                         progress=False)
+
+
+def test_cli_errors(tmp_path, capsys, tiny_base, tiny_hf):
+    assert main(["experiment", "text", "--threads", "0", "--out", str(tmp_path / "o")]) == 2
+    assert "--threads" in capsys.readouterr().err
+    assert main(["experiment", "text", "--seed", "-1", "--out", str(tmp_path / "o")]) == 2
+    assert "--seed" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["experiment", "text", "--device", "tpu", "--out", str(tmp_path / "o")])
+    with pytest.raises(SystemExit):
+        main(["experiment", "text"])
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "f").write_text("x")
+    with pytest.raises(ValidationError, match="not empty"):
+        run_text_experiment(str(busy), tasks=synthetic_tasks(tiny_hf), base_folder=tiny_base, config=tiny_config())
+    with pytest.raises(ValidationError, match="at least two tasks"):
+        run_text_experiment(str(tmp_path / "one"), tasks=synthetic_tasks(tiny_hf)[:1], base_folder=tiny_base,
+                            config=tiny_config())
+    with pytest.raises(ValidationError, match="no config.json"):
+        run_text_experiment(str(tmp_path / "x"), base_folder=tmp_path, config=tiny_config())
+    with pytest.raises(ValidationError, match="train_per_task"):
+        TextConfig(train_per_task=0)
+    assert not os.path.exists(tmp_path / "one")

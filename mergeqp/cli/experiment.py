@@ -123,6 +123,25 @@ def _register_lm(sub: Any) -> None:
 def run_lm(args: argparse.Namespace) -> int:
     from ..experiments.lm import DOMAINS, run_lm_experiment
     from ..experiments.lm_report import console_summary
+
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    for name in args.domains:
+        if name not in DOMAINS:
+            raise unknown("domain", name, sorted(DOMAINS))
+    if len(set(args.domains)) < 2:
+        raise ConfigError(f"--domains needs two or more distinct domains, got {args.domains}")
+    results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
+                                device=args.device, threads=args.threads, figures=not args.no_figures,
+                                progress=not args.quiet, overwrite=args.overwrite)
+    print(console_summary(results))
+    print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
+          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
+    return 0
+
+
 def _register_text(sub: Any) -> None:
     t = sub.add_parser(
         "text",
@@ -153,15 +172,6 @@ def run_text(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads must be >= 1, got {args.threads}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
-    for name in args.domains:
-        if name not in DOMAINS:
-            raise unknown("domain", name, sorted(DOMAINS))
-    if len(set(args.domains)) < 2:
-        raise ConfigError(f"--domains needs two or more distinct domains, got {args.domains}")
-    results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
-                                device=args.device, threads=args.threads, figures=not args.no_figures,
-                                progress=not args.quiet, overwrite=args.overwrite)
-    print(console_summary(results))
     threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
     results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
                                   device=args.device, threads=threads, figures=not args.no_figures,

@@ -227,9 +227,22 @@ def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, 
 
 
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
-    """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64)."""
+    """``sum_j ||P_{range A_j} b_j||^2`` for ``A`` ``(B, c, n)``, ``b`` ``(B, c)`` (float64).
+
+    The projection onto the range of ``A_j`` comes from the eigendecomposition of the smaller of
+    the two Grams: ``A_j A_j'`` (``c x c``, when ``c <= n``: ``||P b||^2 = sum (u_i'b)^2`` over
+    its eigenvectors with a nonzero eigenvalue) or ``A_j'A_j`` (``n x n``: ``v'G^+v`` with
+    ``v = A_j'b``). Both have the same nonzero eigenvalues, so the rank cut (``rcond`` times the
+    largest) is the same; the cost is ``min(c, n)^3`` per sample instead of ``n^3``."""
     import torch  # deferred: torch is heavy
 
+    c, n = int(A.shape[1]), int(A.shape[2])
+    if c <= n:
+        evals, evecs = torch.linalg.eigh(A @ A.transpose(1, 2))  # (B, c, c)
+        top = evals.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(A.dtype).tiny)
+        keep = evals > rcond * top
+        proj = (evecs.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)  # (B, c)
+        return float((proj * proj * keep).sum())
     G = A.transpose(1, 2) @ A  # (B, n, n)
     v = (A.transpose(1, 2) @ b.unsqueeze(-1)).squeeze(-1)  # (B, n)
     evals, evecs = torch.linalg.eigh(G)

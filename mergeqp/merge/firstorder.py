@@ -46,6 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
+from ..io.memory import available_memory_bytes
 from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
@@ -252,6 +253,29 @@ def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     return float((proj * proj * inv).sum())
 
 
+#: bytes per entry of one batch's design while it is built: the derivatives in the model's dtype,
+#: their float64 copy, the per-site permuted blocks and the concatenated ``A`` (float64 each)
+DESIGN_COPIES_FLOAT64 = 3
+
+
+def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, sites: Sequence[str],
+                        available: int | None = None) -> None:
+    """Refuse, before any allocation, a batch whose design ``A`` (``samples x outputs x atoms``,
+    with its copies: :data:`DESIGN_COPIES_FLOAT64`) needs more memory than the machine has
+    available (:func:`mergeqp.io.memory.available_memory_bytes`; no check when unknown).
+    Raises :class:`ValidationError` naming the sites and what to change."""
+    free = available_memory_bytes() if available is None else available
+    need = int(samples) * int(outputs) * int(atoms) * (int(itemsize) + 8 * DESIGN_COPIES_FLOAT64)
+    if free is None or need <= free:
+        return
+    raise ValidationError(
+        f"statistics at {', '.join(sites)}: one calibration batch's design ({samples} prompts x {outputs} "
+        f"compared outputs each x {atoms} atoms) needs about {need / 1e9:.1f} GB, more than the "
+        f"{free / 1e9:.1f} GB of memory available; lower calibration.batch_size, compare fewer outputs "
+        f"(output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer atoms "
+        f"(method.parametrisation)")
+
+
 def collect_first_order(
     model: Any,
     atoms: Sequence[SiteAtoms],
@@ -310,6 +334,9 @@ def collect_first_order(
                 e["current"] += float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 measured = compared if S is None else _sketched(compared, S)
+                if ti == 0 and bi == 0 and str(device).startswith("cpu"):  # before the first allocation
+                    check_design_memory(Bsz, int(h.shape[1]) if S is None else int(S.shape[1]), n,
+                                        h.element_size(), [a.site.name for a in atoms])
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):

@@ -144,3 +144,26 @@ def test_sketch_values_are_checked():
     for bad in (0, 2.5, True):
         with pytest.raises(ValidationError, match="sketch"):
             OutputSpec(sketch=bad)
+
+
+def test_a_design_larger_than_the_available_memory_is_refused_before_it_is_built(llama, monkeypatch):
+    """The first batch's design A (prompts x compared outputs x atoms, with its float64 copies) is
+    checked against the machine's available memory before any derivative is taken."""
+    import mergeqp.merge.firstorder as fo
+
+    spec = OutputSpec()
+    monkeypatch.setattr(fo, "available_memory_bytes", lambda: 10_000)
+    with pytest.raises(ValidationError, match=r"needs about .* GB, more than the .* GB of memory available; "
+                                              r"lower calibration.batch_size"):
+        _stats(llama, spec)
+    monkeypatch.setattr(fo, "available_memory_bytes", lambda: None)  # unknown: no check
+    assert np.isfinite(_stats(llama, spec).H).all()
+
+
+def test_design_memory_counts_the_design_and_its_copies():
+    from mergeqp.merge.firstorder import DESIGN_COPIES_FLOAT64, check_design_memory
+
+    need = 32 * 18432 * 1536 * (4 + 8 * DESIGN_COPIES_FLOAT64)  # the text experiment's exact objective: ~25 GB
+    check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need)
+    with pytest.raises(ValidationError, match=r"encoder.layer.5.output.dense: .*32 prompts x 18432 compared outputs"):
+        check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need - 1)

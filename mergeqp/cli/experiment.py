@@ -103,7 +103,8 @@ def _register_lm(sub: Any) -> None:
         description="The paper's LLM experiment on SmolLM2-135M-Instruct end to end (see docs/lm.md).",
     )
     lm.add_argument("--quick", action="store_true",
-                    help="fewer texts, steps and tokens (about 10 minutes on 2 cores with cached fine-tunes)")
+                    help="fewer texts, steps and tokens (measured: 46 minutes on 2 shared cores with "
+                         "cached fine-tunes; docs/lm.md)")
     lm.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
     lm.add_argument("--cache", default=None,
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
@@ -149,7 +150,8 @@ def _register_text(sub: Any) -> None:
         description="The paper's ViT section on a real sentence encoder (see docs/text.md).",
     )
     t.add_argument("--quick", action="store_true",
-                   help="fewer texts, one fine-tuned layer, fewer ranks (minutes on 2 cores once fine-tunes are cached)")
+                   help="fewer texts, one fine-tuned layer, fewer ranks (measured: 28 minutes on 2 shared "
+                        "cores with cached fine-tunes; docs/text.md)")
     t.add_argument("--cache", default=None,
                    help="folder of the cached fine-tunes and block inputs (default ~/.cache/mergeqp/text)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),

@@ -178,7 +178,8 @@ class LmConfig:
 
     @classmethod
     def quick(cls) -> LmConfig:
-        """Fewer texts, steps and tokens: about 10 minutes on 2 CPU cores with cached fine-tunes."""
+        """Fewer texts, steps and tokens: measured 46 minutes on 2 shared CPU cores with cached
+        fine-tunes (docs/lm.md; the goal is 10)."""
         return cls(train_texts=96, calibration_texts=6, test_texts=12, finetune_steps=24, finetune_max_length=32,
                    eval_max_length=32,
                    merge=LmMergeSettings(calibration_max_length=24, calibration_batch_size=6, ta_scalings=(0.5, 1.0),

@@ -59,13 +59,21 @@ class FinetuneSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.train_patterns:
-            raise ValidationError("train_patterns: give at least one parameter-name glob to train")
-        for name in ("steps", "batch_size", "max_length"):
-            if int(getattr(self, name)) < 1:
-                raise ValidationError(f"fine-tune {name} must be >= 1, got {getattr(self, name)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValidationError(f"fine-tune lr must be a positive number, got {self.lr}")
+        check_training_settings(self, counts=("steps", "batch_size", "max_length"), rates=("lr",))
+
+
+def check_training_settings(settings: Any, counts: Sequence[str], rates: Sequence[str]) -> None:
+    """The checks every fine-tune's settings share: at least one ``train_patterns`` glob, the
+    ``counts`` fields >= 1 and the ``rates`` fields finite and > 0 (:class:`ValidationError`)."""
+    if not settings.train_patterns:
+        raise ValidationError("train_patterns: give at least one parameter-name glob to train")
+    for name in counts:
+        if int(getattr(settings, name)) < 1:
+            raise ValidationError(f"fine-tune {name} must be >= 1, got {getattr(settings, name)}")
+    for name in rates:
+        v = float(getattr(settings, name))
+        if not (math.isfinite(v) and v > 0):
+            raise ValidationError(f"fine-tune {name} must be a positive number, got {getattr(settings, name)}")
 
 
 @dataclass(frozen=True)
@@ -386,6 +394,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["DecoderSplit", "FinetuneResult", "FinetuneSettings", "finetune_causal_lm", "finetune_key",
+__all__ = ["DecoderSplit", "FinetuneResult", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
+           "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
            "split_block", "tokenize_each", "trainable_names"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
-from .finetune_lm import FINETUNE_RECORD, trainable_names
+from .finetune_lm import FINETUNE_RECORD, check_training_settings, trainable_names
 from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
@@ -70,15 +70,7 @@ class EncoderSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.train_patterns:
-            raise ValidationError("train_patterns: give at least one parameter-name glob to train")
-        for name in ("epochs", "batch_size", "max_length"):
-            if int(getattr(self, name)) < 1:
-                raise ValidationError(f"fine-tune {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "head_lr"):
-            v = float(getattr(self, name))
-            if not (np.isfinite(v) and v > 0):
-                raise ValidationError(f"fine-tune {name} must be a positive number, got {v}")
+        check_training_settings(self, counts=("epochs", "batch_size", "max_length"), rates=("lr", "head_lr"))
 
 
 @dataclass(frozen=True)

@@ -50,13 +50,7 @@ def register(subparsers: Any) -> None:
                    help="choose qp_tr's ridge weight toward the soup on a held-out quarter of the "
                         "calibration samples among these relative weights (x mean diag H; "
                         "default list 0,0.001,0.01,0.1,1); one qp_tr run per weight")
-    m.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: min(2, CPU count))")
-    m.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
-    m.add_argument("--quiet", action="store_true", help="no progress bars")
-    m.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
-    m.add_argument("--overwrite", action="store_true",
-                   help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+    _add_run_options(m)
     m.set_defaults(func=run_mnist)
     _register_lm(sub)
     _register_text(sub)
@@ -66,8 +60,7 @@ def run_mnist(args: argparse.Namespace) -> int:
     from ..experiments.mnist import MnistConfig, run_mnist_experiment, with_overrides
     from ..experiments.report import console_summary
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    _check_threads(args)
     config = MnistConfig.quick() if args.quick else MnistConfig.full()
     if args.solver:
         from ..solvers.registry import SOLVERS
@@ -83,14 +76,13 @@ def run_mnist(args: argparse.Namespace) -> int:
         if not ridge or any(not (r >= 0) or r == float("inf") for r in ridge):
             raise ConfigError(f"--qp-tr-ridge weights must be finite and >= 0, got {args.qp_tr_ridge!r}")
         config = with_overrides(config, qp_tr_ridge_select=ridge)
-    threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
+    threads = _threads(args)
     results = run_mnist_experiment(args.out, quick=args.quick, seed=args.seed, idx_dir=args.idx_dir,
                                    finetune=args.finetune, config=config, threads=threads,
                                    figures=not args.no_figures, progress=not args.quiet,
                                    overwrite=args.overwrite)
     print(console_summary(results))
-    print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
-          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
+    _print_written(args.out, results)
     return 0
 
 
@@ -105,7 +97,6 @@ def _register_lm(sub: Any) -> None:
     lm.add_argument("--quick", action="store_true",
                     help="fewer texts, steps and tokens (measured: 46 minutes on 2 shared cores with "
                          "cached fine-tunes; docs/lm.md)")
-    lm.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
     lm.add_argument("--cache", default=None,
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
     lm.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
@@ -113,11 +104,7 @@ def _register_lm(sub: Any) -> None:
     lm.add_argument("--domains", nargs="+", default=list(DEFAULT_DOMAINS), metavar="DOMAIN",
                     help=f"text domains, two or more (default: {' '.join(DEFAULT_DOMAINS)})")
     lm.add_argument("--seed", type=int, default=0, help="seed of the splits, fine-tunes and merges")
-    lm.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")
-    lm.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
-    lm.add_argument("--quiet", action="store_true", help="no progress output")
-    lm.add_argument("--overwrite", action="store_true",
-                    help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+    _add_run_options(lm)
     lm.set_defaults(func=run_lm)
 
 
@@ -125,10 +112,8 @@ def run_lm(args: argparse.Namespace) -> int:
     from ..experiments.lm import DOMAINS, run_lm_experiment
     from ..experiments.lm_report import console_summary
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    _check_threads(args)
+    _check_seed(args)
     for name in args.domains:
         if name not in DOMAINS:
             raise unknown("domain", name, sorted(DOMAINS))
@@ -138,8 +123,7 @@ def run_lm(args: argparse.Namespace) -> int:
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite)
     print(console_summary(results))
-    print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
-          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
+    _print_written(args.out, results)
     return 0
 
 
@@ -157,12 +141,7 @@ def _register_text(sub: Any) -> None:
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                    help="cuda without CUDA runs on CPU and says so in the report")
     t.add_argument("--seed", type=int, default=0, help="seed of splits, fine-tunes and random bases")
-    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")
-    t.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
-    t.add_argument("--quiet", action="store_true", help="no progress messages")
-    t.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
-    t.add_argument("--overwrite", action="store_true",
-                   help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+    _add_run_options(t)
     t.set_defaults(func=run_text)
 
 
@@ -170,17 +149,45 @@ def run_text(args: argparse.Namespace) -> int:
     from ..experiments.text import run_text_experiment
     from ..experiments.text_report import console_text_summary
 
-    if args.threads is not None and args.threads < 1:
-        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
-    threads = args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
+    _check_threads(args)
+    _check_seed(args)
+    threads = _threads(args)
     results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
                                   device=args.device, threads=threads, figures=not args.no_figures,
                                   progress=not args.quiet, overwrite=args.overwrite)
     print(console_text_summary(results))
     if results.get("device_note"):
         print(results["device_note"])
-    print(f"\nwrote {os.path.join(args.out, 'results.json')}, {os.path.join(args.out, 'report.md')}"
-          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))
+    _print_written(args.out, results)
     return 0
+
+
+# ---------------------------------------------------------------------- shared by every experiment
+def _add_run_options(parser: Any) -> None:
+    """The options every experiment takes: --threads, --no-figures, --quiet, --out, --overwrite."""
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")
+    parser.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+
+
+def _check_threads(args: argparse.Namespace) -> None:
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+
+
+def _check_seed(args: argparse.Namespace) -> None:
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+
+
+def _threads(args: argparse.Namespace) -> int:
+    """--threads, or min(2, CPU count) when not given."""
+    return args.threads if args.threads is not None else min(2, os.cpu_count() or 1)
+
+
+def _print_written(out: str, results: dict[str, Any]) -> None:
+    print(f"\nwrote {os.path.join(out, 'results.json')}, {os.path.join(out, 'report.md')}"
+          + (f" and {len(results['figures'])} figures" if results.get("figures") else ""))

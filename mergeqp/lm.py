@@ -223,6 +223,14 @@ class TargetBatch:
             return int(self.target[..., 0].numel())
         return int(self.target.shape[0])
 
+    def selection(self, device: Any) -> tuple[Any, Any, Any]:
+        """``(mask, index, probs)`` on ``device`` (each ``None`` when absent): the batch's
+        arguments of :meth:`OutputSpec.select` and of a folded head."""
+        mask = None if self.batch.mask is None else self.batch.mask.to(device)
+        index = None if self.index is None else self.index.to(device)
+        probs = None if self.probs is None else self.probs.to(device)
+        return mask, index, probs
+
     @property
     def entries(self) -> int:
         """Compared scalars: ``count`` times the per-position size."""
@@ -272,10 +280,7 @@ def compared_output(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) 
     import torch
 
     raw = spec.raw(forward(model, tb.batch, device))
-    index = None if tb.index is None else tb.index.to(raw.device)
-    mask = None if tb.batch.mask is None else tb.batch.mask.to(raw.device)
-    probs = None if tb.probs is None else tb.probs.to(raw.device)
-    return spec.select(raw, mask, index, probs).to("cpu", torch.float64)
+    return spec.select(raw, *tb.selection(raw.device)).to("cpu", torch.float64)
 
 
 def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> tuple[float, int]:
@@ -487,9 +492,7 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
 
     dtype = fold.weight.dtype
     for i, tb in enumerate(batches):
-        mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-        index = None if tb.index is None else tb.index.to(device)
-        probs = None if tb.probs is None else tb.probs.to(device)
+        mask, index, probs = tb.selection(device)
         with torch.no_grad():
             if i == 0:
                 inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}

@@ -165,9 +165,7 @@ def batch_functions(model: Any, spec: OutputSpec, tb: TargetBatch,
     ``call()`` runs ``model`` on the inputs; ``compared(output)`` is the compared output that
     ``spec`` selects (with the batch's mask, target positions and distribution), flattened to ``(B, c)``."""
     inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-    index = None if tb.index is None else tb.index.to(device)
-    probs = None if tb.probs is None else tb.probs.to(device)
+    mask, index, probs = tb.selection(device)
 
     def call() -> Any:
         return model(**inputs)
@@ -189,9 +187,7 @@ def folded_batch_functions(model: Any, fold: FoldedHead, tb: TargetBatch,
 
     inner = backbone(model)
     inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-    mask = None if tb.batch.mask is None else tb.batch.mask.to(device)
-    index = None if tb.index is None else tb.index.to(device)
-    probs = None if tb.probs is None else tb.probs.to(device)
+    mask, index, probs = tb.selection(device)
 
     def call() -> Any:
         return inner(**inputs)

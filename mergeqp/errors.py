@@ -98,9 +98,26 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
 )
 
 
+def interruption(exc: BaseException) -> BaseException | None:
+    """The Ctrl-C or SIGTERM behind ``exc``, if there is one in its chain of causes.
+
+    A signal that arrives while a library runs (a module being imported, a class being created)
+    can reach us wrapped: Python reports an exception raised in ``__set_name__`` as a
+    ``RuntimeError`` whose cause is the interrupt, and a solver wrapper turns that into a
+    :class:`SolverError`. The run was still interrupted, not failed."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, (KeyboardInterrupt, Interrupted)):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def exit_code(exc: BaseException) -> int:
     """The command-line exit code for an exception that stopped a command (see :data:`EXIT_CODES`)."""
-    if isinstance(exc, (KeyboardInterrupt, Interrupted)):
+    if interruption(exc) is not None:
         return EXIT_INTERRUPTED
     if isinstance(exc, BadDataError):
         return EXIT_BAD_DATA

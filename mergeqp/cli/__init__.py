@@ -29,6 +29,7 @@ from ..errors import (
     Interrupted,
     MergeQPError,
     exit_code,
+    interruption,
     exit_code_epilog,
 )
 
@@ -95,6 +96,13 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _interrupted(command: str, stop: BaseException) -> int:
+    """Say that ``command`` was stopped by a signal; the exit code for it."""
+    how = str(stop) if isinstance(stop, Interrupted) else "interrupted (Ctrl-C)"
+    print(f"mergeqp {command}: {how}; outputs keep their previous state", file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -105,10 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with _sigterm_as_interrupt():
             return int(args.func(args) or 0)
     except (KeyboardInterrupt, Interrupted) as exc:
-        how = str(exc) if isinstance(exc, Interrupted) else "interrupted (Ctrl-C)"
-        print(f"mergeqp {args.command}: {how}; outputs keep their previous state", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _interrupted(args.command, exc)
     except MergeQPError as exc:
+        stop = interruption(exc)
+        if stop is not None:  # a signal that a library (or a solver wrapper) wrapped into an error
+            return _interrupted(args.command, stop)
         print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     except BrokenPipeError:

@@ -16,7 +16,7 @@ import torch
 
 import mergeqp.io.atomic as atomic
 from mergeqp.cli import main
-from mergeqp.errors import OutputError
+from mergeqp.errors import Interrupted, OutputError
 from mergeqp.io import save_hf_folder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +88,28 @@ def test_ctrl_c_inside_a_write_keeps_the_old_file(leftovers, problem_path, tmp_p
     _failing_open(monkeypatch, 1, interrupt=KeyboardInterrupt)
     code = main(["solve", str(problem_path), "--out", str(tmp_path / "sol.json")])
     assert code == 130 and "interrupted" in capsys.readouterr().err
+    assert (tmp_path / "sol.json").read_text() == "old" and leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, lambda: Interrupted("stopped by signal SIGTERM")])
+def test_a_signal_that_a_library_wrapped_still_exits_as_interrupted(leftovers, problem_path, tmp_path, monkeypatch,
+                                                                     capsys, stop):
+    """A signal that arrives while a solver imports a module reaches us wrapped: Python reports an
+    exception in ``__set_name__`` as a RuntimeError caused by it, and the solver registry wraps
+    that into a SolverError. The run was interrupted (130), not failed (2)."""
+    from mergeqp.solvers.active_set import ActiveSetSolver
+
+    def solve(self, *args, **kwargs):
+        try:
+            raise stop()
+        except BaseException as exc:
+            raise RuntimeError("Error calling __set_name__ on 'cached_property' instance") from exc
+
+    monkeypatch.setattr(ActiveSetSolver, "solve", solve)
+    (tmp_path / "sol.json").write_text("old")
+    code = main(["solve", str(problem_path), "--solver", "active_set", "--out", str(tmp_path / "sol.json")])
+    err = capsys.readouterr().err
+    assert code == 130 and "outputs keep their previous state" in err and "error:" not in err
     assert (tmp_path / "sol.json").read_text() == "old" and leftovers(tmp_path) == []
 
 

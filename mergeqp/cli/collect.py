@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import BadDataError, ConfigError, ValidationError, unknown
 from ..io.atomic import check_free_space, check_output_file
+from ..io.distributed import Ranks, agree_exit_code, launch_requested, launched
 from ..io.writer import check_tensor_finite
 
 INPUT_KEYS = ("inputs", "x")
@@ -161,12 +162,19 @@ def check_problem_parametrisation(spec: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Collect (under ``torchrun``: each rank its share of the batches, the sums all-reduced;
+    rank 0 writes and prints, every rank exits with the largest exit code)."""
+    checked = validate_args(args)
+    with launched(checked.device) as group:
+        return agree_exit_code(group, _collect(args, checked, group))
+
+
+def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> int:
     import numpy as np
     import torch
 
     from ..stats import collect_statistics
 
-    checked = validate_args(args)
     factory_kwargs, device, task_weights = checked.factory_kwargs, checked.device, checked.task_weights
     plain = PLAIN_PARAMETRISATIONS
     streamed = list(args.parametrisation)
@@ -188,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
     layer = dict(base.named_modules()).get(args.layer)
     if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
         need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
-        check_free_space(args.out, need, "the statistics and problem files")
+        if group.is_writer():
+            check_free_space(args.out, need, "the statistics and problem files")
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
     calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
     stats = collect_statistics(
@@ -197,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
         model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
         progress=not args.quiet,
     )
+    if not group.is_writer():  # the same statistics are on rank 0, which writes them
+        return 0
     problem_path = checked.problem_path
     problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
     # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
@@ -216,9 +227,12 @@ def run(args: argparse.Namespace) -> int:
 
 def check_device(name: str) -> str:
     """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available); a clear error for a
-    device that torch lacks here (or a non-compute device such as ``meta``)."""
+    device that torch lacks here (or a non-compute device such as ``meta``). Under a ``torchrun``
+    launch on CUDA, ``cuda`` / ``auto`` is each rank's own GPU (``LOCAL_RANK``)."""
     from ..solvers.torch_solvers import torch_device
 
+    if name in ("cuda", "auto") and launch_requested() > 1 and torch_device(name).type == "cuda":
+        name = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     device = torch_device(name)
     if device.type not in ("cpu", "cuda", "mps", "xpu"):
         raise ValidationError(f"--device {name!r} cannot run the models; use cpu, cuda, cuda:N or auto")

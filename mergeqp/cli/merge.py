@@ -16,8 +16,10 @@ from typing import Any
 
 from ..config import load_config
 from ..errors import ConfigError
+from ..io.distributed import Ranks, agree_exit_code, launched
 from ..merge.report import jsonable
 from ..run import build_plan, run_merge
+from ..run.pipeline import resolve_device
 
 
 def register(subparsers: Any) -> None:
@@ -45,17 +47,26 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(jsonable(plan.to_json()), indent=2) if args.json else plan.render())
         return 0
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr))
-    if args.quiet:  # transformers' own "Loading weights" bars too
+    # under torchrun: the ranks share the statistics' batches; rank 0 writes and prints
+    with launched(resolve_device(cfg.device)[0]) as group:
+        return agree_exit_code(group, _merge(args, cfg, plan, group))
+
+
+def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
+    quiet = args.quiet or not group.is_writer()
+    log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
+    if quiet:  # transformers' own "Loading weights" bars too
         _quiet_transformers()
     else:
         print(plan.render(), file=sys.stderr)
-    result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not args.quiet, log=log, plan=plan)
+    result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not quiet, log=log, plan=plan)
+    failed = result.summary.uncertified_layers
+    if not group.is_writer():
+        return 1 if failed else 0
     if args.json:
         print(json.dumps(jsonable(result.report), indent=2))
     else:
         _print_summary(result)
-    failed = result.summary.uncertified_layers
     if failed:
         print(f"mergeqp merge: the QP solution is not certified at {len(failed)} layer(s) "
               f"({', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}); the model was "

@@ -46,6 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
+from ..io.distributed import current_group
 from ..io.memory import available_memory_bytes
 from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
@@ -308,8 +309,11 @@ def collect_first_order(
     counts = []
     energies = []
     total_batches = sum(len(t.batches) for t in tasks)
-    bar = tqdm(total=total_batches, desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
-               leave=False, disable=not progress)
+    group = current_group()  # under torchrun: this rank's share of the batches, sums reduced below
+    bar = tqdm(total=len(range(group.rank, total_batches, group.world_size)),
+               desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
+               leave=False, disable=not progress or not group.is_writer())
+    index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
     fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
@@ -318,6 +322,9 @@ def collect_first_order(
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
             for bi, tb in enumerate(task.batches):
+                index += 1
+                if not group.owns(index - 1):
+                    continue
                 if fold is None:
                     call, compared = batch_functions(model, spec, tb, device)
                     y = tb.target.to(device=device, dtype=torch.float64)
@@ -380,6 +387,13 @@ def collect_first_order(
             counts.append(count)
             energies.append(e)
     bar.close()
+    if group.distributed:  # every statistic is a sum over batches: add the ranks' parts
+        group.all_reduce_sum([sums.H, sums.g, sums.c])
+        keys = list(energies[0]) if energies else []
+        flat = group.reduce_floats([*counts, *(e[k] for e in energies for k in keys)])
+        counts = [int(round(x)) for x in flat[:len(counts)]]
+        energies = [dict(zip(keys, flat[len(counts) + i * len(keys):len(counts) + (i + 1) * len(keys)]))
+                    for i in range(len(energies))]
     atom_names = tuple(f"{a.site.name}:{nm}" if len(atoms) > 1 else nm for a in atoms for nm in a.atom_names())
     H, g, c = sums.numpy()
     return FirstOrderStats(

@@ -51,7 +51,8 @@ from ..io.calibration import (
 )
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
-from ..io.writer import check_output_folder, check_tensor_finite, parse_size, save_hf_folder
+from ..io.distributed import current_group
+from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
 from ..merge.calibrated import StatisticsCollector, needs_statistics
 from ..merge.firstorder import TaskTargets
@@ -308,8 +309,9 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     t_start = time.perf_counter()
     plan = plan or build_plan(cfg)
     out = Path(out_dir).expanduser()
-    check_output_folder(out, _protected(cfg), overwrite=overwrite)
-    check_free_space(out, plan.base.total_bytes, "the merged model")
+    if current_group().is_writer():  # under torchrun only rank 0 writes
+        check_output_folder(out, _protected(cfg), overwrite=overwrite)
+        check_free_space(out, plan.base.total_bytes, "the merged model")
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
@@ -355,10 +357,13 @@ class _Run:
             made.append(report)
             return report_files(report.to_json())
 
-        save_hf_folder(
-            self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
-            tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
-            protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype, extra_files=report_of)
+        if current_group().is_writer():
+            save_hf_folder(
+                self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
+                tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
+                protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype, extra_files=report_of)
+        else:  # another rank of a torchrun launch: the same report, nothing written
+            report_of(WrittenModel(self.out, (), 0, 0, (), None))
         return MergeResult(self.plan, made[-1], self.out, model)
 
     # ------------------------------------------------------------------ QP

@@ -24,6 +24,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import BadDataError, ValidationError
+from ..io.distributed import Ranks, current_group
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
@@ -162,13 +163,20 @@ def collect_statistics(
     )
     totals = [count_batches(s, batch_size) for s in calibration]
     total = sum(totals) if all(t is not None for t in totals) else None
+    group = current_group()  # under torchrun: this rank's share of the batches, sums reduced below
 
-    bar = tqdm(total=total, desc=f"collect {layer}", unit="batch", disable=not progress)
+    bar = tqdm(total=None if total is None else len(range(group.rank, total, group.world_size)),
+               desc=f"collect {layer}", unit="batch", disable=not progress or not group.is_writer())
     try:
         checked = [False] * K  # the first batch of each task also checks sample independence
+        index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
         with hooked_layers(base_model, [base_layer], also_eval=finetuned_models) as (hook,):
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {tasks[t]!r}")):
+                    mine = group.owns(index)
+                    index += 1
+                    if not mine and acc.c is not None:
+                        continue
                     where = f"task {tasks[t]!r} batch {i}"
                     inputs, labels = split_batch(batch, where)
                     inputs = to_device(inputs, device)
@@ -178,18 +186,22 @@ def collect_statistics(
                     lin = linearise_batch(
                         base_model, hook, inputs, out_fn, t, mode=jacobian_mode,
                         chunk_size=chunk_size, vectorize=vectorize, where=where,
-                        max_jacobian_bytes=max_jacobian_bytes, check_independence=not checked[t],
+                        max_jacobian_bytes=max_jacobian_bytes, check_independence=mine and not checked[t],
                     )
-                    checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
                     _check_finite(lin.output, f"{where}: the base model's compared output", base_model)
                     _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
+                    if not mine:  # another rank's first batch: only its first sample, the reference
+                        acc.set_reference(lin.jacobian, index - 1)
+                        continue
+                    checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
                     y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,
                                  B, int(lin.output.shape[1]), label_encoding, where)
                     acc.add(t, lin, y.to(device=device, dtype=torch.float64), where,
-                            expected=total * B if total else None)
+                            expected=total * B if total else None, index=index - 1)
                     bar.update(1)
     finally:
         bar.close()
+    acc.reduce(group)
     for t, n in enumerate(acc.counts):
         if n == 0:
             raise ValidationError(
@@ -353,6 +365,7 @@ class _Accumulator:
         self.first_L: Any = None
         self.variation = 0.0
         self.samples: list[SampleChunk] = []
+        self.samples_at: list[tuple[int, SampleChunk]] = []  # (batch index, chunk): for the gather
         self.sample_bytes = 0
         self.state: dict[str, Any] = {}
         self.sums: dict[str, GaussNewtonSums] = {}
@@ -373,8 +386,43 @@ class _Accumulator:
         self.sums = {p.key: GaussNewtonSums(K, K * p.n_atoms(r, m1), self.D.device)
                      for p in self.params}
 
-    def add(self, t: int, lin: LinearisedBatch, y: Any, where: str, expected: int | None) -> None:
-        """Add one batch of task ``t``; ``expected`` estimates the total number of samples."""
+    def set_reference(self, jacobian: Any, index: int) -> None:
+        """Take the first sample of batch ``index`` (``jacobian``: ``(B, c, T, r)``), a batch
+        another rank adds, as the reference of the shared-Jacobian check and the shapes of the
+        sums: every rank then measures the variation from the same sample, as one process does."""
+        import torch  # deferred: torch is heavy
+
+        L = jacobian.to(torch.float64)
+        self._init(int(L.shape[1]), int(L.shape[2]))
+        self.first_L = L[0].clone()
+
+    def reduce(self, group: Ranks) -> None:
+        """Make every rank's partial sums the totals over all ranks (no-op for one process):
+        sums and counts are added, the shared-Jacobian variation and the varying-positions flag
+        are maxima, kept samples are gathered in batch order. Shapes come from the reference
+        batch, which every rank saw (:meth:`set_reference`)."""
+        import torch  # deferred: torch is heavy
+
+        if not group.distributed:
+            return
+        flags = group.reduce_floats([float(self.T_varies), self.variation], op="max")
+        if flags[0] and not self.T_varies:
+            self.T_varies = True
+            self.state["jac"] = None
+            self.state["gram"] = None
+        self.variation = float("inf") if self.T_varies else flags[1]
+        counts = torch.tensor(self.counts, dtype=torch.int64)
+        group.all_reduce_sum([counts, *self.state.values(), *(x for p in self.sums.values() for x in (p.H, p.g))])
+        self.counts = [int(n) for n in counts.tolist()]
+        if self.keep:
+            indexed = sorted((pair for part in group.gather(self.samples_at) for pair in part), key=lambda p: p[0])
+            self.samples = [chunk for _, chunk in indexed]
+            self.sample_bytes = sum(chunk.nbytes for chunk in self.samples)
+
+    def add(self, t: int, lin: LinearisedBatch, y: Any, where: str, expected: int | None,
+            index: int = 0) -> None:
+        """Add one batch of task ``t`` (``index``: its place among every task's batches, in
+        order); ``expected`` estimates the total number of samples."""
         import torch  # deferred: torch is heavy
 
         f64 = torch.float64
@@ -436,6 +484,7 @@ class _Accumulator:
                     f"(listing the parametrisations you need) or raise the limit"
                 )
             self.samples.append(chunk)
+            self.samples_at.append((index, chunk))
 
     def _track_sharing(self, L: Any) -> None:
         if self.T_varies:

@@ -1,0 +1,177 @@
+"""Runs over several processes with ``torch.distributed`` (``torchrun``): who this process is,
+which calibration batches it handles, and the reductions that make its partial sums whole.
+
+A command launched by ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
+``MASTER_PORT``) enters :func:`launched`: the default process group is initialised (``gloo`` for
+CPU devices, ``nccl`` for CUDA) and torn down at the end. Anywhere inside, :func:`current_group`
+answers a :class:`Ranks` -- for a plain single process ``Ranks(0, 1)``, whose methods do nothing.
+
+The statistics collectors use four things only:
+
+- :meth:`Ranks.owns` / :meth:`Ranks.shard`: batch ``i`` (counted over every task in order) is
+  handled by rank ``i mod world_size`` -- deterministic, every batch exactly once, and each batch
+  is the very batch a single process forms (the same prompts, padded the same), so its float
+  computations are the same;
+- :meth:`Ranks.all_reduce_sum`: float64 / int64 tensors summed over the ranks in place (every
+  rank then holds the same totals);
+- :meth:`Ranks.all_reduce_max`: the same for maxima (per-sample maxima, flags);
+- :meth:`Ranks.gather`: picklable objects from every rank, in rank order (kept per-sample data).
+
+Anything not a plain sum (means, fractions, normalisations) is computed by the callers from the
+reduced sums, so that the result equals the single-process one up to the order of float64
+additions (about ``1e-15`` relative). :meth:`Ranks.is_writer` (rank 0) says who writes files
+and prints; the others compute the same reduced statistics and write nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+
+T = TypeVar("T")
+
+#: environment variables ``torchrun`` sets in every process it launches
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a run: ``rank`` in ``0 .. world_size - 1`` and the backend
+    (``"gloo"``, ``"nccl"``, or ``None`` for a single process)."""
+
+    rank: int = 0
+    world_size: int = 1
+    backend: str | None = None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether several processes share the work."""
+        return self.world_size > 1
+
+    def is_writer(self) -> bool:
+        """Rank 0 writes outputs and prints the summary; the others write nothing."""
+        return self.rank == 0
+
+    def owns(self, index: int) -> bool:
+        """Whether this rank handles work item ``index`` (``index mod world_size == rank``)."""
+        return index % self.world_size == self.rank
+
+    def shard(self, items: Sequence[T]) -> list[T]:
+        """This rank's items of ``items``: those at positions ``rank, rank + W, ...``."""
+        return list(items[self.rank::self.world_size])
+
+    def all_reduce_sum(self, tensors: Sequence[Any]) -> None:
+        """Sum each torch tensor over the ranks, in place (no-op for one process)."""
+        self._reduce(tensors, "SUM")
+
+    def all_reduce_max(self, tensors: Sequence[Any]) -> None:
+        """Element-wise maximum of each torch tensor over the ranks, in place."""
+        self._reduce(tensors, "MAX")
+
+    def reduce_floats(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """Python floats summed (``op="sum"``) or maximised (``"max"``) over the ranks, in float64."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        import torch  # deferred: torch is heavy
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        (self.all_reduce_sum if op == "sum" else self.all_reduce_max)([t])
+        return [float(v) for v in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank (picklable), in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        import torch.distributed as dist  # deferred: torch is heavy
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def _reduce(self, tensors: Sequence[Any], op: str) -> None:
+        if not self.distributed:
+            return
+        import torch.distributed as dist  # deferred: torch is heavy
+
+        reduce_op = getattr(dist.ReduceOp, op)
+        for t in tensors:
+            if t is None:
+                continue
+            # gloo reduces CPU tensors, nccl CUDA ones: a copy on the backend's device if needed
+            on_cpu = self.backend != "nccl"
+            work = t if (t.device.type == "cpu") == on_cpu else t.to("cpu" if on_cpu else "cuda")
+            dist.all_reduce(work, op=reduce_op)
+            if work is not t:
+                t.copy_(work)
+
+
+def current_group() -> Ranks:
+    """The :class:`Ranks` of this process: from the initialised default ``torch.distributed``
+    group, else a single process."""
+    import torch.distributed as dist  # deferred: torch is heavy
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return Ranks()
+    return Ranks(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
+
+
+def launch_requested(environ: dict[str, str] | None = None) -> int:
+    """The world size a launcher (``torchrun``) asked for through the environment; 1 when none."""
+    env = os.environ if environ is None else environ
+    if not all(v in env for v in LAUNCH_VARIABLES):
+        return 1
+    try:
+        world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
+    except ValueError:
+        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']!r} / RANK={env['RANK']!r} are not integers; "
+                          f"launch with torchrun (or unset them)") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK={rank} is not in 0 .. WORLD_SIZE-1 = {world - 1}; launch with torchrun")
+    return world
+
+
+def backend_for(device: str) -> str:
+    """``nccl`` for a CUDA device, ``gloo`` otherwise."""
+    return "nccl" if str(device).startswith("cuda") else "gloo"
+
+
+@contextlib.contextmanager
+def launched(device: str = "cpu") -> Iterator[Ranks]:
+    """Inside a ``torchrun`` launch (``WORLD_SIZE > 1``): initialise the default process group
+    for ``device`` (each CUDA rank on its ``LOCAL_RANK`` GPU), yield its :class:`Ranks`, and
+    destroy the group at the end. Otherwise (or when a group is already initialised, e.g. by the
+    caller) yield :func:`current_group` and leave it as it is."""
+    import torch.distributed as dist  # deferred: torch is heavy
+
+    if launch_requested() == 1 or dist.is_initialized():
+        yield current_group()
+        return
+    if not dist.is_available():
+        raise ConfigError("WORLD_SIZE > 1 asks for a distributed run, but this torch has no torch.distributed")
+    backend = backend_for(device)
+    if backend == "nccl":
+        import torch  # deferred: torch is heavy
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+    try:
+        yield current_group()
+    finally:
+        dist.destroy_process_group()
+
+
+def agree_exit_code(group: Ranks, code: int) -> int:
+    """The largest exit code over the ranks (every rank then exits with it; 0 only if all
+    succeeded)."""
+    if not group.distributed:
+        return code
+    return int(group.reduce_floats([code], op="max")[0])
+
+
+__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "backend_for", "current_group", "launch_requested",
+           "launched"]

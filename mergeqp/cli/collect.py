@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import BadDataError, ConfigError, ValidationError, unknown
 from ..io.atomic import check_free_space, check_output_file
 from ..io.distributed import Ranks, agree_exit_code, launch_requested, launched
-from ..io.writer import check_tensor_finite
+from ..io.writer import check_tensor_finite, parse_size
 
 INPUT_KEYS = ("inputs", "x")
 LABEL_KEYS = ("labels", "y")
@@ -64,6 +64,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--problem-parametrisation", default="rows",
                    help="parametrisation of the written QP (rows, scalar, columns, NAME:P basis)")
     p.add_argument("--task-weights", help="'mean' or comma-separated weights, one per task")
+    p.add_argument("--max-memory",
+                   help="cap on the statistics' memory, e.g. 8GB; the layer is refused before its sums are "
+                        "allocated when the estimate exceeds it (or the available memory)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -79,6 +82,7 @@ class CollectArgs:
     device: str
     task_weights: Any
     problem_path: str
+    max_memory: int | None = None
 
 
 def validate_args(args: argparse.Namespace) -> CollectArgs:
@@ -116,6 +120,12 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     check_problem_parametrisation(args.problem_parametrisation)
     task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)
+    max_memory = None
+    if args.max_memory is not None:
+        try:
+            max_memory = parse_size(args.max_memory)
+        except ValidationError as exc:
+            raise ConfigError(f"--max-memory: {exc}") from None
     problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
     protected = inputs + [s.rpartition(":")[0] for s in (args.factory, args.output_fn or "")
                           if s.rpartition(":")[0].endswith(".py")]
@@ -123,7 +133,7 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     check_output_file(problem_path, "--problem", protected)
     if os.path.realpath(problem_path) == os.path.realpath(args.out):
         raise ConfigError(f"--out and --problem are the same file {args.out}; give two paths")
-    return CollectArgs(factory_kwargs, device, task_weights, problem_path)
+    return CollectArgs(factory_kwargs, device, task_weights, problem_path, max_memory)
 
 
 def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisations: list[str]) -> int:
@@ -204,7 +214,7 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> in
         base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
         parametrisations=streamed, keep_samples=keep_samples,
         model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
-        progress=not args.quiet,
+        max_memory=checked.max_memory, progress=not args.quiet and group.is_writer(),
     )
     if not group.is_writer():  # the same statistics are on rank 0, which writes them
         return 0

@@ -15,8 +15,9 @@ import sys
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError
+from ..errors import ConfigError, MergeQPError
 from ..io.distributed import Ranks, agree_exit_code, launched
+from ..io.writer import parse_size
 from ..merge.report import jsonable
 from ..run import build_plan, run_merge
 from ..run.pipeline import resolve_device
@@ -34,6 +35,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out folder")
     p.add_argument("--json", action="store_true",
                    help="print the plan (with --dry-run) or, after a merge, the report as JSON on stdout")
+    p.add_argument("--max-memory",
+                   help="cap on each merge site's statistics and solve, e.g. 8GB (overrides the config's "
+                        "max_memory); a site estimated above it, or above the available memory, is refused "
+                        "before it is collected")
     p.add_argument("--quiet", action="store_true", help="no progress messages")
     p.set_defaults(func=run)
 
@@ -41,6 +46,12 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     cfg = load_config(args.config)
+    if args.max_memory is not None:
+        try:
+            parse_size(args.max_memory)
+        except MergeQPError as exc:
+            raise ConfigError(f"--max-memory: {exc}") from None
+        cfg = cfg.model_copy(update={"max_memory": args.max_memory})
     if not args.dry_run and not args.out:
         raise ConfigError("--out DIR is required (or pass --dry-run to validate only)")
     plan = build_plan(cfg)

@@ -1,14 +1,58 @@
-"""How much memory the machine can still give this process, for checks that refuse work before
-it allocates more than there is (instead of being killed by the kernel's out-of-memory killer).
+"""The memory model: how many bytes a merge site's statistics and solve will need, how many the
+machine (or the user's ``max_memory``) allows, and a refusal before the work allocates more.
 
 :func:`available_memory_bytes` reads ``MemAvailable`` from ``/proc/meminfo`` (Linux: the memory
 the kernel can hand out without swapping, page cache included); elsewhere, or when the file
-cannot be read, it returns ``None`` and callers skip their check.
+cannot be read, it returns ``None`` and the machine's side of the check is skipped.
+
+A site (or a group of sites solved as one QP) with ``n = K x atoms`` coefficients and
+``n_tasks`` tasks needs (:func:`estimate_site_memory`, every count in bytes):
+
+- ``statistics``: the float64 sums kept for the whole run, ``8 n_tasks (n^2 + n + 1)``
+  (``H_t``, ``g_t``, ``c_t``);
+- ``batch``: one calibration batch's float64 design ``A`` (``samples x outputs x n``, with the
+  derivatives in the model's dtype and :data:`DESIGN_COPIES_FLOAT64` float64 copies) plus the
+  :data:`GRAM_SQUARE_COPIES` ``n x n`` temporaries of the Hessian update; freed after each batch;
+- ``solve``: the :data:`SOLVE_SQUARE_COPIES` ``n x n`` float64 matrices alive while the QP is
+  built and solved (weighted ``H``, its symmetrised copy, the solver's factorisation).
+
+Peak = ``statistics + max(batch, solve)`` (the two temporaries are never alive together). The
+constants are counted from the code and checked against measured peaks by
+``benchmarks/memory_model.py`` (see ``docs/scaling.md``). Activations of the model itself are
+not counted: they scale with the model, not with the site, and are already allocated when the
+first batch runs.
+
+:func:`memory_limit` sets the user's cap (``--max-memory`` / ``max_memory:``) for the work inside
+it; :func:`check_site_memory` refuses a site whose peak exceeds the cap or the available memory,
+naming the site and what to change.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import ValidationError
+
 MEMINFO = "/proc/meminfo"
+
+#: bytes per entry of one batch's design while it is built: the derivatives in the model's dtype,
+#: their float64 copy, the per-site permuted blocks and the concatenated ``A`` (float64 each)
+DESIGN_COPIES_FLOAT64 = 3
+#: ``n x n`` float64 temporaries of one Hessian update ``H_t += 2.0 * (A'A)``: ``A'A`` and its double
+GRAM_SQUARE_COPIES = 2
+#: ``n x n`` float64 matrices while the QP is built and solved: the task-weighted ``H``, the
+#: symmetrised ``(H + H') / 2`` (and its temporary) and the solver's working copy / factorisation
+SOLVE_SQUARE_COPIES = 4
+
+#: what to change when a site does not fit (the merge's config keys)
+ADVICE = ("use fewer atoms (method.parametrisation: scalar, or a basis with a small rank), lower "
+          "calibration.batch_size, compare fewer outputs (output.restrict: projection|topk with a small k, "
+          "or output.sketch: s), or merge fewer layers per QP (mode: single / sequential instead of joint)")
+
+_LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("mergeqp_max_memory", default=None)
 
 
 def available_memory_bytes(meminfo: str = MEMINFO) -> int | None:
@@ -24,4 +68,87 @@ def available_memory_bytes(meminfo: str = MEMINFO) -> int | None:
     return None
 
 
-__all__ = ["available_memory_bytes"]
+@contextlib.contextmanager
+def memory_limit(max_bytes: int | None) -> Iterator[None]:
+    """Cap the memory of every site checked inside (``None``: only the machine's memory)."""
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValidationError(f"max_memory must be positive, got {max_bytes} bytes")
+    token = _LIMIT.set(max_bytes)
+    try:
+        yield
+    finally:
+        _LIMIT.reset(token)
+
+
+def current_limit() -> int | None:
+    """The cap set by the innermost :func:`memory_limit` (bytes), or ``None``."""
+    return _LIMIT.get()
+
+
+def design_bytes(samples: int, outputs: int, n: int, itemsize: int) -> int:
+    """Bytes of one batch's design ``A`` (``samples x outputs x n``) with its float64 copies."""
+    return int(samples) * int(outputs) * int(n) * (int(itemsize) + 8 * DESIGN_COPIES_FLOAT64)
+
+
+@dataclass(frozen=True)
+class SiteMemory:
+    """Estimated bytes of one site's (or QP group's) statistics and solve; see the module
+    docstring. ``n``: coefficients of its QP (``K x atoms``)."""
+
+    site: str
+    n: int
+    statistics: int
+    batch: int
+    solve: int
+
+    @property
+    def peak(self) -> int:
+        """Bytes alive at once at the worst moment: the sums plus the larger temporary."""
+        return self.statistics + max(self.batch, self.solve)
+
+    def describe(self) -> str:
+        return (f"n = {self.n} coefficients: statistics {self.statistics / 1e9:.2f} GB + "
+                f"max(batch {self.batch / 1e9:.2f} GB, solve {self.solve / 1e9:.2f} GB)")
+
+
+def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, outputs: int = 0,
+                         itemsize: int = 4) -> SiteMemory:
+    """The memory model of one QP: ``n`` coefficients, ``n_tasks`` tasks, batches of ``samples``
+    prompts with ``outputs`` compared outputs each, derivatives of ``itemsize`` bytes (the model's
+    dtype). ``samples = 0`` leaves the batch design out (unknown before the first batch)."""
+    n, n_tasks = int(n), int(n_tasks)
+    square = 8 * n * n
+    return SiteMemory(
+        site=site, n=n,
+        statistics=8 * n_tasks * (n * n + n + 1),
+        batch=design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square if samples else 0,
+        solve=SOLVE_SQUARE_COPIES * square,
+    )
+
+
+def memory_budget(free: int | None) -> tuple[int | None, str]:
+    """``(bytes, what)``: the smaller of the :func:`memory_limit` cap and ``free`` (the machine's
+    available memory, e.g. :func:`available_memory_bytes`); ``None`` when neither is known."""
+    cap = current_limit()
+    if cap is not None and (free is None or cap <= free):
+        return cap, f"max_memory = {cap / 1e9:.2f} GB"
+    if free is None:
+        return None, "unknown"
+    return free, f"the {free / 1e9:.2f} GB of memory available"
+
+
+def check_site_memory(estimate: SiteMemory, available: int | None = None) -> None:
+    """Refuse (:class:`ValidationError`, before anything is allocated) a site whose estimated
+    peak exceeds :func:`memory_budget`; the message names the site, the parts and what to change."""
+    budget, what = memory_budget(available_memory_bytes() if available is None else available)
+    if budget is None or estimate.peak <= budget:
+        return
+    raise ValidationError(
+        f"merge site {estimate.site}: the statistics and solve need about {estimate.peak / 1e9:.2f} GB "
+        f"({estimate.describe()}), more than {what}; {ADVICE}; or raise max_memory (--max-memory) if "
+        f"the machine has more")
+
+
+__all__ = ["ADVICE", "DESIGN_COPIES_FLOAT64", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
+           "available_memory_bytes", "check_site_memory", "current_limit", "design_bytes", "estimate_site_memory",
+           "memory_budget", "memory_limit"]

@@ -47,7 +47,14 @@ from tqdm.auto import tqdm
 
 from ..errors import ValidationError
 from ..io.distributed import current_group
-from ..io.memory import available_memory_bytes
+from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
+    DESIGN_COPIES_FLOAT64,
+    available_memory_bytes,
+    check_site_memory,
+    design_bytes,
+    estimate_site_memory,
+    memory_budget,
+)
 from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
@@ -250,25 +257,21 @@ def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     return float((proj * proj * inv).sum())
 
 
-#: bytes per entry of one batch's design while it is built: the derivatives in the model's dtype,
-#: their float64 copy, the per-site permuted blocks and the concatenated ``A`` (float64 each)
-DESIGN_COPIES_FLOAT64 = 3
-
-
 def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, sites: Sequence[str],
                         available: int | None = None) -> None:
     """Refuse, before any allocation, a batch whose design ``A`` (``samples x outputs x atoms``,
     with its copies: :data:`DESIGN_COPIES_FLOAT64`) needs more memory than the machine has
-    available (:func:`mergeqp.io.memory.available_memory_bytes`; no check when unknown).
+    available (:func:`mergeqp.io.memory.available_memory_bytes`), or than the ``max_memory`` cap
+    (:func:`mergeqp.io.memory.memory_limit`); no check when neither is known.
     Raises :class:`ValidationError` naming the sites and what to change."""
-    free = available_memory_bytes() if available is None else available
-    need = int(samples) * int(outputs) * int(atoms) * (int(itemsize) + 8 * DESIGN_COPIES_FLOAT64)
+    free, what = memory_budget(available_memory_bytes() if available is None else available)
+    need = design_bytes(samples, outputs, atoms, itemsize)
     if free is None or need <= free:
         return
     raise ValidationError(
         f"statistics at {', '.join(sites)}: one calibration batch's design ({samples} prompts x {outputs} "
-        f"compared outputs each x {atoms} atoms) needs about {need / 1e9:.1f} GB, more than the "
-        f"{free / 1e9:.1f} GB of memory available; lower calibration.batch_size, compare fewer outputs "
+        f"compared outputs each x {atoms} atoms) needs about {need / 1e9:.1f} GB, more than "
+        f"{what}; lower calibration.batch_size, compare fewer outputs "
         f"(output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer atoms "
         f"(method.parametrisation)")
 
@@ -305,6 +308,8 @@ def collect_first_order(
     names = tuple(model_names) if model_names is not None else tuple(f"model{k}" for k in range(K))
     N = sum(a.n_atoms for a in atoms)
     n = K * N
+    group_name = ", ".join(a.site.name for a in atoms)
+    check_site_memory(estimate_site_memory(group_name, n, len(tasks)))  # before the sums are allocated
     sums = GaussNewtonSums(len(tasks), n, device)
     counts = []
     energies = []
@@ -314,6 +319,7 @@ def collect_first_order(
                desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
                leave=False, disable=not progress or not group.is_writer())
     index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
+    first = True  # this rank's first batch: its design's memory is checked before it is built
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
     fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
@@ -337,9 +343,10 @@ def collect_first_order(
                 e["current"] += float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 measured = compared if S is None else _sketched(compared, S)
-                if ti == 0 and bi == 0 and str(device).startswith("cpu"):  # before the first allocation
+                if first and str(device).startswith("cpu"):  # before the first allocation
                     check_design_memory(Bsz, int(h.shape[1]) if S is None else int(S.shape[1]), n,
                                         h.element_size(), [a.site.name for a in atoms])
+                first = False
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):

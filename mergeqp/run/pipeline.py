@@ -52,6 +52,7 @@ from ..io.calibration import (
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.distributed import current_group
+from ..io.memory import memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
 from ..merge.calibrated import StatisticsCollector, needs_statistics
@@ -317,7 +318,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start)
-    return run.qp() if cfg.method.is_qp else run.baseline()
+    with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
+        return run.qp() if cfg.method.is_qp else run.baseline()
 
 
 @dataclass

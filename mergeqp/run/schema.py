@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from ..errors import ConfigError, MergeQPError
+from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_tensorwise_baselines
 from ..merge.modes import MERGE_MODES
 from ..stats.bases import checkpoint_bases
@@ -379,6 +380,8 @@ class MergeConfig(_Strict):
     dtype: Literal["float32", "float64", "bfloat16", "float16"] = "float32"
     output_dtype: Literal["float32", "float64", "bfloat16", "float16"] | None = None
     max_shard_size: str | int = "5GB"
+    #: cap on each merge site's statistics and solve (``"8GB"``, bytes); ``None``: the machine's memory
+    max_memory: str | int | None = None
     evaluate: bool = True
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
 
@@ -393,6 +396,20 @@ class MergeConfig(_Strict):
         if isinstance(v, str):
             return [v]
         return v
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, v: str | int | None) -> str | int | None:
+        if v is not None:
+            try:
+                parse_size(v)
+            except MergeQPError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    def max_memory_bytes(self) -> int | None:
+        """``max_memory`` in bytes (``None`` when not set)."""
+        return None if self.max_memory is None else parse_size(self.max_memory)
 
     @field_validator("device")
     @classmethod

@@ -14,6 +14,7 @@ const``, so the Hessian costs ``T r`` rather than ``c`` rows per sample (exact).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -25,6 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import BadDataError, ValidationError
 from ..io.distributed import Ranks, current_group
+from ..io.memory import SiteMemory, check_site_memory, design_bytes, memory_limit
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
@@ -71,6 +73,7 @@ def collect_statistics(
     max_sample_bytes: float = DEFAULT_MAX_SAMPLE_BYTES,
     max_jacobian_bytes: float = DEFAULT_MAX_JACOBIAN_BYTES,
     max_gram_dim: int = DEFAULT_MAX_GRAM_DIM,
+    max_memory: int | None = None,
     progress: bool = True,
 ) -> CalibrationStats:
     """Collect the merge QP's statistics at ``layer`` (an ``nn.Linear``, bias included).
@@ -108,6 +111,15 @@ def collect_statistics(
         see :func:`~mergeqp.stats.linearise.linearise_batch`.
     max_gram_dim:
         the input Gram ``sum z z'`` is kept only when ``m + 1 <= max_gram_dim``.
+    max_memory:
+        bytes the statistics may take (sums, kept samples, one batch's Jacobian and design;
+        :mod:`mergeqp.io.memory`); the layer is refused before its sums are allocated when the
+        estimate exceeds it or the machine's available memory. ``None``: the enclosing
+        :func:`~mergeqp.io.memory.memory_limit`, if any, and the available memory.
+
+    Under ``torchrun`` (an initialised ``torch.distributed`` group, :mod:`mergeqp.io.distributed`)
+    each rank handles every ``world_size``-th batch and the sums are all-reduced: every rank
+    returns the statistics of all the data, equal to one process's up to float64 rounding.
     """
     import torch  # deferred: torch is heavy
 
@@ -156,13 +168,15 @@ def collect_statistics(
     params = _resolve_params(parametrisations, deltas.shape[1], deltas.shape[2])
     out_fn = resolve_output_fn(output_fn)
     device = base_layer.weight.device
+    totals = [count_batches(s, batch_size) for s in calibration]
+    total = sum(totals) if all(t is not None for t in totals) else None
     acc = _Accumulator(
         deltas=torch.from_numpy(deltas).to(device), has_bias=has_bias, params=params,
         keep_samples=keep_samples, max_sample_bytes=max_sample_bytes,
-        max_gram_dim=max_gram_dim, shared_tol=_shared_tol(base_layer.weight.dtype),
+        max_gram_dim=max_gram_dim, shared_tol=_shared_tol(base_layer.weight.dtype), layer=layer,
+        expected_samples=total * batch_size if total else None,
     )
-    totals = [count_batches(s, batch_size) for s in calibration]
-    total = sum(totals) if all(t is not None for t in totals) else None
+    limit = memory_limit(max_memory) if max_memory is not None else contextlib.nullcontext()
     group = current_group()  # under torchrun: this rank's share of the batches, sums reduced below
 
     bar = tqdm(total=None if total is None else len(range(group.rank, total, group.world_size)),
@@ -170,7 +184,7 @@ def collect_statistics(
     try:
         checked = [False] * K  # the first batch of each task also checks sample independence
         index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
-        with hooked_layers(base_model, [base_layer], also_eval=finetuned_models) as (hook,):
+        with hooked_layers(base_model, [base_layer], also_eval=finetuned_models) as (hook,), limit:
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {tasks[t]!r}")):
                     mine = group.owns(index)
@@ -347,7 +361,7 @@ class _Accumulator:
 
     def __init__(self, deltas: Any, has_bias: bool, params: list[Parametrisation],
                  keep_samples: bool, max_sample_bytes: float, max_gram_dim: int,
-                 shared_tol: float) -> None:
+                 shared_tol: float, layer: str = "", expected_samples: int | None = None) -> None:
         import torch  # deferred: torch is heavy
 
         self.D = deltas.to(dtype=torch.float64)
@@ -358,6 +372,8 @@ class _Accumulator:
         self.max_sample_bytes = max_sample_bytes
         self.max_gram_dim = max_gram_dim
         self.shared_tol = shared_tol
+        self.layer = layer
+        self.expected_samples = expected_samples
         self.counts = [0] * self.K
         self.c: int | None = None
         self.T: int | None = None
@@ -370,11 +386,12 @@ class _Accumulator:
         self.state: dict[str, Any] = {}
         self.sums: dict[str, GaussNewtonSums] = {}
 
-    def _init(self, c: int, T: int) -> None:
+    def _init(self, c: int, T: int, B: int) -> None:
         import torch  # deferred: torch is heavy
 
         z = {"dtype": torch.float64, "device": self.D.device}
         K, r, m1 = self.K, self.r, self.m1
+        check_site_memory(self.memory(c, T, B))  # before the sums are allocated
         self.c, self.T = c, T
         self.state = {
             "c": torch.zeros(K, **z),
@@ -386,6 +403,17 @@ class _Accumulator:
         self.sums = {p.key: GaussNewtonSums(K, K * p.n_atoms(r, m1), self.D.device)
                      for p in self.params}
 
+    def memory(self, c: int, T: int, B: int) -> SiteMemory:
+        """The memory model of this layer's statistics (:mod:`mergeqp.io.memory`): the sums
+        (:func:`estimate_statistics_bytes`, with the kept samples projected to ``expected``
+        samples), one batch's float64 Jacobian and the largest parametrisation's design."""
+        n = max((self.K * p.n_atoms(self.r, self.m1) for p in self.params), default=0)
+        est = estimate_statistics_bytes(
+            self.r, self.m1 - int(self.has_bias), self.K, c, T=T, has_bias=self.has_bias, parametrisations=self.params,
+            n_samples=self.expected_samples or 0, keep_samples=self.keep, max_gram_dim=self.max_gram_dim)
+        batch = 8 * B * c * T * self.r + (design_bytes(B, min(c, T * self.r), n, 8) + 16 * n * n if n else 0)
+        return SiteMemory(self.layer, n, est["total"], batch, 0)
+
     def set_reference(self, jacobian: Any, index: int) -> None:
         """Take the first sample of batch ``index`` (``jacobian``: ``(B, c, T, r)``), a batch
         another rank adds, as the reference of the shared-Jacobian check and the shapes of the
@@ -393,7 +421,7 @@ class _Accumulator:
         import torch  # deferred: torch is heavy
 
         L = jacobian.to(torch.float64)
-        self._init(int(L.shape[1]), int(L.shape[2]))
+        self._init(int(L.shape[1]), int(L.shape[2]), int(L.shape[0]))
         self.first_L = L[0].clone()
 
     def reduce(self, group: Ranks) -> None:
@@ -437,7 +465,7 @@ class _Accumulator:
             Z = torch.cat([Z, torch.ones(B, T, 1, dtype=f64, device=Z.device)], dim=2)
         b = lin.output.to(f64) - y
         if self.c is None:
-            self._init(c, T)
+            self._init(c, T, B)
         elif c != self.c:
             raise ValidationError(
                 f"{where}: the compared output has {c} values per sample, but earlier batches had "

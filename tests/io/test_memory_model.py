@@ -1,0 +1,130 @@
+"""The memory model (:mod:`mergeqp.io.memory`): its counts, the ``max_memory`` cap, and the
+refusal of an oversized site before anything of it is allocated, in both statistics paths
+(``collect_first_order`` for ``mergeqp merge``, ``collect_statistics`` for ``mergeqp collect``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergeqp.errors import ValidationError
+from mergeqp.io.memory import (
+    DESIGN_COPIES_FLOAT64,
+    GRAM_SQUARE_COPIES,
+    SOLVE_SQUARE_COPIES,
+    check_site_memory,
+    current_limit,
+    estimate_site_memory,
+    memory_budget,
+    memory_limit,
+)
+
+
+def test_the_estimate_counts_the_sums_the_batch_and_the_solve():
+    est = estimate_site_memory("l", n=100, n_tasks=3, samples=4, outputs=50, itemsize=4)
+    assert est.statistics == 8 * 3 * (100 * 100 + 100 + 1)
+    assert est.batch == 4 * 50 * 100 * (4 + 8 * DESIGN_COPIES_FLOAT64) + GRAM_SQUARE_COPIES * 8 * 100 * 100
+    assert est.solve == SOLVE_SQUARE_COPIES * 8 * 100 * 100
+    assert est.peak == est.statistics + max(est.batch, est.solve)
+    assert estimate_site_memory("l", n=100, n_tasks=3).batch == 0  # batch unknown yet
+
+
+def test_the_cap_nests_and_the_smaller_budget_wins():
+    assert current_limit() is None
+    with memory_limit(10**9):
+        assert current_limit() == 10**9
+        assert memory_budget(5 * 10**8)[0] == 5 * 10**8  # the machine has less than the cap
+        assert memory_budget(None) == (10**9, "max_memory = 1.00 GB")
+        with memory_limit(None):
+            assert current_limit() is None
+        assert current_limit() == 10**9
+    assert current_limit() is None
+    with pytest.raises(ValidationError, match="positive"):
+        with memory_limit(0):
+            pass
+
+
+def test_an_oversized_site_is_refused_naming_it_and_what_to_change():
+    est = estimate_site_memory("model.layers.3.mlp.down_proj", n=40_000, n_tasks=2)  # H: 2 x 12.8 GB
+    with pytest.raises(ValidationError) as info:
+        check_site_memory(est, available=16 * 10**9)
+    msg = str(info.value)
+    assert "model.layers.3.mlp.down_proj" in msg and "16.00 GB of memory available" in msg
+    assert "method.parametrisation" in msg and "output.restrict" in msg and "calibration.batch_size" in msg
+    check_site_memory(est, available=10**12)  # fits a larger machine
+    with memory_limit(10**10), pytest.raises(ValidationError, match="max_memory = 10.00 GB"):
+        check_site_memory(est, available=10**12)
+
+
+class _Sentinel(Exception):
+    """Raised by a patched allocator: the refusal must come before it."""
+
+
+def test_merge_statistics_refuse_an_oversized_site_before_allocating(tiny_hf, tmp_path, monkeypatch):
+    """``mergeqp merge`` with ``max_memory`` far below a site's estimate stops with exit code 2
+    and a message naming the site, before the statistics' sums are allocated."""
+    pytest.importorskip("transformers")
+    import mergeqp.merge.firstorder as fo
+    from mergeqp.cli import main
+
+    def no_allocation(*args, **kwargs):
+        raise _Sentinel("the statistics were allocated before the memory check")
+
+    monkeypatch.setattr(fo, "GaussNewtonSums", no_allocation)
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=6)
+    cfg = fam.write_config(tmp_path / "cfg.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"},
+                           max_memory="10KB")
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    # the command-line cap overrides the config's; an unparsable one is a usage error
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet", "--max-memory", "lots"]) == 2
+
+
+def test_merge_refusal_message(tiny_hf, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from mergeqp.cli import main
+
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=6)
+    cfg = fam.write_config(tmp_path / "cfg.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"})
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet", "--max-memory", "10KB"]) == 2
+    err = capsys.readouterr().err
+    assert f"merge site {tiny_hf.MLP_LAYER['llama']}" in err and "max_memory = 0.00 GB" in err
+    assert "method.parametrisation" in err
+
+
+def test_a_bad_max_memory_in_the_config_is_a_config_error(tiny_hf, tmp_path):
+    pytest.importorskip("transformers")
+    from mergeqp.config import load_config
+    from mergeqp.errors import ConfigError
+
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, n_prompts=6)
+    path = fam.write_config(tmp_path / "cfg.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp"}, max_memory="much")
+    with pytest.raises(ConfigError, match="max_memory"):
+        load_config(path)
+    ok = load_config(fam.write_config(tmp_path / "ok.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp"},
+                                      max_memory="8GB"))
+    assert ok.max_memory_bytes() == 8 * 10**9
+
+
+def test_collect_statistics_refuses_before_allocating(monkeypatch):
+    """``collect_statistics(max_memory=...)`` refuses the layer before its sums are allocated
+    when the estimate exceeds the cap by one byte, and collects at exactly the estimate."""
+    torch = pytest.importorskip("torch")
+    import mergeqp.stats.collect as collect
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ft = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    ft.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        ft[2].weight.add_(0.1)
+    cal = [torch.randn(5, 6)]
+    params = collect._resolve_params(("rows", "scalar"), 3, 9)
+    acc = collect._Accumulator(torch.zeros(1, 3, 9), True, params, False, 1e9, 8192, 1e-6, layer="2",
+                               expected_samples=64)
+    need = acc.memory(c=3, T=1, B=5).peak
+    assert need >= collect.estimate_statistics_bytes(3, 8, 1, 3)["total"]
+    with monkeypatch.context() as patch:
+        patch.setattr(collect, "GaussNewtonSums", lambda *a, **k: pytest.fail("allocated before the check"))
+        with pytest.raises(ValidationError, match=r"merge site 2: .*max_memory"):
+            collect.collect_statistics(base, [ft], "2", cal, progress=False, max_memory=need - 1)
+    assert collect.collect_statistics(base, [ft], "2", cal, progress=False, max_memory=need).n_samples == 5

@@ -25,15 +25,18 @@ and prints; the others compute the same reduced statistics and write nothing.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import contextvars
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 #: environment variables ``torchrun`` sets in every process it launches
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE")
@@ -93,6 +96,28 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def spread(self, items: Sequence[T], work: Callable[[int, T], U]) -> list[U]:
+        """``[work(i, item) for i, item in enumerate(items)]`` with the items spread over the
+        ranks (item ``i`` on rank ``i mod world_size``, run :func:`alone`), the results gathered
+        in order on every rank. An error on any rank is raised on every rank (the first item's).
+        The results must be picklable."""
+        if not self.distributed:
+            return [work(i, item) for i, item in enumerate(items)]
+        mine: dict[int, Any] = {}
+        with alone():
+            for i, item in enumerate(items):
+                if self.owns(i):
+                    try:
+                        mine[i] = work(i, item)
+                    except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
+                        mine[i] = _Failed(exc)
+                        break
+        merged = {i: r for part in self.gather(mine) for i, r in part.items()}
+        failed = [merged[i] for i in sorted(merged) if isinstance(merged[i], _Failed)]
+        if failed:
+            raise failed[0].error
+        return [merged[i] for i in range(len(items))]
+
     def _reduce(self, tensors: Sequence[Any], op: str) -> None:
         if not self.distributed:
             return
@@ -110,12 +135,33 @@ class Ranks:
                 t.copy_(work)
 
 
+_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("mergeqp_alone", default=False)
+
+
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """Inside, :func:`current_group` is a single process: work that one rank does on its own
+    (a whole site, :meth:`Ranks.spread`) is not sharded again."""
+    token = _ALONE.set(True)
+    try:
+        yield
+    finally:
+        _ALONE.reset(token)
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """An error of one rank's share of :meth:`Ranks.spread`, sent to the others."""
+
+    error: Exception
+
+
 def current_group() -> Ranks:
     """The :class:`Ranks` of this process: from the initialised default ``torch.distributed``
-    group, else a single process."""
+    group, else (or inside :func:`alone`) a single process."""
     import torch.distributed as dist  # deferred: torch is heavy
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if _ALONE.get() or not (dist.is_available() and dist.is_initialized()):
         return Ranks()
     return Ranks(dist.get_rank(), dist.get_world_size(), str(dist.get_backend()))
 
@@ -143,9 +189,10 @@ def backend_for(device: str) -> str:
 @contextlib.contextmanager
 def launched(device: str = "cpu") -> Iterator[Ranks]:
     """Inside a ``torchrun`` launch (``WORLD_SIZE > 1``): initialise the default process group
-    for ``device`` (each CUDA rank on its ``LOCAL_RANK`` GPU), yield its :class:`Ranks`, and
-    destroy the group at the end. Otherwise (or when a group is already initialised, e.g. by the
-    caller) yield :func:`current_group` and leave it as it is."""
+    for ``device`` (each CUDA rank on its ``LOCAL_RANK`` GPU) and yield its :class:`Ranks`. The
+    group lives until the process exits (a second command in the same process reuses it: the
+    launcher's rendezvous serves one initialisation). Otherwise (or when a group is already
+    initialised, e.g. by the caller) yield :func:`current_group`."""
     import torch.distributed as dist  # deferred: torch is heavy
 
     if launch_requested() == 1 or dist.is_initialized():
@@ -159,9 +206,14 @@ def launched(device: str = "cpu") -> Iterator[Ranks]:
 
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
-    try:
-        yield current_group()
-    finally:
+    atexit.register(_destroy)
+    yield current_group()
+
+
+def _destroy() -> None:
+    import torch.distributed as dist  # deferred: torch is heavy
+
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -173,5 +225,5 @@ def agree_exit_code(group: Ranks, code: int) -> int:
     return int(group.reduce_floats([code], op="max")[0])
 
 
-__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "backend_for", "current_group", "launch_requested",
+__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "alone", "backend_for", "current_group", "launch_requested",
            "launched"]

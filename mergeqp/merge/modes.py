@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
 from ..errors import ValidationError, check_new_name, lookup
+from ..io.distributed import current_group
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -159,18 +160,24 @@ class SingleMode(MergeMode):
     description = "every layer solved independently at the base model"
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-        results = [solve_group(ctx, [site], mode=self.name, group=i, relinearise_offsets=False)
-                   for i, site in enumerate(sites)]
+        # independent QPs: under torchrun each rank solves its share of the sites whole (one site:
+        # its batches are shared instead, in the statistics), and every rank gets every result
+        def solve_site(i: int, site: LayerSite) -> tuple[dict[str, Any], tuple[LayerRecord, ...]]:
+            res = solve_group(ctx, [site], mode=self.name, group=i, relinearise_offsets=False)
+            return res.new_weights, res.records
+
+        results = (current_group().spread(sites, solve_site) if len(sites) > 1
+                   else [solve_site(i, site) for i, site in enumerate(sites)])
         out: list[LayerRecord] = []
-        for site, res in zip(sites, results):
+        for site, (weights, records) in zip(sites, results):
             before = read_augmented(ctx.model, site)
-            apply_weights(ctx, [site], res.new_weights)
+            apply_weights(ctx, [site], weights)
             t = time.perf_counter()
             exact = calibration_objective(ctx)
             write_augmented(ctx.model, site, before)
-            out.extend(with_exact(res.records, exact, time.perf_counter() - t))
-        for site, res in zip(sites, results):
-            apply_weights(ctx, [site], res.new_weights)
+            out.extend(with_exact(records, exact, time.perf_counter() - t))
+        for site, (weights, _) in zip(sites, results):
+            apply_weights(ctx, [site], weights)
         return out
 
 

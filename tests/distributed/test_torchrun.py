@@ -1,13 +1,14 @@
 """``mergeqp collect`` and ``mergeqp merge`` under ``torchrun --nproc-per-node 2`` (gloo on the
 CPU, loopback): the calibration batches are shared between the ranks, the float64 sums are
 all-reduced, and rank 0 writes exactly what one process writes (to 1e-10 relative); rank 1 writes
-nothing. Both commands run on a tiny random Llama."""
+nothing. With several sites in ``mode: single`` the ranks solve whole sites instead. Every
+command runs on a tiny random Llama; the three two-process commands share one ``torchrun``
+launch (a driver calling the command line's ``main`` in turn), to pay its start-up once."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,15 +36,27 @@ def make():
 """
 
 
-def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node 2 -m mergeqp ARGS`` with this checkout importable."""
-    if shutil.which("torchrun", path=os.path.dirname(sys.executable)) is None:
+DRIVER = """
+import json, sys
+from mergeqp.cli import main
+codes = [main(args) for args in json.load(open(sys.argv[1]))]
+print("codes", json.dumps(codes), flush=True)
+sys.exit(max(codes))
+"""
+
+
+def _torchrun(commands: list[list[str]], cwd: Path) -> subprocess.CompletedProcess:
+    """Run each ``mergeqp`` command line of ``commands`` in turn in one ``torchrun --standalone
+    --nproc-per-node 2`` launch, with this checkout importable."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    if not os.path.exists(torchrun):
         pytest.skip("torchrun is not installed next to this Python")
+    (cwd / "driver.py").write_text(DRIVER)
+    (cwd / "commands.json").write_text(json.dumps(commands))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
-           "-m", "mergeqp", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(cwd / "driver.py"), str(cwd / "commands.json")]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
 def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
@@ -55,13 +68,11 @@ def _close(a: np.ndarray, b: np.ndarray, what: str) -> None:
     assert a.shape == b.shape and float(np.abs(a - b).max(initial=0.0)) <= 1e-10 * scale, what
 
 
-@pytest.fixture(scope="module")
-def llama_inputs(tmp_path_factory):
+def _collect_inputs(root: Path) -> None:
     """A tiny random Llama (factory file), two fine-tuned state dicts perturbed at ``LAYER`` and
     one calibration file of token ids per task (7 and 5 prompts: 4 + 3 batches of 2)."""
     from safetensors.torch import save_file
 
-    root = tmp_path_factory.mktemp("torchrun_collect")
     (root / "factory.py").write_text(textwrap.dedent(FACTORY))
     namespace: dict = {}
     exec(compile(textwrap.dedent(FACTORY), "factory.py", "exec"), namespace)  # noqa: S102
@@ -75,7 +86,6 @@ def llama_inputs(tmp_path_factory):
             sd[n] += 0.3 * sd[n].std() * torch.randn(sd[n].shape, generator=gen)
         save_file(sd, str(root / f"ft{k}.safetensors"))
         torch.save(torch.randint(0, 32, (7 - 2 * k, 6), generator=gen), root / f"cal{k}.pt")
-    return root
 
 
 def _collect_args(root: Path, out: str) -> list[str]:
@@ -86,12 +96,42 @@ def _collect_args(root: Path, out: str) -> list[str]:
             "--out", str(root / out), "--quiet"]
 
 
-def test_two_process_collection_equals_one_process(llama_inputs):
-    root = llama_inputs
+#: the merge configs: one site (its batches shared: one per rank) and two sites in mode single
+#: (one site per rank)
+SITES = {"one_site": ["model.layers.1.mlp.down_proj"],
+         "two_sites": ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_hf, tmp_path_factory):
+    """Every input, the one-process outputs (``one*``) and the two-process ones (``two*``) of
+    ``collect`` and of the two merges; returns ``(root, torchrun's CompletedProcess)``."""
+    root = tmp_path_factory.mktemp("torchrun")
+    _collect_inputs(root)
+    # 8 prompts per task: 4 held out, 4 for calibration in one batch
+    fam = tiny_hf.make_family(root / "fam", "llama", K=2, scale=0.3, n_prompts=8)
+    commands = [_collect_args(root, "two.npz")]
     assert main(_collect_args(root, "one.npz")) == 0
-    run = _torchrun(_collect_args(root, "two.npz"), root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("statistics ->") == 1  # rank 0 alone reports (and writes)
+    for name, layers in SITES.items():
+        cfg = fam.write_config(root / f"{name}.yml", layers, {"name": "qp", "mode": "single"},
+                               output={"restrict": "projection", "k": 8}, output_dtype="float64",
+                               evaluate=name == "one_site")
+        assert main(["merge", str(cfg), "--out", str(root / f"one_{name}"), "--quiet"]) == 0
+        commands.append(["merge", str(cfg), "--out", str(root / f"two_{name}"), "--quiet"])
+    run = _torchrun(commands, root)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
+    return root, run
+
+
+def test_the_ranks_agree_and_rank_0_alone_reports(runs):
+    _, run = runs
+    assert run.stdout.count("codes [0, 0, 0]") == 2  # both ranks exit 0 after each command
+    assert run.stdout.count("statistics ->") == 1  # collect: rank 0 alone reports (and writes)
+    assert run.stdout.count("merged model written to") == 2  # once per merge
+
+
+def test_two_process_collection_equals_one_process(runs):
+    root, _ = runs
     with np.load(root / "one.npz") as one, np.load(root / "two.npz") as two:
         assert sorted(one.files) == sorted(two.files)
         for name in one.files:
@@ -107,22 +147,36 @@ def test_two_process_collection_equals_one_process(llama_inputs):
             _close(two[name], one[name], name)
 
 
-def test_two_process_merge_equals_one_process(tiny_hf, tmp_path):
-    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
-    cfg = fam.write_config(tmp_path / "cfg.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"},
-                           output={"restrict": "projection", "k": 8}, output_dtype="float64")
-    assert main(["merge", str(cfg), "--out", str(tmp_path / "one"), "--quiet"]) == 0
-    run = _torchrun(["merge", str(cfg), "--out", str(tmp_path / "two"), "--quiet"], tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count("merged model written to") == 1
-    one, two = open_checkpoint(tmp_path / "one"), open_checkpoint(tmp_path / "two")
+def _reports(root: Path, name: str) -> tuple[dict, dict]:
+    return tuple(json.loads((root / f"{w}_{name}" / "report.json").read_text()) for w in ("one", "two"))
+
+
+def test_two_process_merge_equals_one_process(runs):
+    """One site: its calibration batches are shared between the ranks (one each)."""
+    root, _ = runs
+    one, two = open_checkpoint(root / "one_one_site"), open_checkpoint(root / "two_one_site")
     assert one.names() == two.names()
     for name in one.names():
         _close(two.get(name).numpy(), one.get(name).numpy(), name)
-    r1 = json.loads((tmp_path / "one" / "report.json").read_text())
-    r2 = json.loads((tmp_path / "two" / "report.json").read_text())
+    r1, r2 = _reports(root, "one_site")
     for key in ("objective_before", "objective_after", "objective_after_exact", "energy_fraction"):
         a, b = r2["layers"][0][key], r1["layers"][0][key]
         assert abs(a - b) <= 1e-10 * abs(b), key
     assert r2["evaluation"]["merged"]["calibration_objective"] == pytest.approx(
         r1["evaluation"]["merged"]["calibration_objective"], rel=1e-10)
+
+
+def test_single_mode_sites_spread_over_ranks_equal_the_serial_run(runs):
+    """mode: single with two sites under two ranks: each rank solves one site whole (its QP is
+    the serial run's, computed the same way), the results are gathered, rank 0 writes: the merged
+    tensors equal the serial run's exactly and the report lists both layers in the same order."""
+    root, _ = runs
+    one, two = open_checkpoint(root / "one_two_sites"), open_checkpoint(root / "two_two_sites")
+    for name in one.names():
+        assert torch.equal(two.get(name), one.get(name)), name
+    r1, r2 = _reports(root, "two_sites")
+    assert [r["layer"] for r in r2["layers"]] == [r["layer"] for r in r1["layers"]]
+    assert sorted(r["layer"] for r in r2["layers"]) == sorted(SITES["two_sites"])
+    for a, b in zip(r2["layers"], r1["layers"]):
+        for key in ("objective_before", "objective_after", "objective_after_exact", "energy_fraction"):
+            assert a[key] == b[key], key

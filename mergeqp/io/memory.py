@@ -11,8 +11,10 @@ A site (or a group of sites solved as one QP) with ``n = K x atoms`` coefficient
 - ``statistics``: the float64 sums kept for the whole run, ``8 n_tasks (n^2 + n + 1)``
   (``H_t``, ``g_t``, ``c_t``);
 - ``batch``: one calibration batch's float64 design ``A`` (``samples x outputs x n``, with the
-  derivatives in the model's dtype and :data:`DESIGN_COPIES_FLOAT64` float64 copies) plus the
-  :data:`GRAM_SQUARE_COPIES` ``n x n`` temporaries of the Hessian update; freed after each batch;
+  derivatives in the model's dtype and :data:`DESIGN_COPIES_FLOAT64` float64 copies), the
+  :data:`GRAM_SQUARE_COPIES` ``n x n`` temporaries of the Hessian update, the atoms' tangents at
+  the site (:data:`TANGENT_COPIES` x ``n x tokens x r``) and one vectorised JVP chunk
+  (:data:`ACTIVATION_COPIES` x ``chunk x tokens x widest layer``); freed after each batch;
 - ``solve``: the :data:`SOLVE_SQUARE_COPIES` ``n x n`` float64 matrices alive while the QP is
   built and solved (weighted ``H``, its symmetrised copy, the solver's factorisation).
 
@@ -43,6 +45,12 @@ MEMINFO = "/proc/meminfo"
 DESIGN_COPIES_FLOAT64 = 3
 #: ``n x n`` float64 temporaries of one Hessian update ``H_t += 2.0 * (A'A)``: ``A'A`` and its double
 GRAM_SQUARE_COPIES = 2
+#: copies of the atoms' tangents at the site (``n x samples x positions x r`` in the model's
+#: dtype): each model's block and their concatenation
+TANGENT_COPIES = 2
+#: tensors of the widest layer alive at once in one vectorised JVP chunk (primal and tangent of
+#: the layer's output, its activation and the product that feeds the next layer)
+ACTIVATION_COPIES = 6
 #: ``n x n`` float64 matrices while the QP is built and solved: the task-weighted ``H``, the
 #: symmetrised ``(H + H') / 2`` (and its temporary) and the solver's working copy / factorisation
 SOLVE_SQUARE_COPIES = 4
@@ -112,18 +120,24 @@ class SiteMemory:
 
 
 def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, outputs: int = 0,
-                         itemsize: int = 4) -> SiteMemory:
+                         itemsize: int = 4, positions: int = 1, site_width: int = 0, chunk: int = 0,
+                         widest: int = 0) -> SiteMemory:
     """The memory model of one QP: ``n`` coefficients, ``n_tasks`` tasks, batches of ``samples``
     prompts with ``outputs`` compared outputs each, derivatives of ``itemsize`` bytes (the model's
-    dtype). ``samples = 0`` leaves the batch design out (unknown before the first batch)."""
+    dtype). ``samples = 0`` leaves the batch out (unknown before the first batch). The batch also
+    counts the atoms' tangents at the site (``positions`` per prompt, ``site_width`` = the site's
+    output features ``r``) and one JVP chunk of ``chunk`` atoms through layers at most ``widest``
+    features wide (both 0 when unknown)."""
     n, n_tasks = int(n), int(n_tasks)
     square = 8 * n * n
-    return SiteMemory(
-        site=site, n=n,
-        statistics=8 * n_tasks * (n * n + n + 1),
-        batch=design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square if samples else 0,
-        solve=SOLVE_SQUARE_COPIES * square,
-    )
+    batch = 0
+    if samples:
+        tokens = int(samples) * int(positions)
+        batch = (design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square
+                 + TANGENT_COPIES * n * tokens * int(site_width) * int(itemsize)
+                 + ACTIVATION_COPIES * min(int(chunk), n) * tokens * int(widest) * int(itemsize))
+    return SiteMemory(site=site, n=n, statistics=8 * n_tasks * (n * n + n + 1), batch=batch,
+                      solve=SOLVE_SQUARE_COPIES * square)
 
 
 def memory_budget(free: int | None) -> tuple[int | None, str]:
@@ -149,6 +163,6 @@ def check_site_memory(estimate: SiteMemory, available: int | None = None) -> Non
         f"the machine has more")
 
 
-__all__ = ["ADVICE", "DESIGN_COPIES_FLOAT64", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
+__all__ = ["ACTIVATION_COPIES", "ADVICE", "DESIGN_COPIES_FLOAT64", "TANGENT_COPIES", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
            "available_memory_bytes", "check_site_memory", "current_limit", "design_bytes", "estimate_site_memory",
            "memory_budget", "memory_limit"]

@@ -50,6 +50,7 @@ from ..io.distributed import current_group
 from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
     DESIGN_COPIES_FLOAT64,
     available_memory_bytes,
+    SiteMemory,
     check_site_memory,
     design_bytes,
     estimate_site_memory,
@@ -276,6 +277,27 @@ def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, s
         f"(method.parametrisation)")
 
 
+def widest_layer(model: Any) -> int:
+    """The most output features of any ``nn.Linear`` (or Conv1D-like ``nf``) in ``model``: the
+    widest activation a JVP through it carries per token (0 when there is none)."""
+    widths = [int(getattr(m, "out_features", getattr(m, "nf", 0)) or 0) for m in model.modules()]
+    return max(widths, default=0)
+
+
+def site_memory(model: Any, atoms: Sequence[SiteAtoms], hooks: Sequence[Any], n_tasks: int, outputs: int,
+                itemsize: int, chunk_size: int) -> SiteMemory:
+    """The memory model (:func:`mergeqp.io.memory.estimate_site_memory`) of the QP over ``atoms``
+    once the first batch has run (``hooks`` hold its layer outputs): ``outputs`` compared outputs
+    per prompt, derivatives of ``itemsize`` bytes, JVP chunks of ``chunk_size`` atoms through
+    ``model`` (the part the derivatives run through)."""
+    out0 = hooks[0].layer_output  # (B, *positions, r)
+    return estimate_site_memory(
+        ", ".join(a.site.name for a in atoms), atoms[0].K * sum(a.n_atoms for a in atoms), n_tasks,
+        samples=int(out0.shape[0]), outputs=outputs, itemsize=itemsize,
+        positions=int(out0[0].numel()) // int(out0.shape[-1]), site_width=max(a.site.r for a in atoms),
+        chunk=chunk_size, widest=widest_layer(model))
+
+
 def collect_first_order(
     model: Any,
     atoms: Sequence[SiteAtoms],
@@ -344,8 +366,10 @@ def collect_first_order(
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 measured = compared if S is None else _sketched(compared, S)
                 if first and str(device).startswith("cpu"):  # before the first allocation
-                    check_design_memory(Bsz, int(h.shape[1]) if S is None else int(S.shape[1]), n,
-                                        h.element_size(), [a.site.name for a in atoms])
+                    outputs = int(h.shape[1]) if S is None else int(S.shape[1])
+                    check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
+                    check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
+                                                  len(tasks), outputs, h.element_size(), chunk_size))
                 first = False
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g

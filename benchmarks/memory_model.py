@@ -6,8 +6,9 @@ Run::
 
 For each size ``I`` a fresh process builds a random float32 Llama (hidden 64, 2 blocks, MLP width
 ``I``) and two fine-tunes perturbed at ``model.layers.1.mlp.up_proj`` (``r = I`` rows), computes
-the fine-tunes' targets on 8 random prompts of 16 tokens (batches of 4, compared output: a
-projection of the logits with k = 8, so ``c = 128`` per prompt), then -- the part measured --
+the fine-tunes' targets on 8 random prompts of ``--tokens`` 16 tokens (batches of ``--batch`` 4,
+compared output: a projection of the logits with k = 8, so ``c = 128`` per prompt; with
+``--tokens 2 --batch 1`` the ``n x n`` matrices dominate instead of the atoms' tangents), then -- the part measured --
 collects the site's first-order statistics with per-row atoms (``n = K r = 2 I`` coefficients,
 :func:`~mergeqp.merge.firstorder.collect_first_order`), builds the QP and solves it in the box
 ``[0, 1]`` (``solver: auto``), as one step of ``mergeqp merge`` does. The peak is the process's
@@ -28,7 +29,7 @@ from pathlib import Path
 
 K = 2
 HIDDEN = 64
-PROMPTS, TOKENS, BATCH, PROJECTION_K = 8, 16, 4, 8
+PROMPTS, PROJECTION_K = 8, 8
 LAYER = "model.layers.1.mlp.up_proj"
 CHUNK = 256  # atoms per vectorised JVP (the merge's default chunk_size)
 
@@ -41,7 +42,7 @@ def _status(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def measure(width: int) -> dict:
+def measure(width: int, tokens: int = 16, batch: int = 4) -> dict:
     """One size, in this process: estimate and measured peak (bytes) of statistics + solve."""
     import gc
 
@@ -71,8 +72,8 @@ def measure(width: int) -> dict:
             w = dict(ft.named_parameters())[f"{LAYER}.weight"]
             w.add_(0.3 * float(w.std()) * torch.randn(w.shape, generator=torch.Generator().manual_seed(k + 1)))
         fts.append(ft)
-    ids = torch.randint(0, 128, (PROMPTS, TOKENS), generator=torch.Generator().manual_seed(9))
-    batches = tensor_batches({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, range(PROMPTS), BATCH)
+    ids = torch.randint(0, 128, (PROMPTS, tokens), generator=torch.Generator().manual_seed(9))
+    batches = tensor_batches({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, range(PROMPTS), batch)
     spec = OutputSpec("logits", "projection", PROJECTION_K, 0)
     tasks = [TaskTargets(f"t{k}", 1.0, teacher_forced_targets(ft, batches, spec, "cpu")) for k, ft in enumerate(fts)]
     W0 = read_augmented(base, site)
@@ -81,9 +82,9 @@ def measure(width: int) -> dict:
     del fts
     gc.collect()
     n = K * atoms[0].n_atoms
-    outputs = TOKENS * PROJECTION_K
-    estimate = estimate_site_memory(site.name, n, len(tasks), samples=BATCH, outputs=outputs, itemsize=4,
-                                    positions=TOKENS, site_width=site.r, chunk=CHUNK,
+    outputs = tokens * PROJECTION_K
+    estimate = estimate_site_memory(site.name, n, len(tasks), samples=batch, outputs=outputs, itemsize=4,
+                                    positions=tokens, site_width=site.r, chunk=CHUNK,
                                     widest=widest_layer(backbone(base)))
 
     before = _status("VmRSS")
@@ -103,15 +104,17 @@ def measure(width: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[500, 1000, 1400], help="MLP widths I (n = 2 I)")
+    parser.add_argument("--tokens", type=int, default=16, help="tokens per prompt")
+    parser.add_argument("--batch", type=int, default=4, help="prompts per batch")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child)))
+        print(json.dumps(measure(args.child, args.tokens, args.batch)))
         return
     rows = []
     for width in args.sizes:  # a fresh process per size: its high-water mark is its own
-        out = subprocess.run([sys.executable, __file__, "--child", str(width)], capture_output=True, text=True,
-                             check=True)
+        out = subprocess.run([sys.executable, __file__, "--child", str(width), "--tokens", str(args.tokens),
+                              "--batch", str(args.batch)], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print("| n | statistics (MB) | batch (MB) | solve (MB) | estimate (MB) | measured peak (MB) | "
           "estimate / measured | statistics s | solve s (solver) |")

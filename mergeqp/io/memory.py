@@ -52,12 +52,13 @@ TANGENT_COPIES = 2
 #: the layer's output, its activation and the product that feeds the next layer)
 ACTIVATION_COPIES = 6
 #: ``n x n`` float64 matrices while the QP is built and solved: the task-weighted ``H``, the
-#: symmetrised ``(H + H') / 2`` (and its temporary) and the solver's working copy / factorisation
-SOLVE_SQUARE_COPIES = 4
+#: symmetrised ``(H + H') / 2`` (its sum and its half), the problem's symmetry check and the
+#: solver's factorisation (measured: ``benchmarks/memory_model.py --tokens 2 --batch 1``)
+SOLVE_SQUARE_COPIES = 5
 
 #: what to change when a site does not fit (the merge's config keys)
 ADVICE = ("use fewer atoms (method.parametrisation: scalar, or a basis with a small rank), lower "
-          "calibration.batch_size, compare fewer outputs (output.restrict: projection|topk with a small k, "
+          "calibration.batch_size (the atoms' tangents grow with it) or method.chunk_size, compare fewer outputs (output.restrict: projection|topk with a small k, "
           "or output.sketch: s), or merge fewer layers per QP (mode: single / sequential instead of joint)")
 
 _LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("mergeqp_max_memory", default=None)

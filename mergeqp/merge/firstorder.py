@@ -49,8 +49,8 @@ from ..errors import ValidationError
 from ..io.distributed import current_group
 from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
     DESIGN_COPIES_FLOAT64,
-    available_memory_bytes,
     SiteMemory,
+    available_memory_bytes,
     check_site_memory,
     design_bytes,
     estimate_site_memory,

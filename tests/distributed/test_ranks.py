@@ -1,0 +1,42 @@
+"""The rank bookkeeping of :mod:`mergeqp.io.distributed` without a launch: shards cover every
+item exactly once, a single process is rank 0 of 1 and writes, the launch environment is read
+and checked, and :func:`alone` hides a group."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergeqp.errors import ConfigError
+from mergeqp.io.distributed import Ranks, agree_exit_code, alone, backend_for, current_group, launch_requested
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_shards_cover_every_item_once(world):
+    items = list(range(17))
+    shards = [Ranks(rank, world).shard(items) for rank in range(world)]
+    assert sorted(x for s in shards for x in s) == items
+    for rank, shard in enumerate(shards):
+        assert all(Ranks(rank, world).owns(i) for i in shard)
+        assert len(shard) in (len(items) // world, len(items) // world + 1)
+    assert [r for r in range(world) if Ranks(r, world).is_writer()] == [0]
+
+
+def test_a_single_process_reduces_nothing_and_spreads_in_order():
+    group = current_group()
+    assert group == Ranks(0, 1, None) and not group.distributed and group.is_writer()
+    assert group.reduce_floats([1.5, 2.0]) == [1.5, 2.0]
+    assert group.gather("x") == ["x"]
+    assert group.spread(["a", "b", "c"], lambda i, s: f"{i}{s}") == ["0a", "1b", "2c"]
+    assert agree_exit_code(group, 3) == 3
+    with alone():
+        assert current_group() == Ranks()
+
+
+def test_the_launch_environment_is_read_and_checked():
+    assert launch_requested({}) == 1
+    assert launch_requested({"RANK": "1", "WORLD_SIZE": "4"}) == 4
+    with pytest.raises(ConfigError, match="not integers"):
+        launch_requested({"RANK": "one", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="RANK=2 is not in 0 .. WORLD_SIZE-1 = 1"):
+        launch_requested({"RANK": "2", "WORLD_SIZE": "2"})
+    assert backend_for("cpu") == "gloo" and backend_for("cuda:1") == "nccl"

@@ -128,3 +128,30 @@ def test_collect_statistics_refuses_before_allocating(monkeypatch):
         with pytest.raises(ValidationError, match=r"merge site 2: .*max_memory"):
             collect.collect_statistics(base, [ft], "2", cal, progress=False, max_memory=need - 1)
     assert collect.collect_statistics(base, [ft], "2", cal, progress=False, max_memory=need).n_samples == 5
+
+
+def test_cli_collect_max_memory(tmp_path, capsys):
+    """``mergeqp collect --max-memory``: refused with exit code 2 naming the layer, no file
+    written; an unparsable size is a usage error before anything is loaded."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file
+
+    from mergeqp.cli import main
+
+    (tmp_path / "factory.py").write_text(
+        "import torch.nn as nn\n\ndef make():\n    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))\n")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    save_file(model.state_dict(), str(tmp_path / "base.safetensors"))
+    with torch.no_grad():
+        model[2].weight.add_(0.1)
+    save_file(model.state_dict(), str(tmp_path / "ft.safetensors"))
+    torch.save(torch.randn(5, 6), tmp_path / "cal.pt")
+    args = ["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--base", str(tmp_path / "base.safetensors"),
+            "--finetuned", str(tmp_path / "ft.safetensors"), "--layer", "2", "--calibration", str(tmp_path / "cal.pt"),
+            "--out", str(tmp_path / "s.npz"), "--quiet"]
+    assert main([*args, "--max-memory", "1KB"]) == 2
+    assert "merge site 2:" in capsys.readouterr().err and not (tmp_path / "s.npz").exists()
+    assert main([*args, "--max-memory", "plenty"]) == 2
+    assert "--max-memory" in capsys.readouterr().err
+    assert main([*args, "--max-memory", "1GB"]) == 0 and (tmp_path / "s.npz").exists()

@@ -91,12 +91,15 @@ class OutputSpaceSamples:
 
     def apply(self, E: np.ndarray) -> np.ndarray:
         """``L(E)``: the linearised output change ``(N, c)`` of a weight change ``E`` ``(r, m1)``."""
-        return np.einsum("nctr,ntr->nc", self.jacobian, np.einsum("ntm,rm->ntr", self.layer_input, E))
+        N, T, m1 = self.layer_input.shape
+        U = (self.layer_input.reshape(N * T, m1) @ E.T).reshape(N, T, -1)  # layer-output changes
+        return np.einsum("nctr,ntr->nc", self.jacobian, U)
 
     def adjoint(self, V: np.ndarray) -> np.ndarray:
         """``L*(w V)``: the adjoint applied to weighted output changes ``V`` ``(N, c)``, ``(r, m1)``."""
+        N, T, m1 = self.layer_input.shape
         U = np.einsum("nctr,nc->ntr", self.jacobian, V * self.weight[:, None])
-        return np.einsum("ntr,ntm->rm", U, self.layer_input)
+        return U.reshape(N * T, -1).T @ self.layer_input.reshape(N * T, m1)
 
     def normal(self, E: np.ndarray) -> np.ndarray:
         """``N E = L*W L E`` (``(r, m1)``)."""
@@ -270,3 +273,22 @@ def _ball_multiplier(samples: OutputSpaceSamples, ridge: float, rhs: np.ndarray,
             continue
         nu = lo - phi_lo * (hi - lo) / (phi_hi - phi_lo)
     return D, solved, iters
+
+
+def samples_from_stats(stats: Any, task_weights: Any = None) -> OutputSpaceSamples:
+    """The per-sample linearisation kept by :func:`~mergeqp.stats.collect_statistics`
+    (``keep_samples=True``) as :class:`OutputSpaceSamples`: targets ``t_s = -b_s = y_s - h_s``
+    (the fine-tune's compared output minus the output at the linearisation point, as the QP's
+    ``g`` uses), sample weights the task weights (``stats.task_weight_vector``: ``None`` -> 1)."""
+    if getattr(stats, "samples", None) is None:
+        raise ValidationError("the output-space merge needs per-sample statistics: collect them with "
+                              "keep_samples=True")
+    w = stats.task_weight_vector(task_weights)
+    chunks = list(stats.samples)
+    if not chunks:
+        raise ValidationError("the statistics hold no calibration sample")
+    return OutputSpaceSamples(
+        layer_input=np.concatenate([ch.layer_input for ch in chunks]),
+        jacobian=np.concatenate([ch.jacobian for ch in chunks]),
+        target=-np.concatenate([ch.residual for ch in chunks]),
+        weight=np.concatenate([np.full(ch.size, float(w[ch.task])) for ch in chunks]))

@@ -72,7 +72,7 @@ ATOMS_POINTS = ("qp_atoms", "qp_tr_regmean")
 #: the baselines that can be atoms of ``rows+baselines`` (each is a merged model of the run)
 ATOM_BASELINE_CHOICES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean")
 #: the recommended merge (see docs/mnist.md: the measurements behind the choice)
-RECOMMENDED = "qp_tr_regmean"
+RECOMMENDED = "output_space"
 
 
 @dataclass(frozen=True)

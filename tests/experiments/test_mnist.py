@@ -183,6 +183,11 @@ def test_output_space_from_regmean(run):
     assert sel["mean_errors"][sel["candidates"].index(sel["chosen"])] == min(sel["mean_errors"])
     with open(os.path.join(out, "report.md")) as fh:
         assert "## output_space: full-matrix output-space merge from RegMean" in fh.read()
+    rec = results["recommendation"]
+    assert rec["recommended"] == results["recommended"] == mnist_mod.RECOMMENDED
+    assert set(rec["fold_errors"]) == {"regmean", "qp_tr_regmean", "output_space"}
+    assert all(len(e) == 3 and min(e) > 0 for e in rec["fold_errors"].values())
+    assert rec["lowest"] == min(rec["mean_errors"], key=rec["mean_errors"].get)
     claim_i = next(c for c in results["claims"] if c["id"] == "i")
     assert results["recommended"] in claim_i["detail"]
 

@@ -14,7 +14,9 @@ experiment of section 5), plus the trust-region merge ``qp_tr``.
    (``qp_adam``), with trust-region QPs (``qp_tr``, :mod:`.trust_region`), in the
    ``rows+baselines`` atoms where every baseline is a feasible point (``qp_atoms``, the certified
    QP; ``qp_tr_regmean``, trust-region QPs from RegMean with a ridge chosen by k-fold splits of
-   the calibration set, the recommended merge), and with the baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
+   the calibration set), with the full-matrix output-space merge from RegMean (``output_space``,
+   :mod:`.output_space`, its ridge chosen by k-fold splits; the recommended merge, compared with
+   RegMean and ``qp_tr_regmean`` on the same held-out folds), and with the baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
    paper's row-uniform DARE (``row_dare``), TIES, Fisher, RegMean; plus the unmerged base;
 4. evaluates on the held-out test sets (logit MSE against the task's fine-tuned model,
    accuracy, cross-entropy) and on the calibration set (true squared error of the merged

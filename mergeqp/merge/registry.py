@@ -19,6 +19,7 @@ from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
 from .inputs import prepare_inputs
 from .method import MergeMethod
+from .output_space import OUTPUT_SPACE
 from .regmean import REGMEAN
 from .selection import select_tensors
 from .task_arithmetic import SOUP, TASK_ARITHMETIC
@@ -46,7 +47,7 @@ def get_merge_method(name: str) -> MergeMethod:
 
 for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_DARE,
                 dataclasses.replace(FISHER, statistics=FISHER_STATISTICS),
-                dataclasses.replace(REGMEAN, statistics=REGMEAN_STATISTICS)):
+                dataclasses.replace(REGMEAN, statistics=REGMEAN_STATISTICS), OUTPUT_SPACE):
     register_merge_method(_method)
 del _method
 

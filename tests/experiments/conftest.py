@@ -11,6 +11,7 @@ import pytest
 
 from mergeqp.experiments.mnist import MnistConfig
 from mergeqp.experiments.models import TrainConfig
+from mergeqp.experiments.output_space import OutputSpaceConfig
 from mergeqp.experiments.trust_region import TrustRegionConfig
 
 IDX_CODES = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(">i2"): 0x0B,
@@ -30,6 +31,7 @@ def tiny_config() -> Callable[[], MnistConfig]:
             adam_steps=200,
             trust_region=TrustRegionConfig(max_qps=3),
             geometry_p=(2, 8), random_seeds=(0,),
+            output_space=OutputSpaceConfig(steps=3),
         )
 
     return _tiny_config

@@ -72,7 +72,7 @@ def test_all_numbers_finite(run):
     _, results = run
     # non-finite floats would have been written as null: only "no linearised value" may be null
     allowed_null = {f"results.methods.{n}.calibration.linearised" for n in ("dare", "ties", "fisher",
-                                                                            "regmean")}
+                                                                            "regmean", "output_space")}
     for part in ("methods", "geometry", "solvers", "problem", "coefficients"):
         for path, v in _leaves(results[part], f"results.{part}"):
             if v is None:
@@ -161,6 +161,35 @@ def test_baselines_as_feasible_points(run):
     with open(os.path.join(out, "report.md")) as fh:
         report = fh.read()
     assert "## Baselines as feasible points" in report and "| regmean (rows 0, its atoms 1/K) |" in report
+
+
+def test_output_space_from_regmean(run):
+    """output_space: starts at RegMean's true calibration error and never ends above it (every
+    accepted step lowers it); every step's solve is certified by its normal-equation residual;
+    the k-fold ridge choice is recorded; the report has its section; the claims follow the
+    recommended merge."""
+    out, results = run
+    osm, methods = results["output_space"], results["methods"]
+    regmean_true = methods["regmean"]["calibration"]["true"]
+    assert osm["start_error"] == pytest.approx(regmean_true, rel=1e-9)
+    assert methods["output_space"]["calibration"]["true"] == pytest.approx(osm["error"], rel=1e-9)
+    assert osm["error"] <= regmean_true * (1 + 1e-12)
+    assert 1 <= len(osm["steps"]) <= 3 and all(st["certified"] for st in osm["steps"])
+    accepted = [st for st in osm["steps"] if st["accepted"]]
+    assert osm["accepted"] == len(accepted)
+    assert osm["error"] == pytest.approx(accepted[-1]["error_after"] if accepted else regmean_true, rel=1e-12)
+    sel = osm["kfold_selection"]
+    assert sel["folds"] == 3 and sel["chosen"] in sel["candidates"] and osm["ridge"] == sel["chosen"]
+    assert sel["mean_errors"][sel["candidates"].index(sel["chosen"])] == min(sel["mean_errors"])
+    with open(os.path.join(out, "report.md")) as fh:
+        assert "## output_space: full-matrix output-space merge from RegMean" in fh.read()
+    rec = results["recommendation"]
+    assert rec["recommended"] == results["recommended"] == mnist_mod.RECOMMENDED
+    assert set(rec["fold_errors"]) == {"regmean", "qp_tr_regmean", "output_space"}
+    assert all(len(e) == 3 and min(e) > 0 for e in rec["fold_errors"].values())
+    assert rec["lowest"] == min(rec["mean_errors"], key=rec["mean_errors"].get)
+    claim_i = next(c for c in results["claims"] if c["id"] == "i")
+    assert results["recommended"] in claim_i["detail"]
 
 
 def test_figures_report_and_claims_table(run):

@@ -1,0 +1,146 @@
+"""``output_space``: the full-matrix output-space merge of one layer of PyTorch models, by
+damped Gauss-Newton steps from a start (RegMean's merge in the MNIST experiment).
+
+Each step linearises the model at the current merged layer ``W_t`` (per-sample Jacobians of the
+compared outputs and layer inputs from :func:`mergeqp.stats.collect_statistics` with
+``keep_samples=True``; targets the fine-tunes' outputs, so the linearised error at ``W_t`` is
+the true calibration error) and solves :func:`mergeqp.merge.output_space.output_space_solve`
+for the free matrix ``W = W_t + E`` with the ridge ``mu ||W - W_start||_F^2`` toward the
+start (``mu = ridge x`` the mean diagonal of the first step's normal operator). A step is
+accepted only when the merged model's true calibration error falls; otherwise ``mu`` is
+multiplied by 10 and the step retried (Levenberg-Marquardt). So the result's true calibration
+error is never above the start's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import ValidationError
+from ..merge.output_space import output_space_solve, samples_from_stats
+from ..stats import collect_statistics
+from ..stats.apply import set_linear_weights
+from ..stats.hooks import augmented_weight, resolve_linear
+from .trust_region import calibration_error, calibration_targets
+
+
+@dataclass(frozen=True)
+class OutputSpaceConfig:
+    """``ridge``: relative weight ``lambda`` of the ridge toward the start; ``prox``: the relative
+    weight ``nu`` of the first step's proximal term toward the current point (Levenberg-Marquardt
+    damping: divided by ``relax`` after an accepted step, multiplied by ``damping`` after a
+    rejected one); ``steps``: Gauss-Newton solves at most (rejected ones included); ``tol``:
+    stop when an accepted step lowers the regularised true error by less than ``tol`` times it;
+    ``cg_tol`` / ``cg_iterations``: each solve's CG tolerance and iteration cap."""
+
+    ridge: float = 0.1
+    prox: float = 16.0
+    steps: int = 60
+    tol: float = 1e-4
+    damping: float = 4.0
+    relax: float = 1.5
+    cg_tol: float = 1e-9
+    cg_iterations: int = 1000
+
+    def __post_init__(self) -> None:
+        if (not self.ridge >= 0 or not self.prox > 0 or self.steps < 1 or not self.tol >= 0
+                or not self.damping > 1 or not self.relax >= 1 or not self.cg_tol > 0 or self.cg_iterations < 1):
+            raise ValidationError(f"output_space config: need ridge >= 0, prox > 0, steps >= 1, tol >= 0, "
+                                  f"damping > 1, relax >= 1, cg_tol > 0, cg_iterations >= 1; got {self}")
+
+
+@dataclass(frozen=True)
+class OutputSpaceStep:
+    """One solve: ``mu``, the true error before, the linearised prediction, the true error after,
+    whether accepted, the solve's relative normal-equation residual, CG iterations, seconds."""
+
+    mu: float
+    error_before: float
+    predicted: float
+    error_after: float
+    accepted: bool
+    normal_residual: float
+    certified: bool
+    iterations: int
+    seconds: float
+
+
+@dataclass(frozen=True, eq=False)
+class OutputSpaceResult:
+    """The merged model, its augmented layer weight ``(r, m1)``, the start's and the final true
+    calibration errors, the ridge scale (``mu = ridge x scale``) and the steps."""
+
+    model: Any
+    weight: np.ndarray
+    start_error: float
+    error: float
+    ridge: float
+    scale: float
+    steps: tuple[OutputSpaceStep, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"start_error": self.start_error, "error": self.error, "ridge": self.ridge, "scale": self.scale,
+                "steps": [asdict(s) for s in self.steps],
+                "accepted": sum(s.accepted for s in self.steps)}
+
+
+def _augmented(model: Any, layer: str) -> np.ndarray:
+    return augmented_weight(resolve_linear(model, layer, "model"))
+
+
+def output_space_merge(start_model: Any, finetuned_models: Sequence[Any], layer: str, calibration: Sequence[Any],
+                       config: OutputSpaceConfig | None = None, *, task_weights: Any = None) -> OutputSpaceResult:
+    """Levenberg-Marquardt output-space merge of ``layer`` (module docstring) from
+    ``start_model`` (a model of the fine-tunes' architecture, e.g. RegMean's merge): minimises
+    ``G(W) = F(W) + lambda ||W - W_start||_F^2`` (``F`` the true calibration error) by steps
+    that each minimise the linearised ``F`` plus that ridge plus ``nu ||W - W_t||_F^2``.
+    ``calibration``: K sets of inputs, one per fine-tuned model (as for
+    :func:`mergeqp.stats.collect_statistics`). Never above the start's ``G`` (= its ``F``)."""
+    cfg = config or OutputSpaceConfig()
+    fts = list(finetuned_models)
+    targets = calibration_targets(fts, calibration)
+    weights = None if task_weights is None else list(task_weights)
+    start_weight = _augmented(start_model, layer)
+    has_bias = resolve_linear(start_model, layer, "model").bias is not None
+    current, W = start_model, start_weight
+    error = start_error = calibration_error(current, calibration, targets, task_weights=weights)
+    value = error  # G at the current point (the ridge is 0 at the start)
+    lam = nu = scale = 0.0
+    steps: list[OutputSpaceStep] = []
+    samples = None
+    for _ in range(cfg.steps):
+        t0 = time.perf_counter()
+        if samples is None:  # linearise at the current point (kept after a rejected step)
+            stats = collect_statistics(current, fts, layer, calibration, targets="finetuned", parametrisations=(),
+                                       keep_samples=True, progress=False)
+            samples = samples_from_stats(stats, task_weights)
+            if not steps:
+                scale = samples.ridge_scale()
+                lam, nu = cfg.ridge * scale, cfg.prox * scale
+        # lambda ||E - (W_start - W)||^2 + nu ||E||^2 = (lambda + nu) ||E - centre||^2 + const
+        sol = output_space_solve(samples, ridge=lam + nu, center=lam / (lam + nu) * (start_weight - W),
+                                 tol=cfg.cg_tol, max_iter=cfg.cg_iterations)
+        W_new = W + sol.E
+        model = set_linear_weights(current, layer, W_new[:, :-1] if has_bias else W_new,
+                                   W_new[:, -1] if has_bias else None)
+        new_error = calibration_error(model, calibration, targets, task_weights=weights)
+        new_value = new_error + lam * float(np.sum((W_new - start_weight) ** 2))
+        accepted = new_value < value
+        steps.append(OutputSpaceStep(mu=float(nu), error_before=error, predicted=sol.fit, error_after=new_error,
+                                     accepted=accepted, normal_residual=sol.residual, certified=sol.certified(),
+                                     iterations=sol.iterations, seconds=time.perf_counter() - t0))
+        if accepted:
+            gain = value - new_value
+            current, W, error, value, samples = model, W_new, new_error, new_value, None
+            nu /= cfg.relax
+            if gain < cfg.tol * value:
+                break
+        else:
+            nu *= cfg.damping
+    return OutputSpaceResult(model=current, weight=W, start_error=start_error, error=error, ridge=cfg.ridge,
+                             scale=float(scale), steps=tuple(steps))

@@ -307,11 +307,17 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             face = self._repair(self.identify(x), grad)  # the warm start's face: the guess
         else:
             face = self.identify(self.project(x - grad / self.eta))
-        if int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n:
-            # (nearly) all free: the first face solve would be a large factorisation; a few CG
-            # steps on that face (products only) find most of its bound violations for less
+        for _ in range(CG_FACES):
+            if not (int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n):
+                break
+            # (nearly) all free: the face solve would be a large factorisation; a few CG steps
+            # on that face (products only) find most of its bound violations for less. The face
+            # after it can be nearly all free too (an L1 ball or simplex that became active)
             x, g_cg = self.face_solve(face, x, cg_steps=int(opts["cg_start"]))
-            face = self.update_face(face, x, g_cg)
+            new_face = self.update_face(face, x, g_cg)
+            if new_face.key() == face.key():
+                break  # stable: solve it exactly
+            face = new_face
 
         def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
             return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x)
@@ -547,6 +553,10 @@ class ActiveSetSolver(QPSolver):
                 raise UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}")
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
+
+#: at most this many (nearly) all-free first faces are approximated by ``cg_start`` CG steps
+#: instead of being factorised
+CG_FACES = 2
 
 #: products with H whose vector has fewer nonzeros than this fraction of n read only those rows
 SPARSE_PRODUCT = 0.25

@@ -121,6 +121,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             self.eta = 1.0
         self.factorisations = 0
         self.fista_steps = 0
+        #: faces approximated by CG steps instead of a factorisation (at most :data:`CG_FACES`)
+        self.cg_faces = 0
         self.solve_methods: set[str] = set()
         self._lipschitz: float | None = None
         self.H32: np.ndarray | None = None
@@ -314,6 +316,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             # on that face (products only) find most of its bound violations for less. The face
             # after it can be nearly all free too (an L1 ball or simplex that became active)
             x, g_cg = self.face_solve(face, x, cg_steps=int(opts["cg_start"]))
+            self.cg_faces += 1
             new_face = self.update_face(face, x, g_cg)
             if new_face.key() == face.key():
                 break  # stable: solve it exactly
@@ -462,7 +465,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
     def _info(self, it: int, face: _Face, gap: float) -> dict[str, Any]:
         return {
             "face_iterations": it, "factorisations": self.factorisations,
-            "fista_steps": self.fista_steps, "linear_solves": sorted(self.solve_methods),
+            "fista_steps": self.fista_steps, "cg_faces": self.cg_faces, "linear_solves": sorted(self.solve_methods),
             "n_free": int(np.sum(face.status == FREE)), "frank_wolfe_gap": gap,
             "tol": float(self.opts["tol"]), "proximal_restarts": self.proximal_restarts,
             "final_rho": self.rho,

@@ -18,7 +18,8 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    multiplier has the wrong sign are freed (group multipliers from the free variables), the
    L1 ball is activated / released by its multiplier; a group left without a free variable
    and an unmet equation frees one. The first face, when (nearly) all variables are free, is
-   only approximated by 40 conjugate-gradient steps (products, no factorisation).
+   only approximated by 40 conjugate-gradient steps (products, no factorisation), and so is
+   the face after it when that is still (nearly) all free (an L1 ball that became active).
 3. *Stop* when the Frank-Wolfe gap of the projected face minimiser (an exact, vectorised LMO)
    is below ``tol * max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))`` -- the certificate's own test --
    or below its float64 rounding floor (interpolating problems, ``J* ~ 0``). On a box with an
@@ -477,8 +478,8 @@ class ActiveSetSolver(QPSolver):
 
     Options (defaults): ``tol`` 1e-10 (stop when the Frank-Wolfe gap is below ``tol`` times
     ``max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))``), ``max_iter`` 500 face solves, ``warm_steps``
-    0 FISTA steps before the first face, ``cg_start`` 40 conjugate-gradient steps when the
-    first face is (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
+    0 FISTA steps before the first face, ``cg_start`` 40 conjugate-gradient steps for each of
+    the first (at most :data:`CG_FACES`) faces that are (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
     proximal mode (which starts at ``prox_start`` 3e-2 x max diag H, divides rho by
     ``prox_decrease`` 4 after each solved subproblem down to ``prox_min`` 1e-12 x max diag H,
     and gives a subproblem ``prox_inner_max`` 8 face solves), ``precision`` "auto" (float32

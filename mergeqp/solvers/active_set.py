@@ -27,7 +27,9 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
 4. *Proximal PDAS*: on singular or ill-conditioned H (real merge QPs: dead units, fewer
    samples x outputs than unknowns) the face minimisers jump along nearly flat directions and
    PDAS cycles. When a face repeats, ``patience`` steps bring no decrease of J, or the gap
-   does not halve within ``patience + 3`` steps, PDAS is run instead on the proximal problems
+   does not halve within ``patience + 3`` steps while no face update changes fewer
+   coordinates than every earlier one (on large problems PDAS converges with thousands of
+   changes per step, shrinking slowly), PDAS is run instead on the proximal problems
    ``min_C J(x) + rho/2 |x - xc|^2`` (strongly convex; PDAS converges for rho large enough),
    starting at ``rho = prox_start * max diag H`` from the best point. A solved subproblem
    (stable face) gives the next centre ``xc`` and ``rho`` shrinks by ``prox_decrease``
@@ -336,6 +338,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         seen: set[bytes] = set()
         inner_best, stall, inner_it = math.inf, 0, 0
         gap_best, gap_stall = last_gap, 0  # plain PDAS: steps since the gap last halved
+        fewest_changes = self.n + 1  # plain PDAS: the fewest coordinates a face update changed
         fail_rho = 0.0  # the last rho at which proximal PDAS failed (decrease slowly past it)
         jump_back = 0.0  # rho to return to when a jump to rho_min fails
         no_jump: bytes | None = None  # a face from which a jump failed
@@ -425,9 +428,19 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             else:
                 stall += 1
             if rho == 0:
-                # plain PDAS that does not halve the gap within a few more steps is not
-                # converging either (the objective can fall slowly while the faces wander)
-                gap_best, gap_stall = (gap, 0) if gap <= 0.5 * gap_best else (gap_best, gap_stall + 1)
+                # plain PDAS that neither halves the gap nor changes fewer coordinates than ever
+                # within a few more steps is not converging either (the objective can fall
+                # slowly while the faces wander)
+                # progress: the gap halved, or the face changed in fewer coordinates than ever
+                # before (PDAS converging on a large problem, thousands of changes per step)
+                changes = int(np.count_nonzero(new_face.status != face.status))
+                if gap <= 0.5 * gap_best:
+                    gap_best, gap_stall = gap, 0
+                elif changes < fewest_changes:
+                    gap_stall = 0
+                else:
+                    gap_stall += 1
+                fewest_changes = min(fewest_changes, changes)
                 stall = max(stall, gap_stall - 3)
             inner_it += 1
             if rho == 0:

@@ -18,7 +18,8 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    multiplier has the wrong sign are freed (group multipliers from the free variables), the
    L1 ball is activated / released by its multiplier; a group left without a free variable
    and an unmet equation frees one. The first face, when (nearly) all variables are free, is
-   only approximated by 40 conjugate-gradient steps (products, no factorisation).
+   only approximated by 40 conjugate-gradient steps (products, no factorisation), and so is
+   the face after it when that is still (nearly) all free (an L1 ball that became active).
 3. *Stop* when the Frank-Wolfe gap of the projected face minimiser (an exact, vectorised LMO)
    is below ``tol * max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))`` -- the certificate's own test --
    or below its float64 rounding floor (interpolating problems, ``J* ~ 0``). On a box with an
@@ -26,7 +27,9 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
 4. *Proximal PDAS*: on singular or ill-conditioned H (real merge QPs: dead units, fewer
    samples x outputs than unknowns) the face minimisers jump along nearly flat directions and
    PDAS cycles. When a face repeats, ``patience`` steps bring no decrease of J, or the gap
-   does not halve within ``patience + 3`` steps, PDAS is run instead on the proximal problems
+   does not halve within ``patience + 3`` steps while no face update changes fewer
+   coordinates than every earlier one (on large problems PDAS converges with thousands of
+   changes per step, shrinking slowly), PDAS is run instead on the proximal problems
    ``min_C J(x) + rho/2 |x - xc|^2`` (strongly convex; PDAS converges for rho large enough),
    starting at ``rho = prox_start * max diag H`` from the best point. A solved subproblem
    (stable face) gives the next centre ``xc`` and ``rho`` shrinks by ``prox_decrease``
@@ -121,6 +124,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             self.eta = 1.0
         self.factorisations = 0
         self.fista_steps = 0
+        #: faces approximated by CG steps instead of a factorisation (at most :data:`CG_FACES`)
+        self.cg_faces = 0
         self.solve_methods: set[str] = set()
         self._lipschitz: float | None = None
         self.H32: np.ndarray | None = None
@@ -307,11 +312,18 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             face = self._repair(self.identify(x), grad)  # the warm start's face: the guess
         else:
             face = self.identify(self.project(x - grad / self.eta))
-        if int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n:
-            # (nearly) all free: the first face solve would be a large factorisation; a few CG
-            # steps on that face (products only) find most of its bound violations for less
+        for _ in range(CG_FACES):
+            if not (int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n):
+                break
+            # (nearly) all free: the face solve would be a large factorisation; a few CG steps
+            # on that face (products only) find most of its bound violations for less. The face
+            # after it can be nearly all free too (an L1 ball or simplex that became active)
             x, g_cg = self.face_solve(face, x, cg_steps=int(opts["cg_start"]))
-            face = self.update_face(face, x, g_cg)
+            self.cg_faces += 1
+            new_face = self.update_face(face, x, g_cg)
+            if new_face.key() == face.key():
+                break  # stable: solve it exactly
+            face = new_face
 
         def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
             return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x)
@@ -326,6 +338,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         seen: set[bytes] = set()
         inner_best, stall, inner_it = math.inf, 0, 0
         gap_best, gap_stall = last_gap, 0  # plain PDAS: steps since the gap last halved
+        fewest_changes = self.n + 1  # plain PDAS: the fewest coordinates a face update changed
         fail_rho = 0.0  # the last rho at which proximal PDAS failed (decrease slowly past it)
         jump_back = 0.0  # rho to return to when a jump to rho_min fails
         no_jump: bytes | None = None  # a face from which a jump failed
@@ -415,9 +428,19 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             else:
                 stall += 1
             if rho == 0:
-                # plain PDAS that does not halve the gap within a few more steps is not
-                # converging either (the objective can fall slowly while the faces wander)
-                gap_best, gap_stall = (gap, 0) if gap <= 0.5 * gap_best else (gap_best, gap_stall + 1)
+                # plain PDAS that neither halves the gap nor changes fewer coordinates than ever
+                # within a few more steps is not converging either (the objective can fall
+                # slowly while the faces wander)
+                # progress: the gap halved, or the face changed in fewer coordinates than ever
+                # before (PDAS converging on a large problem, thousands of changes per step)
+                changes = int(np.count_nonzero(new_face.status != face.status))
+                if gap <= 0.5 * gap_best:
+                    gap_best, gap_stall = gap, 0
+                elif changes < fewest_changes:
+                    gap_stall = 0
+                else:
+                    gap_stall += 1
+                fewest_changes = min(fewest_changes, changes)
                 stall = max(stall, gap_stall - 3)
             inner_it += 1
             if rho == 0:
@@ -456,7 +479,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
     def _info(self, it: int, face: _Face, gap: float) -> dict[str, Any]:
         return {
             "face_iterations": it, "factorisations": self.factorisations,
-            "fista_steps": self.fista_steps, "linear_solves": sorted(self.solve_methods),
+            "fista_steps": self.fista_steps, "cg_faces": self.cg_faces, "linear_solves": sorted(self.solve_methods),
             "n_free": int(np.sum(face.status == FREE)), "frank_wolfe_gap": gap,
             "tol": float(self.opts["tol"]), "proximal_restarts": self.proximal_restarts,
             "final_rho": self.rho,
@@ -468,8 +491,8 @@ class ActiveSetSolver(QPSolver):
 
     Options (defaults): ``tol`` 1e-10 (stop when the Frank-Wolfe gap is below ``tol`` times
     ``max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))``), ``max_iter`` 500 face solves, ``warm_steps``
-    0 FISTA steps before the first face, ``cg_start`` 40 conjugate-gradient steps when the
-    first face is (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
+    0 FISTA steps before the first face, ``cg_start`` 40 conjugate-gradient steps for each of
+    the first (at most :data:`CG_FACES`) faces that are (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
     proximal mode (which starts at ``prox_start`` 3e-2 x max diag H, divides rho by
     ``prox_decrease`` 4 after each solved subproblem down to ``prox_min`` 1e-12 x max diag H,
     and gives a subproblem ``prox_inner_max`` 8 face solves), ``precision`` "auto" (float32
@@ -547,6 +570,10 @@ class ActiveSetSolver(QPSolver):
                 raise UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}")
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
+
+#: at most this many (nearly) all-free first faces are approximated by ``cg_start`` CG steps
+#: instead of being factorised
+CG_FACES = 2
 
 #: products with H whose vector has fewer nonzeros than this fraction of n read only those rows
 SPARSE_PRODUCT = 0.25

@@ -58,3 +58,15 @@ def test_bad_family_parameters_are_named() -> None:
         InstanceFamily("x", 2, 3, "box", at_bounds=1.0)
     with pytest.raises(ValidationError, match="already"):
         register_family(FAMILIES["box"])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_l1_ball_activated_on_an_all_free_face_is_not_factorised(seed: int) -> None:
+    """On the L1 family the first face is all free and the ball becomes active with every
+    coordinate still free: both faces are approximated by CG (no factorisation of all of H),
+    and the answer is still the planted, certified optimum."""
+    inst = draw("l1", seed, 192)
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.info["cg_faces"] == 2
+    assert sol.certificate is not None and sol.certificate.certified(1e-8)
+    assert sol.objective == pytest.approx(inst.objective, rel=1e-9)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -485,24 +486,56 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
     return None
 
 
+#: model -> what :func:`_fold_mismatch` already verified for it: ``"head"`` (the identity and
+#: version of the head's weight when the model's logits were found to be head o backbone) and
+#: ``"targets"`` (id of a target tensor -> weak references to it and to the hidden state it was
+#: checked with; keyed by id, since tensors do not compare as dictionary keys). The sequential,
+#: hybrid and trust-region modes collect statistics many times on one model with the same targets;
+#: the check (two full forward passes) is done once. Weak: a model or target that is dropped is
+#: forgotten.
+_FOLD_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_key(fold: FoldedHead) -> tuple[Any, ...]:
+    """The identity of the head's parameters: storage, version (bumped by in-place writes), shape,
+    dtype and device; a changed or replaced head is checked again."""
+    parts = [fold.weight] + ([fold.bias] if fold.bias is not None else [])
+    return tuple((int(t.data_ptr()), int(t._version), tuple(t.shape), str(t.dtype), str(t.device)) for t in parts)
+
+
 def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[TargetBatch],
                    device: Any) -> str | None:
-    """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it does)."""
+    """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it
+    does). What passed once for this model, head and target is not checked again
+    (:data:`_FOLD_VERIFIED`)."""
     import torch
 
+    try:
+        verified = _FOLD_VERIFIED.setdefault(model, {"head": None, "targets": {}})
+    except TypeError:  # a model that cannot be weakly referenced: check every time
+        verified = {"head": None, "targets": {}}
+    head_key = (_head_key(fold), fold.spec)
+    if verified["head"] != head_key or len(verified["targets"]) > 4096:
+        verified["head"] = None
+        verified["targets"].clear()
     dtype = fold.weight.dtype
     for i, tb in enumerate(batches):
+        seen = verified["targets"].get(id(tb.target))
+        if verified["head"] is not None and seen is not None and seen[0]() is tb.target and seen[1]() is tb.hidden:
+            continue
         mask, index, probs = tb.selection(device)
         with torch.no_grad():
-            if i == 0:
+            if verified["head"] is None:
                 inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
                 full = fold.spec.select(fold.spec.raw(model(**inputs)), mask, index, probs)
                 folded = fold.unfolded(last_hidden(inner(**inputs)), mask, index, probs)
                 if tuple(full.shape) != tuple(folded.shape) or not _agree(folded, full, dtype):
                     return ("the model's logits are not its head applied to its backbone's last_hidden_state "
                             "(a scaled or soft-capped head?)")
+                verified["head"] = head_key
             mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
         if tuple(mine.shape) != tuple(tb.target.shape) or not _agree(mine, tb.target, dtype):
             return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
                     f"its final hidden state (the head differs between the base and the fine-tune?)")
+        verified["targets"][id(tb.target)] = (weakref.ref(tb.target), weakref.ref(tb.hidden))
     return None

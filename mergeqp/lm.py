@@ -19,6 +19,11 @@ output's length):
 
 Positions outside the attention mask are multiplied by 0 in both the output and the target.
 
+``pool="mean"`` compares one vector per prompt instead of one per position: the mean of the
+(restricted, masked) outputs over the prompt's real tokens, as a sentence encoder's
+mean-pooled embedding (all-MiniLM, sentence-transformers). The pooling is linear, so the
+objective stays a convex QP, and it is the output that heads on the pooled embedding read.
+
 ``metric`` says how a position's logits are compared:
 
 - ``metric="euclidean"`` (default): the squared error of the (restricted) output, as above.
@@ -51,6 +56,7 @@ from .io.calibration import Batch
 
 RESTRICTIONS = ("none", "topk", "projection")
 METRICS = ("euclidean", "kl")
+POOLS = ("none", "mean")
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,8 @@ class OutputSpec:
     ``fold_head``: ``None`` (auto) | ``True`` | ``False``: compute the statistics from the final
     hidden state through the folded linear head (:class:`FoldedHead`). ``sketch``: ``None`` or
     ``s``: the statistics' Hessian from ``s`` Gaussian combinations of each sample's outputs.
+    ``pool``: ``"none"`` (every position) or ``"mean"`` (per prompt, the mean over its real
+    tokens: ``(B, T, q)`` becomes ``(B, q)``; Euclidean metric only).
     """
 
     field: str = "logits"
@@ -72,6 +80,7 @@ class OutputSpec:
     metric: str = "euclidean"
     fold_head: bool | None = None
     sketch: int | None = None
+    pool: str = "none"
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +95,11 @@ class OutputSpec:
         if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
                                         or self.sketch < 1):
             raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
+        if self.pool not in POOLS:
+            raise ValidationError(f"output pool {self.pool!r}; valid: {', '.join(POOLS)}")
+        if self.pool != "none" and self.metric != "euclidean":
+            raise ValidationError(f"output pool {self.pool!r} needs the euclidean metric (the {self.metric} metric "
+                                  f"compares each position's distribution, which a mean over positions is not)")
 
     def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
         """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
@@ -112,6 +126,8 @@ class OutputSpec:
             return "fold_head is false"
         if self.field != "logits":
             return f"the compared output is {self.field!r}, not logits"
+        if self.pool != "none":
+            return f"the output is pooled ({self.pool}) over positions"
         if self.metric == "kl" and self.restrict != "topk":
             return (f"the kl metric with restrict {self.restrict!r} has a vocabulary-size metric "
                     f"W'(diag p - p p')W per position (fold it with restrict: topk)")
@@ -177,7 +193,8 @@ class OutputSpec:
             out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
         else:
             out = raw
-        return apply_mask(out, mask)
+        out = apply_mask(out, mask)
+        return mean_pool(out, mask) if self.pool == "mean" else out
 
 
 def kl_whiten(x: Any, p: Any) -> Any:
@@ -196,6 +213,20 @@ def apply_mask(out: Any, mask: Any) -> Any:
     while m.dim() < out.dim():
         m = m.unsqueeze(-1)
     return out * m
+
+
+def mean_pool(out: Any, mask: Any) -> Any:
+    """Per sample, the mean of ``out`` (``(B, T, ...)``, already masked) over the real positions
+    of ``mask`` (``(B, T)``; ``None``: every position): ``(B, ...)``."""
+    if out.dim() < 3:
+        raise ValidationError(f"output pool: mean needs a per-position output (B, T, ...), got shape "
+                              f"{tuple(out.shape)}")
+    if mask is None or tuple(out.shape[:2]) != tuple(mask.shape):
+        return out.mean(dim=1)
+    counts = mask.to(out.dtype).sum(dim=1).clamp_min(1.0)
+    while counts.dim() < out.dim() - 1:
+        counts = counts.unsqueeze(-1)
+    return out.sum(dim=1) / counts
 
 
 @dataclass(frozen=True)
@@ -327,7 +358,8 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
     equals :func:`teacher_forced_mse`."""
     import torch
 
-    distributions = spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+    distributions = (spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+                     and spec.pool == "none")
     total = kl = ce = 0.0
     entries = positions = predicted = 0
     for tb in batches:

@@ -19,6 +19,11 @@ output's length):
 
 Positions outside the attention mask are multiplied by 0 in both the output and the target.
 
+``pool="mean"`` compares one vector per prompt instead of one per position: the mean of the
+(restricted, masked) outputs over the prompt's real tokens, as a sentence encoder's
+mean-pooled embedding (all-MiniLM, sentence-transformers). The pooling is linear, so the
+objective stays a convex QP, and it is the output that heads on the pooled embedding read.
+
 ``metric`` says how a position's logits are compared:
 
 - ``metric="euclidean"`` (default): the squared error of the (restricted) output, as above.
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +56,7 @@ from .io.calibration import Batch
 
 RESTRICTIONS = ("none", "topk", "projection")
 METRICS = ("euclidean", "kl")
+POOLS = ("none", "mean")
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,8 @@ class OutputSpec:
     ``fold_head``: ``None`` (auto) | ``True`` | ``False``: compute the statistics from the final
     hidden state through the folded linear head (:class:`FoldedHead`). ``sketch``: ``None`` or
     ``s``: the statistics' Hessian from ``s`` Gaussian combinations of each sample's outputs.
+    ``pool``: ``"none"`` (every position) or ``"mean"`` (per prompt, the mean over its real
+    tokens: ``(B, T, q)`` becomes ``(B, q)``; Euclidean metric only).
     """
 
     field: str = "logits"
@@ -71,6 +80,7 @@ class OutputSpec:
     metric: str = "euclidean"
     fold_head: bool | None = None
     sketch: int | None = None
+    pool: str = "none"
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +95,11 @@ class OutputSpec:
         if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
                                         or self.sketch < 1):
             raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
+        if self.pool not in POOLS:
+            raise ValidationError(f"output pool {self.pool!r}; valid: {', '.join(POOLS)}")
+        if self.pool != "none" and self.metric != "euclidean":
+            raise ValidationError(f"output pool {self.pool!r} needs the euclidean metric (the {self.metric} metric "
+                                  f"compares each position's distribution, which a mean over positions is not)")
 
     def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
         """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
@@ -111,6 +126,8 @@ class OutputSpec:
             return "fold_head is false"
         if self.field != "logits":
             return f"the compared output is {self.field!r}, not logits"
+        if self.pool != "none":
+            return f"the output is pooled ({self.pool}) over positions"
         if self.metric == "kl" and self.restrict != "topk":
             return (f"the kl metric with restrict {self.restrict!r} has a vocabulary-size metric "
                     f"W'(diag p - p p')W per position (fold it with restrict: topk)")
@@ -176,7 +193,8 @@ class OutputSpec:
             out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
         else:
             out = raw
-        return apply_mask(out, mask)
+        out = apply_mask(out, mask)
+        return mean_pool(out, mask) if self.pool == "mean" else out
 
 
 def kl_whiten(x: Any, p: Any) -> Any:
@@ -195,6 +213,20 @@ def apply_mask(out: Any, mask: Any) -> Any:
     while m.dim() < out.dim():
         m = m.unsqueeze(-1)
     return out * m
+
+
+def mean_pool(out: Any, mask: Any) -> Any:
+    """Per sample, the mean of ``out`` (``(B, T, ...)``, already masked) over the real positions
+    of ``mask`` (``(B, T)``; ``None``: every position): ``(B, ...)``."""
+    if out.dim() < 3:
+        raise ValidationError(f"output pool: mean needs a per-position output (B, T, ...), got shape "
+                              f"{tuple(out.shape)}")
+    if mask is None or tuple(out.shape[:2]) != tuple(mask.shape):
+        return out.mean(dim=1)
+    counts = mask.to(out.dtype).sum(dim=1).clamp_min(1.0)
+    while counts.dim() < out.dim() - 1:
+        counts = counts.unsqueeze(-1)
+    return out.sum(dim=1) / counts
 
 
 @dataclass(frozen=True)
@@ -326,7 +358,8 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
     equals :func:`teacher_forced_mse`."""
     import torch
 
-    distributions = spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+    distributions = (spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+                     and spec.pool == "none")
     total = kl = ce = 0.0
     entries = positions = predicted = 0
     for tb in batches:
@@ -485,24 +518,56 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
     return None
 
 
+#: model -> what :func:`_fold_mismatch` already verified for it: ``"head"`` (the identity and
+#: version of the head's weight when the model's logits were found to be head o backbone) and
+#: ``"targets"`` (id of a target tensor -> weak references to it and to the hidden state it was
+#: checked with; keyed by id, since tensors do not compare as dictionary keys). The sequential,
+#: hybrid and trust-region modes collect statistics many times on one model with the same targets;
+#: the check (two full forward passes) is done once. Weak: a model or target that is dropped is
+#: forgotten.
+_FOLD_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _head_key(fold: FoldedHead) -> tuple[Any, ...]:
+    """The identity of the head's parameters: storage, version (bumped by in-place writes), shape,
+    dtype and device; a changed or replaced head is checked again."""
+    parts = [fold.weight] + ([fold.bias] if fold.bias is not None else [])
+    return tuple((int(t.data_ptr()), int(t._version), tuple(t.shape), str(t.dtype), str(t.device)) for t in parts)
+
+
 def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[TargetBatch],
                    device: Any) -> str | None:
-    """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it does)."""
+    """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it
+    does). What passed once for this model, head and target is not checked again
+    (:data:`_FOLD_VERIFIED`)."""
     import torch
 
+    try:
+        verified = _FOLD_VERIFIED.setdefault(model, {"head": None, "targets": {}})
+    except TypeError:  # a model that cannot be weakly referenced: check every time
+        verified = {"head": None, "targets": {}}
+    head_key = (_head_key(fold), fold.spec)
+    if verified["head"] != head_key or len(verified["targets"]) > 4096:
+        verified["head"] = None
+        verified["targets"].clear()
     dtype = fold.weight.dtype
     for i, tb in enumerate(batches):
+        seen = verified["targets"].get(id(tb.target))
+        if verified["head"] is not None and seen is not None and seen[0]() is tb.target and seen[1]() is tb.hidden:
+            continue
         mask, index, probs = tb.selection(device)
         with torch.no_grad():
-            if i == 0:
+            if verified["head"] is None:
                 inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
                 full = fold.spec.select(fold.spec.raw(model(**inputs)), mask, index, probs)
                 folded = fold.unfolded(last_hidden(inner(**inputs)), mask, index, probs)
                 if tuple(full.shape) != tuple(folded.shape) or not _agree(folded, full, dtype):
                     return ("the model's logits are not its head applied to its backbone's last_hidden_state "
                             "(a scaled or soft-capped head?)")
+                verified["head"] = head_key
             mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
         if tuple(mine.shape) != tuple(tb.target.shape) or not _agree(mine, tb.target, dtype):
             return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
                     f"its final hidden state (the head differs between the base and the fine-tune?)")
+        verified["targets"][id(tb.target)] = (weakref.ref(tb.target), weakref.ref(tb.hidden))
     return None

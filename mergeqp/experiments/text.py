@@ -39,13 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pydantic
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
 from ..run.pipeline import resolve_device, run_merge
-from ..run.schema import MergeConfig
+from ..run.schema import MergeConfig, OutputConfig
 from . import text_report
 from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
@@ -55,10 +56,26 @@ from .text_encoder import (EncoderSettings, FeatureBatch, cached_block_inputs, f
 from .text_tasks import TaskSplits, default_tasks, split_task
 
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
+#: the merge QPs' default output: the mean-pooled token states, one embedding per text
+POOLED_OUTPUT = {"field": "last_hidden_state", "pool": "mean"}
 BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 BASES = ("svd", "random", "optimal")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CACHE = os.path.join("~", ".cache", "mergeqp", "text")
+
+
+def compared_output_note(output: dict[str, Any]) -> str:
+    """What the merge QPs compare, in words (for the results and the report)."""
+    pooled = output.get("pool", "none") == "mean"
+    what = (f"{output.get('field', 'logits')} mean-pooled over real tokens (one embedding per text: what the heads "
+            f"read and the output MSE measures)" if pooled else
+            f"{output.get('field', 'logits')} at every real token (the pooled embedding is their mean)")
+    if output.get("restrict", "none") == "projection":
+        what += (f", seen through a seeded Gaussian projection to k = {output.get('k')} dimensions (unbiased estimate "
+                 f"of its squared error)")
+    elif output.get("restrict", "none") == "topk":
+        what += f", restricted to the target's top {output.get('k')} entries"
+    return what
 
 
 @dataclass(frozen=True)
@@ -71,9 +88,11 @@ class TextConfig:
     glob of the layer(s) of the single-layer QP and the geometry experiment (default: all trained
     layers); ``ta_scalings``: the task-arithmetic weights tried on calibration data; ``ranks``:
     basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
-    ``output_k``: the merge QPs compare each token state through a seeded ``(H, k)`` Gaussian
-    projection (``output: {restrict: projection, k}``, an unbiased estimate of the token states'
-    squared error; ``None``: all ``H`` dimensions); ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
+    ``output``: the run layer's ``output`` block of every merge QP (default: the mean-pooled
+    ``last_hidden_state``, one ``H``-vector per text: exactly the embedding that the task heads
+    read and the output MSE measures; ``{"field": "last_hidden_state", "restrict": "projection",
+    "k": 8}`` compares every token state through a projection instead);
+    ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
 
     train_per_task: int = 1024
     calibration_per_task: int = 100
@@ -89,7 +108,7 @@ class TextConfig:
     bases: tuple[str, ...] = BASES
     trust_region: dict[str, Any] = field(default_factory=lambda: {"max_steps": 6})
     ties_density: float = 0.5
-    output_k: int | None = 64
+    output: dict[str, Any] = field(default_factory=lambda: dict(POOLED_OUTPUT))
     merge_batch_size: int = 16
     chunk_size: int = 256
 
@@ -100,8 +119,11 @@ class TextConfig:
                 raise ValidationError(f"text experiment {name} must be >= 1, got {getattr(self, name)}")
         if not self.ta_scalings or any(not np.isfinite(s) for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be finite numbers, got {self.ta_scalings}")
-        if self.output_k is not None and int(self.output_k) < 1:
-            raise ValidationError(f"output_k must be >= 1 or None, got {self.output_k}")
+        try:
+            OutputConfig.model_validate(self.output)
+        except pydantic.ValidationError as exc:
+            raise ValidationError(f"text experiment output {self.output!r} is not a run-layer output block: "
+                                  f"{exc.errors()[0]['msg']}") from None
         if any(int(p) < 1 for p in self.ranks):
             raise ValidationError(f"ranks must be >= 1, got {self.ranks}")
         bad = [b for b in self.bases if b not in BASES]
@@ -117,7 +139,7 @@ class TextConfig:
         return cls(train_per_task=256, calibration_per_task=32, test_per_task=128, max_length=48,
                    train_patterns=("encoder.layer.5.output.dense.*",), epochs=3,
                    ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 8), trust_region={"max_steps": 2},
-                   output_k=4, merge_batch_size=32)
+                   merge_batch_size=32)
 
     def encoder_settings(self, seed: int, task_index: int) -> EncoderSettings:
         return EncoderSettings(self.train_patterns, self.epochs, self.lr, self.head_lr, self.batch_size,
@@ -297,10 +319,7 @@ class _Run:
                            output=self.output_block(), device=self.device, evaluate=False, seed=self.seed)
 
     def output_block(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"field": "last_hidden_state"}
-        if self.cfg.output_k is not None:
-            out.update(restrict="projection", k=int(self.cfg.output_k))
-        return out
+        return dict(self.cfg.output)
 
     def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None) -> dict[str, Any]:
         """Run one merge through :func:`mergeqp.run.run_merge`, evaluate it, drop its folder."""
@@ -441,9 +460,7 @@ class _Run:
             "config": cfg.to_dict(), "base_model": str(self.base), "device": self.device,
             "device_note": self.device_note, "cache": str(self.cache), "features_cached": self.features_cached,
             "trained": list(self.trained), "layers": self.layers, "tasks": tasks,
-            "compared_output": "last_hidden_state (token states of real tokens; the pooled embedding is their mean)"
-                               + (f", each token state seen through a seeded Gaussian projection to k = {cfg.output_k} "
-                                  f"dimensions (unbiased estimate of its squared error)" if cfg.output_k else ""),
+            "compared_output": compared_output_note(cfg.output),
             "mse_definition": "mean over test texts and embedding dimensions of (pooled merged - pooled fine-tune)^2",
             "methods": methods, "references": references, "selection": selection, "geometry": geometry,
             "environment": {"python": platform.python_version(), "torch": torch.__version__,

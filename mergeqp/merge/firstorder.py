@@ -433,7 +433,8 @@ def collect_first_order(
         atom_names=atom_names, model_names=names, task_names=tuple(t.name for t in tasks),
         task_weights=tuple(float(t.weight) for t in tasks), counts=tuple(counts), energy=tuple(energies),
         metadata={"parametrisations": [a.param.to_json() for a in atoms],
-                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k},
+                  "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k,
+                             **({} if spec.pool == "none" else {"pool": spec.pool})},
                   **({} if fold is None else {"folded_head_width": fold.width}),
                   **({} if spec.sketch is None else {"sketch": spec.sketch})},
     )

@@ -340,8 +340,8 @@ class _Run:
         cfg = self.plan.config
         self.cfg = cfg
         self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
-                               cfg.output.fold_head_flag, cfg.output.sketch)
-        self.eval_spec = OutputSpec(cfg.output.field, "none", fold_head=False)
+                               cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool)
+        self.eval_spec = OutputSpec(cfg.output.field, "none", fold_head=False, pool=cfg.output.pool)
 
     def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
         """Write the merged folder with its ``report.json`` / ``report.md`` inside, atomically (the

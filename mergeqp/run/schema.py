@@ -329,7 +329,9 @@ class OutputConfig(_Strict):
     the head is a shared ``nn.Linear`` and the output allows it, ``true`` fails naming why not;
     :class:`mergeqp.lm.FoldedHead`). ``sketch``: ``s`` (default none): the statistics' Hessian
     from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
-    and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch.
+    and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch. ``pool``: ``none``
+    (default: every token position) or ``mean`` (one vector per prompt, the mean over its real
+    tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric only).
     """
 
     field: str = "logits"
@@ -338,6 +340,7 @@ class OutputConfig(_Strict):
     metric: Literal["euclidean", "kl"] = "euclidean"
     fold_head: bool | Literal["auto"] = "auto"
     sketch: int | None = Field(default=None, ge=1)
+    pool: Literal["none", "mean"] = "none"
 
     @property
     def fold_head_flag(self) -> bool | None:
@@ -350,11 +353,14 @@ class OutputConfig(_Strict):
             raise ValueError(f"restrict: {self.restrict} needs 'k'")
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
+        if self.pool != "none" and self.metric != "euclidean":
+            raise ValueError(f"pool: {self.pool} needs metric: euclidean (the {self.metric} metric compares each "
+                             f"position's distribution)")
         return self
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The default metric, fold_head and sketch are left out, so that such a run's plan reads as before."""
+        """The default metric, fold_head, sketch and pool are left out, so that such a run's plan reads as before."""
         out = handler(self)
         if out.get("metric") == "euclidean":
             del out["metric"]
@@ -362,6 +368,8 @@ class OutputConfig(_Strict):
             del out["fold_head"]
         if out.get("sketch") is None:
             out.pop("sketch", None)
+        if out.get("pool") == "none":
+            del out["pool"]
         return out
 
 

@@ -39,6 +39,7 @@ def _corpora(tiny_hf, n=40):
 
 def _config(**merge):
     settings = {"calibration_max_length": 16, "calibration_batch_size": 4, "ta_scalings": (0.5, 1.0),
+                "outputs": {"euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 8}},
                 "modes": ("single", "sequential"), "metrics": ("euclidean",), "baselines": ("ties",),
                 "mergekit": ("ties",) if importlib.util.find_spec("mergekit") else (), **merge}
     return LmConfig(train_texts=16, calibration_texts=6, test_texts=6, min_chars=5, finetune_blocks=1,
@@ -208,6 +209,10 @@ def test_settings_validation():
         LmMergeSettings(mergekit=("slerp",))
     with pytest.raises(ValidationError, match="ta_scalings"):
         LmMergeSettings(ta_scalings=(0.0,))
+    with pytest.raises(ValidationError, match="outputs: no entry for metric 'kl'"):
+        LmMergeSettings(outputs={"euclidean": {"restrict": "none"}})
+    with pytest.raises(ValidationError, match="the key is the metric"):
+        LmMergeSettings(outputs={"euclidean": {"metric": "kl"}, "kl": {}})
     with pytest.raises(ValidationError, match="test_texts"):
         LmConfig(test_texts=0)
     cfg = with_overrides(LmConfig.quick(), test_texts=5, ties_density=0.3)

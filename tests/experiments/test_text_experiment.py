@@ -34,7 +34,7 @@ LAYER = "encoder.layer.1.output.dense"
 def tiny_config() -> TextConfig:
     return TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
                       train_patterns=(LAYER + ".*",), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1, 2),
-                      trust_region={"max_steps": 1}, output_k=8)
+                      trust_region={"max_steps": 1})
 
 
 def synthetic_tasks(tiny_hf, n: int = 90) -> list[Corpus]:
@@ -105,6 +105,7 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     assert results["references"]["finetuned"]["test"]["mean"]["mse"] == 0
     assert results["references"]["base"]["test"]["mean"]["mse"] > 0
     assert [c["id"] for c in results["claims"]] == ["V1", "V2", "V3", "V4", "V5"]
+    assert "mean-pooled" in results["compared_output"]  # the QPs fit the embedding the heads read
     assert {"passed", "recommended", "accuracy_ok", "mse_ok"} <= set(results["goal"])
     assert {(p["basis"], p["p"]) for p in results["geometry"]} == {(b, p) for b in ("svd", "random", "optimal")
                                                                   for p in (1, 2)}
@@ -229,4 +230,6 @@ def test_cli_errors(tmp_path, capsys, tiny_base, tiny_hf):
         run_text_experiment(str(tmp_path / "x"), base_folder=tmp_path, config=tiny_config())
     with pytest.raises(ValidationError, match="train_per_task"):
         TextConfig(train_per_task=0)
+    with pytest.raises(ValidationError, match="not a run-layer output block"):
+        TextConfig(output={"field": "last_hidden_state", "pool": "max"})
     assert not os.path.exists(tmp_path / "one")

@@ -65,6 +65,8 @@ def test_unknown_key_suggests_the_close_one():
     ({**MINIMAL, "method": {"name": "fisher", "basis_max_size": "1GB"}}, "apply only to name: qp"),
     ({**MINIMAL, "method": {"mode": "parallel"}}, "method.mode"),
     ({**MINIMAL, "output": {"restrict": "topk"}}, "needs 'k'"),
+    ({**MINIMAL, "output": {"pool": "mean", "metric": "kl"}}, "pool: mean needs metric: euclidean"),
+    ({**MINIMAL, "output": {"pool": "max"}}, "output.pool"),
     ({**MINIMAL, "models": [{"path": "x"}]}, "needs calibration prompts"),
     ({**MINIMAL, "models": [{"path": "a/x", "calibration": "c"}, {"path": "b/x", "calibration": "c"}]}, "must be unique"),
     ({**MINIMAL, "calibration": {"holdout": 1.5}}, "holdout"),

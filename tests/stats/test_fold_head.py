@@ -102,6 +102,34 @@ def test_a_fine_tune_with_another_head_is_refused_or_not_folded(llama):
     _same(got, collect_first_order(model, atoms, tasks, OutputSpec(fold_head=False)))
 
 
+def test_the_fold_is_checked_once_per_model_head_and_target_and_again_after_the_head_changes(llama, monkeypatch):
+    """Sequential, hybrid and trust-region merges collect statistics many times on one model with
+    the same targets: the fold's check (two full forward passes) runs once; a head written in
+    place is checked again, so a head that no longer matches the targets is still refused."""
+    import copy
+
+    import mergeqp.lm as lm
+
+    model, fts, batches, atoms = llama
+    model = copy.deepcopy(model)
+    spec = OutputSpec(fold_head=True)
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(fts[0], batches, spec, "cpu"))]
+    checks = []
+    real = lm._agree
+    monkeypatch.setattr(lm, "_agree", lambda *a: checks.append(1) or real(*a))
+    first = collect_first_order(model, atoms, tasks, spec)
+    n_first = len(checks)
+    assert n_first == 1 + len(tasks[0].batches)  # the model's logits, then every target batch
+    again = collect_first_order(model, atoms, tasks, spec)
+    assert len(checks) == n_first
+    _same(again, first)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.01 * torch.randn_like(model.lm_head.weight))
+    with pytest.raises(ValidationError, match="head differs"):
+        collect_first_order(model, atoms, tasks, spec)
+    assert len(checks) > n_first
+
+
 def test_a_merge_site_in_the_head_is_not_folded(llama):
     from mergeqp.merge.sites import match_sites, model_sites
     from mergeqp.stats.parametrisation import as_parametrisation

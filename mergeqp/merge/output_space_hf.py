@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -266,24 +267,17 @@ class OutputSpaceLayer:
     record: dict[str, Any]
 
 
-def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
-               params: OutputSpaceRunParams) -> OutputSpaceLayer:
-    """Linearise ``model`` (the reference merge, unchanged) at ``site`` on every task's batches and
-    solve the site's output-space least squares (module docstring). The record holds the
-    linearised objective at ``model``'s weights (``objective_before``, = the exact calibration
-    error of the compared output there) and at the solution (``objective_after``: fit + ridge
-    term; ``fit_solution``: the fit alone), the certificate (``normal_residual``, ``certified``,
-    ``cert_tol``; with a radius ``feasibility`` / ``complementarity``), CG ``iterations`` and
-    ``seconds``."""
+@contextmanager
+def site_linearisation(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec,
+                       device: Any) -> Iterator[list[_SiteBatch]]:
+    """The calibration batches of every task linearised at ``site`` of ``model`` (unchanged): one
+    recorded forward pass per batch; the batches' derivatives are valid inside the ``with`` block
+    only (the site's hook is removed on exit)."""
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
     check_sites([site])
-    t0 = time.perf_counter()
     module = site_module(model, site)
-    all_batches = [tb for t in tasks for tb in t.batches]
-    fold = prepare_fold(model, spec, all_batches, device, [module])
-    dtype = next(model.parameters()).dtype
-    cg_tol, cert_tol = precision_tolerances(dtype)
+    fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, [module])
     with hooked_layers(model, [module]) as hooks:
         batches: list[_SiteBatch] = []
         for task in tasks:
@@ -297,12 +291,31 @@ def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: 
                 h = compared(out)
                 B = int(h.shape[0])
                 target = (y.reshape(B, -1) - h.to(torch.float64)).cpu().numpy()
+                if not np.all(np.isfinite(target)):
+                    raise ValidationError(f"output_space at {site.name!r}: non-finite compared outputs on task "
+                                          f"{task.name!r} batch {bi}")
                 Z = append_ones(hooks[0].layer_input, site.has_bias).detach()
                 zero = torch.zeros_like(hooks[0].layer_output)
                 f = perturbed_output(hooks[0], call, compared)
                 batches.append(_SiteBatch(Z, OutputDerivatives(f, zero, int(h.shape[1])), target, float(task.weight)))
-        if not np.all(np.isfinite(np.concatenate([b.target.reshape(-1) for b in batches]))):
-            raise ValidationError(f"output_space at {site.name!r}: non-finite compared outputs")
+        if not batches:
+            raise ValidationError(f"output_space at {site.name!r}: no calibration batch")
+        yield batches
+
+
+def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
+               params: OutputSpaceRunParams) -> OutputSpaceLayer:
+    """Linearise ``model`` (unchanged) at ``site`` on every task's batches
+    (:func:`site_linearisation`) and solve the site's output-space least squares (module
+    docstring). The record holds the
+    linearised objective at ``model``'s weights (``objective_before``, = the exact calibration
+    error of the compared output there) and at the solution (``objective_after``: fit + ridge
+    term; ``fit_solution``: the fit alone), the certificate (``normal_residual``, ``certified``,
+    ``cert_tol``; with a radius ``feasibility`` / ``complementarity``), CG ``iterations`` and
+    ``seconds``."""
+    t0 = time.perf_counter()
+    cg_tol, cert_tol = precision_tolerances(next(model.parameters()).dtype)
+    with site_linearisation(model, site, tasks, spec, device) as batches:
         formed = jacobian_bytes_of(batches) <= params.jacobian_max_bytes
         operator: Any = (formed_samples(batches) if formed
                          else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
@@ -380,6 +393,6 @@ def uncertified_notes(layers: Sequence[OutputSpaceLayer]) -> list[str]:
     return [f"output_space solution NOT certified at {', '.join(bad)}: raise method.params.max_iter or the ridge"]
 
 
-__all__ = ["ModelLinearisation", "OutputSpaceLayer", "OutputSpaceRunParams", "SUPPORTED_KINDS", "check_sites",
-           "formed_samples", "parse_run_params", "precision_tolerances", "solve_site", "solve_sites",
-           "uncertified_notes"]
+__all__ = ["ModelLinearisation", "OutputSpaceLayer", "OutputSpaceRunParams", "SUPPORTED_KINDS", "calibration_error",
+           "check_sites", "formed_samples", "parse_run_params", "precision_tolerances", "site_linearisation",
+           "solve_site", "solve_sites", "uncertified_notes"]

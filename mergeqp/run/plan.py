@@ -582,6 +582,11 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
             out["models (one at a time)"] = numel * elem
         if stats_method is not None:
             out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
+        if is_output_space(cfg):
+            p = parse_output_space_params(cfg.method.params)
+            if p.reference == "regmean":
+                out["regmean statistics (reference)"] = _statistics_bytes(plan, "regmean", plan.merged_keys())
+            out["output-space Jacobians (one layer, formed only below the cap)"] = int(p.jacobian_max_bytes)
         if evaluates_baseline(cfg) or is_output_space(cfg):
             out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
         return out

@@ -226,5 +226,7 @@ def test_config_errors_name_the_problem(llama, tmp_path):
     no_prompts = data.model_copy(update={"models": [m.model_copy(update={"calibration": None}) for m in data.models]})
     with pytest.raises(ConfigError, match="needs calibration prompts"):
         build_plan(no_prompts)
-    text = build_plan(data).render()
+    plan = build_plan(data)
+    text = plan.render()
     assert "output_space" in text and "CG through JVP/VJP" in text
+    assert plan.memory["regmean statistics (reference)"] > 0

@@ -139,7 +139,7 @@ def test_matrix_free_operator_equals_formed_jacobians(tiny_hf, tmp_path, arch, o
     site = next(s for s in model_sites(model) if s.name == fam.mlp_layer)
     rng = np.random.default_rng(0)
     with site_linearisation(model, site, tasks, spec, "cpu") as batches:
-        assert len({b.target.shape[1] for b in batches}) > 1 or len(batches) >= 2
+        assert len(batches) >= 4 and len({b.derivatives.T for b in batches}) > 1  # two tasks, padded lengths differ
         free = ModelLinearisation(batches, (site.r, site.m1), probes=64)
         dense = formed_samples(batches)
         assert dense.shape == free.shape == (site.r, site.m1)

@@ -90,6 +90,20 @@ def render_markdown(report: dict[str, Any]) -> str:
             pts = r.get("objective_at", {})
             lines.append(f"| `{r['layer']}` | " + " | ".join(_f(pts[k]) for k in sorted(pts)) + f" | {_f(r['objective_after'])} |")
 
+    os_layers = report.get("output_space_layers") or []
+    if os_layers:
+        lines += ["", "## Output-space layers", "",
+                  ("Per layer, in order: the linearised objective at the weights it was linearised at and at "
+                   "the solution (with the ridge term), the relative normal-equation / KKT residual, CG "
+                   "iterations, the accepted step and the true calibration error before and after it."), "",
+                  "| layer | operator | J before | J after (lin.) | residual | certified | CG it. | step | "
+                  "calibration before | calibration after | s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in os_layers:
+            lines.append(f"| `{r['layer']}` | {r['operator']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
+                         f"{_f(r['normal_residual'], 3)} | {_f(r['certified'])} | {r['iterations']} | {_f(r['step'])} | "
+                         f"{_f(r['calibration_before'])} | {_f(r['calibration_after'])} | {_f(r['seconds'], 3)} |")
+
     with_basis = [r for r in layers if r.get("basis")]
     if with_basis:
         lines += ["", "## Bases", "",

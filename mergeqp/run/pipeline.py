@@ -59,6 +59,7 @@ from ..merge.calibrated import StatisticsCollector, needs_statistics
 from ..merge.firstorder import TaskTargets
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
+from ..merge.output_space_hf import parse_run_params, solve_sites, uncertified_notes
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
@@ -70,6 +71,7 @@ from .plan import (
     architecture_class,
     build_plan,
     evaluates_baseline,
+    is_output_space,
     statistics_method,
 )
 from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
@@ -319,6 +321,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False,
     torch.manual_seed(cfg.seed)
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start)
     with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
+        if is_output_space(cfg):
+            return run.output_space()
         return run.qp() if cfg.method.is_qp else run.baseline()
 
 
@@ -475,6 +479,48 @@ class _Run:
         del merged
         gc.collect()
         return result
+
+
+    # ------------------------------------------------------------------ output space
+    def output_space(self) -> MergeResult:
+        """The output-space merge (:mod:`mergeqp.merge.output_space_hf`): the reference merge
+        (RegMean from statistics collected while each fine-tune is loaded for its targets, or the
+        soup), evaluated; every selected linear site solved at the reference, one at a time; the
+        solutions loaded together, evaluated, written with a per-layer record
+        (``output_space_layers`` in ``report.json``)."""
+        plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
+        params = parse_run_params(cfg.method.params)
+        keys = plan.merged_keys()
+        t = time.perf_counter()
+        collector = (statistics_collector(plan, "regmean", {"alpha": params.alpha}, keys, say)
+                     if params.reference == "regmean" else None)
+        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector)
+        if collector is not None:
+            reference = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
+            self.notes.extend(n for n in collector.notes if n not in self.notes)
+        else:
+            reference = baseline_merge(plan, "soup", {}, keys)
+        t_reference = time.perf_counter() - t
+        model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
+        base_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device))
+        _load_into(model, reference)
+        start_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device),
+                                     method=params.reference, params={"alpha": params.alpha} if collector else {},
+                                     seconds=t_reference,
+                                     statistics=collector.summary() if collector is not None else None)
+        t = time.perf_counter()
+        task_targets = [TaskTargets(x.name, x.weight, x.calibration) for x in tasks]
+        layers, solved = solve_sites(model, plan.sites, task_targets, self.spec, device, params, say)
+        merged = dict(reference)
+        merged.update({k: v.to(reference[k].dtype) if k in reference and cfg.output_dtype is None else v
+                       for k, v in solved.items()})
+        self.notes.extend(uncertified_notes(layers))
+        merged_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device), method=cfg.method.name)
+        summary = BaselineSummary(cfg.method.name, params.model_dump(), len(merged),
+                                  t_reference + time.perf_counter() - t)
+        evaluation = Evaluation(base=base_eval, merged=merged_eval, start=start_eval)
+        return self._finish(merged, {"baseline": summary, "evaluation": evaluation,
+                                     "mode_fields": {"output_space_layers": [x.record for x in layers]}}, model)
 
 
 def _float_keys(plan: MergePlan) -> list[str]:

@@ -32,6 +32,8 @@ from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
+from ..merge.output_space_hf import check_sites as check_output_space_sites
+from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
@@ -46,6 +48,9 @@ from ..problem import MergeQP
 from ..solvers.registry import choose_solver, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
+
+#: the non-QP method that the run layer solves on the live model (not through merge_state_dicts)
+OUTPUT_SPACE_METHOD = "output_space"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "spiece.model", "special_tokens_map.json")
@@ -162,7 +167,14 @@ class MergePlan:
             spec = statistics_of(cfg.method.name)
             if spec is not None:
                 lines.append(f"  {spec.plan_line}")
-            if evaluates_baseline(cfg):
+            if is_output_space(cfg):
+                p = parse_output_space_params(cfg.method.params)
+                lines.append(f"  per selected linear layer, one at a time at the {p.reference} merge: the free weight "
+                             f"change minimising the linearised compared-output error, ridge {p.ridge:g} (relative)"
+                             + (f", radius {p.radius:g}" if p.radius is not None else "")
+                             + "; CG through JVP/VJP of the model (per-sample Jacobians formed when at most "
+                             f"{p.jacobian_max_bytes:.0f} bytes)")
+            if evaluates_baseline(cfg) or is_output_space(cfg):
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
             for s in self.sites:
@@ -364,8 +376,15 @@ def evaluates_baseline(cfg: MergeConfig) -> bool:
     return not cfg.method.is_qp and cfg.evaluate and all(m.prompts() is not None for m in cfg.models)
 
 
+def is_output_space(cfg: MergeConfig) -> bool:
+    """The run layer's output-space merge (:mod:`mergeqp.merge.output_space_hf`): it linearises the
+    reference merge on the calibration prompts, so it needs them like the QP."""
+    return not cfg.method.is_qp and cfg.method.name == OUTPUT_SPACE_METHOD
+
+
 def uses_prompts(cfg: MergeConfig) -> bool:
-    return cfg.method.is_qp or statistics_method(cfg) is not None or evaluates_baseline(cfg)
+    return (cfg.method.is_qp or statistics_method(cfg) is not None or evaluates_baseline(cfg)
+            or is_output_space(cfg))
 
 
 def _check_method(cfg: MergeConfig) -> None:
@@ -376,6 +395,13 @@ def _check_method(cfg: MergeConfig) -> None:
         if missing:
             raise ConfigError(f"{'method' if not m.is_qp else 'method.start'}: {stats!r} needs calibration prompts "
                               f"for every model (its statistics are computed on them); missing for {missing}")
+    if is_output_space(cfg):
+        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        if missing:
+            raise ConfigError(f"method: 'output_space' needs calibration prompts for every model (its targets are "
+                              f"the fine-tunes' outputs on them); missing for {missing}")
+        parse_output_space_params(m.params, "method")
+        return
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method")
         return
@@ -479,7 +505,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
     needs_text = uses_prompts(cfg) and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
     if needs_text and not has_tokenizer(tok_folder):
-        hint = "" if cfg.method.is_qp or statistics_method(cfg) else "; or set 'evaluate: false' to skip the evaluation"
+        hint = "" if cfg.method.is_qp or statistics_method(cfg) or is_output_space(cfg) else "; or set 'evaluate: false' to skip the evaluation"
         raise ConfigError(f"no tokenizer files in {tok_folder}: text prompts need the base model's tokenizer "
                           f"(or set 'tokenizer:' to a folder holding it){hint}")
     if has_tokenizer(tok_folder):
@@ -513,6 +539,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
 
     all_sites = model_sites(model, base.names())
     sites, extra = _select(cfg, all_sites, list(base.names()))
+    if is_output_space(cfg):
+        check_output_space_sites(sites)
     vocab = (base.config or {}).get("vocab_size")
     K = len(cfg.models)
     groups: list[GroupPlan] = []
@@ -550,11 +578,16 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
         out = {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
-        if stats_method is not None or evaluates_baseline(cfg):
+        if stats_method is not None or evaluates_baseline(cfg) or is_output_space(cfg):
             out["models (one at a time)"] = numel * elem
         if stats_method is not None:
             out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
-        if evaluates_baseline(cfg):
+        if is_output_space(cfg):
+            p = parse_output_space_params(cfg.method.params)
+            if p.reference == "regmean":
+                out["regmean statistics (reference)"] = _statistics_bytes(plan, "regmean", plan.merged_keys())
+            out["output-space Jacobians (one layer, formed only below the cap)"] = int(p.jacobian_max_bytes)
+        if evaluates_baseline(cfg) or is_output_space(cfg):
             out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
         return out
     m = cfg.method

@@ -1,0 +1,398 @@
+"""The output-space merge (:mod:`.output_space`) on a live model with the run layer's compared output.
+
+``mergeqp merge`` with ``method: {name: output_space}`` starts from the *reference merge*
+(RegMean or the soup, loaded into the base architecture) and treats the selected linear sites
+one at a time, in module order (:func:`solve_sites`): each is linearised at the model as it
+stands (the reference plus the earlier sites' accepted updates) and
+:func:`~mergeqp.merge.output_space.output_space_solve` gives its free weight change ``E``
+(``(r, m1)``, bias as last column), ridged toward the current weight; the update is accepted
+with the largest step of ``1, 1/2, ...`` that does not raise the true calibration error (else
+the site keeps its weight), so the merge is never worse than the reference on calibration data. The data of one site, for every calibration batch of every
+task (:class:`~mergeqp.merge.firstorder.TaskTargets`, sample weight = the task's weight):
+
+- ``x_(s,t)``: the site's augmented input at every position (recorded by a forward hook);
+- ``t_s = y_s - h_s``: the fine-tune's compared output minus the reference's (``(c,)``, the
+  run layer's :class:`~mergeqp.lm.OutputSpec`: logits with restrict / top-k / projection / kl,
+  ``last_hidden_state``, mean pooling; through the folded head when it applies);
+- ``f``: the compared output as a function of a perturbation added to the site's output
+  (:func:`~mergeqp.stats.linearise.perturbed_output`).
+
+Two ways to apply the normal operator ``N E = sum_s w_s L_s*(L_s E)``, ``L_s E = sum_t A_(s,t) E x_(s,t)``:
+
+- **formed** (the rule: when every batch's per-sample Jacobian ``(B, c, T, r)`` together take at
+  most ``jacobian_max_bytes`` float64 bytes, default 64 MiB): the Jacobians are formed once
+  (:meth:`~mergeqp.stats.linearise.OutputDerivatives.jacobian`, ``min(c, T r)`` products per
+  batch) and the batches are padded into one :class:`~mergeqp.merge.output_space.OutputSpaceSamples`
+  (zero rows add nothing), exactly the statistics of the ``output_space`` method of
+  :func:`mergeqp.merge_state_dicts`; each CG step is two einsums;
+- **matrix-free** (otherwise): :class:`ModelLinearisation`; ``L E`` is one Jacobian-vector
+  product of ``f`` per batch along the layer-output tangent ``Delta x = x E'`` and ``L* V`` one
+  vector-Jacobian product with cotangent ``w V`` contracted with the inputs, so each CG step runs
+  the model forward (JVP) and forward + backward (VJP) once per batch and nothing of size
+  ``c x T r`` is ever formed. The Jacobi preconditioner and the ridge unit (the mean of the
+  preconditioner, as for the formed path) come from ``probes`` Rademacher cotangents per batch
+  (Hutchinson: ``E[(A'v)_i^2] = ||A e_i||^2``), seeded, so a run is reproducible.
+
+The ridge is relative (``mu = ridge x`` the mean diagonal of ``N``); the CG tolerance and the
+certificate's threshold follow the model's precision (:func:`precision_tolerances`): float64
+certifies at the relative normal-equation residual ``1e-6`` like the Python method, float32 at
+``1e3 eps``. Linear sites and GPT-2's ``Conv1D`` (read and written in the augmented ``(r, m1)``
+layout) are supported; a tied or shared weight is never a site (the plan does not offer it).
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ValidationError as PydanticValidationError
+
+from ..errors import ConfigError, ValidationError
+from ..lm import OutputSpec, prepare_fold, squared_error
+from ..stats.hooks import hooked_layers
+from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
+from .firstorder import TaskTargets, batch_functions, folded_batch_functions
+from .output_space import CERT_TOL, OutputSpaceSamples, OutputSpaceSolution, output_space_solve
+from .sites import LayerSite, append_ones, read_augmented, site_module, stored_tensors, write_augmented
+
+#: site kinds the run-layer output-space merge solves (augmented ``(r, m1)`` weights)
+SUPPORTED_KINDS = ("linear", "conv1d")
+
+
+class OutputSpaceRunParams(BaseModel):
+    """``method.params`` of ``output_space`` in a ``mergeqp merge`` config.
+
+    ``reference``: the merge linearised at and ridged toward (``regmean`` or ``soup``);
+    ``ridge``: relative ridge weight (``>= 0``); ``radius``: optional Frobenius bound on
+    ``||W - W_ref||`` per layer (absolute, weight units); ``alpha``: RegMean's off-diagonal
+    scaling for the reference; ``max_iter``: CG iterations per solve; ``backtracks``: step
+    halvings tried when a layer's full step raises the true calibration error; ``jacobian_max_bytes``:
+    the size up to which per-sample Jacobians are formed (0: always matrix-free); ``probes``:
+    Hutchinson probes per batch for the matrix-free preconditioner; ``seed``: their seed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    reference: Literal["regmean", "soup"] = "regmean"
+    ridge: float = Field(0.1, ge=0.0)
+    radius: float | None = Field(None, gt=0.0)
+    alpha: float = Field(0.9, ge=0.0, le=1.0)
+    max_iter: int = Field(500, ge=1)
+    backtracks: int = Field(3, ge=0)
+    jacobian_max_bytes: float = Field(float(2 ** 26), ge=0.0)
+    probes: int = Field(8, ge=1)
+    seed: int = 0
+
+
+def parse_run_params(params: Mapping[str, Any], where: str = "method") -> OutputSpaceRunParams:
+    """Validate ``params``; :class:`ConfigError` naming the bad key and listing the valid ones."""
+    valid = list(OutputSpaceRunParams.model_fields)
+    unknown = [k for k in params if k not in valid]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{where}.params: unknown parameter {unknown[0]!r} of 'output_space'{hint}; valid: "
+                          f"{', '.join(valid)}")
+    try:
+        return OutputSpaceRunParams(**params)
+    except PydanticValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"{where}.params.{loc}: {err['msg']} (got {err.get('input')!r})") from None
+
+
+def check_sites(sites: Sequence[LayerSite]) -> None:
+    """Raise :class:`ConfigError` unless every site is a kind :data:`SUPPORTED_KINDS` lists and there is one."""
+    bad = [s for s in sites if s.kind not in SUPPORTED_KINDS]
+    if bad:
+        raise ConfigError(f"method 'output_space' solves linear layers ({', '.join(SUPPORTED_KINDS)}); "
+                          f"{bad[0].label!r} is a {bad[0].kind} layer: leave it out of 'layers'")
+    if not sites:
+        raise ConfigError("method 'output_space': 'layers' selects no linear layer (every selected tensor would "
+                          "just be the reference)")
+
+
+def precision_tolerances(dtype: Any) -> tuple[float, float]:
+    """``(cg_tol, cert_tol)`` for a model computing in ``dtype``: float64 ``(1e-10, 1e-6)``; a
+    lower precision ``(100 eps, 1000 eps)`` (the operator itself is only that accurate)."""
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    eps = float(torch.finfo(dtype).eps)
+    if eps <= 1e-15:
+        return 1e-10, CERT_TOL
+    return 100.0 * eps, max(CERT_TOL, 1000.0 * eps)
+
+
+@dataclass(frozen=True, eq=False)
+class _SiteBatch:
+    """One calibration batch at one site: augmented inputs ``Z`` (``(B, *positions, m1)``, model
+    dtype), the perturbed-output function ``f`` and its derivatives at ``zero``, the targets ``t``
+    (``(B, c)`` float64 numpy) and the task's weight."""
+
+    Z: Any
+    derivatives: OutputDerivatives
+    target: np.ndarray
+    weight: float
+
+
+class ModelLinearisation:
+    """The matrix-free linear map ``L: E (r, m1) -> (L_s E)_s`` of one site of a live model on its
+    calibration batches (module docstring), with the operator interface of
+    :class:`~mergeqp.merge.output_space.OutputSpaceSamples` that
+    :func:`~mergeqp.merge.output_space.output_space_solve` uses. Output changes are one flat
+    float64 vector over every batch's ``(B, c)`` block. Valid only while the batches' hook is
+    registered (inside :func:`~mergeqp.stats.hooks.hooked_layers`)."""
+
+    def __init__(self, batches: Sequence[_SiteBatch], shape: tuple[int, int], probes: int = 8, seed: int = 0):
+        if not batches:
+            raise ValidationError("the output-space merge needs at least one calibration batch")
+        self.batches = list(batches)
+        self._shape = shape
+        self.probes = probes
+        self.seed = seed
+        self.sizes = [b.target.size for b in self.batches]
+        self.target = np.concatenate([b.target.reshape(-1) for b in self.batches])
+        self._diagonal: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(r, m1)``: the site's augmented weight."""
+        return self._shape
+
+    def _blocks(self, V: np.ndarray) -> list[np.ndarray]:
+        return np.split(V, np.cumsum(self.sizes)[:-1])
+
+    def apply(self, E: np.ndarray) -> np.ndarray:
+        """``L E``: one JVP per batch along ``x E'``; flat float64."""
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+        out = []
+        for b in self.batches:
+            Et = torch.as_tensor(E, dtype=b.Z.dtype, device=b.Z.device)
+            v = (b.Z @ Et.t()).reshape(b.derivatives.zero.shape)
+            out.append(b.derivatives.push(v).to(torch.float64).reshape(-1).cpu().numpy())
+        return np.concatenate(out)
+
+    def _pull(self, b: _SiteBatch, cot: Any) -> Any:
+        """``(d f)' cot``: ``(B, *positions, r)`` for a cotangent ``(B, c)``."""
+        from torch.func import vjp  # optional heavy dependency, imported on first use
+
+        _, pull = vjp(b.derivatives.f, b.derivatives.zero)
+        return pull(cot.to(b.derivatives.zero.dtype))[0]
+
+    def adjoint(self, V: np.ndarray) -> np.ndarray:
+        """``L*(w V)``: one VJP per batch with cotangent ``w V``, contracted with the inputs; ``(r, m1)``."""
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+        r, m1 = self.shape
+        total = np.zeros((r, m1))
+        for b, block in zip(self.batches, self._blocks(V)):
+            cot = torch.from_numpy(b.weight * block.reshape(b.target.shape)).to(b.Z.device)
+            g = self._pull(b, cot).reshape(-1, r).to(torch.float64)
+            total += (g.t() @ b.Z.reshape(-1, m1).to(torch.float64)).cpu().numpy()
+        return total
+
+    def normal(self, E: np.ndarray) -> np.ndarray:
+        """``N E = L*W L E`` (``(r, m1)``)."""
+        return self.adjoint(self.apply(E))
+
+    def normal_diagonal(self) -> np.ndarray:
+        """``(r, m1)``: the Hutchinson estimate of ``sum_(s,t) w_s ||A_(s,t) e_i||^2 x_(s,t,j)^2``
+        (what :meth:`OutputSpaceSamples.normal_diagonal` computes exactly), ``probes`` seeded
+        Rademacher cotangents per batch; computed once."""
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+        if self._diagonal is None:
+            r, m1 = self.shape
+            gen = torch.Generator().manual_seed(self.seed)
+            diag = np.zeros((r, m1))
+            for b in self.batches:
+                sq = None
+                for _ in range(self.probes):
+                    v = torch.randint(0, 2, b.target.shape, generator=gen).to(torch.float64) * 2.0 - 1.0
+                    g = self._pull(b, v.to(b.Z.device)).to(torch.float64).reshape(-1, r)
+                    sq = g * g if sq is None else sq + g * g
+                assert sq is not None
+                Z2 = b.Z.reshape(-1, m1).to(torch.float64) ** 2
+                diag += b.weight / self.probes * (sq.t() @ Z2).cpu().numpy()
+            self._diagonal = diag
+        return self._diagonal
+
+    def error(self, E: np.ndarray) -> float:
+        """``sum_s w_s ||L_s E - t_s||^2``."""
+        res = self.apply(E) - self.target
+        return float(sum(b.weight * float(np.sum(blk ** 2)) for b, blk in zip(self.batches, self._blocks(res))))
+
+    def ridge_scale(self) -> float:
+        """Mean of :meth:`normal_diagonal`: the unit of the relative ridge."""
+        return float(np.mean(self.normal_diagonal()))
+
+
+def formed_samples(batches: Sequence[_SiteBatch]) -> OutputSpaceSamples:
+    """The batches' per-sample Jacobians formed and padded (zeros) to common ``T`` and ``c``, as
+    :class:`~mergeqp.merge.output_space.OutputSpaceSamples` (exact linearisation, same operator)."""
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    T = max(b.derivatives.T for b in batches)
+    c = max(b.target.shape[1] for b in batches)
+    X, A, t, w = [], [], [], []
+    for b in batches:
+        B, cb, Tb = b.target.shape[0], b.target.shape[1], b.derivatives.T
+        jac = b.derivatives.jacobian("auto").to(torch.float64).cpu().numpy()  # (B, c_b, T_b, r)
+        Z = b.Z.reshape(B, Tb, -1).to(torch.float64).cpu().numpy()
+        X.append(np.pad(Z, ((0, 0), (0, T - Tb), (0, 0))))
+        A.append(np.pad(jac, ((0, 0), (0, c - cb), (0, T - Tb), (0, 0))))
+        t.append(np.pad(b.target, ((0, 0), (0, c - cb))))
+        w.append(np.full(B, b.weight))
+    return OutputSpaceSamples(np.concatenate(X), np.concatenate(A), np.concatenate(t), np.concatenate(w))
+
+
+def jacobian_bytes_of(batches: Sequence[_SiteBatch]) -> int:
+    """Float64 bytes of every batch's per-sample Jacobian ``(B, c, T, r)``."""
+    return sum(8 * b.target.size * b.derivatives.T * b.derivatives.r for b in batches)
+
+
+@dataclass(frozen=True)
+class OutputSpaceLayer:
+    """One solved site: the solution (``E`` ``(r, m1)``, from the weight it was linearised at)
+    and its record (:func:`solve_site`; :func:`solve_sites` adds the accepted step)."""
+
+    site: LayerSite
+    solution: OutputSpaceSolution
+    record: dict[str, Any]
+
+
+@contextmanager
+def site_linearisation(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec,
+                       device: Any) -> Iterator[list[_SiteBatch]]:
+    """The calibration batches of every task linearised at ``site`` of ``model`` (unchanged): one
+    recorded forward pass per batch; the batches' derivatives are valid inside the ``with`` block
+    only (the site's hook is removed on exit)."""
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    check_sites([site])
+    module = site_module(model, site)
+    fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, [module])
+    with hooked_layers(model, [module]) as hooks:
+        batches: list[_SiteBatch] = []
+        for task in tasks:
+            for bi, tb in enumerate(task.batches):
+                if fold is None:
+                    call, compared = batch_functions(model, spec, tb, device)
+                    y = tb.target.to(device=device, dtype=torch.float64)
+                else:
+                    call, compared, y = folded_batch_functions(model, fold, tb, device)
+                out = run_recorded(call, hooks, [f"layer {site.name!r}"], f"task {task.name!r} batch {bi}")
+                h = compared(out)
+                B = int(h.shape[0])
+                target = (y.reshape(B, -1) - h.to(torch.float64)).cpu().numpy()
+                if not np.all(np.isfinite(target)):
+                    raise ValidationError(f"output_space at {site.name!r}: non-finite compared outputs on task "
+                                          f"{task.name!r} batch {bi}")
+                Z = append_ones(hooks[0].layer_input, site.has_bias).detach()
+                zero = torch.zeros_like(hooks[0].layer_output)
+                f = perturbed_output(hooks[0], call, compared)
+                batches.append(_SiteBatch(Z, OutputDerivatives(f, zero, int(h.shape[1])), target, float(task.weight)))
+        if not batches:
+            raise ValidationError(f"output_space at {site.name!r}: no calibration batch")
+        yield batches
+
+
+def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
+               params: OutputSpaceRunParams) -> OutputSpaceLayer:
+    """Linearise ``model`` (unchanged) at ``site`` on every task's batches
+    (:func:`site_linearisation`) and solve the site's output-space least squares (module
+    docstring). The record holds the
+    linearised objective at ``model``'s weights (``objective_before``, = the exact calibration
+    error of the compared output there) and at the solution (``objective_after``: fit + ridge
+    term; ``fit_solution``: the fit alone), the certificate (``normal_residual``, ``certified``,
+    ``cert_tol``; with a radius ``feasibility`` / ``complementarity``), CG ``iterations`` and
+    ``seconds``."""
+    t0 = time.perf_counter()
+    cg_tol, cert_tol = precision_tolerances(next(model.parameters()).dtype)
+    with site_linearisation(model, site, tasks, spec, device) as batches:
+        formed = jacobian_bytes_of(batches) <= params.jacobian_max_bytes
+        operator: Any = (formed_samples(batches) if formed
+                         else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
+        scale = operator.ridge_scale()
+        sol = output_space_solve(operator, ridge=params.ridge * scale, radius=params.radius, tol=cg_tol,
+                                 max_iter=params.max_iter, cert_tol=cert_tol)
+        reference_objective = float(sum(b.weight * float(np.sum(b.target ** 2)) for b in batches))
+    seconds = time.perf_counter() - t0
+    record = {"layer": site.name, "operator": "formed" if formed else "matrix-free",
+              "objective_before": reference_objective, "objective_after": sol.objective,
+              "fit_solution": sol.fit, "ridge_relative": params.ridge, "ridge_absolute": sol.ridge,
+              "radius": sol.radius, "multiplier": sol.multiplier, "normal_residual": sol.residual,
+              "feasibility": sol.feasibility, "complementarity": sol.complementarity,
+              "cert_tol": sol.cert_tol, "certified": sol.certified(), "iterations": sol.iterations,
+              "change_norm": float(np.linalg.norm(sol.E)), "seconds": seconds, "notes": list(sol.notes)}
+    return OutputSpaceLayer(site, sol, record)
+
+
+def calibration_error(model: Any, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any) -> float:
+    """The true calibration objective ``sum_t w_t sum_j ||h_j - y_j||^2`` of ``model`` (compared output)."""
+    return float(sum(t.weight * squared_error(model, t.batches, spec, device)[0] for t in tasks))
+
+
+def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTargets], spec: OutputSpec,
+                device: Any, params: OutputSpaceRunParams,
+                log: Callable[[str], None] | None = None) -> tuple[list[OutputSpaceLayer], dict[str, Any]]:
+    """Solve the sites one at a time, in order (Gauss-Seidel): each is linearised at ``model`` as
+    it stands, which holds the reference and the earlier sites' accepted updates, so no output
+    error is corrected twice. A site's update ``W + step E`` is accepted with the first step of
+    ``1, 1/2, ...`` (``params.backtracks`` halvings) that does not raise the *true* calibration
+    error, else the site keeps its weight (``step`` 0): the merged model's calibration error is
+    never above the reference's. ``model`` is left holding the merge; returns the layers (records
+    with ``calibration_before`` / ``calibration_after`` / ``step`` / ``accepted``) and the sites'
+    checkpoint tensors (stored layout, float64)."""
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    check_sites(sites)
+    say = log or (lambda msg: None)
+    layers: list[OutputSpaceLayer] = []
+    tensors: dict[str, Any] = {}
+    current = calibration_error(model, tasks, spec, device)
+    for site in sites:
+        layer = solve_site(model, site, tasks, spec, device, params)
+        W0 = read_augmented(model, site)
+        E = torch.from_numpy(layer.solution.E)
+        step, value = 1.0, current
+        for _ in range(params.backtracks + 1):
+            write_augmented(model, site, W0 + step * E)
+            value = calibration_error(model, tasks, spec, device)
+            if value <= current:
+                break
+            step /= 2.0
+        accepted = value <= current
+        if not accepted:
+            write_augmented(model, site, W0)
+            step, value = 0.0, current
+        r = layer.record
+        r.update(calibration_before=current, calibration_after=value, step=step, accepted=accepted)
+        say(f"output_space {site.name}: objective {r['objective_before']:.6g} -> {r['objective_after']:.6g} "
+            f"(linearised), residual {r['normal_residual']:.2g}, {r['iterations']} CG iterations, "
+            f"{r['operator']}; true calibration error {current:.6g} -> {value:.6g} (step {step:g}) "
+            f"({r['seconds']:.1f} s)")
+        current = value
+        tensors.update(stored_tensors(site, read_augmented(model, site)))
+        layers.append(layer)
+    return layers, tensors
+
+
+def uncertified_notes(layers: Sequence[OutputSpaceLayer]) -> list[str]:
+    """A report note naming the layers whose solve is not certified (none when all are)."""
+    bad = [f"{x.site.name} (residual {x.solution.residual:.2g} > {x.solution.cert_tol:.2g})"
+           for x in layers if not x.solution.certified()]
+    if not bad:
+        return []
+    return [f"output_space solution NOT certified at {', '.join(bad)}: raise method.params.max_iter or the ridge"]
+
+
+__all__ = ["ModelLinearisation", "OutputSpaceLayer", "OutputSpaceRunParams", "SUPPORTED_KINDS", "calibration_error",
+           "check_sites", "formed_samples", "parse_run_params", "precision_tolerances", "site_linearisation",
+           "solve_site", "solve_sites", "uncertified_notes"]

@@ -562,8 +562,11 @@ class ActiveSetSolver(QPSolver):
         if isinstance(st, str):
             raise SolverError(f"active_set: {st}")
         engine = _Engine(problem, constraints, st, opts)
+        if x0 is not None:
+            engine.reuse_shared_factor()
         setup = time.perf_counter() - t0
         x, status, it, info = engine.run(x0)
+        engine.share_factor()
         if not st.bounded:
             why = unbounded_direction(problem, st, x)
             if why is not None:

@@ -265,11 +265,13 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
                            "steps": steps, "cholesky_seconds": chol}
     for mode in ("cold", "warm"):
+        for prob in problems:  # neither pass inherits factorisations from the other
+            forget_factorisation(prob)
         t0 = clock()
         x0, certified = None, True
         for prob in problems:
-            if mode == "cold" or prob is problems[0]:
-                forget_factorisation(prob)  # a cold solve (and the first) reuses nothing computed before
+            if mode == "cold":
+                forget_factorisation(prob)  # a cold solve reuses nothing computed before it
             sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
             assert sol.certificate is not None
             certified &= sol.certificate.certified(rel_tol)

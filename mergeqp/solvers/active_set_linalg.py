@@ -18,6 +18,9 @@ from .active_set_faces import FREE, _Face
 #: that a solve ended with (a warm-started solve on the same H starts from it)
 FLOAT32_KEY = "active_set.float32"
 FACTOR_KEY = "active_set.last_face_factor"
+#: the values above are kept between solves only up to this many variables (the float32 copy
+#: is 268 MB at n = 8192 and stays while H does; above, a solve frees it at its end)
+SHARE_MAX_N = 8192
 
 
 def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int = 30,
@@ -257,7 +260,7 @@ class FaceFactorisation:
         """``H`` in float32 (``(n, n)``), made once per H array (shared through
         :func:`~mergeqp.matrix_cache.matrix_values` by later solves on the same array)."""
         if self.H32 is None:
-            shared = matrix_values(self.H)
+            shared = self._shared_values()
             H32 = None if shared is None else shared.get(FLOAT32_KEY)
             if H32 is None:
                 H32 = self.H.astype(np.float32)
@@ -267,11 +270,15 @@ class FaceFactorisation:
             self.H32 = H32
         return self.H32
 
+    def _shared_values(self) -> dict[str, Any] | None:
+        """This H array's cached values (``None`` above :data:`SHARE_MAX_N` variables)."""
+        return matrix_values(self.H) if self.n <= SHARE_MAX_N else None
+
     def reuse_shared_factor(self) -> None:
         """Start from the last face factor of an earlier solve on this same H array (a warm
         start: its first faces are near that solve's last one, and a face that differs from it
         in few coordinates is then a bordered solve instead of a factorisation)."""
-        shared = matrix_values(self.H)
+        shared = self._shared_values()
         if shared is not None and self._factor is None:
             factor = shared.get(FACTOR_KEY)
             if factor is not None and factor["dtype"] == np.float32:
@@ -281,7 +288,7 @@ class FaceFactorisation:
     def share_factor(self) -> None:
         """Keep the current face factor (of the plain problem only) for later warm starts on
         this H array."""
-        shared = matrix_values(self.H)
+        shared = self._shared_values()
         if shared is not None and self._factor is not None and self._factor["rho"] == 0.0:
             shared[FACTOR_KEY] = self._factor
 

@@ -503,6 +503,10 @@ class ActiveSetSolver(QPSolver):
     ``start_face`` "gradient" (the first face is that of a projected gradient step from the start;
     "point": the face the start ``x0`` lies on, an active-set guess from a warm start, e.g. the
     previous solution of a sequence of related QPs).
+
+    Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
+    warm-started one starts from the factor of the last face the previous solve ended on
+    (:mod:`mergeqp.matrix_cache`, up to ``active_set_linalg.SHARE_MAX_N`` variables).
     """
 
     name = "active_set"

@@ -100,3 +100,19 @@ def test_warm_sequence_on_a_shared_h_matches_cold_solves(family: str) -> None:
         x0 = warm.d
     if FLOAT32_KEY in shared:
         assert shared[FLOAT32_KEY].dtype == np.float32 and not shared[FLOAT32_KEY].flags.writeable
+
+
+@pytest.mark.parametrize("family", ["box", "l1", "box_singular"])
+def test_warm_start_from_the_last_face_reuses_its_factor(family: str) -> None:
+    """From the previous optimum's face the first face solve needs no factorisation when the
+    previous solve's factor of that face is kept for this H array."""
+    inst = draw(family, 1, 96)
+    P = inst.problem
+    Q = P.with_linear_term(P.g + 0.01 * np.sqrt(np.mean(P.g ** 2)) * np.random.default_rng(0).standard_normal(P.n))
+    d = solve(P, inst.constraints, solver="active_set").d
+    reused = solve(Q, inst.constraints, solver="active_set", x0=d, start_face="point")
+    forget_factorisation(P)
+    fresh = solve(Q, inst.constraints, solver="active_set", x0=d, start_face="point")
+    assert reused.info["factorisations"] == fresh.info["factorisations"] - 1
+    assert reused.iterations == fresh.iterations
+    assert reused.objective == pytest.approx(fresh.objective, rel=1e-12, abs=1e-12)

@@ -35,7 +35,8 @@ second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
 sets. The pseudo-inverse quantities need a Cholesky factorisation (an eigendecomposition only
-when H is singular; cached per problem object) and are computed by default up to
+when H is singular; cached per problem object and shared by the problems that hold the same
+H array, :mod:`mergeqp.matrix_cache`) and are computed by default up to
 ``PINV_MAX_N`` variables, or whenever the Lagrangian gap needs the factorisation anyway.
 """
 

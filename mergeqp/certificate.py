@@ -35,7 +35,8 @@ second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
 sets. The pseudo-inverse quantities need a Cholesky factorisation (an eigendecomposition only
-when H is singular; cached per problem object) and are computed by default up to
+when H is singular; cached per problem object and shared by the problems that hold the same
+H array, :mod:`mergeqp.matrix_cache`) and are computed by default up to
 ``PINV_MAX_N`` variables, or whenever the Lagrangian gap needs the factorisation anyway.
 """
 
@@ -54,6 +55,7 @@ from .constraints import ConstraintSet, SetStructure, as_constraint_set
 from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
+from .matrix_cache import forget_matrix, matrix_values
 from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 
 DEFAULT_REL_TOL = 1e-6
@@ -249,7 +251,6 @@ class _PseudoInverse:
     with eigenvalues below ``10 n eps lambda_max`` treated as zero."""
 
     def __init__(self, H: np.ndarray, allow_eig: bool):
-        self.H = H
         self.chol: tuple[np.ndarray, bool] | None = None
         self.eig: tuple[np.ndarray, np.ndarray, float] | None = None
         self.singular = False
@@ -290,19 +291,31 @@ class _PseudoInverse:
 _PINV_CACHE: weakref.WeakKeyDictionary[MergeQP, _PseudoInverse] = weakref.WeakKeyDictionary()
 
 
+#: the name of the factorisation in :func:`~mergeqp.matrix_cache.matrix_values` (shared by
+#: the problems that hold the same H array)
+_PINV_KEY = "certificate.pseudo_inverse"
+
+
 def forget_factorisation(problem: MergeQP) -> None:
-    """Drop the cached factorisation of ``problem`` (benchmarks time a cold certificate)."""
+    """Drop the cached factorisation of ``problem`` and every value cached for its H array
+    (benchmarks time a cold solve and certificate)."""
     _PINV_CACHE.pop(problem, None)
+    forget_matrix(problem.H)
 
 
 def _pseudo_inverse(problem: MergeQP, allow_eig: bool) -> _PseudoInverse:
     """The problem's cached :class:`_PseudoInverse` (rebuilt when an eigendecomposition is
     now allowed but the cached one lacks it)."""
     assert problem.H is not None
+    shared = matrix_values(problem.H)  # problems holding this same H array factorise it once
     cached = _PINV_CACHE.get(problem)
+    if cached is None and shared is not None:
+        cached = shared.get(_PINV_KEY)
     if cached is None or (allow_eig and cached.singular and cached.eig is None):
         cached = _PseudoInverse(problem.H, allow_eig=allow_eig)
-        _PINV_CACHE[problem] = cached
+    _PINV_CACHE[problem] = cached
+    if shared is not None:
+        shared[_PINV_KEY] = cached
     return cached
 
 

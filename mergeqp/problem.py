@@ -384,6 +384,24 @@ class MergeQP:
         # H + 2 mu I is symmetric PSD when H is: no need to validate (and factorise) again
         return self._derived(H=H, g=g, c=c, hessian_matvec=matvec, metadata=MappingProxyType(meta))
 
+    def with_linear_term(self, g: Any, c: float | None = None) -> MergeQP:
+        """The problem with ``g`` (``(n,)`` or ``(K, n_atoms)``) and optionally ``c`` replaced,
+        holding this problem's very ``H`` array (not a copy), so that a sequence of related
+        QPs reuses what was computed from ``H`` (:mod:`mergeqp.matrix_cache`)."""
+        g_arr = np.array(as_float_array(g, "g"), copy=True)
+        if g_arr.shape == self.shape:
+            g_arr = g_arr.ravel()
+        if g_arr.shape != (self.n,):
+            raise ValidationError(f"g must have shape ({self.n},) or {self.shape} (models x atoms), got {g_arr.shape}")
+        check_finite("g", g_arr)
+        g_arr.setflags(write=False)
+        if c is None:
+            return self._derived(g=g_arr)
+        c_new = float(as_float_array(c, "c (a scalar)").reshape(()))
+        if not math.isfinite(c_new):
+            raise BadDataError(f"c is not finite ({c_new})")
+        return self._derived(g=g_arr, c=c_new)
+
     def _derived(self, **changes: Any) -> MergeQP:
         """A copy with already-validated fields replaced (skips ``__post_init__``)."""
         new = object.__new__(MergeQP)

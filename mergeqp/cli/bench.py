@@ -250,7 +250,7 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     moved by a random walk of steps of 1% of its RMS, as the trust region's sequence -- cold
     and warm-started (``x0`` the previous solution). Seconds of each whole sequence (solve and
     certificate), their ratio to one Cholesky of H, and whether every point certified."""
-    from ..problem import MergeQP
+    from ..certificate import forget_factorisation
     from ..solvers.instance_families import draw
     from ..solvers.registry import solve
 
@@ -260,14 +260,18 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     rng = np.random.default_rng(seed)
     step = 0.01 * float(np.sqrt(np.mean(P.g ** 2)))
     gs = np.cumsum(step * rng.standard_normal((steps, P.n)), axis=0) + P.g
-    problems = [MergeQP(P.H, gt, P.c, shape=P.shape) for gt in gs]
+    problems = [P.with_linear_term(gt) for gt in gs]  # one H array: what depends on H alone is reused
     chol = cholesky_seconds(P.H, clock=clock)
     row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
                            "steps": steps, "cholesky_seconds": chol}
     for mode in ("cold", "warm"):
+        for prob in problems:  # neither pass inherits factorisations from the other
+            forget_factorisation(prob)
         t0 = clock()
         x0, certified = None, True
         for prob in problems:
+            if mode == "cold":
+                forget_factorisation(prob)  # a cold solve reuses nothing computed before it
             sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
             assert sol.certificate is not None
             certified &= sol.certificate.certified(rel_tol)

@@ -503,6 +503,10 @@ class ActiveSetSolver(QPSolver):
     ``start_face`` "gradient" (the first face is that of a projected gradient step from the start;
     "point": the face the start ``x0`` lies on, an active-set guess from a warm start, e.g. the
     previous solution of a sequence of related QPs).
+
+    Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
+    warm-started one starts from the factor of the last face the previous solve ended on
+    (:mod:`mergeqp.matrix_cache`, up to ``active_set_linalg.SHARE_MAX_N`` variables).
     """
 
     name = "active_set"
@@ -562,8 +566,11 @@ class ActiveSetSolver(QPSolver):
         if isinstance(st, str):
             raise SolverError(f"active_set: {st}")
         engine = _Engine(problem, constraints, st, opts)
+        if x0 is not None:
+            engine.reuse_shared_factor()
         setup = time.perf_counter() - t0
         x, status, it, info = engine.run(x0)
+        engine.share_factor()
         if not st.bounded:
             why = unbounded_direction(problem, st, x)
             if why is not None:

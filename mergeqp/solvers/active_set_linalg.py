@@ -10,7 +10,17 @@ import numpy as np
 import scipy.linalg as sla
 
 from ..errors import SolverError
+from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, _Face
+
+#: names of the active-set solver's values in :func:`~mergeqp.matrix_cache.matrix_values`:
+#: the float32 copy of H, and the last factor of a face of the plain problem (``rho = 0``)
+#: that a solve ended with (a warm-started solve on the same H starts from it)
+FLOAT32_KEY = "active_set.float32"
+FACTOR_KEY = "active_set.last_face_factor"
+#: the values above are kept between solves only up to this many variables (the float32 copy
+#: is 268 MB at n = 8192 and stays while H does; above, a solve frees it at its end)
+SHARE_MAX_N = 8192
 
 
 def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int = 30,
@@ -246,6 +256,42 @@ class FaceFactorisation:
         dx = expand(y)
         return x + dx, grad + self.inner_step(dx)
 
+    def float32_hessian(self) -> np.ndarray:
+        """``H`` in float32 (``(n, n)``), made once per H array (shared through
+        :func:`~mergeqp.matrix_cache.matrix_values` by later solves on the same array)."""
+        if self.H32 is None:
+            shared = self._shared_values()
+            H32 = None if shared is None else shared.get(FLOAT32_KEY)
+            if H32 is None:
+                H32 = self.H.astype(np.float32)
+                H32.setflags(write=False)
+                if shared is not None:
+                    shared[FLOAT32_KEY] = H32
+            self.H32 = H32
+        return self.H32
+
+    def _shared_values(self) -> dict[str, Any] | None:
+        """This H array's cached values (``None`` above :data:`SHARE_MAX_N` variables)."""
+        return matrix_values(self.H) if self.n <= SHARE_MAX_N else None
+
+    def reuse_shared_factor(self) -> None:
+        """Start from the last face factor of an earlier solve on this same H array (a warm
+        start: its first faces are near that solve's last one, and a face that differs from it
+        in few coordinates is then a bordered solve instead of a factorisation)."""
+        shared = self._shared_values()
+        if shared is not None and self._factor is None:
+            factor = shared.get(FACTOR_KEY)
+            if factor is not None and factor["dtype"] == np.float32:
+                self.float32_hessian()
+            self._factor = factor
+
+    def share_factor(self) -> None:
+        """Keep the current face factor (of the plain problem only) for later warm starts on
+        this H array."""
+        shared = self._shared_values()
+        if shared is not None and self._factor is not None and self._factor["rho"] == 0.0:
+            shared[FACTOR_KEY] = self._factor
+
     def use_mixed(self, size: int) -> bool:
         prec = self.opts["precision"]
         return prec == "mixed" or (prec == "auto" and size >= 512)
@@ -255,9 +301,7 @@ class FaceFactorisation:
         """Cholesky of ``M`` in ``dtype``; remembers it (for bordered updates) when ``ident``
         is given. ``None`` when ``M`` is not numerically positive definite in that precision."""
         if dtype == np.float32:
-            if self.H32 is None:
-                self.H32 = self.H.astype(np.float32)
-            M = gather(self.H32)
+            M = gather(self.float32_hessian())
             thresh = 1e-7
         else:
             M = gather(self.H)
@@ -444,9 +488,7 @@ class FaceFactorisation:
                  steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Conjugate gradients on the face's reduced problem (float32 products for large n)."""
         if self.n >= 512:
-            if self.H32 is None:
-                self.H32 = self.H.astype(np.float32)
-            Hm = self.H32
+            Hm = self.float32_hessian()
         else:
             Hm = self.H
         x = x.copy()

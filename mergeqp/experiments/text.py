@@ -10,8 +10,8 @@ BERT-style Hugging Face encoder folder. Per task (any list of labelled
    on the mean-pooled embedding (:func:`~.text_encoder.finetune_encoder`, cached in ``--cache``);
 3. merges of the fine-tuned encoders through the product's run layer (:func:`mergeqp.run.run_merge`,
    a :class:`~mergeqp.run.MergeConfig` built in code, calibration prompt files written to a work
-   folder), comparing ``last_hidden_state`` (the encoder's token states, real tokens only): the
-   QP in modes ``single``, ``sequential``, ``hybrid`` (start: task arithmetic with the tuned
+   folder), comparing the mean-pooled ``last_hidden_state`` (``TextConfig.output``: one embedding
+   per text, what the heads read): the QP in modes ``single``, ``sequential``, ``hybrid`` (start: task arithmetic with the tuned
    weight), ``joint`` and ``trust_region`` (start: the soup); the baselines soup, task arithmetic
    (weight chosen on calibration accuracy), TIES, DARE-TIES, Fisher, RegMean;
 4. per task: test accuracy of the merged encoder with that task's own head, and the output MSE:

@@ -76,6 +76,19 @@ def check_training_settings(settings: Any, counts: Sequence[str], rates: Sequenc
             raise ValidationError(f"fine-tune {name} must be a positive number, got {getattr(settings, name)}")
 
 
+def training_step(opt: Any, loss: Any, losses: list[float], failure: Callable[[float], str]) -> None:
+    """One optimiser step on ``loss``, appended to ``losses``; a non-finite loss raises
+    :class:`ValidationError` with ``failure(loss)`` (where, and what to change) before any step."""
+    import torch
+
+    if not torch.isfinite(loss.detach()):
+        raise ValidationError(failure(float(loss)))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    losses.append(float(loss.detach()))
+
+
 @dataclass(frozen=True)
 class FinetuneResult:
     """A fine-tuned folder: ``folder``, ``trained`` parameter names, the per-step ``losses``, the
@@ -371,13 +384,8 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
             mask = pad_ids([t.new_ones(t.shape) for t in (ids[i] for i in idx)], 0).to(device)
             logits = model(input_ids=batch_ids, attention_mask=mask, use_cache=False).logits
         loss = next_token_loss(logits, batch_ids, mask)
-        if not torch.isfinite(loss.detach()):
-            raise ValidationError(f"fine-tune {out.name!r}: the loss became {float(loss)} at step {step}; "
-                                  f"lower the learning rate (lr={settings.lr})")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+        training_step(opt, loss, losses, lambda value: f"fine-tune {out.name!r}: the loss became {value} at step "
+                                                       f"{step}; lower the learning rate (lr={settings.lr})")
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - t0
     model.eval()
@@ -397,4 +405,4 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
 __all__ = ["DecoderSplit", "FinetuneResult", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
            "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
-           "split_block", "tokenize_each", "trainable_names"]
+           "split_block", "tokenize_each", "trainable_names", "training_step"]

@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
-from .finetune_lm import FINETUNE_RECORD, check_training_settings, trainable_names
+from .finetune_lm import FINETUNE_RECORD, check_training_settings, trainable_names, training_step
 from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
@@ -336,13 +336,8 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
         for i in torch.randperm(len(batches), generator=gen).tolist():
             b = batches[i]
             loss = torch.nn.functional.cross_entropy(head(run_top(model, b, first)), b.labels)
-            if not torch.isfinite(loss.detach()):
-                raise ValidationError(f"fine-tune {out.name!r}: the loss became {float(loss)}; lower the learning "
-                                      f"rate (lr={settings.lr}, head_lr={settings.head_lr})")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+            training_step(opt, loss, losses, lambda value: f"fine-tune {out.name!r}: the loss became {value}; lower "
+                                                           f"the learning rate (lr={settings.lr}, head_lr={settings.head_lr})")
             bar.update(1)
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()

@@ -110,3 +110,19 @@ def test_split_training_matches_full_training(tiny_hf, tiny_base, tmp_path, monk
     full = finetune_causal_lm(tiny_base, texts, tmp_path / "full", settings, progress=False)
     assert json.loads((tmp_path / "full" / FINETUNE_RECORD).read_text())["split_block"] is None
     assert full.losses == pytest.approx(split.losses, rel=1e-4)
+
+
+def test_training_step_refuses_a_non_finite_loss_before_stepping():
+    """The one optimiser step both fine-tunes (LM and text encoder) take: a finite loss steps and is
+    recorded; a non-finite one raises the caller's message and leaves the weights untouched."""
+    from mergeqp.experiments.finetune_lm import training_step
+
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.5)
+    losses: list[float] = []
+    training_step(opt, (w * w).sum(), losses, lambda v: f"never {v}")
+    assert losses == [3.0] and torch.equal(w.detach(), torch.zeros(3))  # w - 0.5 * 2w
+    before = w.detach().clone()
+    with pytest.raises(ValidationError, match="fine-tune 'x': the loss became nan at step 4"):
+        training_step(opt, (w * float("nan")).sum(), losses, lambda v: f"fine-tune 'x': the loss became {v} at step 4")
+    assert losses == [3.0] and torch.equal(w.detach(), before)

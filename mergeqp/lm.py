@@ -40,6 +40,19 @@ objective stays a convex QP, and it is the output that heads on the pooled embed
   and renormalised (``softmax`` of the target's top-``k`` logits), so the objective is the
   second-order KL between the distributions conditioned on those ``k`` tokens. Each target
   batch stores ``p`` (``probs``, float64, the compared entries' size before projection).
+- ``metric="cross_entropy"``: what language-model users measure, the next-token cross-entropy
+  of the calibration prompts' own tokens (no fine-tune's output is compared: position ``t``
+  predicts token ``t + 1`` wherever both are real). The objective is ``2 * sum`` of the
+  negative log-likelihoods (nats), exact. It is not quadratic in the logits, so each
+  linearisation uses its Gauss-Newton model *at the current model* (:class:`CrossEntropyExpansion`):
+  with the current distribution ``q`` and the label ``y``, ``2 CE(x) ~ ||F (x - x0) + r||^2 +
+  const`` where ``F'F = diag(q) - q q'`` and ``r = (q - e_y) / sqrt(q)``, which has the exact
+  value and gradient at ``x0`` and a positive semi-definite curvature: still a convex QP, now a
+  model of the real objective that the trust-region mode re-expands at every accepted step.
+  ``restrict="none"`` tracks every token; ``restrict="topk"`` tracks the ``k`` tokens the
+  current model ranks highest (the label forced in) and one more logit for all the others
+  together, ``lse`` of the rest: the value and gradient stay exact, the curvature omits the
+  spread of the rest inside that group. ``topk`` folds into the head like the KL metric.
 """
 
 from __future__ import annotations
@@ -55,7 +68,10 @@ from .errors import BadDataError, ValidationError
 from .io.calibration import Batch
 
 RESTRICTIONS = ("none", "topk", "projection")
-METRICS = ("euclidean", "kl")
+METRICS = ("euclidean", "kl", "cross_entropy")
+#: metrics scored against the prompts' own next tokens, not against a fine-tune's output: their
+#: quadratic model is the Gauss-Newton expansion at the current model (:class:`CrossEntropyExpansion`)
+DATA_METRICS = ("cross_entropy",)
 POOLS = ("none", "mean")
 
 
@@ -100,6 +116,13 @@ class OutputSpec:
         if self.pool != "none" and self.metric != "euclidean":
             raise ValidationError(f"output pool {self.pool!r} needs the euclidean metric (the {self.metric} metric "
                                   f"compares each position's distribution, which a mean over positions is not)")
+        if self.metric in DATA_METRICS:
+            if self.field != "logits":
+                raise ValidationError(f"output metric {self.metric!r} scores next-token logits; the compared field "
+                                      f"is {self.field!r}")
+            if self.restrict == "projection":
+                raise ValidationError(f"output metric {self.metric!r} takes restrict none (every token) or topk "
+                                      f"(the model's top k and the rest as one), not projection")
 
     def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
         """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
@@ -128,10 +151,15 @@ class OutputSpec:
             return f"the compared output is {self.field!r}, not logits"
         if self.pool != "none":
             return f"the output is pooled ({self.pool}) over positions"
-        if self.metric == "kl" and self.restrict != "topk":
-            return (f"the kl metric with restrict {self.restrict!r} has a vocabulary-size metric "
+        if self.metric in ("kl", *DATA_METRICS) and self.restrict != "topk":
+            return (f"the {self.metric} metric with restrict {self.restrict!r} has a vocabulary-size metric "
                     f"W'(diag p - p p')W per position (fold it with restrict: topk)")
         return None
+
+    @property
+    def scores_data(self) -> bool:
+        """The objective scores the prompts' own next tokens (:data:`DATA_METRICS`), not a fine-tune."""
+        return self.metric in DATA_METRICS
 
     def raw(self, model_output: Any) -> Any:
         """The compared tensor of a model's forward output (``(B, T, V)``, ``(B, C)``, ...)."""
@@ -237,18 +265,24 @@ class TargetBatch:
     ``(B, T, k)`` for ``topk``; else ``None``); ``hidden`` the fine-tune's final hidden state
     ``n*`` (the head's input, ``(B, T, H)`` float64 on CPU) when the head may be folded (see
     :class:`FoldedHead`), else ``None``; ``count`` the number of compared positions (real
-    tokens, or samples)."""
+    tokens, or samples). For a metric that scores the prompts' own tokens
+    (``cross_entropy``), ``labels`` holds the next token of every position (``(B, T)`` int64,
+    ``-100`` where there is none: padding and each prompt's last token) and ``target`` the
+    float64 indicator of the labelled positions; no fine-tune's output is involved."""
 
     batch: Batch
     target: Any
     index: Any = None
     probs: Any = None
     hidden: Any = None
+    labels: Any = None
 
     @property
     def count(self) -> int:
-        """Compared positions: real tokens of a masked sequence output, else every position
-        (``B`` for one vector per sample)."""
+        """Compared positions: real tokens of a masked sequence output (labelled positions for
+        ``labels``), else every position (``B`` for one vector per sample)."""
+        if self.labels is not None:
+            return int((self.labels >= 0).sum())
         if self.target.dim() >= 3:
             if self.batch.mask is not None and tuple(self.batch.mask.shape) == tuple(self.target.shape[:2]):
                 return int(self.batch.mask.sum())
@@ -265,7 +299,10 @@ class TargetBatch:
 
     @property
     def entries(self) -> int:
-        """Compared scalars: ``count`` times the per-position size."""
+        """Compared scalars: ``count`` times the per-position size (one loss per labelled position
+        for ``labels``)."""
+        if self.labels is not None:
+            return self.count
         per_position = int(self.target.shape[-1]) if self.target.dim() >= 3 else int(self.target[0].numel())
         return self.count * per_position
 
@@ -278,10 +315,42 @@ def forward(model: Any, batch: Batch, device: Any) -> Any:
         return model(**{k: v.to(device) for k, v in batch.inputs.items()})
 
 
-def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any) -> list[TargetBatch]:
-    """The fine-tuned ``model``'s compared outputs on ``batches`` (teacher forced), as targets."""
+def next_token_labels(batch: Batch, where: str = "calibration batch") -> Any:
+    """``(B, T)`` int64: position ``t``'s next token ``input_ids[t + 1]`` where both are real tokens,
+    else ``-100`` (padding, each prompt's last token). Raises :class:`ValidationError` when the
+    batch has no ``input_ids`` (tensor inputs without token ids cannot be scored as text)."""
     import torch
 
+    ids = batch.inputs.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        raise ValidationError(f"{where}: the cross_entropy metric scores next tokens and needs text prompts "
+                              f"(input_ids of shape (B, T)); got inputs {sorted(batch.inputs)}")
+    real = torch.ones_like(ids, dtype=torch.bool) if batch.mask is None else batch.mask.to(ids.device).bool()
+    labels = torch.full_like(ids, -100, dtype=torch.int64)
+    pairs = real[:, :-1] & real[:, 1:]
+    labels[:, :-1] = torch.where(pairs, ids[:, 1:].to(torch.int64), torch.full_like(labels[:, :-1], -100))
+    return labels
+
+
+def label_targets(batches: Sequence[Batch]) -> list[TargetBatch]:
+    """The targets of a metric that scores the prompts' own next tokens (:func:`next_token_labels`)."""
+    import torch
+
+    out = []
+    for i, batch in enumerate(batches):
+        labels = next_token_labels(batch, f"calibration batch {i}")
+        out.append(TargetBatch(batch, (labels >= 0).to(torch.float64), labels=labels))
+    return out
+
+
+def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any) -> list[TargetBatch]:
+    """The fine-tuned ``model``'s compared outputs on ``batches`` (teacher forced), as targets
+    (for a metric that scores the prompts' own tokens, their next-token labels; ``model`` is then
+    not run)."""
+    import torch
+
+    if spec.scores_data:
+        return label_targets(batches)
     out = []
     head = linear_head(model) if spec.fold_obstacle() is None else None
     for batch in batches:
@@ -317,13 +386,40 @@ def compared_output(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) 
 
 def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> tuple[float, int]:
     """``(sum of squared errors, number of compared entries)`` of ``model`` against the targets
-    (for the ``kl`` metric, of the whitened outputs: about ``2 * sum KL``)."""
+    (for the ``kl`` metric, of the whitened outputs: about ``2 * sum KL``; for ``cross_entropy``,
+    the exact ``2 * sum`` of the next-token negative log-likelihoods and the labelled positions):
+    the calibration objective that the QP models."""
+    if spec.scores_data:
+        return _data_objective(model, batches, spec, device)
     total = 0.0
     entries = 0
     for tb in batches:
         total += _squared(compared_output(model, tb, spec, device), tb)
         entries += tb.entries
     return total, entries
+
+
+def token_nll(logits: Any, labels: Any) -> Any:
+    """``(B, T)`` float64: ``-log softmax(logits)[label]`` at each labelled position, 0 elsewhere
+    (``labels`` ``-100``)."""
+    import torch
+
+    valid = labels >= 0
+    logp = torch.log_softmax(logits.to(torch.float64), dim=-1)
+    nll = -logp.gather(-1, labels.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, nll, torch.zeros_like(nll))
+
+
+def _data_objective(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> tuple[float, int]:
+    total = 0.0
+    count = 0
+    for tb in batches:
+        if tb.labels is None:
+            raise ValidationError("the cross_entropy metric needs next-token labels (label_targets)")
+        logits = spec.raw(forward(model, tb.batch, device))
+        total += 2.0 * float(token_nll(logits, tb.labels.to(logits.device)).sum())
+        count += tb.count
+    return total, count
 
 
 def _squared(output: Any, tb: TargetBatch) -> float:
@@ -382,6 +478,142 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
         predicted += int(pairs.sum())
     return HeldoutMetrics(total / max(entries, 1), kl / positions if distributions and positions else None,
                           ce / predicted if predicted else None)
+
+
+# ---------------------------------------------------------------------- cross-entropy expansion
+@dataclass(frozen=True, eq=False)
+class CrossEntropyExpansion:
+    """The Gauss-Newton model of ``2 * sum CE`` at the current model on one batch (``metric:
+    cross_entropy``; see the module docstring).
+
+    At each labelled position the logits are reduced to ``g`` group logits ``u``: every token
+    (``restrict: none``, ``index`` ``None``), or the current model's top ``k`` tokens with the label
+    forced in (``index``, ``(B, T, k)``) and ``lse`` of all the others as one more logit. With the
+    current group distribution ``probs`` (``q``, float64, ``(B, T, g)``; ``softmax(u0) = q``
+    exactly) and the label's group ``e_y``, the compared output is ``F u`` (:func:`kl_whiten` with
+    ``q``, masked to the labelled positions) and the ``target`` is ``F u0 - r`` with ``r = (q -
+    e_y) / sqrt(q)``, so ``||F u - target||^2 = ||F (u - u0) + r||^2`` has the value ``||r||^2``,
+    the gradient ``2 (q - e_y)`` and the Hessian ``2 (diag q - q q')`` of ``2 CE`` at ``u0``;
+    ``loss`` is the exact ``2 * sum CE`` there, so the QP's constant is ``loss - ||r||^2``.
+
+    Folded (``weight``, ``bias``: the model's linear head), the group logits are computed from the
+    final hidden state ``n``: the tracked tokens' head rows, and for the rest the direction
+    ``rest_row`` (``(B, T, H)``, the rest's head rows averaged with the current probabilities: the
+    derivative of ``lse`` of the rest), so no ``(B, T, V)`` logits enter a derivative pass."""
+
+    index: Any
+    probs: Any
+    valid: Any
+    target: Any
+    residual: Any
+    loss: float
+    weight: Any = None
+    bias: Any = None
+    rest_row: Any = None
+
+    @classmethod
+    def at(cls, spec: OutputSpec, labels: Any, *, logits: Any = None, hidden: Any = None,
+           weight: Any = None, bias: Any = None) -> CrossEntropyExpansion:
+        """The expansion at the current ``logits`` (``(B, T, V)``), or folded at the final ``hidden``
+        state (``(B, T, H)``) with the head ``weight`` (``(V, H)``) and ``bias``; ``labels``
+        ``(B, T)`` (:func:`next_token_labels`)."""
+        import torch
+
+        folded = hidden is not None
+        if folded:
+            if weight is None:
+                raise ValidationError("a folded cross-entropy expansion needs the head's weight")
+            x0 = hidden.to(torch.float64) @ weight.to(torch.float64).t()
+            if bias is not None:
+                x0 = x0 + bias.to(torch.float64)
+        elif logits is None:
+            raise ValidationError("a cross-entropy expansion needs the current logits or hidden state")
+        else:
+            x0 = logits.to(torch.float64)
+        labels = labels.to(x0.device)
+        valid = labels >= 0
+        V = int(x0.shape[-1])
+        lse = torch.logsumexp(x0, dim=-1, keepdim=True)
+        loss = 2.0 * float(torch.where(valid, lse[..., 0] - x0.gather(-1, labels.clamp_min(0).unsqueeze(-1))[..., 0],
+                                       torch.zeros_like(lse[..., 0])).sum())
+        index = None
+        rest_row = None
+        if spec.restrict == "topk":
+            assert spec.k is not None
+            if spec.k >= V:
+                raise ValidationError(f"output topk k={spec.k} must be below the vocabulary size {V} for the "
+                                      f"cross_entropy metric (the rest is one more logit); use restrict: none")
+            index = x0.topk(spec.k, dim=-1).indices  # (B, T, k)
+            lab = labels.clamp_min(0).unsqueeze(-1)
+            missing = valid & ~(index == lab).any(dim=-1)
+            index[..., -1] = torch.where(missing, lab[..., 0], index[..., -1])
+            q_full = torch.exp(x0 - lse)
+            q_track = q_full.gather(-1, index)
+            q_rest_full = q_full.scatter(-1, index, 0.0)
+            q_rest = q_rest_full.sum(dim=-1, keepdim=True)
+            probs = torch.cat([q_track, q_rest], dim=-1)
+            label_group = (index == lab).to(torch.float64)
+            label_group = torch.cat([label_group, torch.zeros_like(q_rest)], dim=-1)
+            if folded:
+                W64 = weight.to(torch.float64)
+                rest_row = (q_rest_full @ W64) / q_rest.clamp_min(torch.finfo(torch.float64).tiny)
+        else:
+            probs = torch.exp(x0 - lse)
+            label_group = torch.zeros_like(probs).scatter(-1, labels.clamp_min(0).unsqueeze(-1), 1.0)
+        tiny = torch.finfo(torch.float64).tiny
+        r = torch.where(probs > tiny, (probs - label_group) / probs.clamp_min(tiny).sqrt(), torch.zeros_like(probs))
+        r = r * valid.unsqueeze(-1).to(r.dtype)
+        out = cls(index, probs, valid, None, r.reshape(r.shape[0], -1), loss, None if not folded else weight,
+                  None if not folded else bias, rest_row)
+        with torch.no_grad():
+            u0 = out.group_logits(hidden.to(torch.float64) if folded else x0)
+            target = out._whiten(u0) - r
+        return dataclasses.replace(out, target=target.reshape(target.shape[0], -1))
+
+    @property
+    def width(self) -> int:
+        """Group logits per position (``k + 1``, or the vocabulary)."""
+        return int(self.probs.shape[-1])
+
+    def group_logits(self, source: Any) -> Any:
+        """``u`` (``(B, T, g)``) of logits ``(B, T, V)``, or of a final hidden state ``(B, T, H)`` when
+        folded: linear in the hidden state; for logits, the rest's ``lse`` (first-order the same)."""
+        import torch
+
+        if self.index is None:
+            return source if self.weight is None else self._head(source, None)
+        if self.weight is None:
+            tracked = source.gather(-1, self.index.to(source.device))
+            rest = source.scatter(-1, self.index.to(source.device), float("-inf")).logsumexp(dim=-1, keepdim=True)
+            return torch.cat([tracked, rest], dim=-1)
+        tracked = self._head(source, self.index.to(source.device))
+        rest = (source * self.rest_row.to(device=source.device, dtype=source.dtype)).sum(dim=-1, keepdim=True)
+        return torch.cat([tracked, rest], dim=-1)
+
+    def _head(self, n: Any, index: Any) -> Any:
+        import torch
+
+        W = self.weight.to(device=n.device, dtype=n.dtype)
+        if index is None:
+            x = n @ W.t()
+            return x if self.bias is None else x + self.bias.to(device=n.device, dtype=n.dtype)
+        x = torch.einsum("bth,btkh->btk", n, W[index])
+        return x if self.bias is None else x + self.bias.to(device=n.device, dtype=n.dtype)[index]
+
+    def _whiten(self, u: Any) -> Any:
+        x = kl_whiten(u, self.probs.to(u.device))
+        return x * self.valid.to(device=u.device, dtype=x.dtype).unsqueeze(-1)
+
+    def compared(self, source: Any) -> Any:
+        """The compared output ``F u`` (``(B, T g)``, zero at unlabelled positions) of logits or, when
+        folded, of a final hidden state; linear to first order in it."""
+        x = self._whiten(self.group_logits(source))
+        return x.reshape(x.shape[0], -1)
+
+    @property
+    def constant(self) -> float:
+        """``loss - ||r||^2``: what the QP adds so that its value at the current point is the loss."""
+        return self.loss - float((self.residual * self.residual).sum())
 
 
 # ---------------------------------------------------------------------- folding a linear head
@@ -501,7 +733,7 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
         reason = "the model's output head is not an nn.Linear"
     if reason is None and inner is None:
         reason = "the model has no backbone (base_model) separate from its head"
-    if reason is None and any(tb.hidden is None for tb in batches):
+    if reason is None and not spec.scores_data and any(tb.hidden is None for tb in batches):
         reason = "the targets hold no final hidden state (the fine-tune's head is not an nn.Linear)"
     if reason is None:
         inside = {id(m) for m in inner.modules()}
@@ -556,15 +788,25 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
         if verified["head"] is not None and seen is not None and seen[0]() is tb.target and seen[1]() is tb.hidden:
             continue
         mask, index, probs = tb.selection(device)
+        data = fold.spec.scores_data  # scored against the prompts' tokens: only the model's own head is checked
         with torch.no_grad():
             if verified["head"] is None:
                 inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
-                full = fold.spec.select(fold.spec.raw(model(**inputs)), mask, index, probs)
-                folded = fold.unfolded(last_hidden(inner(**inputs)), mask, index, probs)
+                raw = fold.spec.raw(model(**inputs))
+                n = last_hidden(inner(**inputs))
+                if data:
+                    full = apply_mask(raw, mask)
+                    folded = n.to(fold.weight.dtype) @ fold.weight.t()
+                    folded = apply_mask(folded if fold.bias is None else folded + fold.bias, mask)
+                else:
+                    full = fold.spec.select(raw, mask, index, probs)
+                    folded = fold.unfolded(n, mask, index, probs)
                 if tuple(full.shape) != tuple(folded.shape) or not _agree(folded, full, dtype):
                     return ("the model's logits are not its head applied to its backbone's last_hidden_state "
                             "(a scaled or soft-capped head?)")
                 verified["head"] = head_key
+            if data:
+                break
             mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
         if tuple(mine.shape) != tuple(tb.target.shape) or not _agree(mine, tb.target, dtype):
             return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "

@@ -56,7 +56,7 @@ from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for
     estimate_site_memory,
     memory_budget,
 )
-from ..lm import FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
+from ..lm import CrossEntropyExpansion, FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
@@ -210,6 +210,32 @@ def folded_batch_functions(model: Any, fold: FoldedHead, tb: TargetBatch,
     return call, compared, target
 
 
+def data_call(model: Any, fold: FoldedHead | None, tb: TargetBatch, device: Any) -> Callable[[], Any]:
+    """``call()`` for a metric that scores the prompts' tokens: the model (or, folded, its backbone)
+    on the batch's inputs moved to ``device``."""
+    inputs = {k: v.to(device) for k, v in tb.batch.inputs.items()}
+    runner = model if fold is None else backbone(model)
+    return lambda: runner(**inputs)
+
+
+def data_expansion(spec: OutputSpec, fold: FoldedHead | None, tb: TargetBatch, out: Any) -> CrossEntropyExpansion:
+    """The Gauss-Newton model (:class:`~mergeqp.lm.CrossEntropyExpansion`) of the loss at the
+    model output ``out`` of :func:`data_call` (logits, or the backbone's output when folded)."""
+    if tb.labels is None:
+        raise ValidationError(f"the {spec.metric} metric needs next-token labels (mergeqp.lm.label_targets)")
+    if fold is None:
+        return CrossEntropyExpansion.at(spec, tb.labels, logits=spec.raw(out))
+    return CrossEntropyExpansion.at(spec, tb.labels, hidden=last_hidden(out), weight=fold.weight, bias=fold.bias)
+
+
+def _of_output(spec: OutputSpec, fold: FoldedHead | None, expansion: CrossEntropyExpansion) -> Callable[[Any], Any]:
+    """The expansion's compared output of a model output (its logits) or, folded, of a backbone
+    output (its last hidden state)."""
+    if fold is None:
+        return lambda out: expansion.compared(spec.raw(out))
+    return lambda out: expansion.compared(last_hidden(out))
+
+
 def _sketched(compared: Callable[[Any], Any], S: Any) -> Callable[[Any], Any]:
     """``compared`` followed by each sample's sketch ``S_j`` (``S``: ``(B, s, c)``): ``(B, s)``."""
     import torch  # deferred: torch is heavy
@@ -353,16 +379,27 @@ def collect_first_order(
                 index += 1
                 if not group.owns(index - 1):
                     continue
-                if fold is None:
+                expansion = None
+                if spec.scores_data:  # the Gauss-Newton model of the loss at this point
+                    call = data_call(model, fold, tb, device)
+                    out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
+                    expansion = data_expansion(spec, fold, tb, out)
+                    compared, y = _of_output(spec, fold, expansion), expansion.target
+                elif fold is None:
                     call, compared = batch_functions(model, spec, tb, device)
                     y = tb.target.to(device=device, dtype=torch.float64)
                 else:
                     call, compared, y = folded_batch_functions(model, fold, tb, device)
-                out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
+                if expansion is None:
+                    out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
                 h = compared(out)
                 Bsz = h.shape[0]
-                b = h.to(torch.float64) - y.reshape(Bsz, -1)
-                e["current"] += float((b * b).sum())
+                b = h.to(torch.float64) - y.reshape(Bsz, -1).to(device=h.device, dtype=torch.float64)
+                if expansion is None:
+                    e["current"] += float((b * b).sum())
+                else:  # J at this point is the exact loss: the model's constant is loss - ||r||^2
+                    e["current"] += expansion.loss
+                    sums.c[ti] += expansion.loss - float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 measured = compared if S is None else _sketched(compared, S)
                 if first and str(device).startswith("cpu"):  # before the first allocation

@@ -64,8 +64,9 @@ from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
 from ..merge.report import report_files
-from ..merge.sites import checkpoint_names, read_augmented, stored_tensors
+from ..merge.sites import checkpoint_names, read_augmented, site_module, stored_tensors
 from ..stats.parametrisation import get_parametrisation
+from ..stats.prefix import frozen_prefix
 from .plan import (
     MergePlan,
     architecture_class,
@@ -397,41 +398,45 @@ class _Run:
             return {"calibration_objective": calibration_objective(dataclasses.replace(ctx, model=live)),
                     **heldout_metrics(live, tasks, self.eval_spec, device)}
 
-        before = evaluate_model(model)  # the model as the mode's run begins: the base, or the start below
-        base_eval = ModelEvaluation(**before)
-        start_eval = None
-        start_overrides: dict[str, Any] = {}
-        mode = get_merge_mode(m.mode)
-        if mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
-            t = time.perf_counter()
-            floats = _float_keys(plan)
-            if collector is not None:
-                start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
-            else:
-                start_overrides = baseline_merge(plan, m.start.name, m.start.params, floats)
-            _load_into(model, start_overrides)
-            before = evaluate_model(model)
-            start_eval = ModelEvaluation(**before, method=m.start.name, params=m.start.params,
-                                         seconds=time.perf_counter() - t,
-                                         statistics=collector.summary() if collector is not None else None)
-            if collector is not None:
-                self.notes.extend(n for n in collector.notes if n not in self.notes)
-        prepared = mode.prepare(ctx)
-        records = run_mode(ctx, m.mode, plan.sites)
-        mode_notes = mode.notes(records, m.constraints, m.start.name if m.start else None)
-        # a start-based mode's notes explain the records; the others' follow the certificate note
-        self.notes.extend(mode_notes if mode.uses_start else [])
-        failed = uncertified(records)  # a missing or failed certificate is never certified
-        if failed:
-            why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
-            self.notes.append(f"QP solution NOT certified at {failed}: {why or 'see the certificates'}")
-        self.notes.extend([] if mode.uses_start else mode_notes)
-        for r in records:
-            if r.residual_norms:
-                self.notes.extend(n for n in zero_residual_notes(r.layer, r.residual_norms, cfg.model_names())
-                                  if n not in self.notes)
-        merged = evaluate_model(model)
-        mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model, before)
+        # the blocks below every merge site are computed once per batch for the whole run
+        with frozen_prefix(model, [site_module(model, site) for site in plan.sites]) as prefix:
+            before = evaluate_model(model)  # the model as the mode's run begins: the base, or the start below
+            base_eval = ModelEvaluation(**before)
+            start_eval = None
+            start_overrides: dict[str, Any] = {}
+            mode = get_merge_mode(m.mode)
+            if mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
+                t = time.perf_counter()
+                floats = _float_keys(plan)
+                if collector is not None:
+                    start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
+                else:
+                    start_overrides = baseline_merge(plan, m.start.name, m.start.params, floats)
+                _load_into(model, start_overrides)
+                before = evaluate_model(model)
+                start_eval = ModelEvaluation(**before, method=m.start.name, params=m.start.params,
+                                             seconds=time.perf_counter() - t,
+                                             statistics=collector.summary() if collector is not None else None)
+                if collector is not None:
+                    self.notes.extend(n for n in collector.notes if n not in self.notes)
+            prepared = mode.prepare(ctx)
+            records = run_mode(ctx, m.mode, plan.sites)
+            mode_notes = mode.notes(records, m.constraints, m.start.name if m.start else None)
+            # a start-based mode's notes explain the records; the others' follow the certificate note
+            self.notes.extend(mode_notes if mode.uses_start else [])
+            failed = uncertified(records)  # a missing or failed certificate is never certified
+            if failed:
+                why = "; ".join(dict.fromkeys(str(x) for r in records for x in r.certificate.get("reasons", [])))
+                self.notes.append(f"QP solution NOT certified at {failed}: {why or 'see the certificates'}")
+            self.notes.extend([] if mode.uses_start else mode_notes)
+            for r in records:
+                if r.residual_norms:
+                    self.notes.extend(n for n in zero_residual_notes(r.layer, r.residual_norms, cfg.model_names())
+                                      if n not in self.notes)
+            merged = evaluate_model(model)
+            mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model, before)
+        if prefix is not None and prefix.note:
+            self.notes.append(prefix.note)
         del prepared
         overrides = dict(start_overrides)
         for site in plan.sites:

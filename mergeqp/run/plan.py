@@ -35,6 +35,7 @@ from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
+from ..lm import DATA_METRICS
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
     LayerSite,
@@ -400,6 +401,10 @@ def _check_method(cfg: MergeConfig) -> None:
         if missing:
             raise ConfigError(f"method: 'output_space' needs calibration prompts for every model (its targets are "
                               f"the fine-tunes' outputs on them); missing for {missing}")
+        if cfg.output.metric in DATA_METRICS:
+            raise ConfigError(f"output.metric: {cfg.output.metric} scores the prompts' next tokens, which method: "
+                              f"output_space does not fit (it fits the fine-tunes' outputs); use metric: euclidean "
+                              f"or kl, or a QP method (e.g. mode: trust_region) with metric: {cfg.output.metric}")
         parse_output_space_params(m.params, "method")
         return
     if not m.is_qp:
@@ -423,6 +428,10 @@ def _check_method(cfg: MergeConfig) -> None:
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
+        if cfg.output.metric in DATA_METRICS:
+            raise ConfigError(f"method.basis: {m.basis} (the optimal basis) is built from the residuals to the "
+                              f"fine-tunes' outputs; output.metric: {cfg.output.metric} has none. Use basis: svd "
+                              f"or random, or another parametrisation")
         try:
             parse_size(m.basis_max_size)
         except MergeQPError as exc:

@@ -321,8 +321,11 @@ class OutputConfig(_Strict):
     an unbiased estimate of the squared error, Johnson-Lindenstrauss), or ``topk`` (the ``k``
     logits that the task's fine-tuned model ranks highest at each position, the same indices for
     the merged model: the objective only sees those entries). ``metric``: ``euclidean`` (the
-    squared logit error) or ``kl`` (the softmax Gauss-Newton metric: the objective approximates
-    ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`).
+    squared logit error), ``kl`` (the softmax Gauss-Newton metric: the objective approximates
+    ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`) or
+    ``cross_entropy`` (``2 * sum`` of the next-token negative log-likelihoods of the calibration
+    prompts' own tokens, exact; each QP is its Gauss-Newton model at the current merge; ``topk``
+    tracks the model's top ``k`` tokens and the rest as one logit).
     ``fold_head``: ``auto`` (default), ``true`` or ``false``: compute the statistics from the final
     hidden state through the model's linear head folded into the metric (the same objective to
     rounding, no ``tokens x vocabulary`` logits in the derivative passes; ``auto`` folds whenever
@@ -337,7 +340,7 @@ class OutputConfig(_Strict):
     field: str = "logits"
     restrict: Literal["none", "topk", "projection"] = "none"
     k: int | None = Field(default=None, ge=1)
-    metric: Literal["euclidean", "kl"] = "euclidean"
+    metric: Literal["euclidean", "kl", "cross_entropy"] = "euclidean"
     fold_head: bool | Literal["auto"] = "auto"
     sketch: int | None = Field(default=None, ge=1)
     pool: Literal["none", "mean"] = "none"
@@ -356,6 +359,12 @@ class OutputConfig(_Strict):
         if self.pool != "none" and self.metric != "euclidean":
             raise ValueError(f"pool: {self.pool} needs metric: euclidean (the {self.metric} metric compares each "
                              f"position's distribution)")
+        if self.metric == "cross_entropy":
+            if self.field != "logits":
+                raise ValueError(f"metric: cross_entropy scores next-token logits, not field {self.field!r}")
+            if self.restrict == "projection":
+                raise ValueError("metric: cross_entropy takes restrict: none (every token) or topk (the model's top "
+                                 "k tokens and the rest as one logit), not projection")
         return self
 
     @model_serializer(mode="wrap")

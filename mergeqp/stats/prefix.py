@@ -1,0 +1,257 @@
+"""The frozen prefix of a model being merged: blocks below every merge site, computed once per batch.
+
+A merge changes only its sites' weights, so the blocks of a transformer stack below the first
+block holding a site compute the same hidden states on a batch every time: in every derivative
+pass of the statistics, every evaluation of the calibration objective and every trust-region
+step. :func:`frozen_prefix` patches those lower blocks' ``forward`` for the duration of a merge so
+that a batch seen before skips them: the first lower block recognises its input (compared
+exactly, not by a hash) and the cached output of the last lower block is handed on, the blocks in
+between passing their input through. On a real language model whose top blocks are merged this
+removes most of the cost of each pass.
+
+What keeps it exact:
+
+- the cached output is used only for an input equal to the one it was computed from, and only
+  while no lower block's parameter has changed (their versions and storage are compared);
+- the first time a cached output is used it is also recomputed and compared (to the rounding of
+  the model's dtype); on a mismatch the cache switches itself off for the rest of the merge;
+- the lower blocks are constants of every pass of a merge (the sites, where the statistics'
+  perturbations enter, all lie above them), so inside ``torch.func`` transforms the value under
+  the transform's wrapper is what is compared and the cached output enters as a constant; an
+  input carrying a ``vmap`` dimension, or one that autograd tracks, runs the blocks unchanged, as
+  does a block stack it does not recognise.
+
+The stack is the model's ``nn.ModuleList`` with the most children of one class (``model.layers``
+of Llama, ``transformer.h`` of GPT-2, ``encoder.layer`` of BERT / ViT); its blocks must take the
+hidden states as their first argument (or ``hidden_states=``) and the same other arguments, and
+return the hidden states (or a tuple that starts with them), as Hugging Face's do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: entries kept at once (batches of calibration and held-out prompts); the oldest is dropped
+MAX_ENTRIES = 512
+
+
+def block_stack(model: Any) -> Any:
+    """The model's stack of blocks: the ``nn.ModuleList`` with the most children of one class (at
+    least two), or ``None``."""
+    import torch  # deferred: torch is heavy
+
+    best, size = None, 1
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > size:
+            kinds = {type(m) for m in module}
+            if len(kinds) == 1:
+                best, size = module, len(module)
+    return best
+
+
+def first_site_block(stack: Any, sites: Sequence[Any]) -> int | None:
+    """The index of the lowest block of ``stack`` that holds one of the ``sites`` (modules), or
+    ``None`` when a site lies outside every block (nothing below it is known to be frozen)."""
+    owner = {}
+    for i, block in enumerate(stack):
+        for m in block.modules():
+            owner[id(m)] = i
+    found = [owner.get(id(s)) for s in sites]
+    if not found or any(i is None for i in found):
+        return None
+    return min(found)  # type: ignore[type-var]
+
+
+@dataclass
+class _Entry:
+    key: Any
+    output: Any
+    versions: tuple[Any, ...]
+
+
+@dataclass
+class PrefixCache:
+    """The state shared by the patched lower blocks (see the module docstring)."""
+
+    blocks: list[Any]
+    enabled: bool = True
+    verified: bool = False
+    entries: list[_Entry] = field(default_factory=list)
+    hits: int = 0
+    misses: int = 0
+    note: str | None = None
+    _active: Any = None
+    _pending: tuple[Any, tuple[Any, ...]] | None = None
+
+    def versions(self) -> tuple[Any, ...]:
+        return tuple((p.data_ptr(), p._version) for b in self.blocks for p in b.parameters())
+
+    def lookup(self, key: Any) -> _Entry | None:
+        import torch  # deferred: torch is heavy
+
+        now = None
+        for entry in self.entries:
+            if entry.key.shape == key.shape and entry.key.dtype == key.dtype and entry.key.device == key.device \
+                    and torch.equal(entry.key, key):
+                now = now or self.versions()
+                if entry.versions == now:
+                    return entry
+        return None
+
+    def store(self, output: Any) -> None:
+        if self._pending is None:
+            return
+        key, versions = self._pending
+        self._pending = None
+        if len(self.entries) >= MAX_ENTRIES:
+            self.entries.pop(0)
+        self.entries.append(_Entry(key, _detached(output), versions))
+
+
+def _detached(output: Any) -> Any:
+    if isinstance(output, tuple):
+        return tuple(_detached(x) for x in output)
+    return output.detach() if hasattr(output, "detach") else output
+
+
+def _hidden_of(output: Any) -> Any:
+    return output[0] if isinstance(output, tuple) else output
+
+
+def _with_hidden(output_like: Any, hidden: Any) -> Any:
+    return (hidden, *output_like[1:]) if isinstance(output_like, tuple) else hidden
+
+
+def _unwrapped(x: Any) -> Any:
+    """The ordinary tensor under ``x``: ``x`` itself, or the value that ``torch.func`` transforms wrap
+    (a derivative pass wraps every tensor it computes, constants too); ``None`` when ``x`` is not a
+    tensor, carries a ``vmap`` dimension or is tracked by autograd."""
+    import torch  # deferred: torch is heavy
+
+    if not isinstance(x, torch.Tensor):
+        return None
+    try:
+        from torch._C._functorch import get_unwrapped, is_batchedtensor, is_functorch_wrapped_tensor
+    except ImportError:  # pragma: no cover - a torch without functorch: only plain tensors
+        return None if x.requires_grad else x
+    while is_functorch_wrapped_tensor(x):
+        if is_batchedtensor(x):
+            return None
+        x = get_unwrapped(x)
+    return None if x.requires_grad else x
+
+
+def _hidden_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _agree(a: Any, b: Any) -> bool:
+    import torch  # deferred: torch is heavy
+
+    if a.shape != b.shape:
+        return False
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    eps = float(torch.finfo(a.dtype).eps) if a.is_floating_point() else 0.0
+    return float((a64 - b64).norm()) <= 1e3 * eps * float(b64.norm()) + 1e-300
+
+
+def _patched(cache: PrefixCache, index: int, last: int) -> Any:
+    """The ``forward`` of lower block ``index`` (``last``: the index of the last lower block)."""
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        original = type(self).forward
+        if not cache.enabled or self is not cache.blocks[index]:  # off, or a copy of the model (deepcopy)
+            return original(self, *args, **kwargs)
+        hidden = _hidden_arg(args, kwargs)
+        if index == 0:
+            cache._active, cache._pending = None, None
+            plain = _unwrapped(hidden)
+            if plain is not None:
+                entry = cache.lookup(plain)
+                if entry is not None and not cache.verified:
+                    _verify(cache, entry, plain, args, kwargs)
+                if entry is not None and cache.enabled:
+                    cache.hits += 1
+                    cache._active = entry
+                else:
+                    cache.misses += 1
+                    cache._pending = (plain.detach().clone(), cache.versions())
+        entry = cache._active
+        if entry is not None:
+            if index == last:
+                cache._active = None
+                return entry.output
+            return hidden if not isinstance(entry.output, tuple) else _with_hidden(entry.output, hidden)
+        out = original(self, *args, **kwargs)
+        if index == last:
+            cache.store(out)
+        return out
+
+    return forward
+
+
+def _verify(cache: PrefixCache, entry: _Entry, hidden: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Recompute the lower blocks once from ``hidden`` and compare with the cached output; switch the
+    cache off when they differ."""
+    import torch  # deferred: torch is heavy
+
+    rest_args = args[1:] if args else ()
+    h = hidden
+    with torch.no_grad():
+        for block in cache.blocks:
+            call_kwargs = dict(kwargs)
+            if args:
+                out = type(block).forward(block, h, *rest_args, **call_kwargs)
+            else:
+                call_kwargs["hidden_states"] = h
+                out = type(block).forward(block, **call_kwargs)
+            h = _hidden_of(out)
+    if _agree(h, _hidden_of(entry.output)):
+        cache.verified = True
+    else:
+        cache.enabled = False
+        cache.note = ("the frozen-prefix cache was switched off: the lower blocks' recomputed output differs from "
+                      "the cached one (a block that depends on more than its input?)")
+
+
+@contextlib.contextmanager
+def frozen_prefix(model: Any, sites: Sequence[Any]) -> Iterator[PrefixCache | None]:
+    """Within the block, ``model``'s blocks below every module of ``sites`` are computed once per
+    batch (module docstring); yields the :class:`PrefixCache` (``None`` when nothing is frozen:
+    no block stack, a site outside it, or a site in the first block). The blocks are restored on
+    exit."""
+    stack = block_stack(model)
+    first = first_site_block(stack, sites) if stack is not None else None
+    if not first:
+        yield None
+        return
+    blocks = list(stack)[:first]
+    cache = PrefixCache(blocks)
+    patched = []
+    try:
+        for i, block in enumerate(blocks):
+            if "forward" in vars(block):  # already patched (or a forward of its own): leave the model alone
+                raise _Skip
+            block.forward = types.MethodType(_patched(cache, i, first - 1), block)
+            patched.append(block)
+    except _Skip:
+        for block in patched:
+            del block.forward
+        yield None
+        return
+    try:
+        yield cache
+    finally:
+        for block in patched:
+            vars(block).pop("forward", None)
+
+
+class _Skip(Exception):
+    pass
+
+
+__all__ = ["MAX_ENTRIES", "PrefixCache", "block_stack", "first_site_block", "frozen_prefix"]

@@ -65,8 +65,16 @@ from .lm_report import write_lm_outputs
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
 DEFAULT_CACHE = "~/.cache/mergeqp"
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
-OUTPUT_METRICS = ("euclidean", "kl")
+OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
+#: the product's recommended merge for causal language models (``docs/lm.md`` has the measurements
+#: behind it): a trust region on the calibration prompts' cross-entropy, started from the soup, over
+#: the fine-tuned blocks' ``down_proj`` rows, stopped early on held-out calibration batches
+RECOMMENDED_RUN = "trust_region:cross_entropy"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+#: the QP runs of quick mode: every mode with the paper's Euclidean metric, the joint QP with the KL
+#: metric, and the recommended merge (full mode runs every mode with every metric)
+QUICK_RUNS = ("single:euclidean", "sequential:euclidean", "hybrid:euclidean", "joint:euclidean", "joint:kl",
+              "trust_region:euclidean", RECOMMENDED_RUN)
 #: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
 BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
 
@@ -94,12 +102,17 @@ DEFAULT_DOMAINS = ("bbc_news", "wordnet_glosses", "fortunes")
 class LmMergeSettings:
     """Every merge and statistics setting of the experiment (the one place to change them).
 
-    QP: ``modes`` x ``metrics`` (``output.metric``); ``parametrisation`` per mode (the run layer's
-    ``method`` keys: ``parametrisation``, ``basis``, ``rank``); ``outputs`` per metric (the run
-    layer's ``output`` block besides ``metric``: the restriction of the compared logits; by
-    default the exact objective for ``euclidean``, ``restrict: none`` (its statistics go through
-    the folded head, docs/lm-statistics.md), and for ``kl`` the top-``k`` tokens of each
-    fine-tune, the only foldable KL);
+    QP: ``runs`` (``"mode:metric"`` labels; ``None``: every one of ``modes`` x ``metrics``);
+    ``parametrisation``: per mode, or per ``"mode:metric"`` (which wins), the run layer's
+    ``method`` keys (``parametrisation``, ``basis``, ``rank``, ``mode_options``, ...) plus
+    ``layers`` (``all`` fine-tuned linear layers, ``last``, or a glob on their names; default
+    ``last`` for ``single``, else ``all``) and ``start`` (a baseline name started from, for a mode
+    that takes one); ``outputs`` per metric (the run layer's ``output`` block besides ``metric``:
+    by default the exact objective for ``euclidean``, ``restrict: none`` (its statistics go
+    through the folded head, docs/lm-statistics.md), for ``kl`` the top-``k`` tokens of each
+    fine-tune, the only foldable KL, and for ``cross_entropy`` the model's top 16 tokens and the
+    rest as one logit with a 64-row sketch per prompt); ``recommended``: the run reported as the
+    product's recommended merge (:data:`RECOMMENDED_RUN`);
     ``calibration_max_length`` tokens per prompt and ``calibration_batch_size`` prompts per batch
     for the statistics; ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
@@ -110,10 +123,15 @@ class LmMergeSettings:
 
     modes: tuple[str, ...] = QP_MODES
     metrics: tuple[str, ...] = OUTPUT_METRICS
+    runs: tuple[str, ...] | None = None
     parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
-        m: {"parametrisation": "scalar"} for m in QP_MODES})
+        **{m: {"parametrisation": "scalar"} for m in QP_MODES},
+        RECOMMENDED_RUN: {"parametrisation": "rows", "layers": "*.down_proj", "start": "soup",
+                          "mode_options": {"radius": 0.05, "holdout": 0.25, "max_steps": 8}}})
     outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
-        "euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 64}})
+        "euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 64},
+        "cross_entropy": {"restrict": "topk", "k": 16, "sketch": 64}})
+    recommended: str = RECOMMENDED_RUN
     calibration_max_length: int = 48
     calibration_batch_size: int = 8
     trust_region: Mapping[str, Any] = field(default_factory=lambda: {"max_steps": 4})
@@ -131,6 +149,15 @@ class LmMergeSettings:
                 raise unknown("QP mode", m, list(QP_MODES))
             if m not in self.parametrisation:
                 raise ValidationError(f"parametrisation: no entry for mode {m!r}")
+        for label in self.runs or ():
+            mode, _, metric = label.partition(":")
+            if mode not in QP_MODES or metric not in OUTPUT_METRICS:
+                raise ValidationError(f"runs: {label!r} is not 'mode:metric' with a mode of {list(QP_MODES)} and a "
+                                      f"metric of {list(OUTPUT_METRICS)}")
+            if mode not in self.parametrisation and label not in self.parametrisation:
+                raise ValidationError(f"parametrisation: no entry for run {label!r}")
+            if metric not in self.outputs:
+                raise ValidationError(f"outputs: no entry for metric {metric!r} (run {label!r})")
         for m in self.metrics:
             if m not in OUTPUT_METRICS:
                 raise unknown("output metric", m, list(OUTPUT_METRICS))
@@ -146,6 +173,18 @@ class LmMergeSettings:
                 raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
+
+    def qp_runs(self) -> list[tuple[str, str]]:
+        """``(mode, metric)`` of every QP run, in order."""
+        if self.runs is not None:
+            return [tuple(label.split(":", 1)) for label in self.runs]  # type: ignore[misc]
+        return [(mode, metric) for mode in self.modes for metric in self.metrics]
+
+    def run_settings(self, mode: str, metric: str) -> dict[str, Any]:
+        """The ``parametrisation`` entry of a run: its ``"mode:metric"`` entry over its mode's."""
+        out = dict(self.parametrisation.get(mode, {}))
+        out.update(self.parametrisation.get(f"{mode}:{metric}", {}))
+        return out
 
 
 @dataclass(frozen=True)
@@ -192,7 +231,7 @@ class LmConfig:
         return cls(train_texts=256, calibration_texts=24, test_texts=48, finetune_steps=32, finetune_max_length=32,
                    eval_max_length=32,
                    merge=LmMergeSettings(calibration_max_length=32, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
-                                         trust_region={"max_steps": 2}))
+                                         trust_region={"max_steps": 2}, runs=QUICK_RUNS))
 
 
 def with_overrides(config: LmConfig, **changes: Any) -> LmConfig:
@@ -346,6 +385,20 @@ def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str]
     except pydantic.ValidationError as exc:
         raise ValidationError(f"the lm experiment's merge {dict(method)} is not a valid run-layer config "
                               f"(check LmMergeSettings): {exc}") from None
+
+
+def select_layers(layers: Sequence[str], selector: str) -> list[str]:
+    """``all`` of ``layers``, the ``last``, or those matching a glob (at least one)."""
+    import fnmatch
+
+    if selector == "all":
+        return list(layers)
+    if selector == "last":
+        return list(layers[-1:])
+    chosen = [name for name in layers if fnmatch.fnmatchcase(name, selector)]
+    if not chosen:
+        raise ValidationError(f"layers {selector!r} matches none of the fine-tuned layers {list(layers)}")
+    return chosen
 
 
 def read_folder_state(folder: Path) -> dict[str, Any]:
@@ -621,20 +674,25 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         records[label] = {"kind": "baseline", **rec}
     timings["baselines"] = time.perf_counter() - t
 
-    # 6. QP modes x metrics
+    # 6. QP runs (mode x metric)
     t = time.perf_counter()
-    for mode in mset.modes:
-        for metric in mset.metrics:
-            label = f"qp_{mode}_{metric}"
-            method: dict[str, Any] = {"name": "qp", "mode": mode, "solver": mset.solver,
-                                      **dict(mset.parametrisation[mode])}
-            if mode == "hybrid":
-                method["start"] = {"name": "task_arithmetic", "params": {"scaling": float(best_scaling)}}
-            if mode == "trust_region":
-                method["mode_options"] = dict(mset.trust_region)
-            layers = linear_layers[-1:] if mode == "single" else linear_layers
-            models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
-            records[label] = {"kind": "qp", "mode": mode, **rec}
+    for mode, metric in mset.qp_runs():
+        label = f"qp_{mode}_{metric}"
+        extra = mset.run_settings(mode, metric)
+        selector = extra.pop("layers", "last" if mode == "single" else "all")
+        start = extra.pop("start", None)
+        method: dict[str, Any] = {"name": "qp", "mode": mode, "solver": mset.solver, **extra}
+        if mode == "hybrid":
+            method["start"] = {"name": "task_arithmetic", "params": {"scaling": float(best_scaling)}}
+        elif start is not None:
+            method["start"] = {"name": start} if isinstance(start, str) else dict(start)
+        if mode == "trust_region":
+            method["mode_options"] = {**dict(mset.trust_region), **dict(extra.get("mode_options", {}))}
+        if mode == "joint":  # the sequential QP runs on its own; no second copy inside the joint run
+            method.setdefault("compare_sequential", False)
+        layers = select_layers(linear_layers, selector)
+        models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
+        records[label] = {"kind": "qp", "mode": mode, **rec}
     timings["qp"] = time.perf_counter() - t
 
     # 7. mergekit on the same folders

@@ -2,9 +2,11 @@
 (chosen on calibration texts), the issue's LM goal, and the paper's LLM claims, each PASS/FAIL as
 measured.
 
-- **Recommended merge** (documented rule, no test texts): among the QP runs (every mode and
-  output metric), the one whose merged model has the lowest mean cross-entropy on the
-  calibration texts.
+- **Recommended merge**: the product's recommended merge for causal language models, fixed in
+  advance (``LmMergeSettings.recommended``, by default the trust region on the calibration
+  cross-entropy, early-stopped on held-out calibration batches: every choice it makes uses
+  calibration texts only, never the test texts). When that run is not among the QP runs, the QP
+  run with the lowest mean calibration cross-entropy stands in (said in ``rule``).
 - **Goal**: the recommended merge's mean held-out cross-entropy is below every baseline's and
   every mergekit method's, and it closes at least half of the gap from the best of them to the
   ceiling (each fine-tune on its own domain, averaged over domains).
@@ -39,16 +41,22 @@ def ceiling_ce(results: dict[str, Any]) -> float:
 
 
 def recommended_merge(results: dict[str, Any]) -> dict[str, Any] | None:
-    """The QP run with the lowest mean calibration cross-entropy (see the module docstring)."""
+    """The recommended merge (see the module docstring)."""
     qps = _of_kind(results, ("qp",))
     if not qps:
         return None
-    name = min(qps, key=lambda n: (qps[n]["mean_calibration_ce"], n))
+    label = ((results.get("config") or {}).get("merge") or {}).get("recommended")
+    name = f"qp_{label.replace(':', '_')}" if label else None
+    if name in qps:
+        rule = (f"the product's recommended merge for causal language models ({label}), fixed in advance; its "
+                f"choices (early stopping) use held-out calibration batches")
+    else:
+        name = min(qps, key=lambda n: (qps[n]["mean_calibration_ce"], n))
+        rule = ("the QP run (any mode and output metric) with the lowest mean cross-entropy on the calibration "
+                "texts" + (f" (the configured recommendation {label} did not run)" if label else ""))
     m = qps[name]
     return {"method": name, "mode": m.get("mode"), "metric": m.get("metric"),
-            "mean_calibration_ce": m["mean_calibration_ce"], "mean_test_ce": m["mean_test"]["ce"],
-            "rule": "the QP run (any mode and output metric) with the lowest mean cross-entropy on the "
-                    "calibration texts"}
+            "mean_calibration_ce": m["mean_calibration_ce"], "mean_test_ce": m["mean_test"]["ce"], "rule": rule}
 
 
 def lm_goal(results: dict[str, Any]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ from ..lm import CrossEntropyExpansion, FoldedHead, OutputSpec, TargetBatch, bac
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
-from ..stats.linearise import OutputDerivatives, check_mode, perturbed_output, run_recorded
+from ..stats.linearise import OutputDerivatives, check_mode, choose_mode, perturbed_output, run_recorded
 from .sites import LayerSite, append_ones, site_module
 
 
@@ -245,7 +245,9 @@ def _sketched(compared: Callable[[Any], Any], S: Any) -> Callable[[Any], Any]:
 
 def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, Any]], b: Any, K: int) -> Any:
     """``A'b`` (``(K N,)`` float64, row-major ``(k, atom)`` over the sites' atoms) from one VJP per
-    site with cotangent ``b`` (``(B, c)``): ``(A'b)_(k,a) = <v_(k,a), (d f)' b>``."""
+    site with cotangent ``b`` (``(B, c)``): the pulled-back ``w = (d f)' b`` (``(B, T, r)``) gives
+    ``cross = sum_(j,t) w_jt z_jt'``, from which the parametrisation's own gradient rule gives
+    ``2 A'b`` (no tangents are formed)."""
     import torch  # deferred: torch is heavy
     from torch.func import vjp  # deferred: torch is heavy
 
@@ -253,9 +255,25 @@ def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, 
     for a, f, Z, u0 in sites:
         _, pull = vjp(f, u0)
         (w,) = pull(b.to(u0.dtype))  # (B, *positions, r)
-        tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(torch.float64)  # (K n, B, ..., r)
-        parts.append((tang.reshape(tang.shape[0], -1) @ w.reshape(-1).to(torch.float64)).reshape(K, a.n_atoms))
-    return torch.cat(parts, dim=1).reshape(-1)
+        B = int(w.shape[0])
+        cross = torch.einsum("btr,btm->rm", w.reshape(B, -1, w.shape[-1]).to(torch.float64),
+                             Z.reshape(B, -1, Z.shape[-1]).to(torch.float64))
+        g = a.param.gradient(a.deltas.numpy(), cross.cpu().numpy())
+        parts.append(torch.from_numpy(np.asarray(g, dtype=np.float64) / 2.0).reshape(K, a.n_atoms))
+    return torch.cat(parts, dim=1).reshape(-1).to(b.device)
+
+
+def _reverse_design(derivatives: OutputDerivatives, a: SiteAtoms, Z: Any) -> Any:
+    """The site's design rows ``(B, c, K, n_atoms)`` (float64) from its per-sample Jacobian ``L``
+    (``(B, c, T, r)``, ``c`` VJPs) by the parametrisation's design rule, with ``R_k = Z delta_k'``."""
+    import torch  # deferred: torch is heavy
+
+    L = derivatives.jacobian("reverse")
+    B = int(L.shape[0])
+    Zf = Z.reshape(B, -1, Z.shape[-1])
+    deltas = a.deltas.to(device=Zf.device, dtype=L.dtype)
+    R = torch.einsum("btm,krm->bktr", Zf.to(L.dtype), deltas)
+    return a.param.design(L, R, Zf.to(L.dtype), deltas).to(torch.float64)
 
 
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
@@ -421,11 +439,15 @@ def collect_first_order(
                     if off is not None:
                         push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
                         b = b - push.push(off.to(u0.dtype)).to(torch.float64)
-                    # all K * n_atoms tangents, model-major
-                    tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
-                    cols = derivatives.along(tang, jacobian_mode)  # (K n, B, c) (c = s with a sketch)
-                    cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
-                    blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
+                    if choose_mode(jacobian_mode, derivatives.c, K * a.n_atoms) == "reverse":
+                        # c VJPs give the per-sample Jacobian; the parametrisation's own design rule
+                        # contracts it (no (K n, B, T, r) tangents are formed)
+                        blocks.append(_reverse_design(derivatives, a, Z))  # (B, c, K, n_atoms)
+                    else:  # all K * n_atoms tangents, model-major
+                        tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
+                        cols = derivatives.along(tang, "forward")  # (K n, B, c) (c = s with a sketch)
+                        cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
+                        blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
                     if S is not None:
                         exact_f.append((a, f, Z, u0))
                 A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)

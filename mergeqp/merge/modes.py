@@ -284,7 +284,10 @@ class TrustRegionOptions(BaseModel):
     ``rho > grow_above`` and the step reached the boundary; ``eta``: a step is accepted when
     ``rho > eta`` (``eta >= 0``: only on a true decrease); ``max_steps``: QP solves in all
     (accepted or not); ``tol``: stop when the predicted decrease is below ``tol`` times the
-    current objective."""
+    current objective; ``holdout``: the fraction of each task's calibration batches held out for
+    early stopping (0: none): the QPs and the acceptance use the rest, and the result is the
+    accepted point with the lowest held-out objective, the loop stopping after ``patience``
+    accepted steps without a new lowest."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
@@ -298,6 +301,8 @@ class TrustRegionOptions(BaseModel):
     grow_above: float = Field(default=0.75, ge=0, lt=1)
     max_steps: int = Field(default=10, ge=1)
     tol: float = Field(default=1e-9, ge=0)
+    holdout: float = Field(default=0.0, ge=0, lt=1)
+    patience: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")
     def _ordered(self) -> TrustRegionOptions:
@@ -352,8 +357,11 @@ class TrustRegionMode(MergeMode):
                 f"a step is accepted when rho = true / predicted decrease > {o.eta:g}; radius x{o.shrink:g} when "
                 f"rho < {o.shrink_below:g}, x{o.grow:g} (<= {o.max_radius:g}) when rho > {o.grow_above:g} at the "
                 f"boundary; stops below radius {o.min_radius:g}, after {o.max_steps} QPs, or when the predicted "
-                f"decrease is below {o.tol:g} x the objective{ridge}. Never worse than the start on the "
-                f"calibration objective"]
+                f"decrease is below {o.tol:g} x the objective{ridge}"
+                + (f"; {o.holdout:g} of each task's calibration batches held out: the result is the accepted "
+                   f"point with the lowest held-out objective (early stopping, patience {o.patience})"
+                   if o.holdout else "")
+                + ". Never worse than the start on the calibration objective"]
 
     def models_in_memory(self, settings: Any) -> int:
         return 2
@@ -364,7 +372,8 @@ class TrustRegionMode(MergeMode):
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
         o = self.check_options(ctx.settings.mode_options)
         assert isinstance(o, TrustRegionOptions)
-        return list(trust_region_sites(ctx, sites, o.config(ctx.settings.regularisation), mode=self.name))
+        return list(trust_region_sites(ctx, sites, o.config(ctx.settings.regularisation), mode=self.name,
+                                       holdout=o.holdout, patience=o.patience))
 
     def notes(self, records: Sequence[LayerRecord], constraints: Sequence[str], start: str | None) -> list[str]:
         if not records or not isinstance(records[0], TrustRegionLayerRecord):
@@ -394,6 +403,10 @@ class TrustRegionMode(MergeMode):
             "steps": outcome.step_rows(), "n_steps": result.n_qps, "n_accepted": result.n_accepted,
             "all_certified": result.all_certified, "stop_reason": result.stop_reason,
             "seconds": result.seconds,
+            **({} if result.validation is None else {"holdout": {
+                "fraction": self.check_options(ctx.settings.mode_options).holdout,  # type: ignore[union-attr]
+                "validation_start": result.validation_start, "validation_result": result.validation,
+                "chosen_step": result.chosen_step}}),
         }}
 
 

@@ -44,7 +44,7 @@ from ..constraints import Box, as_constraint_set
 from ..errors import ValidationError
 from ..problem import MergeQP
 from ..solvers.registry import solve
-from .firstorder import FirstOrderStats, collect_first_order
+from .firstorder import FirstOrderStats, TaskTargets, collect_first_order
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -121,6 +121,8 @@ class TrustRegionStep:
     certified: bool
     solver: str
     seconds: float
+    #: the held-out objective at the accepted point (``None``: rejected, or no validation)
+    validation: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {k: _json_float(v) for k, v in asdict(self).items()}
@@ -140,6 +142,12 @@ class TrustRegionResult:
     config: TrustRegionConfig
     last_problem: MergeQP | None = field(default=None, repr=False)
     ridge_selection: RidgeSelection | None = None
+    #: with a validation objective: its value at the start and at the returned point (the accepted
+    #: point where it was lowest: early stopping on held-out calibration data)
+    validation_start: float | None = None
+    validation: float | None = None
+    #: the step whose candidate is the returned point (``None``: the start)
+    chosen_step: int | None = None
 
     @property
     def n_qps(self) -> int:
@@ -161,6 +169,8 @@ class TrustRegionResult:
             "seconds": self.seconds, "config": asdict(self.config),
             "steps": [s.to_dict() for s in self.steps],
             "ridge_selection": None if self.ridge_selection is None else self.ridge_selection.to_dict(),
+            "validation_start": self.validation_start, "validation": self.validation,
+            "chosen_step": self.chosen_step,
         }
 
 
@@ -236,6 +246,8 @@ def sequential_trust_region(
     solver: str = "auto",
     solver_options: Mapping[str, Any] | None = None,
     progress: bool = True,
+    validation: Callable[[np.ndarray], float] | None = None,
+    patience: int = 1,
 ) -> TrustRegionResult:
     """Minimise ``true_objective`` over ``constraints`` by trust-region QPs (module docstring).
 
@@ -243,6 +255,11 @@ def sequential_trust_region(
     (its value at ``d`` should equal ``true_objective(d)``); ``true_objective(d)``: the true
     objective (float). ``d0`` must be feasible. Each subproblem is solved with
     :func:`mergeqp.solve` (``solver``, ``solver_options``) and certified.
+
+    ``validation(d)``: an objective on held-out data, measured at the start and at every accepted
+    point; the loop stops once it has not fallen below its lowest value for ``patience`` accepted
+    steps in a row, and returns the accepted point (or the start) where it was lowest (early
+    stopping). That point's ``true_objective`` is still no higher than the start's.
     """
     cfg = config or TrustRegionConfig()
     cset = as_constraint_set(constraints)
@@ -260,9 +277,14 @@ def sequential_trust_region(
             value += cfg.ridge * float(np.sum((x - ref) ** 2))
         return value
 
+    if patience < 1:
+        raise ValidationError(f"patience must be >= 1, got {patience}")
     t_start = time.perf_counter()
     f_d = merit(d)
     start = f_d
+    v_start = None if validation is None else float(validation(d))
+    best = (d, f_d, v_start, None)  # point, objective, validation, the step that reached it
+    worse = 0
     delta = min(cfg.delta0, cfg.delta_max)
     steps: list[TrustRegionStep] = []
     problem: MergeQP | None = None
@@ -310,14 +332,31 @@ def sequential_trust_region(
             if accepted:
                 d, f_d = d_new, f_new
                 problem = None
+                if validation is not None:
+                    v = float(validation(d))
+                    steps[-1] = dataclasses.replace(steps[-1], validation=v)
+                    if v < best[2]:
+                        best, worse = (d, f_d, v, len(steps) - 1), 0
+                    else:
+                        worse += 1
+                        if worse >= patience:
+                            stop = f"validation objective not lowered for {patience} accepted step(s) (early stopping)"
+                            break
             if delta < cfg.delta_min:
                 stop = f"trust-region radius below delta_min ({cfg.delta_min:g})"
                 break
     finally:
         bar.close()
+    chosen = max((i for i, s in enumerate(steps) if s.accepted), default=None)
+    if validation is not None:  # the accepted point with the lowest held-out objective
+        chosen = best[3]
+        if best[0] is not d:
+            d, f_d = best[0], best[1]
+            problem = None
     return TrustRegionResult(d=d, objective=f_d, start_objective=start, steps=tuple(steps),
                              stop_reason=stop, seconds=time.perf_counter() - t_start, config=cfg,
-                             last_problem=problem)
+                             last_problem=problem, validation_start=v_start,
+                             validation=None if validation is None else best[2], chosen_step=chosen)
 
 
 def _box_bounds(region: Any, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -347,7 +386,8 @@ class SitesTrustRegion:
                  "true_after": _json_float(s.true_after), "predicted_decrease": _json_float(s.predicted),
                  "rho": _json_float(s.rho), "accepted": s.accepted, "step_norm": s.step_norm,
                  "certified": s.certified, "fw_gap": _json_float(s.fw_gap), "solver": s.solver,
-                 "seconds": s.seconds} for s in self.result.steps]
+                 "seconds": s.seconds, **({} if s.validation is None else {"validation": s.validation})}
+                for s in self.result.steps]
 
 
 @dataclass(frozen=True)
@@ -358,17 +398,46 @@ class TrustRegionLayerRecord(LayerRecord):
     outcome: SitesTrustRegion | None = field(default=None, repr=False)
 
 
+def split_tasks(tasks: Sequence[TaskTargets], holdout: float) -> tuple[list[TaskTargets], list[TaskTargets]]:
+    """``(fit, held)``: each task's last ``round(holdout * n)`` calibration batches (at least one, at
+    most ``n - 1``; none of a task with one batch) are held out. Raises :class:`ValidationError`
+    when no task has a batch to hold out."""
+    fit, held = [], []
+    for t in tasks:
+        n = len(t.batches)
+        m = min(max(1, round(holdout * n)), n - 1) if n >= 2 else 0
+        fit.append(dataclasses.replace(t, batches=list(t.batches[:n - m])))
+        if m:
+            held.append(dataclasses.replace(t, batches=list(t.batches[n - m:])))
+    if not held:
+        raise ValidationError(f"trust_region holdout {holdout:g}: every task has a single calibration batch, "
+                              f"so none can be held out; use more prompts or a smaller calibration.batch_size")
+    return fit, held
+
+
 def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: TrustRegionConfig,
-                       *, mode: str = "trust_region") -> list[TrustRegionLayerRecord]:
+                       *, mode: str = "trust_region", holdout: float = 0.0,
+                       patience: int = 1) -> list[TrustRegionLayerRecord]:
     """Trust-region QPs over ``sites`` of the live ``ctx.model`` jointly (module docstring), from
     the weights the model holds now (``D = 0``); the model is left at the result, which is never
     worse than the start on the calibration objective. ``config.ridge`` (``ctx.settings``'s
     ``regularisation``) pulls toward the start, ``mu ||D||^2``. Constraints
     (``ctx.settings.constraints``) apply to ``D`` and must contain ``D = 0``. One record per
-    site, in ``sites`` order."""
+    site, in ``sites`` order.
+
+    ``holdout`` > 0: that fraction of each task's calibration batches (:func:`split_tasks`) is
+    held out; the QPs and the acceptance use the rest, and the result is the accepted point with
+    the lowest held-out objective (early stopping after ``patience`` accepted steps without a
+    new lowest). It is never worse than the start on either part, so on the whole set neither."""
     import torch  # optional heavy dependency (the merge needs it; importing this module does not)
 
     t0 = time.perf_counter()
+    full_ctx = ctx
+    held_ctx = None
+    if holdout > 0:
+        fit_tasks, held_tasks = split_tasks(ctx.tasks, holdout)
+        ctx = dataclasses.replace(full_ctx, tasks=fit_tasks)
+        held_ctx = dataclasses.replace(full_ctx, tasks=held_tasks)
     start = {s.name: read_augmented(ctx.model, s) for s in sites}
     built = [site_atoms(ctx, s, start[s.name]) for s in sites]
     atoms = [b.atoms for b in built]
@@ -411,26 +480,36 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
             f"mode: {mode}: the start (D = 0, the coefficients of W = W_start + sum_a D_a B_a) violates the "
             f"constraints {list(ctx.settings.constraints)} by {viol:.3g}; use a set that contains 0 (e.g. "
             f"box:-1,1 or none)")
+    def validation(D: np.ndarray) -> float:
+        move_to(D)
+        return calibration_objective(held_ctx)
+
     result = sequential_trust_region(linearise, true_objective, cset, d0, config, solver=ctx.settings.solver,
-                                     solver_options=ctx.settings.solver_options, progress=ctx.progress)
+                                     solver_options=ctx.settings.solver_options, progress=ctx.progress,
+                                     validation=None if held_ctx is None else validation, patience=patience)
     move_to(result.d)
-    exact = calibration_objective(ctx)
+    exact = calibration_objective(full_ctx)
+    # the whole calibration set's objective at the start (D = 0: no ridge term; the parts add up)
+    start_full = result.start_objective + (result.validation_start or 0.0)
     outcome = SitesTrustRegion(result)
     for row in outcome.step_rows():
         say(ctx, f"[{mode} step {row['step'] + 1}] radius {row['radius']:.3g}: J {row['objective_before']:.6g} -> "
                  f"linearised {row['linearised_after']} true {row['true_after']} "
                  f"({'accepted' if row['accepted'] else 'rejected'}, certified {row['certified']})")
-    accepted = [s for s in result.steps if s.accepted]
-    linearised = accepted[-1].true_before - accepted[-1].predicted if accepted else result.start_objective
+    step = result.steps[result.chosen_step] if result.chosen_step is not None else None
+    linearised = step.true_before - step.predicted if step is not None else result.start_objective
+    if held_ctx is not None:  # the QP modelled the fitting part; the held-out part at the result is exact
+        linearised += float(result.validation)
     certificate = _steps_certificate(result)
     stats = first[0]
     seconds = time.perf_counter() - t0
     return [TrustRegionLayerRecord(
-        layer=a.site.name, mode=mode, objective_before=result.start_objective, objective_after=float(linearised),
+        layer=a.site.name, mode=mode, objective_before=start_full, objective_after=float(linearised),
         objective_after_exact=exact, certificate=certificate, energy_fraction=stats.energy_fraction(a.site.name),
         seconds=seconds, solver=result.steps[-1].solver if result.steps else "",
         status=f"{result.n_accepted} of {result.n_qps} steps accepted; {result.stop_reason}",
-        n_variables=int(d0.size), group=0, points={"start": result.start_objective, "result": result.objective},
+        n_variables=int(d0.size), group=0,
+        points={"start": start_full, "result": result.objective if held_ctx is None else exact},
         d=result.d[:, blocks[a.site.name]], timings={"trust_region": seconds}, basis=b.basis,
         group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
         residual_norms=b.residual_norms, outcome=outcome) for a, b in zip(atoms, built)]

@@ -239,6 +239,11 @@ def test_goal_and_recommendation_rules():
     res = _fake_results(3.2)
     res["recommended"] = recommended_merge(res)
     assert res["recommended"]["method"] == "qp_sequential_kl"  # lowest calibration CE among QP runs
+    fixed = {**res, "config": {"merge": {"recommended": "single:euclidean"}}}
+    assert recommended_merge(fixed)["method"] == "qp_single_euclidean"  # the configured one, when it ran
+    missing = {**res, "config": {"merge": {"recommended": "joint:kl"}}}
+    rec = recommended_merge(missing)
+    assert rec["method"] == "qp_sequential_kl" and "did not run" in rec["rule"]
     goal = lm_goal(res)
     assert goal["passed"] and goal["best_rival"] == "ties" and goal["gap_closed"] == pytest.approx(2 / 3)
     res = _fake_results(3.4)  # beats every rival but closes only a third of the gap

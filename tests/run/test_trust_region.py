@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from mergeqp.config import load_config
-from mergeqp.errors import ConfigError
+from mergeqp.errors import ConfigError, ValidationError
 from mergeqp.run.pipeline import run_merge
 from mergeqp.run.plan import build_plan
 
@@ -148,3 +150,63 @@ def test_trust_region_constraints_must_contain_the_start(llama, tmp_path):
     ok = llama.write_config(tmp_path / "box.yml", ["model.layers.1.mlp.down_proj"],
                             {"name": "qp", "mode": "trust_region", "constraints": ["box:-1,1"]})
     build_plan(load_config(ok))
+
+
+def test_early_stopping_returns_the_accepted_point_with_the_lowest_validation():
+    """The loop on a 1-D problem whose fit objective keeps falling while the validation objective
+    turns up: it stops after ``patience`` worse steps and returns the best validated point, whose
+    fit objective is still below the start's."""
+    from mergeqp.merge.trust_region import TrustRegionConfig, sequential_trust_region
+    from mergeqp.problem import MergeQP
+
+    def true(d):
+        return float((d[0, 0] - 3.0) ** 2)
+
+    def linearise(d):  # exact quadratic
+        return MergeQP(H=np.array([[2.0]]), g=np.array([-6.0]), c=9.0, shape=(1, 1))
+
+    seen = []
+
+    def validation(d):
+        seen.append(float(d[0, 0]))
+        return float((d[0, 0] - 0.35) ** 2)
+
+    cfg = TrustRegionConfig(delta0=0.1, max_qps=20, expand=1.0, delta_max=0.1)
+    res = sequential_trust_region(linearise, true, None, np.zeros((1, 1)), cfg, progress=False,
+                                  validation=validation, patience=2)
+    assert res.stop_reason.startswith("validation objective not lowered for 2")
+    assert res.d[0, 0] == pytest.approx(0.3)  # steps of 0.1: 0.3 is nearest 0.35 among 0.1, 0.2, 0.3, 0.4, 0.5
+    assert res.chosen_step == 2 and res.validation == pytest.approx(0.05 ** 2)
+    assert res.objective < res.start_objective and res.validation < res.validation_start
+    assert seen[0] == 0.0 and [s.validation is not None for s in res.steps] == [True] * len(res.steps)
+    with pytest.raises(ValidationError, match="patience"):
+        sequential_trust_region(linearise, true, None, np.zeros((1, 1)), cfg, progress=False,
+                                validation=validation, patience=0)
+
+
+def test_trust_region_holdout_from_yaml(llama, tmp_path):
+    """``holdout`` in mode_options: the report says which step was kept and both parts' objectives;
+    the whole calibration objective is no higher than the start's."""
+    method = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 4, "holdout": 0.5}}
+    rep = json.loads((_merge(llama, tmp_path, method).out_dir / "report.json").read_text())
+    tr = rep["trust_region"]
+    hold = tr["holdout"]
+    assert hold["fraction"] == 0.5 and hold["validation_result"] <= hold["validation_start"]
+    assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
+    layer = rep["layers"][0]
+    assert layer["objective_before"] == pytest.approx(tr["start"]["calibration_objective"], rel=1e-9)
+    assert layer["objective_after_exact"] == pytest.approx(tr["result"]["calibration_objective"], rel=1e-9)
+    accepted = [s for s in tr["steps"] if s["accepted"]]
+    assert all("validation" in s for s in accepted)
+    if hold["chosen_step"] is not None:
+        assert tr["steps"][hold["chosen_step"]]["validation"] == pytest.approx(hold["validation_result"])
+
+
+def test_holdout_needs_a_batch_to_hold_out():
+    from mergeqp.merge.firstorder import TaskTargets
+    from mergeqp.merge.trust_region import split_tasks
+
+    fit, held = split_tasks([TaskTargets("a", 1.0, [1, 2, 3, 4]), TaskTargets("b", 1.0, [5])], 0.25)
+    assert [t.batches for t in fit] == [[1, 2, 3], [5]] and [t.batches for t in held] == [[4]]
+    with pytest.raises(ValidationError, match="single calibration batch"):
+        split_tasks([TaskTargets("a", 1.0, [1])], 0.5)

@@ -127,7 +127,7 @@ class LmMergeSettings:
     parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         **{m: {"parametrisation": "scalar"} for m in QP_MODES},
         RECOMMENDED_RUN: {"parametrisation": "rows", "layers": "*.down_proj", "start": "soup",
-                          "mode_options": {"radius": 0.05, "holdout": 0.25, "max_steps": 8}}})
+                          "mode_options": {"radius": 0.05, "holdout": 0.25, "refit": True, "max_steps": 8}}})
     outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         "euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 64},
         "cross_entropy": {"restrict": "topk", "k": 16, "sketch": 64}})

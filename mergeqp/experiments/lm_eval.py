@@ -123,7 +123,7 @@ class UpperEvaluator:
             else:
                 hidden, mask = pad_hidden(self.states[domain][start: start + self.batch_size])
                 logits = self.split.upper(hidden, mask)
-        return logits.double(), batch_ids, mask
+        return logits, batch_ids, mask
 
     def evaluate(self, models: Mapping[str, ModelTensors | None], references: Mapping[str, ModelTensors],
                  progress: Callable[[str], None] | None = None) -> dict[str, dict[str, dict[str, float]]]:
@@ -145,18 +145,21 @@ class UpperEvaluator:
                 real = mask.bool()
                 ref_real = ref[real]
                 log_p = torch.log_softmax(ref_real, -1)
+                p = log_p.exp()
                 vocab = ref.shape[-1]
                 nxt = real[:, 1:] & real[:, :-1]
                 for name, tensors in models.items():
                     self._load(tensors)
                     x, _, _ = self._logits(tensors, domain, start)
                     s = sums[name][domain]
+                    # per-token quantities in the model's dtype, sums in float64
                     log_q_all = torch.log_softmax(x, -1)
-                    s["nll"] -= float(log_q_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][nxt].sum())
+                    x_real, log_q = x[real], log_q_all[real]
+                    nll = -log_q_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][nxt]
+                    s["nll"] += float(nll.double().sum())
                     s["pred"] += int(nxt.sum())
-                    x_real = x[real]
-                    s["se"] += float(((x_real - ref_real) ** 2).sum())
-                    s["kl"] += float((log_p.exp() * (log_p - log_q_all[real])).sum())
+                    s["se"] += float(((x_real - ref_real) ** 2).sum(-1).double().sum())
+                    s["kl"] += float((p * (log_p - log_q)).sum(-1).double().sum())
                     s["tok"] += int(real.sum())
         self._load(None)
         return {m: {d: {"ce": s["nll"] / max(s["pred"], 1), "mse": s["se"] / max(s["tok"] * (vocab or 1), 1),

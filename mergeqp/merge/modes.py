@@ -287,7 +287,8 @@ class TrustRegionOptions(BaseModel):
     current objective; ``holdout``: the fraction of each task's calibration batches held out for
     early stopping (0: none): the QPs and the acceptance use the rest, and the result is the
     accepted point with the lowest held-out objective, the loop stopping after ``patience``
-    accepted steps without a new lowest."""
+    accepted steps without a new lowest; ``refit``: then run again from the start on every
+    calibration batch for as many QP steps as that chose."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
@@ -303,6 +304,7 @@ class TrustRegionOptions(BaseModel):
     tol: float = Field(default=1e-9, ge=0)
     holdout: float = Field(default=0.0, ge=0, lt=1)
     patience: int = Field(default=1, ge=1)
+    refit: bool = False
 
     @model_validator(mode="after")
     def _ordered(self) -> TrustRegionOptions:
@@ -360,6 +362,7 @@ class TrustRegionMode(MergeMode):
                 f"decrease is below {o.tol:g} x the objective{ridge}"
                 + (f"; {o.holdout:g} of each task's calibration batches held out: the result is the accepted "
                    f"point with the lowest held-out objective (early stopping, patience {o.patience})"
+                   + ("; then as many steps again from the start on every batch (refit)" if o.refit else "")
                    if o.holdout else "")
                 + ". Never worse than the start on the calibration objective"]
 
@@ -373,7 +376,7 @@ class TrustRegionMode(MergeMode):
         o = self.check_options(ctx.settings.mode_options)
         assert isinstance(o, TrustRegionOptions)
         return list(trust_region_sites(ctx, sites, o.config(ctx.settings.regularisation), mode=self.name,
-                                       holdout=o.holdout, patience=o.patience))
+                                       holdout=o.holdout, patience=o.patience, refit=o.refit))
 
     def notes(self, records: Sequence[LayerRecord], constraints: Sequence[str], start: str | None) -> list[str]:
         if not records or not isinstance(records[0], TrustRegionLayerRecord):
@@ -393,6 +396,7 @@ class TrustRegionMode(MergeMode):
         if outcome is None:
             return {}
         result = outcome.result
+        chooser = outcome.selection or result  # the run whose held-out objective decided
         return {"trust_region": {
             "options": self.check_options(ctx.settings.mode_options).model_dump(),  # type: ignore[union-attr]
             "constraints": list(ctx.settings.constraints),
@@ -403,10 +407,11 @@ class TrustRegionMode(MergeMode):
             "steps": outcome.step_rows(), "n_steps": result.n_qps, "n_accepted": result.n_accepted,
             "all_certified": result.all_certified, "stop_reason": result.stop_reason,
             "seconds": result.seconds,
-            **({} if result.validation is None else {"holdout": {
+            **({} if chooser.validation is None else {"holdout": {
                 "fraction": self.check_options(ctx.settings.mode_options).holdout,  # type: ignore[union-attr]
-                "validation_start": result.validation_start, "validation_result": result.validation,
-                "chosen_step": result.chosen_step}}),
+                "validation_start": chooser.validation_start, "validation_result": chooser.validation,
+                "chosen_step": chooser.chosen_step, "refit": outcome.selection is not None,
+                **({} if outcome.selection is None else {"selection_steps": outcome.step_rows(chooser)})}}),
         }}
 
 

@@ -373,8 +373,10 @@ class SitesTrustRegion:
     sites' ``D`` blocks side by side) and one report row per QP step (:meth:`step_rows`)."""
 
     result: TrustRegionResult
+    #: with ``holdout`` and ``refit``: the run on the fitting part that chose the number of steps
+    selection: TrustRegionResult | None = None
 
-    def step_rows(self) -> list[dict[str, Any]]:
+    def step_rows(self, which: TrustRegionResult | None = None) -> list[dict[str, Any]]:
         """Per step: ``radius`` (infinity norm in ``D``), the true objective at the current point
         ``objective_before``, the QP's value at the candidate ``linearised_after`` (the QP equals
         the true objective at the current point), the true objective there ``true_after``, the
@@ -387,7 +389,7 @@ class SitesTrustRegion:
                  "rho": _json_float(s.rho), "accepted": s.accepted, "step_norm": s.step_norm,
                  "certified": s.certified, "fw_gap": _json_float(s.fw_gap), "solver": s.solver,
                  "seconds": s.seconds, **({} if s.validation is None else {"validation": s.validation})}
-                for s in self.result.steps]
+                for s in (which or self.result).steps]
 
 
 @dataclass(frozen=True)
@@ -417,7 +419,7 @@ def split_tasks(tasks: Sequence[TaskTargets], holdout: float) -> tuple[list[Task
 
 def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: TrustRegionConfig,
                        *, mode: str = "trust_region", holdout: float = 0.0,
-                       patience: int = 1) -> list[TrustRegionLayerRecord]:
+                       patience: int = 1, refit: bool = False) -> list[TrustRegionLayerRecord]:
     """Trust-region QPs over ``sites`` of the live ``ctx.model`` jointly (module docstring), from
     the weights the model holds now (``D = 0``); the model is left at the result, which is never
     worse than the start on the calibration objective. ``config.ridge`` (``ctx.settings``'s
@@ -428,7 +430,9 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     ``holdout`` > 0: that fraction of each task's calibration batches (:func:`split_tasks`) is
     held out; the QPs and the acceptance use the rest, and the result is the accepted point with
     the lowest held-out objective (early stopping after ``patience`` accepted steps without a
-    new lowest). It is never worse than the start on either part, so on the whole set neither."""
+    new lowest). It is never worse than the start on either part, so on the whole set neither.
+    ``refit``: then run again from the start on every calibration batch for as many QP steps as
+    the held-out objective chose (early stopping's usual last step), unless it chose the start."""
     import torch  # optional heavy dependency (the merge needs it; importing this module does not)
 
     t0 = time.perf_counter()
@@ -457,11 +461,13 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
 
     first: list[FirstOrderStats] = []
 
+    fitting = [ctx]  # the calibration part the QPs and the acceptance use (all of it when refitting)
+
     def linearise(D: np.ndarray) -> MergeQP:
         up = move_to(D)
         now = [dataclasses.replace(a, offset=up[a.site.name] if np.any(D[:, blocks[a.site.name]]) else None)
                for a in atoms]
-        stats = collect_first_order(ctx.model, now, ctx.tasks, ctx.spec, ctx.device, model_names=ctx.model_names,
+        stats = collect_first_order(ctx.model, now, fitting[0].tasks, ctx.spec, ctx.device, model_names=ctx.model_names,
                                     chunk_size=ctx.settings.chunk_size, progress=ctx.progress,
                                     jacobian_mode=ctx.settings.jacobian_mode)
         if not first:
@@ -470,7 +476,7 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
 
     def true_objective(D: np.ndarray) -> float:
         move_to(D)
-        return calibration_objective(ctx)
+        return calibration_objective(fitting[0])
 
     cset = as_constraint_set(constraint_sets(ctx.settings, atoms) or None)
     d0 = np.zeros((K, int(bounds[-1])))
@@ -487,18 +493,27 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     result = sequential_trust_region(linearise, true_objective, cset, d0, config, solver=ctx.settings.solver,
                                      solver_options=ctx.settings.solver_options, progress=ctx.progress,
                                      validation=None if held_ctx is None else validation, patience=patience)
-    move_to(result.d)
-    exact = calibration_objective(full_ctx)
     # the whole calibration set's objective at the start (D = 0: no ridge term; the parts add up)
     start_full = result.start_objective + (result.validation_start or 0.0)
-    outcome = SitesTrustRegion(result)
+    selection = None
+    if held_ctx is not None and refit and result.chosen_step is not None:
+        # early stopping chose how many QP steps to take; take that many on every calibration batch
+        selection, fitting[0], first[:] = result, full_ctx, []
+        result = sequential_trust_region(linearise, true_objective, cset, d0,
+                                         dataclasses.replace(config, max_qps=result.chosen_step + 1),
+                                         solver=ctx.settings.solver, solver_options=ctx.settings.solver_options,
+                                         progress=ctx.progress)
+        start_full = result.start_objective
+    move_to(result.d)
+    exact = calibration_objective(full_ctx)
+    outcome = SitesTrustRegion(result, selection)
     for row in outcome.step_rows():
         say(ctx, f"[{mode} step {row['step'] + 1}] radius {row['radius']:.3g}: J {row['objective_before']:.6g} -> "
                  f"linearised {row['linearised_after']} true {row['true_after']} "
                  f"({'accepted' if row['accepted'] else 'rejected'}, certified {row['certified']})")
     step = result.steps[result.chosen_step] if result.chosen_step is not None else None
     linearised = step.true_before - step.predicted if step is not None else result.start_objective
-    if held_ctx is not None:  # the QP modelled the fitting part; the held-out part at the result is exact
+    if held_ctx is not None and selection is None:  # the QP modelled the fitting part; the held-out part is exact
         linearised += float(result.validation)
     certificate = _steps_certificate(result)
     stats = first[0]

@@ -210,3 +210,17 @@ def test_holdout_needs_a_batch_to_hold_out():
     assert [t.batches for t in fit] == [[1, 2, 3], [5]] and [t.batches for t in held] == [[4]]
     with pytest.raises(ValidationError, match="single calibration batch"):
         split_tasks([TaskTargets("a", 1.0, [1])], 0.5)
+
+
+def test_trust_region_refit_takes_the_chosen_number_of_steps_on_every_batch(llama, tmp_path):
+    method = {"name": "qp", "mode": "trust_region",
+              "mode_options": {"max_steps": 4, "holdout": 0.5, "refit": True, "radius": 0.05}}
+    rep = json.loads((_merge(llama, tmp_path, method).out_dir / "report.json").read_text())
+    tr = rep["trust_region"]
+    hold = tr["holdout"]
+    assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
+    assert hold["chosen_step"] is not None  # a step lowered the held-out objective (small radius)
+    assert hold["refit"] is True and len(hold["selection_steps"]) >= hold["chosen_step"] + 1
+    assert tr["n_steps"] <= hold["chosen_step"] + 1
+    _check_never_worse(rep)  # the refit run's steps start from the start's objective on every batch
+    assert rep["layers"][0]["objective_before"] == pytest.approx(tr["start"]["calibration_objective"], rel=1e-9)

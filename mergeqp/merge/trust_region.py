@@ -125,7 +125,7 @@ class TrustRegionStep:
     validation: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_float(v) for k, v in asdict(self).items()}
+        return {k: _json_float(v) for k, v in asdict(self).items() if k != "validation" or v is not None}
 
 
 @dataclass(frozen=True, eq=False)
@@ -169,8 +169,8 @@ class TrustRegionResult:
             "seconds": self.seconds, "config": asdict(self.config),
             "steps": [s.to_dict() for s in self.steps],
             "ridge_selection": None if self.ridge_selection is None else self.ridge_selection.to_dict(),
-            "validation_start": self.validation_start, "validation": self.validation,
-            "chosen_step": self.chosen_step,
+            **({} if self.validation is None else {"validation_start": self.validation_start,
+                                                   "validation": self.validation, "chosen_step": self.chosen_step}),
         }
 
 

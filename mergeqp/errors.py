@@ -177,3 +177,24 @@ def listing(names: Sequence[str], limit: int = 30) -> str:
     shown = ", ".join(str(n) for n in names[:limit])
     more = len(names) - limit
     return shown + (f", ... and {more} more" if more > 0 else "")
+
+
+def parse_params(model: type[T], params: Mapping[str, object], where: str, owner: str) -> T:
+    """``model(**params)`` for a pydantic ``model`` of a config block's ``params``, or a
+    :class:`ConfigError`: an unknown key is named with a did-you-mean and the valid keys (``owner``
+    says whose parameters they are, e.g. ``'output_space'``), a bad value with its key and input."""
+    from pydantic import ValidationError as PydanticValidationError  # deferred: errors.py is imported first
+
+    valid = list(model.model_fields)  # type: ignore[attr-defined]
+    extra = [k for k in params if k not in valid]
+    if extra:
+        close = difflib.get_close_matches(str(extra[0]), valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{where}.params: unknown parameter {extra[0]!r} of {owner}{hint}; valid: "
+                          f"{', '.join(valid)}")
+    try:
+        return model(**params)
+    except PydanticValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"{where}.params.{loc}: {err['msg']} (got {err.get('input')!r})") from None

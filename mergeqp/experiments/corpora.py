@@ -118,14 +118,24 @@ class Corpus:
         taken = np.zeros(len(by_label), dtype=np.int64)
         for p, size in enumerate(want):
             share = np.array([len(ix) for ix in by_label], dtype=np.float64) * size / max(n, 1)
-            quota = np.floor(share).astype(np.int64)
-            order = np.argsort(-(share - quota), kind="stable")
-            for lab in order[: size - int(quota.sum())]:
-                quota[lab] += 1
+            left = np.array([len(ix) for ix in by_label], dtype=np.int64) - taken
+            quota = np.minimum(np.floor(share).astype(np.int64), left)
+            order = np.argsort(-(share - np.floor(share)), kind="stable")
+            short = size - int(quota.sum())
+            while short > 0:  # largest remainders first, skipping labels an earlier part used up
+                grown = 0
+                for lab in order:
+                    if grown == short:
+                        break
+                    if quota[lab] < left[lab]:
+                        quota[lab] += 1
+                        grown += 1
+                if grown == 0:
+                    break
+                short -= grown
             for lab, q in enumerate(quota):
-                q = min(int(q), len(by_label[lab]) - int(taken[lab]))
-                parts[p].extend(by_label[lab][taken[lab]: taken[lab] + q].tolist())
-                taken[lab] += q
+                parts[p].extend(by_label[lab][taken[lab]: taken[lab] + int(q)].tolist())
+                taken[lab] += int(q)
         return tuple(self.subset(rng.permutation(np.array(ix, dtype=np.int64)), f"{self.name}[{i}]")
                      for i, ix in enumerate(parts))
 

@@ -49,6 +49,7 @@ import numpy as np
 from ..errors import ValidationError, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
+from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
 from .finetune_lm import (
     FinetuneSettings,
@@ -67,8 +68,9 @@ DEFAULT_CACHE = "~/.cache/mergeqp"
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
 OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: the product's recommended merge for causal language models (``docs/lm.md`` has the measurements
-#: behind it): a trust region on the calibration prompts' cross-entropy, started from the soup, over
-#: the fine-tuned blocks' ``down_proj`` rows, stopped early on held-out calibration batches
+#: behind it): ``method: auto`` (a trust region from the start with the lowest held-out calibration
+#: objective among the candidate merges, stopped early on those batches) on the calibration
+#: prompts' cross-entropy, over the fine-tuned blocks' ``down_proj`` rows
 RECOMMENDED_RUN = "trust_region:cross_entropy"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
 #: the QP runs of quick mode: every mode with the paper's Euclidean metric, the joint QP with the KL
@@ -126,8 +128,8 @@ class LmMergeSettings:
     runs: tuple[str, ...] | None = None
     parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         **{m: {"parametrisation": "scalar"} for m in QP_MODES},
-        RECOMMENDED_RUN: {"parametrisation": "rows", "layers": "*.down_proj", "start": "soup",
-                          "mode_options": {"radius": 0.05, "holdout": 0.25, "refit": True, "max_steps": 8}}})
+        RECOMMENDED_RUN: {"parametrisation": "rows", "layers": "*.down_proj", "start": "auto",
+                          "constraints": [], "mode_options": dict(AUTO_MODE_OPTIONS)}})
     outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         "euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 64},
         "cross_entropy": {"restrict": "topk", "k": 16, "sketch": 64}})
@@ -442,7 +444,7 @@ def _report_summary(report: Mapping[str, Any]) -> dict[str, Any]:
                                                  "objective_after_exact") if k in layer}
                       | {"certified": cert.get("certified")})
     out: dict[str, Any] = {"layers": layers, "notes": list(report.get("notes", []) or [])}
-    for key in ("trust_region", "joint", "comparison"):
+    for key in ("start_selection", "trust_region", "joint", "comparison"):
         if key in report:
             out[key] = report[key]
     return out

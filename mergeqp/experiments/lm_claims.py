@@ -48,15 +48,20 @@ def recommended_merge(results: dict[str, Any]) -> dict[str, Any] | None:
     label = ((results.get("config") or {}).get("merge") or {}).get("recommended")
     name = f"qp_{label.replace(':', '_')}" if label else None
     if name in qps:
-        rule = (f"the product's recommended merge for causal language models ({label}), fixed in advance; its "
-                f"choices (early stopping) use held-out calibration batches")
+        rule = (f"the product's recommended merge for causal language models ({label}: method auto with this "
+                f"metric), fixed in advance; its choices (the start, early stopping) use held-out calibration "
+                f"batches")
     else:
         name = min(qps, key=lambda n: (qps[n]["mean_calibration_ce"], n))
         rule = ("the QP run (any mode and output metric) with the lowest mean cross-entropy on the calibration "
                 "texts" + (f" (the configured recommendation {label} did not run)" if label else ""))
     m = qps[name]
-    return {"method": name, "mode": m.get("mode"), "metric": m.get("metric"),
-            "mean_calibration_ce": m["mean_calibration_ce"], "mean_test_ce": m["mean_test"]["ce"], "rule": rule}
+    out = {"method": name, "mode": m.get("mode"), "metric": m.get("metric"),
+           "mean_calibration_ce": m["mean_calibration_ce"], "mean_test_ce": m["mean_test"]["ce"], "rule": rule}
+    selection = (m.get("report") or {}).get("start_selection")
+    if selection:
+        out["start_selection"] = selection
+    return out
 
 
 def lm_goal(results: dict[str, Any]) -> dict[str, Any]:

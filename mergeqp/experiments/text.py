@@ -22,7 +22,7 @@ BERT-style Hugging Face encoder folder. Per task (any list of labelled
    ``energy_fraction``) against test MSE;
 6. the paper's claims and the issue's goal as PASS/FAIL (:mod:`.text_report`).
 
-Every choice (task-arithmetic weight, the recommended QP mode) uses calibration data only.
+Every choice (task-arithmetic weight; the recommended merge `method: auto`, its start and its steps) uses calibration data only.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class TextConfig:
         return cls(train_per_task=256, calibration_per_task=32, test_per_task=128, max_length=48,
                    train_patterns=("encoder.layer.5.output.dense.*",), epochs=3,
                    ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 8), trust_region={"max_steps": 2},
-                   merge_batch_size=32)
+                   merge_batch_size=8)  # 4 calibration batches per task: method auto holds one out
 
     def encoder_settings(self, seed: int, task_index: int) -> EncoderSettings:
         return EncoderSettings(self.train_patterns, self.epochs, self.lr, self.head_lr, self.batch_size,
@@ -332,6 +332,9 @@ class _Run:
         report = result.report
         shutil.rmtree(out, ignore_errors=True)
         entry = {"method": method, "seconds": seconds, "layers": layers_summary(report), **self.evaluate(tensors)}
+        for key in ("start_selection", "trust_region"):  # method auto: how its start and its steps were chosen
+            if key in report and method.get("name") == "auto":
+                entry[key] = report[key]
         self.log(f"{label}: test accuracy {entry['test']['mean']['accuracy']:.4f}, "
                  f"MSE {entry['test']['mean']['mse']:.4g} ({seconds:.0f} s)")
         return entry
@@ -416,12 +419,12 @@ class _Run:
         methods["qp_joint"] = self.merge("qp_joint", {**single, "mode": "joint", "compare_sequential": False})
         methods["qp_trust_region"] = self.merge("qp_trust_region", {
             **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
+        methods["auto"] = self.merge("auto", {"name": "auto"})  # the product's recommended merge
         self.lap("qp")
-        qp_names = [f"qp_{m}" for m in QP_MODES]
-        rec = min(qp_names, key=lambda m: methods[m]["calibration"]["mean"]["mse"])
+        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto"]
         selection["recommended"] = {
-            "criterion": "lowest mean calibration output MSE (pooled embedding vs each task's fine-tune) among "
-                         "the QP modes", "chosen": rec,
+            "criterion": "the product's recommended merge (method: auto), fixed in advance: its start and its "
+                         "number of trust-region steps are chosen on held-out calibration batches", "chosen": "auto",
             "calibration": {m: methods[m]["calibration"]["mean"] for m in qp_names}}
         return methods, references, selection
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import savefig_atomic, write_text_atomic
-from .report import _f, _table
+from .report import _f, _table, start_selection_table
 
 BASELINE_NAMES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 SPEARMAN_ALPHA = 0.05
@@ -126,6 +126,18 @@ def evaluate_goal(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- report
+def start_selection_lines(entry: dict[str, Any]) -> list[str]:
+    """A merge's start selection (``start: auto``) as a table, when it has one."""
+    sel = entry.get("start_selection")
+    if not sel:
+        return []
+    tr = entry.get("trust_region") or {}
+    steps = (f" Then {tr.get('n_accepted')} of {tr.get('n_steps')} trust-region steps accepted "
+             f"({tr.get('stop_reason')}).") if tr else ""
+    return [f"Its start, chosen by the {sel['criterion']} (the last {sel['holdout']:g} of each task's calibration "
+            f"batches):{steps}", "", start_selection_table(sel), ""]
+
+
 def _command(results: dict[str, Any]) -> str:
     parts = ["mergeqp experiment text"] + (["--quick"] if results.get("mode") == "quick" else [])
     parts += [f"--seed {results['seed']}", "--out DIR"]
@@ -190,6 +202,7 @@ def render_text_report(results: dict[str, Any]) -> str:
         "## Methods (mean over tasks)", "", methods_table(results), "",
         f"Task arithmetic's weight: {sel['task_arithmetic']['chosen']} ({sel['task_arithmetic']['criterion']}).  ",
         f"Recommended merge: `{sel['recommended']['chosen']}` ({sel['recommended']['criterion']}).", "",
+        *start_selection_lines(results["methods"].get(sel["recommended"]["chosen"], {})),
         goal_line(results["goal"]), "",
         "## Test accuracy per task", "", per_task_table(results, "accuracy"), "",
         "## Test output MSE per task", "", per_task_table(results, "mse"), "",

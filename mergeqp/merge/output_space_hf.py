@@ -42,7 +42,6 @@ layout) are supported; a tied or shared weight is never a site (the plan does no
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -51,9 +50,8 @@ from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from pydantic import ValidationError as PydanticValidationError
 
-from ..errors import ConfigError, ValidationError
+from ..errors import ConfigError, ValidationError, parse_params
 from ..lm import OutputSpec, prepare_fold, squared_error
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
@@ -91,19 +89,7 @@ class OutputSpaceRunParams(BaseModel):
 
 def parse_run_params(params: Mapping[str, Any], where: str = "method") -> OutputSpaceRunParams:
     """Validate ``params``; :class:`ConfigError` naming the bad key and listing the valid ones."""
-    valid = list(OutputSpaceRunParams.model_fields)
-    unknown = [k for k in params if k not in valid]
-    if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{where}.params: unknown parameter {unknown[0]!r} of 'output_space'{hint}; valid: "
-                          f"{', '.join(valid)}")
-    try:
-        return OutputSpaceRunParams(**params)
-    except PydanticValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        raise ConfigError(f"{where}.params.{loc}: {err['msg']} (got {err.get('input')!r})") from None
+    return parse_params(OutputSpaceRunParams, params, where, "'output_space'")
 
 
 def check_sites(sites: Sequence[LayerSite]) -> None:
@@ -303,8 +289,13 @@ def site_linearisation(model: Any, site: LayerSite, tasks: Sequence[TaskTargets]
         yield batches
 
 
+class JacobianTooLarge(ValidationError):
+    """The per-sample Jacobians of a site exceed ``jacobian_max_bytes`` where a matrix-free solve
+    was not allowed (``matrix_free=False``)."""
+
+
 def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
-               params: OutputSpaceRunParams) -> OutputSpaceLayer:
+               params: OutputSpaceRunParams, *, matrix_free: bool = True) -> OutputSpaceLayer:
     """Linearise ``model`` (unchanged) at ``site`` on every task's batches
     (:func:`site_linearisation`) and solve the site's output-space least squares (module
     docstring). The record holds the
@@ -312,11 +303,16 @@ def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: 
     error of the compared output there) and at the solution (``objective_after``: fit + ridge
     term; ``fit_solution``: the fit alone), the certificate (``normal_residual``, ``certified``,
     ``cert_tol``; with a radius ``feasibility`` / ``complementarity``), CG ``iterations`` and
-    ``seconds``."""
+    ``seconds``. ``matrix_free=False``: raise :class:`JacobianTooLarge` instead of solving
+    matrix-free when the Jacobians exceed ``params.jacobian_max_bytes``."""
     t0 = time.perf_counter()
     cg_tol, cert_tol = precision_tolerances(next(model.parameters()).dtype)
     with site_linearisation(model, site, tasks, spec, device) as batches:
-        formed = jacobian_bytes_of(batches) <= params.jacobian_max_bytes
+        size = jacobian_bytes_of(batches)
+        formed = size <= params.jacobian_max_bytes
+        if not formed and not matrix_free:
+            raise JacobianTooLarge(f"the per-sample Jacobians at {site.name!r} take {size / 2 ** 20:.0f} MiB, above "
+                                   f"jacobian_max_bytes ({params.jacobian_max_bytes / 2 ** 20:.0f} MiB)")
         operator: Any = (formed_samples(batches) if formed
                          else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
         scale = operator.ridge_scale()
@@ -340,8 +336,8 @@ def calibration_error(model: Any, tasks: Sequence[TaskTargets], spec: OutputSpec
 
 
 def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTargets], spec: OutputSpec,
-                device: Any, params: OutputSpaceRunParams,
-                log: Callable[[str], None] | None = None) -> tuple[list[OutputSpaceLayer], dict[str, Any]]:
+                device: Any, params: OutputSpaceRunParams, log: Callable[[str], None] | None = None, *,
+                matrix_free: bool = True) -> tuple[list[OutputSpaceLayer], dict[str, Any]]:
     """Solve the sites one at a time, in order (Gauss-Seidel): each is linearised at ``model`` as
     it stands, which holds the reference and the earlier sites' accepted updates, so no output
     error is corrected twice. A site's update ``W + step E`` is accepted with the first step of
@@ -358,7 +354,7 @@ def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTarg
     tensors: dict[str, Any] = {}
     current = calibration_error(model, tasks, spec, device)
     for site in sites:
-        layer = solve_site(model, site, tasks, spec, device, params)
+        layer = solve_site(model, site, tasks, spec, device, params, matrix_free=matrix_free)
         W0 = read_augmented(model, site)
         E = torch.from_numpy(layer.solution.E)
         step, value = 1.0, current
@@ -393,6 +389,6 @@ def uncertified_notes(layers: Sequence[OutputSpaceLayer]) -> list[str]:
     return [f"output_space solution NOT certified at {', '.join(bad)}: raise method.params.max_iter or the ridge"]
 
 
-__all__ = ["ModelLinearisation", "OutputSpaceLayer", "OutputSpaceRunParams", "SUPPORTED_KINDS", "calibration_error",
+__all__ = ["JacobianTooLarge", "ModelLinearisation", "OutputSpaceLayer", "OutputSpaceRunParams", "SUPPORTED_KINDS", "calibration_error",
            "check_sites", "formed_samples", "parse_run_params", "precision_tolerances", "site_linearisation",
            "solve_site", "solve_sites", "uncertified_notes"]

@@ -73,6 +73,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     for n in report.get("notes", []):
         lines.append(f"- note: {n}")
 
+    selection = report.get("start_selection")
+    if selection:
+        lines += ["", "## Start selection", "",
+                  (f"Each candidate merged on every tensor (fitted on the other calibration batches where it "
+                   f"needs data) and scored by the merge objective on the last {selection.get('holdout')} of "
+                   f"each task's calibration batches; chosen: `{selection.get('chosen')}`."), "",
+                  "| candidate | held-out objective | s | skipped because |", "|---|---|---|---|"]
+        for c in selection.get("candidates", []):
+            mark = "**" if c.get("label") == selection.get("chosen") else ""
+            lines.append(f"| {mark}`{c.get('label')}`{mark} | {_f(c.get('validation'))} | {_f(c.get('seconds'), 3)} | "
+                         f"{c.get('skipped') or ''} |")
+
     layers = report.get("layers") or []
     if layers:
         lines += ["", "## Merged layers", "",

@@ -400,19 +400,25 @@ class TrustRegionLayerRecord(LayerRecord):
     outcome: SitesTrustRegion | None = field(default=None, repr=False)
 
 
-def split_tasks(tasks: Sequence[TaskTargets], holdout: float) -> tuple[list[TaskTargets], list[TaskTargets]]:
-    """``(fit, held)``: each task's last ``round(holdout * n)`` calibration batches (at least one, at
-    most ``n - 1``; none of a task with one batch) are held out. Raises :class:`ValidationError`
-    when no task has a batch to hold out."""
+def holdout_count(n: int, holdout: float) -> int:
+    """How many of a task's ``n`` calibration batches :func:`split_tasks` holds out: ``round(holdout
+    * n)``, at least one and at most ``n - 1`` (none of a task with one batch)."""
+    return min(max(1, round(holdout * n)), n - 1) if n >= 2 else 0
+
+
+def split_tasks(tasks: Sequence[TaskTargets], holdout: float,
+                what: str = "trust_region holdout") -> tuple[list[TaskTargets], list[TaskTargets]]:
+    """``(fit, held)``: each task's last :func:`holdout_count` calibration batches are held out.
+    Raises :class:`ValidationError` when no task has a batch to hold out."""
     fit, held = [], []
     for t in tasks:
         n = len(t.batches)
-        m = min(max(1, round(holdout * n)), n - 1) if n >= 2 else 0
+        m = holdout_count(n, holdout)
         fit.append(dataclasses.replace(t, batches=list(t.batches[:n - m])))
         if m:
             held.append(dataclasses.replace(t, batches=list(t.batches[n - m:])))
     if not held:
-        raise ValidationError(f"trust_region holdout {holdout:g}: every task has a single calibration batch, "
+        raise ValidationError(f"{what} {holdout:g}: every task has a single calibration batch, "
                               f"so none can be held out; use more prompts or a smaller calibration.batch_size")
     return fit, held
 
@@ -543,4 +549,4 @@ def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:
 
 
 __all__ = ["RidgeSelection", "SitesTrustRegion", "TrustRegionConfig", "TrustRegionLayerRecord", "TrustRegionResult",
-           "TrustRegionStep", "sequential_trust_region", "trust_region_set", "trust_region_sites"]
+           "TrustRegionStep", "holdout_count", "sequential_trust_region", "split_tasks", "trust_region_set", "trust_region_sites"]

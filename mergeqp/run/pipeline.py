@@ -55,11 +55,13 @@ from ..io.distributed import current_group
 from ..io.memory import memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
-from ..merge.calibrated import StatisticsCollector, needs_statistics
+from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
 from ..merge.firstorder import TaskTargets
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
-from ..merge.output_space_hf import parse_run_params, solve_sites, uncertified_notes
+from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
+from ..merge.output_space_hf import JacobianTooLarge, parse_run_params, solve_sites, uncertified_notes
+from ..merge.trust_region import holdout_count, split_tasks
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
@@ -74,6 +76,18 @@ from .plan import (
     evaluates_baseline,
     is_output_space,
     statistics_method,
+)
+from .auto import (
+    OUTPUT_SPACE,
+    AutoStartParams,
+    Candidate,
+    CandidateSkipped,
+    StartSelection,
+    is_auto_start,
+    parse_auto_params,
+    regmean_key,
+    select_start,
+    statistics_candidates,
 )
 from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
@@ -381,7 +395,9 @@ class _Run:
         if statistics_method(cfg) is not None:  # a hybrid start with statistics: those of every tensor
             assert m.start is not None
             collector = statistics_collector(plan, m.start.name, m.start.params, _float_keys(plan), say)
-        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector)
+        auto = _AutoStart(self, parse_auto_params(m.start.params)) if is_auto_start(m.start) else None
+        visit = auto.visit if auto is not None else collector
+        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=visit)
         if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
             c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
             for site in plan.sites:  # before any model is linearised
@@ -405,7 +421,16 @@ class _Run:
             start_eval = None
             start_overrides: dict[str, Any] = {}
             mode = get_merge_mode(m.mode)
-            if mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
+            selection = None
+            if auto is not None:  # the start chosen among candidates on held-out calibration batches
+                t = time.perf_counter()
+                selection = auto.select(ctx)
+                start_overrides = selection.overrides
+                before = evaluate_model(model)
+                start_eval = ModelEvaluation(**before, method=selection.chosen.name, params=selection.chosen.params,
+                                             seconds=time.perf_counter() - t)
+                self.notes.extend(n for n in auto.notes if n not in self.notes)
+            elif mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
                 t = time.perf_counter()
                 floats = _float_keys(plan)
                 if collector is not None:
@@ -421,7 +446,8 @@ class _Run:
                     self.notes.extend(n for n in collector.notes if n not in self.notes)
             prepared = mode.prepare(ctx)
             records = run_mode(ctx, m.mode, plan.sites)
-            mode_notes = mode.notes(records, m.constraints, m.start.name if m.start else None)
+            start_name = selection.chosen.label if selection is not None else (m.start.name if m.start else None)
+            mode_notes = mode.notes(records, m.constraints, start_name)
             # a start-based mode's notes explain the records; the others' follow the certificate note
             self.notes.extend(mode_notes if mode.uses_start else [])
             failed = uncertified(records)  # a missing or failed certificate is never certified
@@ -435,6 +461,8 @@ class _Run:
                                       if n not in self.notes)
             merged = evaluate_model(model)
             mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model, before)
+            if selection is not None:
+                mode_fields = {"start_selection": selection.to_json(), **mode_fields}
         if prefix is not None and prefix.note:
             self.notes.append(prefix.note)
         del prepared
@@ -526,6 +554,81 @@ class _Run:
         evaluation = Evaluation(base=base_eval, merged=merged_eval, start=start_eval)
         return self._finish(merged, {"baseline": summary, "evaluation": evaluation,
                                      "mode_fields": {"output_space_layers": [x.record for x in layers]}}, model)
+
+
+class _AutoStart:
+    """``start: auto`` in a run (:mod:`.auto`): one statistics collector per statistics-based
+    candidate, fed each task's fit batches while its fine-tune is loaded; then every candidate
+    merged on every tensor, scored on the held-out batches, the lowest loaded."""
+
+    def __init__(self, run: _Run, params: AutoStartParams):
+        self.run = run
+        self.params = params
+        # a tensor equal in the base and every fine-tune is the base's in every candidate: only
+        # the others are merged (and RegMean's statistics are collected for their layers only)
+        self.floats = _changed_keys(run.plan, _float_keys(run.plan))
+        self.collectors = {c.key: statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
+                           for c in statistics_candidates(params, statistics_of)}
+        self.notes: list[str] = []
+
+    def visit(self, index: int, name: str, model: Any, batches: list[Any]) -> None:
+        fit = batches[:len(batches) - holdout_count(len(batches), self.params.holdout)]
+        for collector in self.collectors.values():
+            collector(index, name, model, fit)
+
+    def select(self, ctx: MergeContext) -> StartSelection:
+        run = self.run
+        fit, held = split_tasks(ctx.tasks, self.params.holdout, "start: auto holdout")
+
+        def merge(cand: Candidate) -> dict[str, Any]:
+            if cand.name == OUTPUT_SPACE:
+                return self.output_space(ctx, cand, fit)
+            collector = self.collectors.get(cand.key)
+            if collector is not None:
+                merged = collector.merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
+                self.notes.extend(n for n in collector.notes if n not in self.notes)
+                return merged
+            return baseline_merge(run.plan, cand.name, cand.params, self.floats)
+
+        return select_start(self.params, merge, lambda tensors: _load_into(ctx.model, tensors),
+                            lambda: calibration_objective(dataclasses.replace(ctx, tasks=held)), run.say)
+
+    def output_space(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
+        """The ``output_space`` candidate: its reference (RegMean from the fit batches, or the
+        soup) loaded, every site solved on the fit batches with formed Jacobians only."""
+        run = self.run
+        if run.spec.scores_data:
+            raise CandidateSkipped(f"it fits the fine-tunes' outputs, not metric {run.spec.metric!r}")
+        kinds = sorted({s.kind for s in run.plan.sites if s.kind not in OUTPUT_SPACE_KINDS})
+        if kinds:
+            raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
+        params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
+        if params.reference == "regmean":
+            reference = self.collectors[regmean_key(params.alpha)].merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
+        else:
+            reference = baseline_merge(run.plan, "soup", {}, self.floats)
+        _load_into(ctx.model, reference)
+        try:
+            layers, solved = solve_sites(ctx.model, run.plan.sites, fit, run.spec, run.device, params, run.say,
+                                         matrix_free=False)
+        except JacobianTooLarge as exc:
+            raise CandidateSkipped(str(exc)) from None
+        self.notes.extend(n for n in uncertified_notes(layers) if n not in self.notes)
+        reference.update({k: v.to(reference[k].dtype) if k in reference else v for k, v in solved.items()})
+        return reference
+
+
+def _changed_keys(plan: MergePlan, keys: Sequence[str]) -> list[str]:
+    """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor
+    at a time)."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    out = []
+    for key in keys:
+        base = plan.base.get(key)
+        if any(not torch.equal(base, ft.get(key).to(base.dtype)) for ft in plan.finetuned):
+            out.append(key)
+    return out
 
 
 def _float_keys(plan: MergePlan) -> list[str]:

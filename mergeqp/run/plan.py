@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .auto import OUTPUT_SPACE, candidate_notes, is_auto_start, parse_auto_params, statistics_candidates
 from .schema import MergeConfig, check_paths
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
@@ -145,7 +146,9 @@ class MergePlan:
             par = self.parametrisation.describe(options)
             lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
-            if m.start is not None:
+            if is_auto_start(m.start):
+                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(parse_auto_params(m.start.params)))
+            elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
                 spec = statistics_of(m.start.name)
                 if spec is not None:
@@ -410,7 +413,15 @@ def _check_method(cfg: MergeConfig) -> None:
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method")
         return
-    if m.start is not None:
+    if is_auto_start(m.start):
+        assert m.start is not None
+        for cand in parse_auto_params(m.start.params).candidates:
+            where = f"method.start.params.candidates[{cand.label}]"
+            if cand.name == OUTPUT_SPACE:
+                parse_output_space_params(cand.params, where)
+            else:
+                _check_baseline(cand.name, cand.params, where)
+    elif m.start is not None:
         _check_baseline(m.start.name, m.start.params, "method.start")
     for spec in m.constraints:
         name = layer_constraint(spec)
@@ -602,7 +613,13 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     m = cfg.method
     mode = plan.mode
     out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
-    if mode.uses_start and m.start is not None:
+    if is_auto_start(m.start):
+        assert m.start is not None
+        floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
+        out["start candidates (the best and the current, all tensors)"] = 2 * plan.base.total_bytes
+        for need in statistics_candidates(parse_auto_params(m.start.params), statistics_of):
+            out[f"{need.label} statistics (all tensors)"] = _statistics_bytes(plan, need.name, floats)
+    elif mode.uses_start and m.start is not None:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
             floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]

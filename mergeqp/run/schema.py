@@ -7,7 +7,8 @@ A minimal file::
       - {name: code, path: ./ft_code, calibration: ./code.jsonl}
       - {name: math, path: ./ft_math, calibration: ./math.txt}
     layers: ["model.layers.*.mlp.down_proj"]
-    method: {name: qp, parametrisation: rows, constraints: ["box:0,1"]}
+    method: auto                      # the recommended merge (also the default); or e.g.
+                                      # {name: qp, mode: sequential, constraints: ["box:0,1"]}
 
 Every block rejects keys it does not know with an error that names the key and lists the valid
 ones (a misspelt ``desnity`` is an error, never a silent default); names of modes,
@@ -40,6 +41,7 @@ from ..merge.baseline_residuals import check_tensorwise_baselines
 from ..merge.modes import MERGE_MODES
 from ..stats.bases import checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
+from .auto import AUTO_METHOD, auto_method_config, is_auto_start
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
@@ -167,8 +169,12 @@ class BaselineSpec(_Strict):
 class MethodConfig(_Strict):
     """How to merge.
 
-    ``name: qp`` (the default) solves the merge QP at every selected layer; any other name is a
-    baseline of ``mergeqp.MERGE_METHODS`` applied to the selected layers with ``params``.
+    ``name: qp`` (the default name of a written-out block) solves the merge QP at every selected
+    layer; any other name is a baseline of ``mergeqp.MERGE_METHODS`` applied to the selected layers
+    with ``params``. ``method: auto`` (the default when the file has no ``method``) is the
+    recommended merge, the block :func:`mergeqp.run.auto.auto_method_config` writes out: a
+    trust-region QP from ``start: {name: auto}``, the start chosen among candidate merges on
+    held-out calibration batches (:mod:`mergeqp.run.auto`).
 
     QP settings: ``mode`` (a registered merge mode, :mod:`mergeqp.merge.modes`: ``single`` = each
     layer independently at the base model; ``sequential`` = layer by layer, statistics recomputed
@@ -215,6 +221,21 @@ class MethodConfig(_Strict):
     chunk_size: int = Field(default=256, ge=1)
     jacobian_mode: Literal["auto", "forward", "reverse"] = "auto"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _named(cls, data: Any) -> Any:
+        """``method: soup`` is ``{name: soup}``; ``method: auto`` (or ``{name: auto, params: {...}}``)
+        is the block it stands for (:func:`mergeqp.run.auto.auto_method_config`)."""
+        if isinstance(data, str):
+            data = {"name": data}
+        if isinstance(data, dict) and data.get("name") == AUTO_METHOD:
+            extra = sorted(k for k in data if k not in ("name", "params"))
+            if extra:
+                raise ValueError(f"method: auto takes only 'params' (candidates, holdout), not {extra}; to set "
+                                 "them write the QP out: name: qp, mode: trust_region, start: {name: auto}")
+            return auto_method_config(data.get("params") or {})
+        return data
 
     @model_validator(mode="before")
     @classmethod
@@ -388,7 +409,8 @@ class MergeConfig(_Strict):
     base: str
     models: list[ModelEntry] = Field(min_length=1)
     layers: list[str] = Field(min_length=1)
-    method: MethodConfig = Field(default_factory=MethodConfig)
+    #: the recommended merge when no method is chosen (``method: auto``)
+    method: MethodConfig = Field(default_factory=lambda: MethodConfig.model_validate(AUTO_METHOD))
     calibration: CalibrationOptions = Field(default_factory=CalibrationOptions)
     targets: Literal["finetuned"] = "finetuned"
     output: OutputConfig = Field(default_factory=OutputConfig)
@@ -447,7 +469,10 @@ class MergeConfig(_Strict):
         if self.method.is_qp:
             missing = [n for n, m in zip(names, self.models) if m.prompts() is None]
             if missing:
-                raise ValueError(f"the QP needs calibration prompts for every model; missing for {missing}")
+                auto = "method: auto (the default when no method is given)" if is_auto_start(self.method.start) \
+                    else "the QP"
+                raise ValueError(f"{auto} needs calibration prompts for every model; missing for {missing} "
+                                 f"(or choose a method without data, e.g. method: soup or method: ties)")
         return self
 
     # ------------------------------------------------------------------ helpers

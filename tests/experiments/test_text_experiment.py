@@ -2,7 +2,7 @@
 
 Checks: the CLI run writes results / report / figures with every QP mode and baseline; splits are
 disjoint and stratified; fine-tunes and block inputs are cached (second call trains nothing);
-choices (task-arithmetic weight, recommended merge) follow the calibration numbers only; the
+choices (task-arithmetic weight) follow the calibration numbers only, the recommended merge is method: auto; the
 cached-prefix embeddings equal a full forward; the report renders; CLI errors are clear.
 """
 
@@ -34,7 +34,7 @@ LAYER = "encoder.layer.1.output.dense"
 def tiny_config() -> TextConfig:
     return TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
                       train_patterns=(LAYER + ".*",), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1, 2),
-                      trust_region={"max_steps": 1})
+                      trust_region={"max_steps": 1}, merge_batch_size=4)
 
 
 def synthetic_tasks(tiny_hf, n: int = 90) -> list[Corpus]:
@@ -95,7 +95,7 @@ def cli_run(tiny_hf, tiny_base, tmp_path_factory):
 def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     results, out = cli_run
     assert results["mode"] == "quick" and results["seed"] == 3
-    assert set(results["methods"]) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES)
+    assert set(results["methods"]) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto"}
     assert results["trained"] == [LAYER + ".weight", LAYER + ".bias"] and results["layers"] == [LAYER]
     for name, m in results["methods"].items():
         for part in ("calibration", "test"):
@@ -126,7 +126,8 @@ def test_choices_follow_calibration_numbers_only(cli_run):
     assert float(best) == sel["task_arithmetic"]["chosen"] == results["methods"]["task_arithmetic"]["tuned_scaling"]
     assert results["methods"]["task_arithmetic"]["calibration"]["mean"] == grid[best]
     cal = sel["recommended"]["calibration"]
-    assert sel["recommended"]["chosen"] == min(cal, key=lambda m: cal[m]["mse"])
+    assert sel["recommended"]["chosen"] == "auto"  # method: auto, fixed in advance
+    assert results["methods"]["auto"]["method"] == {"name": "auto"}
     for m, v in cal.items():
         assert results["methods"][m]["calibration"]["mean"] == v
     assert results["goal"]["recommended"] == sel["recommended"]["chosen"]

@@ -23,8 +23,11 @@ def _err(data) -> str:
 def test_minimal_config_defaults():
     cfg = parse_config(MINIMAL, root="/r")
     assert cfg.layers == ["m.*"]
-    m = cfg.method
-    assert (m.name, m.mode, m.parametrisation, m.constraints, m.solver) == ("qp", "sequential", "rows", ["box:0,1"], "auto")
+    m = cfg.method  # no method: the recommended merge (method: auto)
+    assert (m.name, m.mode, m.parametrisation, m.constraints, m.solver) == ("qp", "trust_region", "rows", [], "auto")
+    assert m.start is not None and m.start.name == "auto"
+    written = parse_config({**MINIMAL, "method": {}}).method  # a written-out block without a name is the QP
+    assert (written.name, written.mode, written.constraints) == ("qp", "sequential", ["box:0,1"])
     assert cfg.output.restrict == "none" and cfg.targets == "finetuned" and cfg.dtype == "float32"
     assert cfg.models[0].prompts().path == "c.txt" and cfg.models[0].prompts().field == "text"
     assert cfg.resolve("x") == Path("/r/x") and cfg.resolve("/abs") == Path("/abs")

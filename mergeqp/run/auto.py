@@ -1,0 +1,248 @@
+"""``start: {name: auto}``: the start of a start-using mode chosen on held-out calibration batches.
+
+A start-using mode (``trust_region``, ``hybrid``) begins from a baseline merged on every tensor.
+With ``start: auto`` the run layer merges each candidate in turn (by default the soup, task
+arithmetic at three weights, TIES, RegMean and the full-matrix ``output_space`` merge), scores it
+by the merge's own objective (the configured ``output:`` block and metric) on a held-out part of
+each task's calibration batches, and starts from the lowest. Candidates that need calibration
+data (RegMean's statistics, ``output_space``'s fit) see only the other batches, so every
+candidate is scored on batches it was not fitted to; no test data is involved. Listing one
+method at several settings (the defaults do so for task arithmetic's weight and
+``output_space``'s ridge) chooses the setting the same way.
+
+The held-out part is each task's last ``round(holdout * n)`` calibration batches (at least one,
+at most ``n - 1``: :func:`mergeqp.merge.trust_region.holdout_count`), the same batches the
+trust-region mode's early stopping holds out with the same fraction, so that ``method: auto``
+chooses its start and stops its steps on one validation set.
+
+A candidate that cannot run on this merge is skipped with its reason in the report: the
+``output_space`` merge fits the fine-tunes' outputs (not a metric that scores the prompts' own
+tokens), solves linear sites only, and is a candidate only where its per-sample Jacobians fit
+``jacobian_max_bytes`` (the matrix-free solve is too slow to be tried on speculation).
+
+``method: auto`` (:data:`AUTO_METHOD`, also the default method) is the recommended merge: a
+trust-region QP over the selected layers from this start, early stopping on the same held-out
+batches and refitted on all of them (``docs/hf.md``, "method: auto").
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from ..errors import ConfigError, MergeQPError, parse_params
+
+#: the start name that selects among candidates
+AUTO = "auto"
+
+#: the candidates of ``start: auto`` when none are given: the tensor-wise baselines at their
+#: defaults (task arithmetic at three weights), RegMean and the full-matrix output-space merge at
+#: three relative ridges (so its ridge, too, is chosen on the held-out batches)
+DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
+    {"name": "soup"},
+    {"name": "task_arithmetic", "params": {"scaling": 0.3}},
+    {"name": "task_arithmetic", "params": {"scaling": 0.5}},
+    {"name": "task_arithmetic", "params": {"scaling": 1.0}},
+    {"name": "ties"},
+    {"name": "regmean", "params": {"alpha": 0.9}},
+    {"name": "output_space", "params": {"ridge": 0.01}},
+    {"name": "output_space", "params": {"ridge": 0.1}},
+    {"name": "output_space", "params": {"ridge": 1.0}},
+)
+
+#: the candidate that is a full-matrix solve at a reference, not a registered baseline
+OUTPUT_SPACE = "output_space"
+
+#: ``method: auto``: the recommended merge (docs/hf.md); its trust-region options
+AUTO_METHOD = "auto"
+AUTO_HOLDOUT = 0.25
+AUTO_MODE_OPTIONS: dict[str, Any] = {"radius": 0.05, "holdout": AUTO_HOLDOUT, "refit": True, "max_steps": 8}
+
+
+class Candidate(BaseModel):
+    """One candidate start: a merge method name and its parameters."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """``name`` or ``name(key=value, ...)``: unique per candidate in a report."""
+        if not self.params:
+            return self.name
+        return f"{self.name}(" + ", ".join(f"{k}={v}" for k, v in sorted(self.params.items())) + ")"
+
+    @property
+    def key(self) -> str:
+        return json.dumps([self.name, self.params], sort_keys=True, default=str)
+
+
+class AutoStartParams(BaseModel):
+    """``start.params`` of ``start: {name: auto}``: ``candidates`` (method names or ``{name,
+    params}``; default :data:`DEFAULT_CANDIDATES`) and ``holdout`` (the fraction of each task's
+    calibration batches held out to score them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    candidates: tuple[Candidate, ...] = Field(
+        default_factory=lambda: tuple(Candidate(**c) for c in DEFAULT_CANDIDATES), min_length=1)
+    holdout: float = Field(AUTO_HOLDOUT, gt=0.0, lt=1.0)
+
+    @field_validator("candidates", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return [{"name": c} if isinstance(c, str) else c for c in (v or [])]
+
+    @field_validator("candidates")
+    @classmethod
+    def _unique(cls, v: tuple[Candidate, ...]) -> tuple[Candidate, ...]:
+        labels = [c.label for c in v]
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        if dup:
+            raise ValueError(f"repeated candidate(s) {dup}")
+        return v
+
+
+def parse_auto_params(params: Mapping[str, Any], where: str = "method.start") -> AutoStartParams:
+    """Validate ``start.params`` of ``start: auto``; :class:`ConfigError` naming the bad key."""
+    return parse_params(AutoStartParams, params, where, "start 'auto'")
+
+
+def is_auto_start(start: Any) -> bool:
+    """The config's ``start`` (a ``BaselineSpec`` or ``None``) asks for the automatic start."""
+    return start is not None and start.name == AUTO
+
+
+def auto_method_config(params: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``method:`` block that ``method: auto`` stands for: a trust-region QP over the selected
+    layers, per-row coefficients, no constraint beyond the trust region, from ``start: auto``,
+    early stopping on the held-out batches that scored the start, refitted on all of them.
+    ``params`` (``candidates``, ``holdout``) go to the start; ``holdout`` also to the mode."""
+    params = dict(params or {})
+    unknown = [k for k in params if k not in AutoStartParams.model_fields]
+    if unknown:
+        raise ValueError(f"method auto: unknown parameter(s) {unknown}; valid: "
+                         f"{', '.join(AutoStartParams.model_fields)} (for more control write the QP out: "
+                         "name: qp, mode: trust_region, start: {name: auto})")
+    holdout = params.get("holdout", AUTO_HOLDOUT)
+    return {"name": "qp", "mode": "trust_region", "parametrisation": "rows", "constraints": [],
+            "start": {"name": AUTO, "params": params},
+            "mode_options": {**AUTO_MODE_OPTIONS, "holdout": holdout}}
+
+
+@dataclass(frozen=True)
+class ScoredCandidate:
+    """A candidate start as scored: its objective on the held-out batches (``None`` when it was
+    skipped, with the reason in ``note``) and the seconds its merge and scoring took."""
+
+    label: str
+    name: str
+    params: Mapping[str, Any]
+    validation: float | None
+    seconds: float
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"label": self.label, "method": self.name, "params": dict(self.params), "validation": self.validation,
+               "seconds": self.seconds}
+        if self.note:
+            out["skipped"] = self.note
+        return out
+
+
+@dataclass(frozen=True)
+class StartSelection:
+    """The outcome of ``start: auto``: every candidate scored, the chosen one, the held-out
+    fraction and the chosen candidate's merged tensors (checkpoint names)."""
+
+    candidates: tuple[ScoredCandidate, ...]
+    chosen: ScoredCandidate
+    holdout: float
+    overrides: dict[str, Any] = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"criterion": "lowest objective on the held-out calibration batches", "holdout": self.holdout,
+                "chosen": self.chosen.label, "candidates": [c.to_json() for c in self.candidates]}
+
+
+class CandidateSkipped(MergeQPError):
+    """A candidate that cannot run on this merge (its reason goes to the report)."""
+
+
+def select_start(params: AutoStartParams, merge: Callable[[Candidate], dict[str, Any]],
+                 load: Callable[[dict[str, Any]], None], score: Callable[[], float],
+                 log: Callable[[str], None] | None = None) -> StartSelection:
+    """Merge each candidate (``merge(candidate)`` -> checkpoint tensors; it raises
+    :class:`CandidateSkipped` when the candidate cannot run here), ``load`` it into the live
+    model and ``score`` it (the objective on the held-out batches); the lowest wins and is left
+    loaded. Raises :class:`ConfigError` when every candidate was skipped."""
+    say = log or (lambda msg: None)
+    scored: list[ScoredCandidate] = []
+    best: tuple[float, ScoredCandidate, dict[str, Any]] | None = None
+    for cand in params.candidates:
+        t = time.perf_counter()
+        try:
+            tensors = merge(cand)
+        except CandidateSkipped as exc:
+            scored.append(ScoredCandidate(cand.label, cand.name, cand.params, None, time.perf_counter() - t, str(exc)))
+            say(f"start auto: {cand.label} skipped: {exc}")
+            continue
+        load(tensors)
+        value = float(score())
+        entry = ScoredCandidate(cand.label, cand.name, cand.params, value, time.perf_counter() - t)
+        scored.append(entry)
+        say(f"start auto: {cand.label}: held-out objective {value:.6g} ({entry.seconds:.1f} s)")
+        if best is None or value < best[0]:
+            best = (value, entry, tensors)
+        del tensors
+    if best is None:
+        raise ConfigError("start: auto: every candidate was skipped: " + "; ".join(
+            f"{c.label}: {c.note}" for c in scored))
+    load(best[2])
+    say(f"start auto: chose {best[1].label}")
+    return StartSelection(tuple(scored), best[1], params.holdout, best[2])
+
+
+def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str], Any]) -> list[Candidate]:
+    """The distinct statistics-based merges the candidates need (a method that declares
+    calibration statistics, and RegMean as the reference of ``output_space`` unless it is the
+    soup): one collector each, fed the fit batches while each fine-tune is loaded."""
+    from ..merge.output_space_hf import parse_run_params  # deferred: only the plan and the run read candidates' parameters
+
+    out: dict[str, Candidate] = {}
+    for cand in params.candidates:
+        if cand.name == OUTPUT_SPACE:
+            p = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
+            if p.reference == "regmean":
+                need = Candidate(name="regmean", params={"alpha": p.alpha})
+                out.setdefault(need.key, need)
+        elif statistics_of(cand.name) is not None:
+            out.setdefault(cand.key, cand)
+    return list(out.values())
+
+
+def regmean_key(alpha: float) -> str:
+    """The collector key of RegMean with ``alpha`` (the candidates' keys: :attr:`Candidate.key`)."""
+    return Candidate(name="regmean", params={"alpha": alpha}).key
+
+
+def candidate_notes(params: AutoStartParams) -> list[str]:
+    """The plan's description of the selection."""
+    return [f"start auto: {len(params.candidates)} candidate(s) "
+            f"({', '.join(c.label for c in params.candidates)}), each scored by the objective on the last "
+            f"{params.holdout:g} of each task's calibration batches (fitted on the others); the lowest is the start"]
+
+
+__all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
+           "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "ScoredCandidate", "StartSelection", "auto_method_config",
+           "candidate_notes", "is_auto_start", "parse_auto_params", "regmean_key", "select_start",
+           "statistics_candidates"]

@@ -1,0 +1,142 @@
+"""``method: auto`` and ``start: {name: auto}`` (:mod:`mergeqp.run.auto`) on tiny Hugging Face checkpoints.
+
+Checks: a config without ``method`` gets the recommended merge; the start is the candidate with
+the lowest held-out objective, its evaluation is that candidate's (the soup's equals an explicit
+``start: soup``'s; RegMean's, fitted on the other batches only, differs from RegMean on all of
+them); the result is never worse than the start on the calibration objective; candidates that
+cannot run are skipped with the reason in the report; bad configs fail at plan time naming the
+candidate or key.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.config import load_config
+from mergeqp.errors import ConfigError, ValidationError
+from mergeqp.run.auto import AUTO_MODE_OPTIONS, DEFAULT_CANDIDATES
+from mergeqp.run.pipeline import run_merge
+from mergeqp.run.plan import build_plan
+from mergeqp.run.schema import MergeConfig
+
+LAYERS = ("model.layers.1.mlp.*",)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_hf, tmp_path_factory):
+    """A tiny Llama family whose block 1 is perturbed in both fine-tunes; 16 prompts per task:
+    4 held out for evaluation, 12 for calibration in 3 batches of 4."""
+    return tiny_hf.make_family(tmp_path_factory.mktemp("auto") / "llama", "llama", K=2, scale=0.3, n_prompts=16)
+
+
+def _merge(fam, tmp_path, method, name="cfg", **extra):
+    cfg = load_config(fam.write_config(tmp_path / f"{name}.yml", list(LAYERS), method, **extra))
+    res = run_merge(cfg, tmp_path / f"out_{name}", progress=False)
+    return res, json.loads((res.out_dir / "report.json").read_text())
+
+
+def test_no_method_means_the_recommended_merge():
+    cfg = MergeConfig(base="b", models=[{"path": "a", "calibration": "a.txt"}], layers=["x"])
+    spelled = MergeConfig(base="b", models=[{"path": "a", "calibration": "a.txt"}], layers=["x"], method="auto")
+    assert cfg.method == spelled.method
+    m = cfg.method
+    assert (m.name, m.mode, m.parametrisation, m.constraints) == ("qp", "trust_region", "rows", [])
+    assert m.start is not None and m.start.name == "auto"
+    assert m.mode_options == AUTO_MODE_OPTIONS
+    # the holdout of the start's selection and of the early stopping is one setting
+    other = MergeConfig(base="b", models=[{"path": "a", "calibration": "a.txt"}], layers=["x"],
+                        method={"name": "auto", "params": {"holdout": 0.5}})
+    assert other.method.mode_options["holdout"] == 0.5 and other.method.start.params == {"holdout": 0.5}
+    assert MergeConfig(base="b", models=[{"path": "a"}], layers=["x"], method="soup").method.name == "soup"
+
+
+def test_method_auto_rejects_qp_keys():
+    with pytest.raises(Exception, match="auto takes only 'params'"):
+        MergeConfig(base="b", models=[{"path": "a", "calibration": "a.txt"}], layers=["x"],
+                    method={"name": "auto", "mode": "joint"})
+    with pytest.raises(Exception, match="unknown parameter"):
+        MergeConfig(base="b", models=[{"path": "a", "calibration": "a.txt"}], layers=["x"],
+                    method={"name": "auto", "params": {"candidate": ["soup"]}})
+
+
+def test_auto_starts_from_the_lowest_held_out_candidate(llama, tmp_path):
+    res, rep = _merge(llama, tmp_path, "auto")
+    sel = rep["start_selection"]
+    scored = {c["label"]: c["validation"] for c in sel["candidates"] if c["validation"] is not None}
+    assert len(sel["candidates"]) == len(DEFAULT_CANDIDATES)
+    assert len(scored) == len(DEFAULT_CANDIDATES)  # every default candidate runs on this small Llama
+    assert sel["chosen"] == min(scored, key=scored.get)
+    chosen = next(c for c in sel["candidates"] if c["label"] == sel["chosen"])
+    assert rep["evaluation"]["start"]["method"] == chosen["method"]
+    tr = rep["trust_region"]
+    assert tr["start"]["calibration_objective"] == pytest.approx(
+        rep["evaluation"]["start"]["calibration_objective"], rel=1e-9)
+    assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
+    assert tr["holdout"]["fraction"] == 0.25 and sel["holdout"] == 0.25
+    assert f"start: {sel['chosen']}" in " ".join(rep["notes"])
+    md = (res.out_dir / "report.md").read_text()
+    assert "## Start selection" in md and f"**`{sel['chosen']}`**" in md
+    plan = build_plan(load_config(tmp_path / "cfg.yml")).render()
+    assert f"start auto: {len(DEFAULT_CANDIDATES)} candidate(s)" in plan
+
+
+def test_the_start_is_the_candidate_as_merged_alone(llama, tmp_path):
+    """The soup needs no data: auto's start equals an explicit soup start. RegMean is fitted on
+    the batches not held out, so it differs from RegMean on every calibration batch."""
+    tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1}}
+    _, soup_auto = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["soup"]}}}, "sa")
+    _, soup = _merge(llama, tmp_path, {**tr, "start": {"name": "soup"}}, "s")
+    assert soup_auto["evaluation"]["start"]["calibration_objective"] == pytest.approx(
+        soup["evaluation"]["start"]["calibration_objective"], rel=1e-12)
+    assert soup_auto["start_selection"]["chosen"] == "soup"
+    _, rm_auto = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["regmean"]}}}, "ra")
+    _, rm = _merge(llama, tmp_path, {**tr, "start": {"name": "regmean"}}, "r")
+    a, b = (r["evaluation"]["start"]["calibration_objective"] for r in (rm_auto, rm))
+    assert abs(a - b) > 1e-6 * abs(b)
+
+
+def test_candidates_that_cannot_run_are_skipped_with_the_reason(llama, tmp_path):
+    start = {"name": "auto", "params": {"candidates": ["soup", {"name": "output_space",
+                                                                 "params": {"jacobian_max_bytes": 0}}]}}
+    _, rep = _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},
+                                      "start": start}, "skip")
+    cands = {c["label"]: c for c in rep["start_selection"]["candidates"]}
+    assert cands["output_space(jacobian_max_bytes=0)"]["validation"] is None
+    assert "jacobian_max_bytes" in cands["output_space(jacobian_max_bytes=0)"]["skipped"]
+    assert rep["start_selection"]["chosen"] == "soup"
+    # a metric on the prompts' own tokens: output_space fits the fine-tunes' outputs, so it is skipped
+    _, rep = _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},
+                                      "start": {"name": "auto", "params": {"candidates": ["output_space", "soup"]}}},
+                    "ce", output={"metric": "cross_entropy"})
+    cands = {c["label"]: c for c in rep["start_selection"]["candidates"]}
+    assert "cross_entropy" in cands["output_space"]["skipped"] and rep["start_selection"]["chosen"] == "soup"
+
+
+def test_every_candidate_skipped_is_an_error(llama, tmp_path):
+    start = {"name": "auto", "params": {"candidates": [{"name": "output_space", "params": {"jacobian_max_bytes": 0}}]}}
+    with pytest.raises(ConfigError, match="every candidate was skipped.*jacobian_max_bytes"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "start": start}, "none")
+
+
+@pytest.mark.parametrize("candidates, match", [
+    (["soupp"], r"candidates\[soupp\].*unknown merge method"),
+    ([{"name": "ties", "params": {"desnity": 0.3}}], r"candidates\[ties\(desnity=0.3\)\]"),
+    ([{"name": "output_space", "params": {"ridg": 1}}], r"candidates\[output_space\(ridg=1\)\].*did you mean 'ridge'"),
+    (["soup", "soup"], "repeated candidate"),
+    ([], "candidates"),
+])
+def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):
+    method = {"name": "qp", "mode": "trust_region", "start": {"name": "auto", "params": {"candidates": candidates}}}
+    with pytest.raises(ConfigError, match=match):
+        build_plan(load_config(llama.write_config(tmp_path / "bad.yml", list(LAYERS), method)))
+
+
+def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
+    with pytest.raises(ValidationError, match="start: auto holdout 0.25: every task has a single calibration batch"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto"}}, "one",
+               calibration={"max_length": 12, "batch_size": 12, "holdout": 4})

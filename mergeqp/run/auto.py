@@ -8,7 +8,10 @@ each task's calibration batches, and starts from the lowest. Candidates that nee
 data (RegMean's statistics, ``output_space``'s fit) see only the other batches, so every
 candidate is scored on batches it was not fitted to; no test data is involved. Listing one
 method at several settings (the defaults do so for task arithmetic's weight and
-``output_space``'s ridge) chooses the setting the same way.
+``output_space``'s ridge) chooses the setting the same way; a ``{name: qp, params: {...}}``
+candidate is a QP merge from the base fitted on the other batches (any mode but ``hybrid``, any
+parametrisation: a basis rank, a ridge ``regularisation`` or a constraint set chosen on held-out
+data).
 
 The held-out part is each task's last ``round(holdout * n)`` calibration batches (at least one,
 at most ``n - 1``: :func:`mergeqp.merge.trust_region.holdout_count`), the same batches the
@@ -57,6 +60,9 @@ DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
 
 #: the candidate that is a full-matrix solve at a reference, not a registered baseline
 OUTPUT_SPACE = "output_space"
+#: a candidate that is a QP merge from the base: its ``params`` are a ``method`` block of
+#: ``name: qp`` without a start (``mode``, ``parametrisation``, ``rank``, ``constraints``, ...)
+QP_CANDIDATE = "qp"
 
 #: ``method: auto``: the recommended merge (docs/hf.md); its trust-region options
 AUTO_METHOD = "auto"

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .schema import MergeConfig
+from .schema import MergeConfig, qp_candidate_block
 from ..errors import MergeQPError, ValidationError
 from ..io.calibration import (
     is_tensor_file,
@@ -79,6 +79,7 @@ from .plan import (
 )
 from .auto import (
     OUTPUT_SPACE,
+    QP_CANDIDATE,
     AutoStartParams,
     Candidate,
     CandidateSkipped,
@@ -583,6 +584,8 @@ class _AutoStart:
         def merge(cand: Candidate) -> dict[str, Any]:
             if cand.name == OUTPUT_SPACE:
                 return self.output_space(ctx, cand, fit)
+            if cand.name == QP_CANDIDATE:
+                return self.qp(ctx, cand, fit)
             collector = self.collectors.get(cand.key)
             if collector is not None:
                 merged = collector.merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
@@ -592,6 +595,24 @@ class _AutoStart:
 
         return select_start(self.params, merge, lambda tensors: _load_into(ctx.model, tensors),
                             lambda: calibration_objective(dataclasses.replace(ctx, tasks=held)), run.say)
+
+    def qp(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
+        """A ``{name: qp, params: {...}}`` candidate: its QP mode run from the base on the fit
+        batches at the selected layers; every other tensor stays the base's."""
+        run = self.run
+        where = f"method.start.params.candidates[{cand.label}]"
+        block = qp_candidate_block(dict(cand.params), where)
+        settings = qp_settings(run.cfg.model_copy(update={"method": block}), run.device)
+        tensors = {k: run.plan.base.get(k) for k in self.floats}
+        _load_into(ctx.model, tensors)
+        records = run_mode(dataclasses.replace(ctx, tasks=fit, settings=settings), block.mode, run.plan.sites)
+        failed = uncertified(records)
+        if failed:
+            self.notes.append(f"start auto: candidate {cand.label}'s QP not certified at {failed}")
+        for site in run.plan.sites:
+            like = {k: run.plan.base.get(k) for k in site.keys}
+            tensors.update(stored_tensors(site, read_augmented(ctx.model, site), like))
+        return tensors
 
     def output_space(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
         """The ``output_space`` candidate: its reference (RegMean from the fit batches, or the

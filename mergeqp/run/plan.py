@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from .auto import OUTPUT_SPACE, candidate_notes, is_auto_start, parse_auto_params, statistics_candidates
-from .schema import MergeConfig, check_paths
+from .auto import OUTPUT_SPACE, QP_CANDIDATE, candidate_notes, is_auto_start, parse_auto_params, statistics_candidates
+from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.calibration import (
@@ -419,6 +419,12 @@ def _check_method(cfg: MergeConfig) -> None:
             where = f"method.start.params.candidates[{cand.label}]"
             if cand.name == OUTPUT_SPACE:
                 parse_output_space_params(cand.params, where)
+            elif cand.name == QP_CANDIDATE:
+                block = qp_candidate_block(cand.params, where)
+                try:
+                    _check_method(cfg.model_copy(update={"method": block}))
+                except ConfigError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
             else:
                 _check_baseline(cand.name, cand.params, where)
     elif m.start is not None:
@@ -567,7 +573,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     notes: list[str] = list(holdout_notes)
     if cfg.method.is_qp:
         mode = get_merge_mode(cfg.method.mode)
-        at = mode.linearised_at(cfg.method.start.name if cfg.method.start else None)
+        at = mode.linearised_at(None if cfg.method.start is None else "chosen start" if is_auto_start(cfg.method.start)
+                                else cfg.method.start.name)
         for group in mode.groups(sites):
             n = K * sum(_n_atoms(cfg, s) for s in group)
             groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))

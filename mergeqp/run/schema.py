@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import ValidationError as PydanticValidationError
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -504,6 +505,20 @@ class MergeConfig(_Strict):
         if src is not None and src.holdout is not None:
             return _check_holdout(src.holdout)
         return self.calibration.holdout
+
+
+def qp_candidate_block(params: dict[str, Any], where: str) -> MethodConfig:
+    """The ``method`` block of a ``{name: qp, params: {...}}`` candidate of ``start: auto`` (a QP
+    from the base: no start of its own), or a :class:`ConfigError` naming ``where``."""
+    if "start" in params or "name" in params or params.get("mode") == "hybrid":
+        raise ConfigError(f"{where}: a QP candidate is merged from the base: no 'start', 'name' or mode: hybrid "
+                          "(list the baseline itself as a candidate instead)")
+    try:
+        return MethodConfig.model_validate({"name": "qp", **params})
+    except PydanticValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        raise ConfigError(f"{where}.params{'.' + loc if loc else ''}: {err['msg']}") from None
 
 
 def check_paths(cfg: MergeConfig) -> None:

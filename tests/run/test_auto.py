@@ -100,6 +100,24 @@ def test_the_start_is_the_candidate_as_merged_alone(llama, tmp_path):
     assert abs(a - b) > 1e-6 * abs(b)
 
 
+def test_qp_candidates_choose_a_rank_on_held_out_batches(llama, tmp_path):
+    """``{name: qp, params: {...}}`` candidates are QP merges from the base on the fit batches:
+    the basis rank is chosen by the held-out objective like any other candidate."""
+    ranks = [{"name": "qp", "params": {"mode": "single", "parametrisation": "basis", "basis": "svd", "rank": p}}
+             for p in (1, 4)]
+    start = {"name": "auto", "params": {"candidates": ranks + ["soup"]}}
+    _, rep = _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},
+                                      "start": start}, "qp")
+    sel = rep["start_selection"]
+    scored = {c["label"]: c["validation"] for c in sel["candidates"]}
+    assert set(scored) == {"qp(basis=svd, mode=single, parametrisation=basis, rank=1)",
+                           "qp(basis=svd, mode=single, parametrisation=basis, rank=4)", "soup"}
+    assert all(v is not None and v > 0 for v in scored.values())
+    assert sel["chosen"] == min(scored, key=scored.get)
+    assert len(set(scored.values())) == 3  # three different merges
+    assert rep["evaluation"]["start"]["method"] == ("qp" if sel["chosen"].startswith("qp(") else "soup")
+
+
 def test_candidates_that_cannot_run_are_skipped_with_the_reason(llama, tmp_path):
     start = {"name": "auto", "params": {"candidates": ["soup", {"name": "output_space",
                                                                  "params": {"jacobian_max_bytes": 0}}]}}
@@ -128,6 +146,9 @@ def test_every_candidate_skipped_is_an_error(llama, tmp_path):
     ([{"name": "ties", "params": {"desnity": 0.3}}], r"candidates\[ties\(desnity=0.3\)\]"),
     ([{"name": "output_space", "params": {"ridg": 1}}], r"candidates\[output_space\(ridg=1\)\].*did you mean 'ridge'"),
     (["soup", "soup"], "repeated candidate"),
+    ([{"name": "qp", "params": {"mode": "hybrid"}}], r"candidates\[qp\(mode=hybrid\)\]: a QP candidate is merged from"),
+    ([{"name": "qp", "params": {"rnak": 2}}], r"candidates\[qp\(rnak=2\)\].*rnak"),
+    ([{"name": "qp", "params": {"constraints": ["box:0"]}}], r"candidates\[qp\(constraints=\['box:0'\]\)\].*constraints"),
     ([], "candidates"),
 ])
 def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):

@@ -134,8 +134,8 @@ def _register_text(sub: Any) -> None:
         description="The paper's ViT section on a real sentence encoder (see docs/text.md).",
     )
     t.add_argument("--quick", action="store_true",
-                   help="fewer texts, one fine-tuned layer, fewer ranks (measured: 44 minutes on 2 cores "
-                        "shared with other jobs, fine-tunes cached; docs/text.md)")
+                   help="fewer texts, one fine-tuned layer, fewer ranks (measured: 14 minutes on 2 cores; "
+                        "docs/text.md)")
     t.add_argument("--cache", default=None,
                    help="folder of the cached fine-tunes and block inputs (default ~/.cache/mergeqp/text)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),

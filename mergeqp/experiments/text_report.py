@@ -132,10 +132,17 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     if not sel:
         return []
     tr = entry.get("trust_region") or {}
-    steps = (f" Then {tr.get('n_accepted')} of {tr.get('n_steps')} trust-region steps accepted "
-             f"({tr.get('stop_reason')}).") if tr else ""
+    held = tr.get("holdout") or {}
+    steps = ""
+    if held:
+        chosen = held.get("chosen_step")
+        steps = (f" From it, early stopping on those batches chose {0 if chosen is None else chosen + 1} "
+                 f"trust-region step(s) (held-out objective {_f(held.get('validation_start'))} -> "
+                 f"{_f(held.get('validation_result'))})")
+        steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
+                  if held.get("refit") else ".")
     return [f"Its start, chosen by the {sel['criterion']} (the last {sel['holdout']:g} of each task's calibration "
-            f"batches):{steps}", "", start_selection_table(sel), ""]
+            f"batches).{steps}", "", start_selection_table(sel), ""]
 
 
 def _command(results: dict[str, Any]) -> str:

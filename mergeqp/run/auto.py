@@ -67,6 +67,7 @@ QP_CANDIDATE = "qp"
 #: ``method: auto``: the recommended merge (docs/hf.md); its trust-region options
 AUTO_METHOD = "auto"
 AUTO_HOLDOUT = 0.25
+AUTO_FOLDS = 4
 AUTO_MODE_OPTIONS: dict[str, Any] = {"radius": 0.05, "holdout": AUTO_HOLDOUT, "refit": True, "max_steps": 8}
 
 
@@ -92,14 +93,17 @@ class Candidate(BaseModel):
 
 class AutoStartParams(BaseModel):
     """``start.params`` of ``start: {name: auto}``: ``candidates`` (method names or ``{name,
-    params}``; default :data:`DEFAULT_CANDIDATES`) and ``holdout`` (the fraction of each task's
-    calibration batches held out to score them)."""
+    params}``; default :data:`DEFAULT_CANDIDATES`), ``folds`` (``k`` >= 2: k-fold scoring, every
+    calibration batch held out once, the chosen candidate then refitted on all of them; 1: one
+    split) and ``holdout`` (with ``folds: 1``: the fraction of each task's calibration batches
+    held out to score them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     candidates: tuple[Candidate, ...] = Field(
         default_factory=lambda: tuple(Candidate(**c) for c in DEFAULT_CANDIDATES), min_length=1)
     holdout: float = Field(AUTO_HOLDOUT, gt=0.0, lt=1.0)
+    folds: int = Field(AUTO_FOLDS, ge=1, le=20)
 
     @field_validator("candidates", mode="before")
     @classmethod
@@ -132,7 +136,8 @@ def auto_method_config(params: Mapping[str, Any] | None = None) -> dict[str, Any
     """The ``method:`` block that ``method: auto`` stands for: a trust-region QP over the selected
     layers, per-row coefficients, no constraint beyond the trust region, from ``start: auto``,
     early stopping on the held-out batches that scored the start, refitted on all of them.
-    ``params`` (``candidates``, ``holdout``) go to the start; ``holdout`` also to the mode."""
+    ``params`` (``candidates``, ``folds``, ``holdout``) go to the start; ``holdout`` also to the
+    mode (its early stopping)."""
     params = dict(params or {})
     unknown = [k for k in params if k not in AutoStartParams.model_fields]
     if unknown:
@@ -167,55 +172,94 @@ class ScoredCandidate:
 
 @dataclass(frozen=True)
 class StartSelection:
-    """The outcome of ``start: auto``: every candidate scored, the chosen one, the held-out
-    fraction and the chosen candidate's merged tensors (checkpoint names)."""
+    """The outcome of ``start: auto``: every candidate scored, the chosen one, the folds (or the
+    held-out fraction) and the chosen candidate's merged tensors (checkpoint names)."""
 
     candidates: tuple[ScoredCandidate, ...]
     chosen: ScoredCandidate
+    folds: int
     holdout: float
     overrides: dict[str, Any] = field(repr=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"criterion": "lowest objective on the held-out calibration batches", "holdout": self.holdout,
-                "chosen": self.chosen.label, "candidates": [c.to_json() for c in self.candidates]}
+        if self.folds > 1:
+            criterion = (f"lowest objective on held-out calibration batches, {self.folds}-fold: each batch scored "
+                         f"by the candidate fitted without its fold; the chosen one refitted on every batch")
+        else:
+            criterion = (f"lowest objective on the held-out calibration batches (the last {self.holdout:g} of each "
+                         f"task's), the candidates fitted on the others")
+        return {"criterion": criterion, "folds": self.folds, "holdout": self.holdout, "chosen": self.chosen.label,
+                "candidates": [c.to_json() for c in self.candidates]}
 
 
 class CandidateSkipped(MergeQPError):
     """A candidate that cannot run on this merge (its reason goes to the report)."""
 
 
-def select_start(params: AutoStartParams, merge: Callable[[Candidate], dict[str, Any]],
-                 load: Callable[[dict[str, Any]], None], score: Callable[[], float],
-                 log: Callable[[str], None] | None = None) -> StartSelection:
-    """Merge each candidate (``merge(candidate)`` -> checkpoint tensors; it raises
-    :class:`CandidateSkipped` when the candidate cannot run here), ``load`` it into the live
-    model and ``score`` it (the objective on the held-out batches); the lowest wins and is left
-    loaded. Raises :class:`ConfigError` when every candidate was skipped."""
+#: what the run layer gives :func:`select_start` per candidate: its score (the summed held-out
+#: objective) and how to get its final tensors (the fit on every batch, or the one fit made)
+CandidateScore = tuple[float, Callable[[], dict[str, Any]]]
+
+
+def select_start(params: AutoStartParams, evaluate: Callable[[Candidate], CandidateScore],
+                 load: Callable[[dict[str, Any]], None], log: Callable[[str], None] | None = None) -> StartSelection:
+    """Score each candidate (``evaluate(candidate)``; it raises :class:`CandidateSkipped` when
+    the candidate cannot run here); the lowest wins: its final tensors are made and ``load``-ed
+    into the live model. Raises :class:`ConfigError` when every candidate was skipped."""
     say = log or (lambda msg: None)
     scored: list[ScoredCandidate] = []
-    best: tuple[float, ScoredCandidate, dict[str, Any]] | None = None
+    best: tuple[float, ScoredCandidate, Callable[[], dict[str, Any]]] | None = None
     for cand in params.candidates:
         t = time.perf_counter()
         try:
-            tensors = merge(cand)
+            value, final = evaluate(cand)
         except CandidateSkipped as exc:
             scored.append(ScoredCandidate(cand.label, cand.name, cand.params, None, time.perf_counter() - t, str(exc)))
             say(f"start auto: {cand.label} skipped: {exc}")
             continue
-        load(tensors)
-        value = float(score())
-        entry = ScoredCandidate(cand.label, cand.name, cand.params, value, time.perf_counter() - t)
+        entry = ScoredCandidate(cand.label, cand.name, cand.params, float(value), time.perf_counter() - t)
         scored.append(entry)
         say(f"start auto: {cand.label}: held-out objective {value:.6g} ({entry.seconds:.1f} s)")
         if best is None or value < best[0]:
-            best = (value, entry, tensors)
-        del tensors
+            best = (float(value), entry, final)
     if best is None:
         raise ConfigError("start: auto: every candidate was skipped: " + "; ".join(
             f"{c.label}: {c.note}" for c in scored))
-    load(best[2])
+    tensors = best[2]()
+    load(tensors)
     say(f"start auto: chose {best[1].label}")
-    return StartSelection(tuple(scored), best[1], params.holdout, best[2])
+    return StartSelection(tuple(scored), best[1], params.folds, params.holdout, tensors)
+
+
+def batch_splits(n: int, params: AutoStartParams) -> list[tuple[list[int], list[int]]]:
+    """``(fit, held)`` batch indices of a task with ``n`` calibration batches, per split: with
+    ``folds`` k >= 2, contiguous folds (``numpy.array_split``; a task with fewer batches than k
+    has folds without a batch of its own); with one fold, the last
+    :func:`~mergeqp.merge.trust_region.holdout_count` batches held out (none of a one-batch task)."""
+    from ..merge.trust_region import holdout_count  # deferred: only the run splits batches
+
+    idx = list(range(n))
+    if params.folds <= 1:
+        m = holdout_count(n, params.holdout)
+        return [(idx[:n - m], idx[n - m:])]
+    bounds = [len(c) for c in _array_split(n, params.folds)]
+    out, start = [], 0
+    for size in bounds:
+        held = idx[start:start + size]
+        out.append(([j for j in idx if j not in held], held))
+        start += size
+    return out
+
+
+def _array_split(n: int, k: int) -> list[range]:
+    """``numpy.array_split(range(n), k)`` as ranges: the first ``n % k`` parts one longer."""
+    q, r = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        size = q + (1 if i < r else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
 
 
 def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str], Any]) -> list[Candidate]:
@@ -243,12 +287,15 @@ def regmean_key(alpha: float) -> str:
 
 def candidate_notes(params: AutoStartParams) -> list[str]:
     """The plan's description of the selection."""
+    how = (f"{params.folds}-fold: each calibration batch scored by the candidate fitted without its fold, the "
+           f"chosen one refitted on every batch" if params.folds > 1 else
+           f"on the last {params.holdout:g} of each task's calibration batches (fitted on the others)")
     return [f"start auto: {len(params.candidates)} candidate(s) "
-            f"({', '.join(c.label for c in params.candidates)}), each scored by the objective on the last "
-            f"{params.holdout:g} of each task's calibration batches (fitted on the others); the lowest is the start"]
+            f"({', '.join(c.label for c in params.candidates)}), each scored by the objective {how}; the lowest "
+            f"is the start"]
 
 
 __all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
-           "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "ScoredCandidate", "StartSelection", "auto_method_config",
+           "CandidateScore", "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
            "candidate_notes", "is_auto_start", "parse_auto_params", "regmean_key", "select_start",
            "statistics_candidates"]

@@ -61,7 +61,6 @@ from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
 from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
 from ..merge.output_space_hf import JacobianTooLarge, parse_run_params, solve_sites, uncertified_notes
-from ..merge.trust_region import holdout_count, split_tasks
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
@@ -83,7 +82,9 @@ from .auto import (
     AutoStartParams,
     Candidate,
     CandidateSkipped,
+    CandidateScore,
     StartSelection,
+    batch_splits,
     is_auto_start,
     parse_auto_params,
     regmean_key,
@@ -558,9 +559,11 @@ class _Run:
 
 
 class _AutoStart:
-    """``start: auto`` in a run (:mod:`.auto`): one statistics collector per statistics-based
-    candidate, fed each task's fit batches while its fine-tune is loaded; then every candidate
-    merged on every tensor, scored on the held-out batches, the lowest loaded."""
+    """``start: auto`` in a run (:mod:`.auto`). Per statistics-based candidate one collector per
+    split (fed each task's fit batches of that split while its fine-tune is loaded) and, with
+    k folds, one on every batch for the refit. Then every candidate scored (a data-free one
+    merged once and scored on every held-out batch; the others fitted per split) and the lowest
+    loaded: its one fit, or with k folds its refit on every batch."""
 
     def __init__(self, run: _Run, params: AutoStartParams):
         self.run = run
@@ -568,33 +571,71 @@ class _AutoStart:
         # a tensor equal in the base and every fine-tune is the base's in every candidate: only
         # the others are merged (and RegMean's statistics are collected for their layers only)
         self.floats = _changed_keys(run.plan, _float_keys(run.plan))
-        self.collectors = {c.key: statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
+        self.n_fits = params.folds + 1 if params.folds > 1 else 1  # the splits, then the refit on all
+        self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
+                                   for _ in range(self.n_fits)]
                            for c in statistics_candidates(params, statistics_of)}
         self.notes: list[str] = []
 
     def visit(self, index: int, name: str, model: Any, batches: list[Any]) -> None:
-        fit = batches[:len(batches) - holdout_count(len(batches), self.params.holdout)]
-        for collector in self.collectors.values():
-            collector(index, name, model, fit)
+        if self.params.folds > 1 and len(batches) < 2:
+            raise ValidationError(f"start: auto with {self.params.folds} folds: task {name!r} has "
+                                  f"{len(batches)} calibration batch(es), at least 2 are needed (more prompts or a "
+                                  f"smaller calibration.batch_size, or folds: 1)")
+        fits = [fit for fit, _ in batch_splits(len(batches), self.params)]
+        if self.params.folds > 1:
+            fits.append(list(range(len(batches))))
+        for per_split in self.collectors.values():
+            for collector, fit in zip(per_split, fits):
+                collector(index, name, model, [batches[j] for j in fit])
+
+    def _splits(self, tasks: Sequence[TaskTargets]) -> list[tuple[list[TaskTargets], list[TaskTargets]]]:
+        """``(fit tasks, held-out tasks)`` per split (tasks without a batch there left out)."""
+        per_task = [batch_splits(len(t.batches), self.params) for t in tasks]
+        out = []
+        for s in range(len(per_task[0])):
+            fit = [dataclasses.replace(t, batches=[t.batches[j] for j in p[s][0]]) for t, p in zip(tasks, per_task)]
+            held = [dataclasses.replace(t, batches=[t.batches[j] for j in p[s][1]]) for t, p in zip(tasks, per_task)]
+            out.append(([t for t in fit if t.batches], [t for t in held if t.batches]))
+        if not any(held for _, held in out):
+            raise ValidationError(f"start: auto holdout {self.params.holdout:g}: every task has a single calibration "
+                                  f"batch, so none can be held out; use more prompts or a smaller "
+                                  f"calibration.batch_size")
+        return out
 
     def select(self, ctx: MergeContext) -> StartSelection:
         run = self.run
-        fit, held = split_tasks(ctx.tasks, self.params.holdout, "start: auto holdout")
+        splits = self._splits(ctx.tasks)
 
-        def merge(cand: Candidate) -> dict[str, Any]:
+        def score(tasks: Sequence[TaskTargets]) -> float:
+            return calibration_objective(dataclasses.replace(ctx, tasks=tasks)) if tasks else 0.0
+
+        def fitted(cand: Candidate, split: int, fit: Sequence[TaskTargets]) -> dict[str, Any]:
             if cand.name == OUTPUT_SPACE:
-                return self.output_space(ctx, cand, fit)
+                return self.output_space(ctx, cand, fit, split)
             if cand.name == QP_CANDIDATE:
                 return self.qp(ctx, cand, fit)
-            collector = self.collectors.get(cand.key)
-            if collector is not None:
-                merged = collector.merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
-                self.notes.extend(n for n in collector.notes if n not in self.notes)
-                return merged
-            return baseline_merge(run.plan, cand.name, cand.params, self.floats)
+            collector = self.collectors[cand.key][split]
+            merged = collector.merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
+            self.notes.extend(n for n in collector.notes if n not in self.notes)
+            return merged
 
-        return select_start(self.params, merge, lambda tensors: _load_into(ctx.model, tensors),
-                            lambda: calibration_objective(dataclasses.replace(ctx, tasks=held)), run.say)
+        def evaluate(cand: Candidate) -> CandidateScore:
+            if cand.name not in (OUTPUT_SPACE, QP_CANDIDATE) and cand.key not in self.collectors:  # data-free
+                tensors = baseline_merge(run.plan, cand.name, cand.params, self.floats)
+                _load_into(ctx.model, tensors)
+                return sum(score(held) for _, held in splits), lambda: tensors
+            total, last = 0.0, {}
+            for s, (fit, held) in enumerate(splits):
+                if held:
+                    last = fitted(cand, s, fit)
+                    _load_into(ctx.model, last)
+                    total += score(held)
+            if self.params.folds > 1:
+                return total, lambda: fitted(cand, self.params.folds, ctx.tasks)
+            return total, lambda: last
+
+        return select_start(self.params, evaluate, lambda tensors: _load_into(ctx.model, tensors), run.say)
 
     def qp(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
         """A ``{name: qp, params: {...}}`` candidate: its QP mode run from the base on the fit
@@ -614,9 +655,11 @@ class _AutoStart:
             tensors.update(stored_tensors(site, read_augmented(ctx.model, site), like))
         return tensors
 
-    def output_space(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
-        """The ``output_space`` candidate: its reference (RegMean from the fit batches, or the
-        soup) loaded, every site solved on the fit batches with formed Jacobians only."""
+    def output_space(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets],
+                     split: int) -> dict[str, Any]:
+        """The ``output_space`` candidate: its reference (RegMean from the fit batches of
+        ``split``, or the soup) loaded, every site solved on the fit batches with formed
+        Jacobians only."""
         run = self.run
         if run.spec.scores_data:
             raise CandidateSkipped(f"it fits the fine-tunes' outputs, not metric {run.spec.metric!r}")
@@ -625,7 +668,8 @@ class _AutoStart:
             raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
         params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
         if params.reference == "regmean":
-            reference = self.collectors[regmean_key(params.alpha)].merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
+            reference = self.collectors[regmean_key(params.alpha)][split].merge(run.plan, self.floats,
+                                                                                DEFAULT_CHUNK_BYTES)
         else:
             reference = baseline_merge(run.plan, "soup", {}, self.floats)
         _load_into(ctx.model, reference)

@@ -77,7 +77,7 @@ def test_auto_starts_from_the_lowest_held_out_candidate(llama, tmp_path):
     assert tr["start"]["calibration_objective"] == pytest.approx(
         rep["evaluation"]["start"]["calibration_objective"], rel=1e-9)
     assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
-    assert tr["holdout"]["fraction"] == 0.25 and sel["holdout"] == 0.25
+    assert tr["holdout"]["fraction"] == 0.25 and sel["folds"] == 4
     assert f"start: {sel['chosen']}" in " ".join(rep["notes"])
     md = (res.out_dir / "report.md").read_text()
     assert "## Start selection" in md and f"**`{sel['chosen']}`**" in md
@@ -86,18 +86,46 @@ def test_auto_starts_from_the_lowest_held_out_candidate(llama, tmp_path):
 
 
 def test_the_start_is_the_candidate_as_merged_alone(llama, tmp_path):
-    """The soup needs no data: auto's start equals an explicit soup start. RegMean is fitted on
-    the batches not held out, so it differs from RegMean on every calibration batch."""
+    """The soup needs no data: auto's start equals an explicit soup start, and its k-fold score
+    is its objective on every calibration batch. RegMean with k folds is refitted on every batch,
+    so it equals an explicit RegMean start; with one split it keeps the fit on the batches not
+    held out, so it differs."""
     tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1}}
     _, soup_auto = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["soup"]}}}, "sa")
     _, soup = _merge(llama, tmp_path, {**tr, "start": {"name": "soup"}}, "s")
-    assert soup_auto["evaluation"]["start"]["calibration_objective"] == pytest.approx(
-        soup["evaluation"]["start"]["calibration_objective"], rel=1e-12)
-    assert soup_auto["start_selection"]["chosen"] == "soup"
-    _, rm_auto = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["regmean"]}}}, "ra")
+    start = soup_auto["evaluation"]["start"]["calibration_objective"]
+    assert start == pytest.approx(soup["evaluation"]["start"]["calibration_objective"], rel=1e-12)
+    sel = soup_auto["start_selection"]
+    assert sel["chosen"] == "soup" and sel["folds"] == 4 and "4-fold" in sel["criterion"]
+    assert sel["candidates"][0]["validation"] == pytest.approx(start, rel=1e-12)
     _, rm = _merge(llama, tmp_path, {**tr, "start": {"name": "regmean"}}, "r")
-    a, b = (r["evaluation"]["start"]["calibration_objective"] for r in (rm_auto, rm))
-    assert abs(a - b) > 1e-6 * abs(b)
+    explicit = rm["evaluation"]["start"]["calibration_objective"]
+    for folds, same in ((3, True), (1, False)):
+        params = {"candidates": ["regmean"], "folds": folds}
+        _, rm_auto = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": params}}, f"ra{folds}")
+        got = rm_auto["evaluation"]["start"]["calibration_objective"]
+        if same:
+            assert got == pytest.approx(explicit, rel=1e-10)
+        else:
+            assert abs(got - explicit) > 1e-6 * abs(explicit)
+
+
+def test_k_fold_scores_every_batch_once(llama, tmp_path):
+    """With k folds a data-dependent candidate's score is the sum over folds of its objective on
+    the fold, fitted on the rest; the score of the one-split run is on the last batches only."""
+    from mergeqp.run.auto import AutoStartParams, batch_splits
+    splits = batch_splits(3, AutoStartParams(folds=2))
+    assert splits == [([2], [0, 1]), ([0, 1], [2])]
+    assert batch_splits(3, AutoStartParams(folds=4))[3] == ([0, 1, 2], [])
+    assert batch_splits(4, AutoStartParams(folds=1, holdout=0.25)) == [([0, 1, 2], [3])]
+    tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1}}
+    scores = {}
+    for folds in (1, 3):
+        _, rep = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {
+            "candidates": ["soup", "regmean"], "folds": folds}}}, f"k{folds}")
+        scores[folds] = {c["label"]: c["validation"] for c in rep["start_selection"]["candidates"]}
+    # the soup is data-free: all batches (3 folds) vs the last of each task's three (one split)
+    assert scores[3]["soup"] > scores[1]["soup"] > 0
 
 
 def test_qp_candidates_choose_a_rank_on_held_out_batches(llama, tmp_path):
@@ -158,6 +186,9 @@ def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):
 
 
 def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
+    one = {"max_length": 12, "batch_size": 12, "holdout": 4}
+    with pytest.raises(ValidationError, match="start: auto with 4 folds: task 'code' has 1 calibration batch"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto"}}, "one", calibration=one)
     with pytest.raises(ValidationError, match="start: auto holdout 0.25: every task has a single calibration batch"):
-        _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto"}}, "one",
-               calibration={"max_length": 12, "batch_size": 12, "holdout": 4})
+        _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto", "params": {"folds": 1}}},
+               "one1", calibration=one)

@@ -1,22 +1,22 @@
-"""``start: {name: auto}``: the start of a start-using mode chosen on held-out calibration batches.
+"""``start: {name: auto}``: the start of a start-using mode chosen by cross-validation on calibration batches.
 
 A start-using mode (``trust_region``, ``hybrid``) begins from a baseline merged on every tensor.
 With ``start: auto`` the run layer merges each candidate in turn (by default the soup, task
-arithmetic at three weights, TIES, RegMean and the full-matrix ``output_space`` merge), scores it
-by the merge's own objective (the configured ``output:`` block and metric) on a held-out part of
-each task's calibration batches, and starts from the lowest. Candidates that need calibration
-data (RegMean's statistics, ``output_space``'s fit) see only the other batches, so every
-candidate is scored on batches it was not fitted to; no test data is involved. Listing one
-method at several settings (the defaults do so for task arithmetic's weight and
-``output_space``'s ridge) chooses the setting the same way; a ``{name: qp, params: {...}}``
-candidate is a QP merge from the base fitted on the other batches (any mode but ``hybrid``, any
-parametrisation: a basis rank, a ridge ``regularisation`` or a constraint set chosen on held-out
-data).
+arithmetic at three weights, TIES, RegMean and the full-matrix ``output_space`` merge at three
+ridges) and scores it by the merge's own objective (the configured ``output:`` block and metric)
+on calibration batches it was not fitted to; the lowest score is the start. No test data is
+involved. Listing one method at several settings (the defaults do so for task arithmetic's
+weight and ``output_space``'s ridge) chooses the setting the same way; a ``{name: qp, params:
+{...}}`` candidate is a QP merge from the base (any mode but ``hybrid``, any parametrisation: a
+basis rank, a ridge ``regularisation`` or a constraint set chosen on held-out data).
 
-The held-out part is each task's last ``round(holdout * n)`` calibration batches (at least one,
-at most ``n - 1``: :func:`mergeqp.merge.trust_region.holdout_count`), the same batches the
-trust-region mode's early stopping holds out with the same fraction, so that ``method: auto``
-chooses its start and stops its steps on one validation set.
+Scoring (:func:`batch_splits`): with ``folds`` k >= 2 (default 4) each task's calibration
+batches are cut into k contiguous folds; a candidate that needs data (RegMean's statistics,
+``output_space``'s fit, a QP) is fitted per fold on the other folds and scored on the fold, the
+score being the sum over folds; a data-free one is merged once and scored on every batch; the
+winner is then refitted on every batch. With ``folds: 1`` the last ``round(holdout * n)`` batches
+of each task (:func:`mergeqp.merge.trust_region.holdout_count`) are scored and the winner keeps
+its fit on the rest.
 
 A candidate that cannot run on this merge is skipped with its reason in the report: the
 ``output_space`` merge fits the fine-tunes' outputs (not a metric that scores the prompts' own
@@ -24,8 +24,8 @@ tokens), solves linear sites only, and is a candidate only where its per-sample 
 ``jacobian_max_bytes`` (the matrix-free solve is too slow to be tried on speculation).
 
 ``method: auto`` (:data:`AUTO_METHOD`, also the default method) is the recommended merge: a
-trust-region QP over the selected layers from this start, early stopping on the same held-out
-batches and refitted on all of them (``docs/hf.md``, "method: auto").
+trust-region QP over the selected layers from this start, early stopping on the last quarter of
+each task's calibration batches and refitted on all of them (``docs/hf.md``, "method: auto").
 """
 
 from __future__ import annotations

@@ -105,8 +105,8 @@ def _start_selection(rec: dict[str, Any]) -> list[str]:
     sel = rec.get("start_selection")
     if not sel:
         return []
-    return [f"Its start, chosen by the {sel['criterion']} (the last {sel['holdout']:g} of each domain's "
-            f"calibration batches; objective: the merge's metric):", "", start_selection_table(sel), ""]
+    return [f"Its start, chosen by the {sel['criterion']} (objective: the merge's metric, summed):", "",
+            start_selection_table(sel), ""]
 
 
 def _settings_text(config: dict[str, Any]) -> str:

@@ -141,8 +141,7 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
                  f"{_f(held.get('validation_result'))})")
         steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
                   if held.get("refit") else ".")
-    return [f"Its start, chosen by the {sel['criterion']} (the last {sel['holdout']:g} of each task's calibration "
-            f"batches).{steps}", "", start_selection_table(sel), ""]
+    return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", start_selection_table(sel), ""]
 
 
 def _command(results: dict[str, Any]) -> str:

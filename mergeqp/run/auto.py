@@ -135,7 +135,7 @@ def is_auto_start(start: Any) -> bool:
 def auto_method_config(params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``method:`` block that ``method: auto`` stands for: a trust-region QP over the selected
     layers, per-row coefficients, no constraint beyond the trust region, from ``start: auto``,
-    early stopping on the held-out batches that scored the start, refitted on all of them.
+    early stopping on the last ``holdout`` of each task's calibration batches, refitted on all.
     ``params`` (``candidates``, ``folds``, ``holdout``) go to the start; ``holdout`` also to the
     mode (its early stopping)."""
     params = dict(params or {})

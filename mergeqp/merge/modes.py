@@ -384,7 +384,7 @@ class TrustRegionMode(MergeMode):
         r = records[0]
         out = [f"trust_region: {r.status}; calibration objective {r.objective_before:.6g} (start: "
                f"{start or 'base'}) -> {r.objective_after_exact:.6g}"]
-        if r.objective_after_exact > r.objective_before:
+        if r.objective_after_exact > r.objective_before + 1e-9 * abs(r.objective_before):  # not summation order
             out.append("trust_region: the result's calibration objective is above the start's although no step "
                        "raised it (a regularisation term, or a non-deterministic model)")
         return out

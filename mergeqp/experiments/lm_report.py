@@ -15,7 +15,8 @@ import numpy as np
 from ..io.atomic import savefig_atomic, write_text_atomic
 from .lm_claims import ceiling_ce
 from .plots import _pyplot
-from .report import _f, _table, start_selection_table
+from ..merge.report import start_selection_table
+from .report import _f, _table
 
 KIND_COLOUR = {"qp": "tab:green", "baseline": "tab:blue", "mergekit": "tab:orange", "reference": "tab:gray"}
 
@@ -106,7 +107,7 @@ def _start_selection(rec: dict[str, Any]) -> list[str]:
     if not sel:
         return []
     return [f"Its start, chosen by the {sel['criterion']} (objective: the merge's metric, summed):", "",
-            start_selection_table(sel), ""]
+            *start_selection_table(sel), ""]
 
 
 def _settings_text(config: dict[str, Any]) -> str:

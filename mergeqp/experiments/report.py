@@ -29,14 +29,6 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def start_selection_table(selection: dict[str, Any]) -> str:
-    """A run report's ``start_selection`` (``start: auto``): every candidate with its held-out
-    objective, seconds and why it was skipped, the chosen one in bold."""
-    rows = [[f"**{c['label']}**" if c["label"] == selection["chosen"] else c["label"], _f(c.get("validation")),
-             _f(c.get("seconds")), c.get("skipped") or ""] for c in selection["candidates"]]
-    return _table(["candidate", "held-out objective", "seconds", "skipped because"], rows)
-
-
 def command_line(results: dict[str, Any]) -> str:
     parts = ["mergeqp experiment mnist"]
     if results.get("mode") == "quick":

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import savefig_atomic, write_text_atomic
-from .report import _f, _table, start_selection_table
+from ..merge.report import start_selection_table
+from .report import _f, _table
 
 BASELINE_NAMES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 SPEARMAN_ALPHA = 0.05
@@ -141,7 +142,7 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
                  f"{_f(held.get('validation_result'))})")
         steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
                   if held.get("refit") else ".")
-    return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", start_selection_table(sel), ""]
+    return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
 
 
 def _command(results: dict[str, Any]) -> str:

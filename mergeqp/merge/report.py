@@ -45,6 +45,17 @@ def _f(x: Any, digits: int = 6) -> str:
     return f"{v:.{digits}g}"
 
 
+def start_selection_table(selection: dict[str, Any]) -> list[str]:
+    """A report's ``start_selection`` (``start: auto``) as Markdown table lines: every candidate
+    with its held-out objective, seconds and why it was skipped, the chosen one in bold."""
+    lines = ["| candidate | held-out objective | s | skipped because |", "|---|---|---|---|"]
+    for c in selection.get("candidates", []):
+        mark = "**" if c.get("label") == selection.get("chosen") else ""
+        lines.append(f"| {mark}`{c.get('label')}`{mark} | {_f(c.get('validation'))} | {_f(c.get('seconds'), 3)} | "
+                     f"{c.get('skipped') or ''} |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     plan = report.get("plan", {})
     method = plan.get("method", {})
@@ -76,14 +87,9 @@ def render_markdown(report: dict[str, Any]) -> str:
     selection = report.get("start_selection")
     if selection:
         lines += ["", "## Start selection", "",
-                  (f"Each candidate merged on every tensor (fitted on the other calibration batches where it "
-                   f"needs data) and scored by the merge objective on the last {selection.get('holdout')} of "
-                   f"each task's calibration batches; chosen: `{selection.get('chosen')}`."), "",
-                  "| candidate | held-out objective | s | skipped because |", "|---|---|---|---|"]
-        for c in selection.get("candidates", []):
-            mark = "**" if c.get("label") == selection.get("chosen") else ""
-            lines.append(f"| {mark}`{c.get('label')}`{mark} | {_f(c.get('validation'))} | {_f(c.get('seconds'), 3)} | "
-                         f"{c.get('skipped') or ''} |")
+                  (f"Each candidate merged on every tensor and scored by the merge objective: "
+                   f"{selection.get('criterion')}; chosen: `{selection.get('chosen')}`."), "",
+                  *start_selection_table(selection)]
 
     layers = report.get("layers") or []
     if layers:

@@ -406,8 +406,13 @@ def holdout_count(n: int, holdout: float) -> int:
     return min(max(1, round(holdout * n)), n - 1) if n >= 2 else 0
 
 
-def split_tasks(tasks: Sequence[TaskTargets], holdout: float,
-                what: str = "trust_region holdout") -> tuple[list[TaskTargets], list[TaskTargets]]:
+def no_holdout_error(what: str, holdout: float) -> ValidationError:
+    """The error of a split that holds out no batch at all (``what``: whose ``holdout``)."""
+    return ValidationError(f"{what} {holdout:g}: every task has a single calibration batch, so none can be held "
+                           f"out; use more prompts or a smaller calibration.batch_size")
+
+
+def split_tasks(tasks: Sequence[TaskTargets], holdout: float) -> tuple[list[TaskTargets], list[TaskTargets]]:
     """``(fit, held)``: each task's last :func:`holdout_count` calibration batches are held out.
     Raises :class:`ValidationError` when no task has a batch to hold out."""
     fit, held = [], []
@@ -418,8 +423,7 @@ def split_tasks(tasks: Sequence[TaskTargets], holdout: float,
         if m:
             held.append(dataclasses.replace(t, batches=list(t.batches[n - m:])))
     if not held:
-        raise ValidationError(f"{what} {holdout:g}: every task has a single calibration batch, "
-                              f"so none can be held out; use more prompts or a smaller calibration.batch_size")
+        raise no_holdout_error("trust_region holdout", holdout)
     return fit, held
 
 
@@ -549,4 +553,4 @@ def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:
 
 
 __all__ = ["RidgeSelection", "SitesTrustRegion", "TrustRegionConfig", "TrustRegionLayerRecord", "TrustRegionResult",
-           "TrustRegionStep", "holdout_count", "sequential_trust_region", "split_tasks", "trust_region_set", "trust_region_sites"]
+           "TrustRegionStep", "holdout_count", "no_holdout_error", "sequential_trust_region", "split_tasks", "trust_region_set", "trust_region_sites"]

@@ -71,6 +71,14 @@ AUTO_FOLDS = 4
 AUTO_MODE_OPTIONS: dict[str, Any] = {"radius": 0.05, "holdout": AUTO_HOLDOUT, "refit": True, "max_steps": 8}
 
 
+def named_entries(v: Any) -> Any:
+    """A config list of methods (``[ties, {name: dare, params: {...}}]``, or one of them alone) as
+    ``{name, ...}`` mappings: a bare name is that method with its defaults."""
+    if isinstance(v, (str, dict)):
+        v = [v]
+    return [{"name": c} if isinstance(c, str) else c for c in (v or [])]
+
+
 class Candidate(BaseModel):
     """One candidate start: a merge method name and its parameters."""
 
@@ -108,9 +116,13 @@ class AutoStartParams(BaseModel):
     @field_validator("candidates", mode="before")
     @classmethod
     def _names(cls, v: Any) -> Any:
-        if isinstance(v, (str, dict)):
-            v = [v]
-        return [{"name": c} if isinstance(c, str) else c for c in (v or [])]
+        return named_entries(v)
+
+    @property
+    def fits(self) -> int:
+        """Fits of a data-dependent candidate's statistics: one per fold and the refit on every
+        batch (with ``folds: 1``, the one split)."""
+        return self.folds + 1 if self.folds > 1 else 1
 
     @field_validator("candidates")
     @classmethod
@@ -139,12 +151,7 @@ def auto_method_config(params: Mapping[str, Any] | None = None) -> dict[str, Any
     ``params`` (``candidates``, ``folds``, ``holdout``) go to the start; ``holdout`` also to the
     mode (its early stopping)."""
     params = dict(params or {})
-    unknown = [k for k in params if k not in AutoStartParams.model_fields]
-    if unknown:
-        raise ValueError(f"method auto: unknown parameter(s) {unknown}; valid: "
-                         f"{', '.join(AutoStartParams.model_fields)} (for more control write the QP out: "
-                         "name: qp, mode: trust_region, start: {name: auto})")
-    holdout = params.get("holdout", AUTO_HOLDOUT)
+    holdout = parse_params(AutoStartParams, params, "method", "method 'auto'").holdout
     return {"name": "qp", "mode": "trust_region", "parametrisation": "rows", "constraints": [],
             "start": {"name": AUTO, "params": params},
             "mode_options": {**AUTO_MODE_OPTIONS, "holdout": holdout}}
@@ -242,13 +249,7 @@ def batch_splits(n: int, params: AutoStartParams) -> list[tuple[list[int], list[
     if params.folds <= 1:
         m = holdout_count(n, params.holdout)
         return [(idx[:n - m], idx[n - m:])]
-    bounds = [len(c) for c in _array_split(n, params.folds)]
-    out, start = [], 0
-    for size in bounds:
-        held = idx[start:start + size]
-        out.append(([j for j in idx if j not in held], held))
-        start += size
-    return out
+    return [([j for j in idx if j not in part], list(part)) for part in _array_split(n, params.folds)]
 
 
 def _array_split(n: int, k: int) -> list[range]:
@@ -273,16 +274,17 @@ def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str]
         if cand.name == OUTPUT_SPACE:
             p = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
             if p.reference == "regmean":
-                need = Candidate(name="regmean", params={"alpha": p.alpha})
+                need = regmean_reference(p.alpha)
                 out.setdefault(need.key, need)
         elif statistics_of(cand.name) is not None:
             out.setdefault(cand.key, cand)
     return list(out.values())
 
 
-def regmean_key(alpha: float) -> str:
-    """The collector key of RegMean with ``alpha`` (the candidates' keys: :attr:`Candidate.key`)."""
-    return Candidate(name="regmean", params={"alpha": alpha}).key
+def regmean_reference(alpha: float) -> Candidate:
+    """RegMean with ``alpha``, the reference of an ``output_space`` candidate (its collector is
+    found by :attr:`Candidate.key`)."""
+    return Candidate(name="regmean", params={"alpha": alpha})
 
 
 def candidate_notes(params: AutoStartParams) -> list[str]:
@@ -297,5 +299,5 @@ def candidate_notes(params: AutoStartParams) -> list[str]:
 
 __all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
            "CandidateScore", "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
-           "candidate_notes", "is_auto_start", "parse_auto_params", "regmean_key", "select_start",
+           "candidate_notes", "is_auto_start", "named_entries", "parse_auto_params", "regmean_reference", "select_start",
            "statistics_candidates"]

@@ -61,6 +61,7 @@ from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
 from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
 from ..merge.output_space_hf import JacobianTooLarge, parse_run_params, solve_sites, uncertified_notes
+from ..merge.trust_region import no_holdout_error
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
@@ -87,7 +88,7 @@ from .auto import (
     batch_splits,
     is_auto_start,
     parse_auto_params,
-    regmean_key,
+    regmean_reference,
     select_start,
     statistics_candidates,
 )
@@ -396,7 +397,7 @@ class _Run:
         collector = None
         if statistics_method(cfg) is not None:  # a hybrid start with statistics: those of every tensor
             assert m.start is not None
-            collector = statistics_collector(plan, m.start.name, m.start.params, _float_keys(plan), say)
+            collector = statistics_collector(plan, m.start.name, m.start.params, plan.float_keys(), say)
         auto = _AutoStart(self, parse_auto_params(m.start.params)) if is_auto_start(m.start) else None
         visit = auto.visit if auto is not None else collector
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=visit)
@@ -434,7 +435,7 @@ class _Run:
                 self.notes.extend(n for n in auto.notes if n not in self.notes)
             elif mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
                 t = time.perf_counter()
-                floats = _float_keys(plan)
+                floats = plan.float_keys()
                 if collector is not None:
                     start_overrides = collector.merge(plan, floats, DEFAULT_CHUNK_BYTES)
                 else:
@@ -570,10 +571,9 @@ class _AutoStart:
         self.params = params
         # a tensor equal in the base and every fine-tune is the base's in every candidate: only
         # the others are merged (and RegMean's statistics are collected for their layers only)
-        self.floats = _changed_keys(run.plan, _float_keys(run.plan))
-        self.n_fits = params.folds + 1 if params.folds > 1 else 1  # the splits, then the refit on all
+        self.floats = _changed_keys(run.plan, run.plan.float_keys())
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
-                                   for _ in range(self.n_fits)]
+                                   for _ in range(params.fits)]
                            for c in statistics_candidates(params, statistics_of)}
         self.notes: list[str] = []
 
@@ -598,9 +598,7 @@ class _AutoStart:
             held = [dataclasses.replace(t, batches=[t.batches[j] for j in p[s][1]]) for t, p in zip(tasks, per_task)]
             out.append(([t for t in fit if t.batches], [t for t in held if t.batches]))
         if not any(held for _, held in out):
-            raise ValidationError(f"start: auto holdout {self.params.holdout:g}: every task has a single calibration "
-                                  f"batch, so none can be held out; use more prompts or a smaller "
-                                  f"calibration.batch_size")
+            raise no_holdout_error("start: auto holdout", self.params.holdout)
         return out
 
     def select(self, ctx: MergeContext) -> StartSelection:
@@ -668,7 +666,7 @@ class _AutoStart:
             raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
         params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
         if params.reference == "regmean":
-            reference = self.collectors[regmean_key(params.alpha)][split].merge(run.plan, self.floats,
+            reference = self.collectors[regmean_reference(params.alpha).key][split].merge(run.plan, self.floats,
                                                                                 DEFAULT_CHUNK_BYTES)
         else:
             reference = baseline_merge(run.plan, "soup", {}, self.floats)
@@ -694,10 +692,6 @@ def _changed_keys(plan: MergePlan, keys: Sequence[str]) -> list[str]:
         if any(not torch.equal(base, ft.get(key).to(base.dtype)) for ft in plan.finetuned):
             out.append(key)
     return out
-
-
-def _float_keys(plan: MergePlan) -> list[str]:
-    return [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
 
 
 def _load_into(model: Any, tensors: dict[str, Any]) -> None:

@@ -118,6 +118,10 @@ class MergePlan:
         keys = [k for s in self.sites for k in s.keys]
         return keys + [k for k in self.extra_tensors if k not in keys]
 
+    def float_keys(self) -> list[str]:
+        """The base checkpoint's floating-point tensors (what a start merges "on every tensor")."""
+        return [k for k in self.base.names() if self.base.info(k).dtype.startswith(("float", "bfloat"))]
+
     def to_json(self) -> dict[str, Any]:
         m = self.config.method
         return {
@@ -622,15 +626,15 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
     if is_auto_start(m.start):
         assert m.start is not None
-        floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
+        auto = parse_auto_params(m.start.params)
         out["start candidates (the best and the current, all tensors)"] = 2 * plan.base.total_bytes
-        for need in statistics_candidates(parse_auto_params(m.start.params), statistics_of):
-            out[f"{need.label} statistics (all tensors)"] = _statistics_bytes(plan, need.name, floats)
+        for need in statistics_candidates(auto, statistics_of):
+            out[f"{need.label} statistics (all tensors, {auto.fits} fit(s))"] = auto.fits * _statistics_bytes(
+                plan, need.name, plan.float_keys())
     elif mode.uses_start and m.start is not None:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
-            floats = [k for k in plan.base.names() if plan.base.info(k).dtype.startswith(("float", "bfloat"))]
-            out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, floats)
+            out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, plan.float_keys())
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
         out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)

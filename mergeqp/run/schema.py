@@ -42,7 +42,7 @@ from ..merge.baseline_residuals import check_tensorwise_baselines
 from ..merge.modes import MERGE_MODES
 from ..stats.bases import checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
-from .auto import AUTO_METHOD, auto_method_config, is_auto_start
+from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
@@ -233,7 +233,7 @@ class MethodConfig(_Strict):
         if isinstance(data, dict) and data.get("name") == AUTO_METHOD:
             extra = sorted(k for k in data if k not in ("name", "params"))
             if extra:
-                raise ValueError(f"method: auto takes only 'params' (candidates, holdout), not {extra}; to set "
+                raise ValueError(f"method: auto takes only 'params' (candidates, folds, holdout), not {extra}; to set "
                                  "them write the QP out: name: qp, mode: trust_region, start: {name: auto}")
             return auto_method_config(data.get("params") or {})
         return data
@@ -252,9 +252,7 @@ class MethodConfig(_Strict):
     @classmethod
     def _baseline_names(cls, v: Any) -> Any:
         """``baselines: [ties, {name: dare, params: {...}}]``: a bare name is that method with its defaults."""
-        if isinstance(v, (str, dict)):
-            v = [v]
-        return [{"name": b} if isinstance(b, str) else b for b in (v or [])]
+        return named_entries(v)
 
     @field_validator("constraints", mode="before")
     @classmethod

@@ -78,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "trust_region_merge": "mergeqp.experiments",
     # Hugging Face folders and multi-layer merging
     "MergeConfig": "mergeqp.config",
+    "register_architecture": "mergeqp.run.architectures",
     "load_config": "mergeqp.config",
     "open_checkpoint": "mergeqp.io",
     "save_hf_folder": "mergeqp.io",

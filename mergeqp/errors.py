@@ -197,4 +197,6 @@ def parse_params(model: type[T], params: Mapping[str, object], where: str, owner
     except PydanticValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
+        if not loc:  # a check across parameters (a model validator): no single key to name
+            raise ConfigError(f"{where}.params: {err['msg']}") from None
         raise ConfigError(f"{where}.params.{loc}: {err['msg']} (got {err.get('input')!r})") from None

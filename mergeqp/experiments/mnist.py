@@ -15,9 +15,12 @@ experiment of section 5), plus the trust-region merge ``qp_tr``.
    ``rows+baselines`` atoms where every baseline is a feasible point (``qp_atoms``, the certified
    QP; ``qp_tr_regmean``, trust-region QPs from RegMean with a ridge chosen by k-fold splits of
    the calibration set), with the full-matrix output-space merge from RegMean (``output_space``,
-   :mod:`.output_space`, its ridge chosen by k-fold splits; the recommended merge, compared with
-   RegMean and ``qp_tr_regmean`` on the same held-out folds), and with the baselines: soup, task arithmetic (lambda 1), DARE (element-wise, drop rate 0.5), the
-   paper's row-uniform DARE (``row_dare``), TIES, Fisher, RegMean; plus the unmerged base;
+   :mod:`.output_space`, its ridge chosen by k-fold splits, compared with RegMean and
+   ``qp_tr_regmean`` on the same held-out folds), with the recommended merge ``auto`` (``mergeqp
+   merge``'s default ``method: auto`` run through the run layer on the same calibration digits,
+   :mod:`.mnist_auto`), and with the baselines: soup, task arithmetic (lambda 1), DARE
+   (element-wise, drop rate 0.5), the paper's row-uniform DARE (``row_dare``), TIES, Fisher,
+   RegMean; plus the unmerged base;
 4. evaluates on the held-out test sets (logit MSE against the task's fine-tuned model,
    accuracy, cross-entropy) and on the calibration set (true squared error of the merged
    model; the linearised ``J(d)`` for points of the QP);
@@ -67,14 +70,14 @@ BASES = ("optimal", "standard", "svd", "random")
 BASELINES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean", "base")
 #: methods that are points ``d`` of the rows QP (their ``J(d)`` is reported)
 QP_POINTS = ("qp", "qp_adam", "qp_tr", "soup", "task_arithmetic", "row_dare", "base")
-METHOD_ORDER = ("qp", "qp_adam", "qp_tr", "qp_atoms", "qp_tr_regmean", "output_space", "soup", "task_arithmetic", "dare",
+METHOD_ORDER = ("auto", "qp", "qp_adam", "qp_tr", "qp_atoms", "qp_tr_regmean", "output_space", "soup", "task_arithmetic", "dare",
                 "row_dare", "ties", "fisher", "regmean", "base")
 #: methods that are points ``d`` of the rows+baselines QP (:data:`MnistConfig.atom_baselines`)
 ATOMS_POINTS = ("qp_atoms", "qp_tr_regmean")
 #: the baselines that can be atoms of ``rows+baselines`` (each is a merged model of the run)
 ATOM_BASELINE_CHOICES = ("soup", "task_arithmetic", "dare", "row_dare", "ties", "fisher", "regmean")
-#: the recommended merge (see docs/mnist.md: the measurements behind the choice)
-RECOMMENDED = "output_space"
+#: the recommended merge: ``mergeqp merge``'s default, ``method: auto`` (:mod:`.mnist_auto`; docs/mnist.md)
+RECOMMENDED = "auto"
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,11 @@ class MnistConfig:
     rows+baselines QP at the base). Full-matrix output-space merge (``output_space``, from
     RegMean): ``output_space`` (its :class:`~.output_space.OutputSpaceConfig`; its ``ridge`` is
     replaced by the k-fold choice) and ``output_space_ridge_select`` (relative ridge weights
-    toward RegMean, chosen by ``kfold``-fold splits). Geometry: ``geometry_p`` (basis dimensions),
-    ``geometry_bases``, ``random_seeds``.
+    toward RegMean, chosen by ``kfold``-fold splits). The recommended merge ``auto``
+    (:mod:`.mnist_auto`, ``mergeqp merge``'s default through the run layer): ``auto_method`` (a
+    config ``method`` block; ``None``: none, i.e. ``method: auto`` with its defaults) and
+    ``auto_batch_size`` (calibration digits per batch; its folds are made of batches). Geometry:
+    ``geometry_p`` (basis dimensions), ``geometry_bases``, ``random_seeds``.
     """
 
     tasks: tuple[tuple[int, ...], ...] = DIGIT_PAIRS
@@ -122,6 +128,8 @@ class MnistConfig:
     output_space: OutputSpaceConfig = field(default_factory=OutputSpaceConfig)
     output_space_ridge_select: tuple[float, ...] = (0.01, 0.1, 1.0)
     kfold: int = 3
+    auto_method: dict[str, Any] | None = None
+    auto_batch_size: int = 10
     geometry_p: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10, 16, 32, 64, 128)
     geometry_bases: tuple[str, ...] = BASES
     random_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
@@ -147,6 +155,11 @@ class MnistConfig:
         if not self.output_space_ridge_select or not all(r >= 0 for r in self.output_space_ridge_select):
             raise ValidationError(f"output_space_ridge_select must be relative ridge weights >= 0, got "
                                   f"{self.output_space_ridge_select}")
+        if self.auto_batch_size < 1:
+            raise ValidationError(f"auto_batch_size must be >= 1, got {self.auto_batch_size}")
+        if self.auto_method is not None and not isinstance(self.auto_method, dict):
+            raise ValidationError(f"auto_method must be a config 'method' block (a mapping) or None, got "
+                                  f"{self.auto_method!r}")
         if self.kfold < 2:
             raise ValidationError(f"kfold must be >= 2, got {self.kfold}")
 
@@ -362,10 +375,20 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     full_matrix = _output_space(cfg, base, fts, tasks, models["regmean"], calib_x, seed, progress)
     models["output_space"] = full_matrix.result.model
     timer.lap("output_space")
-    recommendation = _held_out_comparison(cfg, base, fts, models, atoms, full_matrix, calib_x, seed)
+    comparison = _held_out_comparison(cfg, base, fts, models, atoms, full_matrix, calib_x, seed)
     _log(progress, "held-out calibration error (same folds): " + ", ".join(
-        f"{n} {e:.6g}" for n, e in recommendation["mean_errors"].items()) + f"; recommended: {RECOMMENDED}")
-    timer.lap("recommendation")
+        f"{n} {e:.6g}" for n, e in comparison["mean_errors"].items()))
+    timer.lap("held_out_comparison")
+
+    # auto: mergeqp merge's default (method: auto) through the run layer, on the same calibration digits
+    from .mnist_auto import auto_merge  # deferred: the run layer and transformers load only here
+
+    auto = auto_merge(base, fts, names, calib_x, [MERGE_LAYER], method=cfg.auto_method,
+                      batch_size=cfg.auto_batch_size, seed=seed, progress=progress)
+    models["auto"] = auto.model
+    timer.lap("auto")
+    _log(progress, f"auto: start {auto.to_dict()['start_selection']['chosen']}, true calibration error "
+                   f"{auto.start_objective:.6g} -> {auto.objective:.6g} ({auto.seconds:.0f} s)")
 
     # 4. evaluation
     targets = calibration_targets(fts, calib_x)
@@ -435,8 +458,9 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         "qp_tr": tr.to_dict(),
         "atoms": atoms.to_dict(),
         "output_space": full_matrix.to_dict(),
+        "auto": auto.to_dict(),
         "recommended": RECOMMENDED,
-        "recommendation": recommendation,
+        "held_out_comparison": comparison,
         "geometry": geometry,
         "checks": {"soup_state_dict_vs_qp_point_max_abs_diff": soup_sd},
         "environment": {"python": platform.python_version(), "torch": torch.__version__,
@@ -571,8 +595,7 @@ def _held_out_comparison(cfg: MnistConfig, base: Any, fts: Sequence[Any], models
     same ``kfold`` folds (the splits of :func:`select_by_kfold` with the run's seed), each fitted
     on the other folds with RegMean refitted there (``qp_tr_regmean`` with its chosen ridge, its
     other atoms -- Fisher, TIES, DARE -- from the whole run; ``output_space``: the per-fold errors
-    of its chosen ridge, from its k-fold choice). The evidence behind :data:`RECOMMENDED`; the
-    test set is never used."""
+    of its chosen ridge, from its k-fold choice). The test set is never used."""
     others = [n for n in cfg.atom_baselines if n != "regmean"]
     chosen = full_matrix.selection.candidates.index(full_matrix.selection.chosen)
     errors: dict[str, list[float]] = {"regmean": [], "qp_tr_regmean": [],
@@ -591,8 +614,7 @@ def _held_out_comparison(cfg: MnistConfig, base: Any, fts: Sequence[Any], models
         errors["qp_tr_regmean"].append(calibration_error(apply_merge(base, fts, MERGE_LAYER, tr.d, param), held,
                                                          targets))
     means = {n: float(np.mean(e)) for n, e in errors.items()}
-    return {"folds": cfg.kfold, "fold_errors": errors, "mean_errors": means, "lowest": min(means, key=means.get),
-            "recommended": RECOMMENDED}
+    return {"folds": cfg.kfold, "fold_errors": errors, "mean_errors": means, "lowest": min(means, key=means.get)}
 
 
 def _regmean_model(cfg: MnistConfig, base: Any, fts: Sequence[Any], calibration: Sequence[Any]) -> Any:

@@ -14,15 +14,16 @@ error is never above the start's.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import ValidationError
-from ..merge.output_space import output_space_solve, samples_from_stats
+from ..merge.output_space import samples_from_stats
+from ..merge.output_space_damped import DampingOptions, damped_output_space
 from ..stats import collect_statistics
 from ..stats.apply import set_linear_weights
 from ..stats.hooks import augmented_weight, resolve_linear
@@ -107,40 +108,30 @@ def output_space_merge(start_model: Any, finetuned_models: Sequence[Any], layer:
     weights = None if task_weights is None else list(task_weights)
     start_weight = _augmented(start_model, layer)
     has_bias = resolve_linear(start_model, layer, "model").bias is not None
-    current, W = start_model, start_weight
-    error = start_error = calibration_error(current, calibration, targets, task_weights=weights)
-    value = error  # G at the current point (the ridge is 0 at the start)
-    lam = nu = scale = 0.0
-    steps: list[OutputSpaceStep] = []
-    samples = None
-    for _ in range(cfg.steps):
-        t0 = time.perf_counter()
-        if samples is None:  # linearise at the current point (kept after a rejected step)
-            stats = collect_statistics(current, fts, layer, calibration, targets="finetuned", parametrisations=(),
-                                       keep_samples=True, progress=False)
-            samples = samples_from_stats(stats, task_weights)
-            if not steps:
-                scale = samples.ridge_scale()
-                lam, nu = cfg.ridge * scale, cfg.prox * scale
-        # lambda ||E - (W_start - W)||^2 + nu ||E||^2 = (lambda + nu) ||E - centre||^2 + const
-        sol = output_space_solve(samples, ridge=lam + nu, center=lam / (lam + nu) * (start_weight - W),
-                                 tol=cfg.cg_tol, max_iter=cfg.cg_iterations)
-        W_new = W + sol.E
-        model = set_linear_weights(current, layer, W_new[:, :-1] if has_bias else W_new,
-                                   W_new[:, -1] if has_bias else None)
-        new_error = calibration_error(model, calibration, targets, task_weights=weights)
-        new_value = new_error + lam * float(np.sum((W_new - start_weight) ** 2))
-        accepted = new_value < value
-        steps.append(OutputSpaceStep(mu=float(nu), error_before=error, predicted=sol.fit, error_after=new_error,
-                                     accepted=accepted, normal_residual=sol.residual, certified=sol.certified(),
-                                     iterations=sol.iterations, seconds=time.perf_counter() - t0))
-        if accepted:
-            gain = value - new_value
-            current, W, error, value, samples = model, W_new, new_error, new_value, None
-            nu /= cfg.relax
-            if gain < cfg.tol * value:
-                break
-        else:
-            nu *= cfg.damping
+    start_error = calibration_error(start_model, calibration, targets, task_weights=weights)
+
+    def at(W: np.ndarray) -> Any:  # a copy of the start model with the layer at W
+        return set_linear_weights(start_model, layer, W[:, :-1] if has_bias else W, W[:, -1] if has_bias else None)
+
+    @contextmanager
+    def linearised(W: np.ndarray) -> Iterator[tuple[Any, bool]]:
+        model = start_model if np.array_equal(W, start_weight) else at(W)
+        stats = collect_statistics(model, fts, layer, calibration, targets="finetuned", parametrisations=(),
+                                   keep_samples=True, progress=False)
+        yield samples_from_stats(stats, task_weights), True  # formed: valid after a rejected step too
+
+    def true_error(W: np.ndarray) -> float:
+        return calibration_error(at(W), calibration, targets, task_weights=weights)
+
+    damped = damped_output_space(start_weight, start_error, linearised, true_error, DampingOptions(
+        ridge=cfg.ridge, prox=cfg.prox, damping=cfg.damping, relax=cfg.relax, steps=cfg.steps, tol=cfg.tol,
+        cg_tol=cfg.cg_tol, max_iter=cfg.cg_iterations))
+    W = damped.W
+    current = start_model if not damped.accepted else at(W)
+    error, scale = damped.error, damped.scale
+    steps = [OutputSpaceStep(mu=st.nu, error_before=st.error_before, predicted=st.predicted,
+                             error_after=st.error_after, accepted=st.accepted, normal_residual=st.normal_residual,
+                             certified=st.certified, iterations=st.iterations, seconds=st.seconds)
+             for st in damped.steps]
     return OutputSpaceResult(model=current, weight=W, start_error=start_error, error=error, ridge=cfg.ridge,
                              scale=float(scale), steps=tuple(steps))

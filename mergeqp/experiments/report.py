@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import write_text_atomic
+from ..merge.report import start_selection_table
 from .claims import claims_table
 
 
@@ -53,7 +54,8 @@ def methods_table(results: dict[str, Any]) -> str:
     for name, m in _with_references(results).items():
         cal = m.get("calibration", {})
         rows.append([
-            f"**{name}**" if name.startswith("qp") else name,
+            (f"**{name} (recommended)**" if name == results.get("recommended")
+             else f"**{name}**" if name.startswith("qp") else name),
             _f(m["average"]["mse"]), _f(m["average"]["accuracy"]), _f(m["average"]["cross_entropy"]),
             _f(cal.get("linearised"), 6), _f(cal.get("true"), 6),
         ])
@@ -185,24 +187,52 @@ def output_space_lines(results: dict[str, Any]) -> list[str]:
         _table(["step", "nu", "F before", "linearised F", "F after", "accepted", "normal residual", "CG its"],
                step_rows),
         "",
-        *recommendation_lines(results),
+        *held_out_comparison_lines(results),
     ]
 
 
-def recommendation_lines(results: dict[str, Any]) -> list[str]:
-    """The held-out calibration errors behind the recommended merge (same folds for each)."""
-    rec = results.get("recommendation")
+def held_out_comparison_lines(results: dict[str, Any]) -> list[str]:
+    """The held-out calibration errors of the RegMean-started merges (same folds for each)."""
+    rec = results.get("held_out_comparison")
     if not rec:
         return []
-    rows = [[f"**{n}**" if n == rec["recommended"] else n] + [_f(e, 7) for e in errs] + [_f(rec["mean_errors"][n], 7)]
+    rows = [[f"**{n}**" if n == rec["lowest"] else n] + [_f(e, 7) for e in errs] + [_f(rec["mean_errors"][n], 7)]
             for n, errs in rec["fold_errors"].items()]
     return [
-        (f"Recommended merge: `{rec['recommended']}`. Held-out calibration error on the same {rec['folds']} folds "
+        (f"The merges started from RegMean, held-out calibration error on the same {rec['folds']} folds "
          f"(each fitted on the other folds, RegMean refitted there; lowest mean: `{rec['lowest']}`):"),
         "",
         _table(["method"] + [f"fold {i + 1}" for i in range(rec["folds"])] + ["mean"], rows),
         "",
     ]
+
+
+def auto_lines(results: dict[str, Any]) -> list[str]:
+    """The recommended merge ``auto`` (``mergeqp merge``'s default): its start selection and trust region."""
+    auto = results.get("auto")
+    if not auto:
+        return []
+    sel = auto.get("start_selection") or {}
+    tr = auto.get("trust_region") or {}
+    held = tr.get("holdout") or {}
+    lines = [
+        "## auto: the recommended merge (`mergeqp merge`'s default, `method: auto`)",
+        "",
+        (f"The run layer's own default merge on the same calibration digits (the models written as Hugging Face "
+         f"folders, {auto['seconds']:.0f} s): the start chosen by {sel.get('criterion', '?')}; then trust-region "
+         f"QPs (rows, no constraint) with early stopping on held-out calibration batches. Test digits are never "
+         f"seen."),
+        "",
+        *start_selection_table(sel),
+        "",
+        (f"Chosen start `{sel.get('chosen')}`: true calibration error {_f(auto['start_objective'], 7)}; after the "
+         f"trust region {_f(auto['objective'], 7)} ({tr.get('n_accepted')} of {tr.get('n_steps')} steps accepted; "
+         f"{tr.get('stop_reason')}"
+         + (f"; held-out objective at the start {_f(held.get('validation_start'), 7)}, chosen step "
+            f"{held.get('chosen_step')}" if held else "") + ")."),
+        "",
+    ]
+    return lines
 
 
 def render_report(results: dict[str, Any]) -> str:
@@ -285,6 +315,7 @@ def render_report(results: dict[str, Any]) -> str:
         "",
         trust_region_table(results),
         "",
+        *auto_lines(results),
         *atoms_lines(results),
         *output_space_lines(results),
         "## Geometry: captured energy vs MSE",

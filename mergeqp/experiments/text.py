@@ -413,10 +413,14 @@ class _Run:
         self.lap("baselines")
         single = {"name": "qp", "mode": "single", "parametrisation": "rows"}
         methods["qp_single"] = self.merge("qp_single", single)
-        methods["qp_sequential"] = self.merge("qp_sequential", {**single, "mode": "sequential"})
+        for mode, extra in (("sequential", {}), ("joint", {"compare_sequential": False})):
+            if len(self.layers) > 1:
+                methods[f"qp_{mode}"] = self.merge(f"qp_{mode}", {**single, "mode": mode, **extra})
+            else:  # over one layer sequential and joint are the single QP itself: not run again
+                methods[f"qp_{mode}"] = {**methods["qp_single"], "method": {**single, "mode": mode, **extra},
+                                         "same_as": "qp_single"}
         methods["qp_hybrid"] = self.merge("qp_hybrid", {**single, "mode": "hybrid", "start": {
             "name": "task_arithmetic", "params": {"scaling": best_s}}})
-        methods["qp_joint"] = self.merge("qp_joint", {**single, "mode": "joint", "compare_sequential": False})
         methods["qp_trust_region"] = self.merge("qp_trust_region", {
             **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
         methods["auto"] = self.merge("auto", {"name": "auto"})  # the product's recommended merge

@@ -157,9 +157,11 @@ def methods_table(results: dict[str, Any]) -> str:
     rec = results["selection"]["recommended"]["chosen"]
     for name, m in entries.items():
         label = f"**{name}** (recommended)" if name == rec else name
+        if m.get("same_as"):  # not run again: over one layer the mode is that QP itself
+            label += f" (= {m['same_as']}: one merged layer)"
         rows.append([label, _f(m["test"]["mean"]["accuracy"]), _f(m["test"]["mean"]["mse"]),
                      _f(m["calibration"]["mean"]["accuracy"]), _f(m["calibration"]["mean"]["mse"]),
-                     _f(m.get("seconds"), 3)])
+                     "-" if m.get("same_as") else _f(m.get("seconds"), 3)])
     return _table(["method", "test accuracy", "test MSE", "calibration accuracy", "calibration MSE", "merge s"], rows)
 
 

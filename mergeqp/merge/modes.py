@@ -85,6 +85,12 @@ class MergeMode:
                             for e in exc.errors())
             raise ValidationError(f"mode_options of mode: {self.name}: {why}") from None
 
+    def start_holdout(self, raw: Mapping[str, Any] | None) -> float:
+        """The fraction of each task's calibration batches that the mode holds out from a start it
+        then refits on (``ctx.held_out_start``; :func:`~.trust_region.holdout_count` batches): a
+        start fitted to calibration data is also fitted without them. Default 0: none."""
+        return 0.0
+
     # ------------------------------------------------------------------ planning
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
         """The sites solved together, one tuple per QP, in solve order (default: one per site)."""
@@ -371,6 +377,11 @@ class TrustRegionMode(MergeMode):
 
     def deltas_in_memory(self, n_sites: int) -> int:
         return n_sites
+
+    def start_holdout(self, raw: Mapping[str, Any] | None) -> float:
+        o = self.check_options(raw)
+        assert isinstance(o, TrustRegionOptions)
+        return o.holdout if o.refit else 0.0
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
         o = self.check_options(ctx.settings.mode_options)

@@ -134,6 +134,21 @@ class MergeContext:
     model_names: Sequence[str] | None = None
     progress: bool = False
     log: Callable[[str], None] | None = None
+    #: a start fitted to calibration data (the model holds its fit on every batch when a mode
+    #: begins): the trust region's early stopping reloads its fit without the held-out batches
+    held_out_start: HeldOutStart | None = None
+
+
+@dataclass(frozen=True)
+class HeldOutStart:
+    """A start merge that was fitted to calibration data, as two loaders into the live model:
+    ``load_fit`` its fit on the trust region's fitting batches only (every task's calibration
+    batches but the last :func:`~.trust_region.holdout_count`), ``load_full`` its fit on every
+    batch. ``label`` names it in the report."""
+
+    label: str
+    load_fit: Callable[[], None]
+    load_full: Callable[[], None]
 
 
 @dataclass(frozen=True)

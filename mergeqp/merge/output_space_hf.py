@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ConfigError, ValidationError, parse_params
 from ..lm import OutputSpec, prepare_fold, squared_error
@@ -57,6 +57,7 @@ from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
 from .firstorder import TaskTargets, batch_functions, folded_batch_functions
 from .output_space import CERT_TOL, OutputSpaceSamples, OutputSpaceSolution, output_space_solve
+from .output_space_damped import DampingOptions, damped_output_space
 from .sites import LayerSite, append_ones, read_augmented, site_module, stored_tensors, write_augmented
 
 #: site kinds the run-layer output-space merge solves (augmented ``(r, m1)`` weights)
@@ -72,7 +73,16 @@ class OutputSpaceRunParams(BaseModel):
     scaling for the reference; ``max_iter``: CG iterations per solve; ``backtracks``: step
     halvings tried when a layer's full step raises the true calibration error; ``jacobian_max_bytes``:
     the size up to which per-sample Jacobians are formed (0: always matrix-free); ``probes``:
-    Hutchinson probes per batch for the matrix-free preconditioner; ``seed``: their seed."""
+    Hutchinson probes per batch for the matrix-free preconditioner; ``seed``: their seed.
+
+    ``steps``: solves per site. ``1`` (default): one solve at the reference, accepted with
+    ``backtracks``. ``> 1``: damped Gauss-Newton (Levenberg-Marquardt) per site
+    (:func:`damped_site`): each solve is linearised at the current weight and adds the proximal
+    term ``prox x scale x ||W - W_t||^2`` to the ridge toward the reference; a solve is accepted
+    when the true calibration error plus the ridge term falls (then ``prox`` is divided by
+    ``relax``), else ``prox`` is multiplied by ``damping`` and the solve retried; it stops after
+    ``steps`` solves or when an accepted one gains less than ``tol`` relative. ``radius`` is a
+    one-solve option."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
@@ -85,6 +95,18 @@ class OutputSpaceRunParams(BaseModel):
     jacobian_max_bytes: float = Field(float(2 ** 26), ge=0.0)
     probes: int = Field(8, ge=1)
     seed: int = 0
+    steps: int = Field(1, ge=1)
+    prox: float = Field(16.0, gt=0.0)
+    damping: float = Field(4.0, gt=1.0)
+    relax: float = Field(1.5, ge=1.0)
+    tol: float = Field(1e-4, ge=0.0)
+
+    @model_validator(mode="after")
+    def _one_solve_radius(self) -> OutputSpaceRunParams:
+        if self.radius is not None and self.steps > 1:
+            raise ValueError("'radius' bounds one solve: use it with steps: 1 (the damped steps of steps > 1 "
+                             "are kept near the current weight by 'prox' instead)")
+        return self
 
 
 def parse_run_params(params: Mapping[str, Any], where: str = "method") -> OutputSpaceRunParams:
@@ -245,11 +267,12 @@ def jacobian_bytes_of(batches: Sequence[_SiteBatch]) -> int:
 
 @dataclass(frozen=True)
 class OutputSpaceLayer:
-    """One solved site: the solution (``E`` ``(r, m1)``, from the weight it was linearised at)
-    and its record (:func:`solve_site`; :func:`solve_sites` adds the accepted step)."""
+    """One solved site: the solution (``E`` ``(r, m1)``, from the weight it was linearised at;
+    with damped steps the last accepted one's, ``None`` when none was) and its record
+    (:func:`solve_site` / :func:`damped_site`; :func:`solve_sites` adds the accepted step)."""
 
     site: LayerSite
-    solution: OutputSpaceSolution
+    solution: OutputSpaceSolution | None
     record: dict[str, Any]
 
 
@@ -294,6 +317,24 @@ class JacobianTooLarge(ValidationError):
     was not allowed (``matrix_free=False``)."""
 
 
+@contextmanager
+def _linearised(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
+                params: OutputSpaceRunParams, matrix_free: bool) -> Iterator[tuple[Any, bool, float]]:
+    """``(operator, formed, reference_objective)`` of ``site`` linearised at ``model``: formed
+    Jacobians (:func:`formed_samples`, valid after the block) when they fit
+    ``params.jacobian_max_bytes``, else :class:`ModelLinearisation` (valid inside the block only);
+    ``reference_objective`` = the exact calibration error of the compared output at ``model``."""
+    with site_linearisation(model, site, tasks, spec, device) as batches:
+        size = jacobian_bytes_of(batches)
+        formed = size <= params.jacobian_max_bytes
+        if not formed and not matrix_free:
+            raise JacobianTooLarge(f"the per-sample Jacobians at {site.name!r} take {size / 2 ** 20:.0f} MiB, above "
+                                   f"jacobian_max_bytes ({params.jacobian_max_bytes / 2 ** 20:.0f} MiB)")
+        operator: Any = (formed_samples(batches) if formed
+                         else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
+        yield operator, formed, float(sum(b.weight * float(np.sum(b.target ** 2)) for b in batches))
+
+
 def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
                params: OutputSpaceRunParams, *, matrix_free: bool = True) -> OutputSpaceLayer:
     """Linearise ``model`` (unchanged) at ``site`` on every task's batches
@@ -307,18 +348,10 @@ def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: 
     matrix-free when the Jacobians exceed ``params.jacobian_max_bytes``."""
     t0 = time.perf_counter()
     cg_tol, cert_tol = precision_tolerances(next(model.parameters()).dtype)
-    with site_linearisation(model, site, tasks, spec, device) as batches:
-        size = jacobian_bytes_of(batches)
-        formed = size <= params.jacobian_max_bytes
-        if not formed and not matrix_free:
-            raise JacobianTooLarge(f"the per-sample Jacobians at {site.name!r} take {size / 2 ** 20:.0f} MiB, above "
-                                   f"jacobian_max_bytes ({params.jacobian_max_bytes / 2 ** 20:.0f} MiB)")
-        operator: Any = (formed_samples(batches) if formed
-                         else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
+    with _linearised(model, site, tasks, spec, device, params, matrix_free) as (operator, formed, reference_objective):
         scale = operator.ridge_scale()
         sol = output_space_solve(operator, ridge=params.ridge * scale, radius=params.radius, tol=cg_tol,
                                  max_iter=params.max_iter, cert_tol=cert_tol)
-        reference_objective = float(sum(b.weight * float(np.sum(b.target ** 2)) for b in batches))
     seconds = time.perf_counter() - t0
     record = {"layer": site.name, "operator": "formed" if formed else "matrix-free",
               "objective_before": reference_objective, "objective_after": sol.objective,
@@ -328,6 +361,58 @@ def solve_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: 
               "cert_tol": sol.cert_tol, "certified": sol.certified(), "iterations": sol.iterations,
               "change_norm": float(np.linalg.norm(sol.E)), "seconds": seconds, "notes": list(sol.notes)}
     return OutputSpaceLayer(site, sol, record)
+
+
+def damped_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any,
+                params: OutputSpaceRunParams, error: float, *, matrix_free: bool = True) -> OutputSpaceLayer:
+    """Levenberg-Marquardt at ``site`` (``params.steps > 1``;
+    :func:`~.output_space_damped.damped_output_space`): minimises ``F(W) + mu ||W - W_ref||^2``
+    (``F`` the true calibration error, ``error`` = ``F`` at ``model`` as it stands, ``W_ref`` the
+    site's weight there) by damped solves, each linearised at the current weight; accepted only
+    when that falls, so ``F`` at the result is at most ``error``. Formed Jacobians are reused after
+    a rejected solve; matrix-free ones are linearised again. ``model`` is left holding the result;
+    the record is :func:`solve_site`'s (of the last accepted solve) with ``steps`` (each solve:
+    ``prox`` (absolute), true ``error_before`` / ``error_after``, linearised ``predicted``,
+    ``accepted``, certificate), ``accepted_steps`` and ``calibration_after``."""
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    t0 = time.perf_counter()
+    cg_tol, cert_tol = precision_tolerances(next(model.parameters()).dtype)
+    W_ref = read_augmented(model, site)
+    operators: list[str] = []
+
+    def put(W: np.ndarray) -> None:
+        write_augmented(model, site, torch.from_numpy(W).to(W_ref.dtype))
+
+    @contextmanager
+    def linearised(W: np.ndarray) -> Iterator[tuple[Any, bool]]:
+        put(W)
+        with _linearised(model, site, tasks, spec, device, params, matrix_free) as (operator, formed, _):
+            operators.append("formed" if formed else "matrix-free")
+            yield operator, formed
+
+    def true_error(W: np.ndarray) -> float:
+        put(W)
+        return calibration_error(model, tasks, spec, device)
+
+    result = damped_output_space(W_ref.to(torch.float64).cpu().numpy(), error, linearised, true_error, DampingOptions(
+        ridge=params.ridge, prox=params.prox, damping=params.damping, relax=params.relax, steps=params.steps,
+        tol=params.tol, cg_tol=cg_tol, max_iter=params.max_iter, cert_tol=cert_tol))
+    put(result.W)
+    steps = [{"prox": st.nu, "error_before": st.error_before, "predicted": st.predicted,
+              "error_after": st.error_after, "objective_after": st.objective_after, "accepted": st.accepted,
+              "normal_residual": st.normal_residual, "certified": st.certified, "iterations": st.iterations}
+             for st in result.steps]
+    last = result.last
+    record = {"layer": site.name, "operator": "formed" if set(operators) == {"formed"} else "matrix-free",
+              "objective_before": error, "objective_after": result.value, "fit_solution": result.error,
+              "ridge_relative": params.ridge, "ridge_absolute": result.mu, "radius": None, "multiplier": 0.0,
+              "normal_residual": last.residual if last else None, "feasibility": 0.0, "complementarity": 0.0,
+              "cert_tol": cert_tol, "certified": result.certified(), "iterations": sum(s["iterations"] for s in steps),
+              "change_norm": float(np.linalg.norm(result.W - W_ref.to(torch.float64).cpu().numpy())),
+              "seconds": time.perf_counter() - t0, "notes": list(last.notes) if last else [],
+              "steps": steps, "accepted_steps": result.accepted, "calibration_after": result.error}
+    return OutputSpaceLayer(site, last, record)
 
 
 def calibration_error(model: Any, tasks: Sequence[TaskTargets], spec: OutputSpec, device: Any) -> float:
@@ -354,6 +439,16 @@ def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTarg
     tensors: dict[str, Any] = {}
     current = calibration_error(model, tasks, spec, device)
     for site in sites:
+        if params.steps > 1:
+            layer = damped_site(model, site, tasks, spec, device, params, current, matrix_free=matrix_free)
+            r = layer.record
+            r.update(calibration_before=current, step=1.0, accepted=r["accepted_steps"] > 0)
+            say(f"output_space {site.name}: {r['accepted_steps']} of {len(r['steps'])} damped solves accepted; "
+                f"true calibration error {current:.6g} -> {r['calibration_after']:.6g} ({r['seconds']:.1f} s)")
+            current = r["calibration_after"]
+            tensors.update(stored_tensors(site, read_augmented(model, site)))
+            layers.append(layer)
+            continue
         layer = solve_site(model, site, tasks, spec, device, params, matrix_free=matrix_free)
         W0 = read_augmented(model, site)
         E = torch.from_numpy(layer.solution.E)
@@ -380,10 +475,14 @@ def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTarg
     return layers, tensors
 
 
+def _g(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2g}"
+
+
 def uncertified_notes(layers: Sequence[OutputSpaceLayer]) -> list[str]:
     """A report note naming the layers whose solve is not certified (none when all are)."""
-    bad = [f"{x.site.name} (residual {x.solution.residual:.2g} > {x.solution.cert_tol:.2g})"
-           for x in layers if not x.solution.certified()]
+    bad = [f"{x.site.name} (residual {_g(x.record['normal_residual'])} > {x.record['cert_tol']:.2g})"
+           for x in layers if not x.record["certified"]]
     if not bad:
         return []
     return [f"output_space solution NOT certified at {', '.join(bad)}: raise method.params.max_iter or the ridge"]

@@ -427,6 +427,44 @@ def split_tasks(tasks: Sequence[TaskTargets], holdout: float) -> tuple[list[Task
     return fit, held
 
 
+@dataclass(frozen=True, eq=False)
+class _Frame:
+    """The start of a trust-region run over ``sites`` (each site's augmented weight as the model
+    holds it) and the sites' atoms there (``W = start + sum_a D_a B_a``), with the column block of
+    ``D`` of each site."""
+
+    start: dict[str, Any]
+    built: list[Any]
+    blocks: dict[str, slice]
+
+    @classmethod
+    def at(cls, ctx: MergeContext, sites: Sequence[LayerSite]) -> _Frame:
+        start = {s.name: read_augmented(ctx.model, s) for s in sites}
+        built = [site_atoms(ctx, s, start[s.name]) for s in sites]
+        bounds = np.cumsum([0] + [b.atoms.n_atoms for b in built])
+        blocks = {b.atoms.site.name: slice(int(lo), int(hi)) for b, lo, hi in zip(built, bounds[:-1], bounds[1:])}
+        return cls(start, built, blocks)
+
+    @property
+    def atoms(self) -> list[Any]:
+        return [b.atoms for b in self.built]
+
+    @property
+    def K(self) -> int:
+        return int(self.built[0].atoms.K)
+
+    @property
+    def n(self) -> int:
+        return sum(b.atoms.n_atoms for b in self.built)
+
+    def updates(self, D: np.ndarray) -> dict[str, Any]:
+        """Each site's weight change for the coefficients ``D`` (``(K, n)``)."""
+        import torch  # optional heavy dependency (the merge needs it; importing this module does not)
+
+        return {a.site.name: torch.from_numpy(a.param.update(D[:, self.blocks[a.site.name]], a.deltas.numpy()))
+                for a in self.atoms}
+
+
 def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: TrustRegionConfig,
                        *, mode: str = "trust_region", holdout: float = 0.0,
                        patience: int = 1, refit: bool = False) -> list[TrustRegionLayerRecord]:
@@ -442,9 +480,11 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     the lowest held-out objective (early stopping after ``patience`` accepted steps without a
     new lowest). It is never worse than the start on either part, so on the whole set neither.
     ``refit``: then run again from the start on every calibration batch for as many QP steps as
-    the held-out objective chose (early stopping's usual last step), unless it chose the start."""
-    import torch  # optional heavy dependency (the merge needs it; importing this module does not)
-
+    the held-out objective chose (early stopping's usual last step), unless it chose the start.
+    With ``refit`` and a ``ctx.held_out_start`` (a start fitted to calibration data, e.g. RegMean
+    chosen by ``start: auto``), early stopping runs from that start fitted on the fitting part only
+    (so the held-out batches are held out from the start too) and the refit, or the kept start,
+    from the start fitted on every batch that the model holds when called."""
     t0 = time.perf_counter()
     full_ctx = ctx
     held_ctx = None
@@ -452,21 +492,15 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         fit_tasks, held_tasks = split_tasks(ctx.tasks, holdout)
         ctx = dataclasses.replace(full_ctx, tasks=fit_tasks)
         held_ctx = dataclasses.replace(full_ctx, tasks=held_tasks)
-    start = {s.name: read_augmented(ctx.model, s) for s in sites}
-    built = [site_atoms(ctx, s, start[s.name]) for s in sites]
-    atoms = [b.atoms for b in built]
-    K = atoms[0].K
-    bounds = np.cumsum([0] + [a.n_atoms for a in atoms])
-    blocks = {a.site.name: slice(int(lo), int(hi)) for a, lo, hi in zip(atoms, bounds[:-1], bounds[1:])}
-    residuals = {a.site.name: a.deltas.numpy() for a in atoms}
-
-    def updates(D: np.ndarray) -> dict[str, Any]:
-        return {a.site.name: torch.from_numpy(a.param.update(D[:, blocks[a.site.name]], residuals[a.site.name]))
-                for a in atoms}
+    clean = ctx.held_out_start if held_ctx is not None and refit else None
+    if clean is not None:  # early stopping from the start fitted without the held-out batches
+        clean.load_fit()
+    frame = [_Frame.at(ctx, sites)]  # the start and its atoms (read again when the start is reloaded)
 
     def move_to(D: np.ndarray) -> dict[str, Any]:
-        up = updates(D)
-        apply_weights(ctx, sites, {name: start[name] + u for name, u in up.items()})
+        f = frame[0]
+        up = f.updates(D)
+        apply_weights(ctx, sites, {name: f.start[name] + u for name, u in up.items()})
         return up
 
     first: list[FirstOrderStats] = []
@@ -474,9 +508,10 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     fitting = [ctx]  # the calibration part the QPs and the acceptance use (all of it when refitting)
 
     def linearise(D: np.ndarray) -> MergeQP:
+        f = frame[0]
         up = move_to(D)
-        now = [dataclasses.replace(a, offset=up[a.site.name] if np.any(D[:, blocks[a.site.name]]) else None)
-               for a in atoms]
+        now = [dataclasses.replace(a, offset=up[a.site.name] if np.any(D[:, f.blocks[a.site.name]]) else None)
+               for a in f.atoms]
         stats = collect_first_order(ctx.model, now, fitting[0].tasks, ctx.spec, ctx.device, model_names=ctx.model_names,
                                     chunk_size=ctx.settings.chunk_size, progress=ctx.progress,
                                     jacobian_mode=ctx.settings.jacobian_mode)
@@ -488,8 +523,8 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         move_to(D)
         return calibration_objective(fitting[0])
 
-    cset = as_constraint_set(constraint_sets(ctx.settings, atoms) or None)
-    d0 = np.zeros((K, int(bounds[-1])))
+    cset = as_constraint_set(constraint_sets(ctx.settings, frame[0].atoms) or None)
+    d0 = np.zeros((frame[0].K, frame[0].n))
     viol = cset.violation(d0)
     if viol > 1e-9:
         raise ValidationError(
@@ -506,6 +541,10 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     # the whole calibration set's objective at the start (D = 0: no ridge term; the parts add up)
     start_full = result.start_objective + (result.validation_start or 0.0)
     selection = None
+    if clean is not None:  # back to the start fitted on every batch: the refit (or the result) begins there
+        clean.load_full()
+        frame[0] = _Frame.at(ctx, sites)
+        start_full = calibration_objective(full_ctx)
     if held_ctx is not None and refit and result.chosen_step is not None:
         # early stopping chose how many QP steps to take; take that many on every calibration batch
         selection, fitting[0], first[:] = result, full_ctx, []
@@ -525,8 +564,11 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     linearised = step.true_before - step.predicted if step is not None else result.start_objective
     if held_ctx is not None and selection is None:  # the QP modelled the fitting part; the held-out part is exact
         linearised += float(result.validation)
+    if clean is not None and selection is None:  # early stopping kept the start: the one fitted on every batch
+        linearised = start_full
     certificate = _steps_certificate(result)
     stats = first[0]
+    atoms, built, blocks = frame[0].atoms, frame[0].built, frame[0].blocks
     seconds = time.perf_counter() - t0
     return [TrustRegionLayerRecord(
         layer=a.site.name, mode=mode, objective_before=start_full, objective_after=float(linearised),

@@ -3,7 +3,7 @@
 A start-using mode (``trust_region``, ``hybrid``) begins from a baseline merged on every tensor.
 With ``start: auto`` the run layer merges each candidate in turn (by default the soup, task
 arithmetic at three weights, TIES, RegMean and the full-matrix ``output_space`` merge at three
-ridges) and scores it by the merge's own objective (the configured ``output:`` block and metric)
+ridges, by damped Gauss-Newton steps) and scores it by the merge's own objective (the configured ``output:`` block and metric)
 on calibration batches it was not fitted to; the lowest score is the start. No test data is
 involved. Listing one method at several settings (the defaults do so for task arithmetic's
 weight and ``output_space``'s ridge) chooses the setting the same way; a ``{name: qp, params:
@@ -26,6 +26,9 @@ tokens), solves linear sites only, and is a candidate only where its per-sample 
 ``method: auto`` (:data:`AUTO_METHOD`, also the default method) is the recommended merge: a
 trust-region QP over the selected layers from this start, early stopping on the last quarter of
 each task's calibration batches and refitted on all of them (``docs/hf.md``, "method: auto").
+When the chosen start was fitted to calibration data, the trust region's early stopping runs from
+its fit without those held-out batches (:func:`held_out_fit`), so they are held out from the start
+too, and the result from its fit on every batch.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ from ..errors import ConfigError, MergeQPError, parse_params
 #: the start name that selects among candidates
 AUTO = "auto"
 
+#: damped Gauss-Newton solves per site of the ``output_space`` candidates (a cap: each stops when
+#: a step gains less than its ``tol``); one undamped solve from RegMean is rejected on ReLU
+#: networks (docs/mnist.md), the damped steps are not
+OUTPUT_SPACE_STEPS = 60
+
 #: the candidates of ``start: auto`` when none are given: the tensor-wise baselines at their
 #: defaults (task arithmetic at three weights), RegMean and the full-matrix output-space merge at
 #: three relative ridges (so its ridge, too, is chosen on the held-out batches)
@@ -53,9 +61,9 @@ DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "task_arithmetic", "params": {"scaling": 1.0}},
     {"name": "ties"},
     {"name": "regmean", "params": {"alpha": 0.9}},
-    {"name": "output_space", "params": {"ridge": 0.01}},
-    {"name": "output_space", "params": {"ridge": 0.1}},
-    {"name": "output_space", "params": {"ridge": 1.0}},
+    {"name": "output_space", "params": {"ridge": 0.01, "steps": OUTPUT_SPACE_STEPS}},
+    {"name": "output_space", "params": {"ridge": 0.1, "steps": OUTPUT_SPACE_STEPS}},
+    {"name": "output_space", "params": {"ridge": 1.0, "steps": OUTPUT_SPACE_STEPS}},
 )
 
 #: the candidate that is a full-matrix solve at a reference, not a registered baseline
@@ -197,6 +205,19 @@ class StartSelection:
                          f"task's), the candidates fitted on the others")
         return {"criterion": criterion, "folds": self.folds, "holdout": self.holdout, "chosen": self.chosen.label,
                 "candidates": [c.to_json() for c in self.candidates]}
+
+
+def held_out_fit(params: AutoStartParams, mode_holdout: float) -> tuple[int, int | None]:
+    """``(fits, index)``: how many fits a data-dependent candidate's statistics take, and which of
+    them is its fit without the mode's held-out batches (``mode_holdout``: the fraction a mode
+    holds out from a start it refits, :meth:`~mergeqp.merge.modes.MergeMode.start_holdout`;
+    ``None`` when 0). With ``folds: 1`` and the same fraction that is the one split's fit; else one
+    more fit, on each task's batches but the last :func:`~mergeqp.merge.trust_region.holdout_count`."""
+    if mode_holdout <= 0:
+        return params.fits, None
+    if params.folds == 1 and params.holdout == mode_holdout:
+        return params.fits, 0
+    return params.fits + 1, params.fits
 
 
 class CandidateSkipped(MergeQPError):

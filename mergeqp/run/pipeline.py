@@ -31,6 +31,7 @@ atoms are built. A layer whose certificate is missing or failed is never counted
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 from collections.abc import Callable, Sequence
@@ -58,10 +59,10 @@ from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics,
 from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
 from ..merge.firstorder import TaskTargets
 from ..merge.modes import get_merge_mode, run_mode
-from ..merge.multilayer import MergeContext, WeightSource, calibration_objective
+from ..merge.multilayer import HeldOutStart, MergeContext, WeightSource, calibration_objective
 from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
 from ..merge.output_space_hf import JacobianTooLarge, parse_run_params, solve_sites, uncertified_notes
-from ..merge.trust_region import no_holdout_error
+from ..merge.trust_region import holdout_count, no_holdout_error, split_tasks
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
@@ -69,9 +70,9 @@ from ..merge.report import report_files
 from ..merge.sites import checkpoint_names, read_augmented, site_module, stored_tensors
 from ..stats.parametrisation import get_parametrisation
 from ..stats.prefix import frozen_prefix
+from .architectures import architecture_class
 from .plan import (
     MergePlan,
-    architecture_class,
     build_plan,
     evaluates_baseline,
     is_output_space,
@@ -86,6 +87,7 @@ from .auto import (
     CandidateScore,
     StartSelection,
     batch_splits,
+    held_out_fit,
     is_auto_start,
     parse_auto_params,
     regmean_reference,
@@ -429,6 +431,7 @@ class _Run:
                 t = time.perf_counter()
                 selection = auto.select(ctx)
                 start_overrides = selection.overrides
+                ctx = dataclasses.replace(ctx, held_out_start=auto.held_out_start(ctx, selection))
                 before = evaluate_model(model)
                 start_eval = ModelEvaluation(**before, method=selection.chosen.name, params=selection.chosen.params,
                                              seconds=time.perf_counter() - t)
@@ -572,8 +575,13 @@ class _AutoStart:
         # a tensor equal in the base and every fine-tune is the base's in every candidate: only
         # the others are merged (and RegMean's statistics are collected for their layers only)
         self.floats = _changed_keys(run.plan, run.plan.float_keys())
+        m = run.cfg.method
+        # the batches the mode holds out from its start (trust region with refit): a data-dependent
+        # winner is also fitted without them, for the mode's early stopping
+        self.mode_holdout = get_merge_mode(m.mode).start_holdout(m.mode_options)
+        fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
-                                   for _ in range(params.fits)]
+                                   for _ in range(fits)]
                            for c in statistics_candidates(params, statistics_of)}
         self.notes: list[str] = []
 
@@ -582,9 +590,12 @@ class _AutoStart:
             raise ValidationError(f"start: auto with {self.params.folds} folds: task {name!r} has "
                                   f"{len(batches)} calibration batch(es), at least 2 are needed (more prompts or a "
                                   f"smaller calibration.batch_size, or folds: 1)")
-        fits = [fit for fit, _ in batch_splits(len(batches), self.params)]
+        n = len(batches)
+        fits = [fit for fit, _ in batch_splits(n, self.params)]
         if self.params.folds > 1:
-            fits.append(list(range(len(batches))))
+            fits.append(list(range(n)))
+        if self.held_out_index is not None and self.held_out_index == len(fits):
+            fits.append(list(range(n - holdout_count(n, self.mode_holdout))))
         for per_split in self.collectors.values():
             for collector, fit in zip(per_split, fits):
                 collector(index, name, model, [batches[j] for j in fit])
@@ -608,18 +619,10 @@ class _AutoStart:
         def score(tasks: Sequence[TaskTargets]) -> float:
             return calibration_objective(dataclasses.replace(ctx, tasks=tasks)) if tasks else 0.0
 
-        def fitted(cand: Candidate, split: int, fit: Sequence[TaskTargets]) -> dict[str, Any]:
-            if cand.name == OUTPUT_SPACE:
-                return self.output_space(ctx, cand, fit, split)
-            if cand.name == QP_CANDIDATE:
-                return self.qp(ctx, cand, fit)
-            collector = self.collectors[cand.key][split]
-            merged = collector.merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
-            self.notes.extend(n for n in collector.notes if n not in self.notes)
-            return merged
+        fitted = functools.partial(self._fitted, ctx)
 
         def evaluate(cand: Candidate) -> CandidateScore:
-            if cand.name not in (OUTPUT_SPACE, QP_CANDIDATE) and cand.key not in self.collectors:  # data-free
+            if not self._needs_data(cand):
                 tensors = baseline_merge(run.plan, cand.name, cand.params, self.floats)
                 _load_into(ctx.model, tensors)
                 return sum(score(held) for _, held in splits), lambda: tensors
@@ -634,6 +637,36 @@ class _AutoStart:
             return total, lambda: last
 
         return select_start(self.params, evaluate, lambda tensors: _load_into(ctx.model, tensors), run.say)
+
+    def _needs_data(self, cand: Candidate) -> bool:
+        return cand.name in (OUTPUT_SPACE, QP_CANDIDATE) or cand.key in self.collectors
+
+    def _fitted(self, ctx: MergeContext, cand: Candidate, split: int, fit: Sequence[TaskTargets]) -> dict[str, Any]:
+        """``cand``'s tensors fitted on the ``fit`` batches (``split``: the index of its statistics' fit)."""
+        if cand.name == OUTPUT_SPACE:
+            return self.output_space(ctx, cand, fit, split)
+        if cand.name == QP_CANDIDATE:
+            return self.qp(ctx, cand, fit)
+        collector = self.collectors[cand.key][split]
+        merged = collector.merge(self.run.plan, self.floats, DEFAULT_CHUNK_BYTES)
+        self.notes.extend(n for n in collector.notes if n not in self.notes)
+        return merged
+
+    def held_out_start(self, ctx: MergeContext, selection: StartSelection) -> HeldOutStart | None:
+        """The chosen start as :class:`~mergeqp.merge.multilayer.HeldOutStart` where it was fitted to
+        calibration data and the mode holds batches out from its start (``None`` otherwise): its fit
+        without those batches, and its fit on every batch (the tensors the model holds now)."""
+        chosen = next(c for c in self.params.candidates if c.label == selection.chosen.label)
+        if self.held_out_index is None or not self._needs_data(chosen):
+            return None
+        fit, _ = split_tasks(ctx.tasks, self.mode_holdout)
+        tensors = self._fitted(ctx, chosen, self.held_out_index, fit)
+        _load_into(ctx.model, selection.overrides)
+        self.notes.append(f"start auto: the trust region's early stopping ran from {chosen.label} fitted without "
+                          f"its held-out batches (the last {self.mode_holdout:g} of each task's); the result from "
+                          f"{chosen.label} fitted on every batch")
+        return HeldOutStart(chosen.label, lambda: _load_into(ctx.model, tensors),
+                            lambda: _load_into(ctx.model, selection.overrides))
 
     def qp(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets]) -> dict[str, Any]:
         """A ``{name: qp, params: {...}}`` candidate: its QP mode run from the base on the fit

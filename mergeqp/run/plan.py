@@ -18,7 +18,16 @@ from typing import Any
 
 import numpy as np
 
-from .auto import OUTPUT_SPACE, QP_CANDIDATE, candidate_notes, is_auto_start, parse_auto_params, statistics_candidates
+from .architectures import architecture_class, model_config
+from .auto import (
+    OUTPUT_SPACE,
+    QP_CANDIDATE,
+    candidate_notes,
+    held_out_fit,
+    is_auto_start,
+    parse_auto_params,
+    statistics_candidates,
+)
 from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError
@@ -29,7 +38,7 @@ from ..io.calibration import (
     read_prompts,
     read_tensor_inputs,
 )
-from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
+from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
@@ -275,28 +284,11 @@ def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
             )
 
 
-def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
-    """The ``transformers`` class named by ``config["architectures"][0]`` (``AutoModel`` if none)."""
-    import transformers  # optional heavy dependency, imported on first use (importing mergeqp stays light)
-
-    archs = (config or {}).get("architectures") or []
-    if archs:
-        cls = getattr(transformers, archs[0], None)
-        if cls is None:
-            raise ConfigError(f"{where}: architecture {archs[0]!r} is not known to transformers {transformers.__version__}")
-        return cls
-    return transformers.AutoModel
-
-
 def skeleton(folder: Path) -> Any:
     """The model built on the ``meta`` device (module structure and shapes, no storage)."""
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
-    from transformers import AutoConfig  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
-    try:
-        config = AutoConfig.from_pretrained(str(folder))
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"cannot read the model config of {folder}: {exc}") from None
+    config = model_config(folder, read_config(folder))
     cls = architecture_class(config.to_dict(), str(folder))
     try:
         with torch.device("meta"):
@@ -627,9 +619,11 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     if is_auto_start(m.start):
         assert m.start is not None
         auto = parse_auto_params(m.start.params)
-        out["start candidates (the best and the current, all tensors)"] = 2 * plan.base.total_bytes
+        fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
+        out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
+            (2 if held_fit is None else 3) * plan.base.total_bytes)
         for need in statistics_candidates(auto, statistics_of):
-            out[f"{need.label} statistics (all tensors, {auto.fits} fit(s))"] = auto.fits * _statistics_bytes(
+            out[f"{need.label} statistics (all tensors, {fits} fit(s))"] = fits * _statistics_bytes(
                 plan, need.name, plan.float_keys())
     elif mode.uses_start and m.start is not None:
         out["start merge (all tensors)"] = plan.base.total_bytes

@@ -32,6 +32,9 @@ def tiny_config() -> Callable[[], MnistConfig]:
             trust_region=TrustRegionConfig(max_qps=3),
             geometry_p=(2, 8), random_seeds=(0,),
             output_space=OutputSpaceConfig(steps=3),
+            # method: auto with few candidates and folds (the defaults take minutes)
+            auto_method={"name": "auto", "params": {"folds": 2, "candidates": [
+                "soup", "regmean", {"name": "output_space", "params": {"ridge": 0.1, "steps": 3}}]}},
         )
 
     return _tiny_config

@@ -72,7 +72,7 @@ def test_all_numbers_finite(run):
     _, results = run
     # non-finite floats would have been written as null: only "no linearised value" may be null
     allowed_null = {f"results.methods.{n}.calibration.linearised" for n in ("dare", "ties", "fisher",
-                                                                            "regmean", "output_space")}
+                                                                            "regmean", "output_space", "auto")}
     for part in ("methods", "geometry", "solvers", "problem", "coefficients"):
         for path, v in _leaves(results[part], f"results.{part}"):
             if v is None:
@@ -183,13 +183,32 @@ def test_output_space_from_regmean(run):
     assert sel["mean_errors"][sel["candidates"].index(sel["chosen"])] == min(sel["mean_errors"])
     with open(os.path.join(out, "report.md")) as fh:
         assert "## output_space: full-matrix output-space merge from RegMean" in fh.read()
-    rec = results["recommendation"]
-    assert rec["recommended"] == results["recommended"] == mnist_mod.RECOMMENDED
+    rec = results["held_out_comparison"]
     assert set(rec["fold_errors"]) == {"regmean", "qp_tr_regmean", "output_space"}
     assert all(len(e) == 3 and min(e) > 0 for e in rec["fold_errors"].values())
     assert rec["lowest"] == min(rec["mean_errors"], key=rec["mean_errors"].get)
+
+
+def test_auto_is_the_run_layers_default_merge(run):
+    """auto: mergeqp merge's method: auto run through the run layer on the MLP written as Hugging
+    Face folders: its start is the candidate with the lowest held-out objective, its true
+    calibration error (the experiment's own evaluation) equals the run's objective and is never
+    above the start's; it is the recommended merge and claim (i) tests it; the report shows it."""
+    out, results = run
+    auto, methods = results["auto"], results["methods"]
+    assert results["recommended"] == mnist_mod.RECOMMENDED == "auto"
+    sel = auto["start_selection"]
+    scored = [c for c in sel["candidates"] if c.get("validation") is not None]
+    assert sel["chosen"] == min(scored, key=lambda c: c["validation"])["label"]
+    true = methods["auto"]["calibration"]["true"]
+    assert true == pytest.approx(auto["objective"], rel=1e-9)
+    assert true <= auto["start_objective"] * (1 + 1e-9)
     claim_i = next(c for c in results["claims"] if c["id"] == "i")
-    assert results["recommended"] in claim_i["detail"]
+    assert claim_i["passed"] and sel["chosen"] in claim_i["detail"]
+    with open(os.path.join(out, "report.md")) as fh:
+        report = fh.read()
+    assert "## auto: the recommended merge" in report and "| **auto (recommended)** |" in report
+    assert f"| **`{sel['chosen']}`** |" in report
 
 
 def test_figures_report_and_claims_table(run):

@@ -97,6 +97,12 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     assert results["mode"] == "quick" and results["seed"] == 3
     assert set(results["methods"]) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto"}
     assert results["trained"] == [LAYER + ".weight", LAYER + ".bias"] and results["layers"] == [LAYER]
+    # one merged layer: sequential and joint are the single QP, reported as such and not run again
+    for mode in ("sequential", "joint"):
+        entry = results["methods"][f"qp_{mode}"]
+        assert entry["same_as"] == "qp_single" and entry["method"]["mode"] == mode
+        assert entry["test"] == results["methods"]["qp_single"]["test"]
+    assert "qp_sequential (= qp_single: one merged layer)" in (out / "report.md").read_text()
     for name, m in results["methods"].items():
         for part in ("calibration", "test"):
             assert set(m[part]["tasks"]) == {"a", "b", "c"}, name

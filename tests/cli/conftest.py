@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
@@ -183,8 +184,11 @@ def interrupt_child() -> Callable[..., tuple[int, str]]:
 
     def _interrupt(script: str, args: list[str], announce: str, signum: int, settle: float = 0.0) -> tuple[int, str]:
         env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # SIGINT as in a terminal even where this run inherited it ignored (a job started in the
+        # background by a non-interactive shell): a child that ignores it would never be interrupted
         proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+                                stderr=subprocess.PIPE, text=True, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             assert proc.stdout.readline().strip() == announce, proc.stderr.read()
             time.sleep(settle)

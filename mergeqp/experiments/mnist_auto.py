@@ -27,11 +27,13 @@ from .models import MLP
 
 @dataclass(frozen=True, eq=False)
 class AutoMerge:
-    """The merged model, the run's ``report.json`` mapping and the wall time of the run."""
+    """The merged model, the run's ``report.json`` mapping, the wall time of the run and the
+    config's ``method`` block (``None``: the config had none, i.e. the default ``method: auto``)."""
 
     model: MLP
     report: dict[str, Any]
     seconds: float
+    method: dict[str, Any] | None = None
 
     @property
     def start_objective(self) -> float:
@@ -45,7 +47,8 @@ class AutoMerge:
 
     def to_dict(self) -> dict[str, Any]:
         tr = self.report.get("trust_region") or {}
-        return {"method": self.report.get("method"), "seconds": self.seconds,
+        return {"method": self.method if self.method is not None else "auto (no method key: the default)",
+                "seconds": self.seconds,
                 "start": self.report["evaluation"]["start"].get("method"),
                 "start_params": self.report["evaluation"]["start"].get("params"),
                 "start_objective": self.start_objective, "objective": self.objective,
@@ -89,7 +92,7 @@ def auto_merge(base: MLP, finetuned: Sequence[MLP], task_names: Sequence[str], c
         # the written checkpoint, read back: what a user of the merged folder gets
         merged = to_mlp(MlpForClassification.from_pretrained(str(root / "merged"), dtype=torch.float64))
         report = result.report
-    return AutoMerge(merged, report, time.perf_counter() - t0)
+    return AutoMerge(merged, report, time.perf_counter() - t0, None if method is None else dict(method))
 
 
 __all__ = ["AutoMerge", "auto_merge"]

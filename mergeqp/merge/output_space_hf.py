@@ -428,8 +428,10 @@ def solve_sites(model: Any, sites: Sequence[LayerSite], tasks: Sequence[TaskTarg
     error is corrected twice. A site's update ``W + step E`` is accepted with the first step of
     ``1, 1/2, ...`` (``params.backtracks`` halvings) that does not raise the *true* calibration
     error, else the site keeps its weight (``step`` 0): the merged model's calibration error is
-    never above the reference's. ``model`` is left holding the merge; returns the layers (records
-    with ``calibration_before`` / ``calibration_after`` / ``step`` / ``accepted``) and the sites'
+    never above the reference's. With ``params.steps > 1`` each site takes :func:`damped_site`'s
+    damped solves instead (accepted on the same true error plus the ridge term, so never above it
+    either). ``model`` is left holding the merge; returns the layers (records with
+    ``calibration_before`` / ``calibration_after`` / ``step`` / ``accepted``) and the sites'
     checkpoint tensors (stored layout, float64)."""
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 

@@ -118,8 +118,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "calibration before | calibration after | s |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in os_layers:
+            # damped steps (steps > 1): J after is the true error plus the ridge term, the step column the solves kept
+            step = f"{r['accepted_steps']} of {len(r['steps'])} damped" if r.get("steps") else _f(r["step"])
             lines.append(f"| `{r['layer']}` | {r['operator']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
-                         f"{_f(r['normal_residual'], 3)} | {_f(r['certified'])} | {r['iterations']} | {_f(r['step'])} | "
+                         f"{_f(r['normal_residual'], 3)} | {_f(r['certified'])} | {r['iterations']} | {step} | "
                          f"{_f(r['calibration_before'])} | {_f(r['calibration_after'])} | {_f(r['seconds'], 3)} |")
 
     with_basis = [r for r in layers if r.get("basis")]

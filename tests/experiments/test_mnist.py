@@ -197,6 +197,7 @@ def test_auto_is_the_run_layers_default_merge(run):
     out, results = run
     auto, methods = results["auto"], results["methods"]
     assert results["recommended"] == mnist_mod.RECOMMENDED == "auto"
+    assert auto["method"]["name"] == "auto"  # the tiny config's method block (none by default: the CLI default)
     sel = auto["start_selection"]
     scored = [c for c in sel["candidates"] if c.get("validation") is not None]
     assert sel["chosen"] == min(scored, key=lambda c: c["validation"])["label"]

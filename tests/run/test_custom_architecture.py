@@ -29,6 +29,7 @@ from mergeqp.experiments.mnist_auto import auto_merge
 from mergeqp.experiments.models import MLP
 from mergeqp.experiments.output_space import OutputSpaceConfig, output_space_merge
 from mergeqp.experiments.trust_region import calibration_error, calibration_targets
+from mergeqp.merge.report import render_markdown
 from mergeqp.run.architectures import ARCHITECTURES, architecture_class, register_architecture
 
 N_PER_TASK = 16
@@ -92,6 +93,7 @@ def test_damped_output_space_equals_the_experiments_levenberg_marquardt(mlps):
     assert layer["calibration_after"] == pytest.approx(got, rel=1e-9) and got <= expected.start_error
     assert layer["accepted_steps"] == sum(s.accepted for s in expected.steps)
     torch.testing.assert_close(res.model.layer2.weight, expected.model.layer2.weight, rtol=1e-6, atol=1e-8)
+    assert f"| {layer['accepted_steps']} of {len(layer['steps'])} damped |" in render_markdown(res.report)
 
 
 def test_damped_output_space_refuses_a_radius(mlps):

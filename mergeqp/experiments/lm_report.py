@@ -15,7 +15,7 @@ import numpy as np
 from ..io.atomic import savefig_atomic, write_text_atomic
 from .lm_claims import ceiling_ce
 from .plots import _pyplot
-from ..merge.report import start_selection_table
+from ..merge.report import start_selection_lines
 from .report import _f, _table
 
 KIND_COLOUR = {"qp": "tab:green", "baseline": "tab:blue", "mergekit": "tab:orange", "reference": "tab:gray"}
@@ -75,7 +75,7 @@ def render_report(results: dict[str, Any]) -> str:
         f"**{'PASS' if goal['passed'] else 'FAIL'}**: {goal['detail']}.", "",
         f"Recommended merge: `{rec.get('method')}`, chosen by the rule: {rec.get('rule')} "
         f"(calibration CE {_f(rec.get('mean_calibration_ce'))}).", "",
-        *_start_selection(rec),
+        *start_selection_lines(rec),
         "## Methods (means over domains; held-out test texts)", "",
         "CE: next-token cross-entropy (nats per predicted token); logit MSE and KL: teacher-forced, to the "
         "domain's fine-tune (MSE per logit, KL(fine-tune || model) per token). `merge s`: wall time of the "
@@ -99,15 +99,6 @@ def render_report(results: dict[str, Any]) -> str:
     if results.get("figures"):
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in results["figures"]]
     return "\n".join(lines) + "\n"
-
-
-def _start_selection(rec: dict[str, Any]) -> list[str]:
-    """The recommended merge's start selection (``start: auto``) as a table, when it has one."""
-    sel = rec.get("start_selection")
-    if not sel:
-        return []
-    return [f"Its start, chosen by the {sel['criterion']} (objective: the merge's metric, summed):", "",
-            *start_selection_table(sel), ""]
 
 
 def _settings_text(config: dict[str, Any]) -> str:

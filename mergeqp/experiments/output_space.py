@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import ValidationError
 from ..merge.output_space import samples_from_stats
-from ..merge.output_space_damped import DampingOptions, damped_output_space
+from ..merge.output_space_damped import DampedStep, DampingOptions, damped_output_space
 from ..stats import collect_statistics
 from ..stats.apply import set_linear_weights
 from ..stats.hooks import augmented_weight, resolve_linear
@@ -55,22 +55,6 @@ class OutputSpaceConfig:
                                   f"damping > 1, relax >= 1, cg_tol > 0, cg_iterations >= 1; got {self}")
 
 
-@dataclass(frozen=True)
-class OutputSpaceStep:
-    """One solve: ``mu``, the true error before, the linearised prediction, the true error after,
-    whether accepted, the solve's relative normal-equation residual, CG iterations, seconds."""
-
-    mu: float
-    error_before: float
-    predicted: float
-    error_after: float
-    accepted: bool
-    normal_residual: float
-    certified: bool
-    iterations: int
-    seconds: float
-
-
 @dataclass(frozen=True, eq=False)
 class OutputSpaceResult:
     """The merged model, its augmented layer weight ``(r, m1)``, the start's and the final true
@@ -82,11 +66,11 @@ class OutputSpaceResult:
     error: float
     ridge: float
     scale: float
-    steps: tuple[OutputSpaceStep, ...] = field(default=())
+    steps: tuple[DampedStep, ...] = field(default=())
 
     def to_dict(self) -> dict[str, Any]:
         return {"start_error": self.start_error, "error": self.error, "ridge": self.ridge, "scale": self.scale,
-                "steps": [asdict(s) for s in self.steps],
+                "steps": [s.record("mu") for s in self.steps],
                 "accepted": sum(s.accepted for s in self.steps)}
 
 
@@ -128,10 +112,5 @@ def output_space_merge(start_model: Any, finetuned_models: Sequence[Any], layer:
         cg_tol=cfg.cg_tol, max_iter=cfg.cg_iterations))
     W = damped.W
     current = start_model if not damped.accepted else at(W)
-    error, scale = damped.error, damped.scale
-    steps = [OutputSpaceStep(mu=st.nu, error_before=st.error_before, predicted=st.predicted,
-                             error_after=st.error_after, accepted=st.accepted, normal_residual=st.normal_residual,
-                             certified=st.certified, iterations=st.iterations, seconds=st.seconds)
-             for st in damped.steps]
-    return OutputSpaceResult(model=current, weight=W, start_error=start_error, error=error, ridge=cfg.ridge,
-                             scale=float(scale), steps=tuple(steps))
+    return OutputSpaceResult(model=current, weight=W, start_error=start_error, error=damped.error, ridge=cfg.ridge,
+                             scale=float(damped.scale), steps=damped.steps)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import write_text_atomic
-from ..merge.report import start_selection_table
+from ..merge.report import start_selection_lines
 from .claims import claims_table
 
 
@@ -212,27 +212,20 @@ def auto_lines(results: dict[str, Any]) -> list[str]:
     auto = results.get("auto")
     if not auto:
         return []
-    sel = auto.get("start_selection") or {}
     tr = auto.get("trust_region") or {}
-    held = tr.get("holdout") or {}
-    lines = [
+    return [
         "## auto: the recommended merge (`mergeqp merge`'s default, `method: auto`)",
         "",
         (f"The run layer's own default merge on the same calibration digits (the models written as Hugging Face "
-         f"folders, {auto['seconds']:.0f} s): the start chosen by {sel.get('criterion', '?')}; then trust-region "
-         f"QPs (rows, no constraint) with early stopping on held-out calibration batches. Test digits are never "
-         f"seen."),
+         f"folders, {auto['seconds']:.0f} s), then trust-region QPs (rows, no constraint) with early stopping on "
+         f"held-out calibration batches. Test digits are never seen."),
         "",
-        *start_selection_table(sel),
-        "",
-        (f"Chosen start `{sel.get('chosen')}`: true calibration error {_f(auto['start_objective'], 7)}; after the "
-         f"trust region {_f(auto['objective'], 7)} ({tr.get('n_accepted')} of {tr.get('n_steps')} steps accepted; "
-         f"{tr.get('stop_reason')}"
-         + (f"; held-out objective at the start {_f(held.get('validation_start'), 7)}, chosen step "
-            f"{held.get('chosen_step')}" if held else "") + ")."),
+        *start_selection_lines(auto),
+        (f"Chosen start `{(auto.get('start_selection') or {}).get('chosen')}`: true calibration error "
+         f"{_f(auto['start_objective'], 7)}; after the trust region {_f(auto['objective'], 7)} "
+         f"({tr.get('n_accepted')} of {tr.get('n_steps')} steps accepted; {tr.get('stop_reason')})."),
         "",
     ]
-    return lines
 
 
 def render_report(results: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import savefig_atomic, write_text_atomic
-from ..merge.report import start_selection_table
+from ..merge.report import start_selection_lines
 from .report import _f, _table
 
 BASELINE_NAMES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
@@ -127,24 +127,6 @@ def evaluate_goal(results: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- report
-def start_selection_lines(entry: dict[str, Any]) -> list[str]:
-    """A merge's start selection (``start: auto``) as a table, when it has one."""
-    sel = entry.get("start_selection")
-    if not sel:
-        return []
-    tr = entry.get("trust_region") or {}
-    held = tr.get("holdout") or {}
-    steps = ""
-    if held:
-        chosen = held.get("chosen_step")
-        steps = (f" From it, early stopping on those batches chose {0 if chosen is None else chosen + 1} "
-                 f"trust-region step(s) (held-out objective {_f(held.get('validation_start'))} -> "
-                 f"{_f(held.get('validation_result'))})")
-        steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
-                  if held.get("refit") else ".")
-    return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
-
-
 def _command(results: dict[str, Any]) -> str:
     parts = ["mergeqp experiment text"] + (["--quick"] if results.get("mode") == "quick" else [])
     parts += [f"--seed {results['seed']}", "--out DIR"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,10 @@ class DampedStep:
     certified: bool
     iterations: int
     seconds: float
+
+    def record(self, nu_key: str) -> dict[str, Any]:
+        """The step as a JSON mapping, its proximal weight under ``nu_key`` (each caller's own name)."""
+        return {(nu_key if k == "nu" else k): v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True, eq=False)

@@ -395,21 +395,19 @@ def damped_site(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec:
         put(W)
         return calibration_error(model, tasks, spec, device)
 
-    result = damped_output_space(W_ref.to(torch.float64).cpu().numpy(), error, linearised, true_error, DampingOptions(
+    ref = W_ref.to(torch.float64).cpu().numpy()
+    result = damped_output_space(ref, error, linearised, true_error, DampingOptions(
         ridge=params.ridge, prox=params.prox, damping=params.damping, relax=params.relax, steps=params.steps,
         tol=params.tol, cg_tol=cg_tol, max_iter=params.max_iter, cert_tol=cert_tol))
     put(result.W)
-    steps = [{"prox": st.nu, "error_before": st.error_before, "predicted": st.predicted,
-              "error_after": st.error_after, "objective_after": st.objective_after, "accepted": st.accepted,
-              "normal_residual": st.normal_residual, "certified": st.certified, "iterations": st.iterations}
-             for st in result.steps]
+    steps = [st.record("prox") for st in result.steps]
     last = result.last
     record = {"layer": site.name, "operator": "formed" if set(operators) == {"formed"} else "matrix-free",
               "objective_before": error, "objective_after": result.value, "fit_solution": result.error,
               "ridge_relative": params.ridge, "ridge_absolute": result.mu, "radius": None, "multiplier": 0.0,
               "normal_residual": last.residual if last else None, "feasibility": 0.0, "complementarity": 0.0,
               "cert_tol": cert_tol, "certified": result.certified(), "iterations": sum(s["iterations"] for s in steps),
-              "change_norm": float(np.linalg.norm(result.W - W_ref.to(torch.float64).cpu().numpy())),
+              "change_norm": float(np.linalg.norm(result.W - ref)),
               "seconds": time.perf_counter() - t0, "notes": list(last.notes) if last else [],
               "steps": steps, "accepted_steps": result.accepted, "calibration_after": result.error}
     return OutputSpaceLayer(site, last, record)

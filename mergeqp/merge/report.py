@@ -56,6 +56,27 @@ def start_selection_table(selection: dict[str, Any]) -> list[str]:
     return lines
 
 
+def start_selection_lines(entry: dict[str, Any]) -> list[str]:
+    """A merge's start selection (``start: auto``: ``entry["start_selection"]``) as Markdown lines:
+    the criterion, what the trust region's early stopping made of the start
+    (``entry["trust_region"]["holdout"]``, when there is one) and :func:`start_selection_table`;
+    none when the merge has no start selection."""
+    sel = entry.get("start_selection")
+    if not sel:
+        return []
+    tr = entry.get("trust_region") or {}
+    held = tr.get("holdout") or {}
+    steps = ""
+    if held:
+        chosen = held.get("chosen_step")
+        steps = (f" From it, early stopping on those batches chose {0 if chosen is None else chosen + 1} "
+                 f"trust-region step(s) (held-out objective {_f(held.get('validation_start'))} -> "
+                 f"{_f(held.get('validation_result'))})")
+        steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
+                  if held.get("refit") else ".")
+    return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     plan = report.get("plan", {})
     method = plan.get("method", {})

@@ -79,6 +79,15 @@ QUICK_RUNS = ("single:euclidean", "sequential:euclidean", "hybrid:euclidean", "j
               "trust_region:euclidean", RECOMMENDED_RUN)
 #: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
 BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
+#: merges besides the mode x metric grid (issue #16's): ``qp_atoms``, the recommended merge's trust
+#: region with every baseline's merged residual as an atom (``rows+baselines``: RegMean, Fisher,
+#: TIES and the tuned task arithmetic are feasible points of each step's QP); ``output_space``,
+#: the full-matrix output-space merge of the ``down_proj`` layers (KL metric on the top-k tokens:
+#: it fits the fine-tunes' outputs, so not the prompts' cross-entropy)
+EXTRA_RUNS = ("qp_atoms", "output_space")
+#: quick mode leaves out ``output_space``: its matrix-free CG took 20 of a quick run's 45 minutes
+#: (docs/lm.md)
+QUICK_EXTRA_RUNS = ("qp_atoms",)
 
 
 #: domain name -> loader of its :class:`Corpus` (``register_domain`` adds more)
@@ -121,7 +130,10 @@ class LmMergeSettings:
     arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
     (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``;
     ``mergekit`` methods (run when mergekit is importable).
-    ``solver``: the QP solver (``auto``)."""
+    ``solver``: the QP solver (``auto``). ``extra_runs`` (of :data:`EXTRA_RUNS`): ``qp_atoms``
+    (``atoms``: the ``rows+baselines`` trust region, the recommended run's layers, metric and mode
+    options, from the soup) and ``output_space`` (``output_space``: its ``params``, ``layers``
+    and ``metric``)."""
 
     modes: tuple[str, ...] = QP_MODES
     metrics: tuple[str, ...] = OUTPUT_METRICS
@@ -144,6 +156,12 @@ class LmMergeSettings:
     regmean_alpha: float = 0.9
     mergekit: tuple[str, ...] = MERGEKIT_METHODS
     solver: str = "auto"
+    extra_runs: tuple[str, ...] = EXTRA_RUNS
+    atoms: Mapping[str, Any] = field(default_factory=lambda: {
+        "baselines": ("regmean", "fisher", "ties", "task_arithmetic"), "layers": "*.down_proj",
+        "metric": "cross_entropy", "start": "soup"})
+    output_space: Mapping[str, Any] = field(default_factory=lambda: {
+        "params": {"reference": "soup", "ridge": 0.1, "max_iter": 40}, "layers": "*.down_proj", "metric": "kl"})
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -175,6 +193,17 @@ class LmMergeSettings:
                 raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
+        for m in self.extra_runs:
+            if m not in EXTRA_RUNS:
+                raise unknown("extra run", m, list(EXTRA_RUNS))
+        for m in self.atoms.get("baselines", ()):
+            if m != "task_arithmetic" and m not in BASELINES:
+                raise unknown("atoms baseline", m, ["task_arithmetic", *BASELINES])
+        runs = {"qp_atoms": ("atoms", self.atoms), "output_space": ("output_space", self.output_space)}
+        for name, block in (runs[r] for r in self.extra_runs):
+            if block.get("metric") not in self.outputs:
+                raise ValidationError(f"{name}: metric {block.get('metric')!r} has no 'outputs' entry (valid: "
+                                      f"{list(self.outputs)})")
 
     def qp_runs(self) -> list[tuple[str, str]]:
         """``(mode, metric)`` of every QP run, in order."""
@@ -233,7 +262,8 @@ class LmConfig:
         return cls(train_texts=256, calibration_texts=24, test_texts=48, finetune_steps=32, finetune_max_length=32,
                    eval_max_length=32,
                    merge=LmMergeSettings(calibration_max_length=32, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
-                                         trust_region={"max_steps": 2}, runs=QUICK_RUNS))
+                                         trust_region={"max_steps": 2}, runs=QUICK_RUNS,
+                                         extra_runs=QUICK_EXTRA_RUNS))
 
 
 def with_overrides(config: LmConfig, **changes: Any) -> LmConfig:
@@ -440,11 +470,11 @@ def _report_summary(report: Mapping[str, Any]) -> dict[str, Any]:
     layers = []
     for layer in report.get("layers", []) or []:
         cert = layer.get("certificate") or {}
-        layers.append({k: layer.get(k) for k in ("name", "objective_before", "objective_after",
-                                                 "objective_after_exact") if k in layer}
+        layers.append({k: layer.get(k) for k in ("layer", "objective_before", "objective_after",
+                                                 "objective_after_exact", "objective_at", "baselines") if k in layer}
                       | {"certified": cert.get("certified")})
     out: dict[str, Any] = {"layers": layers, "notes": list(report.get("notes", []) or [])}
-    for key in ("start_selection", "trust_region", "joint", "comparison"):
+    for key in ("start_selection", "trust_region", "joint", "comparison", "output_space_layers"):
         if key in report:
             out[key] = report[key]
     return out
@@ -507,6 +537,29 @@ def run_mergekit(ctx: _Context, command: str, method: str, ta_scaling: float) ->
 
 # ---------------------------------------------------------------------------------------------- #
 # the experiment
+
+
+def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str]
+                ) -> list[tuple[str, dict[str, Any], list[str], str, str]]:
+    """``(label, run-layer method, layers, metric, kind)`` of each of ``mset.extra_runs``."""
+    params = {"regmean": {"alpha": mset.regmean_alpha}, "fisher": {}, "soup": {},
+              "ties": {"density": mset.ties_density}, "dare_ties": {"density": mset.dare_density, "seed": seed},
+              "task_arithmetic": {"scaling": float(best_scaling)}}
+    out = []
+    if "qp_atoms" in mset.extra_runs:
+        a = mset.atoms
+        rec = mset.run_settings(*mset.recommended.split(":", 1))
+        method = {"name": "qp", "mode": "trust_region", "solver": mset.solver, "parametrisation": "rows+baselines",
+                  "baselines": [{"name": n, "params": params[n]} for n in a["baselines"]],
+                  "constraints": list(rec.get("constraints", [])), "start": {"name": a.get("start", "soup")},
+                  "mode_options": dict(rec.get("mode_options", AUTO_MODE_OPTIONS))}
+        out.append(("qp_atoms", method, select_layers(linear_layers, a.get("layers", "all")), a["metric"], "qp"))
+    if "output_space" in mset.extra_runs:
+        o = mset.output_space
+        method = {"name": "output_space", "params": dict(o.get("params", {}))}
+        out.append(("output_space", method, select_layers(linear_layers, o.get("layers", "all")), o["metric"],
+                    "output_space"))
+    return out
 
 
 def _log(progress: bool, msg: str) -> None:
@@ -696,6 +749,13 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
         records[label] = {"kind": "qp", "mode": mode, **rec}
     timings["qp"] = time.perf_counter() - t
+
+    # 6b. baselines as feasible points of the trust region's QPs; the output-space merge
+    t = time.perf_counter()
+    for label, method, layers, metric, kind in _extra_runs(mset, best_scaling, seed, linear_layers):
+        models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
+        records[label] = {"kind": kind, **({"mode": method["mode"]} if kind == "qp" else {}), **rec}
+    timings["extra"] = time.perf_counter() - t
 
     # 7. mergekit on the same folders
     t = time.perf_counter()

@@ -86,6 +86,7 @@ def render_report(results: dict[str, Any]) -> str:
         methods_table(results), "",
         "### Held-out cross-entropy per domain", "", domain_table(results, "ce"), "",
         "### Held-out logit MSE per domain", "", domain_table(results, "mse"), "",
+        *atoms_lines(results),
         "## Paper's LLM claims, as measured", "", claims_markdown(results["claims"]), "",
         "## Settings", "",
         f"Task arithmetic scaling {ta['chosen']:g}, chosen by the {ta['criterion']} among "
@@ -99,6 +100,24 @@ def render_report(results: dict[str, Any]) -> str:
     if results.get("figures"):
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in results["figures"]]
     return "\n".join(lines) + "\n"
+
+
+def atoms_lines(results: dict[str, Any]) -> list[str]:
+    """The ``qp_atoms`` section: per layer, the weight its result gives each baseline's merged
+    residual (``rows+baselines``; 1 = the baseline itself) and that residual's norm."""
+    m = results["methods"].get("qp_atoms")
+    layers = [x for x in ((m or {}).get("report") or {}).get("layers", []) if x.get("baselines")]
+    if not layers:
+        return []
+    names = list(layers[0]["baselines"])
+    rows = [[f"`{x.get('layer')}`", *(f"{_f(x['baselines'][n]['weight'])} ({_f(x['baselines'][n]['residual_norm'])})"
+                                      for n in names)] for x in layers]
+    return ["## Baselines as feasible points (`qp_atoms`)", "",
+            ("A trust region like the recommended merge's, whose QPs have each baseline's merged residual as an "
+             "atom next to the rows (`rows+baselines`), so every baseline is a feasible point of every step. "
+             "How much of each baseline's residual the result adds to its start (the trust region's coefficients "
+             "are its step from the start; the residual's Frobenius norm in brackets):"), "",
+            _table(["layer", *names], rows), ""]
 
 
 def _settings_text(config: dict[str, Any]) -> str:

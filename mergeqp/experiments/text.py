@@ -92,7 +92,10 @@ class TextConfig:
     ``last_hidden_state``, one ``H``-vector per text: exactly the embedding that the task heads
     read and the output MSE measures; ``{"field": "last_hidden_state", "restrict": "projection",
     "k": 8}`` compares every token state through a projection instead);
-    ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk."""
+    ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk;
+    ``output_space``: the ``params`` of the full-matrix output-space merge (``output_space`` row;
+    beside it ``qp_atoms``, the single QP with RegMean, TIES and the tuned task arithmetic as
+    atoms: ``rows+baselines``)."""
 
     train_per_task: int = 1024
     calibration_per_task: int = 100
@@ -111,6 +114,8 @@ class TextConfig:
     output: dict[str, Any] = field(default_factory=lambda: dict(POOLED_OUTPUT))
     merge_batch_size: int = 16
     chunk_size: int = 256
+    output_space: dict[str, Any] = field(default_factory=lambda: {"reference": "regmean", "ridge": 0.1,
+                                                                  "max_iter": 40})
 
     def __post_init__(self) -> None:
         for name in ("train_per_task", "calibration_per_task", "test_per_task", "max_length", "batch_size",
@@ -424,8 +429,14 @@ class _Run:
         methods["qp_trust_region"] = self.merge("qp_trust_region", {
             **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
         methods["auto"] = self.merge("auto", {"name": "auto"})  # the product's recommended merge
+        # every baseline (RegMean with its statistics, TIES, the tuned task arithmetic) a feasible point
+        methods["qp_atoms"] = self.merge("qp_atoms", {**single, "parametrisation": "rows+baselines", "baselines": [
+            {"name": "regmean"}, {"name": "ties", "params": {"density": cfg.ties_density}},
+            {"name": "task_arithmetic", "params": {"scaling": best_s}}]})
+        methods["output_space"] = self.merge("output_space", {"name": "output_space",
+                                                              "params": dict(cfg.output_space)})
         self.lap("qp")
-        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto"]
+        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "qp_atoms", "output_space"]
         selection["recommended"] = {
             "criterion": "the product's recommended merge (method: auto), fixed in advance: its start and its "
                          "number of trust-region steps are chosen on held-out calibration batches", "chosen": "auto",
@@ -540,7 +551,13 @@ def layers_summary(report: dict[str, Any]) -> list[dict[str, Any]]:
         basis = r.get("basis") or {}
         if isinstance(basis, dict) and "mean_jacobian_energy" in basis:
             row["mean_jacobian_energy"] = basis["mean_jacobian_energy"]
+        if r.get("baselines"):  # rows+baselines: the weight the optimum gives each baseline
+            row["baselines"] = r["baselines"]
+            row["objective_at"] = r.get("objective_at")
         out.append(row)
+    for r in report.get("output_space_layers", []) or []:  # the output-space merge, per layer
+        out.append({k: r.get(k) for k in ("layer", "operator", "iterations", "normal_residual", "certified",
+                                          "calibration_before", "calibration_after", "step", "seconds") if k in r})
     return out
 
 

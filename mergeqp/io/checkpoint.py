@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
     file: Path
+    #: absolute byte offset of the data in a safetensors file (``None`` for torch files)
+    offset: int | None = None
 
     @property
     def numel(self) -> int:
@@ -98,8 +101,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
     data_end = 0
     for name, entry in header.items():
         dtype = SAFETENSORS_DTYPES.get(str(entry.get("dtype")), str(entry.get("dtype")).lower())
-        infos[name] = TensorInfo(name, tuple(int(s) for s in entry.get("shape", ())), dtype, path)
         offsets = entry.get("data_offsets") or (0, 0)
+        infos[name] = TensorInfo(name, tuple(int(s) for s in entry.get("shape", ())), dtype, path,
+                                 8 + length + int(offsets[0]))
         data_end = max(data_end, int(offsets[-1]))
     if data_bytes != data_end:  # a truncated (or padded) file: caught here, before any weight is read
         raise ValidationError(f"{path}: truncated or damaged safetensors file: its header describes {data_end} bytes "
@@ -109,6 +113,10 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
+
+
+#: safetensors dtypes :meth:`Checkpoint.read` decodes itself (little-endian, as the format stores them)
+_READ_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 class Checkpoint:
@@ -212,6 +220,40 @@ class Checkpoint:
     def get_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
         return {n: self.get(n, dtype=dtype, device=device) for n in names}
 
+    def read(self, name: str, dtype: Any = None, device: Any = "cpu") -> Any:
+        """Like :meth:`get`, but a safetensors tensor is read with plain file reads instead of a
+        memory map, so the file's pages never count in this process's resident memory (what a
+        model whose blocks stay on disk reads over and over)."""
+        info = self.info(name)
+        if info.offset is None or info.dtype not in _READ_DTYPES or sys.byteorder != "little":
+            return self.get(name, dtype=dtype, device=device)
+        import torch  # deferred: optional heavy dependency
+
+        try:
+            fd = os.open(info.file, os.O_RDONLY)
+            try:
+                buf = bytearray(info.nbytes)
+                view, done = memoryview(buf), 0
+                while done < info.nbytes:
+                    n = os.preadv(fd, [view[done:]], info.offset + done)
+                    if n <= 0:
+                        raise OSError(f"unexpected end of file at byte {info.offset + done}")
+                    done += n
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: {exc}") from None
+        tensor = (torch.frombuffer(buf, dtype=getattr(torch, info.dtype)) if info.nbytes
+                  else torch.empty(0, dtype=getattr(torch, info.dtype))).reshape(info.shape)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        if device is not None and str(device) != "cpu":
+            tensor = tensor.to(device)
+        return tensor
+
+    def read_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
+        return {n: self.read(n, dtype=dtype, device=device) for n in names}
+
     def state_dict(self, dtype: Any = None) -> dict[str, Any]:
         """Load every tensor (use sparingly: the point of this class is not to)."""
         return self.get_many(self.names(), dtype=dtype)
@@ -231,7 +273,7 @@ class Checkpoint:
             new = mapping.get(old, old)
             if new in infos:
                 raise ValidationError(f"renaming {self.path}: two tensors would be called {new!r}")
-            infos[new] = TensorInfo(new, info.shape, info.dtype, info.file)
+            infos[new] = TensorInfo(new, info.shape, info.dtype, info.file, info.offset)
             sources[new] = self._source_names.get(old, old)
         view = Checkpoint(self.path, self.kind, infos, self.config, self._torch_state)
         view._handles = self._handles

@@ -109,6 +109,7 @@ REGMEAN_STATISTICS = CalibrationStatistics(
     plan_line=("statistics: input Gram matrices of the selected linear layers per model on its calibration "
                "prompts (real tokens)"),
     collect=_regmean_collect, merge_kwargs=_regmean_kwargs, summary=_regmean_summary, nbytes=_regmean_nbytes,
+    forward_only=True,
 )
 
 __all__ = ["FISHER_STATISTICS", "REGMEAN_STATISTICS"]

@@ -72,7 +72,9 @@ class CalibrationStatistics:
     ``merge_kwargs(collector, stats, names) -> dict`` the statistics' keyword arguments of one
     chunk merge (``names``: the chunk's live tensor names); ``summary(collector) -> dict`` for the
     report; ``nbytes(K, keys, numel, sites) -> int`` the float64 memory of K models' statistics
-    for checkpoint ``keys`` (``numel(key)``; ``sites`` the architecture's linear layers).
+    for checkpoint ``keys`` (``numel(key)``; ``sites`` the architecture's linear layers);
+    ``forward_only``: ``collect`` runs the model forward only (hooks on layer inputs, no gradient
+    of a weight), so it also serves a model whose blocks stay on disk (``lazy: true``).
     """
 
     supplied: tuple[str, ...]
@@ -83,6 +85,7 @@ class CalibrationStatistics:
     summary: Callable[..., dict[str, Any]]
     nbytes: Callable[..., int]
     prepare: Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]] | None = None
+    forward_only: bool = False
 
 
 @dataclass(frozen=True)

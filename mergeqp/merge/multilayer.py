@@ -78,8 +78,11 @@ class QPSettings:
     basis_max_bytes: int = 2 * 2**30
     compare_sequential: bool = True
     mode_options: Mapping[str, Any] = field(default_factory=dict)
-    #: ``rows+baselines``: the tensor-wise baselines whose merged residuals are atoms (name, params)
+    #: ``rows+baselines``: the baselines whose merged residuals are atoms (name, params)
     baselines: tuple[BaselineChoice, ...] = ()
+    #: ``{baseline name: {checkpoint key: merged tensor}}``: the merges of the ``baselines`` that
+    #: need calibration statistics (RegMean, Fisher), made by the run layer before the QP
+    baseline_merges: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     jacobian_mode: str = "auto"
 
     @property
@@ -172,6 +175,8 @@ class LayerRecord:
     timings: dict[str, float]
     basis: dict[str, Any] | None = None
     group_energy_fraction: float | None = None
+    #: the parametrisation's own record of the solution (:meth:`Parametrisation.solution_record`)
+    atoms: dict[str, Any] | None = None
     #: Frobenius norm of each model's residual ``delta_k`` at this site (not in the JSON record;
     #: the run layer turns zeros into report notes)
     residual_norms: tuple[float, ...] = ()
@@ -181,6 +186,7 @@ class LayerRecord:
         extra = {} if self.basis is None else {"basis": self.basis}
         if self.group_energy_fraction is not None:
             extra["group_energy_fraction"] = self.group_energy_fraction
+        extra.update(self.atoms or {})
         return {**extra,
             "layer": self.layer, "mode": self.mode, "group": self.group,
             "objective_before": self.objective_before, "objective_after": self.objective_after,
@@ -208,7 +214,8 @@ def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, opt
     entry = get_parametrisation(settings.parametrisation)
     options = settings.parametrisation_options
     if settings.baselines and base_weight is not None:
-        options["baseline_residuals"] = functools.partial(site_baseline_residuals, settings.baselines, base_weight)
+        options["baseline_residuals"] = functools.partial(site_baseline_residuals, settings.baselines, base_weight,
+                                                          merged=settings.baseline_merges)
     return entry.for_site(site, deltas.numpy(), options, seed=settings.seed, output_stats=optimal)
 
 
@@ -374,7 +381,8 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
                     energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
                     d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name),
                     group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
-                    residual_norms=norms[a.site.name], **common)
+                    residual_norms=norms[a.site.name],
+                    atoms=a.param.solution_record(d[:, stats.site_slice(a.site.name)]), **common)
         for a in atoms
     )
     return GroupResult(stats, solution, new_weights, records)

@@ -128,6 +128,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         for r in layers:
             pts = r.get("objective_at", {})
             lines.append(f"| `{r['layer']}` | " + " | ".join(_f(pts[k]) for k in sorted(pts)) + f" | {_f(r['objective_after'])} |")
+        with_baselines = [r for r in layers if r.get("baselines")]
+        if with_baselines:
+            names = list(with_baselines[0]["baselines"])
+            lines += ["", ("Baseline atoms (rows+baselines): the weight the solution gives each baseline's merged "
+                           "residual (1 = the baseline itself; its Frobenius norm in brackets):"), "",
+                      "| layer | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+            for r in with_baselines:
+                b = r["baselines"]
+                lines.append(f"| `{r['layer']}` | " + " | ".join(
+                    f"{_f(b[n]['weight'], 4)} ({_f(b[n]['residual_norm'], 4)})" if n in b else "" for n in names) + " |")
 
     os_layers = report.get("output_space_layers") or []
     if os_layers:

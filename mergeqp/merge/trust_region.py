@@ -579,7 +579,8 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         points={"start": start_full, "result": result.objective if held_ctx is None else exact},
         d=result.d[:, blocks[a.site.name]], timings={"trust_region": seconds}, basis=b.basis,
         group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
-        residual_norms=b.residual_norms, outcome=outcome) for a, b in zip(atoms, built)]
+        residual_norms=b.residual_norms, atoms=a.param.solution_record(result.d[:, blocks[a.site.name]]),
+        outcome=outcome) for a, b in zip(atoms, built)]
 
 
 def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:

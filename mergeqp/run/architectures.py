@@ -10,14 +10,20 @@ library one, from Python or from a YAML config run through :func:`mergeqp.run_me
     class MyConfig(PretrainedConfig): model_type = "my-mlp"
     class MyModel(PreTrainedModel): config_class = MyConfig; ...
     mergeqp.register_architecture(MyModel)
+
+:func:`lower_blocks` and :func:`every_block` say which blocks of a model stay on disk with
+``lazy: true`` (:mod:`mergeqp.io.lazy_model`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ValidationError
+from ..merge.sites import site_module
+from ..stats.prefix import block_stack, first_site_block
 
 #: class name (as ``config.json`` lists it) -> a registered model class
 ARCHITECTURES: dict[str, Any] = {}
@@ -67,4 +73,20 @@ def model_config(folder: Path, config: dict[str, Any] | None) -> Any:
         raise ConfigError(f"cannot read the model config of {folder}: {exc}") from None
 
 
-__all__ = ["ARCHITECTURES", "architecture_class", "model_config", "register_architecture"]
+def lower_blocks(sites: Sequence[Any]) -> Callable[[Any], list[Any]]:
+    """``blocks(model)`` for :func:`load_lazy`: the blocks below the lowest one holding a site
+    (the frozen prefix), none when a site lies outside the block stack."""
+    def blocks(model: Any) -> list[Any]:
+        stack = block_stack(model)
+        first = first_site_block(stack, [site_module(model, s) for s in sites]) if stack is not None else None
+        return list(stack)[:first] if first else []
+    return blocks
+
+
+def every_block(model: Any) -> list[Any]:
+    """``blocks(model)`` for :func:`load_lazy`: the whole block stack (a model only run forward)."""
+    stack = block_stack(model)
+    return list(stack) if stack is not None else []
+
+
+__all__ = ["ARCHITECTURES", "architecture_class", "every_block", "lower_blocks", "model_config", "register_architecture"]

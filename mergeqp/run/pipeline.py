@@ -53,9 +53,11 @@ from ..io.calibration import (
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.distributed import current_group
+from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
 from ..io.memory import memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
+from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
 from ..merge.firstorder import TaskTargets
 from ..merge.modes import get_merge_mode, run_mode
@@ -70,7 +72,7 @@ from ..merge.report import report_files
 from ..merge.sites import checkpoint_names, read_augmented, site_module, stored_tensors
 from ..stats.parametrisation import get_parametrisation
 from ..stats.prefix import frozen_prefix
-from .architectures import architecture_class
+from .architectures import architecture_class, every_block, lower_blocks, model_config
 from .plan import (
     MergePlan,
     build_plan,
@@ -160,6 +162,37 @@ def load_model(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str) -> 
     return model
 
 
+def load_lazy(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str,
+              blocks: Callable[[Any], Sequence[Any]]) -> LazyModel:
+    """A model like :func:`load_model`'s whose blocks ``blocks(model)`` stay on disk until they
+    run (:mod:`mergeqp.io.lazy_model`): only the rest is read now."""
+    config_dict = (ckpt.config if ckpt.is_hf_folder else None) or _read_cfg(base_folder)
+    folder = ckpt.path if ckpt.is_hf_folder else base_folder
+    cls = architecture_class(config_dict, str(folder))
+    config = model_config(folder, config_dict)
+
+    def build() -> Any:
+        if cls.__name__ == "AutoModel":
+            return cls.from_config(config, dtype=dtype, attn_implementation="eager")
+        try:  # eager attention, as _from_pretrained: the statistics need forward-mode derivatives
+            return cls._from_config(config, dtype=dtype, attn_implementation="eager")
+        except (ValueError, TypeError) as exc:
+            if "attn_implementation" not in str(exc) and "eager" not in str(exc):
+                raise
+            return cls._from_config(config, dtype=dtype)
+
+    try:
+        lazy = load_lazy_model(build, ckpt, checkpoint_names, dtype, device, blocks)
+    except ValidationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a broken checkpoint: report which
+        raise ValidationError(f"cannot load model {ckpt.path} lazily: {type(exc).__name__}: {exc}") from None
+    for name, tensor in lazy.model.state_dict().items():  # NaN / inf of what is resident, named
+        if not tensor.is_meta:
+            check_tensor_finite(name, tensor, f"checkpoint {ckpt.path}")
+    return lazy
+
+
 def live_names(model: Any) -> dict[str, str]:
     """Checkpoint name -> live state-dict name (the inverse of ``sites.checkpoint_names``)."""
     return {stored: live for live, stored in checkpoint_names(model).items()}
@@ -211,12 +244,15 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
 
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
                   log: Callable[[str], None], *, targets: bool = True,
-                  visit: Callable[[int, str, Any, list[Any]], None] | None = None) -> list[TaskData]:
+                  visit: Callable[[int, str, Any, list[Any]], None] | None = None,
+                  lazy: list[dict[str, Any]] | None = None) -> list[TaskData]:
     """Batches and teacher-forced targets per task; each fine-tuned model is loaded, used, freed.
 
     ``targets=False`` skips the targets (the tasks then hold no batches); ``visit(index, name,
     model, calibration_batches)`` is called while each fine-tuned model is loaded (Fisher /
-    RegMean statistics), so that no model is loaded twice."""
+    RegMean statistics), so that no model is loaded twice. ``lazy``: each model is loaded with
+    every block on disk until it runs (:func:`load_lazy`) and its :func:`lazy_summary` appended to
+    this list (``None``: loaded whole)."""
     cfg = plan.config
     tok = load_tokenizer(plan.tokenizer_folder) if plan.tokenizer_folder else None
     base_folder = cfg.resolve(cfg.base)
@@ -224,7 +260,8 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
     for i, (name, entry, ck) in enumerate(zip(cfg.model_names(), cfg.models, plan.finetuned)):
         calib, held = _batches(cfg, i, tok)
         t = time.perf_counter()
-        model = load_model(ck, base_folder, dtype, device)
+        loaded = load_lazy(ck, base_folder, dtype, device, every_block) if lazy is not None else None
+        model = loaded.model if loaded is not None else load_model(ck, base_folder, dtype, device)
         try:
             calib_targets = teacher_forced_targets(model, calib, spec, device) if targets else []
             held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
@@ -238,7 +275,9 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
                 f"models[{name}]: the model failed on its calibration inputs ({type(exc).__name__}: "
                 f"{first}); check the prompts / input tensors (names, shapes, dtype) against the model"
             ) from exc
-        del model
+        if lazy is not None and loaded is not None:
+            lazy.append(lazy_summary([loaded]))
+        del model, loaded
         gc.collect()
         if targets:
             log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
@@ -401,15 +440,42 @@ class _Run:
             assert m.start is not None
             collector = statistics_collector(plan, m.start.name, m.start.params, plan.float_keys(), say)
         auto = _AutoStart(self, parse_auto_params(m.start.params)) if is_auto_start(m.start) else None
-        visit = auto.visit if auto is not None else collector
-        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=visit)
+        # rows+baselines atoms of baselines with calibration statistics: collected on the sites' tensors
+        site_keys = [k for site in plan.sites for k in site.keys]
+        atom_collectors = [statistics_collector(plan, n, dict(p), site_keys, say)
+                           for n, p in statistics_baselines([(b.name, b.params) for b in m.baselines])]
+        visitors = [v for v in (auto.visit if auto is not None else collector, *atom_collectors) if v is not None]
+        lazy_models: list[dict[str, Any]] | None = None
+        if cfg.lazy:  # the fine-tunes lazily too, unless a statistics collector needs gradients of every weight
+            collectors = [*atom_collectors, *([collector] if collector is not None else []),
+                          *(auto.all_collectors() if auto is not None else [])]
+            heavy = sorted({c.name for c in collectors if not c.spec.forward_only})
+            lazy_models = [] if not heavy else None
+            if heavy:
+                self.notes.append(f"lazy: the fine-tuned models were loaded whole: the {', '.join(heavy)} "
+                                  "statistics need gradients of every weight")
+        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
+                              lazy=lazy_models)
         if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
             c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
             for site in plan.sites:  # before any model is linearised
                 check_jacobian_size(site.name, c, site.r, parse_size(m.basis_max_size))
-        model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
+        if cfg.lazy:  # the blocks below every site stay on disk: only the linearised path is resident
+            base_lazy = load_lazy(plan.base, cfg.resolve(cfg.base), self.dtype, device, lower_blocks(plan.sites))
+            model = base_lazy.model
+        else:
+            model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
         task_targets = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
         settings = qp_settings(cfg, device)
+        if atom_collectors:
+            t = time.perf_counter()
+            merges = {c.name: c.merge(plan, site_keys, DEFAULT_CHUNK_BYTES) for c in atom_collectors}
+            settings = dataclasses.replace(settings, baseline_merges=merges)
+            self.notes.append(
+                f"rows+baselines: the atoms of {', '.join(merges)} are their merges of the merge layers with statistics "
+                f"of every calibration prompt (held-out prompts excluded; {time.perf_counter() - t:.1f} s to merge)")
+            for c in atom_collectors:
+                self.notes.extend(n for n in c.notes if n not in self.notes)
         weights = WeightSource(plan.base, plan.finetuned)
         ctx = MergeContext(model, weights, task_targets, self.spec, settings, device, cfg.model_names(),
                            self.progress, say)
@@ -471,6 +537,14 @@ class _Run:
                 mode_fields = {"start_selection": selection.to_json(), **mode_fields}
         if prefix is not None and prefix.note:
             self.notes.append(prefix.note)
+        if cfg.lazy:
+            lz = lazy_summary([base_lazy])
+            ft = lazy_models or []
+            self.notes.append(
+                f"lazy: {lz['lazy_blocks']} block(s) below the merge sites stayed on disk ({lz['lazy_bytes'] / 2**20:.1f} "
+                f"MiB; {lz['resident_bytes'] / 2**20:.1f} MiB resident), read {lz['block_loads']} time(s)"
+                + (f"; each fine-tuned model ran with all {ft[0]['lazy_blocks']} blocks on disk "
+                   f"({max(f['resident_bytes'] for f in ft) / 2**20:.1f} MiB resident)" if ft else ""))
         del prepared
         overrides = dict(start_overrides)
         for site in plan.sites:
@@ -584,6 +658,10 @@ class _AutoStart:
                                    for _ in range(fits)]
                            for c in statistics_candidates(params, statistics_of)}
         self.notes: list[str] = []
+
+    def all_collectors(self) -> list[StatisticsCollector]:
+        """Every statistics collector of the candidates (all splits)."""
+        return [c for per_split in self.collectors.values() for c in per_split]
 
     def visit(self, index: int, name: str, model: Any, batches: list[Any]) -> None:
         if self.params.folds > 1 and len(batches) < 2:
@@ -714,6 +792,20 @@ class _AutoStart:
         return reference
 
 
+def _visit_all(visitors: Sequence[Callable[[int, str, Any, list[Any]], None]]
+               ) -> Callable[[int, str, Any, list[Any]], None] | None:
+    """One ``prepare_tasks`` visitor that calls each of ``visitors`` in turn (``None`` for none)."""
+    if not visitors:
+        return None
+    if len(visitors) == 1:
+        return visitors[0]
+
+    def visit(index: int, name: str, model: Any, batches: list[Any]) -> None:
+        for v in visitors:
+            v(index, name, model, batches)
+    return visit
+
+
 def _changed_keys(plan: MergePlan, keys: Sequence[str]) -> list[str]:
     """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor
     at a time)."""
@@ -733,19 +825,25 @@ def _load_into(model: Any, tensors: dict[str, Any]) -> None:
 
     state = model.state_dict()
     live = live_names(model)
+    lazy = lazy_parameters(model)  # blocks kept on disk take the tensors as overrides
     with torch.no_grad():
         for k, v in tensors.items():
             name = live.get(k, k)
+            if name in lazy:
+                block, path = lazy[name]
+                block.override(path, v)
+                continue
             if name not in state:
                 raise ValidationError(f"merged tensor {k!r} is not a parameter of the loaded model")
             state[name].copy_(v.to(dtype=state[name].dtype))
 
 
 def _stream(plan: MergePlan, overrides: dict[str, Any]):
-    """``(name, tensor)`` in the base checkpoint's order: merged tensors, else the base's."""
+    """``(name, tensor)`` in the base checkpoint's order: merged tensors, else the base's (read
+    without a memory map, so writing a large model does not map its whole file into memory)."""
     for name in plan.base.names():
         tensor = overrides.get(name)
-        yield name, (tensor if tensor is not None else plan.base.get(name))
+        yield name, (tensor if tensor is not None else plan.base.read(name))
 
 
 __all__ = ["MergeResult", "baseline_merge", "load_model", "prepare_tasks", "resolve_device", "run_merge",

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .architectures import architecture_class, model_config
+from .architectures import lower_blocks, architecture_class, model_config
 from .auto import (
     OUTPUT_SPACE,
     QP_CANDIDATE,
@@ -46,6 +46,7 @@ from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
 from ..lm import DATA_METRICS
+from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
     LayerSite,
@@ -199,6 +200,10 @@ class MergePlan:
             for k in self.extra_tensors:
                 lines.append(f"    {k}")
         lines.append(f"  device {cfg.device}, dtype {cfg.dtype}, seed {cfg.seed}")
+        if cfg.lazy and self.skeleton is not None:
+            below = lower_blocks(self.sites)(self.skeleton)
+            lines.append(f"  lazy: {len(below)} block(s) below the merge sites stay on disk (read while they run); "
+                         "each fine-tuned model runs one block at a time")
         lines.append("  memory estimate: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
         for n in self.notes:
             lines.append(f"  note: {n}")
@@ -389,6 +394,11 @@ def uses_prompts(cfg: MergeConfig) -> bool:
 
 def _check_method(cfg: MergeConfig) -> None:
     m = cfg.method
+    if cfg.lazy and not m.is_qp:
+        raise ConfigError(f"lazy: true keeps the blocks off a QP merge's linearised path on disk (method: qp, or "
+                          f"the default auto); method {m.name!r} "
+                          + ("loads its model whole" if is_output_space(cfg) else
+                             "already streams tensors in chunks (evaluate: false keeps models out of memory)"))
     stats = statistics_method(cfg)
     if stats is not None:
         missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
@@ -409,6 +419,12 @@ def _check_method(cfg: MergeConfig) -> None:
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method")
         return
+    atom_stats = statistics_baselines([(b.name, b.params) for b in m.baselines])
+    if atom_stats:
+        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        if missing:
+            raise ConfigError(f"method.baselines: {atom_stats[0][0]!r} needs calibration prompts for every model (its "
+                              f"statistics are computed on them); missing for {missing}")
     if is_auto_start(m.start):
         assert m.start is not None
         for cand in parse_auto_params(m.start.params).candidates:
@@ -417,6 +433,11 @@ def _check_method(cfg: MergeConfig) -> None:
                 parse_output_space_params(cand.params, where)
             elif cand.name == QP_CANDIDATE:
                 block = qp_candidate_block(cand.params, where)
+                fitted = statistics_baselines([(b.name, b.params) for b in block.baselines])
+                if fitted:
+                    raise ConfigError(f"{where}: baseline atoms with calibration statistics ({fitted[0][0]!r}) are not "
+                                      "available to start candidates (they would be fitted on the held-out folds); "
+                                      "use tensor-wise baselines there, or a run of its own")
                 try:
                     _check_method(cfg.model_copy(update={"method": block}))
                 except ConfigError as exc:
@@ -615,7 +636,12 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         return out
     m = cfg.method
     mode = plan.mode
-    out = {"models": mode.models_in_memory(qp_settings(cfg)) * numel * elem}
+    resident = numel
+    if cfg.lazy and plan.skeleton is not None:  # the blocks below the sites stay on disk, one read at a time
+        sizes = [sum(p.numel() for p in b.parameters()) for b in lower_blocks(plan.sites)(plan.skeleton)]
+        resident = numel - sum(sizes) + max(sizes, default=0)
+    out = {"models" + (" (resident: lazy)" if cfg.lazy else ""):
+           mode.models_in_memory(qp_settings(cfg)) * resident * elem}
     if is_auto_start(m.start):
         assert m.start is not None
         auto = parse_auto_params(m.start.params)
@@ -629,6 +655,10 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
             out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, plan.float_keys())
+    for name, _ in statistics_baselines([(b.name, b.params) for b in m.baselines]):
+        site_keys = [k for s in plan.sites for k in s.keys]
+        out[f"{name} statistics (baseline atoms)"] = _statistics_bytes(plan, name, site_keys)
+        out[f"{name} merge (baseline atoms)"] = sum(plan.base.info(k).nbytes for k in site_keys)
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
         out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)

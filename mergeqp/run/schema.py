@@ -38,7 +38,7 @@ from pydantic import (
 
 from ..errors import ConfigError, MergeQPError
 from ..io.writer import parse_size
-from ..merge.baseline_residuals import check_tensorwise_baselines
+from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
 from ..stats.bases import checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
@@ -316,7 +316,7 @@ class MethodConfig(_Strict):
         param.check_config(options, given)
         if self.baselines:
             try:
-                check_tensorwise_baselines([(b.name, b.params) for b in self.baselines])
+                check_baselines([(b.name, b.params) for b in self.baselines])
             except MergeQPError as exc:
                 raise ValueError(str(exc)) from None
         return self
@@ -420,6 +420,8 @@ class MergeConfig(_Strict):
     max_shard_size: str | int = "5GB"
     #: cap on each merge site's statistics and solve (``"8GB"``, bytes); ``None``: the machine's memory
     max_memory: str | int | None = None
+    #: models larger than memory: keep off the linearised path on disk (``mergeqp.io.lazy_model``)
+    lazy: bool = False
     evaluate: bool = True
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
 

@@ -119,6 +119,18 @@ class RowsBaselinesParametrisation(Parametrisation):
     def reference_points(self, K: int) -> dict[str, np.ndarray]:
         return {f"baseline:{n}": self.baseline_point(n, K) for n in self._names}
 
+    def solution_record(self, d: np.ndarray) -> dict[str, Any]:
+        """``{"baselines": {name: {"weight", "residual_norm"}}}``: the weight ``sum_k d[k, r+j]`` the
+        solution gives each baseline's merged residual (1 = the baseline itself, for coefficients
+        taken from the base; a trust region's are its step from its start) and that residual's
+        Frobenius norm."""
+        U = self.residuals
+        r = U.shape[1]
+        d = np.asarray(d, dtype=np.float64)
+        weights = d[:, r:].sum(axis=0)
+        return {"baselines": {n: {"weight": float(w), "residual_norm": float(np.linalg.norm(u))}
+                              for n, w, u in zip(self._names, weights, U)}}
+
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
         import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 

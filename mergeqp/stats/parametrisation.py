@@ -132,6 +132,11 @@ class Parametrisation(ABC):
         beside the optimum (besides zero and the soup), e.g. the baselines of ``rows+baselines``."""
         return {}
 
+    def solution_record(self, d: np.ndarray) -> dict[str, Any] | None:
+        """What a merge report says of the solution ``d`` (``(K, n_atoms)``) at one layer beyond the
+        common fields (e.g. how much of each baseline ``rows+baselines`` took), or ``None``."""
+        return None
+
     @property
     def built_per_layer(self) -> bool:
         """Whether this is a registry entry whose atoms are built for each layer (:meth:`for_site`)

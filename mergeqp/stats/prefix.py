@@ -35,6 +35,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..io.lazy_model import lazy_of
+
 #: entries kept at once (batches of calibration and held-out prompts); the oldest is dropped
 MAX_ENTRIES = 512
 
@@ -87,8 +89,19 @@ class PrefixCache:
     _active: Any = None
     _pending: tuple[Any, tuple[Any, ...]] | None = None
 
+    #: per block, the ``forward`` it had before the cache patched it (a lazy block's, or ``None``)
+    previous: list[Any] = field(default_factory=list)
+
     def versions(self) -> tuple[Any, ...]:
-        return tuple((p.data_ptr(), p._version) for b in self.blocks for p in b.parameters())
+        # a lazy block (weights on disk, :mod:`mergeqp.io.lazy_model`) reads the same checkpoint each time
+        return tuple(("lazy", id(lazy), lazy.generation) if (lazy := lazy_of(b)) is not None
+                     else tuple((p.data_ptr(), p._version) for p in b.parameters()) for b in self.blocks)
+
+    def call(self, index: int, *args: Any, **kwargs: Any) -> Any:
+        """Block ``index``'s own forward (the one it had before the cache patched it)."""
+        block = self.blocks[index]
+        previous = self.previous[index] if index < len(self.previous) else None
+        return previous(*args, **kwargs) if previous is not None else type(block).forward(block, *args, **kwargs)
 
     def lookup(self, key: Any) -> _Entry | None:
         import torch  # deferred: torch is heavy
@@ -163,9 +176,12 @@ def _patched(cache: PrefixCache, index: int, last: int) -> Any:
     """The ``forward`` of lower block ``index`` (``last``: the index of the last lower block)."""
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
-        original = type(self).forward
-        if not cache.enabled or self is not cache.blocks[index]:  # off, or a copy of the model (deepcopy)
-            return original(self, *args, **kwargs)
+        if self is not cache.blocks[index]:  # a copy of the model (deepcopy)
+            lazy = lazy_of(self)
+            with lazy.materialised() if lazy is not None else contextlib.nullcontext():
+                return type(self).forward(self, *args, **kwargs)
+        if not cache.enabled:
+            return cache.call(index, *args, **kwargs)
         hidden = _hidden_arg(args, kwargs)
         if index == 0:
             cache._active, cache._pending = None, None
@@ -186,7 +202,7 @@ def _patched(cache: PrefixCache, index: int, last: int) -> Any:
                 cache._active = None
                 return entry.output
             return hidden if not isinstance(entry.output, tuple) else _with_hidden(entry.output, hidden)
-        out = original(self, *args, **kwargs)
+        out = cache.call(index, *args, **kwargs)
         if index == last:
             cache.store(out)
         return out
@@ -202,13 +218,13 @@ def _verify(cache: PrefixCache, entry: _Entry, hidden: Any, args: tuple[Any, ...
     rest_args = args[1:] if args else ()
     h = hidden
     with torch.no_grad():
-        for block in cache.blocks:
+        for i in range(len(cache.blocks)):
             call_kwargs = dict(kwargs)
             if args:
-                out = type(block).forward(block, h, *rest_args, **call_kwargs)
+                out = cache.call(i, h, *rest_args, **call_kwargs)
             else:
                 call_kwargs["hidden_states"] = h
-                out = type(block).forward(block, **call_kwargs)
+                out = cache.call(i, **call_kwargs)
             h = _hidden_of(out)
     if _agree(h, _hidden_of(entry.output)):
         cache.verified = True
@@ -234,19 +250,28 @@ def frozen_prefix(model: Any, sites: Sequence[Any]) -> Iterator[PrefixCache | No
     patched = []
     try:
         for i, block in enumerate(blocks):
-            if "forward" in vars(block):  # already patched (or a forward of its own): leave the model alone
+            own = vars(block).get("forward")
+            if own is not None and lazy_of(block) is None:  # already patched, or a forward of its own
                 raise _Skip
+            cache.previous.append(own)
             block.forward = types.MethodType(_patched(cache, i, first - 1), block)
             patched.append(block)
     except _Skip:
-        for block in patched:
-            del block.forward
+        _restore(patched, cache.previous)
         yield None
         return
     try:
         yield cache
     finally:
-        for block in patched:
+        _restore(patched, cache.previous)
+
+
+def _restore(blocks: Sequence[Any], previous: Sequence[Any]) -> None:
+    """Give each block back the ``forward`` it had (a lazy block's own, or its class's)."""
+    for block, own in zip(blocks, previous):
+        if own is not None:
+            block.forward = own
+        else:
             vars(block).pop("forward", None)
 
 

@@ -39,7 +39,8 @@ def _corpora(tiny_hf, n=40):
 
 def _config(**merge):
     settings = {"calibration_max_length": 16, "calibration_batch_size": 4, "ta_scalings": (0.5, 1.0),
-                "outputs": {"euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 8}},
+                "outputs": {"euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 8},
+                            "cross_entropy": {"restrict": "topk", "k": 8, "sketch": 16}},
                 "modes": ("single", "sequential"), "metrics": ("euclidean",), "baselines": ("ties",),
                 "mergekit": ("ties",) if importlib.util.find_spec("mergekit") else (), **merge}
     return LmConfig(train_texts=16, calibration_texts=6, test_texts=6, min_chars=5, finetune_blocks=1,
@@ -72,7 +73,7 @@ def test_pipeline_end_to_end(lm_run):
     assert not list(root.glob(".lm-work-*"))  # the work folder (merged models, prompt files) is removed
     methods = results["methods"]
     expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "task_arithmetic", "ties", "qp_single_euclidean",
-                "qp_sequential_euclidean"}
+                "qp_sequential_euclidean", "qp_atoms", "output_space"}
     if importlib.util.find_spec("mergekit"):
         expected.add("mergekit_ties")
     assert set(methods) == expected
@@ -95,6 +96,16 @@ def test_pipeline_end_to_end(lm_run):
     assert seq["layers"] == [f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     assert seq["metric"] == "euclidean" and seq["method"]["parametrisation"] == "scalar"
     assert all(layer["certified"] for layer in seq["report"]["layers"])
+    # every baseline a feasible point of the trust region's QPs (RegMean and Fisher with statistics)
+    atoms = methods["qp_atoms"]
+    assert atoms["kind"] == "qp" and atoms["method"]["parametrisation"] == "rows+baselines"
+    assert [b["name"] for b in atoms["method"]["baselines"]] == ["regmean", "fisher", "ties", "task_arithmetic"]
+    assert atoms["method"]["baselines"][3]["params"]["scaling"] == results["task_arithmetic_tuning"]["chosen"]
+    assert atoms["layers"] == ["model.layers.1.mlp.down_proj"] and atoms["metric"] == "cross_entropy"
+    # the output-space merge of the same layer, fitted to the fine-tunes' top-k outputs
+    space = methods["output_space"]
+    assert space["kind"] == "output_space" and space["metric"] == "kl" and space["layers"] == atoms["layers"]
+    assert space["test"]["code"]["mse"] != methods["base"]["test"]["code"]["mse"]
 
 
 def test_choices_use_calibration_texts_only(lm_run):
@@ -128,7 +139,7 @@ def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
     results, _, root = lm_run
     again = run_lm_experiment(tmp_path / "again", corpora=_corpora(tiny_hf), cache=root / "cache",
                               base_folder=tiny_base,
-                              config=_config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(),
+                              config=_config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(), extra_runs=(),
                                              ta_scalings=(1.0,)), threads=1, progress=False)
     for d in DOMAINS:
         assert again["finetunes"][d]["cached"] and again["finetunes"][d]["folder"] == results["finetunes"][d]["folder"]
@@ -209,6 +220,11 @@ def test_settings_validation():
         LmMergeSettings(mergekit=("slerp",))
     with pytest.raises(ValidationError, match="ta_scalings"):
         LmMergeSettings(ta_scalings=(0.0,))
+    with pytest.raises(UnknownNameError, match="unknown extra run 'slerp'"):
+        LmMergeSettings(extra_runs=("slerp",))
+    with pytest.raises(ValidationError, match="atoms: metric 'cross_entropy' has no 'outputs' entry"):
+        LmMergeSettings(outputs={"euclidean": {}, "kl": {}}, metrics=("euclidean",), extra_runs=("qp_atoms",))
+    LmMergeSettings(outputs={"euclidean": {}, "kl": {}}, metrics=("euclidean",), extra_runs=())
     with pytest.raises(ValidationError, match="outputs: no entry for metric 'kl'"):
         LmMergeSettings(outputs={"euclidean": {"restrict": "none"}})
     with pytest.raises(ValidationError, match="the key is the metric"):

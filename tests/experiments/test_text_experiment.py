@@ -95,7 +95,16 @@ def cli_run(tiny_hf, tiny_base, tmp_path_factory):
 def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     results, out = cli_run
     assert results["mode"] == "quick" and results["seed"] == 3
-    assert set(results["methods"]) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto"}
+    assert set(results["methods"]) == ({f"qp_{m}" for m in QP_MODES} | set(BASELINES)
+                                       | {"auto", "qp_atoms", "output_space"})
+    # every baseline a feasible point: the optimum at or below each one's linearised objective
+    (atoms,) = results["methods"]["qp_atoms"]["layers"]
+    assert set(atoms["baselines"]) == {"regmean", "ties", "task_arithmetic"}
+    assert atoms["objective_after"] <= min(v for k, v in atoms["objective_at"].items()
+                                           if k.startswith("baseline:")) * (1 + 1e-9)
+    # the output-space merge: one layer solved from RegMean, never above it on the calibration error
+    (space,) = results["methods"]["output_space"]["layers"]
+    assert space["layer"] == LAYER and space["calibration_after"] <= space["calibration_before"]
     assert results["trained"] == [LAYER + ".weight", LAYER + ".bias"] and results["layers"] == [LAYER]
     # one merged layer: sequential and joint are the single QP, reported as such and not run again
     for mode in ("sequential", "joint"):

@@ -85,6 +85,31 @@ def test_sharded_folder_round_trip(tiny_hf, llama_dir, tmp_path):
         assert torch.equal(ck.get(name), sd[name])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64"])
+def test_read_without_a_memory_map_equals_get(tiny_hf, llama_dir, tmp_path, dtype):
+    """``Checkpoint.read`` (plain file reads) gives what ``get`` (memory map) gives: sharded folders,
+    every dtype, empty and scalar tensors, renamed views; torch files fall back to ``get``."""
+    from safetensors.torch import save_file
+
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
+    sd = {k: (v * 100).to(getattr(torch, dtype)).contiguous() for k, v in model.state_dict().items()}
+    sd["empty"] = torch.zeros(0, 3, dtype=getattr(torch, dtype))
+    sd["scalar"] = torch.tensor(7, dtype=getattr(torch, dtype))
+    save_file(sd, str(tmp_path / "w.safetensors"))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="8KB")
+    torch.save(sd, tmp_path / "w.pt")
+    for ck in (open_checkpoint(tmp_path / "w.safetensors"), open_checkpoint(tmp_path / "sharded"),
+               open_checkpoint(tmp_path / "w.pt")):
+        for name in ck.names():
+            a, b = ck.read(name), ck.get(name)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+        name = ck.names()[1]
+        assert torch.equal(ck.read(name, dtype=torch.float64), ck.get(name, dtype=torch.float64))
+    ck = open_checkpoint(tmp_path / "w.safetensors")
+    renamed = ck.renamed({"model.norm.weight": "norm"})
+    assert torch.equal(renamed.read("norm"), ck.get("model.norm.weight"))
+
+
 def test_bare_safetensors_and_torch_files(tiny_hf, llama_dir, tmp_path):
     from safetensors.torch import save_file
 

@@ -178,6 +178,8 @@ def test_every_candidate_skipped_is_an_error(llama, tmp_path):
     ([{"name": "qp", "params": {"rnak": 2}}], r"candidates\[qp\(rnak=2\)\].*rnak"),
     ([{"name": "qp", "params": {"constraints": ["box:0"]}}], r"candidates\[qp\(constraints=\['box:0'\]\)\].*constraints"),
     ([], "candidates"),
+    ([{"name": "qp", "params": {"parametrisation": "rows+baselines", "baselines": ["regmean"]}}],
+     r"baseline atoms with calibration statistics \('regmean'\) are not available to start candidates"),
 ])
 def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):
     method = {"name": "qp", "mode": "trust_region", "start": {"name": "auto", "params": {"candidates": candidates}}}

@@ -41,6 +41,35 @@ def test_optimum_is_never_above_any_baseline(tiny_hf, llama, tmp_path):
     assert record["n_variables"] == 2 * (report["plan"]["layers"][0]["out_features"] + 2)
 
 
+def test_statistics_baseline_atom_is_the_checkpoint_regmean(tiny_hf, llama, tmp_path):
+    """RegMean (calibration statistics) as an atom: its merged residual is that of ``method: regmean``
+    on the same calibration prompts, the optimum is at or below its point, and the record gives
+    the weight the solution put on each baseline."""
+    layer = tiny_hf.MLP_LAYER["llama"]
+    method = {"name": "qp", "mode": "single", "parametrisation": "rows+baselines",
+              "baselines": [{"name": "regmean", "params": {"alpha": 0.9}}, "ties"], "constraints": ["box:0,1"]}
+    run_merge(load_config(llama.write_config(tmp_path / "cfg.yml", [layer], method)), tmp_path / "out",
+              progress=False)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (record,) = report["layers"]
+    assert record["certificate"]["certified"] is True
+    points = record["objective_at"]
+    assert record["objective_after"] <= min(points["baseline:regmean"], points["baseline:ties"]) + 1e-9 * points["zero"]
+    assert set(record["baselines"]) == {"regmean", "ties"}
+    assert any("rows+baselines: the atoms of regmean" in n for n in report["notes"])
+
+    reg = {"name": "regmean", "params": {"alpha": 0.9}}
+    run_merge(load_config(llama.write_config(tmp_path / "reg.yml", [layer], reg)), tmp_path / "regmean",
+              progress=False)
+    key = f"{layer}.weight"
+    base = mergeqp.open_checkpoint(llama.base).get(key).double()
+    U = mergeqp.open_checkpoint(tmp_path / "regmean").get(key).double() - base
+    assert record["baselines"]["regmean"]["residual_norm"] == pytest.approx(float(U.norm()), rel=1e-6)
+    assert float(U.norm()) > 0
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert "Baseline atoms (rows+baselines)" in md
+
+
 def test_baseline_atom_is_the_checkpoint_baseline(tiny_hf, llama):
     """The TIES atom is exactly the TIES merge of the layer's weight and bias (same code path)."""
     from mergeqp.merge.baseline_residuals import site_baseline_residuals
@@ -65,8 +94,14 @@ def test_config_errors():
     base = {"base": "b", "models": [{"path": "x", "calibration": "c"}], "layers": ["l"]}
     with pytest.raises(ConfigError, match="needs 'baselines'"):
         parse_config({**base, "method": {"parametrisation": "rows+baselines"}})
-    with pytest.raises(ConfigError, match="'regmean' needs calibration statistics"):
-        parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": ["regmean"]}})
+    with pytest.raises(ConfigError, match="did you mean 'alpha'"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines",
+                                         "baselines": [{"name": "regmean", "params": {"alpha": 0.5, "alhpa": 1}}]}})
+    with pytest.raises(ConfigError, match="cannot be set in a config"):
+        parse_config({**base, "method": {"parametrisation": "rows+baselines",
+                                         "baselines": [{"name": "fisher", "params": {"fishers": [1]}}]}})
+    fitted = parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": ["regmean", "ties"]}})
+    assert [b.name for b in fitted.method.baselines] == ["regmean", "ties"]
     with pytest.raises(ConfigError, match="apply only to parametrisation: rows\\+baselines"):
         parse_config({**base, "method": {"parametrisation": "rows", "baselines": ["ties"]}})
     with pytest.raises(ConfigError, match="names a baseline twice"):

@@ -1,0 +1,278 @@
+"""Models larger than memory: blocks whose weights stay on disk until they run.
+
+A merge linearises the model along a *path*: the blocks from the lowest one holding a merge
+site up to the output. The blocks below it only turn the batch into that block's input, the same
+every time (:mod:`mergeqp.stats.prefix` caches it per batch), and a fine-tuned model only gives
+its outputs (teacher-forced targets) and, for RegMean, its layers' inputs. So with ``lazy: true``
+in a ``mergeqp merge`` config:
+
+- :func:`load_lazy_model` builds the architecture with its parameters on the ``meta`` device
+  (buffers such as rotary frequencies are computed as usual), loads every parameter that is not
+  in a lazy block from the checkpoint (safetensors, sharded or not: read through
+  :class:`~mergeqp.io.checkpoint.Checkpoint`, memory-mapped) and ties the tied ones;
+- every lazy block (a :class:`LazyBlock`) holds ``meta`` placeholders; its ``forward`` reads its
+  tensors from the checkpoint, runs, and puts the placeholders back, so at most one lazy block's
+  weights are in memory at a time (plus what autograd keeps for a backward pass through it).
+
+The merge's base model keeps its path resident (the blocks from the first site's up, the
+embeddings, the final norm and the head) and the blocks below lazy; each fine-tuned model is lazy
+in every block. With the frozen prefix a lower block runs once per calibration batch (twice for
+the first batch, whose cached output is verified), so its tensors are read that often. What is
+exact: the tensors a lazy block computes with are the checkpoint's, cast to the run's dtype
+exactly as ``from_pretrained`` casts them; a test compares lazy and resident merges to 1e-12.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ValidationError
+
+#: the attribute of a block module that holds its :class:`LazyBlock`
+LAZY_ATTR = "_mergeqp_lazy"
+
+
+def _owner(module: Any, path: str) -> tuple[Any, str]:
+    """The submodule that holds parameter ``path`` (dotted, relative to ``module``) and its leaf name."""
+    *parents, leaf = path.split(".")
+    for p in parents:
+        module = getattr(module, p)
+    return module, leaf
+
+
+@dataclass(eq=False)
+class LazyBlock:
+    """One block whose parameters are read from ``checkpoint`` while it runs (module docstring).
+
+    ``keys``: parameter path inside the block -> checkpoint name; ``placeholders``: the ``meta``
+    parameters it holds otherwise; ``loads``: how many times its tensors were read."""
+
+    module: Any
+    keys: dict[str, str]
+    checkpoint: Any
+    dtype: Any
+    device: str
+    placeholders: dict[str, Any] = field(default_factory=dict)
+    loads: int = 0
+    #: tensors that replace the checkpoint's (a start merge loaded into the model), in memory
+    overrides: dict[str, Any] = field(default_factory=dict)
+    #: changes each time an override is set (the frozen prefix compares it)
+    generation: int = 0
+    _depth: int = 0
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> LazyBlock:
+        import copy
+
+        return LazyBlock(copy.deepcopy(self.module, memo), dict(self.keys), self.checkpoint, self.dtype, self.device,
+                         {k: copy.deepcopy(v, memo) for k, v in self.placeholders.items()}, 0,
+                         {k: v.clone() for k, v in self.overrides.items()}, self.generation)
+
+    def override(self, path: str, tensor: Any) -> None:
+        """Use ``tensor`` for parameter ``path`` from now on instead of the checkpoint's."""
+        if path not in self.keys:
+            raise ValidationError(f"lazy block: no parameter {path!r}")
+        self.overrides[path] = tensor.detach().to(device=self.device, dtype=self.placeholders[path].dtype).clone()
+        self.generation += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its parameters in the run's dtype (what a load holds)."""
+        import torch  # deferred: torch is heavy
+
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(int(p.numel()) * size for p in self.placeholders.values())
+
+    @contextlib.contextmanager
+    def materialised(self) -> Iterator[None]:
+        """Within the block the module holds its real tensors (re-entrant)."""
+        import torch  # deferred: torch is heavy
+
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        read = [key for path, key in self.keys.items() if path not in self.overrides]
+        tensors = _read_many(self.checkpoint, read, self.dtype, self.device)
+        for path, key in self.keys.items():
+            owner, leaf = _owner(self.module, path)
+            value = self.overrides[path] if path in self.overrides else tensors[key]
+            owner._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+        self.loads += 1
+        self._depth = 1
+        try:
+            yield
+        finally:
+            self._depth = 0
+            for path in self.keys:
+                owner, leaf = _owner(self.module, path)
+                owner._parameters[leaf] = self.placeholders[path]
+
+
+def make_lazy(module: Any, keys: dict[str, str], checkpoint: Any, dtype: Any, device: str) -> LazyBlock:
+    """Turn ``module`` (a block whose parameters are ``meta`` placeholders) into a lazy block: its
+    ``forward`` materialises it around its class's ``forward``. A deep copy of the model copies
+    the block's state and shares the checkpoint."""
+    if "forward" in vars(module):
+        raise ValidationError(f"lazy block {type(module).__name__}: it already has a forward of its own")
+    placeholders = {}
+    for path in keys:
+        owner, leaf = _owner(module, path)
+        placeholders[path] = owner._parameters[leaf]
+    lazy = LazyBlock(module, dict(keys), checkpoint, dtype, device, placeholders)
+    module.forward = types.MethodType(_lazy_forward, module)
+    setattr(module, LAZY_ATTR, lazy)
+    return lazy
+
+
+def _lazy_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+    with getattr(self, LAZY_ATTR).materialised():
+        return type(self).forward(self, *args, **kwargs)
+
+
+def lazy_of(module: Any) -> LazyBlock | None:
+    """The :class:`LazyBlock` of ``module``, or ``None`` for a resident one."""
+    return getattr(module, LAZY_ATTR, None)
+
+
+def lazy_parameters(model: Any) -> dict[str, tuple[LazyBlock, str]]:
+    """Live parameter name -> (its lazy block, its path inside the block), for every lazy block
+    of ``model`` (empty for a resident model)."""
+    out: dict[str, tuple[LazyBlock, str]] = {}
+    for name, module in model.named_modules():
+        lazy = lazy_of(module)
+        if lazy is not None:
+            out.update({f"{name}.{path}" if name else path: (lazy, path) for path in lazy.keys})
+    return out
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built within the block get their parameters on the ``meta`` device (buffers are
+    created as usual): a parameter is allocated by its layer's constructor and moved at once, so
+    at most one layer's parameter is ever in memory."""
+    import torch  # deferred: torch is heavy
+
+    original = torch.nn.Module.register_parameter
+
+    def register(self: Any, name: str, param: Any) -> None:
+        original(self, name, param)
+        p = self._parameters.get(name)
+        if p is not None and p.device.type != "meta":
+            self._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+@dataclass(frozen=True)
+class LazyModel:
+    """What :func:`load_lazy_model` made: the model, its lazy blocks and the resident bytes."""
+
+    model: Any
+    blocks: tuple[LazyBlock, ...]
+    resident_bytes: int
+
+    @property
+    def lazy_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def loads(self) -> int:
+        return sum(b.loads for b in self.blocks)
+
+
+def load_lazy_model(build: Any, checkpoint: Any, stored_names: Any, dtype: Any, device: str,
+                    lazy_blocks: Any) -> LazyModel:
+    """A model whose blocks ``lazy_blocks(model)`` stay on disk (module docstring).
+
+    ``build()``: constructs the architecture in the run's dtype (called with parameters on ``meta``;
+    buffers are created as ``from_pretrained`` creates them);
+    ``checkpoint``: the weights; ``stored_names(model) -> {live name: checkpoint name}``;
+    ``lazy_blocks(model)``: the block modules to keep on disk (each holds its own weights)."""
+    import torch  # deferred: torch is heavy
+
+    with _parameters_on_meta():
+        model = build()
+    stack = list(lazy_blocks(model))
+    chosen = list(range(len(stack)))
+    names = stored_names(model)
+    lazy_prefixes = {i: _module_path(model, stack[i]) for i in chosen}
+    by_block: dict[int, dict[str, str]] = {i: {} for i in chosen}
+    resident: dict[str, str] = {}
+    for live, param in model.named_parameters(remove_duplicate=False):
+        block = next((i for i, pre in lazy_prefixes.items() if live.startswith(pre + ".")), None)
+        stored = names.get(live, live)
+        if block is not None:
+            if stored not in checkpoint:
+                raise ValidationError(f"{checkpoint.path}: lazy block tensor {stored!r} is not stored (a block "
+                                      "must hold its own weights)")
+            by_block[block][live[len(lazy_prefixes[block]) + 1:]] = stored
+        elif stored in checkpoint:
+            resident[live] = stored
+    tensors = _read_many(checkpoint, list(dict.fromkeys(resident.values())), dtype, device)
+    for live, stored in resident.items():
+        owner, leaf = _owner(model, live)
+        owner._parameters[leaf] = torch.nn.Parameter(tensors[stored], requires_grad=False)
+    del tensors
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    missing = [n for n, p in model.named_parameters(remove_duplicate=False)
+               if p.is_meta and not any(n.startswith(lazy_prefixes[i] + ".") for i in chosen)]
+    if missing:
+        raise ValidationError(f"{checkpoint.path} lacks tensors {missing[:5]} of the architecture")
+    for name, buf in list(model.named_buffers()):
+        if buf is None:
+            continue
+        stored = names.get(name, name)
+        owner, leaf = _owner(model, name)
+        if stored in checkpoint:  # a persistent buffer the checkpoint holds
+            owner._buffers[leaf] = checkpoint.get(stored, dtype=buf.dtype, device=device)
+        else:
+            owner._buffers[leaf] = buf.to(device)
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    blocks = tuple(make_lazy(stack[i], by_block[i], checkpoint, dtype, device) for i in chosen)
+    size = torch.empty((), dtype=dtype).element_size()
+    seen: set[int] = set()
+    resident_bytes = 0
+    for p in model.parameters():
+        if not p.is_meta and id(p) not in seen:
+            seen.add(id(p))
+            resident_bytes += int(p.numel()) * (size if p.is_floating_point() else p.element_size())
+    return LazyModel(model, blocks, resident_bytes)
+
+
+def _read_many(checkpoint: Any, names: Sequence[str], dtype: Any, device: str) -> dict[str, Any]:
+    """The tensors ``names`` read without a memory map where the checkpoint can (its file pages then
+    never count in this process's resident memory), else through ``get_many``."""
+    reader = getattr(checkpoint, "read_many", None) or checkpoint.get_many
+    return reader(names, dtype=dtype, device=device)
+
+
+def _module_path(model: Any, module: Any) -> str:
+    for name, m in model.named_modules():
+        if m is module:
+            return name
+    raise ValidationError("lazy block: the block is not a submodule of the model")
+
+
+def lazy_summary(models: Sequence[LazyModel]) -> dict[str, Any]:
+    """For the report: blocks kept on disk, their bytes, the resident bytes, tensor reads."""
+    return {"lazy_blocks": sum(len(m.blocks) for m in models),
+            "lazy_bytes": max((m.lazy_bytes for m in models), default=0),
+            "resident_bytes": max((m.resident_bytes for m in models), default=0),
+            "block_loads": sum(m.loads for m in models)}
+
+
+__all__ = ["LAZY_ATTR", "LazyBlock", "LazyModel", "lazy_of", "lazy_parameters", "lazy_summary", "load_lazy_model", "make_lazy"]

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import MergeQPError, ValidationError
+from .calibrated import check_params
 from .registry import get_merge_method, merge_tensors
 from .sites import LayerSite, weight_from_tensors
 
@@ -32,8 +33,6 @@ def check_baselines(choices: Sequence[BaselineChoice]) -> None:
     """Raise :class:`ValidationError` unless every baseline is a registered method with valid
     parameters that is tensor-wise or takes its calibration statistics from the run layer
     (checked before any weight is read)."""
-    from .calibrated import check_params  # the run layer's statistics methods
-
     for i, (name, params) in enumerate(choices):
         method = get_merge_method(name)
         if method.statistics is not None:

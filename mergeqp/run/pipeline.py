@@ -445,15 +445,8 @@ class _Run:
         atom_collectors = [statistics_collector(plan, n, dict(p), site_keys, say)
                            for n, p in statistics_baselines([(b.name, b.params) for b in m.baselines])]
         visitors = [v for v in (auto.visit if auto is not None else collector, *atom_collectors) if v is not None]
-        lazy_models: list[dict[str, Any]] | None = None
-        if cfg.lazy:  # the fine-tunes lazily too, unless a statistics collector needs gradients of every weight
-            collectors = [*atom_collectors, *([collector] if collector is not None else []),
-                          *(auto.all_collectors() if auto is not None else [])]
-            heavy = sorted({c.name for c in collectors if not c.spec.forward_only})
-            lazy_models = [] if not heavy else None
-            if heavy:
-                self.notes.append(f"lazy: the fine-tuned models were loaded whole: the {', '.join(heavy)} "
-                                  "statistics need gradients of every weight")
+        lazy_models = self._lazy_fine_tunes([*atom_collectors, *([collector] if collector is not None else []),
+                                             *(auto.all_collectors() if auto is not None else [])])
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
                               lazy=lazy_models)
         if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
@@ -538,13 +531,7 @@ class _Run:
         if prefix is not None and prefix.note:
             self.notes.append(prefix.note)
         if cfg.lazy:
-            lz = lazy_summary([base_lazy])
-            ft = lazy_models or []
-            self.notes.append(
-                f"lazy: {lz['lazy_blocks']} block(s) below the merge sites stayed on disk ({lz['lazy_bytes'] / 2**20:.1f} "
-                f"MiB; {lz['resident_bytes'] / 2**20:.1f} MiB resident), read {lz['block_loads']} time(s)"
-                + (f"; each fine-tuned model ran with all {ft[0]['lazy_blocks']} blocks on disk "
-                   f"({max(f['resident_bytes'] for f in ft) / 2**20:.1f} MiB resident)" if ft else ""))
+            self.notes.append(_lazy_note(lazy_summary([base_lazy]), lazy_models or []))
         del prepared
         overrides = dict(start_overrides)
         for site in plan.sites:
@@ -554,6 +541,19 @@ class _Run:
         evaluation = Evaluation(base=base_eval, start=start_eval, merged=ModelEvaluation(**merged))
         return self._finish(overrides, {"layers": tuple(records), "evaluation": evaluation,
                                         "mode_fields": mode_fields}, model)
+
+    def _lazy_fine_tunes(self, collectors: Sequence[StatisticsCollector]) -> list[dict[str, Any]] | None:
+        """With ``lazy: true``, a list for :func:`prepare_tasks` to load the fine-tunes with every
+        block on disk; ``None`` (loaded whole) without it, or when a statistics collector needs
+        gradients of every weight (Fisher), which a note says."""
+        if not self.cfg.lazy:
+            return None
+        heavy = sorted({c.name for c in collectors if not c.spec.forward_only})
+        if heavy:
+            self.notes.append(f"lazy: the fine-tuned models were loaded whole: the {', '.join(heavy)} "
+                              "statistics need gradients of every weight")
+            return None
+        return []
 
     # ------------------------------------------------------------------ baselines
     def baseline(self) -> MergeResult:
@@ -790,6 +790,18 @@ class _AutoStart:
         self.notes.extend(n for n in uncertified_notes(layers) if n not in self.notes)
         reference.update({k: v.to(reference[k].dtype) if k in reference else v for k, v in solved.items()})
         return reference
+
+
+def _lazy_note(base: dict[str, Any], finetunes: Sequence[dict[str, Any]]) -> str:
+    """The report note of a lazy merge (:func:`~mergeqp.io.lazy_model.lazy_summary` of the base and
+    of each fine-tune)."""
+    mib = 2 ** 20
+    note = (f"lazy: {base['lazy_blocks']} block(s) below the merge sites stayed on disk ({base['lazy_bytes'] / mib:.1f} "
+            f"MiB; {base['resident_bytes'] / mib:.1f} MiB resident), read {base['block_loads']} time(s)")
+    if finetunes:
+        note += (f"; each fine-tuned model ran with all {finetunes[0]['lazy_blocks']} blocks on disk "
+                 f"({max(f['resident_bytes'] for f in finetunes) / mib:.1f} MiB resident)")
+    return note
 
 
 def _visit_all(visitors: Sequence[Callable[[int, str, Any, list[Any]], None]]

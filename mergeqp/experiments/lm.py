@@ -539,12 +539,17 @@ def run_mergekit(ctx: _Context, command: str, method: str, ta_scaling: float) ->
 # the experiment
 
 
+def baseline_params(mset: LmMergeSettings, seed: int) -> dict[str, dict[str, Any]]:
+    """The run-layer parameters of each of :data:`BASELINES` in this experiment."""
+    return {"soup": {}, "ties": {"density": mset.ties_density},
+            "dare_ties": {"density": mset.dare_density, "seed": seed}, "fisher": {},
+            "regmean": {"alpha": mset.regmean_alpha}}
+
+
 def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str]
                 ) -> list[tuple[str, dict[str, Any], list[str], str, str]]:
     """``(label, run-layer method, layers, metric, kind)`` of each of ``mset.extra_runs``."""
-    params = {"regmean": {"alpha": mset.regmean_alpha}, "fisher": {}, "soup": {},
-              "ties": {"density": mset.ties_density}, "dare_ties": {"density": mset.dare_density, "seed": seed},
-              "task_arithmetic": {"scaling": float(best_scaling)}}
+    params = {**baseline_params(mset, seed), "task_arithmetic": {"scaling": float(best_scaling)}}
     out = []
     if "qp_atoms" in mset.extra_runs:
         a = mset.atoms
@@ -717,15 +722,10 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 5. baselines through the run layer
     t = time.perf_counter()
-    baseline_methods = {
-        "soup": {"name": "soup"},
-        "ties": {"name": "ties", "params": {"density": mset.ties_density}},
-        "dare_ties": {"name": "dare_ties", "params": {"density": mset.dare_density, "seed": seed}},
-        "fisher": {"name": "fisher"},
-        "regmean": {"name": "regmean", "params": {"alpha": mset.regmean_alpha}},
-    }
+    params = baseline_params(mset, seed)
     for label in mset.baselines:
-        models[label], rec = run_layer_merge(ctx, label, baseline_methods[label], linear_layers)
+        method = {"name": label, **({"params": params[label]} if params[label] else {})}
+        models[label], rec = run_layer_merge(ctx, label, method, linear_layers)
         records[label] = {"kind": "baseline", **rec}
     timings["baselines"] = time.perf_counter() - t
 

@@ -73,10 +73,14 @@ def map_tensors(inputs: Any, fn: Any) -> Any:
     return fn(inputs)
 
 
-def call(model: Any, weights: Mapping[str, Any], inputs: Any) -> Any:
-    """``model(inputs)`` with its parameters and buffers replaced by ``weights``."""
+def call(model: Any, weights: Mapping[str, Any] | None, inputs: Any) -> Any:
+    """``model(inputs)`` with its parameters and buffers replaced by ``weights`` (``None``: its own)."""
     from torch.func import functional_call
 
+    if weights is None:
+        if isinstance(inputs, Mapping):
+            return model(**inputs)
+        return model(*inputs) if isinstance(inputs, (tuple, list)) else model(inputs)
     if isinstance(inputs, Mapping):
         return functional_call(model, dict(weights), args=(), kwargs=dict(inputs))
     if isinstance(inputs, (tuple, list)):

@@ -124,10 +124,11 @@ def compute_grams(
     import torch
 
     model = check_model(model, "regmean")
-    source = state_dict if isinstance(state_dict, TensorSource) else TensorSource(
-        model.state_dict() if state_dict is None else state_dict, label)
     device = model_device(model)
-    weights = model_weights(model, source, device)
+    weights = None  # the model's own weights: run it as it is (a model with blocks on disk too)
+    if state_dict is not None:
+        source = state_dict if isinstance(state_dict, TensorSource) else TensorSource(state_dict, label)
+        weights = model_weights(model, source, device)
     found = {lay.name: lay for lay in _model_layers(model)}
     chosen = list(found) if layers is None else list(layers)
     for name in chosen:

@@ -78,6 +78,7 @@ def _merge(fam, tmp_path, name, layers, method, lazy):
     ("llama", {"name": "qp", "mode": "joint", "compare_sequential": True}),
     ("gpt2", {"name": "qp", "mode": "hybrid", "start": {"name": "task_arithmetic", "params": {"scaling": 0.5}}}),
     ("bert", {"name": "qp", "mode": "sequential"}),
+    ("llama", {"name": "auto"}),  # the default: start candidates (RegMean's statistics) loaded into lazy blocks
 ])
 def test_lazy_merge_equals_the_resident_one(tiny_hf, families, tmp_path, arch, method):
     fam = families[arch]

@@ -115,6 +115,17 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _on_cpu(device: Any) -> bool:
+    return device is None or str(device) == "cpu"
+
+
+def _placed(tensor: Any, dtype: Any, device: Any) -> Any:
+    """``tensor`` converted to ``dtype`` (``None``: kept) and moved to ``device`` (``None`` / cpu: kept)."""
+    if dtype is not None:
+        tensor = tensor.to(dtype)
+    return tensor if _on_cpu(device) else tensor.to(device)
+
+
 #: safetensors dtypes :meth:`Checkpoint.read` decodes itself (little-endian, as the format stores them)
 _READ_DTYPES = ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
 
@@ -209,13 +220,9 @@ class Checkpoint:
             except (SafetensorError, OSError) as exc:  # e.g. the file changed since it was opened
                 raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: "
                                       f"{type(exc).__name__}: {exc}") from None
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        if device is not None and str(device) != "cpu":
-            tensor = tensor.to(device)
-        elif self.kind.endswith("torch"):
+        if self.kind.endswith("torch") and _on_cpu(device):
             tensor = tensor.clone()  # never hand out views of the mmapped file
-        return tensor
+        return _placed(tensor, dtype, device)
 
     def get_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
         return {n: self.get(n, dtype=dtype, device=device) for n in names}
@@ -245,11 +252,7 @@ class Checkpoint:
             raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: {exc}") from None
         tensor = (torch.frombuffer(buf, dtype=getattr(torch, info.dtype)) if info.nbytes
                   else torch.empty(0, dtype=getattr(torch, info.dtype))).reshape(info.shape)
-        if dtype is not None:
-            tensor = tensor.to(dtype)
-        if device is not None and str(device) != "cpu":
-            tensor = tensor.to(device)
-        return tensor
+        return _placed(tensor, dtype, device)
 
     def read_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
         return {n: self.read(n, dtype=dtype, device=device) for n in names}

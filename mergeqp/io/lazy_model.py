@@ -9,7 +9,7 @@ in a ``mergeqp merge`` config:
 - :func:`load_lazy_model` builds the architecture with its parameters on the ``meta`` device
   (buffers such as rotary frequencies are computed as usual), loads every parameter that is not
   in a lazy block from the checkpoint (safetensors, sharded or not: read through
-  :class:`~mergeqp.io.checkpoint.Checkpoint`, memory-mapped) and ties the tied ones;
+  :meth:`~mergeqp.io.checkpoint.Checkpoint.read_many`, without a memory map) and ties the tied ones;
 - every lazy block (a :class:`LazyBlock`) holds ``meta`` placeholders; its ``forward`` reads its
   tensors from the checkpoint, runs, and puts the placeholders back, so at most one lazy block's
   weights are in memory at a time (plus what autograd keeps for a backward pass through it).
@@ -81,10 +81,7 @@ class LazyBlock:
     @property
     def nbytes(self) -> int:
         """Bytes of its parameters in the run's dtype (what a load holds)."""
-        import torch  # deferred: torch is heavy
-
-        size = torch.empty((), dtype=self.dtype).element_size()
-        return sum(int(p.numel()) * size for p in self.placeholders.values())
+        return sum(int(p.numel()) * p.element_size() for p in self.placeholders.values())
 
     @contextlib.contextmanager
     def materialised(self) -> Iterator[None]:
@@ -99,7 +96,7 @@ class LazyBlock:
                 self._depth -= 1
             return
         read = [key for path, key in self.keys.items() if path not in self.overrides]
-        tensors = _read_many(self.checkpoint, read, self.dtype, self.device)
+        tensors = self.checkpoint.read_many(read, dtype=self.dtype, device=self.device)
         for path, key in self.keys.items():
             owner, leaf = _owner(self.module, path)
             value = self.overrides[path] if path in self.overrides else tensors[key]
@@ -134,6 +131,14 @@ def make_lazy(module: Any, keys: dict[str, str], checkpoint: Any, dtype: Any, de
 def _lazy_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     with getattr(self, LAZY_ATTR).materialised():
         return type(self).forward(self, *args, **kwargs)
+
+
+def run_block(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s own computation, bypassing any instance ``forward`` patch: its class's
+    ``forward``, with its tensors read for the call when it is a lazy block."""
+    if lazy_of(module) is not None:
+        return _lazy_forward(module, *args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
 
 
 def lazy_of(module: Any) -> LazyBlock | None:
@@ -204,30 +209,32 @@ def load_lazy_model(build: Any, checkpoint: Any, stored_names: Any, dtype: Any, 
     with _parameters_on_meta():
         model = build()
     stack = list(lazy_blocks(model))
-    chosen = list(range(len(stack)))
     names = stored_names(model)
-    lazy_prefixes = {i: _module_path(model, stack[i]) for i in chosen}
-    by_block: dict[int, dict[str, str]] = {i: {} for i in chosen}
+    prefixes = [_module_path(model, block) + "." for block in stack]
+
+    def block_of(live: str) -> int | None:
+        return next((i for i, pre in enumerate(prefixes) if live.startswith(pre)), None)
+
+    by_block: list[dict[str, str]] = [{} for _ in stack]
     resident: dict[str, str] = {}
-    for live, param in model.named_parameters(remove_duplicate=False):
-        block = next((i for i, pre in lazy_prefixes.items() if live.startswith(pre + ".")), None)
+    for live, _ in model.named_parameters(remove_duplicate=False):
+        block = block_of(live)
         stored = names.get(live, live)
         if block is not None:
             if stored not in checkpoint:
                 raise ValidationError(f"{checkpoint.path}: lazy block tensor {stored!r} is not stored (a block "
                                       "must hold its own weights)")
-            by_block[block][live[len(lazy_prefixes[block]) + 1:]] = stored
+            by_block[block][live[len(prefixes[block]):]] = stored
         elif stored in checkpoint:
             resident[live] = stored
-    tensors = _read_many(checkpoint, list(dict.fromkeys(resident.values())), dtype, device)
+    tensors = checkpoint.read_many(list(dict.fromkeys(resident.values())), dtype=dtype, device=device)
     for live, stored in resident.items():
         owner, leaf = _owner(model, live)
         owner._parameters[leaf] = torch.nn.Parameter(tensors[stored], requires_grad=False)
     del tensors
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-    missing = [n for n, p in model.named_parameters(remove_duplicate=False)
-               if p.is_meta and not any(n.startswith(lazy_prefixes[i] + ".") for i in chosen)]
+    missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta and block_of(n) is None]
     if missing:
         raise ValidationError(f"{checkpoint.path} lacks tensors {missing[:5]} of the architecture")
     for name, buf in list(model.named_buffers()):
@@ -242,22 +249,10 @@ def load_lazy_model(build: Any, checkpoint: Any, stored_names: Any, dtype: Any, 
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
-    blocks = tuple(make_lazy(stack[i], by_block[i], checkpoint, dtype, device) for i in chosen)
-    size = torch.empty((), dtype=dtype).element_size()
-    seen: set[int] = set()
-    resident_bytes = 0
-    for p in model.parameters():
-        if not p.is_meta and id(p) not in seen:
-            seen.add(id(p))
-            resident_bytes += int(p.numel()) * (size if p.is_floating_point() else p.element_size())
+    blocks = tuple(make_lazy(block, keys, checkpoint, dtype, device) for block, keys in zip(stack, by_block))
+    # model.parameters() yields a tied parameter once
+    resident_bytes = sum(int(p.numel()) * p.element_size() for p in model.parameters() if not p.is_meta)
     return LazyModel(model, blocks, resident_bytes)
-
-
-def _read_many(checkpoint: Any, names: Sequence[str], dtype: Any, device: str) -> dict[str, Any]:
-    """The tensors ``names`` read without a memory map where the checkpoint can (its file pages then
-    never count in this process's resident memory), else through ``get_many``."""
-    reader = getattr(checkpoint, "read_many", None) or checkpoint.get_many
-    return reader(names, dtype=dtype, device=device)
 
 
 def _module_path(model: Any, module: Any) -> str:
@@ -275,4 +270,5 @@ def lazy_summary(models: Sequence[LazyModel]) -> dict[str, Any]:
             "block_loads": sum(m.loads for m in models)}
 
 
-__all__ = ["LAZY_ATTR", "LazyBlock", "LazyModel", "lazy_of", "lazy_parameters", "lazy_summary", "load_lazy_model", "make_lazy"]
+__all__ = ["LAZY_ATTR", "LazyBlock", "LazyModel", "lazy_of", "lazy_parameters", "lazy_summary", "load_lazy_model", "make_lazy",
+           "run_block"]

@@ -171,15 +171,9 @@ def load_lazy(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str,
     cls = architecture_class(config_dict, str(folder))
     config = model_config(folder, config_dict)
 
-    def build() -> Any:
-        if cls.__name__ == "AutoModel":
-            return cls.from_config(config, dtype=dtype, attn_implementation="eager")
-        try:  # eager attention, as _from_pretrained: the statistics need forward-mode derivatives
-            return cls._from_config(config, dtype=dtype, attn_implementation="eager")
-        except (ValueError, TypeError) as exc:
-            if "attn_implementation" not in str(exc) and "eager" not in str(exc):
-                raise
-            return cls._from_config(config, dtype=dtype)
+    def build() -> Any:  # eager attention, as _from_pretrained
+        make = cls.from_config if cls.__name__ == "AutoModel" else cls._from_config
+        return _eager(lambda **kw: make(config, dtype=dtype, **kw))
 
     try:
         lazy = load_lazy_model(build, ckpt, checkpoint_names, dtype, device, blocks)
@@ -198,15 +192,21 @@ def live_names(model: Any) -> dict[str, str]:
     return {stored: live for live, stored in checkpoint_names(model).items()}
 
 
-def _from_pretrained(cls: Any, folder: Path, dtype: Any) -> Any:
-    """``from_pretrained`` with eager attention where the model supports choosing it: the fused
-    SDPA kernels have no forward-mode derivative, which the statistics need (``torch.func.jvp``)."""
+def _eager(make: Callable[..., Any]) -> Any:
+    """``make(attn_implementation="eager")`` where the model supports choosing its attention, else
+    ``make()``: the fused SDPA kernels have no forward-mode derivative, which the statistics need
+    (``torch.func.jvp``)."""
     try:
-        return cls.from_pretrained(str(folder), dtype=dtype, attn_implementation="eager")
+        return make(attn_implementation="eager")
     except (ValueError, TypeError) as exc:
         if "attn_implementation" not in str(exc) and "eager" not in str(exc):
             raise
-        return cls.from_pretrained(str(folder), dtype=dtype)
+        return make()
+
+
+def _from_pretrained(cls: Any, folder: Path, dtype: Any) -> Any:
+    """``from_pretrained`` with eager attention where the model supports choosing it (:func:`_eager`)."""
+    return _eager(lambda **kw: cls.from_pretrained(str(folder), dtype=dtype, **kw))
 
 
 def _read_cfg(folder: Path) -> dict[str, Any] | None:
@@ -441,9 +441,9 @@ class _Run:
             collector = statistics_collector(plan, m.start.name, m.start.params, plan.float_keys(), say)
         auto = _AutoStart(self, parse_auto_params(m.start.params)) if is_auto_start(m.start) else None
         # rows+baselines atoms of baselines with calibration statistics: collected on the sites' tensors
-        site_keys = [k for site in plan.sites for k in site.keys]
-        atom_collectors = [statistics_collector(plan, n, dict(p), site_keys, say)
-                           for n, p in statistics_baselines([(b.name, b.params) for b in m.baselines])]
+        site_keys = plan.site_keys()
+        atom_collectors = [statistics_collector(plan, n, p, site_keys, say)
+                           for n, p in statistics_baselines(m.baseline_choices)]
         visitors = [v for v in (auto.visit if auto is not None else collector, *atom_collectors) if v is not None]
         lazy_models = self._lazy_fine_tunes([*atom_collectors, *([collector] if collector is not None else []),
                                              *(auto.all_collectors() if auto is not None else [])])

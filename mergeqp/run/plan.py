@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .architectures import lower_blocks, architecture_class, model_config
+from .architectures import architecture_class, lower_blocks, model_config
 from .auto import (
     OUTPUT_SPACE,
     QP_CANDIDATE,
@@ -124,8 +124,12 @@ class MergePlan:
         """The registered parametrisation entry (QP methods)."""
         return get_parametrisation(self.config.method.parametrisation)
 
+    def site_keys(self) -> list[str]:
+        """The checkpoint keys of the merge sites (weights and biases), in site order."""
+        return [k for s in self.sites for k in s.keys]
+
     def merged_keys(self) -> list[str]:
-        keys = [k for s in self.sites for k in s.keys]
+        keys = self.site_keys()
         return keys + [k for k in self.extra_tensors if k not in keys]
 
     def float_keys(self) -> list[str]:
@@ -392,6 +396,11 @@ def uses_prompts(cfg: MergeConfig) -> bool:
             or is_output_space(cfg))
 
 
+def _without_prompts(cfg: MergeConfig) -> list[str]:
+    """The names of the models that have no calibration prompts."""
+    return [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+
+
 def _check_method(cfg: MergeConfig) -> None:
     m = cfg.method
     if cfg.lazy and not m.is_qp:
@@ -401,12 +410,12 @@ def _check_method(cfg: MergeConfig) -> None:
                              "already streams tensors in chunks (evaluate: false keeps models out of memory)"))
     stats = statistics_method(cfg)
     if stats is not None:
-        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        missing = _without_prompts(cfg)
         if missing:
             raise ConfigError(f"{'method' if not m.is_qp else 'method.start'}: {stats!r} needs calibration prompts "
                               f"for every model (its statistics are computed on them); missing for {missing}")
     if is_output_space(cfg):
-        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        missing = _without_prompts(cfg)
         if missing:
             raise ConfigError(f"method: 'output_space' needs calibration prompts for every model (its targets are "
                               f"the fine-tunes' outputs on them); missing for {missing}")
@@ -419,9 +428,9 @@ def _check_method(cfg: MergeConfig) -> None:
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method")
         return
-    atom_stats = statistics_baselines([(b.name, b.params) for b in m.baselines])
+    atom_stats = statistics_baselines(m.baseline_choices)
     if atom_stats:
-        missing = [n for n, e in zip(cfg.model_names(), cfg.models) if e.prompts() is None]
+        missing = _without_prompts(cfg)
         if missing:
             raise ConfigError(f"method.baselines: {atom_stats[0][0]!r} needs calibration prompts for every model (its "
                               f"statistics are computed on them); missing for {missing}")
@@ -433,7 +442,7 @@ def _check_method(cfg: MergeConfig) -> None:
                 parse_output_space_params(cand.params, where)
             elif cand.name == QP_CANDIDATE:
                 block = qp_candidate_block(cand.params, where)
-                fitted = statistics_baselines([(b.name, b.params) for b in block.baselines])
+                fitted = statistics_baselines(block.baseline_choices)
                 if fitted:
                     raise ConfigError(f"{where}: baseline atoms with calibration statistics ({fitted[0][0]!r}) are not "
                                       "available to start candidates (they would be fitted on the held-out folds); "
@@ -655,8 +664,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
             out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, plan.float_keys())
-    for name, _ in statistics_baselines([(b.name, b.params) for b in m.baselines]):
-        site_keys = [k for s in plan.sites for k in s.keys]
+    site_keys = plan.site_keys()
+    for name, _ in statistics_baselines(m.baseline_choices):
         out[f"{name} statistics (baseline atoms)"] = _statistics_bytes(plan, name, site_keys)
         out[f"{name} merge (baseline atoms)"] = sum(plan.base.info(k).nbytes for k in site_keys)
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):

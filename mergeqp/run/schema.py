@@ -316,7 +316,7 @@ class MethodConfig(_Strict):
         param.check_config(options, given)
         if self.baselines:
             try:
-                check_baselines([(b.name, b.params) for b in self.baselines])
+                check_baselines(self.baseline_choices)
             except MergeQPError as exc:
                 raise ValueError(str(exc)) from None
         return self
@@ -326,6 +326,11 @@ class MethodConfig(_Strict):
         reads (``config_options``), with its value."""
         keys = dict.fromkeys(k for p in PARAMETRISATIONS.values() for k in p.config_options)
         return {k: getattr(self, k) for k in keys}
+
+    @property
+    def baseline_choices(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+        """``baselines`` as ``(name, params)`` pairs (``rows+baselines``'s atoms)."""
+        return tuple((b.name, dict(b.params)) for b in self.baselines)
 
     @property
     def is_qp(self) -> bool:

@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..io.lazy_model import lazy_of
+from ..io.lazy_model import lazy_of, run_block
 
 #: entries kept at once (batches of calibration and held-out prompts); the oldest is dropped
 MAX_ENTRIES = 512
@@ -89,7 +89,8 @@ class PrefixCache:
     _active: Any = None
     _pending: tuple[Any, tuple[Any, ...]] | None = None
 
-    #: per block, the ``forward`` it had before the cache patched it (a lazy block's, or ``None``)
+    #: per block, the ``forward`` it had before the cache patched it (a lazy block's, or ``None``),
+    #: given back on exit
     previous: list[Any] = field(default_factory=list)
 
     def versions(self) -> tuple[Any, ...]:
@@ -98,10 +99,8 @@ class PrefixCache:
                      else tuple((p.data_ptr(), p._version) for p in b.parameters()) for b in self.blocks)
 
     def call(self, index: int, *args: Any, **kwargs: Any) -> Any:
-        """Block ``index``'s own forward (the one it had before the cache patched it)."""
-        block = self.blocks[index]
-        previous = self.previous[index] if index < len(self.previous) else None
-        return previous(*args, **kwargs) if previous is not None else type(block).forward(block, *args, **kwargs)
+        """Block ``index``'s own computation (what it did before the cache patched it)."""
+        return run_block(self.blocks[index], *args, **kwargs)
 
     def lookup(self, key: Any) -> _Entry | None:
         import torch  # deferred: torch is heavy
@@ -177,9 +176,7 @@ def _patched(cache: PrefixCache, index: int, last: int) -> Any:
 
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         if self is not cache.blocks[index]:  # a copy of the model (deepcopy)
-            lazy = lazy_of(self)
-            with lazy.materialised() if lazy is not None else contextlib.nullcontext():
-                return type(self).forward(self, *args, **kwargs)
+            return run_block(self, *args, **kwargs)
         if not cache.enabled:
             return cache.call(index, *args, **kwargs)
         hidden = _hidden_arg(args, kwargs)

@@ -43,6 +43,10 @@ SUBCOMMANDS: dict[str, str] = {
     "merge": "mergeqp.cli.merge",
     "sweep": "mergeqp.cli.sweep",
 }
+#: subcommands that keep the C allocator's own policy for freed memory; every other one keeps freed
+#: memory in the process (:func:`mergeqp.io.allocator.keep_freed_memory`: large tensors are
+#: reused instead of mapped afresh; ``MERGEQP_ALLOCATOR=system`` turns it off)
+SYSTEM_ALLOCATOR = frozenset({"bench"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    if args.command not in SYSTEM_ALLOCATOR:
+        from ..io.allocator import keep_freed_memory
+
+        keep_freed_memory()
     try:
         with _sigterm_as_interrupt():
             return int(args.func(args) or 0)

@@ -24,6 +24,8 @@ from pydantic import ValidationError as PydanticError
 
 from ..errors import ValidationError, check_new_name, lookup
 from ..io.distributed import current_group
+from ..lm import forward
+from .depth import depth_levels, site_dependencies
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -158,6 +160,50 @@ def _solve_one_by_one(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, 
     return out
 
 
+def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, relinearise: bool) -> list[LayerRecord]:
+    """Sites grouped by depth (:mod:`.depth`); the sites of one depth are each linearised at the
+    model merged below that depth and solved on their own (spread over the ranks under
+    ``torchrun``, like ``single`` mode's sites), then applied together before the next depth."""
+    first = ctx.tasks[0].batches[0]
+    levels = depth_levels(sites, site_dependencies(ctx.model, sites,
+                                                   lambda: forward(ctx.model, first.batch, ctx.device)))
+    index = {s.name: i for i, s in enumerate(sites)}
+    say(ctx, f"[{mode} by depth] {len(levels)} depths: "
+             + "; ".join(", ".join(s.name for s in level) for level in levels))
+    out: list[LayerRecord] = []
+    for depth, level in enumerate(levels):
+        def solve_site(i: int, site: LayerSite) -> tuple[dict[str, Any], tuple[LayerRecord, ...]]:
+            res = solve_group(ctx, [site], mode=mode, group=index[site.name], relinearise_offsets=relinearise)
+            return res.new_weights, res.records
+
+        results = (current_group().spread(level, solve_site) if len(level) > 1
+                   else [solve_site(0, level[0])])
+        for site, (weights, _) in zip(level, results):
+            apply_weights(ctx, [site], weights)
+        t = time.perf_counter()
+        exact = calibration_objective(ctx)
+        for _, records in results:
+            out.extend(with_exact(records, exact, time.perf_counter() - t))
+        say(ctx, f"[{mode} depth {depth + 1}/{len(levels)}] {len(level)} layer(s): exact objective {exact:.6g}")
+    return out
+
+
+class DepthOptions(BaseModel):
+    """``method.mode_options`` of ``mode: sequential`` and ``mode: hybrid``.
+
+    ``by_depth``: group the layers by depth (a layer's depth is one more than the deepest
+    selected layer whose weights change its input, measured by perturbing each layer once on a
+    calibration batch; :mod:`mergeqp.merge.depth`) and linearise every layer of one depth at the
+    model merged below it, solve them independently (spread over the ranks under ``torchrun``) and
+    apply them together. Default ``false``: one layer after the other in model order, each at the
+    model with every earlier layer merged (the paper's scheme). With one layer per depth (e.g.
+    the ``down_proj`` of several blocks) both give the same merge."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    by_depth: bool = False
+
+
 class SingleMode(MergeMode):
     """Each site linearised at the base model and solved on its own; all applied at the end. The
     exact objective after is measured with that site alone applied."""
@@ -193,11 +239,32 @@ class SequentialMode(MergeMode):
     name = "sequential"
     description = "layer by layer, each linearised at the partially merged model"
 
+    options = DepthOptions
+
     def linearised_at(self, start: str | None) -> str:
         return "the partially merged model"
 
+    def plan_notes(self, settings: Any) -> list[str]:
+        return _depth_notes(self, settings)
+
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+        if _by_depth(self, ctx):
+            return _solve_by_depth(ctx, sites, self.name, relinearise=False)
         return _solve_one_by_one(ctx, sites, self.name, relinearise=False)
+
+
+def _by_depth(mode: MergeMode, ctx: MergeContext) -> bool:
+    o = mode.check_options(ctx.settings.mode_options)
+    return isinstance(o, DepthOptions) and o.by_depth
+
+
+def _depth_notes(mode: MergeMode, settings: Any) -> list[str]:
+    o = mode.check_options(settings.mode_options)
+    if not (isinstance(o, DepthOptions) and o.by_depth):
+        return []
+    return [f"{mode.name} by_depth: layers grouped by depth (measured on a calibration batch); the layers of one "
+            f"depth are linearised at the model merged below it, solved independently (spread over the ranks "
+            f"under torchrun) and applied together"]
 
 
 class HybridMode(MergeMode):
@@ -207,11 +274,17 @@ class HybridMode(MergeMode):
     name = "hybrid"
     description = "the 'start' baseline on all tensors, then the layers refined sequentially"
     uses_start = True
+    options = DepthOptions
 
     def linearised_at(self, start: str | None) -> str:
         return f"the {start or ''} merge"
 
+    def plan_notes(self, settings: Any) -> list[str]:
+        return _depth_notes(self, settings)
+
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+        if _by_depth(self, ctx):
+            return _solve_by_depth(ctx, sites, self.name, relinearise=True)
         return _solve_one_by_one(ctx, sites, self.name, relinearise=True)
 
     def notes(self, records: Sequence[LayerRecord], constraints: Sequence[str], start: str | None) -> list[str]:
@@ -456,5 +529,5 @@ for _mode in (SingleMode(), SequentialMode(), HybridMode(), JointMode(), TrustRe
     register_merge_mode(_mode)
 del _mode
 
-__all__ = ["MERGE_MODES", "HybridMode", "JointMode", "MergeMode", "SequentialMode", "SingleMode",
+__all__ = ["MERGE_MODES", "DepthOptions", "HybridMode", "JointMode", "MergeMode", "SequentialMode", "SingleMode",
            "TrustRegionMode", "TrustRegionOptions", "get_merge_mode", "register_merge_mode", "run_mode"]

@@ -101,7 +101,11 @@ def _collect_args(root: Path, out: str) -> list[str]:
 #: the merge configs: one site (its batches shared: one per rank) and two sites in mode single
 #: (one site per rank)
 SITES = {"one_site": ["model.layers.1.mlp.down_proj"],
-         "two_sites": ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"]}
+         "two_sites": ["model.layers.1.mlp.down_proj", "model.layers.1.mlp.up_proj"],
+         "by_depth": ["model.layers.1.*"]}
+#: the method of each merge config (sequential by depth: q/k/v, then o, then gate/up spread over the ranks)
+METHODS = {"one_site": {"name": "qp", "mode": "single"}, "two_sites": {"name": "qp", "mode": "single"},
+           "by_depth": {"name": "qp", "mode": "sequential", "mode_options": {"by_depth": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +119,7 @@ def runs(tiny_hf, tmp_path_factory):
     commands = [_collect_args(root, "two.npz")]
     assert main(_collect_args(root, "one.npz")) == 0
     for name, layers in SITES.items():
-        cfg = fam.write_config(root / f"{name}.yml", layers, {"name": "qp", "mode": "single"},
+        cfg = fam.write_config(root / f"{name}.yml", layers, METHODS[name],
                                output={"restrict": "projection", "k": 8}, output_dtype="float64",
                                evaluate=name == "one_site")
         assert main(["merge", str(cfg), "--out", str(root / f"one_{name}"), "--quiet"]) == 0
@@ -128,9 +132,9 @@ def runs(tiny_hf, tmp_path_factory):
 def test_the_ranks_agree_and_rank_0_alone_reports(runs):
     root, run = runs
     for rank in (0, 1):  # both ranks exit 0 after each command
-        assert json.loads((root / f"codes-{rank}.json").read_text()) == [0, 0, 0], rank
+        assert json.loads((root / f"codes-{rank}.json").read_text()) == [0, 0, 0, 0], rank
     assert run.stdout.count("statistics ->") == 1  # collect: rank 0 alone reports (and writes)
-    assert run.stdout.count("merged model written to") == 2  # once per merge
+    assert run.stdout.count("merged model written to") == 3  # once per merge
 
 
 def test_two_process_collection_equals_one_process(runs):
@@ -169,17 +173,22 @@ def test_two_process_merge_equals_one_process(runs):
         r1["evaluation"]["merged"]["calibration_objective"], rel=1e-10)
 
 
-def test_single_mode_sites_spread_over_ranks_equal_the_serial_run(runs):
-    """mode: single with two sites under two ranks: each rank solves one site whole (its QP is
-    the serial run's, computed the same way), the results are gathered, rank 0 writes: the merged
-    tensors equal the serial run's exactly and the report lists both layers in the same order."""
+@pytest.mark.parametrize("name", ["two_sites", "by_depth"])
+def test_independent_sites_spread_over_ranks_equal_the_serial_run(runs, name):
+    """mode: single with two sites, and sequential by depth over a block (the sites of one depth),
+    under two ranks: each rank solves its sites whole (its QP is the serial run's, computed the
+    same way), the results are gathered, rank 0 writes: the merged tensors equal the serial run's
+    exactly and the report lists the layers in the same order."""
     root, _ = runs
-    one, two = open_checkpoint(root / "one_two_sites"), open_checkpoint(root / "two_two_sites")
-    for name in one.names():
-        assert torch.equal(two.get(name), one.get(name)), name
-    r1, r2 = _reports(root, "two_sites")
+    one, two = open_checkpoint(root / f"one_{name}"), open_checkpoint(root / f"two_{name}")
+    for key in one.names():
+        assert torch.equal(two.get(key), one.get(key)), key
+    r1, r2 = _reports(root, name)
     assert [r["layer"] for r in r2["layers"]] == [r["layer"] for r in r1["layers"]]
-    assert sorted(r["layer"] for r in r2["layers"]) == sorted(SITES["two_sites"])
+    if name == "two_sites":
+        assert sorted(r["layer"] for r in r2["layers"]) == sorted(SITES["two_sites"])
+    else:  # 7 projections in 4 depths
+        assert len(r2["layers"]) == 7 and len({r["objective_after_exact"] for r in r2["layers"]}) == 4
     for a, b in zip(r2["layers"], r1["layers"]):
         for key in ("objective_before", "objective_after", "objective_after_exact", "energy_fraction"):
             assert a[key] == b[key], key

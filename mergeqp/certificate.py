@@ -34,10 +34,11 @@ which no relative test short of exactness passes) with ``scale = max(|J(d)|, 1e-
 second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
-sets. The pseudo-inverse quantities need a Cholesky factorisation (an eigendecomposition only
+sets. The pseudo-inverse quantities need a Cholesky factorisation (an eigendecomposition
 when H is singular; cached per problem object and shared by the problems that hold the same
 H array, :mod:`mergeqp.matrix_cache`) and are computed by default up to
-``PINV_MAX_N`` variables, or whenever the Lagrangian gap needs the factorisation anyway.
+``PINV_MAX_N`` variables when H is definite (one Cholesky), or whenever the Lagrangian gap needs
+the factorisation anyway; for a singular H only with ``pinv=True``.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_FEAS_TOL = 1e-7
 #: the pseudo-inverse quantities (unconstrained bound, distance to -H^+ g) are computed by
-#: default only up to this many variables (one Cholesky; an eigendecomposition if H is
-#: singular); above it only when asked (``pinv=True``) or when the gap needs them anyway
+#: default only up to this many variables and when H is definite (one Cholesky; a singular H
+#: needs an eigendecomposition); otherwise only when asked (``pinv=True``) or when the gap
+#: needs the factorisation anyway
 PINV_MAX_N = 2048
 #: the Lagrangian gap (unbounded boxes, no constraint) may fall back to an eigendecomposition
 #: of a singular H up to this many variables without being asked
@@ -333,8 +335,10 @@ def certify(
 
     ``constraints``: anything :func:`~mergeqp.constraints.as_constraint_set` accepts.
     ``pinv``: compute the pseudo-inverse quantities (unconstrained bound, distance to
-    ``-H^+ g``); default: when H is explicit and ``n <= PINV_MAX_N``, or when the Lagrangian
-    gap has factorised H anyway; ``False`` skips them. The Frank-Wolfe gap itself never
+    ``-H^+ g``); default: when H is explicit, ``n <= PINV_MAX_N`` and H is definite (one
+    Cholesky; a singular H would need an eigendecomposition), or when the Lagrangian gap has
+    factorised H anyway; ``True`` computes them at any size (an eigendecomposition for a
+    singular H); ``False`` skips them. The Frank-Wolfe gap itself never
     factorises H. Raises :class:`~mergeqp.errors.ValidationError` for a point of the wrong
     shape or with NaN/inf.
     """
@@ -419,6 +423,10 @@ def certify(
     want_pinv = explicit and pinv is not False and (
         bool(pinv) or problem.n <= PINV_MAX_N or solver is not None)
     if want_pinv:
+        if solver is None and not pinv:
+            # by default the facts cost one Cholesky; a singular H would need an eigendecomposition
+            # (~8 Choleskys), which only pinv=True (or the Lagrangian gap above) pays for
+            solver = _pseudo_inverse(problem, allow_eig=False)
         ps = pseudo()
         if ps is not None and ps.available:
             x_u, outside = ps.solve(-problem.g)
@@ -438,8 +446,8 @@ def certify(
                 notes.append("H is singular: -H^+ g is the minimum-norm unconstrained minimiser; "
                              "the others differ from it by ker(H)")
         elif ps is not None and ps.singular:
-            notes.append(f"H is singular and n = {problem.n} > {EIG_MAX_N}: pseudo-inverse "
-                         "quantities skipped (pass pinv=True for an eigendecomposition)")
+            notes.append("H is singular: pseudo-inverse quantities skipped (they need an eigendecomposition: "
+                         "pass pinv=True / --pinv)")
     elif explicit and pinv is None:
         notes.append(f"unconstrained bound skipped: n = {problem.n} > {PINV_MAX_N} "
                      "(pass pinv=True / --pinv to compute it with one Cholesky)")

@@ -309,11 +309,17 @@ def test_pseudo_inverse_is_factorised_once_per_problem(monkeypatch) -> None:
         return real_eigh(M)
 
     monkeypatch.setattr(cm.np.linalg, "eigh", counting_eigh)
-    first = certify(problem, Box(0.0, 1.0), np.full((3, 4), 0.5))
-    again = certify(problem, Simplex(), np.full((3, 4), 1 / 3))
+    default = certify(problem, Box(0.0, 1.0), np.full((3, 4), 0.5))
+    # by default a singular H costs no eigendecomposition: the facts are skipped, with a note
+    assert calls[0] == 0 and default.unconstrained_bound is None
+    assert any("H is singular" in n and "pinv=True" in n for n in default.notes)
+    first = certify(problem, Box(0.0, 1.0), np.full((3, 4), 0.5), pinv=True)
+    again = certify(problem, Simplex(), np.full((3, 4), 1 / 3), pinv=True)
     assert calls[0] == 1
+    assert certify(problem, Simplex(), np.full((3, 4), 1 / 3)).unconstrained_bound == first.unconstrained_bound
+    assert calls[0] == 1  # the default uses the cached eigendecomposition when there is one
     fresh_problem = MergeQP(problem.H, problem.g, problem.c, shape=(3, 4))
-    fresh = certify(fresh_problem, Box(0.0, 1.0), np.full((3, 4), 0.5))
+    fresh = certify(fresh_problem, Box(0.0, 1.0), np.full((3, 4), 0.5), pinv=True)
     assert calls[0] == 2
     assert first.unconstrained_bound == pytest.approx(fresh.unconstrained_bound, rel=1e-12)
     assert again.unconstrained_bound == first.unconstrained_bound

@@ -9,6 +9,8 @@ the merge equals plain ``sequential`` bit for bit; the dependency probe leaves t
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -121,3 +123,55 @@ def test_by_depth_is_refused_where_it_means_nothing(tiny_hf, families, tmp_path)
     with pytest.raises(ConfigError, match="by_depht|valid keys"):
         load_config(fam.write_config(tmp_path / "s.yml", block, {"name": "qp", "mode": "sequential",
                                                                    "mode_options": {"by_depht": True}}))
+
+
+# ---------------------------------------------------------------------- property: random DAGs
+@st.composite
+def _dags(draw):
+    """Parents of each of 2-7 layers (each among the earlier ones)."""
+    n = draw(st.integers(2, 7))
+    return [sorted(draw(st.sets(st.integers(0, i - 1), max_size=i))) if i else [] for i in range(n)]
+
+
+class _DagNet(torch.nn.Module):
+    """Layer ``i`` reads the input (no parents) or the sum of its parents' outputs."""
+
+    def __init__(self, parents, width=3):
+        super().__init__()
+        self.parents = parents
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width).double() for _ in parents)
+
+    def forward(self, x):
+        outs = []
+        for layer, ps in zip(self.layers, self.parents):
+            outs.append(torch.tanh(layer(sum(outs[p] for p in ps) if ps else x)))
+        return sum(outs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_dags(), st.integers(0, 2**16))
+def test_depths_of_random_dags_are_their_longest_paths(parents, seed):
+    """A layer depends on exactly its ancestors; its depth is the longest path to it; the layers
+    of one depth never change each other's inputs."""
+    from mergeqp.merge.sites import LayerSite
+
+    torch.manual_seed(seed)
+    net = _DagNet(parents)
+    sites = [LayerSite(f"layers.{i}", "linear", 3, 3, True) for i in range(len(parents))]
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def run():
+        with torch.no_grad():
+            net(x)
+
+    deps = site_dependencies(net, sites, run)
+    ancestors: list[set[int]] = []
+    for ps in parents:
+        ancestors.append(set(ps).union(*(ancestors[p] for p in ps)))
+    assert deps == {f"layers.{i}": {f"layers.{a}" for a in anc} for i, anc in enumerate(ancestors)}
+    depth: list[int] = []
+    for ps in parents:
+        depth.append(1 + max((depth[p] for p in ps), default=-1))
+    levels = depth_levels(sites, deps)
+    assert [[int(s.name.split(".")[1]) for s in level] for level in levels] == \
+        [[i for i, d in enumerate(depth) if d == k] for k in range(max(depth) + 1)]

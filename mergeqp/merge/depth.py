@@ -23,17 +23,18 @@ from .sites import LayerSite, read_augmented, site_module, write_augmented
 
 #: a site's perturbation, relative to the mean absolute entry of its weight (plus one)
 PERTURBATION = 1e-2
-#: an input "moved" when it changed by more than this, relative to its largest entry
+#: an input "moved" when its fingerprint changed by more than this, relative to its largest entry
 MOVED = 1e-6
 
 
 def _inputs(model: Any, sites: Sequence[LayerSite], run: Any) -> dict[str, Any]:
-    """Each site's input (first positional argument of its module) in one run of ``run()``."""
+    """Each site's input (first positional argument of its module) in one run of ``run()``, as
+    its :func:`_fingerprint`."""
     seen: dict[str, Any] = {}
     handles = []
     for site in sites:
         def hook(module: Any, args: tuple[Any, ...], name: str = site.name) -> None:
-            seen[name] = args[0].detach().clone()
+            seen[name] = _fingerprint(args[0])
         handles.append(site_module(model, site).register_forward_pre_hook(hook))
     try:
         run()
@@ -47,13 +48,25 @@ def _inputs(model: Any, sites: Sequence[LayerSite], run: Any) -> dict[str, Any]:
     return seen
 
 
+def _fingerprint(x: Any) -> Any:
+    """``(2, features)`` float64: the sums of a site's input and of its squares over every token (a
+    perturbation upstream moves them; kept instead of the input itself, so that probing a large
+    model's many sites holds two vectors per site, not every site's activations)."""
+    import torch
+
+    x = x.detach().to(torch.float64)
+    x = x.reshape(-1, x.shape[-1])
+    return torch.stack([x.sum(0), (x * x).sum(0)])
+
+
 def _moved(before: Any, after: Any) -> bool:
+    """Whether a fingerprint changed beyond round-off (each row against its own largest entry)."""
     import torch
 
     if before.shape != after.shape:
         return True
-    scale = float(before.abs().max()) if before.numel() else 0.0
-    return bool(torch.any((after - before).abs() > MOVED * max(scale, 1e-30)))
+    scale = before.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+    return bool(torch.any((after - before).abs() > MOVED * scale))
 
 
 def site_dependencies(model: Any, sites: Sequence[LayerSite], run: Any) -> dict[str, set[str]]:

@@ -182,8 +182,9 @@ def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, re
             apply_weights(ctx, [site], weights)
         t = time.perf_counter()
         exact = calibration_objective(ctx)
+        seconds = time.perf_counter() - t
         for _, records in results:
-            out.extend(with_exact(records, exact, time.perf_counter() - t))
+            out.extend(with_exact(records, exact, seconds))
         say(ctx, f"[{mode} depth {depth + 1}/{len(levels)}] {len(level)} layer(s): exact objective {exact:.6g}")
     return out
 
@@ -202,6 +203,20 @@ class DepthOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     by_depth: bool = False
+
+
+def _by_depth(mode: MergeMode, ctx: MergeContext) -> bool:
+    o = mode.check_options(ctx.settings.mode_options)
+    return isinstance(o, DepthOptions) and o.by_depth
+
+
+def _depth_notes(mode: MergeMode, settings: Any) -> list[str]:
+    o = mode.check_options(settings.mode_options)
+    if not (isinstance(o, DepthOptions) and o.by_depth):
+        return []
+    return [f"{mode.name} by_depth: layers grouped by depth (measured on a calibration batch); the layers of one "
+            f"depth are linearised at the model merged below it, solved independently (spread over the ranks "
+            f"under torchrun) and applied together"]
 
 
 class SingleMode(MergeMode):
@@ -238,7 +253,6 @@ class SequentialMode(MergeMode):
 
     name = "sequential"
     description = "layer by layer, each linearised at the partially merged model"
-
     options = DepthOptions
 
     def linearised_at(self, start: str | None) -> str:
@@ -251,20 +265,6 @@ class SequentialMode(MergeMode):
         if _by_depth(self, ctx):
             return _solve_by_depth(ctx, sites, self.name, relinearise=False)
         return _solve_one_by_one(ctx, sites, self.name, relinearise=False)
-
-
-def _by_depth(mode: MergeMode, ctx: MergeContext) -> bool:
-    o = mode.check_options(ctx.settings.mode_options)
-    return isinstance(o, DepthOptions) and o.by_depth
-
-
-def _depth_notes(mode: MergeMode, settings: Any) -> list[str]:
-    o = mode.check_options(settings.mode_options)
-    if not (isinstance(o, DepthOptions) and o.by_depth):
-        return []
-    return [f"{mode.name} by_depth: layers grouped by depth (measured on a calibration batch); the layers of one "
-            f"depth are linearised at the model merged below it, solved independently (spread over the ranks "
-            f"under torchrun) and applied together"]
 
 
 class HybridMode(MergeMode):

@@ -116,8 +116,9 @@ def test_trust_region_never_worse_on_random_networks(tiny_hf, tmp_path_factory, 
     ({"mode": "trust_region", "mode_options": {"eta": 0.9, "grow_above": 0.5}}, "eta"),
     ({"mode": "trust_region", "mode_options": {"min_radius": 2.0, "max_radius": 1.0}}, "min_radius"),
     ({"mode": "trust_region", "mode_options": {"max_steps": "3"}}, "max_steps"),
-    ({"mode": "sequential", "mode_options": {"radius": 1.0}}, "takes no options.*trust_region"),
-    ({"mode": "hybrid", "start": {"name": "soup"}, "mode_options": {"radius": 1.0}}, "takes no options"),
+    ({"mode": "single", "mode_options": {"radius": 1.0}}, "takes no options.*trust_region"),
+    ({"mode": "sequential", "mode_options": {"radius": 1.0}}, "unknown key 'radius'.*valid keys: by_depth"),
+    ({"mode": "hybrid", "start": {"name": "soup"}, "mode_options": {"radius": 1.0}}, "unknown key 'radius'"),
 ])
 def test_mode_options_are_validated_by_the_mode(llama, tmp_path, method, match):
     path = llama.write_config(tmp_path / "bad.yml", ["model.layers.1.mlp.down_proj"], {"name": "qp", **method})

@@ -214,9 +214,9 @@ def _depth_notes(mode: MergeMode, settings: Any) -> list[str]:
     o = mode.check_options(settings.mode_options)
     if not (isinstance(o, DepthOptions) and o.by_depth):
         return []
-    return [f"{mode.name} by_depth: layers grouped by depth (measured on a calibration batch); the layers of one "
-            f"depth are linearised at the model merged below it, solved independently (spread over the ranks "
-            f"under torchrun) and applied together"]
+    return [f"{mode.name} by_depth: layers grouped by depth (measured on the first calibration batch: one forward "
+            f"pass per layer plus one); the layers of one depth are linearised at the model merged below it, solved "
+            f"independently (spread over the ranks under torchrun) and applied together"]
 
 
 class SingleMode(MergeMode):

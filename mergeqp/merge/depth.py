@@ -9,7 +9,8 @@ below that depth and solved on its own: ``mode: sequential`` with ``by_depth: tr
 and spreads a depth's sites over the ranks under ``torchrun``.
 
 The dependencies are measured, not read from names, so any architecture works: one forward pass
-on a calibration batch records every site's input, then one more pass per site with that site's
+on a calibration batch records a fingerprint of every site's input (its sums and sums of
+squares over the tokens), then one more pass per site with that site's
 weight perturbed says whose inputs moved. ``S + 1`` forward passes for ``S`` sites, no gradients.
 """
 

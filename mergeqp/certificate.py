@@ -425,7 +425,7 @@ def certify(
     if want_pinv:
         if solver is None and not pinv:
             # by default the facts cost one Cholesky; a singular H would need an eigendecomposition
-            # (~8 Choleskys), which only pinv=True (or the Lagrangian gap above) pays for
+            # (about ten Choleskys' time at n = 640), which only pinv=True (or the Lagrangian gap above) pays for
             solver = _pseudo_inverse(problem, allow_eig=False)
         ps = pseudo()
         if ps is not None and ps.available:

@@ -84,7 +84,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="largest tolerated constraint violation, times max(1, |d|_inf) (default 1e-7)")
     p.add_argument("--pinv", action="store_true",
                    help="always compute the unconstrained bound c - g'H^+g/2 and the distance to "
-                        "-H^+ g (one Cholesky; by default only up to n = 2048)")
+                        "-H^+ g (one Cholesky, an eigendecomposition for a singular H; by default only "
+                        "up to n = 2048 and for a definite H)")
 
 
 # ---------------------------------------------------------------------- helpers

@@ -95,7 +95,7 @@ def _register_lm(sub: Any) -> None:
         description="The paper's LLM experiment on SmolLM2-135M-Instruct end to end (see docs/lm.md).",
     )
     lm.add_argument("--quick", action="store_true",
-                    help="fewer texts, steps and tokens (measured: 25-27 minutes on 2 cores, "
+                    help="fewer texts, steps and tokens (measured: 17 minutes on 2 idle cores, "
                          "fine-tunes cached; docs/lm.md)")
     lm.add_argument("--cache", default=None,
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
@@ -134,7 +134,7 @@ def _register_text(sub: Any) -> None:
         description="The paper's ViT section on a real sentence encoder (see docs/text.md).",
     )
     t.add_argument("--quick", action="store_true",
-                   help="fewer texts, one fine-tuned layer, fewer ranks (measured: 8 minutes on 2 cores; "
+                   help="fewer texts, one fine-tuned layer, fewer ranks (measured: 6 minutes on 2 cores; "
                         "docs/text.md)")
     t.add_argument("--cache", default=None,
                    help="folder of the cached fine-tunes and block inputs (default ~/.cache/mergeqp/text)")

@@ -44,10 +44,9 @@ def keep_freed_memory() -> bool:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt
-        version = libc.gnu_get_libc_version  # glibc only: musl has neither the symbol nor these knobs
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: musl has neither the symbol nor these knobs
     except (OSError, AttributeError):
         return False
-    version.restype = ctypes.c_char_p
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -10,7 +10,8 @@ the fine-tunes' targets on 8 random prompts of ``--tokens`` 16 tokens (batches o
 compared output: a projection of the logits with k = 8, so ``c = 128`` per prompt; with
 ``--tokens 2 --batch 1`` the ``n x n`` matrices dominate instead of the atoms' tangents), then -- the part measured --
 collects the site's first-order statistics with per-row atoms (``n = K r = 2 I`` coefficients,
-:func:`~mergeqp.merge.firstorder.collect_first_order`), builds the QP and solves it in the box
+:func:`~mergeqp.merge.firstorder.collect_first_order`; ``--jacobian-mode reverse``: by ``c`` VJPs,
+the site's per-sample Jacobian instead of the atoms' tangents), builds the QP and solves it in the box
 ``[0, 1]`` (``solver: auto``), as one step of ``mergeqp merge`` does. The peak is the process's
 resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs`` just before the
 measured part) minus the resident set at that moment; the estimate is
@@ -42,7 +43,7 @@ def _status(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-def measure(width: int, tokens: int = 16, batch: int = 4) -> dict:
+def measure(width: int, tokens: int = 16, batch: int = 4, jacobian_mode: str = "forward") -> dict:
     """One size, in this process: estimate and measured peak (bytes) of statistics + solve."""
     import gc
 
@@ -85,12 +86,13 @@ def measure(width: int, tokens: int = 16, batch: int = 4) -> dict:
     outputs = tokens * PROJECTION_K
     estimate = estimate_site_memory(site.name, n, len(tasks), samples=batch, outputs=outputs, itemsize=4,
                                     positions=tokens, site_width=site.r, chunk=CHUNK,
-                                    widest=widest_layer(backbone(base)))
+                                    widest=widest_layer(backbone(base)),
+                                    **({"tangent_atoms": 0, "jacobian_width": site.r} if jacobian_mode == "reverse" else {}))
 
     before = _status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     t = time.perf_counter()
-    stats = collect_first_order(base, atoms, tasks, spec, energy=False, chunk_size=CHUNK)
+    stats = collect_first_order(base, atoms, tasks, spec, energy=False, chunk_size=CHUNK, jacobian_mode=jacobian_mode)
     t_stats = time.perf_counter() - t
     t = time.perf_counter()
     solution = solve(stats.problem(), parse_constraint("box:0,1"))
@@ -106,15 +108,17 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[500, 1000, 1400], help="MLP widths I (n = 2 I)")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per prompt")
     parser.add_argument("--batch", type=int, default=4, help="prompts per batch")
+    parser.add_argument("--jacobian-mode", choices=("forward", "reverse"), default="forward",
+                        help="derivatives by the atoms' JVPs (forward) or the outputs' VJPs (reverse)")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
-        print(json.dumps(measure(args.child, args.tokens, args.batch)))
+        print(json.dumps(measure(args.child, args.tokens, args.batch, args.jacobian_mode)))
         return
     rows = []
     for width in args.sizes:  # a fresh process per size: its high-water mark is its own
         out = subprocess.run([sys.executable, __file__, "--child", str(width), "--tokens", str(args.tokens),
-                              "--batch", str(args.batch)], capture_output=True, text=True, check=True)
+                              "--batch", str(args.batch), "--jacobian-mode", args.jacobian_mode], capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     print("| n | statistics (MB) | batch (MB) | solve (MB) | estimate (MB) | measured peak (MB) | "
           "estimate / measured | statistics s | solve s (solver) |")

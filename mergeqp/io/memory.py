@@ -13,8 +13,12 @@ A site (or a group of sites solved as one QP) with ``n = K x atoms`` coefficient
 - ``batch``: one calibration batch's float64 design ``A`` (``samples x outputs x n``, with the
   derivatives in the model's dtype and :data:`DESIGN_COPIES_FLOAT64` float64 copies), the
   :data:`GRAM_SQUARE_COPIES` ``n x n`` temporaries of the Hessian update, the atoms' tangents at
-  the site (:data:`TANGENT_COPIES` x ``n x tokens x r``) and one vectorised JVP chunk
-  (:data:`ACTIVATION_COPIES` x ``chunk x tokens x widest layer``); freed after each batch;
+  the site in forward mode (:data:`TANGENT_COPIES` x ``n x tokens x r``), or in reverse mode the
+  per-sample Jacobian of a site (:data:`JACOBIAN_COPIES` x ``outputs x tokens x r``: ``outputs``
+  VJPs, no tangents; or one VJP chunk, :data:`VJP_ACTIVATION_COPIES` x ``chunk x tokens x widest
+  layer``, whichever is larger: they are not alive together), and with the tangents one
+  vectorised JVP chunk (:data:`ACTIVATION_COPIES` x ``chunk x tokens x widest layer``); sites
+  are differentiated one at a time (the larger of the two modes' parts); freed after each batch;
 - ``solve``: the :data:`SOLVE_SQUARE_COPIES` ``n x n`` float64 matrices alive while the QP is
   built and solved (weighted ``H``, its symmetrised copy, the solver's factorisation).
 
@@ -48,9 +52,15 @@ GRAM_SQUARE_COPIES = 2
 #: copies of the atoms' tangents at the site (``n x samples x positions x r`` in the model's
 #: dtype): each model's block and their concatenation
 TANGENT_COPIES = 2
+#: copies of one site's per-sample Jacobian in reverse mode (``outputs x samples x positions x r``
+#: in the model's dtype): the stacked VJPs and their sample-major contiguous copy
+JACOBIAN_COPIES = 2
 #: tensors of the widest layer alive at once in one vectorised JVP chunk (primal and tangent of
 #: the layer's output, its activation and the product that feeds the next layer)
 ACTIVATION_COPIES = 6
+#: tensors of the widest layer alive at once in one vectorised VJP chunk (the cotangent entering
+#: the layer and the one leaving it; measured: ``benchmarks/memory_model.py --jacobian-mode reverse``)
+VJP_ACTIVATION_COPIES = 2
 #: ``n x n`` float64 matrices while the QP is built and solved: the task-weighted ``H``, the
 #: symmetrised ``(H + H') / 2`` (its sum and its half), the problem's symmetry check and the
 #: solver's factorisation (measured: ``benchmarks/memory_model.py --tokens 2 --batch 1``)
@@ -122,21 +132,30 @@ class SiteMemory:
 
 def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, outputs: int = 0,
                          itemsize: int = 4, positions: int = 1, site_width: int = 0, chunk: int = 0,
-                         widest: int = 0) -> SiteMemory:
+                         widest: int = 0, tangent_atoms: int | None = None,
+                         jacobian_width: int = 0) -> SiteMemory:
     """The memory model of one QP: ``n`` coefficients, ``n_tasks`` tasks, batches of ``samples``
     prompts with ``outputs`` compared outputs each, derivatives of ``itemsize`` bytes (the model's
     dtype). ``samples = 0`` leaves the batch out (unknown before the first batch). The batch also
-    counts the atoms' tangents at the site (``positions`` per prompt, ``site_width`` = the site's
-    output features ``r``) and one JVP chunk of ``chunk`` atoms through layers at most ``widest``
-    features wide (both 0 when unknown)."""
+    counts the derivatives at the site (``positions`` per prompt): in forward mode the tangents of
+    ``tangent_atoms`` atoms (default all ``n``; ``site_width`` = the sites' widest output ``r``),
+    in reverse mode the per-sample Jacobian of the widest reverse-mode site (``jacobian_width``
+    its ``r``; 0: no site in reverse mode), and one JVP / VJP chunk of ``chunk`` tangents or
+    cotangents through layers at most ``widest`` features wide (0 when unknown)."""
     n, n_tasks = int(n), int(n_tasks)
+    forward = n if tangent_atoms is None else int(tangent_atoms)
     square = 8 * n * n
     batch = 0
     if samples:
         tokens = int(samples) * int(positions)
+        chunk_bytes = tokens * int(widest) * int(itemsize)  # one tangent's / cotangent's widest activation
+        forward_part = (TANGENT_COPIES * forward * tokens * int(site_width) * int(itemsize)
+                        + ACTIVATION_COPIES * min(int(chunk), forward) * chunk_bytes) if forward else 0
+        # reverse: the VJP chunks' activations are freed before the Jacobian's copies are made
+        reverse_part = max(JACOBIAN_COPIES * int(outputs) * tokens * int(jacobian_width) * int(itemsize),
+                           VJP_ACTIVATION_COPIES * min(int(chunk), int(outputs)) * chunk_bytes) if jacobian_width else 0
         batch = (design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square
-                 + TANGENT_COPIES * n * tokens * int(site_width) * int(itemsize)
-                 + ACTIVATION_COPIES * min(int(chunk), n) * tokens * int(widest) * int(itemsize))
+                 + max(forward_part, reverse_part))  # the sites' derivatives are taken one site at a time
     return SiteMemory(site=site, n=n, statistics=8 * n_tasks * (n * n + n + 1), batch=batch,
                       solve=SOLVE_SQUARE_COPIES * square)
 
@@ -164,6 +183,6 @@ def check_site_memory(estimate: SiteMemory, available: int | None = None) -> Non
         f"the machine has more")
 
 
-__all__ = ["ACTIVATION_COPIES", "ADVICE", "DESIGN_COPIES_FLOAT64", "TANGENT_COPIES", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
+__all__ = ["ACTIVATION_COPIES", "ADVICE", "DESIGN_COPIES_FLOAT64", "JACOBIAN_COPIES", "TANGENT_COPIES", "VJP_ACTIVATION_COPIES", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
            "available_memory_bytes", "check_site_memory", "current_limit", "design_bytes", "estimate_site_memory",
            "memory_budget", "memory_limit"]

@@ -329,17 +329,21 @@ def widest_layer(model: Any) -> int:
 
 
 def site_memory(model: Any, atoms: Sequence[SiteAtoms], hooks: Sequence[Any], n_tasks: int, outputs: int,
-                itemsize: int, chunk_size: int) -> SiteMemory:
+                itemsize: int, chunk_size: int, jacobian_mode: str = "forward") -> SiteMemory:
     """The memory model (:func:`mergeqp.io.memory.estimate_site_memory`) of the QP over ``atoms``
     once the first batch has run (``hooks`` hold its layer outputs): ``outputs`` compared outputs
-    per prompt, derivatives of ``itemsize`` bytes, JVP chunks of ``chunk_size`` atoms through
-    ``model`` (the part the derivatives run through)."""
+    per prompt, derivatives of ``itemsize`` bytes, JVP / VJP chunks of ``chunk_size`` through
+    ``model`` (the part the derivatives run through); each site's derivatives counted in the mode
+    ``jacobian_mode`` chooses for it (forward: its atoms' tangents; reverse: its Jacobian)."""
     out0 = hooks[0].layer_output  # (B, *positions, r)
+    reverse = [choose_mode(jacobian_mode, outputs, a.K * a.n_atoms) == "reverse" for a in atoms]
     return estimate_site_memory(
         ", ".join(a.site.name for a in atoms), atoms[0].K * sum(a.n_atoms for a in atoms), n_tasks,
         samples=int(out0.shape[0]), outputs=outputs, itemsize=itemsize,
         positions=int(out0[0].numel()) // int(out0.shape[-1]), site_width=max(a.site.r for a in atoms),
-        chunk=chunk_size, widest=widest_layer(model))
+        chunk=chunk_size, widest=widest_layer(model),
+        tangent_atoms=sum(a.K * a.n_atoms for a, rev in zip(atoms, reverse) if not rev),
+        jacobian_width=max((a.site.r for a, rev in zip(atoms, reverse) if rev), default=0))
 
 
 def collect_first_order(
@@ -424,7 +428,8 @@ def collect_first_order(
                     outputs = int(h.shape[1]) if S is None else int(S.shape[1])
                     check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
                     check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
-                                                  len(tasks), outputs, h.element_size(), chunk_size))
+                                                  len(tasks), outputs, h.element_size(), chunk_size,
+                                                  jacobian_mode))
                 first = False
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g

@@ -155,3 +155,51 @@ def test_cli_collect_max_memory(tmp_path, capsys):
     assert main([*args, "--max-memory", "plenty"]) == 2
     assert "--max-memory" in capsys.readouterr().err
     assert main([*args, "--max-memory", "1GB"]) == 0 and (tmp_path / "s.npz").exists()
+
+
+def test_reverse_mode_counts_the_sites_jacobian_not_the_atoms_tangents():
+    from mergeqp.io.memory import ACTIVATION_COPIES, JACOBIAN_COPIES, TANGENT_COPIES, VJP_ACTIVATION_COPIES
+
+    common = dict(n=600, n_tasks=2, samples=4, outputs=30, itemsize=4, positions=8, site_width=50, chunk=16,
+                  widest=70)
+    fwd = estimate_site_memory("l", **common)
+    rev = estimate_site_memory("l", **common, tangent_atoms=0, jacobian_width=50)
+    tokens = 4 * 8
+    shared = fwd.batch - TANGENT_COPIES * 600 * tokens * 50 * 4 - ACTIVATION_COPIES * 16 * tokens * 70 * 4
+    jacobian, chunk = JACOBIAN_COPIES * 30 * tokens * 50 * 4, VJP_ACTIVATION_COPIES * 16 * tokens * 70 * 4
+    assert rev.batch == shared + max(jacobian, chunk)
+    assert rev.batch < fwd.batch and rev.statistics == fwd.statistics and rev.solve == fwd.solve
+
+
+def test_a_site_that_fits_only_in_reverse_mode_is_merged_under_auto(tiny_hf, tmp_path, monkeypatch):
+    """With fewer compared outputs than atoms, ``jacobian_mode: auto`` computes the statistics in
+    reverse mode (no tangents of the atoms): the memory check counts that, so a cap between the
+    two modes' estimates refuses ``forward`` and merges under ``auto`` (a cap checked against the
+    forward estimate refused both)."""
+    pytest.importorskip("transformers")
+    import mergeqp.merge.firstorder as fo
+    from mergeqp.cli import main
+
+    seen: dict[str, list] = {}
+    real = fo.check_site_memory
+
+    def record(est, *args, **kwargs):
+        if est.batch:
+            seen.setdefault(mode, []).append(est)
+        return real(est, *args, **kwargs)
+
+    monkeypatch.setattr(fo, "check_site_memory", record)
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=6)
+    layer = tiny_hf.MLP_LAYER["llama"]
+    out = {"restrict": "projection", "k": 1}
+    cfgs = {m: fam.write_config(tmp_path / f"{m}.yml", layer, {"name": "qp", "mode": "single", "jacobian_mode": m},
+                                output=out) for m in ("forward", "auto")}
+    for mode in ("forward", "auto"):
+        assert main(["merge", str(cfgs[mode]), "--out", str(tmp_path / f"out-{mode}"), "--quiet"]) == 0
+    fwd, auto = seen["forward"][0].peak, seen["auto"][0].peak
+    assert auto < fwd
+    cap = str((fwd + auto) // 2)
+    mode = "forward"
+    assert main(["merge", str(cfgs["forward"]), "--out", str(tmp_path / "capped-f"), "--quiet", "--max-memory", cap]) == 2
+    mode = "auto"
+    assert main(["merge", str(cfgs["auto"]), "--out", str(tmp_path / "capped-a"), "--quiet", "--max-memory", cap]) == 0

@@ -131,7 +131,8 @@ def _register_text(sub: Any) -> None:
     t = sub.add_parser(
         "text",
         help="all-MiniLM-L6-v2 fine-tuned on offline text tasks: QP modes, baselines, bases (paper's ViT section)",
-        description="The paper's ViT section on a real sentence encoder (see docs/text.md).",
+        description="The paper's ViT section on a real sentence encoder (see docs/text.md). Full mode (the "
+                    "default) measured 43 minutes on 2 cores with the fine-tunes cached.",
     )
     t.add_argument("--quick", action="store_true",
                    help="fewer texts, one fine-tuned layer, fewer ranks (measured: 6 minutes on 2 cores; "

@@ -27,6 +27,7 @@ Every choice (task-arithmetic weight; the recommended merge `method: auto`, its 
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import platform
@@ -58,6 +59,10 @@ from .text_tasks import TaskSplits, default_tasks, split_task
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
 #: the merge QPs' default output: the mean-pooled token states, one embedding per text
 POOLED_OUTPUT = {"field": "last_hidden_state", "pool": "mean"}
+#: full mode's output sketch (``output.sketch``): combinations of each text's pooled embedding
+FULL_SKETCH = 64
+#: full mode's geometry experiment: the last block's MLP output projection (the paper's layer)
+FULL_GEOMETRY_LAYERS = "encoder.layer.5.output.dense"
 BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 BASES = ("svd", "random", "optimal")
 DEVICES = ("cpu", "cuda", "auto")
@@ -75,6 +80,9 @@ def compared_output_note(output: dict[str, Any]) -> str:
                  f"of its squared error)")
     elif output.get("restrict", "none") == "topk":
         what += f", restricted to the target's top {output.get('k')} entries"
+    if output.get("sketch") is not None:
+        what += (f"; the statistics' Hessian from a sketch of {output['sketch']} seeded Gaussian combinations per "
+                 f"text (unbiased; the gradient and constant exact)")
     return what
 
 
@@ -84,10 +92,10 @@ class TextConfig:
 
     ``train_per_task`` / ``calibration_per_task`` / ``test_per_task``: texts per split;
     ``max_length``: tokens per text; ``batch_size``: texts per batch (fine-tuning and cached
-    features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune; ``single_layer``:
-    glob of the layer(s) of the single-layer QP and the geometry experiment (default: all trained
-    layers); ``ta_scalings``: the task-arithmetic weights tried on calibration data; ``ranks``:
-    basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
+    features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune;
+    ``geometry_layers``: glob of the layer(s) the geometry experiment merges (default ``None``:
+    every trained layer); ``ta_scalings``: the task-arithmetic weights tried on calibration data;
+    ``ranks``: basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
     ``output``: the run layer's ``output`` block of every merge QP (default: the mean-pooled
     ``last_hidden_state``, one ``H``-vector per text: exactly the embedding that the task heads
     read and the output MSE measures; ``{"field": "last_hidden_state", "restrict": "projection",
@@ -109,6 +117,7 @@ class TextConfig:
     ta_scalings: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
     ranks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     bases: tuple[str, ...] = BASES
+    geometry_layers: str | None = None
     trust_region: dict[str, Any] = field(default_factory=lambda: {"max_steps": 6})
     ties_density: float = 0.5
     output: dict[str, Any] = field(default_factory=lambda: dict(POOLED_OUTPUT))
@@ -137,7 +146,13 @@ class TextConfig:
 
     @classmethod
     def full(cls) -> TextConfig:
-        return cls()
+        """Both MLP projections of the last block, more texts. The statistics' Hessian comes from
+        an output sketch of 64 combinations per text (unbiased; ``g`` and ``c`` exact): at
+        ``intermediate.dense`` (n = 6,144) the exact one costs 384 VJPs and a ``6,144``-row Gram
+        per batch, 717 s for the single QP against 125 s sketched (docs/text.md). The geometry
+        experiment (bases at six ranks) merges the output projection only, as the paper's figure
+        does: the optimal basis of ``intermediate.dense`` took 557 s per rank."""
+        return cls(output={**POOLED_OUTPUT, "sketch": FULL_SKETCH}, geometry_layers=FULL_GEOMETRY_LAYERS)
 
     @classmethod
     def quick(cls) -> TextConfig:
@@ -282,6 +297,7 @@ class _Run:
             for part in ("calibration", "test"):
                 t.target[part] = pooled_embeddings(self.top, t.features[part], self.first)[0]
         self.head = [(t.finetune.head_weight.float(), t.finetune.head_bias.float()) for t in self.tasks]
+        self.geometry_layers()  # a pattern that matches no trained layer stops the run before any merge
 
     def finetuned_tensors(self, t: _TaskState) -> dict[str, Any]:
         return read_tensors(t.finetune.folder, self.trained)
@@ -443,12 +459,24 @@ class _Run:
             "calibration": {m: methods[m]["calibration"]["mean"] for m in qp_names}}
         return methods, references, selection
 
+    def geometry_layers(self) -> list[str]:
+        """The trained layers the geometry experiment merges (``TextConfig.geometry_layers``)."""
+        pattern = self.cfg.geometry_layers
+        if pattern is None:
+            return list(self.layers)
+        chosen = [name for name in self.layers if fnmatch.fnmatchcase(name, pattern)]
+        if not chosen:
+            raise ValidationError(f"geometry_layers {pattern!r} matches none of the trained layers "
+                                  f"{', '.join(self.layers)}")
+        return chosen
+
     def geometry(self) -> list[dict[str, Any]]:
         points = []
+        layers = self.geometry_layers()
         for basis in self.cfg.bases:
             for p in self.cfg.ranks:
                 method = {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": basis, "rank": int(p)}
-                entry = self.merge(f"basis_{basis}_{p}", method)
+                entry = self.merge(f"basis_{basis}_{p}", method, layers)
                 fr = [r.get("energy_fraction") for r in entry["layers"] if r.get("energy_fraction") is not None]
                 mj = [r["mean_jacobian_energy"] for r in entry["layers"] if r.get("mean_jacobian_energy")]
                 points.append({"basis": basis, "p": int(p),
@@ -477,7 +505,8 @@ class _Run:
             "experiment": "text", "mode": "quick" if self.quick else "full", "seed": self.seed,
             "config": cfg.to_dict(), "base_model": str(self.base), "device": self.device,
             "device_note": self.device_note, "cache": str(self.cache), "features_cached": self.features_cached,
-            "trained": list(self.trained), "layers": self.layers, "tasks": tasks,
+            "trained": list(self.trained), "layers": self.layers, "geometry_layers": self.geometry_layers(),
+            "tasks": tasks,
             "compared_output": compared_output_note(cfg.output),
             "mse_definition": "mean over test texts and embedding dimensions of (pooled merged - pooled fine-tune)^2",
             "methods": methods, "references": references, "selection": selection, "geometry": geometry,

@@ -198,6 +198,7 @@ def render_text_report(results: dict[str, Any]) -> str:
         "## Test accuracy per task", "", per_task_table(results, "accuracy"), "",
         "## Test output MSE per task", "", per_task_table(results, "mse"), "",
         "## Energy fraction vs MSE across bases (single mode, parametrisation basis)", "",
+        f"Layers merged: {', '.join(f'`{x}`' for x in results.get('geometry_layers', results['layers']))}.", "",
         geometry_table(results), "",
         "## Claims of the paper's ViT section, as measured", "", claims_table(results["claims"]), "",
         "## Timings (s)", "", _table(["step", "seconds"], timings), "",

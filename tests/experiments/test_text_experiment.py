@@ -133,6 +133,41 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     assert "## Claims of the paper's ViT section" in report and "Goal (issue 15, text classifier)" in report
 
 
+def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base, tmp_path):
+    """The full preset's shape on the tiny encoder: both MLP projections of a block fine-tuned
+    (so sequential and joint are real multi-layer runs) and the statistics' Hessian from an output
+    sketch (``TextConfig.full()``'s); every merge runs and is finite, the sketch is reported."""
+    from dataclasses import replace
+
+    from mergeqp.experiments.text import FULL_GEOMETRY_LAYERS, FULL_SKETCH, POOLED_OUTPUT
+
+    full = TextConfig.full()
+    assert full.output == {**POOLED_OUTPUT, "sketch": FULL_SKETCH} and full.geometry_layers == FULL_GEOMETRY_LAYERS
+    inter = "encoder.layer.1.intermediate.dense"
+    cfg = TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
+                     train_patterns=(inter + ".*", LAYER + ".*"), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1,),
+                     bases=("svd",), trust_region={"max_steps": 1}, merge_batch_size=4,
+                     output={**POOLED_OUTPUT, "sketch": 3}, geometry_layers="*.output.dense")
+    run = dict(tasks=synthetic_tasks(tiny_hf), base_folder=tiny_base, cache_dir=str(tmp_path / "cache"), threads=1,
+               figures=False, progress=False)
+    with pytest.raises(ValidationError, match=r"geometry_layers 'nothing\*' matches none of the trained layers"):
+        run_text_experiment(str(tmp_path / "bad"), config=replace(cfg, geometry_layers="nothing*"), **run)
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+    results = run_text_experiment(str(tmp_path / "out"), config=cfg, **run)
+    assert results["layers"] == [inter, LAYER] and results["geometry_layers"] == [LAYER]
+    (point,) = results["geometry"]  # one basis, one rank, over the output projection only
+    assert point["basis"] == "svd" and point["p"] == 1
+    assert "sketch of 3 seeded Gaussian combinations" in results["compared_output"]
+    methods = results["methods"]
+    assert set(methods) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto", "qp_atoms", "output_space"}
+    for mode in ("sequential", "joint"):  # two merged layers: run, not copied from the single QP
+        assert "same_as" not in methods[f"qp_{mode}"]
+        assert {r["layer"] for r in methods[f"qp_{mode}"]["layers"]} == {inter, LAYER}
+    for name, m in methods.items():
+        for part in ("calibration", "test"):
+            assert np.isfinite(m[part]["mean"]["mse"]) and 0 <= m[part]["mean"]["accuracy"] <= 1, name
+
+
 def test_choices_follow_calibration_numbers_only(cli_run):
     results, _ = cli_run
     sel = results["selection"]

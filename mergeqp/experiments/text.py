@@ -149,7 +149,7 @@ class TextConfig:
         """Both MLP projections of the last block, more texts. The statistics' Hessian comes from
         an output sketch of 64 combinations per text (unbiased; ``g`` and ``c`` exact): at
         ``intermediate.dense`` (n = 6,144) the exact one costs 384 VJPs and a ``6,144``-row Gram
-        per batch, 717 s for the single QP against 125 s sketched (docs/text.md). The geometry
+        per batch, 717 s for the single QP against 84 s sketched (docs/text.md). The geometry
         experiment (bases at six ranks) merges the output projection only, as the paper's figure
         does: the optimal basis of ``intermediate.dense`` took 557 s per rank."""
         return cls(output={**POOLED_OUTPUT, "sketch": FULL_SKETCH}, geometry_layers=FULL_GEOMETRY_LAYERS)

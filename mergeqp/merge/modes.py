@@ -205,14 +205,14 @@ class DepthOptions(BaseModel):
     by_depth: bool = False
 
 
-def _by_depth(mode: MergeMode, ctx: MergeContext) -> bool:
-    o = mode.check_options(ctx.settings.mode_options)
+def _by_depth(mode: MergeMode, settings: Any) -> bool:
+    """Whether ``settings.mode_options`` ask ``mode`` to merge layer depth by layer depth."""
+    o = mode.check_options(settings.mode_options)
     return isinstance(o, DepthOptions) and o.by_depth
 
 
 def _depth_notes(mode: MergeMode, settings: Any) -> list[str]:
-    o = mode.check_options(settings.mode_options)
-    if not (isinstance(o, DepthOptions) and o.by_depth):
+    if not _by_depth(mode, settings):
         return []
     return [f"{mode.name} by_depth: layers grouped by depth (measured on the first calibration batch: one forward "
             f"pass per layer plus one); the layers of one depth are linearised at the model merged below it, solved "
@@ -262,7 +262,7 @@ class SequentialMode(MergeMode):
         return _depth_notes(self, settings)
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-        if _by_depth(self, ctx):
+        if _by_depth(self, ctx.settings):
             return _solve_by_depth(ctx, sites, self.name, relinearise=False)
         return _solve_one_by_one(ctx, sites, self.name, relinearise=False)
 
@@ -283,7 +283,7 @@ class HybridMode(MergeMode):
         return _depth_notes(self, settings)
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
-        if _by_depth(self, ctx):
+        if _by_depth(self, ctx.settings):
             return _solve_by_depth(ctx, sites, self.name, relinearise=True)
         return _solve_one_by_one(ctx, sites, self.name, relinearise=True)
 

@@ -523,7 +523,10 @@ class CrossEntropyExpansion:
         if folded:
             if weight is None:
                 raise ValidationError("a folded cross-entropy expansion needs the head's weight")
-            x0 = hidden.to(torch.float64) @ weight.to(torch.float64).t()
+            # the head's product in the model's own precision (a (B, T, V) float64 product cost half
+            # of this expansion's time), everything after it in float64
+            head_dtype = torch.promote_types(hidden.dtype, torch.float32)  # never below float32
+            x0 = (hidden.to(head_dtype) @ weight.to(head_dtype).t()).to(torch.float64)
             if bias is not None:
                 x0 = x0 + bias.to(torch.float64)
         elif logits is None:
@@ -555,8 +558,9 @@ class CrossEntropyExpansion:
             label_group = (index == lab).to(torch.float64)
             label_group = torch.cat([label_group, torch.zeros_like(q_rest)], dim=-1)
             if folded:
-                W64 = weight.to(torch.float64)
-                rest_row = (q_rest_full @ W64) / q_rest.clamp_min(torch.finfo(torch.float64).tiny)
+                # the rest's probabilities normalised in float64 first (no underflow in the cast)
+                share = q_rest_full / q_rest.clamp_min(torch.finfo(torch.float64).tiny)
+                rest_row = (share.to(head_dtype) @ weight.to(head_dtype)).to(torch.float64)
         else:
             probs = torch.exp(x0 - lse)
             label_group = torch.zeros_like(probs).scatter(-1, labels.clamp_min(0).unsqueeze(-1), 1.0)

@@ -15,7 +15,7 @@
    the KL output metric, and every baseline (task arithmetic with its scaling chosen on the
    calibration texts, TIES, DARE-TIES, soup, Fisher, RegMean); when mergekit is importable, also
    mergekit's own ``linear`` / ``task_arithmetic`` / ``ties`` / ``dare_ties`` via ``mergekit-yaml``
-   in a subprocess on the same folders;
+   on the same folders (its entry point called once per method in one subprocess, :mod:`.mergekit_driver`);
 4. evaluates the base, each fine-tune and every merge on each domain's held-out texts
    (cross-entropy, logit MSE and KL to the domain's fine-tune; :mod:`.lm_eval`) and on the
    calibration texts (used only to choose the task-arithmetic scaling and the recommended merge);
@@ -60,7 +60,7 @@ from .finetune_lm import (
     split_block,
 )
 from .lm_claims import evaluate_lm_claims, lm_goal, recommended_merge
-from .lm_eval import ModelTensors, UpperEvaluator
+from .lm_eval import ModelTensors, UpperEvaluator, same_model
 from .lm_report import write_lm_outputs
 
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
@@ -73,10 +73,10 @@ OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: prompts' cross-entropy, over the fine-tuned blocks' ``down_proj`` rows
 RECOMMENDED_RUN = "trust_region:cross_entropy"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
-#: the QP runs of quick mode: every mode with the paper's Euclidean metric, the joint QP with the KL
-#: metric, and the recommended merge (full mode runs every mode with every metric)
-QUICK_RUNS = ("single:euclidean", "sequential:euclidean", "hybrid:euclidean", "joint:euclidean", "joint:kl",
-              "trust_region:euclidean", RECOMMENDED_RUN)
+#: the QP runs of quick mode, one per mode: single, sequential and hybrid with the paper's Euclidean
+#: metric, joint with the KL metric, the trust region as the recommended merge (cross-entropy metric);
+#: full mode runs every mode with every metric
+QUICK_RUNS = ("single:euclidean", "sequential:euclidean", "hybrid:euclidean", "joint:kl", RECOMMENDED_RUN)
 #: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
 BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
 #: merges besides the mode x metric grid (issue #16's): ``qp_atoms``, the recommended merge's trust
@@ -85,9 +85,15 @@ BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
 #: the full-matrix output-space merge of the ``down_proj`` layers (KL metric on the top-k tokens:
 #: it fits the fine-tunes' outputs, so not the prompts' cross-entropy)
 EXTRA_RUNS = ("qp_atoms", "output_space")
-#: quick mode leaves out ``output_space``: its matrix-free CG took 20 of a quick run's 45 minutes
-#: (docs/lm.md)
-QUICK_EXTRA_RUNS = ("qp_atoms",)
+#: the QP runs of full mode: every mode with the Euclidean and the KL metric, and the recommended
+#: merge (the class defaults add the cross-entropy metric to every mode)
+FULL_RUNS = (*(f"{mode}:{metric}" for mode in QP_MODES for metric in ("euclidean", "kl")), RECOMMENDED_RUN)
+#: full mode runs ``qp_atoms``; ``output_space`` (its CG alone took 20 minutes at quick mode's size)
+#: is left to the class defaults
+FULL_EXTRA_RUNS: tuple[str, ...] = ("qp_atoms",)
+#: quick mode leaves out both (its 10-minute budget): ``output_space``'s matrix-free CG took 20 of a
+#: quick run's 45 minutes, ``qp_atoms`` 188 of 1,022 s (docs/lm.md)
+QUICK_EXTRA_RUNS: tuple[str, ...] = ()
 
 
 #: domain name -> loader of its :class:`Corpus` (``register_domain`` adds more)
@@ -252,7 +258,17 @@ class LmConfig:
 
     @classmethod
     def full(cls) -> LmConfig:
-        return cls()
+        """Sized for the 60-minute target on 2 CPU cores, fine-tuning included (measured: 35 minutes,
+        docs/lm.md): twice quick mode's fine-tuning texts at twice its length, 4/3 of its calibration
+        texts at 1.5x the length, twice its test texts at 1.5x the length; every mode with the
+        Euclidean and the KL metric, the recommended merge and ``qp_atoms``. The class defaults
+        (every mode with every metric, ``output_space``, 1,024 / 64 / 128 texts) are for a GPU or
+        more cores: about three hours on 2 cores, extrapolated, not measured."""
+        return cls(train_texts=512, calibration_texts=32, test_texts=96, finetune_steps=64, finetune_max_length=64,
+                   eval_max_length=48,
+                   merge=LmMergeSettings(calibration_max_length=48, calibration_batch_size=8,
+                                         trust_region={"max_steps": 3}, runs=FULL_RUNS,
+                                         extra_runs=FULL_EXTRA_RUNS))
 
     @classmethod
     def quick(cls) -> LmConfig:
@@ -261,7 +277,7 @@ class LmConfig:
         and made every fine-tune worse on its own held-out texts than the soup of all three."""
         return cls(train_texts=256, calibration_texts=24, test_texts=48, finetune_steps=32, finetune_max_length=32,
                    eval_max_length=32,
-                   merge=LmMergeSettings(calibration_max_length=32, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
+                   merge=LmMergeSettings(calibration_max_length=24, calibration_batch_size=6, ta_scalings=(0.5, 1.0),
                                          trust_region={"max_steps": 2}, runs=QUICK_RUNS,
                                          extra_runs=QUICK_EXTRA_RUNS))
 
@@ -387,7 +403,7 @@ class _Context:
     device: str
     seed: int
     settings: LmMergeSettings
-    evaluator_tensors: Callable[[Mapping[str, Any]], ModelTensors]
+    evaluator_tensors: Callable[..., ModelTensors]
     say: Callable[[str], None]
     progress: bool
 
@@ -453,15 +469,14 @@ def run_layer_merge(ctx: _Context, label: str, method: Mapping[str, Any], layers
     from ..run.pipeline import run_merge  # deferred: the pipeline loads every registry (only when merging)
 
     cfg = merge_config(ctx, method, layers, metric)
-    out = ctx.work / f"merge_{label}"
     record: dict[str, Any] = {"method": dict(method), "layers": list(layers), "metric": metric}
     ctx.say(f"merging {label}")
-    with measured(record):
-        result = run_merge(cfg, out, overwrite=True, progress=False)
+    with measured(record):  # in memory: the evaluation needs the tensors, not a 0.5 GB folder per merge
+        result = run_merge(cfg, None, progress=False, write=False)
     report = result.report
     record["report"] = _report_summary(report)
-    tensors = ctx.evaluator_tensors(read_folder_state(out))
-    shutil.rmtree(out, ignore_errors=True)
+    assert result.tensors is not None
+    tensors = ctx.evaluator_tensors(result.tensors, complete=False)
     return tensors, record
 
 
@@ -507,32 +522,58 @@ def mergekit_yaml(method: str, base: Path, finetunes: Sequence[tuple[str, Path]]
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def run_mergekit(ctx: _Context, command: str, method: str, ta_scaling: float) -> tuple[ModelTensors, dict[str, Any]]:
-    """mergekit's ``method`` via ``mergekit-yaml`` in a subprocess (its peak RSS sampled)."""
-    spec = ctx.work / f"mergekit_{method}.yml"
-    spec.write_text(mergekit_yaml(method, ctx.base, ctx.finetunes, ta_scaling, ctx.settings.dare_density
-                                  if method == "dare_ties" else ctx.settings.ties_density))
-    out = ctx.work / f"mergekit_{method}"
-    cmd = [command, str(spec), str(out), "--no-copy-tokenizer", "--random-seed", str(ctx.seed)]
+def run_mergekit(ctx: _Context, command: str, methods: Sequence[str], ta_scaling: float
+                 ) -> dict[str, tuple[ModelTensors, dict[str, Any]]]:
+    """mergekit's ``methods``: for each, the ``mergekit-yaml SPEC OUT`` command with the same options,
+    all run in one subprocess (:mod:`.mergekit_driver`: mergekit-yaml's own entry point called once
+    per merge, so torch, transformers and mergekit are imported once instead of once per method).
+    Each record has that merge's own wall time, CPU seconds and peak resident memory."""
+    if not methods:
+        return {}
+    options = ["--no-copy-tokenizer", "--random-seed", str(ctx.seed)]
     if ctx.device.startswith("cuda"):  # mergekit runs on CPU unless --cuda is given
-        cmd.append("--cuda")
+        options.append("--cuda")
+    pairs: list[tuple[str, Path, dict[str, Any]]] = []
+    for method in methods:
+        spec = ctx.work / f"mergekit_{method}.yml"
+        spec.write_text(mergekit_yaml(method, ctx.base, ctx.finetunes, ta_scaling, ctx.settings.dare_density
+                                      if method == "dare_ties" else ctx.settings.ties_density))
+        out = ctx.work / f"mergekit_{method}"
+        cmd = [Path(command).name, str(spec), str(out), *options]
+        pairs.append((method, out, {"command": " ".join(cmd), "yaml": spec.read_text()}))
+    result_file = ctx.work / "mergekit_result.json"
+    driver = [sys.executable, "-m", "mergeqp.experiments.mergekit_driver", str(result_file),
+              *(x for method, out, _ in pairs for x in (str(ctx.work / f"mergekit_{method}.yml"), str(out))),
+              "--", *options]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    record: dict[str, Any] = {"command": " ".join(Path(c).name if i == 0 else c for i, c in enumerate(cmd)),
-                              "yaml": spec.read_text()}
-    ctx.say(f"mergekit {method}")
+    ctx.say(f"mergekit {', '.join(methods)}")
     t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+    proc = subprocess.Popen(driver, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
     with PeakRss(proc.pid) as rss:
         output, _ = proc.communicate()
-    record["seconds"] = time.perf_counter() - t
-    record["peak_rss_mb"] = rss.peak / 2**20
-    record["rss_increase_mb"] = None
-    record["memory_note"] = "peak RSS of the mergekit-yaml subprocess"
+    seconds = time.perf_counter() - t
+    try:
+        done = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        done = {"merges": [], "error": None}
     if proc.returncode != 0:
-        raise ValidationError(f"mergekit-yaml {method} failed (exit {proc.returncode}): {output[-2000:]}")
-    tensors = ctx.evaluator_tensors(read_folder_state(out))
-    shutil.rmtree(out, ignore_errors=True)
-    return tensors, record
+        why = done.get("error") or output[-2000:]
+        raise ValidationError(f"mergekit-yaml failed in the mergekit step (exit {proc.returncode}): {why}")
+    merges = done["merges"]
+    results: dict[str, tuple[ModelTensors, dict[str, Any]]] = {}
+    for (method, out, record), usage in zip(pairs, merges):
+        record["seconds"] = usage["seconds"]
+        record["cpu_seconds"] = usage["cpu_seconds"]
+        per_merge = bool(usage.get("peak_is_per_merge")) and usage.get("peak_rss_mb") is not None
+        record["peak_rss_mb"] = usage["peak_rss_mb"] if per_merge else rss.peak / 2**20
+        record["rss_increase_mb"] = None
+        record["memory_note"] = ("peak RSS of the mergekit process during this merge (its imports included)"
+                                 if per_merge else "peak RSS of the mergekit process over all its merges")
+        record["process_note"] = (f"the {len(pairs)} mergekit-yaml commands ran in one process "
+                                  f"(mergeqp.experiments.mergekit_driver), {seconds:.1f} s in all with its start")
+        results[method] = (ctx.evaluator_tensors(read_folder_state(out)), record)
+        shutil.rmtree(out, ignore_errors=True)
+    return results
 
 
 # ---------------------------------------------------------------------------------------------- #
@@ -763,17 +804,31 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     if command is None:
         notes.append("mergekit is not importable: its methods were not run")
     else:
-        for method_name in mset.mergekit:
-            label = f"mergekit_{method_name}"
-            models[label], rec = run_mergekit(ctx, command, method_name, best_scaling)
-            records[label] = {"kind": "mergekit", **rec}
+        for method_name, (tensors, rec) in run_mergekit(ctx, command, mset.mergekit, best_scaling).items():
+            models[f"mergekit_{method_name}"] = tensors
+            records[f"mergekit_{method_name}"] = {"kind": "mergekit", **rec}
     timings["mergekit"] = time.perf_counter() - t
 
     # 8. evaluation of every model
     t = time.perf_counter()
-    say(f"evaluating {len(models)} models on {len(names)} domains")
-    test = test_eval.evaluate(models, references)
-    calib = calib_eval.evaluate(models, references)
+    # a model whose tensors equal an earlier one's to float rounding (mergekit's linear merge is the
+    # soup, its task arithmetic ours) takes that one's numbers instead of a second evaluation
+    unique: dict[str, ModelTensors | None] = {}
+    for name, tensors in models.items():
+        match = next(((other, diff) for other, o in unique.items() if (diff := same_model(tensors, o)) is not None),
+                     None)
+        if match is None:
+            unique[name] = tensors
+        else:
+            records[name]["evaluated_as"] = {"model": match[0], "max_relative_difference": match[1]}
+    say(f"evaluating {len(unique)} models on {len(names)} domains"
+        + (f" ({len(models) - len(unique)} equal to another to float rounding)" if len(unique) < len(models) else ""))
+    test = test_eval.evaluate(unique, references)
+    calib = calib_eval.evaluate(unique, references)
+    for name in models:
+        if name not in unique:
+            twin = records[name]["evaluated_as"]["model"]
+            test[name], calib[name] = test[twin], calib[twin]
     timings["evaluation"] = time.perf_counter() - t
     for name, tensors in models.items():
         records[name]["changed_outside_upper_blocks"] = sorted(tensors.other) if tensors is not None else []

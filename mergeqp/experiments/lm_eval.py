@@ -38,12 +38,20 @@ class ModelTensors:
 
 
 def differing_tensors(base_state: Mapping[str, Any], state: Mapping[str, Any], upper_names: set[str],
-                      rtol: float = SAME_AS_BASE_RTOL) -> ModelTensors:
+                      rtol: float = SAME_AS_BASE_RTOL, *, complete: bool = True) -> ModelTensors:
     """Split ``state``'s tensors that differ from ``base_state`` (max abs difference above ``rtol`` x
-    the base tensor's max abs) into upper / other; a missing or reshaped tensor is an error."""
+    the base tensor's max abs) into upper / other; a reshaped tensor is an error, and so is a missing
+    one when ``state`` is a ``complete`` model (``complete=False``: ``state`` holds only the merged
+    tensors, the others are the base's; a name the base lacks is an error)."""
+    if not complete:
+        unknown_names = sorted(set(state) - set(base_state))
+        if unknown_names:
+            raise ValidationError(f"merged tensors {unknown_names[:5]} are not tensors of the base")
     upper, other = {}, {}
     for name, ref in base_state.items():
         if name not in state:
+            if not complete:
+                continue
             raise ValidationError(f"merged model lacks tensor {name!r} of the base")
         t = state[name]
         if tuple(t.shape) != tuple(ref.shape):
@@ -53,6 +61,27 @@ def differing_tensors(base_state: Mapping[str, Any], state: Mapping[str, Any], u
         if ref.numel() and float((t - ref).abs().max()) > rtol * max(scale, 1e-30):
             (upper if name in upper_names else other)[name] = t
     return ModelTensors(upper, other)
+
+
+def same_model(a: ModelTensors | None, b: ModelTensors | None, rtol: float = SAME_AS_BASE_RTOL) -> float | None:
+    """The largest relative difference (max abs difference over the tensor's max abs) between two
+    models' tensors when each tensor differs by at most ``rtol``, else ``None`` (``None`` models are
+    the base; models changing different tensors are different)."""
+    ta = {} if a is None else {**a.upper, **a.other}
+    tb = {} if b is None else {**b.upper, **b.other}
+    if set(ta) != set(tb):
+        return None
+    worst = 0.0
+    for name, x in ta.items():
+        y = tb[name]
+        if tuple(x.shape) != tuple(y.shape):
+            return None
+        scale = max(float(y.abs().max()) if y.numel() else 0.0, 1e-30)
+        diff = float((x.to(y.dtype) - y).abs().max()) / scale if y.numel() else 0.0
+        if diff > rtol:
+            return None
+        worst = max(worst, diff)
+    return worst
 
 
 class UpperEvaluator:
@@ -93,9 +122,10 @@ class UpperEvaluator:
                 self.texts[name] = ids
                 self.states[name] = lower_states(self.split, ids, batch_size, device)
 
-    def tensors_of(self, state: Mapping[str, Any]) -> ModelTensors:
-        """The tensors of a full state dict ``state`` that differ from the base."""
-        return differing_tensors(self.base_state, state, self.upper_names)
+    def tensors_of(self, state: Mapping[str, Any], *, complete: bool = True) -> ModelTensors:
+        """The tensors of a full state dict ``state`` (``complete=False``: of the merged tensors
+        only, the rest being the base's) that differ from the base."""
+        return differing_tensors(self.base_state, state, self.upper_names, complete=complete)
 
     def _load(self, tensors: ModelTensors | None) -> None:
         """Put ``tensors`` into the working model (``None``: the base); only the tensors that the
@@ -143,27 +173,32 @@ class UpperEvaluator:
                 self._load(references[domain])
                 ref, ids, mask = self._logits(references[domain], domain, start)
                 real = mask.bool()
-                ref_real = ref[real]
-                log_p = torch.log_softmax(ref_real, -1)
-                p = log_p.exp()
-                vocab = ref.shape[-1]
                 nxt = real[:, 1:] & real[:, :-1]
+                lse_ref = torch.logsumexp(ref, -1)  # (B, T)
+                p = torch.exp(ref - lse_ref[..., None])
+                p_sum = p.sum(-1)  # 1 up to rounding
+                vocab = ref.shape[-1]
                 for name, tensors in models.items():
                     self._load(tensors)
                     x, _, _ = self._logits(tensors, domain, start)
                     s = sums[name][domain]
-                    # per-token quantities in the model's dtype, sums in float64
-                    log_q_all = torch.log_softmax(x, -1)
-                    x_real, log_q = x[real], log_q_all[real]
-                    nll = -log_q_all[:, :-1].gather(-1, ids[:, 1:, None])[..., 0][nxt]
+                    # per-token quantities in the model's dtype over (B, T), sums in float64; with
+                    # d = x - ref and lse = logsumexp: log q = x - lse(x), so NLL = lse(x) - x[next token]
+                    # and KL(p || q) = sum p (log p - log q) = (lse(x) - lse(ref)) sum p - sum p d (exactly
+                    # 0 for x = ref, and no (B, T, V) log-probabilities formed)
+                    lse = torch.logsumexp(x, -1)
+                    nll = (lse[:, :-1] - x[:, :-1].gather(-1, ids[:, 1:, None])[..., 0])[nxt]
+                    d = x - ref
+                    kl = ((lse - lse_ref) * p_sum - torch.einsum("btv,btv->bt", p, d))[real]
+                    se = torch.einsum("btv,btv->bt", d, d)[real]
                     s["nll"] += float(nll.double().sum())
                     s["pred"] += int(nxt.sum())
-                    s["se"] += float(((x_real - ref_real) ** 2).sum(-1).double().sum())
-                    s["kl"] += float((p * (log_p - log_q)).sum(-1).double().sum())
+                    s["se"] += float(se.double().sum())
+                    s["kl"] += float(kl.double().sum())
                     s["tok"] += int(real.sum())
         self._load(None)
         return {m: {d: {"ce": s["nll"] / max(s["pred"], 1), "mse": s["se"] / max(s["tok"] * (vocab or 1), 1),
                         "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
 
 
-__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors"]
+__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors", "same_model"]

@@ -81,9 +81,10 @@ def render_report(results: dict[str, Any]) -> str:
         "domain's fine-tune (MSE per logit, KL(fine-tune || model) per token). `merge s`: wall time of the "
         "merge (run layer or mergekit subprocess); `peak RSS MB`: peak resident memory sampled every 20 ms "
         "during it (run layer: the whole experiment process, which also holds the base model and the cached "
-        "hidden states; mergekit: its subprocess). The fine-tunes are the ceiling on their own domain "
+        "hidden states; mergekit: its subprocess during that merge). The fine-tunes are the ceiling on their own domain "
         f"(mean {_f(ceiling_ce(results))}).", "",
         methods_table(results), "",
+        *twin_lines(results),
         "### Held-out cross-entropy per domain", "", domain_table(results, "ce"), "",
         "### Held-out logit MSE per domain", "", domain_table(results, "mse"), "",
         *atoms_lines(results),
@@ -100,6 +101,17 @@ def render_report(results: dict[str, Any]) -> str:
     if results.get("figures"):
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in results["figures"]]
     return "\n".join(lines) + "\n"
+
+
+def twin_lines(results: dict[str, Any]) -> list[str]:
+    """A note naming the models whose tensors equal another's to float rounding (evaluated once)."""
+    twins = [f"`{name}` = `{m['evaluated_as']['model']}` (largest relative difference of a tensor "
+             f"{m['evaluated_as']['max_relative_difference']:.1e})"
+             for name, m in results["methods"].items() if m.get("evaluated_as")]
+    if not twins:
+        return []
+    return ["Evaluated once for both (their tensors are equal to float rounding, so are their numbers): "
+            + "; ".join(twins) + ".", ""]
 
 
 def atoms_lines(results: dict[str, Any]) -> list[str]:

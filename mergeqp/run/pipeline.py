@@ -34,7 +34,7 @@ import dataclasses
 import functools
 import gc
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,6 +100,10 @@ from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, W
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 
+#: the output folder a report names when ``run_merge(..., write=False)`` wrote nothing
+IN_MEMORY = "(in memory)"
+
+
 @dataclass(frozen=True)
 class MergeResult:
     """What :func:`run_merge` produced: the plan, the typed ``summary`` (:class:`MergeReport`;
@@ -110,6 +114,9 @@ class MergeResult:
     summary: MergeReport
     out_dir: Path
     model: Any = None
+    #: with ``run_merge(..., write=False)``: every tensor the merge computed (checkpoint name ->
+    #: tensor, as it would have been written; the others are the base's); ``None`` when a folder was written
+    tensors: dict[str, Any] | None = None
 
     @property
     def report(self) -> dict[str, Any]:
@@ -361,24 +368,32 @@ def _protected(cfg: MergeConfig) -> list[Path]:
     return cfg.protected_paths()
 
 
-def run_merge(cfg: MergeConfig, out_dir: str | Path, *, overwrite: bool = False, progress: bool = True,
-              log: Callable[[str], None] | None = None, plan: MergePlan | None = None) -> MergeResult:
+def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool = False, progress: bool = True,
+              log: Callable[[str], None] | None = None, plan: MergePlan | None = None,
+              write: bool = True) -> MergeResult:
     """Merge per ``cfg`` into ``out_dir`` (see the module docstring). Returns the plan, the typed
-    report and, for QP methods, the merged model (in memory, on the configured device)."""
+    report and, for QP methods, the merged model (in memory, on the configured device).
+
+    ``write=False`` merges in memory only (for sweeps from Python that evaluate each merge
+    themselves): nothing is written, ``out_dir`` may be ``None``, and the result's ``tensors`` holds
+    every tensor the merge computed, exactly as the folder would have held them (every other tensor
+    is the base's); the report's output folder reads ``(in memory)``."""
     import torch  # optional heavy dependency: the merge runs on torch
 
     say = log or (lambda msg: None)
     t_start = time.perf_counter()
+    if out_dir is None and write:
+        raise ValidationError("run_merge: an output folder is needed unless write=False")
     plan = plan or build_plan(cfg)
-    out = Path(out_dir).expanduser()
-    if current_group().is_writer():  # under torchrun only rank 0 writes
+    out = Path(out_dir if out_dir is not None else IN_MEMORY).expanduser()
+    if write and current_group().is_writer():  # under torchrun only rank 0 writes
         check_output_folder(out, _protected(cfg), overwrite=overwrite)
         check_free_space(out, plan.base.total_bytes, "the merged model")
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start)
+    run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start, write)
     with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
         if is_output_space(cfg):
             return run.output_space()
@@ -398,6 +413,7 @@ class _Run:
     say: Callable[[str], None]
     progress: bool
     t_start: float
+    write: bool = True
 
     def __post_init__(self) -> None:
         cfg = self.plan.config
@@ -422,6 +438,9 @@ class _Run:
             made.append(report)
             return report_files(report.to_json())
 
+        if not self.write:  # in memory only: the report says nothing was written
+            report_of(WrittenModel(Path(IN_MEMORY), (), 0, 0, (), None))
+            return MergeResult(self.plan, made[-1], self.out, model, tensors=_as_written(overrides, cfg.output_dtype))
         if current_group().is_writer():
             save_hf_folder(
                 self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
@@ -848,6 +867,23 @@ def _load_into(model: Any, tensors: dict[str, Any]) -> None:
             if name not in state:
                 raise ValidationError(f"merged tensor {k!r} is not a parameter of the loaded model")
             state[name].copy_(v.to(dtype=state[name].dtype))
+
+
+def _as_written(overrides: Mapping[str, Any], output_dtype: str | None) -> dict[str, Any]:
+    """The merged tensors as :func:`save_hf_folder` would write them: floating tensors cast to
+    ``output_dtype`` (when set), detached CPU copies, NaN / inf refused with the tensor's name."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    cast = getattr(torch, output_dtype) if output_dtype else None
+    out = {}
+    for name, tensor in overrides.items():
+        t = tensor.detach()
+        if cast is not None and t.is_floating_point():
+            t = t.to(cast)
+        t = t.to("cpu").contiguous().clone()
+        check_tensor_finite(name, t, "the merged model")
+        out[name] = t
+    return out
 
 
 def _stream(plan: MergePlan, overrides: dict[str, Any]):

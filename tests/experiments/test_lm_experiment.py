@@ -286,3 +286,40 @@ def test_cli_errors(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err and (busy / "keep.txt").read_text() == "mine"
     with pytest.raises(SystemExit):
         main(["experiment", "lm", "--device", "tpu", "--out", str(tmp_path / "o")])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # mergekit's own import of numpy.core
+def test_mergekit_driver_usage_and_a_failing_merge(tmp_path):
+    """The one-process mergekit step: bad arguments are a usage error; a merge mergekit refuses
+    stops the driver with exit 1 and mergekit's own message in the result file, naming the spec."""
+    from mergeqp.experiments import mergekit_driver
+
+    assert mergekit_driver.main([str(tmp_path / "r.json")]) == 2
+    assert mergekit_driver.main([str(tmp_path / "r.json"), "a.yml"]) == 2
+    if importlib.util.find_spec("mergekit") is None:
+        pytest.skip("mergekit is not installed")
+    spec = tmp_path / "bad.yml"
+    spec.write_text("merge_method: linear\nmodels: []\ndtype: float32\n")
+    result = tmp_path / "r.json"
+    assert mergekit_driver.main([str(result), str(spec), str(tmp_path / "out"), "--", "--no-copy-tokenizer"]) == 1
+    done = json.loads(result.read_text())
+    assert done["merges"] == [] and str(spec) in done["error"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_same_model_compares_every_changed_tensor():
+    """Twins (evaluated once): every changed tensor within the relative tolerance, the same tensors
+    changed; ``None`` stands for the base (no tensor changed)."""
+    from mergeqp.experiments.lm_eval import ModelTensors, same_model
+
+    w = torch.linspace(-1.0, 1.0, 12, dtype=torch.float64).reshape(3, 4)
+    a = ModelTensors({"w": w, "v": torch.ones(2)}, {})
+    close = ModelTensors({"w": w * (1 + 1e-8), "v": torch.ones(2)}, {})
+    far = ModelTensors({"w": w + 1e-3, "v": torch.ones(2)}, {})
+    assert same_model(None, None) == 0.0
+    assert same_model(a, a) == 0.0
+    assert 0 < same_model(a, close) <= 1e-6
+    assert same_model(a, far) is None
+    assert same_model(a, ModelTensors({"w": w}, {})) is None  # a different set of changed tensors
+    assert same_model(a, None) is None
+    assert same_model(a, ModelTensors({"w": w, "v": torch.ones(3)}, {})) is None

@@ -566,3 +566,32 @@ def test_an_infeasible_solver_point_stops_the_merge(tiny_hf, families, tmp_path,
     err = capsys.readouterr().err
     assert "violates the constraints" in err and "no model was written" in err and "Traceback" not in err
     assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("method", [{"name": "qp", "mode": "sequential"}, {"name": "ties", "params": {"density": 0.5}}])
+def test_in_memory_merge_holds_exactly_what_the_folder_would(families, tmp_path, method):
+    """``run_merge(..., write=False)`` writes nothing and returns every tensor the merge computed:
+    bit for bit the written folder's (the others are the base's), with the same report numbers."""
+    fam = families["llama"]
+    layers = ["model.layers.1.mlp.*"]
+    cfg = load_config(fam.write_config(tmp_path / "cfg.yml", layers, method))
+    written = run_merge(cfg, tmp_path / "out", progress=False)
+    before = set(tmp_path.iterdir())
+    memory = run_merge(cfg, None, progress=False, write=False)
+    assert set(tmp_path.iterdir()) == before  # nothing written
+    assert written.tensors is None and memory.tensors
+    changed = _changed_keys(fam.base, tmp_path / "out")
+    assert changed and changed <= set(memory.tensors)
+    out, base = open_checkpoint(tmp_path / "out"), open_checkpoint(fam.base)
+    for name, tensor in memory.tensors.items():
+        assert torch.equal(tensor, out.get(name)), name
+    for name in set(base.names()) - set(memory.tensors):
+        assert torch.equal(out.get(name), base.get(name)), name
+    def objectives(result):
+        return [(layer["layer"], layer["objective_after"]) for layer in result.report.get("layers", [])]
+
+    assert objectives(memory) == objectives(written)
+    assert memory.report["output"]["folder"] == "(in memory)" and memory.report["output"]["weight_files"] == []
+    assert memory.report.get("baseline", {}).get("tensors") == written.report.get("baseline", {}).get("tensors")
+    with pytest.raises(Exception, match="output folder is needed unless write=False"):
+        run_merge(cfg, None, progress=False)

@@ -587,11 +587,14 @@ def test_in_memory_merge_holds_exactly_what_the_folder_would(families, tmp_path,
         assert torch.equal(tensor, out.get(name)), name
     for name in set(base.names()) - set(memory.tensors):
         assert torch.equal(out.get(name), base.get(name)), name
+
     def objectives(result):
         return [(layer["layer"], layer["objective_after"]) for layer in result.report.get("layers", [])]
 
     assert objectives(memory) == objectives(written)
     assert memory.report["output"]["folder"] == "(in memory)" and memory.report["output"]["weight_files"] == []
     assert memory.report.get("baseline", {}).get("tensors") == written.report.get("baseline", {}).get("tensors")
-    with pytest.raises(Exception, match="output folder is needed unless write=False"):
+    from mergeqp.errors import ValidationError
+
+    with pytest.raises(ValidationError, match="output folder is needed unless write=False"):
         run_merge(cfg, None, progress=False)

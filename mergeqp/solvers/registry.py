@@ -28,6 +28,7 @@ from .clarabel_solver import ClarabelSolver
 from .closed_form import ClosedFormSolver
 from .cvxpy_solvers import CvxpyClarabelSolver, CvxpyOSQPSolver
 from .osqp_solver import OSQPSolver
+from .torch_active_set import TorchActiveSetSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
 
 SOLVERS: dict[str, QPSolver] = {}
@@ -63,8 +64,10 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     problem and does not decline it for ``auto`` (registration order encodes the measured
     preference; the thresholds are in docs/solvers.md):
 
-    unconstrained with explicit H -> ``closed_form``; box / simplex / L1 sets with explicit H
-    and ``n <= ActiveSetSolver.auto_max_n`` -> ``active_set``; sets with a projection and a
+    unconstrained with explicit H -> ``closed_form``; boxes with explicit H and ``n >=
+    torch_active_set.AUTO_MIN_N`` on a CUDA device whose free memory holds three copies of H ->
+    ``torch_active_set``; box / simplex / L1 sets with explicit H and ``n <=
+    ActiveSetSolver.auto_max_n`` -> ``active_set``; sets with a projection and a
     matrix-vector-only (or larger) H -> ``torch_fista``; other polyhedral sets (sign
     consensus) -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
@@ -234,6 +237,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
 
 
 register_solver(ClosedFormSolver())
+register_solver(TorchActiveSetSolver())
 register_solver(ActiveSetSolver())
 register_solver(TorchFISTASolver())
 register_solver(ClarabelSolver())

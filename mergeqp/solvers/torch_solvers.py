@@ -4,8 +4,10 @@ Both run on CPU or CUDA (``device=``) in float32 or float64 (``dtype=``), with H
 explicit (moved to the device once) or only as the problem's ``hessian_matvec`` callback (a
 host round trip per product), so an H too large to store can still be solved. Iterates stay
 feasible through exact projections (:mod:`mergeqp.solvers.torch_projections`). Progress is
-judged in float64 on the host: the Frank-Wolfe gap (or, for unbounded sets, the
-projected-gradient residual), the same quantity the certificate reports.
+judged in float64: the gradient ``H x + g`` at the host's projected iterate comes from a float64
+product on the device when H is held there in float64 (else from the host), and the Frank-Wolfe
+gap (or, for unbounded sets, the projected-gradient residual) is taken on the host, the same
+quantity the certificate reports. The certificate itself recomputes everything on the host.
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ def torch_device(name: str) -> Any:
         raise ValidationError(f"unknown torch device {name!r} (use cpu, cuda, cuda:N or auto)") from None
 
 
+def torch_missing() -> str | None:
+    """``None`` when torch can be imported here, else why not (the torch solvers' ``available``)."""
+    import importlib.util
+
+    return None if importlib.util.find_spec("torch") is not None else "torch is not installed"
+
+
 def _dtype(name: str) -> Any:
     import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
@@ -73,6 +82,19 @@ class _TorchQP:
     def grad(self, x: Any) -> Any:
         return self.hv(x) + self.g
 
+    def float64_gradient(self, x: np.ndarray) -> np.ndarray | None:
+        """``H x + g`` for a host point ``x``, computed where H is held when it is held in float64
+        (float64 arithmetic as on the host, in another summation order; on a GPU this avoids an
+        ``n x n`` product on the CPU at every progress check, which cost more than the
+        iterations between two checks); ``None`` otherwise (float32 or matvec-only: the host
+        computes it)."""
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
+
+        if self.H is None or self.dtype != torch.float64:
+            return None
+        xd = torch.as_tensor(x, dtype=torch.float64, device=self.device)
+        return self.to_host(self.H @ xd + self.g)
+
     def to_host(self, x: Any) -> np.ndarray:
         import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
@@ -100,13 +122,16 @@ class _TorchQP:
         return max(lam, float(nw))
 
 
-def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float) -> tuple[float, float, float]:
+def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float,
+              grad: np.ndarray | None = None) -> tuple[float, float, float]:
     """``(J(x), gap, size)`` in float64: the Frank-Wolfe gap, or for unbounded sets (where it
     is infinite, or the set declares no oracle) the gradient-mapping estimate ``||G|| max(1, ||x||)`` with
     ``G = L (x - P(x - grad/L))``; ``size = |c| + |x'Hx|/2 + |g'x|``, the magnitude of the
-    terms that cancel in ``J`` (float64 roundoff in ``J`` and the gap is ~ eps * size)."""
+    terms that cancel in ``J`` (float64 roundoff in ``J`` and the gap is ~ eps * size).
+    ``grad``: ``H x + g`` (``(n,)``, float64) when the caller has it (a float64 product on the
+    device), else it is computed here on the host."""
     d = x.reshape(problem.shape)
-    grad = problem.gradient(d)
+    grad = problem.gradient(d) if grad is None else np.asarray(grad, dtype=np.float64).reshape(problem.shape)
     lin = float(problem.g @ x)
     quad = float(0.5 * np.sum(d * (grad - problem.g.reshape(problem.shape))))
     J = quad + lin + problem.c
@@ -145,11 +170,7 @@ class _TorchSolver(QPSolver):
         return None
 
     def available(self) -> str | None:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            return "torch is not installed"
-        return None
+        return torch_missing()
 
 
 class TorchFISTASolver(_TorchSolver):
@@ -207,7 +228,7 @@ class TorchFISTASolver(_TorchSolver):
                 x = x_new
                 if it % check == 0 or it == int(opts["max_iter"]):
                     xh = constraints.project(qp.to_host(x).reshape(problem.shape)).ravel()
-                    J, gap, size = _progress(problem, constraints, xh, L)
+                    J, gap, size = _progress(problem, constraints, xh, L, qp.float64_gradient(xh))
                     if J < best_J:
                         best_x, best_J = xh, J
                     if not math.isfinite(J) or J > 1e6 * (abs(best_J) + abs(problem.c) + 1.0):

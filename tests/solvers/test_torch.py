@@ -89,6 +89,33 @@ def test_fista_on_cuda(load_case, rel_diff) -> None:  # pragma: no cover - needs
         assert rel_diff(sol.objective, ref["objective"]) <= tol
 
 
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+def test_progress_gradient_where_h_is_held(random_psd_problem, dtype: str) -> None:
+    """The progress check's gradient comes from H where the solver holds it (float64 only):
+    equal to the host's ``H x + g`` up to summation order, and the gap from it equals the
+    host's; float32 (too coarse for the check) and matvec-only problems leave it to the host."""
+    from mergeqp.solvers.torch_solvers import _progress, _TorchQP
+
+    rng = np.random.default_rng(5)
+    problem = random_psd_problem(rng, 3, 7, 4)
+    cset = Box(0.0, 1.0)
+    qp = _TorchQP(problem, cset, torch.device("cpu"), getattr(torch, dtype))
+    x = rng.uniform(0, 1, problem.n)
+    got = qp.float64_gradient(x)
+    if dtype == "float32":
+        assert got is None
+        return
+    want = problem.gradient(x.reshape(problem.shape)).ravel()
+    assert got is not None and got.dtype == np.float64
+    assert np.max(np.abs(got - want)) <= 1e-12 * (1 + np.max(np.abs(want)))
+    J0, gap0, size0 = _progress(problem, cset, x, 1.0)
+    J1, gap1, size1 = _progress(problem, cset, x, 1.0, got)
+    assert abs(J1 - J0) <= 1e-12 * size0 and abs(gap1 - gap0) <= 1e-11 * size0 and size1 == pytest.approx(size0)
+    H = problem.H
+    matvec_only = MergeQP(None, problem.g, problem.c, shape=problem.shape, hessian_matvec=lambda v: H @ v)
+    assert _TorchQP(matvec_only, cset, torch.device("cpu"), torch.float64).float64_gradient(x) is None
+
+
 @pytest.mark.parametrize("seed", [0, 2, 3])
 def test_fista_stops_at_roundoff_when_the_optimum_is_zero(random_psd_problem, seed: int) -> None:
     """J* = 0 (rank-2 H, the interpolating point inside the box): the relative target

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -71,7 +72,9 @@ class _BoxPDAS:
         self.n = problem.n
         self.c = float(problem.c)
         f64 = torch.float64
-        self.H = torch.as_tensor(np.array(problem.H, dtype=np.float64), dtype=f64, device=device)
+        with warnings.catch_warnings():  # H is read-only and only ever read here: no host copy
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self.H = torch.as_tensor(np.asarray(problem.H, dtype=np.float64), dtype=f64, device=device)
         self.g = torch.as_tensor(np.array(problem.g, dtype=np.float64), dtype=f64, device=device)
         self.lo = torch.as_tensor(lo, dtype=f64, device=device)
         self.hi = torch.as_tensor(hi, dtype=f64, device=device)
@@ -420,8 +423,17 @@ class TorchActiveSetSolver(QPSolver):
         st = set_structure(constraints, problem.shape)
         assert not isinstance(st, str)
         device = torch_device(str(opts["device"]))
-        engine = _BoxPDAS(problem, st.lo, st.hi, device, opts)
-        setup = time.perf_counter() - t0
-        start = problem.soup_point().ravel() if x0 is None else np.asarray(x0, dtype=np.float64).ravel()
-        x, status, it, info = engine.run(start)
+        import torch  # torch_device imported it already
+
+        try:
+            engine = _BoxPDAS(problem, st.lo, st.hi, device, opts)
+            setup = time.perf_counter() - t0
+            start = problem.soup_point().ravel() if x0 is None else np.asarray(x0, dtype=np.float64).ravel()
+            x, status, it, info = engine.run(start)
+        except torch.OutOfMemoryError:
+            need = 3 * 8 * problem.n ** 2
+            raise SolverError(
+                f"{self.name}: out of memory on {device}: n = {problem.n} needs up to {need / 1e9:.1f} GB "
+                "(H in float64 and two face blocks of its size); use a device with more memory, "
+                "device='cpu', or active_set / torch_fista") from None
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)

@@ -134,3 +134,19 @@ def test_cuda_matches_cpu(load_case, rel_diff) -> None:  # pragma: no cover - ne
     gpu = solve(problem, cset, solver="torch_active_set", device="cuda")
     assert gpu.info["device"].startswith("cuda") and gpu.certificate.certified()
     assert rel_diff(gpu.objective, ref["objective"]) <= 1e-9
+
+
+def test_out_of_device_memory_is_a_clear_solver_error(load_case, monkeypatch) -> None:
+    """An allocation that fails on the device (simulated: the CPU has no such limit) stops with
+    a SolverError that says how much the problem needs and what to use instead, not torch's
+    traceback."""
+    from mergeqp.errors import SolverError
+    from mergeqp.solvers import torch_active_set
+
+    def no_memory(self, status, x):  # noqa: ANN001 - the face solve's signature
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+    monkeypatch.setattr(torch_active_set._BoxPDAS, "face_solve", no_memory)
+    problem, cset, _ = load_case("mnist640", "box:-1,2")
+    with pytest.raises(SolverError, match=r"out of memory on cpu: n = 640 needs up to .* GB.*active_set"):
+        solve(problem, cset, solver="torch_active_set", device="cpu", cg_start=0)

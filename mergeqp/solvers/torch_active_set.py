@@ -5,14 +5,14 @@ faces of the box, globalised by proximal-point regularisation when it cycles), r
 box ``lo <= d <= hi`` (finite bounds) and written with torch tensors so that its dense work runs
 where H is held: on a GPU the face solves (a gather of ``H[F, F]`` and one float64 Cholesky
 each) and the products with H cost a small fraction of what they cost on the CPU. On an H100 a
-float64 Cholesky of an n = 12288 H took 21 ms against 1.1-1.3 s on 16 CPU cores
+float64 Cholesky of an n = 12288 H took 21 ms against 1.1-1.5 s on 16 CPU cores
 (``benchmarks/gpu_solvers.py``, docs/solvers.md), while ``torch_fista`` needs thousands of products.
 
 1. *Face solve*: variables at a bound stay there; the free ones ``F`` solve
    ``(H_FF + rho I) x_F = -(g + H x_fixed)_F + rho xc_F`` (one Cholesky of the gathered block, in
    float64, plus refinement steps against float64 products). A face whose block is singular
-   (dead units, fewer samples than unknowns) gets a ridge ``ridge x max diag H`` and refinement;
-   with ``rho = 0`` that also starts the proximal mode.
+   (dead units, fewer samples than unknowns) gets a ridge ``ridge x max diag H`` and refinement
+   against the unridged block.
    The first faces, while (nearly) all variables are free, are only approximated by
    ``cg_start`` conjugate-gradient steps (an exact unconstrained minimiser of an
    ill-conditioned H lies far outside the box and sends PDAS to the other extreme).
@@ -20,12 +20,18 @@ float64 Cholesky of an n = 12288 H took 21 ms against 1.1-1.3 s on 16 CPU cores
    fixed variables whose multiplier (the gradient of the face objective) has the wrong sign
    are freed.
 3. *Stop* when the Frank-Wolfe gap of the projected face minimiser is below ``tol x max(|J|,
-   1e-8 (|c| + |x'Hx|/2 + |g'x|))`` (the certificate's test) or below its float64 rounding floor.
-4. *Proximal PDAS*: when a face repeats or ``patience`` steps bring no decrease of J, PDAS runs on
-   ``J(x) + rho/2 |x - xc|^2`` from the best point, ``rho = prox_start x max diag H``; a solved
-   subproblem (a stable face) becomes the next centre and ``rho`` shrinks by ``prox_decrease``
-   (down to ``prox_min x max diag H``); a subproblem that stalls (2 steps without decrease, or
-   ``prox_inner_max`` steps) restarts from its centre with ``rho`` grown by the same factor.
+   1e-8 (|c| + |x'Hx|/2 + |g'x|))`` (the certificate's test) or below its float64 rounding floor
+   (the certificate's estimate, ``|x - s|_1`` times the gradient's rounding).
+4. *Proximal PDAS*: when a face repeats, ``patience`` steps bring neither a decrease of J nor a
+   face update that changes fewer coordinates than every earlier one, or a stable face does not
+   certify even after a ten times longer refinement, PDAS runs on ``J(x) + rho/2 |x - xc|^2``
+   from the best point, ``rho = prox_start x max diag H``. A solved subproblem (a stable face)
+   becomes the next centre and ``rho`` shrinks by ``prox_decrease`` (down to ``prox_min x max
+   diag H``); the same face accepted twice in a row jumps to the plain problem on it (once per
+   face: a failed jump returns to the ``rho`` before it), and so does a proximal point whose gap
+   is at the rounding floor (a second time there, it is returned). A subproblem that stalls (2
+   steps without decrease, or ``prox_inner_max`` steps) restarts from its centre with ``rho``
+   grown by ``prox_decrease``.
 
 It returns the best feasible point seen; :func:`mergeqp.solve` certifies it on the host in
 float64, as every solver's answer. Memory on the device: H (float64) plus up to two

@@ -63,6 +63,7 @@ from ..constraints import ConstraintSet, SetStructure
 from ..constraints.base import members_structure
 from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
+from ..io.memory import available_memory_bytes
 from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
@@ -515,13 +516,26 @@ class ActiveSetSolver(QPSolver):
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
                 "start_face": "gradient"}
 
-    #: ``auto`` passes larger problems to torch_fista (the factorisations need ~2 more dense
-    #: n x n arrays beside H: 3.6 GB at n = 16384); see docs/solvers.md
+    #: up to this size ``auto`` takes active_set without asking the machine for memory; beyond it
+    #: only while its work arrays fit in the memory available (see :meth:`auto_declines`)
     auto_max_n = 16384
+    #: work arrays beyond H, in units of H's bytes, that ``auto`` reserves for larger problems: a
+    #: float32 copy of H and up to three float32 blocks of the free variables (measured: 1.05 H
+    #: at n = 12288; docs/solvers.md)
+    AUTO_MEMORY_FACTOR = 2.0
 
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        if problem.n > self.auto_max_n:
-            return f"n = {problem.n} > {self.auto_max_n}: auto prefers the matrix-free torch_fista"
+        """Beyond :attr:`auto_max_n` variables, decline when the work arrays would not fit in the
+        machine's available memory (or it is unknown): ``auto`` then takes the matrix-free
+        torch_fista, which needs no copy of H but thousands of products with it."""
+        if problem.n <= self.auto_max_n:
+            return None
+        need = self.AUTO_MEMORY_FACTOR * 8.0 * problem.n ** 2
+        avail = available_memory_bytes()
+        if avail is None or need > avail:
+            have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
+            return (f"n = {problem.n} > {self.auto_max_n} and its work arrays need up to {need / 1e9:.1f} GB "
+                    f"beyond H, available: {have}; auto prefers the matrix-free torch_fista")
         return None
 
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:

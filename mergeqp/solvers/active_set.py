@@ -35,8 +35,12 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    (stable face) gives the next centre ``xc`` and ``rho`` shrinks by ``prox_decrease``
    (down to ``prox_min * max diag H``); a subproblem whose PDAS stalls (2 steps without
    decrease of its objective, or ``prox_inner_max`` steps) restarts from the centre with
-   ``rho`` grown by the same factor. When the same face is accepted twice in a row, ``rho``
-   jumps to its minimum (the plain problem on that face) and returns if that fails. Proximal
+   ``rho`` grown by the same factor. A level also ends, inexactly, when the subproblem's
+   objective fell by at most ``prox_accept`` (0.2) of what the level had gained in its last step
+   (the face need not settle: the proximal point method converges with such inexact levels);
+   its next centre is that point and the next level starts from its PDAS face update. When the
+   same face is accepted twice in a row, ``rho`` jumps to its minimum (the plain problem on that
+   face, where no level is accepted inexactly) and returns if that fails. Proximal
    steps move only where H is flat and never raise J, and the face of the optimum is found
    after a few subproblems.
 
@@ -345,6 +349,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         no_jump: bytes | None = None  # a face from which a jump failed
         idle = 0  # accepted proximal steps at rho_min that did not lower J
         since_best = 0  # face solves since J fell by more than its rounding or the gap halved
+        level_first: float | None = None  # inexact proximal point: the level's first objective
+        prev_Jr: float | None = None
         low_gap = last_gap
         it = 0
         for it in range(1, int(opts["max_iter"]) + 1):
@@ -393,7 +399,19 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             if since_best >= 10 * max(patience, 3):
                 status = SolveStatus.INACCURATE  # J stopped falling: the gap is at its floor
                 break
-            if stable and rho > 0:
+            Jr = Jp + 0.5 * rho * float(np.sum((xp - self.xc) ** 2)) if rho > 0 else Jp
+            inexact = False
+            if rho > rho_min * (1.0 + 1e-12) and not stable and float(opts["prox_accept"]) > 0:
+                # inexact proximal point: the subproblem's objective has stopped falling by more
+                # than prox_accept of what this level gained: take its point as the next centre
+                if level_first is None:
+                    level_first = Jr
+                elif prev_Jr is not None and Jr <= prev_Jr and \
+                        prev_Jr - Jr <= float(opts["prox_accept"]) * (level_first - Jr):
+                    inexact = True
+                prev_Jr = Jr
+            if (stable or inexact) and rho > 0:
+                level_first = prev_Jr = None
                 # the proximal subproblem is solved: its minimiser is the next centre (to the
                 # accuracy of this solve; solves on a stable face are then refined fully)
                 idle = idle + 1 if rho <= rho_min and Jp >= xc_J - 1e-15 * self.scale(xc_J) else 0
@@ -411,10 +429,12 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                     fail_rho /= dec  # failed there recently: stay once more, then try again
                 else:
                     self.rho = max(rho / dec, rho_min)
-                self.fine = True
+                self.fine = not inexact
                 seen.clear()
                 inner_best, stall, inner_it = math.inf, 0, 0
                 x = xp
+                if inexact:
+                    face = new_face
                 continue
             if stable and not self.fine:
                 # the face is stable: solve on it once more to float64 accuracy
@@ -423,7 +443,6 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 continue
             self.fine = stable
             # the PDAS step did not settle: is the iteration still making progress?
-            Jr = Jp + 0.5 * rho * float(np.sum((xp - self.xc) ** 2)) if rho > 0 else Jp
             if Jr < inner_best - 1e-15 * self.scale(Jr):
                 inner_best, stall = Jr, 0
             else:
@@ -469,6 +488,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 else:
                     face = anchor
                 self.proximal_restarts += 1
+                level_first = prev_Jr = None
                 seen.clear()
                 inner_best, stall, inner_it = math.inf, 0, 0
                 self.fine = False
@@ -496,7 +516,9 @@ class ActiveSetSolver(QPSolver):
     the first (at most :data:`CG_FACES`) faces that are (nearly) all free, ``patience`` 3 non-improving PDAS steps before the
     proximal mode (which starts at ``prox_start`` 3e-2 x max diag H, divides rho by
     ``prox_decrease`` 4 after each solved subproblem down to ``prox_min`` 1e-12 x max diag H,
-    and gives a subproblem ``prox_inner_max`` 8 face solves), ``precision`` "auto" (float32
+    and gives a subproblem ``prox_inner_max`` 8 face solves; ``prox_accept`` 0.2 ends a level once
+    a step gains at most that share of what the level gained, 0 waits for a stable face),
+    ``precision`` "auto" (float32
     factorisations with float64 refinement for faces with >= 512 free coordinates; "float64"
     or "mixed" to force), ``update_ratio`` 0.05 (reuse the last factor through a bordered
     solve while fewer than this fraction of coordinates changed), ``ridge`` 1e-10 (relative
@@ -514,7 +536,7 @@ class ActiveSetSolver(QPSolver):
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
-                "start_face": "gradient"}
+                "start_face": "gradient", "prox_accept": 0.2}
 
     #: up to this size ``auto`` takes active_set without asking the machine for memory; beyond it
     #: only while its work arrays fit in the memory available (see :meth:`auto_declines`)
@@ -553,6 +575,7 @@ class ActiveSetSolver(QPSolver):
             "prox_min": lambda v: 0 < v <= opts["prox_start"], "prox_inner_max": lambda v: v >= 1,
             "ridge": lambda v: v > 0, "refine_steps": lambda v: v >= 1,
             "update_ratio": lambda v: v >= 0, "cg_start": lambda v: v >= 0,
+            "prox_accept": lambda v: 0 <= v < 1,
         }
         for key, ok in rules.items():
             value = opts[key]

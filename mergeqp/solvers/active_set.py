@@ -35,9 +35,9 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    (stable face) gives the next centre ``xc`` and ``rho`` shrinks by ``prox_decrease``
    (down to ``prox_min * max diag H``); a subproblem whose PDAS stalls (2 steps without
    decrease of its objective, or ``prox_inner_max`` steps) restarts from the centre with
-   ``rho`` grown by the same factor. A level also ends, inexactly, when the subproblem's
-   objective fell by at most ``prox_accept`` (0.2) of what the level had gained in its last step
-   (the face need not settle: the proximal point method converges with such inexact levels);
+   ``rho`` grown by the same factor. A level also ends, inexactly, when a step lowers the
+   subproblem's objective by at most ``prox_accept`` (0.2) of what the level has gained since its
+   first step (the face need not settle: the proximal point method converges with such inexact levels);
    its next centre is that point and the next level starts from its PDAS face update. When the
    same face is accepted twice in a row, ``rho`` jumps to its minimum (the plain problem on that
    face, where no level is accepted inexactly) and returns if that fails. Proximal

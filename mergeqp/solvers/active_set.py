@@ -577,16 +577,7 @@ class ActiveSetSolver(QPSolver):
             "update_ratio": lambda v: v >= 0, "cg_start": lambda v: v >= 0,
             "prox_accept": lambda v: 0 <= v < 1,
         }
-        for key, ok in rules.items():
-            value = opts[key]
-            try:
-                good = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
-                    and math.isfinite(float(value)) and bool(ok(float(value)))
-            except TypeError:
-                good = False
-            if not good:
-                raise ValidationError(f"active_set: option {key}={value!r} is out of range "
-                                      f"(default {self.defaults[key]!r})")
+        self.check_ranges(opts, rules)
         if opts["start_face"] not in ("gradient", "point"):
             raise ValidationError(f"active_set: option start_face={opts['start_face']!r} must be "
                                   "'gradient' or 'point'")

@@ -4,6 +4,7 @@ the answer (the solver's own status is never the verdict)."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -60,6 +61,21 @@ class QPSolver(ABC):
                     f"{self.name}: solver option {key!r} must be {kind} (default {default!r}), got {value!r}"
                 )
         return {**self.defaults, **options}
+
+    def check_ranges(self, opts: Mapping[str, Any], rules: Mapping[str, Any]) -> None:
+        """Each ``opts[key]`` of ``rules`` is a finite number (not a switch) for which
+        ``rules[key](value)`` holds; else a :class:`ValidationError` naming the option and its
+        default."""
+        for key, ok in rules.items():
+            value = opts[key]
+            try:
+                good = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_)) \
+                    and math.isfinite(float(value)) and bool(ok(float(value)))
+            except TypeError:
+                good = False
+            if not good:
+                raise ValidationError(f"{self.name}: option {key}={value!r} is out of range "
+                                      f"(default {self.defaults[key]!r})")
 
     def available(self) -> str | None:
         """``None`` when usable here, else why not (e.g. how to install a missing package)."""

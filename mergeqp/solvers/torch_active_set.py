@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import SolverError, ValidationError
+from ..errors import SolverError
 from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 from ..solution import SolveStatus
 from .active_set import set_structure
@@ -65,6 +65,12 @@ CG_FACES = 2
 #: H100 it was 4.6-6.4x faster than ``active_set`` on 16 CPU cores at n = 12288 and 24576
 #: (docs/solvers.md); smaller sizes were not measured on a GPU
 AUTO_MIN_N = 12288
+
+
+def device_bytes(n: int) -> int:
+    """Bytes a solve may hold on the device at most: H in float64 and two float64 blocks of its
+    size (a face block and its Cholesky factor, when every variable is free)."""
+    return 3 * 8 * n * n
 
 
 class _BoxPDAS:
@@ -377,7 +383,9 @@ class TorchActiveSetSolver(QPSolver):
     def available(self) -> str | None:
         return torch_missing()
 
-    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+    @staticmethod
+    def _box(problem: MergeQP, constraints: ConstraintSet) -> tuple[np.ndarray, np.ndarray] | str:
+        """The box's flat bounds ``(lo, hi)``, or why this solver cannot take the problem."""
         if problem.H is None:
             return "needs an explicit H (use torch_fista for a matvec-only problem)"
         st = set_structure(constraints, problem.shape)
@@ -387,7 +395,11 @@ class TorchActiveSetSolver(QPSolver):
             return f"handles boxes only, not {constraints.spec} (use active_set)"
         if not (np.all(np.isfinite(st.lo)) and np.all(np.isfinite(st.hi))):
             return f"needs finite bounds, {constraints.spec} has an infinite side (use active_set)"
-        return None
+        return st.lo, st.hi
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        box = self._box(problem, constraints)
+        return box if isinstance(box, str) else None
 
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         if problem.n < AUTO_MIN_N:  # first: no torch import for the common small problem
@@ -397,7 +409,7 @@ class TorchActiveSetSolver(QPSolver):
         if not torch.cuda.is_available():
             return "auto chooses it on a CUDA device only (on the CPU active_set is faster)"
         free, _total = torch.cuda.mem_get_info()
-        need = 3 * 8 * problem.n ** 2
+        need = device_bytes(problem.n)
         if need > free:
             return f"H and two face blocks need {need / 1e9:.1f} GB, the GPU has {free / 1e9:.1f} GB free"
         return None
@@ -410,34 +422,26 @@ class TorchActiveSetSolver(QPSolver):
             "prox_min": lambda v: 0 < v <= opts["prox_start"], "prox_inner_max": lambda v: v >= 1,
             "ridge": lambda v: v > 0, "refine_steps": lambda v: v >= 0, "cg_start": lambda v: v >= 0,
         }
-        for key, ok in rules.items():
-            value = opts[key]
-            good = isinstance(value, (int, float, np.number)) and not isinstance(value, bool) \
-                and math.isfinite(float(value)) and bool(ok(float(value)))
-            if not good:
-                raise ValidationError(f"{self.name}: option {key}={value!r} is out of range "
-                                      f"(default {self.defaults[key]!r})")
+        self.check_ranges(opts, rules)
         return opts
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         opts = self.check_options(options)
-        why = self.supports(problem, constraints)
-        if why is not None:
-            raise SolverError(f"{self.name}: {why}")
         t0 = time.perf_counter()
-        st = set_structure(constraints, problem.shape)
-        assert not isinstance(st, str)
+        box = self._box(problem, constraints)
+        if isinstance(box, str):
+            raise SolverError(f"{self.name}: {box}")
         device = torch_device(str(opts["device"]))
         import torch  # torch_device imported it already
 
         try:
-            engine = _BoxPDAS(problem, st.lo, st.hi, device, opts)
+            engine = _BoxPDAS(problem, *box, device, opts)
             setup = time.perf_counter() - t0
             start = problem.soup_point().ravel() if x0 is None else np.asarray(x0, dtype=np.float64).ravel()
             x, status, it, info = engine.run(start)
         except torch.OutOfMemoryError:
-            need = 3 * 8 * problem.n ** 2
+            need = device_bytes(problem.n)
             raise SolverError(
                 f"{self.name}: out of memory on {device}: n = {problem.n} needs up to {need / 1e9:.1f} GB "
                 "(H in float64 and two face blocks of its size); use a device with more memory, "

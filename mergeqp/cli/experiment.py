@@ -95,7 +95,7 @@ def _register_lm(sub: Any) -> None:
         description="The paper's LLM experiment on SmolLM2-135M-Instruct end to end (see docs/lm.md).",
     )
     lm.add_argument("--quick", action="store_true",
-                    help="fewer texts, steps and tokens (measured: 9.6-10.6 minutes on 2 cores, "
+                    help="fewer texts, steps and tokens (measured: 9.6-11.5 minutes on 2 cores, "
                          "fine-tunes cached; full mode: docs/lm.md)")
     lm.add_argument("--cache", default=None,
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
@@ -104,6 +104,8 @@ def _register_lm(sub: Any) -> None:
     lm.add_argument("--domains", nargs="+", default=list(DEFAULT_DOMAINS), metavar="DOMAIN",
                     help=f"text domains, two or more (default: {' '.join(DEFAULT_DOMAINS)})")
     lm.add_argument("--seed", type=int, default=0, help="seed of the splits, fine-tunes and merges")
+    lm.add_argument("--no-multitask", action="store_true",
+                    help="skip the reference model fine-tuned on every domain's train texts (one fine-tune less)")
     _add_run_options(lm)
     lm.set_defaults(func=run_lm)
 
@@ -121,7 +123,8 @@ def run_lm(args: argparse.Namespace) -> int:
         raise ConfigError(f"--domains needs two or more distinct domains, got {args.domains}")
     results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
-                                progress=not args.quiet, overwrite=args.overwrite)
+                                progress=not args.quiet, overwrite=args.overwrite,
+                                multitask=not args.no_multitask)
     print(console_summary(results))
     _print_written(args.out, results)
     return 0

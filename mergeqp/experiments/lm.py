@@ -59,7 +59,7 @@ from .finetune_lm import (
     smollm2_folder,
     split_block,
 )
-from .lm_claims import evaluate_lm_claims, lm_goal, recommended_merge
+from .lm_claims import MULTITASK, evaluate_lm_claims, lm_goal, recommended_merge
 from .lm_eval import ModelTensors, UpperEvaluator, same_model
 from .lm_report import write_lm_outputs
 
@@ -73,6 +73,9 @@ OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: prompts' cross-entropy, over the fine-tuned blocks' ``down_proj`` rows
 RECOMMENDED_RUN = "trust_region:cross_entropy"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
+#: the reference fine-tuned on every domain's train texts (``LmConfig.multitask``): its row and cache name
+MULTITASK_SEED = 999  # its fine-tune's seed is ``seed * 1000 + MULTITASK_SEED`` (domain i's: ``+ i``)
+
 #: the QP runs of quick mode, one per mode: single, sequential and hybrid with the paper's Euclidean
 #: metric, joint with the KL metric, the trust region as the recommended merge (cross-entropy metric);
 #: full mode runs every mode with every metric
@@ -232,8 +235,11 @@ class LmConfig:
     the task-arithmetic scaling and the recommended merge), ``test_texts`` (held-out evaluation
     only); ``min_chars``: shorter texts are dropped first. Fine-tuning: the MLPs of the last
     ``finetune_blocks`` blocks, ``finetune_steps`` Adam steps of ``finetune_batch`` texts of at
-    most ``finetune_max_length`` tokens at ``finetune_lr``. Evaluation: ``eval_max_length`` tokens
-    per text, ``eval_batch`` texts per batch. ``merge``: :class:`LmMergeSettings`."""
+    most ``finetune_max_length`` tokens at ``finetune_lr``. ``multitask``: also fine-tune one model
+    by the same recipe on every domain's train texts (each seen once: ``finetune_steps`` times the
+    number of domains), a reference row (``multitask``) of what one model trained on all the data
+    reaches. Evaluation: ``eval_max_length`` tokens per text, ``eval_batch`` texts per batch.
+    ``merge``: :class:`LmMergeSettings`."""
 
     train_texts: int = 1024
     calibration_texts: int = 64
@@ -244,6 +250,7 @@ class LmConfig:
     finetune_batch: int = 8
     finetune_max_length: int = 64
     finetune_lr: float = 2e-3
+    multitask: bool = True
     eval_max_length: int = 64
     eval_batch: int = 8
     merge: LmMergeSettings = field(default_factory=LmMergeSettings)
@@ -631,20 +638,23 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
                       config: LmConfig | None = None, cache: str | os.PathLike[str] | None = None,
                       base_folder: str | os.PathLike[str] | None = None, device: str = "cpu",
                       threads: int | None = None, figures: bool = True, progress: bool = True,
-                      overwrite: bool = False) -> dict[str, Any]:
+                      overwrite: bool = False, multitask: bool | None = None) -> dict[str, Any]:
     """Run the experiment (see the module docstring) and write ``out_dir``; returns the results.
 
     ``corpora`` (any :class:`Corpus` list) replaces ``domains`` (registered names, default
     :data:`DEFAULT_DOMAINS`); ``base_folder`` replaces SmolLM2 (any Hugging Face causal LM folder
     with a tokenizer); ``cache``: where the base and the fine-tunes are kept (default
     :func:`default_cache`); ``device``: ``cpu``, ``cuda`` (CPU when CUDA is missing, said in the
-    results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs))."""
+    results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs)); ``multitask``:
+    overrides ``LmConfig.multitask`` (the reference fine-tuned on every domain) when given."""
     import torch  # optional heavy dependency (experiment extra)
 
     from ..run.pipeline import resolve_device  # deferred: the pipeline loads every registry
     from .mnist import prepare_out_dir  # deferred: the MNIST module imports torch at its top
 
     config = config or (LmConfig.quick() if quick else LmConfig.full())
+    if multitask is not None:
+        config = replace(config, multitask=bool(multitask))
     if seed < 0:
         raise ValidationError(f"seed must be >= 0, got {seed}")
     prepare_out_dir(out_dir, overwrite=overwrite,
@@ -684,6 +694,9 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         corpora = load_domains(domain_names or DEFAULT_DOMAINS)
     splits = split_domains(corpora, config, seed)
     names = [s.name for s in splits]
+    if config.multitask and MULTITASK in names:
+        raise ValidationError(f"a domain is named {MULTITASK!r}, the name of the reference fine-tuned on every "
+                              f"domain; rename the domain or set LmConfig.multitask=False")
     timings["data"] = time.perf_counter() - t
     say(f"domains {', '.join(names)}: train/calibration/test = {config.train_texts}/{config.calibration_texts}/"
         f"{config.test_texts} texts each")
@@ -711,6 +724,16 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
                               "loss_first": float(np.mean(res.losses[:5])),
                               "loss_last": float(np.mean(res.losses[-5:])),
                               "steps": len(res.losses), "key": res.key}
+    if config.multitask:  # one model by the same recipe on every domain's train texts, each text once
+        mt_texts = [x for s in splits for x in s.train]
+        mt_settings = replace(settings, steps=config.finetune_steps * len(splits), seed=seed * 1000 + MULTITASK_SEED)
+        key = finetune_key(base, mt_texts, mt_settings)
+        folder = cache_dir / "lm-finetunes" / f"{base.name}-{MULTITASK}-{key[:12]}"
+        res = finetune_causal_lm(base, mt_texts, folder, mt_settings, device=device, progress=progress, log=say)
+        ft_records[MULTITASK] = {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
+                                 "loss_first": float(np.mean(res.losses[:5])),
+                                 "loss_last": float(np.mean(res.losses[-5:])),
+                                 "steps": len(res.losses), "key": res.key}
     timings["finetune"] = time.perf_counter() - t
     linear_layers = [n[: -len(".weight")] for n in trained if n.endswith(".weight")]
 
@@ -744,6 +767,9 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     models.update({f"finetune:{name}": references[name] for name, _ in finetunes})
     records: dict[str, dict[str, Any]] = {"base": {"kind": "reference"}}
     records.update({f"finetune:{name}": {"kind": "reference"} for name, _ in finetunes})
+    if config.multitask:
+        models[MULTITASK] = test_eval.tensors_of(read_folder_state(Path(ft_records[MULTITASK]["folder"])))
+        records[MULTITASK] = {"kind": "reference"}
 
     # 4. task arithmetic: the scaling chosen by the mean calibration cross-entropy
     t = time.perf_counter()

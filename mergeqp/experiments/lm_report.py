@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..io.atomic import savefig_atomic, write_text_atomic
-from .lm_claims import ceiling_ce
+from .lm_claims import MULTITASK, ceiling_ce
 from .plots import _pyplot
 from ..merge.report import start_selection_lines
 from .report import _f, _table
@@ -82,7 +82,7 @@ def render_report(results: dict[str, Any]) -> str:
         "merge (run layer or mergekit subprocess); `peak RSS MB`: peak resident memory sampled every 20 ms "
         "during it (run layer: the whole experiment process, which also holds the base model and the cached "
         "hidden states; mergekit: its subprocess during that merge). The fine-tunes are the ceiling on their own domain "
-        f"(mean {_f(ceiling_ce(results))}).", "",
+        f"(mean {_f(ceiling_ce(results))})." + multitask_sentence(results), "",
         methods_table(results), "",
         *twin_lines(results),
         "### Held-out cross-entropy per domain", "", domain_table(results, "ce"), "",
@@ -101,6 +101,17 @@ def render_report(results: dict[str, Any]) -> str:
     if results.get("figures"):
         lines += ["", "## Figures", ""] + [f"![{Path(f).stem}]({Path(f).name})" for f in results["figures"]]
     return "\n".join(lines) + "\n"
+
+
+def multitask_sentence(results: dict[str, Any]) -> str:
+    """What the ``multitask`` reference row is (empty when it did not run)."""
+    m = results["methods"].get(MULTITASK)
+    if m is None:
+        return ""
+    steps = (results.get("finetunes") or {}).get(MULTITASK, {}).get("steps")
+    return (f" `{MULTITASK}` is one model fine-tuned by the same recipe on every domain's train texts, each text "
+            f"once ({steps} steps): what training on all the data, instead of merging, reaches (mean "
+            f"{_f(m['mean_test']['ce'])}).")
 
 
 def twin_lines(results: dict[str, Any]) -> list[str]:

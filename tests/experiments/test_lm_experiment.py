@@ -5,9 +5,11 @@ choices, claims / goal rendering and CLI errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,7 +74,7 @@ def test_pipeline_end_to_end(lm_run):
         assert (out / name).is_file()
     assert not list(root.glob(".lm-work-*"))  # the work folder (merged models, prompt files) is removed
     methods = results["methods"]
-    expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "task_arithmetic", "ties", "qp_single_euclidean",
+    expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "multitask", "task_arithmetic", "ties", "qp_single_euclidean",
                 "qp_sequential_euclidean", "qp_atoms", "output_space"}
     if importlib.util.find_spec("mergekit"):
         expected.add("mergekit_ties")
@@ -88,6 +90,15 @@ def test_pipeline_end_to_end(lm_run):
         own = methods[f"finetune:{d}"]["test"][d]
         assert own["mse"] == 0 and abs(own["kl"]) < 1e-9
         assert methods["base"]["test"][d]["mse"] > 0
+    # the multitask reference: one fine-tune on every domain's train texts, each once, by the same recipe
+    record = results["finetunes"]["multitask"]
+    saved = json.loads((Path(record["folder"]) / "finetune.json").read_text())
+    assert record["steps"] == 3 * 12 and saved["texts"] == 3 * 16 and saved["settings"]["lr"] == 1e-2
+    assert methods["multitask"]["kind"] == "reference"
+    assert all(methods["multitask"]["test"][d]["mse"] > 0 for d in DOMAINS)
+    goal = results["goal"]
+    assert goal["multitask_ce"] == methods["multitask"]["mean_test"]["ce"] and "multitask" in goal["detail"]
+    assert goal["passed"] == (goal["beats_every_rival"] and goal["gap_closed"] >= 0.5)  # context only
     # the merges changed something and are not the base
     seq = methods["qp_sequential_euclidean"]
     assert seq["test"]["code"]["mse"] != methods["base"]["test"]["code"]["mse"]
@@ -148,7 +159,23 @@ def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
             assert again["methods"][f"finetune:{d}"]["test"][e] == pytest.approx(
                 results["methods"][f"finetune:{d}"]["test"][e])
     assert again["methods"]["qp_single_kl"]["metric"] == "kl"
-    assert set(again["methods"]) == {"base", *(f"finetune:{d}" for d in DOMAINS), "task_arithmetic", "qp_single_kl"}
+    assert again["finetunes"]["multitask"]["cached"]
+    assert set(again["methods"]) == {"base", *(f"finetune:{d}" for d in DOMAINS), "multitask", "task_arithmetic",
+                                     "qp_single_kl"}
+    for d in DOMAINS:
+        assert again["methods"]["multitask"]["test"][d] == pytest.approx(results["methods"]["multitask"]["test"][d])
+    corpora = _corpora(tiny_hf)
+    named = [dataclasses.replace(corpora[0], name="multitask"), *corpora[1:]]
+    with pytest.raises(ValidationError, match="a domain is named 'multitask'"):
+        run_lm_experiment(tmp_path / "named", corpora=named, cache=root / "cache",
+                          base_folder=tiny_base, config=_config(), threads=1, progress=False)
+    # without the reference, a domain may take that name
+    small = _config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(), extra_runs=(), ta_scalings=(1.0,))
+    plain = run_lm_experiment(tmp_path / "named2", corpora=named, cache=root / "cache", base_folder=tiny_base,
+                              config=small, threads=1, progress=False, multitask=False)
+    assert "multitask" in plain["domains"] and plain["finetunes"]["multitask"]["steps"] == 12  # the domain's own
+    assert "multitask" not in plain["methods"] and "finetune:multitask" in plain["methods"]
+    assert "multitask_ce" not in plain["goal"]
 
 
 def test_evaluator_matches_full_forward(tiny_hf, tiny_base, tmp_path):
@@ -270,6 +297,13 @@ def test_goal_and_recommendation_rules():
     assert not lm_goal(res)["beats_every_rival"]
     claims = {c["id"]: c for c in evaluate_lm_claims(res)}
     assert claims["F"]["passed"] and not claims["L1"]["passed"] and claims["L4"]["passed"]
+    assert "multitask_ce" not in lm_goal(res)
+    # the multitask reference is placed on the same scale; it does not change the verdict
+    res = _fake_results(3.2)
+    res["methods"]["multitask"] = {**res["methods"]["base"], "mean_test": {"ce": 3.45, "mse": 1.0, "kl": 0.1}}
+    res["recommended"] = recommended_merge(res)
+    goal = lm_goal(res)
+    assert goal["passed"] and goal["multitask_gap_closed"] == pytest.approx(0.25) and "25.0%" in goal["detail"]
 
 
 def test_cli_errors(tmp_path, capsys):
@@ -286,6 +320,25 @@ def test_cli_errors(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err and (busy / "keep.txt").read_text() == "mine"
     with pytest.raises(SystemExit):
         main(["experiment", "lm", "--device", "tpu", "--out", str(tmp_path / "o")])
+
+
+def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
+    import mergeqp.experiments.lm as lm
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(out, **kwargs):
+        seen.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(lm, "run_lm_experiment", fake)
+    for extra, want in (([], True), (["--no-multitask"], False)):
+        with pytest.raises(Stop):
+            main(["experiment", "lm", "--quick", *extra, "--out", str(tmp_path / "o")])
+        assert seen[-1]["multitask"] is want and seen[-1]["quick"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # mergekit's own import of numpy.core

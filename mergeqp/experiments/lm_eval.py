@@ -56,7 +56,7 @@ def differing_tensors(base_state: Mapping[str, Any], state: Mapping[str, Any], u
         t = state[name]
         if tuple(t.shape) != tuple(ref.shape):
             raise ValidationError(f"merged tensor {name!r} has shape {tuple(t.shape)}, base {tuple(ref.shape)}")
-        t = t.to(ref.dtype)
+        t = t.to(ref.device, ref.dtype)  # the base's copy lives where the model runs (e.g. CUDA)
         scale = float(ref.abs().max()) if ref.numel() else 0.0
         if ref.numel() and float((t - ref).abs().max()) > rtol * max(scale, 1e-30):
             (upper if name in upper_names else other)[name] = t

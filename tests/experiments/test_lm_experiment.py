@@ -178,6 +178,28 @@ def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
     assert "multitask_ce" not in plain["goal"]
 
 
+def test_device_cuda_runs_there_or_on_cpu_with_a_note(tiny_hf, tiny_base, lm_run, tmp_path):
+    """``device="cuda"``: on a CUDA machine the merges and the evaluation run there and the
+    reference rows (the cached fine-tunes, evaluated again) agree with the CPU run's; without CUDA
+    it runs on the CPU and says so."""
+    results, _, root = lm_run
+    small = _config(modes=("single",), metrics=("euclidean",), baselines=("soup",), mergekit=(), extra_runs=(),
+                    ta_scalings=(1.0,))
+    run = run_lm_experiment(tmp_path / "dev", corpora=_corpora(tiny_hf), cache=root / "cache", base_folder=tiny_base,
+                            config=small, device="cuda", threads=1, progress=False)
+    if torch.cuda.is_available():
+        assert run["device"] == "cuda" and not any("CUDA" in n for n in run["notes"])
+    else:
+        assert run["device"] == "cpu" and any("CUDA is not available" in n for n in run["notes"])
+    for name in ("base", "multitask", *(f"finetune:{d}" for d in DOMAINS)):
+        for d in DOMAINS:
+            assert run["methods"][name]["test"][d]["ce"] == pytest.approx(results["methods"][name]["test"][d]["ce"],
+                                                                          rel=1e-4), (name, d)
+    qp = run["methods"]["qp_single_euclidean"]
+    assert all(layer["certified"] for layer in qp["report"]["layers"])
+    assert all(math.isfinite(qp["test"][d]["ce"]) for d in DOMAINS)
+
+
 def test_evaluator_matches_full_forward(tiny_hf, tiny_base, tmp_path):
     """CE, logit MSE and KL of the split evaluator equal those computed from plain full-model
     forwards, one text at a time."""

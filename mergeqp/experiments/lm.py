@@ -73,8 +73,9 @@ OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: prompts' cross-entropy, over the fine-tuned blocks' ``down_proj`` rows
 RECOMMENDED_RUN = "trust_region:cross_entropy"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
-#: the reference fine-tuned on every domain's train texts (``LmConfig.multitask``): its row and cache name
-MULTITASK_SEED = 999  # its fine-tune's seed is ``seed * 1000 + MULTITASK_SEED`` (domain i's: ``+ i``)
+#: the seed of the reference fine-tuned on every domain's train texts (``LmConfig.multitask``, the row
+#: ``MULTITASK``) is ``seed * 1000 + MULTITASK_SEED`` (domain i's fine-tune: ``seed * 1000 + i``)
+MULTITASK_SEED = 999
 
 #: the QP runs of quick mode, one per mode: single, sequential and hybrid with the paper's Euclidean
 #: metric, joint with the KL metric, the trust region as the recommended merge (cross-entropy metric);
@@ -676,6 +677,13 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:
+    """What the results say of one fine-tune (a :class:`FinetuneResult`)."""
+    return {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
+            "loss_first": float(np.mean(res.losses[:5])), "loss_last": float(np.mean(res.losses[-5:])),
+            "steps": len(res.losses), "key": res.key}
+
+
 def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int, domain_names: Sequence[str] | None,
          corpora: Sequence[Corpus] | None, base_folder: Any, device: str, device_note: str | None, quick: bool,
          progress: bool) -> dict[str, Any]:
@@ -720,20 +728,14 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         res = finetune_causal_lm(base, s.train, folder, s_settings, device=device, progress=progress, log=say)
         finetunes.append((s.name, folder))
         trained = res.trained
-        ft_records[s.name] = {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
-                              "loss_first": float(np.mean(res.losses[:5])),
-                              "loss_last": float(np.mean(res.losses[-5:])),
-                              "steps": len(res.losses), "key": res.key}
+        ft_records[s.name] = _finetune_record(folder, res)
     if config.multitask:  # one model by the same recipe on every domain's train texts, each text once
         mt_texts = [x for s in splits for x in s.train]
         mt_settings = replace(settings, steps=config.finetune_steps * len(splits), seed=seed * 1000 + MULTITASK_SEED)
         key = finetune_key(base, mt_texts, mt_settings)
         folder = cache_dir / "lm-finetunes" / f"{base.name}-{MULTITASK}-{key[:12]}"
         res = finetune_causal_lm(base, mt_texts, folder, mt_settings, device=device, progress=progress, log=say)
-        ft_records[MULTITASK] = {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
-                                 "loss_first": float(np.mean(res.losses[:5])),
-                                 "loss_last": float(np.mean(res.losses[-5:])),
-                                 "steps": len(res.losses), "key": res.key}
+        ft_records[MULTITASK] = _finetune_record(folder, res)
     timings["finetune"] = time.perf_counter() - t
     linear_layers = [n[: -len(".weight")] for n in trained if n.endswith(".weight")]
 

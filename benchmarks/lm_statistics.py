@@ -22,6 +22,9 @@ What it does, on a Llama-style Hugging Face causal LM (float32):
    random point of the box, and each option's own box-constrained optimum, against the exact
    objective (the nonlinear full-vocabulary calibration squared error of the merged model;
    ``2 sum KL`` for the KL metric; both recomputed from the merged weights).
+5. ``--prefix``: the statistics timed as the run layer runs them (the blocks below the site
+   computed once per batch, :func:`mergeqp.stats.prefix.frozen_prefix`); the yardstick stays a
+   full forward + JVP (or VJP, where forward-mode AD is not implemented) pass.
 
 Prints one table per site (markdown). Nothing here is a unit test; timings on a shared machine
 are noisy, so before / after are measured in the same process.
@@ -30,6 +33,7 @@ are noisy, so before / after are measured in the same process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -44,6 +48,7 @@ from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order
 from mergeqp.merge.sites import match_sites, model_sites
 from mergeqp.solvers import solve
 from mergeqp.stats.hooks import hooked_layers
+from mergeqp.stats.prefix import frozen_prefix
 from mergeqp.stats.parametrisation import as_parametrisation
 
 K = 3
@@ -170,6 +175,9 @@ def main() -> None:
     ap.add_argument("--sketch", type=int, default=64)
     ap.add_argument("--small-k", type=int, default=None, help="k of the first-batch before/after rows (default --k)")
     ap.add_argument("--skip-before", action="store_true", help="only the folded first-batch row (the unfolded one is slow)")
+    ap.add_argument("--prefix", action="store_true",
+                    help="time the statistics as the run layer runs them: the blocks below the site computed once "
+                         "per batch (mergeqp.stats.prefix.frozen_prefix); the yardstick stays a full pass")
     ap.add_argument("--json", default=None)
     ap.add_argument("--options", type=json.loads, default={},
                     help='JSON {layer: [option indices]} to run a subset, e.g. \'{"28": [4, 6]}\'')
@@ -252,8 +260,9 @@ def main() -> None:
         print(json.dumps({"exact": exact_at}), flush=True)
         for label, (spec, mode) in options.items():
             tasks = targets(spec, batches)
-            t, stats = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk,
-                                                         jacobian_mode=mode, energy=False))
+            with frozen_prefix(model, [module]) if args.prefix else contextlib.nullcontext():
+                t, stats = timed(lambda: collect_first_order(model, atoms, tasks, spec, chunk_size=args.chunk,
+                                                             jacobian_mode=mode, energy=False))
             qp = stats.problem()
             row = {"option": label, "seconds": t, "x_fwd_jvp": t / t_jvp}
             which = 1 if spec.metric == "kl" else 0

@@ -236,13 +236,6 @@ def _of_output(spec: OutputSpec, fold: FoldedHead | None, expansion: CrossEntrop
     return lambda out: expansion.compared(last_hidden(out))
 
 
-def _sketched(compared: Callable[[Any], Any], S: Any) -> Callable[[Any], Any]:
-    """``compared`` followed by each sample's sketch ``S_j`` (``S``: ``(B, s, c)``): ``(B, s)``."""
-    import torch  # deferred: torch is heavy
-
-    return lambda out: torch.einsum("bsc,bc->bs", S, compared(out))
-
-
 def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, Any]], b: Any, K: int) -> Any:
     """``A'b`` (``(K N,)`` float64, row-major ``(k, atom)`` over the sites' atoms) from one VJP per
     site with cotangent ``b`` (``(B, c)``): the pulled-back ``w = (d f)' b`` (``(B, T, r)``) gives
@@ -423,7 +416,6 @@ def collect_first_order(
                     e["current"] += expansion.loss
                     sums.c[ti] += expansion.loss - float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
-                measured = compared if S is None else _sketched(compared, S)
                 if first and str(device).startswith("cpu"):  # before the first allocation
                     outputs = int(h.shape[1]) if S is None else int(S.shape[1])
                     check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
@@ -437,9 +429,8 @@ def collect_first_order(
                     Z = append_ones(hook.layer_input, a.site.has_bias)
                     u0 = torch.zeros_like(hook.layer_output)
                     f = perturbed_output(hook, call, compared)
-                    derivatives = OutputDerivatives(perturbed_output(hook, call, measured), u0,
-                                                    int(h.shape[1]) if S is None else int(S.shape[1]),
-                                                    chunk_size=chunk_size)
+                    derivatives = OutputDerivatives(f, u0, int(h.shape[1]) if S is None else int(S.shape[1]),
+                                                    chunk_size=chunk_size, rows=S)
                     off = a.offset_tangent(Z)
                     if off is not None:
                         push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))

@@ -199,11 +199,19 @@ class OutputDerivatives:
 
     ``chunk_size``: tangents (or output coordinates) per ``vmap`` call (``None``: all at once);
     ``vectorize=False`` skips ``vmap`` and loops over the outputs.
+    ``rows``: ``(B, s, c)`` (a sketch): the derivatives are those of ``rows_j f_j`` (``s`` outputs
+    per sample, ``n_outputs = s``); reverse mode pulls the rows back through ``f`` as its ``s``
+    cotangents (under ``vmap``, differentiating through the product instead broadcast ``rows`` to
+    ``s`` copies: most of the statistics' time on a language model).
     """
 
     def __init__(self, f: Callable[[Any], Any], zero: Any, n_outputs: int, *,
-                 chunk_size: int | None = None, vectorize: bool = True) -> None:
-        self.f = f
+                 chunk_size: int | None = None, vectorize: bool = True, rows: Any = None) -> None:
+        self.raw = f
+        self.rows = rows
+        if rows is not None and int(rows.shape[1]) != int(n_outputs):
+            raise ValueError(f"rows have {int(rows.shape[1])} outputs per sample, n_outputs is {n_outputs}")
+        self.f = f if rows is None else (lambda p: _row_product(rows, f(p)))
         self.zero = zero
         self.c = int(n_outputs)
         self.chunk_size = chunk_size
@@ -287,9 +295,13 @@ class OutputDerivatives:
             # (torch.func transforms still differentiate; parameters are constants.)
             _quiet_transforms()
             if mode == "reverse":
-                _, vjp_fn = vjp(self.f, p0)
-                eye = torch.eye(c, dtype=p0.dtype, device=p0.device)
-                cotangents = eye[:, None, :].expand(c, B, c)
+                if self.rows is None:
+                    out, vjp_fn = vjp(self.f, p0)
+                    eye = torch.eye(c, dtype=out.dtype, device=out.device)
+                    cotangents = eye[:, None, :].expand(c, B, c)
+                else:  # each sample's rows are the cotangents of the unsketched outputs
+                    out, vjp_fn = vjp(self.raw, p0)
+                    cotangents = self.rows.transpose(0, 1).to(out.dtype)  # (s, B, c_raw)
                 rows = vmap(vjp_fn, chunk_size=self.chunk_size)(cotangents)[0]  # (c, B, *pos, r)
                 return rows.reshape(c, B, T, r).permute(1, 0, 2, 3).contiguous()
             eye = torch.eye(T * r, dtype=p0.dtype, device=p0.device)
@@ -307,13 +319,21 @@ class OutputDerivatives:
         p0, c = self.zero, self.c
         p = p0.clone().requires_grad_(True)
         with torch.enable_grad():
-            y = self.f(p)
+            y = self.f(p) if self.rows is None else self.raw(p)
             rows = []
             for o in range(c):
-                (grad,) = torch.autograd.grad(y[:, o].sum(), p, retain_graph=o < c - 1,
+                picked = y[:, o] if self.rows is None else (y * self.rows[:, o].to(y.dtype)).sum(-1)
+                (grad,) = torch.autograd.grad(picked.sum(), p, retain_graph=o < c - 1,
                                               allow_unused=True)
                 rows.append(torch.zeros_like(p0) if grad is None else grad.detach())
         return torch.stack(rows, 1).reshape(int(p0.shape[0]), c, self.T, self.r)
+
+
+def _row_product(rows: Any, values: Any) -> Any:
+    """``rows_j values_j`` per sample: ``(B, s, c) x (B, c) -> (B, s)``."""
+    import torch  # deferred: torch is heavy
+
+    return torch.einsum("bsc,bc->bs", rows, values)
 
 
 def _quiet_transforms() -> None:

@@ -61,6 +61,29 @@ def test_forward_reverse_and_looped_derivatives_agree(seeded, make, layer):
         assert hook.perturbation is None
 
 
+@pytest.mark.parametrize("make, layer", [(lambda: TinyTransformer().double(), "fc1"),
+                                         (lambda: LinearSequence().double(), "merge")])
+def test_row_sketched_derivatives_are_the_rows_times_the_jacobian(seeded, make, layer):
+    """``rows`` (a per-sample sketch ``S_j``): every mode gives ``S_j J_j``; reverse mode pulls the
+    rows back as cotangents (vectorised and looped), forward mode contracts its JVPs."""
+    model = make()
+    x = torch.randn(4, 3, model.embed.in_features, generator=seeded(5), dtype=torch.float64)
+    for deriv, _, h in _derivatives(model, layer, x):
+        s = 5
+        S = torch.randn(x.shape[0], s, h.shape[1], generator=seeded(6), dtype=torch.float64)
+        want = torch.einsum("bsc,bctr->bstr", S, deriv.jacobian("forward"))
+        sketched = OutputDerivatives(deriv.f, deriv.zero, s, chunk_size=2, rows=S)
+        for mode in ("forward", "reverse"):
+            np.testing.assert_allclose(sketched.jacobian(mode).numpy(), want.numpy(), rtol=1e-10, atol=1e-12)
+        looped = OutputDerivatives(deriv.f, deriv.zero, s, vectorize=False, rows=S).jacobian("reverse")
+        np.testing.assert_allclose(looped.numpy(), want.numpy(), rtol=1e-10, atol=1e-12)
+        v = torch.randn(*deriv.zero.shape, generator=seeded(7), dtype=torch.float64)
+        np.testing.assert_allclose(sketched.push(v).numpy(), torch.einsum("bsc,bc->bs", S, deriv.push(v)).numpy(),
+                                   rtol=1e-10, atol=1e-12)
+        with pytest.raises(ValueError, match="rows have 5 outputs"):
+            OutputDerivatives(deriv.f, deriv.zero, s + 1, rows=S)
+
+
 def test_directional_derivative_is_the_finite_difference_of_the_perturbed_output(seeded):
     model = TinyTransformer().double()
     x = torch.randn(3, 4, 5, generator=seeded(3), dtype=torch.float64)

@@ -168,6 +168,15 @@ def test_sketch_keeps_g_and_c_exact_and_estimates_h_without_bias(llama):
     assert np.linalg.norm(np.mean(draws, axis=0) - ref.H) / scale < 0.5 * single
 
 
+def test_sketched_statistics_agree_in_forward_and_reverse_mode(llama):
+    """The same seed draws the same sketch: reverse mode (its rows pulled back as cotangents) and
+    forward mode (JVPs, then the rows) agree to float32 rounding, as unsketched (RMSNorm)."""
+    spec = OutputSpec(fold_head=True, sketch=6, seed=3)
+    got, ref = _stats(llama, spec, "reverse"), _stats(llama, spec, "forward")
+    for a, b in ((got.H, ref.H), (got.g, ref.g), (got.c, ref.c)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+
+
 def test_sketch_values_are_checked():
     for bad in (0, 2.5, True):
         with pytest.raises(ValidationError, match="sketch"):

@@ -721,21 +721,20 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     finetunes: list[tuple[str, Path]] = []
     ft_records: dict[str, Any] = {}
     trained: tuple[str, ...] = ()
+    def cached_finetune(name: str, texts: Sequence[str], s_settings: FinetuneSettings) -> tuple[Path, Any]:
+        key = finetune_key(base, texts, s_settings)
+        folder = cache_dir / "lm-finetunes" / f"{base.name}-{name}-{key[:12]}"
+        res = finetune_causal_lm(base, texts, folder, s_settings, device=device, progress=progress, log=say)
+        ft_records[name] = _finetune_record(folder, res)
+        return folder, res
+
     for i, s in enumerate(splits):
-        s_settings = replace(settings, seed=seed * 1000 + i)
-        key = finetune_key(base, s.train, s_settings)
-        folder = cache_dir / "lm-finetunes" / f"{base.name}-{s.name}-{key[:12]}"
-        res = finetune_causal_lm(base, s.train, folder, s_settings, device=device, progress=progress, log=say)
+        folder, res = cached_finetune(s.name, s.train, replace(settings, seed=seed * 1000 + i))
         finetunes.append((s.name, folder))
         trained = res.trained
-        ft_records[s.name] = _finetune_record(folder, res)
     if config.multitask:  # one model by the same recipe on every domain's train texts, each text once
-        mt_texts = [x for s in splits for x in s.train]
-        mt_settings = replace(settings, steps=config.finetune_steps * len(splits), seed=seed * 1000 + MULTITASK_SEED)
-        key = finetune_key(base, mt_texts, mt_settings)
-        folder = cache_dir / "lm-finetunes" / f"{base.name}-{MULTITASK}-{key[:12]}"
-        res = finetune_causal_lm(base, mt_texts, folder, mt_settings, device=device, progress=progress, log=say)
-        ft_records[MULTITASK] = _finetune_record(folder, res)
+        cached_finetune(MULTITASK, [x for s in splits for x in s.train],
+                        replace(settings, steps=config.finetune_steps * len(splits), seed=seed * 1000 + MULTITASK_SEED))
     timings["finetune"] = time.perf_counter() - t
     linear_layers = [n[: -len(".weight")] for n in trained if n.endswith(".weight")]
 

@@ -10,10 +10,10 @@ families of :mod:`mergeqp.solvers.instance_families` instead of the reference pr
 (``--n`` unknowns, ``--seed`` the draw) and adds a column ``x chol``: each solver's time over
 the time of one dense Cholesky factorisation of H measured in the same process (of
 ``H + 1e-10 max diag H I``, so that a singular H factorises; the same flops). ``auto`` is a
-valid solver name here.
+valid solver name for both.
 
-Columns: problem, n, constraint set, solver, seconds (wall clock of ``solve``, setup + solve +
-certificate), objective, certified relative gap (the certificate's Frank-Wolfe / duality gap
+Columns: problem, n, constraint set, solver, seconds (wall clock of ``solve``, or CPU time with
+``--clock cpu``; setup + solve + certificate), objective, certified relative gap (the certificate's Frank-Wolfe / duality gap
 over the certificate's scale ``max(|J|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))``), certified yes/no at ``--rel-tol``, and the relative difference
 to the stored reference optimum when one exists. This is a benchmark, not a test: numbers
 depend on the machine.
@@ -40,7 +40,7 @@ from ..errors import ConfigError, MergeQPError, unknown
 from ..io.atomic import check_output_file, write_json_atomic
 
 
-#: ``--clock``: how ``--family`` times the solvers and the Cholesky
+#: ``--clock``: how the solvers (and with ``--family`` the Cholesky) are timed
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
@@ -74,7 +74,7 @@ def register(subparsers: Any) -> None:
                         "1%% steps, as a trust region's sequence) cold and warm-started from the previous "
                         "solution, and print both totals")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="with --family: time by the wall clock (default) or by this process's CPU time "
+                   help="time by the wall clock (default) or by this process's CPU time "
                         "(steadier on a shared machine; equal to wall time when BLAS uses one thread)")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(func=run)
@@ -116,8 +116,10 @@ def parse_options(items: list[str], solvers: dict[str, Any]) -> dict[str, dict[s
 
 def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], repeat: int = 1,
                rel_tol: float = 1e-8, max_n: int | None = None, echo: Any = None,
-               options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """Run every (problem, constraint, solver) cell; returns one dict per cell."""
+               options: dict[str, dict[str, Any]] | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> list[dict[str, Any]]:
+    """Run every (problem, constraint, solver) cell (a solver is a registry name or ``auto``);
+    returns one dict per cell. ``clock``: as :func:`bench_cell`'s."""
     from ..solvers.reference_problems import (
         constraint_from_spec,
         load_reference_problem,
@@ -141,7 +143,8 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
             cset = constraint_from_spec(spec_r) if spec_r != "none" else constraint_from_spec("")
             ref = refs.get("optima", {}).get(spec_r, {}).get("objective")
             base = {"problem": name, "n": problem.n, "constraint": spec_r}
-            rows.extend(bench_cell(problem, cset, base, solvers, repeat, rel_tol, max_n, echo, options, ref))
+            rows.extend(bench_cell(problem, cset, base, solvers, repeat, rel_tol, max_n, echo, options, ref,
+                                   clock=clock))
     return rows
 
 
@@ -305,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     from ..solvers.reference_problems import REFERENCE_SPECS, constraint_from_spec, resolve_spec
     from ..solvers.registry import SOLVERS
 
-    solvers = _names(args.solvers, {"auto": None, **SOLVERS} if args.family else SOLVERS, "solver")
+    solvers = _names(args.solvers, {"auto": None, **SOLVERS}, "solver")
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
     if args.family is not None:
@@ -313,20 +316,21 @@ def run(args: argparse.Namespace) -> int:
     problems = _names(args.problems, REFERENCE_SPECS, "problem")
     constraints = args.constraint or ["box:0,1", "simplex"]
     if args.solvers == "all":  # every available solver (closed_form only for 'none')
-        solvers = [s for s in solvers if SOLVERS[s].available() is None
-                   and (s != "closed_form" or "none" in constraints)]
+        solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None
+                   and (s != "closed_form" or "none" in constraints))]
     options = parse_options(args.opt, SOLVERS)
     if args.json:  # fail before the run, not after it
         check_output_file(args.json, "--json")
-    if args.n is not None or args.seed != 0 or args.sequence or args.clock != "wall":
-        raise ConfigError("--n, --seed, --sequence and --clock apply to --family only")
+    if args.n is not None or args.seed != 0 or args.sequence:
+        raise ConfigError("--n, --seed and --sequence apply to --family only")
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
             constraint_from_spec(resolve_spec(spec, 1.0))
     print(HEADER)
     print("-" * len(HEADER))
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,
-                      max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options)
+                      max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options,
+                      clock=CLOCKS[args.clock])
     return _finish(args, rows)
 
 

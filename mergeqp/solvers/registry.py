@@ -92,6 +92,7 @@ def solve(
     feas_tol: float = DEFAULT_FEAS_TOL,
     check_feasibility: bool = True,
     abs_tol: float = 0.0,
+    pinv: bool | None = False,
     **options: Any,
 ) -> Solution:
     """Solve ``min_{d in C} 1/2 d'Hd + g'd + c`` and certify the answer.
@@ -100,7 +101,12 @@ def solve(
     (``"box:0,1"``), a callable (user CVXPY constraints) or a list of these (intersection).
     ``solver``: a registry name or ``"auto"``. ``options`` go to the solver (unknown options
     are an error listing the valid ones). ``abs_tol`` (units of J, default 0) is recorded in
-    the certificate: ``certified()`` also accepts a gap up to it (for ``J* = 0``). Raises :class:`~mergeqp.errors.InfeasibleError`
+    the certificate: ``certified()`` also accepts a gap up to it (for ``J* = 0``). ``pinv``: the
+    certificate's pseudo-inverse facts (unconstrained bound ``c - g'H^+g/2``, distance to
+    ``-H^+ g``), which the proof of optimality does not use: ``False`` (default) skips them, so a
+    solve never pays the Cholesky of H they cost (at n = 640 as much as the solve itself);
+    ``None`` computes them where :func:`~mergeqp.certificate.certify` does by default; ``True``
+    always (or call ``certify(problem, constraints, solution.d, pinv=True)`` afterwards). Raises :class:`~mergeqp.errors.InfeasibleError`
     for an empty constraint set, :class:`~mergeqp.errors.UnknownNameError` for a bad solver name.
     """
     if not isinstance(problem, MergeQP):
@@ -124,13 +130,13 @@ def solve(
     setup = time.perf_counter() - t0
     fallback = solver == "auto" and certify_result and not options
     try:
-        sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options)
+        sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options, pinv)
     except SolverError as exc:
         if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
-        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0)
+        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv)
     if fallback and not _settled(sol, rel_tol, abs_tol):
-        sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0)
+        sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv)
     return _with_abs_tol(sol, abs_tol)
 
 
@@ -145,7 +151,7 @@ def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:
 
 def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray | None,
          certify_result: bool, rel_tol: float, feas_tol: float, setup: float,
-         options: dict[str, Any]) -> Solution:
+         options: dict[str, Any], pinv: bool | None = False) -> Solution:
     """One solver's solve, checked and certified."""
     t1 = time.perf_counter()
     try:
@@ -165,7 +171,7 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
             f"solver {chosen.name!r}: the objective overflows float64 at its point "
             f"(|d|_inf = {float(np.max(np.abs(d))):.3g}); rescale H, g and c"
         )
-    cert = certify(problem, cset, d, rel_tol=rel_tol, feas_tol=feas_tol) if certify_result else None
+    cert = certify(problem, cset, d, rel_tol=rel_tol, feas_tol=feas_tol, pinv=pinv) if certify_result else None
     t3 = time.perf_counter()
     return Solution(
         d=d, objective=objective, status=raw.status, solver=chosen.name,
@@ -189,7 +195,7 @@ def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
 
 def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None,
                    error: SolverError | None, first_name: str, x0: np.ndarray | None,
-                   rel_tol: float, feas_tol: float, t0: float) -> Solution:
+                   rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try
     :data:`AUTO_FALLBACKS` (up to :data:`AUTO_FALLBACK_MAX_N` variables) and keep the best
     certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
@@ -208,7 +214,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
             if name == first_name or alt is None or alt.available() or alt.supports(problem, cset):
                 continue
             try:
-                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {})
+                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv)
             except UnboundedError:
                 raise  # the first choice's point cannot be optimal: J has no minimum
             except SolverError as exc:

@@ -33,9 +33,22 @@ def test_family_table_has_cholesky_ratios(capsys: pytest.CaptureFixture[str], tm
     (["--family", "box", "--n", "10"], "multiple of K = 4"),
     (["--family", "box", "--constraint", "simplex"], "do not apply"),
     (["--problems", "tiny96", "--n", "96"], "apply to --family only"),
-    (["--problems", "tiny96", "--clock", "cpu"], "apply to --family only"),
+    (["--problems", "tiny96", "--seed", "3"], "apply to --family only"),
     (["--family", "box", "--sequence", "-1"], "--sequence must be >= 0"),
 ])
 def test_family_argument_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_reference_problems_take_auto_and_the_cpu_clock(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``auto`` and ``--clock cpu`` work on the committed instances too, and ``auto`` reports the
+    solver it chose and the same certified optimum as that solver run by name."""
+    out = tmp_path / "rows.json"
+    assert main(["bench", "--problems", "tiny96", "--solvers", "auto,active_set", "--constraint", "box:0,1",
+                 "--clock", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    auto, named = (next(r for r in rows if r["solver"] == s) for s in ("auto", "active_set"))
+    assert auto["certified"] and named["certified"] and auto["chosen"] == "active_set"
+    assert auto["objective"] == pytest.approx(named["objective"], rel=1e-10)
+    assert auto["seconds"] > 0

@@ -198,3 +198,18 @@ def test_overflowing_objective_is_a_solver_error() -> None:
 
     with pytest.raises(SolverError, match="overflows float64"):
         mq.solve(mq.MergeQP(np.eye(2), [1e300, -1e300]), None)
+
+
+def test_solve_command_reports_the_pseudo_inverse_facts_by_default_at_small_n(tmp_path, capsys) -> None:
+    """``mergeqp solve`` keeps printing the unconstrained bound where ``certify`` computes it by
+    default (definite H, n <= 2048), although ``solve()`` from Python skips it."""
+    rng = np.random.default_rng(2)
+    A = rng.standard_normal((30, 8))
+    path = str(tmp_path / "p.npz")
+    MergeQP(2 * A.T @ A + np.eye(8), rng.standard_normal(8) - 3.0, 0.0, shape=(2, 4)).save_npz(path)
+    out = str(tmp_path / "sol.json")
+    code, stdout, _ = run(capsys, "solve", path, "--constraint", "box:0,1", "--out", out)
+    assert code == 0
+    cert = read_json(out)["certificate"]
+    assert cert["unconstrained_bound"] is not None and cert["binding"] is not None
+    assert "unconstrained bound" in stdout

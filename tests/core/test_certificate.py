@@ -383,3 +383,37 @@ def test_abs_tol_hint_only_where_a_tolerance_could_honestly_accept() -> None:
     near = certify(MergeQP(np.eye(4), np.ones(4), shape=(2, 2)), Box(0, 1), np.full((2, 2), 1e-12))
     assert near.natural_scale == pytest.approx(4 + 2) and near.fw_gap <= HONEST_GAP_FRACTION * near.natural_scale
     assert near.abs_tol_could_accept and any("abs_tol" in r for r in near.reasons())
+
+
+def test_solve_skips_the_pseudo_inverse_facts_unless_asked(monkeypatch) -> None:
+    """The facts (unconstrained bound, distance to -H^+ g) are not part of the proof: ``solve``
+    does not factorise H for them by default (at n = 640 that Cholesky cost as much as the solve);
+    ``pinv=None`` gives what ``certify`` gives by default, ``pinv=True`` always computes them, and
+    the certified gap is the same either way."""
+    import mergeqp.certificate as cm
+    from mergeqp import solve
+
+    rng = np.random.default_rng(4)
+    A = rng.standard_normal((40, 12))
+    problem = MergeQP(2 * A.T @ A + 0.1 * np.eye(12), rng.standard_normal(12), 1.0, shape=(3, 4))
+    calls = [0]
+
+    class Counting(cm._PseudoInverse):
+        def __init__(self, *args, **kwargs):
+            calls[0] += 1
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cm, "_PseudoInverse", Counting)
+    plain = solve(problem, Box(0.0, 1.0), solver="active_set")
+    assert calls[0] == 0
+    assert plain.certificate.unconstrained_bound is None and plain.certificate.binding is None
+    default = solve(problem, Box(0.0, 1.0), solver="active_set", pinv=None)
+    assert calls[0] == 1
+    reference = certify(problem, Box(0.0, 1.0), default.d)  # certify's default: the same facts
+    assert default.certificate.unconstrained_bound == pytest.approx(reference.unconstrained_bound, rel=1e-12)
+    assert default.certificate.binding == reference.binding
+    forced = solve(problem, Box(0.0, 1.0), solver="active_set", pinv=True)
+    assert forced.certificate.unconstrained_bound == pytest.approx(reference.unconstrained_bound, rel=1e-12)
+    assert forced.certificate.unconstrained_bound <= forced.objective + 1e-9
+    assert plain.certificate.fw_gap == pytest.approx(default.certificate.fw_gap, abs=1e-12)
+    assert plain.certificate.certified() and default.certificate.certified()

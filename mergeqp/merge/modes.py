@@ -93,6 +93,13 @@ class MergeMode:
         start fitted to calibration data is also fitted without them. Default 0: none."""
         return 0.0
 
+    def selection_holdout(self, raw: Mapping[str, Any] | None) -> float:
+        """The fraction of each task's calibration batches (:func:`~.trust_region.holdout_count`
+        batches, the last ones) on which the mode makes a choice, e.g. early stopping: anything
+        fitted to calibration data for the mode's QPs (``rows+baselines`` atoms of RegMean or
+        Fisher) is fitted without them. Default 0: none."""
+        return 0.0
+
     # ------------------------------------------------------------------ planning
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
         """The sites solved together, one tuple per QP, in solve order (default: one per site)."""
@@ -455,6 +462,11 @@ class TrustRegionMode(MergeMode):
         o = self.check_options(raw)
         assert isinstance(o, TrustRegionOptions)
         return o.holdout if o.refit else 0.0
+
+    def selection_holdout(self, raw: Mapping[str, Any] | None) -> float:
+        o = self.check_options(raw)
+        assert isinstance(o, TrustRegionOptions)
+        return o.holdout
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
         o = self.check_options(ctx.settings.mode_options)

@@ -463,7 +463,10 @@ class _Run:
         site_keys = plan.site_keys()
         atom_collectors = [statistics_collector(plan, n, p, site_keys, say)
                            for n, p in statistics_baselines(m.baseline_choices)]
-        visitors = [v for v in (auto.visit if auto is not None else collector, *atom_collectors) if v is not None]
+        # the batches on which the mode chooses (the trust region's early stopping) are not seen by the atoms
+        atom_holdout = get_merge_mode(m.mode).selection_holdout(m.mode_options) if atom_collectors else 0.0
+        atom_visitors = [_fit_part(c, atom_holdout) for c in atom_collectors]
+        visitors = [v for v in (auto.visit if auto is not None else collector, *atom_visitors) if v is not None]
         lazy_models = self._lazy_fine_tunes([*atom_collectors, *([collector] if collector is not None else []),
                                              *(auto.all_collectors() if auto is not None else [])])
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
@@ -483,9 +486,12 @@ class _Run:
             t = time.perf_counter()
             merges = {c.name: c.merge(plan, site_keys, DEFAULT_CHUNK_BYTES) for c in atom_collectors}
             settings = dataclasses.replace(settings, baseline_merges=merges)
+            which = (f"the calibration batches but the last {atom_holdout:g} of each task's, which the "
+                     f"{m.mode} mode holds out to choose on (so that its choice sees them unseen)"
+                     if atom_holdout > 0 else "every calibration prompt")
             self.notes.append(
                 f"rows+baselines: the atoms of {', '.join(merges)} are their merges of the merge layers with statistics "
-                f"of every calibration prompt (held-out prompts excluded; {time.perf_counter() - t:.1f} s to merge)")
+                f"of {which} (held-out evaluation prompts excluded; {time.perf_counter() - t:.1f} s to merge)")
             for c in atom_collectors:
                 self.notes.extend(n for n in c.notes if n not in self.notes)
         weights = WeightSource(plan.base, plan.finetuned)
@@ -821,6 +827,18 @@ def _lazy_note(base: dict[str, Any], finetunes: Sequence[dict[str, Any]]) -> str
         note += (f"; each fine-tuned model ran with all {finetunes[0]['lazy_blocks']} blocks on disk "
                  f"({max(f['resident_bytes'] for f in finetunes) / mib:.1f} MiB resident)")
     return note
+
+
+def _fit_part(visit: Callable[[int, str, Any, list[Any]], None], holdout: float
+              ) -> Callable[[int, str, Any, list[Any]], None]:
+    """``visit`` fed each task's calibration batches but the last :func:`holdout_count` (``holdout``:
+    the fraction a mode holds out to choose on; 0: every batch)."""
+    if holdout <= 0:
+        return visit
+
+    def fit_only(index: int, name: str, model: Any, batches: list[Any]) -> None:
+        visit(index, name, model, batches[:len(batches) - holdout_count(len(batches), holdout)])
+    return fit_only
 
 
 def _visit_all(visitors: Sequence[Callable[[int, str, Any, list[Any]], None]]

@@ -111,3 +111,31 @@ def test_config_errors():
                                          "baselines": [{"name": "ties", "params": {"densty": 0.5}}]}})
     cfg = parse_config({**base, "method": {"parametrisation": "rows+baselines", "baselines": "ties"}})
     assert [b.name for b in cfg.method.baselines] == ["ties"]
+
+
+@pytest.mark.parametrize("mode, seen", [("trust_region", 1), ("single", 2)])
+def test_atoms_do_not_see_the_batches_the_trust_region_chooses_on(tiny_hf, llama, tmp_path, monkeypatch, mode, seen):
+    """A RegMean atom is fitted without the trust region's held-out batches (its early stopping
+    scores them, so they must be unseen by everything fitted for its QPs); a mode that holds out
+    nothing fits it on every calibration batch. Each task has 2 batches of 4 prompts here."""
+    from mergeqp.merge.calibrated import StatisticsCollector
+
+    seen_batches: list[tuple[str, int]] = []
+    real = StatisticsCollector.__call__
+
+    def counting(self, index, model_name, model, batches):
+        seen_batches.append((self.name, len(batches)))
+        return real(self, index, model_name, model, batches)
+
+    monkeypatch.setattr(StatisticsCollector, "__call__", counting)
+    layer = tiny_hf.MLP_LAYER["llama"]
+    method = {"name": "qp", "mode": mode, "parametrisation": "rows+baselines",
+              "baselines": [{"name": "regmean", "params": {"alpha": 0.9}}], "constraints": ["box:-1,1"]}
+    if mode == "trust_region":
+        method["mode_options"] = {"holdout": 0.25, "refit": True, "max_steps": 2}
+    run_merge(load_config(llama.write_config(tmp_path / "cfg.yml", [layer], method)), tmp_path / "out",
+              progress=False)
+    assert seen_batches == [("regmean", seen)] * 2  # one call per fine-tune
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    note = next(n for n in notes if n.startswith("rows+baselines: the atoms of regmean"))
+    assert ("but the last 0.25 of each task's" in note) == (mode == "trust_region")

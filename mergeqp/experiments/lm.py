@@ -135,7 +135,11 @@ class LmMergeSettings:
     rest as one logit with a 64-row sketch per prompt); ``recommended``: the run reported as the
     product's recommended merge (:data:`RECOMMENDED_RUN`);
     ``calibration_max_length`` tokens per prompt and ``calibration_batch_size`` prompts per batch
-    for the statistics; ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
+    for the statistics; ``balance`` (the run layer's ``calibration.balance``; default ``tokens``:
+    each domain's objective divided by its number of compared tokens, so that the merges minimise
+    a sum of per-domain means, as the reported metric averages per-domain means: domains of short
+    texts, e.g. WordNet glosses, are not outweighed by those of long ones; ``none``: every token
+    alike); ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
     arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
     (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``;
@@ -158,6 +162,7 @@ class LmMergeSettings:
     recommended: str = RECOMMENDED_RUN
     calibration_max_length: int = 48
     calibration_batch_size: int = 8
+    balance: str = "tokens"
     trust_region: Mapping[str, Any] = field(default_factory=lambda: {"max_steps": 4})
     ta_scalings: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0)
     baselines: tuple[str, ...] = BASELINES
@@ -203,6 +208,8 @@ class LmMergeSettings:
                 raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
+        if self.balance not in ("none", "tokens"):
+            raise unknown("calibration balance", self.balance, ["none", "tokens"])
         for m in self.extra_runs:
             if m not in EXTRA_RUNS:
                 raise unknown("extra run", m, list(EXTRA_RUNS))
@@ -430,7 +437,7 @@ def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str]
         "layers": list(layers),
         "method": dict(method),
         "calibration": {"max_length": s.calibration_max_length, "batch_size": s.calibration_batch_size,
-                        "holdout": 0},
+                        "holdout": 0, "balance": s.balance},
         "output": {**dict(s.outputs[metric]), "metric": metric},
         "device": ctx.device,
         "evaluate": False,

@@ -252,18 +252,20 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
                   log: Callable[[str], None], *, targets: bool = True,
                   visit: Callable[[int, str, Any, list[Any]], None] | None = None,
-                  lazy: list[dict[str, Any]] | None = None) -> list[TaskData]:
+                  lazy: list[dict[str, Any]] | None = None, notes: list[str] | None = None) -> list[TaskData]:
     """Batches and teacher-forced targets per task; each fine-tuned model is loaded, used, freed.
 
     ``targets=False`` skips the targets (the tasks then hold no batches); ``visit(index, name,
     model, calibration_batches)`` is called while each fine-tuned model is loaded (Fisher /
     RegMean statistics), so that no model is loaded twice. ``lazy``: each model is loaded with
     every block on disk until it runs (:func:`load_lazy`) and its :func:`lazy_summary` appended to
-    this list (``None``: loaded whole)."""
+    this list (``None``: loaded whole). ``notes``: the report's notes (``calibration.balance``
+    adds the weights it gave)."""
     cfg = plan.config
     tok = load_tokenizer(plan.tokenizer_folder) if plan.tokenizer_folder else None
     base_folder = cfg.resolve(cfg.base)
-    tasks = []
+    tasks: list[TaskData] = []
+    counts: list[int] = []
     for i, (name, entry, ck) in enumerate(zip(cfg.model_names(), cfg.models, plan.finetuned)):
         calib, held = _batches(cfg, i, tok)
         t = time.perf_counter()
@@ -290,7 +292,29 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
             log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
                 f"({time.perf_counter() - t:.1f} s)")
         tasks.append(TaskData(name, entry.weight, calib_targets, held_targets))
+        counts.append(sum(tb.count for tb in calib_targets))
+    if cfg.calibration.balance == "tokens" and targets:  # without targets there is no objective to weigh
+        tasks = balanced(tasks, counts)
+        note = ("calibration.balance tokens: each task's weight scaled by the mean over tasks of their compared "
+                "positions over its own: " + ", ".join(f"{t.name} {c} positions -> weight {t.weight:.4g}"
+                                                       for t, c in zip(tasks, counts)))
+        log(note)
+        if notes is not None:
+            notes.append(note)
     return tasks
+
+
+def balanced(tasks: Sequence[TaskData], counts: Sequence[int]) -> list[TaskData]:
+    """``calibration.balance: tokens``: each task's weight times ``mean(counts) / count`` (``count``:
+    its calibration targets' compared positions, :attr:`~mergeqp.lm.TargetBatch.count`: real tokens,
+    labelled next tokens for ``cross_entropy``, samples for one output per sample), so that the
+    objective weighs every task by its mean per position."""
+    if any(c <= 0 for c in counts):
+        empty = [t.name for t, c in zip(tasks, counts) if c <= 0]
+        raise ValidationError(f"calibration.balance: tokens: task(s) {empty} have no compared position in their "
+                              f"calibration prompts (every prompt a single token?)")
+    mean = sum(counts) / len(counts)
+    return [dataclasses.replace(t, weight=t.weight * mean / c) for t, c in zip(tasks, counts)]
 
 
 def heldout_metrics(model: Any, tasks: Sequence[TaskData], eval_spec: OutputSpec, device: str) -> dict[str, Any]:
@@ -470,7 +494,7 @@ class _Run:
         lazy_models = self._lazy_fine_tunes([*atom_collectors, *([collector] if collector is not None else []),
                                              *(auto.all_collectors() if auto is not None else [])])
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
-                              lazy=lazy_models)
+                              lazy=lazy_models, notes=self.notes)
         if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
             c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
             for site in plan.sites:  # before any model is linearised
@@ -594,7 +618,7 @@ class _Run:
         t = time.perf_counter()
         if collector is not None or evaluated:
             tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, targets=evaluated,
-                                  visit=collector)
+                                  visit=collector, notes=self.notes)
         t_stats = time.perf_counter() - t
         t = time.perf_counter()
         if collector is not None:
@@ -632,7 +656,8 @@ class _Run:
         t = time.perf_counter()
         collector = (statistics_collector(plan, "regmean", {"alpha": params.alpha}, keys, say)
                      if params.reference == "regmean" else None)
-        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector)
+        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector,
+                              notes=self.notes)
         if collector is not None:
             reference = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
             self.notes.extend(n for n in collector.notes if n not in self.notes)

@@ -140,11 +140,16 @@ class ModelEntry(_Strict):
 class CalibrationOptions(_Strict):
     """How prompts become batches: ``max_length`` tokens per prompt (longer ones are
     truncated), ``batch_size`` prompts per batch, ``holdout`` prompts per task kept out of the
-    statistics for the held-out evaluation (count or fraction; 0 disables evaluation)."""
+    statistics for the held-out evaluation (count or fraction; 0 disables evaluation).
+    ``balance``: ``none`` (default: the objective sums over every compared token, so a task with
+    longer or more prompts weighs more) or ``tokens`` (each task's weight is divided by its number
+    of compared positions in the calibration prompts and multiplied by the mean of those numbers
+    over the tasks: every task counts by its mean per token, as a mean of per-task metrics does)."""
 
     max_length: int = Field(default=128, ge=2)
     batch_size: int = Field(default=8, ge=1)
     holdout: float | int = 0.25
+    balance: Literal["none", "tokens"] = "none"
 
     @field_validator("holdout")
     @classmethod

@@ -107,6 +107,9 @@ def test_pipeline_end_to_end(lm_run):
     assert seq["layers"] == [f"model.layers.1.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     assert seq["metric"] == "euclidean" and seq["method"]["parametrisation"] == "scalar"
     assert all(layer["certified"] for layer in seq["report"]["layers"])
+    # each domain's objective divided by its compared tokens (the metric averages per-domain means)
+    (note,) = [n for n in seq["report"]["notes"] if n.startswith("calibration.balance tokens")]
+    assert all(f"{d} " in note for d in DOMAINS)
     # every baseline a feasible point of the trust region's QPs (RegMean and Fisher with statistics)
     atoms = methods["qp_atoms"]
     assert atoms["kind"] == "qp" and atoms["method"]["parametrisation"] == "rows+baselines"
@@ -278,6 +281,9 @@ def test_settings_validation():
         LmMergeSettings(outputs={"euclidean": {"restrict": "none"}})
     with pytest.raises(ValidationError, match="the key is the metric"):
         LmMergeSettings(outputs={"euclidean": {"metric": "kl"}, "kl": {}})
+    with pytest.raises(UnknownNameError, match="unknown calibration balance 'words'"):
+        LmMergeSettings(balance="words")
+    assert LmMergeSettings().balance == "tokens"
     with pytest.raises(ValidationError, match="test_texts"):
         LmConfig(test_texts=0)
     cfg = with_overrides(LmConfig.quick(), test_texts=5, ties_density=0.3)

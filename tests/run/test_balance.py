@@ -62,6 +62,7 @@ def test_balanced_run_equals_the_hand_weighted_one(tiny_hf, llama, tmp_path, met
     hand = _run(tiny_hf, llama, tmp_path, "hand", "none", weights=weights, metric=metric)
     plain = _run(tiny_hf, llama, tmp_path, "plain", "none", metric=metric)
     (rb,), (rh,), (rp,) = bal["layers"], hand["layers"], plain["layers"]
+    assert rp["objective_before"] != pytest.approx(rb["objective_before"], rel=1e-6)  # another objective
     assert rb["objective_after"] == pytest.approx(rh["objective_after"], rel=1e-9)
     assert rb["objective_before"] == pytest.approx(rh["objective_before"], rel=1e-9)
     key = f"{tiny_hf.MLP_LAYER['llama']}.weight"

@@ -273,7 +273,7 @@ class LmConfig:
 
     @classmethod
     def full(cls) -> LmConfig:
-        """Sized for the 60-minute target on 2 CPU cores, fine-tuning included (measured: 35 minutes,
+        """Sized for the 60-minute target on 2 CPU cores, fine-tuning included (measured: 35-46 minutes,
         docs/lm.md): twice quick mode's fine-tuning texts at twice its length, 4/3 of its calibration
         texts at 1.5x the length, twice its test texts at 1.5x the length; every mode with the
         Euclidean and the KL metric, the recommended merge and ``qp_atoms``. The class defaults

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 import mergeqp  # noqa: E402
 from mergeqp.config import load_config, parse_config  # noqa: E402
-from mergeqp.errors import ConfigError  # noqa: E402
+from mergeqp.errors import ConfigError, ValidationError  # noqa: E402
 from mergeqp.run.pipeline import TaskData, balanced, run_merge  # noqa: E402
 
 NOTE = re.compile(r"(\w+) (\d+) positions -> weight")
@@ -76,9 +76,6 @@ def test_balanced_weights_and_errors():
     tasks = [TaskData("a", 2.0, [], []), TaskData("b", 1.0, [], [])]
     out = balanced(tasks, [300, 100])
     assert [t.weight for t in out] == pytest.approx([2.0 * 200 / 300, 1.0 * 200 / 100])
-    # weighted objective = mean count x sum of the per-task means (times the given weights)
-    from mergeqp.errors import ValidationError
-
     with pytest.raises(ValidationError, match="no compared position"):
         balanced(tasks, [10, 0])
     with pytest.raises(ConfigError, match="balance"):

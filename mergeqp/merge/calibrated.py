@@ -38,6 +38,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError, MergeQPError, ValidationError
@@ -130,6 +131,43 @@ def module_chunks(keys: Sequence[str], nbytes: Callable[[str], int], chunk_bytes
     return chunks
 
 
+@dataclass(frozen=True)
+class BatchStatistics:
+    """One batch's statistics (:meth:`StatisticsCollector.batch_parts`) and what it held."""
+
+    statistics: dict[str, Any]
+    examples: int
+    tokens: int
+    seconds: float
+
+
+def pool_statistics(parts: Sequence[Mapping[str, Any]], count_key: Callable[[str], str]) -> dict[str, Any]:
+    """The statistics of the union of disjoint batch sets from each set's: every statistic ``k`` is a
+    mean over units whose number is the entry ``count_key(k)`` (see
+    :class:`~mergeqp.merge.method.CalibrationStatistics`), so the pooled one is ``sum_j c_j s_j /
+    sum_j c_j`` and the pooled count ``sum_j c_j``. A statistic missing from a part (no unit of it
+    there) is pooled over the parts that have it."""
+    if not parts:
+        raise ValidationError("pool_statistics: no statistics to pool")
+    counts = {count_key(k) for part in parts for k in part if count_key(k) != k and count_key(k) in part}
+    sums: dict[str, Any] = {}
+    units: dict[str, Any] = {}
+    for j, part in enumerate(parts):
+        for k, value in part.items():
+            if k in counts:
+                continue
+            ck = count_key(k)
+            if ck not in part:
+                raise ValidationError(f"pool_statistics: part {j}: statistic {k!r} has no count entry {ck!r}")
+            c = part[ck]
+            sums[k] = sums[k] + c * value if k in sums else c * value
+            units[k] = units[k] + c if k in units else c
+    out: dict[str, Any] = {k: total / units[k] for k, total in sums.items()}
+    for ck in counts:
+        out[ck] = sum(part[ck] for part in parts if ck in part)
+    return out
+
+
 class StatisticsCollector:
     """Collects the calibration statistics of method ``name`` (its ``statistics`` capability: Fisher,
     RegMean or a user's) from each fine-tuned model (called once per model, while it is loaded)
@@ -175,6 +213,43 @@ class StatisticsCollector:
         self.records[index] = {"model": model_name, "examples": examples, "tokens": tokens, "seconds": seconds}
         self.log(f"{self.name} statistics for {model_name}: {what} on {examples} example(s) ({seconds:.1f} s)")
 
+    @property
+    def poolable(self) -> bool:
+        """Whether statistics of single batches pool into those of any set of them
+        (``CalibrationStatistics.count_key``; :meth:`batch_parts`, :meth:`pool`)."""
+        return self.spec.count_key is not None and (self.spec.pools is None or bool(self.spec.pools(self)))
+
+    def batch_parts(self, model_name: str, model: Any, batches: Sequence[Any]) -> list[BatchStatistics]:
+        """The statistics of each of ``batches`` alone (a :attr:`poolable` method), for :meth:`pool`:
+        one pass over the data serves every subset of the batches (``method: auto``'s folds)."""
+        import torch  # optional heavy dependency: only called with a loaded model
+
+        if not self.poolable:
+            raise ValidationError(f"{self.name}: its statistics do not pool (no count_key, or not with these "
+                                  "parameters); collect each set of batches")
+        parts = []
+        for batch in batches:
+            t = time.perf_counter()
+            inputs = unpadded_inputs([batch], self.batch_size)
+            stats, _ = self.spec.collect(self, model, inputs, model_name)
+            parts.append(BatchStatistics(
+                {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()},
+                sum(int(next(iter(b.values())).shape[0]) for b in inputs),
+                sum(int(b["input_ids"].numel()) for b in inputs if "input_ids" in b), time.perf_counter() - t))
+        return parts
+
+    def pool(self, index: int, model_name: str, parts: Sequence[BatchStatistics]) -> None:
+        """Set fine-tuned model ``index``'s statistics to those of the union of ``parts``' batches
+        (:func:`pool_statistics`), as :meth:`__call__` on those batches would collect them (to rounding)."""
+        assert self.spec.count_key is not None
+        self.statistics[index] = pool_statistics([p.statistics for p in parts], self.spec.count_key)
+        examples = sum(p.examples for p in parts)
+        seconds = sum(p.seconds for p in parts)
+        self.records[index] = {"model": model_name, "examples": examples, "tokens": sum(p.tokens for p in parts),
+                               "seconds": seconds, "pooled_batches": len(parts)}
+        self.log(f"{self.name} statistics for {model_name}: pooled from {len(parts)} batch(es) of {examples} "
+                 f"example(s)")
+
     # ------------------------------------------------------------------ merge
     def merge(self, plan: Any, keys: Sequence[str], chunk_bytes: int) -> dict[str, Any]:
         """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registered
@@ -212,5 +287,5 @@ class StatisticsCollector:
         return {**self.spec.summary(self), "models": self.records, "notes": list(self.notes)}
 
 
-__all__ = ["StatisticsCollector", "check_params", "config_params", "module_chunks", "needs_statistics",
-           "statistics_methods", "statistics_of"]
+__all__ = ["BatchStatistics", "StatisticsCollector", "check_params", "config_params", "module_chunks", "needs_statistics",
+           "pool_statistics", "statistics_methods", "statistics_of"]

@@ -13,12 +13,26 @@ from typing import Any
 from ..errors import ValidationError
 from .fisher import compute_fisher
 from .method import CalibrationStatistics
-from .regmean import compute_grams
+from .batches import n_examples
+from .regmean import gram_rows
+
+
+#: the entry of a Fisher statistics dict holding its number of examples (the unit it averages over)
+FISHER_COUNT = "#examples"
+#: suffix of the entry holding a RegMean Gram matrix's number of rows
+GRAM_ROWS = "#rows"
 
 
 def _fisher_collect(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str) -> tuple[dict[str, Any], str]:
+    import torch  # optional heavy dependency: only called with a loaded model
+
     stats = _fisher(collector, model, inputs, label) if collector.fisher_names else {}
-    return stats, f"diagonal Fisher of {len(stats)} tensor(s)"
+    what = f"diagonal Fisher of {len(stats)} tensor(s)"
+    if stats:  # what compute_fisher divides by: examples, or batches for the batch estimator
+        units = len(inputs) if collector.parsed.estimator == "batch" else \
+            sum(n_examples(b, f"{label} calibration batch {i}") for i, b in enumerate(inputs))
+        stats[FISHER_COUNT] = torch.tensor(float(units), dtype=torch.float64)
+    return stats, what
 
 
 def _fisher(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str) -> dict[str, Any]:
@@ -51,6 +65,7 @@ def _fisher_prepare(collector: Any, stats: list[dict[str, Any]], params: dict[st
     """``normalize_fisher`` over all selected tensors at once (the result does not depend on the chunks)."""
     import torch  # optional heavy dependency: only the merge itself runs this
 
+    stats = [{n: v for n, v in F.items() if n != FISHER_COUNT} for F in stats]
     if not collector.parsed.normalize_fisher:
         return stats, params
     out = []
@@ -76,8 +91,11 @@ def _fisher_nbytes(K: int, keys: Sequence[str], numel: Callable[[str], int], sit
 
 
 def _regmean_collect(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str) -> tuple[dict[str, Any], str]:
-    stats = compute_grams(model, inputs, layers=collector.layers, label=label) if collector.layers else {}
-    return stats, f"input Gram matrices of {len(stats)} linear layer(s)"
+    import torch  # optional heavy dependency: only called with a loaded model
+
+    grams, rows = gram_rows(model, inputs, layers=collector.layers, label=label) if collector.layers else ({}, {})
+    what = f"input Gram matrices of {len(grams)} linear layer(s)"
+    return {**grams, **{n + GRAM_ROWS: torch.tensor(float(r), dtype=torch.float64) for n, r in rows.items()}}, what
 
 
 def _regmean_kwargs(collector: Any, stats: Sequence[dict[str, Any]], names: set[str]) -> dict[str, Any]:
@@ -100,7 +118,9 @@ FISHER_STATISTICS = CalibrationStatistics(
     plan_line=("statistics: diagonal Fisher of the selected tensors per model on its calibration prompts "
                "(per prompt; labels = the model's own argmax at each real token)"),
     collect=_fisher_collect, merge_kwargs=_fisher_kwargs, summary=_fisher_summary, nbytes=_fisher_nbytes,
-    prepare=_fisher_prepare,
+    prepare=_fisher_prepare, count_key=lambda name: FISHER_COUNT,
+    # the batch estimator squares each batch's summed gradient: its value depends on the grouping
+    pools=lambda collector: collector.parsed.estimator != "batch",
 )
 
 REGMEAN_STATISTICS = CalibrationStatistics(
@@ -109,7 +129,7 @@ REGMEAN_STATISTICS = CalibrationStatistics(
     plan_line=("statistics: input Gram matrices of the selected linear layers per model on its calibration "
                "prompts (real tokens)"),
     collect=_regmean_collect, merge_kwargs=_regmean_kwargs, summary=_regmean_summary, nbytes=_regmean_nbytes,
-    forward_only=True,
+    forward_only=True, count_key=lambda layer: layer + GRAM_ROWS,
 )
 
 __all__ = ["FISHER_STATISTICS", "REGMEAN_STATISTICS"]

@@ -75,6 +75,14 @@ class CalibrationStatistics:
     for checkpoint ``keys`` (``numel(key)``; ``sites`` the architecture's linear layers);
     ``forward_only``: ``collect`` runs the model forward only (hooks on layer inputs, no gradient
     of a weight), so it also serves a model whose blocks stay on disk (``lazy: true``).
+    ``count_key``: when given, ``collect``'s statistics are means over units (real tokens, examples)
+    and each statistic ``k`` carries its number of units in the entry ``count_key(k)`` of the same
+    dict; statistics of disjoint batch sets then pool exactly as weighted means
+    (:func:`~mergeqp.merge.calibrated.pool_statistics`), so that ``method: auto``'s
+    cross-validation collects each batch once for all its fits instead of once per fit.
+    ``prepare`` and ``merge_kwargs`` see the count entries too (and ignore them). ``pools(collector)``:
+    whether they pool with the collector's parameters (default: whenever ``count_key`` is given; an
+    estimator whose value depends on how examples are grouped into batches does not).
     """
 
     supplied: tuple[str, ...]
@@ -86,6 +94,8 @@ class CalibrationStatistics:
     nbytes: Callable[..., int]
     prepare: Callable[..., tuple[list[dict[str, Any]], dict[str, Any]]] | None = None
     forward_only: bool = False
+    count_key: Callable[[str], str] | None = None
+    pools: Callable[[Any], bool] | None = None
 
 
 @dataclass(frozen=True)

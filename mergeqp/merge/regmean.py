@@ -121,6 +121,20 @@ def compute_grams(
     """Input Gram matrices ``G = X'X / N`` (float64, ``(m1, m1)``, a constant-1 column appended
     for layers with a bias) of the linear layers ``layers`` (module names; default all) of
     ``model`` run with the weights of ``state_dict`` (default its own) on ``batches``."""
+    return gram_rows(model, batches, state_dict=state_dict, layers=layers, label=label)[0]
+
+
+def gram_rows(
+    model: Any,
+    batches: Iterable[Any],
+    *,
+    state_dict: Any = None,
+    layers: Sequence[str] | None = None,
+    label: str = "model",
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """:func:`compute_grams` and, per layer, the number of rows ``N`` of ``X`` its Gram matrix
+    averages over (every position of every input: real tokens for unpadded text), so that the
+    Grams of disjoint batch sets pool exactly: ``G = sum_j N_j G_j / sum_j N_j``."""
     import torch
 
     model = check_model(model, "regmean")
@@ -162,7 +176,7 @@ def compute_grams(
         if rows[name] == 0:
             raise ValidationError(f"layer {name!r} of {label} saw no input on the calibration data")
         out[name] = sums[name] / rows[name]
-    return out
+    return out, rows
 
 
 def shrink(G: Any, alpha: float) -> Any:

@@ -689,7 +689,8 @@ class _Run:
 class _AutoStart:
     """``start: auto`` in a run (:mod:`.auto`). Per statistics-based candidate one collector per
     split (fed each task's fit batches of that split while its fine-tune is loaded) and, with
-    k folds, one on every batch for the refit. Then every candidate scored (a data-free one
+    k folds, one on every batch for the refit; statistics that pool (RegMean's Grams, Fisher) are
+    collected once per batch and pooled per split, so k folds cost one pass over the data. Then every candidate scored (a data-free one
     merged once and scored on every held-out batch; the others fitted per split) and the lowest
     loaded: its one fit, or with k folds its refit on every batch."""
 
@@ -725,6 +726,11 @@ class _AutoStart:
         if self.held_out_index is not None and self.held_out_index == len(fits):
             fits.append(list(range(n - holdout_count(n, self.mode_holdout))))
         for per_split in self.collectors.values():
+            if per_split[0].poolable:  # each batch's statistics once, pooled per fit
+                parts = per_split[0].batch_parts(name, model, batches)
+                for collector, fit in zip(per_split, fits):
+                    collector.pool(index, name, [parts[j] for j in fit])
+                continue
             for collector, fit in zip(per_split, fits):
                 collector(index, name, model, [batches[j] for j in fit])
 

@@ -194,3 +194,32 @@ def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
     with pytest.raises(ValidationError, match="start: auto holdout 0.25: every task has a single calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto", "params": {"folds": 1}}},
                "one1", calibration=one)
+
+
+def test_k_fold_statistics_are_collected_once_per_batch(llama, tmp_path, monkeypatch):
+    """RegMean's Grams of every fold's fit (and the refit, and the trust region's held-out fit) are
+    pooled from one pass per calibration batch, not one pass per fit: 3 batches per task, 3 folds +
+    refit + held-out fit would be 5 collections of 2-3 batches each. The pooled start equals an
+    explicit RegMean start (collected over all batches at once) to rounding."""
+    import mergeqp.merge.calibration_statistics as cs
+
+    calls: list[int] = []
+    real = cs.gram_rows
+
+    def counting(model, batches, **kw):
+        batches = list(batches)
+        calls.append(sum(int(b["input_ids"].shape[0]) for b in batches))
+        return real(model, batches, **kw)
+
+    monkeypatch.setattr(cs, "gram_rows", counting)
+    tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1, "holdout": 0.34, "refit": True}}
+    _, rep = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["regmean"],
+                                                                                  "folds": 3}}}, "once")
+    # 2 fine-tunes x 3 batches, each once: 24 prompts in all
+    assert len(calls) == 2 * 3 and sum(calls) == 2 * 12
+    calls.clear()
+    monkeypatch.setattr(cs, "gram_rows", real)
+    _, explicit = _merge(llama, tmp_path, {**tr, "start": {"name": "regmean"}}, "explicit")
+    assert rep["evaluation"]["start"]["calibration_objective"] == pytest.approx(
+        explicit["evaluation"]["start"]["calibration_objective"], rel=1e-10)
+    assert rep["start_selection"]["chosen"].startswith("regmean")

@@ -241,7 +241,8 @@ class StatisticsCollector:
     def pool(self, index: int, model_name: str, parts: Sequence[BatchStatistics]) -> None:
         """Set fine-tuned model ``index``'s statistics to those of the union of ``parts``' batches
         (:func:`pool_statistics`), as :meth:`__call__` on those batches would collect them (to rounding)."""
-        assert self.spec.count_key is not None
+        if self.spec.count_key is None:
+            raise ValidationError(f"{self.name}: its statistics do not pool (no count_key)")
         self.statistics[index] = pool_statistics([p.statistics for p in parts], self.spec.count_key)
         examples = sum(p.examples for p in parts)
         seconds = sum(p.seconds for p in parts)

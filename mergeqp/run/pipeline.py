@@ -726,10 +726,12 @@ class _AutoStart:
         if self.held_out_index is not None and self.held_out_index == len(fits):
             fits.append(list(range(n - holdout_count(n, self.mode_holdout))))
         for per_split in self.collectors.values():
-            if per_split[0].poolable:  # each batch's statistics once, pooled per fit
-                parts = per_split[0].batch_parts(name, model, batches)
+            first = per_split[0]
+            if first.poolable:  # each batch's statistics once, pooled per fit
+                parts = first.batch_parts(name, model, batches)
                 for collector, fit in zip(per_split, fits):
                     collector.pool(index, name, [parts[j] for j in fit])
+                    collector.notes.extend(n for n in first.notes if n not in collector.notes)
                 continue
             for collector, fit in zip(per_split, fits):
                 collector(index, name, model, [batches[j] for j in fit])

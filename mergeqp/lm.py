@@ -536,7 +536,12 @@ class CrossEntropyExpansion:
         labels = labels.to(x0.device)
         valid = labels >= 0
         V = int(x0.shape[-1])
-        lse = torch.logsumexp(x0, dim=-1, keepdim=True)
+        # log-sum-exp and the probabilities from one exponential pass (every (B, T, V) pass counts)
+        top = x0.amax(dim=-1, keepdim=True)
+        q_full = (x0 - top).exp_()
+        total = q_full.sum(dim=-1, keepdim=True)
+        lse = top + total.log()
+        q_full.div_(total)
         loss = 2.0 * float(torch.where(valid, lse[..., 0] - x0.gather(-1, labels.clamp_min(0).unsqueeze(-1))[..., 0],
                                        torch.zeros_like(lse[..., 0])).sum())
         index = None
@@ -550,19 +555,19 @@ class CrossEntropyExpansion:
             lab = labels.clamp_min(0).unsqueeze(-1)
             missing = valid & ~(index == lab).any(dim=-1)
             index[..., -1] = torch.where(missing, lab[..., 0], index[..., -1])
-            q_full = torch.exp(x0 - lse)
             q_track = q_full.gather(-1, index)
-            q_rest_full = q_full.scatter(-1, index, 0.0)
+            q_rest_full = q_full.scatter_(-1, index, 0.0)  # in place: the rest's probabilities
             q_rest = q_rest_full.sum(dim=-1, keepdim=True)
             probs = torch.cat([q_track, q_rest], dim=-1)
             label_group = (index == lab).to(torch.float64)
             label_group = torch.cat([label_group, torch.zeros_like(q_rest)], dim=-1)
             if folded:
                 # the rest's probabilities normalised in float64 first (no underflow in the cast)
-                share = q_rest_full / q_rest.clamp_min(torch.finfo(torch.float64).tiny)
+                share = q_rest_full.div_(q_rest.clamp_min(torch.finfo(torch.float64).tiny))
                 rest_row = (share.to(head_dtype) @ weight.to(head_dtype)).to(torch.float64)
+            del q_rest_full, q_full
         else:
-            probs = torch.exp(x0 - lse)
+            probs = q_full
             label_group = torch.zeros_like(probs).scatter(-1, labels.clamp_min(0).unsqueeze(-1), 1.0)
         tiny = torch.finfo(torch.float64).tiny
         r = torch.where(probs > tiny, (probs - label_group) / probs.clamp_min(tiny).sqrt(), torch.zeros_like(probs))

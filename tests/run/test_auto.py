@@ -217,7 +217,6 @@ def test_k_fold_statistics_are_collected_once_per_batch(llama, tmp_path, monkeyp
                                                                                   "folds": 3}}}, "once")
     # 2 fine-tunes x 3 batches, each once: 24 prompts in all
     assert len(calls) == 2 * 3 and sum(calls) == 2 * 12
-    calls.clear()
     monkeypatch.setattr(cs, "gram_rows", real)
     _, explicit = _merge(llama, tmp_path, {**tr, "start": {"name": "regmean"}}, "explicit")
     assert rep["evaluation"]["start"]["calibration_objective"] == pytest.approx(

@@ -236,6 +236,9 @@ class StatisticsCollector:
                 {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()},
                 sum(int(next(iter(b.values())).shape[0]) for b in inputs),
                 sum(int(b["input_ids"].numel()) for b in inputs if "input_ids" in b), time.perf_counter() - t))
+        self.log(f"{self.name} statistics for {model_name}: {len(parts)} batch(es) of "
+                 f"{sum(p.examples for p in parts)} example(s), each once, to pool per fit "
+                 f"({sum(p.seconds for p in parts):.1f} s)")
         return parts
 
     def pool(self, index: int, model_name: str, parts: Sequence[BatchStatistics]) -> None:
@@ -248,8 +251,6 @@ class StatisticsCollector:
         seconds = sum(p.seconds for p in parts)
         self.records[index] = {"model": model_name, "examples": examples, "tokens": sum(p.tokens for p in parts),
                                "seconds": seconds, "pooled_batches": len(parts)}
-        self.log(f"{self.name} statistics for {model_name}: pooled from {len(parts)} batch(es) of {examples} "
-                 f"example(s)")
 
     # ------------------------------------------------------------------ merge
     def merge(self, plan: Any, keys: Sequence[str], chunk_bytes: int) -> dict[str, Any]:

@@ -201,6 +201,16 @@ class StatisticsCollector:
     def __call__(self, index: int, model_name: str, model: Any, batches: Sequence[Any]) -> None:
         """Statistics of fine-tuned model ``index`` (a live model on its device) on its task's
         calibration ``batches`` (:class:`mergeqp.io.calibration.Batch`)."""
+        part, what = self._collect(model_name, model, batches)
+        self.statistics[index] = part.statistics
+        self.records[index] = {"model": model_name, "examples": part.examples, "tokens": part.tokens,
+                               "seconds": part.seconds}
+        self.log(f"{self.name} statistics for {model_name}: {what} on {part.examples} example(s) "
+                 f"({part.seconds:.1f} s)")
+
+    def _collect(self, model_name: str, model: Any, batches: Sequence[Any]) -> tuple[BatchStatistics, str]:
+        """The method's statistics on ``batches`` (padding removed, float64 on the CPU), what they
+        held, and the method's description of them."""
         import torch  # optional heavy dependency: only called with a loaded model
 
         t = time.perf_counter()
@@ -208,10 +218,8 @@ class StatisticsCollector:
         examples = sum(int(next(iter(b.values())).shape[0]) for b in inputs)
         tokens = sum(int(b["input_ids"].numel()) for b in inputs if "input_ids" in b)
         stats, what = self.spec.collect(self, model, inputs, model_name)
-        self.statistics[index] = {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()}
-        seconds = time.perf_counter() - t
-        self.records[index] = {"model": model_name, "examples": examples, "tokens": tokens, "seconds": seconds}
-        self.log(f"{self.name} statistics for {model_name}: {what} on {examples} example(s) ({seconds:.1f} s)")
+        stats = {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()}
+        return BatchStatistics(stats, examples, tokens, time.perf_counter() - t), what
 
     @property
     def poolable(self) -> bool:
@@ -222,20 +230,10 @@ class StatisticsCollector:
     def batch_parts(self, model_name: str, model: Any, batches: Sequence[Any]) -> list[BatchStatistics]:
         """The statistics of each of ``batches`` alone (a :attr:`poolable` method), for :meth:`pool`:
         one pass over the data serves every subset of the batches (``method: auto``'s folds)."""
-        import torch  # optional heavy dependency: only called with a loaded model
-
         if not self.poolable:
             raise ValidationError(f"{self.name}: its statistics do not pool (no count_key, or not with these "
                                   "parameters); collect each set of batches")
-        parts = []
-        for batch in batches:
-            t = time.perf_counter()
-            inputs = unpadded_inputs([batch], self.batch_size)
-            stats, _ = self.spec.collect(self, model, inputs, model_name)
-            parts.append(BatchStatistics(
-                {k: v.detach().to("cpu", torch.float64) for k, v in stats.items()},
-                sum(int(next(iter(b.values())).shape[0]) for b in inputs),
-                sum(int(b["input_ids"].numel()) for b in inputs if "input_ids" in b), time.perf_counter() - t))
+        parts = [self._collect(model_name, model, [batch])[0] for batch in batches]
         self.log(f"{self.name} statistics for {model_name}: {len(parts)} batch(es) of "
                  f"{sum(p.examples for p in parts)} example(s), each once, to pool per fit "
                  f"({sum(p.seconds for p in parts):.1f} s)")

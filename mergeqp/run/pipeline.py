@@ -690,9 +690,10 @@ class _AutoStart:
     """``start: auto`` in a run (:mod:`.auto`). Per statistics-based candidate one collector per
     split (fed each task's fit batches of that split while its fine-tune is loaded) and, with
     k folds, one on every batch for the refit; statistics that pool (RegMean's Grams, Fisher) are
-    collected once per batch and pooled per split, so k folds cost one pass over the data. Then every candidate scored (a data-free one
-    merged once and scored on every held-out batch; the others fitted per split) and the lowest
-    loaded: its one fit, or with k folds its refit on every batch."""
+    collected once per batch and pooled per split, so k folds cost one pass over the data. Then
+    every candidate scored (a data-free one merged once and scored on every held-out batch; the
+    others fitted per split) and the lowest loaded: its one fit, or with k folds its refit on every
+    batch."""
 
     def __init__(self, run: _Run, params: AutoStartParams):
         self.run = run

@@ -73,6 +73,7 @@ from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .base import QPSolver, RawResult
+from .blas_threads import blas_threads, thread_cap
 
 __all__ = ["CEN", "FREE", "HI", "LO", "ActiveSetSolver", "set_structure", "solve_psd", "support_value",
            "project_structure", "unbounded_direction"]
@@ -525,7 +526,10 @@ class ActiveSetSolver(QPSolver):
     to max diag H, only for singular faces without proximal term), ``refine_steps`` 30 and
     ``start_face`` "gradient" (the first face is that of a projected gradient step from the start;
     "point": the face the start ``x0`` lies on, an active-set guess from a warm start, e.g. the
-    previous solution of a sequence of related QPs).
+    previous solution of a sequence of related QPs) and ``threads`` "auto" (the dense BLAS uses at
+    most :data:`~mergeqp.solvers.blas_threads.AUTO_MAX_THREADS` threads during the solve: its many
+    small operations ran 3-4x slower with 16; "all" leaves the pools as they are, an integer caps
+    them there).
 
     Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
     warm-started one starts from the factor of the last face the previous solve ended on
@@ -536,7 +540,7 @@ class ActiveSetSolver(QPSolver):
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
-                "start_face": "gradient", "prox_accept": 0.2}
+                "start_face": "gradient", "prox_accept": 0.2, "threads": "auto"}
 
     #: up to this size ``auto`` takes active_set without asking the machine for memory; beyond it
     #: only while its work arrays fit in the memory available (see :meth:`auto_declines`)
@@ -581,6 +585,10 @@ class ActiveSetSolver(QPSolver):
         if opts["start_face"] not in ("gradient", "point"):
             raise ValidationError(f"active_set: option start_face={opts['start_face']!r} must be "
                                   "'gradient' or 'point'")
+        try:
+            thread_cap(opts["threads"])
+        except ValidationError as e:
+            raise ValidationError(f"active_set: option {e}") from None
         if opts["precision"] not in ("auto", "float64", "mixed"):
             raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")
@@ -593,12 +601,15 @@ class ActiveSetSolver(QPSolver):
         st = set_structure(constraints, problem.shape)
         if isinstance(st, str):
             raise SolverError(f"active_set: {st}")
-        engine = _Engine(problem, constraints, st, opts)
-        if x0 is not None:
-            engine.reuse_shared_factor()
-        setup = time.perf_counter() - t0
-        x, status, it, info = engine.run(x0)
-        engine.share_factor()
+        threads: dict[str, Any] = {}
+        with blas_threads(opts["threads"], threads):
+            engine = _Engine(problem, constraints, st, opts)
+            if x0 is not None:
+                engine.reuse_shared_factor()
+            setup = time.perf_counter() - t0
+            x, status, it, info = engine.run(x0)
+            engine.share_factor()
+        info.update(threads)
         if not st.bounded:
             why = unbounded_direction(problem, st, x)
             if why is not None:

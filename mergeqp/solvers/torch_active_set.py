@@ -36,7 +36,8 @@ float64 Cholesky of an n = 12288 H took 21 ms against 1.1-1.5 s on 16 CPU cores
 It returns the best feasible point seen; :func:`mergeqp.solve` certifies it on the host in
 float64, as every solver's answer. Memory on the device: H (float64) plus up to two
 ``|F| x |F|`` blocks. ``auto`` chooses it on a CUDA device for box problems of at least
-:data:`AUTO_MIN_N` variables when H and two blocks of its size fit in the device's free memory.
+:data:`AUTO_MIN_N` variables (:data:`AUTO_MIN_N_STARTED` once the process has started CUDA) when H
+and two blocks of its size fit in the device's free memory.
 """
 
 from __future__ import annotations
@@ -63,8 +64,13 @@ CG_FACES = 2
 
 #: ``auto`` chooses this solver on a CUDA device from this many variables on (box sets): on an
 #: H100 it was 4.6-6.4x faster than ``active_set`` on 16 CPU cores at n = 12288 and 24576
-#: (docs/solvers.md); smaller sizes were not measured on a GPU
+#: (docs/solvers.md), the start of CUDA in the process included
 AUTO_MIN_N = 12288
+#: ... and from this many on once this process has started CUDA (a merge on ``device: cuda``):
+#: with CUDA started it was 2.5-27x faster than ``active_set`` on 16 CPU cores at n = 1536, 3072
+#: and 6144 (docs/solvers.md); the first use of its kernels in a process cost ~0.25 s more
+#: (n = 3072: 0.28 s against 0.04 s), which a single solve at these sizes does not recover
+AUTO_MIN_N_STARTED = 1536
 
 
 def device_bytes(n: int) -> int:
@@ -402,12 +408,15 @@ class TorchActiveSetSolver(QPSolver):
         return box if isinstance(box, str) else None
 
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        if problem.n < AUTO_MIN_N:  # first: no torch import for the common small problem
-            return f"n = {problem.n} < {AUTO_MIN_N}: measured only from there on (active_set below)"
+        if problem.n < AUTO_MIN_N_STARTED:  # first: no torch import for the common small problem
+            return f"n = {problem.n} < {AUTO_MIN_N_STARTED}: measured only from there on (active_set below)"
         import torch  # available() ran first: torch is importable here
 
         if not torch.cuda.is_available():
             return "auto chooses it on a CUDA device only (on the CPU active_set is faster)"
+        if problem.n < AUTO_MIN_N and not torch.cuda.is_initialized():
+            return (f"n = {problem.n} < {AUTO_MIN_N} and this process has not started CUDA: starting it "
+                    f"costs more than the GPU saves at this size (from n = {AUTO_MIN_N_STARTED} once started)")
         free, _total = torch.cuda.mem_get_info()
         need = device_bytes(problem.n)
         if need > free:

@@ -222,3 +222,24 @@ def test_k_fold_statistics_are_collected_once_per_batch(llama, tmp_path, monkeyp
     assert rep["evaluation"]["start"]["calibration_objective"] == pytest.approx(
         explicit["evaluation"]["start"]["calibration_objective"], rel=1e-10)
     assert rep["start_selection"]["chosen"].startswith("regmean")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available on this machine")
+def test_recommended_cross_entropy_merge_on_cuda_matches_cpu(llama, tmp_path):
+    """The LM experiment's recommended merge (``auto`` with RegMean's pooled fold statistics, the
+    cross-entropy metric folded into the head, a held-out trust region) on CUDA: the same start,
+    the same candidate scores and the same result as on the CPU (float64 both)."""
+    method = {"name": "auto", "params": {"candidates": ["soup", "regmean"], "folds": 3}}
+    extra = {"output": {"metric": "cross_entropy"}}
+    _, cpu = _merge(llama, tmp_path, method, "ce_cpu", **extra)
+    _, gpu = _merge(llama, tmp_path, method, "ce_gpu", device="cuda", **extra)
+    assert gpu["device"] == "cuda"
+    a, b = cpu["start_selection"], gpu["start_selection"]
+    assert b["chosen"] == a["chosen"]
+    for ca, cb in zip(a["candidates"], b["candidates"]):
+        assert cb["validation"] == pytest.approx(ca["validation"], rel=1e-8)
+    for key in ("start", "result"):
+        assert gpu["trust_region"][key]["calibration_objective"] == pytest.approx(
+            cpu["trust_region"][key]["calibration_objective"], rel=1e-8)
+    assert gpu["trust_region"]["result"]["calibration_objective"] <= (
+        gpu["trust_region"]["start"]["calibration_objective"] * (1 + 1e-12))

@@ -17,7 +17,7 @@ from mergeqp.errors import UnsupportedError, ValidationError
 from mergeqp.problem import MergeQP
 from mergeqp.solvers.instance_families import draw
 from mergeqp.solvers.registry import choose_solver, get_solver, solve
-from mergeqp.solvers.torch_active_set import AUTO_MIN_N
+from mergeqp.solvers.torch_active_set import AUTO_MIN_N, AUTO_MIN_N_STARTED
 
 
 @pytest.mark.parametrize("name, spec", [("mnist_real640", "box:0,1"), ("singular192", "box:0,1"),
@@ -123,9 +123,32 @@ def test_auto_keeps_active_set_below_its_size_and_without_cuda(load_case) -> Non
     assert choose_solver(problem, cset).name == "active_set"
     solver = get_solver("torch_active_set")
     why = solver.auto_declines(problem, cset)
-    assert why is not None and "12288" in why  # below its measured size, without importing torch
+    assert why is not None and "1536" in why  # below its measured size, without importing torch
     if not torch.cuda.is_available():  # a large box on a machine without CUDA: active_set's
         assert "CUDA" in solver.auto_declines(SimpleNamespace(n=AUTO_MIN_N), cset)
+
+
+@pytest.mark.parametrize("n, started, chosen", [
+    (AUTO_MIN_N_STARTED - 1, True, False),  # below every measured size
+    (AUTO_MIN_N_STARTED, True, True),  # CUDA already in use by this process (a merge on cuda)
+    (AUTO_MIN_N_STARTED, False, False),  # starting CUDA for one solve of this size does not pay
+    (AUTO_MIN_N - 1, False, False),
+    (AUTO_MIN_N, False, True),  # large enough to pay for the start
+])
+def test_auto_size_thresholds_on_a_cuda_machine(monkeypatch, n, started, chosen) -> None:
+    """``auto``'s cost model on a (simulated) CUDA machine with room for H: from
+    AUTO_MIN_N_STARTED variables once this process has started CUDA, from AUTO_MIN_N otherwise;
+    too little free memory declines at any size."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**12, 10**12))
+    solver = get_solver("torch_active_set")
+    why = solver.auto_declines(SimpleNamespace(n=n), Box(0, 1))
+    assert (why is None) == chosen, why
+    if not chosen and n >= AUTO_MIN_N_STARTED:
+        assert "not started CUDA" in why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**6, 10**12))
+    assert "GB free" in solver.auto_declines(SimpleNamespace(n=max(n, AUTO_MIN_N)), Box(0, 1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")

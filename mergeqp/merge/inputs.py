@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ValidationError
+from ..io import verified
 from ..io.writer import check_tensor_finite
 
 MAX_LISTED = 5
@@ -39,6 +40,7 @@ class TensorSource:
 
         self.label = label
         self._checked: set[str] = set()  # names already checked finite
+        self._signature: verified.Signature | None = None  # the checkpoint's files (process-wide memo)
         self._checkpoint = None
         self._tensors: Mapping[str, Any] | None = None
         if isinstance(obj, torch.nn.Module):
@@ -114,9 +116,21 @@ class TensorSource:
             tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
         if name not in self._checked:
             if tensor.device.type != "meta":
-                check_tensor_finite(name, tensor, self.describe())
+                self._check_finite(name, tensor)
             self._checked.add(name)
         return tensor
+
+    def _check_finite(self, name: str, tensor: Any) -> None:
+        """NaN / inf named; a checkpoint's tensor once per process while its file is unchanged."""
+        if self._checkpoint is None:
+            check_tensor_finite(name, tensor, self.describe())
+            return
+        if self._signature is None:
+            self._signature = verified.signature(self._checkpoint.path)
+        key = ("finite tensor", self._signature, name, str(tensor.dtype))
+        if not verified.passed(key):
+            check_tensor_finite(name, tensor, self.describe())
+            verified.remember(key)
 
     def describe(self) -> str:
         """The model's label, with its checkpoint path when read from disk."""

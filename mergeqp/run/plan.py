@@ -38,6 +38,7 @@ from ..io.calibration import (
     read_prompts,
     read_tensor_inputs,
 )
+from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
@@ -264,12 +265,17 @@ def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
     for name, folder in others:
         if not has_tokenizer(folder):
             continue
+        checked = ("tokenizers", verified.signature(base_folder, TOKENIZER_FILES),
+                   verified.signature(folder, TOKENIZER_FILES))
+        if verified.passed(checked):  # compared earlier in this process, files unchanged
+            continue
         same = all(
             ((base_folder / f).is_file() == (folder / f).is_file())
             and (not (folder / f).is_file() or (base_folder / f).read_bytes() == (folder / f).read_bytes())
             for f in TOKENIZER_FILES
         )
         if same:
+            verified.remember(checked)
             continue
         if ref is None:
             ref = load_tokenizer(base_folder)
@@ -291,6 +297,7 @@ def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
                 f"tokenizer mismatch: model {name!r} has special tokens {tok.all_special_tokens}, the base "
                 f"{ref.all_special_tokens}"
             )
+        verified.remember(checked)
 
 
 def skeleton(folder: Path) -> Any:

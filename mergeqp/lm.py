@@ -391,10 +391,72 @@ def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, 
     the calibration objective that the QP models."""
     if spec.scores_data:
         return _data_objective(model, batches, spec, device)
+    fold = objective_fold(model, spec, batches, device)
+    if fold is not None:
+        return _folded_squared_error(model, batches, fold, device)
     total = 0.0
     entries = 0
     for tb in batches:
         total += _squared(compared_output(model, tb, spec, device), tb)
+        entries += tb.entries
+    return total, entries
+
+
+def objective_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], device: Any) -> FoldedHead | None:
+    """The :class:`FoldedHead` with which :func:`squared_error` takes its value from the final
+    hidden states instead of the vocabulary-size outputs, or ``None``: only where
+    :func:`prepare_fold` verified (on this model, head and targets) that the logits are the head of
+    the backbone's output and every target the head of its stored hidden state, so that
+    ``||F(W n + b) - F(W n_t + b)||^2 = ||F W (n - n_t)||^2`` holds to rounding; ``fold_head:
+    false`` keeps the vocabulary-size computation. A refusal is remembered for these targets."""
+    if spec.fold_obstacle() is not None or not batches:
+        return None
+    key = (id(spec), tuple(id(tb.target) for tb in batches))
+    try:
+        refused = _OBJECTIVE_FOLD_REFUSED.setdefault(model, set())
+    except TypeError:  # a model that cannot be weakly referenced
+        refused = set()
+    head = linear_head(model)
+    if head is not None:
+        key = key + (int(head.weight.data_ptr()), int(head.weight._version))
+    if key in refused:
+        return None
+    try:
+        fold = prepare_fold(model, spec, batches, device)
+    except ValidationError:  # fold_head: true that cannot fold: the statistics say so, not this value
+        fold = None
+    if fold is None:
+        if len(refused) > 64:
+            refused.clear()
+        refused.add(key)
+    return fold
+
+
+def _folded_squared_error(model: Any, batches: Sequence[TargetBatch], fold: FoldedHead,
+                          device: Any) -> tuple[float, int]:
+    """:func:`squared_error` through ``fold`` (float64 from the hidden states on; the same
+    compared entries as unfolded): for every logit ``||G (n - n_t)||^2`` with ``G'G = W'W``, for
+    ``topk`` the target's rows of the head (whitened for ``kl``; the bias cancels)."""
+    import torch
+
+    inner = backbone(model)
+    f64 = torch.float64
+    total = 0.0
+    entries = 0
+    for tb in batches:
+        mask, index, probs = tb.selection(device)
+        with torch.no_grad():
+            n = last_hidden(inner(**{k: v.to(device) for k, v in tb.batch.inputs.items()}))
+            d = n.to(f64) - tb.hidden.to(device=device, dtype=f64)
+            if fold.reduced is not None:
+                out = d @ fold.reduced.to(device=device, dtype=f64).t()
+            else:
+                rows = fold.weight.to(device)[index].to(f64)  # (B, T, k, H): the target's rows
+                out = torch.einsum("bth,btkh->btk", d, rows)
+                if fold.spec.metric == "kl":
+                    out = kl_whiten(out, probs.to(f64))
+            out = apply_mask(out, mask)
+            total += float((out * out).sum())
         entries += tb.entries
     return total, entries
 
@@ -602,11 +664,12 @@ class CrossEntropyExpansion:
     def _head(self, n: Any, index: Any) -> Any:
         import torch
 
-        W = self.weight.to(device=n.device, dtype=n.dtype)
         if index is None:
-            x = n @ W.t()
+            x = n @ self.weight.to(device=n.device, dtype=n.dtype).t()
             return x if self.bias is None else x + self.bias.to(device=n.device, dtype=n.dtype)
-        x = torch.einsum("bth,btkh->btk", n, W[index])
+        # the tracked rows only, then cast (exact either way; casting the whole head first copied
+        # V x H values per call)
+        x = torch.einsum("bth,btkh->btk", n, self.weight.to(n.device)[index].to(n.dtype))
         return x if self.bias is None else x + self.bias.to(device=n.device, dtype=n.dtype)[index]
 
     def _whiten(self, u: Any) -> Any:
@@ -767,6 +830,8 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
 #: the check (two full forward passes) is done once. Weak: a model or target that is dropped is
 #: forgotten.
 _FOLD_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: model -> keys of targets for which :func:`objective_fold` found no valid fold
+_OBJECTIVE_FOLD_REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _head_key(fold: FoldedHead) -> tuple[Any, ...]:

@@ -858,7 +858,10 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     say(f"evaluating {len(unique)} models on {len(names)} domains"
         + (f" ({len(models) - len(unique)} equal to another to float rounding)" if len(unique) < len(models) else ""))
     test = test_eval.evaluate(unique, references)
-    calib = calib_eval.evaluate(unique, references)
+    # the chosen task arithmetic was scored on the calibration texts already (its scaling's choice)
+    calib = calib_eval.evaluate({k: v for k, v in unique.items() if k != "task_arithmetic"}, references)
+    if "task_arithmetic" in unique:
+        calib["task_arithmetic"] = ta_calib[f"{best_scaling:g}"]
     for name in models:
         if name not in unique:
             twin = records[name]["evaluated_as"]["model"]

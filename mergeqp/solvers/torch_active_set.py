@@ -67,9 +67,10 @@ CG_FACES = 2
 #: (docs/solvers.md), the start of CUDA in the process included
 AUTO_MIN_N = 12288
 #: ... and from this many on once this process has started CUDA (a merge on ``device: cuda``):
-#: with CUDA started it was 2.5-27x faster than ``active_set`` on 16 CPU cores at n = 1536, 3072
-#: and 6144 (docs/solvers.md); the first use of its kernels in a process cost ~0.25 s more
-#: (n = 3072: 0.28 s against 0.04 s), which a single solve at these sizes does not recover
+#: with CUDA started it was faster than ``active_set`` at its best BLAS thread count on 16 CPU
+#: cores, 1.7-5x at n = 1536 and 4-18x at 3072 and 6144 (docs/solvers.md); the first use of its
+#: kernels in a process cost ~0.25 s more (n = 3072: 0.28 s against 0.04 s), which a single solve
+#: at these sizes does not recover
 AUTO_MIN_N_STARTED = 1536
 
 

@@ -418,7 +418,7 @@ def objective_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch],
         refused = set()
     head = linear_head(model)
     if head is not None:
-        key = key + (int(head.weight.data_ptr()), int(head.weight._version))
+        key = key + _head_key(head.weight, head.bias)
     if key in refused:
         return None
     try:
@@ -834,10 +834,10 @@ _FOLD_VERIFIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _OBJECTIVE_FOLD_REFUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _head_key(fold: FoldedHead) -> tuple[Any, ...]:
-    """The identity of the head's parameters: storage, version (bumped by in-place writes), shape,
+def _head_key(weight: Any, bias: Any) -> tuple[Any, ...]:
+    """The identity of a head's parameters: storage, version (bumped by in-place writes), shape,
     dtype and device; a changed or replaced head is checked again."""
-    parts = [fold.weight] + ([fold.bias] if fold.bias is not None else [])
+    parts = [weight] + ([bias] if bias is not None else [])
     return tuple((int(t.data_ptr()), int(t._version), tuple(t.shape), str(t.dtype), str(t.device)) for t in parts)
 
 
@@ -852,7 +852,7 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
         verified = _FOLD_VERIFIED.setdefault(model, {"head": None, "targets": {}})
     except TypeError:  # a model that cannot be weakly referenced: check every time
         verified = {"head": None, "targets": {}}
-    head_key = (_head_key(fold), fold.spec)
+    head_key = (_head_key(fold.weight, fold.bias), fold.spec)
     if verified["head"] != head_key or len(verified["targets"]) > 4096:
         verified["head"] = None
         verified["targets"].clear()

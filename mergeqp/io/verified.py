@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,10 +78,19 @@ def remember(key: tuple) -> None:
         _PASSED.add(key)
 
 
+def once(key: tuple, check: Callable[[], None]) -> None:
+    """Run ``check`` (which raises when the check fails) unless ``key`` passed earlier in this
+    process; remember the pass (:func:`remember`'s rule)."""
+    if passed(key):
+        return
+    check()
+    remember(key)
+
+
 def forget() -> None:
     """Forget every remembered check."""
     with _LOCK:
         _PASSED.clear()
 
 
-__all__ = ["RACY_SECONDS", "Signature", "forget", "passed", "remember", "signature"]
+__all__ = ["RACY_SECONDS", "Signature", "forget", "once", "passed", "remember", "signature"]

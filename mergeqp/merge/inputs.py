@@ -127,10 +127,8 @@ class TensorSource:
             return
         if self._signature is None:
             self._signature = verified.signature(self._checkpoint.path)
-        key = ("finite tensor", self._signature, name, str(tensor.dtype))
-        if not verified.passed(key):
-            check_tensor_finite(name, tensor, self.describe())
-            verified.remember(key)
+        verified.once(("finite tensor", self._signature, name, str(tensor.dtype)),
+                      lambda: check_tensor_finite(name, tensor, self.describe()))
 
     def describe(self) -> str:
         """The model's label, with its checkpoint path when read from disk."""

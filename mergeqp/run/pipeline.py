@@ -162,13 +162,12 @@ def load_model(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str) -> 
         raise
     except Exception as exc:  # noqa: BLE001 - a broken checkpoint: report which
         raise ValidationError(f"cannot load model {ckpt.path}: {type(exc).__name__}: {exc}") from None
-    # NaN / inf named before any statistics (once per process for files that have not changed)
-    checked = ("finite model", verified.signature(ckpt.path),
-               None if ckpt.is_hf_folder else verified.signature(base_folder), str(dtype))
-    if not verified.passed(checked):
+    def finite() -> None:  # NaN / inf named before any statistics
         for name, tensor in model.state_dict().items():
             check_tensor_finite(name, tensor, f"checkpoint {ckpt.path}")
-        verified.remember(checked)
+
+    verified.once(("finite model", verified.signature(ckpt.path),  # once per process for unchanged files
+                   None if ckpt.is_hf_folder else verified.signature(base_folder), str(dtype)), finite)
     model.to(device)
     model.eval()
     for p in model.parameters():

@@ -11,7 +11,8 @@ solver name) are raised before any tensor is loaded. ``mergeqp merge --dry-run``
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -260,44 +261,44 @@ def has_tokenizer(folder: Path) -> bool:
 
 def check_tokenizers(base_folder: Path, others: list[tuple[str, Path]]) -> None:
     """Every fine-tuned folder that ships a tokenizer must have the base's vocabulary and
-    special tokens (identical files are accepted without loading)."""
-    ref = None
+    special tokens (identical files are accepted without loading; a pair of unchanged folders is
+    compared once per process)."""
+    base = functools.cache(lambda: load_tokenizer(base_folder))  # loaded only if some files differ
+    base_files = verified.signature(base_folder, TOKENIZER_FILES)
     for name, folder in others:
-        if not has_tokenizer(folder):
-            continue
-        checked = ("tokenizers", verified.signature(base_folder, TOKENIZER_FILES),
-                   verified.signature(folder, TOKENIZER_FILES))
-        if verified.passed(checked):  # compared earlier in this process, files unchanged
-            continue
-        same = all(
-            ((base_folder / f).is_file() == (folder / f).is_file())
-            and (not (folder / f).is_file() or (base_folder / f).read_bytes() == (folder / f).read_bytes())
-            for f in TOKENIZER_FILES
+        if has_tokenizer(folder):
+            verified.once(("tokenizers", base_files, verified.signature(folder, TOKENIZER_FILES)),
+                          functools.partial(_same_tokenizer, name, folder, base_folder, base))
+
+
+def _same_tokenizer(name: str, folder: Path, base_folder: Path, base: Callable[[], Any]) -> None:
+    """Raise :class:`ConfigError` unless ``folder``'s tokenizer has the base's (``base()``)
+    vocabulary and special tokens."""
+    same = all(
+        ((base_folder / f).is_file() == (folder / f).is_file())
+        and (not (folder / f).is_file() or (base_folder / f).read_bytes() == (folder / f).read_bytes())
+        for f in TOKENIZER_FILES
+    )
+    if same:
+        return
+    ref, tok = base(), load_tokenizer(folder)
+    v_ref, v = ref.get_vocab(), tok.get_vocab()
+    if v_ref != v:
+        only_theirs = sorted(set(v) - set(v_ref))[:3]
+        only_base = sorted(set(v_ref) - set(v))[:3]
+        moved = sorted(t for t in set(v) & set(v_ref) if v[t] != v_ref[t])[:3]
+        detail = (f"tokens only in it: {only_theirs}" if only_theirs else
+                  f"tokens missing from it: {only_base}" if only_base else f"tokens with other ids: {moved}")
+        raise ConfigError(
+            f"tokenizer mismatch: model {name!r} ({folder}) has a vocabulary of {len(v)} tokens, "
+            f"the base tokenizer ({base_folder}) {len(v_ref)}; {detail}. All models must share the "
+            f"base's tokenizer for teacher-forced targets"
         )
-        if same:
-            verified.remember(checked)
-            continue
-        if ref is None:
-            ref = load_tokenizer(base_folder)
-        tok = load_tokenizer(folder)
-        v_ref, v = ref.get_vocab(), tok.get_vocab()
-        if v_ref != v:
-            only_theirs = sorted(set(v) - set(v_ref))[:3]
-            only_base = sorted(set(v_ref) - set(v))[:3]
-            moved = sorted(t for t in set(v) & set(v_ref) if v[t] != v_ref[t])[:3]
-            detail = (f"tokens only in it: {only_theirs}" if only_theirs else
-                      f"tokens missing from it: {only_base}" if only_base else f"tokens with other ids: {moved}")
-            raise ConfigError(
-                f"tokenizer mismatch: model {name!r} ({folder}) has a vocabulary of {len(v)} tokens, "
-                f"the base tokenizer ({base_folder}) {len(v_ref)}; {detail}. All models must share the "
-                f"base's tokenizer for teacher-forced targets"
-            )
-        if ref.all_special_tokens != tok.all_special_tokens:
-            raise ConfigError(
-                f"tokenizer mismatch: model {name!r} has special tokens {tok.all_special_tokens}, the base "
-                f"{ref.all_special_tokens}"
-            )
-        verified.remember(checked)
+    if ref.all_special_tokens != tok.all_special_tokens:
+        raise ConfigError(
+            f"tokenizer mismatch: model {name!r} has special tokens {tok.all_special_tokens}, the base "
+            f"{ref.all_special_tokens}"
+        )
 
 
 def skeleton(folder: Path) -> Any:

@@ -601,15 +601,15 @@ class ActiveSetSolver(QPSolver):
         st = set_structure(constraints, problem.shape)
         if isinstance(st, str):
             raise SolverError(f"active_set: {st}")
-        threads: dict[str, Any] = {}
-        with blas_threads(opts["threads"], threads):
+        with blas_threads(opts["threads"]) as cap:
             engine = _Engine(problem, constraints, st, opts)
             if x0 is not None:
                 engine.reuse_shared_factor()
             setup = time.perf_counter() - t0
             x, status, it, info = engine.run(x0)
             engine.share_factor()
-        info.update(threads)
+        if cap is not None:
+            info["blas_threads"] = cap
         if not st.bounded:
             why = unbounded_direction(problem, st, x)
             if why is not None:

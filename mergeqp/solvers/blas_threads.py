@@ -44,19 +44,19 @@ def thread_cap(setting: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def blas_threads(setting: Any, info: dict[str, Any] | None = None) -> Iterator[None]:
+def blas_threads(setting: Any) -> Iterator[int | None]:
     """Limit the BLAS pools to ``thread_cap(setting)`` threads inside the block (a no-op when the
     cap is at least the usable cores or every pool is already that small; a pool is never
-    enlarged); ``info["blas_threads"]`` records the cap applied."""
+    enlarged). Yields the cap applied, ``None`` when nothing was limited."""
     global _controller
     cap = thread_cap(setting)
     if cap is None or cap >= usable_cores():
-        yield
+        yield None
         return
     try:
         from threadpoolctl import ThreadpoolController
     except ImportError:  # a dependency; without it the pools keep their size
-        yield
+        yield None
         return
     if _controller is None:  # finding the loaded libraries once is the expensive part
         _controller = ThreadpoolController()
@@ -64,12 +64,10 @@ def blas_threads(setting: Any, info: dict[str, Any] | None = None) -> Iterator[N
     # build) keeps its size
     over = [lib["filepath"] for lib in _controller.select(user_api="blas").info() if int(lib["num_threads"]) > cap]
     if not over:
-        yield
+        yield None
         return
-    if info is not None:
-        info["blas_threads"] = cap
     with _controller.select(filepath=over).limit(limits=cap):
-        yield
+        yield cap
 
 
 __all__ = ["AUTO_MAX_THREADS", "blas_threads", "thread_cap", "usable_cores"]

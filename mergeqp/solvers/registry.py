@@ -66,9 +66,9 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
 
     unconstrained with explicit H -> ``closed_form``; boxes with explicit H and ``n >=
     torch_active_set.AUTO_MIN_N`` (``AUTO_MIN_N_STARTED`` once the process has started CUDA) on a
-    CUDA device whose free memory holds three copies of H -> ``torch_active_set``; box / simplex / L1 sets with explicit H and ``n <=
-    ActiveSetSolver.auto_max_n``, or larger while its work arrays fit in the available memory
-    -> ``active_set``; sets with a projection and a matrix-vector-only (or too large) H ->
+    CUDA device whose free memory holds three copies of H -> ``torch_active_set``; box / simplex /
+    L1 sets with explicit H and ``n <= ActiveSetSolver.auto_max_n``, or larger while its work
+    arrays fit in the available memory -> ``active_set``; sets with a projection and a matrix-vector-only (or too large) H ->
     ``torch_fista``; other polyhedral sets (sign
     consensus) -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""

@@ -27,6 +27,7 @@ from .base import QPSolver
 from .clarabel_solver import ClarabelSolver
 from .closed_form import ClosedFormSolver
 from .cvxpy_solvers import CvxpyClarabelSolver, CvxpyOSQPSolver
+from .dense_ipm import DenseIpmSolver
 from .osqp_solver import OSQPSolver
 from .torch_active_set import TorchActiveSetSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
@@ -70,7 +71,8 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     L1 sets with explicit H and ``n <= ActiveSetSolver.auto_max_n``, or larger while its work
     arrays fit in the available memory -> ``active_set``; sets with a projection and a matrix-vector-only (or too large) H ->
     ``torch_fista``; other polyhedral sets (sign
-    consensus) -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
+    consensus) with explicit H and ``n >= DenseIpmSolver.auto_min_n`` (up to its memory rule) ->
+    ``dense_ipm``, else -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
@@ -247,6 +249,7 @@ register_solver(ClosedFormSolver())
 register_solver(TorchActiveSetSolver())
 register_solver(ActiveSetSolver())
 register_solver(TorchFISTASolver())
+register_solver(DenseIpmSolver())
 register_solver(ClarabelSolver())
 register_solver(CvxpyClarabelSolver())
 register_solver(OSQPSolver())

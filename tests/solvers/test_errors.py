@@ -93,7 +93,7 @@ def test_auto_dispatch(problem: MergeQP) -> None:
     assert choose_solver(matvec_only(problem), Box(0, 1)).name == "torch_fista"
     G = sp.random(20, problem.n, density=0.3, random_state=1)
     sign = SignConsensus(G, problem.shape)
-    assert choose_solver(problem, Box(0, 1) & sign).name == "clarabel"
+    assert choose_solver(problem, Box(0, 1) & sign).name == "clarabel"  # small: dense_ipm from n = 128
     user = UserConstraints(lambda v: v <= 1)
     assert choose_solver(problem, Box(0, 1) & user).name == "cvxpy_clarabel"
     with pytest.raises(UnsupportedError, match="no registered solver"):

@@ -1,0 +1,629 @@
+"""A dense primal-dual interior-point solver for merge QPs over any polyhedral set.
+
+For the sets the active-set engine does not take (TIES sign consensus, intersections with it,
+users' sets that declare a ``linear_form``) the general sparse solvers factorise the merge QP's
+*dense* H inside a sparse KKT matrix: Clarabel took 36-87x one dense Cholesky of H on the sign
+family (docs/solvers.md). This solver keeps H dense and factorises, once per iteration, the normal matrix
+
+    M = H + C' W C        (W = diag(lambda / s), C: the inequality rows, bounds included)
+
+by LAPACK, where the rows of ``C`` are sparse (bounds: a diagonal; the sign rows of one atom
+touch only that atom's K coefficients, so ``C'WC`` is block diagonal), plus a Schur complement for
+equality rows ``E x = f``. The iteration is Mehrotra's predictor-corrector (one factorisation,
+two solves per iteration) from an infeasible start, with one step length for primal and dual
+variables.
+
+- *Precision*: while the relative duality gap is above ``float32_until`` (1e-7), ``M`` is
+  factorised in float32 with one refinement step against the float64 M (far from the optimum the
+  Newton direction need not be exact: the iteration count was the same on the families
+  measured); from there on, and from the first M too ill-conditioned for float32, in float64.
+  A matrix that does not factorise gets the smallest ridge of :data:`RIDGES` that works.
+- *Crossover* (``crossover`` on by default): once the relative gap is below ``crossover_from``
+  (1e-6), the constraints that look active (``s_i < lambda_i`` or ``s_i < sqrt(mu)``) are made
+  equalities and that face's minimiser is computed directly (a Cholesky of the free block of
+  H and a Schur complement of the active rows, rank-revealing for degenerate faces; where H is
+  singular on the free block, the face minimiser nearest the iterate); then, as in a primal-dual
+  active-set step, violated constraints join the face and constraints with a clearly negative
+  multiplier leave it (bounds of a degenerate vertex, whose multipliers the face does not
+  determine, excepted; on a singular face no correction is tried), up to
+  :data:`CROSSOVER_ROUNDS` face solves. The point is
+  kept only when the float64 certificate (:func:`~mergeqp.certificate.certify`, the Frank-Wolfe
+  gap) certifies it at ``tol``; otherwise the interior-point iteration goes on (faces already
+  tried are skipped; at most ``crossover_face_solves`` face solves in all). A crossover point
+  lies exactly on its face (coefficients exactly at their bounds).
+- *Stop*: relative gap ``s'lambda <= tol * max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))`` with
+  primal and dual residuals below ``tol`` (relative); or, with the gap reached, when the
+  residuals have not improved for 2 iterations (their float64 floor on an ill-conditioned M:
+  the best iterate is returned); ``max_iter`` iterations otherwise.
+- A set with no interior point that is feasible (e.g. an empty intersection) leaves the primal
+  residual large: the solver then says so instead of returning a point; iterates that diverge
+  on an unbounded set are checked as a descent ray (:func:`~.unbounded.unbounded_claim`).
+
+Memory: ``M`` (float64) and a float32 copy of H beside H itself, about ``1.5`` H; sets with
+auxiliary variables (the L1 ball) pad H to the lifted size. Needs an explicit H.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
+import scipy.sparse as sp
+
+from ..constraints import ConstraintSet
+from ..constraints.lp import lifted_form
+from ..errors import SolverError, ValidationError
+from ..io.memory import available_memory_bytes
+from ..problem import MergeQP
+from ..solution import SolveStatus
+from .base import QPSolver, RawResult
+from .blas_threads import blas_threads, thread_cap
+from .standard_form import standard_form_reason
+from .unbounded import unbounded_claim
+
+#: fraction of the way to the boundary that a step may go
+STEP_FRACTION = 0.99
+#: ridges (relative to max diag M) tried in turn when M does not factorise; the float32 ones are
+#: corrected by the refinement step against the float64 M (without the ridge)
+RIDGES = {"float32": (0.0, 1e-7, 1e-6, 1e-5), "float64": (0.0, 1e-14, 1e-12, 1e-10, 1e-8)}
+#: proximal weight (relative to max diag H) of a crossover face on which H is singular
+FACE_PROX = 1e-10
+#: primal-dual corrections of a crossover's face guess before it is given up
+CROSSOVER_ROUNDS = 6
+#: iterates beyond this multiple of the problem's own size count as diverged (unbounded)
+DIVERGED = 1e10
+
+
+@dataclass
+class _Form:
+    """The QP over ``z`` (length ``N``: ``d`` flat, then auxiliary variables) in the solver's
+    terms: ``min 1/2 z'Hz + q'z`` s.t. ``A z <= b``, ``E z = f``, ``z[U] <= u``, ``z[L] >= l``."""
+
+    N: int
+    H: np.ndarray
+    q: np.ndarray
+    A: sp.csr_matrix
+    b: np.ndarray
+    E: sp.csr_matrix
+    f: np.ndarray
+    U: np.ndarray
+    u: np.ndarray
+    L: np.ndarray
+    l: np.ndarray
+
+    @property
+    def m(self) -> int:
+        return self.A.shape[0] + self.U.size + self.L.size
+
+    def Cx(self, x: np.ndarray) -> np.ndarray:
+        """The inequality rows' values ``[A x; x_U; -x_L]`` (``C x <= d``)."""
+        return np.concatenate([self.A @ x, x[self.U], -x[self.L]])
+
+    def d(self) -> np.ndarray:
+        return np.concatenate([self.b, self.u, -self.l])
+
+    def Ctv(self, v: np.ndarray) -> np.ndarray:
+        """``C' v``."""
+        mA, mU = self.A.shape[0], self.U.size
+        out = self.A.T @ v[:mA] if mA else np.zeros(self.N)
+        out = np.asarray(out, dtype=np.float64)
+        np.add.at(out, self.U, v[mA:mA + mU])
+        np.subtract.at(out, self.L, v[mA + mU:])
+        return out
+
+    def diagonal(self, w: np.ndarray) -> np.ndarray:
+        """The diagonal part of ``C' diag(w) C`` that the bounds contribute."""
+        mA, mU = self.A.shape[0], self.U.size
+        out = np.zeros(self.N)
+        np.add.at(out, self.U, w[mA:mA + mU])
+        np.add.at(out, self.L, w[mA + mU:])
+        return out
+
+
+def _form(problem: MergeQP, cset: ConstraintSet) -> _Form:
+    assert problem.H is not None
+    n = problem.n
+    lf = lifted_form(cset.members(), problem.shape)
+    if lf is None:  # supports() said otherwise
+        raise SolverError(f"dense_ipm: {standard_form_reason(cset, problem.shape)}")
+    N = lf.n
+    H = np.asarray(problem.H, dtype=np.float64)
+    if N > n:
+        Hp = np.zeros((N, N))
+        Hp[:n, :n] = H
+        H = Hp
+    q = np.concatenate([problem.g, np.zeros(N - n)])
+    lb, ub = np.asarray(lf.lb, dtype=np.float64), np.asarray(lf.ub, dtype=np.float64)
+    if np.any(lb > ub):
+        i = int(np.flatnonzero(lb > ub)[0])
+        raise SolverError(f"dense_ipm: the set {cset.spec} is empty (variable {i}: lower bound {lb[i]:g} > "
+                          f"upper bound {ub[i]:g})")
+    fixed = np.flatnonzero(np.isfinite(lb) & (lb == ub))
+    E = lf.A_eq.tocsr()
+    f = np.asarray(lf.b_eq, dtype=np.float64)
+    if fixed.size:  # lo == hi: an equality (an inequality pair has no interior)
+        E = sp.vstack([E, sp.csr_matrix((np.ones(fixed.size), (np.arange(fixed.size), fixed)),
+                                        shape=(fixed.size, N))]).tocsr()
+        f = np.concatenate([f, lb[fixed]])
+    free_of_eq = np.ones(N, dtype=bool)
+    free_of_eq[fixed] = False
+    U = np.flatnonzero(np.isfinite(ub) & free_of_eq)
+    L = np.flatnonzero(np.isfinite(lb) & free_of_eq)
+    return _Form(N, H, q, lf.A_ub.tocsr(), np.asarray(lf.b_ub, dtype=np.float64), E, f, U, ub[U], L, lb[L])
+
+
+class _Ipm:
+    """One interior-point solve (see the module doc)."""
+
+    def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any]):
+        self.problem = problem
+        self.cset = cset
+        self.opts = opts
+        self.F = _form(problem, cset)
+        F = self.F
+        self.eta = float(np.max(np.abs(np.diag(F.H)), initial=0.0)) or 1.0
+        self.H32: np.ndarray | None = None
+        self.float32_ok = True
+        #: index into :data:`RIDGES` of the ridge that last gave a factorisation, per dtype
+        self._ridge_level: dict[str, int] = {}
+        self.factorisations = {"float32": 0, "float64": 0}
+        self.crossovers: list[str] = []
+        self._faces_tried: set[bytes] = set()
+        self.face_solves = 0
+        self.faces_skipped = 0
+        #: the diagonal regularisation of M (keeps a singular H with few constraints factorisable)
+        self.delta = 1e-13 * self.eta
+        self.At = F.A.T.tocsr()
+        self.Et = F.E.T.tocsr()
+
+    # -- pieces
+    def normal_matrix(self, w: np.ndarray, dtype: Any) -> np.ndarray:
+        """``H + C' diag(w) C + delta I`` in ``dtype`` (a fresh array; ``A'WA`` by a sparse
+        product, block diagonal for per-atom rows)."""
+        F = self.F
+        if dtype == np.float32:
+            if self.H32 is None:
+                self.H32 = F.H.astype(np.float32)
+            M = self.H32.copy()
+        else:
+            M = F.H.copy()
+        diag = F.diagonal(w) + self.delta
+        idx = np.arange(F.N)
+        M[idx, idx] += diag.astype(M.dtype)
+        mA = F.A.shape[0]
+        if mA:
+            AWA = (self.At @ sp.diags(w[:mA]) @ F.A).tocoo()
+            AWA.sum_duplicates()
+            M[AWA.row, AWA.col] += AWA.data.astype(M.dtype)
+        return M
+
+    def _cholesky(self, w: np.ndarray, dtype: Any) -> Any:
+        """The Cholesky factor of ``M`` in ``dtype`` with the smallest ridge of :data:`RIDGES`
+        (relative to M's own scale: near the optimum C'WC dwarfs H, and its rounding can make M
+        indefinite by more than any multiple of H's scale) that works, starting from the one that
+        worked last (M only grows more ill-conditioned); ``None`` when none does, or in float32
+        when M is too ill-conditioned for that precision."""
+        key = np.dtype(dtype).name
+        ladder = RIDGES[key]
+        start = self._ridge_level.get(key, 0)
+        M = self.normal_matrix(w, dtype)
+        top = max(float(np.max(np.diag(M))), self.eta)
+        for i in range(start, len(ladder)):
+            if i > start:
+                M = self.normal_matrix(w, dtype)  # the failed attempt overwrote it
+            if ladder[i]:
+                M[np.diag_indices_from(M)] += M.dtype.type(ladder[i] * top)
+            try:
+                fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=True)
+            except np.linalg.LinAlgError:
+                continue
+            self._ridge_level[key] = i
+            if dtype == np.float32 and float(np.min(np.abs(np.diag(fac[0])))) ** 2 <= 1e-6 * top:
+                return None
+            return fac
+        return None
+
+    def factorise(self, w: np.ndarray, low: bool) -> Any:
+        """A solver of ``M y = r`` (``M`` from :meth:`normal_matrix`; ``r`` of shape ``(N,)`` or
+        ``(N, k)``): float32 with one refinement step against the float64 M when ``low`` and M
+        allows it, else float64."""
+        F = self.F
+        mA = F.A.shape[0]
+        fac = None
+        # (weights beyond float32's range come from diverging iterates: float64)
+        if low and self.float32_ok and float(np.max(w, initial=0.0)) < 1e30:
+            fac = self._cholesky(w, np.float32)
+            # M only grows more ill-conditioned as the iteration goes on: once float32 has
+            # failed, the later factorisations go straight to float64
+            self.float32_ok = fac is not None
+        if fac is not None:
+            self.factorisations["float32"] += 1
+            dw = F.diagonal(w) + self.delta
+
+            def solve32(r: np.ndarray) -> np.ndarray:
+                y = sla.cho_solve(fac, r.astype(np.float32), check_finite=False).astype(np.float64)
+                col = (slice(None),) + (None,) * (y.ndim - 1)
+                My = F.H @ y + dw[col] * y
+                if mA:
+                    My += self.At @ (w[:mA][col] * (F.A @ y))
+                return y + sla.cho_solve(fac, (r - My).astype(np.float32), check_finite=False).astype(np.float64)
+
+            return solve32
+        fac64 = self._cholesky(w, np.float64)
+        if fac64 is None:
+            raise SolverError("dense_ipm: the normal matrix H + C'WC could not be factorised even with a ridge")
+        self.factorisations["float64"] += 1
+        return lambda r: sla.cho_solve(fac64, r, check_finite=False)
+
+    # -- the iteration
+    def run(self) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
+        F, opts = self.F, self.opts
+        P = self.problem
+        tol = float(opts["tol"])
+        m = F.m
+        d = F.d()
+        x = self._start()
+        s = np.maximum(d - F.Cx(x), 1.0)
+        lam = np.ones(m)
+        y = np.zeros(F.E.shape[0])
+        size = 1.0 + float(np.max(np.abs(d), initial=0.0))
+        qscale = 1.0 + float(np.max(np.abs(F.q), initial=0.0))
+        status = SolveStatus.MAX_ITERATIONS
+        budget = int(opts["crossover_face_solves"]) if opts["crossover"] else 0
+        it = 0
+        history: list[tuple[float, float, float]] = []
+        # the best iterate by max(relative gap, dual residual, primal residual)
+        best: tuple[float, np.ndarray, int, tuple[float, float, float]] = (math.inf, x, 0, (math.inf,) * 3)
+        since_best = 0
+        crossed = False
+        for it in range(int(opts["max_iter"]) + 1):
+            Hx = F.H @ x
+            rd = Hx + F.q + F.Ctv(lam) + (self.Et @ y if y.size else 0.0)
+            rp = F.Cx(x) + s - d
+            re = F.E @ x - F.f
+            J = float(0.5 * x @ Hx + F.q @ x) + P.c
+            terms = abs(P.c) + abs(0.5 * float(x @ Hx)) + abs(float(F.q @ x))
+            scale = max(abs(J), 1e-8 * terms, np.finfo(float).tiny)
+            gap = float(s @ lam) if m else 0.0
+            err_d = float(np.max(np.abs(rd), initial=0.0)) / (qscale + float(np.max(np.abs(Hx), initial=0.0)))
+            err_p = max(float(np.max(np.abs(rp), initial=0.0)), float(np.max(np.abs(re), initial=0.0))) / size
+            with np.errstate(over="ignore"):
+                history.append((gap / scale, err_d, err_p))
+            if float(np.max(np.abs(x), initial=0.0)) > DIVERGED * size:
+                raise unbounded_claim(P, self.cset, "dense_ipm", "diverged iterates", x[:P.n])
+            merit = max(history[-1])
+            if merit < best[0]:
+                best, since_best = (merit, x, it, history[-1]), 0
+            else:
+                since_best += 1
+            if merit <= tol:
+                status = SolveStatus.OPTIMAL
+                break
+            if gap <= tol * scale and (since_best >= 2 or merit > 1e3 * best[0]):
+                # complementarity is reached but a residual has stopped falling (its float64
+                # floor on an ill-conditioned M): the best iterate is the answer
+                status = SolveStatus.OPTIMAL if best[0] <= math.sqrt(tol) else SolveStatus.INACCURATE
+                break
+            if it == int(opts["max_iter"]):
+                break
+            mu = gap / m if m else 0.0
+            if self.face_solves < budget and gap <= float(opts["crossover_from"]) * scale and err_p <= 1e-6:
+                xc = self._crossover(x, s, lam, mu)
+                if xc is not None:
+                    x, crossed = xc, True
+                    status = SolveStatus.OPTIMAL
+                    break
+            low = opts["precision"] == "mixed" or (opts["precision"] == "auto"
+                                                   and gap > float(opts["float32_until"]) * scale)
+            dx, dy, dl, ds = self._direction(s, lam, rd, rp, re, mu, low)
+            a = min(1.0, STEP_FRACTION * min(_max_step(s, ds), _max_step(lam, dl)))
+            x = x + a * dx
+            if y.size:
+                y = y + a * dy
+            lam = lam + a * dl
+            s = s + a * ds
+        if status == SolveStatus.OPTIMAL and crossed:
+            last = history[-1]
+        else:
+            _, x, _, last = best
+        if status != SolveStatus.OPTIMAL and last[2] > 1e-6:
+            raise SolverError(
+                f"dense_ipm: no feasible point after {it} iterations (relative primal residual "
+                f"{last[2]:.2g}): the set {self.cset.spec} may be empty; clarabel detects "
+                f"infeasibility")
+        x = self._clip(x)
+        info = {"ipm_iterations": it, "factorisations": dict(self.factorisations),
+                "crossover": list(self.crossovers), "crossover_face_solves": self.face_solves,
+                "crossover_faces_skipped": self.faces_skipped,
+                "relative_gap": last[0], "dual_residual": last[1], "primal_residual": last[2]}
+        return x[:P.n], status, it, info
+
+    def _direction(self, s: np.ndarray, lam: np.ndarray, rd: np.ndarray, rp: np.ndarray, re: np.ndarray,
+                   mu: float, low: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Mehrotra's predictor-corrector direction ``(dx, dy, dlambda, ds)``: one factorisation
+        of M (float32 when ``low``; again in float64 when the float32 solve overflowed), two
+        solves."""
+        F = self.F
+        m = F.m
+        w = lam / s if m else np.zeros(0)
+        for low_now in ((True, False) if low else (False,)):
+            solve_M = self.factorise(w, low_now)
+            with np.errstate(over="ignore", invalid="ignore"):
+                schur = self._schur(solve_M) if F.E.shape[0] else None
+
+            def newton(rc: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                h = -rd - F.Ctv(w * rp - rc / s)
+                if schur is not None:
+                    MiEt, facE = schur
+                    Mih = solve_M(h)
+                    dy = sla.cho_solve(facE, F.E @ Mih + re, check_finite=False)
+                    dx = Mih - MiEt @ dy
+                else:
+                    dy, dx = np.zeros(0), solve_M(h)
+                dl = w * (F.Cx(dx) + rp) - rc / s
+                ds = -(rc + s * dl) / lam
+                return dx, dy, dl, ds
+
+            with np.errstate(over="ignore", invalid="ignore"):
+                dx, dy, dl, ds = newton(s * lam)
+                a = min(_max_step(s, ds), _max_step(lam, dl))
+                mu_aff = float((s + a * ds) @ (lam + a * dl)) / m if m else 0.0
+                sigma = (mu_aff / mu) ** 3 if mu > 0 else 0.0
+                out = newton(s * lam + ds * dl - sigma * mu)
+            if all(np.all(np.isfinite(v)) for v in out):
+                return out
+        raise SolverError("dense_ipm: the Newton direction is not finite (the iterates diverged)")
+
+    def _start(self) -> np.ndarray:
+        """Mid-box where both bounds are finite, one unit inside a single bound, else 0."""
+        F = self.F
+        lo = np.full(F.N, -np.inf)
+        hi = np.full(F.N, np.inf)
+        lo[F.L], hi[F.U] = F.l, F.u
+        both = np.isfinite(lo) & np.isfinite(hi)
+        return np.where(both, 0.5 * (np.where(both, lo, 0) + np.where(both, hi, 0)),
+                        np.where(np.isfinite(lo), lo + 1.0, np.where(np.isfinite(hi), hi - 1.0, 0.0)))
+
+    def _clip(self, x: np.ndarray) -> np.ndarray:
+        F = self.F
+        x = x.copy()
+        x[F.U] = np.minimum(x[F.U], F.u)
+        x[F.L] = np.maximum(x[F.L], F.l)
+        return x
+
+    def _schur(self, solve_M: Any) -> tuple[np.ndarray, Any]:
+        """``M^{-1} E'`` and the Cholesky factor of ``E M^{-1} E'`` (equality rows)."""
+        F = self.F
+        MiEt = solve_M(F.E.T.toarray())
+        S = np.asarray(F.E @ MiEt)
+        top = float(np.max(np.abs(np.diag(S)), initial=0.0)) or 1.0
+        for ridge in (1e-14, 1e-10, 1e-6):
+            try:
+                return MiEt, sla.cho_factor(S + ridge * top * np.eye(S.shape[0]), check_finite=False)
+            except np.linalg.LinAlgError:
+                continue
+        raise SolverError("dense_ipm: the equality rows are linearly dependent beyond repair "
+                          "(E M^-1 E' is not positive definite)")
+
+    # -- crossover
+    def _crossover(self, x: np.ndarray, s: np.ndarray, lam: np.ndarray, mu: float) -> np.ndarray | None:
+        """The minimiser of the face that the iterate points at, if it certifies (else ``None``).
+
+        The guess: constraints with ``s_i < lambda_i`` or ``s_i < sqrt(mu)``. Then up to
+        :data:`CROSSOVER_ROUNDS` primal-dual corrections: violated constraints join the face,
+        constraints whose multiplier is clearly negative leave it. A face already tried is not
+        certified again."""
+        from ..certificate import certify  # deferred: the certificate imports the constraint kernels
+
+        F = self.F
+        mA, mU = F.A.shape[0], F.U.size
+        th = math.sqrt(max(mu, 0.0))
+        act = (s < lam) | (s < th)
+        act_A, act_U, act_L = act[:mA].copy(), act[mA:mA + mU].copy(), act[mA + mU:].copy()
+        lam_U, lam_L = lam[mA:mA + mU], lam[mA + mU:]
+        gscale = 1.0 + float(np.max(np.abs(F.q), initial=0.0)) + self.eta
+        xc = None
+        for _ in range(CROSSOVER_ROUNDS):
+            key = np.packbits(np.concatenate([act_A, act_U, act_L])).tobytes()
+            if key in self._faces_tried:
+                self.faces_skipped += 1  # the same face as an earlier attempt: no new answer
+                return None
+            self._faces_tried.add(key)
+            self.face_solves += 1
+            out = self._face(act_A, act_U, act_L, lam_U, lam_L, x)
+            if out is None:
+                self.crossovers.append("face not solvable")
+                return None
+            xc, nu_A, at_U, at_L, r, singular = out
+            vA = F.A @ xc - F.b > 1e-12 * (1.0 + np.abs(F.b))
+            vU = xc[F.U] - F.u > 1e-12 * (1.0 + np.abs(F.u))
+            vL = F.l - xc[F.L] > 1e-12 * (1.0 + np.abs(F.l))
+            # multipliers of the face's constraints (A x <= b: nu >= 0; x <= u: -r >= 0; x >= l: r >= 0)
+            neg = -1e-9 * gscale
+            dA = act_A & (nu_A < neg)
+            dU = at_U & (-r[F.U] < neg)
+            dL = at_L & (r[F.L] < neg)
+            if not (vA.any() or vU.any() or vL.any() or dA.any() or dU.any() or dL.any()):
+                break
+            if singular:
+                # the multipliers of a face on which H is singular are not unique, so the
+                # corrections wander (measured: they cycled on real singular merge QPs)
+                self.crossovers.append("H singular on the face")
+                return None
+            act_A = (act_A | vA) & ~dA
+            act_U = (act_U | vU) & ~dU
+            act_L = (act_L | vL) & ~dL
+        else:
+            self.crossovers.append(f"no consistent face in {CROSSOVER_ROUNDS} rounds")
+            return None
+        assert xc is not None
+        xc = self._clip(xc)
+        P = self.problem
+        cert = certify(P, self.cset, P.unflat(xc[:P.n]), rel_tol=float(self.opts["tol"]), pinv=False)
+        if cert.certified() or (cert.feasible and cert.at_rounding_floor):
+            self.crossovers.append("certified")
+            return xc
+        self.crossovers.append(f"not certified (gap {cert.fw_gap:.2g})")
+        return None
+
+    def _face(self, act_A: np.ndarray, act_U: np.ndarray, act_L: np.ndarray, lam_U: np.ndarray,
+              lam_L: np.ndarray, x_ref: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool] | None:
+        """Minimise J with the active bounds fixed and the active rows (and ``E``) as equalities:
+        ``H_FF x_F + c_F + Abar' nu = 0``, ``Abar x_F = abar``, by a Cholesky of ``H_FF`` and a
+        rank-revealing (eigenvalue) solve of the Schur complement ``Abar H_FF^-1 Abar'``.
+        Where H is singular on the free variables, the face minimiser nearest ``x_ref`` (the
+        interior point) through a proximal term ``FACE_PROX * max diag H``. Returns ``x``, the
+        rows' multipliers ``nu_A`` (0 off the face), which upper / lower bounds fix a variable,
+        ``r = Hx + q + A'nu_A + E'nu_E`` (the bounds' multipliers: ``-r`` at an upper bound,
+        ``r`` at a lower one) and whether the proximal term was needed; ``None`` when the face
+        cannot be solved."""
+        F = self.F
+        mA = F.A.shape[0]
+        xB = np.full(F.N, np.nan)
+        xB[F.U[act_U]] = F.u[act_U]
+        # a variable with both bounds active (degenerate): the bound with the larger multiplier
+        up_mult = np.full(F.N, -np.inf)
+        up_mult[F.U[act_U]] = lam_U[act_U]
+        take_L = act_L & (lam_L >= up_mult[F.L])
+        xB[F.L[take_L]] = F.l[take_L]
+        fixed = np.isfinite(xB)
+        at_U = act_U & (xB[F.U] == F.u) & ~np.isin(F.U, F.L[take_L])
+        at_L = take_L
+        Fr, B = np.flatnonzero(~fixed), np.flatnonzero(fixed)
+        rows_A = np.flatnonzero(act_A)
+        rows = sp.vstack([F.A[rows_A], F.E]).tocsr()
+        rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
+        AF = rows[:, Fr].tocsr()
+        keep = np.flatnonzero(np.diff(AF.indptr) > 0)  # rows that vanish on F are implied by the bounds
+        x = np.where(fixed, xB, 0.0)
+        nu = np.zeros(rows.shape[0])
+        rho = 0.0
+        if Fr.size:
+            HFF = F.H[np.ix_(Fr, Fr)]
+            cF = F.q[Fr] + F.H[np.ix_(Fr, B)] @ xB[B]
+            fac = None
+            for rho in (0.0, FACE_PROX * self.eta):
+                try:
+                    fac = sla.cho_factor(HFF + rho * np.eye(Fr.size) if rho else HFF, lower=False,
+                                         check_finite=False)
+                except np.linalg.LinAlgError:
+                    continue
+                if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * self.eta:
+                    break
+                fac = None
+            if fac is None:
+                return None
+            if rho:
+                # H singular on F (a flat direction the face does not pin): the minimiser of
+                # J + rho/2 |x_F - x_ref|^2 on the face, the one nearest the interior point
+                cF = cF - rho * x_ref[Fr]
+            xF = -sla.cho_solve(fac, cF, check_finite=False)
+            if keep.size:
+                Ad = AF[keep].toarray()
+                Y = sla.cho_solve(fac, Ad.T, check_finite=False)
+                S = Ad @ Y
+                ev, V = np.linalg.eigh(0.5 * (S + S.T))
+                top = float(ev[-1]) if ev.size else 0.0
+                if not top > 0:
+                    return None
+                good = ev > 1e-10 * top
+                nu[keep] = V[:, good] @ ((V[:, good].T @ (Ad @ xF - rhs[keep])) / ev[good])
+                xF = xF - Y @ nu[keep]
+            x[Fr] = xF
+        nu_A = np.zeros(mA)
+        nu_A[rows_A] = nu[:rows_A.size]
+        r = F.H @ x + F.q + F.A.T @ nu_A
+        if F.E.shape[0]:
+            r = r + F.E.T @ nu[rows_A.size:]
+        # active rows that vanish on F share the fixed variables' multipliers with their bounds
+        # (a degenerate vertex): r does not decide those bounds' signs
+        vanish = np.setdiff1d(np.arange(rows_A.size), keep)
+        if vanish.size:
+            touched = np.unique(F.A[rows_A[vanish]].indices)
+            at_U = at_U & ~np.isin(F.U, touched)
+            at_L = at_L & ~np.isin(F.L, touched)
+        return x, nu_A, at_U, at_L, r, rho > 0
+
+
+
+def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
+    """The largest ``a <= 1`` with ``v + a dv >= 0`` (``v > 0``)."""
+    neg = dv < 0
+    if not np.any(neg):
+        return 1.0
+    return min(1.0, float(np.min(-v[neg] / dv[neg])))
+
+
+class DenseIpmSolver(QPSolver):
+    """Dense primal-dual interior point for any polyhedral set (see the module doc).
+
+    Options (defaults): ``tol`` 1e-10 (relative duality gap and residuals), ``max_iter`` 100,
+    ``precision`` "auto" (float32 factorisations while the relative gap is above
+    ``float32_until`` 1e-7; "float64" or "mixed" to force), ``crossover`` true (from a relative
+    gap of ``crossover_from`` 1e-6, at most ``crossover_face_solves`` 12 face solves) and
+    ``threads`` "all" (the BLAS pools as they are: each iteration is one large factorisation,
+    which scales with cores; "auto" or an integer caps them as ``active_set``'s option does)."""
+
+    name = "dense_ipm"
+    defaults = {"tol": 1e-10, "max_iter": 100, "precision": "auto", "float32_until": 1e-7,
+                "crossover": True, "crossover_from": 1e-6, "crossover_face_solves": 12, "threads": "all"}
+    #: ``auto`` takes this solver from this many variables (below it Clarabel was faster: sign
+    #: family, one thread, n = 64 / 96 / 128 / 192 / 256: 0.048 / 0.033 / 0.034 / 0.052 / 0.078 s
+    #: against 0.028 / 0.022 / 0.032 / 0.082 / 0.135 s; docs/solvers.md)
+    auto_min_n = 128
+    #: ... and up to this many without asking the machine for memory; beyond it while ``M``, the
+    #: float32 H and H fit
+    auto_max_n = 16384
+    AUTO_MEMORY_FACTOR = 1.5
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        if problem.H is None:
+            return "needs an explicit H"
+        return standard_form_reason(constraints, problem.shape)
+
+    def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        if problem.n < self.auto_min_n:
+            return (f"n = {problem.n} < {self.auto_min_n}: clarabel was measured faster on problems this "
+                    f"small (its fixed costs are lower)")
+        if problem.n <= self.auto_max_n:
+            return None
+        need = self.AUTO_MEMORY_FACTOR * 8.0 * problem.n ** 2
+        avail = available_memory_bytes()
+        if avail is None or need > avail:
+            have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
+            return f"n = {problem.n} > {self.auto_max_n}: its work arrays need {need / 1e9:.1f} GB, available: {have}"
+        return None
+
+    def check_options(self, options: Any) -> dict[str, Any]:
+        opts = super().check_options(options)
+        self.check_ranges(opts, {
+            "tol": lambda v: v > 0, "max_iter": lambda v: v >= 1, "float32_until": lambda v: v >= 0,
+            "crossover_from": lambda v: v > 0, "crossover_face_solves": lambda v: v >= 0,
+        })
+        if opts["precision"] not in ("auto", "float64", "mixed"):
+            raise ValidationError(f"dense_ipm: option precision={opts['precision']!r} must be "
+                                  "'auto', 'float64' or 'mixed'")
+        try:
+            thread_cap(opts["threads"])
+        except ValidationError as e:
+            raise ValidationError(f"dense_ipm: option {e}") from None
+        return opts
+
+    def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
+              **options: Any) -> RawResult:
+        opts = self.check_options(options)
+        t0 = time.perf_counter()
+        with blas_threads(opts["threads"]) as cap:
+            ipm = _Ipm(problem, constraints, opts)
+            setup = time.perf_counter() - t0
+            x, status, it, info = ipm.run()
+        if cap is not None:
+            info["blas_threads"] = cap
+        if x0 is not None:
+            info["x0"] = "ignored (an interior-point method starts inside the set)"
+        return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)

@@ -1,0 +1,137 @@
+"""The dense interior-point solver against Clarabel (a second, independent solver) on polyhedral
+sets that the active-set engine does not take, its options, and its errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex, SignConsensus
+from mergeqp.errors import SolverError, UnboundedError, ValidationError
+from mergeqp.problem import MergeQP
+from mergeqp.solvers.dense_ipm import DenseIpmSolver
+from mergeqp.solvers.instance_families import draw
+from mergeqp.solvers.registry import SOLVERS, choose_solver, solve
+
+
+def _sign(K: int, m: int, rng: np.random.Generator, cols: int = 3, density: float = 1.0) -> SignConsensus:
+    return SignConsensus.from_deltas(rng.standard_normal((K, m, cols)), "rows", density=density)
+
+
+def _sets(K: int, m: int, rng: np.random.Generator) -> list:
+    return [
+        Box(0.0, 1.0) & _sign(K, m, rng),
+        Box(0.0, 1.0) & _sign(K, m, rng, cols=1),
+        Box(0.0, 1.0) & _sign(K, m, rng, cols=6, density=0.5),
+        Simplex() & _sign(K, m, rng),
+        Box(0.0, np.inf) & _sign(K, m, rng),
+        Box(-1.0, 1.0) & L1Ball(0.4 * K * m, 0.0) & _sign(K, m, rng),
+        Box(0.0, 1.0) & GlobalSimplex(0.5 * m) & _sign(K, m, rng),
+        Box(0.0, 1.0 if K == 1 else 0.7) & Simplex(),
+        Box(0.2, 0.2) & _sign(K, m, rng),  # every coefficient fixed (lo == hi): equalities only
+    ]
+
+
+problems = st.tuples(
+    st.integers(1, 3),  # K
+    st.integers(1, 6),  # atoms
+    st.floats(0.0, 1.0),  # rank fraction (0 -> zero H: an LP)
+    st.integers(0, 2**31 - 1),  # seed
+    st.integers(0, 8),  # constraint set
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems)
+def test_dense_ipm_agrees_with_clarabel_and_certifies(random_psd_problem, rel_diff, params) -> None:
+    K, m, frac, seed, which = params
+    rng = np.random.default_rng(seed)
+    problem = random_psd_problem(rng, K, m, round(frac * K * m))
+    cset = _sets(K, m, rng)[which]
+    ref = solve(problem, cset, solver="clarabel", rel_tol=1e-7)
+    sol = solve(problem, cset, solver="dense_ipm", rel_tol=1e-7)
+    assert sol.certificate.feasible, sol.certificate.explain()
+    if ref.certificate.certified(1e-7):  # (on an unbounded set with J* = 0 neither may certify)
+        assert sol.certificate.certified(1e-7) or sol.certificate.at_rounding_floor, sol.certificate.explain()
+    assert rel_diff(sol.objective, ref.objective) <= 1e-6, (sol.objective, ref.objective)
+
+
+@pytest.mark.parametrize("options", [{}, {"precision": "float64"}, {"precision": "mixed"}, {"crossover": False},
+                                     {"crossover_from": 1.0, "crossover_face_solves": 40}])
+def test_sign_family_every_option_reaches_the_same_certified_optimum(options: dict) -> None:
+    inst = draw("sign", 1, 192)
+    ref = solve(inst.problem, inst.constraints, solver="clarabel", rel_tol=1e-9)
+    sol = solve(inst.problem, inst.constraints, solver="dense_ipm", rel_tol=1e-9, **options)
+    assert sol.certificate.certified(1e-9), sol.certificate.explain()
+    assert abs(sol.objective - ref.objective) <= 1e-9 * abs(ref.objective)
+    if options.get("precision") == "float64":
+        assert sol.info["factorisations"]["float32"] == 0
+    elif not options:
+        assert sol.info["factorisations"]["float32"] > 0  # far from the optimum: float32
+
+
+def test_crossover_lands_exactly_on_the_face() -> None:
+    """A certified crossover returns the face's minimiser: coefficients exactly at their bounds
+    (an interior point only approaches them)."""
+    inst = draw("sign", 0, 192)
+    on = solve(inst.problem, inst.constraints, solver="dense_ipm", rel_tol=1e-9)
+    off = solve(inst.problem, inst.constraints, solver="dense_ipm", rel_tol=1e-9, crossover=False)
+    assert on.info["crossover"][-1] == "certified"
+    assert off.info["crossover"] == []
+    assert np.count_nonzero((on.d == 0.0) | (on.d == 1.0)) > np.count_nonzero((off.d == 0.0) | (off.d == 1.0))
+    assert on.certificate.fw_gap <= off.certificate.fw_gap
+
+
+def test_auto_takes_dense_ipm_for_sign_consensus_from_its_size(random_psd_problem) -> None:
+    inst = draw("sign", 0, DenseIpmSolver.auto_min_n)
+    assert choose_solver(inst.problem, inst.constraints).name == "dense_ipm"
+    sol = solve(inst.problem, inst.constraints)
+    assert sol.solver == "dense_ipm" and sol.certificate.certified()
+    small = random_psd_problem(np.random.default_rng(0), 3, 5, 15)  # n = 15: Clarabel's fixed costs are lower
+    cset = Box(0.0, 1.0) & _sign(3, 5, np.random.default_rng(1))
+    assert choose_solver(small, cset).name == "clarabel"
+    assert "clarabel was measured faster" in SOLVERS["dense_ipm"].auto_declines(small, cset)
+
+
+def test_auto_declines_beyond_its_memory(random_psd_problem, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergeqp.solvers import dense_ipm
+
+    problem = random_psd_problem(np.random.default_rng(0), 2, 4, 8)
+    cset = Box(0.0, 1.0) & _sign(2, 4, np.random.default_rng(1))
+    monkeypatch.setattr(DenseIpmSolver, "auto_min_n", 1)
+    monkeypatch.setattr(DenseIpmSolver, "auto_max_n", 4)
+    monkeypatch.setattr(dense_ipm, "available_memory_bytes", lambda: 1.0)
+    assert "work arrays need" in SOLVERS["dense_ipm"].auto_declines(problem, cset)
+    assert choose_solver(problem, cset).name == "clarabel"
+    monkeypatch.setattr(dense_ipm, "available_memory_bytes", lambda: 1e12)
+    assert choose_solver(problem, cset).name == "dense_ipm"
+
+
+def test_options_are_checked() -> None:
+    s = DenseIpmSolver()
+    with pytest.raises(ValidationError, match="precision"):
+        s.check_options({"precision": "half"})
+    with pytest.raises(ValidationError, match="tol"):
+        s.check_options({"tol": -1.0})
+    with pytest.raises(ValidationError, match="threads"):
+        s.check_options({"threads": "many"})
+    with pytest.raises(ValidationError, match="unrecognised"):
+        s.check_options({"warm_steps": 3})
+
+
+def test_empty_set_is_said_not_returned(random_psd_problem) -> None:
+    problem = random_psd_problem(np.random.default_rng(0), 3, 4, 12)
+    with pytest.raises(SolverError, match="may be empty"):
+        DenseIpmSolver().solve(problem, Box(2.0, 3.0) & Simplex(1.0), max_iter=30)
+    with pytest.raises(SolverError, match="is empty"):
+        DenseIpmSolver().solve(problem, Box(0.5, 1.0) & Box(0.0, 0.4))
+
+
+def test_unbounded_problem_is_named() -> None:
+    rng = np.random.default_rng(0)
+    K, m = 2, 3
+    problem = MergeQP(np.zeros((K * m, K * m)), -np.ones(K * m), 0.0, shape=(K, m))
+    with pytest.raises(UnboundedError):
+        DenseIpmSolver().solve(problem, _sign(K, m, rng))

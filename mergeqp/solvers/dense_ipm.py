@@ -591,9 +591,9 @@ class DenseIpmSolver(QPSolver):
     name = "dense_ipm"
     defaults = {"tol": 1e-10, "max_iter": 100, "correctors": 2, "precision": "auto", "float32_until": 1e-7,
                 "crossover": True, "crossover_from": 1e-6, "crossover_face_solves": 12, "threads": "all"}
-    #: ``auto`` takes this solver from this many variables (below it Clarabel's fixed costs were
-    #: lower: 1.3-2.3x faster at n = 64 / 96 on the sign family, even at 128, 1.5-1.7x slower from
-    #: 192; docs/solvers.md)
+    #: ``auto`` takes this solver from this many variables (below it Clarabel's fixed costs are
+    #: lower: on the sign family Clarabel was 1.5-1.7x faster at n = 64 / 96, 1.2x at 128, and
+    #: 1.5-1.6x slower from 192; docs/solvers.md)
     auto_min_n = 128
     #: ... and up to this many without asking the machine for memory; beyond it while ``M``, the
     #: float32 H and H fit

@@ -568,7 +568,6 @@ class _Ipm:
         return x, nu_A, at_U, at_L, r, rho > 0
 
 
-
 def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
     """The largest ``a <= 1`` with ``v + a dv >= 0`` (``v > 0``)."""
     neg = dv < 0

@@ -67,12 +67,11 @@ from ..constraints import ConstraintSet, SetStructure
 from ..constraints.base import members_structure
 from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
-from ..io.memory import available_memory_bytes
 from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .base import QPSolver, RawResult
+from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 
 __all__ = ["CEN", "FREE", "HI", "LO", "ActiveSetSolver", "set_structure", "solve_psd", "support_value",
@@ -554,15 +553,8 @@ class ActiveSetSolver(QPSolver):
         """Beyond :attr:`auto_max_n` variables, decline when the work arrays would not fit in the
         machine's available memory (or it is unknown): ``auto`` then takes the matrix-free
         torch_fista, which needs no copy of H but thousands of products with it."""
-        if problem.n <= self.auto_max_n:
-            return None
-        need = self.AUTO_MEMORY_FACTOR * 8.0 * problem.n ** 2
-        avail = available_memory_bytes()
-        if avail is None or need > avail:
-            have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
-            return (f"n = {problem.n} > {self.auto_max_n} and its work arrays need up to {need / 1e9:.1f} GB "
-                    f"beyond H, available: {have}; auto prefers the matrix-free torch_fista")
-        return None
+        why = work_arrays_decline(problem.n, self.auto_max_n, self.AUTO_MEMORY_FACTOR)
+        return None if why is None else f"{why}; auto prefers the matrix-free torch_fista"
 
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         if problem.H is None:

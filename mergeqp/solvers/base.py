@@ -14,6 +14,7 @@ import numpy as np
 
 from ..constraints import ConstraintSet
 from ..errors import ValidationError
+from ..io.memory import available_memory_bytes
 from ..problem import MergeQP
 from ..solution import SolveStatus
 
@@ -94,3 +95,17 @@ class QPSolver(ABC):
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         """Solve ``min_{d in C} J(d)``; ``x0`` an optional ``(K, n_atoms)`` warm start."""
+
+
+def work_arrays_decline(n: int, max_n: int, factor: float) -> str | None:
+    """The memory rule of ``auto_declines`` for a dense solver: ``None`` up to ``max_n``
+    variables, or beyond while ``factor`` times the bytes of H fit in the machine's available
+    memory; else why not (the memory needed and available, "unknown" when it cannot be read)."""
+    if n <= max_n:
+        return None
+    need = factor * 8.0 * n ** 2
+    avail = available_memory_bytes()
+    if avail is not None and need <= avail:
+        return None
+    have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
+    return f"n = {n} > {max_n}: its work arrays need up to {need / 1e9:.1f} GB beyond H, available: {have}"

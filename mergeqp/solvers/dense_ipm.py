@@ -58,10 +58,9 @@ import scipy.sparse as sp
 from ..constraints import ConstraintSet
 from ..constraints.lp import lifted_form
 from ..errors import SolverError, ValidationError
-from ..io.memory import available_memory_bytes
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult
+from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -608,14 +607,7 @@ class DenseIpmSolver(QPSolver):
         if problem.n < self.auto_min_n:
             return (f"n = {problem.n} < {self.auto_min_n}: clarabel was measured faster on problems this "
                     f"small (its fixed costs are lower)")
-        if problem.n <= self.auto_max_n:
-            return None
-        need = self.AUTO_MEMORY_FACTOR * 8.0 * problem.n ** 2
-        avail = available_memory_bytes()
-        if avail is None or need > avail:
-            have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
-            return f"n = {problem.n} > {self.auto_max_n}: its work arrays need {need / 1e9:.1f} GB, available: {have}"
-        return None
+        return work_arrays_decline(problem.n, self.auto_max_n, self.AUTO_MEMORY_FACTOR)
 
     def check_options(self, options: Any) -> dict[str, Any]:
         opts = super().check_options(options)

@@ -97,16 +97,16 @@ def test_auto_takes_dense_ipm_for_sign_consensus_from_its_size(random_psd_proble
 
 
 def test_auto_declines_beyond_its_memory(random_psd_problem, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mergeqp.solvers import dense_ipm
+    from mergeqp.solvers import base as solver_base
 
     problem = random_psd_problem(np.random.default_rng(0), 2, 4, 8)
     cset = Box(0.0, 1.0) & _sign(2, 4, np.random.default_rng(1))
     monkeypatch.setattr(DenseIpmSolver, "auto_min_n", 1)
     monkeypatch.setattr(DenseIpmSolver, "auto_max_n", 4)
-    monkeypatch.setattr(dense_ipm, "available_memory_bytes", lambda: 1.0)
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: 1.0)
     assert "work arrays need" in SOLVERS["dense_ipm"].auto_declines(problem, cset)
     assert choose_solver(problem, cset).name == "clarabel"
-    monkeypatch.setattr(dense_ipm, "available_memory_bytes", lambda: 1e12)
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: 1e12)
     assert choose_solver(problem, cset).name == "dense_ipm"
 
 

@@ -103,17 +103,17 @@ def test_auto_dispatch(problem: MergeQP) -> None:
 def test_auto_size_threshold_declines_active_set(problem: MergeQP, monkeypatch: pytest.MonkeyPatch) -> None:
     """Beyond ``auto_max_n`` active_set is kept while its work arrays (2 H) fit in the memory
     available, and passed over for torch_fista when they do not or the memory is unknown."""
-    from mergeqp.solvers import active_set
+    from mergeqp.solvers import base as solver_base
 
     monkeypatch.setattr(type(SOLVERS["active_set"]), "auto_max_n", 5)
     need = 2 * 8 * problem.n ** 2
-    monkeypatch.setattr(active_set, "available_memory_bytes", lambda: need + 1)
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: need + 1)
     assert choose_solver(problem, Box(0, 1)).name == "active_set"
-    monkeypatch.setattr(active_set, "available_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: need - 1)
     assert choose_solver(problem, Box(0, 1)).name == "torch_fista"
     why = SOLVERS["active_set"].auto_declines(problem, Box(0, 1))
     assert "work arrays need up to" in why and "torch_fista" in why
-    monkeypatch.setattr(active_set, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: None)
     assert "available: unknown" in SOLVERS["active_set"].auto_declines(problem, Box(0, 1))
 
 

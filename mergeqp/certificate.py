@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sla
 
+from .cholesky import cho_solve
 from .constraints import ConstraintSet, SetStructure, as_constraint_set
 from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
@@ -279,7 +280,7 @@ class _PseudoInverse:
     def solve(self, b: np.ndarray) -> tuple[np.ndarray, float]:
         """Return ``x = H^+ b`` and the norm of ``b``'s component outside ``range(H)``."""
         if self.chol is not None:
-            return sla.cho_solve(self.chol, b, check_finite=False), 0.0
+            return cho_solve(self.chol, b), 0.0
         assert self.eig is not None
         w, V, cut = self.eig
         coef = V.T @ b

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sla
 
+from ..cholesky import cho_solve
 from ..errors import SolverError
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, _Face
@@ -43,7 +44,7 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
         try:
             fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=False)
             if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * top:
-                return sla.cho_solve(fac, rhs, check_finite=False), "cholesky"
+                return cho_solve(fac, rhs), "cholesky"
         except np.linalg.LinAlgError:
             pass
     eps = ridge * max(top, scale)
@@ -60,7 +61,7 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
     r0 = float(np.linalg.norm(rhs)) or 1.0
     prev = math.inf
     for _ in range(refine):
-        y += sla.cho_solve(fac, res, check_finite=False)
+        y += cho_solve(fac, res)
         res = rhs - M @ y
         nr = float(np.linalg.norm(res))
         if nr <= rtol * (r0 + top * float(np.linalg.norm(y))) or nr > 0.999 * prev:
@@ -327,7 +328,7 @@ class FaceFactorisation:
                             "rho": self.rho}
 
         def apply(r: np.ndarray) -> np.ndarray:
-            return sla.cho_solve(fac, r.astype(dtype), check_finite=False).astype(np.float64)
+            return cho_solve(fac, r.astype(dtype)).astype(np.float64)
 
         return apply
 
@@ -359,14 +360,14 @@ class FaceFactorisation:
             return None
         if A.size == 0 and D.size == 0:
             fac, dt = cache["fac"], cache["dtype"]
-            return lambda r: sla.cho_solve(fac, r.astype(dt), check_finite=False).astype(np.float64)
+            return lambda r: cho_solve(fac, r.astype(dt)).astype(np.float64)
         fac, dt = cache["fac"], cache["dtype"]
         src = self.H32 if dt == np.float32 else self.H
         assert src is not None
         n0 = N0.size
 
         def solve_old(R: np.ndarray) -> np.ndarray:
-            return sla.cho_solve(fac, R.astype(dt), check_finite=False).astype(np.float64)
+            return cho_solve(fac, R.astype(dt)).astype(np.float64)
 
         try:
             if A.size:
@@ -388,7 +389,7 @@ class FaceFactorisation:
                 u1 = solve_old(b1)
                 if facS is None:
                     return u1
-                u2 = sla.cho_solve(facS, b2 - X.T @ b1, check_finite=False)
+                u2 = cho_solve(facS, b2 - X.T @ b1)
                 return np.concatenate([u1 - X @ u2, u2])
 
             if D.size:
@@ -413,7 +414,7 @@ class FaceFactorisation:
             with np.errstate(invalid="ignore", over="ignore"):
                 u = solve_U(b)
                 if T is not None:
-                    u = u - T @ sla.cho_solve(facW, u[D], check_finite=False)
+                    u = u - T @ cho_solve(facW, u[D])
             y = np.empty(r.size)
             y[where_same] = u[new_pos_same]
             y[A] = u[n0:]

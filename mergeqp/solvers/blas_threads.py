@@ -1,4 +1,5 @@
-"""How many threads the dense BLAS may use during a solve (``active_set``'s ``threads`` option).
+"""How many threads the dense BLAS may use during a solve (the ``threads`` option of
+``active_set`` and ``dense_ipm``).
 
 ``active_set`` spends its time in many small dense operations (face blocks of a few hundred to a
 few thousand rows, triangular solves, products with H) for which a BLAS pool of many threads
@@ -6,7 +7,8 @@ costs more in synchronisation than it gains: on a 16-core machine (OpenBLAS 0.3.
 n = 3072 box solve took 0.97 s with 16 threads, 0.22 s with 4 and 0.30 s with 1
 (docs/solvers.md, stop 31). ``"auto"`` therefore caps the pools at :data:`AUTO_MAX_THREADS`
 while a solve runs and restores them afterwards; on a machine with no more cores than that it
-does nothing at all (not even a query of the pools).
+does nothing at all (not even a query of the pools). A solver whose time goes to larger
+factorisations passes its own cap for ``"auto"`` (``dense_ipm``: 8; docs/solvers.md, stop 33).
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def thread_cap(setting: Any) -> int | None:
+def thread_cap(setting: Any, auto: int = AUTO_MAX_THREADS) -> int | None:
     """The number of BLAS threads ``setting`` asks for (``None``: leave the pools as they are).
-    ``"auto"``: :data:`AUTO_MAX_THREADS`; ``"all"``: no limit; an integer >= 1: that many."""
+    ``"auto"``: ``auto`` (default :data:`AUTO_MAX_THREADS`); ``"all"``: no limit; an integer >= 1:
+    that many."""
     if setting == "auto":
-        return AUTO_MAX_THREADS
+        return auto
     if setting == "all":
         return None
     if isinstance(setting, int) and not isinstance(setting, bool) and setting >= 1:
@@ -44,12 +47,12 @@ def thread_cap(setting: Any) -> int | None:
 
 
 @contextlib.contextmanager
-def blas_threads(setting: Any) -> Iterator[int | None]:
-    """Limit the BLAS pools to ``thread_cap(setting)`` threads inside the block (a no-op when the
+def blas_threads(setting: Any, auto: int = AUTO_MAX_THREADS) -> Iterator[int | None]:
+    """Limit the BLAS pools to ``thread_cap(setting, auto)`` threads inside the block (a no-op when the
     cap is at least the usable cores or every pool is already that small; a pool is never
     enlarged). Yields the cap applied, ``None`` when nothing was limited."""
     global _controller
-    cap = thread_cap(setting)
+    cap = thread_cap(setting, auto)
     if cap is None or cap >= usable_cores():
         yield None
         return

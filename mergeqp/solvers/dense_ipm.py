@@ -62,6 +62,7 @@ from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
+from ..cholesky import cho_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
 
@@ -245,19 +246,19 @@ class _Ipm:
             dw = F.diagonal(w) + self.delta
 
             def solve32(r: np.ndarray) -> np.ndarray:
-                y = sla.cho_solve(fac, r.astype(np.float32), check_finite=False).astype(np.float64)
+                y = cho_solve(fac, r.astype(np.float32)).astype(np.float64)
                 col = (slice(None),) + (None,) * (y.ndim - 1)
                 My = F.H @ y + dw[col] * y
                 if mA:
                     My += self.At @ (w[:mA][col] * (F.A @ y))
-                return y + sla.cho_solve(fac, (r - My).astype(np.float32), check_finite=False).astype(np.float64)
+                return y + cho_solve(fac, (r - My).astype(np.float32)).astype(np.float64)
 
             return solve32
         fac64 = self._cholesky(w, np.float64)
         if fac64 is None:
             raise SolverError("dense_ipm: the normal matrix H + C'WC could not be factorised even with a ridge")
         self.factorisations["float64"] += 1
-        return lambda r: sla.cho_solve(fac64, r, check_finite=False)
+        return lambda r: cho_solve(fac64, r)
 
     # -- the iteration
     def run(self) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
@@ -362,7 +363,7 @@ class _Ipm:
                 if schur is not None:
                     MiEt, facE = schur
                     Mih = solve_M(h)
-                    dy = sla.cho_solve(facE, F.E @ Mih + re_, check_finite=False)
+                    dy = cho_solve(facE, F.E @ Mih + re_)
                     dx = Mih - MiEt @ dy
                 else:
                     dy, dx = np.zeros(0), solve_M(h)
@@ -539,7 +540,7 @@ class _Ipm:
                 # H singular on F (a flat direction the face does not pin): the minimiser of
                 # J + rho/2 |x_F - x_ref|^2 on the face, the one nearest the interior point
                 cF = cF - rho * x_ref[Fr]
-            xF = -sla.cho_solve(fac, cF, check_finite=False)
+            xF = -cho_solve(fac, cF)
             if keep.size:
                 Ad = AF[keep].toarray()
                 Y = sla.cho_solve(fac, Ad.T, check_finite=False)
@@ -583,12 +584,16 @@ class DenseIpmSolver(QPSolver):
     ``precision`` "auto" (float32 factorisations while the relative gap is above
     ``float32_until`` 1e-7; "float64" or "mixed" to force), ``crossover`` true (from a relative
     gap of ``crossover_from`` 1e-6, at most ``crossover_face_solves`` 12 face solves) and
-    ``threads`` "all" (the BLAS pools as they are: each iteration is one large factorisation,
-    which scales with cores; "auto" or an integer caps them as ``active_set``'s option does)."""
+    ``threads`` "auto" (the BLAS pools capped at :attr:`AUTO_THREADS` = 8 threads during the
+    solve: on a 16-core machine the whole pool made the same solve 2.3x slower than 8 threads;
+    "all" leaves them as they are, an integer caps them there; docs/solvers.md)."""
 
     name = "dense_ipm"
     defaults = {"tol": 1e-10, "max_iter": 100, "correctors": 2, "precision": "auto", "float32_until": 1e-7,
-                "crossover": True, "crossover_from": 1e-6, "crossover_face_solves": 12, "threads": "all"}
+                "crossover": True, "crossover_from": 1e-6, "crossover_face_solves": 12, "threads": "auto"}
+    #: ``threads: "auto"``: at most this many BLAS threads during a solve (measured on 16 cores,
+    #: sign family, n = 3072: 16 threads 2.80-2.89 s, 8 1.24-1.25 s, 4 1.55-1.79 s, 2 1.82-2.40 s)
+    AUTO_THREADS = 8
     #: ``auto`` takes this solver from this many variables (below it Clarabel's fixed costs are
     #: lower: on the sign family Clarabel was 1.5-1.7x faster at n = 64 / 96, 1.2x at 128, and
     #: 1.5-1.6x slower from 192; docs/solvers.md)
@@ -620,7 +625,7 @@ class DenseIpmSolver(QPSolver):
             raise ValidationError(f"dense_ipm: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")
         try:
-            thread_cap(opts["threads"])
+            thread_cap(opts["threads"], self.AUTO_THREADS)
         except ValidationError as e:
             raise ValidationError(f"dense_ipm: option {e}") from None
         return opts
@@ -629,7 +634,7 @@ class DenseIpmSolver(QPSolver):
               **options: Any) -> RawResult:
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        with blas_threads(opts["threads"]) as cap:
+        with blas_threads(opts["threads"], self.AUTO_THREADS) as cap:
             ipm = _Ipm(problem, constraints, opts)
             setup = time.perf_counter() - t0
             x, status, it, info = ipm.run()

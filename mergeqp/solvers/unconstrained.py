@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.linalg as sla
 
+from ..cholesky import cho_solve
+
 
 @dataclass(frozen=True)
 class UnconstrainedMinimiser:
@@ -35,7 +37,7 @@ def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = 
     try:
         c = sla.cho_factor(H, lower=True, check_finite=False)
         if np.min(np.abs(np.diag(c[0]))) ** 2 > 1e-12 * max(top, np.finfo(float).tiny):
-            return UnconstrainedMinimiser(-sla.cho_solve(c, g, check_finite=False), "cholesky")
+            return UnconstrainedMinimiser(-cho_solve(c, g), "cholesky")
     except np.linalg.LinAlgError:
         pass
     w, V = np.linalg.eigh(H)

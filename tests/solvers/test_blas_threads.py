@@ -1,4 +1,4 @@
-"""``active_set``'s ``threads`` option (:mod:`mergeqp.solvers.blas_threads`): the BLAS pools are
+"""The ``threads`` option of ``active_set`` and ``dense_ipm`` (:mod:`mergeqp.solvers.blas_threads`): the BLAS pools are
 capped while a solve runs and restored after it, never enlarged, untouched on a machine with no
 more cores than the cap; the answer does not depend on the cap; bad values are refused naming
 the option."""
@@ -36,6 +36,7 @@ def seen(monkeypatch):
 @pytest.mark.parametrize("setting, cap", [("auto", bt.AUTO_MAX_THREADS), ("all", None), (1, 1), (7, 7)])
 def test_thread_cap(setting, cap):
     assert bt.thread_cap(setting) == cap
+    assert bt.thread_cap(setting, auto=8) == (8 if setting == "auto" else cap)  # a solver's own "auto"
 
 
 @pytest.mark.parametrize("bad", [0, -2, 2.5, True, "four", None])
@@ -78,3 +79,28 @@ def test_nothing_is_queried_with_no_more_cores_than_the_cap(monkeypatch):
     inst = draw("box", 0, n=96)
     sol = solve(inst.problem, inst.constraints, solver="active_set")
     assert bt._controller is None and "blas_threads" not in sol.info
+
+
+def test_dense_ipm_caps_at_its_own_auto(monkeypatch):
+    """``dense_ipm``'s "auto" is its ``AUTO_THREADS`` (8: its time goes to large factorisations),
+    not ``active_set``'s 4; the answer does not depend on the cap."""
+    from mergeqp.solvers.dense_ipm import DenseIpmSolver
+
+    monkeypatch.setattr(bt, "usable_cores", lambda: 64)
+    caps = []
+    real = bt.blas_threads
+
+    def spy(setting, auto=bt.AUTO_MAX_THREADS):
+        caps.append(bt.thread_cap(setting, auto))
+        return real(setting, auto)
+
+    import mergeqp.solvers.dense_ipm as dense_ipm
+    monkeypatch.setattr(dense_ipm, "blas_threads", spy)
+    inst = draw("sign", 0, n=192)
+    auto = solve(inst.problem, inst.constraints, solver="dense_ipm")
+    one = solve(inst.problem, inst.constraints, solver="dense_ipm", threads=1)
+    assert caps == [DenseIpmSolver.AUTO_THREADS, 1] and DenseIpmSolver.AUTO_THREADS == 8
+    assert auto.certificate.certified() and one.certificate.certified()
+    assert auto.objective == pytest.approx(one.objective, rel=1e-9, abs=1e-12)
+    with pytest.raises(ValidationError, match="dense_ipm: option threads="):
+        solve(inst.problem, inst.constraints, solver="dense_ipm", threads="four")

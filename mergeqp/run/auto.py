@@ -2,8 +2,8 @@
 
 A start-using mode (``trust_region``, ``hybrid``) begins from a baseline merged on every tensor.
 With ``start: auto`` the run layer merges each candidate in turn (by default the soup, task
-arithmetic at three weights, TIES, RegMean and the full-matrix ``output_space`` merge at three
-ridges, by damped Gauss-Newton steps) and scores it by the merge's own objective (the configured ``output:`` block and metric)
+arithmetic at three weights, TIES, RegMean, Fisher and the full-matrix ``output_space`` merge at
+three ridges, by damped Gauss-Newton steps) and scores it by the merge's own objective (the configured ``output:`` block and metric)
 on calibration batches it was not fitted to; the lowest score is the start. No test data is
 involved. Listing one method at several settings (the defaults do so for task arithmetic's
 weight and ``output_space``'s ridge) chooses the setting the same way; a ``{name: qp, params:
@@ -11,7 +11,7 @@ weight and ``output_space``'s ridge) chooses the setting the same way; a ``{name
 basis rank, a ridge ``regularisation`` or a constraint set chosen on held-out data).
 
 Scoring (:func:`batch_splits`): with ``folds`` k >= 2 (default 4) each task's calibration
-batches are cut into k contiguous folds; a candidate that needs data (RegMean's statistics,
+batches are cut into k contiguous folds; a candidate that needs data (RegMean's or Fisher's statistics,
 ``output_space``'s fit, a QP) is fitted per fold on the other folds and scored on the fold, the
 score being the sum over folds; a data-free one is merged once and scored on every batch; the
 winner is then refitted on every batch. With ``folds: 1`` the last ``round(holdout * n)`` batches
@@ -21,7 +21,10 @@ its fit on the rest.
 A candidate that cannot run on this merge is skipped with its reason in the report: the
 ``output_space`` merge fits the fine-tunes' outputs (not a metric that scores the prompts' own
 tokens), solves linear sites only, and is a candidate only where its per-sample Jacobians fit
-``jacobian_max_bytes`` (the matrix-free solve is too slow to be tried on speculation).
+``jacobian_max_bytes`` (the matrix-free solve is too slow to be tried on speculation); a
+candidate whose statistics the model cannot give (Fisher's need logits) is skipped, and with
+``lazy: true`` so are the default candidates whose statistics would load every fine-tune whole
+(:func:`lazy_skipped`).
 
 ``method: auto`` (:data:`AUTO_METHOD`, also the default method) is the recommended merge: a
 trust-region QP over the selected layers from this start, early stopping on the last quarter of
@@ -35,7 +38,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +55,8 @@ AUTO = "auto"
 OUTPUT_SPACE_STEPS = 60
 
 #: the candidates of ``start: auto`` when none are given: the tensor-wise baselines at their
-#: defaults (task arithmetic at three weights), RegMean and the full-matrix output-space merge at
-#: three relative ridges (so its ridge, too, is chosen on the held-out batches)
+#: defaults (task arithmetic at three weights), RegMean, Fisher and the full-matrix output-space
+#: merge at three relative ridges (so its ridge, too, is chosen on the held-out batches)
 DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "soup"},
     {"name": "task_arithmetic", "params": {"scaling": 0.3}},
@@ -61,6 +64,7 @@ DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "task_arithmetic", "params": {"scaling": 1.0}},
     {"name": "ties"},
     {"name": "regmean", "params": {"alpha": 0.9}},
+    {"name": "fisher"},
     {"name": "output_space", "params": {"ridge": 0.01, "steps": OUTPUT_SPACE_STEPS}},
     {"name": "output_space", "params": {"ridge": 0.1, "steps": OUTPUT_SPACE_STEPS}},
     {"name": "output_space", "params": {"ridge": 1.0, "steps": OUTPUT_SPACE_STEPS}},
@@ -284,14 +288,34 @@ def _array_split(n: int, k: int) -> list[range]:
     return out
 
 
-def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str], Any]) -> list[Candidate]:
+def lazy_skipped(params: AutoStartParams, statistics_of: Callable[[str], Any]) -> dict[str, str]:
+    """With ``lazy: true`` (models larger than memory): the *default* candidates whose statistics
+    need gradients of every weight (Fisher), by :attr:`Candidate.key`, with the reason they are
+    skipped: collecting them would load every fine-tune whole. A candidate list written out keeps
+    them (as an explicit Fisher start does; the report then says the fine-tunes were loaded whole)."""
+    if "candidates" in params.model_fields_set:
+        return {}
+    out = {}
+    for cand in params.candidates:
+        spec = statistics_of(cand.name)
+        if spec is not None and not spec.forward_only:
+            out[cand.key] = ("lazy: true: its statistics need gradients of every weight, which would load every "
+                             "fine-tuned model whole (list the candidates to include it)")
+    return out
+
+
+def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str], Any],
+                          skip: Collection[str] = ()) -> list[Candidate]:
     """The distinct statistics-based merges the candidates need (a method that declares
     calibration statistics, and RegMean as the reference of ``output_space`` unless it is the
-    soup): one collector each, fed the fit batches while each fine-tune is loaded."""
+    soup), but those whose :attr:`Candidate.key` is in ``skip``: one collector each, fed the fit
+    batches while each fine-tune is loaded."""
     from ..merge.output_space_hf import parse_run_params  # deferred: only the plan and the run read candidates' parameters
 
     out: dict[str, Candidate] = {}
     for cand in params.candidates:
+        if cand.key in skip:
+            continue
         if cand.name == OUTPUT_SPACE:
             p = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
             if p.reference == "regmean":
@@ -308,17 +332,19 @@ def regmean_reference(alpha: float) -> Candidate:
     return Candidate(name="regmean", params={"alpha": alpha})
 
 
-def candidate_notes(params: AutoStartParams) -> list[str]:
-    """The plan's description of the selection."""
+def candidate_notes(params: AutoStartParams, skipped: Mapping[str, str] | None = None) -> list[str]:
+    """The plan's description of the selection (``skipped``: :func:`lazy_skipped`'s candidates)."""
     how = (f"{params.folds}-fold: each calibration batch scored by the candidate fitted without its fold, the "
            f"chosen one refitted on every batch" if params.folds > 1 else
            f"on the last {params.holdout:g} of each task's calibration batches (fitted on the others)")
-    return [f"start auto: {len(params.candidates)} candidate(s) "
-            f"({', '.join(c.label for c in params.candidates)}), each scored by the objective {how}; the lowest "
-            f"is the start"]
+    lines = [f"start auto: {len(params.candidates)} candidate(s) "
+             f"({', '.join(c.label for c in params.candidates)}), each scored by the objective {how}; the lowest "
+             f"is the start"]
+    lines += [f"start auto: {c.label} skipped: {skipped[c.key]}" for c in params.candidates if c.key in (skipped or {})]
+    return lines
 
 
 __all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
            "CandidateScore", "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
            "candidate_notes", "is_auto_start", "named_entries", "parse_auto_params", "regmean_reference", "select_start",
-           "statistics_candidates"]
+           "lazy_skipped", "statistics_candidates"]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .schema import MergeConfig, qp_candidate_block
-from ..errors import MergeQPError, ValidationError
+from ..errors import Interrupted, MergeQPError, ValidationError
 from ..io.calibration import (
     is_tensor_file,
     load_tokenizer,
@@ -93,6 +93,7 @@ from .auto import (
     batch_splits,
     held_out_fit,
     is_auto_start,
+    lazy_skipped,
     parse_auto_params,
     regmean_reference,
     select_start,
@@ -711,9 +712,11 @@ class _AutoStart:
         # winner is also fitted without them, for the mode's early stopping
         self.mode_holdout = get_merge_mode(m.mode).start_holdout(m.mode_options)
         fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
+        # lazy: true: default candidates whose statistics would load every fine-tune whole are skipped
+        self.skipped = lazy_skipped(params, statistics_of) if run.cfg.lazy else {}
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
                                    for _ in range(fits)]
-                           for c in statistics_candidates(params, statistics_of)}
+                           for c in statistics_candidates(params, statistics_of, self.skipped)}
         self.notes: list[str] = []
 
     def all_collectors(self) -> list[StatisticsCollector]:
@@ -731,16 +734,31 @@ class _AutoStart:
             fits.append(list(range(n)))
         if self.held_out_index is not None and self.held_out_index == len(fits):
             fits.append(list(range(n - holdout_count(n, self.mode_holdout))))
-        for per_split in self.collectors.values():
-            first = per_split[0]
-            if first.poolable:  # each batch's statistics once, pooled per fit
-                parts = first.batch_parts(name, model, batches)
-                for collector, fit in zip(per_split, fits):
-                    collector.pool(index, name, [parts[j] for j in fit])
-                    collector.notes.extend(n for n in first.notes if n not in collector.notes)
-                continue
+        for key, per_split in list(self.collectors.items()):
+            try:
+                self._collect(per_split, fits, index, name, model, batches)
+            except Interrupted:
+                raise
+            except MergeQPError as exc:
+                # statistics this model cannot give (Fisher's need logits): the candidate is skipped,
+                # like one that cannot run here, and the others go on
+                self.skipped[key] = f"its statistics could not be collected on {name!r}: {exc}"
+                del self.collectors[key]
+                self.run.say(f"start auto: {per_split[0].name} statistics skipped: {exc}")
+
+    @staticmethod
+    def _collect(per_split: Sequence[StatisticsCollector], fits: Sequence[Sequence[int]], index: int, name: str,
+                 model: Any, batches: list[Any]) -> None:
+        """One candidate's statistics of one fine-tune for every fit (pooled where they pool)."""
+        first = per_split[0]
+        if first.poolable:  # each batch's statistics once, pooled per fit
+            parts = first.batch_parts(name, model, batches)
             for collector, fit in zip(per_split, fits):
-                collector(index, name, model, [batches[j] for j in fit])
+                collector.pool(index, name, [parts[j] for j in fit])
+                collector.notes.extend(n for n in first.notes if n not in collector.notes)
+            return
+        for collector, fit in zip(per_split, fits):
+            collector(index, name, model, [batches[j] for j in fit])
 
     def _splits(self, tasks: Sequence[TaskTargets]) -> list[tuple[list[TaskTargets], list[TaskTargets]]]:
         """``(fit tasks, held-out tasks)`` per split (tasks without a batch there left out)."""
@@ -764,6 +782,8 @@ class _AutoStart:
         fitted = functools.partial(self._fitted, ctx)
 
         def evaluate(cand: Candidate) -> CandidateScore:
+            if cand.key in self.skipped:
+                raise CandidateSkipped(self.skipped[cand.key])
             if not self._needs_data(cand):
                 tensors = baseline_merge(run.plan, cand.name, cand.params, self.floats)
                 _load_into(ctx.model, tensors)
@@ -840,6 +860,9 @@ class _AutoStart:
         if kinds:
             raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
         params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
+        ref_key = regmean_reference(params.alpha).key
+        if params.reference == "regmean" and ref_key in self.skipped:
+            raise CandidateSkipped(f"its reference RegMean: {self.skipped[ref_key]}")
         if params.reference == "regmean":
             reference = self.collectors[regmean_reference(params.alpha).key][split].merge(run.plan, self.floats,
                                                                                 DEFAULT_CHUNK_BYTES)

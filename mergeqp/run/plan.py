@@ -26,6 +26,7 @@ from .auto import (
     candidate_notes,
     held_out_fit,
     is_auto_start,
+    lazy_skipped,
     parse_auto_params,
     statistics_candidates,
 )
@@ -167,7 +168,9 @@ class MergePlan:
             lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
-                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(parse_auto_params(m.start.params)))
+                auto = parse_auto_params(m.start.params)
+                skipped = lazy_skipped(auto, statistics_of) if cfg.lazy else {}
+                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
                 spec = statistics_of(m.start.name)
@@ -665,7 +668,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
         out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
             (2 if held_fit is None else 3) * plan.base.total_bytes)
-        for need in statistics_candidates(auto, statistics_of):
+        skipped = lazy_skipped(auto, statistics_of) if cfg.lazy else {}
+        for need in statistics_candidates(auto, statistics_of, skipped):
             out[f"{need.label} statistics (all tensors, {fits} fit(s))"] = fits * _statistics_bytes(
                 plan, need.name, plan.float_keys())
     elif mode.uses_start and m.start is not None:

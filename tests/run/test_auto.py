@@ -196,32 +196,57 @@ def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
                "one1", calibration=one)
 
 
-def test_k_fold_statistics_are_collected_once_per_batch(llama, tmp_path, monkeypatch):
-    """RegMean's Grams of every fold's fit (and the refit, and the trust region's held-out fit) are
-    pooled from one pass per calibration batch, not one pass per fit: 3 batches per task, 3 folds +
-    refit + held-out fit would be 5 collections of 2-3 batches each. The pooled start equals an
-    explicit RegMean start (collected over all batches at once) to rounding."""
+@pytest.mark.parametrize("method, collector", [("regmean", "gram_rows"), ("fisher", "compute_fisher")])
+def test_k_fold_statistics_are_collected_once_per_batch(llama, tmp_path, monkeypatch, method, collector):
+    """RegMean's Grams and Fisher's diagonals of every fold's fit (and the refit, and the trust
+    region's held-out fit) are pooled from one pass per calibration batch, not one pass per fit:
+    3 batches per task, 3 folds + refit + held-out fit would be 5 collections of 2-3 batches each.
+    The pooled start equals an explicit start of the method (collected over all batches at once)
+    to rounding."""
     import mergeqp.merge.calibration_statistics as cs
 
     calls: list[int] = []
-    real = cs.gram_rows
+    real = getattr(cs, collector)
 
-    def counting(model, batches, **kw):
+    def counting(model, batches, *args, **kw):
         batches = list(batches)
+        out = real(model, batches, *args, **kw)
         calls.append(sum(int(b["input_ids"].shape[0]) for b in batches))
-        return real(model, batches, **kw)
+        return out
 
-    monkeypatch.setattr(cs, "gram_rows", counting)
+    monkeypatch.setattr(cs, collector, counting)
     tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1, "holdout": 0.34, "refit": True}}
-    _, rep = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": ["regmean"],
+    _, rep = _merge(llama, tmp_path, {**tr, "start": {"name": "auto", "params": {"candidates": [method],
                                                                                   "folds": 3}}}, "once")
     # 2 fine-tunes x 3 batches, each once: 24 prompts in all
     assert len(calls) == 2 * 3 and sum(calls) == 2 * 12
-    monkeypatch.setattr(cs, "gram_rows", real)
-    _, explicit = _merge(llama, tmp_path, {**tr, "start": {"name": "regmean"}}, "explicit")
+    monkeypatch.setattr(cs, collector, real)
+    _, explicit = _merge(llama, tmp_path, {**tr, "start": {"name": method}}, "explicit")
     assert rep["evaluation"]["start"]["calibration_objective"] == pytest.approx(
         explicit["evaluation"]["start"]["calibration_objective"], rel=1e-10)
-    assert rep["start_selection"]["chosen"].startswith("regmean")
+    assert rep["start_selection"]["chosen"].startswith(method)
+
+
+def test_a_candidate_whose_statistics_cannot_be_collected_is_skipped(llama, tmp_path, monkeypatch):
+    """Statistics a model cannot give (Fisher's need logits; an encoder without a head has none)
+    skip that candidate with the reason, and an ``output_space`` candidate whose RegMean reference
+    failed is skipped too; the other candidates go on."""
+    import mergeqp.merge.calibration_statistics as cs
+
+    def no_logits(*args, **kwargs):
+        raise ValidationError("cannot find logits in a model output of type BaseModelOutput")
+
+    monkeypatch.setattr(cs, "compute_fisher", no_logits)
+    monkeypatch.setattr(cs, "gram_rows", no_logits)
+    method = {"name": "auto", "params": {"candidates": ["soup", "fisher", "regmean",
+                                                        {"name": "output_space", "params": {"ridge": 0.1}}],
+                                         "folds": 3}}
+    _, rep = _merge(llama, tmp_path, method, "nologits")
+    skipped = {c["label"]: c.get("skipped") for c in rep["start_selection"]["candidates"]}
+    assert skipped["soup"] is None and rep["start_selection"]["chosen"] == "soup"
+    assert "could not be collected" in skipped["fisher"] and "cannot find logits" in skipped["fisher"]
+    assert "could not be collected" in skipped["regmean"]
+    assert skipped["output_space(ridge=0.1)"].startswith("its reference RegMean")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available on this machine")

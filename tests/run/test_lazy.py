@@ -19,6 +19,7 @@ from mergeqp.config import load_config
 from mergeqp.errors import ConfigError
 from mergeqp.io.lazy_model import lazy_of
 from mergeqp.run.architectures import every_block, lower_blocks
+from mergeqp.run.auto import DEFAULT_CANDIDATES
 from mergeqp.run.pipeline import load_lazy, load_model, run_merge
 from mergeqp.run.plan import build_plan
 
@@ -83,7 +84,11 @@ def _merge(fam, tmp_path, name, layers, method, lazy):
 def test_lazy_merge_equals_the_resident_one(tiny_hf, families, tmp_path, arch, method):
     fam = families[arch]
     layers = [tiny_hf.MLP_LAYER[arch]]
-    _, resident, rck = _merge(fam, tmp_path, "resident", layers, method, False)
+    resident_method = method
+    if method == {"name": "auto"}:  # lazy skips the default candidates that would load the fine-tunes whole
+        kept = [c for c in DEFAULT_CANDIDATES if c["name"] != "fisher"]
+        resident_method = {"name": "auto", "params": {"candidates": kept}}
+    _, resident, rck = _merge(fam, tmp_path, "resident", layers, resident_method, False)
     _, lazy, lck = _merge(fam, tmp_path, "lazy", layers, method, True)
     for a, b in zip(resident["layers"], lazy["layers"]):
         for key in ("objective_before", "objective_after", "objective_after_exact"):
@@ -96,6 +101,10 @@ def test_lazy_merge_equals_the_resident_one(tiny_hf, families, tmp_path, arch, m
     assert "1 block(s) below the merge sites stayed on disk" in note
     assert "each fine-tuned model ran with all 2 blocks on disk" in note
     assert not any(n.startswith("lazy:") for n in resident["notes"])
+    if method == {"name": "auto"}:
+        skipped = {c["label"]: c.get("skipped") for c in lazy["start_selection"]["candidates"]}
+        assert "lazy: true" in skipped["fisher"] and "loaded whole" not in " ".join(lazy["notes"])
+        assert lazy["start_selection"]["chosen"] == resident["start_selection"]["chosen"]
 
 
 def test_lazy_blocks_are_the_ones_below_every_site(tiny_hf, families, tmp_path):
@@ -123,4 +132,12 @@ def test_lazy_memory_estimate_and_refusals(tiny_hf, families, tmp_path):
     # Fisher's statistics need gradients of every weight: its fine-tunes are loaded whole, and said so
     method = {"name": "qp", "mode": "trust_region", "start": {"name": "fisher"}, "mode_options": {"max_steps": 1}}
     _, report, _ = _merge(fam, tmp_path, "fisher", [layer], method, True)
+    assert any("the fine-tuned models were loaded whole: the fisher statistics" in n for n in report["notes"])
+    # method: auto skips its default Fisher candidate under lazy (said in the plan), keeps a listed one
+    auto = build_plan(load_config(fam.write_config(tmp_path / "d.yml", [layer], "auto", lazy=True)))
+    assert "start auto: fisher skipped: lazy: true" in auto.render()
+    assert not any(k.startswith("fisher statistics") for k in auto.memory)
+    listed = {"name": "auto", "params": {"candidates": ["soup", "fisher"], "folds": 3}}
+    _, report, _ = _merge(fam, tmp_path, "listed", [layer], listed, True)
+    assert all(c.get("skipped") is None for c in report["start_selection"]["candidates"])
     assert any("the fine-tuned models were loaded whole: the fisher statistics" in n for n in report["notes"])

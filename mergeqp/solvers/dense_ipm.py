@@ -62,7 +62,7 @@ from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from ..cholesky import cho_solve
+from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
 
@@ -543,15 +543,17 @@ class _Ipm:
             xF = -cho_solve(fac, cF)
             if keep.size:
                 Ad = AF[keep].toarray()
-                Y = sla.cho_solve(fac, Ad.T, check_finite=False)
-                S = Ad @ Y
-                ev, V = np.linalg.eigh(0.5 * (S + S.T))
+                # S = Abar H_FF^-1 Abar' = W'W with U'W = Abar' (U: the upper factor): one triangular
+                # solve with the rows as right-hand sides instead of two, and S PSD by construction
+                W = triangular_solve(fac, Ad.T, transpose=True)
+                S = W.T @ W
+                ev, V = np.linalg.eigh(S)
                 top = float(ev[-1]) if ev.size else 0.0
                 if not top > 0:
                     return None
                 good = ev > 1e-10 * top
                 nu[keep] = V[:, good] @ ((V[:, good].T @ (Ad @ xF - rhs[keep])) / ev[good])
-                xF = xF - Y @ nu[keep]
+                xF = xF - triangular_solve(fac, W @ nu[keep])
             x[Fr] = xF
         nu_A = np.zeros(mA)
         nu_A[rows_A] = nu[:rows_A.size]

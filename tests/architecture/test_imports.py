@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mergeqp"
 # a module may import only units of a lower or equal layer (equal: within its own unit)
 LAYERS: dict[str, int] = {
     "errors": 0, "jsonutil": 0, "_lazy": 0,
-    "io": 1, "matrix_cache": 1,
+    "io": 1, "matrix_cache": 1, "cholesky": 1,
     "problem": 2, "lower_bounds": 2,
     "constraints": 3,
     "solution": 4, "certificate": 4,

@@ -1,4 +1,4 @@
-"""``mergeqp.cholesky.cho_solve``: two triangular solves for a vector, the same as SciPy's."""
+"""``mergeqp.cholesky``: `cho_solve` (two triangular solves for a vector) and `triangular_solve`, the same as SciPy's."""
 
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import scipy.linalg as sla
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mergeqp.cholesky import cho_solve
+from mergeqp.cholesky import cho_solve, triangular_solve
 
 
 def _spd(rng, n, dtype):
@@ -75,3 +75,20 @@ def test_a_vector_in_another_precision_is_solved_in_the_factors(dtype):
     fac = sla.cho_factor(M)
     x = cho_solve(fac, rng.standard_normal(8))  # float64 vector
     assert x.dtype == dtype
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 30), lower=st.booleans(), order=st.sampled_from(["C", "F"]), transpose=st.booleans(),
+       dtype=st.sampled_from([np.float64, np.float32]), seed=st.integers(0, 10_000))
+def test_triangular_solve_matches_scipy(n, lower, order, transpose, dtype, seed):
+    rng = np.random.default_rng(seed)
+    c, low = sla.cho_factor(_spd(rng, n, dtype), lower=lower, check_finite=False)
+    c = np.asarray(c, order=order)
+    b = rng.standard_normal(n).astype(dtype)
+    x = triangular_solve((c, low), b, transpose=transpose)
+    ref = sla.solve_triangular(c, b, trans="T" if transpose else "N", lower=low, check_finite=False)
+    tol = 1e-10 if dtype == np.float64 else 2e-3
+    assert x.dtype == dtype and np.allclose(x, ref, rtol=tol, atol=tol * np.abs(ref).max())
+    B = rng.standard_normal((n, 3)).astype(dtype)  # a matrix: LAPACK
+    assert np.allclose(triangular_solve((c, low), B, transpose=transpose),
+                       sla.solve_triangular(c, B, trans="T" if transpose else "N", lower=low), rtol=tol, atol=tol)

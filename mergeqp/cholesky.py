@@ -61,8 +61,7 @@ def triangular_solve(factor: tuple[np.ndarray, bool], b: np.ndarray, transpose: 
 
 
 def _vector_case(c: np.ndarray, b: np.ndarray) -> bool:
-    return b.ndim == 1 and c.dtype in (np.float32, np.float64) and b.shape[0] == c.shape[0] \
-        and _fortran_triangle(c, False) is not None
+    return b.ndim == 1 and c.dtype in (np.float32, np.float64) and b.shape[0] == c.shape[0]
 
 
 __all__ = ["cho_solve", "triangular_solve"]

@@ -860,12 +860,11 @@ class _AutoStart:
         if kinds:
             raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
         params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
-        ref_key = regmean_reference(params.alpha).key
-        if params.reference == "regmean" and ref_key in self.skipped:
-            raise CandidateSkipped(f"its reference RegMean: {self.skipped[ref_key]}")
         if params.reference == "regmean":
-            reference = self.collectors[regmean_reference(params.alpha).key][split].merge(run.plan, self.floats,
-                                                                                DEFAULT_CHUNK_BYTES)
+            ref_key = regmean_reference(params.alpha).key
+            if ref_key in self.skipped:
+                raise CandidateSkipped(f"its reference RegMean: {self.skipped[ref_key]}")
+            reference = self.collectors[ref_key][split].merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
         else:
             reference = baseline_merge(run.plan, "soup", {}, self.floats)
         _load_into(ctx.model, reference)

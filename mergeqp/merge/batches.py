@@ -99,7 +99,8 @@ def logits_of(output: Any) -> Any:
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
     raise ValidationError(
-        f"cannot find logits in a model output of type {type(output).__name__}; pass log_likelihood="
+        f"cannot find logits in a model output of type {type(output).__name__} (a model without a "
+        f"language-model or classification head; from Python, pass log_likelihood= to score it)"
     )
 
 

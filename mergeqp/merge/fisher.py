@@ -96,7 +96,7 @@ def categorical_log_likelihood(output: Any, targets: Any) -> Any:
                               f"{tuple(targets.shape)} (expected logits (..., C) and targets (...))")
     if targets.is_floating_point() or targets.is_complex():
         raise ValidationError(f"the categorical log-likelihood needs integer class targets, got "
-                              f"{targets.dtype} (pass log_likelihood= for other targets)")
+                              f"{targets.dtype} (from Python, pass log_likelihood= for other targets)")
     logp = torch.log_softmax(logits, dim=-1)
     keep = targets != IGNORE_INDEX
     picked = logp.gather(-1, torch.where(keep, targets, 0).unsqueeze(-1)).squeeze(-1)

@@ -288,12 +288,13 @@ def _array_split(n: int, k: int) -> list[range]:
     return out
 
 
-def lazy_skipped(params: AutoStartParams, statistics_of: Callable[[str], Any]) -> dict[str, str]:
-    """With ``lazy: true`` (models larger than memory): the *default* candidates whose statistics
-    need gradients of every weight (Fisher), by :attr:`Candidate.key`, with the reason they are
-    skipped: collecting them would load every fine-tune whole. A candidate list written out keeps
+def lazy_skipped(params: AutoStartParams, statistics_of: Callable[[str], Any], lazy: bool) -> dict[str, str]:
+    """With ``lazy`` (the merge's ``lazy: true``, for models larger than memory; otherwise nothing
+    is skipped): the *default* candidates whose statistics need gradients of every weight
+    (Fisher), by :attr:`Candidate.key`, with the reason they are skipped: collecting them would
+    load every fine-tune whole. A candidate list written out keeps
     them (as an explicit Fisher start does; the report then says the fine-tunes were loaded whole)."""
-    if "candidates" in params.model_fields_set:
+    if not lazy or "candidates" in params.model_fields_set:
         return {}
     out = {}
     for cand in params.candidates:

@@ -713,7 +713,7 @@ class _AutoStart:
         self.mode_holdout = get_merge_mode(m.mode).start_holdout(m.mode_options)
         fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
         # lazy: true: default candidates whose statistics would load every fine-tune whole are skipped
-        self.skipped = lazy_skipped(params, statistics_of) if run.cfg.lazy else {}
+        self.skipped = lazy_skipped(params, statistics_of, run.cfg.lazy)
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
                                    for _ in range(fits)]
                            for c in statistics_candidates(params, statistics_of, self.skipped)}

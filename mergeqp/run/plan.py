@@ -169,7 +169,7 @@ class MergePlan:
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
-                skipped = lazy_skipped(auto, statistics_of) if cfg.lazy else {}
+                skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
                 lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
@@ -668,7 +668,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
         out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
             (2 if held_fit is None else 3) * plan.base.total_bytes)
-        skipped = lazy_skipped(auto, statistics_of) if cfg.lazy else {}
+        skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
         for need in statistics_candidates(auto, statistics_of, skipped):
             out[f"{need.label} statistics (all tensors, {fits} fit(s))"] = fits * _statistics_bytes(
                 plan, need.name, plan.float_keys())

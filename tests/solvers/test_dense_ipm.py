@@ -31,7 +31,18 @@ def _sets(K: int, m: int, rng: np.random.Generator) -> list:
         Box(0.0, 1.0) & GlobalSimplex(0.5 * m) & _sign(K, m, rng),
         Box(0.0, 1.0 if K == 1 else 0.7) & Simplex(),
         Box(0.2, 0.2) & _sign(K, m, rng),  # every coefficient fixed (lo == hi): equalities only
+        # equality rows that overlap (eliminated per atom, the rest kept as equalities): a
+        # redundant global sum, and a few coefficients fixed inside the per-atom sums
+        Box(0.0, 1.0) & Simplex() & GlobalSimplex(float(m)) & _sign(K, m, rng),
+        Box(*_fixed_some(K, m, rng)) & Simplex() & _sign(K, m, rng),
     ]
+
+
+def _fixed_some(K: int, m: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds ``[0, 1]`` with about a third of the coefficients fixed at the soup's ``1 / K``
+    (lo == hi), so that the soup stays feasible with the simplex and sign consensus."""
+    fixed = rng.random((K, m)) < 0.33
+    return np.where(fixed, 1.0 / K, 0.0), np.where(fixed, 1.0 / K, 1.0)
 
 
 problems = st.tuples(
@@ -39,7 +50,7 @@ problems = st.tuples(
     st.integers(1, 6),  # atoms
     st.floats(0.0, 1.0),  # rank fraction (0 -> zero H: an LP)
     st.integers(0, 2**31 - 1),  # seed
-    st.integers(0, 8),  # constraint set
+    st.integers(0, 10),  # constraint set
 )
 
 
@@ -83,6 +94,61 @@ def test_crossover_lands_exactly_on_the_face() -> None:
     assert off.info["crossover"] == []
     assert np.count_nonzero((on.d == 0.0) | (on.d == 1.0)) > np.count_nonzero((off.d == 0.0) | (off.d == 1.0))
     assert on.certificate.fw_gap <= off.certificate.fw_gap
+
+
+@pytest.mark.parametrize("which", [3, 6, 7, 8, 9, 10])
+def test_eliminated_equalities_give_the_same_problem(random_psd_problem, which: int) -> None:
+    """The reduced form of the equality rows' elimination is the same QP: for any ``y``, the
+    lifted point meets every equality row, and its objective and inequality rows (bounds
+    included) are those of the reduced form at ``y``."""
+    from mergeqp.solvers.dense_ipm import _eliminate, _form
+
+    rng = np.random.default_rng(which)
+    K, m = 3, 5
+    problem = random_psd_problem(rng, K, m, 9)
+    cset = _sets(K, m, rng)[which]
+    full = _form(problem, cset)
+    red, elim = _eliminate(full)
+    if which == 8:  # every coefficient fixed: nothing is left to solve for, the plain form stays
+        assert elim is None and red is full
+        return
+    taken = elim.taken
+    assert taken.size >= 1 and red.N == full.N - taken.size
+    kept = np.setdiff1d(np.arange(full.E.shape[0]), taken)
+    assert red.E.shape[0] == kept.size
+    if which == 9:  # the global sum overlaps the per-atom ones: it stays an equality row
+        assert kept.size == 1
+    for _ in range(3):
+        y = rng.standard_normal(red.N)
+        z = elim.T @ y + elim.t0
+        res = full.E @ z - full.f
+        np.testing.assert_allclose(res[taken], 0.0, atol=1e-12)
+        np.testing.assert_allclose(res[kept], red.E @ y - red.f, atol=1e-12)
+        J_full = 0.5 * z @ full.H @ z + full.q @ z + full.c0
+        J_red = 0.5 * y @ red.H @ y + red.q @ y + red.c0
+        assert abs(J_full - J_red) <= 1e-10 * (1 + abs(J_full))
+        viol_full = np.max(full.Cx(z) - full.d(), initial=-np.inf)
+        viol_red = np.max(red.Cx(y) - red.d(), initial=-np.inf)
+        assert abs(viol_full - viol_red) <= 1e-12 * (1 + abs(viol_full))
+    np.testing.assert_array_equal(red.H, red.H.T)
+
+
+def test_simplex_and_sign_solve_the_reduced_problem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``simplex & sign``: the per-atom sums are eliminated (no Schur complement of them), and the
+    certified optimum is the one found with them kept as equality rows."""
+    from mergeqp.solvers import dense_ipm
+
+    inst = draw("sign", 0, 192)
+    sign = [s for s in inst.constraints.members() if s.name == "sign"][0]
+    cset = Simplex() & sign
+    on = solve(inst.problem, cset, solver="dense_ipm", rel_tol=1e-9)
+    assert on.info["equalities_eliminated"] == inst.problem.shape[1]
+    monkeypatch.setattr(dense_ipm, "ELIMINATE_MAX_SUPPORT", 0)
+    off = solve(inst.problem, cset, solver="dense_ipm", rel_tol=1e-9)
+    assert "equalities_eliminated" not in off.info
+    assert on.certificate.certified(1e-9) and off.certificate.certified(1e-9)
+    assert abs(on.objective - off.objective) <= 1e-9 * abs(off.objective)
+    np.testing.assert_allclose(on.d.sum(axis=0), 1.0, atol=1e-12)
 
 
 def test_auto_takes_dense_ipm_for_sign_consensus_from_its_size(random_psd_problem) -> None:

@@ -82,6 +82,8 @@ RIDGES = {"float32": (0.0, 1e-7, 1e-6, 1e-5), "float64": (0.0, 1e-14, 1e-12, 1e-
 ELIMINATE_MAX_SUPPORT = 64
 #: rows of the reduced Hessian formed at a time
 ELIMINATE_BLOCK = 256
+#: rows on many auxiliary variables (the L1 ball's sum) that :class:`_AuxBlock` takes by Woodbury
+AUX_MAX_DENSE = 16
 #: proximal weight (relative to max diag H) of a crossover face on which H is singular
 FACE_PROX = 1e-10
 #: primal-dual corrections of a crossover's face guess before it is given up
@@ -108,6 +110,8 @@ class _Form:
     l: np.ndarray
     #: constant added to J by an elimination of equality rows (:func:`_eliminate`)
     c0: float = 0.0
+    #: the last ``n_aux`` variables are auxiliaries (zero rows and columns of H: the L1 ball's)
+    n_aux: int = 0
 
     @property
     def m(self) -> int:
@@ -167,7 +171,8 @@ def _form(problem: MergeQP, cset: ConstraintSet) -> _Form:
     free_of_eq[fixed] = False
     U = np.flatnonzero(np.isfinite(ub) & free_of_eq)
     L = np.flatnonzero(np.isfinite(lb) & free_of_eq)
-    return _Form(N, H, q, lf.A_ub.tocsr(), np.asarray(lf.b_ub, dtype=np.float64), E, f, U, ub[U], L, lb[L])
+    return _Form(N, H, q, lf.A_ub.tocsr(), np.asarray(lf.b_ub, dtype=np.float64), E, f, U, ub[U], L, lb[L],
+                 n_aux=N - n)
 
 
 @dataclass
@@ -210,8 +215,8 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
         cols, vals = E.indices[lo:hi], E.data[lo:hi]
         nz = vals != 0
         cols, vals = cols[nz], vals[nz]
-        if not 0 < cols.size <= ELIMINATE_MAX_SUPPORT or used[cols].any():
-            continue
+        if not 0 < cols.size <= ELIMINATE_MAX_SUPPORT or used[cols].any() or cols.max() >= F.N - F.n_aux:
+            continue  # (auxiliaries stay last and unpivoted)
         used[cols] = True
         take.append(j)
         pivots.append(int(cols[np.argmax(np.abs(vals))]))
@@ -277,8 +282,60 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
     u = F.u[~is_piv[F.U]]
     L = col_of[F.L[~is_piv[F.L]]]
     l_ = F.l[~is_piv[F.L]]
-    red = _Form(n_red, Hr, np.asarray(q).ravel(), A, b, E2, f2, U, u, L, l_, c0)
+    red = _Form(n_red, Hr, np.asarray(q).ravel(), A, b, E2, f2, U, u, L, l_, c0, F.n_aux)
     return red, _Elimination(T, t0, np.array(take), lo, hi)
+
+
+@dataclass
+class _AuxBlock:
+    """The auxiliary variables' block of the normal matrix, eliminated in closed form.
+
+    With ``z = (x, t)`` and ``H_tt = H_xt = 0``, ``M = [[M_xx, G], [G', M_tt]]`` where, when
+    every row of ``A`` touches at most one auxiliary or only auxiliaries ("dense" rows, at most
+    :data:`AUX_MAX_DENSE`: the L1 ball's ``1't <= r``), ``M_tt = diag(D) + U'W_dU`` and ``G``
+    comes from the sparse rows only. Then ``M_tt^-1 = D^-1 - V K^-1 V'`` (Woodbury, ``V =
+    D^-1 U' W_d^1/2``, ``K = I + W_d^1/2 U D^-1 U' W_d^1/2``) and only the Schur complement
+    ``S = M_xx - G M_tt^-1 G'`` (``n x n``: ``M_xx``, a sparse ``G D^-1 G'`` and a rank-``d``
+    term) is factorised, instead of the lifted ``2n x 2n`` M whose auxiliary block is H's zeros."""
+
+    nx: int
+    sparse_rows: np.ndarray
+    dense_rows: np.ndarray
+    Ax_s: sp.csr_matrix  # the sparse rows' x and t columns
+    At_s: sp.csr_matrix
+    U: np.ndarray  # (d, n_aux): the dense rows' t columns
+
+    @classmethod
+    def detect(cls, F: _Form) -> _AuxBlock | None:
+        if F.n_aux == 0:
+            return None
+        nx = F.N - F.n_aux
+        A = F.A.tocsc()
+        Ax, At = A[:, :nx].tocsr(), A[:, nx:].tocsr()
+        aux_per_row = np.diff(At.indptr)
+        dense = np.flatnonzero(aux_per_row > 1)
+        if dense.size > AUX_MAX_DENSE or np.any(np.diff(Ax.indptr)[dense] > 0):
+            return None  # (the general normal matrix)
+        sparse_rows = np.flatnonzero(aux_per_row <= 1)
+        return cls(nx, sparse_rows, dense, Ax[sparse_rows], At[sparse_rows], At[dense].toarray())
+
+
+@dataclass
+class _AuxPins:
+    """A face's free auxiliaries pinned by exactly one active row on no other free auxiliary
+    (``t = alpha + Bm x``), substituted into the face's other rows (``AF x = rhs`` over the
+    other free variables ``x_cols``, rows ``rest``); see :meth:`_Ipm._aux_pins`."""
+
+    x_cols: np.ndarray
+    aux_cols: np.ndarray
+    pivot_rows: np.ndarray
+    a: np.ndarray
+    alpha: np.ndarray
+    Bm: sp.csr_matrix
+    rest: np.ndarray
+    Ra: sp.csr_matrix
+    AF: sp.csr_matrix
+    rhs: np.ndarray
 
 
 def _has_equalities(problem: MergeQP, cset: ConstraintSet) -> bool:
@@ -310,8 +367,79 @@ class _Ipm:
         self.delta = 1e-13 * self.eta
         self.At = F.A.T.tocsr()
         self.Et = F.E.T.tocsr()
+        self.aux = _AuxBlock.detect(F)
 
     # -- pieces
+    def Hmul(self, y: np.ndarray) -> np.ndarray:
+        """``H y`` (``y`` of shape ``(N,)`` or ``(N, k)``), skipping the auxiliaries' zero block."""
+        if self.aux is None:
+            return self.F.H @ y
+        nx = self.aux.nx
+        out = np.zeros_like(y, dtype=np.float64)
+        out[:nx] = self.F.H[:nx, :nx] @ y[:nx]
+        return out
+
+    def _aux_parts(self, w: np.ndarray) -> tuple[Any, ...]:
+        """The pieces of :class:`_AuxBlock`'s elimination at weights ``w``: ``D``, ``G`` (sparse,
+        ``nx x n_aux``), ``V`` and the Cholesky factor of ``K`` (``None`` without dense rows), the
+        sparse rows' weights and the diagonal ``dw`` of the bounds (plus ``delta``)."""
+        F, ax = self.F, self.aux
+        assert ax is not None
+        wA = w[:F.A.shape[0]]
+        dw = F.diagonal(w) + self.delta
+        ws = wA[ax.sparse_rows]
+        D = dw[ax.nx:] + np.asarray(ax.At_s.multiply(ax.At_s).T @ ws).ravel()
+        G = (ax.Ax_s.T @ sp.diags(ws) @ ax.At_s).tocsr()
+        V = Lk = None
+        if ax.dense_rows.size:
+            wd = np.sqrt(wA[ax.dense_rows])
+            V = (ax.U.T / D[:, None]) * wd[None, :]
+            Lk = np.linalg.cholesky(np.eye(wd.size) + (wd[:, None] * ax.U) @ V)
+        return D, G, V, Lk, ws, dw
+
+    def aux_matrix(self, parts: tuple[Any, ...], dtype: Any) -> np.ndarray:
+        """The Schur complement ``S = M_xx - G M_tt^-1 G'`` of :class:`_AuxBlock` in ``dtype``."""
+        F, ax = self.F, self.aux
+        assert ax is not None
+        nx = ax.nx
+        D, G, V, Lk, ws, dw = parts
+        if dtype == np.float32:
+            if self.H32 is None:
+                self.H32 = F.H[:nx, :nx].astype(np.float32)
+            S = self.H32.copy()
+        else:
+            S = np.array(F.H[:nx, :nx])
+        idx = np.arange(nx)
+        S[idx, idx] += dw[:nx].astype(S.dtype)
+        sparse_part = (ax.Ax_s.T @ sp.diags(ws) @ ax.Ax_s - G @ sp.diags(1.0 / D) @ G.T).tocoo()
+        sparse_part.sum_duplicates()
+        S[sparse_part.row, sparse_part.col] += sparse_part.data.astype(S.dtype)
+        if V is not None:
+            Z = sla.solve_triangular(Lk, np.asarray(G @ V).T, lower=True).T  # G V Lk^-T
+            S += (Z @ Z.T).astype(S.dtype)
+        return S
+
+    def aux_solver(self, solve_S: Any, parts: tuple[Any, ...]) -> Any:
+        """A solver of ``M y = r`` from one of ``S`` (block elimination of the auxiliaries)."""
+        ax = self.aux
+        assert ax is not None
+        nx = ax.nx
+        D, G, V, Lk, _, _ = parts
+
+        def tt_inverse(v: np.ndarray) -> np.ndarray:
+            col = (slice(None),) + (None,) * (v.ndim - 1)
+            out = v / D[col]
+            if V is not None:
+                out -= V @ sla.cho_solve((Lk, True), V.T @ v, check_finite=False)
+            return out
+
+        def solve(r: np.ndarray) -> np.ndarray:
+            rx, rt = r[:nx], r[nx:]
+            zx = solve_S(rx - G @ tt_inverse(rt))
+            return np.concatenate([zx, tt_inverse(rt - G.T @ zx)])
+
+        return solve
+
     def normal_matrix(self, w: np.ndarray, dtype: Any) -> np.ndarray:
         """``H + C' diag(w) C + delta I`` in ``dtype`` (a fresh array; ``A'WA`` by a sparse
         product, block diagonal for per-atom rows)."""
@@ -332,20 +460,23 @@ class _Ipm:
             M[AWA.row, AWA.col] += AWA.data.astype(M.dtype)
         return M
 
-    def _cholesky(self, w: np.ndarray, dtype: Any) -> Any:
+    def _cholesky(self, w: np.ndarray, dtype: Any, build: Any = None) -> Any:
         """The Cholesky factor of ``M`` in ``dtype`` with the smallest ridge of :data:`RIDGES`
         (relative to M's own scale: near the optimum C'WC dwarfs H, and its rounding can make M
         indefinite by more than any multiple of H's scale) that works, starting from the one that
         worked last (M only grows more ill-conditioned); ``None`` when none does, or in float32
-        when M is too ill-conditioned for that precision."""
+        when M is too ill-conditioned for that precision. ``build(dtype)``: the matrix (default
+        :meth:`normal_matrix`; :meth:`aux_matrix` for the auxiliaries' Schur complement)."""
+        if build is None:
+            build = lambda dt: self.normal_matrix(w, dt)  # noqa: E731
         key = np.dtype(dtype).name
         ladder = RIDGES[key]
         start = self._ridge_level.get(key, 0)
-        M = self.normal_matrix(w, dtype)
+        M = build(dtype)
         top = max(float(np.max(np.diag(M))), self.eta)
         for i in range(start, len(ladder)):
             if i > start:
-                M = self.normal_matrix(w, dtype)  # the failed attempt overwrote it
+                M = build(dtype)  # the failed attempt overwrote it
             if ladder[i]:
                 M[np.diag_indices_from(M)] += M.dtype.type(ladder[i] * top)
             try:
@@ -365,30 +496,37 @@ class _Ipm:
         F = self.F
         mA = F.A.shape[0]
         fac = None
+        parts = self._aux_parts(w) if self.aux is not None else None
+        build = None if parts is None else (lambda dt: self.aux_matrix(parts, dt))
+
+        def full(solve_small: Any) -> Any:  # a solver of M from one of the matrix factorised
+            return solve_small if parts is None else self.aux_solver(solve_small, parts)
+
         # (weights beyond float32's range come from diverging iterates: float64)
         if low and self.float32_ok and float(np.max(w, initial=0.0)) < 1e30:
-            fac = self._cholesky(w, np.float32)
+            fac = self._cholesky(w, np.float32, build)
             # M only grows more ill-conditioned as the iteration goes on: once float32 has
             # failed, the later factorisations go straight to float64
             self.float32_ok = fac is not None
         if fac is not None:
             self.factorisations["float32"] += 1
             dw = F.diagonal(w) + self.delta
+            first = full(lambda r: cho_solve(fac, r.astype(np.float32)).astype(np.float64))
 
             def solve32(r: np.ndarray) -> np.ndarray:
-                y = cho_solve(fac, r.astype(np.float32)).astype(np.float64)
+                y = first(r)
                 col = (slice(None),) + (None,) * (y.ndim - 1)
-                My = F.H @ y + dw[col] * y
+                My = self.Hmul(y) + dw[col] * y
                 if mA:
                     My += self.At @ (w[:mA][col] * (F.A @ y))
-                return y + cho_solve(fac, (r - My).astype(np.float32)).astype(np.float64)
+                return y + first(r - My)
 
             return solve32
-        fac64 = self._cholesky(w, np.float64)
+        fac64 = self._cholesky(w, np.float64, build)
         if fac64 is None:
             raise SolverError("dense_ipm: the normal matrix H + C'WC could not be factorised even with a ridge")
         self.factorisations["float64"] += 1
-        return lambda r: cho_solve(fac64, r)
+        return full(lambda r: cho_solve(fac64, r))
 
     # -- the iteration
     def run(self) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
@@ -412,7 +550,7 @@ class _Ipm:
         since_best = 0
         crossed = False
         for it in range(int(opts["max_iter"]) + 1):
-            Hx = F.H @ x
+            Hx = self.Hmul(x)
             rd = Hx + F.q + F.Ctv(lam) + (self.Et @ y if y.size else 0.0)
             rp = F.Cx(x) + s - d
             re = F.E @ x - F.f
@@ -624,6 +762,41 @@ class _Ipm:
         self.crossovers.append(f"not certified (gap {cert.fw_gap:.2g})")
         return None
 
+    def _aux_pins(self, Fr: np.ndarray, AF: sp.csr_matrix, rhs: np.ndarray) -> _AuxPins | None:
+        """The face's free auxiliaries solved from their rows (``None``: none is pinned by
+        exactly one active row on no other free auxiliary). The L1 ball's active ``+-(x_i - c_i) <= t_i`` makes
+        ``t_i = +-(x_i - c_i)``; the face solve then runs on the free ``x`` only, where H is
+        what it is (the auxiliaries' block of H is zero: with them the face's H is singular)."""
+        if self.aux is None:
+            return None
+        aux_cols = np.flatnonzero(Fr >= self.aux.nx)
+        if aux_cols.size == 0:
+            return None
+        x_cols = np.flatnonzero(Fr < self.aux.nx)
+        Aa = AF[:, aux_cols].tocoo()
+        per_row = np.bincount(Aa.row, minlength=AF.shape[0])
+        ok = (per_row[Aa.row] == 1) & (Aa.data != 0)
+        order = np.lexsort((Aa.row[ok], Aa.col[ok]))
+        cols, rws, vals = Aa.col[ok][order], Aa.row[ok][order], Aa.data[ok][order]
+        ucols, first, count = np.unique(cols, return_index=True, return_counts=True)
+        # an auxiliary pinned by two rows (the L1 ball's both rows at x_i = c_i) stays: its rows'
+        # multipliers are not unique, and the face's rank-revealing solve picks the least-norm ones
+        one = count == 1
+        if not one.any():
+            return None
+        pinned, first = ucols[one], first[one]
+        pivot_rows, a = rws[first], vals[first]
+        x_cols = np.sort(np.concatenate([x_cols, aux_cols[np.setdiff1d(np.arange(aux_cols.size), pinned)]]))
+        aux_cols = aux_cols[pinned]
+        Px = AF[pivot_rows][:, x_cols]
+        Bm = (sp.diags(-1.0 / a) @ Px).tocsr()
+        alpha = rhs[pivot_rows] / a
+        rest = np.setdiff1d(np.arange(AF.shape[0]), pivot_rows)
+        Rx, Ra = AF[rest][:, x_cols], AF[rest][:, aux_cols].tocsr()
+        AFx = (Rx + Ra @ Bm).tocsr()
+        AFx.eliminate_zeros()
+        return _AuxPins(x_cols, aux_cols, pivot_rows, a, alpha, Bm, rest, Ra, AFx, rhs[rest] - Ra @ alpha)
+
     def _face(self, act_A: np.ndarray, act_U: np.ndarray, act_L: np.ndarray, lam_U: np.ndarray,
               lam_L: np.ndarray, x_ref: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool] | None:
@@ -653,18 +826,50 @@ class _Ipm:
         rows = sp.vstack([F.A[rows_A], F.E]).tocsr()
         rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
         AF = rows[:, Fr].tocsr()
-        keep = np.flatnonzero(np.diff(AF.indptr) > 0)  # rows that vanish on F are implied by the bounds
+        nonvanishing = np.flatnonzero(np.diff(AF.indptr) > 0)
+        # active inequality rows on one free variable fix it, like a bound (the L1 ball's rows at
+        # x_i = c_i, often both): the variable leaves the solve, the rows get its multiplier after
+        fixes = _single_variable_rows(AF, rhs, rows_A.size)
+        if fixes is not None:
+            pin_rows, pin_a, pin_group, pin_vars, pin_vals = fixes
+            pin_vars = Fr[pin_vars]
+            xB[pin_vars] = pin_vals
+            fixed = np.isfinite(xB)
+            Fr, B = np.flatnonzero(~fixed), np.flatnonzero(fixed)
+            rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
+            AF = rows[:, Fr].tocsr()
         x = np.where(fixed, xB, 0.0)
         nu = np.zeros(rows.shape[0])
         rho = 0.0
-        if Fr.size:
-            HFF = F.H[np.ix_(Fr, Fr)]
-            cF = F.q[Fr] + F.H[np.ix_(Fr, B)] @ xB[B]
+        aux_pins = self._aux_pins(Fr, AF, rhs)
+        if aux_pins is None:
+            Fs, AFs, rhs_s, rows_s = Fr, AF, rhs, np.arange(rows.shape[0])
+        else:
+            Fs, AFs, rhs_s, rows_s = Fr[aux_pins.x_cols], aux_pins.AF, aux_pins.rhs, aux_pins.rest
+        keep_s = np.flatnonzero(np.diff(AFs.indptr) > 0)  # rows that vanish on F are implied by the bounds
+        nu_s = np.zeros(rows_s.size)
+        if Fs.size:
+            HFF = F.H[np.ix_(Fs, Fs)]
+            cF = F.q[Fs] + F.H[np.ix_(Fs, B)] @ xB[B]
+            Ad = AFs[keep_s].toarray() if keep_s.size else None
+            rhs_k = rhs_s[keep_s]
             fac = None
-            for rho in (0.0, FACE_PROX * self.eta):
+            for how in ("plain", "augmented", "proximal"):
+                if how == "plain":
+                    Hk = HFF
+                elif how == "augmented":
+                    if Ad is None:
+                        continue
+                    # H singular on F but the active rows pin its flat directions (auxiliaries not
+                    # pinned one row each): the face problem is unchanged by gamma/2 |Abar x - abar|^2,
+                    # and H_FF + gamma Abar'Abar is definite
+                    gamma = self.eta / max(float(np.max(np.sum(Ad * Ad, axis=1))), np.finfo(float).tiny)
+                    Hk = HFF + gamma * (Ad.T @ Ad)
+                else:
+                    rho = FACE_PROX * self.eta
+                    Hk = HFF + rho * np.eye(Fs.size)
                 try:
-                    fac = sla.cho_factor(HFF + rho * np.eye(Fr.size) if rho else HFF, lower=False,
-                                         check_finite=False)
+                    fac = sla.cho_factor(Hk, lower=False, check_finite=False)
                 except np.linalg.LinAlgError:
                     continue
                 if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * self.eta:
@@ -672,38 +877,127 @@ class _Ipm:
                 fac = None
             if fac is None:
                 return None
-            if rho:
+            if how == "augmented":
+                cF = cF - gamma * (Ad.T @ rhs_k)
+            elif rho:
                 # H singular on F (a flat direction the face does not pin): the minimiser of
                 # J + rho/2 |x_F - x_ref|^2 on the face, the one nearest the interior point
-                cF = cF - rho * x_ref[Fr]
+                cF = cF - rho * x_ref[Fs]
             xF = -cho_solve(fac, cF)
-            if keep.size:
-                Ad = AF[keep].toarray()
+            if Ad is not None:
                 # S = Abar H_FF^-1 Abar' = W'W with U'W = Abar' (U: the upper factor): one triangular
                 # solve with the rows as right-hand sides instead of two, and S PSD by construction
                 W = triangular_solve(fac, Ad.T, transpose=True)
                 S = W.T @ W
-                ev, V = np.linalg.eigh(S)
-                top = float(ev[-1]) if ev.size else 0.0
-                if not top > 0:
-                    return None
-                good = ev > 1e-10 * top
-                nu[keep] = V[:, good] @ ((V[:, good].T @ (Ad @ xF - rhs[keep])) / ev[good])
-                xF = xF - triangular_solve(fac, W @ nu[keep])
-            x[Fr] = xF
+                viol = Ad @ xF - rhs_k
+                solved = _definite_solve(S, viol)  # independent rows (the usual case): Cholesky
+                if solved is not None:
+                    cand = xF - triangular_solve(fac, W @ solved)
+                    scale = 1.0 + float(np.max(np.abs(rhs_k), initial=0.0))
+                    if float(np.max(np.abs(Ad @ cand - rhs_k), initial=0.0)) > 1e-9 * scale:
+                        solved = None  # nearly dependent rows: the rank-revealing solve below
+                    else:
+                        nu_s[keep_s], xF = solved, cand
+                if solved is None:
+                    ev, V = np.linalg.eigh(S)
+                    top = float(ev[-1]) if ev.size else 0.0
+                    if not top > 0:
+                        return None
+                    good = ev > 1e-10 * top
+                    nu_s[keep_s] = V[:, good] @ ((V[:, good].T @ viol) / ev[good])
+                    xF = xF - triangular_solve(fac, W @ nu_s[keep_s])
+            x[Fs] = xF
+        else:
+            xF = np.zeros(0)
+        nu[rows_s] = nu_s
+        if aux_pins is not None:
+            # the pinned auxiliaries from their rows; those rows' multipliers from stationarity in
+            # the auxiliaries (H and q vanish there): a_j nu_j + sum_rest R_a' nu = 0
+            x[Fr[aux_pins.aux_cols]] = aux_pins.alpha + aux_pins.Bm @ xF
+            nu[aux_pins.pivot_rows] = -(aux_pins.Ra.T @ nu_s) / aux_pins.a
         nu_A = np.zeros(mA)
-        nu_A[rows_A] = nu[:rows_A.size]
-        r = F.H @ x + F.q + F.A.T @ nu_A
-        if F.E.shape[0]:
-            r = r + F.E.T @ nu[rows_A.size:]
+
+        def residual() -> np.ndarray:
+            nu_A[rows_A] = nu[:rows_A.size]
+            out = F.H @ x + F.q + F.A.T @ nu_A
+            return out + F.E.T @ nu[rows_A.size:] if F.E.shape[0] else out
+
+        r = residual()
+        if fixes is not None:
+            # each fixed variable's force -r_v goes to the first of its rows that it pushes the
+            # right way (nu >= 0; else to the first, whose negative multiplier drops it)
+            net = -r[pin_vars]
+            right = np.sign(pin_a) == np.sign(net[pin_group])
+            chosen = np.full(net.size, -1)
+            for j in range(pin_rows.size):
+                g = pin_group[j]
+                if chosen[g] < 0 or (right[j] and not right[chosen[g]]):
+                    chosen[g] = j
+            nu[pin_rows[chosen]] = net / pin_a[chosen]
+            r = residual()
         # active rows that vanish on F share the fixed variables' multipliers with their bounds
         # (a degenerate vertex): r does not decide those bounds' signs
-        vanish = np.setdiff1d(np.arange(rows_A.size), keep)
+        vanish = np.setdiff1d(np.arange(rows_A.size), nonvanishing)
         if vanish.size:
             touched = np.unique(F.A[rows_A[vanish]].indices)
             at_U = at_U & ~np.isin(F.U, touched)
             at_L = at_L & ~np.isin(F.L, touched)
         return x, nu_A, at_U, at_L, r, rho > 0
+
+
+def _single_variable_rows(AF: sp.csr_matrix, rhs: np.ndarray, m: int
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Among the first ``m`` rows of a face's ``AF x = rhs`` (active inequalities), those on a
+    single free variable, grouped by variable where every row of a group gives it the same value:
+    ``(rows, their coefficients, their group, each group's variable (a column of AF), its
+    value)``; ``None`` when there is none. Rows of a group that disagree are left out (the face
+    solve meets them as it can)."""
+    nnz = np.diff(AF.indptr)[:m]
+    single = np.flatnonzero(nnz == 1)
+    if single.size == 0:
+        return None
+    var = AF.indices[AF.indptr[single]]
+    a = AF.data[AF.indptr[single]]
+    val = rhs[single] / a
+    order = np.lexsort((single, var))
+    single, var, a, val = single[order], var[order], a[order], val[order]
+    uvar, first, group = np.unique(var, return_index=True, return_inverse=True)
+    v0 = val[first]
+    agree = np.abs(val - v0[group]) <= 1e-12 * (1.0 + np.abs(v0[group]))
+    ok_group = np.ones(uvar.size, dtype=bool)
+    np.logical_and.at(ok_group, group, agree)
+    keep = ok_group[group]
+    if not keep.any():
+        return None
+    renum = np.cumsum(ok_group) - 1
+    return single[keep], a[keep], renum[group[keep]], uvar[ok_group], v0[ok_group]
+
+
+def _definite_solve(S: np.ndarray, r: np.ndarray) -> np.ndarray | None:
+    """``S^-1 r`` by Cholesky for a symmetric PSD ``S`` (the Schur complement of a face's active
+    rows): plain when its pivots all exceed ``1e-8`` of its largest diagonal entry, else with a
+    ridge of ``1e-10`` of it and four steps of iterated Tikhonov (dependent rows, e.g. the L1
+    ball's two rows at ``x_i = c_i``: toward the minimum-norm multiplier); ``None`` when neither
+    factorises.
+    The caller checks that the rows are met (nearly dependent, inconsistent rows are not)."""
+    top = float(np.max(np.diag(S), initial=0.0))
+    if not top > 0:
+        return None
+    for ridge in (0.0, 1e-10):
+        try:
+            fac = sla.cho_factor(S + ridge * top * np.eye(S.shape[0]) if ridge else S, lower=False,
+                                 check_finite=False)
+        except np.linalg.LinAlgError:
+            continue
+        if not ridge:
+            if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-8 * top:
+                return cho_solve(fac, r)
+            continue
+        y = cho_solve(fac, r)
+        for _ in range(4):  # iterated Tikhonov: toward the least-norm solution, rows met to rounding
+            y = y + cho_solve(fac, r - S @ y)
+        return y
+    return None
 
 
 def _max_step(v: np.ndarray, dv: np.ndarray) -> float:

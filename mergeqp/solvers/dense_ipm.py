@@ -22,8 +22,13 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
 - *Crossover* (``crossover`` on by default): once the relative gap is below ``crossover_from``
   (1e-6), the constraints that look active (``s_i < lambda_i`` or ``s_i < sqrt(mu)``) are made
   equalities and that face's minimiser is computed directly (a Cholesky of the free block of
-  H and a Schur complement of the active rows, rank-revealing for degenerate faces; where H is
-  singular on the free block, the face minimiser nearest the iterate); then, as in a primal-dual
+  H and a Schur complement of the active rows; an active row on a single free variable fixes
+  it like a bound and gets its multiplier afterwards, by the row it pushes the right way;
+  auxiliaries pinned by one active row are substituted; where H is singular on the free block
+  but the rows pin its flat directions, the Cholesky of ``H_FF + gamma Abar'Abar``, which
+  leaves the face problem unchanged; dependent rows by a ridge and iterated Tikhonov, else an
+  eigendecomposition; where H is singular on the face itself, the face minimiser nearest the
+  iterate); then, as in a primal-dual
   active-set step, violated constraints join the face and constraints with a clearly negative
   multiplier leave it (bounds of a degenerate vertex, whose multipliers the face does not
   determine, excepted; on a singular face no correction is tried), up to
@@ -40,6 +45,9 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   residual large: the solver then says so instead of returning a point; iterates that diverge
   on an unbounded set are checked as a descent ray (:func:`~.unbounded.unbounded_claim`).
 
+- *Auxiliary variables* (the L1 ball's ``t``: zero rows of H) are eliminated from each
+  Newton system in closed form (:class:`_AuxBlock`): only an ``n x n`` Schur complement is
+  factorised, not the lifted ``2n x 2n`` M.
 - *Equality rows* of at most :data:`ELIMINATE_MAX_SUPPORT` variables with disjoint supports
   (per-atom simplex sums, coefficients with ``lo == hi``) are eliminated before the iteration
   (:func:`_eliminate`): each is solved for one pivot variable, whose bounds become inequality
@@ -48,7 +56,8 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
 
 Memory: ``M`` (float64) and a float32 copy of H beside H itself, about ``1.5`` H, and the
 reduced H (about one more H) when equality rows are eliminated; sets with auxiliary variables
-(the L1 ball) pad H to the lifted size. Needs an explicit H.
+(the L1 ball) pad H to the lifted size (the Newton systems do not, but a face solve and the
+products read the padded array). Needs an explicit H.
 """
 
 from __future__ import annotations

@@ -229,8 +229,8 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
         used[cols] = True
         take.append(j)
         pivots.append(int(cols[np.argmax(np.abs(vals))]))
-    if not take or len(take) == F.N:
-        return F, None  # (nothing left to solve for: the plain form handles it)
+    if not take or len(take) == F.N - F.n_aux:
+        return F, None  # (nothing but auxiliaries left to solve for: the plain form handles it)
     piv = np.array(pivots, dtype=np.intp)
     is_piv = np.zeros(F.N, dtype=bool)
     is_piv[piv] = True

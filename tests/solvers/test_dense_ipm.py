@@ -36,6 +36,8 @@ def _sets(K: int, m: int, rng: np.random.Generator) -> list:
         # redundant global sum, and a few coefficients fixed inside the per-atom sums
         Box(0.0, 1.0) & Simplex() & GlobalSimplex(float(m)) & _sign(K, m, rng),
         Box(*_fixed_some(K, m, rng)) & Simplex() & _sign(K, m, rng),
+        # eliminated sums and the L1 ball's auxiliaries together (centred at the soup: feasible)
+        Simplex() & L1Ball(0.6 * m, 1.0 / K) & _sign(K, m, rng),
     ]
 
 
@@ -51,7 +53,7 @@ problems = st.tuples(
     st.integers(1, 6),  # atoms
     st.floats(0.0, 1.0),  # rank fraction (0 -> zero H: an LP)
     st.integers(0, 2**31 - 1),  # seed
-    st.integers(0, 10),  # constraint set
+    st.integers(0, 11),  # constraint set
 )
 
 

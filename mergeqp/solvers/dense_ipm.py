@@ -55,9 +55,9 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   and the point is lifted back. Longer or overlapping rows (a global simplex) stay equalities.
 
 Memory: ``M`` (float64) and a float32 copy of H beside H itself, about ``1.5`` H, and the
-reduced H (about one more H) when equality rows are eliminated; sets with auxiliary variables
-(the L1 ball) pad H to the lifted size (the Newton systems do not, but a face solve and the
-products read the padded array). Needs an explicit H.
+reduced H (about one more H) when equality rows are eliminated; H is never padded to the
+auxiliaries (but where :class:`_AuxBlock` does not apply, ``M`` is the lifted matrix). Needs an
+explicit H.
 """
 
 from __future__ import annotations
@@ -119,8 +119,31 @@ class _Form:
     l: np.ndarray
     #: constant added to J by an elimination of equality rows (:func:`_eliminate`)
     c0: float = 0.0
-    #: the last ``n_aux`` variables are auxiliaries (zero rows and columns of H: the L1 ball's)
+    #: the last ``n_aux`` variables are auxiliaries (the L1 ball's), on which H is zero: ``H`` holds
+    #: only the first :attr:`nx` rows and columns
     n_aux: int = 0
+
+    @property
+    def nx(self) -> int:
+        """Variables that H acts on (``H`` is ``nx x nx``; the auxiliaries after them)."""
+        return self.N - self.n_aux
+
+    def Hsub(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """``H[rows, cols]`` of the lifted H (zero on auxiliaries)."""
+        if self.n_aux == 0:
+            return self.H[np.ix_(rows, cols)]
+        out = np.zeros((rows.size, cols.size))
+        rm, cm = rows < self.nx, cols < self.nx
+        out[np.ix_(rm, cm)] = self.H[np.ix_(rows[rm], cols[cm])]
+        return out
+
+    def Hmul(self, y: np.ndarray) -> np.ndarray:
+        """``H y`` of the lifted H (``y`` of shape ``(N,)`` or ``(N, k)``)."""
+        if self.n_aux == 0:
+            return self.H @ y
+        out = np.zeros(y.shape)
+        out[:self.nx] = self.H @ y[:self.nx]
+        return out
 
     @property
     def m(self) -> int:
@@ -158,11 +181,7 @@ def _form(problem: MergeQP, cset: ConstraintSet) -> _Form:
     if lf is None:  # supports() said otherwise
         raise SolverError(f"dense_ipm: {standard_form_reason(cset, problem.shape)}")
     N = lf.n
-    H = np.asarray(problem.H, dtype=np.float64)
-    if N > n:
-        Hp = np.zeros((N, N))
-        Hp[:n, :n] = H
-        H = Hp
+    H = np.asarray(problem.H, dtype=np.float64)  # (the auxiliaries' rows and columns are zero: not stored)
     q = np.concatenate([problem.g, np.zeros(N - n)])
     lb, ub = np.asarray(lf.lb, dtype=np.float64), np.asarray(lf.ub, dtype=np.float64)
     if np.any(lb > ub):
@@ -257,18 +276,21 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
     owner[col_of[Et.col[other]]] = row_piv[other]
     ocoef[col_of[Et.col[other]]] = coef
     H = F.H
-    Hr = np.empty((n_red, n_red))
-    for a in range(0, n_red, ELIMINATE_BLOCK):
-        b = min(n_red, a + ELIMINATE_BLOCK)
-        ka, oa, ca = keep[a:b], owner[a:b], ocoef[a:b, None]
-        blk = H[np.ix_(ka, keep)]
+    nxr = n_red - F.n_aux  # (the auxiliaries are last, never pivots, and H is zero on them)
+    keep_x, owner, ocoef = keep[:nxr], owner[:nxr], ocoef[:nxr]
+    Hr = np.empty((nxr, nxr))
+    for a in range(0, nxr, ELIMINATE_BLOCK):
+        b = min(nxr, a + ELIMINATE_BLOCK)
+        ka, oa, ca = keep_x[a:b], owner[a:b], ocoef[a:b, None]
+        blk = H[np.ix_(ka, keep_x)]
         blk += H[np.ix_(ka, owner)] * ocoef[None, :]
-        blk += ca * H[np.ix_(oa, keep)]
+        blk += ca * H[np.ix_(oa, keep_x)]
         blk += ca * (H[np.ix_(oa, owner)] * ocoef[None, :])
         Hr[a:b] = blk
     np.add(Hr, Hr.T, out=Hr)  # symmetric to the last bit (the four terms' sums differ in order)
     Hr *= 0.5
-    Ht0 = H[:, piv] @ t0[piv]
+    Ht0 = np.zeros(F.N)
+    Ht0[:F.nx] = H[:, piv] @ t0[piv]
     q = T.T @ (Ht0 + F.q)
     c0 = F.c0 + float(0.5 * t0[piv] @ Ht0[piv] + F.q[piv] @ t0[piv])
     # inequality rows on y; the pivots' finite bounds become rows
@@ -379,15 +401,6 @@ class _Ipm:
         self.aux = _AuxBlock.detect(F)
 
     # -- pieces
-    def Hmul(self, y: np.ndarray) -> np.ndarray:
-        """``H y`` (``y`` of shape ``(N,)`` or ``(N, k)``), skipping the auxiliaries' zero block."""
-        if self.aux is None:
-            return self.F.H @ y
-        nx = self.aux.nx
-        out = np.zeros_like(y, dtype=np.float64)
-        out[:nx] = self.F.H[:nx, :nx] @ y[:nx]
-        return out
-
     def _aux_parts(self, w: np.ndarray) -> tuple[Any, ...]:
         """The pieces of :class:`_AuxBlock`'s elimination at weights ``w``: ``D``, ``G`` (sparse,
         ``nx x n_aux``), ``V`` and the Cholesky factor of ``K`` (``None`` without dense rows), the
@@ -414,10 +427,10 @@ class _Ipm:
         D, G, V, Lk, ws, dw = parts
         if dtype == np.float32:
             if self.H32 is None:
-                self.H32 = F.H[:nx, :nx].astype(np.float32)
+                self.H32 = F.H.astype(np.float32)
             S = self.H32.copy()
         else:
-            S = np.array(F.H[:nx, :nx])
+            S = F.H.copy()
         idx = np.arange(nx)
         S[idx, idx] += dw[:nx].astype(S.dtype)
         sparse_part = (ax.Ax_s.T @ sp.diags(ws) @ ax.Ax_s - G @ sp.diags(1.0 / D) @ G.T).tocoo()
@@ -456,9 +469,14 @@ class _Ipm:
         if dtype == np.float32:
             if self.H32 is None:
                 self.H32 = F.H.astype(np.float32)
-            M = self.H32.copy()
+            H = self.H32
         else:
-            M = F.H.copy()
+            H = F.H
+        if F.n_aux:  # the lifted matrix (auxiliaries' block of H zero)
+            M = np.zeros((F.N, F.N), dtype=H.dtype)
+            M[:F.nx, :F.nx] = H
+        else:
+            M = H.copy()
         diag = F.diagonal(w) + self.delta
         idx = np.arange(F.N)
         M[idx, idx] += diag.astype(M.dtype)
@@ -525,7 +543,7 @@ class _Ipm:
             def solve32(r: np.ndarray) -> np.ndarray:
                 y = first(r)
                 col = (slice(None),) + (None,) * (y.ndim - 1)
-                My = self.Hmul(y) + dw[col] * y
+                My = self.F.Hmul(y) + dw[col] * y
                 if mA:
                     My += self.At @ (w[:mA][col] * (F.A @ y))
                 return y + first(r - My)
@@ -559,7 +577,7 @@ class _Ipm:
         since_best = 0
         crossed = False
         for it in range(int(opts["max_iter"]) + 1):
-            Hx = self.Hmul(x)
+            Hx = self.F.Hmul(x)
             rd = Hx + F.q + F.Ctv(lam) + (self.Et @ y if y.size else 0.0)
             rp = F.Cx(x) + s - d
             re = F.E @ x - F.f
@@ -858,8 +876,8 @@ class _Ipm:
         keep_s = np.flatnonzero(np.diff(AFs.indptr) > 0)  # rows that vanish on F are implied by the bounds
         nu_s = np.zeros(rows_s.size)
         if Fs.size:
-            HFF = F.H[np.ix_(Fs, Fs)]
-            cF = F.q[Fs] + F.H[np.ix_(Fs, B)] @ xB[B]
+            HFF = F.Hsub(Fs, Fs)
+            cF = F.q[Fs] + F.Hsub(Fs, B) @ xB[B]
             Ad = AFs[keep_s].toarray() if keep_s.size else None
             rhs_k = rhs_s[keep_s]
             fac = None
@@ -928,7 +946,7 @@ class _Ipm:
 
         def residual() -> np.ndarray:
             nu_A[rows_A] = nu[:rows_A.size]
-            out = F.H @ x + F.q + F.A.T @ nu_A
+            out = F.Hmul(x) + F.q + F.A.T @ nu_A
             return out + F.E.T @ nu[rows_A.size:] if F.E.shape[0] else out
 
         r = residual()

@@ -791,23 +791,23 @@ class _Ipm:
 
     def _aux_pins(self, Fr: np.ndarray, AF: sp.csr_matrix, rhs: np.ndarray) -> _AuxPins | None:
         """The face's free auxiliaries solved from their rows (``None``: none is pinned by
-        exactly one active row on no other free auxiliary). The L1 ball's active ``+-(x_i - c_i) <= t_i`` makes
-        ``t_i = +-(x_i - c_i)``; the face solve then runs on the free ``x`` only, where H is
-        what it is (the auxiliaries' block of H is zero: with them the face's H is singular)."""
-        if self.aux is None:
-            return None
-        aux_cols = np.flatnonzero(Fr >= self.aux.nx)
+        exactly one active row on no other free auxiliary). The L1 ball's active
+        ``+-(x_i - c_i) <= t_i`` makes ``t_i = +-(x_i - c_i)``; the face solve then runs on the
+        other free variables, where H is what it is (H is zero on the auxiliaries: with them free,
+        the face's H is singular)."""
+        nx = self.F.nx
+        aux_cols = np.flatnonzero(Fr >= nx)
         if aux_cols.size == 0:
             return None
-        x_cols = np.flatnonzero(Fr < self.aux.nx)
+        x_cols = np.flatnonzero(Fr < nx)
         Aa = AF[:, aux_cols].tocoo()
         per_row = np.bincount(Aa.row, minlength=AF.shape[0])
         ok = (per_row[Aa.row] == 1) & (Aa.data != 0)
         order = np.lexsort((Aa.row[ok], Aa.col[ok]))
         cols, rws, vals = Aa.col[ok][order], Aa.row[ok][order], Aa.data[ok][order]
         ucols, first, count = np.unique(cols, return_index=True, return_counts=True)
-        # an auxiliary pinned by two rows (the L1 ball's both rows at x_i = c_i) stays: its rows'
-        # multipliers are not unique, and the face's rank-revealing solve picks the least-norm ones
+        # an auxiliary on two such rows stays: their multipliers are not unique (the face's solve
+        # of dependent rows picks the least-norm ones)
         one = count == 1
         if not one.any():
             return None
@@ -828,10 +828,14 @@ class _Ipm:
               lam_L: np.ndarray, x_ref: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool] | None:
         """Minimise J with the active bounds fixed and the active rows (and ``E``) as equalities:
-        ``H_FF x_F + c_F + Abar' nu = 0``, ``Abar x_F = abar``, by a Cholesky of ``H_FF`` and a
-        rank-revealing (eigenvalue) solve of the Schur complement ``Abar H_FF^-1 Abar'``.
-        Where H is singular on the free variables, the face minimiser nearest ``x_ref`` (the
-        interior point) through a proximal term ``FACE_PROX * max diag H``. Returns ``x``, the
+        ``H_FF x_F + c_F + Abar' nu = 0``, ``Abar x_F = abar``, by a Cholesky of ``H_FF`` and one
+        of the Schur complement ``Abar H_FF^-1 Abar'`` (:func:`_definite_solve`; an eigenvalue
+        solve where that misses the rows). Active rows on a single free variable fix it first
+        (:func:`_single_variable_rows`; their multipliers from its force afterwards), and
+        auxiliaries pinned by one row are substituted (:meth:`_aux_pins`). Where H is singular on
+        the free variables but the rows pin them, ``H_FF + gamma Abar'Abar`` (same face problem);
+        where not, the face minimiser nearest ``x_ref`` (the interior point) through a proximal
+        term ``FACE_PROX * max diag H``. Returns ``x``, the
         rows' multipliers ``nu_A`` (0 off the face), which upper / lower bounds fix a variable,
         ``r = Hx + q + A'nu_A + E'nu_E`` (the bounds' multipliers: ``-r`` at an upper bound,
         ``r`` at a lower one) and whether the proximal term was needed; ``None`` when the face

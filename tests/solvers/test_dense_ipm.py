@@ -155,10 +155,15 @@ def test_simplex_and_sign_solve_the_reduced_problem(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_l1_ball_reaches_the_planted_optimum(seed: int) -> None:
+@pytest.mark.parametrize("aux_block", [True, False])
+def test_l1_ball_reaches_the_planted_optimum(seed: int, aux_block: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """The L1 ball (auxiliary variables, a zero block of H): the crossover lands on the planted
     optimum and certifies (before the auxiliaries' elimination it ran out of iterations
-    uncertified on this family at n = 1536)."""
+    uncertified on this family at n = 1536), also through the lifted normal matrix."""
+    from mergeqp.solvers import dense_ipm
+
+    if not aux_block:
+        monkeypatch.setattr(dense_ipm._AuxBlock, "detect", classmethod(lambda cls, F: None))
     inst = draw("l1", seed, 240)
     sol = solve(inst.problem, inst.constraints, solver="dense_ipm", rel_tol=1e-9)
     assert sol.certificate.certified(1e-9), sol.certificate.explain()

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify
+from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify, reuse_linear_minimum
 from ..constraints import ConstraintSet, as_constraint_set, check_feasible
 from ..errors import (
     MergeQPError,
@@ -156,13 +156,20 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
          options: dict[str, Any], pinv: bool | None = False) -> Solution:
     """One solver's solve, checked and certified."""
     t1 = time.perf_counter()
-    try:
-        raw = chosen.solve(problem, cset, x0=x0, **options)
-    except MergeQPError:
-        raise
-    except Exception as exc:
-        raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {exc}") from exc
-    t2 = time.perf_counter()
+    with reuse_linear_minimum():  # (a solver that certified its own point: one LP, not two)
+        try:
+            raw = chosen.solve(problem, cset, x0=x0, **options)
+        except MergeQPError:
+            raise
+        except Exception as exc:
+            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {exc}") from exc
+        t2 = time.perf_counter()
+        return _checked(chosen, problem, cset, raw, certify_result, rel_tol, feas_tol, pinv, setup, t1, t2)
+
+
+def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, certify_result: bool,
+             rel_tol: float, feas_tol: float, pinv: bool | None, setup: float, t1: float, t2: float) -> Solution:
+    """A solver's raw answer checked (finite, its objective finite) and certified."""
     d = np.asarray(raw.d, dtype=np.float64).reshape(problem.shape)
     if not np.all(np.isfinite(d)):
         raise SolverError(f"solver {chosen.name!r} returned non-finite coefficients")

@@ -294,3 +294,37 @@ def test_centrality_correctors_shorten_the_iteration() -> None:
         assert abs(a.objective - b.objective) <= 1e-9 * abs(b.objective)
         with_c, without = with_c + a.iterations, without + b.iterations
     assert with_c < without
+
+
+def test_a_crossover_certificate_is_not_solved_twice() -> None:
+    """The crossover certifies its point and the registry certifies it again: within one
+    ``solve`` the set's linear minimum at that very gradient is computed once; outside a solve,
+    and for another set object, every certificate computes its own."""
+    from mergeqp.certificate import certify, reuse_linear_minimum
+
+    inst = draw("sign", 0, 192)
+    cset = inst.constraints
+    calls = []
+    original = cset.linear_minimum
+
+    def counted(grad):
+        calls.append(1)
+        return original(grad)
+
+    cset.linear_minimum = counted
+    sol = solve(inst.problem, cset, solver="dense_ipm", rel_tol=1e-9)
+    assert sol.info["crossover"][-1] == "certified" and sol.certificate.certified(1e-9)
+    assert len(calls) == 1
+    calls.clear()
+    certify(inst.problem, cset, sol.d)
+    certify(inst.problem, cset, sol.d)
+    assert len(calls) == 2  # outside a solve: nothing is reused
+    calls.clear()
+    with reuse_linear_minimum():
+        certify(inst.problem, cset, sol.d)
+        certify(inst.problem, cset, sol.d)
+        assert len(calls) == 1
+        other = Box(0.0, 1.0) & [m for m in cset.members() if m.name == "sign"][0]
+        a = certify(inst.problem, other, sol.d)  # another set object: its own LP
+        b = certify(inst.problem, cset, sol.d + 1e-3)  # another point: its own LP
+        assert len(calls) == 2 and a.certified(1e-9) and not b.feasible

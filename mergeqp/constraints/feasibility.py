@@ -73,7 +73,21 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
         return  # the closed-form checks above are exact for these
     if not all(s.polyhedral for s in members) and cvxpy_reason(constraints) is not None:
         return  # no LP can be written over it: emptiness shows as an infeasible point, not here
+    if all(s.polyhedral for s in members) and _simple_point_inside(members, shape, lo, hi):
+        return  # a point in every member: not empty, and no LP needed (0.7 s on box & l1 & sign, n = 768)
     lp_minimum(members, np.zeros(shape))
+
+
+def _simple_point_inside(members: Sequence[ConstraintSet], shape: Shape, lo: np.ndarray, hi: np.ndarray) -> bool:
+    """Whether ``0`` or the soup (``1 / K`` everywhere), each also clipped to the bounds
+    ``lo`` / ``hi``, lies in every member (violation at most ``1e-12`` of its size): merges'
+    sets usually contain one of them (sign consensus always contains both)."""
+    soup = np.full(shape, 1.0 / shape[0])
+    for point in (np.zeros(shape), soup, np.clip(np.zeros(shape), lo, hi), np.clip(soup, lo, hi)):
+        size = max(1.0, float(np.max(np.abs(point), initial=0.0)))
+        if all(float(s.violation(point)) <= 1e-12 * size for s in members):
+            return True
+    return False
 
 
 def _check_sum(spec: str, st: SetStructure, lo: np.ndarray, hi: np.ndarray, box_label: str) -> None:

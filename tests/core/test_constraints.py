@@ -283,6 +283,26 @@ def test_feasible_combinations_pass(make) -> None:
     check_feasible(make(), SHAPE)
 
 
+def test_sets_holding_zero_or_the_soup_need_no_lp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Polyhedral intersections that contain 0 or the soup (each possibly clipped to the bounds)
+    are known non-empty without an LP; others still get the LP, which finds emptiness."""
+    from mergeqp.constraints import feasibility
+
+    calls = []
+    real = feasibility.lp_minimum
+    monkeypatch.setattr(feasibility, "lp_minimum", lambda sets, grad: calls.append(1) or real(sets, grad))
+    sign = SignConsensus.from_deltas(np.random.default_rng(0).normal(size=(3, 4, 5)), "rows")
+    for cset in (Box(0, 1) & L1Ball(2.0) & sign, Simplex() & sign, Simplex() & L1Ball(4.0, 1 / 3) & sign,
+                 Box(0.2, 1) & sign):
+        check_feasible(cset, SHAPE)
+    assert calls == []
+    check_feasible(Box(-1, 1) & L1Ball(0.0, 0.5) & sign, SHAPE)  # only d = 0.5: found by the LP
+    assert calls == [1]
+    with pytest.raises(InfeasibleError, match="is empty"):
+        check_feasible(Simplex() & L1Ball(0.5) & sign, SHAPE)  # |d|_1 = 4 > 0.5 on the simplices
+    assert calls == [1, 1]
+
+
 # ---------------------------------------------------------------------- sign consensus
 def merged_update(d: np.ndarray, deltas: np.ndarray, parametrisation: str) -> np.ndarray:
     """Brute force: the merged update ``sum_k d_k * delta_k`` in each parametrisation."""

@@ -71,9 +71,10 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
                                   f"{dist:g} from the ball's centre, more than the radius {st.radius:g}")
     if len(boxes) == len(members) or (constraints.has_projection and constraints.structure(shape) is not None):
         return  # the closed-form checks above are exact for these
-    if not all(s.polyhedral for s in members) and cvxpy_reason(constraints) is not None:
+    polyhedral = all(s.polyhedral for s in members)
+    if not polyhedral and cvxpy_reason(constraints) is not None:
         return  # no LP can be written over it: emptiness shows as an infeasible point, not here
-    if all(s.polyhedral for s in members) and _simple_point_inside(members, shape, lo, hi):
+    if polyhedral and _simple_point_inside(members, shape, lo, hi):
         return  # a point in every member: not empty, and no LP needed (0.7 s on box & l1 & sign, n = 768)
     lp_minimum(members, np.zeros(shape))
 

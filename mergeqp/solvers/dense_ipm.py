@@ -849,26 +849,29 @@ class _Ipm:
         up_mult[F.U[act_U]] = lam_U[act_U]
         take_L = act_L & (lam_L >= up_mult[F.L])
         xB[F.L[take_L]] = F.l[take_L]
-        fixed = np.isfinite(xB)
         at_U = act_U & (xB[F.U] == F.u) & ~np.isin(F.U, F.L[take_L])
         at_L = take_L
-        Fr, B = np.flatnonzero(~fixed), np.flatnonzero(fixed)
         rows_A = np.flatnonzero(act_A)
         rows = sp.vstack([F.A[rows_A], F.E]).tocsr()
-        rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
-        AF = rows[:, Fr].tocsr()
+
+        def split() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, sp.csr_matrix]:
+            """``fixed``, the free and fixed variables, and the rows on the free ones with the
+            fixed values moved to the right-hand side, for the values in ``xB``."""
+            fixed = np.isfinite(xB)
+            Fr, B = np.flatnonzero(~fixed), np.flatnonzero(fixed)
+            rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
+            return fixed, Fr, B, rhs, rows[:, Fr].tocsr()
+
+        fixed, Fr, B, rhs, AF = split()
         nonvanishing = np.flatnonzero(np.diff(AF.indptr) > 0)
         # active inequality rows on one free variable fix it, like a bound (the L1 ball's rows at
         # x_i = c_i, often both): the variable leaves the solve, the rows get its multiplier after
         fixes = _single_variable_rows(AF, rhs, rows_A.size)
         if fixes is not None:
-            pin_rows, pin_a, pin_group, pin_vars, pin_vals = fixes
-            pin_vars = Fr[pin_vars]
+            pin_rows, pin_a, pin_group, pin_cols, pin_vals = fixes
+            pin_vars = Fr[pin_cols]
             xB[pin_vars] = pin_vals
-            fixed = np.isfinite(xB)
-            Fr, B = np.flatnonzero(~fixed), np.flatnonzero(fixed)
-            rhs = np.concatenate([F.b[rows_A], F.f]) - rows[:, B] @ xB[B]
-            AF = rows[:, Fr].tocsr()
+            fixed, Fr, B, rhs, AF = split()
         x = np.where(fixed, xB, 0.0)
         nu = np.zeros(rows.shape[0])
         rho = 0.0

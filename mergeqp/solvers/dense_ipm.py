@@ -32,7 +32,13 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   active-set step, violated constraints join the face and constraints with a clearly negative
   multiplier leave it (bounds of a degenerate vertex, whose multipliers the face does not
   determine, excepted; on a singular face no correction is tried), up to
-  :data:`CROSSOVER_ROUNDS` face solves. The point is
+  :data:`CROSSOVER_ROUNDS` face solves. Constraints in a *degenerate* part of the face (a
+  connected component of the active constraints with more constraints than variables: an L1
+  coordinate at the ball's centre with its auxiliary's bound, an atom at 0 with its sign rows)
+  have multipliers the face does not determine: they stay on the face while other constraints
+  move, and a feasible face minimiser whose only wrong-signed multipliers are such ones is
+  offered to the certificate at once (dropping them made the corrections wander away from
+  optimal points: `l1 & sign` 16-24x one Cholesky -> 12-16x, docs/solvers.md). The point is
   kept only when the float64 certificate (:func:`~mergeqp.certificate.certify`, the Frank-Wolfe
   gap) certifies it at ``tol``; otherwise the interior-point iteration goes on (faces already
   tried are skipped; at most ``crossover_face_solves`` face solves in all). A crossover point
@@ -70,6 +76,7 @@ from typing import Any
 import numpy as np
 import scipy.linalg as sla
 import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components
 
 from ..constraints import ConstraintSet
 from ..constraints.lp import lifted_form
@@ -394,6 +401,7 @@ class _Ipm:
         self._faces_tried: set[bytes] = set()
         self.face_solves = 0
         self.faces_skipped = 0
+        self._last_gap = math.inf  # the Frank-Wolfe gap of the last point offered to the certificate
         #: the diagonal regularisation of M (keeps a singular H with few constraints factorisable)
         self.delta = 1e-13 * self.eta
         self.At = F.A.T.tocsr()
@@ -438,7 +446,7 @@ class _Ipm:
         S[sparse_part.row, sparse_part.col] += sparse_part.data.astype(S.dtype)
         if V is not None:
             Z = sla.solve_triangular(Lk, np.asarray(G @ V).T, lower=True).T  # G V Lk^-T
-            S += (Z @ Z.T).astype(S.dtype)
+            _add_outer(S, Z)
         return S
 
     def aux_solver(self, solve_S: Any, parts: tuple[Any, ...]) -> Any:
@@ -735,9 +743,8 @@ class _Ipm:
         The guess: constraints with ``s_i < lambda_i`` or ``s_i < sqrt(mu)``. Then up to
         :data:`CROSSOVER_ROUNDS` primal-dual corrections: violated constraints join the face,
         constraints whose multiplier is clearly negative leave it. A face already tried is not
-        certified again."""
-        from ..certificate import certify  # deferred: the certificate imports the constraint kernels
-
+        certified again. A feasible face minimiser whose multipliers are not all of the right
+        sign is offered to the certificate before the corrections go on (degenerate points)."""
         F = self.F
         mA, mU = F.A.shape[0], F.U.size
         th = math.sqrt(max(mu, 0.0))
@@ -766,13 +773,28 @@ class _Ipm:
             dA = act_A & (nu_A < neg)
             dU = at_U & (-r[F.U] < neg)
             dL = at_L & (r[F.L] < neg)
-            if not (vA.any() or vU.any() or vL.any() or dA.any() or dU.any() or dL.any()):
+            feasible = not (vA.any() or vU.any() or vL.any())
+            if feasible and not (dA.any() or dU.any() or dL.any()):
                 break
+            # constraints where more are active than the variables they touch (the L1 ball's
+            # centre, an atom at 0 with its sign rows): their multipliers are not determined by
+            # the face, so a wrong sign there is the face solve's choice, not a fact
+            gA, gU, gL = self._degenerate(act_A, at_U, at_L)
+            firm = (dA & ~gA).any() or (dU & ~gU).any() or (dL & ~gL).any()
+            if feasible and not firm and self._certified(xc):
+                # a feasible face minimiser whose wrong-signed multipliers are all degenerate ones:
+                # dropping those constraints sent the corrections away from an optimal point
+                self.crossovers.append("certified (degenerate face)")
+                return self._clip(xc)
             if singular:
                 # the multipliers of a face on which H is singular are not unique, so the
                 # corrections wander (measured: they cycled on real singular merge QPs)
                 self.crossovers.append("H singular on the face")
                 return None
+            if not feasible or firm:
+                # degenerate constraints stay while others move (dropped, they came back and the
+                # corrections wandered); a feasible face with only those left drops them all
+                dA, dU, dL = dA & ~gA, dU & ~gU, dL & ~gL
             act_A = (act_A | vA) & ~dA
             act_U = (act_U | vU) & ~dU
             act_L = (act_L | vL) & ~dL
@@ -781,13 +803,56 @@ class _Ipm:
             return None
         assert xc is not None
         xc = self._clip(xc)
-        P = self.problem
-        cert = certify(P, self.cset, P.unflat(self.lift(xc)[:P.n]), rel_tol=float(self.opts["tol"]), pinv=False)
-        if cert.certified() or (cert.feasible and cert.at_rounding_floor):
+        if self._certified(xc):
             self.crossovers.append("certified")
             return xc
-        self.crossovers.append(f"not certified (gap {cert.fw_gap:.2g})")
+        self.crossovers.append(f"not certified (gap {self._last_gap:.2g})")
         return None
+
+    def _degenerate(self, act_A: np.ndarray, at_U: np.ndarray, at_L: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Which active rows, upper and lower bounds (masks over all of them) lie in a degenerate
+        part of the face: a connected component (variables linked by the active constraints on
+        them; rows on more than :data:`ELIMINATE_MAX_SUPPORT` or a quarter of the variables, such
+        as the L1 ball's sum or a global simplex, left out) with more active constraints than
+        variables. Elsewhere the face's multipliers are unique."""
+        F = self.F
+        rows_A = np.flatnonzero(act_A)
+        rows = F.A[rows_A]
+        short = np.diff(rows.indptr) <= min(ELIMINATE_MAX_SUPPORT, max(F.N // 4, 2))
+        bounds = np.concatenate([F.U[at_U], F.L[at_L]])
+        R = sp.vstack([rows[np.flatnonzero(short)],
+                       sp.csr_matrix((np.ones(bounds.size), (np.arange(bounds.size), bounds)),
+                                     shape=(bounds.size, F.N))]).tocsr()
+        R.data[:] = 1.0
+        R.eliminate_zeros()
+        gA = np.zeros(act_A.size, dtype=bool)
+        gU = np.zeros(at_U.size, dtype=bool)
+        gL = np.zeros(at_L.size, dtype=bool)
+        if R.shape[0] == 0 or np.any(np.diff(R.indptr) == 0):
+            return gA, gU, gL  # (a row that vanishes: no component to count it in)
+        _, comp = connected_components((R.T @ R).tocsr(), directed=False)
+        touched = np.zeros(F.N, dtype=bool)
+        touched[R.indices] = True
+        n_vars = np.bincount(comp[touched], minlength=comp.max() + 1)
+        of_row = comp[R.indices[R.indptr[:-1]]]
+        deg = (np.bincount(of_row, minlength=comp.max() + 1) > n_vars)[of_row]
+        m_short = int(short.sum())
+        gA[rows_A[short]] = deg[:m_short]
+        gU[np.flatnonzero(at_U)] = deg[m_short:m_short + int(at_U.sum())]
+        gL[np.flatnonzero(at_L)] = deg[m_short + int(at_U.sum()):]
+        return gA, gU, gL
+
+    def _certified(self, x: np.ndarray) -> bool:
+        """Whether the float64 certificate proves ``x`` (clipped to its bounds) optimal at ``tol``
+        (or at its rounding floor); the gap it found is kept in ``_last_gap``."""
+        from ..certificate import certify  # deferred: the certificate imports the constraint kernels
+
+        P = self.problem
+        x = self._clip(x)
+        cert = certify(P, self.cset, P.unflat(self.lift(x)[:P.n]), rel_tol=float(self.opts["tol"]), pinv=False)
+        self._last_gap = cert.fw_gap
+        return bool(cert.certified() or (cert.feasible and cert.at_rounding_floor))
 
     def _aux_pins(self, Fr: np.ndarray, AF: sp.csr_matrix, rhs: np.ndarray) -> _AuxPins | None:
         """The face's free auxiliaries solved from their rows (``None``: none is pinned by
@@ -977,6 +1042,20 @@ class _Ipm:
             at_U = at_U & ~np.isin(F.U, touched)
             at_L = at_L & ~np.isin(F.L, touched)
         return x, nu_A, at_U, at_L, r, rho > 0
+
+
+def _add_outer(S: np.ndarray, Z: np.ndarray) -> None:
+    """``S += Z Z'`` in place (``S`` C-contiguous ``n x n``, ``Z`` ``n x d`` with small ``d``): one
+    BLAS rank-one update per column (``S`` is symmetric, so updating its transpose, the
+    Fortran-ordered view BLAS takes, is the same), without the ``n x n`` temporaries of
+    ``S += Z @ Z.T`` (at n = 3072 they cost as much as a third of the float32 Cholesky)."""
+    ger = sla.get_blas_funcs("ger", (S,))
+    St = S.T
+    for j in range(Z.shape[1]):
+        z = np.ascontiguousarray(Z[:, j], dtype=S.dtype)
+        out = ger(1.0, z, z, a=St, overwrite_a=True)
+        if not np.shares_memory(out, S):  # (BLAS made a copy: not expected for a contiguous S)
+            S[...] = out.T
 
 
 def _single_variable_rows(AF: sp.csr_matrix, rhs: np.ndarray, m: int

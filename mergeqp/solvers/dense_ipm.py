@@ -38,7 +38,7 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   have multipliers the face does not determine: they stay on the face while other constraints
   move, and a feasible face minimiser whose only wrong-signed multipliers are such ones is
   offered to the certificate at once (dropping them made the corrections wander away from
-  optimal points: `l1 & sign` 16-24x one Cholesky -> 12-16x, docs/solvers.md). The point is
+  optimal points: `l1 & sign` at n = 3072 23-24x one Cholesky -> 15-16x, docs/solvers.md). The point is
   kept only when the float64 certificate (:func:`~mergeqp.certificate.certify`, the Frank-Wolfe
   gap) certifies it at ``tol``; otherwise the interior-point iteration goes on (faces already
   tried are skipped; at most ``crossover_face_solves`` face solves in all). A crossover point
@@ -779,7 +779,8 @@ class _Ipm:
             # constraints where more are active than the variables they touch (the L1 ball's
             # centre, an atom at 0 with its sign rows): their multipliers are not determined by
             # the face, so a wrong sign there is the face solve's choice, not a fact
-            gA, gU, gL = self._degenerate(act_A, at_U, at_L)
+            wrong = dA.any() or dU.any() or dL.any()
+            gA, gU, gL = self._degenerate(act_A, at_U, at_L) if wrong else (dA, dU, dL)
             firm = (dA & ~gA).any() or (dU & ~gU).any() or (dL & ~gL).any()
             if feasible and not firm and self._certified(xc):
                 # a feasible face minimiser whose wrong-signed multipliers are all degenerate ones:

@@ -401,7 +401,6 @@ class _Ipm:
         self._faces_tried: set[bytes] = set()
         self.face_solves = 0
         self.faces_skipped = 0
-        self._last_gap = math.inf  # the Frank-Wolfe gap of the last point offered to the certificate
         #: the diagonal regularisation of M (keeps a singular H with few constraints factorisable)
         self.delta = 1e-13 * self.eta
         self.At = F.A.T.tocsr()
@@ -774,19 +773,22 @@ class _Ipm:
             dU = at_U & (-r[F.U] < neg)
             dL = at_L & (r[F.L] < neg)
             feasible = not (vA.any() or vU.any() or vL.any())
-            if feasible and not (dA.any() or dU.any() or dL.any()):
+            wrong = dA.any() or dU.any() or dL.any()
+            if feasible and not wrong:
                 break
             # constraints where more are active than the variables they touch (the L1 ball's
             # centre, an atom at 0 with its sign rows): their multipliers are not determined by
-            # the face, so a wrong sign there is the face solve's choice, not a fact
-            wrong = dA.any() or dU.any() or dL.any()
+            # the face, so a wrong sign there is the face solve's choice, not a fact (without a
+            # wrong sign there is nothing to decide: dA, dU, dL are all False)
             gA, gU, gL = self._degenerate(act_A, at_U, at_L) if wrong else (dA, dU, dL)
             firm = (dA & ~gA).any() or (dU & ~gU).any() or (dL & ~gL).any()
-            if feasible and not firm and self._certified(xc):
+            if feasible and not firm:
                 # a feasible face minimiser whose wrong-signed multipliers are all degenerate ones:
                 # dropping those constraints sent the corrections away from an optimal point
-                self.crossovers.append("certified (degenerate face)")
-                return self._clip(xc)
+                xp = self._clip(xc)
+                if self._certify(xp)[0]:
+                    self.crossovers.append("certified (degenerate face)")
+                    return xp
             if singular:
                 # the multipliers of a face on which H is singular are not unique, so the
                 # corrections wander (measured: they cycled on real singular merge QPs)
@@ -804,10 +806,11 @@ class _Ipm:
             return None
         assert xc is not None
         xc = self._clip(xc)
-        if self._certified(xc):
+        ok, gap = self._certify(xc)
+        if ok:
             self.crossovers.append("certified")
             return xc
-        self.crossovers.append(f"not certified (gap {self._last_gap:.2g})")
+        self.crossovers.append(f"not certified (gap {gap:.2g})")
         return None
 
     def _degenerate(self, act_A: np.ndarray, at_U: np.ndarray, at_L: np.ndarray
@@ -825,8 +828,8 @@ class _Ipm:
         R = sp.vstack([rows[np.flatnonzero(short)],
                        sp.csr_matrix((np.ones(bounds.size), (np.arange(bounds.size), bounds)),
                                      shape=(bounds.size, F.N))]).tocsr()
+        R.eliminate_zeros()  # (stored zeros touch nothing) before every entry counts as 1
         R.data[:] = 1.0
-        R.eliminate_zeros()
         gA = np.zeros(act_A.size, dtype=bool)
         gU = np.zeros(at_U.size, dtype=bool)
         gL = np.zeros(at_L.size, dtype=bool)
@@ -844,16 +847,14 @@ class _Ipm:
         gL[np.flatnonzero(at_L)] = deg[m_short + int(at_U.sum()):]
         return gA, gU, gL
 
-    def _certified(self, x: np.ndarray) -> bool:
-        """Whether the float64 certificate proves ``x`` (clipped to its bounds) optimal at ``tol``
-        (or at its rounding floor); the gap it found is kept in ``_last_gap``."""
+    def _certify(self, x: np.ndarray) -> tuple[bool, float]:
+        """Whether the float64 certificate proves ``x`` (on its bounds) optimal at ``tol`` (or at
+        its rounding floor), and the Frank-Wolfe gap it found."""
         from ..certificate import certify  # deferred: the certificate imports the constraint kernels
 
         P = self.problem
-        x = self._clip(x)
         cert = certify(P, self.cset, P.unflat(self.lift(x)[:P.n]), rel_tol=float(self.opts["tol"]), pinv=False)
-        self._last_gap = cert.fw_gap
-        return bool(cert.certified() or (cert.feasible and cert.at_rounding_floor))
+        return bool(cert.certified() or (cert.feasible and cert.at_rounding_floor)), float(cert.fw_gap)
 
     def _aux_pins(self, Fr: np.ndarray, AF: sp.csr_matrix, rhs: np.ndarray) -> _AuxPins | None:
         """The face's free auxiliaries solved from their rows (``None``: none is pinned by

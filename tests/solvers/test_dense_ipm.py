@@ -390,3 +390,31 @@ def test_crossover_certifies_a_degenerate_face(seed: int) -> None:
     assert sol.info["crossover"] == ["certified (degenerate face)"]
     assert sol.certificate.certified(1e-9)
     assert sol.objective <= ref.objective + 1e-9 * abs(ref.objective)
+
+
+def test_float32_normal_matrix_is_factorised_scaled_to_a_unit_diagonal() -> None:
+    """Weights of nearly active constraints spread over 18 decades: unscaled, the float32
+    factor's smallest pivot is below the float32 test (the factorisation went to float64); scaled
+    to a unit diagonal it passes, solves ``M y = r`` to ~1e-3, and one refinement step against
+    the float64 M (``factorise``) brings that far lower."""
+    import scipy.linalg as sla
+
+    from mergeqp.solvers.dense_ipm import _Ipm
+
+    inst = draw("sign", 0, 96)
+    ipm = _Ipm(inst.problem, inst.constraints, dict(DenseIpmSolver.defaults))
+    rng = np.random.default_rng(0)
+    w = 10.0 ** rng.uniform(-6, 12, ipm.F.m)
+    M = ipm.normal_matrix(w, np.float64)
+    top = max(float(np.max(np.diag(M))), ipm.eta)
+    unscaled = sla.cho_factor(M.astype(np.float32), check_finite=False)[0]
+    assert float(np.min(np.abs(np.diag(unscaled)))) ** 2 <= 1e-6 * top  # the old test sent it to float64
+    r = rng.standard_normal(ipm.F.N)
+    exact = np.linalg.solve(M, r)
+    solve = ipm._cholesky(w, np.float32)
+    assert solve is not None
+    first = np.linalg.norm(solve(r) - exact) / np.linalg.norm(exact)
+    assert first < 1e-2
+    refined = ipm.factorise(w, low=True)
+    assert ipm.factorisations == {"float32": 1, "float64": 0}
+    assert np.linalg.norm(refined(r) - exact) / np.linalg.norm(exact) < 0.1 * first

@@ -515,23 +515,23 @@ class _Ipm:
         key = np.dtype(dtype).name
         ladder = RIDGES[key]
         start = self._ridge_level.get(key, 0)
-        scale: np.ndarray | None = None
 
-        def matrix() -> np.ndarray:
-            nonlocal scale
+        def matrix() -> tuple[np.ndarray, np.ndarray | None]:
+            """M (float32: scaled to a unit diagonal) and the scaling ``diag(D)`` (``None``: none)."""
             M = build(dtype)
-            if dtype == np.float32:
-                scale = 1.0 / np.sqrt(np.maximum(np.diag(M).astype(np.float64), np.finfo(float).tiny))
-                s32 = scale.astype(np.float32)
-                M *= s32[:, None]
-                M *= s32[None, :]
-            return M
+            if dtype != np.float32:
+                return M, None
+            d = 1.0 / np.sqrt(np.maximum(np.diag(M).astype(np.float64), np.finfo(float).tiny))
+            d32 = d.astype(np.float32)
+            M *= d32[:, None]
+            M *= d32[None, :]
+            return M, d
 
-        M = matrix()
+        M, scale = matrix()
         top = 1.0 if scale is not None else max(float(np.max(np.diag(M))), self.eta)
         for i in range(start, len(ladder)):
             if i > start:
-                M = matrix()  # the failed attempt overwrote it
+                M, scale = matrix()  # the failed attempt overwrote it
             if ladder[i]:
                 M[np.diag_indices_from(M)] += M.dtype.type(ladder[i] * top)
             try:
@@ -545,7 +545,7 @@ class _Ipm:
                 return None
             d = scale
 
-            def solve(r: np.ndarray) -> np.ndarray:
+            def solve(r: np.ndarray) -> np.ndarray:  # M^-1 r = D (D M D)^-1 D r
                 col = (slice(None),) + (None,) * (r.ndim - 1)
                 return cho_solve(fac, (r * d[col]).astype(np.float32)).astype(np.float64) * d[col]
 

@@ -85,6 +85,21 @@ def run_solver(torch, problem, cset, name: str, dev, chol: float, repeat: int = 
     return row
 
 
+def common_arguments(ap: argparse.ArgumentParser) -> None:
+    """``--repeat``, ``--budget`` and ``--json`` (shared with ``gpu_ipm.py``)."""
+    ap.add_argument("--repeat", type=int, default=1, help="best of this many runs of each solver")
+    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later instances are skipped past it")
+    ap.add_argument("--json", default=None)
+
+
+def device_banner(torch):  # noqa: ANN001, ANN201 - torch passed in, imported lazily; a torch.device
+    """The device the benchmark runs on (CUDA if present), printed with torch's version and the cores."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"torch {torch.__version__}, {os.cpu_count()} CPU cores", flush=True)
+    return device
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="*", default=[12288, 24576])
@@ -93,9 +108,7 @@ def main() -> None:
     ap.add_argument("--solvers", nargs="*", default=["torch_active_set", "torch_fista", "active_set"])
     ap.add_argument("--before", action="store_true",
                     help="also torch_fista with its progress checks on the host (the version before)")
-    ap.add_argument("--repeat", type=int, default=1, help="best of this many runs of each solver")
-    ap.add_argument("--budget", type=float, default=420.0, help="seconds; later instances are skipped past it")
-    ap.add_argument("--json", default=None)
+    common_arguments(ap)
     args = ap.parse_args()
 
     import torch
@@ -105,10 +118,8 @@ def main() -> None:
     from mergeqp.solvers.instance_families import draw
     from mergeqp.solvers.reference_problems import load_reference_problem
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_banner(torch)
     start = time.perf_counter()
-    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-          f"torch {torch.__version__}, {os.cpu_count()} CPU cores", flush=True)
     sizes = sorted(args.n)
     families = [f for f in args.family.split(",") if f]
     instances = ([("family", f, n) for f in families for n in sizes[:1]]

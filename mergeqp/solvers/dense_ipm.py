@@ -88,6 +88,7 @@ from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
+from .ipm_linalg import HostLinalg
 from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -389,14 +390,16 @@ def _has_equalities(problem: MergeQP, cset: ConstraintSet) -> bool:
 class _Ipm:
     """One interior-point solve (see the module doc)."""
 
-    def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any]):
+    def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any], linalg: Any = None):
+        """``linalg(H)``: the backend of the dense work (:mod:`.ipm_linalg`; default
+        :class:`~.ipm_linalg.HostLinalg`), made from the H the iteration runs on."""
         self.problem = problem
         self.cset = cset
         self.opts = opts
         self.F, self.elimination = _eliminate(_form(problem, cset))
         F = self.F
         self.eta = float(np.max(np.abs(np.diag(F.H)), initial=0.0)) or 1.0
-        self.H32: np.ndarray | None = None
+        self.la = (linalg or HostLinalg)(F.H)
         self.float32_ok = True
         #: index into :data:`RIDGES` of the ridge that last gave a factorisation, per dtype
         self._ridge_level: dict[str, int] = {}
@@ -405,6 +408,7 @@ class _Ipm:
         self._faces_tried: set[bytes] = set()
         self.face_solves = 0
         self.faces_skipped = 0
+        self.crossover_seconds = 0.0
         #: the diagonal regularisation of M (keeps a singular H with few constraints factorisable)
         self.delta = 1e-13 * self.eta
         self.At = F.A.T.tocsr()
@@ -432,24 +436,19 @@ class _Ipm:
 
     def aux_matrix(self, parts: tuple[Any, ...], dtype: Any) -> np.ndarray:
         """The Schur complement ``S = M_xx - G M_tt^-1 G'`` of :class:`_AuxBlock` in ``dtype``."""
-        F, ax = self.F, self.aux
+        ax = self.aux
         assert ax is not None
         nx = ax.nx
         D, G, V, Lk, ws, dw = parts
-        if dtype == np.float32:
-            if self.H32 is None:
-                self.H32 = F.H.astype(np.float32)
-            S = self.H32.copy()
-        else:
-            S = F.H.copy()
-        idx = np.arange(nx)
-        S[idx, idx] += dw[:nx].astype(S.dtype)
+        la = self.la
+        S = la.base(dtype, nx)
+        la.add_diagonal(S, dw[:nx])
         sparse_part = (ax.Ax_s.T @ sp.diags(ws) @ ax.Ax_s - G @ sp.diags(1.0 / D) @ G.T).tocoo()
         sparse_part.sum_duplicates()
-        S[sparse_part.row, sparse_part.col] += sparse_part.data.astype(S.dtype)
+        la.add_entries(S, sparse_part.row, sparse_part.col, sparse_part.data)
         if V is not None:
             Z = sla.solve_triangular(Lk, np.asarray(G @ V).T, lower=True).T  # G V Lk^-T
-            _add_outer(S, Z)
+            la.add_outer(S, Z)
         return S
 
     def aux_solver(self, solve_S: Any, parts: tuple[Any, ...]) -> Any:
@@ -476,26 +475,14 @@ class _Ipm:
     def normal_matrix(self, w: np.ndarray, dtype: Any) -> np.ndarray:
         """``H + C' diag(w) C + delta I`` in ``dtype`` (a fresh array; ``A'WA`` by a sparse
         product, block diagonal for per-atom rows)."""
-        F = self.F
-        if dtype == np.float32:
-            if self.H32 is None:
-                self.H32 = F.H.astype(np.float32)
-            H = self.H32
-        else:
-            H = F.H
-        if F.n_aux:  # the lifted matrix (auxiliaries' block of H zero)
-            M = np.zeros((F.N, F.N), dtype=H.dtype)
-            M[:F.nx, :F.nx] = H
-        else:
-            M = H.copy()
-        diag = F.diagonal(w) + self.delta
-        idx = np.arange(F.N)
-        M[idx, idx] += diag.astype(M.dtype)
+        F, la = self.F, self.la
+        M = la.base(dtype, F.N)  # (the lifted matrix: the auxiliaries' block of H zero)
+        la.add_diagonal(M, F.diagonal(w) + self.delta)
         mA = F.A.shape[0]
         if mA:
             AWA = (self.At @ sp.diags(w[:mA]) @ F.A).tocoo()
             AWA.sum_duplicates()
-            M[AWA.row, AWA.col] += AWA.data.astype(M.dtype)
+            la.add_entries(M, AWA.row, AWA.col, AWA.data)
         return M
 
     def _cholesky(self, w: np.ndarray, dtype: Any, build: Any = None) -> Any:
@@ -515,41 +502,29 @@ class _Ipm:
         key = np.dtype(dtype).name
         ladder = RIDGES[key]
         start = self._ridge_level.get(key, 0)
+        la = self.la
 
-        def matrix() -> tuple[np.ndarray, np.ndarray | None]:
+        def matrix() -> tuple[Any, np.ndarray | None]:
             """M (float32: scaled to a unit diagonal) and the scaling ``diag(D)`` (``None``: none)."""
             M = build(dtype)
             if dtype != np.float32:
                 return M, None
-            d = 1.0 / np.sqrt(np.maximum(np.diag(M).astype(np.float64), np.finfo(float).tiny))
-            d32 = d.astype(np.float32)
-            M *= d32[:, None]
-            M *= d32[None, :]
-            return M, d
+            return M, la.scale_to_unit_diagonal(M)
 
         M, scale = matrix()
-        top = 1.0 if scale is not None else max(float(np.max(np.diag(M))), self.eta)
+        top = 1.0 if scale is not None else max(la.max_diagonal(M), self.eta)
         for i in range(start, len(ladder)):
             if i > start:
                 M, scale = matrix()  # the failed attempt overwrote it
             if ladder[i]:
-                M[np.diag_indices_from(M)] += M.dtype.type(ladder[i] * top)
-            try:
-                fac = sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=True)
-            except np.linalg.LinAlgError:
+                la.add_diagonal(M, ladder[i] * top)
+            fac = la.cholesky(M)
+            if fac is None:
                 continue
             self._ridge_level[key] = i
-            if scale is None:
-                return lambda r: cho_solve(fac, r)
-            if float(np.min(np.abs(np.diag(fac[0])))) ** 2 <= 1e-6 * top:
+            if scale is not None and la.min_pivot(fac) ** 2 <= 1e-6 * top:
                 return None
-            d = scale
-
-            def solve(r: np.ndarray) -> np.ndarray:  # M^-1 r = D (D M D)^-1 D r
-                col = (slice(None),) + (None,) * (r.ndim - 1)
-                return cho_solve(fac, (r * d[col]).astype(np.float32)).astype(np.float64) * d[col]
-
-            return solve
+            return la.solver(fac, scale)
         return None
 
     def factorise(self, w: np.ndarray, low: bool) -> Any:
@@ -579,7 +554,7 @@ class _Ipm:
             def solve32(r: np.ndarray) -> np.ndarray:
                 y = first(r)
                 col = (slice(None),) + (None,) * (y.ndim - 1)
-                My = self.F.Hmul(y) + dw[col] * y
+                My = self.hmul(y) + dw[col] * y
                 if mA:
                     My += self.At @ (w[:mA][col] * (F.A @ y))
                 return y + first(r - My)
@@ -613,7 +588,7 @@ class _Ipm:
         since_best = 0
         crossed = False
         for it in range(int(opts["max_iter"]) + 1):
-            Hx = self.F.Hmul(x)
+            Hx = self.hmul(x)
             rd = Hx + F.q + F.Ctv(lam) + (self.Et @ y if y.size else 0.0)
             rp = F.Cx(x) + s - d
             re = F.E @ x - F.f
@@ -644,7 +619,9 @@ class _Ipm:
                 break
             mu = gap / m if m else 0.0
             if self.face_solves < budget and gap <= float(opts["crossover_from"]) * scale and err_p <= 1e-6:
+                t_cross = time.perf_counter()
                 xc = self._crossover(x, s, lam, mu)
+                self.crossover_seconds += time.perf_counter() - t_cross
                 if xc is not None:
                     x, crossed = xc, True
                     status = SolveStatus.OPTIMAL
@@ -670,11 +647,22 @@ class _Ipm:
         x = self._clip(x)
         info = {"ipm_iterations": it, "factorisations": dict(self.factorisations),
                 "crossover": list(self.crossovers), "crossover_face_solves": self.face_solves,
-                "crossover_faces_skipped": self.faces_skipped,
+                "crossover_faces_skipped": self.faces_skipped, "crossover_seconds": self.crossover_seconds,
                 "relative_gap": last[0], "dual_residual": last[1], "primal_residual": last[2]}
         if self.elimination is not None:
             info["equalities_eliminated"] = int(self.elimination.taken.size)
+        if self.la.device is not None:
+            info["device"] = str(self.la.device)
         return self.lift(x)[:P.n], status, it, info
+
+    def hmul(self, y: np.ndarray) -> np.ndarray:
+        """``H y`` of the lifted H (``y`` of shape ``(N,)`` or ``(N, k)``) by the backend."""
+        F = self.F
+        if F.n_aux == 0:
+            return self.la.hmul(y)
+        out = np.zeros(y.shape)
+        out[:F.nx] = self.la.hmul(y[:F.nx])
+        return out
 
     def lift(self, x: np.ndarray) -> np.ndarray:
         """The solver's variables back in the form's (pivots of eliminated equality rows restored)."""
@@ -1075,20 +1063,6 @@ class _Ipm:
         return x, nu_A, at_U, at_L, r, rho > 0
 
 
-def _add_outer(S: np.ndarray, Z: np.ndarray) -> None:
-    """``S += Z Z'`` in place (``S`` C-contiguous ``n x n``, ``Z`` ``n x d`` with small ``d``): one
-    BLAS rank-one update per column (``S`` is symmetric, so updating its transpose, the
-    Fortran-ordered view BLAS takes, is the same), without the ``n x n`` temporaries of
-    ``S += Z @ Z.T`` (at n = 3072 they cost as much as a third of the float32 Cholesky)."""
-    ger = sla.get_blas_funcs("ger", (S,))
-    St = S.T
-    for j in range(Z.shape[1]):
-        z = np.ascontiguousarray(Z[:, j], dtype=S.dtype)
-        out = ger(1.0, z, z, a=St, overwrite_a=True)
-        if not np.shares_memory(out, S):  # (BLAS made a copy: not expected for a contiguous S)
-            S[...] = out.T
-
-
 def _single_variable_rows(AF: sp.csr_matrix, rhs: np.ndarray, m: int
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """Among the first ``m`` rows of a face's ``AF x = rhs`` (active inequalities), those on a
@@ -1209,12 +1183,17 @@ class DenseIpmSolver(QPSolver):
             raise ValidationError(f"dense_ipm: option {e}") from None
         return opts
 
+    def linalg(self, opts: dict[str, Any]) -> Any:
+        """The backend of the dense work, ``H -> backend`` (:mod:`.ipm_linalg`); the host's."""
+        return HostLinalg
+
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         opts = self.check_options(options)
         t0 = time.perf_counter()
+        linalg = self.linalg(opts)
         with blas_threads(opts["threads"], self.AUTO_THREADS) as cap:
-            ipm = _Ipm(problem, constraints, opts)
+            ipm = _Ipm(problem, constraints, opts, linalg)
             setup = time.perf_counter() - t0
             x, status, it, info = ipm.run()
         if cap is not None:

@@ -30,6 +30,7 @@ from .cvxpy_solvers import CvxpyClarabelSolver, CvxpyOSQPSolver
 from .dense_ipm import DenseIpmSolver
 from .osqp_solver import OSQPSolver
 from .torch_active_set import TorchActiveSetSolver
+from .torch_ipm import TorchIpmSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
 
 SOLVERS: dict[str, QPSolver] = {}
@@ -70,9 +71,10 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     CUDA device whose free memory holds three copies of H -> ``torch_active_set``; box / simplex /
     L1 sets with explicit H and ``n <= ActiveSetSolver.auto_max_n``, or larger while its work
     arrays fit in the available memory -> ``active_set``; sets with a projection and a matrix-vector-only (or too large) H ->
-    ``torch_fista``; other polyhedral sets (sign
-    consensus) with explicit H and ``n >= DenseIpmSolver.auto_min_n`` (up to its memory rule) ->
-    ``dense_ipm``, else -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
+    ``torch_fista``; other polyhedral sets (sign consensus) with explicit H: on a CUDA device
+    from ``torch_ipm.AUTO_MIN_N`` (``AUTO_MIN_N_STARTED`` once the process has started CUDA) while
+    its arrays fit in the GPU's free memory -> ``torch_ipm``, else from
+    ``DenseIpmSolver.auto_min_n`` (up to its memory rule) -> ``dense_ipm``, else -> ``clarabel``; user CVXPY constraints -> ``cvxpy_clarabel``.
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
@@ -256,6 +258,7 @@ register_solver(ClosedFormSolver())
 register_solver(TorchActiveSetSolver())
 register_solver(ActiveSetSolver())
 register_solver(TorchFISTASolver())
+register_solver(TorchIpmSolver())
 register_solver(DenseIpmSolver())
 register_solver(ClarabelSolver())
 register_solver(CvxpyClarabelSolver())

@@ -55,7 +55,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
 from ..solution import SolveStatus
 from .active_set import set_structure
 from .base import QPSolver, RawResult
-from .torch_solvers import torch_device, torch_missing
+from .torch_solvers import cuda_auto_declines, torch_device, torch_missing
 
 FREE, LO, HI = 0, 1, 2
 
@@ -409,20 +409,9 @@ class TorchActiveSetSolver(QPSolver):
         return box if isinstance(box, str) else None
 
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        if problem.n < AUTO_MIN_N_STARTED:  # first: no torch import for the common small problem
-            return f"n = {problem.n} < {AUTO_MIN_N_STARTED}: measured only from there on (active_set below)"
-        import torch  # available() ran first: torch is importable here
-
-        if not torch.cuda.is_available():
-            return "auto chooses it on a CUDA device only (on the CPU active_set is faster)"
-        if problem.n < AUTO_MIN_N and not torch.cuda.is_initialized():
-            return (f"n = {problem.n} < {AUTO_MIN_N} and this process has not started CUDA: starting it "
-                    f"costs more than the GPU saves at this size (from n = {AUTO_MIN_N_STARTED} once started)")
-        free, _total = torch.cuda.mem_get_info()
-        need = device_bytes(problem.n)
-        if need > free:
-            return f"H and two face blocks need {need / 1e9:.1f} GB, the GPU has {free / 1e9:.1f} GB free"
-        return None
+        return cuda_auto_declines(problem.n, AUTO_MIN_N, AUTO_MIN_N_STARTED, device_bytes(problem.n),
+                                  "measured only from there on (active_set below)",
+                                  "on the CPU active_set is faster", "H and two face blocks")
 
     def check_options(self, options: Any) -> dict[str, Any]:
         opts = super().check_options(options)

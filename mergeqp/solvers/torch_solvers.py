@@ -43,6 +43,27 @@ def torch_device(name: str) -> Any:
         raise ValidationError(f"unknown torch device {name!r} (use cpu, cuda, cuda:N or auto)") from None
 
 
+def cuda_auto_declines(n: int, min_n: int, min_n_started: int, need_bytes: int, below: str, cpu: str,
+                       held: str) -> str | None:
+    """``auto``'s rule for a GPU solver: ``None`` (take it) on a CUDA machine from ``min_n``
+    variables, or from ``min_n_started`` once this process has started CUDA, while ``need_bytes``
+    fit in the GPU's free memory; else why not (``below``: what runs under ``min_n_started``;
+    ``cpu``: why not on a machine without CUDA; ``held``: what the bytes hold)."""
+    if n < min_n_started:  # first: no torch import for the common small problem
+        return f"n = {n} < {min_n_started}: {below}"
+    import torch  # the solver's available() ran first: torch is importable here
+
+    if not torch.cuda.is_available():
+        return f"auto chooses it on a CUDA device only ({cpu})"
+    if n < min_n and not torch.cuda.is_initialized():
+        return (f"n = {n} < {min_n} and this process has not started CUDA: starting it costs more than "
+                f"the GPU saves at this size (from n = {min_n_started} once started)")
+    free, _total = torch.cuda.mem_get_info()
+    if need_bytes > free:
+        return f"{held} need {need_bytes / 1e9:.1f} GB, the GPU has {free / 1e9:.1f} GB free"
+    return None
+
+
 def torch_missing() -> str | None:
     """``None`` when torch can be imported here, else why not (the torch solvers' ``available``)."""
     import importlib.util

@@ -362,7 +362,7 @@ def test_degenerate_parts_of_a_face_are_counted_per_component() -> None:
 @pytest.mark.parametrize("d", [1, 3])
 def test_add_outer_updates_in_place(dtype, d: int) -> None:
     """``S += Z Z'`` by BLAS rank-one updates, in place, equals the dense product."""
-    from mergeqp.solvers.dense_ipm import _add_outer
+    from mergeqp.solvers.ipm_linalg import add_outer as _add_outer
 
     rng = np.random.default_rng(d)
     B = rng.standard_normal((40, 40))

@@ -1,0 +1,212 @@
+"""Where ``dense_ipm``'s dense linear algebra runs: H, the normal matrices and their Cholesky factors.
+
+The interior point (:mod:`mergeqp.solvers.dense_ipm`) spends its time on ``n x n`` work: forming
+the normal matrix ``M = H + C'WC`` (a copy of H plus a diagonal, sparse entries of the per-atom
+rows and a few outer products), factorising it, solving with the factor and multiplying by H.
+A backend does exactly these operations on its own arrays; everything else (the iteration, the
+crossover's face solves, the certificate) stays on the host in NumPy.
+
+- :class:`HostLinalg`: NumPy and LAPACK in the host's memory (``dense_ipm``).
+- :class:`TorchLinalg`: PyTorch on any device (``torch_ipm``): H is copied to the device once
+  (float64, and float32 when asked for), M is formed and factorised there, and only vectors of
+  length n (right-hand sides, solutions, the sparse entries of ``C'WC``) cross to and from it.
+
+Both take and return float64 NumPy vectors; their matrices (``M``, factors) stay opaque to the
+caller. The ridge ladder, the float32 scaling and the pivot test that use these operations are
+:meth:`mergeqp.solvers.dense_ipm._Ipm._cholesky`'s.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
+
+from ..cholesky import cho_solve
+
+
+def add_outer(S: np.ndarray, Z: np.ndarray) -> None:
+    """``S += Z Z'`` in place (``S`` C-contiguous ``n x n``, ``Z`` ``n x d`` with small ``d``): one
+    BLAS rank-one update per column (``S`` is symmetric, so updating its transpose, the
+    Fortran-ordered view BLAS takes, is the same), without the ``n x n`` temporaries of
+    ``S += Z @ Z.T`` (at n = 3072 they cost as much as a third of the float32 Cholesky)."""
+    ger = sla.get_blas_funcs("ger", (S,))
+    St = S.T
+    for j in range(Z.shape[1]):
+        z = np.ascontiguousarray(Z[:, j], dtype=S.dtype)
+        out = ger(1.0, z, z, a=St, overwrite_a=True)
+        if not np.shares_memory(out, S):  # (BLAS made a copy: not expected for a contiguous S)
+            S[...] = out.T
+
+
+def _unit_scaling(diag: np.ndarray) -> np.ndarray:
+    """``D = diag(M)^-1/2`` (float64) for scaling M to a unit diagonal."""
+    return 1.0 / np.sqrt(np.maximum(np.asarray(diag, dtype=np.float64), np.finfo(float).tiny))
+
+
+class HostLinalg:
+    """NumPy / LAPACK in the host's memory."""
+
+    name = "host"
+    #: a torch device, or ``None`` for the host's memory
+    device = None
+
+    def __init__(self, H: np.ndarray):
+        self.H = H
+        self._H32: np.ndarray | None = None
+
+    def _H(self, dtype: Any) -> np.ndarray:
+        if np.dtype(dtype) == np.float32:
+            if self._H32 is None:
+                self._H32 = self.H.astype(np.float32)
+            return self._H32
+        return self.H
+
+    def hmul(self, y: np.ndarray) -> np.ndarray:
+        """``H y`` (``y`` of shape ``(nx,)`` or ``(nx, k)``)."""
+        return self.H @ y
+
+    def base(self, dtype: Any, N: int) -> np.ndarray:
+        """A fresh ``N x N`` matrix holding H in its leading block (zeros beyond), in ``dtype``."""
+        H = self._H(dtype)
+        if N == H.shape[0]:
+            return H.copy()
+        M = np.zeros((N, N), dtype=H.dtype)
+        M[:H.shape[0], :H.shape[0]] = H
+        return M
+
+    def add_diagonal(self, M: np.ndarray, v: np.ndarray | float) -> None:
+        idx = np.arange(M.shape[0])
+        M[idx, idx] += np.asarray(v).astype(M.dtype)
+
+    def add_entries(self, M: np.ndarray, rows: np.ndarray, cols: np.ndarray, data: np.ndarray) -> None:
+        """``M[rows, cols] += data`` (pairs distinct)."""
+        M[rows, cols] += data.astype(M.dtype)
+
+    def add_outer(self, M: np.ndarray, Z: np.ndarray) -> None:
+        add_outer(M, Z)
+
+    def max_diagonal(self, M: np.ndarray) -> float:
+        return float(np.max(np.diag(M)))
+
+    def scale_to_unit_diagonal(self, M: np.ndarray) -> np.ndarray:
+        """``M <- D M D`` in place; returns ``diag(D)`` (float64)."""
+        d = _unit_scaling(np.diag(M))
+        dl = d.astype(M.dtype)
+        M *= dl[:, None]
+        M *= dl[None, :]
+        return d
+
+    def cholesky(self, M: np.ndarray) -> Any:
+        """The Cholesky factor of M (M may be overwritten), ``None`` when M is not positive definite."""
+        try:
+            return sla.cho_factor(M, lower=False, check_finite=False, overwrite_a=True)
+        except np.linalg.LinAlgError:
+            return None
+
+    def min_pivot(self, fac: Any) -> float:
+        return float(np.min(np.abs(np.diag(fac[0]))))
+
+    def solver(self, fac: Any, scale: np.ndarray | None) -> Any:
+        """``r -> M^-1 r`` (float64 in and out, ``r`` of shape ``(N,)`` or ``(N, k)``); with
+        ``scale`` = ``diag(D)`` the factor is of ``D M D``: ``M^-1 r = D (D M D)^-1 D r``."""
+        if scale is None:
+            return lambda r: cho_solve(fac, r)
+        d, dtype = scale, fac[0].dtype
+
+        def solve(r: np.ndarray) -> np.ndarray:
+            col = (slice(None),) + (None,) * (r.ndim - 1)
+            return cho_solve(fac, (r * d[col]).astype(dtype)).astype(np.float64) * d[col]
+
+        return solve
+
+
+class TorchLinalg:
+    """PyTorch on ``device`` (CPU or CUDA): H held there in float64 (and float32 once asked for)."""
+
+    name = "torch"
+
+    def __init__(self, H: np.ndarray, device: Any):
+        import torch  # optional heavy dependency: deferred so mergeqp imports without torch
+
+        self.torch = torch
+        self.device = torch.device(device)
+        with warnings.catch_warnings():  # H is only ever read here: no host copy for a read-only array
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self.H = torch.as_tensor(np.ascontiguousarray(H, dtype=np.float64), device=self.device)
+        self._H32: Any = None
+
+    def _H(self, dtype: Any) -> Any:
+        if np.dtype(dtype) == np.float32:
+            if self._H32 is None:
+                self._H32 = self.H.to(self.torch.float32)
+            return self._H32
+        return self.H
+
+    def _tensor(self, a: np.ndarray, dtype: Any) -> Any:
+        return self.torch.as_tensor(np.ascontiguousarray(a), device=self.device).to(dtype)
+
+    def hmul(self, y: np.ndarray) -> np.ndarray:
+        return (self.H @ self._tensor(y, self.torch.float64)).cpu().numpy()
+
+    def base(self, dtype: Any, N: int) -> Any:
+        H = self._H(dtype)
+        if N == H.shape[0]:
+            return H.clone()
+        M = self.torch.zeros((N, N), dtype=H.dtype, device=self.device)
+        M[:H.shape[0], :H.shape[0]] = H
+        return M
+
+    def add_diagonal(self, M: Any, v: np.ndarray | float) -> None:
+        if np.ndim(v) == 0:
+            M.diagonal().add_(float(v))  # type: ignore[arg-type]
+        else:
+            M.diagonal().add_(self._tensor(np.asarray(v, dtype=np.float64), M.dtype))
+
+    def add_entries(self, M: Any, rows: np.ndarray, cols: np.ndarray, data: np.ndarray) -> None:
+        if rows.size:
+            idx = (self._tensor(rows, self.torch.long), self._tensor(cols, self.torch.long))
+            M.index_put_(idx, self._tensor(np.asarray(data, dtype=np.float64), M.dtype), accumulate=True)
+
+    def add_outer(self, M: Any, Z: np.ndarray) -> None:
+        z = self._tensor(np.asarray(Z, dtype=np.float64), M.dtype)
+        M.addmm_(z, z.T)
+
+    def max_diagonal(self, M: Any) -> float:
+        return float(M.diagonal().max())
+
+    def scale_to_unit_diagonal(self, M: Any) -> np.ndarray:
+        d = _unit_scaling(M.diagonal().to(self.torch.float64).cpu().numpy())
+        dl = self._tensor(d, M.dtype)
+        M.mul_(dl[:, None]).mul_(dl[None, :])
+        return d
+
+    def cholesky(self, M: Any) -> Any:
+        L, info = self.torch.linalg.cholesky_ex(M)
+        if int(info) != 0 or not bool(self.torch.isfinite(L.diagonal()).all()):
+            return None
+        return L
+
+    def min_pivot(self, fac: Any) -> float:
+        return float(fac.diagonal().abs().min())
+
+    def solver(self, fac: Any, scale: np.ndarray | None) -> Any:
+        torch = self.torch
+        d = None if scale is None else self._tensor(scale, torch.float64)
+
+        def solve(r: np.ndarray) -> np.ndarray:
+            b = self._tensor(np.asarray(r, dtype=np.float64), torch.float64)
+            vector = b.ndim == 1
+            if vector:
+                b = b[:, None]
+            if d is not None:
+                b = b * d[:, None]
+            y = torch.cholesky_solve(b.to(fac.dtype), fac).to(torch.float64)
+            if d is not None:
+                y = y * d[:, None]
+            out = y.cpu().numpy()
+            return out[:, 0] if vector else out
+
+        return solve

@@ -1,0 +1,149 @@
+"""torch_ipm (dense_ipm's interior point with its dense work in PyTorch): its backend against the
+host's (the same Newton solves), the whole solver against dense_ipm and Clarabel on every kind of
+polyhedral set, its options and errors, ``auto``'s choice, and CUDA against the CPU where a GPU is."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mergeqp.constraints import Box, L1Ball, Simplex, SignConsensus
+from mergeqp.errors import ValidationError
+from mergeqp.solvers.dense_ipm import DenseIpmSolver, _Ipm
+from mergeqp.solvers.instance_families import draw
+from mergeqp.solvers.ipm_linalg import HostLinalg, TorchLinalg
+from mergeqp.solvers.registry import choose_solver, get_solver, solve
+from mergeqp.solvers.torch_ipm import AUTO_MIN_N, AUTO_MIN_N_STARTED, device_bytes
+
+
+def _sign_sets(n: int, seed: int = 0) -> tuple:
+    inst = draw("sign", seed, n)
+    sign = [m for m in inst.constraints.members() if m.name == "sign"][0]
+    r = inst.problem.shape[1]
+    return inst.problem, {
+        "box&sign": inst.constraints,  # bounds and per-atom sign rows
+        "simplex&sign": Simplex(1.0) & sign,  # per-atom sums eliminated before the iteration
+        "l1&sign": L1Ball(r / 4) & sign,  # the ball's auxiliaries eliminated from each Newton system
+        "box&l1&sign": Box(0.0, 1.0) & L1Ball(r / 4) & sign,
+    }
+
+
+@pytest.mark.parametrize("kind", ["box&sign", "simplex&sign", "l1&sign", "box&l1&sign"])
+def test_newton_solves_match_the_hosts(kind: str) -> None:
+    """The torch backend (on the CPU) factorises the same normal matrix as the host's LAPACK
+    one: float64 solves agree to 1e-9, the float32 ones (scaled, refined) to the refinement's
+    accuracy, for a vector and a matrix right-hand side, at weights over 12 decades."""
+    problem, sets = _sign_sets(192)
+    opts = DenseIpmSolver().check_options({})
+    host = _Ipm(problem, sets[kind], opts)
+    dev = _Ipm(problem, sets[kind], opts, lambda H: TorchLinalg(H, "cpu"))
+    assert isinstance(host.la, HostLinalg) and isinstance(dev.la, TorchLinalg)
+    rng = np.random.default_rng(1)
+    w = 10.0 ** rng.uniform(-4, 8, host.F.m)
+    r = rng.standard_normal(host.F.N)
+    R = rng.standard_normal((host.F.N, 3))
+    x = rng.standard_normal(host.F.N)
+    np.testing.assert_allclose(dev.hmul(x), host.hmul(x), rtol=1e-12, atol=1e-12 * np.max(np.abs(host.hmul(x))))
+    for low, tol in ((False, 1e-9), (True, 1e-5)):
+        a, b = dev.factorise(w, low), host.factorise(w, low)
+        assert dev.factorisations == host.factorisations
+        for rhs in (r, R):
+            ya, yb = a(rhs), b(rhs)
+            assert ya.shape == yb.shape and ya.dtype == np.float64
+            np.testing.assert_allclose(ya, yb, rtol=tol, atol=tol * np.max(np.abs(yb)))
+
+
+@pytest.mark.parametrize("kind", ["box&sign", "simplex&sign", "l1&sign", "box&l1&sign"])
+def test_same_answer_as_dense_ipm_and_clarabel(kind: str, rel_diff) -> None:
+    problem, sets = _sign_sets(256, seed=2)
+    ref = solve(problem, sets[kind], solver="clarabel")
+    host = solve(problem, sets[kind], solver="dense_ipm")
+    dev = solve(problem, sets[kind], solver="torch_ipm", device="cpu")  # no crossover by default
+    crossed = solve(problem, sets[kind], solver="torch_ipm", device="cpu", crossover=True)
+    assert dev.info["device"] == "cpu" and "device" not in host.info
+    assert dev.info["crossover"] == [] and dev.info["crossover_face_solves"] == 0
+    for sol in (dev, crossed):
+        assert sol.certificate.certified(1e-9)
+        assert rel_diff(sol.objective, host.objective) <= 1e-9
+        assert sol.objective <= ref.objective + 1e-8 * abs(ref.objective)
+    # with the crossover, the same iteration as dense_ipm's (only its rounding differs)
+    assert abs(crossed.iterations - host.iterations) <= 1
+    assert crossed.info["crossover"][-1].startswith("certified")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 3), st.integers(2, 8), st.integers(0, 2**31 - 1), st.sampled_from(["box", "simplex", "l1"]))
+def test_random_problems_certify(K: int, m: int, seed: int, kind: str) -> None:
+    """Random rank-deficient problems (H of rank about half of n), a sign set with each of a box,
+    a simplex or an L1 ball: certified, at Clarabel's objective or below."""
+    rng = np.random.default_rng(seed)
+    n = K * m
+    B = rng.standard_normal((n, max(1, n // 2)))
+    from mergeqp.problem import MergeQP
+
+    problem = MergeQP(B @ B.T, rng.standard_normal(n), 1.0, shape=(K, m))
+    sign = SignConsensus.from_deltas(rng.standard_normal((K, m, 3)), "rows")
+    cset = {"box": Box(0.0, 1.0), "simplex": Simplex(1.0), "l1": L1Ball(0.5 * m)}[kind] & sign
+    sol = solve(problem, cset, solver="torch_ipm", device="cpu")
+    ref = solve(problem, cset, solver="clarabel")
+    assert sol.certificate.certified(1e-8)
+    assert sol.objective <= ref.objective + 1e-7 * max(1.0, abs(ref.objective))
+
+
+def test_options_and_errors(load_case) -> None:
+    problem, _, _ = load_case("tiny96", "box:0,1")
+    sign = SignConsensus.from_deltas(np.random.default_rng(0).standard_normal((*problem.shape, 2)), "rows")
+    with pytest.raises(ValidationError, match="valid options"):
+        solve(problem, Box(0, 1) & sign, solver="torch_ipm", cg_start=3)
+    with pytest.raises(ValidationError, match="unknown torch device"):
+        solve(problem, Box(0, 1) & sign, solver="torch_ipm", device="tpu")
+    with pytest.raises(ValidationError, match="precision"):
+        solve(problem, Box(0, 1) & sign, solver="torch_ipm", precision="half")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValidationError, match="CUDA is not available"):
+            solve(problem, Box(0, 1) & sign, solver="torch_ipm", device="cuda")
+    assert "explicit H" in get_solver("torch_ipm").supports(
+        type(problem)(None, problem.g, problem.c, shape=problem.shape, hessian_matvec=lambda v: problem.H @ v),
+        Box(0, 1) & sign)
+
+
+def test_auto_keeps_dense_ipm_below_its_size_and_without_cuda() -> None:
+    problem, sets = _sign_sets(256)
+    assert choose_solver(problem, sets["box&sign"]).name == "dense_ipm"
+    solver = get_solver("torch_ipm")
+    why = solver.auto_declines(problem, sets["box&sign"])
+    assert why is not None and str(AUTO_MIN_N_STARTED) in why
+    if not torch.cuda.is_available():
+        assert "CUDA" in solver.auto_declines(SimpleNamespace(n=AUTO_MIN_N), sets["box&sign"])
+
+
+@pytest.mark.parametrize("n, started, chosen", [
+    (AUTO_MIN_N_STARTED - 1, True, False),
+    (AUTO_MIN_N_STARTED, True, True),  # CUDA already in use by this process
+    (AUTO_MIN_N_STARTED, False, False),  # starting CUDA for one solve of this size does not pay
+    (AUTO_MIN_N, False, True),
+])
+def test_auto_size_thresholds_on_a_cuda_machine(monkeypatch, n: int, started: bool, chosen: bool) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: started)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (10**13, 10**13))
+    solver = get_solver("torch_ipm")
+    why = solver.auto_declines(SimpleNamespace(n=n), Box(0, 1))
+    assert (why is None) == chosen, why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (device_bytes(n) - 1, 10**13))
+    assert "GB free" in solver.auto_declines(SimpleNamespace(n=max(n, AUTO_MIN_N)), Box(0, 1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("kind", ["box&sign", "simplex&sign", "l1&sign", "box&l1&sign"])
+def test_cuda_matches_cpu(kind: str, rel_diff) -> None:  # pragma: no cover - needs a GPU
+    problem, sets = _sign_sets(768, seed=1)
+    host = solve(problem, sets[kind], solver="dense_ipm")
+    gpu = solve(problem, sets[kind], solver="torch_ipm", device="cuda")
+    assert gpu.info["device"].startswith("cuda") and gpu.certificate.certified(1e-9)
+    assert rel_diff(gpu.objective, host.objective) <= 1e-9

@@ -50,7 +50,7 @@ def sign_instance(kind: str, n: int, seed: int = 0):  # noqa: ANN201 - (problem,
     return inst.problem, sets[kind]
 
 
-def run(torch, problem, cset, name: str, dev, repeat: int) -> dict:  # noqa: ANN001
+def run(torch, problem, cset, name: str, dev, repeat: int, profile: str | None = None) -> dict:  # noqa: ANN001
     from mergeqp import solve
 
     name, _, spec = name.partition(":")  # "torch_ipm:crossover=True,correctors=1"
@@ -68,6 +68,20 @@ def run(torch, problem, cset, name: str, dev, repeat: int) -> dict:  # noqa: ANN
         t = time.perf_counter()
         sol = solve(problem, cset, solver=name, **opts)
         seconds = min(seconds, time.perf_counter() - t)
+    if profile:  # one more solve under cProfile, its 30 most expensive calls (with callees) and 20 (alone) appended to the file
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        solve(problem, cset, solver=name, **opts)
+        prof.disable()
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
+        with open(profile, "a") as f:
+            f.write(f"\n## {name} {spec} n = {problem.n} {cset.spec}\n{out.getvalue()}")
     row = {"solver": name + (f" ({spec})" if spec else ""), "chosen": sol.solver, "seconds": seconds, "iterations": sol.iterations,
            "factorisations": sol.info.get("factorisations"), "crossover": sol.info.get("crossover"),
            "crossover_seconds": sol.info.get("crossover_seconds"),
@@ -85,6 +99,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, nargs="*", default=[3072, 6144, 12288])
     ap.add_argument("--sets", default=",".join(SETS), help="sets separated by commas: " + ", ".join(SETS))
     ap.add_argument("--solvers", nargs="*", default=["torch_ipm", "dense_ipm", "auto"])
+    ap.add_argument("--profile", default=None, help="a file: each solver's solve profiled once more (cProfile)")
     common_arguments(ap)
     args = ap.parse_args()
 
@@ -110,7 +125,7 @@ def main() -> None:
             print(f"{kind} n = {n}: drawn in {drawn:.1f} s; Cholesky {chol * 1e3:.1f} ms on {device}, "
                   f"{chol_cpu:.2f} s on the CPU", flush=True)
             for name in args.solvers:
-                row = run(torch, problem, cset, name, device, args.repeat)
+                row = run(torch, problem, cset, name, device, args.repeat, args.profile)
                 row.update({"set": kind, "n": n, "device": str(device), "device_cholesky_s": chol,
                             "cpu_cholesky_s": chol_cpu, "x_device_cholesky": row["seconds"] / chol,
                             "x_cpu_cholesky": row["seconds"] / chol_cpu})

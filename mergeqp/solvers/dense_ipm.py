@@ -88,7 +88,7 @@ from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from .ipm_linalg import HostLinalg
+from .ipm_linalg import HostLinalg, reduced_hessian
 from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -101,8 +101,6 @@ STEP_FRACTION = 0.99
 RIDGES = {"float32": (0.0, 1e-7, 1e-6, 1e-5), "float64": (0.0, 1e-14, 1e-12, 1e-10, 1e-8)}
 #: equality rows of at most this many variables are eliminated (:func:`_eliminate`)
 ELIMINATE_MAX_SUPPORT = 64
-#: rows of the reduced Hessian formed at a time
-ELIMINATE_BLOCK = 256
 #: rows on many auxiliary variables (the L1 ball's sum) that :class:`_AuxBlock` takes by Woodbury
 AUX_MAX_DENSE = 16
 #: proximal weight (relative to max diag H) of a crossover face on which H is singular
@@ -119,7 +117,9 @@ class _Form:
     terms: ``min 1/2 z'Hz + q'z`` s.t. ``A z <= b``, ``E z = f``, ``z[U] <= u``, ``z[L] >= l``."""
 
     N: int
-    H: np.ndarray
+    #: ``None`` where a device backend formed the reduced H and holds it (copied here on demand:
+    #: :meth:`_Ipm._crossover`)
+    H: np.ndarray | None
     q: np.ndarray
     A: sp.csr_matrix
     b: np.ndarray
@@ -231,7 +231,7 @@ class _Elimination:
         return np.minimum(np.maximum(z, self.lo), self.hi)
 
 
-def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
+def _eliminate(F: _Form, reduce: Any = None) -> tuple[_Form, _Elimination | None]:
     """``F`` with its short equality rows eliminated (``None``: none was).
 
     Every equality row of at most :data:`ELIMINATE_MAX_SUPPORT` variables whose support is
@@ -242,7 +242,10 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
     rows left over (long or overlapping ones: a global simplex) stay equalities. Without this,
     every iteration paid a Schur complement with one solve per equality row: ``simplex & sign``
     took 26-32x one Cholesky of H at n = 1536, against 12-16x for ``box & sign``.
-    The reduced Hessian ``T'HT`` is formed in row blocks (no ``N x N`` temporaries)."""
+    The reduced Hessian ``T'HT`` is formed by ``reduce(keep, owner, coef)`` (a backend's
+    ``reduce_hessian``; by default on the host, in row blocks with no ``N x N`` temporaries),
+    which returns it, or ``None`` where the backend keeps it on its device (the form's ``H`` is
+    then ``None`` until the crossover asks for it)."""
     E = F.E.tocsr()
     if E.shape[0] == 0:
         return F, None
@@ -290,19 +293,9 @@ def _eliminate(F: _Form) -> tuple[_Form, _Elimination | None]:
     H = F.H
     nxr = n_red - F.n_aux  # (the auxiliaries are last, never pivots, and H is zero on them)
     keep_x, owner, ocoef = keep[:nxr], owner[:nxr], ocoef[:nxr]
-    Hr = np.empty((nxr, nxr))
-    for a in range(0, nxr, ELIMINATE_BLOCK):
-        b = min(nxr, a + ELIMINATE_BLOCK)
-        ka, oa, ca = keep_x[a:b], owner[a:b], ocoef[a:b, None]
-        blk = H[np.ix_(ka, keep_x)]
-        blk += H[np.ix_(ka, owner)] * ocoef[None, :]
-        blk += ca * H[np.ix_(oa, keep_x)]
-        blk += ca * (H[np.ix_(oa, owner)] * ocoef[None, :])
-        Hr[a:b] = blk
-    np.add(Hr, Hr.T, out=Hr)  # symmetric to the last bit (the four terms' sums differ in order)
-    Hr *= 0.5
+    Hr = (reduce or (lambda *a: reduced_hessian(H, *a)))(keep_x, owner, ocoef)
     Ht0 = np.zeros(F.N)
-    Ht0[:F.nx] = H[:, piv] @ t0[piv]
+    Ht0[:F.nx] = H @ t0[:F.nx]  # (t0 is zero off the pivots: one contiguous pass over H, no column gather)
     q = T.T @ (Ht0 + F.q)
     c0 = F.c0 + float(0.5 * t0[piv] @ Ht0[piv] + F.q[piv] @ t0[piv])
     # inequality rows on y; the pivots' finite bounds become rows
@@ -396,10 +389,13 @@ class _Ipm:
         self.problem = problem
         self.cset = cset
         self.opts = opts
-        self.F, self.elimination = _eliminate(_form(problem, cset))
+        form = _form(problem, cset)
+        # the backend holds H first: where equality rows are eliminated, it forms the reduced H
+        # itself (on its device) and keeps it in H's place
+        self.la = (linalg or HostLinalg)(form.H)
+        self.F, self.elimination = _eliminate(form, self.la.reduce_hessian)
         F = self.F
-        self.eta = float(np.max(np.abs(np.diag(F.H)), initial=0.0)) or 1.0
-        self.la = (linalg or HostLinalg)(F.H)
+        self.eta = self.la.max_abs_diagonal() or 1.0
         self.float32_ok = True
         #: index into :data:`RIDGES` of the ridge that last gave a factorisation, per dtype
         self._ridge_level: dict[str, int] = {}
@@ -761,6 +757,8 @@ class _Ipm:
         constraints whose multiplier is clearly negative leave it. A face already tried is not
         certified again. A feasible face minimiser whose multipliers are not all of the right
         sign is offered to the certificate before the corrections go on (degenerate points)."""
+        if self.F.H is None:  # the reduced H was formed on a device: the face solves need it here
+            self.F.H = self.la.host_hessian()
         F = self.F
         mA, mU = F.A.shape[0], F.U.size
         th = math.sqrt(max(mu, 0.0))

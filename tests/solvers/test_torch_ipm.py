@@ -58,6 +58,36 @@ def test_newton_solves_match_the_hosts(kind: str) -> None:
             np.testing.assert_allclose(ya, yb, rtol=tol, atol=tol * np.max(np.abs(yb)))
 
 
+def test_reduced_hessian_on_the_device_matches_the_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eliminating one variable per row (``z_owner += coef z_keep``): the torch backend forms
+    ``T'HT`` on its device in blocks and keeps it as its H; the same matrix as the host's, and
+    the explicit product with a dense T."""
+    from mergeqp.solvers import ipm_linalg
+    from mergeqp.solvers.ipm_linalg import reduced_hessian
+
+    rng = np.random.default_rng(5)
+    N = 40
+    B = rng.standard_normal((N, N))
+    H = B @ B.T
+    piv = np.arange(0, N, 4)  # one pivot per atom of 4
+    keep = np.setdiff1d(np.arange(N), piv)
+    owner = piv[keep // 4]
+    coef = rng.standard_normal(keep.size)
+    T = np.zeros((N, keep.size))
+    T[keep, np.arange(keep.size)] = 1.0
+    T[owner, np.arange(keep.size)] = coef
+    host = reduced_hessian(H, keep, owner, coef)
+    np.testing.assert_allclose(host, T.T @ H @ T, rtol=1e-12, atol=1e-12 * np.max(np.abs(host)))
+    la = TorchLinalg(H, "cpu")
+    monkeypatch.setattr(ipm_linalg, "DEVICE_BLOCK", 7)  # several blocks, the last one short
+    assert la.reduce_hessian(keep, owner, coef) is None  # kept on the device
+    dev = la.host_hessian()
+    np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-12 * np.max(np.abs(host)))
+    assert np.array_equal(dev, dev.T)
+    y = rng.standard_normal(keep.size)
+    np.testing.assert_allclose(la.hmul(y), host @ y, rtol=1e-10)
+
+
 @pytest.mark.parametrize("kind", ["box&sign", "simplex&sign", "l1&sign", "box&l1&sign"])
 def test_same_answer_as_dense_ipm_and_clarabel(kind: str, rel_diff) -> None:
     problem, sets = _sign_sets(256, seed=2)

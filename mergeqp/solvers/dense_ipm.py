@@ -63,6 +63,10 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   rows on the same atom; the iteration runs on the other variables (reduced Hessian ``T'HT``),
   and the point is lifted back. Longer or overlapping rows (a global simplex) stay equalities.
 
+- *Where the dense work runs*: forming ``M``, its factorisations and solves, and the products
+  with H go through a backend (:mod:`.ipm_linalg`): the host's NumPy / LAPACK here, PyTorch on a
+  GPU in ``torch_ipm`` (:mod:`.torch_ipm`, the same iteration); the rest stays on the host.
+
 Memory: ``M`` (float64) and a float32 copy of H beside H itself, about ``1.5`` H, and the
 reduced H (about one more H) when equality rows are eliminated; H is never padded to the
 auxiliaries (but where :class:`_AuxBlock` does not apply, ``M`` is the lifted matrix). Needs an

@@ -73,7 +73,6 @@ def _unit_scaling(diag: np.ndarray) -> np.ndarray:
 class HostLinalg:
     """NumPy / LAPACK in the host's memory."""
 
-    name = "host"
     #: a torch device, or ``None`` for the host's memory
     device = None
 
@@ -166,8 +165,6 @@ DEVICE_BLOCK = 2048
 
 class TorchLinalg:
     """PyTorch on ``device`` (CPU or CUDA): H held there in float64 (and float32 once asked for)."""
-
-    name = "torch"
 
     def __init__(self, H: np.ndarray, device: Any):
         import torch  # optional heavy dependency: deferred so mergeqp imports without torch

@@ -142,6 +142,20 @@ def test_options_and_errors(load_case) -> None:
         Box(0, 1) & sign)
 
 
+def test_out_of_device_memory_is_a_solver_error_that_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mergeqp.errors import SolverError
+    from mergeqp.solvers import ipm_linalg
+
+    problem, sets = _sign_sets(64)
+
+    def no_room(self, H, device):  # noqa: ANN001 - the constructor it replaces
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(ipm_linalg.TorchLinalg, "__init__", no_room)
+    with pytest.raises(SolverError, match="out of memory.*n = 64.*device='cpu', or dense_ipm"):
+        solve(problem, sets["box&sign"], solver="torch_ipm", device="cpu")
+
+
 def test_auto_keeps_dense_ipm_below_its_size_and_without_cuda() -> None:
     problem, sets = _sign_sets(256)
     assert choose_solver(problem, sets["box&sign"]).name == "dense_ipm"

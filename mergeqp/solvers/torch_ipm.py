@@ -7,7 +7,8 @@ the device once, and each iteration forms the normal matrix ``H + C'WC`` there, 
 (``torch.linalg.cholesky_ex``, float32 scaled to a unit diagonal while the gap is large, float64
 after, as on the host) and solves with it; the products with H of the iteration and of its
 refinement steps run there too. Vectors of length n cross between host and device. The
-crossover's face solves and the certificate stay on the host (float64, NumPy).
+crossover's face solves and the certificate stay on the host (float64, NumPy); the crossover is
+off by default on bounded sets (``crossover`` "auto").
 
 This is the GPU path for the sets ``torch_active_set`` (boxes only) does not take. ``auto``
 chooses it on a CUDA device for sets that would go to ``dense_ipm`` from :data:`AUTO_MIN_N`
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import SolverError
+from ..errors import SolverError, ValidationError
 from ..problem import MergeQP
 from .base import RawResult
 from .dense_ipm import DenseIpmSolver
@@ -46,16 +47,20 @@ def device_bytes(n: int) -> int:
 class TorchIpmSolver(DenseIpmSolver):
     """``dense_ipm`` with its dense work in PyTorch on ``device`` (see the module doc).
 
-    Options: those of ``dense_ipm``, with the same defaults except ``crossover`` (false here:
-    its face solves run on the host; true gives points exactly on their face, as ``dense_ipm``'s),
+    Options: those of ``dense_ipm``, with the same defaults except ``crossover`` ("auto" here: off
+    on a bounded set, since its face solves run on the host; on for an unbounded one, whose
+    certificate needs the face's exact minimiser; true gives points exactly on their face, as
+    ``dense_ipm``'s),
     and ``device`` "auto" (CUDA if present; "cpu", "cuda", "cuda:N"). ``threads`` caps the host's
     BLAS (the crossover's face solves, the reduced H of eliminated equality rows)."""
 
     name = "torch_ipm"
-    #: ``crossover`` off: the crossover's face solves run on the host, and on an H100 they were
-    #: 60-85% of the solve at n = 6144 and 12288 (docs/solvers.md), while the 2-4 more iterations
-    #: that reach the gap without it cost little on the device
-    defaults = {**DenseIpmSolver.defaults, "device": "auto", "crossover": False}
+    #: ``crossover`` "auto": off on a bounded set (the crossover's face solves run on the host,
+    #: and on an H100 they were 60-85% of the solve at n = 6144 and 12288, docs/solvers.md, while
+    #: the 0-3 more iterations that reach the gap without it cost little on the device); on for an
+    #: unbounded one (nonneg & sign), where the Frank-Wolfe certificate cannot bound the gap of an
+    #: interior point and needs the exact face minimiser
+    defaults = {**DenseIpmSolver.defaults, "device": "auto", "crossover": "auto"}
 
     def available(self) -> str | None:
         return torch_missing()
@@ -70,10 +75,20 @@ class TorchIpmSolver(DenseIpmSolver):
         device = torch_device(str(opts["device"]))
         return lambda H: TorchLinalg(H, device)
 
+    def check_options(self, options: Any) -> dict[str, Any]:
+        opts = super().check_options(options)
+        c = opts["crossover"]
+        if not (isinstance(c, (bool, np.bool_)) or (isinstance(c, str) and c == "auto")):
+            raise ValidationError(f"{self.name}: option crossover={opts['crossover']!r} must be true, false or "
+                                  "'auto' (default: off on a bounded set, on for an unbounded one)")
+        return opts
+
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         import torch  # available() ran first: torch is importable here
 
+        if isinstance(self.check_options(options)["crossover"], str):  # "auto"
+            options = {**options, "crossover": not constraints.bounded}
         try:
             raw = super().solve(problem, constraints, x0, **options)
         except torch.OutOfMemoryError:

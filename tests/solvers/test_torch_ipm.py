@@ -19,6 +19,8 @@ from mergeqp.solvers.instance_families import draw
 from mergeqp.solvers.ipm_linalg import HostLinalg, TorchLinalg
 from mergeqp.solvers.registry import choose_solver, get_solver, solve
 from mergeqp.solvers.torch_ipm import AUTO_MIN_N, AUTO_MIN_N_STARTED, device_bytes
+from tests.solvers.test_dense_ipm import _sets as dense_ipm_sets
+from tests.solvers.test_dense_ipm import problems as dense_ipm_cases
 
 
 def _sign_sets(n: int, seed: int = 0) -> tuple:
@@ -93,7 +95,7 @@ def test_same_answer_as_dense_ipm_and_clarabel(kind: str, rel_diff) -> None:
     problem, sets = _sign_sets(256, seed=2)
     ref = solve(problem, sets[kind], solver="clarabel")
     host = solve(problem, sets[kind], solver="dense_ipm")
-    dev = solve(problem, sets[kind], solver="torch_ipm", device="cpu")  # no crossover by default
+    dev = solve(problem, sets[kind], solver="torch_ipm", device="cpu")  # bounded: no crossover by default
     crossed = solve(problem, sets[kind], solver="torch_ipm", device="cpu", crossover=True)
     assert dev.info["device"] == "cpu" and "device" not in host.info
     assert dev.info["crossover"] == [] and dev.info["crossover_face_solves"] == 0
@@ -123,6 +125,51 @@ def test_random_problems_certify(K: int, m: int, seed: int, kind: str) -> None:
     ref = solve(problem, cset, solver="clarabel")
     assert sol.certificate.certified(1e-8)
     assert sol.objective <= ref.objective + 1e-7 * max(1.0, abs(ref.objective))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dense_ipm_cases, st.sampled_from(["auto", True]))
+def test_every_kind_of_set_matches_dense_ipm(random_psd_problem, rel_diff, params, crossover) -> None:
+    """dense_ipm's random problems over its twelve kinds of set (sign rows with boxes, simplices,
+    half-open boxes, the L1 ball, a global simplex kept as an equality by a Schur complement,
+    every coefficient fixed, overlapping equality rows, eliminated sums with the ball's
+    auxiliaries; H of any rank down to 0): the torch backend, with the crossover by default
+    ("auto": off on bounded sets) or always on, reaches dense_ipm's objective and certifies where
+    it does."""
+    K, m, frac, seed, which = params
+    rng = np.random.default_rng(seed)
+    problem = random_psd_problem(rng, K, m, round(frac * K * m))
+    cset = dense_ipm_sets(K, m, rng)[which]
+    host = solve(problem, cset, solver="dense_ipm", rel_tol=1e-7)
+    dev = solve(problem, cset, solver="torch_ipm", device="cpu", crossover=crossover, rel_tol=1e-7)
+    assert dev.certificate.feasible, dev.certificate.explain()
+    if host.certificate.certified(1e-7):
+        assert dev.certificate.certified(1e-7) or dev.certificate.at_rounding_floor, dev.certificate.explain()
+    assert rel_diff(dev.objective, host.objective) <= 1e-6, (dev.objective, host.objective)
+
+
+def test_crossover_auto_is_on_only_for_unbounded_sets(rel_diff) -> None:
+    """On an unbounded set (sign consensus over ``d >= 0``) the Frank-Wolfe certificate cannot
+    bound the gap of an interior point: ``crossover`` "auto" turns the crossover on there (and
+    the answer certifies, as dense_ipm's), and leaves it off on a bounded set."""
+    rng = np.random.default_rng(4)
+    K, m = 3, 40
+    B = rng.standard_normal((K * m, K * m // 2))
+    from mergeqp.problem import MergeQP
+
+    problem = MergeQP(B @ B.T + 1e-3 * np.eye(K * m), rng.standard_normal(K * m), 0.0, shape=(K, m))
+    sign = SignConsensus.from_deltas(rng.standard_normal((K, m, 3)), "rows")
+    unbounded = Box(0.0, np.inf) & sign
+    sol = solve(problem, unbounded, solver="torch_ipm", device="cpu")
+    assert not unbounded.bounded and sol.info["crossover_face_solves"] >= 1
+    assert sol.certificate.certified(1e-8), sol.certificate.explain()
+    assert rel_diff(sol.objective, solve(problem, unbounded, solver="dense_ipm").objective) <= 1e-9
+    off = solve(problem, unbounded, solver="torch_ipm", device="cpu", crossover=False)
+    assert off.info["crossover_face_solves"] == 0
+    bounded = solve(problem, Box(0.0, 1.0) & sign, solver="torch_ipm", device="cpu")
+    assert bounded.info["crossover_face_solves"] == 0 and bounded.certificate.certified(1e-8)
+    with pytest.raises(ValidationError, match="crossover"):
+        solve(problem, unbounded, solver="torch_ipm", crossover="yes")
 
 
 def test_options_and_errors(load_case) -> None:

@@ -418,3 +418,55 @@ def test_float32_normal_matrix_is_factorised_scaled_to_a_unit_diagonal() -> None
     refined = ipm.factorise(w, low=True)
     assert ipm.factorisations == {"float32": 1, "float64": 0}
     assert np.linalg.norm(refined(r) - exact) / np.linalg.norm(exact) < 0.1 * first
+
+
+def test_nullspace_face_solve_matches_the_kkt_system() -> None:
+    """The null-space face solve (rows in small groups of variables: per-atom rows) against the
+    dense KKT system: the same minimiser, rows met, stationarity ``H x + c + A' nu = 0`` with its
+    multipliers, for groups of several shapes, a dependent row (the minimum-norm multipliers
+    then), variables on no row; and ``None`` where it does not apply: a row on too many
+    variables, rows that cannot all be met, H singular on the face."""
+    from mergeqp.solvers import dense_ipm
+    from mergeqp.solvers.dense_ipm import _nullspace_face
+
+    rng = np.random.default_rng(7)
+    n = 60
+    B = rng.standard_normal((n, n))
+    H = B @ B.T + 0.1 * np.eye(n)
+    c = rng.standard_normal(n)
+    rows, cols, vals = [], [], []
+    r = 0
+    for start, width, count in ((0, 4, 2), (4, 3, 1), (7, 5, 3), (12, 4, 2), (30, 2, 1)):
+        for _ in range(count):  # `count` rows on variables start .. start + width - 1
+            rows += [r] * width
+            cols += list(range(start, start + width))
+            vals += list(rng.standard_normal(width))
+            r += 1
+    A = sp.csr_matrix((vals, (rows, cols)), shape=(r, n))
+    A_dep = sp.vstack([A, 2.0 * A[0]]).tocsr()  # a dependent copy of row 0
+    b = rng.standard_normal(r)
+    b_dep = np.concatenate([b, [2.0 * b[0]]])
+    for Am, bm in ((A, b), (A_dep, b_dep)):
+        out = _nullspace_face(H, c, Am, bm, float(np.max(np.diag(H))))
+        assert out is not None
+        x, nu, rho = out
+        assert rho == 0.0
+        Ad = Am.toarray()
+        K = np.block([[H, Ad.T], [Ad, np.zeros((Ad.shape[0],) * 2)]])
+        ref = np.linalg.lstsq(K, np.concatenate([-c, bm]), rcond=None)[0][:n]
+        np.testing.assert_allclose(x, ref, rtol=1e-9, atol=1e-9)
+        np.testing.assert_allclose(Ad @ x, bm, atol=1e-10)
+        np.testing.assert_allclose(H @ x + c + Ad.T @ nu, 0.0, atol=1e-9 * np.max(np.abs(c)))
+    np.testing.assert_allclose(2.0 * nu[0], nu[-1])  # least norm: nu_0 a + nu_d 2a, nu_d = 2 nu_0
+    N = dense_ipm.ELIMINATE_MAX_SUPPORT + 1  # a row on more variables than a group may have
+    assert _nullspace_face(np.eye(N), np.ones(N), sp.csr_matrix(np.ones((1, N))), np.ones(1), 1.0) is None
+    clash = sp.vstack([A, A[0]]).tocsr()
+    assert _nullspace_face(H, c, clash, np.concatenate([b, [b[0] + 1.0]]), 1.0) is None  # rows disagree
+    flat = np.zeros((n, n))
+    flat[:4, :4] = np.eye(4)  # H zero on most free directions: the face minimiser nearest x_ref
+    x_ref = rng.standard_normal(n)
+    out = _nullspace_face(flat, np.zeros(n), A, b, 1.0, x_ref)
+    assert out is not None and out[2] == dense_ipm.FACE_PROX
+    np.testing.assert_allclose(A @ out[0], b, atol=1e-10)
+    far = out[0][40:]  # variables on no row where H is zero: they stay at x_ref
+    np.testing.assert_allclose(far, x_ref[40:], atol=1e-8)

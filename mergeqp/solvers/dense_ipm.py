@@ -24,7 +24,9 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
   :data:`RIDGES` that works.
 - *Crossover* (``crossover`` on by default): once the relative gap is below ``crossover_from``
   (1e-6), the constraints that look active (``s_i < lambda_i`` or ``s_i < sqrt(mu)``) are made
-  equalities and that face's minimiser is computed directly (a Cholesky of the free block of
+  equalities and that face's minimiser is computed directly (where the active rows fall into
+  small groups of variables, as per-atom sign rows do, by a null space per group and a Cholesky
+  of the reduced ``Z'HZ``: :func:`_nullspace_face`; else by a Cholesky of the free block of
   H and a Schur complement of the active rows; an active row on a single free variable fixes
   it like a bound and gets its multiplier afterwards, by the row it pushes the right way;
   auxiliaries pinned by one active row are substituted; where H is singular on the free block

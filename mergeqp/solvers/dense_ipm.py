@@ -1090,7 +1090,8 @@ def _nullspace_face(HFF: np.ndarray, cF: np.ndarray, AF: sp.csr_matrix, rhs: np.
     independent) and ``rho`` (0 unless the proximal term was needed); ``None`` where it does not
     apply (a long row, rows that cannot all be met), for the general face solve."""
     nF = HFF.shape[0]
-    AF = AF.tocsr()
+    AF = AF.tocsr(copy=True)
+    AF.sum_duplicates()  # (each entry is then set, not added, into its group's block)
     if AF.shape[0] == 0 or np.diff(AF.indptr).max() > ELIMINATE_MAX_SUPPORT:
         return None  # (a long row: the L1 ball's sum, a global simplex)
     R = AF.tocoo()

@@ -50,9 +50,8 @@ class TorchIpmSolver(DenseIpmSolver):
     Options: those of ``dense_ipm``, with the same defaults except ``crossover`` ("auto" here: off
     on a bounded set, since its face solves run on the host; on for an unbounded one, whose
     certificate needs the face's exact minimiser; true gives points exactly on their face, as
-    ``dense_ipm``'s),
-    and ``device`` "auto" (CUDA if present; "cpu", "cuda", "cuda:N"). ``threads`` caps the host's
-    BLAS (the crossover's face solves, the reduced H of eliminated equality rows)."""
+    ``dense_ipm``'s), and ``device`` "auto" (CUDA if present; "cpu", "cuda", "cuda:N").
+    ``threads`` caps the host's BLAS (the crossover's face solves)."""
 
     name = "torch_ipm"
     #: ``crossover`` "auto": off on a bounded set (the crossover's face solves run on the host,

@@ -14,8 +14,8 @@ a per-atom simplex (``simplex&sign``), an L1 ball of radius ``r / 4`` (``l1&sign
 box and that ball (``box&l1&sign``). For each: one float64 Cholesky of ``H + 1e-10 max diag H I``
 on the device (best of 3 after a warm-up) and on the CPU (all cores, one run); each solver through
 :func:`mergeqp.solve` (certificate included; wall clock, the best of ``--repeat``, after a warm-up
-solve of an n = 384 instance by each); a solver named ``NAME:key=value,...`` gets those options. Prints a markdown table; ``--json`` writes the rows. A
-measurement, not a test.
+solve of an n = 384 instance by each); a solver named ``NAME:key=value,...`` gets those options.
+Prints a markdown table; ``--json`` writes the rows. A measurement, not a test.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ def run(torch, problem, cset, name: str, dev, repeat: int, profile: str | None =
         t = time.perf_counter()
         sol = solve(problem, cset, solver=name, **opts)
         seconds = min(seconds, time.perf_counter() - t)
-    if profile:  # one more solve under cProfile, its 30 most expensive calls (with callees) and 20 (alone) appended to the file
+    if profile:  # one more solve under cProfile: its 30 most expensive calls (with callees) and
+        # 20 (alone) appended to the file
         import cProfile
         import io
         import pstats
@@ -82,7 +83,8 @@ def run(torch, problem, cset, name: str, dev, repeat: int, profile: str | None =
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(20)
         with open(profile, "a") as f:
             f.write(f"\n## {name} {spec} n = {problem.n} {cset.spec}\n{out.getvalue()}")
-    row = {"solver": name + (f" ({spec})" if spec else ""), "chosen": sol.solver, "seconds": seconds, "iterations": sol.iterations,
+    row = {"solver": name + (f" ({spec})" if spec else ""), "chosen": sol.solver, "seconds": seconds,
+           "iterations": sol.iterations,
            "factorisations": sol.info.get("factorisations"), "crossover": sol.info.get("crossover"),
            "crossover_seconds": sol.info.get("crossover_seconds"),
            "timings": {k: round(float(v), 4) for k, v in sol.timings.items()},

@@ -1120,7 +1120,7 @@ def _nullspace_face(HFF: np.ndarray, cF: np.ndarray, AF: sp.csr_matrix, rhs: np.
     z_r, z_c, z_v = [free_vars], [np.arange(free_vars.size)], [np.ones(free_vars.size)]
     ncol = free_vars.size
     xp = np.zeros(nF)
-    groups = []  # (components, U, sv (0 beyond the rank), Vt, their variables / rows by place)
+    groups = []  # per shape: U, 1 / sv (0 past the rank), Vt, the components' variables and rows by place
     shape_key = nrows.astype(np.int64) * (ELIMINATE_MAX_SUPPORT + 1) + nvars
     for key in np.unique(shape_key[nrows > 0]):
         comps = np.flatnonzero(shape_key == key)

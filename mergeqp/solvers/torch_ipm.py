@@ -55,7 +55,7 @@ class TorchIpmSolver(DenseIpmSolver):
 
     name = "torch_ipm"
     #: ``crossover`` "auto": off on a bounded set (the crossover's face solves run on the host,
-    #: and on an H100 they were 60-85% of the solve at n = 6144 and 12288, docs/solvers.md, while
+    #: and on an H100 they were 32-82% of the solve at n = 6144, 80-86% at 12288, docs/solvers.md, while
     #: the 0-3 more iterations that reach the gap without it cost little on the device); on for an
     #: unbounded one (nonneg & sign), where the Frank-Wolfe certificate cannot bound the gap of an
     #: interior point and needs the exact face minimiser

@@ -155,12 +155,14 @@ class _Form:
         out[np.ix_(rm, cm)] = self.H[np.ix_(rows[rm], cols[cm])]
         return out
 
-    def Hmul(self, y: np.ndarray) -> np.ndarray:
-        """``H y`` of the lifted H (``y`` of shape ``(N,)`` or ``(N, k)``)."""
+    def Hmul(self, y: np.ndarray, mul: Any = None) -> np.ndarray:
+        """``H y`` of the lifted H (zero on the auxiliaries; ``y`` of shape ``(N,)`` or ``(N, k)``);
+        ``mul(v)``: the product with H itself (default ``self.H @ v``; a backend's ``hmul``)."""
+        mul = mul or (lambda v: self.H @ v)
         if self.n_aux == 0:
-            return self.H @ y
+            return mul(y)
         out = np.zeros(y.shape)
-        out[:self.nx] = self.H @ y[:self.nx]
+        out[:self.nx] = mul(y[:self.nx])
         return out
 
     @property
@@ -658,13 +660,8 @@ class _Ipm:
         return self.lift(x)[:P.n], status, it, info
 
     def hmul(self, y: np.ndarray) -> np.ndarray:
-        """``H y`` of the lifted H (``y`` of shape ``(N,)`` or ``(N, k)``) by the backend."""
-        F = self.F
-        if F.n_aux == 0:
-            return self.la.hmul(y)
-        out = np.zeros(y.shape)
-        out[:F.nx] = self.la.hmul(y[:F.nx])
-        return out
+        """``H y`` of the lifted H by the backend (:meth:`_Form.Hmul`)."""
+        return self.F.Hmul(y, self.la.hmul)
 
     def lift(self, x: np.ndarray) -> np.ndarray:
         """The solver's variables back in the form's (pivots of eliminated equality rows restored)."""
@@ -849,14 +846,13 @@ class _Ipm:
         R = sp.vstack([rows[np.flatnonzero(short)],
                        sp.csr_matrix((np.ones(bounds.size), (np.arange(bounds.size), bounds)),
                                      shape=(bounds.size, F.N))]).tocsr()
-        R.eliminate_zeros()  # (stored zeros touch nothing) before every entry counts as 1
-        R.data[:] = 1.0
+        R.eliminate_zeros()  # (stored zeros touch nothing)
         gA = np.zeros(act_A.size, dtype=bool)
         gU = np.zeros(at_U.size, dtype=bool)
         gL = np.zeros(at_L.size, dtype=bool)
         if R.shape[0] == 0 or np.any(np.diff(R.indptr) == 0):
             return gA, gU, gL  # (a row that vanishes: no component to count it in)
-        _, comp = connected_components((R.T @ R).tocsr(), directed=False)
+        _, comp = _variable_components(R)
         touched = np.zeros(F.N, dtype=bool)
         touched[R.indices] = True
         n_vars = np.bincount(comp[touched], minlength=comp.max() + 1)
@@ -997,13 +993,9 @@ class _Ipm:
                 else:
                     rho = FACE_PROX * self.eta
                     Hk = HFF + rho * np.eye(Fs.size)
-                try:
-                    fac = sla.cho_factor(Hk, lower=False, check_finite=False)
-                except np.linalg.LinAlgError:
-                    continue
-                if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * self.eta:
+                fac = _face_factor(Hk, self.eta)
+                if fac is not None:
                     break
-                fac = None
             if fac is None:
                 return None
             if how == "augmented":
@@ -1074,6 +1066,25 @@ class _Ipm:
         return x, nu_A, at_U, at_L, r, rho > 0
 
 
+def _face_factor(M: np.ndarray, eta: float) -> tuple[np.ndarray, bool] | None:
+    """The (upper) Cholesky factor of a face's matrix ``M`` where it is clearly definite: every
+    pivot squared above ``1e-12 eta`` (``eta``: max diag H); else ``None``."""
+    try:
+        fac = sla.cho_factor(M, lower=False, check_finite=False)
+    except np.linalg.LinAlgError:
+        return None
+    return fac if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * eta else None
+
+
+def _variable_components(R: sp.csr_matrix) -> tuple[int, np.ndarray]:
+    """The connected components of the variables (columns of ``R``) that ``R``'s rows link (an
+    entry stored as 0 links nothing): their count and each variable's component."""
+    P = R.tocsr(copy=True)
+    P.eliminate_zeros()
+    P.data[:] = 1.0
+    return connected_components((P.T @ P).tocsr(), directed=False)
+
+
 def _nullspace_face(HFF: np.ndarray, cF: np.ndarray, AF: sp.csr_matrix, rhs: np.ndarray, eta: float,
                     x_ref: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float] | None:
     """The face problem ``min 1/2 x'H_FF x + c_F'x`` s.t. ``AF x = rhs`` by a null-space method
@@ -1092,16 +1103,14 @@ def _nullspace_face(HFF: np.ndarray, cF: np.ndarray, AF: sp.csr_matrix, rhs: np.
     nF = HFF.shape[0]
     AF = AF.tocsr(copy=True)
     AF.sum_duplicates()  # (each entry is then set, not added, into its group's block)
-    if AF.shape[0] == 0 or np.diff(AF.indptr).max() > ELIMINATE_MAX_SUPPORT:
-        return None  # (a long row: the L1 ball's sum, a global simplex)
-    R = AF.tocoo()
-    keep = R.data != 0
-    r_idx, j_idx, vals = R.row[keep], R.col[keep], R.data[keep]
+    AF.eliminate_zeros()
     m = AF.shape[0]
-    if np.bincount(r_idx, minlength=m).min() == 0:
-        return None
-    pattern = sp.csr_matrix((np.ones(r_idx.size), (r_idx, j_idx)), shape=(m, nF))
-    ncomp, comp = connected_components((pattern.T @ pattern).tocsr(), directed=False)
+    lengths = np.diff(AF.indptr)
+    if m == 0 or lengths.max() > ELIMINATE_MAX_SUPPORT or lengths.min() == 0:
+        return None  # (a long row: the L1 ball's sum, a global simplex; or a row on nothing)
+    R = AF.tocoo()
+    r_idx, j_idx, vals = R.row, R.col, R.data
+    ncomp, comp = _variable_components(AF)
     nvars = np.bincount(comp, minlength=ncomp)
     row_comp = np.zeros(m, dtype=np.intp)
     row_comp[r_idx] = comp[j_idx]
@@ -1165,14 +1174,9 @@ def _nullspace_face(HFF: np.ndarray, cF: np.ndarray, AF: sp.csr_matrix, rhs: np.
         Hz = 0.5 * (Hz + Hz.T)
         fac = None
         for rho in (0.0, FACE_PROX * eta):
-            try:
-                fac = sla.cho_factor(Hz + rho * np.eye(ncol) if rho else Hz, lower=False, check_finite=False)
-            except np.linalg.LinAlgError:
-                fac = None
-                continue
-            if float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 1e-12 * eta:
+            fac = _face_factor(Hz + rho * np.eye(ncol) if rho else Hz, eta)
+            if fac is not None:
                 break
-            fac = None
         if fac is None:
             return None
         shift = rho * (xp - x_ref) if rho and x_ref is not None else 0.0

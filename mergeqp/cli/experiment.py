@@ -107,6 +107,9 @@ def _register_lm(sub: Any) -> None:
     lm.add_argument("--seed", type=int, default=0, help="seed of the splits, fine-tunes and merges")
     lm.add_argument("--no-multitask", action="store_true",
                     help="skip the reference model fine-tuned on every domain's train texts (one fine-tune less)")
+    lm.add_argument("--finetune-modules", nargs="+", default=["mlp"], metavar="MODULE",
+                    help="what the fine-tunes train in each of the last blocks: module names inside a decoder "
+                         "block, e.g. mlp, self_attn, mlp.down_proj (default: mlp)")
     _add_run_options(lm)
     lm.set_defaults(func=run_lm)
 
@@ -125,7 +128,7 @@ def run_lm(args: argparse.Namespace) -> int:
     results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite,
-                                multitask=not args.no_multitask)
+                                multitask=not args.no_multitask, finetune_modules=args.finetune_modules)
     print(console_summary(results))
     _print_written(args.out, results)
     return 0
@@ -146,6 +149,9 @@ def _register_text(sub: Any) -> None:
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                    help="cuda without CUDA runs on CPU and says so in the report")
     t.add_argument("--seed", type=int, default=0, help="seed of splits, fine-tunes and random bases")
+    t.add_argument("--train-patterns", nargs="+", default=None, metavar="GLOB",
+                   help="parameter-name globs the fine-tunes train, inside one encoder block (default: quick "
+                        "encoder.layer.5.output.dense.*, full also encoder.layer.5.intermediate.dense.*)")
     _add_run_options(t)
     t.set_defaults(func=run_text)
 
@@ -159,7 +165,8 @@ def run_text(args: argparse.Namespace) -> int:
     threads = _threads(args)
     results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
                                   device=args.device, threads=threads, figures=not args.no_figures,
-                                  progress=not args.quiet, overwrite=args.overwrite)
+                                  progress=not args.quiet, overwrite=args.overwrite,
+                                  train_patterns=args.train_patterns)
     print(console_text_summary(results))
     if results.get("device_note"):
         print(results["device_note"])

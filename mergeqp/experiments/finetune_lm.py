@@ -292,16 +292,14 @@ def finetune_key(base_folder: Path, texts: Sequence[str], settings: FinetuneSett
 
 
 def trainable_names(model: Any, patterns: Sequence[str]) -> list[str]:
-    """Parameter names of ``model`` matching any glob in ``patterns``; a pattern that matches nothing
-    is an error listing a few names."""
+    """Parameter names of ``model`` matching any glob in ``patterns``, in the model's order (so the
+    last of them is the deepest, whatever the order of the patterns); a pattern that matches
+    nothing is an error listing a few names."""
     names = [n for n, _ in model.named_parameters()]
-    out = []
     for p in patterns:
-        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
-        if not hit:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
             raise ValidationError(f"train pattern {p!r} matches no parameter; e.g. {names[-6:]}")
-        out.extend(n for n in hit if n not in out)
-    return out
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
 def _split_matches(model: Any, input_ids: Any, attention_mask: Any, split_logits: Any) -> bool:

@@ -6,8 +6,9 @@
    any :class:`~mergeqp.experiments.corpora.Corpus`) and splits it into disjoint, seeded train /
    calibration / held-out test texts (:func:`split_domains`);
 2. fine-tunes the base (SmolLM2-135M-Instruct by default) once per domain, training only the MLPs
-   of the last ``finetune_blocks`` blocks through the split forward (cached hidden states entering
-   the first trained block); the fine-tunes are cached by key (:mod:`.finetune_lm`);
+   (or the modules ``finetune_modules``: ``self_attn``, ...) of the last ``finetune_blocks`` blocks
+   through the split forward (cached hidden states entering the first trained block); the
+   fine-tunes are cached by key (:mod:`.finetune_lm`);
 3. merges the fine-tunes through the product's own run layer (:func:`mergeqp.run.run_merge` with a
    :class:`~mergeqp.run.MergeConfig` built here and calibration prompt files written in a work
    folder): the QP in every mode (``single``: the last fine-tuned linear layer; ``sequential``,
@@ -70,8 +71,12 @@ OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: the product's recommended merge for causal language models (``docs/lm.md`` has the measurements
 #: behind it): ``method: auto`` (a trust region from the start with the lowest held-out calibration
 #: objective among the candidate merges, stopped early on those batches) on the calibration
-#: prompts' cross-entropy, over the fine-tuned blocks' ``down_proj`` rows
+#: prompts' cross-entropy, over the rows of each fine-tuned module's last layer (``down_proj`` of the
+#: fine-tuned MLPs, ``o_proj`` of fine-tuned attention: :data:`MODULE_OUTPUTS`)
 RECOMMENDED_RUN = "trust_region:cross_entropy"
+#: the layer selector of the recommended merge, ``qp_atoms`` and ``output_space``: the last
+#: fine-tuned linear layer of each fine-tuned module (see :func:`select_layers`)
+MODULE_OUTPUTS = "module_outputs"
 MERGEKIT_METHODS = ("linear", "task_arithmetic", "ties", "dare_ties")
 #: the seed of the reference fine-tuned on every domain's train texts (``LmConfig.multitask``, the row
 #: ``MULTITASK``) is ``seed * 1000 + MULTITASK_SEED`` (domain i's fine-tune: ``seed * 1000 + i``)
@@ -86,7 +91,7 @@ BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
 #: merges besides the mode x metric grid (issue #16's): ``qp_atoms``, the recommended merge's trust
 #: region with every baseline's merged residual as an atom (``rows+baselines``: RegMean, Fisher,
 #: TIES and the tuned task arithmetic are feasible points of each step's QP); ``output_space``,
-#: the full-matrix output-space merge of the ``down_proj`` layers (KL metric on the top-k tokens:
+#: the full-matrix output-space merge of the same layers (KL metric on the top-k tokens:
 #: it fits the fine-tunes' outputs, so not the prompts' cross-entropy)
 EXTRA_RUNS = ("qp_atoms", "output_space")
 #: the QP runs of full mode: every mode with the Euclidean and the KL metric, and the recommended
@@ -154,7 +159,7 @@ class LmMergeSettings:
     runs: tuple[str, ...] | None = None
     parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         **{m: {"parametrisation": "scalar"} for m in QP_MODES},
-        RECOMMENDED_RUN: {"parametrisation": "rows", "layers": "*.down_proj", "start": "auto",
+        RECOMMENDED_RUN: {"parametrisation": "rows", "layers": MODULE_OUTPUTS, "start": "auto",
                           "constraints": [], "mode_options": dict(AUTO_MODE_OPTIONS)}})
     outputs: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         "euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 64},
@@ -173,10 +178,10 @@ class LmMergeSettings:
     solver: str = "auto"
     extra_runs: tuple[str, ...] = EXTRA_RUNS
     atoms: Mapping[str, Any] = field(default_factory=lambda: {
-        "baselines": ("regmean", "fisher", "ties", "task_arithmetic"), "layers": "*.down_proj",
+        "baselines": ("regmean", "fisher", "ties", "task_arithmetic"), "layers": MODULE_OUTPUTS,
         "metric": "cross_entropy", "start": "soup"})
     output_space: Mapping[str, Any] = field(default_factory=lambda: {
-        "params": {"reference": "soup", "ridge": 0.1, "max_iter": 40}, "layers": "*.down_proj", "metric": "kl"})
+        "params": {"reference": "soup", "ridge": 0.1, "max_iter": 40}, "layers": MODULE_OUTPUTS, "metric": "kl"})
 
     def __post_init__(self) -> None:
         for m in self.modes:
@@ -241,9 +246,11 @@ class LmConfig:
 
     Texts per domain: ``train_texts`` (fine-tuning), ``calibration_texts`` (merge statistics,
     the task-arithmetic scaling and the recommended merge), ``test_texts`` (held-out evaluation
-    only); ``min_chars``: shorter texts are dropped first. Fine-tuning: the MLPs of the last
-    ``finetune_blocks`` blocks, ``finetune_steps`` Adam steps of ``finetune_batch`` texts of at
-    most ``finetune_max_length`` tokens at ``finetune_lr``. ``multitask``: also fine-tune one model
+    only); ``min_chars``: shorter texts are dropped first. Fine-tuning: the modules
+    ``finetune_modules`` (names inside a decoder block: ``mlp``, ``self_attn``, ``mlp.down_proj``,
+    ...; every parameter under them) of the last ``finetune_blocks`` blocks, ``finetune_steps``
+    Adam steps of ``finetune_batch`` texts of at most ``finetune_max_length`` tokens at
+    ``finetune_lr``. ``multitask``: also fine-tune one model
     by the same recipe on every domain's train texts (each seen once: ``finetune_steps`` times the
     number of domains), a reference row (``multitask``) of what one model trained on all the data
     reaches. Evaluation: ``eval_max_length`` tokens per text, ``eval_batch`` texts per batch.
@@ -254,6 +261,7 @@ class LmConfig:
     test_texts: int = 128
     min_chars: int = 20
     finetune_blocks: int = 2
+    finetune_modules: tuple[str, ...] = ("mlp",)
     finetune_steps: int = 128
     finetune_batch: int = 8
     finetune_max_length: int = 64
@@ -270,6 +278,13 @@ class LmConfig:
                 raise ValidationError(f"LmConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.eval_max_length < 2 or self.finetune_max_length < 2:
             raise ValidationError("eval_max_length and finetune_max_length must be >= 2 tokens")
+        modules = (self.finetune_modules,) if isinstance(self.finetune_modules, str) else self.finetune_modules
+        object.__setattr__(self, "finetune_modules", tuple(modules))
+        bad = [m for m in self.finetune_modules
+               if not isinstance(m, str) or not m.strip(".") or any(c in m for c in "*?[]") or m != m.strip()]
+        if not self.finetune_modules or bad:
+            raise ValidationError(f"LmConfig.finetune_modules must be one or more module names inside a decoder "
+                                  f"block (e.g. 'mlp', 'self_attn', 'mlp.down_proj'), got {self.finetune_modules!r}")
 
     @classmethod
     def full(cls) -> LmConfig:
@@ -451,13 +466,24 @@ def merge_config(ctx: _Context, method: Mapping[str, Any], layers: Sequence[str]
 
 
 def select_layers(layers: Sequence[str], selector: str) -> list[str]:
-    """``all`` of ``layers``, the ``last``, or those matching a glob (at least one)."""
+    """``all`` of ``layers``, the ``last``, ``module_outputs`` or those matching a glob (at least one).
+
+    ``module_outputs``: the last of ``layers`` (in the model's order) in each module, a module being a
+    layer's name without its last component: ``down_proj`` of a Llama block's MLP (``gate_proj``,
+    ``up_proj``, ``down_proj``), ``o_proj`` of its attention (``q_proj`` ... ``o_proj``), GPT-2's
+    ``c_proj``: the projection that writes a fine-tuned module's result back into the residual
+    stream in these architectures, whichever modules were fine-tuned."""
     import fnmatch
 
     if selector == "all":
         return list(layers)
     if selector == "last":
         return list(layers[-1:])
+    if selector == MODULE_OUTPUTS:
+        last: dict[str, str] = {}
+        for name in layers:
+            last[name.rpartition(".")[0]] = name
+        return [name for name in layers if name in last.values()]
     chosen = [name for name in layers if fnmatch.fnmatchcase(name, selector)]
     if not chosen:
         raise ValidationError(f"layers {selector!r} matches none of the fine-tuned layers {list(layers)}")
@@ -646,7 +672,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
                       config: LmConfig | None = None, cache: str | os.PathLike[str] | None = None,
                       base_folder: str | os.PathLike[str] | None = None, device: str = "cpu",
                       threads: int | None = None, figures: bool = True, progress: bool = True,
-                      overwrite: bool = False, multitask: bool | None = None) -> dict[str, Any]:
+                      overwrite: bool = False, multitask: bool | None = None,
+                      finetune_modules: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the experiment (see the module docstring) and write ``out_dir``; returns the results.
 
     ``corpora`` (any :class:`Corpus` list) replaces ``domains`` (registered names, default
@@ -654,7 +681,9 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     with a tokenizer); ``cache``: where the base and the fine-tunes are kept (default
     :func:`default_cache`); ``device``: ``cpu``, ``cuda`` (CPU when CUDA is missing, said in the
     results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs)); ``multitask``:
-    overrides ``LmConfig.multitask`` (the reference fine-tuned on every domain) when given."""
+    overrides ``LmConfig.multitask`` (the reference fine-tuned on every domain) when given;
+    ``finetune_modules`` overrides ``LmConfig.finetune_modules`` (which modules of the last blocks
+    the fine-tunes train) when given."""
     import torch  # optional heavy dependency (experiment extra)
 
     from ..run.pipeline import resolve_device  # deferred: the pipeline loads every registry
@@ -663,6 +692,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     config = config or (LmConfig.quick() if quick else LmConfig.full())
     if multitask is not None:
         config = replace(config, multitask=bool(multitask))
+    if finetune_modules is not None:
+        config = replace(config, finetune_modules=tuple(finetune_modules))
     if seed < 0:
         raise ValidationError(f"seed must be >= 0, got {seed}")
     prepare_out_dir(out_dir, overwrite=overwrite,
@@ -722,7 +753,9 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     n_layers = int(json.loads((base / "config.json").read_text()).get("num_hidden_layers", 0))
     if config.finetune_blocks > n_layers:
         raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {n_layers} blocks")
-    settings = FinetuneSettings(train_patterns=last_mlp_patterns(n_layers, config.finetune_blocks),
+    patterns = tuple(p for m in config.finetune_modules
+                     for p in last_mlp_patterns(n_layers, config.finetune_blocks, f"model.layers.{{i}}.{m}.*"))
+    settings = FinetuneSettings(train_patterns=patterns,
                                 steps=config.finetune_steps, lr=config.finetune_lr, batch_size=config.finetune_batch,
                                 max_length=config.finetune_max_length, seed=seed)
     finetunes: list[tuple[str, Path]] = []
@@ -903,5 +936,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
 
 __all__ = ["BASELINES", "DEFAULT_CACHE", "DEFAULT_DOMAINS", "DOMAINS", "DomainSplit", "LmConfig", "LmMergeSettings",
-           "MERGEKIT_METHODS", "PeakRss", "default_cache", "load_domains", "merge_config", "mergekit_yaml",
-           "register_domain", "run_lm_experiment", "split_domains", "with_overrides"]
+           "MERGEKIT_METHODS", "MODULE_OUTPUTS", "PeakRss", "RECOMMENDED_RUN", "default_cache", "load_domains",
+           "merge_config", "mergekit_yaml", "register_domain", "run_lm_experiment", "select_layers", "split_domains",
+           "with_overrides"]

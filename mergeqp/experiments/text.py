@@ -186,16 +186,31 @@ def resolve_text_device(name: str) -> tuple[str, str | None]:
     return resolve_device(name)
 
 
+def with_train_patterns(cfg: TextConfig, patterns: Sequence[str]) -> TextConfig:
+    """``cfg`` fine-tuning ``patterns`` instead; its ``geometry_layers`` is kept where a pattern lies
+    inside it (``encoder.layer.5.output.dense`` for ``encoder.layer.5.output.dense.*``), otherwise
+    the geometry experiment merges every trained layer (``None``)."""
+    patterns = tuple(patterns)
+    if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
+        raise ValidationError(f"train_patterns must be one or more parameter-name globs, got {patterns!r}")
+    geometry = cfg.geometry_layers
+    keep = geometry is not None and any(fnmatch.fnmatchcase(p.rsplit(".", 1)[0], geometry) for p in patterns)
+    return replace(cfg, train_patterns=patterns, geometry_layers=geometry if keep else None)
+
+
 def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cache_dir: str | None = None,
                         device: str = "cpu", tasks: Sequence[Corpus] | None = None,
                         base_folder: str | Path | None = None, config: TextConfig | None = None,
                         threads: int | None = None, figures: bool = True, progress: bool = True,
-                        overwrite: bool = False) -> dict[str, Any]:
+                        overwrite: bool = False, train_patterns: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the experiment (module docstring) and write ``results.json``, ``report.md`` and figures
     to ``out_dir`` atomically; returns the results dict. ``tasks``: labelled corpora (default: the
     four offline tasks); ``base_folder``: a BERT-style encoder folder (default all-MiniLM-L6-v2);
     ``cache_dir``: fine-tunes and cached features (default ``~/.cache/mergeqp/text``);
-    ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``."""
+    ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``;
+    ``train_patterns``: overrides ``TextConfig.train_patterns`` (what the fine-tunes train) when
+    given; the preset's ``geometry_layers`` is kept only where a new pattern lies inside it
+    (otherwise the geometry merges every trained layer)."""
     import torch
 
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:
@@ -204,6 +219,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
         raise ValidationError(f"threads must be >= 1, got {threads}")
     dev, device_note = resolve_text_device(device)
     cfg = config or (TextConfig.quick() if quick else TextConfig.full())
+    if train_patterns is not None:
+        cfg = with_train_patterns(cfg, train_patterns)
     base = Path(base_folder).expanduser() if base_folder is not None else default_base_folder()
     if not (base / "config.json").is_file():
         raise ValidationError(f"base model folder {base} has no config.json")
@@ -595,4 +612,4 @@ def with_overrides(config: TextConfig, **changes: Any) -> TextConfig:
 
 
 __all__ = ["BASELINES", "QP_MODES", "TextConfig", "default_base_folder", "module_names", "read_tensors",
-           "run_text_experiment", "with_overrides"]
+           "run_text_experiment", "with_overrides", "with_train_patterns"]

@@ -126,3 +126,15 @@ def test_training_step_refuses_a_non_finite_loss_before_stepping():
     with pytest.raises(ValidationError, match="fine-tune 'x': the loss became nan at step 4"):
         training_step(opt, (w * float("nan")).sum(), losses, lambda v: f"fine-tune 'x': the loss became {v} at step 4")
     assert losses == [3.0] and torch.equal(w.detach(), before)
+
+
+def test_trainable_names_follow_the_models_order():
+    """Names come in the model's order whatever the patterns' order (the experiments take the
+    last one as the deepest layer), each once."""
+    from mergeqp.experiments.finetune_lm import trainable_names
+
+    model = torch.nn.ModuleDict({"attn": torch.nn.Linear(2, 2), "mlp": torch.nn.Linear(2, 3)})
+    assert trainable_names(model, ["mlp.*", "attn.*", "*.weight"]) == ["attn.weight", "attn.bias", "mlp.weight",
+                                                                       "mlp.bias"]
+    with pytest.raises(ValidationError, match="'norm.*' matches no parameter"):
+        trainable_names(model, ["mlp.*", "norm.*"])

@@ -22,9 +22,12 @@ from mergeqp.errors import UnknownNameError, ValidationError  # noqa: E402
 from mergeqp.experiments.corpora import Corpus  # noqa: E402
 from mergeqp.experiments.lm import (  # noqa: E402
     LmConfig,
+    MODULE_OUTPUTS,
+    RECOMMENDED_RUN,
     LmMergeSettings,
     mergekit_yaml,
     run_lm_experiment,
+    select_layers,
     split_domains,
     with_overrides,
 )
@@ -147,6 +150,34 @@ def test_report_and_claims_render(lm_run):
     assert ids == ["F", "L1", "L2", "L3", "L4"]
     summary = console_summary(results)
     assert "goal:" in summary and "qp_single_euclidean" in summary
+
+
+def test_attention_finetunes_merge_their_output_projections(tiny_hf, tiny_base, tmp_path):
+    """Fine-tunes of the attention instead of the MLP (``finetune_modules``): the recommended merge
+    takes the rows of each fine-tuned module's last layer, here ``o_proj``, not ``down_proj``."""
+    config = dataclasses.replace(_config(runs=(RECOMMENDED_RUN,), baselines=("soup",), mergekit=(), extra_runs=(),
+                             ta_scalings=(1.0,), trust_region={"max_steps": 1}),
+                     finetune_modules=("self_attn",), multitask=False)
+    results = run_lm_experiment(tmp_path / "out", corpora=_corpora(tiny_hf), config=config, cache=tmp_path / "cache",
+                                base_folder=tiny_base, threads=1, progress=False)
+    saved = json.loads((Path(results["finetunes"]["code"]["folder"]) / "finetune.json").read_text())
+    assert saved["settings"]["train_patterns"] == ["model.layers.1.self_attn.*"]
+    rec = results["methods"]["qp_trust_region_cross_entropy"]
+    assert rec["layers"] == ["model.layers.1.self_attn.o_proj"]
+    assert all(layer["certified"] for layer in rec["report"]["layers"])
+    assert rec["test"]["code"]["ce"] != results["methods"]["base"]["test"]["code"]["ce"]
+
+
+def test_module_outputs_selects_each_modules_last_layer():
+    layers = [f"model.layers.{i}.{m}" for i in (4, 5) for m in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")]
+    assert select_layers(layers, MODULE_OUTPUTS) == [
+        "model.layers.4.self_attn.o_proj", "model.layers.4.mlp.down_proj",
+        "model.layers.5.self_attn.o_proj", "model.layers.5.mlp.down_proj"]
+    assert select_layers(["h.0.mlp.c_fc", "h.0.mlp.c_proj"], MODULE_OUTPUTS) == ["h.0.mlp.c_proj"]
+    assert select_layers(layers[:2], "*.k_proj") == ["model.layers.4.self_attn.k_proj"]
+    with pytest.raises(ValidationError, match="matches none of the fine-tuned layers"):
+        select_layers(layers, "*.gate_proj")
 
 
 def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
@@ -286,6 +317,10 @@ def test_settings_validation():
     assert LmMergeSettings().balance == "tokens"
     with pytest.raises(ValidationError, match="test_texts"):
         LmConfig(test_texts=0)
+    assert LmConfig(finetune_modules="self_attn").finetune_modules == ("self_attn",)
+    for bad in ((), ("mlp.*",), ("",), (" mlp",)):
+        with pytest.raises(ValidationError, match="finetune_modules"):
+            LmConfig(finetune_modules=bad)
     cfg = with_overrides(LmConfig.quick(), test_texts=5, ties_density=0.3)
     assert cfg.test_texts == 5 and cfg.merge.ties_density == 0.3
     with pytest.raises(UnknownNameError, match="unknown LM experiment setting"):
@@ -348,6 +383,9 @@ def test_cli_errors(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err and (busy / "keep.txt").read_text() == "mine"
     with pytest.raises(SystemExit):
         main(["experiment", "lm", "--device", "tpu", "--out", str(tmp_path / "o")])
+    assert main(["experiment", "lm", "--finetune-modules", "mlp.*", "--out", str(tmp_path / "o")]) == 2
+    assert "finetune_modules must be one or more module names" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
@@ -367,6 +405,10 @@ def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
         with pytest.raises(Stop):
             main(["experiment", "lm", "--quick", *extra, "--out", str(tmp_path / "o")])
         assert seen[-1]["multitask"] is want and seen[-1]["quick"]
+        assert seen[-1]["finetune_modules"] == ["mlp"]
+    with pytest.raises(Stop):
+        main(["experiment", "lm", "--finetune-modules", "mlp", "self_attn", "--out", str(tmp_path / "o")])
+    assert seen[-1]["finetune_modules"] == ["mlp", "self_attn"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # mergekit's own import of numpy.core

@@ -7,7 +7,6 @@ import copy
 import csv
 import math
 
-import numpy as np
 import pytest
 import torch
 from torch import nn

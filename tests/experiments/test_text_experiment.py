@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -166,6 +167,36 @@ def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base,
     for name, m in methods.items():
         for part in ("calibration", "test"):
             assert np.isfinite(m[part]["mean"]["mse"]) and 0 <= m[part]["mean"]["accuracy"] <= 1, name
+
+
+def test_train_patterns_from_the_cli(tiny_hf, tiny_base, tmp_path):
+    """``--train-patterns`` fine-tunes another layer (here the attention's output projection), and
+    every merge runs on it; the preset's geometry layer is kept only where the patterns lie in it."""
+    from mergeqp.experiments.text import FULL_GEOMETRY_LAYERS, with_train_patterns
+
+    full = TextConfig.full()
+    assert with_train_patterns(full, [FULL_GEOMETRY_LAYERS + ".*"]).geometry_layers == FULL_GEOMETRY_LAYERS
+    other = with_train_patterns(full, ["encoder.layer.4.output.dense.*"])
+    assert other.train_patterns == ("encoder.layer.4.output.dense.*",) and other.geometry_layers is None
+    with pytest.raises(ValidationError, match="train_patterns"):
+        with_train_patterns(full, [])
+    attn = "encoder.layer.1.attention.output.dense"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(text_mod.TextConfig, "quick", classmethod(lambda cls: replace(tiny_config(), ranks=(1,),
+                                                                              bases=("svd",))))
+    mp.setattr(text_mod, "default_base_folder", lambda: tiny_base)
+    mp.setattr(text_mod, "default_tasks", lambda: synthetic_tasks(tiny_hf))
+    try:
+        code = main(["experiment", "text", "--quick", "--threads", "1", "--quiet", "--no-figures",
+                     "--train-patterns", attn + ".*", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    finally:
+        mp.undo()
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["layers"] == [attn] and results["geometry_layers"] == [attn]
+    for name, m in results["methods"].items():
+        assert np.isfinite(m["test"]["mean"]["mse"]), name
+    assert results["methods"]["qp_single"]["test"]["mean"]["mse"] != results["methods"]["soup"]["test"]["mean"]["mse"]
 
 
 def test_choices_follow_calibration_numbers_only(cli_run):

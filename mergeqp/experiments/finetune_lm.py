@@ -7,8 +7,8 @@
 - :func:`finetune_causal_lm`: fine-tune only the parameters whose names match ``train_patterns``
   (e.g. the MLPs of the last blocks) on a domain's texts with next-token cross-entropy and Adam, and
   save the result as a Hugging Face folder. When every trained parameter lies in decoder blocks
-  ``>= first`` of a model whose decoder keeps its blocks in ``<backbone>.layers`` and its final norm
-  in ``<backbone>.norm`` (Llama, Mistral, Qwen2, SmolLM2, ...), the hidden states entering block
+  ``>= first`` of the model's block stack (``model.layers`` of Llama, Mistral, Qwen2, SmolLM2,
+  ``transformer.h`` of GPT-2, ...), the hidden states entering block
   ``first`` are computed once per text (no gradient; the frozen lower blocks never change) and
   training runs only the upper blocks, the norm and the output head (:class:`DecoderSplit`); the
   split is checked against the full model's logits on the first batch and training falls back to
@@ -27,16 +27,15 @@ import hashlib
 import importlib.util
 import json
 import math
-import re
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..stats.prefix import block_stack
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_FOLDER = "smollm2-135m-instruct"
@@ -110,6 +109,49 @@ def last_mlp_patterns(num_layers: int, blocks: int, template: str = "model.layer
     return tuple(template.format(i=i) for i in range(num_layers - blocks, num_layers))
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where a causal LM keeps its blocks: ``prefix`` of their parameter names (``model.layers`` for
+    Llama, ``transformer.h`` for GPT-2, ...), ``blocks`` (how many) and ``modules``: the names of
+    the modules inside its last block that hold parameters (``mlp``, ``mlp.down_proj``,
+    ``self_attn``, ...)."""
+
+    prefix: str
+    blocks: int
+    modules: tuple[str, ...]
+
+    def patterns(self, modules: Sequence[str], last: int) -> tuple[str, ...]:
+        """Globs for ``modules`` (names inside a block) of the last ``last`` blocks; a module that the
+        blocks lack is an error naming the ones they have."""
+        missing = [m for m in modules if m not in self.modules]
+        if missing:
+            raise ValidationError(f"fine-tuned module(s) {missing} are not modules of the model's blocks "
+                                  f"({self.prefix}.<i>); its blocks hold: {', '.join(self.modules)}")
+        return tuple(p for m in modules for p in last_mlp_patterns(self.blocks, last, f"{self.prefix}.{{i}}.{m}.*"))
+
+
+def block_layout(folder: str | Path) -> BlockLayout:
+    """The :class:`BlockLayout` of the causal LM in ``folder``, read from the model built on the
+    meta device (no weights are loaded)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        raise ValidationError(f"cannot build the causal LM of {folder}: {exc}") from None
+    stack = block_stack(model)
+    prefix = next((n for n, m in model.named_modules() if m is stack), None) if stack is not None else None
+    if not prefix:
+        raise ValidationError(f"{type(model).__name__} ({folder}) has no stack of blocks (an nn.ModuleList of one "
+                              "block class) whose last blocks could be fine-tuned")
+    last = stack[len(stack) - 1]
+    modules = tuple(n for n, m in last.named_modules() if n and any(True for _ in m.parameters()))
+    return BlockLayout(prefix, len(stack), modules)
+
+
 def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = None) -> Path:
     """The cached Hugging Face folder of SmolLM2-135M-Instruct (float32), made on first use."""
     import torch
@@ -142,80 +184,138 @@ def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = No
 
 @dataclass(frozen=True)
 class DecoderSplit:
-    """A causal LM cut before decoder block ``first``: :meth:`lower` gives the hidden states
-    entering that block ``(B, T, hidden)``, :meth:`upper` the logits ``(B, T, vocab)`` from them.
+    """A model cut before block ``first`` of its block stack (the ``nn.ModuleList`` of one block
+    class that :func:`mergeqp.stats.prefix.block_stack` finds: ``model.layers`` of Llama, Mistral,
+    Qwen2, ``transformer.h`` of GPT-2, ``gpt_neox.layers``, ``model.decoder.layers`` of OPT):
+    :meth:`lower` gives the hidden states entering that block ``(B, T, hidden)``, :meth:`upper` the
+    logits ``(B, T, vocab)`` from them.
 
-    Both call the model's own backbone forward with its block list temporarily replaced by the
-    lower (resp. upper) blocks, so rotary position embeddings, the causal mask and the padding mask
-    are made exactly as in a full forward (right padding, positions ``0..T-1``); the lower call
-    also replaces the final norm by the identity. ``upper(lower(x))`` equals the full model's
-    logits (tested to 1e-5 on a tiny random Llama)."""
+    Both run the model's own forward, so position embeddings (rotary or absolute), the causal mask
+    and the padding mask are made exactly as in a full forward (right padding, positions
+    ``0..T-1``): :meth:`lower` stops it at block ``first``'s input (a pre-hook that records the
+    hidden states and ends the pass); :meth:`upper` removes the lower blocks from the stack for the
+    call and a pre-hook hands the given hidden states to block ``first`` in place of what the
+    embeddings computed (dummy token ids of the right shape), so the upper blocks, the final norm
+    and the head run as in a full forward. ``upper(lower(x))`` equals the full model's logits
+    (tested to 1e-5 on tiny random Llama and GPT-2 models); callers check it on a real batch
+    (:meth:`matches`) before relying on it."""
 
     model: Any
     first: int
 
     @staticmethod
-    def backbone(model: Any) -> Any:
-        """The decoder backbone holding ``layers`` and ``norm``, or ``None`` for other models."""
-        inner = getattr(model, "model", None)
-        layers = getattr(inner, "layers", None)
-        if inner is None or getattr(inner, "norm", None) is None or layers is None or not hasattr(layers, "__len__"):
-            return None
-        return inner
+    def stack(model: Any) -> Any:
+        """The model's block stack, or ``None`` (no ``nn.ModuleList`` of one block class)."""
+        return block_stack(model)
 
     @classmethod
     def of(cls, model: Any, first: int) -> DecoderSplit:
-        inner = cls.backbone(model)
-        if inner is None:
-            raise ValidationError(f"{type(model).__name__} has no <backbone>.layers / .norm: cannot split it "
-                                  "before a decoder block")
-        if not 0 <= first < len(inner.layers):
-            raise ValidationError(f"split block must be in [0, {len(inner.layers)}), got {first}")
+        stack = cls.stack(model)
+        if stack is None:
+            raise ValidationError(f"{type(model).__name__} has no stack of blocks (an nn.ModuleList of one block "
+                                  "class): cannot split it before a block")
+        if not 0 <= first < len(stack):
+            raise ValidationError(f"split block must be in [0, {len(stack)}), got {first}")
         return cls(model, first)
 
-    @contextmanager
-    def _blocks(self, lower: bool) -> Iterator[Any]:
-        import torch  # optional heavy dependency (experiment extra)
-
-        inner = self.backbone(self.model)
-        layers, norm = inner.layers, inner.norm
-        inner.layers = torch.nn.ModuleList(list(layers)[: self.first] if lower else list(layers)[self.first:])
-        if lower:
-            inner.norm = torch.nn.Identity()
-        try:
-            yield inner
-        finally:
-            inner.layers, inner.norm = layers, norm
+    @property
+    def upper_blocks(self) -> list[Any]:
+        return list(self.stack(self.model))[self.first:]
 
     def lower(self, input_ids: Any, attention_mask: Any) -> Any:
         """Hidden states entering block ``first``, ``(B, T, hidden)``, without gradient."""
         import torch  # optional heavy dependency (experiment extra)
 
-        with torch.no_grad(), self._blocks(lower=True) as inner:
-            return inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        seen: list[Any] = []
+
+        def stop(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            seen.append(args[0] if args else kwargs.get("hidden_states"))
+            raise _Stop
+
+        handle = self.stack(self.model)[self.first].register_forward_pre_hook(stop, with_kwargs=True)
+        try:
+            with torch.no_grad():
+                self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        except _Stop:
+            pass
+        finally:
+            handle.remove()
+        if not seen or seen[0] is None:
+            raise ValidationError(f"{type(self.model).__name__}: block {self.first} did not run (or took no hidden "
+                                  "states) in a forward pass; this model cannot be split before it")
+        return seen[0]
 
     def upper(self, hidden: Any, attention_mask: Any) -> Any:
         """Logits ``(B, T, vocab)`` of the model from the hidden states entering block ``first``."""
-        with self._blocks(lower=False):
-            return self.model(inputs_embeds=hidden, attention_mask=attention_mask, use_cache=False).logits
+        import torch  # optional heavy dependency (experiment extra)
+
+        stack = self.stack(self.model)
+        blocks = stack._modules
+        kept = list(blocks.values())[self.first:]
+
+        def feed(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        handle = kept[0].register_forward_pre_hook(feed, with_kwargs=True)
+        stack._modules = type(blocks)((str(i), b) for i, b in enumerate(kept))
+        try:
+            dummy = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            return self.model(input_ids=dummy, attention_mask=attention_mask, use_cache=False).logits
+        finally:
+            stack._modules = blocks
+            handle.remove()
+
+    def upper_parameter_names(self, input_ids: Any, attention_mask: Any) -> set[str]:
+        """Names of the parameters that only the upper part uses: those of blocks ``>= first`` and
+        of every module outside the stack that has not run when block ``first`` starts (the final
+        norm, the head), found by a forward pass on this batch; a head tied to the input embedding
+        is not among them (the embedding runs below the split)."""
+        stack = self.stack(self.model)
+        in_stack = {id(m) for m in stack.modules()}
+        ran: set[int] = set()
+        handles = [m.register_forward_hook(lambda module, _a, _o: ran.add(id(module)))
+                   for m in self.model.modules() if id(m) not in in_stack]
+        try:
+            self.lower(input_ids, attention_mask)
+        finally:
+            for h in handles:
+                h.remove()
+        below = {id(p) for b in list(stack)[: self.first] for p in b.parameters()}
+        below |= {id(p) for m in self.model.modules() if id(m) in ran for p in m.parameters(recurse=False)}
+        return {n for n, p in self.model.named_parameters() if id(p) not in below}
+
+    def matches(self, input_ids: Any, attention_mask: Any) -> bool:
+        """Whether ``upper(lower(x))`` equals the full model's logits on this batch (real tokens)."""
+        import torch  # optional heavy dependency (experiment extra)
+
+        with torch.no_grad():
+            logits = self.upper(self.lower(input_ids, attention_mask), attention_mask)
+        return _split_matches(self.model, input_ids, attention_mask, logits)
 
 
-_BLOCK_INDEX = re.compile(r"\.layers\.(\d+)\.")
+class _Stop(Exception):
+    """Ends a forward pass at the split (:meth:`DecoderSplit.lower`)."""
 
 
 def split_block(model: Any, trained: Sequence[str]) -> int | None:
-    """The first decoder block holding a trained parameter when every trained parameter lies in a
-    decoder block (so the blocks below it are frozen); ``None`` otherwise (e.g. a trained head)."""
-    inner = DecoderSplit.backbone(model)
-    if inner is None:
+    """The first block of the model's block stack holding a trained parameter when every trained
+    parameter lies in a block (so the blocks below it are frozen); ``None`` otherwise (e.g. a
+    trained head, or no block stack)."""
+    stack = DecoderSplit.stack(model)
+    if stack is None:
         return None
-    prefix = next((n for n, m in model.named_modules() if m is inner.layers), None)
+    prefix = next((n for n, m in model.named_modules() if m is stack), None)
+    if prefix is None:
+        return None
     blocks = []
     for name in trained:
-        m = _BLOCK_INDEX.search(name)
-        if m is None or prefix is None or not name.startswith(f"{prefix}."):
+        head, _, rest = name.partition(f"{prefix}.")
+        index = rest.split(".", 1)[0]
+        if head or not rest or not index.isdigit():
             return None
-        blocks.append(int(m.group(1)))
+        blocks.append(int(index))
     return min(blocks) if blocks else None
 
 
@@ -400,7 +500,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["DecoderSplit", "FinetuneResult", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
+__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_layout", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
            "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
            "split_block", "tokenize_each", "trainable_names", "training_step"]

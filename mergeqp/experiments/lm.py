@@ -54,14 +54,14 @@ from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
 from .finetune_lm import (
     FinetuneSettings,
+    block_layout,
     finetune_causal_lm,
     finetune_key,
-    last_mlp_patterns,
     smollm2_folder,
     split_block,
 )
 from .lm_claims import MULTITASK, evaluate_lm_claims, lm_goal, recommended_merge
-from .lm_eval import ModelTensors, UpperEvaluator, same_model
+from .lm_eval import ModelTensors, UpperEvaluator, checkpoint_names, same_model
 from .lm_report import write_lm_outputs
 
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
@@ -750,11 +750,10 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     # 2. base and fine-tunes
     t = time.perf_counter()
     base = Path(base_folder).expanduser() if base_folder is not None else smollm2_folder(cache_dir, log=say)
-    n_layers = int(json.loads((base / "config.json").read_text()).get("num_hidden_layers", 0))
-    if config.finetune_blocks > n_layers:
-        raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {n_layers} blocks")
-    patterns = tuple(p for m in config.finetune_modules
-                     for p in last_mlp_patterns(n_layers, config.finetune_blocks, f"model.layers.{{i}}.{m}.*"))
+    layout = block_layout(base)
+    if config.finetune_blocks > layout.blocks:
+        raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {layout.blocks} blocks")
+    patterns = layout.patterns(config.finetune_modules, config.finetune_blocks)
     settings = FinetuneSettings(train_patterns=patterns,
                                 steps=config.finetune_steps, lr=config.finetune_lr, batch_size=config.finetune_batch,
                                 max_length=config.finetune_max_length, seed=seed)
@@ -788,12 +787,14 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     if first is None:
         raise ValidationError("the fine-tuned tensors are not all inside decoder blocks; this experiment "
                               "evaluates models that differ from the base only in their upper blocks")
-    kw = {"max_length": config.eval_max_length, "batch_size": config.eval_batch, "device": device}
+    kw = {"max_length": config.eval_max_length, "batch_size": config.eval_batch, "device": device,
+          "names": checkpoint_names(base, model)}
     test_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.test for s in splits}, **kw)
     calib_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.calibration for s in splits},
                                 base_state=test_eval.base_state, **kw)
     references = {name: test_eval.tensors_of(read_folder_state(folder)) for name, folder in finetunes}
     timings["evaluation_setup"] = time.perf_counter() - t
+    notes.extend(n for n in (test_eval.note, calib_eval.note) if n and n not in notes)
 
     # calibration prompt files for the run layer
     cal_files = []
@@ -861,7 +862,12 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     # 6b. baselines as feasible points of the trust region's QPs; the output-space merge
     t = time.perf_counter()
     for label, method, layers, metric, kind in _extra_runs(mset, best_scaling, seed, linear_layers):
-        models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
+        try:  # reference rows: one this model cannot run is said, and the experiment goes on
+            models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
+        except ValidationError as exc:
+            notes.append(f"{label} was not run: {exc}")
+            say(f"{label} was not run: {exc}")
+            continue
         records[label] = {"kind": kind, **({"mode": method["mode"]} if kind == "qp" else {}), **rec}
     timings["extra"] = time.perf_counter() - t
 
@@ -871,7 +877,13 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     if command is None:
         notes.append("mergekit is not importable: its methods were not run")
     else:
-        for method_name, (tensors, rec) in run_mergekit(ctx, command, mset.mergekit, best_scaling).items():
+        try:  # mergekit may not know this architecture: said, and the experiment goes on
+            ran = run_mergekit(ctx, command, mset.mergekit, best_scaling)
+        except ValidationError as exc:
+            ran = {}
+            notes.append(f"mergekit's methods were not run: {exc}")
+            say(f"mergekit's methods were not run: {str(exc)[:300]}")
+        for method_name, (tensors, rec) in ran.items():
             models[f"mergekit_{method_name}"] = tensors
             records[f"mergekit_{method_name}"] = {"kind": "mergekit", **rec}
     timings["mergekit"] = time.perf_counter() - t

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
@@ -84,50 +85,94 @@ def same_model(a: ModelTensors | None, b: ModelTensors | None, rtol: float = SAM
     return worst
 
 
+def checkpoint_names(folder: Path, model: Any) -> dict[str, str]:
+    """``{name on disk: parameter name}`` for the tensors of ``folder``'s safetensors files that
+    ``model`` (loaded from that folder) calls by another name: ``transformers`` renames some on
+    load and back on save (GPT-NeoX's ``embed_out`` is the module ``lm_head``), so the fine-tunes'
+    and mergekit's files use the disk names. A disk name that is not a parameter name is matched to
+    the one parameter without a disk name of the same shape and values; none or several is an error."""
+    import torch  # optional heavy dependency (experiment extra)
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    files = sorted(Path(folder).glob("*.safetensors"))
+    stray: dict[str, Any] = {}
+    on_disk: set[str] = set()
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():
+                on_disk.add(key)
+                if key not in params:
+                    stray[key] = handle.get_tensor(key)
+    unnamed = {n: p for n, p in params.items() if n not in on_disk}
+    names: dict[str, str] = {}
+    for key, t in stray.items():
+        same = [n for n, p in unnamed.items() if tuple(p.shape) == tuple(t.shape)
+                and torch.equal(p.detach().cpu().to(t.dtype), t)]
+        if len(same) > 1:
+            raise ValidationError(f"{folder}: tensor {key!r} on disk equals parameters {same} of the loaded model; "
+                                  "cannot tell which it is")
+        if same:
+            names[key] = same[0]
+            del unnamed[same[0]]
+    return names
+
+
 class UpperEvaluator:
     """Scores models on domains' texts (see the module docstring).
 
     ``base``: the base model (eval mode, float32, on ``device``); ``first``: the first block that
     any model changes; ``domains``: name -> texts; ``max_length`` tokens per text; ``base_state``:
     the base's parameters (name -> tensor) when another evaluator of the same model already holds
-    a copy (default: cloned here). Evaluators may share one model: each call leaves it as the base."""
+    a copy (default: cloned here); ``names``: disk names of tensors -> the model's parameter names
+    (:func:`checkpoint_names`), applied to every state given to :meth:`tensors_of`. Evaluators may
+    share one model: each call leaves it as the base. The split is checked against full forward
+    passes on one batch; where it differs (``note`` says so) every model is scored with full passes."""
 
     def __init__(self, base: Any, tokenizer: Any, first: int, domains: Mapping[str, Sequence[str]], *,
-                 max_length: int, batch_size: int, device: str, base_state: Mapping[str, Any] | None = None) -> None:
+                 max_length: int, batch_size: int, device: str, base_state: Mapping[str, Any] | None = None,
+                 names: Mapping[str, str] | None = None) -> None:
         import torch  # optional heavy dependency (experiment extra)
 
         self.model = base
-        self.split = DecoderSplit.of(base, first)
+        self.names = dict(names or {})
+        self.split: DecoderSplit | None = DecoderSplit.of(base, first)
         self.device = device
         self.batch_size = batch_size
         self.pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0)
-        blocks = list(DecoderSplit.backbone(base).layers)[first:]
-        upper_ids = {id(p) for b in blocks for p in b.parameters()}
-        upper_ids |= {id(p) for p in DecoderSplit.backbone(base).norm.parameters()}
-        embed = base.get_input_embeddings().weight
-        head = base.get_output_embeddings()
-        if head is not None and head.weight is not embed:  # a tied head is also the (lower) embedding
-            upper_ids |= {id(p) for p in head.parameters()}
-        self.upper_names = {n for n, p in base.named_parameters() if id(p) in upper_ids}
         self.base_state = dict(base_state) if base_state is not None else {
             n: p.detach().clone() for n, p in base.named_parameters()}
         self._changed: set[str] = set()
         self.texts: dict[str, list[Any]] = {}
         self.states: dict[str, list[Any]] = {}
-        with torch.no_grad():
-            for name, texts in domains.items():
-                ids = [t for t in tokenize_each(tokenizer, texts, max_length) if t.shape[0] >= 2]
-                if not ids:
-                    raise ValidationError(f"domain {name!r}: no evaluation text has two or more tokens")
-                # batches of texts of about one length: little padding to run through the blocks
-                # and the head (every metric is a sum over real tokens, so the order is immaterial)
-                ids.sort(key=lambda t: int(t.shape[0]))
-                self.texts[name] = ids
-                self.states[name] = lower_states(self.split, ids, batch_size, device)
+        for name, texts in domains.items():
+            ids = [t for t in tokenize_each(tokenizer, texts, max_length) if t.shape[0] >= 2]
+            if not ids:
+                raise ValidationError(f"domain {name!r}: no evaluation text has two or more tokens")
+            # batches of texts of about one length: little padding to run through the blocks
+            # and the head (every metric is a sum over real tokens, so the order is immaterial)
+            ids.sort(key=lambda t: int(t.shape[0]))
+            self.texts[name] = ids
+        # the shortcut is checked once against full forward passes on a real batch (the longest
+        # texts of the first domain); where it differs, every model is scored with full passes
+        probe = next(iter(self.texts.values()))[-batch_size:]
+        probe_ids = pad_ids(probe, self.pad_id).to(device)
+        probe_mask = pad_ids([t.new_ones(t.shape) for t in probe], 0).to(device)
+        self.upper_names = self.split.upper_parameter_names(probe_ids, probe_mask)
+        if not self.split.matches(probe_ids, probe_mask):
+            self.split = None
+            self.note = (f"{type(base).__name__}: the split forward differs from the full model; every model is "
+                         "scored with full forward passes")
+        else:
+            self.note = None
+            with torch.no_grad():
+                for name, ids in self.texts.items():
+                    self.states[name] = lower_states(self.split, ids, batch_size, device)
 
     def tensors_of(self, state: Mapping[str, Any], *, complete: bool = True) -> ModelTensors:
         """The tensors of a full state dict ``state`` (``complete=False``: of the merged tensors
         only, the rest being the base's) that differ from the base."""
+        state = {self.names.get(k, k): v for k, v in state.items()}
         return differing_tensors(self.base_state, state, self.upper_names, complete=complete)
 
     def _load(self, tensors: ModelTensors | None) -> None:
@@ -150,7 +195,7 @@ class UpperEvaluator:
         ids = self.texts[domain][start: start + self.batch_size]
         batch_ids = pad_ids(ids, self.pad_id).to(self.device)
         with torch.no_grad():
-            if tensors is not None and tensors.other:
+            if self.split is None or (tensors is not None and tensors.other):
                 mask = pad_ids([t.new_ones(t.shape) for t in ids], 0).to(self.device)
                 logits = self.model(input_ids=batch_ids, attention_mask=mask, use_cache=False).logits
             else:
@@ -204,4 +249,4 @@ class UpperEvaluator:
                         "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
 
 
-__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors", "same_model"]
+__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "checkpoint_names", "differing_tensors", "same_model"]

@@ -60,7 +60,14 @@ from ..lm import CrossEntropyExpansion, FoldedHead, OutputSpec, TargetBatch, bac
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
-from ..stats.linearise import OutputDerivatives, check_mode, choose_mode, perturbed_output, run_recorded
+from ..stats.linearise import (
+    OutputDerivatives,
+    check_mode,
+    choose_mode,
+    leads_with_samples,
+    perturbed_output,
+    run_recorded,
+)
 from .sites import LayerSite, append_ones, site_module
 
 
@@ -321,15 +328,31 @@ def widest_layer(model: Any) -> int:
     return max(widths, default=0)
 
 
+def _site_mode(jacobian_mode: str, outputs: int, a: SiteAtoms, layer_output: Any, samples: int) -> str:
+    """The derivative mode of one site: :func:`choose_mode`'s, except that a layer whose output does
+    not lead with the batch (the model flattened batch and positions before it) takes forward mode,
+    the only exact one there (``jacobian_mode: reverse`` is then an error naming the layer)."""
+    if leads_with_samples(layer_output, samples):
+        return choose_mode(jacobian_mode, outputs, a.K * a.n_atoms)
+    if jacobian_mode == "reverse":
+        raise ValidationError(f"site {a.site.name}: its output has shape {tuple(layer_output.shape)} for a batch of "
+                              f"{samples} (the model flattens the batch before it); reverse-mode statistics need "
+                              "per-sample outputs: use jacobian_mode forward or auto")
+    return "forward"
+
+
 def site_memory(model: Any, atoms: Sequence[SiteAtoms], hooks: Sequence[Any], n_tasks: int, outputs: int,
-                itemsize: int, chunk_size: int, jacobian_mode: str = "forward") -> SiteMemory:
+                itemsize: int, chunk_size: int, jacobian_mode: str = "forward", samples: int | None = None) -> SiteMemory:
     """The memory model (:func:`mergeqp.io.memory.estimate_site_memory`) of the QP over ``atoms``
     once the first batch has run (``hooks`` hold its layer outputs): ``outputs`` compared outputs
     per prompt, derivatives of ``itemsize`` bytes, JVP / VJP chunks of ``chunk_size`` through
     ``model`` (the part the derivatives run through); each site's derivatives counted in the mode
-    ``jacobian_mode`` chooses for it (forward: its atoms' tangents; reverse: its Jacobian)."""
+    ``jacobian_mode`` chooses for it (forward: its atoms' tangents; reverse: its Jacobian); ``samples``:
+    the batch's prompts (default: the layer output's first dimension)."""
     out0 = hooks[0].layer_output  # (B, *positions, r)
-    reverse = [choose_mode(jacobian_mode, outputs, a.K * a.n_atoms) == "reverse" for a in atoms]
+    reverse = [_site_mode(jacobian_mode, outputs, a, h.layer_output,
+                          int(h.layer_output.shape[0]) if samples is None else samples) == "reverse"
+               for a, h in zip(atoms, hooks)]
     return estimate_site_memory(
         ", ".join(a.site.name for a in atoms), atoms[0].K * sum(a.n_atoms for a in atoms), n_tasks,
         samples=int(out0.shape[0]), outputs=outputs, itemsize=itemsize,
@@ -421,7 +444,7 @@ def collect_first_order(
                     check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
                     check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
                                                   len(tasks), outputs, h.element_size(), chunk_size,
-                                                  jacobian_mode))
+                                                  jacobian_mode, samples=Bsz))
                 first = False
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g
@@ -435,7 +458,7 @@ def collect_first_order(
                     if off is not None:
                         push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
                         b = b - push.push(off.to(u0.dtype)).to(torch.float64)
-                    if choose_mode(jacobian_mode, derivatives.c, K * a.n_atoms) == "reverse":
+                    if _site_mode(jacobian_mode, derivatives.c, a, hook.layer_output, Bsz) == "reverse":
                         # c VJPs give the per-sample Jacobian; the parametrisation's own design rule
                         # contracts it (no (K n, B, T, r) tangents are formed)
                         blocks.append(_reverse_design(derivatives, a, Z))  # (B, c, K, n_atoms)

@@ -145,6 +145,22 @@ def choose_mode(mode: str, n_outputs: int, n_tangents: int) -> str:
     return mode
 
 
+def leads_with_samples(layer_output: Any, samples: int) -> bool:
+    """Whether a hooked layer's output ``(B, *positions, r)`` leads with the batch's ``samples``
+    (per-sample Jacobians need it). Some models flatten the batch and positions before a layer
+    (OPT's ``fc1`` / ``fc2`` see ``(B T, r)``): forward mode still gives exact derivatives there,
+    reverse mode's per-sample Jacobian does not exist in that layout."""
+    return int(layer_output.shape[0]) == int(samples)
+
+
+def _per_sample(zero: Any, samples: int) -> None:
+    if not leads_with_samples(zero, samples):
+        raise ValidationError(
+            f"the merged layer's output has shape {tuple(zero.shape)} for a batch of {samples} samples: the model "
+            "flattens the batch before this layer, so per-sample (reverse-mode) Jacobians do not apply; use "
+            "forward mode (statistics jacobian_mode: forward)")
+
+
 def run_recorded(call: Callable[[], Any], hooks: Sequence[Any], labels: Sequence[str],
                  where: str) -> Any:
     """Run the model once (``call()``, without gradients) with every hook of ``hooks``
@@ -302,6 +318,7 @@ class OutputDerivatives:
                 else:  # each sample's rows are the cotangents of the unsketched outputs
                     out, vjp_fn = vjp(self.raw, p0)
                     cotangents = self.rows.transpose(0, 1).to(out.dtype)  # (s, B, c_raw)
+                _per_sample(p0, int(out.shape[0]))
                 rows = vmap(vjp_fn, chunk_size=self.chunk_size)(cotangents)[0]  # (c, B, *pos, r)
                 return rows.reshape(c, B, T, r).permute(1, 0, 2, 3).contiguous()
             eye = torch.eye(T * r, dtype=p0.dtype, device=p0.device)
@@ -311,6 +328,7 @@ class OutputDerivatives:
                 return jvp(self.f, (p0,), (v,))[1]
 
             cols = vmap(push, chunk_size=self.chunk_size)(tangents)  # (T*r, B, c)
+        _per_sample(p0, int(cols.shape[1]))
         return cols.permute(1, 2, 0).reshape(B, c, T, r).contiguous()
 
     def _looped(self) -> Any:
@@ -320,6 +338,7 @@ class OutputDerivatives:
         p = p0.clone().requires_grad_(True)
         with torch.enable_grad():
             y = self.f(p) if self.rows is None else self.raw(p)
+            _per_sample(p0, int(y.shape[0]))
             rows = []
             for o in range(c):
                 picked = y[:, o] if self.rows is None else (y * self.rows[:, o].to(y.dtype)).sum(-1)

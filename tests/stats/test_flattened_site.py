@@ -1,0 +1,87 @@
+"""A merge site whose input the model has flattened over batch and positions (OPT's ``fc1`` /
+``fc2`` see ``(B T, features)``): the statistics are those of the same network without the
+flattening, in every derivative mode that applies; per-sample (reverse) Jacobians are refused with
+a clear error instead of a shape error from deep inside torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from mergeqp.errors import ValidationError  # noqa: E402
+from mergeqp.io.calibration import Batch  # noqa: E402
+from mergeqp.lm import OutputSpec, teacher_forced_targets  # noqa: E402
+from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order  # noqa: E402
+from mergeqp.merge.sites import match_sites, model_sites  # noqa: E402
+from mergeqp.stats.linearise import OutputDerivatives  # noqa: E402
+from mergeqp.stats.parametrisation import as_parametrisation  # noqa: E402
+
+
+class Net(torch.nn.Module):
+    """``x (B, T, 4) -> tanh(fc(x)) -> head``; ``flatten``: ``fc`` sees ``(B T, 4)`` as in OPT."""
+
+    def __init__(self, flatten: bool) -> None:
+        super().__init__()
+        self.flatten = flatten
+        self.fc = torch.nn.Linear(4, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):  # noqa: D102
+        B, T, m = x.shape
+        h = self.fc(x.reshape(-1, m)).reshape(B, T, -1) if self.flatten else self.fc(x)
+        return {"logits": self.head(torch.tanh(h))}
+
+
+def _models(flatten: bool):
+    torch.manual_seed(0)
+    base = Net(flatten).double().eval()
+    fts = []
+    for k in range(2):
+        ft = Net(flatten).double().eval()
+        ft.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            ft.fc.weight.add_(0.3 * torch.randn(ft.fc.weight.shape, dtype=torch.float64))
+            ft.fc.bias.add_(0.3 * torch.randn(ft.fc.bias.shape, dtype=torch.float64))
+        fts.append(ft)
+    return base, fts
+
+
+def _statistics(flatten: bool, mode: str, parametrisation: str, batches):
+    base, fts = _models(flatten)
+    spec = OutputSpec(field="logits")
+    site = match_sites(model_sites(base), ["fc"])[0]
+    w = torch.cat([base.fc.weight, base.fc.bias[:, None]], 1).detach()
+    deltas = torch.stack([torch.cat([f.fc.weight, f.fc.bias[:, None]], 1).detach() - w for f in fts])
+    tasks = [TaskTargets(f"t{i}", 1.0, teacher_forced_targets(ft, batches, spec, "cpu")) for i, ft in enumerate(fts)]
+    return collect_first_order(base, [SiteAtoms(site, as_parametrisation(parametrisation), deltas)], tasks, spec,
+                               jacobian_mode=mode)
+
+
+@pytest.fixture(scope="module")
+def batches():
+    gen = torch.Generator().manual_seed(1)
+    # two positions: 6 outputs per sample, fewer than the 12 row atoms, so `auto` would pick reverse mode
+    return [Batch({"x": torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)}) for _ in range(2)]
+
+
+@pytest.mark.parametrize("parametrisation", ["scalar", "rows"])
+@pytest.mark.parametrize("mode", ["forward", "auto"])
+def test_flattened_site_has_the_statistics_of_the_unflattened_network(batches, mode, parametrisation):
+    reference = _statistics(False, "reverse", parametrisation, batches)  # per-sample layout
+    got = _statistics(True, mode, parametrisation, batches)
+    assert np.abs(reference.H).max() > 0
+    np.testing.assert_allclose(got.H, reference.H, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got.g, reference.g, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got.c, reference.c, rtol=1e-12)
+
+
+def test_reverse_mode_on_a_flattened_site_is_a_clear_error(batches):
+    with pytest.raises(ValidationError, match="flattens the batch before it.*forward or auto"):
+        _statistics(True, "reverse", "rows", batches)
+    # the per-sample Jacobian itself (used by the output-space merge) says the same
+    zero = torch.zeros(15, 6, dtype=torch.float64)
+    d = OutputDerivatives(lambda u: u.reshape(3, 5 * 6), zero, 30)
+    with pytest.raises(ValidationError, match=r"shape \(15, 6\) for a batch of 3 samples"):
+        d.jacobian("reverse")

@@ -53,7 +53,7 @@ from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import trainable_names
 from .text_encoder import (EncoderSettings, FeatureBatch, cached_block_inputs, finetune_encoder,
-                           first_trained_block, load_encoder, pooled_embeddings, run_top)
+                           encoder_blocks, first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
@@ -61,8 +61,11 @@ QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
 POOLED_OUTPUT = {"field": "last_hidden_state", "pool": "mean"}
 #: full mode's output sketch (``output.sketch``): combinations of each text's pooled embedding
 FULL_SKETCH = 64
+#: ``{last}`` in a train pattern or ``geometry_layers`` stands for the encoder's last block (5 in
+#: all-MiniLM-L6-v2, 11 in a 12-block BERT), resolved when the base model is loaded
+LAST_BLOCK = "{last}"
 #: full mode's geometry experiment: the last block's MLP output projection (the paper's layer)
-FULL_GEOMETRY_LAYERS = "encoder.layer.5.output.dense"
+FULL_GEOMETRY_LAYERS = "encoder.layer.{last}.output.dense"
 BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 BASES = ("svd", "random", "optimal")
 DEVICES = ("cpu", "cuda", "auto")
@@ -92,7 +95,9 @@ class TextConfig:
 
     ``train_per_task`` / ``calibration_per_task`` / ``test_per_task``: texts per split;
     ``max_length``: tokens per text; ``batch_size``: texts per batch (fine-tuning and cached
-    features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune;
+    features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune (globs over the
+    encoder's parameter names; ``{last}`` stands for its last block's index, so the presets train the
+    last block of any depth of BERT-style encoder);
     ``geometry_layers``: glob of the layer(s) the geometry experiment merges (default ``None``:
     every trained layer); ``ta_scalings``: the task-arithmetic weights tried on calibration data;
     ``ranks``: basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
@@ -110,7 +115,7 @@ class TextConfig:
     test_per_task: int = 400
     max_length: int = 64
     batch_size: int = 32
-    train_patterns: tuple[str, ...] = ("encoder.layer.5.intermediate.dense.*", "encoder.layer.5.output.dense.*")
+    train_patterns: tuple[str, ...] = ("encoder.layer.{last}.intermediate.dense.*", "encoder.layer.{last}.output.dense.*")
     epochs: int = 4
     lr: float = 1e-3
     head_lr: float = 1e-2
@@ -157,7 +162,7 @@ class TextConfig:
     @classmethod
     def quick(cls) -> TextConfig:
         return cls(train_per_task=256, calibration_per_task=32, test_per_task=128, max_length=48,
-                   train_patterns=("encoder.layer.5.output.dense.*",), epochs=3,
+                   train_patterns=("encoder.layer.{last}.output.dense.*",), epochs=3,
                    ta_scalings=(0.25, 0.5, 0.75, 1.0), ranks=(1, 8), trust_region={"max_steps": 2},
                    merge_batch_size=8)  # 4 calibration batches per task: method auto holds one out
 
@@ -184,6 +189,15 @@ def resolve_text_device(name: str) -> tuple[str, str | None]:
     if name not in DEVICES and not name.startswith("cuda:"):
         raise ValidationError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (or cuda:N)")
     return resolve_device(name)
+
+
+def with_last_block(cfg: TextConfig, blocks: int) -> TextConfig:
+    """``cfg`` with :data:`LAST_BLOCK` in its train patterns and ``geometry_layers`` replaced by the
+    index of the last of ``blocks`` blocks."""
+    last = str(int(blocks) - 1)
+    geometry = None if cfg.geometry_layers is None else cfg.geometry_layers.replace(LAST_BLOCK, last)
+    return replace(cfg, train_patterns=tuple(p.replace(LAST_BLOCK, last) for p in cfg.train_patterns),
+                   geometry_layers=geometry)
 
 
 def with_train_patterns(cfg: TextConfig, patterns: Sequence[str]) -> TextConfig:
@@ -283,8 +297,8 @@ class _Run:
     def prepare(self) -> None:
         from transformers import AutoTokenizer  # optional heavy dependency, deferred like the encoder's
 
-        cfg = self.cfg
         self.top = load_encoder(self.base, self.device)
+        self.cfg = cfg = with_last_block(self.cfg, len(encoder_blocks(self.top)))
         self.trained = trainable_names(self.top, cfg.train_patterns)
         self.first = first_trained_block(self.trained)
         self.layers = module_names(self.trained)
@@ -612,4 +626,4 @@ def with_overrides(config: TextConfig, **changes: Any) -> TextConfig:
 
 
 __all__ = ["BASELINES", "QP_MODES", "TextConfig", "default_base_folder", "module_names", "read_tensors",
-           "run_text_experiment", "with_overrides", "with_train_patterns"]
+           "run_text_experiment", "with_last_block", "with_overrides", "with_train_patterns"]

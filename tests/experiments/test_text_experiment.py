@@ -146,7 +146,9 @@ def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base,
     assert full.output == {**POOLED_OUTPUT, "sketch": FULL_SKETCH} and full.geometry_layers == FULL_GEOMETRY_LAYERS
     inter = "encoder.layer.1.intermediate.dense"
     cfg = TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
-                     train_patterns=(inter + ".*", LAYER + ".*"), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1,),
+                     # {last}: the encoder's last block (1 of this two-block encoder)
+                     train_patterns=("encoder.layer.{last}.intermediate.dense.*", LAYER + ".*"), epochs=2,
+                     ta_scalings=(0.5, 1.0), ranks=(1,),
                      bases=("svd",), trust_region={"max_steps": 1}, merge_batch_size=4,
                      output={**POOLED_OUTPUT, "sketch": 3}, geometry_layers="*.output.dense")
     run = dict(tasks=synthetic_tasks(tiny_hf), base_folder=tiny_base, cache_dir=str(tmp_path / "cache"), threads=1,
@@ -167,6 +169,19 @@ def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base,
     for name, m in methods.items():
         for part in ("calibration", "test"):
             assert np.isfinite(m[part]["mean"]["mse"]) and 0 <= m[part]["mean"]["accuracy"] <= 1, name
+
+
+def test_last_block_in_patterns_follows_the_encoders_depth():
+    from mergeqp.experiments.text import with_last_block
+
+    quick, full = TextConfig.quick(), TextConfig.full()
+    assert with_last_block(quick, 6).train_patterns == ("encoder.layer.5.output.dense.*",)  # all-MiniLM-L6-v2
+    deep = with_last_block(full, 12)
+    assert deep.train_patterns == ("encoder.layer.11.intermediate.dense.*", "encoder.layer.11.output.dense.*")
+    assert deep.geometry_layers == "encoder.layer.11.output.dense"
+    assert with_last_block(replace(full, geometry_layers=None), 2).geometry_layers is None
+    fixed = replace(quick, train_patterns=("encoder.layer.3.output.dense.*",))
+    assert with_last_block(fixed, 12) == fixed  # explicit indices stay
 
 
 def test_train_patterns_from_the_cli(tiny_hf, tiny_base, tmp_path):

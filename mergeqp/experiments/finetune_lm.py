@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..merge.sites import model_sites
 from ..stats.prefix import block_stack
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -119,14 +120,25 @@ class BlockLayout:
     prefix: str
     blocks: int
     modules: tuple[str, ...]
+    #: the parameters of the last block (names inside it) and its linear layers (module names)
+    parameters: tuple[str, ...] = ()
+    linear: tuple[str, ...] = ()
 
     def patterns(self, modules: Sequence[str], last: int) -> tuple[str, ...]:
         """Globs for ``modules`` (names inside a block) of the last ``last`` blocks; a module that the
-        blocks lack is an error naming the ones they have."""
+        blocks lack is an error naming the ones they have, and so is one holding parameters outside
+        linear layers (a norm: the merges of the experiment change linear layers only)."""
         missing = [m for m in modules if m not in self.modules]
         if missing:
             raise ValidationError(f"fine-tuned module(s) {missing} are not modules of the model's blocks "
                                   f"({self.prefix}.<i>); its blocks hold: {', '.join(self.modules)}")
+        linear = set(self.linear)
+        other = [p for m in modules for p in self.parameters
+                 if p.startswith(f"{m}.") and p.rpartition(".")[0] not in linear]
+        if other:
+            raise ValidationError(f"fine-tuned module(s) {list(modules)} hold parameters outside linear layers "
+                                  f"({', '.join(other[:4])}); the merges change linear layers only, so name modules "
+                                  f"made of linear layers, e.g. {', '.join(self.linear[:6])}")
         return tuple(p for m in modules for p in last_mlp_patterns(self.blocks, last, f"{self.prefix}.{{i}}.{m}.*"))
 
 
@@ -149,7 +161,9 @@ def block_layout(folder: str | Path) -> BlockLayout:
                               "block class) whose last blocks could be fine-tuned")
     last = stack[len(stack) - 1]
     modules = tuple(n for n, m in last.named_modules() if n and any(True for _ in m.parameters()))
-    return BlockLayout(prefix, len(stack), modules)
+    inside = f"{prefix}.{len(stack) - 1}."
+    linear = tuple(site.name[len(inside):] for site in model_sites(model) if site.name.startswith(inside))
+    return BlockLayout(prefix, len(stack), modules, tuple(n for n, _ in last.named_parameters()), linear)
 
 
 def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = None) -> Path:

@@ -61,7 +61,7 @@ from .finetune_lm import (
     split_block,
 )
 from .lm_claims import MULTITASK, evaluate_lm_claims, lm_goal, recommended_merge
-from .lm_eval import ModelTensors, UpperEvaluator, checkpoint_names, same_model
+from .lm_eval import ModelTensors, UpperEvaluator, file_names, same_model
 from .lm_report import write_lm_outputs
 
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
@@ -788,7 +788,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         raise ValidationError("the fine-tuned tensors are not all inside decoder blocks; this experiment "
                               "evaluates models that differ from the base only in their upper blocks")
     kw = {"max_length": config.eval_max_length, "batch_size": config.eval_batch, "device": device,
-          "names": checkpoint_names(base, model)}
+          "names": file_names(model)}
     test_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.test for s in splits}, **kw)
     calib_eval = UpperEvaluator(model, tokenizer, first, {s.name: s.calibration for s in splits},
                                 base_state=test_eval.base_state, **kw)

@@ -86,15 +86,17 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
            "best_rival_ce": best_ce, "ceiling_ce": ceiling, "beats_every_rival": beats,
            "gap_closed": closed,
            "detail": f"{rec['method']} mean held-out CE {ce:.4f} vs best baseline/mergekit {best} {best_ce:.4f}, "
-                     f"ceiling {ceiling:.4f}: closes {closed:.1%} of the gap (goal: lower than every rival "
-                     f"and >= 50%)"}
+                     f"ceiling {ceiling:.4f}: " + (f"closes {closed:.1%} of the gap" if gap > 0 else
+                                                  "no gap to close (the best rival is at or below the ceiling: "
+                                                  "the fine-tunes do not beat it on their own domains)")
+                     + " (goal: lower than every rival and >= 50%)"}
     multitask = results["methods"].get(MULTITASK)
     if multitask is not None:  # context, not part of the verdict: one model trained on every domain's texts
         mt_ce = multitask["mean_test"]["ce"]
         mt_closed = (best_ce - mt_ce) / gap if gap > 0 else math.nan
         out.update(multitask_ce=mt_ce, multitask_gap_closed=mt_closed)
         out["detail"] += (f"; for scale, the multitask fine-tune (one model trained by the fine-tunes' recipe on "
-                          f"every domain's train texts) {mt_ce:.4f} closes {mt_closed:.1%}")
+                          f"every domain's train texts) {mt_ce:.4f}" + (f" closes {mt_closed:.1%}" if gap > 0 else ""))
     return out
 
 

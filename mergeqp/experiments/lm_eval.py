@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
+from ..merge.sites import checkpoint_names
 from .finetune_lm import DecoderSplit, lower_states, pad_hidden, pad_ids, tokenize_each
 
 METRICS = ("ce", "mse", "kl")
@@ -85,37 +85,12 @@ def same_model(a: ModelTensors | None, b: ModelTensors | None, rtol: float = SAM
     return worst
 
 
-def checkpoint_names(folder: Path, model: Any) -> dict[str, str]:
-    """``{name on disk: parameter name}`` for the tensors of ``folder``'s safetensors files that
-    ``model`` (loaded from that folder) calls by another name: ``transformers`` renames some on
-    load and back on save (GPT-NeoX's ``embed_out`` is the module ``lm_head``), so the fine-tunes'
-    and mergekit's files use the disk names. A disk name that is not a parameter name is matched to
-    the one parameter without a disk name of the same shape and values; none or several is an error."""
-    import torch  # optional heavy dependency (experiment extra)
-    from safetensors import safe_open
-
-    params = dict(model.named_parameters())
-    files = sorted(Path(folder).glob("*.safetensors"))
-    stray: dict[str, Any] = {}
-    on_disk: set[str] = set()
-    for f in files:
-        with safe_open(str(f), "pt") as handle:
-            for key in handle.keys():
-                on_disk.add(key)
-                if key not in params:
-                    stray[key] = handle.get_tensor(key)
-    unnamed = {n: p for n, p in params.items() if n not in on_disk}
-    names: dict[str, str] = {}
-    for key, t in stray.items():
-        same = [n for n, p in unnamed.items() if tuple(p.shape) == tuple(t.shape)
-                and torch.equal(p.detach().cpu().to(t.dtype), t)]
-        if len(same) > 1:
-            raise ValidationError(f"{folder}: tensor {key!r} on disk equals parameters {same} of the loaded model; "
-                                  "cannot tell which it is")
-        if same:
-            names[key] = same[0]
-            del unnamed[same[0]]
-    return names
+def file_names(model: Any) -> dict[str, str]:
+    """``{name in the files: parameter name}`` for the tensors that ``model`` calls by another name
+    than its checkpoint files: ``transformers`` renames some on load and back on save (GPT-NeoX's
+    file ``embed_out.weight`` is the module ``lm_head``), so the fine-tunes' and mergekit's folders
+    use the file names (the run layer's own mapping, :func:`mergeqp.merge.sites.checkpoint_names`)."""
+    return {stored: live for live, stored in checkpoint_names(model).items() if stored != live}
 
 
 class UpperEvaluator:
@@ -125,7 +100,7 @@ class UpperEvaluator:
     any model changes; ``domains``: name -> texts; ``max_length`` tokens per text; ``base_state``:
     the base's parameters (name -> tensor) when another evaluator of the same model already holds
     a copy (default: cloned here); ``names``: disk names of tensors -> the model's parameter names
-    (:func:`checkpoint_names`), applied to every state given to :meth:`tensors_of`. Evaluators may
+    (:func:`file_names`), applied to every state given to :meth:`tensors_of`. Evaluators may
     share one model: each call leaves it as the base. The split is checked against full forward
     passes on one batch; where it differs (``note`` says so) every model is scored with full passes."""
 
@@ -249,4 +224,4 @@ class UpperEvaluator:
                         "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
 
 
-__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "checkpoint_names", "differing_tensors", "same_model"]
+__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "file_names", "differing_tensors", "same_model"]

@@ -24,7 +24,7 @@ from mergeqp.experiments.finetune_lm import (  # noqa: E402
     split_block,
 )
 from mergeqp.experiments.lm import LmConfig, LmMergeSettings, RECOMMENDED_RUN, run_lm_experiment  # noqa: E402
-from mergeqp.experiments.lm_eval import checkpoint_names  # noqa: E402
+from mergeqp.experiments.lm_eval import file_names  # noqa: E402
 
 V = 40
 SMALL = {"vocab_size": V, "pad_token_id": 0, "bos_token_id": 2, "eos_token_id": 3}
@@ -110,18 +110,22 @@ def test_block_layout_and_the_modules_a_fine_tune_may_name(tmp_path):
                                                  "model.decoder.layers.1.fc2.*", "model.decoder.layers.2.fc2.*")
     with pytest.raises(ValidationError, match=r"\['mlp'\] are not modules of the model's blocks .*fc1, fc2"):
         layout.patterns(["mlp"], 1)
+    with pytest.raises(ValidationError, match=r"outside linear layers \(final_layer_norm.weight"):
+        layout.patterns(["final_layer_norm"], 1)  # a norm: no merge of the experiment would change it
     with pytest.raises(ValidationError, match="cannot build the causal LM"):
         block_layout(tmp_path / "missing")
 
 
-def test_checkpoint_names_map_file_names_to_the_modules(tmp_path):
+def test_file_names_map_file_names_to_the_modules(tmp_path):
     model = _model("gpt_neox")
     model.save_pretrained(str(tmp_path))
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert "embed_out.weight" in set(f.keys())  # the file's name for the module lm_head
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
-    assert checkpoint_names(tmp_path, loaded) == {"embed_out.weight": "lm_head.weight"}
-    model = _model("llama")
-    model.save_pretrained(str(tmp_path / "llama"))
-    assert checkpoint_names(tmp_path / "llama", model) == {}
+    assert file_names(loaded) == {"embed_out.weight": "lm_head.weight"}
+    assert file_names(_model("llama")) == {}
 
 
 def test_the_experiment_runs_on_gpt2(tiny_hf, tmp_path):

@@ -446,3 +446,23 @@ def test_same_model_compares_every_changed_tensor():
     assert same_model(a, ModelTensors({"w": w}, {})) is None  # a different set of changed tensors
     assert same_model(a, None) is None
     assert same_model(a, ModelTensors({"w": w, "v": torch.ones(3)}, {})) is None
+
+
+def test_goal_says_when_there_is_no_gap_to_close():
+    """When the best rival is already at or below the ceiling (the fine-tunes do not beat it on
+    their own domains), the goal fails and says so instead of printing a NaN share of the gap."""
+    def row(kind, ce, **extra):
+        return {"kind": kind, "mean_test": {"ce": ce}, **extra}
+
+    methods = {"finetune:a": {"kind": "finetune", "test": {"a": {"ce": 4.0}}},
+               "finetune:b": {"kind": "finetune", "test": {"b": {"ce": 4.2}}},
+               "soup": row("baseline", 4.05), "multitask": row("reference", 4.0)}
+    results = {"domains": ["a", "b"], "methods": methods,
+               "recommended": {"method": "qp_x", "mean_test_ce": 4.0}}
+    goal = lm_goal(results)
+    assert not goal["passed"] and goal["beats_every_rival"]
+    assert "no gap to close" in goal["detail"] and "nan" not in goal["detail"]
+    methods["soup"]["mean_test"]["ce"] = 4.3  # now a gap of 0.2 nats to the ceiling 4.1, 55% of it closed
+    results["recommended"]["mean_test_ce"] = 4.19
+    goal = lm_goal(results)
+    assert goal["gap_closed"] == pytest.approx(0.55) and goal["passed"] and "closes 55.0%" in goal["detail"]

@@ -86,7 +86,10 @@ class OutputSpec:
     hidden state through the folded linear head (:class:`FoldedHead`). ``sketch``: ``None`` or
     ``s``: the statistics' Hessian from ``s`` Gaussian combinations of each sample's outputs.
     ``pool``: ``"none"`` (every position) or ``"mean"`` (per prompt, the mean over its real
-    tokens: ``(B, T, q)`` becomes ``(B, q)``; Euclidean metric only).
+    tokens: ``(B, T, q)`` becomes ``(B, q)``; Euclidean metric only). ``matrix``: with
+    ``restrict="projection"``, a given ``(features, q)`` matrix ``M`` instead of the random one (the
+    output ``y`` is compared as ``y M``, e.g. through a stack of classifier heads ``M = [W_1; ...]'``,
+    so the objective weighs what they read); ``k`` is its ``q``; Euclidean metric only.
     """
 
     field: str = "logits"
@@ -97,9 +100,24 @@ class OutputSpec:
     fold_head: bool | None = None
     sketch: int | None = None
     pool: str = "none"
+    matrix: Any = dataclasses.field(default=None, compare=False, repr=False)
     _cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.matrix is not None:
+            import numpy as np
+
+            m = np.asarray(self.matrix, dtype=np.float64)
+            if m.ndim != 2 or 0 in m.shape or not np.all(np.isfinite(m)):
+                raise ValidationError(f"output matrix must be a finite 2-D (features, q) matrix, got shape {m.shape}")
+            if self.restrict != "projection":
+                raise ValidationError(f"an output matrix is a projection: restrict projection, not {self.restrict!r}")
+            if self.k is not None and int(self.k) != m.shape[1]:
+                raise ValidationError(f"output k={self.k} but the output matrix has {m.shape[1]} columns")
+            if self.metric != "euclidean":
+                raise ValidationError(f"an output matrix takes the euclidean metric, not {self.metric!r}")
+            object.__setattr__(self, "matrix", m)
+            object.__setattr__(self, "k", int(m.shape[1]))
         if self.restrict not in RESTRICTIONS:
             raise ValidationError(f"output restriction {self.restrict!r}; valid: {', '.join(RESTRICTIONS)}")
         if self.restrict != "none" and (self.k is None or self.k < 1):
@@ -177,14 +195,21 @@ class OutputSpec:
         return value
 
     def projection(self, vocab: int, dtype: Any, device: Any) -> Any:
-        """The ``(V, k)`` projection matrix (float64 draw from ``seed``, then cast)."""
+        """The ``(V, k)`` projection matrix: ``matrix`` when given, else a float64 draw from
+        ``seed`` scaled by ``1/sqrt(k)``; cast to ``dtype``."""
         import torch
 
         key = (vocab, str(dtype), str(device))
         if key not in self._cache:
-            gen = torch.Generator().manual_seed(int(self.seed))
-            assert self.k is not None
-            P = torch.randn(vocab, self.k, generator=gen, dtype=torch.float64) / math.sqrt(self.k)
+            if self.matrix is not None:
+                if self.matrix.shape[0] != vocab:
+                    raise ValidationError(f"the output matrix has {self.matrix.shape[0]} rows but the compared output "
+                                          f"{self.field!r} has {vocab} features")
+                P = torch.from_numpy(self.matrix)
+            else:
+                gen = torch.Generator().manual_seed(int(self.seed))
+                assert self.k is not None
+                P = torch.randn(vocab, self.k, generator=gen, dtype=torch.float64) / math.sqrt(self.k)
             self._cache[key] = P.to(dtype=dtype, device=device)
         return self._cache[key]
 

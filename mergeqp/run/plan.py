@@ -42,6 +42,7 @@ from ..io.calibration import (
 )
 from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
+from ..io.arrays import read_matrix
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
@@ -181,7 +182,8 @@ class MergePlan:
                              f"positions (r JVPs per batch), residual energy restricted to its range; Jacobian cap "
                              f"{m.basis_max_size}")
             o = cfg.output
-            restrict = "all logits" if o.restrict == "none" else f"{o.restrict} k={o.k}"
+            restrict = ("all logits" if o.restrict == "none" else f"through the matrix in {o.matrix}"
+                        if o.matrix is not None else f"{o.restrict} k={o.k}")
             lines.append(f"  compared output: {o.field} ({restrict}), targets: fine-tuned models, teacher forced")
             if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
                 lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {o.sketch or 'none'}, "
@@ -546,9 +548,27 @@ def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
         raise ConfigError(f"{where}.params: {exc}") from None
 
 
+def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
+    """``output.matrix`` read from its file (``None`` when the config names none)."""
+    if cfg.output.matrix is None:
+        return None
+    return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
+
+
+def compared_width(cfg: MergeConfig, vocab: int | None) -> int:
+    """Numbers compared per position: ``k`` of a restriction, the columns of ``output.matrix``, or
+    the whole vocabulary / feature size."""
+    if cfg.output.restrict == "none":
+        return vocab or 1
+    if cfg.output.matrix is not None:
+        return int(output_matrix(cfg).shape[1])
+    return int(cfg.output.k)
+
+
 def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
     check_paths(cfg)
+    output_matrix(cfg)  # an unreadable or malformed matrix stops the run before any model is loaded
     _check_method(cfg)
     _check_output(cfg)
     names = cfg.model_names()
@@ -635,7 +655,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     K = len(cfg.models)
     T = cfg.calibration.max_length
     B = cfg.calibration.batch_size
-    per_pos = cfg.output.k if cfg.output.restrict != "none" else (plan.vocab_size or 1)
+    per_pos = compared_width(cfg, plan.vocab_size)
     prompts = sum(t.n_calibration for t in plan.tasks)
     held = sum(t.n_heldout for t in plan.tasks)
     stats_method = statistics_method(cfg)

@@ -364,7 +364,12 @@ class OutputConfig(_Strict):
     from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
     and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch. ``pool``: ``none``
     (default: every token position) or ``mean`` (one vector per prompt, the mean over its real
-    tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric only).
+    tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric only). ``matrix``: a
+    file (``.npy``, ``.npz``, ``.pt``, ``.safetensors``, ``.txt``, ``.csv``; relative to the config
+    file) holding a ``(features, q)`` matrix ``M`` that replaces the random projection
+    (``restrict: projection``, no ``k``): the output ``y`` is compared as ``y M``, e.g. through the
+    stacked weights of classifier heads that read it, so the objective counts what they see;
+    Euclidean metric only.
     """
 
     field: str = "logits"
@@ -374,6 +379,7 @@ class OutputConfig(_Strict):
     fold_head: bool | Literal["auto"] = "auto"
     sketch: int | None = Field(default=None, ge=1)
     pool: Literal["none", "mean"] = "none"
+    matrix: str | None = None
 
     @property
     def fold_head_flag(self) -> bool | None:
@@ -382,7 +388,14 @@ class OutputConfig(_Strict):
 
     @model_validator(mode="after")
     def _k(self) -> OutputConfig:
-        if self.restrict != "none" and self.k is None:
+        if self.matrix is not None:
+            if self.restrict != "projection":
+                raise ValueError(f"'matrix' is a projection: it needs restrict: projection, not {self.restrict}")
+            if self.k is not None:
+                raise ValueError("'matrix' gives the projection's size (its columns): leave out 'k'")
+            if self.metric != "euclidean":
+                raise ValueError(f"'matrix' takes metric: euclidean, not {self.metric}")
+        elif self.restrict != "none" and self.k is None:
             raise ValueError(f"restrict: {self.restrict} needs 'k'")
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
@@ -409,6 +422,8 @@ class OutputConfig(_Strict):
             out.pop("sketch", None)
         if out.get("pool") == "none":
             del out["pool"]
+        if out.get("matrix") is None:
+            out.pop("matrix", None)
         return out
 
 
@@ -504,6 +519,8 @@ class MergeConfig(_Strict):
                 out.append((f"models[{name}].calibration", self.resolve(src.path)))
         if self.tokenizer is not None:
             out.append(("tokenizer", self.resolve(self.tokenizer)))
+        if self.output.matrix is not None:
+            out.append(("output.matrix", self.resolve(self.output.matrix)))
         return out
 
     def protected_paths(self) -> list[Path]:

@@ -1,0 +1,62 @@
+"""Small arrays named by a config file: a 2-D matrix from ``.npy``, ``.npz`` (its only array),
+``.pt`` / ``.pth`` (a tensor), ``.safetensors`` (its only tensor) or text (``.txt`` / ``.csv``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import BadDataError, ValidationError
+
+MATRIX_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".txt", ".csv")
+
+
+def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
+    """The 2-D float64 array in ``path`` (formats above); an unreadable file, another shape or a
+    non-finite entry is an error naming ``what`` and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValidationError(f"{what}: file not found: {p}")
+    ext = p.suffix.lower()
+    if ext not in MATRIX_SUFFIXES:
+        raise ValidationError(f"{what}: {p} is not one of {', '.join(MATRIX_SUFFIXES)}")
+    try:
+        if ext == ".npz":
+            with np.load(p, allow_pickle=False) as data:
+                if len(data.files) != 1:
+                    raise ValidationError(f"{what}: {p} holds {sorted(data.files)}; it must hold one array")
+                arr = data[data.files[0]]
+        elif ext in (".pt", ".pth"):
+            import torch  # deferred: torch is heavy
+
+            value = torch.load(p, map_location="cpu", weights_only=True)
+            if not isinstance(value, torch.Tensor):
+                raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a tensor")
+            arr = value.detach().to(torch.float64).numpy()
+        elif ext == ".safetensors":
+            from safetensors.numpy import load_file  # deferred: only for this format
+
+            tensors = load_file(str(p))
+            if len(tensors) != 1:
+                raise ValidationError(f"{what}: {p} holds {sorted(tensors)}; it must hold one tensor")
+            arr = next(iter(tensors.values()))
+        elif ext in (".txt", ".csv"):
+            arr = np.loadtxt(p, delimiter="," if ext == ".csv" else None, ndmin=2)
+        else:
+            arr = np.load(p, allow_pickle=False)
+    except ValidationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file: one clear line
+        raise ValidationError(f"{what}: cannot read {p}: {type(exc).__name__}: {exc}") from None
+    arr = np.asarray(arr)
+    if arr.ndim != 2 or 0 in arr.shape or not np.issubdtype(arr.dtype, np.number):
+        raise ValidationError(f"{what}: {p} holds an array of shape {arr.shape} and type {arr.dtype}; "
+                              "expected a 2-D matrix of numbers")
+    arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)):
+        raise BadDataError(f"{what}: {p} has {int(np.sum(~np.isfinite(arr)))} non-finite entries")
+    return arr
+
+
+__all__ = ["MATRIX_SUFFIXES", "read_matrix"]

@@ -360,7 +360,7 @@ class _Run:
         return out
 
     # ------------------------------------------------------------------ merges
-    def merge_config(self, method: dict[str, Any], layers: Sequence[str]) -> Any:
+    def merge_config(self, method: dict[str, Any], layers: Sequence[str], output: dict[str, Any] | None = None) -> Any:
         cfg = self.cfg
         models = [{"name": t.splits.name, "path": str(t.finetune.folder),
                    "calibration": {"path": str(self.prompt_files[i]), "field": "text"}}
@@ -368,14 +368,28 @@ class _Run:
         return MergeConfig(base=str(self.base), models=models, layers=list(layers), method=method,
                            calibration={"max_length": cfg.max_length, "batch_size": cfg.merge_batch_size,
                                         "holdout": 0},
-                           output=self.output_block(), device=self.device, evaluate=False, seed=self.seed)
+                           output=output or self.output_block(), device=self.device, evaluate=False, seed=self.seed)
 
     def output_block(self) -> dict[str, Any]:
         return dict(self.cfg.output)
 
-    def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None) -> dict[str, Any]:
-        """Run one merge through :func:`mergeqp.run.run_merge`, evaluate it, drop its folder."""
-        mc = self.merge_config(method, layers or self.layers)
+    def heads_output(self) -> dict[str, Any]:
+        """The experiment's pooled output compared through the matrix ``[W_1; ...; W_T]'``
+        (``(H, sum of the classes)``) of the tasks' head weights, written to the work folder: the
+        merge's objective is the squared error of every head's logits (``auto_heads``)."""
+        path = self.work / "task_heads.npy"
+        if not path.exists():
+            stacked = np.concatenate([w.double().cpu().numpy() for w, _ in self.head], axis=0)
+            np.save(path, stacked.T)
+        # a few numbers per text (the classes of every head): no sketch needed
+        block = {k: v for k, v in self.cfg.output.items() if k not in ("restrict", "k", "sketch")}
+        return {**block, "restrict": "projection", "matrix": str(path)}
+
+    def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None,
+              output: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Run one merge through :func:`mergeqp.run.run_merge` (``output``: another compared output
+        than the experiment's), evaluate it, drop its folder."""
+        mc = self.merge_config(method, layers or self.layers, output)
         out = self.work / label
         t0 = time.perf_counter()
         result = run_merge(mc, out, progress=False, log=lambda _m: None)
@@ -476,6 +490,10 @@ class _Run:
         methods["qp_trust_region"] = self.merge("qp_trust_region", {
             **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
         methods["auto"] = self.merge("auto", {"name": "auto"})  # the product's recommended merge
+        # the same merge with the pooled embedding compared through every task's head: the
+        # objective counts the directions the classifiers read, not all of the embedding's
+        methods["auto_heads"] = self.merge("auto_heads", {"name": "auto"}, output=self.heads_output())
+        methods["auto_heads"]["output"] = "pooled embedding through the stacked task heads (output.matrix)"
         # every baseline (RegMean with its statistics, TIES, the tuned task arithmetic) a feasible point
         methods["qp_atoms"] = self.merge("qp_atoms", {**single, "parametrisation": "rows+baselines", "baselines": [
             {"name": "regmean"}, {"name": "ties", "params": {"density": cfg.ties_density}},
@@ -483,7 +501,7 @@ class _Run:
         methods["output_space"] = self.merge("output_space", {"name": "output_space",
                                                               "params": dict(cfg.output_space)})
         self.lap("qp")
-        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "qp_atoms", "output_space"]
+        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "auto_heads", "qp_atoms", "output_space"]
         selection["recommended"] = {
             "criterion": "the product's recommended merge (method: auto), fixed in advance: its start and its "
                          "number of trust-region steps are chosen on held-out calibration batches", "chosen": "auto",

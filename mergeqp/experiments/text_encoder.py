@@ -1,13 +1,17 @@
 """A sentence encoder whose lower blocks are frozen: cached block inputs, pooled embeddings, fine-tunes.
 
-The text experiment trains and merges only tensors in the top blocks of a BERT-style encoder
-(``model.encoder.layer[i]``, e.g. all-MiniLM-L6-v2's ``encoder.layer.5.output.dense``). Everything
-below the first trained block is the base's, so its output is computed once per text and cached:
+The text experiment trains and merges only tensors in the top blocks of an encoder whose blocks
+form one ``nn.ModuleList`` (:func:`mergeqp.stats.prefix.block_stack`: ``encoder.layer`` of BERT,
+RoBERTa, ELECTRA, MPNet, e.g. all-MiniLM-L6-v2's ``encoder.layer.5.output.dense``;
+``transformer.layer`` of DistilBERT). Everything below the first trained block is the base's, so
+its output is computed once per text and cached:
 
 - :func:`block_inputs`: tokenise texts (truncated to ``max_length``, right-padded per batch of
   texts sorted by length) and record, per batch, the hidden states entering block ``first_block``
-  ``(B, T, H)``, the attention mask ``(B, T)`` and the mask the block receives (captured by a
-  forward pre-hook, so it is the model's own format); the forward stops there.
+  ``(B, T, H)``, the attention mask ``(B, T)`` and every other argument the block receives (its
+  mask in the model's own format, MPNet's position bias, ...: captured by a forward pre-hook and
+  given again to every upper block, as the encoder gives the same ones to all of its blocks); the
+  forward stops there.
 - :func:`pooled_embeddings`: run blocks ``first_block..`` on cached inputs and mean-pool the last
   hidden state over real tokens: the sentence embedding ``(N, H)`` (all-MiniLM-L6-v2's pooling,
   without its final normalisation).
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -33,25 +38,56 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
+from ..stats.prefix import block_stack
 from .finetune_lm import FINETUNE_RECORD, check_training_settings, trainable_names, training_step
 from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
-_BLOCK = re.compile(r"(?:^|\.)encoder\.layer\.(\d+)\.")
 
 
 @dataclass(frozen=True)
 class FeatureBatch:
     """Cached inputs of the first trained block for one batch: ``hidden`` ``(B, T, H)``, the
     tokens' ``attention_mask`` ``(B, T)`` (1 = real token), the block's own ``block_mask`` (any
-    format the model uses, or ``None``), integer ``labels`` ``(B,)`` and the texts' positions
-    ``rows`` ``(B,)`` in the list given to :func:`block_inputs`."""
+    format the model uses, or ``None``), integer ``labels`` ``(B,)``, the texts' positions
+    ``rows`` ``(B,)`` in the list given to :func:`block_inputs`, and the block's other arguments:
+    ``block_args`` (positional, after the hidden states; the mask among them when it came so)
+    and ``block_kwargs``."""
 
     hidden: Any
     attention_mask: Any
     block_mask: Any
     labels: Any
     rows: Any
+    block_args: tuple = ()
+    block_kwargs: dict = field(default_factory=dict)
+
+    def sample(self, i: int) -> FeatureBatch:
+        """Text ``i`` of the batch alone, cut to its real tokens (every block argument with the
+        batch as its first axis is cut the same way: its last two axes where they are positions)."""
+        real = int(self.attention_mask[i].sum())
+        width = int(self.attention_mask.shape[1])
+        return FeatureBatch(self.hidden[i:i + 1, :real], self.attention_mask[i:i + 1, :real],
+                            _sample_of(self.block_mask, i, real, width, self.size), self.labels[i:i + 1],
+                            self.rows[i:i + 1], tuple(_sample_of(a, i, real, width, self.size) for a in self.block_args),
+                            {k: _sample_of(v, i, real, width, self.size) for k, v in self.block_kwargs.items()})
+
+    @property
+    def size(self) -> int:
+        return int(self.hidden.shape[0])
+
+
+def _sample_of(x: Any, i: int, real: int, width: int, batch: int) -> Any:
+    """Sample ``i`` of a block argument ``x`` (a tensor with ``batch`` first, else ``x`` itself),
+    its last two axes cut to ``real`` positions where they have the padded ``width``."""
+    shape = getattr(x, "shape", None)
+    if shape is None or len(shape) == 0 or int(shape[0]) != batch:
+        return x
+    x = x[i:i + 1]
+    for axis in (-1, -2):
+        if x.dim() >= 1 - axis and int(x.shape[axis]) == width:
+            x = x.narrow(x.dim() + axis, 0, real)
+    return x
 
 
 @dataclass(frozen=True)
@@ -91,23 +127,30 @@ class EncoderFinetune:
 
 
 def encoder_blocks(model: Any) -> Any:
-    """The block list of a BERT-style encoder (``model.encoder.layer``); an error names what is missing."""
-    enc = getattr(model, "encoder", None)
-    blocks = getattr(enc, "layer", None)
+    """The encoder's block list (``encoder.layer`` of BERT, ``transformer.layer`` of DistilBERT: the
+    ``nn.ModuleList`` of one block class); an error names what is missing."""
+    blocks = block_stack(model)
     if blocks is None:
-        raise ValidationError(f"{type(model).__name__} has no encoder.layer block list; the text experiment "
-                              f"needs a BERT-style encoder (e.g. BertModel)")
+        raise ValidationError(f"{type(model).__name__} has no stack of blocks (an nn.ModuleList of one block class); "
+                              f"the text experiment needs a transformer encoder (e.g. BertModel)")
     return blocks
 
 
-def first_trained_block(names: Sequence[str]) -> int:
-    """The lowest block index among parameter names ``encoder.layer.<i>.*``; a name outside the
+def block_prefix(model: Any) -> str:
+    """The parameter-name prefix of the encoder's blocks (``encoder.layer``, ``transformer.layer``)."""
+    blocks = encoder_blocks(model)
+    return next(n for n, m in model.named_modules() if m is blocks)
+
+
+def first_trained_block(names: Sequence[str], prefix: str = "encoder.layer") -> int:
+    """The lowest block index among parameter names ``<prefix>.<i>.*``; a name outside the
     blocks is an error (everything below the first trained block is cached)."""
+    pattern = re.compile(rf"(?:^|\.){re.escape(prefix)}\.(\d+)\.")
     blocks = []
     for n in names:
-        m = _BLOCK.search(n)
+        m = pattern.search(n)
         if m is None:
-            raise ValidationError(f"trained parameter {n!r} is not inside encoder.layer.<i>; the text experiment "
+            raise ValidationError(f"trained parameter {n!r} is not inside {prefix}.<i>; the text experiment "
                                   f"trains tensors of the top blocks only")
         blocks.append(int(m.group(1)))
     if not blocks:
@@ -150,6 +193,8 @@ def block_inputs(model: Any, tokenizer: Any, texts: Sequence[str], labels: Seque
     def hook(_module: Any, args: tuple, kwargs: dict) -> None:
         captured["hidden"] = args[0] if args else kwargs["hidden_states"]
         captured["mask"] = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        captured["args"] = tuple(args[1:])
+        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
         raise _Stop
 
     handle = blocks[first_block].register_forward_pre_hook(hook, with_kwargs=True)
@@ -167,7 +212,8 @@ def block_inputs(model: Any, tokenizer: Any, texts: Sequence[str], labels: Seque
                     pass
                 out.append(FeatureBatch(captured["hidden"].detach(), enc["attention_mask"], captured["mask"],
                                         torch.as_tensor(np.asarray(labels)[rows], dtype=torch.long, device=device),
-                                        torch.as_tensor(rows, dtype=torch.long)))
+                                        torch.as_tensor(rows, dtype=torch.long), captured["args"],
+                                        captured["kwargs"]))
     finally:
         handle.remove()
     return out
@@ -177,7 +223,7 @@ def run_top(model: Any, batch: FeatureBatch, first_block: int) -> Any:
     """The pooled embedding ``(B, H)`` of one cached batch through blocks ``first_block..``."""
     h = batch.hidden
     for block in list(encoder_blocks(model))[first_block:]:
-        out = block(h, batch.block_mask)
+        out = block(h, *batch.block_args, **batch.block_kwargs)
         h = out[0] if isinstance(out, tuple) else out
     m = batch.attention_mask.to(h.dtype).unsqueeze(-1)
     return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
@@ -224,7 +270,7 @@ def cached_block_inputs(cache_dir: Path | None, base_folder: Path, model: Any, t
     import torch
 
     key = texts_key(weights_identity(base_folder), texts, np.asarray(labels),
-                    f"{first_block}:{max_length}:{batch_size}")
+                    f"{first_block}:{max_length}:{batch_size}:block-arguments")
     path = None if cache_dir is None else Path(cache_dir) / "features" / f"{key}.pt"
     if path is not None and path.is_file():
         try:
@@ -235,8 +281,11 @@ def cached_block_inputs(cache_dir: Path | None, base_folder: Path, model: Any, t
     batches = block_inputs(model, tokenizer, texts, labels, first_block, max_length, batch_size, device)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path, "wb") as fh:
-            torch.save([asdict(b) for b in batches], fh)
+        try:
+            with atomic_file(path, "wb") as fh:
+                torch.save([asdict(b) for b in batches], fh)
+        except (TypeError, AttributeError, RuntimeError, pickle.PicklingError):
+            pass  # a block argument that cannot be stored: the features are recomputed next time
     return batches, False
 
 
@@ -316,7 +365,7 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     torch.manual_seed(settings.seed)
     model = load_encoder(base, device)
     trained = trainable_names(model, settings.train_patterns)
-    first = first_trained_block(trained)
+    first = first_trained_block(trained, block_prefix(model))
     chosen = set(trained)
     params = []
     for name, p in model.named_parameters():
@@ -360,6 +409,6 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     return EncoderFinetune(out, tuple(trained), weight, bias, tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["EncoderFinetune", "EncoderSettings", "FeatureBatch", "block_inputs", "cached_block_inputs",
+__all__ = ["EncoderFinetune", "EncoderSettings", "FeatureBatch", "block_inputs", "block_prefix", "cached_block_inputs",
            "encoder_blocks", "finetune_encoder", "first_trained_block", "load_encoder", "pooled_embeddings",
            "run_top", "texts_key"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, unknown
@@ -110,6 +111,9 @@ def _register_lm(sub: Any) -> None:
     lm.add_argument("--finetune-modules", nargs="+", default=["mlp"], metavar="MODULE",
                     help="what the fine-tunes train in each of the last blocks: module names inside a decoder "
                          "block, e.g. mlp, self_attn, mlp.down_proj (default: mlp)")
+    lm.add_argument("--base", default=None, metavar="FOLDER",
+                    help="a Hugging Face causal-LM folder to fine-tune and merge instead of SmolLM2-135M-Instruct "
+                         "(its blocks one nn.ModuleList: Llama, Qwen2, GPT-2, GPT-NeoX, OPT, Phi, ...)")
     _add_run_options(lm)
     lm.set_defaults(func=run_lm)
 
@@ -128,7 +132,8 @@ def run_lm(args: argparse.Namespace) -> int:
     results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite,
-                                multitask=not args.no_multitask, finetune_modules=args.finetune_modules)
+                                multitask=not args.no_multitask, finetune_modules=args.finetune_modules,
+                                base_folder=_base_folder(args.base))
     print(console_summary(results))
     _print_written(args.out, results)
     return 0
@@ -150,8 +155,12 @@ def _register_text(sub: Any) -> None:
                    help="cuda without CUDA runs on CPU and says so in the report")
     t.add_argument("--seed", type=int, default=0, help="seed of splits, fine-tunes and random bases")
     t.add_argument("--train-patterns", nargs="+", default=None, metavar="GLOB",
-                   help="parameter-name globs the fine-tunes train, inside one encoder block (default: quick "
-                        "encoder.layer.5.output.dense.*, full also encoder.layer.5.intermediate.dense.*)")
+                   help="parameter-name globs the fine-tunes train, inside one encoder block; {last} is the "
+                        "last block (default: quick encoder.layer.{last}.output.dense.*, full also "
+                        "encoder.layer.{last}.intermediate.dense.*)")
+    t.add_argument("--base", default=None, metavar="FOLDER",
+                   help="a Hugging Face encoder folder instead of all-MiniLM-L6-v2 (its blocks one nn.ModuleList: "
+                        "BERT, RoBERTa, DistilBERT, MPNet, ...)")
     _add_run_options(t)
     t.set_defaults(func=run_text)
 
@@ -166,7 +175,7 @@ def run_text(args: argparse.Namespace) -> int:
     results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
                                   device=args.device, threads=threads, figures=not args.no_figures,
                                   progress=not args.quiet, overwrite=args.overwrite,
-                                  train_patterns=args.train_patterns)
+                                  train_patterns=args.train_patterns, base_folder=_base_folder(args.base))
     print(console_text_summary(results))
     if results.get("device_note"):
         print(results["device_note"])
@@ -175,6 +184,16 @@ def run_text(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- shared by every experiment
+def _base_folder(path: str | None) -> Path | None:
+    """``--base``: a model folder that exists (``None``: the experiment's default model)."""
+    if path is None:
+        return None
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"--base {path}: not a Hugging Face model folder (no config.json there)")
+    return folder
+
+
 def _add_run_options(parser: Any) -> None:
     """The options every experiment takes: --threads, --no-figures, --quiet, --out, --overwrite."""
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: min(2, CPU count))")

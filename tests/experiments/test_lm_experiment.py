@@ -408,7 +408,14 @@ def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
         assert seen[-1]["finetune_modules"] == ["mlp"]
     with pytest.raises(Stop):
         main(["experiment", "lm", "--finetune-modules", "mlp", "self_attn", "--out", str(tmp_path / "o")])
-    assert seen[-1]["finetune_modules"] == ["mlp", "self_attn"]
+    assert seen[-1]["finetune_modules"] == ["mlp", "self_attn"] and seen[-1]["base_folder"] is None
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(Stop):
+        main(["experiment", "lm", "--base", str(tmp_path / "model"), "--out", str(tmp_path / "o")])
+    assert seen[-1]["base_folder"] == tmp_path / "model"
+    # a folder that is not a model is refused before anything runs, naming the option
+    assert main(["experiment", "lm", "--base", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # mergekit's own import of numpy.core

@@ -205,15 +205,17 @@ def test_train_patterns_from_the_cli(tiny_hf, tiny_base, tmp_path):
     mp = pytest.MonkeyPatch()
     mp.setattr(text_mod.TextConfig, "quick", classmethod(lambda cls: replace(tiny_config(), ranks=(1,),
                                                                               bases=("svd",))))
-    mp.setattr(text_mod, "default_base_folder", lambda: tiny_base)
     mp.setattr(text_mod, "default_tasks", lambda: synthetic_tasks(tiny_hf))
-    try:
-        code = main(["experiment", "text", "--quick", "--threads", "1", "--quiet", "--no-figures",
-                     "--train-patterns", attn + ".*", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path / "out")])
+    try:  # --base: the encoder folder instead of all-MiniLM-L6-v2
+        assert main(["experiment", "text", "--quick", "--base", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+        code = main(["experiment", "text", "--quick", "--threads", "1", "--quiet", "--no-figures", "--base",
+                     str(tiny_base), "--train-patterns", attn + ".*", "--cache", str(tmp_path / "cache"),
+                     "--out", str(tmp_path / "out")])
     finally:
         mp.undo()
-    assert code == 0
+    assert code == 0 and not (tmp_path / "x").exists()
     results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert results["base_model"] == str(tiny_base)
     assert results["layers"] == [attn] and results["geometry_layers"] == [attn]
     for name, m in results["methods"].items():
         assert np.isfinite(m["test"]["mean"]["mse"]), name

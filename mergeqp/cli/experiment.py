@@ -103,8 +103,12 @@ def _register_lm(sub: Any) -> None:
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")
     lm.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                     help="cuda without CUDA runs on CPU and says so (default cpu)")
-    lm.add_argument("--domains", nargs="+", default=list(DEFAULT_DOMAINS), metavar="DOMAIN",
-                    help=f"text domains, two or more (default: {' '.join(DEFAULT_DOMAINS)})")
+    lm.add_argument("--domains", nargs="+", default=None, metavar="DOMAIN",
+                    help=f"registered text domains (default: {' '.join(DEFAULT_DOMAINS)}, or none when "
+                         "--domain-file is given); two or more domains in all")
+    lm.add_argument("--domain-file", action="append", default=[], metavar="NAME=FILE",
+                    help="a domain of your own: a .txt file (one text per line) or .jsonl / .json (objects with "
+                         "'text'); repeat for each domain")
     lm.add_argument("--seed", type=int, default=0, help="seed of the splits, fine-tunes and merges")
     lm.add_argument("--no-multitask", action="store_true",
                     help="skip the reference model fine-tuned on every domain's train texts (one fine-tune less)")
@@ -119,17 +123,29 @@ def _register_lm(sub: Any) -> None:
 
 
 def run_lm(args: argparse.Namespace) -> int:
-    from ..experiments.lm import DOMAINS, run_lm_experiment
+    from ..experiments.lm import DEFAULT_DOMAINS, DOMAINS, run_lm_experiment
     from ..experiments.lm_report import console_summary
 
     _check_threads(args)
     _check_seed(args)
-    for name in args.domains:
+    files = _named_files(args.domain_file, "--domain-file")
+    names = args.domains if args.domains is not None else ([] if files else list(DEFAULT_DOMAINS))
+    for name in names:
         if name not in DOMAINS:
             raise unknown("domain", name, sorted(DOMAINS))
-    if len(set(args.domains)) < 2:
-        raise ConfigError(f"--domains needs two or more distinct domains, got {args.domains}")
-    results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=args.domains, cache=args.cache,
+    every = [*names, *files]
+    if len(set(every)) != len(every):
+        raise ConfigError(f"domain names must be distinct, got {every}")
+    if len(every) < 2:
+        raise ConfigError(f"the experiment needs two or more distinct domains (--domains, --domain-file), got {every}")
+    corpora = None
+    if files:
+        from ..experiments.corpora import file_corpus
+        from ..experiments.lm import load_domains
+
+        corpora = [*load_domains(names), *(file_corpus(n, f) for n, f in files.items())]
+    results = run_lm_experiment(args.out, quick=args.quick, seed=args.seed, domains=names, corpora=corpora,
+                                cache=args.cache,
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite,
                                 multitask=not args.no_multitask, finetune_modules=args.finetune_modules,
@@ -158,6 +174,9 @@ def _register_text(sub: Any) -> None:
                    help="parameter-name globs the fine-tunes train, inside one encoder block; {last} is the "
                         "last block (default: quick encoder.layer.{last}.output.dense.*, full also "
                         "encoder.layer.{last}.intermediate.dense.*)")
+    t.add_argument("--task-file", action="append", default=[], metavar="NAME=FILE",
+                   help="a classification task of your own instead of the four built-in ones: .jsonl / .json "
+                        "objects with 'text' and 'label'; repeat for each task (two or more)")
     t.add_argument("--base", default=None, metavar="FOLDER",
                    help="a Hugging Face encoder folder instead of all-MiniLM-L6-v2 (its blocks one nn.ModuleList: "
                         "BERT, RoBERTa, DistilBERT, MPNet, ...)")
@@ -172,7 +191,15 @@ def run_text(args: argparse.Namespace) -> int:
     _check_threads(args)
     _check_seed(args)
     threads = _threads(args)
-    results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache,
+    files = _named_files(args.task_file, "--task-file")
+    tasks = None
+    if files:
+        from ..experiments.corpora import file_corpus
+
+        if len(files) < 2:
+            raise ConfigError(f"--task-file: merging needs two or more tasks, got {list(files)}")
+        tasks = [file_corpus(n, f, need_labels=True) for n, f in files.items()]
+    results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache, tasks=tasks,
                                   device=args.device, threads=threads, figures=not args.no_figures,
                                   progress=not args.quiet, overwrite=args.overwrite,
                                   train_patterns=args.train_patterns, base_folder=_base_folder(args.base))
@@ -184,6 +211,22 @@ def run_text(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- shared by every experiment
+def _named_files(entries: list[str], option: str) -> dict[str, Path]:
+    """``NAME=FILE`` entries of ``option`` as ``{name: path}``; a malformed or repeated name is an error."""
+    out: dict[str, Path] = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        name = name.strip()
+        if not sep or not name or not path.strip():
+            raise ConfigError(f"{option} {entry!r}: expected NAME=FILE")
+        if not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{option} {entry!r}: names are letters, digits, '_' and '-'")
+        if name in out:
+            raise ConfigError(f"{option}: the name {name!r} is given twice")
+        out[name] = Path(path.strip()).expanduser()
+    return out
+
+
 def _base_folder(path: str | None) -> Path | None:
     """``--base``: a model folder that exists (``None``: the experiment's default model)."""
     if path is None:

@@ -15,6 +15,10 @@ Three sources that install by package name (no download at run time, ``../shared
   ``fortunes-min`` (one file per category under ``/usr/share/games/fortunes``, quotes separated by
   lines holding only ``%``), labelled by category.
 
+- **Your own file** (:func:`file_corpus`): a ``.txt`` file (one text per line) or a ``.jsonl`` /
+  ``.json`` file of objects with a ``text`` and (optionally) a ``label``; what ``mergeqp experiment
+  lm --domain-file`` and ``mergeqp experiment text --task-file`` read.
+
 Each loader returns a :class:`Corpus` (texts, integer labels, label names, source) and takes the
 folder explicitly (``root``) so that tests and users can point it at their own copy; a missing
 source raises :class:`~mergeqp.errors.ValidationError` saying which package provides it.
@@ -240,4 +244,69 @@ def fortunes(root: str | Path | None = None, categories: Sequence[str] | None = 
     return Corpus("fortunes", tuple(texts), np.array(labels), tuple(kept), str(folder))
 
 
-__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]
+def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_field: str = "label",
+                need_labels: bool = False) -> Corpus:
+    """The texts of a file as a :class:`Corpus` named ``name``: ``.txt`` (one text per non-empty line,
+    no labels), ``.jsonl`` (one JSON object per line) or ``.json`` (a list of objects or strings),
+    each object's ``text_field`` the text and ``label_field`` (any JSON value; labels are numbered
+    in sorted order of their text form) the label. Without labels every text has the one label
+    ``"text"``; ``need_labels``: a file without two or more labels is an error (classification)."""
+    import json
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValidationError(f"{name}: file not found: {p}")
+    if p.suffix not in (".txt", ".jsonl", ".json"):
+        raise ValidationError(f"{name}: {p} is not a .txt, .jsonl or .json file")
+    try:
+        raw = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValidationError(f"{name}: cannot read {p}: {exc}") from None
+    texts: list[str] = []
+    labels: list[str | None] = []
+    if p.suffix == ".txt":
+        texts = [line.strip() for line in raw.splitlines() if line.strip()]
+        labels = [None] * len(texts)
+    else:
+        if p.suffix == ".jsonl":
+            items = []
+            for number, line in enumerate(raw.splitlines(), start=1):
+                if line.strip():
+                    try:
+                        items.append((f"{p}:{number}", json.loads(line)))
+                    except json.JSONDecodeError as exc:
+                        raise ValidationError(f"{name}: {p}:{number} is not JSON ({exc.msg})") from None
+        else:
+            try:
+                data = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ValidationError(f"{name}: {p} is not JSON ({exc.msg})") from None
+            if not isinstance(data, list):
+                raise ValidationError(f"{name}: {p} must hold a list of texts or objects")
+            items = [(f"{p}[{i}]", obj) for i, obj in enumerate(data)]
+        for where, obj in items:
+            if isinstance(obj, str):
+                texts.append(obj.strip())
+                labels.append(None)
+                continue
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                raise ValidationError(f"{name}: {where} needs a string {text_field!r}")
+            texts.append(obj[text_field].strip())
+            label = obj.get(label_field)
+            labels.append(None if label is None else json.dumps(label) if not isinstance(label, str) else label)
+    if not texts:
+        raise ValidationError(f"{name}: {p} holds no text")
+    named = [lab for lab in labels if lab is not None]
+    if named and len(named) != len(labels):
+        raise ValidationError(f"{name}: {p}: {len(labels) - len(named)} of {len(labels)} texts have no "
+                              f"{label_field!r}; give every text a label, or none")
+    names = tuple(sorted(set(named))) if named else ("text",)
+    if need_labels and len(names) < 2:
+        raise ValidationError(f"{name}: {p} needs two or more distinct {label_field!r} values for a classification "
+                              f"task (found {len(names)})")
+    index = {lab: i for i, lab in enumerate(names)}
+    ids = np.array([index[lab] if lab is not None else 0 for lab in labels], dtype=np.int64)
+    return Corpus(name, tuple(texts), ids, names, str(p))
+
+
+__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "file_corpus", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]

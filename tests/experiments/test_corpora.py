@@ -99,3 +99,35 @@ def test_split_and_labels_errors():
 def test_real_bbc_news():
     c = bbc_news()
     assert len(c) == 2225 and len(c.label_names) == 5
+
+
+def test_file_corpus_formats_and_labels(tmp_path):
+    import json
+
+    from mergeqp.experiments.corpora import file_corpus
+
+    (tmp_path / "a.txt").write_text("first text\n\n  second text  \n")
+    c = file_corpus("mine", tmp_path / "a.txt")
+    assert c.texts == ("first text", "second text") and c.label_names == ("text",) and list(c.labels) == [0, 0]
+    rows = [{"text": "x", "label": "b"}, {"text": "y", "label": "a"}, {"text": "z", "label": 3}]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    c = file_corpus("cls", tmp_path / "b.jsonl", need_labels=True)
+    assert c.label_names == ("3", "a", "b") and list(c.labels) == [2, 1, 0] and c.source.endswith("b.jsonl")
+    (tmp_path / "c.json").write_text(json.dumps(["one", "two"]))
+    assert file_corpus("plain", tmp_path / "c.json").texts == ("one", "two")
+    (tmp_path / "mixed.jsonl").write_text(json.dumps({"text": "x", "label": 1}) + "\n" + json.dumps({"text": "y"}))
+    for path, kwargs, message in ((tmp_path / "mixed.jsonl", {}, "1 of 2 texts have no 'label'"),
+                                  (tmp_path / "a.txt", {"need_labels": True}, "two or more distinct 'label'"),
+                                  (tmp_path / "none.txt", {}, "file not found"),
+                                  (tmp_path / "c.json", {"text_field": "body"}, None)):
+        if message is None:  # strings in a list need no field
+            file_corpus("x", path, **kwargs)
+            continue
+        with pytest.raises(ValidationError, match=message):
+            file_corpus("x", path, **kwargs)
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(ValidationError, match=r"bad.jsonl:2 is not JSON"):
+        file_corpus("x", tmp_path / "bad.jsonl")
+    (tmp_path / "obj.jsonl").write_text(json.dumps({"body": "a"}) + "\n")
+    with pytest.raises(ValidationError, match="needs a string 'text'"):
+        file_corpus("x", tmp_path / "obj.jsonl")

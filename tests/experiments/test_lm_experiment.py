@@ -416,6 +416,27 @@ def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
     assert seen[-1]["base_folder"] == tmp_path / "model"
     # a folder that is not a model is refused before anything runs, naming the option
     assert main(["experiment", "lm", "--base", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    # domains of your own from files, with or without registered ones
+    (tmp_path / "legal.txt").write_text("the court held that\nthe appeal was dismissed\n")
+    (tmp_path / "med.jsonl").write_text('{"text": "the patient was given"}\n')
+    with pytest.raises(Stop):
+        main(["experiment", "lm", "--domain-file", f"legal={tmp_path / 'legal.txt'}", "--domain-file",
+              f"med={tmp_path / 'med.jsonl'}", "--out", str(tmp_path / "o")])
+    corpora = seen[-1]["corpora"]
+    assert [c.name for c in corpora] == ["legal", "med"] and corpora[0].texts[1] == "the appeal was dismissed"
+    lm.register_domain("tiny_registered", lambda: Corpus("x", ("a text",), np.zeros(1), ("text",), "test"))
+    try:
+        with pytest.raises(Stop):
+            main(["experiment", "lm", "--domains", "tiny_registered", "--domain-file",
+                  f"legal={tmp_path / 'legal.txt'}", "--out", str(tmp_path / "o")])
+        assert [c.name for c in seen[-1]["corpora"]] == ["tiny_registered", "legal"]
+    finally:
+        del lm.DOMAINS["tiny_registered"]
+    for bad in (["--domain-file", "legal"], ["--domain-file", f"legal={tmp_path / 'legal.txt'}"],
+                ["--domain-file", f"a={tmp_path / 'legal.txt'}", "--domain-file", f"a={tmp_path / 'med.jsonl'}"],
+                ["--domain-file", f"a={tmp_path / 'nothing.txt'}", "--domain-file", f"b={tmp_path / 'med.jsonl'}"]):
+        assert main(["experiment", "lm", *bad, "--out", str(tmp_path / "o")]) == 2, bad
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # mergekit's own import of numpy.core

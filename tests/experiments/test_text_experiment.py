@@ -338,3 +338,30 @@ def test_cli_errors(tmp_path, capsys, tiny_base, tiny_hf):
     with pytest.raises(ValidationError, match="not a run-layer output block"):
         TextConfig(output={"field": "last_hidden_state", "pool": "max"})
     assert not os.path.exists(tmp_path / "one")
+
+
+def test_cli_task_files(tmp_path, monkeypatch):
+    """``--task-file NAME=FILE``: classification tasks of your own (text and label per object)."""
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(out, **kwargs):
+        seen.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(text_mod, "run_text_experiment", fake)
+    for name, labels in (("sentiment", ["pos", "neg"]), ("topic", ["a", "b", "c"])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"text {i}", "label": lab}) + "\n"
+                                                        for i, lab in enumerate(labels * 3)))
+    with pytest.raises(Stop):
+        main(["experiment", "text", "--task-file", f"sentiment={tmp_path / 'sentiment.jsonl'}",
+              "--task-file", f"topic={tmp_path / 'topic.jsonl'}", "--out", str(tmp_path / "o")])
+    tasks = seen[-1]["tasks"]
+    assert [t.name for t in tasks] == ["sentiment", "topic"] and tasks[1].label_names == ("a", "b", "c")
+    (tmp_path / "flat.txt").write_text("no labels here\nnor here\n")
+    for bad in (["--task-file", f"one={tmp_path / 'topic.jsonl'}"],  # one task: nothing to merge
+                ["--task-file", f"a={tmp_path / 'flat.txt'}", "--task-file", f"b={tmp_path / 'topic.jsonl'}"]):
+        assert main(["experiment", "text", *bad, "--out", str(tmp_path / "o")]) == 2, bad
+    assert not (tmp_path / "o").exists()

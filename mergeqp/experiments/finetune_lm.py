@@ -166,6 +166,28 @@ def block_layout(folder: str | Path) -> BlockLayout:
     return BlockLayout(prefix, len(stack), modules, tuple(n for n, _ in last.named_parameters()), linear)
 
 
+def load_tokenizer_of(folder: str | Path) -> Any:
+    """The tokenizer saved in a model ``folder`` (a pad token set to the end-of-text token when it
+    has none); a folder without a usable tokenizer is an error naming it."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        raise ValidationError(f"cannot load a tokenizer from {folder}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+    try:
+        probe = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
+    except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot encode a sentence
+        raise ValidationError(f"the tokenizer in {folder} cannot encode text: {type(exc).__name__}: {exc}") from None
+    if not probe:
+        raise ValidationError(f"the tokenizer in {folder} turns text into no tokens (are its tokenizer files, e.g. "
+                              "tokenizer.json, missing?)")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = None) -> Path:
     """The cached Hugging Face folder of SmolLM2-135M-Instruct (float32), made on first use."""
     import torch
@@ -435,7 +457,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     ``out_folder``; returns the cached folder when its key matches."""
     import torch
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     base = Path(base_folder).expanduser()
     out = Path(out_folder).expanduser()
@@ -459,9 +481,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
                                   record.get("settings", {}))
 
     torch.manual_seed(settings.seed)
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer_of(base)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device)
     model.train()
     trained = trainable_names(model, settings.train_patterns)
@@ -515,7 +535,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_layout", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
+__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_layout", "load_tokenizer_of", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
            "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
            "split_block", "tokenize_each", "trainable_names", "training_step"]

@@ -57,6 +57,7 @@ from .finetune_lm import (
     block_layout,
     finetune_causal_lm,
     finetune_key,
+    load_tokenizer_of,
     smollm2_folder,
     split_block,
 )
@@ -726,7 +727,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
          corpora: Sequence[Corpus] | None, base_folder: Any, device: str, device_note: str | None, quick: bool,
          progress: bool) -> dict[str, Any]:
     import torch  # optional heavy dependency (experiment extra)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     say = lambda msg: _log(progress, msg)  # noqa: E731
     t_start, cpu_start = time.perf_counter(), time.process_time()
@@ -779,9 +780,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 3. evaluators (held-out test texts, calibration texts) on the base model
     t = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(str(base))
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer_of(base)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device).eval()
     first = split_block(model, trained)
     if first is None:

@@ -51,7 +51,7 @@ from ..run.schema import MergeConfig, OutputConfig
 from . import text_report
 from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
-from .finetune_lm import trainable_names
+from .finetune_lm import load_tokenizer_of, trainable_names
 from .text_encoder import (EncoderSettings, block_prefix, cached_block_inputs, encoder_blocks, finetune_encoder,
                            first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
@@ -295,15 +295,13 @@ class _Run:
 
     # ------------------------------------------------------------------ data and fine-tunes
     def prepare(self) -> None:
-        from transformers import AutoTokenizer  # optional heavy dependency, deferred like the encoder's
-
         self.top = load_encoder(self.base, self.device)
         self.cfg = cfg = with_last_block(self.cfg, len(encoder_blocks(self.top)))
         self.trained = trainable_names(self.top, cfg.train_patterns)
         self.first = first_trained_block(self.trained, block_prefix(self.top))
         self.layers = module_names(self.trained)
         self.base_tensors = {n: p.detach().clone() for n, p in self.top.named_parameters() if n in set(self.trained)}
-        tok = AutoTokenizer.from_pretrained(str(self.base))
+        tok = load_tokenizer_of(self.base)
         self.tasks: list[_TaskState] = []
         hits = 0
         for i, corpus in enumerate(self.corpora):

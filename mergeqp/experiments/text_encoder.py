@@ -160,13 +160,18 @@ def first_trained_block(names: Sequence[str], prefix: str = "encoder.layer") -> 
 
 def load_encoder(folder: str | Path, device: str = "cpu") -> Any:
     """A frozen encoder in eval mode (eager attention, the run layer's choice, so that the block
-    masks captured here fit the blocks of every model loaded the same way)."""
+    masks captured here fit the blocks of every model loaded the same way); a folder that
+    ``transformers`` cannot load is an error naming it."""
     from transformers import AutoModel  # optional heavy dependency: the experiment runs on transformers
 
     try:
-        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager")
-    except (ValueError, TypeError):
-        model = AutoModel.from_pretrained(str(folder))
+        try:
+            model = AutoModel.from_pretrained(str(folder), attn_implementation="eager")
+        except (ValueError, TypeError):
+            model = AutoModel.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        raise ValidationError(f"cannot load an encoder from {folder}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)

@@ -182,3 +182,15 @@ def test_evaluator_falls_back_to_full_passes_where_the_split_differs(tiny_hf, tm
             for metric in ("ce", "mse", "kl"):
                 assert again[model][domain][metric] == pytest.approx(got[model][domain][metric], rel=1e-5, abs=1e-9)
     assert got["other"]["math"]["mse"] == pytest.approx(0.0, abs=1e-12)  # its own reference
+
+
+def test_a_folder_without_a_usable_tokenizer_is_named(tiny_hf, tmp_path):
+    from mergeqp.experiments.finetune_lm import load_tokenizer_of
+
+    _model("gpt2").save_pretrained(str(tmp_path / "bare"))  # weights, no tokenizer files
+    with pytest.raises(ValidationError, match=r"tokenizer in .*bare (turns text into no tokens|cannot)|"
+                                              r"cannot load a tokenizer from .*bare"):
+        load_tokenizer_of(tmp_path / "bare")
+    tiny_hf.build_tokenizer(tmp_path / "bare")
+    tok = load_tokenizer_of(tmp_path / "bare")
+    assert tok.pad_token is not None and tok("one two")["input_ids"]

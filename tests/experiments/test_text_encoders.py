@@ -108,3 +108,11 @@ def test_the_text_experiment_runs_on_distilbert(tiny_hf, tmp_path):
     for name, m in results["methods"].items():
         assert 0 <= m["test"]["mean"]["accuracy"] <= 1 and np.isfinite(m["test"]["mean"]["mse"]), name
     assert results["references"]["finetuned"]["test"]["mean"]["mse"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_folder_that_is_not_an_encoder_is_named(tmp_path):
+    from mergeqp.experiments.text_encoder import load_encoder
+
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-model"}')
+    with pytest.raises(ValidationError, match=r"cannot load an encoder from .*no-such-model|cannot load an encoder"):
+        load_encoder(tmp_path)

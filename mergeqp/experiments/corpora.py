@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ValidationError
+from ..io.calibration import read_records
 
 WORDNET_DIRS = ("/usr/share/wordnet", "/usr/share/wordnet/dict", "/usr/local/share/wordnet")
 FORTUNE_DIRS = ("/usr/share/games/fortunes", "/usr/share/fortunes", "/usr/local/share/games/fortunes")
@@ -256,44 +257,22 @@ def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_
     p = Path(path).expanduser()
     if not p.is_file():
         raise ValidationError(f"{name}: file not found: {p}")
-    if p.suffix not in (".txt", ".jsonl", ".json"):
-        raise ValidationError(f"{name}: {p} is not a .txt, .jsonl or .json file")
     try:
-        raw = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValidationError(f"{name}: cannot read {p}: {exc}") from None
+        records = read_records(p, "text file")
+    except ValidationError as exc:
+        raise ValidationError(f"{name}: {exc}") from None
     texts: list[str] = []
     labels: list[str | None] = []
-    if p.suffix == ".txt":
-        texts = [line.strip() for line in raw.splitlines() if line.strip()]
-        labels = [None] * len(texts)
-    else:
-        if p.suffix == ".jsonl":
-            items = []
-            for number, line in enumerate(raw.splitlines(), start=1):
-                if line.strip():
-                    try:
-                        items.append((f"{p}:{number}", json.loads(line)))
-                    except json.JSONDecodeError as exc:
-                        raise ValidationError(f"{name}: {p}:{number} is not JSON ({exc.msg})") from None
-        else:
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise ValidationError(f"{name}: {p} is not JSON ({exc.msg})") from None
-            if not isinstance(data, list):
-                raise ValidationError(f"{name}: {p} must hold a list of texts or objects")
-            items = [(f"{p}[{i}]", obj) for i, obj in enumerate(data)]
-        for where, obj in items:
-            if isinstance(obj, str):
-                texts.append(obj.strip())
-                labels.append(None)
-                continue
-            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-                raise ValidationError(f"{name}: {where} needs a string {text_field!r}")
-            texts.append(obj[text_field].strip())
-            label = obj.get(label_field)
-            labels.append(None if label is None else json.dumps(label) if not isinstance(label, str) else label)
+    for where, obj in records:
+        if isinstance(obj, str):
+            texts.append(obj.strip())
+            labels.append(None)
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+            raise ValidationError(f"{name}: {where} needs a string {text_field!r}")
+        texts.append(obj[text_field].strip())
+        label = obj.get(label_field)
+        labels.append(None if label is None else json.dumps(label) if not isinstance(label, str) else label)
     if not texts:
         raise ValidationError(f"{name}: {p} holds no text")
     named = [lab for lab in labels if lab is not None]

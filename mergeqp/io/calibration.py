@@ -49,35 +49,43 @@ class Batch:
                      None if self.mask is None else self.mask.to(device))
 
 
-def read_prompts(path: str | Path, field: str = "text", max_prompts: int | None = None) -> list[str]:
-    """Read the prompts of a ``.txt`` / ``.jsonl`` / ``.json`` file (see the module docstring)."""
+def read_records(path: str | Path, what: str = "prompt file") -> list[tuple[str, Any]]:
+    """``(where, record)`` of each entry of a ``.txt`` / ``.jsonl`` / ``.json`` file, in order:
+    ``.txt``: each non-empty line, stripped; ``.jsonl``: each non-empty line's JSON value;
+    ``.json``: each element of its list. ``where`` names the file and line or index for errors;
+    ``what`` names the file in them."""
     p = Path(path)
     if p.suffix not in TEXT_SUFFIXES:
-        raise ValidationError(f"{p}: prompt files are {', '.join(TEXT_SUFFIXES)}; got {p.suffix!r}")
+        raise ValidationError(f"{p}: {what}s are {', '.join(TEXT_SUFFIXES)}; got {p.suffix!r}")
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValidationError(f"cannot read prompt file {p}: {exc}") from None
-    prompts: list[str] = []
+        raise ValidationError(f"cannot read {what} {p}: {exc}") from None
     if p.suffix == ".txt":
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
-    elif p.suffix == ".jsonl":
+        return [(f"{p}:{n}", line.strip()) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    if p.suffix == ".jsonl":
+        records = []
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                records.append((f"{p}:{number}", json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ValidationError(f"{p}:{number}: not JSON ({exc.msg})") from None
-            prompts.append(_prompt_of(obj, field, f"{p}:{number}"))
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValidationError(f"{p}: not JSON ({exc.msg})") from None
-        if not isinstance(data, list):
-            raise ValidationError(f"{p}: a .json prompt file holds a list of strings or objects")
-        prompts = [_prompt_of(obj, field, f"{p}[{i}]") for i, obj in enumerate(data)]
+        return records
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValidationError(f"{p}: not JSON ({exc.msg})") from None
+    if not isinstance(data, list):
+        raise ValidationError(f"{p}: a .json {what} holds a list of strings or objects")
+    return [(f"{p}[{i}]", obj) for i, obj in enumerate(data)]
+
+
+def read_prompts(path: str | Path, field: str = "text", max_prompts: int | None = None) -> list[str]:
+    """Read the prompts of a ``.txt`` / ``.jsonl`` / ``.json`` file (see the module docstring)."""
+    p = Path(path)
+    prompts = [_prompt_of(obj, field, where) for where, obj in read_records(p)]
     prompts = [x for x in prompts if x.strip()]
     if max_prompts is not None:
         prompts = prompts[:max_prompts]

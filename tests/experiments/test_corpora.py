@@ -126,7 +126,7 @@ def test_file_corpus_formats_and_labels(tmp_path):
         with pytest.raises(ValidationError, match=message):
             file_corpus("x", path, **kwargs)
     (tmp_path / "bad.jsonl").write_text('{"text": "a"}\nnot json\n')
-    with pytest.raises(ValidationError, match=r"bad.jsonl:2 is not JSON"):
+    with pytest.raises(ValidationError, match=r"x: .*bad.jsonl:2: not JSON"):
         file_corpus("x", tmp_path / "bad.jsonl")
     (tmp_path / "obj.jsonl").write_text(json.dumps({"body": "a"}) + "\n")
     with pytest.raises(ValidationError, match="needs a string 'text'"):

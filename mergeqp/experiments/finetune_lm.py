@@ -261,26 +261,13 @@ class DecoderSplit:
 
     def lower(self, input_ids: Any, attention_mask: Any) -> Any:
         """Hidden states entering block ``first``, ``(B, T, hidden)``, without gradient."""
-        import torch  # optional heavy dependency (experiment extra)
-
-        seen: list[Any] = []
-
-        def stop(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            seen.append(args[0] if args else kwargs.get("hidden_states"))
-            raise _Stop
-
-        handle = self.stack(self.model)[self.first].register_forward_pre_hook(stop, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        if not seen or seen[0] is None:
-            raise ValidationError(f"{type(self.model).__name__}: block {self.first} did not run (or took no hidden "
-                                  "states) in a forward pass; this model cannot be split before it")
-        return seen[0]
+        args, kwargs = block_arguments(self.model, self.stack(self.model)[self.first], input_ids=input_ids,
+                                       attention_mask=attention_mask, use_cache=False)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if hidden is None:
+            raise ValidationError(f"{type(self.model).__name__}: block {self.first} took no hidden states in a "
+                                  "forward pass; this model cannot be split before it")
+        return hidden
 
     def upper(self, hidden: Any, attention_mask: Any) -> Any:
         """Logits ``(B, T, vocab)`` of the model from the hidden states entering block ``first``."""
@@ -333,7 +320,32 @@ class DecoderSplit:
 
 
 class _Stop(Exception):
-    """Ends a forward pass at the split (:meth:`DecoderSplit.lower`)."""
+    """Ends a forward pass at a block's input (:func:`block_arguments`)."""
+
+
+def block_arguments(model: Any, block: Any, **inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments ``block`` (a module of ``model``) is called with when
+    ``model(**inputs)`` runs, without gradient; the forward pass stops there (a pre-hook), so
+    nothing above the block runs. A block that does not run is an error."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+
+    def stop(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen.append((tuple(args), dict(kwargs)))
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if not seen:
+        raise ValidationError(f"{type(model).__name__}: the block {type(block).__name__} did not run in a forward pass")
+    return seen[0]
 
 
 def split_block(model: Any, trained: Sequence[str]) -> int | None:
@@ -535,7 +547,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_layout", "load_tokenizer_of", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
+__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_arguments", "block_layout", "load_tokenizer_of", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
            "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
            "split_block", "tokenize_each", "trainable_names", "training_step"]

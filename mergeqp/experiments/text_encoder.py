@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
 from ..stats.prefix import block_stack
-from .finetune_lm import FINETUNE_RECORD, check_training_settings, trainable_names, training_step
+from .finetune_lm import FINETUNE_RECORD, block_arguments, check_training_settings, trainable_names, training_step
 from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
@@ -178,10 +178,6 @@ def load_encoder(folder: str | Path, device: str = "cpu") -> Any:
     return model
 
 
-class _Stop(Exception):
-    """Raised by the capture hook to end a forward at the first trained block."""
-
-
 def block_inputs(model: Any, tokenizer: Any, texts: Sequence[str], labels: Sequence[int], first_block: int,
                  max_length: int, batch_size: int, device: str = "cpu") -> list[FeatureBatch]:
     """Per batch of texts (sorted by token count), the inputs of block ``first_block``; see the
@@ -193,34 +189,19 @@ def block_inputs(model: Any, tokenizer: Any, texts: Sequence[str], labels: Seque
         raise ValidationError(f"first trained block {first_block} outside the encoder's {len(blocks)} blocks")
     lengths = [len(ids) for ids in tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]]
     order = np.argsort(lengths, kind="stable")
-    captured: dict[str, Any] = {}
-
-    def hook(_module: Any, args: tuple, kwargs: dict) -> None:
-        captured["hidden"] = args[0] if args else kwargs["hidden_states"]
-        captured["mask"] = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-        captured["args"] = tuple(args[1:])
-        captured["kwargs"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
-        raise _Stop
-
-    handle = blocks[first_block].register_forward_pre_hook(hook, with_kwargs=True)
     out = []
-    try:
-        with torch.no_grad():
-            for s in range(0, len(order), batch_size):
-                rows = order[s: s + batch_size]
-                enc = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, truncation=True,
-                                max_length=max_length)
-                enc = {k: v.to(device) for k, v in enc.items()}
-                try:
-                    model(**enc)
-                except _Stop:
-                    pass
-                out.append(FeatureBatch(captured["hidden"].detach(), enc["attention_mask"], captured["mask"],
-                                        torch.as_tensor(np.asarray(labels)[rows], dtype=torch.long, device=device),
-                                        torch.as_tensor(rows, dtype=torch.long), captured["args"],
-                                        captured["kwargs"]))
-    finally:
-        handle.remove()
+    for s in range(0, len(order), batch_size):
+        rows = order[s: s + batch_size]
+        enc = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, truncation=True,
+                        max_length=max_length)
+        enc = {k: v.to(device) for k, v in enc.items()}
+        args, kwargs = block_arguments(model, blocks[first_block], **enc)
+        hidden = args[0] if args else kwargs["hidden_states"]
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        out.append(FeatureBatch(hidden.detach(), enc["attention_mask"], mask,
+                                torch.as_tensor(np.asarray(labels)[rows], dtype=torch.long, device=device),
+                                torch.as_tensor(rows, dtype=torch.long), tuple(args[1:]),
+                                {k: v for k, v in kwargs.items() if k != "hidden_states"}))
     return out
 
 

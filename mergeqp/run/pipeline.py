@@ -80,7 +80,6 @@ from .plan import (
     build_plan,
     evaluates_baseline,
     is_output_space,
-    output_matrix,
     statistics_method,
 )
 from .auto import (
@@ -453,7 +452,7 @@ class _Run:
         cfg = self.plan.config
         self.cfg = cfg
         self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
-                               cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool, output_matrix(cfg))
+                               cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool, self.plan.output_matrix)
         self.eval_spec = OutputSpec(cfg.output.field, "none", fold_head=False, pool=cfg.output.pool)
 
     def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:

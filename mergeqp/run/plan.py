@@ -112,6 +112,8 @@ class MergePlan:
     notes: list[str] = field(default_factory=list)
     #: the architecture on the ``meta`` device (module structure, no storage)
     skeleton: Any = field(default=None, repr=False, compare=False)
+    #: ``output.matrix`` read from its file once (``None`` when the config names none)
+    output_matrix: Any = field(default=None, repr=False, compare=False)
 
     @property
     def method(self) -> str:
@@ -555,20 +557,10 @@ def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
     return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
 
 
-def compared_width(cfg: MergeConfig, vocab: int | None) -> int:
-    """Numbers compared per position: ``k`` of a restriction, the columns of ``output.matrix``, or
-    the whole vocabulary / feature size."""
-    if cfg.output.restrict == "none":
-        return vocab or 1
-    if cfg.output.matrix is not None:
-        return int(output_matrix(cfg).shape[1])
-    return int(cfg.output.k)
-
-
 def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
     check_paths(cfg)
-    output_matrix(cfg)  # an unreadable or malformed matrix stops the run before any model is loaded
+    matrix = output_matrix(cfg)  # an unreadable or malformed matrix stops the run before any model is loaded
     _check_method(cfg)
     _check_output(cfg)
     names = cfg.model_names()
@@ -642,7 +634,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                          f"the statistics tractable")
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
-                     str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model)
+                     str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
+                     output_matrix=matrix)
     plan.memory = estimate_memory(plan)
     return plan
 
@@ -655,7 +648,9 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     K = len(cfg.models)
     T = cfg.calibration.max_length
     B = cfg.calibration.batch_size
-    per_pos = compared_width(cfg, plan.vocab_size)
+    # numbers compared per position: the vocabulary / features, a restriction's k, or the matrix's columns
+    per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else
+               int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
     prompts = sum(t.n_calibration for t in plan.tasks)
     held = sum(t.n_heldout for t in plan.tasks)
     stats_method = statistics_method(cfg)

@@ -1,4 +1,5 @@
-"""Fixtures of the experiment tests: a tiny MNIST configuration and an IDX file writer."""
+"""Fixtures of the experiment tests: a tiny MNIST configuration, an IDX file writer and a stand-in
+for an experiment's run function (what the CLI passes to it)."""
 
 from __future__ import annotations
 
@@ -55,3 +56,25 @@ def write_idx() -> Callable[[str, np.ndarray, bool], None]:
             fh.write(data)
 
     return _write_idx
+
+
+class StopRun(Exception):
+    """Raised by :func:`capture_run`'s stand-in: the CLI got as far as calling the experiment."""
+
+
+@pytest.fixture
+def capture_run(monkeypatch) -> Callable[[object, str], list[dict]]:
+    """``seen = capture_run(module, "run_x_experiment")``: the module's run function replaced by
+    one that records its keyword arguments in ``seen`` and raises :class:`StopRun`."""
+
+    def _capture(module: object, name: str) -> list[dict]:
+        seen: list[dict] = []
+
+        def fake(out, **kwargs):
+            seen.append(kwargs)
+            raise StopRun
+
+        monkeypatch.setattr(module, name, fake)
+        return seen
+
+    return _capture

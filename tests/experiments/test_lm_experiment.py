@@ -388,19 +388,12 @@ def test_cli_errors(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
-def test_cli_passes_the_multitask_switch(tmp_path, monkeypatch):
+def test_cli_passes_the_multitask_switch(tmp_path, capture_run):
     import mergeqp.experiments.lm as lm
 
-    seen = []
+    from .conftest import StopRun as Stop
 
-    class Stop(Exception):
-        pass
-
-    def fake(out, **kwargs):
-        seen.append(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(lm, "run_lm_experiment", fake)
+    seen = capture_run(lm, "run_lm_experiment")
     for extra, want in (([], True), (["--no-multitask"], False)):
         with pytest.raises(Stop):
             main(["experiment", "lm", "--quick", *extra, "--out", str(tmp_path / "o")])

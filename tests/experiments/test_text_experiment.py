@@ -340,18 +340,11 @@ def test_cli_errors(tmp_path, capsys, tiny_base, tiny_hf):
     assert not os.path.exists(tmp_path / "one")
 
 
-def test_cli_task_files(tmp_path, monkeypatch):
+def test_cli_task_files(tmp_path, capture_run):
     """``--task-file NAME=FILE``: classification tasks of your own (text and label per object)."""
-    seen = []
+    from .conftest import StopRun as Stop
 
-    class Stop(Exception):
-        pass
-
-    def fake(out, **kwargs):
-        seen.append(kwargs)
-        raise Stop
-
-    monkeypatch.setattr(text_mod, "run_text_experiment", fake)
+    seen = capture_run(text_mod, "run_text_experiment")
     for name, labels in (("sentiment", ["pos", "neg"]), ("topic", ["a", "b", "c"])):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"text {i}", "label": lab}) + "\n"
                                                         for i, lab in enumerate(labels * 3)))

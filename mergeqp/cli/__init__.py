@@ -14,13 +14,10 @@ torch, cvxpy or transformers. This is the one layer where the package defers its
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
-import signal
 import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ..errors import (
     EXIT_INTERRUPTED,
@@ -32,6 +29,7 @@ from ..errors import (
     interruption,
     exit_code_epilog,
 )
+from .signals import signals_held_during_native_imports, sigterm_as_interrupt
 
 # subcommand -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
 SUBCOMMANDS: dict[str, str] = {
@@ -82,24 +80,6 @@ def _add_exit_codes(parser: argparse.ArgumentParser) -> None:
                 _add_exit_codes(child)
 
 
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`Interrupted` (like Ctrl-C), so that atomic writes clean up and the
-    previous outputs stay; only in the main thread (where signal handlers can be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: object) -> None:
-        raise Interrupted(f"stopped by signal {signal.Signals(signum).name}")
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _interrupted(command: str, stop: BaseException) -> int:
     """Say that ``command`` was stopped by a signal; the exit code for it."""
     how = str(stop) if isinstance(stop, Interrupted) else "interrupted (Ctrl-C)"
@@ -118,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         keep_freed_memory()
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt(), signals_held_during_native_imports():
             return int(args.func(args) or 0)
     except (KeyboardInterrupt, Interrupted) as exc:
         return _interrupted(args.command, exc)

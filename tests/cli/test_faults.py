@@ -205,6 +205,70 @@ def test_signal_mid_run_keeps_the_old_output(leftovers, interrupt_child, problem
     assert out.read_text() == "old solution" and leftovers(tmp_path) == []
 
 
+# a stand-in for torch: a package whose initialisation is where the signal arrives (it sends it to
+# itself), with a line printed once the initialisation is complete
+NATIVE_STAND_IN = """
+import os, signal
+os.kill(os.getpid(), signal.SIGTERM)
+print("initialised", flush=True)
+"""
+
+GUARDED_IMPORT = """
+import sys
+from mergeqp.cli.signals import signals_held_during_native_imports, sigterm_as_interrupt
+from mergeqp.errors import Interrupted
+sys.path.insert(0, sys.argv[1])
+names = sys.argv[2:]
+try:
+    with sigterm_as_interrupt(), signals_held_during_native_imports(names):
+        import native_stand_in
+        print("imported", flush=True)
+except Interrupted as exc:
+    print(exc, flush=True)
+    sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_signal_during_a_native_import_is_taken_after_it(tmp_path, guarded):
+    """torch's import runs C++ that calls Python; a signal handler raising there aborts the process
+    (exit -6, seen on CI). The CLI holds SIGINT/SIGTERM while such a package imports: the package
+    initialises completely, then the pending signal stops the command with exit 130. Unguarded
+    (the control), the signal stops the stand-in half-way through its initialisation."""
+    import subprocess
+    import sys
+
+    (tmp_path / "native_stand_in").mkdir()
+    (tmp_path / "native_stand_in" / "__init__.py").write_text(NATIVE_STAND_IN)
+    names = ["native_stand_in"] if guarded else ["some_other_package"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", GUARDED_IMPORT, str(tmp_path), *names],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 130, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines == (["initialised", "stopped by signal SIGTERM"] if guarded else ["stopped by signal SIGTERM"])
+    assert "Traceback" not in proc.stderr
+
+
+def test_every_command_runs_with_torch_imports_guarded(problem_path, monkeypatch):
+    """main() runs each command with the guard for torch in place, and removes it afterwards."""
+    import sys
+
+    import mergeqp.cli.solve as solve_cli
+    from mergeqp.cli.signals import NativeImportGuard
+
+    seen = []
+
+    def record(args):
+        seen.extend(f.names for f in sys.meta_path if isinstance(f, NativeImportGuard))
+        return 0
+
+    monkeypatch.setattr(solve_cli, "run_solve", record)
+    assert main(["solve", str(problem_path), "--constraint", "box:0,1"]) == 0
+    assert seen == [frozenset({"torch"})]
+    assert not any(isinstance(f, NativeImportGuard) for f in sys.meta_path)
+
+
 def test_collect_refuses_a_disk_too_small_before_collecting(build_world, tmp_path, monkeypatch, capsys):
     """The statistics' size is estimated once the layer is known, before the collection."""
     import collections

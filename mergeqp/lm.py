@@ -53,6 +53,12 @@ objective stays a convex QP, and it is the output that heads on the pooled embed
   current model ranks highest (the label forced in) and one more logit for all the others
   together, ``lse`` of the rest: the value and gradient stay exact, the curvature omits the
   spread of the rest inside that group. ``topk`` folds into the head like the KL metric.
+
+  **Classification** (``pool="mean"`` with ``cross_entropy``): each prompt has a class label
+  (:class:`~mergeqp.io.calibration.Batch` ``labels``) and its task a linear head
+  (:class:`ClassifierHead`, ``C`` classes) that reads the mean-pooled output; the objective is
+  ``2 * sum`` of the prompts' classification negative log-likelihoods, exact, with the same
+  Gauss-Newton model over the ``C`` class logits (:func:`data_logits`).
 """
 
 from __future__ import annotations
@@ -131,10 +137,15 @@ class OutputSpec:
             raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
         if self.pool not in POOLS:
             raise ValidationError(f"output pool {self.pool!r}; valid: {', '.join(POOLS)}")
-        if self.pool != "none" and self.metric != "euclidean":
+        if self.pool != "none" and self.metric not in ("euclidean", *DATA_METRICS):
             raise ValidationError(f"output pool {self.pool!r} needs the euclidean metric (the {self.metric} metric "
-                                  f"compares each position's distribution, which a mean over positions is not)")
-        if self.metric in DATA_METRICS:
+                                  f"compares each position's distribution, which a mean over positions is not) or "
+                                  f"cross_entropy (a classification through each task's head)")
+        if self.metric in DATA_METRICS and self.pool != "none":  # classification: class logits from a head
+            if self.restrict != "none":
+                raise ValidationError(f"output metric {self.metric!r} with pool {self.pool!r} (class labels through "
+                                      f"each task's head) takes restrict none, not {self.restrict!r}")
+        elif self.metric in DATA_METRICS:
             if self.field != "logits":
                 raise ValidationError(f"output metric {self.metric!r} scores next-token logits; the compared field "
                                       f"is {self.field!r}")
@@ -176,8 +187,15 @@ class OutputSpec:
 
     @property
     def scores_data(self) -> bool:
-        """The objective scores the prompts' own next tokens (:data:`DATA_METRICS`), not a fine-tune."""
+        """The objective scores the prompts' own next tokens or class labels (:data:`DATA_METRICS`),
+        not a fine-tune."""
         return self.metric in DATA_METRICS
+
+    @property
+    def classifies(self) -> bool:
+        """The objective scores class labels through each task's head on the pooled output
+        (``cross_entropy`` with ``pool="mean"``), not next tokens."""
+        return self.metric in DATA_METRICS and self.pool != "none"
 
     def raw(self, model_output: Any) -> Any:
         """The compared tensor of a model's forward output (``(B, T, V)``, ``(B, C)``, ...)."""
@@ -293,7 +311,9 @@ class TargetBatch:
     tokens, or samples). For a metric that scores the prompts' own tokens
     (``cross_entropy``), ``labels`` holds the next token of every position (``(B, T)`` int64,
     ``-100`` where there is none: padding and each prompt's last token) and ``target`` the
-    float64 indicator of the labelled positions; no fine-tune's output is involved."""
+    float64 indicator of the labelled positions; no fine-tune's output is involved. For a
+    classification (``labels`` ``(B,)`` class indices of the prompts), ``head`` is the task's
+    :class:`ClassifierHead`."""
 
     batch: Batch
     target: Any
@@ -301,6 +321,7 @@ class TargetBatch:
     probs: Any = None
     hidden: Any = None
     labels: Any = None
+    head: Any = None
 
     @property
     def count(self) -> int:
@@ -357,25 +378,115 @@ def next_token_labels(batch: Batch, where: str = "calibration batch") -> Any:
     return labels
 
 
-def label_targets(batches: Sequence[Batch]) -> list[TargetBatch]:
-    """The targets of a metric that scores the prompts' own next tokens (:func:`next_token_labels`)."""
+@dataclass(frozen=True, eq=False)
+class ClassifierHead:
+    """A task's linear classifier on the pooled output: ``logits = pooled @ weight' + bias``
+    (``weight`` ``(C, H)``, ``bias`` ``(C,)`` or ``None``; float64 tensors)."""
+
+    weight: Any
+    bias: Any = None
+    name: str = "head"
+
+    @classmethod
+    def of(cls, weight: Any, bias: Any = None, name: str = "head") -> ClassifierHead:
+        """Checked: a finite 2-D weight with two or more classes and a matching finite bias."""
+        import torch
+
+        w = torch.as_tensor(weight).detach().to("cpu", torch.float64)
+        if w.dim() != 2 or w.shape[0] < 2 or w.shape[1] < 1:
+            raise ValidationError(f"{name}: the head's weight must be (classes >= 2, features), got shape {tuple(w.shape)}")
+        if not torch.all(torch.isfinite(w)):
+            raise BadDataError(f"{name}: the head's weight has NaN or inf entries")
+        b = None
+        if bias is not None:
+            b = torch.as_tensor(bias).detach().to("cpu", torch.float64).reshape(-1)
+            if b.numel() != w.shape[0]:
+                raise ValidationError(f"{name}: the head's bias has {b.numel()} entries for {w.shape[0]} classes")
+            if not torch.all(torch.isfinite(b)):
+                raise BadDataError(f"{name}: the head's bias has NaN or inf entries")
+        return cls(w, b, name)
+
+    @property
+    def classes(self) -> int:
+        return int(self.weight.shape[0])
+
+    def logits(self, pooled: Any) -> Any:
+        """``(B, C)`` class logits of a pooled output ``(B, H)``, in its dtype and on its device."""
+        if pooled.dim() != 2 or int(pooled.shape[-1]) != int(self.weight.shape[1]):
+            raise ValidationError(f"{self.name}: the head reads {int(self.weight.shape[1])} features but the pooled "
+                                  f"output has shape {tuple(pooled.shape)}")
+        x = pooled @ self.weight.to(device=pooled.device, dtype=pooled.dtype).t()
+        return x if self.bias is None else x + self.bias.to(device=pooled.device, dtype=pooled.dtype)
+
+
+def head_log_likelihood(head: ClassifierHead, spec: OutputSpec) -> Any:
+    """``log_likelihood(model_output, targets)`` of a classifier that reads the model's pooled
+    ``spec.field`` through ``head``: ``sum log softmax(head(mean over positions))[y]`` with ``y`` the
+    targets or, without targets, the classifier's own prediction (its argmax; Fisher's label rule).
+    For unpadded inputs (every position real), as :func:`mergeqp.io.calibration.unpadded_inputs`
+    gives them."""
+    import torch
+
+    def log_likelihood(output: Any, targets: Any) -> Any:
+        raw = spec.raw(output)
+        logits = head.logits(raw.mean(dim=1) if raw.dim() >= 3 else raw)
+        logp = torch.log_softmax(logits, dim=-1)
+        y = logits.detach().argmax(dim=-1) if targets is None else targets
+        return logp.gather(-1, y.unsqueeze(-1)).sum()
+
+    return log_likelihood
+
+
+def class_labels(batch: Batch, head: ClassifierHead, where: str = "calibration batch") -> Any:
+    """The batch's ``(B,)`` class indices, checked against the head's classes."""
+    labels = batch.labels
+    if labels is None:
+        raise ValidationError(f"{where}: the cross_entropy metric with pool: mean scores class labels; the prompts "
+                              f"have none (set the task's calibration label_field)")
+    if labels.dim() != 1 or int(labels.shape[0]) != batch.size:
+        raise ValidationError(f"{where}: {tuple(labels.shape)} labels for {batch.size} prompts")
+    if labels.numel() and int(labels.max()) >= head.classes:
+        raise ValidationError(f"{where}: class label {int(labels.max())} but {head.name} has {head.classes} classes "
+                              f"(labels are the head's row indices, 0 to {head.classes - 1})")
+    return labels.to("cpu").long()
+
+
+def label_targets(batches: Sequence[Batch], head: ClassifierHead | None = None) -> list[TargetBatch]:
+    """The targets of a metric that scores the prompts' own next tokens (:func:`next_token_labels`)
+    or, with a task's ``head``, their class labels (:func:`class_labels`)."""
     import torch
 
     out = []
     for i, batch in enumerate(batches):
-        labels = next_token_labels(batch, f"calibration batch {i}")
-        out.append(TargetBatch(batch, (labels >= 0).to(torch.float64), labels=labels))
+        if head is None:
+            labels = next_token_labels(batch, f"calibration batch {i}")
+        else:
+            labels = class_labels(batch, head, f"calibration batch {i}")
+        out.append(TargetBatch(batch, (labels >= 0).to(torch.float64), labels=labels, head=head))
     return out
 
 
-def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any) -> list[TargetBatch]:
+def data_logits(spec: OutputSpec, tb: TargetBatch, model_output: Any) -> Any:
+    """The logits that a data metric scores: the model's next-token logits, or for a
+    classification the task head's class logits ``(B, C)`` of the masked, mean-pooled output."""
+    raw = spec.raw(model_output)
+    if tb.head is None:
+        return raw
+    mask = None if tb.batch.mask is None else tb.batch.mask.to(raw.device)
+    return tb.head.logits(spec.select(raw, mask))
+
+
+def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any,
+                           head: ClassifierHead | None = None) -> list[TargetBatch]:
     """The fine-tuned ``model``'s compared outputs on ``batches`` (teacher forced), as targets
-    (for a metric that scores the prompts' own tokens, their next-token labels; ``model`` is then
-    not run)."""
+    (for a metric that scores the prompts' own tokens or, with the task's ``head``, their class
+    labels: those labels; ``model`` is then not run)."""
     import torch
 
     if spec.scores_data:
-        return label_targets(batches)
+        if spec.classifies and head is None:
+            raise ValidationError("the cross_entropy metric with pool: mean needs each task's classifier head")
+        return label_targets(batches, head if spec.classifies else None)
     out = []
     head = linear_head(model) if spec.fold_obstacle() is None else None
     for batch in batches:
@@ -503,7 +614,7 @@ def _data_objective(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec
     for tb in batches:
         if tb.labels is None:
             raise ValidationError("the cross_entropy metric needs next-token labels (label_targets)")
-        logits = spec.raw(forward(model, tb.batch, device))
+        logits = data_logits(spec, tb, forward(model, tb.batch, device))
         total += 2.0 * float(token_nll(logits, tb.labels.to(logits.device)).sum())
         count += tb.count
     return total, count

@@ -52,7 +52,7 @@ from . import text_report
 from .corpora import Corpus
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import load_tokenizer_of, trainable_names
-from .text_encoder import (EncoderSettings, block_prefix, cached_block_inputs, encoder_blocks, finetune_encoder,
+from .text_encoder import (HEAD_FILE, EncoderSettings, block_prefix, cached_block_inputs, encoder_blocks, finetune_encoder,
                            first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
@@ -360,13 +360,17 @@ class _Run:
     # ------------------------------------------------------------------ merges
     def merge_config(self, method: dict[str, Any], layers: Sequence[str], output: dict[str, Any] | None = None) -> Any:
         cfg = self.cfg
+        output = output or self.output_block()
+        classify = output.get("metric") == "cross_entropy"  # the calibration labels through each task's head
         models = [{"name": t.splits.name, "path": str(t.finetune.folder),
-                   "calibration": {"path": str(self.prompt_files[i]), "field": "text"}}
+                   "calibration": {"path": str(self.prompt_files[i]), "field": "text",
+                                   **({"label_field": "label"} if classify else {})},
+                   **({"head": str(t.finetune.folder / HEAD_FILE)} if classify else {})}
                   for i, t in enumerate(self.tasks)]
         return MergeConfig(base=str(self.base), models=models, layers=list(layers), method=method,
                            calibration={"max_length": cfg.max_length, "batch_size": cfg.merge_batch_size,
                                         "holdout": 0},
-                           output=output or self.output_block(), device=self.device, evaluate=False, seed=self.seed)
+                           output=output, device=self.device, evaluate=False, seed=self.seed)
 
     def output_block(self) -> dict[str, Any]:
         return dict(self.cfg.output)
@@ -382,6 +386,13 @@ class _Run:
         # a few numbers per text (the classes of every head): no sketch needed
         block = {k: v for k, v in self.cfg.output.items() if k not in ("restrict", "k", "sketch")}
         return {**block, "restrict": "projection", "matrix": str(path)}
+
+    def labels_output(self) -> dict[str, Any]:
+        """The classification objective (``auto_labels``): each calibration text's class label scored
+        through its task's head on the pooled output (``metric: cross_entropy``, ``pool: mean``), the
+        heads' few logits per text (no sketch)."""
+        block = {k: v for k, v in self.cfg.output.items() if k not in ("restrict", "k", "sketch", "matrix", "metric")}
+        return {**block, "pool": "mean", "metric": "cross_entropy"}
 
     def merge(self, label: str, method: dict[str, Any], layers: Sequence[str] | None = None,
               output: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -430,7 +441,9 @@ class _Run:
             self.prompt_files = []
             for t in self.tasks:
                 path = self.work / f"{t.splits.name}.jsonl"
-                path.write_text("".join(json.dumps({"text": s}) + "\n" for s in t.splits.calibration.texts))
+                cal = t.splits.calibration  # each text with its class index (the row of its task's head)
+                path.write_text("".join(json.dumps({"text": s, "label": int(y)}) + "\n"
+                                        for s, y in zip(cal.texts, cal.labels)))
                 self.prompt_files.append(path)
             methods, references, selection = self.all_merges()
             geometry = self.geometry()
@@ -492,6 +505,10 @@ class _Run:
         # objective counts the directions the classifiers read, not all of the embedding's
         methods["auto_heads"] = self.merge("auto_heads", {"name": "auto"}, output=self.heads_output())
         methods["auto_heads"]["output"] = "pooled embedding through the stacked task heads (output.matrix)"
+        # the classification objective: the calibration texts' labels through each task's head
+        methods["auto_labels"] = self.merge("auto_labels", {"name": "auto"}, output=self.labels_output())
+        methods["auto_labels"]["output"] = ("calibration labels through each task's head (metric: cross_entropy, "
+                                            "pool: mean)")
         # every baseline (RegMean with its statistics, TIES, the tuned task arithmetic) a feasible point
         methods["qp_atoms"] = self.merge("qp_atoms", {**single, "parametrisation": "rows+baselines", "baselines": [
             {"name": "regmean"}, {"name": "ties", "params": {"density": cfg.ties_density}},
@@ -499,7 +516,7 @@ class _Run:
         methods["output_space"] = self.merge("output_space", {"name": "output_space",
                                                               "params": dict(cfg.output_space)})
         self.lap("qp")
-        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "auto_heads", "qp_atoms", "output_space"]
+        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "auto_heads", "auto_labels", "qp_atoms", "output_space"]
         selection["recommended"] = {
             "criterion": "the product's recommended merge (method: auto), fixed in advance: its start and its "
                          "number of trust-region steps are chosen on held-out calibration batches", "chosen": "auto",

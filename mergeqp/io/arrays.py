@@ -1,5 +1,7 @@
 """Small arrays named by a config file: a 2-D matrix from ``.npy``, ``.npz`` (its only array),
-``.pt`` / ``.pth`` (a tensor), ``.safetensors`` (its only tensor) or text (``.txt`` / ``.csv``)."""
+``.pt`` / ``.pth`` (a tensor), ``.safetensors`` (its only tensor) or text (``.txt`` / ``.csv``);
+a linear classifier head (``weight`` and an optional ``bias``) from ``.safetensors``, ``.pt`` /
+``.pth`` (a dict of tensors) or ``.npz``."""
 
 from __future__ import annotations
 
@@ -59,4 +61,59 @@ def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
     return arr
 
 
-__all__ = ["MATRIX_SUFFIXES", "read_matrix"]
+HEAD_SUFFIXES = (".safetensors", ".pt", ".pth", ".npz")
+
+
+def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndarray | None]:
+    """``(weight, bias)`` of a linear classifier head stored as named tensors ``weight``
+    (``(classes, features)``) and optionally ``bias`` (``(classes,)``), float64; anything else is an
+    error naming ``what`` and the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValidationError(f"{what}: file not found: {p}")
+    ext = p.suffix.lower()
+    if ext not in HEAD_SUFFIXES:
+        raise ValidationError(f"{what}: {p} is not one of {', '.join(HEAD_SUFFIXES)} (named tensors weight, bias)")
+    try:
+        if ext == ".npz":
+            with np.load(p, allow_pickle=False) as data:
+                tensors = {k: np.asarray(data[k]) for k in data.files}
+        elif ext == ".safetensors":
+            from safetensors.numpy import load_file  # deferred: only for this format
+
+            tensors = dict(load_file(str(p)))
+        else:
+            import torch  # deferred: torch is heavy
+
+            value = torch.load(p, map_location="cpu", weights_only=True)
+            if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
+                raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a dict of tensors "
+                                      f"(weight, bias)")
+            tensors = {str(k): v.detach().to(torch.float64).numpy() for k, v in value.items()}
+    except ValidationError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable file: one clear line
+        raise ValidationError(f"{what}: cannot read {p}: {type(exc).__name__}: {exc}") from None
+    if "weight" not in tensors:
+        raise ValidationError(f"{what}: {p} has no tensor 'weight' (tensors: {sorted(tensors)})")
+    extra = sorted(set(tensors) - {"weight", "bias"})
+    if extra:
+        raise ValidationError(f"{what}: {p} holds {extra} besides weight and bias")
+    weight = np.asarray(tensors["weight"])
+    if weight.ndim != 2 or weight.shape[0] < 2 or weight.shape[1] < 1 or not np.issubdtype(weight.dtype, np.number):
+        raise ValidationError(f"{what}: {p}: weight has shape {weight.shape} and type {weight.dtype}; expected "
+                              f"(classes >= 2, features) numbers")
+    bias = None
+    if "bias" in tensors:
+        bias = np.asarray(tensors["bias"]).astype(np.float64)
+        if bias.shape != (weight.shape[0],):
+            raise ValidationError(f"{what}: {p}: bias has shape {bias.shape}, expected ({weight.shape[0]},) "
+                                  f"(one per class)")
+    weight = weight.astype(np.float64)
+    for name, arr in (("weight", weight), ("bias", bias)):
+        if arr is not None and not np.all(np.isfinite(arr)):
+            raise BadDataError(f"{what}: {p}: {name} has {int(np.sum(~np.isfinite(arr)))} non-finite entries")
+    return weight, bias
+
+
+__all__ = ["HEAD_SUFFIXES", "MATRIX_SUFFIXES", "read_head", "read_matrix"]

@@ -9,6 +9,12 @@ Prompt files (one per task):
 - ``.safetensors`` / ``.pt``: not prompts but ready model inputs, a dict of tensors sharing
   their first (sample) dimension, e.g. ``{"pixel_values": (N, C, H, W)}`` for a ViT.
 
+Labelled prompts (a classification objective, ``metric: cross_entropy`` through a task's head):
+each ``.jsonl`` / ``.json`` object also holds an integer class index under ``label_field``
+(:func:`read_labelled_prompts`); in a tensor file, ``label_field`` names a ``(N,)`` integer
+tensor that is taken out of the model's inputs. Each :class:`Batch` then carries its
+``labels``.
+
 Prompts are split into calibration and held-out prompts with a seeded permutation
 (:func:`split_holdout`) and tokenised with the base model's tokenizer, right-padded per batch
 (:func:`tokenize_batches`); the attention mask marks the real tokens, and only those positions
@@ -34,10 +40,12 @@ TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
 class Batch:
     """One batch of model inputs: ``inputs`` (keyword arguments of the model's forward, e.g.
     ``input_ids`` and ``attention_mask`` of shape ``(B, T)``), and ``mask`` (``(B, T)`` of 0/1,
-    the positions compared, or ``None`` when every position / the whole output counts)."""
+    the positions compared, or ``None`` when every position / the whole output counts);
+    ``labels``: ``(B,)`` int64 class indices of labelled prompts, else ``None``."""
 
     inputs: dict[str, Any]
     mask: Any = None
+    labels: Any = None
 
     @property
     def size(self) -> int:
@@ -46,7 +54,8 @@ class Batch:
 
     def to(self, device: Any) -> Batch:
         return Batch({k: v.to(device) for k, v in self.inputs.items()},
-                     None if self.mask is None else self.mask.to(device))
+                     None if self.mask is None else self.mask.to(device),
+                     None if self.labels is None else self.labels.to(device))
 
 
 def read_records(path: str | Path, what: str = "prompt file") -> list[tuple[str, Any]]:
@@ -92,6 +101,57 @@ def read_prompts(path: str | Path, field: str = "text", max_prompts: int | None 
     if not prompts:
         raise ValidationError(f"{p}: no prompts found")
     return prompts
+
+
+def read_labelled_prompts(path: str | Path, field: str, label_field: str,
+                          max_prompts: int | None = None) -> tuple[list[str], list[int]]:
+    """``(prompts, labels)`` of a ``.jsonl`` / ``.json`` file of objects holding the prompt under
+    ``field`` and an integer class index (``>= 0``) under ``label_field``; as :func:`read_prompts`,
+    blank prompts are skipped and ``max_prompts`` keeps the first ones."""
+    p = Path(path)
+    if p.suffix == ".txt":
+        raise ValidationError(f"{p}: labelled prompts (label_field {label_field!r}) need a .jsonl or .json file of "
+                              f"objects, not one prompt per line")
+    prompts, labels = [], []
+    for where, obj in read_records(p):
+        if not isinstance(obj, dict):
+            raise ValidationError(f"{where}: a labelled prompt is an object with {field!r} and {label_field!r}, "
+                                  f"got {type(obj).__name__}")
+        text = _prompt_of(obj, field, where)
+        if label_field not in obj:
+            raise ValidationError(f"{where}: object has no label field {label_field!r} (fields: {sorted(obj)})")
+        labels.append(_class_index(obj[label_field], f"{where}: label {label_field!r}"))
+        prompts.append(text)
+    kept = [(x, y) for x, y in zip(prompts, labels) if x.strip()]
+    if max_prompts is not None:
+        kept = kept[:max_prompts]
+    if not kept:
+        raise ValidationError(f"{p}: no prompts found")
+    return [x for x, _ in kept], [y for _, y in kept]
+
+
+def _class_index(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValidationError(f"{where} is {value!r}: a class index (an integer >= 0, the row of the task's head)")
+    return int(value)
+
+
+def tensor_labels(data: dict[str, Any], label_field: str, where: str) -> Any:
+    """Take the ``(N,)`` integer class indices ``label_field`` out of ready model inputs ``data``
+    (in place) and return them as int64."""
+    import torch
+
+    if label_field not in data:
+        raise ValidationError(f"{where}: no label tensor {label_field!r} (tensors: {sorted(data)})")
+    labels = data.pop(label_field)
+    if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
+        raise ValidationError(f"{where}: label tensor {label_field!r} must be (N,) integers, got {labels.dtype} "
+                              f"of shape {tuple(labels.shape)}")
+    if labels.numel() and int(labels.min()) < 0:
+        raise ValidationError(f"{where}: label tensor {label_field!r} has a negative class index {int(labels.min())}")
+    if not data:
+        raise ValidationError(f"{where}: nothing but the labels {label_field!r}: no model inputs left")
+    return labels.to(torch.int64)
 
 
 def _prompt_of(obj: Any, field: str, where: str) -> str:
@@ -146,10 +206,12 @@ def load_tokenizer(folder: str | Path) -> Any:
     return tok
 
 
-def tokenize_batches(tokenizer: Any, prompts: Sequence[str], max_length: int, batch_size: int) -> list[Batch]:
+def tokenize_batches(tokenizer: Any, prompts: Sequence[str], max_length: int, batch_size: int,
+                     labels: Sequence[int] | None = None) -> list[Batch]:
     """Tokenise ``prompts`` (truncated to ``max_length`` tokens) into right-padded batches of
     ``batch_size``; each :class:`Batch` holds ``input_ids``, ``attention_mask`` (``(B, T)``,
-    int64) and uses the attention mask as its comparison mask."""
+    int64) and uses the attention mask as its comparison mask; with ``labels`` (one class index
+    per prompt), its ``labels``."""
     import torch
 
     batches = []
@@ -164,7 +226,9 @@ def tokenize_batches(tokenizer: Any, prompts: Sequence[str], max_length: int, ba
         inputs = {"input_ids": ids, "attention_mask": mask}
         if "token_type_ids" in enc:
             inputs["token_type_ids"] = enc["token_type_ids"].to(torch.int64)
-        batches.append(Batch(inputs, mask))
+        chunk_labels = None if labels is None else torch.as_tensor(list(labels[start:start + batch_size]),
+                                                                   dtype=torch.int64)
+        batches.append(Batch(inputs, mask, chunk_labels))
     return batches
 
 
@@ -193,9 +257,11 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
-def tensor_batches(data: dict[str, Any], indices: Sequence[int], batch_size: int) -> list[Batch]:
+def tensor_batches(data: dict[str, Any], indices: Sequence[int], batch_size: int,
+                   labels: Any = None) -> list[Batch]:
     """Slice ready model inputs (``read_tensor_inputs``) at ``indices`` into batches. The
-    ``attention_mask`` (if any) is the comparison mask."""
+    ``attention_mask`` (if any) is the comparison mask; ``labels`` (``(N,)``, :func:`tensor_labels`)
+    are sliced alike."""
     import torch
 
     out = []
@@ -203,7 +269,7 @@ def tensor_batches(data: dict[str, Any], indices: Sequence[int], batch_size: int
     for start in range(0, len(idx), batch_size):
         sel = torch.as_tensor(idx[start:start + batch_size], dtype=torch.int64)
         inputs = {k: v.index_select(0, sel) for k, v in data.items()}
-        out.append(Batch(inputs, inputs.get("attention_mask")))
+        out.append(Batch(inputs, inputs.get("attention_mask"), None if labels is None else labels.index_select(0, sel)))
     return out
 
 

@@ -177,7 +177,8 @@ class StatisticsCollector:
     parameters from the config; ``batch_size``: examples per statistics batch."""
 
     def __init__(self, name: str, params: Mapping[str, Any], skeleton: Any, keys: Sequence[str],
-                 n_models: int, batch_size: int, log: Callable[[str], None] | None = None):
+                 n_models: int, batch_size: int, log: Callable[[str], None] | None = None,
+                 heads: Mapping[str, Callable[[Any, Any], Any]] | None = None):
         method = get_merge_method(name)
         self.spec = _spec(method)
         self.name = name
@@ -196,6 +197,10 @@ class StatisticsCollector:
         self.statistics: list[dict[str, Any] | None] = [None] * n_models
         self.records: list[dict[str, Any]] = [{} for _ in range(n_models)]
         self.notes: list[str] = []
+        #: per model name, the log-likelihood of its task's classifier (a head on the pooled
+        #: output, :func:`mergeqp.lm.head_log_likelihood`) for statistics that score the model's
+        #: predictions (Fisher) where the model itself outputs no logits
+        self.heads: dict[str, Callable[[Any, Any], Any]] = dict(heads or {})
 
     # ------------------------------------------------------------------ collection
     def __call__(self, index: int, model_name: str, model: Any, batches: Sequence[Any]) -> None:

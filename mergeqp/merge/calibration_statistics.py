@@ -37,7 +37,8 @@ def _fisher_collect(collector: Any, model: Any, inputs: list[dict[str, Any]], la
 
 def _fisher(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str) -> dict[str, Any]:
     p = collector.parsed
-    kwargs = {"names": collector.fisher_names, "estimator": p.estimator, "chunk_size": p.chunk_size, "label": label}
+    kwargs = {"names": collector.fisher_names, "estimator": p.estimator, "chunk_size": p.chunk_size, "label": label,
+              "log_likelihood": collector.heads.get(label)}
     if p.per_example != "vmap" or p.estimator != "per_example":
         return compute_fisher(model, inputs, per_example=p.per_example, **kwargs)
     # torch.func.vmap trips over data-dependent checks in some models: BERT's with an attention
@@ -82,7 +83,8 @@ def _fisher_kwargs(collector: Any, stats: Sequence[dict[str, Any]], names: set[s
 def _fisher_summary(collector: Any) -> dict[str, Any]:
     p = collector.parsed
     return {"statistic": "diagonal empirical Fisher, per example (one prompt), of the selected tensors",
-            "labels": "argmax of the fine-tuned model's own logits at every real token (teacher forced)",
+            "labels": ("argmax of each task's classifier head on the fine-tuned model's pooled output" if collector.heads
+                       else "argmax of the fine-tuned model's own logits at every real token (teacher forced)"),
             "estimator": p.estimator, "tensors": len(collector.fisher_names)}
 
 

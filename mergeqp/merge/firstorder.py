@@ -56,7 +56,16 @@ from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for
     estimate_site_memory,
     memory_budget,
 )
-from ..lm import CrossEntropyExpansion, FoldedHead, OutputSpec, TargetBatch, backbone, last_hidden, prepare_fold
+from ..lm import (
+    CrossEntropyExpansion,
+    FoldedHead,
+    OutputSpec,
+    TargetBatch,
+    backbone,
+    data_logits,
+    last_hidden,
+    prepare_fold,
+)
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
 from ..stats.hooks import hooked_layers
@@ -229,17 +238,18 @@ def data_expansion(spec: OutputSpec, fold: FoldedHead | None, tb: TargetBatch, o
     """The Gauss-Newton model (:class:`~mergeqp.lm.CrossEntropyExpansion`) of the loss at the
     model output ``out`` of :func:`data_call` (logits, or the backbone's output when folded)."""
     if tb.labels is None:
-        raise ValidationError(f"the {spec.metric} metric needs next-token labels (mergeqp.lm.label_targets)")
+        raise ValidationError(f"the {spec.metric} metric needs next-token or class labels (mergeqp.lm.label_targets)")
     if fold is None:
-        return CrossEntropyExpansion.at(spec, tb.labels, logits=spec.raw(out))
+        return CrossEntropyExpansion.at(spec, tb.labels, logits=data_logits(spec, tb, out))
     return CrossEntropyExpansion.at(spec, tb.labels, hidden=last_hidden(out), weight=fold.weight, bias=fold.bias)
 
 
-def _of_output(spec: OutputSpec, fold: FoldedHead | None, expansion: CrossEntropyExpansion) -> Callable[[Any], Any]:
-    """The expansion's compared output of a model output (its logits) or, folded, of a backbone
-    output (its last hidden state)."""
+def _of_output(spec: OutputSpec, fold: FoldedHead | None, expansion: CrossEntropyExpansion,
+               tb: TargetBatch) -> Callable[[Any], Any]:
+    """The expansion's compared output of a model output (its logits, or a classification head's
+    class logits of its pooled output) or, folded, of a backbone output (its last hidden state)."""
     if fold is None:
-        return lambda out: expansion.compared(spec.raw(out))
+        return lambda out: expansion.compared(data_logits(spec, tb, out))
     return lambda out: expansion.compared(last_hidden(out))
 
 
@@ -422,7 +432,7 @@ def collect_first_order(
                     call = data_call(model, fold, tb, device)
                     out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
                     expansion = data_expansion(spec, fold, tb, out)
-                    compared, y = _of_output(spec, fold, expansion), expansion.target
+                    compared, y = _of_output(spec, fold, expansion, tb), expansion.target
                 elif fold is None:
                     call, compared = batch_functions(model, spec, tb, device)
                     y = tb.target.to(device=device, dtype=torch.float64)

@@ -45,10 +45,12 @@ from ..errors import Interrupted, MergeQPError, ValidationError
 from ..io.calibration import (
     is_tensor_file,
     load_tokenizer,
+    read_labelled_prompts,
     read_prompts,
     read_tensor_inputs,
     split_holdout,
     tensor_batches,
+    tensor_labels,
     tokenize_batches,
 )
 from ..io import verified
@@ -58,7 +60,14 @@ from ..io.distributed import current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
 from ..io.memory import memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
-from ..lm import OutputSpec, TargetBatch, squared_error, teacher_forced_metrics, teacher_forced_targets
+from ..lm import (
+    OutputSpec,
+    TargetBatch,
+    head_log_likelihood,
+    squared_error,
+    teacher_forced_metrics,
+    teacher_forced_targets,
+)
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
 from ..merge.firstorder import TaskTargets
@@ -243,16 +252,26 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
     path = cfg.resolve(src.path)
     holdout = cfg.holdout_for(index) if cfg.evaluate else 0
     size = cfg.calibration.batch_size
+    labelled = entry.head is not None and src.label_field is not None  # a classification objective
     if is_tensor_file(path):
         data = read_tensor_inputs(path)
+        labels = tensor_labels(data, src.label_field, str(path)) if labelled else None
         n = int(next(iter(data.values())).shape[0])
         if src.max_prompts is not None:
             n = min(n, src.max_prompts)
         calib, held = split_holdout(list(range(n)), holdout, cfg.seed + index)
-        return tensor_batches(data, calib, size), tensor_batches(data, held, size)
+        return tensor_batches(data, calib, size, labels), tensor_batches(data, held, size, labels)
+    L = cfg.calibration.max_length
+    if labelled:
+        texts, labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)
+        calib, held = split_holdout(list(zip(texts, labels)), holdout, cfg.seed + index)
+
+        def tokenized(pairs: list[tuple[str, int]]) -> list[Any]:
+            return tokenize_batches(tokenizer, [x for x, _ in pairs], L, size, [y for _, y in pairs])
+
+        return tokenized(calib), (tokenized(held) if held else [])
     prompts = read_prompts(path, src.field, src.max_prompts)
     calib, held = split_holdout(prompts, holdout, cfg.seed + index)
-    L = cfg.calibration.max_length
     return tokenize_batches(tokenizer, calib, L, size), (tokenize_batches(tokenizer, held, L, size) if held else [])
 
 
@@ -279,7 +298,8 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         loaded = load_lazy(ck, base_folder, dtype, device, every_block) if lazy is not None else None
         model = loaded.model if loaded is not None else load_model(ck, base_folder, dtype, device)
         try:
-            calib_targets = teacher_forced_targets(model, calib, spec, device) if targets else []
+            head = plan.heads[i] if plan.heads else None
+            calib_targets = teacher_forced_targets(model, calib, spec, device, head) if targets else []
             held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
             if visit is not None:
                 visit(i, name, model, calib)
@@ -354,7 +374,12 @@ def statistics_collector(plan: MergePlan, name: str, params: dict[str, Any], key
     """A :class:`~mergeqp.merge.calibrated.StatisticsCollector` of the method ``name`` (one that
     declares calibration statistics) for the checkpoint ``keys``."""
     cfg = plan.config
-    return StatisticsCollector(name, params, plan.skeleton, keys, len(cfg.models), cfg.calibration.batch_size, log)
+    heads = {}
+    if plan.heads and any(h is not None for h in plan.heads):  # classifiers: their heads read the pooled output
+        spec = OutputSpec(cfg.output.field, pool=cfg.output.pool)
+        heads = {n: head_log_likelihood(h, spec) for n, h in zip(cfg.model_names(), plan.heads) if h is not None}
+    return StatisticsCollector(name, params, plan.skeleton, keys, len(cfg.models), cfg.calibration.batch_size, log,
+                               heads)
 
 
 # ---------------------------------------------------------------------- baselines

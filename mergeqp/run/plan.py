@@ -37,19 +37,21 @@ from ..io.calibration import (
     holdout_count,
     is_tensor_file,
     load_tokenizer,
+    read_labelled_prompts,
     read_prompts,
     read_tensor_inputs,
+    tensor_labels,
 )
 from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
-from ..io.arrays import read_matrix
+from ..io.arrays import read_head, read_matrix
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
-from ..lm import DATA_METRICS
+from ..lm import DATA_METRICS, ClassifierHead
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
@@ -114,6 +116,9 @@ class MergePlan:
     skeleton: Any = field(default=None, repr=False, compare=False)
     #: ``output.matrix`` read from its file once (``None`` when the config names none)
     output_matrix: Any = field(default=None, repr=False, compare=False)
+    #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
+    #: where the config names none)
+    heads: list[Any] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def method(self) -> str:
@@ -557,10 +562,27 @@ def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
     return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
 
 
+def model_heads(cfg: MergeConfig) -> list[ClassifierHead | None]:
+    """Each model's classifier ``head`` read from its file (``None`` where it names none)."""
+    heads: list[ClassifierHead | None] = []
+    for name, m in zip(cfg.model_names(), cfg.models):
+        if m.head is None:
+            heads.append(None)
+            continue
+        where = f"models[{name}].head"
+        try:
+            weight, bias = read_head(cfg.resolve(m.head), where)
+            heads.append(ClassifierHead.of(weight, bias, f"{where} ({m.head})"))
+        except ValidationError as exc:
+            raise ConfigError(str(exc)) from None
+    return heads
+
+
 def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
     check_paths(cfg)
     matrix = output_matrix(cfg)  # an unreadable or malformed matrix stops the run before any model is loaded
+    heads = model_heads(cfg)
     _check_method(cfg)
     _check_output(cfg)
     names = cfg.model_names()
@@ -595,13 +617,22 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             continue
         path = cfg.resolve(src.path)
         try:
+            labels = None
             if is_tensor_file(path):
                 data = read_tensor_inputs(path)
+                if heads[i] is not None and src.label_field is not None:
+                    labels = tensor_labels(data, src.label_field, str(path)).tolist()
                 n = int(next(iter(data.values())).shape[0])
                 if src.max_prompts is not None:
                     n = min(n, src.max_prompts)
+            elif heads[i] is not None and src.label_field is not None:
+                labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)[1]
+                n = len(labels)
             else:
                 n = len(read_prompts(path, src.field, src.max_prompts))
+            if labels and max(labels[:n]) >= heads[i].classes:
+                raise ValidationError(f"class label {max(labels[:n])} but the head has {heads[i].classes} classes "
+                                      f"(labels are its row indices, 0 to {heads[i].classes - 1})")
         except ValidationError as exc:
             raise ConfigError(f"models[{name}].calibration: {exc}") from None
         spec = cfg.holdout_for(i)
@@ -635,7 +666,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
-                     output_matrix=matrix)
+                     output_matrix=matrix, heads=heads)
     plan.memory = estimate_memory(plan)
     return plan
 

@@ -98,11 +98,14 @@ class PromptSource(_Strict):
     per line; the prompt is ``field``), or a ``.json`` list of strings / objects.
     ``max_prompts``: use at most this many (the first ones). ``holdout``: how many prompts (an
     integer) or what fraction (a float in (0, 1)) to hold out for evaluation (overrides the
-    global ``calibration.holdout``).
+    global ``calibration.holdout``). ``label_field``: each object's integer class index (the row
+    of the task's ``head``; in a tensor file, an ``(N,)`` integer tensor of that name), for
+    ``output.metric: cross_entropy`` with ``pool: mean`` (a classification objective).
     """
 
     path: str
     field: str = "text"
+    label_field: str | None = None
     max_prompts: int | None = Field(default=None, ge=1)
     holdout: float | int | None = None
 
@@ -113,13 +116,18 @@ class PromptSource(_Strict):
 
 
 class ModelEntry(_Strict):
-    """One fine-tuned model: its checkpoint, a name, the task weight in the objective, and the
-    task's calibration prompts (a path, or a :class:`PromptSource` block)."""
+    """One fine-tuned model: its checkpoint, a name, the task weight in the objective, the
+    task's calibration prompts (a path, or a :class:`PromptSource` block) and, for a
+    classification objective (``output.metric: cross_entropy`` with ``pool: mean``), the task's
+    classifier ``head``: a ``.safetensors`` / ``.pt`` / ``.npz`` file holding ``weight``
+    ``(classes, features)`` and optionally ``bias`` ``(classes,)``, applied to the merged model's
+    pooled output."""
 
     path: str
     name: str | None = None
     weight: float = Field(default=1.0, ge=0.0)
     calibration: PromptSource | None = None
+    head: str | None = None
 
     @field_validator("calibration", mode="before")
     @classmethod
@@ -364,7 +372,10 @@ class OutputConfig(_Strict):
     from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
     and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch. ``pool``: ``none``
     (default: every token position) or ``mean`` (one vector per prompt, the mean over its real
-    tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric only). ``matrix``: a
+    tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric, or ``cross_entropy``
+    for a classification: each model's ``head`` reads the pooled output and the objective is ``2 *
+    sum`` of the calibration prompts' class negative log-likelihoods, their labels read from
+    ``calibration.label_field``). ``matrix``: a
     file (``.npy``, ``.npz``, ``.pt``, ``.safetensors``, ``.txt``, ``.csv``; relative to the config
     file) holding a ``(features, q)`` matrix ``M`` that replaces the random projection
     (``restrict: projection``, no ``k``): the output ``y`` is compared as ``y M``, e.g. through the
@@ -399,10 +410,14 @@ class OutputConfig(_Strict):
             raise ValueError(f"restrict: {self.restrict} needs 'k'")
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
-        if self.pool != "none" and self.metric != "euclidean":
-            raise ValueError(f"pool: {self.pool} needs metric: euclidean (the {self.metric} metric compares each "
-                             f"position's distribution)")
-        if self.metric == "cross_entropy":
+        if self.pool != "none" and self.metric == "kl":
+            raise ValueError(f"pool: {self.pool} needs metric: euclidean or cross_entropy (the kl metric compares "
+                             f"each position's distribution)")
+        if self.metric == "cross_entropy" and self.pool != "none":  # class labels through each task's head
+            if self.restrict != "none":
+                raise ValueError(f"metric: cross_entropy with pool: {self.pool} (class labels through each model's "
+                                 f"head) takes restrict: none, not {self.restrict}")
+        elif self.metric == "cross_entropy":
             if self.field != "logits":
                 raise ValueError(f"metric: cross_entropy scores next-token logits, not field {self.field!r}")
             if self.restrict == "projection":
@@ -499,6 +514,23 @@ class MergeConfig(_Strict):
                     else "the QP"
                 raise ValueError(f"{auto} needs calibration prompts for every model; missing for {missing} "
                                  f"(or choose a method without data, e.g. method: soup or method: ties)")
+        classify = self.output.metric == "cross_entropy" and self.output.pool != "none"
+        if classify:
+            no_head = [n for n, m in zip(names, self.models) if m.head is None]
+            no_labels = [n for n, m in zip(names, self.models)
+                         if m.prompts() is not None and m.prompts().label_field is None]
+            if no_head or no_labels:
+                raise ValueError(
+                    "output.metric: cross_entropy with pool: mean scores each task's calibration labels through its "
+                    "classifier head: " + "; ".join(
+                        part for part in (f"models {no_head} have no 'head'" if no_head else "",
+                                          f"models {no_labels} have no calibration.label_field" if no_labels else "")
+                        if part))
+        else:
+            with_head = [n for n, m in zip(names, self.models) if m.head is not None]
+            if with_head:
+                raise ValueError(f"models {with_head} name a 'head', which only output.metric: cross_entropy with "
+                                 f"pool: mean (a classification objective) reads")
         return self
 
     # ------------------------------------------------------------------ helpers
@@ -517,6 +549,8 @@ class MergeConfig(_Strict):
             src = m.prompts()
             if src is not None:
                 out.append((f"models[{name}].calibration", self.resolve(src.path)))
+            if m.head is not None:
+                out.append((f"models[{name}].head", self.resolve(m.head)))
         if self.tokenizer is not None:
             out.append(("tokenizer", self.resolve(self.tokenizer)))
         if self.output.matrix is not None:

@@ -97,13 +97,23 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     results, out = cli_run
     assert results["mode"] == "quick" and results["seed"] == 3
     assert set(results["methods"]) == ({f"qp_{m}" for m in QP_MODES} | set(BASELINES)
-                                       | {"auto", "auto_heads", "qp_atoms", "output_space"})
+                                       | {"auto", "auto_heads", "auto_labels", "qp_atoms", "output_space"})
     # auto through the stacked heads: another objective (the heads' logits), so other start scores
     heads, auto = results["methods"]["auto_heads"], results["methods"]["auto"]
     assert "stacked task heads" in heads["output"]
     scores = {c["label"]: c["validation"] for c in heads["start_selection"]["candidates"] if c.get("validation")}
     plain = {c["label"]: c["validation"] for c in auto["start_selection"]["candidates"] if c.get("validation")}
     assert scores and set(scores) == set(plain) and all(scores[c] != plain[c] for c in scores)
+    # auto on the calibration labels through each task's head: the classification loss chooses the
+    # start (output_space skipped: it fits the fine-tunes' outputs) and the trust region lowers it
+    labels = results["methods"]["auto_labels"]
+    assert "calibration labels" in labels["output"]
+    chosen = labels["start_selection"]
+    scored = {c["label"]: c["validation"] for c in chosen["candidates"] if c.get("validation")}
+    assert scored and chosen["chosen"] == min(scored, key=scored.get)
+    assert all("output_space" not in c for c in scored)
+    tr = labels["trust_region"]
+    assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
     # every baseline a feasible point: the optimum at or below each one's linearised objective
     (atoms,) = results["methods"]["qp_atoms"]["layers"]
     assert set(atoms["baselines"]) == {"regmean", "ties", "task_arithmetic"}
@@ -168,7 +178,7 @@ def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base,
     assert point["basis"] == "svd" and point["p"] == 1
     assert "sketch of 3 seeded Gaussian combinations" in results["compared_output"]
     methods = results["methods"]
-    assert set(methods) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto", "auto_heads", "qp_atoms", "output_space"}
+    assert set(methods) == {f"qp_{m}" for m in QP_MODES} | set(BASELINES) | {"auto", "auto_heads", "auto_labels", "qp_atoms", "output_space"}
     for mode in ("sequential", "joint"):  # two merged layers: run, not copied from the single QP
         assert "same_as" not in methods[f"qp_{mode}"]
         assert {r["layer"] for r in methods[f"qp_{mode}"]["layers"]} == {inter, LAYER}

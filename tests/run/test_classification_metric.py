@@ -1,0 +1,329 @@
+"""``output: {metric: cross_entropy, pool: mean}``: a classification objective. Each model names its
+task's classifier ``head`` (weight and bias on the pooled output) and its calibration prompts carry
+class labels (``label_field``); the objective is ``2 * sum`` of the prompts' classification negative
+log-likelihoods through their task's head, and each QP is its Gauss-Newton model at the current merge.
+
+References: the objective recomputed here from the pooled output and the heads; the statistics'
+value and gradient at two points against autograd of the exact loss through a float64 tiny BERT
+encoder; the trust region never ending above its start and certified; labels read from ``.jsonl``
+and from tensor files alike; configs and files that cannot work refused, naming what and where."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.config import load_config, parse_config  # noqa: E402
+from mergeqp.errors import ConfigError, ValidationError  # noqa: E402
+from mergeqp.lm import ClassifierHead, OutputSpec  # noqa: E402
+
+LAYERS = ["encoder.layer.1.intermediate.dense", "encoder.layer.1.output.dense"]
+CLASSES = (3, 4)  # per task
+OUTPUT = {"field": "last_hidden_state", "pool": "mean", "metric": "cross_entropy"}
+
+
+def _ce2(pooled, head, labels):
+    """``2 * sum`` over prompts of ``-log softmax(pooled W' + b)[label]``, written out here."""
+    w, b = head
+    lp = torch.log_softmax(pooled @ w.t() + b, -1)
+    return 2.0 * (-lp.gather(-1, labels[:, None])[:, 0]).sum()
+
+
+def _pooled(out, mask):
+    h = out.last_hidden_state
+    m = mask.to(h.dtype)[..., None]
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_hf, tmp_path_factory):
+    """A tiny BERT encoder (``BertModel``), two fine-tunes of its block 1, a head per task and
+    labelled prompts (``.jsonl``, label = a function of the prompt, so it is learnable)."""
+    from safetensors.torch import save_file
+    from transformers import BertModel
+
+    root = tmp_path_factory.mktemp("classify")
+    torch.manual_seed(0)
+    base = BertModel(tiny_hf.make_config("bert"), add_pooling_layer=False).eval()
+    with torch.no_grad():
+        for p in base.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.2)
+    base.save_pretrained(str(root / "base"))
+    tiny_hf.build_tokenizer(root / "base")
+    gen = torch.Generator().manual_seed(1)
+    models = []
+    for k, task in enumerate(["code", "math"]):
+        ft = BertModel.from_pretrained(str(root / "base"), add_pooling_layer=False)
+        with torch.no_grad():
+            for name, p in ft.named_parameters():
+                if name.startswith("encoder.layer.1."):
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.4 * max(float(p.std()), 0.05))
+        ft.save_pretrained(str(root / f"ft_{task}"))
+        C = CLASSES[k]
+        save_file({"weight": torch.randn(C, 16, generator=gen) * 0.5, "bias": torch.randn(C, generator=gen)},
+                  str(root / f"head_{task}.safetensors"))
+        texts = tiny_hf.sentences(task, 16, seed=k)
+        lines = [json.dumps({"text": s, "label": len(s.split()) % C}) for s in texts]
+        (root / f"{task}.jsonl").write_text("\n".join(lines) + "\n")
+        models.append({"name": task, "path": str(root / f"ft_{task}"), "head": str(root / f"head_{task}.safetensors"),
+                       "calibration": {"path": str(root / f"{task}.jsonl"), "label_field": "label"}})
+    return root, models
+
+
+def write(encoder, path, method, **extra):
+    import yaml
+
+    root, models = encoder
+    cfg = {"base": str(root / "base"), "models": models, "layers": LAYERS, "method": method,
+           "calibration": {"max_length": 12, "batch_size": 4, "holdout": 0}, "output": dict(OUTPUT),
+           "dtype": "float64", "device": "cpu", "evaluate": False}
+    cfg.update(extra)
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return load_config(path)
+
+
+def _heads(encoder):
+    from safetensors.torch import load_file
+
+    root, models = encoder
+    return [tuple(load_file(m["head"])[k].double() for k in ("weight", "bias")) for m in models]
+
+
+def test_statistics_are_the_gauss_newton_model_at_the_point(encoder, tmp_path):
+    """At the base and at a nonzero point, the joint QP's value is the exact classification objective
+    and its gradient the exact gradient (autograd through the encoder), scalar parametrisation,
+    two sites of one block."""
+    from torch.func import functional_call
+
+    from mergeqp.merge.firstorder import SiteAtoms, TaskTargets, collect_first_order
+    from mergeqp.merge.multilayer import QPSettings, WeightSource, make_parametrisation
+    from mergeqp.run.pipeline import load_model, prepare_tasks
+    from mergeqp.run.plan import build_plan
+
+    cfg = write(encoder, tmp_path / "c.yml", {"name": "qp", "mode": "joint", "parametrisation": "scalar"})
+    plan = build_plan(cfg)
+    spec = OutputSpec(field="last_hidden_state", pool="mean", metric="cross_entropy")
+    assert spec.classifies and spec.scores_data
+    tasks = prepare_tasks(plan, spec, OutputSpec(field="last_hidden_state", pool="mean"), torch.float64, "cpu",
+                          lambda m: None)
+    tt = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
+    assert [tb.head.classes for t in tt for tb in t.batches[:1]] == list(CLASSES)
+    assert all(tb.labels.shape == (tb.batch.size,) for t in tt for tb in t.batches)
+    model = load_model(plan.base, encoder[0] / "base", torch.float64, "cpu")
+    weights = WeightSource(plan.base, plan.finetuned)
+    qs = QPSettings(parametrisation="scalar")
+    atoms = [SiteAtoms(s, make_parametrisation(qs, s, weights.deltas(s)), weights.deltas(s)) for s in plan.sites]
+    params0 = {n: p.detach().clone() for n, p in model.named_parameters()}
+    heads = _heads(encoder)
+
+    def exact(d):
+        dt = torch.tensor(d, requires_grad=True)
+        params = {}
+        for j, a in enumerate(atoms):  # the residuals hold the bias as a last column
+            step = torch.einsum("k,krm->rm", dt[:, j], a.deltas)
+            params[a.site.name + ".weight"] = params0[a.site.name + ".weight"] + step[:, :-1]
+            params[a.site.name + ".bias"] = params0[a.site.name + ".bias"] + step[:, -1]
+        total = 0.0
+        for t, head in zip(tt, heads):
+            for tb in t.batches:
+                out = functional_call(model, params, (), tb.batch.inputs)
+                total = total + t.weight * _ce2(_pooled(out, tb.batch.mask), head, tb.labels)
+        (grad,) = torch.autograd.grad(total, dt)
+        return float(total.detach()), grad.numpy()
+
+    for d0 in (np.zeros((2, 2)), np.array([[0.4, -0.3], [0.6, 0.5]])):
+        value, grad = exact(d0)
+        now = []
+        with torch.no_grad():
+            for j, a in enumerate(atoms):
+                off = torch.einsum("k,krm->rm", torch.from_numpy(d0[:, j]), a.deltas)
+                live = dict(model.named_parameters())
+                live[a.site.name + ".weight"].copy_(params0[a.site.name + ".weight"] + off[:, :-1])
+                live[a.site.name + ".bias"].copy_(params0[a.site.name + ".bias"] + off[:, -1])
+                now.append(SiteAtoms(a.site, a.param, a.deltas, off if np.any(d0[:, j]) else None))
+        qp = collect_first_order(model, now, tt, spec, "cpu").problem()
+        assert qp.objective(d0) == pytest.approx(value, rel=1e-9)
+        assert np.allclose(qp.gradient(d0).reshape(2, 2), grad, rtol=1e-6, atol=1e-8 * np.abs(grad).max())
+        assert np.linalg.eigvalsh(qp.H).min() >= -1e-9 * np.abs(qp.H).max()
+
+
+def test_trust_region_merge_lowers_the_classification_loss(encoder, tmp_path):
+    """A YAML merge in trust-region mode from the soup: every QP certified, the reported objective
+    the exact ``2 * sum CE`` through the heads recomputed here, below the start's."""
+    from mergeqp.run.pipeline import run_merge
+
+    method = {"name": "qp", "mode": "trust_region", "parametrisation": "rows", "start": {"name": "soup"},
+              "mode_options": {"max_steps": 4}}
+    cfg = write(encoder, tmp_path / "tr.yml", method, evaluate=True)
+    res = run_merge(cfg, tmp_path / "out", progress=False)
+    rep = json.loads((res.out_dir / "report.json").read_text())
+    assert all(layer["certificate"]["certified"] for layer in rep["layers"])
+    tr = rep["trust_region"]
+    assert tr["n_accepted"] >= 1
+    assert tr["result"]["calibration_objective"] < tr["start"]["calibration_objective"]
+    root, models = encoder
+    from mergeqp.io.calibration import load_tokenizer, read_labelled_prompts, tokenize_batches
+
+    tok = load_tokenizer(root / "base")
+    total = 0.0
+    for m, head in zip(models, _heads(encoder)):
+        texts, labels = read_labelled_prompts(m["calibration"]["path"], "text", "label")
+        for b in tokenize_batches(tok, texts, 12, 4, labels):
+            with torch.no_grad():
+                out = res.model(**b.inputs)
+            total += float(_ce2(_pooled(out, b.mask).double(), head, b.labels))
+    assert tr["result"]["calibration_objective"] == pytest.approx(total, rel=1e-9)
+
+
+def test_auto_scores_its_candidates_by_the_classification_loss(encoder, tmp_path):
+    """``method: auto`` with the classification metric: the start is chosen by cross-validated
+    classification loss (output_space skipped: it fits the fine-tunes' outputs), then the trust
+    region; the result is no worse than the chosen start on the calibration objective."""
+    from mergeqp.run.pipeline import run_merge
+
+    cfg = write(encoder, tmp_path / "auto.yml", {"name": "auto"},
+                calibration={"max_length": 12, "batch_size": 2, "holdout": 0})
+    res = run_merge(cfg, tmp_path / "out", progress=False)
+    rep = json.loads((res.out_dir / "report.json").read_text())
+    sel = rep["start_selection"]
+    scored = [c for c in sel["candidates"] if c.get("validation") is not None]
+    assert len(scored) >= 3 and sel["chosen"] in [c["label"] for c in scored]
+    assert sel["chosen"] == min(scored, key=lambda c: c["validation"])["label"]
+    assert "fisher" in [c["label"] for c in scored]  # scored through the heads (the encoder has no logits)
+    skipped = {c["label"]: c.get("skipped", "") for c in sel["candidates"] if c.get("validation") is None}
+    assert any("output_space" in label and "fine-tunes' outputs" in why for label, why in skipped.items())
+    tr = rep["trust_region"]
+    assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
+
+
+def test_fisher_of_an_encoder_scores_its_task_head(encoder, tmp_path):
+    """With heads, the run layer's Fisher of a bare encoder is the classifier's: per prompt, the
+    squared gradient of ``log p(y | prompt)`` at the head's own prediction ``y`` on the pooled
+    output, averaged (recomputed here by autograd, one prompt at a time)."""
+    from mergeqp.io.calibration import unpadded_inputs
+    from mergeqp.run.pipeline import load_model, prepare_tasks, statistics_collector
+    from mergeqp.run.plan import build_plan
+
+    cfg = write(encoder, tmp_path / "f.yml", {"name": "fisher"})
+    plan = build_plan(cfg)
+    name = "encoder.layer.1.output.dense.weight"
+    collector = statistics_collector(plan, "fisher", {}, [name], lambda m: None)
+    spec = OutputSpec(field="last_hidden_state", pool="mean", metric="cross_entropy")
+    tasks = prepare_tasks(plan, spec, OutputSpec(field="last_hidden_state", pool="mean"), torch.float64, "cpu",
+                          lambda m: None)
+    model = load_model(plan.finetuned[0], encoder[0] / "base", torch.float64, "cpu")
+    batches = [tb.batch for tb in tasks[0].calibration]
+    collector(0, "code", model, batches)
+    got = collector.statistics[0][name]
+    assert "classifier head" in collector.summary()["labels"]
+    w, b = _heads(encoder)[0]
+    param = dict(model.named_parameters())[name].requires_grad_(True)
+    total, n = torch.zeros_like(param), 0
+    for inputs in unpadded_inputs(batches, 4):
+        for i in range(int(inputs["input_ids"].shape[0])):
+            one = {k: v[i:i + 1] for k, v in inputs.items()}
+            logits = model(**one).last_hidden_state.mean(dim=1) @ w.t() + b
+            logp = torch.log_softmax(logits, -1)[0]
+            (g,) = torch.autograd.grad(logp[int(logits.argmax())], param)
+            total += g.detach() ** 2
+            n += 1
+    assert n == sum(bt.size for bt in batches)
+    assert torch.allclose(got, total / n, rtol=1e-8, atol=1e-12 * float((total / n).abs().max()))
+
+
+def test_labels_from_a_tensor_file(encoder, tmp_path):
+    """Ready inputs (``.safetensors``) with a label tensor: taken out of the model's inputs, the same
+    objective as the same prompts from ``.jsonl``."""
+    from safetensors.torch import save_file
+
+    from mergeqp.io.calibration import load_tokenizer, read_labelled_prompts, tokenize_batches
+    from mergeqp.run.pipeline import prepare_tasks
+    from mergeqp.run.plan import build_plan
+
+    root, models = encoder
+    tok = load_tokenizer(root / "base")
+    tensor_models = []
+    for m in models:
+        texts, labels = read_labelled_prompts(m["calibration"]["path"], "text", "label")
+        (b,) = tokenize_batches(tok, texts, 12, len(texts), labels)
+        path = tmp_path / f"{m['name']}.safetensors"
+        save_file({**{k: v.contiguous() for k, v in b.inputs.items()}, "y": b.labels}, str(path))
+        tensor_models.append({**m, "calibration": {"path": str(path), "label_field": "y"}})
+    spec = OutputSpec(field="last_hidden_state", pool="mean", metric="cross_entropy")
+    method = {"name": "qp", "mode": "single", "parametrisation": "scalar"}
+    objectives = []
+    for ms in (models, tensor_models):
+        cfg = write(encoder, tmp_path / "t.yml", method, models=ms,
+                    calibration={"max_length": 12, "batch_size": 16, "holdout": 0})
+        tasks = prepare_tasks(build_plan(cfg), spec, OutputSpec(field="last_hidden_state", pool="mean"),
+                              torch.float64, "cpu", lambda m: None)
+        assert all("y" not in tb.batch.inputs for t in tasks for tb in t.calibration)
+        from mergeqp.lm import squared_error
+        from mergeqp.run.pipeline import load_model
+
+        model = load_model(build_plan(cfg).base, root / "base", torch.float64, "cpu")
+        objectives.append([squared_error(model, t.calibration, spec, "cpu")[0] for t in tasks])
+    assert objectives[1] == pytest.approx(objectives[0], rel=1e-12)
+
+
+def test_classification_configs_that_cannot_work_are_refused(encoder, tmp_path):
+    """Each refused before any weight is loaded (or, for a head reading the wrong width, at the first
+    batch), with a message naming the model and what is wrong."""
+    from mergeqp.run.pipeline import run_merge
+    from mergeqp.run.plan import build_plan
+
+    root, models = encoder
+    minimal = {"base": "b", "layers": "m.*", "output": dict(OUTPUT)}
+    no_head = [{"path": "x", "calibration": {"path": "c.jsonl", "label_field": "label"}}]
+    no_labels = [{"path": "x", "head": "h.safetensors", "calibration": "c.jsonl"}]
+    with pytest.raises(ConfigError, match=r"models \['x'\] have no 'head'"):
+        parse_config({**minimal, "models": no_head})
+    with pytest.raises(ConfigError, match="no calibration.label_field"):
+        parse_config({**minimal, "models": no_labels})
+    with pytest.raises(ConfigError, match="only output.metric: cross_entropy with pool: mean"):
+        parse_config({**minimal, "models": no_labels, "output": {"metric": "cross_entropy"}})
+    with pytest.raises(ConfigError, match="takes restrict: none"):
+        parse_config({**minimal, "models": no_labels, "output": {**OUTPUT, "restrict": "topk", "k": 2}})
+
+    method = {"name": "qp", "mode": "single", "parametrisation": "scalar"}
+    bad_label = tmp_path / "bad_label.jsonl"
+    bad_label.write_text(json.dumps({"text": "x y", "label": 7}) + "\n")
+    not_int = tmp_path / "not_int.jsonl"
+    not_int.write_text(json.dumps({"text": "x y", "label": "cat"}) + "\n")
+    txt = tmp_path / "plain.txt"
+    txt.write_text("x y\n")
+    no_bias_rows = tmp_path / "head_bad.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"weights": torch.zeros(3, 16)}, str(no_bias_rows))
+    cases = [
+        ({"calibration": {"path": str(bad_label), "label_field": "label"}}, r"models\[code\].calibration: class label 7 but the head has 3"),
+        ({"calibration": {"path": str(not_int), "label_field": "label"}}, r"label 'label' is 'cat': a class index"),
+        ({"calibration": {"path": str(txt), "label_field": "label"}}, r"need a \.jsonl or \.json file"),
+        ({"head": str(no_bias_rows)}, r"models\[code\].head: .* has no tensor 'weight' \(tensors: \['weights'\]\)"),
+    ]
+    for change, words in cases:
+        ms = [{**models[0], **change}, models[1]]
+        with pytest.raises(ConfigError, match=words):
+            build_plan(write(encoder, tmp_path / "bad.yml", method, models=ms))
+    narrow = tmp_path / "head_narrow.safetensors"
+    save_file({"weight": torch.zeros(3, 5)}, str(narrow))
+    cfg = write(encoder, tmp_path / "narrow.yml", method, models=[{**models[0], "head": str(narrow)}, models[1]])
+    with pytest.raises(ValidationError, match=r"reads 5 features but the pooled output has shape \(4, 16\)"):
+        run_merge(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_classifier_head_checks():
+    with pytest.raises(ValidationError, match="classes >= 2"):
+        ClassifierHead.of(torch.zeros(1, 4))
+    with pytest.raises(ValidationError, match="bias has 2 entries for 3 classes"):
+        ClassifierHead.of(torch.zeros(3, 4), torch.zeros(2))
+    head = ClassifierHead.of(torch.ones(3, 2), torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(head.logits(torch.tensor([[1.0, 2.0]])), torch.tensor([[3.0, 4.0, 5.0]]))

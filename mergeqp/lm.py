@@ -419,6 +419,27 @@ class ClassifierHead:
         return x if self.bias is None else x + self.bias.to(device=pooled.device, dtype=pooled.dtype)
 
 
+def classification_metrics(model: Any, batches: Sequence[TargetBatch], head: ClassifierHead, spec: OutputSpec,
+                           device: Any) -> tuple[float, float] | None:
+    """``(accuracy, cross-entropy in nats)`` per prompt of ``head`` on the model's pooled ``spec``
+    output over the prompts of ``batches`` that carry class labels (``None`` when none does)."""
+    import torch
+
+    correct = total = 0
+    nll = 0.0
+    for tb in batches:
+        if tb.batch.labels is None:
+            continue
+        labels = class_labels(tb.batch, head, "held-out batch")
+        raw = spec.raw(forward(model, tb.batch, device))
+        logits = head.logits(spec.select(raw, None if tb.batch.mask is None else tb.batch.mask.to(raw.device)))
+        logits = logits.to("cpu", torch.float64)
+        correct += int((logits.argmax(dim=-1) == labels).sum())
+        nll += float(token_nll(logits, labels).sum())
+        total += int(labels.numel())
+    return (correct / total, nll / total) if total else None
+
+
 def head_log_likelihood(head: ClassifierHead, spec: OutputSpec) -> Any:
     """``log_likelihood(model_output, targets)`` of a classifier that reads the model's pooled
     ``spec.field`` through ``head``: ``sum log softmax(head(mean over positions))[y]`` with ``y`` the

@@ -175,10 +175,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Evaluation", "",
                   ("Calibration objective (sum of squared compared-output errors) and held-out teacher-forced "
                    "MSE per logit against each task's fine-tuned model (KL: mean KL from the fine-tune's "
-                   "next-token distribution per real token; CE: next-token cross-entropy; nats)."), ""]
+                   "next-token distribution per real token; CE: next-token cross-entropy, or for classifiers "
+                   "the class cross-entropy per prompt; Acc: accuracy of each task's head; nats)."), ""]
         tasks = sorted({t for v in ev.values() if isinstance(v, dict) for t in v.get("heldout_mse", {})})
         columns = [(key, label, t) for key, label in (("heldout_mse", "MSE"), ("heldout_kl", "KL"),
-                                                      ("heldout_cross_entropy", "CE"))
+                                                      ("heldout_cross_entropy", "CE"), ("heldout_accuracy", "Acc"))
                    if any(isinstance(v, dict) and v.get(key) for v in ev.values()) for t in tasks]
         lines.append("| model | calibration J | " + " | ".join(f"{label} {t}" for _, label, t in columns) + " |")
         lines.append("|---|---|" + "---|" * len(columns))

@@ -63,6 +63,7 @@ from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, 
 from ..lm import (
     OutputSpec,
     TargetBatch,
+    classification_metrics,
     head_log_likelihood,
     squared_error,
     teacher_forced_metrics,
@@ -243,6 +244,8 @@ class TaskData:
     weight: float
     calibration: list[TargetBatch]
     heldout: list[TargetBatch]
+    #: the task's classifier head (:class:`mergeqp.lm.ClassifierHead`; ``None`` unless the config names one)
+    head: Any = None
 
 
 def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], list[Any]]:
@@ -320,7 +323,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         if targets:
             log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
                 f"({time.perf_counter() - t:.1f} s)")
-        tasks.append(TaskData(name, entry.weight, calib_targets, held_targets))
+        tasks.append(TaskData(name, entry.weight, calib_targets, held_targets, plan.heads[i] if plan.heads else None))
         counts.append(sum(tb.count for tb in calib_targets))
     if cfg.calibration.balance == "tokens" and targets:  # without targets there is no objective to weigh
         tasks = balanced(tasks, counts)
@@ -350,13 +353,21 @@ def heldout_metrics(model: Any, tasks: Sequence[TaskData], eval_spec: OutputSpec
     """On each task's held-out prompts: ``heldout_mse`` (teacher-forced MSE per logit of real
     tokens) and, where the output is logits, ``heldout_kl`` (mean KL from the fine-tune's
     distribution per real token, nats) and ``heldout_cross_entropy`` (next-token, nats), each
-    ``{task: value}``, whatever the objective's metric."""
+    ``{task: value}``, whatever the objective's metric; for a task with a classifier head and
+    labelled prompts, ``heldout_accuracy`` and ``heldout_cross_entropy`` of its head instead (per
+    prompt, nats)."""
     measured = {t.name: teacher_forced_metrics(model, t.heldout, eval_spec, device) for t in tasks if t.heldout}
     out: dict[str, Any] = {"heldout_mse": {name: m.mse for name, m in measured.items()}}
     for key, attr in (("heldout_kl", "kl"), ("heldout_cross_entropy", "cross_entropy")):
         values = {name: getattr(m, attr) for name, m in measured.items() if getattr(m, attr) is not None}
         if values:
             out[key] = values
+    classified = {t.name: classification_metrics(model, t.heldout, t.head, eval_spec, device)
+                  for t in tasks if t.heldout and t.head is not None}
+    classified = {name: v for name, v in classified.items() if v is not None}
+    if classified:  # classifiers: each task's head on its held-out labelled prompts
+        out["heldout_accuracy"] = {name: v[0] for name, v in classified.items()}
+        out["heldout_cross_entropy"] = {name: v[1] for name, v in classified.items()}
     return out
 
 

@@ -19,7 +19,8 @@ class ModelEvaluation:
     """One model's evaluation: the calibration objective ``sum_t w_t sum_j ||h_j - y_j||^2`` (compared
     output, squared units of the output) and the held-out teacher-forced MSE per task (per logit);
     for logits also the held-out mean KL from the fine-tune per real token and the next-token
-    cross-entropy per predicted token (nats; ``None`` where not measured). ``method`` / ``params`` / ``seconds`` / ``statistics`` describe a baseline (hybrid start or
+    cross-entropy per predicted token (nats; ``None`` where not measured); for classifiers (a head per
+    task and labelled prompts) the held-out accuracy and the classification cross-entropy per prompt. ``method`` / ``params`` / ``seconds`` / ``statistics`` describe a baseline (hybrid start or
     baseline merge) when the evaluated model is one."""
 
     calibration_objective: float
@@ -30,6 +31,7 @@ class ModelEvaluation:
     statistics: Mapping[str, Any] | None = None
     heldout_kl: Mapping[str, float] | None = None
     heldout_cross_entropy: Mapping[str, float] | None = None
+    heldout_accuracy: Mapping[str, float] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -43,6 +45,8 @@ class ModelEvaluation:
             out["heldout_kl"] = dict(self.heldout_kl)
         if self.heldout_cross_entropy is not None:
             out["heldout_cross_entropy"] = dict(self.heldout_cross_entropy)
+        if self.heldout_accuracy is not None:
+            out["heldout_accuracy"] = dict(self.heldout_accuracy)
         if self.seconds is not None:
             out["seconds"] = self.seconds
         if self.statistics is not None:

@@ -160,7 +160,8 @@ def test_trust_region_merge_lowers_the_classification_loss(encoder, tmp_path):
 
     method = {"name": "qp", "mode": "trust_region", "parametrisation": "rows", "start": {"name": "soup"},
               "mode_options": {"max_steps": 4}}
-    cfg = write(encoder, tmp_path / "tr.yml", method, evaluate=True)
+    cfg = write(encoder, tmp_path / "tr.yml", method, evaluate=True,
+                calibration={"max_length": 12, "batch_size": 4, "holdout": 4})
     res = run_merge(cfg, tmp_path / "out", progress=False)
     rep = json.loads((res.out_dir / "report.json").read_text())
     assert all(layer["certificate"]["certified"] for layer in rep["layers"])
@@ -170,15 +171,29 @@ def test_trust_region_merge_lowers_the_classification_loss(encoder, tmp_path):
     root, models = encoder
     from mergeqp.io.calibration import load_tokenizer, read_labelled_prompts, tokenize_batches
 
+    from mergeqp.io.calibration import split_holdout
+
     tok = load_tokenizer(root / "base")
     total = 0.0
-    for m, head in zip(models, _heads(encoder)):
+    merged = rep["evaluation"]["merged"]
+    for index, (m, head) in enumerate(zip(models, _heads(encoder))):
         texts, labels = read_labelled_prompts(m["calibration"]["path"], "text", "label")
-        for b in tokenize_batches(tok, texts, 12, 4, labels):
-            with torch.no_grad():
-                out = res.model(**b.inputs)
-            total += float(_ce2(_pooled(out, b.mask).double(), head, b.labels))
+        calib, held = split_holdout(list(zip(texts, labels)), 4, cfg.seed + index)
+        for part, pairs in (("calibration", calib), ("held-out", held)):
+            correct, nll = 0, 0.0
+            for b in tokenize_batches(tok, [x for x, _ in pairs], 12, 4, [y for _, y in pairs]):
+                with torch.no_grad():
+                    pooled = _pooled(res.model(**b.inputs), b.mask).double()
+                if part == "calibration":
+                    total += float(_ce2(pooled, head, b.labels))
+                else:  # the report's held-out accuracy and class cross-entropy of the task's head
+                    logits = pooled @ head[0].t() + head[1]
+                    correct += int((logits.argmax(-1) == b.labels).sum())
+                    nll += float(_ce2(pooled, head, b.labels)) / 2
+        assert merged["heldout_accuracy"][m["name"]] == pytest.approx(correct / len(held))
+        assert merged["heldout_cross_entropy"][m["name"]] == pytest.approx(nll / len(held), rel=1e-9)
     assert tr["result"]["calibration_objective"] == pytest.approx(total, rel=1e-9)
+    assert "Acc code" in (res.out_dir / "report.md").read_text()
 
 
 def test_auto_scores_its_candidates_by_the_classification_loss(encoder, tmp_path):

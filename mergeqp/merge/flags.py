@@ -24,18 +24,24 @@ def heldout_regression_notes(evaluation: Mapping[str, Any]) -> list[str]:
     """Notes for every task whose held-out MSE is higher (worse) for the merged model than for
     the base, and for a calibration objective that rose. ``evaluation``: the report's
     ``{"base": {"heldout_mse": {task: mse}, "calibration_objective": J}, "merged": {...}}``
-    (MSE per logit, objective in units of squared output). Missing entries give no note."""
+    (MSE per logit, objective in units of squared output). For classifiers (``heldout_accuracy``
+    of each task's head in both) the held-out accuracy is compared instead of the MSE: lower is
+    worse. Missing entries give no note."""
     base, merged = evaluation.get("base") or {}, evaluation.get("merged") or {}
     notes: list[str] = []
-    b_mse, m_mse = base.get("heldout_mse") or {}, merged.get("heldout_mse") or {}
+    if base.get("heldout_accuracy") and merged.get("heldout_accuracy"):
+        key, what, sign = "heldout_accuracy", "held-out accuracy is lower", -1.0
+    else:
+        key, what, sign = "heldout_mse", "held-out MSE is higher", 1.0
+    b_val, m_val = base.get(key) or {}, merged.get(key) or {}
     worse = []
-    for task, b in b_mse.items():
-        bv, mv = _finite(b), _finite(m_mse.get(task))
-        if bv is not None and mv is not None and mv > bv:
+    for task, b in b_val.items():
+        bv, mv = _finite(b), _finite(m_val.get(task))
+        if bv is not None and mv is not None and sign * (mv - bv) > 0:
             worse.append(f"{task} {bv:.4g} -> {mv:.4g}")
     if worse:
-        notes.append(f"WORSE THAN THE BASE: the merged model's held-out MSE is higher than the base model's "
-                     f"on {len(worse)} of {len(b_mse)} task(s): {'; '.join(worse)}")
+        notes.append(f"WORSE THAN THE BASE: the merged model's {what} than the base model's "
+                     f"on {len(worse)} of {len(b_val)} task(s): {'; '.join(worse)}")
     bj, mj = _finite(base.get("calibration_objective")), _finite(merged.get("calibration_objective"))
     if bj is not None and mj is not None and mj > bj:
         notes.append(f"WORSE THAN THE BASE: the merged model's calibration objective is higher than the base "

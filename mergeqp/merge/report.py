@@ -92,6 +92,11 @@ def render_markdown(report: dict[str, Any]) -> str:
                      f"regularisation {method.get('regularisation')}")
         out = plan.get("output", {})
         restrict = "all logits" if out.get("restrict") == "none" else f"{out.get('restrict')} (k = {out.get('k')})"
+        if out.get("metric", "euclidean") != "euclidean":
+            restrict += f", metric `{out['metric']}`"
+        if out.get("pool", "none") != "none":
+            restrict += f", pooled `{out['pool']}`" + (" (class labels through each model's head)"
+                                                      if out.get("metric") == "cross_entropy" else "")
         lines.append(f"- compared output: `{out.get('field')}`, {restrict}; device `{report.get('device')}`, "
                      f"dtype `{plan.get('dtype')}`")
     else:

@@ -189,9 +189,7 @@ class MergePlan:
                              f"positions (r JVPs per batch), residual energy restricted to its range; Jacobian cap "
                              f"{m.basis_max_size}")
             o = cfg.output
-            restrict = ("all logits" if o.restrict == "none" else f"through the matrix in {o.matrix}"
-                        if o.matrix is not None else f"{o.restrict} k={o.k}")
-            lines.append(f"  compared output: {o.field} ({restrict}), targets: fine-tuned models, teacher forced")
+            lines.append(f"  compared output: {o.describe()}")
             if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
                 lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {o.sketch or 'none'}, "
                              f"jacobian_mode {m.jacobian_mode}")

@@ -392,6 +392,20 @@ class OutputConfig(_Strict):
     pool: Literal["none", "mean"] = "none"
     matrix: str | None = None
 
+    def describe(self) -> str:
+        """One line on what the objective compares (the plan and the report print it)."""
+        if self.metric == "cross_entropy" and self.pool != "none":
+            return (f"class labels of the prompts through each model's head on the mean-pooled {self.field} "
+                    f"(classification cross-entropy; Gauss-Newton model at the current merge)")
+        restrict = ("all entries" if self.restrict == "none" else f"through the matrix in {self.matrix}"
+                    if self.matrix is not None else f"{self.restrict} k={self.k}")
+        if self.metric == "cross_entropy":
+            return (f"the prompts' own next tokens, {self.field} ({restrict}) (next-token cross-entropy; "
+                    f"Gauss-Newton model at the current merge)")
+        pooled = ", mean-pooled per prompt" if self.pool != "none" else ""
+        return (f"{self.field} ({restrict}{pooled}), metric {self.metric}, targets: fine-tuned models, "
+                f"teacher forced")
+
     @property
     def fold_head_flag(self) -> bool | None:
         """``fold_head`` as :class:`mergeqp.lm.OutputSpec` takes it (``None`` for ``auto``)."""

@@ -50,3 +50,11 @@ def test_report_files_land_inside_the_model_folder(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert rep["output"]["folder"] == str(out) and rep["output"]["weight_files"] == ["model.safetensors"]
     assert (out / "report.md").read_text().startswith("# mergeqp merge report")
+
+
+def test_classifiers_are_flagged_by_accuracy_not_mse():
+    """With each task's held-out accuracy, a lower accuracy is worse; a higher MSE to the fine-tunes is not."""
+    evaluation = {"base": {"heldout_mse": {"a": 1.0, "b": 1.0}, "heldout_accuracy": {"a": 0.5, "b": 0.9}},
+                  "merged": {"heldout_mse": {"a": 3.0, "b": 3.0}, "heldout_accuracy": {"a": 0.75, "b": 0.8}}}
+    (note,) = heldout_regression_notes(evaluation)
+    assert "held-out accuracy is lower" in note and "on 1 of 2 task(s): b 0.9 -> 0.8" in note and "MSE" not in note

@@ -431,9 +431,7 @@ def classification_metrics(model: Any, batches: Sequence[TargetBatch], head: Cla
         if tb.batch.labels is None:
             continue
         labels = class_labels(tb.batch, head, "held-out batch")
-        raw = spec.raw(forward(model, tb.batch, device))
-        logits = head.logits(spec.select(raw, None if tb.batch.mask is None else tb.batch.mask.to(raw.device)))
-        logits = logits.to("cpu", torch.float64)
+        logits = head_logits(spec, head, tb.batch, forward(model, tb.batch, device)).to("cpu", torch.float64)
         correct += int((logits.argmax(dim=-1) == labels).sum())
         nll += float(token_nll(logits, labels).sum())
         total += int(labels.numel())
@@ -490,11 +488,16 @@ def label_targets(batches: Sequence[Batch], head: ClassifierHead | None = None) 
 def data_logits(spec: OutputSpec, tb: TargetBatch, model_output: Any) -> Any:
     """The logits that a data metric scores: the model's next-token logits, or for a
     classification the task head's class logits ``(B, C)`` of the masked, mean-pooled output."""
-    raw = spec.raw(model_output)
     if tb.head is None:
-        return raw
-    mask = None if tb.batch.mask is None else tb.batch.mask.to(raw.device)
-    return tb.head.logits(spec.select(raw, mask))
+        return spec.raw(model_output)
+    return head_logits(spec, tb.head, tb.batch, model_output)
+
+
+def head_logits(spec: OutputSpec, head: ClassifierHead, batch: Batch, model_output: Any) -> Any:
+    """``head``'s class logits ``(B, C)`` of the model's ``spec`` output on ``batch``, masked and
+    mean-pooled over the batch's real positions."""
+    raw = spec.raw(model_output)
+    return head.logits(spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device)))
 
 
 def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any,

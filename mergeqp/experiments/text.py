@@ -408,7 +408,7 @@ class _Run:
         shutil.rmtree(out, ignore_errors=True)
         entry = {"method": method, "seconds": seconds, "layers": layers_summary(report), **self.evaluate(tensors)}
         for key in ("start_selection", "trust_region"):  # method auto: how its start and its steps were chosen
-            if key in report and (method.get("name") == "auto" or (method.get("start") or {}).get("name") == "auto"):
+            if key in report and method.get("name") == "auto":
                 entry[key] = report[key]
         self.log(f"{label}: test accuracy {entry['test']['mean']['accuracy']:.4f}, "
                  f"MSE {entry['test']['mean']['mse']:.4g} ({seconds:.0f} s)")

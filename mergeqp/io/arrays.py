@@ -14,15 +14,22 @@ from ..errors import BadDataError, ValidationError
 MATRIX_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".txt", ".csv")
 
 
-def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
-    """The 2-D float64 array in ``path`` (formats above); an unreadable file, another shape or a
-    non-finite entry is an error naming ``what`` and the file."""
+def _named_file(path: str | Path, what: str, suffixes: tuple[str, ...], hint: str = "") -> tuple[Path, str]:
+    """``(path, lower-case suffix)`` of an existing file with one of ``suffixes``, else an error
+    naming ``what`` and the file."""
     p = Path(path)
     if not p.is_file():
         raise ValidationError(f"{what}: file not found: {p}")
     ext = p.suffix.lower()
-    if ext not in MATRIX_SUFFIXES:
-        raise ValidationError(f"{what}: {p} is not one of {', '.join(MATRIX_SUFFIXES)}")
+    if ext not in suffixes:
+        raise ValidationError(f"{what}: {p} is not one of {', '.join(suffixes)}{hint}")
+    return p, ext
+
+
+def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
+    """The 2-D float64 array in ``path`` (formats above); an unreadable file, another shape or a
+    non-finite entry is an error naming ``what`` and the file."""
+    p, ext = _named_file(path, what, MATRIX_SUFFIXES)
     try:
         if ext == ".npz":
             with np.load(p, allow_pickle=False) as data:
@@ -68,12 +75,7 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
     """``(weight, bias)`` of a linear classifier head stored as named tensors ``weight``
     (``(classes, features)``) and optionally ``bias`` (``(classes,)``), float64; anything else is an
     error naming ``what`` and the file."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValidationError(f"{what}: file not found: {p}")
-    ext = p.suffix.lower()
-    if ext not in HEAD_SUFFIXES:
-        raise ValidationError(f"{what}: {p} is not one of {', '.join(HEAD_SUFFIXES)} (named tensors weight, bias)")
+    p, ext = _named_file(path, what, HEAD_SUFFIXES, " (named tensors weight, bias)")
     try:
         if ext == ".npz":
             with np.load(p, allow_pickle=False) as data:

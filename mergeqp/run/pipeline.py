@@ -300,8 +300,8 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         t = time.perf_counter()
         loaded = load_lazy(ck, base_folder, dtype, device, every_block) if lazy is not None else None
         model = loaded.model if loaded is not None else load_model(ck, base_folder, dtype, device)
+        head = plan.heads[i] if plan.heads else None
         try:
-            head = plan.heads[i] if plan.heads else None
             calib_targets = teacher_forced_targets(model, calib, spec, device, head) if targets else []
             held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
             if visit is not None:
@@ -323,7 +323,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         if targets:
             log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
                 f"({time.perf_counter() - t:.1f} s)")
-        tasks.append(TaskData(name, entry.weight, calib_targets, held_targets, plan.heads[i] if plan.heads else None))
+        tasks.append(TaskData(name, entry.weight, calib_targets, held_targets, head))
         counts.append(sum(tb.count for tb in calib_targets))
     if cfg.calibration.balance == "tokens" and targets:  # without targets there is no objective to weigh
         tasks = balanced(tasks, counts)

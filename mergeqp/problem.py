@@ -289,16 +289,17 @@ class MergeQP:
             )
 
     # ------------------------------------------------------------------ algebra
-    def flat(self, d: np.ndarray) -> np.ndarray:
-        """Validate ``d`` (``(K, n_atoms)`` or ``(n,)``) and return it flattened, float64."""
-        d = as_float_array(d, "d")
+    def flat(self, d: np.ndarray, name: str = "d") -> np.ndarray:
+        """Validate ``d`` (``(K, n_atoms)`` or ``(n,)``) and return it flattened, float64; errors
+        call it ``name`` (e.g. ``x0`` for a warm start)."""
+        d = as_float_array(d, name)
         if d.shape == self.shape:
             d = d.reshape(-1)
         elif d.shape != (self.n,):
             raise ValidationError(
-                f"d must have shape {self.shape} (models x atoms) or ({self.n},), got {d.shape}"
+                f"{name} must have shape {self.shape} (models x atoms) or ({self.n},), got {d.shape}"
             )
-        check_finite("d", d)
+        check_finite(name, d)
         return d
 
     def unflat(self, x: np.ndarray) -> np.ndarray:

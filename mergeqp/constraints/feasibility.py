@@ -59,7 +59,7 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
     if bad.size:
         k, a = (int(i) for i in bad[0])
         raise InfeasibleError(f"{box_label} is empty: at d[{k}, {a}] the bounds give "
-                              f"[{lo[k, a]:g}, {hi[k, a]:g}]")
+                              f"[{lo[k, a]:.10g}, {hi[k, a]:.10g}]")
     for simplex, st in ((s, st) for s, st in parts if st is not None and st.group is not None):
         _check_sum(simplex.spec, st, lo, hi, box_label)
     for ball, st in ((s, st) for s, st in parts if st is not None and st.center is not None):
@@ -68,7 +68,7 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
         dist = float(np.sum(np.maximum(lo - c, 0.0) + np.maximum(c - hi, 0.0)))
         if boxes and dist > st.radius * (1 + 1e-12):
             raise InfeasibleError(f"{box_label} & {ball.spec} is empty: the box is at L1 distance "
-                                  f"{dist:g} from the ball's centre, more than the radius {st.radius:g}")
+                                  f"{dist:.10g} from the ball's centre, more than the radius {st.radius:.10g}")
     if len(boxes) == len(members) or (constraints.has_projection and constraints.structure(shape) is not None):
         return  # the closed-form checks above are exact for these
     polyhedral = all(s.polyhedral for s in members)
@@ -100,7 +100,7 @@ def _check_sum(spec: str, st: SetStructure, lo: np.ndarray, hi: np.ndarray, box_
     neg = np.argwhere(lo0 > hi)
     if neg.size:
         k, a = (int(i) for i in neg[0])
-        raise InfeasibleError(f"{pair} is empty: the box's upper bound {hi[k, a]:g} < 0 at d[{k}, {a}] "
+        raise InfeasibleError(f"{pair} is empty: the box's upper bound {hi[k, a]:.10g} < 0 at d[{k}, {a}] "
                               f"but the simplex needs d >= 0")
     lo_sum = np.bincount(st.group, lo0.ravel(), minlength=st.totals.size)
     hi_sum = np.bincount(st.group, hi.ravel(), minlength=st.totals.size)
@@ -111,5 +111,5 @@ def _check_sum(spec: str, st: SetStructure, lo: np.ndarray, hi: np.ndarray, box_
         i = int(bad_sum[0])
         raise InfeasibleError(
             f"{pair} is empty: at {where.format(i)} the box allows sums in "
-            f"[{lo_sum[i]:g}, {hi_sum[i]:g}] but the simplex needs {total:g}"
+            f"[{lo_sum[i]:.10g}, {hi_sum[i]:.10g}] but the simplex needs {total:.10g}"
         )

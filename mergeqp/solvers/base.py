@@ -36,6 +36,9 @@ class QPSolver(ABC):
     name: str = ""
     #: option name -> default; unknown options are an error that lists these
     defaults: Mapping[str, Any] = {}
+    #: numeric options that must be > 0 (``inf`` allowed: e.g. a time limit), checked by
+    #: :meth:`check_options` so that a bad value is refused before the solver's own library sees it
+    positive: tuple[str, ...] = ()
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         bad = sorted(set(options) - set(self.defaults))
@@ -61,6 +64,9 @@ class QPSolver(ABC):
                 raise ValidationError(
                     f"{self.name}: solver option {key!r} must be {kind} (default {default!r}), got {value!r}"
                 )
+            if key in self.positive and not float(value) > 0:
+                raise ValidationError(f"{self.name}: option {key}={value!r} is out of range: it must be > 0 "
+                                      f"(default {default!r})")
         return {**self.defaults, **options}
 
     def check_ranges(self, opts: Mapping[str, Any], rules: Mapping[str, Any]) -> None:

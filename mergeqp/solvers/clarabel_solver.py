@@ -37,6 +37,7 @@ class ClarabelSolver(StandardFormSolver):
     defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
                 "direct_solve_method": "faer", "presolve_enable": True, "verbose": False,
                 "time_limit": math.inf}
+    positive = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "time_limit")
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

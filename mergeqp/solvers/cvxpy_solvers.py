@@ -87,6 +87,7 @@ class CvxpyClarabelSolver(_CvxpySolver):
     backend = "CLARABEL"
     defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
                 "direct_solve_method": "faer", "verbose": False}
+    positive = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter")
 
 
 class CvxpyOSQPSolver(_CvxpySolver):
@@ -94,3 +95,4 @@ class CvxpyOSQPSolver(_CvxpySolver):
     backend = "OSQP"
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "max_iter": 100000, "polishing": True,
                 "verbose": False}
+    positive = ("eps_abs", "eps_rel", "max_iter")

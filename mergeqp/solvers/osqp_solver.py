@@ -33,6 +33,7 @@ class OSQPSolver(StandardFormSolver):
     package = "osqp"
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100000,
                 "adaptive_rho": True, "scaling": 10, "verbose": False, "time_limit": 1e10}
+    positive = ("eps_abs", "eps_rel", "max_iter", "time_limit")
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

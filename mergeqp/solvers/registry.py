@@ -12,6 +12,7 @@ import numpy as np
 from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify, reuse_linear_minimum
 from ..constraints import ConstraintSet, as_constraint_set, check_feasible
 from ..errors import (
+    InfeasibleError,
     MergeQPError,
     SolverError,
     UnboundedError,
@@ -130,17 +131,20 @@ def solve(
         if why is not None:
             raise UnsupportedError(f"solver {chosen.name!r} cannot solve this problem: {why}")
     if x0 is not None:
-        x0 = problem.flat(x0).reshape(problem.shape)
+        x0 = problem.flat(x0, "x0 (the warm start)").reshape(problem.shape)
     setup = time.perf_counter() - t0
     fallback = solver == "auto" and certify_result and not options
     try:
-        sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options, pinv)
+        sol = _run(chosen, problem, cset, x0, certify_result, rel_tol, feas_tol, setup, options, pinv,
+                   checked=check_feasibility)
     except SolverError as exc:
         if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
-        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv)
+        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
+                              check_feasibility)
     if fallback and not _settled(sol, rel_tol, abs_tol):
-        sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv)
+        sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
+                             check_feasibility)
     return _with_abs_tol(sol, abs_tol)
 
 
@@ -155,12 +159,21 @@ def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:
 
 def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray | None,
          certify_result: bool, rel_tol: float, feas_tol: float, setup: float,
-         options: dict[str, Any], pinv: bool | None = False) -> Solution:
-    """One solver's solve, checked and certified."""
+         options: dict[str, Any], pinv: bool | None = False, checked: bool = False) -> Solution:
+    """One solver's solve, checked and certified. ``checked``: the set was shown non-empty before
+    (:func:`check_feasible`), so a solver's claim that it is empty is its numerics, not a proof:
+    a :class:`SolverError` (which ``auto`` falls back from), not an :class:`InfeasibleError`."""
     t1 = time.perf_counter()
     with reuse_linear_minimum():  # (a solver that certified its own point: one LP, not two)
         try:
             raw = chosen.solve(problem, cset, x0=x0, **options)
+        except InfeasibleError as exc:
+            if not checked:
+                raise
+            raise SolverError(
+                f"{exc}; but the set was shown non-empty before the solve (its closed form or an LP), so this "
+                f"is {chosen.name}'s numerics on this problem (max |g| {float(np.max(np.abs(problem.g), initial=0.0)):.3g}): "
+                f"rescale H and g, or try another solver") from exc
         except MergeQPError:
             raise
         except Exception as exc:
@@ -206,7 +219,8 @@ def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
 
 def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None,
                    error: SolverError | None, first_name: str, x0: np.ndarray | None,
-                   rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False) -> Solution:
+                   rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False,
+                   checked: bool = False) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try
     :data:`AUTO_FALLBACKS` (up to :data:`AUTO_FALLBACK_MAX_N` variables) and keep the best
     certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
@@ -225,7 +239,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
             if name == first_name or alt is None or alt.available() or alt.supports(problem, cset):
                 continue
             try:
-                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv)
+                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)
             except UnboundedError:
                 raise  # the first choice's point cannot be optimal: J has no minimum
             except SolverError as exc:

@@ -90,10 +90,10 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
     """The error to raise for ``solver``'s claim (``status``) that J is unbounded below on
     ``cset``: an :class:`UnboundedError` when verified, else a :class:`SolverError`."""
     def refuted(why: str) -> SolverError:
+        others = " or ".join(f"'{name}'" for name in ("active_set", "clarabel", "osqp") if name != solver)
         return SolverError(
             f"{solver}: reported the problem as unbounded below ({status}), but {why}; the "
-            f"problem is probably badly conditioned: try solver='active_set' or 'clarabel', or "
-            f"rescale H"
+            f"problem is probably badly conditioned: try solver={others}, or rescale H and g"
         )
 
     if known_bounded(cset):

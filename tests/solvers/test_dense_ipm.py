@@ -470,3 +470,27 @@ def test_nullspace_face_solve_matches_the_kkt_system() -> None:
     np.testing.assert_allclose(A @ out[0], b, atol=1e-10)
     far = out[0][40:]  # variables on no row where H is zero: they stay at x_ref
     np.testing.assert_allclose(far, x_ref[40:], atol=1e-8)
+
+
+def test_a_badly_scaled_objective_is_solved_as_J_over_its_scale(monkeypatch) -> None:
+    """g of 1e14 against an H of order 10: without scaling the iterates never became feasible on
+    box & sign; scaled to a unit scale it and an L1 ball certify."""
+    from mergeqp.solvers import dense_ipm
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((40, 60))
+    g = 1e14 * rng.standard_normal(60)
+    problem = MergeQP(A.T @ A, g, 1.0, shape=(2, 30))
+    sets = [L1Ball(1.0), Box(0.0, 1.0) & SignConsensus.from_deltas(np.abs(rng.standard_normal((2, 30, 3))), "rows")]
+    for cset in sets:  # certified by the float64 certificate of the unscaled problem
+        sol = solve(problem, cset, solver="dense_ipm")
+        assert sol.certificate.certified()
+        assert sol.info["objective_scaled_by"] == pytest.approx(1.0 / np.max(np.abs(g)))
+    assert solve(problem, sets[0], solver="dense_ipm").objective == pytest.approx(
+        solve(problem, sets[0], solver="active_set").objective, rel=1e-9)
+    monkeypatch.setattr(dense_ipm, "OBJECTIVE_SCALE_BAND", (0.0, np.inf))  # the iteration as it was
+    with pytest.raises(SolverError, match="badly scaled problem"):
+        solve(problem, sets[1], solver="dense_ipm")
+    # inside the band nothing is scaled
+    assert "objective_scaled_by" not in solve(MergeQP(A.T @ A, rng.standard_normal(60), 1.0, shape=(2, 30)),
+                                              sets[0], solver="dense_ipm").info

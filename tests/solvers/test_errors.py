@@ -259,3 +259,51 @@ def test_solver_option_values_of_the_wrong_kind_are_named(options, message) -> N
     problem = MergeQP(np.eye(4), np.ones(4), shape=(2, 2))
     with pytest.raises(ValidationError, match=message):
         solve(problem, "box:0,1", solver="osqp", **options)
+
+
+@pytest.mark.parametrize("solver, options", [
+    ("clarabel", {"max_iter": -1}), ("clarabel", {"tol_feas": 0.0}), ("clarabel", {"time_limit": -5.0}),
+    ("osqp", {"eps_abs": -1e-9}), ("osqp", {"max_iter": 0}), ("cvxpy_clarabel", {"tol_gap_rel": float("nan")}),
+])
+def test_solver_option_values_out_of_range_are_refused_before_the_library(solver, options) -> None:
+    problem = MergeQP(np.eye(4), np.ones(4), shape=(2, 2))
+    (key,) = options
+    with pytest.raises(ValidationError, match=rf"{solver}: option {key}=.* is out of range: it must be > 0"):
+        solve(problem, "box:0,1", solver=solver, **options)
+    # inf stays a valid time limit
+    inner = MergeQP(np.eye(4), -0.5 * np.ones(4), shape=(2, 2))  # J* = -1/2 at d = 1/2
+    assert solve(inner, "box:0,1", solver="clarabel", time_limit=float("inf")).certificate.certified()
+
+
+def _claims_empty(monkeypatch, name: str) -> None:
+    def fake(problem, constraints, x0=None, **options):
+        raise InfeasibleError(f"{name}: the constraint set {constraints.spec} is infeasible (injected)")
+
+    monkeypatch.setattr(SOLVERS[name], "solve", fake)
+
+
+def test_a_solvers_empty_set_claim_after_a_passed_check_is_its_numerics(problem, monkeypatch) -> None:
+    """The set was shown non-empty before the solve: a solver's claim that it is empty is a
+    SolverError (auto falls back from it), not an InfeasibleError; without the check it stands."""
+    reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
+    _claims_empty(monkeypatch, "active_set")
+    with pytest.raises(SolverError, match="shown non-empty before the solve.*active_set's numerics"):
+        solve(problem, Box(0.0, 1.0), solver="active_set")
+    with pytest.raises(InfeasibleError, match="injected"):
+        solve(problem, Box(0.0, 1.0), solver="active_set", check_feasibility=False)
+    sol = solve(problem, Box(0.0, 1.0))  # auto's first choice claims emptiness: the fallback answers
+    assert sol.solver != "active_set" and sol.certificate.certified()
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
+    assert "infeasible (injected)" in sol.info["auto_tried"][0]["error"]
+
+
+def test_warm_start_errors_name_the_warm_start(problem) -> None:
+    with pytest.raises(ValidationError, match=r"x0 \(the warm start\) must have shape \(3, 4\)"):
+        solve(problem, Box(0.0, 1.0), x0=np.zeros((4, 3)))
+    with pytest.raises(Exception, match=r"x0 \(the warm start\)"):
+        solve(problem, Box(0.0, 1.0), x0=np.full((3, 4), np.nan))
+
+
+def test_simplex_sum_mismatch_is_printed_with_enough_digits() -> None:
+    with pytest.raises(InfeasibleError, match=r"allows sums in \[1, 1\] but the simplex needs 1.000001"):
+        solve(MergeQP(np.eye(4), np.ones(4), shape=(2, 2)), Box(0.5, 0.5) & Simplex(1 + 1e-6))

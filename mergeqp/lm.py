@@ -147,8 +147,9 @@ class OutputSpec:
                                       f"each task's head) takes restrict none, not {self.restrict!r}")
         elif self.metric in DATA_METRICS:
             if self.field != "logits":
-                raise ValidationError(f"output metric {self.metric!r} scores next-token logits; the compared field "
-                                      f"is {self.field!r}")
+                raise ValidationError(f"output metric {self.metric!r} without pool scores next-token logits; the "
+                                      f"compared field is {self.field!r} (to score class labels through each "
+                                      f"task's head on it, add pool: mean)")
             if self.restrict == "projection":
                 raise ValidationError(f"output metric {self.metric!r} takes restrict none (every token) or topk "
                                       f"(the model's top k and the rest as one), not projection")

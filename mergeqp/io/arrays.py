@@ -18,6 +18,8 @@ def _named_file(path: str | Path, what: str, suffixes: tuple[str, ...], hint: st
     """``(path, lower-case suffix)`` of an existing file with one of ``suffixes``, else an error
     naming ``what`` and the file."""
     p = Path(path)
+    if p.is_dir():
+        raise ValidationError(f"{what}: {p} is a folder; give the file in it ({', '.join(suffixes)}){hint}")
     if not p.is_file():
         raise ValidationError(f"{what}: file not found: {p}")
     ext = p.suffix.lower()
@@ -80,17 +82,21 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
         if ext == ".npz":
             with np.load(p, allow_pickle=False) as data:
                 tensors = {k: np.asarray(data[k]) for k in data.files}
-        elif ext == ".safetensors":
-            from safetensors.numpy import load_file  # deferred: only for this format
-
-            tensors = dict(load_file(str(p)))
         else:
-            import torch  # deferred: torch is heavy
+            import torch  # deferred: torch is heavy (and safetensors.numpy has no bfloat16)
 
-            value = torch.load(p, map_location="cpu", weights_only=True)
+            if ext == ".safetensors":
+                from safetensors.torch import load_file  # deferred: only for this format
+
+                value = load_file(str(p))
+            else:
+                value = torch.load(p, map_location="cpu", weights_only=True)
             if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
                 raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a dict of tensors "
                                       f"(weight, bias)")
+            bad = sorted(str(k) for k, v in value.items() if v.is_complex() or v.dtype == torch.bool)
+            if bad:
+                raise ValidationError(f"{what}: {p}: {bad} hold complex or boolean values; expected real numbers")
             tensors = {str(k): v.detach().to(torch.float64).numpy() for k, v in value.items()}
     except ValidationError:
         raise
@@ -102,15 +108,23 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
     if extra:
         raise ValidationError(f"{what}: {p} holds {extra} besides weight and bias")
     weight = np.asarray(tensors["weight"])
-    if weight.ndim != 2 or weight.shape[0] < 2 or weight.shape[1] < 1 or not np.issubdtype(weight.dtype, np.number):
+    not_real = [k for k, v in tensors.items() if not (np.issubdtype(np.asarray(v).dtype, np.number)
+                                                      and not np.iscomplexobj(v))]
+    if weight.ndim != 2 or weight.shape[0] < 2 or weight.shape[1] < 1 or "weight" in not_real:
         raise ValidationError(f"{what}: {p}: weight has shape {weight.shape} and type {weight.dtype}; expected "
-                              f"(classes >= 2, features) numbers")
+                              f"(classes >= 2, features) real numbers")
     bias = None
     if "bias" in tensors:
+        if "bias" in not_real:
+            raise ValidationError(f"{what}: {p}: bias has type {np.asarray(tensors['bias']).dtype}; expected real "
+                                  f"numbers")
         bias = np.asarray(tensors["bias"]).astype(np.float64)
         if bias.shape != (weight.shape[0],):
+            hint = (f"; the weight looks transposed: (features, classes) = {weight.shape} with a bias of "
+                    f"{bias.shape[0]} classes, expected (classes, features)"
+                    if bias.ndim == 1 and bias.shape[0] == weight.shape[1] else "")
             raise ValidationError(f"{what}: {p}: bias has shape {bias.shape}, expected ({weight.shape[0]},) "
-                                  f"(one per class)")
+                                  f"(one per class){hint}")
     weight = weight.astype(np.float64)
     for name, arr in (("weight", weight), ("bias", bias)):
         if arr is not None and not np.all(np.isfinite(arr)):

@@ -147,11 +147,14 @@ def tensor_labels(data: dict[str, Any], label_field: str, where: str) -> Any:
     if labels.dim() != 1 or labels.dtype.is_floating_point or labels.dtype == torch.bool or labels.is_complex():
         raise ValidationError(f"{where}: label tensor {label_field!r} must be (N,) integers, got {labels.dtype} "
                               f"of shape {tuple(labels.shape)}")
+    if labels.numel() and float(labels.to(torch.float64).max()) >= 2.0**62:  # (uint64: past int64)
+        raise ValidationError(f"{where}: label tensor {label_field!r} has a class index >= 2^62")
+    labels = labels.to(torch.int64)  # (torch has no min() for uint32 / uint64)
     if labels.numel() and int(labels.min()) < 0:
         raise ValidationError(f"{where}: label tensor {label_field!r} has a negative class index {int(labels.min())}")
     if not data:
         raise ValidationError(f"{where}: nothing but the labels {label_field!r}: no model inputs left")
-    return labels.to(torch.int64)
+    return labels
 
 
 def _prompt_of(obj: Any, field: str, where: str) -> str:
@@ -251,6 +254,10 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
             raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValidationError(f"{p}: expected a dict of model-input tensors, e.g. {{'pixel_values': (N, C, H, W)}}")
+    scalars = sorted(k for k, v in data.items() if v.dim() == 0)
+    if scalars:
+        raise ValidationError(f"{p}: tensor(s) {scalars} have no sample dimension (0-d); every input tensor is "
+                              f"(N, ...), one row per sample")
     sizes = {k: int(v.shape[0]) for k, v in data.items()}
     if len(set(sizes.values())) != 1:
         raise ValidationError(f"{p}: input tensors disagree on the number of samples: {sizes}")

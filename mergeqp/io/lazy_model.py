@@ -179,6 +179,35 @@ def _parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def _initialise_missing(model: Any, missing: Sequence[str], dtype: Any, device: str, path: Any) -> None:
+    """Give the architecture's tensors that the checkpoint lacks (outside the lazy blocks) the
+    values ``from_pretrained`` gives them, the model's own ``_init_weights`` (e.g. the pooler of a
+    ``BertModel`` saved without it), with a warning, as a resident load does; a model without
+    ``_init_weights`` cannot be completed: an error naming the tensors."""
+    import warnings
+
+    import torch  # deferred: torch is heavy
+
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        raise ValidationError(f"{path} lacks tensors {list(missing)[:5]} of the architecture")
+    owners: dict[int, tuple[Any, set[str]]] = {}
+    for name in missing:
+        owner, leaf = _owner(model, name)
+        shape = owner._parameters[leaf].shape
+        owner._parameters[leaf] = torch.nn.Parameter(torch.empty(shape, dtype=dtype, device=device),
+                                                     requires_grad=False)
+        owners.setdefault(id(owner), (owner, set()))[1].add(leaf)
+    with torch.no_grad():
+        for owner, leaves in owners.values():
+            kept = {k: v.detach().clone() for k, v in owner._parameters.items() if v is not None and k not in leaves}
+            init(owner)  # initialises the whole module: the tensors that were loaded go back
+            for k, v in kept.items():
+                owner._parameters[k].copy_(v)
+    warnings.warn(f"{path} lacks tensors {list(missing)[:5]} of the architecture: initialised as "
+                  f"transformers' from_pretrained initialises them", stacklevel=3)
+
+
 @dataclass(frozen=True)
 class LazyModel:
     """What :func:`load_lazy_model` made: the model, its lazy blocks and the resident bytes."""
@@ -236,7 +265,7 @@ def load_lazy_model(build: Any, checkpoint: Any, stored_names: Any, dtype: Any, 
         model.tie_weights()
     missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta and block_of(n) is None]
     if missing:
-        raise ValidationError(f"{checkpoint.path} lacks tensors {missing[:5]} of the architecture")
+        _initialise_missing(model, missing, dtype, device, checkpoint.path)
     for name, buf in list(model.named_buffers()):
         if buf is None:
             continue

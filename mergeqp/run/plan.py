@@ -83,6 +83,10 @@ class TaskPlan:
     n_calibration: int
     n_heldout: int
     weight: float
+    #: the classifier head file, its classes, and the prompts' label field (classification objective)
+    head: str | None = None
+    classes: int | None = None
+    label_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -438,9 +442,13 @@ def _check_method(cfg: MergeConfig) -> None:
             raise ConfigError(f"method: 'output_space' needs calibration prompts for every model (its targets are "
                               f"the fine-tunes' outputs on them); missing for {missing}")
         if cfg.output.metric in DATA_METRICS:
-            raise ConfigError(f"output.metric: {cfg.output.metric} scores the prompts' next tokens, which method: "
-                              f"output_space does not fit (it fits the fine-tunes' outputs); use metric: euclidean "
-                              f"or kl, or a QP method (e.g. mode: trust_region) with metric: {cfg.output.metric}")
+            classifies = cfg.output.pool != "none"  # class labels through each model's head
+            scored = "class labels through each model's head" if classifies else "next tokens"
+            remedy = ("drop the models' head and label_field and use metric: euclidean" if classifies
+                      else "use metric: euclidean or kl")
+            raise ConfigError(f"output.metric: {cfg.output.metric} scores the prompts' {scored}, which method: "
+                              f"output_space does not fit (it fits the fine-tunes' outputs); {remedy}, or a QP "
+                              f"method (e.g. mode: trust_region) with metric: {cfg.output.metric}")
         parse_output_space_params(m.params, "method")
         return
     if not m.is_qp:
@@ -560,6 +568,13 @@ def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
     return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
 
 
+def _head_fields(cfg: MergeConfig, entry: Any, head: ClassifierHead | None, label_field: str | None) -> dict[str, Any]:
+    """The plan's record of a model's classifier head (none: no fields)."""
+    if head is None:
+        return {}
+    return {"head": str(cfg.resolve(entry.head)), "classes": head.classes, "label_field": label_field}
+
+
 def model_heads(cfg: MergeConfig) -> list[ClassifierHead | None]:
     """Each model's classifier ``head`` read from its file (``None`` where it names none)."""
     heads: list[ClassifierHead | None] = []
@@ -611,7 +626,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     for i, (name, entry, ck) in enumerate(zip(names, cfg.models, fts)):
         src = entry.prompts()
         if src is None:
-            tasks.append(TaskPlan(name, str(ck.path), None, 0, 0, 0, entry.weight))
+            tasks.append(TaskPlan(name, str(ck.path), None, 0, 0, 0, entry.weight,
+                                  **_head_fields(cfg, entry, heads[i], None)))
             continue
         path = cfg.resolve(src.path)
         try:
@@ -639,7 +655,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             holdout_notes.append(
                 f"models[{name}]: holdout {int(spec)} of {n} prompts would leave none for the "
                 f"statistics; {held} held out, {n - held} used for calibration")
-        tasks.append(TaskPlan(name, str(ck.path), str(path), n, n - held, held, entry.weight))
+        tasks.append(TaskPlan(name, str(ck.path), str(path), n, n - held, held, entry.weight,
+                              **_head_fields(cfg, entry, heads[i], src.label_field)))
 
     all_sites = model_sites(model, base.names())
     sites, extra = _select(cfg, all_sites, list(base.names()))

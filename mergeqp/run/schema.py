@@ -433,7 +433,9 @@ class OutputConfig(_Strict):
                                  f"head) takes restrict: none, not {self.restrict}")
         elif self.metric == "cross_entropy":
             if self.field != "logits":
-                raise ValueError(f"metric: cross_entropy scores next-token logits, not field {self.field!r}")
+                raise ValueError(f"metric: cross_entropy without pool scores next-token logits, not field "
+                                 f"{self.field!r} (to score class labels through each model's head on it, add "
+                                 f"pool: mean)")
             if self.restrict == "projection":
                 raise ValueError("metric: cross_entropy takes restrict: none (every token) or topk (the model's top "
                                  "k tokens and the rest as one logit), not projection")

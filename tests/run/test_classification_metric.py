@@ -342,3 +342,69 @@ def test_classifier_head_checks():
         ClassifierHead.of(torch.zeros(3, 4), torch.zeros(2))
     head = ClassifierHead.of(torch.ones(3, 2), torch.tensor([0.0, 1.0, 2.0]))
     assert torch.equal(head.logits(torch.tensor([[1.0, 2.0]])), torch.tensor([[3.0, 4.0, 5.0]]))
+
+
+def test_head_and_label_files_of_every_kind(tmp_path):
+    """A bfloat16 head read from .safetensors as from .pt; complex or boolean heads, a folder, a
+    transposed weight, a 0-d input tensor refused naming what; unsigned label tensors accepted."""
+    from safetensors.torch import save_file
+
+    from mergeqp.io.arrays import read_head
+    from mergeqp.io.calibration import read_tensor_inputs, tensor_labels
+
+    w = torch.randn(3, 5, dtype=torch.float32).to(torch.bfloat16)
+    b = torch.randn(3).to(torch.bfloat16)
+    save_file({"weight": w, "bias": b}, str(tmp_path / "bf16.safetensors"))
+    torch.save({"weight": w, "bias": b}, tmp_path / "bf16.pt")
+    for name in ("bf16.safetensors", "bf16.pt"):
+        weight, bias = read_head(tmp_path / name)
+        assert np.array_equal(weight, w.double().numpy()) and np.array_equal(bias, b.double().numpy())
+    np.savez(tmp_path / "complex.npz", weight=np.ones((3, 5)) + 5j)
+    torch.save({"weight": torch.ones(3, 5, dtype=torch.complex64)}, tmp_path / "complex.pt")
+    for name in ("complex.npz", "complex.pt"):
+        with pytest.raises(ValidationError, match="real numbers"):
+            read_head(tmp_path / name, "models[x].head")
+    with pytest.raises(ValidationError, match=r"models\[x\].head: .* is a folder; give the file in it"):
+        read_head(tmp_path, "models[x].head")
+    save_file({"weight": torch.zeros(5, 3), "bias": torch.zeros(3)}, str(tmp_path / "t.safetensors"))
+    with pytest.raises(ValidationError, match=r"the weight looks transposed: \(features, classes\) = \(5, 3\)"):
+        read_head(tmp_path / "t.safetensors")
+    save_file({"input_ids": torch.zeros(4, 3, dtype=torch.int64), "y": torch.tensor(1)}, str(tmp_path / "s.safetensors"))
+    with pytest.raises(ValidationError, match=r"tensor\(s\) \['y'\] have no sample dimension \(0-d\)"):
+        read_tensor_inputs(tmp_path / "s.safetensors")
+    for dtype in (torch.uint8, torch.uint32, torch.uint64, torch.int16):
+        data = {"input_ids": torch.zeros(3, 2, dtype=torch.int64), "y": torch.tensor([0, 2, 1]).to(dtype)}
+        labels = tensor_labels(data, "y", "f.safetensors")
+        assert labels.dtype == torch.int64 and labels.tolist() == [0, 2, 1]
+    huge = {"input_ids": torch.zeros(1, 2, dtype=torch.int64), "y": torch.tensor([2**63 + 5], dtype=torch.uint64)}
+    with pytest.raises(ValidationError, match="class index >= 2"):
+        tensor_labels(huge, "y", "f.safetensors")
+
+
+def test_lazy_merge_of_an_encoder_saved_without_its_pooler(encoder, tmp_path):
+    """The encoder was saved without a pooler, which its architecture builds: a resident load
+    initialises it (transformers' from_pretrained), and so does a lazy one, with a warning; the
+    merge is the same."""
+    from mergeqp.run.pipeline import run_merge
+
+    method = {"name": "qp", "mode": "sequential", "parametrisation": "scalar"}
+    objectives = []
+    for lazy in (False, True):
+        cfg = write(encoder, tmp_path / f"l{lazy}.yml", method, lazy=lazy)
+        if lazy:
+            with pytest.warns(UserWarning, match=r"lacks tensors \['pooler.dense.weight'"):
+                res = run_merge(cfg, tmp_path / f"out{lazy}", progress=False)
+        else:
+            res = run_merge(cfg, tmp_path / f"out{lazy}", progress=False)
+        rep = json.loads((res.out_dir / "report.json").read_text())
+        objectives.append([layer["objective_after"] for layer in rep["layers"]])
+    assert objectives[1] == pytest.approx(objectives[0], rel=1e-10)
+
+
+def test_plan_json_names_each_models_head_and_labels(encoder, tmp_path):
+    from mergeqp.run.plan import build_plan
+
+    cfg = write(encoder, tmp_path / "p.yml", {"name": "qp", "mode": "single", "parametrisation": "scalar"})
+    models = build_plan(cfg).to_json()["models"]
+    assert [(m["classes"], m["label_field"]) for m in models] == [(3, "label"), (4, "label")]
+    assert models[0]["head"].endswith("head_code.safetensors")

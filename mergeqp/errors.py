@@ -94,7 +94,7 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
                     "merge that would produce non-finite weights"),
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
               "previous state of the output is kept"),
-    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); the previous state of the output is kept"),
+    (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),
 )
 
 

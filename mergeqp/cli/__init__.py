@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -81,9 +82,18 @@ def _add_exit_codes(parser: argparse.ArgumentParser) -> None:
 
 
 def _interrupted(command: str, stop: BaseException) -> int:
-    """Say that ``command`` was stopped by a signal; the exit code for it."""
+    """Say that ``command`` was stopped by a signal, and what it had already put in place; the
+    exit code for it."""
+    from ..io.atomic import committed_outputs
+
     how = str(stop) if isinstance(stop, Interrupted) else "interrupted (Ctrl-C)"
-    print(f"mergeqp {command}: {how}; outputs keep their previous state", file=sys.stderr)
+    done = committed_outputs()
+    if done:
+        shown = ", ".join(done[:3]) + (f" and {len(done) - 3} more" if len(done) > 3 else "")
+        print(f"mergeqp {command}: {how} after writing {shown} (complete, new); every other output keeps its "
+              f"previous state", file=sys.stderr)
+    else:
+        print(f"mergeqp {command}: {how}; outputs keep their previous state", file=sys.stderr)
     return EXIT_INTERRUPTED
 
 
@@ -97,6 +107,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..io.allocator import keep_freed_memory
 
         keep_freed_memory()
+    from ..io.atomic import forget_committed
+
+    forget_committed()
     try:
         with sigterm_as_interrupt(), signals_held_during_native_imports():
             return int(args.func(args) or 0)
@@ -122,5 +135,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_IO
 
 
+def entry() -> None:
+    """The ``mergeqp`` program: :func:`main`, then its exit code. Once the command has returned,
+    a late SIGINT / SIGTERM (during the interpreter's exit) is ignored, so that the exit code
+    says what the command did instead of the process dying by the signal."""
+    code = main()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

@@ -40,6 +40,23 @@ TMP_MARK = ".tmp-mergeqp-"
 OLD_MARK = ".old-mergeqp-"
 #: free space kept in reserve beyond an output's estimated size (bytes)
 SPACE_MARGIN = 16 * 1024**2
+#: outputs put in place in this process (:func:`committed_outputs`), staging folders' content left out
+_COMMITTED: list[str] = []
+
+
+def _committed(target: Path) -> None:
+    if not any(TMP_MARK in part for part in target.parts[:-1]):
+        _COMMITTED.append(os.fspath(target))
+
+
+def committed_outputs() -> list[str]:
+    """The outputs (files and folders) put in place since :func:`forget_committed`: what a command
+    interrupted after them has already written, complete."""
+    return list(_COMMITTED)
+
+
+def forget_committed() -> None:
+    _COMMITTED.clear()
 
 
 def _tmp_name(path: Path, mark: str = TMP_MARK) -> Path:
@@ -90,6 +107,7 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", encoding: str | 
             with contextlib.suppress(OSError):  # a replaced file keeps its permissions
                 os.chmod(tmp, stat.S_IMODE(os.stat(target).st_mode))
             os.replace(tmp, target)
+            _committed(target)
         except OSError as exc:
             raise _output_error(target, exc) from None
     except BaseException:
@@ -200,6 +218,13 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
         raise ValidationError(f"{option} {os.fspath(out)} exists and is not a folder")
     if out_r.is_dir() and any(out_r.iterdir()) and not overwrite:
         raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+    if out_r.is_dir():  # it will be replaced by a new folder: refuse what the user protected
+        if os.path.ismount(out_r):
+            raise ValidationError(f"{option} {os.fspath(out)} is a mount point, which cannot be replaced; "
+                                  f"choose a folder inside it")
+        if not os.access(out_r, os.W_OK | os.X_OK):
+            raise ValidationError(f"{option} {os.fspath(out)} is not writable (read-only folder or file system); "
+                                  f"it is kept as it is: choose another --out or change its permissions")
     parent = out_r.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -222,7 +247,7 @@ def check_free_space(path: str | os.PathLike[str], need_bytes: int, option: str 
     if free < int(need_bytes) + SPACE_MARGIN:
         raise ConfigError(
             f"not enough free space for {option} at {os.fspath(path)}: about {int(need_bytes) / 1e6:.1f} MB "
-            f"needed, {free / 1e6:.1f} MB free"
+            f"needed plus a {SPACE_MARGIN / 1e6:.1f} MB margin, {free / 1e6:.1f} MB free"
         )
 
 
@@ -250,11 +275,15 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
             raise _output_error(target, exc) from None
         yield staging
         old = _tmp_name(target, OLD_MARK) if target.exists() else None
+        if old is not None:  # a replaced folder keeps its permissions, as a replaced file does
+            with contextlib.suppress(OSError):
+                os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
         try:
             if old is not None:
                 os.replace(target, old)
             try:
                 os.replace(staging, target)
+                _committed(target)
             except OSError:
                 if old is not None:
                     os.replace(old, target)  # put the previous folder back
@@ -271,6 +300,6 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "copy_file_atomic", "overlapping_input", "save_npy_atomic", "save_npz_atomic", "savefig_atomic",
+    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "save_npy_atomic", "save_npz_atomic", "savefig_atomic",
     "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

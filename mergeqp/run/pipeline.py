@@ -248,7 +248,9 @@ class TaskData:
     head: Any = None
 
 
-def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], list[Any]]:
+def _batches(cfg: MergeConfig, index: int, tokenizer: Any, max_length: int | None = None) -> tuple[list[Any], list[Any]]:
+    """Calibration and held-out batches of model ``index``; prompts truncated to ``max_length``
+    tokens (default ``calibration.max_length``; the plan's is at most the model's context)."""
     entry = cfg.models[index]
     src = entry.prompts()
     assert src is not None
@@ -264,7 +266,7 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
             n = min(n, src.max_prompts)
         calib, held = split_holdout(list(range(n)), holdout, cfg.seed + index)
         return tensor_batches(data, calib, size, labels), tensor_batches(data, held, size, labels)
-    L = cfg.calibration.max_length
+    L = max_length or cfg.calibration.max_length
     if labelled:
         texts, labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)
         calib, held = split_holdout(list(zip(texts, labels)), holdout, cfg.seed + index)
@@ -276,6 +278,17 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any) -> tuple[list[Any], l
     prompts = read_prompts(path, src.field, src.max_prompts)
     calib, held = split_holdout(prompts, holdout, cfg.seed + index)
     return tokenize_batches(tokenizer, calib, L, size), (tokenize_batches(tokenizer, held, L, size) if held else [])
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A failed allocation (CPU or device), not a model rejecting its inputs."""
+    import torch
+
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("tried to allocate" in text or "DefaultCPUAllocator" in text
+                                              or "out of memory" in text)
 
 
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
@@ -296,7 +309,12 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
     tasks: list[TaskData] = []
     counts: list[int] = []
     for i, (name, entry, ck) in enumerate(zip(cfg.model_names(), cfg.models, plan.finetuned)):
-        calib, held = _batches(cfg, i, tok)
+        try:
+            calib, held = _batches(cfg, i, tok, plan.max_length)
+        except ValidationError as exc:
+            src = entry.prompts()
+            raise ValidationError(f"models[{name}].calibration" + (f" ({src.path})" if src is not None else "")
+                                  + f": {exc}") from None
         t = time.perf_counter()
         loaded = load_lazy(ck, base_folder, dtype, device, every_block) if lazy is not None else None
         model = loaded.model if loaded is not None else load_model(ck, base_folder, dtype, device)
@@ -310,6 +328,11 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
             raise
         except Exception as exc:  # the model rejects these inputs: one message, no traceback
             first = (str(exc).splitlines() or [""])[0][:300]
+            if _out_of_memory(exc):
+                raise ValidationError(
+                    f"models[{name}]: out of memory running the model on its calibration inputs "
+                    f"({type(exc).__name__}: {first}); lower calibration.batch_size ({cfg.calibration.batch_size}) "
+                    f"or calibration.max_length ({plan.max_length or cfg.calibration.max_length})") from exc
             raise ValidationError(
                 f"models[{name}]: the model failed on its calibration inputs ({type(exc).__name__}: "
                 f"{first}); check the prompts / input tensors (names, shapes, dtype) against the model"

@@ -123,6 +123,8 @@ class MergePlan:
     #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
     #: where the config names none)
     heads: list[Any] = field(default_factory=list, repr=False, compare=False)
+    #: tokens per prompt: ``calibration.max_length``, or the model's context where that is shorter
+    max_length: int | None = None
 
     @property
     def method(self) -> str:
@@ -568,6 +570,20 @@ def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
     return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
 
 
+#: configuration keys that hold a model's context length (positions it was built for)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+
+def context_length(config: dict[str, Any]) -> tuple[str, int] | None:
+    """``(key, positions)`` of a Hugging Face config's context length, or ``None`` when it names
+    none (:data:`CONTEXT_KEYS`, the first positive integer found)."""
+    for key in CONTEXT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return key, value
+    return None
+
+
 def _head_fields(cfg: MergeConfig, entry: Any, head: ClassifierHead | None, label_field: str | None) -> dict[str, Any]:
     """The plan's record of a model's classifier head (none: no fields)."""
     if head is None:
@@ -678,10 +694,16 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         if cfg.output.restrict == "none" and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
+    max_length = cfg.calibration.max_length
+    context = context_length(base.config or {})
+    if context is not None and max_length > context[1]:
+        notes.append(f"calibration.max_length {max_length} exceeds the model's context ({context[0]} {context[1]}): "
+                     f"prompts are truncated to {context[1]} tokens")
+        max_length = context[1]
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
-                     output_matrix=matrix, heads=heads)
+                     output_matrix=matrix, heads=heads, max_length=max_length)
     plan.memory = estimate_memory(plan)
     return plan
 
@@ -692,7 +714,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     elem = DTYPE_BYTES[cfg.dtype]
     numel = sum(plan.base.info(n).numel for n in plan.base.names())
     K = len(cfg.models)
-    T = cfg.calibration.max_length
+    T = plan.max_length or cfg.calibration.max_length
     B = cfg.calibration.batch_size
     # numbers compared per position: the vocabulary / features, a restriction's k, or the matrix's columns
     per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else

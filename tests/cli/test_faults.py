@@ -310,3 +310,78 @@ def test_outputs_given_as_links_are_written_through(leftovers, tmp_path):
     assert (tmp_path / "sol_link.json").is_symlink() and (tmp_path / "sol.json").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "sol.json", "sol_link.json"]
     assert leftovers(tmp_path) == []
+
+
+def test_a_replaced_folder_keeps_its_permissions(leftovers, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    out.chmod(0o750)
+    with atomic.atomic_folder(out, overwrite=True) as staging:
+        (staging / "new.txt").write_text("new")
+    assert (out / "new.txt").is_file() and not (out / "old.txt").exists()
+    assert (out.stat().st_mode & 0o777) == 0o750 and leftovers(tmp_path) == []
+
+
+def test_an_output_folder_that_cannot_be_replaced_is_refused_before_any_work(tmp_path, monkeypatch):
+    """A read-only folder (or one on a read-only file system) and a mount point are kept and
+    refused by name; before, the first was replaced by a writable folder and the second failed only
+    after the whole merge (root passes every permission check, so os.access is stood in for)."""
+    from mergeqp.errors import ValidationError
+
+    out = tmp_path / "ro"
+    out.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(atomic.os, "access", lambda p, mode: False if Path(p) == out else real_access(p, mode))
+    with pytest.raises(ValidationError, match=r"ro is not writable \(read-only folder or file system\)"):
+        atomic.check_output_folder(out, overwrite=True)
+    monkeypatch.setattr(atomic.os, "access", real_access)
+    monkeypatch.setattr(atomic.os.path, "ismount", lambda p: Path(p) == out)
+    with pytest.raises(ValidationError, match="is a mount point, which cannot be replaced"):
+        atomic.check_output_folder(out, overwrite=True)
+
+
+def test_free_space_refusal_shows_the_margin(tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(atomic.shutil, "disk_usage", lambda p: usage(10**9, 0, 10_500_000))
+    with pytest.raises(Exception, match=r"about 0.0 MB needed plus a 16.8 MB margin, 10.5 MB free"):
+        atomic.check_free_space(tmp_path, 10)
+
+
+def test_an_interrupt_after_an_output_was_written_says_so(tmp_path, capsys, monkeypatch):
+    """Exit 130 still, but the message names what was already put in place (complete) instead of
+    claiming that every output kept its previous state."""
+    import mergeqp.cli as cli
+
+    def command(args):
+        atomic.write_text_atomic(tmp_path / "report.md", "done")
+        raise KeyboardInterrupt
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    args = parser.parse_args(["bench", "--family", "box"])
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: type(args)(**{**vars(args), "func": command}))
+    assert cli.main(["bench"]) == 130
+    err = capsys.readouterr().err
+    assert f"after writing {tmp_path / 'report.md'} (complete, new)" in err
+    monkeypatch.setattr(parser, "parse_args", lambda argv=None: type(args)(
+        **{**vars(args), "func": lambda a: (_ for _ in ()).throw(KeyboardInterrupt())}))
+    assert cli.main(["bench"]) == 130
+    assert "outputs keep their previous state" in capsys.readouterr().err  # nothing written this time
+
+
+def test_the_program_ignores_a_signal_once_its_command_returned(monkeypatch):
+    import mergeqp.cli as cli
+
+    monkeypatch.setattr(cli, "main", lambda argv=None: 0)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as stop:
+            cli.entry()
+        assert stop.value.code == 0
+        assert all(signal.getsignal(s) == signal.SIG_IGN for s in before)
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

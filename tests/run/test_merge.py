@@ -598,3 +598,43 @@ def test_in_memory_merge_holds_exactly_what_the_folder_would(families, tmp_path,
 
     with pytest.raises(ValidationError, match="output folder is needed unless write=False"):
         run_merge(cfg, None, progress=False)
+
+
+def test_prompts_longer_than_the_models_context_are_truncated_to_it(families, tiny_hf, tmp_path):
+    """GPT-2 has learned positions (64 here): a 128-token max_length with a longer prompt used to
+    fail inside the model ("IndexError: index out of range in self"); the plan now truncates to
+    the context and says so."""
+    from mergeqp.run.plan import build_plan, context_length
+
+    fam = families["gpt2"]
+    long_prompts = []
+    for i, p in enumerate(fam.prompts):
+        path = tmp_path / f"long{i}.txt"
+        path.write_text(" ".join(tiny_hf.sentences(fam.tasks[i], 40, seed=i)) + "\n" + p.read_text())
+        long_prompts.append(path)
+    cfg_path = fam.write_config(tmp_path / "long.yml", ["transformer.h.1.mlp.c_proj"],
+                                {"name": "qp", "mode": "single", "parametrisation": "scalar"},
+                                calibration={"max_length": 128, "batch_size": 4, "holdout": 0})
+    import yaml
+
+    raw = yaml.safe_load(cfg_path.read_text())
+    for m, path in zip(raw["models"], long_prompts):
+        m["calibration"] = str(path)
+    cfg_path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(cfg_path)
+    plan = build_plan(cfg)
+    assert plan.max_length == 64 and context_length({"n_positions": 64}) == ("n_positions", 64)
+    assert any("calibration.max_length 128 exceeds the model's context (n_positions 64)" in n for n in plan.notes)
+    res = run_merge(cfg, tmp_path / "out_long", progress=False)
+    assert all(r["certificate"]["certified"] for r in res.report["layers"])
+    assert context_length({"hidden_size": 8}) is None
+
+
+def test_a_failed_allocation_is_told_apart_from_bad_inputs():
+    from mergeqp.run.pipeline import _out_of_memory
+
+    assert _out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: not enough "
+                                       "memory: you tried to allocate 3200000000 bytes."))
+    assert _out_of_memory(MemoryError()) and _out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not _out_of_memory(IndexError("index out of range in self"))
+    assert not _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

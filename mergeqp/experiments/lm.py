@@ -901,7 +901,11 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
             records[name]["evaluated_as"] = {"model": match[0], "max_relative_difference": match[1]}
     say(f"evaluating {len(unique)} models on {len(names)} domains"
         + (f" ({len(models) - len(unique)} equal to another to float rounding)" if len(unique) < len(models) else ""))
-    test = test_eval.evaluate(unique, references)
+    test = test_eval.evaluate(unique, references, per_text=True)
+    # every test text's NLL and predicted tokens, per model and domain, in one order: the goal's
+    # paired bootstrap intervals (lm_claims, uncertainty)
+    per_text = {name: {d: {"nll": test[name][d].pop("text_nll"), "predicted": test[name][d].pop("text_predicted")}
+                       for d in test[name]} for name in test}
     # the chosen task arithmetic was scored on the calibration texts already (its scaling's choice)
     calib = calib_eval.evaluate({k: v for k, v in unique.items() if k != "task_arithmetic"}, references)
     if "task_arithmetic" in unique:
@@ -909,7 +913,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     for name in models:
         if name not in unique:
             twin = records[name]["evaluated_as"]["model"]
-            test[name], calib[name] = test[twin], calib[twin]
+            test[name], calib[name], per_text[name] = test[twin], calib[twin], per_text[twin]
     timings["evaluation"] = time.perf_counter() - t
     for name, tensors in models.items():
         records[name]["changed_outside_upper_blocks"] = sorted(tensors.other) if tensors is not None else []
@@ -935,6 +939,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         "task_arithmetic_tuning": {"scalings": {f"{s:g}": ta_ce[s] for s in mset.ta_scalings},
                                    "chosen": best_scaling, "criterion": "mean calibration cross-entropy"},
         "methods": records,
+        "per_text_test": per_text,
         "notes": notes,
         "timings": timings,
         "environment": {"python": platform.python_version(), "torch": torch.__version__,

@@ -17,6 +17,12 @@ measured.
   MSE does not always mean a better task metric. Also (F) every fine-tune beats the base on its
   own domain (the experiment's premise).
 
+When the results hold every test text's NLL (``per_text_test``), the goal also reports how much of
+its comparison is the test sample (:mod:`.uncertainty`): paired, stratified bootstrap intervals of
+the CE difference between the best rival and the recommended merge and of the share of the gap
+closed (the best rival and the ceiling's fine-tunes fixed as measured). They inform; the verdict
+stays the one on the point estimates.
+
 The goal's detail also places the ``multitask`` reference (when it ran: one model fine-tuned by the
 same recipe on every domain's train texts) on the same scale, as context; it decides nothing.
 """
@@ -25,6 +31,10 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
+
+from .uncertainty import DEFAULT_RESAMPLES, Interval, bootstrap, describe_level, group_ratio
 
 COMPETITOR_KINDS = ("baseline", "mergekit")
 MULTITASK = "multitask"  # the reference row fine-tuned on every domain's train texts (lm.LmConfig.multitask)
@@ -90,6 +100,14 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
                                                   "no gap to close (the best rival is at or below the ceiling: "
                                                   "the fine-tunes do not beat it on their own domains)")
                      + " (goal: lower than every rival and >= 50%)"}
+    intervals = goal_intervals(results, rec["method"], best)
+    if intervals is not None:
+        diff, share = intervals
+        out["intervals"] = {"ce_difference": diff.to_dict(), "gap_closed": share.to_dict(),
+                            "method": describe_level(diff)}
+        out["detail"] += (f"; {describe_level(diff)}: best rival minus recommended {diff.describe()} nats "
+                          f"({'above' if diff.low > 0 else 'not above'} zero), share of the gap closed "
+                          f"{share.describe('.3f')}")
     multitask = results["methods"].get(MULTITASK)
     if multitask is not None:  # context, not part of the verdict: one model trained on every domain's texts
         mt_ce = multitask["mean_test"]["ce"]
@@ -98,6 +116,42 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
         out["detail"] += (f"; for scale, the multitask fine-tune (one model trained by the fine-tunes' recipe on "
                           f"every domain's train texts) {mt_ce:.4f}" + (f" closes {mt_closed:.1%}" if gap > 0 else ""))
     return out
+
+
+def goal_intervals(results: dict[str, Any], recommended: str, rival: str, *, resamples: int = DEFAULT_RESAMPLES,
+                   seed: int = 0) -> tuple[Interval, Interval] | None:
+    """Paired bootstrap intervals (:mod:`.uncertainty`) of the mean held-out CE of ``rival`` minus
+    ``recommended``'s, and of the share of the gap to the ceiling that ``recommended`` closes;
+    ``None`` when the results lack any of the texts' NLLs this needs."""
+    texts = results.get("per_text_test") or {}
+    domains = list(results["domains"])
+    needed = [recommended, rival, *(f"finetune:{d}" for d in domains)]
+    if not domains or any(m not in texts or any(d not in texts[m] for d in domains) for m in needed):
+        return None
+
+    def arrays(model: str, key: str) -> list[np.ndarray]:
+        return [np.asarray(texts[model][d][key], dtype=np.float64) for d in domains]
+
+    rec_nll, rival_nll = arrays(recommended, "nll"), arrays(rival, "nll")
+    pred = arrays(recommended, "predicted")
+    ceiling_nll = [np.asarray(texts[f"finetune:{d}"][d]["nll"], dtype=np.float64) for d in domains]
+    if any(len(a) != len(p) or not len(p) for a, p in zip(rival_nll + rec_nll + ceiling_nll, pred * 3)):
+        return None
+
+    def ce(nll: list[np.ndarray], idx: Any) -> np.ndarray:
+        return group_ratio(nll, pred, idx)
+
+    def difference(idx: Any) -> np.ndarray:
+        return ce(rival_nll, idx) - ce(rec_nll, idx)
+
+    def share(idx: Any) -> np.ndarray:
+        best = ce(rival_nll, idx)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return (best - ce(rec_nll, idx)) / (best - ce(ceiling_nll, idx))
+
+    sizes = [len(p) for p in pred]
+    return (bootstrap(difference, sizes, resamples=resamples, seed=seed),
+            bootstrap(share, sizes, resamples=resamples, seed=seed))
 
 
 def _lowest(results: dict[str, Any], name: str, key: str, rivals: dict[str, Any]) -> tuple[bool, str]:
@@ -145,4 +199,4 @@ def evaluate_lm_claims(results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-__all__ = ["ceiling_ce", "evaluate_lm_claims", "lm_goal", "recommended_merge"]
+__all__ = ["ceiling_ce", "evaluate_lm_claims", "goal_intervals", "lm_goal", "recommended_merge"]

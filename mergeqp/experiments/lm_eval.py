@@ -179,15 +179,20 @@ class UpperEvaluator:
         return logits, batch_ids, mask
 
     def evaluate(self, models: Mapping[str, ModelTensors | None], references: Mapping[str, ModelTensors],
-                 progress: Callable[[str], None] | None = None) -> dict[str, dict[str, dict[str, float]]]:
+                 progress: Callable[[str], None] | None = None, *,
+                 per_text: bool = False) -> dict[str, dict[str, dict[str, Any]]]:
         """``{model: {domain: {ce, mse, kl}}}`` for every model (``None`` = the base) on every
-        domain, against ``references[domain]`` (that domain's fine-tune)."""
+        domain, against ``references[domain]`` (that domain's fine-tune). ``per_text``: each
+        domain's entry also holds ``text_nll`` and ``text_predicted``, every text's summed
+        next-token NLL and number of predicted tokens, in one order for every model (so that
+        models can be compared text by text: :mod:`.uncertainty`)."""
         import torch  # optional heavy dependency (experiment extra)
 
         missing = [d for d in self.texts if d not in references]
         if missing:
             raise ValidationError(f"no reference model for domain(s) {missing}")
-        sums = {m: {d: {"nll": 0.0, "pred": 0, "se": 0.0, "kl": 0.0, "tok": 0} for d in self.texts} for m in models}
+        sums = {m: {d: {"nll": 0.0, "pred": 0, "se": 0.0, "kl": 0.0, "tok": 0, "text_nll": [], "text_pred": []}
+                    for d in self.texts} for m in models}
         vocab = None
         for domain in self.texts:
             if progress is not None:
@@ -216,12 +221,23 @@ class UpperEvaluator:
                     se = torch.einsum("btv,btv->bt", d, d)[real]
                     s["nll"] += float(nll.double().sum())
                     s["pred"] += int(nxt.sum())
+                    if per_text:
+                        full = lse[:, :-1] - x[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+                        s["text_nll"] += torch.where(nxt, full, 0.0).double().sum(1).tolist()
+                        s["text_pred"] += nxt.sum(1).tolist()
                     s["se"] += float(se.double().sum())
                     s["kl"] += float(kl.double().sum())
                     s["tok"] += int(real.sum())
         self._load(None)
-        return {m: {d: {"ce": s["nll"] / max(s["pred"], 1), "mse": s["se"] / max(s["tok"] * (vocab or 1), 1),
-                        "kl": s["kl"] / max(s["tok"], 1)} for d, s in per.items()} for m, per in sums.items()}
+
+        def entry(s: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = {"ce": s["nll"] / max(s["pred"], 1), "mse": s["se"] / max(s["tok"] * (vocab or 1), 1),
+                                   "kl": s["kl"] / max(s["tok"], 1)}
+            if per_text:
+                out.update(text_nll=s["text_nll"], text_predicted=[int(n) for n in s["text_pred"]])
+            return out
+
+        return {m: {d: entry(s) for d, s in per.items()} for m, per in sums.items()}
 
 
 __all__ = ["METRICS", "ModelTensors", "UpperEvaluator", "differing_tensors", "file_names", "same_model"]

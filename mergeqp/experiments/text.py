@@ -342,18 +342,23 @@ class _Run:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, tensors: dict[str, Any], parts: Sequence[str] = ("calibration", "test")) -> dict[str, Any]:
         """Per part: per task ``accuracy`` (with the task's head) and ``mse`` (pooled embedding vs
-        the task's fine-tune, mean over texts and dimensions), and their means over tasks."""
+        the task's fine-tune, mean over texts and dimensions), and their means over tasks; for the
+        test part also ``texts``: per task, every text's ``correct`` (0/1) and ``se`` (its squared
+        error, mean over dimensions), in one order for every model (the goal's paired intervals)."""
         self.load(tensors)
         out: dict[str, Any] = {}
         for part in parts:
-            per = {}
+            per, texts = {}, {}
             for t, (w, b) in zip(self.tasks, self.head):
                 emb, labels = pooled_embeddings(self.top, t.features[part], self.first)
-                acc = float(((emb @ w.T + b).argmax(1) == labels).float().mean())
-                mse = float(((emb - t.target[part]) ** 2).mean())
-                per[t.splits.name] = {"accuracy": acc, "mse": mse}
+                correct = (emb @ w.T + b).argmax(1) == labels
+                sq = (emb - t.target[part]) ** 2
+                per[t.splits.name] = {"accuracy": float(correct.float().mean()), "mse": float(sq.mean())}
+                texts[t.splits.name] = {"correct": correct.int().tolist(), "se": sq.double().mean(1).tolist()}
             out[part] = {"tasks": per, "mean": {k: float(np.mean([v[k] for v in per.values()]))
                                                 for k in ("accuracy", "mse")}}
+            if part == "test":
+                out[part]["texts"] = texts
         self.load(self.base_tensors)
         return out
 
@@ -557,6 +562,12 @@ class _Run:
         import transformers
 
         cfg = self.cfg
+        # every test text's correctness and squared error per method and task, in one order: kept
+        # apart from the methods' means (copies of one entry, e.g. same_as, share its "test" dict)
+        per_text = {name: m["test"]["texts"] for name, m in {**methods, **references}.items()
+                    if "texts" in m.get("test", {})}
+        for m in (*methods.values(), *references.values()):
+            m.get("test", {}).pop("texts", None)
         tasks = []
         for t in self.tasks:
             sp, ft = t.splits, t.finetune
@@ -574,6 +585,7 @@ class _Run:
             "compared_output": compared_output_note(cfg.output),
             "mse_definition": "mean over test texts and embedding dimensions of (pooled merged - pooled fine-tune)^2",
             "methods": methods, "references": references, "selection": selection, "geometry": geometry,
+            "per_text_test": per_text,
             "environment": {"python": platform.python_version(), "torch": torch.__version__,
                             "transformers": transformers.__version__, "threads": torch.get_num_threads()},
         }

@@ -12,7 +12,11 @@ TIES, DARE-TIES, Fisher and RegMean:
 - (V5) at each basis dimension ``p`` the optimal basis has the lowest test MSE of the bases.
 
 Goal (issue 15, text classifier): the recommended merge (chosen on calibration data) has a mean
-test accuracy at least the best baseline's and a mean test MSE lower than every baseline's.
+test accuracy at least the best baseline's and a mean test MSE lower than every baseline's. With
+every test text's result in the results (``per_text_test``), the goal also reports paired,
+stratified bootstrap intervals (:mod:`.uncertainty`) of the recommended merge's accuracy minus the
+best baseline's and of its MSE minus the lowest baseline MSE (those baselines fixed as measured):
+how much of each half is the test sample. They inform; the verdict stays on the point estimates.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from ..io.atomic import savefig_atomic, write_text_atomic
 from ..merge.report import start_selection_lines
 from .report import _f, _table
+from .uncertainty import DEFAULT_RESAMPLES, Interval, bootstrap, describe_level, group_mean
 
 BASELINE_NAMES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 SPEARMAN_ALPHA = 0.05
@@ -120,10 +125,36 @@ def evaluate_goal(results: dict[str, Any]) -> dict[str, Any]:
     best_mse = min(bl, key=lambda b: ms[b]["test"]["mean"]["mse"])
     acc_ok = ours["accuracy"] >= ms[best_acc]["test"]["mean"]["accuracy"]
     mse_ok = ours["mse"] < ms[best_mse]["test"]["mean"]["mse"]
-    return {"recommended": rec, "passed": bool(acc_ok and mse_ok), "accuracy_ok": bool(acc_ok),
-            "mse_ok": bool(mse_ok), "accuracy": ours["accuracy"], "mse": ours["mse"],
-            "best_baseline_accuracy": {"method": best_acc, "value": ms[best_acc]["test"]["mean"]["accuracy"]},
-            "best_baseline_mse": {"method": best_mse, "value": ms[best_mse]["test"]["mean"]["mse"]}}
+    out = {"recommended": rec, "passed": bool(acc_ok and mse_ok), "accuracy_ok": bool(acc_ok),
+           "mse_ok": bool(mse_ok), "accuracy": ours["accuracy"], "mse": ours["mse"],
+           "best_baseline_accuracy": {"method": best_acc, "value": ms[best_acc]["test"]["mean"]["accuracy"]},
+           "best_baseline_mse": {"method": best_mse, "value": ms[best_mse]["test"]["mean"]["mse"]}}
+    acc_iv = paired_interval(results, rec, best_acc, "correct")
+    mse_iv = paired_interval(results, rec, best_mse, "se")
+    if acc_iv is not None and mse_iv is not None:
+        out["intervals"] = {"accuracy_difference": acc_iv.to_dict(), "mse_difference": mse_iv.to_dict(),
+                            "method": describe_level(acc_iv)}
+    return out
+
+
+def paired_interval(results: dict[str, Any], method: str, other: str, key: str, *,
+                    resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> Interval | None:
+    """Paired bootstrap interval (:mod:`.uncertainty`) of ``method``'s mean over tasks of the
+    per-text ``key`` (``correct``: accuracy, ``se``: MSE) minus ``other``'s; ``None`` when the
+    results lack either model's test texts."""
+    texts = results.get("per_text_test") or {}
+    tasks = [t["name"] for t in results["tasks"]]
+    if method not in texts or other not in texts or not tasks:
+        return None
+    try:
+        a = [np.asarray(texts[method][t][key], dtype=np.float64) for t in tasks]
+        b = [np.asarray(texts[other][t][key], dtype=np.float64) for t in tasks]
+    except KeyError:
+        return None
+    if any(len(x) != len(y) or not len(x) for x, y in zip(a, b)):
+        return None
+    diff = [x - y for x, y in zip(a, b)]
+    return bootstrap(lambda idx: group_mean(diff, idx), [len(d) for d in diff], resamples=resamples, seed=seed)
 
 
 # ---------------------------------------------------------------------- report
@@ -172,7 +203,18 @@ def goal_line(goal: dict[str, Any]) -> str:
             f"{goal['best_baseline_accuracy']['method']} {_f(goal['best_baseline_accuracy']['value'])} "
             f"({'ok' if goal['accuracy_ok'] else 'lower'}); mean test MSE {_f(goal['mse'])} vs lowest baseline "
             f"{goal['best_baseline_mse']['method']} {_f(goal['best_baseline_mse']['value'])} "
-            f"({'lower' if goal['mse_ok'] else 'not lower'}).")
+            f"({'lower' if goal['mse_ok'] else 'not lower'})." + _interval_note(goal))
+
+
+def _interval_note(goal: dict[str, Any]) -> str:
+    iv = goal.get("intervals")
+    if not iv:
+        return ""
+    acc, mse = (Interval(**iv[k]) for k in ("accuracy_difference", "mse_difference"))
+    return (f" {describe_level(acc)}: accuracy minus the best baseline's {acc.describe()} "
+            f"({'above' if acc.low > 0 else 'below' if acc.high < 0 else 'includes'} zero), MSE minus the lowest "
+            f"baseline's {mse.describe('.3g')} ({'below' if mse.high < 0 else 'above' if mse.low > 0 else 'includes'} "
+            f"zero).")
 
 
 def render_text_report(results: dict[str, Any]) -> str:

@@ -101,6 +101,18 @@ def test_pipeline_end_to_end(lm_run):
     assert all(methods["multitask"]["test"][d]["mse"] > 0 for d in DOMAINS)
     goal = results["goal"]
     assert goal["multitask_ce"] == methods["multitask"]["mean_test"]["ce"] and "multitask" in goal["detail"]
+    # every test text's NLL, per model and domain, and the goal's paired intervals from them
+    texts = on_disk["per_text_test"]
+    assert set(texts) == set(methods)
+    for name, m in methods.items():
+        for d in DOMAINS:
+            t = texts[name][d]
+            assert len(t["nll"]) == len(t["predicted"]) == results["domains"][d]["test"]
+            assert sum(t["nll"]) / sum(t["predicted"]) == pytest.approx(m["test"][d]["ce"], rel=1e-9)
+            assert "text_nll" not in m["test"][d]
+    diff = goal["intervals"]["ce_difference"]
+    assert diff["estimate"] == pytest.approx(goal["best_rival_ce"] - goal["recommended_ce"], rel=1e-9)
+    assert diff["low"] <= diff["high"] and "paired bootstrap" in goal["detail"]
     assert goal["passed"] == (goal["beats_every_rival"] and goal["gap_closed"] >= 0.5)  # context only
     # the merges changed something and are not the base
     seq = methods["qp_sequential_euclidean"]
@@ -251,15 +263,18 @@ def test_evaluator_matches_full_forward(tiny_hf, tiny_base, tmp_path):
     ev = UpperEvaluator(base, tok, 1, {"code": texts}, max_length=16, batch_size=2, device="cpu")
     ref = ev.tensors_of(read_folder_state(ft))
     assert set(ref.upper) == {f"model.layers.1.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-    got = ev.evaluate({"base": None, "ft": ref}, {"code": ref})
+    got = ev.evaluate({"base": None, "ft": ref}, {"code": ref}, per_text=True)
     nll = se = kl = 0.0
     pred = tok_count = 0
+    per_text = []
     for text in texts:
         ids = torch.tensor([tok(text, truncation=True, max_length=16)["input_ids"]])
         with torch.no_grad():
             x = base(input_ids=ids).logits[0].double()
             y = ref_model(input_ids=ids).logits[0].double()
-        nll -= float(torch.log_softmax(x[:-1], -1).gather(-1, ids[0, 1:, None]).sum())
+        one = -float(torch.log_softmax(x[:-1], -1).gather(-1, ids[0, 1:, None]).sum())
+        nll += one
+        per_text.append((ids.shape[1] - 1, one))
         pred += ids.shape[1] - 1
         se += float(((x - y) ** 2).sum())
         log_p, log_q = torch.log_softmax(y, -1), torch.log_softmax(x, -1)
@@ -269,6 +284,15 @@ def test_evaluator_matches_full_forward(tiny_hf, tiny_base, tmp_path):
     assert got["base"]["code"]["mse"] == pytest.approx(se / (tok_count * x.shape[-1]), rel=1e-4)
     assert got["base"]["code"]["kl"] == pytest.approx(kl / tok_count, rel=1e-4)
     assert got["ft"]["code"]["mse"] == 0
+    # per text (for paired comparisons): every text's NLL and predicted tokens, one order for all models
+    mine = got["base"]["code"]
+    assert len(mine["text_nll"]) == len(texts) and sum(mine["text_predicted"]) == pred
+    assert sum(mine["text_nll"]) == pytest.approx(nll, rel=1e-5)
+    pairs = sorted(zip(mine["text_predicted"], mine["text_nll"]))
+    for (n_got, v_got), (n_want, v_want) in zip(pairs, sorted(per_text)):
+        assert n_got == n_want and v_got == pytest.approx(v_want, rel=1e-4)
+    assert got["ft"]["code"]["text_predicted"] == mine["text_predicted"]
+    assert "text_nll" not in ev.evaluate({"base": None}, {"code": ref})["base"]["code"]
     # the working model is the base again afterwards
     for n, p in base.named_parameters():
         assert torch.equal(p, ev.base_state[n])

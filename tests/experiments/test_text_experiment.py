@@ -139,6 +139,22 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     assert [c["id"] for c in results["claims"]] == ["V1", "V2", "V3", "V4", "V5"]
     assert "mean-pooled" in results["compared_output"]  # the QPs fit the embedding the heads read
     assert {"passed", "recommended", "accuracy_ok", "mse_ok"} <= set(results["goal"])
+    # every test text's correctness and squared error, per model and task (the base too), the
+    # means recomputed from them, and the goal's paired intervals
+    texts = results["per_text_test"]
+    assert set(texts) == set(results["methods"]) | {"base"}
+    for name, m in results["methods"].items():
+        assert "texts" not in m["test"]
+        for task, v in m["test"]["tasks"].items():
+            t = texts[name][task]
+            size = next(x["sizes"]["test"] for x in results["tasks"] if x["name"] == task)
+            assert len(t["correct"]) == len(t["se"]) == size and set(t["correct"]) <= {0, 1}
+            assert np.mean(t["correct"]) == pytest.approx(v["accuracy"])
+            assert np.mean(t["se"]) == pytest.approx(v["mse"], rel=1e-5)
+    acc = results["goal"]["intervals"]["accuracy_difference"]
+    best = results["goal"]["best_baseline_accuracy"]["value"]
+    assert acc["estimate"] == pytest.approx(results["goal"]["accuracy"] - best) and acc["low"] <= acc["high"]
+    assert "paired bootstrap" in (out / "report.md").read_text()
     assert {(p["basis"], p["p"]) for p in results["geometry"]} == {(b, p) for b in ("svd", "random", "optimal")
                                                                   for p in (1, 2)}
     assert all(0 <= p["energy_fraction"] <= 1 for p in results["geometry"])

@@ -300,6 +300,6 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "save_npy_atomic", "save_npz_atomic", "savefig_atomic",
-    "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
+    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "save_npy_atomic",
+    "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

@@ -248,7 +248,8 @@ class TaskData:
     head: Any = None
 
 
-def _batches(cfg: MergeConfig, index: int, tokenizer: Any, max_length: int | None = None) -> tuple[list[Any], list[Any]]:
+def _batches(cfg: MergeConfig, index: int, tokenizer: Any,
+             max_length: int | None = None) -> tuple[list[Any], list[Any]]:
     """Calibration and held-out batches of model ``index``; prompts truncated to ``max_length``
     tokens (default ``calibration.max_length``; the plan's is at most the model's context)."""
     entry = cfg.models[index]

@@ -170,10 +170,11 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
         except InfeasibleError as exc:
             if not checked:
                 raise
+            gmax = float(np.max(np.abs(problem.g), initial=0.0))
             raise SolverError(
                 f"{exc}; but the set was shown non-empty before the solve (its closed form or an LP), so this "
-                f"is {chosen.name}'s numerics on this problem (max |g| {float(np.max(np.abs(problem.g), initial=0.0)):.3g}): "
-                f"rescale H and g, or try another solver") from exc
+                f"is {chosen.name}'s numerics on this problem (max |g| {gmax:.3g}): rescale H and g, or try "
+                f"another solver") from exc
         except MergeQPError:
             raise
         except Exception as exc:

@@ -369,7 +369,8 @@ def test_head_and_label_files_of_every_kind(tmp_path):
     save_file({"weight": torch.zeros(5, 3), "bias": torch.zeros(3)}, str(tmp_path / "t.safetensors"))
     with pytest.raises(ValidationError, match=r"the weight looks transposed: \(features, classes\) = \(5, 3\)"):
         read_head(tmp_path / "t.safetensors")
-    save_file({"input_ids": torch.zeros(4, 3, dtype=torch.int64), "y": torch.tensor(1)}, str(tmp_path / "s.safetensors"))
+    scalar = {"input_ids": torch.zeros(4, 3, dtype=torch.int64), "y": torch.tensor(1)}
+    save_file(scalar, str(tmp_path / "s.safetensors"))
     with pytest.raises(ValidationError, match=r"tensor\(s\) \['y'\] have no sample dimension \(0-d\)"):
         read_tensor_inputs(tmp_path / "s.safetensors")
     for dtype in (torch.uint8, torch.uint32, torch.uint64, torch.int16):

@@ -215,15 +215,15 @@ class UpperEvaluator:
                     # and KL(p || q) = sum p (log p - log q) = (lse(x) - lse(ref)) sum p - sum p d (exactly
                     # 0 for x = ref, and no (B, T, V) log-probabilities formed)
                     lse = torch.logsumexp(x, -1)
-                    nll = (lse[:, :-1] - x[:, :-1].gather(-1, ids[:, 1:, None])[..., 0])[nxt]
+                    per_token = lse[:, :-1] - x[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]  # (B, T - 1)
+                    nll = per_token[nxt]
                     d = x - ref
                     kl = ((lse - lse_ref) * p_sum - torch.einsum("btv,btv->bt", p, d))[real]
                     se = torch.einsum("btv,btv->bt", d, d)[real]
                     s["nll"] += float(nll.double().sum())
                     s["pred"] += int(nxt.sum())
                     if per_text:
-                        full = lse[:, :-1] - x[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
-                        s["text_nll"] += torch.where(nxt, full, 0.0).double().sum(1).tolist()
+                        s["text_nll"] += torch.where(nxt, per_token, 0.0).double().sum(1).tolist()
                         s["text_pred"] += nxt.sum(1).tolist()
                     s["se"] += float(se.double().sum())
                     s["kl"] += float(kl.double().sum())

@@ -354,10 +354,11 @@ class _Run:
                 correct = (emb @ w.T + b).argmax(1) == labels
                 sq = (emb - t.target[part]) ** 2
                 per[t.splits.name] = {"accuracy": float(correct.float().mean()), "mse": float(sq.mean())}
-                texts[t.splits.name] = {"correct": correct.int().tolist(), "se": sq.double().mean(1).tolist()}
+                if part == "test":
+                    texts[t.splits.name] = {"correct": correct.int().tolist(), "se": sq.double().mean(1).tolist()}
             out[part] = {"tasks": per, "mean": {k: float(np.mean([v[k] for v in per.values()]))
                                                 for k in ("accuracy", "mse")}}
-            if part == "test":
+            if texts:
                 out[part]["texts"] = texts
         self.load(self.base_tensors)
         return out

@@ -211,10 +211,8 @@ def _interval_note(goal: dict[str, Any]) -> str:
     if not iv:
         return ""
     acc, mse = (Interval(**iv[k]) for k in ("accuracy_difference", "mse_difference"))
-    return (f" {describe_level(acc)}: accuracy minus the best baseline's {acc.describe()} "
-            f"({'above' if acc.low > 0 else 'below' if acc.high < 0 else 'includes'} zero), MSE minus the lowest "
-            f"baseline's {mse.describe('.3g')} ({'below' if mse.high < 0 else 'above' if mse.low > 0 else 'includes'} "
-            f"zero).")
+    return (f" {describe_level(acc)}: accuracy minus the best baseline's {acc.describe()} ({acc.relation()} zero), "
+            f"MSE minus the lowest baseline's {mse.describe('.3g')} ({mse.relation()} zero).")
 
 
 def render_text_report(results: dict[str, Any]) -> str:

@@ -48,6 +48,10 @@ class Interval:
         """``value`` lies outside ``[low, high]``."""
         return bool(value < self.low or value > self.high)
 
+    def relation(self, value: float = 0.0) -> str:
+        """Where ``[low, high]`` lies: ``"above"`` / ``"below"`` ``value``, or ``"includes"`` it."""
+        return "above" if self.low > value else "below" if self.high < value else "includes"
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

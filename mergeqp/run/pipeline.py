@@ -248,10 +248,9 @@ class TaskData:
     head: Any = None
 
 
-def _batches(cfg: MergeConfig, index: int, tokenizer: Any,
-             max_length: int | None = None) -> tuple[list[Any], list[Any]]:
+def _batches(cfg: MergeConfig, index: int, tokenizer: Any, max_length: int) -> tuple[list[Any], list[Any]]:
     """Calibration and held-out batches of model ``index``; prompts truncated to ``max_length``
-    tokens (default ``calibration.max_length``; the plan's is at most the model's context)."""
+    tokens (the plan's: at most the model's context)."""
     entry = cfg.models[index]
     src = entry.prompts()
     assert src is not None
@@ -267,7 +266,7 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any,
             n = min(n, src.max_prompts)
         calib, held = split_holdout(list(range(n)), holdout, cfg.seed + index)
         return tensor_batches(data, calib, size, labels), tensor_batches(data, held, size, labels)
-    L = max_length or cfg.calibration.max_length
+    L = max_length
     if labelled:
         texts, labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)
         calib, held = split_holdout(list(zip(texts, labels)), holdout, cfg.seed + index)
@@ -333,7 +332,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
                 raise ValidationError(
                     f"models[{name}]: out of memory running the model on its calibration inputs "
                     f"({type(exc).__name__}: {first}); lower calibration.batch_size ({cfg.calibration.batch_size}) "
-                    f"or calibration.max_length ({plan.max_length or cfg.calibration.max_length})") from exc
+                    f"or calibration.max_length ({plan.max_length})") from exc
             raise ValidationError(
                 f"models[{name}]: the model failed on its calibration inputs ({type(exc).__name__}: "
                 f"{first}); check the prompts / input tensors (names, shapes, dtype) against the model"

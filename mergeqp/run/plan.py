@@ -123,8 +123,14 @@ class MergePlan:
     #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
     #: where the config names none)
     heads: list[Any] = field(default_factory=list, repr=False, compare=False)
-    #: tokens per prompt: ``calibration.max_length``, or the model's context where that is shorter
-    max_length: int | None = None
+
+    @property
+    def max_length(self) -> int:
+        """Tokens per prompt: ``calibration.max_length``, or the model's context where that is
+        shorter (:func:`context_length`)."""
+        context = context_length(self.base.config or {})
+        wanted = self.config.calibration.max_length
+        return wanted if context is None else min(wanted, context[1])
 
     @property
     def method(self) -> str:
@@ -694,16 +700,14 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         if cfg.output.restrict == "none" and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
-    max_length = cfg.calibration.max_length
     context = context_length(base.config or {})
-    if context is not None and max_length > context[1]:
-        notes.append(f"calibration.max_length {max_length} exceeds the model's context ({context[0]} {context[1]}): "
-                     f"prompts are truncated to {context[1]} tokens")
-        max_length = context[1]
+    if context is not None and cfg.calibration.max_length > context[1]:
+        notes.append(f"calibration.max_length {cfg.calibration.max_length} exceeds the model's context "
+                     f"({context[0]} {context[1]}): prompts are truncated to {context[1]} tokens")
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
-                     output_matrix=matrix, heads=heads, max_length=max_length)
+                     output_matrix=matrix, heads=heads)
     plan.memory = estimate_memory(plan)
     return plan
 
@@ -714,7 +718,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     elem = DTYPE_BYTES[cfg.dtype]
     numel = sum(plan.base.info(n).numel for n in plan.base.names())
     K = len(cfg.models)
-    T = plan.max_length or cfg.calibration.max_length
+    T = plan.max_length
     B = cfg.calibration.batch_size
     # numbers compared per position: the vocabulary / features, a restriction's k, or the matrix's columns
     per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else

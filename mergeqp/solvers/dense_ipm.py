@@ -396,10 +396,14 @@ def _has_equalities(problem: MergeQP, cset: ConstraintSet) -> bool:
 class _Ipm:
     """One interior-point solve (see the module doc)."""
 
-    def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any], linalg: Any = None):
+    def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any], linalg: Any = None,
+                 scale: tuple[float, float] | None = None):
         """``linalg(H)``: the backend of the dense work (:mod:`.ipm_linalg`; default
-        :class:`~.ipm_linalg.HostLinalg`), made from the H the iteration runs on."""
+        :class:`~.ipm_linalg.HostLinalg`), made from the H the iteration runs on. ``scale``: the
+        caller's problem's :func:`_objective_scale` when ``problem`` is it divided by its scale
+        (what the errors report; default: ``problem``'s own)."""
         self.problem = problem
+        self.scale = scale if scale is not None else _objective_scale(problem)
         self.cset = cset
         self.opts = opts
         form = _form(problem, cset)
@@ -649,8 +653,7 @@ class _Ipm:
         else:
             _, x, _, last = best
         if status != SolveStatus.OPTIMAL and last[2] > 1e-6:
-            scale_note = (f"max |g| {float(np.max(np.abs(P.g), initial=0.0)):.3g}"
-                          + (f", max diag H {float(np.max(np.diag(P.H), initial=0.0)):.3g}" if P.H is not None else ""))
+            scale_note = f"max |g| {self.scale[0]:.3g}, max diag H {self.scale[1]:.3g}"
             raise SolverError(
                 f"dense_ipm: no feasible point after {it} iterations (relative primal residual "
                 f"{last[2]:.2g}): the set {self.cset.spec} may be empty (mergeqp.solve checks that before any "
@@ -1254,13 +1257,18 @@ def _definite_solve(S: np.ndarray, r: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def _unit_scaled(problem: MergeQP) -> tuple[MergeQP, float]:
-    """``(problem, 1)``, or, when its scale ``max(max |g|, max diag H)`` lies outside
-    :data:`OBJECTIVE_SCALE_BAND`, the problem with ``H, g, c`` divided by that scale (the same
-    minimiser, a copy of H) and the factor ``1 / scale``."""
+def _objective_scale(problem: MergeQP) -> tuple[float, float]:
+    """``(max |g|, max diag H)`` (0 for a matvec-only H)."""
     gmax = float(np.max(np.abs(problem.g), initial=0.0))
-    hmax = float(np.max(np.diag(problem.H), initial=0.0)) if problem.H is not None else 0.0
-    scale = max(gmax, hmax)
+    return gmax, (float(np.max(np.diag(problem.H), initial=0.0)) if problem.H is not None else 0.0)
+
+
+def _unit_scaled(problem: MergeQP, sizes: tuple[float, float]) -> tuple[MergeQP, float]:
+    """``(problem, 1)``, or, when its scale ``max(max |g|, max diag H)`` (``sizes``:
+    :func:`_objective_scale`) lies outside :data:`OBJECTIVE_SCALE_BAND`, the problem with
+    ``H, g, c`` divided by that scale (the same minimiser, a copy of H) and the factor
+    ``1 / scale``."""
+    scale = max(sizes)
     low, high = OBJECTIVE_SCALE_BAND
     if problem.H is None or not math.isfinite(scale) or scale <= 0.0 or low <= scale <= high:
         return problem, 1.0
@@ -1346,9 +1354,10 @@ class DenseIpmSolver(QPSolver):
         opts = self.check_options(options)
         t0 = time.perf_counter()
         linalg = self.linalg(opts)
-        scaled, factor = _unit_scaled(problem)
+        sizes = _objective_scale(problem)
+        scaled, factor = _unit_scaled(problem, sizes)
         with blas_threads(opts["threads"], self.AUTO_THREADS) as cap:
-            ipm = _Ipm(scaled, constraints, opts, linalg)
+            ipm = _Ipm(scaled, constraints, opts, linalg, sizes)
             setup = time.perf_counter() - t0
             x, status, it, info = ipm.run()
         if cap is not None:

@@ -38,6 +38,8 @@ def test_interval_of_a_mean_matches_the_normal_approximation():
     assert iv.low == pytest.approx(x.mean() - half, abs=0.08 * half)
     assert iv.high == pytest.approx(x.mean() + half, abs=0.08 * half)
     assert iv.finite == 4000 and iv.level == 0.95 and not iv.excludes(x.mean()) and iv.excludes(x.mean() + 2 * half)
+    assert iv.relation(x.mean()) == "includes" and iv.relation(x.mean() + 2 * half) == "below"
+    assert iv.relation(x.mean() - 2 * half) == "above"
 
 
 def test_pairing_removes_what_the_models_share():

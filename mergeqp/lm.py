@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -502,10 +502,15 @@ def head_logits(spec: OutputSpec, head: ClassifierHead, batch: Batch, model_outp
 
 
 def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any,
-                           head: ClassifierHead | None = None) -> list[TargetBatch]:
+                           head: ClassifierHead | None = None,
+                           check: Callable[[int, str], None] | None = None) -> list[TargetBatch]:
     """The fine-tuned ``model``'s compared outputs on ``batches`` (teacher forced), as targets
     (for a metric that scores the prompts' own tokens or, with the task's ``head``, their class
-    labels: those labels; ``model`` is then not run)."""
+    labels: those labels; ``model`` is then not run).
+
+    ``check(nbytes, what)``: called once, after the first batch, with the bytes that the other
+    batches' targets will add (:func:`target_bytes` of the first, scaled by each batch's
+    positions) and a description of them; it may refuse (raise) before they are allocated."""
     import torch
 
     if spec.scores_data:
@@ -534,7 +539,28 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
         out.append(TargetBatch(batch, target.detach().to("cpu", torch.float64),
                                None if index is None else index.to("cpu"),
                                None if probs is None else probs.detach().to("cpu"), hidden))
+        if check is not None and len(out) == 1 and len(batches) > 1:
+            first, positions = target_bytes(out[0]), _positions(batch)
+            rest = sum(_positions(b) for b in batches[1:])
+            width = int(out[0].target.shape[-1]) if out[0].target.dim() else 1
+            check(first * rest // max(positions, 1),
+                  f"{rest:,} more positions x {width:,} compared outputs" + (", their distributions"
+                  if probs is not None else "") + (", the final hidden states" if hidden is not None else "")
+                  + " (float64)")
     return out
+
+
+def target_bytes(tb: TargetBatch) -> int:
+    """Bytes held by one batch's target (its compared outputs, top-k indices, distributions and
+    final hidden states)."""
+    return sum(int(t.numel()) * int(t.element_size()) for t in (tb.target, tb.index, tb.probs, tb.hidden)
+               if t is not None)
+
+
+def _positions(batch: Batch) -> int:
+    """Positions a batch's per-position outputs take (``B x T``; ``B`` for unsequenced inputs)."""
+    first = next(iter(batch.inputs.values()))
+    return int(first.shape[0]) * (int(first.shape[1]) if first.dim() >= 2 else 1)
 
 
 def compared_output(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) -> Any:

@@ -58,7 +58,7 @@ from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.distributed import current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
-from ..io.memory import memory_limit
+from ..io.memory import available_memory_bytes, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import (
     OutputSpec,
@@ -291,6 +291,30 @@ def _out_of_memory(exc: BaseException) -> bool:
                                               or "out of memory" in text)
 
 
+#: memory kept free beside the targets (the model's activations on a batch, the process's rest)
+TARGETS_MARGIN_BYTES = 256 * 2**20
+
+
+def _targets_memory_check(name: str, part: str, cfg: MergeConfig, plan: MergePlan) -> Callable[[int, str], None]:
+    """A ``check`` for :func:`teacher_forced_targets`: refuses (exit 2, before they are allocated)
+    targets that do not fit in the memory this machine has available (``MemAvailable``), instead
+    of the process being killed by the operating system with no message."""
+    def check(nbytes: int, what: str) -> None:
+        free = available_memory_bytes()
+        if free is None or nbytes + TARGETS_MARGIN_BYTES <= free:
+            return
+        out = cfg.output
+        restrict = ("output.restrict: topk or projection with a small k (e.g. 64)" if out.restrict == "none"
+                    else f"a smaller output.k (now {out.k})")
+        raise ValidationError(
+            f"models[{name}]: the fine-tune's targets on its {part} prompts need about {nbytes / 1e9:.3g} GB more "
+            f"({what}) and {TARGETS_MARGIN_BYTES / 1e9:.2g} GB beside them for the model's activations, more than "
+            f"the {free / 1e9:.3g} GB of memory available; compare fewer outputs "
+            f"({restrict}), or lower calibration.max_length ({plan.max_length}) or the number of prompts "
+            f"(models[{name}].calibration.max_prompts)")
+    return check
+
+
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
                   log: Callable[[str], None], *, targets: bool = True,
                   visit: Callable[[int, str, Any, list[Any]], None] | None = None,
@@ -320,8 +344,12 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         model = loaded.model if loaded is not None else load_model(ck, base_folder, dtype, device)
         head = plan.heads[i] if plan.heads else None
         try:
-            calib_targets = teacher_forced_targets(model, calib, spec, device, head) if targets else []
-            held_targets = teacher_forced_targets(model, held, eval_spec, device) if held and targets else []
+            calib_targets = (teacher_forced_targets(model, calib, spec, device, head,
+                                                    check=_targets_memory_check(name, "calibration", cfg, plan))
+                             if targets else [])
+            held_targets = (teacher_forced_targets(model, held, eval_spec, device,
+                                                   check=_targets_memory_check(name, "held-out", cfg, plan))
+                            if held and targets else [])
             if visit is not None:
                 visit(i, name, model, calib)
         except MergeQPError:

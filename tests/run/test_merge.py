@@ -638,3 +638,51 @@ def test_a_failed_allocation_is_told_apart_from_bad_inputs():
     assert _out_of_memory(MemoryError()) and _out_of_memory(torch.OutOfMemoryError("CUDA out of memory"))
     assert not _out_of_memory(IndexError("index out of range in self"))
     assert not _out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_targets_that_do_not_fit_are_refused_before_they_are_allocated(tiny_hf, families, tmp_path, capsys,
+                                                                        monkeypatch):
+    """The fine-tunes' teacher-forced targets (positions x vocabulary, float64) used to grow until
+    the operating system killed the process (exit 137, no message). After the first batch the
+    rest is counted and compared with the memory available: here it does not fit, so the merge
+    stops with exit 2, naming the model, the size and what to lower, and writes nothing."""
+    from mergeqp.cli import main
+    from mergeqp.run import pipeline
+
+    fam = families["llama"]
+    cfg = fam.write_config(tmp_path / "big.yml", tiny_hf.MLP_LAYER["llama"],
+                           {"name": "qp", "mode": "single", "parametrisation": "scalar"},
+                           calibration={"batch_size": 2, "holdout": 0})
+    seen: list[int] = []
+
+    def tiny_memory():
+        seen.append(1)
+        return pipeline.TARGETS_MARGIN_BYTES + 1000  # less than the other batches' targets
+    monkeypatch.setattr(pipeline, "available_memory_bytes", tiny_memory)
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert seen and "the fine-tune's targets on its calibration prompts need about" in err
+    assert "models[" in err and "output.restrict: topk or projection" in err and "calibration.max_length" in err
+    assert "compared outputs" in err and not (tmp_path / "o").exists()
+    monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: None)  # unknown: no refusal
+    assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
+
+
+def test_target_bytes_counts_what_a_batch_holds(tiny_hf, families):
+    """``check`` receives the other batches' bytes: the first batch's, scaled by positions (batch x
+    padded length), exact since every per-position output is ``(B, T, width)``."""
+    from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
+    from mergeqp.lm import OutputSpec, target_bytes, teacher_forced_targets
+
+    fam = families["llama"]
+    tok = load_tokenizer(fam.base)
+    texts = read_prompts(fam.prompts[0])[:6]
+    batches = tokenize_batches(tok, texts, 12, 2)
+    assert len(batches) == 3 and len({b.inputs["input_ids"].shape for b in batches}) > 1
+    model = _reload(fam, fam.base)
+    calls: list[tuple[int, str]] = []
+    for spec in (OutputSpec(fold_head=False), OutputSpec(restrict="topk", k=3, metric="kl")):
+        calls.clear()
+        out = teacher_forced_targets(model, batches, spec, "cpu", check=lambda b, w: calls.append((b, w)))
+        assert len(calls) == 1 and calls[0][0] == sum(target_bytes(tb) for tb in out[1:])
+    assert "distributions" in calls[0][1] and "3 compared outputs" in calls[0][1]

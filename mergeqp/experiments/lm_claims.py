@@ -20,8 +20,10 @@ measured.
 When the results hold every test text's NLL (``per_text_test``), the goal also reports how much of
 its comparison is the test sample (:mod:`.uncertainty`): paired, stratified bootstrap intervals of
 the CE difference between the best rival and the recommended merge and of the share of the gap
-closed (the best rival and the ceiling's fine-tunes fixed as measured). They inform; the verdict
-stays the one on the point estimates.
+closed (the best rival and the ceiling's fine-tunes fixed as measured), and the same two with the
+best rival chosen again in every resample (``intervals.every_rival``: the lowest CE of every
+baseline and mergekit method on that resample, so the interval also carries the chance of which
+rival looks best). They inform; the verdict stays the one on the point estimates.
 
 The goal's detail also places the ``multitask`` reference (when it ran: one model fine-tuned by the
 same recipe on every domain's train texts) on the same scale, as context; it decides nothing.
@@ -30,6 +32,7 @@ same recipe on every domain's train texts) on the same scale, as context; it dec
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -108,6 +111,13 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
         out["detail"] += (f"; {describe_level(diff)}: best rival minus recommended {diff.describe()} nats "
                           f"({'above' if diff.low > 0 else 'not above'} zero), share of the gap closed "
                           f"{share.describe('.3f')}")
+        every = goal_intervals(results, rec["method"], sorted(rivals))
+        if every is not None and len(rivals) > 1:
+            e_diff, e_share = every
+            out["intervals"]["every_rival"] = {"ce_difference": e_diff.to_dict(), "gap_closed": e_share.to_dict(),
+                                               "rivals": sorted(rivals)}
+            out["detail"] += (f"; with the best of the {len(rivals)} rivals chosen again in every resample: "
+                              f"{e_diff.describe()} nats ({e_diff.relation()} zero), share {e_share.describe('.3f')}")
     multitask = results["methods"].get(MULTITASK)
     if multitask is not None:  # context, not part of the verdict: one model trained on every domain's texts
         mt_ce = multitask["mean_test"]["ce"]
@@ -118,36 +128,42 @@ def lm_goal(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def goal_intervals(results: dict[str, Any], recommended: str, rival: str, *, resamples: int = DEFAULT_RESAMPLES,
-                   seed: int = 0) -> tuple[Interval, Interval] | None:
+def goal_intervals(results: dict[str, Any], recommended: str, rival: str | Sequence[str], *,
+                   resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> tuple[Interval, Interval] | None:
     """Paired bootstrap intervals (:mod:`.uncertainty`) of the mean held-out CE of ``rival`` minus
     ``recommended``'s, and of the share of the gap to the ceiling that ``recommended`` closes;
-    ``None`` when the results lack any of the texts' NLLs this needs."""
+    ``None`` when the results lack any of the texts' NLLs this needs. With several rivals, the
+    rival in each resample is the one with the lowest CE on that resample (the choice of the best
+    rival is then part of what the interval varies, not fixed as measured on the sample)."""
     texts = results.get("per_text_test") or {}
     domains = list(results["domains"])
-    needed = [recommended, rival, *(f"finetune:{d}" for d in domains)]
-    if not domains or any(m not in texts or any(d not in texts[m] for d in domains) for m in needed):
+    rivals = [rival] if isinstance(rival, str) else list(rival)
+    needed = [recommended, *rivals, *(f"finetune:{d}" for d in domains)]
+    if not domains or not rivals or any(m not in texts or any(d not in texts[m] for d in domains) for m in needed):
         return None
 
     def arrays(model: str, key: str) -> list[np.ndarray]:
         return [np.asarray(texts[model][d][key], dtype=np.float64) for d in domains]
 
-    rec_nll, rival_nll = arrays(recommended, "nll"), arrays(rival, "nll")
+    rec_nll, rivals_nll = arrays(recommended, "nll"), [arrays(r, "nll") for r in rivals]
     pred = arrays(recommended, "predicted")
     ceiling_nll = [np.asarray(texts[f"finetune:{d}"][d]["nll"], dtype=np.float64) for d in domains]
-    if any(len(a) != len(p) or not len(p) for a, p in zip(rival_nll + rec_nll + ceiling_nll, pred * 3)):
+    if any(len(a) != len(p) or not len(p) for nll in (*rivals_nll, rec_nll, ceiling_nll) for a, p in zip(nll, pred)):
         return None
 
     def ce(nll: list[np.ndarray], idx: Any) -> np.ndarray:
         return group_ratio(nll, pred, idx)
 
+    def best(idx: Any) -> np.ndarray:
+        return np.min([ce(nll, idx) for nll in rivals_nll], axis=0)
+
     def difference(idx: Any) -> np.ndarray:
-        return ce(rival_nll, idx) - ce(rec_nll, idx)
+        return best(idx) - ce(rec_nll, idx)
 
     def share(idx: Any) -> np.ndarray:
-        best = ce(rival_nll, idx)
+        b = best(idx)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return (best - ce(rec_nll, idx)) / (best - ce(ceiling_nll, idx))
+            return (b - ce(rec_nll, idx)) / (b - ce(ceiling_nll, idx))
 
     sizes = [len(p) for p in pred]
     return (bootstrap(difference, sizes, resamples=resamples, seed=seed),

@@ -13,9 +13,11 @@ percentile interval from a **paired, stratified bootstrap** over the test texts:
 
 The statistic receives, per group, an integer array of shape ``(R, n_g)`` (``R`` resamples of
 ``n_g`` text indices) and returns ``R`` values; the estimate is the statistic on the sample itself
-(the identity resample). Everything else that was chosen on the test sample (e.g. *which*
-baseline is the best) stays fixed, so the interval is conditional on that choice. The draws are
-seeded, so a rerun of the same results gives the same interval.
+(the identity resample). What else was chosen on the test sample (e.g. *which* baseline is the
+best) stays fixed unless the statistic chooses it again on each resample (the experiments report
+both: the best rival fixed as measured, and the best of every rival on each resample, which also
+carries the chance of which one looks best). The draws are seeded, so a rerun of the same results
+gives the same interval.
 """
 
 from __future__ import annotations

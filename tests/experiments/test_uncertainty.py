@@ -165,3 +165,57 @@ def test_text_goal_reports_paired_intervals_for_both_halves():
     del bare["per_text_test"]
     assert "intervals" not in evaluate_goal(bare) and evaluate_goal(bare)["passed"]
     assert paired_interval(res, "auto", "missing", "correct") is None
+
+
+def test_intervals_with_the_best_rival_chosen_again_in_every_resample():
+    """Against several rivals, each resample's reference is the best of them on that resample:
+    checked against a loop over the same draws; one rival in a list is the fixed-rival interval."""
+    from mergeqp.experiments.uncertainty import resample_indices
+
+    res = _lm_results(0.3)
+    # a second rival, better than the soup on domain a and worse on b: the best one varies by resample
+    rng = np.random.default_rng(9)
+    soup = res["per_text_test"]["soup"]
+    other = {d: {"nll": (np.asarray(soup[d]["nll"]) + (-0.5 if d == "a" else 0.5) * np.asarray(soup[d]["predicted"])
+                         + rng.normal(0, 3, len(soup[d]["nll"]))).tolist(), "predicted": soup[d]["predicted"]}
+             for d in soup}
+    res["per_text_test"]["ties"] = other
+    res["methods"]["ties"] = dict(res["methods"]["soup"])  # (kind baseline; its point CE does not matter here)
+    single = goal_intervals(res, "qp_rec", "soup", resamples=300, seed=4)
+    listed = goal_intervals(res, "qp_rec", ["soup"], resamples=300, seed=4)
+    assert single is not None and listed is not None and single[0] == listed[0] and single[1] == listed[1]
+    both = goal_intervals(res, "qp_rec", ["soup", "ties"], resamples=300, seed=4)
+    assert both is not None
+    domains = list(res["domains"])
+
+    def ce(model: str, idx: list[np.ndarray], r: int) -> float:
+        t = res["per_text_test"][model]
+        return float(np.mean([np.asarray(t[d]["nll"])[i[r]].sum() / np.asarray(t[d]["predicted"])[i[r]].sum()
+                              for d, i in zip(domains, idx)]))
+
+    idx = resample_indices([len(soup[d]["nll"]) for d in domains], 300, seed=4)
+    diffs = [min(ce("soup", idx, r), ce("ties", idx, r)) - ce("qp_rec", idx, r) for r in range(300)]
+    lo, hi = np.quantile(diffs, [0.025, 0.975])
+    assert both[0].low == pytest.approx(lo) and both[0].high == pytest.approx(hi)
+    assert both[0].high < single[0].high  # the better of two rivals on each resample: a smaller lead
+    # the goal reports it beside the fixed-rival intervals when several rivals have texts
+    goal = lm_goal(res)
+    assert goal["intervals"]["every_rival"]["rivals"] == ["soup", "ties"]
+    assert "chosen again in every resample" in goal["detail"]
+    # text: the best of several baselines per resample, by max (accuracy) and min (MSE)
+    tres = _text_results(3)
+    one = paired_interval(tres, "auto", "soup", "correct", resamples=300, seed=1)
+    listed_t = paired_interval(tres, "auto", ["soup"], "correct", resamples=300, seed=1)
+    assert one == listed_t
+    many = paired_interval(tres, "auto", ["soup", "regmean"], "se", best="min", resamples=300, seed=1)
+    tasks = [t["name"] for t in tres["tasks"]]
+    tidx = resample_indices([50, 50], 300, seed=1)
+
+    def mean_of(model: str, key: str, r: int) -> float:
+        return float(np.mean([np.asarray(tres["per_text_test"][model][t][key])[i[r]].mean()
+                              for t, i in zip(tasks, tidx)]))
+    want = [mean_of("auto", "se", r) - min(mean_of("soup", "se", r), mean_of("regmean", "se", r)) for r in range(300)]
+    assert many.low == pytest.approx(np.quantile(want, 0.025)) and many.high == pytest.approx(np.quantile(want, 0.975))
+    assert "chosen again in every resample" in goal_line(evaluate_goal(tres))
+    with pytest.raises(ValueError, match="best must be"):
+        paired_interval(tres, "auto", ["soup", "regmean"], "se", best="mean")

@@ -28,10 +28,12 @@ source raises :class:`~mergeqp.errors.ValidationError` saying which package prov
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -245,40 +247,90 @@ def fortunes(root: str | Path | None = None, categories: Sequence[str] | None = 
     return Corpus("fortunes", tuple(texts), np.array(labels), tuple(kept), str(folder))
 
 
+def check_corpus_name(name: Any, what: str = "domain") -> str:
+    """``name`` when it is a valid name for a domain / task: letters (any script), digits, ``_`` and
+    ``-``, not empty (it names cache folders and files); else a :class:`ValidationError`."""
+    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValidationError(f"{what} names are letters, digits, '_' and '-', got {name!r}")
+    return name
+
+
+def corpus_files(corpora: Sequence[Corpus]) -> list[str]:
+    """The files the corpora were read from (their ``source`` where it is an existing path): inputs
+    that an experiment's output must never overlap."""
+    out = []
+    for c in corpora:
+        try:
+            if c.source and Path(c.source).expanduser().exists():
+                out.append(str(Path(c.source).expanduser()))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_field: str = "label",
                 need_labels: bool = False) -> Corpus:
     """The texts of a file as a :class:`Corpus` named ``name``: ``.txt`` (one text per non-empty line,
     no labels), ``.jsonl`` (one JSON object per line) or ``.json`` (a list of objects or strings),
-    each object's ``text_field`` the text and ``label_field`` (any JSON value; labels are numbered
-    in sorted order of their text form) the label. Without labels every text has the one label
+    each object's ``text_field`` the text and ``label_field`` the label: strings (stripped of
+    surrounding spaces), integers or booleans, all of one type (``1`` and ``"1"`` are not silently
+    one class, nor ``1`` and ``1.0`` two); labels are numbered in sorted order of their text form.
+    Blank texts are skipped (as blank lines are). Without labels every text has the one label
     ``"text"``; ``need_labels``: a file without two or more labels is an error (classification)."""
-    import json
-
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValidationError(f"{name}: {p} is a folder; give a .txt, .jsonl or .json file")
     if not p.is_file():
         raise ValidationError(f"{name}: file not found: {p}")
+    if need_labels and p.suffix.lower() == ".txt":
+        raise ValidationError(f"{name}: {p}: a .txt file holds texts without labels; a classification task needs a "
+                              f".jsonl or .json file of objects with {text_field!r} and {label_field!r}")
     try:
         records = read_records(p, "text file")
     except ValidationError as exc:
         raise ValidationError(f"{name}: {exc}") from None
     texts: list[str] = []
     labels: list[str | None] = []
+    kinds: dict[str, str] = {}  # label type -> where it was first seen
+    unlabelled: str | None = None
     for where, obj in records:
         if isinstance(obj, str):
-            texts.append(obj.strip())
+            text, label = obj.strip(), None
+        else:
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
+                raise ValidationError(f"{name}: {where} needs a string {text_field!r}")
+            text, label = obj[text_field].strip(), obj.get(label_field)
+        if not text:
+            continue  # a blank text, as a blank line of a .txt file
+        if label is None:
+            unlabelled = unlabelled or where
             labels.append(None)
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get(text_field), str):
-            raise ValidationError(f"{name}: {where} needs a string {text_field!r}")
-        texts.append(obj[text_field].strip())
-        label = obj.get(label_field)
-        labels.append(None if label is None else json.dumps(label) if not isinstance(label, str) else label)
+        else:
+            if isinstance(label, bool):
+                kind = "boolean"
+            elif isinstance(label, int):
+                kind = "integer"
+            elif isinstance(label, str):
+                kind, label = "string", label.strip()
+                if not label:
+                    raise ValidationError(f"{name}: {where}: the {label_field!r} is blank")
+            else:
+                raise ValidationError(f"{name}: {where}: a {label_field!r} is a string, an integer or a boolean, got "
+                                      f"{type(label).__name__} {label!r}")
+            kinds.setdefault(kind, where)
+            if len(kinds) > 1:
+                (k1, w1), (k2, w2) = list(kinds.items())[:2]
+                raise ValidationError(f"{name}: {p}: labels of two types ({k1} at {w1}, {k2} at {w2}); give every "
+                                      f"{label_field!r} as one type (e.g. all strings) so that no two classes are "
+                                      f"merged or split by their spelling")
+            labels.append(label if isinstance(label, str) else json.dumps(label))
+        texts.append(text)
     if not texts:
         raise ValidationError(f"{name}: {p} holds no text")
     named = [lab for lab in labels if lab is not None]
     if named and len(named) != len(labels):
         raise ValidationError(f"{name}: {p}: {len(labels) - len(named)} of {len(labels)} texts have no "
-                              f"{label_field!r}; give every text a label, or none")
+                              f"{label_field!r} (the first at {unlabelled}); give every text a label, or none")
     names = tuple(sorted(set(named))) if named else ("text",)
     if need_labels and len(names) < 2:
         raise ValidationError(f"{name}: {p} needs two or more distinct {label_field!r} values for a classification "
@@ -288,4 +340,4 @@ def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_
     return Corpus(name, tuple(texts), ids, names, str(p))
 
 
-__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "file_corpus", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]
+__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "check_corpus_name", "corpus_files", "file_corpus", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]

@@ -142,6 +142,22 @@ class BlockLayout:
         return tuple(p for m in modules for p in last_mlp_patterns(self.blocks, last, f"{self.prefix}.{{i}}.{m}.*"))
 
 
+def causal_lm_obstacle(config: Any) -> str | None:
+    """Why a model ``config`` is not a causal language model (``None``: it is): an encoder family
+    (one with a masked-LM head, e.g. BERT) not configured as a decoder (``is_decoder``: its
+    attention would see the tokens it predicts), or saved architectures none of which predicts
+    next tokens (``...ForCausalLM``, ``...LMHeadModel``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        return f"model_type {model_type!r} is an encoder with bidirectional attention (is_decoder is false)"
+    archs = list(getattr(config, "architectures", None) or [])
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return f"its architectures are {archs}, none a ...ForCausalLM or ...LMHeadModel"
+    return None
+
+
 def block_layout(folder: str | Path) -> BlockLayout:
     """The :class:`BlockLayout` of the causal LM in ``folder``, read from the model built on the
     meta device (no weights are loaded)."""
@@ -150,6 +166,13 @@ def block_layout(folder: str | Path) -> BlockLayout:
 
     try:
         config = AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        raise ValidationError(f"cannot build the causal LM of {folder}: {exc}") from None
+    not_causal = causal_lm_obstacle(config)
+    if not_causal is not None:
+        raise ValidationError(f"{folder} is not a causal language model ({not_causal}); the language experiment "
+                              f"fine-tunes and merges next-token predictors (Llama, Qwen2, GPT-2, ...)")
+    try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read

@@ -51,7 +51,7 @@ from ..errors import ValidationError, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
-from .corpora import Corpus, bbc_news, fortunes, wordnet_glosses
+from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
 from .finetune_lm import (
     FinetuneSettings,
     block_layout,
@@ -112,8 +112,7 @@ DOMAINS: dict[str, Callable[[], Corpus]] = {}
 
 def register_domain(name: str, loader: Callable[[], Corpus], *, replace_existing: bool = False) -> None:
     """Make ``name`` a valid ``--domains`` entry: ``loader()`` returns its texts as a Corpus."""
-    if not name or not name.replace("_", "").replace("-", "").isalnum():
-        raise ValidationError(f"domain names are letters, digits, '_' and '-', got {name!r}")
+    check_corpus_name(name)
     if name in DOMAINS and not replace_existing:
         raise ValidationError(f"domain {name!r} is already registered")
     DOMAINS[name] = loader
@@ -694,15 +693,24 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     if multitask is not None:
         config = replace(config, multitask=bool(multitask))
     if finetune_modules is not None:
-        config = replace(config, finetune_modules=tuple(finetune_modules))
+        config = replace(config, finetune_modules=((finetune_modules,) if isinstance(finetune_modules, str)
+                                                   else tuple(finetune_modules)))
     if seed < 0:
         raise ValidationError(f"seed must be >= 0, got {seed}")
+    if corpora is not None:
+        corpora = list(corpora)
+        for c in corpora:
+            if not isinstance(c, Corpus):
+                raise ValidationError(f"corpora: each entry must be a Corpus, got {type(c).__name__}")
+            check_corpus_name(c.name)
+    cache_dir = Path(cache).expanduser() if cache is not None else default_cache()
+    # never write over the cache (fine-tunes, the base), the base folder or a domain's text file
     prepare_out_dir(out_dir, overwrite=overwrite,
-                    inputs=[p for p in (cache, base_folder) if p is not None])
+                    inputs=[cache_dir, *([base_folder] if base_folder is not None else []),
+                            *corpus_files(corpora or [])])
     dev, device_note = resolve_device(device)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
-    cache_dir = Path(cache).expanduser() if cache is not None else default_cache()
     work = Path(tempfile.mkdtemp(prefix=".lm-work-", dir=str(Path(out_dir).expanduser().resolve().parent)))
     try:
         results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,

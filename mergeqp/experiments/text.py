@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import os
 import platform
 import shutil
@@ -49,10 +50,11 @@ from ..merge.registry import merge_state_dicts
 from ..run.pipeline import resolve_device, run_merge
 from ..run.schema import MergeConfig, OutputConfig
 from . import text_report
-from .corpora import Corpus
+from .corpora import Corpus, check_corpus_name, corpus_files
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import load_tokenizer_of, trainable_names
-from .text_encoder import (HEAD_FILE, EncoderSettings, block_prefix, cached_block_inputs, encoder_blocks, finetune_encoder,
+from .text_encoder import (HEAD_FILE, EncoderSettings, block_prefix, cached_block_inputs, check_encoder_folder,
+                           encoder_blocks, finetune_encoder,
                            first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
@@ -204,7 +206,7 @@ def with_train_patterns(cfg: TextConfig, patterns: Sequence[str]) -> TextConfig:
     """``cfg`` fine-tuning ``patterns`` instead; its ``geometry_layers`` is kept where a pattern lies
     inside it (``encoder.layer.5.output.dense`` for ``encoder.layer.5.output.dense.*``), otherwise
     the geometry experiment merges every trained layer (``None``)."""
-    patterns = tuple(patterns)
+    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
     if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
         raise ValidationError(f"train_patterns must be one or more parameter-name globs, got {patterns!r}")
     geometry = cfg.geometry_layers
@@ -238,9 +240,16 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     base = Path(base_folder).expanduser() if base_folder is not None else default_base_folder()
     if not (base / "config.json").is_file():
         raise ValidationError(f"base model folder {base} has no config.json")
+    check_encoder_folder(base)
     cache = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE).expanduser()
-    prepare_out_dir(out_dir, overwrite=overwrite, inputs=[str(base), str(cache)])
-    corpora = list(tasks) if tasks is not None else default_tasks()
+    given = list(tasks) if tasks is not None else []
+    for c in given:
+        if not isinstance(c, Corpus):
+            raise ValidationError(f"tasks: each entry must be a Corpus, got {type(c).__name__}")
+        check_corpus_name(c.name, "task")
+    # never write over the cache, the base folder or a task's data file
+    prepare_out_dir(out_dir, overwrite=overwrite, inputs=[str(base), str(cache), *corpus_files(given)])
+    corpora = given if tasks is not None else default_tasks()
     if len(corpora) < 2:
         raise ValidationError(f"a merge needs at least two tasks, got {len(corpora)}")
     names = [c.name for c in corpora]
@@ -304,8 +313,23 @@ class _Run:
         tok = load_tokenizer_of(self.base)
         self.tasks: list[_TaskState] = []
         hits = 0
-        for i, corpus in enumerate(self.corpora):
-            sp = split_task(corpus, cfg.train_per_task, cfg.calibration_per_task, cfg.test_per_task, self.seed + i)
+        splits = [split_task(corpus, cfg.train_per_task, cfg.calibration_per_task, cfg.test_per_task, self.seed + i)
+                  for i, corpus in enumerate(self.corpora)]
+        for sp in splits:
+            # method auto (the recommended merge) cross-validates over calibration batches: two or more
+            # per task; checked here, before any feature, fine-tune or merge
+            if len(sp.calibration) < 2 * cfg.merge_batch_size:
+                distinct = sum(len(c) for c in sp.parts().values())
+                total = cfg.train_per_task + cfg.calibration_per_task + cfg.test_per_task
+                needed = math.ceil(2 * cfg.merge_batch_size * total / cfg.calibration_per_task)
+                raise ValidationError(
+                    f"task {sp.name!r}: its calibration part has {len(sp.calibration)} texts ({distinct} distinct "
+                    f"texts split train / calibration / test in the proportions {cfg.train_per_task} / "
+                    f"{cfg.calibration_per_task} / {cfg.test_per_task}), fewer than the two batches of "
+                    f"{cfg.merge_batch_size} that the recommended merge (method auto, cross-validated over "
+                    f"calibration batches) needs; give the task more texts (about {needed} distinct ones) or "
+                    f"lower TextConfig.merge_batch_size")
+        for sp in splits:
             feats = {}
             for part, c in sp.parts().items():
                 feats[part], hit = cached_block_inputs(self.cache, self.base, self.top, tok, c.texts, c.labels,
@@ -573,7 +597,7 @@ class _Run:
         for t in self.tasks:
             sp, ft = t.splits, t.finetune
             tasks.append({"name": sp.name, "labels": list(sp.label_names), "source": sp.train.source,
-                          "sizes": {k: len(v) for k, v in sp.parts().items()},
+                          "sizes": {k: len(v) for k, v in sp.parts().items()}, "dropped": dict(sp.dropped),
                           "finetune": {"folder": str(ft.folder), "cached": ft.cached, "seconds": ft.seconds,
                                        "loss_first": float(np.mean(ft.losses[:5])),
                                        "loss_last": float(np.mean(ft.losses[-5:])), "steps": len(ft.losses)}})

@@ -158,6 +158,46 @@ def first_trained_block(names: Sequence[str], prefix: str = "encoder.layer") -> 
     return min(blocks)
 
 
+#: ends of architecture names of a model with a head on top of its encoder (the run layer merges the
+#: folder's own architecture, whose output is then the head's, not the encoder's hidden states)
+HEAD_ARCHITECTURES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                      "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction", "ForCausalLM",
+                      "LMHeadModel")
+
+
+def encoder_obstacle(config: Any) -> str | None:
+    """Why a model ``config`` is not a bare encoder that the text experiment can use (``None``: it
+    is): a decoder (``is_decoder``, or a family without a masked-LM form: Llama, GPT-2, ...), or
+    a folder saved with a head (``BertForMaskedLM``, ...)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
+        return f"its config has is_decoder / is_encoder_decoder set (model_type {model_type!r})"
+    if model_type is not None and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return f"model_type {model_type!r} is not an encoder family (its attention is causal)"
+    archs = list(getattr(config, "architectures", None) or [])
+    heads = [a for a in archs if a.endswith(HEAD_ARCHITECTURES)]
+    if heads:
+        return (f"it is saved as {heads[0]}, an encoder with a head; save the encoder alone "
+                f"(model.base_model.save_pretrained(folder) with transformers) and pass that folder")
+    return None
+
+
+def check_encoder_folder(folder: str | Path) -> None:
+    """Refuse (before any work) a ``folder`` that is not a bare encoder (:func:`encoder_obstacle`)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(folder))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        raise ValidationError(f"cannot read the model config of {folder}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:300]}") from None
+    why = encoder_obstacle(config)
+    if why is not None:
+        raise ValidationError(f"{folder} is not a sentence encoder the text experiment can fine-tune: {why}")
+
+
 def load_encoder(folder: str | Path, device: str = "cpu") -> Any:
     """A frozen encoder in eval mode (eager attention, the run layer's choice, so that the block
     masks captured here fit the blocks of every model loaded the same way); a folder that

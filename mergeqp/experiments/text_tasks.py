@@ -16,7 +16,7 @@ A task is any labelled :class:`~mergeqp.experiments.corpora.Corpus` (``name``, t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -36,6 +36,10 @@ class TaskSplits:
     calibration: Corpus
     test: Corpus
     index: dict[str, np.ndarray]
+    #: texts left out before splitting (:func:`distinct_texts`): ``blank``, ``duplicates`` (copies
+    #: beyond the first of a text with one label), ``conflicting`` (every copy of a text given two
+    #: or more labels)
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def parts(self) -> dict[str, Corpus]:
         return {"train": self.train, "calibration": self.calibration, "test": self.test}
@@ -94,26 +98,57 @@ def default_tasks(names: Sequence[str] | None = None) -> list[Corpus]:
     return [DEFAULT_TASKS[n]() for n in chosen]
 
 
+def distinct_texts(task: Corpus) -> tuple[np.ndarray, dict[str, int]]:
+    """Positions of ``task``'s texts that a split may use, and how many were left out: blank texts;
+    copies of a text beyond its first (a copy in train and another in test would be a test text
+    the fine-tune was trained on); every copy of a text that carries two or more labels (no
+    label is right for it). Texts are compared after stripping surrounding spaces."""
+    first: dict[str, int] = {}
+    labels_of: dict[str, set[int]] = {}
+    blank = 0
+    for i, (text, label) in enumerate(zip(task.texts, task.labels.tolist())):
+        key = text.strip()
+        if not key:
+            blank += 1
+            continue
+        labels_of.setdefault(key, set()).add(int(label))
+        first.setdefault(key, i)
+    conflicting = {k for k, v in labels_of.items() if len(v) > 1}
+    keep = np.array(sorted(i for k, i in first.items() if k not in conflicting), dtype=np.int64)
+    copies_conflicting = sum(1 for t in task.texts if t.strip() in conflicting)
+    duplicates = len(task) - blank - copies_conflicting - keep.size
+    return keep, {"blank": blank, "duplicates": duplicates, "conflicting": copies_conflicting}
+
+
 def split_task(task: Corpus, train: int, calibration: int, test: int, seed: int) -> TaskSplits:
-    """Disjoint stratified parts of ``task`` of (at most) these sizes, seeded. A task smaller
-    than the three parts together uses all of its texts, in proportion."""
-    if len(task.label_names) < 2 or len(set(task.labels.tolist())) < 2:
-        raise ValidationError(f"task {task.name!r}: a classification task needs at least two labels with texts")
+    """Disjoint stratified parts of ``task`` of (at most) these sizes, seeded, from its distinct
+    texts (:func:`distinct_texts`: blank texts, repeated texts and texts with two labels left out,
+    counted in ``dropped``). A task smaller than the three parts together uses all of its texts,
+    in proportion."""
+    keep, dropped = distinct_texts(task)
+    distinct = task.subset(keep)
+    if len(distinct.label_names) < 2 or len(set(distinct.labels.tolist())) < 2:
+        raise ValidationError(f"task {task.name!r}: a classification task needs at least two labels with texts"
+                              + (f" ({sum(dropped.values())} of its {len(task)} texts left out: {dropped})"
+                                 if sum(dropped.values()) else ""))
     sizes = [train, calibration, test]
     total = sum(sizes)
-    if total > len(task):
-        sizes = [max(1, int(s * len(task) / total)) for s in sizes]
+    if total > len(distinct):
+        sizes = [max(1, int(s * len(distinct) / total)) for s in sizes]
     # the split is done on positions, so that the parts' indices can be checked for overlap
-    positions = Corpus(task.name, tuple(str(i) for i in range(len(task))), task.labels, task.label_names, task.source)
+    positions = Corpus(task.name, tuple(str(i) for i in range(len(distinct))), distinct.labels, task.label_names,
+                       task.source)
     parts = positions.split(sizes, seed=seed)
-    index = {name: np.array([int(t) for t in p.texts], dtype=np.int64)
+    # positions in the task's own corpus
+    index = {name: keep[np.array([int(t) for t in p.texts], dtype=np.int64)]
              for name, p in zip(("train", "calibration", "test"), parts)}
     check_disjoint(index, task.name)
     subsets = {k: task.subset(v, f"{task.name}:{k}") for k, v in index.items()}
     for k, c in subsets.items():
         if len(c) == 0:
-            raise ValidationError(f"task {task.name!r}: its {k} part is empty ({len(task)} texts)")
-    return TaskSplits(task.name, task.label_names, subsets["train"], subsets["calibration"], subsets["test"], index)
+            raise ValidationError(f"task {task.name!r}: its {k} part is empty ({len(distinct)} distinct texts)")
+    return TaskSplits(task.name, task.label_names, subsets["train"], subsets["calibration"], subsets["test"], index,
+                      dropped)
 
 
 def check_disjoint(index: dict[str, np.ndarray], name: str) -> None:
@@ -126,4 +161,4 @@ def check_disjoint(index: dict[str, np.ndarray], name: str) -> None:
             seen[i] = part
 
 
-__all__ = ["DEFAULT_TASKS", "TaskSplits", "check_disjoint", "default_tasks", "split_task"]
+__all__ = ["DEFAULT_TASKS", "TaskSplits", "check_disjoint", "default_tasks", "distinct_texts", "split_task"]

@@ -64,15 +64,19 @@ def read_records(path: str | Path, what: str = "prompt file") -> list[tuple[str,
     ``.json``: each element of its list. ``where`` names the file and line or index for errors;
     ``what`` names the file in them."""
     p = Path(path)
-    if p.suffix not in TEXT_SUFFIXES:
+    suffix = p.suffix.lower()  # (FILE.JSONL as file.jsonl)
+    if suffix not in TEXT_SUFFIXES:
         raise ValidationError(f"{p}: {what}s are {', '.join(TEXT_SUFFIXES)}; got {p.suffix!r}")
+    if p.is_dir():
+        raise ValidationError(f"{p}: a folder, not a {what}")
     try:
-        text = p.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (written by some editors) is not part of the first text
+        text = p.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValidationError(f"cannot read {what} {p}: {exc}") from None
-    if p.suffix == ".txt":
+    if suffix == ".txt":
         return [(f"{p}:{n}", line.strip()) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    if p.suffix == ".jsonl":
+    if suffix == ".jsonl":
         records = []
         for number, line in enumerate(text.splitlines(), start=1):
             if not line.strip():
@@ -109,7 +113,7 @@ def read_labelled_prompts(path: str | Path, field: str, label_field: str,
     ``field`` and an integer class index (``>= 0``) under ``label_field``; as :func:`read_prompts`,
     blank prompts are skipped and ``max_prompts`` keeps the first ones."""
     p = Path(path)
-    if p.suffix == ".txt":
+    if p.suffix.lower() == ".txt":
         raise ValidationError(f"{p}: labelled prompts (label_field {label_field!r}) need a .jsonl or .json file of "
                               f"objects, not one prompt per line")
     prompts, labels = [], []

@@ -109,15 +109,15 @@ def test_file_corpus_formats_and_labels(tmp_path):
     (tmp_path / "a.txt").write_text("first text\n\n  second text  \n")
     c = file_corpus("mine", tmp_path / "a.txt")
     assert c.texts == ("first text", "second text") and c.label_names == ("text",) and list(c.labels) == [0, 0]
-    rows = [{"text": "x", "label": "b"}, {"text": "y", "label": "a"}, {"text": "z", "label": 3}]
+    rows = [{"text": "x", "label": "b"}, {"text": "y", "label": "a"}, {"text": "z", "label": " b "}]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     c = file_corpus("cls", tmp_path / "b.jsonl", need_labels=True)
-    assert c.label_names == ("3", "a", "b") and list(c.labels) == [2, 1, 0] and c.source.endswith("b.jsonl")
+    assert c.label_names == ("a", "b") and list(c.labels) == [1, 0, 1] and c.source.endswith("b.jsonl")
     (tmp_path / "c.json").write_text(json.dumps(["one", "two"]))
     assert file_corpus("plain", tmp_path / "c.json").texts == ("one", "two")
     (tmp_path / "mixed.jsonl").write_text(json.dumps({"text": "x", "label": 1}) + "\n" + json.dumps({"text": "y"}))
-    for path, kwargs, message in ((tmp_path / "mixed.jsonl", {}, "1 of 2 texts have no 'label'"),
-                                  (tmp_path / "a.txt", {"need_labels": True}, "two or more distinct 'label'"),
+    for path, kwargs, message in ((tmp_path / "mixed.jsonl", {}, r"1 of 2 texts have no 'label' \(the first at .*mixed.jsonl:2\)"),
+                                  (tmp_path / "a.txt", {"need_labels": True}, "a .txt file holds texts without labels"),
                                   (tmp_path / "none.txt", {}, "file not found"),
                                   (tmp_path / "c.json", {"text_field": "body"}, None)):
         if message is None:  # strings in a list need no field
@@ -131,3 +131,40 @@ def test_file_corpus_formats_and_labels(tmp_path):
     (tmp_path / "obj.jsonl").write_text(json.dumps({"body": "a"}) + "\n")
     with pytest.raises(ValidationError, match="needs a string 'text'"):
         file_corpus("x", tmp_path / "obj.jsonl")
+
+
+def test_file_corpus_refuses_what_would_merge_or_split_classes_and_reads_what_editors_write(tmp_path):
+    """Labels of two JSON types (1 and "1" would be one class, 1 and 1.0 two) are refused naming
+    both places; a float or list label is refused; blank texts are skipped with their labels; a
+    byte-order mark, CRLF and an upper-case suffix are read; a folder is named as one."""
+    import json
+
+    from mergeqp.experiments.corpora import file_corpus
+
+    def write(name: str, rows: list) -> object:
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return path
+
+    mixed = write("m.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "1"}, {"text": "c", "label": 2}])
+    with pytest.raises(ValidationError, match=r"labels of two types \(integer at .*m.jsonl:1, string at .*m.jsonl:2\)"):
+        file_corpus("x", mixed, need_labels=True)
+    with pytest.raises(ValidationError, match=r"f.jsonl:2: a 'label' is a string, an integer or a boolean, got float"):
+        file_corpus("x", write("f.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": 1.0}]))
+    with pytest.raises(ValidationError, match="got list"):
+        file_corpus("x", write("l.jsonl", [{"text": "a", "label": [1]}, {"text": "b", "label": 2}]))
+    with pytest.raises(ValidationError, match="'label' is blank"):
+        file_corpus("x", write("e.jsonl", [{"text": "a", "label": " "}, {"text": "b", "label": "y"}]))
+    ints = file_corpus("x", write("i.jsonl", [{"text": "a", "label": 10}, {"text": "  ", "label": 99},
+                                             {"text": "b", "label": 2}, {"text": "c", "label": 10}]), need_labels=True)
+    assert ints.texts == ("a", "b", "c") and ints.label_names == ("10", "2") and list(ints.labels) == [0, 1, 0]
+    flags = file_corpus("x", write("t.jsonl", [{"text": "a", "label": True}, {"text": "b", "label": False}]))
+    assert flags.label_names == ("false", "true") and list(flags.labels) == [1, 0]
+    (tmp_path / "bom.JSONL").write_bytes(b"\xef\xbb\xbf" + b'{"text": "first", "label": "p"}\r\n{"text": "second", "label": "q"}\r\n')
+    bom = file_corpus("x", tmp_path / "bom.JSONL", need_labels=True)
+    assert bom.texts == ("first", "second") and bom.label_names == ("p", "q")
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n")
+    assert file_corpus("x", tmp_path / "bom.txt").texts == ("one", "two")
+    (tmp_path / "folder.jsonl").mkdir()
+    with pytest.raises(ValidationError, match="is a folder"):
+        file_corpus("x", tmp_path / "folder.jsonl")

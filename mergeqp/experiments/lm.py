@@ -751,7 +751,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     names = [s.name for s in splits]
     if config.multitask and MULTITASK in names:
         raise ValidationError(f"a domain is named {MULTITASK!r}, the name of the reference fine-tuned on every "
-                              f"domain; rename the domain or set LmConfig.multitask=False")
+                              f"domain; rename the domain, or pass --no-multitask (LmConfig.multitask=False)")
     timings["data"] = time.perf_counter() - t
     say(f"domains {', '.join(names)}: train/calibration/test = {config.train_texts}/{config.calibration_texts}/"
         f"{config.test_texts} texts each")

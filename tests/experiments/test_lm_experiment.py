@@ -511,3 +511,41 @@ def test_goal_says_when_there_is_no_gap_to_close():
     results["recommended"]["mean_test_ce"] = 4.19
     goal = lm_goal(results)
     assert goal["gap_closed"] == pytest.approx(0.55) and goal["passed"] and "closes 55.0%" in goal["detail"]
+
+
+def test_inputs_are_never_overwritten_and_the_base_must_be_a_causal_lm(tiny_hf, tiny_base, tmp_path, monkeypatch):
+    """--out over a domain's text file or inside the default cache (the fine-tunes and SmolLM2 live
+    there) is refused even with --overwrite; an encoder as --base is refused before any
+    fine-tune, naming why; a Corpus name that would be a path is refused; one module as a string."""
+    from mergeqp.experiments import lm as lm_mod
+    from mergeqp.experiments.corpora import file_corpus
+    from mergeqp.experiments.finetune_lm import block_layout
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for d in DOMAINS[:2]:
+        (data / f"{d}.txt").write_text("\n".join(tiny_hf.sentences(d, 30, seed=1)) + "\n")
+    corpora = [file_corpus(d, data / f"{d}.txt") for d in DOMAINS[:2]]
+    with pytest.raises(ValidationError, match="overlaps the input"):
+        run_lm_experiment(data, corpora=corpora, config=_config(), cache=tmp_path / "cache", base_folder=tiny_base,
+                          overwrite=True, progress=False)
+    assert sorted(p.name for p in data.iterdir()) == ["code.txt", "math.txt"]
+    cache = tmp_path / "default-cache"
+    (cache / "lm-finetunes").mkdir(parents=True)
+    monkeypatch.setattr(lm_mod, "default_cache", lambda: cache)
+    with pytest.raises(ValidationError, match="overlaps the input"):
+        run_lm_experiment(cache / "lm-finetunes", corpora=_corpora(tiny_hf), config=_config(), base_folder=tiny_base,
+                          overwrite=True, progress=False)
+    encoder = tmp_path / "bert"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ValidationError, match="not a causal language model .*bidirectional attention"):
+        block_layout(encoder)
+    odd = [dataclasses.replace(c, name="../escape") for c in _corpora(tiny_hf)]
+    with pytest.raises(ValidationError, match="domain names are letters"):
+        run_lm_experiment(tmp_path / "o", corpora=odd, config=_config(), cache=tmp_path / "cache",
+                          base_folder=tiny_base, progress=False)
+    with pytest.raises(ValidationError, match="each entry must be a Corpus"):
+        run_lm_experiment(tmp_path / "o", corpora=["code"], config=_config(), cache=tmp_path / "cache",
+                          base_folder=tiny_base, progress=False)
+    assert not (tmp_path / "o").exists()

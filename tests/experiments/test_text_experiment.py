@@ -384,3 +384,58 @@ def test_cli_task_files(tmp_path, capture_run):
                 ["--task-file", f"a={tmp_path / 'flat.txt'}", "--task-file", f"b={tmp_path / 'topic.jsonl'}"]):
         assert main(["experiment", "text", *bad, "--out", str(tmp_path / "o")]) == 2, bad
     assert not (tmp_path / "o").exists()
+
+
+def test_split_task_leaves_out_blank_repeated_and_two_label_texts(tiny_hf):
+    """A repeated text could land in train and test (a test text the fine-tune saw); a text with
+    two labels has no right answer; blank texts carry nothing: all left out and counted."""
+    from mergeqp.experiments.text_tasks import distinct_texts
+
+    base = synthetic_tasks(tiny_hf, n=60)[2]
+    texts = list(base.texts)
+    labels = base.labels.tolist()
+    texts += [texts[0], texts[1], texts[1], "   ", texts[5]]
+    labels += [labels[0], labels[1], labels[1], 0, (labels[5] + 1) % 3]  # text 5 again under another label
+    task = Corpus("c", tuple(texts), np.array(labels), base.label_names, "synthetic")
+    keep, dropped = distinct_texts(task)
+    assert dropped == {"blank": 1, "duplicates": 3, "conflicting": 2} and 5 not in keep.tolist()
+    assert len(keep) == len(task) - sum(dropped.values()) and len({task.texts[i] for i in keep}) == len(keep)
+    sp = split_task(task, 30, 9, 15, seed=1)
+    used = [task.texts[i] for part in sp.index.values() for i in part]
+    assert len(used) == len(set(used)) and sp.dropped == dropped and texts[5] not in used
+
+
+def test_inputs_and_bases_are_checked_before_any_work(tiny_hf, tiny_base, tmp_path):
+    """--out over a task's data file, a task too small for method auto's folds, a causal LM or an
+    encoder saved with a head as the base, odd task names: refused before any fine-tune."""
+    from mergeqp.experiments.corpora import file_corpus
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, words in (("ta", ["code", "math"]), ("tb", ["story", "math"])):
+        rows = [{"text": " ".join(tiny_hf.sentences(w, 1, seed=i)), "label": w} for i in range(40) for w in words]
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tasks = [file_corpus(n, data / f"{n}.jsonl", need_labels=True) for n in ("ta", "tb")]
+    cache = tmp_path / "cache"
+    with pytest.raises(ValidationError, match="overlaps the input"):
+        run_text_experiment(str(data), tasks=tasks, base_folder=tiny_base, config=tiny_config(), overwrite=True,
+                            cache_dir=str(cache))
+    assert sorted(p.name for p in data.iterdir()) == ["ta.jsonl", "tb.jsonl"]
+    small = [Corpus(t.name, t.texts[:14], t.labels[:14], t.label_names, "x") for t in tasks]
+    with pytest.raises(ValidationError, match=r"task 'ta': its calibration part has \d+ texts .* two batches of 4"):
+        run_text_experiment(str(tmp_path / "o"), tasks=small, base_folder=tiny_base, config=tiny_config(),
+                            cache_dir=str(cache))
+    assert not (cache / "finetunes").exists()
+    for config, why in (({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "not an encoder family"),
+                        ({"model_type": "bert", "architectures": ["BertForMaskedLM"]}, "saved as BertForMaskedLM"),
+                        ({"model_type": "bert", "is_decoder": True}, "is_decoder")):
+        folder = tmp_path / f"base-{len(why)}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValidationError, match=why):
+            run_text_experiment(str(tmp_path / "o"), tasks=tasks, base_folder=folder, config=tiny_config())
+    renamed = [Corpus("a/b", t.texts, t.labels, t.label_names, "x") for t in tasks]
+    with pytest.raises(ValidationError, match="task names are letters"):
+        run_text_experiment(str(tmp_path / "o"), tasks=renamed, base_folder=tiny_base, config=tiny_config())
+    assert text_mod.with_train_patterns(tiny_config(), LAYER + ".*").train_patterns == (LAYER + ".*",)
+    assert not (tmp_path / "o").exists()

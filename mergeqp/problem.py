@@ -540,14 +540,21 @@ def _as_shape(shape: Any) -> tuple[int, int] | None:
 CONTEXT_KEYS = ("deltas", "parametrisation")
 
 
+def problem_file_path(path: str | os.PathLike[str]) -> str:
+    """The file that :func:`load_problem_file` reads for ``path``: ``path`` itself, or ``path.npz``
+    when only that exists (as ``np.savez`` names the file it writes)."""
+    path = os.fspath(path)
+    if not os.path.exists(path) and os.path.exists(path + ".npz"):
+        return path + ".npz"
+    return path
+
+
 def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
     """Read an ``.npz`` problem file: ``H`` (n x n), ``g`` (n), optional ``c`` (scalar),
     ``shape`` (K, n_atoms), ``model_names``, ``atom_names``, ``metadata`` (JSON string), and
     the context arrays ``deltas`` / ``parametrisation``. Returns ``(problem, context)``.
     Every defect is a :class:`ValidationError` naming the file and the array."""
-    path = os.fspath(path)
-    if not os.path.exists(path) and os.path.exists(path + ".npz"):
-        path = path + ".npz"  # as np.savez names the file it writes
+    path = problem_file_path(path)
     if not os.path.exists(path):
         raise ValidationError(f"problem file not found: {path}")
     if os.path.isdir(path):

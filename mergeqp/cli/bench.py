@@ -85,7 +85,7 @@ def _names(arg: str, known: dict[str, Any], kind: str, committed_only: bool = Fa
         if kind == "problem" and arg == "committed":
             return [n for n, s in known.items() if getattr(s, "committed", True)]
         return list(known)
-    names = [s.strip() for s in arg.split(",") if s.strip()]
+    names = list(dict.fromkeys(s.strip() for s in arg.split(",") if s.strip()))  # (each once)
     if not names:
         raise ConfigError(f"--{kind}s is empty; valid: all, {', '.join(known)}")
     for name in names:
@@ -131,7 +131,9 @@ def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], 
         problem = load_reference_problem(name)
         try:
             refs = load_references(name)
-        except MergeQPError:
+        except MergeQPError as exc:  # none stored (generated instances), or a damaged file: said
+            if "damaged" in str(exc):
+                print(f"mergeqp bench: warning: {exc}; the column 'vs ref' stays empty", file=sys.stderr)
             refs = {}
         radius = refs.get("l1_radius")
         if radius is None and any("L1R" in c for c in constraints):
@@ -311,6 +313,12 @@ def run(args: argparse.Namespace) -> int:
     solvers = _names(args.solvers, {"auto": None, **SOLVERS}, "solver")
     if args.repeat < 1:
         raise ConfigError("--repeat must be >= 1")
+    if not 0 <= args.rel_tol < math.inf:  # (nan fails this too)
+        raise ConfigError(f"--rel-tol must be finite and >= 0, got {args.rel_tol}")
+    if args.max_n is not None and args.max_n < 1:
+        raise ConfigError(f"--max-n must be >= 1, got {args.max_n}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.family is not None:
         return _run_families(args, _names(args.family, FAMILIES, "family"), solvers)
     problems = _names(args.problems, REFERENCE_SPECS, "problem")
@@ -319,12 +327,15 @@ def run(args: argparse.Namespace) -> int:
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None
                    and (s != "closed_form" or "none" in constraints))]
     options = parse_options(args.opt, SOLVERS)
-    if args.json:  # fail before the run, not after it
-        check_output_file(args.json, "--json")
+    if args.json is not None:  # fail before the run, not after it; never over a benchmarked instance
+        check_output_file(args.json, "--json", _instance_files(problems))
     if args.n is not None or args.seed != 0 or args.sequence:
         raise ConfigError("--n, --seed and --sequence apply to --family only")
+    constraints = list(dict.fromkeys(constraints))
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
+            if not all(part.strip() for part in spec.split("&")):
+                raise ConfigError(f"--constraint {spec!r}: an empty part around '&'")
             constraint_from_spec(resolve_spec(spec, 1.0))
     print(HEADER)
     print("-" * len(HEADER))
@@ -332,6 +343,18 @@ def run(args: argparse.Namespace) -> int:
                       max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options,
                       clock=CLOCKS[args.clock])
     return _finish(args, rows)
+
+
+def _instance_files(problems: list[str]) -> list[str]:
+    """The files of the named reference instances (problem ``.npz``, optima ``.json``, the stored
+    optimal points under ``refs/``): inputs that ``--json`` must not replace."""
+    from ..solvers.reference_problems import problem_path, reference_path
+
+    out: list[str] = []
+    for name in problems:
+        npz = problem_path(name)
+        out += [str(npz), str(reference_path(name)), str(npz.parent / "refs")]
+    return out
 
 
 def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
@@ -349,7 +372,7 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS)
-    if args.json:
+    if args.json is not None:
         check_output_file(args.json, "--json")
     print(HEADER + f" {'x chol':>7s}")
     print("-" * (len(HEADER) + 8))

@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import BadDataError, ConfigError, ValidationError, unknown
 from ..io.atomic import check_free_space, check_output_file
+from ..io.checkpoint import torch_load
 from ..io.distributed import Ranks, agree_exit_code, launch_requested, launched
 from ..io.writer import check_tensor_finite, parse_size
 
@@ -127,6 +128,8 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
         except ValidationError as exc:
             raise ConfigError(f"--max-memory: {exc}") from None
     problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
+    if not problem_path.endswith(".npz"):
+        problem_path += ".npz"  # the file MergeQP.save_npz writes: the one to check
     protected = inputs + [s.rpartition(":")[0] for s in (args.factory, args.output_fn or "")
                           if s.rpartition(":")[0].endswith(".py")]
     check_output_file(args.out, "--out", protected)
@@ -300,7 +303,9 @@ def load_state_dict(path: str) -> dict[str, Any]:
 
             sd = load_file(path)
         else:
-            sd = torch.load(path, map_location="cpu", weights_only=True)
+            sd = torch_load(path, "checkpoint")
+    except ValidationError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint
         raise ValidationError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
@@ -355,10 +360,7 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
         except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
             raise ValidationError(f"cannot read calibration file {path}: {type(exc).__name__}: {exc}") from None
     else:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ValidationError(f"cannot read calibration file {path}: {type(exc).__name__}: {exc}") from None
+        obj = torch_load(path, "calibration file")
         labels = None
         if isinstance(obj, torch.Tensor):
             inputs = obj

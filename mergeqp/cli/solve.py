@@ -91,10 +91,14 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _check_outputs(args: argparse.Namespace, outputs: list[tuple[str | None, str]]) -> None:
     """Before reading anything heavy: every output path is writable, is no input, and no two
     outputs share a path."""
-    inputs = [p for p in (args.problem, getattr(args, "point", None)) if p]
+    from ..problem import problem_file_path
+
+    # the problem as it will be read (PATH or PATH.npz), the point to certify, the warm start
+    inputs = [p for p in (problem_file_path(args.problem), getattr(args, "point", None), getattr(args, "x0", None))
+              if p]
     seen: dict[str, str] = {}
     for path, what in outputs:
-        if not path:
+        if path is None:
             continue
         check_output_file(path, what, inputs)
         key = os.path.realpath(path)

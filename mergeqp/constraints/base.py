@@ -260,7 +260,14 @@ def broadcast(value: Any, shape: Shape, what: str) -> np.ndarray:
 
 
 def fmt(x: float) -> str:
-    return f"{x:g}"
+    """``x`` as short as it reads back exactly: ``0.5``, ``100``, ``1e+06``; a value that six
+    digits would round (``1000001``, a radius ``65.22795...``) in full, so that two different
+    bounds never print alike."""
+    short = f"{x:g}"
+    if float(short) == x:
+        return short
+    full = repr(float(x))
+    return full[:-2] if full.endswith(".0") else full
 
 
 # ---------------------------------------------------------------------- the whole space

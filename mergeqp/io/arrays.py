@@ -41,7 +41,9 @@ def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
         elif ext in (".pt", ".pth"):
             import torch  # deferred: torch is heavy
 
-            value = torch.load(p, map_location="cpu", weights_only=True)
+            from .checkpoint import torch_load
+
+            value = torch_load(p, what)
             if not isinstance(value, torch.Tensor):
                 raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a tensor")
             arr = value.detach().to(torch.float64).numpy()
@@ -90,7 +92,9 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
 
                 value = load_file(str(p))
             else:
-                value = torch.load(p, map_location="cpu", weights_only=True)
+                from .checkpoint import torch_load
+
+                value = torch_load(p, what)
             if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
                 raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a dict of tensors "
                                       f"(weight, bias)")

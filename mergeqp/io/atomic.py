@@ -188,6 +188,8 @@ def check_output_file(path: str | os.PathLike[str], option: str,
     """Before any work: refuse an output file that is (or lies inside) an input, is a folder,
     or whose folder is missing or not writable. ``option`` names it in the message
     (``"--out"``, ``"the solution"``...). Raises :class:`ValidationError`."""
+    if not os.fspath(path):
+        raise ValidationError(f"{option} is empty; give a file name")
     p = Path(path).expanduser()
     clash = overlapping_input(p, inputs)
     if clash is not None:
@@ -195,6 +197,11 @@ def check_output_file(path: str | os.PathLike[str], option: str,
                           f"written: choose another path")
     if p.is_dir():
         raise ValidationError(f"{option} {os.fspath(path)} is a folder; give a file name")
+    if p.exists() and not p.resolve().is_file():
+        # a device, pipe or socket (/dev/null, /dev/stdout, a FIFO): the atomic write would replace
+        # it by a regular file (or fail after the work, for a pipe of another process)
+        raise ValidationError(f"{option} {os.fspath(path)} is not a regular file (a device, pipe or socket); "
+                              f"outputs are written as files: give a file path")
     folder = p.resolve().parent
     if not folder.is_dir():
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} does not exist")

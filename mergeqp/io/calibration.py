@@ -252,10 +252,9 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
     else:
-        try:
-            data = torch.load(str(p), map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001
-            raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
+        from .checkpoint import torch_load
+
+        data = torch_load(p, "calibration tensors")
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValidationError(f"{p}: expected a dict of model-input tensors, e.g. {{'pixel_values': (N, C, H, W)}}")
     scalars = sorted(k for k, v in data.items() if v.dim() == 0)

@@ -298,16 +298,37 @@ class Checkpoint:
         return f"Checkpoint({str(self.path)!r}, kind={self.kind!r}, tensors={len(self)})"
 
 
+def torch_load(path: str | os.PathLike[str], what: str, **kwargs: Any) -> Any:
+    """``torch.load(path, weights_only=True, map_location="cpu", **kwargs)``; a file it cannot read
+    is a :class:`ValidationError` of one line naming ``what`` and ``path``. Tensors only: a file
+    of pickled Python objects is refused, never executed (torch's own message would suggest
+    ``weights_only=False``, which runs the file's code, and its pickle-protocol warning is muted)."""
+    import warnings
+
+    import torch
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.load(str(path), map_location=kwargs.pop("map_location", "cpu"), weights_only=True,
+                              **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a corrupt / pickled-code file: report, don't leak
+        text = str(exc)
+        if "Weights only load failed" in text:
+            detail = next((ln.strip() for ln in text.splitlines() if "WeightsUnpickler error" in ln), "")
+            reason = ("it is not a PyTorch tensor file, or it holds pickled Python objects besides tensors "
+                      "(never loaded: that would run code from the file)"
+                      + (f"; {detail.rstrip(':')}" if detail and not detail.endswith(":") else ""))
+        else:
+            reason = f"{type(exc).__name__}: {(text.splitlines() or [''])[0][:300]}"
+        raise ValidationError(f"cannot read {what} {path}: {reason}") from None
+
+
 def load_torch_state(path: Path) -> dict[str, Any]:
     """Load a torch state dict file memory-mapped and with ``weights_only=True``."""
     import torch
 
-    try:
-        obj = torch.load(str(path), map_location="cpu", mmap=True, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - a corrupt / pickled-code file: report, don't leak
-        raise ValidationError(
-            f"cannot load torch checkpoint {path}: {type(exc).__name__}: {exc}"
-        ) from None
+    obj = torch_load(path, "torch checkpoint", mmap=True)
     if isinstance(obj, Mapping) and "state_dict" in obj and isinstance(obj["state_dict"], Mapping):
         obj = obj["state_dict"]
     if not isinstance(obj, Mapping) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

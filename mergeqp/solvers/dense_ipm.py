@@ -397,11 +397,15 @@ class _Ipm:
     """One interior-point solve (see the module doc)."""
 
     def __init__(self, problem: MergeQP, cset: ConstraintSet, opts: dict[str, Any], linalg: Any = None,
-                 scale: tuple[float, float] | None = None):
+                 scale: tuple[float, float] | None = None, name: str = "dense_ipm", capped: bool = False):
         """``linalg(H)``: the backend of the dense work (:mod:`.ipm_linalg`; default
         :class:`~.ipm_linalg.HostLinalg`), made from the H the iteration runs on. ``scale``: the
         caller's problem's :func:`_objective_scale` when ``problem`` is it divided by its scale
-        (what the errors report; default: ``problem``'s own)."""
+        (what the errors report; default: ``problem``'s own). ``name``: the solver the messages
+        name; ``capped``: the caller lowered ``max_iter`` below the default, so an iteration that
+        reaches it ends with the best iterate (not certified) instead of an error."""
+        self.name = name
+        self.capped = capped
         self.problem = problem
         self.scale = scale if scale is not None else _objective_scale(problem)
         self.cset = cset
@@ -575,7 +579,7 @@ class _Ipm:
             return solve32
         solve64 = self._cholesky(w, np.float64, build)
         if solve64 is None:
-            raise SolverError("dense_ipm: the normal matrix H + C'WC could not be factorised even with a ridge")
+            raise SolverError(f"{self.name}: the normal matrix H + C'WC could not be factorised even with a ridge")
         self.factorisations["float64"] += 1
         return full(solve64)
 
@@ -614,7 +618,7 @@ class _Ipm:
             with np.errstate(over="ignore"):
                 history.append((gap / scale, err_d, err_p))
             if float(np.max(np.abs(x), initial=0.0)) > DIVERGED * size:
-                raise unbounded_claim(P, self.cset, "dense_ipm", "diverged iterates", self.lift(x)[:P.n])
+                raise unbounded_claim(P, self.cset, self.name, "diverged iterates", self.lift(x)[:P.n])
             merit = max(history[-1])
             if merit < best[0]:
                 best, since_best = (merit, x, it, history[-1]), 0
@@ -652,10 +656,11 @@ class _Ipm:
             last = history[-1]
         else:
             _, x, _, last = best
-        if status != SolveStatus.OPTIMAL and last[2] > 1e-6:
+        stopped_by_cap = self.capped and status == SolveStatus.MAX_ITERATIONS
+        if status != SolveStatus.OPTIMAL and last[2] > 1e-6 and not stopped_by_cap:
             scale_note = f"max |g| {self.scale[0]:.3g}, max diag H {self.scale[1]:.3g}"
             raise SolverError(
-                f"dense_ipm: no feasible point after {it} iterations (relative primal residual "
+                f"{self.name}: no feasible point after {it} iterations (relative primal residual "
                 f"{last[2]:.2g}): the set {self.cset.spec} may be empty (mergeqp.solve checks that before any "
                 f"solver runs, unless check_feasibility=False), or the iteration lost its accuracy on a badly "
                 f"scaled problem ({scale_note}): rescale H and g, or try solver='active_set' or 'osqp'")
@@ -664,6 +669,9 @@ class _Ipm:
                 "crossover": list(self.crossovers), "crossover_face_solves": self.face_solves,
                 "crossover_faces_skipped": self.faces_skipped, "crossover_seconds": self.crossover_seconds,
                 "relative_gap": last[0], "dual_residual": last[1], "primal_residual": last[2]}
+        if stopped_by_cap:
+            info["note"] = (f"stopped at max_iter = {it} (lowered below the default "
+                            f"{DenseIpmSolver.defaults['max_iter']}): the best iterate, not yet optimal or feasible")
         if self.elimination is not None:
             info["equalities_eliminated"] = int(self.elimination.taken.size)
         if self.la.device is not None:
@@ -729,7 +737,7 @@ class _Ipm:
                     out = cand
             if all(np.all(np.isfinite(v)) for v in out):
                 return out
-        raise SolverError("dense_ipm: the Newton direction is not finite (the iterates diverged)")
+        raise SolverError(f"{self.name}: the Newton direction is not finite (the iterates diverged)")
 
     def _start(self) -> np.ndarray:
         """Mid-box where both bounds are finite, one unit inside a single bound, else 0."""
@@ -1357,7 +1365,8 @@ class DenseIpmSolver(QPSolver):
         sizes = _objective_scale(problem)
         scaled, factor = _unit_scaled(problem, sizes)
         with blas_threads(opts["threads"], self.AUTO_THREADS) as cap:
-            ipm = _Ipm(scaled, constraints, opts, linalg, sizes)
+            ipm = _Ipm(scaled, constraints, opts, linalg, sizes, name=self.name,
+                       capped=int(opts["max_iter"]) < int(self.defaults["max_iter"]))
             setup = time.perf_counter() - t0
             x, status, it, info = ipm.run()
         if cap is not None:

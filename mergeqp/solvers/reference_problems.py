@@ -278,8 +278,28 @@ def load_references(name: str, root: Path | None = None) -> dict[str, Any]:
     path = reference_path(name, root)
     if not path.exists():
         raise ValidationError(f"no reference optima for {name!r} at {path}; run problems/generate.py")
-    with open(path) as fh:
-        return json.load(fh)
+    damaged = f"reference optima of {name!r} at {path} are damaged"
+    try:
+        with open(path) as fh:
+            refs = json.load(fh)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValidationError(f"{damaged} ({type(exc).__name__}: {exc}); restore the file from git or rerun "
+                              f"problems/generate.py") from None
+    # the fields readers use: an object, a numeric l1 radius, objects of numeric objectives
+    if not isinstance(refs, dict):
+        raise ValidationError(f"{damaged}: a JSON object is expected, got {type(refs).__name__}")
+    radius = refs.get("l1_radius")
+    if radius is not None and (isinstance(radius, bool) or not isinstance(radius, (int, float))):
+        raise ValidationError(f"{damaged}: l1_radius is {radius!r}, not a number")
+    optima = refs.get("optima", {})
+    if not isinstance(optima, dict):
+        raise ValidationError(f"{damaged}: optima is {type(optima).__name__}, not an object")
+    for spec, entry in optima.items():
+        objective = entry.get("objective") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or (objective is not None and (isinstance(objective, bool)
+                                                                      or not isinstance(objective, (int, float)))):
+            raise ValidationError(f"{damaged}: optima[{spec!r}] has no numeric objective ({entry!r:.80})")
+    return refs
 
 
 def resolve_spec(spec: str, l1_radius: float | None = None) -> str:

@@ -213,3 +213,72 @@ def test_solve_command_reports_the_pseudo_inverse_facts_by_default_at_small_n(tm
     cert = read_json(out)["certificate"]
     assert cert["unconstrained_bound"] is not None and cert["binding"] is not None
     assert "unconstrained bound" in stdout
+
+
+def test_outputs_never_replace_an_input_a_device_or_a_pipe(problem_file, tmp_path, capsys) -> None:
+    """The warm start and a problem named without its .npz suffix are inputs too; an existing
+    output that is not a regular file (a FIFO, a device) is refused before any work; an empty
+    --out is an error, not a silently skipped output."""
+    path, problem = problem_file
+    x0 = tmp_path / "x0.npy"
+    np.save(x0, np.full(problem.shape, 0.5))
+    before = x0.read_bytes()
+    for flag in ("--out", "--save-d"):
+        code, _, err = run(capsys, "solve", path, "--constraint", "box:0,1", "--x0", str(x0), flag, str(x0))
+        assert code == 2 and "would overwrite the input" in err and x0.read_bytes() == before
+    bare = path[: -len(".npz")]  # read as p.npz
+    kept = open(path, "rb").read()
+    for cmd in (["solve", bare, "--constraint", "box:0,1", "--out", path],
+                ["certify", bare, "--point", str(x0), "--constraint", "box:0,1", "--out", path]):
+        code, _, err = run(capsys, *cmd)
+        assert code == 2 and "would overwrite the input" in err and open(path, "rb").read() == kept
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, _, err = run(capsys, "solve", path, "--constraint", "box:0,1", "--out", str(fifo))
+    assert code == 2 and "not a regular file" in err and not fifo.is_file()
+    code, _, err = run(capsys, "solve", path, "--constraint", "box:0,1", "--out", "")
+    assert code == 2 and "is empty" in err
+
+
+def test_bench_never_replaces_the_instances_and_checks_its_numbers(tmp_path, monkeypatch, capsys) -> None:
+    """--json over a benchmarked instance's files is refused; a damaged optima file is a warning and
+    an empty 'vs ref' column, not a traceback; --seed, --rel-tol and --max-n are checked first;
+    a solver named twice runs once."""
+    import shutil
+
+    from mergeqp.solvers.reference_problems import repo_problems_dir
+
+    root = tmp_path / "problems"
+    root.mkdir()
+    for suffix in (".npz", ".json"):
+        shutil.copy(repo_problems_dir() / f"tiny96{suffix}", root / f"tiny96{suffix}")
+    monkeypatch.setenv("MERGEQP_PROBLEMS_DIR", str(root))
+    kept = (root / "tiny96.json").read_bytes()
+    for target in ("tiny96.json", "tiny96.npz"):
+        code, out, err = run(capsys, "bench", "--problems", "tiny96", "--solvers", "active_set", "--constraint",
+                             "box:0,1", "--json", str(root / target))
+        assert code == 2 and "would overwrite the input" in err and "problem" not in out
+    assert (root / "tiny96.json").read_bytes() == kept
+    for extra, message in ((["--rel-tol", "nan"], "--rel-tol must be finite"), (["--max-n", "-5"], "--max-n"),
+                           (["--constraint", "box:0,1 &"], "an empty part")):
+        code, out, err = run(capsys, "bench", "--problems", "tiny96", "--solvers", "active_set", *extra)
+        assert code == 2 and message in err and "problem" not in out
+    code, _, err = run(capsys, "bench", "--family", "box", "--n", "64", "--seed", "-1", "--solvers", "active_set")
+    assert code == 2 and "--seed must be >= 0" in err
+    for damaged in ('{"optima": {"box:0,1": {"objective": "abc"}}}', "[1, 2]", kept[:300].decode()):
+        (root / "tiny96.json").write_text(damaged)
+        code, out, err = run(capsys, "bench", "--problems", "tiny96", "--solvers", "active_set,active_set",
+                             "--constraint", "box:0,1")
+        assert code == 0 and "are damaged" in err and "Traceback" not in err
+        assert sum(line.startswith("tiny96") for line in out.splitlines()) == 1  # one row: the solver once
+
+
+def test_a_lowered_iteration_limit_is_not_blamed_on_the_set(capsys) -> None:
+    """dense_ipm / torch_ipm stopped by a max_iter the user lowered: the best iterate, not certified
+    (exit 1), instead of 'the set may be empty' (exit 2)."""
+    from mergeqp.solvers.reference_problems import repo_problems_dir
+
+    tiny = str(repo_problems_dir() / "tiny96.npz")
+    code, out, err = run(capsys, "solve", tiny, "--constraint", "box:0,1 & simplex", "--solver", "dense_ipm",
+                         "--option", "max_iter=3")
+    assert code == 1 and "max_iterations" in out and "may be empty" not in err

@@ -192,3 +192,29 @@ def test_cli_collect_rejects_bad_settings(collect_files, tmp_path, capsys, extra
     common = collect_files(tmp_path)
     assert main(common + ["--out", str(tmp_path / "s.npz"), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_collect_problem_named_without_its_suffix_and_unreadable_torch_files(collect_files, tmp_path, capsys):
+    """--problem PATH is written as PATH.npz: that is the file checked against the inputs and --out
+    (it replaced a calibration file, or the statistics, before); a .pt file of pickled objects is
+    one line that never suggests running its code (weights_only=False)."""
+    import pickle
+
+    common = collect_files(tmp_path)
+    cal0 = tmp_path / "cal0.pt"
+    kept = cal0.read_bytes()
+    # an .npz calibration input, named as --problem without its suffix
+    np.savez(tmp_path / "calx.npz", x=np.zeros((6, 12), dtype=np.float32))
+    args = [a if a != str(cal0) else str(tmp_path / "calx.npz") for a in common]
+    assert main(args + ["--out", str(tmp_path / "s2.npz"), "--problem", str(tmp_path / "calx")]) == 2
+    assert "would overwrite the input" in capsys.readouterr().err
+    assert main(common + ["--out", str(tmp_path / "x.npz"), "--problem", str(tmp_path / "x")]) == 2
+    assert "are the same file" in capsys.readouterr().err
+    assert cal0.read_bytes() == kept
+    with open(tmp_path / "pickled.pt", "wb") as fh:
+        pickle.dump({"x": object()}, fh)
+    args = [a if a != str(cal0) else str(tmp_path / "pickled.pt") for a in common]
+    assert main(args + ["--out", str(tmp_path / "s3.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot read calibration file" in err and "never loaded" in err and "weights_only" not in err
+    assert len(err.strip().splitlines()) == 1

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import platform
 import shutil
@@ -274,8 +275,13 @@ class LmConfig:
     def __post_init__(self) -> None:
         for name in ("train_texts", "calibration_texts", "test_texts", "finetune_blocks", "finetune_steps",
                      "finetune_batch", "finetune_max_length", "eval_max_length", "eval_batch"):
-            if int(getattr(self, name)) < 1:
-                raise ValidationError(f"LmConfig.{name} must be >= 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValidationError(f"LmConfig.{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.min_chars, bool) or not isinstance(self.min_chars, (int, np.integer)) or self.min_chars < 0:
+            raise ValidationError(f"LmConfig.min_chars must be an integer >= 0, got {self.min_chars!r}")
+        if not (isinstance(self.finetune_lr, (int, float)) and 0 < self.finetune_lr < math.inf):
+            raise ValidationError(f"LmConfig.finetune_lr must be a positive finite number, got {self.finetune_lr!r}")
         if self.eval_max_length < 2 or self.finetune_max_length < 2:
             raise ValidationError("eval_max_length and finetune_max_length must be >= 2 tokens")
         modules = (self.finetune_modules,) if isinstance(self.finetune_modules, str) else self.finetune_modules

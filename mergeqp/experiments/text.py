@@ -136,10 +136,21 @@ class TextConfig:
     def __post_init__(self) -> None:
         for name in ("train_per_task", "calibration_per_task", "test_per_task", "max_length", "batch_size",
                      "epochs", "merge_batch_size", "chunk_size"):
-            if int(getattr(self, name)) < 1:
-                raise ValidationError(f"text experiment {name} must be >= 1, got {getattr(self, name)}")
-        if not self.ta_scalings or any(not np.isfinite(s) for s in self.ta_scalings):
-            raise ValidationError(f"ta_scalings must be finite numbers, got {self.ta_scalings}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValidationError(f"text experiment {name} must be an integer >= 1, got {value!r}")
+        if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
+            raise ValidationError(f"ta_scalings must be positive finite numbers, got {self.ta_scalings}")
+        for name in ("lr", "head_lr"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ValidationError(f"text experiment {name} must be a positive finite number, got {value!r}")
+        if not 0 < self.ties_density <= 1:
+            raise ValidationError(f"ties_density must lie in (0, 1], got {self.ties_density}")
+        patterns = (self.train_patterns,) if isinstance(self.train_patterns, str) else tuple(self.train_patterns)
+        if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
+            raise ValidationError(f"train_patterns must be one or more parameter-name globs, got {self.train_patterns!r}")
+        object.__setattr__(self, "train_patterns", patterns)
         try:
             OutputConfig.model_validate(self.output)
         except pydantic.ValidationError as exc:
@@ -309,6 +320,19 @@ class _Run:
         self.trained = trainable_names(self.top, cfg.train_patterns)
         self.first = first_trained_block(self.trained, block_prefix(self.top))
         self.layers = module_names(self.trained)
+        # every merge runs on linear layers: a pattern that trains a norm or an embedding inside the
+        # block would fail after the fine-tunes; refuse it here, naming the linear layers there are
+        import torch
+
+        not_linear = [n for n in self.layers if not isinstance(self.top.get_submodule(n), torch.nn.Linear)]
+        if not_linear:
+            block = self.trained[0].rsplit(".", 2)[0]
+            inside = [n for n, m in self.top.named_modules() if isinstance(m, torch.nn.Linear)
+                      and n.startswith(block.rsplit(".", 1)[0] + ".")]
+            raise ValidationError(
+                f"train_patterns {list(cfg.train_patterns)} take in {not_linear}, which are not linear layers; "
+                f"the merges combine linear layers (e.g. {', '.join(inside[:6]) or 'none found'}): train only "
+                f"their weights and biases")
         self.base_tensors = {n: p.detach().clone() for n, p in self.top.named_parameters() if n in set(self.trained)}
         tok = load_tokenizer_of(self.base)
         self.tasks: list[_TaskState] = []

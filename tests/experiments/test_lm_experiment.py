@@ -549,3 +549,10 @@ def test_inputs_are_never_overwritten_and_the_base_must_be_a_causal_lm(tiny_hf, 
         run_lm_experiment(tmp_path / "o", corpora=["code"], config=_config(), cache=tmp_path / "cache",
                           base_folder=tiny_base, progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_lm_settings_of_the_wrong_kind_are_refused():
+    for bad in ({"train_texts": 2.7}, {"min_chars": -5}, {"finetune_lr": float("nan")}, {"eval_batch": True}):
+        with pytest.raises(ValidationError):
+            LmConfig(**bad)
+    assert LmConfig(finetune_modules="mlp").finetune_modules == ("mlp",)

@@ -439,3 +439,20 @@ def test_inputs_and_bases_are_checked_before_any_work(tiny_hf, tiny_base, tmp_pa
         run_text_experiment(str(tmp_path / "o"), tasks=renamed, base_folder=tiny_base, config=tiny_config())
     assert text_mod.with_train_patterns(tiny_config(), LAYER + ".*").train_patterns == (LAYER + ".*",)
     assert not (tmp_path / "o").exists()
+
+
+def test_patterns_that_train_a_norm_and_odd_settings_are_refused_first(tiny_hf, tiny_base, tmp_path):
+    """A train pattern that takes in the block's LayerNorm (``output.*``) would fail in the merges,
+    after the fine-tunes: refused before them, naming the linear layers; settings that are not
+    numbers of the right kind are refused when the config is made."""
+    cfg = replace(tiny_config(), train_patterns=("encoder.layer.1.output.*",))
+    cache = tmp_path / "cache"
+    with pytest.raises(ValidationError, match=r"take in \['encoder.layer.1.output.LayerNorm'\].*not linear layers"):
+        run_text_experiment(str(tmp_path / "o"), tasks=synthetic_tasks(tiny_hf), base_folder=tiny_base, config=cfg,
+                            cache_dir=str(cache))
+    assert not (cache / "finetunes").exists() and not (tmp_path / "o").exists()
+    for bad in ({"ta_scalings": (-1.0,)}, {"lr": float("nan")}, {"train_patterns": ()}, {"epochs": 2.5},
+                {"ties_density": 0.0}):
+        with pytest.raises(ValidationError):
+            TextConfig(**bad)
+    assert TextConfig(train_patterns=LAYER + ".*").train_patterns == (LAYER + ".*",)

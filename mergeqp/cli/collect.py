@@ -113,6 +113,11 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
             raise ConfigError(f"--names has {len(args.names)} name(s) but --finetuned has {len(args.finetuned)}")
         if len(set(args.names)) != len(args.names):
             raise ConfigError(f"--names must be unique, got {args.names}")
+    else:
+        stems = [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
+        if len(set(stems)) != len(stems):
+            raise ConfigError(f"--finetuned: the models are named by their file stems, and {stems} repeat one; "
+                              f"give each a name with --names")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     for name in args.parametrisation:

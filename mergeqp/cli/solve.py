@@ -149,12 +149,12 @@ def _parse_options(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def load_point(path: str) -> np.ndarray:
+def load_point(path: str, what: str = "point file") -> np.ndarray:
     """Read a point from ``.npy``, ``.npz`` (array ``d``, or its only array), ``.json`` (a
     solution written by ``mergeqp solve --out``, ``{"d": ...}`` or a nested list) or text
-    (``.txt`` / ``.csv``, whitespace or comma separated)."""
+    (``.txt`` / ``.csv``, whitespace or comma separated). ``what`` names it in errors."""
     if not os.path.exists(path):
-        raise ValidationError(f"point file not found: {path}")
+        raise ValidationError(f"{what} not found: {path}")
     ext = os.path.splitext(path)[1].lower()
     try:
         if ext == ".json":
@@ -162,7 +162,7 @@ def load_point(path: str) -> np.ndarray:
                 obj = json.load(fh)
             value = obj.get("d") if isinstance(obj, dict) else obj
             if value is None:
-                raise ValidationError(f"point file {path}: the JSON object has no key 'd'")
+                raise ValidationError(f"{what} {path}: the JSON object has no key 'd'")
             arr = np.asarray(value, dtype=np.float64)
         elif ext == ".npz":
             with np.load(path, allow_pickle=False) as data:
@@ -172,21 +172,21 @@ def load_point(path: str) -> np.ndarray:
                     arr = data[data.files[0]]
                 else:
                     raise ValidationError(
-                        f"point file {path} holds {sorted(data.files)}; name the point's array 'd'"
+                        f"{what} {path} holds {sorted(data.files)}; name the point's array 'd'"
                     )
         elif ext in (".txt", ".csv", ".tsv"):
             arr = np.loadtxt(path, delimiter="," if ext == ".csv" else None, ndmin=1)
         else:
             arr = np.load(path, allow_pickle=False)
             if not isinstance(arr, np.ndarray):
-                raise ValidationError(f"point file {path} is an archive; use the .npz extension")
+                raise ValidationError(f"{what} {path} is an archive; use the .npz extension")
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
-        raise ValidationError(f"cannot read point file {path}: {type(exc).__name__}: {exc}") from None
+        raise ValidationError(f"cannot read {what} {path}: {type(exc).__name__}: {exc}") from None
     arr = np.asarray(arr)
     if np.issubdtype(arr.dtype, np.number) and not np.all(np.isfinite(arr)):
-        raise BadDataError(f"point file {path}: d holds {int(np.sum(~np.isfinite(arr)))} non-finite "
+        raise BadDataError(f"{what} {path}: d holds {int(np.sum(~np.isfinite(arr)))} non-finite "
                            f"value(s) (NaN or inf)")
     return arr
 
@@ -210,7 +210,7 @@ def run_solve(args: argparse.Namespace) -> int:
     _check_outputs(args, [(args.out, "the solution"), (args.save_d, "d (--save-d)")])
     options = _parse_options(args.option)
     problem, cset = _load(args)
-    x0 = None if args.x0 is None else check_point_shape(problem, load_point(args.x0))
+    x0 = None if args.x0 is None else check_point_shape(problem, load_point(args.x0, "--x0 (the warm start)"))
     _check_auto_options(problem, cset, args.solver, options)
     # the command prints the pseudo-inverse facts where certify computes them by default (one
     # Cholesky, up to n = 2048); solve() from Python skips them unless asked

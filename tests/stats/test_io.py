@@ -218,3 +218,6 @@ def test_cli_collect_problem_named_without_its_suffix_and_unreadable_torch_files
     err = capsys.readouterr().err
     assert "cannot read calibration file" in err and "never loaded" in err and "weights_only" not in err
     assert len(err.strip().splitlines()) == 1
+    twice = [a if a != str(tmp_path / "ft1.safetensors") else str(tmp_path / "ft0.safetensors") for a in common]
+    assert main(twice + ["--out", str(tmp_path / "s4.npz")]) == 2
+    assert "give each a name with --names" in capsys.readouterr().err

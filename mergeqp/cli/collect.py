@@ -133,6 +133,10 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
         except ValidationError as exc:
             raise ConfigError(f"--max-memory: {exc}") from None
     problem_path = args.problem or os.path.splitext(args.out)[0] + "_problem.npz"
+    suffix = os.path.splitext(problem_path)[1]
+    if suffix and suffix != ".npz":
+        raise ConfigError(f"--problem {problem_path}: the problem is written as an .npz file (numpy's archive); "
+                          f"got the suffix {suffix!r}")
     if not problem_path.endswith(".npz"):
         problem_path += ".npz"  # the file MergeQP.save_npz writes: the one to check
     protected = inputs + [s.rpartition(":")[0] for s in (args.factory, args.output_fn or "")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import BadDataError, ValidationError
+from .checkpoint import torch_load
 
 MATRIX_SUFFIXES = (".npy", ".npz", ".pt", ".pth", ".safetensors", ".txt", ".csv")
 
@@ -40,9 +41,6 @@ def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
                 arr = data[data.files[0]]
         elif ext in (".pt", ".pth"):
             import torch  # deferred: torch is heavy
-
-            from .checkpoint import torch_load
-
             value = torch_load(p, what)
             if not isinstance(value, torch.Tensor):
                 raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a tensor")
@@ -92,8 +90,6 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
 
                 value = load_file(str(p))
             else:
-                from .checkpoint import torch_load
-
                 value = torch_load(p, what)
             if not isinstance(value, dict) or not all(isinstance(v, torch.Tensor) for v in value.values()):
                 raise ValidationError(f"{what}: {p} holds a {type(value).__name__}, not a dict of tensors "

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ValidationError
+from .checkpoint import torch_load
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 TENSOR_SUFFIXES = (".safetensors", ".pt", ".pth")
@@ -252,8 +253,6 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             raise ValidationError(f"cannot read calibration tensors {p}: {exc}") from None
     else:
-        from .checkpoint import torch_load
-
         data = torch_load(p, "calibration tensors")
     if not isinstance(data, dict) or not data or not all(isinstance(v, torch.Tensor) for v in data.values()):
         raise ValidationError(f"{p}: expected a dict of model-input tensors, e.g. {{'pixel_values': (N, C, H, W)}}")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex, SignConsensus
 from mergeqp.errors import SolverError, UnboundedError, ValidationError
 from mergeqp.problem import MergeQP
+from mergeqp.solution import SolveStatus
 from mergeqp.solvers.dense_ipm import DenseIpmSolver
 from mergeqp.solvers.instance_families import draw
 from mergeqp.solvers.registry import SOLVERS, choose_solver, solve
@@ -271,7 +272,10 @@ def test_options_are_checked() -> None:
 def test_empty_set_is_said_not_returned(random_psd_problem) -> None:
     problem = random_psd_problem(np.random.default_rng(0), 3, 4, 12)
     with pytest.raises(SolverError, match="may be empty"):
-        DenseIpmSolver().solve(problem, Box(2.0, 3.0) & Simplex(1.0), max_iter=30)
+        DenseIpmSolver().solve(problem, Box(2.0, 3.0) & Simplex(1.0))
+    # an iteration limit the caller lowered: the best iterate, said to be stopped there (not the set)
+    capped = DenseIpmSolver().solve(problem, Box(2.0, 3.0) & Simplex(1.0), max_iter=30)
+    assert capped.status == SolveStatus.MAX_ITERATIONS and "stopped at max_iter = 30" in capped.info["note"]
     with pytest.raises(SolverError, match="is empty"):
         DenseIpmSolver().solve(problem, Box(0.5, 1.0) & Box(0.0, 0.4))
 

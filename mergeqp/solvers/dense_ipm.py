@@ -656,7 +656,11 @@ class _Ipm:
             last = history[-1]
         else:
             _, x, _, last = best
-        stopped_by_cap = self.capped and status == SolveStatus.MAX_ITERATIONS
+        # stopped by a max_iter the caller lowered while the infeasibility was still falling (it
+        # halved over the last three iterations): the best iterate, not an empty set (whose
+        # infeasibility stalls at its distance to the constraints)
+        falling = len(history) < 4 or history[-1][2] < 0.5 * history[-4][2]
+        stopped_by_cap = self.capped and status == SolveStatus.MAX_ITERATIONS and falling
         if status != SolveStatus.OPTIMAL and last[2] > 1e-6 and not stopped_by_cap:
             scale_note = f"max |g| {self.scale[0]:.3g}, max diag H {self.scale[1]:.3g}"
             raise SolverError(

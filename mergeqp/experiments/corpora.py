@@ -340,4 +340,5 @@ def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_
     return Corpus(name, tuple(texts), ids, names, str(p))
 
 
-__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "check_corpus_name", "corpus_files", "file_corpus", "fortunes", "wordnet_glosses", "WORDNET_LEXNAMES"]
+__all__ = ["Corpus", "bbc_news", "bbc_news_folder", "check_corpus_name", "corpus_files", "file_corpus", "fortunes",
+           "wordnet_glosses", "WORDNET_LEXNAMES"]

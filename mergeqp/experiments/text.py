@@ -149,7 +149,8 @@ class TextConfig:
             raise ValidationError(f"ties_density must lie in (0, 1], got {self.ties_density}")
         patterns = (self.train_patterns,) if isinstance(self.train_patterns, str) else tuple(self.train_patterns)
         if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
-            raise ValidationError(f"train_patterns must be one or more parameter-name globs, got {self.train_patterns!r}")
+            raise ValidationError(f"train_patterns must be one or more parameter-name globs, "
+                                  f"got {self.train_patterns!r}")
         object.__setattr__(self, "train_patterns", patterns)
         try:
             OutputConfig.model_validate(self.output)
@@ -326,9 +327,8 @@ class _Run:
 
         not_linear = [n for n in self.layers if not isinstance(self.top.get_submodule(n), torch.nn.Linear)]
         if not_linear:
-            block = self.trained[0].rsplit(".", 2)[0]
-            inside = [n for n, m in self.top.named_modules() if isinstance(m, torch.nn.Linear)
-                      and n.startswith(block.rsplit(".", 1)[0] + ".")]
+            block = f"{block_prefix(self.top)}.{self.first}."
+            inside = [n for n, m in self.top.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(block)]
             raise ValidationError(
                 f"train_patterns {list(cfg.train_patterns)} take in {not_linear}, which are not linear layers; "
                 f"the merges combine linear layers (e.g. {', '.join(inside[:6]) or 'none found'}): train only "

@@ -175,7 +175,8 @@ def encoder_obstacle(config: Any) -> str | None:
     if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
         return f"its config has is_decoder / is_encoder_decoder set (model_type {model_type!r})"
     if model_type is not None and model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        return f"model_type {model_type!r} is not an encoder family (its attention is causal)"
+        return (f"model_type {model_type!r} is not an encoder family (transformers has no masked-LM form of it, "
+                f"as decoders such as Llama or GPT-2, whose attention is causal, have none)")
     archs = list(getattr(config, "architectures", None) or [])
     heads = [a for a in archs if a.endswith(HEAD_ARCHITECTURES)]
     if heads:

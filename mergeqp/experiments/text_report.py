@@ -240,11 +240,20 @@ def _interval_note(goal: dict[str, Any]) -> str:
     return note
 
 
+def _left_out(dropped: dict[str, int] | None) -> str:
+    """The texts a task's split left out (``text_tasks.distinct_texts``), e.g. ``100 repeated``."""
+    if dropped is None:
+        return "-"  # (results of a run before stop 41)
+    parts = [f"{dropped.get(k, 0)} {label}" for k, label in (("duplicates", "repeated"), ("conflicting", "two-label"),
+                                                               ("blank", "blank")) if dropped.get(k, 0)]
+    return ", ".join(parts) or "0"
+
+
 def render_text_report(results: dict[str, Any]) -> str:
     sel = results["selection"]
     tasks = [[t["name"], str(len(t["labels"])), str(t["sizes"]["train"]), str(t["sizes"]["calibration"]),
-              str(t["sizes"]["test"]), _f(t["finetune"]["loss_first"]), _f(t["finetune"]["loss_last"]),
-              "yes" if t["finetune"]["cached"] else "no"] for t in results["tasks"]]
+              str(t["sizes"]["test"]), _left_out(t.get("dropped")), _f(t["finetune"]["loss_first"]),
+              _f(t["finetune"]["loss_last"]), "yes" if t["finetune"]["cached"] else "no"] for t in results["tasks"]]
     timings = [[k, _f(v, 3)] for k, v in results.get("timings", {}).items()]
     lines = [
         "# Text experiment: merging fine-tuned sentence encoders (the paper's ViT section)", "",
@@ -254,7 +263,8 @@ def render_text_report(results: dict[str, Any]) -> str:
         f"head per task on the mean-pooled embedding. Compared output in the merge QPs: "
         f"{results['compared_output']}. Output MSE: {results['mse_definition']}.", "",
         "## Tasks", "",
-        _table(["task", "classes", "train", "calibration", "test", "loss first", "loss last", "cached"], tasks), "",
+        _table(["task", "classes", "train", "calibration", "test", "left out", "loss first", "loss last", "cached"],
+               tasks), "",
         "## Methods (mean over tasks)", "", methods_table(results), "",
         f"Task arithmetic's weight: {sel['task_arithmetic']['chosen']} ({sel['task_arithmetic']['criterion']}).  ",
         f"Recommended merge: `{sel['recommended']['chosen']}` ({sel['recommended']['criterion']}).", "",

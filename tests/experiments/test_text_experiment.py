@@ -403,6 +403,9 @@ def test_split_task_leaves_out_blank_repeated_and_two_label_texts(tiny_hf):
     sp = split_task(task, 30, 9, 15, seed=1)
     used = [task.texts[i] for part in sp.index.values() for i in part]
     assert len(used) == len(set(used)) and sp.dropped == dropped and texts[5] not in used
+    from mergeqp.experiments.text_report import _left_out
+
+    assert _left_out(dropped) == "3 repeated, 2 two-label, 1 blank" and _left_out({"duplicates": 0}) == "0"
 
 
 def test_inputs_and_bases_are_checked_before_any_work(tiny_hf, tiny_base, tmp_path):

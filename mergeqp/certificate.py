@@ -404,7 +404,19 @@ def certify(
         fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
         bound_method = "lagrangian duality" if math.isfinite(fw_gap) else "none (unbounded set)"
     if feasible:
-        fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
+        # grad'd >= min_{s in C} grad's for d in C: a gap below zero by more than its rounding and the
+        # slack of d's tolerated violation proves the set's own oracle (support / linear minimum)
+        # wrong, and then the gap proves nothing (a user set whose support had a sign flipped was
+        # certified 50% above the optimum)
+        slack = (8.0 * rounding + infeasibility * float(np.sum(np.abs(grad)))
+                 + 1e-9 * (float(np.sum(np.abs(grad * D))) + scale))
+        if fw_gap < -slack:
+            notes.append(f"the set's linear-minimum oracle is inconsistent: it reports min over the set of "
+                         f"<grad, s> above <grad, d> = {float(np.sum(grad * D)):.6g} by {-fw_gap:.3g} at a point d "
+                         f"of the set ({cset.spec}: check its support / linear_minimum); no bound is proven")
+            fw_gap, gap_method = math.inf, f"{gap_method} (inconsistent oracle)"
+        else:
+            fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
     else:
         notes.append("d is infeasible: the gap bounds J(d) - J* only for feasible points")
     lower_bound = objective - fw_gap if math.isfinite(fw_gap) else -math.inf

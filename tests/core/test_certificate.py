@@ -417,3 +417,43 @@ def test_solve_skips_the_pseudo_inverse_facts_unless_asked(monkeypatch) -> None:
     assert forced.certificate.unconstrained_bound <= forced.objective + 1e-9
     assert plain.certificate.fw_gap == pytest.approx(default.certificate.fw_gap, abs=1e-12)
     assert plain.certificate.certified() and default.certificate.certified()
+
+
+def test_a_set_whose_oracle_contradicts_a_point_of_the_set_certifies_nothing() -> None:
+    """A user's set whose support() has a sign flipped reports a linear minimum above <grad, d> at
+    a point d of the set: the clamped gap of 0 certified such points (one 50% above the optimum).
+    Now the gap is infinite (no proven bound) and a note names the set's oracle; the correct set
+    certifies its optimum as before."""
+    import mergeqp
+
+    class Cap(mergeqp.ConstraintSet):
+        name = "cap_test"
+        has_projection = True
+
+        def __init__(self, cap: float, flipped: bool) -> None:
+            self.cap, self.flipped = float(cap), flipped
+
+        @property
+        def spec(self) -> str:
+            return f"cap_test:{self.cap:g}"
+
+        def project(self, d):
+            return np.clip(d, 0.0, self.cap)
+
+        def support(self, grad):
+            s = np.where((grad > 0) if self.flipped else (grad < 0), self.cap, 0.0)
+            return float(np.sum(grad * s)), s
+
+        def violation(self, d):
+            return float(max(0.0, -np.min(d), np.max(d) - self.cap))
+
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((30, 12))
+    problem = MergeQP(A.T @ A, rng.standard_normal(12), 0.0, shape=(3, 4))
+    d = np.full((3, 4), 0.4)
+    bad = certify(problem, Cap(0.8, flipped=True), d)
+    assert not bad.certified(1e-6) and bad.fw_gap == float("inf")
+    assert any("oracle is inconsistent" in n for n in bad.notes)
+    good = mergeqp.solve(problem, Cap(0.8, flipped=False), solver="torch_fista")
+    assert good.certificate.certified(1e-6)
+    assert not certify(problem, Cap(0.8, flipped=True), good.d).certified(1e-6)

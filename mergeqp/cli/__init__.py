@@ -48,11 +48,21 @@ SUBCOMMANDS: dict[str, str] = {
 SYSTEM_ALLOCATOR = frozenset({"bench"})
 
 
+#: environment variable naming modules to import before any command (comma-separated), like
+#: repeated ``--import``
+IMPORT_ENV = "MERGEQP_IMPORT"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mergeqp",
         description="Merge fine-tuned checkpoints by convex optimisation, with certificates.",
     )
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE (a dotted module name, or a .py file) before the command: your own "
+                             "constraint sets, solvers, parametrisations, merge methods and modes registered "
+                             "there (mergeqp.register_*) are then valid names for it; repeatable, before the "
+                             f"command; also ${IMPORT_ENV}=MODULE[,MODULE...]")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     done: set[str] = set()
     for module_name in SUBCOMMANDS.values():
@@ -97,7 +107,56 @@ def _interrupted(command: str, stop: BaseException) -> int:
     return EXIT_INTERRUPTED
 
 
+def _plugin_modules(argv: Sequence[str]) -> list[str]:
+    """The modules of ``$MERGEQP_IMPORT`` and of every ``--import`` before the command in ``argv``."""
+    names = [m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--import", dest="imports", action="append", default=[])
+    known, _ = pre.parse_known_args(list(argv))
+    return names + [m for m in known.imports if m]
+
+
+def import_plugins(names: Sequence[str]) -> None:
+    """Import each of ``names`` (a dotted module name, or a path to a ``.py`` file) so that what it
+    registers is known to the command; a module that cannot be imported is a :class:`ConfigError`
+    naming it."""
+    import importlib.util
+
+    from ..errors import ConfigError
+
+    for name in names:
+        try:
+            if name.endswith(".py") or os.sep in name:
+                path = os.path.abspath(os.path.expanduser(name))
+                if not os.path.isfile(path):
+                    raise ConfigError(f"--import {name}: no such file")
+                mod_name = "mergeqp_plugin_" + os.path.splitext(os.path.basename(path))[0]
+                if getattr(sys.modules.get(mod_name), "__file__", None) == path:
+                    continue  # imported already (its registrations hold for this process)
+                spec = importlib.util.spec_from_file_location(mod_name, path)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"--import {name}: not a Python file")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+            else:
+                if "" not in sys.path and os.getcwd() not in sys.path:
+                    sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
+                importlib.import_module(name)
+        except MergeQPError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the user's module: name it, one line
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise ConfigError(f"--import {name}: {type(exc).__name__}: {first}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        import_plugins(_plugin_modules(argv))
+    except MergeQPError as exc:
+        print(f"mergeqp: error: {exc}", file=sys.stderr)
+        return exit_code(exc)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

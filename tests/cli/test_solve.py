@@ -282,3 +282,40 @@ def test_a_lowered_iteration_limit_is_not_blamed_on_the_set(capsys) -> None:
     code, out, err = run(capsys, "solve", tiny, "--constraint", "box:0,1 & simplex", "--solver", "dense_ipm",
                          "--option", "max_iter=3")
     assert code == 1 and "max_iterations" in out and "may be empty" not in err
+
+
+def test_the_command_imports_a_users_registrations(tmp_path, capsys, monkeypatch) -> None:
+    """A set registered in the user's own file is a valid --constraint for the command once it is
+    imported with --import (a .py path or a module name) or $MERGEQP_IMPORT; a module that fails to
+    import is one line, exit 2."""
+    from mergeqp.solvers.reference_problems import repo_problems_dir
+
+    tiny = str(repo_problems_dir() / "tiny96.npz")
+    plugin = tmp_path / "my_sets_cli.py"
+    plugin.write_text(
+        "import numpy as np\nimport mergeqp as mq\nfrom mergeqp.constraints import SetStructure\n\n"
+        "class Interval(mq.ConstraintSet):\n    name = 'interval_cli'\n    has_projection = True\n"
+        "    def __init__(self, lo, hi):\n        self.lo, self.hi = float(lo), float(hi)\n"
+        "    @property\n    def spec(self):\n        return f'interval_cli:{self.lo:g},{self.hi:g}'\n"
+        "    @property\n    def bounded(self):\n        return True\n"
+        "    def structure(self, shape):\n        n = shape[0] * shape[1]\n"
+        "        return SetStructure(np.full(n, self.lo), np.full(n, self.hi))\n"
+        "    def violation(self, d):\n        return float(max(0.0, self.lo - np.min(d), np.max(d) - self.hi))\n\n"
+        "mq.register_constraint('interval_cli', lambda args, spec, context: Interval(*map(float, args)))\n")
+    code, _, err = run(capsys, "solve", tiny, "--constraint", "interval_cli:0,0.8")
+    assert code == 2 and "unknown constraint set 'interval_cli'" in err
+    code, out, _ = run(capsys, "--import", str(plugin), "solve", tiny, "--constraint", "interval_cli:0,0.8")
+    assert code == 0 and "CERTIFIED" in out
+    code, box, _ = run(capsys, "solve", tiny, "--constraint", "box:0,0.8")
+    import re
+
+    def objective(text: str) -> float:
+        return float(re.search(r"objective J\(d\) = (\S+)", text).group(1))
+    assert objective(out) == pytest.approx(objective(box), rel=1e-7)
+    monkeypatch.setenv("MERGEQP_IMPORT", str(plugin))  # imported already: not registered twice
+    assert run(capsys, "solve", tiny, "--constraint", "interval_cli:0,0.8")[0] == 0
+    monkeypatch.delenv("MERGEQP_IMPORT")
+    (tmp_path / "broken_cli.py").write_text("raise RuntimeError('no')\n")
+    for name in (str(tmp_path / "broken_cli.py"), "no_such_module_cli_xyz", str(tmp_path / "missing.py")):
+        code, _, err = run(capsys, "--import", name, "solve", tiny)
+        assert code == 2 and f"--import {name}" in err and "Traceback" not in err

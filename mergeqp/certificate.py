@@ -360,7 +360,7 @@ def certify(
     quad, lin = 0.5 * float(x @ Hx), float(problem.g @ x)
     objective = quad + lin + problem.c
     grad = (Hx + problem.g).reshape(shape)
-    infeasibility = float(cset.violation(D))
+    infeasibility = _number(cset, "violation", cset.violation(D))
     d_norm = float(np.max(np.abs(x))) if x.size else 0.0
     feasible = infeasibility <= feas_tol * max(1.0, d_norm)
     scale = max(abs(objective), 1e-8 * (abs(problem.c) + abs(quad) + abs(lin)), np.finfo(float).tiny)
@@ -427,8 +427,12 @@ def certify(
         eta = float(np.max(np.abs(problem.diagonal()))) if explicit else 1.0
         eta = eta if eta > 0 else 1.0
         try:
-            step = cset.project(D - grad / eta)
-            kkt = eta * float(np.max(np.abs(D - step)))
+            step = np.asarray(cset.project(D - grad / eta))
+            if step.shape != D.shape:  # (a user set's projection: the residual is informative only)
+                notes.append(f"projected-gradient residual skipped: {cset.spec}'s project returned shape "
+                             f"{step.shape}, not d's {D.shape}")
+            else:
+                kkt = eta * float(np.max(np.abs(D - step)))
         except NotImplementedError:
             kkt = None
 
@@ -475,6 +479,19 @@ def certify(
         constraints=cset.spec, notes=tuple(notes), rounding=float(rounding), bound_method=bound_method,
         natural_scale=_natural_scale(problem, quad),
     )
+
+
+def _number(cset: ConstraintSet, method: str, value: Any) -> float:
+    """A set's scalar answer (``violation``) as a float, or a :class:`ValidationError` naming the set
+    and the method when it is not one number."""
+    try:
+        out = float(np.asarray(value).item()) if np.ndim(value) == 0 else None
+    except (TypeError, ValueError):
+        out = None
+    if out is None or math.isnan(out):
+        raise ValidationError(f"constraint set {cset.spec}: its {method}(d) returned {type(value).__name__} "
+                              f"{np.shape(value)}, not one number")
+    return out
 
 
 def _natural_scale(problem: MergeQP, quad: float) -> float:

@@ -161,7 +161,7 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
     change of the machine's load between cells does not skew the ratio). ``clock``: wall
     (``time.perf_counter``, default) or this process's CPU time (``time.process_time``)."""
     from ..certificate import forget_factorisation
-    from ..solvers.registry import SOLVERS, choose_solver, solve
+    from ..solvers.registry import SOLVERS, choose_solver, declines, solve
 
     rows = []
     for solver in solvers:
@@ -172,7 +172,7 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
             except MergeQPError as exc:
                 why = str(exc)
         else:
-            why = SOLVERS[solver].available() or SOLVERS[solver].supports(problem, cset)
+            why = SOLVERS[solver].available() or declines(SOLVERS[solver], problem, cset)
         if why is None and max_n is not None and problem.n > max_n and solver not in ("active_set", "torch_fista", "auto"):
             why = f"skipped: n > --max-n {max_n}"
         if why is not None:

@@ -73,6 +73,7 @@ from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
+from .unbounded import verified_claim
 
 __all__ = ["CEN", "FREE", "HI", "LO", "ActiveSetSolver", "set_structure", "solve_psd", "support_value",
            "project_structure", "unbounded_direction"]
@@ -605,7 +606,8 @@ class ActiveSetSolver(QPSolver):
         if not st.bounded:
             why = unbounded_direction(problem, st, x)
             if why is not None:
-                raise UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}")
+                raise verified_claim(
+                    UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}"))
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
 

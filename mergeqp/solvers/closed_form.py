@@ -12,7 +12,7 @@ from ..errors import SolverError, UnboundedError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
-from .unbounded import descent_ray
+from .unbounded import descent_ray, verified_claim
 from .unconstrained import UnconstrainedMinimiser, unconstrained_minimiser
 
 
@@ -37,8 +37,8 @@ class ClosedFormSolver(QPSolver):
         if found.outside > 1e-8 and found.ray is not None:
             why = descent_ray(problem, found.ray)
             if why is not None:
-                raise UnboundedError(f"closed_form: the problem is unbounded below without constraints: {why}; "
-                                     f"add constraints")
+                raise verified_claim(UnboundedError(
+                    f"closed_form: the problem is unbounded below without constraints: {why}; add constraints"))
             if found.x_positive is None:
                 raise SolverError(
                     f"closed_form: a relative {found.outside:.2g} of g lies outside the numerical range of H, "

@@ -24,7 +24,7 @@ from ..errors import (
 from ..problem import MergeQP
 from ..solution import Solution
 from .active_set import ActiveSetSolver
-from .base import QPSolver
+from .base import QPSolver, RawResult
 from .clarabel_solver import ClarabelSolver
 from .closed_form import ClosedFormSolver
 from .cvxpy_solvers import CvxpyClarabelSolver, CvxpyOSQPSolver
@@ -33,6 +33,7 @@ from .osqp_solver import OSQPSolver
 from .torch_active_set import TorchActiveSetSolver
 from .torch_ipm import TorchIpmSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
+from .unbounded import unbounded_claim
 
 SOLVERS: dict[str, QPSolver] = {}
 
@@ -79,11 +80,24 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
-        why = s.available() or s.supports(problem, cset) or s.auto_declines(problem, cset)
+        why = s.available() or declines(s, problem, cset) or s.auto_declines(problem, cset)
         if why is None:
             return s
         reasons.append(f"{s.name}: {why}")
     raise UnsupportedError("no registered solver handles this problem:\n  " + "\n  ".join(reasons))
+
+
+def declines(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> str | None:
+    """``solver.supports(problem, cset)``: ``None`` (it handles them) or its reason; a ``supports``
+    that raises or answers something else (a user's solver) is a reason naming that, so that
+    ``auto`` passes over it and a solver chosen by name is refused with it."""
+    try:
+        why = solver.supports(problem, cset)
+    except Exception as exc:  # noqa: BLE001 - a user's solver: say so, never a traceback from here
+        return f"its supports() raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+    if why is None or isinstance(why, str):
+        return why or None
+    return f"its supports() returned {why!r}; it must return None (supported) or a reason (a string)"
 
 
 def solve(
@@ -127,9 +141,11 @@ def solve(
         cset.validate(problem.shape)
     chosen = choose_solver(problem, cset) if solver == "auto" else get_solver(solver)
     if solver != "auto":
-        why = chosen.available() or chosen.supports(problem, cset)
+        why = chosen.available() or declines(chosen, problem, cset)
         if why is not None:
             raise UnsupportedError(f"solver {chosen.name!r} cannot solve this problem: {why}")
+    if options:  # the names and kinds its defaults declare (a user's solver need not check them itself)
+        QPSolver.check_options(chosen, options)
     if x0 is not None:
         x0 = problem.flat(x0, "x0 (the warm start)").reshape(problem.shape)
     setup = time.perf_counter() - t0
@@ -167,6 +183,11 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
     with reuse_linear_minimum():  # (a solver that certified its own point: one LP, not two)
         try:
             raw = chosen.solve(problem, cset, x0=x0, **options)
+        except UnboundedError as exc:
+            if getattr(exc, "verified", False):
+                raise
+            # a claim that did not go through the shared float64 check (a user's solver): check it
+            raise unbounded_claim(problem, cset, chosen.name, f"its claim: {exc}") from exc
         except InfeasibleError as exc:
             if not checked:
                 raise
@@ -185,8 +206,17 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
 
 def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, certify_result: bool,
              rel_tol: float, feas_tol: float, pinv: bool | None, setup: float, t1: float, t2: float) -> Solution:
-    """A solver's raw answer checked (finite, its objective finite) and certified."""
-    d = np.asarray(raw.d, dtype=np.float64).reshape(problem.shape)
+    """A solver's raw answer checked (a RawResult whose d has the problem's shape, real and finite;
+    its objective finite) and certified."""
+    if not isinstance(raw, RawResult):
+        raise SolverError(f"solver {chosen.name!r} returned {type(raw).__name__}, not a RawResult(d, status, ...)")
+    d = np.asarray(raw.d)
+    if d.shape not in (tuple(problem.shape), (problem.n,)):
+        raise SolverError(f"solver {chosen.name!r} returned d of shape {d.shape}, expected {tuple(problem.shape)} "
+                          f"(models x atoms) or ({problem.n},)")
+    if not (np.issubdtype(d.dtype, np.floating) or np.issubdtype(d.dtype, np.integer)):
+        raise SolverError(f"solver {chosen.name!r} returned d of dtype {d.dtype}, not real numbers")
+    d = d.astype(np.float64).reshape(problem.shape)
     if not np.all(np.isfinite(d)):
         raise SolverError(f"solver {chosen.name!r} returned non-finite coefficients")
     with np.errstate(over="ignore", invalid="ignore"):
@@ -237,7 +267,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
     if problem.n <= AUTO_FALLBACK_MAX_N:
         for name in AUTO_FALLBACKS:
             alt = SOLVERS.get(name)
-            if name == first_name or alt is None or alt.available() or alt.supports(problem, cset):
+            if name == first_name or alt is None or alt.available() or declines(alt, problem, cset):
                 continue
             try:
                 sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)

@@ -112,8 +112,15 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
         why = descent_ray(problem, direction)
         if why is None:
             return refuted("its direction of unboundedness is not one of unbounded descent")
-        return UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec}: {why} ({status})")
+        return verified_claim(
+            UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec}: {why} ({status})"))
     if bounded_below_everywhere(problem):
         return refuted("J is bounded below even without constraints (g lies in the numerical "
                        "range of H, or J has a finite minimum along the part outside it)")
-    return UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec} ({status})")
+    return verified_claim(UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec} ({status})"))
+
+
+def verified_claim(error: UnboundedError) -> UnboundedError:
+    """``error`` marked as checked by :func:`unbounded_claim` (the registry checks a claim that is not)."""
+    error.verified = True  # type: ignore[attr-defined]
+    return error

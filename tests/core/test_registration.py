@@ -71,3 +71,96 @@ def test_a_user_parser_that_fails_is_named_with_its_spec() -> None:
     finally:
         CONSTRAINT_SETS.pop("broken_cap")
         CONSTRAINT_SETS.pop("wrong_cap")
+
+
+def test_a_users_solver_that_answers_wrongly_is_named_not_trusted() -> None:
+    """What a registered solver hands back is checked: a RawResult with d of the problem's shape
+    (a transposed point was reshaped silently), real numbers; a supports() that raises or answers
+    True/False is a reason (auto passes over it); an unboundedness claim is checked in float64; an
+    option its defaults do not declare is refused even when the solver never checks."""
+    import numpy as np
+
+    from mergeqp.errors import SolverError, UnsupportedError
+    from mergeqp.problem import MergeQP
+    from mergeqp.solution import SolveStatus
+    from mergeqp.solvers.base import QPSolver, RawResult
+    from mergeqp.solvers.registry import SOLVERS
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((20, 12))
+    problem = MergeQP(A.T @ A, rng.standard_normal(12), 0.0, shape=(3, 4))
+
+    def make(name, answer, supports=lambda self, p, c: None):
+        cls = type(name, (QPSolver,), {"name": name, "supports": supports,
+                                       "solve": lambda self, p, c, x0=None, **o: answer(p)})
+        mq.register_solver(cls())
+        return name
+
+    def unbounded(_p):
+        raise mq.UnboundedError("J falls forever (trust me)")
+
+    try:
+        cases = {
+            make("reg_test_long", lambda p: RawResult(np.zeros(p.n + 1), SolveStatus.OPTIMAL)): r"shape \(13,\)",
+            make("reg_test_transposed", lambda p: RawResult(np.zeros((4, 3)), SolveStatus.OPTIMAL)): r"shape \(4, 3\)",
+            make("reg_test_array", lambda p: np.zeros(p.shape)): "returned ndarray, not a RawResult",
+            make("reg_test_complex", lambda p: RawResult(np.zeros(p.shape, complex), SolveStatus.OPTIMAL)): "complex",
+            make("reg_test_unbounded", unbounded): "but the set box:0,1 is bounded",
+        }
+        for name, message in cases.items():
+            with pytest.raises(SolverError, match=message):
+                mq.solve(problem, "box:0,1", solver=name)
+        raising = make("reg_test_supports", lambda p: RawResult(np.zeros(p.shape), SolveStatus.OPTIMAL),
+                       supports=lambda self, p, c: p.no_such_attribute)
+        with pytest.raises(UnsupportedError, match=r"its supports\(\) raised AttributeError"):
+            mq.solve(problem, "box:0,1", solver=raising)
+        assert mq.solve(problem, "box:0,1").certificate.certified()  # auto passes over it
+        yes = make("reg_test_true", lambda p: RawResult(np.zeros(p.shape), SolveStatus.OPTIMAL),
+                   supports=lambda self, p, c: True)
+        with pytest.raises(UnsupportedError, match=r"returned True; it must return None"):
+            mq.solve(problem, "box:0,1", solver=yes)
+        quiet = make("reg_test_options", lambda p: RawResult(np.zeros(p.shape), SolveStatus.OPTIMAL))
+        with pytest.raises(ValidationError, match=r"unrecognised solver option\(s\) \['typo'\]"):
+            mq.solve(problem, "box:0,1", solver=quiet, typo=1)
+    finally:
+        for name in [n for n in SOLVERS if n.startswith("reg_test_")]:
+            del SOLVERS[name]
+
+
+def test_a_sets_diagnostics_of_the_wrong_shape_are_named() -> None:
+    """violation() must be one number (an array is named with the set); a projection of the wrong
+    shape only skips the informative projected-gradient residual."""
+    import numpy as np
+
+    from mergeqp.problem import MergeQP
+
+    class Odd(mq.ConstraintSet):
+        name = "odd_test"
+        has_projection = True
+
+        def __init__(self, array_violation: bool) -> None:
+            self.array_violation = array_violation
+
+        @property
+        def spec(self) -> str:
+            return "odd_test"
+
+        def project(self, d):
+            return np.clip(d, 0.0, 1.0).ravel()  # flat: the wrong shape
+
+        def support(self, grad):
+            s = np.where(grad < 0, 1.0, 0.0)
+            return float(np.sum(grad * s)), s
+
+        def violation(self, d):
+            v = np.maximum(np.maximum(-d, d - 1.0), 0.0)
+            return v if self.array_violation else float(np.max(v))
+
+    rng = np.random.default_rng(1)
+    A = rng.standard_normal((20, 12))
+    problem = MergeQP(A.T @ A, rng.standard_normal(12), 0.0, shape=(3, 4))
+    with pytest.raises(ValidationError, match=r"odd_test: its violation\(d\) returned ndarray \(3, 4\)"):
+        mq.certify(problem, Odd(True), np.zeros((3, 4)))
+    sol = mq.solve(problem, Odd(False), solver="torch_fista")
+    assert sol.certificate.kkt_residual is None
+    assert any("project returned shape (12,)" in n for n in sol.certificate.notes)

@@ -534,7 +534,20 @@ def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[L
     entry = get_merge_mode(mode)
     if not sites:
         raise ValidationError("no layers to merge")
-    return entry.run(ctx, sites)
+    records = entry.run(ctx, sites)
+    # (a user's mode: what it hands back is checked, so that a layer it skipped is not written as
+    # the base with a report that says nothing)
+    if not isinstance(records, list) or not all(isinstance(r, LayerRecord) for r in records):
+        raise ValidationError(f"merge mode {entry.name!r} returned {type(records).__name__}"
+                              f"{'' if not isinstance(records, list) else ' with entries that are not LayerRecords'}; "
+                              f"its run() must return a list of LayerRecord, one per merged layer")
+    done = {r.layer for r in records}
+    skipped = [site.name for site in sites if site.name not in done]
+    if skipped:
+        raise ValidationError(f"merge mode {entry.name!r} returned no record for {skipped[0]}"
+                              + (f" and {len(skipped) - 1} more layer(s)" if len(skipped) > 1 else "")
+                              + "; every selected layer needs one")
+    return records
 
 
 for _mode in (SingleMode(), SequentialMode(), HybridMode(), JointMode(), TrustRegionMode()):

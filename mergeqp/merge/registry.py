@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, check_callable, check_new_name, lookup
+from ..errors import ConfigError, ValidationError, check_callable, check_new_name, lookup
 from ..io.writer import check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
@@ -78,7 +78,18 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
         merged[alias] = merged[first]
     missing = [n for n in names if n not in merged]
     if missing:  # a method bug, never user input
-        raise RuntimeError(f"merge method {spec.name!r} returned no tensor for {missing[0]!r}")
+        raise ValidationError(f"merge method {spec.name!r} returned no tensor for {missing[0]!r}")
+    for name in names:  # (a user's method: a wrong shape or an integer tensor is named, never cast silently)
+        got, want = merged[name], tuple(inputs.reference.shape(name))
+        if not isinstance(got, torch.Tensor):
+            raise ValidationError(f"merge method {spec.name!r} returned {type(got).__name__} for {name!r}, "
+                                  f"not a tensor")
+        if tuple(got.shape) != want:
+            raise ValidationError(f"merge method {spec.name!r} returned {name!r} of shape {tuple(got.shape)}, "
+                                  f"expected {want}")
+        if not got.is_floating_point():
+            raise ValidationError(f"merge method {spec.name!r} returned {name!r} as {got.dtype}, not a "
+                                  f"floating-point tensor")
     unselected = parsed.unselected or ("base" if inputs.base is not None else "average")
     if unselected == "base" and inputs.base is None:
         raise ConfigError("unselected='base' needs a base model; pass base= or unselected='average'")

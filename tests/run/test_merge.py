@@ -686,3 +686,55 @@ def test_target_bytes_counts_what_a_batch_holds(tiny_hf, families):
         out = teacher_forced_targets(model, batches, spec, "cpu", check=lambda b, w: calls.append((b, w)))
         assert len(calls) == 1 and calls[0][0] == sum(target_bytes(tb) for tb in out[1:])
     assert "distributions" in calls[0][1] and "3 compared outputs" in calls[0][1]
+
+
+def test_a_users_method_or_mode_that_answers_wrongly_is_named(families, tmp_path, capsys):
+    """A registered merge method whose tensors are integers or of the wrong shape was cast and
+    written (or failed deep inside); a mode that skips a selected layer left it at the base with
+    exit 0. Both are now refused, naming the entry and the tensor / layer."""
+    import mergeqp
+    from mergeqp.cli import main
+    from mergeqp.errors import ValidationError
+    from mergeqp.merge.method import MethodParams, tensorwise_run
+    from mergeqp.merge.modes import MERGE_MODES, SingleMode
+    from mergeqp.merge.registry import MERGE_METHODS, merge_state_dicts
+
+    def as_int(name, base, finetuned, params, state):
+        return torch.sign(finetuned[0] - base).to(torch.int64)
+
+    def transposed(name, base, finetuned, params, state):
+        return finetuned[0].t().contiguous() if finetuned[0].dim() == 2 else finetuned[0]
+
+    class SkipLast(SingleMode):
+        name = "skiplast_test"
+        description = "forgets the last selected layer"
+
+        def run(self, ctx, sites):
+            return super().run(ctx, list(sites)[:-1])
+
+    fam = families["llama"]
+    try:
+        for name, fn in (("as_int_test", as_int), ("transposed_test", transposed)):
+            mergeqp.register_merge_method(mergeqp.MergeMethod(name=name, summary="x", reference="test",
+                                                              params=MethodParams, run=tensorwise_run(fn, name)))
+        mergeqp.register_merge_mode(SkipLast())
+        base = {k: torch.randn(4, 3) for k in ("a.weight", "b.weight")}
+        fts = [{k: v + 0.1 * torch.randn_like(v) for k, v in base.items()} for _ in range(2)]
+        for name, message in (("as_int_test", "as torch.int64, not a floating-point tensor"),
+                              ("transposed_test", r"of shape \(3, 4\), expected \(4, 3\)")):
+            with pytest.raises(ValidationError, match=f"merge method '{name}' returned 'a.weight' " + message):
+                merge_state_dicts(name, base, fts)
+        cfg = fam.write_config(tmp_path / "int.yml", ["model.layers.1.mlp.down_proj"], {"name": "as_int_test"})
+        assert main(["merge", str(cfg), "--out", str(tmp_path / "o_int"), "--quiet"]) == 2
+        assert "not a floating-point tensor" in capsys.readouterr().err and not (tmp_path / "o_int").exists()
+        layers = ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
+        cfg = fam.write_config(tmp_path / "skip.yml", layers, {"name": "qp", "mode": "skiplast_test",
+                                                               "parametrisation": "scalar"})
+        assert main(["merge", str(cfg), "--out", str(tmp_path / "o_skip"), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"merge mode 'skiplast_test' returned no record for {layers[-1]}" in err
+        assert not (tmp_path / "o_skip").exists()
+    finally:
+        for key in ("as_int_test", "transposed_test"):
+            MERGE_METHODS.pop(key, None)
+        MERGE_MODES.pop("skiplast_test", None)

@@ -153,7 +153,7 @@ def check_new_name(kind: str, name: object, taken: Container[str], *, forbidden:
     or any of the ``forbidden`` characters (the separators of the spellings that name it, such as
     ``box:0,1``), not already in ``taken``; else ``error`` saying which rule it breaks."""
     if not isinstance(name, str) or not name:
-        raise error(f"a {kind} name must be a non-empty string, got {name!r}")
+        raise error(f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} name must be a non-empty string, got {name!r}")
     if any(ch in forbidden or ch.isspace() for ch in name):
         raise error(f"{kind} name {name!r} must be non-empty without "
                     f"{', '.join(repr(ch) for ch in forbidden)} or spaces")

@@ -46,9 +46,12 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
     members = constraints.members()
     if not members:
         return
-    if len(members) == 1 and members[0].known_nonempty:
-        return  # non-empty whenever it was constructed and validated
     parts = [(s, s.structure(shape)) for s in members]
+    alone = len(members) == 1 and members[0].known_nonempty
+    if alone and parts[0][1] is None:
+        return  # non-empty whenever it was constructed and validated
+    # (a declared structure is checked in closed form even then: a user's set may claim
+    # non-emptiness for bounds that cross)
     boxes = [(s, st) for s, st in parts if st is not None and st.bounds_only]
     box_label = " & ".join(s.spec for s, _ in boxes)
     lo = np.full(shape, -np.inf)
@@ -69,8 +72,9 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
         if boxes and dist > st.radius * (1 + 1e-12):
             raise InfeasibleError(f"{box_label} & {ball.spec} is empty: the box is at L1 distance "
                                   f"{dist:.10g} from the ball's centre, more than the radius {st.radius:.10g}")
-    if len(boxes) == len(members) or (constraints.has_projection and constraints.structure(shape) is not None):
-        return  # the closed-form checks above are exact for these
+    if alone or len(boxes) == len(members) or (constraints.has_projection
+                                               and constraints.structure(shape) is not None):
+        return  # the closed-form checks above are exact for these (or the set vouches for itself)
     polyhedral = all(s.polyhedral for s in members)
     if not polyhedral and cvxpy_reason(constraints) is not None:
         return  # no LP can be written over it: emptiness shows as an infeasible point, not here

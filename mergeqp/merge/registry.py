@@ -28,6 +28,10 @@ from .ties import TIES
 MERGE_METHODS: dict[str, MergeMethod] = {}
 
 
+#: ``method.name`` values of a merge config that select the QP merge, not a registered method
+RESERVED_METHOD_NAMES = frozenset({"qp", "auto"})
+
+
 def register_merge_method(method: MergeMethod) -> MergeMethod:
     """Add ``method`` under ``method.name``; a duplicate name is an error. A registered method is
     usable from Python (:func:`merge_state_dicts`) and from a ``mergeqp merge`` config
@@ -36,6 +40,8 @@ def register_merge_method(method: MergeMethod) -> MergeMethod:
     if not isinstance(method, MergeMethod):
         raise ConfigError(f"register_merge_method expects a MergeMethod, got {type(method).__name__}")
     check_new_name("merge method", method.name, MERGE_METHODS, error=ConfigError)
+    if method.name in RESERVED_METHOD_NAMES:  # (method.name: qp / auto in a config mean the QP)
+        raise ConfigError(f"merge method name {method.name!r} is reserved: in a merge config it selects the QP merge")
     check_callable("merge method", method.name, "run(inputs, names, params)", method.run, ConfigError)
     MERGE_METHODS[method.name] = method
     return method

@@ -164,3 +164,35 @@ def test_a_sets_diagnostics_of_the_wrong_shape_are_named() -> None:
     sol = mq.solve(problem, Odd(False), solver="torch_fista")
     assert sol.certificate.kkt_residual is None
     assert any("project returned shape (12,)" in n for n in sol.certificate.notes)
+
+
+def test_reserved_method_names_and_a_set_that_vouches_for_crossed_bounds() -> None:
+    """``qp`` / ``auto`` select the QP in a merge config: a method under that name could never be
+    reached; a set declaring bounds that cross is empty even if it claims known_nonempty."""
+    import numpy as np
+
+    from mergeqp.constraints import SetStructure
+    from mergeqp.merge.method import MethodParams
+
+    for name in ("qp", "auto"):
+        with pytest.raises(ConfigError, match=f"'{name}' is reserved"):
+            mq.register_merge_method(mq.MergeMethod(name=name, summary="x", reference="t", params=MethodParams,
+                                                    run=lambda inputs, names, params: {}))
+
+    class Vouching(mq.ConstraintSet):
+        name = "vouching_test"
+        known_nonempty = True
+
+        @property
+        def spec(self) -> str:
+            return "vouching_test"
+
+        def structure(self, shape):
+            n = shape[0] * shape[1]
+            return SetStructure(np.full(n, 1.0), np.full(n, 0.0))
+
+        def violation(self, d):
+            return 1.0
+
+    with pytest.raises(mq.InfeasibleError, match="vouching_test is empty"):
+        mq.solve(mq.MergeQP(np.eye(4), np.zeros(4), 0.0, shape=(2, 2)), Vouching())

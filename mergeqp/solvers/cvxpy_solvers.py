@@ -93,6 +93,19 @@ class CvxpyClarabelSolver(_CvxpySolver):
 class CvxpyOSQPSolver(_CvxpySolver):
     name = "cvxpy_osqp"
     backend = "OSQP"
+
+    def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        why = super().supports(problem, constraints)
+        if why is not None or constraints.polyhedral or all(m.polyhedral for m in constraints.members()):
+            return why
+        import cvxpy as cp  # optional heavy dependency (this solver is never chosen without it)
+
+        try:  # OSQP solves QPs: linear constraints only (a Euclidean ball needs a second-order cone)
+            linear = cp.Problem(cp.Minimize(0), constraints.cvxpy(cp.Variable(problem.shape))).is_qp()
+        except Exception:  # noqa: BLE001 - a user's cvxpy(): let the solve report it
+            return None
+        return None if linear else (f"{constraints.spec} needs more than linear constraints (a cone); OSQP solves "
+                                    f"QPs: use cvxpy_clarabel")
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "max_iter": 100000, "polishing": True,
                 "verbose": False}
     positive = ("eps_abs", "eps_rel", "max_iter")

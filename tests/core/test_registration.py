@@ -196,3 +196,35 @@ def test_reserved_method_names_and_a_set_that_vouches_for_crossed_bounds() -> No
 
     with pytest.raises(mq.InfeasibleError, match="vouching_test is empty"):
         mq.solve(mq.MergeQP(np.eye(4), np.zeros(4), 0.0, shape=(2, 2)), Vouching())
+
+
+def test_cvxpy_osqp_declines_a_set_that_needs_a_cone() -> None:
+    """OSQP solves QPs: a user set whose CVXPY form is a second-order cone is declined with a reason
+    (it failed inside OSQP); cvxpy_clarabel solves it."""
+    import cvxpy as cp
+    import numpy as np
+
+    from mergeqp.solvers.registry import SOLVERS, declines
+
+    class Ball(mq.ConstraintSet):
+        name = "ball_test"
+
+        @property
+        def spec(self) -> str:
+            return "ball_test"
+
+        @property
+        def bounded(self) -> bool:
+            return True
+
+        def violation(self, d):
+            return max(float(np.linalg.norm(d)) - 1.0, 0.0)
+
+        def cvxpy(self, var):
+            return [cp.norm(cp.vec(var, order="C"), 2) <= 1.0]
+
+    problem = mq.MergeQP(np.eye(4), -np.ones(4), 0.0, shape=(2, 2))
+    assert "needs more than linear constraints" in declines(SOLVERS["cvxpy_osqp"], problem, Ball())
+    assert declines(SOLVERS["cvxpy_osqp"], problem, Box(0, 1)) is None
+    sol = mq.solve(problem, Ball(), solver="cvxpy_clarabel")
+    assert np.allclose(sol.d, 0.5, atol=1e-6)

@@ -41,7 +41,7 @@ from ..constraints import layer_constraint, layer_context, parse_constraint
 from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from ..solvers.registry import solve
-from ..stats.parametrisation import BasisParametrisation, Parametrisation, get_parametrisation
+from ..stats.parametrisation import BasisParametrisation, Parametrisation, get_parametrisation, merged_update
 from .baseline_residuals import BaselineChoice, site_baseline_residuals
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
 from .outputbasis import collect_output_basis, compare_bases
@@ -364,7 +364,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     new_weights = {}
     for a in atoms:
         block = d[:, stats.site_slice(a.site.name)]
-        update = a.param.update(block, a.deltas.numpy())
+        update = merged_update(a.param, block, a.deltas.numpy())
         new_weights[a.site.name] = ctx.weights.base_weight(a.site) + torch.from_numpy(update)
     current = float(sum(w * e["current"] for w, e in zip(stats.task_weights, stats.energy)))
     points = {name: qp.objective(p) for name, p in _reference_points(stats, atoms).items()}

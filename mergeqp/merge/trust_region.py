@@ -44,6 +44,7 @@ from ..constraints import Box, as_constraint_set
 from ..errors import ValidationError
 from ..problem import MergeQP
 from ..solvers.registry import solve
+from ..stats.parametrisation import merged_update
 from .firstorder import FirstOrderStats, TaskTargets, collect_first_order
 from .multilayer import (
     LayerRecord,
@@ -461,7 +462,8 @@ class _Frame:
         """Each site's weight change for the coefficients ``D`` (``(K, n)``)."""
         import torch  # optional heavy dependency (the merge needs it; importing this module does not)
 
-        return {a.site.name: torch.from_numpy(a.param.update(D[:, self.blocks[a.site.name]], a.deltas.numpy()))
+        return {a.site.name: torch.from_numpy(merged_update(a.param, D[:, self.blocks[a.site.name]],
+                                                            a.deltas.numpy()))
                 for a in self.atoms}
 
 

@@ -31,6 +31,7 @@ from .parametrisation import (
     RowsParametrisation,
     as_parametrisation,
     check_d,
+    merged_update,
 )
 
 
@@ -97,7 +98,7 @@ def merged_layer_weight(base_weight: np.ndarray, deltas: np.ndarray, d: Any,
         raise ValidationError(
             f"the layer weights of fine-tuned model(s) {bad} (0-based) contain NaN or inf"
         )
-    return base_weight + param.update(d, deltas)
+    return base_weight + merged_update(param, d, deltas)
 
 
 def set_linear_weights(model: Any, layer: str, weight: np.ndarray, bias: np.ndarray | None,

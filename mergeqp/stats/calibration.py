@@ -43,6 +43,7 @@ from .parametrisation import (
     Parametrisation,
     as_parametrisation,
     check_d,
+    merged_update,
 )
 from .records import CollectedProblem, SampleChunk
 from .storage import read_stats, save_stats
@@ -287,7 +288,7 @@ class CalibrationStats:
 
     def _check_offset(self, param: Parametrisation, d0: np.ndarray) -> None:
         reference = self.base_weight if self.reference_weight is None else self.reference_weight
-        expected = reference + param.update(d0, self.deltas)
+        expected = reference + merged_update(param, d0, self.deltas)
         err = float(np.max(np.abs(expected - self.base_weight)))
         scale = max(float(np.max(np.abs(self.base_weight))), 1e-30)
         if err > 1e-5 * scale:
@@ -361,7 +362,7 @@ class CalibrationStats:
         param = self.parametrisation(parametrisation)
         d = check_d(d, self.K, param.n_atoms(self.r, self.m1), param)
         reference = self.base_weight if self.reference_weight is None else self.reference_weight
-        W = reference + param.update(d, np.asarray(self.deltas, dtype=np.float64))
+        W = reference + merged_update(param, d, np.asarray(self.deltas, dtype=np.float64))
         if self.has_bias:
             return W[:, :-1].copy(), W[:, -1].copy()
         return W, None

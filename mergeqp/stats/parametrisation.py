@@ -34,9 +34,23 @@ from ..errors import ValidationError, check_new_name, lookup, unknown
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
-__all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS",
+__all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS", "merged_update",
            "Parametrisation", "RowsParametrisation", "ScalarParametrisation", "as_parametrisation", "check_d",
            "get_parametrisation", "register_parametrisation"]
+
+
+def merged_update(param: Parametrisation, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
+    """``param.update(d, deltas)``, checked: a real ``(r, m1)`` array (``deltas`` is ``(K, r,
+    m1)``). A user's parametrisation that answers otherwise is named (it failed deep inside the
+    merge, or was broadcast silently)."""
+    out = np.asarray(param.update(d, deltas))
+    want = tuple(np.shape(deltas)[1:])
+    if out.shape != want:
+        raise ValidationError(f"parametrisation {param.name!r}: update(d, deltas) returned shape {out.shape}, "
+                              f"expected {want} (the layer's rows x columns)")
+    if not (np.issubdtype(out.dtype, np.floating) or np.issubdtype(out.dtype, np.integer)):
+        raise ValidationError(f"parametrisation {param.name!r}: update(d, deltas) returned dtype {out.dtype}")
+    return out.astype(np.float64, copy=False)
 
 
 class Parametrisation(ABC):

@@ -228,3 +228,25 @@ def test_cvxpy_osqp_declines_a_set_that_needs_a_cone() -> None:
     assert declines(SOLVERS["cvxpy_osqp"], problem, Box(0, 1)) is None
     sol = mq.solve(problem, Ball(), solver="cvxpy_clarabel")
     assert np.allclose(sol.d, 0.5, atol=1e-6)
+
+
+def test_a_parametrisation_whose_update_has_the_wrong_shape_is_named() -> None:
+    """update(d, deltas) must be the layer's (r, m1): a transposed answer failed deep inside a merge
+    (or broadcast), now it is named with the parametrisation."""
+    import numpy as np
+
+    from mergeqp.stats.apply import merged_layer_weight
+
+    class Transposed(RowsParametrisation):
+        name = "transposed_test"
+
+        def update(self, d, deltas):
+            return super().update(d, deltas).T
+
+    rng = np.random.default_rng(0)
+    base, deltas = rng.standard_normal((3, 5)), rng.standard_normal((2, 3, 5))
+    d = np.full((2, 3), 0.5)
+    assert merged_layer_weight(base, deltas, d, RowsParametrisation()).shape == (3, 5)
+    with pytest.raises(ValidationError, match=r"'transposed_test': update\(d, deltas\) returned shape \(5, 3\), "
+                                              r"expected \(3, 5\)"):
+        merged_layer_weight(base, deltas, d, Transposed())

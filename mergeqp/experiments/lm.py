@@ -114,6 +114,9 @@ DOMAINS: dict[str, Callable[[], Corpus]] = {}
 def register_domain(name: str, loader: Callable[[], Corpus], *, replace_existing: bool = False) -> None:
     """Make ``name`` a valid ``--domains`` entry: ``loader()`` returns its texts as a Corpus."""
     check_corpus_name(name)
+    if not callable(loader):
+        raise ValidationError(f"domain {name!r}: the loader must be callable (returning a Corpus), "
+                              f"got {type(loader).__name__}")
     if name in DOMAINS and not replace_existing:
         raise ValidationError(f"domain {name!r} is already registered")
     DOMAINS[name] = loader

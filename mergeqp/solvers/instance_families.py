@@ -65,8 +65,9 @@ class InstanceFamily:
         if not self.cond > 1.0:
             raise ValidationError(f"instance family {self.name!r}: cond must be > 1, got {self.cond}")
         for what in ("K", "r", "c", "N"):
-            if int(getattr(self, what)) < 1:
-                raise ValidationError(f"instance family {self.name!r}: {what} must be >= 1")
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValidationError(f"instance family {self.name!r}: {what} must be an integer >= 1, got {value!r}")
 
     @property
     def n(self) -> int:

@@ -250,3 +250,15 @@ def test_a_parametrisation_whose_update_has_the_wrong_shape_is_named() -> None:
     with pytest.raises(ValidationError, match=r"'transposed_test': update\(d, deltas\) returned shape \(5, 3\), "
                                               r"expected \(3, 5\)"):
         merged_layer_weight(base, deltas, d, Transposed())
+
+
+def test_family_sizes_and_domain_loaders_are_checked_when_registered() -> None:
+    from mergeqp.solvers.instance_families import InstanceFamily
+
+    with pytest.raises(ValidationError, match="K must be an integer >= 1, got 1.5"):
+        InstanceFamily("half_test", 1.5, 10, "box", 0.5)
+    pytest.importorskip("torch")
+    from mergeqp.experiments.lm import register_domain
+
+    with pytest.raises(ValidationError, match="the loader must be callable"):
+        register_domain("loader_test", 5)

@@ -304,6 +304,14 @@ def test_the_command_imports_a_users_registrations(tmp_path, capsys, monkeypatch
         "mq.register_constraint('interval_cli', lambda args, spec, context: Interval(*map(float, args)))\n")
     code, _, err = run(capsys, "solve", tiny, "--constraint", "interval_cli:0,0.8")
     assert code == 2 and "unknown constraint set 'interval_cli'" in err
+    from mergeqp.constraints.parse import CONSTRAINT_SETS
+
+    # (the registration lives in this process: taken back at the end, so that other tests see the
+    # built-in names only)
+    monkeypatch.setitem(CONSTRAINT_SETS, "interval_cli", None)
+    monkeypatch.delitem(CONSTRAINT_SETS, "interval_cli")
+    monkeypatch.setitem(sys.modules, "mergeqp_plugin_my_sets_cli", None)
+    monkeypatch.delitem(sys.modules, "mergeqp_plugin_my_sets_cli")
     code, out, _ = run(capsys, "--import", str(plugin), "solve", tiny, "--constraint", "interval_cli:0,0.8")
     assert code == 0 and "CERTIFIED" in out
     code, box, _ = run(capsys, "solve", tiny, "--constraint", "box:0,0.8")

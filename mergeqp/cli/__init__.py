@@ -110,7 +110,7 @@ def _interrupted(command: str, stop: BaseException) -> int:
 def _plugin_modules(argv: Sequence[str]) -> list[str]:
     """The modules of ``$MERGEQP_IMPORT`` and of every ``--import`` before the command in ``argv``."""
     names = [m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--import", dest="imports", action="append", default=[])
     known, _ = pre.parse_known_args(list(argv))
     return names + [m for m in known.imports if m]

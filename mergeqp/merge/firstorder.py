@@ -68,6 +68,7 @@ from ..lm import (
 )
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
+from ..stats.parametrisation import checked_design, checked_tangents
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import (
     OutputDerivatives,
@@ -112,7 +113,7 @@ class SiteAtoms:
         """Layer-output perturbations of model ``k``'s atoms: ``(n_atoms, *Z.shape[:-1], r)``
         from augmented layer inputs ``Z`` (``(..., m1)``)."""
         delta = self.deltas[k].to(Z.dtype).to(Z.device)  # (r, m1)
-        return self.param.tangents(Z, delta)
+        return checked_tangents(self.param, Z, delta)
 
     def offset_tangent(self, Z: Any) -> Any:
         if self.offset is None:
@@ -283,7 +284,7 @@ def _reverse_design(derivatives: OutputDerivatives, a: SiteAtoms, Z: Any) -> Any
     Zf = Z.reshape(B, -1, Z.shape[-1])
     deltas = a.deltas.to(device=Zf.device, dtype=L.dtype)
     R = torch.einsum("btm,krm->bktr", Zf.to(L.dtype), deltas)
-    return a.param.design(L, R, Zf.to(L.dtype), deltas).to(torch.float64)
+    return checked_design(a.param, L, R, Zf.to(L.dtype), deltas).to(torch.float64)
 
 
 def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:

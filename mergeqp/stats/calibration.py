@@ -43,6 +43,7 @@ from .parametrisation import (
     Parametrisation,
     as_parametrisation,
     check_d,
+    checked_design,
     merged_update,
 )
 from .records import CollectedProblem, SampleChunk
@@ -320,7 +321,7 @@ class CalibrationStats:
         Z = torch.from_numpy(chunk.layer_input)
         L = torch.from_numpy(chunk.jacobian)
         R = torch.einsum("btm,krm->bktr", Z, D)
-        A = param.design(L, R, Z, D)
+        A = checked_design(param, L, R, Z, D)
         B, c = A.shape[:2]
         return A.reshape(B * c, -1), torch.from_numpy(chunk.residual).reshape(-1)
 

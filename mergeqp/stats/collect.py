@@ -44,7 +44,7 @@ from .linearise import (
     linearise_batch,
     resolve_output_fn,
 )
-from .parametrisation import Parametrisation, as_parametrisation
+from .parametrisation import Parametrisation, as_parametrisation, checked_design
 
 TARGET_KINDS = ("finetuned", "labels")
 DEFAULT_MAX_SAMPLE_BYTES = 2 * 2**30
@@ -495,7 +495,7 @@ class _Accumulator:
                 L_red, b_red = L, b
             R = torch.einsum("btm,krm->bktr", Z, self.D)
             for p in self.params:
-                self.sums[p.key].add_design(t, p.design(L_red, R, Z, self.D), b_red)
+                self.sums[p.key].add_design(t, checked_design(p, L_red, R, Z, self.D), b_red)
         self.counts[t] += B
         if self.keep:
             chunk = SampleChunk(task=t, layer_input=Z.cpu().numpy(), jacobian=L.cpu().numpy(),

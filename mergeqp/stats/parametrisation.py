@@ -34,9 +34,35 @@ from ..errors import ValidationError, check_new_name, lookup, unknown
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
-__all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS", "merged_update",
+__all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS", "checked_design", "checked_tangents", "merged_update",
            "Parametrisation", "RowsParametrisation", "ScalarParametrisation", "as_parametrisation", "check_d",
            "get_parametrisation", "register_parametrisation"]
+
+
+def checked_design(param: Parametrisation, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
+    """``param.design(L, R, Z, deltas)``, checked: ``(B, c, K, n_atoms)`` (``L``: ``(B, c, T, r)``,
+    ``deltas``: ``(K, r, m1)``). A user's parametrisation that answers otherwise is
+    named (its rows failed deep inside the statistics)."""
+    A = param.design(L, R, Z, deltas)
+    K, r, m1 = (int(x) for x in deltas.shape)
+    want = (int(L.shape[0]), int(L.shape[1]), K, int(param.n_atoms(r, m1)))
+    got = tuple(getattr(A, "shape", ()))
+    if got != want:
+        raise ValidationError(f"parametrisation {param.name!r}: design(L, R, Z, deltas) returned shape {got}, "
+                              f"expected {want} (samples, outputs, models, atoms = n_atoms({r}, {m1}))")
+    return A
+
+
+def checked_tangents(param: Parametrisation, Z: Any, delta: Any) -> Any:
+    """``param.tangents(Z, delta)``, checked: ``(n_atoms, *Z.shape[:-1], r)`` (``delta``: ``(r, m1)``)."""
+    T = param.tangents(Z, delta)
+    r, m1 = (int(x) for x in delta.shape)
+    want = (int(param.n_atoms(r, m1)), *(int(x) for x in Z.shape[:-1]), r)
+    got = tuple(getattr(T, "shape", ()))
+    if got != want:
+        raise ValidationError(f"parametrisation {param.name!r}: tangents(Z, delta) returned shape {got}, "
+                              f"expected {want} (atoms = n_atoms({r}, {m1}), Z's leading shape, rows)")
+    return T
 
 
 def merged_update(param: Parametrisation, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:

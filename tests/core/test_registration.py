@@ -262,3 +262,30 @@ def test_family_sizes_and_domain_loaders_are_checked_when_registered() -> None:
 
     with pytest.raises(ValidationError, match="the loader must be callable"):
         register_domain("loader_test", 5)
+
+
+def test_a_parametrisations_design_and_tangents_are_checked_for_shape() -> None:
+    """A user's tangents() one atom short or design() with the models and atoms swapped failed deep
+    inside torch (a size mismatch); both are named with the parametrisation."""
+    torch = pytest.importorskip("torch")
+    from mergeqp.stats.parametrisation import checked_design, checked_tangents
+
+    class Short(RowsParametrisation):
+        name = "short_test"
+
+        def tangents(self, Z, delta):
+            return super().tangents(Z, delta)[:-1]
+
+        def design(self, L, R, Z, deltas):
+            return super().design(L, R, Z, deltas).transpose(2, 3)
+
+    Z, delta = torch.randn(2, 5, 4), torch.randn(3, 4)  # (B, T, m1), (r, m1)
+    assert tuple(checked_tangents(RowsParametrisation(), Z, delta).shape) == (3, 2, 5, 3)
+    with pytest.raises(ValidationError, match=r"'short_test': tangents\(Z, delta\) returned shape \(2, 2, 5, 3\), "
+                                              r"expected \(3, 2, 5, 3\)"):
+        checked_tangents(Short(), Z, delta)
+    L, deltas = torch.randn(2, 6, 5, 3), torch.randn(2, 3, 4)  # (B, c, T, r), (K, r, m1)
+    R = torch.einsum("btm,krm->bktr", Z, deltas)
+    assert tuple(checked_design(RowsParametrisation(), L, R, Z, deltas).shape) == (2, 6, 2, 3)
+    with pytest.raises(ValidationError, match=r"design\(L, R, Z, deltas\) returned shape \(2, 6, 3, 2\)"):
+        checked_design(Short(), L, R, Z, deltas)

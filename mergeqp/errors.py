@@ -8,6 +8,7 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 from __future__ import annotations
 
 import difflib
+import numbers
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import TypeVar
 
@@ -160,6 +161,13 @@ def check_new_name(kind: str, name: object, taken: Container[str], *, forbidden:
     if name in taken:
         raise error(f"{kind} {name!r} is already registered")
     return name
+
+
+def check_integer(what: str, value: object, minimum: int = 1) -> None:
+    """:class:`ValidationError` unless ``value`` is an integer (numpy's too, not a bool) ``>= minimum``;
+    ``what`` names it in the message."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValidationError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
 def check_callable(kind: str, name: str, what: str, value: object,

@@ -24,6 +24,7 @@ from ..errors import (
     EXIT_INTERRUPTED,
     EXIT_IO,
     EXIT_USAGE,
+    ConfigError,
     Interrupted,
     MergeQPError,
     exit_code,
@@ -107,22 +108,11 @@ def _interrupted(command: str, stop: BaseException) -> int:
     return EXIT_INTERRUPTED
 
 
-def _plugin_modules(argv: Sequence[str]) -> list[str]:
-    """The modules of ``$MERGEQP_IMPORT`` and of every ``--import`` before the command in ``argv``."""
-    names = [m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
-    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    pre.add_argument("--import", dest="imports", action="append", default=[])
-    known, _ = pre.parse_known_args(list(argv))
-    return names + [m for m in known.imports if m]
-
-
 def import_plugins(names: Sequence[str]) -> None:
     """Import each of ``names`` (a dotted module name, or a path to a ``.py`` file) so that what it
     registers is known to the command; a module that cannot be imported is a :class:`ConfigError`
     naming it."""
     import importlib.util
-
-    from ..errors import ConfigError
 
     for name in names:
         try:
@@ -151,14 +141,14 @@ def import_plugins(names: Sequence[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        import_plugins(_plugin_modules(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)  # (no choice of any command depends on what a user registers)
+    try:  # $MERGEQP_IMPORT, then every --import: before the command runs
+        import_plugins([m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
+                       + [m for m in args.imports if m])
     except MergeQPError as exc:
         print(f"mergeqp: error: {exc}", file=sys.stderr)
         return exit_code(exc)
-    parser = build_parser()
-    args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE

@@ -213,13 +213,15 @@ def run_text(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------- shared by every experiment
 def _named_files(entries: list[str], option: str) -> dict[str, Path]:
     """``NAME=FILE`` entries of ``option`` as ``{name: path}``; a malformed or repeated name is an error."""
+    from ..experiments.corpora import valid_corpus_name
+
     out: dict[str, Path] = {}
     for entry in entries:
         name, sep, path = entry.partition("=")
         name = name.strip()
         if not sep or not name or not path.strip():
             raise ConfigError(f"{option} {entry!r}: expected NAME=FILE")
-        if not name.replace("_", "").replace("-", "").isalnum():
+        if not valid_corpus_name(name):
             raise ConfigError(f"{option} {entry!r}: names are letters, digits, '_' and '-'")
         if name in out:
             raise ConfigError(f"{option}: the name {name!r} is given twice")

@@ -247,10 +247,15 @@ def fortunes(root: str | Path | None = None, categories: Sequence[str] | None = 
     return Corpus("fortunes", tuple(texts), np.array(labels), tuple(kept), str(folder))
 
 
+def valid_corpus_name(name: Any) -> bool:
+    """Whether ``name`` can name a domain / task: letters (any script), digits, ``_`` and ``-``, not
+    empty (it names cache folders and files)."""
+    return isinstance(name, str) and bool(name) and name.replace("_", "").replace("-", "").isalnum()
+
+
 def check_corpus_name(name: Any, what: str = "domain") -> str:
-    """``name`` when it is a valid name for a domain / task: letters (any script), digits, ``_`` and
-    ``-``, not empty (it names cache folders and files); else a :class:`ValidationError`."""
-    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+    """``name`` when :func:`valid_corpus_name`; else a :class:`ValidationError`."""
+    if not valid_corpus_name(name):
         raise ValidationError(f"{what} names are letters, digits, '_' and '-', got {name!r}")
     return name
 
@@ -341,4 +346,4 @@ def file_corpus(name: str, path: str | Path, *, text_field: str = "text", label_
 
 
 __all__ = ["Corpus", "bbc_news", "bbc_news_folder", "check_corpus_name", "corpus_files", "file_corpus", "fortunes",
-           "wordnet_glosses", "WORDNET_LEXNAMES"]
+           "valid_corpus_name", "wordnet_glosses", "WORDNET_LEXNAMES"]

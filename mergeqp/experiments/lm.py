@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
@@ -278,11 +278,8 @@ class LmConfig:
     def __post_init__(self) -> None:
         for name in ("train_texts", "calibration_texts", "test_texts", "finetune_blocks", "finetune_steps",
                      "finetune_batch", "finetune_max_length", "eval_max_length", "eval_batch"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValidationError(f"LmConfig.{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.min_chars, bool) or not isinstance(self.min_chars, (int, np.integer)) or self.min_chars < 0:
-            raise ValidationError(f"LmConfig.min_chars must be an integer >= 0, got {self.min_chars!r}")
+            check_integer(f"LmConfig.{name}", getattr(self, name))
+        check_integer("LmConfig.min_chars", self.min_chars, minimum=0)
         if not (isinstance(self.finetune_lr, (int, float)) and 0 < self.finetune_lr < math.inf):
             raise ValidationError(f"LmConfig.finetune_lr must be a positive finite number, got {self.finetune_lr!r}")
         if self.eval_max_length < 2 or self.finetune_max_length < 2:
@@ -701,9 +698,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     config = config or (LmConfig.quick() if quick else LmConfig.full())
     if multitask is not None:
         config = replace(config, multitask=bool(multitask))
-    if finetune_modules is not None:
-        config = replace(config, finetune_modules=((finetune_modules,) if isinstance(finetune_modules, str)
-                                                   else tuple(finetune_modules)))
+    if finetune_modules is not None:  # (LmConfig takes one module as a string, or several)
+        config = replace(config, finetune_modules=finetune_modules)
     if seed < 0:
         raise ValidationError(f"seed must be >= 0, got {seed}")
     if corpora is not None:

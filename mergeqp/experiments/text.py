@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import pydantic
 
-from ..errors import ValidationError
+from ..errors import ValidationError, check_integer
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
@@ -136,9 +136,7 @@ class TextConfig:
     def __post_init__(self) -> None:
         for name in ("train_per_task", "calibration_per_task", "test_per_task", "max_length", "batch_size",
                      "epochs", "merge_batch_size", "chunk_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValidationError(f"text experiment {name} must be an integer >= 1, got {value!r}")
+            check_integer(f"text experiment {name}", getattr(self, name))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive finite numbers, got {self.ta_scalings}")
         for name in ("lr", "head_lr"):
@@ -218,12 +216,11 @@ def with_train_patterns(cfg: TextConfig, patterns: Sequence[str]) -> TextConfig:
     """``cfg`` fine-tuning ``patterns`` instead; its ``geometry_layers`` is kept where a pattern lies
     inside it (``encoder.layer.5.output.dense`` for ``encoder.layer.5.output.dense.*``), otherwise
     the geometry experiment merges every trained layer (``None``)."""
-    patterns = (patterns,) if isinstance(patterns, str) else tuple(patterns)
-    if not patterns or not all(isinstance(p, str) and p.strip() for p in patterns):
-        raise ValidationError(f"train_patterns must be one or more parameter-name globs, got {patterns!r}")
+    cfg = replace(cfg, train_patterns=patterns)  # (TextConfig checks them; one pattern may be a string)
     geometry = cfg.geometry_layers
-    keep = geometry is not None and any(fnmatch.fnmatchcase(p.rsplit(".", 1)[0], geometry) for p in patterns)
-    return replace(cfg, train_patterns=patterns, geometry_layers=geometry if keep else None)
+    keep = geometry is not None and any(fnmatch.fnmatchcase(p.rsplit(".", 1)[0], geometry)
+                                        for p in cfg.train_patterns)
+    return replace(cfg, geometry_layers=geometry if keep else None)
 
 
 def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cache_dir: str | None = None,

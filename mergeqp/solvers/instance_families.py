@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import Box, ConstraintSet, L1Ball, SignConsensus, Simplex, intersect
-from ..errors import ValidationError, check_new_name, lookup
+from ..errors import ValidationError, check_integer, check_new_name, lookup
 from ..problem import MergeQP
 from .reference_problems import merge_qp_from_factors, synthetic_factors
 
@@ -65,9 +65,7 @@ class InstanceFamily:
         if not self.cond > 1.0:
             raise ValidationError(f"instance family {self.name!r}: cond must be > 1, got {self.cond}")
         for what in ("K", "r", "c", "N"):
-            value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValidationError(f"instance family {self.name!r}: {what} must be an integer >= 1, got {value!r}")
+            check_integer(f"instance family {self.name!r}: {what}", getattr(self, what))
 
     @property
     def n(self) -> int:

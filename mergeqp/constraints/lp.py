@@ -17,6 +17,7 @@ The sets are used only through their capabilities (``linear_form``, ``auxiliary_
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -163,14 +164,23 @@ def _cvxpy_problem(sets: Sequence[Any], shape: tuple[int, int], cost: np.ndarray
     return cp.Problem(cp.Minimize(cp.sum(cp.multiply(cost, var))), cons), var
 
 
+def solve_quietly(prob: Any, **kwargs: Any) -> None:
+    """``prob.solve(**kwargs)`` without CVXPY's "Solution may be inaccurate" warning: every caller
+    reads ``prob.status`` (an ``*_inaccurate`` status widens the certificate's margin or marks
+    the solve inaccurate in its result), so the warning would only repeat it on stderr."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Solution may be inaccurate", category=UserWarning)
+        prob.solve(**kwargs)
+
+
 def _solve_cvxpy(prob: Any, label: str) -> None:
     import cvxpy as cp  # optional heavy dependency (see _cvxpy_problem)
 
     try:
-        prob.solve(solver=cp.CLARABEL, tol_gap_abs=1e-10, tol_gap_rel=1e-10, tol_feas=1e-10)
+        solve_quietly(prob, solver=cp.CLARABEL, tol_gap_abs=1e-10, tol_gap_rel=1e-10, tol_feas=1e-10)
     except cp.error.SolverError:
         try:
-            prob.solve(solver=cp.CLARABEL)
+            solve_quietly(prob, solver=cp.CLARABEL)
         except cp.error.SolverError as exc:
             raise UnsupportedError(f"the CVXPY LP over {label} failed: {exc}") from None
     except cp.error.DCPError as exc:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet, cvxpy_reason
+from ..constraints.lp import solve_quietly
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
@@ -61,7 +62,7 @@ class _CvxpySolver(QPSolver):
             var.value = np.asarray(x0, dtype=np.float64).reshape(problem.shape)
         setup = time.perf_counter() - t0
         try:
-            prob.solve(solver=getattr(cp, self.backend), warm_start=x0 is not None, **opts)
+            solve_quietly(prob, solver=getattr(cp, self.backend), warm_start=x0 is not None, **opts)
         except cp.error.DCPError as exc:
             raise ValidationError(f"{self.name}: the constraints are not convex (DCP): {exc}") from exc
         except cp.error.SolverError as exc:

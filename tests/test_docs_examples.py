@@ -85,3 +85,34 @@ def test_page_examples_run(page: str, tmp_path: Path, monkeypatch: pytest.Monkey
     if check is not None:
         assert check(namespace), f"docs/{page}: the examples ran but left a wrong result"
     assert os.getcwd() == str(tmp_path)
+
+
+def yaml_blocks() -> list[tuple[str, int, str]]:
+    pages = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+    return [(page.name, i, code) for page in pages
+            for i, code in enumerate(re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S))]
+
+
+#: what a fragment of a merge config (a `method:` block, an `output:` line) is completed with
+SKELETON = {"base": "./base", "models": [{"path": "./ft_a", "calibration": "./a.jsonl"},
+                                      {"path": "./ft_b", "calibration": "./b.jsonl"}], "layers": ["mlp.down_proj"]}
+
+
+@pytest.mark.parametrize(("page", "index", "code"), yaml_blocks(), ids=lambda v: str(v)[:20])
+def test_yaml_examples_are_valid_merge_configs(page: str, index: int, code: str) -> None:
+    """Every YAML example (a whole `mergeqp merge` file or a fragment of one) validates as a
+    MergeConfig, completed where it is a fragment; a list item written `...` stands for more of
+    the same and is left out."""
+    import yaml
+
+    from mergeqp.run.schema import MergeConfig
+
+    block = yaml.safe_load(code)
+    assert isinstance(block, dict), f"{page} yaml block {index + 1} is not a mapping"
+    if isinstance(block.get("models"), list):
+        block["models"] = [m for m in block["models"] if m != "..."]
+    MergeConfig.model_validate({**SKELETON, **block})
+
+
+def test_there_are_yaml_examples() -> None:
+    assert len(yaml_blocks()) >= 8

@@ -53,6 +53,10 @@ class Solution:
         the constraint set's spelling (``box:0,1 & simplex``).
     info:
         solver-specific extras (tolerances used, active-set size, ...).
+    parametrisation:
+        the problem's parametrisation as its metadata records it (``{"name": "rows"}``, a basis
+        with its key, ...; ``None`` for a problem built without one): what ``d``'s atoms mean, so
+        that ``apply_merge(..., solution)`` reads ``d`` the way the QP was posed.
     """
 
     d: np.ndarray
@@ -64,6 +68,7 @@ class Solution:
     certificate: Certificate | None = None
     constraints: str = "none"
     info: Mapping[str, Any] = field(default_factory=dict)
+    parametrisation: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timings", MappingProxyType(dict(self.timings)))
@@ -86,6 +91,7 @@ class Solution:
             "constraints": self.constraints,
             "certificate": None if self.certificate is None else self.certificate.to_dict(),
             "info": to_jsonable(dict(self.info), nonfinite="keep"),
+            **({} if self.parametrisation is None else {"parametrisation": to_jsonable(dict(self.parametrisation))}),
         }
 
     def summary(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -231,9 +232,17 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
     return Solution(
         d=d, objective=objective, status=raw.status, solver=chosen.name,
         iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
+        parametrisation=_recorded_parametrisation(problem),
         timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
                  "certify": t3 - t2, "total": setup + t3 - t1},
     )
+
+
+def _recorded_parametrisation(problem: MergeQP) -> dict[str, Any] | None:
+    """The parametrisation the problem's metadata names (``{"name": ..., ...}``), or ``None``."""
+    meta = getattr(problem, "metadata", None) or {}
+    rec = meta.get("parametrisation") if isinstance(meta, Mapping) else None
+    return dict(rec) if isinstance(rec, Mapping) and isinstance(rec.get("name"), str) else None
 
 
 def _settled(sol: Solution, rel_tol: float, abs_tol: float = 0.0) -> bool:

@@ -32,6 +32,7 @@ from .parametrisation import (
     as_parametrisation,
     check_d,
     merged_update,
+    solution_point,
 )
 
 
@@ -134,20 +135,23 @@ def set_linear_weights(model: Any, layer: str, weight: np.ndarray, bias: np.ndar
 
 
 def apply_merge(base_model: Any, finetuned_models: Sequence[Any], layer: str, d: Any,
-                parametrisation: Any = "rows") -> Any:
+                parametrisation: Any = None) -> Any:
     """A new model: ``base_model`` with ``layer`` set to ``W_base + sum_a d_a B_a``.
 
-    ``d`` is ``(K, n_atoms)`` (or flat) for ``parametrisation`` (``rows``, ``scalar``,
-    ``columns``, a :class:`Basis` or an orthonormal ``(r, p)`` array). Inputs are untouched.
+    ``d``: a :class:`~mergeqp.solution.Solution` (read in its QP's recorded parametrisation), or
+    coefficients ``(K, n_atoms)`` (or flat) for ``parametrisation`` (``rows`` when ``None``;
+    ``scalar``, ``columns``, a :class:`Basis`, an orthonormal ``(r, p)`` array or a
+    parametrisation instance). Inputs are untouched.
     """
     base, deltas, has_bias = layer_deltas(base_model, finetuned_models, layer)
-    W = merged_layer_weight(base, deltas, d, parametrisation)
+    d, param = solution_point(d, parametrisation)
+    W = merged_layer_weight(base, deltas, d, param)
     return set_linear_weights(base_model, layer, W[:, :-1] if has_bias else W,
                               W[:, -1] if has_bias else None)
 
 
 def apply_merge_state_dict(base_state_dict: Mapping[str, Any], finetuned_state_dicts: Sequence[Mapping[str, Any]],
-                           layer: str, d: Any, parametrisation: Any = "rows") -> dict[str, Any]:
+                           layer: str, d: Any, parametrisation: Any = None) -> dict[str, Any]:
     """The state-dict form of :func:`apply_merge`: a new dict with ``{layer}.weight`` (and
     ``.bias``) merged; other entries are the base's tensors (not copied)."""
     import torch  # deferred: torch is heavy
@@ -182,7 +186,8 @@ def apply_merge_state_dict(base_state_dict: Mapping[str, Any], finetuned_state_d
         raise ValidationError("finetuned_state_dicts is empty")
     deltas = np.stack([aug(sd, f"fine-tuned state dict {i}") - base
                        for i, sd in enumerate(finetuned_state_dicts)])
-    W = merged_layer_weight(base, deltas, d, parametrisation)
+    d, param = solution_point(d, parametrisation)
+    W = merged_layer_weight(base, deltas, d, param)
     out = dict(base_state_dict)
     ref_w = base_state_dict[wkey]
     out[wkey] = torch.as_tensor(W[:, :-1] if has_bias else W).to(ref_w.dtype).contiguous()

@@ -45,6 +45,7 @@ from .parametrisation import (
     check_d,
     checked_design,
     merged_update,
+    solution_point,
 )
 from .records import CollectedProblem, SampleChunk
 from .storage import read_stats, save_stats
@@ -358,9 +359,11 @@ class CalibrationStats:
         return suboptimality_gap(self, basis, reference, task_weights=task_weights, method=method)
 
     # ------------------------------------------------------------------ merged weights
-    def merged_weights(self, d: Any, parametrisation: Any = "rows") -> tuple[np.ndarray, np.ndarray | None]:
-        """``W_ref + sum_a d_a B_a`` split into weight ``(r, m)`` and bias ``(r,)`` (or None)."""
-        param = self.parametrisation(parametrisation)
+    def merged_weights(self, d: Any, parametrisation: Any = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``W_ref + sum_a d_a B_a`` split into weight ``(r, m)`` and bias ``(r,)`` (or None); ``d`` a
+        :class:`~mergeqp.solution.Solution` (read in its QP's parametrisation) or coefficients of
+        ``parametrisation`` (``rows`` when ``None``)."""
+        d, param = solution_point(d, parametrisation, self.parametrisation)
         d = check_d(d, self.K, param.n_atoms(self.r, self.m1), param)
         reference = self.base_weight if self.reference_weight is None else self.reference_weight
         W = reference + merged_update(param, d, np.asarray(self.deltas, dtype=np.float64))
@@ -368,7 +371,7 @@ class CalibrationStats:
             return W[:, :-1].copy(), W[:, -1].copy()
         return W, None
 
-    def apply(self, base_model: Any, d: Any, parametrisation: Any = "rows") -> Any:
+    def apply(self, base_model: Any, d: Any, parametrisation: Any = None) -> Any:
         """A copy of ``base_model`` with the merge layer set to :meth:`merged_weights`."""
         weight, bias = self.merged_weights(d, parametrisation)
         return set_linear_weights(base_model, self.layer, weight, bias,

@@ -25,7 +25,7 @@ downstream Jacobian ``L`` (``(B, c, T, r)``), the residual activations
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -493,6 +493,38 @@ def as_parametrisation(spec: Any) -> Parametrisation:
         f"parametrisation must be a name ({', '.join(_named())}), a Basis or an "
         f"orthonormal (r, p) array, got {type(spec).__name__}"
     )
+
+
+def solution_point(d: Any, parametrisation: Any,
+                   resolve: Callable[[Any], Parametrisation] = as_parametrisation) -> tuple[Any, Parametrisation]:
+    """``d``'s coefficients and the parametrisation to read them with.
+
+    ``d``: coefficients (an array; ``parametrisation`` ``None`` means ``rows``), or a
+    :class:`~mergeqp.solution.Solution`, which records its QP's parametrisation: used when
+    ``parametrisation`` is ``None``, and a different one given is an error (a columns solution
+    read as rows has the right shape whenever a layer has as many rows as inputs, and would merge
+    the wrong atoms without a word). ``resolve`` turns a spec into a :class:`Parametrisation`."""
+    from ..solution import Solution  # (a plain data module; imported here to keep this one light)
+
+    recorded = d.parametrisation if isinstance(d, Solution) else None
+    coefficients = d.d if isinstance(d, Solution) else d
+    if recorded is None:
+        return coefficients, resolve("rows" if parametrisation is None else parametrisation)
+    key = str(recorded.get("key", recorded["name"]))
+    if parametrisation is None:
+        named = recorded["name"] in PARAMETRISATIONS and not _needs_layer(PARAMETRISATIONS[recorded["name"]])
+        if not named or key != recorded["name"]:
+            raise ValidationError(
+                f"this solution's QP was posed in the parametrisation {key!r}, which cannot be rebuilt from its "
+                f"name: pass the one the problem was built with (parametrisation=...)")
+        parametrisation = recorded["name"]
+    param = resolve(parametrisation)
+    if param.key != key:
+        raise ValidationError(
+            f"this solution's QP was posed in the parametrisation {key!r}, but {param.key!r} was given to apply "
+            f"it: its coefficients would be read as other atoms (pass the solution without parametrisation=, or "
+            f"the parametrisation its problem was built with)")
+    return coefficients, param
 
 
 def _named() -> list[str]:

@@ -102,3 +102,43 @@ def test_apply_errors(case):
         stats.apply(other, np.zeros((3, 4)))
     with pytest.raises(ValidationError, match="no tensor 'nope.weight'"):
         apply_merge_state_dict(base.state_dict(), [f.state_dict() for f in fts], "nope", np.zeros((3, 4)))
+
+
+def test_a_solution_is_applied_in_its_own_parametrisation(finetuned_copies, linear_net):
+    """A layer with as many rows as augmented inputs (here 4 x (3 + 1)): a columns solution has the
+    rows' shape. Given as the Solution, it is read as columns; read as rows it is refused, where
+    its bare array would silently merge other atoms (a different model, a higher objective)."""
+    import mergeqp
+
+    base = linear_net((3, 4, 2), seed=0)
+    fts = finetuned_copies(base, 3, scale=0.3, layer="0", seed=1)
+    cal = [torch.randn(16, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    stats = collect_statistics(base, fts, "0", cal, parametrisations=["columns", "rows"], keep_samples=True,
+                               progress=False)
+    assert stats.r == stats.m1 == 4
+    sol = mergeqp.solve(stats.problem("columns"), "box:0,1")
+    assert sol.parametrisation == {"name": "columns"} and sol.to_dict()["parametrisation"] == {"name": "columns"}
+    right = apply_merge(base, fts, "0", sol.d, "columns")
+    for merged in (apply_merge(base, fts, "0", sol), stats.apply(base, sol)):
+        assert torch.allclose(merged.state_dict()["0.weight"], right.state_dict()["0.weight"])
+    sd = apply_merge_state_dict(base.state_dict(), [m.state_dict() for m in fts], "0", sol)
+    assert torch.allclose(sd["0.weight"], right.state_dict()["0.weight"])
+    with pytest.raises(ValidationError, match="posed in the parametrisation 'columns', but 'rows'"):
+        apply_merge(base, fts, "0", sol, "rows")
+    with pytest.raises(ValidationError, match="'columns', but 'rows'"):
+        stats.apply(base, sol, "rows")
+    wrong = apply_merge(base, fts, "0", sol.d)  # the bare array: rows, as documented
+    assert not torch.allclose(wrong.state_dict()["0.weight"], right.state_dict()["0.weight"])
+    # a basis cannot be rebuilt from its name: the solution asks for it, and checks the one given
+    basis = stats.parametrisation("svd:2")
+    sol_b = mergeqp.solve(stats.problem(basis), "box:0,1")
+    with pytest.raises(ValidationError, match="cannot be rebuilt from its name"):
+        stats.apply(base, sol_b)
+    assert torch.allclose(stats.apply(base, sol_b, basis).state_dict()["0.weight"],
+                          stats.apply(base, sol_b.d, basis).state_dict()["0.weight"])
+    # a problem built without a parametrisation in its metadata: rows, as before
+    bare = mergeqp.MergeQP(stats.problem("rows").H, stats.problem("rows").g, c=1.0, shape=(3, 4))
+    sol_r = mergeqp.solve(bare, "box:0,1")
+    assert sol_r.parametrisation is None
+    assert torch.equal(apply_merge(base, fts, "0", sol_r).state_dict()["0.weight"],
+                       apply_merge(base, fts, "0", sol_r.d, "rows").state_dict()["0.weight"])

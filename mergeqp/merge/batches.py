@@ -88,6 +88,21 @@ def call(model: Any, weights: Mapping[str, Any] | None, inputs: Any) -> Any:
     return functional_call(model, dict(weights), args=(inputs,))
 
 
+def run_model(model: Any, weights: Mapping[str, Any] | None, inputs: Any, where: str) -> Any:
+    """:func:`call`, with a failure of the model on the batch (wrong input width or dtype, ...) as a
+    :class:`ValidationError` naming the batch and the model's first error line."""
+    try:
+        return call(model, weights, inputs)
+    except (RuntimeError, TypeError, ValueError, IndexError) as exc:
+        raise model_failure(where, exc) from exc
+
+
+def model_failure(where: str, exc: BaseException) -> ValidationError:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return ValidationError(f"{where}: the model failed on this batch ({type(exc).__name__}: {first}); "
+                           f"check the batch's inputs against model= (shapes, dtypes, argument names)")
+
+
 def logits_of(output: Any) -> Any:
     """The logits tensor of a model output: itself, ``.logits``, or the first element."""
     import torch
@@ -118,7 +133,12 @@ def model_weights(model: Any, source: Any, device: Any) -> dict[str, Any]:
             if name in buffers and name not in persistent:
                 continue  # non-persistent buffer: the module's own value is used
             raise ValidationError(f"the model's tensor {name!r} is not in {source.label}")
-        out[name] = source.get(name).to(device=device, dtype=ref.dtype)
+        tensor = source.get(name)
+        if tuple(tensor.shape) != tuple(ref.shape):
+            raise ValidationError(
+                f"the model's tensor {name!r} has shape {tuple(ref.shape)} but {tuple(tensor.shape)} in "
+                f"{source.label}: model= must have the merged models' architecture (only its weights are replaced)")
+        out[name] = tensor.to(device=device, dtype=ref.dtype)
     return out
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError, ValidationError
@@ -54,8 +55,10 @@ from .batches import (
     logits_of,
     map_tensors,
     model_device,
+    model_failure,
     model_weights,
     n_examples,
+    run_model,
     split_batch,
 )
 from .inputs import TensorSource
@@ -166,7 +169,7 @@ def compute_fisher(
             n = n_examples(inputs, where)
             if targets is None and log_likelihood is None:
                 with torch.no_grad():
-                    targets = logits_of(call(model, weights, inputs)).argmax(dim=-1)
+                    targets = logits_of(run_model(model, weights, inputs, where)).argmax(dim=-1)
             if targets is not None:
                 targets = targets.to(device)
                 if targets.dim() == 0 or targets.shape[0] != n:
@@ -190,7 +193,7 @@ def compute_fisher(
                     if "out of bounds" in str(exc):
                         raise ValidationError(f"{where}: a class target is not below the number of "
                                               f"logits ({str(exc).splitlines()[0]})") from None
-                    raise
+                    raise model_failure(where, exc) from exc
                 count += n
             else:
                 for i in range(n):
@@ -207,6 +210,25 @@ def compute_fisher(
     return {n: fisher[primary[n]] for n in wanted}
 
 
+def _supplied_fisher(F: Any, where: str) -> Any:
+    """A user's Fisher as a tensor, checked: finite and non-negative (a mean of squared gradients;
+    a negative entry makes the precision-weighted mean leave the models' range)."""
+    import torch
+
+    try:
+        F = torch.as_tensor(F)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValidationError(f"{where} is not a tensor of numbers ({type(exc).__name__}: {exc})") from None
+    if not F.is_floating_point():
+        F = F.to(torch.float64)
+    if not bool(torch.isfinite(F).all()):
+        raise ValidationError(f"{where} contains NaN or inf")
+    if F.numel() and float(F.min()) < 0:
+        raise ValidationError(f"{where} has a negative entry ({float(F.min()):.3g}): a Fisher is a mean of squared "
+                              f"gradients")
+    return F
+
+
 def _check_fishers(fishers: Any, K: int, names: Sequence[str], inputs: Any) -> list[Mapping[str, Any]]:
     if not isinstance(fishers, Sequence) or isinstance(fishers, Mapping) or len(fishers) != K:
         raise ConfigError(f"parameter 'fishers' must be a list of {K} mappings name -> tensor "
@@ -220,10 +242,11 @@ def _check_fishers(fishers: Any, K: int, names: Sequence[str], inputs: Any) -> l
             raise ValidationError(f"tensor {name!r} has a Fisher in fishers[{have.index(True)}] but "
                                   f"not in fishers[{have.index(False)}]")
         for k, f in enumerate(fishers):
-            if name in f and tuple(f[name].shape) != inputs.reference.shape(name):
+            if name in f and tuple(np.shape(f[name])) != tuple(inputs.reference.shape(name)):
                 raise ValidationError(f"the Fisher of tensor {name!r} in fishers[{k}] has shape "
-                                      f"{tuple(f[name].shape)}, expected {inputs.reference.shape(name)}")
-    return list(fishers)
+                                      f"{tuple(np.shape(f[name]))}, expected {inputs.reference.shape(name)}")
+    return [{n: (_supplied_fisher(v, f"the Fisher of tensor {n!r} in fishers[{k}]") if n in names else v)
+             for n, v in f.items()} for k, f in enumerate(fishers)]
 
 
 def _run(inputs: Any, names: Sequence[str], params: FisherParams) -> dict[str, Any]:

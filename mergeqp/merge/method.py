@@ -16,7 +16,10 @@ Shared parameters (every method):
   fine-tuned tensors; the default when ``base`` is ``None``) or ``"drop"`` (left out: the result
   holds only the merged tensors, the cheap way to get one layer). Non-floating tensors (integer
   buffers, masks) are never merged: they are copied from the reference model (base, else
-  ``finetuned[0]``) unless ``"drop"``.
+  ``finetuned[0]``) unless ``"drop"``. Normalisation layers' running statistics (names ending in
+  ``running_mean`` / ``running_var``), when selected, are the uniform mean of the fine-tuned
+  models' under every method (:func:`~mergeqp.merge.registry.is_running_statistic`): they are
+  activation statistics, and a task vector can make a variance negative.
 - ``progress``: show a progress bar over tensors (on a terminal); default ``True``.
 """
 

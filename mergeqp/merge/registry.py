@@ -79,7 +79,10 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     inputs = prepare_inputs(base, finetuned, needs_base=spec.needs_base, method=spec.name)
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
     tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
-    merged = spec.run(inputs, [n for n in names if n not in tied], parsed)
+    statistics = [n for n in names if n not in tied and is_running_statistic(n)]
+    merged = spec.run(inputs, [n for n in names if n not in tied and n not in statistics], parsed)
+    for name in statistics:  # activation statistics, not weights: a task vector could make a variance negative
+        merged[name] = _mean_of_finetuned(inputs, name)
     for alias, first in tied.items():
         merged[alias] = merged[first]
     missing = [n for n in names if n not in merged]
@@ -103,22 +106,49 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     ref = inputs.reference
     out: dict[str, Any] = {}
     for name in inputs.names:
-        if name in merged:
+        if name in merged:  # (detached: inputs that require grad must not give results holding their graph)
             dtype, device = ref.dtype_device(name)
-            out[name] = merged[name].to(dtype=dtype, device=device)
+            out[name] = merged[name].detach().to(dtype=dtype, device=device)
         elif unselected == "drop":
             continue
         elif unselected == "average" and name in float_names:
-            dtype, device = ref.dtype_device(name)
-            wide = torch.float64 if dtype == torch.float64 else torch.float32
-            tensors = inputs.finetuned_tensors(name)
-            out[name] = (sum(t.to(device, dtype=wide) for t in tensors) / len(tensors)).to(dtype)
+            out[name] = _mean_of_finetuned(inputs, name).to(ref.dtype_device(name)[0])
         else:
             out[name] = ref.get(name)
             continue  # checked finite when read
         # in the output's dtype: a float16 overflow, or a user method's bug
         check_tensor_finite(name, out[name], f"the {spec.name} merge")
     return out
+
+
+def _is_floating(x: Any) -> bool:
+    if hasattr(x, "is_floating_point"):
+        return bool(x.is_floating_point())
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and getattr(dtype, "kind", "") == "f"
+
+
+#: names of normalisation layers' running statistics (``nn.BatchNorm*``, ``nn.InstanceNorm*`` with
+#: ``track_running_stats``): means and variances of activations, not weights
+RUNNING_STATISTICS = frozenset({"running_mean", "running_var"})
+
+
+def is_running_statistic(name: str) -> bool:
+    """Whether the tensor ``name`` is a normalisation layer's running mean or variance: every merge
+    method averages those over the fine-tuned models (a task vector or a TIES / DARE rescaling of
+    a variance can make it negative, and the merged model's outputs NaN)."""
+    return name.rsplit(".", 1)[-1] in RUNNING_STATISTICS
+
+
+def _mean_of_finetuned(inputs: Any, name: str) -> Any:
+    """The uniform mean of the fine-tuned models' tensor ``name`` (float32, or float64 for float64),
+    on the reference model's device."""
+    import torch  # optional heavy dependency (see merge_state_dicts)
+
+    dtype, device = inputs.reference.dtype_device(name)
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    tensors = inputs.finetuned_tensors(name)
+    return sum(t.to(device, dtype=wide) for t in tensors) / len(tensors)
 
 
 def merge_tensors(method: str, base: Any, finetuned: Sequence[Any], *, name: str = "tensor", **params: Any) -> Any:
@@ -131,6 +161,11 @@ def merge_tensors(method: str, base: Any, finetuned: Sequence[Any], *, name: str
         raise ConfigError(f"merge method {spec.name!r} needs a model and calibration data; use merge_state_dicts")
     if not isinstance(finetuned, Sequence) or isinstance(finetuned, Mapping):
         raise ConfigError("finetuned must be a list of tensors")
+    for who, tensor in ([("base", base)] if base is not None else []) + [(f"finetuned[{k}]", x)
+                                                                       for k, x in enumerate(finetuned)]:
+        if not _is_floating(tensor):  # merge_state_dicts copies such a tensor: here nothing would be merged
+            raise ValidationError(f"merge_tensors merges floating-point tensors; {who} ({name!r}) is "
+                                  f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
     result = merge_state_dicts(
         method,
         None if base is None else {name: base},

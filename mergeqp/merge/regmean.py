@@ -48,13 +48,13 @@ from pydantic import Field, model_validator
 
 from ..errors import ConfigError, ValidationError
 from .batches import (
-    call,
     check_calibration,
     check_model,
     eval_mode,
     map_tensors,
     model_device,
     model_weights,
+    run_model,
     split_batch,
 )
 from .inputs import TensorSource
@@ -166,8 +166,9 @@ def gram_rows(
     try:
         with eval_mode(model), torch.no_grad():
             for b, batch in enumerate(batches):
-                inputs, _ = split_batch(batch, f"{label} calibration batch {b}")
-                call(model, weights, map_tensors(inputs, lambda t: t.to(device)))
+                where = f"{label} calibration batch {b}"
+                inputs, _ = split_batch(batch, where)
+                run_model(model, weights, map_tensors(inputs, lambda t: t.to(device)), where)
     finally:
         for h in handles:
             h.remove()
@@ -176,6 +177,9 @@ def gram_rows(
         if rows[name] == 0:
             raise ValidationError(f"layer {name!r} of {label} saw no input on the calibration data")
         out[name] = sums[name] / rows[name]
+        if not bool(torch.isfinite(out[name]).all()):
+            raise ValidationError(f"the inputs of layer {name!r} in {label} on its calibration data contain NaN or "
+                                  f"inf (its Gram matrix is not finite): check the calibration batches")
     return out, rows
 
 
@@ -209,7 +213,14 @@ def regmean_solve(weights: Sequence[Any], grams: Sequence[Any], c: Sequence[floa
     return W_bar + (B - W_bar @ A) @ ((V / evals[keep]) @ V.T)
 
 
-def _layers_from_grams(grams: Sequence[Mapping[str, Any]], inputs: Any) -> list[_Layer]:
+def _layers_from_grams(grams: Any, inputs: Any) -> list[_Layer]:
+    _check_gram_mappings(grams, inputs.K)
+    for k, g in enumerate(grams[1:], start=1):
+        if set(g) != set(grams[0]):
+            name = sorted(set(g) ^ set(grams[0]))[0]
+            where = 0 if name in grams[0] else k
+            raise ValidationError(f"layer {name!r} has a Gram matrix in grams[{where}] but not in "
+                                  f"grams[{k if where == 0 else 0}] (every model needs one per merged layer)")
     out = []
     for name in grams[0]:
         if f"{name}.weight" not in inputs.names or len(inputs.reference.shape(f"{name}.weight")) != 2:
@@ -219,13 +230,37 @@ def _layers_from_grams(grams: Sequence[Mapping[str, Any]], inputs: Any) -> list[
     return out
 
 
-def _check_grams(grams: Any, K: int, layers: Sequence[_Layer], inputs: Any) -> None:
+def _check_gram_mappings(grams: Any, K: int) -> None:
     if not isinstance(grams, Sequence) or isinstance(grams, Mapping) or len(grams) != K:
         raise ConfigError(f"parameter 'grams' must be a list of {K} mappings module name -> Gram "
                           f"matrix (one per fine-tuned model)")
     for k, g in enumerate(grams):
         if not isinstance(g, Mapping):
             raise ConfigError(f"grams[{k}] must be a mapping module name -> tensor, got {type(g).__name__}")
+
+
+def _supplied_gram(G: Any, where: str) -> Any:
+    """A user's Gram matrix as a float64 tensor, checked: finite, symmetric, non-negative diagonal
+    (a Gram matrix ``X'X / N`` is positive semidefinite; a negated or damaged one is refused)."""
+    import torch
+
+    try:
+        G = torch.as_tensor(G).to(torch.float64)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValidationError(f"{where} is not a tensor of numbers ({type(exc).__name__}: {exc})") from None
+    if not bool(torch.isfinite(G).all()):
+        raise ValidationError(f"{where} contains NaN or inf")
+    scale = float(G.abs().max()) if G.numel() else 0.0
+    if float((G - G.T).abs().max()) > 1e-6 * max(scale, 1e-300):
+        raise ValidationError(f"{where} is not symmetric (a Gram matrix X'X / N is)")
+    if G.numel() and float(torch.diagonal(G).min()) < -1e-12 * scale:
+        raise ValidationError(f"{where} has a negative diagonal entry ({float(torch.diagonal(G).min()):.3g}): a "
+                              f"Gram matrix X'X / N is positive semidefinite")
+    return G
+
+
+def _check_grams(grams: Any, K: int, layers: Sequence[_Layer], inputs: Any) -> None:
+    _check_gram_mappings(grams, K)
     for lay in layers:
         shape = inputs.reference.shape(lay.weight_key)
         m = shape[0] if lay.kind == "conv1d" else shape[1]
@@ -253,7 +288,9 @@ def _run(inputs: Any, names: Sequence[str], params: RegMeanParams) -> dict[str, 
     layers = [lay for lay in all_layers if lay.weight_key in selected]
     if params.grams is not None:
         _check_grams(params.grams, K, layers, inputs)
-        grams = [{lay.name: params.grams[k][lay.name].to(torch.float64) for lay in layers} for k in range(K)]
+        grams = [{lay.name: _supplied_gram(params.grams[k][lay.name], f"the Gram matrix of layer {lay.name!r} in "
+                                                                      f"grams[{k}]")
+                  for lay in layers} for k in range(K)]
     else:
         calibration = check_calibration(params.calibration, K, "regmean")
         grams = [compute_grams(model, calibration[k], state_dict=inputs.finetuned[k],

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import BadDataError, ValidationError
+from ..errors import BadDataError, ValidationError, check_integer
 from ..io.distributed import Ranks, current_group
 from ..io.memory import SiteMemory, check_site_memory, design_bytes, memory_limit
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
@@ -145,8 +145,13 @@ def collect_statistics(
             f"calibration has {len(calibration)} set(s) but there are {K} fine-tuned models; "
             f"give one calibration set per model, in the same order"
         )
-    if batch_size < 1:
-        raise ValidationError(f"batch_size must be >= 1, got {batch_size}")
+    check_integer("batch_size", batch_size)
+    for who, m in [("base_model", base_model), *((f"fine-tuned model {n!r}", m) for n, m in zip(names, finetuned_models)),
+                   *([("reference_model", reference_model)] if reference_model is not None else [])]:
+        if not isinstance(m, torch.nn.Module):
+            raise ValidationError(
+                f"{who} is a {type(m).__name__}, not an nn.Module: the statistics run the models (load a state "
+                f"dict into a copy of the architecture first: model.load_state_dict(state_dict))")
     if not callable(targets) and targets not in TARGET_KINDS:
         raise ValidationError(
             f"targets must be one of {TARGET_KINDS} or a callable, got {targets!r}"
@@ -164,6 +169,12 @@ def collect_statistics(
         augmented_weight(resolve_linear(m, layer, f"fine-tuned model {n!r}")) - anchor
         for n, m in zip(names, finetuned_models)
     ])
+    for n, delta in zip(names, deltas):
+        if not np.all(np.isfinite(delta)):
+            raise ValidationError(f"the weights of layer {layer!r} in fine-tuned model {n!r} contain NaN or inf")
+    if not np.all(np.isfinite(anchor)):
+        raise ValidationError(f"the weights of layer {layer!r} in the "
+                              f"{'base' if ref_weight is None else 'reference'} model contain NaN or inf")
     has_bias = base_layer.bias is not None
     params = _resolve_params(parametrisations, deltas.shape[1], deltas.shape[2])
     out_fn = resolve_output_fn(output_fn)

@@ -8,7 +8,10 @@ basis, p, seed, variables, captured energy fraction, objective J(d), calibration
 certified, Frank-Wolfe gap, seconds, and why a QP was skipped) and ``DIR/sweep.png`` (energy
 fraction vs MSE; objective vs p). The statistics come from ``mergeqp collect --keep-samples``
 (without kept samples, only what the file can build is swept). Exit code 1 if some QP was not
-certified.
+certified; 2 before any work for a bad name, size or seed, an output folder that is an input or
+not empty (``--overwrite`` replaces it), and when no QP of the sweep could be built; 3 for a
+statistics file with NaN or inf. The folder is written at once (``sweep.csv`` and ``sweep.png``
+together, or neither).
 """
 
 from __future__ import annotations
@@ -35,32 +38,58 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seeds", default="0", help="seeds of random bases, comma-separated (default 0)")
     p.add_argument("--solver", default="auto", help="QP solver (default auto)")
     p.add_argument("--no-figure", action="store_true", help="skip sweep.png")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
 
-def _ints(text: str, what: str) -> tuple[int, ...]:
+def _ints(text: str, what: str, minimum: int) -> tuple[int, ...]:
     try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
+        values = tuple(dict.fromkeys(int(x) for x in text.split(",") if x.strip()))  # (each once, in order)
     except ValueError:
         raise ConfigError(f"{what} expects comma-separated integers, got {text!r}") from None
     if not values:
         raise ConfigError(f"{what} is empty")
+    low = [v for v in values if v < minimum]
+    if low:
+        raise ConfigError(f"{what} must be integers >= {minimum}, got {low[0]}")
     return values
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experiments.sweep import sweep_statistics, write_sweep
+    from ..experiments.sweep import check_sweep_names, sweep_statistics, write_sweep
+    from ..io.atomic import check_output_folder
     from ..stats import load_stats
 
-    sizes, seeds = _ints(args.sizes, "--sizes"), _ints(args.seeds, "--seeds")
+    sizes, seeds = _ints(args.sizes, "--sizes", 1), _ints(args.seeds, "--seeds", 0)
+    parametrisations, bases, solver = check_sweep_names(args.parametrisations, args.bases, args.solver)
+    constraints = list(dict.fromkeys(args.constraints))
+    check_output_folder(args.out, [args.stats], overwrite=args.overwrite, option="--out")
     stats = load_stats(args.stats)
-    rows = sweep_statistics(stats, constraints=args.constraints, parametrisations=args.parametrisations,
-                            bases=args.bases, sizes=sizes, seeds=seeds, solver=args.solver)
-    files = write_sweep(rows, args.out, figure=not args.no_figure)
+    notes = []
+    above = [p for p in sizes if p > stats.r]
+    if bases and above:
+        notes.append(f"basis sizes {', '.join(map(str, above))} exceed the layer's r = {stats.r}: left out")
+    if args.seeds != "0" and "random" not in bases:
+        notes.append("--seeds only varies random bases, and no random basis is swept")
+    for note in notes:
+        print(f"note: {note}")
+    rows = sweep_statistics(stats, constraints=constraints, parametrisations=parametrisations, bases=bases,
+                            sizes=sizes, seeds=seeds, solver=solver, progress=not args.quiet)
     done = [r for r in rows if not r.skipped]
-    print(f"{len(done)} QPs solved ({sum(r.certified for r in done)} certified), {len(rows) - len(done)} skipped; "
-          f"wrote {', '.join(files.values())}")
     for r in rows:
         if r.skipped:
-            print(f"skipped {r.parametrisation} {r.basis}{':' + str(r.p) if r.p else ''} ({r.constraints}): {r.skipped}")
-    return 0 if all(r.certified for r in done) else 1
+            print(f"skipped {r.label}: {r.skipped}")
+    if not rows:
+        raise ConfigError(f"no QP to sweep: every basis size exceeds the layer's r = {stats.r}, and no named "
+                          f"parametrisation was given; nothing written")
+    if not done:
+        raise ConfigError(f"no QP of the sweep could be built from {args.stats} (every one was skipped, reasons "
+                          f"above); nothing written")
+    files = write_sweep(rows, args.out, figure=not args.no_figure, overwrite=args.overwrite)
+    uncertified = [r for r in done if not r.certified]
+    for r in uncertified:
+        print(f"not certified: {r.label} (Frank-Wolfe gap {r.fw_gap:.3g})")
+    print(f"{len(done)} QPs solved ({len(done) - len(uncertified)} certified), {len(rows) - len(done)} skipped; "
+          f"wrote {', '.join(files.values())}")
+    return 0 if not uncertified else 1

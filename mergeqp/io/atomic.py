@@ -177,6 +177,9 @@ def overlapping_input(out: str | os.PathLike[str], inputs: Sequence[str | os.Pat
         pr = _resolved(p)
         if out_r == pr or pr.is_relative_to(out_r) or (pr.is_dir() and out_r.is_relative_to(pr)):
             return os.fspath(p)
+        # a link inside ``out`` to a file elsewhere: replacing ``out`` would delete the path the user gave
+        if (_resolved(Path(p).expanduser().parent) / Path(p).name).is_relative_to(out_r):
+            return os.fspath(p)
         with contextlib.suppress(OSError):
             if out_r.exists() and pr.exists() and os.path.samefile(out_r, pr):  # hard links
                 return os.fspath(p)
@@ -215,6 +218,8 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
     resolved), a path that is a file, a non-empty folder unless ``overwrite``, and a place where
     it cannot be created (the nearest existing parent must be a writable folder). Raises
     :class:`ConfigError`."""
+    if not os.fspath(out):
+        raise ValidationError(f"{option} is empty; give a folder")
     out_p = Path(out).expanduser()
     clash = overlapping_input(out_p, inputs)
     if clash is not None:

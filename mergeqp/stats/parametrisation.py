@@ -527,6 +527,12 @@ def solution_point(d: Any, parametrisation: Any,
     return coefficients, param
 
 
+def named_parametrisations() -> list[str]:
+    """The registered parametrisations that a name alone builds (``rows``, ``scalar``, ``columns``,
+    and users' own without layer data)."""
+    return _named()
+
+
 def _named() -> list[str]:
     """Registered names usable without a layer (every one but the per-layer ``basis`` entry)."""
     return [n for n, p in PARAMETRISATIONS.items() if not _needs_layer(p)]

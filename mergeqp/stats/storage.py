@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import BadDataError, MergeQPError, ValidationError
 from ..io.atomic import save_npz_atomic
 from .parametrisation import Basis, BasisParametrisation, as_parametrisation
 from .records import CollectedProblem, SampleChunk
@@ -85,7 +85,11 @@ def read_stats(path: str) -> dict[str, Any]:
     try:
         data = np.load(path, allow_pickle=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
-        raise ValidationError(f"cannot read statistics file {path}: {exc}") from None
+        reason = ("it holds pickled Python objects, which mergeqp never loads (a statistics file holds numeric "
+                  "arrays only)" if "pickle" in str(exc) else str(exc))
+        raise ValidationError(f"cannot read statistics file {path}: {reason}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise ValidationError(f"{path} is not a mergeqp statistics file (a single .npy array, not an .npz archive)")
     with data:
         if "meta" not in data.files:
             raise ValidationError(f"{path} is not a mergeqp statistics file (no 'meta' entry)")
@@ -93,33 +97,91 @@ def read_stats(path: str) -> dict[str, Any]:
             meta = json.loads(str(data["meta"]))
         except json.JSONDecodeError as exc:
             raise ValidationError(f"{path}: corrupt metadata ({exc})") from None
+        if not isinstance(meta, dict):
+            raise ValidationError(f"{path}: corrupt metadata (a JSON {type(meta).__name__}, not an object)")
         if meta.get("format") != FORMAT:
             raise ValidationError(f"{path} is not a mergeqp statistics file (format {meta.get('format')!r})")
         if int(meta.get("version", 0)) > VERSION:
             raise ValidationError(f"{path} was written by a newer mergeqp (version {meta['version']})")
-        arrays = {name: (data[name] if name in data.files else None) for name in ARRAY_FIELDS}
-        collected = {}
-        for entry in meta["collected"]:
-            i = entry["index"]
-            if f"collected{i}_Q" in data.files:
-                param = BasisParametrisation(Basis(data[f"collected{i}_Q"], name=entry.get("basis_name", "user"),
-                                                   info=entry.get("basis_info", {})))
-            else:
-                param = as_parametrisation(entry["name"])
-            collected[entry["key"]] = CollectedProblem(param, data[f"collected{i}_H"], data[f"collected{i}_g"])
-        samples = None
-        if meta.get("samples") is not None:
-            tasks = data["sample_tasks"]
-            samples = tuple(
-                SampleChunk(task=int(tasks[i]), layer_input=data[f"sample{i}_z"],
-                            jacobian=data[f"sample{i}_jacobian"], residual=data[f"sample{i}_residual"])
-                for i in range(int(meta["samples"]))
-            )
-        return dict(
-            layer=meta["layer"], model_names=tuple(meta["model_names"]),
-            task_names=tuple(meta["task_names"]), has_bias=bool(meta["has_bias"]),
-            jacobian_shared=bool(meta["jacobian_shared"]),
-            jacobian_variation=float(meta["jacobian_variation"]),
-            positions=meta["positions"], collected=collected, samples=samples,
-            metadata=meta.get("metadata", {}), **arrays,
+        try:
+            fields = _fields(path, data, meta)
+        except MergeQPError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            raise ValidationError(f"{path}: damaged statistics file ({type(exc).__name__}: {exc})") from None
+    _check_fields(path, fields)
+    return fields
+
+
+#: the array fields every statistics file holds (the others are optional)
+REQUIRED_ARRAYS = ("deltas", "base_weight", "task_counts", "task_c", "task_S", "task_cross")
+
+
+def _fields(path: str, data: Any, meta: dict[str, Any]) -> dict[str, Any]:
+    """The statistics' fields from an open ``.npz`` and its parsed metadata."""
+    missing = [name for name in REQUIRED_ARRAYS if name not in data.files]
+    if missing:
+        raise ValidationError(f"{path}: damaged statistics file: no array {missing[0]!r}")
+    arrays = {name: (data[name] if name in data.files else None) for name in ARRAY_FIELDS}
+    collected = {}
+    for entry in meta["collected"]:
+        i = entry["index"]
+        if f"collected{i}_Q" in data.files:
+            param = BasisParametrisation(Basis(data[f"collected{i}_Q"], name=entry.get("basis_name", "user"),
+                                               info=entry.get("basis_info", {})))
+        else:
+            param = as_parametrisation(entry["name"])
+        collected[entry["key"]] = CollectedProblem(param, data[f"collected{i}_H"], data[f"collected{i}_g"])
+    samples = None
+    if meta.get("samples") is not None:
+        tasks = data["sample_tasks"]
+        samples = tuple(
+            SampleChunk(task=int(tasks[i]), layer_input=data[f"sample{i}_z"],
+                        jacobian=data[f"sample{i}_jacobian"], residual=data[f"sample{i}_residual"])
+            for i in range(int(meta["samples"]))
         )
+    return dict(
+        layer=meta["layer"], model_names=tuple(meta["model_names"]),
+        task_names=tuple(meta["task_names"]), has_bias=bool(meta["has_bias"]),
+        jacobian_shared=bool(meta["jacobian_shared"]),
+        jacobian_variation=float(meta["jacobian_variation"]),
+        positions=meta["positions"], collected=collected, samples=samples,
+        metadata=meta.get("metadata", {}), **arrays,
+    )
+
+
+def _check_fields(path: str, fields: dict[str, Any]) -> None:
+    """Shapes that agree with each other, and finite numbers, in the arrays of a statistics file
+    (a damaged or hand-edited file fails here, naming the array, not inside a later solve)."""
+    K = len(fields["model_names"])
+    deltas = np.asarray(fields["deltas"])
+    if deltas.ndim != 3 or deltas.shape[0] != K:
+        raise ValidationError(f"{path}: damaged statistics file: 'deltas' has shape {deltas.shape}, expected "
+                              f"({K}, r, m1) for {K} models")
+    _, r, m1 = deltas.shape
+    S = np.asarray(fields["task_S"])
+    c = S.shape[-1] if S.ndim == 3 else -1
+    expected = {"base_weight": (r, m1), "task_counts": (K,), "task_c": (K,), "task_S": (K, c, c),
+                "task_cross": (K, r, m1), "task_gram": (K, m1, m1), "reference_weight": (r, m1)}
+    for name, shape in expected.items():
+        value = fields.get(name)
+        if value is not None and tuple(np.shape(value)) != shape:
+            raise ValidationError(f"{path}: damaged statistics file: {name!r} has shape {tuple(np.shape(value))}, "
+                                  f"expected {shape} (K = {K} models, r = {r}, m1 = {m1}, c = {c})")
+    checked: list[tuple[str, Any]] = [(n, fields[n]) for n in ARRAY_FIELDS if fields.get(n) is not None]
+    for i, (key, problem) in enumerate(fields["collected"].items()):
+        checked += [(f"collected{i}_H ({key})", problem.H), (f"collected{i}_g ({key})", problem.g)]
+    for i, chunk in enumerate(fields["samples"] or ()):
+        z, jac, res = (np.shape(a) for a in (chunk.layer_input, chunk.jacobian, chunk.residual))
+        B, T = (z[0], z[1]) if len(z) == 3 else (-1, -1)
+        if len(z) != 3 or z[2] != m1 or jac != (B, c, T, r) or res != (B, c) or not 0 <= chunk.task < K:
+            raise ValidationError(f"{path}: damaged statistics file: kept batch {i} (task {chunk.task}) has layer "
+                                  f"inputs {z}, Jacobians {jac} and residuals {res}; expected (B, T, {m1}), "
+                                  f"(B, {c}, T, {r}) and (B, {c}) of a task below {K}")
+        checked += [(f"sample{i}_z", chunk.layer_input), (f"sample{i}_jacobian", chunk.jacobian),
+                    (f"sample{i}_residual", chunk.residual)]
+    for name, value in checked:
+        value = np.asarray(value)
+        if value.dtype.kind in "fc" and not np.all(np.isfinite(value)):
+            raise BadDataError(f"{path}: array {name!r} of the statistics contains "
+                               f"{int(np.size(value) - np.count_nonzero(np.isfinite(value)))} NaN/inf value(s)")

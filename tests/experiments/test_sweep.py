@@ -71,3 +71,155 @@ def test_cli_writes_csv_and_png(stats_file, tmp_path, capsys):
     assert "6 QPs solved (6 certified), 0 skipped" in printed
     # a bad size list is a usage error
     assert main(["sweep", path, "--out", str(tmp_path / "x"), "--sizes", "a"]) == 2
+
+
+def _run(args, capsys):
+    code = main(["sweep", *args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_cli_never_writes_over_its_input(stats_file, tmp_path, capsys):
+    """The review's data loss: the statistics given as DIR/sweep.csv (or a link there) and --out DIR
+    replaced the statistics by the table. Refused before any work, the input unchanged."""
+    import os
+    import shutil
+
+    _, path = stats_file
+    folder = tmp_path / "d"
+    folder.mkdir()
+    shutil.copy(path, folder / "sweep.csv")
+    before = (folder / "sweep.csv").read_bytes()
+    code, text = _run([str(folder / "sweep.csv"), "--out", str(folder), "--overwrite"], capsys)
+    assert code == 2 and "overlaps input" in text
+    assert (folder / "sweep.csv").read_bytes() == before
+    linked = tmp_path / "l"
+    linked.mkdir()
+    os.symlink(path, linked / "sweep.csv")
+    code, text = _run([str(linked / "sweep.csv"), "--out", str(linked), "--overwrite"], capsys)
+    assert code == 2 and "overlaps input" in text and (linked / "sweep.csv").is_symlink()
+
+
+def test_cli_replaces_a_folder_only_with_overwrite_and_writes_both_files_or_neither(stats_file, tmp_path, capsys):
+    _, path = stats_file
+    out = tmp_path / "out"
+    small = ["--bases", "--parametrisations", "rows", "--quiet"]
+    assert _run([path, "--out", str(out), *small], capsys)[0] == 0
+    table = (out / "sweep.csv").read_text()
+    code, text = _run([path, "--out", str(out), "--parametrisations", "scalar", "--bases"], capsys)
+    assert code == 2 and "not empty; pass --overwrite" in text and (out / "sweep.csv").read_text() == table
+    # the figure cannot be written (a folder where the file goes): the old folder stays as it was
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "keep.txt").write_text("x")
+    from mergeqp.experiments import sweep as sweep_module
+
+    def broken(rows, where):
+        raise OSError(28, "No space left on device")
+
+    original = sweep_module._figure
+    sweep_module._figure = broken
+    try:
+        code, text = _run([path, "--out", str(tmp_path / "blocked"), "--overwrite", *small], capsys)
+    finally:
+        sweep_module._figure = original
+    assert code == 4 and sorted(p.name for p in (tmp_path / "blocked").iterdir()) == ["keep.txt"]
+    code, text = _run([path, "--out", str(out), "--overwrite", "--parametrisations", "scalar", "--bases", "--quiet"],
+                      capsys)
+    assert code == 0 and (out / "sweep.csv").read_text() != table
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--constraints", "boxx:0,1"], "unknown constraint set 'boxx'"),
+    (["--constraints", "box:1,0"], "box is empty"),
+    (["--solver", "clarabell"], "did you mean 'clarabel'"),
+    (["--sizes", "0"], "--sizes must be integers >= 1, got 0"),
+    (["--seeds", "-1"], "--seeds must be integers >= 0, got -1"),
+    (["--parametrisations", "optimal:2"], "bases are swept by --bases KIND --sizes P"),
+    (["--parametrisations", "basis"], "bases are swept by --bases"),
+    (["--parametrisations", "rowz"], "did you mean 'rows'"),
+    (["--bases", "svdd"], "did you mean 'svd'"),
+    (["--parametrisations", "--bases"], "nothing to sweep"),
+    (["--parametrisations", "--sizes", "100"], "every basis size exceeds the layer's r = 5"),
+])
+def test_cli_bad_arguments_are_exit_2_and_write_nothing(stats_file, tmp_path, capsys, args, message):
+    _, path = stats_file
+    code, text = _run([path, "--out", str(tmp_path / "o"), "--quiet", *args], capsys)
+    assert code == 2, text
+    assert message in text and "Traceback" not in text
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_all_skipped_is_exit_2(stats_file, tmp_path, capsys):
+    """Statistics without kept samples cannot build a basis QP: a sweep of only such QPs ran nothing."""
+    stats, _ = stats_file
+    path = tmp_path / "nokeep.npz"
+    stats.save(str(path), include_samples=False)
+    code, text = _run([str(path), "--out", str(tmp_path / "o"), "--parametrisations", "columns", "--bases", "svd",
+                       "--sizes", "2", "--quiet"], capsys)
+    assert code == 2 and "no QP of the sweep could be built" in text and "skipped svd:2 (box:0,1)" in text
+    assert not (tmp_path / "o").exists()
+
+
+def test_damaged_statistics_files_are_named(stats_file, tmp_path, capsys):
+    import json
+
+    import numpy as np
+
+    _, path = stats_file
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+
+    def variant(name, **changes):
+        out = tmp_path / f"{name}.npz"
+        np.savez(out, **{k: v for k, v in {**arrays, **changes}.items() if v is not None})
+        return str(out)
+
+    S = arrays["task_S"].copy()
+    S[0, 0, 0] = np.nan
+    meta = json.loads(str(arrays["meta"]))
+    cases = [
+        (variant("nan", task_S=S), 3, "array 'task_S' of the statistics contains 1 NaN/inf"),
+        (variant("noS", task_S=None), 2, "no array 'task_S'"),
+        (variant("deltas", deltas=arrays["deltas"][:, :4]), 2, "'base_weight' has shape"),
+        (variant("z", sample0_z=arrays["sample0_z"][:5]), 2, "kept batch 0 (task 0) has layer inputs"),
+        (variant("meta", meta=np.array(json.dumps([1]))), 2, "corrupt metadata (a JSON list"),
+        (variant("nocollected", meta=np.array(json.dumps({k: v for k, v in meta.items() if k != "collected"}))),
+         2, "damaged statistics file (KeyError"),
+    ]
+    np.save(tmp_path / "arr.npy", np.zeros(3))
+    cases.append((str(tmp_path / "arr.npy"), 2, "a single .npy array"))
+    for file, want, message in cases:
+        code, text = _run([file, "--out", str(tmp_path / "o"), "--quiet"], capsys)
+        assert (code, "Traceback" in text) == (want, False), (file, text)
+        assert message in text, (file, text)
+
+
+def test_an_interruption_stops_the_sweep(stats_file, monkeypatch):
+    """A SIGTERM during a solve was recorded as a skipped row and the sweep went on to exit 0."""
+    from mergeqp.errors import Interrupted
+    from mergeqp.experiments import sweep as sweep_module
+
+    stats, _ = stats_file
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        raise Interrupted("stopped by signal SIGTERM")
+
+    monkeypatch.setattr(sweep_module, "solve", interrupted)
+    with pytest.raises(Interrupted):
+        sweep_statistics(stats, parametrisations=["rows", "scalar"], bases=[])
+    assert calls == [1]
+
+
+def test_figure_without_bases_warns_nothing(stats_file, tmp_path):
+    import warnings
+
+    from mergeqp.experiments.sweep import write_sweep
+
+    stats, _ = stats_file
+    rows = sweep_statistics(stats, parametrisations=["rows", "scalar"], bases=[], constraints=["box:0,1", "none"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        files = write_sweep(rows, str(tmp_path / "f"))
+    assert set(files) == {"csv", "png"}

@@ -193,6 +193,8 @@ def compute_fisher(
                     if "out of bounds" in str(exc):
                         raise ValidationError(f"{where}: a class target is not below the number of "
                                               f"logits ({str(exc).splitlines()[0]})") from None
+                    if "vmap" in str(exc):  # vmap cannot trace the model: the caller may fall back to a loop
+                        raise
                     raise model_failure(where, exc) from exc
                 count += n
             else:

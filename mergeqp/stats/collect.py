@@ -169,12 +169,13 @@ def collect_statistics(
         augmented_weight(resolve_linear(m, layer, f"fine-tuned model {n!r}")) - anchor
         for n, m in zip(names, finetuned_models)
     ])
-    for n, delta in zip(names, deltas):
+    for n, delta, m in zip(names, deltas, finetuned_models):  # (labels as targets never run the fine-tunes)
         if not np.all(np.isfinite(delta)):
-            raise ValidationError(f"the weights of layer {layer!r} in fine-tuned model {n!r} contain NaN or inf")
+            raise BadDataError(f"the weights of layer {layer!r} in fine-tuned model {n!r} contain NaN or inf "
+                               f"(its tensor {_nonfinite_tensor(m)!r} holds NaN or inf)")
     if not np.all(np.isfinite(anchor)):
-        raise ValidationError(f"the weights of layer {layer!r} in the "
-                              f"{'base' if ref_weight is None else 'reference'} model contain NaN or inf")
+        raise BadDataError(f"the weights of layer {layer!r} in the "
+                           f"{'base' if ref_weight is None else 'reference'} model contain NaN or inf")
     has_bias = base_layer.bias is not None
     params = _resolve_params(parametrisations, deltas.shape[1], deltas.shape[2])
     out_fn = resolve_output_fn(output_fn)

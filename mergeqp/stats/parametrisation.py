@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..errors import ValidationError, check_new_name, lookup, unknown
+from ..solution import Solution
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
 
@@ -504,8 +505,6 @@ def solution_point(d: Any, parametrisation: Any,
     ``parametrisation`` is ``None``, and a different one given is an error (a columns solution
     read as rows has the right shape whenever a layer has as many rows as inputs, and would merge
     the wrong atoms without a word). ``resolve`` turns a spec into a :class:`Parametrisation`."""
-    from ..solution import Solution  # (a plain data module; imported here to keep this one light)
-
     recorded = d.parametrisation if isinstance(d, Solution) else None
     coefficients = d.d if isinstance(d, Solution) else d
     if recorded is None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from mergeqp.errors import ValidationError
+from mergeqp.errors import BadDataError, ValidationError
 from mergeqp.merge import merge_state_dicts, merge_tensors
 from mergeqp.stats import collect_statistics
 
@@ -133,6 +133,6 @@ def test_statistics_need_models_and_finite_weights(mlp):
         collect_statistics(net, fts, "0", cal, batch_size=2.5, progress=False)
     with torch.no_grad():
         fts[0][0].weight[0, 0] = float("nan")
-    with pytest.raises(ValidationError, match="layer '0' in fine-tuned model 'model0' contain NaN"):
+    with pytest.raises(BadDataError, match="layer '0' in fine-tuned model 'model0' contain NaN or inf .its tensor '0.weight'"):
         collect_statistics(net, fts, "0", cal, targets="labels", progress=False)
     assert np.isnan(fts[0][0].weight[0, 0].item())  # (the input is left as it was)

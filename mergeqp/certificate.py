@@ -288,7 +288,7 @@ class _PseudoInverse:
         coef = V.T @ b
         keep = w > cut
         x = V[:, keep] @ (coef[keep] / w[keep])
-        return x, float(np.linalg.norm(coef[~keep]))
+        return x, float(_norm(coef[~keep]))
 
 
 #: factorisations kept per problem (H is read-only after validation, so they stay valid):
@@ -449,7 +449,7 @@ def certify(
         ps = pseudo()
         if ps is not None and ps.available:
             x_u, outside = ps.solve(-problem.g)
-            g_norm = float(np.linalg.norm(problem.g))
+            g_norm = float(_norm(problem.g))
             if outside > RANGE_TOL * max(g_norm, np.finfo(float).tiny):
                 unconstrained_bound = -math.inf
                 notes.append(f"g has a component of norm {outside:.3g} outside range(H): "
@@ -460,7 +460,7 @@ def certify(
                 viol = cset.violation(x_u.reshape(shape))
                 binding = bool(viol > feas_tol * max(1.0, float(np.max(np.abs(x_u)))))
                 if not binding:
-                    pinv_distance = float(np.linalg.norm(x - x_u))
+                    pinv_distance = float(_norm(x - x_u))
             if ps.eig is not None:
                 notes.append("H is singular: -H^+ g is the minimum-norm unconstrained minimiser; "
                              "the others differ from it by ker(H)")
@@ -607,19 +607,29 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
         return math.inf, method + " (unavailable)", 0.0
     wf = w.ravel()
     y, outside = ps.solve(wf)
-    ref = max(float(np.linalg.norm(problem.g)), float(np.linalg.norm(problem.matvec(D.ravel()))),
+    ref = max(float(_norm(problem.g)), float(_norm(problem.matvec(D.ravel()))),
               np.finfo(float).tiny)
     if outside > RANGE_TOL * ref:
         notes.append(f"the gradient no bound absorbs has a component of norm {outside:.3g} outside "
                      "range(H): J is unbounded below on this set, or d is far from optimal")
         return math.inf, method, 0.0
-    if outside > 0 and outside > RANGE_TOL * float(np.linalg.norm(wf)):
+    if outside > 0 and outside > RANGE_TOL * float(_norm(wf)):
         notes.append(f"a round-off component of norm {outside:.3g} of the gradient outside range(H) "
                      f"was ignored (below {RANGE_TOL:g} of the problem's scale)")
     e = np.where(wf != 0, err * np.sign(y), 0.0)
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
             GAP_ROUNDING_FACTOR * rounding)
+
+
+def _norm(x: np.ndarray) -> float:
+    """``||x||_2`` without overflow or underflow of the squares (entries near 1e200 or 1e-200): the
+    largest magnitude is factored out first."""
+    x = np.asarray(x, dtype=np.float64)
+    m = float(np.max(np.abs(x), initial=0.0))
+    if m == 0.0 or not math.isfinite(m):
+        return m
+    return m * float(np.linalg.norm(x / m))
 
 
 def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:

@@ -183,7 +183,10 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
     t1 = time.perf_counter()
     with reuse_linear_minimum():  # (a solver that certified its own point: one LP, not two)
         try:
-            raw = chosen.solve(problem, cset, x0=x0, **options)
+            # a solver's floating-point overflow (a problem scaled near float64's range, a float32 copy
+            # of H) is its numerics, judged by the float64 certificate below: no numpy warning on stderr
+            with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+                raw = chosen.solve(problem, cset, x0=x0, **options)
         except UnboundedError as exc:
             if getattr(exc, "verified", False):
                 raise

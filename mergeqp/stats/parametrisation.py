@@ -51,7 +51,25 @@ def checked_design(param: Parametrisation, L: Any, R: Any, Z: Any, deltas: Any) 
     if got != want:
         raise ValidationError(f"parametrisation {param.name!r}: design(L, R, Z, deltas) returned shape {got}, "
                               f"expected {want} (samples, outputs, models, atoms = n_atoms({r}, {m1}))")
-    return A
+    return _like(A, L, f"parametrisation {param.name!r}: design(L, R, Z, deltas)")
+
+
+def _like(x: Any, ref: Any, what: str) -> Any:
+    """A user's array answer in ``ref``'s dtype and device when ``ref`` is a torch tensor (a float32
+    answer to float64 statistics failed inside torch's products); an integer, complex or
+    non-numeric answer is named."""
+    if not hasattr(ref, "is_floating_point"):
+        return x
+    import torch  # deferred: torch is heavy, and only tensors' answers need it
+
+    if not isinstance(x, torch.Tensor):
+        try:
+            x = torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise ValidationError(f"{what} returned {type(x).__name__}, not an array of numbers ({exc})") from None
+    if not x.is_floating_point():
+        raise ValidationError(f"{what} returned {x.dtype}, not a floating-point (real) tensor")
+    return x.to(dtype=ref.dtype, device=ref.device)
 
 
 def checked_tangents(param: Parametrisation, Z: Any, delta: Any) -> Any:
@@ -63,7 +81,7 @@ def checked_tangents(param: Parametrisation, Z: Any, delta: Any) -> Any:
     if got != want:
         raise ValidationError(f"parametrisation {param.name!r}: tangents(Z, delta) returned shape {got}, "
                               f"expected {want} (atoms = n_atoms({r}, {m1}), Z's leading shape, rows)")
-    return T
+    return _like(T, Z, f"parametrisation {param.name!r}: tangents(Z, delta)")
 
 
 def merged_update(param: Parametrisation, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:

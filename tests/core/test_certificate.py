@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mergeqp
 from mergeqp.certificate import Certificate, certify, check_point_shape
 from mergeqp.constraints import (
     Box,
@@ -457,3 +458,20 @@ def test_a_set_whose_oracle_contradicts_a_point_of_the_set_certifies_nothing() -
     good = mergeqp.solve(problem, Cap(0.8, flipped=False), solver="torch_fista")
     assert good.certificate.certified(1e-6)
     assert not certify(problem, Cap(0.8, flipped=True), good.d).certified(1e-6)
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200])
+def test_extreme_scales_certify_without_overflow_warnings(scale):
+    """H and g near float64's range: the solvers' float32 copies and the certificate's squared norms
+    overflowed (numpy warnings on stderr) although every answer certified; they are quiet now, and
+    the points still certify."""
+    import warnings
+
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((30, 12))
+    problem = mergeqp.MergeQP(A.T @ A * scale, rng.standard_normal(12) * scale, c=0.0, shape=(3, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for spec in ("box:0,1", "simplex", "none", "l1:1"):
+            sol = mergeqp.solve(problem, spec)
+            assert sol.certificate.certified(), spec

@@ -289,3 +289,28 @@ def test_a_parametrisations_design_and_tangents_are_checked_for_shape() -> None:
     assert tuple(checked_design(RowsParametrisation(), L, R, Z, deltas).shape) == (2, 6, 2, 3)
     with pytest.raises(ValidationError, match=r"design\(L, R, Z, deltas\) returned shape \(2, 6, 3, 2\)"):
         checked_design(Short(), L, R, Z, deltas)
+
+
+def test_a_parametrisations_answers_of_another_dtype_are_cast_or_named() -> None:
+    """A user's design() in float32 for float64 statistics failed inside torch's products (one line
+    of dtype mismatch); it is now cast to the statistics' dtype, and an integer answer is named."""
+    torch = pytest.importorskip("torch")
+    from mergeqp.stats.parametrisation import checked_design, checked_tangents
+
+    class Single(RowsParametrisation):
+        name = "single_test"
+
+        def design(self, L, R, Z, deltas):
+            return super().design(L, R, Z, deltas).float().numpy()  # float32, and numpy
+
+        def tangents(self, Z, delta):
+            return super().tangents(Z, delta).round().long()
+
+    Z = torch.randn(2, 5, 4, dtype=torch.float64)
+    L, deltas = torch.randn(2, 6, 5, 3, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+    R = torch.einsum("btm,krm->bktr", Z, deltas)
+    got = checked_design(Single(), L, R, Z, deltas)
+    assert got.dtype == torch.float64 and torch.allclose(got, RowsParametrisation().design(L, R, Z, deltas), atol=1e-5)
+    with pytest.raises(ValidationError, match=r"'single_test': tangents\(Z, delta\) returned torch.int64, not a "
+                                              r"floating-point"):
+        checked_tangents(Single(), Z, deltas[0])

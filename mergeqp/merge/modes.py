@@ -396,6 +396,9 @@ class TrustRegionOptions(BaseModel):
     def _ordered(self) -> TrustRegionOptions:
         if self.min_radius > self.max_radius:
             raise ValueError(f"min_radius ({self.min_radius:g}) must not exceed max_radius ({self.max_radius:g})")
+        if not self.min_radius <= self.radius <= self.max_radius:  # (it was capped without a word)
+            raise ValueError(f"radius ({self.radius:g}) must lie between min_radius ({self.min_radius:g}) and "
+                             f"max_radius ({self.max_radius:g}); raise max_radius to start wider")
         if not self.eta <= self.grow_above:
             raise ValueError(f"need eta ({self.eta:g}) <= grow_above ({self.grow_above:g})")
         if not self.shrink_below <= self.grow_above:
@@ -404,7 +407,7 @@ class TrustRegionOptions(BaseModel):
 
     def config(self, ridge: float) -> TrustRegionConfig:
         """The loop's settings (``ridge``: weight of ``mu ||D||^2``, toward the start)."""
-        return TrustRegionConfig(delta0=min(self.radius, self.max_radius), max_qps=self.max_steps, accept=self.eta,
+        return TrustRegionConfig(delta0=self.radius, max_qps=self.max_steps, accept=self.eta,
                                  expand_above=self.grow_above, shrink_below=self.shrink_below, expand=self.grow,
                                  shrink=self.shrink, delta_min=self.min_radius, delta_max=self.max_radius,
                                  tol=self.tol, ridge=ridge, ridge_reference=0.0)

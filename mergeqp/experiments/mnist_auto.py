@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..io.atomic import save_safetensors
 from ..run.pipeline import run_merge
 from ..run.schema import MergeConfig
 from .hf_mlp import MlpForClassification, save_mlp, to_mlp
@@ -66,7 +67,6 @@ def auto_merge(base: MLP, finetuned: Sequence[MLP], task_names: Sequence[str], c
     with its defaults); ``batch_size``: calibration digits per batch (the folds are made of
     batches)."""
     import torch  # deferred: heavy
-    from safetensors.torch import save_file  # deferred: heavy
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mergeqp-mnist-auto-") as tmp:
@@ -75,7 +75,7 @@ def auto_merge(base: MLP, finetuned: Sequence[MLP], task_names: Sequence[str], c
         models = []
         for k, (name, model, x) in enumerate(zip(task_names, finetuned, calibration, strict=True)):
             save_mlp(model, root / f"model{k}")
-            save_file({"pixel_values": x.contiguous()}, str(root / f"calibration{k}.safetensors"))
+            save_safetensors({"pixel_values": x.contiguous()}, str(root / f"calibration{k}.safetensors"))
             models.append({"name": name, "path": str(root / f"model{k}"),
                            "calibration": str(root / f"calibration{k}.safetensors")})
         config: dict[str, Any] = {"base": str(root / "base"), "models": models, "layers": list(layers),

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError
-from ..io.atomic import atomic_file, atomic_folder, write_json_atomic
+from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
 from ..stats.prefix import block_stack
 from .finetune_lm import FINETUNE_RECORD, block_arguments, check_training_settings, trainable_names, training_step
 from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
@@ -346,7 +346,6 @@ def write_like_base(base: Path, staging: Path, tensors: dict[str, Any]) -> None:
     import shutil
 
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     done = set()
     for f in sorted(base.iterdir()):
@@ -363,7 +362,7 @@ def write_like_base(base: Path, staging: Path, tensors: dict[str, Any]) -> None:
                 if key == n or key.endswith("." + n):
                     stored[key] = v.to(stored[key].dtype).contiguous()
                     done.add(n)
-        save_file(stored, str(staging / f.name), metadata=meta)
+        save_safetensors(stored, str(staging / f.name), metadata=meta)
     missing = sorted(set(tensors) - done)
     if missing:
         raise ValidationError(f"{base}: trained tensors {missing[:4]} not found in its safetensors")
@@ -377,7 +376,6 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     ``texts`` / ``labels`` with the settings' ``max_length`` and ``batch_size``); ``texts`` and
     ``labels`` only enter the cache key. Returns the cached folder when its key matches."""
     import torch
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     base = Path(base_folder).expanduser()
@@ -428,7 +426,7 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     tuned = {n: p.detach().cpu() for n, p in model.named_parameters() if n in chosen}
     with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
         write_like_base(base, staging, tuned)
-        save_file({"weight": weight, "bias": bias}, str(staging / HEAD_FILE))
+        save_safetensors({"weight": weight, "bias": bias}, str(staging / HEAD_FILE))
         write_json_atomic(staging / FINETUNE_RECORD, record)
     if log is not None:
         log(f"fine-tuned {out.name}: {len(trained)} tensors + head, loss {np.mean(losses[:5]):.3f} -> "

@@ -120,6 +120,20 @@ def atomic_file(path: str | os.PathLike[str], mode: str = "wb", encoding: str | 
     _fsync_folder(target.parent)
 
 
+def save_safetensors(tensors: Any, path: str | os.PathLike[str], metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with the permissions any new file gets (``0666`` less the
+    umask): safetensors creates its file readable by its owner only (``0600``), so a merged model
+    written for a server or another user could not be read. Call it on a path inside a staging
+    folder (:func:`atomic_folder`): the write itself is not atomic."""
+    from safetensors.torch import save_file  # deferred: safetensors loads torch
+
+    save_file(tensors, os.fspath(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~mask)
+
+
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` atomically."""
     with atomic_file(path, "wb") as fh:

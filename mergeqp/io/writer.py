@@ -31,6 +31,7 @@ from .atomic import (
     atomic_folder,
     check_output_folder,
     copy_file_atomic,
+    save_safetensors,
     write_text_atomic,
 )
 from .checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_config
@@ -132,7 +133,6 @@ def save_hf_folder(
     changes at ``out_dir``.
     """
     import torch
-    from safetensors.torch import save_file
 
     out = Path(out_dir).expanduser()
     sources = [Path(p) for p in (source_folder, tokenizer_folder) if p is not None]  # inputs too
@@ -141,7 +141,7 @@ def save_hf_folder(
     cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with atomic_folder(out, overwrite=overwrite) as staging:
         written = _write_folder(staging, tensors, limit, cast, metadata, source_folder, config,
-                                tokenizer_folder, save_file)
+                                tokenizer_folder, save_safetensors)
         written = replace(written, folder=out)
         for fname, text in (extra_files(written) if extra_files is not None else {}).items():
             write_text_atomic(staging / fname, text)

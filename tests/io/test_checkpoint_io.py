@@ -287,3 +287,27 @@ def test_target_batch_counts():
     assert (unmasked.count, unmasked.entries) == (8, 40)
     vec = TargetBatch(Batch({"pixel_values": torch.zeros(2, 1)}), torch.zeros(2, 3))
     assert (vec.count, vec.entries) == (2, 6)
+
+
+@pytest.mark.parametrize("shard", [None, 200])
+def test_written_model_files_get_the_umask_permissions(tmp_path, shard):
+    """safetensors creates its file 0600: a merged model folder had config.json readable by all and
+    its weights by the owner only. Every written file now has 0666 less the umask."""
+    import os
+    import stat
+
+    import torch
+
+    from mergeqp.io.writer import save_hf_folder
+
+    old = os.umask(0o022)
+    try:
+        tensors = [(f"w{i}", torch.full((8, 8), float(i))) for i in range(4)]
+        save_hf_folder(tmp_path / "out", tensors, config={"model_type": "test"},
+                       **({"max_shard_bytes": shard} if shard else {}))
+    finally:
+        os.umask(old)
+    files = sorted((tmp_path / "out").iterdir())
+    assert any(f.suffix == ".safetensors" for f in files)
+    for f in files:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name

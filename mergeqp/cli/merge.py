@@ -86,6 +86,11 @@ def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
     return 0
 
 
+def _g(x: Any) -> str:
+    """A number in 4 significant digits (``None`` and text as they are)."""
+    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
+
+
 def _quiet_transformers() -> None:
     try:
         from transformers.utils import logging as hf_logging  # optional heavy dependency
@@ -106,13 +111,21 @@ def _print_summary(result: Any) -> None:
         extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
                  + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
         print(f"  {layer.layer}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
-              f"(exact {layer.objective_after_exact:.6g}); fw_gap {cert.get('fw_gap')}, "
+              f"(exact {layer.objective_after_exact:.6g}); fw_gap {_g(cert.get('fw_gap'))}, "
               f"certified {cert.get('certified')}; energy {layer.energy_fraction:.3f}{extra}")
     ev = rep.evaluation
     if ev is not None:
-        mse = ev.merged.heldout_mse or {}
-        print(f"  calibration objective: base {ev.base.calibration_objective:.6g} -> merged "
-              f"{ev.merged.calibration_objective:.6g}"
-              + (f"; held-out MSE {', '.join(f'{t} {v:.4g}' for t, v in mse.items())}" if mse else ""))
+        models = [("base", ev.base), *([("start", ev.start)] if ev.start is not None else []), ("merged", ev.merged)]
+        print("  calibration objective: " + " -> ".join(f"{n} {m.calibration_objective:.6g}" for n, m in models))
+        metric = ((result.report.get("plan") or {}).get("output") or {}).get("metric", "euclidean")
+        shown = {"cross_entropy": [("cross-entropy", "heldout_cross_entropy"), ("accuracy", "heldout_accuracy")],
+                 "kl": [("KL", "heldout_kl")]}.get(metric, []) + [("MSE", "heldout_mse")]
+        for label, key in shown:  # the optimised metric first, then the MSE to the fine-tunes
+            values = [getattr(m, key) or {} for _, m in models]
+            if not values[-1]:
+                continue
+            tasks = ", ".join(f"{t} {v:.4g}" for t, v in values[-1].items())
+            means = " -> ".join(f"{n} {sum(v.values()) / len(v):.4g}" for (n, _), v in zip(models, values) if v)
+            print(f"  held-out {label} (mean over tasks): {means}; merged per task: {tasks}")
     for note in rep.notes:
         print(f"  note: {note}")

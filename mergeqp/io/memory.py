@@ -74,6 +74,15 @@ ADVICE = ("use fewer atoms (method.parametrisation: scalar, or a basis with a sm
 _LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("mergeqp_max_memory", default=None)
 
 
+def human_bytes(n: float) -> str:
+    """``1.23 GB``, ``45.6 MB``, ``789 kB``: a size in readable decimal units (messages)."""
+    n = float(n)
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} bytes"
+
+
 def available_memory_bytes(meminfo: str = MEMINFO) -> int | None:
     """Bytes of memory available to new allocations on this machine, or ``None`` if unknown."""
     try:
@@ -126,8 +135,8 @@ class SiteMemory:
         return self.statistics + max(self.batch, self.solve)
 
     def describe(self) -> str:
-        return (f"n = {self.n} coefficients: statistics {self.statistics / 1e9:.2f} GB + "
-                f"max(batch {self.batch / 1e9:.2f} GB, solve {self.solve / 1e9:.2f} GB)")
+        return (f"n = {self.n} coefficients: statistics {human_bytes(self.statistics)} + "
+                f"max(batch {human_bytes(self.batch)}, solve {human_bytes(self.solve)})")
 
 
 def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, outputs: int = 0,
@@ -165,10 +174,10 @@ def memory_budget(free: int | None) -> tuple[int | None, str]:
     available memory, e.g. :func:`available_memory_bytes`); ``None`` when neither is known."""
     cap = current_limit()
     if cap is not None and (free is None or cap <= free):
-        return cap, f"max_memory = {cap / 1e9:.2f} GB"
+        return cap, f"max_memory = {human_bytes(cap)}"
     if free is None:
         return None, "unknown"
-    return free, f"the {free / 1e9:.2f} GB of memory available"
+    return free, f"the {human_bytes(free)} of memory available"
 
 
 def check_site_memory(estimate: SiteMemory, available: int | None = None) -> None:
@@ -178,7 +187,7 @@ def check_site_memory(estimate: SiteMemory, available: int | None = None) -> Non
     if budget is None or estimate.peak <= budget:
         return
     raise ValidationError(
-        f"merge site {estimate.site}: the statistics and solve need about {estimate.peak / 1e9:.2f} GB "
+        f"merge site {estimate.site}: the statistics and solve need about {human_bytes(estimate.peak)} "
         f"({estimate.describe()}), more than {what}; {ADVICE}; or raise max_memory (--max-memory) if "
         f"the machine has more")
 

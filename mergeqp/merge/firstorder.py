@@ -54,6 +54,7 @@ from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for
     check_site_memory,
     design_bytes,
     estimate_site_memory,
+    human_bytes,
     memory_budget,
 )
 from ..lm import (
@@ -326,7 +327,7 @@ def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, s
         return
     raise ValidationError(
         f"statistics at {', '.join(sites)}: one calibration batch's design ({samples} prompts x {outputs} "
-        f"compared outputs each x {atoms} atoms) needs about {need / 1e9:.1f} GB, more than "
+        f"compared outputs each x {atoms} atoms) needs about {human_bytes(need)}, more than "
         f"{what}; lower calibration.batch_size, compare fewer outputs "
         f"(output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer atoms "
         f"(method.parametrisation)")

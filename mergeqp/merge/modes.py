@@ -54,7 +54,9 @@ class MergeMode:
     spellings used when the config gives none (``None``: the config's default ``box:0,1``);
     ``options``: the pydantic model of ``method.mode_options`` (``None``: the mode takes none);
     ``origin_feasible``: the QP's coefficients are corrections from the start, so the constraint
-    set must contain ``0`` (the plan checks it before any weight is loaded).
+    set must contain ``0`` (the plan checks it before any weight is loaded); ``step_bounded``:
+    every QP also bounds its step in a box (a trust region), so the plan names the solver that
+    ``auto`` picks for the set with that box.
     """
 
     name: str = ""
@@ -65,6 +67,7 @@ class MergeMode:
     default_constraints: tuple[str, ...] | None = None
     options: type[BaseModel] | None = None
     origin_feasible: bool = False
+    step_bounded: bool = False
 
     def check_options(self, raw: Mapping[str, Any] | None) -> BaseModel | None:
         """``raw`` (the config's ``method.mode_options``) validated by :attr:`options`; a
@@ -430,6 +433,7 @@ class TrustRegionMode(MergeMode):
     default_constraints = ()
     options = TrustRegionOptions
     origin_feasible = True
+    step_bounded = True
 
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
         return [tuple(sites)]
@@ -444,7 +448,7 @@ class TrustRegionMode(MergeMode):
                  if settings.regularisation else "")
         return [f"trust_region: coefficients D of W = W_start + sum_a D_a B_a (D = 0 is the start); up to "
                 f"{o.max_steps} QPs over all layers, each linearised at the current merge, over the constraints "
-                f"{list(settings.constraints) or 'none'} and ||D - D_current||_inf <= radius (initial {o.radius:g}); "
+                f"{' & '.join(settings.constraints) or 'none'} and ||D - D_current||_inf <= radius (initial {o.radius:g}); "
                 f"a step is accepted when rho = true / predicted decrease > {o.eta:g}; radius x{o.shrink:g} when "
                 f"rho < {o.shrink_below:g}, x{o.grow:g} (<= {o.max_radius:g}) when rho > {o.grow_above:g} at the "
                 f"boundary; stops below radius {o.min_radius:g}, after {o.max_steps} QPs, or when the predicted "

@@ -127,7 +127,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| `{r['layer']}` | {r['mode']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
                          f"{_f(r['objective_after_exact'])} | {_f(c.get('fw_gap'), 3)} | {_f(c.get('certified'))} | "
                          f"{_f(r['energy_fraction'], 4)} | {r.get('solver')} | {_f(r['seconds'], 3)} |")
-        lines += ["", "QP objective at reference points of the same problem (soup = 1/K, task arithmetic = 1):", "",
+        lines += ["", ("QP objective at points of the same problem (soup = 1/K, task arithmetic = 1; start and result: "
+                       "the merge's start and its result) and at the QP's optimum:"), "",
                   "| layer | " + " | ".join(sorted(layers[0].get("objective_at", {}))) + " | optimum |",
                   "|---|" + "---|" * (len(layers[0].get("objective_at", {})) + 1)]
         for r in layers:
@@ -177,8 +178,12 @@ def render_markdown(report: dict[str, Any]) -> str:
 
     ev = report.get("evaluation")
     if ev:
+        metric = (plan.get("output") or {}).get("metric", "euclidean")
+        objective = {"kl": "the merge objective: about twice the summed KL divergence from each fine-tune",
+                     "cross_entropy": "the merge objective: twice the summed cross-entropy of the prompts' own "
+                                      "next tokens or class labels"}.get(metric, "sum of squared compared-output errors")
         lines += ["", "## Evaluation", "",
-                  ("Calibration objective (sum of squared compared-output errors) and held-out teacher-forced "
+                  (f"Calibration objective ({objective}) and held-out teacher-forced "
                    "MSE per logit against each task's fine-tuned model (KL: mean KL from the fine-tune's "
                    "next-token distribution per real token; CE: next-token cross-entropy, or for classifiers "
                    "the class cross-entropy per prompt; Acc: accuracy of each task's head; nats)."), ""]

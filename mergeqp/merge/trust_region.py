@@ -576,13 +576,29 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         layer=a.site.name, mode=mode, objective_before=start_full, objective_after=float(linearised),
         objective_after_exact=exact, certificate=certificate, energy_fraction=stats.energy_fraction(a.site.name),
         seconds=seconds, solver=result.steps[-1].solver if result.steps else "",
-        status=f"{result.n_accepted} of {result.n_qps} steps accepted; {result.stop_reason}",
+        status=_status(result, selection),
         n_variables=int(d0.size), group=0,
         points={"start": start_full, "result": result.objective if held_ctx is None else exact},
         d=result.d[:, blocks[a.site.name]], timings={"trust_region": seconds}, basis=b.basis,
         group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
         residual_norms=b.residual_norms, atoms=a.param.solution_record(result.d[:, blocks[a.site.name]]),
         outcome=outcome) for a, b in zip(atoms, built)]
+
+
+def _status(result: TrustRegionResult, selection: TrustRegionResult | None) -> str:
+    """One line on the run: with early stopping and a refit (``selection``: the run on the fitting
+    part), which step that run kept and that the refit took as many."""
+    line = f"{result.n_accepted} of {result.n_qps} steps accepted; {result.stop_reason}"
+    if selection is None:
+        if result.validation is not None:  # early stopping without a refit: the kept point
+            kept = "the start" if result.chosen_step is None else f"step {result.chosen_step + 1}"
+            line += f"; kept {kept} (the lowest held-out objective)"
+        return line
+    if selection.chosen_step is None:
+        return line
+    return (f"early stopping on the held-out batches kept step {selection.chosen_step + 1} of {selection.n_qps} "
+            f"({selection.n_accepted} accepted; {selection.stop_reason}); the refit on every batch ran as many: "
+            + line)
 
 
 def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:

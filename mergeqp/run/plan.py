@@ -189,7 +189,11 @@ class MergePlan:
                          f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
-                skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
+                skipped = dict(lazy_skipped(auto, statistics_of, cfg.lazy))
+                if cfg.output.metric in DATA_METRICS:  # (the run skips them too, with this reason)
+                    skipped.update({c.key: f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels "
+                                           f"that metric: {cfg.output.metric} scores"
+                                    for c in auto.candidates if c.name == OUTPUT_SPACE and c.key not in skipped})
                 lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
@@ -232,7 +236,10 @@ class MergePlan:
             below = lower_blocks(self.sites)(self.skeleton)
             lines.append(f"  lazy: {len(below)} block(s) below the merge sites stay on disk (read while they run); "
                          "each fine-tuned model runs one block at a time")
-        lines.append("  memory estimate: " + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
+        cap = f" and max_memory {cfg.max_memory}" if cfg.max_memory is not None else ""
+        lines.append("  memory estimate (upper bounds: every prompt at calibration.max_length; the run checks each "
+                     f"site with its measured sizes against the available memory{cap}): "
+                     + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -383,6 +390,8 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
     try:
         sets = [parse_constraint(s, {"deltas": np.zeros((len(cfg.models), 1, 1)), "parametrisation": "rows"})
                 for s in m.constraints]
+        if get_merge_mode(m.mode).step_bounded:  # (the trust region's box: closed_form cannot take it)
+            sets.append(parse_constraint("box:-1,1"))
         K = len(cfg.models)
         if n <= 2048:  # an explicit H of the real size, so the choice matches the run's
             probe = MergeQP(H=np.eye(n), g=np.zeros(n), shape=(K, n // K))
@@ -697,9 +706,15 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
         notes.extend(mode.plan_notes(qp_settings(cfg)))
         _check_feasible_sets(cfg, groups)
+        if (cfg.output.field == "logits" and cfg.output.restrict != "none" and cfg.output.k is not None and vocab
+                and cfg.output.k >= vocab):
+            notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
+                         f"{vocab} compared values per position: it compares as many or more numbers than all of "
+                         f"them (restrict: none is exact, and no larger)")
         if cfg.output.restrict == "none" and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
+    _check_auto_batches(cfg, tasks)
     context = context_length(base.config or {})
     if context is not None and cfg.calibration.max_length > context[1]:
         notes.append(f"calibration.max_length {cfg.calibration.max_length} exceeds the model's context "
@@ -710,6 +725,23 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                      output_matrix=matrix, heads=heads)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
+    """``start: auto`` with folds needs two calibration batches per task: refused by the plan (so by
+    ``--dry-run`` too), not after the models and the candidates' statistics were loaded."""
+    m = cfg.method
+    if not is_auto_start(m.start):
+        return
+    assert m.start is not None
+    folds = parse_auto_params(m.start.params).folds
+    B = cfg.calibration.batch_size
+    for t in tasks:
+        n = -(-t.n_calibration // B)
+        if folds > 1 and n < 2:
+            raise ConfigError(f"start: auto with {folds} folds: task {t.name!r} has {n} calibration batch(es) "
+                              f"({t.n_calibration} prompts in batches of {B}), at least 2 are needed (more prompts or "
+                              f"a smaller calibration.batch_size, or folds: 1)")
 
 
 def estimate_memory(plan: MergePlan) -> dict[str, int]:

@@ -458,6 +458,25 @@ class OutputConfig(_Strict):
         return out
 
 
+#: file stems that name a format, not a model: a model given as such a file is named after its folder
+GENERIC_STEMS = frozenset({"model", "pytorch_model", "adapter_model", "diffusion_pytorch_model", "weights",
+                           "checkpoint", "state_dict"})
+
+
+#: suffixes of weight files (a model given as such a file is named by its stem)
+WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npz"})
+
+
+def _default_name(path: str) -> str:
+    """A model's name when the config gives none: a folder's name; a file's stem (``ft_code.pt`` ->
+    ``ft_code``), or its folder's name for a generic stem (``ft_code/model.safetensors`` -> ``ft_code``)."""
+    p = Path(path)
+    if p.suffix.lower() not in WEIGHT_SUFFIXES or p.is_dir():  # (a folder: "llama-3.1-ft" keeps its dots)
+        return p.name
+    stem = p.name[: -len(p.suffix)]
+    return p.parent.name if stem.lower() in GENERIC_STEMS and p.parent.name not in ("", ".") else stem
+
+
 class MergeConfig(_Strict):
     """The whole ``mergeqp merge`` file (see the module docstring and ``docs/hf.md``)."""
 
@@ -551,7 +570,7 @@ class MergeConfig(_Strict):
 
     # ------------------------------------------------------------------ helpers
     def model_names(self) -> list[str]:
-        return [m.name or Path(m.path).name or f"model{i}" for i, m in enumerate(self.models)]
+        return [m.name or _default_name(m.path) or f"model{i}" for i, m in enumerate(self.models)]
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

@@ -189,7 +189,8 @@ def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):
 
 def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
     one = {"max_length": 12, "batch_size": 12, "holdout": 4}
-    with pytest.raises(ValidationError, match="start: auto with 4 folds: task 'code' has 1 calibration batch"):
+    # (refused by the plan, before any weight is loaded: docs/hf.md, and tests/run/test_config.py for --dry-run)
+    with pytest.raises((ConfigError, ValidationError), match="start: auto with 4 folds: task 'code' has 1 calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto"}}, "one", calibration=one)
     with pytest.raises(ValidationError, match="start: auto holdout 0.25: every task has a single calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto", "params": {"folds": 1}}},

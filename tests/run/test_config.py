@@ -290,3 +290,30 @@ def test_dry_run_catches_what_would_fail_after_the_statistics(fam, tmp_path, no_
     with pytest.raises(ConfigError, match=None) as info:
         build_plan(_cfg(fam, tmp_path, **changes))
     assert fragment in str(info.value)
+
+
+def test_dry_run_refuses_auto_folds_without_batches(fam, tmp_path, no_weights, capsys):
+    """The review's case: method auto (4 folds) on a task whose calibration prompts fill one batch
+    passed --dry-run and failed in the run, after the models and the candidates' statistics were
+    loaded. The plan refuses it now (6 prompts, 4 held out, batches of 4: one batch)."""
+    from mergeqp.cli import main
+
+    path = fam.write_config(tmp_path / "auto.yml", fam.mlp_layer, {"name": "auto"})
+    assert main(["merge", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "start: auto with 4 folds: task" in err and "has 1 calibration batch(es) (2 prompts in batches of 4)" in err
+    data = yaml.safe_load(path.read_text())
+    data["calibration"]["batch_size"] = 1  # two batches of one prompt: the plan passes
+    path.write_text(yaml.safe_dump(data))
+    assert main(["merge", str(path), "--dry-run"]) == 0
+
+
+def test_trust_region_plan_names_the_solver_of_its_boxed_qps(fam, tmp_path, no_weights):
+    """Without constraints each trust-region QP still has its radius box: the plan said
+    'auto -> closed_form' while every step ran active_set."""
+    from mergeqp.run.plan import build_plan
+
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "mode": "trust_region"}))
+    assert plan.groups and all(g.solver.startswith("auto ->") and "closed_form" not in g.solver for g in plan.groups)
+    plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "mode": "single", "constraints": ["none"]}))
+    assert all(g.solver == "auto -> closed_form" for g in plan.groups)

@@ -8,9 +8,10 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 from __future__ import annotations
 
 import difflib
+import os
 import numbers
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -99,6 +100,26 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
 )
 
 
+class OtherRankFailed(MergeQPError):
+    """Raised on the ranks of a ``torchrun`` launch whose own work succeeded while another rank's
+    failed at the same step (that rank prints the message): they exit with its code, silently
+    (:func:`mergeqp.io.distributed.agree_on`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"another rank failed (exit code {code}); its message says why")
+        self.code = int(code)
+
+
+def other_rank(environ: Any = None) -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` launch (``RANK`` > 0, ``WORLD_SIZE``
+    > 1): such a process prints no error or plan, rank 0 prints them once."""
+    env = os.environ if environ is None else environ
+    try:
+        return int(env.get("WORLD_SIZE", "1")) > 1 and int(env.get("RANK", "0")) > 0
+    except ValueError:
+        return False
+
+
 def interruption(exc: BaseException) -> BaseException | None:
     """The Ctrl-C or SIGTERM behind ``exc``, if there is one in its chain of causes.
 
@@ -118,6 +139,8 @@ def interruption(exc: BaseException) -> BaseException | None:
 
 def exit_code(exc: BaseException) -> int:
     """The command-line exit code for an exception that stopped a command (see :data:`EXIT_CODES`)."""
+    if isinstance(exc, OtherRankFailed):
+        return exc.code
     if interruption(exc) is not None:
         return EXIT_INTERRUPTED
     if isinstance(exc, BadDataError):

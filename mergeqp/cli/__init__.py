@@ -29,6 +29,7 @@ from ..errors import (
     MergeQPError,
     exit_code,
     interruption,
+    other_rank,
     exit_code_epilog,
 )
 from .signals import signals_held_during_native_imports, sigterm_as_interrupt
@@ -147,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_plugins([m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
                        + [m for m in args.imports if m])
     except MergeQPError as exc:
-        print(f"mergeqp: error: {exc}", file=sys.stderr)
+        if not other_rank():
+            print(f"mergeqp: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     if not getattr(args, "func", None):
         parser.print_help()
@@ -168,7 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = interruption(exc)
         if stop is not None:  # a signal that a library (or a solver wrapper) wrapped into an error
             return _interrupted(args.command, stop)
-        print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
+        if not other_rank():  # under torchrun rank 0 says it once (the ranks meet the same error)
+            print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     except BrokenPipeError:
         # output piped into a program that stopped reading (e.g. `mergeqp bench | head`):

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, MergeQPError
+from ..errors import ConfigError, MergeQPError, other_rank
 from ..io.distributed import Ranks, agree_exit_code, launched
 from ..io.writer import parse_size
 from ..merge.report import jsonable
@@ -56,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--out DIR is required (or pass --dry-run to validate only)")
     plan = build_plan(cfg)
     if args.dry_run:
-        print(json.dumps(jsonable(plan.to_json()), indent=2) if args.json else plan.render())
+        if not other_rank():  # (under torchrun: rank 0 prints the plan once)
+            print(json.dumps(jsonable(plan.to_json()), indent=2) if args.json else plan.render())
         return 0
     # under torchrun: the ranks share the statistics' batches; rank 0 writes and prints
     with launched(resolve_device(cfg.device)[0]) as group:

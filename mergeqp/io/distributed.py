@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import ConfigError
+from ..errors import ConfigError, MergeQPError, OtherRankFailed, exit_code
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -217,6 +217,27 @@ def _destroy() -> None:
         dist.destroy_process_group()
 
 
+def agree_on(group: Ranks, check: Callable[[], None]) -> None:
+    """Run ``check`` on the writer rank (it raises on a problem) and share the verdict at this same
+    step of every rank: the writer re-raises its error, the others raise :class:`OtherRankFailed`
+    with its exit code. Without this a rank-0-only check (an output folder that is not empty) left
+    the others working until their next collective, which then failed with a raw gloo traceback."""
+    if not group.distributed:
+        check()
+        return
+    error: BaseException | None = None
+    if group.is_writer():
+        try:
+            check()
+        except (MergeQPError, OSError) as exc:
+            error = exc
+    code = int(group.reduce_floats([exit_code(error) if error is not None else 0], op="max")[0])
+    if error is not None:
+        raise error
+    if code:
+        raise OtherRankFailed(code)
+
+
 def agree_exit_code(group: Ranks, code: int) -> int:
     """The largest exit code over the ranks (every rank then exits with it; 0 only if all
     succeeded)."""
@@ -225,5 +246,5 @@ def agree_exit_code(group: Ranks, code: int) -> int:
     return int(group.reduce_floats([code], op="max")[0])
 
 
-__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "alone", "backend_for", "current_group", "launch_requested",
+__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "agree_on", "alone", "backend_for", "current_group", "launch_requested",
            "launched"]

@@ -56,7 +56,7 @@ from ..io.calibration import (
 from ..io import verified
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
-from ..io.distributed import current_group
+from ..io.distributed import agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
 from ..io.memory import available_memory_bytes, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
@@ -506,9 +506,9 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
         raise ValidationError("run_merge: an output folder is needed unless write=False")
     plan = plan or build_plan(cfg)
     out = Path(out_dir if out_dir is not None else IN_MEMORY).expanduser()
-    if write and current_group().is_writer():  # under torchrun only rank 0 writes
-        check_output_folder(out, _protected(cfg), overwrite=overwrite)
-        check_free_space(out, plan.base.total_bytes, "the merged model")
+    if write:  # under torchrun rank 0 checks (it alone writes) and every rank hears its verdict here
+        agree_on(current_group(), lambda: (check_output_folder(out, _protected(cfg), overwrite=overwrite),
+                                           check_free_space(out, plan.base.total_bytes, "the merged model")))
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
@@ -561,12 +561,12 @@ class _Run:
         if not self.write:  # in memory only: the report says nothing was written
             report_of(WrittenModel(Path(IN_MEMORY), (), 0, 0, (), None))
             return MergeResult(self.plan, made[-1], self.out, model, tensors=_as_written(overrides, cfg.output_dtype))
-        if current_group().is_writer():
-            save_hf_folder(
-                self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
-                tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
-                protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype, extra_files=report_of)
-        else:  # another rank of a torchrun launch: the same report, nothing written
+        # rank 0 writes (a non-finite tensor in the output dtype, a full disk): every rank hears of it here
+        agree_on(current_group(), lambda: save_hf_folder(
+            self.out, _stream(self.plan, overrides), source_folder=cfg.resolve(cfg.base),
+            tokenizer_folder=self.plan.tokenizer_folder, max_shard_bytes=parse_size(cfg.max_shard_size),
+            protected=_protected(cfg), overwrite=self.overwrite, dtype=cfg.output_dtype, extra_files=report_of))
+        if not current_group().is_writer():  # another rank of a torchrun launch: the same report, nothing written
             report_of(WrittenModel(self.out, (), 0, 0, (), None))
         return MergeResult(self.plan, made[-1], self.out, model)
 

@@ -40,3 +40,40 @@ def test_the_launch_environment_is_read_and_checked():
     with pytest.raises(ConfigError, match="RANK=2 is not in 0 .. WORLD_SIZE-1 = 1"):
         launch_requested({"RANK": "2", "WORLD_SIZE": "2"})
     assert backend_for("cpu") == "gloo" and backend_for("cuda:1") == "nccl"
+
+
+class _FakeRanks:
+    """Two ranks seen from one of them: ``reduce_floats`` returns the maximum of this rank's value
+    and the value the other rank contributes."""
+
+    distributed = True
+
+    def __init__(self, rank: int, other: float):
+        self.rank, self.other = rank, other
+
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def reduce_floats(self, values, op="sum"):
+        assert op == "max"
+        return [max(float(values[0]), self.other)]
+
+
+def test_agree_on_shares_the_writer_check_with_its_exit_code():
+    from mergeqp.errors import ConfigError, OtherRankFailed, exit_code, other_rank
+    from mergeqp.io.distributed import Ranks, agree_on
+
+    def refuse():
+        raise ConfigError("output folder x is not empty")
+
+    with pytest.raises(ConfigError, match="not empty"):  # the writer raises its own error
+        agree_on(_FakeRanks(0, 0.0), refuse)
+    calls = []
+    with pytest.raises(OtherRankFailed) as info:  # the other rank: the writer's code, no check of its own
+        agree_on(_FakeRanks(1, 2.0), lambda: calls.append(1))
+    assert calls == [] and exit_code(info.value) == 2
+    agree_on(_FakeRanks(1, 0.0), refuse)  # a check the writer passed: nothing on the others
+    with pytest.raises(ConfigError):  # one process: the check itself
+        agree_on(Ranks(), refuse)
+    assert other_rank({"WORLD_SIZE": "2", "RANK": "1"}) and not other_rank({"WORLD_SIZE": "2", "RANK": "0"})
+    assert not other_rank({}) and not other_rank({"WORLD_SIZE": "x", "RANK": "1"})

@@ -192,3 +192,24 @@ def test_independent_sites_spread_over_ranks_equal_the_serial_run(runs, name):
     for a, b in zip(r2["layers"], r1["layers"]):
         for key in ("objective_before", "objective_after", "objective_after_exact", "energy_fraction"):
             assert a[key] == b[key], key
+
+
+def test_a_check_of_rank_0_alone_stops_every_rank_with_its_code(runs):
+    """An --out that is not empty is checked by rank 0 (it alone writes): the other rank worked on
+    until its next collective and died there with a raw gloo traceback (torchrun's report: exit 1),
+    the error printed by rank 0 only. Now both ranks stop at the check with its exit code (2), the
+    message is printed once and the folder is untouched."""
+    root, _ = runs
+    taken = root / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("x")
+    for rank in (0, 1):
+        (root / f"codes-{rank}.json").unlink(missing_ok=True)
+    run = _torchrun([["merge", str(root / "one_site.yml"), "--out", str(taken), "--quiet"]], root)
+    assert run.returncode != 0
+    for rank in (0, 1):
+        assert json.loads((root / f"codes-{rank}.json").read_text()) == [2], rank
+    text = run.stdout + run.stderr
+    assert text.count("is not empty; pass --overwrite") == 1, text[-3000:]
+    assert "Connection closed" not in text and "GLHF" not in text
+    assert sorted(p.name for p in taken.iterdir()) == ["keep.txt"]

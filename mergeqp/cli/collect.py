@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import BadDataError, ConfigError, ValidationError, unknown
 from ..io.atomic import check_free_space, check_output_file
 from ..io.checkpoint import torch_load
-from ..io.distributed import Ranks, agree_exit_code, launch_requested, launched
+from ..io.distributed import Ranks, agree_exit_code, agree_on, launch_requested, launched
 from ..io.writer import check_tensor_finite, parse_size
 
 INPUT_KEYS = ("inputs", "x")
@@ -207,8 +207,9 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> in
     elif not keep_samples:
         # a basis is built after collection from per-sample data (or from a shared Jacobian's
         # sufficient statistics, which are only known to suffice after collection)
-        print(f"note: --problem-parametrisation {args.problem_parametrisation} is a basis; "
-              f"keeping per-sample data (as with --keep-samples)")
+        if group.is_writer():  # (under torchrun: once)
+            print(f"note: --problem-parametrisation {args.problem_parametrisation} is a basis; "
+                  f"keeping per-sample data (as with --keep-samples)")
         keep_samples = True
     factory = load_callable(args.factory, "--factory")
     output_fn = load_callable(args.output_fn, "--output-fn") if args.output_fn else None
@@ -218,8 +219,8 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> in
     layer = dict(base.named_modules()).get(args.layer)
     if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
         need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
-        if group.is_writer():
-            check_free_space(args.out, need, "the statistics and problem files")
+        # rank 0 writes: its check is every rank's verdict (the others stop here too, with its code)
+        agree_on(group, lambda: check_free_space(args.out, need, "the statistics and problem files"))
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
     calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
     stats = collect_statistics(
@@ -228,18 +229,25 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> in
         model_names=names, batch_size=args.batch_size, jacobian_mode=args.jacobian_mode,
         max_memory=checked.max_memory, progress=not args.quiet and group.is_writer(),
     )
-    if not group.is_writer():  # the same statistics are on rank 0, which writes them
-        return 0
     problem_path = checked.problem_path
-    problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
-    # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
-    # TIES-like sign-consensus set from the problem file alone
-    extra = {}
-    if args.problem_parametrisation in plain:
-        extra = {"deltas": np.asarray(stats.deltas, dtype=np.float64),
-                 "parametrisation": np.array(args.problem_parametrisation)}
-    stats.save(args.out)
-    problem.save_npz(problem_path, extra=extra)
+    made = []
+
+    def write() -> None:  # rank 0 alone (the same statistics are on every rank); its failure stops them all
+        problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
+        # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
+        # TIES-like sign-consensus set from the problem file alone
+        extra = {}
+        if args.problem_parametrisation in plain:
+            extra = {"deltas": np.asarray(stats.deltas, dtype=np.float64),
+                     "parametrisation": np.array(args.problem_parametrisation)}
+        stats.save(args.out)
+        problem.save_npz(problem_path, extra=extra)
+        made.append(problem)
+
+    agree_on(group, write)
+    if not group.is_writer():
+        return 0
+    problem = made[0]
     print(stats.summary())
     print(f"collected in {stats.metadata['seconds']:.2f} s")
     print(f"statistics -> {args.out}")

@@ -8,10 +8,9 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 from __future__ import annotations
 
 import difflib
-import os
 import numbers
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -108,16 +107,6 @@ class OtherRankFailed(MergeQPError):
     def __init__(self, code: int) -> None:
         super().__init__(f"another rank failed (exit code {code}); its message says why")
         self.code = int(code)
-
-
-def other_rank(environ: Any = None) -> bool:
-    """Whether this process is a rank other than 0 of a ``torchrun`` launch (``RANK`` > 0, ``WORLD_SIZE``
-    > 1): such a process prints no error or plan, rank 0 prints them once."""
-    env = os.environ if environ is None else environ
-    try:
-        return int(env.get("WORLD_SIZE", "1")) > 1 and int(env.get("RANK", "0")) > 0
-    except ValueError:
-        return False
 
 
 def interruption(exc: BaseException) -> BaseException | None:

@@ -29,7 +29,6 @@ from ..errors import (
     MergeQPError,
     exit_code,
     interruption,
-    other_rank,
     exit_code_epilog,
 )
 from .signals import signals_held_during_native_imports, sigterm_as_interrupt
@@ -141,6 +140,13 @@ def import_plugins(names: Sequence[str]) -> None:
             raise ConfigError(f"--import {name}: {type(exc).__name__}: {first}") from None
 
 
+def _other_rank() -> bool:
+    """A rank other than 0 of a ``torchrun`` launch (it prints no error: rank 0 does, once)."""
+    from ..io.distributed import other_rank  # (deferred: ``mergeqp --help`` imports no more than it needs)
+
+    return other_rank()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # (no choice of any command depends on what a user registers)
@@ -148,7 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import_plugins([m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
                        + [m for m in args.imports if m])
     except MergeQPError as exc:
-        if not other_rank():
+        if not _other_rank():
             print(f"mergeqp: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     if not getattr(args, "func", None):
@@ -170,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = interruption(exc)
         if stop is not None:  # a signal that a library (or a solver wrapper) wrapped into an error
             return _interrupted(args.command, stop)
-        if not other_rank():  # under torchrun rank 0 says it once (the ranks meet the same error)
+        if not _other_rank():  # under torchrun rank 0 says it once (the ranks meet the same error)
             print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     except BrokenPipeError:

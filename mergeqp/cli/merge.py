@@ -15,8 +15,8 @@ import sys
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, MergeQPError, other_rank
-from ..io.distributed import Ranks, agree_exit_code, launched
+from ..errors import ConfigError, MergeQPError
+from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
 from ..io.writer import parse_size
 from ..merge.report import jsonable
 from ..run import build_plan, run_merge

@@ -181,6 +181,17 @@ def launch_requested(environ: dict[str, str] | None = None) -> int:
     return world
 
 
+def other_rank(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process is a rank other than 0 of a ``torchrun`` launch (read from the
+    environment, so also before the ranks connect): such a process prints no error or plan, rank 0
+    prints them once. A malformed launch environment counts as rank 0 (its error is printed)."""
+    env = os.environ if environ is None else environ
+    try:
+        return launch_requested(env) > 1 and int(env["RANK"]) > 0
+    except ConfigError:
+        return False
+
+
 def backend_for(device: str) -> str:
     """``nccl`` for a CUDA device, ``gloo`` otherwise."""
     return "nccl" if str(device).startswith("cuda") else "gloo"
@@ -247,4 +258,4 @@ def agree_exit_code(group: Ranks, code: int) -> int:
 
 
 __all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "agree_on", "alone", "backend_for", "current_group", "launch_requested",
-           "launched"]
+           "launched", "other_rank"]

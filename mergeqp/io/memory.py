@@ -75,12 +75,13 @@ _LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("mergeqp_max
 
 
 def human_bytes(n: float) -> str:
-    """``1.23 GB``, ``45.6 MB``, ``789 kB``: a size in readable decimal units (messages)."""
+    """``512 B``, ``9.8 KiB``, ``1.2 GiB``: a size in binary units (plans and memory messages)."""
     n = float(n)
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} bytes"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def available_memory_bytes(meminfo: str = MEMINFO) -> int | None:

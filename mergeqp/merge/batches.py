@@ -103,6 +103,23 @@ def model_failure(where: str, exc: BaseException) -> ValidationError:
                            f"check the batch's inputs against model= (shapes, dtypes, argument names)")
 
 
+def supplied_tensor(x: Any, where: str) -> Any:
+    """A user's precomputed statistic (a Fisher, a Gram matrix: a tensor, numpy array, ...) as a
+    floating-point torch tensor (integers as float64), refused when it is not numbers or holds NaN
+    or inf; ``where`` names it in the message."""
+    import torch
+
+    try:
+        t = torch.as_tensor(x)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValidationError(f"{where} is not a tensor of numbers ({type(exc).__name__}: {exc})") from None
+    if not t.is_floating_point():
+        t = t.to(torch.float64)
+    if not bool(torch.isfinite(t).all()):
+        raise ValidationError(f"{where} contains NaN or inf")
+    return t
+
+
 def logits_of(output: Any) -> Any:
     """The logits tensor of a model output: itself, ``.logits``, or the first element."""
     import torch

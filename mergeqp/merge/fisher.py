@@ -60,6 +60,7 @@ from .batches import (
     n_examples,
     run_model,
     split_batch,
+    supplied_tensor,
 )
 from .inputs import TensorSource
 from .method import MergeMethod, WeightedParams, iterate, resolve_weights
@@ -215,16 +216,7 @@ def compute_fisher(
 def _supplied_fisher(F: Any, where: str) -> Any:
     """A user's Fisher as a tensor, checked: finite and non-negative (a mean of squared gradients;
     a negative entry makes the precision-weighted mean leave the models' range)."""
-    import torch
-
-    try:
-        F = torch.as_tensor(F)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValidationError(f"{where} is not a tensor of numbers ({type(exc).__name__}: {exc})") from None
-    if not F.is_floating_point():
-        F = F.to(torch.float64)
-    if not bool(torch.isfinite(F).all()):
-        raise ValidationError(f"{where} contains NaN or inf")
+    F = supplied_tensor(F, where)
     if F.numel() and float(F.min()) < 0:
         raise ValidationError(f"{where} has a negative entry ({float(F.min()):.3g}): a Fisher is a mean of squared "
                               f"gradients")

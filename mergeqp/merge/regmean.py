@@ -56,6 +56,7 @@ from .batches import (
     model_weights,
     run_model,
     split_batch,
+    supplied_tensor,
 )
 from .inputs import TensorSource
 from .method import MergeMethod, WeightedParams, iterate, resolve_weights
@@ -244,12 +245,7 @@ def _supplied_gram(G: Any, where: str) -> Any:
     (a Gram matrix ``X'X / N`` is positive semidefinite; a negated or damaged one is refused)."""
     import torch
 
-    try:
-        G = torch.as_tensor(G).to(torch.float64)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValidationError(f"{where} is not a tensor of numbers ({type(exc).__name__}: {exc})") from None
-    if not bool(torch.isfinite(G).all()):
-        raise ValidationError(f"{where} contains NaN or inf")
+    G = supplied_tensor(G, where).to(torch.float64)
     scale = float(G.abs().max()) if G.numel() else 0.0
     if float((G - G.T).abs().max()) > 1e-6 * max(scale, 1e-300):
         raise ValidationError(f"{where} is not symmetric (a Gram matrix X'X / N is)")

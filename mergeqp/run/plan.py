@@ -45,6 +45,7 @@ from ..io.calibration import (
 from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
 from ..io.arrays import read_head, read_matrix
+from ..io.memory import human_bytes
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
@@ -177,7 +178,7 @@ class MergePlan:
     def render(self) -> str:
         cfg = self.config
         lines = [f"merge plan: {self.method}, {len(self.sites)} layer(s) of {self.architecture}"]
-        lines.append(f"  base: {self.base.path} ({len(self.base)} tensors, {_human(self.base.total_bytes)})")
+        lines.append(f"  base: {self.base.path} ({len(self.base)} tensors, {human_bytes(self.base.total_bytes)})")
         for t in self.tasks:
             lines.append(f"  model {t.name}: {t.checkpoint}; prompts {t.prompts_file or '-'} "
                          f"({t.n_calibration} calibration + {t.n_heldout} held out), weight {t.weight:g}")
@@ -239,18 +240,10 @@ class MergePlan:
         cap = f" and max_memory {cfg.max_memory}" if cfg.max_memory is not None else ""
         lines.append("  memory estimate (upper bounds: every prompt at calibration.max_length; the run checks each "
                      f"site with its measured sizes against the available memory{cap}): "
-                     + ", ".join(f"{k} {_human(v)}" for k, v in self.memory.items()))
+                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items()))
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # ---------------------------------------------------------------------- checks

@@ -243,8 +243,7 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
 
 def _recorded_parametrisation(problem: MergeQP) -> dict[str, Any] | None:
     """The parametrisation the problem's metadata names (``{"name": ..., ...}``), or ``None``."""
-    meta = getattr(problem, "metadata", None) or {}
-    rec = meta.get("parametrisation") if isinstance(meta, Mapping) else None
+    rec = problem.metadata.get("parametrisation")  # (a Mapping: MergeQP validates it)
     return dict(rec) if isinstance(rec, Mapping) and isinstance(rec.get("name"), str) else None
 
 

@@ -60,8 +60,8 @@ class _FakeRanks:
 
 
 def test_agree_on_shares_the_writer_check_with_its_exit_code():
-    from mergeqp.errors import ConfigError, OtherRankFailed, exit_code, other_rank
-    from mergeqp.io.distributed import Ranks, agree_on
+    from mergeqp.errors import ConfigError, OtherRankFailed, exit_code
+    from mergeqp.io.distributed import Ranks, agree_on, other_rank
 
     def refuse():
         raise ConfigError("output folder x is not empty")

@@ -33,7 +33,7 @@ def test_the_cap_nests_and_the_smaller_budget_wins():
     with memory_limit(10**9):
         assert current_limit() == 10**9
         assert memory_budget(5 * 10**8)[0] == 5 * 10**8  # the machine has less than the cap
-        assert memory_budget(None) == (10**9, "max_memory = 1 GB")
+        assert memory_budget(None) == (10**9, "max_memory = 953.7 MiB")
         with memory_limit(None):
             assert current_limit() is None
         assert current_limit() == 10**9
@@ -48,10 +48,10 @@ def test_an_oversized_site_is_refused_naming_it_and_what_to_change():
     with pytest.raises(ValidationError) as info:
         check_site_memory(est, available=16 * 10**9)
     msg = str(info.value)
-    assert "model.layers.3.mlp.down_proj" in msg and "16 GB of memory available" in msg
+    assert "model.layers.3.mlp.down_proj" in msg and "14.9 GiB of memory available" in msg
     assert "method.parametrisation" in msg and "output.restrict" in msg and "calibration.batch_size" in msg
     check_site_memory(est, available=10**12)  # fits a larger machine
-    with memory_limit(10**10), pytest.raises(ValidationError, match="max_memory = 10 GB"):
+    with memory_limit(10**10), pytest.raises(ValidationError, match="max_memory = 9.3 GiB"):
         check_site_memory(est, available=10**12)
 
 
@@ -87,7 +87,7 @@ def test_merge_refusal_message(tiny_hf, tmp_path, capsys):
     cfg = fam.write_config(tmp_path / "cfg.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp", "mode": "single"})
     assert main(["merge", str(cfg), "--out", str(tmp_path / "out"), "--quiet", "--max-memory", "10KB"]) == 2
     err = capsys.readouterr().err
-    assert f"merge site {tiny_hf.MLP_LAYER['llama']}" in err and "max_memory = 10 kB" in err
+    assert f"merge site {tiny_hf.MLP_LAYER['llama']}" in err and "max_memory = 9.8 KiB" in err
     assert "method.parametrisation" in err
 
 

@@ -190,7 +190,7 @@ def test_a_design_larger_than_the_available_memory_is_refused_before_it_is_built
 
     spec = OutputSpec()
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: 10_000)
-    with pytest.raises(ValidationError, match=r"needs about .* [kMG]?B, more than the 10 kB of memory available; "
+    with pytest.raises(ValidationError, match=r"needs about .* [KMGT]?i?B, more than the 9.8 KiB of memory available; "
                                               r"lower calibration.batch_size"):
         _stats(llama, spec)
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: None)  # unknown: no check

@@ -18,7 +18,7 @@ from ..config import load_config
 from ..errors import ConfigError, MergeQPError
 from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
 from ..io.writer import parse_size
-from ..merge.report import jsonable
+from ..merge.report import format_number, jsonable
 from ..run import build_plan, run_merge
 from ..run.pipeline import resolve_device
 
@@ -87,11 +87,6 @@ def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
     return 0
 
 
-def _g(x: Any) -> str:
-    """A number in 4 significant digits (``None`` and text as they are)."""
-    return f"{x:.4g}" if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
-
-
 def _quiet_transformers() -> None:
     try:
         from transformers.utils import logging as hf_logging  # optional heavy dependency
@@ -112,7 +107,7 @@ def _print_summary(result: Any) -> None:
         extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
                  + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
         print(f"  {layer.layer}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
-              f"(exact {layer.objective_after_exact:.6g}); fw_gap {_g(cert.get('fw_gap'))}, "
+              f"(exact {layer.objective_after_exact:.6g}); fw_gap {format_number(cert.get('fw_gap'), 4)}, "
               f"certified {cert.get('certified')}; energy {layer.energy_fraction:.3f}{extra}")
     ev = rep.evaluation
     if ev is not None:

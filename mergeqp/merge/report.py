@@ -29,7 +29,9 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     write_text_atomic(path, json.dumps(jsonable(report), indent=2))
 
 
-def _f(x: Any, digits: int = 6) -> str:
+def format_number(x: Any, digits: int = 6) -> str:
+    """A number in ``digits`` significant digits for reports and summaries (``None``: "-", text as it
+    is, booleans "yes" / "no", NaN "nan")."""
     if x is None:
         return "-"
     if isinstance(x, str):
@@ -51,7 +53,7 @@ def start_selection_table(selection: dict[str, Any]) -> list[str]:
     lines = ["| candidate | held-out objective | s | skipped because |", "|---|---|---|---|"]
     for c in selection.get("candidates", []):
         mark = "**" if c.get("label") == selection.get("chosen") else ""
-        lines.append(f"| {mark}`{c.get('label')}`{mark} | {_f(c.get('validation'))} | {_f(c.get('seconds'), 3)} | "
+        lines.append(f"| {mark}`{c.get('label')}`{mark} | {format_number(c.get('validation'))} | {format_number(c.get('seconds'), 3)} | "
                      f"{c.get('skipped') or ''} |")
     return lines
 
@@ -70,8 +72,8 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     if held:
         chosen = held.get("chosen_step")
         steps = (f" From it, early stopping on those batches chose {0 if chosen is None else chosen + 1} "
-                 f"trust-region step(s) (held-out objective {_f(held.get('validation_start'))} -> "
-                 f"{_f(held.get('validation_result'))})")
+                 f"trust-region step(s) (held-out objective {format_number(held.get('validation_start'))} -> "
+                 f"{format_number(held.get('validation_result'))})")
         steps += (f"; the refit on every batch accepted {tr.get('n_accepted')} of {tr.get('n_steps')}."
                   if held.get("refit") else ".")
     return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
@@ -106,7 +108,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"- statistics: {stats.get('statistic')}"
                          + (f"; labels: {stats['labels']}" if stats.get("labels") else "")
                          + "; " + ", ".join(f"`{m.get('model')}` {m.get('examples')} examples" for m in stats.get("models", [])))
-    lines.append(f"- total time: {_f(report.get('seconds'), 3)} s")
+    lines.append(f"- total time: {format_number(report.get('seconds'), 3)} s")
     for n in report.get("notes", []):
         lines.append(f"- note: {n}")
 
@@ -124,16 +126,16 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in layers:
             c = r.get("certificate", {})
-            lines.append(f"| `{r['layer']}` | {r['mode']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
-                         f"{_f(r['objective_after_exact'])} | {_f(c.get('fw_gap'), 3)} | {_f(c.get('certified'))} | "
-                         f"{_f(r['energy_fraction'], 4)} | {r.get('solver')} | {_f(r['seconds'], 3)} |")
+            lines.append(f"| `{r['layer']}` | {r['mode']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
+                         f"{format_number(r['objective_after_exact'])} | {format_number(c.get('fw_gap'), 3)} | {format_number(c.get('certified'))} | "
+                         f"{format_number(r['energy_fraction'], 4)} | {r.get('solver')} | {format_number(r['seconds'], 3)} |")
         lines += ["", ("QP objective at points of the same problem (soup = 1/K, task arithmetic = 1; start and result: "
                        "the merge's start and its result) and at the QP's optimum:"), "",
                   "| layer | " + " | ".join(sorted(layers[0].get("objective_at", {}))) + " | optimum |",
                   "|---|" + "---|" * (len(layers[0].get("objective_at", {})) + 1)]
         for r in layers:
             pts = r.get("objective_at", {})
-            lines.append(f"| `{r['layer']}` | " + " | ".join(_f(pts[k]) for k in sorted(pts)) + f" | {_f(r['objective_after'])} |")
+            lines.append(f"| `{r['layer']}` | " + " | ".join(format_number(pts[k]) for k in sorted(pts)) + f" | {format_number(r['objective_after'])} |")
         with_baselines = [r for r in layers if r.get("baselines")]
         if with_baselines:
             names = list(with_baselines[0]["baselines"])
@@ -143,7 +145,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             for r in with_baselines:
                 b = r["baselines"]
                 lines.append(f"| `{r['layer']}` | " + " | ".join(
-                    f"{_f(b[n]['weight'], 4)} ({_f(b[n]['residual_norm'], 4)})" if n in b else "" for n in names) + " |")
+                    f"{format_number(b[n]['weight'], 4)} ({format_number(b[n]['residual_norm'], 4)})" if n in b else "" for n in names) + " |")
 
     os_layers = report.get("output_space_layers") or []
     if os_layers:
@@ -156,10 +158,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in os_layers:
             # damped steps (steps > 1): J after is the true error plus the ridge term, the step column the solves kept
-            step = f"{r['accepted_steps']} of {len(r['steps'])} damped" if r.get("steps") else _f(r["step"])
-            lines.append(f"| `{r['layer']}` | {r['operator']} | {_f(r['objective_before'])} | {_f(r['objective_after'])} | "
-                         f"{_f(r['normal_residual'], 3)} | {_f(r['certified'])} | {r['iterations']} | {step} | "
-                         f"{_f(r['calibration_before'])} | {_f(r['calibration_after'])} | {_f(r['seconds'], 3)} |")
+            step = f"{r['accepted_steps']} of {len(r['steps'])} damped" if r.get("steps") else format_number(r["step"])
+            lines.append(f"| `{r['layer']}` | {r['operator']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
+                         f"{format_number(r['normal_residual'], 3)} | {format_number(r['certified'])} | {r['iterations']} | {step} | "
+                         f"{format_number(r['calibration_before'])} | {format_number(r['calibration_after'])} | {format_number(r['seconds'], 3)} |")
 
     with_basis = [r for r in layers if r.get("basis")]
     if with_basis:
@@ -172,9 +174,9 @@ def render_markdown(report: dict[str, Any]) -> str:
         for r in with_basis:
             b = r["basis"]
             mj = b.get("mean_jacobian_energy") or {}
-            lines.append(f"| `{r['layer']}` | {b.get('name')} | {b.get('rank')} | {_f(b.get('rank_L'))} | "
-                         f"{_f(r['energy_fraction'], 4)} | {_f(mj.get('optimal'), 4)} | {_f(mj.get('svd'), 4)} | "
-                         f"{_f(mj.get('random'), 4)} |")
+            lines.append(f"| `{r['layer']}` | {b.get('name')} | {b.get('rank')} | {format_number(b.get('rank_L'))} | "
+                         f"{format_number(r['energy_fraction'], 4)} | {format_number(mj.get('optimal'), 4)} | {format_number(mj.get('svd'), 4)} | "
+                         f"{format_number(mj.get('random'), 4)} |")
 
     ev = report.get("evaluation")
     if ev:
@@ -195,8 +197,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append("|---|---|" + "---|" * len(columns))
         for key, v in ev.items():
             label = f"{key} ({v.get('method')})" if v.get("method") else key
-            lines.append(f"| {label} | {_f(v.get('calibration_objective'))} | "
-                         + " | ".join(_f((v.get(k) or {}).get(t)) for k, _, t in columns) + " |")
+            lines.append(f"| {label} | {format_number(v.get('calibration_objective'))} | "
+                         + " | ".join(format_number((v.get(k) or {}).get(t)) for k, _, t in columns) + " |")
 
     cmp_ = report.get("joint_vs_sequential")
     if cmp_:
@@ -206,7 +208,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             v = cmp_[key]
             mse = list(v.get("heldout_mse", {}).values())
             mean = sum(mse) / len(mse) if mse else None
-            lines.append(f"| {key} | {_f(v['calibration_objective'])} | {_f(mean)} | {_f(v.get('seconds'), 3)} |")
+            lines.append(f"| {key} | {format_number(v['calibration_objective'])} | {format_number(mean)} | {format_number(v.get('seconds'), 3)} |")
 
     out = report.get("output")
     if out:

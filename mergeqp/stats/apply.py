@@ -36,6 +36,17 @@ from .parametrisation import (
 )
 
 
+def _finite_number(value: Any, what: str) -> float:
+    """``value`` as a finite float; a ValidationError naming ``what`` otherwise."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValidationError(f"{what} must be a number, got {value!r}") from None
+    if not np.isfinite(out):
+        raise ValidationError(f"{what} must be finite, got {out}")
+    return out
+
+
 def task_arithmetic_point(shape: tuple[int, int], lam: float = 1.0) -> np.ndarray:
     """``d = lambda`` everywhere (``(K, n_atoms)``)."""
     return np.full(shape, float(lam))
@@ -58,6 +69,8 @@ def row_dare_point(K: int, r: int, p: float = 0.5, seed: int = 0, lam: float = 1
 def merge_points(param: Parametrisation, K: int, r: int, m1: int, *, lam: float = 1.0,
                  dare_p: float = 0.5, seed: int = 0) -> dict[str, np.ndarray]:
     """Known merges as points ``d`` of the QP of ``param`` (see the module docstring)."""
+    lam = _finite_number(lam, "the task-arithmetic weight lam")
+    dare_p = _finite_number(dare_p, "the DARE drop probability dare_p")
     shape = (K, param.n_atoms(r, m1))
     points = {
         "task_arithmetic": task_arithmetic_point(shape, lam),

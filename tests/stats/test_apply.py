@@ -142,3 +142,17 @@ def test_a_solution_is_applied_in_its_own_parametrisation(finetuned_copies, line
     assert sol_r.parametrisation is None
     assert torch.equal(apply_merge(base, fts, "0", sol_r).state_dict()["0.weight"],
                        apply_merge(base, fts, "0", sol_r.d, "rows").state_dict()["0.weight"])
+
+
+@pytest.mark.parametrize("kwargs, what", [({"lam": float("nan")}, "lam must be finite"),
+                                           ({"lam": float("inf")}, "lam must be finite"),
+                                           ({"lam": "half"}, "lam must be a number"),
+                                           ({"dare_p": float("nan")}, "dare_p must be finite")])
+def test_merge_points_refuse_non_finite_weights(kwargs, what):
+    from mergeqp.stats.apply import merge_points
+    from mergeqp.stats.parametrisation import as_parametrisation
+
+    with pytest.raises(ValidationError, match=what):
+        merge_points(as_parametrisation("rows"), 2, 3, 4, **kwargs)
+    points = merge_points(as_parametrisation("rows"), 2, 3, 4, lam=0.25)
+    assert np.all(points["task_arithmetic"] == 0.25) and np.all(points["soup"] == 0.5)

@@ -488,9 +488,11 @@ def _number(cset: ConstraintSet, method: str, value: Any) -> float:
         out = float(np.asarray(value).item()) if np.ndim(value) == 0 else None
     except (TypeError, ValueError):
         out = None
-    if out is None or math.isnan(out):
+    if out is None:
         raise ValidationError(f"constraint set {cset.spec}: its {method}(d) returned {type(value).__name__} "
-                              f"{np.shape(value)}, not one number")
+                              f"of shape {np.shape(value)}, not one number")
+    if math.isnan(out):
+        raise ValidationError(f"constraint set {cset.spec}: its {method}(d) returned NaN")
     return out
 
 

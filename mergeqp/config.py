@@ -15,6 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import ConfigError
+from .plugins import import_plugins
 from .run.schema import (
     BaselineSpec,
     CalibrationOptions,
@@ -45,13 +46,23 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
 def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>",
                  config_file: str | Path | None = None) -> MergeConfig:
     """Validate a config mapping (as read from YAML; ``config_file``: the file it came from, which
-    outputs must never overwrite). Raises :class:`ConfigError`."""
+    outputs must never overwrite). Its ``imports`` (your own modules) are imported first, so that the
+    rest may name what they register. Raises :class:`ConfigError`."""
     if not isinstance(data, dict):
         raise ConfigError(f"invalid config {source}: the top level must be a mapping, got {type(data).__name__}")
     for internal in ("root", "config_file"):
         if internal in data:
             raise ConfigError(f"invalid config {source}:\n  {internal}: unknown key {internal!r}")
     extra = {"config_file": str(config_file)} if config_file is not None else {}
+    imports = data.get("imports")
+    if isinstance(imports, str):
+        data = {**data, "imports": [imports]}
+        imports = [imports]
+    if imports is not None:  # before the rest: the file may name what these modules register
+        if not isinstance(imports, list) or not all(isinstance(m, str) and m.strip() for m in imports):
+            raise ConfigError(f"invalid config {source}:\n  imports: a list of .py files (relative to the "
+                              f"config's folder) or module names, got {imports!r}")
+        import_plugins(imports, label=f"{source}: imports:", root=root)
     try:
         return MergeConfig.model_validate({**data, "root": str(root), **extra})
     except ValidationError as exc:

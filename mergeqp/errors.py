@@ -8,9 +8,10 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 from __future__ import annotations
 
 import difflib
+import inspect
 import numbers
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -31,6 +32,21 @@ class InfeasibleError(MergeQPError):
     """A constraint set (or an intersection of several) contains no point."""
 
 
+#: registries a user adds to (the kinds named by their lookups): an unknown name there may be an entry
+#: whose module was not imported
+USER_REGISTRIES = frozenset({"solver", "constraint set", "merge method", "merge mode", "parametrisation",
+                             "basis name", "instance family"})
+
+#: what an unknown name of :data:`USER_REGISTRIES` adds when no registered name is close
+OWN_ENTRY_HINT = ("an entry of your own is registered by importing its module first (command line: "
+                  "mergeqp --import FILE.py or $MERGEQP_IMPORT)")
+
+
+def _plural(kind: str) -> str:
+    """``"solvers"``, ``"families"``."""
+    return kind[:-1] + "ies" if kind.endswith("y") and kind[-2:-1] not in "aeiou" else kind + "s"
+
+
 class UnknownNameError(MergeQPError, KeyError):
     """A registry lookup (solver, constraint set, merge method, basis, ...) failed."""
 
@@ -40,7 +56,8 @@ class UnknownNameError(MergeQPError, KeyError):
         self.valid = sorted(valid)
         close = difflib.get_close_matches(str(name), self.valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        super().__init__(f"unknown {kind} {name!r}; valid {kind}s: {', '.join(self.valid)}{hint}")
+        own = f"; {OWN_ENTRY_HINT}" if kind in USER_REGISTRIES and not close else ""
+        super().__init__(f"unknown {kind} {name!r}; valid {_plural(kind)}: {', '.join(self.valid)}{hint}{own}")
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
         return self.args[0]
@@ -61,6 +78,11 @@ class UnboundedError(SolverError):
 
 class ConfigError(MergeQPError, ValueError):
     """A configuration file or command-line setting is invalid."""
+
+
+class MergeMethodError(MergeQPError):
+    """A merge method (a user's registered one, most often) raised or returned something unusable;
+    the message names the method (exit code 2)."""
 
 
 class BadDataError(ValidationError):
@@ -187,6 +209,22 @@ def check_callable(kind: str, name: str, what: str, value: object,
     """``error`` unless ``value`` (the ``what`` of a ``kind`` being registered) is callable."""
     if not callable(value):
         raise error(f"{kind} {name!r}: {what} must be callable, got {type(value).__name__}")
+
+
+def check_signature(kind: str, name: str, what: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    error: type[MergeQPError] = ValidationError) -> None:
+    """``error`` unless ``fn`` (the ``what`` of a ``kind`` being registered) can be called with
+    ``args`` / ``kwargs`` (checked on its signature, not called; a callable without an inspectable
+    signature passes)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise error(f"{kind} {name!r}: {what} cannot be called as documented ({exc}); its signature is "
+                    f"{sig}") from None
 
 
 def listing(names: Sequence[str], limit: int = 30) -> str:

@@ -24,13 +24,13 @@ from ..errors import (
     EXIT_INTERRUPTED,
     EXIT_IO,
     EXIT_USAGE,
-    ConfigError,
     Interrupted,
     MergeQPError,
     exit_code,
     interruption,
     exit_code_epilog,
 )
+from ..plugins import IMPORT_ENV, import_plugins
 from .signals import signals_held_during_native_imports, sigterm_as_interrupt
 
 # subcommand -> module exposing ``register(subparsers)`` (which sets ``func`` on its parser)
@@ -48,10 +48,6 @@ SUBCOMMANDS: dict[str, str] = {
 #: reused instead of mapped afresh; ``MERGEQP_ALLOCATOR=system`` turns it off)
 SYSTEM_ALLOCATOR = frozenset({"bench"})
 
-
-#: environment variable naming modules to import before any command (comma-separated), like
-#: repeated ``--import``
-IMPORT_ENV = "MERGEQP_IMPORT"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,38 +102,6 @@ def _interrupted(command: str, stop: BaseException) -> int:
     else:
         print(f"mergeqp {command}: {how}; outputs keep their previous state", file=sys.stderr)
     return EXIT_INTERRUPTED
-
-
-def import_plugins(names: Sequence[str]) -> None:
-    """Import each of ``names`` (a dotted module name, or a path to a ``.py`` file) so that what it
-    registers is known to the command; a module that cannot be imported is a :class:`ConfigError`
-    naming it."""
-    import importlib.util
-
-    for name in names:
-        try:
-            if name.endswith(".py") or os.sep in name:
-                path = os.path.abspath(os.path.expanduser(name))
-                if not os.path.isfile(path):
-                    raise ConfigError(f"--import {name}: no such file")
-                mod_name = "mergeqp_plugin_" + os.path.splitext(os.path.basename(path))[0]
-                if getattr(sys.modules.get(mod_name), "__file__", None) == path:
-                    continue  # imported already (its registrations hold for this process)
-                spec = importlib.util.spec_from_file_location(mod_name, path)
-                if spec is None or spec.loader is None:
-                    raise ConfigError(f"--import {name}: not a Python file")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[mod_name] = module
-                spec.loader.exec_module(module)
-            else:
-                if "" not in sys.path and os.getcwd() not in sys.path:
-                    sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
-                importlib.import_module(name)
-        except MergeQPError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the user's module: name it, one line
-            first = (str(exc).splitlines() or [""])[0][:300]
-            raise ConfigError(f"--import {name}: {type(exc).__name__}: {first}") from None
 
 
 def _other_rank() -> bool:

@@ -34,7 +34,7 @@ import scipy.sparse as sp
 
 from ..errors import InfeasibleError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, lower_bound
-from .forms import AuxiliaryForm, LinearForm
+from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
 from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_minimum, lp_method, lp_minimum
 
@@ -78,6 +78,9 @@ class ConstraintSet(ABC):
     def project(self, d: np.ndarray) -> np.ndarray:
         """Euclidean projection of ``d`` onto the set (closed form only)."""
         st = self.structure(np.shape(d))  # type: ignore[arg-type]
+        if st is None and self.has_projection:  # (a user's set: it says it projects, but cannot)
+            raise ValidationError(f"constraint set {self.spec}: has_projection is True but it defines neither "
+                                  f"project(d) nor structure(shape)")
         if st is None or not self.has_projection:
             raise NotImplementedError(f"{self.spec} has no closed-form projection")
         return project_structure(st, np.asarray(d, dtype=np.float64).ravel()).reshape(np.shape(d))
@@ -406,7 +409,7 @@ class Intersection(ConstraintSet):
         return max((s.violation(d) for s in self.sets), default=0.0)
 
     def linear_form(self, shape: Shape) -> LinearForm | None:
-        forms = [s.linear_form(shape) for s in self.sets]
+        forms = [checked_linear_form(s, shape) for s in self.sets]
         if any(f is None for f in forms):
             return None
         out = LinearForm.empty(shape[0] * shape[1])

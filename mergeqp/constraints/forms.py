@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 import scipy.sparse as sp
+
+from ..errors import ValidationError
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,27 @@ class LinearForm:
     b_eq: np.ndarray
     lb: np.ndarray
     ub: np.ndarray
+
+    def check(self, n: int, owner: str) -> None:
+        """A :class:`ValidationError` naming ``owner`` unless the form is over ``n`` variables with
+        matching right-hand sides and bounds, none of them NaN."""
+        def bad(why: str) -> ValidationError:
+            return ValidationError(f"{owner} {why}")
+
+        if int(self.n) != n:
+            raise bad(f"is over n = {self.n} variables, but d has {n}")
+        for A, b, what in ((self.A_ub, self.b_ub, "A_ub"), (self.A_eq, self.b_eq, "A_eq")):
+            if len(A.shape) != 2 or A.shape[1] != n:
+                raise bad(f"has {what} of shape {A.shape}, expected (rows, {n})")
+            if np.shape(b) != (A.shape[0],):
+                raise bad(f"has {what} with {A.shape[0]} rows but its right-hand side has shape {np.shape(b)}")
+            if np.any(np.isnan(b)) or np.any(np.isnan(A.data if sp.issparse(A) else A)):
+                raise bad(f"has NaN in {what} or its right-hand side")
+        for v, what in ((self.lb, "lb"), (self.ub, "ub")):
+            if np.shape(v) != (n,):
+                raise bad(f"has {what} of shape {np.shape(v)}, expected ({n},)")
+            if np.any(np.isnan(v)):
+                raise bad(f"has NaN in {what}")
 
     @staticmethod
     def empty(n: int) -> LinearForm:
@@ -56,3 +81,12 @@ class AuxiliaryForm:
     A_t: sp.csr_matrix
     b: np.ndarray
     t_lb: np.ndarray
+
+
+def checked_linear_form(cset: Any, shape: tuple[int, int]) -> LinearForm | None:
+    """``cset.linear_form(shape)`` with its dimensions checked against ``d`` of ``shape`` (a user's
+    set: a wrong form is named here, not by the solver that reads it)."""
+    form = cset.linear_form(shape)
+    if form is not None:
+        form.check(int(shape[0]) * int(shape[1]), f"constraint set {cset.spec}: its linear_form({tuple(shape)})")
+    return form

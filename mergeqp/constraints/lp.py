@@ -27,7 +27,7 @@ from scipy.optimize import linprog
 
 from ..errors import InfeasibleError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, LPDuals, dual_bound
-from .forms import AuxiliaryForm, LinearForm
+from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 
 LMO_HIGHS = "LP (HiGHS dual bound)"
 LMO_CVXPY = "LP (CVXPY/Clarabel)"
@@ -43,7 +43,7 @@ def polyhedral_parts(sets: Sequence[Any], shape: tuple[int, int]) -> tuple[Linea
         if aux is not None:
             lifted.append(aux)
             continue
-        f = s.linear_form(shape)
+        f = checked_linear_form(s, shape)
         if f is None:
             return None
         form = form & f

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MergeQPError, ValidationError, check_callable, check_new_name, unknown
+from ..errors import MergeQPError, ValidationError, check_callable, check_new_name, check_signature, unknown
 from .base import ConstraintSet, Unconstrained, intersect
 from .box import Box
 from .l1 import L1Ball
@@ -91,6 +91,8 @@ def register_constraint(name: str, parser: ConstraintParser, *, needs_layer: boo
         raise ValidationError(f"constraint set name {name!r} must be lower-case: specs are read "
                               f"case-insensitively (register {name.lower()!r})")
     check_callable("constraint set", name, "the parser (args, spec, context) -> ConstraintSet", parser)
+    check_signature("constraint set", name, "the parser (args, spec, context) -> ConstraintSet", parser,
+                    ([], name, None), {})
     CONSTRAINT_SETS[name] = parser
     if needs_layer:
         LAYER_CONSTRAINTS.add(name)

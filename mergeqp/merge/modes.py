@@ -15,6 +15,7 @@ the config's ``method.mode_options`` block is validated by it (:meth:`MergeMode.
 from __future__ import annotations
 
 import copy
+import difflib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
-from ..errors import ValidationError, check_new_name, lookup
+from ..errors import ValidationError, check_new_name, check_signature, lookup
 from ..io.distributed import current_group
 from ..lm import forward
 from .depth import depth_levels, site_dependencies
@@ -81,7 +82,9 @@ class MergeMode:
         valid = sorted(self.options.model_fields)
         bad = [k for k in raw if k not in valid]
         if bad:
-            raise ValidationError(f"mode_options: unknown key {bad[0]!r} for mode: {self.name}; valid keys: "
+            close = difflib.get_close_matches(str(bad[0]), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValidationError(f"mode_options: unknown key {bad[0]!r} for mode: {self.name}{hint}; valid keys: "
                                   f"{', '.join(valid)}")
         try:
             return self.options(**raw)
@@ -527,6 +530,13 @@ def register_merge_mode(mode: MergeMode) -> MergeMode:
     if not isinstance(mode, MergeMode):
         raise ValidationError(f"register_merge_mode expects a MergeMode instance, got {type(mode).__name__}")
     check_new_name("merge mode", mode.name, MERGE_MODES)
+    if type(mode).run is MergeMode.run:
+        raise ValidationError(f"merge mode {mode.name!r}: its class {type(mode).__name__} does not override "
+                              f"run(ctx, sites) (what the mode does)")
+    check_signature("merge mode", mode.name, "run(ctx, sites)", mode.run, (None, []), {})
+    if mode.options is not None and not (isinstance(mode.options, type) and issubclass(mode.options, BaseModel)):
+        raise ValidationError(f"merge mode {mode.name!r}: options must be None or a pydantic BaseModel class "
+                              f"(the fields of method.mode_options), got {mode.options!r}")
     MERGE_MODES[mode.name] = mode
     return mode
 

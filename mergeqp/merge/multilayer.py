@@ -357,8 +357,11 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
         raise SolverError(
             f"layer(s) {[a.site.name for a in atoms]}: the {solution.solver} solution violates the "
             f"constraints {solution.constraints} by {cert_.infeasibility:.3g} (status "
-            f"{getattr(solution.status, 'value', solution.status)}); no model was written. Give the "
-            f"solver more iterations (solver_options) or use solver: auto"
+            f"{getattr(solution.status, 'value', solution.status)}); no model was written. "
+            + ("No registered solver that takes this set reached a feasible point (tried: "
+               + (", ".join(t["solver"] for t in solution.info.get("auto_tried", [])) or solution.solver) + ")"
+               if ctx.settings.solver == "auto" else
+               "Give the solver more iterations (solver_options) or use solver: auto")
         )
     d = solution.d
     new_weights = {}

@@ -12,13 +12,22 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import ConfigError, ValidationError, check_callable, check_new_name, lookup
+from ..errors import (
+    ConfigError,
+    MergeMethodError,
+    MergeQPError,
+    ValidationError,
+    check_callable,
+    check_new_name,
+    check_signature,
+    lookup,
+)
 from ..io.writer import check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
 from .inputs import prepare_inputs
-from .method import MergeMethod
+from .method import MergeMethod, MethodParams
 from .output_space import OUTPUT_SPACE
 from .regmean import REGMEAN
 from .selection import select_tensors
@@ -43,6 +52,12 @@ def register_merge_method(method: MergeMethod) -> MergeMethod:
     if method.name in RESERVED_METHOD_NAMES:  # (method.name: qp / auto in a config mean the QP)
         raise ConfigError(f"merge method name {method.name!r} is reserved: in a merge config it selects the QP merge")
     check_callable("merge method", method.name, "run(inputs, names, params)", method.run, ConfigError)
+    check_signature("merge method", method.name, "run(inputs, names, params)", method.run, (None, [], None), {},
+                    ConfigError)
+    if not (isinstance(method.params, type) and issubclass(method.params, MethodParams)):
+        raise ConfigError(f"merge method {method.name!r}: params must be a subclass of "
+                          f"mergeqp.merge.method.MethodParams (it adds include / exclude / unselected / progress), "
+                          f"got {method.params!r}")
     MERGE_METHODS[method.name] = method
     return method
 
@@ -80,7 +95,17 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
     tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
     statistics = [n for n in names if n not in tied and is_running_statistic(n)]
-    merged = spec.run(inputs, [n for n in names if n not in tied and n not in statistics], parsed)
+    try:
+        merged = spec.run(inputs, [n for n in names if n not in tied and n not in statistics], parsed)
+    except (MergeQPError, OSError, MemoryError):
+        raise  # named already, or an I/O error (exit 4) / out of memory
+    except Exception as exc:  # a user's method (or a bug): one line naming the method, no traceback
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise MergeMethodError(f"merge method {spec.name!r} failed: {type(exc).__name__}: {first}") from exc
+    if not isinstance(merged, Mapping):
+        raise MergeMethodError(f"merge method {spec.name!r} returned {type(merged).__name__}, not a dict of "
+                               f"tensors by name")
+    merged = dict(merged)
     for name in statistics:  # activation statistics, not weights: a task vector could make a variance negative
         merged[name] = _mean_of_finetuned(inputs, name)
     for alias, first in tied.items():

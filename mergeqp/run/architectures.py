@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ValidationError
+from ..errors import OWN_ENTRY_HINT, ConfigError, ValidationError
 from ..merge.sites import site_module
 from ..stats.prefix import block_stack, first_site_block
 
@@ -54,7 +54,7 @@ def architecture_class(config: dict[str, Any] | None, where: str) -> Any:
             known = f"; registered: {', '.join(sorted(ARCHITECTURES))}" if ARCHITECTURES else ""
             raise ConfigError(f"{where}: architecture {archs[0]!r} is not known to transformers "
                               f"{transformers.__version__} and not registered with "
-                              f"mergeqp.register_architecture{known}")
+                              f"mergeqp.register_architecture{known}; {OWN_ENTRY_HINT}")
         return cls
     return transformers.AutoModel
 
@@ -66,6 +66,7 @@ def model_config(folder: Path, config: dict[str, Any] | None) -> Any:
     from transformers import AutoConfig  # optional heavy dependency, imported on first use
 
     archs = (config or {}).get("architectures") or []
+    architecture_class(config, str(folder))  # an unknown class is named here, not by AutoConfig's model_type
     loader = ARCHITECTURES[archs[0]].config_class if archs and archs[0] in ARCHITECTURES else AutoConfig
     try:
         return loader.from_pretrained(str(folder))

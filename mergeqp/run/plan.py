@@ -64,7 +64,7 @@ from ..merge.sites import (
     site_matches,
 )
 from ..problem import MergeQP
-from ..solvers.registry import choose_solver, get_solver
+from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
@@ -370,22 +370,31 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple
 
 
 def _solver_name(cfg: MergeConfig, n: int) -> str:
-    """The solver ``auto`` would pick for an ``n``-variable problem with these constraints."""
+    """The solver ``auto`` would pick for an ``n``-variable problem with these constraints; a named
+    solver is checked now against its options and against the set (a solver that cannot take it is
+    refused before any model is loaded)."""
     m = cfg.method
+    K = len(cfg.models)
     if m.solver != "auto":
         try:
-            get_solver(m.solver).check_options(m.solver_options)
+            solver = get_solver(m.solver)
+            solver.check_options(m.solver_options)
         except MergeQPError as exc:
             raise ConfigError(f"method.solver: {exc}") from None
+        try:  # an explicit H of at most 2048 variables: what a set needs of a solver does not depend on n
+            atoms = max(1, min(n, 2048) // K)
+            why = declines(solver, MergeQP(H=np.eye(K * atoms), g=np.zeros(K * atoms), shape=(K, atoms)),
+                           as_constraint_set(_planned_sets(cfg) or None))
+        except MergeQPError:
+            why = None  # decided at solve time
+        if why is not None:
+            raise ConfigError(f"method.solver: {m.solver!r} cannot solve these QPs ({' & '.join(m.constraints)}): "
+                              f"{why}; use solver: auto, or a solver that takes the set")
         return m.solver
     if m.solver_options:
         raise ConfigError("method.solver_options: name a solver (options differ between solvers), not 'auto'")
     try:
-        sets = [parse_constraint(s, {"deltas": np.zeros((len(cfg.models), 1, 1)), "parametrisation": "rows"})
-                for s in m.constraints]
-        if get_merge_mode(m.mode).step_bounded:  # (the trust region's box: closed_form cannot take it)
-            sets.append(parse_constraint("box:-1,1"))
-        K = len(cfg.models)
+        sets = _planned_sets(cfg)
         if n <= 2048:  # an explicit H of the real size, so the choice matches the run's
             probe = MergeQP(H=np.eye(n), g=np.zeros(n), shape=(K, n // K))
         else:
@@ -393,6 +402,17 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
         return "auto -> " + choose_solver(probe, as_constraint_set(sets or None)).name
     except MergeQPError:
         return "auto (decided at solve time)"
+
+
+def _planned_sets(cfg: MergeConfig) -> list[Any]:
+    """The QPs' constraint sets as planned (layer sets such as ``sign`` on stand-in residuals), with
+    the trust region's box for a step-bounded mode."""
+    m = cfg.method
+    sets = [parse_constraint(s, {"deltas": np.ones((len(cfg.models), 1, 1)), "parametrisation": "rows"})
+            for s in m.constraints]
+    if get_merge_mode(m.mode).step_bounded:  # (the trust region's box: closed_form cannot take it)
+        sets.append(parse_constraint("box:-1,1"))
+    return sets
 
 
 def _n_atoms(cfg: MergeConfig, site: LayerSite) -> int:
@@ -506,7 +526,11 @@ def _check_method(cfg: MergeConfig) -> None:
             parse_constraint(spec)
         except MergeQPError as exc:
             raise ConfigError(f"method.constraints: {exc}") from None
-    if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
+    param = get_parametrisation(m.parametrisation)
+    if type(param).tangents is Parametrisation.tangents:  # (a user's entry written for in-memory statistics only)
+        raise ConfigError(f"method.parametrisation: {m.parametrisation!r} has no tangent rule (tangents(Z, delta)), "
+                          f"which checkpoint merging needs; it can be used with collect_statistics in Python")
+    if param.needs_output_jacobian(m.parametrisation_options()):
         if cfg.output.metric in DATA_METRICS:
             raise ConfigError(f"method.basis: {m.basis} (the optimal basis) is built from the residuals to the "
                               f"fine-tunes' outputs; output.metric: {cfg.output.metric} has none. Use basis: svd "

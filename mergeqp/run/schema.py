@@ -36,11 +36,11 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import ConfigError, MergeQPError
+from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
-from ..stats.bases import checkpoint_bases
+from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
 from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries
 
@@ -55,7 +55,7 @@ def _registered(kind: str, name: str, valid: list[str]) -> str:
         return name
     close = difflib.get_close_matches(name, valid, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}")
+    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}" + ("" if close else f"; {OWN_ENTRY_HINT}"))
 
 
 def _keys(names: list[str]) -> str:
@@ -267,6 +267,12 @@ class MethodConfig(_Strict):
         """``baselines: [ties, {name: dare, params: {...}}]``: a bare name is that method with its defaults."""
         return named_entries(v)
 
+    @field_validator("start", mode="before")
+    @classmethod
+    def _start_name(cls, v: Any) -> Any:
+        """``start: soup``: a bare name is that method with its defaults (as for ``method``)."""
+        return {"name": v} if isinstance(v, str) else v
+
     @field_validator("constraints", mode="before")
     @classmethod
     def _one_or_many(cls, v: Any) -> Any:
@@ -289,6 +295,10 @@ class MethodConfig(_Strict):
     @field_validator("basis")
     @classmethod
     def _basis(cls, v: str) -> str:
+        if v in BASES and v not in checkpoint_bases():
+            raise ValueError(f"basis {v!r} is registered without a checkpoint_source, so a checkpoint merge cannot "
+                             f"build it (register_basis(..., checkpoint_source='deltas' or 'output_jacobian')); "
+                             f"bases a merge can build: {', '.join(checkpoint_bases())}")
         return _registered("basis", v, checkpoint_bases())
 
     @model_validator(mode="after")
@@ -480,6 +490,9 @@ def _default_name(path: str) -> str:
 class MergeConfig(_Strict):
     """The whole ``mergeqp merge`` file (see the module docstring and ``docs/hf.md``)."""
 
+    #: your own modules (``.py`` files relative to the config's folder, or module names), imported when
+    #: the file is read (:func:`mergeqp.config.parse_config`), before any of its names is checked
+    imports: list[str] = Field(default_factory=list)
     base: str
     models: list[ModelEntry] = Field(min_length=1)
     layers: list[str] = Field(min_length=1)

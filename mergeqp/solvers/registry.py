@@ -20,10 +20,11 @@ from ..errors import (
     UnsupportedError,
     ValidationError,
     check_new_name,
+    check_signature,
     unknown,
 )
 from ..problem import MergeQP
-from ..solution import Solution
+from ..solution import Solution, SolveStatus
 from .active_set import ActiveSetSolver
 from .base import QPSolver, RawResult
 from .clarabel_solver import ClarabelSolver
@@ -50,6 +51,13 @@ def register_solver(solver: QPSolver) -> None:
     if not isinstance(solver, QPSolver):
         raise ValidationError(f"register_solver expects a QPSolver instance, got {type(solver).__name__}")
     check_new_name("solver", solver.name, [*SOLVERS, "auto"])
+    if "," in solver.name:
+        raise ValidationError(f"solver name {solver.name!r} contains a comma (lists of solvers are comma-separated)")
+    if not isinstance(solver.defaults, Mapping):
+        raise ValidationError(f"solver {solver.name!r}: defaults must be a mapping of option name -> default, "
+                              f"got {type(solver.defaults).__name__}")
+    check_signature("solver", solver.name, "solve(problem, constraints, x0=None, **options)", solver.solve,
+                    (None, None), {"x0": None})
     SOLVERS[solver.name] = solver
 
 
@@ -81,7 +89,7 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
-        why = s.available() or declines(s, problem, cset) or s.auto_declines(problem, cset)
+        why = s.available() or declines(s, problem, cset) or _auto_declines(s, problem, cset)
         if why is None:
             return s
         reasons.append(f"{s.name}: {why}")
@@ -214,6 +222,7 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
     its objective finite) and certified."""
     if not isinstance(raw, RawResult):
         raise SolverError(f"solver {chosen.name!r} returned {type(raw).__name__}, not a RawResult(d, status, ...)")
+    status = _status(chosen, raw.status)
     d = np.asarray(raw.d)
     if d.shape not in (tuple(problem.shape), (problem.n,)):
         raise SolverError(f"solver {chosen.name!r} returned d of shape {d.shape}, expected {tuple(problem.shape)} "
@@ -233,12 +242,25 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
     cert = certify(problem, cset, d, rel_tol=rel_tol, feas_tol=feas_tol, pinv=pinv) if certify_result else None
     t3 = time.perf_counter()
     return Solution(
-        d=d, objective=objective, status=raw.status, solver=chosen.name,
+        d=d, objective=objective, status=status, solver=chosen.name,
         iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
         parametrisation=_recorded_parametrisation(problem),
         timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
                  "certify": t3 - t2, "total": setup + t3 - t1},
     )
+
+
+def _status(chosen: QPSolver, status: Any) -> SolveStatus:
+    """A solver's status as a :class:`SolveStatus` (its value, e.g. ``"optimal"``, is accepted from a
+    user's solver); anything else is a :class:`SolverError` naming the solver and the valid values."""
+    if isinstance(status, SolveStatus):
+        return status
+    try:
+        return SolveStatus(status)
+    except (ValueError, TypeError):
+        valid = ", ".join(f"SolveStatus.{s.name}" for s in SolveStatus)
+        raise SolverError(f"solver {chosen.name!r} returned status {status!r}; RawResult.status must be one of "
+                          f"{valid} (or its value, e.g. 'optimal')") from None
 
 
 def _recorded_parametrisation(problem: MergeQP) -> dict[str, Any] | None:
@@ -259,13 +281,40 @@ def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
     return (not cert.feasible, not _settled(sol, rel_tol), cert.fw_gap)
 
 
+def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
+    """The solvers ``auto`` tries after ``first_name``: :data:`AUTO_FALLBACKS`, then every other
+    registered solver that is available, takes this problem and set and does not decline ``auto``
+    (registration order: a user's solver for a set the fallbacks cannot take is tried too; these
+    only while no point inside the set was found)."""
+    order = [n for n in AUTO_FALLBACKS if n in SOLVERS]
+    order += [n for n in SOLVERS if n not in order]
+    out = []
+    for name in order:
+        alt = SOLVERS[name]
+        if name == first_name or alt.available() or declines(alt, problem, cset):
+            continue
+        if name not in AUTO_FALLBACKS and _auto_declines(alt, problem, cset):
+            continue
+        out.append(name)
+    return out
+
+
+def _auto_declines(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> str | None:
+    """``solver.auto_declines(problem, cset)``, a user's that raises counting as a decline."""
+    try:
+        return solver.auto_declines(problem, cset)
+    except Exception as exc:  # noqa: BLE001 - a user's solver: pass over it, as choose_solver would not
+        return f"its auto_declines() raised {type(exc).__name__}"
+
+
 def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None,
                    error: SolverError | None, first_name: str, x0: np.ndarray | None,
                    rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False,
                    checked: bool = False) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try
-    :data:`AUTO_FALLBACKS` (up to :data:`AUTO_FALLBACK_MAX_N` variables) and keep the best
-    certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
+    :data:`AUTO_FALLBACKS`, then the other registered solvers that take the problem and set
+    (:func:`_fallback_order`; up to :data:`AUTO_FALLBACK_MAX_N` variables) until one settles, and keep
+    the best certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
     tried: list[dict[str, Any]] = []
     candidates: list[Solution] = []
     if first is not None:
@@ -276,10 +325,10 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
     else:
         tried.append({"solver": first_name, "error": str(error)})
     if problem.n <= AUTO_FALLBACK_MAX_N:
-        for name in AUTO_FALLBACKS:
-            alt = SOLVERS.get(name)
-            if name == first_name or alt is None or alt.available() or declines(alt, problem, cset):
-                continue
+        for name in _fallback_order(problem, cset, first_name):
+            if name not in AUTO_FALLBACKS and any(c.certificate.feasible for c in candidates if c.certificate):
+                break  # the other solvers are the last resort for a point inside the set
+            alt = SOLVERS[name]
             try:
                 sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)
             except UnboundedError:

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
+from ..errors import ValidationError
 
 Projection = Callable[[Any], Any]
 
@@ -38,6 +39,24 @@ def torch_projection(cset: ConstraintSet, shape: tuple[int, int], device: Any, d
 
     def host(x: Any) -> Any:  # numpy fallback (one round trip)
         d = x.detach().to("cpu", torch.float64).numpy().reshape(shape)
-        return tens(cset.project(d)).reshape(-1)
+        return tens(checked_projection(cset, d)).reshape(-1)
 
     return host
+
+
+def checked_projection(cset: ConstraintSet, d: np.ndarray) -> np.ndarray:
+    """``cset.project(d)`` as a float64 array of ``d``'s shape; a :class:`ValidationError` naming the
+    set when its ``project`` (a user's) returns another number of entries or non-finite numbers."""
+    out = cset.project(d)
+    try:
+        arr = np.asarray(out, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValidationError(f"constraint set {cset.spec}: its project(d) returned {type(out).__name__}, "
+                              f"not an array of numbers") from None
+    if arr.size != np.size(d):  # (a flat answer of the right size is read in d's shape)
+        raise ValidationError(f"constraint set {cset.spec}: its project(d) returned shape {arr.shape} for d of "
+                              f"shape {np.shape(d)}")
+    arr = arr.reshape(np.shape(d))
+    if not np.all(np.isfinite(arr)):
+        raise ValidationError(f"constraint set {cset.spec}: its project(d) returned NaN or inf")
+    return arr

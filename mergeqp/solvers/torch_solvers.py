@@ -23,7 +23,7 @@ from ..errors import UnsupportedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
-from .torch_projections import torch_projection
+from .torch_projections import checked_projection, torch_projection
 
 _DTYPES = ("float32", "float64")
 
@@ -248,7 +248,7 @@ class TorchFISTASolver(_TorchSolver):
                     t = t_new
                 x = x_new
                 if it % check == 0 or it == int(opts["max_iter"]):
-                    xh = constraints.project(qp.to_host(x).reshape(problem.shape)).ravel()
+                    xh = checked_projection(constraints, qp.to_host(x).reshape(problem.shape)).ravel()
                     J, gap, size = _progress(problem, constraints, xh, L, qp.float64_gradient(xh))
                     if J < best_J:
                         best_x, best_J = xh, J
@@ -281,6 +281,9 @@ class TorchAdamSolver(_TorchSolver):
     name = "torch_adam"
     defaults = {"lr": 1e-2, "steps": 500, "init": "soup", "device": "auto", "dtype": "float32"}
 
+    def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
+        return "the paper's Adam heuristic is only run by name (it has no stopping test)"
+
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         import torch  # optional heavy dependency: deferred so mergeqp imports without torch
@@ -305,7 +308,7 @@ class TorchAdamSolver(_TorchSolver):
             opt.step()
             with torch.no_grad():
                 d.copy_(qp.project(d))
-        xh = constraints.project(qp.to_host(d).reshape(problem.shape)).ravel()
+        xh = checked_projection(constraints, qp.to_host(d).reshape(problem.shape)).ravel()
         info = {"device": str(device), "dtype": str(opts["dtype"]), "lr": lr, "steps": steps,
                 "init": "x0" if x0 is not None else str(opts["init"])}
         return RawResult(problem.unflat(xh), SolveStatus.MAX_ITERATIONS, steps, info, setup_seconds=setup)

@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ValidationError, check_callable, check_new_name, lookup, unknown
+from ..errors import ValidationError, check_callable, check_new_name, check_signature, lookup, unknown
 from .basis import Basis
 
 BasisBuilder = Callable[..., Basis]
@@ -75,6 +75,8 @@ def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: Check
     ``basis: NAME`` in a ``mergeqp merge`` config."""
     check_new_name("basis", name, BASES)
     check_callable("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder)
+    check_signature("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder,
+                    (None, 1), {"seed": 0, "task_weights": None})
     if checkpoint_source not in (None, "deltas", "output_jacobian"):
         raise ValidationError(f"basis {name!r}: checkpoint_source must be 'deltas', 'output_jacobian' or None, "
                               f"got {checkpoint_source!r}")

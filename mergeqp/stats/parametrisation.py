@@ -465,6 +465,9 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
     if not isinstance(param, Parametrisation):
         raise ValidationError(f"register_parametrisation expects a Parametrisation instance, got {type(param).__name__}")
     check_new_name("parametrisation", param.name, PARAMETRISATIONS)
+    if param.name in BASES:  # ("svd:4" is basis svd; a parametrisation "svd" would be read as it too)
+        raise ValidationError(f"parametrisation name {param.name!r} is a basis name (a config's basis: {param.name}); "
+                              f"choose another name")
     PARAMETRISATIONS[param.name] = param
     return param
 

@@ -159,7 +159,7 @@ def test_a_sets_diagnostics_of_the_wrong_shape_are_named() -> None:
     rng = np.random.default_rng(1)
     A = rng.standard_normal((20, 12))
     problem = MergeQP(A.T @ A, rng.standard_normal(12), 0.0, shape=(3, 4))
-    with pytest.raises(ValidationError, match=r"odd_test: its violation\(d\) returned ndarray \(3, 4\)"):
+    with pytest.raises(ValidationError, match=r"odd_test: its violation\(d\) returned ndarray of shape \(3, 4\)"):
         mq.certify(problem, Odd(True), np.zeros((3, 4)))
     sol = mq.solve(problem, Odd(False), solver="torch_fista")
     assert sol.certificate.kkt_residual is None

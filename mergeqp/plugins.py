@@ -1,0 +1,70 @@
+"""Importing users' own modules, so that what they register (constraint sets, solvers, parametrisations,
+bases, merge methods and modes, architectures, domains) is known before a command or a config uses it.
+
+The ``mergeqp`` command imports ``$MERGEQP_IMPORT`` (comma-separated) and every ``--import`` before
+it runs; a merge config's ``imports:`` list is imported when the config is read, before any of its
+names is checked (``docs/architecture.md``). Importing a module runs its code: only name modules you
+trust, as with ``python my_module.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import ConfigError, MergeQPError
+
+#: the environment variable holding modules the ``mergeqp`` command imports first (comma-separated)
+IMPORT_ENV = "MERGEQP_IMPORT"
+
+
+def import_plugins(names: Sequence[str], *, label: str = "--import", root: str | Path | None = None) -> None:
+    """Import each of ``names`` (a dotted module name, or a path to a ``.py`` file, relative to
+    ``root`` or else to the working folder) so that what it registers is known; a module that
+    cannot be imported, or whose registrations are refused (e.g. a name another module registered),
+    is a :class:`ConfigError` starting ``"{label} {name}: "``. A file already imported (under either
+    spelling) is not imported again."""
+    for name in names:
+        prefix = f"{label} {name}:"
+        try:
+            if name.endswith(".py") or os.sep in name:
+                path = os.path.abspath(os.path.join(os.fspath(root or os.getcwd()), os.path.expanduser(name)))
+                if not os.path.isfile(path):
+                    raise ConfigError(f"{prefix} no such file ({path})")
+                if _imported(path):
+                    continue  # imported already (its registrations hold for this process)
+                mod_name = "mergeqp_plugin_" + os.path.splitext(os.path.basename(path))[0]
+                spec = importlib.util.spec_from_file_location(mod_name, path)
+                if spec is None or spec.loader is None:
+                    raise ConfigError(f"{prefix} not a Python file")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[mod_name] = module
+                spec.loader.exec_module(module)
+            else:
+                if "" not in sys.path and os.getcwd() not in sys.path:
+                    sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
+                found = None if name in sys.modules else importlib.util.find_spec(name)
+                if found is not None and found.origin and _imported(os.path.abspath(found.origin)):
+                    continue  # the same file, imported before by its path
+                importlib.import_module(name)
+        except MergeQPError as exc:  # a registration refused: name the module that made it
+            msg = str(exc) if str(exc).startswith(prefix) else f"{prefix} {exc}"
+            if "is already registered" in msg:
+                msg += " (by mergeqp itself or by a module imported before this one)"
+            raise ConfigError(msg) from None
+        except Exception as exc:  # noqa: BLE001 - the user's module: name it, one line
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise ConfigError(f"{prefix} {type(exc).__name__}: {first}") from None
+
+
+def _imported(path: str) -> bool:
+    """Whether a loaded module was read from the file ``path``."""
+    return any(getattr(m, "__file__", None) and os.path.abspath(m.__file__) == path
+               for m in list(sys.modules.values()))
+
+
+__all__ = ["IMPORT_ENV", "import_plugins"]

@@ -1,0 +1,256 @@
+"""A researcher's own entries, reviewed at stop 43: what a user registers is checked when it is
+registered (its callables' signatures, its option and parameter types), a user's set whose
+declared forms are wrong is named (not the solver that reads them), ``auto`` never keeps an
+infeasible point while a registered solver that takes the set can do better, a user's merge
+method that raises is named, and an unknown name points at importing one's own module."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import mergeqp as mq
+from mergeqp.constraints import CONSTRAINT_SETS, ConstraintSet, LinearForm
+from mergeqp.errors import (
+    OWN_ENTRY_HINT,
+    ConfigError,
+    MergeMethodError,
+    SolverError,
+    UnknownNameError,
+    ValidationError,
+)
+from mergeqp.merge.method import MethodParams, tensorwise_run
+from mergeqp.merge.modes import MERGE_MODES, MergeMode, SingleMode
+from mergeqp.merge.registry import MERGE_METHODS
+from mergeqp.problem import MergeQP
+from mergeqp.solution import SolveStatus
+from mergeqp.solvers.base import QPSolver, RawResult
+from mergeqp.solvers.registry import SOLVERS
+from mergeqp.stats.bases import BASES
+from mergeqp.stats.parametrisation import PARAMETRISATIONS, RowsParametrisation
+
+
+def _problem(seed: int = 0) -> MergeQP:
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((30, 12))
+    return MergeQP(A.T @ A, rng.standard_normal(12), 0.0, shape=(3, 4))
+
+
+def _solver(name, answer, supports=lambda self, p, c: None, defaults=None):
+    attrs = {"name": name, "supports": supports, "solve": lambda self, p, c, x0=None, **o: answer(p, c)}
+    if defaults is not None:
+        attrs["defaults"] = defaults
+    return type(name, (QPSolver,), attrs)()
+
+
+@pytest.fixture()
+def cleanup():
+    registries = (SOLVERS, CONSTRAINT_SETS, MERGE_METHODS, MERGE_MODES, BASES, PARAMETRISATIONS)
+    before = [dict(r) for r in registries]
+    yield
+    for reg, old in zip(registries, before):
+        for name in [n for n in reg if n not in old]:
+            del reg[name]
+
+
+class _Mode(SingleMode):
+    def __init__(self, name, **attrs):
+        self.name = name
+        for k, v in attrs.items():
+            setattr(self, k, v)
+
+
+class _NoRun(MergeMode):
+    name = "rev_norun"
+
+
+class _P(MethodParams):
+    scale: float = 1.0
+
+
+@pytest.mark.parametrize(("register", "match"), [
+    (lambda: mq.register_merge_mode(_NoRun()), r"does not override run\(ctx, sites\)"),
+    (lambda: mq.register_merge_mode(_Mode("rev_opts", options=dict)), "options must be None or a pydantic BaseModel"),
+    (lambda: mq.register_merge_method(dataclasses.replace(MERGE_METHODS["ties"], name="rev_dict", params=dict)),
+     "params must be a subclass of mergeqp.merge.method.MethodParams"),
+    (lambda: mq.register_merge_method(dataclasses.replace(
+        MERGE_METHODS["ties"], name="rev_raw", params=_P, run=lambda name, base, fts, params, state: base)),
+     r"run\(inputs, names, params\) cannot be called as documented .*signature is \(name, base, fts"),
+    (lambda: mq.register_solver(_solver("rev_list", lambda p, c: None, defaults=["tol"])),
+     "defaults must be a mapping"),
+    (lambda: mq.register_solver(_solver("rev_a,b", lambda p, c: None)), "contains a comma"),
+    (lambda: mq.register_basis("rev_basis", lambda stats, p: None), "cannot be called as documented"),
+    (lambda: mq.register_constraint("rev_onearg", lambda args: None), "cannot be called as documented"),
+], ids=["mode-no-run", "mode-options-dict", "method-params-dict", "method-run-signature", "solver-defaults-list",
+        "solver-comma", "basis-signature", "parser-signature"])
+def test_an_entry_that_would_fail_later_is_refused_when_registered(register, match, cleanup) -> None:
+    before = {id(r): dict(r) for r in (SOLVERS, CONSTRAINT_SETS, MERGE_METHODS, MERGE_MODES, BASES)}
+    with pytest.raises((ValidationError, ConfigError), match=match):
+        register()
+    assert {id(r): dict(r) for r in (SOLVERS, CONSTRAINT_SETS, MERGE_METHODS, MERGE_MODES, BASES)} == before
+
+
+def test_a_parametrisation_may_not_take_a_basis_name(cleanup) -> None:
+    named = RowsParametrisation()
+    named.name = "svd"
+    with pytest.raises(ValidationError, match="'svd' is a basis name"):
+        mq.register_parametrisation(named)
+    assert "svd" not in PARAMETRISATIONS
+
+
+def test_auto_tries_a_registered_solver_when_its_choice_is_infeasible(cleanup) -> None:
+    """A set only a user's solver can take (declared by an exact LMO): a garbage solver registered
+    first returns d = 7; auto goes on to the registered solver that takes the set instead of keeping
+    the infeasible point (clarabel / osqp cannot take the set), and says what it tried."""
+    class _LmoBox(ConstraintSet):
+        name = "rev_lmobox"
+        polyhedral = True
+
+        def violation(self, d):
+            return float(max(0.0, -np.min(d), np.max(d) - 1.0))
+
+        def linear_minimum(self, grad):
+            return _box_lmo(grad)
+
+        def lmo_method(self):
+            return "exact"
+
+    def _box_lmo(grad):
+        from mergeqp.lower_bounds import LinearMinimum
+
+        v = np.where(np.asarray(grad) > 0, 0.0, 1.0)
+        return LinearMinimum(float(np.sum(grad * v)), v, "closed form", exact=True)
+
+    def frank_wolfe(p, c):
+        x = np.full(p.shape, 0.5)
+        for k in range(20000):
+            grad = p.gradient(x)
+            s = c.linear_minimum(grad).s.reshape(p.shape)
+            x = x + 2.0 / (k + 2.0) * (s - x)
+        return RawResult(x, SolveStatus.OPTIMAL, 20000)
+
+    problem = _problem()
+    mq.register_solver(_solver("rev_garbage", lambda p, c: RawResult(np.full(p.shape, 7.0), SolveStatus.OPTIMAL)))
+    mq.register_solver(_solver("rev_fw", frank_wolfe))
+    sol = mq.solve(problem, _LmoBox())
+    assert sol.solver == "rev_fw" and sol.certificate.feasible, sol.info.get("auto_tried")
+    assert [t["solver"] for t in sol.info["auto_tried"]][:1] == ["rev_garbage"]
+    assert any("rev_fw" in n for n in sol.certificate.notes)
+
+
+def test_a_status_given_as_its_value_is_read_and_another_is_named(cleanup) -> None:
+    problem = _problem()
+    mq.register_solver(_solver("rev_text", lambda p, c: RawResult(np.full(p.shape, 0.5), "max_iterations")))
+    mq.register_solver(_solver("rev_bad_status", lambda p, c: RawResult(np.full(p.shape, 0.5), "done")))
+    assert mq.solve(problem, "box:0,1", solver="rev_text").status is SolveStatus.MAX_ITERATIONS
+    with pytest.raises(SolverError, match=r"solver 'rev_bad_status' returned status 'done'.*SolveStatus.OPTIMAL"):
+        mq.solve(problem, "box:0,1", solver="rev_bad_status")
+
+
+class _WrongForm(ConstraintSet):
+    name = "rev_wrongform"
+    polyhedral = True
+
+    def violation(self, d):
+        return 0.0
+
+    def linear_form(self, shape):
+        n = shape[0] * shape[1] - 1
+        return LinearForm(n, sp.csr_matrix((0, n)), np.zeros(0), sp.csr_matrix((0, n)), np.zeros(0),
+                          np.zeros(n), np.ones(n))
+
+
+class _WrongProjection(ConstraintSet):
+    name = "rev_wrongproj"
+    has_projection = True
+
+    def violation(self, d):
+        return float(max(0.0, -np.min(d), np.max(d) - 1.0))
+
+    def project(self, d):
+        return np.clip(d, 0, 1).ravel()[:-1]
+
+
+class _ClaimsProjection(ConstraintSet):
+    name = "rev_claims"
+    has_projection = True
+
+    def violation(self, d):
+        return float(max(0.0, -np.min(d), np.max(d) - 1.0))
+
+
+class _NanViolation(ConstraintSet):
+    name = "rev_nan"
+
+    def violation(self, d):
+        return float("nan")
+
+    def cvxpy(self, var):
+        return [var >= 0, var <= 1]
+
+
+@pytest.mark.parametrize(("cset", "solver", "match"), [
+    (_WrongForm(), "clarabel", r"constraint set rev_wrongform: its linear_form\(\(3, 4\)\) is over n = 11 variables, "
+                               "but d has 12"),
+    (_WrongProjection(), "torch_fista", r"constraint set rev_wrongproj: its project\(d\) returned shape \(11,\)"),
+    (_ClaimsProjection(), "auto", r"rev_claims: has_projection is True but it defines neither project\(d\) nor "
+                                  r"structure\(shape\)"),
+    (_NanViolation(), "auto", r"constraint set rev_nan: its violation\(d\) returned NaN"),
+], ids=["linear-form", "projection-shape", "projection-missing", "violation-nan"])
+def test_a_users_set_with_a_wrong_form_is_named_not_its_solver(cset, solver, match) -> None:
+    pytest.importorskip("torch")
+    with pytest.raises(ValidationError, match=match):
+        mq.solve(_problem(), cset, solver=solver)
+
+
+def test_a_users_merge_method_that_raises_is_named(cleanup) -> None:
+    torch = pytest.importorskip("torch")
+
+    def merge_one(name, base, finetuned, params, state):
+        raise ValueError(f"{len(finetuned)} models, but weights for 2")
+
+    mq.register_merge_method(mq.MergeMethod(name="rev_wavg", summary="x", reference="x", params=_P,
+                                            run=tensorwise_run(merge_one, "rev_wavg")))
+    sd = {"w": torch.zeros(2, 2)}
+    with pytest.raises(MergeMethodError, match=r"merge method 'rev_wavg' failed: ValueError: 3 models, but "):
+        mq.merge_state_dicts("rev_wavg", sd, [sd, sd, sd])
+    mq.register_merge_method(mq.MergeMethod(name="rev_list", summary="x", reference="x", params=_P,
+                                            run=lambda inputs, names, params: [1]))
+    with pytest.raises(MergeMethodError, match="returned list, not a dict of tensors"):
+        mq.merge_state_dicts("rev_list", sd, [sd, sd])
+
+
+def test_an_unknown_name_without_a_close_one_points_at_importing_ones_module() -> None:
+    with pytest.raises(UnknownNameError) as info:
+        mq.solve(_problem(), "box:0,1", solver="quantum_annealer")
+    assert OWN_ENTRY_HINT in str(info.value)
+    with pytest.raises(UnknownNameError) as close:
+        mq.solve(_problem(), "box:0,1", solver="clarabell")
+    assert "did you mean 'clarabel'" in str(close.value) and OWN_ENTRY_HINT not in str(close.value)
+    from mergeqp.solvers.instance_families import get_family
+
+    with pytest.raises(UnknownNameError, match="valid instance families: "):
+        get_family("no_such_family")
+
+
+def test_import_plugins_names_the_module_of_a_clash_and_imports_a_file_once(tmp_path, monkeypatch, cleanup) -> None:
+    from mergeqp.plugins import import_plugins
+
+    (tmp_path / "rev_plugin_one.py").write_text(
+        "import mergeqp\nfrom mergeqp.constraints import Box\n"
+        "mergeqp.register_constraint('rev_plugcap', lambda a, s, c: Box(0, 0.5))\n")
+    (tmp_path / "rev_plugin_two.py").write_text(
+        "import mergeqp\nfrom mergeqp.constraints import Box\n"
+        "mergeqp.register_constraint('rev_plugcap', lambda a, s, c: Box(0, 0.7))\n")
+    monkeypatch.chdir(tmp_path)
+    import_plugins(["rev_plugin_one.py", "rev_plugin_one", str(tmp_path / "rev_plugin_one.py")])  # one file, once
+    assert mq.parse_constraint("rev_plugcap").spec.startswith("box")
+    with pytest.raises(ConfigError, match=r"^--import rev_plugin_two.py: constraint set 'rev_plugcap' is already "
+                                          r"registered \(by mergeqp itself or by a module imported before"):
+        import_plugins(["rev_plugin_two.py"])
+    with pytest.raises(ConfigError, match=r"^imports: missing.py: no such file"):
+        import_plugins(["missing.py"], label="imports:", root=os.fspath(tmp_path))

@@ -1,0 +1,129 @@
+"""A merge config that uses a researcher's own entries (stop 43 review): it can name the modules
+that register them (``imports:``), and what those entries cannot do is refused by the plan, before
+any weight is loaded: a named solver that cannot take the set, a parametrisation without a tangent
+rule, a basis registered for Python only; a misspelt mode option gets a did-you-mean; an
+architecture whose module was not imported is named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.cli import main
+from mergeqp.config import load_config
+from mergeqp.constraints import CONSTRAINT_SETS
+from mergeqp.errors import ConfigError
+from mergeqp.merge.modes import MERGE_MODES
+from mergeqp.run.plan import build_plan
+from mergeqp.stats.bases import BASES
+from mergeqp.stats.parametrisation import PARAMETRISATIONS
+
+PLUGIN = '''
+import numpy as np
+import mergeqp
+from mergeqp.constraints import Box
+from mergeqp.stats.basis import Basis
+from mergeqp.stats.parametrisation import RowsParametrisation
+
+
+class Capped(mergeqp.ConstraintSet):
+    """[0, 0.6] declared only by its CVXPY form (no projection, no linear form)."""
+    name = "cfgcap"
+
+    def violation(self, d):
+        return float(max(0.0, -np.min(d), np.max(d) - 0.6))
+
+    def cvxpy(self, var):
+        return [var >= 0, var <= 0.6]
+
+
+class RowsNoTangents(RowsParametrisation):
+    """rows for collect_statistics only: no tangent rule (checkpoint merging needs one)."""
+    name = "cfg_rows_python_only"
+    tangents = mergeqp.Parametrisation.tangents
+
+
+mergeqp.register_constraint("cfgcap", lambda a, s, c: Capped())
+mergeqp.register_constraint("cfgbox", lambda a, s, c: Box(0, 0.7))
+mergeqp.register_parametrisation(RowsNoTangents())
+mergeqp.register_basis("cfg_python_basis", lambda stats, p, *, seed=0, task_weights=None: Basis(np.eye(stats.r)[:, :p]))
+'''
+
+
+@pytest.fixture()
+def plugin(tmp_path):
+    path = tmp_path / "cfg_plugin.py"
+    path.write_text(PLUGIN)
+    before = [dict(r) for r in (CONSTRAINT_SETS, PARAMETRISATIONS, BASES, MERGE_MODES)]
+    yield path
+    for reg, old in zip((CONSTRAINT_SETS, PARAMETRISATIONS, BASES, MERGE_MODES), before):
+        for name in [n for n in reg if n not in old]:
+            del reg[name]
+
+
+def _config(fam, path, method, **extra):
+    return fam.write_config(path, [fam.mlp_layer], method, **extra)
+
+
+def test_a_configs_imports_register_what_it_names_and_the_merge_uses_it(tiny_hf, tmp_path, plugin):
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    cfg_path = _config(fam, tmp_path / "c.yml", {"name": "qp", "mode": "single", "constraints": ["cfgbox"]},
+                       imports=["cfg_plugin.py"])  # relative to the config's folder
+    assert main(["merge", str(cfg_path), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    (layer,) = report["layers"]
+    assert layer["certificate"]["certified"] and layer["coefficients"]["max"] <= 0.7 + 1e-7
+    # a missing module is named with the key, before anything else
+    bad = _config(fam, tmp_path / "bad.yml", {"name": "qp"}, imports=["nowhere.py"])
+    with pytest.raises(ConfigError, match=r"bad.yml: imports: nowhere.py: no such file"):
+        load_config(bad)
+    typo = yaml.safe_load(cfg_path.read_text())
+    typo["import"] = typo.pop("imports")
+    (tmp_path / "typo.yml").write_text(yaml.safe_dump(typo))
+    with pytest.raises(ConfigError, match=r"unknown key 'import' \(did you mean 'imports'\?\)"):
+        load_config(tmp_path / "typo.yml")
+
+
+@pytest.mark.parametrize(("method", "match"), [
+    ({"name": "qp", "mode": "single", "constraints": ["cfgcap"], "solver": "active_set"},
+     r"method.solver: 'active_set' cannot solve these QPs \(cfgcap\): does not handle cfgcap"),
+    ({"name": "qp", "mode": "single", "constraints": ["box:0,1", "sign"], "solver": "torch_fista"},
+     r"method.solver: 'torch_fista' cannot solve these QPs \(box:0,1 & sign\)"),
+    ({"name": "qp", "mode": "single", "parametrisation": "cfg_rows_python_only"},
+     r"method.parametrisation: 'cfg_rows_python_only' has no tangent rule"),
+    ({"name": "qp", "mode": "single", "parametrisation": "basis", "basis": "cfg_python_basis"},
+     r"basis 'cfg_python_basis' is registered without a checkpoint_source"),
+    ({"name": "qp", "mode": "trust_region", "start": "soup", "mode_options": {"radious": 0.1}},
+     r"unknown key 'radious' for mode: trust_region \(did you mean 'radius'\?\)"),
+], ids=["solver-set", "solver-sign", "no-tangents", "python-only-basis", "mode-option-typo"])
+def test_what_a_users_entry_cannot_do_is_refused_by_the_plan(tiny_hf, tmp_path, plugin, method, match):
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    cfg_path = _config(fam, tmp_path / "c.yml", method, imports=[str(plugin)])
+    with pytest.raises(ConfigError, match=match):
+        build_plan(load_config(cfg_path))
+
+
+def test_auto_plans_the_sign_set_with_the_solver_that_takes_it(tiny_hf, tmp_path):
+    """The plan builds the layer's sign rows on stand-in residuals that make rows (zeros made none,
+    and the plan named active_set, which cannot take them)."""
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    plan = build_plan(load_config(_config(fam, tmp_path / "c.yml",
+                                          {"name": "qp", "mode": "single", "constraints": ["box:0,1", "sign"]})))
+    (group,) = plan.groups
+    assert group.solver.startswith("auto -> ") and "active_set" not in group.solver
+
+
+def test_an_architecture_whose_module_was_not_imported_is_named(tiny_hf, tmp_path):
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    config = json.loads((fam.base / "config.json").read_text())
+    config["architectures"] = ["NotImportedForCausalLM"]
+    config["model_type"] = "not-imported"
+    (fam.base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"architecture 'NotImportedForCausalLM' is not known to transformers .*"
+                                          r"importing its module first"):
+        build_plan(load_config(_config(fam, tmp_path / "c.yml", {"name": "qp"})))

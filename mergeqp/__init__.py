@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "SOLVERS": "mergeqp.solvers.registry",
     "available_solvers": "mergeqp.solvers.registry",
     "register_solver": "mergeqp.solvers.registry",
+    "cvxpy_problem": "mergeqp.solvers.cvxpy_solvers",
     "load_problem_file": "mergeqp.problem",
     "load_reference_problem": "mergeqp.solvers.reference_problems",
     # errors

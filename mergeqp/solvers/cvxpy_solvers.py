@@ -28,6 +28,34 @@ from .base import QPSolver, RawResult
 from .unbounded import unbounded_claim
 
 
+def cvxpy_problem(problem: MergeQP, constraints: Any = None) -> tuple[Any, Any]:
+    """The merge QP as a CVXPY problem: ``(cp.Problem, d)`` with ``d`` a ``cp.Variable`` of shape
+    ``(K, n_atoms)``, the objective ``1/2 vec(d)'H vec(d) + g'vec(d) + c`` (row-major ``vec``, as
+    ``MergeQP``) and the constraints of ``constraints`` (anything :func:`mergeqp.solve` takes: a set,
+    a spec string, a callable of user CVXPY constraints, a list). To study a variant, build on it,
+    e.g. ``cp.Problem(cp.Minimize(prob.objective.expr + lam * cp.norm1(d - ref)), prob.constraints)``; the certificate
+    (:func:`mergeqp.certify`) proves optimality for the QP itself, not for a variant's objective.
+    Needs an explicit H and a set with a CVXPY form (:class:`ValidationError` naming what is
+    missing)."""
+    import cvxpy as cp  # optional heavy dependency, imported on first use
+
+    from ..constraints import as_constraint_set
+
+    if not isinstance(problem, MergeQP):
+        raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")
+    if problem.H is None:
+        raise ValidationError("cvxpy_problem needs an explicit H (CVXPY cannot use a matrix-vector callback)")
+    cset = as_constraint_set(constraints)
+    cset.validate(problem.shape)
+    why = cvxpy_reason(cset)
+    if why is not None:
+        raise ValidationError(f"cvxpy_problem: {why}")
+    var = cp.Variable(problem.shape, name="d")
+    x = cp.vec(var, order="C")
+    objective = 0.5 * cp.quad_form(x, cp.psd_wrap(problem.H)) + problem.g @ x + problem.c
+    return cp.Problem(cp.Minimize(objective), cset.cvxpy(var)), var
+
+
 class _CvxpySolver(QPSolver):
     """Shared CVXPY modelling; subclasses name the backend and its settings."""
 
@@ -53,11 +81,7 @@ class _CvxpySolver(QPSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        var = cp.Variable(problem.shape, name="d")
-        x = cp.vec(var, order="C")
-        objective = 0.5 * cp.quad_form(x, cp.psd_wrap(problem.H)) + problem.g @ x + problem.c
-        cons = constraints.cvxpy(var)
-        prob = cp.Problem(cp.Minimize(objective), cons)
+        prob, var = cvxpy_problem(problem, constraints)
         if x0 is not None:
             var.value = np.asarray(x0, dtype=np.float64).reshape(problem.shape)
         setup = time.perf_counter() - t0

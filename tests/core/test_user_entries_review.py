@@ -254,3 +254,19 @@ def test_import_plugins_names_the_module_of_a_clash_and_imports_a_file_once(tmp_
         import_plugins(["rev_plugin_two.py"])
     with pytest.raises(ConfigError, match=r"^imports: missing.py: no such file"):
         import_plugins(["missing.py"], label="imports:", root=os.fspath(tmp_path))
+
+
+def test_cvxpy_problem_is_the_qp_and_names_what_it_cannot_express() -> None:
+    cp = pytest.importorskip("cvxpy")
+    problem = _problem(3)
+    prob, d = mq.cvxpy_problem(problem, "box:0,1 & simplex")
+    assert d.shape == problem.shape
+    prob.solve(solver=cp.CLARABEL)
+    ours = mq.solve(problem, "box:0,1 & simplex")
+    assert abs(prob.value - ours.objective) <= 1e-7 * max(1.0, abs(ours.objective))
+    assert mq.certify(problem, "box:0,1 & simplex", d.value, rel_tol=1e-6).certified()
+    with pytest.raises(ValidationError, match="declares no CVXPY form"):
+        mq.cvxpy_problem(problem, _WrongProjection())
+    matvec_only = MergeQP(None, problem.g, 0.0, shape=problem.shape, hessian_matvec=lambda x: problem.H @ x)
+    with pytest.raises(ValidationError, match="needs an explicit H"):
+        mq.cvxpy_problem(matvec_only)

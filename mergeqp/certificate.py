@@ -72,9 +72,10 @@ PINV_MAX_N = 2048
 #: the Lagrangian gap (unbounded boxes, no constraint) may fall back to an eigendecomposition
 #: of a singular H up to this many variables without being asked
 EIG_MAX_N = 4096
-#: a component of a vector outside range(H) below this fraction of the problem's scale is
-#: treated as round-off
-RANGE_TOL = 1e-8
+#: the most (relative to the problem's scale) that a component of a vector outside the computed
+#: range(H) is ever taken as round-off (the rounding estimate of :meth:`_PseudoInverse.range_angle`
+#: is capped here); also the pseudo-inverse facts' test of ``g`` in ``range(H)``
+RANGE_TOL = 1e-10
 #: the hint that an absolute tolerance could accept a point is given only when its gap is at
 #: most this fraction of the problem's natural scale (``Certificate.natural_scale``): then
 #: ``J* ~ 0`` and the relative test fails only by dividing by ``|J| ~ 0``; a clearly wrong point
@@ -147,6 +148,8 @@ class Certificate:
         """``max(rel_tol * scale, abs_tol)``: the largest gap that certifies."""
         tol = self.rel_tol if rel_tol is None else float(rel_tol)
         atol = self.abs_tol if abs_tol is None else float(abs_tol)
+        if not (0 <= tol < math.inf and 0 <= atol < math.inf):  # an infinite tolerance certifies anything
+            raise ValidationError(f"rel_tol and abs_tol must be finite and >= 0, got {tol}, {atol}")
         return max(tol * self.scale, atol)
 
     def certified(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
@@ -278,6 +281,19 @@ class _PseudoInverse:
     @property
     def available(self) -> bool:
         return self.chol is not None or self.eig is not None
+
+    def range_angle(self) -> float:
+        """How far (relative) rounding can move a vector across the computed boundary of
+        ``range(H)``: 0 for a definite H (Cholesky); ``10 n eps lambda_max / lambda_kept`` (the
+        smallest eigenvalue kept) for an eigendecomposition, at most :data:`RANGE_TOL`."""
+        if self.eig is None:
+            return 0.0
+        w, _V, cut = self.eig
+        kept = w[w > cut]
+        if kept.size == 0:
+            return RANGE_TOL
+        top = max(abs(float(w[-1])), np.finfo(float).tiny)
+        return min(RANGE_TOL, 10.0 * w.size * np.finfo(float).eps * top / float(kept[0]))
 
     def solve(self, b: np.ndarray) -> tuple[np.ndarray, float]:
         """Return ``x = H^+ b`` and the norm of ``b``'s component outside ``range(H)``."""
@@ -419,6 +435,12 @@ def certify(
             fw_gap = max(fw_gap, 0.0)  # >= 0 on the set; a negative value is rounding
     else:
         notes.append("d is infeasible: the gap bounds J(d) - J* only for feasible points")
+    if problem.curvature_floor < 0 and math.isfinite(fw_gap):
+        fw_gap = _charge_negative_curvature(problem.curvature_floor, cset, D, fw_gap, notes)
+    own = [m.spec for m in (cset.members() or (cset,)) if not type(m).__module__.startswith("mergeqp.")]
+    if own:
+        notes.append(f"taken on trust from your own set(s) {', '.join(own)}: their violation(d) and linear "
+                     "minimum / support (or declared forms) are what this certificate rests on")
     lower_bound = objective - fw_gap if math.isfinite(fw_gap) else -math.inf
 
     # ------------------------------------------------------------- projected gradient
@@ -584,6 +606,10 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     of ``w``, signed like ``H^+ w``).
     """
     st = cset.structure(D.shape) if cset.members() else SetStructure.free(D.size)
+    if problem.curvature_floor < 0:
+        notes.append(f"H has a negative eigenvalue (>= {problem.curvature_floor:.3g}, accepted within psd_tol): J "
+                     f"is not convex, and on an unbounded set no bound is proven")
+        return math.inf, "lagrangian duality (J not convex)", 0.0
     if st is not None and st.bounds_only:
         lo, hi = st.lo.reshape(D.shape), st.hi.reshape(D.shape)
     else:
@@ -611,17 +637,128 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     y, outside = ps.solve(wf)
     ref = max(float(_norm(problem.g)), float(_norm(problem.matvec(D.ravel()))),
               np.finfo(float).tiny)
-    if outside > RANGE_TOL * ref:
+    # what rounding alone puts outside the computed range(H): the gradient's own rounding, and the
+    # angle by which a computed null space can be off (n eps lambda_max / the smallest kept
+    # eigenvalue, capped: a component above the cap is never called round-off)
+    allowed = GAP_ROUNDING_FACTOR * err * math.sqrt(problem.n) + ps.range_angle() * ref
+    if outside > allowed and ps.eig is not None:
+        # other multipliers of the bounds may absorb w's component in ker(H) (a point a little off
+        # the optimum of a singular problem): any bound multipliers of the right sign give a valid
+        # dual bound, so move them by the least-norm change that cancels it, when their signs allow
+        fixed = _absorb_kernel_component(ps, wf, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), D.ravel(),
+                                         allowed)
+        if fixed is not None:
+            wf, extra = fixed
+            comp += extra
+            y, outside = ps.solve(wf)
+            notes.append(f"bound multipliers moved to absorb the gradient's component in ker(H) (adding {extra:.3g} "
+                         "to the gap)")
+    if outside > allowed:
         notes.append(f"the gradient no bound absorbs has a component of norm {outside:.3g} outside "
-                     "range(H): J is unbounded below on this set, or d is far from optimal")
+                     f"range(H) (above its rounding, {allowed:.3g}): J is unbounded below on this set, or d "
+                     "is far from optimal")
         return math.inf, method, 0.0
-    if outside > 0 and outside > RANGE_TOL * float(_norm(wf)):
-        notes.append(f"a round-off component of norm {outside:.3g} of the gradient outside range(H) "
-                     f"was ignored (below {RANGE_TOL:g} of the problem's scale)")
+    if outside > 0:
+        notes.append(f"a component of norm {outside:.3g} of the gradient outside range(H), within its "
+                     f"rounding ({allowed:.3g}), was taken as zero")
     e = np.where(wf != 0, err * np.sign(y), 0.0)
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
             GAP_ROUNDING_FACTOR * rounding)
+
+
+def _absorb_kernel_component(ps: _PseudoInverse, w: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+                             lam_lo: np.ndarray, lam_hi: np.ndarray, x: np.ndarray,
+                             slack: float) -> tuple[np.ndarray, float] | None:
+    """New bound multipliers for :func:`_lagrangian_gap` whose unabsorbed gradient has no component
+    in the computed ``ker(H)`` (columns ``N``) beyond its rounding ``slack``: ``w + delta`` with
+    ``|N'(w + delta)|_2 <= slack``, where
+    ``delta = -alpha + beta`` moves the multipliers of finite lower bounds by ``alpha`` and of
+    finite upper bounds by ``beta``, both staying ``>= 0``, at the least increase of the
+    complementarity term ``alpha'(x - lo) + beta'(hi - x)`` (a small LP, HiGHS). Returns the new
+    ``w`` and that increase, or ``None`` when no such multipliers exist (J may be unbounded below
+    along a kernel direction the bounds do not stop). Any multipliers of the right signs give a
+    valid dual bound, so the LP's own accuracy only shows in the range test the caller repeats."""
+    from scipy.optimize import linprog  # scipy is a dependency; deferred like the other LPs
+
+    assert ps.eig is not None
+    ev, V, cut = ps.eig
+    N = V[:, ev <= cut]
+    fin_lo, fin_hi = np.isfinite(lo), np.isfinite(hi)
+    idx = np.flatnonzero(fin_lo | fin_hi)
+    r = N.T @ w
+    size = float(np.linalg.norm(r))
+    if N.shape[1] == 0 or idx.size == 0 or size == 0.0:
+        return None
+    # delta_i = p_i - q_i: q raises the lower multiplier (cost x - lo), p raises the upper one
+    # (cost hi - x); on a lower-only bound p lowers the lower multiplier instead (at most lam_lo,
+    # gaining x - lo), on an upper-only bound q lowers the upper one (at most lam_hi)
+    lo_i, hi_i = fin_lo[idx], fin_hi[idx]
+    dist_lo = np.where(lo_i, x[idx] - np.where(lo_i, lo[idx], 0.0), 0.0)
+    dist_hi = np.where(hi_i, np.where(hi_i, hi[idx], 0.0) - x[idx], 0.0)
+    cost_p = np.where(hi_i, dist_hi, -dist_lo)
+    cost_q = np.where(lo_i, dist_lo, -dist_hi)
+    cap_p = np.where(hi_i, np.inf, lam_lo[idx] / size)
+    cap_q = np.where(lo_i, np.inf, lam_hi[idx] / size)
+    NS = N[idx]
+    A = np.hstack([NS.T, -NS.T])
+    room = 0.5 * slack / math.sqrt(N.shape[1]) / size  # per kernel direction, in units of |r|
+    res = linprog(np.concatenate([cost_p, cost_q]), A_ub=np.vstack([A, -A]),
+                  b_ub=np.concatenate([-r / size + room, r / size + room]),
+                  bounds=list(zip(np.zeros(2 * idx.size), np.concatenate([cap_p, cap_q]))), method="highs")
+    if res.status != 0 or res.x is None:
+        return None
+    p_, q_ = res.x[:idx.size] * size, res.x[idx.size:] * size
+    delta_s = p_ - q_
+    alpha = np.where(lo_i, np.where(hi_i, q_, -delta_s), 0.0)  # the change of the lower multiplier
+    beta = np.where(hi_i, np.where(lo_i, p_, delta_s), 0.0)    # the change of the upper one
+    alpha = np.maximum(alpha, -lam_lo[idx])  # keep the multipliers >= 0 exactly (LP rounding)
+    beta = np.maximum(beta, -lam_hi[idx])
+    delta = np.zeros_like(w)
+    delta[idx] = beta - alpha
+    extra = float(np.sum(alpha * dist_lo) + np.sum(beta * dist_hi))
+    return w + delta, extra
+
+
+def _charge_negative_curvature(floor: float, cset: ConstraintSet, D: np.ndarray, fw_gap: float,
+                               notes: list[str]) -> float:
+    """The gap with H's negative curvature charged: ``J(y) >= J(d) + grad'(y - d) + floor/2 |y - d|^2``
+    for ``floor <= lambda_min(H) < 0`` (H accepted within ``psd_tol``, J not convex), so the linear
+    bound loses at most ``|floor|/2 max_(y in C) |y - d|^2``, bounded through the set's bounding box
+    (:func:`_bounding_box`); infinite when the set has none (unbounded, or a set without
+    structure)."""
+    box = _bounding_box(cset, D.shape)
+    if box is None:
+        notes.append(f"H has a negative eigenvalue (>= {floor:.3g}, accepted within psd_tol): J is not convex and "
+                     f"{cset.spec} gives no bounding box to charge it over, so no bound is proven")
+        return math.inf
+    lo, hi = box
+    x = D.ravel()
+    reach = float(np.sum(np.maximum((x - lo) ** 2, (hi - x) ** 2)))
+    charge = 0.5 * abs(floor) * reach
+    notes.append(f"H has a negative eigenvalue (>= {floor:.3g}, accepted within psd_tol): J is not convex; the gap "
+                 f"includes {charge:.3g} for it (|lambda_min|/2 times the squared reach of the set's bounding box)")
+    return fw_gap + charge
+
+
+def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Finite ``(lo, hi)`` (flat) containing the set, from its separable structure: its bounds, a
+    per-group sum with finite lower bounds (each variable at most the total less the others' lower
+    bounds), an L1 ball (centre +- radius); ``None`` when the set declares no structure or is
+    unbounded."""
+    st = cset.structure(shape) if cset.members() else None
+    if st is None:
+        return None
+    lo, hi = np.array(st.lo, dtype=float), np.array(st.hi, dtype=float)
+    if st.center is not None and st.radius is not None:
+        lo = np.maximum(lo, st.center - st.radius)
+        hi = np.minimum(hi, st.center + st.radius)
+    if st.group is not None and st.totals is not None and np.all(np.isfinite(lo)):
+        low_sum = np.bincount(st.group, weights=lo, minlength=st.totals.size)
+        hi = np.minimum(hi, lo + (st.totals[st.group] - low_sum[st.group]))
+    if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
+        return None
+    return lo, hi
 
 
 def _norm(x: np.ndarray) -> float:

@@ -107,6 +107,11 @@ def _symmetrise_in_place(H: np.ndarray) -> None:
             H[b:b + _TILE, a:a + _TILE] = avg.T
 
 
+#: ``H + PSD_ROUNDING * n * eps * max(diag H) * I`` factorising by Cholesky shows H PSD to float64
+#: rounding (a singular PSD H, e.g. dead units or duplicated models, passes)
+PSD_ROUNDING = 100.0
+
+
 @dataclass(frozen=True, eq=False)
 class MergeQP:
     """A convex merge QP ``J(d) = 1/2 d'Hd + g'd + c`` over ``d`` of shape ``(K, n_atoms)``.
@@ -146,6 +151,11 @@ class MergeQP:
     sym_tol: float = 1e-8
     psd_check_max_n: int = 8192
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    #: a lower bound on ``lambda_min(H)`` when it is negative beyond float64 rounding (H accepted as
+    #: convex within ``psd_tol``); ``0.0`` when H was shown PSD to rounding (or not checked: a
+    #: matrix-vector H above :data:`MATVEC_DENSE_CHECK_N` with a non-negative Lanczos estimate). The
+    #: certificate charges it (``docs/certificates.md``); set by the validation, not an argument
+    curvature_floor: float = field(default=0.0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for tol_name in ("psd_tol", "sym_tol"):
@@ -242,7 +252,7 @@ class MergeQP:
         """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``
         (see :func:`check_psd_matrix`)."""
         assert self.H is not None
-        check_psd_matrix(self.H, self.psd_tol, self.psd_check_max_n)
+        object.__setattr__(self, "curvature_floor", check_psd_matrix(self.H, self.psd_tol, self.psd_check_max_n))
 
     def _check_matvec(self) -> None:
         """Checks of a matrix-vector-only H (the certificate's bounds assume a convex J):
@@ -273,7 +283,8 @@ class MergeQP:
             )
         if n <= MATVEC_DENSE_CHECK_N:
             H = np.column_stack([self.matvec(e) for e in np.eye(n)])
-            check_psd_matrix(0.5 * (H + H.T), self.psd_tol, MATVEC_DENSE_CHECK_N, what="hessian_matvec: H")
+            object.__setattr__(self, "curvature_floor", check_psd_matrix(
+                0.5 * (H + H.T), self.psd_tol, MATVEC_DENSE_CHECK_N, what="hessian_matvec: H"))
             return
         op = LinearOperator((n, n), matvec=lambda v: self.matvec(np.asarray(v, dtype=np.float64).ravel()),
                             dtype=np.float64)
@@ -281,6 +292,8 @@ class MergeQP:
         if found is None:
             return
         lo, hi, _converged = found
+        if lo < -PSD_ROUNDING * n * np.finfo(float).eps * max(abs(hi), np.finfo(float).tiny):
+            object.__setattr__(self, "curvature_floor", float(lo))
         if lo < -self.psd_tol * max(abs(hi), np.finfo(float).tiny):
             raise NotConvexError(
                 f"hessian_matvec is not positive semidefinite: a Lanczos estimate of its smallest "
@@ -383,7 +396,8 @@ class MergeQP:
 
         g.setflags(write=False)
         # H + 2 mu I is symmetric PSD when H is: no need to validate (and factorise) again
-        return self._derived(H=H, g=g, c=c, hessian_matvec=matvec, metadata=MappingProxyType(meta))
+        return self._derived(H=H, g=g, c=c, hessian_matvec=matvec, metadata=MappingProxyType(meta),
+                             curvature_floor=min(0.0, self.curvature_floor + 2.0 * mu))
 
     def with_linear_term(self, g: Any, c: float | None = None) -> MergeQP:
         """The problem with ``g`` (``(n,)`` or ``(K, n_atoms)``) and optionally ``c`` replaced,
@@ -478,21 +492,24 @@ def _lanczos_extremes(A: Any, max_iter_top: int | None = None) -> tuple[float, f
         return float(found.min()), float(found.max()), False
 
 
-def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H") -> None:
-    """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``.
+def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H") -> float:
+    """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``; return the
+    curvature floor: ``0.0`` when ``H`` is PSD to float64 rounding, else ``lambda_min(H) < 0`` (H
+    accepted within ``psd_tol``, but ``J`` is not convex: the certificate charges it).
 
-    Up to ``max_n`` variables: a Cholesky factorisation of ``H + psd_tol * max(diag H) * I``
-    (one LAPACK ``potrf``; ``max diag <= lambda_max``, so success proves the condition); only
-    when it fails are the eigenvalues computed to report the smallest one. Above that size: a
-    negative-diagonal test (a proof of indefiniteness) and a Lanczos estimate (ARPACK).
+    Up to ``max_n`` variables: a Cholesky factorisation of ``H + PSD_ROUNDING n eps max(diag H) I``
+    (one LAPACK ``potrf``; success shows H PSD to rounding); when it fails, the eigenvalues
+    (``lambda_min`` is then reported, or refused beyond ``psd_tol``). Above that size: a
+    negative-diagonal test (a proof of indefiniteness) and a Lanczos estimate (ARPACK), whose
+    smallest eigenvalue is the floor when it is negative beyond rounding.
     """
     n = H.shape[0]
     top = float(np.max(np.diag(H))) if n else 0.0
+    rounding = PSD_ROUNDING * n * np.finfo(float).eps
     if n <= max_n:
-        shift = psd_tol * max(top, np.finfo(float).tiny)
         try:
-            sla.cholesky(H + shift * np.eye(n), lower=True, check_finite=False)
-            return
+            sla.cholesky(H + rounding * max(top, np.finfo(float).tiny) * np.eye(n), lower=True, check_finite=False)
+            return 0.0
         except np.linalg.LinAlgError:
             eig = np.linalg.eigvalsh(H)
             lo, hi = float(eig[0]), float(eig[-1])
@@ -508,7 +525,7 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
             )
         found = _lanczos_extremes(H)
         if found is None:
-            return
+            return 0.0
         lo, hi, converged = found
         if not converged:
             hi = max(hi, top)
@@ -517,6 +534,7 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
             f"{what} is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
             f"-psd_tol * largest ({-psd_tol * abs(hi):.3g}); the merge QP must be convex"
         )
+    return float(lo) if lo < -rounding * max(abs(hi), np.finfo(float).tiny) else 0.0
 
 
 def _as_shape(shape: Any) -> tuple[int, int] | None:

@@ -395,10 +395,11 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
         raise ConfigError("method.solver_options: name a solver (options differ between solvers), not 'auto'")
     try:
         sets = _planned_sets(cfg)
-        if n <= 2048:  # an explicit H of the real size, so the choice matches the run's
-            probe = MergeQP(H=np.eye(n), g=np.zeros(n), shape=(K, n // K))
-        else:
-            probe = MergeQP(H=None, g=np.zeros(n), shape=(K, n // K), hessian_matvec=lambda x: x)
+        # an explicit H of the real size, as the run has (a merge's statistics are always an explicit
+        # H), so the choice matches the run's; beyond 2048 variables a read-only zero-stride view
+        # stands for it (no memory: the choice reads only n, the shape and that H is explicit)
+        small = MergeQP(H=np.eye(K), g=np.zeros(K), shape=(K, 1))
+        probe = small._derived(H=np.broadcast_to(np.zeros(1), (n, n)), g=np.zeros(n), shape=(K, n // K))
         return "auto -> " + choose_solver(probe, as_constraint_set(sets or None)).name
     except MergeQPError:
         return "auto (decided at solve time)"

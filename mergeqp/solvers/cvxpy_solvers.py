@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import ConstraintSet, cvxpy_reason
+from ..constraints import ConstraintSet, as_constraint_set, cvxpy_reason
 from ..constraints.lp import solve_quietly
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
@@ -38,8 +38,6 @@ def cvxpy_problem(problem: MergeQP, constraints: Any = None) -> tuple[Any, Any]:
     Needs an explicit H and a set with a CVXPY form (:class:`ValidationError` naming what is
     missing)."""
     import cvxpy as cp  # optional heavy dependency, imported on first use
-
-    from ..constraints import as_constraint_set
 
     if not isinstance(problem, MergeQP):
         raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")

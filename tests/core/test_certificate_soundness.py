@@ -1,0 +1,101 @@
+"""The certificate's bounds hold where an adversarial review (stop 43) found that they did not:
+an H accepted as convex within ``psd_tol`` but indefinite, a gradient component in ``ker(H)``
+above rounding on an unbounded set (J unbounded below), an eigenvalue below the pseudo-inverse's
+cut of a definite H; and where they must still certify: a slightly inaccurate optimum of a singular
+problem on ``nonneg`` (the bound multipliers absorb its kernel component). Each true optimum is
+computed independently (closed forms)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import mergeqp as mq
+from mergeqp.errors import ValidationError
+
+
+def test_an_indefinite_h_within_psd_tol_is_charged_on_bounded_sets_and_never_certified_on_unbounded_ones():
+    p = mq.MergeQP(np.diag([1.0, -0.9e-8]), np.array([-1.0, 0.0]), shape=(1, 2))
+    assert p.curvature_floor == pytest.approx(-0.9e-8)
+    d = np.array([[1.0, 0.0]])  # a saddle point: the gradient is zero there
+    true_optimum = -0.5 - 0.5 * 0.9e-8 * 1e8  # d = (1, +-1e4) on the box
+    cert = mq.certify(p, "box:-1e4,1e4", d)
+    assert cert.fw_gap >= p.objective(d) - true_optimum and cert.lower_bound <= true_optimum
+    assert not cert.certified() and any("negative eigenvalue" in n for n in cert.notes)
+    for unbounded in ("none", "nonneg"):
+        c = mq.certify(p, unbounded, d)
+        assert math.isinf(c.fw_gap) and not c.certified()
+    # a PSD H (also a singular one) has no floor, and its certificates are unchanged
+    assert mq.MergeQP(np.diag([1.0, 0.0]), np.zeros(2), shape=(1, 2)).curvature_floor == 0.0
+    assert p.regularised(1e-8).curvature_floor == 0.0
+
+
+def test_a_kernel_component_of_the_gradient_above_rounding_is_never_called_round_off():
+    """Two identical models: H v = 0 exactly for v = e0 - e1, and g.v = 6e-9 |g|: J falls without
+    bound along -v. The old rule dropped components below 1e-8 of the scale and certified."""
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(20, 1))
+    A = np.hstack([a, a])  # duplicated model
+    y = rng.normal(size=20)
+    g = -A.T @ y + np.array([3e-9, -3e-9]) * np.linalg.norm(A.T @ y)
+    p = mq.MergeQP(A.T @ A, g, c=0.5 * float(y @ y), shape=(2, 1))
+    d = np.linalg.lstsq(A.T @ A, -g, rcond=None)[0].reshape(2, 1)
+    v = np.array([[1.0], [-1.0]])
+    slope = float(g @ v.ravel())
+    assert p.objective(d - np.sign(slope) * 1e12 * v) < p.objective(d) - 1.0  # truly unbounded below
+    cert = mq.certify(p, "none", d)
+    assert not cert.certified() and math.isinf(cert.fw_gap)
+
+
+def test_an_eigenvalue_below_the_cut_of_a_definite_h_is_not_taken_as_zero():
+    n = 10
+    H = np.diag([1.0] * (n - 1) + [1e-15])
+    g = np.concatenate([-np.ones(n - 1), [-np.sqrt(1e-17)]])
+    p = mq.MergeQP(H, g, shape=(1, n))
+    d = np.concatenate([np.ones(n - 1), [0.0]]).reshape(1, n)  # optimal but for the last coordinate
+    true_gap = 0.5 * 1e-17 / 1e-15  # (g_n)^2 / (2 lambda_n) = 0.005
+    for unbounded in ("none", "nonneg"):
+        cert = mq.certify(p, unbounded, d)
+        assert not cert.certified() or cert.fw_gap >= true_gap
+
+
+def test_a_slightly_inaccurate_optimum_of_a_singular_problem_on_nonneg_still_certifies():
+    """Rank 4 of 6 (H = A'A, g in range(H)), the optimum interior, the point off by ~1e-11 in its
+    gradient: the multipliers max(grad, 0) leave a kernel component; moving them absorbs it."""
+    rng = np.random.default_rng(1128)
+    n, rows = 6, 9
+    A = rng.normal(size=(rows, 4)) @ rng.normal(size=(4, n)) / np.sqrt(rows * 4)
+    y = A @ (0.3 + rng.normal(size=n)) + 0.1 * rng.normal(size=rows)
+    p = mq.MergeQP(A.T @ A, -A.T @ y, c=0.5 * float(y @ y), shape=(2, 3))
+    exact = np.linalg.lstsq(A, y, rcond=None)[0]
+    # an interior minimiser (the kernel of A shifts it into the positive orthant)
+    _, _, Vt = np.linalg.svd(A)
+    kernel = Vt[4:].T
+    shift = np.linalg.lstsq(kernel, 20.0 - exact, rcond=None)[0]
+    d = exact + kernel @ shift
+    assert np.all(d > 1.0)
+    noisy = d + 1e-11 * rng.normal(size=n)
+    cert = mq.certify(p, "nonneg", noisy.reshape(2, 3), feas_tol=1e-8)
+    true_gap = p.objective(noisy) - p.objective(d)
+    assert cert.certified(), cert.explain()
+    assert cert.fw_gap >= true_gap - 1e-12 * abs(p.objective(d))
+
+
+def test_a_users_set_is_named_as_trusted_and_infinite_tolerances_are_refused():
+    class Half(mq.ConstraintSet):
+        name = "half_test"
+
+        def violation(self, d):
+            return float(max(0.0, -np.min(d), np.max(d) - 0.5))
+
+        def cvxpy(self, var):
+            return [var >= 0, var <= 0.5]
+
+    p = mq.MergeQP(np.eye(3), -np.ones(3), shape=(3, 1))
+    sol = mq.solve(p, Half())
+    assert any("taken on trust from your own set(s) half_test" in n for n in sol.certificate.notes)
+    assert not any("taken on trust" in n for n in mq.solve(p, "box:0,0.5").certificate.notes)
+    with pytest.raises(ValidationError, match="must be finite"):
+        sol.certificate.certified(rel_tol=math.inf)

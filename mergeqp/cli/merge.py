@@ -115,8 +115,11 @@ def _print_summary(result: Any) -> None:
         print("  calibration objective: " + " -> ".join(f"{n} {m.calibration_objective:.6g}" for n, m in models))
         metric = ((result.report.get("plan") or {}).get("output") or {}).get("metric", "euclidean")
         shown = {"cross_entropy": [("cross-entropy", "heldout_cross_entropy"), ("accuracy", "heldout_accuracy")],
-                 "kl": [("KL", "heldout_kl")]}.get(metric, []) + [("MSE", "heldout_mse")]
-        for label, key in shown:  # the optimised metric first, then the MSE to the fine-tunes
+                 "kl": [("KL", "heldout_kl")]}.get(metric, [])
+        # then the prompts' cross-entropy where it was measured (what language-model users compare,
+        # also for a baseline or a Euclidean merge), and the MSE to the fine-tunes
+        shown += [x for x in [("cross-entropy", "heldout_cross_entropy"), ("MSE", "heldout_mse")] if x not in shown]
+        for label, key in shown:  # the optimised metric first
             values = [getattr(m, key) or {} for _, m in models]
             if not values[-1]:
                 continue

@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import stat
+import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -128,10 +129,38 @@ def save_safetensors(tensors: Any, path: str | os.PathLike[str], metadata: dict[
     from safetensors.torch import save_file  # deferred: safetensors loads torch
 
     save_file(tensors, os.fspath(path), metadata=metadata)
+    if metadata and len(metadata) > 1:
+        _sort_metadata(path)
     mask = os.umask(0)
     os.umask(mask)
     with contextlib.suppress(OSError):
         os.chmod(path, 0o666 & ~mask)
+
+
+def _sort_metadata(path: str | os.PathLike[str]) -> None:
+    """Rewrite a safetensors file's header in place with its ``__metadata__`` keys sorted: the
+    library writes them in hash order, which varies between processes, so two identical merges
+    would not have equal file hashes. The header keeps its length (the same keys and values), so
+    the tensor data does not move; anything unexpected leaves the file as written."""
+    with open(path, "r+b") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            return
+        size = struct.unpack("<Q", head)[0]
+        raw = fh.read(size)
+        try:
+            header = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return
+        meta = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(meta, dict):
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(text) > size:
+            return
+        fh.seek(8)
+        fh.write(text + b" " * (size - len(text)))
 
 
 def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> None:

@@ -232,7 +232,12 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
     if cfg is not None:
         float_dtypes = sorted(d for d in written_dtypes if d.startswith(("float", "bfloat")))
         dtype_name = float_dtypes[0] if len(float_dtypes) == 1 else None
-        write_text_atomic(out / "config.json", json.dumps(_config_with_dtype(cfg, dtype_name), indent=2))
+        new_cfg = _config_with_dtype(cfg, dtype_name)
+        source_cfg = src / "config.json" if src is not None and src.is_dir() else None
+        if config is None and new_cfg == cfg and source_cfg is not None and source_cfg.is_file():
+            copy_file_atomic(source_cfg, out / "config.json")  # unchanged: the very bytes
+        else:
+            write_text_atomic(out / "config.json", json.dumps(new_cfg, indent=2))
         copied.append("config.json")
     tok = Path(tokenizer_folder).expanduser() if tokenizer_folder is not None else src
     for folder, names in ((src, ("generation_config.json", "preprocessor_config.json")), (tok, AUX_FILES)):

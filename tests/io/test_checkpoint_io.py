@@ -311,3 +311,44 @@ def test_written_model_files_get_the_umask_permissions(tmp_path, shard):
     assert any(f.suffix == ".safetensors" for f in files)
     for f in files:
         assert stat.S_IMODE(f.stat().st_mode) == 0o644, f.name
+
+
+def test_identical_merges_are_identical_files(tmp_path):
+    """Reproducibility (stop 43 review): safetensors writes its header's metadata in hash order,
+    which varies between processes; the header is rewritten sorted, so the same tensors and
+    metadata give the same bytes in any process. An unchanged config.json is copied byte for byte."""
+    import hashlib
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from mergeqp.io.atomic import save_safetensors; "
+            "save_safetensors({'w': torch.arange(6.0).reshape(2, 3), 'b': torch.ones(2)}, sys.argv[1], "
+            "metadata={'producer': 'mergeqp', 'format': 'pt', 'method': 'soup', 'zeta': '1'})")
+    digests = set()
+    for i in range(4):
+        path = tmp_path / f"m{i}.safetensors"
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert len(digests) == 1
+    import json
+    import struct
+
+    from safetensors import safe_open
+
+    raw = (tmp_path / "m0.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    assert list(header["__metadata__"]) == ["format", "method", "producer", "zeta"]
+    with safe_open(str(tmp_path / "m0.safetensors"), "pt") as f:
+        assert f.metadata()["method"] == "soup" and f.get_tensor("w")[1, 2] == 5.0
+
+    import torch
+
+    from mergeqp.io import save_hf_folder
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text('{\n  "model_type": "llama",   "dtype": "float32"\n}\n')  # odd whitespace
+    save_hf_folder(tmp_path / "out", [("w", torch.zeros(2))], source_folder=src)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    save_hf_folder(tmp_path / "out16", [("w", torch.zeros(2, dtype=torch.float16))], source_folder=src)
+    assert '"float16"' in (tmp_path / "out16" / "config.json").read_text()  # changed: rewritten

@@ -127,3 +127,16 @@ def test_an_architecture_whose_module_was_not_imported_is_named(tiny_hf, tmp_pat
     with pytest.raises(ConfigError, match=r"architecture 'NotImportedForCausalLM' is not known to transformers .*"
                                           r"importing its module first"):
         build_plan(load_config(_config(fam, tmp_path / "c.yml", {"name": "qp"})))
+
+
+def test_a_baselines_console_summary_shows_the_prompts_cross_entropy(tiny_hf, tmp_path, capsys):
+    """A practitioner compares merges of language models by held-out cross-entropy: the summary of
+    a baseline (Euclidean evaluation) prints it beside the MSE, as the recommended run does."""
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    cfg_path = fam.write_config(tmp_path / "c.yml", [fam.mlp_layer], {"name": "soup"})
+    assert main(["merge", str(cfg_path), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    ce = report["evaluation"]["merged"]["heldout_cross_entropy"]
+    assert ce and "held-out cross-entropy (mean over tasks): base " in out and "held-out MSE" in out
+    assert f"{sum(ce.values()) / len(ce):.4g}" in out

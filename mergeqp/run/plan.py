@@ -52,7 +52,7 @@ from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
-from ..lm import DATA_METRICS, ClassifierHead
+from ..lm import DATA_METRICS, ClassifierHead, OutputSpec
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
@@ -124,6 +124,15 @@ class MergePlan:
     #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
     #: where the config names none)
     heads: list[Any] = field(default_factory=list, repr=False, compare=False)
+    #: tokens of the longest calibration prompt (text prompts, tokenised by the plan; ``None`` when
+    #: not measured: tensor inputs, or no tokenizer)
+    longest_prompt: int | None = None
+
+    @property
+    def batch_length(self) -> int:
+        """Positions per calibration batch at most: :attr:`max_length`, or the longest prompt's
+        tokens where that is shorter (measured by the plan)."""
+        return self.max_length if self.longest_prompt is None else min(self.max_length, self.longest_prompt)
 
     @property
     def max_length(self) -> int:
@@ -238,7 +247,9 @@ class MergePlan:
             lines.append(f"  lazy: {len(below)} block(s) below the merge sites stay on disk (read while they run); "
                          "each fine-tuned model runs one block at a time")
         cap = f" and max_memory {cfg.max_memory}" if cfg.max_memory is not None else ""
-        lines.append("  memory estimate (upper bounds: every prompt at calibration.max_length; the run checks each "
+        at = (f"as long as the longest prompt, {self.longest_prompt} tokens" if self.longest_prompt is not None
+              and self.longest_prompt < self.max_length else "at calibration.max_length")
+        lines.append(f"  memory estimate (upper bounds: every prompt {at}; the run checks each "
                      f"site with its measured sizes against the available memory{cap}): "
                      + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items()))
         for n in self.notes:
@@ -671,6 +682,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         check_tokenizers(tok_folder, [(n, ck.path) for n, ck in zip(names, fts) if ck.folder is not None])
 
     tasks = []
+    all_texts: list[str] = []
     holdout_notes: list[str] = []
     for i, (name, entry, ck) in enumerate(zip(names, cfg.models, fts)):
         src = entry.prompts()
@@ -692,7 +704,9 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                 labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)[1]
                 n = len(labels)
             else:
-                n = len(read_prompts(path, src.field, src.max_prompts))
+                texts = read_prompts(path, src.field, src.max_prompts)
+                n = len(texts)
+                all_texts.extend(texts)
             if labels and max(labels[:n]) >= heads[i].classes:
                 raise ValidationError(f"class label {max(labels[:n])} but the head has {heads[i].classes} classes "
                                       f"(labels are its row indices, 0 to {heads[i].classes - 1})")
@@ -741,8 +755,21 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
                      output_matrix=matrix, heads=heads)
+    if all_texts and has_tokenizer(tok_folder):
+        plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _longest_prompt(folder: Path, texts: Sequence[str], max_length: int) -> int | None:
+    """Tokens of the longest of ``texts`` (at most ``max_length``) by the tokenizer in ``folder``, or
+    ``None`` when it cannot say (the run names tokenizer errors itself)."""
+    try:
+        tok = load_tokenizer(folder)
+        ids = tok(list(texts), truncation=True, max_length=max_length)["input_ids"]
+    except Exception:  # noqa: BLE001 - a tokenizer's own failure: the estimate falls back to max_length
+        return None
+    return max((len(x) for x in ids), default=None)
 
 
 def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
@@ -768,8 +795,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     elem = DTYPE_BYTES[cfg.dtype]
     numel = sum(plan.base.info(n).numel for n in plan.base.names())
     K = len(cfg.models)
-    T = plan.max_length
-    B = cfg.calibration.batch_size
+    T = plan.batch_length
+    B = min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1) or 1)
     # numbers compared per position: the vocabulary / features, a restriction's k, or the matrix's columns
     per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else
                int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
@@ -807,8 +834,9 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
             (2 if held_fit is None else 3) * plan.base.total_bytes)
         skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
         for need in statistics_candidates(auto, statistics_of, skipped):
-            out[f"{need.label} statistics (all tensors, {fits} fit(s))"] = fits * _statistics_bytes(
-                plan, need.name, plan.float_keys())
+            label = (f"{need.label} statistics ({fits} fit(s), if every tensor differs from the base: the run "
+                     f"collects them for those that do)")
+            out[label] = fits * _statistics_bytes(plan, need.name, plan.float_keys())
     elif mode.uses_start and m.start is not None:
         out["start merge (all tensors)"] = plan.base.total_bytes
         if stats_method is not None:
@@ -832,8 +860,12 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
     vocab = plan.vocab_size or per_pos
+    spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
+                      cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool, plan.output_matrix)
+    # a head folded into the final hidden state (docs/lm-statistics.md) forms no logits' tangents
+    logits = 0 if plan.vocab_size and spec.fold_obstacle() is None else vocab
     # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once
-    out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + vocab) * elem * 2
+    out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + logits) * elem * 2
     return out
 
 

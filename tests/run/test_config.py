@@ -255,7 +255,9 @@ def test_dry_run_of_fisher_regmean_and_optimal_basis_loads_no_weights(tiny_hf, f
     plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "parametrisation": "basis", "basis": "optimal",
                                                   "rank": 4}))
     V = len(tiny_hf.vocab())
-    assert plan.memory["optimal-basis mean Jacobian (one layer)"] == 12 * V * 16 * 8  # max_length x V x r
+    # positions: the longest prompt's tokens (measured by the plan), at most max_length 12; x V x r
+    assert plan.longest_prompt is not None and plan.batch_length == min(12, plan.longest_prompt) < 12
+    assert plan.memory["optimal-basis mean Jacobian (one layer)"] == plan.batch_length * V * 16 * 8
     assert "optimal basis per layer (Corollary 4.2)" in plan.render()
     assert plan.groups[0].n_variables == 2 * 4
     with pytest.raises(ConfigError, match="method.basis_max_size: cannot parse size 'lots'"):

@@ -140,3 +140,18 @@ def test_a_baselines_console_summary_shows_the_prompts_cross_entropy(tiny_hf, tm
     ce = report["evaluation"]["merged"]["heldout_cross_entropy"]
     assert ce and "held-out cross-entropy (mean over tasks): base " in out and "held-out MSE" in out
     assert f"{sum(ce.values()) / len(ce):.4g}" in out
+
+
+def test_the_plans_activation_estimate_counts_no_logits_when_the_head_folds(tiny_hf, tmp_path):
+    """A head folded into the final hidden state forms no vocabulary-size tangents: the plan's
+    estimate drops them (the practitioner's dry-run said 114 GiB for a 9.85 GB run)."""
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    method = {"name": "qp", "mode": "single"}
+    plain = build_plan(load_config(_config(fam, tmp_path / "a.yml", method, output={"fold_head": False})))
+    folded = build_plan(load_config(_config(fam, tmp_path / "b.yml", method,
+                                            output={"metric": "cross_entropy", "restrict": "topk", "k": 4})))
+    key = "activations (vectorised JVPs)"
+    vocab = plain.vocab_size
+    assert vocab and folded.memory[key] < plain.memory[key]
+    hidden_part = plain.memory[key] * 16 * 16 // (16 * 16 + vocab)  # the tiny Llama's hidden width is 16
+    assert folded.memory[key] == hidden_part

@@ -99,3 +99,17 @@ def test_a_users_set_is_named_as_trusted_and_infinite_tolerances_are_refused():
     assert not any("taken on trust" in n for n in mq.solve(p, "box:0,0.5").certificate.notes)
     with pytest.raises(ValidationError, match="must be finite"):
         sol.certificate.certified(rel_tol=math.inf)
+
+
+@pytest.mark.parametrize("unbounded", ["none", "nonneg"])
+def test_second_review_slopes_along_tiny_or_zero_curvature_are_refused(unbounded):
+    """The re-attack (stop 43): a curvature 1e-30 (below the cut, H definite) with a slope 1.5e-10,
+    whose true gap is 1e10; and an exact kernel direction with a slope 1e-5 of a gradient of size
+    1e6, let through while a kept eigenvalue just above the cut widened the allowed angle. Only the
+    gradient's own rounding is taken as zero now."""
+    tiny = mq.MergeQP(np.diag([1.0, 1e-30, 1.0]), np.array([-1e4, -1.5e-10, -1.0]), shape=(1, 3))
+    d = np.array([[1e4, 0.0, 1.0]])
+    assert not mq.certify(tiny, unbounded, d).certified(1e-6)
+    kernel = mq.MergeQP(np.diag([1.0, 1.78e-14, 0.0, 1.0]), np.array([-1e6, 0.0, -1e-5, -1.0]), shape=(1, 4))
+    cert = mq.certify(kernel, unbounded, np.array([[1e6, 0.0, 0.0, 1.0]]))
+    assert math.isinf(cert.fw_gap) and not cert.certified()

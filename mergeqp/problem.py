@@ -492,6 +492,20 @@ def _lanczos_extremes(A: Any, max_iter_top: int | None = None) -> tuple[float, f
         return float(found.min()), float(found.max()), False
 
 
+#: up to this size a slightly indefinite H has its smallest eigenvalue computed (the curvature floor);
+#: above it the floor is bracketed by shifted Cholesky factorisations to a factor of 10
+EIGH_FLOOR_MAX_N = 2048
+
+
+def _factorises(H: np.ndarray, shift: float) -> bool:
+    """Whether ``H + shift I`` has a Cholesky factorisation (is numerically positive definite)."""
+    try:
+        sla.cholesky(H + shift * np.eye(H.shape[0]), lower=True, check_finite=False)
+        return True
+    except np.linalg.LinAlgError:
+        return False
+
+
 def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H") -> float:
     """Raise :class:`NotConvexError` if ``lambda_min(H) < -psd_tol * lambda_max(H)``; return the
     curvature floor: ``0.0`` when ``H`` is PSD to float64 rounding, else ``lambda_min(H) < 0`` (H
@@ -499,7 +513,9 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
 
     Up to ``max_n`` variables: a Cholesky factorisation of ``H + PSD_ROUNDING n eps max(diag H) I``
     (one LAPACK ``potrf``; success shows H PSD to rounding); when it fails, the eigenvalues
-    (``lambda_min`` is then reported, or refused beyond ``psd_tol``). Above that size: a
+    (``lambda_min`` is then reported, or refused beyond ``psd_tol``), or above
+    :data:`EIGH_FLOOR_MAX_N` variables a floor bracketed by shifted factorisations (``-s`` for the
+    smallest power-of-ten step ``s <= psd_tol max(diag H)`` with ``H + s I`` factorising). Above that size: a
     negative-diagonal test (a proof of indefiniteness) and a Lanczos estimate (ARPACK), whose
     smallest eigenvalue is the floor when it is negative beyond rounding.
     """
@@ -507,12 +523,19 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
     top = float(np.max(np.diag(H))) if n else 0.0
     rounding = PSD_ROUNDING * n * np.finfo(float).eps
     if n <= max_n:
-        try:
-            sla.cholesky(H + rounding * max(top, np.finfo(float).tiny) * np.eye(n), lower=True, check_finite=False)
+        unit = max(top, np.finfo(float).tiny)
+        if _factorises(H, rounding * unit):
             return 0.0
-        except np.linalg.LinAlgError:
-            eig = np.linalg.eigvalsh(H)
-            lo, hi = float(eig[0]), float(eig[-1])
+        if n > EIGH_FLOOR_MAX_N:
+            # large: bracket lambda_min by shifted factorisations (each a Cholesky, cheaper than the
+            # eigenvalues): H + s I positive definite proves lambda_min > -s, so -s is a valid floor
+            shift = psd_tol * unit
+            if _factorises(H, shift):
+                while shift / 10.0 > rounding * unit and _factorises(H, shift / 10.0):
+                    shift /= 10.0
+                return -shift
+        eig = np.linalg.eigvalsh(H)
+        lo, hi = float(eig[0]), float(eig[-1])
     else:
         diag = np.diag(H)
         lo_diag = float(np.min(diag))

@@ -113,3 +113,15 @@ def test_second_review_slopes_along_tiny_or_zero_curvature_are_refused(unbounded
     kernel = mq.MergeQP(np.diag([1.0, 1.78e-14, 0.0, 1.0]), np.array([-1e6, 0.0, -1e-5, -1.0]), shape=(1, 4))
     cert = mq.certify(kernel, unbounded, np.array([[1e6, 0.0, 0.0, 1.0]]))
     assert math.isinf(cert.fw_gap) and not cert.certified()
+
+
+def test_above_the_eigenvalue_size_the_floor_is_bracketed_and_still_a_lower_bound(monkeypatch):
+    from mergeqp import problem as problem_module
+
+    monkeypatch.setattr(problem_module, "EIGH_FLOOR_MAX_N", 4)
+    rng = np.random.default_rng(5)
+    Q, _ = np.linalg.qr(rng.normal(size=(8, 8)))
+    w = np.array([-3e-10, 1e-3, 0.1, 0.5, 1.0, 1.0, 2.0, 4.0])
+    H = (Q * w) @ Q.T
+    floor = mq.MergeQP(0.5 * (H + H.T), np.zeros(8), shape=(2, 4)).curvature_floor
+    assert -3e-9 - 1e-15 <= floor <= -3e-10  # a valid floor (below lambda_min) within a factor of 10

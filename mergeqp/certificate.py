@@ -620,32 +620,38 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
         notes.append(f"the duality gap needs H^+ w, unavailable: {why}")
         return math.inf, method + " (unavailable)", 0.0
     wf = w.ravel()
-    y, outside = ps.solve(wf)
-    # what float64 cannot tell from zero in ker(H): the gradient's own rounding. (A computed null
-    # space that is off by an angle is not excused here: the multipliers below absorb what bounds
-    # can, and what remains means J may fall without bound.) The float64 limit, documented: a slope
-    # along an exact kernel direction below this rounding cannot be seen, and is taken as zero
-    allowed = GAP_ROUNDING_FACTOR * err * math.sqrt(problem.n)
+    # weak duality needs v = g - lam_lo + lam_hi in range(H) (then w = Hd + v is too); tested on v
+    # itself, whose float64 rounding does not grow with |d| (Hd's does: a far point would excuse any
+    # slope). What float64 cannot tell from zero in ker(H) is v's own rounding; a computed null
+    # space off by an angle is not excused: the multipliers below absorb what bounds can, and what
+    # remains means J may fall without bound. The float64 limit, documented: a slope along an
+    # exact kernel direction within that rounding cannot be seen and is taken as zero
+    v = (problem.g - lam_lo.ravel() + lam_hi.ravel())
+    allowed = GAP_ROUNDING_FACTOR * problem.n * np.finfo(float).eps * (
+        float(_norm(problem.g)) + float(_norm(lam_lo)) + float(_norm(lam_hi)))
+    outside = ps.solve(v)[1]
     if outside > allowed and ps.eig is not None:
-        # other multipliers of the bounds may absorb w's component in ker(H) (a point a little off
+        # other multipliers of the bounds may absorb v's component in ker(H) (a point a little off
         # the optimum of a singular problem): any bound multipliers of the right sign give a valid
-        # dual bound, so move them by the least-norm change that cancels it, when their signs allow
-        fixed = _absorb_kernel_component(ps, wf, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), D.ravel(),
+        # dual bound, so move them by the change that cancels it at the least cost, when signs allow
+        fixed = _absorb_kernel_component(ps, v, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), D.ravel(),
                                          allowed)
         if fixed is not None:
-            wf, extra = fixed
+            v_new, extra = fixed
+            wf = wf + (v_new - v)
             comp += extra
-            y, outside = ps.solve(wf)
+            outside = ps.solve(v_new)[1]
             notes.append(f"bound multipliers moved to absorb the gradient's component in ker(H) (adding {extra:.3g} "
                          "to the gap)")
     if outside > allowed:
-        notes.append(f"the gradient no bound absorbs has a component of norm {outside:.3g} outside "
-                     f"range(H) (above its rounding, {allowed:.3g}): J is unbounded below on this set, or d "
-                     "is far from optimal")
+        notes.append(f"g less the bound multipliers has a component of norm {outside:.3g} outside range(H) "
+                     f"(above its rounding, {allowed:.3g}): J is unbounded below on this set, or d is far from "
+                     "optimal")
         return math.inf, method, 0.0
+    y = ps.solve(wf)[0]
     if outside > 0:
-        notes.append(f"a component of norm {outside:.3g} of the gradient outside range(H), within its "
-                     f"rounding ({allowed:.3g}), was taken as zero")
+        notes.append(f"a component of norm {outside:.3g} of g less the bound multipliers outside range(H), "
+                     f"within its rounding ({allowed:.3g}), was taken as zero")
     e = np.where(wf != 0, err * np.sign(y), 0.0)
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     return (comp + 0.5 * float(wf @ y), method + (" (pseudo-inverse)" if ps.eig is not None else ""),
@@ -681,8 +687,12 @@ def _absorb_kernel_component(ps: _PseudoInverse, w: np.ndarray, lo: np.ndarray, 
     lo_i, hi_i = fin_lo[idx], fin_hi[idx]
     dist_lo = np.where(lo_i, x[idx] - np.where(lo_i, lo[idx], 0.0), 0.0)
     dist_hi = np.where(hi_i, np.where(hi_i, hi[idx], 0.0) - x[idx], 0.0)
-    cost_p = np.where(hi_i, dist_hi, -dist_lo)
-    cost_q = np.where(lo_i, dist_lo, -dist_hi)
+    # a tiny cost per unit moved breaks the ties of bounds at which x sits (distance 0): the least
+    # move, which keeps 1/2 w'H^+w (not in the LP) from growing by arbitrary moves there
+    # (1e-6 of the largest distance: above HiGHS's dual tolerance once the costs are scaled to 1)
+    top = max(1.0, float(np.max(np.abs(np.concatenate([dist_lo, dist_hi])), initial=0.0)))
+    cost_p = (np.where(hi_i, dist_hi, -dist_lo) + 1e-6 * top) / top
+    cost_q = (np.where(lo_i, dist_lo, -dist_hi) + 1e-6 * top) / top
     cap_p = np.where(hi_i, np.inf, lam_lo[idx] / size)
     cap_q = np.where(lo_i, np.inf, lam_hi[idx] / size)
     NS = N[idx]

@@ -443,6 +443,8 @@ class MergeQP:
             "model_names": np.array(self.model_names), "atom_names": np.array(self.atom_names),
             "metadata": np.array(json.dumps(dict(self.metadata), default=str)),
         }
+        if self.psd_tol != 1e-8:  # a problem accepted with a looser tolerance loads with it again
+            arrays["psd_tol"] = np.float64(self.psd_tol)
         for key, value in (extra or {}).items():
             if key in arrays:
                 raise ValidationError(f"extra array {key!r} would overwrite the problem's own field")
@@ -557,7 +559,12 @@ def check_psd_matrix(H: np.ndarray, psd_tol: float, max_n: int, what: str = "H")
             f"{what} is not positive semidefinite: smallest eigenvalue {lo:.6g} is below "
             f"-psd_tol * largest ({-psd_tol * abs(hi):.3g}); the merge QP must be convex"
         )
-    return float(lo) if lo < -rounding * max(abs(hi), np.finfo(float).tiny) else 0.0
+    # the same unit as the shifted factorisation above (max diag H, which can be n times below
+    # lambda_max): a negative eigenvalue it could not absorb is charged
+    if lo >= -rounding * max(top, np.finfo(float).tiny):
+        return 0.0
+    # the computed eigenvalue is within about n eps lambda_max of the true one: a floor below both
+    return float(lo) - 10.0 * n * np.finfo(float).eps * max(abs(hi), top)
 
 
 def _as_shape(shape: Any) -> tuple[int, int] | None:
@@ -649,6 +656,11 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
         for key in ("model_names", "atom_names"):
             if key in data.files:
                 kwargs[key] = tuple(str(x) for x in np.atleast_1d(get(key)))
+        if "psd_tol" in data.files:
+            tol = get("psd_tol")
+            if tol.size != 1:
+                raise ValidationError(f"{path}: psd_tol must be a scalar, got an array of shape {tol.shape}")
+            kwargs["psd_tol"] = float(tol.reshape(()))
         if "metadata" in data.files:
             try:
                 meta = json.loads(str(get("metadata")))

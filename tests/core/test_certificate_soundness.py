@@ -125,3 +125,29 @@ def test_above_the_eigenvalue_size_the_floor_is_bracketed_and_still_a_lower_boun
     H = (Q * w) @ Q.T
     floor = mq.MergeQP(0.5 * (H + H.T), np.zeros(8), shape=(2, 4)).curvature_floor
     assert -3e-9 - 1e-15 <= floor <= -3e-10  # a valid floor (below lambda_min) within a factor of 10
+
+
+def test_third_review_far_points_floor_units_and_saved_tolerance(tmp_path):
+    """(1) A far point on an unbounded-below problem: the gradient's rounding grows with |d| and
+    excused a slope of any size; the dual's range test is now on g less the multipliers, whose
+    rounding does not. (2) A negative eigenvalue between 100 n eps max(diag H) and 100 n eps
+    lambda_max was neither charged nor refused. (3) psd_tol survives save_npz / load_npz."""
+    for spec, slope in (("none", 1e-3), ("box:0,inf", -1e-3)):  # J falls along the open side
+        p = mq.MergeQP(np.diag([1.0, 0.0]), np.array([0.0, slope]), shape=(1, 2))
+        cert = mq.certify(p, spec, np.array([[0.0, -np.sign(slope) * 1e12]]))
+        assert not cert.certified() and math.isinf(cert.fw_gap)
+    n = 200
+    e = np.ones(n) / np.sqrt(n)
+    u = np.zeros(n)
+    u[0], u[1] = 1 / np.sqrt(2), -1 / np.sqrt(2)
+    H = 200.0 * np.outer(e, e) - 2e-10 * np.outer(u, u)  # max diag 1, lambda_max 200, lambda_min -2e-10
+    q = mq.MergeQP(0.5 * (H + H.T), np.zeros(n), c=1.0, shape=(1, n))
+    assert q.curvature_floor <= -2e-10 * (1 - 1e-6)
+    x = np.zeros(n)
+    x[0], x[1] = 1e4, -1e4
+    cert = mq.certify(q, "box:-1e4,1e4", np.zeros((1, n)))
+    assert cert.lower_bound <= q.objective(x) and not cert.certified()
+    loose = mq.MergeQP(np.diag([1.0, -5e-8]), np.zeros(2), shape=(1, 2), psd_tol=1e-7)
+    loose.save_npz(str(tmp_path / "loose.npz"))
+    again = mq.MergeQP.load_npz(str(tmp_path / "loose.npz"))
+    assert again.psd_tol == 1e-7 and again.curvature_floor == pytest.approx(-5e-8)

@@ -56,6 +56,7 @@ import scipy.linalg as sla
 
 from .cholesky import cho_solve
 from .constraints import ConstraintSet, SetStructure, as_constraint_set
+from .constraints.base import violation_of
 from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
@@ -362,7 +363,7 @@ def certify(
     quad, lin = 0.5 * float(x @ Hx), float(problem.g @ x)
     objective = quad + lin + problem.c
     grad = (Hx + problem.g).reshape(shape)
-    infeasibility = _number(cset, "violation", cset.violation(D))
+    infeasibility = _number(cset, "violation", violation_of(cset, D))
     d_norm = float(np.max(np.abs(x))) if x.size else 0.0
     feasible = infeasibility <= feas_tol * max(1.0, d_norm)
     scale = max(abs(objective), 1e-8 * (abs(problem.c) + abs(quad) + abs(lin)), np.finfo(float).tiny)
@@ -465,7 +466,7 @@ def certify(
                 binding = True
             else:
                 unconstrained_bound = float(problem.c + 0.5 * problem.g @ x_u)
-                viol = cset.violation(x_u.reshape(shape))
+                viol = _number(cset, "violation", violation_of(cset, x_u.reshape(shape)))
                 binding = bool(viol > feas_tol * max(1.0, float(np.max(np.abs(x_u)))))
                 if not binding:
                     pinv_distance = float(_norm(x - x_u))

@@ -39,7 +39,7 @@ USER_REGISTRIES = frozenset({"solver", "constraint set", "merge method", "merge 
 
 #: what an unknown name of :data:`USER_REGISTRIES` adds when no registered name is close
 OWN_ENTRY_HINT = ("an entry of your own is registered by importing its module first (command line: "
-                  "mergeqp --import FILE.py or $MERGEQP_IMPORT)")
+                  "mergeqp --import FILE.py or $MERGEQP_IMPORT; a merge config: imports: [FILE.py])")
 
 
 def _plural(kind: str) -> str:
@@ -81,8 +81,8 @@ class ConfigError(MergeQPError, ValueError):
 
 
 class MergeMethodError(MergeQPError):
-    """A merge method (a user's registered one, most often) raised or returned something unusable;
-    the message names the method (exit code 2)."""
+    """A merge method or merge mode (a user's registered one, most often) raised or returned
+    something unusable; the message names it (exit code 2)."""
 
 
 class BadDataError(ValidationError):

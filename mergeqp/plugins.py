@@ -23,8 +23,8 @@ IMPORT_ENV = "MERGEQP_IMPORT"
 
 
 def import_plugins(names: Sequence[str], *, label: str = "--import", root: str | Path | None = None) -> None:
-    """Import each of ``names`` (a dotted module name, or a path to a ``.py`` file, relative to
-    ``root`` or else to the working folder) so that what it registers is known; a module that
+    """Import each of ``names`` (a dotted module name, found beside ``root`` first when given, or a
+    path to a ``.py`` file, relative to ``root`` or else to the working folder) so that what it registers is known; a module that
     cannot be imported, or whose registrations are refused (e.g. a name another module registered),
     is a :class:`ConfigError` starting ``"{label} {name}: "``. A file already imported (under either
     spelling) is not imported again."""
@@ -43,10 +43,17 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                     raise ConfigError(f"{prefix} not a Python file")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules[mod_name] = module
-                spec.loader.exec_module(module)
+                try:
+                    spec.loader.exec_module(module)
+                except BaseException:
+                    sys.modules.pop(mod_name, None)  # a failed import is not an import: a fixed file runs again
+                    raise
             else:
                 if "" not in sys.path and os.getcwd() not in sys.path:
                     sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
+                where = os.path.abspath(os.fspath(root)) if root is not None else None
+                if where is not None and where not in sys.path:
+                    sys.path.insert(0, where)  # a config's module names: beside the config first
                 found = None if name in sys.modules else importlib.util.find_spec(name)
                 if found is not None and found.origin and _imported(os.path.abspath(found.origin)):
                     continue  # the same file, imported before by its path

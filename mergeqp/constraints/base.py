@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import InfeasibleError, UnsupportedError, ValidationError
+from ..errors import InfeasibleError, MergeQPError, UnsupportedError, ValidationError
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
@@ -181,6 +181,19 @@ class ConstraintSet(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:
+    """``cset.violation(d)``; a user's set whose ``violation`` raises is a :class:`ValidationError`
+    naming the set and the method (not a traceback, not blamed on a solver)."""
+    try:
+        return cset.violation(d)
+    except MergeQPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's set: name it, one line
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise ValidationError(f"constraint set {cset.spec}: its violation(d) raised {type(exc).__name__}: "
+                              f"{first}") from exc
 
 
 def structure_linear_form(st: SetStructure) -> LinearForm:

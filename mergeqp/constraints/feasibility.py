@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InfeasibleError, ValidationError
-from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect
+from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect, violation_of
 from .kernels import SetStructure
 from .lp import lp_minimum
 from .parse import parse_constraint
@@ -90,7 +90,7 @@ def _simple_point_inside(members: Sequence[ConstraintSet], shape: Shape, lo: np.
     soup = np.full(shape, 1.0 / shape[0])
     for point in (np.zeros(shape), soup, np.clip(np.zeros(shape), lo, hi), np.clip(soup, lo, hi)):
         size = max(1.0, float(np.max(np.abs(point), initial=0.0)))
-        if all(float(s.violation(point)) <= 1e-12 * size for s in members):
+        if all(float(violation_of(s, point)) <= 1e-12 * size for s in members):
             return True
     return False
 

@@ -46,14 +46,15 @@ def torch_projection(cset: ConstraintSet, shape: tuple[int, int], device: Any, d
 
 def checked_projection(cset: ConstraintSet, d: np.ndarray) -> np.ndarray:
     """``cset.project(d)`` as a float64 array of ``d``'s shape; a :class:`ValidationError` naming the
-    set when its ``project`` (a user's) returns another number of entries or non-finite numbers."""
+    set when its ``project`` (a user's) returns another shape (a flat one of d's size is read in d's
+    shape) or non-finite numbers."""
     out = cset.project(d)
     try:
         arr = np.asarray(out, dtype=np.float64)
     except (TypeError, ValueError):
         raise ValidationError(f"constraint set {cset.spec}: its project(d) returned {type(out).__name__}, "
                               f"not an array of numbers") from None
-    if arr.size != np.size(d):  # (a flat answer of the right size is read in d's shape)
+    if arr.shape not in (np.shape(d), (np.size(d),)):  # (a flat answer is read in d's shape)
         raise ValidationError(f"constraint set {cset.spec}: its project(d) returned shape {arr.shape} for d of "
                               f"shape {np.shape(d)}")
     arr = arr.reshape(np.shape(d))

@@ -163,7 +163,7 @@ def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float,
         val = -math.inf
     if math.isfinite(val):
         return J, float(np.sum(grad * d) - val), size
-    G = L * (d - cset.project(d - grad / L))
+    G = L * (d - checked_projection(cset, d - grad / L))
     return J, float(np.linalg.norm(G)) * max(1.0, float(np.linalg.norm(x))), size
 
 

@@ -270,3 +270,53 @@ def test_cvxpy_problem_is_the_qp_and_names_what_it_cannot_express() -> None:
     matvec_only = MergeQP(None, problem.g, 0.0, shape=problem.shape, hessian_matvec=lambda x: problem.H @ x)
     with pytest.raises(ValidationError, match="needs an explicit H"):
         mq.cvxpy_problem(matvec_only)
+
+
+class _RaisingViolation(ConstraintSet):
+    name = "rev_raiseviol"
+
+    def violation(self, d):
+        raise IndexError("oops in violation")
+
+    def cvxpy(self, var):
+        return [var >= 0, var <= 1]
+
+
+class _TransposedProjection(_WrongProjection):
+    name = "rev_transproj"
+
+    def project(self, d):
+        return np.clip(d, 0, 1).T.copy()
+
+
+def test_second_review_a_raising_violation_and_a_transposed_projection_name_the_set() -> None:
+    pytest.importorskip("torch")
+    with pytest.raises(ValidationError, match=r"rev_raiseviol: its violation\(d\) raised IndexError: oops"):
+        mq.solve(_problem(), _RaisingViolation())
+    with pytest.raises(ValidationError, match=r"rev_transproj: its project\(d\) returned shape \(4, 3\)"):
+        mq.solve(_problem(), _TransposedProjection(), solver="torch_fista")
+
+
+def test_a_failed_plugin_import_runs_again_once_fixed_and_config_modules_are_found_beside_it(
+        tmp_path, monkeypatch, cleanup) -> None:
+    from mergeqp.plugins import import_plugins
+
+    plugin = tmp_path / "rev_flaky.py"
+    plugin.write_text("import mergeqp\nfrom mergeqp.constraints import Box\n"
+                      "mergeqp.register_constraint('rev_flaky_a', lambda a, s, c: Box(0, 1))\nraise RuntimeError('half done')\n")
+    with pytest.raises(ConfigError, match="RuntimeError: half done"):
+        import_plugins([str(plugin)])
+    del CONSTRAINT_SETS["rev_flaky_a"]  # what the failed run registered (the user fixes the file)
+    plugin.write_text("import mergeqp\nfrom mergeqp.constraints import Box\n"
+                      "mergeqp.register_constraint('rev_flaky_a', lambda a, s, c: Box(0, 1))\n"
+                      "mergeqp.register_constraint('rev_flaky_b', lambda a, s, c: Box(0, 1))\n")
+    import_plugins([str(plugin)])  # runs again: a failed import is not an import
+    assert {"rev_flaky_a", "rev_flaky_b"} <= set(CONSTRAINT_SETS)
+    beside = tmp_path / "cfgdir"
+    beside.mkdir()
+    (beside / "rev_beside_mod.py").write_text(
+        "import mergeqp\nfrom mergeqp.constraints import Box\n"
+        "mergeqp.register_constraint('rev_beside', lambda a, s, c: Box(0, 1))\n")
+    monkeypatch.chdir("/")
+    import_plugins(["rev_beside_mod"], label="imports:", root=str(beside))
+    assert "rev_beside" in CONSTRAINT_SETS

@@ -155,3 +155,20 @@ def test_the_plans_activation_estimate_counts_no_logits_when_the_head_folds(tiny
     assert vocab and folded.memory[key] < plain.memory[key]
     hidden_part = plain.memory[key] * 16 * 16 // (16 * 16 + vocab)  # the tiny Llama's hidden width is 16
     assert folded.memory[key] == hidden_part
+
+
+def test_a_users_merge_mode_that_raises_is_named(tiny_hf, tmp_path, capsys):
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    (tmp_path / "boom.py").write_text(
+        "import mergeqp\nfrom mergeqp.merge.modes import SequentialMode\n"
+        "class Boom(SequentialMode):\n    name = 'cfg_boom'\n"
+        "    def run(self, ctx, sites):\n        raise ValueError('my mode exploded')\n"
+        "mergeqp.register_merge_mode(Boom())\n")
+    cfg_path = _config(fam, tmp_path / "c.yml", {"name": "qp", "mode": "cfg_boom"}, imports=["boom.py"])
+    try:
+        assert main(["merge", str(cfg_path), "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    finally:
+        MERGE_MODES.pop("cfg_boom", None)
+    err = capsys.readouterr().err
+    assert "merge mode 'cfg_boom' failed: ValueError: my mode exploded" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

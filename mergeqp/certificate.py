@@ -659,16 +659,16 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
             GAP_ROUNDING_FACTOR * rounding)
 
 
-def _absorb_kernel_component(ps: _PseudoInverse, w: np.ndarray, lo: np.ndarray, hi: np.ndarray,
+def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                              lam_lo: np.ndarray, lam_hi: np.ndarray, x: np.ndarray,
                              slack: float) -> tuple[np.ndarray, float] | None:
-    """New bound multipliers for :func:`_lagrangian_gap` whose unabsorbed gradient has no component
-    in the computed ``ker(H)`` (columns ``N``) beyond its rounding ``slack``: ``w + delta`` with
-    ``|N'(w + delta)|_2 <= slack``, where
+    """New bound multipliers for :func:`_lagrangian_gap` with which ``v = g - lam_lo + lam_hi`` has
+    no component in the computed ``ker(H)`` (columns ``N``) beyond its rounding ``slack``:
+    ``v + delta`` with ``|N'(v + delta)|_2 <= slack``, where
     ``delta = -alpha + beta`` moves the multipliers of finite lower bounds by ``alpha`` and of
     finite upper bounds by ``beta``, both staying ``>= 0``, at the least increase of the
     complementarity term ``alpha'(x - lo) + beta'(hi - x)`` (a small LP, HiGHS). Returns the new
-    ``w`` and that increase, or ``None`` when no such multipliers exist (J may be unbounded below
+    ``v`` and that increase, or ``None`` when no such multipliers exist (J may be unbounded below
     along a kernel direction the bounds do not stop). Any multipliers of the right signs give a
     valid dual bound, so the LP's own accuracy only shows in the range test the caller repeats."""
     from scipy.optimize import linprog  # scipy is a dependency; deferred like the other LPs
@@ -678,7 +678,7 @@ def _absorb_kernel_component(ps: _PseudoInverse, w: np.ndarray, lo: np.ndarray, 
     N = V[:, ev <= cut]
     fin_lo, fin_hi = np.isfinite(lo), np.isfinite(hi)
     idx = np.flatnonzero(fin_lo | fin_hi)
-    r = N.T @ w
+    r = N.T @ v
     size = float(np.linalg.norm(r))
     if N.shape[1] == 0 or idx.size == 0 or size == 0.0:
         return None
@@ -710,10 +710,10 @@ def _absorb_kernel_component(ps: _PseudoInverse, w: np.ndarray, lo: np.ndarray, 
     beta = np.where(hi_i, np.where(lo_i, p_, delta_s), 0.0)    # the change of the upper one
     alpha = np.maximum(alpha, -lam_lo[idx])  # keep the multipliers >= 0 exactly (LP rounding)
     beta = np.maximum(beta, -lam_hi[idx])
-    delta = np.zeros_like(w)
+    delta = np.zeros_like(v)
     delta[idx] = beta - alpha
     extra = float(np.sum(alpha * dist_lo) + np.sum(beta * dist_hi))
-    return w + delta, extra
+    return v + delta, extra
 
 
 def _charge_negative_curvature(floor: float, cset: ConstraintSet, D: np.ndarray, fw_gap: float,
@@ -749,9 +749,15 @@ def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarr
     if st.center is not None and st.radius is not None:
         lo = np.maximum(lo, st.center - st.radius)
         hi = np.minimum(hi, st.center + st.radius)
-    if st.group is not None and st.totals is not None and np.all(np.isfinite(lo)):
-        low_sum = np.bincount(st.group, weights=lo, minlength=st.totals.size)
-        hi = np.minimum(hi, lo + (st.totals[st.group] - low_sum[st.group]))
+    if st.group is not None and st.totals is not None:
+        member = (st.group >= 0) & np.isfinite(lo)
+        groups = st.group[member]
+        low_sum = np.bincount(groups, weights=lo[member], minlength=st.totals.size)
+        whole = np.bincount(groups, minlength=st.totals.size) == np.bincount(st.group[st.group >= 0],
+                                                                             minlength=st.totals.size)
+        ok = member & whole[np.maximum(st.group, 0)]  # every lower bound of its group finite
+        hi = np.where(ok, np.minimum(hi, lo + (st.totals[np.maximum(st.group, 0)] - low_sum[np.maximum(st.group, 0)])),
+                      hi)
     if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
         return None
     return lo, hi

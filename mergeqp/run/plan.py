@@ -392,10 +392,8 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
             solver.check_options(m.solver_options)
         except MergeQPError as exc:
             raise ConfigError(f"method.solver: {exc}") from None
-        try:  # an explicit H of at most 2048 variables: what a set needs of a solver does not depend on n
-            atoms = max(1, min(n, 2048) // K)
-            why = declines(solver, MergeQP(H=np.eye(K * atoms), g=np.zeros(K * atoms), shape=(K, atoms)),
-                           as_constraint_set(_planned_sets(cfg) or None))
+        try:
+            why = declines(solver, _probe(K, n), as_constraint_set(_planned_sets(cfg) or None))
         except MergeQPError:
             why = None  # decided at solve time
         if why is not None:
@@ -406,14 +404,17 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
         raise ConfigError("method.solver_options: name a solver (options differ between solvers), not 'auto'")
     try:
         sets = _planned_sets(cfg)
-        # an explicit H of the real size, as the run has (a merge's statistics are always an explicit
-        # H), so the choice matches the run's; beyond 2048 variables a read-only zero-stride view
-        # stands for it (no memory: the choice reads only n, the shape and that H is explicit)
-        small = MergeQP(H=np.eye(K), g=np.zeros(K), shape=(K, 1))
-        probe = small._derived(H=np.broadcast_to(np.zeros(1), (n, n)), g=np.zeros(n), shape=(K, n // K))
-        return "auto -> " + choose_solver(probe, as_constraint_set(sets or None)).name
+        return "auto -> " + choose_solver(_probe(K, n), as_constraint_set(sets or None)).name
     except MergeQPError:
         return "auto (decided at solve time)"
+
+
+def _probe(K: int, n: int) -> MergeQP:
+    """A stand-in for a planned QP of ``n`` variables: an explicit H of the real size, as the run has
+    (a merge's statistics are always an explicit H), held as a read-only zero-stride view (no memory,
+    no factorisation: the solvers' choice reads only n, the shape and that H is explicit)."""
+    small = MergeQP(H=np.eye(K), g=np.zeros(K), shape=(K, 1))
+    return small._derived(H=np.broadcast_to(np.zeros(1), (n, n)), g=np.zeros(n), shape=(K, n // K))
 
 
 def _planned_sets(cfg: MergeConfig) -> list[Any]:

@@ -7,10 +7,11 @@ solver wrappers catch and re-raise as :class:`SolverError` with the solver's nam
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import numbers
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -209,6 +210,25 @@ def check_callable(kind: str, name: str, what: str, value: object,
     """``error`` unless ``value`` (the ``what`` of a ``kind`` being registered) is callable."""
     if not callable(value):
         raise error(f"{kind} {name!r}: {what} must be callable, got {type(value).__name__}")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of ``exc``'s message, at most ``limit`` characters (for one-line errors that
+    name a user's code and what it raised)."""
+    return (str(exc).splitlines() or [""])[0][:limit]
+
+
+@contextlib.contextmanager
+def named_failure(what: str, error: type[MergeQPError]) -> Iterator[None]:
+    """Run a user's entry (a merge method's or mode's ``run``): an exception of ours, an I/O error
+    (exit 4) or running out of memory passes as it is; any other becomes ``error`` in one line,
+    ``"{what} failed: {Type}: {first line}"`` (exit 2, no traceback)."""
+    try:
+        yield
+    except (MergeQPError, OSError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's code (or a bug): named, one line
+        raise error(f"{what} failed: {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 def check_signature(kind: str, name: str, what: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import ConfigError, MergeQPError
+from .errors import ConfigError, MergeQPError, first_line
 
 #: the environment variable holding modules the ``mergeqp`` command imports first (comma-separated)
 IMPORT_ENV = "MERGEQP_IMPORT"
@@ -64,7 +64,7 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 msg += " (by mergeqp itself or by a module imported before this one)"
             raise ConfigError(msg) from None
         except Exception as exc:  # noqa: BLE001 - the user's module: name it, one line
-            first = (str(exc).splitlines() or [""])[0][:300]
+            first = first_line(exc)
             raise ConfigError(f"{prefix} {type(exc).__name__}: {first}") from None
 
 

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import InfeasibleError, MergeQPError, UnsupportedError, ValidationError
+from ..errors import InfeasibleError, MergeQPError, UnsupportedError, ValidationError, first_line
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
@@ -191,7 +191,7 @@ def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:
     except MergeQPError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's set: name it, one line
-        first = (str(exc).splitlines() or [""])[0][:200]
+        first = first_line(exc, 200)
         raise ValidationError(f"constraint set {cset.spec}: its violation(d) raised {type(exc).__name__}: "
                               f"{first}") from exc
 

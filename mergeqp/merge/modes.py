@@ -23,7 +23,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
-from ..errors import MergeMethodError, MergeQPError, ValidationError, check_new_name, check_signature, lookup
+from ..errors import MergeMethodError, ValidationError, check_new_name, check_signature, lookup, named_failure
 from ..io.distributed import current_group
 from ..lm import forward
 from .depth import depth_levels, site_dependencies
@@ -551,13 +551,8 @@ def run_mode(ctx: MergeContext, mode: str, sites: Sequence[LayerSite]) -> list[L
     entry = get_merge_mode(mode)
     if not sites:
         raise ValidationError("no layers to merge")
-    try:
+    with named_failure(f"merge mode {entry.name!r}", MergeMethodError):
         records = entry.run(ctx, sites)
-    except (MergeQPError, OSError, MemoryError):
-        raise  # named already, or an I/O error (exit 4) / out of memory
-    except Exception as exc:  # a user's mode (or a bug): one line naming the mode, no traceback
-        first = (str(exc).splitlines() or [""])[0][:300]
-        raise MergeMethodError(f"merge mode {entry.name!r} failed: {type(exc).__name__}: {first}") from exc
     # (a user's mode: what it hands back is checked, so that a layer it skipped is not written as
     # the base with a report that says nothing)
     if not isinstance(records, list) or not all(isinstance(r, LayerRecord) for r in records):

@@ -15,12 +15,12 @@ from typing import Any
 from ..errors import (
     ConfigError,
     MergeMethodError,
-    MergeQPError,
     ValidationError,
     check_callable,
     check_new_name,
     check_signature,
     lookup,
+    named_failure,
 )
 from ..io.writer import check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
@@ -95,13 +95,8 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     names = select_tensors(inputs.names, parsed.include, parsed.exclude, eligible=inputs.float_names)
     tied = inputs.tied_groups(names)  # tied tensors (one memory, several names) merge once
     statistics = [n for n in names if n not in tied and is_running_statistic(n)]
-    try:
+    with named_failure(f"merge method {spec.name!r}", MergeMethodError):
         merged = spec.run(inputs, [n for n in names if n not in tied and n not in statistics], parsed)
-    except (MergeQPError, OSError, MemoryError):
-        raise  # named already, or an I/O error (exit 4) / out of memory
-    except Exception as exc:  # a user's method (or a bug): one line naming the method, no traceback
-        first = (str(exc).splitlines() or [""])[0][:300]
-        raise MergeMethodError(f"merge method {spec.name!r} failed: {type(exc).__name__}: {first}") from exc
     if not isinstance(merged, Mapping):
         raise MergeMethodError(f"merge method {spec.name!r} returned {type(merged).__name__}, not a dict of "
                                f"tensors by name")

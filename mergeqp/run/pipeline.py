@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .schema import MergeConfig, qp_candidate_block
-from ..errors import Interrupted, MergeQPError, ValidationError
+from ..errors import Interrupted, MergeQPError, ValidationError, first_line
 from ..io.calibration import (
     is_tensor_file,
     load_tokenizer,
@@ -355,7 +355,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
         except MergeQPError:
             raise
         except Exception as exc:  # the model rejects these inputs: one message, no traceback
-            first = (str(exc).splitlines() or [""])[0][:300]
+            first = first_line(exc)
             if _out_of_memory(exc):
                 raise ValidationError(
                     f"models[{name}]: out of memory running the model on its calibration inputs "

@@ -89,7 +89,7 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
     ``torch_adam`` (the paper's heuristic) is never chosen automatically."""
     reasons = []
     for s in SOLVERS.values():
-        why = s.available() or declines(s, problem, cset) or _auto_declines(s, problem, cset)
+        why = _passes_over(s, problem, cset)
         if why is None:
             return s
         reasons.append(f"{s.name}: {why}")
@@ -288,22 +288,21 @@ def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> l
     only while no point inside the set was found)."""
     order = [n for n in AUTO_FALLBACKS if n in SOLVERS]
     order += [n for n in SOLVERS if n not in order]
-    out = []
-    for name in order:
-        alt = SOLVERS[name]
-        if name == first_name or alt.available() or declines(alt, problem, cset):
-            continue
-        if name not in AUTO_FALLBACKS and _auto_declines(alt, problem, cset):
-            continue
-        out.append(name)
-    return out
+    # (the fallbacks are tried even where they decline auto: they take every polyhedral set)
+    return [name for name in order
+            if name != first_name and _passes_over(SOLVERS[name], problem, cset, name not in AUTO_FALLBACKS) is None]
 
 
-def _auto_declines(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> str | None:
-    """``solver.auto_declines(problem, cset)``, a user's that raises counting as a decline."""
+def _passes_over(solver: QPSolver, problem: MergeQP, cset: ConstraintSet, auto: bool = True) -> str | None:
+    """Why ``auto`` passes over ``solver`` for this problem and set (``None``: it may run it): not
+    available here, does not support them, or (with ``auto``) declines them for ``auto``; a user's
+    ``auto_declines`` that raises counts as a decline."""
+    why = solver.available() or declines(solver, problem, cset)
+    if why is not None or not auto:
+        return why
     try:
         return solver.auto_declines(problem, cset)
-    except Exception as exc:  # noqa: BLE001 - a user's solver: pass over it, as choose_solver would not
+    except Exception as exc:  # noqa: BLE001 - a user's solver: pass over it
         return f"its auto_declines() raised {type(exc).__name__}"
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from ..errors import MergeQPError, ValidationError
+from ..errors import MergeQPError, ValidationError, first_line
 
 INPUT_KEYS = ("inputs", "x")
 #: keyword inputs whose first dimension is the batch (Hugging Face names first)
@@ -117,7 +117,7 @@ def checked_call(model: Any, inputs: Any, where: str, who: str = "the model") ->
     except MergeQPError:
         raise
     except Exception as exc:
-        first = (str(exc).splitlines() or [""])[0][:300]
+        first = first_line(exc)
         raise ValidationError(
             f"{where}: {who} failed on this batch ({type(exc).__name__}: {first}); check that "
             f"the calibration inputs fit the model (shape, dtype, device, keywords)"

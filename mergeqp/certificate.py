@@ -502,6 +502,8 @@ def _number(cset: ConstraintSet, method: str, value: Any) -> float:
                               f"of shape {np.shape(value)}, not one number")
     if math.isnan(out):
         raise ValidationError(f"constraint set {cset.spec}: its {method}(d) returned NaN")
+    if method == "violation" and out < 0:  # "0 when feasible": a signed margin inside the set reads as 0
+        return 0.0
     return out
 
 

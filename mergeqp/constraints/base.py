@@ -115,7 +115,7 @@ class ConstraintSet(ABC):
         v = np.asarray(v, dtype=np.float64)
         if self.bounded:
             return float(np.max(np.abs(v), initial=0.0))
-        form = self.linear_form(v.shape)  # type: ignore[arg-type]
+        form = checked_linear_form(self, v.shape)  # type: ignore[arg-type]
         return None if form is None else form.recession_violation(v.ravel())
 
     def linear_minimum(self, grad: np.ndarray) -> LinearMinimum:
@@ -240,7 +240,7 @@ def capabilities(cset: ConstraintSet, shape: Shape) -> frozenset[str]:
         out.add("projection")
     if cset.structure(shape) is not None:
         out.update({"structure", "lmo"})
-    if cset.linear_form(shape) is not None or cset.auxiliary_form(shape) is not None:
+    if checked_linear_form(cset, shape) is not None or cset.auxiliary_form(shape) is not None:
         out.update({"polyhedral", "lmo"})
     if cset.bounded:
         out.add("bounded")

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from ..errors import ValidationError
+from ..errors import MergeQPError, ValidationError, first_line
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,13 @@ class AuxiliaryForm:
 def checked_linear_form(cset: Any, shape: tuple[int, int]) -> LinearForm | None:
     """``cset.linear_form(shape)`` with its dimensions checked against ``d`` of ``shape`` (a user's
     set: a wrong form is named here, not by the solver that reads it)."""
-    form = cset.linear_form(shape)
+    try:
+        form = cset.linear_form(shape)
+    except MergeQPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's set: name it and what it raised, not the solver asking
+        raise ValidationError(f"constraint set {cset.spec}: its linear_form({tuple(shape)}) raised "
+                              f"{type(exc).__name__}: {first_line(exc, 200)}") from None
     if form is not None:
         form.check(int(shape[0]) * int(shape[1]), f"constraint set {cset.spec}: its linear_form({tuple(shape)})")
     return form

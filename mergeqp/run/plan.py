@@ -52,7 +52,7 @@ from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
 from ..merge.outputbasis import jacobian_bytes
-from ..lm import DATA_METRICS, ClassifierHead, OutputSpec
+from ..lm import DATA_METRICS, ClassifierHead, OutputSpec, keeps_head_targets, linear_head
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import get_merge_method
 from ..merge.sites import (
@@ -127,6 +127,16 @@ class MergePlan:
     #: tokens of the longest calibration prompt (text prompts, tokenised by the plan; ``None`` when
     #: not measured: tensor inputs, or no tokenizer)
     longest_prompt: int | None = None
+
+    def output_spec(self) -> OutputSpec:
+        """The output the merge compares (the config's ``output``, its matrix read once)."""
+        out = self.config.output
+        return OutputSpec(out.field, out.restrict, out.k, self.config.seed, out.metric, out.fold_head_flag,
+                          out.sketch, out.pool, self.output_matrix)
+
+    def heldout_spec(self) -> OutputSpec:
+        """The output the report's held-out metrics compare: every entry, Euclidean, unfolded."""
+        return OutputSpec(self.config.output.field, "none", fold_head=False, pool=self.config.output.pool)
 
     @property
     def batch_length(self) -> int:
@@ -393,7 +403,7 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
         except MergeQPError as exc:
             raise ConfigError(f"method.solver: {exc}") from None
         try:
-            why = declines(solver, _probe(K, n), as_constraint_set(_planned_sets(cfg) or None))
+            why = declines(solver, _probe(K, n), as_constraint_set(_planned_sets(cfg, n // K) or None))
         except MergeQPError:
             why = None  # decided at solve time
         if why is not None:
@@ -403,7 +413,7 @@ def _solver_name(cfg: MergeConfig, n: int) -> str:
     if m.solver_options:
         raise ConfigError("method.solver_options: name a solver (options differ between solvers), not 'auto'")
     try:
-        sets = _planned_sets(cfg)
+        sets = _planned_sets(cfg, n // K)
         return "auto -> " + choose_solver(_probe(K, n), as_constraint_set(sets or None)).name
     except MergeQPError:
         return "auto (decided at solve time)"
@@ -417,12 +427,13 @@ def _probe(K: int, n: int) -> MergeQP:
     return small._derived(H=np.broadcast_to(np.zeros(1), (n, n)), g=np.zeros(n), shape=(K, n // K))
 
 
-def _planned_sets(cfg: MergeConfig) -> list[Any]:
-    """The QPs' constraint sets as planned (layer sets such as ``sign`` on stand-in residuals), with
-    the trust region's box for a step-bounded mode."""
+def _planned_sets(cfg: MergeConfig, n_atoms: int) -> list[Any]:
+    """The QPs' constraint sets as planned for ``n_atoms`` coefficients per model (layer sets such as
+    ``sign`` on stand-in residuals of as many rows), with the trust region's box for a step-bounded
+    mode."""
     m = cfg.method
-    sets = [parse_constraint(s, {"deltas": np.ones((len(cfg.models), 1, 1)), "parametrisation": "rows"})
-            for s in m.constraints]
+    deltas = np.ones((len(cfg.models), max(int(n_atoms), 1), 1))
+    sets = [parse_constraint(s, {"deltas": deltas, "parametrisation": "rows"}) for s in m.constraints]
     if get_merge_mode(m.mode).step_bounded:  # (the trust region's box: closed_form cannot take it)
         sets.append(parse_constraint("box:-1,1"))
     return sets
@@ -790,6 +801,23 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
                               f"a smaller calibration.batch_size, or folds: 1)")
 
 
+def _targets_bytes(plan: MergePlan, prompts: int, held: int, T: int, per_pos: int) -> int:
+    """The fine-tunes' targets on the calibration and held-out prompts (float64): ``per_pos``
+    compared numbers per position, every logit on the held-out ones, or the final hidden state
+    where the targets are kept as it (:class:`~mergeqp.lm.HeadTargets`: a linear head much wider
+    than its input, every logit compared); the fold's hidden states beside restricted targets
+    are not counted."""
+    head = linear_head(plan.skeleton) if plan.skeleton is not None else None
+    spec, held_spec = plan.output_spec(), plan.heldout_spec()
+
+    def width(s: OutputSpec, whole: int) -> int:
+        if head is not None and keeps_head_targets(s, int(head.out_features), int(head.in_features)):
+            return int(head.in_features)
+        return whole
+
+    return prompts * T * width(spec, per_pos) * 8 + held * T * width(held_spec, plan.vocab_size or per_pos) * 8
+
+
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
     """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
     cfg = plan.config
@@ -803,6 +831,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
                int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
     prompts = sum(t.n_calibration for t in plan.tasks)
     held = sum(t.n_heldout for t in plan.tasks)
+    targets = _targets_bytes(plan, prompts, held, T, per_pos)
     stats_method = statistics_method(cfg)
     if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
@@ -817,7 +846,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
                 out["regmean statistics (reference)"] = _statistics_bytes(plan, "regmean", plan.merged_keys())
             out["output-space Jacobians (one layer, formed only below the cap)"] = int(p.jacobian_max_bytes)
         if evaluates_baseline(cfg) or is_output_space(cfg):
-            out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
+            out["targets"] = targets
         return out
     m = cfg.method
     mode = plan.mode
@@ -856,13 +885,12 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     out["jacobian block"] = B * T * per_pos * n_max * 8
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
     out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
-    out["targets"] = prompts * T * per_pos * 8 + held * T * (plan.vocab_size or per_pos) * 8
+    out["targets"] = targets
     chunk = min(256, n_max) if n_max else 0
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
     vocab = plan.vocab_size or per_pos
-    spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
-                      cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool, plan.output_matrix)
+    spec = plan.output_spec()
     # a head folded into the final hidden state (docs/lm-statistics.md) forms no logits' tangents
     logits = 0 if plan.vocab_size and spec.fold_obstacle() is None else vocab
     # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once

@@ -21,6 +21,7 @@ from ..errors import (
     ValidationError,
     check_new_name,
     check_signature,
+    first_line,
     unknown,
 )
 from ..problem import MergeQP
@@ -99,11 +100,18 @@ def choose_solver(problem: MergeQP, cset: ConstraintSet) -> QPSolver:
 def declines(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> str | None:
     """``solver.supports(problem, cset)``: ``None`` (it handles them) or its reason; a ``supports``
     that raises or answers something else (a user's solver) is a reason naming that, so that
-    ``auto`` passes over it and a solver chosen by name is refused with it."""
+    ``auto`` passes over it and a solver chosen by name is refused with it. A
+    :class:`ValidationError` (wrong input, e.g. a user set whose ``linear_form`` raises or has the
+    wrong size, named by :func:`~mergeqp.constraints.forms.checked_linear_form`) is raised as it is:
+    no solver can take that set."""
     try:
         why = solver.supports(problem, cset)
+    except ValidationError:  # the input is wrong (a user set's linear_form, named): no solver can take it
+        raise
+    except MergeQPError as exc:  # an error that names its own cause: as it is
+        return first_line(exc, 300)
     except Exception as exc:  # noqa: BLE001 - a user's solver: say so, never a traceback from here
-        return f"its supports() raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+        return f"its supports() raised {type(exc).__name__}: {first_line(exc, 200)}"
     if why is None or isinstance(why, str):
         return why or None
     return f"its supports() returned {why!r}; it must return None (supported) or a reason (a string)"

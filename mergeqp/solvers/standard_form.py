@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..constraints import ConstraintSet
+from ..constraints.forms import checked_linear_form
 from ..constraints.lp import polyhedral_parts
 from ..problem import MergeQP
 from .base import QPSolver
@@ -67,7 +68,7 @@ class StandardQP:
 def standard_form_reason(constraints: ConstraintSet, shape: tuple[int, int]) -> str | None:
     """``None`` when :func:`standard_form` handles the set, else why not (the missing capability)."""
     for s in constraints.members():
-        if s.auxiliary_form(shape) is None and s.linear_form(shape) is None:
+        if s.auxiliary_form(shape) is None and checked_linear_form(s, shape) is None:
             return (f"{s.spec} is not polyhedral: it declares neither linear_form nor auxiliary_form "
                     f"(use cvxpy_clarabel or cvxpy_osqp for user constraints)")
     return None

@@ -164,6 +164,17 @@ class _WrongForm(ConstraintSet):
                           np.zeros(n), np.ones(n))
 
 
+class _RaisingForm(ConstraintSet):
+    name = "rev_raising"
+    polyhedral = True
+
+    def violation(self, d):
+        return 0.0
+
+    def linear_form(self, shape):
+        raise KeyError("rows")
+
+
 class _WrongProjection(ConstraintSet):
     name = "rev_wrongproj"
     has_projection = True
@@ -200,7 +211,9 @@ class _NanViolation(ConstraintSet):
     (_ClaimsProjection(), "auto", r"rev_claims: has_projection is True but it defines neither project\(d\) nor "
                                   r"structure\(shape\)"),
     (_NanViolation(), "auto", r"constraint set rev_nan: its violation\(d\) returned NaN"),
-], ids=["linear-form", "projection-shape", "projection-missing", "violation-nan"])
+    (_RaisingForm(), "dense_ipm", r"constraint set rev_raising: its linear_form\(\(3, 4\)\) raised KeyError: 'rows'"),
+    (_RaisingForm(), "auto", r"^constraint set rev_raising: its linear_form\(\(3, 4\)\) raised KeyError"),
+], ids=["linear-form", "projection-shape", "projection-missing", "violation-nan", "form-raises", "form-raises-auto"])
 def test_a_users_set_with_a_wrong_form_is_named_not_its_solver(cset, solver, match) -> None:
     pytest.importorskip("torch")
     with pytest.raises(ValidationError, match=match):
@@ -320,3 +333,22 @@ def test_a_failed_plugin_import_runs_again_once_fixed_and_config_modules_are_fou
     monkeypatch.chdir("/")
     import_plugins(["rev_beside_mod"], label="imports:", root=str(beside))
     assert "rev_beside" in CONSTRAINT_SETS
+
+
+class _SignedViolation(ConstraintSet):
+    """[0, 0.6] whose violation is a signed margin: negative inside the set."""
+    name = "rev_signed"
+
+    def violation(self, d):
+        return float(max(np.max(d) - 0.6, -np.min(d)))
+
+    def cvxpy(self, var):
+        return [var >= 0, var <= 0.6]
+
+
+def test_a_users_signed_violation_reads_as_zero_inside_the_set() -> None:
+    pytest.importorskip("cvxpy")
+    sol = mq.solve(_problem(), _SignedViolation(), solver="auto")
+    ref = mq.solve(_problem(), "box:0,0.6", solver="active_set")
+    assert sol.certificate.certified(1e-6) and sol.certificate.infeasibility == 0.0  # (a CVXPY-form set: its LP margin)
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-7, abs=1e-9)

@@ -301,10 +301,82 @@ def mean_pool(out: Any, mask: Any) -> Any:
     return out.sum(dim=1) / counts
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
+class HeadTargets:
+    """A fine-tune's head, kept so that its every-logit targets need not be: a target batch
+    that holds only the fine-tune's final hidden states ``n*`` (``(B, T, H)``) forms its
+    ``(B, T, V)`` logits ``W n* + b`` when they are read, one batch at a time, with the
+    head's own ``weight`` (``(V, H)``) and ``bias`` in the model's dtype on the CPU. Used by
+    :func:`teacher_forced_targets` only where every batch's logits formed so are the model's
+    own to rounding of its dtype (checked; bitwise on the CPU), and only for the compared
+    output of every logit with the Euclidean metric (``restrict: none``), where the logits are
+    ``V / H`` times the hidden state (49,152 / 576 for SmolLM2): the targets then take the
+    hidden state's memory instead of the vocabulary's (:data:`HEAD_TARGETS_MIN_RATIO`)."""
+
+    weight: Any
+    bias: Any = None
+
+    @property
+    def width(self) -> int:
+        return int(self.weight.shape[0])
+
+    def logits(self, hidden: Any) -> Any:
+        """``hidden @ W' + b`` in the head's dtype, on the CPU (``hidden``: any dtype)."""
+        import torch
+
+        return torch.nn.functional.linear(hidden.to("cpu", self.weight.dtype), self.weight, self.bias)
+
+    def same_as(self, weight: Any, bias: Any) -> bool:
+        """Whether ``weight`` / ``bias`` are this head's, entry for entry."""
+        import torch
+
+        def equal(a: Any, b: Any) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
+                    and bool(torch.equal(a.detach().to("cpu"), b)))
+
+        return equal(weight, self.weight) and equal(bias, self.bias)
+
+
+#: logits are kept as the fine-tune's final hidden states and its head (:class:`HeadTargets`) when
+#: the vocabulary is at least this many times the hidden size (forming a batch's logits again then
+#: costs one product with the head, what the model's own forward pass spends on it)
+HEAD_TARGETS_MIN_RATIO = 2
+#: how :func:`teacher_forced_targets`'s memory check describes targets kept as hidden states
+KEPT_AS_HIDDEN = "the final hidden states (the logits are formed from them by the head when read)"
+#: the heads of live :class:`HeadTargets`: fine-tunes that share a head share one copy of it
+_HEADS: list[weakref.ref] = []
+
+
+def _shared_head(weight: Any, bias: Any) -> HeadTargets:
+    """A :class:`HeadTargets` of ``weight`` / ``bias`` (a copy on the CPU), shared with a live one
+    that has the same entries."""
+    live = [ref for ref in _HEADS if ref() is not None]
+    _HEADS[:] = live
+    for ref in live:
+        head = ref()
+        if head is not None and head.same_as(weight, bias):
+            return head
+    head = HeadTargets(weight.detach().to("cpu", copy=True),
+                       None if bias is None else bias.detach().to("cpu", copy=True))
+    _HEADS.append(weakref.ref(head))
+    return head
+
+
+def keeps_head_targets(spec: OutputSpec, vocab: int, hidden: int) -> bool:
+    """Whether :func:`teacher_forced_targets` keeps ``spec``'s targets as final hidden states
+    (:class:`HeadTargets`) for a linear head of ``vocab`` outputs on ``hidden`` features, when its
+    check passes: every logit compared, Euclidean, per position."""
+    return (spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+            and spec.pool == "none" and vocab >= HEAD_TARGETS_MIN_RATIO * max(hidden, 1))
+
+
+@dataclass(frozen=True, init=False)
 class TargetBatch:
     """A batch with its target: ``target`` is the fine-tuned model's compared output
-    (restricted and masked, float64 on CPU); ``index`` the top-k indices (or ``None``);
+    (restricted and masked, float64 on CPU; with a ``source`` head (:class:`HeadTargets`) it is
+    formed from ``hidden`` whenever it is read, and not held); ``index`` the top-k indices (or ``None``);
     ``probs`` the target's distribution for the ``kl`` metric (float64 on CPU, ``(B, T, V)`` or
     ``(B, T, k)`` for ``topk``; else ``None``); ``hidden`` the fine-tune's final hidden state
     ``n*`` (the head's input, ``(B, T, H)`` float64 on CPU) when the head may be folded (see
@@ -317,12 +389,55 @@ class TargetBatch:
     :class:`ClassifierHead`."""
 
     batch: Batch
-    target: Any
-    index: Any = None
-    probs: Any = None
-    hidden: Any = None
-    labels: Any = None
-    head: Any = None
+    stored: Any
+    index: Any
+    probs: Any
+    hidden: Any
+    labels: Any
+    head: Any
+    source: HeadTargets | None
+
+    def __init__(self, batch: Batch, target: Any = None, index: Any = None, probs: Any = None, hidden: Any = None,
+                 labels: Any = None, head: Any = None, source: HeadTargets | None = None) -> None:
+        if (target is None) == (source is None):
+            raise ValueError("a target batch holds its target or the head that forms it from hidden (one of them)")
+        if source is not None and hidden is None:
+            raise ValueError("a target formed by its head needs the final hidden states")
+        for name, value in (("batch", batch), ("stored", target), ("index", index), ("probs", probs),
+                            ("hidden", hidden), ("labels", labels), ("head", head), ("source", source)):
+            object.__setattr__(self, name, value)
+
+    @property
+    def target(self) -> Any:
+        """The compared output of the fine-tune (float64, CPU); formed by the ``source`` head from
+        ``hidden`` each time it is read when the batch holds no target."""
+        import torch
+
+        if self.source is None:
+            return self.stored
+        return apply_mask(self.source.logits(self.hidden), self.batch.mask).to(torch.float64)
+
+    def target_rows(self, rows: slice) -> Any:
+        """``target[rows]``, formed for those samples only when the batch holds no target."""
+        import torch
+
+        if self.source is None:
+            return self.stored[rows]
+        mask = None if self.batch.mask is None else self.batch.mask[rows]
+        return apply_mask(self.source.logits(self.hidden[rows]), mask).to(torch.float64)
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """The target's shape, without forming it."""
+        if self.source is None:
+            return tuple(self.stored.shape)
+        return (*tuple(self.hidden.shape[:-1]), self.source.width)
+
+    @property
+    def identity(self) -> Any:
+        """The tensor that identifies this target (the stored target, or the hidden states it is
+        formed from): caches key on it."""
+        return self.stored if self.source is None else self.hidden
 
     @property
     def count(self) -> int:
@@ -330,11 +445,17 @@ class TargetBatch:
         ``labels``), else every position (``B`` for one vector per sample)."""
         if self.labels is not None:
             return int((self.labels >= 0).sum())
-        if self.target.dim() >= 3:
-            if self.batch.mask is not None and tuple(self.batch.mask.shape) == tuple(self.target.shape[:2]):
+        shape = self.target_shape
+        if len(shape) >= 3:
+            if self.batch.mask is not None and tuple(self.batch.mask.shape) == shape[:2]:
                 return int(self.batch.mask.sum())
-            return int(self.target[..., 0].numel())
-        return int(self.target.shape[0])
+            return math.prod(shape[:-1])
+        return shape[0]
+
+    @property
+    def sample_size(self) -> int:
+        """Compared numbers per sample (the target's size over its first axis)."""
+        return math.prod(self.target_shape[1:])
 
     def selection(self, device: Any) -> tuple[Any, Any, Any]:
         """``(mask, index, probs)`` on ``device`` (each ``None`` when absent): the batch's
@@ -350,7 +471,8 @@ class TargetBatch:
         for ``labels``)."""
         if self.labels is not None:
             return self.count
-        per_position = int(self.target.shape[-1]) if self.target.dim() >= 3 else int(self.target[0].numel())
+        shape = self.target_shape
+        per_position = shape[-1] if len(shape) >= 3 else math.prod(shape[1:])
         return self.count * per_position
 
 
@@ -518,7 +640,11 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
             raise ValidationError("the cross_entropy metric with pool: mean needs each task's classifier head")
         return label_targets(batches, head if spec.classifies else None)
     out = []
-    head = linear_head(model) if spec.fold_obstacle() is None else None
+    linear = linear_head(model)
+    compact = (linear is not None and not linear.weight.is_meta
+               and keeps_head_targets(spec, int(linear.weight.shape[0]), int(linear.weight.shape[1])))
+    head = linear if spec.fold_obstacle() is None or compact else None
+    source = None
     for batch in batches:
         if head is None:
             raw, hidden = spec.raw(forward(model, batch, device)), None
@@ -536,24 +662,44 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
         index = spec.topk_index(raw) if spec.restrict == "topk" else None
         probs = spec.target_probs(raw, index) if spec.metric == "kl" else None
         target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index, probs)
-        out.append(TargetBatch(batch, target.detach().to("cpu", torch.float64),
-                               None if index is None else index.to("cpu"),
-                               None if probs is None else probs.detach().to("cpu"), hidden))
+        target = target.detach().to("cpu", torch.float64)
+        tb = None
+        if compact and hidden is not None:
+            source = source if source is not None else _shared_head(head.weight, head.bias)
+            tb = TargetBatch(batch, hidden=hidden, source=source)
+            if tuple(tb.target_shape) != tuple(target.shape) or not _same_target(tb.target, target, raw.device):
+                tb = None  # this batch's logits are not its head's of the captured input: kept whole
+        if tb is None:
+            tb = TargetBatch(batch, target, None if index is None else index.to("cpu"),
+                             None if probs is None else probs.detach().to("cpu"),
+                             hidden if spec.fold_obstacle() is None else None)
+        del target
+        out.append(tb)
         if check is not None and len(out) == 1 and len(batches) > 1:
             first, positions = target_bytes(out[0]), _positions(batch)
             rest = sum(_positions(b) for b in batches[1:])
-            width = int(out[0].target.shape[-1]) if out[0].target.dim() else 1
-            check(first * rest // max(positions, 1),
-                  f"{rest:,} more positions x {width:,} compared outputs" + (", their distributions"
-                  if probs is not None else "") + (", the final hidden states" if hidden is not None else "")
-                  + " (float64)")
+            shape = out[0].target_shape
+            width = shape[-1] if shape else 1
+            what = (KEPT_AS_HIDDEN if out[0].source is not None else f"{width:,} compared outputs" + (", their distributions"
+                    if probs is not None else "") + (", the final hidden states" if out[0].hidden is not None else ""))
+            check(first * rest // max(positions, 1), f"{rest:,} more positions x {what} (float64)")
     return out
+
+
+def _same_target(formed: Any, target: Any, device: Any) -> bool:
+    """Whether the target formed by the head (on the CPU) is the model's own: entry for entry when
+    the model ran on the CPU, to rounding of float32 on another device."""
+    import torch
+
+    if torch.device(device).type == "cpu":
+        return bool(torch.equal(formed, target))
+    return _agree(formed, target, torch.float32)
 
 
 def target_bytes(tb: TargetBatch) -> int:
     """Bytes held by one batch's target (its compared outputs, top-k indices, distributions and
     final hidden states)."""
-    return sum(int(t.numel()) * int(t.element_size()) for t in (tb.target, tb.index, tb.probs, tb.hidden)
+    return sum(int(t.numel()) * int(t.element_size()) for t in (tb.stored, tb.index, tb.probs, tb.hidden)
                if t is not None)
 
 
@@ -563,12 +709,36 @@ def _positions(batch: Batch) -> int:
     return int(first.shape[0]) * (int(first.shape[1]) if first.dim() >= 2 else 1)
 
 
-def compared_output(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) -> Any:
-    """The model's restricted, masked output on ``tb``'s batch (float64, CPU)."""
+#: float64 bytes of the model's compared output that one step of :func:`compared_rows` forms (at
+#: least one sample): with a large vocabulary a batch's ``(B, T, V)`` logits in float64, with the
+#: target's and their differences or log-probabilities beside them, are several times the model's
+#: own output; one sample at a time they are not
+COMPARED_CHUNK_BYTES = 64 * 2**20
+
+
+def compared_rows(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) -> Any:
+    """``(rows, x, y)`` for consecutive samples ``rows`` (a ``slice``) of ``tb``'s batch: the
+    model's restricted, masked output ``x`` and the target ``y`` of those samples (float64, CPU),
+    from one forward pass of the whole batch; as many samples at a time as fit in
+    :data:`COMPARED_CHUNK_BYTES` (every sample of a small output at once)."""
     import torch
 
     raw = spec.raw(forward(model, tb.batch, device))
-    return spec.select(raw, *tb.selection(raw.device)).to("cpu", torch.float64)
+    mask, index, probs = tb.selection(raw.device)
+    B = int(raw.shape[0])
+    per_sample = 8 * max(tb.sample_size, 1)
+    step = max(1, COMPARED_CHUNK_BYTES // per_sample)
+    if step >= B:
+        yield slice(0, B), spec.select(raw, mask, index, probs).to("cpu", torch.float64), tb.target
+        return
+
+    def rows(t: Any, r: slice) -> Any:
+        return None if t is None else t[r]
+
+    for i in range(0, B, step):
+        r = slice(i, min(i + step, B))
+        x = spec.select(raw[r], rows(mask, r), rows(index, r), rows(probs, r)).to("cpu", torch.float64)
+        yield r, x, tb.target_rows(r)
 
 
 def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> tuple[float, int]:
@@ -584,7 +754,8 @@ def squared_error(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, 
     total = 0.0
     entries = 0
     for tb in batches:
-        total += _squared(compared_output(model, tb, spec, device), tb)
+        for _, x, y in compared_rows(model, tb, spec, device):
+            total += _squared(x, tb, y)
         entries += tb.entries
     return total, entries
 
@@ -598,7 +769,7 @@ def objective_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch],
     false`` keeps the vocabulary-size computation. A refusal is remembered for these targets."""
     if spec.fold_obstacle() is not None or not batches:
         return None
-    key = (id(spec), tuple(id(tb.target) for tb in batches))
+    key = (id(spec), tuple(id(tb.identity) for tb in batches))
     try:
         refused = _OBJECTIVE_FOLD_REFUSED.setdefault(model, set())
     except TypeError:  # a model that cannot be weakly referenced
@@ -671,9 +842,10 @@ def _data_objective(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec
     return total, count
 
 
-def _squared(output: Any, tb: TargetBatch) -> float:
-    diff = output - tb.target
-    return float((diff * diff).sum())
+def _squared(output: Any, tb: TargetBatch, target: Any = None) -> float:
+    """``||output - target||^2`` (``target``: ``tb.target``, formed once by the caller if given)."""
+    diff = output - (tb.target if target is None else target)
+    return float(diff.mul_(diff).sum())
 
 
 def teacher_forced_mse(model: Any, batches: Sequence[TargetBatch], spec: OutputSpec, device: Any) -> float:
@@ -708,23 +880,29 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
     total = kl = ce = 0.0
     entries = positions = predicted = 0
     for tb in batches:
-        x = compared_output(model, tb, spec, device)
-        total += _squared(x, tb)
         entries += tb.entries
-        if not distributions:
-            continue
-        log_q = torch.log_softmax(x, dim=-1)
-        log_p = torch.log_softmax(tb.target, dim=-1)
-        kl += float((log_p.exp() * (log_p - log_q)).sum())  # masked positions: both rows 0, KL 0
-        positions += tb.count
-        ids = tb.batch.inputs.get("input_ids")
-        if ids is None or x.dim() != 3 or tuple(ids.shape) != tuple(x.shape[:2]):
-            continue
-        real = torch.ones_like(ids, dtype=torch.bool) if tb.batch.mask is None else tb.batch.mask.bool()
-        pairs = real[:, :-1] & real[:, 1:]  # position t predicts the real token t + 1
-        nll = -log_q[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1).to(torch.int64)).squeeze(-1)
-        ce += float(nll[pairs].sum())
-        predicted += int(pairs.sum())
+        if distributions:
+            positions += tb.count
+        all_ids = tb.batch.inputs.get("input_ids")
+        for rows, x, y in compared_rows(model, tb, spec, device):
+            total += _squared(x, tb, y)
+            if not distributions:
+                continue
+            # float64 (rows, T, V) tensors, each freed or overwritten as soon as it is used
+            shape = tuple(x.shape)
+            log_q = torch.log_softmax(x, dim=-1)
+            del x
+            log_p = torch.log_softmax(y, dim=-1)
+            del y
+            ids = None if all_ids is None else all_ids[rows]
+            if ids is not None and len(shape) == 3 and tuple(ids.shape) == shape[:2]:
+                real = torch.ones_like(ids, dtype=torch.bool) if tb.batch.mask is None else tb.batch.mask[rows].bool()
+                pairs = real[:, :-1] & real[:, 1:]  # position t predicts the real token t + 1
+                nll = -log_q[:, :-1].gather(-1, ids[:, 1:].unsqueeze(-1).to(torch.int64)).squeeze(-1)
+                ce += float(nll[pairs].sum())
+                predicted += int(pairs.sum())
+            p = log_p.exp()
+            kl += float(p.mul_(log_p.sub_(log_q)).sum())  # p (log p - log q); masked positions: both rows 0, KL 0
     return HeldoutMetrics(total / max(entries, 1), kl / positions if distributions and positions else None,
                           ce / predicted if predicted else None)
 
@@ -1045,8 +1223,8 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
         verified["targets"].clear()
     dtype = fold.weight.dtype
     for i, tb in enumerate(batches):
-        seen = verified["targets"].get(id(tb.target))
-        if verified["head"] is not None and seen is not None and seen[0]() is tb.target and seen[1]() is tb.hidden:
+        seen = verified["targets"].get(id(tb.identity))
+        if verified["head"] is not None and seen is not None and seen[0]() is tb.identity and seen[1]() is tb.hidden:
             continue
         mask, index, probs = tb.selection(device)
         data = fold.spec.scores_data  # scored against the prompts' tokens: only the model's own head is checked
@@ -1068,9 +1246,13 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
                 verified["head"] = head_key
             if data:
                 break
-            mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
-        if tuple(mine.shape) != tuple(tb.target.shape) or not _agree(mine, tb.target, dtype):
+            # a target formed by the fine-tune's own head: the model's head, entry for entry, forms it
+            shared = tb.source is not None and tb.source.same_as(fold.weight, fold.bias)
+            if not shared:
+                mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
+                target = tb.target
+        if not shared and (tuple(mine.shape) != tuple(target.shape) or not _agree(mine, target, dtype)):
             return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
                     f"its final hidden state (the head differs between the base and the fine-tune?)")
-        verified["targets"][id(tb.target)] = (weakref.ref(tb.target), weakref.ref(tb.hidden))
+        verified["targets"][id(tb.identity)] = (weakref.ref(tb.identity), weakref.ref(tb.hidden))
     return None

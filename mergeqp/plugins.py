@@ -9,17 +9,40 @@ trust, as with ``python my_module.py``.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .errors import ConfigError, MergeQPError, first_line
 
 #: the environment variable holding modules the ``mergeqp`` command imports first (comma-separated)
 IMPORT_ENV = "MERGEQP_IMPORT"
+#: what :func:`import_plugins` imported in this process, in order (:func:`imported_modules`)
+_IMPORTED: list[dict[str, Any]] = []
+
+
+def imported_modules() -> list[dict[str, Any]]:
+    """Every user module :func:`import_plugins` imported in this process, in order: ``import`` (as
+    named), ``module``, ``file`` and the ``sha256`` of the file's bytes when it was imported (``None``
+    for a module without a file), so that a report says which code registered what it used."""
+    return [dict(entry) for entry in _IMPORTED]
+
+
+def _record(name: str, module: Any) -> None:
+    path = getattr(module, "__file__", None)
+    digest = None
+    if path:
+        try:
+            digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        except OSError:
+            digest = None
+    _IMPORTED.append({"import": name, "module": getattr(module, "__name__", name),
+                      "file": None if not path else os.path.abspath(path), "sha256": digest})
 
 
 def import_plugins(names: Sequence[str], *, label: str = "--import", root: str | Path | None = None) -> None:
@@ -48,6 +71,7 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 except BaseException:
                     sys.modules.pop(mod_name, None)  # a failed import is not an import: a fixed file runs again
                     raise
+                _record(name, module)
             else:
                 if "" not in sys.path and os.getcwd() not in sys.path:
                     sys.path.insert(0, os.getcwd())  # a module beside the user, as `python -m` finds it
@@ -57,7 +81,10 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 found = None if name in sys.modules else importlib.util.find_spec(name)
                 if found is not None and found.origin and _imported(os.path.abspath(found.origin)):
                     continue  # the same file, imported before by its path
-                importlib.import_module(name)
+                fresh = name not in sys.modules
+                module = importlib.import_module(name)
+                if fresh:
+                    _record(name, module)
         except MergeQPError as exc:  # a registration refused: name the module that made it
             msg = str(exc) if str(exc).startswith(prefix) else f"{prefix} {exc}"
             if "is already registered" in msg:
@@ -74,4 +101,4 @@ def _imported(path: str) -> bool:
                for m in list(sys.modules.values()))
 
 
-__all__ = ["IMPORT_ENV", "import_plugins"]
+__all__ = ["IMPORT_ENV", "import_plugins", "imported_modules"]

@@ -15,12 +15,13 @@ import sys
 from typing import Any
 
 from ..config import load_config
-from ..errors import ConfigError, MergeQPError
+from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
+from ..io.memory import memory_limit
 from ..io.writer import parse_size
 from ..merge.report import format_number, jsonable
 from ..run import build_plan, run_merge
-from ..run.pipeline import resolve_device
+from ..run.pipeline import check_groups_fit, resolve_device
 
 
 def register(subparsers: Any) -> None:
@@ -58,10 +59,23 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         if not other_rank():  # (under torchrun: rank 0 prints the plan once)
             print(json.dumps(jsonable(plan.to_json()), indent=2) if args.json else plan.render())
+            _fits_here(cfg, plan)
         return 0
     # under torchrun: the ranks share the statistics' batches; rank 0 writes and prints
     with launched(resolve_device(cfg.device)[0]) as group:
         return agree_exit_code(group, _merge(args, cfg, plan, group))
+
+
+def _fits_here(cfg: Any, plan: Any) -> None:
+    """The dry run validates a config that may be run elsewhere: a QP that the run would refuse
+    on this machine (:func:`mergeqp.run.pipeline.check_groups_fit`) is a warning, not an error."""
+    if not cfg.method.is_qp:
+        return
+    try:
+        with memory_limit(cfg.max_memory_bytes()):
+            check_groups_fit(plan)
+    except ValidationError as exc:
+        print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
 
 
 def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:

@@ -246,6 +246,50 @@ def data_expansion(spec: OutputSpec, fold: FoldedHead | None, tb: TargetBatch, o
     return CrossEntropyExpansion.at(spec, tb.labels, hidden=last_hidden(out), weight=fold.weight, bias=fold.bias)
 
 
+def _batch_output(model: Any, spec: OutputSpec, fold: FoldedHead | None, tb: TargetBatch, device: Any,
+                  run: Callable[[Callable[[], Any]], Any]) -> tuple[Any, Any, Any, Any, Any]:
+    """``(call, compared, y, expansion, out)`` of one batch as the statistics see it: ``call`` runs
+    the model (or, folded, its backbone), ``run(call)`` gives its output ``out``, ``compared(out)``
+    the compared output and ``y`` its target; ``expansion``: the cross-entropy metric's model at this
+    point (``None`` for a fine-tune's targets)."""
+    import torch
+
+    if spec.scores_data:  # the Gauss-Newton model of the loss at this point
+        call = data_call(model, fold, tb, device)
+        out = run(call)
+        expansion = data_expansion(spec, fold, tb, out)
+        return call, _of_output(spec, fold, expansion, tb), expansion.target, expansion, out
+    if fold is None:
+        call, compared = batch_functions(model, spec, tb, device)
+        y = tb.target.to(device=device, dtype=torch.float64)
+    else:
+        call, compared, y = folded_batch_functions(model, fold, tb, device)
+    return call, compared, y, None, run(call)
+
+
+def check_first_design(model: Any, groups: Sequence[tuple[Sequence[Any], int]], tasks: Sequence[TaskTargets],
+                       spec: OutputSpec, device: Any) -> None:
+    """The design check :func:`collect_first_order` makes at its first batch
+    (:func:`check_design_memory`), for each of ``groups`` (``(sites, n)``: a QP's sites and its
+    variables), made before any statistics: one forward pass of the first calibration batch gives
+    its compared outputs per prompt (the fold, the metric's expansion and the sketch as the
+    statistics take them), so that a design that cannot fit is refused before the minutes a start
+    selection or earlier QPs take. CPU only, as the check it anticipates."""
+    import torch
+
+    first = next((tb for t in tasks for tb in t.batches), None)
+    if first is None or not groups or not str(device).startswith("cpu"):
+        return
+    modules = [site_module(model, site) for sites, _ in groups for site in sites]
+    fold = prepare_fold(model, spec, [first], device, modules)
+    with torch.no_grad():
+        _, compared, _, _, out = _batch_output(model, spec, fold, first, device, lambda call: call())
+        h = compared(out)
+    outputs = int(h.shape[1]) if spec.sketch is None else int(spec.sketch)
+    for sites, n in groups:
+        check_design_memory(int(h.shape[0]), outputs, int(n), h.element_size(), [s.name for s in sites])
+
+
 def _of_output(spec: OutputSpec, fold: FoldedHead | None, expansion: CrossEntropyExpansion,
                tb: TargetBatch) -> Callable[[Any], Any]:
     """The expansion's compared output of a model output (its logits, or a classification head's
@@ -429,19 +473,8 @@ def collect_first_order(
                 index += 1
                 if not group.owns(index - 1):
                     continue
-                expansion = None
-                if spec.scores_data:  # the Gauss-Newton model of the loss at this point
-                    call = data_call(model, fold, tb, device)
-                    out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
-                    expansion = data_expansion(spec, fold, tb, out)
-                    compared, y = _of_output(spec, fold, expansion, tb), expansion.target
-                elif fold is None:
-                    call, compared = batch_functions(model, spec, tb, device)
-                    y = tb.target.to(device=device, dtype=torch.float64)
-                else:
-                    call, compared, y = folded_batch_functions(model, fold, tb, device)
-                if expansion is None:
-                    out = run_recorded(call, hooks, labels, f"task {task.name!r} batch {bi}")
+                call, compared, y, expansion, out = _batch_output(
+                    model, spec, fold, tb, device, lambda c: run_recorded(c, hooks, labels, f"task {task.name!r} batch {bi}"))
                 h = compared(out)
                 Bsz = h.shape[0]
                 b = h.to(torch.float64) - y.reshape(Bsz, -1).to(device=h.device, dtype=torch.float64)

@@ -141,7 +141,7 @@ def collect_output_basis(
     import torch  # deferred: torch is heavy
 
     t0 = time.perf_counter()
-    sizes = [int(tb.target[0].numel()) for task in tasks for tb in task.batches]
+    sizes = [tb.sample_size for task in tasks for tb in task.batches]
     if not sizes:
         raise ValidationError(f"basis: optimal at layer {site.name!r}: no calibration batches")
     c = max(sizes)

@@ -109,6 +109,10 @@ def render_markdown(report: dict[str, Any]) -> str:
                          + (f"; labels: {stats['labels']}" if stats.get("labels") else "")
                          + "; " + ", ".join(f"`{m.get('model')}` {m.get('examples')} examples" for m in stats.get("models", [])))
     lines.append(f"- total time: {format_number(report.get('seconds'), 3)} s")
+    for entry in report.get("imports", []):
+        digest = entry.get("sha256")
+        lines.append(f"- imported module: `{entry.get('import')}` ({entry.get('file') or 'no file'}"
+                     + (f", sha256 `{digest[:16]}...`" if digest else "") + ")")
     for n in report.get("notes", []):
         lines.append(f"- note: {n}")
 

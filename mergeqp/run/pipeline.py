@@ -42,6 +42,7 @@ from typing import Any
 
 from .schema import MergeConfig, qp_candidate_block
 from ..errors import Interrupted, MergeQPError, ValidationError, first_line
+from ..plugins import imported_modules
 from ..io.calibration import (
     is_tensor_file,
     load_tokenizer,
@@ -58,9 +59,10 @@ from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.distributed import agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
-from ..io.memory import available_memory_bytes, memory_limit
+from ..io.memory import available_memory_bytes, check_site_memory, estimate_site_memory, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import (
+    KEPT_AS_HIDDEN,
     OutputSpec,
     TargetBatch,
     classification_metrics,
@@ -71,7 +73,7 @@ from ..lm import (
 )
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
-from ..merge.firstorder import TaskTargets
+from ..merge.firstorder import TaskTargets, check_first_design
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import HeldOutStart, MergeContext, WeightSource, calibration_objective
 from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
@@ -306,12 +308,12 @@ def _targets_memory_check(name: str, part: str, cfg: MergeConfig, plan: MergePla
         out = cfg.output
         restrict = ("output.restrict: topk or projection with a small k (e.g. 64)" if out.restrict == "none"
                     else f"a smaller output.k (now {out.k})")
+        fewer = "" if KEPT_AS_HIDDEN in what else f"compare fewer outputs ({restrict}), or "
         raise ValidationError(
             f"models[{name}]: the fine-tune's targets on its {part} prompts need about {nbytes / 1e9:.3g} GB more "
             f"({what}) and {TARGETS_MARGIN_BYTES / 1e9:.2g} GB beside them for the model's activations, more than "
-            f"the {free / 1e9:.3g} GB of memory available; compare fewer outputs "
-            f"({restrict}), or lower calibration.max_length ({plan.max_length}) or the number of prompts "
-            f"(models[{name}].calibration.max_prompts)")
+            f"the {free / 1e9:.3g} GB of memory available; {fewer}lower calibration.max_length ({plan.max_length}) "
+            f"or the number of prompts (models[{name}].calibration.max_prompts)")
     return check
 
 
@@ -517,7 +519,21 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
         if is_output_space(cfg):
             return run.output_space()
-        return run.qp() if cfg.method.is_qp else run.baseline()
+        if cfg.method.is_qp:
+            check_groups_fit(plan)
+            return run.qp()
+        return run.baseline()
+
+
+def check_groups_fit(plan: MergePlan) -> None:
+    """Refuse (exit 2) a QP whose statistics and solve alone (``n_tasks`` sums of ``n x n`` float64
+    and the solver's copies of one: exact sizes, known from the plan) exceed the memory available or
+    ``max_memory``: the check each QP makes before its sums are allocated
+    (:func:`mergeqp.merge.firstorder.collect_first_order`), made before any weight is loaded,
+    instead of after the start candidates, targets and earlier QPs have taken their minutes."""
+    n_tasks = len(plan.config.models)
+    for group in plan.groups:
+        check_site_memory(estimate_site_memory(", ".join(group.sites), group.n_variables, n_tasks))
 
 
 @dataclass
@@ -538,9 +554,8 @@ class _Run:
     def __post_init__(self) -> None:
         cfg = self.plan.config
         self.cfg = cfg
-        self.spec = OutputSpec(cfg.output.field, cfg.output.restrict, cfg.output.k, cfg.seed, cfg.output.metric,
-                               cfg.output.fold_head_flag, cfg.output.sketch, cfg.output.pool, self.plan.output_matrix)
-        self.eval_spec = OutputSpec(cfg.output.field, "none", fold_head=False, pool=cfg.output.pool)
+        self.spec = self.plan.output_spec()
+        self.eval_spec = self.plan.heldout_spec()
 
     def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
         """Write the merged folder with its ``report.json`` / ``report.md`` inside, atomically (the
@@ -553,6 +568,7 @@ class _Run:
 
         def report_of(written: Any) -> dict[str, str]:
             report = MergeReport(plan=self.plan.to_json(), device=self.device, notes=tuple(self.notes),
+                                 imports=tuple(imported_modules()),
                                  output=WrittenOutput.of(written), seconds=time.perf_counter() - self.t_start,
                                  **report_fields)
             made.append(report)
@@ -571,9 +587,45 @@ class _Run:
         return MergeResult(self.plan, made[-1], self.out, model)
 
     # ------------------------------------------------------------------ QP
+    def _check_first_design(self) -> None:
+        """The statistics' check of their first batch's design (:func:`check_first_design`), made
+        before the fine-tunes' targets and any start selection (minutes on a language model): the
+        base model stands in for the first fine-tune (the compared outputs have the same shape) on
+        the run's own first calibration batch, and is freed. A batch that cannot be read here is
+        left to the run, which names it."""
+        plan, cfg = self.plan, self.cfg
+        if not str(self.device).startswith("cpu") or not plan.tasks or not cfg.models[0].prompts():
+            return
+        try:
+            tok = load_tokenizer(plan.tokenizer_folder) if plan.tokenizer_folder else None
+            calib, _ = _batches(cfg, 0, tok, plan.max_length)
+        except MergeQPError:
+            return
+        if not calib:
+            return
+        if cfg.lazy:
+            model = load_lazy(plan.base, cfg.resolve(cfg.base), self.dtype, self.device, lower_blocks(plan.sites)).model
+        else:
+            model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, self.device)
+        head = plan.heads[0] if plan.heads else None
+        try:
+            stand_in = teacher_forced_targets(model, calib[:1], self.spec, self.device, head)
+        except Exception:  # noqa: BLE001 - the model and its inputs: the run names what fails, with the model
+            return
+        by_name = {site.name: site for site in plan.sites}
+        alive = weakref.ref(model)
+        try:
+            check_first_design(model, [([by_name[s] for s in g.sites], g.n_variables) for g in plan.groups],
+                               [TaskTargets(cfg.model_names()[0], 1.0, stand_in)], self.spec, self.device)
+        finally:
+            del model, stand_in
+            if alive() is not None:  # held by a reference cycle: collected before the fine-tunes load
+                gc.collect()
+
     def qp(self) -> MergeResult:
         plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
         m = cfg.method
+        self._check_first_design()
         collector = None
         if statistics_method(cfg) is not None:  # a hybrid start with statistics: those of every tensor
             assert m.start is not None
@@ -592,7 +644,7 @@ class _Run:
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
                               lazy=lazy_models, notes=self.notes)
         if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
-            c = max(int(tb.target[0].numel()) for t in tasks for tb in t.calibration)
+            c = max(tb.sample_size for t in tasks for tb in t.calibration)
             for site in plan.sites:  # before any model is linearised
                 check_jacobian_size(site.name, c, site.r, parse_size(m.basis_max_size))
         if cfg.lazy:  # the blocks below every site stay on disk: only the linearised path is resident

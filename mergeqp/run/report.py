@@ -115,7 +115,9 @@ class MergeReport:
     """Everything a merge reports. ``plan``: the plan's JSON (:meth:`MergePlan.to_json`);
     ``device``: where it ran; ``notes``; for the QP ``layers`` (one record per merged layer),
     ``mode_fields`` (extra fields the merge mode reports, e.g. ``joint_vs_sequential``); for a
-    baseline ``baseline``; ``evaluation`` (when evaluated); ``output``; ``seconds`` (wall)."""
+    baseline ``baseline``; ``evaluation`` (when evaluated); ``output``; ``seconds`` (wall);
+    ``imports``: the user modules imported in the process (:func:`mergeqp.plugins.imported_modules`:
+    ``--import``, ``$MERGEQP_IMPORT``, the config's ``imports:``), in the JSON only when there are any."""
 
     plan: Mapping[str, Any]
     device: str
@@ -126,6 +128,7 @@ class MergeReport:
     evaluation: Evaluation | None = None
     baseline: BaselineSummary | None = None
     mode_fields: Mapping[str, Any] = field(default_factory=dict)
+    imports: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def uncertified_layers(self) -> list[str]:
@@ -134,6 +137,8 @@ class MergeReport:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"plan": self.plan, "device": self.device, "notes": list(self.notes)}
+        if self.imports:
+            out["imports"] = [dict(entry) for entry in self.imports]
         if self.baseline is not None:
             out["baseline"] = self.baseline.to_json()
         out.update(self.mode_fields)

@@ -646,9 +646,11 @@ def test_targets_that_do_not_fit_are_refused_before_they_are_allocated(tiny_hf, 
     the operating system killed the process (exit 137, no message). After the first batch the
     rest is counted and compared with the memory available: here it does not fit, so the merge
     stops with exit 2, naming the model, the size and what to lower, and writes nothing."""
+    import mergeqp.lm as lm
     from mergeqp.cli import main
     from mergeqp.run import pipeline
 
+    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", 10**9)  # every logit held (test_head_targets: hidden states)
     fam = families["llama"]
     cfg = fam.write_config(tmp_path / "big.yml", tiny_hf.MLP_LAYER["llama"],
                            {"name": "qp", "mode": "single", "parametrisation": "scalar"},

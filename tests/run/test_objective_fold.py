@@ -43,7 +43,7 @@ def test_folded_objective_equals_the_logits_objective(fam, monkeypatch, spec, dt
     assert all(tb.hidden is not None for tb in targets)
     unfolded = squared_error(base, targets, dataclasses.replace(spec, fold_head=False), "cpu")
     calls = []
-    monkeypatch.setattr(lm, "compared_output", lambda *a: calls.append(1))  # the logits path is not taken
+    monkeypatch.setattr(lm, "compared_rows", lambda *a: calls.append(1) or [])  # the logits path is not taken
     folded = squared_error(base, targets, spec, "cpu")
     assert not calls and lm.objective_fold(base, spec, targets, "cpu") is not None
     assert folded[1] == unfolded[1]  # the same compared entries

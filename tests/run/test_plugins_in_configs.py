@@ -78,6 +78,12 @@ def test_a_configs_imports_register_what_it_names_and_the_merge_uses_it(tiny_hf,
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     (layer,) = report["layers"]
     assert layer["certificate"]["certified"] and layer["coefficients"]["max"] <= 0.7 + 1e-7
+    # the report names the code that registered what the merge used, with the file's hash
+    import hashlib
+
+    (entry,) = [e for e in report["imports"] if e["file"] == str(plugin)]
+    assert entry["import"] == "cfg_plugin.py" and entry["sha256"] == hashlib.sha256(plugin.read_bytes()).hexdigest()
+    assert f"imported module: `cfg_plugin.py` ({plugin}" in (tmp_path / "out" / "report.md").read_text()
     # a missing module is named with the key, before anything else
     bad = _config(fam, tmp_path / "bad.yml", {"name": "qp"}, imports=["nowhere.py"])
     with pytest.raises(ConfigError, match=r"bad.yml: imports: nowhere.py: no such file"):

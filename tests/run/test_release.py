@@ -44,4 +44,6 @@ def test_models_are_freed_before_the_next_loads(tiny_hf, fam, tmp_path, monkeypa
     run_merge(cfg, tmp_path / "out", progress=False)
     n_ft = len(fam.finetuned)
     assert len(loaded) >= n_ft
-    assert len(collections) == (n_ft if cycle else 0)
+    # a QP run also loads the base first, as the stand-in fine-tune of its early design check, and frees it
+    freed = n_ft + (1 if method["name"] == "qp" else 0)
+    assert len(collections) == (freed if cycle else 0)

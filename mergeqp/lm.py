@@ -306,7 +306,8 @@ class HeadTargets:
     """A fine-tune's head, kept so that its every-logit targets need not be: a target batch
     that holds only the fine-tune's final hidden states ``n*`` (``(B, T, H)``) forms its
     ``(B, T, V)`` logits ``W n* + b`` when they are read, one batch at a time, with the
-    head's own ``weight`` (``(V, H)``) and ``bias`` in the model's dtype on the CPU. Used by
+    head's own ``weight`` (``(V, H)``) and ``bias`` in the model's dtype, on the model's device
+    (a GPU run forms them there, as its forward pass did, and moves them to the CPU). Used by
     :func:`teacher_forced_targets` only where every batch's logits formed so are the model's
     own to rounding of its dtype (checked; bitwise on the CPU), and only for the compared
     output of every logit with the Euclidean metric (``restrict: none``), where the logits are
@@ -321,10 +322,10 @@ class HeadTargets:
         return int(self.weight.shape[0])
 
     def logits(self, hidden: Any) -> Any:
-        """``hidden @ W' + b`` in the head's dtype, on the CPU (``hidden``: any dtype)."""
+        """``hidden @ W' + b`` in the head's dtype, on the head's device (``hidden``: any dtype or device)."""
         import torch
 
-        return torch.nn.functional.linear(hidden.to("cpu", self.weight.dtype), self.weight, self.bias)
+        return torch.nn.functional.linear(hidden.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
 
     def same_as(self, weight: Any, bias: Any) -> bool:
         """Whether ``weight`` / ``bias`` are this head's, entry for entry."""
@@ -334,7 +335,7 @@ class HeadTargets:
             if a is None or b is None:
                 return a is None and b is None
             return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-                    and bool(torch.equal(a.detach().to("cpu"), b)))
+                    and bool(torch.equal(a.detach().to(b.device), b)))
 
         return equal(weight, self.weight) and equal(bias, self.bias)
 
@@ -350,16 +351,15 @@ _HEADS: list[weakref.ref] = []
 
 
 def _shared_head(weight: Any, bias: Any) -> HeadTargets:
-    """A :class:`HeadTargets` of ``weight`` / ``bias`` (a copy on the CPU), shared with a live one
-    that has the same entries."""
+    """A :class:`HeadTargets` of ``weight`` / ``bias`` (a copy, on their device), shared with a live
+    one that has the same entries there."""
     live = [ref for ref in _HEADS if ref() is not None]
     _HEADS[:] = live
     for ref in live:
         head = ref()
-        if head is not None and head.same_as(weight, bias):
+        if head is not None and head.weight.device == weight.device and head.same_as(weight, bias):
             return head
-    head = HeadTargets(weight.detach().to("cpu", copy=True),
-                       None if bias is None else bias.detach().to("cpu", copy=True))
+    head = HeadTargets(weight.detach().clone(), None if bias is None else bias.detach().clone())
     _HEADS.append(weakref.ref(head))
     return head
 
@@ -411,20 +411,22 @@ class TargetBatch:
     def target(self) -> Any:
         """The compared output of the fine-tune (float64, CPU); formed by the ``source`` head from
         ``hidden`` each time it is read when the batch holds no target."""
-        import torch
-
         if self.source is None:
             return self.stored
-        return apply_mask(self.source.logits(self.hidden), self.batch.mask).to(torch.float64)
+        return self._formed(self.hidden, self.batch.mask)
+
+    def _formed(self, hidden: Any, mask: Any) -> Any:
+        """The source head's logits of ``hidden``, masked, as float64 on the CPU (the stored form)."""
+        import torch
+
+        logits = self.source.logits(hidden)
+        return apply_mask(logits, None if mask is None else mask.to(logits.device)).to("cpu", torch.float64)
 
     def target_rows(self, rows: slice) -> Any:
         """``target[rows]``, formed for those samples only when the batch holds no target."""
-        import torch
-
         if self.source is None:
             return self.stored[rows]
-        mask = None if self.batch.mask is None else self.batch.mask[rows]
-        return apply_mask(self.source.logits(self.hidden[rows]), mask).to(torch.float64)
+        return self._formed(self.hidden[rows], None if self.batch.mask is None else self.batch.mask[rows])
 
     @property
     def target_shape(self) -> tuple[int, ...]:
@@ -687,13 +689,13 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
 
 
 def _same_target(formed: Any, target: Any, device: Any) -> bool:
-    """Whether the target formed by the head (on the CPU) is the model's own: entry for entry when
-    the model ran on the CPU, to rounding of float32 on another device."""
+    """Whether the target formed by the head (on the model's device) is the model's own: entry for
+    entry when the model ran on the CPU, to rounding of float32 on another device."""
     import torch
 
     if torch.device(device).type == "cpu":
         return bool(torch.equal(formed, target))
-    return _agree(formed, target, torch.float32)
+    return bool(torch.equal(formed, target)) or _agree(formed, target, torch.float32)
 
 
 def target_bytes(tb: TargetBatch) -> int:

@@ -213,3 +213,16 @@ def test_outputs_compared_a_few_samples_at_a_time_give_the_whole_batch_numbers(f
     assert rows[0][1] == whole[0][1] and rows[0][0] == pytest.approx(whole[0][0], rel=1e-12)
     for a, b in zip(dataclasses.astuple(rows[1]), dataclasses.astuple(whole[1])):
         assert (a is None) == (b is None) and (a is None or a == pytest.approx(b, rel=1e-12))
+
+
+def test_formed_logits_must_be_the_models_own_entry_for_entry_on_the_cpu_to_rounding_elsewhere(fam, monkeypatch):
+    """(A GPU's head product may differ from the CPU's in the last bits: there the check allows
+    float32 rounding; on the CPU, where the same product runs, it asks for equal entries.) The head
+    copy lives on the model's device."""
+    _, (ft, _), batches = _models(fam)
+    tb = _targets(ft, batches, OutputSpec(), monkeypatch, 1)[0]
+    assert tb.source.weight.device == ft.get_output_embeddings().weight.device
+    y = tb.target
+    nudged = y * (1 + 1e-9)
+    assert lm._same_target(y, y.clone(), "cpu") and not lm._same_target(nudged, y, "cpu")
+    assert lm._same_target(nudged, y, "cuda") and not lm._same_target(y * 1.01, y, "cuda")

@@ -757,9 +757,9 @@ def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarr
         low_sum = np.bincount(groups, weights=lo[member], minlength=st.totals.size)
         whole = np.bincount(groups, minlength=st.totals.size) == np.bincount(st.group[st.group >= 0],
                                                                              minlength=st.totals.size)
-        ok = member & whole[np.maximum(st.group, 0)]  # every lower bound of its group finite
-        hi = np.where(ok, np.minimum(hi, lo + (st.totals[np.maximum(st.group, 0)] - low_sum[np.maximum(st.group, 0)])),
-                      hi)
+        g = np.maximum(st.group, 0)  # each variable's group (0 for those in none: masked by member)
+        ok = member & whole[g]  # every lower bound of its group finite
+        hi = np.where(ok, np.minimum(hi, lo + (st.totals[g] - low_sum[g])), hi)
     if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
         return None
     return lo, hi

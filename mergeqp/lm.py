@@ -728,11 +728,7 @@ def compared_rows(model: Any, tb: TargetBatch, spec: OutputSpec, device: Any) ->
     raw = spec.raw(forward(model, tb.batch, device))
     mask, index, probs = tb.selection(raw.device)
     B = int(raw.shape[0])
-    per_sample = 8 * max(tb.sample_size, 1)
-    step = max(1, COMPARED_CHUNK_BYTES // per_sample)
-    if step >= B:
-        yield slice(0, B), spec.select(raw, mask, index, probs).to("cpu", torch.float64), tb.target
-        return
+    step = max(1, COMPARED_CHUNK_BYTES // (8 * max(tb.sample_size, 1)))
 
     def rows(t: Any, r: slice) -> Any:
         return None if t is None else t[r]
@@ -1224,6 +1220,7 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
         verified["head"] = None
         verified["targets"].clear()
     dtype = fold.weight.dtype
+    shares_head: dict[int, bool] = {}  # a kept target's head against the model's: once per head copy
     for i, tb in enumerate(batches):
         seen = verified["targets"].get(id(tb.identity))
         if verified["head"] is not None and seen is not None and seen[0]() is tb.identity and seen[1]() is tb.hidden:
@@ -1249,7 +1246,9 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
             if data:
                 break
             # a target formed by the fine-tune's own head: the model's head, entry for entry, forms it
-            shared = tb.source is not None and tb.source.same_as(fold.weight, fold.bias)
+            if tb.source is not None and id(tb.source) not in shares_head:
+                shares_head[id(tb.source)] = tb.source.same_as(fold.weight, fold.bias)
+            shared = tb.source is not None and shares_head[id(tb.source)]
             if not shared:
                 mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
                 target = tb.target

@@ -282,6 +282,13 @@ def _batches(cfg: MergeConfig, index: int, tokenizer: Any, max_length: int) -> t
     return tokenize_batches(tokenizer, calib, L, size), (tokenize_batches(tokenizer, held, L, size) if held else [])
 
 
+def _collect_if_held(alive: weakref.ref) -> None:
+    """Collect a dropped model that a reference cycle keeps alive (``alive()`` not ``None``); not
+    unconditionally: a full collection cost ~0.3 s in a large process."""
+    if alive() is not None:
+        gc.collect()
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     """A failed allocation (CPU or device), not a model rejecting its inputs."""
     import torch
@@ -371,8 +378,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
             lazy.append(lazy_summary([loaded]))
         alive = weakref.ref(model)
         del model, loaded
-        if alive() is not None:  # held by a reference cycle: collect it before the next model loads
-            gc.collect()  # (not unconditionally: a full collection cost ~0.3 s in a large process)
+        _collect_if_held(alive)  # before the next model loads
         if targets:
             log(f"targets for {name}: {len(calib)} calibration + {len(held)} held-out batches "
                 f"({time.perf_counter() - t:.1f} s)")
@@ -587,6 +593,15 @@ class _Run:
         return MergeResult(self.plan, made[-1], self.out, model)
 
     # ------------------------------------------------------------------ QP
+    def _load_base(self) -> tuple[Any, LazyModel | None]:
+        """The base model to merge into, and with ``lazy: true`` its :class:`LazyModel` (the blocks
+        below every site stay on disk: only the linearised path is resident), else ``None``."""
+        plan, cfg = self.plan, self.cfg
+        if cfg.lazy:
+            lazy = load_lazy(plan.base, cfg.resolve(cfg.base), self.dtype, self.device, lower_blocks(plan.sites))
+            return lazy.model, lazy
+        return load_model(plan.base, cfg.resolve(cfg.base), self.dtype, self.device), None
+
     def _check_first_design(self) -> None:
         """The statistics' check of their first batch's design (:func:`check_first_design`), made
         before the fine-tunes' targets and any start selection (minutes on a language model): the
@@ -603,10 +618,7 @@ class _Run:
             return
         if not calib:
             return
-        if cfg.lazy:
-            model = load_lazy(plan.base, cfg.resolve(cfg.base), self.dtype, self.device, lower_blocks(plan.sites)).model
-        else:
-            model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, self.device)
+        model = self._load_base()[0]
         head = plan.heads[0] if plan.heads else None
         try:
             stand_in = teacher_forced_targets(model, calib[:1], self.spec, self.device, head)
@@ -619,8 +631,7 @@ class _Run:
                                [TaskTargets(cfg.model_names()[0], 1.0, stand_in)], self.spec, self.device)
         finally:
             del model, stand_in
-            if alive() is not None:  # held by a reference cycle: collected before the fine-tunes load
-                gc.collect()
+            _collect_if_held(alive)  # before the fine-tunes load
 
     def qp(self) -> MergeResult:
         plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
@@ -647,11 +658,7 @@ class _Run:
             c = max(tb.sample_size for t in tasks for tb in t.calibration)
             for site in plan.sites:  # before any model is linearised
                 check_jacobian_size(site.name, c, site.r, parse_size(m.basis_max_size))
-        if cfg.lazy:  # the blocks below every site stay on disk: only the linearised path is resident
-            base_lazy = load_lazy(plan.base, cfg.resolve(cfg.base), self.dtype, device, lower_blocks(plan.sites))
-            model = base_lazy.model
-        else:
-            model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
+        model, base_lazy = self._load_base()
         task_targets = [TaskTargets(t.name, t.weight, t.calibration) for t in tasks]
         settings = qp_settings(cfg, device)
         if atom_collectors:

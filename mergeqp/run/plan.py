@@ -801,14 +801,14 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
                               f"a smaller calibration.batch_size, or folds: 1)")
 
 
-def _targets_bytes(plan: MergePlan, prompts: int, held: int, T: int, per_pos: int) -> int:
-    """The fine-tunes' targets on the calibration and held-out prompts (float64): ``per_pos``
+def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T: int, per_pos: int) -> int:
+    """The fine-tunes' targets of ``spec`` on the calibration and held-out prompts (float64): ``per_pos``
     compared numbers per position, every logit on the held-out ones, or the final hidden state
     where the targets are kept as it (:class:`~mergeqp.lm.HeadTargets`: a linear head much wider
     than its input, every logit compared); the fold's hidden states beside restricted targets
     are not counted."""
     head = linear_head(plan.skeleton) if plan.skeleton is not None else None
-    spec, held_spec = plan.output_spec(), plan.heldout_spec()
+    held_spec = plan.heldout_spec()
 
     def width(s: OutputSpec, whole: int) -> int:
         if head is not None and keeps_head_targets(s, int(head.out_features), int(head.in_features)):
@@ -831,7 +831,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
                int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
     prompts = sum(t.n_calibration for t in plan.tasks)
     held = sum(t.n_heldout for t in plan.tasks)
-    targets = _targets_bytes(plan, prompts, held, T, per_pos)
+    spec = plan.output_spec()
+    targets = _targets_bytes(plan, spec, prompts, held, T, per_pos)
     stats_method = statistics_method(cfg)
     if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
@@ -890,7 +891,6 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
     vocab = plan.vocab_size or per_pos
-    spec = plan.output_spec()
     # a head folded into the final hidden state (docs/lm-statistics.md) forms no logits' tangents
     logits = 0 if plan.vocab_size and spec.fold_obstacle() is None else vocab
     # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once

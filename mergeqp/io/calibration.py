@@ -53,6 +53,12 @@ class Batch:
         first = next(iter(self.inputs.values()))
         return int(first.shape[0])
 
+    @property
+    def elements(self) -> int:
+        """Entries of the first input (prompts x positions for token ids): how large its outputs are."""
+        first = next(iter(self.inputs.values()))
+        return int(first.numel())
+
     def to(self, device: Any) -> Batch:
         return Batch({k: v.to(device) for k, v in self.inputs.items()},
                      None if self.mask is None else self.mask.to(device),

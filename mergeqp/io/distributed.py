@@ -3,8 +3,20 @@ which calibration batches it handles, and the reductions that make its partial s
 
 A command launched by ``torchrun`` (which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT``) enters :func:`launched`: the default process group is initialised (``gloo`` for
-CPU devices, ``nccl`` for CUDA) and torn down at the end. Anywhere inside, :func:`current_group`
-answers a :class:`Ranks` -- for a plain single process ``Ranks(0, 1)``, whose methods do nothing.
+CPU devices, ``nccl`` for CUDA) with a group of mergeqp's own over the same ranks, on which every
+collective below runs; both are torn down when the process exits. Anywhere inside,
+:func:`current_group` answers a :class:`Ranks` -- for a plain single process ``Ranks(0, 1)``,
+whose methods do nothing.
+
+Why a group of its own: importing some torch modules after the default group exists
+(``torch.distributed.nn``, which ``transformers``' model code imports) stores the default group as
+a function default, so that destroying it at exit no longer frees it. Its gloo worker threads then
+live into the interpreter's finalisation, and one still releasing the last tensor of a finished
+collective there needs the GIL and aborts the process (``terminate called without an active
+exception``, exit -6, after the outputs were written: seen about once in 30 launches). mergeqp's
+own group is referenced by this module alone, so the teardown at exit (:func:`_destroy`) frees it,
+which waits for its workers and joins them while the interpreter is whole; the default group, which
+runs no collective of mergeqp's, has nothing left to release.
 
 The statistics collectors use four things only:
 
@@ -93,7 +105,7 @@ class Ranks:
         import torch.distributed as dist  # deferred: torch is heavy
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=_OWN_GROUP)
         return out
 
     def spread(self, items: Sequence[T], work: Callable[[int, T], U]) -> list[U]:
@@ -130,12 +142,17 @@ class Ranks:
             # gloo reduces CPU tensors, nccl CUDA ones: a copy on the backend's device if needed
             on_cpu = self.backend != "nccl"
             work = t if (t.device.type == "cpu") == on_cpu else t.to("cpu" if on_cpu else "cuda")
-            dist.all_reduce(work, op=reduce_op)
+            dist.all_reduce(work, op=reduce_op, group=_OWN_GROUP)
             if work is not t:
                 t.copy_(work)
 
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("mergeqp_alone", default=False)
+
+#: the process group mergeqp's collectives run on: its own one over every rank, made by
+#: :func:`launched` (see the module's docstring), or ``None`` (the default group: one a caller
+#: initialised); referenced here only, so that :func:`_destroy` frees it
+_OWN_GROUP: Any = None
 
 
 @contextlib.contextmanager
@@ -218,12 +235,18 @@ def launched(device: str = "cpu") -> Iterator[Ranks]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
     atexit.register(_destroy)
+    global _OWN_GROUP
+    _OWN_GROUP = dist.new_group(backend=backend)
     yield current_group()
 
 
 def _destroy() -> None:
+    """At exit: destroy every process group. mergeqp's own is freed here (its last reference
+    dropped), its workers finishing and joined while the interpreter is whole."""
     import torch.distributed as dist  # deferred: torch is heavy
 
+    global _OWN_GROUP
+    _OWN_GROUP = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

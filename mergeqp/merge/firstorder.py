@@ -269,17 +269,19 @@ def _batch_output(model: Any, spec: OutputSpec, fold: FoldedHead | None, tb: Tar
 
 def check_first_design(model: Any, groups: Sequence[tuple[Sequence[Any], int]], tasks: Sequence[TaskTargets],
                        spec: OutputSpec, device: Any) -> None:
-    """The design check :func:`collect_first_order` makes at its first batch
-    (:func:`check_design_memory`), for each of ``groups`` (``(sites, n)``: a QP's sites and its
-    variables), made before any statistics: one forward pass of the first calibration batch gives
-    its compared outputs per prompt (the fold, the metric's expansion and the sketch as the
-    statistics take them), so that a design that cannot fit is refused before the minutes a start
-    selection or earlier QPs take. CPU only, as the check it anticipates."""
+    """The design check :func:`collect_first_order` makes at its first batch (and at any larger
+    one: :func:`check_design_memory`), for each of ``groups`` (``(sites, n)``: a QP's sites and its
+    variables), made before any statistics: one forward pass of the largest of the given batches
+    (the most prompts x positions) gives its compared outputs per prompt (the fold, the metric's
+    expansion and the sketch as the statistics take them), so that a design that cannot fit is
+    refused before the minutes a start selection or earlier QPs take. CPU only, as the check it
+    anticipates."""
     import torch
 
-    first = next((tb for t in tasks for tb in t.batches), None)
-    if first is None or not groups or not str(device).startswith("cpu"):
+    given = [tb for t in tasks for tb in t.batches]
+    if not given or not groups or not str(device).startswith("cpu"):
         return
+    first = max(given, key=lambda tb: tb.batch.elements)  # the most prompts x positions: the largest design
     modules = [site_module(model, site) for sites, _ in groups for site in sites]
     fold = prepare_fold(model, spec, [first], device, modules)
     with torch.no_grad():
@@ -372,9 +374,26 @@ def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, s
     raise ValidationError(
         f"statistics at {', '.join(sites)}: one calibration batch's design ({samples} prompts x {outputs} "
         f"compared outputs each x {atoms} atoms) needs about {human_bytes(need)}, more than "
-        f"{what}; lower calibration.batch_size, compare fewer outputs "
-        f"(output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer atoms "
-        f"(method.parametrisation)")
+        f"{what}; {_what_fits(free, samples, outputs, atoms, itemsize)}lower calibration.batch_size, compare "
+        f"fewer outputs (output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer "
+        f"atoms (method.parametrisation)")
+
+
+def _what_fits(free: int, samples: int, outputs: int, atoms: int, itemsize: int) -> str:
+    """The largest batch (prompts) and sketch (compared outputs per prompt) with which the design
+    fits in ``free`` bytes, each changed alone (the design is linear in both), as the start of a
+    sentence; empty when neither fits even at 1."""
+    one = design_bytes(1, 1, 1, itemsize)
+    fits = []
+    prompts = free // (outputs * atoms * one)
+    if 1 <= prompts < samples:
+        fits.append(f"calibration.batch_size: {prompts}")
+    width = free // (samples * atoms * one)
+    if 1 <= width < outputs:
+        fits.append(f"output: {{sketch: {width}}}")
+    if not fits:
+        return ""
+    return f"the design fits with {' or with '.join(fits)}{' (each alone)' if len(fits) > 1 else ''}; otherwise "
 
 
 def widest_layer(model: Any) -> int:
@@ -461,7 +480,7 @@ def collect_first_order(
                desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
                leave=False, disable=not progress or not group.is_writer())
     index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
-    first = True  # this rank's first batch: its design's memory is checked before it is built
+    checked = 0  # the largest design (prompts x outputs) checked: a larger one is checked before it is built
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
     fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
@@ -484,13 +503,13 @@ def collect_first_order(
                     e["current"] += expansion.loss
                     sums.c[ti] += expansion.loss - float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
-                if first and str(device).startswith("cpu"):  # before the first allocation
-                    outputs = int(h.shape[1]) if S is None else int(S.shape[1])
+                outputs = int(h.shape[1]) if S is None else int(S.shape[1])
+                if Bsz * outputs > checked and str(device).startswith("cpu"):  # before its allocation
                     check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
                     check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
                                                   len(tasks), outputs, h.element_size(), chunk_size,
                                                   jacobian_mode, samples=Bsz))
-                first = False
+                    checked = Bsz * outputs
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):

@@ -603,11 +603,12 @@ class _Run:
         return load_model(plan.base, cfg.resolve(cfg.base), self.dtype, self.device), None
 
     def _check_first_design(self) -> None:
-        """The statistics' check of their first batch's design (:func:`check_first_design`), made
+        """The statistics' check of their largest batch's design (:func:`check_first_design`), made
         before the fine-tunes' targets and any start selection (minutes on a language model): the
         base model stands in for the first fine-tune (the compared outputs have the same shape) on
-        the run's own first calibration batch, and is freed. A batch that cannot be read here is
-        left to the run, which names it."""
+        the first task's largest calibration batch (most prompts x positions), and is freed. A batch
+        that cannot be read here is left to the run, which names it. A later task's larger batch is
+        checked by the statistics themselves, before its design is built."""
         plan, cfg = self.plan, self.cfg
         if not str(self.device).startswith("cpu") or not plan.tasks or not cfg.models[0].prompts():
             return
@@ -621,7 +622,8 @@ class _Run:
         model = self._load_base()[0]
         head = plan.heads[0] if plan.heads else None
         try:
-            stand_in = teacher_forced_targets(model, calib[:1], self.spec, self.device, head)
+            largest = max(calib, key=lambda b: b.elements)  # the most prompts x positions of task 0
+            stand_in = teacher_forced_targets(model, [largest], self.spec, self.device, head)
         except Exception:  # noqa: BLE001 - the model and its inputs: the run names what fails, with the model
             return
         by_name = {site.name: site for site in plan.sites}

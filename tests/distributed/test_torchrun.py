@@ -50,14 +50,20 @@ sys.exit(max(codes))
 def _torchrun(commands: list[list[str]], cwd: Path) -> subprocess.CompletedProcess:
     """Run each ``mergeqp`` command line of ``commands`` in turn in one ``torchrun --standalone
     --nproc-per-node 2`` launch, with this checkout importable."""
+    (cwd / "commands.json").write_text(json.dumps(commands))
+    return _launch(DRIVER, cwd, str(cwd / "commands.json"))
+
+
+def _launch(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run the Python ``script`` (written to ``cwd``) on two ranks: ``torchrun --standalone
+    --nproc-per-node 2``, with this checkout importable."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     if not os.path.exists(torchrun):
         pytest.skip("torchrun is not installed next to this Python")
-    (cwd / "driver.py").write_text(DRIVER)
-    (cwd / "commands.json").write_text(json.dumps(commands))
+    (cwd / "driver.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(cwd / "driver.py"), str(cwd / "commands.json")]
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", str(cwd / "driver.py"), *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
@@ -213,3 +219,41 @@ def test_a_check_of_rank_0_alone_stops_every_rank_with_its_code(runs):
     assert text.count("is not empty; pass --overwrite") == 1, text[-3000:]
     assert "Connection closed" not in text and "GLHF" not in text
     assert sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
+
+
+TEARDOWN = """
+import json, os, sys
+import torch
+from mergeqp.io import distributed as D
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+imported_before = "torch.distributed.nn" in sys.modules
+with D.launched("cpu") as group:
+    import torch.distributed.nn  # stores the default group as a function default from here on
+    live = threads()
+    t = torch.full((3,), float(group.rank + 1), dtype=torch.float64)
+    group.all_reduce_sum([t])
+    gathered = group.gather(group.rank)
+D._destroy()  # what runs at exit
+with open(f"teardown-{os.environ['RANK']}.json", "w") as f:
+    json.dump({"imported_before": imported_before, "live": live, "after": threads(),
+               "sum": t.tolist(), "gathered": gathered}, f)
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc/self/task (Linux)")
+def test_the_teardown_at_exit_joins_the_workers_of_mergeqps_group(tmp_path):
+    """A module imported inside the launch keeps the default group alive past its destruction
+    (``torch.distributed.nn``, which ``transformers``' model code imports, stores it as a function
+    default); the collectives run on mergeqp's own group, which the teardown frees: its gloo
+    worker threads are joined before the interpreter finalises (a worker still releasing a tensor
+    there aborted about one launch in 30 with exit -6)."""
+    run = _launch(TEARDOWN, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"teardown-{rank}.json").read_text())
+        assert not got["imported_before"], "the default group was never held: the test shows nothing"
+        assert got["sum"] == [3.0, 3.0, 3.0] and got["gathered"] == [0, 1], got
+        assert got["after"] < got["live"], got  # the workers of mergeqp's group are gone

@@ -93,7 +93,9 @@ def test_a_first_batch_design_that_cannot_fit_is_refused_before_the_fine_tunes_l
     check = fo.check_design_memory
     monkeypatch.setattr(fo, "check_design_memory", lambda *a, **k: seen.append(a[:4]) or check(*a, **k))
     pipeline.run_merge(cfg, tmp_path / "ok", progress=False, plan=plan)  # fits: the early and the run's checks agree
-    assert len(seen) >= 2 and seen[0] == seen[1]
+    # the early check (the first task's largest batch) is one the run makes; the run checks its
+    # first batch's design and each larger one, before building it
+    assert len(seen) >= 2 and seen[0] in seen[1:], seen
     samples, outputs, n, itemsize = seen[0]
     need = memory.design_bytes(samples, outputs, n, itemsize)
     loads = []
@@ -104,3 +106,30 @@ def test_a_first_batch_design_that_cannot_fit_is_refused_before_the_fine_tunes_l
     with pytest.raises(ValidationError, match=r"one calibration batch's design \(\d+ prompts x \d+ compared outputs"):
         pipeline.run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
     assert loads == [plan.base] and not (tmp_path / "out").exists()
+
+
+def test_a_later_larger_batch_is_checked_before_its_design_is_built(tiny_hf, fam, tmp_path, monkeypatch):
+    """Batches are padded to their longest prompt, so a later task's batch can hold a larger design
+    than the first: the statistics check each design larger than any checked before (here the
+    second task's longer prompts), and refuse it, naming what fits, before building it."""
+    import mergeqp.merge.firstorder as fo
+
+    short, long_ = tmp_path / "short.txt", tmp_path / "long.txt"
+    short.write_text("\n".join(["cat dog"] * 8) + "\n")
+    long_.write_text("\n".join(["the cat runs on the mat and the dog sits"] * 8) + "\n")
+    cfg_path = fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"},
+                                models=[{"name": t, "path": str(ft), "calibration": str(p)}
+                                        for t, ft, p in zip(fam.tasks, fam.finetuned, (short, long_))])
+    cfg = load_config(cfg_path)
+    seen = []
+    check = fo.check_design_memory
+    monkeypatch.setattr(fo, "check_design_memory", lambda *a, **k: seen.append(a[:4]) or check(*a, **k))
+    pipeline.run_merge(cfg, tmp_path / "ok", progress=False)
+    early, first, later = seen  # the early check (the first task's largest batch), then the run's two
+    assert early == first and later[0] * later[1] > first[0] * first[1] and later[2:] == first[2:]
+    # enough memory for the first task's design, not the second's: refused at the second, before it is built
+    monkeypatch.setattr(fo, "available_memory_bytes", lambda: memory.design_bytes(*first))
+    with pytest.raises(ValidationError, match=rf"{later[0]} prompts x {later[1]} compared outputs.*fits with "
+                                              rf"output: \{{sketch: {first[0] * first[1] // later[0]}\}}"):
+        pipeline.run_merge(cfg, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()

@@ -195,8 +195,10 @@ def test_a_design_larger_than_the_available_memory_is_refused_before_it_is_built
 
     spec = OutputSpec()
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: 10_000)
+    # 9.8 KiB: not one prompt's 160 outputs x 32 atoms, but 3 prompts sketched to 3 outputs each
     with pytest.raises(ValidationError, match=r"needs about .* [KMGT]?i?B, more than the 9.8 KiB of memory available; "
-                                              r"lower calibration.batch_size"):
+                                              r"the design fits with output: \{sketch: 3\}; "
+                                              r"otherwise lower calibration.batch_size"):
         _stats(llama, spec)
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: None)  # unknown: no check
     assert np.isfinite(_stats(llama, spec).H).all()
@@ -209,3 +211,11 @@ def test_design_memory_counts_the_design_and_its_copies():
     check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need)
     with pytest.raises(ValidationError, match=r"encoder.layer.5.output.dense: .*32 prompts x 18432 compared outputs"):
         check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need - 1)
+    # what fits, each changed alone: a quarter of the memory holds 8 prompts, or a quarter of the outputs
+    with pytest.raises(ValidationError, match=r"fits with calibration.batch_size: 8 or with output: \{sketch: 4608\}"):
+        check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need // 4)
+    check_design_memory(8, 18432, 1536, 4, ["x"], available=need // 4)  # and both do fit
+    check_design_memory(32, 4608, 1536, 4, ["x"], available=need // 4)
+    # not even one prompt with one output fits: no numbers, the advice alone
+    with pytest.raises(ValidationError, match=r"than the .* available; lower calibration.batch_size"):
+        check_design_memory(32, 18432, 1536, 4, ["x"], available=1536 * 28 - 1)

@@ -45,7 +45,7 @@ from ..io.calibration import (
 from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
 from ..io.arrays import read_head, read_matrix
-from ..io.memory import human_bytes
+from ..io.memory import design_bytes, human_bytes
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
@@ -818,6 +818,17 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
     return prompts * T * width(spec, per_pos) * 8 + held * T * width(held_spec, plan.vocab_size or per_pos) * 8
 
 
+def _design_outputs(plan: MergePlan, spec: OutputSpec, T: int, per_pos: int, hidden: int) -> int:
+    """Compared outputs per prompt in the statistics' design, as the run forms them: a sketch's
+    count; else positions (one when pooled) times the numbers compared per position, at most the
+    final hidden width where a language model's head folds into it (a Linear head assumed; the run
+    checks it, and the design, at its start: ``check_first_design``)."""
+    if spec.sketch is not None:
+        return int(spec.sketch)
+    folds = plan.vocab_size is not None and spec.fold_obstacle() is None
+    return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if folds else per_pos)
+
+
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
     """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
     cfg = plan.config
@@ -883,13 +894,14 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8
-    out["jacobian block"] = B * T * per_pos * n_max * 8
+    bcfg = plan.base.config or {}
+    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
+    out["design (one batch: prompts x compared outputs x n, with its float64 copies)"] = design_bytes(
+        B, _design_outputs(plan, spec, T, per_pos, hidden), n_max, elem)
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
     out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
     out["targets"] = targets
     chunk = min(256, n_max) if n_max else 0
-    bcfg = plan.base.config or {}
-    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
     vocab = plan.vocab_size or per_pos
     # a head folded into the final hidden state (docs/lm-statistics.md) forms no logits' tangents
     logits = 0 if plan.vocab_size and spec.fold_obstacle() is None else vocab

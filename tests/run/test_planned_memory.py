@@ -96,6 +96,11 @@ def test_a_first_batch_design_that_cannot_fit_is_refused_before_the_fine_tunes_l
     # the early check (the first task's largest batch) is one the run makes; the run checks its
     # first batch's design and each larger one, before building it
     assert len(seen) >= 2 and seen[0] in seen[1:], seen
+    # the plan's (and --dry-run's) design item: the same formula at the longest batch the plan allows
+    design = next(v for k, v in plan.memory.items() if k.startswith("design (one batch"))
+    assert design >= max(memory.design_bytes(*s) for s in seen)
+    if plan.batch_length * 16 == seen[0][1]:  # prompts as long as the plan's longest: equal (hidden 16: folded)
+        assert design == memory.design_bytes(*seen[0])
     samples, outputs, n, itemsize = seen[0]
     need = memory.design_bytes(samples, outputs, n, itemsize)
     loads = []

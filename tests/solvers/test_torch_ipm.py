@@ -4,6 +4,7 @@ polyhedral set, its options and errors, ``auto``'s choice, and CUDA against the 
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -143,9 +144,26 @@ def test_every_kind_of_set_matches_dense_ipm(random_psd_problem, rel_diff, param
     host = solve(problem, cset, solver="dense_ipm", rel_tol=1e-7)
     dev = solve(problem, cset, solver="torch_ipm", device="cpu", crossover=crossover, rel_tol=1e-7)
     assert dev.certificate.feasible, dev.certificate.explain()
-    if host.certificate.certified(1e-7):
+    if host.certificate.certified(1e-7) and not _rounding_slope_on_an_unbounded_set(problem, cset, dev):
         assert dev.certificate.certified(1e-7) or dev.certificate.at_rounding_floor, dev.certificate.explain()
     assert rel_diff(dev.objective, host.objective) <= 1e-6, (dev.objective, host.objective)
+
+
+def _rounding_slope_on_an_unbounded_set(problem, cset, sol) -> bool:
+    """The certificate's documented float64 limit (docs/certificates.md): on an unbounded set, a
+    gradient that is all rounding (each entry within 100 x :func:`gradient_rounding`) can slope
+    down along a ray of the set by a rounding error, and the Frank-Wolfe gap is then infinite
+    although the point is optimal to float64 (hypothesis found one: ``nonneg & sign``, J* = 0,
+    ``grad = [-2e-16, 0, 6e-17, -4e-16]``, where dense_ipm's point had ``grad = [2e-16, 0, 0, 0]``)."""
+    from mergeqp.problem import gradient_rounding
+
+    if cset.bounded or math.isfinite(sol.certificate.fw_gap):
+        return False
+    x = sol.d.ravel()
+    grad = problem.H @ x + problem.g
+    floor = gradient_rounding(problem.n, float(np.abs(problem.g).max(initial=0.0)),
+                              float(np.abs(np.diag(problem.H)).max(initial=0.0)), float(np.abs(x).max(initial=0.0)))
+    return float(np.abs(grad).max(initial=0.0)) <= 100.0 * floor
 
 
 def test_crossover_auto_is_on_only_for_unbounded_sets(rel_diff) -> None:

@@ -346,6 +346,18 @@ class HeadTargets:
 HEAD_TARGETS_MIN_RATIO = 2
 #: how :func:`teacher_forced_targets`'s memory check describes targets kept as hidden states
 KEPT_AS_HIDDEN = "the final hidden states (the logits are formed from them by the head when read)"
+
+
+@dataclass(frozen=True)
+class TargetsNeed:
+    """What the rest of a fine-tune's target batches will add, for a memory check
+    (:func:`teacher_forced_targets`'s ``check``): ``nbytes``; ``what``, a description; and
+    ``kept_as_hidden``, whether they are final hidden states (:class:`HeadTargets`), whose size a
+    restriction of the compared outputs does not change."""
+
+    nbytes: int
+    what: str
+    kept_as_hidden: bool = False
 #: the heads of live :class:`HeadTargets`: fine-tunes that share a head share one copy of it
 _HEADS: list[weakref.ref] = []
 
@@ -627,14 +639,14 @@ def head_logits(spec: OutputSpec, head: ClassifierHead, batch: Batch, model_outp
 
 def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpec, device: Any,
                            head: ClassifierHead | None = None,
-                           check: Callable[[int, str], None] | None = None) -> list[TargetBatch]:
+                           check: Callable[[TargetsNeed], None] | None = None) -> list[TargetBatch]:
     """The fine-tuned ``model``'s compared outputs on ``batches`` (teacher forced), as targets
     (for a metric that scores the prompts' own tokens or, with the task's ``head``, their class
     labels: those labels; ``model`` is then not run).
 
-    ``check(nbytes, what)``: called once, after the first batch, with the bytes that the other
-    batches' targets will add (:func:`target_bytes` of the first, scaled by each batch's
-    positions) and a description of them; it may refuse (raise) before they are allocated."""
+    ``check(need)``: called once, after the first batch, with the :class:`TargetsNeed` of the other
+    batches' targets (:func:`target_bytes` of the first, scaled by each batch's positions); it may
+    refuse (raise) before they are allocated."""
     import torch
 
     if spec.scores_data:
@@ -682,9 +694,10 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
             rest = sum(_positions(b) for b in batches[1:])
             shape = out[0].target_shape
             width = shape[-1] if shape else 1
-            what = (KEPT_AS_HIDDEN if out[0].source is not None else f"{width:,} compared outputs" + (", their distributions"
+            kept = out[0].source is not None
+            what = (KEPT_AS_HIDDEN if kept else f"{width:,} compared outputs" + (", their distributions"
                     if probs is not None else "") + (", the final hidden states" if out[0].hidden is not None else ""))
-            check(first * rest // max(positions, 1), f"{rest:,} more positions x {what} (float64)")
+            check(TargetsNeed(first * rest // max(positions, 1), f"{rest:,} more positions x {what} (float64)", kept))
     return out
 
 

@@ -62,9 +62,9 @@ from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_
 from ..io.memory import available_memory_bytes, check_site_memory, estimate_site_memory, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import (
-    KEPT_AS_HIDDEN,
     OutputSpec,
     TargetBatch,
+    TargetsNeed,
     classification_metrics,
     head_log_likelihood,
     squared_error,
@@ -304,21 +304,22 @@ def _out_of_memory(exc: BaseException) -> bool:
 TARGETS_MARGIN_BYTES = 256 * 2**20
 
 
-def _targets_memory_check(name: str, part: str, cfg: MergeConfig, plan: MergePlan) -> Callable[[int, str], None]:
+def _targets_memory_check(name: str, part: str, cfg: MergeConfig, plan: MergePlan) -> Callable[[TargetsNeed], None]:
     """A ``check`` for :func:`teacher_forced_targets`: refuses (exit 2, before they are allocated)
     targets that do not fit in the memory this machine has available (``MemAvailable``), instead
     of the process being killed by the operating system with no message."""
-    def check(nbytes: int, what: str) -> None:
+    def check(need: TargetsNeed) -> None:
         free = available_memory_bytes()
+        nbytes = need.nbytes
         if free is None or nbytes + TARGETS_MARGIN_BYTES <= free:
             return
         out = cfg.output
         restrict = ("output.restrict: topk or projection with a small k (e.g. 64)" if out.restrict == "none"
                     else f"a smaller output.k (now {out.k})")
-        fewer = "" if KEPT_AS_HIDDEN in what else f"compare fewer outputs ({restrict}), or "
+        fewer = "" if need.kept_as_hidden else f"compare fewer outputs ({restrict}), or "
         raise ValidationError(
             f"models[{name}]: the fine-tune's targets on its {part} prompts need about {nbytes / 1e9:.3g} GB more "
-            f"({what}) and {TARGETS_MARGIN_BYTES / 1e9:.2g} GB beside them for the model's activations, more than "
+            f"({need.what}) and {TARGETS_MARGIN_BYTES / 1e9:.2g} GB beside them for the model's activations, more than "
             f"the {free / 1e9:.3g} GB of memory available; {fewer}lower calibration.max_length ({plan.max_length}) "
             f"or the number of prompts (models[{name}].calibration.max_prompts)")
     return check

@@ -674,7 +674,7 @@ def test_target_bytes_counts_what_a_batch_holds(tiny_hf, families):
     """``check`` receives the other batches' bytes: the first batch's, scaled by positions (batch x
     padded length), exact since every per-position output is ``(B, T, width)``."""
     from mergeqp.io.calibration import load_tokenizer, read_prompts, tokenize_batches
-    from mergeqp.lm import OutputSpec, target_bytes, teacher_forced_targets
+    from mergeqp.lm import KEPT_AS_HIDDEN, OutputSpec, target_bytes, teacher_forced_targets
 
     fam = families["llama"]
     tok = load_tokenizer(fam.base)
@@ -682,12 +682,15 @@ def test_target_bytes_counts_what_a_batch_holds(tiny_hf, families):
     batches = tokenize_batches(tok, texts, 12, 2)
     assert len(batches) == 3 and len({b.inputs["input_ids"].shape for b in batches}) > 1
     model = _reload(fam, fam.base)
-    calls: list[tuple[int, str]] = []
+    calls: list = []
     for spec in (OutputSpec(fold_head=False), OutputSpec(restrict="topk", k=3, metric="kl")):
         calls.clear()
-        out = teacher_forced_targets(model, batches, spec, "cpu", check=lambda b, w: calls.append((b, w)))
-        assert len(calls) == 1 and calls[0][0] == sum(target_bytes(tb) for tb in out[1:])
-    assert "distributions" in calls[0][1] and "3 compared outputs" in calls[0][1]
+        out = teacher_forced_targets(model, batches, spec, "cpu", check=calls.append)
+        assert len(calls) == 1 and calls[0].nbytes == sum(target_bytes(tb) for tb in out[1:])
+        # every logit (vocabulary 46 >= 2 x hidden 16): kept as hidden states; a restriction: held whole
+        assert calls[0].kept_as_hidden == (spec.restrict == "none")
+        assert (KEPT_AS_HIDDEN in calls[0].what) == calls[0].kept_as_hidden
+    assert "distributions" in calls[0].what and "3 compared outputs" in calls[0].what
 
 
 def test_a_users_method_or_mode_that_answers_wrongly_is_named(families, tmp_path, capsys):

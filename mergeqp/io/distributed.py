@@ -105,7 +105,7 @@ class Ranks:
         import torch.distributed as dist  # deferred: torch is heavy
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=_OWN_GROUP)
+        dist.all_gather_object(out, obj, group=_own_group())
         return out
 
     def spread(self, items: Sequence[T], work: Callable[[int, T], U]) -> list[U]:
@@ -142,7 +142,7 @@ class Ranks:
             # gloo reduces CPU tensors, nccl CUDA ones: a copy on the backend's device if needed
             on_cpu = self.backend != "nccl"
             work = t if (t.device.type == "cpu") == on_cpu else t.to("cpu" if on_cpu else "cuda")
-            dist.all_reduce(work, op=reduce_op, group=_OWN_GROUP)
+            dist.all_reduce(work, op=reduce_op, group=_own_group())
             if work is not t:
                 t.copy_(work)
 
@@ -153,6 +153,17 @@ _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("mergeqp_alone", d
 #: :func:`launched` (see the module's docstring), or ``None`` (the default group: one a caller
 #: initialised); referenced here only, so that :func:`_destroy` frees it
 _OWN_GROUP: Any = None
+#: the default group :data:`_OWN_GROUP` was made beside: a caller who destroys it and initialises
+#: another makes :data:`_OWN_GROUP` stale (it is then not used)
+_OWN_WORLD: Any = None
+
+
+def _own_group() -> Any:
+    """:data:`_OWN_GROUP` while the default group it was made beside lives, else ``None`` (the
+    default group)."""
+    import torch.distributed as dist  # deferred: torch is heavy
+
+    return _OWN_GROUP if _OWN_GROUP is not None and dist.group.WORLD is _OWN_WORLD else None
 
 
 @contextlib.contextmanager
@@ -235,8 +246,8 @@ def launched(device: str = "cpu") -> Iterator[Ranks]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend)
     atexit.register(_destroy)
-    global _OWN_GROUP
-    _OWN_GROUP = dist.new_group(backend=backend)
+    global _OWN_GROUP, _OWN_WORLD
+    _OWN_GROUP, _OWN_WORLD = dist.new_group(backend=backend), dist.group.WORLD
     yield current_group()
 
 
@@ -245,8 +256,8 @@ def _destroy() -> None:
     dropped), its workers finishing and joined while the interpreter is whole."""
     import torch.distributed as dist  # deferred: torch is heavy
 
-    global _OWN_GROUP
-    _OWN_GROUP = None
+    global _OWN_GROUP, _OWN_WORLD
+    _OWN_GROUP = _OWN_WORLD = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -272,7 +272,7 @@ def check_first_design(model: Any, groups: Sequence[tuple[Sequence[Any], int]], 
     """The design check :func:`collect_first_order` makes at its first batch (and at any larger
     one: :func:`check_design_memory`), for each of ``groups`` (``(sites, n)``: a QP's sites and its
     variables), made before any statistics: one forward pass of the largest of the given batches
-    (the most prompts x positions) gives its compared outputs per prompt (the fold, the metric's
+    (:func:`largest_design_batch`) gives its compared outputs per prompt (the fold, the metric's
     expansion and the sketch as the statistics take them), so that a design that cannot fit is
     refused before the minutes a start selection or earlier QPs take. CPU only, as the check it
     anticipates."""
@@ -281,7 +281,8 @@ def check_first_design(model: Any, groups: Sequence[tuple[Sequence[Any], int]], 
     given = [tb for t in tasks for tb in t.batches]
     if not given or not groups or not str(device).startswith("cpu"):
         return
-    first = max(given, key=lambda tb: tb.batch.elements)  # the most prompts x positions: the largest design
+    largest = largest_design_batch([tb.batch for tb in given], spec)
+    first = next(tb for tb in given if tb.batch is largest)
     modules = [site_module(model, site) for sites, _ in groups for site in sites]
     fold = prepare_fold(model, spec, [first], device, modules)
     with torch.no_grad():
@@ -360,6 +361,14 @@ def _captured(A: Any, b: Any, rcond: float = 1e-10) -> float:
     return float((proj * proj * inv).sum())
 
 
+def largest_design_batch(batches: Sequence[Any], spec: OutputSpec) -> Any:
+    """The batch (:class:`~mergeqp.io.calibration.Batch`) of ``batches`` with the largest design:
+    the most prompts x positions, or the most prompts where the compared outputs per prompt do not
+    depend on positions (a sketch, a pooled output); the first of equals."""
+    per_prompt = spec.sketch is not None or spec.pool != "none"
+    return max(batches, key=lambda b: b.size if per_prompt else b.elements)
+
+
 def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, sites: Sequence[str],
                         available: int | None = None) -> None:
     """Refuse, before any allocation, a batch whose design ``A`` (``samples x outputs x atoms``,
@@ -371,29 +380,27 @@ def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, s
     need = design_bytes(samples, outputs, atoms, itemsize)
     if free is None or need <= free:
         return
+    prompts, width = _what_fits(free, samples, outputs, atoms, itemsize)
     raise ValidationError(
         f"statistics at {', '.join(sites)}: one calibration batch's design ({samples} prompts x {outputs} "
-        f"compared outputs each x {atoms} atoms) needs about {human_bytes(need)}, more than "
-        f"{what}; {_what_fits(free, samples, outputs, atoms, itemsize)}lower calibration.batch_size, compare "
-        f"fewer outputs (output.restrict: projection|topk with a small k, or output.sketch: s), or use fewer "
-        f"atoms (method.parametrisation)")
+        f"compared outputs each x {atoms} atoms) needs about {human_bytes(need)}, more than {what}. Lower "
+        f"calibration.batch_size{f' (the design alone fits with at most {prompts})' if prompts else ''}, "
+        f"compare fewer outputs (output.restrict: projection|topk with a small k, or output: {{sketch: s}}"
+        f"{f': the design and the sketch fit with s at most {width}' if width else ''}), or use fewer atoms "
+        f"(method.parametrisation); the statistics' other memory comes on top")
 
 
-def _what_fits(free: int, samples: int, outputs: int, atoms: int, itemsize: int) -> str:
-    """The largest batch (prompts) and sketch (compared outputs per prompt) with which the design
-    fits in ``free`` bytes, each changed alone (the design is linear in both), as the start of a
-    sentence; empty when neither fits even at 1."""
+def _what_fits(free: int, samples: int, outputs: int, atoms: int, itemsize: int) -> tuple[int, int]:
+    """``(prompts, width)``: the most prompts per batch with which the design alone fits in ``free``
+    bytes, and the largest sketch (compared outputs per prompt) with which the design and the
+    sketch itself (``prompts x s x outputs``, drawn in float64 and cast; at most 2^28 entries:
+    :meth:`OutputSpec.sketch_matrix`) fit at this batch; 0 for one that is not smaller than now or
+    does not fit even at 1. Each is an upper bound: the statistics' other memory (sums, tangents)
+    comes on top."""
     one = design_bytes(1, 1, 1, itemsize)
-    fits = []
     prompts = free // (outputs * atoms * one)
-    if 1 <= prompts < samples:
-        fits.append(f"calibration.batch_size: {prompts}")
-    width = free // (samples * atoms * one)
-    if 1 <= width < outputs:
-        fits.append(f"output: {{sketch: {width}}}")
-    if not fits:
-        return ""
-    return f"the design fits with {' or with '.join(fits)}{' (each alone)' if len(fits) > 1 else ''}; otherwise "
+    width = min(free // (samples * (atoms * one + outputs * (8 + itemsize))), 2**28 // (samples * outputs))
+    return (prompts if 1 <= prompts < samples else 0), (width if 1 <= width < outputs else 0)
 
 
 def widest_layer(model: Any) -> int:
@@ -480,7 +487,11 @@ def collect_first_order(
                desc="statistics " + ",".join(a.site.name for a in atoms)[:60],
                leave=False, disable=not progress or not group.is_writer())
     index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
-    checked = 0  # the largest design (prompts x outputs) checked: a larger one is checked before it is built
+    # the largest design (prompts x outputs) and batch (prompts x positions) checked: a larger one
+    # is checked before it is built; under torchrun a refusal stops this rank's batches and is raised
+    # on every rank after them (the others would otherwise wait for it in the reduction)
+    checked = (0, 0)
+    refused: ValidationError | None = None
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
     fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
@@ -490,7 +501,7 @@ def collect_first_order(
             count = 0
             for bi, tb in enumerate(task.batches):
                 index += 1
-                if not group.owns(index - 1):
+                if refused is not None or not group.owns(index - 1):
                     continue
                 call, compared, y, expansion, out = _batch_output(
                     model, spec, fold, tb, device, lambda c: run_recorded(c, hooks, labels, f"task {task.name!r} batch {bi}"))
@@ -504,12 +515,19 @@ def collect_first_order(
                     sums.c[ti] += expansion.loss - float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 outputs = int(h.shape[1]) if S is None else int(S.shape[1])
-                if Bsz * outputs > checked and str(device).startswith("cpu"):  # before its allocation
-                    check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
-                    check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
-                                                  len(tasks), outputs, h.element_size(), chunk_size,
-                                                  jacobian_mode, samples=Bsz))
-                    checked = Bsz * outputs
+                size = (Bsz * outputs, tb.batch.elements)
+                if (size[0] > checked[0] or size[1] > checked[1]) and str(device).startswith("cpu"):  # before its allocation
+                    try:
+                        check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
+                        check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
+                                                      len(tasks), outputs, h.element_size(), chunk_size,
+                                                      jacobian_mode, samples=Bsz))
+                    except ValidationError as exc:
+                        if not group.distributed:
+                            raise
+                        refused = exc
+                        continue
+                    checked = (max(size[0], checked[0]), max(size[1], checked[1]))
                 blocks = []
                 exact_f = []  # with a sketch: each site's unsketched f, for the exact g
                 for a, hook in zip(atoms, hooks):
@@ -560,6 +578,10 @@ def collect_first_order(
             counts.append(count)
             energies.append(e)
     bar.close()
+    if group.distributed:
+        refusals = [r for r in group.gather(refused) if r is not None]
+        if refusals:  # the first rank's, on every rank (rank 0 prints it)
+            raise refusals[0]
     if group.distributed:  # every statistic is a sum over batches: add the ranks' parts
         group.all_reduce_sum([sums.H, sums.g, sums.c])
         keys = list(energies[0]) if energies else []

@@ -73,7 +73,7 @@ from ..lm import (
 )
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
-from ..merge.firstorder import TaskTargets, check_first_design
+from ..merge.firstorder import TaskTargets, check_first_design, largest_design_batch
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import HeldOutStart, MergeContext, WeightSource, calibration_objective
 from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
@@ -623,7 +623,7 @@ class _Run:
         model = self._load_base()[0]
         head = plan.heads[0] if plan.heads else None
         try:
-            largest = max(calib, key=lambda b: b.elements)  # the most prompts x positions of task 0
+            largest = largest_design_batch(calib, self.spec)  # of task 0
             stand_in = teacher_forced_targets(model, [largest], self.spec, self.device, head)
         except Exception:  # noqa: BLE001 - the model and its inputs: the run names what fails, with the model
             return

@@ -822,10 +822,11 @@ def _design_outputs(plan: MergePlan, spec: OutputSpec, T: int, per_pos: int, hid
     """Compared outputs per prompt in the statistics' design, as the run forms them: a sketch's
     count; else positions (one when pooled) times the numbers compared per position, at most the
     final hidden width where a language model's head folds into it (a Linear head assumed; the run
-    checks it, and the design, at its start: ``check_first_design``)."""
+    checks it, and the design, at its start: ``check_first_design``) except under ``topk``, whose
+    folded width is its k."""
     if spec.sketch is not None:
         return int(spec.sketch)
-    folds = plan.vocab_size is not None and spec.fold_obstacle() is None
+    folds = plan.vocab_size is not None and spec.fold_obstacle() is None and spec.restrict != "topk"
     return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if folds else per_pos)
 
 

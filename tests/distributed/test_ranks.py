@@ -77,3 +77,28 @@ def test_agree_on_shares_the_writer_check_with_its_exit_code():
         agree_on(Ranks(), refuse)
     assert other_rank({"WORLD_SIZE": "2", "RANK": "1"}) and not other_rank({"WORLD_SIZE": "2", "RANK": "0"})
     assert not other_rank({}) and not other_rank({"WORLD_SIZE": "x", "RANK": "1"})
+
+
+def test_mergeqps_own_group_is_used_only_beside_the_default_group_it_was_made_with(monkeypatch):
+    """A caller that destroys the default group and initialises another one after a launch (in the
+    same process) gets the new default group for mergeqp's collectives, not the destroyed own group."""
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no group initialised by the caller")
+    from mergeqp.io import distributed as D
+
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        monkeypatch.setattr(D, "_OWN_GROUP", dist.new_group(backend="gloo"))
+        monkeypatch.setattr(D, "_OWN_WORLD", dist.group.WORLD)
+        assert D._own_group() is D._OWN_GROUP
+        dist.destroy_process_group()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        assert D._own_group() is None  # stale: the new default group instead
+        t = torch.ones(2, dtype=torch.float64)
+        dist.all_reduce(t, group=D._own_group())  # the new default group works
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

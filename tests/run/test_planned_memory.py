@@ -99,8 +99,8 @@ def test_a_first_batch_design_that_cannot_fit_is_refused_before_the_fine_tunes_l
     # the plan's (and --dry-run's) design item: the same formula at the longest batch the plan allows
     design = next(v for k, v in plan.memory.items() if k.startswith("design (one batch"))
     assert design >= max(memory.design_bytes(*s) for s in seen)
-    if plan.batch_length * 16 == seen[0][1]:  # prompts as long as the plan's longest: equal (hidden 16: folded)
-        assert design == memory.design_bytes(*seen[0])
+    assert plan.batch_length * 16 == seen[0][1]  # prompts as long as the plan's longest (hidden 16: folded)
+    assert design == memory.design_bytes(*seen[0])  # and then equal
     samples, outputs, n, itemsize = seen[0]
     need = memory.design_bytes(samples, outputs, n, itemsize)
     loads = []
@@ -132,9 +132,82 @@ def test_a_later_larger_batch_is_checked_before_its_design_is_built(tiny_hf, fam
     pipeline.run_merge(cfg, tmp_path / "ok", progress=False)
     early, first, later = seen  # the early check (the first task's largest batch), then the run's two
     assert early == first and later[0] * later[1] > first[0] * first[1] and later[2:] == first[2:]
-    # enough memory for the first task's design, not the second's: refused at the second, before it is built
-    monkeypatch.setattr(fo, "available_memory_bytes", lambda: memory.design_bytes(*first))
-    with pytest.raises(ValidationError, match=rf"{later[0]} prompts x {later[1]} compared outputs.*fits with "
-                                              rf"output: \{{sketch: {first[0] * first[1] // later[0]}\}}"):
+    # memory for the first task's design and for one prompt fewer of the second's: refused at the
+    # second, before it is built, naming that batch size
+    free = memory.design_bytes(later[0] - 1, *later[1:])
+    assert memory.design_bytes(*first) <= free
+    monkeypatch.setattr(fo, "available_memory_bytes", lambda: free)
+    prompts = later[0] - 1
+    with pytest.raises(ValidationError, match=rf"{later[0]} prompts x {later[1]} compared outputs.*"
+                                              rf"the design alone fits with at most {prompts}\)"):
         pipeline.run_merge(cfg, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_under_torchrun_a_ranks_refusal_is_raised_on_every_rank(tiny_hf, fam, tmp_path, monkeypatch):
+    """Ranks check the batches they own; a rank that refuses one stops building its batches and every
+    rank raises its error after their batches, before the reduction (where the others would wait for
+    it): rank 0, which prints, gives the refusing rank's message. Seen from rank 0 of two, with the
+    other rank's verdict supplied by the gathering."""
+    from dataclasses import dataclass
+
+    import mergeqp.merge.firstorder as fo
+    from mergeqp.io.distributed import Ranks
+
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
+    gathered = []
+
+    @dataclass(frozen=True)
+    class TwoRanks(Ranks):
+        verdict_of_the_other: object = None
+
+        def gather(self, obj):
+            gathered.append(obj)
+            other = [self.verdict_of_the_other]
+            return [obj, *other] if self.rank == 0 else [*other, obj]
+
+        def _reduce(self, tensors, op):  # the statistics' sums: never reached after a refusal
+            raise AssertionError("reduced after a refusal")
+
+    other = ValidationError("statistics at x: one calibration batch's design (refused by rank 1)")
+    monkeypatch.setattr(fo, "current_group", lambda: TwoRanks(0, 2, "gloo", other))
+    with pytest.raises(ValidationError, match=r"refused by rank 1"):
+        pipeline.run_merge(cfg, tmp_path / "a", progress=False)
+    assert gathered == [None]  # this rank's batches all passed
+    # this rank refuses its first batch: it builds no design, and raises its own error after the others
+    built = []
+    monkeypatch.setattr(fo.GaussNewtonSums, "add_design", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(pipeline, "check_first_design", lambda *a, **k: None)  # (the early check would refuse)
+    monkeypatch.setattr(fo, "available_memory_bytes", lambda: 1)
+    monkeypatch.setattr(fo, "current_group", lambda: TwoRanks(1, 2, "gloo", None))
+    gathered.clear()
+    with pytest.raises(ValidationError, match=r"one calibration batch's design") as e:
+        pipeline.run_merge(cfg, tmp_path / "b", progress=False)
+    assert gathered == [e.value] and not built
+
+
+def test_the_largest_design_batch_counts_what_the_outputs_scale_with():
+    """Every logit per position: prompts x positions decide the design; a sketch (or pooling): the
+    prompts alone."""
+    from mergeqp.io.calibration import Batch
+    from mergeqp.lm import OutputSpec
+    from mergeqp.merge.firstorder import largest_design_batch
+
+    long_few = Batch({"input_ids": torch.zeros(3, 50, dtype=torch.long)})
+    short_many = Batch({"input_ids": torch.zeros(8, 10, dtype=torch.long)})
+    assert largest_design_batch([short_many, long_few], OutputSpec()) is long_few
+    assert largest_design_batch([long_few, short_many], OutputSpec(sketch=4)) is short_many
+
+
+@pytest.mark.parametrize("output, per_position", [({}, 16), ({"restrict": "topk", "k": 20}, 20),
+                                                  ({"restrict": "projection", "k": 8}, 8)])
+def test_the_plans_design_item_counts_the_runs_compared_outputs(tiny_hf, fam, tmp_path, output, per_position):
+    """Outputs per position in the dry run's design item: a folded head's hidden width (16) for
+    every logit (46), a top-k's k even above the hidden width, a projection's k."""
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj",
+                                       {"name": "qp", "mode": "single"}, output=output))
+    plan = build_plan(cfg)
+    design = next(v for k, v in plan.memory.items() if k.startswith("design (one batch"))
+    (group,) = plan.groups
+    B = min(cfg.calibration.batch_size, max(t.n_calibration for t in plan.tasks))
+    assert design == memory.design_bytes(B, plan.batch_length * per_position, group.n_variables, 8)

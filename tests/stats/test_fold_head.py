@@ -195,10 +195,10 @@ def test_a_design_larger_than_the_available_memory_is_refused_before_it_is_built
 
     spec = OutputSpec()
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: 10_000)
-    # 9.8 KiB: not one prompt's 160 outputs x 32 atoms, but 3 prompts sketched to 3 outputs each
-    with pytest.raises(ValidationError, match=r"needs about .* [KMGT]?i?B, more than the 9.8 KiB of memory available; "
-                                              r"the design fits with output: \{sketch: 3\}; "
-                                              r"otherwise lower calibration.batch_size"):
+    # 9.8 KiB: not one prompt's 160 outputs x 32 atoms, nor 3 prompts sketched to one output each
+    # (the sketch's own 3 x 160 float64 entries and their copy): the advice without numbers
+    with pytest.raises(ValidationError, match=r"needs about .* [KMGT]?i?B, more than the 9.8 KiB of memory available\. "
+                                              r"Lower calibration.batch_size, compare fewer outputs \(.*sketch: s\}\), "):
         _stats(llama, spec)
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: None)  # unknown: no check
     assert np.isfinite(_stats(llama, spec).H).all()
@@ -211,11 +211,17 @@ def test_design_memory_counts_the_design_and_its_copies():
     check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need)
     with pytest.raises(ValidationError, match=r"encoder.layer.5.output.dense: .*32 prompts x 18432 compared outputs"):
         check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need - 1)
-    # what fits, each changed alone: a quarter of the memory holds 8 prompts, or a quarter of the outputs
-    with pytest.raises(ValidationError, match=r"fits with calibration.batch_size: 8 or with output: \{sketch: 4608\}"):
-        check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=need // 4)
-    check_design_memory(8, 18432, 1536, 4, ["x"], available=need // 4)  # and both do fit
-    check_design_memory(32, 4608, 1536, 4, ["x"], available=need // 4)
+    # what fits, each changed alone: a quarter of the memory holds 8 prompts' designs; a sketch of s
+    # outputs needs the design (32 x s x 1536) and the sketch (32 x s x 18432, float64 and float32),
+    # 750 by memory, and at most 2^28 sketch entries per batch: 455
+    free = need // 4
+    with pytest.raises(ValidationError, match=r"batch_size \(the design alone fits with at most 8\).*"
+                                              r"sketch: s\}: the design and the sketch fit with s at most 455\)"):
+        check_design_memory(32, 18432, 1536, 4, ["encoder.layer.5.output.dense"], available=free)
+    check_design_memory(8, 18432, 1536, 4, ["x"], available=free)  # 8 prompts fit, 9 do not
+    with pytest.raises(ValidationError):
+        check_design_memory(9, 18432, 1536, 4, ["x"], available=free)
+    assert free // (32 * (1536 * 28 + 18432 * 12)) == 750 and 32 * 455 * 18432 <= 2**28 < 32 * 456 * 18432
     # not even one prompt with one output fits: no numbers, the advice alone
-    with pytest.raises(ValidationError, match=r"than the .* available; lower calibration.batch_size"):
+    with pytest.raises(ValidationError, match=r"than the .* available\. Lower calibration.batch_size, compare"):
         check_design_memory(32, 18432, 1536, 4, ["x"], available=1536 * 28 - 1)

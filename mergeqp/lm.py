@@ -358,6 +358,8 @@ class TargetsNeed:
     nbytes: int
     what: str
     kept_as_hidden: bool = False
+
+
 #: the heads of live :class:`HeadTargets`: fine-tunes that share a head share one copy of it
 _HEADS: list[weakref.ref] = []
 

@@ -607,7 +607,7 @@ class _Run:
         """The statistics' check of their largest batch's design (:func:`check_first_design`), made
         before the fine-tunes' targets and any start selection (minutes on a language model): the
         base model stands in for the first fine-tune (the compared outputs have the same shape) on
-        the first task's largest calibration batch (most prompts x positions), and is freed. A batch
+        the first task's largest calibration batch (:func:`largest_design_batch`), and is freed. A batch
         that cannot be read here is left to the run, which names it. A later task's larger batch is
         checked by the statistics themselves, before its design is built."""
         plan, cfg = self.plan, self.cfg

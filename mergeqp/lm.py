@@ -692,8 +692,8 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
         del target
         out.append(tb)
         if check is not None and len(out) == 1 and len(batches) > 1:
-            first, positions = target_bytes(out[0]), _positions(batch)
-            rest = sum(_positions(b) for b in batches[1:])
+            first, positions = target_bytes(out[0]), batch.positions
+            rest = sum(b.positions for b in batches[1:])
             shape = out[0].target_shape
             width = shape[-1] if shape else 1
             kept = out[0].source is not None
@@ -719,11 +719,6 @@ def target_bytes(tb: TargetBatch) -> int:
     return sum(int(t.numel()) * int(t.element_size()) for t in (tb.stored, tb.index, tb.probs, tb.hidden)
                if t is not None)
 
-
-def _positions(batch: Batch) -> int:
-    """Positions a batch's per-position outputs take (``B x T``; ``B`` for unsequenced inputs)."""
-    first = next(iter(batch.inputs.values()))
-    return int(first.shape[0]) * (int(first.shape[1]) if first.dim() >= 2 else 1)
 
 
 #: float64 bytes of the model's compared output that one step of :func:`compared_rows` forms (at

@@ -54,10 +54,11 @@ class Batch:
         return int(first.shape[0])
 
     @property
-    def elements(self) -> int:
-        """Entries of the first input (prompts x positions for token ids): how large its outputs are."""
+    def positions(self) -> int:
+        """Prompts x positions of the first input (its first two axes; the prompts alone for a
+        one-axis input): how many per-position outputs the batch has."""
         first = next(iter(self.inputs.values()))
-        return int(first.numel())
+        return int(first.shape[0]) * (int(first.shape[1]) if first.dim() >= 2 else 1)
 
     def to(self, device: Any) -> Batch:
         return Batch({k: v.to(device) for k, v in self.inputs.items()},

@@ -366,7 +366,7 @@ def largest_design_batch(batches: Sequence[Any], spec: OutputSpec) -> Any:
     the most prompts x positions, or the most prompts where the compared outputs per prompt do not
     depend on positions (a sketch, a pooled output); the first of equals."""
     per_prompt = spec.sketch is not None or spec.pool != "none"
-    return max(batches, key=lambda b: b.size if per_prompt else b.elements)
+    return max(batches, key=lambda b: b.size if per_prompt else b.positions)
 
 
 def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, sites: Sequence[str],
@@ -515,7 +515,7 @@ def collect_first_order(
                     sums.c[ti] += expansion.loss - float((b * b).sum())
                 S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
                 outputs = int(h.shape[1]) if S is None else int(S.shape[1])
-                size = (Bsz * outputs, tb.batch.elements)
+                size = (Bsz * outputs, tb.batch.positions)
                 if (size[0] > checked[0] or size[1] > checked[1]) and str(device).startswith("cpu"):  # before its allocation
                     try:
                         check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
@@ -578,11 +578,10 @@ def collect_first_order(
             counts.append(count)
             energies.append(e)
     bar.close()
-    if group.distributed:
-        refusals = [r for r in group.gather(refused) if r is not None]
-        if refusals:  # the first rank's, on every rank (rank 0 prints it)
-            raise refusals[0]
     if group.distributed:  # every statistic is a sum over batches: add the ranks' parts
+        refusals = [r for r in group.gather(refused) if r is not None]
+        if refusals:  # (unless a rank refused a batch: the first one's error, on every rank; rank 0 prints it)
+            raise refusals[0]
         group.all_reduce_sum([sums.H, sums.g, sums.c])
         keys = list(energies[0]) if energies else []
         flat = group.reduce_floats([*counts, *(e[k] for e in energies for k in keys)])

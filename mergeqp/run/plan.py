@@ -818,16 +818,16 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
     return prompts * T * width(spec, per_pos) * 8 + held * T * width(held_spec, plan.vocab_size or per_pos) * 8
 
 
-def _design_outputs(plan: MergePlan, spec: OutputSpec, T: int, per_pos: int, hidden: int) -> int:
+def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden: int) -> int:
     """Compared outputs per prompt in the statistics' design, as the run forms them: a sketch's
     count; else positions (one when pooled) times the numbers compared per position, at most the
-    final hidden width where a language model's head folds into it (a Linear head assumed; the run
-    checks it, and the design, at its start: ``check_first_design``) except under ``topk``, whose
-    folded width is its k."""
+    final hidden width where a language model's head ``folds`` into it (a Linear head assumed; the
+    run checks it, and the design, at its start: ``check_first_design``) except under ``topk``,
+    whose folded width is its k."""
     if spec.sketch is not None:
         return int(spec.sketch)
-    folds = plan.vocab_size is not None and spec.fold_obstacle() is None and spec.restrict != "topk"
-    return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if folds else per_pos)
+    narrowed = folds and spec.restrict != "topk"
+    return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
 
 
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
@@ -897,15 +897,17 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     out["statistics"] = n_tasks * n_max * n_max * 8
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
+    # a head folded into the final hidden state (docs/lm-statistics.md): its width is compared, and
+    # no logits' tangents are formed
+    folds = bool(plan.vocab_size) and spec.fold_obstacle() is None
     out["design (one batch: prompts x compared outputs x n, with its float64 copies)"] = design_bytes(
-        B, _design_outputs(plan, spec, T, per_pos, hidden), n_max, elem)
+        B, _design_outputs(spec, folds, T, per_pos, hidden), n_max, elem)
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
     out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
     out["targets"] = targets
     chunk = min(256, n_max) if n_max else 0
     vocab = plan.vocab_size or per_pos
-    # a head folded into the final hidden state (docs/lm-statistics.md) forms no logits' tangents
-    logits = 0 if plan.vocab_size and spec.fold_obstacle() is None else vocab
+    logits = 0 if folds else vocab
     # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once
     out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + logits) * elem * 2
     return out

@@ -155,15 +155,13 @@ def _rounding_slope_on_an_unbounded_set(problem, cset, sol) -> bool:
     down along a ray of the set by a rounding error, and the Frank-Wolfe gap is then infinite
     although the point is optimal to float64 (hypothesis found one: ``nonneg & sign``, J* = 0,
     ``grad = [-2e-16, 0, 6e-17, -4e-16]``, where dense_ipm's point had ``grad = [2e-16, 0, 0, 0]``)."""
-    from mergeqp.problem import gradient_rounding
+    from mergeqp.certificate import _gradient_rounding  # the certificate's own floor
 
     if cset.bounded or math.isfinite(sol.certificate.fw_gap):
         return False
     x = sol.d.ravel()
     grad = problem.H @ x + problem.g
-    floor = gradient_rounding(problem.n, float(np.abs(problem.g).max(initial=0.0)),
-                              float(np.abs(np.diag(problem.H)).max(initial=0.0)), float(np.abs(x).max(initial=0.0)))
-    return float(np.abs(grad).max(initial=0.0)) <= 100.0 * floor
+    return float(np.abs(grad).max(initial=0.0)) <= 100.0 * _gradient_rounding(problem, x, grad)
 
 
 def test_crossover_auto_is_on_only_for_unbounded_sets(rel_diff) -> None:

@@ -41,6 +41,7 @@ import atexit
 import contextlib
 import contextvars
 import os
+import pickle
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -124,11 +125,28 @@ class Ranks:
                     except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
                         mine[i] = _Failed(exc)
                         break
-        merged = {i: r for part in self.gather(mine) for i, r in part.items()}
-        failed = [merged[i] for i in sorted(merged) if isinstance(merged[i], _Failed)]
-        if failed:
-            raise failed[0].error
+        sent = {i: _Failed(_portable(r.error)) if isinstance(r, _Failed) else r for i, r in mine.items()}
+        merged = {i: r for part in self.gather(sent) for i, r in part.items()}
+        failed = sorted(i for i in merged if isinstance(merged[i], _Failed))
+        if failed:  # the first item's error: its own rank raises the original (its traceback kept)
+            raise (mine if failed[0] in mine else merged)[failed[0]].error
         return [merged[i] for i in range(len(items))]
+
+    def raise_first(self, error: Exception | None) -> None:
+        """At a step that every rank reaches (e.g. after its own batches, before the reduction):
+        raise the first error of any rank (in rank order) on every rank; nothing when none failed.
+        The rank it belongs to raises its own (its traceback kept), the others a copy of it, which
+        rank 0 prints. Without this, a rank that failed on its own batch left the others waiting in
+        the next collective until ``torchrun`` stopped them (a gloo traceback, not the message)."""
+        if not self.distributed:
+            if error is not None:
+                raise error
+            return
+        errors = self.gather(None if error is None else _Failed(_portable(error)))
+        first = next((r for r, e in enumerate(errors) if e is not None), None)
+        if first is None:
+            return
+        raise error if first == self.rank and error is not None else errors[first].error
 
     def _reduce(self, tensors: Sequence[Any], op: str) -> None:
         if not self.distributed:
@@ -179,9 +197,22 @@ def alone() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class _Failed:
-    """An error of one rank's share of :meth:`Ranks.spread`, sent to the others."""
+    """An error of one rank's work (:meth:`Ranks.spread`, :meth:`Ranks.raise_first`), sent to the
+    others."""
 
     error: Exception
+
+
+def _portable(error: Exception) -> Exception:
+    """``error`` if it survives pickling (to be sent to the other ranks), else a
+    :class:`~mergeqp.errors.MergeQPError` (or, for an error that is not mergeqp's, a
+    ``RuntimeError``) with its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - any failure to pickle or unpickle
+        text = f"{type(error).__name__}: {error}"
+        return MergeQPError(text) if isinstance(error, MergeQPError) else RuntimeError(text)
 
 
 def current_group() -> Ranks:

@@ -488,100 +488,105 @@ def collect_first_order(
                leave=False, disable=not progress or not group.is_writer())
     index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
     # the largest design (prompts x outputs) and batch (prompts x positions) checked: a larger one
-    # is checked before it is built; under torchrun a refusal stops this rank's batches and is raised
-    # on every rank after them (the others would otherwise wait for it in the reduction)
+    # is checked before it is built. Under torchrun an error (a refused design, non-finite outputs, a
+    # model that raises) stops this rank's batches and is raised on every rank after them (the others
+    # would otherwise wait for it in the reduction)
     checked = (0, 0)
-    refused: ValidationError | None = None
+    failed: Exception | None = None
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
     fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
+
+    def add_batch(hooks: Sequence[Any], ti: int, bi: int, task: TaskTargets, tb: Any, e: dict[str, float]) -> None:
+        """Linearise the model at batch ``bi`` of task ``ti`` (``tb``) and add it to the sums and to
+        the task's energies ``e``."""
+        nonlocal checked
+        call, compared, y, expansion, out = _batch_output(
+            model, spec, fold, tb, device, lambda c: run_recorded(c, hooks, labels, f"task {task.name!r} batch {bi}"))
+        h = compared(out)
+        Bsz = h.shape[0]
+        b = h.to(torch.float64) - y.reshape(Bsz, -1).to(device=h.device, dtype=torch.float64)
+        if expansion is None:
+            e["current"] += float((b * b).sum())
+        else:  # J at this point is the exact loss: the model's constant is loss - ||r||^2
+            e["current"] += expansion.loss
+            sums.c[ti] += expansion.loss - float((b * b).sum())
+        S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
+        outputs = int(h.shape[1]) if S is None else int(S.shape[1])
+        size = (Bsz * outputs, tb.batch.positions)
+        if (size[0] > checked[0] or size[1] > checked[1]) and str(device).startswith("cpu"):  # before its allocation
+            check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
+            check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
+                                          len(tasks), outputs, h.element_size(), chunk_size,
+                                          jacobian_mode, samples=Bsz))
+            checked = (max(size[0], checked[0]), max(size[1], checked[1]))
+        blocks = []
+        exact_f = []  # with a sketch: each site's unsketched f, for the exact g
+        for a, hook in zip(atoms, hooks):
+            Z = append_ones(hook.layer_input, a.site.has_bias)
+            u0 = torch.zeros_like(hook.layer_output)
+            f = perturbed_output(hook, call, compared)
+            derivatives = OutputDerivatives(f, u0, int(h.shape[1]) if S is None else int(S.shape[1]),
+                                            chunk_size=chunk_size, rows=S)
+            off = a.offset_tangent(Z)
+            if off is not None:
+                push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
+                b = b - push.push(off.to(u0.dtype)).to(torch.float64)
+            if _site_mode(jacobian_mode, derivatives.c, a, hook.layer_output, Bsz) == "reverse":
+                # c VJPs give the per-sample Jacobian; the parametrisation's own design rule
+                # contracts it (no (K n, B, T, r) tangents are formed)
+                blocks.append(_reverse_design(derivatives, a, Z))  # (B, c, K, n_atoms)
+            else:  # all K * n_atoms tangents, model-major
+                tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
+                cols = derivatives.along(tang, "forward")  # (K n, B, c) (c = s with a sketch)
+                cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
+                blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
+            if S is not None:
+                exact_f.append((a, f, Z, u0))
+        A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
+        if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
+            raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
+        sums.add_residual(ti, b)  # c exact, sketch or not
+        if S is None:
+            sums.add_design(ti, A, b)
+        else:  # unbiased H from the sketched rows; g exact: one VJP per site with cotangent b
+            sums.add_design(ti, A, torch.zeros(A.shape[:2], dtype=torch.float64, device=A.device))
+            sums.g[ti] += 2.0 * _exact_gradient(exact_f, b, K)
+            b = torch.einsum("bsc,bc->bs", S.to(torch.float64), b)  # the energy is the sketched one
+        if energy:
+            e["total"] += float((b * b).sum())
+            e["joint"] += _captured(A, b)
+            if len(atoms) > 1:
+                offset = 0
+                A4 = A.reshape(Bsz, -1, K, N)
+                for a in atoms:
+                    sub = A4[:, :, :, offset:offset + a.n_atoms].reshape(Bsz, A.shape[1], -1)
+                    e[a.site.name] += _captured(sub, b)
+                    offset += a.n_atoms
+            else:
+                e[atoms[0].site.name] = e["joint"]
     with hooked_layers(model, modules) as hooks:
         for ti, task in enumerate(tasks):
             e = {"current": 0.0, "total": 0.0, "joint": 0.0, **{a.site.name: 0.0 for a in atoms}}
             count = 0
             for bi, tb in enumerate(task.batches):
                 index += 1
-                if refused is not None or not group.owns(index - 1):
+                if failed is not None or not group.owns(index - 1):
                     continue
-                call, compared, y, expansion, out = _batch_output(
-                    model, spec, fold, tb, device, lambda c: run_recorded(c, hooks, labels, f"task {task.name!r} batch {bi}"))
-                h = compared(out)
-                Bsz = h.shape[0]
-                b = h.to(torch.float64) - y.reshape(Bsz, -1).to(device=h.device, dtype=torch.float64)
-                if expansion is None:
-                    e["current"] += float((b * b).sum())
-                else:  # J at this point is the exact loss: the model's constant is loss - ||r||^2
-                    e["current"] += expansion.loss
-                    sums.c[ti] += expansion.loss - float((b * b).sum())
-                S = None if spec.sketch is None else spec.sketch_matrix(Bsz, int(h.shape[1]), (ti, bi), h.dtype, device)
-                outputs = int(h.shape[1]) if S is None else int(S.shape[1])
-                size = (Bsz * outputs, tb.batch.positions)
-                if (size[0] > checked[0] or size[1] > checked[1]) and str(device).startswith("cpu"):  # before its allocation
-                    try:
-                        check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
-                        check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
-                                                      len(tasks), outputs, h.element_size(), chunk_size,
-                                                      jacobian_mode, samples=Bsz))
-                    except ValidationError as exc:
-                        if not group.distributed:
-                            raise
-                        refused = exc
-                        continue
-                    checked = (max(size[0], checked[0]), max(size[1], checked[1]))
-                blocks = []
-                exact_f = []  # with a sketch: each site's unsketched f, for the exact g
-                for a, hook in zip(atoms, hooks):
-                    Z = append_ones(hook.layer_input, a.site.has_bias)
-                    u0 = torch.zeros_like(hook.layer_output)
-                    f = perturbed_output(hook, call, compared)
-                    derivatives = OutputDerivatives(f, u0, int(h.shape[1]) if S is None else int(S.shape[1]),
-                                                    chunk_size=chunk_size, rows=S)
-                    off = a.offset_tangent(Z)
-                    if off is not None:
-                        push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
-                        b = b - push.push(off.to(u0.dtype)).to(torch.float64)
-                    if _site_mode(jacobian_mode, derivatives.c, a, hook.layer_output, Bsz) == "reverse":
-                        # c VJPs give the per-sample Jacobian; the parametrisation's own design rule
-                        # contracts it (no (K n, B, T, r) tangents are formed)
-                        blocks.append(_reverse_design(derivatives, a, Z))  # (B, c, K, n_atoms)
-                    else:  # all K * n_atoms tangents, model-major
-                        tang = torch.cat([a.tangents(Z, k) for k in range(K)]).to(u0.dtype)  # (K n, B, ..., r)
-                        cols = derivatives.along(tang, "forward")  # (K n, B, c) (c = s with a sketch)
-                        cols = cols.to(torch.float64).reshape(K, a.n_atoms, Bsz, -1)
-                        blocks.append(cols.permute(2, 3, 0, 1))  # (B, c, K, n_atoms)
-                    if S is not None:
-                        exact_f.append((a, f, Z, u0))
-                A = torch.cat(blocks, dim=3).reshape(Bsz, -1, n)  # (B, c, K*N), row-major (k, atom)
-                if not torch.all(torch.isfinite(A)) or not torch.all(torch.isfinite(b)):
-                    raise ValidationError(f"non-finite outputs or Jacobians on task {task.name!r}")
-                sums.add_residual(ti, b)  # c exact, sketch or not
-                if S is None:
-                    sums.add_design(ti, A, b)
-                else:  # unbiased H from the sketched rows; g exact: one VJP per site with cotangent b
-                    sums.add_design(ti, A, torch.zeros(A.shape[:2], dtype=torch.float64, device=A.device))
-                    sums.g[ti] += 2.0 * _exact_gradient(exact_f, b, K)
-                    b = torch.einsum("bsc,bc->bs", S.to(torch.float64), b)  # the energy is the sketched one
+                try:
+                    add_batch(hooks, ti, bi, task, tb, e)
+                except Exception as exc:  # noqa: BLE001 - under torchrun: raised on every rank below
+                    if not group.distributed:
+                        raise
+                    failed = exc
+                    continue
                 count += tb.count
-                if energy:
-                    e["total"] += float((b * b).sum())
-                    e["joint"] += _captured(A, b)
-                    if len(atoms) > 1:
-                        offset = 0
-                        A4 = A.reshape(Bsz, -1, K, N)
-                        for a in atoms:
-                            sub = A4[:, :, :, offset:offset + a.n_atoms].reshape(Bsz, A.shape[1], -1)
-                            e[a.site.name] += _captured(sub, b)
-                            offset += a.n_atoms
-                    else:
-                        e[atoms[0].site.name] = e["joint"]
                 bar.update(1)
             counts.append(count)
             energies.append(e)
     bar.close()
     if group.distributed:  # every statistic is a sum over batches: add the ranks' parts
-        refusals = [r for r in group.gather(refused) if r is not None]
-        if refusals:  # (unless a rank refused a batch: the first one's error, on every rank; rank 0 prints it)
-            raise refusals[0]
+        group.raise_first(failed)  # a rank that failed a batch: its error on every rank (rank 0 prints it)
         group.all_reduce_sum([sums.H, sums.g, sums.c])
         keys = list(energies[0]) if energies else []
         flat = group.reduce_floats([*counts, *(e[k] for e in energies for k in keys)])

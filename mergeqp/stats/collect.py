@@ -193,40 +193,59 @@ def collect_statistics(
 
     bar = tqdm(total=None if total is None else len(range(group.rank, total, group.world_size)),
                desc=f"collect {layer}", unit="batch", disable=not progress or not group.is_writer())
+    checked = [False] * K  # the first batch of each task also checks sample independence
+    # under torchrun an error of this rank's own batch (bad data, a model that raises) stops its batches
+    # and is raised on every rank before the reduction (the others would otherwise wait for it there)
+    failed: Exception | None = None
+
+    def add_batch(hook: Any, t: int, i: int, batch: Any, mine: bool, index: int) -> bool:
+        """Linearise at batch ``i`` of task ``t`` and add it when it is this rank's (``mine``; then
+        ``True`` unless it is empty), else only take the reference sample from it (another rank's
+        first batch)."""
+        where = f"task {tasks[t]!r} batch {i}"
+        inputs, labels = split_batch(batch, where)
+        inputs = to_device(inputs, device)
+        B = batch_len(inputs, where)
+        if B == 0:
+            return False
+        lin = linearise_batch(
+            base_model, hook, inputs, out_fn, t, mode=jacobian_mode,
+            chunk_size=chunk_size, vectorize=vectorize, where=where,
+            max_jacobian_bytes=max_jacobian_bytes, check_independence=mine and not checked[t],
+        )
+        _check_finite(lin.output, f"{where}: the base model's compared output", base_model)
+        _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
+        if not mine:  # another rank's first batch: only its first sample, the reference
+            acc.set_reference(lin.jacobian, index - 1)
+            return False
+        checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
+        y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,
+                     B, int(lin.output.shape[1]), label_encoding, where)
+        acc.add(t, lin, y.to(device=device, dtype=torch.float64), where,
+                expected=total * B if total else None, index=index - 1)
+        return True
+
     try:
-        checked = [False] * K  # the first batch of each task also checks sample independence
         index = 0  # batches over every task in order; rank `index mod world_size` handles batch `index`
         with hooked_layers(base_model, [base_layer], also_eval=finetuned_models) as (hook,), limit:
             for t, source in enumerate(calibration):
                 for i, batch in enumerate(iterate_batches(source, batch_size, f"task {tasks[t]!r}")):
                     mine = group.owns(index)
                     index += 1
-                    if not mine and acc.c is not None:
+                    if failed is not None or (not mine and acc.c is not None):
                         continue
-                    where = f"task {tasks[t]!r} batch {i}"
-                    inputs, labels = split_batch(batch, where)
-                    inputs = to_device(inputs, device)
-                    B = batch_len(inputs, where)
-                    if B == 0:
+                    try:
+                        added = add_batch(hook, t, i, batch, mine, index)
+                    except Exception as exc:  # noqa: BLE001 - under torchrun: raised on every rank below
+                        if not group.distributed:
+                            raise
+                        failed = exc
                         continue
-                    lin = linearise_batch(
-                        base_model, hook, inputs, out_fn, t, mode=jacobian_mode,
-                        chunk_size=chunk_size, vectorize=vectorize, where=where,
-                        max_jacobian_bytes=max_jacobian_bytes, check_independence=mine and not checked[t],
-                    )
-                    _check_finite(lin.output, f"{where}: the base model's compared output", base_model)
-                    _check_finite(lin.jacobian, f"{where}: the Jacobian at the merge layer")
-                    if not mine:  # another rank's first batch: only its first sample, the reference
-                        acc.set_reference(lin.jacobian, index - 1)
-                        continue
-                    checked[t] = checked[t] or B > 1  # a batch of one cannot show interaction
-                    y = _targets(targets, finetuned_models[t], names[t], inputs, labels, out_fn, t,
-                                 B, int(lin.output.shape[1]), label_encoding, where)
-                    acc.add(t, lin, y.to(device=device, dtype=torch.float64), where,
-                            expected=total * B if total else None, index=index - 1)
-                    bar.update(1)
+                    if added:
+                        bar.update(1)
     finally:
         bar.close()
+    group.raise_first(failed)
     acc.reduce(group)
     for t, n in enumerate(acc.counts):
         if n == 0:

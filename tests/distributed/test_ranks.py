@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mergeqp.errors import ConfigError
+from mergeqp.errors import BadDataError, ConfigError, MergeQPError, ValidationError
 from mergeqp.io.distributed import Ranks, agree_exit_code, alone, backend_for, current_group, launch_requested
 
 
@@ -102,3 +102,83 @@ def test_mergeqps_own_group_is_used_only_beside_the_default_group_it_was_made_wi
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class _Unpicklable(MergeQPError):
+    def __init__(self, where, why):  # two arguments: pickling keeps one (the message)
+        super().__init__(f"{where}: {why}")
+
+
+def test_raise_first_raises_the_first_ranks_error_on_every_rank(monkeypatch):
+    """Each rank sends its error (or None); every rank raises the first one in rank order: its own
+    rank the original, the others the copy it sent. An error that does not survive pickling is sent
+    as a mergeqp error with its type and message (RuntimeError for one that is not mergeqp's)."""
+    import pickle
+
+    from mergeqp.io.distributed import _Failed, _portable
+
+    def gathering(others):
+        def gather(self, obj):
+            both = list(others)
+            both.insert(self.rank, obj)
+            # what travels is pickled
+            return [pickle.loads(pickle.dumps(x)) for x in both]
+        return gather
+
+    own = BadDataError("task 'a' batch 1: NaN")
+    monkeypatch.setattr(Ranks, "gather", gathering([None]))
+    Ranks(0, 2, "gloo").raise_first(None)  # nobody failed: nothing raised
+    with pytest.raises(BadDataError) as e:
+        Ranks(1, 2, "gloo").raise_first(own)
+    assert e.value is own  # the failing rank raises its own error, traceback and all
+    monkeypatch.setattr(Ranks, "gather", gathering([_Failed(own)]))
+    with pytest.raises(BadDataError, match="batch 1: NaN") as e:
+        Ranks(0, 2, "gloo").raise_first(None)
+    assert e.value is not own
+    # both failed: the first rank's error on both
+    first = ValidationError("rank 0's")
+    monkeypatch.setattr(Ranks, "gather", gathering([_Failed(own)]))
+    with pytest.raises(ValidationError, match="rank 0's") as e:
+        Ranks(0, 2, "gloo").raise_first(first)
+    assert e.value is first
+    monkeypatch.setattr(Ranks, "gather", gathering([_Failed(first)]))
+    with pytest.raises(ValidationError, match="rank 0's"):
+        Ranks(1, 2, "gloo").raise_first(own)
+    # what cannot travel as itself
+    odd = _portable(_Unpicklable("task 'a' batch 1", "the model raised"))
+    assert type(odd) is MergeQPError and str(odd) == "_Unpicklable: task 'a' batch 1: the model raised"
+
+    class Local(RuntimeError):  # a local class cannot be pickled at all
+        pass
+
+    foreign = _portable(Local("deep inside a library"))
+    assert type(foreign) is RuntimeError and str(foreign) == "Local: deep inside a library"
+    assert _portable(own) is own
+    # a single process raises its own error at once
+    with pytest.raises(BadDataError):
+        Ranks().raise_first(own)
+
+
+def test_spread_raises_the_first_items_error_as_sent(monkeypatch):
+    """An item whose work raises an error that cannot be pickled still reaches the other ranks."""
+    import pickle
+
+    def gather(self, obj):  # rank 0 of two; the other rank's items all succeeded
+        return [pickle.loads(pickle.dumps(obj)), {1: "b"}]
+
+    monkeypatch.setattr(Ranks, "gather", gather)
+
+    def work(i, item):
+        raise _Unpicklable(f"item {i}", "failed")
+
+    with pytest.raises(_Unpicklable) as e:  # this rank's own item: the original
+        Ranks(0, 2, "gloo").spread(["a", "b"], work)
+    assert str(e.value) == "item 0: failed"
+
+    def gather1(self, obj):  # rank 1 of two; rank 0's item 0 failed with an unpicklable error
+        from mergeqp.io.distributed import _Failed, _portable
+        return [{0: _Failed(_portable(_Unpicklable("item 0", "failed")))}, pickle.loads(pickle.dumps(obj))]
+
+    monkeypatch.setattr(Ranks, "gather", gather1)
+    with pytest.raises(MergeQPError, match="_Unpicklable: item 0: failed"):
+        Ranks(1, 2, "gloo").spread(["a", "b"], lambda i, item: item.upper())

@@ -257,3 +257,44 @@ def test_the_teardown_at_exit_joins_the_workers_of_mergeqps_group(tmp_path):
         assert not got["imported_before"], "the default group was never held: the test shows nothing"
         assert got["sum"] == [3.0, 3.0, 3.0] and got["gathered"] == [0, 1], got
         assert got["after"] < got["live"], got  # the workers of mergeqp's group are gone
+
+
+FAILING_BATCH = """
+import json, os
+import torch
+from mergeqp.io import distributed as D
+from mergeqp.stats import collect_statistics
+
+torch.manual_seed(0)
+base = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+tuned = []
+for k in range(2):
+    m = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    m.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        m[0].weight.add_(0.1 * torch.randn(3, 4))
+    tuned.append(m)
+calibration = [torch.randn(8, 4), torch.randn(8, 4)]
+calibration[0][5, 2] = float("nan")  # task 0's second batch of 4: batch index 1, rank 1's
+with D.launched("cpu") as group:
+    try:
+        collect_statistics(base, tuned, "0", calibration, batch_size=4, progress=False)
+        outcome = {"raised": None}
+    except Exception as exc:
+        outcome = {"raised": type(exc).__name__, "message": str(exc)}
+with open(f"failing-{os.environ['RANK']}.json", "w") as f:
+    json.dump(outcome, f)
+"""
+
+
+def test_a_batch_that_fails_on_one_rank_stops_every_rank_with_its_message(tmp_path):
+    """The calibration batches are shared round robin: a NaN in batch 1 reaches rank 1 only. Rank 1
+    raises its error about that batch, and rank 0 (which prints) raises the same error after its
+    own batches instead of waiting for rank 1 in the reduction (before stop 46 it waited there and
+    raised gloo's "Connection closed by peer" when rank 1 exited)."""
+    run = _launch(FAILING_BATCH, tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    outcomes = [json.loads((tmp_path / f"failing-{rank}.json").read_text()) for rank in (0, 1)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0]["raised"] == "BadDataError", outcomes
+    assert outcomes[0]["message"].startswith("task 'model0' batch 1: the base model's compared output"), outcomes

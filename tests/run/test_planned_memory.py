@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -12,7 +13,8 @@ pytest.importorskip("transformers")
 
 import mergeqp.io.memory as memory  # noqa: E402
 from mergeqp.config import load_config  # noqa: E402
-from mergeqp.errors import ValidationError  # noqa: E402
+from mergeqp.errors import MergeQPError, ValidationError  # noqa: E402
+from mergeqp.io.distributed import Ranks, _Failed  # noqa: E402
 from mergeqp.run import pipeline  # noqa: E402
 from mergeqp.run.plan import build_plan  # noqa: E402
 
@@ -144,46 +146,82 @@ def test_a_later_larger_batch_is_checked_before_its_design_is_built(tiny_hf, fam
     assert not (tmp_path / "out").exists()
 
 
+@dataclass(frozen=True)
+class _TwoRanks(Ranks):
+    """Rank ``rank`` of two without a launch: the other rank's object in every gathering is
+    ``verdict_of_the_other`` (``gathered`` keeps this rank's), and no sum is ever reduced."""
+
+    verdict_of_the_other: object = None
+    gathered: list = field(default_factory=list, compare=False)
+
+    def gather(self, obj):
+        self.gathered.append(obj)
+        other = [self.verdict_of_the_other]
+        return [obj, *other] if self.rank == 0 else [*other, obj]
+
+    def _reduce(self, tensors, op):  # the statistics' sums: never reached after a failure
+        raise AssertionError("reduced after a failure")
+
+
 def test_under_torchrun_a_ranks_refusal_is_raised_on_every_rank(tiny_hf, fam, tmp_path, monkeypatch):
     """Ranks check the batches they own; a rank that refuses one stops building its batches and every
     rank raises its error after their batches, before the reduction (where the others would wait for
     it): rank 0, which prints, gives the refusing rank's message. Seen from rank 0 of two, with the
     other rank's verdict supplied by the gathering."""
-    from dataclasses import dataclass
-
     import mergeqp.merge.firstorder as fo
-    from mergeqp.io.distributed import Ranks
 
     cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
-    gathered = []
-
-    @dataclass(frozen=True)
-    class TwoRanks(Ranks):
-        verdict_of_the_other: object = None
-
-        def gather(self, obj):
-            gathered.append(obj)
-            other = [self.verdict_of_the_other]
-            return [obj, *other] if self.rank == 0 else [*other, obj]
-
-        def _reduce(self, tensors, op):  # the statistics' sums: never reached after a refusal
-            raise AssertionError("reduced after a refusal")
-
-    other = ValidationError("statistics at x: one calibration batch's design (refused by rank 1)")
-    monkeypatch.setattr(fo, "current_group", lambda: TwoRanks(0, 2, "gloo", other))
+    other = _Failed(ValidationError("statistics at x: one calibration batch's design (refused by rank 1)"))
+    group = _TwoRanks(0, 2, "gloo", other)
+    monkeypatch.setattr(fo, "current_group", lambda: group)
     with pytest.raises(ValidationError, match=r"refused by rank 1"):
         pipeline.run_merge(cfg, tmp_path / "a", progress=False)
-    assert gathered == [None]  # this rank's batches all passed
+    assert group.gathered == [None]  # this rank's batches all passed
     # this rank refuses its first batch: it builds no design, and raises its own error after the others
     built = []
     monkeypatch.setattr(fo.GaussNewtonSums, "add_design", lambda *a, **k: built.append(1))
     monkeypatch.setattr(pipeline, "check_first_design", lambda *a, **k: None)  # (the early check would refuse)
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: 1)
-    monkeypatch.setattr(fo, "current_group", lambda: TwoRanks(1, 2, "gloo", None))
-    gathered.clear()
+    group = _TwoRanks(1, 2, "gloo", None)
     with pytest.raises(ValidationError, match=r"one calibration batch's design") as e:
         pipeline.run_merge(cfg, tmp_path / "b", progress=False)
-    assert gathered == [e.value] and not built
+    assert [f.error for f in group.gathered] == [e.value] and not built
+
+
+def test_under_torchrun_any_error_of_a_ranks_batch_is_raised_on_every_rank(tiny_hf, fam, tmp_path, monkeypatch):
+    """Not only a refused design: any error of a rank's own batch (here the model raising on it)
+    stops that rank's batches and reaches every rank before the reduction, where the others would
+    otherwise wait until torchrun stopped them (a gloo traceback instead of the message). An error
+    that cannot be pickled travels as a mergeqp error with its type and message."""
+    import mergeqp.merge.firstorder as fo
+
+    class Unpicklable(MergeQPError):
+        def __init__(self, where, why):
+            super().__init__(f"{where}: {why}")
+
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
+    sent = _Failed(MergeQPError("Unpicklable: task 'a' batch 1: the model raised"))
+    # rank 0, whose batches pass, raises (and prints) what the other rank sent
+    group = _TwoRanks(0, 2, "gloo", sent)
+    monkeypatch.setattr(fo, "current_group", lambda: group)
+    with pytest.raises(MergeQPError, match=r"Unpicklable: task 'a' batch 1: the model raised"):
+        pipeline.run_merge(cfg, tmp_path / "a", progress=False)
+    assert group.gathered == [None]
+    # rank 1, whose batch fails: its own error, as raised; no further batch after it
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        raise Unpicklable("task 'a' batch 1", "the model raised")
+
+    monkeypatch.setattr(fo, "_batch_output", failing)
+    monkeypatch.setattr(pipeline, "check_first_design", lambda *a, **k: None)  # (it would meet the failure first)
+    group = _TwoRanks(1, 2, "gloo", None)
+    with pytest.raises(Unpicklable, match=r"batch 1: the model raised"):
+        pipeline.run_merge(cfg, tmp_path / "b", progress=False)
+    assert len(calls) == 1
+    (failure,) = group.gathered
+    assert type(failure.error) is MergeQPError and str(failure.error) == str(sent.error)
 
 
 def test_the_largest_design_batch_counts_what_the_outputs_scale_with():

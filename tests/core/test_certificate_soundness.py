@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mergeqp as mq
 from mergeqp.errors import ValidationError
@@ -151,3 +153,45 @@ def test_third_review_far_points_floor_units_and_saved_tolerance(tmp_path):
     loose.save_npz(str(tmp_path / "loose.npz"))
     again = mq.MergeQP.load_npz(str(tmp_path / "loose.npz"))
     assert again.psd_tol == 1e-7 and again.curvature_floor == pytest.approx(-5e-8)
+
+
+def test_fourth_review_far_along_a_tiny_curvature_is_not_certified():
+    """(stop 46) H = diag(1, 1e-16), g = 0: J* = 0 at d = 0, and d = (0, 1e10) has J = 5000. The
+    eigenvalue 1e-16 is below the pseudo-inverse's cut, whose ``1/2 w'H^+w`` then dropped the
+    curvature J(d) holds along it: the point was certified with a lower bound of 5000 on J* = 0,
+    and solvers warm-started there (active_set, torch_fista, osqp) returned it as certified."""
+    p = mq.MergeQP(np.diag([1.0, 1e-16]), np.zeros(2), shape=(1, 2))
+    far = np.array([[0.0, 1e10]])
+    cert = mq.certify(p, "none", far)
+    assert p.objective(far) == pytest.approx(5000.0)
+    assert not cert.certified() and cert.lower_bound <= 0.0 and cert.fw_gap >= 5000.0 * (1 - 1e-12)
+    assert any("below its kernel cut" in n for n in cert.notes)
+    for solver in ("active_set", "osqp"):
+        sol = mq.solve(p, "none", solver=solver, x0=far)
+        assert not sol.certificate.certified() or p.objective(sol.d) <= 1e-6, solver
+    # the optimum itself still certifies
+    assert mq.certify(p, "none", np.zeros((1, 2))).certified()
+
+
+@given(st.integers(2, 6), st.floats(-20, -12), st.floats(0, 12), st.integers(0, 2**31 - 1))
+@settings(max_examples=40, deadline=None)
+def test_a_certified_point_of_an_unconstrained_diagonal_qp_is_within_its_gap(n, log_tiny, log_reach, seed):
+    """Diagonal H (exact eigenvalues, J* in closed form), one curvature tiny (1e-20..1e-12 of the
+    largest, below the cut), the optimum moved a reach of 1..1e12 along it: whenever the point is
+    certified, J(d) - J* is within its gap (to float64 rounding of J)."""
+    rng = np.random.default_rng(seed)
+    lam = rng.uniform(0.5, 2.0, size=n)
+    lam[0] = 10.0 ** log_tiny
+    g = rng.normal(size=n)
+    g[0] = 0.0
+    c = float(rng.normal())
+    p = mq.MergeQP(np.diag(lam), g, c=c, shape=(1, n))
+    optimum = -g / lam
+    j_star = c - 0.5 * float(np.sum(g * g / lam))
+    d = optimum.copy()
+    d[0] = 10.0 ** log_reach
+    cert = mq.certify(p, "none", d.reshape(1, n))
+    true_gap = 0.5 * lam[0] * d[0] ** 2  # J(d) - J*, exactly
+    assert cert.lower_bound <= j_star + 1e-9 * (1.0 + abs(j_star)) + cert.rounding
+    if cert.certified():
+        assert true_gap <= cert.allowed_gap() + 1e-9 * (1.0 + abs(j_star))

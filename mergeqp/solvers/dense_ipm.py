@@ -115,6 +115,11 @@ FACE_PROX = 1e-10
 CROSSOVER_ROUNDS = 6
 #: iterates beyond this multiple of the problem's own size count as diverged (unbounded)
 DIVERGED = 1e10
+#: the smallest scale of the stopping rule's relative gap, relative to the problem's size
+#: (``|c| + max |g| + max diag H``): a point with ``J ~ 0`` stops once the complementarity gap is
+#: ``tol`` times this (``J* = 0`` is certified only with an ``abs_tol``: docs/certificates.md)
+SCALE_FLOOR = 1e-8
+
 #: the iteration starts from unit multipliers and slacks: a problem whose scale
 #: ``max(max |g|, max diag H)`` lies outside this band is solved as ``J / scale`` (the same
 #: minimiser; measured: ``g`` of 1e10-1e20 against ``H`` of 1e2-1e12 left the iterates infeasible
@@ -596,6 +601,10 @@ class _Ipm:
         y = np.zeros(F.E.shape[0])
         size = 1.0 + float(np.max(np.abs(d), initial=0.0))
         qscale = 1.0 + float(np.max(np.abs(F.q), initial=0.0))
+        # the relative gap's scale never falls below this (units of J): where J* = 0 at d = 0 (c = 0),
+        # J and its terms vanish along the iterates, and without a floor the relative gap grew as
+        # they converged (the start became the "best" iterate: "no feasible point" on box:0,1)
+        floor = SCALE_FLOOR * (abs(P.c + F.c0) + float(np.max(np.abs(F.q), initial=0.0)) + self.eta)
         status = SolveStatus.MAX_ITERATIONS
         budget = int(opts["crossover_face_solves"]) if opts["crossover"] else 0
         it = 0
@@ -611,7 +620,7 @@ class _Ipm:
             re = F.E @ x - F.f
             J = float(0.5 * x @ Hx + F.q @ x) + P.c + F.c0
             terms = abs(P.c + F.c0) + abs(0.5 * float(x @ Hx)) + abs(float(F.q @ x))
-            scale = max(abs(J), 1e-8 * terms, np.finfo(float).tiny)
+            scale = max(abs(J), 1e-8 * terms, floor, np.finfo(float).tiny)
             gap = float(s @ lam) if m else 0.0
             err_d = float(np.max(np.abs(rd), initial=0.0)) / (qscale + float(np.max(np.abs(Hx), initial=0.0)))
             err_p = max(float(np.max(np.abs(rp), initial=0.0)), float(np.max(np.abs(re), initial=0.0))) / size

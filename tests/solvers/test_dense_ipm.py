@@ -499,3 +499,22 @@ def test_a_badly_scaled_objective_is_solved_as_J_over_its_scale(monkeypatch) -> 
     # inside the band nothing is scaled
     assert "objective_scaled_by" not in solve(MergeQP(A.T @ A, rng.standard_normal(60), 1.0, shape=(2, 30)),
                                               sets[0], solver="dense_ipm").info
+
+
+@pytest.mark.parametrize("solver", ["dense_ipm", "torch_ipm"])
+@pytest.mark.parametrize("spec", ["box:0,1", "nonneg", "box:0,1 & sign"])
+def test_an_optimum_at_zero_with_j_star_zero_is_found(solver: str, spec: str) -> None:
+    """J* = 0 at d = 0 with c = 0 (a reviewer's H = 2 I, g > 0): J and its terms vanish along the
+    iterates, and the stopping rule's relative gap grew as they converged, so the start became the
+    best iterate: "no feasible point" on box:0,1 (a set that is not empty), d = 1 on nonneg. Now the
+    gap's scale has a floor from the problem's size and the iterates reach d = 0 (to float64)."""
+    import mergeqp as mq
+
+    for n in (1, 3):
+        p = mq.MergeQP(2.0 * np.eye(n), np.ones(n), c=0.0, shape=(1, n))
+        # sign consensus: the merged update of two parameters per coordinate may not point down
+        cset = (Box(0.0, 1.0) & SignConsensus(np.vstack([np.eye(n), 0.5 * np.eye(n)]), (1, n))
+                if spec.endswith("sign") else spec)
+        sol = mq.solve(p, cset, solver=solver)
+        assert float(np.max(np.abs(sol.d))) <= 1e-8 and sol.objective <= 1e-12, (n, sol.d)
+        assert sol.certificate.feasible

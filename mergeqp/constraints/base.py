@@ -36,7 +36,7 @@ from ..errors import InfeasibleError, MergeQPError, UnsupportedError, Validation
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
-from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_minimum, lp_method, lp_minimum
+from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_constraints, cvxpy_minimum, lp_method, lp_minimum
 
 Shape = tuple[int, int]
 
@@ -362,7 +362,7 @@ class Intersection(ConstraintSet):
             s.validate(shape)
 
     def cvxpy(self, var: Any) -> list[Any]:
-        return [c for s in self.sets for c in s.cvxpy(var)]
+        return cvxpy_constraints(self.sets, var)
 
     @property
     def polyhedral(self) -> bool:  # type: ignore[override]

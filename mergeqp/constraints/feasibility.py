@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InfeasibleError, ValidationError
+from ..errors import InfeasibleError, ValidationError, first_line
 from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect, violation_of
 from .kernels import SetStructure
 from .lp import lp_minimum
@@ -21,6 +21,8 @@ def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any
     if constraints is None:
         return Unconstrained()
     if isinstance(constraints, ConstraintSet):
+        for member in constraints.members():
+            _check_spec(member)
         return Unconstrained() if constraints.vacuous else constraints
     if isinstance(constraints, str):
         return intersect([parse_constraint(constraints)])
@@ -32,6 +34,19 @@ def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any
             f"got {type(constraints).__name__}"
         )
     return intersect([as_constraint_set(c) for c in constraints])
+
+
+def _check_spec(cset: ConstraintSet) -> None:
+    """A set's ``spec`` names it in every message: a user's set whose ``spec`` is not a string (or
+    raises) is refused here, by its class, rather than failing inside the first message built."""
+    try:
+        spec = cset.spec
+    except Exception as exc:  # noqa: BLE001 - a user's set: name it, one line
+        raise ValidationError(f"constraint set {type(cset).__name__}: its spec raised {type(exc).__name__}: "
+                              f"{first_line(exc, 200)}") from exc
+    if not isinstance(spec, str) or not spec:
+        raise ValidationError(f"constraint set {type(cset).__name__}: its spec must be a non-empty string (it names "
+                              f"the set in results and messages), got {spec!r}")
 
 
 def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:

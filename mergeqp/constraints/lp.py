@@ -25,7 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from ..errors import InfeasibleError, UnsupportedError, ValidationError
+from ..errors import InfeasibleError, MergeQPError, UnsupportedError, ValidationError, first_line
 from ..lower_bounds import LinearMinimum, LPDuals, dual_bound
 from .forms import AuxiliaryForm, LinearForm, checked_linear_form
 
@@ -156,11 +156,31 @@ def _highs_dual_bound(cost: np.ndarray, form: LinearForm, res: Any, x: np.ndarra
     return dual_bound(cost, form, y_ub, y_eq, x)
 
 
+def cvxpy_constraints(sets: Iterable[Any], var: Any) -> list[Any]:
+    """Every set's CVXPY constraints on ``var``, in order. A user's set whose ``cvxpy(var)`` raises
+    or answers something other than a list is a :class:`ValidationError` naming the set (not a
+    traceback from deep inside a solver's setup); mergeqp's own errors pass through."""
+    out: list[Any] = []
+    for s in sets:
+        try:
+            cons = s.cvxpy(var)
+        except MergeQPError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's set: name it, one line
+            raise ValidationError(f"constraint set {s.spec}: its cvxpy(var) raised {type(exc).__name__}: "
+                                  f"{first_line(exc, 200)}") from exc
+        if not isinstance(cons, (list, tuple)):
+            raise ValidationError(f"constraint set {s.spec}: its cvxpy(var) must return a list of CVXPY "
+                                  f"constraints, got {type(cons).__name__}")
+        out.extend(cons)
+    return out
+
+
 def _cvxpy_problem(sets: Sequence[Any], shape: tuple[int, int], cost: np.ndarray) -> tuple[Any, Any]:
     import cvxpy as cp  # optional heavy dependency: only sets without a closed form or LP need it
 
     var = cp.Variable(shape)
-    cons = [c for s in sets for c in s.cvxpy(var)]
+    cons = cvxpy_constraints(sets, var)
     return cp.Problem(cp.Minimize(cp.sum(cp.multiply(cost, var))), cons), var
 
 
@@ -220,7 +240,7 @@ def cvxpy_distance(sets: Iterable[Any], d: np.ndarray) -> float:
     label = _label(sets)
     var = cp.Variable(d.shape)
     t = cp.Variable(nonneg=True)
-    cons = [c for s in sets for c in s.cvxpy(var)] + [var - d <= t, d - var <= t]
+    cons = cvxpy_constraints(sets, var) + [var - d <= t, d - var <= t]
     prob = cp.Problem(cp.Minimize(t), cons)
     _solve_cvxpy(prob, label)
     if prob.status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet, as_constraint_set, cvxpy_reason
-from ..constraints.lp import solve_quietly
+from ..constraints.lp import cvxpy_constraints, solve_quietly
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
@@ -51,7 +51,7 @@ def cvxpy_problem(problem: MergeQP, constraints: Any = None) -> tuple[Any, Any]:
     var = cp.Variable(problem.shape, name="d")
     x = cp.vec(var, order="C")
     objective = 0.5 * cp.quad_form(x, cp.psd_wrap(problem.H)) + problem.g @ x + problem.c
-    return cp.Problem(cp.Minimize(objective), cset.cvxpy(var)), var
+    return cp.Problem(cp.Minimize(objective), cvxpy_constraints([cset], var)), var
 
 
 class _CvxpySolver(QPSolver):
@@ -124,7 +124,7 @@ class CvxpyOSQPSolver(_CvxpySolver):
         import cvxpy as cp  # optional heavy dependency (this solver is never chosen without it)
 
         try:  # OSQP solves QPs: linear constraints only (a Euclidean ball needs a second-order cone)
-            linear = cp.Problem(cp.Minimize(0), constraints.cvxpy(cp.Variable(problem.shape))).is_qp()
+            linear = cp.Problem(cp.Minimize(0), cvxpy_constraints([constraints], cp.Variable(problem.shape))).is_qp()
         except Exception:  # noqa: BLE001 - a user's cvxpy(): let the solve report it
             return None
         return None if linear else (f"{constraints.spec} needs more than linear constraints (a cone); OSQP solves "

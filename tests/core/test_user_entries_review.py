@@ -352,3 +352,41 @@ def test_a_users_signed_violation_reads_as_zero_inside_the_set() -> None:
     ref = mq.solve(_problem(), "box:0,0.6", solver="active_set")
     assert sol.certificate.certified(1e-6) and sol.certificate.infeasibility == 0.0  # (a CVXPY-form set: its LP margin)
     assert sol.objective == pytest.approx(ref.objective, rel=1e-7, abs=1e-9)
+
+
+class _RaisingCvxpy(ConstraintSet):
+    name = "rev_raisecvx"
+
+    def violation(self, d):
+        return float(max(0.0, -np.min(d), np.max(d) - 1.0))
+
+    def cvxpy(self, var):
+        raise RuntimeError("boom in my cvxpy")
+
+
+class _OneConstraintCvxpy(_RaisingCvxpy):
+    name = "rev_onecvx"
+
+    def cvxpy(self, var):
+        return var >= 0  # not a list
+
+
+class _NoSpec(_RaisingCvxpy):
+    @property
+    def spec(self):
+        return None
+
+
+@pytest.mark.parametrize("solver", ["auto", "cvxpy_clarabel"])
+def test_fourth_review_a_users_cvxpy_form_or_spec_that_fails_is_named(solver) -> None:
+    """(stop 46) A set whose cvxpy(var) raised escaped as that RuntimeError from the feasibility
+    check's LP setup; a spec that is not a string as a TypeError from the first message joined."""
+    pytest.importorskip("cvxpy")
+    with pytest.raises(ValidationError, match=r"^constraint set rev_raisecvx: its cvxpy\(var\) raised RuntimeError: "
+                                              r"boom in my cvxpy"):
+        mq.solve(_problem(), _RaisingCvxpy() & mq.constraints.Box(0.0, 2.0), solver=solver)
+    with pytest.raises(ValidationError, match=r"rev_onecvx: its cvxpy\(var\) must return a list of CVXPY "
+                                              r"constraints, got Inequality"):
+        mq.solve(_problem(), _OneConstraintCvxpy(), solver=solver)
+    with pytest.raises(ValidationError, match=r"constraint set _NoSpec: its spec must be a non-empty string.*got None"):
+        mq.solve(_problem(), _NoSpec(), solver=solver)

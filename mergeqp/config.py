@@ -31,6 +31,14 @@ __all__ = ["BaselineSpec", "CalibrationOptions", "MergeConfig", "MethodConfig", 
            "PromptSource", "check_paths", "load_config", "parse_config"]
 
 
+#: what a missing key is for, where that is not obvious from its name
+_MISSING_HINTS = {
+    "layers": (" (the linear layers to merge: names or globs, e.g. [model.layers.*.mlp.down_proj] for the "
+               "down-projections of every block; with a layer that matches nothing, mergeqp merge --dry-run "
+               "lists the model's linear layers)"),
+}
+
+
 def _format_errors(exc: ValidationError, source: str) -> ConfigError:
     lines = []
     for err in exc.errors():
@@ -38,7 +46,7 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
         if err.get("type") == "missing":
-            msg = "required key is missing"
+            msg = "required key is missing" + _MISSING_HINTS.get(loc, "")
         lines.append(f"  {loc or '(top level)'}: {msg}")
     return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
 

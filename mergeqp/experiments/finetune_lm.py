@@ -36,6 +36,7 @@ from typing import Any
 from ..errors import ValidationError
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..merge.sites import model_sites
+from ..run.architectures import causal_lm_obstacle
 from ..stats.prefix import block_stack
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -140,22 +141,6 @@ class BlockLayout:
                                   f"({', '.join(other[:4])}); the merges change linear layers only, so name modules "
                                   f"made of linear layers, e.g. {', '.join(self.linear[:6])}")
         return tuple(p for m in modules for p in last_mlp_patterns(self.blocks, last, f"{self.prefix}.{{i}}.{m}.*"))
-
-
-def causal_lm_obstacle(config: Any) -> str | None:
-    """Why a model ``config`` is not a causal language model (``None``: it is): an encoder family
-    (one with a masked-LM head, e.g. BERT) not configured as a decoder (``is_decoder``: its
-    attention would see the tokens it predicts), or saved architectures none of which predicts
-    next tokens (``...ForCausalLM``, ``...LMHeadModel``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    model_type = getattr(config, "model_type", None)
-    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
-        return f"model_type {model_type!r} is an encoder with bidirectional attention (is_decoder is false)"
-    archs = list(getattr(config, "architectures", None) or [])
-    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
-        return f"its architectures are {archs}, none a ...ForCausalLM or ...LMHeadModel"
-    return None
 
 
 def block_layout(folder: str | Path) -> BlockLayout:

@@ -20,17 +20,28 @@ def _finite(x: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def heldout_regression_notes(evaluation: Mapping[str, Any]) -> list[str]:
+#: the held-out measure that judges a merge optimised for each output metric: ``(key, what)``
+_HELDOUT_OF_METRIC = {"cross_entropy": ("heldout_cross_entropy", "held-out cross-entropy is higher"),
+                      "kl": ("heldout_kl", "held-out KL divergence from the fine-tunes is higher")}
+
+
+def heldout_regression_notes(evaluation: Mapping[str, Any], metric: str = "euclidean") -> list[str]:
     """Notes for every task whose held-out MSE is higher (worse) for the merged model than for
     the base, and for a calibration objective that rose. ``evaluation``: the report's
     ``{"base": {"heldout_mse": {task: mse}, "calibration_objective": J}, "merged": {...}}``
     (MSE per logit, objective in units of squared output). For classifiers (``heldout_accuracy``
     of each task's head in both) the held-out accuracy is compared instead of the MSE: lower is
-    worse. Missing entries give no note."""
+    worse. A merge optimised for another output ``metric`` is judged by that metric's held-out
+    measure where both have it (``cross_entropy``: the held-out cross-entropy; ``kl``: the held-out
+    KL divergence from the fine-tunes), not by an MSE its user did not ask for. Missing entries give
+    no note."""
     base, merged = evaluation.get("base") or {}, evaluation.get("merged") or {}
     notes: list[str] = []
+    key_of_metric = _HELDOUT_OF_METRIC.get(metric)
     if base.get("heldout_accuracy") and merged.get("heldout_accuracy"):
         key, what, sign = "heldout_accuracy", "held-out accuracy is lower", -1.0
+    elif key_of_metric is not None and base.get(key_of_metric[0]) and merged.get(key_of_metric[0]):
+        (key, what), sign = key_of_metric, 1.0
     else:
         key, what, sign = "heldout_mse", "held-out MSE is higher", 1.0
     b_val, m_val = base.get(key) or {}, merged.get(key) or {}

@@ -124,9 +124,12 @@ class TrustRegionStep:
     seconds: float
     #: the held-out objective at the accepted point (``None``: rejected, or no validation)
     validation: float | None = None
+    #: why the QP's certificate did not certify (its first reason; ``None`` when it did)
+    why_not_certified: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: _json_float(v) for k, v in asdict(self).items() if k != "validation" or v is not None}
+        return {k: _json_float(v) for k, v in asdict(self).items()
+                if k not in ("validation", "why_not_certified") or v is not None}
 
 
 @dataclass(frozen=True, eq=False)
@@ -312,7 +315,8 @@ def sequential_trust_region(
             if not predicted > cfg.tol * max(abs(f_d), 1e-30):
                 steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_d, float("nan"),
                                              False, 0.0, float(cert.fw_gap), bool(cert.certified()),
-                                             sol.solver, time.perf_counter() - t0))
+                                             sol.solver, time.perf_counter() - t0,
+                                             why_not_certified=_first_reason(cert)))
                 stop = "predicted decrease below tol (stationary within the trust region)"
                 bar.update(1)
                 break
@@ -322,7 +326,8 @@ def sequential_trust_region(
             step_norm = float(np.max(np.abs(d_new - d)))
             steps.append(TrustRegionStep(len(steps), delta, f_d, float(predicted), f_new, float(rho),
                                          accepted, step_norm, float(cert.fw_gap),
-                                         bool(cert.certified()), sol.solver, time.perf_counter() - t0))
+                                         bool(cert.certified()), sol.solver, time.perf_counter() - t0,
+                                         why_not_certified=_first_reason(cert)))
             bar.update(1)
             bar.set_postfix(F=f"{f_d:.5g}", rho=f"{rho:.2f}", delta=f"{delta:.3g}")
             on_boundary = step_norm >= delta * (1 - 1e-6)
@@ -609,8 +614,20 @@ def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:
                            "relative_gap": None, "gap_method": "every trust-region step's QP certified on its own",
                            "infeasibility": None}
     if failed:
-        out["reasons"] = [f"trust-region step(s) {failed} not certified"]
+        first = next(s for s in result.steps if not s.certified)
+        why = f" (step {first.iteration}: {first.why_not_certified})" if first.why_not_certified else ""
+        out["reasons"] = [f"trust-region step(s) {failed} not certified{why}"]
     return out
+
+
+def _first_reason(cert: Any) -> str | None:
+    """The certificate's first reason not to certify, with its hint that an absolute tolerance could
+    accept ``J* ~ 0`` where it gives one (``None`` when it certifies)."""
+    reasons = cert.reasons()
+    if not reasons:
+        return None
+    hint = next((r for r in reasons[1:] if "abs_tol" in r), None)
+    return reasons[0] + (f"; {hint}" if hint else "")
 
 
 __all__ = ["RidgeSelection", "SitesTrustRegion", "TrustRegionConfig", "TrustRegionLayerRecord", "TrustRegionResult",

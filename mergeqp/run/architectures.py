@@ -74,6 +74,26 @@ def model_config(folder: Path, config: dict[str, Any] | None) -> Any:
         raise ConfigError(f"cannot read the model config of {folder}: {exc}") from None
 
 
+def causal_lm_obstacle(config: Any) -> str | None:
+    """Why a model config (a ``PretrainedConfig`` or its ``config.json`` as a dict) is not a causal
+    language model (``None``: it is, or its config cannot tell): an encoder family (one with a
+    masked-LM head, e.g. BERT) not configured as a decoder (``is_decoder``: its attention would see
+    the tokens it predicts), or saved architectures none of which predicts next tokens
+    (``...ForCausalLM``, ``...LMHeadModel``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    def read(key: str, default: Any = None) -> Any:
+        return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
+
+    model_type = read("model_type")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not read("is_decoder", False):
+        return f"model_type {model_type!r} is an encoder with bidirectional attention (is_decoder is false)"
+    archs = list(read("architectures") or [])
+    if archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        return f"its architectures are {archs}, none a ...ForCausalLM or ...LMHeadModel"
+    return None
+
+
 def lower_blocks(sites: Sequence[Any]) -> Callable[[Any], list[Any]]:
     """``blocks(model)`` for :func:`load_lazy`: the blocks below the lowest one holding a site
     (the frozen prefix), none when a site lies outside the block stack."""
@@ -90,4 +110,4 @@ def every_block(model: Any) -> list[Any]:
     return list(stack) if stack is not None else []
 
 
-__all__ = ["ARCHITECTURES", "architecture_class", "every_block", "lower_blocks", "model_config", "register_architecture"]
+__all__ = ["ARCHITECTURES", "architecture_class", "causal_lm_obstacle", "every_block", "lower_blocks", "model_config", "register_architecture"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .architectures import architecture_class, lower_blocks, model_config
+from .architectures import ARCHITECTURES, architecture_class, causal_lm_obstacle, lower_blocks, model_config
 from .auto import (
     OUTPUT_SPACE,
     QP_CANDIDATE,
@@ -127,6 +127,9 @@ class MergePlan:
     #: tokens of the longest calibration prompt (text prompts, tokenised by the plan; ``None`` when
     #: not measured: tensor inputs, or no tokenizer)
     longest_prompt: int | None = None
+    #: why the base is not a causal language model (``None``: it is, or a registered architecture
+    #: whose config cannot tell): no next-token cross-entropy is measured or optimised then
+    not_causal: str | None = None
 
     def output_spec(self) -> OutputSpec:
         """The output the merge compares (the config's ``output``, its matrix read once)."""
@@ -683,6 +686,12 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     model = skeleton(base_path)
     fts = [_stored_names(ck, base, model) for ck in fts]
     check_architectures(base, list(zip(names, fts)))
+    not_causal = _not_causal(base.config)
+    if not_causal is not None and cfg.output.metric == "cross_entropy" and cfg.output.pool == "none":
+        raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "
+                          f"token), but the base model is not a causal language model: {not_causal}; compare the "
+                          f"fine-tunes' outputs instead (metric: euclidean or kl), or, for a classifier with a head "
+                          f"per task, use pool: mean")
 
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
     needs_text = uses_prompts(cfg) and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
@@ -766,11 +775,20 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
-                     output_matrix=matrix, heads=heads)
+                     output_matrix=matrix, heads=heads, not_causal=not_causal)
     if all_texts and has_tokenizer(tok_folder):
         plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length)
     plan.memory = estimate_memory(plan)
     return plan
+
+
+def _not_causal(config: dict[str, Any]) -> str | None:
+    """:func:`~.architectures.causal_lm_obstacle` of the base's ``config.json``, except for an
+    architecture a user registered (its class name need not follow transformers' naming)."""
+    archs = config.get("architectures") or []
+    if archs and archs[0] in ARCHITECTURES:
+        return None
+    return causal_lm_obstacle(config)
 
 
 def _longest_prompt(folder: Path, texts: Sequence[str], max_length: int) -> int | None:

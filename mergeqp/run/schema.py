@@ -36,10 +36,11 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError
+from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, unknown
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
+from ..merge.registry import MERGE_METHODS
 from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
 from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries
@@ -308,6 +309,8 @@ class MethodConfig(_Strict):
                                    "solver_options", "regularisation", "reference", "start",
                                    "mode_options", "baselines", "compare_sequential", "chunk_size", "jacobian_mode")
                        if k in self.model_fields_set]
+            if qp_only and self.name not in MERGE_METHODS:  # a misspelt name, not a baseline: say that first
+                raise ValueError(str(unknown("merge method", self.name, ["qp", AUTO_METHOD, *MERGE_METHODS])))
             if qp_only:
                 raise ValueError(
                     f"method {self.name!r} is a baseline: key(s) {qp_only} apply only to name: qp; "

@@ -209,3 +209,21 @@ def test_ridge_weight_is_chosen_on_held_out_samples():
     assert summary["chosen_relative"] == sel.chosen_relative and len(summary["heldout_errors"]) == 4
     with pytest.raises(ValidationError, match="ridge_candidates"):
         trust_region_merge(base, fts, layer, cal, config=cfg, progress=False, ridge_candidates=[-1.0])
+
+
+def test_an_uncertified_step_says_why():
+    """(stop 46 review) The report's note said only "trust-region step(s) [0, 1] not certified"; the
+    steps now keep their certificate's reason and the note gives the first."""
+    from mergeqp.merge.trust_region import _steps_certificate
+
+    problem = _random_qp(0)
+    result = sequential_trust_region(lambda d: problem, problem.objective, Box(0.0, 1.0), problem.soup_point(),
+                                     TrustRegionConfig(max_qps=2), solver="torch_fista",
+                                     solver_options={"max_iter": 1}, progress=False)
+    bad = [s for s in result.steps if not s.certified]
+    assert bad and all(s.why_not_certified and "optimality gap" in s.why_not_certified for s in bad)
+    assert all(s.why_not_certified is None for s in result.steps if s.certified)
+    (reason,) = _steps_certificate(result)["reasons"]
+    assert reason.startswith(f"trust-region step(s) {[s.iteration for s in bad]} not certified (step {bad[0].iteration}: "
+                             "optimality gap")
+    assert "why_not_certified" in bad[0].to_dict()

@@ -29,6 +29,22 @@ def test_better_or_missing_metrics_give_no_note():
                                      "merged": {"heldout_mse": {"a": 3.0}}}) == []
 
 
+def test_a_merge_optimised_for_another_metric_is_judged_by_it():
+    """(stop 46 review) A cross-entropy merge whose held-out cross-entropy fell on every task was
+    flagged WORSE THAN THE BASE by its held-out MSE, a metric its user did not choose."""
+    evaluation = {"base": {"heldout_mse": {"a": 0.1, "b": 0.1}, "heldout_cross_entropy": {"a": 7.0, "b": 7.2},
+                           "heldout_kl": {"a": 0.5, "b": 0.5}},
+                  "merged": {"heldout_mse": {"a": 1.5, "b": 1.6}, "heldout_cross_entropy": {"a": 6.0, "b": 7.3},
+                             "heldout_kl": {"a": 0.4, "b": 0.4}}}
+    (note,) = heldout_regression_notes(evaluation, "cross_entropy")
+    assert "held-out cross-entropy is higher" in note and "on 1 of 2 task(s): b 7.2 -> 7.3" in note
+    assert heldout_regression_notes(evaluation, "kl") == []
+    assert "held-out MSE is higher" in heldout_regression_notes(evaluation)[0]  # euclidean: the MSE
+    # without the metric's measure (not evaluated), the MSE still speaks
+    del evaluation["merged"]["heldout_cross_entropy"]
+    assert "held-out MSE" in heldout_regression_notes(evaluation, "cross_entropy")[0]
+
+
 def test_zero_residuals_are_flagged():
     assert zero_residual_notes("mlp.down", [0.0, 0.0], ["a", "b"])[0].startswith(
         "layer mlp.down: every model's residual is zero")

@@ -269,3 +269,30 @@ def test_recommended_cross_entropy_merge_on_cuda_matches_cpu(llama, tmp_path):
             cpu["trust_region"][key]["calibration_objective"], rel=1e-8)
     assert gpu["trust_region"]["result"]["calibration_objective"] <= (
         gpu["trust_region"]["start"]["calibration_objective"] * (1 + 1e-12))
+
+
+def test_candidates_are_scored_from_the_same_model_whatever_ran_before(llama, tmp_path):
+    """(stop 46 review) A selected layer no fine-tune changed (block 0 here) is in no candidate's
+    merged tensors, but an output_space fit rewrote it in the live model, and nothing reset it: the
+    data-free soup scored one value first and another after output_space, later folds were scored on
+    weights fitted to their own held-out batches, and the chosen start could carry another
+    candidate's fit into the written model. Now every fit and score starts from the base at every
+    tensor a candidate may change, and output_space leaves layers no fine-tune changed alone."""
+    from mergeqp.io.checkpoint import open_checkpoint
+
+    tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1}}
+    space = {"name": "output_space", "params": {"ridge": 1.0, "steps": 3}}
+    scores = []
+    for name, candidates in (("first", [space, "soup"]), ("last", ["soup", space])):
+        cfg = load_config(llama.write_config(tmp_path / f"{name}.yml", ["model.layers.*.mlp.down_proj"],
+                                             {**tr, "start": {"name": "auto", "params": {"candidates": candidates}}}))
+        res = run_merge(cfg, tmp_path / f"out_{name}", progress=False)
+        rep = json.loads((res.out_dir / "report.json").read_text())
+        got = {c["label"]: c["validation"] for c in rep["start_selection"]["candidates"]}
+        assert all(v is not None for v in got.values()), rep["start_selection"]
+        scores.append(got)
+        key = "model.layers.0.mlp.down_proj.weight"
+        assert torch.equal(open_checkpoint(res.out_dir).get(key), open_checkpoint(llama.base).get(key)), name
+    assert scores[0].keys() == scores[1].keys()
+    for label in scores[0]:
+        assert scores[0][label] == pytest.approx(scores[1][label], rel=1e-9), label

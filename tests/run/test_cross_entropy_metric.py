@@ -198,3 +198,23 @@ def test_cross_entropy_configs_that_cannot_work_are_refused(llama, tmp_path):
                                              output={"metric": "cross_entropy"}))
         with pytest.raises(ConfigError, match=words):
             build_plan(cfg)
+
+
+def test_a_masked_lm_is_refused_next_token_cross_entropy_and_not_measured_on_it(tiny_hf, tmp_path):
+    """(stop 46 review) A masked LM (BERT: bidirectional attention) was merged toward next-token
+    prediction without a word, and every report of one printed a held-out next-token cross-entropy,
+    which means nothing for it. The plan refuses the metric for a model that is not a causal LM, and
+    its evaluation leaves that measure out; a causal LM keeps it."""
+    from mergeqp.run.pipeline import run_merge
+    from mergeqp.run.plan import build_plan
+
+    bert = tiny_hf.make_family(tmp_path / "bert", "bert", K=2, scale=0.3, n_prompts=10)
+    cfg = load_config(bert.write_config(tmp_path / "ce.yml", "bert.encoder.layer.1.output.dense",
+                                        {"name": "qp", "mode": "single"}, output={"metric": "cross_entropy"}))
+    with pytest.raises(ConfigError, match=r"cross_entropy scores next tokens.*not a causal language model: "
+                                          r"model_type 'bert' is an encoder"):
+        build_plan(cfg)
+    soup = load_config(bert.write_config(tmp_path / "soup.yml", "bert.encoder.layer.1.output.dense", {"name": "soup"}))
+    res = run_merge(soup, tmp_path / "out", progress=False)
+    merged = json.loads((res.out_dir / "report.json").read_text())["evaluation"]["merged"]
+    assert merged["heldout_mse"] and "heldout_cross_entropy" not in merged

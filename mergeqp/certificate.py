@@ -61,7 +61,7 @@ from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
 from .matrix_cache import forget_matrix, matrix_values
-from .problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
+from .problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_rounding
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_FEAS_TOL = 1e-7
@@ -572,12 +572,11 @@ def _gap_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray, width: floa
 
 
 def _gradient_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray) -> float:
-    """:func:`~mergeqp.problem.gradient_rounding` at ``x`` (a matvec-only H uses
-    ``|grad|_inf`` in place of ``max diag H |d|_inf``)."""
+    """:func:`~mergeqp.problem.gradient_rounding` at ``x`` (:func:`~mergeqp.problem.curvature_reach`;
+    a matvec-only H uses ``|grad|_inf`` in place of it)."""
     g_inf = float(np.max(np.abs(problem.g), initial=0.0))
     if problem.H is not None:
-        eta = float(np.max(np.abs(problem.diagonal()), initial=0.0))
-        return gradient_rounding(problem.n, g_inf, eta, float(np.max(np.abs(x), initial=0.0)))
+        return gradient_rounding(problem.n, g_inf, *curvature_reach(np.sqrt(np.abs(problem.diagonal())), x))
     return gradient_rounding(problem.n, g_inf, 1.0, float(np.max(np.abs(grad), initial=0.0)))
 
 

@@ -471,10 +471,21 @@ GAP_ROUNDING_FACTOR = 8.0
 
 def gradient_rounding(n: int, g_inf: float, curvature: float, x_inf: float) -> float:
     """Estimated float64 error of one entry of ``grad J = H x + g`` (units of the gradient):
-    ``sqrt(n) eps (|g|_inf + curvature |x|_inf)``, with ``curvature = max diag H`` (which bounds
-    every ``|H_ij|`` of a PSD H). The one rounding floor of the certificate and the solvers'
-    stopping rules."""
+    ``sqrt(n) eps (|g|_inf + curvature |x|_inf)``, with ``curvature |x|_inf`` a bound on every
+    ``|H_ij x_j|`` (:func:`curvature_reach`). The one rounding floor of the certificate and the
+    solvers' stopping rules."""
     return math.sqrt(max(n, 1)) * float(np.finfo(float).eps) * (g_inf + curvature * x_inf)
+
+
+def curvature_reach(sqrt_diag: np.ndarray, x: np.ndarray) -> tuple[float, float]:
+    """``(curvature, reach)`` for :func:`gradient_rounding` at ``x``: ``sqrt(max diag H)`` and
+    ``max_j sqrt(H_jj) |x_j|`` (``sqrt_diag``: ``sqrt(|diag H|)``), whose product bounds every
+    ``|H_ij x_j|`` of a PSD H (``|H_ij| <= sqrt(H_ii H_jj)``). Tighter than ``max diag H |x|_inf``
+    where a large coordinate has little curvature (a dead unit, a flat direction): there
+    ``x_j`` moves the gradient by little, so it does not raise the floor (a warm start at
+    ``x = (0, 1e10)`` of ``H = diag(1, 1e-16)`` was taken as optimal to rounding)."""
+    top = float(np.max(sqrt_diag, initial=0.0))
+    return top, float(np.max(sqrt_diag * np.abs(x), initial=0.0))
 
 
 def _lanczos_extremes(A: Any, max_iter_top: int | None = None) -> tuple[float, float, bool] | None:

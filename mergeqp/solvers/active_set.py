@@ -67,7 +67,7 @@ from ..constraints import ConstraintSet, SetStructure
 from ..constraints.base import members_structure
 from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
-from ..problem import GAP_ROUNDING_FACTOR, MergeQP, gradient_rounding
+from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_rounding
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
@@ -125,6 +125,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.opts = opts
         self.n = problem.n
         diag = np.diag(self.H)
+        self.sqrt_diag = np.sqrt(np.abs(diag))
         self.eta = float(np.max(np.abs(diag))) if self.n else 1.0
         if not self.eta > 0:
             self.eta = 1.0
@@ -250,9 +251,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
 
     def rounding_floor(self, x: np.ndarray) -> float:
         """A bound on the rounding error of the float64 gap at ``x``: each gradient entry is
-        off by ~``sqrt(n) eps (|g|_inf + max diag H |x|_inf)``, times ``|x - s|_1``. Below it
+        off by ~``sqrt(n) eps (|g|_inf + max_ij |H_ij x_j|)`` (``curvature_reach``), times ``|x - s|_1``. Below it
         the gap cannot be reduced (interpolating problems, where J* ~ 0, end there)."""
-        err = gradient_rounding(self.n, self.g_inf, self.eta, float(np.max(np.abs(x), initial=0.0)))
+        err = gradient_rounding(self.n, self.g_inf, *curvature_reach(self.sqrt_diag, x))
         width = float(np.sum(np.abs(x))) + self.s_bound
         if not math.isfinite(width):  # unbounded box: the local gap's cube
             width = float(np.sum(np.abs(x))) + self.n * max(1.0, float(np.max(np.abs(x), initial=0.0)))

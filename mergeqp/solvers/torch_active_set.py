@@ -99,6 +99,9 @@ class _BoxPDAS:
         self.hi = torch.as_tensor(hi, dtype=f64, device=device)
         eta = float(self.H.diagonal().abs().max()) if self.n else 1.0
         self.eta = eta if eta > 0 else 1.0
+        # the rounding floor's bound on |H_ij x_j| (problem.curvature_reach)
+        self.sqrt_diag = self.H.diagonal().abs().sqrt()
+        self.sqrt_eta = float(self.sqrt_diag.max()) if self.n else 0.0
         self.g_inf = float(self.g.abs().max()) if self.n else 0.0
         self.rho = 0.0
         self.xc = torch.zeros(self.n, dtype=f64, device=device)
@@ -139,8 +142,8 @@ class _BoxPDAS:
 
     def floor(self, x: Any, width: float) -> float:
         """The float64 rounding error of the gap at ``x`` (the certificate's estimate)."""
-        x_inf = float(x.abs().max()) if self.n else 0.0
-        return GAP_ROUNDING_FACTOR * gradient_rounding(self.n, self.g_inf, self.eta, x_inf) * width
+        reach = float((self.sqrt_diag * x.abs()).max()) if self.n else 0.0
+        return GAP_ROUNDING_FACTOR * gradient_rounding(self.n, self.g_inf, self.sqrt_eta, reach) * width
 
     def face_of(self, x: Any, grad: Any) -> Any:
         """The face of a projected gradient step from ``x``."""

@@ -75,3 +75,17 @@ def test_gradient_updates_from_nearby_points_match_full_products() -> None:
         np.testing.assert_allclose(engine.sparse_product(dx), P.H @ dx, rtol=1e-12, atol=1e-12)
     far = rng.random(P.n)  # differs everywhere: a full product
     np.testing.assert_allclose(engine.objective_gradient(far), P.H @ far + P.g, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("solver", ["active_set", "torch_active_set"])
+def test_a_warm_start_far_along_a_flat_coordinate_is_not_taken_as_optimal(solver):
+    """(stop 46 review) H = diag(1, 1e-16) on box:-1e12,1e12 from x0 = (0, 1e10), J = 5000 and
+    J* = 0: the rounding floor took max diag H |x|_inf as every gradient entry's reach, so the gap
+    (1e6) sat below it, and the warm start came back after 0 face solves as optimal. The floor now
+    bounds |H_ij x_j| by sqrt(H_ii H_jj) |x_j|: the solver moves on to the optimum."""
+    pytest.importorskip("torch")
+    import mergeqp as mq
+
+    p = mq.MergeQP(np.diag([1.0, 1e-16]), np.zeros(2), shape=(1, 2))
+    sol = mq.solve(p, "box:-1e12,1e12", solver=solver, x0=np.array([[0.0, 1e10]]))
+    assert sol.objective <= 1e-6 and sol.iterations > 0

@@ -362,6 +362,9 @@ def certify(
     Hx = problem.matvec(x)
     quad, lin = 0.5 * float(x @ Hx), float(problem.g @ x)
     objective = quad + lin + problem.c
+    if not math.isfinite(objective):
+        notes.append(f"J(d) overflows float64 at |d|_inf = {float(np.max(np.abs(x), initial=0.0)):.3g} (d'Hd / 2 = "
+                     f"{quad:.3g}, g'd = {lin:.3g}): no bound is proven; rescale H and g or d")
     grad = (Hx + problem.g).reshape(shape)
     infeasibility = _number(cset, "violation", violation_of(cset, D))
     d_norm = float(np.max(np.abs(x))) if x.size else 0.0

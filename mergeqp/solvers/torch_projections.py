@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import ValidationError
+from ..errors import SolverError, ValidationError
 
 Projection = Callable[[Any], Any]
 
@@ -59,5 +59,8 @@ def checked_projection(cset: ConstraintSet, d: np.ndarray) -> np.ndarray:
                               f"shape {np.shape(d)}")
     arr = arr.reshape(np.shape(d))
     if not np.all(np.isfinite(arr)):
+        if not np.all(np.isfinite(d)):  # the solver's iterate overflowed: not the set's fault
+            raise SolverError(f"the solver's iterate overflowed to NaN or inf before its projection onto {cset.spec}: the "
+                              "problem's scale is beyond float64 here (rescale H and g, or use active_set / dense_ipm)")
         raise ValidationError(f"constraint set {cset.spec}: its project(d) returned NaN or inf")
     return arr

@@ -195,3 +195,12 @@ def test_a_certified_point_of_an_unconstrained_diagonal_qp_is_within_its_gap(n, 
     assert cert.lower_bound <= j_star + 1e-9 * (1.0 + abs(j_star)) + cert.rounding
     if cert.certified():
         assert true_gap <= cert.allowed_gap() + 1e-9 * (1.0 + abs(j_star))
+
+
+def test_a_point_whose_objective_overflows_says_so():
+    """(stop 46 review) At |d| = 1e155 J(d) overflowed to NaN or inf and the certificate printed
+    it as an objective without a word."""
+    p = mq.MergeQP(np.eye(3), np.ones(3), shape=(1, 3))
+    with np.errstate(all="ignore"):
+        cert = mq.certify(p, "none", np.full((1, 3), 1e155))
+    assert not cert.certified() and any("J(d) overflows float64 at |d|_inf = 1e+155" in n for n in cert.notes)

@@ -129,3 +129,16 @@ def test_fista_stops_at_roundoff_when_the_optimum_is_zero(random_psd_problem, se
     assert sol.info["stopped_at_roundoff"] is True
     assert abs(sol.objective) <= 1e-12
     assert sol.certificate.certified()
+
+
+def test_an_overflowing_iterate_is_the_solvers_not_the_sets():
+    """(stop 46 review) At a scale of 1e300 torch_fista's iterate overflowed, and the built-in set
+    was blamed: "constraint set nonneg: its project(d) returned NaN or inf"."""
+    import mergeqp as mq
+    from mergeqp.errors import SolverError
+
+    rng = np.random.default_rng(5)
+    A, b = rng.standard_normal((12, 6)), rng.standard_normal(12)
+    p = mq.MergeQP(2e300 * A.T @ A, 2e300 * A.T @ b, c=1e300 * float(b @ b), shape=(2, 3))
+    with pytest.raises(SolverError, match=r"iterate overflowed to NaN or inf before its projection onto nonneg"):
+        mq.solve(p, "nonneg", solver="torch_fista")

@@ -71,11 +71,11 @@ def torch_missing() -> str | None:
     return None if importlib.util.find_spec("torch") is not None else "torch is not installed"
 
 
-def _dtype(name: str) -> Any:
+def _dtype(name: str, solver: str) -> Any:
     import torch  # optional heavy dependency: deferred so mergeqp imports without torch
 
     if name not in _DTYPES:
-        raise ValidationError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+        raise ValidationError(f"{solver}: option dtype={name!r} must be one of {', '.join(_DTYPES)}")
     return getattr(torch, name)
 
 
@@ -218,7 +218,7 @@ class TorchFISTASolver(_TorchSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]))
+        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]), self.name)
         qp = _TorchQP(problem, constraints, device, dtype)
         L = float(opts["lipschitz"]) if opts["lipschitz"] is not None else 1.05 * qp.lipschitz()
         if not L > 0:
@@ -290,7 +290,7 @@ class TorchAdamSolver(_TorchSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]))
+        device, dtype = torch_device(str(opts["device"])), _dtype(str(opts["dtype"]), self.name)
         qp = _TorchQP(problem, constraints, device, dtype)
         lr, steps = float(opts["lr"]), int(opts["steps"])
         if not lr > 0 or steps < 0:

@@ -142,3 +142,13 @@ def test_an_overflowing_iterate_is_the_solvers_not_the_sets():
     p = mq.MergeQP(2e300 * A.T @ A, 2e300 * A.T @ b, c=1e300 * float(b @ b), shape=(2, 3))
     with pytest.raises(SolverError, match=r"iterate overflowed to NaN or inf before its projection onto nonneg"):
         mq.solve(p, "nonneg", solver="torch_fista")
+
+
+def test_a_bad_dtype_option_names_the_solver_and_option():
+    import mergeqp as mq
+    from mergeqp.errors import ValidationError
+
+    p = mq.MergeQP(np.eye(3), np.ones(3), shape=(1, 3))
+    for solver in ("torch_fista", "torch_adam"):
+        with pytest.raises(ValidationError, match=rf"^{solver}: option dtype='float16' must be one of float32, float64"):
+            mq.solve(p, "box:0,1", solver=solver, dtype="float16")

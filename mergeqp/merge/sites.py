@@ -139,8 +139,11 @@ def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str]) -> list[Lay
         p = _norm(pattern)
         hits = [s.name for s in sites if site_matches(s, p)]
         if not hits:
+            inside = [s.name for s in sites if site_matches(s, f"{p}.*")]
+            hint = (f" ({p!r} is a module holding {len(inside)} of them: {p}.* selects them all, e.g. "
+                    f"{inside[0]})" if inside else "")
             raise ConfigError(
-                f"layer pattern {pattern!r} matches no linear layer; the model's linear layers "
+                f"layer pattern {pattern!r} matches no linear layer{hint}; the model's linear layers "
                 f"are: {listing([s.label for s in sites])}"
             )
         chosen.update(hits)

@@ -197,6 +197,10 @@ def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsy
 
     with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.9\.\*' matches no linear layer; .*model\.layers\.0\.self_attn\.q_proj"):
         build_plan(_cfg(fam, tmp_path, layers=["model.layers.9.*"]))
+    # a module that holds linear layers: the pattern that selects them
+    with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.1\.mlp' matches no linear layer \('model\.layers"
+                                          r"\.1\.mlp' is a module holding 3 of them: model\.layers\.1\.mlp\.\* selects"):
+        build_plan(_cfg(fam, tmp_path, layers=["model.layers.1.mlp"]))
     bad = _cfg(fam, tmp_path, method={"name": "qp", "constraints": ["boxx:0,1"]})
     with pytest.raises(ConfigError, match="unknown constraint set 'boxx'"):
         build_plan(bad)

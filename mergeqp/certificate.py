@@ -30,7 +30,8 @@ For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it re
 
 A point is ``certified(rel_tol)`` when it is feasible within ``feas_tol * max(1, ||d||_inf)`` and
 ``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol`` 0 by default; set it where ``J* = 0``,
-which no relative test short of exactness passes) with ``scale = max(|J(d)|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))`` (the
+which no relative test short of exactness passes), unless the gap's own float64 rounding exceeds
+``scale`` (``beyond_float64``: far out along a direction H barely curves no gap proves anything) with ``scale = max(|J(d)|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))`` (the
 second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
 Cost: one product ``H d``, the oracle, one projection: ~10 ms at n = 3072 for the built-in
@@ -152,10 +153,17 @@ class Certificate:
             raise ValidationError(f"rel_tol and abs_tol must be finite and >= 0, got {tol}, {atol}")
         return max(tol * self.scale, atol)
 
+    @property
+    def beyond_float64(self) -> bool:
+        """The gap's own float64 rounding (``rounding``) exceeds the objective's scale: at such a
+        point (far along a direction H barely curves, where ``J(d)`` itself cannot be computed to
+        its own size) no gap proves anything, however small it comes out."""
+        return bool(self.rounding > self.scale)
+
     def certified(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
-        """Feasible (within ``feas_tol``) and ``fw_gap <= max(rel_tol * scale, abs_tol)``
-        (``abs_tol``, in units of J, defaults to 0: purely relative)."""
-        return bool(self.feasible and math.isfinite(self.fw_gap)
+        """Feasible (within ``feas_tol``), ``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol``,
+        in units of J, defaults to 0: purely relative), and the gap not :attr:`beyond_float64`."""
+        return bool(self.feasible and math.isfinite(self.fw_gap) and not self.beyond_float64
                     and self.fw_gap <= self.allowed_gap(rel_tol, abs_tol))
 
     def reasons(self, rel_tol: float | None = None) -> list[str]:
@@ -169,6 +177,10 @@ class Certificate:
             )
         if not math.isfinite(self.fw_gap):
             out.append(f"no finite optimality bound ({self.gap_method})")
+        elif self.beyond_float64:
+            out.append(f"the gap's own float64 rounding (~{self.rounding:.3g}) exceeds the objective's scale "
+                       f"({self.scale:.3g}): J(d) cannot be computed to its own size at this point (|d|_inf = "
+                       f"{self.d_norm:.3g}), so the gap {self.fw_gap:.3g} proves nothing")
         elif self.fw_gap > self.allowed_gap(tol):
             out.append(
                 f"optimality gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds "
@@ -431,7 +443,8 @@ def certify(
     if own:
         notes.append(f"taken on trust from your own set(s) {', '.join(own)}: their violation(d) and linear "
                      "minimum / support (or declared forms) are what this certificate rests on")
-    lower_bound = objective - fw_gap if math.isfinite(fw_gap) else -math.inf
+    # (a gap whose own rounding exceeds the objective's scale proves no bound: Certificate.beyond_float64)
+    lower_bound = objective - fw_gap if math.isfinite(fw_gap) and not rounding > scale else -math.inf
 
     # ------------------------------------------------------------- projected gradient
     kkt = None
@@ -663,7 +676,7 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     rounding += err * float(np.sum(np.abs(y[wf != 0]))) + 0.5 * abs(float(e @ ps.solve(e)[0]))
     gap = comp + 0.5 * float(wf @ y)
     if ps.eig is not None:
-        dropped, dropped_rounding = _kernel_terms(ps, D.ravel(), v_cur)
+        dropped, dropped_rounding = _kernel_terms(problem, ps, D.ravel(), v_cur)
         if dropped > 0:
             gap += dropped
             notes.append(f"d reaches {dropped:.3g} (units of J) into directions of H's curvature below its kernel cut "
@@ -672,27 +685,33 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     return gap, method + (" (pseudo-inverse)" if ps.eig is not None else ""), GAP_ROUNDING_FACTOR * rounding
 
 
-def _kernel_terms(ps: _PseudoInverse, d: np.ndarray, v: np.ndarray) -> tuple[float, float]:
+def _kernel_terms(problem: MergeQP, ps: _PseudoInverse, d: np.ndarray, v: np.ndarray) -> tuple[float, float]:
     """What the Lagrangian gap's ``1/2 w'H^+w`` leaves out where ``H^+`` drops eigenvalues below its
-    cut (``N``: their eigenvectors): with ``w = Hd + v``, the weak-duality bound is
-    ``c + lam_lo'lo - lam_hi'hi - 1/2 v'H^+v`` and ``J(d)`` minus it equals the gap plus
-    ``1/2 d'N diag(ev) N'd + (N'v)'(N'd)``: the curvature ``J(d)`` holds along those directions and
-    the slope there times the reach. Small at points of moderate size (``ev`` is float64 noise
-    on an exact kernel); a point far along a direction of tiny but real curvature would otherwise be
-    certified with ``J(d)`` far above ``J*`` (``H = diag(1, 1e-16)``, ``d = (0, 1e10)``: 5000 above).
-    Returns the term (charged at ``max(ev, 0)`` and ``|(N'v)'(N'd)|``) and its float64 rounding
-    (the eigenvalues' own error, ``n eps lambda_max``, on ``|N'd|^2 / 2``)."""
+    cut: with ``w = Hd + v``, the weak-duality bound is ``c + lam_lo'lo - lam_hi'hi - 1/2 v'H^+v``,
+    and ``J(d)`` minus it equals the gap plus ``1/2 d0'H d0 + v'd0``, ``d0 = N N'd`` the part of
+    ``d`` in the computed kernel (``N``): the curvature ``J(d)`` holds along those directions and
+    the slope there times the reach. Returns ``(charged, rounding)``. The curvature, computed
+    from H itself, is charged to the gap where it is above its own float64 rounding
+    (``n eps (sum_j sqrt(H_jj) |d0_j|)^2``, which bounds ``n eps |d0|'|H||d0|``): a point far along a
+    tiny but real curvature was certified with ``J(d)`` far above ``J*`` (``H = diag(1, 1e-16)``,
+    ``d = (0, 1e10)``: 5000 above). Below its rounding it is float64 noise on an exact kernel (an
+    optimum moved along a duplicated model's direction, whose J is the same) and goes to the
+    rounding, as does the slope: ``N'v`` was already found within ``v``'s rounding (the documented
+    float64 limit)."""
     assert ps.eig is not None
     ev, V, cut = ps.eig
     kernel = ev <= cut
     if not np.any(kernel):
         return 0.0, 0.0
     N = V[:, kernel]
-    d0 = N.T @ d
-    v0 = N.T @ v
-    term = 0.5 * float(np.sum(np.maximum(ev[kernel], 0.0) * d0 * d0)) + abs(float(v0 @ d0))
-    top = float(np.max(np.abs(ev), initial=0.0))
-    return term, 0.5 * d.size * np.finfo(float).eps * top * float(d0 @ d0)
+    d0 = N @ (N.T @ d)
+    curvature = 0.5 * float(d0 @ problem.matvec(d0))
+    reach = float(np.sqrt(np.abs(problem.diagonal())) @ np.abs(d0))
+    noise = d.size * np.finfo(float).eps * reach * reach
+    slope = abs(float(v @ d0))
+    if curvature > noise:
+        return curvature, noise + slope
+    return 0.0, noise + abs(curvature) + slope
 
 
 def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,

@@ -204,3 +204,63 @@ def test_a_point_whose_objective_overflows_says_so():
     with np.errstate(all="ignore"):
         cert = mq.certify(p, "none", np.full((1, 3), 1e155))
     assert not cert.certified() and any("J(d) overflows float64 at |d|_inf = 1e+155" in n for n in cert.notes)
+
+
+def test_fifth_review_an_optimum_moved_along_a_duplicated_models_direction_still_certifies():
+    """(stop 46) Model 1 duplicates model 0 (rows parametrisation, 4 models x 10 rows): J is the same
+    along d[0] += t, d[1] -= t exactly, and the optimum moved along it is optimal. The first kernel
+    charge (eigenvalue noise ~eps lambda_max times the reach squared) stopped certifying it at
+    |d| ~ 4 (lambda_max 3e8); the charge is now the curvature computed from H, and only where it is
+    above its own float64 rounding."""
+    rng = np.random.default_rng(1)
+    K, m = 4, 10
+    X = rng.standard_normal((K, 2 * K * m + 10, m))
+    X[1] = X[0]
+    A = 1e3 * np.concatenate(list(X), axis=1)
+    H = A.T @ A
+    y = A @ rng.uniform(0.2, 1, K * m) + rng.standard_normal(A.shape[0])
+    p = mq.MergeQP(0.5 * (H + H.T), -A.T @ y, c=0.5 * float(y @ y), shape=(K, m))
+    sol = mq.solve(p, "none", rel_tol=1e-12)
+    for t in (0.0, 1.0, 3.0, 10.0):
+        moved = sol.d.copy()
+        moved[0] += t
+        moved[1] -= t
+        # the same J exactly; its float64 evaluation at |d| ~ 10 with lambda_max 3e8 is off by ~1e-7
+        assert p.objective(moved) == pytest.approx(sol.objective, rel=1e-7)
+        assert mq.certify(p, "none", moved).certified(1e-8), t
+
+
+def test_fifth_review_a_gap_below_its_own_rounding_far_out_proves_nothing():
+    """(stop 46) H = 2 A'A of rank 2 in 4 unknowns: its two kernel eigenvalues come out as float64
+    noise (1e-20 and 1e-13). A point 1e10 along the second had a tiny computed gap and was certified,
+    though J(d) there cannot be computed to its own size (the gap's rounding is far above it);
+    Clarabel stopped at |d| ~ 1e39 on box:-1,inf and was certified too. Now such a point is not
+    certified and proves no lower bound."""
+    rng = np.random.default_rng(1)
+    A = rng.normal(size=(2, 4))
+    p = mq.MergeQP(2.0 * A.T @ A, np.zeros(4), shape=(1, 4))
+    w, V = np.linalg.eigh(np.asarray(p.H))
+    for t in (1e10, 1e20):
+        far = (t * V[:, 1]).reshape(1, 4)
+        cert = mq.certify(p, "none", far)
+        assert not cert.certified() and cert.lower_bound == -math.inf, t
+        assert cert.beyond_float64 and any("float64 rounding" in r for r in cert.reasons()), cert.explain()
+    assert mq.certify(p, "none", np.zeros((1, 4))).certified()
+
+
+def test_fifth_review_a_slope_along_a_cone_is_not_excused_by_the_lp_tolerance():
+    """(stop 46) Sign consensus d[0] >= 0 with d[1] free (a cone), g = (1e6, -9e-5): J falls along
+    e1 to J* = -39.5 from J(0) = 1. HiGHS, on the cost scaled to max |grad| = 1, left that slope as a
+    reduced cost of 9e-11, which the dual bound took for round-off (below 1e-9) and charged at its
+    vertex: certified with a lower bound of 1. A reduced cost is now round-off only relative to the
+    numbers it is computed from."""
+    from mergeqp.constraints import SignConsensus, parse_constraint
+
+    p = mq.MergeQP(np.diag([1.0, 1e-10]), np.array([1e6, -9e-5]), c=1.0, shape=(2, 1))
+    cone = SignConsensus(np.array([[1.0, 0.0]]), (2, 1))
+    j_star = 1.0 - 9e-5 ** 2 / (2 * 1e-10)
+    for cset in (cone, [cone, parse_constraint("nonneg")]):
+        cert = mq.certify(p, cset, np.zeros((2, 1)))
+        assert not cert.certified(1e-8) and cert.lower_bound <= j_star
+    best = np.array([[0.0], [9e-5 / 1e-10]])
+    assert p.objective(best) == pytest.approx(j_star)

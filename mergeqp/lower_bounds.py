@@ -78,8 +78,8 @@ def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, 
     """``y_ub'b_ub + y_eq'b_eq + sum_i min_{lb_i <= z_i <= ub_i} r_i z_i`` with ``y_ub <= 0``
     (clipped) and reduced costs ``r = cost - A_ub'y_ub - A_eq'y_eq``: weak duality makes it a
     lower bound on the LP minimum for any such multipliers. ``None`` when the multipliers do not
-    prove a bound (a reduced cost above :data:`RC_TOL` times the size of the numbers it is computed
-    from, ``|cost_i| + |A_i|'|y|`` capped at 1, on a variable with no bound on that side)."""
+    prove a bound (a reduced cost above :data:`RC_TOL` times the size of what it is computed from,
+    ``|cost_i| + |A_i|_1`` capped at 1, on a variable with no bound on that side)."""
     y_ub = np.minimum(np.asarray(y_ub, dtype=np.float64), 0.0)
     y_eq = np.asarray(y_eq, dtype=np.float64)
     r = cost.copy()
@@ -91,14 +91,14 @@ def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, 
     pos, neg = r > 0, r < 0
     lower = np.where(pos, form.lb, np.where(neg, form.ub, 0.0))
     unbounded = (pos | neg) & ~np.isfinite(lower)
-    # a reduced cost is round-off only relative to the numbers it is computed from: its cost and
-    # A_i'y (a variable whose cost is 1e-10 of the largest, on a ray no row touches, has a real
-    # slope of 1e-10 that RC_TOL alone would excuse: a cone was then certified 40 above J*)
+    # a reduced cost is round-off only relative to what it is computed from: its cost and A_i'y, whose
+    # multipliers carry the LP's absolute error (so the column's size counts, not |y|). A variable
+    # on a ray no row touches has r_i = cost_i exactly: a cost 1e-10 of the largest there is a real
+    # slope, which RC_TOL alone excused (a cone was then certified 40 above J*)
     sizes = np.abs(cost)
-    if y_ub.size:
-        sizes = sizes + abs(form.A_ub).T @ np.abs(y_ub)
-    if y_eq.size:
-        sizes = sizes + abs(form.A_eq).T @ np.abs(y_eq)
+    for A, y in ((form.A_ub, y_ub), (form.A_eq, y_eq)):
+        if y.size:
+            sizes = sizes + np.asarray(abs(A).sum(axis=0)).ravel()
     if np.any(unbounded & (np.abs(r) > RC_TOL * np.minimum(sizes, 1.0))):
         return None
     # round-off reduced costs on unbounded (basic) variables: charge them at the vertex

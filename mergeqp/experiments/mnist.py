@@ -44,7 +44,7 @@ import numpy as np
 from ..certificate import certify
 from ..constraints import Box
 from ..errors import ValidationError
-from ..io.atomic import atomic_folder, overlapping_input, write_json_atomic
+from ..io.atomic import atomic_folder, overlapping_input, refuse_to_replace, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge import merge_state_dicts
 from ..solvers.registry import solve
@@ -215,6 +215,8 @@ def prepare_out_dir(out_dir: Any, overwrite: bool = False, inputs: Sequence[Any]
     if os.listdir(path) and not overwrite:
         raise ValidationError(f"the output folder {path!r} is not empty; pass --overwrite (overwrite=True) "
                               f"to replace its contents")
+    if os.listdir(path):
+        refuse_to_replace(path, "--out")
     if created:  # an interrupted run then leaves no empty folder behind
         os.rmdir(path)
 

@@ -255,6 +255,41 @@ def check_output_file(path: str | os.PathLike[str], option: str,
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} is not writable")
 
 
+#: files that mark a folder as an earlier output of mergeqp, which ``--overwrite`` may replace: a
+#: merge's or an experiment's report, an experiment's results, a sweep's table
+OUTPUT_SIGNATURES = ("report.json", "results.json", "sweep.csv")
+
+
+def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
+    """Why ``--overwrite`` may not replace the non-empty ``folder`` (``None``: it may): only an
+    earlier output of mergeqp is replaced (one of :data:`OUTPUT_SIGNATURES` inside, or a model
+    folder: safetensors weights), never the current folder, one
+    holding it or the home folder. ``sweep --out . --overwrite`` deleted every file of the current
+    folder."""
+    path = Path(folder).expanduser().resolve()
+    cwd = Path.cwd().resolve()
+    if path == cwd or path in cwd.parents:
+        return "it is the current folder or holds it"
+    if path == Path.home().resolve():
+        return "it is your home folder"
+    names = {p.name for p in path.iterdir()}
+    if names & set(OUTPUT_SIGNATURES):
+        return None
+    if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
+        return None
+    return ("it holds no earlier mergeqp output (no " + ", ".join(OUTPUT_SIGNATURES)
+            + " nor a model's safetensors weights)")
+
+
+def refuse_to_replace(folder: str | os.PathLike[str], option: str) -> None:
+    """:class:`ValidationError` when ``--overwrite`` may not replace the non-empty ``folder``
+    (:func:`replace_refusal`); its files are kept."""
+    why = replace_refusal(folder)
+    if why is not None:
+        raise ValidationError(f"{option} {os.fspath(folder)} is not empty and --overwrite replaces only an earlier "
+                              f"output of mergeqp: {why}. Its files are kept; choose a new or empty folder")
+
+
 def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]] = (),
                         overwrite: bool = False, option: str = "output folder") -> None:
     """Before any work: refuse an output folder that is, contains or lies inside an input (links
@@ -271,8 +306,10 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
     out_r = out_p.resolve()
     if out_r.exists() and not out_r.is_dir():
         raise ValidationError(f"{option} {os.fspath(out)} exists and is not a folder")
-    if out_r.is_dir() and any(out_r.iterdir()) and not overwrite:
-        raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+    if out_r.is_dir() and any(out_r.iterdir()):
+        if not overwrite:
+            raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+        refuse_to_replace(out, option)
     if out_r.is_dir():  # it will be replaced by a new folder: refuse what the user protected
         if os.path.ismount(out_r):
             raise ValidationError(f"{option} {os.fspath(out)} is a mount point, which cannot be replaced; "
@@ -355,6 +392,7 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "save_npy_atomic",
+    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "refuse_to_replace",
+    "replace_refusal", "save_npy_atomic",
     "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

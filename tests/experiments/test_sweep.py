@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import os
 
 import pytest
 import torch
@@ -108,9 +109,25 @@ def test_cli_replaces_a_folder_only_with_overwrite_and_writes_both_files_or_neit
     table = (out / "sweep.csv").read_text()
     code, text = _run([path, "--out", str(out), "--parametrisations", "scalar", "--bases"], capsys)
     assert code == 2 and "not empty; pass --overwrite" in text and (out / "sweep.csv").read_text() == table
+    # --overwrite replaces an earlier output only: a folder of other files (the current folder above
+    # all) is refused and kept (stop 46: sweep --out . --overwrite deleted every file there)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "thesis.tex").write_text("x")
+    code, text = _run([path, "--out", str(tmp_path / "notes"), "--overwrite", *small], capsys)
+    assert code == 2 and "replaces only an earlier output of mergeqp: it holds no earlier mergeqp output" in text
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["thesis.tex"]
+    cwd = os.getcwd()
+    try:
+        os.chdir(tmp_path / "notes")
+        code, text = _run([path, "--out", ".", "--overwrite", *small], capsys)
+    finally:
+        os.chdir(cwd)
+    assert code == 2 and "it is the current folder or holds it" in text
+    assert sorted(p.name for p in (tmp_path / "notes").iterdir()) == ["thesis.tex"]
     # the figure cannot be written (a folder where the file goes): the old folder stays as it was
     (tmp_path / "blocked").mkdir()
     (tmp_path / "blocked" / "keep.txt").write_text("x")
+    (tmp_path / "blocked" / "sweep.csv").write_text(table)  # an earlier sweep's folder
     from mergeqp.experiments import sweep as sweep_module
 
     def broken(rows, where):
@@ -122,7 +139,7 @@ def test_cli_replaces_a_folder_only_with_overwrite_and_writes_both_files_or_neit
         code, text = _run([path, "--out", str(tmp_path / "blocked"), "--overwrite", *small], capsys)
     finally:
         sweep_module._figure = original
-    assert code == 4 and sorted(p.name for p in (tmp_path / "blocked").iterdir()) == ["keep.txt"]
+    assert code == 4 and sorted(p.name for p in (tmp_path / "blocked").iterdir()) == ["keep.txt", "sweep.csv"]
     code, text = _run([path, "--out", str(out), "--overwrite", "--parametrisations", "scalar", "--bases", "--quiet"],
                       capsys)
     assert code == 0 and (out / "sweep.csv").read_text() != table

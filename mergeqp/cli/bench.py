@@ -19,8 +19,9 @@ to the stored reference optimum when one exists. This is a benchmark, not a test
 depend on the machine.
 
 Exit codes: 0 when at least one cell ran (failed cells are listed on stderr); 2 when every cell
-failed or was skipped (nothing was measured), or for a bad argument; 4 when ``--json`` cannot
-be written (it is checked before the run and written atomically).
+failed or was skipped (nothing was measured), or for a bad argument, including a ``--json`` place
+refused before the run (a folder, not writable, an input); 4 when writing ``--json`` fails after
+the run (a full disk; it is written atomically).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def _names(arg: str, known: dict[str, Any], kind: str, committed_only: bool = Fa
         return list(known)
     names = list(dict.fromkeys(s.strip() for s in arg.split(",") if s.strip()))  # (each once)
     if not names:
-        raise ConfigError(f"--{kind}s is empty; valid: all, {', '.join(known)}")
+        option = {"family": "--family"}.get(kind, f"--{kind}s")
+        raise ConfigError(f"{option} is empty; valid: all, {', '.join(known)}")
     for name in names:
         if name not in known:
             raise unknown(kind, name, known)
@@ -357,6 +359,24 @@ def _instance_files(problems: list[str]) -> list[str]:
     return out
 
 
+#: copies of an n x n float64 H a family benchmark holds at once (the instance's H, the generator's
+#: copy, the Cholesky benchmark's two: measured at n = 12288, docs/solvers.md)
+FAMILY_H_COPIES = 4
+
+
+def _check_family_memory(n: int) -> None:
+    """Refuse an ``--n`` whose instances cannot fit in the memory available (a raw numpy
+    allocation error otherwise, exit 1), naming the sizes."""
+    from ..io.memory import available_memory_bytes, human_bytes
+
+    need = FAMILY_H_COPIES * 8 * n * n
+    free = available_memory_bytes()
+    if free is not None and need > free:
+        fits = int((free / (FAMILY_H_COPIES * 8)) ** 0.5)
+        raise ConfigError(f"--n {n}: the instance's H and its copies need about {human_bytes(need)}, more than the "
+                          f"{human_bytes(free)} available; --n {fits} fits")
+
+
 def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
     from ..solvers.registry import SOLVERS
 
@@ -369,6 +389,7 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     if args.n is not None:  # a bad size fails before the table starts
         for name in families:
             get_family(name).with_n(args.n)
+        _check_family_memory(args.n)
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS)

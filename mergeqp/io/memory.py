@@ -181,18 +181,25 @@ def memory_budget(free: int | None) -> tuple[int | None, str]:
     return free, f"the {human_bytes(free)} of memory available"
 
 
-def check_site_memory(estimate: SiteMemory, available: int | None = None) -> None:
+#: what to change when ``mergeqp collect``'s statistics do not fit (its own options)
+COLLECT_ADVICE = ("use fewer atoms (--parametrisation scalar, or a basis with a small rank), a smaller "
+                  "--batch-size (the atoms' tangents grow with it), or compare fewer outputs (an --output-fn that "
+                  "reduces the model's output); from Python, collect_statistics's arguments of the same names")
+
+
+def check_site_memory(estimate: SiteMemory, available: int | None = None, advice: str = ADVICE) -> None:
     """Refuse (:class:`ValidationError`, before anything is allocated) a site whose estimated
-    peak exceeds :func:`memory_budget`; the message names the site, the parts and what to change."""
+    peak exceeds :func:`memory_budget`; the message names the site, the parts and what to change
+    (``advice``: a merge config's keys by default, :data:`COLLECT_ADVICE` for ``mergeqp collect``)."""
     budget, what = memory_budget(available_memory_bytes() if available is None else available)
     if budget is None or estimate.peak <= budget:
         return
     raise ValidationError(
         f"merge site {estimate.site}: the statistics and solve need about {human_bytes(estimate.peak)} "
-        f"({estimate.describe()}), more than {what}; {ADVICE}; or raise max_memory (--max-memory) if "
+        f"({estimate.describe()}), more than {what}; {advice}; or raise max_memory (--max-memory) if "
         f"the machine has more")
 
 
-__all__ = ["ACTIVATION_COPIES", "ADVICE", "DESIGN_COPIES_FLOAT64", "JACOBIAN_COPIES", "TANGENT_COPIES", "VJP_ACTIVATION_COPIES", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
+__all__ = ["ACTIVATION_COPIES", "ADVICE", "COLLECT_ADVICE", "DESIGN_COPIES_FLOAT64", "JACOBIAN_COPIES", "TANGENT_COPIES", "VJP_ACTIVATION_COPIES", "GRAM_SQUARE_COPIES", "SOLVE_SQUARE_COPIES", "SiteMemory",
            "available_memory_bytes", "check_site_memory", "current_limit", "design_bytes", "estimate_site_memory",
            "memory_budget", "memory_limit"]

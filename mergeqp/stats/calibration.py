@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError, unknown
+from ..errors import BadDataError, ValidationError, unknown
 from ..problem import MergeQP
 from .apply import merge_points, set_linear_weights
 from .bases import parse_basis_spec
@@ -96,6 +96,12 @@ class CalibrationStats:
             raise ValidationError(f"deltas must be (K={K}, r, m1), got {self.deltas.shape}")
         if len(self.task_names) != K:
             raise ValidationError(f"expected {K} task names, got {len(self.task_names)}")
+        counts = np.asarray(self.task_counts)
+        if counts.shape != (K,):
+            raise ValidationError(f"task_counts must be ({K},), one sample count per task, got {counts.shape}")
+        if not (np.all(np.isfinite(counts)) and np.all(counts > 0) and np.all(counts == np.round(counts))):
+            raise BadDataError(f"task_counts must be positive whole numbers (the samples behind each task's sums), "
+                               f"got {counts.tolist()}: a statistics file no collection wrote")
         for name in ("deltas", "base_weight", "task_counts", "task_c", "task_S", "task_cross",
                      "task_jacobian_sum", "task_gram", "reference_weight"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from ..errors import BadDataError, ValidationError, check_integer
 from ..io.distributed import Ranks, current_group
-from ..io.memory import SiteMemory, check_site_memory, design_bytes, memory_limit
+from ..io.memory import COLLECT_ADVICE, SiteMemory, check_site_memory, design_bytes, memory_limit
 from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
@@ -422,7 +422,7 @@ class _Accumulator:
 
         z = {"dtype": torch.float64, "device": self.D.device}
         K, r, m1 = self.K, self.r, self.m1
-        check_site_memory(self.memory(c, T, B))  # before the sums are allocated
+        check_site_memory(self.memory(c, T, B), advice=COLLECT_ADVICE)  # before the sums are allocated
         self.c, self.T = c, T
         self.state = {
             "c": torch.zeros(K, **z),

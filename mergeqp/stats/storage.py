@@ -83,6 +83,14 @@ def read_stats(path: str) -> dict[str, Any]:
     if not os.path.exists(path):
         raise ValidationError(f"statistics file not found: {path}")
     try:
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+    except OSError as exc:
+        raise ValidationError(f"cannot read statistics file {path}: {exc.strerror or exc}") from None
+    if not head.startswith((b"PK", b"\x93NUMPY")):  # neither a zip (.npz) nor a .npy file
+        raise ValidationError(f"cannot read statistics file {path}: it is not a NumPy .npz archive (it starts with "
+                              f"{head!r}; mergeqp collect writes statistics files)")
+    try:
         data = np.load(path, allow_pickle=False)
     except Exception as exc:  # noqa: BLE001 - any unreadable file is reported the same way
         reason = ("it holds pickled Python objects, which mergeqp never loads (a statistics file holds numeric "

@@ -52,3 +52,14 @@ def test_reference_problems_take_auto_and_the_cpu_clock(tmp_path, capsys: pytest
     assert auto["certified"] and named["certified"] and auto["chosen"] == "active_set"
     assert auto["objective"] == pytest.approx(named["objective"], rel=1e-10)
     assert auto["seconds"] > 0
+
+
+def test_a_family_size_beyond_memory_is_refused_with_what_fits(monkeypatch, capsys):
+    """(stop 46 review) --n 1000000000 ended in a raw numpy allocation traceback, exit 1 (the code of
+    "solved but not certified")."""
+    import mergeqp.io.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**30)
+    assert main(["bench", "--family", "box", "--n", "1000000000", "--solvers", "active_set"]) == 2
+    err = capsys.readouterr().err
+    assert "--n 1000000000: the instance's H and its copies need about" in err and "--n 5792 fits" in err

@@ -58,12 +58,37 @@ def test_problem_npz_readable(small_stats, tmp_path):
     assert back.metadata["layer"] == "1" and back.metadata["task_weights"] == [1.0, 2.0]
 
 
+def test_sample_counts_of_no_collection_are_bad_data(small_stats, tmp_path):
+    """(stop 46 review) A statistics file with negative sample counts gave a negative MSE with exit 0,
+    zero counts a numpy division warning and a 'certified' changed objective."""
+    import dataclasses
+
+    from mergeqp.errors import BadDataError
+
+    stats, _ = small_stats
+    for counts in ([-8, -8], [0, 6], [2.5, 6]):
+        with pytest.raises(BadDataError, match=r"task_counts must be positive whole numbers"):
+            dataclasses.replace(stats, task_counts=np.array(counts))
+    with pytest.raises(ValidationError, match=r"task_counts must be \(2,\)"):
+        dataclasses.replace(stats, task_counts=np.array([6]))
+    path = tmp_path / "bad.npz"
+    stats.save(str(path))
+    data = dict(np.load(path, allow_pickle=False))
+    data["task_counts"] = -data["task_counts"]
+    np.savez(path, **data)
+    with pytest.raises(BadDataError, match="task_counts"):
+        CalibrationStats.load(str(path))
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(ValidationError, match="not found"):
         CalibrationStats.load(str(tmp_path / "missing.npz"))
     np.savez(tmp_path / "other.npz", a=np.zeros(2))
     with pytest.raises(ValidationError, match="not a mergeqp statistics file"):
         CalibrationStats.load(str(tmp_path / "other.npz"))
+    (tmp_path / "text.npz").write_text("hello\n")  # was said to hold pickled Python objects
+    with pytest.raises(ValidationError, match=r"it is not a NumPy \.npz archive \(it starts with b'hello\\n'"):
+        CalibrationStats.load(str(tmp_path / "text.npz"))
 
 
 FACTORY = """
@@ -221,3 +246,12 @@ def test_cli_collect_problem_named_without_its_suffix_and_unreadable_torch_files
     twice = [a if a != str(tmp_path / "ft1.safetensors") else str(tmp_path / "ft0.safetensors") for a in common]
     assert main(twice + ["--out", str(tmp_path / "s4.npz")]) == 2
     assert "give each a name with --names" in capsys.readouterr().err
+
+
+def test_cli_collect_memory_advice_names_collects_own_options(collect_files, tmp_path, capsys):
+    """(stop 46 review) collect's memory refusal advised a merge config's keys
+    (method.parametrisation, calibration.batch_size), which collect has no way to set."""
+    args = collect_files(tmp_path) + ["--out", str(tmp_path / "s.npz"), "--max-memory", "1B"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "--parametrisation scalar" in err and "--batch-size" in err and "method.parametrisation" not in err

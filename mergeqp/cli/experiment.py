@@ -63,6 +63,7 @@ def run_mnist(args: argparse.Namespace) -> int:
     from ..experiments.report import console_summary
 
     _check_threads(args)
+    _quiet(args)
     config = MnistConfig.quick() if args.quick else MnistConfig.full()
     if args.solver:
         from ..solvers.registry import SOLVERS
@@ -127,6 +128,7 @@ def run_lm(args: argparse.Namespace) -> int:
     from ..experiments.lm_report import console_summary
 
     _check_threads(args)
+    _quiet(args)
     _check_seed(args)
     files = _named_files(args.domain_file, "--domain-file")
     names = args.domains if args.domains is not None else ([] if files else list(DEFAULT_DOMAINS))
@@ -189,6 +191,7 @@ def run_text(args: argparse.Namespace) -> int:
     from ..experiments.text_report import console_text_summary
 
     _check_threads(args)
+    _quiet(args)
     _check_seed(args)
     threads = _threads(args)
     files = _named_files(args.task_file, "--task-file")
@@ -247,6 +250,14 @@ def _add_run_options(parser: Any) -> None:
     parser.add_argument("--out", required=True, help="output folder (written atomically when the run ends)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the contents of a non-empty --out folder (refused otherwise, before any work)")
+
+
+def _quiet(args: argparse.Namespace) -> None:
+    """``--quiet``: no progress output, also none of ``transformers``' own bars (its models' loading)."""
+    if args.quiet:
+        from .merge import quiet_transformers
+
+        quiet_transformers()
 
 
 def _check_threads(args: argparse.Namespace) -> None:

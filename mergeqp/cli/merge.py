@@ -82,7 +82,7 @@ def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
     quiet = args.quiet or not group.is_writer()
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     if quiet:  # transformers' own "Loading weights" bars too
-        _quiet_transformers()
+        quiet_transformers()
     else:
         print(plan.render(), file=sys.stderr)
     result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not quiet, log=log, plan=plan)
@@ -101,7 +101,8 @@ def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
     return 0
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
+    """No progress bars from ``transformers`` (its models' loading), for ``--quiet``."""
     try:
         from transformers.utils import logging as hf_logging  # optional heavy dependency
     except ImportError:

@@ -307,7 +307,9 @@ def make_task_splits(
             if len(idx) == 0:
                 raise ValidationError(
                     f"task {name}: no samples left for its {part} set ({len(pool) + n_test} samples "
-                    f"of classes {classes}); lower calibration_per_task or give more data"
+                    f"of classes {classes}, {calibration_per_task} of them taken for calibration): give more data "
+                    f"(the experiment's --idx-dir needs more than that per task), or lower calibration_per_task "
+                    f"(from Python: MnistConfig)"
                 )
         if len(calibration) < calibration_per_task:
             raise ValidationError(

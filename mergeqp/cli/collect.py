@@ -122,7 +122,7 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     for name in args.parametrisation:
         if name not in PLAIN_PARAMETRISATIONS:
-            raise unknown("parametrisation (--parametrisation)", name, PLAIN_PARAMETRISATIONS)
+            raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, PLAIN_PARAMETRISATIONS)}")
     check_problem_parametrisation(args.problem_parametrisation)
     task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)
@@ -324,6 +324,8 @@ def load_state_dict(path: str) -> dict[str, Any]:
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint
+        if os.path.isfile(path) and not os.access(path, os.R_OK):  # safetensors calls it "No such file"
+            raise ValidationError(f"cannot read checkpoint {path}: permission denied") from None
         raise ValidationError(f"cannot read checkpoint {path}: {type(exc).__name__}: {exc}") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]

@@ -147,7 +147,7 @@ COLLECT_CASES = [
     ("names-duplicate", [*COLLECT, *GOOD_MODELS, *OUT, "--names", "a", "a"], 2, "--names must be unique"),
     ("batch-size-0", [*COLLECT, *GOOD_MODELS, *OUT, "--batch-size", "0"], 2, "--batch-size must be >= 1"),
     ("parametrisation-unknown", [*COLLECT, *GOOD_MODELS, *OUT, "--parametrisation", "diagonal"], 2,
-     "unknown parametrisation (--parametrisation) 'diagonal'"),
+     "--parametrisation: unknown parametrisation 'diagonal'"),
     ("problem-parametrisation-unknown", [*COLLECT, *GOOD_MODELS, *OUT, "--problem-parametrisation", "diag"], 2,
      "unknown parametrisation (--problem-parametrisation) 'diag'"),
     ("problem-basis-unknown", [*COLLECT, *GOOD_MODELS, *OUT, "--problem-parametrisation", "magic:3"], 2,

@@ -255,3 +255,25 @@ def test_cli_collect_memory_advice_names_collects_own_options(collect_files, tmp
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "--parametrisation scalar" in err and "--batch-size" in err and "method.parametrisation" not in err
+
+
+def test_an_unreadable_safetensors_checkpoint_is_said_so(tmp_path, monkeypatch):
+    """(stop 46 review) safetensors reports a file it may not read as "No such file or directory";
+    collect said that of a file that exists. (Simulated: the tests may run as root.)"""
+    import os
+
+    import safetensors.torch as st
+
+    from mergeqp.cli.collect import load_state_dict
+
+    path = tmp_path / "ft.safetensors"
+    st.save_file({"w": torch.zeros(2)}, str(path))
+
+    def no_such_file(*args, **kwargs):
+        raise FileNotFoundError("No such file or directory")
+
+    monkeypatch.setattr(st, "load_file", no_such_file)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(path) else real_access(p, mode))
+    with pytest.raises(ValidationError, match=r"cannot read checkpoint .*ft\.safetensors: permission denied"):
+        load_state_dict(str(path))

@@ -163,6 +163,20 @@ class _TwoRanks(Ranks):
         raise AssertionError("reduced after a failure")
 
 
+def _rank_0_raises_what_rank_1_sent(fam, tmp_path, monkeypatch, sent, match):
+    """Rank 0 of two, whose batches all pass, raises (and prints) the error the other rank sent
+    (``sent``), after its batches and before any reduction; returns the config."""
+    import mergeqp.merge.firstorder as fo
+
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
+    group = _TwoRanks(0, 2, "gloo", sent)
+    monkeypatch.setattr(fo, "current_group", lambda: group)
+    with pytest.raises(type(sent.error), match=match):
+        pipeline.run_merge(cfg, tmp_path / "a", progress=False)
+    assert group.gathered == [None]  # this rank's batches all passed
+    return cfg
+
+
 def test_under_torchrun_a_ranks_refusal_is_raised_on_every_rank(tiny_hf, fam, tmp_path, monkeypatch):
     """Ranks check the batches they own; a rank that refuses one stops building its batches and every
     rank raises its error after their batches, before the reduction (where the others would wait for
@@ -170,19 +184,15 @@ def test_under_torchrun_a_ranks_refusal_is_raised_on_every_rank(tiny_hf, fam, tm
     other rank's verdict supplied by the gathering."""
     import mergeqp.merge.firstorder as fo
 
-    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
     other = _Failed(ValidationError("statistics at x: one calibration batch's design (refused by rank 1)"))
-    group = _TwoRanks(0, 2, "gloo", other)
-    monkeypatch.setattr(fo, "current_group", lambda: group)
-    with pytest.raises(ValidationError, match=r"refused by rank 1"):
-        pipeline.run_merge(cfg, tmp_path / "a", progress=False)
-    assert group.gathered == [None]  # this rank's batches all passed
+    cfg = _rank_0_raises_what_rank_1_sent(fam, tmp_path, monkeypatch, other, r"refused by rank 1")
     # this rank refuses its first batch: it builds no design, and raises its own error after the others
     built = []
     monkeypatch.setattr(fo.GaussNewtonSums, "add_design", lambda *a, **k: built.append(1))
     monkeypatch.setattr(pipeline, "check_first_design", lambda *a, **k: None)  # (the early check would refuse)
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: 1)
     group = _TwoRanks(1, 2, "gloo", None)
+    monkeypatch.setattr(fo, "current_group", lambda: group)
     with pytest.raises(ValidationError, match=r"one calibration batch's design") as e:
         pipeline.run_merge(cfg, tmp_path / "b", progress=False)
     assert [f.error for f in group.gathered] == [e.value] and not built
@@ -199,14 +209,8 @@ def test_under_torchrun_any_error_of_a_ranks_batch_is_raised_on_every_rank(tiny_
         def __init__(self, where, why):
             super().__init__(f"{where}: {why}")
 
-    cfg = load_config(fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj", {"name": "qp", "mode": "single"}))
     sent = _Failed(MergeQPError("Unpicklable: task 'a' batch 1: the model raised"))
-    # rank 0, whose batches pass, raises (and prints) what the other rank sent
-    group = _TwoRanks(0, 2, "gloo", sent)
-    monkeypatch.setattr(fo, "current_group", lambda: group)
-    with pytest.raises(MergeQPError, match=r"Unpicklable: task 'a' batch 1: the model raised"):
-        pipeline.run_merge(cfg, tmp_path / "a", progress=False)
-    assert group.gathered == [None]
+    cfg = _rank_0_raises_what_rank_1_sent(fam, tmp_path, monkeypatch, sent, r"Unpicklable: task 'a' batch 1: the model")
     # rank 1, whose batch fails: its own error, as raised; no further batch after it
     calls = []
 
@@ -217,6 +221,7 @@ def test_under_torchrun_any_error_of_a_ranks_batch_is_raised_on_every_rank(tiny_
     monkeypatch.setattr(fo, "_batch_output", failing)
     monkeypatch.setattr(pipeline, "check_first_design", lambda *a, **k: None)  # (it would meet the failure first)
     group = _TwoRanks(1, 2, "gloo", None)
+    monkeypatch.setattr(fo, "current_group", lambda: group)
     with pytest.raises(Unpicklable, match=r"batch 1: the model raised"):
         pipeline.run_merge(cfg, tmp_path / "b", progress=False)
     assert len(calls) == 1

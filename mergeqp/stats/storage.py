@@ -178,6 +178,10 @@ def _check_fields(path: str, fields: dict[str, Any]) -> None:
                                   f"expected {shape} (K = {K} models, r = {r}, m1 = {m1}, c = {c})")
     checked: list[tuple[str, Any]] = [(n, fields[n]) for n in ARRAY_FIELDS if fields.get(n) is not None]
     for i, (key, problem) in enumerate(fields["collected"].items()):
+        H, g = np.shape(problem.H), np.shape(problem.g)
+        if len(g) != 2 or g[0] != K or H != (K, g[1], g[1]):
+            raise ValidationError(f"{path}: damaged statistics file: collected problem {key!r} has H_t {H} and g_t "
+                                  f"{g}, expected ({K}, n, n) and ({K}, n) for {K} models")
         checked += [(f"collected{i}_H ({key})", problem.H), (f"collected{i}_g ({key})", problem.g)]
     for i, chunk in enumerate(fields["samples"] or ()):
         z, jac, res = (np.shape(a) for a in (chunk.layer_input, chunk.jacobian, chunk.residual))

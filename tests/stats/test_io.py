@@ -277,3 +277,17 @@ def test_an_unreadable_safetensors_checkpoint_is_said_so(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(path) else real_access(p, mode))
     with pytest.raises(ValidationError, match=r"cannot read checkpoint .*ft\.safetensors: permission denied"):
         load_state_dict(str(path))
+
+
+def test_a_collected_problem_of_the_wrong_shape_is_a_damaged_file(small_stats, tmp_path):
+    """(stop 46 review) sweep skipped a QP whose stored H_t had the wrong shape and exited 0, while
+    every other wrong shape stopped it as a damaged file."""
+    stats, _ = small_stats
+    path = tmp_path / "s.npz"
+    stats.save(str(path))
+    data = dict(np.load(path, allow_pickle=False))
+    key = next(k for k in data if k.startswith("collected") and k.endswith("_H"))
+    data[key] = data[key][:, :-1, :-1]
+    np.savez(path, **data)
+    with pytest.raises(ValidationError, match=r"damaged statistics file: collected problem .* has H_t"):
+        CalibrationStats.load(str(path))

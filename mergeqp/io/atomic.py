@@ -263,12 +263,14 @@ OUTPUT_SIGNATURES = ("report.json", "results.json", "sweep.csv")
 def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
     """Why ``--overwrite`` may not replace the non-empty ``folder`` (``None``: it may): only an
     earlier output of mergeqp is replaced (one of :data:`OUTPUT_SIGNATURES` inside, or a model
-    folder: safetensors weights), never the current folder, one
-    holding it or the home folder. ``sweep --out . --overwrite`` deleted every file of the current
-    folder."""
+    folder: safetensors weights), never the current folder, one holding it or the home folder
+    (``sweep --out . --overwrite`` deleted every file of the current folder)."""
     path = Path(folder).expanduser().resolve()
-    cwd = Path.cwd().resolve()
-    if path == cwd or path in cwd.parents:
+    try:
+        cwd: Path | None = Path.cwd().resolve()
+    except OSError:  # the current folder was deleted
+        cwd = None
+    if cwd is not None and (path == cwd or path in cwd.parents):
         return "it is the current folder or holds it"
     if path == Path.home().resolve():
         return "it is your home folder"

@@ -720,7 +720,6 @@ def target_bytes(tb: TargetBatch) -> int:
                if t is not None)
 
 
-
 #: float64 bytes of the model's compared output that one step of :func:`compared_rows` forms (at
 #: least one sample): with a large vocabulary a batch's ``(B, T, V)`` logits in float64, with the
 #: target's and their differences or log-probabilities beside them, are several times the model's

@@ -132,6 +132,16 @@ class Ranks:
             raise (mine if failed[0] in mine else merged)[failed[0]].error
         return [merged[i] for i in range(len(items))]
 
+    def held(self, work: Callable[[], T]) -> tuple[T | None, Exception | None]:
+        """``(work(), None)``; where ``work`` raises: under torchrun ``(None, error)``, held for
+        :meth:`raise_first` at the step every rank reaches, and in a single process the error at once."""
+        try:
+            return work(), None
+        except Exception as exc:  # noqa: BLE001 - raised on every rank by raise_first
+            if not self.distributed:
+                raise
+            return None, exc
+
     def raise_first(self, error: Exception | None) -> None:
         """At a step that every rank reaches (e.g. after its own batches, before the reduction):
         raise the first error of any rank (in rank order) on every rank; nothing when none failed.

@@ -573,12 +573,8 @@ def collect_first_order(
                 index += 1
                 if failed is not None or not group.owns(index - 1):
                     continue
-                try:
-                    add_batch(hooks, ti, bi, task, tb, e)
-                except Exception as exc:  # noqa: BLE001 - under torchrun: raised on every rank below
-                    if not group.distributed:
-                        raise
-                    failed = exc
+                _, failed = group.held(lambda: add_batch(hooks, ti, bi, task, tb, e))
+                if failed is not None:
                     continue
                 count += tb.count
                 bar.update(1)

@@ -863,7 +863,6 @@ class _AutoStart:
         # every tensor a candidate's fit may leave changed in the live model: the merged ones and
         # the selected sites' (output_space and the QP candidates write every site they solve)
         self.reset_keys = list(dict.fromkeys([*self.floats, *(k for site in run.plan.sites for k in site.keys)]))
-        self.changed = frozenset(self.floats)
         m = run.cfg.method
         # the batches the mode holds out from its start (trust region with refit): a data-dependent
         # winner is also fitted without them, for the mode's early stopping
@@ -1037,7 +1036,8 @@ class _AutoStart:
         self.load(ctx.model, reference)
         # the sites some fine-tune changed: a layer none changed has nothing to merge and keeps the
         # base weight in every candidate (the report's note on it says so)
-        sites = [site for site in run.plan.sites if any(k in self.changed for k in site.keys)]
+        changed = set(self.floats)
+        sites = [site for site in run.plan.sites if any(k in changed for k in site.keys)]
         if not sites:
             return reference
         try:

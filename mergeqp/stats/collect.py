@@ -234,13 +234,7 @@ def collect_statistics(
                     index += 1
                     if failed is not None or (not mine and acc.c is not None):
                         continue
-                    try:
-                        added = add_batch(hook, t, i, batch, mine, index)
-                    except Exception as exc:  # noqa: BLE001 - under torchrun: raised on every rank below
-                        if not group.distributed:
-                            raise
-                        failed = exc
-                        continue
+                    added, failed = group.held(lambda: add_batch(hook, t, i, batch, mine, index))
                     if added:
                         bar.update(1)
     finally:

@@ -27,6 +27,11 @@ def test_a_single_process_reduces_nothing_and_spreads_in_order():
     assert group.reduce_floats([1.5, 2.0]) == [1.5, 2.0]
     assert group.gather("x") == ["x"]
     assert group.spread(["a", "b", "c"], lambda i, s: f"{i}{s}") == ["0a", "1b", "2c"]
+    assert group.held(lambda: 3) == (3, None)
+    with pytest.raises(ZeroDivisionError):  # a single process holds nothing back
+        group.held(lambda: 1 / 0)
+    error = ValueError("x")
+    assert Ranks(1, 2, "gloo").held(lambda: (_ for _ in ()).throw(error)) == (None, error)
     assert agree_exit_code(group, 3) == 3
     with alone():
         assert current_group() == Ranks()

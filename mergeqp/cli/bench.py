@@ -77,7 +77,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="time by the wall clock (default) or by this process's CPU time "
                         "(steadier on a shared machine; equal to wall time when BLAS uses one thread)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the rows as JSON ('rows': one per cell; 'sequences': one per --sequence "
+                        "run); '-' writes the JSON to standard output and the table to standard error")
     p.set_defaults(func=run)
 
 
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None
                    and (s != "closed_form" or "none" in constraints))]
     options = parse_options(args.opt, SOLVERS)
-    if args.json is not None:  # fail before the run, not after it; never over a benchmarked instance
+    if args.json not in (None, "-"):  # fail before the run, not after it; never over a benchmarked instance
         check_output_file(args.json, "--json", _instance_files(problems))
     if args.n is not None or args.seed != 0 or args.sequence:
         raise ConfigError("--n, --seed and --sequence apply to --family only")
@@ -339,12 +341,18 @@ def run(args: argparse.Namespace) -> int:
             if not all(part.strip() for part in spec.split("&")):
                 raise ConfigError(f"--constraint {spec!r}: an empty part around '&'")
             constraint_from_spec(resolve_spec(spec, 1.0))
-    print(HEADER)
-    print("-" * len(HEADER))
+    table = _table_stream(args)
+    print(HEADER, file=table)
+    print("-" * len(HEADER), file=table)
     rows = bench_rows(problems, solvers, constraints, repeat=args.repeat, rel_tol=args.rel_tol,
-                      max_n=args.max_n, echo=lambda r: print(format_row(r), flush=True), options=options,
+                      max_n=args.max_n, echo=lambda r: print(format_row(r), file=table, flush=True), options=options,
                       clock=CLOCKS[args.clock])
     return _finish(args, rows)
+
+
+def _table_stream(args: argparse.Namespace) -> Any:
+    """Where the table goes: standard output, or standard error when ``--json -`` takes standard output."""
+    return sys.stderr if args.json == "-" else sys.stdout
 
 
 def _instance_files(problems: list[str]) -> list[str]:
@@ -393,13 +401,15 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS)
-    if args.json is not None:
+    if args.json not in (None, "-"):
         check_output_file(args.json, "--json")
-    print(HEADER + f" {'x chol':>7s}")
-    print("-" * (len(HEADER) + 8))
+    table = _table_stream(args)
+    print(HEADER + f" {'x chol':>7s}", file=table)
+    print("-" * (len(HEADER) + 8), file=table)
     clock = CLOCKS[args.clock]
     rows = family_rows(families, solvers, n=args.n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
-                       echo=lambda r: print(format_row(r), flush=True), options=options, clock=clock)
+                       echo=lambda r: print(format_row(r), file=table, flush=True), options=options, clock=clock)
+    sequences: list[dict[str, Any]] = []
     for name in families if args.sequence > 0 else []:
         for solver in solvers:
             try:
@@ -408,17 +418,24 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
             except MergeQPError as exc:
                 print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
-            rows.append(row)
+            sequences.append(row)
             print(f"{name} {solver}: {args.sequence} related QPs: cold {row['cold_seconds']:.3f} s, warm "
                   f"{row['warm_seconds']:.3f} s = {row['warm_over_one_cold']:.2f} cold solves "
-                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']})", flush=True)
-    return _finish(args, rows)
+                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']})", file=table, flush=True)
+    return _finish(args, rows, sequences)
 
 
-def _finish(args: argparse.Namespace, rows: list[dict[str, Any]]) -> int:
-    """Write ``--json``, list failed cells on stderr; an error when nothing was measured."""
+def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], sequences: list[dict[str, Any]] | None = None) -> int:
+    """Write ``--json`` (``-``: standard output), list failed cells on stderr; an error when nothing
+    was measured."""
     if args.json:
-        write_json_atomic(args.json, {"rel_tol": args.rel_tol, "rows": rows}, indent=1, default=str)
+        payload: dict[str, Any] = {"rel_tol": args.rel_tol, "rows": rows}
+        if sequences is not None:
+            payload["sequences"] = sequences
+        if args.json == "-":
+            print(json.dumps(payload, indent=1, default=str), flush=True)
+        else:
+            write_json_atomic(args.json, payload, indent=1, default=str)
     failed = [r for r in rows if "error" in r]
     measured = [r for r in rows if "error" not in r and "skipped" not in r]
     if failed:

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import UnsupportedError, ValidationError
+from ..errors import UnboundedError, UnsupportedError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from .base import QPSolver, RawResult
 from .torch_projections import checked_projection, torch_projection
+from .unbounded import unbounded_claim
 
 _DTYPES = ("float32", "float64")
 
@@ -171,6 +172,21 @@ def _progress(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, L: float,
 #: (``eps * size``): where ``J* ~ 0`` the relative target ``tol * 1e-8 size`` lies below it
 ROUNDOFF_FLOOR = 32.0 * float(np.finfo(float).eps)
 
+#: on a set that is not known to be bounded, iterates this many times farther out than the start
+#: (plus one) are tested for a ray of unbounded descent (:func:`_diverging_ray`)
+FAR_OUT = 1e3
+
+
+def _diverging_ray(problem: MergeQP, cset: ConstraintSet, solver: str, x: np.ndarray, before: np.ndarray,
+                   start_norm: float) -> UnboundedError | None:
+    """The verified :class:`UnboundedError` when the iterates left the start far behind and the
+    step between two checks, ``x - before``, is a ray of the set along which J falls without bound
+    (the registry's checks, :func:`~mergeqp.solvers.unbounded.unbounded_claim`); else ``None``."""
+    if cset.bounded or not float(np.linalg.norm(x)) > FAR_OUT * (1.0 + start_norm):
+        return None
+    claim = unbounded_claim(problem, cset, solver, "its iterates diverge along a ray", x - before)
+    return claim if isinstance(claim, UnboundedError) else None
+
 
 def _start(problem: MergeQP, x0: np.ndarray | None, init: str) -> np.ndarray:
     if x0 is not None:
@@ -205,7 +221,9 @@ class TorchFISTASolver(_TorchSolver):
     target) where ``J* ~ 0`` makes the relative target unreachable;
     ``info["stopped_at_roundoff"]`` says so), ``check_every`` 25 iterations, ``lipschitz`` None
     (power iteration estimate x 1.05; give a number to skip it), ``init`` "soup". The
-    returned point is the best checked iterate, projected once more in float64.
+    returned point is the best checked iterate, projected once more in float64. On a set not
+    known to be bounded, iterates far out whose last step is a verified ray of unbounded descent
+    raise :class:`~mergeqp.errors.UnboundedError` (as ``active_set`` does).
     """
 
     name = "torch_fista"
@@ -231,6 +249,7 @@ class TorchFISTASolver(_TorchSolver):
             y = x.clone()
             t = 1.0
             best_x, best_J, gap = qp.to_host(x), math.inf, math.inf
+            start_norm, last_x = float(np.linalg.norm(best_x)), best_x
             restarts = 0
             at_roundoff = False
             status = SolveStatus.MAX_ITERATIONS
@@ -251,7 +270,11 @@ class TorchFISTASolver(_TorchSolver):
                     xh = checked_projection(constraints, qp.to_host(x).reshape(problem.shape)).ravel()
                     J, gap, size = _progress(problem, constraints, xh, L, qp.float64_gradient(xh))
                     if J < best_J:
+                        ray = _diverging_ray(problem, constraints, self.name, xh, last_x, start_norm)
+                        if ray is not None:
+                            raise ray
                         best_x, best_J = xh, J
+                    last_x = xh
                     if not math.isfinite(J) or J > 1e6 * (abs(best_J) + abs(problem.c) + 1.0):
                         L *= 4.0  # diverging: the Lipschitz estimate was too small
                         x = torch.as_tensor(best_x, dtype=dtype, device=device)

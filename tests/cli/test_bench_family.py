@@ -17,15 +17,30 @@ def test_family_table_has_cholesky_ratios(capsys: pytest.CaptureFixture[str], tm
     assert code == 0
     text = capsys.readouterr().out
     assert "x chol" in text and "related QPs" in text
-    rows = json.loads(out.read_text())["rows"]
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
     cells = [r for r in rows if "seconds" in r]
+    assert len(cells) == len(rows)  # the sequences are not rows of the table
     assert {(r["problem"], r["solver"]) for r in cells} == {
         (f, s) for f in ("box", "simplex") for s in ("auto", "active_set")}
     for r in cells:
         assert r["certified"] and 0 < r["vs_cholesky"] < float("inf")
         assert abs(r["vs_reference"]) <= 1e-9  # the planted optimum
-    seq = [r for r in rows if "steps" in r]
+    seq = payload["sequences"]
     assert len(seq) == 4 and all(r["cold_certified"] and r["warm_certified"] and r["steps"] == 3 for r in seq)
+
+
+def test_json_dash_is_standard_output_and_the_table_goes_to_standard_error(
+        capsys: pytest.CaptureFixture[str], tmp_path, monkeypatch) -> None:
+    """(stop 47) ``--json -`` wrote a file named '-' in the working folder."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--family", "box", "--n", "48", "--solvers", "active_set", "--sequence", "2",
+                 "--clock", "cpu", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    payload = json.loads(captured.out)  # nothing but the JSON on standard output
+    assert [r["solver"] for r in payload["rows"]] == ["active_set"] and len(payload["sequences"]) == 1
+    assert "x chol" in captured.err and "related QPs" in captured.err
+    assert not (tmp_path / "-").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

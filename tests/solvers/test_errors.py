@@ -191,7 +191,7 @@ def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) 
 
 # ---------------------------------------------------------------------- unbounded problems
 @pytest.mark.parametrize("H", [np.zeros((4, 4)), np.diag([1.0, 1.0, 0.0, 0.0])], ids=["zero H", "singular H"])
-@pytest.mark.parametrize("solver", ["active_set", "clarabel", "osqp", "auto"])
+@pytest.mark.parametrize("solver", ["active_set", "clarabel", "osqp", "torch_fista", "auto"])
 def test_unbounded_below_on_an_unbounded_box_is_an_unbounded_error(H, solver, monkeypatch) -> None:
     """J = -sum d (+ 1/2 |d_0|^2) over d >= 0 has no minimum: every exact solver says so with
     UnboundedError; auto does not try other solvers after such a proof."""
@@ -214,6 +214,14 @@ def test_a_far_but_finite_optimum_is_not_called_unbounded() -> None:
     problem = MergeQP(np.diag([1.0, 1e-12]), np.array([0.0, -1.0]), shape=(1, 2))
     sol = solve(problem, "nonneg", solver="active_set", certify_result=False)
     assert sol.d[0, 1] == pytest.approx(1e12, rel=1e-6) and abs(sol.d[0, 0]) <= 1e-6
+
+
+def test_torch_fista_does_not_call_a_far_but_finite_optimum_unbounded() -> None:
+    """(stop 47: torch_fista tests its diverging iterates for a ray) the same far optimum: its
+    iterates run far out along the flat direction, but J has a minimum there, so no UnboundedError."""
+    problem = MergeQP(np.diag([1.0, 1e-12]), np.array([0.0, -1.0]), shape=(1, 2))
+    sol = solve(problem, "nonneg", solver="torch_fista", max_iter=3000, certify_result=False)
+    assert sol.d[0, 1] > 1e3 and sol.status.value == "max_iterations"
 
 
 def test_badly_conditioned_bounded_problem_is_not_called_unbounded() -> None:

@@ -117,7 +117,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_BAD_DATA, "bad input data: NaN or inf in a checkpoint, statistics or problem file, or a "
                     "merge that would produce non-finite weights"),
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
-              "previous state of the output is kept"),
+              "previous state of the output is kept. An output found unwritable before any work (a "
+              "read-only or missing folder, a mount point) is refused with 2 instead"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),
 )
 

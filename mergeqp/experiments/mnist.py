@@ -44,7 +44,7 @@ import numpy as np
 from ..certificate import certify
 from ..constraints import Box
 from ..errors import ValidationError
-from ..io.atomic import atomic_folder, overlapping_input, refuse_to_replace, write_json_atomic
+from ..io.atomic import atomic_folder, check_output_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge import merge_state_dicts
 from ..solvers.registry import solve
@@ -188,37 +188,17 @@ MAX_SEED = 2**53
 
 
 def prepare_out_dir(out_dir: Any, overwrite: bool = False, inputs: Sequence[Any] = ()) -> None:
-    """Check ``out_dir`` before any work, with a clear error: is, contains or lies inside one of
-    ``inputs`` (links resolved; e.g. ``--idx-dir``), not a folder, cannot be created, not
-    writable, ``results.json`` inside is a folder, or not empty (unless ``overwrite``: then
-    its content is replaced when the run has finished). A folder created for the check is
-    removed again (the run writes the whole folder atomically at its end)."""
+    """Check an experiment's ``out_dir`` before any work, with a clear error: the checks of every
+    output folder (:func:`~mergeqp.io.atomic.check_output_folder`: it is, contains or lies inside
+    one of ``inputs``, e.g. ``--idx-dir``; not a folder; cannot be created; not writable; a mount
+    point; not empty unless ``overwrite``, and then only earlier mergeqp output), and
+    ``results.json`` / ``report.md`` inside being folders. The run writes the whole folder
+    atomically at its end, so nothing is created here."""
     path = os.fspath(out_dir)
-    if not path:
-        raise ValidationError("the output folder (--out) is empty")
-    clash = overlapping_input(path, inputs)
-    if clash is not None:
-        raise ValidationError(f"--out {path!r} overlaps the input {clash!r}; inputs are never modified: "
-                              f"choose another --out")
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValidationError(f"--out {path!r} exists and is not a folder")
-    created = not os.path.exists(path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ValidationError(f"cannot create the output folder {path!r}: {exc.strerror or exc}") from None
-    if not os.access(path, os.W_OK):
-        raise ValidationError(f"the output folder {path!r} is not writable")
     for name in ("results.json", "report.md"):
-        if os.path.isdir(os.path.join(path, name)):
+        if path and os.path.isdir(os.path.join(path, name)):
             raise ValidationError(f"{os.path.join(path, name)!r} is a folder; it would be overwritten by a file")
-    if os.listdir(path) and not overwrite:
-        raise ValidationError(f"the output folder {path!r} is not empty; pass --overwrite (overwrite=True) "
-                              f"to replace its contents")
-    if os.listdir(path):
-        refuse_to_replace(path, "--out")
-    if created:  # an interrupted run then leaves no empty folder behind
-        os.rmdir(path)
+    check_output_folder(path, [os.fspath(p) for p in inputs], overwrite=overwrite, option="the output folder (--out)")
 
 
 def run_mnist_experiment(

@@ -304,13 +304,14 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
     clash = overlapping_input(out_p, inputs)
     if clash is not None:
         raise ValidationError(f"{option} {os.fspath(out)} overlaps input {clash}; inputs are never modified: "
-                          f"choose another --out")
+                              f"choose another --out")
     out_r = out_p.resolve()
     if out_r.exists() and not out_r.is_dir():
         raise ValidationError(f"{option} {os.fspath(out)} exists and is not a folder")
     if out_r.is_dir() and any(out_r.iterdir()):
         if not overwrite:
-            raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
+            raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite (overwrite=True from "
+                                  f"Python) to replace its contents")
         refuse_to_replace(out, option)
     if out_r.is_dir():  # it will be replaced by a new folder: refuse what the user protected
         if os.path.ismount(out_r):

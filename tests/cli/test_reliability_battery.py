@@ -276,9 +276,9 @@ REVIEW_CASES = [
     ("experiment-out-under-a-file", ["experiment", "mnist", "--out", f"{W}/ok.npz/e"], 2,
      "cannot create the output folder"),
     ("experiment-out-is-idx-dir", ["experiment", "mnist", "--idx-dir", f"{W}/sub", "--out", f"{W}/sub",
-                                   "--overwrite"], 2, "overlaps the input"),
+                                   "--overwrite"], 2, "overlaps input"),
     ("experiment-out-contains-idx-dir", ["experiment", "mnist", "--idx-dir", f"{W}/sub", "--out", W,
-                                         "--overwrite"], 2, "overlaps the input"),
+                                         "--overwrite"], 2, "overlaps input"),
     ("experiment-threads-negative", ["experiment", "mnist", "--threads", "-1", "--out", f"{O}/e"], 2,
      "--threads must be >= 1"),
 ]
@@ -428,7 +428,7 @@ API_CASES = [
      "its tensor '2.weight' holds NaN or inf"),
     ("experiment-out-is-idx-dir", lambda w: __import__("mergeqp.experiments.mnist").experiments.mnist
      .run_mnist_experiment(str(w / "sub"), idx_dir=str(w / "sub"), overwrite=True), ValidationError,
-     "overlaps the input"),
+     "overlaps input"),
 ]
 
 

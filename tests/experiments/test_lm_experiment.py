@@ -526,14 +526,14 @@ def test_inputs_are_never_overwritten_and_the_base_must_be_a_causal_lm(tiny_hf, 
     for d in DOMAINS[:2]:
         (data / f"{d}.txt").write_text("\n".join(tiny_hf.sentences(d, 30, seed=1)) + "\n")
     corpora = [file_corpus(d, data / f"{d}.txt") for d in DOMAINS[:2]]
-    with pytest.raises(ValidationError, match="overlaps the input"):
+    with pytest.raises(ValidationError, match="overlaps input"):
         run_lm_experiment(data, corpora=corpora, config=_config(), cache=tmp_path / "cache", base_folder=tiny_base,
                           overwrite=True, progress=False)
     assert sorted(p.name for p in data.iterdir()) == ["code.txt", "math.txt"]
     cache = tmp_path / "default-cache"
     (cache / "lm-finetunes").mkdir(parents=True)
     monkeypatch.setattr(lm_mod, "default_cache", lambda: cache)
-    with pytest.raises(ValidationError, match="overlaps the input"):
+    with pytest.raises(ValidationError, match="overlaps input"):
         run_lm_experiment(cache / "lm-finetunes", corpora=_corpora(tiny_hf), config=_config(), base_folder=tiny_base,
                           overwrite=True, progress=False)
     encoder = tmp_path / "bert"

@@ -420,7 +420,7 @@ def test_inputs_and_bases_are_checked_before_any_work(tiny_hf, tiny_base, tmp_pa
         (data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tasks = [file_corpus(n, data / f"{n}.jsonl", need_labels=True) for n in ("ta", "tb")]
     cache = tmp_path / "cache"
-    with pytest.raises(ValidationError, match="overlaps the input"):
+    with pytest.raises(ValidationError, match="overlaps input"):
         run_text_experiment(str(data), tasks=tasks, base_folder=tiny_base, config=tiny_config(), overwrite=True,
                             cache_dir=str(cache))
     assert sorted(p.name for p in data.iterdir()) == ["ta.jsonl", "tb.jsonl"]

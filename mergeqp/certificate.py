@@ -84,6 +84,20 @@ RANGE_TOL = 1e-10
 HONEST_GAP_FRACTION = 1e-6
 
 
+def tolerance(name: str, value: Any) -> float:
+    """``value`` as a tolerance: a finite number >= 0 (an infinite one certifies anything), else a
+    :class:`ValidationError` naming ``name``."""
+    if isinstance(value, bool) or value is None:
+        raise ValidationError(f"{name} must be a finite number >= 0, got {value!r}")
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValidationError(f"{name} must be a finite number >= 0, got {value!r:.60}") from None
+    if not 0 <= out < math.inf:
+        raise ValidationError(f"{name} must be finite and >= 0, got {out}")
+    return out
+
+
 @dataclass(frozen=True)
 class Certificate:
     """How far from optimal a point provably is. All values float64; see the module doc.
@@ -147,10 +161,8 @@ class Certificate:
 
     def allowed_gap(self, rel_tol: float | None = None, abs_tol: float | None = None) -> float:
         """``max(rel_tol * scale, abs_tol)``: the largest gap that certifies."""
-        tol = self.rel_tol if rel_tol is None else float(rel_tol)
-        atol = self.abs_tol if abs_tol is None else float(abs_tol)
-        if not (0 <= tol < math.inf and 0 <= atol < math.inf):  # an infinite tolerance certifies anything
-            raise ValidationError(f"rel_tol and abs_tol must be finite and >= 0, got {tol}, {atol}")
+        tol = self.rel_tol if rel_tol is None else tolerance("rel_tol", rel_tol)
+        atol = self.abs_tol if abs_tol is None else tolerance("abs_tol", abs_tol)
         return max(tol * self.scale, atol)
 
     @property
@@ -360,15 +372,17 @@ def certify(
     factorises H. Raises :class:`~mergeqp.errors.ValidationError` for a point of the wrong
     shape or with NaN/inf.
     """
+    if not isinstance(problem, MergeQP):
+        raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")
+    rel_tol, feas_tol, abs_tol = (tolerance("rel_tol", rel_tol), tolerance("feas_tol", feas_tol),
+                                  tolerance("abs_tol", abs_tol))
     cset = as_constraint_set(constraints)
     shape = problem.shape
+    if d is None:
+        raise ValidationError(f"d must be an array of shape {shape} (or flat ({problem.n},)), got None")
     x = problem.flat(d)
     D = x.reshape(shape)
     cset.validate(shape)
-    rel_tol, feas_tol, abs_tol = float(rel_tol), float(feas_tol), float(abs_tol)
-    if not all(0 <= t < math.inf for t in (rel_tol, feas_tol, abs_tol)):  # an infinite tolerance certifies anything
-        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be finite and >= 0, got {rel_tol}, {feas_tol}, "
-                              f"{abs_tol}")
     notes: list[str] = []
 
     Hx = problem.matvec(x)

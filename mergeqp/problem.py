@@ -55,6 +55,8 @@ def as_float_array(value: Any, name: str) -> np.ndarray:
         value = value.toarray()
     if isinstance(value, (str, bytes)):
         raise ValidationError(f"{name} must be an array of real numbers, got a string {value!r}")
+    if value is None:  # (numpy reads None as NaN)
+        raise ValidationError(f"{name} must be a number or an array of real numbers, got None")
     try:
         arr = np.asarray(value)
     except (TypeError, ValueError) as exc:
@@ -193,6 +195,9 @@ class MergeQP:
         if H is None:
             if self.hessian_matvec is None:
                 raise ValidationError("give H (n x n) or hessian_matvec")
+        elif self.hessian_matvec is not None:
+            raise ValidationError("give H (n x n) or hessian_matvec, not both: every solver and the certificate "
+                                  "would use H and never call hessian_matvec")
         else:
             H = np.array(as_float_array(H, "H"), copy=True)
             if H.shape != (n, n):
@@ -345,8 +350,16 @@ class MergeQP:
         return np.full(self.shape, 1.0 / self.K)
 
     def constant_point(self, value: float) -> np.ndarray:
-        """``d = value`` everywhere (task arithmetic with lambda = value), ``(K, n_atoms)``."""
-        return np.full(self.shape, float(value))
+        """``d = value`` everywhere (task arithmetic with lambda = value), ``(K, n_atoms)``;
+        ``value`` one finite number."""
+        arr = as_float_array(value, "constant_point's value")
+        if arr.size != 1:
+            raise ValidationError(f"constant_point takes one number (every coefficient gets it), got an array of "
+                                  f"shape {arr.shape}")
+        out = float(arr.reshape(()))
+        if not math.isfinite(out):
+            raise ValidationError(f"constant_point's value must be finite, got {out}")
+        return np.full(self.shape, out)
 
     def regularised(self, mu: float, reference: np.ndarray | float | None = None) -> MergeQP:
         """Return the problem ``J(d) + mu * ||d - d_ref||^2``.
@@ -675,10 +688,12 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
         if "metadata" in data.files:
             try:
                 meta = json.loads(str(get("metadata")))
-            except json.JSONDecodeError:
-                meta = None
-            if isinstance(meta, dict):
-                kwargs["metadata"] = meta
+            except json.JSONDecodeError as exc:
+                raise ValidationError(f"{path}: metadata is not valid JSON ({exc}); it names the problem's layer "
+                                      f"and parametrisation, which apply_merge relies on") from None
+            if not isinstance(meta, dict):
+                raise ValidationError(f"{path}: metadata must be a JSON object, got {type(meta).__name__}")
+            kwargs["metadata"] = meta
         context: dict[str, Any] = {}
         if "deltas" in data.files:
             context["deltas"] = get("deltas")

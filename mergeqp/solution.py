@@ -57,6 +57,9 @@ class Solution:
         the problem's parametrisation as its metadata records it (``{"name": "rows"}``, a basis
         with its key, ...; ``None`` for a problem built without one): what ``d``'s atoms mean, so
         that ``apply_merge(..., solution)`` reads ``d`` the way the QP was posed.
+    layer:
+        the layer the problem's metadata names (its statistics' layer), or ``None``: applying the
+        solution to another layer is refused.
     """
 
     d: np.ndarray
@@ -69,6 +72,7 @@ class Solution:
     constraints: str = "none"
     info: Mapping[str, Any] = field(default_factory=dict)
     parametrisation: Mapping[str, Any] | None = None
+    layer: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "timings", MappingProxyType(dict(self.timings)))
@@ -92,6 +96,7 @@ class Solution:
             "certificate": None if self.certificate is None else self.certificate.to_dict(),
             "info": to_jsonable(dict(self.info), nonfinite="keep"),
             **({} if self.parametrisation is None else {"parametrisation": to_jsonable(dict(self.parametrisation))}),
+            **({} if self.layer is None else {"layer": self.layer}),
         }
 
     def summary(self) -> str:

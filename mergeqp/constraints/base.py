@@ -35,7 +35,14 @@ import scipy.sparse as sp
 from ..errors import InfeasibleError, MergeQPError, UnsupportedError, ValidationError, first_line
 from ..lower_bounds import LinearMinimum, lower_bound
 from .forms import AuxiliaryForm, LinearForm, checked_linear_form
-from .kernels import SetStructure, check_sum_feasible, combine_structures, lmo_structure, project_structure
+from .kernels import (
+    SetStructure,
+    check_sum_feasible,
+    checked_structure,
+    combine_structures,
+    lmo_structure,
+    project_structure,
+)
 from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_constraints, cvxpy_minimum, lp_method, lp_minimum
 
 Shape = tuple[int, int]
@@ -159,6 +166,9 @@ class ConstraintSet(ABC):
         oracle's primal value: a stopping rule for solvers, never a verdict (the certificate asks
         :meth:`linear_minimum` and reports the missing bound)."""
         lm = self.linear_minimum(np.asarray(grad, dtype=np.float64))
+        if not isinstance(lm, LinearMinimum):  # a user's set: named here, not blamed on the solver asking
+            raise ValidationError(f"constraint set {self.spec}: linear_minimum(grad) must return a "
+                                  f"mergeqp.lower_bounds.LinearMinimum, got {type(lm).__name__}")
         bound = lower_bound(lm)
         return (bound.value if bound.value is not None else lm.value), lm.s
 
@@ -176,11 +186,28 @@ class ConstraintSet(ABC):
         """Whether the set is all of ``R^n`` (it is then dropped from intersections)."""
         return False
 
-    def __and__(self, other: ConstraintSet) -> ConstraintSet:
-        return intersect([self, other])
+    def __and__(self, other: Any) -> ConstraintSet:
+        """The intersection with ``other``: a set, or anything ``solve`` takes as constraints (a spec
+        string such as ``"simplex"``, a callable of user CVXPY constraints, a list of these)."""
+        return intersect([self, _as_set(other)])
+
+    def __rand__(self, other: Any) -> ConstraintSet:
+        return intersect([_as_set(other), self])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+
+def _as_set(other: Any) -> ConstraintSet:
+    """``other`` of ``a & other`` as a set (a spec string, a callable or a list through
+    :func:`~mergeqp.constraints.feasibility.as_constraint_set`); ``None`` and other objects are refused."""
+    if isinstance(other, ConstraintSet):
+        return other
+    if other is None:
+        raise ValidationError("cannot intersect a constraint set with None (leave the operand out for no constraint)")
+    from .feasibility import as_constraint_set  # deferred: feasibility builds on this module
+
+    return as_constraint_set(other)
 
 
 def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:
@@ -221,7 +248,7 @@ def structure_minimum(st: SetStructure, grad: np.ndarray) -> LinearMinimum:
 
 def members_structure(sets: tuple[ConstraintSet, ...], shape: Shape) -> SetStructure | str:
     """The intersection of the sets' structures, or why the kernels cannot handle it."""
-    return combine_structures([(s.spec, s.structure(shape)) for s in sets], shape[0] * shape[1])
+    return combine_structures([(s.spec, checked_structure(s, shape)) for s in sets], shape[0] * shape[1])
 
 
 def cvxpy_reason(cset: ConstraintSet) -> str | None:
@@ -257,6 +284,8 @@ def float_array(value: Any, what: str) -> np.ndarray:
     """``value`` as a float64 array, or a :class:`ValidationError` naming ``what``."""
     if hasattr(value, "detach"):  # torch tensors
         value = value.detach().cpu().numpy()
+    if value is None:  # (numpy reads None as NaN)
+        raise ValidationError(f"{what} must be a number or an array of numbers, got None")
     try:
         return np.asarray(value, dtype=np.float64)
     except (TypeError, ValueError):

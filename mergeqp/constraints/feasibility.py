@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import InfeasibleError, ValidationError, first_line
 from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect, violation_of
-from .kernels import SetStructure
+from .kernels import SetStructure, checked_structure
 from .lp import lp_minimum
 from .parse import parse_constraint
 from .user import UserConstraints
@@ -28,6 +28,12 @@ def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any
         return intersect([parse_constraint(constraints)])
     if callable(constraints):
         return UserConstraints(constraints)
+    if isinstance(constraints, Mapping):  # iterating it would read its keys and drop its values
+        raise ValidationError(
+            f"constraints must be a ConstraintSet, a spec string, a callable or a list of these, got a "
+            f"{type(constraints).__name__} ({dict(constraints)!r:.80}): its values would be dropped; write the "
+            f"set as a spec, e.g. 'simplex:2' or 'box:0,0.1'"
+        )
     if not isinstance(constraints, Iterable):
         raise ValidationError(
             f"constraints must be a ConstraintSet, a spec string, a callable or a list of these, "
@@ -61,7 +67,7 @@ def check_feasible(constraints: ConstraintSet, shape: Shape) -> None:
     members = constraints.members()
     if not members:
         return
-    parts = [(s, s.structure(shape)) for s in members]
+    parts = [(s, checked_structure(s, shape)) for s in members]
     alone = len(members) == 1 and members[0].known_nonempty
     if alone and parts[0][1] is None:
         return  # non-empty whenever it was constructed and validated

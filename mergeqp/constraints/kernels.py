@@ -17,10 +17,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from ..errors import InfeasibleError
+from ..errors import InfeasibleError, MergeQPError, ValidationError, first_line
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,52 @@ class SetStructure:
     def free(n: int) -> SetStructure:
         """All of ``R^n``."""
         return SetStructure(np.full(n, -np.inf), np.full(n, np.inf))
+
+
+def checked_structure(cset: Any, shape: tuple[int, int]) -> SetStructure | None:
+    """``cset.structure(shape)`` with its arrays checked against ``d`` of ``shape`` (a user's set: a
+    wrong structure is named here, with the set and the method, not by numpy in the kernel that
+    reads it)."""
+    shape = (int(shape[0]), int(shape[1]))
+    owner = f"constraint set {cset.spec}: its structure({shape})"
+    try:
+        st = cset.structure(shape)
+    except MergeQPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's set: name it and what it raised
+        raise ValidationError(f"{owner} raised {type(exc).__name__}: {first_line(exc, 200)}") from None
+    if st is None:
+        return None
+    if not isinstance(st, SetStructure):
+        raise ValidationError(f"{owner} returned {type(st).__name__}, not a SetStructure or None")
+    n = shape[0] * shape[1]
+    for name in ("lo", "hi", "group", "center"):
+        value = getattr(st, name)
+        if value is None and name in ("group", "center"):
+            continue
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValidationError(f"{owner}: {name} is not an array of numbers") from None
+        if arr.shape != (n,):
+            raise ValidationError(f"{owner}: {name} has shape {arr.shape}, expected ({n},): one entry per "
+                                  f"coefficient of d, flat and row-major")
+        if np.isnan(arr).any() or (name in ("group", "center") and not np.isfinite(arr).all()):
+            raise ValidationError(f"{owner}: {name} contains NaN" + ("" if name in ("lo", "hi") else " or inf"))
+    if st.group is not None:
+        group = np.asarray(st.group, dtype=np.float64)
+        totals = None if st.totals is None else np.asarray(st.totals, dtype=np.float64)
+        if np.any(group < 0) or np.any(group != np.round(group)):
+            raise ValidationError(f"{owner}: group must hold whole numbers >= 0 (the sum group of each coefficient)")
+        if totals is None or totals.ndim != 1 or totals.size <= int(group.max(initial=-1)) \
+                or not np.isfinite(totals).all():
+            raise ValidationError(f"{owner}: totals must be finite, one per sum group ({int(group.max(initial=-1)) + 1})")
+    if st.center is not None:
+        radius = st.radius
+        if isinstance(radius, bool) or not isinstance(radius, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(radius)) or float(radius) < 0:
+            raise ValidationError(f"{owner}: the L1 ball's radius must be a finite number >= 0, got {radius!r}")
+    return st
 
 
 def combine_structures(parts: Sequence[tuple[str, SetStructure | None]], n: int) -> SetStructure | str:

@@ -125,13 +125,17 @@ class SignConsensus(ConstraintSet):
         out = cls(G, shape, description=f"sign consensus ({parametrisation}, density {density:g}: "
                                         f"{n_params} parameters, {P} rows)")
         out.n_parameters = n_params
+        out.density = density
         return out
 
     n_parameters: int | None = None
+    #: the TIES trim's density the set was built with (:meth:`from_deltas`; 1: every parameter)
+    density: float = 1.0
 
     @property
     def spec(self) -> str:
-        return "sign"
+        """``sign``, or ``sign:DENSITY`` for a set built with ``density < 1`` (another set)."""
+        return "sign" if self.density >= 1 else f"sign:{self.density:g}"
 
     @property
     def lmo_method(self) -> str:

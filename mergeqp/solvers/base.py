@@ -115,3 +115,28 @@ def work_arrays_decline(n: int, max_n: int, factor: float) -> str | None:
         return None
     have = "unknown" if avail is None else f"{avail / 1e9:.1f} GB"
     return f"n = {n} > {max_n}: its work arrays need up to {need / 1e9:.1f} GB beyond H, available: {have}"
+
+
+def objective_sizes(problem: MergeQP) -> tuple[float, float]:
+    """``(max |g|, max diag H)`` (0 for a matvec-only H): the objective's scale."""
+    gmax = float(np.max(np.abs(problem.g), initial=0.0))
+    return gmax, (float(np.max(np.diag(problem.H), initial=0.0)) if problem.H is not None else 0.0)
+
+
+def unit_scaled(problem: MergeQP, sizes: tuple[float, float] | None = None,
+                band: tuple[float, float] = (1e-6, 1e6)) -> tuple[MergeQP, float]:
+    """``(problem, 1)``, or, when its scale ``max(max |g|, max diag H)`` (``sizes``:
+    :func:`objective_sizes`) lies outside ``band``, the problem with ``H, g, c`` divided by that
+    scale (the same minimiser, a copy of H) and the factor ``1 / scale``. For solvers whose
+    tolerances are absolute or whose start is unit-sized (interior-point methods: Clarabel's
+    ``tol_gap_abs`` 1e-10 is no test on a J of size 1e-10)."""
+    scale = max(objective_sizes(problem) if sizes is None else sizes)
+    low, high = band
+    if problem.H is None or not math.isfinite(scale) or scale <= 0.0 or low <= scale <= high:
+        return problem, 1.0
+    f = 1.0 / scale
+    H = problem.H * f
+    H.setflags(write=False)
+    g = problem.g * f
+    g.setflags(write=False)
+    return problem._derived(H=H, g=g, c=problem.c * f, hessian_matvec=None), f

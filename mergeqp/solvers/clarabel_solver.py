@@ -21,7 +21,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import RawResult
+from .base import RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
 
@@ -45,7 +45,8 @@ class ClarabelSolver(StandardFormSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        qp = standard_form(problem, constraints)
+        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # its gap tolerances are absolute: J / scale
+        qp = standard_form(scaled, constraints)
         A = sp.vstack([qp.A_eq, qp.A_in]).tocsc()
         b = np.concatenate([qp.b_eq, qp.b_in])
         cones = []
@@ -64,6 +65,8 @@ class ClarabelSolver(StandardFormSolver):
         sol = solver.solve()
         status = str(sol.status)
         info = {"clarabel_status": status, "settings": dict(opts)}
+        if factor != 1.0:
+            info["objective_scaled_by"] = factor
         if status in ("PrimalInfeasible", "AlmostPrimalInfeasible"):
             raise InfeasibleError(f"clarabel: the constraint set {constraints.spec} is infeasible ({status})")
         if status in ("DualInfeasible", "AlmostDualInfeasible"):

@@ -14,6 +14,7 @@ eps_rel = 1e-9``, ``max_iter = 100000``, ``polishing = True``. All overridable a
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..constraints.lp import cvxpy_constraints, solve_quietly
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult
+from .base import QPSolver, RawResult, unit_scaled
 from .unbounded import unbounded_claim
 
 
@@ -79,7 +80,8 @@ class _CvxpySolver(QPSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        prob, var = cvxpy_problem(problem, constraints)
+        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # absolute tolerances: J / scale
+        prob, var = cvxpy_problem(scaled, constraints)
         if x0 is not None:
             var.value = np.asarray(x0, dtype=np.float64).reshape(problem.shape)
         setup = time.perf_counter() - t0
@@ -92,6 +94,8 @@ class _CvxpySolver(QPSolver):
         status = prob.status
         info = {"cvxpy_status": status, "backend": self.backend, "settings": dict(opts),
                 "compilation_seconds": float(prob.compilation_time or 0.0)}
+        if factor != 1.0:
+            info["objective_scaled_by"] = factor
         if status in (cp.INFEASIBLE, cp.INFEASIBLE_INACCURATE):
             raise InfeasibleError(f"{self.name}: the constraint set {constraints.spec} is infeasible ({status})")
         if status in (cp.UNBOUNDED, cp.UNBOUNDED_INACCURATE):

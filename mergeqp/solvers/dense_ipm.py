@@ -92,7 +92,7 @@ from ..constraints.lp import lifted_form
 from ..errors import SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult, work_arrays_decline
+from .base import QPSolver, RawResult, objective_sizes, unit_scaled, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .ipm_linalg import HostLinalg, reduced_hessian
 from ..cholesky import cho_solve, triangular_solve
@@ -1280,25 +1280,12 @@ def _definite_solve(S: np.ndarray, r: np.ndarray) -> np.ndarray | None:
 
 def _objective_scale(problem: MergeQP) -> tuple[float, float]:
     """``(max |g|, max diag H)`` (0 for a matvec-only H)."""
-    gmax = float(np.max(np.abs(problem.g), initial=0.0))
-    return gmax, (float(np.max(np.diag(problem.H), initial=0.0)) if problem.H is not None else 0.0)
+    return objective_sizes(problem)
 
 
 def _unit_scaled(problem: MergeQP, sizes: tuple[float, float]) -> tuple[MergeQP, float]:
-    """``(problem, 1)``, or, when its scale ``max(max |g|, max diag H)`` (``sizes``:
-    :func:`_objective_scale`) lies outside :data:`OBJECTIVE_SCALE_BAND`, the problem with
-    ``H, g, c`` divided by that scale (the same minimiser, a copy of H) and the factor
-    ``1 / scale``."""
-    scale = max(sizes)
-    low, high = OBJECTIVE_SCALE_BAND
-    if problem.H is None or not math.isfinite(scale) or scale <= 0.0 or low <= scale <= high:
-        return problem, 1.0
-    f = 1.0 / scale
-    H = problem.H * f
-    H.setflags(write=False)
-    g = problem.g * f
-    g.setflags(write=False)
-    return problem._derived(H=H, g=g, c=problem.c * f, hessian_matvec=None), f
+    """:func:`~mergeqp.solvers.base.unit_scaled` with this module's :data:`OBJECTIVE_SCALE_BAND`."""
+    return unit_scaled(problem, sizes, OBJECTIVE_SCALE_BAND)
 
 
 def _max_step(v: np.ndarray, dv: np.ndarray) -> float:

@@ -11,6 +11,7 @@ the dense H, which is slow for large n (see docs/solvers.md).
 from __future__ import annotations
 
 import contextlib
+import math
 import io
 import time
 from typing import Any
@@ -21,7 +22,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import RawResult
+from .base import RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
 
@@ -37,11 +38,58 @@ class OSQPSolver(StandardFormSolver):
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
-        import osqp  # optional dependency: checked by available()
-
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        qp = standard_form(problem, constraints)
+        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # its tolerances are absolute: J / scale
+        qp = standard_form(scaled, constraints)
+        form_seconds = time.perf_counter() - t0
+        res, setup, printed = self._run(qp, opts, x0)
+        dropped = None
+        if "non convex" in str(res.info.status).lower() and x0 is not None:
+            # OSQP's convexity test fails on iterates that overflow from a far warm start (|x0| ~ 1e300): H is
+            # PSD (MergeQP checked it), so the warm start is dropped and the problem solved cold
+            dropped = f"dropped: OSQP reported {res.info.status!r} from it"
+            res, setup, printed = self._run(qp, opts, None)
+        status = str(res.info.status).lower()
+        info = {"osqp_status": res.info.status, "iterations": int(res.info.iter),
+                "polish_status": int(getattr(res.info, "status_polish", 0)),
+                "settings": dict(opts)}
+        if printed.getvalue():
+            info["osqp_output"] = printed.getvalue().strip()
+        if dropped is not None:
+            info["warm_start"] = dropped
+        if factor != 1.0:
+            info["objective_scaled_by"] = factor
+        if "primal infeasible" in status:
+            raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
+        if "dual infeasible" in status:
+            cert = getattr(res, "dual_inf_cert", None)
+            direction = None if cert is None else np.asarray(cert, dtype=np.float64)[: qp.n]
+            raise unbounded_claim(problem, constraints, "osqp", str(res.info.status), direction)
+        if res.x is None or not np.all(np.isfinite(res.x[: qp.n])):
+            raise SolverError(f"osqp: no solution ({res.info.status})")
+        if status == "solved":
+            st = SolveStatus.OPTIMAL
+        elif "inaccurate" in status:
+            st = SolveStatus.INACCURATE
+        elif "maximum iterations" in status or "time limit" in status:
+            st = SolveStatus.MAX_ITERATIONS
+        elif "non convex" in status:
+            raise SolverError(f"osqp: failed with status {res.info.status!r}, although H is positive semidefinite "
+                              f"(checked when the problem was built): OSQP's own test failed in floating point at "
+                              f"this scale; try solver='clarabel' or 'active_set', or rescale H and g")
+        else:
+            raise SolverError(f"osqp: failed with status {res.info.status!r}")
+        return RawResult(problem.unflat(res.x[: qp.n]), st, int(res.info.iter), info,
+                         setup_seconds=form_seconds + setup)
+
+    @staticmethod
+    def _run(qp: Any, opts: dict[str, Any], x0: np.ndarray | None) -> tuple[Any, float, io.StringIO]:
+        """Set OSQP up on ``qp`` (warm-started at ``x0`` when given) and solve: ``(result, setup
+        seconds, what it printed)``."""
+        import osqp  # optional dependency: checked by available()
+
+        t0 = time.perf_counter()
         A, lo, hi = qp.osqp_form()
         solver = osqp.OSQP()
         said = io.StringIO()  # OSQP prints why it rejects settings (e.g. max_iter 0) to stdout
@@ -60,26 +108,4 @@ class OSQPSolver(StandardFormSolver):
         # OSQP prints some messages ("Polishing not needed ...") even with verbose False
         with contextlib.redirect_stdout(printed) if not opts["verbose"] else contextlib.nullcontext():
             res = solver.solve(raise_error=False)
-        status = str(res.info.status).lower()
-        info = {"osqp_status": res.info.status, "iterations": int(res.info.iter),
-                "polish_status": int(getattr(res.info, "status_polish", 0)),
-                "settings": dict(opts)}
-        if printed.getvalue():
-            info["osqp_output"] = printed.getvalue().strip()
-        if "primal infeasible" in status:
-            raise InfeasibleError(f"osqp: the constraint set {constraints.spec} is infeasible ({res.info.status})")
-        if "dual infeasible" in status:
-            cert = getattr(res, "dual_inf_cert", None)
-            direction = None if cert is None else np.asarray(cert, dtype=np.float64)[: qp.n]
-            raise unbounded_claim(problem, constraints, "osqp", str(res.info.status), direction)
-        if res.x is None or not np.all(np.isfinite(res.x[: qp.n])):
-            raise SolverError(f"osqp: no solution ({res.info.status})")
-        if status == "solved":
-            st = SolveStatus.OPTIMAL
-        elif "inaccurate" in status:
-            st = SolveStatus.INACCURATE
-        elif "maximum iterations" in status or "time limit" in status:
-            st = SolveStatus.MAX_ITERATIONS
-        else:
-            raise SolverError(f"osqp: failed with status {res.info.status!r}")
-        return RawResult(problem.unflat(res.x[: qp.n]), st, int(res.info.iter), info, setup_seconds=setup)
+        return res, setup, printed

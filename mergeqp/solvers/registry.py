@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify, reuse_linear_minimum
+from ..certificate import DEFAULT_FEAS_TOL, DEFAULT_REL_TOL, certify, reuse_linear_minimum, tolerance
 from ..constraints import ConstraintSet, as_constraint_set, check_feasible
 from ..errors import (
     InfeasibleError,
@@ -63,6 +62,9 @@ def register_solver(solver: QPSolver) -> None:
 
 
 def get_solver(name: str) -> QPSolver:
+    if not isinstance(name, str):
+        raise ValidationError(f"solver must be one solver's name (a string) or 'auto', got {type(name).__name__} "
+                              f"{name!r:.80}")
     if name not in SOLVERS:
         raise unknown("solver", name, ["auto", *SOLVERS])
     return SOLVERS[name]
@@ -147,9 +149,8 @@ def solve(
     """
     if not isinstance(problem, MergeQP):
         raise ValidationError(f"problem must be a MergeQP, got {type(problem).__name__}")
-    if not all(0 <= float(t) < math.inf for t in (rel_tol, feas_tol, abs_tol)):  # infinite: certifies anything
-        raise ValidationError(f"rel_tol, feas_tol and abs_tol must be finite and >= 0, got {rel_tol}, {feas_tol}, "
-                              f"{abs_tol}")
+    rel_tol, feas_tol, abs_tol = (tolerance("rel_tol", rel_tol), tolerance("feas_tol", feas_tol),
+                                  tolerance("abs_tol", abs_tol))
     t0 = time.perf_counter()
     cset = as_constraint_set(constraints)
     if check_feasibility:
@@ -253,6 +254,7 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
         d=d, objective=objective, status=status, solver=chosen.name,
         iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
         parametrisation=_recorded_parametrisation(problem),
+        layer=problem.metadata.get("layer") if isinstance(problem.metadata.get("layer"), str) else None,
         timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
                  "certify": t3 - t2, "total": setup + t3 - t1},
     )

@@ -18,6 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from ..constraints import ConstraintSet
+from ..constraints.base import cvxpy_reason
 from ..constraints.forms import checked_linear_form
 from ..constraints.lp import polyhedral_parts
 from ..problem import MergeQP
@@ -69,8 +70,11 @@ def standard_form_reason(constraints: ConstraintSet, shape: tuple[int, int]) -> 
     """``None`` when :func:`standard_form` handles the set, else why not (the missing capability)."""
     for s in constraints.members():
         if s.auxiliary_form(shape) is None and checked_linear_form(s, shape) is None:
-            return (f"{s.spec} is not polyhedral: it declares neither linear_form nor auxiliary_form "
-                    f"(use cvxpy_clarabel or cvxpy_osqp for user constraints)")
+            others = [name for name, offered in (("cvxpy_clarabel", cvxpy_reason(s) is None),
+                                                 ("torch_fista", s.has_projection)) if offered]
+            hint = (f"use {' or '.join(others)}" if others else
+                    "it declares no cvxpy(var) or projection either, so no built-in solver takes it")
+            return (f"{s.spec} is not polyhedral: it declares neither linear_form nor auxiliary_form ({hint})")
     return None
 
 

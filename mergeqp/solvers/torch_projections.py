@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
+from ..constraints.kernels import checked_structure
 from ..errors import SolverError, ValidationError
 
 Projection = Callable[[Any], Any]
@@ -32,7 +33,7 @@ def torch_projection(cset: ConstraintSet, shape: tuple[int, int], device: Any, d
 
     if not members:
         return lambda x: x
-    st = cset.structure(shape) if cset.has_projection else None
+    st = checked_structure(cset, shape) if cset.has_projection else None
     if st is not None and st.bounds_only:
         lo, hi = tens(st.lo), tens(st.hi)
         return lambda x: torch.clamp(x, lo, hi)

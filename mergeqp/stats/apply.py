@@ -157,7 +157,7 @@ def apply_merge(base_model: Any, finetuned_models: Sequence[Any], layer: str, d:
     parametrisation instance). Inputs are untouched.
     """
     base, deltas, has_bias = layer_deltas(base_model, finetuned_models, layer)
-    d, param = solution_point(d, parametrisation)
+    d, param = solution_point(d, parametrisation, layer=layer)
     W = merged_layer_weight(base, deltas, d, param)
     return set_linear_weights(base_model, layer, W[:, :-1] if has_bias else W,
                               W[:, -1] if has_bias else None)
@@ -199,7 +199,7 @@ def apply_merge_state_dict(base_state_dict: Mapping[str, Any], finetuned_state_d
         raise ValidationError("finetuned_state_dicts is empty")
     deltas = np.stack([aug(sd, f"fine-tuned state dict {i}") - base
                        for i, sd in enumerate(finetuned_state_dicts)])
-    d, param = solution_point(d, parametrisation)
+    d, param = solution_point(d, parametrisation, layer=layer)
     W = merged_layer_weight(base, deltas, d, param)
     out = dict(base_state_dict)
     ref_w = base_state_dict[wkey]

@@ -369,7 +369,7 @@ class CalibrationStats:
         """``W_ref + sum_a d_a B_a`` split into weight ``(r, m)`` and bias ``(r,)`` (or None); ``d`` a
         :class:`~mergeqp.solution.Solution` (read in its QP's parametrisation) or coefficients of
         ``parametrisation`` (``rows`` when ``None``)."""
-        d, param = solution_point(d, parametrisation, self.parametrisation)
+        d, param = solution_point(d, parametrisation, self.parametrisation, layer=self.layer)
         d = check_d(d, self.K, param.n_atoms(self.r, self.m1), param)
         reference = self.base_weight if self.reference_weight is None else self.reference_weight
         W = reference + merged_update(param, d, np.asarray(self.deltas, dtype=np.float64))

@@ -44,7 +44,7 @@ from .linearise import (
     linearise_batch,
     resolve_output_fn,
 )
-from .parametrisation import Parametrisation, as_parametrisation, checked_design
+from .parametrisation import Parametrisation, as_parametrisation, checked_design, checked_n_atoms
 
 TARGET_KINDS = ("finetuned", "labels")
 DEFAULT_MAX_SAMPLE_BYTES = 2 * 2**30
@@ -293,6 +293,7 @@ def _resolve_params(specs: Sequence[Any], r: int, m1: int) -> list[Parametrisati
     for spec in specs:
         param = as_parametrisation(spec)
         param.check(r, m1)
+        checked_n_atoms(param, r, m1)
         out[param.key] = param
     return list(out.values())
 

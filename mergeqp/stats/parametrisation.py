@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..errors import ValidationError, check_new_name, lookup, unknown
+from ..errors import BadDataError, MergeQPError, ValidationError, check_new_name, first_line, lookup, unknown
 from ..solution import Solution
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
@@ -51,7 +51,26 @@ def checked_design(param: Parametrisation, L: Any, R: Any, Z: Any, deltas: Any) 
     if got != want:
         raise ValidationError(f"parametrisation {param.name!r}: design(L, R, Z, deltas) returned shape {got}, "
                               f"expected {want} (samples, outputs, models, atoms = n_atoms({r}, {m1}))")
-    return _like(A, L, f"parametrisation {param.name!r}: design(L, R, Z, deltas)")
+    A = _like(A, L, f"parametrisation {param.name!r}: design(L, R, Z, deltas)")
+    if hasattr(A, "isfinite") and hasattr(L, "isfinite") and bool(L.isfinite().all()) and not bool(A.isfinite().all()):
+        raise BadDataError(f"parametrisation {param.name!r}: design(L, R, Z, deltas) returned NaN or inf for finite "
+                           f"inputs")
+    return A
+
+
+def checked_n_atoms(param: Parametrisation, r: int, m1: int) -> int:
+    """``param.n_atoms(r, m1)``, checked: a whole number >= 1 (a user's parametrisation that answers
+    otherwise is named here, not by the first array it sizes)."""
+    what = f"parametrisation {param.name!r}: n_atoms({r}, {m1})"
+    try:
+        n = param.n_atoms(r, m1)
+    except MergeQPError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's rule: name it, one line
+        raise ValidationError(f"{what} raised {type(exc).__name__}: {first_line(exc, 200)}") from None
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ValidationError(f"{what} must be a whole number >= 1 (atoms per model), got {n!r}")
+    return int(n)
 
 
 def _like(x: Any, ref: Any, what: str) -> Any:
@@ -518,14 +537,22 @@ def as_parametrisation(spec: Any) -> Parametrisation:
 
 
 def solution_point(d: Any, parametrisation: Any,
-                   resolve: Callable[[Any], Parametrisation] = as_parametrisation) -> tuple[Any, Parametrisation]:
+                   resolve: Callable[[Any], Parametrisation] = as_parametrisation,
+                   layer: str | None = None) -> tuple[Any, Parametrisation]:
     """``d``'s coefficients and the parametrisation to read them with.
 
     ``d``: coefficients (an array; ``parametrisation`` ``None`` means ``rows``), or a
     :class:`~mergeqp.solution.Solution`, which records its QP's parametrisation: used when
     ``parametrisation`` is ``None``, and a different one given is an error (a columns solution
     read as rows has the right shape whenever a layer has as many rows as inputs, and would merge
-    the wrong atoms without a word). ``resolve`` turns a spec into a :class:`Parametrisation`."""
+    the wrong atoms without a word). ``resolve`` turns a spec into a :class:`Parametrisation`.
+    ``layer``: where the coefficients are applied; a Solution whose QP records another layer is
+    an error (two layers of one shape would take each other's merge silently)."""
+    if isinstance(d, Solution) and d.layer is not None and layer is not None \
+            and _layer_name(d.layer) != _layer_name(layer):
+        raise ValidationError(f"this solution's QP was built for layer {d.layer!r}, not {layer!r}: its coefficients "
+                              f"weigh that layer's residuals (apply it to {d.layer!r}, or pass d.d to apply the "
+                              f"coefficients anyway)")
     recorded = d.parametrisation if isinstance(d, Solution) else None
     coefficients = d.d if isinstance(d, Solution) else d
     if recorded is None:
@@ -545,6 +572,11 @@ def solution_point(d: Any, parametrisation: Any,
             f"it: its coefficients would be read as other atoms (pass the solution without parametrisation=, or "
             f"the parametrisation its problem was built with)")
     return coefficients, param
+
+
+def _layer_name(name: str) -> str:
+    """A layer's module name (``model.layers.0.mlp`` and ``model.layers.0.mlp.weight`` alike)."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
 def named_parametrisations() -> list[str]:

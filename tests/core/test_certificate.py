@@ -280,7 +280,7 @@ def test_point_validation(box_optimum) -> None:
         check_point_shape(problem, np.array(["a"] * 15))
     with pytest.raises(ValidationError, match="non-finite"):
         certify(problem, Box(0, 1), np.full(problem.shape, np.nan))
-    with pytest.raises(ValidationError, match="rel_tol, feas_tol and abs_tol"):
+    with pytest.raises(ValidationError, match="rel_tol must be finite and >= 0, got -1.0"):
         certify(problem, Box(0, 1), d, rel_tol=-1.0)
 
 

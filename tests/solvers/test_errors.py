@@ -315,3 +315,27 @@ def test_warm_start_errors_name_the_warm_start(problem) -> None:
 def test_simplex_sum_mismatch_is_printed_with_enough_digits() -> None:
     with pytest.raises(InfeasibleError, match=r"allows sums in \[1, 1\] but the simplex needs 1.000001"):
         solve(MergeQP(np.eye(4), np.ones(4), shape=(2, 2)), Box(0.5, 0.5) & Simplex(1 + 1e-6))
+
+
+def test_auto_falls_back_to_dense_ipm_when_clarabel_does_not_certify(monkeypatch) -> None:
+    """(stop 47) auto's fallbacks were clarabel and osqp only: where Clarabel was auto's own choice
+    (a small polyhedral set) and its point did not certify, only OSQP was left, which is the least
+    accurate of the three; dense_ipm now comes between them."""
+    from mergeqp.constraints import SignConsensus
+
+    rng = np.random.default_rng(3)
+    K, r = 3, 8
+    A = rng.standard_normal((60, K * r))
+    b = rng.standard_normal(60)
+    problem = MergeQP(2 * A.T @ A, 2 * A.T @ b, float(b @ b), shape=(K, r))
+    sets = [Box(0.0, 1.0), SignConsensus.from_deltas(rng.standard_normal((K, r, 5)), "rows")]
+    reference = solve(problem, sets, solver="dense_ipm")
+
+    def wrong(problem, constraints, x0=None, **options):
+        return RawResult(np.full(problem.shape, 1.0 / K), SolveStatus.INACCURATE, 1, {})
+
+    monkeypatch.setattr(SOLVERS["clarabel"], "solve", wrong)
+    sol = solve(problem, sets)
+    assert [t["solver"] for t in sol.info["auto_tried"]] == ["clarabel", "dense_ipm"]
+    assert sol.solver == "dense_ipm" and sol.certificate.certified()
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-9)

@@ -142,9 +142,10 @@ class MergeMode:
                  if r.objective_after > r.objective_before + 1e-9 * abs(r.objective_before)]
         if not worse:
             return []
-        return [f"the QP objective rose at {worse}: the starting point (the current weights, d = 0) "
-                f"is not in the constraint set {list(constraints)}, so its optimum can lie above "
-                f"it (an L1 ball or simplex away from 0), or the solve was not certified"]
+        return [f"the QP objective rose at {worse}: the starting point (the current weights, d = 0) is not in "
+                f"the constraint set {list(constraints)}, so its optimum can lie above it (an L1 ball or simplex "
+                f"away from 0), or a `regularisation` toward another point (`reference: soup`) traded the "
+                f"objective for closeness to it, or the solve was not certified"]
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
                       prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,

@@ -58,7 +58,7 @@ class QPSettings:
     the linearisation point, :mod:`.outputbasis`; its ``(c, r)`` Jacobian must fit
     ``basis_max_bytes``), and ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
     ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
-    ``mu ||d - d_ref||^2`` (``reference``: ``soup`` = 1/K or ``zero``); ``chunk_size``: atoms per
+    ``mu ||d - d_ref||^2`` (``reference``: ``soup``, each parametrisation's ``task_vector_point`` at 1/K, or ``zero``); ``chunk_size``: atoms per
     vectorised JVP call; ``compare_sequential`` (``joint`` mode): also run the sequential QP on a
     copy of the model for the report; ``mode_options``: the merge mode's own options (validated
     by its entry, :meth:`mergeqp.merge.modes.MergeMode.check_options`); ``jacobian_mode``: of the
@@ -264,11 +264,22 @@ def constraint_sets(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[An
     return out
 
 
+def _task_vector_point(K: int, atoms: Sequence[SiteAtoms], lam: float) -> np.ndarray:
+    """Task arithmetic with weight ``lam`` in the coefficients of every site (``1/K``: the soup), each
+    site's point from its parametrisation (rows+baselines: rows ``lam``, baseline atoms 0; a basis:
+    the projection onto it)."""
+    return np.concatenate([a.param.task_vector_point(K, int(a.deltas.shape[1]), int(a.deltas.shape[2]), lam)
+                           for a in atoms], axis=1)
+
+
 def _reference_points(stats: FirstOrderStats, atoms: Sequence[SiteAtoms]) -> dict[str, np.ndarray]:
-    shape = (stats.K, stats.N)
-    points = {"zero": np.zeros(shape), "soup": np.full(shape, 1.0 / stats.K)}
+    """The points the report evaluates beside the optimum: zero (the start), the soup and task
+    arithmetic where every site's family contains them (not a basis: its ``1/K`` is the soup's
+    projection, which is no soup), and the parametrisations' own (the baselines of rows+baselines)."""
+    points = {"zero": np.zeros((stats.K, stats.N))}
     if all(a.param.contains_task_vectors for a in atoms):
-        points["task_arithmetic"] = np.ones(shape)
+        points["soup"] = _task_vector_point(stats.K, atoms, 1.0 / stats.K)
+        points["task_arithmetic"] = _task_vector_point(stats.K, atoms, 1.0)
     own = [a.param.reference_points(stats.K) for a in atoms]  # e.g. the baselines of rows+baselines
     for name in sorted(set.intersection(*(set(p) for p in own)) if own else ()):
         points[name] = np.concatenate([p[name] for p in own], axis=1)
@@ -348,7 +359,8 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     mu = ctx.settings.regularisation
     solved_problem = qp
     if mu > 0:
-        solved_problem = qp.regularised(mu, None if ctx.settings.reference == "soup" else 0.0)
+        solved_problem = qp.regularised(mu, _task_vector_point(stats.K, atoms, 1.0 / stats.K)
+                                        if ctx.settings.reference == "soup" else 0.0)
     cset = constraint_sets(ctx.settings, atoms)
     solution = solve(solved_problem, cset or None, solver=ctx.settings.solver, **dict(ctx.settings.solver_options))
     t3 = time.perf_counter()

@@ -133,7 +133,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| `{r['layer']}` | {r['mode']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
                          f"{format_number(r['objective_after_exact'])} | {format_number(c.get('fw_gap'), 3)} | {format_number(c.get('certified'))} | "
                          f"{format_number(r['energy_fraction'], 4)} | {r.get('solver')} | {format_number(r['seconds'], 3)} |")
-        lines += ["", ("QP objective at points of the same problem (soup = 1/K, task arithmetic = 1; start and result: "
+        lines += ["", ("QP objective at points of the same problem (soup and task arithmetic: the task vectors at 1/K and 1; start and result: "
                        "the merge's start and its result) and at the QP's optimum:"), "",
                   "| layer | " + " | ".join(sorted(layers[0].get("objective_at", {}))) + " | optimum |",
                   "|---|" + "---|" * (len(layers[0].get("objective_at", {})) + 1)]

@@ -210,7 +210,8 @@ class MethodConfig(_Strict):
     outputs per sample, e.g. tokens x k); ``constraints`` (a list of ``mergeqp solve`` spellings, intersected:
     ``box:0,1``, ``simplex``, ``l1:R``, ``nonneg``, ``global_simplex``, ``sign[:density]``);
     ``solver`` (``auto`` or a registry name) and ``solver_options``; ``regularisation`` ``mu``
-    adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup ``1/K`` (``reference: soup``) or 0;
+    adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup (``reference: soup``: each parametrisation's
+    ``task_vector_point`` at ``1/K``) or 0;
     ``compare_sequential`` (joint mode): also run the sequential QP on the same layers and put
     the comparison in the report; ``chunk_size``: atoms per vectorised JVP call;
     ``jacobian_mode``: how the statistics' derivatives are taken: ``forward`` (one JVP per atom),

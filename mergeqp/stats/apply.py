@@ -71,10 +71,9 @@ def merge_points(param: Parametrisation, K: int, r: int, m1: int, *, lam: float 
     """Known merges as points ``d`` of the QP of ``param`` (see the module docstring)."""
     lam = _finite_number(lam, "the task-arithmetic weight lam")
     dare_p = _finite_number(dare_p, "the DARE drop probability dare_p")
-    shape = (K, param.n_atoms(r, m1))
-    points = {
-        "task_arithmetic": task_arithmetic_point(shape, lam),
-        "soup": soup_point(shape),
+    points = {  # (each family's own coordinates of them: rows+baselines' baseline atoms stay 0)
+        "task_arithmetic": param.task_vector_point(K, r, m1, lam),
+        "soup": param.task_vector_point(K, r, m1, 1.0 / K),
     }
     if isinstance(param, RowsParametrisation):
         points["row_dare"] = row_dare_point(K, r, dare_p, seed, lam)

@@ -49,7 +49,7 @@ class RowsBaselinesParametrisation(Parametrisation):
 
     name = "rows+baselines"
     config_options = ("baselines",)
-    contains_task_vectors = False
+    contains_task_vectors = True  # (rows lam, baseline atoms 0: task_vector_point)
 
     def __init__(self, residuals: Mapping[str, Any] | None = None):
         self._names: tuple[str, ...] = ()
@@ -114,6 +114,13 @@ class RowsBaselinesParametrisation(Parametrisation):
         r = self.residuals.shape[1]
         d = np.zeros((K, r + len(self._names)))
         d[:, r + self._names.index(name)] = 1.0 / K
+        return d
+
+    def task_vector_point(self, K: int, r: int, m1: int, lam: float = 1.0) -> np.ndarray:
+        """Task arithmetic with weight ``lam`` (the soup at ``1/K``): rows ``lam``, baseline atoms 0
+        (every atom ``lam`` would add every baseline's residual as well)."""
+        d = np.zeros((int(K), int(self.n_atoms(r, m1))))
+        d[:, :r] = float(lam)
         return d
 
     def reference_points(self, K: int) -> dict[str, np.ndarray]:

@@ -133,8 +133,8 @@ class Parametrisation(ABC):
     name: str = ""
     #: method-level config keys (besides ``parametrisation``) this parametrisation reads
     config_options: ClassVar[tuple[str, ...]] = ()
-    #: whether ``d = 1`` (every atom weight one) is ``W_base + sum_k delta_k``: task arithmetic is
-    #: then a point of the family (a reference point in the merge report)
+    #: whether task arithmetic is a point of the family, :meth:`task_vector_point` (the soup and task
+    #: arithmetic are then reference points in the merge report, and ``reference: soup`` is the soup)
     contains_task_vectors: ClassVar[bool] = True
 
     @property
@@ -204,6 +204,14 @@ class Parametrisation(ABC):
     def describe(self, options: Mapping[str, Any]) -> str:
         """One phrase for the merge plan."""
         return self.name
+
+    def task_vector_point(self, K: int, r: int, m1: int, lam: float = 1.0) -> np.ndarray:
+        """The coefficients ``d`` (``(K, n_atoms)``) of task arithmetic with weight ``lam``, ``W_base +
+        lam sum_k delta_k`` (``lam = 1/K``: the soup): every atom weight ``lam`` by default, which is
+        exactly it where :attr:`contains_task_vectors` (a family with other atoms overrides this, e.g.
+        ``rows+baselines``: rows ``lam``, baseline atoms 0), and for an orthonormal basis its
+        projection onto the basis."""
+        return np.full((int(K), int(self.n_atoms(r, m1))), float(lam))
 
     def reference_points(self, K: int) -> dict[str, np.ndarray]:
         """Named points ``d`` (``(K, n_atoms)``) of this family that a merge report evaluates

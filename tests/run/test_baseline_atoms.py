@@ -39,6 +39,28 @@ def test_optimum_is_never_above_any_baseline(tiny_hf, llama, tmp_path):
     tol = 1e-9 * abs(points["zero"])
     assert record["objective_after"] <= min(points["baseline:ties"], points["baseline:task_arithmetic"]) + tol
     assert record["n_variables"] == 2 * (report["plan"]["layers"][0]["out_features"] + 2)
+    # (stop 47) the soup is rows 1/K with the baseline atoms 0 (1/K on every atom was the soup plus
+    # every baseline's residual: 3087 against the soup's 1530 in the review's run); with K = 2 it is
+    # task arithmetic at 0.5, itself an atom here
+    assert points["soup"] == pytest.approx(points["baseline:task_arithmetic"], rel=1e-8)
+
+
+def test_regularisation_toward_the_soup_is_toward_the_soup(tiny_hf, llama, tmp_path):
+    """(stop 47) `regularisation` with `reference: soup` pulled rows+baselines toward 1/K on every
+    atom, the soup plus every baseline's residual: with a strong weight the merge came out as soup +
+    TIES, worse than the base. Now a strong weight gives the soup itself."""
+    from safetensors.torch import load_file
+
+    layer = tiny_hf.MLP_LAYER["llama"]
+    method = {"name": "qp", "mode": "sequential", "parametrisation": "rows+baselines", "baselines": ["ties"],
+              "constraints": [], "regularisation": 1e8, "reference": "soup"}
+    run_merge(load_config(llama.write_config(tmp_path / "cfg.yml", [layer], method)), tmp_path / "out",
+              progress=False)
+    key = f"{layer}.weight"
+    merged = load_file(str(tmp_path / "out" / "model.safetensors"))[key]
+    soup = sum(load_file(str(ft / "model.safetensors"))[key] for ft in llama.finetuned) / len(llama.finetuned)
+    base = load_file(str(llama.base / "model.safetensors"))[key]
+    assert float((merged - soup).abs().max()) <= 1e-4 * float((soup - base).abs().max())
 
 
 def test_statistics_baseline_atom_is_the_checkpoint_regmean(tiny_hf, llama, tmp_path):

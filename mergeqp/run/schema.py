@@ -39,6 +39,7 @@ from pydantic import (
 from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, unknown
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
+from ..plugins import imported_modules
 from ..merge.modes import MERGE_MODES
 from ..merge.registry import MERGE_METHODS
 from ..stats.bases import BASES, checkpoint_bases
@@ -610,8 +611,12 @@ class MergeConfig(_Strict):
         return out
 
     def protected_paths(self) -> list[Path]:
-        """Every path an output must not be, contain or lie inside: the inputs and the config file."""
-        return [p for _, p in self.input_paths()] + ([Path(self.config_file)] if self.config_file else [])
+        """Every path an output must not be, contain or lie inside: the inputs, the config file and the
+        files of the user modules imported (the config's ``imports:``, ``--import``, ``$MERGEQP_IMPORT``:
+        a plugin kept in an earlier output folder was deleted by ``--overwrite``)."""
+        plugins = [Path(e["file"]) for e in imported_modules() if e.get("file")]
+        return ([p for _, p in self.input_paths()] + ([Path(self.config_file)] if self.config_file else [])
+                + plugins)
 
     def holdout_for(self, index: int) -> float | int:
         src = self.models[index].prompts()

@@ -196,3 +196,16 @@ def test_run_merge_refuses_the_config_folder(world, tiny_hf, digests, leftovers)
     with pytest.raises(ValidationError, match="overlaps input .*api.yml"):
         run_merge(load_config(cfg_path), cfg_path.parent, overwrite=True, progress=False)
     assert digests(root) == before and leftovers(root) == []
+
+
+def test_overwrite_never_deletes_an_imported_plugin(world, tiny_hf, tmp_path, capsys):
+    """(stop 47) A module named in the config's `imports:` that lies in the earlier output folder was
+    deleted by `--overwrite` (exit 0; the report still gave its path and sha256). It is an input."""
+    prev = tmp_path / "prev"
+    assert main(["merge", str(_config(world, tiny_hf, "plug0")), "--out", str(prev), "--quiet"]) == 0
+    plugin = prev / "my_plugin_s47.py"
+    plugin.write_text("ANSWER = 42\n")
+    cfg = _config(world, tiny_hf, "plug1", imports=[str(plugin)])
+    capsys.readouterr()
+    assert main(["merge", str(cfg), "--out", str(prev), "--overwrite", "--quiet"]) == 2
+    assert "overlaps input" in capsys.readouterr().err and plugin.read_text() == "ANSWER = 42\n"

@@ -271,27 +271,44 @@ class MergePlan:
 
 
 # ---------------------------------------------------------------------- checks
+#: ``config.json`` settings that change the function a model computes without changing a tensor's
+#: shape (attention heads, norms' epsilons, rotary settings, activations): a fine-tune that differs
+#: from the base in one of them computes its targets with another function than the merged model
+#: (which is written with the base's config), so it is refused
+FUNCTION_CONFIG_KEYS = (
+    "model_type", "architectures", "num_attention_heads", "num_key_value_heads", "head_dim", "n_head",
+    "multi_query", "hidden_act", "activation_function", "hidden_activation", "rms_norm_eps", "layer_norm_eps",
+    "layer_norm_epsilon", "norm_eps", "rope_theta", "rope_scaling", "partial_rotary_factor", "rotary_pct",
+    "position_embedding_type", "attention_bias", "mlp_bias",
+    "tie_word_embeddings", "scale_attn_weights", "attn_logit_softcapping", "final_logit_softcapping",
+    "query_pre_attn_scalar",
+)
+
+
 def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) -> None:
-    """Same model type / architecture (when configs exist) and the same tensor names and shapes;
-    the error names the model and the first differing tensor."""
+    """Same model type / architecture and function-defining settings (:data:`FUNCTION_CONFIG_KEYS`,
+    when configs exist) and the same tensor names and shapes; the error names the model and the
+    first difference."""
     bcfg = base.config or {}
     for name, ck in others:
         cfg = ck.config
-        if cfg is not None and base.config is not None:
-            for key in ("model_type", "architectures"):
-                if key in cfg and key in bcfg and cfg[key] != bcfg[key]:
-                    raise ConfigError(
-                        f"model {name!r} is a different architecture: its config has {key} "
-                        f"{cfg[key]!r} but the base has {bcfg[key]!r}"
-                    )
+        theirs_cfg = cfg if cfg is not None and base.config is not None else {}
+        differ = [key for key in FUNCTION_CONFIG_KEYS
+                  if key in theirs_cfg and key in bcfg and theirs_cfg[key] != bcfg[key]]
+        for key in differ:
+            if key in ("model_type", "architectures"):
+                raise _config_difference(name, key, theirs_cfg[key], bcfg[key])
         ref, theirs = base.shapes(), ck.shapes()
         missing = [k for k in ref if k not in theirs]
         extra = [k for k in theirs if k not in ref]
         if missing or extra:
             what = (f"lacks tensor {missing[0]!r} of the base" if missing else f"has tensor {extra[0]!r} that the base lacks")
+            adapter = ck.path is not None and (Path(ck.path) / "adapter_config.json").is_file()
             raise ConfigError(
                 f"model {name!r} ({ck.path}) {what} ({len(missing)} missing, {len(extra)} extra): "
-                f"all models must share the base's architecture"
+                + ("it is a PEFT adapter (adapter_config.json): merge it into the base first (peft's "
+                   "merge_and_unload, then save_pretrained) and give that folder" if adapter else
+                   "all models must share the base's architecture")
             )
         for k, shape in ref.items():
             if theirs[k] != shape:
@@ -299,6 +316,15 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
                     f"tensor {k!r} has shape {theirs[k]} in model {name!r} but {shape} in the base: "
                     f"all models must share the base's architecture"
                 )
+        if differ:  # (after the shapes: a tensor of another shape is the plainer message)
+            raise _config_difference(name, differ[0], theirs_cfg[differ[0]], bcfg[differ[0]])
+
+
+def _config_difference(name: str, key: str, theirs: Any, base: Any) -> ConfigError:
+    kind = ("is a different architecture" if key in ("model_type", "architectures") else
+            "computes another function than the base")
+    return ConfigError(f"model {name!r} {kind}: its config.json has {key} {theirs!r} but the base's has {base!r} "
+                       f"(the merge computes every model's outputs with its own config and writes the base's)")
 
 
 def has_tokenizer(folder: Path) -> bool:

@@ -220,10 +220,53 @@ def test_different_architectures_fail_fast(fam, tmp_path, no_weights):
     cfg = _cfg(fam, tmp_path)
     data = cfg.model_dump(exclude_unset=True)
     data["models"][1]["path"] = str(fam.root / "gpt2_model")
-    with pytest.raises(ConfigError, match=r"different architecture: its config has model_type 'gpt2'"):
+    with pytest.raises(ConfigError, match=r"different architecture: its config.json has model_type 'gpt2'"):
         build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
     data["models"][1]["path"] = str(fam.root / "wide_llama")
     with pytest.raises(ConfigError, match=r"tensor '[\w.]+' has shape \(\d+, 24\) in model 'math' but \(\d+, 16\) in the base"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+
+
+@pytest.mark.parametrize("key, value", [("num_attention_heads", 1), ("rms_norm_eps", 0.5)])
+def test_a_fine_tune_with_other_function_settings_fails_fast(fam, tmp_path, no_weights, key, value):
+    """(stop 47) Heads or a norm's epsilon changed in a fine-tune's config.json without changing a tensor's
+    shape: merged with exit 0, its targets from another function (the base's calibration J 7378 against
+    1641 in the review's run) and the model written with the base's config."""
+    import json
+
+    from mergeqp.run.plan import build_plan
+
+    odd = tmp_path / "odd_ft"
+    shutil.copytree(fam.finetuned[1], odd)
+    config = json.loads((odd / "config.json").read_text())
+    assert config[key] != value
+    (odd / "config.json").write_text(json.dumps({**config, key: value}))
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][1]["path"] = str(odd)
+    with pytest.raises(ConfigError, match=f"computes another function than the base: its config.json has {key}"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+
+
+def test_a_peft_adapter_folder_is_named(fam, tmp_path, no_weights):
+    """(stop 47) A LoRA adapter folder given as a fine-tune: 'lacks tensor lm_head.weight', no word of
+    the adapter."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from mergeqp.run.plan import build_plan
+
+    adapter = tmp_path / "lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    save_file({"base_model.model.model.layers.0.mlp.down_proj.lora_A.weight": torch.zeros(4, 32)},
+              str(adapter / "adapter_model.safetensors"))
+    shutil.copy(fam.finetuned[1] / "config.json", adapter / "config.json")
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][1]["path"] = str(adapter)
+    with pytest.raises(ConfigError, match="PEFT adapter .* merge_and_unload"):
         build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
 
 

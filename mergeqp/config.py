@@ -8,6 +8,7 @@ The full reference is ``docs/hf.md``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from pydantic import ValidationError
 from .errors import ConfigError
 from .plugins import import_plugins
 from .run.schema import (
+    BLOCK_SHAPES,
     BaselineSpec,
     CalibrationOptions,
     MergeConfig,
@@ -45,6 +47,9 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
         loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
+        block = re.search(r"instance of (\w+)", msg)
+        if block and block.group(1) in BLOCK_SHAPES:
+            msg = f"expected {BLOCK_SHAPES[block.group(1)]}, got {type(err.get('input')).__name__} {err.get('input')!r:.60}"
         if err.get("type") == "missing":
             msg = "required key is missing" + _MISSING_HINTS.get(loc, "")
         lines.append(f"  {loc or '(top level)'}: {msg}")

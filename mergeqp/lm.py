@@ -210,7 +210,7 @@ class OutputSpec:
             value = getattr(model_output, self.field, None)
         if value is None:
             keys = list(model_output.keys()) if hasattr(model_output, "keys") else []
-            raise ValidationError(f"model output has no {self.field!r}; available: {keys}")
+            raise ValidationError(f"output.field {self.field!r}: the model's output has no such field; available: {keys}")
         return value
 
     def projection(self, vocab: int, dtype: Any, device: Any) -> Any:

@@ -137,8 +137,18 @@ class MergeMethod:
             return self.params(**given)
         except PydanticValidationError as exc:
             problems = []
+            unions: dict[str, list[str]] = {}  # a value none of a union's types took: one line, not one per type
             for err in exc.errors():
-                field = ".".join(str(p) for p in err["loc"])
+                loc = [str(p) for p in err["loc"]]
+                if len(loc) >= 2 and loc[0] in self.params.model_fields and not loc[1].isdigit() \
+                        and err["type"] != "extra_forbidden":
+                    kinds = unions.setdefault(loc[0], [])
+                    if not kinds:
+                        got = repr(given.get(loc[0]))
+                        problems.append((loc[0], got if len(got) <= MAX_REPR else got[: MAX_REPR - 3] + "..."))
+                    kinds.append(loc[1])
+                    continue
+                field = ".".join(loc)
                 if err["type"] == "extra_forbidden":
                     problems.append(f"unknown parameter {field!r}")
                     continue
@@ -146,6 +156,8 @@ class MergeMethod:
                 got = got if len(got) <= MAX_REPR else got[: MAX_REPR - 3] + "..."
                 msg = err["msg"].removeprefix("Value error, ")
                 problems.append(f"parameter {field!r}: {msg} (got {got})" if field else msg)
+            problems = [f"parameter {p[0]!r} must be {' or '.join(_KINDS.get(k, k) for k in unions[p[0]])} (got {p[1]})"
+                        if isinstance(p, tuple) else p for p in problems]
             raise ConfigError(
                 f"merge method {self.name!r}: {'; '.join(problems)}; valid parameters: "
                 f"{', '.join(self.valid_params())}"
@@ -153,6 +165,11 @@ class MergeMethod:
 
 
 # ---------------------------------------------------------------------------- helpers
+#: pydantic's names of a union's member types, as a config's reader says them
+_KINDS = {"float": "a number", "int": "a whole number", "str": "a string", "bool": "true or false",
+          "tuple[float, ...]": "a list of numbers", "list[float]": "a list of numbers", "none": "null"}
+
+
 def resolve_weights(weights: float | Sequence[float] | None, K: int, default: float | None) -> list[float]:
     """``K`` model weights from a scalar, a length-K sequence, or ``None`` (-> ``default``,
     where ``default=None`` means uniform ``1/K``)."""

@@ -89,8 +89,8 @@ class MergeMode:
         try:
             return self.options(**raw)
         except PydanticError as exc:
-            why = "; ".join(f"{'.'.join(str(x) for x in e['loc']) or 'mode_options'}: {e['msg']}"
-                            for e in exc.errors())
+            why = "; ".join((f"{'.'.join(str(x) for x in e['loc'])}: " if e["loc"] else "")
+                            + str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
             raise ValidationError(f"mode_options of mode: {self.name}: {why}") from None
 
     def start_holdout(self, raw: Mapping[str, Any] | None) -> float:

@@ -535,7 +535,7 @@ def _check_method(cfg: MergeConfig) -> None:
         parse_output_space_params(m.params, "method")
         return
     if not m.is_qp:
-        _check_baseline(m.name, m.params, "method")
+        _check_baseline(m.name, m.params, "method", len(cfg.models))
         return
     atom_stats = statistics_baselines(m.baseline_choices)
     if atom_stats:
@@ -561,9 +561,9 @@ def _check_method(cfg: MergeConfig) -> None:
                 except ConfigError as exc:
                     raise ConfigError(f"{where}: {exc}") from None
             else:
-                _check_baseline(cand.name, cand.params, where)
+                _check_baseline(cand.name, cand.params, where, len(cfg.models))
     elif m.start is not None:
-        _check_baseline(m.start.name, m.start.params, "method.start")
+        _check_baseline(m.start.name, m.start.params, "method.start", len(cfg.models))
     for spec in m.constraints:
         name = layer_constraint(spec)
         if name is not None:
@@ -624,13 +624,17 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
                 f"contains 0, e.g. box:-1,1, or none")
 
 
-def _check_baseline(name: str, params: dict[str, Any], where: str) -> None:
+def _check_baseline(name: str, params: dict[str, Any], where: str, K: int | None = None) -> None:
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
-    by the method's own schema)."""
+    by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
     try:
         method = get_merge_method(name)
     except MergeQPError as exc:
         raise ConfigError(f"{where}: {exc} (or qp)") from None
+    weights = params.get("weights")
+    if K is not None and isinstance(weights, (list, tuple)) and len(weights) != K:
+        raise ConfigError(f"{where}.params.weights has {len(weights)} entries but there are {K} fine-tuned models "
+                          f"(one weight per entry of models, in order)")
     if "include" in params or "exclude" in params:
         raise ConfigError(f"{where}.params: select tensors with the top-level 'layers', not include/exclude")
     if method.statistics is not None:
@@ -776,15 +780,29 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     K = len(cfg.models)
     groups: list[GroupPlan] = []
     notes: list[str] = list(holdout_notes)
+    if (not cfg.method.is_qp and cfg.evaluate and not evaluates_baseline(cfg) and not is_output_space(cfg)
+            and len(_without_prompts(cfg)) < len(cfg.models)):  # (some have prompts: the user may expect one)
+        notes.append(f"no evaluation: models {_without_prompts(cfg)} have no calibration prompts (the calibration "
+                     f"objective and the held-out error are measured only when every model has them)")
     if cfg.method.is_qp:
         mode = get_merge_mode(cfg.method.mode)
         at = mode.linearised_at(None if cfg.method.start is None else "chosen start" if is_auto_start(cfg.method.start)
                                 else cfg.method.start.name)
+        entry = get_parametrisation(cfg.method.parametrisation)
+        for site in sites:  # (a basis rank beyond a layer's rows was found after every target was computed)
+            try:
+                entry.check_site(site, cfg.method.parametrisation_options())
+            except ValidationError as exc:
+                raise ConfigError(f"method.parametrisation: {exc}") from None
         for group in mode.groups(sites):
             n = K * sum(_n_atoms(cfg, s) for s in group)
             groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
         notes.extend(mode.plan_notes(qp_settings(cfg)))
         _check_feasible_sets(cfg, groups)
+        if (cfg.output.field == "logits" and cfg.output.restrict == "topk" and cfg.output.k is not None
+                and isinstance(vocab, int) and cfg.output.k > vocab):
+            raise ConfigError(f"output.k {cfg.output.k}: restrict topk keeps the k largest of the {vocab} logits per "
+                              f"position (vocab_size in the base's config.json): k must be at most {vocab}")
         if (cfg.output.field == "logits" and cfg.output.restrict != "none" and cfg.output.k is not None and vocab
                 and cfg.output.k >= vocab):
             notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
@@ -804,6 +822,10 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                      output_matrix=matrix, heads=heads, not_causal=not_causal)
     if all_texts and has_tokenizer(tok_folder):
         plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length)
+    if cfg.method.is_qp and cfg.output.fold_head_flag is True:  # (found only after every target was computed)
+        why = plan.output_spec().fold_obstacle()
+        if why is not None:
+            raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
     plan.memory = estimate_memory(plan)
     return plan
 

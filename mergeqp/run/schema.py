@@ -2,7 +2,7 @@
 
 A minimal file::
 
-    base: ./base                      # Hugging Face folder (or .safetensors / torch file)
+    base: ./base                      # a Hugging Face folder (fine-tunes may also be weight files)
     models:
       - {name: code, path: ./ft_code, calibration: ./code.jsonl}
       - {name: math, path: ./ft_math, calibration: ./math.txt}
@@ -64,6 +64,21 @@ def _keys(names: list[str]) -> str:
     return " and ".join(repr(n) for n in names)
 
 
+#: top-level keys of a mergekit YAML (named when a mergekit config is given to ``mergeqp merge``)
+MERGEKIT_KEYS = frozenset({"base_model", "merge_method", "slices", "dtype_out", "tokenizer_source"})
+
+#: what each block is, for a value of the wrong kind (pydantic would name the class)
+BLOCK_SHAPES = {
+    "ModelEntry": "a mapping {path, name, calibration, weight, head} per fine-tune, e.g. '- path: ./ft_code'",
+    "CalibrationOptions": ("a mapping {max_length, batch_size, holdout, balance} (a model's own prompt file goes "
+                           "under models[].calibration)"),
+    "MethodConfig": "a mapping {name, mode, parametrisation, constraints, ...}, e.g. 'method: {name: qp}'",
+    "OutputConfig": "a mapping {field, restrict, k, metric, ...}",
+    "PromptSource": "a prompt file, or a mapping {path, field, max_prompts, holdout, label_field}",
+    "BaselineSpec": "a method's name, or a mapping {name, params}",
+}
+
+
 class _Strict(BaseModel):
     """Base block: frozen, unknown keys are errors that list the valid keys."""
 
@@ -87,6 +102,10 @@ class _Strict(BaseModel):
                 key = str(bad[0])
                 close = difflib.get_close_matches(key, sorted(valid), n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
+                mergekit = sorted(k for k in bad if k in MERGEKIT_KEYS)
+                if mergekit:
+                    hint = (f" ({', '.join(mergekit)}: this looks like a mergekit config; mergeqp's keys are base, "
+                            f"models[].path and method.name, docs/hf.md)")
                 raise ValueError(
                     f"unknown key {key!r}{hint}; valid keys: {', '.join(sorted(valid))}"
                 )
@@ -584,6 +603,12 @@ class MergeConfig(_Strict):
             if with_head:
                 raise ValueError(f"models {with_head} name a 'head', which only output.metric: cross_entropy with "
                                  f"pool: mean (a classification objective) reads")
+            with_labels = [n for n, m in zip(names, self.models)
+                           if m.prompts() is not None and m.prompts().label_field is not None]
+            if with_labels:  # (it was ignored without a word)
+                raise ValueError(f"models {with_labels} name a calibration.label_field, which only output.metric: "
+                                 f"cross_entropy with pool: mean (a classification objective, with each model's "
+                                 f"'head') reads")
         return self
 
     # ------------------------------------------------------------------ helpers

@@ -303,6 +303,9 @@ def test_classification_configs_that_cannot_work_are_refused(encoder, tmp_path):
         parse_config({**minimal, "models": no_labels})
     with pytest.raises(ConfigError, match="only output.metric: cross_entropy with pool: mean"):
         parse_config({**minimal, "models": no_labels, "output": {"metric": "cross_entropy"}})
+    # (stop 47) a label_field without the classification objective was ignored without a word
+    with pytest.raises(ConfigError, match=r"models \['x'\] name a calibration.label_field"):
+        parse_config({**minimal, "models": no_head, "output": {"metric": "euclidean"}})
     with pytest.raises(ConfigError, match="takes restrict: none"):
         parse_config({**minimal, "models": no_labels, "output": {**OUTPUT, "restrict": "topk", "k": 2}})
 

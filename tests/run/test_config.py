@@ -270,6 +270,50 @@ def test_a_peft_adapter_folder_is_named(fam, tmp_path, no_weights):
         build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"output": {"restrict": "topk", "k": 1000}}, r"output.k 1000: .* k must be at most \d+"),
+    ({"method": {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": "svd", "rank": 1000}},
+     r"basis rank 1000 must be in \[1, \d+\]"),
+    ({"method": {"name": "task_arithmetic", "params": {"weights": [1, 2, 3]}}},
+     "method.params.weights has 3 entries but there are 2 fine-tuned models"),
+    ({"output": {"metric": "kl", "fold_head": True}}, "fold_head: true, but the head cannot be folded"),
+])
+def test_what_the_config_alone_shows_fails_in_the_dry_run(fam, tmp_path, no_weights, changes, message):
+    """(stop 47) Each of these passed --dry-run (exit 0) and stopped the run with exit 2 only after
+    the models were loaded, some after every task's targets were computed."""
+    from mergeqp.run.plan import build_plan
+
+    with pytest.raises(ConfigError, match=message):
+        build_plan(_cfg(fam, tmp_path, **changes))
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"base": "b", "models": ["./a", "./b"], "layers": ["x"]}, "models.0: expected a mapping {path, name"),
+    ({"base": "b", "models": [{"path": "a"}], "layers": ["x"], "calibration": "code.jsonl"},
+     "under models\\[\\].calibration"),
+    ({"base": "b", "models": [{"path": "a"}], "layers": ["x"], "method": None}, "method: expected a mapping"),
+    ({"base_model": "b", "models": [{"model": "a"}], "merge_method": "ties"}, "looks like a mergekit config"),
+])
+def test_values_of_the_wrong_kind_say_what_is_expected(data, message):
+    """(stop 47) pydantic's 'Input should be a valid dictionary or instance of ModelEntry' named an
+    internal class; a mergekit file got "did you mean 'models'" for base_model."""
+    with pytest.raises(ConfigError, match=message) as info:
+        parse_config(data)
+    assert "instance of" not in str(info.value)
+
+
+def test_a_baseline_without_every_models_prompts_says_it_is_not_evaluated(fam, tmp_path, no_weights):
+    """(stop 47) The report had no evaluation and no note saying why."""
+    from mergeqp.run.plan import build_plan
+
+    cfg = _cfg(fam, tmp_path, method={"name": "ties"})
+    data = cfg.model_dump(exclude_unset=True)
+    del data["models"][1]["calibration"]
+    plan = build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+    assert any(n.startswith("no evaluation: models ['math']") for n in plan.notes), plan.notes
+    assert not any("no evaluation" in n for n in build_plan(_cfg(fam, tmp_path, method={"name": "ties"})).notes)
+
+
 def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
     from mergeqp.run.plan import build_plan
 
@@ -371,3 +415,18 @@ def test_trust_region_plan_names_the_solver_of_its_boxed_qps(fam, tmp_path, no_w
     assert plan.groups and all(g.solver.startswith("auto ->") and "closed_form" not in g.solver for g in plan.groups)
     plan = build_plan(_cfg(fam, tmp_path, method={"name": "qp", "mode": "single", "constraints": ["none"]}))
     assert all(g.solver == "auto -> closed_form" for g in plan.groups)
+
+
+def test_option_errors_read_without_pydantic_internals():
+    """(stop 47) 'mode_options: Value error, radius ...' and, for a dict of weights, one error per
+    member of pydantic's union ('weights.float', 'weights.tuple[float, ...]')."""
+    from mergeqp.merge.registry import get_merge_method
+
+    with pytest.raises(ConfigError) as info:
+        parse_config({"base": "b", "models": [{"path": "a"}], "layers": ["x"],
+                      "method": {"name": "qp", "mode": "trust_region", "mode_options": {"radius": 10}}})
+    assert "Value error" not in str(info.value) and "radius (10) must lie between" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        get_merge_method("task_arithmetic").parse({"weights": {"code": 1}})
+    assert "parameter 'weights' must be a number or a list of numbers (got {'code': 1})" in str(info.value)
+    assert "weights.float" not in str(info.value)

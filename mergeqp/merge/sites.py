@@ -131,6 +131,15 @@ def _norm(pattern: str) -> str:
     return p.removesuffix(".weight")
 
 
+def module_hint(sites: Sequence[LayerSite], pattern: str) -> str:
+    """`` (P is a module holding N of them: P.* selects them all, e.g. ...)`` when ``pattern`` names a
+    module whose linear layers are among ``sites``, else ``""``."""
+    p = _norm(pattern)
+    inside = [s.name for s in sites if site_matches(s, f"{p}.*")]
+    return (f" ({p!r} is a module holding {len(inside)} of them: {p}.* selects them all, e.g. {inside[0]})"
+            if inside else "")
+
+
 def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str]) -> list[LayerSite]:
     """Sites matching any pattern (exact names or globs), in model order. A pattern that matches
     nothing is a :class:`ConfigError` listing the available sites."""
@@ -139,9 +148,7 @@ def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str]) -> list[Lay
         p = _norm(pattern)
         hits = [s.name for s in sites if site_matches(s, p)]
         if not hits:
-            inside = [s.name for s in sites if site_matches(s, f"{p}.*")]
-            hint = (f" ({p!r} is a module holding {len(inside)} of them: {p}.* selects them all, e.g. "
-                    f"{inside[0]})" if inside else "")
+            hint = module_hint(sites, p)
             raise ConfigError(
                 f"layer pattern {pattern!r} matches no linear layer{hint}; the model's linear layers "
                 f"are: {listing([s.label for s in sites])}"

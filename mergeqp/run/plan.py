@@ -61,6 +61,7 @@ from ..merge.sites import (
     listing,
     match_sites,
     model_sites,
+    module_hint,
     site_matches,
 )
 from ..problem import MergeQP
@@ -367,9 +368,16 @@ def _same_tokenizer(name: str, folder: Path, base_folder: Path, base: Callable[[
             f"base's tokenizer for teacher-forced targets"
         )
     if ref.all_special_tokens != tok.all_special_tokens:
+        theirs, base_ = set(tok.all_special_tokens), set(ref.all_special_tokens)
+        detail = "; ".join(part for part in (
+            f"special only in it: {sorted(theirs - base_)}" if theirs - base_ else "",
+            f"special only in the base: {sorted(base_ - theirs)}" if base_ - theirs else "",
+            "the same special tokens in another order" if theirs == base_ else "") if part)
         raise ConfigError(
-            f"tokenizer mismatch: model {name!r} has special tokens {tok.all_special_tokens}, the base "
-            f"{ref.all_special_tokens}"
+            f"tokenizer mismatch: model {name!r} ({folder}) has the base's vocabulary but other special tokens "
+            f"({detail}). If they differ only in such a designation (e.g. a pad token only the fine-tunes set), "
+            f"name the folder whose tokenizer to use, 'tokenizer: <folder>': the fine-tunes' folders are then "
+            f"checked against it"
         )
 
 
@@ -410,7 +418,7 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple
                        and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
         if not hit_sites and not hit_tensors:
             raise ConfigError(
-                f"layer pattern {pattern!r} matches no layer or tensor; linear layers: "
+                f"layer pattern {pattern!r} matches no layer or tensor{module_hint(sites, pattern)}; linear layers: "
                 f"{listing([s.label for s in sites])}"
             )
         chosen.extend(s for s in hit_sites if s not in chosen)

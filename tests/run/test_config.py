@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -324,6 +325,28 @@ def test_tokenizer_mismatch_fails_fast(fam, tmp_path, no_weights):
         build_plan(parse_config(data, root=cfg.root))
 
 
+def test_a_special_token_designation_alone_is_named_with_the_fix(fam, tmp_path, no_weights):
+    """(stop 47) Both whole lists of special tokens were printed, and not the 'tokenizer:' key that
+    resolves it."""
+    from transformers import AutoTokenizer
+
+    from mergeqp.run.plan import build_plan
+
+    odd = tmp_path / "special"
+    shutil.copytree(fam.finetuned[0], odd)
+    tok = AutoTokenizer.from_pretrained(str(fam.base))
+    word = next(w for w in sorted(tok.get_vocab()) if w not in tok.all_special_tokens)
+    tok.add_special_tokens({"additional_special_tokens": [word]})
+    assert len(tok.get_vocab()) == len(AutoTokenizer.from_pretrained(str(fam.base)).get_vocab())
+    tok.save_pretrained(str(odd))
+    cfg = _cfg(fam, tmp_path)
+    data = cfg.model_dump(exclude_unset=True)
+    data["models"][0]["path"] = str(odd)
+    with pytest.raises(ConfigError, match=rf"special only in it: \['{re.escape(word)}'\].*'tokenizer: <folder>'"):
+        build_plan(parse_config(data, root=cfg.root))
+    build_plan(parse_config({**data, "tokenizer": str(odd)}, root=cfg.root))  # the fix it names
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _odd_models(tiny_hf, fam):
     """Checkpoints that must be rejected: another architecture, other shapes, another tokenizer."""
@@ -430,3 +453,13 @@ def test_option_errors_read_without_pydantic_internals():
         get_merge_method("task_arithmetic").parse({"weights": {"code": 1}})
     assert "parameter 'weights' must be a number or a list of numbers (got {'code': 1})" in str(info.value)
     assert "weights.float" not in str(info.value)
+
+
+def test_a_baseline_given_a_module_gets_the_module_hint(fam, tmp_path, no_weights):
+    """(stop 47) The QP's message said 'P is a module holding 3 of them: P.* selects them all'; a
+    baseline's only 'matches no layer or tensor'."""
+    from mergeqp.run.plan import build_plan
+
+    module = fam.mlp_layer.rsplit(".", 1)[0]  # e.g. model.layers.1.mlp
+    with pytest.raises(ConfigError, match=r"matches no layer or tensor \(.* is a module holding \d+ of them"):
+        build_plan(_cfg(fam, tmp_path, method={"name": "soup"}, layers=[module]))

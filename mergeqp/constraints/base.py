@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -198,16 +198,27 @@ class ConstraintSet(ABC):
         return f"{type(self).__name__}({self.spec!r})"
 
 
+#: how ``a & other`` reads an ``other`` that is not a set (a spec string, a callable, a list):
+#: :func:`~mergeqp.constraints.feasibility.as_constraint_set`, installed by that module (which builds
+#: on this one) through :func:`install_coercion`
+_COERCE: list[Callable[[Any], ConstraintSet]] = []
+
+
+def install_coercion(coerce: Callable[[Any], ConstraintSet]) -> None:
+    """Make ``a & other`` read a non-set ``other`` with ``coerce``."""
+    _COERCE[:] = [coerce]
+
+
 def _as_set(other: Any) -> ConstraintSet:
-    """``other`` of ``a & other`` as a set (a spec string, a callable or a list through
-    :func:`~mergeqp.constraints.feasibility.as_constraint_set`); ``None`` and other objects are refused."""
+    """``other`` of ``a & other`` as a set (a spec string, a callable or a list, through the installed
+    coercion); ``None`` and other objects are refused."""
     if isinstance(other, ConstraintSet):
         return other
     if other is None:
         raise ValidationError("cannot intersect a constraint set with None (leave the operand out for no constraint)")
-    from .feasibility import as_constraint_set  # deferred: feasibility builds on this module
-
-    return as_constraint_set(other)
+    if not _COERCE:
+        raise ValidationError(f"cannot intersect a constraint set with {type(other).__name__}: give a ConstraintSet")
+    return _COERCE[0](other)
 
 
 def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:

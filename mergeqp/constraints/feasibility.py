@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InfeasibleError, ValidationError, first_line
-from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, intersect, violation_of
+from .base import ConstraintSet, Shape, Unconstrained, cvxpy_reason, install_coercion, intersect, violation_of
 from .kernels import SetStructure, checked_structure
 from .lp import lp_minimum
 from .parse import parse_constraint
@@ -40,6 +40,9 @@ def as_constraint_set(constraints: ConstraintSet | Sequence[Any] | Callable[[Any
             f"got {type(constraints).__name__}"
         )
     return intersect([as_constraint_set(c) for c in constraints])
+
+
+install_coercion(as_constraint_set)  # `a & "simplex"` reads its spec as solve() does
 
 
 def _check_spec(cset: ConstraintSet) -> None:

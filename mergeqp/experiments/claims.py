@@ -68,7 +68,7 @@ def claim_a(results: dict[str, Any]) -> dict[str, Any]:
 def claim_b(results: dict[str, Any]) -> dict[str, Any]:
     m = results["methods"]
     qp, soup = m["qp"]["average"]["accuracy"], m["soup"]["average"]["accuracy"]
-    return _claim("b", "QP's average accuracy >= the soup's", qp >= soup, round(qp - soup, 6),
+    return _claim("b", "QP's average accuracy >= the soup's", qp >= soup - ACCURACY_TIE, round(qp - soup, 6),
                   f"qp {qp:.4f} vs soup {soup:.4f} (value = difference)")
 
 
@@ -154,6 +154,10 @@ def claim_g(results: dict[str, Any]) -> dict[str, Any]:
 
 
 #: claim (j): the recommended merge's held-out MSE at most this fraction of the best baseline's
+#: accuracies are means of per-task fractions of test samples, summed in float64: two equal ones can
+#: differ in the last bit (0.9299999999999999 against 0.93 at stop 47), so "at least" allows this much
+ACCURACY_TIE = 1e-9
+
 GOAL_MSE_FRACTION = 0.9
 
 
@@ -195,7 +199,7 @@ def claim_j(results: dict[str, Any]) -> dict[str, Any]:
     most_accurate = max(others, key=lambda b: m[b]["average"]["accuracy"])
     rec = m[name]["average"]
     ratio = rec["mse"] / m[best]["average"]["mse"] if m[best]["average"]["mse"] > 0 else float("inf")
-    ok = ratio <= GOAL_MSE_FRACTION and rec["accuracy"] >= m[best]["average"]["accuracy"]
+    ok = ratio <= GOAL_MSE_FRACTION and rec["accuracy"] >= m[best]["average"]["accuracy"] - ACCURACY_TIE
     return _claim("j", f"the recommended merge's held-out MSE <= {GOAL_MSE_FRACTION} x the best baseline's, "
                        "accuracy >= its", ok, round(ratio, 6),
                   f"{name} MSE {rec['mse']:.5g}, accuracy {rec['accuracy']:.4f}; best baseline {best} MSE "

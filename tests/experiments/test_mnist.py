@@ -272,3 +272,19 @@ def test_finetune_all_layers_merges_layer2_only(tiny_config, tmp_path):
     for name in ("soup", "task_arithmetic", "qp_adam"):
         assert qp <= methods[name]["calibration"]["linearised"] * (1 + 1e-9)
     assert results["solvers"]["qp"]["certified"] and results["qp_tr"]["all_certified"]
+
+
+def test_claims_b_and_j_take_accuracies_equal_to_the_last_bit_as_equal():
+    """(stop 47) The README's run failed claim j with accuracy 0.9299999999999999 against RegMean's
+    0.93: the same four tasks' mean, summed in another order."""
+    from mergeqp.experiments.claims import claim_b, claim_j
+
+    def avg(mse, acc):
+        return {"average": {"mse": mse, "accuracy": acc}}
+
+    methods = {"auto": avg(2.5, 0.9299999999999999), "regmean": avg(2.9, 0.93), "soup": avg(9.0, 0.93),
+               "qp": avg(3.0, 0.9299999999999999)}
+    assert claim_j({"methods": methods, "recommended": "auto"})["passed"]
+    assert claim_b({"methods": methods})["passed"]
+    methods["auto"] = avg(2.5, 0.929)  # one test sample in a thousand is no tie
+    assert not claim_j({"methods": methods, "recommended": "auto"})["passed"]

@@ -459,3 +459,19 @@ def test_patterns_that_train_a_norm_and_odd_settings_are_refused_first(tiny_hf, 
         with pytest.raises(ValidationError):
             TextConfig(**bad)
     assert TextConfig(train_patterns=LAYER + ".*").train_patterns == (LAYER + ".*",)
+
+
+def test_the_text_goal_takes_a_float64_accuracy_tie_as_a_tie():
+    """(stop 47) Mean accuracies equal but for the summation order (0.9299999999999999 vs 0.93) failed
+    '>=', as MNIST's claim j did on this stop's README run."""
+    from mergeqp.experiments.text_report import BASELINE_NAMES, evaluate_goal
+
+    def row(acc, mse):
+        return {"test": {"mean": {"accuracy": acc, "mse": mse}}}
+
+    results = {"methods": {"auto": row(0.9299999999999999, 0.01), BASELINE_NAMES[0]: row(0.93, 0.02)},
+               "selection": {"recommended": {"chosen": "auto"}}, "tasks": [{"name": "t"}]}
+    goal = evaluate_goal(results)
+    assert goal["accuracy_ok"] and goal["passed"]
+    results["methods"]["auto"] = row(0.929, 0.01)
+    assert not evaluate_goal(results)["accuracy_ok"]

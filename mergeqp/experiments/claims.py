@@ -153,11 +153,11 @@ def claim_g(results: dict[str, Any]) -> dict[str, Any]:
                   f"{m['soup']['average']['accuracy']:.4f}")
 
 
-#: claim (j): the recommended merge's held-out MSE at most this fraction of the best baseline's
 #: accuracies are means of per-task fractions of test samples, summed in float64: two equal ones can
 #: differ in the last bit (0.9299999999999999 against 0.93 at stop 47), so "at least" allows this much
 ACCURACY_TIE = 1e-9
 
+#: claim (j): the recommended merge's held-out MSE at most this fraction of the best baseline's
 GOAL_MSE_FRACTION = 0.9
 
 

@@ -632,7 +632,7 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
                 f"contains 0, e.g. box:-1,1, or none")
 
 
-def _check_baseline(name: str, params: dict[str, Any], where: str, K: int | None = None) -> None:
+def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> None:
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
     by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
     try:
@@ -640,7 +640,7 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int | None
     except MergeQPError as exc:
         raise ConfigError(f"{where}: {exc} (or qp)") from None
     weights = params.get("weights")
-    if K is not None and isinstance(weights, (list, tuple)) and len(weights) != K:
+    if isinstance(weights, (list, tuple)) and len(weights) != K:
         raise ConfigError(f"{where}.params.weights has {len(weights)} entries but there are {K} fine-tuned models "
                           f"(one weight per entry of models, in order)")
     if "include" in params or "exclude" in params:
@@ -788,9 +788,10 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     K = len(cfg.models)
     groups: list[GroupPlan] = []
     notes: list[str] = list(holdout_notes)
+    unprompted = _without_prompts(cfg)
     if (not cfg.method.is_qp and cfg.evaluate and not evaluates_baseline(cfg) and not is_output_space(cfg)
-            and len(_without_prompts(cfg)) < len(cfg.models)):  # (some have prompts: the user may expect one)
-        notes.append(f"no evaluation: models {_without_prompts(cfg)} have no calibration prompts (the calibration "
+            and len(unprompted) < len(cfg.models)):  # (some have prompts: the user may expect one)
+        notes.append(f"no evaluation: models {unprompted} have no calibration prompts (the calibration "
                      f"objective and the held-out error are measured only when every model has them)")
     if cfg.method.is_qp:
         mode = get_merge_mode(cfg.method.mode)

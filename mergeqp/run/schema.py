@@ -39,9 +39,9 @@ from pydantic import (
 from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, unknown
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
-from ..plugins import imported_modules
 from ..merge.modes import MERGE_MODES
 from ..merge.registry import MERGE_METHODS
+from ..plugins import imported_modules
 from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
 from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries

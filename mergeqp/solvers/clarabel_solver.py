@@ -21,7 +21,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import RawResult, unit_scaled
+from .base import SCALE_UP_ONLY, RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
 
@@ -45,7 +45,7 @@ class ClarabelSolver(StandardFormSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # its gap tolerances are absolute: J / scale
+        scaled, factor = unit_scaled(problem, band=SCALE_UP_ONLY)
         qp = standard_form(scaled, constraints)
         A = sp.vstack([qp.A_eq, qp.A_in]).tocsc()
         b = np.concatenate([qp.b_eq, qp.b_in])

@@ -14,7 +14,6 @@ eps_rel = 1e-9``, ``max_iter = 100000``, ``polishing = True``. All overridable a
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from ..constraints.lp import cvxpy_constraints, solve_quietly
 from ..errors import InfeasibleError, SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import QPSolver, RawResult, unit_scaled
+from .base import SCALE_UP_ONLY, QPSolver, RawResult, unit_scaled
 from .unbounded import unbounded_claim
 
 
@@ -80,7 +79,7 @@ class _CvxpySolver(QPSolver):
 
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # absolute tolerances: J / scale
+        scaled, factor = unit_scaled(problem, band=SCALE_UP_ONLY)
         prob, var = cvxpy_problem(scaled, constraints)
         if x0 is not None:
             var.value = np.asarray(x0, dtype=np.float64).reshape(problem.shape)

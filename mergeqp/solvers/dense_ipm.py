@@ -405,14 +405,14 @@ class _Ipm:
                  scale: tuple[float, float] | None = None, name: str = "dense_ipm", capped: bool = False):
         """``linalg(H)``: the backend of the dense work (:mod:`.ipm_linalg`; default
         :class:`~.ipm_linalg.HostLinalg`), made from the H the iteration runs on. ``scale``: the
-        caller's problem's :func:`_objective_scale` when ``problem`` is it divided by its scale
+        caller's problem's :func:`~.base.objective_sizes` when ``problem`` is it divided by its scale
         (what the errors report; default: ``problem``'s own). ``name``: the solver the messages
         name; ``capped``: the caller lowered ``max_iter`` below the default, so an iteration that
         reaches it ends with the best iterate (not certified) instead of an error."""
         self.name = name
         self.capped = capped
         self.problem = problem
-        self.scale = scale if scale is not None else _objective_scale(problem)
+        self.scale = scale if scale is not None else objective_sizes(problem)
         self.cset = cset
         self.opts = opts
         form = _form(problem, cset)
@@ -1278,16 +1278,6 @@ def _definite_solve(S: np.ndarray, r: np.ndarray) -> np.ndarray | None:
     return None
 
 
-def _objective_scale(problem: MergeQP) -> tuple[float, float]:
-    """``(max |g|, max diag H)`` (0 for a matvec-only H)."""
-    return objective_sizes(problem)
-
-
-def _unit_scaled(problem: MergeQP, sizes: tuple[float, float]) -> tuple[MergeQP, float]:
-    """:func:`~mergeqp.solvers.base.unit_scaled` with this module's :data:`OBJECTIVE_SCALE_BAND`."""
-    return unit_scaled(problem, sizes, OBJECTIVE_SCALE_BAND)
-
-
 def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
     """The largest ``a <= 1`` with ``v + a dv >= 0`` (``v > 0``)."""
     neg = dv < 0
@@ -1362,8 +1352,8 @@ class DenseIpmSolver(QPSolver):
         opts = self.check_options(options)
         t0 = time.perf_counter()
         linalg = self.linalg(opts)
-        sizes = _objective_scale(problem)
-        scaled, factor = _unit_scaled(problem, sizes)
+        sizes = objective_sizes(problem)
+        scaled, factor = unit_scaled(problem, sizes, OBJECTIVE_SCALE_BAND)
         with blas_threads(opts["threads"], self.AUTO_THREADS) as cap:
             ipm = _Ipm(scaled, constraints, opts, linalg, sizes, name=self.name,
                        capped=int(opts["max_iter"]) < int(self.defaults["max_iter"]))

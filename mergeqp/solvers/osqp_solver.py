@@ -11,7 +11,6 @@ the dense H, which is slow for large n (see docs/solvers.md).
 from __future__ import annotations
 
 import contextlib
-import math
 import io
 import time
 from typing import Any
@@ -22,7 +21,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
-from .base import RawResult, unit_scaled
+from .base import SCALE_UP_ONLY, RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
 
@@ -40,7 +39,7 @@ class OSQPSolver(StandardFormSolver):
               **options: Any) -> RawResult:
         opts = self.check_options(options)
         t0 = time.perf_counter()
-        scaled, factor = unit_scaled(problem, band=(1.0, math.inf))  # its tolerances are absolute: J / scale
+        scaled, factor = unit_scaled(problem, band=SCALE_UP_ONLY)
         qp = standard_form(scaled, constraints)
         form_seconds = time.perf_counter() - t0
         res, setup, printed = self._run(qp, opts, x0)

@@ -140,6 +140,12 @@ class MergeQP:
         a Lanczos estimate of the smallest eigenvalue is used instead).
     metadata:
         free-form JSON-serialisable information (layer, parametrisation, ...).
+    soup:
+        the model soup's coefficients ``d`` (``(K, n_atoms)`` or ``(n,)``) when they are not ``1/K``
+        everywhere: a parametrisation with atoms other than the task vectors (``rows+baselines``:
+        rows ``1/K``, baseline atoms 0) or a problem posed as a step from an offset. ``None`` (the
+        default): ``1/K`` everywhere. :meth:`soup_point` returns it and :meth:`regularised`
+        regularises toward it by default; ``CalibrationStats.problem`` sets it.
     """
 
     H: np.ndarray | None
@@ -153,6 +159,7 @@ class MergeQP:
     sym_tol: float = 1e-8
     psd_check_max_n: int = 8192
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    soup: np.ndarray | None = field(default=None, repr=False)
     #: a lower bound on ``lambda_min(H)`` when it is negative beyond float64 rounding (H accepted as
     #: convex within ``psd_tol``); ``0.0`` when H was shown PSD to rounding (or not checked: a
     #: matrix-vector H above :data:`MATVEC_DENSE_CHECK_N` with a non-negative Lanczos estimate). The
@@ -222,7 +229,17 @@ class MergeQP:
         if H is None and not callable(self.hessian_matvec):
             raise ValidationError("hessian_matvec must be a callable x (n,) -> H x (n,)")
 
+        soup = None
+        if self.soup is not None:
+            soup = np.array(as_float_array(self.soup, "soup"), copy=True)
+            if soup.shape == shape:
+                soup = soup.ravel()
+            if soup.shape != (n,):
+                raise ValidationError(f"soup must have shape {shape} (models x atoms) or ({n},), got {soup.shape}")
+            check_finite("soup", soup)
+            soup.setflags(write=False)
         g.setflags(write=False)
+        object.__setattr__(self, "soup", soup)
         object.__setattr__(self, "H", H)
         object.__setattr__(self, "g", g)
         object.__setattr__(self, "c", c)
@@ -346,7 +363,10 @@ class MergeQP:
         return grad.reshape(self.shape) if d_arr.shape == self.shape else grad
 
     def soup_point(self) -> np.ndarray:
-        """The model-soup point ``d = 1/K`` everywhere, shape ``(K, n_atoms)``."""
+        """The model soup's coefficients, shape ``(K, n_atoms)``: ``d = 1/K`` everywhere unless the
+        problem was given its own :attr:`soup` (e.g. ``rows+baselines``: baseline atoms 0)."""
+        if self.soup is not None:
+            return self.soup.reshape(self.shape).copy()
         return np.full(self.shape, 1.0 / self.K)
 
     def constant_point(self, value: float) -> np.ndarray:
@@ -364,7 +384,8 @@ class MergeQP:
     def regularised(self, mu: float, reference: np.ndarray | float | None = None) -> MergeQP:
         """Return the problem ``J(d) + mu * ||d - d_ref||^2``.
 
-        ``reference`` defaults to the soup ``1/K``; a scalar broadcasts. ``mu >= 0``.
+        ``reference`` defaults to the soup (:meth:`soup_point`: ``1/K`` unless the problem has its
+        own :attr:`soup`); a scalar broadcasts. ``mu >= 0``.
         """
         mu_arr = as_float_array(mu, "regularisation weight mu")
         if mu_arr.size != 1:
@@ -458,6 +479,8 @@ class MergeQP:
         }
         if self.psd_tol != 1e-8:  # a problem accepted with a looser tolerance loads with it again
             arrays["psd_tol"] = np.float64(self.psd_tol)
+        if self.soup is not None:
+            arrays["soup"] = self.soup
         for key, value in (extra or {}).items():
             if key in arrays:
                 raise ValidationError(f"extra array {key!r} would overwrite the problem's own field")
@@ -685,6 +708,8 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
             if tol.size != 1:
                 raise ValidationError(f"{path}: psd_tol must be a scalar, got an array of shape {tol.shape}")
             kwargs["psd_tol"] = float(tol.reshape(()))
+        if "soup" in data.files:
+            kwargs["soup"] = get("soup")
         if "metadata" in data.files:
             try:
                 meta = json.loads(str(get("metadata")))

@@ -281,6 +281,8 @@ class CalibrationStats:
             "jacobian_shared": bool(self.jacobian_shared),
             "targets": self.metadata.get("targets"),
         }
+        # the soup's coefficients (rows+baselines: baseline atoms 0); with an offset d is still absolute
+        soup = param.task_vector_point(self.K, self.r, self.m1, 1.0 / self.K)
         if offset is not None:
             d0 = check_d(offset, *shape, param)
             self._check_offset(param, d0)
@@ -289,9 +291,11 @@ class CalibrationStats:
             c = c - float(g @ x0) + 0.5 * float(x0 @ Hx0)
             g = g - Hx0
             meta["offset"] = "linearised at reference + update(offset)"
+        uniform = bool(np.all(soup == 1.0 / self.K))
         return MergeQP(
             H=H, g=g, c=c, shape=shape, model_names=self.model_names,
             atom_names=param.atom_names(self.r, self.m1, self.has_bias), metadata=meta,
+            soup=None if uniform else soup,
         )
 
     def _check_offset(self, param: Parametrisation, d0: np.ndarray) -> None:

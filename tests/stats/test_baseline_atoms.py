@@ -129,3 +129,29 @@ def test_certified_optimum_is_never_worse_than_any_baseline(seed, K, r, m1, J):
     tol = 1e-7 * max(1.0, abs(problem.c))
     for name in param.baselines:
         assert sol.objective <= problem.objective(param.baseline_point(name, K)) + tol
+
+
+def test_the_problem_knows_its_soup_and_regularises_toward_it(linear_case, tmp_path):
+    """``problem.soup_point()`` of a rows+baselines QP is the soup (rows 1/K, baseline atoms 0), not
+    ``1/K`` on every atom (= soup + the mean baseline residual); ``regularised(mu)`` pulls toward it,
+    and a saved problem keeps it. Rows and offset problems keep ``1/K`` (absolute coordinates)."""
+    base, fts, _, stats, param = linear_case
+    problem = stats.problem(param)
+    soup = problem.soup_point()
+    np.testing.assert_array_equal(soup[:, :4], np.full((3, 4), 1 / 3))
+    np.testing.assert_array_equal(soup[:, 4:], 0.0)
+    soup_weight = sum(f[1].weight for f in fts) / 3  # the soup of the layer, by hand
+    merged = apply_merge(base, fts, "1", soup, param)
+    torch.testing.assert_close(merged[1].weight, soup_weight.detach(), rtol=0, atol=1e-12)
+    strong = solve(problem.regularised(1e8), Box(-10, 10))  # the ridge's minimiser is the soup
+    np.testing.assert_allclose(strong.d, soup, atol=1e-5)
+    problem.save_npz(str(tmp_path / "p.npz"))
+    from mergeqp.problem import load_problem_file
+    again, _ = load_problem_file(str(tmp_path / "p.npz"))
+    np.testing.assert_array_equal(again.soup_point(), soup)
+    assert stats.problem("rows").soup is None
+    np.testing.assert_array_equal(stats.problem("rows").soup_point(), np.full((3, 4), 1 / 3))
+    with pytest.raises(ValidationError, match=r"soup must have shape \(3, 6\)"):
+        MergeQP(problem.H, problem.g, shape=problem.shape, soup=np.zeros(5))
+    with pytest.raises(ValidationError, match="soup"):
+        MergeQP(problem.H, problem.g, shape=problem.shape, soup=np.full(18, np.nan))

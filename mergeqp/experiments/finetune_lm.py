@@ -83,7 +83,7 @@ def training_step(opt: Any, loss: Any, losses: list[float], failure: Callable[[f
     import torch
 
     if not torch.isfinite(loss.detach()):
-        raise ValidationError(failure(float(loss)))
+        raise ValidationError(failure(float(loss.detach())))
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

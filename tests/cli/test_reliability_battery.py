@@ -4,6 +4,7 @@ even a temporary file) left behind. CLI cases run in-process through ``mergeqp.c
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -375,7 +376,7 @@ def test_merge_refuses_nonfinite_inputs(method, who, bad):
 
     base = _sd(0, bad if who == "base" else None)
     fts = [_sd(1), _sd(2, bad if who == "finetuned[1]" else None, where="b")]
-    with pytest.raises(BadDataError, match=rf"tensor '(w|b)' of {who.replace('[', '[[]')}.*non-finite"):
+    with pytest.raises(BadDataError, match=rf"tensor '(w|b)' of {re.escape(who)}.*non-finite"):
         merge_state_dicts(method, None if method == "soup" and who != "base" else base, fts)
 
 

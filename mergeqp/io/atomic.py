@@ -10,7 +10,8 @@ safetensors shards) goes through this module:
   (SIGKILL, power loss) can leave a ``.tmp-mergeqp-`` file beside it, never a half-written ``NAME``.
 - :func:`atomic_folder` assembles a folder output in a sibling temporary folder and renames it
   into place at the end (through a symbolic link to a folder); a previous folder (``overwrite``)
-  is moved aside first and deleted after the rename.
+  is moved aside first and deleted after the rename. The folder lists its files in a hidden
+  :data:`MANIFEST`, so that ``--overwrite`` refuses to delete files added to it later.
 - :func:`check_output_file` / :func:`check_output_folder` / :func:`check_free_space` validate an
   output before any heavy work: not an input (after resolving links), the folder exists and is
   writable, and (where the caller can estimate it) there is room for it.
@@ -258,13 +259,45 @@ def check_output_file(path: str | os.PathLike[str], option: str,
 #: files that mark a folder as an earlier output of mergeqp, which ``--overwrite`` may replace: a
 #: merge's or an experiment's report, an experiment's results, a sweep's table
 OUTPUT_SIGNATURES = ("report.json", "results.json", "sweep.csv")
+#: the hidden list of the files an output folder had when mergeqp put it in place (relative paths,
+#: sorted; written by :func:`atomic_folder`): ``--overwrite`` refuses a folder holding others
+MANIFEST = ".mergeqp-files.json"
+#: how many of the files a refusal names
+_NAMED = 5
+
+
+def folder_files(root: str | os.PathLike[str]) -> list[str]:
+    """The files (and links) under ``root`` as sorted relative POSIX paths, :data:`MANIFEST` left
+    out; folders count through their files (an empty one is not listed)."""
+    base = Path(root)
+    found: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        rel = Path(dirpath).relative_to(base)
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]  # not followed
+        found.extend((rel / name).as_posix() for name in filenames + links)
+    return sorted(f for f in found if f != MANIFEST)
+
+
+def _unlisted_files(folder: Path) -> list[str] | None:
+    """The files of ``folder`` that its :data:`MANIFEST` does not list (``None``: no readable
+    manifest, e.g. a folder of an earlier version or of another tool)."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    known = {str(f) for f in listed}
+    return [f for f in folder_files(folder) if f not in known]
 
 
 def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
     """Why ``--overwrite`` may not replace the non-empty ``folder`` (``None``: it may): only an
     earlier output of mergeqp is replaced (one of :data:`OUTPUT_SIGNATURES` inside, or a model
     folder: safetensors weights), never the current folder, one holding it or the home folder
-    (``sweep --out . --overwrite`` deleted every file of the current folder)."""
+    (``sweep --out . --overwrite`` deleted every file of the current folder), and not a folder of
+    mergeqp's to which files were added since (its :data:`MANIFEST` does not list them: a user's
+    notes or evaluations beside a merged model were deleted before stop 48)."""
     path = Path(folder).expanduser().resolve()
     try:
         cwd: Path | None = Path.cwd().resolve()
@@ -274,6 +307,13 @@ def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
         return "it is the current folder or holds it"
     if path == Path.home().resolve():
         return "it is your home folder"
+    unlisted = _unlisted_files(path)
+    if unlisted:  # files added since mergeqp wrote the folder: --overwrite would delete them
+        more = f" and {len(unlisted) - _NAMED} more" if len(unlisted) > _NAMED else ""
+        return (f"it holds {len(unlisted)} file(s) that mergeqp did not write there ({', '.join(unlisted[:_NAMED])}"
+                f"{more}), which replacing it would delete; move them out of it first")
+    if unlisted is not None:
+        return None  # exactly what mergeqp wrote
     names = {p.name for p in path.iterdir()}
     if names & set(OUTPUT_SIGNATURES):
         return None
@@ -369,6 +409,7 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
         except OSError as exc:
             raise _output_error(target, exc) from None
         yield staging
+        write_json_atomic(staging / MANIFEST, {"written_by": "mergeqp", "files": folder_files(staging)})
         old = _tmp_name(target, OLD_MARK) if target.exists() else None
         if old is not None:  # a replaced folder keeps its permissions, as a replaced file does
             with contextlib.suppress(OSError):
@@ -395,7 +436,7 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "committed_outputs", "copy_file_atomic", "forget_committed", "overlapping_input", "refuse_to_replace",
-    "replace_refusal", "save_npy_atomic",
+    "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed", "overlapping_input",
+    "refuse_to_replace", "replace_refusal", "save_npy_atomic",
     "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

@@ -6,6 +6,7 @@ temporary leftovers. The cases are published in docs/reliability.md."""
 from __future__ import annotations
 
 import os
+import json
 import shutil
 import signal
 from pathlib import Path
@@ -209,3 +210,30 @@ def test_overwrite_never_deletes_an_imported_plugin(world, tiny_hf, tmp_path, ca
     capsys.readouterr()
     assert main(["merge", str(cfg), "--out", str(prev), "--overwrite", "--quiet"]) == 2
     assert "overlaps input" in capsys.readouterr().err and plugin.read_text() == "ANSWER = 42\n"
+
+
+def test_overwrite_keeps_files_added_to_an_earlier_output(world, tiny_hf, tmp_path, capsys):
+    """(stop 48) `merge --overwrite` into an earlier merge's folder deleted the files a user had put
+    there since (notes, evaluations). The folder lists what mergeqp wrote (a hidden manifest); other
+    files make --overwrite refuse (exit 2, named, nothing changed); without them it replaces the folder."""
+    from mergeqp.io.atomic import MANIFEST, folder_files
+
+    cfg = _config(world, tiny_hf, "added0")
+    prev = tmp_path / "prev"
+    assert main(["merge", str(cfg), "--out", str(prev), "--quiet"]) == 0
+    written = folder_files(prev)
+    assert (prev / MANIFEST).is_file() and "config.json" in written
+    assert json.loads((prev / MANIFEST).read_text())["files"] == written
+    assert main(["merge", str(cfg), "--out", str(prev), "--overwrite", "--quiet"]) == 0  # only its own files
+    (prev / "eval").mkdir()
+    (prev / "eval" / "scores.csv").write_text("task,acc\n")
+    (prev / "notes.md").write_text("keep me")
+    before = {f: (prev / f).read_bytes() for f in folder_files(prev)}
+    capsys.readouterr()
+    assert main(["merge", str(cfg), "--out", str(prev), "--overwrite", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "2 file(s) that mergeqp did not write there (eval/scores.csv, notes.md)" in err and "move them" in err
+    assert {f: (prev / f).read_bytes() for f in folder_files(prev)} == before
+    (prev / "notes.md").unlink()
+    shutil.rmtree(prev / "eval")
+    assert main(["merge", str(cfg), "--out", str(prev), "--overwrite", "--quiet"]) == 0

@@ -2,7 +2,7 @@
 parametrisations, bases and basis sizes (research).
 
 ``mergeqp sweep STATS.npz --out DIR [--constraints box:0,1 none] [--parametrisations scalar rows
-columns] [--bases optimal standard svd random] [--sizes 1,2,4,8] [--seeds 0,1] [--solver auto]
+columns] [--bases optimal standard svd random] [--sizes 1,2,4,8,16] [--seeds 0,1] [--solver auto]
 [--no-figure]`` writes ``DIR/sweep.csv`` (one line per QP: constraint set, parametrisation,
 basis, p, seed, variables, captured energy fraction, objective J(d), calibration MSE per output,
 certified, Frank-Wolfe gap, seconds, and why a QP was skipped) and ``DIR/sweep.png`` (energy

@@ -67,7 +67,8 @@ def _parse_sign(args: list[str], spec: str, ctx: Mapping[str, Any]) -> Constrain
         raise ValidationError(
             "constraint 'sign' needs the residual tensors: put an array 'deltas' (K, r, m) in the "
             "problem file (and 'parametrisation' = rows|columns|scalar), or build "
-            "SignConsensus.from_deltas(...) in Python"
+            "SignConsensus.from_deltas(...) in Python; mergeqp collect writes both for the rows, scalar "
+            "and columns parametrisations (sign consensus is not defined for a basis)"
         )
     density = _floats(args, spec, (0, 1))
     return SignConsensus.from_deltas(ctx["deltas"], str(ctx.get("parametrisation", "rows")),

@@ -166,10 +166,13 @@ def trust_region_merge(
 
     ``parametrisation``: ``rows`` (default), ``scalar``, ``columns`` or a basis (``(r, p)``
     array or :class:`~mergeqp.stats.Basis`); ``constraints``: default ``Box(0, 1)``; ``d0``:
-    default the soup ``1/K``; ``task_weights``: one weight per task (default 1, the plain sum).
+    default the soup (below); ``task_weights``: one weight per task (default 1, the plain sum).
     The true objective is the calibration squared error of the merged model against the
     fine-tuned models' outputs (``output_fn`` selects the compared output). Inputs are
-    untouched; apply ``result.d`` with :func:`mergeqp.apply_merge`.
+    untouched; apply ``result.d`` with :func:`mergeqp.apply_merge`. "The soup" is the soup in the
+    parametrisation's coordinates (``Parametrisation.task_vector_point``: ``1/K`` on every atom,
+    but 0 on the baseline atoms of ``rows+baselines``, whose ``1/K`` would add the mean baseline
+    residual; before stop 48 both defaults below were ``1/K`` on every atom there).
 
     ``ridge_candidates``: choose the ridge weight toward the soup instead of using
     ``config.ridge``: each task's calibration samples are split at random (``seed``) into a
@@ -180,7 +183,8 @@ def trust_region_merge(
     (``result.ridge_selection`` records the table). Cost: one ``qp_tr`` run per candidate.
 
     ``ridge_center``: the point (``(K, n_atoms)``) the ridge pulls toward, e.g. the start ``d0``
-    (a baseline point of ``rows+baselines``); ``None``: ``config.ridge_reference`` (the soup).
+    (a baseline point of ``rows+baselines``); ``None``: ``config.ridge_reference``, or the soup
+    when that is ``None``. The held-out ridge choice pulls toward the same point.
     Then ``mu ||d - ridge_center||^2`` is added to every QP and to the true objective (so the
     reported objectives include it, as with the built-in ridge).
     """
@@ -207,18 +211,22 @@ def trust_region_merge(
     def true_objective(d: np.ndarray) -> float:
         return calibration_error(model_at(d), calibration, targets, output_fn, task_weights, batch_size)
 
-    if d0 is None:
-
-        _, deltas, _ = layer_deltas(base_model, finetuned_models, layer)
-        d0 = np.full((K, param.n_atoms(deltas.shape[1], deltas.shape[2])), 1.0 / K)
-    d0 = np.asarray(d0, dtype=np.float64)
     cfg = config or TrustRegionConfig()
+    if d0 is None or (ridge_center is None and cfg.ridge_reference is None):
+        # the soup in this parametrisation's coordinates (rows+baselines: rows 1/K, baseline atoms 0)
+        _, deltas, _ = layer_deltas(base_model, finetuned_models, layer)
+        soup = param.task_vector_point(K, deltas.shape[1], deltas.shape[2], 1.0 / K)
+        if d0 is None:
+            d0 = soup
+        if ridge_center is None and cfg.ridge_reference is None and not np.all(soup == 1.0 / K):
+            ridge_center = soup  # (1/K on every atom is sequential_trust_region's own default)
+    d0 = np.asarray(d0, dtype=np.float64)
     selection = None
     if ridge_candidates is not None:
         selection = _select_ridge(base_model, finetuned_models, layer, calibration, cfg, d0,
                                   ridge_candidates, holdout_fraction, seed, param=param, cset=cset,
                                   output_fn=output_fn, task_weights=task_weights, solver=solver,
-                                  batch_size=batch_size, progress=progress)
+                                  batch_size=batch_size, progress=progress, ridge_center=ridge_center)
         cfg = replace(cfg, ridge=selection.chosen)
     if ridge_center is not None and cfg.ridge > 0:
         linearise, true_objective = _ridge_toward(linearise, true_objective, ridge_center, cfg.ridge)
@@ -246,8 +254,10 @@ def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, cali
                   cfg: TrustRegionConfig, d0: np.ndarray, candidates: Sequence[float],
                   holdout_fraction: float, seed: int, *, param: Any, cset: Any,
                   output_fn: Callable[..., Any] | None, task_weights: Sequence[float] | None,
-                  solver: str, batch_size: int, progress: bool) -> RidgeSelection:
-    """The held-out choice of the ridge weight (see :func:`trust_region_merge`)."""
+                  solver: str, batch_size: int, progress: bool,
+                  ridge_center: np.ndarray | None = None) -> RidgeSelection:
+    """The held-out choice of the ridge weight (see :func:`trust_region_merge`), each candidate
+    pulling toward the same ``ridge_center`` as the final run."""
 
     relative = tuple(float(r) for r in candidates)
     if not relative or not all(math.isfinite(r) and r >= 0 for r in relative):
@@ -268,7 +278,7 @@ def _select_ridge(base_model: Any, finetuned_models: list[Any], layer: str, cali
         run = trust_region_merge(base_model, finetuned_models, layer, fit, parametrisation=param,
                                  constraints=cset, d0=d0, config=replace(cfg, ridge=mu),
                                  output_fn=output_fn, task_weights=task_weights, solver=solver,
-                                 batch_size=batch_size, progress=progress)
+                                 batch_size=batch_size, progress=progress, ridge_center=ridge_center)
         merged = apply_merge(base_model, finetuned_models, layer, run.d, param)
         errors.append(calibration_error(merged, held, held_targets, output_fn, task_weights, batch_size))
     best = min(range(len(weights)), key=lambda i: (errors[i], weights[i]))

@@ -68,7 +68,9 @@ class TrustRegionConfig:
     ``expand`` / ``shrink``; ``delta_min`` / ``delta_max``: radius limits; ``tol``: stop when
     the predicted decrease is below ``tol * F(d_t)``; ``ridge``: weight ``mu >= 0`` of a
     proximal term ``mu ||d - ridge_reference||^2`` added to both the QPs and the true objective
-    (``ridge_reference`` ``None``: the soup ``1/K``).
+    (``ridge_reference`` ``None``: ``1/K`` on every atom, the soup of a parametrisation whose atoms
+    are all task vectors; :func:`~mergeqp.experiments.trust_region.trust_region_merge` passes the soup
+    of others, e.g. ``rows+baselines``, as its ``ridge_center``).
     """
 
     delta0: float = 0.1

@@ -95,3 +95,28 @@ def test_kfold_splits_and_selection():
         kfold_calibration(cal, 7)
     with pytest.raises(ValidationError, match="non-empty list"):
         select_by_kfold(cal, [], score)
+
+
+def test_default_start_and_ridge_are_the_soup_of_rows_baselines():
+    """(stop 48 review) With ``rows+baselines`` the documented defaults "the soup" were ``1/K`` on every
+    atom: the start was the soup plus the mean baseline residual, and a strong ridge "toward the soup"
+    pulled the baseline atoms to 1/K. Both are now the soup (rows 1/K, baseline atoms 0), also in the
+    held-out choice of the ridge."""
+    K = 3
+    base, fts, cal = _family(4, K, 0.5)
+    param = _atoms(fts, 4)
+    targets = calibration_targets(fts, cal)
+    soup_model = copy.deepcopy(base)
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            getattr(soup_model[2], name).copy_(sum(getattr(m[2], name) for m in fts) / K)
+    soup_error = calibration_error(soup_model, cal, targets)
+    first = trust_region_merge(base, fts, "2", cal, parametrisation=param, config=TrustRegionConfig(max_qps=1),
+                               solver="active_set", progress=False)
+    assert first.start_objective == pytest.approx(soup_error, rel=1e-10)
+    soup = param.task_vector_point(K, 4, 7, 1.0 / K)  # layer 2: 4 rows of 6 inputs + bias
+    for kwargs in ({"config": TrustRegionConfig(ridge=1e6, max_qps=3)},
+                   {"config": TrustRegionConfig(max_qps=3), "ridge_candidates": [1e6], "holdout_fraction": 0.25}):
+        result = trust_region_merge(base, fts, "2", cal, parametrisation=param, d0=soup, solver="active_set",
+                                    progress=False, **kwargs)
+        np.testing.assert_allclose(result.d, soup, atol=1e-4)

@@ -107,6 +107,7 @@ EXIT_NOT_CERTIFIED = 1
 EXIT_USAGE = 2
 EXIT_BAD_DATA = 3
 EXIT_IO = 4
+EXIT_OTHER_PROCESS = 5
 EXIT_INTERRUPTED = 130
 
 EXIT_CODES: tuple[tuple[int, str], ...] = (
@@ -119,6 +120,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
               "previous state of the output is kept. An output found unwritable before any work (a "
               "read-only or missing folder, a mount point) is refused with 2 instead"),
+    (EXIT_OTHER_PROCESS, "under torchrun: another process of the job stopped (failed, killed or interrupted) "
+                         "and this one could not go on; torchrun's report names that process and its message"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),
 )
 
@@ -131,6 +134,17 @@ class OtherRankFailed(MergeQPError):
     def __init__(self, code: int) -> None:
         super().__init__(f"another rank failed (exit code {code}); its message says why")
         self.code = int(code)
+
+
+class OtherProcessLost(MergeQPError):
+    """Raised under ``torchrun`` when a collective fails because another process of the job is gone
+    (it failed on its own, was killed or interrupted): this process cannot go on alone. Exit code
+    :data:`EXIT_OTHER_PROCESS`; the process that stopped first says why (torchrun's report)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"another process of this torchrun job stopped (it failed, was killed or interrupted: "
+                         f"torchrun's report names it and its message), and this one cannot go on alone "
+                         f"({detail})")
 
 
 def interruption(exc: BaseException) -> BaseException | None:
@@ -154,6 +168,8 @@ def exit_code(exc: BaseException) -> int:
     """The command-line exit code for an exception that stopped a command (see :data:`EXIT_CODES`)."""
     if isinstance(exc, OtherRankFailed):
         return exc.code
+    if isinstance(exc, OtherProcessLost):
+        return EXIT_OTHER_PROCESS
     if interruption(exc) is not None:
         return EXIT_INTERRUPTED
     if isinstance(exc, BadDataError):

@@ -2,8 +2,8 @@
 
 :func:`main` maps what stopped a command to its exit code (:data:`mergeqp.errors.EXIT_CODES`,
 printed in every ``--help``): 0 success, 1 solved but not certified, 2 usage or configuration
-error, 3 bad input data (NaN / inf), 4 I/O error while writing, 130 interrupted (Ctrl-C or
-SIGTERM). Errors are one line ``mergeqp COMMAND: error: ...`` on stderr, never a traceback.
+error, 3 bad input data (NaN / inf), 4 I/O error while writing, 5 (under torchrun) another process
+of the job stopped, 130 interrupted (Ctrl-C or SIGTERM). Errors are one line ``mergeqp COMMAND: error: ...`` on stderr, never a traceback.
 
 Import policy: the subcommand modules import the package's numerical and model layers inside
 their ``run`` functions, so that ``mergeqp --help`` and argument errors answer without loading
@@ -24,6 +24,7 @@ from ..errors import (
     EXIT_INTERRUPTED,
     EXIT_IO,
     EXIT_USAGE,
+    ConfigError,
     Interrupted,
     MergeQPError,
     exit_code,
@@ -47,6 +48,10 @@ SUBCOMMANDS: dict[str, str] = {
 #: memory in the process (:func:`mergeqp.io.allocator.keep_freed_memory`: large tensors are
 #: reused instead of mapped afresh; ``MERGEQP_ALLOCATOR=system`` turns it off)
 SYSTEM_ALLOCATOR = frozenset({"bench"})
+#: subcommands that share their work over the processes of a ``torchrun`` launch (the others run
+#: in one process and are refused under torchrun: each rank ran the whole command and wrote the same
+#: outputs at once)
+DISTRIBUTED = frozenset({"collect", "merge"})
 
 
 
@@ -93,6 +98,8 @@ def _interrupted(command: str, stop: BaseException) -> int:
     exit code for it."""
     from ..io.atomic import committed_outputs
 
+    if _other_rank():  # under torchrun every rank is stopped: rank 0 says it once
+        return EXIT_INTERRUPTED
     how = str(stop) if isinstance(stop, Interrupted) else "interrupted (Ctrl-C)"
     done = committed_outputs()
     if done:
@@ -111,6 +118,35 @@ def _other_rank() -> bool:
     return other_rank()
 
 
+def _failed(command: str, exc: MergeQPError) -> int:
+    """Report the error that stopped ``command``: rank 0 prints it (under torchrun the ranks mostly
+    meet the same error, or a copy of one rank's); a process's own error also goes to torchrun's
+    error file, so that one met by a rank other than 0 alone is in torchrun's report."""
+    from ..io.distributed import own_error, record_for_launcher  # (deferred, as _other_rank)
+
+    message = f"mergeqp {command}: error: {exc}"
+    if own_error(exc):
+        record_for_launcher(message)
+    if not _other_rank():
+        print(message, file=sys.stderr)
+    return exit_code(exc)
+
+
+def _refuse_launch(command: str) -> MergeQPError | None:
+    """The error for a command that does not share its work, run under ``torchrun``."""
+    from ..io.distributed import launch_requested  # (deferred, as _other_rank)
+
+    try:
+        world = launch_requested()
+    except MergeQPError as exc:
+        return exc
+    if world > 1 and command not in DISTRIBUTED:
+        return ConfigError(f"{command} runs in one process (under torchrun every process would run all of it and "
+                           f"write the same outputs); only {' and '.join(sorted(DISTRIBUTED))} share their work "
+                           f"over torchrun's processes: run `mergeqp {command} ...` without torchrun")
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # (no choice of any command depends on what a user registers)
@@ -124,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return EXIT_USAGE
+    refused = _refuse_launch(args.command)
+    if refused is not None:
+        return _failed(args.command, refused)
     if args.command not in SYSTEM_ALLOCATOR:
         from ..io.allocator import keep_freed_memory
 
@@ -140,9 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stop = interruption(exc)
         if stop is not None:  # a signal that a library (or a solver wrapper) wrapped into an error
             return _interrupted(args.command, stop)
-        if not _other_rank():  # under torchrun rank 0 says it once (the ranks meet the same error)
-            print(f"mergeqp {args.command}: error: {exc}", file=sys.stderr)
-        return exit_code(exc)
+        return _failed(args.command, exc)
     except BrokenPipeError:
         # output piped into a program that stopped reading (e.g. `mergeqp bench | head`):
         # silence the second error Python would print at exit and exit like other tools do

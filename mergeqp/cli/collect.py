@@ -188,10 +188,15 @@ def run(args: argparse.Namespace) -> int:
     rank 0 writes and prints, every rank exits with the largest exit code)."""
     checked = validate_args(args)
     with launched(checked.device) as group:
-        return agree_exit_code(group, _collect(args, checked, group))
+        code, summary = _collect(args, checked, group)
+        code = agree_exit_code(group, code)
+    if group.is_writer():  # once every rank has agreed: a reader that stops early (`| head`) strands none
+        print(summary)
+    return code
 
 
-def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> int:
+def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tuple[int, str]:
+    """The collection; ``(exit code, the summary rank 0 prints)``."""
     import numpy as np
     import torch
 
@@ -246,13 +251,11 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> in
 
     agree_on(group, write)
     if not group.is_writer():
-        return 0
+        return 0, ""
     problem = made[0]
-    print(stats.summary())
-    print(f"collected in {stats.metadata['seconds']:.2f} s")
-    print(f"statistics -> {args.out}")
-    print(f"merge QP ({args.problem_parametrisation}, n = {problem.n}) -> {problem_path}")
-    return 0
+    return 0, "\n".join([stats.summary(), f"collected in {stats.metadata['seconds']:.2f} s",
+                          f"statistics -> {args.out}",
+                          f"merge QP ({args.problem_parametrisation}, n = {problem.n}) -> {problem_path}"])
 
 
 def check_device(name: str) -> str:

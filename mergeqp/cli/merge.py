@@ -63,7 +63,12 @@ def run(args: argparse.Namespace) -> int:
         return 0
     # under torchrun: the ranks share the statistics' batches; rank 0 writes and prints
     with launched(resolve_device(cfg.device)[0]) as group:
-        return agree_exit_code(group, _merge(args, cfg, plan, group))
+        code, result = _merge(args, cfg, plan, group)
+        code = agree_exit_code(group, code)
+    # printed once every rank has agreed: a reader that stops early (`| head`) strands no rank
+    if group.is_writer():
+        _report(args, result)
+    return code
 
 
 def _fits_here(cfg: Any, plan: Any) -> None:
@@ -78,7 +83,8 @@ def _fits_here(cfg: Any, plan: Any) -> None:
         print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
 
 
-def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
+def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> tuple[int, Any]:
+    """The merge; ``(exit code, result)`` (1 when a layer's QP is not certified)."""
     quiet = args.quiet or not group.is_writer()
     log = (lambda msg: None) if quiet else (lambda msg: print(msg, file=sys.stderr))
     if quiet:  # transformers' own "Loading weights" bars too
@@ -86,19 +92,20 @@ def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> int:
     else:
         print(plan.render(), file=sys.stderr)
     result = run_merge(cfg, args.out, overwrite=args.overwrite, progress=not quiet, log=log, plan=plan)
-    failed = result.summary.uncertified_layers
-    if not group.is_writer():
-        return 1 if failed else 0
+    return (1 if result.summary.uncertified_layers else 0), result
+
+
+def _report(args: argparse.Namespace, result: Any) -> None:
+    """The summary (or ``--json`` report) on stdout, and why the exit code is 1 where it is."""
     if args.json:
         print(json.dumps(jsonable(result.report), indent=2))
     else:
         _print_summary(result)
+    failed = result.summary.uncertified_layers
     if failed:
         print(f"mergeqp merge: the QP solution is not certified at {len(failed)} layer(s) "
               f"({', '.join(failed[:5])}{', ...' if len(failed) > 5 else ''}); the model was "
               f"written, but its coefficients are not proven optimal (see the report's notes)", file=sys.stderr)
-        return 1
-    return 0
 
 
 def quiet_transformers() -> None:

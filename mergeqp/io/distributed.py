@@ -42,11 +42,12 @@ import contextlib
 import contextvars
 import os
 import pickle
+import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..errors import ConfigError, MergeQPError, OtherRankFailed, exit_code
+from ..errors import ConfigError, MergeQPError, OtherProcessLost, OtherRankFailed, exit_code
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -106,7 +107,7 @@ class Ranks:
         import torch.distributed as dist  # deferred: torch is heavy
 
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=_own_group())
+        _collective(lambda: dist.all_gather_object(out, obj, group=_own_group()))
         return out
 
     def spread(self, items: Sequence[T], work: Callable[[int, T], U]) -> list[U]:
@@ -129,7 +130,9 @@ class Ranks:
         merged = {i: r for part in self.gather(sent) for i, r in part.items()}
         failed = sorted(i for i in merged if isinstance(merged[i], _Failed))
         if failed:  # the first item's error: its own rank raises the original (its traceback kept)
-            raise (mine if failed[0] in mine else merged)[failed[0]].error
+            if failed[0] in mine:
+                raise mine[failed[0]].error
+            raise _from_other_rank(merged[failed[0]].error, failed[0] % self.world_size)
         return [merged[i] for i in range(len(items))]
 
     def held(self, work: Callable[[], T]) -> tuple[T | None, Exception | None]:
@@ -156,7 +159,9 @@ class Ranks:
         first = next((r for r, e in enumerate(errors) if e is not None), None)
         if first is None:
             return
-        raise error if first == self.rank and error is not None else errors[first].error
+        if first == self.rank and error is not None:
+            raise error
+        raise _from_other_rank(errors[first].error, first)
 
     def _reduce(self, tensors: Sequence[Any], op: str) -> None:
         if not self.distributed:
@@ -170,9 +175,51 @@ class Ranks:
             # gloo reduces CPU tensors, nccl CUDA ones: a copy on the backend's device if needed
             on_cpu = self.backend != "nccl"
             work = t if (t.device.type == "cpu") == on_cpu else t.to("cpu" if on_cpu else "cuda")
-            dist.all_reduce(work, op=reduce_op, group=_own_group())
+            _collective(lambda: dist.all_reduce(work, op=reduce_op, group=_own_group()))
             if work is not t:
                 t.copy_(work)
+
+
+#: words of a backend's error when a collective lost a peer (gloo: "Connection closed by peer",
+#: "Connection reset by peer", "Broken pipe", timeouts; NCCL: an aborted communicator)
+PEER_LOST_MARKS = ("closed by peer", "reset by peer", "broken pipe", "connection refused", "timed out",
+                   "timeout", "communicator was aborted", "remote process exited", "connection closed")
+
+
+def _collective(call: Callable[[], Any]) -> Any:
+    """``call()`` (one collective); a backend error that says a peer is gone becomes
+    :class:`~mergeqp.errors.OtherProcessLost` (one line, exit 5) instead of gloo's traceback."""
+    try:
+        return call()
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if any(mark in first.lower() for mark in PEER_LOST_MARKS):
+            detail = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:553] " source location
+            raise OtherProcessLost(detail[:160]) from None
+        raise
+
+
+def _from_other_rank(error: Exception, rank: int) -> Exception:
+    """``error``, a copy of the one another ``rank`` met, marked as such: the command line prints
+    and records a rank's own errors only (:func:`from_rank`)."""
+    try:
+        error.mergeqp_from_rank = int(rank)  # type: ignore[attr-defined]
+    except AttributeError:  # an exception type with __slots__
+        pass
+    return error
+
+
+def from_rank(error: BaseException) -> int | None:
+    """The rank whose error ``error`` is a copy of (:meth:`Ranks.raise_first`, :meth:`Ranks.spread`),
+    or ``None`` for this process's own error."""
+    rank = getattr(error, "mergeqp_from_rank", None)
+    return rank if isinstance(rank, int) else None
+
+
+def own_error(error: BaseException) -> bool:
+    """Whether ``error`` is this process's own (not a copy of another rank's, nor the news that
+    another rank failed or is gone)."""
+    return from_rank(error) is None and not isinstance(error, (OtherRankFailed, OtherProcessLost))
 
 
 _ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar("mergeqp_alone", default=False)
@@ -324,6 +371,14 @@ def agree_on(group: Ranks, check: Callable[[], None]) -> None:
         raise OtherRankFailed(code)
 
 
+def agree_everywhere(group: Ranks, check: Callable[[], None]) -> None:
+    """Run ``check`` on every rank (each may refuse on its own, e.g. from the memory it sees) and
+    raise the first refusal, in rank order, on every rank at this same step, rank 0 printing it.
+    Every rank of ``group`` must call it at the same step; in one process ``check`` runs as it is."""
+    _, error = group.held(check)
+    group.raise_first(error)
+
+
 def agree_exit_code(group: Ranks, code: int) -> int:
     """The largest exit code over the ranks (every rank then exits with it; 0 only if all
     succeeded)."""
@@ -332,5 +387,24 @@ def agree_exit_code(group: Ranks, code: int) -> int:
     return int(group.reduce_floats([code], op="max")[0])
 
 
-__all__ = ["LAUNCH_VARIABLES", "Ranks", "agree_exit_code", "agree_on", "alone", "backend_for", "current_group", "launch_requested",
-           "launched", "other_rank"]
+__all__ = ["LAUNCH_VARIABLES", "PEER_LOST_MARKS", "Ranks", "agree_everywhere", "agree_exit_code", "agree_on", "alone",
+           "backend_for", "current_group", "from_rank", "launch_requested", "launched", "other_rank", "own_error",
+           "record_for_launcher"]
+
+
+def record_for_launcher(message: str, environ: dict[str, str] | None = None) -> None:
+    """Under ``torchrun``: write ``message`` (one line) to this process's error file
+    (``$TORCHELASTIC_ERROR_FILE``), which torchrun shows in its report, the first process's as the
+    root cause. Rank 0 prints its errors; without this a rank's own error (a file missing on its node,
+    its memory) was printed nowhere. Nothing when the variable is unset; a failure to write is ignored."""
+    import json
+    import time
+
+    path = (os.environ if environ is None else environ).get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                           "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(data, fh)

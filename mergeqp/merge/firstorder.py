@@ -46,7 +46,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
-from ..io.distributed import current_group
+from ..io.distributed import agree_everywhere, current_group
 from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
     DESIGN_COPIES_FLOAT64,
     SiteMemory,
@@ -477,7 +477,8 @@ def collect_first_order(
     N = sum(a.n_atoms for a in atoms)
     n = K * N
     group_name = ", ".join(a.site.name for a in atoms)
-    check_site_memory(estimate_site_memory(group_name, n, len(tasks)))  # before the sums are allocated
+    # before the sums are allocated; under torchrun a refusal of any rank stops every rank here
+    agree_everywhere(current_group(), lambda: check_site_memory(estimate_site_memory(group_name, n, len(tasks))))
     sums = GaussNewtonSums(len(tasks), n, device)
     counts = []
     energies = []

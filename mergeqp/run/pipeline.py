@@ -57,7 +57,7 @@ from ..io.calibration import (
 from ..io import verified
 from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
-from ..io.distributed import agree_on, current_group
+from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
 from ..io.memory import available_memory_bytes, check_site_memory, estimate_site_memory, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
@@ -528,8 +528,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
         if is_output_space(cfg):
             return run.output_space()
-        if cfg.method.is_qp:
-            check_groups_fit(plan)
+        if cfg.method.is_qp:  # (under torchrun a refusal of any rank, from the memory it sees, stops every rank)
+            agree_everywhere(current_group(), lambda: check_groups_fit(plan))
             return run.qp()
         return run.baseline()
 
@@ -608,6 +608,11 @@ class _Run:
         return load_model(plan.base, cfg.resolve(cfg.base), self.dtype, self.device), None
 
     def _check_first_design(self) -> None:
+        """:meth:`_check_first_design_here` on every rank, a refusal of any stopping every rank at this
+        step (rank 0 printing it; before, one rank's refusal was printed nowhere)."""
+        agree_everywhere(current_group(), self._check_first_design_here)
+
+    def _check_first_design_here(self) -> None:
         """The statistics' check of their largest batch's design (:func:`check_first_design`), made
         before the fine-tunes' targets and any start selection (minutes on a language model): the
         base model stands in for the first fine-tune (the compared outputs have the same shape) on

@@ -47,11 +47,16 @@ sys.exit(max(codes))
 """
 
 
+def _commands(cwd: Path, commands: list[list[str]]) -> Path:
+    """``commands`` written for :data:`DRIVER`."""
+    (cwd / "commands.json").write_text(json.dumps(commands))
+    return cwd / "commands.json"
+
+
 def _torchrun(commands: list[list[str]], cwd: Path) -> subprocess.CompletedProcess:
     """Run each ``mergeqp`` command line of ``commands`` in turn in one ``torchrun --standalone
     --nproc-per-node 2`` launch, with this checkout importable."""
-    (cwd / "commands.json").write_text(json.dumps(commands))
-    return _launch(DRIVER, cwd, str(cwd / "commands.json"))
+    return _launch(DRIVER, cwd, str(_commands(cwd, commands)))
 
 
 def _launch(script: str, cwd: Path, *args: str) -> subprocess.CompletedProcess:
@@ -216,7 +221,10 @@ def test_a_check_of_rank_0_alone_stops_every_rank_with_its_code(runs):
     for rank in (0, 1):
         assert json.loads((root / f"codes-{rank}.json").read_text()) == [2], rank
     text = run.stdout + run.stderr
-    assert text.count("is not empty; pass --overwrite") == 1, text[-3000:]
+    printed = [line for line in text.splitlines() if line.startswith("mergeqp merge: error:")]
+    assert len(printed) == 1 and "is not empty; pass --overwrite" in printed[0], text[-3000:]
+    # (stop 48) torchrun's report shows the message too (rank 0's error file), not only its generic hint
+    assert "traceback : mergeqp merge: error: output folder" in text, text[-3000:]
     assert "Connection closed" not in text and "GLHF" not in text
     assert sorted(p.name for p in taken.iterdir()) == ["keep.txt"]
 
@@ -298,3 +306,61 @@ def test_a_batch_that_fails_on_one_rank_stops_every_rank_with_its_message(tmp_pa
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0]["raised"] == "BadDataError", outcomes
     assert outcomes[0]["message"].startswith("task 'model0' batch 1: the base model's compared output"), outcomes
+
+
+LOW_MEMORY_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # rank 1 reads less available memory (another node, another moment)
+    import mergeqp.io.memory as memory
+    memory.available_memory_bytes = lambda meminfo=None: 4096
+"""
+
+
+def test_one_ranks_refusal_is_printed_and_other_commands_are_refused(runs):
+    """(stop 48 review) A memory refusal on rank 1 alone, before any weight is loaded, was printed
+    nowhere: rank 0 met gloo's "Connection closed by peer" (exit 2 as a config error). Every rank now
+    checks and the first refusal stops every rank at that step, rank 0 printing it. And a command that
+    does not share its work (`solve`) ran whole on every rank, writing the same --out at once: refused."""
+    root, _ = runs
+    (root / "low_rank1.py").write_text(LOW_MEMORY_ON_RANK_1)
+    for rank in (0, 1):
+        (root / f"codes-{rank}.json").unlink(missing_ok=True)
+    solve = ["solve", str(ROOT / "problems" / "tiny96.npz"), "--out", str(root / "sol.json")]
+    merge = ["--import", str(root / "low_rank1.py"), "merge", str(root / "one_site.yml"),
+             "--out", str(root / "refused"), "--quiet"]
+    run = _torchrun([solve, merge], root)
+    text = run.stdout + run.stderr
+    for rank in (0, 1):
+        assert json.loads((root / f"codes-{rank}.json").read_text()) == [2, 2], (rank, text[-3000:])
+    printed = [line for line in text.splitlines() if line.startswith("mergeqp ")]
+    assert len(printed) == 2, text[-3000:]
+    assert "solve runs in one process" in printed[0] and not (root / "sol.json").exists()
+    assert printed[1].startswith("mergeqp merge: error: merge site") and "4.0 KiB of memory available" in printed[1]
+    assert "Connection closed" not in text and "GLHF" not in text and not (root / "refused").exists()
+
+
+FAILING_ON_RANK_1 = FACTORY.replace("def make():", """import os
+
+def make():
+    if os.environ.get("RANK") == "1":
+        raise MemoryError("cannot allocate the model on rank 1")""")
+
+
+def test_an_error_of_rank_1_alone_reaches_torchruns_report(runs):
+    """(stop 48 review) An error of a rank other than 0 alone was printed nowhere (rank 1 is silent;
+    rank 0 died in its next collective with a 30-line gloo traceback and exit 1). Now rank 1's message
+    is in its torchrun error file, which torchrun's report shows as the root cause, and rank 0 says in
+    one line that another process stopped (exit 5)."""
+    root, _ = runs
+    (root / "factory_r1.py").write_text(textwrap.dedent(FAILING_ON_RANK_1))
+    args = _collect_args(root, "never.npz")
+    args[args.index("--factory") + 1] = f"{root / 'factory_r1.py'}:make"
+    run = _launch(DRIVER, root, str(_commands(root, [args])))
+    text = run.stdout + run.stderr
+    assert run.returncode != 0 and not (root / "never.npz").exists()
+    printed = [line for line in text.splitlines() if line.startswith("mergeqp ")]
+    assert len(printed) == 1 and "another process of this torchrun job stopped" in printed[0], text[-3000:]
+    assert "Connection closed by peer" in printed[0] or "reset by peer" in printed[0] or "Broken pipe" in printed[0]
+    assert "exitcode  : 5" in text and "traceback : mergeqp collect: error: the model factory failed: " \
+                                       "MemoryError: cannot allocate the model on rank 1" in text, text[-3000:]
+    assert "[rank0]" not in text  # no traceback of rank 0

@@ -195,7 +195,8 @@ def test_under_torchrun_a_ranks_refusal_is_raised_on_every_rank(tiny_hf, fam, tm
     monkeypatch.setattr(fo, "current_group", lambda: group)
     with pytest.raises(ValidationError, match=r"one calibration batch's design") as e:
         pipeline.run_merge(cfg, tmp_path / "b", progress=False)
-    assert [f.error for f in group.gathered] == [e.value] and not built
+    # (the site's memory check before it, agreed over the ranks since stop 48, sent None: it passed)
+    assert [f.error for f in group.gathered if f is not None] == [e.value] and not built
 
 
 def test_under_torchrun_any_error_of_a_ranks_batch_is_raised_on_every_rank(tiny_hf, fam, tmp_path, monkeypatch):
@@ -225,7 +226,7 @@ def test_under_torchrun_any_error_of_a_ranks_batch_is_raised_on_every_rank(tiny_
     with pytest.raises(Unpicklable, match=r"batch 1: the model raised"):
         pipeline.run_merge(cfg, tmp_path / "b", progress=False)
     assert len(calls) == 1
-    (failure,) = group.gathered
+    (failure,) = [f for f in group.gathered if f is not None]  # (None: the site's memory check passed)
     assert type(failure.error) is MergeQPError and str(failure.error) == str(sent.error)
 
 

@@ -15,6 +15,8 @@ from mergeqp.errors import (
     ValidationError,
 )
 from mergeqp.problem import MergeQP
+from mergeqp.solution import SolveStatus
+from mergeqp.solvers.base import RawResult
 from mergeqp.solvers.registry import SOLVERS, choose_solver, solve
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -358,9 +359,13 @@ def test_an_error_of_rank_1_alone_reaches_torchruns_report(runs):
     run = _launch(DRIVER, root, str(_commands(root, [args])))
     text = run.stdout + run.stderr
     assert run.returncode != 0 and not (root / "never.npz").exists()
+    assert "traceback : mergeqp collect: error: the model factory failed: MemoryError: cannot allocate the " \
+           "model on rank 1" in text, text[-3000:]
+    # rank 0 meets the lost peer in its next collective (exit 5), unless torchrun's SIGTERM, sent once it
+    # saw rank 1 exit, comes first (a race): one line either way, never gloo's traceback
     printed = [line for line in text.splitlines() if line.startswith("mergeqp ")]
-    assert len(printed) == 1 and "another process of this torchrun job stopped" in printed[0], text[-3000:]
-    assert "Connection closed by peer" in printed[0] or "reset by peer" in printed[0] or "Broken pipe" in printed[0]
-    assert "exitcode  : 5" in text and "traceback : mergeqp collect: error: the model factory failed: " \
-                                       "MemoryError: cannot allocate the model on rank 1" in text, text[-3000:]
-    assert "[rank0]" not in text  # no traceback of rank 0
+    assert len(printed) <= 1 and "[rank0]" not in text and "GLHF" not in text, text[-3000:]
+    if printed and "another process of this torchrun job stopped" in printed[0]:
+        assert re.search(r"exitcode  : (5|-15) ", text), text[-3000:]
+    else:
+        assert not printed or "stopped by signal SIGTERM" in printed[0], text[-3000:]

@@ -148,13 +148,22 @@ def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str]) -> list[Lay
         p = _norm(pattern)
         hits = [s.name for s in sites if site_matches(s, p)]
         if not hits:
-            hint = module_hint(sites, p)
+            hint = module_hint(sites, p) or _prefix_hint(sites, p)
             raise ConfigError(
                 f"layer pattern {pattern!r} matches no linear layer{hint}; the model's linear layers "
                 f"are: {listing([s.label for s in sites])}"
             )
         chosen.update(hits)
     return [s for s in sites if s.name in chosen]
+
+
+def _prefix_hint(sites: Sequence[LayerSite], pattern: str) -> str:
+    """`` (it matches N layers as the end of their names, e.g. NAME: write the full name, or '*.P')``
+    when ``pattern`` lacks only a leading part of the names (``layers.3.mlp.down_proj`` for
+    ``model.layers.3.mlp.down_proj``), else ``""``."""
+    tails = [s.name for s in sites if site_matches(s, f"*.{pattern}")]
+    return (f" (it matches {len(tails)} layer(s) as the end of their names, e.g. {tails[0]}: write the full "
+            f"name, or '*.{pattern}')" if tails else "")
 
 
 def site_matches(site: LayerSite, pattern: str) -> bool:

@@ -50,6 +50,8 @@ def test_an_oversized_site_is_refused_naming_it_and_what_to_change():
     msg = str(info.value)
     assert "model.layers.3.mlp.down_proj" in msg and "14.9 GiB of memory available" in msg
     assert "method.parametrisation" in msg and "output.restrict" in msg and "calibration.batch_size" in msg
+    # (stop 48 review) a glob over every block of fine-tunes of three: the remedy the user needed
+    assert "select only the layers your fine-tunes changed" in msg and "instead of joint" not in msg
     check_site_memory(est, available=10**12)  # fits a larger machine
     with memory_limit(10**10), pytest.raises(ValidationError, match="max_memory = 9.3 GiB"):
         check_site_memory(est, available=10**12)

@@ -202,6 +202,11 @@ def test_bad_inputs_fail_before_loading_weights(fam, tmp_path, no_weights, capsy
     with pytest.raises(ConfigError, match=r"layer pattern 'model\.layers\.1\.mlp' matches no linear layer \('model\.layers"
                                           r"\.1\.mlp' is a module holding 3 of them: model\.layers\.1\.mlp\.\* selects"):
         build_plan(_cfg(fam, tmp_path, layers=["model.layers.1.mlp"]))
+    # (stop 48 review) a name without its leading part: say so (it listed every layer, nothing more)
+    with pytest.raises(ConfigError, match=r"matches no linear layer \(it matches 2 layer\(s\) as the end of their "
+                                          r"names, e\.g\. model\.layers\.0\.mlp\.down_proj: write the full name, "
+                                          r"or '\*\.layers\.\*\.mlp\.down_proj'\)"):
+        build_plan(_cfg(fam, tmp_path, layers=["layers.*.mlp.down_proj"]))
     bad = _cfg(fam, tmp_path, method={"name": "qp", "constraints": ["boxx:0,1"]})
     with pytest.raises(ConfigError, match="unknown constraint set 'boxx'"):
         build_plan(bad)

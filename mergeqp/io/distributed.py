@@ -40,9 +40,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import contextvars
+import json
 import os
 import pickle
 import re
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -387,19 +389,11 @@ def agree_exit_code(group: Ranks, code: int) -> int:
     return int(group.reduce_floats([code], op="max")[0])
 
 
-__all__ = ["LAUNCH_VARIABLES", "PEER_LOST_MARKS", "Ranks", "agree_everywhere", "agree_exit_code", "agree_on", "alone",
-           "backend_for", "current_group", "from_rank", "launch_requested", "launched", "other_rank", "own_error",
-           "record_for_launcher"]
-
-
 def record_for_launcher(message: str, environ: dict[str, str] | None = None) -> None:
     """Under ``torchrun``: write ``message`` (one line) to this process's error file
     (``$TORCHELASTIC_ERROR_FILE``), which torchrun shows in its report, the first process's as the
     root cause. Rank 0 prints its errors; without this a rank's own error (a file missing on its node,
     its memory) was printed nowhere. Nothing when the variable is unset; a failure to write is ignored."""
-    import json
-    import time
-
     path = (os.environ if environ is None else environ).get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -408,3 +402,9 @@ def record_for_launcher(message: str, environ: dict[str, str] | None = None) -> 
     with contextlib.suppress(OSError):
         with open(path, "w", encoding="utf-8") as fh:
             json.dump(data, fh)
+
+
+__all__ = ["LAUNCH_VARIABLES", "PEER_LOST_MARKS", "Ranks", "agree_everywhere", "agree_exit_code", "agree_on", "alone",
+           "backend_for", "current_group", "from_rank", "launch_requested", "launched", "other_rank", "own_error",
+           "record_for_launcher"]
+

@@ -187,3 +187,42 @@ def test_spread_raises_the_first_items_error_as_sent(monkeypatch):
     monkeypatch.setattr(Ranks, "gather", gather1)
     with pytest.raises(MergeQPError, match="_Unpicklable: item 0: failed"):
         Ranks(1, 2, "gloo").spread(["a", "b"], lambda i, item: item.upper())
+
+
+def test_a_lost_peer_is_one_line_with_its_own_exit_code_and_other_errors_pass():
+    """(stop 48) gloo's error when a collective loses its peer became a 30-line traceback (collect:
+    exit 1) or a config error (merge: exit 2); it is now OtherProcessLost, exit 5, without gloo's
+    source location. Any other RuntimeError of a collective passes unchanged."""
+    from mergeqp.errors import EXIT_OTHER_PROCESS, OtherProcessLost, exit_code
+    from mergeqp.io.distributed import _collective
+
+    def lost():
+        raise RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                           "peer [127.0.0.1]:9089\nmore lines")
+
+    with pytest.raises(OtherProcessLost) as info:
+        _collective(lost)
+    assert exit_code(info.value) == EXIT_OTHER_PROCESS == 5
+    assert str(info.value).endswith("(Connection closed by peer [127.0.0.1]:9089)") and "pair.cc" not in str(info.value)
+
+    def mismatch():
+        raise RuntimeError("Tensors must be of the same shape")
+
+    with pytest.raises(RuntimeError, match="same shape"):
+        _collective(mismatch)
+
+
+def test_a_processs_own_error_goes_to_torchruns_error_file(tmp_path):
+    """torchrun shows each process's error file in its report (the first one as the root cause):
+    a rank's own error is written there; without the variable nothing is written."""
+    import json
+
+    from mergeqp.io.distributed import record_for_launcher
+
+    path = tmp_path / "error.json"
+    record_for_launcher("mergeqp collect: error: x", {})
+    assert not path.exists()
+    record_for_launcher("mergeqp collect: error: x", {"TORCHELASTIC_ERROR_FILE": str(path)})
+    data = json.loads(path.read_text())["message"]
+    assert data["message"] == data["extraInfo"]["py_callstack"] == "mergeqp collect: error: x"
+    assert int(data["extraInfo"]["timestamp"]) > 0

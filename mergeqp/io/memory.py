@@ -70,9 +70,9 @@ SOLVE_SQUARE_COPIES = 5
 ADVICE = ("use fewer atoms (method.parametrisation: scalar, or a basis with a small rank), lower "
           "calibration.batch_size (the atoms' tangents grow with it) or method.chunk_size, compare fewer outputs (output.restrict: projection|topk with a small k, "
           "or output.sketch: s), or merge fewer layers per QP: select only the layers your fine-tunes changed "
-          "(a pattern such as model.layers.*.self_attn.o_proj selects every block, and each selected layer adds "
-          "coefficients whether or not a fine-tune changed it), or a mode that solves one layer at a time "
-          "(single, sequential)")
+          "(a pattern such as model.layers.*.self_attn.o_proj selects every block; the run leaves out those no "
+          "fine-tune changed, the dry run, which reads no weights, counts them all), or a mode that solves one "
+          "layer at a time (single, sequential)")
 
 _LIMIT: contextvars.ContextVar[int | None] = contextvars.ContextVar("mergeqp_max_memory", default=None)
 

@@ -90,9 +90,11 @@ from .architectures import architecture_class, every_block, lower_blocks, model_
 from .plan import (
     MergePlan,
     build_plan,
+    changed_keys,
     evaluates_baseline,
     is_output_space,
     statistics_method,
+    without_unchanged,
 )
 from .auto import (
     OUTPUT_SPACE,
@@ -520,6 +522,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     if write:  # under torchrun rank 0 checks (it alone writes) and every rank hears its verdict here
         agree_on(current_group(), lambda: (check_output_folder(out, _protected(cfg), overwrite=overwrite),
                                            check_free_space(out, plan.base.total_bytes, "the merged model")))
+    plan = without_unchanged(plan)  # (the same on every rank: the same files)
+    cfg = plan.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)
@@ -864,7 +868,7 @@ class _AutoStart:
         self.params = params
         # a tensor equal in the base and every fine-tune is the base's in every candidate: only
         # the others are merged (and RegMean's statistics are collected for their layers only)
-        self.floats = _changed_keys(run.plan, run.plan.float_keys())
+        self.floats = changed_keys(run.plan.base, run.plan.finetuned, run.plan.float_keys())
         # every tensor a candidate's fit may leave changed in the live model: the merged ones and
         # the selected sites' (output_space and the QP candidates write every site they solve)
         self.reset_keys = list(dict.fromkeys([*self.floats, *(k for site in run.plan.sites for k in site.keys)]))
@@ -1091,19 +1095,6 @@ def _visit_all(visitors: Sequence[Callable[[int, str, Any, list[Any]], None]]
         for v in visitors:
             v(index, name, model, batches)
     return visit
-
-
-def _changed_keys(plan: MergePlan, keys: Sequence[str]) -> list[str]:
-    """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor
-    at a time)."""
-    import torch  # optional heavy dependency: the merge runs on torch
-
-    out = []
-    for key in keys:
-        base = plan.base.get(key)
-        if any(not torch.equal(base, ft.get(key).to(base.dtype)) for ft in plan.finetuned):
-            out.append(key)
-    return out
 
 
 def _load_into(model: Any, tensors: dict[str, Any]) -> None:

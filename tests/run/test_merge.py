@@ -439,7 +439,9 @@ def test_baseline_method_merges_only_the_selected_layers(families, tmp_path):
     for n in base.names():
         assert torch.equal(out.get(n), ref[n] if n in selected else base.get(n)), n
     rep = json.loads((tmp_path / "o" / "report.json").read_text())
-    assert rep["baseline"]["method"] == "ties" and rep["baseline"]["tensors"] == 6
+    # ln_f is the base's in both fine-tunes: left so since stop 48 (the same tensor), not counted as merged
+    assert rep["baseline"]["method"] == "ties" and rep["baseline"]["tensors"] == 4
+    assert any("are the base's in every fine-tuned model" in n and "transformer.ln_f" in n for n in rep["notes"])
     assert _reload(fam, tmp_path / "o") is not None
     bad = fam.write_config(tmp_path / "bad.yml", layers, {"name": "ties", "params": {"desnity": 0.5}})
     with pytest.raises(Exception, match="unknown parameter 'desnity'"):
@@ -743,3 +745,25 @@ def test_a_users_method_or_mode_that_answers_wrongly_is_named(families, tmp_path
         for key in ("as_int_test", "transposed_test"):
             MERGE_METHODS.pop(key, None)
         MERGE_MODES.pop("skiplast_test", None)
+
+
+def test_selected_layers_no_fine_tune_changed_are_left_out(tiny_hf, tmp_path):
+    """(stop 48 review) A pattern over every block of fine-tunes of one (model.layers.*.mlp.down_proj
+    with block 1 fine-tuned) put block 0's unchanged layer into the QP too (a real case asked for a
+    160 GiB QP for 3 changed layers of 30). The run leaves it out with a note; the merged model is the
+    merge of the changed layer alone."""
+    from mergeqp.cli import main
+
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, n_prompts=8)
+    method = {"name": "qp", "mode": "joint"}
+    both = fam.write_config(tmp_path / "both.yml", ["model.layers.*.mlp.down_proj"], method, evaluate=False)
+    one = fam.write_config(tmp_path / "one.yml", ["model.layers.1.mlp.down_proj"], method, evaluate=False)
+    assert main(["merge", str(both), "--out", str(tmp_path / "both"), "--quiet"]) == 0
+    assert main(["merge", str(one), "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    rep = json.loads((tmp_path / "both" / "report.json").read_text())
+    assert [r["layer"] for r in rep["layers"]] == ["model.layers.1.mlp.down_proj"]
+    assert any("1 selected layer(s) or tensor(s) are the base's" in n and "model.layers.0.mlp.down_proj" in n
+               for n in rep["notes"]), rep["notes"]
+    a, b = open_checkpoint(tmp_path / "both"), open_checkpoint(tmp_path / "one")
+    for n in b.names():
+        assert torch.equal(a.get(n), b.get(n)), n

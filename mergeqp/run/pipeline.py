@@ -522,8 +522,10 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     if write:  # under torchrun rank 0 checks (it alone writes) and every rank hears its verdict here
         agree_on(current_group(), lambda: (check_output_folder(out, _protected(cfg), overwrite=overwrite),
                                            check_free_space(out, plan.base.total_bytes, "the merged model")))
-    plan = without_unchanged(plan)  # (the same on every rank: the same files)
-    cfg = plan.config
+    reduced = without_unchanged(plan)  # (the same on every rank: the same files)
+    if reduced is not plan:
+        say(f"note: {reduced.notes[-1]}")
+    plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
     dtype = getattr(torch, cfg.dtype)

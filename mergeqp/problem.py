@@ -143,8 +143,7 @@ class MergeQP:
     soup:
         the model soup's coefficients ``d`` (``(K, n_atoms)`` or ``(n,)``) when they are not ``1/K``
         everywhere: a parametrisation with atoms other than the task vectors (``rows+baselines``:
-        rows ``1/K``, baseline atoms 0) or a problem posed as a step from an offset. ``None`` (the
-        default): ``1/K`` everywhere. :meth:`soup_point` returns it and :meth:`regularised`
+        rows ``1/K``, baseline atoms 0). ``None`` (the default): ``1/K`` everywhere. :meth:`soup_point` returns it and :meth:`regularised`
         regularises toward it by default; ``CalibrationStats.problem`` sets it.
     """
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -424,7 +424,8 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     alone is merged and reported as such). Reads the selected tensors, which the dry run does not.
     Before stop 48 a pattern over every block of fine-tunes of a few put every block into the QP (a
     review's: 3 changed ``o_proj`` of 30, a 160 GiB QP refused), and Fisher / RegMean computed
-    statistics for every unchanged tensor."""
+    statistics for every unchanged tensor. The plan keeps what it read (prompts, tokenizers, heads);
+    only its sites, groups and memory estimate are redone."""
     keys = plan.merged_keys()
     changed = set(changed_keys(plan.base, plan.finetuned, keys))
     if not changed or len(changed) == len(keys):
@@ -434,7 +435,10 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     dropped = [s.name for s in plan.sites if s not in sites] + [t for t in plan.extra_tensors if t not in changed]
     if not dropped:
         return plan
-    new = build_plan(plan.config.model_copy(update={"layers": [s.name for s in sites] + extra}))
+    cfg = plan.config.model_copy(update={"layers": [s.name for s in sites] + extra})
+    new = replace(plan, config=cfg, sites=sites, extra_tensors=extra, groups=plan_groups(cfg, sites),
+                  notes=list(plan.notes))
+    new.memory = estimate_memory(new)
     new.notes.append(f"{len(dropped)} selected layer(s) or tensor(s) are the base's in every fine-tuned model and "
                      f"were left so (not merged, no coefficients): {listing(dropped, 8)}")
     return new
@@ -740,6 +744,23 @@ def model_heads(cfg: MergeConfig) -> list[ClassifierHead | None]:
     return heads
 
 
+def plan_groups(cfg: MergeConfig, sites: Sequence[LayerSite]) -> list[GroupPlan]:
+    """The QPs a QP method solves over ``sites`` (its mode's groups, each one's variable count and
+    solver), each checked to have a feasible set; none for a baseline."""
+    if not cfg.method.is_qp:
+        return []
+    mode = get_merge_mode(cfg.method.mode)
+    start = cfg.method.start
+    at = mode.linearised_at(None if start is None else "chosen start" if is_auto_start(start) else start.name)
+    K = len(cfg.models)
+    groups = []
+    for group in mode.groups(list(sites)):
+        n = K * sum(_n_atoms(cfg, s) for s in group)
+        groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
+    _check_feasible_sets(cfg, groups)
+    return groups
+
+
 def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
     check_paths(cfg)
@@ -821,7 +842,6 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if is_output_space(cfg):
         check_output_space_sites(sites)
     vocab = (base.config or {}).get("vocab_size")
-    K = len(cfg.models)
     groups: list[GroupPlan] = []
     notes: list[str] = list(holdout_notes)
     unprompted = _without_prompts(cfg)
@@ -831,19 +851,14 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                      f"objective and the held-out error are measured only when every model has them)")
     if cfg.method.is_qp:
         mode = get_merge_mode(cfg.method.mode)
-        at = mode.linearised_at(None if cfg.method.start is None else "chosen start" if is_auto_start(cfg.method.start)
-                                else cfg.method.start.name)
         entry = get_parametrisation(cfg.method.parametrisation)
         for site in sites:  # (a basis rank beyond a layer's rows was found after every target was computed)
             try:
                 entry.check_site(site, cfg.method.parametrisation_options())
             except ValidationError as exc:
                 raise ConfigError(f"method.parametrisation: {exc}") from None
-        for group in mode.groups(sites):
-            n = K * sum(_n_atoms(cfg, s) for s in group)
-            groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
+        groups = plan_groups(cfg, sites)
         notes.extend(mode.plan_notes(qp_settings(cfg)))
-        _check_feasible_sets(cfg, groups)
         if (cfg.output.field == "logits" and cfg.output.restrict == "topk" and cfg.output.k is not None
                 and isinstance(vocab, int) and cfg.output.k > vocab):
             raise ConfigError(f"output.k {cfg.output.k}: restrict topk keeps the k largest of the {vocab} logits per "

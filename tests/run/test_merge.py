@@ -767,3 +767,26 @@ def test_selected_layers_no_fine_tune_changed_are_left_out(tiny_hf, tmp_path):
     a, b = open_checkpoint(tmp_path / "both"), open_checkpoint(tmp_path / "one")
     for n in b.names():
         assert torch.equal(a.get(n), b.get(n)), n
+
+
+@pytest.mark.parametrize("method", [{"name": "qp", "mode": "sequential"}, {"name": "qp", "mode": "joint"},
+                                    {"name": "regmean"}])
+def test_plan_without_unchanged_equals_the_plan_of_the_changed_layers(tiny_hf, tmp_path, method):
+    """run.plan.without_unchanged redoes only the sites, the QP groups and the memory estimate (it
+    rebuilt the whole plan before, reading prompts and tokenizers again): the same as the plan of a
+    config naming the changed layers."""
+    from mergeqp.run.plan import build_plan, without_unchanged
+
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, n_prompts=8)
+    glob = build_plan(load_config(fam.write_config(tmp_path / "all.yml", ["model.layers.*.mlp.down_proj"], method)))
+    one = build_plan(load_config(fam.write_config(tmp_path / "one.yml", ["model.layers.1.mlp.down_proj"], method)))
+    left = without_unchanged(glob)
+    assert [s.name for s in glob.sites] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert [s.name for s in left.sites] == [s.name for s in one.sites] == ["model.layers.1.mlp.down_proj"]
+    assert left.groups == one.groups and left.extra_tensors == one.extra_tensors
+    assert left.memory == one.memory
+    if method.get("mode") != "sequential":  # (one site at a time: the same peak either way)
+        assert left.memory != glob.memory
+    assert left.config.layers == ["model.layers.1.mlp.down_proj"] and left.tasks == one.tasks
+    assert left.notes[:-1] == glob.notes and "model.layers.0.mlp.down_proj" in left.notes[-1]
+    assert glob.notes == one.notes  # (the note is added to the copy only)

@@ -48,12 +48,16 @@ def _finite_number(value: Any, what: str) -> float:
 
 
 def task_arithmetic_point(shape: tuple[int, int], lam: float = 1.0) -> np.ndarray:
-    """``d = lambda`` everywhere (``(K, n_atoms)``)."""
+    """``d = lambda`` everywhere (``(K, n_atoms)``): task arithmetic in a layout whose atoms sum to each
+    fine-tune's residual (``rows``, ``basis``). A parametrisation with other atoms (``rows+baselines``)
+    is not: there, task arithmetic is rows ``lambda`` and baseline atoms 0."""
     return np.full(shape, float(lam))
 
 
 def soup_point(shape: tuple[int, int]) -> np.ndarray:
-    """``d = 1/K`` everywhere (``(K, n_atoms)``)."""
+    """``d = 1/K`` everywhere (``(K, n_atoms)``): the soup in a layout whose atoms sum to each fine-tune's
+    residual. For a given problem, :meth:`mergeqp.MergeQP.soup_point` is its soup whatever the atoms
+    (``rows+baselines``: rows ``1/K``, baseline atoms 0)."""
     return np.full(shape, 1.0 / shape[0])
 
 

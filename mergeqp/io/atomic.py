@@ -293,8 +293,9 @@ def _unlisted_files(folder: Path) -> list[str] | None:
 
 def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
     """Why ``--overwrite`` may not replace the non-empty ``folder`` (``None``: it may): only an
-    earlier output of mergeqp is replaced (one of :data:`OUTPUT_SIGNATURES` inside, or a model
-    folder: safetensors weights), never the current folder, one holding it or the home folder
+    earlier output of mergeqp is replaced (its :data:`MANIFEST`, or one of :data:`OUTPUT_SIGNATURES`
+    inside; since stop 49 not a model folder with neither: another tool's model, e.g. a fine-tune
+    named as ``--out`` by mistake, was deleted), never the current folder, one holding it or the home folder
     (``sweep --out . --overwrite`` deleted every file of the current folder), and not a folder of
     mergeqp's to which files were added since (its :data:`MANIFEST` does not list them: a user's
     notes or evaluations beside a merged model were deleted before stop 48)."""
@@ -318,9 +319,11 @@ def replace_refusal(folder: str | os.PathLike[str]) -> str | None:
     if names & set(OUTPUT_SIGNATURES):
         return None
     if any(n.endswith((".safetensors", ".safetensors.index.json")) for n in names):
-        return None
+        return (f"it holds a model's weights but neither the list of files mergeqp writes into its folders "
+                f"({MANIFEST}) nor a report: a model of another tool (or one written from Python before "
+                f"stop 48), which mergeqp does not delete; delete it yourself if it is to go")
     return ("it holds no earlier mergeqp output (no " + ", ".join(OUTPUT_SIGNATURES)
-            + " nor a model's safetensors weights)")
+            + f" nor {MANIFEST})")
 
 
 def refuse_to_replace(folder: str | os.PathLike[str], option: str) -> None:

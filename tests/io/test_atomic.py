@@ -22,7 +22,7 @@ def test_overwrite_replaces_only_an_earlier_output(tmp_path, monkeypatch):
         with pytest.raises(ValidationError, match=r"replaces only an earlier output of mergeqp.*Its files are kept"):
             check()
     assert sorted(p.name for p in notes.iterdir()) == ["thesis.tex"]
-    for marker in ("report.json", "results.json", "sweep.csv", "model.safetensors", "model.safetensors.index.json"):
+    for marker in ("report.json", "results.json", "sweep.csv"):
         earlier = tmp_path / f"earlier_{marker}"
         earlier.mkdir()
         (earlier / marker).write_text("{}")
@@ -33,3 +33,27 @@ def test_overwrite_replaces_only_an_earlier_output(tmp_path, monkeypatch):
     assert replace_refusal(notes) == "it is the current folder or holds it"
     monkeypatch.setenv("HOME", str(tmp_path / "earlier_report.json"))
     assert replace_refusal(tmp_path / "earlier_report.json") == "it is your home folder"
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model.safetensors.index.json"])
+def test_overwrite_keeps_a_model_folder_mergeqp_did_not_write(tmp_path, weights):
+    """(stop 49) A folder of safetensors weights without mergeqp's file list or a report (another
+    tool's model: a fine-tune named as ``--out`` by mistake) was deleted by ``--overwrite``; it is
+    kept now, and the same weights written by mergeqp (with its list) are replaced."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.atomic import MANIFEST, atomic_folder, check_output_folder, replace_refusal
+
+    theirs = tmp_path / "their_model"
+    theirs.mkdir()
+    (theirs / weights).write_text("{}")
+    (theirs / "config.json").write_text("{}")
+    assert "a model's weights but neither" in replace_refusal(theirs) and MANIFEST in replace_refusal(theirs)
+    with pytest.raises(ValidationError, match=r"replaces only an earlier output of mergeqp.*Its files are kept"):
+        check_output_folder(theirs, overwrite=True, option="--out")
+    assert sorted(p.name for p in theirs.iterdir()) == sorted([weights, "config.json"])
+    ours = tmp_path / "ours"
+    with atomic_folder(ours) as staging:
+        (staging / weights).write_text("{}")
+        (staging / "config.json").write_text("{}")
+    assert replace_refusal(ours) is None
+    check_output_folder(ours, overwrite=True)

@@ -84,11 +84,14 @@ class QPSettings:
     #: need calibration statistics (RegMean, Fisher), made by the run layer before the QP
     baseline_merges: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     jacobian_mode: str = "auto"
+    #: a user parametrisation's own options (keys of its ``config_options`` other than the fields above)
+    parametrisation_extra: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def parametrisation_options(self) -> dict[str, Any]:
         """The options the parametrisation entry reads (:meth:`Parametrisation.for_site`)."""
-        return {"basis": self.basis, "rank": self.rank, "baselines": tuple(n for n, _ in self.baselines)}
+        return {**self.parametrisation_extra, "basis": self.basis, "rank": self.rank,
+                "baselines": tuple(n for n, _ in self.baselines)}
 
 
 class WeightSource:

@@ -87,11 +87,16 @@ class _Strict(BaseModel):
     # setting takes inf or NaN
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True, allow_inf_nan=False)
 
+    @classmethod
+    def _declared_keys(cls) -> set[str]:
+        """Keys this block takes besides its fields (keys registered entries declare)."""
+        return set()
+
     @model_validator(mode="before")
     @classmethod
     def _unknown_keys(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            valid = set()
+            valid = cls._declared_keys()
             internal = set()
             for name, f in cls.model_fields.items():
                 (internal if f.exclude else valid).add(name)
@@ -239,6 +244,10 @@ class MethodConfig(_Strict):
     two agree to rounding, :func:`mergeqp.stats.linearise.choose_mode`).
     """
 
+    # a registered parametrisation's own keys (``config_options``) are keys of this block too;
+    # they are kept as extras (``model_extra``), every other unknown key is still refused
+    model_config = ConfigDict(**{**_Strict.model_config, "extra": "allow"})
+
     name: str = "qp"
     mode: str = "sequential"
     parametrisation: str = "rows"
@@ -257,6 +266,13 @@ class MethodConfig(_Strict):
     chunk_size: int = Field(default=256, ge=1)
     jacobian_mode: Literal["auto", "forward", "reverse"] = "auto"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @classmethod
+    def _declared_keys(cls) -> set[str]:
+        """The keys registered parametrisations read (``config_options``: a user's entry's own keys
+        are keys of the method block, like ``basis`` / ``rank``; before stop 49 an entry declaring one
+        made every config fail with an AttributeError)."""
+        return {k for p in PARAMETRISATIONS.values() for k in p.config_options} - set(cls.model_fields)
 
     @model_validator(mode="before")
     @classmethod
@@ -354,7 +370,8 @@ class MethodConfig(_Strict):
         mode.check_options(self.mode_options)
         param = PARAMETRISATIONS[self.parametrisation]
         options = self.parametrisation_options()
-        given = [k for k in options if k in self.model_fields_set or (k == "rank" and self.rank is not None)]
+        given = [k for k in options if k in self.model_fields_set or k in (self.model_extra or {})
+                 or (k == "rank" and self.rank is not None)]
         foreign = [k for k in given if k not in param.config_options]
         if foreign:
             owners = [n for n, p in PARAMETRISATIONS.items() if set(foreign) <= set(p.config_options)]
@@ -372,7 +389,8 @@ class MethodConfig(_Strict):
         """The parametrisation options of this block: every key some registered parametrisation
         reads (``config_options``), with its value."""
         keys = dict.fromkeys(k for p in PARAMETRISATIONS.values() for k in p.config_options)
-        return {k: getattr(self, k) for k in keys}
+        extra = self.model_extra or {}
+        return {k: getattr(self, k) if k in type(self).model_fields else extra.get(k) for k in keys}
 
     @property
     def baseline_choices(self) -> tuple[tuple[str, dict[str, Any]], ...]:

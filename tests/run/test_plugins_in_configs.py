@@ -178,3 +178,62 @@ def test_a_users_merge_mode_that_raises_is_named(tiny_hf, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "merge mode 'cfg_boom' failed: ValueError: my mode exploded" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+OPTION_PLUGIN = '''
+import mergeqp
+from mergeqp.errors import ValidationError
+from mergeqp.stats.parametrisation import RowsParametrisation
+
+SEEN = []
+
+
+class RowsWithOption(RowsParametrisation):
+    """rows, with an option of its own (a key of the method block)."""
+    name = "cfg_rows_min"
+    config_options = ("min_rows",)
+
+    def check_config(self, options, given):
+        if "min_rows" not in given or not isinstance(options["min_rows"], int) or options["min_rows"] < 1:
+            raise ValueError(f"min_rows must be a positive integer, got {options['min_rows']!r}")
+
+    def check_site(self, site, options):
+        if site.r < options["min_rows"]:
+            raise ValidationError(f"{site.name} has {site.r} rows, fewer than min_rows {options['min_rows']}")
+
+    def for_site(self, site, deltas, options, *, seed=0, output_stats=None):
+        SEEN.append(options["min_rows"])
+        return self
+
+
+mergeqp.register_parametrisation(RowsWithOption())
+'''
+
+
+def test_a_users_parametrisation_with_options_of_its_own(tiny_hf, tmp_path, plugin):
+    """(stop 49 review) A parametrisation declaring ``config_options`` of its own made *every* config
+    fail with a raw AttributeError (the method block had no such field) and its keys were refused as
+    unknown. Its keys are keys of the method block now: checked by the entry, refused under another
+    parametrisation, kept in the report, and they reach ``check_site`` / ``for_site``."""
+    import sys
+
+    path = tmp_path / "cfg_options_plugin.py"
+    path.write_text(OPTION_PLUGIN)
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    plain = _config(fam, tmp_path / "plain.yml", {"name": "qp", "mode": "single"}, imports=[str(path)])
+    build_plan(load_config(plain))  # a config not using it is unaffected
+    method = {"name": "qp", "mode": "single", "parametrisation": "cfg_rows_min", "min_rows": 2}
+    good = _config(fam, tmp_path / "good.yml", method, imports=[str(path)])
+    assert main(["merge", str(good), "--out", str(tmp_path / "out"), "--quiet"]) == 0
+    assert sys.modules["mergeqp_plugin_cfg_options_plugin"].SEEN == [2]  # (mergeqp.plugins' module name)
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert '"min_rows": 2' in json.dumps(report) and report["layers"][0]["certificate"]["certified"]
+    for bad, match in (({**method, "min_rows": 0}, r"min_rows must be a positive integer, got 0"),
+                       ({**method, "min_rows": 10**6}, r"fewer than min_rows 1000000"),
+                       ({"name": "qp", "mode": "single", "min_rows": 2},
+                        r"the key\(s\) 'min_rows' apply only to parametrisation: cfg_rows_min"),
+                       ({**{k: v for k, v in method.items() if k != "min_rows"}, "min_row": 2},
+                        r"unknown key 'min_row' \(did you mean 'min_rows'\?\)")):
+        cfg_path = _config(fam, tmp_path / "bad.yml", bad, imports=[str(path)])
+        with pytest.raises(ConfigError, match=match):
+            build_plan(load_config(cfg_path))

@@ -52,7 +52,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--targets", choices=("finetuned", "labels"), default="finetuned")
     p.add_argument("--output-fn", help="module:function selecting the compared output")
     p.add_argument("--parametrisation", nargs="+", default=["rows", "scalar"],
-                   help="parametrisations to stream (rows, scalar, columns)")
+                   help="parametrisations to stream (rows, scalar, columns, or one registered with --import)")
     p.add_argument("--keep-samples", action="store_true",
                    help="keep per-sample data (any basis later; memory grows with samples)")
     p.add_argument("--batch-size", type=int, default=64)
@@ -63,7 +63,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--out", required=True, help="statistics file to write (.npz)")
     p.add_argument("--problem", help="merge QP file to write (default: OUT stem + _problem.npz)")
     p.add_argument("--problem-parametrisation", default="rows",
-                   help="parametrisation of the written QP (rows, scalar, columns, NAME:P basis)")
+                   help="parametrisation of the written QP (rows, scalar, columns, NAME:P basis, or one registered with --import)")
     p.add_argument("--task-weights", help="'mean' or comma-separated weights, one per task")
     p.add_argument("--max-memory",
                    help="cap on the statistics' memory, e.g. 8GB; the layer is refused before its sums are "
@@ -72,7 +72,12 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-PLAIN_PARAMETRISATIONS = ("rows", "scalar", "columns")
+def streamable() -> list[str]:
+    """The parametrisations ``collect`` streams by name: the built-in rows / scalar / columns and every
+    registered entry not built per layer (a user's, through ``--import``; before stop 49 refused)."""
+    from ..stats.parametrisation import PARAMETRISATIONS  # deferred, as the other stats imports here
+
+    return [n for n, p in PARAMETRISATIONS.items() if not p.built_per_layer]
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,8 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
     for name in args.parametrisation:
-        if name not in PLAIN_PARAMETRISATIONS:
-            raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, PLAIN_PARAMETRISATIONS)}")
+        if name not in streamable():
+            raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, streamable())}")
     check_problem_parametrisation(args.problem_parametrisation)
     task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)
@@ -153,26 +158,29 @@ def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisatio
     ``columns`` (weight and bias) and ``n_models`` models: float64 ``H`` (n x n) and ``g`` per
     task and in total for each streamed parametrisation, once more for the problem file, plus
     the residuals. Per-sample data (``--keep-samples``) comes on top."""
-    atoms = {"rows": rows, "columns": columns, "scalar": 1}
+    from ..stats.parametrisation import PARAMETRISATIONS  # deferred, as the other stats imports here
+
     n_tasks = n_models
     total = 0
     for name in parametrisations:
-        n = n_models * atoms.get(name, rows)
+        entry = PARAMETRISATIONS.get(name)
+        n = n_models * (entry.n_atoms(rows, columns) if entry is not None and not entry.built_per_layer else rows)
         total += 8 * (n * n + n) * (n_tasks + 2)
     return total + 2 * 8 * n_models * rows * columns
 
 
 def check_problem_parametrisation(spec: str) -> None:
-    """``rows`` / ``scalar`` / ``columns`` or a basis ``NAME:P[:SEED]`` with a registered NAME
-    and integers P >= 1, SEED >= 0 (P <= r is checked once the layer is known)."""
-    if spec in PLAIN_PARAMETRISATIONS:
+    """``rows`` / ``scalar`` / ``columns`` (or another registered parametrisation not built per layer)
+    or a basis ``NAME:P[:SEED]`` with a registered NAME and integers P >= 1, SEED >= 0 (P <= r is
+    checked once the layer is known)."""
+    if spec in streamable():
         return
     from ..stats.bases import BASES  # deferred: the stats package imports torch
 
     parts = spec.split(":")
     if len(parts) not in (2, 3):
         raise unknown("parametrisation (--problem-parametrisation)", spec,
-                      [*PLAIN_PARAMETRISATIONS, *(f"{b}:P" for b in BASES)])
+                      [*streamable(), *(f"{b}:P" for b in BASES)])
     if parts[0] not in BASES:
         raise unknown("basis name (--problem-parametrisation)", parts[0], BASES)
     try:
@@ -203,7 +211,7 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     from ..stats import collect_statistics
 
     factory_kwargs, device, task_weights = checked.factory_kwargs, checked.device, checked.task_weights
-    plain = PLAIN_PARAMETRISATIONS
+    plain = streamable()
     streamed = list(args.parametrisation)
     keep_samples = args.keep_samples
     if args.problem_parametrisation in plain:

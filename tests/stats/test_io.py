@@ -291,3 +291,30 @@ def test_a_collected_problem_of_the_wrong_shape_is_a_damaged_file(small_stats, t
     np.savez(path, **data)
     with pytest.raises(ValidationError, match=r"damaged statistics file: collected problem .* has H_t"):
         CalibrationStats.load(str(path))
+
+
+def test_cli_collect_streams_a_users_parametrisation(collect_files, tmp_path, capsys):
+    """(stop 49 architecture review) ``collect`` took only rows / scalar / columns by a hard-coded
+    list, so a parametrisation registered through ``--import`` was refused (``sweep`` and the
+    Python API take it). Now every registered entry not built per layer is streamed by name: here
+    one with scalar's atoms under another name gives scalar's QP."""
+    from mergeqp.stats.parametrisation import PARAMETRISATIONS
+
+    common = collect_files(tmp_path)
+    plugin = tmp_path / "whole_param.py"
+    plugin.write_text("import mergeqp\nfrom mergeqp.stats.parametrisation import ScalarParametrisation\n\n\n"
+                      "class Whole(ScalarParametrisation):\n    name = 'cli_whole'\n\n\n"
+                      "mergeqp.register_parametrisation(Whole())\n")
+    assert main(common + ["--out", str(tmp_path / "u.npz"), "--problem-parametrisation", "cli_whole"]) == 2
+    assert "unknown parametrisation" in capsys.readouterr().err
+    try:
+        assert main(["--import", str(plugin)] + common + ["--out", str(tmp_path / "w.npz"),
+                                                          "--parametrisation", "cli_whole",
+                                                          "--problem-parametrisation", "cli_whole"]) == 0
+        assert main(common + ["--out", str(tmp_path / "s.npz"), "--problem-parametrisation", "scalar"]) == 0
+    finally:
+        PARAMETRISATIONS.pop("cli_whole", None)
+    mine, scalar = (MergeQP.load_npz(str(tmp_path / f"{s}_problem.npz")) for s in ("w", "s"))
+    assert mine.shape == scalar.shape == (2, 1)
+    np.testing.assert_allclose(mine.H, scalar.H, rtol=1e-12)
+    np.testing.assert_allclose(mine.g, scalar.g, rtol=1e-12)

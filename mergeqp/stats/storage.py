@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 
 from ..errors import BadDataError, MergeQPError, ValidationError
 from ..io.atomic import save_npz_atomic
-from .parametrisation import Basis, BasisParametrisation, as_parametrisation
+from .parametrisation import PARAMETRISATIONS, Basis, BasisParametrisation, as_parametrisation
 from .records import CollectedProblem, SampleChunk
 
 FORMAT = "mergeqp.stats"
@@ -75,6 +76,23 @@ def save_stats(stats: Any, path: str, *, include_samples: bool = True) -> None:
     if not os.path.isdir(directory):
         raise ValidationError(f"cannot write {path}: directory {directory} does not exist")
     save_npz_atomic(path, arrays)
+
+
+def _collected_parametrisation(name: str, path: str) -> Any:
+    """The parametrisation a file's collected ``H, g`` were streamed for, by its registered
+    ``name``; ``None`` (with a warning) for one whose atoms are built per layer and not stored (its
+    sums cannot be used without them); a :class:`ValidationError` naming the file for a name not
+    registered in this process (a user's entry: import its module first)."""
+    if name not in PARAMETRISATIONS:
+        raise ValidationError(f"{path}: statistics collected for the parametrisation {name!r}, which is not "
+                              f"registered here: import the module that registers it first (mergeqp --import "
+                              f"FILE.py ..., or import it in Python); registered: {', '.join(PARAMETRISATIONS)}")
+    if PARAMETRISATIONS[name].built_per_layer:
+        warnings.warn(f"{path}: the {name!r} statistics are left out: that parametrisation's atoms are built for "
+                      f"each layer and the file does not hold them (collect it again, or keep samples)",
+                      stacklevel=3)
+        return None
+    return as_parametrisation(name)
 
 
 def read_stats(path: str) -> dict[str, Any]:
@@ -138,7 +156,9 @@ def _fields(path: str, data: Any, meta: dict[str, Any]) -> dict[str, Any]:
             param = BasisParametrisation(Basis(data[f"collected{i}_Q"], name=entry.get("basis_name", "user"),
                                                info=entry.get("basis_info", {})))
         else:
-            param = as_parametrisation(entry["name"])
+            param = _collected_parametrisation(entry["name"], path)
+            if param is None:
+                continue
         collected[entry["key"]] = CollectedProblem(param, data[f"collected{i}_H"], data[f"collected{i}_g"])
     samples = None
     if meta.get("samples") is not None:

@@ -318,3 +318,41 @@ def test_cli_collect_streams_a_users_parametrisation(collect_files, tmp_path, ca
     assert mine.shape == scalar.shape == (2, 1)
     np.testing.assert_allclose(mine.H, scalar.H, rtol=1e-12)
     np.testing.assert_allclose(mine.g, scalar.g, rtol=1e-12)
+
+
+def test_saved_statistics_of_a_users_parametrisation(finetuned_copies, linear_net, tmp_path):
+    """(stop 49 architecture review) A file holding the sums of a user's parametrisation loads where
+    that entry is registered (the same QP), and elsewhere fails naming the file, the entry and
+    ``--import`` (it was "unknown parametrisation" without the file); one whose atoms are built per
+    layer (not stored) is left out with a warning instead of making the whole file unreadable."""
+    from mergeqp.stats.parametrisation import PARAMETRISATIONS, ScalarParametrisation, register_parametrisation
+
+    class Whole(ScalarParametrisation):
+        name = "io_whole"
+
+    class PerLayer(ScalarParametrisation):
+        name = "io_per_layer"
+        built_per_layer = True
+
+    base = linear_net((5, 4, 3, 2), seed=0)
+    fts = finetuned_copies(base, 2, scale=0.3, seed=1)
+    cal = [torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in range(2)]
+    try:
+        register_parametrisation(Whole())
+        per_layer = PerLayer()
+        register_parametrisation(per_layer)
+        stats = collect_statistics(base, fts, "1", cal, parametrisations=["rows", "io_whole", per_layer],
+                                   batch_size=4, progress=False)
+        assert {"io_whole", "io_per_layer"} <= set(stats.collected)
+        stats.save(str(tmp_path / "s.npz"))
+        with pytest.warns(UserWarning, match=r"s.npz: the 'io_per_layer' statistics are left out"):
+            loaded = CalibrationStats.load(str(tmp_path / "s.npz"))
+        assert "io_per_layer" not in loaded.collected
+        np.testing.assert_array_equal(loaded.problem("io_whole").H, stats.problem("io_whole").H)
+        del PARAMETRISATIONS["io_whole"]
+        with pytest.raises(ValidationError, match=r"s.npz: statistics collected for the parametrisation 'io_whole', "
+                                                  r"which is not registered here: import the module"):
+            CalibrationStats.load(str(tmp_path / "s.npz"))
+    finally:
+        PARAMETRISATIONS.pop("io_whole", None)
+        PARAMETRISATIONS.pop("io_per_layer", None)

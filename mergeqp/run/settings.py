@@ -11,15 +11,19 @@ from typing import Any
 from .schema import MergeConfig
 from ..io.writer import parse_size
 from ..merge.multilayer import QPSettings
+from ..solvers.registry import SOLVERS
 
 #: bytes of base tensors read at once when a baseline merges checkpoint tensors
 DEFAULT_CHUNK_BYTES = 512 * 2**20
 
 
 def solver_options(cfg: MergeConfig, device: str | None) -> dict[str, Any]:
-    """``method.solver_options``; a torch solver runs on the merge's ``device`` unless told otherwise."""
+    """``method.solver_options``; a solver with a ``device`` option (the torch solvers, a user's GPU
+    solver) runs on the merge's ``device`` unless told otherwise (before stop 49: those named
+    ``torch*``, so a user's GPU solver of another name never got it)."""
     opts = dict(cfg.method.solver_options)
-    if device is not None and cfg.method.solver.startswith("torch") and "device" not in opts:
+    entry = SOLVERS.get(cfg.method.solver)
+    if device is not None and entry is not None and "device" in entry.defaults and "device" not in opts:
         opts["device"] = device
     return opts
 

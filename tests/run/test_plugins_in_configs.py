@@ -237,3 +237,27 @@ def test_a_users_parametrisation_with_options_of_its_own(tiny_hf, tmp_path, plug
         cfg_path = _config(fam, tmp_path / "bad.yml", bad, imports=[str(path)])
         with pytest.raises(ConfigError, match=match):
             build_plan(load_config(cfg_path))
+
+
+def test_the_merges_device_reaches_any_solver_with_a_device_option(tiny_hf, tmp_path):
+    """(stop 49 architecture review) Only solvers named ``torch*`` were given the merge's device; a
+    user's GPU solver of another name ran wherever its default put it. Now a solver with a ``device``
+    option gets it (unless its options set one), and one without gets none."""
+    from mergeqp.run.settings import solver_options
+    from mergeqp.solvers.registry import SOLVERS, get_solver
+
+    class MyGpu(type(get_solver("torch_fista"))):
+        name = "my_gpu_solver"
+
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    SOLVERS["my_gpu_solver"] = MyGpu()
+    try:
+        for solver, options, want in (("my_gpu_solver", {}, {"device": "cuda:1"}),
+                                      ("torch_fista", {}, {"device": "cuda:1"}),
+                                      ("my_gpu_solver", {"device": "cpu"}, {"device": "cpu"}),
+                                      ("active_set", {}, {}), ("auto", {}, {})):
+            cfg = load_config(_config(fam, tmp_path / "c.yml", {"name": "qp", "mode": "single", "solver": solver,
+                                                                 "solver_options": options}))
+            assert solver_options(cfg, "cuda:1") == want, solver
+    finally:
+        del SOLVERS["my_gpu_solver"]

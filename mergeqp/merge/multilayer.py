@@ -261,7 +261,8 @@ def constraint_sets(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[An
     for spec in settings.constraints:
         name = layer_constraint(spec)
         if name is not None and len(atoms) != 1:
-            raise ValidationError(f"the {name!r} constraint is per layer; it cannot be used with mode: joint")
+            raise ValidationError(f"the {name!r} constraint is per layer; it cannot be used in a QP over "
+                                  f"{len(atoms)} layers (a mode that solves layers together, e.g. mode: joint)")
         context = layer_context(atoms[0].deltas.numpy(), atoms[0].param.name) if name is not None else None
         out.append(parse_constraint(spec, context))
     return out

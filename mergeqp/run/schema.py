@@ -671,9 +671,11 @@ class MergeConfig(_Strict):
 def qp_candidate_block(params: dict[str, Any], where: str) -> MethodConfig:
     """The ``method`` block of a ``{name: qp, params: {...}}`` candidate of ``start: auto`` (a QP
     from the base: no start of its own), or a :class:`ConfigError` naming ``where``."""
-    if "start" in params or "name" in params or params.get("mode") == "hybrid":
-        raise ConfigError(f"{where}: a QP candidate is merged from the base: no 'start', 'name' or mode: hybrid "
-                          "(list the baseline itself as a candidate instead)")
+    mode = MERGE_MODES.get(params.get("mode"))  # (an unknown mode is named by the validation below)
+    if "start" in params or "name" in params or (mode is not None and mode.uses_start and mode.start_required):
+        needs = [n for n, m in MERGE_MODES.items() if m.uses_start and m.start_required]
+        raise ConfigError(f"{where}: a QP candidate is merged from the base: no 'start', 'name' or a mode that "
+                          f"needs a start ({', '.join(needs)}) (list the baseline itself as a candidate instead)")
     try:
         return MethodConfig.model_validate({"name": "qp", **params})
     except PydanticValidationError as exc:

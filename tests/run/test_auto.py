@@ -296,3 +296,24 @@ def test_candidates_are_scored_from_the_same_model_whatever_ran_before(llama, tm
     assert scores[0].keys() == scores[1].keys()
     for label in scores[0]:
         assert scores[0][label] == pytest.approx(scores[1][label], rel=1e-9), label
+
+
+def test_a_qp_candidate_refuses_any_mode_that_needs_a_start():
+    """(stop 49 architecture review) The rule "a QP candidate is merged from the base" named
+    ``hybrid`` alone: a user's mode that needs a start slipped past it. It follows the mode's own
+    ``uses_start`` / ``start_required`` now; a mode whose start is optional is a candidate."""
+    from mergeqp.errors import ConfigError
+    from mergeqp.merge.modes import MERGE_MODES, HybridMode, register_merge_mode
+    from mergeqp.run.schema import qp_candidate_block
+
+    class MyStarting(HybridMode):
+        name = "my_starting_mode"
+
+    register_merge_mode(MyStarting())
+    try:
+        with pytest.raises(ConfigError, match=r"here: a QP candidate is merged from the base: .*needs a start "
+                                              r"\(hybrid, my_starting_mode\)"):
+            qp_candidate_block({"mode": "my_starting_mode"}, "here")
+        assert qp_candidate_block({"mode": "trust_region"}, "here").mode == "trust_region"
+    finally:
+        del MERGE_MODES["my_starting_mode"]

@@ -27,6 +27,7 @@ from ..errors import MergeMethodError, ValidationError, check_new_name, check_si
 from ..io.distributed import current_group
 from ..lm import forward
 from .depth import depth_levels, site_dependencies
+from .report import format_number
 from .multilayer import (
     LayerRecord,
     MergeContext,
@@ -154,6 +155,11 @@ class MergeMode:
         ``before``: the evaluation of the model as :meth:`run` began, the start merge or the base,
         already measured by the run layer; ``evaluate(model)`` measures any other model)."""
         return {}
+
+    def report_markdown(self, report: Mapping[str, Any]) -> list[str]:
+        """Markdown sections of ``report.md`` for the fields :meth:`report_fields` added (``report``:
+        the whole JSON-able ``report.json`` mapping); none by default."""
+        return []
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -345,6 +351,20 @@ class JointMode(MergeMode):
                  f"{records[0].objective_before:.6g} -> {records[0].objective_after:.6g} (exact {exact:.6g})")
         return records
 
+    def report_markdown(self, report: Mapping[str, Any]) -> list[str]:
+        cmp_ = report.get("joint_vs_sequential")
+        if not cmp_:
+            return []
+        lines = ["## Joint QP vs sequential QP on the same layers", "",
+                 "| scheme | calibration J (exact) | held-out MSE (mean over tasks) | s |", "|---|---|---|---|"]
+        for key in ("joint", "sequential"):
+            v = cmp_[key]
+            mse = list(v.get("heldout_mse", {}).values())
+            mean = sum(mse) / len(mse) if mse else None
+            lines.append(f"| {key} | {format_number(v['calibration_objective'])} | {format_number(mean)} | "
+                         f"{format_number(v.get('seconds'), 3)} |")
+        return ["\n".join(lines)]
+
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
                       prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,
                       before: Mapping[str, Any]) -> dict[str, Any]:
@@ -495,6 +515,27 @@ class TrustRegionMode(MergeMode):
             out.append("trust_region: the result's calibration objective is above the start's although no step "
                        "raised it (a regularisation term, or a non-deterministic model)")
         return out
+
+    def report_markdown(self, report: Mapping[str, Any]) -> list[str]:
+        """The trust region's steps (before stop 49 in ``report.json`` only)."""
+        tr = report.get("trust_region")
+        if not tr or not tr.get("steps"):
+            return []
+        start, result = tr.get("start") or {}, tr.get("result") or {}
+        lines = ["## Trust-region steps", "",
+                 (f"{tr.get('n_accepted')} of {tr.get('n_steps')} QP steps accepted (a step is kept only when the "
+                  f"true calibration objective falls); stopped: {tr.get('stop_reason')}; every subproblem certified: "
+                  f"{format_number(tr.get('all_certified'))}. Calibration objective "
+                  f"{format_number(start.get('calibration_objective'))} (start) -> "
+                  f"{format_number(result.get('calibration_objective'))} (result)."), "",
+                 "| step | radius | J before | J after (linearised) | J after (true) | rho | accepted | certified | s |",
+                 "|---|---|---|---|---|---|---|---|---|"]
+        for r in tr["steps"]:
+            lines.append(f"| {r.get('step')} | {format_number(r.get('radius'), 3)} | {format_number(r.get('objective_before'))} | "
+                         f"{format_number(r.get('linearised_after'))} | {format_number(r.get('true_after'))} | "
+                         f"{format_number(r.get('rho'), 3)} | {format_number(r.get('accepted'))} | "
+                         f"{format_number(r.get('certified'))} | {format_number(r.get('seconds'), 3)} |")
+        return ["\n".join(lines)]
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],
                       prepared: Any, merged: Mapping[str, Any], evaluate: Evaluator,

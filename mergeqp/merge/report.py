@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,9 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str:
+    """``report.md`` of a ``report.json`` mapping; ``sections``: Markdown the merge mode adds of its
+    own fields (:meth:`mergeqp.merge.modes.MergeMode.report_markdown`), after the evaluation."""
     plan = report.get("plan", {})
     method = plan.get("method", {})
     lines = ["# mergeqp merge report", ""]
@@ -204,15 +207,8 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {label} | {format_number(v.get('calibration_objective'))} | "
                          + " | ".join(format_number((v.get(k) or {}).get(t)) for k, _, t in columns) + " |")
 
-    cmp_ = report.get("joint_vs_sequential")
-    if cmp_:
-        lines += ["", "## Joint QP vs sequential QP on the same layers", "",
-                  "| scheme | calibration J (exact) | held-out MSE (mean over tasks) | s |", "|---|---|---|---|"]
-        for key in ("joint", "sequential"):
-            v = cmp_[key]
-            mse = list(v.get("heldout_mse", {}).values())
-            mean = sum(mse) / len(mse) if mse else None
-            lines.append(f"| {key} | {format_number(v['calibration_objective'])} | {format_number(mean)} | {format_number(v.get('seconds'), 3)} |")
+    for section in sections:  # the merge mode's own (MergeMode.report_markdown)
+        lines += ["", *section.rstrip("\n").split("\n")]
 
     out = report.get("output")
     if out:
@@ -221,12 +217,15 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report_files(report: dict[str, Any]) -> dict[str, str]:
+def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Sequence[str]] | None = None
+                 ) -> dict[str, str]:
     """``{"report.json": text, "report.md": text}``: what :func:`write_json` and
     :func:`write_markdown` write, for ``save_hf_folder(..., extra_files=...)`` (the folder then
-    appears with its report, or not at all)."""
+    appears with its report, or not at all); ``sections(data)``: the merge mode's own Markdown
+    sections of the JSON-able report (:func:`render_markdown`)."""
     data = jsonable(report)
-    return {"report.json": json.dumps(data, indent=2), "report.md": render_markdown(data)}
+    return {"report.json": json.dumps(data, indent=2),
+            "report.md": render_markdown(data, sections(data) if sections is not None else ())}
 
 
 def write_markdown(path: Path, report: dict[str, Any]) -> None:

@@ -589,7 +589,8 @@ class _Run:
                                  output=WrittenOutput.of(written), seconds=time.perf_counter() - self.t_start,
                                  **report_fields)
             made.append(report)
-            return report_files(report.to_json())
+            mode = get_merge_mode(cfg.method.mode) if cfg.method.is_qp else None
+            return report_files(report.to_json(), mode.report_markdown if mode is not None else None)
 
         if not self.write:  # in memory only: the report says nothing was written
             report_of(WrittenModel(Path(IN_MEMORY), (), 0, 0, (), None))

@@ -79,6 +79,11 @@ def test_trust_region_never_worse_than_its_start(llama, tmp_path, start):
     assert [r["layer"] for r in layers] == [s.name for s in res.plan.sites]
     assert len(layers) == 3 and all(r["mode"] == "trust_region" and r["certificate"]["certified"] for r in layers)
     assert tr["constraints"] == []
+    # (stop 49) report.md shows the steps too (they were in report.json only): one row per step
+    md = (res.out_dir / "report.md").read_text()
+    assert f"## Trust-region steps\n\n{tr['n_accepted']} of {tr['n_steps']} QP steps accepted" in md
+    rows = [line for line in md.split("## Trust-region steps")[1].splitlines() if line.startswith("| ")][1:]
+    assert [r.split(" | ")[6] for r in rows] == ["yes" if s["accepted"] else "no" for s in tr["steps"]]
 
 
 def test_trust_region_dry_run_plan_says_what_it_does(llama, tmp_path):

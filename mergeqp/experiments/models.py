@@ -163,11 +163,3 @@ def logits_of(model: nn.Module, x: torch.Tensor, batch_size: int = 2048) -> torc
 def as_float64(model: nn.Module) -> nn.Module:
     """A float64 copy (the statistics and the true objective are float64)."""
     return copy.deepcopy(model).to(torch.float64)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(int(p.numel()) for p in model.parameters())
-
-
-def state_summary(model: nn.Module) -> dict[str, Any]:
-    return {n: list(t.shape) for n, t in model.state_dict().items()}

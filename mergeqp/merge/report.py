@@ -14,10 +14,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-from ..io.atomic import write_text_atomic
 from ..jsonutil import to_jsonable
 
 
@@ -25,9 +23,6 @@ def jsonable(x: Any) -> Any:
     """Plain JSON types (numpy scalars/arrays -> numbers/lists, non-finite floats -> strings)."""
     return to_jsonable(x, nonfinite="string")
 
-
-def write_json(path: Path, report: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(jsonable(report), indent=2))
 
 
 def format_number(x: Any, digits: int = 6) -> str:
@@ -219,14 +214,10 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str
 
 def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Sequence[str]] | None = None
                  ) -> dict[str, str]:
-    """``{"report.json": text, "report.md": text}``: what :func:`write_json` and
-    :func:`write_markdown` write, for ``save_hf_folder(..., extra_files=...)`` (the folder then
+    """``{"report.json": text, "report.md": text}`` for ``save_hf_folder(..., extra_files=...)`` (the folder then
     appears with its report, or not at all); ``sections(data)``: the merge mode's own Markdown
     sections of the JSON-able report (:func:`render_markdown`)."""
     data = jsonable(report)
     return {"report.json": json.dumps(data, indent=2),
             "report.md": render_markdown(data, sections(data) if sections is not None else ())}
 
-
-def write_markdown(path: Path, report: dict[str, Any]) -> None:
-    write_text_atomic(path, render_markdown(jsonable(report)))

@@ -32,14 +32,16 @@ from .io.atomic import save_npz_atomic
 Matvec = Callable[[np.ndarray], np.ndarray]
 
 
-def _as_names(names: Sequence[str] | None, count: int, prefix: str, field_name: str) -> tuple[str, ...]:
+def as_names(names: Sequence[str] | None, count: int, prefix: str, field_name: str) -> tuple[str, ...]:
+    """``count`` unique names (``prefix0``, ``prefix1``, ... when ``names`` is ``None``), or a
+    :class:`ValidationError` naming ``field_name``."""
     if names is None:
         return tuple(f"{prefix}{i}" for i in range(count))
     names = tuple(str(x) for x in names)
     if len(names) != count:
         raise ValidationError(f"{field_name}: expected {count} names, got {len(names)}")
     if len(set(names)) != len(names):
-        raise ValidationError(f"{field_name}: names must be unique")
+        raise ValidationError(f"{field_name}: names must be unique, got {list(names)}")
     return names
 
 
@@ -220,8 +222,8 @@ class MergeQP:
                 _symmetrise_in_place(H)
             H.setflags(write=False)
 
-        model_names = _as_names(self.model_names, shape[0], "model", "model_names")
-        atom_names = _as_names(self.atom_names, shape[1], "atom", "atom_names")
+        model_names = as_names(self.model_names, shape[0], "model", "model_names")
+        atom_names = as_names(self.atom_names, shape[1], "atom", "atom_names")
 
         if not isinstance(self.metadata, Mapping):
             raise ValidationError(f"metadata must be a mapping, got {type(self.metadata).__name__}")

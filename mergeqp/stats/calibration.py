@@ -25,7 +25,7 @@ samples, or (shared Jacobian, ``T = 1``) the sufficient statistics ``gram, L'L, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -444,18 +444,6 @@ class CalibrationStats:
              f"{self.nbytes() / 2**20:.2f} MiB"),
         ]
         return "\n".join(lines)
-
-
-def stack_names(names: Sequence[str] | None, count: int, prefix: str, field_name: str) -> tuple[str, ...]:
-    """Validate or default a list of ``count`` unique names."""
-    if names is None:
-        return tuple(f"{prefix}{i}" for i in range(count))
-    names = tuple(str(n) for n in names)
-    if len(names) != count:
-        raise ValidationError(f"{field_name}: expected {count} names, got {len(names)}")
-    if len(set(names)) != len(names):
-        raise ValidationError(f"{field_name}: names must be unique, got {list(names)}")
-    return names
 
 
 def load_stats(path: str) -> CalibrationStats:

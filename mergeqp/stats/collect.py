@@ -27,7 +27,8 @@ from tqdm.auto import tqdm
 from ..errors import BadDataError, ValidationError, check_integer
 from ..io.distributed import Ranks, current_group
 from ..io.memory import COLLECT_ADVICE, SiteMemory, check_site_memory, design_bytes, memory_limit
-from .calibration import CalibrationStats, CollectedProblem, SampleChunk, stack_names
+from ..problem import as_names
+from .calibration import CalibrationStats, CollectedProblem, SampleChunk
 from .data import batch_len, checked_call, count_batches, iterate_batches, split_batch, to_device
 from .gauss_newton import GaussNewtonSums
 from .hooks import (
@@ -133,8 +134,8 @@ def collect_statistics(
     K = len(finetuned_models)
     if K == 0:
         raise ValidationError("finetuned_models is empty: give at least one fine-tuned model")
-    names = stack_names(names_given, K, "model", "model_names")
-    tasks = stack_names(task_names if task_names is not None else names, K, "task", "task_names")
+    names = as_names(names_given, K, "model", "model_names")
+    tasks = as_names(task_names if task_names is not None else names, K, "task", "task_names")
     if isinstance(calibration, (str, bytes)) or not isinstance(calibration, Sequence):
         raise ValidationError(
             f"calibration must be a list of K = {K} calibration sets (one per fine-tuned model), "

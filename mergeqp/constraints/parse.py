@@ -72,7 +72,7 @@ def _parse_sign(args: list[str], spec: str, ctx: Mapping[str, Any]) -> Constrain
         )
     density = _floats(args, spec, (0, 1))
     return SignConsensus.from_deltas(ctx["deltas"], str(ctx.get("parametrisation", "rows")),
-                                     density[0] if density else 1.0)
+                                     density[0] if density else 1.0, atoms=ctx.get("parameter_atoms"))
 
 
 #: command-line name -> parser ``(args, spec, context) -> ConstraintSet``
@@ -109,10 +109,12 @@ def layer_constraint(spec: str) -> str | None:
     return None
 
 
-def layer_context(deltas: Any, parametrisation: str) -> dict[str, Any]:
+def layer_context(deltas: Any, parametrisation: str, parameter_atoms: Any = None) -> dict[str, Any]:
     """The ``context`` a layer constraint is parsed with: the layer's residuals ``deltas``
-    ``(K, r, m)`` (numpy) and the parametrisation's name."""
-    return {"deltas": deltas, "parametrisation": parametrisation}
+    ``(K, r, m)`` (numpy), the parametrisation's name and, when it gives one, its
+    ``parameter_atoms`` (``(r, m)``: the atom that scales each parameter,
+    :meth:`mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`)."""
+    return {"deltas": deltas, "parametrisation": parametrisation, "parameter_atoms": parameter_atoms}
 
 
 register_constraint("box", _parse_box)

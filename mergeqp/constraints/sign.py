@@ -8,11 +8,29 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.spatial import ConvexHull, QhullError
 
-from ..errors import ValidationError, unknown
+from ..errors import ValidationError
 from ..lower_bounds import LinearMinimum
 from .base import LMO_HIGHS, ConstraintSet, Shape, float_array
 from .forms import LinearForm
 from .lp import highs_minimum
+
+
+def _grouped_by_atom(signed: np.ndarray, mask: np.ndarray, atoms: Any, name: str
+                     ) -> tuple[list[np.ndarray], list[np.ndarray], tuple[int, int]]:
+    """Per atom, the signed residuals of the parameters it scales (``(P_a, K)``, in row-major order)
+    and their mask, from the ``(r, m)`` map ``atoms`` (each parameter's atom)."""
+    K, r, m = signed.shape
+    A = np.asarray(atoms)
+    if A.shape != (r, m) or A.size == 0 or not np.issubdtype(A.dtype, np.integer) or A.min() < 0:
+        raise ValidationError(f"sign consensus ({name}): parameter_atoms must be an ({r}, {m}) array of atom "
+                              f"indices >= 0, got {A.dtype} of shape {A.shape}")
+    flat = A.ravel()
+    n_atoms = int(flat.max()) + 1
+    order = np.argsort(flat, kind="stable")  # each atom's parameters, in row-major order
+    ends = np.cumsum(np.bincount(flat, minlength=n_atoms))[:-1]
+    S, M = signed.reshape(K, -1).T, mask.ravel()
+    groups = np.split(order, ends)
+    return [S[g] for g in groups], [M[g] for g in groups], (K, n_atoms)
 
 
 class SignConsensus(ConstraintSet):
@@ -58,7 +76,7 @@ class SignConsensus(ConstraintSet):
 
     @classmethod
     def from_deltas(cls, deltas: Any, parametrisation: str = "rows", density: float = 1.0,
-                    reduce: bool = True) -> SignConsensus:
+                    reduce: bool = True, atoms: Any = None) -> SignConsensus:
         """Build from residuals ``deltas`` of shape ``(K, r, m)`` (``delta_k = W_k - W_base``;
         append the bias as a last column when it is merged too).
 
@@ -69,6 +87,10 @@ class SignConsensus(ConstraintSet):
         stays ``sign(sum_k delta_k[p])`` so the soup remains feasible.
         ``reduce``: keep only the extreme rays among each atom's constraint vectors (the
         others are implied; exact, via a convex hull in ``K - 1`` dimensions for ``K <= 7``).
+        ``atoms``: for another parametrisation (``parametrisation`` is then only its name), the
+        ``(r, m)`` integer array of the atom that scales each parameter
+        (:meth:`~mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`); ``d`` is then
+        ``(K, atoms.max() + 1)``.
         """
         D = float_array(deltas, "sign consensus: deltas")
         if D.ndim != 3:
@@ -100,8 +122,13 @@ class SignConsensus(ConstraintSet):
             vecs, masks, shape = signed.transpose(2, 1, 0), mask.T, (K, m)
         elif parametrisation == "scalar":
             vecs, masks, shape = signed.transpose(1, 2, 0).reshape(1, r * m, K), mask.reshape(1, -1), (K, 1)
+        elif atoms is not None:
+            vecs, masks, shape = _grouped_by_atom(signed, mask, atoms, parametrisation)
         else:
-            raise unknown("sign-consensus parametrisation", parametrisation, ["rows", "columns", "scalar"])
+            raise ValidationError(
+                f"sign consensus is defined for parametrisations whose atoms each scale their own parameters "
+                f"(rows, columns, scalar, or one whose parameter_atoms says which atom moves each parameter); "
+                f"{parametrisation!r} gives no such map (a basis mixes parameters)")
         n_atoms = shape[1]
         blocks, atom_of_row = [], []
         for a in range(n_atoms):

@@ -139,7 +139,8 @@ def _one(stats: Any, spec: str, name: str, kind: str, p: int, seed: int, solver:
         else:
             param, energy = name, nan
         problem = stats.problem(param)
-        cset = parse_constraint(spec, layer_context(np.asarray(stats.deltas), name))
+        D = np.asarray(stats.deltas)
+        cset = parse_constraint(spec, layer_context(D, name, stats.parametrisation(param).parameter_atoms(*D.shape[1:])))
         sol = solve(problem, cset, solver=solver)
     except MergeQPError as exc:  # a parametrisation these statistics cannot build, a set the solver cannot take, ...
         if interruption(exc) is not None or isinstance(exc, BadDataError):

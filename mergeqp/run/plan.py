@@ -619,7 +619,9 @@ def _check_method(cfg: MergeConfig) -> None:
                 raise ConfigError(f"method.constraints: {name!r} is per layer and cannot be used with mode: {m.mode}")
             try:  # the set needs the layer's deltas (solve time); its spelling is checked now on a stand-in
                 # with the configured parametrisation (a set built per parametrisation may refuse it)
-                parse_constraint(spec, layer_context(np.ones((len(cfg.models), 1, 1)), m.parametrisation))
+                entry = get_parametrisation(m.parametrisation)
+                parse_constraint(spec, layer_context(np.ones((len(cfg.models), 1, 1)), m.parametrisation,
+                                                     entry.parameter_atoms(1, 1)))
             except MergeQPError as exc:
                 raise ConfigError(f"method.constraints: {exc}") from None
             continue

@@ -223,6 +223,14 @@ class Parametrisation(ABC):
         common fields (e.g. how much of each baseline ``rows+baselines`` took), or ``None``."""
         return None
 
+    def parameter_atoms(self, r: int, m1: int) -> np.ndarray | None:
+        """For a layer of shape ``(r, m1)``, the atom that scales each parameter (an ``(r, m1)`` integer
+        array) when every parameter ``p`` is moved by exactly one atom per model, ``a(p)``, by
+        ``d[k, a(p)] delta_k[p]`` (a mask of the residual: rows, columns, scalar, blocks of them);
+        ``None`` when atoms mix parameters (a basis). TIES-like sign consensus (``sign``) is built
+        from it for any parametrisation that gives one."""
+        return None
+
     @property
     def built_per_layer(self) -> bool:
         """Whether this is a registry entry whose atoms are built for each layer (:meth:`for_site`)
@@ -243,6 +251,9 @@ class ScalarParametrisation(Parametrisation):
     """One coefficient per model: ``B_k = delta_k`` (task arithmetic with learned lambdas)."""
 
     name = "scalar"
+
+    def parameter_atoms(self, r: int, m1: int) -> np.ndarray:
+        return np.zeros((r, m1), dtype=np.int64)
 
     def n_atoms(self, r: int, m1: int) -> int:
         return 1
@@ -275,6 +286,9 @@ class RowsParametrisation(Parametrisation):
     """The paper's diagonal mask: ``B_(k,i) = e_i e_i' delta_k`` (one weight per output row)."""
 
     name = "rows"
+
+    def parameter_atoms(self, r: int, m1: int) -> np.ndarray:
+        return np.repeat(np.arange(r, dtype=np.int64)[:, None], m1, axis=1)
 
     def n_atoms(self, r: int, m1: int) -> int:
         return r
@@ -311,6 +325,9 @@ class ColumnsParametrisation(Parametrisation):
     """Input-feature masks: ``B_(k,i) = delta_k e_i e_i'`` (the bias column is the last atom)."""
 
     name = "columns"
+
+    def parameter_atoms(self, r: int, m1: int) -> np.ndarray:
+        return np.repeat(np.arange(m1, dtype=np.int64)[None, :], r, axis=0)
 
     def n_atoms(self, r: int, m1: int) -> int:
         return m1

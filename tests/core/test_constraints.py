@@ -363,8 +363,11 @@ def test_sign_consensus_errors() -> None:
         SignConsensus.from_deltas(np.zeros((2, 3)))
     with pytest.raises(ValidationError, match="deltas contain NaN"):
         SignConsensus.from_deltas(np.full((2, 2, 2), np.nan))
-    with pytest.raises(UnknownNameError, match="valid sign-consensus parametrisations: columns, rows, scalar"):
+    with pytest.raises(ValidationError, match=r"sign consensus is defined for parametrisations whose atoms each "
+                                              r"scale their own parameters .*'diagonal' gives no such map"):
         SignConsensus.from_deltas(np.ones((2, 2, 2)), "diagonal")
+    with pytest.raises(ValidationError, match=r"parameter_atoms must be an \(2, 2\) array of atom indices"):
+        SignConsensus.from_deltas(np.ones((2, 2, 2)), "mine", atoms=np.zeros((2, 3), dtype=int))
     with pytest.raises(ValidationError, match=r"density must lie in \(0, 1\]"):
         SignConsensus.from_deltas(np.ones((2, 2, 2)), density=0.0)
     sign = SignConsensus.from_deltas(np.ones((2, 2, 3)), "rows")
@@ -457,3 +460,30 @@ def test_a_sign_set_without_inequalities_is_the_whole_space() -> None:
     assert as_constraint_set([S, mq.Box(0, 1)]).spec == "box:0,1"
     sol = mq.solve(mq.MergeQP(np.eye(6), np.ones(6), shape=(2, 3)), S)
     assert sol.certificate.certified()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sign_consensus_of_any_parameter_to_atom_map(seed) -> None:
+    """(stop 49) ``sign`` was built for the names rows / columns / scalar only; a parametrisation
+    that says which atom scales each parameter (``parameter_atoms``) gets it too. The rows' own map
+    through the general path gives the very rows of the ``rows`` path; blocks of rows (a map no
+    name has) give the set of the definition: ``s_p sum_k d[k, a(p)] delta_k[p] >= 0`` for every
+    parameter ``p`` (the reduced rows keep exactly those points)."""
+    rng = np.random.default_rng(seed)
+    K, r, m = 3, 6, 4
+    D = rng.normal(size=(K, r, m))
+    rows_map = np.repeat(np.arange(r)[:, None], m, axis=1)
+    a = SignConsensus.from_deltas(D, "rows")
+    b = SignConsensus.from_deltas(D, "my_rows", atoms=rows_map)
+    assert a.shape == b.shape and (a.G != b.G).nnz == 0
+    blocks = rows_map // 2  # atoms scale pairs of rows
+    sign = SignConsensus.from_deltas(D, "row_pairs", atoms=blocks)
+    assert sign.shape == (K, 3)
+    s = np.sign(D.sum(axis=0))
+    inside = []
+    for i in range(400):  # near the soup's ray (feasible) and farther from it (mostly not)
+        d = rng.uniform(0, 1) * np.ones((K, 3)) + [0.0, 0.01, 0.05, 0.5][i % 4] * rng.normal(size=(K, 3))
+        merged = np.einsum("kp,kp->p", d[:, blocks.ravel()], D.reshape(K, -1)) * s.ravel()
+        inside.append(bool(np.all(merged >= -1e-12)))
+        assert (sign.violation(d) <= 1e-12) == inside[-1]
+    assert 50 < sum(inside) < 350

@@ -261,3 +261,27 @@ def test_the_merges_device_reaches_any_solver_with_a_device_option(tiny_hf, tmp_
             assert solver_options(cfg, "cuda:1") == want, solver
     finally:
         del SOLVERS["my_gpu_solver"]
+
+
+def test_sign_consensus_with_a_users_parametrisation_from_yaml(tiny_hf, tmp_path, plugin):
+    """(stop 49) ``constraints: [box:0,1, sign]`` with a user's parametrisation (here rows under
+    another name, through the general ``parameter_atoms`` path) was refused; it is the merge of the
+    built-in rows with the same set now."""
+    from mergeqp.io.checkpoint import open_checkpoint
+    from mergeqp.stats.parametrisation import RowsParametrisation, register_parametrisation
+
+    class MyRows(RowsParametrisation):
+        name = "cfg_my_rows"
+
+    register_parametrisation(MyRows())
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    outs = {}
+    for name in ("rows", "cfg_my_rows"):
+        cfg = _config(fam, tmp_path / f"{name}.yml", {"name": "qp", "mode": "single", "parametrisation": name,
+                                                       "constraints": ["box:0,1", "sign"], "solver": "clarabel"})
+        assert main(["merge", str(cfg), "--out", str(tmp_path / name), "--quiet"]) == 0
+        outs[name] = open_checkpoint(tmp_path / name)
+        (layer,) = json.loads((tmp_path / name / "report.json").read_text())["layers"]
+        assert layer["certificate"]["certified"]
+    for key in outs["rows"].names():
+        assert (outs["rows"].get(key) - outs["cfg_my_rows"].get(key)).abs().max() <= 1e-6, key

@@ -12,10 +12,10 @@ the strings ``"inf"``, ``"-inf"``, ``"nan"``.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..formatting import format_number
 from ..jsonutil import to_jsonable
 
 
@@ -23,24 +23,6 @@ def jsonable(x: Any) -> Any:
     """Plain JSON types (numpy scalars/arrays -> numbers/lists, non-finite floats -> strings)."""
     return to_jsonable(x, nonfinite="string")
 
-
-
-def format_number(x: Any, digits: int = 6) -> str:
-    """A number in ``digits`` significant digits for reports and summaries (``None``: "-", text as it
-    is, booleans "yes" / "no", NaN "nan")."""
-    if x is None:
-        return "-"
-    if isinstance(x, str):
-        return x
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return str(x)
-    if math.isnan(v):
-        return "nan"
-    return f"{v:.{digits}g}"
 
 
 def start_selection_table(selection: dict[str, Any]) -> list[str]:
@@ -75,9 +57,11 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
 
 
-def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str:
+def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_sections: Sequence[str] = ()) -> str:
     """``report.md`` of a ``report.json`` mapping; ``sections``: Markdown the merge mode adds of its
-    own fields (:meth:`mergeqp.merge.modes.MergeMode.report_markdown`), after the evaluation."""
+    own fields (:meth:`mergeqp.merge.modes.MergeMode.report_markdown`), after the evaluation;
+    ``layer_sections``: the parametrisation's of its layers' fields
+    (:meth:`mergeqp.stats.parametrisation.Parametrisation.report_markdown`), after the layers."""
     plan = report.get("plan", {})
     method = plan.get("method", {})
     lines = ["# mergeqp merge report", ""]
@@ -138,16 +122,8 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str
         for r in layers:
             pts = r.get("objective_at", {})
             lines.append(f"| `{r['layer']}` | " + " | ".join(format_number(pts[k]) for k in sorted(pts)) + f" | {format_number(r['objective_after'])} |")
-        with_baselines = [r for r in layers if r.get("baselines")]
-        if with_baselines:
-            names = list(with_baselines[0]["baselines"])
-            lines += ["", ("Baseline atoms (rows+baselines): the weight the solution gives each baseline's merged "
-                           "residual (1 = the baseline itself; its Frobenius norm in brackets):"), "",
-                      "| layer | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-            for r in with_baselines:
-                b = r["baselines"]
-                lines.append(f"| `{r['layer']}` | " + " | ".join(
-                    f"{format_number(b[n]['weight'], 4)} ({format_number(b[n]['residual_norm'], 4)})" if n in b else "" for n in names) + " |")
+        for section in layer_sections:  # the parametrisation's own (Parametrisation.report_markdown)
+            lines += ["", *section.rstrip("\n").split("\n")]
 
     os_layers = report.get("output_space_layers") or []
     if os_layers:
@@ -164,21 +140,6 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str
             lines.append(f"| `{r['layer']}` | {r['operator']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
                          f"{format_number(r['normal_residual'], 3)} | {format_number(r['certified'])} | {r['iterations']} | {step} | "
                          f"{format_number(r['calibration_before'])} | {format_number(r['calibration_after'])} | {format_number(r['seconds'], 3)} |")
-
-    with_basis = [r for r in layers if r.get("basis")]
-    if with_basis:
-        lines += ["", "## Bases", "",
-                  ("Energy fractions: `per-sample` = the QP's own (the table above); `mean-Jacobian` = "
-                   "tr(S P_LQ)/tr(S) with the calibration-mean Jacobian summed over positions, the quantity "
-                   "the optimal basis maximises, for the optimal, SVD and random bases of the same rank."), "",
-                  "| layer | basis | p | rank L | per-sample | mean-Jacobian optimal | svd | random |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in with_basis:
-            b = r["basis"]
-            mj = b.get("mean_jacobian_energy") or {}
-            lines.append(f"| `{r['layer']}` | {b.get('name')} | {b.get('rank')} | {format_number(b.get('rank_L'))} | "
-                         f"{format_number(r['energy_fraction'], 4)} | {format_number(mj.get('optimal'), 4)} | {format_number(mj.get('svd'), 4)} | "
-                         f"{format_number(mj.get('random'), 4)} |")
 
     ev = report.get("evaluation")
     if ev:
@@ -212,12 +173,15 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = ()) -> str
     return "\n".join(lines) + "\n"
 
 
-def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Sequence[str]] | None = None
-                 ) -> dict[str, str]:
+def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Sequence[str]] | None = None,
+                 layer_sections: Callable[[Sequence[dict[str, Any]]], Sequence[str]] | None = None) -> dict[str, str]:
     """``{"report.json": text, "report.md": text}`` for ``save_hf_folder(..., extra_files=...)`` (the folder then
     appears with its report, or not at all); ``sections(data)``: the merge mode's own Markdown
-    sections of the JSON-able report (:func:`render_markdown`)."""
+    sections of the JSON-able report, ``layer_sections(layers)`` the parametrisation's of its
+    ``layers`` records (:func:`render_markdown`)."""
     data = jsonable(report)
+    layers = data.get("layers") or []
     return {"report.json": json.dumps(data, indent=2),
-            "report.md": render_markdown(data, sections(data) if sections is not None else ())}
+            "report.md": render_markdown(data, sections(data) if sections is not None else (),
+                                         layer_sections(layers) if layer_sections is not None and layers else ())}
 

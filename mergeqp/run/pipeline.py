@@ -589,8 +589,10 @@ class _Run:
                                  output=WrittenOutput.of(written), seconds=time.perf_counter() - self.t_start,
                                  **report_fields)
             made.append(report)
-            mode = get_merge_mode(cfg.method.mode) if cfg.method.is_qp else None
-            return report_files(report.to_json(), mode.report_markdown if mode is not None else None)
+            if not cfg.method.is_qp:
+                return report_files(report.to_json())
+            return report_files(report.to_json(), get_merge_mode(cfg.method.mode).report_markdown,
+                                get_parametrisation(cfg.method.parametrisation).report_markdown)
 
         if not self.write:  # in memory only: the report says nothing was written
             report_of(WrittenModel(Path(IN_MEMORY), (), 0, 0, (), None))

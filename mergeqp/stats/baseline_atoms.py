@@ -22,12 +22,13 @@ differences (the QP is still convex; only ``sum_k d[k, r+j]`` is determined).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from ..errors import ValidationError
+from ..formatting import format_number
 from .parametrisation import Parametrisation, RowsParametrisation, register_parametrisation
 
 __all__ = ["BaselineResiduals", "RowsBaselinesParametrisation"]
@@ -137,6 +138,22 @@ class RowsBaselinesParametrisation(Parametrisation):
         weights = d[:, r:].sum(axis=0)
         return {"baselines": {n: {"weight": float(w), "residual_norm": float(np.linalg.norm(u))}
                               for n, w, u in zip(self._names, weights, U)}}
+
+    def report_markdown(self, layers: Sequence[Mapping[str, Any]]) -> list[str]:
+        """``report.md``'s table of :meth:`solution_record` (each baseline's weight per layer)."""
+        with_baselines = [r for r in layers if r.get("baselines")]
+        if not with_baselines:
+            return []
+        names = list(with_baselines[0]["baselines"])
+        lines = [("Baseline atoms (rows+baselines): the weight the solution gives each baseline's merged "
+                  "residual (1 = the baseline itself; its Frobenius norm in brackets):"), "",
+                 "| layer | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+        for r in with_baselines:
+            b = r["baselines"]
+            lines.append(f"| `{r['layer']}` | " + " | ".join(
+                f"{format_number(b[n]['weight'], 4)} ({format_number(b[n]['residual_norm'], 4)})" if n in b else ""
+                for n in names) + " |")
+        return ["\n".join(lines)]
 
     def design(self, L: Any, R: Any, Z: Any, deltas: Any) -> Any:
         import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)

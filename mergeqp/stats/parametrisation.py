@@ -25,12 +25,13 @@ downstream Jacobian ``L`` (``(B, c, T, r)``), the residual activations
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import BadDataError, MergeQPError, ValidationError, check_new_name, first_line, lookup, unknown
+from ..formatting import format_number
 from ..solution import Solution
 from .bases import BASES, SiteResiduals, checkpoint_bases
 from .basis import ORTHONORMAL_TOL, Basis
@@ -222,6 +223,11 @@ class Parametrisation(ABC):
         """What a merge report says of the solution ``d`` (``(K, n_atoms)``) at one layer beyond the
         common fields (e.g. how much of each baseline ``rows+baselines`` took), or ``None``."""
         return None
+
+    def report_markdown(self, layers: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Markdown sections of a merge's ``report.md`` for the fields this parametrisation adds to
+        its ``layers`` records (``report.json``'s, e.g. :meth:`solution_record`'s); none by default."""
+        return []
 
     def parameter_atoms(self, r: int, m1: int) -> np.ndarray | None:
         """For a layer of shape ``(r, m1)``, the atom that scales each parameter (an ``(r, m1)`` integer
@@ -444,6 +450,25 @@ class BasisParametrisation(Parametrisation):
 
     def describe(self, options: Mapping[str, Any]) -> str:
         return f"{self.name} ({options.get('basis')}, rank {options.get('rank')})"
+
+    def report_markdown(self, layers: Sequence[Mapping[str, Any]]) -> list[str]:
+        """``report.md``'s table of each layer's basis (rank, energy fractions of the bases compared)."""
+        with_basis = [r for r in layers if r.get("basis")]
+        if not with_basis:
+            return []
+        lines = ["## Bases", "",
+                 ("Energy fractions: `per-sample` = the QP's own (the table above); `mean-Jacobian` = "
+                  "tr(S P_LQ)/tr(S) with the calibration-mean Jacobian summed over positions, the quantity "
+                  "the optimal basis maximises, for the optimal, SVD and random bases of the same rank."), "",
+                 "| layer | basis | p | rank L | per-sample | mean-Jacobian optimal | svd | random |",
+                 "|---|---|---|---|---|---|---|---|"]
+        for r in with_basis:
+            b = r["basis"]
+            mj = b.get("mean_jacobian_energy") or {}
+            lines.append(f"| `{r['layer']}` | {b.get('name')} | {b.get('rank')} | {format_number(b.get('rank_L'))} | "
+                         f"{format_number(r['energy_fraction'], 4)} | {format_number(mj.get('optimal'), 4)} | "
+                         f"{format_number(mj.get('svd'), 4)} | {format_number(mj.get('random'), 4)} |")
+        return ["\n".join(lines)]
 
     def n_atoms(self, r: int, m1: int) -> int:
         return self.basis.p

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "mergeqp"
 # layer of each top-level unit (a module or a subpackage of mergeqp), low = foundation;
 # a module may import only units of a lower or equal layer (equal: within its own unit)
 LAYERS: dict[str, int] = {
-    "errors": 0, "jsonutil": 0, "_lazy": 0, "plugins": 0,
+    "errors": 0, "jsonutil": 0, "formatting": 0, "_lazy": 0, "plugins": 0,
     "io": 1, "matrix_cache": 1, "cholesky": 1,
     "problem": 2, "lower_bounds": 2,
     "constraints": 3,

@@ -205,6 +205,12 @@ class RowsWithOption(RowsParametrisation):
         SEEN.append(options["min_rows"])
         return self
 
+    def solution_record(self, d):
+        return {"cfg_mean": float(d.mean())}
+
+    def report_markdown(self, layers):
+        return ["## My parametrisation\\n\\n" + ", ".join(f"{r['layer']}: mean {r['cfg_mean']:.6f}" for r in layers)]
+
 
 mergeqp.register_parametrisation(RowsWithOption())
 '''
@@ -214,7 +220,8 @@ def test_a_users_parametrisation_with_options_of_its_own(tiny_hf, tmp_path, plug
     """(stop 49 review) A parametrisation declaring ``config_options`` of its own made *every* config
     fail with a raw AttributeError (the method block had no such field) and its keys were refused as
     unknown. Its keys are keys of the method block now: checked by the entry, refused under another
-    parametrisation, kept in the report, and they reach ``check_site`` / ``for_site``."""
+    parametrisation, kept in the report, and they reach ``check_site`` / ``for_site``; its
+    ``solution_record`` and ``report_markdown`` reach report.json / report.md."""
     import sys
 
     path = tmp_path / "cfg_options_plugin.py"
@@ -228,6 +235,10 @@ def test_a_users_parametrisation_with_options_of_its_own(tiny_hf, tmp_path, plug
     assert sys.modules["mergeqp_plugin_cfg_options_plugin"].SEEN == [2]  # (mergeqp.plugins' module name)
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert '"min_rows": 2' in json.dumps(report) and report["layers"][0]["certificate"]["certified"]
+    # its own record reaches report.json, and its own section report.md (stop 49: Parametrisation.report_markdown)
+    (layer,) = report["layers"]
+    md = (tmp_path / "out" / "report.md").read_text()
+    assert f"## My parametrisation\n\n{layer['layer']}: mean {layer['cfg_mean']:.6f}" in md
     for bad, match in (({**method, "min_rows": 0}, r"min_rows must be a positive integer, got 0"),
                        ({**method, "min_rows": 10**6}, r"fewer than min_rows 1000000"),
                        ({"name": "qp", "mode": "single", "min_rows": 2},

@@ -125,9 +125,10 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
                               f"give each a name with --names")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    names = streamable()
     for name in args.parametrisation:
-        if name not in streamable():
-            raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, streamable())}")
+        if name not in names:
+            raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, names)}")
     check_problem_parametrisation(args.problem_parametrisation)
     task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)

@@ -111,9 +111,9 @@ def layer_constraint(spec: str) -> str | None:
 
 def layer_context(deltas: Any, parametrisation: str, parameter_atoms: Any = None) -> dict[str, Any]:
     """The ``context`` a layer constraint is parsed with: the layer's residuals ``deltas``
-    ``(K, r, m)`` (numpy), the parametrisation's name and, when it gives one, its
-    ``parameter_atoms`` (``(r, m)``: the atom that scales each parameter,
-    :meth:`mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`)."""
+    ``(K, r, m)`` (numpy), the parametrisation's name and its ``parameter_atoms`` (``(r, m)``: the
+    atom that scales each parameter, :meth:`mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`,
+    or a function of no arguments returning it, so that a set which needs no map builds none)."""
     return {"deltas": deltas, "parametrisation": parametrisation, "parameter_atoms": parameter_atoms}
 
 

@@ -89,8 +89,9 @@ class SignConsensus(ConstraintSet):
         others are implied; exact, via a convex hull in ``K - 1`` dimensions for ``K <= 7``).
         ``atoms``: for another parametrisation (``parametrisation`` is then only its name), the
         ``(r, m)`` integer array of the atom that scales each parameter
-        (:meth:`~mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`); ``d`` is then
-        ``(K, atoms.max() + 1)``.
+        (:meth:`~mergeqp.stats.parametrisation.Parametrisation.parameter_atoms`), or a function of no
+        arguments returning it (called only for such a parametrisation: rows, columns and scalar
+        need no map); ``d`` is then ``(K, atoms.max() + 1)``.
         """
         D = float_array(deltas, "sign consensus: deltas")
         if D.ndim != 3:
@@ -122,7 +123,7 @@ class SignConsensus(ConstraintSet):
             vecs, masks, shape = signed.transpose(2, 1, 0), mask.T, (K, m)
         elif parametrisation == "scalar":
             vecs, masks, shape = signed.transpose(1, 2, 0).reshape(1, r * m, K), mask.reshape(1, -1), (K, 1)
-        elif atoms is not None:
+        elif (atoms := atoms() if callable(atoms) else atoms) is not None:
             vecs, masks, shape = _grouped_by_atom(signed, mask, atoms, parametrisation)
         else:
             raise ValidationError(

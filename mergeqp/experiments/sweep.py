@@ -140,7 +140,8 @@ def _one(stats: Any, spec: str, name: str, kind: str, p: int, seed: int, solver:
             param, energy = name, nan
         problem = stats.problem(param)
         D = np.asarray(stats.deltas)
-        cset = parse_constraint(spec, layer_context(D, name, stats.parametrisation(param).parameter_atoms(*D.shape[1:])))
+        cset = parse_constraint(spec, layer_context(
+            D, name, lambda: stats.parametrisation(param).parameter_atoms(*D.shape[1:])))
         sol = solve(problem, cset, solver=solver)
     except MergeQPError as exc:  # a parametrisation these statistics cannot build, a set the solver cannot take, ...
         if interruption(exc) is not None or isinstance(exc, BadDataError):

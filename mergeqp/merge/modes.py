@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
 from ..errors import MergeMethodError, ValidationError, check_new_name, check_signature, lookup, named_failure
+from ..formatting import format_number
 from ..io.distributed import current_group
 from ..lm import forward
 from .depth import depth_levels, site_dependencies
-from .report import format_number
 from .multilayer import (
     LayerRecord,
     MergeContext,

@@ -264,8 +264,8 @@ def constraint_sets(settings: QPSettings, atoms: Sequence[SiteAtoms]) -> list[An
             raise ValidationError(f"the {name!r} constraint is per layer; it cannot be used in a QP over "
                                   f"{len(atoms)} layers (a mode that solves layers together, e.g. mode: joint)")
         if name is not None:
-            D = atoms[0].deltas.numpy()
-            context = layer_context(D, atoms[0].param.name, atoms[0].param.parameter_atoms(*D.shape[1:]))
+            D, param = atoms[0].deltas.numpy(), atoms[0].param
+            context = layer_context(D, param.name, lambda: param.parameter_atoms(*D.shape[1:]))
         else:
             context = None
         out.append(parse_constraint(spec, context))

@@ -24,7 +24,6 @@ def jsonable(x: Any) -> Any:
     return to_jsonable(x, nonfinite="string")
 
 
-
 def start_selection_table(selection: dict[str, Any]) -> list[str]:
     """A report's ``start_selection`` (``start: auto``) as Markdown table lines: every candidate
     with its held-out objective, seconds and why it was skipped, the chosen one in bold."""
@@ -184,4 +183,3 @@ def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Se
     return {"report.json": json.dumps(data, indent=2),
             "report.md": render_markdown(data, sections(data) if sections is not None else (),
                                          layer_sections(layers) if layer_sections is not None and layers else ())}
-

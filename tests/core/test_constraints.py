@@ -479,6 +479,10 @@ def test_sign_consensus_of_any_parameter_to_atom_map(seed) -> None:
     blocks = rows_map // 2  # atoms scale pairs of rows
     sign = SignConsensus.from_deltas(D, "row_pairs", atoms=blocks)
     assert sign.shape == (K, 3)
+    # the map may come as a function, called only where it is needed (a layer's map is r x m integers)
+    called = []
+    assert (SignConsensus.from_deltas(D, "rows", atoms=lambda: called.append(1)).G != a.G).nnz == 0 and not called
+    assert (SignConsensus.from_deltas(D, "row_pairs", atoms=lambda: blocks).G != sign.G).nnz == 0
     s = np.sign(D.sum(axis=0))
     inside = []
     for i in range(400):  # near the soup's ray (feasible) and farther from it (mostly not)

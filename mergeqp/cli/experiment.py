@@ -168,7 +168,8 @@ def _register_text(sub: Any) -> None:
                    help="fewer texts, one fine-tuned layer, fewer ranks (measured: 6 minutes on 2 cores; "
                         "docs/text.md)")
     t.add_argument("--cache", default=None,
-                   help="folder of the cached fine-tunes and block inputs (default ~/.cache/mergeqp/text)")
+                   help="folder of the cached fine-tunes and block inputs (default $MERGEQP_CACHE/text or "
+                        "~/.cache/mergeqp/text)")
     t.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
                    help="cuda without CUDA runs on CPU and says so in the report")
     t.add_argument("--seed", type=int, default=0, help="seed of splits, fine-tunes and random bases")

@@ -430,10 +430,18 @@ def lower_states(split: DecoderSplit, ids: Sequence[Any], batch_size: int, devic
     return out
 
 
-def _weights_identity(folder: Path) -> str:
-    """Identity of a folder's weights for the cache key: file names, sizes and modification times."""
+# Every file that can hold a checkpoint's weights or decide how they are read (transformers reads
+# ``pytorch_model.bin`` when a folder has no safetensors; a ``.pt`` / ``.pth`` / ``.ckpt`` is accepted by
+# the run layer's readers; the index and config decide what is loaded).
+_IDENTITY_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.ckpt", "*.index.json", "config.json")
+
+
+def weights_identity(folder: Path) -> str:
+    """Identity of a folder's weights for the cache key: the names, sizes and modification times of
+    every weight file (any format the readers accept), its index and ``config.json``."""
+    files = sorted({f for pattern in _IDENTITY_PATTERNS for f in folder.glob(pattern) if f.is_file()})
     parts = []
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in files:
         st = f.stat()
         parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
     return ";".join(parts)
@@ -441,7 +449,7 @@ def _weights_identity(folder: Path) -> str:
 
 def finetune_key(base_folder: Path, texts: Sequence[str], settings: FinetuneSettings) -> str:
     h = hashlib.sha256()
-    h.update(_weights_identity(base_folder).encode())
+    h.update(weights_identity(base_folder).encode())
     h.update(json.dumps(asdict(settings), sort_keys=True).encode())
     for t in texts:
         h.update(hashlib.sha256(t.encode()).digest())

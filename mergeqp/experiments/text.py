@@ -54,7 +54,7 @@ from .corpora import Corpus, check_corpus_name, corpus_files
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import load_tokenizer_of, trainable_names
 from .text_encoder import (HEAD_FILE, EncoderSettings, block_prefix, cached_block_inputs, check_encoder_folder,
-                           encoder_blocks, finetune_encoder,
+                           encoder_blocks, finetune_encoder, finetune_key as encoder_finetune_key,
                            first_trained_block, load_encoder, pooled_embeddings, run_top)
 from .text_tasks import TaskSplits, default_tasks, split_task
 
@@ -72,6 +72,13 @@ BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean"
 BASES = ("svd", "random", "optimal")
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CACHE = os.path.join("~", ".cache", "mergeqp", "text")
+
+
+def default_text_cache() -> Path:
+    """The cache folder: ``$MERGEQP_CACHE/text`` when the variable is set (as the LM experiment's
+    cache), else ``~/.cache/mergeqp/text``."""
+    root = os.environ.get("MERGEQP_CACHE")
+    return Path(root).expanduser() / "text" if root else Path(DEFAULT_CACHE).expanduser()
 
 
 def compared_output_note(output: dict[str, Any]) -> str:
@@ -250,7 +257,7 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     if not (base / "config.json").is_file():
         raise ValidationError(f"base model folder {base} has no config.json")
     check_encoder_folder(base)
-    cache = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_text_cache()
     given = list(tasks) if tasks is not None else []
     for c in given:
         if not isinstance(c, Corpus):
@@ -361,9 +368,13 @@ class _Run:
         self.lap("features")
         for i, t in enumerate(self.tasks):
             sp = t.splits
-            folder = self.cache / "finetunes" / f"{sp.name}-seed{self.seed}"
+            settings = cfg.encoder_settings(self.seed, i)
+            # the key in the name: runs of other settings (quick / full, another base) sharing the cache
+            # never read, or replace, each other's fine-tunes
+            key = encoder_finetune_key(self.base, sp.train.texts, sp.train.labels, settings)
+            folder = self.cache / "finetunes" / f"{sp.name}-seed{self.seed}-{key[:12]}"
             t.finetune = finetune_encoder(self.base, t.features["train"], sp.train.texts, sp.train.labels,
-                                          len(sp.label_names), folder, cfg.encoder_settings(self.seed, i),
+                                          len(sp.label_names), folder, settings,
                                           device=self.device, progress=self.progress, log=self.log)
         self.lap("finetune")
         for t in self.tasks:

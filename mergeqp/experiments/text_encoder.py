@@ -40,7 +40,7 @@ from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
 from ..stats.prefix import block_stack
 from .finetune_lm import FINETUNE_RECORD, block_arguments, check_training_settings, trainable_names, training_step
-from .finetune_lm import _weights_identity as weights_identity  # one definition of a folder's weights identity
+from .finetune_lm import weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
 

@@ -138,3 +138,21 @@ def test_trainable_names_follow_the_models_order():
                                                                        "mlp.bias"]
     with pytest.raises(ValidationError, match="'norm.*' matches no parameter"):
         trainable_names(model, ["mlp.*", "norm.*"])
+
+
+@pytest.mark.parametrize("weights_name", ["pytorch_model.bin", "model.pt", "model.safetensors"])
+def test_cache_key_covers_every_weight_format(tmp_path, weights_name):
+    """Two different checkpoints in folders of the same name get different keys whatever their weight
+    format (a ``pytorch_model.bin`` base once had an empty identity: fine-tunes of another base were reused)."""
+    from mergeqp.experiments.finetune_lm import finetune_key, weights_identity
+
+    settings = FinetuneSettings(train_patterns=("model.layers.1.*",), steps=1)
+    keys = []
+    for run, payload in (("run1", b"weights of A"), ("run2", b"other weights of model B")):
+        folder = tmp_path / run / "checkpoint-500"
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / weights_name).write_bytes(payload)
+        assert weights_name in weights_identity(folder)
+        keys.append(finetune_key(folder, ["a text"], settings))
+    assert keys[0] != keys[1]

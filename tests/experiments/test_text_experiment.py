@@ -166,6 +166,24 @@ def test_cli_run_writes_every_method_claims_and_figures(cli_run):
     assert "## Claims of the paper's ViT section" in report and "Goal (issue 15, text classifier)" in report
 
 
+def test_finetunes_are_cached_under_their_key(cli_run, monkeypatch, tmp_path):
+    """Each fine-tune's folder names its key: runs of other settings sharing a cache (quick and full, another
+    base) neither read nor replace each other's fine-tunes (they once shared ``<task>-seed<N>``)."""
+    from mergeqp.experiments.text import default_text_cache
+    from mergeqp.experiments.text_encoder import FINETUNE_RECORD
+
+    results, out = cli_run
+    folders = sorted((out.parent / "cache" / "finetunes").iterdir())
+    assert len(folders) == len(results["tasks"])
+    for f in folders:
+        key = json.loads((f / FINETUNE_RECORD).read_text())["key"]
+        assert f.name.endswith(f"-seed3-{key[:12]}")
+    monkeypatch.setenv("MERGEQP_CACHE", str(tmp_path / "big"))
+    assert default_text_cache() == tmp_path / "big" / "text"  # the LM experiment's variable moves it too
+    monkeypatch.delenv("MERGEQP_CACHE")
+    assert default_text_cache().parts[-3:] == (".cache", "mergeqp", "text")
+
+
 def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base, tmp_path):
     """The full preset's shape on the tiny encoder: both MLP projections of a block fine-tuned
     (so sequential and joint are real multi-layer runs) and the statistics' Hessian from an output

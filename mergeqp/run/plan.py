@@ -283,19 +283,73 @@ FUNCTION_CONFIG_KEYS = (
     "position_embedding_type", "attention_bias", "mlp_bias",
     "tie_word_embeddings", "scale_attn_weights", "attn_logit_softcapping", "final_logit_softcapping",
     "query_pre_attn_scalar",
+    # transformers 5 (and recent 4.x) names: the rotary settings live in ``rope_parameters``, the
+    # per-layer attention kinds in ``layer_types``
+    "rope_parameters", "layer_types", "sliding_window", "use_sliding_window", "max_window_layers",
+    "no_rope_layers", "use_qk_norm", "qk_layernorm", "clip_qkv", "use_parallel_residual", "parallel_attn",
+)
+#: parts of a setting's name that mark it as function-defining wherever the architecture puts it
+#: (``text_config.rope_theta``, ``local_rope_theta``, ``attention_multiplier``, ``norm_epsilon`` ...)
+FUNCTION_CONFIG_PARTS = ("rope", "rotary", "_eps", "epsilon", "window", "softcap", "multiplier", "alibi",
+                         "activation", "hidden_act", "layer_types", "logit_scal", "embed_scale", "scale_embedding")
+#: settings that fine-tuning or saving commonly changes without changing the function of the merged
+#: layers (identity, dtype, caching, generation ids, dropout, labels of a head the merge does not touch)
+BENIGN_CONFIG_KEYS = (
+    "_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype", "use_cache", "id2label",
+    "label2id", "num_labels", "problem_type", "finetuning_task", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "output_attentions", "output_hidden_states", "return_dict",
+    "initializer_range", "attn_implementation", "_attn_implementation", "_attn_implementation_autoset",
+    "tokenizer_class", "task_specific_params", "auto_map", "_commit_hash", "gradient_checkpointing",
+    "pretraining_tp", "chunk_size_feed_forward", "max_position_embeddings", "generation_config", "tf_legacy_loss",
 )
 
 
-def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) -> None:
-    """Same model type / architecture and function-defining settings (:data:`FUNCTION_CONFIG_KEYS`,
-    when configs exist) and the same tensor names and shapes; the error names the model and the
-    first difference."""
-    bcfg = base.config or {}
+def _flat_config(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``config.json`` with the sub-configs of composite models (``text_config``, ``vision_config``
+    ...) flattened to dotted keys; a function-defining setting holding a mapping (``rope_parameters``,
+    ``rope_scaling``) stays one value."""
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if isinstance(value, dict) and key.endswith("_config") and key != "quantization_config":
+            out.update(_flat_config(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _defines_function(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return leaf in FUNCTION_CONFIG_KEYS or any(part in leaf for part in FUNCTION_CONFIG_PARTS)
+
+
+def _benign(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return leaf in BENIGN_CONFIG_KEYS or "dropout" in leaf or leaf.startswith("_")
+
+
+def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) -> list[str]:
+    """Same model type / architecture and function-defining settings (:data:`FUNCTION_CONFIG_KEYS`
+    and names with :data:`FUNCTION_CONFIG_PARTS`, when configs exist) and the same tensor names and
+    shapes; the error names the model and the first difference. Returns notes naming the other
+    settings in which a fine-tune's ``config.json`` differs (neither known to change the function nor
+    known to be harmless: the merged model is written with the base's values)."""
+    bcfg = _flat_config(_comparable_config(base) or {})
+    notes: list[str] = []
     for name, ck in others:
-        cfg = ck.config
-        theirs_cfg = cfg if cfg is not None and base.config is not None else {}
-        differ = [key for key in FUNCTION_CONFIG_KEYS
-                  if key in theirs_cfg and key in bcfg and theirs_cfg[key] != bcfg[key]]
+        cfg = _comparable_config(ck)
+        theirs_cfg = _flat_config(cfg) if cfg is not None and base.config is not None else {}
+        changed = [key for key in dict.fromkeys([*bcfg, *theirs_cfg])
+                   if bcfg.get(key, _MISSING) != theirs_cfg.get(key, _MISSING) and theirs_cfg]
+        differ = sorted((key for key in changed if _defines_function(key) and key in theirs_cfg and key in bcfg),
+                        key=lambda k: FUNCTION_CONFIG_KEYS.index(k) if k in FUNCTION_CONFIG_KEYS else len(FUNCTION_CONFIG_KEYS))
+        unknown = [key for key in changed if key not in differ and not _benign(key)]
+        if unknown:
+            shown = ", ".join(f"{k} ({_config_value(theirs_cfg, k)} vs the base's {_config_value(bcfg, k)})"
+                              for k in unknown[:4])
+            notes.append(f"model {name!r}'s config.json differs from the base's in {shown}"
+                         + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+                         + ": settings mergeqp does not know to change the function; the merged model is "
+                           "written with the base's values")
         for key in differ:
             if key in ("model_type", "architectures"):
                 raise _config_difference(name, key, theirs_cfg[key], bcfg[key])
@@ -319,6 +373,31 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
                 )
         if differ:  # (after the shapes: a tensor of another shape is the plainer message)
             raise _config_difference(name, differ[0], theirs_cfg[differ[0]], bcfg[differ[0]])
+    return notes
+
+
+_MISSING = object()
+
+
+def _comparable_config(ck: Checkpoint) -> dict[str, Any] | None:
+    """A folder's ``config.json`` as ``transformers`` reads it (every default filled in, old names
+    such as ``rope_theta`` moved to where this version keeps them), so that two folders saved by
+    different versions compare by what they compute; the file's own mapping when ``transformers``
+    cannot read it."""
+    if ck.config is None:
+        return None
+    if ck.folder is not None:
+        try:
+            from transformers import AutoConfig
+
+            return AutoConfig.from_pretrained(str(ck.folder)).to_dict()
+        except Exception:  # noqa: BLE001 - an unknown model type: the raw file is compared
+            pass
+    return ck.config
+
+
+def _config_value(cfg: dict[str, Any], key: str) -> str:
+    return repr(cfg[key]) if key in cfg else "not set"
 
 
 def _config_difference(name: str, key: str, theirs: Any, base: Any) -> ConfigError:
@@ -782,7 +861,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                           f"its config gives the architecture")
     model = skeleton(base_path)
     fts = [_stored_names(ck, base, model) for ck in fts]
-    check_architectures(base, list(zip(names, fts)))
+    config_notes = check_architectures(base, list(zip(names, fts)))
     not_causal = _not_causal(base.config)
     if not_causal is not None and cfg.output.metric == "cross_entropy" and cfg.output.pool == "none":
         raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "
@@ -845,7 +924,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         check_output_space_sites(sites)
     vocab = (base.config or {}).get("vocab_size")
     groups: list[GroupPlan] = []
-    notes: list[str] = list(holdout_notes)
+    notes: list[str] = [*config_notes, *holdout_notes]
     unprompted = _without_prompts(cfg)
     if (not cfg.method.is_qp and cfg.evaluate and not evaluates_baseline(cfg) and not is_output_space(cfg)
             and len(unprompted) < len(cfg.models)):  # (some have prompts: the user may expect one)

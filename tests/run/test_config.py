@@ -254,6 +254,45 @@ def test_a_fine_tune_with_other_function_settings_fails_fast(fam, tmp_path, no_w
         build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
 
 
+def test_rotary_settings_compare_by_what_transformers_reads_and_other_differences_are_noted(fam, tmp_path, no_weights):
+    """(stop 50) transformers 5 keeps the rotary settings in ``rope_parameters``, which the list of
+    function-defining keys lacked: a fine-tune with another rope theta was merged silently. Configs now
+    compare as ``transformers`` reads them (an old-style ``rope_theta`` equals the same theta in
+    ``rope_parameters``), and a difference in a setting neither known to change the function nor known
+    to be harmless is a note of the plan, not silence."""
+    import json
+
+    from mergeqp.run.plan import build_plan
+
+    def plan_with(edit):
+        odd = tmp_path / f"odd_{len(list(tmp_path.glob('odd_*')))}"
+        shutil.copytree(fam.finetuned[1], odd)
+        config = json.loads((odd / "config.json").read_text())
+        (odd / "config.json").write_text(json.dumps(edit(config)))
+        data = _cfg(fam, tmp_path).model_dump(exclude_unset=True)
+        data["models"][1]["path"] = str(odd)
+        return build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=fam.root))
+
+    def old_style(theta):
+        def edit(config):
+            config = {k: v for k, v in config.items() if k != "rope_parameters"}
+            return {**config, "rope_theta": theta}
+        return edit
+
+    base_theta = (json.loads((fam.base / "config.json").read_text()).get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    with pytest.raises(ConfigError, match=r"computes another function than the base: its config.json has rope"):
+        plan_with(old_style(base_theta / 20))
+    with pytest.raises(ConfigError, match=r"computes another function than the base: its config.json has rope"):
+        plan_with(lambda c: {**c, "rope_parameters": {"rope_theta": base_theta / 20, "rope_type": "default"}})
+    same = plan_with(old_style(base_theta))  # saved by another transformers version: the same function
+    assert not [n for n in same.notes if "config.json differs" in n]
+    benign = plan_with(lambda c: {**c, "torch_dtype": "bfloat16", "use_cache": False, "_name_or_path": "x"})
+    assert not [n for n in benign.notes if "config.json differs" in n]
+    odd = plan_with(lambda c: {**c, "my_custom_gate": 3})
+    (note,) = [n for n in odd.notes if "config.json differs" in n]
+    assert "model 'math'" in note and "my_custom_gate (3 vs the base's not set)" in note
+
+
 def test_a_peft_adapter_folder_is_named(fam, tmp_path, no_weights):
     """(stop 47) A LoRA adapter folder given as a fine-tune: 'lacks tensor lm_head.weight', no word of
     the adapter."""

@@ -238,6 +238,7 @@ def _basis_record(ctx: MergeContext, site: LayerSite, param: Any, deltas: Any, o
         info = dict(basis.info)
         out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
                     "output_size": optimal.c, "samples": optimal.n_samples, "seconds": optimal.seconds,
+                    "jvp_chunk": optimal.info.get("jvp_chunk"),
                     "captured_eigenvalues": info.get("captured_eigenvalues"),
                     "mean_jacobian_energy": compare_bases(optimal, basis.p, deltas.numpy(), ctx.settings.seed)})
         if "note" in info:

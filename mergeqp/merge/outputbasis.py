@@ -43,13 +43,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
+from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, available_memory_bytes, human_bytes, memory_budget
 from ..lm import OutputSpec
 from ..stats.bases import SiteResiduals, complete_basis, optimal_basis_from, random_basis, svd_basis
 from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
-from .firstorder import batch_functions
+from .firstorder import batch_functions, widest_layer
 from .sites import LayerSite, append_ones, site_module
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -72,6 +73,35 @@ def check_jacobian_size(site: str, c: int, r: int, max_bytes: int) -> None:
             f"shrink c (output: {{restrict: projection, k: ...}} or a smaller calibration.max_length), raise "
             f"method.basis_max_size, or use basis: svd"
         )
+
+
+def basis_pass_bytes(tokens: int, r: int, widest: int, itemsize: int, chunk: int) -> int:
+    """Bytes of one chunk of the basis pass's vectorised JVPs: ``chunk`` tangents at the site
+    (``tokens x r`` each) carried through layers at most ``widest`` features wide (the vocabulary head
+    of a language model: the pass compares the model's outputs, the head is not folded), counted
+    with the QP statistics' copies (:func:`mergeqp.io.memory.estimate_site_memory`)."""
+    per_tangent = int(tokens) * (TANGENT_COPIES * int(r) + ACTIVATION_COPIES * int(widest)) * int(itemsize)
+    return int(chunk) * per_tangent
+
+
+def fitting_chunk(site: str, requested: int, tokens: int, r: int, widest: int, itemsize: int,
+                  held: int = 0) -> int:
+    """The most tangents (at most ``requested`` and ``r``) whose JVP chunk fits the memory budget
+    (:func:`~mergeqp.io.memory.memory_budget`: ``max_memory`` or the machine's available memory, less
+    ``held`` bytes already allocated); an error naming the site and what to change when one does not."""
+    chunk = max(1, min(int(requested), int(r)))
+    budget, what = memory_budget(available_memory_bytes())
+    if budget is None:
+        return chunk
+    one = basis_pass_bytes(tokens, r, widest, itemsize, 1)
+    fits = (budget - held) // one if one else chunk
+    if fits < 1:
+        raise ValidationError(
+            f"basis: optimal at layer {site!r}: one JVP of the basis pass needs about {human_bytes(one)} "
+            f"({tokens} tokens through layers {widest} features wide), more than {what}; use fewer tokens "
+            f"per batch (calibration.batch_size, calibration.max_length), basis: svd, or raise max_memory "
+            f"(--max-memory) if the machine has more")
+    return int(min(chunk, fits))
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,6 +182,8 @@ def collect_output_basis(
     total = 0.0
     weight_sum = 0.0
     n_samples = 0
+    widest = widest_layer(model)
+    chunks_used = max(1, min(int(chunk_size), r))
     bar = tqdm(total=len(sizes), desc=f"optimal basis {site.name}"[:60], leave=False, disable=not progress)
     with hooked_layers(model, [site_module(model, site)]) as (hook,):
         for task in tasks:
@@ -172,8 +204,13 @@ def collect_output_basis(
                     raise ValidationError(f"non-finite outputs at layer {site.name!r} on task {task.name!r}")
                 eye = torch.eye(r, dtype=u0.dtype, device=u0.device)
                 lead = (1,) * (u0.dim() - 1)
-                for start in range(0, r, chunk_size):
-                    stop = min(start + chunk_size, r)
+                # the tangents' chunk shrinks to what the memory budget holds (each tangent carries the
+                # batch's tokens through the unfolded vocabulary head)
+                step = fitting_chunk(site.name, chunk_size, int(u0.numel()) // r, r, widest, u0.element_size(),
+                                     held=L_sum.numel() * 8 + sum(x.numel() for x in residuals) * 8)
+                chunks_used = min(chunks_used, step)
+                for start in range(0, r, step):
+                    stop = min(start + step, r)
                     tang = eye[start:stop].reshape(stop - start, *lead, r).expand(stop - start, *u0.shape).contiguous()
                     cols = derivatives.along(tang).to(torch.float64)  # (n, B, cb)
                     if not torch.all(torch.isfinite(cols)):
@@ -199,7 +236,8 @@ def collect_output_basis(
         S_red += Y.t() @ Y
     L_red = (s[:rank, None] * Vt[:rank]).cpu()
     return OutputBasisStats(site.name, L_red.numpy(), S_red.numpy(), total, c, r, n_samples,
-                            time.perf_counter() - t0, {"singular_values_L": s[: min(rank, 8)].cpu().tolist()})
+                            time.perf_counter() - t0, {"singular_values_L": s[: min(rank, 8)].cpu().tolist(),
+                                                       "jvp_chunk": chunks_used})
 
 
 def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
@@ -210,5 +248,6 @@ def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> di
             "random": stats.energy_fraction(random_basis(stats.r, p, seed=seed).Q)}
 
 
-__all__ = ["DEFAULT_MAX_BYTES", "OutputBasisStats", "check_jacobian_size", "collect_output_basis",
+__all__ = ["DEFAULT_MAX_BYTES", "OutputBasisStats", "basis_pass_bytes", "check_jacobian_size", "collect_output_basis",
+           "fitting_chunk",
            "compare_bases", "jacobian_bytes"]

@@ -51,7 +51,8 @@ from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import check_sites as check_output_space_sites
 from ..merge.output_space_hf import parse_run_params as parse_output_space_params
-from ..merge.outputbasis import jacobian_bytes
+from ..merge.firstorder import widest_layer
+from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
 from ..lm import DATA_METRICS, ClassifierHead, OutputSpec, keeps_head_targets, linear_head
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import get_merge_method
@@ -1099,6 +1100,12 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
         out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
         out["optimal-basis residuals"] = prompts * T * per_pos * 8
+        # its pass carries up to chunk_size tangents through the unfolded head at once (the run shrinks
+        # the chunk to what the memory holds, down to one tangent)
+        widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
+        r_max = max((s.r for s in plan.sites), default=0)
+        out["optimal-basis pass (one chunk of vectorised JVPs through the head)"] = basis_pass_bytes(
+            B * T, r_max, widest, elem, min(m.chunk_size, r_max))
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8

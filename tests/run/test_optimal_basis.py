@@ -51,6 +51,16 @@ def _equal_length_prompts(tiny_hf, task, n, seed):
     return tiny_hf.sentences(task, n, seed, length=(6, 6))
 
 
+def _reference_inputs(tiny_hf, fam):
+    base, fts = _models(fam)
+    tok = load_tokenizer(fam.base)
+    spec = OutputSpec()
+    site = match_sites(model_sites(base), [tiny_hf.MLP_LAYER["llama"]])[0]
+    batches = [tokenize_batches(tok, _equal_length_prompts(tiny_hf, t, 5, 7 + k), 12, 3) for k, t in enumerate(fam.tasks)]
+    tasks = [TaskTargets(t, 1.0, teacher_forced_targets(ft, bs, spec, "cpu")) for t, ft, bs in zip(fam.tasks, fts, batches)]
+    return base, site, tasks, spec, max(int(b.inputs["input_ids"].numel()) for bs in batches for b in bs)
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_hf, fam):
     """Our streamed statistics and mergeqp.stats' CalibrationStats for down_proj of block 1, on
@@ -248,3 +258,25 @@ def test_optimal_basis_on_cuda_matches_cpu(fam, tmp_path):
         for k, v in a["basis"]["mean_jacobian_energy"].items():
             assert b["basis"]["mean_jacobian_energy"][k] == pytest.approx(v, rel=1e-6), k
         assert b["certificate"]["certified"]
+
+
+def test_the_basis_pass_shrinks_its_jvp_chunk_to_the_memory_and_says_when_one_does_not_fit(tiny_hf, fam):
+    """(stop 50) The pass carries ``chunk_size`` tangents through the unfolded vocabulary head at once:
+    5.8 GB measured on a tiny Llama where the dry run estimated 22 MiB in all. It now shrinks the chunk to
+    the memory budget (same statistics), the dry run's estimate counts it, and one tangent too many is an
+    error naming the layer."""
+    from mergeqp.io.memory import memory_limit
+    from mergeqp.merge.outputbasis import basis_pass_bytes
+
+    from mergeqp.merge.firstorder import widest_layer
+
+    base, site, tasks, spec, tokens = _reference_inputs(tiny_hf, fam)
+    free = collect_output_basis(base, site, tasks, spec, chunk_size=64)
+    one = basis_pass_bytes(tokens, site.r, widest_layer(base), 8, 1)  # float64 models
+    with memory_limit(4 * one):
+        small = collect_output_basis(base, site, tasks, spec, chunk_size=64)
+    assert free.info["jvp_chunk"] == min(64, site.r) > 4 and 1 <= small.info["jvp_chunk"] <= 4
+    np.testing.assert_allclose(small.L, free.L, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(small.S, free.S, rtol=1e-10, atol=1e-12)
+    with memory_limit(one // 4), pytest.raises(ValidationError, match=r"basis: optimal at layer '[\w.]+': one JVP"):
+        collect_output_basis(base, site, tasks, spec, chunk_size=64)

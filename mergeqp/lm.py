@@ -327,15 +327,23 @@ class HeadTargets:
 
         return torch.nn.functional.linear(hidden.to(self.weight.device, self.weight.dtype), self.weight, self.bias)
 
-    def same_as(self, weight: Any, bias: Any) -> bool:
-        """Whether ``weight`` / ``bias`` are this head's, entry for entry."""
+    def same_as(self, weight: Any, bias: Any, *, rounded: bool = False) -> bool:
+        """Whether ``weight`` / ``bias`` are this head's, entry for entry; with ``rounded``, also
+        when this head is that head (the model's) stored in a lower precision (a fine-tune saved in
+        bfloat16 or float16 from a float32 base, its head untouched: the base's head rounded)."""
         import torch
 
         def equal(a: Any, b: Any) -> bool:
             if a is None or b is None:
                 return a is None and b is None
-            return (tuple(a.shape) == tuple(b.shape) and a.dtype == b.dtype
-                    and bool(torch.equal(a.detach().to(b.device), b)))
+            if tuple(a.shape) != tuple(b.shape):
+                return False
+            a = a.detach().to(b.device)
+            if a.dtype == b.dtype and bool(torch.equal(a, b)):
+                return True
+            return rounded and a.is_floating_point() and any(
+                torch.finfo(low).bits < torch.finfo(a.dtype).bits
+                and bool(torch.equal(a.to(low).to(b.dtype), b)) for low in (torch.bfloat16, torch.float16))
 
         return equal(weight, self.weight) and equal(bias, self.bias)
 
@@ -410,15 +418,22 @@ class TargetBatch:
     labels: Any
     head: Any
     source: HeadTargets | None
+    #: the lower floating-point dtype (``torch.bfloat16`` / ``torch.float16``) in which the fine-tune's
+    #: linear head is exactly representable, when its model computes in a wider one (a checkpoint
+    #: saved in that precision), else ``None``: the fold's check then also accepts the model's head
+    #: rounded to it (:func:`_fold_mismatch`)
+    head_precision: Any
 
     def __init__(self, batch: Batch, target: Any = None, index: Any = None, probs: Any = None, hidden: Any = None,
-                 labels: Any = None, head: Any = None, source: HeadTargets | None = None) -> None:
+                 labels: Any = None, head: Any = None, source: HeadTargets | None = None,
+                 head_precision: Any = None) -> None:
         if (target is None) == (source is None):
             raise ValueError("a target batch holds its target or the head that forms it from hidden (one of them)")
         if source is not None and hidden is None:
             raise ValueError("a target formed by its head needs the final hidden states")
         for name, value in (("batch", batch), ("stored", target), ("index", index), ("probs", probs),
-                            ("hidden", hidden), ("labels", labels), ("head", head), ("source", source)):
+                            ("hidden", hidden), ("labels", labels), ("head", head), ("source", source),
+                            ("head_precision", head_precision)):
             object.__setattr__(self, name, value)
 
     @property
@@ -660,6 +675,7 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
     compact = (linear is not None and not linear.weight.is_meta
                and keeps_head_targets(spec, int(linear.weight.shape[0]), int(linear.weight.shape[1])))
     head = linear if spec.fold_obstacle() is None or compact else None
+    precision = stored_precision(head.weight, head.bias) if head is not None and not head.weight.is_meta else None
     source = None
     for batch in batches:
         if head is None:
@@ -688,7 +704,7 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
         if tb is None:
             tb = TargetBatch(batch, target, None if index is None else index.to("cpu"),
                              None if probs is None else probs.detach().to("cpu"),
-                             hidden if spec.fold_obstacle() is None else None)
+                             hidden if spec.fold_obstacle() is None else None, head_precision=precision)
         del target
         out.append(tb)
         if check is not None and len(out) == 1 and len(batches) > 1:
@@ -701,6 +717,21 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
                     if probs is not None else "") + (", the final hidden states" if out[0].hidden is not None else ""))
             check(TargetsNeed(first * rest // max(positions, 1), f"{rest:,} more positions x {what} (float64)", kept))
     return out
+
+
+def stored_precision(weight: Any, bias: Any = None) -> Any:
+    """The narrower floating-point dtype (bfloat16, then float16) in which ``weight`` and ``bias``
+    are exactly representable, when narrower than their own dtype (a checkpoint saved in it and
+    read into a wider one); else ``None``."""
+    import torch
+
+    if not weight.is_floating_point():
+        return None
+    for low in (torch.bfloat16, torch.float16):
+        if torch.finfo(low).bits < torch.finfo(weight.dtype).bits and all(
+                t is None or bool(torch.equal(t.detach().to(low).to(t.dtype), t.detach())) for t in (weight, bias)):
+            return low
+    return None
 
 
 def _same_target(formed: Any, target: Any, device: Any) -> bool:
@@ -1170,7 +1201,18 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
     logits on the first batch are the head of its backbone's ``last_hidden_state``; every
     target is the head (this model's) of the fine-tune's stored hidden state, so the
     fine-tunes share the head; every module of ``sites`` lies inside the backbone."""
+    return fold_decision(model, spec, batches, device, sites)[0]
+
+
+def fold_decision(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], device: Any,
+                  sites: Sequence[Any] = ()) -> tuple[FoldedHead | None, str | None]:
+    """:func:`prepare_fold`'s fold and, when there is none, why (``None`` when the output cannot be
+    folded by its kind: not logits, or ``fold_head: false``)."""
     reason = spec.fold_obstacle()
+    if reason is not None:
+        if spec.fold_head:
+            raise ValidationError(f"output fold_head: true, but the head cannot be folded: {reason}")
+        return None, None
     head = linear_head(model) if reason is None else None
     inner = backbone(model) if head is not None else None
     if reason is None and head is None:
@@ -1188,10 +1230,26 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
     if fold is not None and batches:
         reason = _fold_mismatch(model, inner, fold, batches, device)
     if reason is None:
-        return fold
+        return fold, None
     if spec.fold_head:
         raise ValidationError(f"output fold_head: true, but the head cannot be folded: {reason}")
-    return None
+    return None, reason
+
+
+def _agrees_rounded(fold: FoldedHead, tb: TargetBatch, mask: Any, index: Any, probs: Any, device: Any) -> bool:
+    """Whether the target of ``tb`` is this model's head, rounded to the precision the fine-tune's
+    head is stored in (``tb.head_precision``), applied to the fine-tune's final hidden state: a
+    fine-tune saved in bfloat16 from a float32 base, its head untouched. The fold then compares
+    with the model's own head: the targets move by that rounding only."""
+    import torch
+
+    low, dtype = tb.head_precision, fold.weight.dtype
+    rounded = FoldedHead(fold.spec, fold.weight.to(low).to(dtype),
+                         None if fold.bias is None else fold.bias.to(low).to(dtype), None)
+    with torch.no_grad():
+        mine = rounded.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
+    target = tb.target
+    return tuple(mine.shape) == tuple(target.shape) and _agree(mine, target, dtype)
 
 
 #: model -> what :func:`_fold_mismatch` already verified for it: ``"head"`` (the identity and
@@ -1256,12 +1314,13 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
                 break
             # a target formed by the fine-tune's own head: the model's head, entry for entry, forms it
             if tb.source is not None and id(tb.source) not in shares_head:
-                shares_head[id(tb.source)] = tb.source.same_as(fold.weight, fold.bias)
+                shares_head[id(tb.source)] = tb.source.same_as(fold.weight, fold.bias, rounded=True)
             shared = tb.source is not None and shares_head[id(tb.source)]
             if not shared:
                 mine = fold.unfolded(tb.hidden.to(device=device, dtype=dtype), mask, index, probs)
                 target = tb.target
-        if not shared and (tuple(mine.shape) != tuple(target.shape) or not _agree(mine, target, dtype)):
+        if not shared and (tuple(mine.shape) != tuple(target.shape) or not _agree(mine, target, dtype)) and not (
+                tb.head_precision is not None and _agrees_rounded(fold, tb, mask, index, probs, device)):
             return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
                     f"its final hidden state (the head differs between the base and the fine-tune?)")
         verified["targets"][id(tb.identity)] = (weakref.ref(tb.identity), weakref.ref(tb.hidden))

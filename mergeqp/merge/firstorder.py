@@ -49,6 +49,7 @@ from ..errors import ValidationError
 from ..io.distributed import agree_everywhere, current_group
 from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
     DESIGN_COPIES_FLOAT64,
+    ADVICE,
     SiteMemory,
     available_memory_bytes,
     check_site_memory,
@@ -64,6 +65,7 @@ from ..lm import (
     TargetBatch,
     backbone,
     data_logits,
+    fold_decision,
     last_hidden,
     prepare_fold,
 )
@@ -496,7 +498,11 @@ def collect_first_order(
     failed: Exception | None = None
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
-    fold = prepare_fold(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
+    fold, not_folded = fold_decision(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
+    # a refusal of the unfolded statistics says why the head was not folded (fold_head: auto)
+    advice = ADVICE if not_folded is None else (
+        f"{ADVICE}; output.fold_head: auto did not fold the model's head into the final hidden state "
+        f"({not_folded}), so the vocabulary-size logits are compared")
 
     def add_batch(hooks: Sequence[Any], ti: int, bi: int, task: TaskTargets, tb: Any, e: dict[str, float]) -> None:
         """Linearise the model at batch ``bi`` of task ``ti`` (``tb``) and add it to the sums and to
@@ -519,7 +525,7 @@ def collect_first_order(
             check_design_memory(Bsz, outputs, n, h.element_size(), [a.site.name for a in atoms])
             check_site_memory(site_memory(model if fold is None else backbone(model), atoms, hooks,
                                           len(tasks), outputs, h.element_size(), chunk_size,
-                                          jacobian_mode, samples=Bsz))
+                                          jacobian_mode, samples=Bsz), advice=advice)
             checked = (max(size[0], checked[0]), max(size[1], checked[1]))
         blocks = []
         exact_f = []  # with a sketch: each site's unsketched f, for the exact g
@@ -601,5 +607,6 @@ def collect_first_order(
                   "output": {"field": spec.field, "restrict": spec.restrict, "k": spec.k,
                              **({} if spec.pool == "none" else {"pool": spec.pool})},
                   **({} if fold is None else {"folded_head_width": fold.width}),
+                  **({} if not_folded is None else {"head_not_folded": not_folded}),
                   **({} if spec.sketch is None else {"sketch": spec.sketch})},
     )

@@ -183,6 +183,9 @@ class LayerRecord:
     #: Frobenius norm of each model's residual ``delta_k`` at this site (not in the JSON record;
     #: the run layer turns zeros into report notes)
     residual_norms: tuple[float, ...] = ()
+    #: why ``fold_head: auto`` compared the vocabulary-size logits (``None``: folded, or not a
+    #: foldable output; not in the JSON record: the run layer turns it into a report note)
+    head_not_folded: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
@@ -405,7 +408,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
                     energy_fraction=stats.energy_fraction(a.site.name), seconds=t3 - t0,
                     d=d[:, stats.site_slice(a.site.name)], basis=bases.get(a.site.name),
                     group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
-                    residual_norms=norms[a.site.name],
+                    residual_norms=norms[a.site.name], head_not_folded=stats.metadata.get("head_not_folded"),
                     atoms=a.param.solution_record(d[:, stats.site_slice(a.site.name)]), **common)
         for a in atoms
     )

@@ -589,7 +589,7 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
         d=result.d[:, blocks[a.site.name]], timings={"trust_region": seconds}, basis=b.basis,
         group_energy_fraction=stats.energy_fraction(None) if len(atoms) > 1 else None,
         residual_norms=b.residual_norms, atoms=a.param.solution_record(result.d[:, blocks[a.site.name]]),
-        outcome=outcome) for a, b in zip(atoms, built)]
+        head_not_folded=stats.metadata.get("head_not_folded"), outcome=outcome) for a, b in zip(atoms, built)]
 
 
 def _status(result: TrustRegionResult, selection: TrustRegionResult | None) -> str:

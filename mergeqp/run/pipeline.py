@@ -749,6 +749,10 @@ class _Run:
                 if r.residual_norms:
                     self.notes.extend(n for n in zero_residual_notes(r.layer, r.residual_norms, cfg.model_names())
                                       if n not in self.notes)
+            for why in dict.fromkeys(r.head_not_folded for r in records if r.head_not_folded):
+                self.notes.append(f"output.fold_head: auto compared the vocabulary-size logits (statistics cost more "
+                                  f"time and memory): the head was not folded into the final hidden state because "
+                                  f"{why}")
             merged = evaluate_model(model)
             mode_fields = mode.report_fields(ctx, plan.sites, records, prepared, merged, evaluate_model, before)
             if selection is not None:

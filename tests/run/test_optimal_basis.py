@@ -169,6 +169,8 @@ def test_yaml_optimal_basis_end_to_end(tiny_hf, fam, tmp_path, mode):
         if mode != "joint":
             assert r["objective_after"] >= r["objective_before"] * (1 - r["energy_fraction"]) - 1e-9 * scale
     assert rep["evaluation"]["merged"]["calibration_objective"] < rep["evaluation"]["base"]["calibration_objective"]
+    # the fine-tunes' heads differ from the base's (lm_head perturbed): the report says why it was not folded
+    assert any("fold_head: auto compared the vocabulary-size logits" in n and "head differs" in n for n in rep["notes"])
     # the folder reloads and reproduces the in-memory merged model
     reloaded = tiny_hf.auto_class("llama").from_pretrained(str(res.out_dir), dtype=torch.float64,
                                                      attn_implementation="eager").eval()

@@ -99,7 +99,48 @@ def test_a_fine_tune_with_another_head_is_refused_or_not_folded(llama):
     tasks = [TaskTargets("t", 1.0, teacher_forced_targets(other, batches, auto, "cpu"))]
     got = collect_first_order(model, atoms, tasks, auto)
     assert "folded_head_width" not in got.metadata
+    assert "head differs" in got.metadata["head_not_folded"]  # the run layer's note says why (stop 50)
     _same(got, collect_first_order(model, atoms, tasks, OutputSpec(fold_head=False)))
+
+
+def _with_head(fine_tune, weight):
+    other = type(fine_tune)(fine_tune.config).to(torch.float64).eval()
+    other.load_state_dict(fine_tune.state_dict())
+    with torch.no_grad():
+        other.lm_head.weight.copy_(weight)
+        other.model.embed_tokens.weight.copy_(fine_tune.model.embed_tokens.weight)  # untie: only the head differs
+    return other
+
+
+@pytest.mark.parametrize("low", ["bfloat16", "float16"])
+@pytest.mark.parametrize("restrict, k", [("none", None), ("topk", 4)])
+def test_a_fine_tune_saved_in_lower_precision_shares_the_bases_head(llama, low, restrict, k):
+    """(stop 50) A fine-tune saved in bfloat16 from a float32 base holds the base's head rounded: folding
+    was silently abandoned under auto (the unfolded statistics were then refused for memory, 43.9 GiB,
+    without saying why). The rounded head now counts as the base's, for targets kept as hidden states
+    and for targets held whole (top-k)."""
+    model, fts, batches, atoms = llama
+    spec = OutputSpec(restrict=restrict, k=k)
+    rounded = _with_head(fts[0], model.lm_head.weight.to(getattr(torch, low)).to(torch.float64))
+    assert not torch.equal(rounded.lm_head.weight, model.lm_head.weight)
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(rounded, batches, spec, "cpu"))]
+    got = collect_first_order(model, atoms, tasks, spec)
+    assert "folded_head_width" in got.metadata and "head_not_folded" not in got.metadata
+    # a head that differs by more than a rounding is still another head
+    nudged = _with_head(fts[0], model.lm_head.weight.to(getattr(torch, low)).to(torch.float64) * (1 + 2 ** -6))
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(nudged, batches, spec, "cpu"))]
+    assert "folded_head_width" not in collect_first_order(model, atoms, tasks, spec).metadata
+
+
+def test_a_memory_refusal_of_unfolded_statistics_says_why_the_head_was_not_folded(llama, monkeypatch):
+    from mergeqp.io import memory
+
+    model, fts, batches, atoms = llama
+    other = _with_head(fts[0], model.lm_head.weight + 0.01)
+    tasks = [TaskTargets("t", 1.0, teacher_forced_targets(other, batches, OutputSpec(), "cpu"))]
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda *a, **k: 200_000)
+    with pytest.raises(ValidationError, match=r"fold_head: auto did not fold the model's head .*head differs"):
+        collect_first_order(model, atoms, tasks, OutputSpec())
 
 
 def test_the_fold_is_checked_once_per_model_head_and_target_and_again_after_the_head_changes(llama, monkeypatch):
@@ -118,7 +159,7 @@ def test_the_fold_is_checked_once_per_model_head_and_target_and_again_after_the_
     real, same = lm._agree, lm.HeadTargets.same_as
     monkeypatch.setattr(lm, "_agree", lambda *a: checks.append(1) or real(*a))
     # (a target kept as hidden states is checked by comparing its head with the model's)
-    monkeypatch.setattr(lm.HeadTargets, "same_as", lambda *a: checks.append(1) or same(*a))
+    monkeypatch.setattr(lm.HeadTargets, "same_as", lambda *a, **k: checks.append(1) or same(*a, **k))
     first = collect_first_order(model, atoms, tasks, spec)
     n_first = len(checks)
     # the model's logits, then every target batch held whole, and one head comparison per head copy of

@@ -82,13 +82,36 @@ def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>",
         raise _format_errors(exc, source) from None
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e-9`` and ``5E3`` are numbers (YAML 1.1, which
+    PyYAML implements, reads an exponent without a dot as a string, and the strict schema then refused
+    ``tol: 1e-9``), as are ``.5``, ``1.``, ``.inf`` and ``.nan``; integers stay integers."""
+
+
+_Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]
+                                   for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def read_yaml(text: str) -> Any:
+    """``text`` as YAML, with floats written as YAML 1.2 (and most users) write them (:class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def load_config(path: str | Path) -> MergeConfig:
     """Read and validate a YAML config file (relative paths resolve against its folder)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = read_yaml(p.read_text())
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
     return parse_config(data, root=p.resolve().parent, source=str(p), config_file=p.resolve())

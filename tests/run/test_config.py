@@ -115,6 +115,22 @@ def test_baseline_config_needs_no_prompts():
     assert not cfg.method.is_qp and cfg.method.params == {"density": 0.5}
 
 
+def test_floats_written_with_an_exponent_and_no_dot_are_numbers(tmp_path):
+    """(stop 50) PyYAML reads YAML 1.1, where ``1e-9`` is a string: the strict schema refused
+    ``tol: 1e-9`` with "Input should be a valid number" although docs/hf.md gives such defaults."""
+    text = yaml.safe_dump(MINIMAL) + (
+        "method: {name: qp, mode: trust_region, regularisation: 1e-3, solver: osqp,\n"
+        "         solver_options: {eps_abs: 1e-9}, mode_options: {tol: 1E-9, min_radius: 5e-5}}\n")
+    (tmp_path / "cfg.yml").write_text(text)
+    cfg = load_config(tmp_path / "cfg.yml")
+    assert cfg.method.regularisation == 1e-3 and cfg.method.solver_options == {"eps_abs": 1e-9}
+    assert cfg.method.mode_options == {"tol": 1e-9, "min_radius": 5e-5}
+    from mergeqp.config import read_yaml
+
+    assert read_yaml("a: .5\nb: 3\nc: 1e\nd: 1.2.3\ne: -2E+2") == {"a": 0.5, "b": 3, "c": "1e", "d": "1.2.3",
+                                                                    "e": -200.0}
+
+
 def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
     (tmp_path / "cfg.yml").write_text(yaml.safe_dump(MINIMAL))
     cfg = load_config(tmp_path / "cfg.yml")

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ValidationError
+from ..errors import ValidationError, first_line
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..merge.sites import model_sites
 from ..run.architectures import causal_lm_obstacle
@@ -447,6 +447,24 @@ def weights_identity(folder: Path) -> str:
     return ";".join(parts)
 
 
+def damaged_weights(folder: Path) -> str | None:
+    """Why the weights of a cached fine-tune ``folder`` cannot be read (``None``: every safetensors
+    file's header opens and covers the file; a copy cut short, a full disk or an edit outside mergeqp
+    fails this), so that the cache makes it again instead of stopping the run with a reader's error."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return "no .safetensors file"
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the reader's own error types vary by version
+            return f"{f.name}: {first_line(exc)}"
+    return None
+
+
 def finetune_key(base_folder: Path, texts: Sequence[str], settings: FinetuneSettings) -> str:
     h = hashlib.sha256()
     h.update(weights_identity(base_folder).encode())
@@ -504,9 +522,12 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
             record = json.loads(record_path.read_text())
         except (OSError, json.JSONDecodeError):
             record = {}
-        if record.get("key") == key:
+        damage = damaged_weights(out) if record.get("key") == key else None
+        if record.get("key") == key and damage is None:
             return FinetuneResult(out, tuple(record["trained"]), tuple(record["losses"]), 0.0, True, key,
                                   record.get("settings", {}))
+        if damage is not None and log is not None:
+            log(f"cached fine-tune {out} is damaged ({damage}): training it again")
 
     torch.manual_seed(settings.seed)
     tokenizer = load_tokenizer_of(base)

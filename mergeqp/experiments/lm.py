@@ -708,7 +708,10 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
             if not isinstance(c, Corpus):
                 raise ValidationError(f"corpora: each entry must be a Corpus, got {type(c).__name__}")
             check_corpus_name(c.name)
-    cache_dir = Path(cache).expanduser() if cache is not None else default_cache()
+    # relative paths are the caller's (the run layer's configs are rooted in a temporary work folder)
+    cache_dir = (Path(cache).expanduser() if cache is not None else default_cache()).resolve()
+    if base_folder is not None:
+        base_folder = Path(base_folder).expanduser().resolve()
     # never write over the cache (fine-tunes, the base), the base folder or a domain's text file
     prepare_out_dir(out_dir, overwrite=overwrite,
                     inputs=[cache_dir, *([base_folder] if base_folder is not None else []),

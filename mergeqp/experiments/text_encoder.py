@@ -39,7 +39,8 @@ import numpy as np
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
 from ..stats.prefix import block_stack
-from .finetune_lm import FINETUNE_RECORD, block_arguments, check_training_settings, trainable_names, training_step
+from .finetune_lm import (FINETUNE_RECORD, block_arguments, check_training_settings, damaged_weights, trainable_names,
+                          training_step)
 from .finetune_lm import weights_identity  # one definition of a folder's weights identity
 
 HEAD_FILE = "head.safetensors"
@@ -386,7 +387,11 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
     key = finetune_key(base, texts, labels, settings)
     hit = _read_cached(out, key)
     if hit is not None:
-        return hit
+        damage = damaged_weights(out)
+        if damage is None:
+            return hit
+        if log is not None:
+            log(f"cached fine-tune {out} is damaged ({damage}): training it again")
     torch.manual_seed(settings.seed)
     model = load_encoder(base, device)
     trained = trainable_names(model, settings.train_patterns)

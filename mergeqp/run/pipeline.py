@@ -142,9 +142,13 @@ class MergeResult:
 
 
 def resolve_device(name: str) -> tuple[str, str | None]:
-    """``(device, note)``: ``auto`` -> CUDA when available; ``cuda`` without CUDA -> CPU with a note."""
+    """``(device, note)``: ``auto`` -> CUDA when available; ``cuda`` without CUDA -> CPU with a note;
+    another name (the Python APIs take any string) is an error naming the valid ones."""
     import torch  # optional heavy dependency: the merge runs on torch
 
+    if not isinstance(name, str) or not (name in ("auto", "cpu", "cuda")
+                                         or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise ValidationError(f"unknown device {name!r}; valid: cpu, cuda, auto (or cuda:N)")
     if name == "auto":
         return ("cuda" if torch.cuda.is_available() else "cpu"), None
     if name.startswith("cuda") and not torch.cuda.is_available():

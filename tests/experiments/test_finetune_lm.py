@@ -43,6 +43,15 @@ def test_trains_only_matching_tensors_and_caches(tiny_hf, tiny_base, tmp_path):
 
     again = finetune_causal_lm(tiny_base, texts, out, settings, progress=False)
     assert again.cached and again.losses == res.losses and again.key == res.key
+    # (stop 50) a cached folder whose weights were cut short is trained again, not a reader's raw error later
+    weights = out / "model.safetensors"
+    cut = out / "cut.tmp"  # a new file: `after` maps the old one
+    cut.write_bytes(weights.read_bytes()[:1000])
+    cut.replace(weights)
+    said = []
+    redone = finetune_causal_lm(tiny_base, texts, out, settings, progress=False, log=said.append)
+    assert not redone.cached and redone.losses == res.losses and "is damaged" in said[0]
+    assert torch.equal(load_file(weights)[res.trained[0]], after[res.trained[0]])
     other = finetune_causal_lm(tiny_base, texts, out, FinetuneSettings(**{**settings.__dict__, "steps": 3}),
                                progress=False)
     assert not other.cached and len(other.losses) == 3 and other.key != res.key

@@ -9,6 +9,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -192,7 +193,7 @@ def test_module_outputs_selects_each_modules_last_layer():
         select_layers(layers, "*.gate_proj")
 
 
-def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
+def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path, monkeypatch):
     results, _, root = lm_run
     again = run_lm_experiment(tmp_path / "again", corpora=_corpora(tiny_hf), cache=root / "cache",
                               base_folder=tiny_base,
@@ -217,11 +218,24 @@ def test_cached_finetunes_are_reused(tiny_hf, tiny_base, lm_run, tmp_path):
                           base_folder=tiny_base, config=_config(), threads=1, progress=False)
     # without the reference, a domain may take that name
     small = _config(modes=("single",), metrics=("kl",), baselines=(), mergekit=(), extra_runs=(), ta_scalings=(1.0,))
-    plain = run_lm_experiment(tmp_path / "named2", corpora=named, cache=root / "cache", base_folder=tiny_base,
+    # (stop 50) relative cache and base folders are the caller's: they were resolved against the run's temporary
+    # work folder, and the first merge failed after the fine-tunes
+    monkeypatch.chdir(root)
+    plain = run_lm_experiment(tmp_path / "named2", corpora=named, cache="cache", base_folder=os.path.relpath(tiny_base),
                               config=small, threads=1, progress=False, multitask=False)
+    assert plain["finetunes"]["multitask"]["folder"].startswith(str((root / "cache").resolve()))
     assert "multitask" in plain["domains"] and plain["finetunes"]["multitask"]["steps"] == 12  # the domain's own
     assert "multitask" not in plain["methods"] and "finetune:multitask" in plain["methods"]
     assert "multitask_ce" not in plain["goal"]
+
+
+@pytest.mark.parametrize("device", ["mps", "tpu", "CUDA"])
+def test_an_unknown_device_is_refused_before_any_work(tiny_hf, tiny_base, tmp_path, device):
+    """(stop 50) From Python any string passed: a raw torch traceback after the fine-tunes."""
+    with pytest.raises(ValidationError, match=f"unknown device '{device}'; valid: cpu, cuda, auto"):
+        run_lm_experiment(tmp_path / "o", corpora=_corpora(tiny_hf), config=_config(), cache=tmp_path / "cache",
+                          base_folder=tiny_base, device=device, threads=1, progress=False)
+    assert not (tmp_path / "cache").exists()
 
 
 def test_device_cuda_runs_there_or_on_cpu_with_a_note(tiny_hf, tiny_base, lm_run, tmp_path):

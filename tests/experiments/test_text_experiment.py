@@ -337,6 +337,15 @@ def test_prefix_cache_matches_full_forward_and_finetunes_are_cached(tiny_hf, tin
     second = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings,
                               progress=False)
     assert second.cached and second.key == first.key and torch.equal(second.head_weight, first.head_weight)
+    # (stop 50) a cached folder whose weights were cut short is trained again (it stopped the run with a raw
+    # SafetensorError when the merges read it)
+    weights = tmp_path / "ft" / "model.safetensors"
+    cut = tmp_path / "cut.tmp"  # a new file: tensors read before may map the old one
+    cut.write_bytes(weights.read_bytes()[:500])
+    cut.replace(weights)
+    redone = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings,
+                              progress=False)
+    assert not redone.cached and redone.losses == first.losses and load_encoder(tmp_path / "ft") is not None
     other = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft",
                              EncoderSettings((LAYER + ".*",), epochs=1, batch_size=16, max_length=10), progress=False)
     assert not other.cached and other.key != first.key

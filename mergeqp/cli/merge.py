@@ -80,7 +80,13 @@ def _fits_here(cfg: Any, plan: Any) -> None:
         with memory_limit(cfg.max_memory_bytes()):
             check_groups_fit(plan)
     except ValidationError as exc:
-        print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
+        n = len(plan.sites)
+        if n > 1:  # the run leaves out the unchanged layers first, which only the weights show
+            print(f"warning: if the fine-tunes change all {n} selected layers, the run would stop on this machine "
+                  f"before loading any weight (it first leaves out the selected layers that no fine-tune changed, "
+                  f"which the dry run, reading no weights, cannot see): {exc}", file=sys.stderr)
+        else:
+            print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
 
 
 def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> tuple[int, Any]:

@@ -341,7 +341,8 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         theirs_cfg = _flat_config(cfg) if cfg is not None and base.config is not None else {}
         changed = [key for key in dict.fromkeys([*bcfg, *theirs_cfg])
                    if bcfg.get(key, _MISSING) != theirs_cfg.get(key, _MISSING) and theirs_cfg]
-        differ = sorted((key for key in changed if _defines_function(key) and key in theirs_cfg and key in bcfg),
+        differ = sorted((key for key in changed if _defines_function(key) and theirs_cfg.get(key) is not None
+                         and bcfg.get(key) is not None),
                         key=lambda k: FUNCTION_CONFIG_KEYS.index(k) if k in FUNCTION_CONFIG_KEYS else len(FUNCTION_CONFIG_KEYS))
         unknown = [key for key in changed if key not in differ and not _benign(key)]
         if unknown:
@@ -522,6 +523,24 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     new.notes.append(f"{len(dropped)} selected layer(s) or tensor(s) are the base's in every fine-tuned model and "
                      f"were left so (not merged, no coefficients): {listing(dropped, 8)}")
     return new
+
+
+def _no_sites(base: Checkpoint, base_path: Path, model: Any) -> None:
+    """Raise the reason why the model built from the base's ``config.json`` has no linear layer
+    stored in the checkpoint: most often a config without ``architectures`` (``AutoModel`` builds the
+    backbone, whose names lack the head model's prefix); the pattern is not to blame."""
+    names = [n for n in base.names() if n.endswith(".weight")]
+    if not names:
+        raise ConfigError(f"base {base_path}: the checkpoint stores no weight tensor (no name ending in .weight)")
+    live = [n for n, _ in model.named_parameters()]
+    archs = (base.config or {}).get("architectures")
+    why = ("its config.json names no `architectures`, so transformers.AutoModel built "
+           f"{type(model).__name__}; add the class that saved the checkpoint, e.g. \"architectures\": "
+           f"[\"{type(model).__name__.removesuffix('Model')}ForCausalLM\"]" if not archs else
+           f"config.json names {archs}")
+    raise ConfigError(f"base {base_path}: no linear layer of the model built from its config.json is stored in its "
+                      f"checkpoint ({why}): the checkpoint holds e.g. {names[0]!r}, the model's parameters are named "
+                      f"e.g. {live[0] if live else '(none)'!r}")
 
 
 def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple[list[LayerSite], list[str]]:
@@ -920,6 +939,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                               **_head_fields(cfg, entry, heads[i], src.label_field)))
 
     all_sites = model_sites(model, base.names())
+    if not all_sites:
+        _no_sites(base, base_path, model)
     sites, extra = _select(cfg, all_sites, list(base.names()))
     if is_output_space(cfg):
         check_output_space_sites(sites)

@@ -309,6 +309,25 @@ def test_rotary_settings_compare_by_what_transformers_reads_and_other_difference
     assert "model 'math'" in note and "my_custom_gate (3 vs the base's not set)" in note
 
 
+def test_a_base_config_without_architectures_is_named_not_the_layer_pattern(fam, tmp_path, no_weights):
+    """(stop 50) transformers.AutoModel builds the backbone, whose names lack the checkpoint's ``model.``
+    prefix: the error blamed the layer pattern ("the model's linear layers are: (none)")."""
+    import json
+
+    from mergeqp.run.plan import build_plan
+
+    base = tmp_path / "base"
+    shutil.copytree(fam.base, base)
+    config = json.loads((base / "config.json").read_text())
+    del config["architectures"]
+    (base / "config.json").write_text(json.dumps(config))
+    data = _cfg(fam, tmp_path).model_dump(exclude_unset=True)
+    data["base"] = str(base)
+    with pytest.raises(ConfigError, match=r"config.json names no `architectures`, so transformers.AutoModel built "
+                                          r"LlamaModel; add .*LlamaForCausalLM.*the checkpoint holds e.g. '"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=fam.root))
+
+
 def test_a_peft_adapter_folder_is_named(fam, tmp_path, no_weights):
     """(stop 47) A LoRA adapter folder given as a fine-tune: 'lacks tensor lm_head.weight', no word of
     the adapter."""

@@ -76,7 +76,11 @@ def test_the_dry_run_warns_when_a_qp_would_not_fit_here(tiny_hf, fam, tmp_path, 
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1000)
     assert main(["merge", str(cfg), "--dry-run"]) == 0
     err = capsys.readouterr().err
-    assert "warning: on this machine the run would stop before loading any weight" in err and "statistics and solve" in err
+    # (stop 50) three selected layers: the warning says first that the run leaves out unchanged ones (it said the
+    # run "would stop", and a run whose fine-tunes changed fewer layers did not)
+    assert ("warning: if the fine-tunes change all 3 selected layers, the run would stop on this machine before loading "
+            "any weight (it first leaves out the selected layers that no fine-tune changed" in err)
+    assert "statistics and solve" in err
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 2  # and the run stops
     assert "statistics and solve need about" in capsys.readouterr().err and not (tmp_path / "o").exists()
 

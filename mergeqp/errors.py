@@ -48,6 +48,13 @@ def _plural(kind: str) -> str:
     return kind[:-1] + "ies" if kind.endswith("y") and kind[-2:-1] not in "aeiou" else kind + "s"
 
 
+def did_you_mean(name: object, valid: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the valid name closest to ``name``, or ``""`` (one rule for every
+    message that names an unknown key, parameter or registry entry)."""
+    close = difflib.get_close_matches(str(name), list(valid), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class UnknownNameError(MergeQPError, KeyError):
     """A registry lookup (solver, constraint set, merge method, basis, ...) failed."""
 
@@ -55,9 +62,8 @@ class UnknownNameError(MergeQPError, KeyError):
         self.kind = kind
         self.name = name
         self.valid = sorted(valid)
-        close = difflib.get_close_matches(str(name), self.valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        own = f"; {OWN_ENTRY_HINT}" if kind in USER_REGISTRIES and not close else ""
+        hint = did_you_mean(name, self.valid)
+        own = f"; {OWN_ENTRY_HINT}" if kind in USER_REGISTRIES and not hint else ""
         super().__init__(f"unknown {kind} {name!r}; valid {_plural(kind)}: {', '.join(self.valid)}{hint}{own}")
 
     def __str__(self) -> str:  # KeyError would otherwise repr() the message
@@ -283,8 +289,7 @@ def parse_params(model: type[T], params: Mapping[str, object], where: str, owner
     valid = list(model.model_fields)  # type: ignore[attr-defined]
     extra = [k for k in params if k not in valid]
     if extra:
-        close = difflib.get_close_matches(str(extra[0]), valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(extra[0], valid)
         raise ConfigError(f"{where}.params: unknown parameter {extra[0]!r} of {owner}{hint}; valid: "
                           f"{', '.join(valid)}")
     try:

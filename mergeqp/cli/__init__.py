@@ -166,7 +166,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command not in SYSTEM_ALLOCATOR:
         from ..io.allocator import keep_freed_memory
 
-        keep_freed_memory()
+        try:
+            keep_freed_memory()
+        except MergeQPError as exc:  # a typo in $MERGEQP_ALLOCATOR
+            return _failed(args.command, exc)
     from ..io.atomic import forget_committed
 
     forget_committed()

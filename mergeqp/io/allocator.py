@@ -25,6 +25,8 @@ import ctypes.util
 import os
 import sys
 
+from ..errors import ValidationError, did_you_mean
+
 #: ``mallopt`` parameters (glibc ``malloc.h``)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
@@ -33,13 +35,20 @@ M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2**31 - 1
 #: environment variable: ``system`` keeps the C library's own policy
 ENV = "MERGEQP_ALLOCATOR"
+#: its values: unset (or empty) and ``keep`` keep freed memory; ``system`` keeps the C library's policy
+POLICIES = ("", "keep", "system")
 
 
 def keep_freed_memory() -> bool:
     """Keep freed memory in this process (see the module doc). ``True`` when the policy is now in
     force; ``False`` when ``MERGEQP_ALLOCATOR=system`` is set or the C library is not glibc.
-    Takes effect for allocations made after the call."""
-    if os.environ.get(ENV, "").strip().lower() == "system" or not sys.platform.startswith("linux"):
+    Takes effect for allocations made after the call. Another value of the variable (a typo of
+    ``system``) is a :class:`~mergeqp.errors.ValidationError`: it was taken as the default."""
+    policy = os.environ.get(ENV, "").strip().lower()
+    if policy not in POLICIES:
+        raise ValidationError(f"{ENV}={os.environ.get(ENV)!r}: valid values are {', '.join(POLICIES[1:])} "
+                              f"(or unset){did_you_mean(policy, POLICIES[1:])}")
+    if policy == "system" or not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

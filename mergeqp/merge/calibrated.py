@@ -35,13 +35,12 @@ tensors before chunking, so the result does not depend on the chunk size.
 
 from __future__ import annotations
 
-import difflib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, MergeQPError, ValidationError
+from ..errors import ConfigError, MergeQPError, ValidationError, did_you_mean
 from ..io.calibration import unpadded_inputs
 from .method import CalibrationStatistics, MergeMethod
 from .registry import MERGE_METHODS, get_merge_method, merge_state_dicts
@@ -80,8 +79,7 @@ def check_params(name: str, params: Mapping[str, Any], where: str) -> None:
     valid = config_params(name)
     unknown = [k for k in params if k not in valid and k not in spec.supplied]
     if unknown:
-        close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        hint = did_you_mean(unknown[0], valid)
         raise ConfigError(f"{where}.params: unknown parameter {unknown[0]!r} of {name!r}{hint}; valid: "
                           f"{', '.join(valid)}")
     placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items() if k in spec.supplied}

@@ -32,7 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, field_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 
 MAX_REPR = 60
 
@@ -150,7 +150,7 @@ class MergeMethod:
                     continue
                 field = ".".join(loc)
                 if err["type"] == "extra_forbidden":
-                    problems.append(f"unknown parameter {field!r}")
+                    problems.append(f"unknown parameter {field!r}{did_you_mean(field, self.valid_params())}")
                     continue
                 got = repr(err.get("input"))
                 got = got if len(got) <= MAX_REPR else got[: MAX_REPR - 3] + "..."

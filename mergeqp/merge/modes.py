@@ -15,7 +15,6 @@ the config's ``method.mode_options`` block is validated by it (:meth:`MergeMode.
 from __future__ import annotations
 
 import copy
-import difflib
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic import ValidationError as PydanticError
 
-from ..errors import MergeMethodError, ValidationError, check_new_name, check_signature, lookup, named_failure
+from ..errors import (MergeMethodError, ValidationError, check_new_name, check_signature, did_you_mean, lookup,
+                      named_failure)
 from ..formatting import format_number
 from ..io.distributed import current_group
 from ..lm import forward
@@ -83,8 +83,7 @@ class MergeMode:
         valid = sorted(self.options.model_fields)
         bad = [k for k in raw if k not in valid]
         if bad:
-            close = difflib.get_close_matches(str(bad[0]), valid, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint = did_you_mean(bad[0], valid)
             raise ValidationError(f"mode_options: unknown key {bad[0]!r} for mode: {self.name}{hint}; valid keys: "
                                   f"{', '.join(valid)}")
         try:

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from ..constraints import Box, as_constraint_set
 from ..errors import ValidationError
+from ..formatting import format_number
 from ..problem import MergeQP
 from ..solvers.registry import solve
 from ..stats.parametrisation import merged_update
@@ -567,7 +568,7 @@ def trust_region_sites(ctx: MergeContext, sites: Sequence[LayerSite], config: Tr
     outcome = SitesTrustRegion(result, selection)
     for row in outcome.step_rows():
         say(ctx, f"[{mode} step {row['step'] + 1}] radius {row['radius']:.3g}: J {row['objective_before']:.6g} -> "
-                 f"linearised {row['linearised_after']} true {row['true_after']} "
+                 f"linearised {format_number(row['linearised_after'])} true {format_number(row['true_after'])} "
                  f"({'accepted' if row['accepted'] else 'rejected'}, certified {row['certified']})")
     step = result.steps[result.chosen_step] if result.chosen_step is not None else None
     linearised = step.true_before - step.predicted if step is not None else result.start_objective

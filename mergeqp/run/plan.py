@@ -971,9 +971,14 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
                          f"{vocab} compared values per position: it compares as many or more numbers than all of "
                          f"them (restrict: none is exact, and no larger)")
-        if cfg.output.restrict == "none" and vocab and vocab > 4096:
+        if cfg.output.restrict == "none" and cfg.output.sketch is None and vocab and vocab > 4096:
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
+    if (matrix is not None and cfg.output.field == "logits" and cfg.output.pool == "none" and not any(heads)
+            and not_causal is None and isinstance(vocab, int) and matrix.shape[0] != vocab):
+        raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
+                          f"'logits' has {vocab} numbers per position (vocab_size in the base's config.json); the "
+                          f"matrix needs one row per logit")
     _check_auto_batches(cfg, tasks)
     context = context_length(base.config or {})
     if context is not None and cfg.calibration.max_length > context[1]:

@@ -20,7 +20,6 @@ reference is ``docs/hf.md``.
 
 from __future__ import annotations
 
-import difflib
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +35,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, unknown
+from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, did_you_mean, unknown
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
@@ -55,9 +54,8 @@ def _registered(kind: str, name: str, valid: list[str]) -> str:
     (with a did-you-mean)."""
     if name in valid:
         return name
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}" + ("" if close else f"; {OWN_ENTRY_HINT}"))
+    hint = did_you_mean(name, valid)
+    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}" + ("" if hint else f"; {OWN_ENTRY_HINT}"))
 
 
 def _keys(names: list[str]) -> str:
@@ -105,8 +103,7 @@ class _Strict(BaseModel):
             bad = [k for k in data if k not in valid and k not in internal]
             if bad:
                 key = str(bad[0])
-                close = difflib.get_close_matches(key, sorted(valid), n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                hint = did_you_mean(key, sorted(valid))
                 mergekit = sorted(k for k in bad if k in MERGEKIT_KEYS)
                 if mergekit:
                     hint = (f" ({', '.join(mergekit)}: this looks like a mergekit config; mergeqp's keys are base, "

@@ -55,3 +55,16 @@ def test_cli_keeps_the_system_policy_for_bench() -> None:
     from mergeqp.cli import SUBCOMMANDS, SYSTEM_ALLOCATOR
 
     assert SYSTEM_ALLOCATOR <= set(SUBCOMMANDS) and "bench" in SYSTEM_ALLOCATOR
+
+
+def test_a_typo_in_the_policy_is_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """(stop 50) ``MERGEQP_ALLOCATOR=sytem`` was taken as the default policy, silently."""
+    from mergeqp.cli import main
+    from mergeqp.errors import ValidationError
+
+    monkeypatch.setenv(allocator.ENV, "sytem")
+    with pytest.raises(ValidationError, match=r"MERGEQP_ALLOCATOR='sytem': valid values are keep, system .*"
+                                              r"did you mean 'system'"):
+        allocator.keep_freed_memory()
+    assert main(["certify", "nothing.npz", "--point", "d.npy"]) == 2  # before the command reads anything
+    assert "MERGEQP_ALLOCATOR='sytem'" in capsys.readouterr().err

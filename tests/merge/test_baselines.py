@@ -38,7 +38,7 @@ def test_unknown_method_and_parameters_are_errors_listing_valid_names(random_fam
     base, fts = random_family((4, 3), K=2)
     with pytest.raises(UnknownNameError, match="valid merge methods: .*dare_ties.*ties"):
         merge_tensors("tie", base, fts)
-    with pytest.raises(ConfigError, match="unknown parameter 'desnity'.*valid parameters: .*density"):
+    with pytest.raises(ConfigError, match="unknown parameter 'desnity' \\(did you mean 'density'\\?\\).*valid parameters: .*density"):
         merge_tensors("ties", base, fts, desnity=0.3)
     with pytest.raises(ConfigError, match="parameter 'density'.*less than or equal to 1"):
         merge_tensors("ties", base, fts, density=1.5)

@@ -790,3 +790,16 @@ def test_plan_without_unchanged_equals_the_plan_of_the_changed_layers(tiny_hf, t
     assert left.config.layers == ["model.layers.1.mlp.down_proj"] and left.tasks == one.tasks
     assert left.notes[:-1] == glob.notes and "model.layers.0.mlp.down_proj" in left.notes[-1]
     assert glob.notes == one.notes  # (the note is added to the copy only)
+
+
+def test_run_merge_names_what_it_takes(tmp_path):
+    """(stop 50) ``run_merge("cfg.yaml", out)`` was a raw AttributeError from deep inside the plan."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.run.pipeline import run_merge
+
+    with pytest.raises(ValidationError, match=r"cfg must be a MergeConfig, got str \(a path: read the file with "
+                                              r"mergeqp.load_config\(path\) first\)"):
+        run_merge("cfg.yaml", tmp_path / "out")
+    with pytest.raises(ValidationError, match=r"got dict .*parse_config\(mapping\)"):
+        run_merge({"base": "b"}, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -152,3 +152,10 @@ def test_merge_through_a_matrix_from_the_config(tiny_hf, tmp_path):
                                            output={"restrict": "projection", "matrix": "nothing.npy"}))
     with pytest.raises(ConfigError, match="output.matrix"):
         run_merge(missing, tmp_path / "out2", progress=False)
+    # (stop 50) a matrix with another row count than the vocabulary passed --dry-run and stopped the run after
+    # the base was loaded, without naming output.matrix
+    np.save(tmp_path / "short.npy", RNG.standard_normal((V - 1, 3)))
+    short = load_config(fam.write_config(tmp_path / "short.yml", layer, method,
+                                         output={"restrict": "projection", "matrix": "short.npy"}))
+    with pytest.raises(ConfigError, match=rf"output.matrix short.npy: it has {V - 1} rows, but .* has {V} numbers"):
+        build_plan(short)

@@ -37,7 +37,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,6 +49,7 @@ import numpy as np
 
 from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.workdir import work_folder
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
@@ -719,17 +719,16 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     dev, device_note = resolve_device(device)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
-    work = Path(tempfile.mkdtemp(prefix=".lm-work-", dir=str(Path(out_dir).expanduser().resolve().parent)))
-    try:
-        results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
-                       device_note, quick, progress)
-        with atomic_folder(out_dir, overwrite=overwrite) as staging:
-            results["figures"] = write_lm_outputs(results, staging, figures=figures)
-            write_json_atomic(staging / "results.json", to_jsonable(results))
+    try:  # (a killed run's work folder is removed by the next run in the same place)
+        with work_folder(".lm-work-", Path(out_dir).expanduser().resolve().parent) as work:
+            results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
+                           device_note, quick, progress)
+            with atomic_folder(out_dir, overwrite=overwrite) as staging:
+                results["figures"] = write_lm_outputs(results, staging, figures=figures)
+                write_json_atomic(staging / "results.json", to_jsonable(results))
         return results
     finally:
         torch.set_num_threads(old_threads)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:

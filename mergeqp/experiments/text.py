@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -45,6 +44,7 @@ import pydantic
 
 from ..errors import ValidationError, check_integer
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.workdir import work_folder
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
 from ..run.pipeline import resolve_device, run_merge
@@ -490,8 +490,8 @@ class _Run:
     def run(self, out_dir: str, figures: bool) -> dict[str, Any]:
         t_start = time.perf_counter()
         self.prepare()
-        with tempfile.TemporaryDirectory(prefix="mergeqp-text-") as work:
-            self.work = Path(work)
+        with work_folder("mergeqp-text-") as work:  # (a killed run's folder is removed by the next run)
+            self.work = work
             self.prompt_files = []
             for t in self.tasks:
                 path = self.work / f"{t.splits.name}.jsonl"

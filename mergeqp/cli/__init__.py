@@ -150,6 +150,7 @@ def _refuse_launch(command: str) -> MergeQPError | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # (no choice of any command depends on what a user registers)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: reports name the command that made them
     try:  # $MERGEQP_IMPORT, then every --import: before the command runs
         import_plugins([m.strip() for m in os.environ.get(IMPORT_ENV, "").split(",") if m.strip()]
                        + [m for m in args.imports if m])

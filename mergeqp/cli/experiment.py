@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ def run_mnist(args: argparse.Namespace) -> int:
     results = run_mnist_experiment(args.out, quick=args.quick, seed=args.seed, idx_dir=args.idx_dir,
                                    finetune=args.finetune, config=config, threads=threads,
                                    figures=not args.no_figures, progress=not args.quiet,
-                                   overwrite=args.overwrite)
+                                   overwrite=args.overwrite, command=_command(args))
     print(console_summary(results))
     _print_written(args.out, results)
     return 0
@@ -151,7 +152,7 @@ def run_lm(args: argparse.Namespace) -> int:
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite,
                                 multitask=not args.no_multitask, finetune_modules=args.finetune_modules,
-                                base_folder=_base_folder(args.base))
+                                base_folder=_base_folder(args.base), command=_command(args))
     print(console_summary(results))
     _print_written(args.out, results)
     return 0
@@ -206,7 +207,8 @@ def run_text(args: argparse.Namespace) -> int:
     results = run_text_experiment(args.out, quick=args.quick, seed=args.seed, cache_dir=args.cache, tasks=tasks,
                                   device=args.device, threads=threads, figures=not args.no_figures,
                                   progress=not args.quiet, overwrite=args.overwrite,
-                                  train_patterns=args.train_patterns, base_folder=_base_folder(args.base))
+                                  train_patterns=args.train_patterns, base_folder=_base_folder(args.base),
+                                  command=_command(args))
     print(console_text_summary(results))
     if results.get("device_note"):
         print(results["device_note"])
@@ -269,6 +271,11 @@ def _check_threads(args: argparse.Namespace) -> None:
 def _check_seed(args: argparse.Namespace) -> None:
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line as typed (for the report's first line)."""
+    return "mergeqp " + shlex.join(getattr(args, "argv", []) or [])
 
 
 def _threads(args: argparse.Namespace) -> int:

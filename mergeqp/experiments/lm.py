@@ -679,7 +679,7 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
                       base_folder: str | os.PathLike[str] | None = None, device: str = "cpu",
                       threads: int | None = None, figures: bool = True, progress: bool = True,
                       overwrite: bool = False, multitask: bool | None = None,
-                      finetune_modules: Sequence[str] | None = None) -> dict[str, Any]:
+                      finetune_modules: Sequence[str] | None = None, command: str | None = None) -> dict[str, Any]:
     """Run the experiment (see the module docstring) and write ``out_dir``; returns the results.
 
     ``corpora`` (any :class:`Corpus` list) replaces ``domains`` (registered names, default
@@ -723,6 +723,7 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
         with work_folder(".lm-work-", Path(out_dir).expanduser().resolve().parent) as work:
             results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
                            device_note, quick, progress)
+            results = {**results, "command": command}
             with atomic_folder(out_dir, overwrite=overwrite) as staging:
                 results["figures"] = write_lm_outputs(results, staging, figures=figures)
                 write_json_atomic(staging / "results.json", to_jsonable(results))

@@ -16,19 +16,13 @@ from ..io.atomic import savefig_atomic, write_text_atomic
 from .lm_claims import MULTITASK, ceiling_ce
 from .plots import _pyplot
 from ..merge.report import start_selection_lines
-from .report import _f, _table
+from .report import _f, _table, invocation
 
 KIND_COLOUR = {"qp": "tab:green", "baseline": "tab:blue", "mergekit": "tab:orange", "reference": "tab:gray"}
 
 
 def _merges(results: dict[str, Any]) -> dict[str, Any]:
     return {n: m for n, m in results["methods"].items() if m.get("kind") != "reference" or n == "base"}
-
-
-def command_line(results: dict[str, Any]) -> str:
-    parts = ["mergeqp experiment lm"] + (["--quick"] if results.get("mode") == "quick" else [])
-    parts += ["--domains", *results["domains"], "--seed", str(results["seed"]), "--out DIR"]
-    return " ".join(parts)
 
 
 def methods_table(results: dict[str, Any]) -> str:
@@ -64,7 +58,7 @@ def render_report(results: dict[str, Any]) -> str:
                for d, r in results["finetunes"].items()]
     lines = [
         "# Language-model merging experiment (`mergeqp experiment lm`)", "",
-        f"`{command_line(results)}` -- base `{results['base']}`, device {results['device']}, "
+        f"{invocation(results)} -- base `{results['base']}`, device {results['device']}, "
         f"{results['environment']['threads']} torch threads, total {timings['total']:.0f} s wall, "
         f"{timings.get('total_cpu', float('nan')):.0f} s CPU (this process; mergekit subprocesses not included).", "",
         f"Fine-tuned tensors: {', '.join(results['finetuned_tensors'])}. Texts per domain (train / calibration / "

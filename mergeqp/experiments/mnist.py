@@ -213,6 +213,7 @@ def run_mnist_experiment(
     figures: bool = True,
     progress: bool = True,
     overwrite: bool = False,
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Run the experiment and write ``results.json``, ``report.md`` and figures to ``out_dir``.
 
@@ -241,7 +242,7 @@ def run_mnist_experiment(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        results = _run(cfg, out_dir, int(seed), idx_dir, finetune, quick, figures, progress)
+        results = _run(cfg, out_dir, int(seed), idx_dir, finetune, quick, figures, progress, command)
     finally:
         torch.set_num_threads(old_threads)
     return results
@@ -267,7 +268,7 @@ def _log(progress: bool, msg: str) -> None:
 
 
 def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetune_mode: str,
-         quick: bool, figures: bool, progress: bool) -> dict[str, Any]:
+         quick: bool, figures: bool, progress: bool, command: str | None = None) -> dict[str, Any]:
     import torch
 
     timer = _Timer()
@@ -410,6 +411,7 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     results: dict[str, Any] = {
         "experiment": "mnist",
         "mode": "quick" if quick else "full",
+        "command": command,
         "seed": seed,
         "finetune": finetune_mode,
         "config": cfg.to_dict(),

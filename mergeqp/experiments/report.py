@@ -30,17 +30,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def command_line(results: dict[str, Any]) -> str:
-    parts = ["mergeqp experiment mnist"]
-    if results.get("mode") == "quick":
-        parts.append("--quick")
-    if results["data"]["source"] and not results["data"]["source"].endswith(".csv.gz"):
-        parts.append(f"--idx-dir {results['data']['source']}")
-    parts.append(f"--seed {results['seed']}")
-    if results.get("finetune", "layer2") != "layer2":
-        parts.append(f"--finetune {results['finetune']}")
-    parts.append("--out DIR")
-    return " ".join(parts)
+def invocation(results: dict[str, Any]) -> str:
+    """How the run was started, for a report's first lines: the command line of a CLI run (as typed),
+    else the Python function (whose configuration, corpora and sizes a command line need not
+    reproduce: results.json's ``config`` holds the settings)."""
+    if results.get("command"):
+        return f"Command: `{results['command']}`"
+    return (f"Run from Python (`mergeqp.experiments.run_{results.get('experiment', '?')}_experiment`, "
+            f"{results.get('mode', '?')} preset or a custom configuration: its settings are results.json's `config`)")
 
 
 def _with_references(results: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +233,7 @@ def render_report(results: dict[str, Any]) -> str:
         "# MNIST merge experiment",
         "",
         (
-            f"Command: `{command_line(results)}` ({results['mode']} mode). Data: `{d['source']}` "
+            f"{invocation(results)} ({results['mode']} mode). Data: `{d['source']}` "
             f"({d['n_classes']} classes, {d['n_features']} pixels)."
         ),
         "",

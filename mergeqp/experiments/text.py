@@ -226,7 +226,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
                         device: str = "cpu", tasks: Sequence[Corpus] | None = None,
                         base_folder: str | Path | None = None, config: TextConfig | None = None,
                         threads: int | None = None, figures: bool = True, progress: bool = True,
-                        overwrite: bool = False, train_patterns: Sequence[str] | None = None) -> dict[str, Any]:
+                        overwrite: bool = False, train_patterns: Sequence[str] | None = None,
+                        command: str | None = None) -> dict[str, Any]:
     """Run the experiment (module docstring) and write ``results.json``, ``report.md`` and figures
     to ``out_dir`` atomically; returns the results dict. ``tasks``: labelled corpora (default: the
     four offline tasks); ``base_folder``: an encoder folder (default all-MiniLM-L6-v2);
@@ -267,7 +268,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _Run(cfg, base, cache, dev, device_note, int(seed), corpora, quick, progress).run(out_dir, figures)
+        return _Run(cfg, base, cache, dev, device_note, int(seed), corpora, quick, progress,
+                    command).run(out_dir, figures)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -296,9 +298,10 @@ class _Run:
     """One run of the experiment (state shared by its steps)."""
 
     def __init__(self, cfg: TextConfig, base: Path, cache: Path, device: str, device_note: str | None, seed: int,
-                 corpora: Sequence[Corpus], quick: bool, progress: bool) -> None:
+                 corpora: Sequence[Corpus], quick: bool, progress: bool, command: str | None = None) -> None:
         self.cfg, self.base, self.cache, self.device, self.device_note = cfg, base, cache, device, device_note
         self.seed, self.corpora, self.quick, self.progress = seed, list(corpora), quick, progress
+        self.command = command
         self.timings: dict[str, float] = {}
         self._t = time.perf_counter()
 
@@ -627,6 +630,7 @@ class _Run:
                                        "loss_last": float(np.mean(ft.losses[-5:])), "steps": len(ft.losses)}})
         return {
             "experiment": "text", "mode": "quick" if self.quick else "full", "seed": self.seed,
+            "command": self.command,
             "config": cfg.to_dict(), "base_model": str(self.base), "device": self.device,
             "device_note": self.device_note, "cache": str(self.cache), "features_cached": self.features_cached,
             "trained": list(self.trained), "layers": self.layers, "geometry_layers": self.geometry_layers(),

@@ -30,7 +30,7 @@ import numpy as np
 from ..io.atomic import savefig_atomic, write_text_atomic
 from ..merge.report import start_selection_lines
 from .claims import ACCURACY_TIE
-from .report import _f, _table
+from .report import _f, _table, invocation
 from .uncertainty import DEFAULT_RESAMPLES, Interval, bootstrap, describe_level, group_mean
 
 BASELINE_NAMES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
@@ -177,12 +177,6 @@ def paired_interval(results: dict[str, Any], method: str, other: str | Sequence[
 
 
 # ---------------------------------------------------------------------- report
-def _command(results: dict[str, Any]) -> str:
-    parts = ["mergeqp experiment text"] + (["--quick"] if results.get("mode") == "quick" else [])
-    parts += [f"--seed {results['seed']}", "--out DIR"]
-    return " ".join(parts)
-
-
 def methods_table(results: dict[str, Any]) -> str:
     rows = []
     entries = {**results["methods"], **{f"{k} (reference)": v for k, v in results["references"].items()}}
@@ -258,7 +252,7 @@ def render_text_report(results: dict[str, Any]) -> str:
     timings = [[k, _f(v, 3)] for k, v in results.get("timings", {}).items()]
     lines = [
         "# Text experiment: merging fine-tuned sentence encoders (the paper's ViT section)", "",
-        f"Command: `{_command(results)}`  ", f"Base model: `{results['base_model']}`; device `{results['device']}`"
+        f"{invocation(results)}  ", f"Base model: `{results['base_model']}`; device `{results['device']}`"
         + (f" ({results['device_note']})" if results.get("device_note") else ""), "",
         f"Fine-tuned and merged tensors: {', '.join('`' + n + '`' for n in results['trained'])}, plus a linear "
         f"head per task on the mean-pooled embedding. Compared output in the merge QPs: "

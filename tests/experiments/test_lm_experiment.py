@@ -158,6 +158,9 @@ def test_report_and_claims_render(lm_run):
     text = (out / "report.md").read_text()
     assert text == render_report(results)
     assert "## Goal" in text and ("**PASS**" in text or "**FAIL**" in text)
+    # (stop 50) a run from Python with a custom configuration printed a `mergeqp experiment lm --quick --domains ...`
+    # command that the CLI would refuse (its domains are not registered) or that would run other sizes
+    assert results["command"] is None and "Run from Python (`mergeqp.experiments.run_lm_experiment`" in text
     assert "| qp_sequential_euclidean |" in text or "| **qp_sequential_euclidean** |" in text
     ids = [c["id"] for c in results["claims"]]
     assert ids == ["F", "L1", "L2", "L3", "L4"]

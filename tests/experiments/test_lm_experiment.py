@@ -166,6 +166,9 @@ def test_report_and_claims_render(lm_run):
     assert ids == ["F", "L1", "L2", "L3", "L4"]
     summary = console_summary(results)
     assert "goal:" in summary and "qp_single_euclidean" in summary
+    # the notes (a device fallback, mergekit missing ...) reach the console too, not only report.md (stop 50)
+    assert all(f"note: {n}" in summary for n in results["notes"])
+    assert "note: a test note" in console_summary({**results, "notes": ["a test note"]})
 
 
 def test_attention_finetunes_merge_their_output_projections(tiny_hf, tiny_base, tmp_path):
@@ -239,6 +242,19 @@ def test_an_unknown_device_is_refused_before_any_work(tiny_hf, tiny_base, tmp_pa
         run_lm_experiment(tmp_path / "o", corpora=_corpora(tiny_hf), config=_config(), cache=tmp_path / "cache",
                           base_folder=tiny_base, device=device, threads=1, progress=False)
     assert not (tmp_path / "cache").exists()
+
+
+def test_too_few_calibration_texts_for_autos_folds_are_refused_before_the_fine_tunes(tiny_hf, tiny_base, tmp_path):
+    """(stop 50) The run layer refused it, clearly, but after the fine-tunes, the grid and the baselines."""
+    from mergeqp.experiments.lm import RECOMMENDED_RUN
+
+    config = _config(runs=(RECOMMENDED_RUN,))  # start: auto with folds; 6 texts in batches of 4 make 2 batches
+    config = dataclasses.replace(config, calibration_texts=4)
+    with pytest.raises(ValidationError, match=r"start auto with \d+ folds needs two or more calibration batches per "
+                                              r"domain, but calibration_texts 4 in batches of 4 make 1"):
+        run_lm_experiment(tmp_path / "o", corpora=_corpora(tiny_hf), config=config, cache=tmp_path / "cache",
+                          base_folder=tiny_base, threads=1, progress=False)
+    assert not (tmp_path / "cache" / "lm-finetunes").exists()
 
 
 def test_device_cuda_runs_there_or_on_cpu_with_a_note(tiny_hf, tiny_base, lm_run, tmp_path):

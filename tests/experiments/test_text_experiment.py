@@ -9,6 +9,7 @@ cached-prefix embeddings equal a full forward; the report renders; CLI errors ar
 from __future__ import annotations
 
 import json
+import shutil
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -470,6 +471,17 @@ def test_inputs_and_bases_are_checked_before_any_work(tiny_hf, tiny_base, tmp_pa
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValidationError, match=why):
             run_text_experiment(str(tmp_path / "o"), tasks=tasks, base_folder=folder, config=tiny_config())
+    # (stop 50) a base stored as pytorch_model.bin failed after the features and the fine-tune
+    binary = tmp_path / "bin-base"
+    shutil.copytree(tiny_base, binary)
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(binary / "model.safetensors")), binary / "pytorch_model.bin")
+    (binary / "model.safetensors").unlink()
+    with pytest.raises(ValidationError, match=r"holds no .safetensors weights"):
+        run_text_experiment(str(tmp_path / "o"), tasks=tasks, base_folder=binary, config=tiny_config(),
+                            cache_dir=str(cache))
+    assert not (cache / "finetunes").exists()
     renamed = [Corpus("a/b", t.texts, t.labels, t.label_names, "x") for t in tasks]
     with pytest.raises(ValidationError, match="task names are letters"):
         run_text_experiment(str(tmp_path / "o"), tasks=renamed, base_folder=tiny_base, config=tiny_config())

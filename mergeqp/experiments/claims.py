@@ -39,6 +39,8 @@ OBJECTIVE_RTOL = 1e-9
 
 
 def _claim(cid: str, statement: str, passed: bool, value: Any, detail: str) -> dict[str, Any]:
+    if isinstance(value, float) and value == 0.0:
+        value = 0.0  # a rounded tiny negative is -0.0, printed "-0.0"
     return {"id": cid, "statement": statement, "passed": bool(passed), "value": value, "detail": detail}
 
 

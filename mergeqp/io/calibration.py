@@ -116,10 +116,11 @@ def read_prompts(path: str | Path, field: str = "text", max_prompts: int | None 
 
 
 def read_labelled_prompts(path: str | Path, field: str, label_field: str,
-                          max_prompts: int | None = None) -> tuple[list[str], list[int]]:
+                          max_prompts: int | None = None, classes: int | None = None) -> tuple[list[str], list[int]]:
     """``(prompts, labels)`` of a ``.jsonl`` / ``.json`` file of objects holding the prompt under
-    ``field`` and an integer class index (``>= 0``) under ``label_field``; as :func:`read_prompts`,
-    blank prompts are skipped and ``max_prompts`` keeps the first ones."""
+    ``field`` and an integer class index (``>= 0``, below ``classes`` when given: the rows of the
+    task's head) under ``label_field``; as :func:`read_prompts`, blank prompts are skipped and
+    ``max_prompts`` keeps the first ones. A bad label names its line."""
     p = Path(path)
     if p.suffix.lower() == ".txt":
         raise ValidationError(f"{p}: labelled prompts (label_field {label_field!r}) need a .jsonl or .json file of "
@@ -132,7 +133,7 @@ def read_labelled_prompts(path: str | Path, field: str, label_field: str,
         text = _prompt_of(obj, field, where)
         if label_field not in obj:
             raise ValidationError(f"{where}: object has no label field {label_field!r} (fields: {sorted(obj)})")
-        labels.append(_class_index(obj[label_field], f"{where}: label {label_field!r}"))
+        labels.append(_class_index(obj[label_field], f"{where}: label {label_field!r}", classes))
         prompts.append(text)
     kept = [(x, y) for x, y in zip(prompts, labels) if x.strip()]
     if max_prompts is not None:
@@ -142,9 +143,12 @@ def read_labelled_prompts(path: str | Path, field: str, label_field: str,
     return [x for x, _ in kept], [y for _, y in kept]
 
 
-def _class_index(value: Any, where: str) -> int:
+def _class_index(value: Any, where: str, classes: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValidationError(f"{where} is {value!r}: a class index (an integer >= 0, the row of the task's head)")
+    if classes is not None and value >= classes:
+        raise ValidationError(f"{where} is {value}, but the task's head has {classes} classes (labels are its row "
+                              f"indices, 0 to {classes - 1})")
     return int(value)
 
 

@@ -69,7 +69,7 @@ def check_jacobian_size(site: str, c: int, r: int, max_bytes: int) -> None:
     if need > max_bytes:
         raise ValidationError(
             f"basis: optimal at layer {site!r} needs its mean output Jacobian of shape (c, r) = ({c}, {r}) in "
-            f"float64, {need / 2**30:.3g} GiB, above method.basis_max_size ({max_bytes / 2**30:.3g} GiB): "
+            f"float64, {human_bytes(need)}, above method.basis_max_size ({human_bytes(max_bytes)}): "
             f"shrink c (output: {{restrict: projection, k: ...}} or a smaller calibration.max_length), raise "
             f"method.basis_max_size, or use basis: svd"
         )

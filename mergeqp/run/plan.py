@@ -918,7 +918,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                 if src.max_prompts is not None:
                     n = min(n, src.max_prompts)
             elif heads[i] is not None and src.label_field is not None:
-                labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts)[1]
+                labels = read_labelled_prompts(path, src.field, src.label_field, src.max_prompts,
+                                               classes=getattr(heads[i], "classes", None))[1]
                 n = len(labels)
             else:
                 texts = read_prompts(path, src.field, src.max_prompts)
@@ -995,6 +996,11 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         if why is not None:
             raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
     plan.memory = estimate_memory(plan)
+    jacobian = plan.memory.get(OPTIMAL_JACOBIAN)
+    if jacobian is not None and cfg.method.basis_max_size is not None and jacobian > parse_size(cfg.method.basis_max_size):
+        plan.notes.append(f"method.basis_max_size {cfg.method.basis_max_size} is below the optimal basis's mean Jacobian "
+                          f"at its upper bound ({human_bytes(jacobian)}, every prompt at the longest length): the run "
+                          f"stops at the first layer whose Jacobian, with the real prompt lengths, exceeds it")
     return plan
 
 
@@ -1064,6 +1070,10 @@ def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden:
     return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
 
 
+#: the memory estimate's item of the optimal basis's mean Jacobian (the largest layer's)
+OPTIMAL_JACOBIAN = "optimal-basis mean Jacobian (one layer)"
+
+
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
     """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
     cfg = plan.config
@@ -1124,7 +1134,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         out[f"{name} merge (baseline atoms)"] = sum(plan.base.info(k).nbytes for k in site_keys)
     if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
         # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
-        out["optimal-basis mean Jacobian (one layer)"] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
+        out[OPTIMAL_JACOBIAN] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
         out["optimal-basis residuals"] = prompts * T * per_pos * 8
         # its pass carries up to chunk_size tangents through the unfolded head at once (the run shrinks
         # the chunk to what the memory holds, down to one tangent)

@@ -292,3 +292,10 @@ def test_claims_b_and_j_take_accuracies_equal_to_the_last_bit_as_equal():
     assert claim_b({"methods": methods})["passed"]
     methods["auto"] = avg(2.5, 0.929)  # one test sample in a thousand is no tie
     assert not claim_j({"methods": methods, "recommended": "auto"})["passed"]
+
+
+def test_a_claims_rounded_zero_prints_without_a_sign():
+    """(stop 50) claim i printed value -0.0 (a rounded relative change of -1e-9)."""
+    from mergeqp.experiments.claims import _claim
+
+    assert str(_claim("i", "s", True, round(-1e-9, 6), "d")["value"]) == "0.0"

@@ -321,7 +321,7 @@ def test_classification_configs_that_cannot_work_are_refused(encoder, tmp_path):
 
     save_file({"weights": torch.zeros(3, 16)}, str(no_bias_rows))
     cases = [
-        ({"calibration": {"path": str(bad_label), "label_field": "label"}}, r"models\[code\].calibration: class label 7 but the head has 3"),
+        ({"calibration": {"path": str(bad_label), "label_field": "label"}}, r"bad_label.jsonl:1: label 'label' is 7, but the task's head has 3 classes"),  # the line (stop 50)
         ({"calibration": {"path": str(not_int), "label_field": "label"}}, r"label 'label' is 'cat': a class index"),
         ({"calibration": {"path": str(txt), "label_field": "label"}}, r"need a \.jsonl or \.json file"),
         ({"head": str(no_bias_rows)}, r"models\[code\].head: .* has no tensor 'weight' \(tensors: \['weights'\]\)"),

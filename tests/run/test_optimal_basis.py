@@ -239,8 +239,13 @@ def test_where_the_relaxed_problem_is_the_qp_optimal_beats_svd(tiny_hf, fam, tmp
 def test_jacobian_memory_cap_names_the_setting(tiny_hf, fam, tmp_path):
     method = {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": "optimal", "rank": 2,
               "basis_max_size": "4KB"}
-    with pytest.raises(ValidationError, match=r"method\.basis_max_size.*restrict: projection"):
+    with pytest.raises(ValidationError, match=r"KiB, above method\.basis_max_size \(3\.9 KiB\).*restrict: projection"):
         _run(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], method, "cap")
+    # (stop 50) the dry run says so too (it printed nothing below its own upper bound)
+    from mergeqp.run.plan import build_plan
+
+    cfg = load_config(fam.write_config(tmp_path / "cap.yml", tiny_hf.MLP_LAYER["llama"], method))
+    assert any("method.basis_max_size 4KB is below the optimal basis's mean Jacobian" in n for n in build_plan(cfg).notes)
     # a projection of the logits shrinks c = positions x k: the same cap then suffices
     method["basis_max_size"] = 12 * 4 * 16 * 8
     res = _run(fam, tmp_path, tiny_hf.MLP_LAYER["llama"], method, "cap_ok", output={"restrict": "projection", "k": 4})

@@ -49,6 +49,7 @@ import numpy as np
 
 from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.progress import library_bars
 from ..io.workdir import work_folder
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
@@ -720,7 +721,7 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
     try:  # (a killed run's work folder is removed by the next run in the same place)
-        with work_folder(".lm-work-", Path(out_dir).expanduser().resolve().parent) as work:
+        with work_folder(".lm-work-", Path(out_dir).expanduser().resolve().parent) as work, library_bars(progress):
             results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
                            device_note, quick, progress)
             results = {**results, "command": command}

@@ -44,6 +44,7 @@ import pydantic
 
 from ..errors import ValidationError, check_integer
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.progress import library_bars
 from ..io.workdir import work_folder
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
@@ -269,8 +270,9 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _Run(cfg, base, cache, dev, device_note, int(seed), corpora, quick, progress,
-                    command).run(out_dir, figures)
+        with library_bars(progress):
+            return _Run(cfg, base, cache, dev, device_note, int(seed), corpora, quick, progress,
+                        command).run(out_dir, figures)
     finally:
         torch.set_num_threads(old_threads)
 

@@ -60,6 +60,7 @@ from ..io.checkpoint import Checkpoint, read_config
 from ..io.atomic import check_free_space
 from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_parameters, lazy_summary, load_lazy_model
+from ..io.progress import library_bars
 from ..io.memory import available_memory_bytes, check_site_memory, estimate_site_memory, memory_limit
 from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import (
@@ -540,7 +541,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start, write)
-    with memory_limit(cfg.max_memory_bytes()):  # every site's statistics and solve are checked against it
+    # every site's statistics and solve are checked against the memory limit
+    with memory_limit(cfg.max_memory_bytes()), library_bars(progress):
         if is_output_space(cfg):
             return run.output_space()
         if cfg.method.is_qp:  # (under torchrun a refusal of any rank, from the memory it sees, stops every rank)

@@ -62,7 +62,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs per cell; the fastest is reported (default 1)")
     p.add_argument("--rel-tol", type=float, default=1e-8, help="relative gap for 'certified' (default 1e-8)")
     p.add_argument("--max-n", type=int, default=None,
-                   help="skip solvers other than active_set/torch_fista above this n (default: none)")
+                   help="above this n, run only the solvers marked to scale (large_n_benchmark: active_set, "
+                        "torch_fista) and auto (default: none)")
     p.add_argument("--opt", action="append", default=[], metavar="SOLVER.KEY=VALUE",
                    help="a solver option, e.g. torch_fista.dtype=float32 (repeatable)")
     p.add_argument("--family", default=None, metavar="NAMES",
@@ -177,7 +178,8 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
                 why = str(exc)
         else:
             why = SOLVERS[solver].available() or declines(SOLVERS[solver], problem, cset)
-        if why is None and max_n is not None and problem.n > max_n and solver not in ("active_set", "torch_fista", "auto"):
+        if (why is None and max_n is not None and problem.n > max_n and solver != "auto"
+                and not SOLVERS[solver].large_n_benchmark):
             why = f"skipped: n > --max-n {max_n}"
         if why is not None:
             row.update(skipped=why)

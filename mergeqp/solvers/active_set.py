@@ -538,6 +538,7 @@ class ActiveSetSolver(QPSolver):
     """
 
     name = "active_set"
+    large_n_benchmark = True
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,

@@ -39,6 +39,9 @@ class QPSolver(ABC):
     #: numeric options that must be > 0 (``inf`` allowed: e.g. a time limit), checked by
     #: :meth:`check_options` so that a bad value is refused before the solver's own library sees it
     positive: tuple[str, ...] = ()
+    #: benchmarked beyond ``mergeqp bench --max-n`` (a solver measured to scale to large n; the
+    #: others are skipped there to keep a large benchmark's time bounded)
+    large_n_benchmark: bool = False
 
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
         bad = sorted(set(options) - set(self.defaults))

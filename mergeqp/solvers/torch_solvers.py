@@ -227,6 +227,7 @@ class TorchFISTASolver(_TorchSolver):
     """
 
     name = "torch_fista"
+    large_n_benchmark = True
     defaults = {"device": "auto", "dtype": "float64", "max_iter": 20000, "tol": 1e-9,
                 "check_every": 25, "lipschitz": None, "init": "soup"}
 

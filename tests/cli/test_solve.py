@@ -327,3 +327,15 @@ def test_the_command_imports_a_users_registrations(tmp_path, capsys, monkeypatch
     for name in (str(tmp_path / "broken_cli.py"), "no_such_module_cli_xyz", str(tmp_path / "missing.py")):
         code, _, err = run(capsys, "--import", name, "solve", tiny)
         assert code == 2 and f"--import {name}" in err and "Traceback" not in err
+
+
+def test_bench_max_n_keeps_the_solvers_marked_to_scale(capsys) -> None:
+    """(stop 50) --max-n kept active_set / torch_fista by name; the solver's own flag decides now."""
+    from mergeqp.cli import main
+    from mergeqp.solvers.registry import SOLVERS
+
+    assert SOLVERS["active_set"].large_n_benchmark and not SOLVERS["osqp"].large_n_benchmark
+    assert main(["bench", "--problems", "tiny96", "--solvers", "active_set,osqp", "--max-n", "10",
+                 "--constraint", "box:0,1"]) == 0
+    lines = {line.split()[3]: line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny96")}
+    assert "skipped: n > --max-n 10" in lines["osqp"] and "skipped" not in lines["active_set"]

@@ -53,7 +53,7 @@ def test_the_pages_have_examples() -> None:
 
 def test_skip_markers_are_read() -> None:
     mnist = blocks(DOCS / "mnist.md")
-    assert mnist and mnist[0][1] is not None and "40 minutes" in mnist[0][1]
+    assert mnist and mnist[0][1] is not None and "minutes" in mnist[0][1]
     assert all(reason is None for _, reason in blocks(DOCS / "core.md"))
     assert "mnist.md" not in PAGES and "lm.md" not in PAGES   # every example of theirs is a long experiment
 

@@ -189,15 +189,18 @@ class LmMergeSettings:
         "params": {"reference": "soup", "ridge": 0.1, "max_iter": 40}, "layers": MODULE_OUTPUTS, "metric": "kl"})
 
     def __post_init__(self) -> None:
+        from ..merge.modes import MERGE_MODES  # the registry: a user's registered mode runs too
+
+        modes = sorted(MERGE_MODES)
         for m in self.modes:
-            if m not in QP_MODES:
-                raise unknown("QP mode", m, list(QP_MODES))
+            if m not in MERGE_MODES:
+                raise unknown("QP mode", m, modes)
             if m not in self.parametrisation:
                 raise ValidationError(f"parametrisation: no entry for mode {m!r}")
         for label in self.runs or ():
             mode, _, metric = label.partition(":")
-            if mode not in QP_MODES or metric not in OUTPUT_METRICS:
-                raise ValidationError(f"runs: {label!r} is not 'mode:metric' with a mode of {list(QP_MODES)} and a "
+            if mode not in MERGE_MODES or metric not in OUTPUT_METRICS:
+                raise ValidationError(f"runs: {label!r} is not 'mode:metric' with a mode of {modes} and a "
                                       f"metric of {list(OUTPUT_METRICS)}")
             if mode not in self.parametrisation and label not in self.parametrisation:
                 raise ValidationError(f"parametrisation: no entry for run {label!r}")

@@ -341,9 +341,9 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         theirs_cfg = _flat_config(cfg) if cfg is not None and base.config is not None else {}
         changed = [key for key in dict.fromkeys([*bcfg, *theirs_cfg])
                    if bcfg.get(key, _MISSING) != theirs_cfg.get(key, _MISSING) and theirs_cfg]
+        order = {k: i for i, k in enumerate(FUNCTION_CONFIG_KEYS)}  # model_type and architectures first
         differ = sorted((key for key in changed if _defines_function(key) and theirs_cfg.get(key) is not None
-                         and bcfg.get(key) is not None),
-                        key=lambda k: FUNCTION_CONFIG_KEYS.index(k) if k in FUNCTION_CONFIG_KEYS else len(FUNCTION_CONFIG_KEYS))
+                         and bcfg.get(key) is not None), key=lambda k: order.get(k, len(order)))
         unknown = [key for key in changed if key not in differ and not _benign(key)]
         if unknown:
             shown = ", ".join(f"{k} ({_config_value(theirs_cfg, k)} vs the base's {_config_value(bcfg, k)})"
@@ -996,11 +996,11 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         if why is not None:
             raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
     plan.memory = estimate_memory(plan)
-    jacobian = plan.memory.get(OPTIMAL_JACOBIAN)
-    if jacobian is not None and cfg.method.basis_max_size is not None and jacobian > parse_size(cfg.method.basis_max_size):
-        plan.notes.append(f"method.basis_max_size {cfg.method.basis_max_size} is below the optimal basis's mean Jacobian "
-                          f"at its upper bound ({human_bytes(jacobian)}, every prompt at the longest length): the run "
-                          f"stops at the first layer whose Jacobian, with the real prompt lengths, exceeds it")
+    jacobian, cap = plan.memory.get(OPTIMAL_JACOBIAN), cfg.method.basis_max_size
+    if jacobian is not None and cap is not None and jacobian > parse_size(cap):
+        plan.notes.append(f"method.basis_max_size {cap} is below the optimal basis's mean Jacobian at its upper "
+                          f"bound ({human_bytes(jacobian)}, every prompt at the longest length): the run stops at "
+                          f"the first layer whose Jacobian, with the real prompt lengths, exceeds it")
     return plan
 
 

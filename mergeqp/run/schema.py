@@ -55,7 +55,8 @@ def _registered(kind: str, name: str, valid: list[str]) -> str:
     if name in valid:
         return name
     hint = did_you_mean(name, valid)
-    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}" + ("" if hint else f"; {OWN_ENTRY_HINT}"))
+    raise ValueError(f"unknown {kind} {name!r}{hint}; valid: {', '.join(valid)}"
+                     + ("" if hint else f"; {OWN_ENTRY_HINT}"))
 
 
 def _keys(names: list[str]) -> str:

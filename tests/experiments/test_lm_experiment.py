@@ -257,6 +257,27 @@ def test_too_few_calibration_texts_for_autos_folds_are_refused_before_the_fine_t
     assert not (tmp_path / "cache" / "lm-finetunes").exists()
 
 
+def test_a_users_registered_mode_runs_in_the_experiment(tiny_hf, tiny_base, lm_run, tmp_path):
+    """(stop 50) The experiment's modes were a fixed list: a mode registered by a user was refused."""
+    from mergeqp.merge.modes import MERGE_MODES, SingleMode, register_merge_mode
+
+    class Mine(SingleMode):
+        name = "mine_lm_test"
+        description = "the single mode under another name"
+
+    _, _, root = lm_run
+    register_merge_mode(Mine())
+    try:
+        small = _config(modes=("mine_lm_test",), metrics=("euclidean",), baselines=(), mergekit=(), extra_runs=(),
+                        ta_scalings=(1.0,), parametrisation={"mine_lm_test": {"parametrisation": "scalar"}})
+        run = run_lm_experiment(tmp_path / "mine", corpora=_corpora(tiny_hf), cache=root / "cache",
+                                base_folder=tiny_base, config=small, threads=1, progress=False, multitask=False)
+    finally:
+        MERGE_MODES.pop("mine_lm_test", None)
+    record = run["methods"]["qp_mine_lm_test_euclidean"]
+    assert record["kind"] == "qp" and all(layer["certified"] for layer in record["report"]["layers"])
+
+
 def test_device_cuda_runs_there_or_on_cpu_with_a_note(tiny_hf, tiny_base, lm_run, tmp_path):
     """``device="cuda"``: on a CUDA machine the merges and the evaluation run there and the
     reference rows (the cached fine-tunes, evaluated again) agree with the CPU run's; without CUDA

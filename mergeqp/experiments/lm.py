@@ -51,6 +51,7 @@ from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
+from ..merge.modes import MERGE_MODES
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
@@ -189,9 +190,7 @@ class LmMergeSettings:
         "params": {"reference": "soup", "ridge": 0.1, "max_iter": 40}, "layers": MODULE_OUTPUTS, "metric": "kl"})
 
     def __post_init__(self) -> None:
-        from ..merge.modes import MERGE_MODES  # the registry: a user's registered mode runs too
-
-        modes = sorted(MERGE_MODES)
+        modes = sorted(MERGE_MODES)  # the registry: a user's registered mode runs too
         for m in self.modes:
             if m not in MERGE_MODES:
                 raise unknown("QP mode", m, modes)

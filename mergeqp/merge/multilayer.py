@@ -41,10 +41,10 @@ from ..constraints import layer_constraint, layer_context, parse_constraint
 from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from ..solvers.registry import solve
-from ..stats.parametrisation import BasisParametrisation, Parametrisation, get_parametrisation, merged_update
+from ..stats.parametrisation import Parametrisation, get_parametrisation, merged_update
 from .baseline_residuals import BaselineChoice, site_baseline_residuals
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
-from .outputbasis import collect_output_basis, compare_bases
+from .outputbasis import collect_output_basis
 from .sites import LayerSite, read_augmented, weight_from_tensors, write_augmented
 
 
@@ -231,24 +231,6 @@ def _optimal_basis_stats(ctx: MergeContext, site: LayerSite, offset: Any) -> Any
                                 progress=ctx.progress)
 
 
-def _basis_record(ctx: MergeContext, site: LayerSite, param: Any, deltas: Any, optimal: Any) -> dict[str, Any] | None:
-    """The report's ``basis`` entry of a site (``None`` unless the parametrisation is a basis)."""
-    if not isinstance(param, BasisParametrisation):
-        return None
-    basis = param.basis
-    out: dict[str, Any] = {"name": basis.name, "rank": basis.p}
-    if optimal is not None:
-        info = dict(basis.info)
-        out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
-                    "output_size": optimal.c, "samples": optimal.n_samples, "seconds": optimal.seconds,
-                    "jvp_chunk": optimal.info.get("jvp_chunk"),
-                    "captured_eigenvalues": info.get("captured_eigenvalues"),
-                    "mean_jacobian_energy": compare_bases(optimal, basis.p, deltas.numpy(), ctx.settings.seed)})
-        if "note" in info:
-            out["note"] = info["note"]
-    return out
-
-
 def calibration_objective(ctx: MergeContext) -> float:
     """``sum_t w_t sum_j ||h_j - y_j||^2`` of the live model on the calibration batches (exact)."""
     total = 0.0
@@ -330,7 +312,8 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     base_weight = ctx.weights.base_weight(site) if ctx.settings.baselines else None
     param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight)
     norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
-    return BuiltSite(SiteAtoms(site, param, deltas, offset), _basis_record(ctx, site, param, deltas, optimal),
+    return BuiltSite(SiteAtoms(site, param, deltas, offset),
+                     param.site_record(deltas.numpy(), optimal, seed=ctx.settings.seed),
                      norms, optimal.seconds if optimal is not None else 0.0)
 
 

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from ..errors import ValidationError
 from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, available_memory_bytes, human_bytes, memory_budget
 from ..lm import OutputSpec
-from ..stats.bases import SiteResiduals, complete_basis, optimal_basis_from, random_basis, svd_basis
+from ..stats.bases import complete_basis, optimal_basis_from
 from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
@@ -240,14 +240,5 @@ def collect_output_basis(
                                                        "jvp_chunk": chunks_used})
 
 
-def compare_bases(stats: OutputBasisStats, p: int, deltas: Any, seed: int) -> dict[str, float]:
-    """Mean-Jacobian energy fractions of the optimal, SVD and random bases at the same ``p``."""
-    holder = SiteResiduals(stats.r, np.asarray(deltas, dtype=np.float64))
-    return {"optimal": stats.energy_fraction(stats.basis(p).Q),
-            "svd": stats.energy_fraction(svd_basis(holder, p).Q),
-            "random": stats.energy_fraction(random_basis(stats.r, p, seed=seed).Q)}
-
-
 __all__ = ["DEFAULT_MAX_BYTES", "OutputBasisStats", "basis_pass_bytes", "check_jacobian_size", "collect_output_basis",
-           "fitting_chunk",
-           "compare_bases", "jacobian_bytes"]
+           "fitting_chunk", "jacobian_bytes"]

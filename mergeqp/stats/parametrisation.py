@@ -33,7 +33,7 @@ import numpy as np
 from ..errors import BadDataError, MergeQPError, ValidationError, check_new_name, first_line, lookup, unknown
 from ..formatting import format_number
 from ..solution import Solution
-from .bases import BASES, SiteResiduals, checkpoint_bases
+from .bases import BASES, SiteResiduals, checkpoint_bases, random_basis, svd_basis
 from .basis import ORTHONORMAL_TOL, Basis
 
 __all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS", "checked_design", "checked_tangents", "merged_update",
@@ -222,6 +222,12 @@ class Parametrisation(ABC):
     def solution_record(self, d: np.ndarray) -> dict[str, Any] | None:
         """What a merge report says of the solution ``d`` (``(K, n_atoms)``) at one layer beyond the
         common fields (e.g. how much of each baseline ``rows+baselines`` took), or ``None``."""
+        return None
+
+    def site_record(self, deltas: np.ndarray, output_stats: Any = None, *, seed: int = 0) -> dict[str, Any] | None:
+        """What a merge report says of this site's parametrisation (``report.json``'s layer ``basis``
+        entry for a basis), built from the site's ``deltas`` and, where :meth:`for_site` took them,
+        its ``output_stats``; ``None`` (nothing) by default."""
         return None
 
     def report_markdown(self, layers: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -438,6 +444,27 @@ class BasisParametrisation(Parametrisation):
 
     def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
         self.site_rank(site, options)
+
+    def site_record(self, deltas: np.ndarray, output_stats: Any = None, *, seed: int = 0) -> dict[str, Any] | None:
+        """The basis's name and rank; for a basis built from output statistics (``basis: optimal``,
+        Corollary 4.2) also the pass's facts and the mean-Jacobian energy of this basis beside the
+        SVD and a random basis of the same rank (``output_stats.energy_fraction``)."""
+        basis = self.basis
+        out: dict[str, Any] = {"name": basis.name, "rank": basis.p}
+        if output_stats is None:
+            return out
+        info = dict(basis.info)
+        holder = SiteResiduals(int(output_stats.r), np.asarray(deltas, dtype=np.float64))
+        energy = {"optimal": output_stats.energy_fraction(basis.Q),
+                  "svd": output_stats.energy_fraction(svd_basis(holder, basis.p).Q),
+                  "random": output_stats.energy_fraction(random_basis(int(output_stats.r), basis.p, seed=seed).Q)}
+        out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
+                    "output_size": output_stats.c, "samples": output_stats.n_samples,
+                    "seconds": output_stats.seconds, "jvp_chunk": output_stats.info.get("jvp_chunk"),
+                    "captured_eigenvalues": info.get("captured_eigenvalues"), "mean_jacobian_energy": energy})
+        if "note" in info:
+            out["note"] = info["note"]
+        return out
 
     @staticmethod
     def site_rank(site: Any, options: Mapping[str, Any]) -> int:

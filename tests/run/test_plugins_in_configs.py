@@ -208,6 +208,9 @@ class RowsWithOption(RowsParametrisation):
     def solution_record(self, d):
         return {"cfg_mean": float(d.mean())}
 
+    def site_record(self, deltas, output_stats=None, *, seed=0):
+        return {"name": "cfg_rows_min", "cfg_norm": float((deltas ** 2).sum() ** 0.5)}
+
     def report_markdown(self, layers):
         return ["## My parametrisation\\n\\n" + ", ".join(f"{r['layer']}: mean {r['cfg_mean']:.6f}" for r in layers)]
 
@@ -237,6 +240,8 @@ def test_a_users_parametrisation_with_options_of_its_own(tiny_hf, tmp_path, plug
     assert '"min_rows": 2' in json.dumps(report) and report["layers"][0]["certificate"]["certified"]
     # its own record reaches report.json, and its own section report.md (stop 49: Parametrisation.report_markdown)
     (layer,) = report["layers"]
+    # (stop 50) the site's record is the entry's too (Parametrisation.site_record; built outside it before)
+    assert layer["basis"]["name"] == "cfg_rows_min" and layer["basis"]["cfg_norm"] > 0
     md = (tmp_path / "out" / "report.md").read_text()
     assert f"## My parametrisation\n\n{layer['layer']}: mean {layer['cfg_mean']:.6f}" in md
     for bad, match in (({**method, "min_rows": 0}, r"min_rows must be a positive integer, got 0"),

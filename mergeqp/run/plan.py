@@ -1140,8 +1140,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         # the chunk to what the memory holds, down to one tangent)
         widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
         r_max = max((s.r for s in plan.sites), default=0)
-        out["optimal-basis pass (one chunk of vectorised JVPs through the head)"] = basis_pass_bytes(
-            B * T, r_max, widest, elem, min(m.chunk_size, r_max))
+        label = "optimal-basis pass (a chunk of vectorised JVPs through the head, shrunk at run time to fit)"
+        out[label] = basis_pass_bytes(B * T, r_max, widest, elem, min(m.chunk_size, r_max))
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8

@@ -320,6 +320,8 @@ def _flat_config(cfg: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _defines_function(key: str) -> bool:
     leaf = key.rsplit(".", 1)[-1]
+    if "dropout" in leaf or "initializer" in leaf:  # (``activation_dropout``: training only)
+        return False
     return leaf in FUNCTION_CONFIG_KEYS or any(part in leaf for part in FUNCTION_CONFIG_PARTS)
 
 

@@ -302,7 +302,8 @@ def test_rotary_settings_compare_by_what_transformers_reads_and_other_difference
         plan_with(lambda c: {**c, "rope_parameters": {"rope_theta": base_theta / 20, "rope_type": "default"}})
     same = plan_with(old_style(base_theta))  # saved by another transformers version: the same function
     assert not [n for n in same.notes if "config.json differs" in n]
-    benign = plan_with(lambda c: {**c, "torch_dtype": "bfloat16", "use_cache": False, "_name_or_path": "x"})
+    benign = plan_with(lambda c: {**c, "torch_dtype": "bfloat16", "use_cache": False, "_name_or_path": "x",
+                                  "attention_dropout": 0.1, "activation_dropout": 0.2})
     assert not [n for n in benign.notes if "config.json differs" in n]
     odd = plan_with(lambda c: {**c, "my_custom_gate": 3})
     (note,) = [n for n in odd.notes if "config.json differs" in n]

@@ -692,7 +692,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     results) or ``auto``; ``threads``: torch CPU threads (``None``: min(2, CPUs)); ``multitask``:
     overrides ``LmConfig.multitask`` (the reference fine-tuned on every domain) when given;
     ``finetune_modules`` overrides ``LmConfig.finetune_modules`` (which modules of the last blocks
-    the fine-tunes train) when given."""
+    the fine-tunes train) when given. ``command``: the command line that started the run (the
+    CLI passes it; the report prints it, else says that the run came from Python)."""
     import torch  # optional heavy dependency (experiment extra)
 
     from ..run.pipeline import resolve_device  # deferred: the pipeline loads every registry

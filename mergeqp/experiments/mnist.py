@@ -224,7 +224,8 @@ def run_mnist_experiment(
     contents of a non-empty ``out_dir`` (else it is refused before any work). The folder is
     written atomically at the end (assembled beside it and renamed into place), so an
     interrupted or failed run leaves its previous contents. Returns the results dict (the
-    content of ``results.json``).
+    content of ``results.json``). ``command``: the command line that started the run (the
+    CLI passes it; the report prints it, else says that the run came from Python).
     """
     import torch
 

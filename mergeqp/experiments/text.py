@@ -237,7 +237,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``;
     ``train_patterns``: overrides ``TextConfig.train_patterns`` (what the fine-tunes train) when
     given; the preset's ``geometry_layers`` is kept only where a new pattern lies inside it
-    (otherwise the geometry merges every trained layer)."""
+    (otherwise the geometry merges every trained layer). ``command``: the command line that started the run (the
+    CLI passes it; the report prints it, else says that the run came from Python)."""
     import torch
 
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) <= MAX_SEED:

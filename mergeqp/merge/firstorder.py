@@ -48,8 +48,8 @@ from tqdm.auto import tqdm
 from ..errors import ValidationError
 from ..io.distributed import agree_everywhere, current_group
 from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for the design check's callers
-    DESIGN_COPIES_FLOAT64,
     ADVICE,
+    DESIGN_COPIES_FLOAT64,
     SiteMemory,
     available_memory_bytes,
     check_site_memory,

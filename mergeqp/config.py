@@ -52,6 +52,9 @@ def _format_errors(exc: ValidationError, source: str) -> ConfigError:
             msg = f"expected {BLOCK_SHAPES[block.group(1)]}, got {type(err.get('input')).__name__} {err.get('input')!r:.60}"
         if err.get("type") == "missing":
             msg = "required key is missing" + _MISSING_HINTS.get(loc, "")
+        if err.get("type") == "string_type" and isinstance(err.get("input"), (int, float)):
+            # YAML reads 1e3, 3.10 or 007 as numbers: a name meant as text is quoted
+            msg += f" (YAML read {err.get('input')!r} as a number: put the text in quotes)"
         lines.append(f"  {loc or '(top level)'}: {msg}")
     return ConfigError(f"invalid config {source}:\n" + "\n".join(lines))
 

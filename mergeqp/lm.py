@@ -1205,9 +1205,11 @@ def prepare_fold(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], d
 
 
 def fold_decision(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], device: Any,
-                  sites: Sequence[Any] = ()) -> tuple[FoldedHead | None, str | None]:
+                  sites: Sequence[Any] = (), labels: Sequence[str] | None = None
+                  ) -> tuple[FoldedHead | None, str | None]:
     """:func:`prepare_fold`'s fold and, when there is none, why (``None`` when the output cannot be
-    folded by its kind: not logits, or ``fold_head: false``)."""
+    folded by its kind: not logits, or ``fold_head: false``); ``labels`` name the batches in the
+    reason (default ``target batch i``)."""
     reason = spec.fold_obstacle()
     if reason is not None:
         if spec.fold_head:
@@ -1228,7 +1230,7 @@ def fold_decision(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], 
             reason = f"merge site(s) outside the backbone ({', '.join(outside)})"
     fold = None if reason is not None else FoldedHead.of(head, spec)
     if fold is not None and batches:
-        reason = _fold_mismatch(model, inner, fold, batches, device)
+        reason = _fold_mismatch(model, inner, fold, batches, device, labels)
     if reason is None:
         return fold, None
     if spec.fold_head:
@@ -1272,7 +1274,7 @@ def _head_key(weight: Any, bias: Any) -> tuple[Any, ...]:
 
 
 def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[TargetBatch],
-                   device: Any) -> str | None:
+                   device: Any, labels: Sequence[str] | None = None) -> str | None:
     """Why ``fold`` does not reproduce the model's compared output or the targets (``None``: it
     does). What passed once for this model, head and target is not checked again
     (:data:`_FOLD_VERIFIED`)."""
@@ -1321,7 +1323,8 @@ def _fold_mismatch(model: Any, inner: Any, fold: FoldedHead, batches: Sequence[T
                 target = tb.target
         if not shared and (tuple(mine.shape) != tuple(target.shape) or not _agree(mine, target, dtype)) and not (
                 tb.head_precision is not None and _agrees_rounded(fold, tb, mask, index, probs, device)):
-            return (f"target batch {i}: the fine-tuned model's logits are not this model's head applied to "
+            where = labels[i] if labels is not None else f"target batch {i}"
+            return (f"{where}: the fine-tuned model's logits are not this model's head applied to "
                     f"its final hidden state (the head differs between the base and the fine-tune?)")
         verified["targets"][id(tb.identity)] = (weakref.ref(tb.identity), weakref.ref(tb.hidden))
     return None

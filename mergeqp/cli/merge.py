@@ -17,7 +17,7 @@ from typing import Any
 from ..config import load_config
 from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
-from ..io.memory import memory_limit
+from ..io.memory import available_memory_bytes, human_bytes, memory_budget, memory_limit
 from ..io.writer import parse_size
 from ..merge.report import format_number, jsonable
 from ..run import build_plan, run_merge
@@ -73,20 +73,34 @@ def run(args: argparse.Namespace) -> int:
 
 def _fits_here(cfg: Any, plan: Any) -> None:
     """The dry run validates a config that may be run elsewhere: a QP that the run would refuse
-    on this machine (:func:`mergeqp.run.pipeline.check_groups_fit`) is a warning, not an error."""
+    on this machine (:func:`mergeqp.run.pipeline.check_groups_fit`), or an optimal basis's pass of
+    which not one tangent fits (at the plan's upper bounds), is a warning, not an error."""
     if not cfg.method.is_qp:
         return
     try:
         with memory_limit(cfg.max_memory_bytes()):
             check_groups_fit(plan)
     except ValidationError as exc:
-        n = len(plan.sites)
-        if n > 1:  # the run leaves out the unchanged layers first, which only the weights show
-            print(f"warning: if the fine-tunes change all {n} selected layers, the run would stop on this machine "
-                  f"before loading any weight (it first leaves out the selected layers that no fine-tune changed, "
-                  f"which the dry run, reading no weights, cannot see): {exc}", file=sys.stderr)
-        else:
-            print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
+        _warn_groups(plan, exc)
+    one = plan.basis_pass_tangent
+    with memory_limit(cfg.max_memory_bytes()):
+        budget, what = memory_budget(available_memory_bytes())
+    if one is not None and budget is not None and one > budget:
+        print(f"warning: basis: optimal: one JVP of the basis pass needs up to {human_bytes(one)} (every prompt "
+              f"at the longest length), more than {what}: the run would stop at the first layer's pass unless "
+              f"its batches are shorter; use fewer tokens per batch (calibration.batch_size, "
+              f"calibration.max_length) or basis: svd", file=sys.stderr)
+
+
+def _warn_groups(plan: Any, exc: ValidationError) -> None:
+    """The dry run's warning that a QP would not fit on this machine."""
+    n = len(plan.sites)
+    if n > 1:  # the run leaves out the unchanged layers first, which only the weights show
+        print(f"warning: if the fine-tunes change all {n} selected layers, the run would stop on this machine "
+              f"before loading any weight (it first leaves out the selected layers that no fine-tune changed, "
+              f"which the dry run, reading no weights, cannot see): {exc}", file=sys.stderr)
+    else:
+        print(f"warning: on this machine the run would stop before loading any weight: {exc}", file=sys.stderr)
 
 
 def _merge(args: argparse.Namespace, cfg: Any, plan: Any, group: Ranks) -> tuple[int, Any]:

@@ -447,15 +447,22 @@ def weights_identity(folder: Path) -> str:
     return ";".join(parts)
 
 
-def damaged_weights(folder: Path) -> str | None:
-    """Why the weights of a cached fine-tune ``folder`` cannot be read (``None``: every safetensors
-    file's header opens and covers the file; a copy cut short, a full disk or an edit outside mergeqp
-    fails this), so that the cache makes it again instead of stopping the run with a reader's error."""
+def damaged_files(folder: Path) -> str | None:
+    """Why a cached fine-tune ``folder`` cannot be read (``None``: every safetensors file's header
+    opens and covers the file, and its ``config.json``, where it has one, is JSON; a copy cut
+    short, a full disk or an edit outside mergeqp fails this), so that the cache makes it again
+    instead of stopping the run later with a reader's error."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return "no .safetensors file"
+    config = folder / "config.json"
+    if config.is_file():
+        try:
+            json.loads(config.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"config.json: {first_line(exc)}"
     for f in files:
         try:
             with safe_open(str(f), framework="pt"):
@@ -522,7 +529,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
             record = json.loads(record_path.read_text())
         except (OSError, json.JSONDecodeError):
             record = {}
-        damage = damaged_weights(out) if record.get("key") == key else None
+        damage = damaged_files(out) if record.get("key") == key else None
         if record.get("key") == key and damage is None:
             return FinetuneResult(out, tuple(record["trained"]), tuple(record["losses"]), 0.0, True, key,
                                   record.get("settings", {}))

@@ -233,7 +233,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     """Run the experiment (module docstring) and write ``results.json``, ``report.md`` and figures
     to ``out_dir`` atomically; returns the results dict. ``tasks``: labelled corpora (default: the
     four offline tasks); ``base_folder``: an encoder folder (default all-MiniLM-L6-v2);
-    ``cache_dir``: fine-tunes and cached features (default ``~/.cache/mergeqp/text``);
+    ``cache_dir``: fine-tunes and cached features (default ``$MERGEQP_CACHE/text`` when the variable
+    is set, else ``~/.cache/mergeqp/text``);
     ``device``: ``cpu``, ``cuda`` (CPU with a note when CUDA is missing) or ``auto``;
     ``train_patterns``: overrides ``TextConfig.train_patterns`` (what the fine-tunes train) when
     given; the preset's ``geometry_layers`` is kept only where a new pattern lies inside it

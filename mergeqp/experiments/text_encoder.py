@@ -39,7 +39,7 @@ import numpy as np
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
 from ..stats.prefix import block_stack
-from .finetune_lm import (FINETUNE_RECORD, block_arguments, check_training_settings, damaged_weights, trainable_names,
+from .finetune_lm import (FINETUNE_RECORD, block_arguments, check_training_settings, damaged_files, trainable_names,
                           training_step)
 from .finetune_lm import weights_identity  # one definition of a folder's weights identity
 
@@ -389,13 +389,13 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
         raise ValidationError(f"fine-tune output {out} exists and is not a fine-tune folder of mergeqp (no "
                               f"{FINETUNE_RECORD}); it is never overwritten: choose another folder")
     key = finetune_key(base, texts, labels, settings)
-    hit = _read_cached(out, key)
+    # the weights (and the head) are checked before anything is read from them
+    damage = damaged_files(out) if (out / FINETUNE_RECORD).is_file() else None
+    hit = _read_cached(out, key) if damage is None else None
     if hit is not None:
-        damage = damaged_weights(out)
-        if damage is None:
-            return hit
-        if log is not None:
-            log(f"cached fine-tune {out} is damaged ({damage}): training it again")
+        return hit
+    if damage is not None and log is not None:
+        log(f"cached fine-tune {out} is damaged ({damage}): training it again")
     torch.manual_seed(settings.seed)
     model = load_encoder(base, device)
     trained = trainable_names(model, settings.train_patterns)

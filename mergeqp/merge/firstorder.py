@@ -498,7 +498,8 @@ def collect_first_order(
     failed: Exception | None = None
     modules = [site_module(model, a.site) for a in atoms]
     labels = [f"layer {a.site.name!r}" for a in atoms]
-    fold, not_folded = fold_decision(model, spec, [tb for t in tasks for tb in t.batches], device, modules)
+    fold, not_folded = fold_decision(model, spec, [tb for t in tasks for tb in t.batches], device, modules,
+                                     [f"target batch {j} of model {t.name!r}" for t in tasks for j in range(len(t.batches))])
     # a refusal of the unfolded statistics says why the head was not folded (fold_head: auto)
     advice = ADVICE if not_folded is None else (
         f"{ADVICE}; output.fold_head: auto did not fold the model's head into the final hidden state "

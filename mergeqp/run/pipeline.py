@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
-import os
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -93,6 +92,7 @@ from .plan import (
     MergePlan,
     build_plan,
     changed_keys,
+    check_config_object,
     evaluates_baseline,
     is_output_space,
     statistics_method,
@@ -521,10 +521,7 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
 
     say = log or (lambda msg: None)
     t_start = time.perf_counter()
-    if not isinstance(cfg, MergeConfig):
-        hint = (" (a path: read the file with mergeqp.load_config(path) first)" if isinstance(cfg, (str, os.PathLike))
-                else " (mergeqp.load_config(path) reads a YAML file, mergeqp.config.parse_config(mapping) a mapping)")
-        raise ValidationError(f"run_merge: cfg must be a MergeConfig, got {type(cfg).__name__}{hint}")
+    check_config_object(cfg, "run_merge")
     if out_dir is None and write:
         raise ValidationError("run_merge: an output folder is needed unless write=False")
     plan = plan or build_plan(cfg)

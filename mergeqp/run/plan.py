@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -123,6 +124,9 @@ class MergePlan:
     skeleton: Any = field(default=None, repr=False, compare=False)
     #: ``output.matrix`` read from its file once (``None`` when the config names none)
     output_matrix: Any = field(default=None, repr=False, compare=False)
+    #: bytes of one tangent of the optimal basis's pass at the plan's upper bounds (``None``: no such
+    #: pass); the dry run warns when not even one fits
+    basis_pass_tangent: int | None = field(default=None, repr=False, compare=False)
     #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
     #: where the config names none)
     heads: list[Any] = field(default_factory=list, repr=False, compare=False)
@@ -350,7 +354,7 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         if unknown:
             shown = ", ".join(f"{k} ({_config_value(theirs_cfg, k)} vs the base's {_config_value(bcfg, k)})"
                               for k in unknown[:4])
-            notes.append(f"model {name!r}'s config.json differs from the base's in {shown}"
+            notes.append(f"the config.json of model {name!r} differs from the base's in {shown}"
                          + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
                          + ": settings mergeqp does not know to change the function; the merged model is "
                            "written with the base's values")
@@ -408,7 +412,8 @@ def _config_difference(name: str, key: str, theirs: Any, base: Any) -> ConfigErr
     kind = ("is a different architecture" if key in ("model_type", "architectures") else
             "computes another function than the base")
     return ConfigError(f"model {name!r} {kind}: its config.json has {key} {theirs!r} but the base's has {base!r} "
-                       f"(the merge computes every model's outputs with its own config and writes the base's)")
+                       f"(as transformers reads them; the merge computes every model's outputs with its own config "
+                       f"and writes the base's)")
 
 
 def has_tokenizer(folder: Path) -> bool:
@@ -864,8 +869,19 @@ def plan_groups(cfg: MergeConfig, sites: Sequence[LayerSite]) -> list[GroupPlan]
     return groups
 
 
+def check_config_object(cfg: Any, where: str) -> None:
+    """A :class:`ValidationError` naming what ``where`` takes when ``cfg`` is not a merge config (a
+    path or a mapping was a raw AttributeError from deep inside the plan)."""
+    if isinstance(cfg, MergeConfig):
+        return
+    hint = (" (a path: read the file with mergeqp.load_config(path) first)" if isinstance(cfg, (str, os.PathLike))
+            else " (mergeqp.load_config(path) reads a YAML file, mergeqp.config.parse_config(mapping) a mapping)")
+    raise ValidationError(f"{where}: cfg must be a MergeConfig, got {type(cfg).__name__}{hint}")
+
+
 def build_plan(cfg: MergeConfig) -> MergePlan:
     """Validate ``cfg`` against its inputs (no weights loaded) and return the plan."""
+    check_config_object(cfg, "build_plan")
     check_paths(cfg)
     matrix = output_matrix(cfg)  # an unreadable or malformed matrix stops the run before any model is loaded
     heads = model_heads(cfg)
@@ -1074,6 +1090,8 @@ def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden:
 
 #: the memory estimate's item of the optimal basis's mean Jacobian (the largest layer's)
 OPTIMAL_JACOBIAN = "optimal-basis mean Jacobian (one layer)"
+#: the memory estimate's item of the optimal basis's pass (one chunk of ``chunk_size`` tangents)
+BASIS_PASS = "optimal-basis pass (a chunk of vectorised JVPs through the head, shrunk at run time to fit)"
 
 
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
@@ -1142,8 +1160,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         # the chunk to what the memory holds, down to one tangent)
         widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
         r_max = max((s.r for s in plan.sites), default=0)
-        label = "optimal-basis pass (a chunk of vectorised JVPs through the head, shrunk at run time to fit)"
-        out[label] = basis_pass_bytes(B * T, r_max, widest, elem, min(m.chunk_size, r_max))
+        out[BASIS_PASS] = basis_pass_bytes(B * T, r_max, widest, elem, min(m.chunk_size, r_max))
+        plan.basis_pass_tangent = basis_pass_bytes(B * T, r_max, widest, elem, 1)
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8

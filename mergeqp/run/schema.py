@@ -49,6 +49,16 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
 
 
+def size_number(v: Any) -> Any:
+    """A size written as a float (``8e9``: a number in YAML 1.2) as the integer it is; another float
+    is an error that says how sizes are written. Anything else passes unchanged."""
+    if isinstance(v, float) and not isinstance(v, bool):
+        if math.isfinite(v) and v >= 0 and v.is_integer():
+            return int(v)
+        raise ValueError(f"a size is a whole number of bytes or a string such as 5GB or 512MB, got {v!r}")
+    return v
+
+
 def _registered(kind: str, name: str, valid: list[str]) -> str:
     """``name`` if it is one of the registry's ``valid`` names, else a ``ValueError`` listing them
     (with a did-you-mean)."""
@@ -282,7 +292,7 @@ class MethodConfig(_Strict):
         if isinstance(data, dict) and data.get("name") == AUTO_METHOD:
             extra = sorted(k for k in data if k not in ("name", "params"))
             if extra:
-                raise ValueError(f"method: auto takes only 'params' (candidates, folds, holdout), not {extra}; to set "
+                raise ValueError(f"auto takes only 'params' (candidates, folds, holdout), not {extra}; to set "
                                  "them write the QP out: name: qp, mode: trust_region, start: {name: auto}")
             return auto_method_config(data.get("params") or {})
         return data
@@ -296,6 +306,11 @@ class MethodConfig(_Strict):
             if default is not None:
                 return {**data, "constraints": list(default)}
         return data
+
+    @field_validator("basis_max_size", mode="before")
+    @classmethod
+    def _basis_max_size(cls, v: Any) -> Any:
+        return size_number(v)
 
     @field_validator("baselines", mode="before")
     @classmethod
@@ -564,6 +579,11 @@ class MergeConfig(_Strict):
         if isinstance(v, str):
             return [v]
         return v
+
+    @field_validator("max_memory", "max_shard_size", mode="before")
+    @classmethod
+    def _size_numbers(cls, v: Any) -> Any:
+        return size_number(v)
 
     @field_validator("max_memory")
     @classmethod

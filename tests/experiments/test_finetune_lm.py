@@ -51,6 +51,10 @@ def test_trains_only_matching_tensors_and_caches(tiny_hf, tiny_base, tmp_path):
     said = []
     redone = finetune_causal_lm(tiny_base, texts, out, settings, progress=False, log=said.append)
     assert not redone.cached and redone.losses == res.losses and "is damaged" in said[0]
+    (out / "config.json").write_text('{"model_ty')  # a config cut short: trained again too
+    said.clear()
+    assert not finetune_causal_lm(tiny_base, texts, out, settings, progress=False, log=said.append).cached
+    assert "config.json" in said[0]
     assert torch.equal(load_file(weights)[res.trained[0]], after[res.trained[0]])
     other = finetune_causal_lm(tiny_base, texts, out, FinetuneSettings(**{**settings.__dict__, "steps": 3}),
                                progress=False)

@@ -353,6 +353,14 @@ def test_prefix_cache_matches_full_forward_and_finetunes_are_cached(tiny_hf, tin
     redone = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings,
                               progress=False)
     assert not redone.cached and redone.losses == first.losses and load_encoder(tmp_path / "ft") is not None
+    head = tmp_path / "ft" / "head.safetensors"  # the head too (it was read first, with a raw reader's error)
+    cut.write_bytes(head.read_bytes()[:100])
+    cut.replace(head)
+    said = []
+    again = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft", settings,
+                             progress=False, log=said.append)
+    assert not again.cached and torch.equal(again.head_weight, first.head_weight)
+    assert "head.safetensors" in said[0] and "is damaged" in said[0]
     other = finetune_encoder(tiny_base, batches, task.texts, task.labels, 2, tmp_path / "ft",
                              EncoderSettings((LAYER + ".*",), epochs=1, batch_size=16, max_length=10), progress=False)
     assert not other.cached and other.key != first.key

@@ -129,6 +129,19 @@ def test_floats_written_with_an_exponent_and_no_dot_are_numbers(tmp_path):
 
     assert read_yaml("a: .5\nb: 3\nc: 1e\nd: 1.2.3\ne: -2E+2") == {"a": 0.5, "b": 3, "c": "1e", "d": "1.2.3",
                                                                     "e": -200.0}
+    # sizes written as numbers are whole bytes (8e9 had reached the size parser as a string); a text
+    # read as a number says to quote it
+    sizes = yaml.safe_dump(MINIMAL) + "max_memory: 8e9\nmax_shard_size: 5e8\n"
+    (tmp_path / "sizes.yml").write_text(sizes)
+    cfg = load_config(tmp_path / "sizes.yml")
+    assert cfg.max_memory_bytes() == 8 * 10**9 and cfg.max_shard_size == 5 * 10**8
+    (tmp_path / "bad_size.yml").write_text(yaml.safe_dump(MINIMAL) + "max_memory: 1.5\n")
+    with pytest.raises(ConfigError, match=r"max_memory: a size is a whole number of bytes or a string such as 5GB"):
+        load_config(tmp_path / "bad_size.yml")
+    named = {**MINIMAL, "models": [{**MINIMAL["models"][0], "name": "NAMEX"}]}
+    (tmp_path / "name.yml").write_text(yaml.safe_dump(named).replace("NAMEX", "1e3"))
+    with pytest.raises(ConfigError, match=r"YAML read 1000.0 as a number: put the text in quotes"):
+        load_config(tmp_path / "name.yml")
 
 
 def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
@@ -301,12 +314,12 @@ def test_rotary_settings_compare_by_what_transformers_reads_and_other_difference
     with pytest.raises(ConfigError, match=r"computes another function than the base: its config.json has rope"):
         plan_with(lambda c: {**c, "rope_parameters": {"rope_theta": base_theta / 20, "rope_type": "default"}})
     same = plan_with(old_style(base_theta))  # saved by another transformers version: the same function
-    assert not [n for n in same.notes if "config.json differs" in n]
+    assert not [n for n in same.notes if "differs from the base" in n]
     benign = plan_with(lambda c: {**c, "torch_dtype": "bfloat16", "use_cache": False, "_name_or_path": "x",
                                   "attention_dropout": 0.1, "activation_dropout": 0.2})
-    assert not [n for n in benign.notes if "config.json differs" in n]
+    assert not [n for n in benign.notes if "differs from the base" in n]
     odd = plan_with(lambda c: {**c, "my_custom_gate": 3})
-    (note,) = [n for n in odd.notes if "config.json differs" in n]
+    (note,) = [n for n in odd.notes if "differs from the base" in n]
     assert "model 'math'" in note and "my_custom_gate (3 vs the base's not set)" in note
 
 

@@ -803,3 +803,7 @@ def test_run_merge_names_what_it_takes(tmp_path):
     with pytest.raises(ValidationError, match=r"got dict .*parse_config\(mapping\)"):
         run_merge({"base": "b"}, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    from mergeqp.run.plan import build_plan
+
+    with pytest.raises(ValidationError, match=r"build_plan: cfg must be a MergeConfig, got str"):
+        build_plan("cfg.yaml")

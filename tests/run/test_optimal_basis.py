@@ -287,3 +287,16 @@ def test_the_basis_pass_shrinks_its_jvp_chunk_to_the_memory_and_says_when_one_do
     np.testing.assert_allclose(small.S, free.S, rtol=1e-10, atol=1e-12)
     with memory_limit(one // 4), pytest.raises(ValidationError, match=r"basis: optimal at layer '[\w.]+': one JVP"):
         collect_output_basis(base, site, tasks, spec, chunk_size=64)
+
+
+def test_the_dry_run_warns_when_not_one_tangent_of_the_basis_pass_fits(tiny_hf, fam, tmp_path, capsys):
+    """(stop 50 review) The run stopped after the targets ("one JVP of the basis pass needs ..."), the
+    dry run of the same config said nothing."""
+    from mergeqp.cli import main
+
+    method = {"name": "qp", "mode": "single", "parametrisation": "basis", "basis": "optimal", "rank": 2}
+    cfg = fam.write_config(tmp_path / "tiny_memory.yml", tiny_hf.MLP_LAYER["llama"], method)
+    assert main(["merge", str(cfg), "--dry-run"]) == 0
+    assert "basis pass" not in capsys.readouterr().err
+    assert main(["merge", str(cfg), "--dry-run", "--max-memory", "2KB"]) == 0
+    assert "warning: basis: optimal: one JVP of the basis pass needs up to" in capsys.readouterr().err

@@ -99,7 +99,8 @@ def test_a_fine_tune_with_another_head_is_refused_or_not_folded(llama):
     tasks = [TaskTargets("t", 1.0, teacher_forced_targets(other, batches, auto, "cpu"))]
     got = collect_first_order(model, atoms, tasks, auto)
     assert "folded_head_width" not in got.metadata
-    assert "head differs" in got.metadata["head_not_folded"]  # the run layer's note says why (stop 50)
+    assert got.metadata["head_not_folded"].startswith("target batch 0 of model 't':")  # names the model (stop 50)
+    assert "head differs" in got.metadata["head_not_folded"]  # the run layer's note says why
     _same(got, collect_first_order(model, atoms, tasks, OutputSpec(fold_head=False)))
 
 

@@ -42,10 +42,11 @@ from typing import Any
 import numpy as np
 import pydantic
 
-from ..errors import ValidationError, check_integer
+from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
+from ..merge.modes import MERGE_MODES
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
 from ..run.pipeline import resolve_device, run_merge
@@ -115,6 +116,9 @@ class TextConfig:
     read and the output MSE measures; ``{"field": "last_hidden_state", "restrict": "projection",
     "k": 8}`` compares every token state through a projection instead);
     ``merge_batch_size`` / ``chunk_size``: the run layer's calibration batch and JVP chunk;
+    ``extra_modes``: registered merge modes besides the built-in five (a user's
+    ``register_merge_mode`` entries), each run as the single QP's settings in that mode (from the
+    soup where the mode takes a start) and reported as ``qp_<mode>``;
     ``output_space``: the ``params`` of the full-matrix output-space merge (``output_space`` row;
     beside it ``qp_atoms``, the single QP with RegMean, TIES and the tuned task arithmetic as
     atoms: ``rows+baselines``)."""
@@ -137,6 +141,7 @@ class TextConfig:
     output: dict[str, Any] = field(default_factory=lambda: dict(POOLED_OUTPUT))
     merge_batch_size: int = 16
     chunk_size: int = 256
+    extra_modes: tuple[str, ...] = ()
     output_space: dict[str, Any] = field(default_factory=lambda: {"reference": "regmean", "ridge": 0.1,
                                                                   "max_iter": 40})
 
@@ -167,6 +172,12 @@ class TextConfig:
         bad = [b for b in self.bases if b not in BASES]
         if bad:
             raise ValidationError(f"unknown basis {bad}; valid: {', '.join(BASES)}")
+        object.__setattr__(self, "extra_modes", tuple(self.extra_modes))
+        for m in self.extra_modes:
+            if m in QP_MODES:
+                raise ValidationError(f"extra_modes: {m!r} is one of the five modes every run has")
+            if m not in MERGE_MODES:
+                raise unknown("merge mode", m, sorted(set(MERGE_MODES) - set(QP_MODES)))
 
     @classmethod
     def full(cls) -> TextConfig:
@@ -562,6 +573,9 @@ class _Run:
             "name": "task_arithmetic", "params": {"scaling": best_s}}})
         methods["qp_trust_region"] = self.merge("qp_trust_region", {
             **single, "mode": "trust_region", "start": {"name": "soup"}, "mode_options": dict(cfg.trust_region)})
+        for mode in cfg.extra_modes:  # a user's registered modes
+            start = {"start": {"name": "soup"}} if MERGE_MODES[mode].uses_start else {}
+            methods[f"qp_{mode}"] = self.merge(f"qp_{mode}", {**single, "mode": mode, **start})
         methods["auto"] = self.merge("auto", {"name": "auto"})  # the product's recommended merge
         # the same merge with the pooled embedding compared through every task's head: the
         # objective counts the directions the classifiers read, not all of the embedding's
@@ -578,7 +592,8 @@ class _Run:
         methods["output_space"] = self.merge("output_space", {"name": "output_space",
                                                               "params": dict(cfg.output_space)})
         self.lap("qp")
-        qp_names = [f"qp_{m}" for m in QP_MODES] + ["auto", "auto_heads", "auto_labels", "qp_atoms", "output_space"]
+        qp_names = ([f"qp_{m}" for m in (*QP_MODES, *cfg.extra_modes)]
+                    + ["auto", "auto_heads", "auto_labels", "qp_atoms", "output_space"])
         selection["recommended"] = {
             "criterion": "the product's recommended merge (method: auto), fixed in advance: its start and its "
                          "number of trust-region steps are chosen on held-out calibration batches", "chosen": "auto",

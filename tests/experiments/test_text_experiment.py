@@ -9,8 +9,8 @@ cached-prefix embeddings equal a full forward; the report renders; CLI errors ar
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,6 +220,35 @@ def test_full_preset_shape_two_layers_with_a_sketched_output(tiny_hf, tiny_base,
     for name, m in methods.items():
         for part in ("calibration", "test"):
             assert np.isfinite(m[part]["mean"]["mse"]) and 0 <= m[part]["mean"]["accuracy"] <= 1, name
+
+
+def test_a_users_registered_mode_runs_beside_the_five(tiny_hf, tiny_base, tmp_path):
+    """(stop 50) The experiment ran a fixed list of modes: ``TextConfig.extra_modes`` runs a user's
+    registered ones too (the built-in five stay as they were)."""
+    from mergeqp.errors import UnknownNameError
+    from mergeqp.merge.modes import MERGE_MODES, SingleMode, register_merge_mode
+
+    with pytest.raises(UnknownNameError, match="unknown merge mode 'mine_text_test'"):
+        replace(tiny_config(), extra_modes=("mine_text_test",))
+    with pytest.raises(ValidationError, match="one of the five modes"):
+        replace(tiny_config(), extra_modes=("joint",))
+
+    class Mine(SingleMode):
+        name = "mine_text_test"
+        description = "the single mode under another name"
+
+    register_merge_mode(Mine())
+    try:
+        cfg = replace(tiny_config(), extra_modes=("mine_text_test",), ranks=(1,), bases=("svd",))
+        results = run_text_experiment(str(tmp_path / "out"), config=cfg, tasks=synthetic_tasks(tiny_hf),
+                                      base_folder=tiny_base, cache_dir=str(tmp_path / "cache"), threads=1,
+                                      figures=False, progress=False)
+    finally:
+        MERGE_MODES.pop("mine_text_test", None)
+    mine, single = results["methods"]["qp_mine_text_test"], results["methods"]["qp_single"]
+    assert mine["method"]["mode"] == "mine_text_test"
+    assert mine["test"]["mean"]["mse"] == pytest.approx(single["test"]["mean"]["mse"], rel=1e-9)  # the same QP
+    assert "qp_mine_text_test" in results["selection"]["recommended"]["calibration"]
 
 
 def test_last_block_in_patterns_follows_the_encoders_depth():

@@ -224,6 +224,26 @@ class Checkpoint:
             tensor = tensor.clone()  # never hand out views of the mmapped file
         return _placed(tensor, dtype, device)
 
+    def sample(self, name: str, count: int = 256) -> Any:
+        """The first ``count`` entries of tensor ``name`` (flattened, its stored dtype): a safetensors
+        tensor reads only those bytes; another format reads the tensor."""
+        info = self.info(name)
+        n = min(int(count), info.numel)
+        if info.offset is None or info.dtype not in _READ_DTYPES or sys.byteorder != "little":
+            return self.get(name).reshape(-1)[:n].clone()
+        import torch  # deferred: optional heavy dependency
+
+        itemsize = info.nbytes // max(info.numel, 1)
+        try:
+            with open(info.file, "rb") as fh:
+                fh.seek(info.offset)
+                buf = bytearray(fh.read(n * itemsize))
+        except OSError as exc:
+            raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: {exc}") from None
+        if len(buf) != n * itemsize:
+            raise ValidationError(f"cannot read tensor {name!r} of checkpoint file {info.file}: the file ends early")
+        return torch.frombuffer(buf, dtype=getattr(torch, info.dtype)) if n else torch.empty(0)
+
     def get_many(self, names: Iterable[str], dtype: Any = None, device: Any = "cpu") -> dict[str, Any]:
         return {n: self.get(n, dtype=dtype, device=device) for n in names}
 

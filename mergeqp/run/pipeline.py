@@ -92,9 +92,11 @@ from .plan import (
     MergePlan,
     build_plan,
     changed_keys,
+    changed_outside,
     check_config_object,
     evaluates_baseline,
     is_output_space,
+    keeps_base_outside,
     statistics_method,
     without_unchanged,
 )
@@ -535,6 +537,11 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
+    if keeps_base_outside(plan):  # a fine-tune's changes outside the selection are not merged: said
+        outside = changed_outside(plan)
+        notes.extend(outside)
+        for note in outside:
+            say(f"note: {note}")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start, write)

@@ -532,6 +532,44 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     return new
 
 
+def keeps_base_outside(plan: MergePlan) -> bool:
+    """Whether the merged model holds the base's tensors outside the merged ones: every method but a
+    QP mode started from a merge of every tensor (``hybrid``, a trust region's start, ``auto``)."""
+    m = plan.config.method
+    return not (m.is_qp and plan.mode.uses_start and m.start is not None)
+
+
+def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
+    """Notes naming, per fine-tuned model, the floating-point tensors outside the merged ones that it
+    changed: their first ``count`` entries differ from the base's, beyond the rounding to the
+    fine-tune's stored dtype (a sample: a change elsewhere in a tensor is not seen). Meant for a
+    merge that keeps the base's tensors outside its selection (a user who selected too few layers
+    otherwise loses those changes without a word). Reads ``count`` entries per tensor."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    merged = set(plan.merged_keys())
+    outside = [k for k in plan.float_keys() if k not in merged]
+    base_samples: dict[str, Any] = {}
+    notes = []
+    for name, ft in zip(plan.config.model_names(), plan.finetuned):
+        changed = []
+        for key in outside:
+            if key not in ft:
+                continue
+            if key not in base_samples:
+                base_samples[key] = plan.base.sample(key, count)
+            ref, theirs = base_samples[key], ft.sample(key, count)
+            if theirs.element_size() < ref.element_size() and theirs.is_floating_point():
+                ref = ref.to(theirs.dtype)  # a fine-tune saved in a narrower dtype: the base rounded
+            if ref.shape != theirs.shape or not torch.equal(ref.to(torch.float64), theirs.to(torch.float64)):
+                changed.append(key)
+        if changed:
+            notes.append(f"model {name!r} also changed {len(changed)} tensor(s) outside the merged layers "
+                         f"({listing(changed, 4)}): the merged model keeps the base's there; select them in "
+                         f"layers: to merge them too")
+    return notes
+
+
 def _no_sites(base: Checkpoint, base_path: Path, model: Any) -> None:
     """Raise the reason why the model built from the base's ``config.json`` has no linear layer
     stored in the checkpoint: most often a config without ``architectures`` (``AutoModel`` builds the

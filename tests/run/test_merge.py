@@ -807,3 +807,45 @@ def test_run_merge_names_what_it_takes(tmp_path):
 
     with pytest.raises(ValidationError, match=r"build_plan: cfg must be a MergeConfig, got str"):
         build_plan("cfg.yaml")
+
+
+def test_changes_of_the_fine_tunes_outside_the_selection_are_noted(tiny_hf, families, tmp_path):
+    """(stop 50) A fine-tune that changed other layers than the selected ones was merged without a word:
+    the merged model keeps the base's tensors there. Now a note names them (a sample of each tensor);
+    a fine-tune saved in bfloat16 whose other tensors are the base's rounded is not flagged, and a mode
+    started from a merge of every tensor (hybrid) gets no note."""
+    import shutil
+    from pathlib import Path
+
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    from mergeqp.run.plan import build_plan, changed_outside
+
+    fam = families["llama"]
+    layer = tiny_hf.MLP_LAYER["llama"]  # one projection of the perturbed block
+    cfg = load_config(fam.write_config(tmp_path / "one.yml", [layer], {"name": "qp", "mode": "single"}))
+    plan = build_plan(cfg)
+    notes = changed_outside(plan)
+    assert len(notes) == 2 and all("outside the merged layers" in n for n in notes)
+    block = tiny_hf.BLOCK_PATTERN["llama"].rstrip("*")
+    assert block in notes[0] and "lm_head" in " ".join(notes)
+    res = run_merge(cfg, tmp_path / "out_one", progress=False)
+    assert sum("outside the merged layers" in n for n in res.report["notes"]) == 2
+    # a bfloat16 copy of the base as a "fine-tune": every tensor is the base's rounded, none flagged
+    bf = tmp_path / "bf16"
+    shutil.copytree(fam.base, bf)
+    state = load_file(str(bf / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+              str(bf / "model.safetensors"), metadata={"format": "pt"})
+    data = yaml.safe_load(Path(cfg.config_file).read_text())
+    data["models"][1]["path"] = str(bf)
+    (tmp_path / "bf.yml").write_text(yaml.safe_dump(data))
+    bf_notes = changed_outside(build_plan(load_config(tmp_path / "bf.yml")))
+    first = load_config(tmp_path / "bf.yml").model_names()[0]
+    assert len(bf_notes) == 1 and bf_notes[0].startswith(f"model {first!r} also changed")
+    hybrid = load_config(fam.write_config(tmp_path / "hy.yml", [layer], {
+        "name": "qp", "mode": "hybrid", "start": {"name": "soup"}}))
+    from mergeqp.run.plan import keeps_base_outside
+
+    assert keeps_base_outside(plan) and not keeps_base_outside(build_plan(hybrid))

@@ -341,9 +341,7 @@ class HeadTargets:
             a = a.detach().to(b.device)
             if a.dtype == b.dtype and bool(torch.equal(a, b)):
                 return True
-            return rounded and a.is_floating_point() and any(
-                torch.finfo(low).bits < torch.finfo(a.dtype).bits
-                and bool(torch.equal(a.to(low).to(b.dtype), b)) for low in (torch.bfloat16, torch.float16))
+            return rounded and any(bool(torch.equal(a.to(low).to(b.dtype), b)) for low in narrower_floats(a))
 
         return equal(weight, self.weight) and equal(bias, self.bias)
 
@@ -719,17 +717,24 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
     return out
 
 
+def narrower_floats(t: Any) -> list[Any]:
+    """The floating-point dtypes a checkpoint is commonly stored in (bfloat16, then float16) that are
+    narrower than tensor ``t``'s (none for a tensor that is not floating-point)."""
+    import torch
+
+    if not t.is_floating_point():
+        return []
+    return [low for low in (torch.bfloat16, torch.float16) if torch.finfo(low).bits < torch.finfo(t.dtype).bits]
+
+
 def stored_precision(weight: Any, bias: Any = None) -> Any:
     """The narrower floating-point dtype (bfloat16, then float16) in which ``weight`` and ``bias``
     are exactly representable, when narrower than their own dtype (a checkpoint saved in it and
     read into a wider one); else ``None``."""
     import torch
 
-    if not weight.is_floating_point():
-        return None
-    for low in (torch.bfloat16, torch.float16):
-        if torch.finfo(low).bits < torch.finfo(weight.dtype).bits and all(
-                t is None or bool(torch.equal(t.detach().to(low).to(t.dtype), t.detach())) for t in (weight, bias)):
+    for low in narrower_floats(weight):
+        if all(t is None or bool(torch.equal(t.detach().to(low).to(t.dtype), t.detach())) for t in (weight, bias)):
             return low
     return None
 

@@ -22,6 +22,7 @@ from ..io.writer import parse_size
 from ..merge.report import format_number, jsonable
 from ..run import build_plan, run_merge
 from ..run.pipeline import check_groups_fit, resolve_device
+from ..run.plan import basis_pass_tangent
 
 
 def register(subparsers: Any) -> None:
@@ -77,14 +78,13 @@ def _fits_here(cfg: Any, plan: Any) -> None:
     which not one tangent fits (at the plan's upper bounds), is a warning, not an error."""
     if not cfg.method.is_qp:
         return
-    try:
-        with memory_limit(cfg.max_memory_bytes()):
-            check_groups_fit(plan)
-    except ValidationError as exc:
-        _warn_groups(plan, exc)
-    one = plan.basis_pass_tangent
     with memory_limit(cfg.max_memory_bytes()):
+        try:
+            check_groups_fit(plan)
+        except ValidationError as exc:
+            _warn_groups(plan, exc)
         budget, what = memory_budget(available_memory_bytes())
+    one = basis_pass_tangent(plan)
     if one is not None and budget is not None and one > budget:
         print(f"warning: basis: optimal: one JVP of the basis pass needs up to {human_bytes(one)} (every prompt "
               f"at the longest length), more than {what}: the run would stop at the first layer's pass unless "

@@ -326,7 +326,9 @@ def finetune_key(base_folder: Path, texts: Sequence[str], labels: np.ndarray, se
                      np.asarray(labels))
 
 
-def _read_cached(out: Path, key: str) -> EncoderFinetune | None:
+def _read_cached(out: Path, key: str, log: Callable[[str], None] | None = None) -> EncoderFinetune | None:
+    """The fine-tune cached in ``out`` under ``key``, or ``None``: none, another key's, or damaged
+    files (:func:`~.finetune_lm.damaged_files`, checked before the head is read; said to ``log``)."""
     from safetensors.torch import load_file
 
     record_path = out / FINETUNE_RECORD
@@ -334,10 +336,18 @@ def _read_cached(out: Path, key: str) -> EncoderFinetune | None:
         return None
     try:
         record = json.loads(record_path.read_text())
-        if record.get("key") != key:
-            return None
+    except (OSError, json.JSONDecodeError):
+        return None
+    if record.get("key") != key:
+        return None
+    damage = damaged_files(out)
+    if damage is not None:
+        if log is not None:
+            log(f"cached fine-tune {out} is damaged ({damage}): training it again")
+        return None
+    try:
         head = load_file(str(out / HEAD_FILE))
-    except (OSError, json.JSONDecodeError, ValueError, RuntimeError):
+    except (OSError, ValueError, RuntimeError):
         return None
     return EncoderFinetune(out, tuple(record["trained"]), head["weight"], head["bias"], tuple(record["losses"]),
                            0.0, True, key, record.get("settings", {}))
@@ -389,13 +399,9 @@ def finetune_encoder(base_folder: str | Path, batches: Sequence[FeatureBatch], t
         raise ValidationError(f"fine-tune output {out} exists and is not a fine-tune folder of mergeqp (no "
                               f"{FINETUNE_RECORD}); it is never overwritten: choose another folder")
     key = finetune_key(base, texts, labels, settings)
-    # the weights (and the head) are checked before anything is read from them
-    damage = damaged_files(out) if (out / FINETUNE_RECORD).is_file() else None
-    hit = _read_cached(out, key) if damage is None else None
+    hit = _read_cached(out, key, log)
     if hit is not None:
         return hit
-    if damage is not None and log is not None:
-        log(f"cached fine-tune {out} is damaged ({damage}): training it again")
     torch.manual_seed(settings.seed)
     model = load_encoder(base, device)
     trained = trainable_names(model, settings.train_patterns)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .schema import MergeConfig, qp_candidate_block
+from .schema import MergeConfig, is_device_name, qp_candidate_block
 from ..errors import Interrupted, MergeQPError, ValidationError, first_line
 from ..plugins import imported_modules
 from ..io.calibration import (
@@ -150,8 +150,7 @@ def resolve_device(name: str) -> tuple[str, str | None]:
     another name (the Python APIs take any string) is an error naming the valid ones."""
     import torch  # optional heavy dependency: the merge runs on torch
 
-    if not isinstance(name, str) or not (name in ("auto", "cpu", "cuda")
-                                         or (name.startswith("cuda:") and name[5:].isdigit())):
+    if not is_device_name(name):
         raise ValidationError(f"unknown device {name!r}; valid: cpu, cuda, auto (or cuda:N)")
     if name == "auto":
         return ("cuda" if torch.cuda.is_available() else "cpu"), None

@@ -124,9 +124,6 @@ class MergePlan:
     skeleton: Any = field(default=None, repr=False, compare=False)
     #: ``output.matrix`` read from its file once (``None`` when the config names none)
     output_matrix: Any = field(default=None, repr=False, compare=False)
-    #: bytes of one tangent of the optimal basis's pass at the plan's upper bounds (``None``: no such
-    #: pass); the dry run warns when not even one fits
-    basis_pass_tangent: int | None = field(default=None, repr=False, compare=False)
     #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
     #: where the config names none)
     heads: list[Any] = field(default_factory=list, repr=False, compare=False)
@@ -341,13 +338,13 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
     settings in which a fine-tune's ``config.json`` differs (neither known to change the function nor
     known to be harmless: the merged model is written with the base's values)."""
     bcfg = _flat_config(_comparable_config(base) or {})
+    order = {k: i for i, k in enumerate(FUNCTION_CONFIG_KEYS)}  # model_type and architectures first
     notes: list[str] = []
     for name, ck in others:
         cfg = _comparable_config(ck)
         theirs_cfg = _flat_config(cfg) if cfg is not None and base.config is not None else {}
         changed = [key for key in dict.fromkeys([*bcfg, *theirs_cfg])
                    if bcfg.get(key, _MISSING) != theirs_cfg.get(key, _MISSING) and theirs_cfg]
-        order = {k: i for i, k in enumerate(FUNCTION_CONFIG_KEYS)}  # model_type and architectures first
         differ = sorted((key for key in changed if _defines_function(key) and theirs_cfg.get(key) is not None
                          and bcfg.get(key) is not None), key=lambda k: order.get(k, len(order)))
         unknown = [key for key in changed if key not in differ and not _benign(key)]
@@ -1132,6 +1129,16 @@ OPTIMAL_JACOBIAN = "optimal-basis mean Jacobian (one layer)"
 BASIS_PASS = "optimal-basis pass (a chunk of vectorised JVPs through the head, shrunk at run time to fit)"
 
 
+def basis_pass_tangent(plan: MergePlan) -> int | None:
+    """Bytes of one tangent of the optimal basis's pass at the plan's upper bounds (``None``: no such
+    pass): its estimate's chunk over the chunk's tangents (the dry run warns when not one fits)."""
+    chunk_bytes = plan.memory.get(BASIS_PASS)
+    if chunk_bytes is None:
+        return None
+    tangents = min(plan.config.method.chunk_size, max((s.r for s in plan.sites), default=0))
+    return chunk_bytes // tangents if tangents else chunk_bytes
+
+
 def estimate_memory(plan: MergePlan) -> dict[str, int]:
     """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
     cfg = plan.config
@@ -1199,7 +1206,6 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
         r_max = max((s.r for s in plan.sites), default=0)
         out[BASIS_PASS] = basis_pass_bytes(B * T, r_max, widest, elem, min(m.chunk_size, r_max))
-        plan.basis_pass_tangent = basis_pass_bytes(B * T, r_max, widest, elem, 1)
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8

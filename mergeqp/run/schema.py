@@ -49,6 +49,12 @@ DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
 
 
+def is_device_name(name: Any) -> bool:
+    """Whether ``name`` is a device mergeqp runs on: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    return isinstance(name, str) and (name in ("auto", "cpu", "cuda")
+                                      or (name.startswith("cuda:") and name[5:].isdigit()))
+
+
 def size_number(v: Any) -> Any:
     """A size written as a float (``8e9``: a number in YAML 1.2) as the integer it is; another float
     is an error that says how sizes are written. Anything else passes unchanged."""
@@ -603,7 +609,7 @@ class MergeConfig(_Strict):
     @classmethod
     def _device(cls, v: str) -> str:
         v = v.strip().lower()
-        if v in ("auto", "cpu", "cuda") or (v.startswith("cuda:") and v[5:].isdigit()):
+        if is_device_name(v):
             return v
         raise ValueError(f"device {v!r}; valid: auto, cpu, cuda, cuda:N")
 

@@ -74,6 +74,10 @@ _EXPORTS: dict[str, str] = {
     "MergeMode": "mergeqp.merge.modes",
     "register_merge_mode": "mergeqp.merge.modes",
     "register_basis": "mergeqp.stats.bases",
+    "ModelMethod": "mergeqp.run.model_method",
+    "MethodOutcome": "mergeqp.run.model_method",
+    "register_model_method": "mergeqp.run.model_methods",
+    "MODEL_METHODS": "mergeqp.run.model_methods",
     # experiments (issue: MNIST reproduction)
     "run_mnist_experiment": "mergeqp.experiments",
     "trust_region_merge": "mergeqp.experiments",

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from .schema import MergeConfig, is_device_name, qp_candidate_block
-from ..errors import Interrupted, MergeQPError, ValidationError, first_line
+from ..errors import Interrupted, MergeMethodError, MergeQPError, ValidationError, first_line, named_failure
 from ..plugins import imported_modules
 from ..io.calibration import (
     is_tensor_file,
@@ -95,7 +95,6 @@ from .plan import (
     changed_outside,
     check_config_object,
     evaluates_baseline,
-    is_output_space,
     keeps_base_outside,
     statistics_method,
     without_unchanged,
@@ -117,6 +116,8 @@ from .auto import (
     select_start,
     statistics_candidates,
 )
+from .model_method import MethodOutcome, ModelMethod
+from .model_methods import model_method_of
 from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
@@ -546,8 +547,9 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start, write)
     # every site's statistics and solve are checked against the memory limit
     with memory_limit(cfg.max_memory_bytes()), library_bars(progress):
-        if is_output_space(cfg):
-            return run.output_space()
+        model_method = model_method_of(cfg)
+        if model_method is not None:
+            return run.model_method(model_method)
         if cfg.method.is_qp:  # (under torchrun a refusal of any rank, from the memory it sees, stops every rank)
             agree_everywhere(current_group(), lambda: check_groups_fit(plan))
             return run.qp()
@@ -834,47 +836,49 @@ class _Run:
         return self._finish(merged, {"baseline": summary, "evaluation": evaluation}, model)
 
 
-    # ------------------------------------------------------------------ output space
-    def output_space(self) -> MergeResult:
-        """The output-space merge (:mod:`mergeqp.merge.output_space_hf`): the reference merge
-        (RegMean from statistics collected while each fine-tune is loaded for its targets, or the
-        soup), evaluated; every selected linear site solved at the reference, one at a time; the
-        solutions loaded together, evaluated, written with a per-layer record
-        (``output_space_layers`` in ``report.json``)."""
-        plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
-        params = parse_run_params(cfg.method.params)
-        keys = plan.merged_keys()
-        t = time.perf_counter()
-        collector = (statistics_collector(plan, "regmean", {"alpha": params.alpha}, keys, say)
-                     if params.reference == "regmean" else None)
-        tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=collector,
-                              notes=self.notes)
-        if collector is not None:
-            reference = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
-            self.notes.extend(n for n in collector.notes if n not in self.notes)
-        else:
-            reference = baseline_merge(plan, "soup", {}, keys)
-        t_reference = time.perf_counter() - t
-        model = load_model(plan.base, cfg.resolve(cfg.base), self.dtype, device)
-        base_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device, self.next_token))
-        _load_into(model, reference)
-        start_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device, self.next_token),
-                                     method=params.reference, params={"alpha": params.alpha} if collector else {},
-                                     seconds=t_reference,
-                                     statistics=collector.summary() if collector is not None else None)
-        t = time.perf_counter()
-        task_targets = [TaskTargets(x.name, x.weight, x.calibration) for x in tasks]
-        layers, solved = solve_sites(model, plan.sites, task_targets, self.spec, device, params, say)
-        merged = dict(reference)
-        merged.update({k: v.to(reference[k].dtype) if k in reference and cfg.output_dtype is None else v
-                       for k, v in solved.items()})
-        self.notes.extend(uncertified_notes(layers))
-        merged_eval = ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, device, self.next_token), method=cfg.method.name)
-        summary = BaselineSummary(cfg.method.name, params.model_dump(), len(merged),
-                                  t_reference + time.perf_counter() - t)
-        evaluation = Evaluation(base=base_eval, merged=merged_eval, start=start_eval)
-        return self._finish(merged, {"baseline": summary, "evaluation": evaluation,
-                                     "mode_fields": {"output_space_layers": [x.record for x in layers]}}, model)
+    # ------------------------------------------------------------------ model methods
+    def model_method(self, method: ModelMethod) -> MergeResult:
+        """A model method (:mod:`.model_methods`, e.g. ``output_space``): it runs with this run as its
+        :class:`~.model_method.RunContext`; its merged tensors are written with the report (its
+        parameters, seconds, evaluation and report fields)."""
+        cfg = self.cfg
+        params = method.parse(cfg.method.params, "method")
+        with named_failure(f"model method {method.name!r}", MergeMethodError):
+            outcome = method.run(self, params)
+        if not isinstance(outcome, MethodOutcome):  # (a user's method: what it hands back is checked)
+            raise MergeMethodError(f"model method {method.name!r} returned {type(outcome).__name__}, not a "
+                                   f"MethodOutcome")
+        summary = BaselineSummary(cfg.method.name, dict(outcome.params), len(outcome.merged), outcome.seconds)
+        fields: dict[str, Any] = {"baseline": summary, "evaluation": outcome.evaluation}
+        if outcome.report_fields:
+            fields["mode_fields"] = dict(outcome.report_fields)
+        return self._finish(outcome.merged, fields, outcome.model)
+
+    # the RunContext of a model method
+    def prepare_tasks(self, visit: Any = None) -> list[TaskData]:
+        return prepare_tasks(self.plan, self.spec, self.eval_spec, self.dtype, self.device, self.say, visit=visit,
+                             notes=self.notes)
+
+    def statistics_collector(self, name: str, params: dict[str, Any], keys: Sequence[str]) -> StatisticsCollector:
+        return statistics_collector(self.plan, name, params, keys, self.say)
+
+    def collected_merge(self, collector: StatisticsCollector, keys: Sequence[str]) -> dict[str, Any]:
+        merged = collector.merge(self.plan, keys, DEFAULT_CHUNK_BYTES)
+        self.notes.extend(n for n in collector.notes if n not in self.notes)
+        return merged
+
+    def baseline_merge(self, name: str, params: dict[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+        return baseline_merge(self.plan, name, params, keys)
+
+    def load_base_model(self) -> Any:
+        return load_model(self.plan.base, self.cfg.resolve(self.cfg.base), self.dtype, self.device)
+
+    def load(self, model: Any, tensors: Mapping[str, Any]) -> None:
+        _load_into(model, dict(tensors))
+
+    def evaluate(self, model: Any, tasks: Sequence[TaskData], **described: Any) -> ModelEvaluation:
+        return ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, self.device, self.next_token),
+                               **described)
 
 
 class _AutoStart:

@@ -33,7 +33,7 @@ from .auto import (
 )
 from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
-from ..errors import ConfigError, MergeQPError, ValidationError
+from ..errors import ConfigError, MergeQPError, ValidationError, unknown
 from ..io.calibration import (
     holdout_count,
     is_tensor_file,
@@ -50,13 +50,12 @@ from ..io.memory import design_bytes, human_bytes
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
-from ..merge.output_space_hf import check_sites as check_output_space_sites
-from ..merge.output_space_hf import parse_run_params as parse_output_space_params
+from ..merge.output_space_hf import parse_run_params as parse_output_space_candidate
 from ..merge.firstorder import widest_layer
 from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
 from ..lm import DATA_METRICS, ClassifierHead, OutputSpec, keeps_head_targets, linear_head
 from ..merge.baseline_residuals import statistics_baselines
-from ..merge.registry import get_merge_method
+from ..merge.registry import MERGE_METHODS, get_merge_method
 from ..merge.sites import (
     LayerSite,
     checkpoint_names,
@@ -69,10 +68,8 @@ from ..merge.sites import (
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
+from .model_methods import MODEL_METHODS, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
-
-#: the non-QP method that the run layer solves on the live model (not through merge_state_dicts)
-OUTPUT_SPACE_METHOD = "output_space"
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
                    "merges.txt", "tokenizer.model", "spiece.model", "special_tokens_map.json")
@@ -243,14 +240,11 @@ class MergePlan:
             spec = statistics_of(cfg.method.name)
             if spec is not None:
                 lines.append(f"  {spec.plan_line}")
-            if is_output_space(cfg):
-                p = parse_output_space_params(cfg.method.params)
-                lines.append(f"  per selected linear layer, one at a time at the {p.reference} merge: the free weight "
-                             f"change minimising the linearised compared-output error, ridge {p.ridge:g} (relative)"
-                             + (f", radius {p.radius:g}" if p.radius is not None else "")
-                             + "; CG through JVP/VJP of the model (per-sample Jacobians formed when at most "
-                             f"{p.jacobian_max_bytes:.0f} bytes)")
-            if evaluates_baseline(cfg) or is_output_space(cfg):
+            model_method = model_method_of(cfg)
+            if model_method is not None:
+                lines.extend(f"  {line}" for line in model_method.describe(model_method.parse(cfg.method.params,
+                                                                                               "method")))
+            if evaluates_baseline(cfg) or model_method is not None:
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
             for s in self.sites:
@@ -679,15 +673,12 @@ def evaluates_baseline(cfg: MergeConfig) -> bool:
     return not cfg.method.is_qp and cfg.evaluate and all(m.prompts() is not None for m in cfg.models)
 
 
-def is_output_space(cfg: MergeConfig) -> bool:
-    """The run layer's output-space merge (:mod:`mergeqp.merge.output_space_hf`): it linearises the
-    reference merge on the calibration prompts, so it needs them like the QP."""
-    return not cfg.method.is_qp and cfg.method.name == OUTPUT_SPACE_METHOD
-
-
 def uses_prompts(cfg: MergeConfig) -> bool:
+    """The run reads the calibration prompts: the QP, a method with calibration statistics, an
+    evaluated baseline, a model method (:mod:`.model_methods`: e.g. ``output_space`` linearises its
+    reference merge on them)."""
     return (cfg.method.is_qp or statistics_method(cfg) is not None or evaluates_baseline(cfg)
-            or is_output_space(cfg))
+            or model_method_of(cfg) is not None)
 
 
 def _without_prompts(cfg: MergeConfig) -> list[str]:
@@ -700,7 +691,7 @@ def _check_method(cfg: MergeConfig) -> None:
     if cfg.lazy and not m.is_qp:
         raise ConfigError(f"lazy: true keeps the blocks off a QP merge's linearised path on disk (method: qp, or "
                           f"the default auto); method {m.name!r} "
-                          + ("loads its model whole" if is_output_space(cfg) else
+                          + (model_method.lazy_reason if (model_method := model_method_of(cfg)) is not None else
                              "already streams tensors in chunks (evaluate: false keeps models out of memory)"))
     stats = statistics_method(cfg)
     if stats is not None:
@@ -708,20 +699,21 @@ def _check_method(cfg: MergeConfig) -> None:
         if missing:
             raise ConfigError(f"{'method' if not m.is_qp else 'method.start'}: {stats!r} needs calibration prompts "
                               f"for every model (its statistics are computed on them); missing for {missing}")
-    if is_output_space(cfg):
+    model_method = model_method_of(cfg)
+    if model_method is not None:
         missing = _without_prompts(cfg)
         if missing:
-            raise ConfigError(f"method: 'output_space' needs calibration prompts for every model (its targets are "
-                              f"the fine-tunes' outputs on them); missing for {missing}")
-        if cfg.output.metric in DATA_METRICS:
+            raise ConfigError(f"method: {m.name!r} needs calibration prompts for every model (it runs on the "
+                              f"models' outputs on them); missing for {missing}")
+        if model_method.fits_outputs and cfg.output.metric in DATA_METRICS:
             classifies = cfg.output.pool != "none"  # class labels through each model's head
             scored = "class labels through each model's head" if classifies else "next tokens"
             remedy = ("drop the models' head and label_field and use metric: euclidean" if classifies
                       else "use metric: euclidean or kl")
             raise ConfigError(f"output.metric: {cfg.output.metric} scores the prompts' {scored}, which method: "
-                              f"output_space does not fit (it fits the fine-tunes' outputs); {remedy}, or a QP "
+                              f"{m.name} does not fit (it fits the fine-tunes' outputs); {remedy}, or a QP "
                               f"method (e.g. mode: trust_region) with metric: {cfg.output.metric}")
-        parse_output_space_params(m.params, "method")
+        model_method.parse(m.params, "method")
         return
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method", len(cfg.models))
@@ -737,7 +729,7 @@ def _check_method(cfg: MergeConfig) -> None:
         for cand in parse_auto_params(m.start.params).candidates:
             where = f"method.start.params.candidates[{cand.label}]"
             if cand.name == OUTPUT_SPACE:
-                parse_output_space_params(cand.params, where)
+                parse_output_space_candidate(cand.params, where)
             elif cand.name == QP_CANDIDATE:
                 block = qp_candidate_block(cand.params, where)
                 fitted = statistics_baselines(block.baseline_choices)
@@ -818,10 +810,10 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
 def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> None:
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
     by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
-    try:
-        method = get_merge_method(name)
-    except MergeQPError as exc:
-        raise ConfigError(f"{where}: {exc} (or qp)") from None
+    if name not in MERGE_METHODS:
+        known = ["qp", *MERGE_METHODS, *(n for n in MODEL_METHODS if n not in MERGE_METHODS and where == "method")]
+        raise ConfigError(f"{where}: {unknown('merge method', name, known)}")
+    method = get_merge_method(name)
     weights = params.get("weights")
     if isinstance(weights, (list, tuple)) and len(weights) != K:
         raise ConfigError(f"{where}.params.weights has {len(weights)} entries but there are {K} fine-tuned models "
@@ -945,7 +937,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
     needs_text = uses_prompts(cfg) and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
     if needs_text and not has_tokenizer(tok_folder):
-        hint = "" if cfg.method.is_qp or statistics_method(cfg) or is_output_space(cfg) else "; or set 'evaluate: false' to skip the evaluation"
+        hint = ("" if cfg.method.is_qp or statistics_method(cfg) or model_method_of(cfg) is not None
+                else "; or set 'evaluate: false' to skip the evaluation")
         raise ConfigError(f"no tokenizer files in {tok_folder}: text prompts need the base model's tokenizer "
                           f"(or set 'tokenizer:' to a folder holding it){hint}")
     if has_tokenizer(tok_folder):
@@ -996,13 +989,14 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if not all_sites:
         _no_sites(base, base_path, model)
     sites, extra = _select(cfg, all_sites, list(base.names()))
-    if is_output_space(cfg):
-        check_output_space_sites(sites)
+    model_method = model_method_of(cfg)
+    if model_method is not None and model_method.check_sites is not None:
+        model_method.check_sites(sites)
     vocab = (base.config or {}).get("vocab_size")
     groups: list[GroupPlan] = []
     notes: list[str] = [*config_notes, *holdout_notes]
     unprompted = _without_prompts(cfg)
-    if (not cfg.method.is_qp and cfg.evaluate and not evaluates_baseline(cfg) and not is_output_space(cfg)
+    if (not cfg.method.is_qp and cfg.evaluate and not evaluates_baseline(cfg) and model_method is None
             and len(unprompted) < len(cfg.models)):  # (some have prompts: the user may expect one)
         notes.append(f"no evaluation: models {unprompted} have no calibration prompts (the calibration "
                      f"objective and the held-out error are measured only when every model has them)")
@@ -1158,16 +1152,15 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
         merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
         out = {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
-        if stats_method is not None or evaluates_baseline(cfg) or is_output_space(cfg):
+        model_method = model_method_of(cfg)
+        if stats_method is not None or evaluates_baseline(cfg) or model_method is not None:
             out["models (one at a time)"] = numel * elem
         if stats_method is not None:
             out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
-        if is_output_space(cfg):
-            p = parse_output_space_params(cfg.method.params)
-            if p.reference == "regmean":
-                out["regmean statistics (reference)"] = _statistics_bytes(plan, "regmean", plan.merged_keys())
-            out["output-space Jacobians (one layer, formed only below the cap)"] = int(p.jacobian_max_bytes)
-        if evaluates_baseline(cfg) or is_output_space(cfg):
+        if model_method is not None and model_method.memory is not None:
+            out.update(model_method.memory(model_method.parse(cfg.method.params, "method"),
+                                           lambda name: _statistics_bytes(plan, name, plan.merged_keys())))
+        if evaluates_baseline(cfg) or model_method is not None:
             out["targets"] = targets
         return out
     m = cfg.method

@@ -44,6 +44,7 @@ from ..plugins import imported_modules
 from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
 from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries
+from .model_methods import MODEL_METHODS
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
@@ -365,8 +366,9 @@ class MethodConfig(_Strict):
                                    "solver_options", "regularisation", "reference", "start",
                                    "mode_options", "baselines", "compare_sequential", "chunk_size", "jacobian_mode")
                        if k in self.model_fields_set]
-            if qp_only and self.name not in MERGE_METHODS:  # a misspelt name, not a baseline: say that first
-                raise ValueError(str(unknown("merge method", self.name, ["qp", AUTO_METHOD, *MERGE_METHODS])))
+            known = [*MERGE_METHODS, *(n for n in MODEL_METHODS if n not in MERGE_METHODS)]
+            if qp_only and self.name not in known:  # a misspelt name, not a baseline: say that first
+                raise ValueError(str(unknown("merge method", self.name, ["qp", AUTO_METHOD, *known])))
             if qp_only:
                 raise ValueError(
                     f"method {self.name!r} is a baseline: key(s) {qp_only} apply only to name: qp; "

@@ -1,0 +1,58 @@
+"""The registry of model methods: ``method:`` names that ``mergeqp merge`` runs on the live models.
+
+``MODEL_METHODS`` maps a name to its :class:`~.model_method.ModelMethod`; the built-in one,
+``output_space`` (:mod:`.output_space_method`), is registered explicitly below.
+:func:`register_model_method` adds one (a user's too); :func:`model_method_of` is how the plan and
+the pipeline ask whether a config's method is one. A model method may share its name with a
+baseline of :data:`mergeqp.MERGE_METHODS` (``output_space`` is both: the Python function on
+calibration samples and this run on live models): in a merge config the model method runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup
+from .model_method import ModelMethod
+from .output_space_method import OUTPUT_SPACE_RUN
+
+MODEL_METHODS: dict[str, ModelMethod] = {}
+
+#: ``method.name`` values that select the QP merge (never a model method)
+_QP_NAMES = frozenset({"qp", "auto"})
+
+
+def register_model_method(method: ModelMethod) -> ModelMethod:
+    """Add ``method`` under ``method.name`` (a duplicate name is an error). Once registered,
+    ``method: {name: NAME, params: {...}}`` of a merge config runs it."""
+    if not isinstance(method, ModelMethod):
+        raise ConfigError(f"register_model_method expects a ModelMethod, got {type(method).__name__}")
+    check_new_name("model method", method.name, MODEL_METHODS, error=ConfigError)
+    if method.name in _QP_NAMES:
+        raise ConfigError(f"model method name {method.name!r} is reserved: in a merge config it selects the QP merge")
+    for what, fn, args in (("parse(params, where)", method.parse, ({}, "method")),
+                           ("run(context, parsed)", method.run, (None, None)),
+                           ("describe(parsed)", method.describe, (None,))):
+        check_callable("model method", method.name, what, fn, ConfigError)
+        check_signature("model method", method.name, what, fn, args, {}, ConfigError)
+    for what, fn, args in (("check_sites(sites)", method.check_sites, ([],)),
+                           ("memory(parsed, statistics_bytes)", method.memory, (None, None))):
+        if fn is not None:
+            check_callable("model method", method.name, what, fn, ConfigError)
+            check_signature("model method", method.name, what, fn, args, {}, ConfigError)
+    MODEL_METHODS[method.name] = method
+    return method
+
+
+def get_model_method(name: str) -> ModelMethod:
+    """The registered model method ``name`` (an unknown name lists the valid ones)."""
+    return lookup("model method", name, MODEL_METHODS)
+
+
+def model_method_of(cfg: Any) -> ModelMethod | None:
+    """The model method a merge config's ``method`` selects, or ``None`` (the QP or a baseline)."""
+    m = cfg.method
+    return None if m.is_qp else MODEL_METHODS.get(m.name)
+
+
+register_model_method(OUTPUT_SPACE_RUN)

@@ -1,0 +1,145 @@
+"""Model methods (``mergeqp.run.model_methods``): a ``method:`` that runs on the live models is one
+registry entry. A user's method registered from a test is planned, checked, run, written and
+reported like the built-in ``output_space``; its bad registrations and failures are named."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from mergeqp.config import load_config  # noqa: E402
+from mergeqp.errors import ConfigError, MergeMethodError  # noqa: E402
+from mergeqp.io.checkpoint import open_checkpoint  # noqa: E402
+from mergeqp.run.model_method import MethodOutcome, ModelMethod  # noqa: E402
+from mergeqp.run.model_methods import MODEL_METHODS, get_model_method, register_model_method  # noqa: E402
+from mergeqp.run.plan import build_plan  # noqa: E402
+from mergeqp.run.pipeline import run_merge  # noqa: E402
+from mergeqp.run.report import Evaluation  # noqa: E402
+
+
+def _parse(params, where):
+    unknown = set(params) - {"scale"}
+    if unknown:
+        raise ConfigError(f"{where}.params: unknown parameter {sorted(unknown)[0]!r} of 'first_step'")
+    return float(params.get("scale", 1.0))
+
+
+def _run(ctx, scale):
+    """The base plus ``scale`` times the first fine-tune's change at every selected site."""
+    t = time.perf_counter()
+    tasks = ctx.prepare_tasks()
+    keys = [k for site in ctx.plan.sites for k in site.keys]
+    merged = {k: ctx.plan.base.get(k) + scale * (ctx.plan.finetuned[0].get(k) - ctx.plan.base.get(k)) for k in keys}
+    model = ctx.load_base_model()
+    base_eval = ctx.evaluate(model, tasks)
+    ctx.load(model, merged)
+    merged_eval = ctx.evaluate(model, tasks, method="first_step")
+    ctx.notes.append("first_step: ran")
+    return MethodOutcome(merged, model, {"scale": scale}, time.perf_counter() - t,
+                         Evaluation(base=base_eval, merged=merged_eval), {"first_step_keys": keys})
+
+
+def _sites(sites):
+    if len(sites) != 1:
+        raise ConfigError("method 'first_step' merges exactly one layer")
+
+
+FIRST_STEP = ModelMethod(name="first_step", summary="the first fine-tune's change, scaled", parse=_parse, run=_run,
+                         describe=lambda scale: [f"first fine-tune's change times {scale:g}"], check_sites=_sites,
+                         memory=lambda scale, statistics_bytes: {"first_step scratch": 123})
+
+
+@pytest.fixture
+def registered():
+    added = []
+
+    def add(method):
+        register_model_method(method)
+        added.append(method.name)
+        return method
+
+    yield add
+    for name in added:
+        MODEL_METHODS.pop(name, None)
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_hf, tmp_path_factory):
+    return tiny_hf.make_family(tmp_path_factory.mktemp("mm") / "llama", "llama", K=2, scale=0.3, n_prompts=10)
+
+
+def _config(fam, tmp_path, method, name="cfg", layers=None, **extra):
+    return load_config(fam.write_config(tmp_path / f"{name}.yml", layers or [fam.mlp_layer], method, **extra))
+
+
+def test_users_model_method_is_planned_run_written_and_reported(llama, tmp_path, registered):
+    registered(FIRST_STEP)
+    cfg = _config(llama, tmp_path, {"name": "first_step", "params": {"scale": 0.5}})
+    plan = build_plan(cfg)
+    text = plan.render()
+    assert "first fine-tune's change times 0.5" in text
+    assert plan.memory["first_step scratch"] == 123 and plan.memory["models (one at a time)"] > 0
+    result = run_merge(cfg, tmp_path / "out", progress=False)
+    key = f"{llama.mlp_layer}.weight"
+    base, ft0 = open_checkpoint(llama.base).get(key), open_checkpoint(llama.finetuned[0]).get(key)
+    got = open_checkpoint(result.out_dir).get(key)
+    assert torch.allclose(got.double(), (base + 0.5 * (ft0 - base)).double(), atol=1e-12)
+    other = "model.layers.0.mlp.down_proj.weight"  # outside the selection: the base's
+    assert torch.equal(open_checkpoint(result.out_dir).get(other), open_checkpoint(llama.base).get(other))
+    report = result.report
+    assert report["baseline"]["method"] == "first_step" and report["baseline"]["params"] == {"scale": 0.5}
+    assert report["first_step_keys"] == [key]
+    assert "first_step: ran" in report["notes"]
+    ev = report["evaluation"]
+    assert ev["merged"]["method"] == "first_step"
+    assert ev["merged"]["calibration_objective"] != ev["base"]["calibration_objective"]
+
+
+def test_model_method_checks_come_from_its_entry(llama, tmp_path, registered):
+    registered(FIRST_STEP)
+    with pytest.raises(ConfigError, match="unknown parameter 'scal'"):
+        build_plan(_config(llama, tmp_path, {"name": "first_step", "params": {"scal": 1}}, "typo"))
+    with pytest.raises(ConfigError, match="merges exactly one layer"):
+        build_plan(_config(llama, tmp_path, {"name": "first_step"}, "two",
+                           layers=[llama.mlp_layer, "model.layers.1.mlp.up_proj"]))
+    ok = _config(llama, tmp_path, {"name": "first_step"}, "ok")
+    no_prompts = ok.model_copy(update={"models": [m.model_copy(update={"calibration": None}) for m in ok.models]})
+    with pytest.raises(ConfigError, match="method: 'first_step' needs calibration prompts for every model"):
+        build_plan(no_prompts)
+    with pytest.raises(ConfigError, match="first_step does not fit"):
+        build_plan(_config(llama, tmp_path, {"name": "first_step"}, "ce", output={"metric": "cross_entropy"}))
+    with pytest.raises(ConfigError, match="loads its model whole"):
+        build_plan(_config(llama, tmp_path, {"name": "first_step"}, "lazy", lazy=True))
+    with pytest.raises(ConfigError, match="did you mean 'first_step'"):
+        build_plan(_config(llama, tmp_path, {"name": "first_stp"}, "misspelt"))
+
+
+def test_a_failing_or_wrong_result_is_named(llama, tmp_path, registered):
+    def boom(ctx, parsed):
+        raise ValueError("no luck")
+
+    registered(ModelMethod(name="boom", summary="fails", parse=lambda p, w: None, run=boom))
+    registered(ModelMethod(name="wrong", summary="returns a dict", parse=lambda p, w: None,
+                           run=lambda ctx, parsed: {}))
+    with pytest.raises(MergeMethodError, match="model method 'boom' failed: ValueError: no luck"):
+        run_merge(_config(llama, tmp_path, {"name": "boom"}, "boom"), tmp_path / "out_boom", progress=False)
+    with pytest.raises(MergeMethodError, match="returned dict, not a MethodOutcome"):
+        run_merge(_config(llama, tmp_path, {"name": "wrong"}, "wrong"), tmp_path / "out_wrong", progress=False)
+    assert not (tmp_path / "out_boom").exists() and not (tmp_path / "out_wrong").exists()
+
+
+def test_bad_registrations_are_refused(registered):
+    assert get_model_method("output_space").name == "output_space"
+    with pytest.raises(ConfigError, match="already registered|taken|exists"):
+        register_model_method(ModelMethod(name="output_space", summary="", parse=_parse, run=_run))
+    with pytest.raises(ConfigError, match="reserved"):
+        register_model_method(ModelMethod(name="qp", summary="", parse=_parse, run=_run))
+    with pytest.raises(ConfigError, match=r"run\(context, parsed\) cannot be called"):
+        register_model_method(ModelMethod(name="onearg", summary="", parse=_parse, run=lambda ctx: None))
+    with pytest.raises(ConfigError, match="expects a ModelMethod"):
+        register_model_method("first_step")
+    assert "onearg" not in MODEL_METHODS

@@ -39,6 +39,7 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ValidationError
 
@@ -173,15 +174,27 @@ def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, o
                       solve=SOLVE_SQUARE_COPIES * square)
 
 
-def memory_budget(free: int | None) -> tuple[int | None, str]:
+def memory_budget(free: int | None, kind: str = "memory available") -> tuple[int | None, str]:
     """``(bytes, what)``: the smaller of the :func:`memory_limit` cap and ``free`` (the machine's
-    available memory, e.g. :func:`available_memory_bytes`); ``None`` when neither is known."""
+    available memory, e.g. :func:`available_memory_bytes`, or a GPU's free memory: ``kind`` says
+    which, for the message); ``None`` when neither is known."""
     cap = current_limit()
     if cap is not None and (free is None or cap <= free):
         return cap, f"max_memory = {human_bytes(cap)}"
     if free is None:
         return None, "unknown"
-    return free, f"the {human_bytes(free)} of memory available"
+    return free, f"the {human_bytes(free)} of {kind}"
+
+
+def device_free_bytes(device: Any) -> tuple[int | None, str]:
+    """``(bytes, kind)``: the free memory where tensors on ``device`` are allocated: a CUDA device's
+    (``torch.cuda.mem_get_info``), else the machine's available memory (:func:`available_memory_bytes`)."""
+    if str(device).startswith("cuda"):
+        import torch  # deferred: only a CUDA device asks, and torch is then loaded
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        return int(free), f"GPU memory free on {device}"
+    return available_memory_bytes(), "memory available"
 
 
 #: what to change when ``mergeqp collect``'s statistics do not fit (its own options)

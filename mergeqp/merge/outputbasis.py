@@ -43,7 +43,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from ..errors import ValidationError
-from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, available_memory_bytes, human_bytes, memory_budget
+from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, device_free_bytes, human_bytes, memory_budget
 from ..lm import OutputSpec
 from ..stats.bases import complete_basis, optimal_basis_from
 from ..stats.basis import Basis
@@ -85,12 +85,13 @@ def basis_pass_bytes(tokens: int, r: int, widest: int, itemsize: int, chunk: int
 
 
 def fitting_chunk(site: str, requested: int, tokens: int, r: int, widest: int, itemsize: int,
-                  held: int = 0) -> int:
+                  held: int = 0, device: Any = "cpu") -> int:
     """The most tangents (at most ``requested`` and ``r``) whose JVP chunk fits the memory budget
-    (:func:`~mergeqp.io.memory.memory_budget`: ``max_memory`` or the machine's available memory, less
-    ``held`` bytes already allocated); an error naming the site and what to change when one does not."""
+    (:func:`~mergeqp.io.memory.memory_budget`: ``max_memory`` or the free memory where ``device``
+    allocates -- a CUDA device's own, else the machine's available memory -- less ``held`` bytes
+    already allocated there); an error naming the site and what to change when one does not."""
     chunk = max(1, min(int(requested), int(r)))
-    budget, what = memory_budget(available_memory_bytes())
+    budget, what = memory_budget(*device_free_bytes(device))
     if budget is None:
         return chunk
     one = basis_pass_bytes(tokens, r, widest, itemsize, 1)
@@ -206,8 +207,10 @@ def collect_output_basis(
                 lead = (1,) * (u0.dim() - 1)
                 # the tangents' chunk shrinks to what the memory budget holds (each tangent carries the
                 # batch's tokens through the unfolded vocabulary head)
+                on_gpu = u0.device.type == "cuda"  # (the residuals are kept on the host)
                 step = fitting_chunk(site.name, chunk_size, int(u0.numel()) // r, r, widest, u0.element_size(),
-                                     held=L_sum.numel() * 8 + sum(x.numel() for x in residuals) * 8)
+                                     held=L_sum.numel() * 8 + (0 if on_gpu else sum(x.numel() for x in residuals) * 8),
+                                     device=u0.device)
                 chunks_used = min(chunks_used, step)
                 for start in range(0, r, step):
                     stop = min(start + step, r)

@@ -205,3 +205,28 @@ def test_a_site_that_fits_only_in_reverse_mode_is_merged_under_auto(tiny_hf, tmp
     assert main(["merge", str(cfgs["forward"]), "--out", str(tmp_path / "capped-f"), "--quiet", "--max-memory", cap]) == 2
     mode = "auto"
     assert main(["merge", str(cfgs["auto"]), "--out", str(tmp_path / "capped-a"), "--quiet", "--max-memory", cap]) == 0
+
+
+def test_a_cuda_device_budgets_from_its_own_free_memory(monkeypatch):
+    """(stop 51) The optimal basis's JVP chunk on a GPU is sized from the GPU's free memory, not the
+    host's: the host may have 100 GiB where the GPU has 1 GiB free (and the reverse)."""
+    torch = pytest.importorskip("torch")
+    from mergeqp.io import memory
+    from mergeqp.merge.outputbasis import basis_pass_bytes, fitting_chunk
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda *a: 100 * 2**30)
+    seen = []
+
+    def mem_get_info(device):
+        seen.append(str(device))
+        return 2**30, 80 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    assert memory.device_free_bytes("cuda:1") == (2**30, "GPU memory free on cuda:1") and seen == ["cuda:1"]
+    assert memory.device_free_bytes("cpu") == (100 * 2**30, "memory available")
+    one = basis_pass_bytes(512, 64, 4096, 4, 1)  # one tangent of 512 tokens through 4096 features
+    assert fitting_chunk("l", 64, 512, 64, 4096, 4, device="cpu") == 64  # the host holds them all
+    on_gpu = fitting_chunk("l", 64, 512, 64, 4096, 4, device=torch.device("cuda", 0))
+    assert on_gpu == min(64, 2**30 // one) < 64
+    with pytest.raises(ValidationError, match="GPU memory free on cuda:0"):
+        fitting_chunk("l", 64, 512, 64, 4096, 4, held=2**30, device="cuda:0")

@@ -739,22 +739,22 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
 def _check_auto_folds(config: LmConfig) -> None:
     """A QP run with ``start: auto`` cross-validates over each domain's calibration batches: with
     folds, two or more per domain are needed (the run layer's rule, checked before any work)."""
-    from ..run.auto import parse_auto_params  # deferred: the run layer loads every registry
+    from ..run.auto import MIN_FOLD_BATCHES, parse_auto_params, too_few_batches  # deferred: the run layer loads every registry
 
     mset = config.merge
-    batches = -(-config.calibration_texts // mset.calibration_batch_size)
     for mode, metric in mset.qp_runs():
         start = mset.run_settings(mode, metric).get("start")
         spec = {"name": start} if isinstance(start, str) else dict(start or {})
         if spec.get("name") != "auto" or mode == "hybrid":
             continue
         folds = parse_auto_params(spec.get("params") or {}, f"run {mode}:{metric}: start").folds
-        if folds > 1 and batches < 2:
+        batches = too_few_batches(folds, config.calibration_texts, mset.calibration_batch_size)
+        if batches is not None:
             raise ValidationError(
-                f"run {mode}:{metric}: start auto with {folds} folds needs two or more calibration batches per "
-                f"domain, but calibration_texts {config.calibration_texts} in batches of "
+                f"run {mode}:{metric}: start auto with {folds} folds needs {MIN_FOLD_BATCHES} or more calibration "
+                f"batches per domain, but calibration_texts {config.calibration_texts} in batches of "
                 f"{mset.calibration_batch_size} make {batches}; raise calibration_texts to at least "
-                f"{2 * mset.calibration_batch_size} or lower calibration_batch_size")
+                f"{MIN_FOLD_BATCHES * mset.calibration_batch_size} or lower calibration_batch_size")
 
 
 def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:

@@ -263,6 +263,19 @@ def select_start(params: AutoStartParams, evaluate: Callable[[Candidate], Candid
     return StartSelection(tuple(scored), best[1], params.folds, params.holdout, tensors)
 
 
+#: calibration batches per task that ``start: auto`` with k >= 2 folds needs (one to fit on, one to score)
+MIN_FOLD_BATCHES = 2
+
+
+def too_few_batches(folds: int, n_calibration: int, batch_size: int) -> int | None:
+    """The number of calibration batches ``n_calibration`` prompts make in batches of ``batch_size``
+    where ``start: auto`` with ``folds`` cannot cross-validate on them (folds >= 2, fewer than
+    :data:`MIN_FOLD_BATCHES` batches), else ``None``: the rule the plan and ``mergeqp experiment
+    lm`` check before any work."""
+    batches = -(-int(n_calibration) // int(batch_size))
+    return batches if folds > 1 and batches < MIN_FOLD_BATCHES else None
+
+
 def batch_splits(n: int, params: AutoStartParams) -> list[tuple[list[int], list[int]]]:
     """``(fit, held)`` batch indices of a task with ``n`` calibration batches, per split: with
     ``folds`` k >= 2, contiguous folds (``numpy.array_split``; a task with fewer batches than k
@@ -346,6 +359,6 @@ def candidate_notes(params: AutoStartParams, skipped: Mapping[str, str] | None =
 
 
 __all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
-           "CandidateScore", "DEFAULT_CANDIDATES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
+           "CandidateScore", "DEFAULT_CANDIDATES", "MIN_FOLD_BATCHES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
            "candidate_notes", "is_auto_start", "named_entries", "parse_auto_params", "regmean_reference", "select_start",
            "lazy_skipped", "statistics_candidates"]

@@ -22,6 +22,7 @@ import numpy as np
 
 from .architectures import ARCHITECTURES, architecture_class, causal_lm_obstacle, lower_blocks, model_config
 from .auto import (
+    MIN_FOLD_BATCHES,
     OUTPUT_SPACE,
     QP_CANDIDATE,
     candidate_notes,
@@ -30,6 +31,7 @@ from .auto import (
     lazy_skipped,
     parse_auto_params,
     statistics_candidates,
+    too_few_batches,
 )
 from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
@@ -1081,11 +1083,11 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
     folds = parse_auto_params(m.start.params).folds
     B = cfg.calibration.batch_size
     for t in tasks:
-        n = -(-t.n_calibration // B)
-        if folds > 1 and n < 2:
+        n = too_few_batches(folds, t.n_calibration, B)
+        if n is not None:
             raise ConfigError(f"start: auto with {folds} folds: task {t.name!r} has {n} calibration batch(es) "
-                              f"({t.n_calibration} prompts in batches of {B}), at least 2 are needed (more prompts or "
-                              f"a smaller calibration.batch_size, or folds: 1)")
+                              f"({t.n_calibration} prompts in batches of {B}), at least {MIN_FOLD_BATCHES} are "
+                              f"needed (more prompts or a smaller calibration.batch_size, or folds: 1)")
 
 
 def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T: int, per_pos: int) -> int:

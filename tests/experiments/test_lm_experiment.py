@@ -250,7 +250,7 @@ def test_too_few_calibration_texts_for_autos_folds_are_refused_before_the_fine_t
 
     config = _config(runs=(RECOMMENDED_RUN,))  # start: auto with folds; 6 texts in batches of 4 make 2 batches
     config = dataclasses.replace(config, calibration_texts=4)
-    with pytest.raises(ValidationError, match=r"start auto with \d+ folds needs two or more calibration batches per "
+    with pytest.raises(ValidationError, match=r"start auto with \d+ folds needs 2 or more calibration batches per "
                                               r"domain, but calibration_texts 4 in batches of 4 make 1"):
         run_lm_experiment(tmp_path / "o", corpora=_corpora(tiny_hf), config=config, cache=tmp_path / "cache",
                           base_folder=tiny_base, threads=1, progress=False)

@@ -37,7 +37,8 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    decrease of its objective, or ``prox_inner_max`` steps) restarts from the centre with
    ``rho`` grown by the same factor. A level also ends, inexactly, when a step lowers the
    subproblem's objective by at most ``prox_accept`` (0.2) of what the level has gained since its
-   first step (the face need not settle: the proximal point method converges with such inexact levels);
+   first step, at a point where that objective is at most its value at the centre ``J(xc)`` (the
+   face need not settle: the proximal point method converges with such inexact levels);
    its next centre is that point and the next level starts from its PDAS face update. When the
    same face is accepted twice in a row, ``rho`` jumps to its minimum (the plain problem on that
    face, where no level is accepted inexactly) and returns if that fails. Proximal
@@ -408,8 +409,11 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 # than prox_accept of what this level gained: take its point as the next centre
                 if level_first is None:
                     level_first = Jr
-                elif prev_Jr is not None and Jr <= prev_Jr and \
+                elif prev_Jr is not None and Jr <= prev_Jr and Jr <= xc_J and \
                         prev_Jr - Jr <= float(opts["prox_accept"]) * (level_first - Jr):
+                    # (never above the subproblem's value at its centre, J(xc): an accepted centre
+                    # then never raises J; before stop 51 a level whose first step started far above
+                    # it was accepted at J(xp) > J(xc), and the restarts from the best point cycled)
                     inexact = True
                 prev_Jr = Jr
             if (stable or inexact) and rho > 0:

@@ -218,3 +218,24 @@ def test_no_inexact_acceptance_on_the_plain_problem() -> None:
     problem = singular_problem(np.random.default_rng(133), 1, 14, 0.375, 0.15, False)
     sol = solve(problem, Box(0, 1), solver="active_set")
     assert sol.status.value == "optimal" and sol.certificate.certified(1e-8), sol.certificate.explain()
+
+
+# ---------------------------------------------------------------------- low rank, weak ridge (stop 51)
+#: (set, K, r, c, N, seed): low-rank H (rank c N = 40-120 of n = 640) with a ridge of lambda_max / 1e9
+#: and 95% of the planted optimum on a bound, where active_set stopped uncertified (relative gaps 2e-6 to
+#: 1.46) in an independent review of auto's dispatch: an inexact proximal level was accepted at a point
+#: whose J was above its centre's, and the restarts from the best point then repeated one cycle
+LOW_RANK_CASES = [("box", 8, 80, 4, 30, 301), ("box", 2, 320, 2, 20, 109), ("simplex", 8, 80, 2, 20, 303),
+                  ("simplex", 2, 320, 2, 20, 102), ("l1", 2, 320, 2, 20, 110), ("l1", 8, 80, 2, 20, 303),
+                  ("l1", 2, 320, 2, 20, 301)]
+
+
+@pytest.mark.parametrize("case", LOW_RANK_CASES, ids=[f"{c[0]}-K{c[1]}-s{c[5]}" for c in LOW_RANK_CASES])
+def test_low_rank_weak_ridge_instances_certify(case) -> None:
+    from mergeqp.solvers.instance_families import InstanceFamily, draw
+
+    set_type, K, r, c, N, seed = case
+    inst = draw(InstanceFamily("low_rank", K, r, set_type, 0.95, cond=1e9, c=c, N=N), seed)
+    sol = solve(inst.problem, inst.constraints, solver="active_set", rel_tol=1e-8)
+    assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor, sol.certificate.explain()
+    assert sol.objective == pytest.approx(inst.objective, rel=1e-8, abs=1e-9 * abs(inst.problem.c))

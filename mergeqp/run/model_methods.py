@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup
+from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup, named_failure
 from .model_method import ModelMethod
 from .output_space_method import OUTPUT_SPACE_RUN
 
@@ -47,6 +47,14 @@ def register_model_method(method: ModelMethod) -> ModelMethod:
 def get_model_method(name: str) -> ModelMethod:
     """The registered model method ``name`` (an unknown name lists the valid ones)."""
     return lookup("model method", name, MODEL_METHODS)
+
+
+def entry_call(method: ModelMethod, what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, one of a (user's) model method's functions used while planning (``what``: its
+    name): an error of ours passes as it is, any other exception becomes one :class:`ConfigError`
+    line naming the method and the function (exit 2, no traceback)."""
+    with named_failure(f"model method {method.name!r}: {what}", ConfigError):
+        return fn(*args)
 
 
 def model_method_of(cfg: Any) -> ModelMethod | None:

@@ -117,7 +117,7 @@ from .auto import (
     statistics_candidates,
 )
 from .model_method import MethodOutcome, ModelMethod
-from .model_methods import model_method_of
+from .model_methods import entry_call, model_method_of
 from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
@@ -842,7 +842,7 @@ class _Run:
         :class:`~.model_method.RunContext`; its merged tensors are written with the report (its
         parameters, seconds, evaluation and report fields)."""
         cfg = self.cfg
-        params = method.parse(cfg.method.params, "method")
+        params = entry_call(method, "parse", method.parse, cfg.method.params, "method")
         with named_failure(f"model method {method.name!r}", MergeMethodError):
             outcome = method.run(self, params)
         if not isinstance(outcome, MethodOutcome):  # (a user's method: what it hands back is checked)

@@ -70,7 +70,7 @@ from ..merge.sites import (
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
-from .model_methods import MODEL_METHODS, model_method_of
+from .model_methods import MODEL_METHODS, entry_call, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -244,8 +244,9 @@ class MergePlan:
                 lines.append(f"  {spec.plan_line}")
             model_method = model_method_of(cfg)
             if model_method is not None:
-                lines.extend(f"  {line}" for line in model_method.describe(model_method.parse(cfg.method.params,
-                                                                                               "method")))
+                parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
+                described = entry_call(model_method, "describe", model_method.describe, parsed)
+                lines.extend(f"  {line}" for line in ([described] if isinstance(described, str) else described))
             if evaluates_baseline(cfg) or model_method is not None:
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
@@ -715,7 +716,7 @@ def _check_method(cfg: MergeConfig) -> None:
             raise ConfigError(f"output.metric: {cfg.output.metric} scores the prompts' {scored}, which method: "
                               f"{m.name} does not fit (it fits the fine-tunes' outputs); {remedy}, or a QP "
                               f"method (e.g. mode: trust_region) with metric: {cfg.output.metric}")
-        model_method.parse(m.params, "method")
+        entry_call(model_method, "parse", model_method.parse, m.params, "method")
         return
     if not m.is_qp:
         _check_baseline(m.name, m.params, "method", len(cfg.models))
@@ -993,7 +994,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     sites, extra = _select(cfg, all_sites, list(base.names()))
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
-        model_method.check_sites(sites)
+        entry_call(model_method, "check_sites", model_method.check_sites, sites)
     vocab = (base.config or {}).get("vocab_size")
     groups: list[GroupPlan] = []
     notes: list[str] = [*config_notes, *holdout_notes]
@@ -1160,8 +1161,14 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         if stats_method is not None:
             out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
         if model_method is not None and model_method.memory is not None:
-            out.update(model_method.memory(model_method.parse(cfg.method.params, "method"),
-                                           lambda name: _statistics_bytes(plan, name, plan.merged_keys())))
+            parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
+            items = entry_call(model_method, "memory", model_method.memory, parsed,
+                               lambda name: _statistics_bytes(plan, name, plan.merged_keys()))
+            if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, (int, np.integer))
+                                                      and not isinstance(v, bool) and v >= 0 for k, v in items.items()):
+                raise ConfigError(f"model method {model_method.name!r}: memory(parsed, statistics_bytes) must return a "
+                                  f"dict of item name -> bytes (an integer >= 0), got {items!r:.120}")
+            out.update({k: int(v) for k, v in items.items()})
         if evaluates_baseline(cfg) or model_method is not None:
             out["targets"] = targets
         return out

@@ -143,3 +143,21 @@ def test_bad_registrations_are_refused(registered):
     with pytest.raises(ConfigError, match="expects a ModelMethod"):
         register_model_method("first_step")
     assert "onearg" not in MODEL_METHODS
+
+
+def test_a_users_planning_functions_that_fail_are_named(llama, tmp_path, registered):
+    """The functions the plan calls (parse, describe, check_sites, memory) of a user's entry: an error of
+    ours passes as it is, any other exception, or a memory estimate that is not bytes by item, is one
+    ConfigError line naming the method and the function."""
+    def bad_parse(params, where):
+        raise KeyError("oops")
+
+    registered(ModelMethod(name="badparse", summary="", parse=bad_parse, run=_run))
+    with pytest.raises(ConfigError, match=r"model method 'badparse': parse failed: KeyError"):
+        build_plan(_config(llama, tmp_path, {"name": "badparse"}, "bp"))
+    registered(ModelMethod(name="badmem", summary="", parse=_parse, run=_run,
+                           memory=lambda parsed, statistics_bytes: {"scratch": "lots"}))
+    with pytest.raises(ConfigError, match=r"model method 'badmem': memory\(parsed, statistics_bytes\) must return"):
+        build_plan(_config(llama, tmp_path, {"name": "badmem"}, "bm"))
+    registered(ModelMethod(name="oneline", summary="", parse=_parse, run=_run, describe=lambda parsed: "one line"))
+    assert "  one line" in build_plan(_config(llama, tmp_path, {"name": "oneline"}, "ol")).render()

@@ -67,8 +67,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--opt", action="append", default=[], metavar="SOLVER.KEY=VALUE",
                    help="a solver option, e.g. torch_fista.dtype=float32 (repeatable)")
     p.add_argument("--family", default=None, metavar="NAMES",
-                   help="benchmark drawn instances of these instance families (comma-separated or 'all') "
-                        "instead of --problems; times are also given as multiples of one Cholesky of H")
+                   help="benchmark drawn instances of these instance families (comma-separated or 'all'; a "
+                        "variant of one as FAMILY:key=value:..., keys K, r, c, N, cond, at_bounds, planted, "
+                        "set_type, e.g. box:K=8:r=80:cond=1e9:c=4:N=30:at_bounds=0.95) instead of --problems; "
+                        "times are also given as multiples of one Cholesky of H")
     p.add_argument("--n", type=int, default=None, help="unknowns of the family instances (default: the family's)")
     p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
     p.add_argument("--sequence", type=int, default=0, metavar="T",
@@ -94,7 +96,11 @@ def _names(arg: str, known: dict[str, Any], kind: str, committed_only: bool = Fa
         option = {"family": "--family"}.get(kind, f"--{kind}s")
         raise ConfigError(f"{option} is empty; valid: all, {', '.join(known)}")
     for name in names:
-        if name not in known:
+        if kind == "family" and ":" in name:  # a variant, FAMILY:key=value:...: checked by its parser
+            from ..solvers.instance_families import get_family
+
+            get_family(name)
+        elif name not in known:
             raise unknown(kind, name, known)
     return names
 

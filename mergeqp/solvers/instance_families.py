@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import Box, ConstraintSet, L1Ball, SignConsensus, Simplex, intersect
-from ..errors import ValidationError, check_integer, check_new_name, lookup
+from ..errors import ValidationError, check_integer, check_new_name, did_you_mean, lookup
 from ..problem import MergeQP
 from .reference_problems import merge_qp_from_factors, synthetic_factors
 
@@ -103,8 +103,43 @@ def register_family(family: InstanceFamily) -> None:
     FAMILIES[family.name] = family
 
 
+#: the fields a family spelling may set, with their kinds (``FAMILY:key=value:key=value``)
+SPEC_FIELDS: dict[str, type] = {"K": int, "r": int, "c": int, "N": int, "cond": float, "at_bounds": float,
+                                "planted": bool, "set_type": str}
+
+
 def get_family(name: str) -> InstanceFamily:
-    return lookup("instance family", name, FAMILIES)
+    """The registered family ``name``, or a variant of one spelt ``FAMILY:key=value:...`` (keys
+    :data:`SPEC_FIELDS`: e.g. ``box:K=8:r=80:cond=1e9:c=4:N=30:at_bounds=0.95``, a low-rank box with a
+    weak ridge; ``planted=false`` keeps the synthetic g), named by its spelling."""
+    base, sep, rest = str(name).partition(":")
+    family = lookup("instance family", base, FAMILIES)
+    if not sep:
+        return family
+    changes: dict[str, Any] = {}
+    for item in rest.split(":"):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if key not in SPEC_FIELDS:
+            raise ValidationError(f"instance family {name!r}: unknown field {key!r}{did_you_mean(key, SPEC_FIELDS)}; "
+                                  f"a variant is spelt FAMILY:key=value:... with keys {', '.join(SPEC_FIELDS)}")
+        if not eq or not raw.strip():
+            raise ValidationError(f"instance family {name!r}: {key!r} has no value (write {key}=VALUE)")
+        kind, raw = SPEC_FIELDS[key], raw.strip()
+        try:
+            if kind is bool:
+                if raw.lower() not in ("true", "false"):
+                    raise ValueError
+                value: Any = raw.lower() == "true"
+            elif kind is int:
+                value = int(raw)
+            else:
+                value = kind(raw)
+        except ValueError:
+            what = {int: "a whole number", float: "a number", bool: "true or false"}.get(kind, "a name")
+            raise ValidationError(f"instance family {name!r}: {key} must be {what}, got {raw!r}") from None
+        changes[key] = value
+    return replace(family, name=str(name), **changes)
 
 
 def _top_eigenvalue(H: np.ndarray, rng: np.random.Generator, steps: int = 60) -> float:

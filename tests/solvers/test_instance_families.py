@@ -70,3 +70,24 @@ def test_l1_ball_activated_on_an_all_free_face_is_not_factorised(seed: int) -> N
     assert sol.info["cg_faces"] == 2
     assert sol.certificate is not None and sol.certificate.certified(1e-8)
     assert sol.objective == pytest.approx(inst.objective, rel=1e-9)
+
+
+def test_a_variant_is_spelt_from_a_registered_family() -> None:
+    """(stop 51) ``FAMILY:key=value:...`` (mergeqp bench --family) changes a registered family's fields:
+    the draw is that of the InstanceFamily with those fields, named by the spelling."""
+    spec = "box:K=8:r=20:cond=1e9:c=4:N=30:at_bounds=0.95"
+    fam = get_family(spec)
+    assert fam == InstanceFamily(spec, 8, 20, "box", 0.95, cond=1e9, c=4, N=30,
+                                 description=FAMILIES["box"].description)
+    a, b = draw(spec, 3), draw(InstanceFamily("other", 8, 20, "box", 0.95, cond=1e9, c=4, N=30), 3)
+    np.testing.assert_array_equal(a.problem.H, b.problem.H)
+    np.testing.assert_array_equal(a.problem.g, b.problem.g)
+    assert get_family("box_singular:planted=true").planted and not get_family("box:planted=false").planted
+    assert get_family("box:set_type=simplex").set_type == "simplex"
+    for bad, message in (("box:rr=2", r"unknown field 'rr' \(did you mean 'r'\?\)"), ("box:K=two", "K must be a whole"),
+                         ("box:planted=yes", "true or false"), ("box:cond=", "has no value"),
+                         ("box:at_bounds=1", "at_bounds must lie in"), ("box:set_type=cube", "set_type 'cube'")):
+        with pytest.raises(ValidationError, match=message):
+            get_family(bad)
+    with pytest.raises(UnknownNameError, match="did you mean 'box'"):
+        get_family("boxx:K=2")

@@ -83,7 +83,8 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         lines.append(f"- compared output: `{out.get('field')}`, {restrict}; device `{report.get('device')}`, "
                      f"dtype `{plan.get('dtype')}`")
     else:
-        lines.append(f"- method: baseline `{name}` with {method.get('params') or {}}")
+        kind = "model method" if (report.get("baseline") or {}).get("kind") == "model method" else "baseline"
+        lines.append(f"- method: {kind} `{name}` with {method.get('params') or {}}")
         stats = (report.get("baseline") or {}).get("statistics")
         if stats:
             lines.append(f"- statistics: {stats.get('statistic')}"

@@ -87,13 +87,22 @@ class ModelMethod:
       naming ``where`` and the bad key otherwise);
     - ``run(context, parsed)``: the merge, a :class:`MethodOutcome`;
     - ``describe(parsed)``: the dry run's lines for it;
-    - ``check_sites(sites)``: a ``ConfigError`` for selected layers it cannot merge (or ``None``);
+    - ``check_sites(sites)``: raises a ``ConfigError`` for selected layers it cannot merge (its return
+      value is not read; ``None``: every selection is accepted);
     - ``memory(parsed, statistics_bytes)``: its items of the peak-memory estimate in bytes, beyond
       the models (loaded one at a time) and the targets; ``statistics_bytes(name)``: the bytes of
       the calibration statistics of the registered method ``name`` for the merged tensors;
     - ``fits_outputs``: it fits the fine-tunes' compared outputs, so a metric that scores the
       prompts' own labels or next tokens (``output.metric`` cross-entropy) is refused;
-    - ``lazy_reason``: why it cannot run with ``lazy: true`` (the blocks kept on disk).
+    - ``lazy_reason``: why it cannot run with ``lazy: true`` (the blocks kept on disk);
+    - ``evaluates``: its outcome carries the report's evaluation of the base and the merge (the dry
+      run says so).
+
+    What ``run`` returns is checked before anything is written: it sets at least one tensor, each a
+    checkpoint key of the selected layers with the base's shape, floating point where the base's is
+    (cast to the base's dtype unless ``output_dtype`` is set); its report fields are JSON-able and
+    do not take the report's own names (:data:`~.report.REPORT_KEYS`). Its name may not be that of a
+    baseline a merge config runs (:data:`~mergeqp.MERGE_METHODS`, tensor-wise or with statistics).
 
     Every model method needs calibration prompts for every model (the plan checks it).
     """
@@ -107,3 +116,4 @@ class ModelMethod:
     memory: Callable[[Any, Callable[[str], int]], dict[str, int]] | None = None
     fits_outputs: bool = True
     lazy_reason: str = "loads its model whole"
+    evaluates: bool = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup, named_failure
+from ..merge.registry import MERGE_METHODS
 from .model_method import ModelMethod
 from .output_space_method import OUTPUT_SPACE_RUN
 
@@ -30,6 +31,9 @@ def register_model_method(method: ModelMethod) -> ModelMethod:
     check_new_name("model method", method.name, MODEL_METHODS, error=ConfigError)
     if method.name in _QP_NAMES:
         raise ConfigError(f"model method name {method.name!r} is reserved: in a merge config it selects the QP merge")
+    clash = baseline_clash(method.name)
+    if clash is not None:
+        raise ConfigError(clash)
     for what, fn, args in (("parse(params, where)", method.parse, ({}, "method")),
                            ("run(context, parsed)", method.run, (None, None)),
                            ("describe(parsed)", method.describe, (None,))):
@@ -42,6 +46,18 @@ def register_model_method(method: ModelMethod) -> ModelMethod:
             check_signature("model method", method.name, what, fn, args, {}, ConfigError)
     MODEL_METHODS[method.name] = method
     return method
+
+
+def baseline_clash(name: str) -> str | None:
+    """Why ``name`` cannot be a model method: a merge method of :data:`~mergeqp.MERGE_METHODS` that a
+    merge config runs itself (tensor-wise, or with calibration statistics) has it; ``None`` when
+    free, or taken only by a merge method for Python alone (``output_space``'s, which needs samples
+    that only ``merge_state_dicts`` is given)."""
+    other = MERGE_METHODS.get(name)
+    if other is None or not (other.tensorwise or other.statistics is not None):
+        return None
+    return (f"{name!r} is both a merge method (mergeqp.MERGE_METHODS, which a merge config runs as a baseline) and a "
+            f"model method: a config could not say which it means; register the model method under another name")
 
 
 def get_model_method(name: str) -> ModelMethod:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import json
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from .schema import MergeConfig, is_device_name, qp_candidate_block
-from ..errors import Interrupted, MergeMethodError, MergeQPError, ValidationError, first_line, named_failure
+from ..errors import Interrupted, MergeMethodError, MergeQPError, ValidationError, first_line, listing, named_failure
 from ..plugins import imported_modules
 from ..io.calibration import (
     is_tensor_file,
@@ -83,7 +84,7 @@ from ..merge.trust_region import holdout_count, no_holdout_error, split_tasks
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
 from ..merge.flags import heldout_regression_notes, zero_residual_notes
-from ..merge.report import report_files
+from ..merge.report import jsonable, report_files
 from ..merge.sites import checkpoint_names, read_augmented, site_module, stored_tensors
 from ..stats.parametrisation import get_parametrisation
 from ..stats.prefix import frozen_prefix
@@ -118,7 +119,7 @@ from .auto import (
 )
 from .model_method import MethodOutcome, ModelMethod
 from .model_methods import entry_call, model_method_of
-from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
+from .report import REPORT_KEYS, BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 
@@ -845,14 +846,53 @@ class _Run:
         params = entry_call(method, "parse", method.parse, cfg.method.params, "method")
         with named_failure(f"model method {method.name!r}", MergeMethodError):
             outcome = method.run(self, params)
-        if not isinstance(outcome, MethodOutcome):  # (a user's method: what it hands back is checked)
-            raise MergeMethodError(f"model method {method.name!r} returned {type(outcome).__name__}, not a "
-                                   f"MethodOutcome")
-        summary = BaselineSummary(cfg.method.name, dict(outcome.params), len(outcome.merged), outcome.seconds)
+        merged = self._checked_tensors(method.name, outcome)
+        extra = _checked_report_fields(method.name, outcome.report_fields)
+        summary = BaselineSummary(cfg.method.name, dict(outcome.params), len(merged), outcome.seconds,
+                                  kind="model method")
         fields: dict[str, Any] = {"baseline": summary, "evaluation": outcome.evaluation}
-        if outcome.report_fields:
-            fields["mode_fields"] = dict(outcome.report_fields)
-        return self._finish(outcome.merged, fields, outcome.model)
+        if extra:
+            fields["mode_fields"] = extra
+        return self._finish(merged, fields, outcome.model)
+
+    def _checked_tensors(self, name: str, outcome: Any) -> dict[str, Any]:
+        """What a (user's) model method hands back, checked before anything is written: a
+        :class:`MethodOutcome` whose ``merged`` sets at least one tensor, each a floating-point tensor
+        of one of the selected layers' checkpoint keys with the base's shape; cast to the base
+        tensor's dtype unless ``output_dtype`` says otherwise (the writer casts then)."""
+        import torch  # optional heavy dependency: the merge runs on torch
+
+        def bad(why: str) -> MergeMethodError:
+            return MergeMethodError(f"model method {name!r} {why}")
+
+        if not isinstance(outcome, MethodOutcome):
+            raise bad(f"returned {type(outcome).__name__}, not a MethodOutcome")
+        if not isinstance(outcome.merged, Mapping) or not outcome.merged:
+            raise bad("returned no merged tensor (MethodOutcome.merged is empty): the output would be the base "
+                      "model" if isinstance(outcome.merged, Mapping) else
+                      f"returned merged as {type(outcome.merged).__name__}, not a dict of tensors by checkpoint key")
+        allowed = self.plan.merged_keys()
+        base = self.plan.base
+        out: dict[str, Any] = {}
+        for key, tensor in outcome.merged.items():
+            if key not in allowed:
+                where = ("a tensor outside the selected layers ('layers' selects the tensors a merge may set)"
+                         if key in base.names() else "not a tensor of the base checkpoint")
+                raise bad(f"returned {key!r}: {where}; the selected tensors: {listing(allowed, 6)}")
+            if not isinstance(tensor, torch.Tensor):
+                raise bad(f"returned {type(tensor).__name__} for {key!r}, not a tensor")
+            info = base.info(key)
+            if tuple(tensor.shape) != tuple(info.shape):
+                raise bad(f"returned {key!r} of shape {tuple(tensor.shape)}, the base's is {tuple(info.shape)}")
+            like = getattr(torch, info.dtype, None)
+            base_float = isinstance(like, torch.dtype) and like.is_floating_point
+            if base_float and not tensor.is_floating_point():
+                raise bad(f"returned {key!r} as {tensor.dtype}, not a floating-point tensor")
+            if not base_float and tensor.dtype != like:  # (an integer buffer: the base's own, as it is)
+                raise bad(f"returned {key!r} as {tensor.dtype}, the base stores it as {info.dtype}")
+            keep = self.cfg.output_dtype is not None or not base_float
+            out[key] = tensor.detach() if keep else tensor.detach().to(like)
+        return out
 
     # the RunContext of a model method
     def prepare_tasks(self, visit: Any = None) -> list[TaskData]:
@@ -879,6 +919,30 @@ class _Run:
     def evaluate(self, model: Any, tasks: Sequence[TaskData], **described: Any) -> ModelEvaluation:
         return ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, self.device, self.next_token),
                                **described)
+
+
+def _checked_report_fields(name: str, fields: Any) -> dict[str, Any]:
+    """A model method's extra ``report.json`` fields: a dict of JSON-able values whose names are not
+    the report's own (:data:`~.report.REPORT_KEYS`); else a :class:`MergeMethodError` naming the
+    field, before anything is written."""
+    if fields is None:
+        return {}
+    if not isinstance(fields, Mapping):
+        raise MergeMethodError(f"model method {name!r}: report_fields must be a dict of field -> JSON value, got "
+                               f"{type(fields).__name__}")
+    out = {}
+    for key, value in fields.items():
+        if not isinstance(key, str) or key in REPORT_KEYS:
+            raise MergeMethodError(f"model method {name!r}: report field {key!r} is "
+                                   + ("one of the report's own (" + ", ".join(sorted(REPORT_KEYS)) + ")"
+                                      if isinstance(key, str) else "not a string") + "; name it otherwise")
+        try:
+            json.dumps(jsonable(value))
+        except (TypeError, ValueError) as exc:
+            raise MergeMethodError(f"model method {name!r}: report field {key!r} is not JSON-able: "
+                                   f"{first_line(exc)}") from None
+        out[key] = value
+    return out
 
 
 class _AutoStart:

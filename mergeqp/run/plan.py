@@ -70,7 +70,7 @@ from ..merge.sites import (
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
-from .model_methods import MODEL_METHODS, entry_call, model_method_of
+from .model_methods import MODEL_METHODS, baseline_clash, entry_call, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -247,9 +247,10 @@ class MergePlan:
                 parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
                 described = entry_call(model_method, "describe", model_method.describe, parsed)
                 lines.extend(f"  {line}" for line in ([described] if isinstance(described, str) else described))
-            if evaluates_baseline(cfg) or model_method is not None:
+            if evaluates_baseline(cfg) or (model_method is not None and model_method.evaluates):
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
-            lines.append(f"  baseline {cfg.method.name} {cfg.method.params or ''} on:")
+            lines.append(f"  {'model method' if model_method is not None else 'baseline'} {cfg.method.name} "
+                         f"{cfg.method.params or ''} on:")
             for s in self.sites:
                 lines.append(f"    {s.label} ({s.r} x {s.m}{' + bias' if s.has_bias else ''})")
             for k in self.extra_tensors:
@@ -704,6 +705,9 @@ def _check_method(cfg: MergeConfig) -> None:
                               f"for every model (its statistics are computed on them); missing for {missing}")
     model_method = model_method_of(cfg)
     if model_method is not None:
+        clash = baseline_clash(m.name)  # (a merge method registered after the model method)
+        if clash is not None:
+            raise ConfigError(f"method: {clash}")
         missing = _without_prompts(cfg)
         if missing:
             raise ConfigError(f"method: {m.name!r} needs calibration prompts for every model (it runs on the "
@@ -1162,8 +1166,14 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
             out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
         if model_method is not None and model_method.memory is not None:
             parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
-            items = entry_call(model_method, "memory", model_method.memory, parsed,
-                               lambda name: _statistics_bytes(plan, name, plan.merged_keys()))
+            def statistics_bytes(name: str) -> int:
+                if statistics_of(name) is None:
+                    raise ConfigError(f"model method {model_method.name!r}: memory asked for the statistics of "
+                                      f"{name!r}, which declares none (those that do: "
+                                      f"{', '.join(statistics_methods())})")
+                return _statistics_bytes(plan, name, plan.merged_keys())
+
+            items = entry_call(model_method, "memory", model_method.memory, parsed, statistics_bytes)
             if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, (int, np.integer))
                                                       and not isinstance(v, bool) and v >= 0 for k, v in items.items()):
                 raise ConfigError(f"model method {model_method.name!r}: memory(parsed, statistics_bytes) must return a "

@@ -80,11 +80,15 @@ class BaselineSummary:
     tensors: int
     seconds: float
     statistics: Mapping[str, Any] | None = None
+    #: ``"model method"`` for a method run on the live models (:mod:`.model_methods`), else ``None``
+    kind: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"method": self.method, "params": dict(self.params), "tensors": self.tensors, "seconds": self.seconds}
         if self.statistics is not None:
             out["statistics"] = self.statistics
+        if self.kind is not None:
+            out["kind"] = self.kind
         return out
 
 
@@ -149,6 +153,12 @@ class MergeReport:
         out["output"] = self.output.to_json()
         out["seconds"] = self.seconds
         return out
+
+
+#: the top-level keys of ``report.json`` that :class:`MergeReport` writes itself (a mode's or a model
+#: method's extra fields may not take them)
+REPORT_KEYS = frozenset({"plan", "device", "notes", "imports", "baseline", "layers", "evaluation", "output",
+                         "seconds"})
 
 
 def uncertified(records: Sequence[LayerRecord]) -> list[str]:

@@ -370,9 +370,10 @@ class MethodConfig(_Strict):
             if qp_only and self.name not in known:  # a misspelt name, not a baseline: say that first
                 raise ValueError(str(unknown("merge method", self.name, ["qp", AUTO_METHOD, *known])))
             if qp_only:
+                kind = "a model method" if self.name in MODEL_METHODS else "a baseline"
                 raise ValueError(
-                    f"method {self.name!r} is a baseline: key(s) {qp_only} apply only to name: qp; "
-                    f"give the baseline's parameters under 'params'"
+                    f"method {self.name!r} is {kind}: key(s) {qp_only} apply only to name: qp; "
+                    f"give its parameters under 'params'"
                 )
             return self
         if self.params:

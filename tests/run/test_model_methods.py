@@ -4,6 +4,7 @@ reported like the built-in ``output_space``; its bad registrations and failures 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -161,3 +162,68 @@ def test_a_users_planning_functions_that_fail_are_named(llama, tmp_path, registe
         build_plan(_config(llama, tmp_path, {"name": "badmem"}, "bm"))
     registered(ModelMethod(name="oneline", summary="", parse=_parse, run=_run, describe=lambda parsed: "one line"))
     assert "  one line" in build_plan(_config(llama, tmp_path, {"name": "oneline"}, "ol")).render()
+
+
+def _returning(merged=None, fields=None):
+    """A model method's run returning ``merged(ctx)`` (tensors by key) and ``fields`` as its outcome."""
+    def run(ctx, parsed):
+        return MethodOutcome(merged(ctx), None, {}, 0.0, None, fields or {})
+    return run
+
+
+def _site_weight(ctx):
+    return f"{ctx.plan.sites[0].name}.weight"
+
+
+@pytest.mark.parametrize("merged, message", [
+    (lambda ctx: {_site_weight(ctx): ctx.plan.base.get(_site_weight(ctx)).t()}, "of shape"),
+    (lambda ctx: {_site_weight(ctx): ctx.plan.base.get(_site_weight(ctx)).long()}, "not a floating-point tensor"),
+    (lambda ctx: {}, "returned no merged tensor"),
+    (lambda ctx: {"model.layers.0.mlp.down_proj.weight": ctx.plan.base.get("model.layers.0.mlp.down_proj.weight")},
+     "a tensor outside the selected layers"),
+    (lambda ctx: {"no.such.weight": torch.zeros(2)}, "not a tensor of the base checkpoint"),
+    (lambda ctx: {_site_weight(ctx): [1.0]}, "returned list for"),
+], ids=["transposed", "integer", "empty", "outside", "unknown", "not-a-tensor"])
+def test_what_a_model_method_returns_is_checked_before_writing(llama, tmp_path, registered, merged, message):
+    """(stop 51 review) A user's method could write a transposed or integer weight, an empty merge (the base
+    under the method's name) or keys outside the selection, exit 0."""
+    registered(ModelMethod(name="sloppy", summary="", parse=lambda p, w: None, run=_returning(merged)))
+    with pytest.raises(MergeMethodError, match=message):
+        run_merge(_config(llama, tmp_path, {"name": "sloppy"}), tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_report_fields_are_checked_and_float64_is_written_in_the_base_dtype(llama, tmp_path, registered):
+    key = f"{llama.mlp_layer}.weight"
+    wide = lambda ctx: {key: ctx.plan.base.get(key).to(torch.float64) * 0.5}  # noqa: E731
+    for fields, message in (({"notes": ["mine"]}, "report field 'notes' is one of the report's own"),
+                            ({"layers": []}, "report field 'layers'"),
+                            ({"mine": object()}, "report field 'mine' is not JSON-able")):
+        name = f"fields{len(MODEL_METHODS)}"
+        registered(ModelMethod(name=name, summary="", parse=lambda p, w: None, run=_returning(wide, fields)))
+        with pytest.raises(MergeMethodError, match=message):
+            run_merge(_config(llama, tmp_path, {"name": name}, name), tmp_path / f"out_{name}", progress=False)
+    registered(ModelMethod(name="halved", summary="", parse=lambda p, w: None,
+                           run=_returning(wide, {"halved_keys": [key]})))
+    cfg = _config(llama, tmp_path, {"name": "halved"}, "halved")
+    result = run_merge(cfg, tmp_path / "out_halved", progress=False)
+    written = open_checkpoint(result.out_dir)
+    assert written.info(key).dtype == open_checkpoint(llama.base).info(key).dtype
+    assert result.report["halved_keys"] == [key] and result.report["baseline"]["kind"] == "model method"
+    assert "model method `halved`" in (result.out_dir / "report.md").read_text()
+
+
+def test_a_model_method_may_not_take_a_baselines_name(llama, tmp_path, registered):
+    """(stop 51 review) registered as 'ties' it silently replaced TIES for method.name (not for start:)."""
+    with pytest.raises(ConfigError, match="'ties' is both a merge method"):
+        register_model_method(ModelMethod(name="ties", summary="", parse=_parse, run=_run))
+    assert "ties" not in MODEL_METHODS
+    registered(ModelMethod(name="late", summary="", parse=_parse, run=_run))
+    from mergeqp.merge.registry import MERGE_METHODS, register_merge_method
+
+    register_merge_method(dataclasses.replace(MERGE_METHODS["soup"], name="late"))
+    try:
+        with pytest.raises(ConfigError, match="'late' is both a merge method"):
+            build_plan(_config(llama, tmp_path, {"name": "late"}))
+    finally:
+        MERGE_METHODS.pop("late")

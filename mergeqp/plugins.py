@@ -47,7 +47,8 @@ def _record(name: str, module: Any) -> None:
 
 def import_plugins(names: Sequence[str], *, label: str = "--import", root: str | Path | None = None) -> None:
     """Import each of ``names`` (a dotted module name, found beside ``root`` first when given, or a
-    path to a ``.py`` file, relative to ``root`` or else to the working folder) so that what it registers is known; a module that
+    path to a ``.py`` file, relative to ``root`` or else to the working folder, whose folder then joins
+    ``sys.path`` so that it imports the modules beside it) so that what it registers is known; a module that
     cannot be imported, or whose registrations are refused (e.g. a name another module registered),
     is a :class:`ConfigError` starting ``"{label} {name}: "``. A file already imported (under either
     spelling) is not imported again."""
@@ -65,6 +66,9 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 if spec is None or spec.loader is None:
                     raise ConfigError(f"{prefix} not a Python file")
                 module = importlib.util.module_from_spec(spec)
+                folder = os.path.dirname(path)
+                if folder not in sys.path:  # its own imports find the modules beside it, as `python FILE` would
+                    sys.path.insert(0, folder)
                 sys.modules[mod_name] = module
                 try:
                     spec.loader.exec_module(module)

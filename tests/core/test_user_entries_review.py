@@ -390,3 +390,19 @@ def test_fourth_review_a_users_cvxpy_form_or_spec_that_fails_is_named(solver) ->
         mq.solve(_problem(), _OneConstraintCvxpy(), solver=solver)
     with pytest.raises(ValidationError, match=r"constraint set _NoSpec: its spec must be a non-empty string.*got None"):
         mq.solve(_problem(), _NoSpec(), solver=solver)
+
+
+def test_a_plugin_file_imports_the_modules_beside_it(tmp_path, monkeypatch, cleanup) -> None:
+    """(stop 51 review) a plugin file in another folder could not import a helper module next to it unless
+    the command ran from that folder (``python FILE`` puts the file's folder on sys.path)."""
+    from mergeqp.plugins import import_plugins
+
+    (tmp_path / "plug").mkdir()
+    (tmp_path / "plug" / "rev_helper_beside.py").write_text("UPPER = 0.25\n")
+    (tmp_path / "plug" / "rev_uses_helper.py").write_text(
+        "import mergeqp\nfrom mergeqp.constraints import Box\nfrom rev_helper_beside import UPPER\n"
+        "mergeqp.register_constraint('rev_beside', lambda a, s, c: Box(0, UPPER))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    import_plugins(["plug/rev_uses_helper.py"])
+    assert "0.25" in mq.parse_constraint("rev_beside").spec

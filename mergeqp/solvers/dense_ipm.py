@@ -123,8 +123,11 @@ SCALE_FLOOR = 1e-8
 #: the iteration starts from unit multipliers and slacks: a problem whose scale
 #: ``max(max |g|, max diag H)`` lies outside this band is solved as ``J / scale`` (the same
 #: minimiser; measured: ``g`` of 1e10-1e20 against ``H`` of 1e2-1e12 left the iterates infeasible
-#: after 100 iterations, scaled they certified in 8-11)
-OBJECTIVE_SCALE_BAND = (1e-6, 1e6)
+#: after 100 iterations, scaled they certified in 8-11). Below 1 since stop 51 (was 1e-6, as the
+#: sparse solvers' :data:`~.base.SCALE_UP_ONLY`): a simplex & sign QP of scale 26 took 9 iterations,
+#: 0.18 s, the same QP times 1e-6 16 iterations, 0.80 s (its crossover failed twice), scaled up 11,
+#: 0.28 s; scaling down from 1e2-3e3 to 1 was measured slower on the sign family (8 -> 11 iterations)
+OBJECTIVE_SCALE_BAND = (1.0, 1e6)
 
 
 @dataclass

@@ -3,9 +3,10 @@
 ``MODEL_METHODS`` maps a name to its :class:`~.model_method.ModelMethod`; the built-in one,
 ``output_space`` (:mod:`.output_space_method`), is registered explicitly below.
 :func:`register_model_method` adds one (a user's too); :func:`model_method_of` is how the plan and
-the pipeline ask whether a config's method is one. A model method may share its name with a
-baseline of :data:`mergeqp.MERGE_METHODS` (``output_space`` is both: the Python function on
-calibration samples and this run on live models): in a merge config the model method runs.
+the pipeline ask whether a config's method is one. A model method may share its name only with a
+merge method of :data:`mergeqp.MERGE_METHODS` that is for Python alone (``output_space`` is both: the
+Python function on calibration samples and this run on live models; in a merge config the model
+method runs); the name of a baseline a config runs is refused (:func:`baseline_clash`).
 """
 
 from __future__ import annotations

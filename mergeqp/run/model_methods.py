@@ -74,6 +74,12 @@ def entry_call(method: ModelMethod, what: str, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
 
+def method_names() -> list[str]:
+    """The names a merge config's ``method.name`` may take besides ``qp`` / ``auto``: the merge methods
+    (baselines) and the model methods, each once (for the errors that list them)."""
+    return [*MERGE_METHODS, *(n for n in MODEL_METHODS if n not in MERGE_METHODS)]
+
+
 def model_method_of(cfg: Any) -> ModelMethod | None:
     """The model method a merge config's ``method`` selects, or ``None`` (the QP or a baseline)."""
     m = cfg.method

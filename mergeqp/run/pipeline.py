@@ -867,10 +867,10 @@ class _Run:
 
         if not isinstance(outcome, MethodOutcome):
             raise bad(f"returned {type(outcome).__name__}, not a MethodOutcome")
-        if not isinstance(outcome.merged, Mapping) or not outcome.merged:
-            raise bad("returned no merged tensor (MethodOutcome.merged is empty): the output would be the base "
-                      "model" if isinstance(outcome.merged, Mapping) else
-                      f"returned merged as {type(outcome.merged).__name__}, not a dict of tensors by checkpoint key")
+        if not isinstance(outcome.merged, Mapping):
+            raise bad(f"returned merged as {type(outcome.merged).__name__}, not a dict of tensors by checkpoint key")
+        if not outcome.merged:
+            raise bad("returned no merged tensor (MethodOutcome.merged is empty): the output would be the base model")
         allowed = self.plan.merged_keys()
         base = self.plan.base
         out: dict[str, Any] = {}

@@ -70,7 +70,7 @@ from ..merge.sites import (
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
-from .model_methods import MODEL_METHODS, baseline_clash, entry_call, model_method_of
+from .model_methods import baseline_clash, entry_call, method_names, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -818,7 +818,7 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> No
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
     by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
     if name not in MERGE_METHODS:
-        known = ["qp", *MERGE_METHODS, *(n for n in MODEL_METHODS if n not in MERGE_METHODS and where == "method")]
+        known = ["qp", *(method_names() if where == "method" else MERGE_METHODS)]
         raise ConfigError(f"{where}: {unknown('merge method', name, known)}")
     method = get_merge_method(name)
     weights = params.get("weights")

@@ -39,12 +39,11 @@ from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, did_you_mean, un
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
-from ..merge.registry import MERGE_METHODS
 from ..plugins import imported_modules
 from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
 from .auto import AUTO_METHOD, auto_method_config, is_auto_start, named_entries
-from .model_methods import MODEL_METHODS
+from .model_methods import MODEL_METHODS, method_names
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
 RESTRICTIONS = ("none", "topk", "projection")
@@ -366,7 +365,7 @@ class MethodConfig(_Strict):
                                    "solver_options", "regularisation", "reference", "start",
                                    "mode_options", "baselines", "compare_sequential", "chunk_size", "jacobian_mode")
                        if k in self.model_fields_set]
-            known = [*MERGE_METHODS, *(n for n in MODEL_METHODS if n not in MERGE_METHODS)]
+            known = method_names()
             if qp_only and self.name not in known:  # a misspelt name, not a baseline: say that first
                 raise ValueError(str(unknown("merge method", self.name, ["qp", AUTO_METHOD, *known])))
             if qp_only:

@@ -45,10 +45,6 @@ SOLVERS: dict[str, QPSolver] = {}
 #: certified a QP times 1e-10 that Clarabel and OSQP did not, and takes sets they are slow on)
 AUTO_FALLBACKS: tuple[str, ...] = ("clarabel", "dense_ipm", "osqp")
 AUTO_FALLBACK_MAX_N = 4096
-#: from this many variables the fallbacks try ``dense_ipm`` before ``clarabel`` (``auto``'s own
-#: threshold for ``dense_ipm``): on 12 low-rank instances where ``active_set`` stopped uncertified
-#: (stop 51 review, n = 640-1536) ``dense_ipm`` certified 2-6x faster than Clarabel
-FALLBACK_IPM_FIRST_N = 128
 
 
 def register_solver(solver: QPSolver) -> None:
@@ -302,7 +298,10 @@ def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> l
     (registration order: a user's solver for a set the fallbacks cannot take is tried too; these
     only while no point inside the set was found)."""
     fallbacks = list(AUTO_FALLBACKS)
-    if problem.n >= FALLBACK_IPM_FIRST_N and "dense_ipm" in fallbacks and "clarabel" in fallbacks:
+    # from dense_ipm's own auto threshold it goes before Clarabel (stop 51: where active_set had
+    # stopped uncertified on low-rank instances, n = 640-1536, dense_ipm certified 2-6x faster)
+    ipm_from = getattr(SOLVERS.get("dense_ipm"), "auto_min_n", None)
+    if ipm_from is not None and problem.n >= ipm_from and "dense_ipm" in fallbacks and "clarabel" in fallbacks:
         fallbacks.remove("dense_ipm")
         fallbacks.insert(fallbacks.index("clarabel"), "dense_ipm")
     order = [n for n in fallbacks if n in SOLVERS]

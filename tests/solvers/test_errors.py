@@ -347,10 +347,8 @@ def test_auto_falls_back_to_dense_ipm_first_from_n_128(random_psd_problem, monke
     """(stop 51) Where auto's choice did not certify a problem of n >= 128, dense_ipm is tried before
     Clarabel (it certified 2-6x faster on the low-rank instances where active_set had stopped early);
     below 128 Clarabel stays first (test_auto_falls_back_when_its_choice_does_not_certify)."""
-    from mergeqp.solvers.registry import FALLBACK_IPM_FIRST_N
-
     problem = random_psd_problem(np.random.default_rng(1), 4, 40, 60)
-    assert problem.n >= FALLBACK_IPM_FIRST_N
+    assert problem.n >= SOLVERS["dense_ipm"].auto_min_n
     reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
     _broken_active_set(monkeypatch, "wrong point")
     sol = solve(problem, Box(0.0, 1.0))

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import scipy.linalg as sla
+import scipy.sparse as sp
 
 from ..cholesky import cho_solve
 from ..errors import SolverError
@@ -177,41 +178,52 @@ class FaceFactorisation:
         if cg_steps:
             return self._face_cg(reduced, expand, x, grad, cg_steps)
 
+        def same_group_pairs() -> tuple[np.ndarray, np.ndarray]:
+            # every (i, j) of reduced coordinates with the same pivot, i = j included
+            S = sp.csr_matrix((np.ones(N.size), (gidx, np.arange(N.size))), shape=(pivots.size, N.size))
+            pairs = (S.T @ S).tocoo()
+            return pairs.row, pairs.col
+
         def gather(src: np.ndarray) -> np.ndarray:
-            # M = Z'(H + rho I)Z: M_ij = H_ij - A_ij - A_ji + w_i w_j Q_p(i),p(j) + rho [i = j]
-            # with A_ij = H_i,p(j) w_j and Q = H_PP + rho I on the pivots (row-contiguous gathers)
+            # M = Z'(H + rho I)Z = Z'HZ + rho (I + Z_P'Z_P): M_ij = H_ij - w_j H_i,p(j) - w_i H_p(i),j
+            # + w_i w_j H_p(i),p(j) + rho ([i = j] + w_i w_j [p(i) = p(j)]) (row-contiguous gathers)
             rows = np.take(src, N, axis=0)
-            M = np.take(rows, N, axis=1)
-            if pivots.size:
+            if pivots.size > 1:
+                # many groups (per-atom simplex): difference rows first, then columns,
+                # M = R_N - R_p(N) w' with R = H_N - w H_p(N) (two row and two column gathers and no
+                # |N| x |N| temporary beyond M: about half the time of forming H_N,p(N) and its transpose)
                 wd = w.astype(src.dtype)
-                HNP = np.take(rows, pivots, axis=1)  # (|N|, n_pivots)
-                Q = np.take(np.take(src, pivots, axis=0), pivots, axis=1)
+                signed = not np.all(w == 1.0)
+                pN = pivots[gidx]
+                R = np.take(src, pN, axis=0)
+                if signed:
+                    R *= wd[:, None]
+                np.subtract(rows, R, out=R)
+                del rows
+                M = np.take(R, N, axis=1)
+                RP = np.take(R, pN, axis=1)
+                del R
+                if signed:
+                    RP *= wd[None, :]
+                M -= RP
+                del RP
                 if rho > 0:
-                    Q[np.diag_indices_from(Q)] += rho
-                if pivots.size == 1:  # one group (global simplex, L1 ball): a rank-two update
-                    # M -= a w' + w a' - Q w w' = u w' + w u' with u = a - Q/2 w (a = H_N,p),
-                    # in place (BLAS ger on the Fortran view of M): one pass, no temporaries
-                    u = HNP[:, 0] - (0.5 * Q[0, 0]) * wd
+                    i, j = same_group_pairs()
+                    M[i, j] += rho * (wd[i] * wd[j])
+            else:
+                M = np.take(rows, N, axis=1)
+                if pivots.size:  # one group (global simplex, L1 ball): a rank-two update
+                    wd = w.astype(src.dtype)
+                    a = np.take(rows, pivots[0], axis=1)  # H_N,p
+                    q = src[pivots[0], pivots[0]] + rho
+                    # M -= a w' + w a' - q w w' = u w' + w u' with u = a - q/2 w, in place (BLAS
+                    # ger on the Fortran view of M): one pass, no temporaries
+                    u = a - (0.5 * q) * wd
                     ger = sla.get_blas_funcs("ger", (M,))
                     Mt = M.T
                     Mt = ger(-1.0, u, wd, a=Mt, overwrite_a=True)
                     Mt = ger(-1.0, wd, u, a=Mt, overwrite_a=True)
                     M = Mt.T
-                    if rho > 0:
-                        M[np.diag_indices_from(M)] += rho
-                    return M
-                # M -= B + B' with B = A - 1/2 Q_p(i),p(j) w_i w_j (fewer passes, two temporaries;
-                # w = 1 on simplices)
-                B = np.take(HNP, gidx, axis=1)
-                QG = np.take(np.take(Q, gidx, axis=0), gidx, axis=1)
-                if not np.all(w == 1.0):
-                    B *= wd[None, :]
-                    QG *= np.multiply.outer(wd, wd)
-                QG *= 0.5
-                B -= QG
-                del QG
-                M -= B
-                M -= B.T
             if rho > 0:
                 M[np.diag_indices_from(M)] += rho
             return M

@@ -131,9 +131,14 @@ def test_interpolating_problem_on_an_unbounded_box_stops_early() -> None:
 
 
 # ---------------------------------------------------------------------- pieces
+@pytest.mark.parametrize("signed", [False, True], ids=["", "signed-groups"])
 @pytest.mark.parametrize("cset", [Box(0, 1), Simplex(), L1Ball(3.0)], ids=["box", "simplex", "l1"])
-def test_proximal_face_solve_matches_a_dense_solve(cset) -> None:
-    """The face solve with rho > 0 minimises J + rho/2 |x - xc|^2 on the face's affine hull."""
+def test_proximal_face_solve_matches_a_dense_solve(cset, signed) -> None:
+    """The face solve with rho > 0 minimises J + rho/2 |x - xc|^2 on the face's affine hull
+    (``signed``: per-atom groups whose equations have coefficients +-1, the general form of
+    the reduced matrix's gather)."""
+    if signed and not isinstance(cset, Simplex):
+        pytest.skip("signed groups replace the simplex's equations")
     rng = np.random.default_rng(3)
     K, m = 3, 12
     n = K * m
@@ -143,7 +148,14 @@ def test_proximal_face_solve_matches_a_dense_solve(cset) -> None:
     st_ = A.set_structure(cset, problem.shape)
     engine = A._Engine(problem, cset, st_, dict(A.ActiveSetSolver.defaults, precision="float64"))
     engine.rho, engine.xc, engine.fine = 0.37, rng.uniform(0, 1, n), True
+    if signed:
+        group, a = np.arange(n) % m, rng.choice([-1.0, 1.0], n)
+        engine.equations = lambda face: (group, a, rng.uniform(0.5, 1.5, m))
+        eqs = engine.equations(None)
+        engine.equations = lambda face: eqs
     status = np.where(rng.random(n) < 0.3, A.LO, A.FREE).astype(np.int8)
+    if signed:
+        status[:m] = A.FREE  # every group keeps a free coordinate (its equation is then consistent)
     sign = None
     if isinstance(cset, L1Ball):  # the ball is active: fixed variables sit at the centre
         status = np.where(status == A.LO, A.CEN, A.FREE).astype(np.int8)

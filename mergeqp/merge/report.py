@@ -56,11 +56,14 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
 
 
-def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_sections: Sequence[str] = ()) -> str:
+def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_sections: Sequence[str] = (),
+                    method_sections: Sequence[str] = ()) -> str:
     """``report.md`` of a ``report.json`` mapping; ``sections``: Markdown the merge mode adds of its
     own fields (:meth:`mergeqp.merge.modes.MergeMode.report_markdown`), after the evaluation;
     ``layer_sections``: the parametrisation's of its layers' fields
-    (:meth:`mergeqp.stats.parametrisation.Parametrisation.report_markdown`), after the layers."""
+    (:meth:`mergeqp.stats.parametrisation.Parametrisation.report_markdown`), after the layers;
+    ``method_sections``: a model method's (``mergeqp.run.model_method.ModelMethod.report_markdown``,
+    e.g. ``output_space``'s per-layer table), before the evaluation."""
     plan = report.get("plan", {})
     method = plan.get("method", {})
     lines = ["# mergeqp merge report", ""]
@@ -125,21 +128,8 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         for section in layer_sections:  # the parametrisation's own (Parametrisation.report_markdown)
             lines += ["", *section.rstrip("\n").split("\n")]
 
-    os_layers = report.get("output_space_layers") or []
-    if os_layers:
-        lines += ["", "## Output-space layers", "",
-                  ("Per layer, in order: the linearised objective at the weights it was linearised at and at "
-                   "the solution (with the ridge term), the relative normal-equation / KKT residual, CG "
-                   "iterations, the accepted step and the true calibration error before and after it."), "",
-                  "| layer | operator | J before | J after (lin.) | residual | certified | CG it. | step | "
-                  "calibration before | calibration after | s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in os_layers:
-            # damped steps (steps > 1): J after is the true error plus the ridge term, the step column the solves kept
-            step = f"{r['accepted_steps']} of {len(r['steps'])} damped" if r.get("steps") else format_number(r["step"])
-            lines.append(f"| `{r['layer']}` | {r['operator']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
-                         f"{format_number(r['normal_residual'], 3)} | {format_number(r['certified'])} | {r['iterations']} | {step} | "
-                         f"{format_number(r['calibration_before'])} | {format_number(r['calibration_after'])} | {format_number(r['seconds'], 3)} |")
+    for section in method_sections:  # a model method's own (ModelMethod.report_markdown)
+        lines += ["", *section.rstrip("\n").split("\n")]
 
     ev = report.get("evaluation")
     if ev:
@@ -174,13 +164,15 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
 
 
 def report_files(report: dict[str, Any], sections: Callable[[dict[str, Any]], Sequence[str]] | None = None,
-                 layer_sections: Callable[[Sequence[dict[str, Any]]], Sequence[str]] | None = None) -> dict[str, str]:
+                 layer_sections: Callable[[Sequence[dict[str, Any]]], Sequence[str]] | None = None,
+                 method_sections: Callable[[dict[str, Any]], Sequence[str]] | None = None) -> dict[str, str]:
     """``{"report.json": text, "report.md": text}`` for ``save_hf_folder(..., extra_files=...)`` (the folder then
     appears with its report, or not at all); ``sections(data)``: the merge mode's own Markdown
     sections of the JSON-able report, ``layer_sections(layers)`` the parametrisation's of its
-    ``layers`` records (:func:`render_markdown`)."""
+    ``layers`` records, ``method_sections(data)`` a model method's (:func:`render_markdown`)."""
     data = jsonable(report)
     layers = data.get("layers") or []
     return {"report.json": json.dumps(data, indent=2),
             "report.md": render_markdown(data, sections(data) if sections is not None else (),
-                                         layer_sections(layers) if layer_sections is not None and layers else ())}
+                                         layer_sections(layers) if layer_sections is not None and layers else (),
+                                         method_sections(data) if method_sections is not None else ())}

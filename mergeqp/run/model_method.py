@@ -96,7 +96,10 @@ class ModelMethod:
       prompts' own labels or next tokens (``output.metric`` cross-entropy) is refused;
     - ``lazy_reason``: why it cannot run with ``lazy: true`` (the blocks kept on disk);
     - ``evaluates``: its outcome carries the report's evaluation of the base and the merge (the dry
-      run says so).
+      run says so);
+    - ``report_markdown(report)``: its own Markdown sections of ``report.md`` (a list of strings,
+      each a section with its ``##`` heading), from the whole JSON-able ``report.json`` mapping, its
+      ``report_fields`` included under their names; they come before the evaluation (``None``: none).
 
     What ``run`` returns is checked before anything is written: it sets at least one tensor, each a
     checkpoint key of the selected layers with the base's shape, floating point where the base's is
@@ -117,3 +120,4 @@ class ModelMethod:
     fits_outputs: bool = True
     lazy_reason: str = "loads its model whole"
     evaluates: bool = True
+    report_markdown: Callable[[Mapping[str, Any]], Sequence[str]] | None = None

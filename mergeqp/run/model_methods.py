@@ -41,7 +41,8 @@ def register_model_method(method: ModelMethod) -> ModelMethod:
         check_callable("model method", method.name, what, fn, ConfigError)
         check_signature("model method", method.name, what, fn, args, {}, ConfigError)
     for what, fn, args in (("check_sites(sites)", method.check_sites, ([],)),
-                           ("memory(parsed, statistics_bytes)", method.memory, (None, None))):
+                           ("memory(parsed, statistics_bytes)", method.memory, (None, None)),
+                           ("report_markdown(report)", method.report_markdown, ({},))):
         if fn is not None:
             check_callable("model method", method.name, what, fn, ConfigError)
             check_signature("model method", method.name, what, fn, args, {}, ConfigError)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ..formatting import format_number
 from ..merge.firstorder import TaskTargets
 from ..merge.output_space_hf import OutputSpaceRunParams, check_sites, parse_run_params, solve_sites, uncertified_notes
 from .model_method import MethodOutcome, ModelMethod, RunContext
@@ -64,6 +65,29 @@ def _run(ctx: RunContext, params: OutputSpaceRunParams) -> MethodOutcome:
                          {"output_space_layers": [x.record for x in layers]})
 
 
+def _report_markdown(report: Mapping[str, Any]) -> list[str]:
+    """``report.md``'s table of the solved layers (``output_space_layers``), before the evaluation."""
+    layers = report.get("output_space_layers") or []
+    if not layers:
+        return []
+    lines = ["## Output-space layers", "",
+             ("Per layer, in order: the linearised objective at the weights it was linearised at and at "
+              "the solution (with the ridge term), the relative normal-equation / KKT residual, CG "
+              "iterations, the accepted step and the true calibration error before and after it."), "",
+             "| layer | operator | J before | J after (lin.) | residual | certified | CG it. | step | "
+             "calibration before | calibration after | s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in layers:
+        # damped steps (steps > 1): J after is the true error plus the ridge term, the step column the solves kept
+        step = f"{r['accepted_steps']} of {len(r['steps'])} damped" if r.get("steps") else format_number(r["step"])
+        lines.append(f"| `{r['layer']}` | {r['operator']} | {format_number(r['objective_before'])} | "
+                     f"{format_number(r['objective_after'])} | {format_number(r['normal_residual'], 3)} | "
+                     f"{format_number(r['certified'])} | {r['iterations']} | {step} | "
+                     f"{format_number(r['calibration_before'])} | {format_number(r['calibration_after'])} | "
+                     f"{format_number(r['seconds'], 3)} |")
+    return ["\n".join(lines)]
+
+
 def _parse(params: Mapping[str, Any], where: str) -> OutputSpaceRunParams:
     return parse_run_params(params, where)
 
@@ -77,4 +101,5 @@ OUTPUT_SPACE_RUN = ModelMethod(
     describe=_describe,
     check_sites=check_sites,
     memory=_memory,
+    report_markdown=_report_markdown,
 )

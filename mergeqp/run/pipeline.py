@@ -590,9 +590,12 @@ class _Run:
         self.eval_spec = self.plan.heldout_spec()
         self.next_token = self.plan.not_causal is None  # next-token cross-entropy means something
 
-    def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any) -> MergeResult:
+    def _finish(self, overrides: dict[str, Any], report_fields: dict[str, Any], model: Any,
+                sections: Callable[[dict[str, Any]], Sequence[str]] | None = None) -> MergeResult:
         """Write the merged folder with its ``report.json`` / ``report.md`` inside, atomically (the
-        folder appears complete with its report, or not at all), and return the result."""
+        folder appears complete with its report, or not at all), and return the result. ``sections``:
+        a model method's own Markdown sections of the JSON-able report (the QP's come from its merge
+        mode and parametrisation)."""
         cfg = self.cfg
         evaluation = report_fields.get("evaluation")
         if evaluation is not None:
@@ -607,7 +610,7 @@ class _Run:
                                  **report_fields)
             made.append(report)
             if not cfg.method.is_qp:
-                return report_files(report.to_json())
+                return report_files(report.to_json(), method_sections=sections)
             return report_files(report.to_json(), get_merge_mode(cfg.method.mode).report_markdown,
                                 get_parametrisation(cfg.method.parametrisation).report_markdown)
 
@@ -853,7 +856,8 @@ class _Run:
         fields: dict[str, Any] = {"baseline": summary, "evaluation": outcome.evaluation}
         if extra:
             fields["mode_fields"] = extra
-        return self._finish(merged, fields, outcome.model)
+        return self._finish(merged, fields, outcome.model,
+                            None if method.report_markdown is None else _method_sections(method))
 
     def _checked_tensors(self, name: str, outcome: Any) -> dict[str, Any]:
         """What a (user's) model method hands back, checked before anything is written: a
@@ -919,6 +923,21 @@ class _Run:
     def evaluate(self, model: Any, tasks: Sequence[TaskData], **described: Any) -> ModelEvaluation:
         return ModelEvaluation(**evaluate(model, tasks, self.spec, self.eval_spec, self.device, self.next_token),
                                **described)
+
+
+def _method_sections(method: ModelMethod) -> Callable[[dict[str, Any]], list[str]]:
+    """A model method's ``report_markdown``, checked: a failure, or anything but a list of strings, is
+    one line naming the method (exit 2; nothing is written: the folder appears with its report or not
+    at all)."""
+    def sections(report: dict[str, Any]) -> list[str]:
+        with named_failure(f"model method {method.name!r}: report_markdown(report)", MergeMethodError):
+            out = method.report_markdown(report)  # type: ignore[misc]
+        if isinstance(out, str) or not isinstance(out, Sequence) or not all(isinstance(x, str) for x in out):
+            raise MergeMethodError(f"model method {method.name!r}: report_markdown(report) returned "
+                                   f"{type(out).__name__}, not a list of Markdown sections (strings)")
+        return list(out)
+
+    return sections
 
 
 def _checked_report_fields(name: str, fields: Any) -> dict[str, Any]:

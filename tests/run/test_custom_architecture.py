@@ -30,6 +30,7 @@ from mergeqp.experiments.models import MLP
 from mergeqp.experiments.output_space import OutputSpaceConfig, output_space_merge
 from mergeqp.experiments.trust_region import calibration_error, calibration_targets
 from mergeqp.merge.report import render_markdown
+from mergeqp.run.model_methods import get_model_method
 from mergeqp.run.architectures import ARCHITECTURES, architecture_class, register_architecture
 
 N_PER_TASK = 16
@@ -93,7 +94,9 @@ def test_damped_output_space_equals_the_experiments_levenberg_marquardt(mlps):
     assert layer["calibration_after"] == pytest.approx(got, rel=1e-9) and got <= expected.start_error
     assert layer["accepted_steps"] == sum(s.accepted for s in expected.steps)
     torch.testing.assert_close(res.model.layer2.weight, expected.model.layer2.weight, rtol=1e-6, atol=1e-8)
-    assert f"| {layer['accepted_steps']} of {len(layer['steps'])} damped |" in render_markdown(res.report)
+    sections = get_model_method("output_space").report_markdown(res.report)
+    assert f"| {layer['accepted_steps']} of {len(layer['steps'])} damped |" in render_markdown(res.report,
+                                                                                           method_sections=sections)
 
 
 def test_damped_output_space_refuses_a_radius(mlps):

@@ -227,3 +227,32 @@ def test_a_model_method_may_not_take_a_baselines_name(llama, tmp_path, registere
             build_plan(_config(llama, tmp_path, {"name": "late"}))
     finally:
         MERGE_METHODS.pop("late")
+
+
+def test_a_model_methods_own_report_sections(llama, tmp_path, registered):
+    """A model method's ``report_markdown`` renders its report fields in report.md (before the
+    evaluation); one that fails or returns anything but a list of strings is named, and nothing is
+    written."""
+    key = f"{llama.mlp_layer}.weight"
+    half = lambda ctx: {key: ctx.plan.base.get(key) * 0.5}  # noqa: E731
+
+    def sections(report):
+        return [f"## Halved tensors\n\n{len(report['halved_keys'])} tensor(s): `{report['halved_keys'][0]}`"]
+
+    registered(ModelMethod(name="sectioned", summary="", parse=lambda p, w: None,
+                           run=_returning(half, {"halved_keys": [key]}), report_markdown=sections))
+    result = run_merge(_config(llama, tmp_path, {"name": "sectioned"}, "sectioned"), tmp_path / "out", progress=False)
+    md = (result.out_dir / "report.md").read_text()
+    assert f"## Halved tensors\n\n1 tensor(s): `{key}`" in md
+    for name, fn, message in (("raising", lambda report: [report["missing"]],
+                               r"model method 'raising': report_markdown\(report\) failed: KeyError"),
+                              ("text", lambda report: "## One string",
+                               r"model method 'text': report_markdown\(report\) returned str, not a list")):
+        registered(ModelMethod(name=name, summary="", parse=lambda p, w: None, run=_returning(half),
+                               report_markdown=fn))
+        with pytest.raises(MergeMethodError, match=message):
+            run_merge(_config(llama, tmp_path, {"name": name}, name), tmp_path / f"out_{name}", progress=False)
+        assert not (tmp_path / f"out_{name}").exists()
+    with pytest.raises(ConfigError, match=r"report_markdown\(report\) cannot be called"):
+        register_model_method(ModelMethod(name="noarg", summary="", parse=_parse, run=_run,
+                                          report_markdown=lambda: []))

@@ -29,7 +29,7 @@ EXPERIMENTS = ("mnist", "lm", "text")
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "experiment",
-        help="reproduce the paper's experiments (MNIST) with a report, figures and claims",
+        help="reproduce the paper's experiments (mnist, lm, text) with a report, figures and claims",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

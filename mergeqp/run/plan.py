@@ -70,7 +70,7 @@ from ..merge.sites import (
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.parametrisation import Parametrisation, get_parametrisation
-from .model_methods import baseline_clash, entry_call, method_names, model_method_of
+from .model_methods import MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -830,6 +830,12 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> No
     if method.statistics is not None:
         check_params(name, params, where)
         return
+    if not method.tensorwise and name in MODEL_METHODS:
+        raise ConfigError(
+            f"{where}: {name!r} is a model method (it runs on the live models, not on tensors) and cannot be used "
+            f"here: a merge config runs it as 'method: {name}', or tries it as a start among others with "
+            f"'start: {{name: auto, params: {{candidates: [{name}, ...]}}}}'"
+        )
     if not method.tensorwise:
         raise ConfigError(
             f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise) and mergeqp merge "

@@ -256,3 +256,12 @@ def test_a_model_methods_own_report_sections(llama, tmp_path, registered):
     with pytest.raises(ConfigError, match=r"report_markdown\(report\) cannot be called"):
         register_model_method(ModelMethod(name="noarg", summary="", parse=_parse, run=_run,
                                           report_markdown=lambda: []))
+
+
+def test_a_model_method_as_a_start_says_how_to_run_it(llama, tmp_path):
+    """(stop 52 review) ``start: output_space`` said to use it from Python, though YAML runs it as the
+    method or as an ``auto`` candidate."""
+    cfg = _config(llama, tmp_path, {"name": "qp", "mode": "trust_region", "start": "output_space"}, "start_os")
+    with pytest.raises(ConfigError, match=r"method.start: 'output_space' is a model method .* 'method: output_space'"
+                                          r".*candidates: \[output_space"):
+        build_plan(cfg)

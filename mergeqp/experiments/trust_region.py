@@ -13,7 +13,8 @@ calibration squared error of the merged nonlinear model) by a sequence of QPs:
    Delta}`` (for a box ``C`` this is again a box) and certify the solution like any other QP;
 3. ``rho = (F(d_t) - F(d_new)) / (J_t(d_t) - J_t(d_new))`` (true over predicted decrease);
    accept ``d_new`` when ``rho > accept``; double ``Delta`` when ``rho > expand_above`` and the
-   step reached the trust-region boundary, halve it when ``rho < shrink_below``;
+   step reached the trust-region boundary, halve the smaller of it and the step's length when
+   ``rho < shrink_below``;
 4. stop after ``max_qps`` QP solves, when the predicted decrease is below ``tol * F(d_t)``,
    or when ``Delta < delta_min``.
 

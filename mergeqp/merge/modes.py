@@ -391,8 +391,9 @@ class TrustRegionOptions(BaseModel):
     infinity norm).
 
     ``radius``: initial trust-region radius; ``min_radius``: stop when the radius falls below it;
-    ``max_radius``: the radius never grows beyond it; ``shrink``: factor applied to the radius
-    when ``rho`` (true over predicted decrease) is below ``shrink_below``; ``grow``: factor when
+    ``max_radius``: the radius never grows beyond it; ``shrink``: when ``rho`` (true over predicted
+    decrease) is below ``shrink_below`` the radius becomes ``shrink`` times the smaller of the
+    radius and the rejected step's length; ``grow``: factor when
     ``rho > grow_above`` and the step reached the boundary; ``eta``: a step is accepted when
     ``rho > eta`` (``eta >= 0``: only on a true decrease); ``max_steps``: QP solves in all
     (accepted or not); ``tol``: stop when the predicted decrease is below ``tol`` times the
@@ -472,8 +473,8 @@ class TrustRegionMode(MergeMode):
         return [f"trust_region: coefficients D of W = W_start + sum_a D_a B_a (D = 0 is the start); up to "
                 f"{o.max_steps} QPs over all layers, each linearised at the current merge, over the constraints "
                 f"{' & '.join(settings.constraints) or 'none'} and ||D - D_current||_inf <= radius (initial {o.radius:g}); "
-                f"a step is accepted when rho = true / predicted decrease > {o.eta:g}; radius x{o.shrink:g} when "
-                f"rho < {o.shrink_below:g}, x{o.grow:g} (<= {o.max_radius:g}) when rho > {o.grow_above:g} at the "
+                f"a step is accepted when rho = true / predicted decrease > {o.eta:g}; radius x{o.shrink:g} (of the "
+                f"step's length when shorter) when rho < {o.shrink_below:g}, x{o.grow:g} (<= {o.max_radius:g}) when rho > {o.grow_above:g} at the "
                 f"boundary; stops below radius {o.min_radius:g}, after {o.max_steps} QPs, or when the predicted "
                 f"decrease is below {o.tol:g} x the objective{ridge}"
                 + (f"; {o.holdout:g} of each task's calibration batches held out: the result is the accepted "

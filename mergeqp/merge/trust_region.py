@@ -11,8 +11,9 @@ of a live model (:func:`trust_region_sites`, behind the ``trust_region`` merge m
    solution like any other QP;
 3. ``rho = (F(d_t) - F(d_new)) / (J_t(d_t) - J_t(d_new))`` (true over predicted decrease);
    accept ``d_new`` when ``rho > accept``; multiply ``Delta`` by ``expand`` when ``rho >
-   expand_above`` and the step reached the trust-region boundary, by ``shrink`` when ``rho <
-   shrink_below``;
+   expand_above`` and the step reached the trust-region boundary; when ``rho < shrink_below``
+   set it to ``shrink`` times the smaller of ``Delta`` and the step's length (since stop 52: a
+   radius shrunk only from ``Delta`` can still hold the rejected step, and the next QP repeats it);
 4. stop after ``max_qps`` QP solves, when the predicted decrease is below ``tol * F(d_t)``, or
    when ``Delta < delta_min``.
 
@@ -335,7 +336,9 @@ def sequential_trust_region(
             bar.set_postfix(F=f"{f_d:.5g}", rho=f"{rho:.2f}", delta=f"{delta:.3g}")
             on_boundary = step_norm >= delta * (1 - 1e-6)
             if rho < cfg.shrink_below:
-                delta *= cfg.shrink
+                # below the step's own length: a radius halved while it still holds the rejected step
+                # would give the same QP the same answer (stop 52 review: 7 of 10 QPs repeated one step)
+                delta = cfg.shrink * min(delta, step_norm)
             elif rho > cfg.expand_above and on_boundary:
                 delta = min(delta * cfg.expand, cfg.delta_max)
             if accepted:

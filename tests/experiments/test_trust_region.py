@@ -227,3 +227,28 @@ def test_an_uncertified_step_says_why():
     assert reason.startswith(f"trust-region step(s) {[s.iteration for s in bad]} not certified (step {bad[0].iteration}: "
                              "optimality gap")
     assert "why_not_certified" in bad[0].to_dict()
+
+
+def test_a_rejected_interior_step_is_not_repeated():
+    """(stop 52 review) The model's step is interior (length 0.01 in a region of radius 0.5) and the
+    true objective rejects it: the next radius is below the step's length, so no QP repeats the
+    rejected step (the radius was halved from 0.5, and six QPs returned the same point)."""
+    n, K = 4, 2
+    d0 = np.full((K, n), 0.5)
+
+    def linearise(d):  # J(d') = |d' - (d + 0.01)|^2: the model always moves every coordinate by +0.01
+        target = (d + 0.01).ravel()
+        return mq.MergeQP(H=2 * np.eye(K * n), g=-2 * target, c=float(target @ target), shape=(K, n))
+
+    def true_objective(d):  # the same, plus a stiff term the model does not see
+        return float(linearise(d0).objective(d) + 1e4 * np.sum((d - d0) ** 2))
+
+    result = sequential_trust_region(linearise, true_objective, Box(0.0, 1.0), d0,
+                                     TrustRegionConfig(delta0=0.5, max_qps=8, tol=1e-14), solver="active_set",
+                                     progress=False)
+    steps = result.steps
+    assert not steps[0].accepted and steps[0].step_norm == pytest.approx(0.01)
+    for a, b in zip(steps, steps[1:]):
+        if not a.accepted:
+            assert b.step_norm <= 0.5 * a.step_norm * (1 + 1e-9)
+    assert result.objective <= true_objective(d0)

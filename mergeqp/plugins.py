@@ -57,6 +57,8 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
         try:
             if name.endswith(".py") or os.sep in name:
                 path = os.path.abspath(os.path.join(os.fspath(root or os.getcwd()), os.path.expanduser(name)))
+                if os.path.isdir(path):
+                    raise ConfigError(f"{prefix} {path} is a folder; name a .py file (or a package by its module name)")
                 if not os.path.isfile(path):
                     raise ConfigError(f"{prefix} no such file ({path})")
                 if _imported(path):
@@ -85,6 +87,10 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 found = None if name in sys.modules else importlib.util.find_spec(name)
                 if found is not None and found.origin and _imported(os.path.abspath(found.origin)):
                     continue  # the same file, imported before by its path
+                if found is not None and found.origin is None and found.submodule_search_locations is not None:
+                    where_ = ", ".join(found.submodule_search_locations)
+                    raise ConfigError(f"{prefix} a folder without __init__.py ({where_}): importing it runs no code "
+                                      f"and registers nothing; name a .py file or a module")
                 fresh = name not in sys.modules
                 module = importlib.import_module(name)
                 if fresh:

@@ -708,6 +708,8 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
             tol = get("psd_tol")
             if tol.size != 1:
                 raise ValidationError(f"{path}: psd_tol must be a scalar, got an array of shape {tol.shape}")
+            if not (np.issubdtype(tol.dtype, np.floating) or np.issubdtype(tol.dtype, np.integer)):
+                raise ValidationError(f"{path}: psd_tol must be a real number, got {tol.dtype} ({tol.reshape(())!r})")
             kwargs["psd_tol"] = float(tol.reshape(()))
         if "soup" in data.files:
             kwargs["soup"] = get("soup")
@@ -722,7 +724,11 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
             kwargs["metadata"] = meta
         context: dict[str, Any] = {}
         if "deltas" in data.files:
-            context["deltas"] = get("deltas")
+            deltas = get("deltas")
+            if np.issubdtype(deltas.dtype, np.number) and not np.all(np.isfinite(deltas)):
+                raise BadDataError(f"{path}: array 'deltas' (the residuals the sign set is built from) contains "
+                                   f"NaN or inf")
+            context["deltas"] = deltas
         if "parametrisation" in data.files:
             context["parametrisation"] = str(get("parametrisation"))
     try:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -105,8 +106,9 @@ def _names(arg: str, known: dict[str, Any], kind: str, committed_only: bool = Fa
     return names
 
 
-def parse_options(items: list[str], solvers: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``["torch_fista.dtype=float32", ...]`` -> ``{"torch_fista": {"dtype": "float32"}}``."""
+def parse_options(items: list[str], solvers: dict[str, Any], running: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """``["torch_fista.dtype=float32", ...]`` -> ``{"torch_fista": {"dtype": "float32"}}``; options of a
+    solver that is not among ``running`` (the run's ``--solvers``) are refused (they would be ignored)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -122,7 +124,24 @@ def parse_options(items: list[str], solvers: dict[str, Any]) -> dict[str, dict[s
         out.setdefault(solver, {})[opt] = value
     for solver, opts in out.items():
         solvers[solver].check_options(opts)  # unknown keys fail now, not inside the table
+        if running is not None and solver not in running:
+            raise ConfigError(f"--opt {solver}.{next(iter(opts))}: {solver} is not among --solvers "
+                              f"({', '.join(running)}), so its options would be ignored; add it to --solvers")
     return out
+
+
+def check_json_output(path: str, inputs: list[str] | tuple[str, ...] = ()) -> None:
+    """``--json PATH`` before the run: :func:`check_output_file`, and an existing file is replaced only
+    when it holds JSON (an earlier table): a problem file, a script or anything else named by mistake is
+    kept (a review replaced a committed problem .npz this way)."""
+    check_output_file(path, "--json", inputs)
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                json.load(fh)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            raise ConfigError(f"--json {path} exists and is not a JSON file; outputs never replace other files: "
+                              f"choose another path (or remove it)") from None
 
 
 def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], repeat: int = 1,
@@ -338,9 +357,9 @@ def run(args: argparse.Namespace) -> int:
     if args.solvers == "all":  # every available solver (closed_form only for 'none')
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None
                    and (s != "closed_form" or "none" in constraints))]
-    options = parse_options(args.opt, SOLVERS)
+    options = parse_options(args.opt, SOLVERS, solvers)
     if args.json not in (None, "-"):  # fail before the run, not after it; never over a benchmarked instance
-        check_output_file(args.json, "--json", _instance_files(problems))
+        check_json_output(args.json, _instance_files(problems))
     if args.n is not None or args.seed != 0 or args.sequence:
         raise ConfigError("--n, --seed and --sequence apply to --family only")
     constraints = list(dict.fromkeys(constraints))
@@ -408,9 +427,9 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         _check_family_memory(args.n)
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
-    options = parse_options(args.opt, SOLVERS)
+    options = parse_options(args.opt, SOLVERS, solvers)
     if args.json not in (None, "-"):
-        check_output_file(args.json, "--json")
+        check_json_output(args.json)
     table = _table_stream(args)
     print(HEADER + f" {'x chol':>7s}", file=table)
     print("-" * (len(HEADER) + 8), file=table)

@@ -183,12 +183,30 @@ def load_point(path: str, what: str = "point file") -> np.ndarray:
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
-        raise ValidationError(f"cannot read {what} {path}: {type(exc).__name__}: {exc}") from None
+        if "allow_pickle" in str(exc):  # numpy's advice to unpickle would run a file's code
+            why = "not a NumPy array file (.npy), or one of pickled Python objects (never loaded)"
+        elif "inhomogeneous" in str(exc) or "sequence" in str(exc):
+            why = "its d is not a rectangular array of numbers (rows of different lengths)"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        raise ValidationError(f"cannot read {what} {path}: {why}") from None
     arr = np.asarray(arr)
     if np.issubdtype(arr.dtype, np.number) and not np.all(np.isfinite(arr)):
         raise BadDataError(f"{what} {path}: d holds {int(np.sum(~np.isfinite(arr)))} non-finite "
                            f"value(s) (NaN or inf)")
     return arr
+
+
+def _point(problem: Any, path: str, what: str) -> np.ndarray:
+    """The point in ``path`` (:func:`load_point`) checked against the problem's shape; errors name
+    ``what`` (which file it is) and the path."""
+    from ..certificate import check_point_shape
+
+    arr = load_point(path, what)
+    try:
+        return check_point_shape(problem, arr)
+    except ValidationError as exc:
+        raise ValidationError(f"{what} {path}: {exc}") from None
 
 
 def _write_json(path: str, payload: dict[str, Any]) -> None:
@@ -204,13 +222,12 @@ def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
 # ---------------------------------------------------------------------- commands
 def run_solve(args: argparse.Namespace) -> int:
     """Solve, print the summary and certificate, optionally write JSON; exit 0 iff certified."""
-    from ..certificate import check_point_shape
     from ..solvers.registry import solve
 
     _check_outputs(args, [(args.out, "the solution"), (args.save_d, "d (--save-d)")])
     options = _parse_options(args.option)
     problem, cset = _load(args)
-    x0 = None if args.x0 is None else check_point_shape(problem, load_point(args.x0, "--x0 (the warm start)"))
+    x0 = None if args.x0 is None else _point(problem, args.x0, "--x0 file (the warm start)")
     _check_auto_options(problem, cset, args.solver, options)
     # the command prints the pseudo-inverse facts where certify computes them by default (one
     # Cholesky, up to n = 2048); solve() from Python skips them unless asked
@@ -237,11 +254,11 @@ def run_solve(args: argparse.Namespace) -> int:
 
 def run_certify(args: argparse.Namespace) -> int:
     """Certify ``--point``; print the certificate; exit 0 iff certified."""
-    from ..certificate import certify, check_point_shape
+    from ..certificate import certify
 
     _check_outputs(args, [(args.out, "the certificate")])
     problem, cset = _load(args)
-    d = check_point_shape(problem, load_point(args.point))
+    d = _point(problem, args.point, "point file")
     cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
                    pinv=True if args.pinv else None, abs_tol=args.abs_tol)
     print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "

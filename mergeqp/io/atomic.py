@@ -238,12 +238,12 @@ def check_output_file(path: str | os.PathLike[str], option: str,
     if not os.fspath(path):
         raise ValidationError(f"{option} is empty; give a file name")
     p = Path(path).expanduser()
+    if p.is_dir():  # (before the inputs: a folder holding an input is first of all not a file name)
+        raise ValidationError(f"{option} {os.fspath(path)} is a folder; give a file name")
     clash = overlapping_input(p, inputs)
     if clash is not None:
         raise ValidationError(f"{option} {os.fspath(path)} would overwrite the input {clash}; inputs are never "
                           f"written: choose another path")
-    if p.is_dir():
-        raise ValidationError(f"{option} {os.fspath(path)} is a folder; give a file name")
     if p.exists() and not p.resolve().is_file():
         # a device, pipe or socket (/dev/null, /dev/stdout, a FIFO): the atomic write would replace
         # it by a regular file (or fail after the work, for a pipe of another process)
@@ -251,7 +251,8 @@ def check_output_file(path: str | os.PathLike[str], option: str,
                               f"outputs are written as files: give a file path")
     folder = p.resolve().parent
     if not folder.is_dir():
-        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} does not exist")
+        why = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} {why}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} is not writable")
 

@@ -22,6 +22,14 @@ class ClosedFormSolver(QPSolver):
     name = "closed_form"
     defaults = {"rcond": None}
 
+    def check_options(self, options: Any) -> dict[str, Any]:
+        """``rcond`` (the pseudo-inverse's relative eigenvalue cut): ``None`` (the default rule) or
+        a number in ``[0, 1)``."""
+        opts = super().check_options(options)
+        if opts["rcond"] is not None:
+            self.check_ranges(opts, {"rcond": lambda v: 0 <= v < 1})
+        return opts
+
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         if problem.H is None:
             return "needs an explicit H"

@@ -158,6 +158,7 @@ def solve(
         check_feasible(cset, problem.shape)
     else:
         cset.validate(problem.shape)
+    _check_in_range(problem, cset)
     chosen = choose_solver(problem, cset) if solver == "auto" else get_solver(solver)
     if solver != "auto":
         why = chosen.available() or declines(chosen, problem, cset)
@@ -181,6 +182,26 @@ def solve(
         sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
                              check_feasibility)
     return _with_abs_tol(sol, abs_tol)
+
+
+def _check_in_range(problem: MergeQP, cset: ConstraintSet) -> None:
+    """A :class:`ValidationError` when J overflows float64 at the set's point nearest 0 (a set with a
+    projection): every point of the set is then that far out, and no solver's answer could be
+    evaluated or certified (before stop 52, ``box:1e308,1e308`` ran every solver for seconds and
+    ended "not certified" at an infeasible point). A projection that fails is left to the solve."""
+    if not cset.has_projection:
+        return
+    try:
+        with np.errstate(all="ignore"):
+            nearest = np.asarray(cset.project(np.zeros(problem.shape)), dtype=np.float64)
+            value = problem.objective(nearest)
+    except Exception:  # noqa: BLE001 - a user's projection: judged by the solve, as before
+        return
+    if nearest.shape == tuple(problem.shape) and np.all(np.isfinite(nearest)) and not np.isfinite(value):
+        raise ValidationError(
+            f"the constraint set {cset.spec} lies where J overflows float64: at its point nearest 0 "
+            f"(|d|_inf = {float(np.max(np.abs(nearest), initial=0.0)):.3g}) J is not finite, and every other point is "
+            f"farther out; rescale the set's bounds (and H, g, c) to the problem's range")
 
 
 def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:

@@ -231,6 +231,15 @@ class TorchFISTASolver(_TorchSolver):
     defaults = {"device": "auto", "dtype": "float64", "max_iter": 20000, "tol": 1e-9,
                 "check_every": 25, "lipschitz": None, "init": "soup"}
 
+    def check_options(self, options: Any) -> dict[str, Any]:
+        """Known names (base class) and admissible values; errors name the option."""
+        opts = super().check_options(options)
+        rules: dict[str, Any] = {"max_iter": lambda v: v >= 1, "tol": lambda v: v >= 0, "check_every": lambda v: v >= 1}
+        if opts["lipschitz"] is not None:  # a bound on H's largest eigenvalue: positive
+            rules["lipschitz"] = lambda v: v > 0
+        self.check_ranges(opts, rules)
+        return opts
+
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         import torch  # optional heavy dependency: deferred so mergeqp imports without torch

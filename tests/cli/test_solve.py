@@ -118,6 +118,17 @@ def test_sign_constraint_from_the_problem_file(cvxpy_solve, random_problem, tmp_
         (["solve", "{ok}", "--out", "/nonexistent-dir/x.json"], "cannot write the solution to /nonexistent-dir/x.json"),
         (["certify", "{ok}", "--point", "{missing}"], "point file not found"),
         (["certify", "{ok}", "--point", "{transposed}"], "point has shape (4, 3), the problem needs d of shape (3, 4)"),
+        # (stop 52 review) each was a traceback, a wrong exit code, a run of every solver or an unclear line
+        (["solve", "{tolstr}"], "psd_tol must be a real number"),
+        (["solve", "{ok}", "--constraint", "box:1e308,1e308"], "lies where J overflows float64"),
+        (["solve", "{ok}", "--x0", "{transposed}"], "--x0 file (the warm start) {transposed}: point has shape (4, 3)"),
+        (["solve", "{ok}", "--out", "{folder}"], "is a folder; give a file name"),
+        (["solve", "{ok}", "--out", "{ok}/x.json"], "is a file, not a folder"),
+        (["certify", "{ok}", "--point", "{junk_npy}"], "not a NumPy array file (.npy)"),
+        (["certify", "{ok}", "--point", "{ragged}"], "not a rectangular array of numbers"),
+        (["solve", "{ok}", "--solver", "closed_form", "--option", "rcond=abc"], "option rcond='abc' is out of range"),
+        (["solve", "{ok}", "--constraint", "box:0,1", "--solver", "torch_fista", "--option", "lipschitz=-1"],
+         "option lipschitz=-1 is out of range"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(problem_file, tmp_path, capsys, argv, message) -> None:
@@ -128,13 +139,21 @@ def test_bad_input_is_one_line_and_exit_2(problem_file, tmp_path, capsys, argv, 
     np.savez(noH, g=np.ones(3))
     transposed = tmp_path / "t.npy"
     np.save(transposed, np.zeros((4, 3)))
+    tolstr = tmp_path / "tolstr.npz"
+    problem = np.load(path)
+    np.savez(tolstr, **{k: problem[k] for k in problem.files}, psd_tol=np.array("abc"))
+    junk_npy = tmp_path / "junk.npy"
+    junk_npy.write_bytes(b"not an array file at all")
+    ragged = tmp_path / "ragged.json"
+    ragged.write_text('{"d": [[1, 2, 3, 4], [1, 2]]}')
     names = {"missing": str(tmp_path / "missing.npz"), "garbage": str(garbage), "noH": str(noH),
-             "ok": path, "transposed": str(transposed)}
+             "ok": path, "transposed": str(transposed), "tolstr": str(tolstr), "folder": str(tmp_path),
+             "junk_npy": str(junk_npy), "ragged": str(ragged)}
     code, _, stderr = run(capsys, *[a.format(**names) for a in argv])
     assert code == 2
     lines = stderr.strip().splitlines()
     assert len(lines) == 1, stderr
-    assert lines[0].startswith(f"mergeqp {argv[0]}: error: ") and message in lines[0]
+    assert lines[0].startswith(f"mergeqp {argv[0]}: error: ") and message.format(**names) in lines[0]
     assert "Traceback" not in stderr
 
 
@@ -180,16 +199,23 @@ def test_point_formats_and_pinv_flag(problem_file, tmp_path, capsys) -> None:
     (["--json", "/nonexistent-folder-xyz/x.json"], "does not exist"),
     (["--opt", "active_set.foo=1"], "unrecognised solver option"),
     (["--problems", ","], "--problems is empty"),
+    # (stop 52 review) options of a solver the run does not use were ignored; --json replaced any file
+    (["--opt", "clarabel.max_iter=5"], "clarabel is not among --solvers (active_set)"),
+    (["--json", "{script}"], "exists and is not a JSON file"),
 ])
-def test_bench_rejects_bad_arguments_before_running(extra, message, capsys) -> None:
+def test_bench_rejects_bad_arguments_before_running(extra, message, capsys, tmp_path) -> None:
     from mergeqp.cli import main
 
+    script = tmp_path / "keep.py"
+    script.write_text("print('mine')\n")
+    extra = [a.format(script=script) for a in extra]
     args = ["bench", "--problems", "tiny96", "--solvers", "active_set", *extra]
     if "--problems" in extra:
         args = ["bench", "--solvers", "active_set", *extra]
     assert main(args) == 2
     captured = capsys.readouterr()
     assert message in captured.err and "problem" not in captured.out  # no table was started
+    assert script.read_text() == "print('mine')\n"
 
 
 def test_overflowing_objective_is_a_solver_error() -> None:
@@ -339,3 +365,27 @@ def test_bench_max_n_keeps_the_solvers_marked_to_scale(capsys) -> None:
                  "--constraint", "box:0,1"]) == 0
     lines = {line.split()[3]: line for line in capsys.readouterr().out.splitlines() if line.startswith("tiny96")}
     assert "skipped: n > --max-n 10" in lines["osqp"] and "skipped" not in lines["active_set"]
+
+
+def test_nan_in_a_problem_files_deltas_is_bad_data(random_problem, tmp_path, capsys) -> None:
+    """(stop 52 review) NaN in the residuals a sign set is built from: exit 3 (bad data) naming the
+    file, as for H and g (it was exit 2 without the file)."""
+    problem = random_problem(np.random.default_rng(1), K=2, m=3)
+    deltas = np.ones((2, 3, 2))
+    deltas[0, 0, 0] = np.nan
+    path = str(tmp_path / "nan_deltas.npz")
+    problem.save_npz(path)
+    arrays = dict(np.load(path))
+    np.savez(path, **arrays, deltas=deltas, parametrisation=np.array("rows"))
+    code, _, err = run(capsys, "solve", path, "--constraint", "sign")
+    assert code == 3 and path in err and "'deltas'" in err and "NaN" in err
+
+
+def test_a_plugin_folder_is_named(tmp_path, capsys, monkeypatch, problem_file) -> None:
+    """(stop 52 review) --import FOLDER (no __init__.py) imported nothing and said nothing."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myplugins").mkdir()
+    path, _ = problem_file
+    for name, message in (("myplugins", "a folder without __init__.py"), ("myplugins/", "is a folder; name a .py file")):
+        code, _, err = run(capsys, "--import", name, "solve", path)
+        assert code == 2 and message in err, err

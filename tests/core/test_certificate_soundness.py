@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mergeqp as mq
+from mergeqp.certificate import ACTIVE_BOUND
 from mergeqp.errors import ValidationError
 
 
@@ -264,3 +265,50 @@ def test_fifth_review_a_slope_along_a_cone_is_not_excused_by_the_lp_tolerance():
         assert not cert.certified(1e-8) and cert.lower_bound <= j_star
     best = np.array([[0.0], [9e-5 / 1e-10]])
     assert p.objective(best) == pytest.approx(j_star)
+
+
+def test_a_wide_finite_box_around_an_interior_optimum_certifies():
+    """(stop 52 review) box:-1e9,1e9 around an interior optimum: the Frank-Wolfe gap charged every
+    gradient's rounding times 1e9 and left the optimum uncertified (box:-inf,inf certified it); the
+    dual bound with multipliers on the active bounds only certifies it."""
+    rng = np.random.default_rng(0)
+    A = rng.standard_normal((30, 12))
+    b = rng.standard_normal(30)
+    p = mq.MergeQP(2 * A.T @ A, -2 * A.T @ b, float(b @ b), shape=(3, 4))
+    d = np.linalg.solve(p.H, -p.g).reshape(3, 4)  # interior to every box below
+    for spec in ("box:-1e9,1e9", "box:-1e12,1e12", "box:-1e9,5"):
+        cert = mq.certify(p, spec, d)
+        assert cert.certified(), (spec, cert.explain())
+        assert cert.lower_bound <= p.objective(d) + 1e-12
+    # one coordinate held on a bound it is pushed against: its multiplier is kept, and the bound is valid
+    lo = d.copy().ravel()
+    lo[0] += 0.5
+    box = mq.constraints.Box(np.where(np.arange(12) == 0, lo, -1e9).reshape(3, 4), 1e9)
+    exact = mq.solve(p, box, solver="clarabel")
+    cert = mq.certify(p, box, exact.d)
+    assert cert.certified() and cert.lower_bound <= exact.objective + 1e-9
+
+
+@given(st.integers(0, 2**31 - 1), st.floats(3, 12), st.floats(0.0, 1.0))
+@settings(max_examples=60, deadline=None)
+def test_the_active_bound_dual_never_exceeds_the_optimum_on_a_wide_box(seed, log_width, off):
+    """Random points (near, on or off the optimum) of a wide box: the proven lower bound is never above
+    the optimum (the lower of two exact solvers' objectives at feasible points: Clarabel fails at these
+    widths)."""
+    rng = np.random.default_rng(seed)
+    n = 8
+    A = rng.standard_normal((3 * n, n))
+    p = mq.MergeQP(2 * A.T @ A, rng.standard_normal(n) * 5, 1.0, shape=(2, 4))
+    w = 10.0 ** log_width
+    lo = -w * np.ones(n)
+    lo[: n // 2] = rng.uniform(-1, 1, n // 2)  # half the lower bounds near the optimum's scale
+    box = mq.constraints.Box(lo.reshape(2, 4), w)
+    exact = min((mq.solve(p, box, solver=name) for name in ("active_set", "dense_ipm")), key=lambda sol: sol.objective)
+    assert exact.certificate.feasible
+    point = np.maximum(exact.d.ravel() + off * rng.standard_normal(n) * (rng.random(n) < 0.5), lo)
+    # coordinates on their lower bound lifted within the distance the active-bound dual counts as active
+    lifted = np.where(point <= lo, lo + 0.9 * ACTIVE_BOUND * (1 + np.abs(lo)), point)
+    for d in (point, lifted):
+        cert = mq.certify(p, box, d.reshape(2, 4))
+        if cert.feasible and math.isfinite(cert.lower_bound):
+            assert cert.lower_bound <= exact.objective + 1e-10 * max(1.0, abs(exact.objective))

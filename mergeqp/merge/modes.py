@@ -224,6 +224,23 @@ class DepthOptions(BaseModel):
     by_depth: bool = False
 
 
+def _trust_region_rows(steps: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A Markdown table of trust-region steps (:meth:`SitesTrustRegion.step_rows`); a ``held-out``
+    column when the steps carry one."""
+    held = any("validation" in r for r in steps)
+    lines = ["| step | radius | J before | J after (linearised) | J after (true) | rho | accepted | certified | "
+             + ("held-out | " if held else "") + "s |",
+             "|---|---|---|---|---|---|---|---|" + ("---|" if held else "") + "---|"]
+    for r in steps:
+        lines.append(f"| {r.get('step')} | {format_number(r.get('radius'), 3)} | {format_number(r.get('objective_before'))} | "
+                     f"{format_number(r.get('linearised_after'))} | {format_number(r.get('true_after'))} | "
+                     f"{format_number(r.get('rho'), 3)} | {format_number(r.get('accepted'))} | "
+                     f"{format_number(r.get('certified'))} | "
+                     + (f"{format_number(r.get('validation'))} | " if held else "")
+                     + f"{format_number(r.get('seconds'), 3)} |")
+    return lines
+
+
 def _by_depth(mode: MergeMode, settings: Any) -> bool:
     """Whether ``settings.mode_options`` ask ``mode`` to merge layer depth by layer depth."""
     o = mode.check_options(settings.mode_options)
@@ -517,24 +534,38 @@ class TrustRegionMode(MergeMode):
         return out
 
     def report_markdown(self, report: Mapping[str, Any]) -> list[str]:
-        """The trust region's steps (before stop 49 in ``report.json`` only)."""
+        """The trust region's steps (before stop 49 in ``report.json`` only). With held-out batches each
+        table says which run it is (since stop 52: the fit on the fitting part, whose objectives are of
+        that part, was shown under the whole calibration set's start and result without a word, and a
+        refit's table hid the selection run): the selection run with its held-out objective per
+        accepted step, then the refit."""
         tr = report.get("trust_region")
         if not tr or not tr.get("steps"):
             return []
         start, result = tr.get("start") or {}, tr.get("result") or {}
+        holdout = tr.get("holdout") or {}
         lines = ["## Trust-region steps", "",
                  (f"{tr.get('n_accepted')} of {tr.get('n_steps')} QP steps accepted (a step is kept only when the "
                   f"true calibration objective falls); stopped: {tr.get('stop_reason')}; every subproblem certified: "
                   f"{format_number(tr.get('all_certified'))}. Calibration objective "
                   f"{format_number(start.get('calibration_objective'))} (start) -> "
-                  f"{format_number(result.get('calibration_objective'))} (result)."), "",
-                 "| step | radius | J before | J after (linearised) | J after (true) | rho | accepted | certified | s |",
-                 "|---|---|---|---|---|---|---|---|---|"]
-        for r in tr["steps"]:
-            lines.append(f"| {r.get('step')} | {format_number(r.get('radius'), 3)} | {format_number(r.get('objective_before'))} | "
-                         f"{format_number(r.get('linearised_after'))} | {format_number(r.get('true_after'))} | "
-                         f"{format_number(r.get('rho'), 3)} | {format_number(r.get('accepted'))} | "
-                         f"{format_number(r.get('certified'))} | {format_number(r.get('seconds'), 3)} |")
+                  f"{format_number(result.get('calibration_objective'))} (result).")]
+        if holdout:
+            chosen = holdout.get("chosen_step")
+            kept = "the start (no accepted step lowered it)" if chosen is None else f"step {chosen}"
+            lines += ["", (f"Early stopping: {format_number(holdout.get('fraction'), 3)} of each task's calibration "
+                           f"batches held out; the QPs fit the rest, so J in the fit's table is that part's objective, "
+                           f"and 'held-out' is the held-out part's objective at each accepted point (start "
+                           f"{format_number(holdout.get('validation_start'))}, kept {kept}: "
+                           f"{format_number(holdout.get('validation_result'))}).")]
+            if holdout.get("refit"):
+                lines += ["", "Fit on the fitting part (it chose the number of steps):", "",
+                          *_trust_region_rows(holdout.get("selection_steps") or []), "",
+                          "Refit on every calibration batch for as many steps (its J is the whole calibration "
+                          "objective):"]
+            else:
+                lines += ["", "Fit on the fitting part (the result is its kept point):"]
+        lines += ["", *_trust_region_rows(tr["steps"])]
         return ["\n".join(lines)]
 
     def report_fields(self, ctx: MergeContext, sites: Sequence[LayerSite], records: Sequence[LayerRecord],

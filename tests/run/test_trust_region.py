@@ -197,10 +197,15 @@ def test_trust_region_holdout_from_yaml(llama, tmp_path):
     """``holdout`` in mode_options: the report says which step was kept and both parts' objectives;
     the whole calibration objective is no higher than the start's."""
     method = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 4, "holdout": 0.5}}
-    rep = json.loads((_merge(llama, tmp_path, method).out_dir / "report.json").read_text())
+    out = _merge(llama, tmp_path, method).out_dir
+    rep = json.loads((out / "report.json").read_text())
     tr = rep["trust_region"]
     hold = tr["holdout"]
     assert hold["fraction"] == 0.5 and hold["validation_result"] <= hold["validation_start"]
+    # (stop 52 review) report.md says the steps are the fit on the fitting part, with the held-out column
+    md = (out / "report.md").read_text().split("## Trust-region steps")[1]
+    assert "Early stopping: 0.5 of each task's calibration batches held out" in md
+    assert "Fit on the fitting part (the result is its kept point):" in md and "| held-out |" in md
     assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
     layer = rep["layers"][0]
     assert layer["objective_before"] == pytest.approx(tr["start"]["calibration_objective"], rel=1e-9)
@@ -224,9 +229,15 @@ def test_holdout_needs_a_batch_to_hold_out():
 def test_trust_region_refit_takes_the_chosen_number_of_steps_on_every_batch(llama, tmp_path):
     method = {"name": "qp", "mode": "trust_region",
               "mode_options": {"max_steps": 4, "holdout": 0.5, "refit": True, "radius": 0.05}}
-    rep = json.loads((_merge(llama, tmp_path, method).out_dir / "report.json").read_text())
+    out = _merge(llama, tmp_path, method).out_dir
+    rep = json.loads((out / "report.json").read_text())
     tr = rep["trust_region"]
     hold = tr["holdout"]
+    md = (out / "report.md").read_text().split("## Trust-region steps")[1]
+    fit, refit = md.split("Fit on the fitting part (it chose the number of steps):")[1].split("Refit on every calibration batch")
+    fit_rows = [line for line in fit.splitlines() if line.startswith("| ")][1:]
+    refit_rows = [line for line in refit.splitlines() if line.startswith("| ")][1:]
+    assert len(fit_rows) == len(hold["selection_steps"]) and len(refit_rows) == len(tr["steps"])
     assert tr["result"]["calibration_objective"] <= tr["start"]["calibration_objective"] * (1 + 1e-12)
     assert hold["chosen_step"] is not None  # a step lowered the held-out objective (small radius)
     assert hold["refit"] is True and len(hold["selection_steps"]) >= hold["chosen_step"] + 1

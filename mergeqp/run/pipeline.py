@@ -1011,8 +1011,8 @@ class _AutoStart:
     def visit(self, index: int, name: str, model: Any, batches: list[Any]) -> None:
         if self.params.folds > 1 and len(batches) < 2:
             raise ValidationError(f"start: auto with {self.params.folds} folds: task {name!r} has "
-                                  f"{len(batches)} calibration batch(es), at least 2 are needed (more prompts or a "
-                                  f"smaller calibration.batch_size, or folds: 1)")
+                                  f"{len(batches)} calibration batch(es), at least 2 are needed (more prompts, a "
+                                  f"smaller calibration.batch_size or calibration.holdout, or folds: 1)")
         n = len(batches)
         fits = [fit for fit, _ in batch_splits(n, self.params)]
         if self.params.folds > 1:

@@ -1096,9 +1096,12 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
     for t in tasks:
         n = too_few_batches(folds, t.n_calibration, B)
         if n is not None:
+            held = (f", after calibration.holdout kept {t.n_heldout} of its prompts for the held-out evaluation"
+                    if t.n_heldout else "")
             raise ConfigError(f"start: auto with {folds} folds: task {t.name!r} has {n} calibration batch(es) "
-                              f"({t.n_calibration} prompts in batches of {B}), at least {MIN_FOLD_BATCHES} are "
-                              f"needed (more prompts or a smaller calibration.batch_size, or folds: 1)")
+                              f"({t.n_calibration} prompts in batches of {B}{held}), at least {MIN_FOLD_BATCHES} are "
+                              f"needed (more prompts, a smaller calibration.batch_size"
+                              f"{' or calibration.holdout' if held else ''}, or folds: 1)")
 
 
 def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T: int, per_pos: int) -> int:

@@ -515,7 +515,9 @@ def test_dry_run_refuses_auto_folds_without_batches(fam, tmp_path, no_weights, c
     path = fam.write_config(tmp_path / "auto.yml", fam.mlp_layer, {"name": "auto"})
     assert main(["merge", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "start: auto with 4 folds: task" in err and "has 1 calibration batch(es) (2 prompts in batches of 4)" in err
+    assert "start: auto with 4 folds: task" in err and "has 1 calibration batch(es) (2 prompts in batches of 4" in err
+    # (stop 52 review) the holdout that took the prompts is named, and what to change
+    assert "after calibration.holdout kept 4 of its prompts" in err and "or calibration.holdout, or folds: 1" in err
     data = yaml.safe_load(path.read_text())
     data["calibration"]["batch_size"] = 1  # two batches of one prompt: the plan passes
     path.write_text(yaml.safe_dump(data))

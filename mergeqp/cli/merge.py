@@ -22,7 +22,7 @@ from ..io.writer import parse_size
 from ..merge.report import format_number, jsonable
 from ..run import build_plan, run_merge
 from ..run.pipeline import check_groups_fit, resolve_device
-from ..run.plan import basis_pass_tangent
+from ..run.plan import basis_pass_tangent, qp_site_memory
 
 
 def register(subparsers: Any) -> None:
@@ -79,11 +79,24 @@ def _fits_here(cfg: Any, plan: Any) -> None:
     if not cfg.method.is_qp:
         return
     with memory_limit(cfg.max_memory_bytes()):
+        warned = False
         try:
             check_groups_fit(plan)
         except ValidationError as exc:
             _warn_groups(plan, exc)
+            warned = True
         budget, what = memory_budget(available_memory_bytes())
+    for site in [] if warned else qp_site_memory(plan):
+        if budget is not None and site.peak > budget:
+            # (stop 52 review) the run checks each QP again at its first batch, with the sizes it measures:
+            # the dry run said nothing, and the run stopped there after the start and targets had run
+            print(f"warning: QP over {site.site}: at the plan's upper bounds (batches of "
+                  f"{min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1))} prompts "
+                  f"of {plan.batch_length} tokens) its statistics and first batch need about {human_bytes(site.peak)} "
+                  f"({site.describe()}), more than {what}: the run checks this again at the first batch, with its "
+                  f"measured sizes, and stops there if they confirm it; use smaller batches "
+                  f"(calibration.batch_size, calibration.max_length), fewer atoms, or raise max_memory",
+                  file=sys.stderr)
     one = basis_pass_tangent(plan)
     if one is not None and budget is not None and one > budget:
         print(f"warning: basis: optimal: one JVP of the basis pass needs up to {human_bytes(one)} (every prompt "

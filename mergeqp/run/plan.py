@@ -48,7 +48,7 @@ from ..io.calibration import (
 from ..io import verified
 from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
 from ..io.arrays import read_head, read_matrix
-from ..io.memory import design_bytes, human_bytes
+from ..io.memory import SiteMemory, design_bytes, estimate_site_memory, human_bytes
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
@@ -1121,6 +1121,46 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
     return prompts * T * width(spec, per_pos) * 8 + held * T * width(held_spec, plan.vocab_size or per_pos) * 8
 
 
+def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
+    """The final hidden width, and whether a language model's head folds into it (docs/lm-statistics.md:
+    its width is then compared, and no logits' tangents are formed)."""
+    bcfg = plan.base.config or {}
+    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
+    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None
+
+
+def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:
+    """Each QP's memory model (:func:`mergeqp.io.memory.estimate_site_memory`: the check the run makes
+    at its first batch, with the sizes it measures) at the plan's upper bounds: batches of
+    ``calibration.batch_size`` prompts at the longest length, the derivatives in the mode
+    ``jacobian_mode`` names (``auto``: the cheaper of the two, so a bound above the budget is one the
+    run's own check will confirm unless its prompts are shorter). ``[]`` for a baseline."""
+    cfg = plan.config
+    if not cfg.method.is_qp:
+        return []
+    elem = DTYPE_BYTES[cfg.dtype]
+    T = plan.batch_length
+    B = min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1) or 1)
+    per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else
+               int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
+    spec = plan.output_spec()
+    hidden, folds = _hidden_and_folds(plan, spec)
+    widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
+    r_of = {s.name: s.r for s in plan.sites}
+    out = []
+    for g in plan.groups:
+        width = max((r_of.get(name, 0) for name in g.sites), default=0)
+        common = {"samples": B, "outputs": _design_outputs(spec, folds, T, per_pos, hidden), "itemsize": elem,
+                  "positions": T, "site_width": width, "chunk": cfg.method.chunk_size, "widest": widest}
+        name, n = ", ".join(g.sites), g.n_variables
+        forward = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=n, **common)
+        reverse = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=0, jacobian_width=width, **common)
+        mode = cfg.method.jacobian_mode
+        out.append(forward if mode == "forward" else reverse if mode == "reverse"
+                   else min(forward, reverse, key=lambda m: m.peak))
+    return out
+
+
 def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden: int) -> int:
     """Compared outputs per prompt in the statistics' design, as the run forms them: a sketch's
     count; else positions (one when pooled) times the numbers compared per position, at most the
@@ -1230,11 +1270,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8
-    bcfg = plan.base.config or {}
-    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
-    # a head folded into the final hidden state (docs/lm-statistics.md): its width is compared, and
-    # no logits' tangents are formed
-    folds = bool(plan.vocab_size) and spec.fold_obstacle() is None
+    hidden, folds = _hidden_and_folds(plan, spec)
     out["design (one batch: prompts x compared outputs x n, with its float64 copies)"] = design_bytes(
         B, _design_outputs(spec, folds, T, per_pos, hidden), n_max, elem)
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)

@@ -259,3 +259,29 @@ def test_the_plans_design_item_counts_the_runs_compared_outputs(tiny_hf, fam, tm
     (group,) = plan.groups
     B = min(cfg.calibration.batch_size, max(t.n_calibration for t in plan.tasks))
     assert design == memory.design_bytes(B, plan.batch_length * per_position, group.n_variables, 8)
+
+
+def test_the_dry_run_warns_of_a_first_batch_the_run_would_refuse(tiny_hf, fam, tmp_path, capsys):
+    """(stop 52 review) With max_memory above the statistics and solve but below the first batch's
+    derivatives, the dry run said nothing and the run stopped at its first batch; the dry run now
+    warns with the run's memory model (statistics, the first batch's design and derivatives) at the
+    plan's upper bounds."""
+    from mergeqp.cli import main
+    from mergeqp.run.plan import qp_site_memory
+
+    path = fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj",
+                            {"name": "qp", "mode": "trust_region", "start": "soup"})
+    plan = build_plan(load_config(path))
+    (bound,) = qp_site_memory(plan)
+    (group,) = plan.groups
+    fits = memory.estimate_site_memory("g", group.n_variables, 2).peak  # statistics and solve alone
+    assert bound.peak > 4 * fits
+    cap = f"{2 * fits}B"
+    assert main(["merge", str(path), "--dry-run", "--max-memory", cap]) == 0
+    err = capsys.readouterr().err
+    assert "warning: QP over model.layers.1.mlp.down_proj: at the plan's upper bounds" in err
+    assert main(["merge", str(path), "--dry-run", "--max-memory", f"{2 * bound.peak}B"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet", "--max-memory", cap]) == 2
+    err = capsys.readouterr().err  # the run stops at its first batch (its design, here), as warned
+    assert "one calibration batch's design" in err and "max_memory" in err and not (tmp_path / "o").exists()

@@ -13,7 +13,8 @@ of a live model (:func:`trust_region_sites`, behind the ``trust_region`` merge m
    accept ``d_new`` when ``rho > accept``; multiply ``Delta`` by ``expand`` when ``rho >
    expand_above`` and the step reached the trust-region boundary; when ``rho < shrink_below``
    set it to ``shrink`` times the smaller of ``Delta`` and the step's length (since stop 52: a
-   radius shrunk only from ``Delta`` can still hold the rejected step, and the next QP repeats it);
+   radius shrunk only from ``Delta`` can still hold the rejected step, and the next QP repeats it),
+   but not below ``delta_min`` while the step was longer than it (that radius is tried once);
 4. stop after ``max_qps`` QP solves, when the predicted decrease is below ``tol * F(d_t)``, or
    when ``Delta < delta_min``.
 
@@ -339,6 +340,8 @@ def sequential_trust_region(
                 # below the step's own length: a radius halved while it still holds the rejected step
                 # would give the same QP the same answer (stop 52 review: 7 of 10 QPs repeated one step)
                 delta = cfg.shrink * min(delta, step_norm)
+                if delta < cfg.delta_min < step_norm:  # the smallest radius allowed is still tried once
+                    delta = cfg.delta_min
             elif rho > cfg.expand_above and on_boundary:
                 delta = min(delta * cfg.expand, cfg.delta_max)
             if accepted:

@@ -248,7 +248,29 @@ def test_a_rejected_interior_step_is_not_repeated():
                                      progress=False)
     steps = result.steps
     assert not steps[0].accepted and steps[0].step_norm == pytest.approx(0.01)
+    floor = TrustRegionConfig().delta_min  # (the smallest radius allowed is tried once, below)
     for a, b in zip(steps, steps[1:]):
         if not a.accepted:
-            assert b.step_norm <= 0.5 * a.step_norm * (1 + 1e-9)
+            assert b.step_norm <= max(0.5 * a.step_norm, floor) * (1 + 1e-9)
     assert result.objective <= true_objective(d0)
+
+
+def test_a_rejected_step_just_above_the_smallest_radius_still_tries_it():
+    """The radius below the rejected step's length is never below ``delta_min`` while that step was
+    longer: the smallest radius allowed gets its QP before the loop stops."""
+    n, K = 2, 1
+    d0 = np.full((K, n), 0.5)
+
+    def linearise(d):  # every coordinate wants +1.5e-4
+        target = (d + 1.5e-4).ravel()
+        return mq.MergeQP(H=2 * np.eye(K * n), g=-2 * target, c=float(target @ target), shape=(K, n))
+
+    def true_objective(d):  # rejects the full step, accepts one of length delta_min
+        return float(linearise(d0).objective(d) + 2e4 * max(float(np.max(np.abs(d - d0))) - 1.2e-4, 0.0))
+
+    result = sequential_trust_region(linearise, true_objective, Box(0.0, 1.0), d0,
+                                     TrustRegionConfig(delta0=0.5, delta_min=1e-4, max_qps=6, tol=1e-14),
+                                     solver="active_set", progress=False)
+    steps = result.steps
+    assert not steps[0].accepted and steps[1].delta == pytest.approx(1e-4) and steps[1].accepted
+    assert result.objective < true_objective(d0)

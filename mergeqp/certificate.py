@@ -451,11 +451,18 @@ def certify(
         # coordinate's gradient error times its distance to a bound (box:-1e9,1e9 around an interior
         # optimum left a well-posed problem uncertified, and an interior point's 1e-8 error gave a gap of
         # 29); the dual bound with multipliers on the active bounds only does not. Taken only when it
-        # certifies with its own rounding counted (one factorisation of H)
+        # certifies with its own rounding counted, and only for a definite H (its Cholesky: a singular H's
+        # kernel slope within rounding, which the pseudo-inverse takes as zero, is worth slope x width on
+        # the bounds this bound leaves out: a review certified J = 1 where J* = 0 on box:-1e15,1e15)
         st = cset.structure(shape) if cset.members() else None
-        if st is not None and st.bounds_only:
+
+        def definite() -> _PseudoInverse | None:
+            ps = _pseudo_inverse(problem, allow_eig=False)
+            return ps if ps.chol is not None else None
+
+        if st is not None and st.bounds_only and definite() is not None:
             alt: list[str] = []
-            gap2, method2, rounding2 = _lagrangian_gap(problem, cset, D, grad, pseudo, alt, near=ACTIVE_BOUND)
+            gap2, method2, rounding2 = _lagrangian_gap(problem, cset, D, grad, definite, alt, near=ACTIVE_BOUND)
             if math.isfinite(gap2) and max(gap2, 0.0) + rounding2 <= rel_tol * scale:
                 fw_gap, gap_method, rounding, bound_method = max(gap2, 0.0), method2, rounding2, "lagrangian duality"
                 notes.extend(alt)

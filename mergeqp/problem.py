@@ -708,9 +708,13 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
             tol = get("psd_tol")
             if tol.size != 1:
                 raise ValidationError(f"{path}: psd_tol must be a scalar, got an array of shape {tol.shape}")
-            if not (np.issubdtype(tol.dtype, np.floating) or np.issubdtype(tol.dtype, np.integer)):
-                raise ValidationError(f"{path}: psd_tol must be a real number, got {tol.dtype} ({tol.reshape(())!r})")
-            kwargs["psd_tol"] = float(tol.reshape(()))
+            value = tol.reshape(())
+            try:  # a number, or a number written as text ("1e-6"); not a switch or a complex number
+                if tol.dtype == bool or np.issubdtype(tol.dtype, np.complexfloating):
+                    raise TypeError
+                kwargs["psd_tol"] = float(str(value) if tol.dtype.kind in "US" else value)
+            except (TypeError, ValueError):
+                raise ValidationError(f"{path}: psd_tol must be a real number, got {tol.dtype} ({value!r})") from None
         if "soup" in data.files:
             kwargs["soup"] = get("soup")
         if "metadata" in data.files:
@@ -724,11 +728,8 @@ def load_problem_file(path: str) -> tuple[MergeQP, dict[str, Any]]:
             kwargs["metadata"] = meta
         context: dict[str, Any] = {}
         if "deltas" in data.files:
-            deltas = get("deltas")
-            if np.issubdtype(deltas.dtype, np.number) and not np.all(np.isfinite(deltas)):
-                raise BadDataError(f"{path}: array 'deltas' (the residuals the sign set is built from) contains "
-                                   f"NaN or inf")
-            context["deltas"] = deltas
+            context["deltas"] = get("deltas")
+            context["source"] = path  # (a set built from them names the file in its errors)
         if "parametrisation" in data.files:
             context["parametrisation"] = str(get("parametrisation"))
     try:

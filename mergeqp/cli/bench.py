@@ -135,7 +135,7 @@ def check_json_output(path: str, inputs: list[str] | tuple[str, ...] = ()) -> No
     when it holds JSON (an earlier table): a problem file, a script or anything else named by mistake is
     kept (a review replaced a committed problem .npz this way)."""
     check_output_file(path, "--json", inputs)
-    if os.path.isfile(path):
+    if os.path.isfile(path) and os.path.getsize(path) > 0:  # (an empty file, e.g. from mktemp, is replaced)
         try:
             with open(path, encoding="utf-8") as fh:
                 json.load(fh)

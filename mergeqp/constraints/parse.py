@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import MergeQPError, ValidationError, check_callable, check_new_name, check_signature, unknown
+from ..errors import BadDataError, MergeQPError, ValidationError, check_callable, check_new_name, check_signature, unknown
 from .base import ConstraintSet, Unconstrained, intersect
 from .box import Box
 from .l1 import L1Ball
@@ -70,8 +70,12 @@ def _parse_sign(args: list[str], spec: str, ctx: Mapping[str, Any]) -> Constrain
             "SignConsensus.from_deltas(...) in Python; mergeqp collect writes both for the rows, scalar "
             "and columns parametrisations (sign consensus is not defined for a basis)"
         )
+    deltas = np.asarray(ctx["deltas"])
+    if np.issubdtype(deltas.dtype, np.number) and not np.all(np.isfinite(deltas)):
+        raise BadDataError(f"{ctx.get('source', 'the problem')}: array 'deltas' (the residuals the sign set is built "
+                           f"from) contains NaN or inf")
     density = _floats(args, spec, (0, 1))
-    return SignConsensus.from_deltas(ctx["deltas"], str(ctx.get("parametrisation", "rows")),
+    return SignConsensus.from_deltas(deltas, str(ctx.get("parametrisation", "rows")),
                                      density[0] if density else 1.0, atoms=ctx.get("parameter_atoms"))
 
 

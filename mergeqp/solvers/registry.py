@@ -184,24 +184,33 @@ def solve(
     return _with_abs_tol(sol, abs_tol)
 
 
+#: a set whose point nearest 0 lies beyond this (infinity norm) is refused: products of two coordinates
+#: (``d'Hd``, the certificate's sums) leave float64's range there, whatever H
+FAR_OUT = 1e150
+
+
 def _check_in_range(problem: MergeQP, cset: ConstraintSet) -> None:
-    """A :class:`ValidationError` when J overflows float64 at the set's point nearest 0 (a set with a
-    projection): every point of the set is then that far out, and no solver's answer could be
-    evaluated or certified (before stop 52, ``box:1e308,1e308`` ran every solver for seconds and
-    ended "not certified" at an infeasible point). A projection that fails is left to the solve."""
+    """A :class:`ValidationError` when the set's point nearest 0 (a set with a projection) lies beyond
+    :data:`FAR_OUT`: every point of the set is that far out, where ``d'Hd`` and the certificate's sums
+    cannot be computed in float64 (before stop 52, ``box:1e308,1e308`` ran every solver for seconds
+    and ended "not certified" at an infeasible point). Only the coordinates' size is judged, never J
+    (a far point can have a small J along a null direction of H). A projection that fails is left to
+    the solve."""
     if not cset.has_projection:
         return
     try:
         with np.errstate(all="ignore"):
             nearest = np.asarray(cset.project(np.zeros(problem.shape)), dtype=np.float64)
-            value = problem.objective(nearest)
     except Exception:  # noqa: BLE001 - a user's projection: judged by the solve, as before
         return
-    if nearest.shape == tuple(problem.shape) and np.all(np.isfinite(nearest)) and not np.isfinite(value):
+    if nearest.shape != tuple(problem.shape) or not np.all(np.isfinite(nearest)):
+        return
+    far = float(np.max(np.abs(nearest), initial=0.0))
+    if far > FAR_OUT:
         raise ValidationError(
-            f"the constraint set {cset.spec} lies where J overflows float64: at its point nearest 0 "
-            f"(|d|_inf = {float(np.max(np.abs(nearest), initial=0.0)):.3g}) J is not finite, and every other point is "
-            f"farther out; rescale the set's bounds (and H, g, c) to the problem's range")
+            f"the constraint set {cset.spec} lies beyond float64's range for a QP: its point nearest 0 has "
+            f"|d|_inf = {far:.3g} (above {FAR_OUT:.0e}), where products of two coefficients overflow; rescale "
+            f"the set's bounds (and H, g, c) to the problem's range")
 
 
 def _with_abs_tol(sol: Solution, abs_tol: float) -> Solution:

@@ -120,7 +120,7 @@ def test_sign_constraint_from_the_problem_file(cvxpy_solve, random_problem, tmp_
         (["certify", "{ok}", "--point", "{transposed}"], "point has shape (4, 3), the problem needs d of shape (3, 4)"),
         # (stop 52 review) each was a traceback, a wrong exit code, a run of every solver or an unclear line
         (["solve", "{tolstr}"], "psd_tol must be a real number"),
-        (["solve", "{ok}", "--constraint", "box:1e308,1e308"], "lies where J overflows float64"),
+        (["solve", "{ok}", "--constraint", "box:1e308,1e308"], "lies beyond float64's range for a QP"),
         (["solve", "{ok}", "--x0", "{transposed}"], "--x0 file (the warm start) {transposed}: point has shape (4, 3)"),
         (["solve", "{ok}", "--out", "{folder}"], "is a folder; give a file name"),
         (["solve", "{ok}", "--out", "{ok}/x.json"], "is a file, not a folder"),
@@ -208,7 +208,9 @@ def test_bench_rejects_bad_arguments_before_running(extra, message, capsys, tmp_
 
     script = tmp_path / "keep.py"
     script.write_text("print('mine')\n")
-    extra = [a.format(script=script) for a in extra]
+    empty = tmp_path / "empty.json"
+    empty.write_text("")
+    extra = [a.format(script=script, empty=empty) for a in extra]
     args = ["bench", "--problems", "tiny96", "--solvers", "active_set", *extra]
     if "--problems" in extra:
         args = ["bench", "--solvers", "active_set", *extra]
@@ -216,6 +218,11 @@ def test_bench_rejects_bad_arguments_before_running(extra, message, capsys, tmp_
     captured = capsys.readouterr()
     assert message in captured.err and "problem" not in captured.out  # no table was started
     assert script.read_text() == "print('mine')\n"
+    from mergeqp.cli.bench import check_json_output
+
+    check_json_output(str(empty))  # an empty file (mktemp's) or an earlier table may be replaced
+    (tmp_path / "earlier.json").write_text('{"rows": []}')
+    check_json_output(str(tmp_path / "earlier.json"))
 
 
 def test_overflowing_objective_is_a_solver_error() -> None:
@@ -379,6 +386,17 @@ def test_nan_in_a_problem_files_deltas_is_bad_data(random_problem, tmp_path, cap
     np.savez(path, **arrays, deltas=deltas, parametrisation=np.array("rows"))
     code, _, err = run(capsys, "solve", path, "--constraint", "sign")
     assert code == 3 and path in err and "'deltas'" in err and "NaN" in err
+    code, _, _ = run(capsys, "solve", path, "--constraint", "simplex")  # no set reads them: solved as before
+    assert code == 0
+
+
+def test_psd_tol_written_as_text_is_still_read(random_problem, tmp_path, capsys) -> None:
+    problem = random_problem(np.random.default_rng(2), K=2, m=3)
+    path = str(tmp_path / "tol_text.npz")
+    problem.save_npz(path)
+    np.savez(path, **dict(np.load(path)), psd_tol=np.array("1e-6"))
+    code, _, _ = run(capsys, "solve", path, "--constraint", "box:0,1")
+    assert code == 0
 
 
 def test_a_plugin_folder_is_named(tmp_path, capsys, monkeypatch, problem_file) -> None:

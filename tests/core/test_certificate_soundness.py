@@ -312,3 +312,24 @@ def test_the_active_bound_dual_never_exceeds_the_optimum_on_a_wide_box(seed, log
         cert = mq.certify(p, box, d.reshape(2, 4))
         if cert.feasible and math.isfinite(cert.lower_bound):
             assert cert.lower_bound <= exact.objective + 1e-10 * max(1.0, abs(exact.objective))
+
+
+@pytest.mark.parametrize("H, g, lo, point, optimum", [
+    # a slope of 1e-15 along ker(H) is worth 1 on a box of half-width 1e15
+    (np.diag([1.0, 0.0]), [1.0, 1e-15], -1e15, [-1.0, 0.0], 0.0),
+    # a large multiplier on an active bound lets a kernel slope of 1e-3 pass as rounding: J* = -999999
+    (np.diag([1.0, 1.0, 0.0]), [1e12, -1.0, 1e-3], [0.0, -1e9, -1e9], [0.0, 1.0, 0.0], -999999.0),
+], ids=["kernel-slope", "kernel-slope-beside-a-large-multiplier"])
+def test_review_the_active_bound_dual_never_excuses_a_kernel_slope(H, g, lo, point, optimum):
+    """(stop 52 review, before the change was kept) The active-bound dual on a singular H took a kernel
+    slope within its rounding allowance as zero, and certified J = 1 where J* = 0 (and 1 where J* =
+    -999999): it leaves out the far bounds, along which that slope is worth slope x width. It is tried
+    only for a definite H now; these points are not certified."""
+    n = len(g)
+    p = mq.MergeQP(H, np.array(g), 1.5 if n == 2 else 0.0, shape=(1, n))
+    box = mq.constraints.Box(np.reshape(np.broadcast_to(lo, (n,)), (1, n)), 1e15 if n == 2 else 1e9)
+    cert = mq.certify(p, box, np.array([point]))
+    assert not cert.certified() and not cert.lower_bound > optimum
+    for solver in ("dense_ipm", "clarabel"):
+        sol = mq.solve(p, box, solver=solver)
+        assert not sol.certificate.certified() or sol.objective <= optimum + 1e-6 * (1 + abs(optimum))

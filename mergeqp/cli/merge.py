@@ -90,8 +90,7 @@ def _fits_here(cfg: Any, plan: Any) -> None:
         if budget is not None and site.peak > budget:
             # (stop 52 review) the run checks each QP again at its first batch, with the sizes it measures:
             # the dry run said nothing, and the run stopped there after the start and targets had run
-            print(f"warning: QP over {site.site}: at the plan's upper bounds (batches of "
-                  f"{min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1))} prompts "
+            print(f"warning: QP over {site.site}: at the plan's upper bounds (batches of {plan.batch_prompts} prompts "
                   f"of {plan.batch_length} tokens) its statistics and first batch need about {human_bytes(site.peak)} "
                   f"({site.describe()}), more than {what}: the run checks this again at the first batch, with its "
                   f"measured sizes, and stops there if they confirm it; use smaller batches "

@@ -150,6 +150,26 @@ class MergePlan:
         return self.max_length if self.longest_prompt is None else min(self.max_length, self.longest_prompt)
 
     @property
+    def batch_prompts(self) -> int:
+        """Prompts per calibration batch at most: ``calibration.batch_size``, or the largest task's
+        prompts where that is fewer."""
+        return min(self.config.calibration.batch_size, max((t.n_calibration for t in self.tasks), default=1) or 1)
+
+    @property
+    def per_position(self) -> int:
+        """Numbers compared per position: the vocabulary / features, a restriction's k, or the output
+        matrix's columns."""
+        out = self.config.output
+        return ((self.vocab_size or 1) if out.restrict == "none" else
+                int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k))
+
+    @property
+    def widest(self) -> int:
+        """The widest layer the derivatives pass through (the vocabulary or the compared width when the
+        skeleton is unknown)."""
+        return widest_layer(self.skeleton) if self.skeleton is not None else max(self.vocab_size or 0, self.per_position)
+
+    @property
     def max_length(self) -> int:
         """Tokens per prompt: ``calibration.max_length``, or the model's context where that is
         shorter (:func:`context_length`)."""
@@ -1138,20 +1158,16 @@ def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:
     cfg = plan.config
     if not cfg.method.is_qp:
         return []
-    elem = DTYPE_BYTES[cfg.dtype]
     T = plan.batch_length
-    B = min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1) or 1)
-    per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else
-               int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
     spec = plan.output_spec()
     hidden, folds = _hidden_and_folds(plan, spec)
-    widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
+    batch = {"samples": plan.batch_prompts, "outputs": _design_outputs(spec, folds, T, plan.per_position, hidden),
+             "itemsize": DTYPE_BYTES[cfg.dtype], "positions": T, "chunk": cfg.method.chunk_size, "widest": plan.widest}
     r_of = {s.name: s.r for s in plan.sites}
     out = []
     for g in plan.groups:
         width = max((r_of.get(name, 0) for name in g.sites), default=0)
-        common = {"samples": B, "outputs": _design_outputs(spec, folds, T, per_pos, hidden), "itemsize": elem,
-                  "positions": T, "site_width": width, "chunk": cfg.method.chunk_size, "widest": widest}
+        common = {**batch, "site_width": width}
         name, n = ", ".join(g.sites), g.n_variables
         forward = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=n, **common)
         reverse = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=0, jacobian_width=width, **common)
@@ -1196,10 +1212,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     numel = sum(plan.base.info(n).numel for n in plan.base.names())
     K = len(cfg.models)
     T = plan.batch_length
-    B = min(cfg.calibration.batch_size, max((t.n_calibration for t in plan.tasks), default=1) or 1)
-    # numbers compared per position: the vocabulary / features, a restriction's k, or the matrix's columns
-    per_pos = ((plan.vocab_size or 1) if cfg.output.restrict == "none" else
-               int(plan.output_matrix.shape[1]) if plan.output_matrix is not None else int(cfg.output.k))
+    B = plan.batch_prompts
+    per_pos = plan.per_position
     prompts = sum(t.n_calibration for t in plan.tasks)
     held = sum(t.n_heldout for t in plan.tasks)
     spec = plan.output_spec()
@@ -1264,9 +1278,8 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         out["optimal-basis residuals"] = prompts * T * per_pos * 8
         # its pass carries up to chunk_size tangents through the unfolded head at once (the run shrinks
         # the chunk to what the memory holds, down to one tangent)
-        widest = widest_layer(plan.skeleton) if plan.skeleton is not None else max(plan.vocab_size or 0, per_pos)
         r_max = max((s.r for s in plan.sites), default=0)
-        out[BASIS_PASS] = basis_pass_bytes(B * T, r_max, widest, elem, min(m.chunk_size, r_max))
+        out[BASIS_PASS] = basis_pass_bytes(B * T, r_max, plan.widest, elem, min(m.chunk_size, r_max))
     n_max = max((g.n_variables for g in plan.groups), default=0)
     n_tasks = len(cfg.models)
     out["statistics"] = n_tasks * n_max * n_max * 8

@@ -253,7 +253,7 @@ class TorchFISTASolver(_TorchSolver):
             L = 1.0
         setup = time.perf_counter() - t0
         tol = float(opts["tol"])
-        check = max(1, int(opts["check_every"]))
+        check = int(opts["check_every"])  # (>= 1: check_options)
         with torch.no_grad():
             x = qp.project(torch.as_tensor(_start(problem, x0, str(opts["init"])), dtype=dtype, device=device))
             y = x.clone()

@@ -893,8 +893,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
             method["start"] = {"name": start} if isinstance(start, str) else dict(start)
         if mode == "trust_region":
             method["mode_options"] = {**dict(mset.trust_region), **dict(extra.get("mode_options", {}))}
-        if mode == "joint":  # the sequential QP runs on its own; no second copy inside the joint run
-            method.setdefault("compare_sequential", False)
+        if mode == "joint" and "compare_sequential" not in method:  # the sequential QP runs on its own
+            method["mode_options"] = {"compare_sequential": False, **dict(method.get("mode_options", {}))}
         layers = select_layers(linear_layers, selector)
         models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
         records[label] = {"kind": "qp", "mode": mode, **rec}

@@ -563,7 +563,7 @@ class _Run:
         self.lap("baselines")
         single = {"name": "qp", "mode": "single", "parametrisation": "rows"}
         methods["qp_single"] = self.merge("qp_single", single)
-        for mode, extra in (("sequential", {}), ("joint", {"compare_sequential": False})):
+        for mode, extra in (("sequential", {}), ("joint", {"mode_options": {"compare_sequential": False}})):
             if len(self.layers) > 1:
                 methods[f"qp_{mode}"] = self.merge(f"qp_{mode}", {**single, "mode": mode, **extra})
             else:  # over one layer sequential and joint are the single QP itself: not run again

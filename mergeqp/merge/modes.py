@@ -333,29 +333,46 @@ class HybridMode(MergeMode):
                 f"Fisher or RegMean); the linearisation error can do it too"]
 
 
+class JointOptions(BaseModel):
+    """``method.mode_options`` of ``mode: joint``.
+
+    ``compare_sequential``: also run the sequential QP on the same layers (on a copy of the model)
+    and put the comparison in the report (default ``true``). ``method.compare_sequential`` is the
+    older spelling of the same option (the config folds it in here)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    compare_sequential: bool = True
+
+
 class JointMode(MergeMode):
     """One first-order QP over every site's coefficients, linearised at the base; optionally
-    compared with the sequential QP on a copy of the model (``compare_sequential``)."""
+    compared with the sequential QP on a copy of the model (:class:`JointOptions`)."""
 
     name = "joint"
     description = "one QP over all layers' coefficients, linearised at the base model"
     spans_layers = True
+    options = JointOptions
 
     def groups(self, sites: Sequence[LayerSite]) -> list[tuple[LayerSite, ...]]:
         return [tuple(sites)]
 
+    def _compares(self, settings: Any) -> bool:
+        o = self.check_options(settings.mode_options)
+        return isinstance(o, JointOptions) and o.compare_sequential
+
     def plan_notes(self, settings: Any) -> list[str]:
         return ["joint mode also runs the sequential QP on the same layers for the report's comparison"
-                if settings.compare_sequential else "joint mode: no sequential comparison (compare_sequential: false)"]
+                if self._compares(settings) else "joint mode: no sequential comparison (compare_sequential: false)"]
 
     def models_in_memory(self, settings: Any) -> int:
-        return 2 + (1 if settings.compare_sequential else 0)
+        return 2 + (1 if self._compares(settings) else 0)
 
     def deltas_in_memory(self, n_sites: int) -> int:
         return n_sites
 
     def prepare(self, ctx: MergeContext) -> Any:
-        return copy.deepcopy(ctx.model) if ctx.settings.compare_sequential else None
+        return copy.deepcopy(ctx.model) if self._compares(ctx.settings) else None
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
         res = solve_group(ctx, list(sites), mode=self.name, group=0, relinearise_offsets=False)

@@ -59,8 +59,8 @@ class QPSettings:
     ``basis_max_bytes``), and ``rank`` p); ``constraints``: ``mergeqp solve`` spellings (intersected); ``solver`` and
     ``solver_options`` for :func:`mergeqp.solve`; ``regularisation`` ``mu`` adds
     ``mu ||d - d_ref||^2`` (``reference``: ``soup``, each parametrisation's ``task_vector_point`` at 1/K, or ``zero``); ``chunk_size``: atoms per
-    vectorised JVP call; ``compare_sequential`` (``joint`` mode): also run the sequential QP on a
-    copy of the model for the report; ``mode_options``: the merge mode's own options (validated
+    vectorised JVP call; ``mode_options``: the merge mode's own options (e.g. ``joint``'s
+    ``compare_sequential``; validated
     by its entry, :meth:`mergeqp.merge.modes.MergeMode.check_options`); ``jacobian_mode``: of the
     statistics' derivatives (:func:`~.firstorder.collect_first_order`).
     """
@@ -76,7 +76,6 @@ class QPSettings:
     chunk_size: int = 256
     seed: int = 0
     basis_max_bytes: int = 2 * 2**30
-    compare_sequential: bool = True
     mode_options: Mapping[str, Any] = field(default_factory=dict)
     #: ``rows+baselines``: the baselines whose merged residuals are atoms (name, params)
     baselines: tuple[BaselineChoice, ...] = ()

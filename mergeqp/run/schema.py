@@ -102,6 +102,13 @@ class _Strict(BaseModel):
     # setting takes inf or NaN
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True, allow_inf_nan=False)
 
+    @property
+    def effective_mode_options(self) -> dict[str, Any]:
+        """``mode_options`` with the older spelling ``compare_sequential`` folded in (``joint``'s option)."""
+        if self.compare_sequential is None:
+            return dict(self.mode_options)
+        return {**self.mode_options, "compare_sequential": self.compare_sequential}
+
     @classmethod
     def _declared_keys(cls) -> set[str]:
         """Keys this block takes besides its fields (keys registered entries declare)."""
@@ -251,8 +258,10 @@ class MethodConfig(_Strict):
     ``solver`` (``auto`` or a registry name) and ``solver_options``; ``regularisation`` ``mu``
     adds ``mu ||d - d_ref||^2`` with ``d_ref`` the soup (``reference: soup``: each parametrisation's
     ``task_vector_point`` at ``1/K``) or 0;
-    ``compare_sequential`` (joint mode): also run the sequential QP on the same layers and put
-    the comparison in the report; ``chunk_size``: atoms per vectorised JVP call;
+    ``compare_sequential``: the older spelling of ``mode: joint``'s ``mode_options:
+    {compare_sequential: ...}`` (also run the sequential QP on the same layers and put the
+    comparison in the report; default true), refused with another mode;
+    ``chunk_size``: atoms per vectorised JVP call;
     ``jacobian_mode``: how the statistics' derivatives are taken: ``forward`` (one JVP per atom),
     ``reverse`` (one VJP per compared output) or ``auto`` (default: the fewer, by counting; the
     two agree to rounding, :func:`mergeqp.stats.linearise.choose_mode`).
@@ -276,10 +285,17 @@ class MethodConfig(_Strict):
     start: BaselineSpec | None = None
     mode_options: dict[str, Any] = Field(default_factory=dict)
     baselines: list[BaselineSpec] = Field(default_factory=list)
-    compare_sequential: bool = True
+    compare_sequential: bool | None = None
     chunk_size: int = Field(default=256, ge=1)
     jacobian_mode: Literal["auto", "forward", "reverse"] = "auto"
     params: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def effective_mode_options(self) -> dict[str, Any]:
+        """``mode_options`` with the older spelling ``compare_sequential`` folded in (``joint``'s option)."""
+        if self.compare_sequential is None:
+            return dict(self.mode_options)
+        return {**self.mode_options, "compare_sequential": self.compare_sequential}
 
     @classmethod
     def _declared_keys(cls) -> set[str]:
@@ -388,7 +404,18 @@ class MethodConfig(_Strict):
             owners = [n for n, m in MERGE_MODES.items() if m.options is not None]
             raise ValueError(f"mode_options: mode: {self.mode} takes no options (modes with options: "
                              f"{', '.join(owners) or 'none'})")
-        mode.check_options(self.mode_options)
+        if self.compare_sequential is not None:
+            owners = [n for n, m in MERGE_MODES.items()
+                      if m.options is not None and "compare_sequential" in m.options.model_fields]
+            if self.mode not in owners:
+                raise ValueError(f"compare_sequential applies only to mode: {' or '.join(owners) or '(none)'} "
+                                 f"(the sequential QP beside the joint one), not to mode: {self.mode}")
+            given = self.mode_options.get("compare_sequential", self.compare_sequential)
+            if given != self.compare_sequential:
+                raise ValueError(f"compare_sequential is given twice with different values: "
+                                 f"{self.compare_sequential} (method.compare_sequential) and {given} "
+                                 f"(method.mode_options.compare_sequential); give it once, under mode_options")
+        mode.check_options(self.effective_mode_options)
         param = PARAMETRISATIONS[self.parametrisation]
         options = self.parametrisation_options()
         given = [k for k in options if k in self.model_fields_set or k in (self.model_extra or {})

@@ -36,7 +36,7 @@ def qp_settings(cfg: MergeConfig, device: str | None = None) -> QPSettings:
         constraints=tuple(m.constraints), solver=m.solver,
         solver_options=solver_options(cfg, device), regularisation=m.regularisation,
         reference=m.reference, chunk_size=m.chunk_size, seed=cfg.seed,
-        basis_max_bytes=parse_size(m.basis_max_size), compare_sequential=m.compare_sequential,
-        mode_options=dict(m.mode_options), jacobian_mode=m.jacobian_mode,
+        basis_max_bytes=parse_size(m.basis_max_size),
+        mode_options=m.effective_mode_options, jacobian_mode=m.jacobian_mode,
         baselines=m.baseline_choices, parametrisation_extra=dict(m.model_extra or {}),
     )

@@ -37,6 +37,25 @@ def test_minimal_config_defaults():
     assert one.method.constraints == ["simplex"]
 
 
+def test_joint_compare_sequential_is_a_mode_option_and_the_older_key_folds_into_it():
+    joint = {"name": "qp", "mode": "joint"}
+    new = parse_config({**MINIMAL, "method": {**joint, "mode_options": {"compare_sequential": False}}}).method
+    old = parse_config({**MINIMAL, "method": {**joint, "compare_sequential": False}}).method
+    assert new.effective_mode_options == old.effective_mode_options == {"compare_sequential": False}
+    assert parse_config({**MINIMAL, "method": joint}).method.effective_mode_options == {}
+    same = parse_config({**MINIMAL, "method": {**joint, "compare_sequential": True,
+                                               "mode_options": {"compare_sequential": True}}}).method
+    assert same.effective_mode_options == {"compare_sequential": True}
+    msg = _err({**MINIMAL, "method": {"name": "qp", "mode": "single", "compare_sequential": False}})
+    assert "compare_sequential applies only to mode: joint" in msg and "mode: single" in msg
+    msg = _err({**MINIMAL, "method": {**joint, "compare_sequential": True,
+                                      "mode_options": {"compare_sequential": False}}})
+    assert "given twice with different values" in msg
+    msg = _err({**MINIMAL, "method": {**joint, "mode_options": {"compare_sequentail": False}}})
+    assert "compare_sequentail" in msg and "compare_sequential" in msg
+    assert "compare_sequential" in _err({**MINIMAL, "method": {**joint, "mode_options": {"compare_sequential": "no"}}})
+
+
 @pytest.mark.parametrize("data, where, key", [
     ({**MINIMAL, "desnity": 1}, "(top level)", "desnity"),
     ({**MINIMAL, "method": {"name": "qp", "constraint": "box"}}, "method", "constraint"),

@@ -76,7 +76,7 @@ def _merge(fam, tmp_path, name, layers, method, lazy):
 @pytest.mark.parametrize("arch, method", [
     ("llama", {"name": "qp", "mode": "single"}),
     ("llama", {"name": "qp", "mode": "trust_region", "start": {"name": "soup"}, "mode_options": {"max_steps": 2}}),
-    ("llama", {"name": "qp", "mode": "joint", "compare_sequential": True}),
+    ("llama", {"name": "qp", "mode": "joint", "mode_options": {"compare_sequential": True}}),
     ("gpt2", {"name": "qp", "mode": "hybrid", "start": {"name": "task_arithmetic", "params": {"scaling": 0.5}}}),
     ("bert", {"name": "qp", "mode": "sequential"}),
     ("llama", {"name": "auto"}),  # the default: start candidates (RegMean's statistics) loaded into lazy blocks

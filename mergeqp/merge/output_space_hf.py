@@ -29,9 +29,11 @@ Two ways to apply the normal operator ``N E = sum_s w_s L_s*(L_s E)``, ``L_s E =
   product of ``f`` per batch along the layer-output tangent ``Delta x = x E'`` and ``L* V`` one
   vector-Jacobian product with cotangent ``w V`` contracted with the inputs, so each CG step runs
   the model forward (JVP) and forward + backward (VJP) once per batch and nothing of size
-  ``c x T r`` is ever formed. The Jacobi preconditioner and the ridge unit (the mean of the
-  preconditioner, as for the formed path) come from ``probes`` Rademacher cotangents per batch
-  (Hutchinson: ``E[(A'v)_i^2] = ||A e_i||^2``), seeded, so a run is reproducible.
+  ``c x T r`` is ever formed. The preconditioner (the Kronecker-eigenbasis diagonal of
+  :class:`~mergeqp.merge.output_space.KroneckerPreconditioner`, as for the formed path) and the
+  ridge unit (the mean diagonal of ``N``) come from ``probes`` Rademacher cotangents per batch
+  (Hutchinson: ``E[(A'v)(A'v)'] = A'A``, so ``E[(A'v)_i^2] = ||A e_i||^2``), seeded, so a run is
+  reproducible.
 
 The ridge is relative (``mu = ridge x`` the mean diagonal of ``N``); the CG tolerance and the
 certificate's threshold follow the model's precision (:func:`precision_tolerances`): float64
@@ -56,7 +58,8 @@ from ..lm import OutputSpec, prepare_fold, squared_error
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
 from .firstorder import TaskTargets, batch_functions, folded_batch_functions
-from .output_space import CERT_TOL, OutputSpaceSamples, OutputSpaceSolution, output_space_solve
+from .output_space import (CERT_TOL, KroneckerPreconditioner, OutputSpaceSamples, OutputSpaceSolution,
+                           output_space_solve)
 from .output_space_damped import DampingOptions, damped_output_space
 from .sites import LayerSite, append_ones, read_augmented, site_module, stored_tensors, write_augmented
 
@@ -166,6 +169,8 @@ class ModelLinearisation:
         self.sizes = [b.target.size for b in self.batches]
         self.target = np.concatenate([b.target.reshape(-1) for b in self.batches])
         self._diagonal: np.ndarray | None = None
+        self._factor_B: np.ndarray | None = None
+        self._kronecker: KroneckerPreconditioner | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -217,19 +222,50 @@ class ModelLinearisation:
 
         if self._diagonal is None:
             r, m1 = self.shape
-            gen = torch.Generator().manual_seed(self.seed)
-            diag = np.zeros((r, m1))
-            for b in self.batches:
-                sq = None
-                for _ in range(self.probes):
-                    v = torch.randint(0, 2, b.target.shape, generator=gen).to(torch.float64) * 2.0 - 1.0
-                    g = self._pull(b, v.to(b.Z.device)).to(torch.float64).reshape(-1, r)
-                    sq = g * g if sq is None else sq + g * g
-                assert sq is not None
+            diag, B = np.zeros((r, m1)), np.zeros((r, r))
+            for b, g in self._probes():
                 Z2 = b.Z.reshape(-1, m1).to(torch.float64) ** 2
-                diag += b.weight / self.probes * (sq.t() @ Z2).cpu().numpy()
-            self._diagonal = diag
+                diag += b.weight / self.probes * ((g * g).t() @ Z2).cpu().numpy()
+                B += b.weight / self.probes * (g.t() @ g).cpu().numpy()
+            self._diagonal, self._factor_B = diag, B
         return self._diagonal
+
+    def _probes(self) -> Iterator[tuple[_SiteBatch, Any]]:
+        """Each batch with each of its ``probes`` pulled-back Rademacher cotangents ``(B T, r)``
+        (float64); the same probes at every call (seeded by ``seed``)."""
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+        r = self.shape[0]
+        gen = torch.Generator().manual_seed(self.seed)
+        for b in self.batches:
+            for _ in range(self.probes):
+                v = torch.randint(0, 2, b.target.shape, generator=gen).to(torch.float64) * 2.0 - 1.0
+                yield b, self._pull(b, v.to(b.Z.device)).to(torch.float64).reshape(-1, r)
+
+    def kronecker_preconditioner(self) -> KroneckerPreconditioner:
+        """:class:`~mergeqp.merge.output_space.KroneckerPreconditioner` from the same probes as
+        :meth:`normal_diagonal` (the factor ``B`` as their expected Gram matrix, the rotated diagonal
+        from a second pass over them): ``2 probes`` VJPs per batch in all; computed once."""
+        import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+        if self._kronecker is None:
+            self.normal_diagonal()
+            r, m1 = self.shape
+            C = np.zeros((m1, m1))
+            for b in self.batches:
+                Z = b.Z.reshape(-1, m1).to(torch.float64)
+                C += b.weight * (Z.t() @ Z).cpu().numpy()
+
+            def rotated(U: np.ndarray, V: np.ndarray) -> np.ndarray:
+                Ut, Vt = torch.from_numpy(U), torch.from_numpy(V)
+                out = np.zeros((r, m1))
+                for b, g in self._probes():
+                    Q2 = (b.Z.reshape(-1, m1).to(torch.float64) @ Vt.to(b.Z.device)) ** 2
+                    out += b.weight / self.probes * (((g @ Ut.to(g.device)) ** 2).t() @ Q2).cpu().numpy()
+                return out
+
+            self._kronecker = KroneckerPreconditioner.from_factors(self._factor_B, C, rotated)
+        return self._kronecker
 
     def error(self, E: np.ndarray) -> float:
         """``sum_s w_s ||L_s E - t_s||^2``."""

@@ -224,3 +224,49 @@ def test_merge_method_errors_name_what_is_missing() -> None:
         merge_state_dicts("output_space", base, fts, calibration=calibration)
     with pytest.raises(ConfigError, match="'reference'"):
         merge_state_dicts("output_space", base, fts, model=net, calibration=calibration, reference="ties")
+
+
+# ------------------------------------------------------------ the Kronecker preconditioner
+def test_kronecker_preconditioner_is_the_rotated_diagonal_of_the_normal_operator() -> None:
+    """With one position per sample the rotated diagonal is exactly diag((U x V)' N (U x V)) of the
+    dense normal matrix, and its trace is N's (the ridge unit does not depend on the basis)."""
+    from mergeqp.merge.output_space import preconditioner_of
+
+    rng = np.random.default_rng(5)
+    samples = _random_samples(rng, N=9, c=3, T=1, r=4, m1=5)
+    M, _ = _dense(samples)
+    Nmat = M.T @ M
+    P = preconditioner_of(samples)
+    W = np.kron(P.U, P.V)  # row-major vec(E): E = U Y V' <=> vec(E) = (U x V) vec(Y)
+    np.testing.assert_allclose(P.diagonal.reshape(-1), np.diag(W.T @ Nmat @ W), rtol=1e-10,
+                               atol=1e-12 * np.abs(Nmat).max())
+    assert P.diagonal.sum() == pytest.approx(np.trace(Nmat), rel=1e-12)
+    R = rng.normal(size=samples.shape)
+    # solve() inverts (U x V) diag(s + shift) (U x V)'
+    Minv = W @ np.diag(1.0 / (P.diagonal.reshape(-1) + 0.3)) @ W.T
+    np.testing.assert_allclose(P.solve(R, 0.3).reshape(-1), Minv @ R.reshape(-1), rtol=1e-10)
+
+
+def test_kronecker_preconditioner_makes_a_kronecker_operator_one_cg_step() -> None:
+    """Every sample with the same Jacobian: N = (A'A) x (sum_s w_s x_s x_s') is a Kronecker
+    product, the preconditioner is N itself and CG stops after one step (the plain diagonal needs
+    many); the answer is the dense closed form either way."""
+    from mergeqp.merge import output_space as OS
+
+    rng = np.random.default_rng(11)
+    N, c, r, m1 = 40, 6, 5, 7
+    A = np.broadcast_to(rng.normal(size=(1, c, 1, r)) * np.array([1, 10, 100, 0.1, 3.0])[None, None, None, :],
+                        (N, c, 1, r)).copy()
+    X = rng.normal(size=(N, 1, m1)) * np.geomspace(1, 1e3, m1)
+    samples = OutputSpaceSamples(layer_input=X, jacobian=A, target=rng.normal(size=(N, c)),
+                                 weight=rng.uniform(0.5, 2.0, size=N))
+    M, y = _dense(samples)
+    ridge = 1e-3 * samples.ridge_scale()
+    expected = np.linalg.solve(M.T @ M + ridge * np.eye(r * m1), M.T @ y)
+    sol = output_space_solve(samples, ridge=ridge)
+    assert sol.certified() and sol.iterations <= 2
+    np.testing.assert_allclose(sol.E.reshape(-1), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())
+    rhs = samples.adjoint(samples.target)
+    _, jacobi = OS._cg(samples, ridge, rhs, np.zeros(samples.shape), OS.KroneckerPreconditioner(samples.normal_diagonal()),
+                       1e-10, 5000)
+    assert jacobi > 10 * sol.iterations

@@ -149,6 +149,12 @@ def test_matrix_free_operator_equals_formed_jacobians(tiny_hf, tmp_path, arch, o
         assert free.error(E) == pytest.approx(dense.error(E), rel=1e-9)
         assert free.error(np.zeros(free.shape)) == pytest.approx(float(dense.weight @ (dense.target ** 2).sum(1)), rel=1e-12)
         assert free.ridge_scale() == pytest.approx(dense.ridge_scale(), rel=0.25)
+        # the matrix-free Kronecker preconditioner estimates the formed one (its factor B from the probes)
+        pf, pd = free.kronecker_preconditioner(), dense.kronecker_preconditioner()
+        assert pf.diagonal.sum() == pytest.approx(pd.diagonal.sum(), rel=0.25)
+        assert free.ridge_scale() == pytest.approx(float(np.mean(free.normal_diagonal())))  # unchanged by it
+        B_free, B_dense = free._factor_B, np.einsum("n,ncti,nctj->ij", dense.weight, dense.jacobian, dense.jacobian)
+        assert np.linalg.norm(B_free - B_dense) <= 0.35 * np.linalg.norm(B_dense)
 
 
 def test_gpt2_merge_from_yaml_matrix_free(tiny_hf, tmp_path):

@@ -359,11 +359,19 @@ def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, dev
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
     sd = load_state_dict(path)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in sd]
+    unexpected = [k for k in sd if k not in expected]
+    if missing or unexpected:  # counted and sampled (torch's own message lists every key)
+        parts = [f"{len(v)} {what} (e.g. {', '.join(v[:3])})" for what, v in
+                 (("missing", missing), ("unexpected", unexpected)) if v]
+        raise ValidationError(f"checkpoint {path} does not fit the factory's model: {'; '.join(parts)}; the model's "
+                              f"tensors are e.g. {', '.join(list(expected)[:3])}")
     try:
         model.load_state_dict(sd, strict=True)
     except RuntimeError as exc:
         detail = " ".join(str(exc).split())
-        raise ValidationError(f"checkpoint {path} does not fit the factory's model: {detail}") from None
+        raise ValidationError(f"checkpoint {path} does not fit the factory's model: {detail[:500]}") from None
     if dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()

@@ -99,7 +99,7 @@ def _register_lm(sub: Any) -> None:
         description="The paper's LLM experiment on SmolLM2-135M-Instruct end to end (see docs/lm.md).",
     )
     lm.add_argument("--quick", action="store_true",
-                    help="fewer texts, steps and tokens (measured: 9.1-9.4 minutes on 2 cores, "
+                    help="fewer texts, steps and tokens (measured: 5.6-12.6 minutes on 2 cores, "
                          "fine-tunes cached; full mode: docs/lm.md)")
     lm.add_argument("--cache", default=None,
                     help=f"folder of the base model and the fine-tunes (default $MERGEQP_CACHE or {DEFAULT_CACHE})")

@@ -29,7 +29,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("stats", help="statistics file written by mergeqp collect (.npz)")
     p.add_argument("--out", required=True, help="output folder (sweep.csv, sweep.png)")
     p.add_argument("--constraints", nargs="+", default=["box:0,1"],
-                   help="constraint sets (mergeqp solve spellings; 'none' for no constraint)")
+                   help="constraint sets (mergeqp solve spellings; 'none' for no constraint; default box:0,1)")
     p.add_argument("--parametrisations", nargs="*", default=["scalar", "rows", "columns"],
                    help="named parametrisations (default scalar rows columns)")
     p.add_argument("--bases", nargs="*", default=["optimal", "standard", "svd", "random"],

@@ -385,7 +385,13 @@ def _read_index(index: Path) -> dict[str, str]:
 
 
 def _open_folder(folder: Path) -> Checkpoint:
+    # transformers' own order (a single file before an index, safetensors before torch): a folder
+    # holding both is read as transformers loads it (before stop 53 the index came first, so a
+    # merge read one model's residuals and evaluated another's weights)
     config = read_config(folder)
+    if (folder / SAFETENSORS_SINGLE).is_file():
+        infos, _ = read_safetensors_header(folder / SAFETENSORS_SINGLE)
+        return Checkpoint(folder, "hf_safetensors", infos, config)
     if (folder / SAFETENSORS_INDEX).is_file():
         weight_map = _read_index(folder / SAFETENSORS_INDEX)
         infos: dict[str, TensorInfo] = {}
@@ -400,9 +406,10 @@ def _open_folder(folder: Path) -> Checkpoint:
                         raise ValidationError(f"shard {shard_path} lacks tensor {name!r} listed in its index")
                     infos[name] = shard_infos[name]
         return Checkpoint(folder, "hf_safetensors", infos, config)
-    if (folder / SAFETENSORS_SINGLE).is_file():
-        infos, _ = read_safetensors_header(folder / SAFETENSORS_SINGLE)
-        return Checkpoint(folder, "hf_safetensors", infos, config)
+    if (folder / TORCH_SINGLE).is_file():
+        state = load_torch_state(folder / TORCH_SINGLE)
+        return Checkpoint(folder, "hf_torch", _torch_infos(folder / TORCH_SINGLE, state), config,
+                          torch_state={folder / TORCH_SINGLE: state})
     if (folder / TORCH_INDEX).is_file():
         weight_map = _read_index(folder / TORCH_INDEX)
         states = {}
@@ -412,11 +419,16 @@ def _open_folder(folder: Path) -> Checkpoint:
             states[folder / shard] = state
             infos.update(_torch_infos(folder / shard, state))
         return Checkpoint(folder, "hf_torch", infos, config, torch_state=states)
-    if (folder / TORCH_SINGLE).is_file():
-        state = load_torch_state(folder / TORCH_SINGLE)
-        return Checkpoint(folder, "hf_torch", _torch_infos(folder / TORCH_SINGLE, state), config,
-                          torch_state={folder / TORCH_SINGLE: state})
+    adapter = next((n for n in ("adapter_model.safetensors", "adapter_model.bin") if (folder / n).is_file()), None)
+    if adapter is not None and (folder / "adapter_config.json").is_file():
+        raise ValidationError(f"{folder}: a PEFT adapter ({adapter} + adapter_config.json), not a model: merge it "
+                              f"into its base first (peft's merge_and_unload, then save_pretrained) and give that folder")
     loose = sorted(p.name for p in folder.glob("*.safetensors"))
+    if len(loose) == 1 and config is not None:
+        # transformers would not load it: refused here, before the plan, not after it (stop 53 review)
+        raise ValidationError(f"{folder}: holds config.json and {loose[0]} but no {SAFETENSORS_SINGLE}; "
+                              f"transformers loads only {SAFETENSORS_SINGLE}, shards with {SAFETENSORS_INDEX}, "
+                              f"{TORCH_SINGLE} or {TORCH_INDEX}: rename {loose[0]} to {SAFETENSORS_SINGLE}")
     if len(loose) == 1:
         infos, _ = read_safetensors_header(folder / loose[0])
         return Checkpoint(folder, "hf_safetensors", infos, config)

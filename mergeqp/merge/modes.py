@@ -224,6 +224,12 @@ class DepthOptions(BaseModel):
     by_depth: bool = False
 
 
+def _step_number(step: Any) -> Any:
+    """A step as the run's progress lines and notes count it, from 1 (``report.json``'s ``step`` and
+    ``chosen_step`` count from 0)."""
+    return step + 1 if isinstance(step, int) else step
+
+
 def _trust_region_rows(steps: Sequence[Mapping[str, Any]]) -> list[str]:
     """A Markdown table of trust-region steps (:meth:`SitesTrustRegion.step_rows`); a ``held-out``
     column when the steps carry one."""
@@ -232,7 +238,7 @@ def _trust_region_rows(steps: Sequence[Mapping[str, Any]]) -> list[str]:
              + ("held-out | " if held else "") + "s |",
              "|---|---|---|---|---|---|---|---|" + ("---|" if held else "") + "---|"]
     for r in steps:
-        lines.append(f"| {r.get('step')} | {format_number(r.get('radius'), 3)} | {format_number(r.get('objective_before'))} | "
+        lines.append(f"| {_step_number(r.get('step'))} | {format_number(r.get('radius'), 3)} | {format_number(r.get('objective_before'))} | "
                      f"{format_number(r.get('linearised_after'))} | {format_number(r.get('true_after'))} | "
                      f"{format_number(r.get('rho'), 3)} | {format_number(r.get('accepted'))} | "
                      f"{format_number(r.get('certified'))} | "
@@ -569,7 +575,7 @@ class TrustRegionMode(MergeMode):
                   f"{format_number(result.get('calibration_objective'))} (result).")]
         if holdout:
             chosen = holdout.get("chosen_step")
-            kept = "the start (no accepted step lowered it)" if chosen is None else f"step {chosen}"
+            kept = "the start (no accepted step lowered it)" if chosen is None else f"step {chosen + 1}"
             lines += ["", (f"Early stopping: {format_number(holdout.get('fraction'), 3)} of each task's calibration "
                            f"batches held out; the QPs fit the rest, so J in the fit's table is that part's objective, "
                            f"and 'held-out' is the held-out part's objective at each accepted point (start "

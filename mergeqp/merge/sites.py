@@ -140,14 +140,38 @@ def module_hint(sites: Sequence[LayerSite], pattern: str) -> str:
             if inside else "")
 
 
-def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str]) -> list[LayerSite]:
+def shared_linear_layers(model: Any) -> dict[str, str]:
+    """Linear modules of ``model`` whose weight is shared with another parameter (tied, like a
+    language model's ``lm_head`` and its input embeddings): name -> the other parameter's name.
+    They are never sites (:func:`model_sites`)."""
+    first: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), name)
+    out = {}
+    for name, module in model.named_modules():
+        if name and _kind(module) is not None:
+            other = first.get(id(module.weight))
+            if other is not None and other != f"{name}.weight":
+                out[name] = other
+    return out
+
+
+def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str],
+                shared: Mapping[str, str] | None = None) -> list[LayerSite]:
     """Sites matching any pattern (exact names or globs), in model order. A pattern that matches
-    nothing is a :class:`ConfigError` listing the available sites."""
+    nothing is a :class:`ConfigError` listing the available sites (and, from ``shared``
+    (:func:`shared_linear_layers`), naming a tied layer it matches)."""
     chosen: set[str] = set()
     for pattern in patterns:
         p = _norm(pattern)
         hits = [s.name for s in sites if site_matches(s, p)]
         if not hits:
+            tied = [n for n in (shared or {}) if n == p or fnmatch.fnmatchcase(n, p)]
+            if tied:
+                raise ConfigError(
+                    f"layer pattern {pattern!r} matches {tied[0]!r}, a linear layer whose weight is tied to "
+                    f"{shared[tied[0]]!r} (one tensor, stored once): it is not merged as a layer of its own; "
+                    f"the model's linear layers are: {listing([s.label for s in sites])}")
             hint = module_hint(sites, p) or _prefix_hint(sites, p)
             raise ConfigError(
                 f"layer pattern {pattern!r} matches no linear layer{hint}; the model's linear layers "

@@ -618,13 +618,13 @@ def _status(result: TrustRegionResult, selection: TrustRegionResult | None) -> s
 def _steps_certificate(result: TrustRegionResult) -> dict[str, Any]:
     """A run's certificate entry: certified when every step's QP was; ``fw_gap`` the largest."""
     gaps = [s.fw_gap for s in result.steps if math.isfinite(s.fw_gap)]
-    failed = [s.iteration for s in result.steps if not s.certified]
+    failed = [s.iteration + 1 for s in result.steps if not s.certified]  # counted from 1, as the progress lines
     out: dict[str, Any] = {"certified": bool(result.steps) and not failed, "fw_gap": max(gaps) if gaps else None,
                            "relative_gap": None, "gap_method": "every trust-region step's QP certified on its own",
                            "infeasibility": None}
     if failed:
         first = next(s for s in result.steps if not s.certified)
-        why = f" (step {first.iteration}: {first.why_not_certified})" if first.why_not_certified else ""
+        why = f" (step {first.iteration + 1}: {first.why_not_certified})" if first.why_not_certified else ""
         out["reasons"] = [f"trust-region step(s) {failed} not certified{why}"]
     return out
 

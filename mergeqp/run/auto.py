@@ -156,6 +156,13 @@ def is_auto_start(start: Any) -> bool:
     return start is not None and start.name == AUTO
 
 
+def candidate_where(label: str) -> str:
+    """Where a start candidate is, for errors: the key path the user wrote (``method: auto``'s
+    ``params.candidates`` or ``start: auto``'s; before stop 53 errors named the expanded block's
+    ``method.start.params.candidates``, which a ``method: auto`` config does not have)."""
+    return f"candidates[{label}] (of method: auto, or of its start: auto)"
+
+
 def auto_method_config(params: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``method:`` block that ``method: auto`` stands for: a trust-region QP over the selected
     layers, per-row coefficients, no constraint beyond the trust region, from ``start: auto``,
@@ -331,7 +338,7 @@ def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str]
         if cand.key in skip:
             continue
         if cand.name == OUTPUT_SPACE:
-            p = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
+            p = parse_run_params(cand.params, candidate_where(cand.label))
             if p.reference == "regmean":
                 need = regmean_reference(p.alpha)
                 out.setdefault(need.key, need)

@@ -109,6 +109,7 @@ from .auto import (
     CandidateScore,
     StartSelection,
     batch_splits,
+    candidate_where,
     held_out_fit,
     is_auto_start,
     lazy_skipped,
@@ -396,6 +397,17 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
                 f"({time.perf_counter() - t:.1f} s)")
         tasks.append(TaskData(name, entry.weight, calib_targets, held_targets, head))
         counts.append(sum(tb.count for tb in calib_targets))
+    empty = [t.name for t, c in zip(tasks, counts) if c <= 0]
+    if targets and empty and len(empty) == len(tasks):
+        raise ValidationError(f"no task has a compared position in its calibration prompts (every prompt a single "
+                              f"token under output.metric: {cfg.output.metric}?): the objective would be 0 and "
+                              f"nothing fitted; give longer prompts")
+    if targets and empty and cfg.calibration.balance != "tokens":  # (balance: tokens refuses them below)
+        note = (f"task(s) {empty} have no compared position in their calibration prompts (every prompt a single "
+                f"token under output.metric: {cfg.output.metric}?): they add nothing to the objective")
+        log(note)
+        if notes is not None:
+            notes.append(note)
     if cfg.calibration.balance == "tokens" and targets:  # without targets there is no objective to weigh
         tasks = balanced(tasks, counts)
         note = ("calibration.balance tokens: each task's weight scaled by the mean over tasks of their compared "
@@ -1119,7 +1131,7 @@ class _AutoStart:
         """A ``{name: qp, params: {...}}`` candidate: its QP mode run from the base on the fit
         batches at the selected layers; every other tensor stays the base's."""
         run = self.run
-        where = f"method.start.params.candidates[{cand.label}]"
+        where = candidate_where(cand.label)
         block = qp_candidate_block(dict(cand.params), where)
         settings = qp_settings(run.cfg.model_copy(update={"method": block}), run.device)
         tensors = {k: run.plan.base.get(k) for k in self.floats}
@@ -1144,7 +1156,7 @@ class _AutoStart:
         kinds = sorted({s.kind for s in run.plan.sites if s.kind not in OUTPUT_SPACE_KINDS})
         if kinds:
             raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
-        params = parse_run_params(cand.params, f"method.start.params.candidates[{cand.label}]")
+        params = parse_run_params(cand.params, candidate_where(cand.label))
         if params.reference == "regmean":
             ref_key = regmean_reference(params.alpha).key
             if ref_key in self.skipped:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,12 @@ import numpy as np
 
 from .architectures import ARCHITECTURES, architecture_class, causal_lm_obstacle, lower_blocks, model_config
 from .auto import (
+    AUTO,
     MIN_FOLD_BATCHES,
     OUTPUT_SPACE,
     QP_CANDIDATE,
     candidate_notes,
+    candidate_where,
     held_out_fit,
     is_auto_start,
     lazy_skipped,
@@ -65,6 +67,7 @@ from ..merge.sites import (
     match_sites,
     model_sites,
     module_hint,
+    shared_linear_layers,
     site_matches,
 )
 from ..problem import MergeQP
@@ -381,7 +384,8 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         extra = [k for k in theirs if k not in ref]
         if missing or extra:
             what = (f"lacks tensor {missing[0]!r} of the base" if missing else f"has tensor {extra[0]!r} that the base lacks")
-            adapter = ck.path is not None and (Path(ck.path) / "adapter_config.json").is_file()
+            adapter = ck.path is not None and any((folder / "adapter_config.json").is_file()
+                                                  for folder in (Path(ck.path), Path(ck.path).parent))
             raise ConfigError(
                 f"model {name!r} ({ck.path}) {what} ({len(missing)} missing, {len(extra)} extra): "
                 + ("it is a PEFT adapter (adapter_config.json): merge it into the base first (peft's "
@@ -507,15 +511,40 @@ def _stored_names(ck: Checkpoint, base: Checkpoint, model: Any) -> Checkpoint:
     return ck.renamed(mapping) if mapping else ck
 
 
-def changed_keys(base: Checkpoint, finetuned: Sequence[Checkpoint], keys: Sequence[str]) -> list[str]:
-    """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor at a
-    time; a changed tensor usually stops at the first fine-tune)."""
+def same_stored_value(ref: Any, theirs: Any) -> bool:
+    """Whether two stored tensors hold the same values as far as the coarser of their dtypes can tell:
+    both rounded to the float dtype with the larger ``eps`` (a fine-tune saved in bfloat16 or float16
+    from a float32 base holds the base rounded; before stop 53 it counted as changed everywhere, and an
+    fp16 base against bf16 fine-tunes was never equal); between float16 and bfloat16, where neither
+    holds the other, within one bfloat16 unit (double rounding). Other dtypes compare by value."""
     import torch  # optional heavy dependency: the merge runs on torch
 
+    if ref.shape != theirs.shape:
+        return False
+    if ref.is_floating_point() and theirs.is_floating_point() and ref.dtype != theirs.dtype:
+        coarse = max((ref.dtype, theirs.dtype), key=lambda t: torch.finfo(t).eps)
+        a, b = ref.to(coarse), theirs.to(coarse)
+        if torch.equal(a, b):
+            return True
+        if {ref.dtype, theirs.dtype} != {torch.float16, torch.bfloat16}:
+            return False
+        # neither holds the other: a value rounded to fp16 and then to bf16 can be one bf16 unit away
+        # from the same value rounded to bf16 at once (double rounding at a tie)
+        a64, b64 = a.to(torch.float64), b.to(torch.float64)
+        info = torch.finfo(coarse)
+        return bool(torch.all((a64 - b64).abs() <= info.eps * torch.maximum(a64.abs(), b64.abs()) + info.tiny))
+    if ref.dtype == theirs.dtype:
+        return bool(torch.equal(ref, theirs))
+    return bool(torch.equal(ref.to(torch.float64), theirs.to(torch.float64)))
+
+
+def changed_keys(base: Checkpoint, finetuned: Sequence[Checkpoint], keys: Sequence[str]) -> list[str]:
+    """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor at a
+    time; a changed tensor usually stops at the first fine-tune; :func:`same_stored_value`)."""
     out = []
     for key in keys:
         ref = base.get(key)
-        if any(not torch.equal(ref, ft.get(key).to(ref.dtype)) for ft in finetuned):
+        if any(not same_stored_value(ref, ft.get(key)) for ft in finetuned):
             out.append(key)
     return out
 
@@ -560,8 +589,6 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
     fine-tune's stored dtype (a sample: a change elsewhere in a tensor is not seen). Meant for a
     merge that keeps the base's tensors outside its selection (a user who selected too few layers
     otherwise loses those changes without a word). Reads ``count`` entries per tensor."""
-    import torch  # optional heavy dependency: the merge runs on torch
-
     merged = set(plan.merged_keys())
     outside = [k for k in plan.float_keys() if k not in merged]
     base_samples: dict[str, Any] = {}
@@ -573,10 +600,7 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
                 continue
             if key not in base_samples:
                 base_samples[key] = plan.base.sample(key, count)
-            ref, theirs = base_samples[key], ft.sample(key, count)
-            if theirs.element_size() < ref.element_size() and theirs.is_floating_point():
-                ref = ref.to(theirs.dtype)  # a fine-tune saved in a narrower dtype: the base rounded
-            if ref.shape != theirs.shape or not torch.equal(ref.to(torch.float64), theirs.to(torch.float64)):
+            if not same_stored_value(base_samples[key], ft.sample(key, count)):
                 changed.append(key)
         if changed:
             notes.append(f"model {name!r} also changed {len(changed)} tensor(s) outside the merged layers "
@@ -603,10 +627,12 @@ def _no_sites(base: Checkpoint, base_path: Path, model: Any) -> None:
                       f"e.g. {live[0] if live else '(none)'!r}")
 
 
-def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str]) -> tuple[list[LayerSite], list[str]]:
-    """Sites (QP) or sites + other checkpoint tensors (baselines) matched by the layer patterns."""
+def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str],
+            shared: Mapping[str, str] | None = None) -> tuple[list[LayerSite], list[str]]:
+    """Sites (QP) or sites + other checkpoint tensors (baselines) matched by the layer patterns
+    (``shared``: the model's tied linear layers, named when a QP pattern matches only them)."""
     if cfg.method.is_qp:
-        return match_sites(sites, cfg.layers), []
+        return match_sites(sites, cfg.layers, shared), []
     chosen: list[LayerSite] = []
     extra: list[str] = []
     site_keys = {k for s in sites for k in s.keys}
@@ -754,7 +780,7 @@ def _check_method(cfg: MergeConfig) -> None:
     if is_auto_start(m.start):
         assert m.start is not None
         for cand in parse_auto_params(m.start.params).candidates:
-            where = f"method.start.params.candidates[{cand.label}]"
+            where = candidate_where(cand.label)
             if cand.name == OUTPUT_SPACE:
                 parse_output_space_candidate(cand.params, where)
             elif cand.name == QP_CANDIDATE:
@@ -838,7 +864,7 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> No
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
     by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
     if name not in MERGE_METHODS:
-        known = ["qp", *(method_names() if where == "method" else MERGE_METHODS)]
+        known = ["qp", AUTO, *method_names()] if where == "method" else ["qp", *MERGE_METHODS]
         raise ConfigError(f"{where}: {unknown('merge method', name, known)}")
     method = get_merge_method(name)
     weights = params.get("weights")
@@ -1021,7 +1047,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     all_sites = model_sites(model, base.names())
     if not all_sites:
         _no_sites(base, base_path, model)
-    sites, extra = _select(cfg, all_sites, list(base.names()))
+    sites, extra = _select(cfg, all_sites, list(base.names()), shared_linear_layers(model))
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
         entry_call(model_method, "check_sites", model_method.check_sites, sites)

@@ -224,7 +224,7 @@ def test_an_uncertified_step_says_why():
     assert bad and all(s.why_not_certified and "optimality gap" in s.why_not_certified for s in bad)
     assert all(s.why_not_certified is None for s in result.steps if s.certified)
     (reason,) = _steps_certificate(result)["reasons"]
-    assert reason.startswith(f"trust-region step(s) {[s.iteration for s in bad]} not certified (step {bad[0].iteration}: "
+    assert reason.startswith(f"trust-region step(s) {[s.iteration + 1 for s in bad]} not certified (step {bad[0].iteration + 1}: "
                              "optimality gap")
     assert "why_not_certified" in bad[0].to_dict()
 

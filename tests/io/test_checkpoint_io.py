@@ -85,6 +85,37 @@ def test_sharded_folder_round_trip(tiny_hf, llama_dir, tmp_path):
         assert torch.equal(ck.get(name), sd[name])
 
 
+def test_a_folder_is_read_as_transformers_loads_it(tiny_hf, llama_dir, tmp_path):
+    """(stop 53 review) A folder holding model.safetensors and, beside it, another model's shards with
+    their index: transformers loads model.safetensors, and so does open_checkpoint (it read the
+    shards, so a merge took one model's residuals and evaluated the other's weights). A folder with
+    config.json and one weight file of another name, which transformers does not load, is refused
+    with the fix."""
+    import shutil
+
+    model = tiny_hf.model_class("llama").from_pretrained(str(llama_dir))
+    both = tmp_path / "both"
+    model.save_pretrained(str(both), max_shard_size="8KB")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    model.save_pretrained(str(tmp_path / "single"))
+    shutil.copy(tmp_path / "single" / "model.safetensors", both / "model.safetensors")
+    loaded = tiny_hf.model_class("llama").from_pretrained(str(both)).state_dict()
+    ck = open_checkpoint(both)
+    assert len(ck.files) == 1
+    for name in ck.names():
+        assert torch.equal(ck.get(name), loaded[name]), name
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    shutil.copy(both / "config.json", loose / "config.json")
+    shutil.copy(both / "model.safetensors", loose / "weights.safetensors")
+    with pytest.raises(ValidationError, match="rename weights.safetensors to model.safetensors"):
+        open_checkpoint(loose)
+    (loose / "config.json").unlink()  # a bare folder of one tensor file stays readable
+    assert set(open_checkpoint(loose).names()) == set(ck.names())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64", "int64"])
 def test_read_without_a_memory_map_equals_get(tiny_hf, llama_dir, tmp_path, dtype):
     """``Checkpoint.read`` (plain file reads) gives what ``get`` (memory map) gives: sharded folders,
@@ -352,3 +383,16 @@ def test_identical_merges_are_identical_files(tmp_path):
     assert (tmp_path / "out" / "config.json").read_bytes() == (src / "config.json").read_bytes()
     save_hf_folder(tmp_path / "out16", [("w", torch.zeros(2, dtype=torch.float16))], source_folder=src)
     assert '"float16"' in (tmp_path / "out16" / "config.json").read_text()  # changed: rewritten
+
+
+def test_prompt_lines_end_at_newlines_only(tmp_path):
+    """(stop 53 review) U+2028, U+0085 and form feeds inside a prompt are text, not line ends:
+    json.dumps(..., ensure_ascii=False) writes them raw into valid JSONL (refused before), and a .txt
+    prompt holding one was split in two; CRLF files still read line by line."""
+    texts = ["one\u2028line", "next\u0085line\x0cwith a form feed", "plain"]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text("\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts) + "\r\n", encoding="utf-8")
+    assert read_prompts(jl) == texts
+    txt = tmp_path / "p.txt"
+    txt.write_text("\r\n".join(texts) + "\r\n\r\n", encoding="utf-8")
+    assert read_prompts(txt) == texts

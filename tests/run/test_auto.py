@@ -174,7 +174,7 @@ def test_every_candidate_skipped_is_an_error(llama, tmp_path):
     ([{"name": "ties", "params": {"desnity": 0.3}}], r"candidates\[ties\(desnity=0.3\)\]"),
     ([{"name": "output_space", "params": {"ridg": 1}}], r"candidates\[output_space\(ridg=1\)\].*did you mean 'ridge'"),
     (["soup", "soup"], "repeated candidate"),
-    ([{"name": "qp", "params": {"mode": "hybrid"}}], r"candidates\[qp\(mode=hybrid\)\]: a QP candidate is merged from"),
+    ([{"name": "qp", "params": {"mode": "hybrid"}}], r"candidates\[qp\(mode=hybrid\)\] \(of method: auto, or of its start: auto\): a QP candidate is merged from"),
     ([{"name": "qp", "params": {"rnak": 2}}], r"candidates\[qp\(rnak=2\)\].*rnak"),
     ([{"name": "qp", "params": {"constraints": ["box:0"]}}], r"candidates\[qp\(constraints=\['box:0'\]\)\].*constraints"),
     ([], "candidates"),
@@ -185,6 +185,17 @@ def test_bad_candidates_fail_at_plan_time(llama, tmp_path, candidates, match):
     method = {"name": "qp", "mode": "trust_region", "start": {"name": "auto", "params": {"candidates": candidates}}}
     with pytest.raises(ConfigError, match=match):
         build_plan(load_config(llama.write_config(tmp_path / "bad.yml", list(LAYERS), method)))
+
+
+def test_a_misspelt_auto_is_named_and_candidates_are_placed_where_written(llama, tmp_path):
+    """(stop 53 review) `method: autp` listed the baselines without auto (no did-you-mean), and a bad
+    candidate of `method: auto` was placed at method.start.params, a key the user never wrote."""
+    with pytest.raises(ConfigError, match=r"unknown merge method 'autp'.*did you mean 'auto'"):
+        build_plan(load_config(llama.write_config(tmp_path / "typo.yml", list(LAYERS), "autp")))
+    method = {"name": "auto", "params": {"candidates": ["soup", "tie"]}}
+    with pytest.raises(ConfigError, match=r"candidates\[tie\] \(of method: auto, or of its start: auto\).*unknown "
+                                          r"merge method 'tie'"):
+        build_plan(load_config(llama.write_config(tmp_path / "cand.yml", list(LAYERS), method)))
 
 
 def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):

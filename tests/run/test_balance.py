@@ -81,3 +81,25 @@ def test_balanced_weights_and_errors():
     with pytest.raises(ConfigError, match="balance"):
         parse_config({"base": "b", "models": [{"path": "m"}], "layers": ["x"],
                       "calibration": {"balance": "words"}})
+
+
+def test_a_task_without_compared_positions_is_named(tiny_hf, llama, tmp_path):
+    """(stop 53 review) Prompts of one token compare no next token under cross_entropy: with one such
+    task the run said nothing (the task added nothing), with all of them it fitted J = 0 -> 0 and
+    wrote the soup. Now a note names the task, and with every task empty the run is refused."""
+    one = tmp_path / "one.txt"
+    one.write_text("\n".join(["a"] * 10) + "\n")
+    method = {"name": "qp", "mode": "single", "parametrisation": "rows", "constraints": ["box:0,1"]}
+
+    def config(name, prompts):
+        models = [{"name": t, "path": str(ft), "calibration": str(p)}
+                  for t, ft, p in zip(llama.tasks, llama.finetuned, prompts)]
+        return load_config(llama.write_config(
+            tmp_path / f"{name}.yml", [tiny_hf.MLP_LAYER["llama"]], method, models=models,
+            calibration={"max_length": 12, "batch_size": 4, "holdout": 4}, output={"metric": "cross_entropy"}))
+
+    res = run_merge(config("some", [llama.prompts[0], one]), tmp_path / "some", progress=False)
+    (note,) = [n for n in res.report["notes"] if "no compared position" in n]
+    assert repr(llama.tasks[1]) in note and llama.tasks[0] not in note
+    with pytest.raises(ValidationError, match="no task has a compared position"):
+        run_merge(config("none", [one, one]), tmp_path / "none", progress=False)

@@ -381,6 +381,21 @@ def test_a_peft_adapter_folder_is_named(fam, tmp_path, no_weights):
     data["models"][1]["path"] = str(adapter)
     with pytest.raises(ConfigError, match="PEFT adapter .* merge_and_unload"):
         build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
+    # (stop 53 review) the same adapter as its file, as a .bin folder, and as the base
+    as_file = {**data, "models": [data["models"][0], {**data["models"][1],
+                                                      "path": str(adapter / "adapter_model.safetensors")}]}
+    with pytest.raises(ConfigError, match="PEFT adapter .* merge_and_unload"):
+        build_plan(parse_config({k: v for k, v in as_file.items() if k != "root"}, root=cfg.root))
+    as_base = {**data, "base": str(adapter)}
+    with pytest.raises(ConfigError, match="PEFT adapter .* merge_and_unload"):
+        build_plan(parse_config({k: v for k, v in as_base.items() if k != "root"}, root=cfg.root))
+    binary = tmp_path / "lora_bin"
+    binary.mkdir()
+    shutil.copy(adapter / "adapter_config.json", binary / "adapter_config.json")
+    torch.save({"w": torch.zeros(2)}, binary / "adapter_model.bin")
+    data["models"][1]["path"] = str(binary)
+    with pytest.raises(ConfigError, match="PEFT adapter .* merge_and_unload"):
+        build_plan(parse_config({k: v for k, v in data.items() if k != "root"}, root=cfg.root))
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -858,3 +858,42 @@ def test_changes_of_the_fine_tunes_outside_the_selection_are_noted(tiny_hf, fami
     from mergeqp.run.plan import keeps_base_outside
 
     assert keeps_base_outside(plan) and not keeps_base_outside(build_plan(hybrid))
+
+
+def test_stored_values_compare_at_the_coarser_dtype(tmp_path):
+    """(stop 53 review) A fine-tune saved in bfloat16 / float16 of a float32 base holds the base rounded:
+    not a change, so an unchanged block is not put back into the QP; an fp16 base against a bf16
+    fine-tune holding the same weights is equal too; a real change is seen in every pairing."""
+    from safetensors.torch import save_file
+
+    from mergeqp.io.checkpoint import open_checkpoint
+    from mergeqp.run.plan import changed_keys, same_stored_value
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=g, dtype=torch.float64)
+    moved = w + 0.05 * torch.randn(8, 8, generator=g, dtype=torch.float64)
+    for a, b in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.bfloat16),
+                 (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]:
+        assert same_stored_value(w.to(a), w.to(b)), (a, b)
+        assert not same_stored_value(w.to(a), moved.to(b)), (a, b)
+    assert not same_stored_value(w.float(), w.float()[:4])
+    one_unit = w.to(torch.bfloat16)  # a bf16 fine-tune of a float32 base that moved one entry by one unit
+    one_unit[0, 0] = (one_unit[0, 0].double() * (1 + 2.0 ** -6)).to(torch.bfloat16)
+    assert not torch.equal(one_unit, w.to(torch.bfloat16)) and not same_stored_value(w.float(), one_unit)
+    assert same_stored_value(torch.arange(4), torch.arange(4, dtype=torch.int32))
+    save_file({"a": w.float(), "b": w.float()}, str(tmp_path / "base.safetensors"))
+    save_file({"a": w.to(torch.bfloat16), "b": moved.to(torch.bfloat16)}, str(tmp_path / "ft.safetensors"))
+    base, ft = open_checkpoint(tmp_path / "base.safetensors"), open_checkpoint(tmp_path / "ft.safetensors")
+    assert changed_keys(base, [ft], ["a", "b"]) == ["b"]
+
+
+def test_a_tied_linear_layer_is_named_as_tied(families, tmp_path):
+    """(stop 53 review) layers: [lm_head] on GPT-2 (tied to the input embeddings) said only 'matches no
+    linear layer', with a list that lacks it."""
+    from mergeqp.errors import ConfigError
+    from mergeqp.run.plan import build_plan
+
+    fam = families["gpt2"]
+    cfg = load_config(fam.write_config(tmp_path / "tied.yml", ["lm_head"], {"name": "qp", "mode": "single"}))
+    with pytest.raises(ConfigError, match=r"'lm_head', a linear layer whose weight is tied to 'transformer.wte.weight'"):
+        build_plan(cfg)

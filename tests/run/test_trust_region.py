@@ -242,5 +242,10 @@ def test_trust_region_refit_takes_the_chosen_number_of_steps_on_every_batch(llam
     assert hold["chosen_step"] is not None  # a step lowered the held-out objective (small radius)
     assert hold["refit"] is True and len(hold["selection_steps"]) >= hold["chosen_step"] + 1
     assert tr["n_steps"] <= hold["chosen_step"] + 1
+    # (stop 53 review) report.md counts steps from 1 as the progress lines and notes do (it said "kept
+    # step 7" beside a note's "kept step 8 of 8")
+    assert [r.split(" | ")[0] for r in fit_rows] == [f"| {i + 1}" for i in range(len(fit_rows))]
+    assert f"kept step {hold['chosen_step'] + 1}" in md
+    assert any(f"kept step {hold['chosen_step'] + 1} of" in n for n in rep["notes"])
     _check_never_worse(rep)  # the refit run's steps start from the start's objective on every batch
     assert rep["layers"][0]["objective_before"] == pytest.approx(tr["start"]["calibration_objective"], rel=1e-9)

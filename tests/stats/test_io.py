@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 import numpy as np
@@ -152,7 +153,15 @@ def test_cli_collect_errors(mnist_mlp, tmp_path, capsys):
     code = main(common + ["--base", str(tmp_path / "wrong.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
                           "--calibration", str(tmp_path / "cal.pt")])
     assert code == 2
-    assert "does not fit the factory's model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "does not fit the factory's model" in err
+    # (stop 53 review) counted and sampled, not torch's list of every key
+    renamed = {f"renamed.{k}": v for k, v in base.state_dict().items()}
+    torch.save(renamed, tmp_path / "renamed.pt")
+    code = main(common + ["--base", str(tmp_path / "renamed.pt"), "--finetuned", str(tmp_path / "renamed.pt"),
+                          "--calibration", str(tmp_path / "cal.pt")])
+    err = capsys.readouterr().err
+    assert code == 2 and re.search(r"\d+ missing \(e\.g\. .*; \d+ unexpected \(e\.g\. renamed\.", err)
     code = main(common + ["--base", str(tmp_path / "missing.pt"), "--finetuned", str(tmp_path / "wrong.pt"),
                           "--calibration", str(tmp_path / "cal.pt")])
     assert code == 2 and "file not found" in capsys.readouterr().err

@@ -125,7 +125,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
                     "merge that would produce non-finite weights"),
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
               "previous state of the output is kept. An output found unwritable before any work (a "
-              "read-only or missing folder, a mount point) is refused with 2 instead"),
+              "read-only folder, a file output's missing folder, a mount point) is refused with 2 instead; "
+              "a folder output (`merge`, `experiment`, `sweep --out`) creates its missing parent folders"),
     (EXIT_OTHER_PROCESS, "under torchrun: another process of the job stopped (failed, killed or interrupted) "
                          "and this one could not go on; torchrun's report names that process and its message"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),

@@ -303,6 +303,24 @@ class Checkpoint:
         view._source_names = sources
         return view
 
+    def aligned(self, drop: Iterable[str] = (), aliases: Mapping[str, str] | None = None) -> Checkpoint:
+        """A view without the tensors ``drop`` and with each ``aliases`` name (absent here) reading
+        the tensor of the name it maps to (a tied weight stored under one name only); it shares
+        this checkpoint's files and handles."""
+        gone = set(drop)
+        infos = {k: v for k, v in self._infos.items() if k not in gone}
+        sources = {k: self._source_names.get(k, k) for k in infos}
+        for name, other in (aliases or {}).items():
+            if name in infos or other not in infos:
+                raise ValidationError(f"{self.path}: cannot read {name!r} as {other!r}")
+            info = infos[other]
+            infos[name] = TensorInfo(name, info.shape, info.dtype, info.file, info.offset)
+            sources[name] = sources[other]
+        view = Checkpoint(self.path, self.kind, infos, self.config, self._torch_state)
+        view._handles = self._handles
+        view._source_names = sources
+        return view
+
     def close(self) -> None:
         self._handles.clear()
         if self._torch_state is not None:

@@ -15,6 +15,7 @@ the config's ``method.mode_options`` block is validated by it (:meth:`MergeMode.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -410,8 +411,9 @@ class JointMode(MergeMode):
         if prepared is None:
             return {}
         t = time.perf_counter()
-        seq_ctx = MergeContext(prepared, ctx.weights, ctx.tasks, ctx.spec, ctx.settings, ctx.device,
-                               ctx.model_names, ctx.progress, ctx.log)
+        # the sequential mode's own options are not the joint mode's (compare_sequential is joint's)
+        seq_ctx = MergeContext(prepared, ctx.weights, ctx.tasks, ctx.spec, dataclasses.replace(ctx.settings, mode_options={}),
+                               ctx.device, ctx.model_names, ctx.progress, ctx.log)
         seq_records = get_merge_mode("sequential").run(seq_ctx, sites)
         seq_eval = evaluate(prepared)
         return {"joint_vs_sequential": {

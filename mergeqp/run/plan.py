@@ -538,6 +538,62 @@ def same_stored_value(ref: Any, theirs: Any) -> bool:
     return bool(torch.equal(ref.to(torch.float64), theirs.to(torch.float64)))
 
 
+#: buffers ``transformers`` computes itself and no longer stores, which older checkpoints hold
+DERIVED_BUFFERS = ("position_ids", "inv_freq", "masked_bias")
+
+
+def _tied_partners(model: Any) -> dict[str, list[str]]:
+    """Stored name -> the stored names of the other parameters sharing its tensor (tied weights,
+    e.g. ``lm_head.weight`` and the input embeddings)."""
+    names = checkpoint_names(model)
+    groups: dict[int, list[str]] = {}
+    for live, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(names.get(live, live))
+    out: dict[str, list[str]] = {}
+    for group in groups.values():
+        members = list(dict.fromkeys(group))
+        for n in members:
+            if len(members) > 1:
+                out[n] = [m for m in members if m != n]
+    return out
+
+
+def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model: Any
+                        ) -> tuple[Checkpoint, list[Checkpoint], list[str]]:
+    """The checkpoints as ``transformers`` loads them into ``model``: a buffer it computes itself
+    (:data:`DERIVED_BUFFERS`, not in the model's state dict) left out wherever stored, a tied weight
+    stored under one name in one checkpoint and under both in another read through the name it has
+    (a ``torch.save(model.state_dict())`` of a tied model holds ``lm_head.weight``, a
+    ``save_pretrained`` folder does not). Before stop 53 such inputs were refused as "another
+    architecture". Returns the views and a note per model that needed one."""
+    partners = _tied_partners(model)
+    persisted = set(checkpoint_names(model).values()) | set(model.state_dict())
+
+    def derived(key: str) -> bool:
+        return key.rsplit(".", 1)[-1] in DERIVED_BUFFERS and key not in persisted
+
+    base_drop = [k for k in base.names() if derived(k)]
+    new_base = base.aligned(drop=base_drop) if base_drop else base
+    notes = ([f"the base stores {listing(base_drop, 3)}, which transformers computes itself: left out"]
+             if base_drop else [])
+    out = []
+    for ck in finetuned:
+        drop = [k for k in ck.names() if k not in new_base and (derived(k) or any(p in ck for p in partners.get(k, ())))]
+        aliases = {}
+        for k in new_base.names():
+            present = [p for p in partners.get(k, ()) if p in ck] if k not in ck else []
+            if present:
+                aliases[k] = present[0]
+        if drop or aliases:
+            out.append(ck.aligned(drop, aliases))
+            what = [f"{listing(drop, 3)} left out (a tied copy or a derived buffer)"] if drop else []
+            what += [f"{listing(list(aliases), 3)} read as the tied {listing(list(aliases.values()), 3)}"] if aliases else []
+            notes.append(f"{ck.path}: " + "; ".join(what))
+        else:
+            out.append(ck)
+    return new_base, out, notes
+
+
 def changed_keys(base: Checkpoint, finetuned: Sequence[Checkpoint], keys: Sequence[str]) -> list[str]:
     """The ``keys`` at which some fine-tuned checkpoint differs from the base (read one tensor at a
     time; a changed tensor usually stops at the first fine-tune; :func:`same_stored_value`)."""
@@ -985,7 +1041,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                           f"its config gives the architecture")
     model = skeleton(base_path)
     fts = [_stored_names(ck, base, model) for ck in fts]
-    config_notes = check_architectures(base, list(zip(names, fts)))
+    base, fts, align_notes = aligned_checkpoints(base, fts, model)
+    config_notes = align_notes + check_architectures(base, list(zip(names, fts)))
     not_causal = _not_causal(base.config)
     if not_causal is not None and cfg.output.metric == "cross_entropy" and cfg.output.pool == "none":
         raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "

@@ -897,3 +897,46 @@ def test_a_tied_linear_layer_is_named_as_tied(families, tmp_path):
     cfg = load_config(fam.write_config(tmp_path / "tied.yml", ["lm_head"], {"name": "qp", "mode": "single"}))
     with pytest.raises(ConfigError, match=r"'lm_head', a linear layer whose weight is tied to 'transformer.wte.weight'"):
         build_plan(cfg)
+
+
+def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(families, tmp_path):
+    """(stop 53 review) Inputs transformers loads were refused as another architecture: a
+    torch.save(model.state_dict()) of a tied GPT-2 (it holds lm_head.weight, the folders do not), a
+    base folder that also stores the tied lm_head.weight, an old base that stores a buffer
+    transformers computes itself. Each now merges to the same objective as the plain folders."""
+    import shutil
+
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    from mergeqp.run.plan import build_plan
+
+    fam = families["gpt2"]
+    layer = ["transformer.h.1.mlp.c_fc"]
+    method = {"name": "qp", "mode": "single"}
+    ref = _merge(fam, tmp_path, layer, method, "ref").report["layers"][0]["objective_after"]
+
+    def with_changes(name, base=None, ft1=None):
+        path = fam.write_config(tmp_path / f"{name}.yml", layer, method)
+        data = yaml.safe_load(path.read_text())
+        if base is not None:
+            data["base"] = str(base)
+        if ft1 is not None:
+            data["models"][1]["path"] = str(ft1)
+        path.write_text(yaml.safe_dump(data))
+        return load_config(path)
+
+    state = fam.auto_class.from_pretrained(str(fam.finetuned[1])).state_dict()
+    assert "lm_head.weight" in state
+    torch.save(state, tmp_path / "ft1.pt")
+    base2 = tmp_path / "base2"
+    shutil.copytree(fam.base, base2)
+    sd = load_file(str(base2 / "model.safetensors"))
+    sd["lm_head.weight"] = sd["transformer.wte.weight"].clone()  # the tied head stored too
+    sd["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)  # a buffer of older transformers
+    save_file(sd, str(base2 / "model.safetensors"), metadata={"format": "pt"})
+    for name, cfg in (("sd", with_changes("sd", ft1=tmp_path / "ft1.pt")), ("base", with_changes("base", base=base2))):
+        notes = build_plan(cfg).notes
+        assert any("tied" in n or "computes itself" in n for n in notes), name
+        res = run_merge(cfg, tmp_path / f"out_{name}", progress=False)
+        assert res.report["layers"][0]["objective_after"] == pytest.approx(ref, rel=1e-9), name

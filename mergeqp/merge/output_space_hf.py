@@ -58,8 +58,8 @@ from ..lm import OutputSpec, prepare_fold, squared_error
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import OutputDerivatives, perturbed_output, run_recorded
 from .firstorder import TaskTargets, batch_functions, folded_batch_functions
-from .output_space import (CERT_TOL, KroneckerPreconditioner, OutputSpaceSamples, OutputSpaceSolution,
-                           output_space_solve)
+from .output_space import (CERT_TOL, KRONECKER_MAX_SIDE, KroneckerPreconditioner, OutputSpaceSamples,
+                           OutputSpaceSolution, output_space_solve)
 from .output_space_damped import DampingOptions, damped_output_space
 from .sites import LayerSite, append_ones, read_augmented, site_module, stored_tensors, write_augmented
 
@@ -222,11 +222,13 @@ class ModelLinearisation:
 
         if self._diagonal is None:
             r, m1 = self.shape
-            diag, B = np.zeros((r, m1)), np.zeros((r, r))
+            diag = np.zeros((r, m1))
+            B = np.zeros((r, r)) if r <= KRONECKER_MAX_SIDE else None  # (the preconditioner's factor)
             for b, g in self._probes():
                 Z2 = b.Z.reshape(-1, m1).to(torch.float64) ** 2
                 diag += b.weight / self.probes * ((g * g).t() @ Z2).cpu().numpy()
-                B += b.weight / self.probes * (g.t() @ g).cpu().numpy()
+                if B is not None:
+                    B += b.weight / self.probes * (g.t() @ g).cpu().numpy()
             self._diagonal, self._factor_B = diag, B
         return self._diagonal
 
@@ -249,19 +251,24 @@ class ModelLinearisation:
         import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
         if self._kronecker is None:
-            self.normal_diagonal()
+            diag = self.normal_diagonal()
             r, m1 = self.shape
-            C = np.zeros((m1, m1))
-            for b in self.batches:
-                Z = b.Z.reshape(-1, m1).to(torch.float64)
-                C += b.weight * (Z.t() @ Z).cpu().numpy()
+            C = None
+            if m1 <= KRONECKER_MAX_SIDE:
+                C = np.zeros((m1, m1))
+                for b in self.batches:
+                    Z = b.Z.reshape(-1, m1).to(torch.float64)
+                    C += b.weight * (Z.t() @ Z).cpu().numpy()
 
-            def rotated(U: np.ndarray, V: np.ndarray) -> np.ndarray:
-                Ut, Vt = torch.from_numpy(U), torch.from_numpy(V)
+            def rotated(U: np.ndarray | None, V: np.ndarray | None) -> np.ndarray:
+                if U is None and V is None:  # both sides too long: the plain diagonal, no second pass
+                    return diag
                 out = np.zeros((r, m1))
                 for b, g in self._probes():
-                    Q2 = (b.Z.reshape(-1, m1).to(torch.float64) @ Vt.to(b.Z.device)) ** 2
-                    out += b.weight / self.probes * (((g @ Ut.to(g.device)) ** 2).t() @ Q2).cpu().numpy()
+                    Z = b.Z.reshape(-1, m1).to(torch.float64)
+                    Q2 = (Z if V is None else Z @ torch.from_numpy(V).to(Z.device)) ** 2
+                    P = g if U is None else g @ torch.from_numpy(U).to(g.device)
+                    out += b.weight / self.probes * ((P ** 2).t() @ Q2).cpu().numpy()
                 return out
 
             self._kronecker = KroneckerPreconditioner.from_factors(self._factor_B, C, rotated)

@@ -511,34 +511,53 @@ def _stored_names(ck: Checkpoint, base: Checkpoint, model: Any) -> Checkpoint:
     return ck.renamed(mapping) if mapping else ck
 
 
-def same_stored_value(ref: Any, theirs: Any) -> bool:
-    """Whether two stored tensors hold the same values as far as the coarser of their dtypes can tell:
-    both rounded to the float dtype with the larger ``eps`` (a fine-tune saved in bfloat16 or float16
-    from a float32 base holds the base rounded; before stop 53 it counted as changed everywhere, and an
-    fp16 base against bf16 fine-tunes was never equal); between float16 and bfloat16, where neither
-    holds the other, within one bfloat16 unit (double rounding). Other dtypes compare by value."""
+def same_stored_value(base: Any, theirs: Any) -> bool:
+    """Whether a fine-tune's stored tensor ``theirs`` holds the ``base`` tensor's values, as far as
+    their dtypes can tell: stored in a float dtype with a larger ``eps`` (a bfloat16 or float16 save
+    of a float32 base) it must be the base rounded to that dtype; stored in one that holds the base's
+    values (a float32 fine-tune of a bfloat16 base) it must be them exactly; between float16 and
+    bfloat16, where neither holds the other, each entry must be a value that an original rounding
+    to the base's float16 entry could also round to in bfloat16 (double rounding; a real change of
+    one unit is still a change). Other dtypes compare by value. Before stop 53 a bf16 save of an
+    f32 base counted as changed everywhere, and an fp16 base against bf16 fine-tunes never matched."""
     import torch  # optional heavy dependency: the merge runs on torch
 
-    if ref.shape != theirs.shape:
+    if base.shape != theirs.shape:
         return False
-    if ref.is_floating_point() and theirs.is_floating_point() and ref.dtype != theirs.dtype:
-        coarse = max((ref.dtype, theirs.dtype), key=lambda t: torch.finfo(t).eps)
-        a, b = ref.to(coarse), theirs.to(coarse)
-        if torch.equal(a, b):
-            return True
-        if {ref.dtype, theirs.dtype} != {torch.float16, torch.bfloat16}:
-            return False
-        # neither holds the other: a value rounded to fp16 and then to bf16 can be one bf16 unit away
-        # from the same value rounded to bf16 at once (double rounding at a tie)
-        a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        info = torch.finfo(coarse)
-        return bool(torch.all((a64 - b64).abs() <= info.eps * torch.maximum(a64.abs(), b64.abs()) + info.tiny))
-    if ref.dtype == theirs.dtype:
-        return bool(torch.equal(ref, theirs))
-    return bool(torch.equal(ref.to(torch.float64), theirs.to(torch.float64)))
+    if not (base.is_floating_point() and theirs.is_floating_point()) or base.dtype == theirs.dtype:
+        return bool(torch.equal(base, theirs) if base.dtype == theirs.dtype
+                    else torch.equal(base.to(torch.float64), theirs.to(torch.float64)))
+    if {base.dtype, theirs.dtype} == {torch.float16, torch.bfloat16}:
+        return _same_across_half_formats(base, theirs)
+    if torch.finfo(theirs.dtype).eps > torch.finfo(base.dtype).eps:  # saved coarser: the base rounded
+        return bool(torch.equal(base.to(theirs.dtype), theirs))
+    return bool(torch.equal(base.to(torch.float64), theirs.to(torch.float64)))  # saved finer: held exactly
 
 
-#: buffers ``transformers`` computes itself and no longer stores, which older checkpoints hold
+def _same_across_half_formats(base: Any, theirs: Any) -> bool:
+    """:func:`same_stored_value` for a float16 / bfloat16 pair: the values ``x`` that round to the
+    float16 entry ``h`` form an interval (``h`` plus or minus half its float16 spacings), which
+    rounding to bfloat16 maps onto a range of at most two neighbours; the bfloat16 entry must lie in
+    it (the float16 entry, where the base is bfloat16: the same with the roles swapped). Non-finite
+    entries must be equal."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    half, brain = (base, theirs) if base.dtype == torch.float16 else (theirs, base)
+    h = half.detach().cpu().numpy()
+    b = brain.detach().to(torch.float64).cpu().numpy()
+    finite = np.isfinite(h)
+    if not np.array_equal(h[~finite].astype(np.float64), b[~finite]):
+        return False
+    h = h[finite]
+    up = (np.nextafter(h, np.float16(np.inf)).astype(np.float64) - h.astype(np.float64)) / 2
+    down = (h.astype(np.float64) - np.nextafter(h, np.float16(-np.inf)).astype(np.float64)) / 2
+    lo = torch.from_numpy(h.astype(np.float64) - down).to(torch.bfloat16).to(torch.float64).numpy()
+    hi = torch.from_numpy(h.astype(np.float64) + up).to(torch.bfloat16).to(torch.float64).numpy()
+    return bool(np.all((lo <= b[finite]) & (b[finite] <= hi)))
+
+
+#: buffers ``transformers`` computes itself and no longer stores, which older checkpoints hold (beside
+#: a model's own non-persistent buffers and ignore patterns, :func:`_ignored_on_load`)
 DERIVED_BUFFERS = ("position_ids", "inv_freq", "masked_bias")
 
 
@@ -558,35 +577,65 @@ def _tied_partners(model: Any) -> dict[str, list[str]]:
     return out
 
 
+def _ignored_on_load(model: Any) -> Callable[[str], bool]:
+    """Whether ``transformers`` ignores a stored tensor of this name when it loads ``model``: one the
+    model does not persist that is a non-persistent buffer of it (``position_ids``, ``inv_freq``),
+    matches the class's ``_keys_to_ignore_on_load_unexpected`` (GPT-2's causal-mask ``attn.bias``),
+    or ends in one of :data:`DERIVED_BUFFERS`."""
+    import re
+
+    state = set(model.state_dict())
+    persisted = set(checkpoint_names(model).values()) | state
+    transient = {n for n, _ in model.named_buffers()} - state
+    patterns = [re.compile(p) for p in (getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ())]
+
+    def ignored(key: str) -> bool:
+        return key not in persisted and (key in transient or key.rsplit(".", 1)[-1] in DERIVED_BUFFERS
+                                         or any(p.search(key) for p in patterns))
+
+    return ignored
+
+
+def _same_tensor(ck: Checkpoint, a: str, b: str) -> bool:
+    """Whether two names of one checkpoint hold the same values (a stored tied copy)."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    return ck.info(a).shape == ck.info(b).shape and bool(torch.equal(ck.get(a), ck.get(b)))
+
+
 def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model: Any
                         ) -> tuple[Checkpoint, list[Checkpoint], list[str]]:
-    """The checkpoints as ``transformers`` loads them into ``model``: a buffer it computes itself
-    (:data:`DERIVED_BUFFERS`, not in the model's state dict) left out wherever stored, a tied weight
-    stored under one name in one checkpoint and under both in another read through the name it has
-    (a ``torch.save(model.state_dict())`` of a tied model holds ``lm_head.weight``, a
-    ``save_pretrained`` folder does not). Before stop 53 such inputs were refused as "another
-    architecture". Returns the views and a note per model that needed one."""
+    """The checkpoints as ``transformers`` loads them into ``model``: a stored tensor it ignores on
+    load (a buffer it computes itself, :func:`_ignored_on_load`) left out wherever stored; a tied
+    weight stored under one name in one checkpoint and under both in another (a
+    ``torch.save(model.state_dict())`` of a tied model holds ``lm_head.weight``, a ``save_pretrained``
+    folder does not) read through the name it has, where the stored copy equals its tied partner
+    (a copy that differs is left for the architecture check to refuse: transformers would load that
+    model untied). Before stop 53 such inputs were refused as "another architecture". Returns the
+    views and a note per model that needed one."""
     partners = _tied_partners(model)
-    persisted = set(checkpoint_names(model).values()) | set(model.state_dict())
+    ignored = _ignored_on_load(model)
 
-    def derived(key: str) -> bool:
-        return key.rsplit(".", 1)[-1] in DERIVED_BUFFERS and key not in persisted
+    def copy_of(ck: Checkpoint, key: str) -> str | None:
+        """The tied partner of ``key`` that ``ck`` stores with the same values, if any."""
+        return next((p for p in partners.get(key, ()) if p in ck and _same_tensor(ck, key, p)), None)
 
-    base_drop = [k for k in base.names() if derived(k)]
+    base_drop = [k for k in base.names() if ignored(k)]
     new_base = base.aligned(drop=base_drop) if base_drop else base
-    notes = ([f"the base stores {listing(base_drop, 3)}, which transformers computes itself: left out"]
+    notes = ([f"the base stores {listing(base_drop, 3)}, which transformers ignores on load: left out"]
              if base_drop else [])
     out = []
     for ck in finetuned:
-        drop = [k for k in ck.names() if k not in new_base and (derived(k) or any(p in ck for p in partners.get(k, ())))]
+        drop = [k for k in ck.names() if k not in new_base and (ignored(k) or copy_of(ck, k) is not None)]
         aliases = {}
         for k in new_base.names():
-            present = [p for p in partners.get(k, ()) if p in ck] if k not in ck else []
-            if present:
-                aliases[k] = present[0]
+            if k not in ck and partners.get(k) and copy_of(new_base, k) is not None:  # the base's copy is a copy
+                present = [p for p in partners[k] if p in ck]
+                if present:
+                    aliases[k] = present[0]
         if drop or aliases:
             out.append(ck.aligned(drop, aliases))
-            what = [f"{listing(drop, 3)} left out (a tied copy or a derived buffer)"] if drop else []
+            what = [f"{listing(drop, 3)} left out (a stored tied copy, or ignored on load)"] if drop else []
             what += [f"{listing(list(aliases), 3)} read as the tied {listing(list(aliases.values()), 3)}"] if aliases else []
             notes.append(f"{ck.path}: " + "; ".join(what))
         else:

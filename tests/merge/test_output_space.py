@@ -270,3 +270,29 @@ def test_kronecker_preconditioner_makes_a_kronecker_operator_one_cg_step() -> No
     _, jacobi = OS._cg(samples, ridge, rhs, np.zeros(samples.shape), OS.KroneckerPreconditioner(samples.normal_diagonal()),
                        1e-10, 5000)
     assert jacobi > 10 * sol.iterations
+
+
+@pytest.mark.parametrize("cap, rotated_sides", [(4, "U"), (3, "none"), (5, "both")])
+def test_a_side_longer_than_the_cap_is_not_rotated(monkeypatch, cap, rotated_sides) -> None:
+    """(stop 53 review) r or m1 above KRONECKER_MAX_SIDE: that side's factor is neither formed nor
+    decomposed (identity there); the diagonal is still exactly diag((U x V)' N (U x V)) at one
+    position per sample, both sides over the cap give the plain diagonal, and the solve is the
+    closed form either way."""
+    from mergeqp.merge import output_space as OS
+
+    monkeypatch.setattr(OS, "KRONECKER_MAX_SIDE", cap)
+    rng = np.random.default_rng(2)
+    samples = _random_samples(rng, N=8, c=3, T=1, r=4, m1=5)
+    P = OS.preconditioner_of(samples)
+    assert (P.U is not None, P.V is not None) == {"U": (True, False), "none": (False, False),
+                                                  "both": (True, True)}[rotated_sides]
+    M, y = _dense(samples)
+    W = np.kron(np.eye(4) if P.U is None else P.U, np.eye(5) if P.V is None else P.V)
+    np.testing.assert_allclose(P.diagonal.reshape(-1), np.diag(W.T @ (M.T @ M) @ W), rtol=1e-10,
+                               atol=1e-12 * np.abs(M.T @ M).max())
+    if rotated_sides == "none":
+        np.testing.assert_allclose(P.diagonal, samples.normal_diagonal(), rtol=1e-12)
+    sol = output_space_solve(samples, ridge=0.1)
+    expected = np.linalg.solve(M.T @ M + 0.1 * np.eye(20), M.T @ y)
+    assert sol.certified()
+    np.testing.assert_allclose(sol.E.reshape(-1), expected, rtol=1e-6, atol=1e-9 * np.abs(expected).max())

@@ -873,13 +873,24 @@ def test_stored_values_compare_at_the_coarser_dtype(tmp_path):
     w = torch.randn(8, 8, generator=g, dtype=torch.float64)
     moved = w + 0.05 * torch.randn(8, 8, generator=g, dtype=torch.float64)
     for a, b in [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float16, torch.bfloat16),
-                 (torch.bfloat16, torch.float32), (torch.float32, torch.float32)]:
+                 (torch.bfloat16, torch.float16), (torch.float32, torch.float32)]:
         assert same_stored_value(w.to(a), w.to(b)), (a, b)
         assert not same_stored_value(w.to(a), moved.to(b)), (a, b)
+    assert same_stored_value(w.to(torch.bfloat16), w.to(torch.bfloat16).float())  # saved finer: held exactly
     assert not same_stored_value(w.float(), w.float()[:4])
     one_unit = w.to(torch.bfloat16)  # a bf16 fine-tune of a float32 base that moved one entry by one unit
     one_unit[0, 0] = (one_unit[0, 0].double() * (1 + 2.0 ** -6)).to(torch.bfloat16)
     assert not torch.equal(one_unit, w.to(torch.bfloat16)) and not same_stored_value(w.float(), one_unit)
+    # (stop 53 adversarial review) an fp16 base against bf16 fine-tunes that moved every entry by one
+    # bf16 unit is a change (a relative tolerance took it for double rounding); so is an overflowed
+    # fp16 entry against a finite one, and a sub-unit change of an f32 fine-tune of a bf16 base
+    up = (w.to(torch.bfloat16).view(torch.int16) + 1).view(torch.bfloat16)  # each entry one unit further out
+    assert not same_stored_value(w.to(torch.float16), up)
+    assert not same_stored_value(torch.full((4,), 7e4).half(), torch.full((4,), 7e4).bfloat16())
+    assert not same_stored_value(w.to(torch.bfloat16), w.to(torch.bfloat16).float() * 1.001)
+    wide = torch.randn(20_000, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-4, 4, (20_000,), generator=g)
+    assert same_stored_value(wide.to(torch.float16), wide.to(torch.bfloat16))  # double rounding at every tie
+    assert same_stored_value(wide.to(torch.bfloat16), wide.to(torch.float16))
     assert same_stored_value(torch.arange(4), torch.arange(4, dtype=torch.int32))
     save_file({"a": w.float(), "b": w.float()}, str(tmp_path / "base.safetensors"))
     save_file({"a": w.to(torch.bfloat16), "b": moved.to(torch.bfloat16)}, str(tmp_path / "ft.safetensors"))
@@ -909,6 +920,7 @@ def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(fami
     import yaml
     from safetensors.torch import load_file, save_file
 
+    from mergeqp.errors import ConfigError
     from mergeqp.run.plan import build_plan
 
     fam = families["gpt2"]
@@ -933,10 +945,17 @@ def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(fami
     shutil.copytree(fam.base, base2)
     sd = load_file(str(base2 / "model.safetensors"))
     sd["lm_head.weight"] = sd["transformer.wte.weight"].clone()  # the tied head stored too
-    sd["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)  # a buffer of older transformers
+    sd["transformer.h.0.attn.masked_bias"] = torch.tensor(-1e4)  # buffers of older transformers
+    sd["transformer.h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 8, 8))  # (GPT-2's ignore pattern)
     save_file(sd, str(base2 / "model.safetensors"), metadata={"format": "pt"})
     for name, cfg in (("sd", with_changes("sd", ft1=tmp_path / "ft1.pt")), ("base", with_changes("base", base=base2))):
         notes = build_plan(cfg).notes
-        assert any("tied" in n or "computes itself" in n for n in notes), name
+        assert any("tied" in n or "ignores on load" in n for n in notes), name
         res = run_merge(cfg, tmp_path / f"out_{name}", progress=False)
         assert res.report["layers"][0]["objective_after"] == pytest.approx(ref, rel=1e-9), name
+    # (adversarial review) a stored head that differs from its tied partner is not a copy: transformers
+    # loads that model untied, so it is refused as before, never dropped
+    state["lm_head.weight"] = state["lm_head.weight"].clone() + 0.5
+    torch.save(state, tmp_path / "ft1_untied.pt")
+    with pytest.raises(ConfigError, match="lm_head.weight"):
+        build_plan(with_changes("untied", ft1=tmp_path / "ft1_untied.pt"))

@@ -959,3 +959,33 @@ def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(fami
     torch.save(state, tmp_path / "ft1_untied.pt")
     with pytest.raises(ConfigError, match="lm_head.weight"):
         build_plan(with_changes("untied", ft1=tmp_path / "ft1_untied.pt"))
+
+
+def test_a_baseline_keeps_the_base_where_every_fine_tune_holds_it_in_another_dtype(tiny_hf, tmp_path):
+    """(stop 53 review) A fine-tune saved in bfloat16 holds the base's unchanged tensors rounded; the
+    soup averaged that rounding into the merge (and a start merged so unfolded the head). Such a
+    tensor is now the base's; a changed one is still merged."""
+    import yaml
+    from safetensors.torch import load_file, save_file
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    folder = fam.finetuned[1]
+    state = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in state.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    # a trust region from the soup: the start is merged on every tensor (the selected layers' own
+    # check, without_unchanged, does not reach the others)
+    method = {"name": "qp", "mode": "trust_region", "start": {"name": "soup"}, "mode_options": {"max_steps": 1}}
+    path = fam.write_config(tmp_path / "soup.yml", [tiny_hf.MLP_LAYER["llama"]], method)
+    data = yaml.safe_load(path.read_text())
+    data["evaluate"] = False
+    path.write_text(yaml.safe_dump(data))
+    res = run_merge(load_config(path), tmp_path / "out", progress=False)
+    base, out = open_checkpoint(fam.base), open_checkpoint(res.out_dir)
+    block = tiny_hf.BLOCK_PATTERN["llama"].rstrip("*")
+    unchanged = [k for k in base.names() if not k.startswith(block)]
+    changed = [k for k in base.names() if k.startswith(block) and k.endswith(".weight")]
+    assert unchanged and changed
+    for k in unchanged:
+        assert torch.equal(out.get(k), base.get(k)), k
+    assert all(not torch.equal(out.get(k), base.get(k)) for k in changed)

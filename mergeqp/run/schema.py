@@ -102,13 +102,6 @@ class _Strict(BaseModel):
     # setting takes inf or NaN
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, strict=True, allow_inf_nan=False)
 
-    @property
-    def effective_mode_options(self) -> dict[str, Any]:
-        """``mode_options`` with the older spelling ``compare_sequential`` folded in (``joint``'s option)."""
-        if self.compare_sequential is None:
-            return dict(self.mode_options)
-        return {**self.mode_options, "compare_sequential": self.compare_sequential}
-
     @classmethod
     def _declared_keys(cls) -> set[str]:
         """Keys this block takes besides its fields (keys registered entries declare)."""

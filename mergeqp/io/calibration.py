@@ -83,14 +83,14 @@ def read_records(path: str | Path, what: str = "prompt file") -> list[tuple[str,
         text = p.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValidationError(f"cannot read {what} {p}: {exc}") from None
-    # lines end at "\n" (and "\r\n") only: str.splitlines also splits at U+2028, U+0085 and form
-    # feeds, which JSON strings may hold (a review's valid JSONL was refused, a .txt prompt split in two)
-    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    # lines end at "\n" only (read_text turns "\r\n" and "\r" into it): str.splitlines also splits at
+    # U+2028, U+0085 and form feeds, which JSON strings may hold (a review's valid JSONL was refused,
+    # a .txt prompt split in two)
     if suffix == ".txt":
-        return [(f"{p}:{n}", line.strip()) for n, line in enumerate(lines, start=1) if line.strip()]
+        return [(f"{p}:{n}", line.strip()) for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
     if suffix == ".jsonl":
         records = []
-        for number, line in enumerate(lines, start=1):
+        for number, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:

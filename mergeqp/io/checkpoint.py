@@ -298,10 +298,7 @@ class Checkpoint:
                 raise ValidationError(f"renaming {self.path}: two tensors would be called {new!r}")
             infos[new] = TensorInfo(new, info.shape, info.dtype, info.file, info.offset)
             sources[new] = self._source_names.get(old, old)
-        view = Checkpoint(self.path, self.kind, infos, self.config, self._torch_state)
-        view._handles = self._handles
-        view._source_names = sources
-        return view
+        return self._view(infos, sources)
 
     def aligned(self, drop: Iterable[str] = (), aliases: Mapping[str, str] | None = None) -> Checkpoint:
         """A view without the tensors ``drop`` and with each ``aliases`` name (absent here) reading
@@ -316,6 +313,11 @@ class Checkpoint:
             info = infos[other]
             infos[name] = TensorInfo(name, info.shape, info.dtype, info.file, info.offset)
             sources[name] = sources[other]
+        return self._view(infos, sources)
+
+    def _view(self, infos: dict[str, TensorInfo], sources: dict[str, str]) -> Checkpoint:
+        """A checkpoint of ``infos`` (name here -> its entry) reading each name as ``sources`` says
+        (name here -> name in the file), sharing this one's files and handles."""
         view = Checkpoint(self.path, self.kind, infos, self.config, self._torch_state)
         view._handles = self._handles
         view._source_names = sources
@@ -402,6 +404,17 @@ def _read_index(index: Path) -> dict[str, str]:
     return {str(k): str(v) for k, v in weight_map.items()}
 
 
+#: the file that marks a PEFT adapter, and what to do with one
+PEFT_CONFIG = "adapter_config.json"
+PEFT_ADVICE = "merge it into its base first (peft's merge_and_unload, then save_pretrained) and give that folder"
+
+
+def is_peft_adapter(path: str | Path) -> bool:
+    """Whether ``path`` is a PEFT adapter folder, or a file inside one (``adapter_config.json`` beside it)."""
+    p = Path(path)
+    return any((folder / PEFT_CONFIG).is_file() for folder in (p, p.parent))
+
+
 def _open_folder(folder: Path) -> Checkpoint:
     # transformers' own order (a single file before an index, safetensors before torch): a folder
     # holding both is read as transformers loads it (before stop 53 the index came first, so a
@@ -438,9 +451,8 @@ def _open_folder(folder: Path) -> Checkpoint:
             infos.update(_torch_infos(folder / shard, state))
         return Checkpoint(folder, "hf_torch", infos, config, torch_state=states)
     adapter = next((n for n in ("adapter_model.safetensors", "adapter_model.bin") if (folder / n).is_file()), None)
-    if adapter is not None and (folder / "adapter_config.json").is_file():
-        raise ValidationError(f"{folder}: a PEFT adapter ({adapter} + adapter_config.json), not a model: merge it "
-                              f"into its base first (peft's merge_and_unload, then save_pretrained) and give that folder")
+    if adapter is not None and is_peft_adapter(folder):
+        raise ValidationError(f"{folder}: a PEFT adapter ({adapter} + {PEFT_CONFIG}), not a model: {PEFT_ADVICE}")
     loose = sorted(p.name for p in folder.glob("*.safetensors"))
     if len(loose) == 1 and config is not None:
         # transformers would not load it: refused here, before the plan, not after it (stop 53 review)

@@ -95,6 +95,16 @@ def checkpoint_names(model: Any) -> dict[str, str]:
     return {k: by_id[id(v)] for k, v in state.items() if id(v) in by_id}
 
 
+def tied_parameters(model: Any) -> dict[str, tuple[str, ...]]:
+    """Each parameter name of ``model`` whose tensor another name shares (tied weights, e.g. a
+    language model's ``lm_head.weight`` and its input embeddings) -> every name of that tensor, in
+    registration order (itself included)."""
+    groups: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), []).append(name)
+    return {name: tuple(g) for g in groups.values() if len(g) > 1 for name in g}
+
+
 def model_sites(model: Any, checkpoint_keys: Iterable[str] | None = None) -> list[LayerSite]:
     """Every linear site of ``model`` in module order (works on a ``meta``-device skeleton).
 
@@ -103,13 +113,11 @@ def model_sites(model: Any, checkpoint_keys: Iterable[str] | None = None) -> lis
     stored and not offered, and a parameter shared by several modules is never a site."""
     keys = None if checkpoint_keys is None else set(checkpoint_keys)
     names = checkpoint_names(model) if keys is not None else {}
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
+    tied = tied_parameters(model)
     out = []
     for name, module in model.named_modules():
         kind = _kind(module) if name else None
-        if kind is None or owners.get(id(module.weight), 1) > 1:
+        if kind is None or f"{name}.weight" in tied:
             continue
         has_bias = getattr(module, "bias", None) is not None
         stored = name
@@ -144,15 +152,12 @@ def shared_linear_layers(model: Any) -> dict[str, str]:
     """Linear modules of ``model`` whose weight is shared with another parameter (tied, like a
     language model's ``lm_head`` and its input embeddings): name -> the other parameter's name.
     They are never sites (:func:`model_sites`)."""
-    first: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        first.setdefault(id(p), name)
+    tied = tied_parameters(model)
     out = {}
     for name, module in model.named_modules():
-        if name and _kind(module) is not None:
-            other = first.get(id(module.weight))
-            if other is not None and other != f"{name}.weight":
-                out[name] = other
+        group = tied.get(f"{name}.weight", ()) if name and _kind(module) is not None else ()
+        if group and group[0] != f"{name}.weight":
+            out[name] = group[0]
     return out
 
 

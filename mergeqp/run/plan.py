@@ -48,7 +48,8 @@ from ..io.calibration import (
     tensor_labels,
 )
 from ..io import verified
-from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint, read_config
+from ..io.checkpoint import (DTYPE_BYTES, PEFT_ADVICE, PEFT_CONFIG, Checkpoint, is_peft_adapter, open_checkpoint,
+                             read_config)
 from ..io.arrays import read_head, read_matrix
 from ..io.memory import SiteMemory, design_bytes, estimate_site_memory, human_bytes
 from ..io.writer import parse_size
@@ -69,6 +70,7 @@ from ..merge.sites import (
     module_hint,
     shared_linear_layers,
     site_matches,
+    tied_parameters,
 )
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
@@ -384,12 +386,10 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         extra = [k for k in theirs if k not in ref]
         if missing or extra:
             what = (f"lacks tensor {missing[0]!r} of the base" if missing else f"has tensor {extra[0]!r} that the base lacks")
-            adapter = ck.path is not None and any((folder / "adapter_config.json").is_file()
-                                                  for folder in (Path(ck.path), Path(ck.path).parent))
+            adapter = ck.path is not None and is_peft_adapter(ck.path)
             raise ConfigError(
                 f"model {name!r} ({ck.path}) {what} ({len(missing)} missing, {len(extra)} extra): "
-                + ("it is a PEFT adapter (adapter_config.json): merge it into the base first (peft's "
-                   "merge_and_unload, then save_pretrained) and give that folder" if adapter else
+                + (f"it is a PEFT adapter ({PEFT_CONFIG}): {PEFT_ADVICE}" if adapter else
                    "all models must share the base's architecture")
             )
         for k, shape in ref.items():
@@ -524,14 +524,15 @@ def same_stored_value(base: Any, theirs: Any) -> bool:
 
     if base.shape != theirs.shape:
         return False
-    if not (base.is_floating_point() and theirs.is_floating_point()) or base.dtype == theirs.dtype:
-        return bool(torch.equal(base, theirs) if base.dtype == theirs.dtype
-                    else torch.equal(base.to(torch.float64), theirs.to(torch.float64)))
-    if {base.dtype, theirs.dtype} == {torch.float16, torch.bfloat16}:
-        return _same_across_half_formats(base, theirs)
-    if torch.finfo(theirs.dtype).eps > torch.finfo(base.dtype).eps:  # saved coarser: the base rounded
-        return bool(torch.equal(base.to(theirs.dtype), theirs))
-    return bool(torch.equal(base.to(torch.float64), theirs.to(torch.float64)))  # saved finer: held exactly
+    if base.dtype == theirs.dtype:
+        return bool(torch.equal(base, theirs))
+    if base.is_floating_point() and theirs.is_floating_point():
+        if {base.dtype, theirs.dtype} == {torch.float16, torch.bfloat16}:
+            return _same_across_half_formats(base, theirs)
+        if torch.finfo(theirs.dtype).eps > torch.finfo(base.dtype).eps:  # saved coarser: the base rounded
+            return bool(torch.equal(base.to(theirs.dtype), theirs))
+    # saved finer (held exactly), or not both floating point: by value
+    return bool(torch.equal(base.to(torch.float64), theirs.to(torch.float64)))
 
 
 def _same_across_half_formats(base: Any, theirs: Any) -> bool:
@@ -548,12 +549,15 @@ def _same_across_half_formats(base: Any, theirs: Any) -> bool:
     finite = np.isfinite(h)
     if not np.array_equal(h[~finite].astype(np.float64), b[~finite]):
         return False
-    h = h[finite]
-    up = (np.nextafter(h, np.float16(np.inf)).astype(np.float64) - h.astype(np.float64)) / 2
-    down = (h.astype(np.float64) - np.nextafter(h, np.float16(-np.inf)).astype(np.float64)) / 2
-    lo = torch.from_numpy(h.astype(np.float64) - down).to(torch.bfloat16).to(torch.float64).numpy()
-    hi = torch.from_numpy(h.astype(np.float64) + up).to(torch.bfloat16).to(torch.float64).numpy()
-    return bool(np.all((lo <= b[finite]) & (b[finite] <= hi)))
+    h, b = h[finite], b[finite]
+    h64 = h.astype(np.float64)
+    up = (np.nextafter(h, np.float16(np.inf)).astype(np.float64) - h64) / 2
+    down = (h64 - np.nextafter(h, np.float16(-np.inf)).astype(np.float64)) / 2
+
+    def in_bf16(x: np.ndarray) -> np.ndarray:
+        return torch.from_numpy(x).to(torch.bfloat16).to(torch.float64).numpy()
+
+    return bool(np.all((in_bf16(h64 - down) <= b) & (b <= in_bf16(h64 + up))))
 
 
 #: buffers ``transformers`` computes itself and no longer stores, which older checkpoints hold (beside
@@ -561,31 +565,28 @@ def _same_across_half_formats(base: Any, theirs: Any) -> bool:
 DERIVED_BUFFERS = ("position_ids", "inv_freq", "masked_bias")
 
 
-def _tied_partners(model: Any) -> dict[str, list[str]]:
+def _tied_partners(model: Any, names: Mapping[str, str]) -> dict[str, list[str]]:
     """Stored name -> the stored names of the other parameters sharing its tensor (tied weights,
-    e.g. ``lm_head.weight`` and the input embeddings)."""
-    names = checkpoint_names(model)
-    groups: dict[int, list[str]] = {}
-    for live, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(names.get(live, live))
+    :func:`~mergeqp.merge.sites.tied_parameters`; ``names``: live -> stored,
+    :func:`~mergeqp.merge.sites.checkpoint_names`)."""
     out: dict[str, list[str]] = {}
-    for group in groups.values():
-        members = list(dict.fromkeys(group))
-        for n in members:
-            if len(members) > 1:
-                out[n] = [m for m in members if m != n]
+    for live, group in tied_parameters(model).items():
+        stored = list(dict.fromkeys(names.get(n, n) for n in group))
+        if len(stored) > 1:
+            me = names.get(live, live)
+            out[me] = [m for m in stored if m != me]
     return out
 
 
-def _ignored_on_load(model: Any) -> Callable[[str], bool]:
+def _ignored_on_load(model: Any, names: Mapping[str, str]) -> Callable[[str], bool]:
     """Whether ``transformers`` ignores a stored tensor of this name when it loads ``model``: one the
     model does not persist that is a non-persistent buffer of it (``position_ids``, ``inv_freq``),
     matches the class's ``_keys_to_ignore_on_load_unexpected`` (GPT-2's causal-mask ``attn.bias``),
-    or ends in one of :data:`DERIVED_BUFFERS`."""
+    or ends in one of :data:`DERIVED_BUFFERS` (``names``: live -> stored)."""
     import re
 
     state = set(model.state_dict())
-    persisted = set(checkpoint_names(model).values()) | state
+    persisted = set(names.values()) | state
     transient = {n for n, _ in model.named_buffers()} - state
     patterns = [re.compile(p) for p in (getattr(type(model), "_keys_to_ignore_on_load_unexpected", None) or ())]
 
@@ -613,8 +614,9 @@ def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model
     (a copy that differs is left for the architecture check to refuse: transformers would load that
     model untied). Before stop 53 such inputs were refused as "another architecture". Returns the
     views and a note per model that needed one."""
-    partners = _tied_partners(model)
-    ignored = _ignored_on_load(model)
+    names = checkpoint_names(model)
+    partners = _tied_partners(model, names)
+    ignored = _ignored_on_load(model, names)
 
     def copy_of(ck: Checkpoint, key: str) -> str | None:
         """The tied partner of ``key`` that ``ck`` stores with the same values, if any."""
@@ -622,6 +624,7 @@ def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model
 
     base_drop = [k for k in base.names() if ignored(k)]
     new_base = base.aligned(drop=base_drop) if base_drop else base
+    base_copy = functools.cache(lambda key: copy_of(new_base, key) is not None)  # read once, not per fine-tune
     notes = ([f"the base stores {listing(base_drop, 3)}, which transformers ignores on load: left out"]
              if base_drop else [])
     out = []
@@ -629,10 +632,9 @@ def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model
         drop = [k for k in ck.names() if k not in new_base and (ignored(k) or copy_of(ck, k) is not None)]
         aliases = {}
         for k in new_base.names():
-            if k not in ck and partners.get(k) and copy_of(new_base, k) is not None:  # the base's copy is a copy
-                present = [p for p in partners[k] if p in ck]
-                if present:
-                    aliases[k] = present[0]
+            present = [p for p in partners.get(k, ()) if p in ck] if k not in ck else []
+            if present and base_copy(k):  # the base's stored tied name is a copy too
+                aliases[k] = present[0]
         if drop or aliases:
             out.append(ck.aligned(drop, aliases))
             what = [f"{listing(drop, 3)} left out (a stored tied copy, or ignored on load)"] if drop else []

@@ -575,6 +575,12 @@ class TrustRegionMode(MergeMode):
                   f"{format_number(tr.get('all_certified'))}. Calibration objective "
                   f"{format_number(start.get('calibration_objective'))} (start) -> "
                   f"{format_number(result.get('calibration_objective'))} (result).")]
+        mu = tr.get("regularisation") or 0.0
+        if mu > 0:  # (stop 54 review: J beside the calibration objective without saying it is another sum)
+            lines += ["", (f"With `regularisation: {format_number(mu)}` the J of the steps below is the calibration "
+                           f"objective plus mu ||D||^2 (D: the coefficients' change from the start), the merit on "
+                           f"which steps are accepted; so is each layer's `objective_after`. The calibration "
+                           f"objectives above and `objective_after_exact` are without it.")]
         if holdout:
             chosen = holdout.get("chosen_step")
             kept = "the start (no accepted step lowered it)" if chosen is None else f"step {chosen + 1}"
@@ -604,6 +610,8 @@ class TrustRegionMode(MergeMode):
         return {"trust_region": {
             "options": self.check_options(ctx.settings.mode_options).model_dump(),  # type: ignore[union-attr]
             "constraints": list(ctx.settings.constraints),
+            # mu of the penalty mu ||D||^2 that the steps' J (and the layer records' objective_after) include
+            "regularisation": ctx.settings.regularisation,
             "start": {"calibration_objective": before["calibration_objective"],  # D = 0: the model run began with
                       "heldout_mse": before["heldout_mse"]},
             "result": {"calibration_objective": merged["calibration_objective"],

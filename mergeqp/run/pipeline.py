@@ -695,14 +695,31 @@ class _Run:
             del model, stand_in
             _collect_if_held(alive)  # before the fine-tunes load
 
+    def _held_out_start(self, model: Any, name: str, fit: dict[str, Any], full: dict[str, Any],
+                        holdout: float) -> HeldOutStart:
+        """The start ``name`` (fitted to calibration data) as the trust region's early stopping
+        needs it: ``fit`` its tensors fitted without the mode's held-out batches, ``full`` on every
+        batch (what ``model`` holds now)."""
+        self.notes.append(f"start {name}: the trust region's early stopping ran from {name} fitted without its "
+                          f"held-out batches (the last {holdout:g} of each task's), the refit from {name} fitted "
+                          f"on every batch")
+        return HeldOutStart(name, lambda: _load_into(model, fit), lambda: _load_into(model, full))
+
     def qp(self) -> MergeResult:
         plan, cfg, device, say = self.plan, self.cfg, self.device, self.say
         m = cfg.method
         self._check_first_design()
-        collector = None
+        collector = held_collector = None
+        start_holdout = 0.0
         if statistics_method(cfg) is not None:  # a hybrid start with statistics: those of every tensor
             assert m.start is not None
             collector = statistics_collector(plan, m.start.name, m.start.params, plan.float_keys(), say)
+            # a mode that holds batches out from its start (trust region with refit): the start is
+            # also fitted without them, as start: auto's winner is (before stop 54 early stopping
+            # scored a RegMean / Fisher start on batches that start had been fitted to)
+            start_holdout = get_merge_mode(m.mode).start_holdout(m.mode_options)
+            if start_holdout > 0:
+                held_collector = statistics_collector(plan, m.start.name, m.start.params, plan.float_keys(), say)
         auto = _AutoStart(self, parse_auto_params(m.start.params)) if is_auto_start(m.start) else None
         # rows+baselines atoms of baselines with calibration statistics: collected on the sites' tensors
         site_keys = plan.site_keys()
@@ -711,8 +728,11 @@ class _Run:
         # the batches on which the mode chooses (the trust region's early stopping) are not seen by the atoms
         atom_holdout = get_merge_mode(m.mode).selection_holdout(m.mode_options) if atom_collectors else 0.0
         atom_visitors = [_fit_part(c, atom_holdout) for c in atom_collectors]
-        visitors = [v for v in (auto.visit if auto is not None else collector, *atom_visitors) if v is not None]
-        lazy_models = self._lazy_fine_tunes([*atom_collectors, *([collector] if collector is not None else []),
+        start_visitor = (auto.visit if auto is not None else
+                         _with_fit_part(collector, held_collector, start_holdout) if held_collector is not None
+                         else collector)
+        visitors = [v for v in (start_visitor, *atom_visitors) if v is not None]
+        lazy_models = self._lazy_fine_tunes([*atom_collectors, *(c for c in (collector, held_collector) if c is not None),
                                              *(auto.all_collectors() if auto is not None else [])])
         tasks = prepare_tasks(plan, self.spec, self.eval_spec, self.dtype, device, say, visit=_visit_all(visitors),
                               lazy=lazy_models, notes=self.notes)
@@ -769,6 +789,10 @@ class _Run:
                 else:
                     start_overrides = baseline_merge(plan, m.start.name, m.start.params, floats)
                 _load_into(model, start_overrides)
+                if held_collector is not None:
+                    ctx = dataclasses.replace(ctx, held_out_start=self._held_out_start(
+                        model, m.start.name, held_collector.merge(plan, floats, DEFAULT_CHUNK_BYTES),
+                        start_overrides, start_holdout))
                 before = evaluate_model(model)
                 start_eval = ModelEvaluation(**before, method=m.start.name, params=m.start.params,
                                              seconds=time.perf_counter() - t,
@@ -1200,6 +1224,17 @@ def _lazy_note(base: dict[str, Any], finetunes: Sequence[dict[str, Any]]) -> str
         note += (f"; each fine-tuned model ran with all {finetunes[0]['lazy_blocks']} blocks on disk "
                  f"({max(f['resident_bytes'] for f in finetunes) / mib:.1f} MiB resident)")
     return note
+
+
+def _with_fit_part(full: StatisticsCollector, part: StatisticsCollector, holdout: float
+                   ) -> Callable[[int, str, Any, list[Any]], None]:
+    """One visitor filling ``full`` with each task's calibration batches and ``part`` with them but
+    the last :func:`holdout_count` (``holdout``), each batch's statistics computed once where they pool."""
+
+    def visit(index: int, name: str, model: Any, batches: list[Any]) -> None:
+        keep = len(batches) - holdout_count(len(batches), holdout)
+        _AutoStart._collect([full, part], [list(range(len(batches))), list(range(keep))], index, name, model, batches)
+    return visit
 
 
 def _fit_part(visit: Callable[[int, str, Any, list[Any]], None], holdout: float

@@ -1149,6 +1149,11 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             holdout_notes.append(
                 f"models[{name}]: holdout {int(spec)} of {n} prompts would leave none for the "
                 f"statistics; {held} held out, {n - held} used for calibration")
+        elif cfg.evaluate and held == 0 and n > 0 and float(spec) > 0:
+            # (stop 54 review: 1-3 prompts under the default 0.25 gave an empty held-out evaluation, silently)
+            holdout_notes.append(
+                f"models[{name}]: holdout {spec:g} of {n} prompt(s) is none: no held-out metric for this task "
+                f"(more prompts, or calibration.holdout as a count, e.g. 1)")
         tasks.append(TaskPlan(name, str(ck.path), str(path), n, n - held, held, entry.weight,
                               **_head_fields(cfg, entry, heads[i], src.label_field)))
 
@@ -1399,9 +1404,13 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
                      f"collects them for those that do)")
             out[label] = fits * _statistics_bytes(plan, need.name, plan.float_keys())
     elif mode.uses_start and m.start is not None:
-        out["start merge (all tensors)"] = plan.base.total_bytes
+        # a start fitted to data is also fitted without the batches the mode holds out from it
+        held = stats_method is not None and mode.start_holdout(m.mode_options) > 0
+        out["start merge (all tensors" + (", and its fit without the held-out batches)" if held else ")")] = (
+            (2 if held else 1) * plan.base.total_bytes)
         if stats_method is not None:
-            out[f"{stats_method} statistics (all tensors)"] = _statistics_bytes(plan, stats_method, plan.float_keys())
+            out[f"{stats_method} statistics (all tensors" + (", 2 fits)" if held else ")")] = (
+                (2 if held else 1) * _statistics_bytes(plan, stats_method, plan.float_keys()))
     site_keys = plan.site_keys()
     for name, _ in statistics_baselines(m.baseline_choices):
         out[f"{name} statistics (baseline atoms)"] = _statistics_bytes(plan, name, site_keys)

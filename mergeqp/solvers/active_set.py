@@ -145,6 +145,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.fine = False
         self._few_changes = False
         self._singular = False
+        self._ill_size = (0.0, math.inf)
+        #: ``(grad, s)``: the linear minimiser of the last gradient :meth:`gap` was taken at
+        self._lmo: tuple[np.ndarray, np.ndarray | None] | None = None
         #: proximal term ``rho/2 ||x - xc||^2`` added to J in the face solves (0: plain J)
         self.rho = 0.0
         self.xc = np.zeros(self.n)
@@ -178,8 +181,10 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         """The Frank-Wolfe gap ``max_{s in C} grad'(x - s)``. On an unbounded box, where it is
         infinite, the gap over ``C`` intersected with the cube of half-width
         ``max(1, |x|_inf)`` around ``x`` (a stopping rule, not a bound: the certificate
-        then uses a Lagrangian gap)."""
-        sv = support_value(self.st, grad)
+        then uses a Lagrangian gap). Keeps the linear minimiser for :meth:`rounding_floor` at the
+        same ``grad``."""
+        sv, s_min = lmo_structure(self.st, grad)
+        self._lmo = (grad, s_min)
         if math.isfinite(sv):
             return float(grad @ x - sv)
         R = max(1.0, float(np.max(np.abs(x), initial=0.0)))
@@ -250,11 +255,19 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         """The certificate's scale ``max(|J|, 1e-8 (|c| + |x'Hx|/2 + |g'x|))``."""
         return max(abs(J), 1e-8 * self.term_scale(x, grad), np.finfo(float).tiny)
 
-    def rounding_floor(self, x: np.ndarray) -> float:
-        """A bound on the rounding error of the float64 gap at ``x``: each gradient entry is
-        off by ~``sqrt(n) eps (|g|_inf + max_ij |H_ij x_j|)`` (``curvature_reach``), times ``|x - s|_1``. Below it
-        the gap cannot be reduced (interpolating problems, where J* ~ 0, end there)."""
+    def rounding_floor(self, x: np.ndarray, grad: np.ndarray) -> float:
+        """The rounding error of the float64 gap at ``x`` that the certificate allows: each
+        gradient entry is off by ~``sqrt(n) eps (|g|_inf + max_ij |H_ij x_j|)``
+        (``curvature_reach``), times ``|x - s|_1`` (``s`` the linear minimiser of ``grad``), times
+        the certificate's factor and its 2 (``Certificate.at_rounding_floor``). Below it the gap
+        cannot be reduced (interpolating problems, where J* ~ 0, end there). Before stop 54 the
+        width was the looser ``|x|_1 + max |s|_1``: a solve ended above the certificate's floor,
+        uncertified, and ``auto`` paid for a second solver."""
         err = gradient_rounding(self.n, self.g_inf, *curvature_reach(self.sqrt_diag, x))
+        last = self._lmo
+        s = last[1] if last is not None and last[0] is grad else lmo_structure(self.st, grad)[1]
+        if s is not None and np.all(np.isfinite(s)):
+            return 2.0 * GAP_ROUNDING_FACTOR * err * float(np.sum(np.abs(x - s)))
         width = float(np.sum(np.abs(x))) + self.s_bound
         if not math.isfinite(width):  # unbounded box: the local gap's cube
             width = float(np.sum(np.abs(x))) + self.n * max(1.0, float(np.max(np.abs(x), initial=0.0)))
@@ -334,7 +347,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             face = new_face
 
         def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
-            return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x)
+            return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x, grad)
 
         if converged(best_J, last_gap, best_x, grad):
             return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)

@@ -34,7 +34,9 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
     ``try_plain=False`` skips the plain Cholesky (the caller knows it fails). ``scale``: the
     problem's curvature scale (max diag H); the ridge is relative to ``max(max diag M, scale)``
     so that a face whose curvature is all rounding noise still factorises.
-    Returns ``(y, method)``."""
+    Returns ``(y, method)``: ``method`` is ``"cholesky (ridged)"`` when ``try_plain=False`` and the
+    ridged factor shows that ``M`` was well posed after all (every pivot^2 above 4x the ridge, so
+    the plain factor's above ~3x it), else ``"ridge+refinement"``."""
     p = rhs.shape[0]
     if p == 0:
         return np.zeros(0), "empty"
@@ -49,14 +51,19 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
         except np.linalg.LinAlgError:
             pass
     eps = ridge * max(top, scale)
+    diag = np.diag_indices(p)
     for _ in range(6):
+        Mr = M.copy()
+        Mr[diag] += eps
         try:
-            fac = sla.cho_factor(M + eps * np.eye(p), lower=False, check_finite=False)
+            fac = sla.cho_factor(Mr, lower=False, check_finite=False, overwrite_a=True)
             break
         except np.linalg.LinAlgError:
             eps *= 100.0
     else:
         raise SolverError("active_set: could not factorise the reduced Hessian even with a ridge")
+    del Mr
+    well_posed = not try_plain and float(np.min(np.abs(np.diag(fac[0])))) ** 2 > 4.0 * eps
     y = np.zeros(p)
     res = rhs.copy()
     r0 = float(np.linalg.norm(rhs)) or 1.0
@@ -68,7 +75,7 @@ def solve_psd(M: np.ndarray, rhs: np.ndarray, ridge: float = 1e-10, refine: int 
         if nr <= rtol * (r0 + top * float(np.linalg.norm(y))) or nr > 0.999 * prev:
             break
         prev = nr
-    return y, "ridge+refinement"
+    return y, "cholesky (ridged)" if well_posed else "ridge+refinement"
 
 
 def _robust_cholesky(S: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -104,6 +111,8 @@ class FaceFactorisation:
     _factor: dict[str, Any] | None
     _few_changes: bool
     _singular: bool
+    #: ``(rho, size)``: the smallest face (at that ``rho``) whose reduced matrix did not factorise
+    _ill_size: tuple[float, float]
 
     def face_solve(self, face: _Face, x_prev: np.ndarray, cg_steps: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Minimise ``J(x) + rho/2 ||x - xc||^2`` (``rho = self.rho``, usually 0) over the affine
@@ -229,6 +238,7 @@ class FaceFactorisation:
             return M
 
         ident = (N, piv_of_N, w_full)
+        known_ill = self._holds_ill_face(N)
         if self._factor is not None:
             apply = self._bordered(ident)
             if apply is not None:
@@ -243,7 +253,7 @@ class FaceFactorisation:
         tail = changed < float(self.opts["update_ratio"]) * N.size
         self.inexact_ok = changed > 0.25 * N.size
         self._singular = False
-        if self.use_mixed(N.size) and not tail:
+        if self.use_mixed(N.size) and not tail and not known_ill:
             apply = self._factorise(gather, np.float32, ident)
             if apply is not None:
                 # far from the final face one float32 solve is accurate enough to find the next
@@ -254,20 +264,37 @@ class FaceFactorisation:
                     return res
             self._factor = None
         M = gather(H)
-        if not self._singular:  # (a zero pivot in float32 is one in float64 too)
+        ill = self._singular
+        if not (self._singular or known_ill):  # (a zero pivot in float32 is one in float64 too)
             apply = self._factorise(lambda _src: M, np.float64, ident, copy=True)
             if apply is not None:
                 res = self._refine(apply, reduced, expand, x, grad)
                 if res is not None:
                     self.solve_methods.add("cholesky")
                     return res
+            ill = ill or apply is None
+        if ill:
+            self._ill_size = (self.rho, min(N.size, self._ill_size[1]) if self.rho <= self._ill_size[0] else N.size)
         self._factor = None
         rtol = 1e-14 if self.fine or self._few_changes else 1e-10
         y, method = solve_psd(M, -reduced(grad), self.opts["ridge"], self.opts["refine_steps"], try_plain=False,
                               rtol=rtol, scale=self.eta)
+        if known_ill and method == "cholesky (ridged)":
+            self._ill_size = (self._ill_size[0], N.size + 1)  # presumed wrongly: try the plain factors again
         self.solve_methods.add(method)
         dx = expand(y)
         return x + dx, grad + self.inner_step(dx)
+
+    def _holds_ill_face(self, N: np.ndarray) -> bool:
+        """Whether the face ``N`` is presumed not to factorise in float64: it is no smaller than
+        the smallest face that did not (at no smaller ``rho``). A singular H (more unknowns than
+        samples x outputs) makes every face larger than its rank singular, and PDAS moves
+        between such faces; the plain Cholesky attempts (float32, then float64: each about a
+        factorisation, then failing) are skipped for the ridged solve they would end in. A
+        wrong presumption costs a ridged factorisation instead of a plain one (the same
+        minimiser) and is undone when the ridged factor shows a well-posed matrix."""
+        rho, size = self._ill_size
+        return self.rho <= rho and N.size >= size
 
     def float32_hessian(self) -> np.ndarray:
         """``H`` in float32 (``(n, n)``), made once per H array (shared through

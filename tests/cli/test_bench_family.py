@@ -91,3 +91,17 @@ def test_a_family_variant_runs_from_the_command_line(capsys: pytest.CaptureFixtu
     rows = json.loads(out.read_text())["rows"]
     assert [r["problem"] for r in rows] == [spec, "simplex"]
     assert all(r["certified"] and abs(r["vs_reference"]) <= 1e-9 for r in rows)
+
+
+def test_an_interpolating_instance_is_marked_at_its_rounding_floor(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path) -> None:
+    """(stop 54) J* ~ 0 (a rank-40 H, its targets reachable inside the box): no float64 solve
+    certifies a relative gap of 1e-8 there; the table says ``flr`` (optimal to float64 precision,
+    what ``solve`` accepts) instead of ``NO``, and the JSON row says ``at_rounding_floor``."""
+    out = tmp_path / "i.json"
+    assert main(["bench", "--family", "box_singular:c=2:N=20", "--n", "512", "--solvers", "active_set",
+                 "--clock", "cpu", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert not row["certified"] and row["at_rounding_floor"]
+    assert abs(row["objective"]) <= 1e-12
+    assert " flr " in capsys.readouterr().out

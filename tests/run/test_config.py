@@ -526,6 +526,18 @@ def test_a_holdout_count_above_the_prompts_is_clamped_with_a_note(fam, tmp_path,
     assert "holdout 500" in plan.render()
 
 
+def test_a_holdout_fraction_that_holds_out_nothing_is_noted(fam, tmp_path, no_weights):
+    """calibration.holdout 0.01 of a few prompts is 0 prompts: the held-out evaluation of those
+    tasks is empty, and the plan says so (a review found it silent with 1-2 prompts per task)."""
+    from mergeqp.run.plan import build_plan
+
+    plan = build_plan(_cfg(fam, tmp_path, calibration={"holdout": 0.01}))
+    assert all(t.n_heldout == 0 for t in plan.tasks)
+    assert any("holdout 0.01" in n and "no held-out metric" in n for n in plan.notes)
+    plan = build_plan(_cfg(fam, tmp_path, calibration={"holdout": 0.5}))
+    assert not any("no held-out metric" in n for n in plan.notes)
+
+
 @pytest.mark.parametrize("changes, fragment", [
     ({"method": {"name": "qp", "constraints": ["box:0,0.1", "simplex"]}}, "is empty"),
     ({"method": {"name": "qp", "constraints": ["box:0,1", "sign:2"]}}, "density must lie in (0, 1]"),

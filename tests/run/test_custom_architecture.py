@@ -124,3 +124,27 @@ def test_auto_early_stopping_holds_its_batches_out_of_a_fitted_start(mlps):
     assert res.start_objective == pytest.approx(full_error, rel=1e-9)
     assert res.objective <= full_error * (1 + 1e-9)
     assert any("held-out batches" in n and "regmean" in n for n in res.report["notes"])
+
+
+def test_an_explicit_fitted_start_is_held_out_from_early_stopping_too(mlps):
+    """``start: regmean`` written out (not chosen by ``auto``) with the trust region's held-out
+    batches: early stopping scores RegMean fitted on the first 12 inputs of each task, as for
+    ``auto`` (before stop 54 it scored RegMean fitted on all 16, held-out batch included: a
+    review found the held-out objective at the start equal to the full fit's); the result is
+    never worse than RegMean fitted on all 16."""
+    base, fts, calib = mlps
+    method = {"name": "qp", "mode": "trust_region", "start": {"name": "regmean", "params": {"alpha": 0.9}},
+              "mode_options": {"holdout": 0.25, "refit": True}}
+    res = auto_merge(base, fts, ["a", "b", "c"], calib, ["layer2"], method=method, batch_size=4)
+    held = res.report["trust_region"]["holdout"]
+    fit, out = [x[:12] for x in calib], [x[12:] for x in calib]
+    clean = _regmean_model(MnistConfig(regmean_alpha=0.9), base, fts, fit)
+    assert held["validation_start"] == pytest.approx(calibration_error(clean, out, calibration_targets(fts, out)),
+                                                     rel=1e-9)
+    full = _regmean_model(MnistConfig(regmean_alpha=0.9), base, fts, calib)
+    full_error = calibration_error(full, calib, calibration_targets(fts, calib))
+    leaked = calibration_error(full, out, calibration_targets(fts, out))
+    assert abs(held["validation_start"] - leaked) > 1e-6 * leaked  # not the full fit's
+    assert res.start_objective == pytest.approx(full_error, rel=1e-9)
+    assert res.objective <= full_error * (1 + 1e-9)
+    assert any("held-out batches" in n and "start regmean" in n for n in res.report["notes"])

@@ -249,3 +249,85 @@ def test_low_rank_weak_ridge_instances_certify(case) -> None:
     sol = solve(inst.problem, inst.constraints, solver="active_set", rel_tol=1e-8)
     assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor, sol.certificate.explain()
     assert sol.objective == pytest.approx(inst.objective, rel=1e-8, abs=1e-9 * abs(inst.problem.c))
+
+
+# ---------------------------------------------------------------------- stop 54: floors and ill faces
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 4), st.integers(2, 20), st.sampled_from(["box", "simplex", "l1"]), st.integers(0, 10_000))
+def test_stopping_floor_is_the_certificates(K: int, m: int, kind: str, seed: int) -> None:
+    """active_set stops on the rounding floor that the certificate accepts (``at_rounding_floor``:
+    twice its rounding estimate), never a looser one: before stop 54 its width ``|x|_1 + max|s|_1``
+    let a solve of an interpolating problem at n = 3072 end at a gap 1.15x the certificate's
+    floor, uncertified, and ``auto`` then solved it again with ``dense_ipm`` (twice the time)."""
+    rng = np.random.default_rng(seed)
+    n = K * m
+    B = rng.standard_normal((n, max(1, n // 3)))
+    p = MergeQP(B @ B.T, rng.standard_normal(n), 1.0, shape=(K, m))
+    cset = {"box": Box(0, 1), "simplex": Simplex(), "l1": L1Ball(0.3 * n)}[kind]
+    st_ = A.set_structure(cset, p.shape)
+    e = A._Engine(p, cset, st_, dict(A.ActiveSetSolver.defaults))
+    x = e.project(rng.uniform(-1, 2, n))
+    cert = certify(p, cset, x.reshape(p.shape))
+    grad = p.H @ x + p.g
+    assert cert.rounding > 0
+    assert e.rounding_floor(x, grad) <= 2.0 * cert.rounding * (1 + 1e-9)
+    assert e.rounding_floor(x, grad) >= 2.0 * cert.rounding * (1 - 1e-9) or kind == "l1"
+
+
+def test_solve_psd_tells_a_well_posed_matrix() -> None:
+    """Without the plain attempt, the ridged factor still says whether M was well posed (the
+    active-set solver then stops presuming larger faces singular)."""
+    rng = np.random.default_rng(2)
+    V = rng.standard_normal((8, 8))
+    M = V @ V.T + np.eye(8)
+    rhs = rng.standard_normal(8)
+    y, method = A.solve_psd(M, rhs, try_plain=False)
+    assert method == "cholesky (ridged)"
+    assert np.linalg.norm(M @ y - rhs) <= 1e-10 * np.linalg.norm(rhs)
+    W = rng.standard_normal((8, 3))
+    y, method = A.solve_psd(W @ W.T, W @ W.T @ rhs, try_plain=False)
+    assert method == "ridge+refinement"
+
+
+def test_faces_no_smaller_than_a_singular_one_skip_the_plain_factors() -> None:
+    """On a singular H (rank 12 of 60), once a face's reduced matrix failed to factorise, faces at
+    least as large go straight to the ridged solve (no float32 / float64 attempt), with the same
+    minimiser as a fresh engine that attempts them; a smaller, well-posed face is factorised."""
+    rng = np.random.default_rng(5)
+    K, m, rank = 3, 20, 12
+    n = K * m
+    B = rng.standard_normal((n, rank))
+    p = MergeQP(B @ B.T, B @ rng.standard_normal(rank), shape=(K, m))
+    st_ = A.set_structure(Box(0, 1), p.shape)
+    opts = dict(A.ActiveSetSolver.defaults, precision="float64")
+
+    def engine() -> A._Engine:
+        e = A._Engine(p, Box(0, 1), st_, opts)
+        e.fine = True
+        return e
+
+    attempts: list[int] = []
+    e = engine()
+    original = e._factorise
+
+    def counting(*args, **kwargs):
+        attempts.append(1)
+        return original(*args, **kwargs)
+
+    e._factorise = counting  # type: ignore[method-assign]
+    x0 = np.full(n, 0.5)
+    big = A._Face(np.where(rng.random(n) < 0.2, A.LO, A.FREE).astype(np.int8), None, False)
+    e.face_solve(big, x0)
+    assert len(attempts) == 1 and "ridge+refinement" in e.solve_methods  # tried, failed, ridged
+    other = big.status.copy()  # another face, not a superset: 2 coefficients leave, 4 join
+    other[rng.choice(np.flatnonzero(big.status == A.FREE), 2, replace=False)] = A.LO
+    other[rng.choice(np.flatnonzero(big.status == A.LO), 4, replace=False)] = A.FREE
+    e._factor = None  # no bordered update from an earlier factor
+    x_skip, _ = e.face_solve(A._Face(other, None, False), x0)
+    assert len(attempts) == 1  # presumed singular: no plain attempt
+    x_fresh, _ = engine().face_solve(A._Face(other, None, False), x0)
+    assert np.max(np.abs(x_skip - x_fresh)) <= 1e-8 * (1 + np.max(np.abs(x_fresh)))
+    small = np.full(n, A.LO, dtype=np.int8)
+    small[rng.choice(n, rank // 2, replace=False)] = A.FREE  # 6 free coefficients: well posed
+    e.face_solve(A._Face(small, None, False), x0)
+    assert len(attempts) == 2 and "cholesky" in e.solve_methods

@@ -45,6 +45,11 @@ SOLVERS: dict[str, QPSolver] = {}
 #: certified a QP times 1e-10 that Clarabel and OSQP did not, and takes sets they are slow on)
 AUTO_FALLBACKS: tuple[str, ...] = ("clarabel", "dense_ipm", "osqp")
 AUTO_FALLBACK_MAX_N = 4096
+#: above :data:`AUTO_FALLBACK_MAX_N` and up to this many variables, only ``dense_ipm`` is tried (its
+#: cost is a few tens of dense Cholesky factorisations, where Clarabel's sparse KKT matrix of a dense
+#: H and OSQP's iterations are not; stop 54: an interpolating box QP at n = 4608 that ``active_set``
+#: left at 10x its rounding floor was returned uncertified, where ``dense_ipm`` certified it in 11 s)
+AUTO_DENSE_FALLBACK_MAX_N = 8192
 
 
 def register_solver(solver: QPSolver) -> None:
@@ -360,7 +365,8 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                    checked: bool = False) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try
     :data:`AUTO_FALLBACKS`, then the other registered solvers that take the problem and set
-    (:func:`_fallback_order`; up to :data:`AUTO_FALLBACK_MAX_N` variables) until one settles, and keep
+    (:func:`_fallback_order`; up to :data:`AUTO_FALLBACK_MAX_N` variables, above it up to
+    :data:`AUTO_DENSE_FALLBACK_MAX_N` ``dense_ipm`` alone, where it does not decline) until one settles, and keep
     the best certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
     tried: list[dict[str, Any]] = []
     candidates: list[Solution] = []
@@ -371,8 +377,12 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                       "certified": first.certificate.certified(rel_tol)})
     else:
         tried.append({"solver": first_name, "error": str(error)})
-    if problem.n <= AUTO_FALLBACK_MAX_N:
-        for name in _fallback_order(problem, cset, first_name):
+    if problem.n <= AUTO_DENSE_FALLBACK_MAX_N:
+        order = _fallback_order(problem, cset, first_name)
+        if problem.n > AUTO_FALLBACK_MAX_N:
+            order = [name for name in order if name == "dense_ipm"
+                     and _passes_over(SOLVERS[name], problem, cset) is None]
+        for name in order:
             if name not in AUTO_FALLBACKS and any(c.certificate.feasible for c in candidates if c.certificate):
                 break  # the other solvers are the last resort for a point inside the set
             alt = SOLVERS[name]

@@ -331,3 +331,22 @@ def test_faces_no_smaller_than_a_singular_one_skip_the_plain_factors() -> None:
     small[rng.choice(n, rank // 2, replace=False)] = A.FREE  # 6 free coefficients: well posed
     e.face_solve(A._Face(small, None, False), x0)
     assert len(attempts) == 2 and "cholesky" in e.solve_methods
+
+
+def test_a_wandering_at_zero_objective_ends_sooner(monkeypatch) -> None:
+    """J* = 0 (rank <= 10 of 768): once J is within its own rounding of 0 it cannot fall, and faces
+    that do not halve the gap end the solve after a third of the usual wait (stop 54: at n = 4608
+    such a solve wandered 44 faces of ~3,000 free coefficients at 10x its floor before giving up).
+    Here every gap is raised by 1e-6 so that no face reaches the floor, as there."""
+    from mergeqp.solvers.instance_families import draw
+
+    inst = draw("box_singular:c=1:N=10:K=6", 1, 768)
+    gap = A._Engine.gap
+    monkeypatch.setattr(A._Engine, "gap", lambda self, x, grad: gap(self, x, grad) + 1e-6)
+    faces = {}
+    for divisor in (1, 3):
+        monkeypatch.setattr(A, "AT_ZERO_WAIT_DIVISOR", divisor)
+        sol = solve(inst.problem, inst.constraints, solver="active_set")
+        assert sol.status.value == "inaccurate" and abs(sol.objective) <= 1e-12
+        faces[divisor] = sol.info["face_iterations"]
+    assert faces[3] + 10 <= faces[1]

@@ -355,3 +355,25 @@ def test_auto_falls_back_to_dense_ipm_first_from_n_128(random_psd_problem, monke
     assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set", "dense_ipm"]
     assert sol.solver == "dense_ipm" and sol.certificate.certified()
     assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
+
+
+def test_above_the_fallback_size_auto_still_tries_dense_ipm(random_psd_problem, monkeypatch) -> None:
+    """(stop 54) Above AUTO_FALLBACK_MAX_N (4096) auto returned its choice's uncertified point
+    without trying anything (an interpolating box QP at n = 4608 that dense_ipm certifies in 11 s);
+    up to AUTO_DENSE_FALLBACK_MAX_N it now tries dense_ipm alone (Clarabel and OSQP are minutes on
+    a dense H that large); above that, nothing, as before. The sizes are lowered here."""
+    from mergeqp.solvers import registry
+
+    problem = random_psd_problem(np.random.default_rng(2), 4, 40, 60)  # n = 160
+    reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
+    _broken_active_set(monkeypatch, "wrong point")
+    monkeypatch.setattr(registry, "AUTO_FALLBACK_MAX_N", 100)
+    monkeypatch.setattr(registry, "AUTO_DENSE_FALLBACK_MAX_N", 200)
+    sol = solve(problem, Box(0.0, 1.0))
+    assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set", "dense_ipm"]
+    assert sol.solver == "dense_ipm" and sol.certificate.certified()
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
+    monkeypatch.setattr(registry, "AUTO_DENSE_FALLBACK_MAX_N", 150)
+    sol = solve(problem, Box(0.0, 1.0))
+    assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set"]
+    assert sol.solver == "active_set" and not sol.certificate.certified()

@@ -111,7 +111,9 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
     not_real = [k for k, v in tensors.items() if not (np.issubdtype(np.asarray(v).dtype, np.number)
                                                       and not np.iscomplexobj(v))]
     if weight.ndim != 2 or weight.shape[0] < 2 or weight.shape[1] < 1 or "weight" in not_real:
-        raise ValidationError(f"{what}: {p}: weight has shape {weight.shape} and type {weight.dtype}; expected "
+        # (its dtype only when it is not real: real tensors were read as float64 above, whatever they held)
+        kind = f" and type {weight.dtype}" if "weight" in not_real else ""
+        raise ValidationError(f"{what}: {p}: weight has shape {weight.shape}{kind}; expected "
                               f"(classes >= 2, features) real numbers")
     bias = None
     if "bias" in tensors:

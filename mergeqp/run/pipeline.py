@@ -1066,7 +1066,7 @@ class _AutoStart:
             fits.append(list(range(n - holdout_count(n, self.mode_holdout))))
         for key, per_split in list(self.collectors.items()):
             try:
-                self._collect(per_split, fits, index, name, model, batches)
+                _collect_fits(per_split, fits, index, name, model, batches)
             except Interrupted:
                 raise
             except MergeQPError as exc:
@@ -1076,19 +1076,6 @@ class _AutoStart:
                 del self.collectors[key]
                 self.run.say(f"start auto: {per_split[0].name} statistics skipped: {exc}")
 
-    @staticmethod
-    def _collect(per_split: Sequence[StatisticsCollector], fits: Sequence[Sequence[int]], index: int, name: str,
-                 model: Any, batches: list[Any]) -> None:
-        """One candidate's statistics of one fine-tune for every fit (pooled where they pool)."""
-        first = per_split[0]
-        if first.poolable:  # each batch's statistics once, pooled per fit
-            parts = first.batch_parts(name, model, batches)
-            for collector, fit in zip(per_split, fits):
-                collector.pool(index, name, [parts[j] for j in fit])
-                collector.notes.extend(n for n in first.notes if n not in collector.notes)
-            return
-        for collector, fit in zip(per_split, fits):
-            collector(index, name, model, [batches[j] for j in fit])
 
     def _splits(self, tasks: Sequence[TaskTargets]) -> list[tuple[list[TaskTargets], list[TaskTargets]]]:
         """``(fit tasks, held-out tasks)`` per split (tasks without a batch there left out)."""
@@ -1226,6 +1213,21 @@ def _lazy_note(base: dict[str, Any], finetunes: Sequence[dict[str, Any]]) -> str
     return note
 
 
+def _collect_fits(per_split: Sequence[StatisticsCollector], fits: Sequence[Sequence[int]], index: int, name: str,
+                  model: Any, batches: list[Any]) -> None:
+    """One method's statistics of one fine-tune for every fit (``per_split[i]`` on the batches
+    ``fits[i]``; each batch computed once and pooled per fit where the statistics pool)."""
+    first = per_split[0]
+    if first.poolable:
+        parts = first.batch_parts(name, model, batches)
+        for collector, fit in zip(per_split, fits):
+            collector.pool(index, name, [parts[j] for j in fit])
+            collector.notes.extend(n for n in first.notes if n not in collector.notes)
+        return
+    for collector, fit in zip(per_split, fits):
+        collector(index, name, model, [batches[j] for j in fit])
+
+
 def _with_fit_part(full: StatisticsCollector, part: StatisticsCollector, holdout: float
                    ) -> Callable[[int, str, Any, list[Any]], None]:
     """One visitor filling ``full`` with each task's calibration batches and ``part`` with them but
@@ -1233,7 +1235,7 @@ def _with_fit_part(full: StatisticsCollector, part: StatisticsCollector, holdout
 
     def visit(index: int, name: str, model: Any, batches: list[Any]) -> None:
         keep = len(batches) - holdout_count(len(batches), holdout)
-        _AutoStart._collect([full, part], [list(range(len(batches))), list(range(keep))], index, name, model, batches)
+        _collect_fits([full, part], [list(range(len(batches))), list(range(keep))], index, name, model, batches)
     return visit
 
 

@@ -11,6 +11,7 @@ and from tensor files alike; configs and files that cannot work refused, naming 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -285,6 +286,17 @@ def test_labels_from_a_tensor_file(encoder, tmp_path):
         model = load_model(build_plan(cfg).base, root / "base", torch.float64, "cpu")
         objectives.append([squared_error(model, t.calibration, spec, "cpu")[0] for t in tasks])
     assert objectives[1] == pytest.approx(objectives[0], rel=1e-12)
+    # a label beyond the head's classes names the file and the sample (stop 54 review: the file was
+    # not named, where the .jsonl version of the error gives path:line)
+    bad = tensor_models[0]["calibration"]["path"]
+    from safetensors.torch import load_file
+
+    data = load_file(bad)
+    data["y"][3] = 9
+    save_file(data, bad)
+    with pytest.raises(ConfigError, match=rf"{re.escape(bad)}: class label 9 \(sample 3, counted from 0\)"):
+        build_plan(write(encoder, tmp_path / "t.yml", method, models=tensor_models,
+                         calibration={"max_length": 12, "batch_size": 16, "holdout": 0}))
 
 
 def test_classification_configs_that_cannot_work_are_refused(encoder, tmp_path):
@@ -369,6 +381,10 @@ def test_head_and_label_files_of_every_kind(tmp_path):
             read_head(tmp_path / name, "models[x].head")
     with pytest.raises(ValidationError, match=r"models\[x\].head: .* is a folder; give the file in it"):
         read_head(tmp_path, "models[x].head")
+    save_file({"weight": torch.ones(16, dtype=torch.float32)}, str(tmp_path / "flat.safetensors"))
+    with pytest.raises(ValidationError) as err:  # (stop 54 review: it said "type float64" of a float32 file)
+        read_head(tmp_path / "flat.safetensors")
+    assert "weight has shape (16,); expected" in str(err.value) and "float64" not in str(err.value)
     save_file({"weight": torch.zeros(5, 3), "bias": torch.zeros(3)}, str(tmp_path / "t.safetensors"))
     with pytest.raises(ValidationError, match=r"the weight looks transposed: \(features, classes\) = \(5, 3\)"):
         read_head(tmp_path / "t.safetensors")

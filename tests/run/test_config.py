@@ -604,3 +604,17 @@ def test_a_baseline_given_a_module_gets_the_module_hint(fam, tmp_path, no_weight
     module = fam.mlp_layer.rsplit(".", 1)[0]  # e.g. model.layers.1.mlp
     with pytest.raises(ConfigError, match=r"matches no layer or tensor \(.* is a module holding \d+ of them"):
         build_plan(_cfg(fam, tmp_path, method={"name": "soup"}, layers=[module]))
+
+
+def test_a_sketch_no_smaller_than_the_compared_outputs_is_left_out(fam, tmp_path, no_weights):
+    """(stop 54 review) ``output.sketch: 100000`` on a model whose prompts compare a few hundred
+    numbers estimated the statistics with noise at 20x their cost (2 min and 5.7 GB against 5 s):
+    the plan now leaves the sketch out, with a note; a sketch below that count is kept."""
+    from mergeqp.run.plan import build_plan
+
+    plan = build_plan(_cfg(fam, tmp_path, output={"sketch": 100000}))
+    assert plan.sketch_dropped and plan.output_spec().sketch is None
+    assert any("output.sketch 100000 is not below" in n and "computed exactly" in n for n in plan.notes)
+    plan = build_plan(_cfg(fam, tmp_path, output={"sketch": 3}))
+    assert not plan.sketch_dropped and plan.output_spec().sketch == 3
+    assert not any("output.sketch" in n for n in plan.notes)

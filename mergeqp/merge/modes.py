@@ -71,6 +71,9 @@ class MergeMode:
     options: type[BaseModel] | None = None
     origin_feasible: bool = False
     step_bounded: bool = False
+    #: what ``method.regularisation`` pulls toward in this mode, for the plan's description (``None``:
+    #: ``method.reference``, as the QPs of the layer-wise modes use it)
+    regularises_toward: str | None = None
 
     def check_options(self, raw: Mapping[str, Any] | None) -> BaseModel | None:
         """``raw`` (the config's ``method.mode_options``) validated by :attr:`options`; a
@@ -498,6 +501,7 @@ class TrustRegionMode(MergeMode):
     spans_layers = True
     default_constraints = ()
     options = TrustRegionOptions
+    regularises_toward = "the start (D = 0)"
     origin_feasible = True
     step_bounded = True
 

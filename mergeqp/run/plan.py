@@ -240,7 +240,8 @@ class MergePlan:
             options = m.parametrisation_options()
             par = self.parametrisation.describe(options)
             lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
-                         f"regularisation {m.regularisation:g}" + (f" toward {m.reference}" if m.regularisation else ""))
+                         f"regularisation {m.regularisation:g}"
+                         + (f" toward {self.mode.regularises_toward or m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
                 skipped = dict(lazy_skipped(auto, statistics_of, cfg.lazy))
@@ -261,7 +262,8 @@ class MergePlan:
             o = cfg.output
             lines.append(f"  compared output: {o.describe()}")
             if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
-                lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {o.sketch or 'none'}, "
+                sketch = f"{o.sketch} (left out: see the notes)" if self.sketch_dropped else o.sketch or "none"
+                lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {sketch}, "
                              f"jacobian_mode {m.jacobian_mode}")
             lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
             for g in self.groups:

@@ -1234,22 +1234,24 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
 
 def _drop_a_useless_sketch(plan: MergePlan) -> None:
     """Leave ``output.sketch: s`` out, with a note, where a language model's prompts compare at most
-    ``s`` numbers each (positions x compared numbers per position, after restriction and fold): the
-    exact statistics are then cheaper and exact. (Stop 54 review: `sketch: 100000` on a tiny model
+    ``s`` numbers each (positions x compared numbers per position, after restriction, not counting
+    a fold of the head, which the run may refuse): the exact statistics are then cheaper and exact. (Stop 54 review: `sketch: 100000` on a tiny model
     whose prompts compare 192 numbers took 2 minutes and 5.7 GB instead of 5 s, with no word.)"""
     cfg = plan.config
     s = cfg.output.sketch
     if not cfg.method.is_qp or s is None or cfg.output.field != "logits" or not plan.vocab_size:
         return
     spec = plan.output_spec()
-    hidden, folds = _hidden_and_folds(plan, spec)
-    exact = _design_outputs(replace(spec, sketch=None), folds, plan.batch_length, plan.per_position,
-                            hidden)
+    hidden, _ = _hidden_and_folds(plan, spec)
+    # counted unfolded: the run may still refuse to fold the head (a fine-tune that changed it, a
+    # merge site outside the backbone), and then compares every logit (stop 54 review)
+    exact = _design_outputs(replace(spec, sketch=None), False, plan.batch_length, plan.per_position, hidden)
     if s >= exact:
         plan.sketch_dropped = True
         plan.notes.append(f"output.sketch {s} is not below the {exact} numbers each prompt compares at most "
-                          f"({plan.batch_length} positions, after restriction and fold): the statistics are "
-                          f"computed exactly instead (cheaper, and without the sketch's noise)")
+                          f"({plan.batch_length} positions x {exact // max(plan.batch_length, 1)}, after "
+                          f"restriction, before any fold of the head): the statistics are computed exactly instead "
+                          f"(cheaper, and without the sketch's noise)")
 
 
 def _not_causal(config: dict[str, Any]) -> str | None:

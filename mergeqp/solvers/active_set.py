@@ -89,9 +89,20 @@ def set_structure(cset: ConstraintSet, shape: tuple[int, int]) -> SetStructure |
 # ---------------------------------------------------------------------- linear algebra
 
 
-#: where J is within its own rounding of 0 (an interpolating problem), plain or proximal PDAS gives
-#: up after this fraction of the usual faces without progress (stop 54)
+#: at a best point of :func:`at_zero_objective` (an interpolating problem), plain or proximal PDAS
+#: gives up after this fraction of the usual faces without progress (stop 54)
 AT_ZERO_WAIT_DIVISOR = 3
+#: :func:`at_zero_objective`'s bound on the gap, in units of the size of J's terms
+AT_ZERO_GAP = 1e-8
+
+
+def at_zero_objective(J: float, size: float, gap: float) -> bool:
+    """Whether a point looks like the optimum of an interpolating problem (J* ~ 0): its ``J`` is
+    within its own float64 rounding (``8 eps size``, ``size`` = ``|c| + |x'Hx|/2 + |g'x|`` there) and
+    its ``gap`` at most :data:`AT_ZERO_GAP` times ``size``, so that only a gap relative to ``|J|`` is
+    out of reach. ``J = 0`` at a point far from optimal (``c = 0`` and ``d = 0`` feasible: ``size``
+    0 there) is not such a point."""
+    return abs(J) <= 8.0 * np.finfo(float).eps * size and gap <= AT_ZERO_GAP * size
 
 
 def support_value(st: SetStructure, grad: np.ndarray) -> float:
@@ -189,7 +200,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         then uses a Lagrangian gap). Keeps the linear minimiser for :meth:`rounding_floor` at the
         same ``grad``."""
         sv, s_min = lmo_structure(self.st, grad)
-        self._lmo = (grad, s_min)
+        self._lmo = (grad.copy(), s_min)  # (a copy: equal values, not the same array, are what count)
         if math.isfinite(sv):
             return float(grad @ x - sv)
         R = max(1.0, float(np.max(np.abs(x), initial=0.0)))
@@ -270,7 +281,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         uncertified, and ``auto`` paid for a second solver."""
         err = gradient_rounding(self.n, self.g_inf, *curvature_reach(self.sqrt_diag, x))
         last = self._lmo
-        s = last[1] if last is not None and last[0] is grad else lmo_structure(self.st, grad)[1]
+        s = last[1] if last is not None and np.array_equal(last[0], grad) else lmo_structure(self.st, grad)[1]
         if s is not None and np.all(np.isfinite(s)):
             return 2.0 * GAP_ROUNDING_FACTOR * err * float(np.sum(np.abs(x - s)))
         width = float(np.sum(np.abs(x))) + self.s_bound
@@ -330,6 +341,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             x = self.fista(x, int(opts["warm_steps"]))[0]
         grad = H @ x + g
         best_x, best_J = x, self.objective(x, grad)
+        best_T = self.term_scale(x, grad)  # the size of J's terms at the best point (its rounding unit)
         tol = float(opts["tol"])
         patience = int(opts["patience"])
         status = SolveStatus.MAX_ITERATIONS
@@ -396,15 +408,16 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 Jp = self.objective(xp, gp)
                 gap = self.gap(xp, gp)
                 self.remember_gradient(xp, gp)
-            noise = 8.0 * np.finfo(float).eps * self.term_scale(xp, gp)  # rounding of J
-            if Jp < best_J - 1e-13 * self.term_scale(xp, gp) or gap < 0.5 * low_gap:
+            T_p = self.term_scale(xp, gp)
+            noise = 8.0 * np.finfo(float).eps * T_p  # rounding of J
+            if Jp < best_J - 1e-13 * T_p or gap < 0.5 * low_gap:
                 since_best = 0
             else:
                 since_best += 1
             low_gap = min(low_gap, gap)
             # the best point: the lowest J; among Js equal up to rounding, the smallest gap
             if Jp < best_J - noise or (Jp <= best_J + noise and gap < last_gap):
-                best_x, best_J, last_gap = xp, Jp, gap
+                best_x, best_J, last_gap, best_T = xp, Jp, gap, T_p
             new_face = self.update_face(face, xf, gf)
             stable = new_face.key() == key
             if converged(Jp, gap, xp, gp):
@@ -417,10 +430,13 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 self.fine = True
                 x = xf
                 continue
-            # J at its own rounding (J* ~ 0: an interpolating problem) cannot fall: only the gap
-            # can, and a third of the wait ends a wandering that no face solve improves (stop 54:
-            # n = 4608, J ~ 1e-15 from the 9th face, 44 more faces of 3,000 free, 10x the floor)
-            wait = 10 * max(patience, 3) // (AT_ZERO_WAIT_DIVISOR if abs(best_J) <= noise else 1)
+            # the best point has J at its own rounding and a gap already tiny in the units of J's
+            # terms (J* ~ 0: an interpolating problem, where only a gap relative to |J| stays out of
+            # reach): a third of the wait ends a wandering that no face solve improves (stop 54:
+            # n = 4608, J ~ 1e-15 from the 9th face, 44 more faces of 3,000 free, 10x the floor).
+            # Both at the best point: J = 0 exactly at a point far from optimal (c = 0, d = 0
+            # feasible) has a large gap, and a far iterate's rounding says nothing of the best's
+            wait = 10 * max(patience, 3) // (AT_ZERO_WAIT_DIVISOR if at_zero_objective(best_J, best_T, last_gap) else 1)
             if since_best >= wait:
                 status = SolveStatus.INACCURATE  # J stopped falling: the gap is at its floor
                 break

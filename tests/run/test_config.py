@@ -618,3 +618,8 @@ def test_a_sketch_no_smaller_than_the_compared_outputs_is_left_out(fam, tmp_path
     plan = build_plan(_cfg(fam, tmp_path, output={"sketch": 3}))
     assert not plan.sketch_dropped and plan.output_spec().sketch == 3
     assert not any("output.sketch" in n for n in plan.notes)
+    # above the folded count (positions x hidden 16) but below every logit (positions x 46): kept, since
+    # the run may refuse to fold the head (a fine-tune that changed it), and then compares every logit
+    T = plan.batch_length
+    plan = build_plan(_cfg(fam, tmp_path, output={"sketch": T * 30}))
+    assert not plan.sketch_dropped and plan.output_spec().sketch == T * 30

@@ -7,7 +7,8 @@ linearisation is not exact):
 - the damped ``output_space`` (``steps > 1``) equals the experiment's Levenberg-Marquardt
   implementation (:func:`mergeqp.experiments.output_space.output_space_merge`) and is never
   worse than its reference;
-- ``method: auto`` with a start fitted to calibration data: the trust region's early stopping
+- ``method: auto`` with a start fitted to calibration data, or such a start written out (``start:
+  regmean``): the trust region's early stopping
   starts from that start fitted without its held-out batches (its held-out objective equals
   RegMean fitted on the other batches, computed by the experiment's own RegMean), and the
   result is never worse than the start fitted on every batch.
@@ -106,35 +107,18 @@ def test_damped_output_space_refuses_a_radius(mlps):
                    method={"name": "output_space", "params": {"steps": 3, "radius": 1.0}})
 
 
-def test_auto_early_stopping_holds_its_batches_out_of_a_fitted_start(mlps):
-    """RegMean chosen as the start (the only candidate): the trust region's held-out objective at
-    its start is RegMean fitted on each task's first 12 inputs, scored on the last 4 (the held-out
-    batch); the result is never worse than RegMean fitted on all 16."""
+@pytest.mark.parametrize("chosen", [True, False], ids=["auto", "explicit"])
+def test_early_stopping_holds_its_batches_out_of_a_fitted_start(mlps, chosen):
+    """RegMean as the start, chosen by ``auto`` (the only candidate) or written out (``start:
+    regmean``, since stop 54: before, early stopping scored RegMean fitted on all 16 inputs, the
+    held-out batch included; a review found the held-out objective at the start equal to the full
+    fit's): the trust region's held-out objective at its start is RegMean fitted on each task's
+    first 12 inputs, scored on the last 4 (the held-out batch); the result is never worse than
+    RegMean fitted on all 16."""
     base, fts, calib = mlps
-    names = ["a", "b", "c"]
-    method = {"name": "auto", "params": {"folds": 2, "candidates": [{"name": "regmean", "params": {"alpha": 0.9}}]}}
-    res = auto_merge(base, fts, names, calib, ["layer2"], method=method, batch_size=4)
-    held = res.report["trust_region"]["holdout"]
-    fit, out = [x[:12] for x in calib], [x[12:] for x in calib]
-    clean = _regmean_model(MnistConfig(regmean_alpha=0.9), base, fts, fit)
-    assert held["validation_start"] == pytest.approx(calibration_error(clean, out, calibration_targets(fts, out)),
-                                                     rel=1e-9)
-    full = _regmean_model(MnistConfig(regmean_alpha=0.9), base, fts, calib)
-    full_error = calibration_error(full, calib, calibration_targets(fts, calib))
-    assert res.start_objective == pytest.approx(full_error, rel=1e-9)
-    assert res.objective <= full_error * (1 + 1e-9)
-    assert any("held-out batches" in n and "regmean" in n for n in res.report["notes"])
-
-
-def test_an_explicit_fitted_start_is_held_out_from_early_stopping_too(mlps):
-    """``start: regmean`` written out (not chosen by ``auto``) with the trust region's held-out
-    batches: early stopping scores RegMean fitted on the first 12 inputs of each task, as for
-    ``auto`` (before stop 54 it scored RegMean fitted on all 16, held-out batch included: a
-    review found the held-out objective at the start equal to the full fit's); the result is
-    never worse than RegMean fitted on all 16."""
-    base, fts, calib = mlps
-    method = {"name": "qp", "mode": "trust_region", "start": {"name": "regmean", "params": {"alpha": 0.9}},
-              "mode_options": {"holdout": 0.25, "refit": True}}
+    regmean = {"name": "regmean", "params": {"alpha": 0.9}}
+    method = ({"name": "auto", "params": {"folds": 2, "candidates": [regmean]}} if chosen else
+              {"name": "qp", "mode": "trust_region", "start": regmean, "mode_options": {"holdout": 0.25, "refit": True}})
     res = auto_merge(base, fts, ["a", "b", "c"], calib, ["layer2"], method=method, batch_size=4)
     held = res.report["trust_region"]["holdout"]
     fit, out = [x[:12] for x in calib], [x[12:] for x in calib]
@@ -147,4 +131,4 @@ def test_an_explicit_fitted_start_is_held_out_from_early_stopping_too(mlps):
     assert abs(held["validation_start"] - leaked) > 1e-6 * leaked  # not the full fit's
     assert res.start_objective == pytest.approx(full_error, rel=1e-9)
     assert res.objective <= full_error * (1 + 1e-9)
-    assert any("held-out batches" in n and "start regmean" in n for n in res.report["notes"])
+    assert any("held-out batches" in n and "regmean" in n for n in res.report["notes"])

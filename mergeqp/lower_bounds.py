@@ -74,12 +74,71 @@ class Bound:
     reason: str = ""
 
 
+#: rounds of :func:`implied_bounds` (each row bounds its variables from the others' bounds)
+IMPLIED_ROUNDS = 4
+#: an implied bound is loosened by this fraction of the sizes it is computed from (float64 rounding)
+IMPLIED_MARGIN = 1e-9
+
+
+def implied_bounds(form: Any, rounds: int = IMPLIED_ROUNDS) -> tuple[np.ndarray, np.ndarray]:
+    """Bounds ``(lo, hi)`` that every point of ``{A_ub z <= b_ub, A_eq z = b_eq, lb <= z <= ub}``
+    satisfies: ``lb`` / ``ub`` tightened by activity bounds, row by row (``a_i z_i <= b - sum_{j != i}
+    min a_j z_j`` when the others' least activity is finite), for a few rounds. Valid inequalities
+    of the feasible set, so a Lagrangian bound may charge reduced costs at them (a variable with no
+    bound of its own that the rows bound: a simplex's coefficient, an L1 ball's auxiliary). Each is
+    loosened by :data:`IMPLIED_MARGIN` of the sizes it comes from; where they cross (an empty set)
+    the form's own bounds are returned."""
+    lb = np.asarray(form.lb, dtype=np.float64).copy()
+    ub = np.asarray(form.ub, dtype=np.float64).copy()
+    n = lb.size
+    systems = [(form.A_ub.tocoo(), np.asarray(form.b_ub, dtype=np.float64))]
+    if form.A_eq.shape[0]:
+        A_eq, b_eq = form.A_eq.tocoo(), np.asarray(form.b_eq, dtype=np.float64)
+        systems += [(A_eq, b_eq), (-A_eq, -b_eq)]
+    for _ in range(rounds):
+        changed = False
+        for A, b in systems:
+            keep = A.data != 0
+            r, c, a = A.row[keep], A.col[keep], A.data[keep]
+            if a.size == 0:
+                continue
+            m = A.shape[0]
+            with np.errstate(invalid="ignore"):
+                least = np.where(a > 0, a * lb[c], a * ub[c])  # each entry's least a_j z_j (-inf if none)
+            open_ = ~np.isfinite(least)
+            least = np.where(open_, 0.0, least)
+            n_open = np.bincount(r, weights=open_.astype(np.float64), minlength=m)
+            total = np.bincount(r, weights=least, minlength=m)
+            size = np.bincount(r, weights=np.abs(least), minlength=m) + np.abs(b)
+            ok = (n_open[r] - open_) == 0
+            slack = b[r] - (total[r] - least) + IMPLIED_MARGIN * size[r] + np.finfo(float).tiny
+            with np.errstate(over="ignore"):
+                bound = slack / a
+            pos, neg = ok & (a > 0) & np.isfinite(bound), ok & (a < 0) & np.isfinite(bound)
+            new_hi = np.full(n, np.inf)
+            np.minimum.at(new_hi, c[pos], bound[pos])
+            new_lo = np.full(n, -np.inf)
+            np.maximum.at(new_lo, c[neg], bound[neg])
+            tighter_hi, tighter_lo = new_hi < ub, new_lo > lb
+            if np.any(tighter_hi) or np.any(tighter_lo):
+                ub, lb, changed = np.minimum(ub, new_hi), np.maximum(lb, new_lo), True
+        if not changed:
+            break
+    if np.any(lb > ub):
+        return np.asarray(form.lb, dtype=np.float64), np.asarray(form.ub, dtype=np.float64)
+    return lb, ub
+
+
 def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, z: np.ndarray) -> float | None:
     """``y_ub'b_ub + y_eq'b_eq + sum_i min_{lb_i <= z_i <= ub_i} r_i z_i`` with ``y_ub <= 0``
     (clipped) and reduced costs ``r = cost - A_ub'y_ub - A_eq'y_eq``: weak duality makes it a
     lower bound on the LP minimum for any such multipliers. ``None`` when the multipliers do not
     prove a bound (a reduced cost above :data:`RC_TOL` times the size of what it is computed from,
-    ``|cost_i| + |A_i|_1`` capped at 1, on a variable with no bound on that side)."""
+    ``|cost_i| + |A_i|_1`` capped at 1, on a variable with no bound on that side). The bounds are
+    the form's own tightened by what its rows imply (:func:`implied_bounds`): before stop 55 a
+    reduced cost of -1e-10 on a simplex coefficient at 0 (no upper bound of its own, 1 by its row)
+    was charged at the vertex, and the bound stood 1.3e-16 above the LP minimum, which certified a
+    point 1.9e-9 of J above J* at any tolerance."""
     y_ub = np.minimum(np.asarray(y_ub, dtype=np.float64), 0.0)
     y_eq = np.asarray(y_eq, dtype=np.float64)
     r = cost.copy()
@@ -89,7 +148,8 @@ def dual_bound(cost: np.ndarray, form: Any, y_ub: np.ndarray, y_eq: np.ndarray, 
         r -= form.A_eq.T @ y_eq
     bound = float(form.b_ub @ y_ub + form.b_eq @ y_eq)
     pos, neg = r > 0, r < 0
-    lower = np.where(pos, form.lb, np.where(neg, form.ub, 0.0))
+    lo, hi = implied_bounds(form)
+    lower = np.where(pos, lo, np.where(neg, hi, 0.0))
     unbounded = (pos | neg) & ~np.isfinite(lower)
     # a reduced cost is round-off only relative to what it is computed from: its cost and A_i'y, whose
     # multipliers carry the LP's absolute error (so the column's size counts, not |y|). A variable

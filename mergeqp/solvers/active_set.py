@@ -74,7 +74,7 @@ from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from .unbounded import verified_claim
+from .unbounded import into_recession_cone, verified_claim
 
 __all__ = ["CEN", "FREE", "HI", "LO", "ActiveSetSolver", "set_structure", "solve_psd", "support_value",
            "project_structure", "unbounded_direction"]
@@ -681,11 +681,7 @@ def unbounded_direction(problem: MergeQP, st: SetStructure, x: np.ndarray) -> st
     norm = float(np.max(np.abs(x), initial=0.0))
     if not norm > DIVERGED * size:
         return None
-    v = x / float(np.linalg.norm(x))
-    lo_f, hi_f = np.isfinite(st.lo), np.isfinite(st.hi)
-    v = np.where(lo_f & hi_f, 0.0, v)
-    v = np.where(lo_f & ~hi_f, np.maximum(v, 0.0), v)
-    v = np.where(hi_f & ~lo_f, np.minimum(v, 0.0), v)
+    v = into_recession_cone(st, x / float(np.linalg.norm(x)))
     nv = float(np.linalg.norm(v))
     if nv == 0:
         return None

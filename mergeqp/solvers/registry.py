@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -35,7 +36,7 @@ from .osqp_solver import OSQPSolver
 from .torch_active_set import TorchActiveSetSolver
 from .torch_ipm import TorchIpmSolver
 from .torch_solvers import TorchAdamSolver, TorchFISTASolver
-from .unbounded import unbounded_claim
+from .unbounded import unbounded_after_solve, unbounded_claim
 
 SOLVERS: dict[str, QPSolver] = {}
 
@@ -181,12 +182,35 @@ def solve(
     except SolverError as exc:
         if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
-        return _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
-                              check_feasibility)
+        sol = _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
+                             check_feasibility)
+        return _with_abs_tol(_unless_unbounded(problem, cset, sol), abs_tol)
+    looked = _unbounded_gap(sol)  # before any fallback: a verified ray ends the solve at once
+    if looked:
+        sol = _unless_unbounded(problem, cset, sol)
     if fallback and not _settled(sol, rel_tol, abs_tol):
         sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
                              check_feasibility)
+        if not looked:
+            sol = _unless_unbounded(problem, cset, sol)
     return _with_abs_tol(sol, abs_tol)
+
+
+def _unbounded_gap(sol: Solution) -> bool:
+    """The answer's certificate proves no finite bound (J may be unbounded below on the set)."""
+    cert = sol.certificate
+    return cert is not None and not math.isfinite(cert.fw_gap) and not cert.certified()
+
+
+def _unless_unbounded(problem: MergeQP, cset: ConstraintSet, sol: Solution) -> Solution:
+    """``sol``, unless no bound certified it and J provably falls without bound on the set along a
+    ray found from H and g (:func:`~mergeqp.solvers.unbounded.unbounded_after_solve`): then that
+    :class:`UnboundedError` (stop 55: such problems came back as uncertified points far out)."""
+    if _unbounded_gap(sol):
+        error = unbounded_after_solve(problem, cset, sol.solver)
+        if error is not None:
+            raise error
+    return sol
 
 
 #: a set whose point nearest 0 lies beyond this (infinity norm) is refused: products of two coordinates

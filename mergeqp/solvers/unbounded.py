@@ -16,6 +16,13 @@ it is a :class:`~mergeqp.errors.SolverError` (so ``auto`` falls back to another 
   problem's natural scale ``|c| + |g|^2 / max diag H``: a minimum that far out is beyond float64;
 - without a direction (CVXPY reports only a status): J is not bounded below on all of ``R^n``
   (:func:`bounded_below_everywhere`, explicit H).
+
+:func:`unbounded_after_solve` runs the same checks on a ray of its own after a solve that no bound
+could certify: a solver that reports no unboundedness (it stopped at a far point, or its own
+direction was refuted) does not turn a provably unbounded problem into an uncertified "answer".
+A slope along a computed flat direction at most ``1e-8`` of ``|g|`` is not called unbounded (it may
+be the rounding of statistics; the certificate then says it cannot bound the gap); along a
+coefficient whose row and column of H are exactly zero (a dead unit) any nonzero slope is.
 """
 
 from __future__ import annotations
@@ -25,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..constraints import ConstraintSet
-from ..errors import SolverError, UnboundedError
+from ..constraints import ConstraintSet, SetStructure
+from ..errors import MergeQPError, SolverError, UnboundedError
 from ..problem import MergeQP
 from .unconstrained import unconstrained_minimiser
 
@@ -111,13 +118,100 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
                                f"{off:.2g})")
         why = descent_ray(problem, direction)
         if why is None:
-            return refuted("its direction of unboundedness is not one of unbounded descent")
+            own = unbounded_after_solve(problem, cset, solver, f"{status}: its own direction was not one")
+            return own if own is not None else refuted("its direction of unboundedness is not one of unbounded descent")
         return verified_claim(
             UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec}: {why} ({status})"))
     if bounded_below_everywhere(problem):
         return refuted("J is bounded below even without constraints (g lies in the numerical "
                        "range of H, or J has a finite minimum along the part outside it)")
     return verified_claim(UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec} ({status})"))
+
+
+#: :func:`unbounded_after_solve` looks for a ray (an eigendecomposition of H) up to this many variables
+RAY_SEARCH_MAX_N = 4096
+
+
+def into_recession_cone(st: SetStructure, v: np.ndarray) -> np.ndarray:
+    """``v`` (flat) with its moves against the bounds of ``st`` removed: 0 where both bounds are
+    finite, no decrease where only the lower one is, no increase where only the upper one is
+    (the recession cone of the box ``lo <= x <= hi``)."""
+    lo_f, hi_f = np.isfinite(st.lo), np.isfinite(st.hi)
+    v = np.where(lo_f & hi_f, 0.0, v)
+    v = np.where(lo_f & ~hi_f, np.maximum(v, 0.0), v)
+    return np.where(hi_f & ~lo_f, np.minimum(v, 0.0), v)
+
+
+def unbounded_after_solve(problem: MergeQP, cset: ConstraintSet, solver: str,
+                          context: str = "its point could not be certified") -> UnboundedError | None:
+    """A verified :class:`UnboundedError` when J provably falls without bound on ``cset`` along the
+    part of ``-g`` outside the numerical range of H (:func:`unconstrained_minimiser`'s ray), as it
+    is or put in the recession cone of the set's bounds: the ray stays in the set
+    (``recession_violation`` at most :data:`RAY_IN_SET_TOL`) and :func:`descent_ray` holds. ``None``
+    otherwise, and for a set known to be bounded, a matrix-free H or more than
+    :data:`RAY_SEARCH_MAX_N` variables. For a solve whose answer no bound certified (stop 55: an
+    unbounded ``nonneg`` QP came back as active_set's uncertified point at |d| 5e4, and
+    ``dense_ipm`` called one "optimal" at |d| 2.7e8)."""
+    if problem.H is None or known_bounded(cset):
+        return None
+    dead = _dead_coordinate_ray(problem, cset, solver, context)
+    if dead is not None or problem.n > RAY_SEARCH_MAX_N:
+        return dead
+    found = unconstrained_minimiser(problem.H, problem.g)
+    if found.ray is None:
+        return None
+    rays = [found.ray]
+    try:
+        st = cset.structure(problem.shape) if cset.members() else None
+    except MergeQPError:
+        st = None
+    if st is not None and st.bounds_only and np.shape(st.lo) == (problem.n,):
+        rays.append(into_recession_cone(st, found.ray))
+    for v in rays:
+        top = float(np.max(np.abs(v), initial=0.0))
+        if not (top > 0 and math.isfinite(top)):
+            continue
+        why = descent_ray(problem, v)
+        if why is None:
+            continue
+        try:
+            off = cset.recession_violation((v / top).reshape(problem.shape))
+        except MergeQPError:
+            off = None
+        if off is not None and off <= RAY_IN_SET_TOL:
+            return verified_claim(UnboundedError(
+                f"{solver}: the problem is unbounded below {_on(cset)}: {why} ({context}; the ray was "
+                f"found from H and g)"))
+    return None
+
+
+def _on(cset: ConstraintSet) -> str:
+    return f"on {cset.spec}" if cset.members() else "without constraints"
+
+
+def _dead_coordinate_ray(problem: MergeQP, cset: ConstraintSet, solver: str, context: str) -> UnboundedError | None:
+    """Exact unboundedness along a coefficient whose row and column of H are zero (a dead unit)
+    while its ``g`` is not: J is exactly linear along it, so any slope is real (no rounding to
+    excuse, unlike a computed null space), and the ray in the descent direction stays in the set."""
+    assert problem.H is not None
+    H, g = problem.H, problem.g
+    for j in np.flatnonzero((np.diag(H) == 0) & (g != 0))[:64]:
+        if np.any(H[:, j] != 0) or np.any(H[j] != 0):
+            continue
+        v = np.zeros(problem.n)
+        v[j] = -math.copysign(1.0, float(g[j]))
+        try:
+            off = cset.recession_violation(v.reshape(problem.shape))
+        except MergeQPError:
+            off = None
+        if off is not None and off <= RAY_IN_SET_TOL:
+            k, a = divmod(int(j), problem.shape[1])
+            way = "grows" if v[j] > 0 else "falls"
+            return verified_claim(UnboundedError(
+                f"{solver}: the problem is unbounded below {_on(cset)}: coefficient [{k}, {a}] has no "
+                f"curvature (its row and column of H are zero) and a slope g = {float(g[j]):.3g}, so J falls "
+                f"without bound as it {way} ({context})"))
+    return None
 
 
 def verified_claim(error: UnboundedError) -> UnboundedError:

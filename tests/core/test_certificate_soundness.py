@@ -333,3 +333,61 @@ def test_review_the_active_bound_dual_never_excuses_a_kernel_slope(H, g, lo, poi
     for solver in ("dense_ipm", "clarabel"):
         sol = mq.solve(p, box, solver=solver)
         assert not sol.certificate.certified() or sol.objective <= optimum + 1e-6 * (1 + abs(optimum))
+
+
+def test_review_a_tolerated_reduced_cost_on_a_simplex_coefficient_is_charged_at_its_implied_bound():
+    """(stop 55) min over the simplex of (1, 1 - 1e-10, 2)'z is 1 - 1e-10. HiGHS's vertex e1 with
+    y_eq = 1 leaves the reduced cost -1e-10 on z2, which has no upper bound of its own: the bound
+    charged it at the vertex (z2 = 0) and stood at 1, above the minimum; a certificate then passed a
+    point 1.9e-9 of J above J* at any tolerance. The row sum z1 + z2 + z3 = 1 bounds z2 by 1, where
+    the reduced cost is now charged."""
+    import scipy.sparse as sp
+
+    from mergeqp.constraints import LinearForm
+    from mergeqp.lower_bounds import dual_bound, implied_bounds
+
+    n = 3
+    base = LinearForm.empty(n)
+    form = LinearForm(n, base.A_ub, base.b_ub, sp.csr_matrix(np.ones((1, n))), np.ones(1), np.zeros(n),
+                      np.full(n, np.inf))
+    lo, hi = implied_bounds(form)
+    assert np.all(lo == 0) and np.allclose(hi, 1.0) and np.all(hi >= 1.0)
+    cost = np.array([1.0, 1.0 - 1e-10, 2.0])
+    bound = dual_bound(cost, form, np.zeros(0), np.ones(1), np.array([1.0, 0.0, 0.0]))
+    assert bound is not None and bound <= 1.0 - 1e-10
+
+
+@given(st.integers(0, 2**31 - 1))
+@settings(max_examples=25, deadline=None)
+def test_implied_bounds_hold_at_every_extreme_point_of_the_set(seed):
+    """Every bound implied_bounds returns holds over the whole set: each variable's exact range (two
+    LPs each, HiGHS) lies inside it, for intersections of box, simplex, L1 ball (auxiliaries) and
+    sign consensus, the forms the certificate's LPs use."""
+    from scipy.optimize import linprog
+
+    from mergeqp.constraints import L1Ball, SignConsensus, Simplex, parse_constraint
+    from mergeqp.constraints.lp import lifted_form
+    from mergeqp.lower_bounds import implied_bounds
+
+    rng = np.random.default_rng(seed)
+    K, m = int(rng.integers(2, 4)), int(rng.integers(2, 5))
+    choices = [Simplex(1.0), L1Ball(float(rng.uniform(0.5, 3.0))), parse_constraint("box:-1,2"),
+               SignConsensus.from_deltas(rng.normal(size=(K, m, 3)) + 0.3, "rows")]
+    picked = [choices[i] for i in sorted(rng.choice(4, size=int(rng.integers(1, 4)), replace=False))]
+    form = lifted_form(picked, (K, m))
+    lo, hi = implied_bounds(form)
+    bounds = list(zip(form.lb, form.ub))
+    for i in range(form.lb.size):
+        for sign in (1.0, -1.0):
+            c = np.zeros(form.lb.size)
+            c[i] = sign
+            res = linprog(c, A_ub=form.A_ub, b_ub=form.b_ub, A_eq=form.A_eq if form.A_eq.shape[0] else None,
+                          b_eq=form.b_eq if form.A_eq.shape[0] else None, bounds=bounds, method="highs")
+            if res.status == 2:  # empty
+                return
+            if res.status == 3:  # unbounded that way: no finite implied bound may claim otherwise
+                assert (hi[i] if sign < 0 else -lo[i]) == np.inf
+                continue
+            assert res.status == 0
+            value = res.x[i]
+            assert lo[i] <= value + 1e-9 * (1 + abs(value)) and value <= hi[i] + 1e-9 * (1 + abs(value))

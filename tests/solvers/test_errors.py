@@ -257,6 +257,58 @@ def test_unboundedness_claims_are_verified() -> None:
     assert isinstance(err, UnboundedError) and "v'Hv = 0" in str(err)
 
 
+@pytest.mark.parametrize("solver", ["auto", "active_set", "dense_ipm", "osqp", "clarabel", "torch_fista"])
+@pytest.mark.parametrize("slope", [-1e-10, -1e-14])
+def test_an_unbounded_problem_no_solver_reports_is_still_an_unbounded_error(solver, slope) -> None:
+    """J = 1 + d0^2/2 + slope d1 on d >= 0 falls without bound along d1 (H's second row and column
+    are zero). Before stop 55 no solver proved it: active_set stopped at d1 ~ 5e4 (status
+    max_iterations or even optimal), clarabel's own ray was refuted, and solve() returned the
+    uncertified point; now a ray found from H and g settles it (exactly flat, in the set)."""
+    from mergeqp.errors import UnboundedError
+
+    problem = MergeQP(np.diag([1.0, 0.0]), np.array([0.0, slope]), c=1.0)
+    with pytest.raises(UnboundedError, match="unbounded below on nonneg"):
+        solve(problem, "nonneg", solver=solver)
+
+
+@pytest.mark.parametrize("spec, where", [("nonneg", "on nonneg"), (None, "without constraints")])
+def test_a_dead_coordinate_with_a_slope_is_unbounded_whatever_the_slope_size(spec, where) -> None:
+    """A coefficient whose row and column of H are exactly zero makes J exactly linear along it:
+    a slope of 1e-9 of max |g| (below the 1e-8 that a computed null direction needs) is still
+    unboundedness, named by its coefficient; before stop 55 auto returned Clarabel's J = -5e12
+    (nonneg) or the pseudo-inverse point (no constraints), both uncertified. A bounded set keeps its
+    certified optimum."""
+    from mergeqp.errors import UnboundedError
+
+    rng = np.random.default_rng(0)
+    K, m = 2, 20
+    A = rng.standard_normal((3 * K * m, K * m))
+    A[:, 7] = 0.0
+    b = rng.standard_normal(3 * K * m)
+    g = 2 * A.T @ b
+    g[7] = -1e-9 * np.max(np.abs(g))
+    problem = MergeQP(2 * A.T @ A, g, c=float(b @ b), shape=(K, m))
+    with pytest.raises(UnboundedError, match=rf"unbounded below {where}: coefficient \[0, 7\] has no curvature"):
+        solve(problem, spec)
+    assert solve(problem, "box:0,inf & simplex").certified
+
+
+def test_a_slope_below_the_threshold_along_a_computed_null_direction_is_not_called_unbounded() -> None:
+    """The documented limit: along a direction that is flat only in float64 (an eigenvector, not a
+    zero column), a slope of 1e-9 of |g| may be rounding, so it is not called unbounded: the answer
+    comes back uncertified and the certificate says it cannot bound the gap."""
+    rng = np.random.default_rng(1)
+    Q = np.linalg.qr(rng.standard_normal((6, 6)))[0]
+    lam = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    H = (Q * lam) @ Q.T
+    H = 0.5 * (H + H.T)
+    g = Q @ np.array([-1e-9, 1.0, -1.0, 0.5, 0.2, 1.0])
+    problem = MergeQP(H, g, c=1.0)
+    assert np.count_nonzero(np.diag(H) == 0) == 0
+    sol = solve(problem, None)
+    assert not sol.certified
+
+
 @pytest.mark.parametrize("options, message", [
     ({"max_iter": "many"}, "'max_iter' must be an integer"),
     ({"max_iter": True}, "'max_iter' must be an integer"),

@@ -57,7 +57,7 @@ import scipy.linalg as sla
 
 from .cholesky import cho_solve
 from .constraints import ConstraintSet, SetStructure, as_constraint_set
-from .constraints.base import violation_of
+from .constraints.base import linear_minimum_of, violation_of
 from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
@@ -601,11 +601,11 @@ def _linear_minimum(cset: ConstraintSet, grad: np.ndarray) -> Any:
     """``cset.linear_minimum(grad)``, or its last answer inside :func:`reuse_linear_minimum`."""
     memo = _REUSE
     if memo is None:
-        return cset.linear_minimum(grad)
+        return linear_minimum_of(cset, grad)
     key = np.ascontiguousarray(grad, dtype=np.float64).tobytes() + repr(grad.shape).encode()
     if memo and memo[-1][0] is cset and memo[-1][1] == key:
         return memo[-1][2]
-    lm = cset.linear_minimum(grad)
+    lm = linear_minimum_of(cset, grad)
     memo[:] = [(cset, key, lm)]
     return lm
 

@@ -221,17 +221,28 @@ def _as_set(other: Any) -> ConstraintSet:
     return _COERCE[0](other)
 
 
-def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:
-    """``cset.violation(d)``; a user's set whose ``violation`` raises is a :class:`ValidationError`
-    naming the set and the method (not a traceback, not blamed on a solver)."""
+def _named_call(cset: ConstraintSet, label: str, call: Any, arg: np.ndarray) -> Any:
+    """``call(arg)`` (a method of ``cset``); a user's set whose method raises is a
+    :class:`ValidationError` naming the set and the method (not a traceback, not blamed on a solver)."""
     try:
-        return cset.violation(d)
+        return call(arg)
     except MergeQPError:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's set: name it, one line
         first = first_line(exc, 200)
-        raise ValidationError(f"constraint set {cset.spec}: its violation(d) raised {type(exc).__name__}: "
+        raise ValidationError(f"constraint set {cset.spec}: its {label} raised {type(exc).__name__}: "
                               f"{first}") from exc
+
+
+def violation_of(cset: ConstraintSet, d: np.ndarray) -> Any:
+    """``cset.violation(d)``, a user set's failure named (:func:`_named_call`)."""
+    return _named_call(cset, "violation(d)", cset.violation, d)
+
+
+def linear_minimum_of(cset: ConstraintSet, grad: np.ndarray) -> Any:
+    """``cset.linear_minimum(grad)``, a user set's failure named (:func:`_named_call`; stop 55: a
+    ``KeyError`` raised there reached ``certify``'s caller as it was)."""
+    return _named_call(cset, "linear_minimum(grad)", cset.linear_minimum, grad)
 
 
 def structure_linear_form(st: SetStructure) -> LinearForm:

@@ -200,6 +200,20 @@ def test_a_user_oracle_of_the_wrong_type_is_blamed_on_the_set_not_the_solver() -
         mergeqp.solve(_problem(), _FloatOracle())
 
 
+class _RaisingOracle(_FloatOracle):
+    name = spec = "lmoraises"
+
+    def linear_minimum(self, grad):
+        raise KeyError("boom-lmo")
+
+
+def test_a_user_oracle_that_raises_is_named_by_certify() -> None:
+    """(stop 55 review) certify let the user's KeyError('boom-lmo') through as it was; its
+    violation() was already named."""
+    with pytest.raises(ValidationError, match=r"lmoraises: its linear_minimum\(grad\) raised KeyError: 'boom-lmo'"):
+        mergeqp.certify(_problem(), _RaisingOracle(), np.full((2, 3), 0.5))
+
+
 # ---------------------------------------------------------------- what the output says
 def test_a_trimmed_sign_set_keeps_its_density_in_its_spec() -> None:
     """Both printed `sign`, though they are different sets with different optima."""

@@ -136,7 +136,8 @@ class TinyCheckpoints:
     with the ``tokenizers`` library), K fine-tuned copies whose chosen layers are perturbed
     (seeded; the rest identical to the base), and one prompt file per task. Architectures:
     ``llama`` (LlamaForCausalLM), ``gpt2`` (GPT2LMHeadModel: Conv1D projections, tied
-    embeddings) and ``bert`` (BertForMaskedLM); ``make_vit_family`` a ViT image classifier.
+    embeddings), ``bert`` (BertForMaskedLM) and ``mixtral`` (MixtralForCausalLM: 4 experts fused
+    into 3-D parameters in memory, stored one per expert); ``make_vit_family`` a ViT image classifier.
     """
 
     Family = Family
@@ -149,9 +150,9 @@ class TinyCheckpoints:
     }
     #: an MLP projection and the linear layers of one block, per architecture
     MLP_LAYER = {"llama": "model.layers.1.mlp.down_proj", "gpt2": "transformer.h.1.mlp.c_fc",
-                 "bert": "bert.encoder.layer.1.intermediate.dense"}
+                 "bert": "bert.encoder.layer.1.intermediate.dense", "mixtral": "model.layers.1.self_attn.o_proj"}
     BLOCK_PATTERN = {"llama": "model.layers.1.*", "gpt2": "transformer.h.1.*",
-                     "bert": "bert.encoder.layer.1.*"}
+                     "bert": "bert.encoder.layer.1.*", "mixtral": "model.layers.1.*"}
 
     @classmethod
     def vocab(cls) -> dict[str, int]:
@@ -176,7 +177,7 @@ class TinyCheckpoints:
 
     @classmethod
     def make_config(cls, arch: str):
-        from transformers import BertConfig, GPT2Config, LlamaConfig  # deferred: heavy, HF tests only
+        from transformers import BertConfig, GPT2Config, LlamaConfig, MixtralConfig  # deferred: heavy, HF tests only
 
         V = len(cls.vocab())
         if arch == "llama":
@@ -189,13 +190,19 @@ class TinyCheckpoints:
         if arch == "bert":
             return BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                               intermediate_size=32, max_position_embeddings=64, pad_token_id=0)
+        if arch == "mixtral":  # transformers >= 5 fuses its experts into 3-D parameters (stored per expert)
+            return MixtralConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                 num_local_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=2,
+                                 eos_token_id=3)
         raise ValueError(arch)
 
     @staticmethod
     def model_class(arch: str):
-        from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM  # deferred: heavy
+        from transformers import BertForMaskedLM, GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM  # deferred: heavy
 
-        return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM}[arch]
+        return {"llama": LlamaForCausalLM, "gpt2": GPT2LMHeadModel, "bert": BertForMaskedLM,
+                "mixtral": MixtralForCausalLM}[arch]
 
     @staticmethod
     def auto_class(arch: str):
@@ -212,7 +219,7 @@ class TinyCheckpoints:
         # larger-than-default weights so that the tiny models are not nearly constant
         with torch.no_grad():
             for p in model.parameters():
-                if p.dim() == 2:
+                if p.dim() >= 2:  # (3-D: a mixture of experts' fused weights)
                     p.normal_(0.0, 0.2)
         model.save_pretrained(str(folder))
         if tokenizer:

@@ -535,10 +535,10 @@ def collect_first_order(
             u0 = torch.zeros_like(hook.layer_output)
             f = perturbed_output(hook, call, compared)
             derivatives = OutputDerivatives(f, u0, int(h.shape[1]) if S is None else int(S.shape[1]),
-                                            chunk_size=chunk_size, rows=S)
+                                            chunk_size=chunk_size, rows=S, samples=int(h.shape[0]))
             off = a.offset_tangent(Z)
             if off is not None:
-                push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]))
+                push = derivatives if S is None else OutputDerivatives(f, u0, int(h.shape[1]), samples=int(h.shape[0]))
                 b = b - push.push(off.to(u0.dtype)).to(torch.float64)
             if _site_mode(jacobian_mode, derivatives.c, a, hook.layer_output, Bsz) == "reverse":
                 # c VJPs give the per-sample Jacobian; the parametrisation's own design rule

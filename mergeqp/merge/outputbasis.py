@@ -196,7 +196,7 @@ def collect_output_basis(
                 B, cb = int(h.shape[0]), int(h.shape[1])
                 b = h.to(torch.float64) - tb.target.to(device=device, dtype=torch.float64).reshape(B, -1)
                 u0 = torch.zeros_like(hook.layer_output)
-                derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0, cb)
+                derivatives = OutputDerivatives(perturbed_output(hook, call, compared), u0, cb, samples=B)
                 if offset is not None:
                     Z = append_ones(hook.layer_input, site.has_bias)
                     off = Z @ offset.to(Z.dtype).to(Z.device).t()

@@ -89,6 +89,7 @@ from ..merge.sites import checkpoint_names, read_augmented, site_module, stored_
 from ..stats.parametrisation import get_parametrisation
 from ..stats.prefix import frozen_prefix
 from .architectures import architecture_class, every_block, lower_blocks, model_config
+from .fused import fused_view, remember_source
 from .plan import (
     MergePlan,
     build_plan,
@@ -198,6 +199,7 @@ def load_model(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str) -> 
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
+    remember_source(model, ckpt)
     return model
 
 
@@ -386,7 +388,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
                     f"or calibration.max_length ({plan.max_length})") from exc
             raise ValidationError(
                 f"models[{name}]: the model failed on its calibration inputs ({type(exc).__name__}: "
-                f"{first}); check the prompts / input tensors (names, shapes, dtype) against the model"
+                f"{first}); {_failure_hint(first, model, cfg.dtype)}"
             ) from exc
         if lazy is not None and loaded is not None:
             lazy.append(lazy_summary([loaded]))
@@ -1265,6 +1267,22 @@ def _visit_all(visitors: Sequence[Callable[[int, str, Any, list[Any]], None]]
     return visit
 
 
+def _failure_hint(message: str, model: Any, dtype: str | None) -> str:
+    """What to check when the model failed on its calibration inputs with ``message``: the config's
+    dtype where the model's kernels refused it (Mixtral's grouped expert products take no float64),
+    an encoder-decoder model that needs decoder inputs (T5: mergeqp feeds the prompts as
+    ``input_ids`` only; BART derives its decoder's inputs from them), else the inputs."""
+    config = getattr(model, "config", None)
+    if dtype == "float64" and any(w in message for w in ("Double", "double", "float64")):
+        return ("a kernel of this model does not take float64 (the config's dtype: float64): set dtype: float32 "
+                "(or bfloat16)")
+    if getattr(config, "is_encoder_decoder", False) and "input_ids" in message:
+        return (f"{getattr(config, 'model_type', 'this')} is an encoder-decoder model whose decoder needs inputs of "
+                f"its own; mergeqp feeds each prompt as input_ids only (models that derive the decoder's inputs "
+                f"from them, like BART, work): this model is not supported")
+    return "check the prompts / input tensors (names, shapes, dtype) against the model"
+
+
 def _load_into(model: Any, tensors: dict[str, Any]) -> None:
     """Copy checkpoint-named ``tensors`` into the live model (renamed as ``transformers`` does)."""
     import torch  # optional heavy dependency: the merge runs on torch
@@ -1279,9 +1297,12 @@ def _load_into(model: Any, tensors: dict[str, Any]) -> None:
                 block, path = lazy[name]
                 block.override(path, v)
                 continue
-            if name not in state:
+            target = state.get(name)
+            if target is None:
+                target = fused_view(model, k)  # a mixture-of-experts weight stacked into one parameter
+            if target is None:
                 raise ValidationError(f"merged tensor {k!r} is not a parameter of the loaded model")
-            state[name].copy_(v.to(dtype=state[name].dtype))
+            target.copy_(v.to(dtype=target.dtype))
 
 
 def _as_written(overrides: Mapping[str, Any], output_dtype: str | None) -> dict[str, Any]:

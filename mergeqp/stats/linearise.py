@@ -153,6 +153,12 @@ def leads_with_samples(layer_output: Any, samples: int) -> bool:
     return int(layer_output.shape[0]) == int(samples)
 
 
+def _flattened(layer_output: Any, samples: int) -> bool:
+    """Whether a layer output ``(samples * T, ...)`` flattens a batch of ``samples`` (``T > 1``)."""
+    rows = int(layer_output.shape[0]) if layer_output.dim() else 0
+    return samples > 0 and layer_output.dim() >= 2 and rows != samples and rows % samples == 0
+
+
 def _per_sample(zero: Any, samples: int) -> None:
     if not leads_with_samples(zero, samples):
         raise ValidationError(
@@ -222,7 +228,22 @@ class OutputDerivatives:
     """
 
     def __init__(self, f: Callable[[Any], Any], zero: Any, n_outputs: int, *,
-                 chunk_size: int | None = None, vectorize: bool = True, rows: Any = None) -> None:
+                 chunk_size: int | None = None, vectorize: bool = True, rows: Any = None,
+                 samples: int | None = None) -> None:
+        #: ``samples``: a layer output of ``(samples * T, r)`` (the model flattened batch and positions
+        #: before the layer: OPT's fc1 / fc2, a mixture of experts' shared expert) is viewed as
+        #: ``(samples, T, r)``: exact for forward mode; per-sample (reverse-mode) Jacobians then check
+        #: once that the rows are batch-major (:meth:`_check_batch_major`)
+        self._flat_shape: tuple[int, ...] | None = None
+        self._batch_major_checked = False
+        if samples is not None and _flattened(zero, samples):
+            flat = tuple(int(x) for x in zero.shape)
+            self._flat_shape = flat
+            zero = zero.reshape(samples, flat[0] // samples, *flat[1:])
+            flat_f = f
+
+            def f(p: Any) -> Any:
+                return flat_f(p.reshape(flat))
         self.raw = f
         self.rows = rows
         if rows is not None and int(rows.shape[1]) != int(n_outputs):
@@ -250,6 +271,7 @@ class OutputDerivatives:
         """``(d f)[v]`` (``(B, c)``) along one tangent ``v`` (``zero``'s shape): one JVP."""
         from torch.func import jvp  # deferred: torch is heavy
 
+        v = v.reshape(self.zero.shape)
         try:
             return jvp(self.f, (self.zero,), (v,))[1]
         except (RuntimeError, NotImplementedError):
@@ -268,7 +290,7 @@ class OutputDerivatives:
         n = int(tangents.shape[0])
         if choose_mode(mode, self.c, n) == "forward" and self.vectorize:
             def push(v: Any) -> Any:
-                return jvp(self.f, (self.zero,), (v,))[1]
+                return jvp(self.f, (self.zero,), (v.reshape(self.zero.shape),))[1]
 
             try:
                 with warnings.catch_warnings():
@@ -285,6 +307,7 @@ class OutputDerivatives:
         """The per-sample Jacobian ``L_j = d h_j / d u_j``: ``(B, c, T, r)``; ``auto`` counts
         ``c`` VJPs against ``T r`` JVPs. Needs samples that do not interact (module docstring)."""
         chosen = choose_mode(mode, self.c, self.T * self.r)
+        self._check_batch_major()
         if self.vectorize:
             try:
                 try:
@@ -301,6 +324,27 @@ class OutputDerivatives:
                     RuntimeWarning, stacklevel=4,
                 )
         return self._looped()
+
+    def _check_batch_major(self) -> None:
+        """For a flattened layer output: that each sample's outputs depend on its own block of rows
+        only (the model flattened ``(B, T, r)`` batch-major, as ``reshape`` / ``view`` do), by one
+        backward pass of the first sample's outputs; otherwise per-sample Jacobians of that view would
+        be wrong, and a :class:`ValidationError` says so."""
+        if self._flat_shape is None or self._batch_major_checked:
+            return
+        import torch  # deferred: torch is heavy
+
+        p = self.zero.clone().requires_grad_(True)
+        with torch.enable_grad():
+            y = self.raw(p)
+            (grad,) = torch.autograd.grad(y[0].sum(), p, allow_unused=True)
+        if grad is not None and bool(torch.any(grad[1:] != 0)):
+            raise ValidationError(
+                f"the merged layer's output has shape {self._flat_shape} for a batch of {int(self.zero.shape[0])} "
+                "samples, and the first sample's outputs depend on rows outside its block: the model mixes "
+                "samples or lays them out position-major, so per-sample (reverse-mode) Jacobians do not apply; "
+                "use forward mode (statistics jacobian_mode: forward)")
+        self._batch_major_checked = True
 
     def _vectorised(self, mode: str) -> Any:
         import torch  # deferred: torch is heavy
@@ -420,7 +464,7 @@ def linearise_batch(
     if check_independence and B > 1:
         _check_samples_independent(f, u, h, where)
     derivatives = OutputDerivatives(f, torch.zeros_like(u), c, chunk_size=chunk_size,
-                                    vectorize=vectorize)
+                                    vectorize=vectorize, samples=B)
     jac = derivatives.jacobian(mode)
     return LinearisedBatch(
         layer_input=z.reshape(B, T, z.shape[-1]),

@@ -85,3 +85,60 @@ def test_reverse_mode_on_a_flattened_site_is_a_clear_error(batches):
     d = OutputDerivatives(lambda u: u.reshape(3, 5 * 6), zero, 30)
     with pytest.raises(ValidationError, match=r"shape \(15, 6\) for a batch of 3 samples"):
         d.jacobian("reverse")
+
+
+def test_a_batch_major_flattened_output_has_per_sample_jacobians_when_the_samples_are_known():
+    """(stop 55) Told the batch's ``samples``, a ``(B T, r)`` layer output is viewed as ``(B, T, r)``:
+    the reverse-mode per-sample Jacobian exists and equals the forward-mode one (OPT's fc1 / fc2 under
+    the output-space merge, whose formed Jacobians stopped ``auto``; a mixture of experts' shared
+    expert, whose grouped expert products have no forward mode)."""
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+
+    def f(u):  # (15, 6) -> (3, 20): each sample mixes its own 5 rows only
+        return torch.tanh(u + 0.1).reshape(3, 5, 6) @ W[:, :4].reshape(6, 4)
+
+    def flat(u):
+        return f(u).reshape(3, -1)
+
+    zero = torch.zeros(15, 6, dtype=torch.float64)
+    d = OutputDerivatives(flat, zero, 20, samples=3)
+    rev, fwd = d.jacobian("reverse"), OutputDerivatives(flat, zero, 20, samples=3).jacobian("forward")
+    assert rev.shape == (3, 20, 5, 6)
+    torch.testing.assert_close(rev, fwd, rtol=1e-12, atol=1e-12)
+    # a tangent in the model's own (flattened) layout is taken as it is
+    v = torch.randn(15, 6, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(d.push(v), torch.func.jvp(flat, (zero,), (v,))[1], rtol=1e-12, atol=1e-12)
+
+
+def test_a_position_major_flattened_output_is_refused_for_per_sample_jacobians():
+    """Rows laid out position-major (row t B + b) would give wrong per-sample Jacobians in the
+    batch-major view: one backward pass finds the first sample's outputs reaching other blocks."""
+    def f(u):  # (15, 6): row t * 3 + b
+        return u.reshape(5, 3, 6).transpose(0, 1).reshape(3, 30)
+
+    d = OutputDerivatives(f, torch.zeros(15, 6, dtype=torch.float64), 30, samples=3)
+    with pytest.raises(ValidationError, match="position-major"):
+        d.jacobian("reverse")
+
+
+def test_the_output_space_merge_of_a_flattened_site_forms_its_jacobians_and_equals_the_unflattened_one(batches):
+    """Before stop 55 the output-space merge (auto's default candidates, ``matrix_free=False``)
+    stopped on a flattened site; now its per-sample Jacobians are formed in the batch-major view and
+    the merge is the unflattened network's."""
+    from mergeqp.merge.output_space_hf import parse_run_params, solve_sites
+
+    spec = OutputSpec(field="logits")
+    out = {}
+    for flatten in (False, True):
+        base, fts = _models(flatten)
+        tasks = [TaskTargets(f"t{i}", 1.0, teacher_forced_targets(ft, batches, spec, "cpu"))
+                 for i, ft in enumerate(fts)]
+        sites = match_sites(model_sites(base), ["fc"])
+        layers, solved = solve_sites(base, sites, tasks, spec, "cpu", parse_run_params({"ridge": 0.1}),
+                                     matrix_free=False)
+        assert layers[0].record["certified"]
+        out[flatten] = solved
+    assert set(out[True]) == set(out[False])
+    for key in out[False]:
+        torch.testing.assert_close(out[True][key], out[False][key], rtol=1e-8, atol=1e-10)

@@ -251,8 +251,12 @@ def load_lazy_model(build: Any, checkpoint: Any, stored_names: Any, dtype: Any, 
         stored = names.get(live, live)
         if block is not None:
             if stored not in checkpoint:
-                raise ValidationError(f"{checkpoint.path}: lazy block tensor {stored!r} is not stored (a block "
-                                      "must hold its own weights)")
+                fused = live not in names  # stored in pieces that transformers fuses on load (MoE experts)
+                raise ValidationError(
+                    f"{checkpoint.path}: lazy block tensor {stored!r} is not stored"
+                    + (" as it is: transformers builds it on load from tensors stored under other names (a "
+                       "mixture of experts' experts, fused into one parameter), which lazy: true cannot read; "
+                       "leave lazy off" if fused else " (a block must hold its own weights)"))
             by_block[block][live[len(prefixes[block]):]] = stored
         elif stored in checkpoint:
             resident[live] = stored

@@ -56,7 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ..errors import ConfigError, ValidationError, parse_params
 from ..lm import OutputSpec, prepare_fold, squared_error
 from ..stats.hooks import hooked_layers
-from ..stats.linearise import OutputDerivatives, leads_with_samples, perturbed_output, run_recorded
+from ..stats.linearise import NotBatchMajor, OutputDerivatives, leads_with_samples, perturbed_output, run_recorded
 from .firstorder import TaskTargets, batch_functions, folded_batch_functions
 from .output_space import (CERT_TOL, KRONECKER_MAX_SIDE, KroneckerPreconditioner, OutputSpaceSamples,
                            OutputSpaceSolution, output_space_solve)
@@ -377,8 +377,14 @@ def _linearised(model: Any, site: LayerSite, tasks: Sequence[TaskTargets], spec:
         if not formed and not matrix_free and size > params.jacobian_max_bytes:
             raise JacobianTooLarge(f"the per-sample Jacobians at {site.name!r} take {size / 2 ** 20:.0f} MiB, above "
                                    f"jacobian_max_bytes ({params.jacobian_max_bytes / 2 ** 20:.0f} MiB)")
-        operator: Any = (formed_samples(batches) if formed
-                         else ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed))
+        operator: Any = None
+        if formed:
+            try:
+                operator = formed_samples(batches)
+            except NotBatchMajor:  # rows not each sample's own: the matrix-free products need no such layout
+                formed = False
+        if operator is None:
+            operator = ModelLinearisation(batches, (site.r, site.m1), params.probes, params.seed)
         yield operator, formed, float(sum(b.weight * float(np.sum(b.target ** 2)) for b in batches))
 
 

@@ -63,13 +63,18 @@ class FusedPlacer:
         value = self.stored.get(key)
         taken = set(self.found.values())
         matches = []
+        converted: dict[tuple[Any, Any], Any] = {}  # the stored value in each live (device, dtype), made once
         for name in self.fused:
             P = state[name]
             if not P.is_floating_point() or not value.is_floating_point():
                 continue
-            want = value.to(device=P.device, dtype=P.dtype)
             for where, block in _blocks(name, P, tuple(value.shape)):
-                if where not in taken and torch.equal(block[:1], want[:1]) and torch.equal(block, want):
+                if where in taken:
+                    continue
+                want = converted.get((P.device, P.dtype))
+                if want is None:
+                    want = converted[(P.device, P.dtype)] = value.to(device=P.device, dtype=P.dtype)
+                if torch.equal(block[:1], want[:1]) and torch.equal(block, want):
                     matches.append(where)
         if len(matches) == 1:
             return matches[0]

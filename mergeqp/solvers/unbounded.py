@@ -130,6 +130,10 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
 
 #: :func:`unbounded_after_solve` looks for a ray (an eigendecomposition of H) up to this many variables
 RAY_SEARCH_MAX_N = 4096
+#: ... and takes it as staying in the set when its recession-cone violation (``|v|_inf = 1``) is at most
+#: this: rounding only (a solver's own ray gets :data:`RAY_IN_SET_TOL`; against a user's row scaled by
+#: 1e-6 that let a ray leaving the set by 1e-6 through, and a bounded problem was called unbounded)
+OWN_RAY_IN_SET_TOL = 1e-12
 
 
 def into_recession_cone(st: SetStructure, v: np.ndarray) -> np.ndarray:
@@ -147,7 +151,7 @@ def unbounded_after_solve(problem: MergeQP, cset: ConstraintSet, solver: str,
     """A verified :class:`UnboundedError` when J provably falls without bound on ``cset`` along the
     part of ``-g`` outside the numerical range of H (:func:`unconstrained_minimiser`'s ray), as it
     is or put in the recession cone of the set's bounds: the ray stays in the set
-    (``recession_violation`` at most :data:`RAY_IN_SET_TOL`) and :func:`descent_ray` holds. ``None``
+    (``recession_violation`` at most :data:`OWN_RAY_IN_SET_TOL`) and :func:`descent_ray` holds. ``None``
     otherwise, and for a set known to be bounded, a matrix-free H or more than
     :data:`RAY_SEARCH_MAX_N` variables. For a solve whose answer no bound certified (stop 55: an
     unbounded ``nonneg`` QP came back as active_set's uncertified point at |d| 5e4, and
@@ -178,7 +182,7 @@ def unbounded_after_solve(problem: MergeQP, cset: ConstraintSet, solver: str,
             off = cset.recession_violation((v / top).reshape(problem.shape))
         except MergeQPError:
             off = None
-        if off is not None and off <= RAY_IN_SET_TOL:
+        if off is not None and off <= OWN_RAY_IN_SET_TOL:
             return verified_claim(UnboundedError(
                 f"{solver}: the problem is unbounded below {_on(cset)}: {why} ({context}; the ray was "
                 f"found from H and g)"))
@@ -192,7 +196,9 @@ def _on(cset: ConstraintSet) -> str:
 def _dead_coordinate_ray(problem: MergeQP, cset: ConstraintSet, solver: str, context: str) -> UnboundedError | None:
     """Exact unboundedness along a coefficient whose row and column of H are zero (a dead unit)
     while its ``g`` is not: J is exactly linear along it, so any slope is real (no rounding to
-    excuse, unlike a computed null space), and the ray in the descent direction stays in the set."""
+    excuse, unlike a computed null space), and the ray in the descent direction stays in the set
+    exactly (its recession-cone violation 0: a user's row scaled by 1e-6 against it, inside
+    :data:`RAY_IN_SET_TOL`, turned a bounded problem into an UnboundedError in a review)."""
     assert problem.H is not None
     H, g = problem.H, problem.g
     for j in np.flatnonzero((np.diag(H) == 0) & (g != 0))[:64]:
@@ -204,7 +210,7 @@ def _dead_coordinate_ray(problem: MergeQP, cset: ConstraintSet, solver: str, con
             off = cset.recession_violation(v.reshape(problem.shape))
         except MergeQPError:
             off = None
-        if off is not None and off <= RAY_IN_SET_TOL:
+        if off is not None and off <= 0.0:  # exactly a ray of the set, as J is exactly linear along it
             k, a = divmod(int(j), problem.shape[1])
             way = "grows" if v[j] > 0 else "falls"
             return verified_claim(UnboundedError(

@@ -153,6 +153,10 @@ def leads_with_samples(layer_output: Any, samples: int) -> bool:
     return int(layer_output.shape[0]) == int(samples)
 
 
+class NotBatchMajor(ValidationError):
+    """A flattened layer output whose rows are not each sample's own (no per-sample Jacobian)."""
+
+
 def _flattened(layer_output: Any, samples: int) -> bool:
     """Whether a layer output ``(samples * T, ...)`` flattens a batch of ``samples`` (``T > 1``)."""
     rows = int(layer_output.shape[0]) if layer_output.dim() else 0
@@ -326,24 +330,35 @@ class OutputDerivatives:
         return self._looped()
 
     def _check_batch_major(self) -> None:
-        """For a flattened layer output: that each sample's outputs depend on its own block of rows
+        """For a flattened layer output: that every sample's outputs depend on its own block of rows
         only (the model flattened ``(B, T, r)`` batch-major, as ``reshape`` / ``view`` do), by one
-        backward pass of the first sample's outputs; otherwise per-sample Jacobians of that view would
-        be wrong, and a :class:`ValidationError` says so."""
+        backward pass per sample (randomly weighted outputs, so that no dependence cancels);
+        otherwise the per-sample Jacobians of that view would be wrong (a position-major or
+        head-major layout whose first sample reads only early rows passed a check of the first
+        sample alone: an adversarial review's find), and a :class:`ValidationError` says so."""
         if self._flat_shape is None or self._batch_major_checked:
             return
         import torch  # deferred: torch is heavy
 
+        B = int(self.zero.shape[0])
         p = self.zero.clone().requires_grad_(True)
+        gen = torch.Generator(device="cpu").manual_seed(0)
         with torch.enable_grad():
             y = self.raw(p)
-            (grad,) = torch.autograd.grad(y[0].sum(), p, allow_unused=True)
-        if grad is not None and bool(torch.any(grad[1:] != 0)):
-            raise ValidationError(
-                f"the merged layer's output has shape {self._flat_shape} for a batch of {int(self.zero.shape[0])} "
-                "samples, and the first sample's outputs depend on rows outside its block: the model mixes "
-                "samples or lays them out position-major, so per-sample (reverse-mode) Jacobians do not apply; "
-                "use forward mode (statistics jacobian_mode: forward)")
+            weights = torch.rand(y.shape, generator=gen, dtype=torch.float64).to(device=y.device, dtype=y.dtype) + 0.5
+            for b in range(B):
+                (grad,) = torch.autograd.grad((y[b] * weights[b]).sum(), p, retain_graph=b < B - 1,
+                                              allow_unused=True)
+                if grad is None:
+                    continue
+                outside = torch.cat([grad[:b].reshape(-1), grad[b + 1:].reshape(-1)])
+                if bool(torch.any(outside != 0)):
+                    raise NotBatchMajor(
+                        f"the merged layer's output has shape {self._flat_shape} for a batch of {B} samples, and "
+                        f"sample {b}'s outputs depend on rows outside its block: the model mixes samples or lays "
+                        "them out position-major (or head-major), so per-sample (reverse-mode) Jacobians do not "
+                        "apply; use forward mode (statistics jacobian_mode: forward), or the output-space merge's "
+                        "matrix-free solve (jacobian_max_bytes: 0)")
         self._batch_major_checked = True
 
     def _vectorised(self, mode: str) -> Any:

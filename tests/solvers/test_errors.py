@@ -293,6 +293,45 @@ def test_a_dead_coordinate_with_a_slope_is_unbounded_whatever_the_slope_size(spe
     assert solve(problem, "box:0,inf & simplex").certified
 
 
+def test_a_ray_that_leaves_the_set_by_a_scaled_row_is_not_taken_for_unboundedness() -> None:
+    """(adversarial review of stop 55) J = d0^2/2 - d1 with d1 <= d0 written as the row
+    1e-6 (-d0 + d1) <= 0 (a user's set), or sign consensus d0 - 1e-6 d1 >= 0: bounded below (J* = -0.5
+    and -5e11). The ray e1 leaves the set by 1e-6 per unit, within the tolerance a solver's own
+    claim gets; the search's own rays must stay in the set exactly (up to rounding), so dense_ipm's
+    refuted claim stays a SolverError that auto falls back from, not an UnboundedError."""
+    from mergeqp.constraints import ConstraintSet, LinearForm
+    from mergeqp.errors import UnboundedError
+    from mergeqp.solvers.unbounded import unbounded_after_solve
+
+    class Scaled(ConstraintSet):
+        name = "scaled_row"
+        polyhedral = True
+        known_nonempty = True
+
+        @property
+        def spec(self):
+            return "scaled_row"
+
+        def violation(self, d):
+            x = np.ravel(d)
+            return max(0.0, 1e-6 * (x[1] - x[0]))
+
+        def linear_form(self, shape):
+            e = LinearForm.empty(2)
+            return LinearForm(2, sp.csr_matrix(np.array([[-1e-6, 1e-6]])), np.zeros(1), e.A_eq, e.b_eq, e.lb, e.ub)
+
+    problem = MergeQP(np.diag([1.0, 0.0]), np.array([0.0, -1.0]), shape=(1, 2))
+    for cset in (Scaled(), SignConsensus(np.array([[1.0, -1e-6]]), (1, 2))):
+        assert unbounded_after_solve(problem, cset, "x") is None
+        try:
+            solve(problem, cset, solver="dense_ipm")
+        except UnboundedError as exc:  # pragma: no cover - the failure this test guards against
+            raise AssertionError(f"{cset.spec}: a bounded problem called unbounded: {exc}") from None
+        except SolverError:
+            pass
+    assert solve(problem, Scaled()).objective == pytest.approx(-0.5, abs=1e-6)
+
+
 def test_a_slope_below_the_threshold_along_a_computed_null_direction_is_not_called_unbounded() -> None:
     """The documented limit: along a direction that is flat only in float64 (an eigenvector, not a
     zero column), a slope of 1e-9 of |g| may be rounding, so it is not called unbounded: the answer

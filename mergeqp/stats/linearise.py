@@ -479,7 +479,7 @@ def linearise_batch(
     if check_independence and B > 1:
         _check_samples_independent(f, u, h, where)
     derivatives = OutputDerivatives(f, torch.zeros_like(u), c, chunk_size=chunk_size,
-                                    vectorize=vectorize, samples=B)
+                                    vectorize=vectorize)
     jac = derivatives.jacobian(mode)
     return LinearisedBatch(
         layer_input=z.reshape(B, T, z.shape[-1]),

@@ -34,12 +34,13 @@ class Net(torch.nn.Module):
         return {"logits": self.head(torch.tanh(h))}
 
 
-def _models(flatten: bool):
+def _models(flatten: bool, cls=None):
+    cls = cls or Net
     torch.manual_seed(0)
-    base = Net(flatten).double().eval()
+    base = cls(flatten).double().eval()
     fts = []
     for k in range(2):
-        ft = Net(flatten).double().eval()
+        ft = cls(flatten).double().eval()
         ft.load_state_dict(base.state_dict())
         with torch.no_grad():
             ft.fc.weight.add_(0.3 * torch.randn(ft.fc.weight.shape, dtype=torch.float64))
@@ -152,15 +153,7 @@ def test_the_output_space_merge_of_a_position_major_site_goes_matrix_free(batche
     spec = OutputSpec(field="logits")
     after = {}
     for cls in (LastPositionNet, PositionMajorNet):
-        torch.manual_seed(0)
-        base = cls(False).double().eval()
-        fts = []
-        for k in range(2):
-            ft = cls(False).double().eval()
-            ft.load_state_dict(base.state_dict())
-            with torch.no_grad():
-                ft.fc.weight.add_(0.3 * torch.randn(ft.fc.weight.shape, dtype=torch.float64))
-            fts.append(ft)
+        base, fts = _models(False, cls)
         tasks = [TaskTargets(f"t{i}", 1.0, teacher_forced_targets(ft, batches, spec, "cpu"))
                  for i, ft in enumerate(fts)]
         layers, _ = solve_sites(base, match_sites(model_sites(base), ["fc"]), tasks, spec, "cpu",

@@ -38,7 +38,7 @@ from .auto import (
 )
 from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
-from ..errors import ConfigError, MergeQPError, ValidationError, unknown
+from ..errors import ConfigError, MergeQPError, ValidationError, first_line, unknown
 from ..io.calibration import (
     holdout_count,
     is_tensor_file,
@@ -505,6 +505,30 @@ def skeleton(folder: Path) -> Any:
             return cls(config) if cls.__name__ != "AutoModel" else cls.from_config(config)
     except Exception as exc:  # noqa: BLE001
         raise ConfigError(f"cannot build the architecture of {folder}: {type(exc).__name__}: {exc}") from None
+
+
+def _check_decoder_inputs(model: Any, config: Mapping[str, Any] | None) -> None:
+    """A :class:`ConfigError` for an encoder-decoder model that cannot run on a prompt's
+    ``input_ids`` alone (T5's decoder needs inputs of its own; BART derives them), found by one
+    forward pass of the ``meta``-device skeleton (no weights, no data). Before stop 55 the run failed
+    after loading every model, blaming the prompts. Any other failure of that pass is left to the run."""
+    if not (config or {}).get("is_encoder_decoder"):
+        return
+    import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    try:
+        ids = torch.zeros((1, 4), dtype=torch.long, device="meta")
+        with torch.no_grad():
+            model(input_ids=ids)
+    except ValueError as exc:
+        first = first_line(exc, 200)
+        if "decoder" in first or "input_ids" in first:
+            raise ConfigError(
+                f"the base model ({(config or {}).get('model_type', 'encoder-decoder')}) is an encoder-decoder model "
+                f"whose decoder needs inputs of its own ({first}); mergeqp feeds each prompt as input_ids only "
+                f"(models that derive the decoder's inputs from them, like BART, work): not supported") from None
+    except Exception:  # noqa: BLE001 - the meta pass is a probe: anything else is the run's to judge
+        return
 
 
 def _stored_names(ck: Checkpoint, base: Checkpoint, model: Any) -> Checkpoint:
@@ -1097,6 +1121,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         raise ConfigError(f"base {base_path} must be a Hugging Face model folder (config.json + weights): "
                           f"its config gives the architecture")
     model = skeleton(base_path)
+    _check_decoder_inputs(model, base.config)
     fts = [_stored_names(ck, base, model) for ck in fts]
     base, fts, align_notes = aligned_checkpoints(base, fts, model)
     config_notes = align_notes + check_architectures(base, list(zip(names, fts)))

@@ -1223,7 +1223,11 @@ def fold_decision(model: Any, spec: OutputSpec, batches: Sequence[TargetBatch], 
     head = linear_head(model) if reason is None else None
     inner = backbone(model) if head is not None else None
     if reason is None and head is None:
-        reason = "the model's output head is not an nn.Linear"
+        getter = getattr(model, "get_output_embeddings", None)
+        declared = getter() if callable(getter) else None
+        # (a ViT classifier's head is an nn.Linear the model does not declare as its output embeddings)
+        reason = ("the model declares no output head (get_output_embeddings() is None)" if declared is None
+                  else f"the model's output head is a {type(declared).__name__}, not an nn.Linear")
     if reason is None and inner is None:
         reason = "the model has no backbone (base_model) separate from its head"
     if reason is None and not spec.scores_data and any(tb.hidden is None for tb in batches):

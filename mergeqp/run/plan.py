@@ -779,6 +779,12 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str],
         hit_tensors = [n for n in names if n not in site_keys
                        and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
         if not hit_sites and not hit_tensors:
+            tied = [n for n in (shared or {}) if n == p or fnmatch.fnmatchcase(n, p)]
+            if tied:  # (Gemma2's lm_head: the QP named the tie, a baseline said "matches no layer")
+                assert shared is not None
+                raise ConfigError(
+                    f"layer pattern {pattern!r} matches {tied[0]!r}, a linear layer whose weight is tied to "
+                    f"{shared[tied[0]]!r} (one tensor, stored once): select {shared[tied[0]]!r} to merge it")
             raise ConfigError(
                 f"layer pattern {pattern!r} matches no layer or tensor{module_hint(sites, pattern)}; linear layers: "
                 f"{listing([s.label for s in sites])}"

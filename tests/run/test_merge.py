@@ -905,9 +905,11 @@ def test_a_tied_linear_layer_is_named_as_tied(families, tmp_path):
     from mergeqp.run.plan import build_plan
 
     fam = families["gpt2"]
-    cfg = load_config(fam.write_config(tmp_path / "tied.yml", ["lm_head"], {"name": "qp", "mode": "single"}))
-    with pytest.raises(ConfigError, match=r"'lm_head', a linear layer whose weight is tied to 'transformer.wte.weight'"):
-        build_plan(cfg)
+    # a baseline said "matches no layer or tensor" (stop 55 review, Gemma2's lm_head)
+    for method in ({"name": "qp", "mode": "single"}, {"name": "soup"}):
+        cfg = load_config(fam.write_config(tmp_path / "tied.yml", ["lm_head"], method))
+        with pytest.raises(ConfigError, match=r"'lm_head', a linear layer whose weight is tied to 'transformer.wte.weight'"):
+            build_plan(cfg)
 
 
 def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(families, tmp_path):

@@ -63,3 +63,18 @@ def test_a_head_that_does_not_match_the_targets_is_not_folded(fam):
     value = squared_error(base, targets, spec, "cpu")
     assert value == squared_error(base, targets, dataclasses.replace(spec, fold_head=False), "cpu")
     assert len(lm._OBJECTIVE_FOLD_REFUSED[base]) == 1
+
+
+def test_the_reason_a_vit_head_is_not_folded_is_the_true_one():
+    """(stop 55 review) ViT's classifier is an nn.Linear, but the model declares no output embeddings:
+    the note said "the model's output head is not an nn.Linear"."""
+    import transformers
+
+    from mergeqp.lm import OutputSpec, fold_decision
+
+    cfg = transformers.ViTConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                                 image_size=8, patch_size=4, num_channels=1, num_labels=3)
+    model = transformers.ViTForImageClassification(cfg).eval()
+    assert isinstance(model.classifier, torch.nn.Linear)
+    fold, reason = fold_decision(model, OutputSpec(field="logits"), [], "cpu")
+    assert fold is None and reason == "the model declares no output head (get_output_embeddings() is None)"

@@ -162,15 +162,20 @@ def unbounded_after_solve(problem: MergeQP, cset: ConstraintSet, solver: str,
     if dead is not None or problem.n > RAY_SEARCH_MAX_N:
         return dead
     found = unconstrained_minimiser(problem.H, problem.g)
-    if found.ray is None:
+    if found.ray is None and found.kernel is None:
         return None
-    rays = [found.ray]
+    rays = [] if found.ray is None else [found.ray]
     try:
-        st = cset.structure(problem.shape) if cset.members() else None
+        st = cset.structure(problem.shape) if cset.members() else SetStructure.free(problem.n)
     except MergeQPError:
         st = None
     if st is not None and st.bounds_only and np.shape(st.lo) == (problem.n,):
-        rays.append(into_recession_cone(st, found.ray))
+        if found.ray is not None:
+            rays.append(into_recession_cone(st, found.ray))
+        if found.kernel is not None and found.kernel.shape[1]:
+            searched = _kernel_ray(problem.g, found.kernel, st)
+            if searched is not None:
+                rays.append(searched)
     for v in rays:
         top = float(np.max(np.abs(v), initial=0.0))
         if not (top > 0 and math.isfinite(top)):
@@ -187,6 +192,31 @@ def unbounded_after_solve(problem: MergeQP, cset: ConstraintSet, solver: str,
                 f"{solver}: the problem is unbounded below {_on(cset)}: {why} ({context}; the ray was "
                 f"found from H and g)"))
     return None
+
+
+def _kernel_ray(g: np.ndarray, kernel: np.ndarray, st: SetStructure) -> np.ndarray | None:
+    """The direction of steepest descent of ``g`` inside the numerical kernel of H (``kernel``,
+    orthonormal columns) and the recession cone of the bounds ``st``: an LP over the kernel's
+    coordinates ``y`` in ``[-1, 1]`` (HiGHS), put exactly into the cone afterwards; ``None`` when
+    ``g`` does not fall along any such direction. For a ray that neither ``-g``'s own kernel part nor
+    its clipped version is (an adversarial review's: H of rank 40 of 100 on ``nonneg``, whose
+    unbounded QP came back as an uncertified point with status optimal); :func:`descent_ray` judges it."""
+    from scipy.optimize import linprog  # (scipy is a dependency; only this rare path needs the LP)
+
+    lo_f, hi_f = np.isfinite(st.lo), np.isfinite(st.hi)
+    both, lower, upper = lo_f & hi_f, lo_f & ~hi_f, hi_f & ~lo_f
+    A_ub = np.vstack([-kernel[lower], kernel[upper]])
+    A_eq = kernel[both]
+    cost = kernel.T @ g
+    try:
+        res = linprog(cost, A_ub=A_ub if A_ub.shape[0] else None, b_ub=np.zeros(A_ub.shape[0]) if A_ub.shape[0] else None,
+                      A_eq=A_eq if A_eq.shape[0] else None, b_eq=np.zeros(A_eq.shape[0]) if A_eq.shape[0] else None,
+                      bounds=[(-1.0, 1.0)] * kernel.shape[1], method="highs")
+    except ValueError:
+        return None
+    if res.status != 0 or res.x is None or not res.fun < 0:
+        return None
+    return into_recession_cone(st, kernel @ res.x)
 
 
 def _on(cset: ConstraintSet) -> str:

@@ -21,13 +21,16 @@ class UnconstrainedMinimiser:
     part of ``-g`` (``None`` when ``outside`` is 0), along which J may be unbounded below (see
     :mod:`.unbounded`). ``x_positive``: when eigenvalues below the pseudo-inverse's cut are still
     positive, the minimiser using them too (a badly conditioned but definite H has a finite
-    minimum along them), else ``None``."""
+    minimum along them), else ``None``. ``kernel``: the eigenvectors below the cut (eigh path), where
+    a ray of unbounded descent inside a set's cone is searched (:mod:`.unbounded`)."""
 
     x: np.ndarray
     method: str
     outside: float = 0.0
     ray: np.ndarray | None = None
     x_positive: np.ndarray | None = None
+    #: the eigenvectors below the cut, ``(n, k)`` (the numerical kernel of H; eigh path only)
+    kernel: np.ndarray | None = None
 
 
 def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = None) -> UnconstrainedMinimiser:
@@ -47,7 +50,7 @@ def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = 
     x = -(V[:, keep] @ (coef[keep] / w[keep]))
     outside = float(np.linalg.norm(coef[~keep])) / max(float(np.linalg.norm(g)), np.finfo(float).tiny)
     if outside == 0:
-        return UnconstrainedMinimiser(x, "pseudo-inverse")
+        return UnconstrainedMinimiser(x, "pseudo-inverse", kernel=V[:, ~keep])
     ray = -(V[:, ~keep] @ coef[~keep])
     x_positive = None
     if np.any(~keep & (w > 0)):
@@ -55,4 +58,4 @@ def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = 
         x_positive = -(V[:, pos] @ (coef[pos] / w[pos]))
         if not np.all(np.isfinite(x_positive)):
             x_positive = None
-    return UnconstrainedMinimiser(x, "pseudo-inverse", outside, ray, x_positive)
+    return UnconstrainedMinimiser(x, "pseudo-inverse", outside, ray, x_positive, V[:, ~keep])

@@ -271,6 +271,20 @@ def test_an_unbounded_problem_no_solver_reports_is_still_an_unbounded_error(solv
         solve(problem, "nonneg", solver=solver)
 
 
+@pytest.mark.parametrize("solver", ["auto", "active_set", "dense_ipm", "clarabel"])
+def test_an_unbounded_ray_inside_the_cone_but_not_along_g_is_found(solver) -> None:
+    """(adversarial review of stop 55) H's kernel is spanned by k1 = (1, 1, 0, 0) and k2 = (0, 0, 1, -1)
+    (exactly), g = (-1, -1, 5, -5): the part of -g in the kernel, (1, 1, -5, 5), leaves nonneg, and put
+    into the cone, (1, 1, 0, 5), leaves the kernel; but J falls along k1 (g'k1 = -2) inside nonneg. The
+    steepest descent inside kernel and cone (an LP over the kernel's coordinates) finds it."""
+    from mergeqp.errors import UnboundedError
+
+    H = np.array([[1.0, -1.0, 0.0, 0.0], [-1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 1.0]])
+    problem = MergeQP(H, np.array([-1.0, -1.0, 5.0, -5.0]), c=1.0)
+    with pytest.raises(UnboundedError, match="unbounded below on nonneg"):
+        solve(problem, "nonneg", solver=solver)
+
+
 @pytest.mark.parametrize("spec, where", [("nonneg", "on nonneg"), (None, "without constraints")])
 def test_a_dead_coordinate_with_a_slope_is_unbounded_whatever_the_slope_size(spec, where) -> None:
     """A coefficient whose row and column of H are exactly zero makes J exactly linear along it:

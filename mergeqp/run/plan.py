@@ -1150,6 +1150,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
 
     tasks = []
     all_texts: list[str] = []
+    owners: list[str] = []  # whose prompt file each of all_texts came from
     holdout_notes: list[str] = []
     for i, (name, entry, ck) in enumerate(zip(names, cfg.models, fts)):
         src = entry.prompts()
@@ -1175,6 +1176,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                 texts = read_prompts(path, src.field, src.max_prompts)
                 n = len(texts)
                 all_texts.extend(texts)
+                owners.extend([f"models[{name}].calibration ({src.path})"] * n)
             if labels and max(labels[:n]) >= heads[i].classes:
                 at = int(np.argmax(np.asarray(labels[:n])))
                 raise ValidationError(f"{path}: class label {labels[at]} (sample {at}, counted from 0) but the head has "
@@ -1248,7 +1250,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
                      output_matrix=matrix, heads=heads, not_causal=not_causal)
     if all_texts and has_tokenizer(tok_folder):
-        plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length)
+        plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length, owners)
     if cfg.method.is_qp and cfg.output.fold_head_flag is True:  # (found only after every target was computed)
         why = plan.output_spec().fold_obstacle()
         if why is not None:
@@ -1294,14 +1296,21 @@ def _not_causal(config: dict[str, Any]) -> str | None:
     return causal_lm_obstacle(config)
 
 
-def _longest_prompt(folder: Path, texts: Sequence[str], max_length: int) -> int | None:
+def _longest_prompt(folder: Path, texts: Sequence[str], max_length: int, owners: Sequence[str] = ()) -> int | None:
     """Tokens of the longest of ``texts`` (at most ``max_length``) by the tokenizer in ``folder``, or
-    ``None`` when it cannot say (the run names tokenizer errors itself)."""
+    ``None`` when it cannot say (the run names tokenizer errors itself). A prompt that tokenises to
+    nothing is a :class:`ConfigError` naming its file (``owners[i]``: where ``texts[i]`` came from),
+    as the run would say after loading every model (stop 55 review: ``--dry-run`` passed)."""
     try:
         tok = load_tokenizer(folder)
         ids = tok(list(texts), truncation=True, max_length=max_length)["input_ids"]
     except Exception:  # noqa: BLE001 - a tokenizer's own failure: the estimate falls back to max_length
         return None
+    empty = [i for i, x in enumerate(ids) if len(x) == 0]
+    if empty:
+        where = owners[empty[0]] if len(owners) == len(texts) else "calibration"
+        raise ConfigError(f"{where}: prompt(s) tokenise to nothing with the tokenizer of {folder}: "
+                          f"{[texts[i] for i in empty[:3]]}")
     return max((len(x) for x in ids), default=None)
 
 

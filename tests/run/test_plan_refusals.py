@@ -1,7 +1,7 @@
-"""An encoder-decoder base whose decoder needs inputs of its own (T5) is refused at plan time, with
-the reason (stop 55 review: the run failed after loading every model, blaming the prompts); one
-that derives them from ``input_ids`` (BART) passes the same probe. The probe is one forward pass of
-the ``meta``-device skeleton."""
+"""What the plan (and so ``--dry-run``) refuses since the stop 55 review, where the run used to fail
+after loading every model: an encoder-decoder base whose decoder needs inputs of its own (T5; BART
+derives them from ``input_ids`` and passes the same probe, one forward pass of the ``meta``-device
+skeleton), and a prompt that tokenises to nothing."""
 
 from __future__ import annotations
 
@@ -32,3 +32,20 @@ def test_t5_is_refused_at_plan_time_and_bart_passes():
     llama = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                      num_attention_heads=2)
     _check_decoder_inputs(_skeleton(transformers.LlamaForCausalLM, llama), llama.to_dict())  # not one: no probe
+
+
+def test_a_prompt_that_tokenises_to_nothing_is_refused_by_the_plan(monkeypatch, tmp_path):
+    """(stop 55 review) The dry run tokenised every prompt for the longest length and passed; the run
+    refused the empty ones after loading every model. The plan now names the file."""
+    from mergeqp.run import plan as plan_module
+
+    class Dropping:  # a tokenizer that keeps only words it knows (transformers 5's Qwen2Tokenizer did)
+        def __call__(self, texts, truncation, max_length):
+            return {"input_ids": [[1 for w in t.split() if w == "known"][:max_length] for t in texts]}
+
+    monkeypatch.setattr(plan_module, "load_tokenizer", lambda folder: Dropping())
+    texts = ["known words", "known", "nothing here", "known again"]
+    owners = ["models[a].calibration (a.txt)"] * 2 + ["models[b].calibration (b.txt)"] * 2
+    with pytest.raises(ConfigError, match=r"models\[b\].calibration \(b.txt\): prompt\(s\) tokenise to nothing.*nothing here"):
+        plan_module._longest_prompt(tmp_path, texts, 8, owners)
+    assert plan_module._longest_prompt(tmp_path, ["known known", "known"], 8, owners[:2]) == 2

@@ -161,6 +161,18 @@ def shared_linear_layers(model: Any) -> dict[str, str]:
     return out
 
 
+def tied_match(pattern: str, shared: Mapping[str, str] | None) -> str | None:
+    """What a layer ``pattern`` that matches only a tied linear layer (``shared``:
+    :func:`shared_linear_layers`) matches, as the start of an error; ``None`` when it matches none."""
+    p = _norm(pattern)
+    tied = [n for n in (shared or {}) if n == p or fnmatch.fnmatchcase(n, p)]
+    if not tied:
+        return None
+    assert shared is not None
+    return (f"layer pattern {pattern!r} matches {tied[0]!r}, a linear layer whose weight is tied to "
+            f"{shared[tied[0]]!r} (one tensor, stored once)")
+
+
 def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str],
                 shared: Mapping[str, str] | None = None) -> list[LayerSite]:
     """Sites matching any pattern (exact names or globs), in model order. A pattern that matches
@@ -171,11 +183,10 @@ def match_sites(sites: Sequence[LayerSite], patterns: Sequence[str],
         p = _norm(pattern)
         hits = [s.name for s in sites if site_matches(s, p)]
         if not hits:
-            tied = [n for n in (shared or {}) if n == p or fnmatch.fnmatchcase(n, p)]
+            tied = tied_match(pattern, shared)
             if tied:
                 raise ConfigError(
-                    f"layer pattern {pattern!r} matches {tied[0]!r}, a linear layer whose weight is tied to "
-                    f"{shared[tied[0]]!r} (one tensor, stored once): it is not merged as a layer of its own; "
+                    f"{tied}: it is not merged as a layer of its own; "
                     f"the model's linear layers are: {listing([s.label for s in sites])}")
             hint = module_hint(sites, p) or _prefix_hint(sites, p)
             raise ConfigError(

@@ -91,6 +91,7 @@ from ..stats.prefix import frozen_prefix
 from .architectures import architecture_class, every_block, lower_blocks, model_config
 from .fused import fused_view, remember_source
 from .plan import (
+    ENCODER_DECODER_INPUTS,
     MergePlan,
     build_plan,
     changed_keys,
@@ -1278,8 +1279,7 @@ def _failure_hint(message: str, model: Any, dtype: str | None) -> str:
                 "(or bfloat16)")
     if getattr(config, "is_encoder_decoder", False) and "input_ids" in message:
         return (f"{getattr(config, 'model_type', 'this')} is an encoder-decoder model whose decoder needs inputs of "
-                f"its own; mergeqp feeds each prompt as input_ids only (models that derive the decoder's inputs "
-                f"from them, like BART, work): this model is not supported")
+                f"its own; {ENCODER_DECODER_INPUTS}")
     return "check the prompts / input tensors (names, shapes, dtype) against the model"
 
 

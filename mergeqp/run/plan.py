@@ -71,6 +71,7 @@ from ..merge.sites import (
     module_hint,
     shared_linear_layers,
     site_matches,
+    tied_match,
     tied_parameters,
 )
 from ..problem import MergeQP
@@ -507,6 +508,11 @@ def skeleton(folder: Path) -> Any:
         raise ConfigError(f"cannot build the architecture of {folder}: {type(exc).__name__}: {exc}") from None
 
 
+#: why an encoder-decoder model whose decoder needs inputs of its own cannot be merged (plan and run)
+ENCODER_DECODER_INPUTS = ("mergeqp feeds each prompt as input_ids only (models that derive the decoder's inputs "
+                          "from them, like BART, work): not supported")
+
+
 def _check_decoder_inputs(model: Any, config: Mapping[str, Any] | None) -> None:
     """A :class:`ConfigError` for an encoder-decoder model that cannot run on a prompt's
     ``input_ids`` alone (T5's decoder needs inputs of its own; BART derives them), found by one
@@ -525,8 +531,7 @@ def _check_decoder_inputs(model: Any, config: Mapping[str, Any] | None) -> None:
         if "decoder" in first or "input_ids" in first:
             raise ConfigError(
                 f"the base model ({(config or {}).get('model_type', 'encoder-decoder')}) is an encoder-decoder model "
-                f"whose decoder needs inputs of its own ({first}); mergeqp feeds each prompt as input_ids only "
-                f"(models that derive the decoder's inputs from them, like BART, work): not supported") from None
+                f"whose decoder needs inputs of its own ({first}); {ENCODER_DECODER_INPUTS}") from None
     except Exception:  # noqa: BLE001 - the meta pass is a probe: anything else is the run's to judge
         return
 
@@ -779,12 +784,9 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str],
         hit_tensors = [n for n in names if n not in site_keys
                        and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
         if not hit_sites and not hit_tensors:
-            tied = [n for n in (shared or {}) if n == p or fnmatch.fnmatchcase(n, p)]
+            tied = tied_match(pattern, shared)
             if tied:  # (Gemma2's lm_head: the QP named the tie, a baseline said "matches no layer")
-                assert shared is not None
-                raise ConfigError(
-                    f"layer pattern {pattern!r} matches {tied[0]!r}, a linear layer whose weight is tied to "
-                    f"{shared[tied[0]]!r} (one tensor, stored once): select {shared[tied[0]]!r} to merge it")
+                raise ConfigError(f"{tied}: select the tensor it is tied to, to merge it")
             raise ConfigError(
                 f"layer pattern {pattern!r} matches no layer or tensor{module_hint(sites, pattern)}; linear layers: "
                 f"{listing([s.label for s in sites])}"

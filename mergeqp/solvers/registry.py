@@ -186,8 +186,7 @@ def solve(
                              check_feasibility)
         return _with_abs_tol(_unless_unbounded(problem, cset, sol), abs_tol)
     looked = _unbounded_gap(sol)  # before any fallback: a verified ray ends the solve at once
-    if looked:
-        sol = _unless_unbounded(problem, cset, sol)
+    sol = _unless_unbounded(problem, cset, sol)
     if fallback and not _settled(sol, rel_tol, abs_tol):
         sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
                              check_feasibility)

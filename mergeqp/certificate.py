@@ -390,8 +390,18 @@ def certify(
     if d is None:
         raise ValidationError(f"d must be an array of shape {shape} (or flat ({problem.n},)), got None")
     x = problem.flat(d)
-    D = x.reshape(shape)
     cset.validate(shape)
+    # a point far out overflows d'Hd and the gap's sums to inf: the certificate then proves nothing and
+    # says so in its notes, without numpy's overflow warnings besides (stop 55's review)
+    with np.errstate(over="ignore"):
+        return _certify(problem, cset, x, rel_tol, feas_tol, pinv, abs_tol)
+
+
+def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: float, feas_tol: float,
+             pinv: bool | None, abs_tol: float) -> Certificate:
+    """:func:`certify` of the flat, checked point ``x``."""
+    shape = problem.shape
+    D = x.reshape(shape)
     notes: list[str] = []
 
     Hx = problem.matvec(x)

@@ -609,7 +609,10 @@ class _Ipm:
         # they converged (the start became the "best" iterate: "no feasible point" on box:0,1)
         floor = SCALE_FLOOR * (abs(P.c + F.c0) + float(np.max(np.abs(F.q), initial=0.0)) + self.eta)
         status = SolveStatus.MAX_ITERATIONS
-        budget = int(opts["crossover_face_solves"]) if opts["crossover"] else 0
+        # crossover "stalled" (torch_ipm's "auto" on a bounded set): only from an iterate whose residual
+        # stopped falling short of tol, below
+        stalled_only = isinstance(opts["crossover"], str) and opts["crossover"] == "stalled"
+        budget = int(opts["crossover_face_solves"]) if opts["crossover"] and not stalled_only else 0
         it = 0
         history: list[tuple[float, float, float]] = []
         # the best iterate by max(relative gap, dual residual, primal residual)
@@ -641,7 +644,17 @@ class _Ipm:
                 break
             if gap <= tol * scale and (since_best >= 2 or merit > 1e3 * best[0]):
                 # complementarity is reached but a residual has stopped falling (its float64
-                # floor on an ill-conditioned M): the best iterate is the answer
+                # floor on an ill-conditioned M): the best iterate is the answer, or with crossover
+                # "stalled" the minimiser of the face it points at (an interior point off its face by
+                # 1e-9 left the certificate's first-order gap at 4e-8 of |J|)
+                if stalled_only and err_p <= 1e-6 and int(opts["crossover_face_solves"]) > 0:
+                    t_cross = time.perf_counter()
+                    xc = self._crossover(x, s, lam, gap / m if m else 0.0)
+                    self.crossover_seconds += time.perf_counter() - t_cross
+                    if xc is not None:
+                        x, crossed = xc, True
+                        status = SolveStatus.OPTIMAL
+                        break
                 status = SolveStatus.OPTIMAL if best[0] <= math.sqrt(tol) else SolveStatus.INACCURATE
                 break
             if it == int(opts["max_iter"]):

@@ -184,7 +184,9 @@ def solve(
             raise
         sol = _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
                              check_feasibility)
-        return _with_abs_tol(_unless_unbounded(problem, cset, sol), abs_tol)
+        if not getattr(exc, "ray_searched", False):  # the refuted claim's own search found no ray
+            sol = _unless_unbounded(problem, cset, sol)
+        return _with_abs_tol(sol, abs_tol)
     looked = _unbounded_gap(sol)  # before any fallback: a verified ray ends the solve at once
     sol = _unless_unbounded(problem, cset, sol)
     if fallback and not _settled(sol, rel_tol, abs_tol):

@@ -7,8 +7,9 @@ the device once, and each iteration forms the normal matrix ``H + C'WC`` there, 
 (``torch.linalg.cholesky_ex``, float32 scaled to a unit diagonal while the gap is large, float64
 after, as on the host) and solves with it; the products with H of the iteration and of its
 refinement steps run there too. Vectors of length n cross between host and device. The
-crossover's face solves and the certificate stay on the host (float64, NumPy); the crossover is
-off by default on bounded sets (``crossover`` "auto").
+crossover's face solves and the certificate stay on the host (float64, NumPy); on bounded sets it
+runs by default only from an iterate whose residual stopped falling short of ``tol``
+(``crossover`` "auto" = "stalled" there).
 
 This is the GPU path for the sets ``torch_active_set`` (boxes only) does not take. ``auto``
 chooses it on a CUDA device for sets that would go to ``dense_ipm`` from :data:`AUTO_MIN_N`
@@ -47,18 +48,21 @@ def device_bytes(n: int) -> int:
 class TorchIpmSolver(DenseIpmSolver):
     """``dense_ipm`` with its dense work in PyTorch on ``device`` (see the module doc).
 
-    Options: those of ``dense_ipm``, with the same defaults except ``crossover`` ("auto" here: off
-    on a bounded set, since its face solves run on the host; on for an unbounded one, whose
-    certificate needs the face's exact minimiser; true gives points exactly on their face, as
+    Options: those of ``dense_ipm``, with the same defaults except ``crossover`` ("auto" here:
+    "stalled" on a bounded set, i.e. only from an iterate whose residual stopped falling short of
+    ``tol``, since the face solves run on the host; on for an unbounded one, whose certificate
+    needs the face's exact minimiser; true gives points exactly on their face, as
     ``dense_ipm``'s), and ``device`` "auto" (CUDA if present; "cpu", "cuda", "cuda:N").
     ``threads`` caps the host's BLAS (the crossover's face solves)."""
 
     name = "torch_ipm"
-    #: ``crossover`` "auto": off on a bounded set (the crossover's face solves run on the host,
+    #: ``crossover`` "auto": "stalled" on a bounded set (the crossover's face solves run on the host,
     #: and on an H100 they were 32-82% of the solve at n = 6144, 80-86% at 12288, docs/solvers.md, while
     #: the 0-3 more iterations that reach the gap without it cost little on the device); on for an
     #: unbounded one (nonneg & sign), where the Frank-Wolfe certificate cannot bound the gap of an
-    #: interior point and needs the exact face minimiser
+    #: interior point and needs the exact face minimiser. "stalled": an interior point whose dual
+    #: residual stopped at 7e-10 lay 1e-9 off its face, and the certificate's first-order gap was
+    #: then 4e-8 of |J| (a random rank-deficient L1 & sign problem, n = 12)
     defaults = {**DenseIpmSolver.defaults, "device": "auto", "crossover": "auto"}
 
     def available(self) -> str | None:
@@ -77,17 +81,18 @@ class TorchIpmSolver(DenseIpmSolver):
     def check_options(self, options: Any) -> dict[str, Any]:
         opts = super().check_options(options)
         c = opts["crossover"]
-        if not (isinstance(c, (bool, np.bool_)) or (isinstance(c, str) and c == "auto")):
-            raise ValidationError(f"{self.name}: option crossover={opts['crossover']!r} must be true, false or "
-                                  "'auto' (default: off on a bounded set, on for an unbounded one)")
+        if not (isinstance(c, (bool, np.bool_)) or (isinstance(c, str) and c in ("auto", "stalled"))):
+            raise ValidationError(f"{self.name}: option crossover={opts['crossover']!r} must be true, false, "
+                                  "'stalled' or 'auto' (default: 'stalled' on a bounded set, on for an unbounded "
+                                  "one)")
         return opts
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:
         import torch  # available() ran first: torch is importable here
 
-        if isinstance(self.check_options(options)["crossover"], str):  # "auto"
-            options = {**options, "crossover": not constraints.bounded}
+        if self.check_options(options)["crossover"] == "auto":
+            options = {**options, "crossover": "stalled" if constraints.bounded else True}
         try:
             raw = super().solve(problem, constraints, x0, **options)
         except torch.OutOfMemoryError:

@@ -119,7 +119,11 @@ def unbounded_claim(problem: MergeQP, cset: ConstraintSet, solver: str, status: 
         why = descent_ray(problem, direction)
         if why is None:
             own = unbounded_after_solve(problem, cset, solver, f"{status}: its own direction was not one")
-            return own if own is not None else refuted("its direction of unboundedness is not one of unbounded descent")
+            if own is not None:
+                return own
+            error = refuted("its direction of unboundedness is not one of unbounded descent")
+            error.ray_searched = True  # type: ignore[attr-defined]  # auto's fallback need not search again
+            return error
         return verified_claim(
             UnboundedError(f"{solver}: the problem is unbounded below on {cset.spec}: {why} ({status})"))
     if bounded_below_everywhere(problem):

@@ -443,9 +443,10 @@ def linearise_batch(
     ``output_fn`` is already normalised (:func:`resolve_output_fn`). Raises
     :class:`ValidationError` if the layer is not called exactly once per forward pass or
     the Jacobian would exceed ``max_jacobian_bytes``, or when the layer's first dimension is
-    not the batch. ``check_independence``: also check, with one extra forward pass, that
-    perturbing one sample's layer output changes no other sample's compared output (what the
-    per-sample Jacobians assume; it fails for sequence-first layouts inside the model).
+    not the batch. ``check_independence``: also check, with two extra forward passes, that
+    perturbing the first or the last sample's layer output changes no other sample's compared
+    output (what the per-sample Jacobians assume; it fails for sequence-first layouts inside the
+    model).
     """
     import torch  # deferred: torch is heavy
 
@@ -490,28 +491,31 @@ def linearise_batch(
 
 
 def _check_samples_independent(f: Callable[[Any], Any], u: Any, h: Any, where: str) -> None:
-    """Perturb sample 0's layer output only; raise if another sample's output moves."""
+    """Perturb the first sample's layer output, then the last's; raise if another sample's output
+    moves. Two probes: a sample read only by samples before it (an anti-causal or look-ahead mix
+    along a sequence-first layout) moves nothing when the first sample is perturbed."""
     import torch  # deferred: torch is heavy
 
+    B = int(u.shape[0])
     gen = torch.Generator(device="cpu").manual_seed(0)
     noise = torch.randn(tuple(u.shape[1:]), generator=gen, dtype=torch.float64)
     # large enough to stand out of half-precision rounding (sqrt(eps): 0.03 in float16)
     rel = max(1e-3, math.sqrt(float(torch.finfo(u.dtype).eps)))
-    scale = rel * (float(u[0].abs().max()) + 1.0)
-    p = torch.zeros_like(u)
-    p[0] = (scale * noise).to(dtype=u.dtype, device=u.device)
-    with torch.no_grad():
-        moved = (f(p) - h).abs()
-    own = float(moved[0].max())
-    others = float(moved[1:].max())
     # independent samples give other outputs that do not move at all (the same computation);
     # allow a few units of rounding of the largest output (nondeterministic kernels)
     eps = float(torch.finfo(h.dtype).eps) if h.is_floating_point() else 0.0
-    tol = max(1e-3 * own, 16.0 * eps * float(h.detach().abs().max()))
-    if others > tol:
-        raise ValidationError(
-            f"{where}: perturbing the merge layer's output for sample 0 changed the compared "
-            f"output of other samples (by {others:.3g}, against {own:.3g} for sample 0): the "
-            f"layer's first dimension must be the batch and samples must not interact (a "
-            f"sequence-first layout inside the model, or batch statistics, break this)"
-        )
+    for b in (0, B - 1):
+        p = torch.zeros_like(u)
+        p[b] = (rel * (float(u[b].abs().max()) + 1.0) * noise).to(dtype=u.dtype, device=u.device)
+        with torch.no_grad():
+            moved = (f(p) - h).abs()
+        own = float(moved[b].max())
+        others = float(torch.cat([moved[:b], moved[b + 1:]]).max())
+        tol = max(1e-3 * own, 16.0 * eps * float(h.detach().abs().max()))
+        if others > tol:
+            raise ValidationError(
+                f"{where}: perturbing the merge layer's output for sample {b} changed the compared "
+                f"output of other samples (by {others:.3g}, against {own:.3g} for sample {b}): the "
+                f"layer's first dimension must be the batch and samples must not interact (a "
+                f"sequence-first layout inside the model, or batch statistics, break this)"
+            )

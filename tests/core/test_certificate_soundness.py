@@ -8,6 +8,7 @@ computed independently (closed forms)."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -205,6 +206,16 @@ def test_a_point_whose_objective_overflows_says_so():
     with np.errstate(all="ignore"):
         cert = mq.certify(p, "none", np.full((1, 3), 1e155))
     assert not cert.certified() and any("J(d) overflows float64 at |d|_inf = 1e+155" in n for n in cert.notes)
+
+
+@pytest.mark.parametrize("d", [(0.0, 1e200), (1e200, 1e200), (1e155, 0.0)])
+def test_a_far_point_is_certified_without_numpys_overflow_warnings(d):
+    """(stop 55's review) The overflow is the certificate's own note, not three RuntimeWarnings."""
+    p = mq.MergeQP(np.diag([1.0, 0.0]), np.array([0.0, -1.0]), shape=(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cert = mq.certify(p, "nonneg", np.array([d]))
+    assert not cert.certified() and not math.isfinite(cert.fw_gap)
 
 
 def test_fifth_review_an_optimum_moved_along_a_duplicated_models_direction_still_certifies():

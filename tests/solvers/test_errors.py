@@ -482,3 +482,31 @@ def test_above_the_fallback_size_auto_still_tries_dense_ipm(random_psd_problem, 
     sol = solve(problem, Box(0.0, 1.0))
     assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set"]
     assert sol.solver == "active_set" and not sol.certificate.certified()
+
+
+def test_auto_searches_for_a_ray_once_when_its_first_solvers_claim_was_refuted(monkeypatch) -> None:
+    """A solver's unbounded claim that its own ray refutes already ran the search from H and g (an
+    eigendecomposition); auto's fallback answer, still without a bound, is not searched again."""
+    from mergeqp.solvers import registry, unbounded
+    from mergeqp.solvers.unbounded import unbounded_claim
+
+    rng = np.random.default_rng(1)
+    Q = np.linalg.qr(rng.standard_normal((6, 6)))[0]
+    H = (Q * np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])) @ Q.T
+    problem = MergeQP(0.5 * (H + H.T), Q @ np.array([-1e-9, 1.0, -1.0, 0.5, 0.2, 1.0]), c=1.0)
+    calls = []
+    search = unbounded.unbounded_after_solve
+
+    def counted(*args, **kwargs):
+        calls.append(args[2])
+        return search(*args, **kwargs)
+
+    def claims(problem, constraints, x0=None, **options):  # a direction along which J rises
+        raise unbounded_claim(problem, constraints, "closed_form", "injected", np.ones(problem.n))
+
+    monkeypatch.setattr(unbounded, "unbounded_after_solve", counted)
+    monkeypatch.setattr(registry, "unbounded_after_solve", counted)
+    monkeypatch.setattr(SOLVERS["closed_form"], "solve", claims)
+    sol = solve(problem, None)  # auto picks closed_form here
+    assert sol.solver != "closed_form" and not sol.certified  # the fallback's answer has no bound either
+    assert len(calls) == 1, calls

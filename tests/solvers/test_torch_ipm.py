@@ -128,6 +128,23 @@ def test_random_problems_certify(K: int, m: int, seed: int, kind: str) -> None:
     assert sol.objective <= ref.objective + 1e-7 * max(1.0, abs(ref.objective))
 
 
+def test_a_stalled_interior_point_on_a_bounded_set_crosses_over() -> None:
+    """Hypothesis's find (stop 56): on this L1 & sign problem (H of rank 6 of 12) the iteration's dual
+    residual stops at 7e-10, the interior point lies 1e-9 off its face and the certificate's gap was
+    4e-8 of |J| with the crossover off. "auto" crosses over from such a stalled iterate."""
+    rng = np.random.default_rng(9922974)
+    B = rng.standard_normal((12, 6))
+    from mergeqp.problem import MergeQP
+
+    problem = MergeQP(B @ B.T, rng.standard_normal(12), 1.0, shape=(3, 4))
+    cset = L1Ball(2.0) & SignConsensus.from_deltas(rng.standard_normal((3, 4, 3)), "rows")
+    sol = solve(problem, cset, solver="torch_ipm", device="cpu")
+    assert sol.info["crossover"] and sol.info["crossover"][-1].startswith("certified")
+    assert sol.certificate.certified(1e-12)
+    off = solve(problem, cset, solver="torch_ipm", device="cpu", crossover=False)
+    assert off.info["crossover"] == [] and not off.certificate.certified(1e-8)  # what it was before
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dense_ipm_cases, st.sampled_from(["auto", True]))
 def test_every_kind_of_set_matches_dense_ipm(random_psd_problem, rel_diff, params, crossover) -> None:

@@ -159,7 +159,16 @@ class Roll(nn.Module):
         return torch.roll(x, 1, 0)
 
 
-@pytest.mark.parametrize("mixer", [BatchStats, Roll], ids=["batch statistics", "roll"])
+class LookAhead(nn.Module):
+    """Each sample reads the next one (no wrap): perturbing the first sample moves no other."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.clone()
+        y[:-1] = y[:-1] + 0.5 * x[1:]
+        return y
+
+
+@pytest.mark.parametrize("mixer", [BatchStats, Roll, LookAhead], ids=["batch statistics", "roll", "look-ahead"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16], ids=["f64", "f16", "bf16"])
 def test_samples_that_interact_are_caught_in_every_precision(finetuned_copies, mixer, dtype) -> None:
     """Also in half precision, and when sample 0's own output does not move (roll)."""

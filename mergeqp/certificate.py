@@ -104,6 +104,32 @@ def tolerance(name: str, value: Any) -> float:
     return out
 
 
+class Verdict:
+    """:attr:`Certificate.certified`: callable with tolerances, ``cert.certified(1e-8)``, and a bool
+    at the certificate's own (``if cert.certified:``). A plain method was always true when its call
+    was forgotten, and :attr:`~mergeqp.solution.Solution.certified` is a property."""
+
+    __slots__ = ("_cert",)
+
+    def __init__(self, cert: Certificate):
+        self._cert = cert
+
+    def __call__(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
+        return self._cert._certified(rel_tol, abs_tol)
+
+    def __bool__(self) -> bool:
+        return self()
+
+    def __eq__(self, other: object) -> bool:
+        return bool(self) == other if isinstance(other, (bool, np.bool_, Verdict)) else NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+
 @dataclass(frozen=True)
 class Certificate:
     """How far from optimal a point provably is. All values float64; see the module doc.
@@ -181,9 +207,16 @@ class Certificate:
         its own size) no gap proves anything, however small it comes out."""
         return bool(self.rounding > self.scale)
 
-    def certified(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
-        """Feasible (within ``feas_tol``), ``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol``,
-        in units of J, defaults to 0: purely relative), and the gap not :attr:`beyond_float64`."""
+    @property
+    def certified(self) -> Verdict:
+        """The verdict: call it, ``certified(rel_tol=None, abs_tol=None)``, for a bool: feasible
+        (within ``feas_tol``), ``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol``, in units of
+        J, defaults to 0: purely relative), and the gap not :attr:`beyond_float64`. Used as a bool
+        without the call (``if cert.certified:``, as ``Solution.certified`` is written) it is the
+        verdict at the certificate's own tolerances, not a method's truth (always true)."""
+        return Verdict(self)
+
+    def _certified(self, rel_tol: float | None, abs_tol: float | None) -> bool:
         return bool(self.feasible and math.isfinite(self.fw_gap) and not self.beyond_float64
                     and self.fw_gap <= self.allowed_gap(rel_tol, abs_tol))
 

@@ -42,6 +42,7 @@ AUX_FILES: tuple[str, ...] = (
     "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
     "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
     "chat_template.json", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", "tekken.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 #: how safetensors words a failed write: "... I/O error: No space left on device (os error 28)"
@@ -49,6 +50,23 @@ _SAFETENSORS_IO_ERROR = re.compile(r"I/O error: ([^(]*?)\s*(?:\(os error (\d+)\)
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _custom_code(folder: Path | None, config: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The ``.py`` files at the top of ``folder`` when its model config (``config``; ``None``: its
+    ``tokenizer_config.json``) names classes there (``auto_map``): a model or tokenizer with custom
+    code does not load without them (stop 56 review: the written config kept its ``auto_map`` and
+    ``from_pretrained(..., trust_remote_code=True)`` failed for want of ``configuration_*.py``)."""
+    if folder is None or not folder.is_dir():
+        return ()
+    if config is None:
+        try:
+            config = json.loads((folder / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            return ()
+    if not isinstance(config, Mapping) or not config.get("auto_map"):
+        return ()
+    return tuple(sorted(p.name for p in folder.glob("*.py") if p.is_file()))
 
 
 def parse_size(value: int | str) -> int:
@@ -240,7 +258,9 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
             write_text_atomic(out / "config.json", json.dumps(new_cfg, indent=2))
         copied.append("config.json")
     tok = Path(tokenizer_folder).expanduser() if tokenizer_folder is not None else src
-    for folder, names in ((src, ("generation_config.json", "preprocessor_config.json")), (tok, AUX_FILES)):
+    for folder, names in ((src, ("generation_config.json", "preprocessor_config.json",
+                                 *(_custom_code(src, cfg) if cfg is not None else ()))),
+                          (tok, AUX_FILES), (tok, _custom_code(tok, None))):
         if folder is None or not folder.is_dir():
             continue
         for fname in names:

@@ -255,8 +255,9 @@ class StatisticsCollector:
 
     # ------------------------------------------------------------------ merge
     def merge(self, plan: Any, keys: Sequence[str], chunk_bytes: int) -> dict[str, Any]:
-        """``{checkpoint key: merged tensor}`` (the base's dtype) for ``keys``: the registered
-        method's merge with the collected statistics, in module-aligned chunks."""
+        """``{checkpoint key: merged tensor}`` (the written dtype: ``plan.written_dtype()``, else the
+        base's) for ``keys``: the registered method's merge with the collected statistics, in
+        module-aligned chunks."""
         missing = [i for i, s in enumerate(self.statistics) if s is None]
         if missing:
             raise ValidationError(f"{self.name}: no statistics for model(s) {missing}")
@@ -277,12 +278,14 @@ class StatisticsCollector:
             base_live = {live[k]: base_sd[k] for k in floats}
             fts_live = [{live[k]: v for k, v in ft.get_many(floats).items()} for ft in plan.finetuned]
             extra = self.spec.merge_kwargs(self, stats, set(live.values()))
+            written = plan.written_dtype()
             try:
-                merged = merge_state_dicts(self.name, base_live, fts_live, **{"progress": False, **params, **extra})
+                merged = merge_state_dicts(self.name, base_live, fts_live, out_dtype=written,
+                                           **{"progress": False, **params, **extra})
             except MergeQPError as exc:
                 raise type(exc)(f"{self.name} merge of {floats[0]!r}...: {exc}") from None
             for k in floats:
-                out[k] = merged[live[k]].to(base_sd[k].dtype)
+                out[k] = merged[live[k]].to(written or base_sd[k].dtype)
         return out
 
     def summary(self) -> dict[str, Any]:

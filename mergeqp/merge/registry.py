@@ -73,7 +73,8 @@ for _method in (TASK_ARITHMETIC, SOUP, TIES, DARE, DARE_LINEAR, DARE_TIES, ROW_D
 del _method
 
 
-def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params: Any) -> dict[str, Any]:
+def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], *, out_dtype: Any = None,
+                      **params: Any) -> dict[str, Any]:
     """Merge ``finetuned`` (K models) onto ``base`` with the registered method ``method``.
 
     ``base`` and each fine-tuned model: a state dict (``name -> tensor``), an ``nn.Module`` or a
@@ -86,6 +87,8 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     Returns a new dict in the reference model's key order (base, else ``finetuned[0]``) and
     dtypes: merged tensors for the selected floating-point names; the others per
     ``unselected`` (tensors copied from the base are the base's own objects, not clones).
+    ``out_dtype`` (a ``torch.dtype``): the merged and averaged tensors' dtype instead of the
+    reference's (a bfloat16 base merged into float32 is rounded once, to float32, not to bfloat16 first).
     """
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
 
@@ -128,11 +131,11 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], **params
     for name in inputs.names:
         if name in merged:  # (detached: inputs that require grad must not give results holding their graph)
             dtype, device = ref.dtype_device(name)
-            out[name] = merged[name].detach().to(dtype=dtype, device=device)
+            out[name] = merged[name].detach().to(dtype=out_dtype or dtype, device=device)
         elif unselected == "drop":
             continue
         elif unselected == "average" and name in float_names:
-            out[name] = _mean_of_finetuned(inputs, name).to(ref.dtype_device(name)[0])
+            out[name] = _mean_of_finetuned(inputs, name).to(out_dtype or ref.dtype_device(name)[0])
         else:
             out[name] = ref.get(name)
             continue  # checked finite when read

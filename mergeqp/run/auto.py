@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -247,7 +247,7 @@ def select_start(params: AutoStartParams, evaluate: Callable[[Candidate], Candid
     into the live model. Raises :class:`ConfigError` when every candidate was skipped."""
     say = log or (lambda msg: None)
     scored: list[ScoredCandidate] = []
-    best: tuple[float, ScoredCandidate, Callable[[], dict[str, Any]]] | None = None
+    ranked: list[tuple[float, int, Callable[[], dict[str, Any]]]] = []
     for cand in params.candidates:
         t = time.perf_counter()
         try:
@@ -257,17 +257,28 @@ def select_start(params: AutoStartParams, evaluate: Callable[[Candidate], Candid
             say(f"start auto: {cand.label} skipped: {exc}")
             continue
         entry = ScoredCandidate(cand.label, cand.name, cand.params, float(value), time.perf_counter() - t)
+        ranked.append((float(value), len(scored), final))
         scored.append(entry)
         say(f"start auto: {cand.label}: held-out objective {value:.6g} ({entry.seconds:.1f} s)")
-        if best is None or value < best[0]:
-            best = (float(value), entry, final)
-    if best is None:
+    if not ranked:
         raise ConfigError("start: auto: every candidate was skipped: " + "; ".join(
             f"{c.label}: {c.note}" for c in scored))
-    tensors = best[2]()
-    load(tensors)
-    say(f"start auto: chose {best[1].label}")
-    return StartSelection(tuple(scored), best[1], params.folds, params.holdout, tensors)
+    # the lowest first (the earliest on a tie); a winner whose fit on every batch cannot run (more
+    # batches than its folds' fits: a Jacobian above the limit) gives way to the next (stop 56 review:
+    # the merge stopped there)
+    for _, i, final in sorted(ranked, key=lambda r: (r[0], r[1])):
+        try:
+            tensors = final()
+        except CandidateSkipped as exc:
+            scored[i] = replace(scored[i], note=f"lowest held-out objective, but its fit on every batch "
+                                                             f"could not run: {exc}")
+            say(f"start auto: {scored[i].label} set aside: its fit on every batch could not run: {exc}")
+            continue
+        load(tensors)
+        say(f"start auto: chose {scored[i].label}")
+        return StartSelection(tuple(scored), scored[i], params.folds, params.holdout, tensors)
+    raise ConfigError("start: auto: no candidate's fit on every batch could run: " + "; ".join(
+        f"{c.label}: {c.note}" for c in scored))
 
 
 #: calibration batches per task that ``start: auto`` with k >= 2 folds needs (one to fit on, one to score)

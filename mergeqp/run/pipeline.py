@@ -484,10 +484,12 @@ def statistics_collector(plan: MergePlan, name: str, params: dict[str, Any], key
 
 # ---------------------------------------------------------------------- baselines
 def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Sequence[str],
-                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES, unchanged: list[bool] | None = None) -> dict[str, Any]:
     """``{key: merged tensor}`` for ``keys`` with :func:`mergeqp.merge_state_dicts`, read lazily in
-    chunks of at most ``chunk_bytes`` (of base tensors). Non-floating tensors are copied from the
-    base."""
+    chunks of at most ``chunk_bytes`` (of base tensors), in the dtype they will be written in
+    (:meth:`~mergeqp.run.plan.MergePlan.written_dtype`, else the base's). Non-floating tensors are
+    copied from the base. ``unchanged`` (one flag per fine-tune, true on entry): cleared for each
+    fine-tune that holds some floating tensor of ``keys`` other than the base's."""
     out: dict[str, Any] = {}
     chunk: list[str] = []
     size = 0
@@ -503,6 +505,9 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
                 out[k] = base_sd[k]
         if floats:
             ft_sds = [ft.get_many(floats) for ft in plan.finetuned]
+            if unchanged is not None:
+                for i, sd in enumerate(ft_sds):
+                    unchanged[i] = unchanged[i] and all(same_stored_value(base_sd[k], sd[k]) for k in floats)
             # a tensor every fine-tune holds as the base's, saved in another dtype, is the base's: merging
             # the rounding would put noise into the start (and unfold the head: a review's 9 -> 19 s)
             kept = [k for k in floats if any(sd[k].dtype != base_sd[k].dtype for sd in ft_sds)
@@ -512,11 +517,11 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
             floats = [k for k in floats if k not in kept]
         if floats:
             merged = merge_state_dicts(name, {k: base_sd[k] for k in floats}, [{k: sd[k] for k in floats} for sd in ft_sds],
-                                       **{"progress": False, **params})
+                                       out_dtype=plan.written_dtype(), **{"progress": False, **params})
             for k in floats:
                 if k not in merged:
                     raise ValidationError(f"baseline {name!r} returned no tensor {k!r}")
-                out[k] = merged[k].to(base_sd[k].dtype)
+                out[k] = merged[k].to(plan.written_dtype() or base_sd[k].dtype)
         chunk, size = [], 0
 
     for key in keys:
@@ -872,7 +877,15 @@ class _Run:
         if collector is not None:
             merged = collector.merge(plan, keys, DEFAULT_CHUNK_BYTES)
         else:
-            merged = baseline_merge(plan, name, params, keys)
+            unchanged = [True] * len(plan.finetuned)
+            merged = baseline_merge(plan, name, params, keys, unchanged=unchanged)
+            same = [n for n, u in zip(cfg.model_names(), unchanged) if u]
+            if same:  # (the QP says so of a zero residual; a baseline counted it silently: stop 56 review)
+                self.notes.append(
+                    f"{listing([repr(n) for n in same], 3)} hold{'s' if len(same) == 1 else ''} the base's values in "
+                    f"every merged tensor (a zero task vector, or the base saved in another dtype): {name} still "
+                    f"counts {'it' if len(same) == 1 else 'them'} as a model (a soup is pulled toward the base); "
+                    f"leave {'it' if len(same) == 1 else 'them'} out if that is not meant")
         summary = BaselineSummary(name, params, len(merged), time.perf_counter() - t + t_stats,
                                   collector.summary() if collector is not None else None)
         if collector is not None:

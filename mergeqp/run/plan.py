@@ -214,6 +214,14 @@ class MergePlan:
         """The base checkpoint's floating-point tensors (what a start merges "on every tensor")."""
         return [k for k in self.base.names() if self.base.info(k).dtype.startswith(("float", "bfloat"))]
 
+    def written_dtype(self) -> Any:
+        """The ``torch.dtype`` of ``output_dtype``, or ``None`` (each tensor in the base's dtype): what
+        merged tensors are cast to once (a baseline's float32 sums over a bfloat16 base kept in float32)."""
+        import torch  # deferred: torch is heavy
+
+        name = self.config.output_dtype
+        return getattr(torch, name) if name else None
+
     def to_json(self) -> dict[str, Any]:
         m = self.config.method
         return {
@@ -405,6 +413,14 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
                     f"tensor {k!r} has shape {theirs[k]} in model {name!r} but {shape} in the base: "
                     f"all models must share the base's architecture"
                 )
+        floating = ("float", "bfloat")
+        kinds = [k for k in ref if base.info(k).dtype.startswith(floating) != ck.info(k).dtype.startswith(floating)]
+        if kinds:  # (stop 56 review: an integer copy of a float tensor passed --dry-run, and unselected it was
+            k = kinds[0]  # read into the fine-tune's targets as integers cast back)
+            raise ConfigError(
+                f"tensor {k!r} is stored as {ck.info(k).dtype} in model {name!r} but as {base.info(k).dtype} in the "
+                f"base ({len(kinds)} such tensor(s)): a floating-point weight saved as integers (or the reverse) is "
+                f"not a fine-tune of it; re-save that model from its float weights")
         if differ:  # (after the shapes: a tensor of another shape is the plainer message)
             raise _config_difference(name, differ[0], theirs_cfg[differ[0]], bcfg[differ[0]])
     return notes
@@ -657,11 +673,23 @@ def aligned_checkpoints(base: Checkpoint, finetuned: Sequence[Checkpoint], model
         """The tied partner of ``key`` that ``ck`` stores with the same values, if any."""
         return next((p for p in partners.get(key, ()) if p in ck and _same_tensor(ck, key, p)), None)
 
-    base_drop = [k for k in base.names() if ignored(k)]
+    # the first name of each tied group (the embedding before the head it ties): where the base stores a
+    # later name as an equal copy, that copy is left out as save_pretrained leaves it, so the merge writes
+    # one tensor and the model loads tied (stop 56 review: a torch.save folder's merged embedding was
+    # written beside the base's stored head, and transformers loaded the two untied)
+    first = {names.get(n, n): names.get(group[0], group[0]) for group in tied_parameters(model).values() for n in group}
+    ignored_drop = [k for k in base.names() if ignored(k)]
+    copies = [k for k in base.names() if k not in ignored_drop and first.get(k, k) != k and first[k] in base
+              and _same_tensor(base, k, first[k])]
+    base_drop = ignored_drop + copies
     new_base = base.aligned(drop=base_drop) if base_drop else base
     base_copy = functools.cache(lambda key: copy_of(new_base, key) is not None)  # read once, not per fine-tune
-    notes = ([f"the base stores {listing(base_drop, 3)}, which transformers ignores on load: left out"]
-             if base_drop else [])
+    notes = ([f"the base stores {listing(ignored_drop, 3)}, which transformers ignores on load: left out"]
+             if ignored_drop else [])
+    if copies:
+        notes.append(f"the base stores {listing(copies, 3)}, a copy of the tied "
+                     f"{listing([first[k] for k in copies], 3)}: left out (the written model stores the tied "
+                     f"tensor once, as save_pretrained does, and loads tied)")
     out = []
     for ck in finetuned:
         drop = [k for k in ck.names() if k not in new_base and (ignored(k) or copy_of(ck, k) is not None)]
@@ -1179,6 +1207,13 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                 n = len(texts)
                 all_texts.extend(texts)
                 owners.extend([f"models[{name}].calibration ({src.path})"] * n)
+                repeats = n - len(set(texts))
+                if repeats and cfg.evaluate and holdout_count(n, cfg.holdout_for(i)) > 0:
+                    # (stop 56 review: 8 of 8 held-out prompts of a duplicated file were also fitted on)
+                    holdout_notes.append(
+                        f"models[{name}]: {src.path} repeats {repeats} of its {n} prompts: a prompt may be both "
+                        f"fitted on and held out, and the held-out metrics then are not of unseen text (remove "
+                        f"the repeats)")
             if labels and max(labels[:n]) >= heads[i].classes:
                 at = int(np.argmax(np.asarray(labels[:n])))
                 raise ValidationError(f"{path}: class label {labels[at]} (sample {at}, counted from 0) but the head has "

@@ -11,8 +11,9 @@ removes most of the cost of each pass.
 
 What keeps it exact:
 
-- the cached output is used only for an input equal to the one it was computed from, and only
-  while no lower block's parameter has changed (their versions and storage are compared);
+- the cached output is used only for an input equal to the one it was computed from, with equal
+  other arguments (the attention mask, position ids: since stop 56), and only while no lower
+  block's parameter has changed (their versions and storage are compared);
 - the first time a cached output is used it is also recomputed and compared (to the rounding of
   the model's dtype); on a mismatch the cache switches itself off for the rest of the merge;
 - the lower blocks are constants of every pass of a merge (the sites, where the statistics'
@@ -73,6 +74,8 @@ class _Entry:
     key: Any
     output: Any
     versions: tuple[Any, ...]
+    #: the block's other arguments (:func:`_context`): the attention mask, position ids ...
+    context: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -102,13 +105,11 @@ class PrefixCache:
         """Block ``index``'s own computation (what it did before the cache patched it)."""
         return run_block(self.blocks[index], *args, **kwargs)
 
-    def lookup(self, key: Any) -> _Entry | None:
-        import torch  # deferred: torch is heavy
-
+    def lookup(self, key: Any, context: tuple[Any, ...] = ()) -> _Entry | None:
         now = None
         for entry in self.entries:
-            if entry.key.shape == key.shape and entry.key.dtype == key.dtype and entry.key.device == key.device \
-                    and torch.equal(entry.key, key):
+            if _same(entry.key, key) and len(entry.context) == len(context) \
+                    and all(_same(a, b) for a, b in zip(entry.context, context)):
                 now = now or self.versions()
                 if entry.versions == now:
                     return entry
@@ -117,11 +118,54 @@ class PrefixCache:
     def store(self, output: Any) -> None:
         if self._pending is None:
             return
-        key, versions = self._pending
+        key, versions, context = self._pending
         self._pending = None
         if len(self.entries) >= MAX_ENTRIES:
             self.entries.pop(0)
-        self.entries.append(_Entry(key, _detached(output), versions))
+        self.entries.append(_Entry(key, _detached(output), versions, context))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two keys' parts are equal: tensors of one shape, dtype and device with equal entries, or equal
+    plain values."""
+    import torch  # deferred: torch is heavy
+
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device and bool(torch.equal(a, b)))
+    return type(a) is type(b) and a == b
+
+
+def _context(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    """The block's arguments besides the hidden states, as part of the cache's key: every tensor (the
+    attention mask, position ids, rotary embeddings; copied) and plain value (``None``, numbers,
+    strings) by position and name; other objects (a key-value cache) are left out. ``None`` when a
+    tensor cannot be compared (one carrying a ``vmap`` dimension or tracked by autograd): no cache
+    then. Before stop 56 only the hidden states were compared, and two batches with the same token ids
+    and different masks (a prompt holding the pad token's text) shared one cached output."""
+    import torch  # deferred: torch is heavy
+
+    out: list[Any] = []
+
+    def add(where: Any, value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return all(add((where, i), v) for i, v in enumerate(value))
+        if isinstance(value, torch.Tensor):
+            plain = _unwrapped(value)
+            if plain is None:
+                return False
+            out.extend((where, plain.detach().clone()))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out.extend((where, value))
+        return True
+
+    for i, a in enumerate(args[1:]):
+        if not add(i, a):
+            return None
+    for name in sorted(kwargs):
+        if name != "hidden_states" and not add(name, kwargs[name]):
+            return None
+    return tuple(out)
 
 
 def _detached(output: Any) -> Any:
@@ -183,8 +227,9 @@ def _patched(cache: PrefixCache, index: int, last: int) -> Any:
         if index == 0:
             cache._active, cache._pending = None, None
             plain = _unwrapped(hidden)
-            if plain is not None:
-                entry = cache.lookup(plain)
+            context = _context(args, kwargs) if plain is not None else None
+            if plain is not None and context is not None:
+                entry = cache.lookup(plain, context)
                 if entry is not None and not cache.verified:
                     _verify(cache, entry, plain, args, kwargs)
                 if entry is not None and cache.enabled:
@@ -192,7 +237,7 @@ def _patched(cache: PrefixCache, index: int, last: int) -> Any:
                     cache._active = entry
                 else:
                     cache.misses += 1
-                    cache._pending = (plain.detach().clone(), cache.versions())
+                    cache._pending = (plain.detach().clone(), cache.versions(), context)
         entry = cache._active
         if entry is not None:
             if index == last:

@@ -402,3 +402,14 @@ def test_implied_bounds_hold_at_every_extreme_point_of_the_set(seed):
             assert res.status == 0
             value = res.x[i]
             assert lo[i] <= value + 1e-9 * (1 + abs(value)) and value <= hi[i] + 1e-9 * (1 + abs(value))
+
+
+def test_certified_without_its_call_is_the_verdict_not_a_methods_truth():
+    """``if cert.certified:`` (as ``solution.certified`` is written) was always true: a bound method."""
+    p = mq.MergeQP(np.eye(2), -np.ones(2), shape=(1, 2))
+    good = mq.solve(p, "box:0,1").certificate
+    bad = mq.certify(p, "box:0,1", np.full((1, 2), 0.5))  # J = -0.75 against J* = -1, gap 0.5
+    assert good.certified and good.certified() and good.certified(1e-12) and good.certified == True  # noqa: E712
+    assert not bad.certified and not bad.certified() and bad.certified == False  # noqa: E712
+    assert bad.certified(abs_tol=1.0)  # within an absolute tolerance of 1
+    assert repr(bad.certified) == "False" and {good.certified: 1}[True] == 1

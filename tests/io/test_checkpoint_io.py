@@ -396,3 +396,24 @@ def test_prompt_lines_end_at_newlines_only(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("\r\n".join(texts) + "\r\n\r\n", encoding="utf-8")
     assert read_prompts(txt) == texts
+
+
+def test_writer_copies_the_custom_code_a_config_names(llama_dir, tmp_path):
+    """(stop 56 review) A config with ``auto_map`` (a model with custom code) was written without its
+    ``configuration_*.py`` / ``modeling_*.py``: from_pretrained(trust_remote_code=True) failed. Python
+    files of a folder without ``auto_map`` are not copied."""
+    import shutil
+
+    src = tmp_path / "custom"
+    shutil.copytree(llama_dir, src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyModel"}
+    (src / "config.json").write_text(json.dumps(cfg))
+    for name in ("configuration_my.py", "modeling_my.py", "helpers.py"):
+        (src / name).write_text(f"# {name}\n")
+    ck = open_checkpoint(src)
+    written = save_hf_folder(tmp_path / "out", ((n, ck.get(n)) for n in ck.names()), source_folder=src)
+    for name in ("configuration_my.py", "modeling_my.py", "helpers.py"):  # (modules import each other)
+        assert (tmp_path / "out" / name).read_text() == f"# {name}\n" and name in written.copied
+    plain = save_hf_folder(tmp_path / "plain", ((n, ck.get(n)) for n in ck.names()), source_folder=llama_dir)
+    assert not any(n.endswith(".py") for n in plain.copied)

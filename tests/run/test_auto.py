@@ -328,3 +328,34 @@ def test_a_qp_candidate_refuses_any_mode_that_needs_a_start():
         assert qp_candidate_block({"mode": "trust_region"}, "here").mode == "trust_region"
     finally:
         del MERGE_MODES["my_starting_mode"]
+
+
+def test_a_winner_whose_fit_on_every_batch_cannot_run_gives_way_to_the_next():
+    """(stop 56 review) output_space won on its folds, then its fit on every batch (more batches: a
+    Jacobian above jacobian_max_bytes) raised CandidateSkipped outside the selection and ended the
+    merge. The next best is taken, the winner's reason kept for the report."""
+    from mergeqp.run.auto import AutoStartParams, CandidateSkipped, select_start
+
+    params = AutoStartParams(candidates=["soup", "ties", {"name": "output_space", "params": {"ridge": 0.1}}])
+    scores = {"soup": 3.0, "ties": 2.0, "output_space": 1.0}
+    loaded = []
+
+    def evaluate(cand):
+        def final():
+            if cand.name == "output_space":
+                raise CandidateSkipped("per-sample Jacobians take 73 MiB, above jacobian_max_bytes (64 MiB)")
+            return {"w": cand.name}
+        return scores[cand.name], final
+
+    sel = select_start(params, evaluate, loaded.append)
+    assert sel.chosen.name == "ties" and loaded == [{"w": "ties"}] and sel.overrides == {"w": "ties"}
+    winner = next(c for c in sel.candidates if c.name == "output_space")
+    assert winner.validation == 1.0 and "could not run: per-sample Jacobians" in winner.note
+
+    def nothing_runs(cand):
+        def final():
+            raise CandidateSkipped("too large")
+        return scores[cand.name], final
+
+    with pytest.raises(ConfigError, match="no candidate's fit on every batch could run"):
+        select_start(params, nothing_runs, loaded.append)

@@ -334,3 +334,38 @@ def test_fisher_and_regmean_on_cuda_match_cpu(families, tmp_path):
             torch.testing.assert_close(b.get(n), a.get(n), rtol=1e-5, atol=1e-7)
         ea, eb = cpu.report["evaluation"]["merged"], gpu.report["evaluation"]["merged"]
         assert eb["calibration_objective"] == pytest.approx(ea["calibration_objective"], rel=1e-6)
+
+
+@pytest.mark.parametrize("method", [{"name": "task_arithmetic", "params": {"scaling": 1.0}}, {"name": "fisher"}],
+                         ids=["task_arithmetic", "fisher (statistics)"])
+def test_output_dtype_float32_over_a_bfloat16_base_is_not_rounded_to_bfloat16_first(tiny_hf, tmp_path, method):
+    """(stop 56 review) ``output_dtype: float32`` over a bfloat16 base wrote every baseline's tensors
+    rounded to bfloat16 first (half of a down_proj's entries equal to the base's: the task vector lost)."""
+    from safetensors.torch import load_file, save_file
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.002, n_prompts=6)
+    state = load_file(str(fam.base / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(fam.base / "model.safetensors"),
+              metadata={"format": "pt"})
+    layer = "model.layers.1.mlp.down_proj"
+    res = _merge(fam, tmp_path, [layer], method, output_dtype="float32", evaluate=False)
+    key = layer + ".weight"
+    got = open_checkpoint(res.out_dir).get(key)
+    base = open_checkpoint(fam.base).get(key).double()
+    assert got.dtype == torch.float32
+    assert not torch.equal(got.to(torch.bfloat16).float(), got)  # not bfloat16 values written as float32
+    if method["name"] == "task_arithmetic":
+        want = base + sum(open_checkpoint(f).get(key).double() - base for f in fam.finetuned)
+        assert float((got.double() - want).norm() / (want - base).norm()) < 1e-5
+
+
+def test_a_baseline_names_a_fine_tune_that_holds_the_base(tiny_hf, tmp_path):
+    """(stop 56 review) The QP notes a zero residual; a soup with a copy of the base as a fine-tune was
+    silently pulled halfway to the base."""
+    import shutil
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    shutil.copy(fam.base / "model.safetensors", fam.finetuned[1] / "model.safetensors")
+    res = _merge(fam, tmp_path, ["model.layers.1.mlp.down_proj"], {"name": "soup"}, evaluate=False)
+    notes = [n for n in res.report["notes"] if "holds the base's values in every merged tensor" in n]
+    assert len(notes) == 1 and repr(fam.tasks[1]) in notes[0] and repr(fam.tasks[0]) not in notes[0]

@@ -963,6 +963,49 @@ def test_tied_copies_and_derived_buffers_line_up_as_transformers_loads_them(fami
         build_plan(with_changes("untied", ft1=tmp_path / "ft1_untied.pt"))
 
 
+def test_a_merged_embedding_is_written_tied_when_every_checkpoint_stores_the_head_too(families, tmp_path):
+    """(stop 56 review) Base and fine-tunes saved with torch.save(model.state_dict()) hold the tied
+    lm_head.weight beside the embedding: a merge of the embedding wrote it beside the base's stored
+    head, and transformers loaded the two untied (the report described the tied model). The copy is
+    left out of the written folder, as save_pretrained leaves it, and the model loads tied."""
+    import shutil
+
+    import yaml
+
+    from mergeqp.run.plan import build_plan
+
+    fam = families["gpt2"]
+    paths = []
+    for i, folder in enumerate([fam.base, *fam.finetuned]):
+        state = fam.auto_class.from_pretrained(str(folder)).state_dict()
+        assert "lm_head.weight" in state
+        if i:  # the fine-tunes change the embedding (in place: the stored head is the same tensor)
+            state["transformer.wte.weight"].add_(0.05 * torch.randn(state["transformer.wte.weight"].shape,
+                                                                    generator=torch.Generator().manual_seed(i)))
+            assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+        paths.append(tmp_path / f"m{i}")
+        shutil.copytree(folder, paths[-1])
+        (paths[-1] / "model.safetensors").unlink()
+        torch.save(state, paths[-1] / "pytorch_model.bin")
+    path = fam.write_config(tmp_path / "tied.yml", ["transformer.wte"], {"name": "task_arithmetic"})
+    data = yaml.safe_load(path.read_text())
+    data["base"] = str(paths[0])
+    for m, p in zip(data["models"], paths[1:]):
+        m["path"] = str(p)
+    data["evaluate"] = False
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    assert any("a copy of the tied transformer.wte.weight" in n for n in build_plan(cfg).notes)
+    res = run_merge(cfg, tmp_path / "out", progress=False)
+    written = open_checkpoint(res.out_dir)
+    base = open_checkpoint(fam.base).get("transformer.wte.weight")
+    wte = written.get("transformer.wte.weight")
+    assert not torch.equal(wte, base)  # merged
+    assert "lm_head.weight" not in written.names()
+    model = fam.auto_class.from_pretrained(str(res.out_dir))
+    assert torch.equal(model.lm_head.weight, wte)
+
+
 def test_a_baseline_keeps_the_base_where_every_fine_tune_holds_it_in_another_dtype(tiny_hf, tmp_path):
     """(stop 53 review) A fine-tune saved in bfloat16 holds the base's unchanged tensors rounded; the
     soup averaged that rounding into the merge (and a start merged so unfolded the head). Such a

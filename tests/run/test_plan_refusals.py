@@ -1,7 +1,8 @@
 """What the plan (and so ``--dry-run``) refuses since the stop 55 review, where the run used to fail
 after loading every model: an encoder-decoder base whose decoder needs inputs of its own (T5; BART
 derives them from ``input_ids`` and passes the same probe, one forward pass of the ``meta``-device
-skeleton), and a prompt that tokenises to nothing."""
+skeleton), and a prompt that tokenises to nothing; since stop 56's, a float tensor a fine-tune stores as
+integers."""
 
 from __future__ import annotations
 
@@ -49,3 +50,42 @@ def test_a_prompt_that_tokenises_to_nothing_is_refused_by_the_plan(monkeypatch, 
     with pytest.raises(ConfigError, match=r"models\[b\].calibration \(b.txt\): prompt\(s\) tokenise to nothing.*nothing here"):
         plan_module._longest_prompt(tmp_path, texts, 8, owners)
     assert plan_module._longest_prompt(tmp_path, ["known known", "known"], 8, owners[:2]) == 2
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.mlp.down_proj.weight", "model.norm.weight"],
+                         ids=["selected", "not selected"])
+def test_a_float_tensor_stored_as_integers_is_refused_by_the_plan(tiny_hf, tmp_path, key):
+    """(stop 56 review) An integer copy of a float tensor passed --dry-run: selected, the run refused
+    it after loading; not selected, the run read it into the fine-tune's targets and exited 0."""
+    from safetensors.torch import load_file, save_file
+
+    from mergeqp.config import load_config
+    from mergeqp.run.plan import build_plan
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    path = fam.finetuned[1] / "model.safetensors"
+    state = load_file(str(path))
+    state[key] = (100 * state[key]).to(torch.int32)
+    save_file(state, str(path), metadata={"format": "pt"})
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"], {"name": "soup"}))
+    with pytest.raises(ConfigError, match=rf"tensor '{key}' is stored as int32 in model '{fam.tasks[1]}' but as "
+                                          r"float32 in the base"):
+        build_plan(cfg)
+
+
+def test_a_prompt_file_with_repeats_is_noted_when_prompts_are_held_out(tiny_hf, tmp_path):
+    """(stop 56 review) A duplicated prompt file put 8 of 8 held-out prompts among the fitted ones,
+    silently: the held-out metrics were not of unseen text."""
+    from mergeqp.config import load_config
+    from mergeqp.run.plan import build_plan
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    lines = fam.prompts[0].read_text().splitlines()
+    fam.prompts[0].write_text("\n".join(lines + lines[:4]) + "\n")
+    plan = build_plan(load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"],
+                                                   {"name": "soup"})))
+    notes = [n for n in plan.notes if "repeats 4 of its 10 prompts" in n]
+    assert len(notes) == 1 and fam.tasks[0] in notes[0]
+    quiet = build_plan(load_config(fam.write_config(tmp_path / "q.yml", ["model.layers.1.mlp.down_proj"],
+                                                    {"name": "soup"}, evaluate=False)))
+    assert not any("repeats" in n for n in quiet.notes)

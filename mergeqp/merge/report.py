@@ -93,6 +93,10 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
             lines.append(f"- statistics: {stats.get('statistic')}"
                          + (f"; labels: {stats['labels']}" if stats.get("labels") else "")
                          + "; " + ", ".join(f"`{m.get('model')}` {m.get('examples')} examples" for m in stats.get("models", [])))
+    stored = plan.get("stored_dtypes") or {}
+    if plan.get("output_dtype") or len({tuple(v) for v in stored.values()}) > 1:
+        lines.append("- stored dtypes: " + "; ".join(f"`{k}` {'/'.join(v) or '-'}" for k, v in stored.items())
+                     + f"; written as {plan.get('output_dtype') or 'the base stores each tensor'}")
     lines.append(f"- total time: {format_number(report.get('seconds'), 3)} s")
     for entry in report.get("imports", []):
         digest = entry.get("sha256")

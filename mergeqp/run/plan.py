@@ -222,6 +222,15 @@ class MergePlan:
         name = self.config.output_dtype
         return getattr(torch, name) if name else None
 
+    def stored_dtypes(self) -> dict[str, list[str]]:
+        """The floating-point dtypes each checkpoint stores (``base`` and each model's name), read
+        from the headers: the written tensors take the base's unless ``output_dtype`` is set."""
+        def floats(ck: Checkpoint) -> list[str]:
+            return sorted({d for k in ck.names() if (d := ck.info(k).dtype).startswith(("float", "bfloat"))})
+
+        return {"base": floats(self.base),
+                **{name: floats(ck) for name, ck in zip(self.config.model_names(), self.finetuned)}}
+
     def to_json(self) -> dict[str, Any]:
         m = self.config.method
         return {
@@ -233,6 +242,7 @@ class MergePlan:
             "groups": [g.__dict__ for g in self.groups],
             "output": self.config.output.model_dump(),
             "device": self.config.device, "dtype": self.config.dtype, "seed": self.config.seed,
+            "stored_dtypes": self.stored_dtypes(), "output_dtype": self.config.output_dtype,
             "memory_estimate_bytes": self.memory,
             "notes": self.notes,
         }
@@ -296,6 +306,10 @@ class MergePlan:
             for k in self.extra_tensors:
                 lines.append(f"    {k}")
         lines.append(f"  device {cfg.device}, dtype {cfg.dtype}, seed {cfg.seed}")
+        stored = self.stored_dtypes()
+        if cfg.output_dtype or len({tuple(v) for v in stored.values()}) > 1:  # (stop 56 review: said nowhere)
+            lines.append("  stored dtypes: " + "; ".join(f"{k} {'/'.join(v) or '-'}" for k, v in stored.items())
+                         + f"; written as {cfg.output_dtype or 'the base stores each tensor'}")
         if cfg.lazy and self.skeleton is not None:
             below = lower_blocks(self.sites)(self.skeleton)
             lines.append(f"  lazy: {len(below)} block(s) below the merge sites stay on disk (read while they run); "

@@ -354,6 +354,9 @@ def test_output_dtype_float32_over_a_bfloat16_base_is_not_rounded_to_bfloat16_fi
     base = open_checkpoint(fam.base).get(key).double()
     assert got.dtype == torch.float32
     assert not torch.equal(got.to(torch.bfloat16).float(), got)  # not bfloat16 values written as float32
+    plan = res.report["plan"]  # (the review: neither report said what was stored and written)
+    assert plan["stored_dtypes"]["base"] == ["bfloat16"] and plan["output_dtype"] == "float32"
+    assert "written as float32" in (res.out_dir / "report.md").read_text()
     if method["name"] == "task_arithmetic":
         want = base + sum(open_checkpoint(f).get(key).double() - base for f in fam.finetuned)
         assert float((got.double() - want).norm() / (want - base).norm()) < 1e-5

@@ -49,7 +49,7 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -104,30 +104,30 @@ def tolerance(name: str, value: Any) -> float:
     return out
 
 
-class Verdict:
-    """:attr:`Certificate.certified`: callable with tolerances, ``cert.certified(1e-8)``, and a bool
-    at the certificate's own (``if cert.certified:``). A plain method was always true when its call
-    was forgotten, and :attr:`~mergeqp.solution.Solution.certified` is a property."""
+class Verdict(int):
+    """:attr:`Certificate.certified`: callable with tolerances, ``cert.certified(1e-8)``, and itself
+    the verdict at the certificate's own tolerances, an int of 1 or 0 (``if cert.certified:``,
+    ``== True``, ``sum(...)``; JSON writes it as 1 or 0, a pickle as a bool). A plain method was
+    always true when its call was forgotten, and :attr:`~mergeqp.solution.Solution.certified` is a
+    property."""
 
-    __slots__ = ("_cert",)
+    _cert: Certificate
 
-    def __init__(self, cert: Certificate):
+    def __new__(cls, cert: Certificate) -> Verdict:
+        self = super().__new__(cls, int(cert._certified(None, None)))
         self._cert = cert
+        return self
 
     def __call__(self, rel_tol: float | None = None, abs_tol: float | None = None) -> bool:
         return self._cert._certified(rel_tol, abs_tol)
 
-    def __bool__(self) -> bool:
-        return self()
-
-    def __eq__(self, other: object) -> bool:
-        return bool(self) == other if isinstance(other, (bool, np.bool_, Verdict)) else NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(bool(self))
-
     def __repr__(self) -> str:
         return repr(bool(self))
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (bool, (bool(self),))
 
 
 @dataclass(frozen=True)
@@ -424,10 +424,13 @@ def certify(
         raise ValidationError(f"d must be an array of shape {shape} (or flat ({problem.n},)), got None")
     x = problem.flat(d)
     cset.validate(shape)
-    # a point far out overflows d'Hd and the gap's sums to inf: the certificate then proves nothing and
-    # says so in its notes, without numpy's overflow warnings besides (stop 55's review)
-    with np.errstate(over="ignore"):
-        return _certify(problem, cset, x, rel_tol, feas_tol, pinv, abs_tol)
+    # a point far out overflows d'Hd and the gap's sums to inf (or inf - inf): the certificate then
+    # proves nothing and says so in its notes, without numpy's warnings besides (stop 55's review)
+    with np.errstate(over="ignore", invalid="ignore"):
+        cert = _certify(problem, cset, x, rel_tol, feas_tol, pinv, abs_tol)
+    if math.isnan(cert.fw_gap):  # inf - inf far out: no bound, as an infinite gap says
+        cert = replace(cert, fw_gap=math.inf, lower_bound=-math.inf)
+    return cert
 
 
 def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: float, feas_tol: float,

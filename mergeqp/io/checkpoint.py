@@ -302,17 +302,18 @@ class Checkpoint:
 
     def aligned(self, drop: Iterable[str] = (), aliases: Mapping[str, str] | None = None) -> Checkpoint:
         """A view without the tensors ``drop`` and with each ``aliases`` name (absent here) reading
-        the tensor of the name it maps to (a tied weight stored under one name only); it shares
-        this checkpoint's files and handles."""
+        the tensor of the name it maps to (a tied weight stored under one name only; that name may
+        itself be dropped, the tensor then read under the alias only); it shares this checkpoint's
+        files and handles."""
         gone = set(drop)
         infos = {k: v for k, v in self._infos.items() if k not in gone}
         sources = {k: self._source_names.get(k, k) for k in infos}
         for name, other in (aliases or {}).items():
-            if name in infos or other not in infos:
+            if name in infos or other not in self._infos:
                 raise ValidationError(f"{self.path}: cannot read {name!r} as {other!r}")
-            info = infos[other]
+            info = self._infos[other]
             infos[name] = TensorInfo(name, info.shape, info.dtype, info.file, info.offset)
-            sources[name] = sources[other]
+            sources[name] = self._source_names.get(other, other)
         return self._view(infos, sources)
 
     def _view(self, infos: dict[str, TensorInfo], sources: dict[str, str]) -> Checkpoint:

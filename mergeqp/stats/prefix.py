@@ -138,11 +138,12 @@ def _same(a: Any, b: Any) -> bool:
 
 def _context(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
     """The block's arguments besides the hidden states, as part of the cache's key: every tensor (the
-    attention mask, position ids, rotary embeddings; copied) and plain value (``None``, numbers,
-    strings) by position and name; other objects (a key-value cache) are left out. ``None`` when a
-    tensor cannot be compared (one carrying a ``vmap`` dimension or tracked by autograd): no cache
-    then. Before stop 56 only the hidden states were compared, and two batches with the same token ids
-    and different masks (a prompt holding the pad token's text) shared one cached output."""
+    attention mask, position ids, rotary embeddings; copied) by position and name; other values
+    (flags such as ``use_cache`` or ``output_router_logits``, which one call path passes and another
+    not, and a key-value cache object) are left out. ``None`` when a tensor cannot be compared (one
+    carrying a ``vmap`` dimension or tracked by autograd): no cache then. Before stop 56 only the
+    hidden states were compared, and two batches with the same token ids and different masks (a
+    prompt holding the pad token's text) shared one cached output."""
     import torch  # deferred: torch is heavy
 
     out: list[Any] = []
@@ -155,8 +156,6 @@ def _context(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] |
             if plain is None:
                 return False
             out.extend((where, plain.detach().clone()))
-        elif value is None or isinstance(value, (bool, int, float, str)):
-            out.extend((where, value))
         return True
 
     for i, a in enumerate(args[1:]):

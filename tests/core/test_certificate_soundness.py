@@ -218,6 +218,16 @@ def test_a_far_point_is_certified_without_numpys_overflow_warnings(d):
     assert not cert.certified() and not math.isfinite(cert.fw_gap)
 
 
+def test_a_far_point_whose_sums_give_inf_minus_inf_has_an_infinite_gap_and_no_warning():
+    """(the adversarial review of stop 56) H = [[1, -1], [-1, 1]] at d = (1e300, 0): inf - inf gave
+    numpy's 'invalid value' warnings and a NaN gap."""
+    p = mq.MergeQP(np.array([[1.0, -1.0], [-1.0, 1.0]]), np.zeros(2), shape=(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cert = mq.certify(p, "nonneg", np.array([[1e300, 0.0]]))
+    assert not cert.certified() and cert.fw_gap == math.inf and cert.lower_bound == -math.inf
+
+
 def test_fifth_review_an_optimum_moved_along_a_duplicated_models_direction_still_certifies():
     """(stop 46) Model 1 duplicates model 0 (rows parametrisation, 4 models x 10 rows): J is the same
     along d[0] += t, d[1] -= t exactly, and the optimum moved along it is optimal. The first kernel
@@ -413,3 +423,10 @@ def test_certified_without_its_call_is_the_verdict_not_a_methods_truth():
     assert not bad.certified and not bad.certified() and bad.certified == False  # noqa: E712
     assert bad.certified(abs_tol=1.0)  # within an absolute tolerance of 1
     assert repr(bad.certified) == "False" and {good.certified: 1}[True] == 1
+    # (the adversarial review) as a bool would be: counted, compared with 1, written to JSON, pickled
+    import json
+    import pickle
+
+    assert sum([good.certified, bad.certified, good.certified]) == 2 and good.certified == 1
+    assert json.loads(json.dumps({"c": good.certified}))["c"] == 1
+    assert pickle.loads(pickle.dumps(good.certified)) is True

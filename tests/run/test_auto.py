@@ -359,3 +359,8 @@ def test_a_winner_whose_fit_on_every_batch_cannot_run_gives_way_to_the_next():
 
     with pytest.raises(ConfigError, match="no candidate's fit on every batch could run"):
         select_start(params, nothing_runs, loaded.append)
+    # a NaN score sorts last (compared with NaN no order holds: the adversarial review's pick was 5 over 1)
+    scores.update(soup=5.0, ties=float("nan"), output_space=1.0)
+    assert select_start(AutoStartParams(candidates=["soup", "ties", "dare_ties"]),
+                        lambda c: ({"dare_ties": 1.0, **scores}[c.name], lambda: {"w": c.name}),
+                        loaded.append).chosen.name == "dare_ties"

@@ -1006,6 +1006,39 @@ def test_a_merged_embedding_is_written_tied_when_every_checkpoint_stores_the_hea
     assert torch.equal(model.lm_head.weight, wte)
 
 
+def test_a_base_storing_both_tied_names_with_a_fine_tune_storing_only_the_head(families, tmp_path):
+    """(adversarial review of stop 56) Leaving the base's stored head out made a fine-tune that holds
+    only `lm_head.weight` (safetensors' save_model keeps the first name alphabetically) fail as
+    another architecture; before, it merged. It merges again, and the written model loads tied."""
+    import shutil
+
+    import yaml
+    from safetensors.torch import save_model
+
+    fam = families["gpt2"]
+    base = tmp_path / "base"
+    shutil.copytree(fam.base, base)
+    (base / "model.safetensors").unlink()
+    torch.save(fam.auto_class.from_pretrained(str(fam.base)).state_dict(), base / "pytorch_model.bin")
+    ft1 = tmp_path / "ft1"
+    shutil.copytree(fam.finetuned[1], ft1)
+    model = fam.auto_class.from_pretrained(str(fam.finetuned[1]))
+    with torch.no_grad():
+        model.transformer.wte.weight.add_(0.05)  # a fine-tuned embedding (its tied head with it)
+    save_model(model, str(ft1 / "model.safetensors"), metadata={"format": "pt"})
+    assert "transformer.wte.weight" not in open_checkpoint(ft1).names()
+    path = fam.write_config(tmp_path / "c.yml", ["transformer.wte"], {"name": "soup"})
+    data = yaml.safe_load(path.read_text())
+    data["base"], data["models"][1]["path"], data["evaluate"] = str(base), str(ft1), False
+    path.write_text(yaml.safe_dump(data))
+    res = run_merge(load_config(path), tmp_path / "out", progress=False)
+    wte = open_checkpoint(res.out_dir).get("transformer.wte.weight")
+    want = 0.5 * (open_checkpoint(fam.finetuned[0]).get("transformer.wte.weight") + model.transformer.wte.weight.detach())
+    assert torch.allclose(wte, want, atol=1e-6)
+    loaded = fam.auto_class.from_pretrained(str(res.out_dir))
+    assert torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)
+
+
 def test_a_baseline_keeps_the_base_where_every_fine_tune_holds_it_in_another_dtype(tiny_hf, tmp_path):
     """(stop 53 review) A fine-tune saved in bfloat16 holds the base's unchanged tensors rounded; the
     soup averaged that rounding into the merge (and a start merged so unfolded the head). Such a

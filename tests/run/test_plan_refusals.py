@@ -79,13 +79,28 @@ def test_a_prompt_file_with_repeats_is_noted_when_prompts_are_held_out(tiny_hf, 
     from mergeqp.config import load_config
     from mergeqp.run.plan import build_plan
 
+    from mergeqp.io.calibration import read_prompts, split_holdout
+
     fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
-    lines = fam.prompts[0].read_text().splitlines()
-    fam.prompts[0].write_text("\n".join(lines + lines[:4]) + "\n")
-    plan = build_plan(load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"],
-                                                   {"name": "soup"})))
-    notes = [n for n in plan.notes if "repeats 4 of its 10 prompts" in n]
-    assert len(notes) == 1 and fam.tasks[0] in notes[0]
+    lines = fam.prompts[1].read_text().splitlines()
+    fam.prompts[1].write_text("\n".join(lines + lines) + "\n")  # every prompt twice
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"], {"name": "soup"}))
+    fitted, held = split_holdout(read_prompts(fam.prompts[1]), cfg.holdout_for(1), cfg.seed + 1)  # the run's split
+    both = set(fitted) & set(held)
+    assert both  # (this seed puts some prompt on both sides)
+    notes = [n for n in build_plan(cfg).notes if "also stand among its fitted ones" in n]
+    assert len(notes) == 1 and fam.tasks[1] in notes[0] and f"{len(both)} of the {len(held)} held-out" in notes[0]
+    # a repeat whose copies are both fitted on is no leak: no note (the review of this very note)
+    distinct = list(dict.fromkeys(lines))
+    for j in range(len(distinct) + 1):  # a copy of the first prompt placed where the split fits on both
+        texts = distinct[:j] + [distinct[0]] + distinct[j:]
+        fitted, held = split_holdout(texts, cfg.holdout_for(1), cfg.seed + 1)
+        if not set(fitted) & set(held):
+            break
+    else:
+        raise AssertionError("no placement keeps both copies on one side")
+    fam.prompts[1].write_text("\n".join(texts) + "\n")
+    assert not any("also stand among" in n for n in build_plan(cfg).notes)
     quiet = build_plan(load_config(fam.write_config(tmp_path / "q.yml", ["model.layers.1.mlp.down_proj"],
                                                     {"name": "soup"}, evaluate=False)))
-    assert not any("repeats" in n for n in quiet.notes)
+    assert not any("also stand among" in n for n in quiet.notes)

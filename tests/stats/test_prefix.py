@@ -96,6 +96,30 @@ def test_equal_hidden_states_with_another_mask_are_not_a_hit():
     assert not torch.equal(a, b)
 
 
+class FlagBlock(Block):
+    def forward(self, hidden_states, scale=1.0, **flags):  # flags that change nothing (use_cache ...)
+        return super().forward(hidden_states, scale)
+
+
+def test_flags_one_call_path_passes_and_another_not_still_hit():
+    """(adversarial review of stop 56) Keying on plain values too, Mixtral's batches missed when one
+    call path passed output_router_logits and the other did not."""
+    model = Stack().eval()
+    model.layers = nn.ModuleList([FlagBlock(6) for _ in range(4)]).requires_grad_(False)
+    ids = torch.tensor([[1, 2, 3]])
+
+    def run(**flags):
+        h = model.embed(ids)
+        for block in model.layers:
+            h = block(h, scale=0.5, **flags)
+        return model.head(h)
+
+    with frozen_prefix(model, [model.layers[2].lin]) as cache:
+        a, b = run(), run(output_router_logits=False, use_cache=True)
+        assert cache.misses == 1 and cache.hits == 1
+    assert torch.equal(a, b)
+
+
 def test_a_changed_lower_parameter_is_recomputed():
     model = Stack().eval()
     ids = torch.tensor([[1, 2, 3]])

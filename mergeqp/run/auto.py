@@ -272,8 +272,8 @@ def select_start(params: AutoStartParams, evaluate: Callable[[Candidate], Candid
         try:
             tensors = final()
         except CandidateSkipped as exc:
-            scored[i] = replace(scored[i], note=f"lowest held-out objective, but its fit on every batch "
-                                                             f"could not run: {exc}")
+            scored[i] = replace(scored[i], note=f"lowest held-out objective, but its fit on every batch could "
+                                                f"not run: {exc}")
             say(f"start auto: {scored[i].label} set aside: its fit on every batch could not run: {exc}")
             continue
         load(tensors)

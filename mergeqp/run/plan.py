@@ -416,6 +416,9 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
         extra = [k for k in theirs if k not in ref]
         if missing or extra:
             what = (f"lacks tensor {missing[0]!r} of the base" if missing else f"has tensor {extra[0]!r} that the base lacks")
+            tie = ("tie_word_embeddings", bcfg.get("tie_word_embeddings"), theirs_cfg.get("tie_word_embeddings"))
+            if theirs_cfg and tie[1] != tie[2]:  # (stop 56 review: the message did not say why a head was extra)
+                what += f"; {tie[0]} is {tie[1]} in the base and {tie[2]} in this model (one ties its head, one not)"
             adapter = ck.path is not None and is_peft_adapter(ck.path)
             raise ConfigError(
                 f"model {name!r} ({ck.path}) {what} ({len(missing)} missing, {len(extra)} extra): "

@@ -104,3 +104,26 @@ def test_a_prompt_file_with_repeats_is_noted_when_prompts_are_held_out(tiny_hf, 
     quiet = build_plan(load_config(fam.write_config(tmp_path / "q.yml", ["model.layers.1.mlp.down_proj"],
                                                     {"name": "soup"}, evaluate=False)))
     assert not any("also stand among" in n for n in quiet.notes)
+
+
+def test_a_fine_tune_untied_from_a_tied_base_is_refused_naming_tie_word_embeddings(tiny_hf, tmp_path):
+    """(stop 56 review) The refusal named the extra lm_head.weight but not why it was there."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from mergeqp.config import load_config
+    from mergeqp.run.plan import build_plan
+
+    fam = tiny_hf.make_family(tmp_path / "gpt2", "gpt2", K=2, scale=0.3, n_prompts=6)
+    folder = fam.finetuned[1]
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (folder / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(folder / "model.safetensors"))
+    state["lm_head.weight"] = state["transformer.wte.weight"].clone() + 0.1
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = load_config(fam.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["gpt2"]], {"name": "soup"}))
+    with pytest.raises(ConfigError, match=r"has tensor 'lm_head.weight' that the base lacks.*tie_word_embeddings "
+                                          r"is True in the base and False in this model"):
+        build_plan(config)

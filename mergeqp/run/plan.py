@@ -301,7 +301,7 @@ class MergePlan:
             if evaluates_baseline(cfg) or (model_method is not None and model_method.evaluates):
                 lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
             lines.append(f"  {'model method' if model_method is not None else 'baseline'} {cfg.method.name} "
-                         f"{cfg.method.params or ''} on:")
+                         + (f"{cfg.method.params} " if cfg.method.params else "") + "on:")
             for s in self.sites:
                 lines.append(f"    {s.label} ({s.r} x {s.m}{' + bias' if s.has_bias else ''})")
             for k in self.extra_tensors:

@@ -1321,12 +1321,49 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
     _drop_a_useless_sketch(plan)
     plan.memory = estimate_memory(plan)
+    _note_statistics_cost(plan)
     jacobian, cap = plan.memory.get(OPTIMAL_JACOBIAN), cfg.method.basis_max_size
     if jacobian is not None and cap is not None and jacobian > parse_size(cap):
         plan.notes.append(f"method.basis_max_size {cap} is below the optimal basis's mean Jacobian at its upper "
                           f"bound ({human_bytes(jacobian)}, every prompt at the longest length): the run stops at "
                           f"the first layer whose Jacobian, with the real prompt lengths, exceeds it")
     return plan
+
+
+#: multiply-adds per calibration batch of forming a QP's H above which the plan says what they cost (a
+#: stop 56 review, SmolLM2 on 2 CPU cores: 21-24 s per batch at 3.7e11 (one down_proj), 150-180 s at
+#: 1.5e12 (two))
+STATISTICS_NOTE_MULADDS = 3e11
+
+
+def _note_statistics_cost(plan: MergePlan) -> None:
+    """A plan note when one calibration batch's statistics need more than
+    :data:`STATISTICS_NOTE_MULADDS` multiply-adds: H is formed from the batch's design of
+    ``prompts x compared outputs`` rows and n columns (rows x n^2), at the plan's upper bound (every
+    prompt at the longest length), for every batch of every linearisation. (Stop 56 review: a real
+    two-layer merge ran 150-180 s per batch, half an hour per trust-region step, with no word from
+    ``--dry-run``.)"""
+    cfg = plan.config
+    if not cfg.method.is_qp or not plan.groups:
+        return
+    spec = plan.output_spec()
+    hidden, folds = _hidden_and_folds(plan, spec)
+    outputs = _design_outputs(spec, folds, plan.batch_length, plan.per_position, hidden)
+    rows = plan.batch_prompts * outputs
+    n = max(g.n_variables for g in plan.groups)
+    work = float(rows) * n * n
+    if work <= STATISTICS_NOTE_MULADDS:
+        return
+    size = cfg.calibration.batch_size
+    batches = sum(-(-t.n_calibration // size) for t in plan.tasks)
+    advice = (f"; output: {{sketch: s}} makes it {plan.batch_prompts} x s rows (docs/hf.md)" if spec.sketch is None
+              else "")
+    plan.notes.append(
+        f"statistics cost: each calibration batch forms H from up to {rows:,} rows ({plan.batch_prompts} prompts x "
+        f"{outputs:,} compared outputs) of n = {n:,} coefficients, about {work:.2g} multiply-adds (rows x n^2; "
+        f"a review measured 21-24 s per batch at 3.7e11 and 150-180 s at 1.5e12 on 2 CPU cores), for each of "
+        f"{batches} batches of every "
+        f"linearisation (each sequential layer, each trust-region step){advice}")
 
 
 def _drop_a_useless_sketch(plan: MergePlan) -> None:

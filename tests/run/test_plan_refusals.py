@@ -127,3 +127,21 @@ def test_a_fine_tune_untied_from_a_tied_base_is_refused_naming_tie_word_embeddin
     with pytest.raises(ConfigError, match=r"has tensor 'lm_head.weight' that the base lacks.*tie_word_embeddings "
                                           r"is True in the base and False in this model"):
         build_plan(config)
+
+
+def test_the_plan_says_what_a_batchs_statistics_cost_when_they_are_large(tiny_hf, tmp_path, monkeypatch):
+    """(stop 56 review) A real two-layer merge ran 150-180 s per statistics batch with no word from
+    --dry-run. The plan now notes rows x n^2 above a threshold (here lowered to the tiny model's size),
+    with the sketch's advice; below it, nothing."""
+    from mergeqp.config import load_config
+    from mergeqp.run import plan as plan_module
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"],
+                                       {"name": "qp", "mode": "sequential"}))
+    assert not any("statistics cost" in n for n in plan_module.build_plan(cfg).notes)
+    monkeypatch.setattr(plan_module, "STATISTICS_NOTE_MULADDS", 1.0)
+    plan = plan_module.build_plan(cfg)
+    (note,) = [n for n in plan.notes if "statistics cost" in n]
+    n = plan.groups[0].n_variables
+    assert f"of n = {n:,} coefficients" in note and "output: {sketch: s}" in note

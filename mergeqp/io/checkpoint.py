@@ -48,6 +48,12 @@ TORCH_SINGLE = "pytorch_model.bin"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
+def is_float_dtype(name: str) -> bool:
+    """Whether a stored dtype name (``"bfloat16"``, ``"float8_e4m3fn"``, ``"int32"`` ...) is a
+    floating-point one."""
+    return name.startswith(("float", "bfloat"))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """Where a tensor lives and what it is, read from a header (no data loaded).
@@ -73,6 +79,10 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
+    @property
+    def floating(self) -> bool:
+        return is_float_dtype(self.dtype)
 
 
 def read_safetensors_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:

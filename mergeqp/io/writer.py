@@ -34,7 +34,7 @@ from .atomic import (
     save_safetensors,
     write_text_atomic,
 )
-from .checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, read_config
+from .checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, is_float_dtype, read_config
 
 #: files copied from the source folder when present (besides config.json)
 AUX_FILES: tuple[str, ...] = (
@@ -248,7 +248,7 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
     src = Path(source_folder).expanduser() if source_folder is not None else None
     cfg = dict(config) if config is not None else (read_config(src) if src is not None and src.is_dir() else None)
     if cfg is not None:
-        float_dtypes = sorted(d for d in written_dtypes if d.startswith(("float", "bfloat")))
+        float_dtypes = sorted(d for d in written_dtypes if is_float_dtype(d))
         dtype_name = float_dtypes[0] if len(float_dtypes) == 1 else None
         new_cfg = _config_with_dtype(cfg, dtype_name)
         source_cfg = src / "config.json" if src is not None and src.is_dir() else None

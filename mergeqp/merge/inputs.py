@@ -76,7 +76,7 @@ class TensorSource:
         import torch
 
         if self._checkpoint is not None:
-            return self._checkpoint.info(name).dtype.startswith(("float", "bfloat"))
+            return self._checkpoint.info(name).floating
         value = self._tensors[name]  # type: ignore[index]
         if isinstance(value, torch.Tensor):
             return value.is_floating_point()

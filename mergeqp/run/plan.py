@@ -213,7 +213,7 @@ class MergePlan:
 
     def float_keys(self) -> list[str]:
         """The base checkpoint's floating-point tensors (what a start merges "on every tensor")."""
-        return [k for k in self.base.names() if self.base.info(k).dtype.startswith(("float", "bfloat"))]
+        return [k for k in self.base.names() if self.base.info(k).floating]
 
     def written_dtype(self) -> Any:
         """The ``torch.dtype`` of ``output_dtype``, or ``None`` (each tensor in the base's dtype): what
@@ -227,7 +227,7 @@ class MergePlan:
         """The floating-point dtypes each checkpoint stores (``base`` and each model's name), read
         from the headers: the written tensors take the base's unless ``output_dtype`` is set."""
         def floats(ck: Checkpoint) -> list[str]:
-            return sorted({d for k in ck.names() if (d := ck.info(k).dtype).startswith(("float", "bfloat"))})
+            return sorted({ck.info(k).dtype for k in ck.names() if ck.info(k).floating})
 
         return {"base": floats(self.base),
                 **{name: floats(ck) for name, ck in zip(self.config.model_names(), self.finetuned)}}
@@ -431,8 +431,7 @@ def check_architectures(base: Checkpoint, others: list[tuple[str, Checkpoint]]) 
                     f"tensor {k!r} has shape {theirs[k]} in model {name!r} but {shape} in the base: "
                     f"all models must share the base's architecture"
                 )
-        floating = ("float", "bfloat")
-        kinds = [k for k in ref if base.info(k).dtype.startswith(floating) != ck.info(k).dtype.startswith(floating)]
+        kinds = [k for k in ref if base.info(k).floating != ck.info(k).floating]
         if kinds:  # (stop 56 review: an integer copy of a float tensor passed --dry-run, and unselected it was
             k = kinds[0]  # read into the fine-tune's targets as integers cast back)
             raise ConfigError(

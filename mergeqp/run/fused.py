@@ -39,12 +39,15 @@ class FusedPlacer:
         self.plain: set[str] = set()  # stored (and live) names of the tensors stored as they are
         self.found: dict[str, tuple[str, int, int, int]] = {}
 
-    def view(self, model: Any, key: str) -> Any | None:
+    def view(self, model: Any, key: str, state: dict[str, Any] | None = None) -> Any | None:
         """The block of a live parameter that the stored tensor ``key`` fills (a view: writing into
         it writes the parameter), or ``None`` when ``key`` is no stored tensor of the checkpoint, one
-        stored as a parameter of its own, or the model has no fused parameter. Raises :class:`ValidationError` when its place is not one
-        block (none holds its values, or several: identical experts cannot be told apart)."""
-        state = model.state_dict()
+        stored as a parameter of its own, or the model has no fused parameter. ``state``: the model's
+        ``state_dict()`` when the caller holds it (made here otherwise). Raises
+        :class:`ValidationError` when its place is not one block (none holds its values, or several:
+        identical experts cannot be told apart)."""
+        if state is None:
+            state = model.state_dict()
         if key not in self.found:
             if self.fused is None:
                 plain = checkpoint_names(model)  # live -> stored for plain renames; fused tensors are left out
@@ -109,9 +112,9 @@ def remember_source(model: Any, stored: Checkpoint) -> None:
     _PLACERS[model] = FusedPlacer(stored)
 
 
-def fused_view(model: Any, key: str) -> Any | None:
+def fused_view(model: Any, key: str, state: dict[str, Any] | None = None) -> Any | None:
     """The block of ``model``'s fused parameter that the stored tensor ``key`` fills
-    (:meth:`FusedPlacer.view`), or ``None`` when the model's source was not recorded or holds no
-    such tensor."""
+    (:meth:`FusedPlacer.view`; ``state``: the model's ``state_dict()`` if the caller has it), or
+    ``None`` when the model's source was not recorded or holds no such tensor."""
     placer = _PLACERS.get(model)
-    return None if placer is None else placer.view(model, key)
+    return None if placer is None else placer.view(model, key, state)

@@ -505,13 +505,18 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
                 out[k] = base_sd[k]
         if floats:
             ft_sds = [ft.get_many(floats) for ft in plan.finetuned]
+
+            @functools.cache
+            def holds_base(i: int, k: str) -> bool:  # (each pair compared once for both uses below)
+                return same_stored_value(base_sd[k], ft_sds[i][k])
+
             if unchanged is not None:
-                for i, sd in enumerate(ft_sds):
-                    unchanged[i] = unchanged[i] and all(same_stored_value(base_sd[k], sd[k]) for k in floats)
+                for i in range(len(ft_sds)):
+                    unchanged[i] = unchanged[i] and all(holds_base(i, k) for k in floats)
             # a tensor every fine-tune holds as the base's, saved in another dtype, is the base's: merging
             # the rounding would put noise into the start (and unfold the head: a review's 9 -> 19 s)
             kept = [k for k in floats if any(sd[k].dtype != base_sd[k].dtype for sd in ft_sds)
-                    and all(same_stored_value(base_sd[k], sd[k]) for sd in ft_sds)]
+                    and all(holds_base(i, k) for i in range(len(ft_sds)))]
             for k in kept:
                 out[k] = base_sd[k]
             floats = [k for k in floats if k not in kept]
@@ -1312,7 +1317,7 @@ def _load_into(model: Any, tensors: dict[str, Any]) -> None:
                 continue
             target = state.get(name)
             if target is None:
-                target = fused_view(model, k)  # a mixture-of-experts weight stacked into one parameter
+                target = fused_view(model, k, state)  # a mixture-of-experts weight stacked into one parameter
             if target is None:
                 raise ValidationError(f"merged tensor {k!r} is not a parameter of the loaded model")
             target.copy_(v.to(dtype=target.dtype))

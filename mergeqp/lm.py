@@ -81,6 +81,9 @@ DATA_METRICS = ("cross_entropy",)
 POOLS = ("none", "mean")
 
 
+#: entries of one batch's sketch matrices (``prompts x s x outputs``) at most (:meth:`OutputSpec.sketch_matrix`)
+MAX_SKETCH_ENTRIES = 2**28
+
 @dataclass(frozen=True)
 class OutputSpec:
     """Which output is compared and its restriction (see the module docstring).
@@ -162,7 +165,7 @@ class OutputSpec:
 
         assert self.sketch is not None
         size = batch * self.sketch * outputs
-        if size > 2**28:
+        if size > MAX_SKETCH_ENTRIES:
             raise ValidationError(
                 f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over 2^28); "
                 f"fold the head (output.fold_head) or restrict the output first, or use smaller batches")

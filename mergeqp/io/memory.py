@@ -133,6 +133,9 @@ class SiteMemory:
     statistics: int
     batch: int
     solve: int
+    #: the part of ``batch`` that is derivatives (the atoms' tangents or the sites' Jacobians, and one
+    #: JVP / VJP chunk's activations); 0 when not counted apart
+    derivatives: int = 0
 
     @property
     def peak(self) -> int:
@@ -140,8 +143,10 @@ class SiteMemory:
         return self.statistics + max(self.batch, self.solve)
 
     def describe(self) -> str:
+        parts = (f" (design and H's update {human_bytes(self.batch - self.derivatives)}, derivatives "
+                 f"{human_bytes(self.derivatives)})" if self.derivatives else "")
         return (f"n = {self.n} coefficients: statistics {human_bytes(self.statistics)} + "
-                f"max(batch {human_bytes(self.batch)}, solve {human_bytes(self.solve)})")
+                f"max(batch {human_bytes(self.batch)}{parts}, solve {human_bytes(self.solve)})")
 
 
 def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, outputs: int = 0,
@@ -159,7 +164,7 @@ def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, o
     n, n_tasks = int(n), int(n_tasks)
     forward = n if tangent_atoms is None else int(tangent_atoms)
     square = 8 * n * n
-    batch = 0
+    batch = derivatives = 0
     if samples:
         tokens = int(samples) * int(positions)
         chunk_bytes = tokens * int(widest) * int(itemsize)  # one tangent's / cotangent's widest activation
@@ -168,10 +173,10 @@ def estimate_site_memory(site: str, n: int, n_tasks: int, *, samples: int = 0, o
         # reverse: the VJP chunks' activations are freed before the Jacobian's copies are made
         reverse_part = max(JACOBIAN_COPIES * int(outputs) * tokens * int(jacobian_width) * int(itemsize),
                            VJP_ACTIVATION_COPIES * min(int(chunk), int(outputs)) * chunk_bytes) if jacobian_width else 0
-        batch = (design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square
-                 + max(forward_part, reverse_part))  # the sites' derivatives are taken one site at a time
+        derivatives = max(forward_part, reverse_part)  # the sites' derivatives are taken one site at a time
+        batch = design_bytes(samples, outputs, n, itemsize) + GRAM_SQUARE_COPIES * square + derivatives
     return SiteMemory(site=site, n=n, statistics=8 * n_tasks * (n * n + n + 1), batch=batch,
-                      solve=SOLVE_SQUARE_COPIES * square)
+                      solve=SOLVE_SQUARE_COPIES * square, derivatives=derivatives)
 
 
 def memory_budget(free: int | None, kind: str = "memory available") -> tuple[int | None, str]:

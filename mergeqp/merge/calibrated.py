@@ -93,8 +93,26 @@ def config_params(name: str) -> list[str]:
     """The parameters of ``name`` a config may set (the method's own, minus what the pipeline
     supplies and the tensor selection, which is the config's ``layers``)."""
     method = get_merge_method(name)
-    skip = set(_spec(method).supplied) | {"include", "exclude", "progress"}
-    return [p for p in method.valid_params() if p not in skip]
+    return [p for p in method.valid_params() if p not in _not_in_configs(method, _spec(method))]
+
+
+def _not_in_configs(method: MergeMethod, spec: CalibrationStatistics | None) -> set[str]:
+    """Parameters of ``method`` a config does not set: the tensor selection (the config's
+    ``layers``), the progress switch and what the pipeline supplies for statistics (``spec``)."""
+    return {"include", "exclude", "progress"} | (set(spec.supplied) if spec is not None else set())
+
+
+def run_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """A baseline's parameters as the run takes them: each one a config may set, the given value or
+    the method's default (a report's record: a bare ``method: ties`` was reported with ``{}``, which
+    said nothing of the density and scaling that ran; stop 56 review)."""
+    method = get_merge_method(name)
+    skip = _not_in_configs(method, method.statistics)
+    fields = method.params.model_fields
+    out = {k: params.get(k, f.default) for k, f in fields.items()
+           if k not in skip and (k in params or not f.is_required())}
+    out.update({k: v for k, v in params.items() if k not in out})
+    return out
 
 
 def _spec(method: MergeMethod) -> CalibrationStatistics:

@@ -83,11 +83,17 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         if out.get("pool", "none") != "none":
             restrict += f", pooled `{out['pool']}`" + (" (class labels through each model's head)"
                                                       if out.get("metric") == "cross_entropy" else "")
+        if plan.get("statistics_sketch"):
+            restrict += (f"; H from a sketch of {plan['statistics_sketch']} per prompt"
+                         + (" (`sketch: auto`)" if out.get("sketch") == "auto" else ""))
         lines.append(f"- compared output: `{out.get('field')}`, {restrict}; device `{report.get('device')}`, "
                      f"dtype `{plan.get('dtype')}`")
     else:
         kind = "model method" if (report.get("baseline") or {}).get("kind") == "model method" else "baseline"
-        lines.append(f"- method: {kind} `{name}` with {method.get('params') or {}}")
+        ran = (report.get("baseline") or {}).get("params")  # every parameter, defaults included
+        params = ran if ran is not None else method.get("params") or {}
+        lines.append(f"- method: {kind} `{name}` with "
+                     + (", ".join(f"{k} {v}" for k, v in params.items() if v is not None) or "its defaults"))
         stats = (report.get("baseline") or {}).get("statistics")
         if stats:
             lines.append(f"- statistics: {stats.get('statistic')}"

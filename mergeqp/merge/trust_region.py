@@ -360,6 +360,9 @@ def sequential_trust_region(
             if delta < cfg.delta_min:
                 stop = f"trust-region radius below delta_min ({cfg.delta_min:g})"
                 break
+        if len(steps) < cfg.max_qps:  # a rule stopped it: the bar ends full, not at 1/8 (stop 56 review)
+            bar.total = len(steps)
+            bar.refresh()
     finally:
         bar.close()
     chosen = max((i for i, s in enumerate(steps) if s.accepted), default=None)

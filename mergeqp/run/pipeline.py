@@ -74,7 +74,7 @@ from ..lm import (
     teacher_forced_targets,
 )
 from ..merge.baseline_residuals import statistics_baselines
-from ..merge.calibrated import StatisticsCollector, needs_statistics, statistics_of
+from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params, statistics_of
 from ..merge.firstorder import TaskTargets, check_first_design, largest_design_batch
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import HeldOutStart, MergeContext, WeightSource, calibration_objective
@@ -891,7 +891,7 @@ class _Run:
                     f"every merged tensor (a zero task vector, or the base saved in another dtype): {name} still "
                     f"counts {'it' if len(same) == 1 else 'them'} as a model (a soup is pulled toward the base); "
                     f"leave {'it' if len(same) == 1 else 'them'} out if that is not meant")
-        summary = BaselineSummary(name, params, len(merged), time.perf_counter() - t + t_stats,
+        summary = BaselineSummary(name, run_params(name, params), len(merged), time.perf_counter() - t + t_stats,
                                   collector.summary() if collector is not None else None)
         if collector is not None:
             self.notes.extend(n for n in collector.notes if n not in self.notes)

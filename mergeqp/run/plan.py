@@ -60,7 +60,8 @@ from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.output_space_hf import parse_run_params as parse_output_space_candidate
 from ..merge.firstorder import widest_layer
 from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
-from ..lm import DATA_METRICS, ClassifierHead, OutputSpec, keeps_head_targets, linear_head
+from ..lm import (DATA_METRICS, MAX_SKETCH_ENTRIES, ClassifierHead, OutputSpec, backbone, keeps_head_targets,
+                  linear_head)
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import MERGE_METHODS, get_merge_method
 from ..merge.sites import (
@@ -77,6 +78,7 @@ from ..merge.sites import (
 )
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
+from ..stats.linearise import choose_mode
 from ..stats.parametrisation import Parametrisation, get_parametrisation
 from .model_methods import MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
@@ -143,12 +145,21 @@ class MergePlan:
     #: ``output.sketch`` left out: it is not below the numbers each prompt compares (exact statistics
     #: are then cheaper, and exact)
     sketch_dropped: bool = False
+    #: the ``s`` that ``output.sketch: auto`` chose (``None``: exact statistics; see :func:`_choose_sketch`)
+    auto_sketch: int | None = None
+
+    @property
+    def sketch(self) -> int | None:
+        """The statistics' sketch as the run takes it: ``output.sketch``, or what ``auto`` chose;
+        ``None`` (exact) where the plan left a sketch out."""
+        s = self.config.output.sketch
+        return None if self.sketch_dropped else self.auto_sketch if s == "auto" else s
 
     def output_spec(self) -> OutputSpec:
         """The output the merge compares (the config's ``output``, its matrix read once)."""
         out = self.config.output
         return OutputSpec(out.field, out.restrict, out.k, self.config.seed, out.metric, out.fold_head_flag,
-                          None if self.sketch_dropped else out.sketch, out.pool, self.output_matrix)
+                          self.sketch, out.pool, self.output_matrix)
 
     def heldout_spec(self) -> OutputSpec:
         """The output the report's held-out metrics compare: every entry, Euclidean, unfolded."""
@@ -179,6 +190,12 @@ class MergePlan:
         """The widest layer the derivatives pass through (the vocabulary or the compared width when the
         skeleton is unknown)."""
         return widest_layer(self.skeleton) if self.skeleton is not None else max(self.vocab_size or 0, self.per_position)
+
+    def derivative_width(self, folds: bool) -> int:
+        """:attr:`widest` of the part the statistics' derivatives run through: the backbone where a
+        language model's head ``folds`` (no logits' tangents are formed), else the whole model."""
+        inner = backbone(self.skeleton) if folds and self.skeleton is not None else None
+        return widest_layer(inner) if inner is not None else self.widest
 
     @property
     def max_length(self) -> int:
@@ -242,6 +259,8 @@ class MergePlan:
             "extra_tensors": self.extra_tensors,
             "groups": [g.__dict__ for g in self.groups],
             "output": self.config.output.model_dump(),
+            # the sketch the statistics take (output.sketch, or auto's choice; null: exact)
+            **({"statistics_sketch": self.sketch} if self.config.method.is_qp else {}),
             "device": self.config.device, "dtype": self.config.dtype, "seed": self.config.seed,
             "stored_dtypes": self.stored_dtypes(), "output_dtype": self.config.output_dtype,
             "memory_estimate_bytes": self.memory,
@@ -282,7 +301,8 @@ class MergePlan:
             o = cfg.output
             lines.append(f"  compared output: {o.describe()}")
             if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
-                sketch = f"{o.sketch} (left out: see the notes)" if self.sketch_dropped else o.sketch or "none"
+                sketch = (f"{o.sketch} (left out: see the notes)" if self.sketch_dropped else
+                          f"auto -> {self.sketch or 'none (exact)'}" if o.sketch == "auto" else o.sketch or "none")
                 lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {sketch}, "
                              f"jacobian_mode {m.jacobian_mode}")
             lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
@@ -1318,6 +1338,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         why = plan.output_spec().fold_obstacle()
         if why is not None:
             raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
+    _choose_sketch(plan)
     _drop_a_useless_sketch(plan)
     plan.memory = estimate_memory(plan)
     _note_statistics_cost(plan)
@@ -1329,40 +1350,101 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     return plan
 
 
-#: multiply-adds per calibration batch of forming a QP's H above which the plan says what they cost (a
-#: stop 56 review, SmolLM2 on 2 CPU cores: 21-24 s per batch at 3.7e11 (one down_proj), 150-180 s at
-#: 1.5e12 (two))
-STATISTICS_NOTE_MULADDS = 3e11
+#: multiply-adds per calibration batch of forming a QP's H above which the plan says what they cost,
+#: and ``output.sketch: auto`` takes a sketch (a stop 56 review, SmolLM2 on 2 CPU cores: 21-24 s per
+#: batch at 3.7e11 (one down_proj), 150-180 s at 1.5e12 (two))
+STATISTICS_BUDGET = 3e11
+#: ``output.sketch: auto``'s ``s`` where it sketches: H's relative error about ``sqrt(2 / s)`` (9%)
+#: per prompt, averaging over the prompts (docs/hf.md)
+AUTO_SKETCH = 256
+
+
+@dataclass(frozen=True)
+class StatisticsWork:
+    """What one calibration batch's H costs to form: ``rows`` (prompts x ``outputs`` compared outputs
+    each) of the largest QP's ``n`` coefficients, ``rows x n^2`` multiply-adds (``work``)."""
+
+    prompts: int
+    outputs: int
+    n: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.outputs
+
+    @property
+    def work(self) -> float:
+        return float(self.rows) * self.n * self.n
+
+
+def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | None:
+    """:class:`StatisticsWork` of the plan's statistics with ``sketch`` (``None``: exact), at its
+    upper bound (every prompt at the longest length); ``None`` for a method without QP statistics."""
+    cfg = plan.config
+    if not cfg.method.is_qp or not plan.groups:
+        return None
+    spec = replace(plan.output_spec(), sketch=sketch)
+    hidden, folds = _hidden_and_folds(plan, spec)
+    outputs = _design_outputs(spec, folds, plan.batch_length, plan.per_position, hidden)
+    return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups))
+
+
+def _choose_sketch(plan: MergePlan) -> None:
+    """``output.sketch: auto``: a sketch of :data:`AUTO_SKETCH` per prompt where the exact
+    statistics of one batch would cost more than :data:`STATISTICS_BUDGET` multiply-adds and the
+    sketch compares fewer numbers than the prompt; exact otherwise. A note says which, and why.
+    (Stop 57: docs/hf.md's example, ``restrict: projection, k: 256`` on two of SmolLM2's
+    ``down_proj``, formed H from 124,928 rows per batch, 150-180 s each, half an hour per
+    trust-region step.)"""
+    if plan.config.output.sketch != "auto":
+        return
+    exact = statistics_work(plan, None)
+    if exact is None:
+        return
+    entries = exact.prompts * AUTO_SKETCH * exact.outputs
+    why = (f"about {exact.work:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
+           if exact.work <= STATISTICS_BUDGET else
+           f"a sketch of {AUTO_SKETCH} is not below the {exact.outputs:,} numbers each prompt compares"
+           if AUTO_SKETCH >= exact.outputs else
+           f"a sketch of {AUTO_SKETCH} of {exact.outputs:,} compared outputs per prompt would draw {entries:,} "
+           f"entries per batch, above {MAX_SKETCH_ENTRIES:,}: restrict the output first (restrict: projection|topk) "
+           f"or use smaller batches" if entries > MAX_SKETCH_ENTRIES else None)
+    if why is not None:
+        plan.notes.append(f"output.sketch auto: the statistics are exact ({why})")
+        return
+    plan.auto_sketch = AUTO_SKETCH
+    sketched = statistics_work(plan, AUTO_SKETCH)
+    assert sketched is not None
+    plan.notes.append(
+        f"output.sketch auto: a sketch of {AUTO_SKETCH} per prompt, since the exact statistics would form H from up "
+        f"to {exact.rows:,} rows per batch ({exact.prompts} prompts x {exact.outputs:,} compared outputs) of n = "
+        f"{exact.n:,} coefficients, about {exact.work:.2g} multiply-adds (above {STATISTICS_BUDGET:.0g}); sketched: "
+        f"{sketched.rows:,} rows, {sketched.work:.2g}. H is then an unbiased estimate (relative error about "
+        f"{(2 / AUTO_SKETCH) ** 0.5:.0%} per prompt, averaging over the prompts), g and c exact, and each QP's "
+        f"certificate is of the sketched QP; the calibration objective the modes measure (the trust region's "
+        f"true decrease, the report's) is exact. output.sketch: none keeps the statistics exact")
 
 
 def _note_statistics_cost(plan: MergePlan) -> None:
     """A plan note when one calibration batch's statistics need more than
-    :data:`STATISTICS_NOTE_MULADDS` multiply-adds: H is formed from the batch's design of
+    :data:`STATISTICS_BUDGET` multiply-adds: H is formed from the batch's design of
     ``prompts x compared outputs`` rows and n columns (rows x n^2), at the plan's upper bound (every
     prompt at the longest length), for every batch of every linearisation. (Stop 56 review: a real
     two-layer merge ran 150-180 s per batch, half an hour per trust-region step, with no word from
     ``--dry-run``.)"""
-    cfg = plan.config
-    if not cfg.method.is_qp or not plan.groups:
+    cost = statistics_work(plan, plan.sketch)
+    if cost is None or cost.work <= STATISTICS_BUDGET:
         return
-    spec = plan.output_spec()
-    hidden, folds = _hidden_and_folds(plan, spec)
-    outputs = _design_outputs(spec, folds, plan.batch_length, plan.per_position, hidden)
-    rows = plan.batch_prompts * outputs
-    n = max(g.n_variables for g in plan.groups)
-    work = float(rows) * n * n
-    if work <= STATISTICS_NOTE_MULADDS:
-        return
-    size = cfg.calibration.batch_size
+    size = plan.config.calibration.batch_size
     batches = sum(-(-t.n_calibration // size) for t in plan.tasks)
-    advice = (f"; output: {{sketch: s}} makes it {plan.batch_prompts} x s rows (docs/hf.md)" if spec.sketch is None
-              else "")
+    # (under sketch: auto its own note says why it stayed exact)
+    advice = (f"; output: {{sketch: auto}} (or sketch: s) makes it {cost.prompts} x s rows (docs/hf.md)"
+              if plan.sketch is None and plan.config.output.sketch != "auto" else "")
     plan.notes.append(
-        f"statistics cost: each calibration batch forms H from up to {rows:,} rows ({plan.batch_prompts} prompts x "
-        f"{outputs:,} compared outputs) of n = {n:,} coefficients, about {work:.2g} multiply-adds (rows x n^2; "
-        f"a review measured 21-24 s per batch at 3.7e11 and 150-180 s at 1.5e12 on 2 CPU cores), for each of "
-        f"{batches} batches of every "
-        f"linearisation (each sequential layer, each trust-region step){advice}")
+        f"statistics cost: each calibration batch forms H from up to {cost.rows:,} rows ({cost.prompts} prompts x "
+        f"{cost.outputs:,} compared outputs) of n = {cost.n:,} coefficients, about {cost.work:.2g} multiply-adds "
+        f"(rows x n^2; a review measured 21-24 s per batch at 3.7e11 and 150-180 s at 1.5e12 on 2 CPU cores), for "
+        f"each of {batches} batches of every linearisation (each sequential layer, each trust-region step){advice}")
 
 
 def _drop_a_useless_sketch(plan: MergePlan) -> None:
@@ -1372,7 +1454,7 @@ def _drop_a_useless_sketch(plan: MergePlan) -> None:
     whose prompts compare 192 numbers took 2 minutes and 5.7 GB instead of 5 s, with no word.)"""
     cfg = plan.config
     s = cfg.output.sketch
-    if not cfg.method.is_qp or s is None or cfg.output.field != "logits" or not plan.vocab_size:
+    if not cfg.method.is_qp or s is None or s == "auto" or cfg.output.field != "logits" or not plan.vocab_size:
         return
     spec = plan.output_spec()
     hidden, _ = _hidden_and_folds(plan, spec)
@@ -1462,28 +1544,31 @@ def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
 def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:
     """Each QP's memory model (:func:`mergeqp.io.memory.estimate_site_memory`: the check the run makes
     at its first batch, with the sizes it measures) at the plan's upper bounds: batches of
-    ``calibration.batch_size`` prompts at the longest length, the derivatives in the mode
-    ``jacobian_mode`` names (``auto``: the cheaper of the two, so a bound above the budget is one the
-    run's own check will confirm unless its prompts are shorter). ``[]`` for a baseline."""
+    ``calibration.batch_size`` prompts at the longest length, each site's derivatives in the mode the
+    run takes for it (``jacobian_mode``; ``auto`` counts, as the run does: ``K x atoms`` JVPs against
+    one VJP per compared output), through the layers the run differentiates (the backbone's where the
+    head folds: stop 57 review, a SmolLM2 dry run counted VJP chunks 49,152 wide, the vocabulary, and
+    warned of 57.2 GiB where the run's own check, through 1,536-wide layers, passed). ``[]`` for a
+    baseline."""
     cfg = plan.config
     if not cfg.method.is_qp:
         return []
     T = plan.batch_length
     spec = plan.output_spec()
     hidden, folds = _hidden_and_folds(plan, spec)
-    batch = {"samples": plan.batch_prompts, "outputs": _design_outputs(spec, folds, T, plan.per_position, hidden),
-             "itemsize": DTYPE_BYTES[cfg.dtype], "positions": T, "chunk": cfg.method.chunk_size, "widest": plan.widest}
-    r_of = {s.name: s.r for s in plan.sites}
+    outputs = _design_outputs(spec, folds, T, plan.per_position, hidden)
+    batch = {"samples": plan.batch_prompts, "outputs": outputs, "itemsize": DTYPE_BYTES[cfg.dtype], "positions": T,
+             "chunk": cfg.method.chunk_size, "widest": plan.derivative_width(folds)}
+    by_name = {s.name: s for s in plan.sites}
+    K = len(cfg.models)
     out = []
     for g in plan.groups:
-        width = max((r_of.get(name, 0) for name in g.sites), default=0)
-        common = {**batch, "site_width": width}
-        name, n = ", ".join(g.sites), g.n_variables
-        forward = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=n, **common)
-        reverse = estimate_site_memory(name, n, len(cfg.models), tangent_atoms=0, jacobian_width=width, **common)
-        mode = cfg.method.jacobian_mode
-        out.append(forward if mode == "forward" else reverse if mode == "reverse"
-                   else min(forward, reverse, key=lambda m: m.peak))
+        sites = [by_name[name] for name in g.sites if name in by_name]
+        reverse = [choose_mode(cfg.method.jacobian_mode, outputs, K * _n_atoms(cfg, s)) == "reverse" for s in sites]
+        out.append(estimate_site_memory(
+            ", ".join(g.sites), g.n_variables, K, site_width=max((s.r for s in sites), default=0),
+            tangent_atoms=sum(K * _n_atoms(cfg, s) for s, rev in zip(sites, reverse) if not rev),
+            jacobian_width=max((s.r for s, rev in zip(sites, reverse) if rev), default=0), **batch))
     return out
 
 
@@ -1499,6 +1584,9 @@ def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden:
     return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
 
 
+#: the memory estimate's item of one batch's derivatives (the largest QP's, as its memory model counts them)
+DERIVATIVES = ("derivatives (one batch: the atoms' tangents or the sites' Jacobians, and one vectorised JVP / VJP "
+               "chunk)")
 #: the memory estimate's item of the optimal basis's mean Jacobian (the largest layer's)
 OPTIMAL_JACOBIAN = "optimal-basis mean Jacobian (one layer)"
 #: the memory estimate's item of the optimal basis's pass (one chunk of ``chunk_size`` tangents)
@@ -1603,11 +1691,10 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
     deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
     out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
     out["targets"] = targets
-    chunk = min(256, n_max) if n_max else 0
-    vocab = plan.vocab_size or per_pos
-    logits = 0 if folds else vocab
-    # primal + tangent of ~16 hidden-width tensors and the logits, for `chunk` atoms at once
-    out["activations (vectorised JVPs)"] = chunk * B * T * (16 * hidden + logits) * elem * 2
+    # the QPs' own memory model (what --dry-run's warning and the run's first-batch check count), its
+    # derivatives part: the atoms' tangents or the sites' Jacobians and one JVP / VJP chunk (stop 57
+    # review: an estimate of its own here said 8.6 GiB beside a warning's 57.2 GiB batch)
+    out[DERIVATIVES] = max((site.derivatives for site in qp_site_memory(plan)), default=0)
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ValidationError as PydanticValidationError
 from pydantic import (
@@ -463,7 +463,9 @@ class OutputConfig(_Strict):
     the head is a shared ``nn.Linear`` and the output allows it, ``true`` fails naming why not;
     :class:`mergeqp.lm.FoldedHead`). ``sketch``: ``s`` (default none): the statistics' Hessian
     from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
-    and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch. ``pool``: ``none``
+    and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch; ``auto``: a sketch of
+    :data:`mergeqp.run.plan.AUTO_SKETCH` where the exact statistics of one batch would cost more
+    than :data:`mergeqp.run.plan.STATISTICS_BUDGET` multiply-adds, else exact (the plan says which). ``pool``: ``none``
     (default: every token position) or ``mean`` (one vector per prompt, the mean over its real
     tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric, or ``cross_entropy``
     for a classification: each model's ``head`` reads the pooled output and the objective is ``2 *
@@ -481,7 +483,7 @@ class OutputConfig(_Strict):
     k: int | None = Field(default=None, ge=1)
     metric: Literal["euclidean", "kl", "cross_entropy"] = "euclidean"
     fold_head: bool | Literal["auto"] = "auto"
-    sketch: int | None = Field(default=None, ge=1)
+    sketch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     pool: Literal["none", "mean"] = "none"
     matrix: str | None = None
 

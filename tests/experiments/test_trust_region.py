@@ -274,3 +274,15 @@ def test_a_rejected_step_just_above_the_smallest_radius_still_tries_it():
     steps = result.steps
     assert not steps[0].accepted and steps[1].delta == pytest.approx(1e-4) and steps[1].accepted
     assert result.objective < true_objective(d0)
+
+
+def test_the_progress_bar_ends_full_when_a_rule_stops_early(capsys):
+    """(stop 56 review) Stopped by a rule before max_qps QPs, the bar's last line said 1/8, as if the
+    run had been cut short: it ends at the steps taken, 100%."""
+    problem = _random_qp(0)
+    result = sequential_trust_region(lambda d: problem, problem.objective, Box(0.0, 1.0), problem.soup_point(),
+                                     TrustRegionConfig(max_qps=50, tol=1e-12), solver="clarabel", progress=True)
+    n = len(result.steps)
+    assert 1 <= n < 50 and "max_qps" not in result.stop_reason
+    last = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "qp_tr" in line][-1]
+    assert f"{n}/{n}" in last and "100%" in last, last

@@ -28,6 +28,7 @@ from mergeqp.io.calibration import (
     unpadded_inputs,
 )
 from mergeqp.io.checkpoint import open_checkpoint
+from mergeqp.merge.registry import get_merge_method
 from mergeqp.run.pipeline import run_merge
 from mergeqp.run.plan import build_plan
 
@@ -229,6 +230,15 @@ def test_baselines_and_qp_are_reported_with_the_same_metrics(families, tmp_path)
         res = _merge(fam, tmp_path, layers, method, name=f"m{i}")
         reports[label] = (res, json.loads((res.out_dir / "report.json").read_text()))
         assert "## Evaluation" in (res.out_dir / "report.md").read_text()
+    # each baseline's parameters as they ran, the defaults too (a bare `method: ties` reported {}: stop 56)
+    ties = reports["ties"][1]["baseline"]["params"]
+    assert ties["density"] == 0.5 and ties["scaling"] == 1.0 and ties["variant"] == "paper"
+    assert "- method: baseline `ties` with density 0.5, " in (reports["ties"][0].out_dir / "report.md").read_text()
+    regmean = reports["regmean"][1]["baseline"]["params"]
+    assert regmean["alpha"] == get_merge_method("regmean").defaults()["alpha"]
+    for _, rep in reports.values():
+        params = (rep.get("baseline") or {}).get("params", {})
+        assert not {"include", "exclude", "progress", "model", "calibration", "fishers", "grams"} & set(params)
     plan = build_plan(_cfg(fam, tmp_path, layers, {"name": "qp"}, "eval"))
     spec = OutputSpec()
     tasks = prepare_tasks(plan, spec, spec, torch.float64, "cpu", lambda m: None)

@@ -140,8 +140,8 @@ def test_the_plan_says_what_a_batchs_statistics_cost_when_they_are_large(tiny_hf
     cfg = load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"],
                                        {"name": "qp", "mode": "sequential"}))
     assert not any("statistics cost" in n for n in plan_module.build_plan(cfg).notes)
-    monkeypatch.setattr(plan_module, "STATISTICS_NOTE_MULADDS", 1.0)
+    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
     plan = plan_module.build_plan(cfg)
     (note,) = [n for n in plan.notes if "statistics cost" in n]
     n = plan.groups[0].n_variables
-    assert f"of n = {n:,} coefficients" in note and "output: {sketch: s}" in note
+    assert f"of n = {n:,} coefficients" in note and "output: {sketch: auto}" in note

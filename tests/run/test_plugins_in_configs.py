@@ -19,7 +19,8 @@ from mergeqp.config import load_config
 from mergeqp.constraints import CONSTRAINT_SETS
 from mergeqp.errors import ConfigError
 from mergeqp.merge.modes import MERGE_MODES
-from mergeqp.run.plan import build_plan
+from mergeqp.io.memory import human_bytes
+from mergeqp.run.plan import DERIVATIVES, build_plan, qp_site_memory
 from mergeqp.stats.bases import BASES
 from mergeqp.stats.parametrisation import PARAMETRISATIONS
 
@@ -148,19 +149,23 @@ def test_a_baselines_console_summary_shows_the_prompts_cross_entropy(tiny_hf, tm
     assert f"{sum(ce.values()) / len(ce):.4g}" in out
 
 
-def test_the_plans_activation_estimate_counts_no_logits_when_the_head_folds(tiny_hf, tmp_path):
+def test_the_plans_derivative_estimate_counts_no_logits_when_the_head_folds(tiny_hf, tmp_path):
     """A head folded into the final hidden state forms no vocabulary-size tangents: the plan's
-    estimate drops them (the practitioner's dry-run said 114 GiB for a 9.85 GB run)."""
+    estimate drops them (the practitioner's dry-run said 114 GiB for a 9.85 GB run; stop 57: the
+    dry run's warning still counted chunks as wide as the vocabulary), and the plan's item is the
+    QP memory model's (the dry run's warning and the run's first-batch check)."""
     fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
     method = {"name": "qp", "mode": "single"}
     plain = build_plan(load_config(_config(fam, tmp_path / "a.yml", method, output={"fold_head": False})))
     folded = build_plan(load_config(_config(fam, tmp_path / "b.yml", method,
                                             output={"metric": "cross_entropy", "restrict": "topk", "k": 4})))
-    key = "activations (vectorised JVPs)"
     vocab = plain.vocab_size
-    assert vocab and folded.memory[key] < plain.memory[key]
-    hidden_part = plain.memory[key] * 16 * 16 // (16 * 16 + vocab)  # the tiny Llama's hidden width is 16
-    assert folded.memory[key] == hidden_part
+    assert vocab and folded.derivative_width(True) < vocab == plain.derivative_width(False)
+    for plan in (plain, folded):
+        (site,) = qp_site_memory(plan)
+        assert plan.memory[DERIVATIVES] == site.derivatives > 0
+        assert f"derivatives {human_bytes(site.derivatives)}" in site.describe()
+    assert folded.memory[DERIVATIVES] < plain.memory[DERIVATIVES]
 
 
 def test_a_users_merge_mode_that_raises_is_named(tiny_hf, tmp_path, capsys):

@@ -167,7 +167,7 @@ class OutputSpec:
         size = batch * self.sketch * outputs
         if size > MAX_SKETCH_ENTRIES:
             raise ValidationError(
-                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over 2^28); "
+                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over {MAX_SKETCH_ENTRIES:,}); "
                 f"fold the head (output.fold_head) or restrict the output first, or use smaller batches")
         seed = int(self.seed)
         for part in key:

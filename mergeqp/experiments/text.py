@@ -93,7 +93,10 @@ def compared_output_note(output: dict[str, Any]) -> str:
                  f"of its squared error)")
     elif output.get("restrict", "none") == "topk":
         what += f", restricted to the target's top {output.get('k')} entries"
-    if output.get("sketch") is not None:
+    if output.get("sketch") == "auto":
+        what += ("; the statistics' Hessian exact, or from a sketch where the plan's cost rule takes one "
+                 "(output.sketch: auto; the merge's notes say which)")
+    elif output.get("sketch") is not None:
         what += (f"; the statistics' Hessian from a sketch of {output['sketch']} seeded Gaussian combinations per "
                  f"text (unbiased; the gradient and constant exact)")
     return what

@@ -103,16 +103,22 @@ def _not_in_configs(method: MergeMethod, spec: CalibrationStatistics | None) -> 
 
 
 def run_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
-    """A baseline's parameters as the run takes them: each one a config may set, the given value or
-    the method's default (a report's record: a bare ``method: ties`` was reported with ``{}``, which
-    said nothing of the density and scaling that ran; stop 56 review)."""
+    """A baseline's parameters as the run takes them: each one a config may set, as the method
+    parsed it (the defaults included; JSON values), for a report's record (a bare ``method: ties``
+    was reported with ``{}``, which said nothing of the density and scaling that ran; stop 56
+    review). ``params`` itself for a name that is not a merge method (a model method's own)."""
+    if name not in MERGE_METHODS:
+        return dict(params)
     method = get_merge_method(name)
-    skip = _not_in_configs(method, method.statistics)
-    fields = method.params.model_fields
-    out = {k: params.get(k, f.default) for k, f in fields.items()
-           if k not in skip and (k in params or not f.is_required())}
-    out.update({k: v for k, v in params.items() if k not in out})
-    return out
+    spec = method.statistics
+    skip = _not_in_configs(method, spec)
+    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items()
+                   if spec is not None and k in spec.supplied}
+    try:
+        parsed = method.parse({**params, **placeholder})
+        return parsed.model_dump(mode="json", exclude=skip | set(placeholder))
+    except Exception:  # noqa: BLE001 - a user method's own parameters that do not dump: the config's, as given
+        return dict(params)
 
 
 def _spec(method: MergeMethod) -> CalibrationStatistics:

@@ -59,6 +59,7 @@ from ..io.memory import (  # noqa: F401 - DESIGN_COPIES_FLOAT64: re-exported for
     memory_budget,
 )
 from ..lm import (
+    MAX_SKETCH_ENTRIES,
     CrossEntropyExpansion,
     FoldedHead,
     OutputSpec,
@@ -395,13 +396,14 @@ def check_design_memory(samples: int, outputs: int, atoms: int, itemsize: int, s
 def _what_fits(free: int, samples: int, outputs: int, atoms: int, itemsize: int) -> tuple[int, int]:
     """``(prompts, width)``: the most prompts per batch with which the design alone fits in ``free``
     bytes, and the largest sketch (compared outputs per prompt) with which the design and the
-    sketch itself (``prompts x s x outputs``, drawn in float64 and cast; at most 2^28 entries:
+    sketch itself (``prompts x s x outputs``, drawn in float64 and cast; at most
+    :data:`~mergeqp.lm.MAX_SKETCH_ENTRIES` entries:
     :meth:`OutputSpec.sketch_matrix`) fit at this batch; 0 for one that is not smaller than now or
     does not fit even at 1. Each is an upper bound: the statistics' other memory (sums, tangents)
     comes on top."""
     one = design_bytes(1, 1, 1, itemsize)
     prompts = free // (outputs * atoms * one)
-    width = min(free // (samples * (atoms * one + outputs * (8 + itemsize))), 2**28 // (samples * outputs))
+    width = min(free // (samples * (atoms * one + outputs * (8 + itemsize))), MAX_SKETCH_ENTRIES // (samples * outputs))
     return (prompts if 1 <= prompts < samples else 0), (width if 1 <= width < outputs else 0)
 
 

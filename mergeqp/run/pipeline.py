@@ -791,7 +791,8 @@ class _Run:
                 start_overrides = selection.overrides
                 ctx = dataclasses.replace(ctx, held_out_start=auto.held_out_start(ctx, selection))
                 before = evaluate_model(model)
-                start_eval = ModelEvaluation(**before, method=selection.chosen.name, params=selection.chosen.params,
+                start_eval = ModelEvaluation(**before, method=selection.chosen.name,
+                                             params=run_params(selection.chosen.name, selection.chosen.params),
                                              seconds=time.perf_counter() - t)
                 self.notes.extend(n for n in auto.notes if n not in self.notes)
             elif mode.uses_start and m.start is not None:  # a mode whose start is optional starts from the base
@@ -807,7 +808,7 @@ class _Run:
                         model, m.start.name, held_collector.merge(plan, floats, DEFAULT_CHUNK_BYTES),
                         start_overrides, start_holdout))
                 before = evaluate_model(model)
-                start_eval = ModelEvaluation(**before, method=m.start.name, params=m.start.params,
+                start_eval = ModelEvaluation(**before, method=m.start.name, params=run_params(m.start.name, m.start.params),
                                              seconds=time.perf_counter() - t,
                                              statistics=collector.summary() if collector is not None else None)
                 if collector is not None:

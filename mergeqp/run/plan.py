@@ -781,9 +781,13 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     if not dropped:
         return plan
     cfg = plan.config.model_copy(update={"layers": [s.name for s in sites] + extra})
+    # the sketch and the cost are decided again on the QPs the run solves (stop 57 review: a sketch
+    # chosen for a QP of 64 coefficients was kept for the 32 left, whose exact statistics were cheap)
     new = replace(plan, config=cfg, sites=sites, extra_tensors=extra, groups=plan_groups(cfg, sites),
-                  notes=list(plan.notes))
+                  notes=[n for n in plan.notes if not n.startswith(_RECOUNTED_NOTES)], auto_sketch=None)
+    _choose_sketch(new)
     new.memory = estimate_memory(new)
+    _note_statistics_cost(new)
     new.notes.append(f"{len(dropped)} selected layer(s) or tensor(s) are the base's in every fine-tuned model and "
                      f"were left so (not merged, no coefficients): {listing(dropped, 8)}")
     return new
@@ -1389,6 +1393,21 @@ def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | Non
     return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups))
 
 
+#: the starts of the notes of :func:`_choose_sketch` and :func:`_note_statistics_cost` (redone on
+#: the run's own groups by :func:`without_unchanged`)
+_RECOUNTED_NOTES = ("output.sketch auto:", "statistics cost:")
+
+
+def _counts_outputs(plan: MergePlan) -> bool:
+    """Whether the plan can count the numbers each prompt compares: a language model's logits per
+    position (the vocabulary, or a restriction's k), not a pooled output, a classifier's labels or
+    another field, whose widths only the run sees (stop 57 review: a pooled BERT embedding 16 wide
+    was counted as the vocabulary's 46, and a sketch wider than the output was chosen)."""
+    out = plan.config.output
+    return (out.field == "logits" and bool(plan.vocab_size) and out.pool == "none" and not any(plan.heads)
+            and plan.not_causal is None)
+
+
 def _choose_sketch(plan: MergePlan) -> None:
     """``output.sketch: auto``: a sketch of :data:`AUTO_SKETCH` per prompt where the exact
     statistics of one batch would cost more than :data:`STATISTICS_BUDGET` multiply-adds and the
@@ -1400,6 +1419,11 @@ def _choose_sketch(plan: MergePlan) -> None:
         return
     exact = statistics_work(plan, None)
     if exact is None:
+        return
+    if not _counts_outputs(plan):
+        plan.notes.append("output.sketch auto: the statistics are exact (the plan counts the compared numbers of "
+                          "a language model's logits only, and this output is another: give output.sketch: s to "
+                          "sketch it)")
         return
     entries = exact.prompts * AUTO_SKETCH * exact.outputs
     why = (f"about {exact.work:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
@@ -1538,7 +1562,30 @@ def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
     its width is then compared, and no logits' tangents are formed)."""
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
-    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None
+    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None and _structure_folds(plan)
+
+
+def _structure_folds(plan: MergePlan) -> bool:
+    """Whether the model's structure lets the run fold its head (what the plan can see of the run's
+    checks, :func:`mergeqp.lm.fold_decision`, without weights): an ``nn.Linear`` head, a backbone
+    holding every merge site and every parameter but the head's (BERT's masked-LM head transforms the
+    backbone's output first), and no soft-capped logits. The run still checks its first batch; where
+    the plan presumed a fold the run refused, its estimates were below the run's (stop 57 review:
+    BERT's masked LM, a merge site in ``lm_head``); unknown structure counts as folding."""
+    model = plan.skeleton
+    if model is None:
+        return True
+    head, inner = linear_head(model), backbone(model)
+    if head is None or inner is None:
+        return False
+    if (plan.base.config or {}).get("final_logit_softcapping"):
+        return False
+    inside = {id(p) for p in inner.parameters()} | {id(p) for p in head.parameters()}
+    if any(id(p) not in inside for p in model.parameters()):
+        return False
+    modules = {id(m) for m in inner.modules()}
+    names = dict(model.named_modules())
+    return all(id(names[s.name]) in modules for s in plan.sites if s.name in names)
 
 
 def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:
@@ -1581,6 +1628,8 @@ def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden:
     if spec.sketch is not None:
         return int(spec.sketch)
     narrowed = folds and spec.restrict != "topk"
+    if spec.restrict == "topk" and spec.metric == "cross_entropy":
+        per_pos += 1  # the top k tokens and the rest as one logit (stop 57 review: counted k)
     return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
 
 

@@ -501,6 +501,14 @@ class OutputConfig(_Strict):
         return (f"{self.field} ({restrict}{pooled}), metric {self.metric}, targets: fine-tuned models, "
                 f"teacher forced")
 
+    @field_validator("sketch", mode="before")
+    @classmethod
+    def _sketch(cls, value: Any) -> Any:
+        """One message for a bad value (pydantic's own named each member of the union)."""
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f"takes a whole number of outputs per prompt >= 1, auto, or null (got {value!r})")
+
     @property
     def fold_head_flag(self) -> bool | None:
         """``fold_head`` as :class:`mergeqp.lm.OutputSpec` takes it (``None`` for ``auto``)."""

@@ -382,3 +382,36 @@ def test_a_baseline_names_a_fine_tune_that_holds_the_base(tiny_hf, tmp_path):
     res = _merge(fam, tmp_path, ["model.layers.1.mlp.down_proj"], {"name": "soup"}, evaluate=False)
     notes = [n for n in res.report["notes"] if "holds the base's values in every merged tensor" in n]
     assert len(notes) == 1 and repr(fam.tasks[1]) in notes[0] and repr(fam.tasks[0]) not in notes[0]
+
+
+def test_reported_parameters_of_starts_and_of_user_methods_with_factory_defaults(families, tmp_path):
+    """(stop 57 review) A hybrid start's parameters were reported as given ({} for `start: ties`),
+    and a user method whose parameter has a default_factory put pydantic's `PydanticUndefined` into
+    the report, whose JSON write then failed after the whole merge."""
+    import mergeqp
+    from pydantic import Field
+
+    from mergeqp.merge.method import MethodParams, tensorwise_run
+    from mergeqp.merge.registry import MERGE_METHODS
+
+    fam = families["llama"]
+    layer = "model.layers.1.mlp.down_proj"
+    hyb = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "hybrid", "start": "ties"}, name="hyb_ties")
+    start = hyb.report["evaluation"]["start"]
+    assert start["method"] == "ties" and start["params"]["density"] == 0.2 and start["params"]["scaling"] == 1.0
+
+    class Listed(MethodParams):
+        factors: list[float] = Field(default_factory=lambda: [1.0, 2.0])
+
+    def first(name, base, finetuned, params, state):
+        return finetuned[0] * params.factors[0]
+
+    try:
+        mergeqp.register_merge_method(mergeqp.MergeMethod(name="listed_test", summary="x", reference="test",
+                                                          params=Listed, run=tensorwise_run(first, "listed_test")))
+        res = _merge(fam, tmp_path, layer, {"name": "listed_test"}, name="listed")
+        report = json.loads((res.out_dir / "report.json").read_text())
+        assert report["baseline"]["params"]["factors"] == [1.0, 2.0]
+        assert "- method: baseline `listed_test` with factors [1.0, 2.0]" in (res.out_dir / "report.md").read_text()
+    finally:
+        MERGE_METHODS.pop("listed_test", None)

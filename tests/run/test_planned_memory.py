@@ -285,3 +285,38 @@ def test_the_dry_run_warns_of_a_first_batch_the_run_would_refuse(tiny_hf, fam, t
     assert main(["merge", str(path), "--out", str(tmp_path / "o"), "--quiet", "--max-memory", cap]) == 2
     err = capsys.readouterr().err  # the run stops at its first batch (its design, here), as warned
     assert "one calibration batch's design" in err and "max_memory" in err and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arch, output, mode", [
+    ("llama", {}, "auto"), ("llama", {}, "reverse"), ("gpt2", {"restrict": "projection", "k": 8}, "auto"),
+    ("bert", {}, "auto"), ("bert", {}, "reverse"),
+    ("llama", {"metric": "cross_entropy", "restrict": "topk", "k": 4}, "reverse")])
+def test_the_dry_runs_qp_memory_is_the_runs_first_batch_check(tiny_hf, tmp_path, monkeypatch, arch, output, mode):
+    """(stop 57) The dry run's model of a QP's first batch (`qp_site_memory`, which its warning
+    compares with the memory available) against what the run checks at that batch
+    (`firstorder.site_memory`): equal where the plan sees what the run does (a Llama's or GPT-2's
+    folded head, each site's mode by counting), never below it (BERT's masked-LM head transforms
+    the backbone's output, so the run cannot fold it: the plan, which once presumed the fold and
+    estimated 6.3 MiB where the run checked 10.3, now counts the unfolded logits; cross-entropy's
+    top k counts the rest as one more logit)."""
+    from mergeqp.merge import firstorder as fo
+    from mergeqp.run.plan import qp_site_memory
+
+    fam = tiny_hf.make_family(tmp_path / arch, arch, K=2, scale=0.3, n_prompts=10)
+    layer = {"llama": "model.layers.1.mlp.down_proj", "gpt2": "transformer.h.1.mlp.c_proj",
+             "bert": "bert.encoder.layer.1.output.dense"}[arch]
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", layer, {"name": "qp", "mode": "single",
+                                                                   "jacobian_mode": mode}, output=output))
+    plan = build_plan(cfg)
+    (planned,) = qp_site_memory(plan)
+    seen = []
+    check = fo.check_site_memory
+    monkeypatch.setattr(fo, "check_site_memory", lambda site, *a, **k: seen.append(site) or check(site, *a, **k))
+    pipeline.run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
+    batches = [s for s in seen if s.batch]  # (the statistics-only check before the first batch has none)
+    assert batches
+    run = max(batches, key=lambda s: s.peak)
+    if arch == "bert":
+        assert planned.peak >= run.peak and planned.derivatives >= run.derivatives
+    else:
+        assert (planned.batch, planned.derivatives, planned.statistics) == (run.batch, run.derivatives, run.statistics)

@@ -81,7 +81,8 @@ def test_above_the_budget_it_merges_as_the_explicit_sketch_would(fam, tmp_path, 
 
 @pytest.mark.parametrize("bad", ["always", 0, -3])
 def test_sketch_takes_a_positive_count_auto_or_null(fam, tmp_path, bad):
-    with pytest.raises(ConfigError, match="sketch"):
+    with pytest.raises(ConfigError, match=r"output.sketch: takes a whole number of outputs per prompt >= 1, auto, "
+                                          r"or null \(got "):
         _cfg(fam, tmp_path, "f", bad)
 
 
@@ -94,3 +95,38 @@ def test_a_sketch_too_large_to_draw_is_not_taken(fam, tmp_path, monkeypatch):
     plan = plan_module.build_plan(_cfg(fam, tmp_path, "g", "auto"))
     assert plan.sketch is None
     assert any("entries per batch, above 10: restrict the output first" in n for n in plan.notes)
+
+
+def test_the_run_decides_again_on_the_layers_it_merges(fam, tmp_path, monkeypatch):
+    """(stop 57 review) The plan sees two selected layers, the run merges the one the fine-tunes
+    changed (block 1): a sketch chosen for the QP of both was kept for the QP of one, whose exact
+    statistics are within the budget; the run now decides again, and says so."""
+    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
+    layers = ["model.layers.0.mlp.down_proj", LAYER]
+    cfg = load_config(fam.write_config(tmp_path / "two.yml", layers, {"name": "qp", "mode": "joint"},
+                                       output={"restrict": "projection", "k": 8, "sketch": "auto"}))
+    exact = plan_module.statistics_work(plan_module.build_plan(cfg), None)
+    one = exact.work / 4  # the QP of one of the two layers: half the coefficients
+    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", (exact.work + one) / 2)
+    plan = plan_module.build_plan(cfg)
+    assert plan.sketch == 5 and plan.groups[0].n_variables == exact.n
+    res = run_merge(cfg, tmp_path / "two", progress=False, plan=plan)
+    report = json.loads((res.out_dir / "report.json").read_text())
+    assert report["plan"]["statistics_sketch"] is None
+    (note,) = [n for n in report["notes"] if n.startswith("output.sketch auto:")]
+    assert note.startswith("output.sketch auto: the statistics are exact (about ")
+    assert any("left so (not merged, no coefficients): model.layers.0.mlp.down_proj" in n for n in report["notes"])
+
+
+@pytest.mark.parametrize("output", [{"field": "last_hidden_state", "pool": "mean"}, {"pool": "mean"}])
+def test_outputs_the_plan_cannot_count_stay_exact(fam, tmp_path, monkeypatch, output):
+    """(stop 57 review) A pooled output or another field than the logits: the plan's count (the
+    vocabulary per position) is not the output's width, and a sketch wider than the output was
+    chosen; auto keeps such statistics exact, and says how to sketch them."""
+    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
+    plan = plan_module.build_plan(load_config(fam.write_config(tmp_path / "p.yml", LAYER, METHOD,
+                                                               output={**output, "sketch": "auto"})))
+    assert plan.sketch is None
+    assert any("a language model's logits only, and this output is another: give output.sketch: s" in n
+               for n in plan.notes)

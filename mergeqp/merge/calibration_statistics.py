@@ -35,6 +35,10 @@ def _fisher_collect(collector: Any, model: Any, inputs: list[dict[str, Any]], la
     return stats, what
 
 
+#: the start of the note of a Fisher whose per-example gradients fell back from vmap to a loop
+VMAP_FALLBACK = "fisher: torch.func.vmap cannot trace "
+
+
 def _fisher(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str) -> dict[str, Any]:
     p = collector.parsed
     kwargs = {"names": collector.fisher_names, "estimator": p.estimator, "chunk_size": p.chunk_size, "label": label,
@@ -53,7 +57,7 @@ def _fisher(collector: Any, model: Any, inputs: list[dict[str, Any]], label: str
     if "per_example" in collector.params:
         raise ValidationError(f"Fisher of model {label!r}: torch.func.vmap cannot trace the model "
                               f"({errors[-1]}); set per_example: loop") from None
-    note = (f"fisher: torch.func.vmap cannot trace this model ({errors[-1]}); per-example gradients "
+    note = (f"{VMAP_FALLBACK}this model ({errors[-1]}); per-example gradients "
             f"computed in a loop (per_example: loop)")
     if note not in collector.notes:
         collector.notes.append(note)
@@ -85,7 +89,10 @@ def _fisher_summary(collector: Any) -> dict[str, Any]:
     return {"statistic": "diagonal empirical Fisher, per example (one prompt), of the selected tensors",
             "labels": ("argmax of each task's classifier head on the fine-tuned model's pooled output" if collector.heads
                        else "argmax of the fine-tuned model's own logits at every real token (teacher forced)"),
-            "estimator": p.estimator, "tensors": len(collector.fisher_names)}
+            "estimator": p.estimator, "tensors": len(collector.fisher_names),
+            # as computed: the parameters say vmap where the run fell back to a loop (stop 57 review)
+            "per_example": ("loop (vmap could not trace the model)"
+                            if any(n.startswith(VMAP_FALLBACK) for n in collector.notes) else p.per_example)}
 
 
 def _fisher_nbytes(K: int, keys: Sequence[str], numel: Callable[[str], int], sites: Sequence[Any]) -> int:

@@ -415,3 +415,26 @@ def test_reported_parameters_of_starts_and_of_user_methods_with_factory_defaults
         assert "- method: baseline `listed_test` with factors [1.0, 2.0]" in (res.out_dir / "report.md").read_text()
     finally:
         MERGE_METHODS.pop("listed_test", None)
+
+
+def test_a_fisher_that_fell_back_to_the_loop_says_so_in_its_statistics(families, tmp_path, monkeypatch):
+    """(stop 57 review) Where vmap cannot trace the model the per-example gradients are taken in a
+    loop; the report's parameters say `per_example: vmap` (the default that was asked for), and
+    its statistics now say what was computed."""
+    from mergeqp.merge import calibration_statistics as cs
+
+    real = cs.compute_fisher
+
+    def no_vmap(model, inputs, per_example="vmap", **kwargs):
+        if per_example == "vmap":
+            raise RuntimeError("vmap: cannot trace this model (simulated)")
+        return real(model, inputs, per_example=per_example, **kwargs)
+
+    monkeypatch.setattr(cs, "compute_fisher", no_vmap)
+    res = _merge(families["llama"], tmp_path, "model.layers.1.mlp.down_proj", {"name": "fisher"}, name="fb")
+    stats = res.report["baseline"]["statistics"]
+    assert stats["per_example"] == "loop (vmap could not trace the model)"
+    assert any(n.startswith(cs.VMAP_FALLBACK) for n in res.report["notes"])
+    monkeypatch.undo()
+    plain = _merge(families["llama"], tmp_path, "model.layers.1.mlp.down_proj", {"name": "fisher"}, name="fv")
+    assert plain.report["baseline"]["statistics"]["per_example"] == "vmap"

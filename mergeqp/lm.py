@@ -84,6 +84,7 @@ POOLS = ("none", "mean")
 #: entries of one batch's sketch matrices (``prompts x s x outputs``) at most (:meth:`OutputSpec.sketch_matrix`)
 MAX_SKETCH_ENTRIES = 2**28
 
+
 @dataclass(frozen=True)
 class OutputSpec:
     """Which output is compared and its restriction (see the module docstring).
@@ -167,7 +168,8 @@ class OutputSpec:
         size = batch * self.sketch * outputs
         if size > MAX_SKETCH_ENTRIES:
             raise ValidationError(
-                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over {MAX_SKETCH_ENTRIES:,}); "
+                f"output sketch: {batch} x {self.sketch} x {outputs} sketch entries per batch (over "
+                f"{MAX_SKETCH_ENTRIES:,}); "
                 f"fold the head (output.fold_head) or restrict the output first, or use smaller batches")
         seed = int(self.seed)
         for part in key:

@@ -177,8 +177,9 @@ def _print_summary(result: Any) -> None:
             values = [getattr(m, key) or {} for _, m in models]
             if not values[-1]:
                 continue
-            tasks = ", ".join(f"{t} {v:.4g}" for t, v in values[-1].items())
-            means = " -> ".join(f"{n} {sum(v.values()) / len(v):.4g}" for (n, _), v in zip(models, values) if v)
+            # (#: trailing zeros kept, so that every task shows 4 digits: 3.7996 printed as "3.8")
+            tasks = ", ".join(f"{t} {v:#.4g}" for t, v in values[-1].items())
+            means = " -> ".join(f"{n} {sum(v.values()) / len(v):#.4g}" for (n, _), v in zip(models, values) if v)
             print(f"  held-out {label} (mean over tasks): {means}; merged per task: {tasks}")
     for note in rep.notes:
         print(f"  note: {note}")

@@ -103,7 +103,8 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
     if plan.get("output_dtype") or len({tuple(v) for v in stored.values()}) > 1:
         lines.append("- stored dtypes: " + "; ".join(f"`{k}` {'/'.join(v) or '-'}" for k, v in stored.items())
                      + f"; written as {plan.get('output_dtype') or 'the base stores each tensor'}")
-    lines.append(f"- total time: {format_number(report.get('seconds'), 3)} s")
+    seconds = report.get("seconds")  # (3 significant digits printed 1001 s as "1e+03 s")
+    lines.append(f"- total time: {f'{seconds:.1f}' if isinstance(seconds, (int, float)) else format_number(seconds)} s")
     for entry in report.get("imports", []):
         digest = entry.get("sha256")
         lines.append(f"- imported module: `{entry.get('import')}` ({entry.get('file') or 'no file'}"

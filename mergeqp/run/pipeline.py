@@ -100,6 +100,7 @@ from .plan import (
     evaluates_baseline,
     keeps_base_outside,
     same_stored_value,
+    start_outside,
     statistics_method,
     without_unchanged,
 )
@@ -572,11 +573,11 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
-    if keeps_base_outside(plan):  # a fine-tune's changes outside the selection are not merged: said
-        outside = changed_outside(plan)
-        notes.extend(outside)
-        for note in outside:
-            say(f"note: {note}")
+    # a fine-tune's changes outside the selection: not merged, or merged by the start alone: said
+    outside = changed_outside(plan) if keeps_base_outside(plan) else start_outside(plan)
+    notes.extend(outside)
+    for note in outside:
+        say(f"note: {note}")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     run = _Run(plan, out, overwrite, device, dtype, notes, say, progress, t_start, write)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -288,6 +289,10 @@ class MergePlan:
                     skipped.update({c.key: f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels "
                                            f"that metric: {cfg.output.metric} scores"
                                     for c in auto.candidates if c.name == OUTPUT_SPACE and c.key not in skipped})
+                for c in auto.candidates:  # (stop 57 review: listed, and skipped by every real language model's run)
+                    why = None if c.name != OUTPUT_SPACE or c.key in skipped else _jacobians_too_large(self, c, auto)
+                    if why is not None:
+                        skipped[c.key] = why
                 lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
@@ -793,6 +798,32 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     return new
 
 
+def _jacobians_too_large(plan: MergePlan, cand: Any, auto: Any) -> str | None:
+    """Why ``method: auto``'s ``output_space`` candidate ``cand`` will be skipped for the size of its
+    per-sample Jacobians (``None``: it may fit): the run forms them, float64, ``prompts x compared
+    outputs x positions x r`` per site on a fold's fit batches, and skips the candidate above its
+    ``jacobian_max_bytes``. Counted here at a lower bound (every prompt one token long, the smallest
+    fit, the narrowest site, the fewer of the folded and unfolded outputs), so that the plan never
+    names a skip the run would not make."""
+    params = parse_output_space_candidate(cand.params, f"start.params.candidates ({cand.label})")
+    if not plan.sites:
+        return None
+    spec = replace(plan.output_spec(), sketch=None)
+    hidden, folds = _hidden_and_folds(plan, spec)
+    per_token = min(_design_outputs(spec, f, 1, plan.per_position, hidden) for f in {folds, False})
+    share = 1 / auto.folds if auto.folds >= 2 else auto.holdout
+    size = plan.config.calibration.batch_size
+    prompts = 0
+    for t in plan.tasks:
+        batches = -(-t.n_calibration // size)
+        prompts += max(t.n_calibration - math.ceil(batches * share) * size, 0)  # less its largest held-out part
+    need = 8 * prompts * per_token * min(s.r for s in plan.sites)
+    if need <= params.jacobian_max_bytes:
+        return None
+    return (f"its per-sample Jacobians take at least {human_bytes(need)} (every prompt one token long), above "
+            f"jacobian_max_bytes ({human_bytes(params.jacobian_max_bytes)}): the run skips it")
+
+
 def keeps_base_outside(plan: MergePlan) -> bool:
     """Whether the merged model holds the base's tensors outside the merged ones: every method but a
     QP mode started from a merge of every tensor (``hybrid``, a trust region's start, ``auto``)."""
@@ -806,12 +837,38 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
     fine-tune's stored dtype (a sample: a change elsewhere in a tensor is not seen). Meant for a
     merge that keeps the base's tensors outside its selection (a user who selected too few layers
     otherwise loses those changes without a word). Reads ``count`` entries per tensor."""
+    return [f"model {name!r} also changed {len(changed)} tensor(s) outside the merged layers "
+            f"({listing(changed, 4)}): the merged model keeps the base's there; select them in "
+            f"layers: to merge them too" for name, changed in _outside_changes(plan, count).items() if changed]
+
+
+def start_outside(plan: MergePlan, count: int = 256) -> list[str]:
+    """The note of a QP mode whose start is merged on every tensor (``method: auto``, ``hybrid``, a
+    trust region's ``start``): the tensors outside the selected layers that a fine-tune changed are
+    the start's in the written model, not the base's, and the QP does not refine them; a baseline
+    over the same ``layers`` keeps the base's there, so the two do not merge the same tensors (stop
+    57 review: `auto` over two `down_proj` changed all twelve fine-tuned MLP tensors, with no word,
+    beside baselines that kept ten of them as the base's). ``[]`` where no such tensor changed."""
+    changed = sorted({k for keys in _outside_changes(plan, count).values() for k in keys})
+    if not changed:
+        return []
+    start = plan.config.method.start
+    name = "the chosen start" if start is None or is_auto_start(start) else start.name
+    return [f"{name} is merged on every tensor: the merged model also changes {len(changed)} tensor(s) outside the "
+            f"selected layers ({listing(changed, 4)}), as the start left them (the QP refines only the selected "
+            f"layers); a baseline over the same layers keeps the base's there: to compare like with like, run it "
+            f"with these tensors in layers too"]
+
+
+def _outside_changes(plan: MergePlan, count: int) -> dict[str, list[str]]:
+    """Per fine-tuned model, the floating-point tensors outside the merged ones whose first ``count``
+    entries differ from the base's beyond the rounding to the fine-tune's stored dtype."""
     merged = set(plan.merged_keys())
     outside = [k for k in plan.float_keys() if k not in merged]
     base_samples: dict[str, Any] = {}
-    notes = []
+    out: dict[str, list[str]] = {}
     for name, ft in zip(plan.config.model_names(), plan.finetuned):
-        changed = []
+        changed = out.setdefault(name, [])
         for key in outside:
             if key not in ft:
                 continue
@@ -819,11 +876,7 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
                 base_samples[key] = plan.base.sample(key, count)
             if not same_stored_value(base_samples[key], ft.sample(key, count)):
                 changed.append(key)
-        if changed:
-            notes.append(f"model {name!r} also changed {len(changed)} tensor(s) outside the merged layers "
-                         f"({listing(changed, 4)}): the merged model keeps the base's there; select them in "
-                         f"layers: to merge them too")
-    return notes
+    return out
 
 
 def _no_sites(base: Checkpoint, base_path: Path, model: Any) -> None:

@@ -36,8 +36,9 @@ def test_a_merge_optimised_for_another_metric_is_judged_by_it():
                            "heldout_kl": {"a": 0.5, "b": 0.5}},
                   "merged": {"heldout_mse": {"a": 1.5, "b": 1.6}, "heldout_cross_entropy": {"a": 6.0, "b": 7.3},
                              "heldout_kl": {"a": 0.4, "b": 0.4}}}
-    (note,) = heldout_regression_notes(evaluation, "cross_entropy")
+    note, apart = heldout_regression_notes(evaluation, "cross_entropy")
     assert "held-out cross-entropy is higher" in note and "on 1 of 2 task(s): b 7.2 -> 7.3" in note
+    assert apart.startswith("the merged model's held-out MSE to the fine-tunes is above")  # (a plain note, stop 57)
     assert heldout_regression_notes(evaluation, "kl") == []
     assert "held-out MSE is higher" in heldout_regression_notes(evaluation)[0]  # euclidean: the MSE
     # without the metric's measure (not evaluated), the MSE still speaks
@@ -74,3 +75,16 @@ def test_classifiers_are_flagged_by_accuracy_not_mse():
                   "merged": {"heldout_mse": {"a": 3.0, "b": 3.0}, "heldout_accuracy": {"a": 0.75, "b": 0.8}}}
     (note,) = heldout_regression_notes(evaluation)
     assert "held-out accuracy is lower" in note and "on 1 of 2 task(s): b 0.9 -> 0.8" in note and "MSE" not in note
+
+
+def test_a_cross_entropy_merge_that_left_the_fine_tunes_says_so_without_a_warning():
+    """(stop 57 review) The README's recommended merge lowered the held-out cross-entropy on every
+    task while its held-out MSE to the fine-tunes doubled, with no word: a plain note (not WORSE
+    THAN THE BASE: the cross-entropy judges that merge) names the tasks."""
+    ev = {"base": {"heldout_cross_entropy": {"a": 4.4, "b": 5.0}, "heldout_mse": {"a": 0.26, "b": 0.27}},
+          "merged": {"heldout_cross_entropy": {"a": 4.2, "b": 4.8}, "heldout_mse": {"a": 0.5, "b": 0.2}}}
+    (note,) = heldout_regression_notes(ev, "cross_entropy")
+    assert note.startswith("the merged model's held-out MSE to the fine-tunes is above the base's on 1 of 2 task(s) (a)")
+    closer = {**ev, "merged": {**ev["merged"], "heldout_mse": {"a": 0.1, "b": 0.2}}}
+    assert heldout_regression_notes(closer, "cross_entropy") == []
+    assert heldout_regression_notes(ev, "euclidean")[0].startswith("WORSE THAN THE BASE: the merged model's held-out MSE")

@@ -364,3 +364,21 @@ def test_a_winner_whose_fit_on_every_batch_cannot_run_gives_way_to_the_next():
     assert select_start(AutoStartParams(candidates=["soup", "ties", "dare_ties"]),
                         lambda c: ({"dare_ties": 1.0, **scores}[c.name], lambda: {"w": c.name}),
                         loaded.append).chosen.name == "dare_ties"
+
+
+def test_the_plan_names_an_output_space_candidate_whose_jacobians_cannot_fit(llama, tmp_path):
+    """(stop 57 review) The dry run listed `auto`'s output_space candidates, and the run on a real
+    language model skipped each for its per-sample Jacobians (82,674 MiB against 64 MiB): the plan
+    now says so where even a lower bound exceeds the candidate's jacobian_max_bytes, and not where
+    the run forms them (the tiny Llama, default candidates)."""
+    tight = {"name": "output_space", "params": {"ridge": 0.1, "steps": 5, "jacobian_max_bytes": 16}}
+    tr = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},
+          "start": {"name": "auto", "params": {"candidates": ["soup", tight]}}}
+    cfg = load_config(llama.write_config(tmp_path / "tight.yml", list(LAYERS), tr))
+    lines = [ln for ln in build_plan(cfg).render().splitlines() if "output_space(" in ln and "skipped" in ln]
+    assert len(lines) == 1 and "jacobian_max_bytes (16 B): the run skips it" in lines[0]
+    _, rep = _merge(llama, tmp_path, tr, "tight")
+    (cand,) = [c for c in rep["start_selection"]["candidates"] if c["method"] == "output_space"]
+    assert cand["validation"] is None and "above jacobian_max_bytes" in json.dumps(cand)
+    default = load_config(llama.write_config(tmp_path / "auto.yml", list(LAYERS), "auto"))
+    assert not any("output_space(" in ln and "skipped" in ln for ln in build_plan(default).render().splitlines())

@@ -399,6 +399,15 @@ def test_reported_parameters_of_starts_and_of_user_methods_with_factory_defaults
     hyb = _merge(fam, tmp_path, layer, {"name": "qp", "mode": "hybrid", "start": "ties"}, name="hyb_ties")
     start = hyb.report["evaluation"]["start"]
     assert start["method"] == "ties" and start["params"]["density"] == 0.2 and start["params"]["scaling"] == 1.0
+    # (stop 57 review) the start merged the fine-tunes' other block-1 tensors too, which a baseline over
+    # the same layers keeps as the base's: said, naming them
+    (note,) = [n for n in hyb.report["notes"] if n.startswith("ties is merged on every tensor")]
+    written, base = open_checkpoint(hyb.out_dir), open_checkpoint(fam.base)
+    moved = [k for k in base.names() if not k.startswith(layer) and not torch.equal(written.get(k), base.get(k))]
+    assert moved and f"also changes {len(moved)} tensor(s) outside the selected layers" in note
+    ties = _merge(fam, tmp_path, layer, {"name": "ties"}, name="ties_layer")
+    assert not any(n.startswith("ties is merged on every tensor") for n in ties.report["notes"])
+    assert any("outside the merged layers" in n for n in ties.report["notes"])
 
     class Listed(MethodParams):
         factors: list[float] = Field(default_factory=lambda: [1.0, 2.0])

@@ -154,15 +154,23 @@ def _print_summary(result: Any) -> None:
     rep = result.summary
     print(f"merged model written to {result.out_dir} ({rep.output.tensors} tensors); "
           f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
+    groups: dict[int, list[Any]] = {}  # the layers of one QP (joint, trust region) share its numbers: one line
     for layer in rep.layers or ():
+        groups.setdefault(layer.group, []).append(layer)
+    for members in groups.values():
+        layer = members[0]
         cert = layer.certificate
         basis = layer.basis or {}
         mj = basis.get("mean_jacobian_energy")
         extra = (f"; {basis['name']} basis p={basis['rank']}, mean-Jacobian energy "
                  + ", ".join(f"{k} {v:.3f}" for k, v in mj.items())) if mj else ""
-        print(f"  {layer.layer}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
+        names = (layer.layer if len(members) == 1 else
+                 f"{', '.join(m.layer for m in members)} (one QP, n = {layer.n_variables})")
+        energy = (f"{layer.energy_fraction:.3f}" if len(members) == 1 else
+                  ", ".join(f"{m.energy_fraction:.3f}" for m in members) + " (per layer)")
+        print(f"  {names}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
               f"(exact {layer.objective_after_exact:.6g}); fw_gap {format_number(cert.get('fw_gap'), 4)}, "
-              f"certified {cert.get('certified')}; energy {layer.energy_fraction:.3f}{extra}")
+              f"certified {cert.get('certified')}; energy {energy}{extra}")
     ev = rep.evaluation
     if ev is not None:
         models = [("base", ev.base), *([("start", ev.start)] if ev.start is not None else []), ("merged", ev.merged)]

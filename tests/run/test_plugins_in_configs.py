@@ -136,6 +136,24 @@ def test_an_architecture_whose_module_was_not_imported_is_named(tiny_hf, tmp_pat
         build_plan(load_config(_config(fam, tmp_path / "c.yml", {"name": "qp"})))
 
 
+def test_the_console_summary_prints_a_joint_qp_once_and_each_sequential_layer_apart(tiny_hf, tmp_path, capsys):
+    """(stop 57 review) The layers of one QP (joint, trust region) share its objective, certificate
+    and time: the summary repeated them per layer, as if each layer had reached them alone. One
+    line per QP now, the layers' energies listed; sequential layers keep a line each."""
+    fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
+    layers = ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
+    for mode in ("joint", "sequential"):
+        cfg_path = fam.write_config(tmp_path / f"{mode}.yml", layers, {"name": "qp", "mode": mode,
+                                                                       "parametrisation": "scalar"})
+        assert main(["merge", str(cfg_path), "--out", str(tmp_path / mode), "--quiet"]) == 0
+        lines = [ln for ln in capsys.readouterr().out.splitlines() if ": J " in ln]
+        if mode == "joint":
+            assert len(lines) == 1 and lines[0].startswith(f"  {layers[0]}, {layers[1]} (one QP, n = 4): J ")
+            assert "(per layer)" in lines[0]
+        else:
+            assert [ln.split(":")[0].strip() for ln in lines] == layers
+
+
 def test_a_baselines_console_summary_shows_the_prompts_cross_entropy(tiny_hf, tmp_path, capsys):
     """A practitioner compares merges of language models by held-out cross-entropy: the summary of
     a baseline (Euclidean evaluation) prints it beside the MSE, as the recommended run does."""

@@ -124,11 +124,17 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         lines += ["", "## Merged layers", "",
                   "| layer | mode | J before | J after (QP) | J after (exact) | fw gap | certified | energy | solver | s |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in layers:
-            c = r.get("certificate", {})
-            lines.append(f"| `{r['layer']}` | {r['mode']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
+        # the layers of one QP (joint, trust region) share its numbers: one row (stop 57 review)
+        qps: dict[Any, list[dict[str, Any]]] = {}
+        for i, r in enumerate(layers):
+            qps.setdefault(r.get("group", f"layer {i}"), []).append(r)
+        for members in qps.values():
+            r, c = members[0], members[0].get("certificate", {})
+            names = "<br>".join(f"`{m['layer']}`" for m in members)
+            energy = " / ".join(format_number(m["energy_fraction"], 4) for m in members)
+            lines.append(f"| {names} | {r['mode']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
                          f"{format_number(r['objective_after_exact'])} | {format_number(c.get('fw_gap'), 3)} | {format_number(c.get('certified'))} | "
-                         f"{format_number(r['energy_fraction'], 4)} | {r.get('solver')} | {format_number(r['seconds'], 3)} |")
+                         f"{energy} | {r.get('solver')} | {format_number(r['seconds'], 3)} |")
         lines += ["", ("QP objective at points of the same problem (soup and task arithmetic: the task vectors at 1/K and 1; start and result: "
                        "the merge's start and its result) and at the QP's optimum:"), "",
                   "| layer | " + " | ".join(sorted(layers[0].get("objective_at", {}))) + " | optimum |",

@@ -275,8 +275,19 @@ class TorchFISTASolver(_TorchSolver):
                     t_new = 0.5 * (1.0 + math.sqrt(1.0 + 4.0 * t * t))
                     y = x_new + ((t - 1.0) / t_new) * (x_new - x)
                     t = t_new
-                x = x_new
+                step, x = x_new - x, x_new
                 if it % check == 0 or it == int(opts["max_iter"]):
+                    # the last step's curvature is at most lambda_max: above L, the power iteration stopped
+                    # short of it (near a smaller eigenvalue, from a start almost orthogonal to the top
+                    # eigenvector) and the steps overshoot; on a bounded set the iterates then cycle
+                    # between faces without diverging (stop 57: hypothesis, a 2-variable box, L 1.26
+                    # against lambda_max 1.90, 100,000 iterations 0.7% off the optimum)
+                    ss = float(torch.dot(step, step))
+                    curvature = float(torch.dot(step, qp.hv(step))) / ss if ss > 0 else 0.0
+                    if curvature > L:
+                        L = 1.05 * curvature
+                        y, t = x.clone(), 1.0
+                        continue
                     xh = checked_projection(constraints, qp.to_host(x).reshape(problem.shape)).ravel()
                     J, gap, size = _progress(problem, constraints, xh, L, qp.float64_gradient(xh))
                     if J < best_J:

@@ -138,8 +138,9 @@ def test_an_architecture_whose_module_was_not_imported_is_named(tiny_hf, tmp_pat
 
 def test_the_console_summary_prints_a_joint_qp_once_and_each_sequential_layer_apart(tiny_hf, tmp_path, capsys):
     """(stop 57 review) The layers of one QP (joint, trust region) share its objective, certificate
-    and time: the summary repeated them per layer, as if each layer had reached them alone. One
-    line per QP now, the layers' energies listed; sequential layers keep a line each."""
+    and time: the summary and report.md's table repeated them per layer, as if each layer had
+    reached them alone. One line (row) per QP now, the layers' energies listed; sequential layers
+    keep one each."""
     fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)
     layers = ["model.layers.1.mlp.up_proj", "model.layers.1.mlp.down_proj"]
     for mode in ("joint", "sequential"):
@@ -147,11 +148,15 @@ def test_the_console_summary_prints_a_joint_qp_once_and_each_sequential_layer_ap
                                                                        "parametrisation": "scalar"})
         assert main(["merge", str(cfg_path), "--out", str(tmp_path / mode), "--quiet"]) == 0
         lines = [ln for ln in capsys.readouterr().out.splitlines() if ": J " in ln]
+        md = (tmp_path / mode / "report.md").read_text()
+        table = md[md.index("## Merged layers"):].split("\n\n")[1].splitlines()[2:]  # report.md: the same
         if mode == "joint":
             assert len(lines) == 1 and lines[0].startswith(f"  {layers[0]}, {layers[1]} (one QP, n = 4): J ")
             assert "(per layer)" in lines[0]
+            assert len(table) == 1 and table[0].startswith(f"| `{layers[0]}`<br>`{layers[1]}` | joint |")
         else:
             assert [ln.split(":")[0].strip() for ln in lines] == layers
+            assert [row.split(" | ")[0] for row in table] == [f"| `{name}`" for name in layers]
 
 
 def test_a_baselines_console_summary_shows_the_prompts_cross_entropy(tiny_hf, tmp_path, capsys):

@@ -57,6 +57,7 @@ def test_active_set_matches_independent_cvxpy(cvxpy_reference, random_psd_proble
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems)
+@example((1, 2, 1.0, 130, 1))  # torch_fista's Lipschitz estimate stopped at the smaller eigenvalue (stop 57)
 def test_solvers_agree_with_each_other(random_psd_problem, rel_diff, params) -> None:
     K, m, frac, seed, which = params
     rng = np.random.default_rng(seed)

@@ -19,7 +19,7 @@ from ..errors import ConfigError, MergeQPError, ValidationError
 from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
 from ..io.memory import available_memory_bytes, human_bytes, memory_budget, memory_limit
 from ..io.writer import parse_size
-from ..merge.report import format_number, jsonable
+from ..merge.report import by_qp, format_number, jsonable
 from ..run import build_plan, run_merge
 from ..run.pipeline import check_groups_fit, resolve_device
 from ..run.plan import basis_pass_tangent, qp_site_memory
@@ -154,10 +154,7 @@ def _print_summary(result: Any) -> None:
     rep = result.summary
     print(f"merged model written to {result.out_dir} ({rep.output.tensors} tensors); "
           f"report: {result.out_dir / 'report.json'}, {result.out_dir / 'report.md'}")
-    groups: dict[int, list[Any]] = {}  # the layers of one QP (joint, trust region) share its numbers: one line
-    for layer in rep.layers or ():
-        groups.setdefault(layer.group, []).append(layer)
-    for members in groups.values():
+    for members in by_qp(rep.layers or (), lambda i, layer: layer.group):
         layer = members[0]
         cert = layer.certificate
         basis = layer.basis or {}

@@ -82,11 +82,18 @@ def check_params(name: str, params: Mapping[str, Any], where: str) -> None:
         hint = did_you_mean(unknown[0], valid)
         raise ConfigError(f"{where}.params: unknown parameter {unknown[0]!r} of {name!r}{hint}; valid: "
                           f"{', '.join(valid)}")
-    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items() if k in spec.supplied}
     try:
-        method.parse({**params, **placeholder})
+        _parse_with_placeholders(method, params)
     except MergeQPError as exc:
         raise ConfigError(f"{where}.params: {exc}") from None
+
+
+def _parse_with_placeholders(method: MergeMethod, params: Mapping[str, Any]) -> Any:
+    """``method.parse`` of a config's ``params``, with stand-ins for the model and calibration data
+    that the pipeline supplies to a method with statistics (a config cannot give them)."""
+    supplied = method.statistics.supplied if method.statistics is not None else ()
+    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items() if k in supplied}
+    return method.parse({**params, **placeholder})
 
 
 def config_params(name: str) -> list[str]:
@@ -110,13 +117,9 @@ def run_params(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     if name not in MERGE_METHODS:
         return dict(params)
     method = get_merge_method(name)
-    spec = method.statistics
-    skip = _not_in_configs(method, spec)
-    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items()
-                   if spec is not None and k in spec.supplied}
-    try:
-        parsed = method.parse({**params, **placeholder})
-        return parsed.model_dump(mode="json", exclude=skip | set(placeholder))
+    try:  # (the placeholders are among what the pipeline supplies, so left out with it)
+        return _parse_with_placeholders(method, params).model_dump(
+            mode="json", exclude=_not_in_configs(method, method.statistics))
     except Exception:  # noqa: BLE001 - a user method's own parameters that do not dump: the config's, as given
         return dict(params)
 

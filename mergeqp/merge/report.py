@@ -56,6 +56,17 @@ def start_selection_lines(entry: dict[str, Any]) -> list[str]:
     return [f"Its start, chosen by the {sel['criterion']}.{steps}", "", *start_selection_table(sel), ""]
 
 
+def by_qp(layers: Sequence[Any], group: Callable[[int, Any], Any]) -> list[list[Any]]:
+    """Layer records grouped by their QP (``group(index, record)``; a joint or trust-region QP's
+    layers share its objective, certificate and time), in order of first appearance: the console
+    summary and report.md give one line per QP (stop 57 review: they repeated a QP's numbers on
+    each of its layers, as if each had reached them alone)."""
+    qps: dict[Any, list[Any]] = {}
+    for i, r in enumerate(layers):
+        qps.setdefault(group(i, r), []).append(r)
+    return list(qps.values())
+
+
 def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_sections: Sequence[str] = (),
                     method_sections: Sequence[str] = ()) -> str:
     """``report.md`` of a ``report.json`` mapping; ``sections``: Markdown the merge mode adds of its
@@ -124,11 +135,7 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         lines += ["", "## Merged layers", "",
                   "| layer | mode | J before | J after (QP) | J after (exact) | fw gap | certified | energy | solver | s |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        # the layers of one QP (joint, trust region) share its numbers: one row (stop 57 review)
-        qps: dict[Any, list[dict[str, Any]]] = {}
-        for i, r in enumerate(layers):
-            qps.setdefault(r.get("group", f"layer {i}"), []).append(r)
-        for members in qps.values():
+        for members in by_qp(layers, lambda i, r: r.get("group", f"layer {i}")):
             r, c = members[0], members[0].get("certificate", {})
             names = "<br>".join(f"`{m['layer']}`" for m in members)
             energy = " / ".join(format_number(m["energy_fraction"], 4) for m in members)

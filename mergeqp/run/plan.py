@@ -192,6 +192,30 @@ class MergePlan:
         skeleton is unknown)."""
         return widest_layer(self.skeleton) if self.skeleton is not None else max(self.vocab_size or 0, self.per_position)
 
+    @functools.cached_property
+    def structure_folds(self) -> bool:
+        """Whether the model's structure lets the run fold its head (what the plan can see of the run's
+        checks, :func:`mergeqp.lm.fold_decision`, without weights): an ``nn.Linear`` head, a backbone
+        holding every merge site and every parameter but the head's (BERT's masked-LM head transforms the
+        backbone's output first), and no soft-capped logits. The run still checks its first batch; where
+        the plan presumed a fold the run refused, its estimates were below the run's (stop 57 review:
+        BERT's masked LM, a merge site in ``lm_head``); unknown structure counts as folding. Computed
+        once per plan (every estimate asks it; :func:`without_unchanged` makes a new plan)."""
+        model = self.skeleton
+        if model is None:
+            return True
+        head, inner = linear_head(model), backbone(model)
+        if head is None or inner is None:
+            return False
+        if (self.base.config or {}).get("final_logit_softcapping"):
+            return False
+        inside = {id(p) for p in inner.parameters()} | {id(p) for p in head.parameters()}
+        if any(id(p) not in inside for p in model.parameters()):
+            return False
+        modules = {id(m) for m in inner.modules()}
+        names = dict(model.named_modules())
+        return all(id(names[s.name]) in modules for s in self.sites if s.name in names)
+
     def derivative_width(self, folds: bool) -> int:
         """:attr:`widest` of the part the statistics' derivatives run through: the backbone where a
         language model's head ``folds`` (no logits' tangents are formed), else the whole model."""
@@ -1479,13 +1503,15 @@ def _choose_sketch(plan: MergePlan) -> None:
                           "sketch it)")
         return
     entries = exact.prompts * AUTO_SKETCH * exact.outputs
-    why = (f"about {exact.work:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
-           if exact.work <= STATISTICS_BUDGET else
-           f"a sketch of {AUTO_SKETCH} is not below the {exact.outputs:,} numbers each prompt compares"
-           if AUTO_SKETCH >= exact.outputs else
-           f"a sketch of {AUTO_SKETCH} of {exact.outputs:,} compared outputs per prompt would draw {entries:,} "
-           f"entries per batch, above {MAX_SKETCH_ENTRIES:,}: restrict the output first (restrict: projection|topk) "
-           f"or use smaller batches" if entries > MAX_SKETCH_ENTRIES else None)
+    why = None
+    if exact.work <= STATISTICS_BUDGET:
+        why = f"about {exact.work:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
+    elif AUTO_SKETCH >= exact.outputs:
+        why = f"a sketch of {AUTO_SKETCH} is not below the {exact.outputs:,} numbers each prompt compares"
+    elif entries > MAX_SKETCH_ENTRIES:
+        why = (f"a sketch of {AUTO_SKETCH} of {exact.outputs:,} compared outputs per prompt would draw {entries:,} "
+               f"entries per batch, above {MAX_SKETCH_ENTRIES:,}: restrict the output first (restrict: "
+               f"projection|topk) or use smaller batches")
     if why is not None:
         plan.notes.append(f"output.sketch auto: the statistics are exact ({why})")
         return
@@ -1615,30 +1641,7 @@ def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
     its width is then compared, and no logits' tangents are formed)."""
     bcfg = plan.base.config or {}
     hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
-    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None and _structure_folds(plan)
-
-
-def _structure_folds(plan: MergePlan) -> bool:
-    """Whether the model's structure lets the run fold its head (what the plan can see of the run's
-    checks, :func:`mergeqp.lm.fold_decision`, without weights): an ``nn.Linear`` head, a backbone
-    holding every merge site and every parameter but the head's (BERT's masked-LM head transforms the
-    backbone's output first), and no soft-capped logits. The run still checks its first batch; where
-    the plan presumed a fold the run refused, its estimates were below the run's (stop 57 review:
-    BERT's masked LM, a merge site in ``lm_head``); unknown structure counts as folding."""
-    model = plan.skeleton
-    if model is None:
-        return True
-    head, inner = linear_head(model), backbone(model)
-    if head is None or inner is None:
-        return False
-    if (plan.base.config or {}).get("final_logit_softcapping"):
-        return False
-    inside = {id(p) for p in inner.parameters()} | {id(p) for p in head.parameters()}
-    if any(id(p) not in inside for p in model.parameters()):
-        return False
-    modules = {id(m) for m in inner.modules()}
-    names = dict(model.named_modules())
-    return all(id(names[s.name]) in modules for s in plan.sites if s.name in names)
+    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None and plan.structure_folds
 
 
 def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:

@@ -51,7 +51,7 @@ from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
-from ..merge.modes import MERGE_MODES
+from ..merge.modes import MERGE_MODES, TrustRegionMode
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
@@ -736,6 +736,11 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
         torch.set_num_threads(old_threads)
 
 
+def _takes_option(entry: Any, name: str) -> bool:
+    """Whether a merge mode entry's ``mode_options`` model has the field ``name``."""
+    return entry.options is not None and name in entry.options.model_fields
+
+
 def _check_auto_folds(config: LmConfig) -> None:
     """A QP run with ``start: auto`` cross-validates over each domain's calibration batches: with
     folds, two or more per domain are needed (the run layer's rule, checked before any work)."""
@@ -745,7 +750,7 @@ def _check_auto_folds(config: LmConfig) -> None:
     for mode, metric in mset.qp_runs():
         start = mset.run_settings(mode, metric).get("start")
         spec = {"name": start} if isinstance(start, str) else dict(start or {})
-        if spec.get("name") != "auto" or mode == "hybrid":
+        if spec.get("name") != "auto":
             continue
         folds = parse_auto_params(spec.get("params") or {}, f"run {mode}:{metric}: start").folds
         batches = too_few_batches(folds, config.calibration_texts, mset.calibration_batch_size)
@@ -887,13 +892,15 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         selector = extra.pop("layers", "last" if mode == "single" else "all")
         start = extra.pop("start", None)
         method: dict[str, Any] = {"name": "qp", "mode": mode, "solver": mset.solver, **extra}
-        if mode == "hybrid":
-            method["start"] = {"name": "task_arithmetic", "params": {"scaling": float(best_scaling)}}
-        elif start is not None:
+        entry = MERGE_MODES[mode]  # what the mode entry declares, not its name (a user's mode runs alike)
+        if start is not None:
             method["start"] = {"name": start} if isinstance(start, str) else dict(start)
-        if mode == "trust_region":
+        elif entry.uses_start and entry.start_required:  # (hybrid) the tuned task arithmetic
+            method["start"] = {"name": "task_arithmetic", "params": {"scaling": float(best_scaling)}}
+        if isinstance(entry, TrustRegionMode):
             method["mode_options"] = {**dict(mset.trust_region), **dict(extra.get("mode_options", {}))}
-        if mode == "joint" and "compare_sequential" not in method:  # the sequential QP runs on its own
+        if _takes_option(entry, "compare_sequential") and "compare_sequential" not in method:
+            # (joint) the sequential QP runs on its own
             method["mode_options"] = {"compare_sequential": False, **dict(method.get("mode_options", {}))}
         layers = select_layers(linear_layers, selector)
         models[label], rec = run_layer_merge(ctx, label, method, layers, metric)

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 from ..errors import ValidationError
 from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, device_free_bytes, human_bytes, memory_budget
 from ..lm import OutputSpec
-from ..stats.bases import complete_basis, optimal_basis_from
+from ..stats.bases import complete_basis, optimal_basis, optimal_basis_from
 from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
@@ -127,10 +127,29 @@ class OutputBasisStats:
     def rank(self) -> int:
         return int(self.L.shape[0])
 
-    def basis(self, p: int) -> Any:
-        """The optimal :class:`~mergeqp.stats.parametrisation.Basis` with ``p`` directions."""
+    def basis(self, p: int, build: Any = None, *, seed: int = 0) -> Any:
+        """The :class:`~mergeqp.stats.parametrisation.Basis` with ``p`` directions that ``build`` (a
+        registered basis builder with ``checkpoint_source="output_jacobian"``; ``None``: the optimal
+        one) makes from these statistics, seen through :class:`JacobianView` (what the optimal builder
+        reads of :class:`~mergeqp.stats.CalibrationStats`: ``r``, ``mean_jacobian``, ``S``). Before stop
+        58 every such entry got the optimal basis, its own builder never called (an architecture
+        review's find)."""
         if not 1 <= p <= self.r:
             raise ValidationError(f"basis rank {p} must be in [1, {self.r}] for layer {self.site!r}")
+        if build is not None and build is not optimal_basis:
+            try:
+                made = build(JacobianView(self), p, seed=seed)
+            except AttributeError as exc:
+                raise ValidationError(f"basis builder {getattr(build, '__name__', build)!r} at layer {self.site!r}: "
+                                      f"{exc}; an output_jacobian builder sees r, mean_jacobian(task_weights) and "
+                                      f"S(task_weights) (mergeqp.merge.outputbasis.JacobianView)") from None
+            if not isinstance(made, Basis) or made.Q.shape != (self.r, p):
+                raise ValidationError(f"basis builder {getattr(build, '__name__', build)!r} at layer {self.site!r} "
+                                      f"returned {type(made).__name__}"
+                                      f"{'' if not isinstance(made, Basis) else f' of shape {made.Q.shape}'}, "
+                                      f"not a Basis of shape ({self.r}, {p})")
+            return Basis(made.Q, name=made.name,
+                         info={**made.info, "jacobian": JACOBIAN, "output_size": self.c, "samples": self.n_samples})
         if self.rank == 0:
             Q, info = complete_basis(np.zeros((self.r, 0)), self.r, p), {"rank_L": 0, "captured_eigenvalues": []}
         else:
@@ -150,6 +169,30 @@ class OutputBasisStats:
     def energy_fraction(self, Q: np.ndarray) -> float:
         """``tr(S P_{L Q}) / tr(S)`` (the quantity the optimal basis maximises)."""
         return min(self.captured(Q) / self.total, 1.0) if self.total > 0 else 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class JacobianView:
+    """:class:`OutputBasisStats` as a basis builder sees statistics (the attributes the optimal builder
+    reads of :class:`~mergeqp.stats.CalibrationStats`): ``r``; ``mean_jacobian(task_weights)``, the
+    calibration-mean Jacobian ``(rank, 1, r)`` in the coordinates of its own range (``diag(s) V'``: the
+    same row space and Gram matrix as the ``(c, r)`` Jacobian); ``S(task_weights)``, the residuals'
+    second moment in those coordinates; ``jacobian_shared`` False (a mean over samples). Task weights
+    are already applied."""
+
+    stats: OutputBasisStats
+
+    @property
+    def r(self) -> int:
+        return self.stats.r
+
+    jacobian_shared = False
+
+    def mean_jacobian(self, task_weights: Any = None) -> np.ndarray:
+        return self.stats.L[:, None, :]
+
+    def S(self, task_weights: Any = None) -> np.ndarray:  # noqa: N802 - CalibrationStats' name
+        return self.stats.S
 
 
 def collect_output_basis(

@@ -148,6 +148,14 @@ class MergePlan:
     sketch_dropped: bool = False
     #: the ``s`` that ``output.sketch: auto`` chose (``None``: exact statistics; see :func:`_choose_sketch`)
     auto_sketch: int | None = None
+    #: the notes among :attr:`notes` that depend on the QPs (the sketch's choice, the statistics' cost):
+    #: :func:`without_unchanged` removes exactly these and decides them again on the run's own QPs
+    qp_notes: list[str] = field(default_factory=list)
+
+    def add_qp_note(self, note: str) -> None:
+        """Append ``note``, one that :func:`without_unchanged` recounts on the run's QPs."""
+        self.notes.append(note)
+        self.qp_notes.append(note)
 
     @property
     def sketch(self) -> int | None:
@@ -215,6 +223,24 @@ class MergePlan:
         modules = {id(m) for m in inner.modules()}
         names = dict(model.named_modules())
         return all(id(names[s.name]) in modules for s in self.sites if s.name in names)
+
+    @functools.cached_property
+    def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
+        """The skeleton's linear layers in module order: ``(name, multiply-adds per token, inside the
+        backbone)`` (an ``nn.Linear``'s ``in x out``, a ``Conv1D``'s weight; ``()`` without a
+        skeleton). :func:`derivative_work` counts the passes through them."""
+        model = self.skeleton
+        if model is None:
+            return ()
+        inner = backbone(model)
+        inside = {id(m) for m in inner.modules()} if inner is not None else set()
+        out = []
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            linear = hasattr(module, "in_features") and hasattr(module, "out_features")
+            if (linear or hasattr(module, "nf")) and weight is not None and getattr(weight, "ndim", 0) == 2:
+                out.append((name, int(weight.numel()), id(module) in inside))
+        return tuple(out)
 
     def derivative_width(self, folds: bool) -> int:
         """:attr:`widest` of the part the statistics' derivatives run through: the backbone where a
@@ -335,6 +361,10 @@ class MergePlan:
                 lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {sketch}, "
                              f"jacobian_mode {m.jacobian_mode}")
             lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
+            cost = statistics_work(self, self.sketch)
+            if cost is not None:
+                lines.append(f"  statistics cost per calibration batch (every prompt at the longest length): about "
+                             f"{cost.total:.2g} multiply-adds ({_cost_parts(cost)})")
             for g in self.groups:
                 lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "
                              f"linearised at {g.linearised_at}")
@@ -813,7 +843,7 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     # the sketch and the cost are decided again on the QPs the run solves (stop 57 review: a sketch
     # chosen for a QP of 64 coefficients was kept for the 32 left, whose exact statistics were cheap)
     new = replace(plan, config=cfg, sites=sites, extra_tensors=extra, groups=plan_groups(cfg, sites),
-                  notes=[n for n in plan.notes if not n.startswith(_RECOUNTED_NOTES)], auto_sketch=None)
+                  notes=[n for n in plan.notes if n not in plan.qp_notes], qp_notes=[], auto_sketch=None)
     _choose_sketch(new)
     new.memory = estimate_memory(new)
     _note_statistics_cost(new)
@@ -1442,12 +1472,18 @@ AUTO_SKETCH = 256
 
 @dataclass(frozen=True)
 class StatisticsWork:
-    """What one calibration batch's H costs to form: ``rows`` (prompts x ``outputs`` compared outputs
-    each) of the largest QP's ``n`` coefficients, ``rows x n^2`` multiply-adds (``work``)."""
+    """What one calibration batch's statistics cost for the plan's costliest QP, in multiply-adds with
+    every prompt at the longest length: forming H from ``rows`` (prompts x ``outputs`` compared
+    outputs each) of ``n`` coefficients, ``rows x n^2`` (``work``), and the derivative passes that give
+    those rows (``derivatives``: :func:`derivative_work`; ``None`` where the plan cannot count them).
+    An estimate, not a bound: a FLOP counter on tiny Llama / GPT-2 / BERT models measured 1.1-1.5x
+    ``total`` (attention's own products and the primal passes of vectorised JVPs are not counted;
+    ``tests/run/test_statistics_cost.py``)."""
 
     prompts: int
     outputs: int
     n: int
+    derivatives: float | None = None
 
     @property
     def rows(self) -> int:
@@ -1456,6 +1492,11 @@ class StatisticsWork:
     @property
     def work(self) -> float:
         return float(self.rows) * self.n * self.n
+
+    @property
+    def total(self) -> float:
+        """H's formation and the derivative passes together."""
+        return self.work + (self.derivatives or 0.0)
 
 
 def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | None:
@@ -1467,12 +1508,42 @@ def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | Non
     spec = replace(plan.output_spec(), sketch=sketch)
     hidden, folds = _hidden_and_folds(plan, spec)
     outputs = _design_outputs(spec, folds, plan.batch_length, plan.per_position, hidden)
-    return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups))
+    return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups),
+                          derivative_work(plan, outputs, folds))
 
 
-#: the starts of the notes of :func:`_choose_sketch` and :func:`_note_statistics_cost` (redone on
-#: the run's own groups by :func:`without_unchanged`)
-_RECOUNTED_NOTES = ("output.sketch auto:", "statistics cost:")
+def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
+    """Multiply-adds of one calibration batch's derivative passes for the plan's costliest QP, every
+    prompt at the longest length: at each site of the QP, in the mode the run takes there (:func:`choose_mode`), ``outputs``
+    VJPs (reverse) or ``K x atoms`` JVPs (forward), each through the linear layers between the site and
+    the compared output (the backbone's where the head ``folds``), for every prompt and position, plus
+    one forward pass of the model per site. Counts ``nn.Linear`` / ``Conv1D`` weights after the site in
+    the model's module order (its blocks and head: an approximation of what lies downstream; every
+    expert of a mixture counts, attention's own products do not). ``None`` without a skeleton. (Stop
+    57: the README's merge of four ``down_proj`` spent 214 s per trust-region step in these passes,
+    while H's formation, the one cost the plan counted, was a tenth of its note's threshold.)"""
+    if plan.skeleton is None or not plan.groups:
+        return None
+    layers = plan.matmul_layers
+    order = {name: i for i, (name, _, _) in enumerate(layers)}
+    model_madds = sum(madds for _, madds, _ in layers)
+    cfg = plan.config
+    K = len(cfg.models)
+    by_name = {s.name: s for s in plan.sites}
+    tokens = plan.batch_prompts * plan.batch_length
+    best = 0.0
+    for g in plan.groups:
+        work = 0.0
+        for name in g.sites:
+            site = by_name.get(name)
+            if site is None or name not in order:
+                continue
+            tangents = K * _n_atoms(cfg, site)
+            passes = outputs if choose_mode(cfg.method.jacobian_mode, outputs, tangents) == "reverse" else tangents
+            after = sum(madds for _, madds, in_backbone in layers[order[name] + 1:] if in_backbone or not folds)
+            work += float(tokens) * (passes * after + model_madds)
+        best = max(best, work)
+    return best
 
 
 def _counts_outputs(plan: MergePlan) -> bool:
@@ -1487,67 +1558,88 @@ def _counts_outputs(plan: MergePlan) -> bool:
 
 def _choose_sketch(plan: MergePlan) -> None:
     """``output.sketch: auto``: a sketch of :data:`AUTO_SKETCH` per prompt where the exact
-    statistics of one batch would cost more than :data:`STATISTICS_BUDGET` multiply-adds and the
-    sketch compares fewer numbers than the prompt; exact otherwise. A note says which, and why.
+    statistics of one batch would cost more than :data:`STATISTICS_BUDGET` multiply-adds, the
+    sketch compares fewer numbers than the prompt and at least halves that cost; exact otherwise. A note says which, and why.
     (Stop 57: docs/hf.md's example, ``restrict: projection, k: 256`` on two of SmolLM2's
     ``down_proj``, formed H from 124,928 rows per batch, 150-180 s each, half an hour per
-    trust-region step.)"""
+    trust-region step.) The work counted is :attr:`StatisticsWork.total` (H and the derivative passes);
+    a sketch that would not halve it (forward-mode JVPs, which it does not shrink, dominating) is not
+    taken."""
     if plan.config.output.sketch != "auto":
         return
     exact = statistics_work(plan, None)
     if exact is None:
         return
     if not _counts_outputs(plan):
-        plan.notes.append("output.sketch auto: the statistics are exact (the plan counts the compared numbers of "
+        plan.add_qp_note("output.sketch auto: the statistics are exact (the plan counts the compared numbers of "
                           "a language model's logits only, and this output is another: give output.sketch: s to "
                           "sketch it)")
         return
     entries = exact.prompts * AUTO_SKETCH * exact.outputs
+    sketched = statistics_work(plan, AUTO_SKETCH)
+    assert sketched is not None
     why = None
-    if exact.work <= STATISTICS_BUDGET:
-        why = f"about {exact.work:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
+    if exact.total <= STATISTICS_BUDGET:
+        why = f"about {exact.total:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
     elif AUTO_SKETCH >= exact.outputs:
         why = f"a sketch of {AUTO_SKETCH} is not below the {exact.outputs:,} numbers each prompt compares"
     elif entries > MAX_SKETCH_ENTRIES:
         why = (f"a sketch of {AUTO_SKETCH} of {exact.outputs:,} compared outputs per prompt would draw {entries:,} "
                f"entries per batch, above {MAX_SKETCH_ENTRIES:,}: restrict the output first (restrict: "
                f"projection|topk) or use smaller batches")
+    elif sketched.total > 0.5 * exact.total:
+        why = (f"a sketch of {AUTO_SKETCH} would cut a batch's {exact.total:.2g} multiply-adds to {sketched.total:.2g} "
+               f"only: the derivative passes, {exact.derivatives or 0:.2g}, do not shrink with it (one JVP per "
+               f"coefficient direction in forward mode)")
     if why is not None:
-        plan.notes.append(f"output.sketch auto: the statistics are exact ({why})")
+        plan.add_qp_note(f"output.sketch auto: the statistics are exact ({why})")
         return
     plan.auto_sketch = AUTO_SKETCH
-    sketched = statistics_work(plan, AUTO_SKETCH)
-    assert sketched is not None
-    plan.notes.append(
-        f"output.sketch auto: a sketch of {AUTO_SKETCH} per prompt, since the exact statistics would form H from up "
-        f"to {exact.rows:,} rows per batch ({exact.prompts} prompts x {exact.outputs:,} compared outputs) of n = "
-        f"{exact.n:,} coefficients, about {exact.work:.2g} multiply-adds (above {STATISTICS_BUDGET:.0g}); sketched: "
-        f"{sketched.rows:,} rows, {sketched.work:.2g}. H is then an unbiased estimate (relative error about "
-        f"{(2 / AUTO_SKETCH) ** 0.5:.0%} per prompt, averaging over the prompts), g and c exact, and each QP's "
+    plan.add_qp_note(
+        f"output.sketch auto: a sketch of {AUTO_SKETCH} per prompt, since the exact statistics would cost about "
+        f"{exact.total:.2g} multiply-adds per batch (above {STATISTICS_BUDGET:.0g}; {_cost_parts(exact)}); "
+        f"sketched: {sketched.total:.2g} ({_cost_parts(sketched)}). H is then an unbiased estimate (relative error "
+        f"about {(2 / AUTO_SKETCH) ** 0.5:.0%} per prompt, averaging over the prompts), g and c exact, and each QP's "
         f"certificate is of the sketched QP; the calibration objective the modes measure (the trust region's "
         f"true decrease, the report's) is exact. output.sketch: none keeps the statistics exact")
 
 
+def _cost_parts(cost: StatisticsWork) -> str:
+    """:class:`StatisticsWork`'s parts in words."""
+    derivatives = ("" if cost.derivatives is None else
+                   f" and {cost.derivatives:.2g} in the derivative passes from each site to the compared output")
+    return (f"{cost.work:.2g} to form H from {cost.rows:,} rows ({cost.prompts} prompts x {cost.outputs:,} compared "
+            f"outputs) of n = {cost.n:,} coefficients{derivatives}")
+
+
+#: what reviews measured the statistics to take per batch on 2 CPU cores (SmolLM2-135M, 8 prompts of up
+#: to 61 tokens; their multiply-adds counted by :func:`statistics_work` at the plan's upper bound)
+MEASURED_COST = ("reviews measured 21-24 s per batch at 4.4e11 (one down_proj, projection k 256), 150-180 s at "
+                 "4.6e12 (two, forward-mode JVPs) and 14-20 s at 9.5e11 (four, cross-entropy top 16, sketch 64) on "
+                 "2 CPU cores")
+
+
 def _note_statistics_cost(plan: MergePlan) -> None:
     """A plan note when one calibration batch's statistics need more than
-    :data:`STATISTICS_BUDGET` multiply-adds: H is formed from the batch's design of
-    ``prompts x compared outputs`` rows and n columns (rows x n^2), at the plan's upper bound (every
-    prompt at the longest length), for every batch of every linearisation. (Stop 56 review: a real
-    two-layer merge ran 150-180 s per batch, half an hour per trust-region step, with no word from
-    ``--dry-run``.)"""
+    :data:`STATISTICS_BUDGET` multiply-adds (:func:`statistics_work`: H's formation from the batch's
+    design of ``prompts x compared outputs`` rows and n columns, rows x n^2, and the derivative passes
+    that give it), at the plan's upper bound (every prompt at the longest length), for every batch of
+    every linearisation. (Stop 56 review: a real two-layer merge ran 150-180 s per batch, half an hour
+    per trust-region step, with no word from ``--dry-run``; stop 57: four layers' derivative passes, 214
+    s per step, were not counted.)"""
     cost = statistics_work(plan, plan.sketch)
-    if cost is None or cost.work <= STATISTICS_BUDGET:
+    if cost is None or cost.total <= STATISTICS_BUDGET:
         return
     size = plan.config.calibration.batch_size
     batches = sum(-(-t.n_calibration // size) for t in plan.tasks)
     # (under sketch: auto its own note says why it stayed exact)
     advice = (f"; output: {{sketch: auto}} (or sketch: s) makes it {cost.prompts} x s rows (docs/hf.md)"
               if plan.sketch is None and plan.config.output.sketch != "auto" else "")
-    plan.notes.append(
-        f"statistics cost: each calibration batch forms H from up to {cost.rows:,} rows ({cost.prompts} prompts x "
-        f"{cost.outputs:,} compared outputs) of n = {cost.n:,} coefficients, about {cost.work:.2g} multiply-adds "
-        f"(rows x n^2; a review measured 21-24 s per batch at 3.7e11 and 150-180 s at 1.5e12 on 2 CPU cores), for "
-        f"each of {batches} batches of every linearisation (each sequential layer, each trust-region step){advice}")
+    plan.add_qp_note(
+        f"statistics cost: each calibration batch costs about {cost.total:.2g} multiply-adds with every prompt at the "
+        f"longest length "
+        f"({_cost_parts(cost)}; {MEASURED_COST}), for each of {batches} batches of every linearisation (each "
+        f"sequential layer, each trust-region step){advice}")
 
 
 def _drop_a_useless_sketch(plan: MergePlan) -> None:

@@ -87,6 +87,7 @@ import scipy.linalg as sla
 import scipy.sparse as sp
 from scipy.sparse.csgraph import connected_components
 
+from ..certificate import certify
 from ..constraints import ConstraintSet
 from ..constraints.lp import lifted_form
 from ..errors import SolverError, ValidationError
@@ -915,8 +916,6 @@ class _Ipm:
     def _certify(self, x: np.ndarray) -> tuple[bool, float]:
         """Whether the float64 certificate proves ``x`` (on its bounds) optimal at ``tol`` (or at
         its rounding floor), and the Frank-Wolfe gap it found."""
-        from ..certificate import certify  # deferred: the certificate imports the constraint kernels
-
         P = self.problem
         cert = certify(P, self.cset, P.unflat(self.lift(x)[:P.n]), rel_tol=float(self.opts["tol"]), pinv=False)
         return bool(cert.certified() or (cert.feasible and cert.at_rounding_floor)), float(cert.fw_gap)

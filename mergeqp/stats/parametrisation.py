@@ -439,7 +439,7 @@ class BasisParametrisation(Parametrisation):
         if entry.checkpoint_source == "output_jacobian":
             if output_stats is None:
                 raise ValidationError(f"basis: {kind} at layer {site.name!r} needs its output-basis statistics")
-            return BasisParametrisation(output_stats.basis(p))
+            return BasisParametrisation(output_stats.basis(p, entry.build, seed=seed))
         return BasisParametrisation(entry.build(SiteResiduals(int(site.r), deltas), p, seed=seed))
 
     def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
@@ -447,16 +447,19 @@ class BasisParametrisation(Parametrisation):
 
     def site_record(self, deltas: np.ndarray, output_stats: Any = None, *, seed: int = 0) -> dict[str, Any] | None:
         """The basis's name and rank; for a basis built from output statistics (``basis: optimal``,
-        Corollary 4.2) also the pass's facts and the mean-Jacobian energy of this basis beside the
-        SVD and a random basis of the same rank (``output_stats.energy_fraction``)."""
+        Corollary 4.2, or a user's ``output_jacobian`` entry) also the pass's facts and the mean-Jacobian
+        energy of this basis beside the optimal (for a user's), the SVD and a random basis of the same
+        rank (``output_stats.energy_fraction``)."""
         basis = self.basis
         out: dict[str, Any] = {"name": basis.name, "rank": basis.p}
         if output_stats is None:
             return out
         info = dict(basis.info)
         holder = SiteResiduals(int(output_stats.r), np.asarray(deltas, dtype=np.float64))
-        energy = {"optimal": output_stats.energy_fraction(basis.Q),
-                  "svd": output_stats.energy_fraction(svd_basis(holder, basis.p).Q),
+        energy = {basis.name: output_stats.energy_fraction(basis.Q)}
+        if basis.name != "optimal":  # a user's output_jacobian basis, beside the optimal one it competes with
+            energy["optimal"] = output_stats.energy_fraction(output_stats.basis(basis.p).Q)
+        energy |= {"svd": output_stats.energy_fraction(svd_basis(holder, basis.p).Q),
                   "random": output_stats.energy_fraction(random_basis(int(output_stats.r), basis.p, seed=seed).Q)}
         out.update({"jacobian": info.get("jacobian"), "rank_L": info.get("rank_L"),
                     "output_size": output_stats.c, "samples": output_stats.n_samples,

@@ -23,8 +23,8 @@ LAYERS: dict[str, int] = {
     "solvers": 5, "lm": 5,
     "stats": 6,
     "merge": 7,
-    "run": 8, "experiments": 8,
-    "config": 9,
+    "run": 8,
+    "experiments": 9, "config": 9,  # (experiments build their merges through the run layer: above it)
     "cli": 10, "__main__": 11, "__init__": 11,
 }
 

@@ -278,6 +278,40 @@ def test_a_users_registered_mode_runs_in_the_experiment(tiny_hf, tiny_base, lm_r
     assert record["kind"] == "qp" and all(layer["certified"] for layer in record["report"]["layers"])
 
 
+def test_a_users_modes_get_what_their_entries_declare(tiny_hf, tiny_base, lm_run, tmp_path):
+    """(stop 58, an architecture review's find) The experiment gave the tuned task-arithmetic start to
+    the mode named ``hybrid`` and the trust-region options to the one named ``trust_region``: a user's
+    mode that requires a start (a hybrid under another name) failed, and a trust region under another
+    name lost its options. Both now follow the entry (``uses_start`` / ``start_required``, the
+    trust-region class)."""
+    from mergeqp.merge.modes import MERGE_MODES, HybridMode, TrustRegionMode, register_merge_mode
+
+    class MyHybrid(HybridMode):
+        name = "my_hybrid_lm_test"
+
+    class MyRegion(TrustRegionMode):
+        name = "my_region_lm_test"
+
+    _, _, root = lm_run
+    register_merge_mode(MyHybrid())
+    register_merge_mode(MyRegion())
+    try:
+        small = _config(modes=("my_hybrid_lm_test", "my_region_lm_test"), metrics=("euclidean",), baselines=(),
+                        mergekit=(), extra_runs=(), ta_scalings=(0.5,), trust_region={"max_steps": 1},
+                        parametrisation={m: {"parametrisation": "scalar"}
+                                         for m in ("my_hybrid_lm_test", "my_region_lm_test")})
+        run = run_lm_experiment(tmp_path / "mine", corpora=_corpora(tiny_hf), cache=root / "cache",
+                                base_folder=tiny_base, config=small, threads=1, progress=False, multitask=False)
+    finally:
+        MERGE_MODES.pop("my_hybrid_lm_test", None)
+        MERGE_MODES.pop("my_region_lm_test", None)
+    hybrid = run["methods"]["qp_my_hybrid_lm_test_euclidean"]
+    assert hybrid["method"]["start"] == {"name": "task_arithmetic", "params": {"scaling": 0.5}}
+    assert all(layer["certified"] for layer in hybrid["report"]["layers"])
+    region = run["methods"]["qp_my_region_lm_test_euclidean"]
+    assert region["method"]["mode_options"]["max_steps"] == 1
+
+
 def test_device_cuda_runs_there_or_on_cpu_with_a_note(tiny_hf, tiny_base, lm_run, tmp_path):
     """``device="cuda"``: on a CUDA machine the merges and the evaluation run there and the
     reference rows (the cached fine-tunes, evaluated again) agree with the CPU run's; without CUDA

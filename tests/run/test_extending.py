@@ -165,3 +165,60 @@ def test_a_user_basis_is_usable_from_a_config():
         assert np.allclose(param.update(np.ones((2, 2)), np.ones((2, 4, 3))), [[2] * 3] * 2 + [[0] * 3] * 2)
     finally:
         BASES.pop("leading_rows")
+
+
+def test_a_user_output_jacobian_basis_is_built_by_its_own_builder(tiny_hf, fam, tmp_path):
+    """(stop 58, an architecture review's find) A basis registered with
+    ``checkpoint_source="output_jacobian"`` got the optimal basis: its builder was never called and the
+    report said ``optimal``. Its builder now sees the layer's calibration-mean Jacobian
+    (:class:`~mergeqp.merge.outputbasis.JacobianView`); the report names it and gives the optimal
+    basis's mean-Jacobian energy beside it, never below it (Corollary 4.2: the optimal basis
+    maximises that energy over bases of the same rank)."""
+    from mergeqp.stats.bases import BASES, complete_basis
+    from mergeqp.stats.basis import Basis
+
+    calls = []
+
+    def jacobian_rows(stats, p, *, seed=0, task_weights=None):
+        L = stats.mean_jacobian(task_weights).sum(axis=1)  # (c, r)
+        calls.append(L.shape)
+        V = np.linalg.svd(L, full_matrices=False)[2].T  # the Jacobian's leading input directions
+        return Basis(complete_basis(V[:, : min(p, V.shape[1])], stats.r, p), name="jacobian_rows")
+
+    mergeqp.register_basis("jacobian_rows", jacobian_rows, checkpoint_source="output_jacobian")
+    try:
+        cfg = load_config(fam.write_config(tmp_path / "jr.yml", [tiny_hf.MLP_LAYER["llama"]],
+                                           {"name": "qp", "mode": "single", "parametrisation": "basis",
+                                            "basis": "jacobian_rows", "rank": 2}))
+        from mergeqp.run.pipeline import run_merge
+
+        res = run_merge(cfg, tmp_path / "jr", progress=False)
+    finally:
+        BASES.pop("jacobian_rows")
+    assert calls
+    (layer,) = json.loads((res.out_dir / "report.json").read_text())["layers"]
+    basis = layer["basis"]
+    assert basis["name"] == "jacobian_rows" and basis["rank"] == 2
+    energy = basis["mean_jacobian_energy"]
+    assert set(energy) == {"jacobian_rows", "optimal", "svd", "random"}
+    assert energy["optimal"] >= energy["jacobian_rows"] - 1e-9
+    assert layer["certificate"]["certified"]
+
+
+def test_the_optimal_builder_through_the_view_is_the_direct_optimal_basis():
+    """The optimal builder of `mergeqp.stats.bases`, handed a layer's output statistics through
+    `JacobianView` (as a user's output_jacobian builder is), spans what the merge's own optimal basis
+    spans (random range coordinates; a rank-deficient Jacobian too)."""
+    from mergeqp.merge.outputbasis import JacobianView, OutputBasisStats
+    from mergeqp.stats.bases import optimal_basis
+
+    rng = np.random.default_rng(3)
+    for rank, r, p in [(4, 7, 3), (2, 6, 4)]:
+        L = rng.standard_normal((rank, r))
+        G = rng.standard_normal((rank, rank))
+        stats = OutputBasisStats("site", L, G @ G.T, float(np.trace(G @ G.T)), c=9, r=r, n_samples=5)
+        direct = stats.basis(p).Q
+        viewed = optimal_basis(JacobianView(stats), p).Q
+        k = min(p, rank)  # beyond range(L) the completion is arbitrary: compare the captured energy too
+        np.testing.assert_allclose(viewed[:, :k] @ viewed[:, :k].T, direct[:, :k] @ direct[:, :k].T, atol=1e-10)
+        assert stats.energy_fraction(viewed) == pytest.approx(stats.energy_fraction(direct), abs=1e-12)

@@ -106,8 +106,11 @@ def test_the_run_decides_again_on_the_layers_it_merges(fam, tmp_path, monkeypatc
     cfg = load_config(fam.write_config(tmp_path / "two.yml", layers, {"name": "qp", "mode": "joint"},
                                        output={"restrict": "projection", "k": 8, "sketch": "auto"}))
     exact = plan_module.statistics_work(plan_module.build_plan(cfg), None)
-    one = exact.work / 4  # the QP of one of the two layers: half the coefficients
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", (exact.work + one) / 2)
+    one_cfg = load_config(fam.write_config(tmp_path / "one.yml", [LAYER], {"name": "qp", "mode": "joint"},
+                                           output={"restrict": "projection", "k": 8, "sketch": "auto"}))
+    one = plan_module.statistics_work(plan_module.build_plan(one_cfg), None)  # the QP of the changed layer alone
+    assert one.total < exact.total
+    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", (exact.total + one.total) / 2)
     plan = plan_module.build_plan(cfg)
     assert plan.sketch == 5 and plan.groups[0].n_variables == exact.n
     res = run_merge(cfg, tmp_path / "two", progress=False, plan=plan)

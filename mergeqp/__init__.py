@@ -76,6 +76,7 @@ _EXPORTS: dict[str, str] = {
     "register_basis": "mergeqp.stats.bases",
     "ModelMethod": "mergeqp.run.model_method",
     "MethodOutcome": "mergeqp.run.model_method",
+    "StartFit": "mergeqp.run.model_method",
     "register_model_method": "mergeqp.run.model_methods",
     "MODEL_METHODS": "mergeqp.run.model_methods",
     # experiments (issue: MNIST reproduction)

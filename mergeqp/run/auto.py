@@ -71,8 +71,6 @@ DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "output_space", "params": {"ridge": 1.0, "steps": OUTPUT_SPACE_STEPS}},
 )
 
-#: the candidate that is a full-matrix solve at a reference, not a registered baseline
-OUTPUT_SPACE = "output_space"
 #: a candidate that is a QP merge from the base: its ``params`` are a ``method`` block of
 #: ``name: qp`` without a start (``mode``, ``parametrisation``, ``rank``, ``constraints``, ...)
 QP_CANDIDATE = "qp"
@@ -339,31 +337,25 @@ def lazy_skipped(params: AutoStartParams, statistics_of: Callable[[str], Any], l
 
 
 def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str], Any],
-                          skip: Collection[str] = ()) -> list[Candidate]:
-    """The distinct statistics-based merges the candidates need (a method that declares
-    calibration statistics, and RegMean as the reference of ``output_space`` unless it is the
-    soup), but those whose :attr:`Candidate.key` is in ``skip``: one collector each, fed the fit
-    batches while each fine-tune is loaded."""
-    from ..merge.output_space_hf import parse_run_params  # deferred: only the plan and the run read candidates' parameters
-
+                          skip: Collection[str] = (),
+                          start_statistics: Callable[[Candidate], list[Candidate] | None] = lambda cand: None,
+                          ) -> list[Candidate]:
+    """The distinct statistics-based merges the candidates need (a method that declares calibration
+    statistics, and those a model method's start fit names, ``start_statistics(cand)``: e.g. RegMean
+    as the reference of ``output_space`` unless it is the soup; ``None`` for a candidate that is no
+    model method), but those whose :attr:`Candidate.key` is in ``skip``: one collector each, fed the
+    fit batches while each fine-tune is loaded."""
     out: dict[str, Candidate] = {}
     for cand in params.candidates:
         if cand.key in skip:
             continue
-        if cand.name == OUTPUT_SPACE:
-            p = parse_run_params(cand.params, candidate_where(cand.label))
-            if p.reference == "regmean":
-                need = regmean_reference(p.alpha)
+        needs = start_statistics(cand)
+        if needs is not None:
+            for need in needs:
                 out.setdefault(need.key, need)
         elif statistics_of(cand.name) is not None:
             out.setdefault(cand.key, cand)
     return list(out.values())
-
-
-def regmean_reference(alpha: float) -> Candidate:
-    """RegMean with ``alpha``, the reference of an ``output_space`` candidate (its collector is
-    found by :attr:`Candidate.key`)."""
-    return Candidate(name="regmean", params={"alpha": alpha})
 
 
 def candidate_notes(params: AutoStartParams, skipped: Mapping[str, str] | None = None) -> list[str]:
@@ -379,6 +371,6 @@ def candidate_notes(params: AutoStartParams, skipped: Mapping[str, str] | None =
 
 
 __all__ = ["AUTO", "AUTO_METHOD", "AUTO_MODE_OPTIONS", "AutoStartParams", "Candidate", "CandidateSkipped",
-           "CandidateScore", "DEFAULT_CANDIDATES", "MIN_FOLD_BATCHES", "OUTPUT_SPACE", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
-           "candidate_notes", "is_auto_start", "named_entries", "parse_auto_params", "regmean_reference", "select_start",
+           "CandidateScore", "DEFAULT_CANDIDATES", "MIN_FOLD_BATCHES", "batch_splits", "ScoredCandidate", "StartSelection", "auto_method_config",
+           "candidate_notes", "is_auto_start", "named_entries", "parse_auto_params", "select_start",
            "lazy_skipped", "statistics_candidates"]

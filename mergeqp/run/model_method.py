@@ -79,6 +79,57 @@ class MethodOutcome:
     report_fields: Mapping[str, Any] = field(default_factory=dict)
 
 
+class CandidateContext(Protocol):
+    """What a model method's :class:`StartFit` gets from ``start: auto``'s selection, for one fit (one
+    split of the calibration batches, or the refit on all of them).
+
+    Attributes: ``model`` (the live base model, every tensor a candidate may change at the base's
+    value), ``plan``, ``spec`` (the compared output), ``device``, ``floats`` (the floating-point
+    checkpoint keys some fine-tune changed: the tensors a start merges), ``notes`` (the report's notes
+    of the selection: append to it), ``say`` (a console line)."""
+
+    model: Any
+    plan: Any
+    spec: Any
+    device: str
+    floats: Sequence[str]
+    notes: list[str]
+    say: Callable[[str], None]
+
+    def merge(self, name: str, params: Mapping[str, Any], label: str | None = None) -> dict[str, Any]:
+        """``{key: tensor}`` over :attr:`floats`: the merge method ``name``, fitted on this split's
+        batches where it has calibration statistics (one that :attr:`StartFit.statistics` named),
+        tensor-wise otherwise. Raises :class:`~mergeqp.run.auto.CandidateSkipped` (naming ``label``)
+        when those statistics could not be collected."""
+
+    def load(self, tensors: Mapping[str, Any]) -> None:
+        """Load ``tensors`` into :attr:`model`, every other tensor a candidate may change at the base's."""
+
+    def changed_sites(self) -> list[Any]:
+        """The selected sites some fine-tune changed (the others keep the base weight in every start)."""
+
+
+@dataclass(frozen=True)
+class StartFit:
+    """How a model method runs as a candidate of ``start: auto`` (``start: {name: auto, params:
+    {candidates: [NAME, {name: NAME, params: {...}}]}}``), fitted on each split's batches and scored
+    on the held-out ones like every candidate.
+
+    - ``fit(context, parsed, tasks)``: the candidate's tensors (``{checkpoint key: tensor}``, over the
+      context's ``floats`` and the sites it solves), fitted on ``tasks`` (the split's
+      :class:`~mergeqp.merge.firstorder.TaskTargets`); raise :class:`~mergeqp.run.auto.CandidateSkipped`
+      with the reason where it cannot run here (the selection goes on without it);
+    - ``statistics(parsed)``: the ``(name, params)`` of registered methods whose calibration
+      statistics the fit needs per split (collected while each fine-tune is loaded; ``context.merge``
+      returns their fitted merge); ``None``: none;
+    - ``skip(plan, parsed, auto)``: why the plan already knows the run will skip it (the dry run says
+      so); ``auto`` is the selection's :class:`~mergeqp.run.auto.AutoStartParams`; ``None``: never."""
+
+    fit: Callable[[CandidateContext, Any, Sequence[Any]], dict[str, Any]]
+    statistics: Callable[[Any], Sequence[tuple[str, Mapping[str, Any]]]] | None = None
+    skip: Callable[[Any, Any, Any], str | None] | None = None
+
+
 @dataclass(frozen=True)
 class ModelMethod:
     """A registered model method (see the module doc).
@@ -100,6 +151,8 @@ class ModelMethod:
     - ``report_markdown(report)``: its own Markdown sections of ``report.md`` (a list of strings,
       each a section with its ``##`` heading), from the whole JSON-able ``report.json`` mapping, its
       ``report_fields`` included under their names; they come before the evaluation (``None``: none).
+    - ``start``: a :class:`StartFit` to run it as a candidate of ``start: auto`` too (``None``: it
+      cannot be one; ``output_space`` is).
 
     What ``run`` returns is checked before anything is written: it sets at least one tensor, each a
     checkpoint key of the selected layers with the base's shape, floating point where the base's is
@@ -121,3 +174,4 @@ class ModelMethod:
     lazy_reason: str = "loads its model whole"
     evaluates: bool = True
     report_markdown: Callable[[Mapping[str, Any]], Sequence[str]] | None = None
+    start: StartFit | None = None

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup, named_failure
 from ..merge.registry import MERGE_METHODS
-from .model_method import ModelMethod
+from .auto import Candidate, candidate_where
+from .model_method import ModelMethod, StartFit
 from .output_space_method import OUTPUT_SPACE_RUN
 
 MODEL_METHODS: dict[str, ModelMethod] = {}
@@ -46,6 +47,16 @@ def register_model_method(method: ModelMethod) -> ModelMethod:
         if fn is not None:
             check_callable("model method", method.name, what, fn, ConfigError)
             check_signature("model method", method.name, what, fn, args, {}, ConfigError)
+    if method.start is not None:
+        if not isinstance(method.start, StartFit):
+            raise ConfigError(f"model method {method.name!r}: start must be a StartFit (mergeqp.run.model_method), "
+                              f"got {type(method.start).__name__}")
+        for what, fn, args in (("start.fit(context, parsed, tasks)", method.start.fit, (None, None, None)),
+                               ("start.statistics(parsed)", method.start.statistics, (None,)),
+                               ("start.skip(plan, parsed, auto)", method.start.skip, (None, None, None))):
+            if fn is not None:
+                check_callable("model method", method.name, what, fn, ConfigError)
+                check_signature("model method", method.name, what, fn, args, {}, ConfigError)
     MODEL_METHODS[method.name] = method
     return method
 
@@ -73,6 +84,31 @@ def entry_call(method: ModelMethod, what: str, fn: Any, *args: Any) -> Any:
     line naming the method and the function (exit 2, no traceback)."""
     with named_failure(f"model method {method.name!r}: {what}", ConfigError):
         return fn(*args)
+
+
+def start_method(name: str) -> ModelMethod | None:
+    """The model method ``name`` where it can be a ``start: auto`` candidate (it has a
+    :class:`~.model_method.StartFit`), else ``None`` (a baseline, ``qp``, or a model method that cannot)."""
+    entry = MODEL_METHODS.get(name)
+    return entry if entry is not None and entry.start is not None else None
+
+
+def parse_candidate(entry: ModelMethod, cand: Candidate) -> Any:
+    """A model-method candidate's parameters, parsed by its entry (errors name the candidate)."""
+    return entry_call(entry, "parse", entry.parse, cand.params, candidate_where(cand.label))
+
+
+def start_statistics(cand: Candidate) -> list[Candidate] | None:
+    """The statistics-based merges a model-method candidate's fit needs per split (its
+    :attr:`~.model_method.StartFit.statistics`); ``None`` when ``cand`` is no model method."""
+    entry = start_method(cand.name)
+    if entry is None:
+        return None
+    assert entry.start is not None
+    if entry.start.statistics is None:
+        return []
+    needs = entry_call(entry, "start.statistics", entry.start.statistics, parse_candidate(entry, cand))
+    return [Candidate(name=name, params=dict(params)) for name, params in needs]
 
 
 def method_names() -> list[str]:

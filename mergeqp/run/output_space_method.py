@@ -9,14 +9,18 @@ registered :class:`~.model_method.ModelMethod` is :data:`OUTPUT_SPACE_RUN`.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..formatting import format_number
+from ..io.memory import human_bytes
 from ..merge.firstorder import TaskTargets
-from ..merge.output_space_hf import OutputSpaceRunParams, check_sites, parse_run_params, solve_sites, uncertified_notes
-from .model_method import MethodOutcome, ModelMethod, RunContext
+from ..merge.output_space_hf import SUPPORTED_KINDS, JacobianTooLarge, OutputSpaceRunParams, check_sites
+from ..merge.output_space_hf import parse_run_params, solve_sites, uncertified_notes
+from .auto import CandidateSkipped
+from .model_method import CandidateContext, MethodOutcome, ModelMethod, RunContext, StartFit
 from .report import Evaluation
 
 
@@ -92,6 +96,59 @@ def _parse(params: Mapping[str, Any], where: str) -> OutputSpaceRunParams:
     return parse_run_params(params, where)
 
 
+def _start_statistics(p: OutputSpaceRunParams) -> list[tuple[str, dict[str, Any]]]:
+    """The reference RegMean's statistics, fitted per split (none for the soup)."""
+    return [("regmean", {"alpha": p.alpha})] if p.reference == "regmean" else []
+
+
+def _start_fit(ctx: CandidateContext, p: OutputSpaceRunParams, fit: Sequence[TaskTargets]) -> dict[str, Any]:
+    """As a ``start: auto`` candidate: its reference (RegMean from the split's fit batches, or the soup)
+    loaded, every changed site solved on the fit batches with formed Jacobians only."""
+    if ctx.spec.scores_data:
+        raise CandidateSkipped(f"it fits the fine-tunes' outputs, not metric {ctx.spec.metric!r}")
+    kinds = sorted({s.kind for s in ctx.plan.sites if s.kind not in SUPPORTED_KINDS})
+    if kinds:
+        raise CandidateSkipped(f"it solves {', '.join(SUPPORTED_KINDS)} sites only, not {', '.join(kinds)}")
+    reference = (ctx.merge("regmean", {"alpha": p.alpha}, "RegMean") if p.reference == "regmean"
+                 else ctx.merge("soup", {}))
+    ctx.load(reference)
+    # the sites some fine-tune changed: a layer none changed has nothing to merge and keeps the
+    # base weight in every candidate (the report's note on it says so)
+    sites = ctx.changed_sites()
+    if not sites:
+        return reference
+    try:
+        layers, solved = solve_sites(ctx.model, sites, fit, ctx.spec, ctx.device, p, ctx.say, matrix_free=False)
+    except JacobianTooLarge as exc:
+        raise CandidateSkipped(str(exc)) from None
+    ctx.notes.extend(n for n in uncertified_notes(layers) if n not in ctx.notes)
+    reference.update({k: v.to(reference[k].dtype) if k in reference else v for k, v in solved.items()})
+    return reference
+
+
+def _start_skip(plan: Any, p: OutputSpaceRunParams, auto: Any) -> str | None:
+    """Why the run will skip this candidate for the size of its per-sample Jacobians (``None``: they
+    may fit): it forms them, float64, ``prompts x compared outputs x positions x r`` per site on a
+    fold's fit batches, and skips the candidate above ``jacobian_max_bytes``. Counted at a lower bound
+    (every prompt one token long, the smallest fit, the narrowest site, the fewer of the folded and
+    unfolded outputs), so that the plan never names a skip the run would not make (stop 57 review:
+    listed, and skipped by every real language model's run)."""
+    if not plan.sites:
+        return None
+    per_token = plan.fewest_outputs_per_token()
+    share = 1 / auto.folds if auto.folds >= 2 else auto.holdout
+    size = plan.config.calibration.batch_size
+    prompts = 0
+    for t in plan.tasks:
+        batches = -(-t.n_calibration // size)
+        prompts += max(t.n_calibration - math.ceil(batches * share) * size, 0)  # less its largest held-out part
+    need = 8 * prompts * per_token * min(s.r for s in plan.sites)
+    if need <= p.jacobian_max_bytes:
+        return None
+    return (f"its per-sample Jacobians take at least {human_bytes(need)} (every prompt one token long), above "
+            f"jacobian_max_bytes ({human_bytes(p.jacobian_max_bytes)}): the run skips it")
+
+
 OUTPUT_SPACE_RUN = ModelMethod(
     name="output_space",
     summary="per selected linear layer, the free weight change minimising the linearised compared-output error "
@@ -102,4 +159,5 @@ OUTPUT_SPACE_RUN = ModelMethod(
     check_sites=check_sites,
     memory=_memory,
     report_markdown=_report_markdown,
+    start=StartFit(fit=_start_fit, statistics=_start_statistics, skip=_start_skip),
 )

@@ -78,8 +78,6 @@ from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params
 from ..merge.firstorder import TaskTargets, check_first_design, largest_design_batch
 from ..merge.modes import get_merge_mode, run_mode
 from ..merge.multilayer import HeldOutStart, MergeContext, WeightSource, calibration_objective
-from ..merge.output_space_hf import SUPPORTED_KINDS as OUTPUT_SPACE_KINDS
-from ..merge.output_space_hf import JacobianTooLarge, parse_run_params, solve_sites, uncertified_notes
 from ..merge.trust_region import holdout_count, no_holdout_error, split_tasks
 from ..merge.outputbasis import check_jacobian_size
 from ..merge.registry import merge_state_dicts
@@ -105,7 +103,6 @@ from .plan import (
     without_unchanged,
 )
 from .auto import (
-    OUTPUT_SPACE,
     QP_CANDIDATE,
     AutoStartParams,
     Candidate,
@@ -118,12 +115,11 @@ from .auto import (
     is_auto_start,
     lazy_skipped,
     parse_auto_params,
-    regmean_reference,
     select_start,
     statistics_candidates,
 )
 from .model_method import MethodOutcome, ModelMethod
-from .model_methods import entry_call, model_method_of
+from .model_methods import entry_call, model_method_of, parse_candidate, start_method, start_statistics
 from .report import REPORT_KEYS, BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
@@ -1057,9 +1053,18 @@ class _AutoStart:
         fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
         # lazy: true: default candidates whose statistics would load every fine-tune whole are skipped
         self.skipped = lazy_skipped(params, statistics_of, run.cfg.lazy)
+        # a model method's start skip (the plan's word on it, e.g. output_space's Jacobians that cannot
+        # fit even at a lower bound): skipped before its statistics are collected
+        for cand in params.candidates:
+            entry = start_method(cand.name)
+            if entry is not None and entry.start is not None and entry.start.skip is not None \
+                    and cand.key not in self.skipped:
+                why = entry_call(entry, "start.skip", entry.start.skip, run.plan, parse_candidate(entry, cand), params)
+                if why is not None:
+                    self.skipped[cand.key] = why
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
                                    for _ in range(fits)]
-                           for c in statistics_candidates(params, statistics_of, self.skipped)}
+                           for c in statistics_candidates(params, statistics_of, self.skipped, start_statistics)}
         self.notes: list[str] = []
 
     def load(self, model: Any, tensors: dict[str, Any]) -> None:
@@ -1141,12 +1146,17 @@ class _AutoStart:
         return select_start(self.params, evaluate, lambda tensors: self.load(ctx.model, tensors), run.say)
 
     def _needs_data(self, cand: Candidate) -> bool:
-        return cand.name in (OUTPUT_SPACE, QP_CANDIDATE) or cand.key in self.collectors
+        return cand.name == QP_CANDIDATE or start_method(cand.name) is not None or cand.key in self.collectors
 
     def _fitted(self, ctx: MergeContext, cand: Candidate, split: int, fit: Sequence[TaskTargets]) -> dict[str, Any]:
         """``cand``'s tensors fitted on the ``fit`` batches (``split``: the index of its statistics' fit)."""
-        if cand.name == OUTPUT_SPACE:
-            return self.output_space(ctx, cand, fit, split)
+        entry = start_method(cand.name)
+        if entry is not None:  # a model method: its entry's fit (output_space's, a user's)
+            assert entry.start is not None
+            fitting = _CandidateFit(self, ctx, split)
+            with named_failure(f"start auto: candidate {cand.label}: model method {entry.name!r}: start.fit",
+                               ValidationError):  # (CandidateSkipped, an error of ours, passes as it is)
+                return entry.start.fit(fitting, parse_candidate(entry, cand), fit)
         if cand.name == QP_CANDIDATE:
             return self.qp(ctx, cand, fit)
         collector = self.collectors[cand.key][split]
@@ -1188,40 +1198,62 @@ class _AutoStart:
             tensors.update(stored_tensors(site, read_augmented(ctx.model, site), like))
         return tensors
 
-    def output_space(self, ctx: MergeContext, cand: Candidate, fit: Sequence[TaskTargets],
-                     split: int) -> dict[str, Any]:
-        """The ``output_space`` candidate: its reference (RegMean from the fit batches of
-        ``split``, or the soup) loaded, every site solved on the fit batches with formed
-        Jacobians only."""
-        run = self.run
-        if run.spec.scores_data:
-            raise CandidateSkipped(f"it fits the fine-tunes' outputs, not metric {run.spec.metric!r}")
-        kinds = sorted({s.kind for s in run.plan.sites if s.kind not in OUTPUT_SPACE_KINDS})
-        if kinds:
-            raise CandidateSkipped(f"it solves {', '.join(OUTPUT_SPACE_KINDS)} sites only, not {', '.join(kinds)}")
-        params = parse_run_params(cand.params, candidate_where(cand.label))
-        if params.reference == "regmean":
-            ref_key = regmean_reference(params.alpha).key
-            if ref_key in self.skipped:
-                raise CandidateSkipped(f"its reference RegMean: {self.skipped[ref_key]}")
-            reference = self.collectors[ref_key][split].merge(run.plan, self.floats, DEFAULT_CHUNK_BYTES)
-        else:
-            reference = baseline_merge(run.plan, "soup", {}, self.floats)
-        self.load(ctx.model, reference)
-        # the sites some fine-tune changed: a layer none changed has nothing to merge and keeps the
-        # base weight in every candidate (the report's note on it says so)
+
+
+@dataclasses.dataclass
+class _CandidateFit:
+    """:class:`~.model_method.CandidateContext` of one fit of a model-method candidate (split ``split``
+    of ``start: auto``'s batches)."""
+
+    auto: _AutoStart
+    ctx: MergeContext
+    split: int
+
+    @property
+    def model(self) -> Any:
+        return self.ctx.model
+
+    @property
+    def plan(self) -> Any:
+        return self.auto.run.plan
+
+    @property
+    def spec(self) -> Any:
+        return self.auto.run.spec
+
+    @property
+    def device(self) -> str:
+        return self.auto.run.device
+
+    @property
+    def floats(self) -> list[str]:
+        return self.auto.floats
+
+    @property
+    def notes(self) -> list[str]:
+        return self.auto.notes
+
+    @property
+    def say(self) -> Callable[[str], None]:
+        return self.auto.run.say
+
+    def merge(self, name: str, params: Mapping[str, Any], label: str | None = None) -> dict[str, Any]:
+        key = Candidate(name=name, params=dict(params)).key
+        if key in self.auto.skipped:
+            raise CandidateSkipped(f"its reference {label or name}: {self.auto.skipped[key]}")
+        if key in self.auto.collectors:
+            return self.auto.collectors[key][self.split].merge(self.plan, self.floats, DEFAULT_CHUNK_BYTES)
+        if statistics_of(name) is not None:
+            raise ValidationError(f"start auto: the statistics of {name} {dict(params)} were not collected: name them "
+                                  f"in the model method's start.statistics")
+        return baseline_merge(self.plan, name, dict(params), self.floats)
+
+    def load(self, tensors: Mapping[str, Any]) -> None:
+        self.auto.load(self.ctx.model, dict(tensors))
+
+    def changed_sites(self) -> list[Any]:
         changed = set(self.floats)
-        sites = [site for site in run.plan.sites if any(k in changed for k in site.keys)]
-        if not sites:
-            return reference
-        try:
-            layers, solved = solve_sites(ctx.model, sites, fit, run.spec, run.device, params, run.say,
-                                         matrix_free=False)
-        except JacobianTooLarge as exc:
-            raise CandidateSkipped(str(exc)) from None
-        self.notes.extend(n for n in uncertified_notes(layers) if n not in self.notes)
-        reference.update({k: v.to(reference[k].dtype) if k in reference else v for k, v in solved.items()})
-        return reference
+        return [site for site in self.plan.sites if any(k in changed for k in site.keys)]
 
 
 def _lazy_note(base: dict[str, Any], finetunes: Sequence[dict[str, Any]]) -> str:

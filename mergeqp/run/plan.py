@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,7 +25,6 @@ from .architectures import ARCHITECTURES, architecture_class, causal_lm_obstacle
 from .auto import (
     AUTO,
     MIN_FOLD_BATCHES,
-    OUTPUT_SPACE,
     QP_CANDIDATE,
     candidate_notes,
     candidate_where,
@@ -58,7 +56,6 @@ from ..io.memory import SiteMemory, design_bytes, estimate_site_memory, human_by
 from ..io.writer import parse_size
 from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
-from ..merge.output_space_hf import parse_run_params as parse_output_space_candidate
 from ..merge.firstorder import widest_layer
 from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
 from ..lm import (DATA_METRICS, MAX_SKETCH_ENTRIES, ClassifierHead, OutputSpec, backbone, keeps_head_targets,
@@ -81,7 +78,8 @@ from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
 from ..stats.linearise import choose_mode
 from ..stats.parametrisation import Parametrisation, get_parametrisation
-from .model_methods import MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of
+from .model_methods import (MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of, parse_candidate,
+                            start_method, start_statistics)
 from .settings import DEFAULT_CHUNK_BYTES, qp_settings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
@@ -224,6 +222,14 @@ class MergePlan:
         names = dict(model.named_modules())
         return all(id(names[s.name]) in modules for s in self.sites if s.name in names)
 
+    def fewest_outputs_per_token(self) -> int:
+        """The fewest numbers one token compares in the statistics, unsketched: of the folded (where the
+        head folds) and the unfolded outputs, the fewer (a lower bound a candidate's skip can count
+        on: the run decides the fold at its first batch)."""
+        spec = replace(self.output_spec(), sketch=None)
+        hidden, folds = _hidden_and_folds(self, spec)
+        return min(_design_outputs(spec, f, 1, self.per_position, hidden) for f in {folds, False})
+
     @functools.cached_property
     def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
         """The skeleton's linear layers in module order: ``(name, multiply-adds per token, inside the
@@ -335,14 +341,18 @@ class MergePlan:
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
                 skipped = dict(lazy_skipped(auto, statistics_of, cfg.lazy))
-                if cfg.output.metric in DATA_METRICS:  # (the run skips them too, with this reason)
-                    skipped.update({c.key: f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels "
-                                           f"that metric: {cfg.output.metric} scores"
-                                    for c in auto.candidates if c.name == OUTPUT_SPACE and c.key not in skipped})
-                for c in auto.candidates:  # (stop 57 review: listed, and skipped by every real language model's run)
-                    why = None if c.name != OUTPUT_SPACE or c.key in skipped else _jacobians_too_large(self, c, auto)
-                    if why is not None:
-                        skipped[c.key] = why
+                for c in auto.candidates:  # model methods: what their entries say the run will skip
+                    entry = start_method(c.name)
+                    if entry is None or c.key in skipped:
+                        continue
+                    assert entry.start is not None
+                    if entry.fits_outputs and cfg.output.metric in DATA_METRICS:  # (the run skips them too)
+                        skipped[c.key] = (f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels "
+                                          f"that metric: {cfg.output.metric} scores")
+                    elif entry.start.skip is not None:
+                        why = entry_call(entry, "start.skip", entry.start.skip, self, parse_candidate(entry, c), auto)
+                        if why is not None:
+                            skipped[c.key] = why
                 lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
@@ -852,32 +862,6 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     return new
 
 
-def _jacobians_too_large(plan: MergePlan, cand: Any, auto: Any) -> str | None:
-    """Why ``method: auto``'s ``output_space`` candidate ``cand`` will be skipped for the size of its
-    per-sample Jacobians (``None``: it may fit): the run forms them, float64, ``prompts x compared
-    outputs x positions x r`` per site on a fold's fit batches, and skips the candidate above its
-    ``jacobian_max_bytes``. Counted here at a lower bound (every prompt one token long, the smallest
-    fit, the narrowest site, the fewer of the folded and unfolded outputs), so that the plan never
-    names a skip the run would not make."""
-    params = parse_output_space_candidate(cand.params, f"start.params.candidates ({cand.label})")
-    if not plan.sites:
-        return None
-    spec = replace(plan.output_spec(), sketch=None)
-    hidden, folds = _hidden_and_folds(plan, spec)
-    per_token = min(_design_outputs(spec, f, 1, plan.per_position, hidden) for f in {folds, False})
-    share = 1 / auto.folds if auto.folds >= 2 else auto.holdout
-    size = plan.config.calibration.batch_size
-    prompts = 0
-    for t in plan.tasks:
-        batches = -(-t.n_calibration // size)
-        prompts += max(t.n_calibration - math.ceil(batches * share) * size, 0)  # less its largest held-out part
-    need = 8 * prompts * per_token * min(s.r for s in plan.sites)
-    if need <= params.jacobian_max_bytes:
-        return None
-    return (f"its per-sample Jacobians take at least {human_bytes(need)} (every prompt one token long), above "
-            f"jacobian_max_bytes ({human_bytes(params.jacobian_max_bytes)}): the run skips it")
-
-
 def keeps_base_outside(plan: MergePlan) -> bool:
     """Whether the merged model holds the base's tensors outside the merged ones: every method but a
     QP mode started from a merge of every tensor (``hybrid``, a trust region's start, ``auto``)."""
@@ -1108,8 +1092,13 @@ def _check_method(cfg: MergeConfig) -> None:
         assert m.start is not None
         for cand in parse_auto_params(m.start.params).candidates:
             where = candidate_where(cand.label)
-            if cand.name == OUTPUT_SPACE:
-                parse_output_space_candidate(cand.params, where)
+            entry = start_method(cand.name)
+            if entry is not None:
+                parse_candidate(entry, cand)
+            elif cand.name in MODEL_METHODS:
+                raise ConfigError(f"{where}: model method {cand.name!r} cannot be a start candidate: its entry has no "
+                                  f"start fit (ModelMethod.start, docs/hf.md \"Model methods\"); run it as method: "
+                                  f"{cand.name} instead")
             elif cand.name == QP_CANDIDATE:
                 block = qp_candidate_block(cand.params, where)
                 fitted = statistics_baselines(block.baseline_choices)
@@ -1190,6 +1179,13 @@ def _check_feasible_sets(cfg: MergeConfig, groups: Sequence[Any]) -> None:
 def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> None:
     """Known baseline (tensor-wise, or with calibration statistics) with valid parameters (checked
     by the method's own schema); a per-model ``weights`` list has one entry per fine-tune (``K``)."""
+    if name in MODEL_METHODS and (name not in MERGE_METHODS or not get_merge_method(name).tensorwise):
+        among = (f", or tries it as a start among others with 'start: {{name: auto, params: {{candidates: "
+                 f"[{name}, ...]}}}}'" if start_method(name) is not None else "")
+        raise ConfigError(
+            f"{where}: {name!r} is a model method (it runs on the live models, not on tensors) and cannot be used "
+            f"here: a merge config runs it as 'method: {name}'{among}"
+        )
     if name not in MERGE_METHODS:
         known = ["qp", AUTO, *method_names()] if where == "method" else ["qp", *MERGE_METHODS]
         raise ConfigError(f"{where}: {unknown('merge method', name, known)}")
@@ -1203,12 +1199,6 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> No
     if method.statistics is not None:
         check_params(name, params, where)
         return
-    if not method.tensorwise and name in MODEL_METHODS:
-        raise ConfigError(
-            f"{where}: {name!r} is a model method (it runs on the live models, not on tensors) and cannot be used "
-            f"here: a merge config runs it as 'method: {name}', or tries it as a start among others with "
-            f"'start: {{name: auto, params: {{candidates: [{name}, ...]}}}}'"
-        )
     if not method.tensorwise:
         raise ConfigError(
             f"{where}: {name!r} needs calibration statistics of its own (not tensor-wise) and mergeqp merge "
@@ -1855,7 +1845,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
             (2 if held_fit is None else 3) * plan.base.total_bytes)
         skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
-        for need in statistics_candidates(auto, statistics_of, skipped):
+        for need in statistics_candidates(auto, statistics_of, skipped, start_statistics):
             label = (f"{need.label} statistics ({fits} fit(s), if every tensor differs from the base: the run "
                      f"collects them for those that do)")
             out[label] = fits * _statistics_bytes(plan, need.name, plan.float_keys())

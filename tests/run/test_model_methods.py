@@ -265,3 +265,72 @@ def test_a_model_method_as_a_start_says_how_to_run_it(llama, tmp_path):
     with pytest.raises(ConfigError, match=r"method.start: 'output_space' is a model method .* 'method: output_space'"
                                           r".*candidates: \[output_space"):
         build_plan(cfg)
+
+
+# ---------------------------------------------------------------------- as start: auto candidates (stop 58)
+def _auto_cfg(fam, tmp_path, candidates, name="auto"):
+    method = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},
+              "start": {"name": "auto", "params": {"candidates": candidates, "folds": 1, "holdout": 0.5}}}
+    return _config(fam, tmp_path, method, name=name, calibration={"batch_size": 2})
+
+
+def test_a_users_model_method_is_a_start_candidate_through_its_start_fit(llama, tmp_path, registered):
+    """(stop 58, an architecture review's find) Start candidates were chosen by name: the auto
+    selection knew `output_space` alone and refused a user's model method as "unknown merge method".
+    A `ModelMethod` with a `StartFit` is now a candidate like it: its statistics are collected per
+    split (`statistics`), its `fit` gets each split's batches and the merges of those statistics, it is
+    scored on the held-out batches, and `skip` is the plan's word on it."""
+    from mergeqp.run.model_method import StartFit
+
+    fits = []
+
+    def fit(ctx, scale, tasks):
+        reference = ctx.merge("regmean", {"alpha": 0.5})
+        fits.append((len(tasks), sorted(reference) == sorted(ctx.floats), len(ctx.changed_sites())))
+        soup = ctx.merge("soup", {})
+        return {k: soup[k] + scale * (reference[k] - soup[k]) for k in reference}
+
+    registered(dataclasses.replace(FIRST_STEP, name="toward_regmean",
+                                   start=StartFit(fit=fit, statistics=lambda scale: [("regmean", {"alpha": 0.5})],
+                                                  skip=lambda plan, scale, auto: "too far" if scale > 5 else None)))
+    cfg = _auto_cfg(llama, tmp_path, ["soup", {"name": "toward_regmean", "params": {"scale": 2.0}},
+                                      {"name": "toward_regmean", "params": {"scale": 9.0}}])
+    plan = build_plan(cfg)
+    rendered = plan.render()
+    assert "toward_regmean(scale=9.0) skipped: too far" in rendered
+    assert "toward_regmean(scale=2.0) skipped" not in rendered
+    assert any(k.startswith("regmean(alpha=0.5) statistics") for k in plan.memory)
+    result = run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
+    assert fits and all(same and sites == 1 for _, same, sites in fits)
+    scores = {s["label"]: s for s in result.report["start_selection"]["candidates"]}
+    assert scores["toward_regmean(scale=2.0)"]["validation"] is not None
+    assert scores["toward_regmean(scale=9.0)"]["skipped"] == "too far"  # the run honours the skip too
+    assert len(fits) == 1  # one split (folds: 1), the skipped candidate never fitted
+
+
+def test_a_model_method_without_a_start_fit_is_refused_as_a_candidate(llama, tmp_path, registered):
+    """A model method whose entry declares no start fit is named as such (not "unknown merge method"),
+    and the error for one used as a plain `start:` no longer offers the candidate list it cannot join."""
+    registered(FIRST_STEP)
+    with pytest.raises(ConfigError, match=r"model method 'first_step' cannot be a start candidate: its entry has no "
+                                          r"start fit"):
+        build_plan(_auto_cfg(llama, tmp_path, ["soup", "first_step"]))
+    cfg = _config(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": "first_step"}, name="hyb")
+    with pytest.raises(ConfigError) as info:
+        build_plan(cfg)
+    assert "is a model method" in str(info.value) and "candidates" not in str(info.value)
+
+
+def test_a_start_fit_that_raises_is_named(llama, tmp_path, registered):
+    """A user's fit that fails is one line naming the candidate, the method and the function."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.run.model_method import StartFit
+
+    def broken(ctx, scale, tasks):
+        raise KeyError("boom")
+
+    registered(dataclasses.replace(FIRST_STEP, name="broken_start", start=StartFit(fit=broken)))
+    cfg = _auto_cfg(llama, tmp_path, ["soup", "broken_start"], name="broken")
+    with pytest.raises(ValidationError, match=r"candidate broken_start: model method 'broken_start': start.fit "
+                                              r"failed: KeyError"):
+        run_merge(cfg, tmp_path / "out", progress=False)

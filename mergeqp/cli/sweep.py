@@ -35,7 +35,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--bases", nargs="*", default=["optimal", "standard", "svd", "random"],
                    help="basis kinds (default optimal standard svd random)")
     p.add_argument("--sizes", default="1,2,4,8,16", help="basis sizes p, comma-separated (default 1,2,4,8,16)")
-    p.add_argument("--seeds", default="0", help="seeds of random bases, comma-separated (default 0)")
+    p.add_argument("--seeds", default="0", help="seeds of seeded bases (random, or one registered with seeded=True), comma-separated (default 0)")
     p.add_argument("--solver", default="auto", help="QP solver (default auto)")
     p.add_argument("--no-figure", action="store_true", help="skip sweep.png")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.sweep import check_sweep_names, sweep_statistics, write_sweep
     from ..io.atomic import check_output_folder
     from ..stats import load_stats
+    from ..stats.bases import get_basis
 
     sizes, seeds = _ints(args.sizes, "--sizes", 1), _ints(args.seeds, "--seeds", 0)
     parametrisations, bases, solver = check_sweep_names(args.parametrisations, args.bases, args.solver)
@@ -70,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     above = [p for p in sizes if p > stats.r]
     if bases and above:
         notes.append(f"basis sizes {', '.join(map(str, above))} exceed the layer's r = {stats.r}: left out")
-    if args.seeds != "0" and "random" not in bases:
-        notes.append("--seeds only varies random bases, and no random basis is swept")
+    if args.seeds != "0" and not any(get_basis(b).seeded for b in bases):
+        notes.append("--seeds only varies seeded bases (random, or one registered with seeded=True), and none is "
+                     "swept")
     for note in notes:
         print(f"note: {note}")
     rows = sweep_statistics(stats, constraints=constraints, parametrisations=parametrisations, bases=bases,

@@ -115,7 +115,7 @@ def sweep_statistics(stats: Any, *, constraints: Sequence[str] = ("box:0,1",),
         for p in sizes:
             if not 1 <= int(p) <= stats.r:
                 continue
-            for seed in (seeds if kind == "random" else (0,)):
+            for seed in (seeds if get_basis(kind).seeded else (0,)):
                 jobs.append(("basis", kind, int(p), int(seed)))
     rows: list[SweepRow] = []
     bar = tqdm(total=len(constraints) * len(jobs), desc="sweep", unit="QP", disable=not progress)

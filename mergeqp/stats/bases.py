@@ -51,6 +51,8 @@ class BasisEntry:
     build: BasisBuilder
     checkpoint_source: CheckpointSource = None
     description: str = ""
+    #: the builder's ``seed`` changes the basis (``random``): sweeps vary it over their seeds
+    seeded: bool = False
 
     def __call__(self, stats: Any, p: int, **kwargs: Any) -> Basis:
         return self.build(stats, p, **kwargs)
@@ -69,10 +71,11 @@ BASES: dict[str, BasisEntry] = {}
 
 
 def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: CheckpointSource = None,
-                   description: str = "") -> BasisEntry:
+                   description: str = "", seeded: bool = False) -> BasisEntry:
     """Register ``builder(stats, p, *, seed, task_weights) -> Basis`` under ``name``;
     ``checkpoint_source`` (``"deltas"`` / ``"output_jacobian"``) makes it usable as
-    ``basis: NAME`` in a ``mergeqp merge`` config."""
+    ``basis: NAME`` in a ``mergeqp merge`` config; ``seeded``: its ``seed`` changes the basis
+    (``mergeqp sweep --seeds`` varies it, as for ``random``)."""
     check_new_name("basis", name, BASES)
     check_callable("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder)
     check_signature("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder,
@@ -80,7 +83,8 @@ def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: Check
     if checkpoint_source not in (None, "deltas", "output_jacobian"):
         raise ValidationError(f"basis {name!r}: checkpoint_source must be 'deltas', 'output_jacobian' or None, "
                               f"got {checkpoint_source!r}")
-    entry = BasisEntry(name, builder, checkpoint_source, description or (builder.__doc__ or "").split("\n")[0])
+    entry = BasisEntry(name, builder, checkpoint_source, description or (builder.__doc__ or "").split("\n")[0],
+                       seeded=bool(seeded))
     BASES[name] = entry
     return entry
 
@@ -221,5 +225,5 @@ def random_basis(stats: Any, p: int, *, task_weights: Any = None, seed: int = 0)
 
 register_basis("standard", standard_basis)
 register_basis("svd", svd_basis, checkpoint_source="deltas")
-register_basis("random", random_basis, checkpoint_source="deltas")
+register_basis("random", random_basis, checkpoint_source="deltas", seeded=True)
 register_basis("optimal", optimal_basis, checkpoint_source="output_jacobian")

@@ -240,3 +240,32 @@ def test_figure_without_bases_warns_nothing(stats_file, tmp_path):
         warnings.simplefilter("error")
         files = write_sweep(rows, str(tmp_path / "f"))
     assert set(files) == {"csv", "png"}
+
+
+def test_a_users_seeded_basis_is_swept_over_the_seeds(stats_file):
+    """(stop 58, an architecture review's find) Only the basis named ``random`` was varied over
+    ``--seeds``: a user's basis whose seed changes it got seed 0 alone. The entry says so now
+    (``register_basis(..., seeded=True)``); an unseeded one still runs once."""
+    import numpy as np
+
+    import mergeqp
+    from mergeqp.stats.bases import BASES, random_basis
+    from mergeqp.stats.basis import Basis
+
+    stats, _ = stats_file
+
+    def shuffled_rows(st, p, *, seed=0, task_weights=None):
+        rows = np.random.default_rng(seed).permutation(st.r)[:p]
+        return Basis(np.eye(st.r)[:, rows], name="shuffled_rows")
+
+    mergeqp.register_basis("shuffled_rows", shuffled_rows, seeded=True)
+    mergeqp.register_basis("first_rows", lambda st, p, *, seed=0, task_weights=None: random_basis(st, p, seed=0))
+    try:
+        rows = sweep_statistics(stats, constraints=["box:0,1"], parametrisations=[], bases=["shuffled_rows", "first_rows"],
+                                sizes=(2,), seeds=(0, 1, 2))
+    finally:
+        BASES.pop("shuffled_rows")
+        BASES.pop("first_rows")
+    assert sorted(r.seed for r in rows if r.basis == "shuffled_rows") == [0, 1, 2]
+    assert [r.seed for r in rows if r.basis == "first_rows"] == [0]
+    assert BASES["random"].seeded and not BASES["svd"].seeded

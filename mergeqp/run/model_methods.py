@@ -11,9 +11,11 @@ method runs); the name of a baseline a config runs is refused (:func:`baseline_c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ..errors import ConfigError, check_callable, check_new_name, check_signature, lookup, named_failure
+from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.registry import MERGE_METHODS
 from .auto import Candidate, candidate_where
 from .model_method import ModelMethod, StartFit
@@ -108,6 +110,17 @@ def start_statistics(cand: Candidate) -> list[Candidate] | None:
     if entry.start.statistics is None:
         return []
     needs = entry_call(entry, "start.statistics", entry.start.statistics, parse_candidate(entry, cand))
+    where = f"{candidate_where(cand.label)}: model method {entry.name!r}: start.statistics(parsed)"
+    if not isinstance(needs, (list, tuple)) or not all(
+            isinstance(n, (list, tuple)) and len(n) == 2 and isinstance(n[0], str) and isinstance(n[1], Mapping)
+            for n in needs):
+        raise ConfigError(f"{where} must return a list of (method name, params dict) pairs, got {needs!r:.120}")
+    for name, params in needs:
+        if statistics_of(name) is None:
+            raise ConfigError(f"{where} names {name!r}, which has no calibration statistics to collect (those that "
+                              f"do: {', '.join(statistics_methods())}); a tensor-wise baseline needs none: "
+                              f"context.merge({name!r}, params) merges it as it is")
+        check_params(name, dict(params), where)
     return [Candidate(name=name, params=dict(params)) for name, params in needs]
 
 

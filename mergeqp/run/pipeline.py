@@ -97,6 +97,7 @@ from .plan import (
     check_config_object,
     evaluates_baseline,
     keeps_base_outside,
+    planned_skips,
     same_stored_value,
     start_outside,
     statistics_method,
@@ -113,7 +114,6 @@ from .auto import (
     candidate_where,
     held_out_fit,
     is_auto_start,
-    lazy_skipped,
     parse_auto_params,
     select_start,
     statistics_candidates,
@@ -928,8 +928,6 @@ class _Run:
         :class:`MethodOutcome` whose ``merged`` sets at least one tensor, each a floating-point tensor
         of one of the selected layers' checkpoint keys with the base's shape; cast to the base
         tensor's dtype unless ``output_dtype`` says otherwise (the writer casts then)."""
-        import torch  # optional heavy dependency: the merge runs on torch
-
         def bad(why: str) -> MergeMethodError:
             return MergeMethodError(f"model method {name!r} {why}")
 
@@ -939,28 +937,8 @@ class _Run:
             raise bad(f"returned merged as {type(outcome.merged).__name__}, not a dict of tensors by checkpoint key")
         if not outcome.merged:
             raise bad("returned no merged tensor (MethodOutcome.merged is empty): the output would be the base model")
-        allowed = self.plan.merged_keys()
-        base = self.plan.base
-        out: dict[str, Any] = {}
-        for key, tensor in outcome.merged.items():
-            if key not in allowed:
-                where = ("a tensor outside the selected layers ('layers' selects the tensors a merge may set)"
-                         if key in base.names() else "not a tensor of the base checkpoint")
-                raise bad(f"returned {key!r}: {where}; the selected tensors: {listing(allowed, 6)}")
-            if not isinstance(tensor, torch.Tensor):
-                raise bad(f"returned {type(tensor).__name__} for {key!r}, not a tensor")
-            info = base.info(key)
-            if tuple(tensor.shape) != tuple(info.shape):
-                raise bad(f"returned {key!r} of shape {tuple(tensor.shape)}, the base's is {tuple(info.shape)}")
-            like = getattr(torch, info.dtype, None)
-            base_float = isinstance(like, torch.dtype) and like.is_floating_point
-            if base_float and not tensor.is_floating_point():
-                raise bad(f"returned {key!r} as {tensor.dtype}, not a floating-point tensor")
-            if not base_float and tensor.dtype != like:  # (an integer buffer: the base's own, as it is)
-                raise bad(f"returned {key!r} as {tensor.dtype}, the base stores it as {info.dtype}")
-            keep = self.cfg.output_dtype is not None or not base_float
-            out[key] = tensor.detach() if keep else tensor.detach().to(like)
-        return out
+        return checked_merge(self.plan, self.cfg.output_dtype, outcome.merged, self.plan.merged_keys(), bad,
+                             "the selected layers ('layers' selects the tensors a merge may set)")
 
     # the RunContext of a model method
     def prepare_tasks(self, visit: Any = None) -> list[TaskData]:
@@ -1028,6 +1006,38 @@ def _checked_report_fields(name: str, fields: Any) -> dict[str, Any]:
     return out
 
 
+def checked_merge(plan: MergePlan, output_dtype: Any, merged: Mapping[str, Any], allowed: Sequence[str],
+                  bad: Callable[[str], MergeQPError], scope: str, cast: bool = True) -> dict[str, Any]:
+    """``merged`` (a user's entry's ``{checkpoint key: tensor}``) checked: each key one of ``allowed``
+    (``scope`` says which those are), each value a tensor with the base's shape, floating point where
+    the base's is; with ``cast``, cast to the base tensor's dtype unless ``output_dtype`` is set (a start
+    candidate's tensors are not: loading them casts, and so does the writer). ``bad(why)`` is the error
+    naming the entry."""
+    import torch  # optional heavy dependency: the merge runs on torch
+
+    allowed_set = set(allowed)
+    base = plan.base
+    out: dict[str, Any] = {}
+    for key, tensor in merged.items():
+        if key not in allowed_set:
+            where = f"a tensor outside {scope}" if key in base.names() else "not a tensor of the base checkpoint"
+            raise bad(f"returned {key!r}: {where}; the tensors it may set: {listing(sorted(allowed_set), 6)}")
+        if not isinstance(tensor, torch.Tensor):
+            raise bad(f"returned {type(tensor).__name__} for {key!r}, not a tensor")
+        info = base.info(key)
+        if tuple(tensor.shape) != tuple(info.shape):
+            raise bad(f"returned {key!r} of shape {tuple(tensor.shape)}, the base's is {tuple(info.shape)}")
+        like = getattr(torch, info.dtype, None)
+        base_float = isinstance(like, torch.dtype) and like.is_floating_point
+        if base_float and not tensor.is_floating_point():
+            raise bad(f"returned {key!r} as {tensor.dtype}, not a floating-point tensor")
+        if not base_float and tensor.dtype != like:  # (an integer buffer: the base's own, as it is)
+            raise bad(f"returned {key!r} as {tensor.dtype}, the base stores it as {info.dtype}")
+        keep = not cast or output_dtype is not None or not base_float
+        out[key] = tensor.detach() if keep else tensor.detach().to(like)
+    return out
+
+
 class _AutoStart:
     """``start: auto`` in a run (:mod:`.auto`). Per statistics-based candidate one collector per
     split (fed each task's fit batches of that split while its fine-tune is loaded) and, with
@@ -1051,17 +1061,9 @@ class _AutoStart:
         # winner is also fitted without them, for the mode's early stopping
         self.mode_holdout = get_merge_mode(m.mode).start_holdout(m.mode_options)
         fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
-        # lazy: true: default candidates whose statistics would load every fine-tune whole are skipped
-        self.skipped = lazy_skipped(params, statistics_of, run.cfg.lazy)
-        # a model method's start skip (the plan's word on it, e.g. output_space's Jacobians that cannot
-        # fit even at a lower bound): skipped before its statistics are collected
-        for cand in params.candidates:
-            entry = start_method(cand.name)
-            if entry is not None and entry.start is not None and entry.start.skip is not None \
-                    and cand.key not in self.skipped:
-                why = entry_call(entry, "start.skip", entry.start.skip, run.plan, parse_candidate(entry, cand), params)
-                if why is not None:
-                    self.skipped[cand.key] = why
+        # what the plan says the run skips (lazy: true's default Fisher, a model method that fits outputs
+        # under a data metric or whose entry's skip gives a reason): skipped before any statistics
+        self.skipped = planned_skips(run.plan, params)
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
                                    for _ in range(fits)]
                            for c in statistics_candidates(params, statistics_of, self.skipped, start_statistics)}
@@ -1154,9 +1156,16 @@ class _AutoStart:
         if entry is not None:  # a model method: its entry's fit (output_space's, a user's)
             assert entry.start is not None
             fitting = _CandidateFit(self, ctx, split)
-            with named_failure(f"start auto: candidate {cand.label}: model method {entry.name!r}: start.fit",
-                               ValidationError):  # (CandidateSkipped, an error of ours, passes as it is)
-                return entry.start.fit(fitting, parse_candidate(entry, cand), fit)
+            what = f"start auto: candidate {cand.label}: model method {entry.name!r}: start.fit"
+            with named_failure(what, MergeMethodError):  # (CandidateSkipped, an error of ours, passes as it is)
+                tensors = entry.start.fit(fitting, parse_candidate(entry, cand), fit)
+            if not isinstance(tensors, Mapping):
+                raise MergeMethodError(f"{what} returned {type(tensors).__name__}, not a dict of tensors by "
+                                       f"checkpoint key")
+            # the tensors a candidate may change (the others stay the base's in every candidate's scoring)
+            return checked_merge(self.run.plan, self.run.cfg.output_dtype, tensors, self.reset_keys,
+                                 lambda why: MergeMethodError(f"{what} {why}"),
+                                 "the tensors some fine-tune changed and the selected layers", cast=False)
         if cand.name == QP_CANDIDATE:
             return self.qp(ctx, cand, fit)
         collector = self.collectors[cand.key][split]

@@ -232,20 +232,35 @@ class MergePlan:
 
     @functools.cached_property
     def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
-        """The skeleton's linear layers in module order: ``(name, multiply-adds per token, inside the
-        backbone)`` (an ``nn.Linear``'s ``in x out``, a ``Conv1D``'s weight; ``()`` without a
-        skeleton). :func:`derivative_work` counts the passes through them."""
+        """The skeleton's matrix products in module order: ``(name, multiply-adds per token, inside the
+        backbone)``: every 2-D ``weight`` but an embedding's (``nn.Linear``'s ``in x out``, GPT-2's
+        ``Conv1D``, a router's), and a mixture's fused 3-D expert parameters at the share a token uses
+        (``num_experts_per_tok`` of their experts; all of them where the config does not say; stop 58
+        review: the experts went uncounted, 7.7x under on Mixtral). ``()`` without a skeleton.
+        :func:`derivative_work` counts the passes through them."""
+        import torch  # optional heavy dependency: the plan's skeleton is a torch module
+
         model = self.skeleton
         if model is None:
             return ()
+        bcfg = self.base.config or {}
+        active = bcfg.get("num_experts_per_tok") or bcfg.get("moe_topk") or bcfg.get("top_k")
         inner = backbone(model)
         inside = {id(m) for m in inner.modules()} if inner is not None else set()
         out = []
         for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            linear = hasattr(module, "in_features") and hasattr(module, "out_features")
-            if (linear or hasattr(module, "nf")) and weight is not None and getattr(weight, "ndim", 0) == 2:
-                out.append((name, int(weight.numel()), id(module) in inside))
+            if isinstance(module, torch.nn.Embedding):
+                continue
+            madds = 0
+            for pname, param in module.named_parameters(recurse=False):
+                if param.ndim == 2 and pname == "weight":
+                    madds += int(param.numel())
+                elif param.ndim == 3:  # (experts, out, in)
+                    experts = int(param.shape[0])
+                    share = min(int(active), experts) if isinstance(active, int) and active > 0 else experts
+                    madds += int(param.numel()) * share // max(experts, 1)
+            if madds:
+                out.append((name, madds, id(module) in inside))
         return tuple(out)
 
     def derivative_width(self, folds: bool) -> int:
@@ -340,20 +355,7 @@ class MergePlan:
                          + (f" toward {self.mode.regularises_toward or m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
-                skipped = dict(lazy_skipped(auto, statistics_of, cfg.lazy))
-                for c in auto.candidates:  # model methods: what their entries say the run will skip
-                    entry = start_method(c.name)
-                    if entry is None or c.key in skipped:
-                        continue
-                    assert entry.start is not None
-                    if entry.fits_outputs and cfg.output.metric in DATA_METRICS:  # (the run skips them too)
-                        skipped[c.key] = (f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels "
-                                          f"that metric: {cfg.output.metric} scores")
-                    elif entry.start.skip is not None:
-                        why = entry_call(entry, "start.skip", entry.start.skip, self, parse_candidate(entry, c), auto)
-                        if why is not None:
-                            skipped[c.key] = why
-                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, skipped))
+                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, planned_skips(self, auto)))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
                 spec = statistics_of(m.start.name)
@@ -860,6 +862,35 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     new.notes.append(f"{len(dropped)} selected layer(s) or tensor(s) are the base's in every fine-tuned model and "
                      f"were left so (not merged, no coefficients): {listing(dropped, 8)}")
     return new
+
+
+def planned_skips(plan: MergePlan, auto: Any) -> dict[str, str]:
+    """The candidates of ``start: auto`` (``auto``: its parameters) that the run skips before any work,
+    by :attr:`~.auto.Candidate.key`, with the reason: with ``lazy: true`` the default ones whose
+    statistics would load every fine-tune whole (:func:`~.auto.lazy_skipped`); a model method that
+    fits the fine-tunes' outputs under a metric that scores the prompts' own tokens or labels; one
+    whose entry's ``start.skip`` gives a reason (``output_space``'s Jacobians that cannot fit even at a
+    lower bound). The dry run lists them, the memory estimate leaves out their statistics and the run
+    skips them (one rule for the three; stop 58 review: the run fitted and chose a user's candidate that
+    the dry run said was skipped)."""
+    skipped = dict(lazy_skipped(auto, statistics_of, plan.config.lazy))
+    metric = plan.config.output.metric
+    for c in auto.candidates:
+        entry = start_method(c.name)
+        if entry is None or c.key in skipped:
+            continue
+        assert entry.start is not None
+        if entry.fits_outputs and metric in DATA_METRICS:
+            skipped[c.key] = (f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels that metric: "
+                              f"{metric} scores")
+        elif entry.start.skip is not None:
+            why = entry_call(entry, "start.skip", entry.start.skip, plan, parse_candidate(entry, c), auto)
+            if why is not None and not isinstance(why, str):
+                raise ConfigError(f"model method {entry.name!r}: start.skip(plan, parsed, auto) must return a reason "
+                                  f"(a string) or None, got {type(why).__name__} {why!r:.60}")
+            if why:
+                skipped[c.key] = why
+    return skipped
 
 
 def keeps_base_outside(plan: MergePlan) -> bool:
@@ -1493,13 +1524,41 @@ def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | Non
     """:class:`StatisticsWork` of the plan's statistics with ``sketch`` (``None``: exact), at its
     upper bound (every prompt at the longest length); ``None`` for a method without QP statistics."""
     cfg = plan.config
-    if not cfg.method.is_qp or not plan.groups:
+    width = _compared_width(plan)
+    if not cfg.method.is_qp or not plan.groups or width is None:
         return None
     spec = replace(plan.output_spec(), sketch=sketch)
     hidden, folds = _hidden_and_folds(plan, spec)
-    outputs = _design_outputs(spec, folds, plan.batch_length, plan.per_position, hidden)
+    per, per_prompt = width
+    outputs = _design_outputs(spec, folds, 1 if per_prompt else plan.batch_length, per, hidden)
     return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups),
                           derivative_work(plan, outputs, folds))
+
+
+def _compared_width(plan: MergePlan) -> tuple[int, bool] | None:
+    """The numbers the statistics compare per position, and whether the output is one per prompt
+    (a sequence classifier's logits), where the plan can tell from the config: a restriction's ``k``
+    or matrix, a language model's vocabulary, a classifier head's classes, the hidden width of
+    ``last_hidden_state`` / ``pooler_output``, a classifier's ``num_labels``; ``None`` otherwise (no
+    cost is counted). (Stop 58 review: a pooled BERT output and a sequence classifier's logits were
+    counted as positions x vocabulary, 8-50x their cost.)"""
+    out = plan.config.output
+    if out.restrict != "none" or _counts_outputs(plan):
+        return plan.per_position, False
+    if any(plan.heads):  # class logits through each model's head
+        classes = max((t.classes or 0 for t in plan.tasks), default=0)
+        return (classes, False) if classes else None
+    bcfg = plan.base.config or {}
+    hidden = bcfg.get("hidden_size") or bcfg.get("n_embd") or bcfg.get("d_model")
+    if out.field in ("last_hidden_state", "pooler_output"):
+        return (int(hidden), out.field == "pooler_output") if hidden else None
+    arch = ((bcfg.get("architectures") or [""])[0]) or ""
+    if out.field == "logits" and arch.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")) and plan.vocab_size:
+        return plan.vocab_size, False
+    if out.field == "logits" and arch.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        labels = bcfg.get("num_labels") or len(bcfg.get("id2label") or {})
+        return (int(labels), arch.endswith("ForSequenceClassification")) if labels else None
+    return None
 
 
 def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
@@ -1507,7 +1566,8 @@ def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
     prompt at the longest length: at each site of the QP, in the mode the run takes there (:func:`choose_mode`), ``outputs``
     VJPs (reverse) or ``K x atoms`` JVPs (forward), each through the linear layers between the site and
     the compared output (the backbone's where the head ``folds``), for every prompt and position, plus
-    one forward pass of the model per site. Counts ``nn.Linear`` / ``Conv1D`` weights after the site in
+    one forward pass of the model per site and the site's own products (the models' changes applied to
+    its input; in reverse mode the Jacobian's contraction with them). Counts ``nn.Linear`` / ``Conv1D`` weights after the site in
     the model's module order (its blocks and head: an approximation of what lies downstream; every
     expert of a mixture counts, attention's own products do not). ``None`` without a skeleton. (Stop
     57: the README's merge of four ``down_proj`` spent 214 s per trust-region step in these passes,
@@ -1529,9 +1589,14 @@ def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
             if site is None or name not in order:
                 continue
             tangents = K * _n_atoms(cfg, site)
-            passes = outputs if choose_mode(cfg.method.jacobian_mode, outputs, tangents) == "reverse" else tangents
+            reverse = choose_mode(cfg.method.jacobian_mode, outputs, tangents) == "reverse"
+            passes = outputs if reverse else tangents
             after = sum(madds for _, madds, in_backbone in layers[order[name] + 1:] if in_backbone or not folds)
-            work += float(tokens) * (passes * after + model_madds)
+            # the site's own products: each model's change applied to the layer's input (K r m1), and in
+            # reverse mode the per-sample Jacobian contracted with it (outputs x K r; stop 58 review: the
+            # last down_proj, with nothing after it, was 3.6x under without it)
+            own = K * site.r * site.m1 + (outputs * K * site.r if reverse else 0)
+            work += float(tokens) * (passes * after + model_madds + own)
         best = max(best, work)
     return best
 
@@ -1555,15 +1620,16 @@ def _choose_sketch(plan: MergePlan) -> None:
     trust-region step.) The work counted is :attr:`StatisticsWork.total` (H and the derivative passes);
     a sketch that would not halve it (forward-mode JVPs, which it does not shrink, dominating) is not
     taken."""
-    if plan.config.output.sketch != "auto":
-        return
-    exact = statistics_work(plan, None)
-    if exact is None:
+    cfg = plan.config
+    if cfg.output.sketch != "auto" or not cfg.method.is_qp or not plan.groups:
         return
     if not _counts_outputs(plan):
         plan.add_qp_note("output.sketch auto: the statistics are exact (the plan counts the compared numbers of "
                           "a language model's logits only, and this output is another: give output.sketch: s to "
                           "sketch it)")
+        return
+    exact = statistics_work(plan, None)
+    if exact is None:
         return
     entries = exact.prompts * AUTO_SKETCH * exact.outputs
     sketched = statistics_work(plan, AUTO_SKETCH)
@@ -1844,7 +1910,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
         out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
             (2 if held_fit is None else 3) * plan.base.total_bytes)
-        skipped = lazy_skipped(auto, statistics_of, cfg.lazy)
+        skipped = planned_skips(plan, auto)
         for need in statistics_candidates(auto, statistics_of, skipped, start_statistics):
             label = (f"{need.label} statistics ({fits} fit(s), if every tensor differs from the base: the run "
                      f"collects them for those that do)")

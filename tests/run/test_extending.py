@@ -222,3 +222,31 @@ def test_the_optimal_builder_through_the_view_is_the_direct_optimal_basis():
         k = min(p, rank)  # beyond range(L) the completion is arbitrary: compare the captured energy too
         np.testing.assert_allclose(viewed[:, :k] @ viewed[:, :k].T, direct[:, :k] @ direct[:, :k].T, atol=1e-10)
         assert stats.energy_fraction(viewed) == pytest.approx(stats.energy_fraction(direct), abs=1e-12)
+
+
+@pytest.mark.parametrize("bad, match", [("raises", r"failed: RuntimeError: builder exploded"),
+                                        ("skewed", r"is not orthonormal"), ("nan", r"contains NaN or inf")])
+def test_a_failing_output_jacobian_builder_is_named(tiny_hf, fam, tmp_path, bad, match):
+    """(stop 58 review) A user's output_jacobian builder that raised surfaced as "merge mode 'single'
+    failed", and a Basis it built that was not orthonormal or finite named neither the builder nor
+    the layer: each error now names both."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.run.pipeline import run_merge
+    from mergeqp.stats.bases import BASES
+
+    def broken(stats, p, *, seed=0, task_weights=None):
+        if bad == "raises":
+            raise RuntimeError("builder exploded")
+        from mergeqp.stats.basis import Basis
+        Q = np.eye(stats.r)[:, :p] * (2.0 if bad == "skewed" else np.nan)
+        return Basis(Q, name="broken")
+
+    mergeqp.register_basis("broken_jacobian", broken, checkpoint_source="output_jacobian")
+    try:
+        cfg = load_config(fam.write_config(tmp_path / "b.yml", [tiny_hf.MLP_LAYER["llama"]],
+                                           {"name": "qp", "mode": "single", "parametrisation": "basis",
+                                            "basis": "broken_jacobian", "rank": 2}))
+        with pytest.raises(ValidationError, match=r"basis builder 'broken' at layer '[\w.]+'.*" + match):
+            run_merge(cfg, tmp_path / "out", progress=False)
+    finally:
+        BASES.pop("broken_jacobian")

@@ -323,7 +323,6 @@ def test_a_model_method_without_a_start_fit_is_refused_as_a_candidate(llama, tmp
 
 def test_a_start_fit_that_raises_is_named(llama, tmp_path, registered):
     """A user's fit that fails is one line naming the candidate, the method and the function."""
-    from mergeqp.errors import ValidationError
     from mergeqp.run.model_method import StartFit
 
     def broken(ctx, scale, tasks):
@@ -331,6 +330,84 @@ def test_a_start_fit_that_raises_is_named(llama, tmp_path, registered):
 
     registered(dataclasses.replace(FIRST_STEP, name="broken_start", start=StartFit(fit=broken)))
     cfg = _auto_cfg(llama, tmp_path, ["soup", "broken_start"], name="broken")
-    with pytest.raises(ValidationError, match=r"candidate broken_start: model method 'broken_start': start.fit "
-                                              r"failed: KeyError"):
+    with pytest.raises(MergeMethodError, match=r"candidate broken_start: model method 'broken_start': start.fit "
+                                               r"failed: KeyError"):
         run_merge(cfg, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize("returned, match", [
+    ("outside", r"returned 'model\.layers\.0\.mlp\.down_proj\.weight': a tensor outside the tensors some fine-tune "
+                r"changed and the selected layers"),
+    ("transposed", r"returned '[\w.]+' of shape \([\d, ]+\), the base's is"),
+    ("numpy", r"returned ndarray for .*, not a tensor"),
+    ("none", r"returned NoneType, not a dict of tensors"),
+    ("integer", r"returned '[\w.]+' as torch.int64, not a floating-point tensor")])
+def test_what_a_start_fit_returns_is_checked(llama, tmp_path, registered, returned, match):
+    """(stop 58 review) Nothing checked a user's fit: a tensor outside the changed ones stayed in the
+    live model (the candidates scored after it were scored on it, 7360 against 240) and was written;
+    a wrong shape, an array or None ended in a traceback from deep inside. Each is now one line naming
+    the candidate and the method, before anything is scored or written."""
+    from mergeqp.run.model_method import StartFit
+
+    def fit(ctx, scale, tasks):
+        soup = ctx.merge("soup", {})
+        key = next(iter(soup))
+        if returned == "outside":  # a layer no fine-tune changed (the tiny family perturbs block 1 only)
+            return {**soup, "model.layers.0.mlp.down_proj.weight": ctx.plan.base.get(
+                "model.layers.0.mlp.down_proj.weight") + 5}
+        if returned == "transposed":
+            return {**soup, key: soup[key].T.contiguous() if soup[key].ndim == 2 else soup[key][:1]}
+        if returned == "numpy":
+            return {**soup, key: soup[key].numpy()}
+        if returned == "integer":
+            return {**soup, key: soup[key].long()}
+        return None
+
+    registered(dataclasses.replace(FIRST_STEP, name="bad_fit", start=StartFit(fit=fit)))
+    out = tmp_path / "out"
+    with pytest.raises(MergeMethodError, match=r"candidate bad_fit: model method 'bad_fit': start.fit " + match):
+        run_merge(_auto_cfg(llama, tmp_path, ["soup", "bad_fit"], name=returned), out, progress=False)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_the_plan_refuses_statistics_a_start_fit_cannot_get(llama, tmp_path, registered):
+    """(stop 58 review) `start.statistics` naming a tensor-wise baseline, an unknown method or bad
+    parameters ended the dry run in a bare AssertionError; each is now a one-line ConfigError."""
+    from mergeqp.run.model_method import StartFit
+
+    for name, stats, match in [("soup_stats", [("soup", {})], r"names 'soup', which has no calibration statistics"),
+                               ("typo_stats", [("regmean", {"alfa": 0.5})], r"alfa"),
+                               ("str_stats", "regmean", r"must return a list of \(method name, params dict\) pairs")]:
+        registered(dataclasses.replace(FIRST_STEP, name=name, start=StartFit(fit=lambda c, p, t: {},
+                                                                              statistics=lambda p, s=stats: s)))
+        with pytest.raises(ConfigError, match=match):
+            build_plan(_auto_cfg(llama, tmp_path, ["soup", name], name=name))
+
+
+def test_the_run_skips_what_the_plan_says_it_skips(llama, tmp_path, registered):
+    """(stop 58 review) Under a metric that scores the prompts' own tokens the dry run said a user's
+    output-fitting candidate was skipped, and the run fitted and chose it. Both now follow one rule
+    (`plan.planned_skips`): the run never fits it, its statistics are not in the memory estimate, and
+    a skip() that returns anything but a reason or None is refused."""
+    from mergeqp.run.model_method import StartFit
+
+    fitted = []
+
+    def fit(ctx, p, tasks):
+        fitted.append(1)
+        return ctx.merge("regmean", {"alpha": 0.7})
+
+    registered(dataclasses.replace(FIRST_STEP, name="fits_outputs_start",
+                                   start=StartFit(fit=fit, statistics=lambda p: [("regmean", {"alpha": 0.7})])))
+    cfg = _auto_cfg(llama, tmp_path, ["soup", "fits_outputs_start"], name="ce")
+    cfg = cfg.model_copy(update={"output": cfg.output.model_copy(update={"metric": "cross_entropy"})})
+    plan = build_plan(cfg)
+    assert "fits_outputs_start skipped: it fits the fine-tunes' outputs" in plan.render()
+    assert not any(k.startswith("regmean(alpha=0.7)") for k in plan.memory)
+    result = run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
+    assert not fitted
+    (row,) = [c for c in result.report["start_selection"]["candidates"] if c["label"] == "fits_outputs_start"]
+    assert row["skipped"].startswith("it fits the fine-tunes' outputs")
+    registered(dataclasses.replace(FIRST_STEP, name="int_skip", start=StartFit(fit=fit, skip=lambda pl, p, a: 42)))
+    with pytest.raises(ConfigError, match=r"start.skip\(plan, parsed, auto\) must return a reason"):
+        build_plan(_auto_cfg(llama, tmp_path, ["soup", "int_skip"], name="intskip"))

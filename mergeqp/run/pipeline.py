@@ -88,17 +88,15 @@ from ..stats.parametrisation import get_parametrisation
 from ..stats.prefix import frozen_prefix
 from .architectures import architecture_class, every_block, lower_blocks, model_config
 from .fused import fused_view, remember_source
+from .checkpoints import ENCODER_DECODER_INPUTS, changed_keys, same_stored_value
 from .plan import (
-    ENCODER_DECODER_INPUTS,
     MergePlan,
     build_plan,
-    changed_keys,
     changed_outside,
     check_config_object,
     evaluates_baseline,
     keeps_base_outside,
     planned_skips,
-    same_stored_value,
     start_outside,
     statistics_method,
     without_unchanged,

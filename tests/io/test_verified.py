@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import mergeqp.io.writer as writer  # noqa: E402
 import mergeqp.run.pipeline as pipeline  # noqa: E402
-import mergeqp.run.plan as plan_mod  # noqa: E402
+import mergeqp.run.checkpoints as plan_mod  # noqa: E402
 from mergeqp.errors import BadDataError, ConfigError  # noqa: E402
 from mergeqp.io import verified  # noqa: E402
 from mergeqp.io.checkpoint import open_checkpoint  # noqa: E402

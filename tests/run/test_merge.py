@@ -867,7 +867,7 @@ def test_stored_values_compare_at_the_coarser_dtype(tmp_path):
     from safetensors.torch import save_file
 
     from mergeqp.io.checkpoint import open_checkpoint
-    from mergeqp.run.plan import changed_keys, same_stored_value
+    from mergeqp.run.checkpoints import changed_keys, same_stored_value
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 8, generator=g, dtype=torch.float64)

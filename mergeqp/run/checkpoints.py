@@ -439,3 +439,31 @@ def changed_keys(base: Checkpoint, finetuned: Sequence[Checkpoint], keys: Sequen
         if any(not same_stored_value(ref, ft.get(key)) for ft in finetuned):
             out.append(key)
     return out
+
+
+def output_fields(model: Any) -> tuple[str, list[str]] | None:
+    """The output class the model's ``forward`` declares it returns and that class's fields (a
+    ``transformers`` ``ModelOutput`` in its return annotation), or ``None`` where it declares none
+    (a registered architecture returning a tensor or a dict, an annotation that cannot be read): what
+    ``output.field`` may name, known without a forward pass."""
+    import dataclasses
+    import inspect
+    import typing
+
+    try:
+        from transformers.utils import ModelOutput  # optional heavy dependency, imported on first use
+    except ImportError:
+        return None
+    forward = getattr(type(model), "forward", None)
+    try:
+        annotation = inspect.signature(forward).return_annotation
+        if isinstance(annotation, str):
+            annotation = typing.get_type_hints(forward).get("return")
+    except Exception:  # noqa: BLE001 - an annotation we cannot resolve: no check
+        return None
+    found = [a for a in (typing.get_args(annotation) or (annotation,))
+             if isinstance(a, type) and issubclass(a, ModelOutput) and dataclasses.is_dataclass(a)]
+    if len(found) != 1:
+        return None
+    return found[0].__name__, [f.name for f in dataclasses.fields(found[0])]
+

@@ -1005,16 +1005,20 @@ def _checked_report_fields(name: str, fields: Any) -> dict[str, Any]:
 
 
 def checked_merge(plan: MergePlan, output_dtype: Any, merged: Mapping[str, Any], allowed: Sequence[str],
-                  bad: Callable[[str], MergeQPError], scope: str, cast: bool = True) -> dict[str, Any]:
+                  bad: Callable[[str], MergeQPError], scope: str, cast: bool = True,
+                  live: Any = None) -> dict[str, Any]:
     """``merged`` (a user's entry's ``{checkpoint key: tensor}``) checked: each key one of ``allowed``
     (``scope`` says which those are), each value a tensor with the base's shape, floating point where
-    the base's is; with ``cast``, cast to the base tensor's dtype unless ``output_dtype`` is set (a start
-    candidate's tensors are not: loading them casts, and so does the writer). ``bad(why)`` is the error
-    naming the entry."""
+    the base's is, dense; with ``cast``, cast to the base tensor's dtype unless ``output_dtype`` is set;
+    without, copied as they are (a start candidate's tensors: loading them casts, and so does the
+    writer), and copied where they share memory with the module ``live`` (its parameters or buffers).
+    ``bad(why)`` is the error naming the entry."""
     import torch  # optional heavy dependency: the merge runs on torch
 
     allowed_set = set(allowed)
     base = plan.base
+    shared = set() if live is None else {t.untyped_storage().data_ptr()
+                                         for t in (*live.parameters(), *live.buffers()) if not t.is_meta}
     out: dict[str, Any] = {}
     for key, tensor in merged.items():
         if key not in allowed_set:
@@ -1022,6 +1026,9 @@ def checked_merge(plan: MergePlan, output_dtype: Any, merged: Mapping[str, Any],
             raise bad(f"returned {key!r}: {where}; the tensors it may set: {listing(sorted(allowed_set), 6)}")
         if not isinstance(tensor, torch.Tensor):
             raise bad(f"returned {type(tensor).__name__} for {key!r}, not a tensor")
+        if tensor.is_meta or tensor.layout != torch.strided:
+            raise bad(f"returned {key!r} as a {'meta' if tensor.is_meta else str(tensor.layout)} tensor, not one "
+                      f"holding values (a dense tensor)")
         info = base.info(key)
         if tuple(tensor.shape) != tuple(info.shape):
             raise bad(f"returned {key!r} of shape {tuple(tensor.shape)}, the base's is {tuple(info.shape)}")
@@ -1031,7 +1038,13 @@ def checked_merge(plan: MergePlan, output_dtype: Any, merged: Mapping[str, Any],
             raise bad(f"returned {key!r} as {tensor.dtype}, not a floating-point tensor")
         if not base_float and tensor.dtype != like:  # (an integer buffer: the base's own, as it is)
             raise bad(f"returned {key!r} as {tensor.dtype}, the base stores it as {info.dtype}")
-        keep = not cast or output_dtype is not None or not base_float
+        if not cast:  # a tensor that shares memory with the live model (its own parameters) would change
+            # under the candidates fitted and scored after it: copied (stop 58 review: the winner's stored
+            # tensors became another candidate's, 5,780 against the 377 it was scored at)
+            aliased = tensor.untyped_storage().data_ptr() in shared
+            out[key] = tensor.detach().clone() if aliased else tensor.detach()
+            continue
+        keep = output_dtype is not None or not base_float
         out[key] = tensor.detach() if keep else tensor.detach().to(like)
     return out
 
@@ -1163,7 +1176,8 @@ class _AutoStart:
             # the tensors a candidate may change (the others stay the base's in every candidate's scoring)
             return checked_merge(self.run.plan, self.run.cfg.output_dtype, tensors, self.reset_keys,
                                  lambda why: MergeMethodError(f"{what} {why}"),
-                                 "the tensors some fine-tune changed and the selected layers", cast=False)
+                                 "the tensors some fine-tune changed and the selected layers", cast=False,
+                                 live=ctx.model)
         if cand.name == QP_CANDIDATE:
             return self.qp(ctx, cand, fit)
         collector = self.collectors[cand.key][split]

@@ -36,7 +36,8 @@ from .auto import (
     too_few_batches,
 )
 from .checkpoints import (aligned_checkpoints, changed_keys, check_architectures, check_decoder_inputs,
-                          check_tokenizers, has_tokenizer, same_stored_value, skeleton, stored_names)
+                          check_tokenizers, has_tokenizer, output_fields, same_stored_value, skeleton,
+                          stored_names)
 from .schema import MergeConfig, check_paths, qp_candidate_block
 from ..constraints import as_constraint_set, check_feasible, layer_constraint, layer_context, parse_constraint
 from ..errors import ConfigError, MergeQPError, ValidationError, unknown
@@ -220,9 +221,14 @@ class MergePlan:
         """The fewest numbers one token compares in the statistics, unsketched: of the folded (where the
         head folds) and the unfolded outputs, the fewer (a lower bound a candidate's skip can count
         on: the run decides the fold at its first batch)."""
+        width = _compared_width(self)
+        if width is None:  # (what the plan cannot count: one, a lower bound)
+            return 1
         spec = replace(self.output_spec(), sketch=None)
         hidden, folds = _hidden_and_folds(self, spec)
-        return min(_design_outputs(spec, f, 1, self.per_position, hidden) for f in {folds, False})
+        # (stop 58 review: a sequence classifier's 3 labels were counted as the vocabulary, 46, and an
+        # output_space candidate that fits was skipped)
+        return min(_design_outputs(spec, f, 1, width[0], hidden) for f in {folds, False})
 
     @functools.cached_property
     def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
@@ -644,6 +650,25 @@ def evaluates_baseline(cfg: MergeConfig) -> bool:
     return not cfg.method.is_qp and cfg.evaluate and all(m.prompts() is not None for m in cfg.models)
 
 
+def _check_output_field(cfg: MergeConfig, model: Any) -> None:
+    """``output.field`` is one the model's output class declares, where the run compares outputs (the
+    QP, an evaluated baseline, a model method) and the class is known (:func:`output_fields`). Stop 58
+    review: GPT-2's ``last_hidden_state`` and a headless BERT's ``logits`` passed the dry run, and the
+    run refused them at its first batch, after loading every model."""
+    if not (cfg.method.is_qp or evaluates_baseline(cfg) or model_method_of(cfg) is not None):
+        return
+    declared = output_fields(model)
+    if declared is None or cfg.output.field in declared[1]:
+        return
+    name, fields = declared
+    tensors = [f for f in fields if f not in ("loss", "past_key_values", "hidden_states", "attentions",
+                                              "cross_attentions")]
+    raise ConfigError(f"output.field {cfg.output.field!r}: {type(model).__name__} returns {name}, which has no such "
+                      f"field; it has {', '.join(tensors) or ', '.join(fields)} (a head model's outputs are its "
+                      f"head's: merge with the backbone's class in the folders' config.json 'architectures' to "
+                      f"compare its hidden states)")
+
+
 def uses_prompts(cfg: MergeConfig) -> bool:
     """The run reads the calibration prompts: the QP, a method with calibration statistics, an
     evaluated baseline, a model method (:mod:`.model_methods`: e.g. ``output_space`` linearises its
@@ -996,6 +1021,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if not all_sites:
         _no_sites(base, base_path, model)
     sites, extra = _select(cfg, all_sites, list(base.names()), shared_linear_layers(model))
+    _check_output_field(cfg, model)  # (after the layers: a config without architectures is named first)
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
         entry_call(model_method, "check_sites", model_method.check_sites, sites)
@@ -1076,9 +1102,9 @@ class StatisticsWork:
     every prompt at the longest length: forming H from ``rows`` (prompts x ``outputs`` compared
     outputs each) of ``n`` coefficients, ``rows x n^2`` (``work``), and the derivative passes that give
     those rows (``derivatives``: :func:`derivative_work`; ``None`` where the plan cannot count them).
-    An estimate, not a bound: a FLOP counter on tiny Llama / GPT-2 / BERT models measured 1.1-1.5x
-    ``total`` (attention's own products and the primal passes of vectorised JVPs are not counted;
-    ``tests/run/test_statistics_cost.py``)."""
+    An estimate, not a bound: a FLOP counter on tiny Llama / GPT-2 / BERT / Mixtral models measured
+    0.8-1.7x ``total`` (attention's own products and the primal passes of vectorised JVPs are not
+    counted; ``tests/run/test_statistics_cost.py``)."""
 
     prompts: int
     outputs: int
@@ -1094,9 +1120,17 @@ class StatisticsWork:
         return float(self.rows) * self.n * self.n
 
     @property
+    def energy(self) -> float:
+        """The energy fractions' per-prompt Gram and its eigendecomposition (``m^2 M + m^3`` per prompt,
+        ``m``, ``M`` the smaller and larger of the outputs and ``n``; stop 58 review: as large as H's
+        formation on small models, and not counted)."""
+        m, M = min(self.outputs, self.n), max(self.outputs, self.n)
+        return float(self.prompts) * (m * m * M + m ** 3)
+
+    @property
     def total(self) -> float:
-        """H's formation and the derivative passes together."""
-        return self.work + (self.derivatives or 0.0)
+        """H's formation, the energies and the derivative passes together."""
+        return self.work + self.energy + (self.derivatives or 0.0)
 
 
 def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | None:
@@ -1155,6 +1189,7 @@ def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
         return None
     layers = plan.matmul_layers
     order = {name: i for i, (name, _, _) in enumerate(layers)}
+    hidden = _hidden_and_folds(plan, plan.output_spec())[0]
     model_madds = sum(madds for _, madds, _ in layers)
     cfg = plan.config
     K = len(cfg.models)
@@ -1176,6 +1211,8 @@ def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
             # last down_proj, with nothing after it, was 3.6x under without it)
             own = K * site.r * site.m1 + (outputs * K * site.r if reverse else 0)
             work += float(tokens) * (passes * after + model_madds + own)
+            if folds:  # each pass's hidden states through the folded head's projection (hidden x its width)
+                work += float(plan.batch_prompts) * passes * outputs * hidden
         best = max(best, work)
     return best
 
@@ -1244,7 +1281,7 @@ def _cost_parts(cost: StatisticsWork) -> str:
     derivatives = ("" if cost.derivatives is None else
                    f" and {cost.derivatives:.2g} in the derivative passes from each site to the compared output")
     return (f"{cost.work:.2g} to form H from {cost.rows:,} rows ({cost.prompts} prompts x {cost.outputs:,} compared "
-            f"outputs) of n = {cost.n:,} coefficients{derivatives}")
+            f"outputs) of n = {cost.n:,} coefficients, {cost.energy:.2g} for the energy fractions{derivatives}")
 
 
 #: what reviews measured the statistics to take per batch on 2 CPU cores (SmolLM2-135M, 8 prompts of up

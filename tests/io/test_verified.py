@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import mergeqp.io.writer as writer  # noqa: E402
 import mergeqp.run.pipeline as pipeline  # noqa: E402
-import mergeqp.run.checkpoints as plan_mod  # noqa: E402
+import mergeqp.run.checkpoints as checkpoints_mod  # noqa: E402
 from mergeqp.errors import BadDataError, ConfigError  # noqa: E402
 from mergeqp.io import verified  # noqa: E402
 from mergeqp.io.checkpoint import open_checkpoint  # noqa: E402
@@ -107,21 +107,21 @@ def test_recent_files_are_never_remembered(fam, counted, monkeypatch):
 
 def test_tokenizers_are_compared_once_until_a_file_changes(fam, monkeypatch):
     loads: list[str] = []
-    real = plan_mod.load_tokenizer
+    real = checkpoints_mod.load_tokenizer
 
     def counting(folder):
         loads.append(str(folder))
         return real(folder)
 
-    monkeypatch.setattr(plan_mod, "load_tokenizer", counting)
+    monkeypatch.setattr(checkpoints_mod, "load_tokenizer", counting)
     ft = fam.finetuned[0]
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (ft / name).write_text((fam.base / name).read_text().replace("{", "{\n", 1))  # other bytes, same tokenizer
-    plan_mod.check_tokenizers(fam.base, [("ft", ft)])
+    checkpoints_mod.check_tokenizers(fam.base, [("ft", ft)])
     assert len(loads) == 2  # the base's and the fine-tune's
-    plan_mod.check_tokenizers(fam.base, [("ft", ft)])
+    checkpoints_mod.check_tokenizers(fam.base, [("ft", ft)])
     assert len(loads) == 2
     vocab = ft / "tokenizer.json"
     vocab.write_text(vocab.read_text().replace('"lemma"', '"lemmas"'))
     with pytest.raises(ConfigError, match="tokenizer mismatch"):
-        plan_mod.check_tokenizers(fam.base, [("ft", ft)])
+        checkpoints_mod.check_tokenizers(fam.base, [("ft", ft)])

@@ -341,7 +341,8 @@ def test_a_start_fit_that_raises_is_named(llama, tmp_path, registered):
     ("transposed", r"returned '[\w.]+' of shape \([\d, ]+\), the base's is"),
     ("numpy", r"returned ndarray for .*, not a tensor"),
     ("none", r"returned NoneType, not a dict of tensors"),
-    ("integer", r"returned '[\w.]+' as torch.int64, not a floating-point tensor")])
+    ("integer", r"returned '[\w.]+' as torch.int64, not a floating-point tensor"),
+    ("meta", r"returned '[\w.]+' as a meta tensor, not one holding values")])
 def test_what_a_start_fit_returns_is_checked(llama, tmp_path, registered, returned, match):
     """(stop 58 review) Nothing checked a user's fit: a tensor outside the changed ones stayed in the
     live model (the candidates scored after it were scored on it, 7360 against 240) and was written;
@@ -361,6 +362,8 @@ def test_what_a_start_fit_returns_is_checked(llama, tmp_path, registered, return
             return {**soup, key: soup[key].numpy()}
         if returned == "integer":
             return {**soup, key: soup[key].long()}
+        if returned == "meta":
+            return {**soup, key: soup[key].to("meta")}
         return None
 
     registered(dataclasses.replace(FIRST_STEP, name="bad_fit", start=StartFit(fit=fit)))
@@ -411,3 +414,40 @@ def test_the_run_skips_what_the_plan_says_it_skips(llama, tmp_path, registered):
     registered(dataclasses.replace(FIRST_STEP, name="int_skip", start=StartFit(fit=fit, skip=lambda pl, p, a: 42)))
     with pytest.raises(ConfigError, match=r"start.skip\(plan, parsed, auto\) must return a reason"):
         build_plan(_auto_cfg(llama, tmp_path, ["soup", "int_skip"], name="intskip"))
+
+
+def test_a_start_fit_may_return_the_live_models_own_tensors(llama, tmp_path, registered):
+    """(stop 58 review) A fit that wrote its merge into the live model and returned those parameters
+    had its stored tensors overwritten by the candidates fitted after it: the report named it the
+    start (scored 240) and the run started from another candidate's weights (5,780). Tensors that
+    share memory with the live model are copied: the merge equals that of the same fit returning
+    copies."""
+    import torch
+    from safetensors.torch import load_file
+
+    from mergeqp.run.model_method import StartFit
+
+    def fit(ctx, scale, tasks, copy=False):
+        soup = ctx.merge("soup", {})
+        params = dict(ctx.model.named_parameters())
+        out = {}
+        with torch.no_grad():
+            for key, tensor in soup.items():
+                name = key if key in params else None
+                if name is None:
+                    out[key] = tensor
+                    continue
+                params[name].copy_(tensor)
+                out[key] = params[name].detach().clone() if copy else params[name]
+        return out
+
+    written = {}
+    for name, copy in (("aliased_fit", False), ("copied_fit", True)):
+        registered(dataclasses.replace(FIRST_STEP, name=name,
+                                       start=StartFit(fit=lambda c, p, t, copy=copy: fit(c, p, t, copy))))
+        cfg = _auto_cfg(llama, tmp_path, [name, {"name": "task_arithmetic", "params": {"scaling": 3.0}}], name=name)
+        result = run_merge(cfg, tmp_path / name, progress=False)
+        assert result.report["start_selection"]["chosen"] == name
+        written[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    for key, tensor in written["copied_fit"].items():
+        assert torch.equal(written["aliased_fit"][key], tensor), key

@@ -145,3 +145,26 @@ def test_the_plan_says_what_a_batchs_statistics_cost_when_they_are_large(tiny_hf
     (note,) = [n for n in plan.notes if "statistics cost" in n]
     n = plan.groups[0].n_variables
     assert f"of n = {n:,} coefficients" in note and "output: {sketch: auto}" in note
+
+
+def test_an_output_field_the_model_does_not_return_is_refused_by_the_plan(tiny_hf, tmp_path):
+    """(stop 58 review) GPT-2's `last_hidden_state` passed the dry run and the run refused it at its
+    first batch, after loading every model: the plan reads the output class the model's forward
+    declares and names its fields; a field it declares passes."""
+    from mergeqp.config import load_config
+    from mergeqp.run.plan import build_plan
+
+    fam = tiny_hf.make_family(tmp_path / "gpt2", "gpt2", K=2, scale=0.3, n_prompts=6)
+    layer = tiny_hf.MLP_LAYER["gpt2"]
+    cfg = load_config(fam.write_config(tmp_path / "c.yml", [layer], {"name": "qp", "mode": "single"},
+                                       output={"field": "last_hidden_state"}))
+    with pytest.raises(ConfigError, match=r"output.field 'last_hidden_state': GPT2LMHeadModel returns "
+                                          r"CausalLMOutputWithCrossAttentions, which has no such field; it has logits"):
+        build_plan(cfg)
+    ok = load_config(fam.write_config(tmp_path / "d.yml", [layer], {"name": "qp", "mode": "single"},
+                                      output={"field": "logits"}))
+    assert build_plan(ok).config.output.field == "logits"
+    # a baseline that is not evaluated compares no outputs: no check
+    plain = load_config(fam.write_config(tmp_path / "e.yml", [layer], {"name": "ties"}, evaluate=False,
+                                         output={"field": "last_hidden_state"}))
+    build_plan(plain)

@@ -121,11 +121,12 @@ def test_the_run_decides_again_on_the_layers_it_merges(fam, tmp_path, monkeypatc
     assert any("left so (not merged, no coefficients): model.layers.0.mlp.down_proj" in n for n in report["notes"])
 
 
-@pytest.mark.parametrize("output", [{"field": "last_hidden_state", "pool": "mean"}, {"pool": "mean"}])
+@pytest.mark.parametrize("output", [{"pool": "mean"}])
 def test_outputs_the_plan_cannot_count_stay_exact(fam, tmp_path, monkeypatch, output):
     """(stop 57 review) A pooled output or another field than the logits: the plan's count (the
     vocabulary per position) is not the output's width, and a sketch wider than the output was
-    chosen; auto keeps such statistics exact, and says how to sketch them."""
+    chosen; auto keeps such statistics exact, and says how to sketch them. (Until stop 58 also with
+    `field: last_hidden_state`, which a causal LM does not return: the plan now refuses that field.)"""
     monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
     monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
     plan = plan_module.build_plan(load_config(fam.write_config(tmp_path / "p.yml", LAYER, METHOD,

@@ -27,7 +27,7 @@ def test_the_plans_count_agrees_with_a_flop_counter(tiny_hf, tmp_path, monkeypat
     """The multiply-adds of one batch's statistics as counted by the plan (H's formation and the
     derivative passes, every prompt at the longest length) against what torch's FlopCounterMode counts
     (matrix products, 2 FLOPs per multiply-add) around the run's `collect_first_order` (one batch per
-    task here): within 2x either way. Measured 1.1-1.5x above the plan (attention's own products and
+    task here): within 2x either way. Measured 0.8-1.7x the plan (attention's own products and
     the primal passes of vectorised JVPs are not in its count). Reverse mode on all logits costs one
     VJP per compared output, several times forward mode's count: the plan sees that difference."""
     from torch.utils.flop_counter import FlopCounterMode

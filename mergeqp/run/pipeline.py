@@ -1010,8 +1010,8 @@ def checked_merge(plan: MergePlan, output_dtype: Any, merged: Mapping[str, Any],
     """``merged`` (a user's entry's ``{checkpoint key: tensor}``) checked: each key one of ``allowed``
     (``scope`` says which those are), each value a tensor with the base's shape, floating point where
     the base's is, dense; with ``cast``, cast to the base tensor's dtype unless ``output_dtype`` is set;
-    without, copied as they are (a start candidate's tensors: loading them casts, and so does the
-    writer), and copied where they share memory with the module ``live`` (its parameters or buffers).
+    without, kept in their dtype (a start candidate's tensors: loading them casts, and so does the
+    writer) and copied where they share memory with the module ``live`` (its parameters or buffers).
     ``bad(why)`` is the error naming the entry."""
     import torch  # optional heavy dependency: the merge runs on torch
 
@@ -1218,7 +1218,6 @@ class _AutoStart:
             like = {k: run.plan.base.get(k) for k in site.keys}
             tensors.update(stored_tensors(site, read_augmented(ctx.model, site), like))
         return tensors
-
 
 
 @dataclasses.dataclass

@@ -1176,15 +1176,16 @@ def _compared_width(plan: MergePlan) -> tuple[int, bool] | None:
 
 def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
     """Multiply-adds of one calibration batch's derivative passes for the plan's costliest QP, every
-    prompt at the longest length: at each site of the QP, in the mode the run takes there (:func:`choose_mode`), ``outputs``
-    VJPs (reverse) or ``K x atoms`` JVPs (forward), each through the linear layers between the site and
-    the compared output (the backbone's where the head ``folds``), for every prompt and position, plus
-    one forward pass of the model per site and the site's own products (the models' changes applied to
-    its input; in reverse mode the Jacobian's contraction with them). Counts ``nn.Linear`` / ``Conv1D`` weights after the site in
-    the model's module order (its blocks and head: an approximation of what lies downstream; every
-    expert of a mixture counts, attention's own products do not). ``None`` without a skeleton. (Stop
-    57: the README's merge of four ``down_proj`` spent 214 s per trust-region step in these passes,
-    while H's formation, the one cost the plan counted, was a tenth of its note's threshold.)"""
+    prompt at the longest length: at each site of the QP, in the mode the run takes there
+    (:func:`choose_mode`), ``outputs`` VJPs (reverse) or ``K x atoms`` JVPs (forward), each through
+    the matrix products after the site in the model's module order (:attr:`MergePlan.matmul_layers`;
+    the backbone's where the head ``folds``, plus the fold's projection), for every prompt and
+    position, plus one forward pass of the model per site and the site's own products (the models'
+    changes applied to its input; in reverse mode the Jacobian's contraction with them). Module order
+    approximates what lies downstream; attention's own products are not counted. ``None`` without a
+    skeleton. (Stop 57: the README's merge of four ``down_proj`` spent 214 s per trust-region step in
+    these passes, while H's formation, the one cost the plan counted, was a tenth of its note's
+    threshold.)"""
     if plan.skeleton is None or not plan.groups:
         return None
     layers = plan.matmul_layers

@@ -88,12 +88,13 @@ def check_params(name: str, params: Mapping[str, Any], where: str) -> None:
         raise ConfigError(f"{where}.params: {exc}") from None
 
 
-def _parse_with_placeholders(method: MergeMethod, params: Mapping[str, Any]) -> Any:
-    """``method.parse`` of a config's ``params``, with stand-ins for the model and calibration data
-    that the pipeline supplies to a method with statistics (a config cannot give them)."""
+def _parse_with_placeholders(method: MergeMethod, params: Mapping[str, Any], model: Any = None) -> Any:
+    """``method.parse`` of a config's ``params``, with stand-ins for the model (``model``, else any
+    object) and calibration data that the pipeline supplies to a method with statistics (a config
+    cannot give them)."""
     supplied = method.statistics.supplied if method.statistics is not None else ()
-    placeholder = {k: v for k, v in {"model": object(), "calibration": []}.items() if k in supplied}
-    return method.parse({**params, **placeholder})
+    stand_ins = {"model": object() if model is None else model, "calibration": []}
+    return method.parse({**params, **{k: v for k, v in stand_ins.items() if k in supplied}})
 
 
 def config_params(name: str) -> list[str]:
@@ -208,8 +209,7 @@ class StatisticsCollector:
         self.spec = _spec(method)
         self.name = name
         self.params = dict(params)
-        placeholder = {k: v for k, v in {"model": skeleton, "calibration": []}.items() if k in self.spec.supplied}
-        self.parsed = method.parse({**self.params, **placeholder})
+        self.parsed = _parse_with_placeholders(method, self.params, skeleton)
         self.skeleton = skeleton
         self.keys = list(keys)
         self.batch_size = batch_size

@@ -150,8 +150,7 @@ class OutputBasisStats:
             except Exception as exc:  # noqa: BLE001 - a user's builder: named, one line
                 raise ValidationError(f"{where} failed: {type(exc).__name__}: {first_line(exc)}") from exc
             if not isinstance(made, Basis) or made.Q.shape != (self.r, p):
-                raise ValidationError(f"basis builder {getattr(build, '__name__', build)!r} at layer {self.site!r} "
-                                      f"returned {type(made).__name__}"
+                raise ValidationError(f"{where} returned {type(made).__name__}"
                                       f"{'' if not isinstance(made, Basis) else f' of shape {made.Q.shape}'}, "
                                       f"not a Basis of shape ({self.r}, {p})")
             return Basis(made.Q, name=made.name,

@@ -360,7 +360,7 @@ def statistics_candidates(params: AutoStartParams, statistics_of: Callable[[str]
 
 def candidate_notes(params: AutoStartParams, skipped: Mapping[str, str] | None = None) -> list[str]:
     """The plan's description of the selection (``skipped``: the candidates the run skips before any
-    work, :func:`mergeqp.run.plan.planned_skips`)."""
+    work, ``MergePlan.start_skips``)."""
     how = (f"{params.folds}-fold: each calibration batch scored by the candidate fitted without its fold, the "
            f"chosen one refitted on every batch" if params.folds > 1 else
            f"on the last {params.holdout:g} of each task's calibration batches (fitted on the others)")

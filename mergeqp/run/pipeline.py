@@ -96,7 +96,6 @@ from .plan import (
     check_config_object,
     evaluates_baseline,
     keeps_base_outside,
-    planned_skips,
     start_outside,
     statistics_method,
     without_unchanged,
@@ -1074,7 +1073,7 @@ class _AutoStart:
         fits, self.held_out_index = held_out_fit(params, self.mode_holdout)
         # what the plan says the run skips (lazy: true's default Fisher, a model method that fits outputs
         # under a data metric or whose entry's skip gives a reason): skipped before any statistics
-        self.skipped = planned_skips(run.plan, params)
+        self.skipped = dict(run.plan.start_skips)  # (a copy: candidates skipped at run time join it)
         self.collectors = {c.key: [statistics_collector(run.plan, c.name, c.params, self.floats, run.say)
                                    for _ in range(fits)]
                            for c in statistics_candidates(params, statistics_of, self.skipped, start_statistics)}

@@ -231,6 +231,17 @@ class MergePlan:
         return min(_design_outputs(spec, f, 1, width[0], hidden) for f in {folds, False})
 
     @functools.cached_property
+    def start_skips(self) -> dict[str, str]:
+        """:func:`planned_skips` of the config's ``start: auto`` (``{}`` without one), worked out once per
+        plan: the dry run, the memory estimate and the run read it (a user's ``start.skip`` ran two or
+        three times per run before; :func:`without_unchanged` makes a new plan, which asks again)."""
+        m = self.config.method
+        if not (m.is_qp and is_auto_start(m.start)):
+            return {}
+        assert m.start is not None
+        return planned_skips(self, parse_auto_params(m.start.params))
+
+    @functools.cached_property
     def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
         """The skeleton's matrix products in module order: ``(name, multiply-adds per token, inside the
         backbone)``: every 2-D ``weight`` but an embedding's (``nn.Linear``'s ``in x out``, GPT-2's
@@ -355,7 +366,7 @@ class MergePlan:
                          + (f" toward {self.mode.regularises_toward or m.reference}" if m.regularisation else ""))
             if is_auto_start(m.start):
                 auto = parse_auto_params(m.start.params)
-                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, planned_skips(self, auto)))
+                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, self.start_skips))
             elif m.start is not None:
                 lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
                 spec = statistics_of(m.start.name)
@@ -1145,7 +1156,7 @@ def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | Non
     per, per_prompt = width
     outputs = _design_outputs(spec, folds, 1 if per_prompt else plan.batch_length, per, hidden)
     return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups),
-                          derivative_work(plan, outputs, folds))
+                          derivative_work(plan, outputs, folds, hidden))
 
 
 def _compared_width(plan: MergePlan) -> tuple[int, bool] | None:
@@ -1174,12 +1185,13 @@ def _compared_width(plan: MergePlan) -> tuple[int, bool] | None:
     return None
 
 
-def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
+def derivative_work(plan: MergePlan, outputs: int, folds: bool, hidden: int) -> float | None:
     """Multiply-adds of one calibration batch's derivative passes for the plan's costliest QP, every
     prompt at the longest length: at each site of the QP, in the mode the run takes there
     (:func:`choose_mode`), ``outputs`` VJPs (reverse) or ``K x atoms`` JVPs (forward), each through
     the matrix products after the site in the model's module order (:attr:`MergePlan.matmul_layers`;
-    the backbone's where the head ``folds``, plus the fold's projection), for every prompt and
+    the backbone's where the head ``folds``, plus the fold's projection from the final ``hidden``
+    width), for every prompt and
     position, plus one forward pass of the model per site and the site's own products (the models'
     changes applied to its input; in reverse mode the Jacobian's contraction with them). Module order
     approximates what lies downstream; attention's own products are not counted. ``None`` without a
@@ -1190,7 +1202,6 @@ def derivative_work(plan: MergePlan, outputs: int, folds: bool) -> float | None:
         return None
     layers = plan.matmul_layers
     order = {name: i for i, (name, _, _) in enumerate(layers)}
-    hidden = _hidden_and_folds(plan, plan.output_spec())[0]
     model_madds = sum(madds for _, madds, _ in layers)
     cfg = plan.config
     K = len(cfg.models)
@@ -1527,8 +1538,7 @@ def estimate_memory(plan: MergePlan) -> dict[str, int]:
         fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
         out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
             (2 if held_fit is None else 3) * plan.base.total_bytes)
-        skipped = planned_skips(plan, auto)
-        for need in statistics_candidates(auto, statistics_of, skipped, start_statistics):
+        for need in statistics_candidates(auto, statistics_of, plan.start_skips, start_statistics):
             label = (f"{need.label} statistics ({fits} fit(s), if every tensor differs from the base: the run "
                      f"collects them for those that do)")
             out[label] = fits * _statistics_bytes(plan, need.name, plan.float_keys())

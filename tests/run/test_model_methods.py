@@ -451,3 +451,25 @@ def test_a_start_fit_may_return_the_live_models_own_tensors(llama, tmp_path, reg
         written[name] = load_file(str(tmp_path / name / "model.safetensors"))
     for key, tensor in written["copied_fit"].items():
         assert torch.equal(written["aliased_fit"][key], tensor), key
+
+
+def test_a_start_skip_is_asked_once_per_plan(llama, tmp_path, registered):
+    """(stop 58 review) A user's `start.skip` ran two or three times per run (the memory estimate, the
+    dry run's text, the run): the plan works the skips out once (`MergePlan.start_skips`) and the
+    dry run, the estimate and the run read them."""
+    from mergeqp.run.model_method import StartFit
+
+    calls = []
+
+    def skip(plan, parsed, auto):
+        calls.append(1)
+        return None
+
+    registered(dataclasses.replace(FIRST_STEP, name="counted_skip",
+                                   start=StartFit(fit=lambda ctx, p, tasks: ctx.merge("soup", {}), skip=skip)))
+    cfg = _auto_cfg(llama, tmp_path, ["soup", "counted_skip"], name="counted")
+    plan = build_plan(cfg)
+    plan.render()
+    assert len(calls) == 1
+    run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
+    assert len(calls) == 1  # (every selected layer changed: the run's plan is this one)

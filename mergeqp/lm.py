@@ -72,13 +72,9 @@ from typing import Any
 
 from .errors import BadDataError, ValidationError
 from .io.calibration import Batch
+from .output_metrics import POOLS, OutputMetric, kl_whiten, output_metric
 
 RESTRICTIONS = ("none", "topk", "projection")
-METRICS = ("euclidean", "kl", "cross_entropy")
-#: metrics scored against the prompts' own next tokens, not against a fine-tune's output: their
-#: quadratic model is the Gauss-Newton expansion at the current model (:class:`CrossEntropyExpansion`)
-DATA_METRICS = ("cross_entropy",)
-POOLS = ("none", "mean")
 
 
 #: entries of one batch's sketch matrices (``prompts x s x outputs``) at most (:meth:`OutputSpec.sketch_matrix`)
@@ -124,16 +120,13 @@ class OutputSpec:
                 raise ValidationError(f"an output matrix is a projection: restrict projection, not {self.restrict!r}")
             if self.k is not None and int(self.k) != m.shape[1]:
                 raise ValidationError(f"output k={self.k} but the output matrix has {m.shape[1]} columns")
-            if self.metric != "euclidean":
-                raise ValidationError(f"an output matrix takes the euclidean metric, not {self.metric!r}")
             object.__setattr__(self, "matrix", m)
             object.__setattr__(self, "k", int(m.shape[1]))
         if self.restrict not in RESTRICTIONS:
             raise ValidationError(f"output restriction {self.restrict!r}; valid: {', '.join(RESTRICTIONS)}")
         if self.restrict != "none" and (self.k is None or self.k < 1):
             raise ValidationError(f"output restriction {self.restrict!r} needs k >= 1")
-        if self.metric not in METRICS:
-            raise ValidationError(f"output metric {self.metric!r}; valid: {', '.join(METRICS)}")
+        metric = output_metric(self.metric)
         if self.fold_head not in (None, True, False):
             raise ValidationError(f"output fold_head {self.fold_head!r}; valid: auto (None), true, false")
         if self.sketch is not None and (isinstance(self.sketch, bool) or not isinstance(self.sketch, int)
@@ -141,22 +134,9 @@ class OutputSpec:
             raise ValidationError(f"output sketch {self.sketch!r}: a number of outputs per sample >= 1, or None")
         if self.pool not in POOLS:
             raise ValidationError(f"output pool {self.pool!r}; valid: {', '.join(POOLS)}")
-        if self.pool != "none" and self.metric not in ("euclidean", *DATA_METRICS):
-            raise ValidationError(f"output pool {self.pool!r} needs the euclidean metric (the {self.metric} metric "
-                                  f"compares each position's distribution, which a mean over positions is not) or "
-                                  f"cross_entropy (a classification through each task's head)")
-        if self.metric in DATA_METRICS and self.pool != "none":  # classification: class logits from a head
-            if self.restrict != "none":
-                raise ValidationError(f"output metric {self.metric!r} with pool {self.pool!r} (class labels through "
-                                      f"each task's head) takes restrict none, not {self.restrict!r}")
-        elif self.metric in DATA_METRICS:
-            if self.field != "logits":
-                raise ValidationError(f"output metric {self.metric!r} without pool scores next-token logits; the "
-                                      f"compared field is {self.field!r} (to score class labels through each "
-                                      f"task's head on it, add pool: mean)")
-            if self.restrict == "projection":
-                raise ValidationError(f"output metric {self.metric!r} takes restrict none (every token) or topk "
-                                      f"(the model's top k and the rest as one), not projection")
+        problem = metric.problem(self.field, self.restrict, self.pool, self.matrix is not None)
+        if problem is not None:
+            raise ValidationError(problem)
 
     def sketch_matrix(self, batch: int, outputs: int, key: tuple[int, ...], dtype: Any, device: Any) -> Any:
         """The per-sample sketches ``S`` (``(batch, s, outputs)``, entries ``N(0, 1/s)``, so
@@ -186,22 +166,27 @@ class OutputSpec:
             return f"the compared output is {self.field!r}, not logits"
         if self.pool != "none":
             return f"the output is pooled ({self.pool}) over positions"
-        if self.metric in ("kl", *DATA_METRICS) and self.restrict != "topk":
+        if not self.output_metric.plain and self.restrict != "topk":
             return (f"the {self.metric} metric with restrict {self.restrict!r} has a vocabulary-size metric "
                     f"W'(diag p - p p')W per position (fold it with restrict: topk)")
         return None
 
     @property
+    def output_metric(self) -> OutputMetric:
+        """The registered entry of ``metric`` (:mod:`mergeqp.output_metrics`)."""
+        return output_metric(self.metric)
+
+    @property
     def scores_data(self) -> bool:
-        """The objective scores the prompts' own next tokens or class labels (:data:`DATA_METRICS`),
-        not a fine-tune."""
-        return self.metric in DATA_METRICS
+        """The objective scores the prompts' own next tokens or class labels (a data metric:
+        ``cross_entropy``), not a fine-tune."""
+        return self.output_metric.scores_data
 
     @property
     def classifies(self) -> bool:
         """The objective scores class labels through each task's head on the pooled output
         (``cross_entropy`` with ``pool="mean"``), not next tokens."""
-        return self.metric in DATA_METRICS and self.pool != "none"
+        return self.output_metric.classifies(self.pool)
 
     def raw(self, model_output: Any) -> Any:
         """The compared tensor of a model's forward output (``(B, T, V)``, ``(B, C)``, ...)."""
@@ -245,41 +230,39 @@ class OutputSpec:
         return target_raw.topk(self.k, dim=-1).indices
 
     def target_probs(self, target_raw: Any, index: Any = None) -> Any:
-        """The target's distribution ``p`` (float64, ``(..., V)``; ``(..., k)`` renormalised over the
-        top-``k`` ``index`` for ``topk``) that the ``kl`` metric's map :func:`kl_whiten` uses."""
+        """A whitening metric's per-position ``distribution`` of the target (float64, ``(..., V)``;
+        ``(..., k)`` of the top-``k`` ``index`` for ``topk``; for ``kl`` its softmax, renormalised
+        over the top ``k``) that its map (:func:`kl_whiten` for ``kl``) uses; ``None`` for
+        another metric."""
         import torch
 
+        metric = self.output_metric
+        if metric.distribution is None:
+            return None
         logits = target_raw.gather(-1, index) if self.restrict == "topk" else target_raw
-        return torch.softmax(logits.to(torch.float64), dim=-1)
+        return metric.distribution(logits).to(torch.float64)
 
     def select(self, raw: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:
         """Restrict ``raw`` (last axis = vocabulary / features) and zero the masked positions.
 
-        For ``metric="kl"``, ``probs`` is the target's distribution (:meth:`target_probs`, on
-        ``raw``'s device) and ``raw`` is whitened by :func:`kl_whiten` (after a ``topk`` gather,
-        before a ``projection``)."""
-        if self.metric == "kl" and probs is None:
-            raise ValidationError("the kl output metric needs the target's distribution (probs)")
+        For a whitening metric (``kl``), ``probs`` is the target's distribution (:meth:`target_probs`,
+        on ``raw``'s device) and ``raw`` is whitened by the metric's map (:func:`kl_whiten` for ``kl``;
+        after a ``topk`` gather, before a ``projection``)."""
+        whiten = self.output_metric.whiten
+        if whiten is not None and probs is None:
+            raise ValidationError(f"the {self.metric} output metric needs the target's distribution (probs)")
         if self.restrict == "topk":
             if index is None:
                 raise ValidationError("topk restriction needs the target's indices")
             raw = raw.gather(-1, index)
-        if self.metric == "kl":
-            raw = kl_whiten(raw, probs)
+        if whiten is not None:
+            raw = whiten(raw, probs)
         if self.restrict == "projection":
             out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
         else:
             out = raw
         out = apply_mask(out, mask)
         return mean_pool(out, mask) if self.pool == "mean" else out
-
-
-def kl_whiten(x: Any, p: Any) -> Any:
-    """``F x = sqrt(p) * (x - (p'x) 1)`` along the last axis (``x``: logits ``(..., V)``; ``p``: a
-    distribution of the same shape), in ``x``'s dtype: ``||F x - F y||^2 = (x - y)' (diag(p) -
-    p p') (x - y)``, twice the second-order ``KL(p || softmax(x))`` at ``p = softmax(y)``."""
-    p = p.to(dtype=x.dtype)
-    return p.sqrt() * (x - (p * x).sum(dim=-1, keepdim=True))
 
 
 def apply_mask(out: Any, mask: Any) -> Any:
@@ -393,7 +376,7 @@ def keeps_head_targets(spec: OutputSpec, vocab: int, hidden: int) -> bool:
     """Whether :func:`teacher_forced_targets` keeps ``spec``'s targets as final hidden states
     (:class:`HeadTargets`) for a linear head of ``vocab`` outputs on ``hidden`` features, when its
     check passes: every logit compared, Euclidean, per position."""
-    return (spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+    return (spec.field == "logits" and spec.restrict == "none" and spec.output_metric.plain
             and spec.pool == "none" and vocab >= HEAD_TARGETS_MIN_RATIO * max(hidden, 1))
 
 
@@ -695,7 +678,7 @@ def teacher_forced_targets(model: Any, batches: Sequence[Batch], spec: OutputSpe
             raise BadDataError("the fine-tuned model produced non-finite outputs on the calibration prompts "
                                "(NaN or inf in its checkpoint, or an overflow in its dtype)")
         index = spec.topk_index(raw) if spec.restrict == "topk" else None
-        probs = spec.target_probs(raw, index) if spec.metric == "kl" else None
+        probs = spec.target_probs(raw, index)
         target = spec.select(raw, None if batch.mask is None else batch.mask.to(raw.device), index, probs)
         target = target.detach().to("cpu", torch.float64)
         tb = None
@@ -859,8 +842,9 @@ def _folded_squared_error(model: Any, batches: Sequence[TargetBatch], fold: Fold
             else:
                 rows = fold.weight.to(device)[index].to(f64)  # (B, T, k, H): the target's rows
                 out = torch.einsum("bth,btkh->btk", d, rows)
-                if fold.spec.metric == "kl":
-                    out = kl_whiten(out, probs.to(f64))
+                whiten = fold.spec.output_metric.whiten
+                if whiten is not None:
+                    out = whiten(out, probs.to(f64))
             out = apply_mask(out, mask)
             total += float((out * out).sum())
         entries += tb.entries
@@ -923,7 +907,7 @@ def teacher_forced_metrics(model: Any, batches: Sequence[TargetBatch], spec: Out
     equals :func:`teacher_forced_mse`."""
     import torch
 
-    distributions = (spec.field == "logits" and spec.restrict == "none" and spec.metric == "euclidean"
+    distributions = (spec.field == "logits" and spec.restrict == "none" and spec.output_metric.plain
                      and spec.pool == "none")
     total = kl = ce = 0.0
     entries = positions = predicted = 0
@@ -1182,8 +1166,9 @@ class FoldedHead:
         x = torch.einsum("bth,btkh->btk", n.to(rows.dtype), rows)
         if self.bias is not None:
             x = x + self.bias[index]
-        if self.spec.metric == "kl":
-            x = kl_whiten(x, probs)
+        whiten = self.spec.output_metric.whiten
+        if whiten is not None:
+            x = whiten(x, probs)
         return apply_mask(x, mask)
 
     def unfolded(self, n: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:

@@ -1,5 +1,5 @@
 """Importing users' own modules, so that what they register (constraint sets, solvers, parametrisations,
-bases, merge methods and modes, architectures, domains) is known before a command or a config uses it.
+bases, output metrics, merge methods and modes, architectures, domains) is known before a command or a config uses it.
 
 The ``mergeqp`` command imports ``$MERGEQP_IMPORT`` (comma-separated) and every ``--import`` before
 it runs; a merge config's ``imports:`` list is imported when the config is read, before any of its

@@ -20,6 +20,7 @@ from ..io.distributed import Ranks, agree_exit_code, launched, other_rank
 from ..io.memory import available_memory_bytes, human_bytes, memory_budget, memory_limit
 from ..io.writer import parse_size
 from ..merge.report import by_qp, format_number, jsonable
+from ..output_metrics import OUTPUT_METRICS
 from ..run import build_plan, run_merge
 from ..run.pipeline import check_groups_fit, resolve_device
 from ..run.plan import basis_pass_tangent, qp_site_memory
@@ -173,8 +174,8 @@ def _print_summary(result: Any) -> None:
         models = [("base", ev.base), *([("start", ev.start)] if ev.start is not None else []), ("merged", ev.merged)]
         print("  calibration objective: " + " -> ".join(f"{n} {m.calibration_objective:.6g}" for n, m in models))
         metric = ((result.report.get("plan") or {}).get("output") or {}).get("metric", "euclidean")
-        shown = {"cross_entropy": [("cross-entropy", "heldout_cross_entropy"), ("accuracy", "heldout_accuracy")],
-                 "kl": [("KL", "heldout_kl")]}.get(metric, [])
+        entry = OUTPUT_METRICS.get(metric)
+        shown = [] if entry is None else list(entry.heldout)
         # then the prompts' cross-entropy where it was measured (what language-model users compare,
         # also for a baseline or a Euclidean merge), and the MSE to the fine-tunes
         shown += [x for x in [("cross-entropy", "heldout_cross_entropy"), ("MSE", "heldout_mse")] if x not in shown]

@@ -52,6 +52,7 @@ from ..io.atomic import atomic_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
 from ..merge.modes import MERGE_MODES, TrustRegionMode
+from ..output_metrics import OUTPUT_METRICS
 from ..jsonutil import to_jsonable
 from ..run.auto import AUTO_MODE_OPTIONS
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
@@ -71,7 +72,8 @@ from .lm_report import write_lm_outputs
 #: default cache of the base model and the fine-tunes (``--cache`` / ``MERGEQP_CACHE`` override it)
 DEFAULT_CACHE = "~/.cache/mergeqp"
 QP_MODES = ("single", "sequential", "hybrid", "joint", "trust_region")
-OUTPUT_METRICS = ("euclidean", "kl", "cross_entropy")
+#: the output metrics a run compares by default (any registered one may be named: ``mergeqp.output_metrics``)
+DEFAULT_METRICS = ("euclidean", "kl", "cross_entropy")
 #: the product's recommended merge for causal language models (``docs/lm.md`` has the measurements
 #: behind it): ``method: auto`` (a trust region from the start with the lowest held-out calibration
 #: objective among the candidate merges, stopped early on those batches) on the calibration
@@ -161,7 +163,7 @@ class LmMergeSettings:
     and ``metric``)."""
 
     modes: tuple[str, ...] = QP_MODES
-    metrics: tuple[str, ...] = OUTPUT_METRICS
+    metrics: tuple[str, ...] = DEFAULT_METRICS
     runs: tuple[str, ...] | None = None
     parametrisation: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: {
         **{m: {"parametrisation": "scalar"} for m in QP_MODES},
@@ -200,7 +202,7 @@ class LmMergeSettings:
             mode, _, metric = label.partition(":")
             if mode not in MERGE_MODES or metric not in OUTPUT_METRICS:
                 raise ValidationError(f"runs: {label!r} is not 'mode:metric' with a mode of {modes} and a "
-                                      f"metric of {list(OUTPUT_METRICS)}")
+                                      f"registered metric ({', '.join(OUTPUT_METRICS)})")
             if mode not in self.parametrisation and label not in self.parametrisation:
                 raise ValidationError(f"parametrisation: no entry for run {label!r}")
             if metric not in self.outputs:

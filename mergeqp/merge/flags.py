@@ -11,6 +11,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..output_metrics import OUTPUT_METRICS
+
 
 def _finite(x: Any) -> float | None:
     try:
@@ -18,11 +20,6 @@ def _finite(x: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return v if math.isfinite(v) else None
-
-
-#: the held-out measure that judges a merge optimised for each output metric: ``(key, what)``
-_HELDOUT_OF_METRIC = {"cross_entropy": ("heldout_cross_entropy", "held-out cross-entropy is higher"),
-                      "kl": ("heldout_kl", "held-out KL divergence from the fine-tunes is higher")}
 
 
 def heldout_regression_notes(evaluation: Mapping[str, Any], metric: str = "euclidean") -> list[str]:
@@ -37,7 +34,8 @@ def heldout_regression_notes(evaluation: Mapping[str, Any], metric: str = "eucli
     no note."""
     base, merged = evaluation.get("base") or {}, evaluation.get("merged") or {}
     notes: list[str] = []
-    key_of_metric = _HELDOUT_OF_METRIC.get(metric)
+    entry = OUTPUT_METRICS.get(metric)  # its ``regression``: the held-out measure that judges its merges
+    key_of_metric = None if entry is None else entry.regression
     if base.get("heldout_accuracy") and merged.get("heldout_accuracy"):
         key, what, sign = "heldout_accuracy", "held-out accuracy is lower", -1.0
     elif key_of_metric is not None and base.get(key_of_metric[0]) and merged.get(key_of_metric[0]):

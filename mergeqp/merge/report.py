@@ -17,6 +17,7 @@ from typing import Any
 
 from ..formatting import format_number
 from ..jsonutil import to_jsonable
+from ..output_metrics import OUTPUT_METRICS
 
 
 def jsonable(x: Any) -> Any:
@@ -92,8 +93,9 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         if out.get("metric", "euclidean") != "euclidean":
             restrict += f", metric `{out['metric']}`"
         if out.get("pool", "none") != "none":
+            entry = OUTPUT_METRICS.get(out.get("metric", "euclidean"))
             restrict += f", pooled `{out['pool']}`" + (" (class labels through each model's head)"
-                                                      if out.get("metric") == "cross_entropy" else "")
+                                                      if entry is not None and entry.scores_data else "")
         if plan.get("statistics_sketch"):
             restrict += (f"; H from a sketch of {plan['statistics_sketch']} per prompt"
                          + (" (`sketch: auto`)" if out.get("sketch") == "auto" else ""))
@@ -158,9 +160,9 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
     ev = report.get("evaluation")
     if ev:
         metric = (plan.get("output") or {}).get("metric", "euclidean")
-        objective = {"kl": "the merge objective: about twice the summed KL divergence from each fine-tune",
-                     "cross_entropy": "the merge objective: twice the summed cross-entropy of the prompts' own "
-                                      "next tokens or class labels"}.get(metric, "sum of squared compared-output errors")
+        entry = OUTPUT_METRICS.get(metric)  # (a report of a user's metric read where it is not registered: generic words)
+        objective = (entry.objective if entry is not None and entry.objective
+                     else f"sum of squared compared-output errors under the {metric} metric")
         lines += ["", "## Evaluation", "",
                   (f"Calibration objective ({objective}) and held-out teacher-forced "
                    "MSE per logit against each task's fine-tuned model (KL: mean KL from the fine-tune's "

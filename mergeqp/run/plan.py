@@ -59,8 +59,9 @@ from ..merge.calibrated import check_params, statistics_methods, statistics_of
 from ..merge.modes import MergeMode, get_merge_mode
 from ..merge.firstorder import widest_layer
 from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
-from ..lm import (DATA_METRICS, MAX_SKETCH_ENTRIES, ClassifierHead, OutputSpec, backbone, keeps_head_targets,
+from ..lm import (MAX_SKETCH_ENTRIES, ClassifierHead, OutputSpec, backbone, keeps_head_targets,
                   linear_head)
+from ..output_metrics import output_metric
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import MERGE_METHODS, get_merge_method
 from ..merge.sites import (
@@ -471,12 +472,13 @@ def planned_skips(plan: MergePlan, auto: Any) -> dict[str, str]:
     the dry run said was skipped)."""
     skipped = dict(lazy_skipped(auto, statistics_of, plan.config.lazy))
     metric = plan.config.output.metric
+    scores_data = output_metric(metric).scores_data
     for c in auto.candidates:
         entry = start_method(c.name)
         if entry is None or c.key in skipped:
             continue
         assert entry.start is not None
-        if entry.fits_outputs and metric in DATA_METRICS:
+        if entry.fits_outputs and scores_data:
             skipped[c.key] = (f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels that metric: "
                               f"{metric} scores")
         elif entry.start.skip is not None:
@@ -715,7 +717,7 @@ def _check_method(cfg: MergeConfig) -> None:
         if missing:
             raise ConfigError(f"method: {m.name!r} needs calibration prompts for every model (it runs on the "
                               f"models' outputs on them); missing for {missing}")
-        if model_method.fits_outputs and cfg.output.metric in DATA_METRICS:
+        if model_method.fits_outputs and output_metric(cfg.output.metric).scores_data:
             classifies = cfg.output.pool != "none"  # class labels through each model's head
             scored = "class labels through each model's head" if classifies else "next tokens"
             remedy = ("drop the models' head and label_field and use metric: euclidean" if classifies
@@ -782,7 +784,7 @@ def _check_method(cfg: MergeConfig) -> None:
         raise ConfigError(f"method.parametrisation: {m.parametrisation!r} has no tangent rule (tangents(Z, delta)), "
                           f"which checkpoint merging needs; it can be used with collect_statistics in Python")
     if param.needs_output_jacobian(m.parametrisation_options()):
-        if cfg.output.metric in DATA_METRICS:
+        if output_metric(cfg.output.metric).scores_data:
             raise ConfigError(f"method.basis: {m.basis} (the optimal basis) is built from the residuals to the "
                               f"fine-tunes' outputs; output.metric: {cfg.output.metric} has none. Use basis: svd "
                               f"or random, or another parametrisation")
@@ -952,7 +954,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     base, fts, align_notes = aligned_checkpoints(base, fts, model)
     config_notes = align_notes + check_architectures(base, list(zip(names, fts)))
     not_causal = _not_causal(base.config)
-    if not_causal is not None and cfg.output.metric == "cross_entropy" and cfg.output.pool == "none":
+    if not_causal is not None and output_metric(cfg.output.metric).scores_data and cfg.output.pool == "none":
         raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "
                           f"token), but the base model is not a causal language model: {not_causal}; compare the "
                           f"fine-tunes' outputs instead (metric: euclidean or kl), or, for a classifier with a head "
@@ -1460,7 +1462,7 @@ def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden:
     if spec.sketch is not None:
         return int(spec.sketch)
     narrowed = folds and spec.restrict != "topk"
-    if spec.restrict == "topk" and spec.metric == "cross_entropy":
+    if spec.restrict == "topk" and spec.scores_data:
         per_pos += 1  # the top k tokens and the rest as one logit (stop 57 review: counted k)
     return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
 

@@ -39,6 +39,7 @@ from ..errors import OWN_ENTRY_HINT, ConfigError, MergeQPError, did_you_mean, un
 from ..io.writer import parse_size
 from ..merge.baseline_residuals import check_baselines
 from ..merge.modes import MERGE_MODES
+from ..output_metrics import OUTPUT_METRICS, output_metric
 from ..plugins import imported_modules
 from ..stats.bases import BASES, checkpoint_bases
 from ..stats.parametrisation import PARAMETRISATIONS
@@ -456,7 +457,8 @@ class OutputConfig(_Strict):
     ``2 * sum KL(fine-tune || merged)`` of the next-token distributions, :mod:`mergeqp.lm`) or
     ``cross_entropy`` (``2 * sum`` of the next-token negative log-likelihoods of the calibration
     prompts' own tokens, exact; each QP is its Gauss-Newton model at the current merge; ``topk``
-    tracks the model's top ``k`` tokens and the rest as one logit).
+    tracks the model's top ``k`` tokens and the rest as one logit), or a metric a user registered
+    (:func:`mergeqp.output_metrics.register_output_metric`, a module of ``imports:``).
     ``fold_head``: ``auto`` (default), ``true`` or ``false``: compute the statistics from the final
     hidden state through the model's linear head folded into the metric (the same objective to
     rounding, no ``tokens x vocabulary`` logits in the derivative passes; ``auto`` folds whenever
@@ -481,7 +483,7 @@ class OutputConfig(_Strict):
     field: str = "logits"
     restrict: Literal["none", "topk", "projection"] = "none"
     k: int | None = Field(default=None, ge=1)
-    metric: Literal["euclidean", "kl", "cross_entropy"] = "euclidean"
+    metric: str = "euclidean"
     fold_head: bool | Literal["auto"] = "auto"
     sketch: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     pool: Literal["none", "mean"] = "none"
@@ -489,17 +491,23 @@ class OutputConfig(_Strict):
 
     def describe(self) -> str:
         """One line on what the objective compares (the plan and the report print it)."""
-        if self.metric == "cross_entropy" and self.pool != "none":
+        entry = output_metric(self.metric)
+        if entry.classifies(self.pool):
             return (f"class labels of the prompts through each model's head on the mean-pooled {self.field} "
                     f"(classification cross-entropy; Gauss-Newton model at the current merge)")
         restrict = ("all entries" if self.restrict == "none" else f"through the matrix in {self.matrix}"
                     if self.matrix is not None else f"{self.restrict} k={self.k}")
-        if self.metric == "cross_entropy":
+        if entry.scores_data:
             return (f"the prompts' own next tokens, {self.field} ({restrict}) (next-token cross-entropy; "
                     f"Gauss-Newton model at the current merge)")
         pooled = ", mean-pooled per prompt" if self.pool != "none" else ""
         return (f"{self.field} ({restrict}{pooled}), metric {self.metric}, targets: fine-tuned models, "
                 f"teacher forced")
+
+    @field_validator("metric")
+    @classmethod
+    def _metric(cls, v: str) -> str:
+        return _registered("output metric", v, list(OUTPUT_METRICS))
 
     @field_validator("sketch", mode="before")
     @classmethod
@@ -521,27 +529,13 @@ class OutputConfig(_Strict):
                 raise ValueError(f"'matrix' is a projection: it needs restrict: projection, not {self.restrict}")
             if self.k is not None:
                 raise ValueError("'matrix' gives the projection's size (its columns): leave out 'k'")
-            if self.metric != "euclidean":
-                raise ValueError(f"'matrix' takes metric: euclidean, not {self.metric}")
         elif self.restrict != "none" and self.k is None:
             raise ValueError(f"restrict: {self.restrict} needs 'k'")
         if self.restrict == "none" and self.k is not None:
             raise ValueError("'k' applies only to restrict: topk or projection")
-        if self.pool != "none" and self.metric == "kl":
-            raise ValueError(f"pool: {self.pool} needs metric: euclidean or cross_entropy (the kl metric compares "
-                             f"each position's distribution)")
-        if self.metric == "cross_entropy" and self.pool != "none":  # class labels through each task's head
-            if self.restrict != "none":
-                raise ValueError(f"metric: cross_entropy with pool: {self.pool} (class labels through each model's "
-                                 f"head) takes restrict: none, not {self.restrict}")
-        elif self.metric == "cross_entropy":
-            if self.field != "logits":
-                raise ValueError(f"metric: cross_entropy without pool scores next-token logits, not field "
-                                 f"{self.field!r} (to score class labels through each model's head on it, add "
-                                 f"pool: mean)")
-            if self.restrict == "projection":
-                raise ValueError("metric: cross_entropy takes restrict: none (every token) or topk (the model's top "
-                                 "k tokens and the rest as one logit), not projection")
+        problem = output_metric(self.metric).problem(self.field, self.restrict, self.pool, self.matrix is not None)
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     @model_serializer(mode="wrap")
@@ -660,7 +654,7 @@ class MergeConfig(_Strict):
                     else "the QP"
                 raise ValueError(f"{auto} needs calibration prompts for every model; missing for {missing} "
                                  f"(or choose a method without data, e.g. method: soup or method: ties)")
-        classify = self.output.metric == "cross_entropy" and self.output.pool != "none"
+        classify = output_metric(self.output.metric).classifies(self.output.pool)
         if classify:
             no_head = [n for n, m in zip(names, self.models) if m.head is None]
             no_labels = [n for n, m in zip(names, self.models)

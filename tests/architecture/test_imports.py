@@ -19,7 +19,7 @@ LAYERS: dict[str, int] = {
     "io": 1, "matrix_cache": 1, "cholesky": 1,
     "problem": 2, "lower_bounds": 2,
     "constraints": 3,
-    "solution": 4, "certificate": 4,
+    "solution": 4, "certificate": 4, "output_metrics": 4,
     "solvers": 5, "lm": 5,
     "stats": 6,
     "merge": 7,

@@ -91,6 +91,6 @@ def test_mean_pool_of_masked_positions():
 def test_pool_values_are_checked():
     with pytest.raises(ValidationError, match="output pool 'max'"):
         OutputSpec(pool="max")
-    with pytest.raises(ValidationError, match="needs the euclidean metric"):
+    with pytest.raises(ValidationError, match="needs metric: euclidean"):
         OutputSpec(pool="mean", metric="kl", restrict="topk", k=2)
     assert OutputSpec(pool="mean").fold_obstacle() is not None  # a pooled output is never folded

@@ -30,6 +30,21 @@ class RawResult:
     setup_seconds: float = 0.0
 
 
+#: ``solve(solver="auto")`` tries its fallbacks when the chosen solver's point does not certify (and
+#: is not at its float64 rounding floor), keeping the best certificate: first the solvers whose
+#: :meth:`QPSolver.auto_fallback` ranks them for the problem (``clarabel`` and ``osqp`` up to this
+#: many variables, ``dense_ipm`` up to :data:`AUTO_DENSE_FALLBACK_MAX_N`), then, up to this many
+#: variables and while no point inside the set was found, every other registered solver that takes
+#: the problem and does not decline ``auto``
+AUTO_FALLBACK_MAX_N = 4096
+#: above :data:`AUTO_FALLBACK_MAX_N` and up to this many variables only ``dense_ipm`` ranks itself a
+#: fallback (its cost is a few tens of dense Cholesky factorisations, where Clarabel's sparse KKT
+#: matrix of a dense H and OSQP's iterations are not; stop 54: an interpolating box QP at n = 4608
+#: that ``active_set`` left at 10x its rounding floor was returned uncertified, where ``dense_ipm``
+#: certified it in 11 s)
+AUTO_DENSE_FALLBACK_MAX_N = 8192
+
+
 class QPSolver(ABC):
     """A registered solver. Options are keyword arguments validated by ``check_options``."""
 
@@ -94,6 +109,15 @@ class QPSolver(ABC):
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
         """Why ``solver="auto"`` should pass over this solver although it supports the problem
         (e.g. a size beyond which another solver was measured faster); ``None`` to accept."""
+        return None
+
+    def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
+        """This solver's place among ``auto``'s fallbacks for this problem (tried in increasing
+        order when the chosen solver's point does not certify, where it supports the problem, even
+        if it declines ``auto`` as a first choice), or ``None``: not a fallback here (then tried
+        only as a last resort, up to :data:`AUTO_FALLBACK_MAX_N` variables, while no point inside the
+        set was found). Built in: ``dense_ipm`` 0.5 from its ``auto_min_n`` (else 2), ``clarabel``
+        1, ``osqp`` 3."""
         return None
 
     @abstractmethod

@@ -21,6 +21,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
+from . import base
 from .base import SCALE_UP_ONLY, RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
@@ -38,6 +39,12 @@ class ClarabelSolver(StandardFormSolver):
                 "direct_solve_method": "faer", "presolve_enable": True, "verbose": False,
                 "time_limit": math.inf}
     positive = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "time_limit")
+
+    def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
+        """``auto``'s fallback after ``dense_ipm`` from its ``auto_min_n`` (before it below), up to
+        :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` variables (beyond, its sparse KKT matrix
+        of a dense H takes minutes)."""
+        return 1.0 if problem.n <= base.AUTO_FALLBACK_MAX_N else None
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

@@ -93,6 +93,7 @@ from ..constraints.lp import lifted_form
 from ..errors import SolverError, ValidationError
 from ..problem import MergeQP
 from ..solution import SolveStatus
+from . import base
 from .base import QPSolver, RawResult, objective_sizes, unit_scaled, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .ipm_linalg import HostLinalg, reduced_hessian
@@ -1341,6 +1342,20 @@ class DenseIpmSolver(QPSolver):
         if problem.n > self.auto_max_n and _has_equalities(problem, constraints):
             factor += 1.0  # the reduced H of the eliminated equality rows (:func:`_eliminate`)
         return work_arrays_decline(problem.n, self.auto_max_n, factor)
+
+    def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
+        """``auto``'s fallback (since stop 47: it certified a QP times 1e-10 that Clarabel and OSQP did
+        not): first from its ``auto_min_n`` (stop 51: where ``active_set`` had stopped uncertified on
+        low-rank instances, n = 640-1536, it certified 2-6x faster than Clarabel), after Clarabel
+        below it; above :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` and up to
+        :data:`~mergeqp.solvers.base.AUTO_DENSE_FALLBACK_MAX_N` the only built-in fallback, where it
+        does not decline ``auto`` (its memory rule)."""
+        n = problem.n
+        if n <= base.AUTO_FALLBACK_MAX_N:
+            return 0.5 if n >= self.auto_min_n else 2.0
+        if n <= base.AUTO_DENSE_FALLBACK_MAX_N and self.auto_declines(problem, constraints) is None:
+            return 0.5
+        return None
 
     def check_options(self, options: Any) -> dict[str, Any]:
         opts = super().check_options(options)

@@ -21,6 +21,7 @@ from ..constraints import ConstraintSet
 from ..errors import InfeasibleError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
+from . import base
 from .base import SCALE_UP_ONLY, RawResult, unit_scaled
 from .standard_form import StandardFormSolver, standard_form
 from .unbounded import unbounded_claim
@@ -34,6 +35,11 @@ class OSQPSolver(StandardFormSolver):
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100000,
                 "adaptive_rho": True, "scaling": 10, "verbose": False, "time_limit": 1e10}
     positive = ("eps_abs", "eps_rel", "max_iter", "time_limit")
+
+    def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
+        """``auto``'s last built-in fallback (after ``clarabel`` and ``dense_ipm``), up to
+        :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` variables."""
+        return 3.0 if problem.n <= base.AUTO_FALLBACK_MAX_N else None
 
     def solve(self, problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None = None,
               **options: Any) -> RawResult:

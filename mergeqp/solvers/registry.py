@@ -27,6 +27,7 @@ from ..errors import (
 from ..problem import MergeQP
 from ..solution import Solution, SolveStatus
 from .active_set import ActiveSetSolver
+from . import base
 from .base import QPSolver, RawResult
 from .clarabel_solver import ClarabelSolver
 from .closed_form import ClosedFormSolver
@@ -39,19 +40,6 @@ from .torch_solvers import TorchAdamSolver, TorchFISTASolver
 from .unbounded import unbounded_after_solve, unbounded_claim
 
 SOLVERS: dict[str, QPSolver] = {}
-
-#: ``solve(solver="auto")`` tries these in turn when the chosen solver's point does not certify
-#: (and is not at its float64 rounding floor), up to this many variables, keeping the best
-#: certificate; they handle every polyhedral set with an explicit H (``dense_ipm`` since stop 47: it
-#: certified a QP times 1e-10 that Clarabel and OSQP did not, and takes sets they are slow on)
-AUTO_FALLBACKS: tuple[str, ...] = ("clarabel", "dense_ipm", "osqp")
-AUTO_FALLBACK_MAX_N = 4096
-#: above :data:`AUTO_FALLBACK_MAX_N` and up to this many variables, only ``dense_ipm`` is tried (its
-#: cost is a few tens of dense Cholesky factorisations, where Clarabel's sparse KKT matrix of a dense
-#: H and OSQP's iterations are not; stop 54: an interpolating box QP at n = 4608 that ``active_set``
-#: left at 10x its rounding floor was returned uncertified, where ``dense_ipm`` certified it in 11 s)
-AUTO_DENSE_FALLBACK_MAX_N = 8192
-
 
 def register_solver(solver: QPSolver) -> None:
     """Add a solver to the registry (explicitly; nothing registers on import side effects)."""
@@ -352,23 +340,40 @@ def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
     return (not cert.feasible, not _settled(sol, rel_tol), cert.fw_gap)
 
 
-def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
-    """The solvers ``auto`` tries after ``first_name``: :data:`AUTO_FALLBACKS`, then every other
-    registered solver that is available, takes this problem and set and does not decline ``auto``
-    (registration order: a user's solver for a set the fallbacks cannot take is tried too; these
-    only while no point inside the set was found)."""
-    fallbacks = list(AUTO_FALLBACKS)
-    # from dense_ipm's own auto threshold it goes before Clarabel (stop 51: where active_set had
-    # stopped uncertified on low-rank instances, n = 640-1536, dense_ipm certified 2-6x faster)
-    ipm_from = getattr(SOLVERS.get("dense_ipm"), "auto_min_n", None)
-    if ipm_from is not None and problem.n >= ipm_from and "dense_ipm" in fallbacks and "clarabel" in fallbacks:
-        fallbacks.remove("dense_ipm")
-        fallbacks.insert(fallbacks.index("clarabel"), "dense_ipm")
-    order = [n for n in fallbacks if n in SOLVERS]
-    order += [n for n in SOLVERS if n not in order]
-    # (the fallbacks are tried even where they decline auto: they take every polyhedral set)
-    return [name for name in order
-            if name != first_name and _passes_over(SOLVERS[name], problem, cset, name not in AUTO_FALLBACKS) is None]
+def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> tuple[list[str], list[str]]:
+    """The solvers ``auto`` tries after ``first_name``: ``(ranked, last)``. ``ranked``: those whose
+    :meth:`~mergeqp.solvers.base.QPSolver.auto_fallback` ranks them for this problem, in increasing
+    rank (registration order among equals), where available and supporting it (tried even where they
+    decline ``auto``: they take every set they support); ``last``: up to
+    :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` variables, every other registered solver that
+    is available, takes the problem and set and does not decline ``auto``, in registration order (a
+    user's solver for a set the fallbacks cannot take is tried too; these only while no point inside
+    the set was found)."""
+    ranked: list[tuple[float, int, str]] = []
+    last: list[str] = []
+    for i, (name, solver) in enumerate(SOLVERS.items()):
+        if name == first_name:
+            continue
+        rank = _fallback_rank(solver, problem, cset)
+        if rank is not None:
+            if _passes_over(solver, problem, cset, auto=False) is None:
+                ranked.append((rank, i, name))
+        elif problem.n <= base.AUTO_FALLBACK_MAX_N and _passes_over(solver, problem, cset) is None:
+            last.append(name)
+    return [name for _, _, name in sorted(ranked)], last
+
+
+def _fallback_rank(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> float | None:
+    """``solver.auto_fallback(problem, cset)`` as a finite number, or ``None`` (not a fallback here;
+    also for a user's ``auto_fallback`` that raises or answers something else than a number)."""
+    try:
+        rank = solver.auto_fallback(problem, cset)
+    except Exception:  # noqa: BLE001 - a user's solver: not a fallback
+        return None
+    if isinstance(rank, bool) or not isinstance(rank, (int, float, np.integer, np.floating)) \
+            or not math.isfinite(float(rank)):
+        return None
+    return float(rank)
 
 
 def _passes_over(solver: QPSolver, problem: MergeQP, cset: ConstraintSet, auto: bool = True) -> str | None:
@@ -388,11 +393,10 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                    error: SolverError | None, first_name: str, x0: np.ndarray | None,
                    rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False,
                    checked: bool = False) -> Solution:
-    """``auto``'s answer when its first choice failed or did not certify: try
-    :data:`AUTO_FALLBACKS`, then the other registered solvers that take the problem and set
-    (:func:`_fallback_order`; up to :data:`AUTO_FALLBACK_MAX_N` variables, above it up to
-    :data:`AUTO_DENSE_FALLBACK_MAX_N` ``dense_ipm`` alone, where it does not decline) until one settles, and keep
-    the best certificate; ``info["auto_tried"]`` and a certificate note record what was tried."""
+    """``auto``'s answer when its first choice failed or did not certify: try the solvers that rank
+    themselves its fallbacks for this problem, then the other registered solvers that take the
+    problem and set (:func:`_fallback_order`) until one settles, and keep the best certificate;
+    ``info["auto_tried"]`` and a certificate note record what was tried."""
     tried: list[dict[str, Any]] = []
     candidates: list[Solution] = []
     if first is not None:
@@ -402,28 +406,24 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                       "certified": first.certificate.certified(rel_tol)})
     else:
         tried.append({"solver": first_name, "error": str(error)})
-    if problem.n <= AUTO_DENSE_FALLBACK_MAX_N:
-        order = _fallback_order(problem, cset, first_name)
-        if problem.n > AUTO_FALLBACK_MAX_N:
-            order = [name for name in order if name == "dense_ipm"
-                     and _passes_over(SOLVERS[name], problem, cset) is None]
-        for name in order:
-            if name not in AUTO_FALLBACKS and any(c.certificate.feasible for c in candidates if c.certificate):
-                break  # the other solvers are the last resort for a point inside the set
-            alt = SOLVERS[name]
-            try:
-                sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)
-            except UnboundedError:
-                raise  # the first choice's point cannot be optimal: J has no minimum
-            except SolverError as exc:
-                tried.append({"solver": name, "error": str(exc)})
-                continue
-            assert sol.certificate is not None
-            tried.append({"solver": name, "fw_gap": sol.certificate.fw_gap,
-                          "certified": sol.certificate.certified(rel_tol)})
-            candidates.append(sol)
-            if _settled(sol, rel_tol):
-                break
+    ranked, last = _fallback_order(problem, cset, first_name)
+    for name in [*ranked, *last]:
+        if name in last and any(c.certificate.feasible for c in candidates if c.certificate):
+            break  # the other solvers are the last resort for a point inside the set
+        alt = SOLVERS[name]
+        try:
+            sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)
+        except UnboundedError:
+            raise  # the first choice's point cannot be optimal: J has no minimum
+        except SolverError as exc:
+            tried.append({"solver": name, "error": str(exc)})
+            continue
+        assert sol.certificate is not None
+        tried.append({"solver": name, "fw_gap": sol.certificate.fw_gap,
+                      "certified": sol.certificate.certified(rel_tol)})
+        candidates.append(sol)
+        if _settled(sol, rel_tol):
+            break
     if not candidates:
         assert error is not None
         raise error

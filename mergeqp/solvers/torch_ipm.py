@@ -74,6 +74,9 @@ class TorchIpmSolver(DenseIpmSolver):
                                   "on the CPU dense_ipm runs the same iteration faster",
                                   "H, its float32 copy, the normal matrix and its factor")
 
+    def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
+        return None  # (dense_ipm's rank is its own: auto's fallbacks run on the host)
+
     def linalg(self, opts: dict[str, Any]) -> Any:
         device = torch_device(str(opts["device"]))
         return lambda H: TorchLinalg(H, device)

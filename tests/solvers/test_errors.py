@@ -467,21 +467,62 @@ def test_above_the_fallback_size_auto_still_tries_dense_ipm(random_psd_problem, 
     without trying anything (an interpolating box QP at n = 4608 that dense_ipm certifies in 11 s);
     up to AUTO_DENSE_FALLBACK_MAX_N it now tries dense_ipm alone (Clarabel and OSQP are minutes on
     a dense H that large); above that, nothing, as before. The sizes are lowered here."""
-    from mergeqp.solvers import registry
+    from mergeqp.solvers import base
 
     problem = random_psd_problem(np.random.default_rng(2), 4, 40, 60)  # n = 160
     reference = solve(problem, Box(0.0, 1.0), solver="clarabel")
     _broken_active_set(monkeypatch, "wrong point")
-    monkeypatch.setattr(registry, "AUTO_FALLBACK_MAX_N", 100)
-    monkeypatch.setattr(registry, "AUTO_DENSE_FALLBACK_MAX_N", 200)
+    monkeypatch.setattr(base, "AUTO_FALLBACK_MAX_N", 100)
+    monkeypatch.setattr(base, "AUTO_DENSE_FALLBACK_MAX_N", 200)
     sol = solve(problem, Box(0.0, 1.0))
     assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set", "dense_ipm"]
     assert sol.solver == "dense_ipm" and sol.certificate.certified()
     assert sol.objective == pytest.approx(reference.objective, rel=1e-9)
-    monkeypatch.setattr(registry, "AUTO_DENSE_FALLBACK_MAX_N", 150)
+    monkeypatch.setattr(base, "AUTO_DENSE_FALLBACK_MAX_N", 150)
     sol = solve(problem, Box(0.0, 1.0))
     assert [t["solver"] for t in sol.info["auto_tried"]] == ["active_set"]
     assert sol.solver == "active_set" and not sol.certificate.certified()
+
+
+@pytest.mark.parametrize("rank, expected", [
+    (0.1, ["active_set", "user_fallback"]),        # before every built-in fallback
+    (1.5, ["active_set", "clarabel"]),              # after clarabel, which settles first
+    (None, ["active_set", "clarabel"]),             # not a fallback: a last resort, not reached
+    ("raises", ["active_set", "clarabel"]),         # a user's auto_fallback that raises: not a fallback
+])
+def test_a_users_solver_ranks_itself_among_autos_fallbacks(random_psd_problem, monkeypatch, rank, expected) -> None:
+    """``auto``'s fallbacks are the solvers whose ``auto_fallback`` ranks them, not a list of names:
+    a user's solver placed at 0.1 is tried first (even though it declines ``auto`` as a first
+    choice), at 1.5 after ``clarabel``; without a rank it is a last resort."""
+    from mergeqp.solvers import SOLVERS, register_solver
+    from mergeqp.solvers.base import QPSolver
+
+    class UserFallback(QPSolver):
+        name = "user_fallback"
+
+        def supports(self, problem, constraints):
+            return None
+
+        def auto_declines(self, problem, constraints):
+            return "only a fallback"
+
+        def auto_fallback(self, problem, constraints):
+            if rank == "raises":
+                raise RuntimeError("boom")
+            return rank
+
+        def solve(self, problem, constraints, x0=None, **options):
+            return SOLVERS["clarabel"].solve(problem, constraints, x0)
+
+    problem = random_psd_problem(np.random.default_rng(0), 3, 6, 18)  # n = 18: clarabel ranks before dense_ipm
+    _broken_active_set(monkeypatch, "wrong point")
+    register_solver(UserFallback())
+    try:
+        sol = solve(problem, Box(0.0, 1.0))
+    finally:
+        SOLVERS.pop("user_fallback", None)
+    assert [t["solver"] for t in sol.info["auto_tried"]] == expected
+    assert sol.solver == expected[-1] and sol.certificate.certified()
 
 
 def test_auto_searches_for_a_ray_once_when_its_first_solvers_claim_was_refuted(monkeypatch) -> None:

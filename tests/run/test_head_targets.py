@@ -39,7 +39,7 @@ def _models(fam, dtype=torch.float32):
 
 
 def _targets(model, batches, spec, monkeypatch, ratio):
-    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", ratio)
+    monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", ratio)
     return teacher_forced_targets(model, batches, spec, "cpu")
 
 
@@ -129,10 +129,10 @@ def test_merges_and_reports_are_the_same_with_kept_targets(fam, tmp_path, monkey
     from safetensors.torch import load_file
 
     reports, tensors, kept = [], [], []
-    shared_head = lm._shared_head
-    monkeypatch.setattr(lm, "_shared_head", lambda *a: kept.append(1) or shared_head(*a))
+    shared_head = lm.targets._shared_head
+    monkeypatch.setattr(lm.targets, "_shared_head", lambda *a: kept.append(1) or shared_head(*a))
     for ratio in (WHOLE, 1):
-        monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", ratio)
+        monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", ratio)
         cfg = load_config(fam.write_config(tmp_path / f"cfg{ratio}.yml", "model.layers.1.mlp.*", method))
         res = run_merge(cfg, tmp_path / f"out{ratio}", progress=False)
         assert bool(kept) == (ratio == 1)  # the first merge held every target whole, the second kept them
@@ -154,7 +154,7 @@ def test_kept_targets_that_do_not_fit_are_refused_as_hidden_states(tiny_hf, fam,
     from mergeqp.cli import main
     from mergeqp.run import pipeline
 
-    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", 1)
+    monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", 1)
     cfg = fam.write_config(tmp_path / "big.yml", tiny_hf.MLP_LAYER["llama"],
                            {"name": "qp", "mode": "single", "parametrisation": "scalar"},
                            calibration={"batch_size": 2, "holdout": 0})
@@ -186,9 +186,9 @@ def test_the_dry_run_counts_kept_targets_as_hidden_states(tiny_hf, fam, tmp_path
     plan = build_plan(load_config(fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp"})))
     head = plan.skeleton.get_output_embeddings()
     V, H = int(head.out_features), int(head.in_features)
-    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", WHOLE)
+    monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", WHOLE)
     whole = estimate_memory(plan)["targets"]
-    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", 1)
+    monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", 1)
     kept = estimate_memory(plan)["targets"]
     assert whole > 0 and kept * V == whole * H
 
@@ -203,7 +203,7 @@ def test_outputs_compared_a_few_samples_at_a_time_give_the_whole_batch_numbers(f
     targets = teacher_forced_targets(ft, batches, spec, "cpu")
     whole = (lm.squared_error(base, targets, dataclasses.replace(spec, fold_head=False), "cpu"),
              teacher_forced_metrics(base, targets, spec, "cpu"))
-    monkeypatch.setattr(lm, "COMPARED_CHUNK_BYTES", 1)
+    monkeypatch.setattr(lm.objective, "COMPARED_CHUNK_BYTES", 1)
     chunks = list(lm.compared_rows(base, targets[0], spec, "cpu"))
     assert [c[0] for c in chunks] == [slice(i, i + 1) for i in range(targets[0].batch.size)]
     # (a kept target formed one sample at a time: the head's product of fewer rows, equal to rounding)
@@ -224,5 +224,5 @@ def test_formed_logits_must_be_the_models_own_entry_for_entry_on_the_cpu_to_roun
     assert tb.source.weight.device == ft.get_output_embeddings().weight.device
     y = tb.target
     nudged = y * (1 + 1e-9)
-    assert lm._same_target(y, y.clone(), "cpu") and not lm._same_target(nudged, y, "cpu")
-    assert lm._same_target(nudged, y, "cuda") and not lm._same_target(y * 1.01, y, "cuda")
+    assert lm.targets._same_target(y, y.clone(), "cpu") and not lm.targets._same_target(nudged, y, "cpu")
+    assert lm.targets._same_target(nudged, y, "cuda") and not lm.targets._same_target(y * 1.01, y, "cuda")

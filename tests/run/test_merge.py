@@ -661,7 +661,7 @@ def test_targets_that_do_not_fit_are_refused_before_they_are_allocated(tiny_hf, 
     from mergeqp.cli import main
     from mergeqp.run import pipeline
 
-    monkeypatch.setattr(lm, "HEAD_TARGETS_MIN_RATIO", 10**9)  # every logit held (test_head_targets: hidden states)
+    monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", 10**9)  # every logit held (test_head_targets: hidden states)
     fam = families["llama"]
     cfg = fam.write_config(tmp_path / "big.yml", tiny_hf.MLP_LAYER["llama"],
                            {"name": "qp", "mode": "single", "parametrisation": "scalar"},

@@ -43,7 +43,7 @@ def test_folded_objective_equals_the_logits_objective(fam, monkeypatch, spec, dt
     assert all(tb.hidden is not None for tb in targets)
     unfolded = squared_error(base, targets, dataclasses.replace(spec, fold_head=False), "cpu")
     calls = []
-    monkeypatch.setattr(lm, "compared_rows", lambda *a: calls.append(1) or [])  # the logits path is not taken
+    monkeypatch.setattr(lm.objective, "compared_rows", lambda *a: calls.append(1) or [])  # the logits path is not taken
     folded = squared_error(base, targets, spec, "cpu")
     assert not calls and lm.objective_fold(base, spec, targets, "cpu") is not None
     assert folded[1] == unfolded[1]  # the same compared entries
@@ -62,7 +62,7 @@ def test_a_head_that_does_not_match_the_targets_is_not_folded(fam):
     assert lm.objective_fold(base, spec, targets, "cpu") is None
     value = squared_error(base, targets, spec, "cpu")
     assert value == squared_error(base, targets, dataclasses.replace(spec, fold_head=False), "cpu")
-    assert len(lm._OBJECTIVE_FOLD_REFUSED[base]) == 1
+    assert len(lm.objective._OBJECTIVE_FOLD_REFUSED[base]) == 1
 
 
 def test_the_reason_a_vit_head_is_not_folded_is_the_true_one():

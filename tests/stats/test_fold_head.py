@@ -157,8 +157,8 @@ def test_the_fold_is_checked_once_per_model_head_and_target_and_again_after_the_
     spec = OutputSpec(fold_head=True)
     tasks = [TaskTargets("t", 1.0, teacher_forced_targets(fts[0], batches, spec, "cpu"))]
     checks = []
-    real, same = lm._agree, lm.HeadTargets.same_as
-    monkeypatch.setattr(lm, "_agree", lambda *a: checks.append(1) or real(*a))
+    real, same = lm.fold.agree, lm.HeadTargets.same_as
+    monkeypatch.setattr(lm.fold, "agree", lambda *a: checks.append(1) or real(*a))
     # (a target kept as hidden states is checked by comparing its head with the model's)
     monkeypatch.setattr(lm.HeadTargets, "same_as", lambda *a, **k: checks.append(1) or same(*a, **k))
     first = collect_first_order(model, atoms, tasks, spec)

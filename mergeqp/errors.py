@@ -36,7 +36,7 @@ class InfeasibleError(MergeQPError):
 #: registries a user adds to (the kinds named by their lookups): an unknown name there may be an entry
 #: whose module was not imported
 USER_REGISTRIES = frozenset({"solver", "constraint set", "merge method", "merge mode", "parametrisation",
-                             "basis name", "instance family"})
+                             "basis name", "instance family", "output metric"})
 
 #: what an unknown name of :data:`USER_REGISTRIES` adds when no registered name is close
 OWN_ENTRY_HINT = ("an entry of your own is registered by importing its module first (command line: "

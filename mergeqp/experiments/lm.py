@@ -214,6 +214,12 @@ class LmMergeSettings:
                 raise ValidationError(f"outputs: no entry for metric {m!r}")
             if "metric" in self.outputs[m]:
                 raise ValidationError(f"outputs[{m!r}] sets 'metric'; the key is the metric")
+        for m, block in self.outputs.items():  # refused now, not at the merge after the fine-tuning
+            if m in OUTPUT_METRICS and isinstance(block, dict):
+                why = OUTPUT_METRICS[m].problem(block.get("field", "logits"), block.get("restrict", "none"),
+                                                block.get("pool", "none"), block.get("matrix") is not None)
+                if why is not None:
+                    raise ValidationError(f"outputs[{m!r}]: {why}")
         for m in self.baselines:
             if m not in BASELINES:
                 raise unknown("baseline", m, list(BASELINES))

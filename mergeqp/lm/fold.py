@@ -69,9 +69,9 @@ class FoldedHead:
         x = torch.einsum("bth,btkh->btk", n.to(rows.dtype), rows)
         if self.bias is not None:
             x = x + self.bias[index]
-        whiten = self.spec.output_metric.whiten
-        if whiten is not None:
-            x = whiten(x, probs)
+        metric = self.spec.output_metric
+        if metric.whitens:
+            x = metric.whitened(x, probs)
         return apply_mask(x, mask)
 
     def unfolded(self, n: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:

@@ -167,9 +167,9 @@ def _folded_squared_error(model: Any, batches: Sequence[TargetBatch], fold: Fold
             else:
                 rows = fold.weight.to(device)[index].to(f64)  # (B, T, k, H): the target's rows
                 out = torch.einsum("bth,btkh->btk", d, rows)
-                whiten = fold.spec.output_metric.whiten
-                if whiten is not None:
-                    out = whiten(out, probs.to(f64))
+                metric = fold.spec.output_metric
+                if metric.whitens:
+                    out = metric.whitened(out, probs.to(f64))
             out = apply_mask(out, mask)
             total += float((out * out).sum())
         entries += tb.entries

@@ -164,10 +164,7 @@ class OutputSpec:
             return f"the compared output is {self.field!r}, not logits"
         if self.pool != "none":
             return f"the output is pooled ({self.pool}) over positions"
-        if not self.output_metric.plain and self.restrict != "topk":
-            return (f"the {self.metric} metric with restrict {self.restrict!r} has a vocabulary-size metric "
-                    f"W'(diag p - p p')W per position (fold it with restrict: topk)")
-        return None
+        return self.output_metric.fold_obstacle(self.restrict)
 
     @property
     def output_metric(self) -> OutputMetric:
@@ -232,13 +229,11 @@ class OutputSpec:
         ``(..., k)`` of the top-``k`` ``index`` for ``topk``; for ``kl`` its softmax, renormalised
         over the top ``k``) that its map (:func:`kl_whiten` for ``kl``) uses; ``None`` for
         another metric."""
-        import torch
-
         metric = self.output_metric
         if metric.distribution is None:
             return None
         logits = target_raw.gather(-1, index) if self.restrict == "topk" else target_raw
-        return metric.distribution(logits).to(torch.float64)
+        return metric.distribution_of(logits)
 
     def select(self, raw: Any, mask: Any = None, index: Any = None, probs: Any = None) -> Any:
         """Restrict ``raw`` (last axis = vocabulary / features) and zero the masked positions.
@@ -246,15 +241,15 @@ class OutputSpec:
         For a whitening metric (``kl``), ``probs`` is the target's distribution (:meth:`target_probs`,
         on ``raw``'s device) and ``raw`` is whitened by the metric's map (:func:`kl_whiten` for ``kl``;
         after a ``topk`` gather, before a ``projection``)."""
-        whiten = self.output_metric.whiten
-        if whiten is not None and probs is None:
+        metric = self.output_metric
+        if metric.whitens and probs is None:
             raise ValidationError(f"the {self.metric} output metric needs the target's distribution (probs)")
         if self.restrict == "topk":
             if index is None:
                 raise ValidationError("topk restriction needs the target's indices")
             raw = raw.gather(-1, index)
-        if whiten is not None:
-            raw = whiten(raw, probs)
+        if metric.whitens:
+            raw = metric.whitened(raw, probs)
         if self.restrict == "projection":
             out = raw @ self.projection(raw.shape[-1], raw.dtype, raw.device)
         else:

@@ -1401,7 +1401,7 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
     """The fine-tunes' targets of ``spec`` on the calibration and held-out prompts (float64): ``per_pos``
     compared numbers per position, every logit on the held-out ones, or the final hidden state
     where the targets are kept as it (:class:`~mergeqp.lm.HeadTargets`: a linear head much wider
-    than its input, every logit compared); the fold's hidden states beside restricted targets
+    than its input, every logit compared), and a whitening metric's distributions; the fold's hidden states beside restricted targets
     are not counted."""
     head = linear_head(plan.skeleton) if plan.skeleton is not None else None
     held_spec = plan.heldout_spec()
@@ -1411,7 +1411,14 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
             return int(head.in_features)
         return whole
 
-    return prompts * T * width(spec, per_pos) * 8 + held * T * width(held_spec, plan.vocab_size or per_pos) * 8
+    # a whitening metric's distributions beside the targets: one number per entry before any projection
+    # (stop 59 review: left out, the dry run passed what the run's own memory check refused)
+    spread = 0
+    if spec.output_metric.whitens and not spec.scores_data:
+        spread = int(spec.k) if spec.restrict == "topk" else (plan.vocab_size or per_pos) if spec.field == "logits" \
+            else per_pos
+    return (prompts * T * (width(spec, per_pos) + spread) * 8
+            + held * T * width(held_spec, plan.vocab_size or per_pos) * 8)
 
 
 def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:

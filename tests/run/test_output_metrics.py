@@ -134,6 +134,16 @@ def _whiten_ok(x, p):
     return x * p.to(x.dtype)
 
 
+def _numpy_whiten(x, p):
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(x.detach()) * np.asarray(p))
+
+
+def _mixing(x, p):
+    return x + x.roll(1, dims=1)
+
+
 @pytest.mark.parametrize("metric, match", [
     (OutputMetric("kl", "again", distribution=_softmax, whiten=_whiten_ok), "output metric 'kl' is already registered"),
     (OutputMetric("my metric", "spaces", distribution=_softmax, whiten=_whiten_ok), "without ':' or spaces"),
@@ -142,12 +152,28 @@ def _whiten_ok(x, p):
     (OutputMetric("half", "no distribution", whiten=_whiten_ok), "give both distribution"),
     (OutputMetric("pooled", "pools", distribution=_softmax, whiten=_whiten_ok, pools=("none", "mean")),
      "takes pool 'none' only"),
+    (OutputMetric("nopools", "pools", distribution=_softmax, whiten=_whiten_ok, pools=()), "takes pool 'none' only"),
+    (OutputMetric("strpools", "pools", distribution=_softmax, whiten=_whiten_ok, pools="none"),
+     r"pools 'none': .*\(pools=\('none',\)\)"),
     (OutputMetric("squares", "not linear", distribution=_softmax, whiten=lambda x, p: x * x), "not linear in x"),
+    (OutputMetric("nanlinear", "NaN hides it", distribution=lambda y: torch.log_softmax(y, -1),
+                  whiten=lambda x, p: p.sqrt() * x * x), "NaN or inf entries on finite inputs"),
     (OutputMetric("narrow", "shape", distribution=lambda y: y[..., :2], whiten=_whiten_ok),
-     r"distribution\(target\) must return a finite tensor of the target's shape"),
+     r"distribution\(target\) on a target of shape \(2, 3, 5\) returned Tensor of shape \(2, 3, 2\)"),
+    (OutputMetric("infdist", "inf", distribution=lambda y: y / 0.0, whiten=_whiten_ok), "has NaN or inf entries"),
     (OutputMetric("raises", "raises", distribution=_softmax, whiten=lambda x, p: 1 / 0),
-     r"whiten\(x, aux\) failed on a \(2, 3, 5\) float64 input: ZeroDivisionError"),
+     r"whiten\(x, aux\) failed on x of shape \(2, 3, 5\): ZeroDivisionError"),
+    (OutputMetric("float32", "dtype", distribution=_softmax, whiten=lambda x, p: (x * p).float()),
+     "must return a tensor of x's dtype \\(torch.float64\\), got torch.float32"),
+    (OutputMetric("mixing", "positions", distribution=_softmax, whiten=_mixing), "mixes positions"),
+    (OutputMetric("numpy", "not torch", distribution=_softmax, whiten=_numpy_whiten), "not differentiable in x"),
     (OutputMetric("notcall", "bad", distribution=_softmax, whiten=3), "must be callable"),
+    (OutputMetric("heldout1", "report", distribution=_softmax, whiten=_whiten_ok, heldout=(("KL", "heldout_mine"),)),
+     "heldout must be pairs \\(label, measure\\) with a measure of heldout_mse, heldout_kl"),
+    (OutputMetric("heldout2", "report", distribution=_softmax, whiten=_whiten_ok, heldout=("KL", "heldout_kl")),
+     "heldout must be pairs"),
+    (OutputMetric("regress", "report", distribution=_softmax, whiten=_whiten_ok, regression=("heldout_kl",)),
+     "regression must be None or \\(measure, words\\)"),
 ])
 def test_what_cannot_be_a_metric_is_refused_at_registration(metric, match):
     with pytest.raises(ValidationError, match=match):
@@ -157,16 +183,88 @@ def test_what_cannot_be_a_metric_is_refused_at_registration(metric, match):
         register_output_metric("kl")
 
 
+def test_a_users_map_that_fails_on_real_data_is_named_not_blamed_on_the_model(tiny_hf, llama, tmp_path):
+    """The probe passes maps that fail only at a vocabulary's size (here above 8 entries): the run's
+    error names the metric and its map, not the model's inputs; a distribution that is not finite
+    there is refused the same way."""
+    def picky(y):
+        return torch.softmax(y, -1) if y.shape[-1] <= 8 else 1 / 0
+
+    def overflowing(y):
+        return torch.softmax(y, -1) if y.shape[-1] <= 8 else torch.full_like(y, float("inf"))
+
+    made = [register_output_metric(OutputMetric("test_picky", "fails on wide outputs", distribution=picky,
+                                                 whiten=_centred)),
+            register_output_metric(OutputMetric("test_overflowing", "inf on wide outputs", distribution=overflowing,
+                                                whiten=_centred))]
+    try:
+        with pytest.raises(ValidationError, match=r"output metric 'test_picky': distribution\(target\) on a target "
+                                                  r"of shape \(\d+, \d+, \d+\) failed: ZeroDivisionError"):
+            _merge(tiny_hf, llama, tmp_path, "picky", {"metric": "test_picky"})
+        with pytest.raises(ValidationError, match=r"output metric 'test_overflowing': distribution\(target\) .* has "
+                                                  r"NaN or inf entries"):
+            _merge(tiny_hf, llama, tmp_path, "overflowing", {"metric": "test_overflowing"})
+    finally:
+        for m in made:
+            OUTPUT_METRICS.pop(m.name, None)
+
+
+def test_a_users_check_is_named_when_it_fails_or_answers_no_reason():
+    minimal = {"base": "b", "models": [{"path": "x", "calibration": "c.txt"}], "layers": "m.*"}
+
+    def boom(field, restrict, pool):
+        raise ZeroDivisionError("no")
+
+    made = [register_output_metric(OutputMetric("test_boolcheck", "check answers a bool", distribution=_softmax,
+                                                 whiten=_centred, check=lambda f, r, p: False)),
+            register_output_metric(OutputMetric("test_boomcheck", "check raises", distribution=_softmax,
+                                                whiten=_centred, check=boom)),
+            register_output_metric(OutputMetric("test_topkonly", "topk only", distribution=_softmax, whiten=_centred,
+                                                check=lambda f, r, p: None if r == "topk" else "needs restrict: topk"))]
+    try:
+        with pytest.raises(ConfigError, match=r"output metric 'test_boolcheck': check\(field, restrict, pool\) "
+                                              r"returned False; it must return None"):
+            parse_config({**minimal, "output": {"metric": "test_boolcheck"}})
+        with pytest.raises(ConfigError, match=r"output metric 'test_boomcheck': check\(field, restrict, pool\) "
+                                              r"failed: ZeroDivisionError: no"):
+            parse_config({**minimal, "output": {"metric": "test_boomcheck"}})
+        with pytest.raises(ConfigError, match="needs restrict: topk"):
+            parse_config({**minimal, "output": {"metric": "test_topkonly"}})
+        assert parse_config({**minimal, "output": {"metric": "test_topkonly", "restrict": "topk", "k": 2}})
+    finally:
+        for m in made:
+            OUTPUT_METRICS.pop(m.name, None)
+
+
+def test_the_dry_runs_targets_count_a_whitening_metrics_distributions(tiny_hf, llama, tmp_path, user_metrics):
+    """(stop 59 review) Under a projection a whitening metric keeps each position's vocabulary-wide
+    distribution beside its k-wide target: the plan's targets item counts them, as the run does."""
+    from mergeqp.run.plan import build_plan, estimate_memory
+
+    def targets(name, metric):
+        cfg = load_config(llama.write_config(tmp_path / f"{name}.yml", tiny_hf.MLP_LAYER["llama"],
+                                             {"name": "qp", "mode": "single"},
+                                             output={"metric": metric, "restrict": "projection", "k": 5}))
+        plan = build_plan(cfg)
+        return estimate_memory(plan)["targets"], plan
+
+    plain, plan = targets("e", "euclidean")
+    prompts = sum(t.n_calibration for t in plan.tasks)
+    for metric in ("kl", "test_kl_copy"):
+        whitened, _ = targets(metric, metric)
+        assert whitened - plain == prompts * plan.batch_length * plan.vocab_size * 8
+
+
 def test_the_docs_example_registers_through_a_configs_imports(tiny_hf, tmp_path):
-    """``docs/hf.md``'s example module, named in a config's ``imports:``, makes ``output.metric:
+    """``docs/architecture.md``'s example module, named in a config's ``imports:``, makes ``output.metric:
     tempered_kl`` a merge that ``mergeqp merge`` runs, certifies and reports in the metric's words."""
     import re
     from pathlib import Path
 
     from mergeqp.cli import main
 
-    docs = (Path(__file__).resolve().parents[2] / "docs" / "hf.md").read_text()
-    section = docs[docs.index("**A metric of one's own**"):]
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    section = docs[docs.index("## Add an output metric"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_metrics.py").write_text(code)
     fam = tiny_hf.make_family(tmp_path / "fam", "llama", K=2, scale=0.3, n_prompts=10)

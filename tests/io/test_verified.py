@@ -14,6 +14,7 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import mergeqp.io.writer as writer  # noqa: E402
+import mergeqp.run.models as models  # noqa: E402
 import mergeqp.run.pipeline as pipeline  # noqa: E402
 import mergeqp.run.checkpoints as checkpoints_mod  # noqa: E402
 from mergeqp.errors import BadDataError, ConfigError  # noqa: E402
@@ -43,7 +44,7 @@ def counted(monkeypatch):
         names.append(name)
         return real(name, tensor, model)
 
-    for mod in (pipeline, __import__("mergeqp.merge.inputs", fromlist=["x"])):
+    for mod in (models, pipeline, __import__("mergeqp.merge.inputs", fromlist=["x"])):
         monkeypatch.setattr(mod, "check_tensor_finite", count)
     return names
 
@@ -73,16 +74,16 @@ def test_signature_changes_with_the_files(tmp_path):
 
 def test_a_model_is_checked_once_until_its_files_change(fam, counted):
     ck = open_checkpoint(fam.finetuned[0])
-    pipeline.load_model(ck, fam.base, torch.float64, "cpu")
+    models.load_model(ck, fam.base, torch.float64, "cpu")
     first = len(counted)
     assert first > 0
-    pipeline.load_model(ck, fam.base, torch.float64, "cpu")
+    models.load_model(ck, fam.base, torch.float64, "cpu")
     assert len(counted) == first  # unchanged files: not read again for NaN
-    pipeline.load_model(ck, fam.base, torch.float32, "cpu")
+    models.load_model(ck, fam.base, torch.float32, "cpu")
     assert len(counted) == 2 * first  # another dtype is another check (float64 -> float32 can overflow)
     bad = _poison(fam.finetuned[0])
     with pytest.raises(BadDataError, match=bad):
-        pipeline.load_model(open_checkpoint(fam.finetuned[0]), fam.base, torch.float64, "cpu")
+        models.load_model(open_checkpoint(fam.finetuned[0]), fam.base, torch.float64, "cpu")
 
 
 def test_tensor_sources_share_the_memo(fam, counted):
@@ -99,9 +100,9 @@ def test_tensor_sources_share_the_memo(fam, counted):
 def test_recent_files_are_never_remembered(fam, counted, monkeypatch):
     monkeypatch.setattr(verified, "RACY_SECONDS", 3600.0)  # every file of the family is recent
     ck = open_checkpoint(fam.finetuned[0])
-    pipeline.load_model(ck, fam.base, torch.float64, "cpu")
+    models.load_model(ck, fam.base, torch.float64, "cpu")
     first = len(counted)
-    pipeline.load_model(ck, fam.base, torch.float64, "cpu")
+    models.load_model(ck, fam.base, torch.float64, "cpu")
     assert len(counted) == 2 * first
 
 

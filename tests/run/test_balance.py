@@ -19,7 +19,8 @@ pytest.importorskip("transformers")
 import mergeqp  # noqa: E402
 from mergeqp.config import load_config, parse_config  # noqa: E402
 from mergeqp.errors import ConfigError, ValidationError  # noqa: E402
-from mergeqp.run.pipeline import TaskData, balanced, run_merge  # noqa: E402
+from mergeqp.run.pipeline import run_merge  # noqa: E402
+from mergeqp.run.tasks import TaskData, balanced  # noqa: E402
 
 NOTE = re.compile(r"(\w+) (\d+) positions -> weight")
 

@@ -152,13 +152,13 @@ def test_kept_targets_that_do_not_fit_are_refused_as_hidden_states(tiny_hf, fam,
     """The memory check counts what kept targets hold (hidden states) and names them; its advice
     is then what lowers them (shorter or fewer prompts), not fewer compared outputs."""
     from mergeqp.cli import main
-    from mergeqp.run import pipeline
+    from mergeqp.run import tasks
 
     monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", 1)
     cfg = fam.write_config(tmp_path / "big.yml", tiny_hf.MLP_LAYER["llama"],
                            {"name": "qp", "mode": "single", "parametrisation": "scalar"},
                            calibration={"batch_size": 2, "holdout": 0})
-    monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: pipeline.TARGETS_MARGIN_BYTES + 100)
+    monkeypatch.setattr(tasks, "available_memory_bytes", lambda: tasks.TARGETS_MARGIN_BYTES + 100)
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert lm.KEPT_AS_HIDDEN in err and "output.restrict" not in err and "calibration.max_length" in err

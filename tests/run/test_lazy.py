@@ -20,7 +20,8 @@ from mergeqp.errors import ConfigError
 from mergeqp.io.lazy_model import lazy_of
 from mergeqp.run.architectures import every_block, lower_blocks
 from mergeqp.run.auto import DEFAULT_CANDIDATES
-from mergeqp.run.pipeline import load_lazy, load_model, run_merge
+from mergeqp.run.models import load_lazy, load_model
+from mergeqp.run.pipeline import run_merge
 from mergeqp.run.plan import build_plan
 
 

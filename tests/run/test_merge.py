@@ -642,7 +642,7 @@ def test_prompts_longer_than_the_models_context_are_truncated_to_it(families, ti
 
 
 def test_a_failed_allocation_is_told_apart_from_bad_inputs():
-    from mergeqp.run.pipeline import _out_of_memory
+    from mergeqp.run.models import out_of_memory as _out_of_memory
 
     assert _out_of_memory(RuntimeError("[enforce fail at alloc_cpu.cpp:127] . DefaultCPUAllocator: not enough "
                                        "memory: you tried to allocate 3200000000 bytes."))
@@ -659,7 +659,7 @@ def test_targets_that_do_not_fit_are_refused_before_they_are_allocated(tiny_hf, 
     stops with exit 2, naming the model, the size and what to lower, and writes nothing."""
     import mergeqp.lm as lm
     from mergeqp.cli import main
-    from mergeqp.run import pipeline
+    from mergeqp.run import tasks
 
     monkeypatch.setattr(lm.targets, "HEAD_TARGETS_MIN_RATIO", 10**9)  # every logit held (test_head_targets: hidden states)
     fam = families["llama"]
@@ -670,14 +670,14 @@ def test_targets_that_do_not_fit_are_refused_before_they_are_allocated(tiny_hf, 
 
     def tiny_memory():
         seen.append(1)
-        return pipeline.TARGETS_MARGIN_BYTES + 1000  # less than the other batches' targets
-    monkeypatch.setattr(pipeline, "available_memory_bytes", tiny_memory)
+        return tasks.TARGETS_MARGIN_BYTES + 1000  # less than the other batches' targets
+    monkeypatch.setattr(tasks, "available_memory_bytes", tiny_memory)
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert seen and "the fine-tune's targets on its calibration prompts need about" in err
     assert "models[" in err and "output.restrict: topk or projection" in err and "calibration.max_length" in err
     assert "compared outputs" in err and not (tmp_path / "o").exists()
-    monkeypatch.setattr(pipeline, "available_memory_bytes", lambda: None)  # unknown: no refusal
+    monkeypatch.setattr(tasks, "available_memory_bytes", lambda: None)  # unknown: no refusal
     assert main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"]) == 0
 
 

@@ -195,7 +195,7 @@ def test_vit_run_layer_equals_merge_state_dicts(tiny_hf, tmp_path):
         x = read_tensor_inputs(path)["pixel_values"].to(torch.float64)
         idx, _ = split_holdout(list(range(x.shape[0])), 4, 0 + k)
         calibration.append([{"pixel_values": x[idx[i:i + 4]]} for i in range(0, len(idx), 4)])
-    from mergeqp.run.pipeline import live_names
+    from mergeqp.run.models import live_names
 
     live = live_names(base)  # checkpoint name -> live name (transformers renames ViT's modules)
     stored = [f"{layer}.weight", f"{layer}.bias"]

@@ -15,7 +15,7 @@ import mergeqp.io.memory as memory  # noqa: E402
 from mergeqp.config import load_config  # noqa: E402
 from mergeqp.errors import MergeQPError, ValidationError  # noqa: E402
 from mergeqp.io.distributed import Ranks, _Failed  # noqa: E402
-from mergeqp.run import pipeline  # noqa: E402
+from mergeqp.run import models, pipeline  # noqa: E402
 from mergeqp.run.plan import build_plan  # noqa: E402
 
 
@@ -31,8 +31,8 @@ def test_a_qp_that_cannot_fit_is_refused_before_any_weight_is_loaded(tiny_hf, fa
     (group,) = plan.groups
     need = memory.estimate_site_memory("g", group.n_variables, len(cfg.models)).peak
     loads = []
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loads.append(1))
-    monkeypatch.setattr(pipeline, "load_lazy", lambda *a, **k: loads.append(1))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(1))
+    monkeypatch.setattr(models, "load_lazy", lambda *a, **k: loads.append(1))
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: need - 1)
     with pytest.raises(ValidationError, match=r"model\.layers\.1\.mlp\.down_proj.*statistics and solve need about") as e:
         pipeline.run_merge(cfg, tmp_path / "out", progress=False, plan=plan)
@@ -110,8 +110,8 @@ def test_a_first_batch_design_that_cannot_fit_is_refused_before_the_fine_tunes_l
     samples, outputs, n, itemsize = seen[0]
     need = memory.design_bytes(samples, outputs, n, itemsize)
     loads = []
-    load = pipeline.load_model
-    monkeypatch.setattr(pipeline, "load_model", lambda *a, **k: loads.append(a[0]) or load(*a, **k))
+    load = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: loads.append(a[0]) or load(*a, **k))
     monkeypatch.setattr(fo, "available_memory_bytes", lambda: need - 1)
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: need - 1)
     with pytest.raises(ValidationError, match=r"one calibration batch's design \(\d+ prompts x \d+ compared outputs"):

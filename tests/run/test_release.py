@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import mergeqp.run.pipeline as pipeline  # noqa: E402
+import mergeqp.run.models as models  # noqa: E402
 from mergeqp.config import load_config  # noqa: E402
 from mergeqp.run.pipeline import run_merge  # noqa: E402
 
@@ -26,7 +26,7 @@ def fam(tiny_hf, tmp_path_factory):
 @pytest.mark.parametrize("method", [{"name": "qp", "mode": "single"}, {"name": "regmean"}])
 def test_models_are_freed_before_the_next_loads(tiny_hf, fam, tmp_path, monkeypatch, cycle, method):
     loaded: list[weakref.ref] = []
-    real_load = pipeline.load_model
+    real_load = models.load_model
 
     def load(ck, *args, **kw):
         assert all(r() is None for r in loaded[1:]), "a fine-tuned model outlived its turn"
@@ -38,8 +38,8 @@ def test_models_are_freed_before_the_next_loads(tiny_hf, fam, tmp_path, monkeypa
 
     collections: list[int] = []
     real_collect = gc.collect
-    monkeypatch.setattr(pipeline, "load_model", load)
-    monkeypatch.setattr(pipeline.gc, "collect", lambda *a: collections.append(1) or real_collect(*a))
+    monkeypatch.setattr(models, "load_model", load)
+    monkeypatch.setattr(gc, "collect", lambda *a: collections.append(1) or real_collect(*a))
     cfg = load_config(fam.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["llama"]], method))
     run_merge(cfg, tmp_path / "out", progress=False)
     n_ft = len(fam.finetuned)

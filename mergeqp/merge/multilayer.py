@@ -41,7 +41,7 @@ from ..constraints import layer_constraint, layer_context, parse_constraint
 from ..errors import SolverError, ValidationError
 from ..lm import OutputSpec, squared_error
 from ..solvers.registry import solve
-from ..stats.parametrisation import Parametrisation, get_parametrisation, merged_update
+from ..stats.parametrisation import Parametrisation, SiteInputs, get_parametrisation, merged_update
 from .baseline_residuals import BaselineChoice, site_baseline_residuals
 from .firstorder import FirstOrderStats, SiteAtoms, TaskTargets, collect_first_order
 from .outputbasis import collect_output_basis
@@ -211,13 +211,16 @@ class LayerRecord:
 
 
 def make_parametrisation(settings: QPSettings, site: LayerSite, deltas: Any, optimal: Any = None,
-                         base_weight: Any = None) -> Parametrisation:
+                         base_weight: Any = None, inputs: SiteInputs | None = None) -> Parametrisation:
     """The parametrisation of ``site`` (the registered entry's :meth:`~Parametrisation.for_site`:
     a basis is built from the site's deltas, or from ``optimal``, its
     :class:`~.outputbasis.OutputBasisStats`; baselines' residuals from ``base_weight``, the
-    site's augmented base weight)."""
+    site's augmented base weight; ``inputs``: the layer's :class:`SiteInputs`, handed to the entry as
+    ``options["site_inputs"]``)."""
     entry = get_parametrisation(settings.parametrisation)
     options = settings.parametrisation_options
+    if inputs is not None:
+        options["site_inputs"] = inputs
     if settings.baselines and base_weight is not None:
         options["baseline_residuals"] = functools.partial(site_baseline_residuals, settings.baselines, base_weight,
                                                           merged=settings.baseline_merges)
@@ -308,8 +311,10 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     entry.check_site(site, options)
     if entry.needs_output_jacobian(options):
         optimal = _optimal_basis_stats(ctx, site, offset)
-    base_weight = ctx.weights.base_weight(site) if ctx.settings.baselines else None
-    param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight)
+    inputs = SiteInputs.lazy(functools.partial(ctx.weights.base_weight, site),
+                             functools.partial(read_augmented, ctx.model, site))
+    base_weight = inputs.base_weight() if ctx.settings.baselines else None
+    param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight, inputs)
     norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))
     return BuiltSite(SiteAtoms(site, param, deltas, offset),
                      param.site_record(deltas.numpy(), optimal, seed=ctx.settings.seed),

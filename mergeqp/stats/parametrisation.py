@@ -24,8 +24,10 @@ downstream Jacobian ``L`` (``(B, c, T, r)``), the residual activations
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -199,7 +201,9 @@ class Parametrisation(ABC):
                  output_stats: Any = None) -> Parametrisation:
         """The parametrisation to use at one merge layer ``site`` (an object with ``name``, ``r``,
         ``m1``) with residuals ``deltas`` (``(K, r, m1)`` float64): ``self`` unless the atoms depend
-        on the layer (a basis)."""
+        on the layer (a basis). In a checkpoint merge ``options`` also holds ``site_inputs``, a
+        :class:`SiteInputs` (the layer's base and current weights, each read when asked), and, with
+        ``method.baselines``, ``baseline_residuals``."""
         return self
 
     def describe(self, options: Mapping[str, Any]) -> str:
@@ -553,6 +557,24 @@ class BasisParametrisation(Parametrisation):
         if self._basis is None:
             return "BasisParametrisation(<built per layer>)"
         return f"BasisParametrisation({self.basis.name}, r={self.basis.r}, p={self.basis.p})"
+
+
+@dataclass(frozen=True)
+class SiteInputs:
+    """What a checkpoint merge gives :meth:`Parametrisation.for_site` at one layer besides its
+    residuals (``options["site_inputs"]``), each read only when called and then kept: ``base_weight()``,
+    the layer's weight in the base checkpoint, and ``current_weight()``, the live model's weight at
+    the layer when the atoms are built (the linearisation point: the base's in ``single`` mode, the
+    current merge in ``sequential`` and ``trust_region``); both augmented with the bias column,
+    ``(r, m1)`` float64 CPU tensors."""
+
+    base_weight: Callable[[], Any]
+    current_weight: Callable[[], Any]
+
+    @classmethod
+    def lazy(cls, base_weight: Callable[[], Any], current_weight: Callable[[], Any]) -> SiteInputs:
+        """Inputs that are read once, on the first call."""
+        return cls(functools.cache(base_weight), functools.cache(current_weight))
 
 
 PARAMETRISATIONS: dict[str, Parametrisation] = {}

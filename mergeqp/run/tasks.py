@@ -14,17 +14,8 @@ from typing import Any
 
 from .schema import MergeConfig
 from ..errors import MergeQPError, ValidationError, first_line
-from ..io.calibration import (
-    is_tensor_file,
-    load_tokenizer,
-    read_labelled_prompts,
-    read_prompts,
-    read_tensor_inputs,
-    split_holdout,
-    tensor_batches,
-    tensor_labels,
-    tokenize_batches,
-)
+from ..io.calibration import (is_tensor_file, load_tokenizer, read_labelled_prompts, read_prompts, read_tensor_inputs,
+                              split_holdout, tensor_batches, tensor_labels, tokenize_batches)
 from ..io.lazy_model import lazy_summary
 from ..io.memory import available_memory_bytes
 from ..lm import (

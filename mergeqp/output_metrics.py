@@ -191,6 +191,9 @@ def register_output_metric(metric: OutputMetric) -> OutputMetric:
     if not isinstance(metric, OutputMetric):
         raise ValidationError(f"register_output_metric expects an OutputMetric, got {type(metric).__name__}")
     check_new_name("output metric", metric.name, OUTPUT_METRICS)
+    if metric.builtin:
+        raise ValidationError(f"output metric {metric.name!r}: builtin=True is for the built-in entries, whose maps are "
+                              f"not checked at each call")
     if metric.scores_data:
         raise ValidationError(f"output metric {metric.name!r}: a metric scored against the prompts' own tokens needs "
                               f"its own Gauss-Newton expansion; only the built-in cross_entropy has one (register a "

@@ -168,6 +168,7 @@ def _mixing(x, p):
     (OutputMetric("mixing", "positions", distribution=_softmax, whiten=_mixing), "mixes positions"),
     (OutputMetric("numpy", "not torch", distribution=_softmax, whiten=_numpy_whiten), "not differentiable in x"),
     (OutputMetric("notcall", "bad", distribution=_softmax, whiten=3), "must be callable"),
+    (OutputMetric("trusted", "bad", distribution=_softmax, whiten=_whiten_ok, builtin=True), "builtin=True is for"),
     (OutputMetric("heldout1", "report", distribution=_softmax, whiten=_whiten_ok, heldout=(("KL", "heldout_mine"),)),
      "heldout must be pairs \\(label, measure\\) with a measure of heldout_mse, heldout_kl"),
     (OutputMetric("heldout2", "report", distribution=_softmax, whiten=_whiten_ok, heldout=("KL", "heldout_kl")),

@@ -311,8 +311,7 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     entry.check_site(site, options)
     if entry.needs_output_jacobian(options):
         optimal = _optimal_basis_stats(ctx, site, offset)
-    inputs = SiteInputs.lazy(functools.partial(ctx.weights.base_weight, site),
-                             functools.partial(read_augmented, ctx.model, site))
+    inputs = SiteInputs.at(functools.partial(ctx.weights.base_weight, site), read_augmented(ctx.model, site))
     base_weight = inputs.base_weight() if ctx.settings.baselines else None
     param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight, inputs)
     norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))

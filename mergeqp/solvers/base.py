@@ -117,7 +117,8 @@ class QPSolver(ABC):
         if it declines ``auto`` as a first choice), or ``None``: not a fallback here (then tried
         only as a last resort, up to :data:`AUTO_FALLBACK_MAX_N` variables, while no point inside the
         set was found). Built in: ``dense_ipm`` 0.5 from its ``auto_min_n`` (else 2), ``clarabel``
-        1, ``osqp`` 3."""
+        1, ``osqp`` 3. A subclass inherits its parent's rank (``torch_ipm`` overrides ``dense_ipm``'s
+        to return ``None``); an answer that is not a finite number, or an exception, means ``None``."""
         return None
 
     @abstractmethod

@@ -370,10 +370,13 @@ def _fallback_rank(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> f
         rank = solver.auto_fallback(problem, cset)
     except Exception:  # noqa: BLE001 - a user's solver: not a fallback
         return None
-    if isinstance(rank, bool) or not isinstance(rank, (int, float, np.integer, np.floating)) \
-            or not math.isfinite(float(rank)):
+    if isinstance(rank, bool) or not isinstance(rank, (int, float, np.integer, np.floating)):
         return None
-    return float(rank)
+    try:
+        value = float(rank)
+    except OverflowError:  # (an int beyond float's range)
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _passes_over(solver: QPSolver, problem: MergeQP, cset: ConstraintSet, auto: bool = True) -> str | None:

@@ -562,19 +562,26 @@ class BasisParametrisation(Parametrisation):
 @dataclass(frozen=True)
 class SiteInputs:
     """What a checkpoint merge gives :meth:`Parametrisation.for_site` at one layer besides its
-    residuals (``options["site_inputs"]``), each read only when called and then kept: ``base_weight()``,
-    the layer's weight in the base checkpoint, and ``current_weight()``, the live model's weight at
-    the layer when the atoms are built (the linearisation point: the base's in ``single`` mode, the
-    current merge in ``sequential`` and ``trust_region``); both augmented with the bias column,
-    ``(r, m1)`` float64 CPU tensors."""
+    residuals (``options["site_inputs"]``): ``base_weight()``, the layer's weight in the base
+    checkpoint (read on the first call, then kept), and ``current_weight()``, the live model's weight
+    at the layer when the parametrisation is built (read then, so that a later call gives the same
+    tensor whatever the model holds by then): the base's in ``single``, ``sequential`` and ``joint``
+    modes (the layer is not merged yet), the start's in ``hybrid`` and ``trust_region`` (whose atoms
+    are built once, at the start). Both augmented with the bias column, ``(r, m1)`` float64 CPU
+    tensors."""
 
     base_weight: Callable[[], Any]
     current_weight: Callable[[], Any]
 
     @classmethod
-    def lazy(cls, base_weight: Callable[[], Any], current_weight: Callable[[], Any]) -> SiteInputs:
-        """Inputs that are read once, on the first call."""
-        return cls(functools.cache(base_weight), functools.cache(current_weight))
+    def at(cls, base_weight: Callable[[], Any], current_weight: Any) -> SiteInputs:
+        """Inputs of a layer whose live weight is ``current_weight`` now and whose base weight is read
+        by ``base_weight()`` once, when first asked."""
+        return cls(functools.cache(base_weight), lambda: current_weight)
+
+
+#: keys of ``for_site``'s options that the merge fills (a parametrisation's own ``config_options`` may not use them)
+SITE_OPTION_KEYS = ("site_inputs", "baseline_residuals")
 
 
 PARAMETRISATIONS: dict[str, Parametrisation] = {}
@@ -586,6 +593,10 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
     if not isinstance(param, Parametrisation):
         raise ValidationError(f"register_parametrisation expects a Parametrisation instance, got {type(param).__name__}")
     check_new_name("parametrisation", param.name, PARAMETRISATIONS)
+    clash = [k for k in getattr(param, "config_options", ()) if k in SITE_OPTION_KEYS]
+    if clash:
+        raise ValidationError(f"parametrisation {param.name!r}: config_options {clash} are keys the merge fills in "
+                              f"for_site's options ({', '.join(SITE_OPTION_KEYS)}); choose other names")
     if param.name in BASES:  # ("svd:4" is basis svd; a parametrisation "svd" would be read as it too)
         raise ValidationError(f"parametrisation name {param.name!r} is a basis name (a config's basis: {param.name}); "
                               f"choose another name")

@@ -1,7 +1,8 @@
 """A parametrisation reads more of a layer than its residuals without edits elsewhere: a checkpoint merge
 hands ``for_site`` the layer's :class:`~mergeqp.stats.parametrisation.SiteInputs` (its base weight and
 the live model's weight at the layer when the atoms are built), each compared here with the
-checkpoints: the base's in ``single`` mode, the soup's when a trust region starts from the soup."""
+checkpoints: the base's in ``single`` mode, the soup's when a trust region starts from the soup, also
+when called after the merge."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class RowsReadingTheLayer(RowsParametrisation):
     def for_site(self, site, deltas, options, *, seed=0, output_stats=None):
         inputs = options["site_inputs"]
         assert isinstance(inputs, SiteInputs)
-        SEEN.append({"site": site.name, "base": inputs.base_weight().clone(), "current": inputs.current_weight().clone(),
-                     "deltas": torch.as_tensor(deltas).clone()})
-        assert inputs.base_weight() is inputs.base_weight()  # read once, then kept
+        # kept and called only after the merge, when the model holds the merged layer (stop 59 review:
+        # a late first call read the final merge, not the weight at the build)
+        SEEN.append({"site": site.name, "deltas": torch.as_tensor(deltas).clone(), "inputs": inputs})
         return self
 
 
@@ -66,6 +67,9 @@ def test_for_site_reads_the_layers_base_and_current_weight(tiny_hf, llama, tmp_p
     rep = run_merge(cfg, tmp_path / "out", progress=False).report
     assert all(r["certificate"]["certified"] for r in rep["layers"])
     first = SEEN[0]
+    inputs = first["inputs"]
+    assert inputs.base_weight() is inputs.base_weight()  # read once, then kept
+    first["base"], first["current"] = inputs.base_weight(), inputs.current_weight()
     base = _augmented(llama.base, first["site"])
     assert torch.equal(first["base"], base)
     fts = [_augmented(f, first["site"]) for f in llama.finetuned]
@@ -74,3 +78,15 @@ def test_for_site_reads_the_layers_base_and_current_weight(tiny_hf, llama, tmp_p
     assert torch.allclose(first["current"], expected, rtol=1e-6, atol=1e-7)  # (the live model computes in float32)
     if start == "soup":
         assert not torch.allclose(first["current"], base)
+
+
+def test_a_parametrisation_may_not_declare_an_option_the_merge_fills():
+    from mergeqp.errors import ValidationError
+
+    class Clash(RowsParametrisation):
+        name = "test_rows_clash"
+        config_options = ("site_inputs",)
+
+    with pytest.raises(ValidationError, match=r"config_options \['site_inputs'\] are keys the merge fills"):
+        register_parametrisation(Clash())
+    assert "test_rows_clash" not in PARAMETRISATIONS

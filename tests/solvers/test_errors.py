@@ -489,6 +489,9 @@ def test_above_the_fallback_size_auto_still_tries_dense_ipm(random_psd_problem, 
     (1.5, ["active_set", "clarabel"]),              # after clarabel, which settles first
     (None, ["active_set", "clarabel"]),             # not a fallback: a last resort, not reached
     ("raises", ["active_set", "clarabel"]),         # a user's auto_fallback that raises: not a fallback
+    (10**400, ["active_set", "clarabel"]),          # beyond float's range (it raised OverflowError out of solve)
+    (float("nan"), ["active_set", "clarabel"]),     # not a finite number: not a fallback
+    (-5, ["active_set", "user_fallback"]),          # any finite number ranks
 ])
 def test_a_users_solver_ranks_itself_among_autos_fallbacks(random_psd_problem, monkeypatch, rank, expected) -> None:
     """``auto``'s fallbacks are the solvers whose ``auto_fallback`` ranks them, not a list of names:

@@ -43,6 +43,7 @@ SUBCOMMANDS: dict[str, str] = {
     "experiment": "mergeqp.cli.experiment",
     "merge": "mergeqp.cli.merge",
     "sweep": "mergeqp.cli.sweep",
+    "list": "mergeqp.cli.names",
 }
 #: subcommands that keep the C allocator's own policy for freed memory; every other one keeps freed
 #: memory in the process (:func:`mergeqp.io.allocator.keep_freed_memory`: large tensors are
@@ -62,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE (a dotted module name, or a .py file) before the command: your own "
-                             "constraint sets, solvers, parametrisations, merge methods and modes registered "
-                             "there (mergeqp.register_*) are then valid names for it; repeatable, before the "
+                             "constraint sets, solvers, parametrisations, bases, merge methods and modes, output metrics "
+                             "and architectures registered there (mergeqp.register_*; see mergeqp list) are then "
+                             "valid names for it; repeatable, before the "
                              f"command; also ${IMPORT_ENV}=MODULE[,MODULE...]")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     done: set[str] = set()

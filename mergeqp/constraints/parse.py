@@ -29,6 +29,7 @@ def _floats(args: list[str], spec: str, count: tuple[int, int]) -> list[float]:
 
 
 def _parse_box(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``box[:LO,HI]``: every coefficient in ``[LO, HI]`` (default ``[0, 1]``, the paper's set)."""
     vals = _floats(args, spec, (0, 2)) if args else [0.0, 1.0]
     if len(vals) == 1:
         raise ValidationError(f"constraint {spec!r}: a box takes two bounds, box:LO,HI (e.g. box:0,1)")
@@ -36,16 +37,19 @@ def _parse_box(args: list[str], spec: str, ctx: Mapping[str, Any]) -> Constraint
 
 
 def _parse_simplex(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``simplex[:TOTAL]``: per atom, the models' coefficients non-negative and summing to TOTAL (default 1)."""
     vals = _floats(args, spec, (0, 1))
     return Simplex(vals[0] if vals else 1.0)
 
 
 def _parse_global_simplex(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``global_simplex[:TOTAL]``: every coefficient non-negative, all of them summing to TOTAL (default 1)."""
     vals = _floats(args, spec, (0, 1))
     return GlobalSimplex(vals[0] if vals else 1.0)
 
 
 def _parse_l1(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``l1:RADIUS[,CENTER]``: the L1 distance of the coefficients to CENTER (default 0) at most RADIUS."""
     if not args:
         raise ValidationError(f"constraint {spec!r}: an L1 ball needs a radius, l1:RADIUS[,CENTER]")
     vals = _floats(args, spec, (1, 2))
@@ -53,16 +57,19 @@ def _parse_l1(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintS
 
 
 def _parse_nonneg(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``nonneg``: every coefficient non-negative."""
     _floats(args, spec, (0, 0))
     return Box(0.0, np.inf)
 
 
 def _parse_none(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``none``: no constraint."""
     _floats(args, spec, (0, 0))
     return Unconstrained()
 
 
 def _parse_sign(args: list[str], spec: str, ctx: Mapping[str, Any]) -> ConstraintSet:
+    """``sign[:DENSITY]``: TIES-like sign consensus, no merged parameter against its elected sign (per layer)."""
     if ctx.get("deltas") is None:
         raise ValidationError(
             "constraint 'sign' needs the residual tensors: put an array 'deltas' (K, r, m) in the "

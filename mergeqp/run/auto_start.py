@@ -41,7 +41,7 @@ from .outcomes import checked_merge
 from .tasks import baseline_merge, statistics_collector
 
 
-class RunContext(Protocol):
+class AutoStartRun(Protocol):
     """What :class:`AutoStart` reads of the run it serves (the pipeline's run of one merge)."""
 
     cfg: MergeConfig
@@ -61,7 +61,7 @@ class AutoStart:
     others fitted per split) and the lowest loaded: its one fit, or with k folds its refit on every
     batch."""
 
-    def __init__(self, run: RunContext, params: AutoStartParams):
+    def __init__(self, run: AutoStartRun, params: AutoStartParams):
         self.run = run
         self.params = params
         # a tensor equal in the base and every fine-tune is the base's in every candidate: only

@@ -109,6 +109,8 @@ class _CvxpySolver(QPSolver):
 
 
 class CvxpyClarabelSolver(_CvxpySolver):
+    """Clarabel through CVXPY: any set, a user's CVXPY constraints too."""
+
     name = "cvxpy_clarabel"
     backend = "CLARABEL"
     defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
@@ -117,6 +119,8 @@ class CvxpyClarabelSolver(_CvxpySolver):
 
 
 class CvxpyOSQPSolver(_CvxpySolver):
+    """OSQP through CVXPY: sets with linear constraints, a user's CVXPY constraints too."""
+
     name = "cvxpy_osqp"
     backend = "OSQP"
 

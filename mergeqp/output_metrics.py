@@ -37,6 +37,7 @@ from .errors import (
     check_new_name,
     did_you_mean,
     first_line,
+    named_failure,
 )
 
 #: the ways the compared positions may be pooled (``output.pool``)
@@ -119,12 +120,8 @@ class OutputMetric:
         if self.builtin:
             return self.distribution(target).to(torch.float64)
         where = f"output metric {self.name!r}: distribution(target) on a target of shape {tuple(target.shape)}"
-        try:
+        with named_failure(where, ValidationError):
             aux = self.distribution(target)
-        except MergeQPError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a user's code, named in one line
-            raise ValidationError(f"{where} failed: {type(exc).__name__}: {first_line(exc)}") from exc
         if not isinstance(aux, torch.Tensor) or tuple(aux.shape) != tuple(target.shape):
             raise ValidationError(f"{where} returned {_kind(aux)}; it must return a tensor of the target's shape")
         aux = aux.to(device=target.device, dtype=torch.float64)

@@ -40,12 +40,9 @@ def _constraints() -> list[dict[str, Any]]:
 def _solvers() -> list[dict[str, Any]]:
     from ..solvers.registry import SOLVERS  # deferred: the CLI layer imports lazily
 
-    out = []
-    for name, solver in [("auto", None), *SOLVERS.items()]:
-        if solver is None:
-            out.append({"name": "auto", "description": "the registered solver measured fastest for the problem and set, "
-                                                       "with fallbacks when its point does not certify"})
-            continue
+    out = [{"name": "auto", "description": "the registered solver measured fastest for the problem and set, with "
+                                           "fallbacks when its point does not certify"}]
+    for name, solver in SOLVERS.items():
         missing = solver.available()
         out.append({"name": name, "description": _doc(type(solver)),
                     **({"note": f"not available here: {_first_line(missing)}"} if missing else {})})

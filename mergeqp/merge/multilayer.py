@@ -300,9 +300,10 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     ``W_current - W_ref`` of the live model is pushed forward (``None``: no offset, the model is
     taken to hold ``W_ref``; a zero offset is dropped)."""
     deltas = ctx.weights.deltas(site)
+    current = read_augmented(ctx.model, site)
     offset = None
     if reference is not None:
-        diff = read_augmented(ctx.model, site) - reference
+        diff = current - reference
         if float(diff.abs().max()) > 0.0:
             offset = diff
     optimal = None
@@ -311,7 +312,7 @@ def site_atoms(ctx: MergeContext, site: LayerSite, reference: Any = None) -> Bui
     entry.check_site(site, options)
     if entry.needs_output_jacobian(options):
         optimal = _optimal_basis_stats(ctx, site, offset)
-    inputs = SiteInputs.at(functools.partial(ctx.weights.base_weight, site), read_augmented(ctx.model, site))
+    inputs = SiteInputs.at(functools.partial(ctx.weights.base_weight, site), current)
     base_weight = inputs.base_weight() if ctx.settings.baselines else None
     param = make_parametrisation(ctx.settings, site, deltas, optimal, base_weight, inputs)
     norms = tuple(float(x) for x in deltas.reshape(deltas.shape[0], -1).norm(dim=1))

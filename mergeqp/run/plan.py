@@ -1414,7 +1414,7 @@ def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T
     # a whitening metric's distributions beside the targets: one number per entry before any projection
     # (stop 59 review: left out, the dry run passed what the run's own memory check refused)
     spread = 0
-    if spec.output_metric.whitens and not spec.scores_data:
+    if spec.output_metric.whitens:
         spread = int(spec.k) if spec.restrict == "topk" else (plan.vocab_size or per_pos) if spec.field == "logits" \
             else per_pos
     return (prompts * T * (width(spec, per_pos) + spread) * 8

@@ -280,3 +280,18 @@ def test_the_docs_example_registers_through_a_configs_imports(tiny_hf, tmp_path)
     assert layer["certificate"]["certified"] is True
     assert report["evaluation"]["merged"]["calibration_objective"] < report["evaluation"]["base"]["calibration_objective"]
     assert "the merge objective: about twice the summed tempered KL" in (tmp_path / "out" / "report.md").read_text()
+
+
+def test_the_heldout_measures_an_entry_may_name_are_those_a_merge_records():
+    """``HELDOUT_MEASURES`` (the registry's layer cannot import the run layer's report) is the set of
+    held-out fields of :class:`mergeqp.run.report.ModelEvaluation`."""
+    import dataclasses
+
+    from mergeqp.output_metrics import HELDOUT_MEASURES
+    from mergeqp.run.report import ModelEvaluation
+
+    fields = {f.name for f in dataclasses.fields(ModelEvaluation) if f.name.startswith("heldout_")}
+    assert set(HELDOUT_MEASURES) == fields
+    for metric in OUTPUT_METRICS.values():  # the built-ins name only recorded measures
+        assert {key for _, key in metric.heldout} <= fields
+        assert metric.regression is None or metric.regression[0] in fields

@@ -23,7 +23,7 @@ from ..merge.report import by_qp, format_number, jsonable
 from ..output_metrics import OUTPUT_METRICS
 from ..run import build_plan, run_merge
 from ..run.pipeline import check_groups_fit, resolve_device
-from ..run.plan import basis_pass_tangent, qp_site_memory
+from ..run.memory_estimate import basis_pass_tangent, qp_site_memory
 
 
 def register(subparsers: Any) -> None:

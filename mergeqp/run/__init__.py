@@ -17,7 +17,7 @@ from .._lazy import lazy_exports
 # resolved on first use, so that reading a config (:mod:`.schema`) does not load the pipeline
 _EXPORTS: dict[str, str] = {
     "MergeConfig": "mergeqp.run.schema",
-    "MergePlan": "mergeqp.run.plan",
+    "MergePlan": "mergeqp.run.merge_plan",
     "MergeReport": "mergeqp.run.report",
     "MergeResult": "mergeqp.run.pipeline",
     "build_plan": "mergeqp.run.plan",

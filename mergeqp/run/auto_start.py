@@ -19,7 +19,7 @@ from ..merge.multilayer import HeldOutStart, MergeContext, calibration_objective
 from ..merge.trust_region import holdout_count, no_holdout_error, split_tasks
 from ..merge.sites import read_augmented, stored_tensors
 from .checkpoints import changed_keys
-from .plan import MergePlan
+from .merge_plan import MergePlan
 from .auto import (
     QP_CANDIDATE,
     AutoStartParams,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import MergeMethodError, MergeQPError, first_line, listing, named_failure
 from ..merge.report import jsonable
-from .plan import MergePlan
+from .merge_plan import MergePlan
 from .model_method import ModelMethod
 from .report import REPORT_KEYS
 

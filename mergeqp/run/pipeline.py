@@ -66,17 +66,15 @@ from .plan import (
     build_plan,
     changed_outside,
     check_config_object,
-    evaluates_baseline,
     keeps_base_outside,
     start_outside,
-    statistics_method,
     without_unchanged,
 )
 from .auto import is_auto_start, parse_auto_params
 from .model_method import MethodOutcome, ModelMethod
 from .model_methods import entry_call, model_method_of
 from .report import BaselineSummary, Evaluation, MergeReport, ModelEvaluation, WrittenOutput, uncertified
-from .settings import DEFAULT_CHUNK_BYTES, qp_settings
+from .settings import DEFAULT_CHUNK_BYTES, evaluates_baseline, qp_settings, statistics_method
 from . import models
 from .models import collect_if_held, load_into, load_model, resolve_device
 from .outcomes import checked_merge, checked_report_fields, method_sections

@@ -5,34 +5,30 @@ shapes), tokenizer files, prompt files, and a ``meta``-device skeleton of the ar
 (module types without storage). Errors found here (missing files, models of different
 architectures, tokenizer mismatch, a layer pattern that matches nothing, a bad constraint or
 solver name) are raised before any tensor is loaded. ``mergeqp merge --dry-run`` prints
-:meth:`MergePlan.render`.
+:meth:`MergePlan.render`. What a batch's statistics cost and the sketch chosen from it are
+:mod:`~mergeqp.run.statistics_cost`'s; the memory estimate is :mod:`~mergeqp.run.memory_estimate`'s.
 """
 
 from __future__ import annotations
 
 
 import fnmatch
-import functools
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .architectures import ARCHITECTURES, causal_lm_obstacle, lower_blocks
+from .architectures import ARCHITECTURES, causal_lm_obstacle
 from .auto import (
     AUTO,
     MIN_FOLD_BATCHES,
     QP_CANDIDATE,
-    candidate_notes,
     candidate_where,
-    held_out_fit,
     is_auto_start,
-    lazy_skipped,
     parse_auto_params,
-    statistics_candidates,
     too_few_batches,
 )
 from .checkpoints import (aligned_checkpoints, changed_keys, check_architectures, check_decoder_inputs,
@@ -51,16 +47,13 @@ from ..io.calibration import (
     split_holdout,
     tensor_labels,
 )
-from ..io.checkpoint import DTYPE_BYTES, Checkpoint, open_checkpoint
+from ..io.checkpoint import Checkpoint, open_checkpoint
 from ..io.arrays import read_head, read_matrix
-from ..io.memory import SiteMemory, design_bytes, estimate_site_memory, human_bytes
+from ..io.memory import human_bytes
 from ..io.writer import parse_size
-from ..merge.calibrated import check_params, statistics_methods, statistics_of
-from ..merge.modes import MergeMode, get_merge_mode
-from ..merge.firstorder import widest_layer
-from ..merge.outputbasis import basis_pass_bytes, jacobian_bytes
-from ..lm import (MAX_SKETCH_ENTRIES, ClassifierHead, OutputSpec, backbone, keeps_head_targets,
-                  linear_head)
+from ..merge.calibrated import check_params, statistics_methods
+from ..merge.modes import get_merge_mode
+from ..lm import ClassifierHead
 from ..output_metrics import output_metric
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.registry import MERGE_METHODS, get_merge_method
@@ -76,357 +69,13 @@ from ..merge.sites import (
 )
 from ..problem import MergeQP
 from ..solvers.registry import choose_solver, declines, get_solver
-from ..stats.linearise import choose_mode
 from ..stats.parametrisation import Parametrisation, get_parametrisation
 from .model_methods import (MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of, parse_candidate,
-                            start_method, start_statistics)
-from .settings import DEFAULT_CHUNK_BYTES, qp_settings
-
-@dataclass(frozen=True)
-class TaskPlan:
-    name: str
-    checkpoint: str
-    prompts_file: str | None
-    n_prompts: int
-    n_calibration: int
-    n_heldout: int
-    weight: float
-    #: the classifier head file, its classes, and the prompts' label field (classification objective)
-    head: str | None = None
-    classes: int | None = None
-    label_field: str | None = None
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """One QP: the sites solved together, its variable count and solver."""
-
-    sites: tuple[str, ...]
-    n_variables: int
-    solver: str
-    linearised_at: str
-
-
-@dataclass
-class MergePlan:
-    """What a merge will do (JSON-able via :meth:`to_json`)."""
-
-    config: MergeConfig
-    base: Checkpoint
-    finetuned: list[Checkpoint]
-    architecture: str
-    model_type: str | None
-    sites: list[LayerSite]
-    extra_tensors: list[str]
-    tasks: list[TaskPlan]
-    groups: list[GroupPlan]
-    vocab_size: int | None
-    tokenizer_folder: str | None
-    memory: dict[str, int] = field(default_factory=dict)
-    notes: list[str] = field(default_factory=list)
-    #: the architecture on the ``meta`` device (module structure, no storage)
-    skeleton: Any = field(default=None, repr=False, compare=False)
-    #: ``output.matrix`` read from its file once (``None`` when the config names none)
-    output_matrix: Any = field(default=None, repr=False, compare=False)
-    #: each model's classifier ``head`` read once (:class:`mergeqp.lm.ClassifierHead`; ``None``
-    #: where the config names none)
-    heads: list[Any] = field(default_factory=list, repr=False, compare=False)
-    #: tokens of the longest calibration prompt (text prompts, tokenised by the plan; ``None`` when
-    #: not measured: tensor inputs, or no tokenizer)
-    longest_prompt: int | None = None
-    #: why the base is not a causal language model (``None``: it is, or a registered architecture
-    #: whose config cannot tell): no next-token cross-entropy is measured or optimised then
-    not_causal: str | None = None
-    #: ``output.sketch`` left out: it is not below the numbers each prompt compares (exact statistics
-    #: are then cheaper, and exact)
-    sketch_dropped: bool = False
-    #: the ``s`` that ``output.sketch: auto`` chose (``None``: exact statistics; see :func:`_choose_sketch`)
-    auto_sketch: int | None = None
-    #: the notes among :attr:`notes` that depend on the QPs (the sketch's choice, the statistics' cost):
-    #: :func:`without_unchanged` removes exactly these and decides them again on the run's own QPs
-    qp_notes: list[str] = field(default_factory=list)
-
-    def add_qp_note(self, note: str) -> None:
-        """Append ``note``, one that :func:`without_unchanged` recounts on the run's QPs."""
-        self.notes.append(note)
-        self.qp_notes.append(note)
-
-    @property
-    def sketch(self) -> int | None:
-        """The statistics' sketch as the run takes it: ``output.sketch``, or what ``auto`` chose;
-        ``None`` (exact) where the plan left a sketch out."""
-        s = self.config.output.sketch
-        return None if self.sketch_dropped else self.auto_sketch if s == "auto" else s
-
-    def output_spec(self) -> OutputSpec:
-        """The output the merge compares (the config's ``output``, its matrix read once)."""
-        out = self.config.output
-        return OutputSpec(out.field, out.restrict, out.k, self.config.seed, out.metric, out.fold_head_flag,
-                          self.sketch, out.pool, self.output_matrix)
-
-    def heldout_spec(self) -> OutputSpec:
-        """The output the report's held-out metrics compare: every entry, Euclidean, unfolded."""
-        return OutputSpec(self.config.output.field, "none", fold_head=False, pool=self.config.output.pool)
-
-    @property
-    def batch_length(self) -> int:
-        """Positions per calibration batch at most: :attr:`max_length`, or the longest prompt's
-        tokens where that is shorter (measured by the plan)."""
-        return self.max_length if self.longest_prompt is None else min(self.max_length, self.longest_prompt)
-
-    @property
-    def batch_prompts(self) -> int:
-        """Prompts per calibration batch at most: ``calibration.batch_size``, or the largest task's
-        prompts where that is fewer."""
-        return min(self.config.calibration.batch_size, max((t.n_calibration for t in self.tasks), default=1) or 1)
-
-    @property
-    def per_position(self) -> int:
-        """Numbers compared per position: the vocabulary / features, a restriction's k, or the output
-        matrix's columns."""
-        out = self.config.output
-        return ((self.vocab_size or 1) if out.restrict == "none" else
-                int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k))
-
-    @property
-    def widest(self) -> int:
-        """The widest layer the derivatives pass through (the vocabulary or the compared width when the
-        skeleton is unknown)."""
-        return widest_layer(self.skeleton) if self.skeleton is not None else max(self.vocab_size or 0, self.per_position)
-
-    @functools.cached_property
-    def structure_folds(self) -> bool:
-        """Whether the model's structure lets the run fold its head (what the plan can see of the run's
-        checks, :func:`mergeqp.lm.fold_decision`, without weights): an ``nn.Linear`` head, a backbone
-        holding every merge site and every parameter but the head's (BERT's masked-LM head transforms the
-        backbone's output first), and no soft-capped logits. The run still checks its first batch; where
-        the plan presumed a fold the run refused, its estimates were below the run's (stop 57 review:
-        BERT's masked LM, a merge site in ``lm_head``); unknown structure counts as folding. Computed
-        once per plan (every estimate asks it; :func:`without_unchanged` makes a new plan)."""
-        model = self.skeleton
-        if model is None:
-            return True
-        head, inner = linear_head(model), backbone(model)
-        if head is None or inner is None:
-            return False
-        if (self.base.config or {}).get("final_logit_softcapping"):
-            return False
-        inside = {id(p) for p in inner.parameters()} | {id(p) for p in head.parameters()}
-        if any(id(p) not in inside for p in model.parameters()):
-            return False
-        modules = {id(m) for m in inner.modules()}
-        names = dict(model.named_modules())
-        return all(id(names[s.name]) in modules for s in self.sites if s.name in names)
-
-    def fewest_outputs_per_token(self) -> int:
-        """The fewest numbers one token compares in the statistics, unsketched: of the folded (where the
-        head folds) and the unfolded outputs, the fewer (a lower bound a candidate's skip can count
-        on: the run decides the fold at its first batch)."""
-        width = _compared_width(self)
-        if width is None:  # (what the plan cannot count: one, a lower bound)
-            return 1
-        spec = replace(self.output_spec(), sketch=None)
-        hidden, folds = _hidden_and_folds(self, spec)
-        # (stop 58 review: a sequence classifier's 3 labels were counted as the vocabulary, 46, and an
-        # output_space candidate that fits was skipped)
-        return min(_design_outputs(spec, f, 1, width[0], hidden) for f in {folds, False})
-
-    @functools.cached_property
-    def start_skips(self) -> dict[str, str]:
-        """:func:`planned_skips` of the config's ``start: auto`` (``{}`` without one), worked out once per
-        plan: the dry run, the memory estimate and the run read it (a user's ``start.skip`` ran two or
-        three times per run before; :func:`without_unchanged` makes a new plan, which asks again)."""
-        m = self.config.method
-        if not (m.is_qp and is_auto_start(m.start)):
-            return {}
-        assert m.start is not None
-        return planned_skips(self, parse_auto_params(m.start.params))
-
-    @functools.cached_property
-    def matmul_layers(self) -> tuple[tuple[str, int, bool], ...]:
-        """The skeleton's matrix products in module order: ``(name, multiply-adds per token, inside the
-        backbone)``: every 2-D ``weight`` but an embedding's (``nn.Linear``'s ``in x out``, GPT-2's
-        ``Conv1D``, a router's), and a mixture's fused 3-D expert parameters at the share a token uses
-        (``num_experts_per_tok`` of their experts; all of them where the config does not say; stop 58
-        review: the experts went uncounted, 7.7x under on Mixtral). ``()`` without a skeleton.
-        :func:`derivative_work` counts the passes through them."""
-        import torch  # optional heavy dependency: the plan's skeleton is a torch module
-
-        model = self.skeleton
-        if model is None:
-            return ()
-        bcfg = self.base.config or {}
-        active = bcfg.get("num_experts_per_tok") or bcfg.get("moe_topk") or bcfg.get("top_k")
-        inner = backbone(model)
-        inside = {id(m) for m in inner.modules()} if inner is not None else set()
-        out = []
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Embedding):
-                continue
-            madds = 0
-            for pname, param in module.named_parameters(recurse=False):
-                if param.ndim == 2 and pname == "weight":
-                    madds += int(param.numel())
-                elif param.ndim == 3:  # (experts, out, in)
-                    experts = int(param.shape[0])
-                    share = min(int(active), experts) if isinstance(active, int) and active > 0 else experts
-                    madds += int(param.numel()) * share // max(experts, 1)
-            if madds:
-                out.append((name, madds, id(module) in inside))
-        return tuple(out)
-
-    def derivative_width(self, folds: bool) -> int:
-        """:attr:`widest` of the part the statistics' derivatives run through: the backbone where a
-        language model's head ``folds`` (no logits' tangents are formed), else the whole model."""
-        inner = backbone(self.skeleton) if folds and self.skeleton is not None else None
-        return widest_layer(inner) if inner is not None else self.widest
-
-    @property
-    def max_length(self) -> int:
-        """Tokens per prompt: ``calibration.max_length``, or the model's context where that is
-        shorter (:func:`context_length`)."""
-        context = context_length(self.base.config or {})
-        wanted = self.config.calibration.max_length
-        return wanted if context is None else min(wanted, context[1])
-
-    @property
-    def method(self) -> str:
-        m = self.config.method
-        return f"qp ({m.mode})" if m.is_qp else m.name
-
-    @property
-    def mode(self) -> MergeMode:
-        """The registered merge mode entry (QP methods)."""
-        return get_merge_mode(self.config.method.mode)
-
-    @property
-    def parametrisation(self) -> Parametrisation:
-        """The registered parametrisation entry (QP methods)."""
-        return get_parametrisation(self.config.method.parametrisation)
-
-    def site_keys(self) -> list[str]:
-        """The checkpoint keys of the merge sites (weights and biases), in site order."""
-        return [k for s in self.sites for k in s.keys]
-
-    def merged_keys(self) -> list[str]:
-        keys = self.site_keys()
-        return keys + [k for k in self.extra_tensors if k not in keys]
-
-    def float_keys(self) -> list[str]:
-        """The base checkpoint's floating-point tensors (what a start merges "on every tensor")."""
-        return [k for k in self.base.names() if self.base.info(k).floating]
-
-    def written_dtype(self) -> Any:
-        """The ``torch.dtype`` of ``output_dtype``, or ``None`` (each tensor in the base's dtype): what
-        merged tensors are cast to once (a baseline's float32 sums over a bfloat16 base kept in float32)."""
-        import torch  # deferred: torch is heavy
-
-        name = self.config.output_dtype
-        return getattr(torch, name) if name else None
-
-    def stored_dtypes(self) -> dict[str, list[str]]:
-        """The floating-point dtypes each checkpoint stores (``base`` and each model's name), read
-        from the headers: the written tensors take the base's unless ``output_dtype`` is set."""
-        def floats(ck: Checkpoint) -> list[str]:
-            return sorted({ck.info(k).dtype for k in ck.names() if ck.info(k).floating})
-
-        return {"base": floats(self.base),
-                **{name: floats(ck) for name, ck in zip(self.config.model_names(), self.finetuned)}}
-
-    def to_json(self) -> dict[str, Any]:
-        m = self.config.method
-        return {
-            "base": str(self.base.path), "architecture": self.architecture, "model_type": self.model_type,
-            "models": [t.__dict__ for t in self.tasks],
-            "method": m.model_dump(),
-            "layers": [s.to_json() for s in self.sites],
-            "extra_tensors": self.extra_tensors,
-            "groups": [g.__dict__ for g in self.groups],
-            "output": self.config.output.model_dump(),
-            # the sketch the statistics take (output.sketch, or auto's choice; null: exact)
-            **({"statistics_sketch": self.sketch} if self.config.method.is_qp else {}),
-            "device": self.config.device, "dtype": self.config.dtype, "seed": self.config.seed,
-            "stored_dtypes": self.stored_dtypes(), "output_dtype": self.config.output_dtype,
-            "memory_estimate_bytes": self.memory,
-            "notes": self.notes,
-        }
-
-    def render(self) -> str:
-        cfg = self.config
-        lines = [f"merge plan: {self.method}, {len(self.sites)} layer(s) of {self.architecture}"]
-        lines.append(f"  base: {self.base.path} ({len(self.base)} tensors, {human_bytes(self.base.total_bytes)})")
-        for t in self.tasks:
-            lines.append(f"  model {t.name}: {t.checkpoint}; prompts {t.prompts_file or '-'} "
-                         f"({t.n_calibration} calibration + {t.n_heldout} held out), weight {t.weight:g}")
-        if cfg.method.is_qp:
-            m = cfg.method
-            options = m.parametrisation_options()
-            par = self.parametrisation.describe(options)
-            lines.append(f"  QP: parametrisation {par}; constraints {', '.join(m.constraints) or 'none'}; "
-                         f"regularisation {m.regularisation:g}"
-                         + (f" toward {self.mode.regularises_toward or m.reference}" if m.regularisation else ""))
-            if is_auto_start(m.start):
-                auto = parse_auto_params(m.start.params)
-                lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, self.start_skips))
-            elif m.start is not None:
-                lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
-                spec = statistics_of(m.start.name)
-                if spec is not None:
-                    lines.append(f"    {spec.plan_line}")
-            if self.parametrisation.needs_output_jacobian(options):
-                lines.append("  optimal basis per layer (Corollary 4.2): calibration-mean output Jacobian summed over "
-                             f"positions (r JVPs per batch), residual energy restricted to its range; Jacobian cap "
-                             f"{m.basis_max_size}")
-            o = cfg.output
-            lines.append(f"  compared output: {o.describe()}")
-            if o.fold_head != "auto" or o.sketch is not None or m.jacobian_mode != "auto":
-                sketch = (f"{o.sketch} (left out: see the notes)" if self.sketch_dropped else
-                          f"auto -> {self.sketch or 'none (exact)'}" if o.sketch == "auto" else o.sketch or "none")
-                lines.append(f"  statistics: output fold_head {o.fold_head}, sketch {sketch}, "
-                             f"jacobian_mode {m.jacobian_mode}")
-            lines.append("  statistics per QP: per-task H_t (n x n), g_t (n), c_t; energy fractions")
-            cost = statistics_work(self, self.sketch)
-            if cost is not None:
-                lines.append(f"  statistics cost per calibration batch (every prompt at the longest length): about "
-                             f"{cost.total:.2g} multiply-adds ({_cost_parts(cost)})")
-            for g in self.groups:
-                lines.append(f"    QP over {', '.join(g.sites)}: n = {g.n_variables}, solver {g.solver}, "
-                             f"linearised at {g.linearised_at}")
-        else:
-            spec = statistics_of(cfg.method.name)
-            if spec is not None:
-                lines.append(f"  {spec.plan_line}")
-            model_method = model_method_of(cfg)
-            if model_method is not None:
-                parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
-                described = entry_call(model_method, "describe", model_method.describe, parsed)
-                lines.extend(f"  {line}" for line in ([described] if isinstance(described, str) else described))
-            if evaluates_baseline(cfg) or (model_method is not None and model_method.evaluates):
-                lines.append("  evaluation: calibration objective and held-out teacher-forced MSE of the base and the merge")
-            lines.append(f"  {'model method' if model_method is not None else 'baseline'} {cfg.method.name} "
-                         + (f"{cfg.method.params} " if cfg.method.params else "") + "on:")
-            for s in self.sites:
-                lines.append(f"    {s.label} ({s.r} x {s.m}{' + bias' if s.has_bias else ''})")
-            for k in self.extra_tensors:
-                lines.append(f"    {k}")
-        lines.append(f"  device {cfg.device}, dtype {cfg.dtype}, seed {cfg.seed}")
-        stored = self.stored_dtypes()
-        if cfg.output_dtype or len({tuple(v) for v in stored.values()}) > 1:  # (stop 56 review: said nowhere)
-            lines.append("  stored dtypes: " + "; ".join(f"{k} {'/'.join(v) or '-'}" for k, v in stored.items())
-                         + f"; written as {cfg.output_dtype or 'the base stores each tensor'}")
-        if cfg.lazy and self.skeleton is not None:
-            below = lower_blocks(self.sites)(self.skeleton)
-            lines.append(f"  lazy: {len(below)} block(s) below the merge sites stay on disk (read while they run); "
-                         "each fine-tuned model runs one block at a time")
-        cap = f" and max_memory {cfg.max_memory}" if cfg.max_memory is not None else ""
-        at = (f"as long as the longest prompt, {self.longest_prompt} tokens" if self.longest_prompt is not None
-              and self.longest_prompt < self.max_length else "at calibration.max_length")
-        lines.append(f"  memory estimate (upper bounds: every prompt {at}; the run checks each "
-                     f"site with its measured sizes against the available memory{cap}): "
-                     + ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory.items()))
-        for n in self.notes:
-            lines.append(f"  note: {n}")
-        return "\n".join(lines)
+                            start_method)
+from .memory_estimate import OPTIMAL_JACOBIAN, estimate_memory
+from .merge_plan import GroupPlan, MergePlan, TaskPlan, context_length
+from .settings import evaluates_baseline, planned_atoms, qp_settings, statistics_method
+from .statistics_cost import choose_sketch, count_statistics, drop_a_useless_sketch
 
 
 # ---------------------------------------------------------------------- checks
@@ -453,42 +102,13 @@ def without_unchanged(plan: MergePlan) -> MergePlan:
     # chosen for a QP of 64 coefficients was kept for the 32 left, whose exact statistics were cheap)
     new = replace(plan, config=cfg, sites=sites, extra_tensors=extra, groups=plan_groups(cfg, sites),
                   notes=[n for n in plan.notes if n not in plan.qp_notes], qp_notes=[], auto_sketch=None)
-    _choose_sketch(new)
+    choose_sketch(new)
     new.memory = estimate_memory(new)
-    _note_statistics_cost(new)
+    count_statistics(new)
     new.notes.append(f"{len(dropped)} selected layer(s) or tensor(s) are the base's in every fine-tuned model and "
                      f"were left so (not merged, no coefficients): {listing(dropped, 8)}")
     return new
 
-
-def planned_skips(plan: MergePlan, auto: Any) -> dict[str, str]:
-    """The candidates of ``start: auto`` (``auto``: its parameters) that the run skips before any work,
-    by :attr:`~.auto.Candidate.key`, with the reason: with ``lazy: true`` the default ones whose
-    statistics would load every fine-tune whole (:func:`~.auto.lazy_skipped`); a model method that
-    fits the fine-tunes' outputs under a metric that scores the prompts' own tokens or labels; one
-    whose entry's ``start.skip`` gives a reason (``output_space``'s Jacobians that cannot fit even at a
-    lower bound). The dry run lists them, the memory estimate leaves out their statistics and the run
-    skips them (one rule for the three; stop 58 review: the run fitted and chose a user's candidate that
-    the dry run said was skipped)."""
-    skipped = dict(lazy_skipped(auto, statistics_of, plan.config.lazy))
-    metric = plan.config.output.metric
-    scores_data = output_metric(metric).scores_data
-    for c in auto.candidates:
-        entry = start_method(c.name)
-        if entry is None or c.key in skipped:
-            continue
-        assert entry.start is not None
-        if entry.fits_outputs and scores_data:
-            skipped[c.key] = (f"it fits the fine-tunes' outputs, not the prompts' own tokens or labels that metric: "
-                              f"{metric} scores")
-        elif entry.start.skip is not None:
-            why = entry_call(entry, "start.skip", entry.start.skip, plan, parse_candidate(entry, c), auto)
-            if why is not None and not isinstance(why, str):
-                raise ConfigError(f"model method {entry.name!r}: start.skip(plan, parsed, auto) must return a reason "
-                                  f"(a string) or None, got {type(why).__name__} {why!r:.60}")
-            if why:
-                skipped[c.key] = why
-    return skipped
 
 
 def keeps_base_outside(plan: MergePlan) -> bool:
@@ -639,28 +259,6 @@ def _planned_sets(cfg: MergeConfig, n_atoms: int) -> list[Any]:
     if get_merge_mode(m.mode).step_bounded:  # (the trust region's box: closed_form cannot take it)
         sets.append(parse_constraint("box:-1,1"))
     return sets
-
-
-def _n_atoms(cfg: MergeConfig, site: LayerSite) -> int:
-    m = cfg.method
-    return get_parametrisation(m.parametrisation).planned_atoms(site.r, site.m1, m.parametrisation_options())
-
-
-def statistics_method(cfg: MergeConfig) -> str | None:
-    """The baseline (the method, or the hybrid start) whose calibration statistics the pipeline
-    collects (a method that declares ``statistics``: ``fisher`` / ``regmean``), else ``None``."""
-    m = cfg.method
-    if not m.is_qp and statistics_of(m.name) is not None:
-        return m.name
-    if m.is_qp and m.start is not None and statistics_of(m.start.name) is not None:
-        return m.start.name
-    return None
-
-
-def evaluates_baseline(cfg: MergeConfig) -> bool:
-    """A baseline run is evaluated (calibration objective, held-out MSE) when ``evaluate`` is on
-    and every model has calibration prompts."""
-    return not cfg.method.is_qp and cfg.evaluate and all(m.prompts() is not None for m in cfg.models)
 
 
 def _check_output_field(cfg: MergeConfig, model: Any) -> None:
@@ -866,19 +464,6 @@ def output_matrix(cfg: MergeConfig) -> np.ndarray | None:
     return read_matrix(cfg.resolve(cfg.output.matrix), "output.matrix")
 
 
-#: configuration keys that hold a model's context length (positions it was built for)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
-
-
-def context_length(config: dict[str, Any]) -> tuple[str, int] | None:
-    """``(key, positions)`` of a Hugging Face config's context length, or ``None`` when it names
-    none (:data:`CONTEXT_KEYS`, the first positive integer found)."""
-    for key in CONTEXT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return key, value
-    return None
-
 
 def _head_fields(cfg: MergeConfig, entry: Any, head: ClassifierHead | None, label_field: str | None) -> dict[str, Any]:
     """The plan's record of a model's classifier head (none: no fields)."""
@@ -914,7 +499,7 @@ def plan_groups(cfg: MergeConfig, sites: Sequence[LayerSite]) -> list[GroupPlan]
     K = len(cfg.models)
     groups = []
     for group in mode.groups(list(sites)):
-        n = K * sum(_n_atoms(cfg, s) for s in group)
+        n = K * sum(planned_atoms(cfg, s) for s in group)
         groups.append(GroupPlan(tuple(s.name for s in group), n, _solver_name(cfg, n), at))
     _check_feasible_sets(cfg, groups)
     return groups
@@ -1088,266 +673,16 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         why = plan.output_spec().fold_obstacle()
         if why is not None:
             raise ConfigError(f"output.fold_head: true, but the head cannot be folded: {why}")
-    _choose_sketch(plan)
-    _drop_a_useless_sketch(plan)
+    choose_sketch(plan)
+    drop_a_useless_sketch(plan)
     plan.memory = estimate_memory(plan)
-    _note_statistics_cost(plan)
+    count_statistics(plan)
     jacobian, cap = plan.memory.get(OPTIMAL_JACOBIAN), cfg.method.basis_max_size
     if jacobian is not None and cap is not None and jacobian > parse_size(cap):
         plan.notes.append(f"method.basis_max_size {cap} is below the optimal basis's mean Jacobian at its upper "
                           f"bound ({human_bytes(jacobian)}, every prompt at the longest length): the run stops at "
                           f"the first layer whose Jacobian, with the real prompt lengths, exceeds it")
     return plan
-
-
-#: multiply-adds per calibration batch of forming a QP's H above which the plan says what they cost,
-#: and ``output.sketch: auto`` takes a sketch (a stop 56 review, SmolLM2 on 2 CPU cores: 21-24 s per
-#: batch at 3.7e11 (one down_proj), 150-180 s at 1.5e12 (two))
-STATISTICS_BUDGET = 3e11
-#: ``output.sketch: auto``'s ``s`` where it sketches: H's relative error about ``sqrt(2 / s)`` (9%)
-#: per prompt, averaging over the prompts (docs/hf.md)
-AUTO_SKETCH = 256
-
-
-@dataclass(frozen=True)
-class StatisticsWork:
-    """What one calibration batch's statistics cost for the plan's costliest QP, in multiply-adds with
-    every prompt at the longest length: forming H from ``rows`` (prompts x ``outputs`` compared
-    outputs each) of ``n`` coefficients, ``rows x n^2`` (``work``), and the derivative passes that give
-    those rows (``derivatives``: :func:`derivative_work`; ``None`` where the plan cannot count them).
-    An estimate, not a bound: a FLOP counter on tiny Llama / GPT-2 / BERT / Mixtral models measured
-    0.8-1.7x ``total`` (attention's own products and the primal passes of vectorised JVPs are not
-    counted; ``tests/run/test_statistics_cost.py``)."""
-
-    prompts: int
-    outputs: int
-    n: int
-    derivatives: float | None = None
-
-    @property
-    def rows(self) -> int:
-        return self.prompts * self.outputs
-
-    @property
-    def work(self) -> float:
-        return float(self.rows) * self.n * self.n
-
-    @property
-    def energy(self) -> float:
-        """The energy fractions' per-prompt Gram and its eigendecomposition (``m^2 M + m^3`` per prompt,
-        ``m``, ``M`` the smaller and larger of the outputs and ``n``; stop 58 review: as large as H's
-        formation on small models, and not counted)."""
-        m, M = min(self.outputs, self.n), max(self.outputs, self.n)
-        return float(self.prompts) * (m * m * M + m ** 3)
-
-    @property
-    def total(self) -> float:
-        """H's formation, the energies and the derivative passes together."""
-        return self.work + self.energy + (self.derivatives or 0.0)
-
-
-def statistics_work(plan: MergePlan, sketch: int | None) -> StatisticsWork | None:
-    """:class:`StatisticsWork` of the plan's statistics with ``sketch`` (``None``: exact), at its
-    upper bound (every prompt at the longest length); ``None`` for a method without QP statistics."""
-    cfg = plan.config
-    width = _compared_width(plan)
-    if not cfg.method.is_qp or not plan.groups or width is None:
-        return None
-    spec = replace(plan.output_spec(), sketch=sketch)
-    hidden, folds = _hidden_and_folds(plan, spec)
-    per, per_prompt = width
-    outputs = _design_outputs(spec, folds, 1 if per_prompt else plan.batch_length, per, hidden)
-    return StatisticsWork(plan.batch_prompts, outputs, max(g.n_variables for g in plan.groups),
-                          derivative_work(plan, outputs, folds, hidden))
-
-
-def _compared_width(plan: MergePlan) -> tuple[int, bool] | None:
-    """The numbers the statistics compare per position, and whether the output is one per prompt
-    (a sequence classifier's logits), where the plan can tell from the config: a restriction's ``k``
-    or matrix, a language model's vocabulary, a classifier head's classes, the hidden width of
-    ``last_hidden_state`` / ``pooler_output``, a classifier's ``num_labels``; ``None`` otherwise (no
-    cost is counted). (Stop 58 review: a pooled BERT output and a sequence classifier's logits were
-    counted as positions x vocabulary, 8-50x their cost.)"""
-    out = plan.config.output
-    if out.restrict != "none" or _counts_outputs(plan):
-        return plan.per_position, False
-    if any(plan.heads):  # class logits through each model's head
-        classes = max((t.classes or 0 for t in plan.tasks), default=0)
-        return (classes, False) if classes else None
-    bcfg = plan.base.config or {}
-    hidden = bcfg.get("hidden_size") or bcfg.get("n_embd") or bcfg.get("d_model")
-    if out.field in ("last_hidden_state", "pooler_output"):
-        return (int(hidden), out.field == "pooler_output") if hidden else None
-    arch = ((bcfg.get("architectures") or [""])[0]) or ""
-    if out.field == "logits" and arch.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")) and plan.vocab_size:
-        return plan.vocab_size, False
-    if out.field == "logits" and arch.endswith(("ForSequenceClassification", "ForTokenClassification")):
-        labels = bcfg.get("num_labels") or len(bcfg.get("id2label") or {})
-        return (int(labels), arch.endswith("ForSequenceClassification")) if labels else None
-    return None
-
-
-def derivative_work(plan: MergePlan, outputs: int, folds: bool, hidden: int) -> float | None:
-    """Multiply-adds of one calibration batch's derivative passes for the plan's costliest QP, every
-    prompt at the longest length: at each site of the QP, in the mode the run takes there
-    (:func:`choose_mode`), ``outputs`` VJPs (reverse) or ``K x atoms`` JVPs (forward), each through
-    the matrix products after the site in the model's module order (:attr:`MergePlan.matmul_layers`;
-    the backbone's where the head ``folds``, plus the fold's projection from the final ``hidden``
-    width), for every prompt and
-    position, plus one forward pass of the model per site and the site's own products (the models'
-    changes applied to its input; in reverse mode the Jacobian's contraction with them). Module order
-    approximates what lies downstream; attention's own products are not counted. ``None`` without a
-    skeleton. (Stop 57: the README's merge of four ``down_proj`` spent 214 s per trust-region step in
-    these passes, while H's formation, the one cost the plan counted, was a tenth of its note's
-    threshold.)"""
-    if plan.skeleton is None or not plan.groups:
-        return None
-    layers = plan.matmul_layers
-    order = {name: i for i, (name, _, _) in enumerate(layers)}
-    model_madds = sum(madds for _, madds, _ in layers)
-    cfg = plan.config
-    K = len(cfg.models)
-    by_name = {s.name: s for s in plan.sites}
-    tokens = plan.batch_prompts * plan.batch_length
-    best = 0.0
-    for g in plan.groups:
-        work = 0.0
-        for name in g.sites:
-            site = by_name.get(name)
-            if site is None or name not in order:
-                continue
-            tangents = K * _n_atoms(cfg, site)
-            reverse = choose_mode(cfg.method.jacobian_mode, outputs, tangents) == "reverse"
-            passes = outputs if reverse else tangents
-            after = sum(madds for _, madds, in_backbone in layers[order[name] + 1:] if in_backbone or not folds)
-            # the site's own products: each model's change applied to the layer's input (K r m1), and in
-            # reverse mode the per-sample Jacobian contracted with it (outputs x K r; stop 58 review: the
-            # last down_proj, with nothing after it, was 3.6x under without it)
-            own = K * site.r * site.m1 + (outputs * K * site.r if reverse else 0)
-            work += float(tokens) * (passes * after + model_madds + own)
-            if folds:  # each pass's hidden states through the folded head's projection (hidden x its width)
-                work += float(plan.batch_prompts) * passes * outputs * hidden
-        best = max(best, work)
-    return best
-
-
-def _counts_outputs(plan: MergePlan) -> bool:
-    """Whether the plan can count the numbers each prompt compares: a language model's logits per
-    position (the vocabulary, or a restriction's k), not a pooled output, a classifier's labels or
-    another field, whose widths only the run sees (stop 57 review: a pooled BERT embedding 16 wide
-    was counted as the vocabulary's 46, and a sketch wider than the output was chosen)."""
-    out = plan.config.output
-    return (out.field == "logits" and bool(plan.vocab_size) and out.pool == "none" and not any(plan.heads)
-            and plan.not_causal is None)
-
-
-def _choose_sketch(plan: MergePlan) -> None:
-    """``output.sketch: auto``: a sketch of :data:`AUTO_SKETCH` per prompt where the exact
-    statistics of one batch would cost more than :data:`STATISTICS_BUDGET` multiply-adds, the
-    sketch compares fewer numbers than the prompt and at least halves that cost; exact otherwise. A note says which, and why.
-    (Stop 57: docs/hf.md's example, ``restrict: projection, k: 256`` on two of SmolLM2's
-    ``down_proj``, formed H from 124,928 rows per batch, 150-180 s each, half an hour per
-    trust-region step.) The work counted is :attr:`StatisticsWork.total` (H and the derivative passes);
-    a sketch that would not halve it (forward-mode JVPs, which it does not shrink, dominating) is not
-    taken."""
-    cfg = plan.config
-    if cfg.output.sketch != "auto" or not cfg.method.is_qp or not plan.groups:
-        return
-    if not _counts_outputs(plan):
-        plan.add_qp_note("output.sketch auto: the statistics are exact (the plan counts the compared numbers of "
-                          "a language model's logits only, and this output is another: give output.sketch: s to "
-                          "sketch it)")
-        return
-    exact = statistics_work(plan, None)
-    if exact is None:
-        return
-    entries = exact.prompts * AUTO_SKETCH * exact.outputs
-    sketched = statistics_work(plan, AUTO_SKETCH)
-    assert sketched is not None
-    why = None
-    if exact.total <= STATISTICS_BUDGET:
-        why = f"about {exact.total:.2g} multiply-adds per batch, within {STATISTICS_BUDGET:.0g}"
-    elif AUTO_SKETCH >= exact.outputs:
-        why = f"a sketch of {AUTO_SKETCH} is not below the {exact.outputs:,} numbers each prompt compares"
-    elif entries > MAX_SKETCH_ENTRIES:
-        why = (f"a sketch of {AUTO_SKETCH} of {exact.outputs:,} compared outputs per prompt would draw {entries:,} "
-               f"entries per batch, above {MAX_SKETCH_ENTRIES:,}: restrict the output first (restrict: "
-               f"projection|topk) or use smaller batches")
-    elif sketched.total > 0.5 * exact.total:
-        why = (f"a sketch of {AUTO_SKETCH} would cut a batch's {exact.total:.2g} multiply-adds to {sketched.total:.2g} "
-               f"only: the derivative passes, {exact.derivatives or 0:.2g}, do not shrink with it (one JVP per "
-               f"coefficient direction in forward mode)")
-    if why is not None:
-        plan.add_qp_note(f"output.sketch auto: the statistics are exact ({why})")
-        return
-    plan.auto_sketch = AUTO_SKETCH
-    plan.add_qp_note(
-        f"output.sketch auto: a sketch of {AUTO_SKETCH} per prompt, since the exact statistics would cost about "
-        f"{exact.total:.2g} multiply-adds per batch (above {STATISTICS_BUDGET:.0g}; {_cost_parts(exact)}); "
-        f"sketched: {sketched.total:.2g} ({_cost_parts(sketched)}). H is then an unbiased estimate (relative error "
-        f"about {(2 / AUTO_SKETCH) ** 0.5:.0%} per prompt, averaging over the prompts), g and c exact, and each QP's "
-        f"certificate is of the sketched QP; the calibration objective the modes measure (the trust region's "
-        f"true decrease, the report's) is exact. output.sketch: none keeps the statistics exact")
-
-
-def _cost_parts(cost: StatisticsWork) -> str:
-    """:class:`StatisticsWork`'s parts in words."""
-    derivatives = ("" if cost.derivatives is None else
-                   f" and {cost.derivatives:.2g} in the derivative passes from each site to the compared output")
-    return (f"{cost.work:.2g} to form H from {cost.rows:,} rows ({cost.prompts} prompts x {cost.outputs:,} compared "
-            f"outputs) of n = {cost.n:,} coefficients, {cost.energy:.2g} for the energy fractions{derivatives}")
-
-
-#: what reviews measured the statistics to take per batch on 2 CPU cores (SmolLM2-135M, 8 prompts of up
-#: to 61 tokens; their multiply-adds counted by :func:`statistics_work` at the plan's upper bound)
-MEASURED_COST = ("reviews measured 21-24 s per batch at 4.4e11 (one down_proj, projection k 256), 150-180 s at "
-                 "4.6e12 (two, forward-mode JVPs) and 14-20 s at 9.5e11 (four, cross-entropy top 16, sketch 64) on "
-                 "2 CPU cores")
-
-
-def _note_statistics_cost(plan: MergePlan) -> None:
-    """A plan note when one calibration batch's statistics need more than
-    :data:`STATISTICS_BUDGET` multiply-adds (:func:`statistics_work`: H's formation from the batch's
-    design of ``prompts x compared outputs`` rows and n columns, rows x n^2, and the derivative passes
-    that give it), at the plan's upper bound (every prompt at the longest length), for every batch of
-    every linearisation. (Stop 56 review: a real two-layer merge ran 150-180 s per batch, half an hour
-    per trust-region step, with no word from ``--dry-run``; stop 57: four layers' derivative passes, 214
-    s per step, were not counted.)"""
-    cost = statistics_work(plan, plan.sketch)
-    if cost is None or cost.total <= STATISTICS_BUDGET:
-        return
-    size = plan.config.calibration.batch_size
-    batches = sum(-(-t.n_calibration // size) for t in plan.tasks)
-    # (under sketch: auto its own note says why it stayed exact)
-    advice = (f"; output: {{sketch: auto}} (or sketch: s) makes it {cost.prompts} x s rows (docs/hf.md)"
-              if plan.sketch is None and plan.config.output.sketch != "auto" else "")
-    plan.add_qp_note(
-        f"statistics cost: each calibration batch costs about {cost.total:.2g} multiply-adds with every prompt at the "
-        f"longest length "
-        f"({_cost_parts(cost)}; {MEASURED_COST}), for each of {batches} batches of every linearisation (each "
-        f"sequential layer, each trust-region step){advice}")
-
-
-def _drop_a_useless_sketch(plan: MergePlan) -> None:
-    """Leave ``output.sketch: s`` out, with a note, where a language model's prompts compare at most
-    ``s`` numbers each (positions x compared numbers per position, after restriction, not counting
-    a fold of the head, which the run may refuse): the exact statistics are then cheaper and exact. (Stop 54 review: `sketch: 100000` on a tiny model
-    whose prompts compare 192 numbers took 2 minutes and 5.7 GB instead of 5 s, with no word.)"""
-    cfg = plan.config
-    s = cfg.output.sketch
-    if not cfg.method.is_qp or s is None or s == "auto" or cfg.output.field != "logits" or not plan.vocab_size:
-        return
-    spec = plan.output_spec()
-    hidden, _ = _hidden_and_folds(plan, spec)
-    # counted unfolded: the run may still refuse to fold the head (a fine-tune that changed it, a
-    # merge site outside the backbone), and then compares every logit (stop 54 review)
-    exact = _design_outputs(replace(spec, sketch=None), False, plan.batch_length, plan.per_position, hidden)
-    if s >= exact:
-        plan.sketch_dropped = True
-        plan.notes.append(f"output.sketch {s} is not below the {exact} numbers each prompt compares at most "
-                          f"({plan.batch_length} positions x {exact // max(plan.batch_length, 1)}, after "
-                          f"restriction, before any fold of the head): the statistics are computed exactly instead "
-                          f"(cheaper, and without the sketch's noise)")
 
 
 def _not_causal(config: dict[str, Any]) -> str | None:
@@ -1395,201 +730,3 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
                               f"({t.n_calibration} prompts in batches of {B}{held}), at least {MIN_FOLD_BATCHES} are "
                               f"needed (more prompts, a smaller calibration.batch_size"
                               f"{' or calibration.holdout' if held else ''}, or folds: 1)")
-
-
-def _targets_bytes(plan: MergePlan, spec: OutputSpec, prompts: int, held: int, T: int, per_pos: int) -> int:
-    """The fine-tunes' targets of ``spec`` on the calibration and held-out prompts (float64): ``per_pos``
-    compared numbers per position, every logit on the held-out ones, or the final hidden state
-    where the targets are kept as it (:class:`~mergeqp.lm.HeadTargets`: a linear head much wider
-    than its input, every logit compared), and a whitening metric's distributions; the fold's hidden states beside restricted targets
-    are not counted."""
-    head = linear_head(plan.skeleton) if plan.skeleton is not None else None
-    held_spec = plan.heldout_spec()
-
-    def width(s: OutputSpec, whole: int) -> int:
-        if head is not None and keeps_head_targets(s, int(head.out_features), int(head.in_features)):
-            return int(head.in_features)
-        return whole
-
-    # a whitening metric's distributions beside the targets: one number per entry before any projection
-    # (stop 59 review: left out, the dry run passed what the run's own memory check refused)
-    spread = 0
-    if spec.output_metric.whitens:
-        spread = int(spec.k) if spec.restrict == "topk" else (plan.vocab_size or per_pos) if spec.field == "logits" \
-            else per_pos
-    return (prompts * T * (width(spec, per_pos) + spread) * 8
-            + held * T * width(held_spec, plan.vocab_size or per_pos) * 8)
-
-
-def _hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
-    """The final hidden width, and whether a language model's head folds into it (docs/lm-statistics.md:
-    its width is then compared, and no logits' tangents are formed)."""
-    bcfg = plan.base.config or {}
-    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
-    return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None and plan.structure_folds
-
-
-def qp_site_memory(plan: MergePlan) -> list[SiteMemory]:
-    """Each QP's memory model (:func:`mergeqp.io.memory.estimate_site_memory`: the check the run makes
-    at its first batch, with the sizes it measures) at the plan's upper bounds: batches of
-    ``calibration.batch_size`` prompts at the longest length, each site's derivatives in the mode the
-    run takes for it (``jacobian_mode``; ``auto`` counts, as the run does: ``K x atoms`` JVPs against
-    one VJP per compared output), through the layers the run differentiates (the backbone's where the
-    head folds: stop 57 review, a SmolLM2 dry run counted VJP chunks 49,152 wide, the vocabulary, and
-    warned of 57.2 GiB where the run's own check, through 1,536-wide layers, passed). ``[]`` for a
-    baseline."""
-    cfg = plan.config
-    if not cfg.method.is_qp:
-        return []
-    T = plan.batch_length
-    spec = plan.output_spec()
-    hidden, folds = _hidden_and_folds(plan, spec)
-    outputs = _design_outputs(spec, folds, T, plan.per_position, hidden)
-    batch = {"samples": plan.batch_prompts, "outputs": outputs, "itemsize": DTYPE_BYTES[cfg.dtype], "positions": T,
-             "chunk": cfg.method.chunk_size, "widest": plan.derivative_width(folds)}
-    by_name = {s.name: s for s in plan.sites}
-    K = len(cfg.models)
-    out = []
-    for g in plan.groups:
-        sites = [by_name[name] for name in g.sites if name in by_name]
-        reverse = [choose_mode(cfg.method.jacobian_mode, outputs, K * _n_atoms(cfg, s)) == "reverse" for s in sites]
-        out.append(estimate_site_memory(
-            ", ".join(g.sites), g.n_variables, K, site_width=max((s.r for s in sites), default=0),
-            tangent_atoms=sum(K * _n_atoms(cfg, s) for s, rev in zip(sites, reverse) if not rev),
-            jacobian_width=max((s.r for s, rev in zip(sites, reverse) if rev), default=0), **batch))
-    return out
-
-
-def _design_outputs(spec: OutputSpec, folds: bool, T: int, per_pos: int, hidden: int) -> int:
-    """Compared outputs per prompt in the statistics' design, as the run forms them: a sketch's
-    count; else positions (one when pooled) times the numbers compared per position, at most the
-    final hidden width where a language model's head ``folds`` into it (a Linear head assumed; the
-    run checks it, and the design, at its start: ``check_first_design``) except under ``topk``,
-    whose folded width is its k."""
-    if spec.sketch is not None:
-        return int(spec.sketch)
-    narrowed = folds and spec.restrict != "topk"
-    if spec.restrict == "topk" and spec.scores_data:
-        per_pos += 1  # the top k tokens and the rest as one logit (stop 57 review: counted k)
-    return (1 if spec.pool != "none" else T) * (min(per_pos, hidden) if narrowed else per_pos)
-
-
-#: the memory estimate's item of one batch's derivatives (the largest QP's, as its memory model counts them)
-DERIVATIVES = ("derivatives (one batch: the atoms' tangents or the sites' Jacobians, and one vectorised JVP / VJP "
-               "chunk)")
-#: the memory estimate's item of the optimal basis's mean Jacobian (the largest layer's)
-OPTIMAL_JACOBIAN = "optimal-basis mean Jacobian (one layer)"
-#: the memory estimate's item of the optimal basis's pass (one chunk of ``chunk_size`` tangents)
-BASIS_PASS = "optimal-basis pass (a chunk of vectorised JVPs through the head, shrunk at run time to fit)"
-
-
-def basis_pass_tangent(plan: MergePlan) -> int | None:
-    """Bytes of one tangent of the optimal basis's pass at the plan's upper bounds (``None``: no such
-    pass): its estimate's chunk over the chunk's tangents (the dry run warns when not one fits)."""
-    chunk_bytes = plan.memory.get(BASIS_PASS)
-    if chunk_bytes is None:
-        return None
-    tangents = min(plan.config.method.chunk_size, max((s.r for s in plan.sites), default=0))
-    return chunk_bytes // tangents if tangents else chunk_bytes
-
-
-def estimate_memory(plan: MergePlan) -> dict[str, int]:
-    """Peak-memory estimate in bytes, by item (see ``docs/hf.md``)."""
-    cfg = plan.config
-    elem = DTYPE_BYTES[cfg.dtype]
-    numel = sum(plan.base.info(n).numel for n in plan.base.names())
-    K = len(cfg.models)
-    T = plan.batch_length
-    B = plan.batch_prompts
-    per_pos = plan.per_position
-    prompts = sum(t.n_calibration for t in plan.tasks)
-    held = sum(t.n_heldout for t in plan.tasks)
-    spec = plan.output_spec()
-    targets = _targets_bytes(plan, spec, prompts, held, T, per_pos)
-    stats_method = statistics_method(cfg)
-    if not cfg.method.is_qp:  # streamed in chunks: K + 2 copies of one chunk
-        merged = sum(plan.base.info(k).nbytes for k in plan.merged_keys())
-        out = {"merged tensors (one chunk)": min(merged, DEFAULT_CHUNK_BYTES) * (K + 2)}
-        model_method = model_method_of(cfg)
-        if stats_method is not None or evaluates_baseline(cfg) or model_method is not None:
-            out["models (one at a time)"] = numel * elem
-        if stats_method is not None:
-            out[f"{stats_method} statistics"] = _statistics_bytes(plan, stats_method, plan.merged_keys())
-        if model_method is not None and model_method.memory is not None:
-            parsed = entry_call(model_method, "parse", model_method.parse, cfg.method.params, "method")
-            def statistics_bytes(name: str) -> int:
-                if statistics_of(name) is None:
-                    raise ConfigError(f"model method {model_method.name!r}: memory asked for the statistics of "
-                                      f"{name!r}, which declares none (those that do: "
-                                      f"{', '.join(statistics_methods())})")
-                return _statistics_bytes(plan, name, plan.merged_keys())
-
-            items = entry_call(model_method, "memory", model_method.memory, parsed, statistics_bytes)
-            if not isinstance(items, dict) or not all(isinstance(k, str) and isinstance(v, (int, np.integer))
-                                                      and not isinstance(v, bool) and v >= 0 for k, v in items.items()):
-                raise ConfigError(f"model method {model_method.name!r}: memory(parsed, statistics_bytes) must return a "
-                                  f"dict of item name -> bytes (an integer >= 0), got {items!r:.120}")
-            out.update({k: int(v) for k, v in items.items()})
-        if evaluates_baseline(cfg) or model_method is not None:
-            out["targets"] = targets
-        return out
-    m = cfg.method
-    mode = plan.mode
-    resident = numel
-    if cfg.lazy and plan.skeleton is not None:  # the blocks below the sites stay on disk, one read at a time
-        sizes = [sum(p.numel() for p in b.parameters()) for b in lower_blocks(plan.sites)(plan.skeleton)]
-        resident = numel - sum(sizes) + max(sizes, default=0)
-    out = {"models" + (" (resident: lazy)" if cfg.lazy else ""):
-           mode.models_in_memory(qp_settings(cfg)) * resident * elem}
-    if is_auto_start(m.start):
-        assert m.start is not None
-        auto = parse_auto_params(m.start.params)
-        fits, held_fit = held_out_fit(auto, mode.start_holdout(m.mode_options))
-        out["start candidates (the best, its fit without the held-out batches, the current; all tensors)"] = (
-            (2 if held_fit is None else 3) * plan.base.total_bytes)
-        for need in statistics_candidates(auto, statistics_of, plan.start_skips, start_statistics):
-            label = (f"{need.label} statistics ({fits} fit(s), if every tensor differs from the base: the run "
-                     f"collects them for those that do)")
-            out[label] = fits * _statistics_bytes(plan, need.name, plan.float_keys())
-    elif mode.uses_start and m.start is not None:
-        # a start fitted to data is also fitted without the batches the mode holds out from it
-        held = stats_method is not None and mode.start_holdout(m.mode_options) > 0
-        out["start merge (all tensors" + (", and its fit without the held-out batches)" if held else ")")] = (
-            (2 if held else 1) * plan.base.total_bytes)
-        if stats_method is not None:
-            out[f"{stats_method} statistics (all tensors" + (", 2 fits)" if held else ")")] = (
-                (2 if held else 1) * _statistics_bytes(plan, stats_method, plan.float_keys()))
-    site_keys = plan.site_keys()
-    for name, _ in statistics_baselines(m.baseline_choices):
-        out[f"{name} statistics (baseline atoms)"] = _statistics_bytes(plan, name, site_keys)
-        out[f"{name} merge (baseline atoms)"] = sum(plan.base.info(k).nbytes for k in site_keys)
-    if get_parametrisation(m.parametrisation).needs_output_jacobian(m.parametrisation_options()):
-        # upper bound: prompts of max_length tokens; tensor inputs: per-sample outputs unknown here
-        out[OPTIMAL_JACOBIAN] = max((jacobian_bytes(T * per_pos, s.r) for s in plan.sites), default=0)
-        out["optimal-basis residuals"] = prompts * T * per_pos * 8
-        # its pass carries up to chunk_size tangents through the unfolded head at once (the run shrinks
-        # the chunk to what the memory holds, down to one tangent)
-        r_max = max((s.r for s in plan.sites), default=0)
-        out[BASIS_PASS] = basis_pass_bytes(B * T, r_max, plan.widest, elem, min(m.chunk_size, r_max))
-    n_max = max((g.n_variables for g in plan.groups), default=0)
-    n_tasks = len(cfg.models)
-    out["statistics"] = n_tasks * n_max * n_max * 8
-    hidden, folds = _hidden_and_folds(plan, spec)
-    out["design (one batch: prompts x compared outputs x n, with its float64 copies)"] = design_bytes(
-        B, _design_outputs(spec, folds, T, per_pos, hidden), n_max, elem)
-    deltas = max((K * s.r * s.m1 * 8 for s in plan.sites), default=0)
-    out["deltas"] = deltas * mode.deltas_in_memory(len(plan.sites))
-    out["targets"] = targets
-    # the QPs' own memory model (what --dry-run's warning and the run's first-batch check count), its
-    # derivatives part: the atoms' tangents or the sites' Jacobians and one JVP / VJP chunk (stop 57
-    # review: an estimate of its own here said 8.6 GiB beside a warning's 57.2 GiB batch)
-    out[DERIVATIVES] = max((site.derivatives for site in qp_site_memory(plan)), default=0)
-    return out
-
-
-def _statistics_bytes(plan: MergePlan, method: str, keys: list[str]) -> int:
-    """Float64 bytes of K models' calibration statistics of ``method`` for ``keys`` (its own rule)."""
-    spec = statistics_of(method)
-    assert spec is not None
-    sites = model_sites(plan.skeleton, plan.base.names()) if plan.skeleton is not None else plan.sites
-    return spec.nbytes(len(plan.config.models), keys, lambda k: plan.base.info(k).numel, sites)

@@ -466,8 +466,8 @@ class OutputConfig(_Strict):
     :class:`mergeqp.lm.FoldedHead`). ``sketch``: ``s`` (default none): the statistics' Hessian
     from ``s`` seeded Gaussian combinations of each sample's compared outputs (unbiased; ``g``
     and ``c`` stay exact), so that reverse mode costs ``s`` VJPs per batch; ``auto``: a sketch of
-    :data:`mergeqp.run.plan.AUTO_SKETCH` where the exact statistics of one batch would cost more
-    than :data:`mergeqp.run.plan.STATISTICS_BUDGET` multiply-adds, else exact (the plan says which). ``pool``: ``none``
+    :data:`mergeqp.run.statistics_cost.AUTO_SKETCH` where the exact statistics of one batch would cost more
+    than :data:`mergeqp.run.statistics_cost.STATISTICS_BUDGET` multiply-adds, else exact (the plan says which). ``pool``: ``none``
     (default: every token position) or ``mean`` (one vector per prompt, the mean over its real
     tokens, as a sentence encoder's mean-pooled embedding; Euclidean metric, or ``cross_entropy``
     for a classification: each model's ``head`` reads the pooled output and the objective is ``2 *

@@ -32,7 +32,7 @@ from ..merge.calibrated import StatisticsCollector
 from ..merge.registry import merge_state_dicts
 from .architectures import every_block
 from .checkpoints import same_stored_value
-from .plan import MergePlan
+from .merge_plan import MergePlan
 from .settings import DEFAULT_CHUNK_BYTES
 from . import models
 from .models import collect_if_held, failure_hint, out_of_memory

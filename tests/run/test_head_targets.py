@@ -181,7 +181,8 @@ def _same(a, b, path="report"):
 
 
 def test_the_dry_run_counts_kept_targets_as_hidden_states(tiny_hf, fam, tmp_path, monkeypatch):
-    from mergeqp.run.plan import build_plan, estimate_memory
+    from mergeqp.run.memory_estimate import estimate_memory
+    from mergeqp.run.plan import build_plan
 
     plan = build_plan(load_config(fam.write_config(tmp_path / "c.yml", tiny_hf.MLP_LAYER["llama"], {"name": "qp"})))
     head = plan.skeleton.get_output_embeddings()

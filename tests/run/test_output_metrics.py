@@ -240,7 +240,8 @@ def test_a_users_check_is_named_when_it_fails_or_answers_no_reason():
 def test_the_dry_runs_targets_count_a_whitening_metrics_distributions(tiny_hf, llama, tmp_path, user_metrics):
     """(stop 59 review) Under a projection a whitening metric keeps each position's vocabulary-wide
     distribution beside its k-wide target: the plan's targets item counts them, as the run does."""
-    from mergeqp.run.plan import build_plan, estimate_memory
+    from mergeqp.run.memory_estimate import estimate_memory
+    from mergeqp.run.plan import build_plan
 
     def targets(name, metric):
         cfg = load_config(llama.write_config(tmp_path / f"{name}.yml", tiny_hf.MLP_LAYER["llama"],

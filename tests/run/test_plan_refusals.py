@@ -135,12 +135,13 @@ def test_the_plan_says_what_a_batchs_statistics_cost_when_they_are_large(tiny_hf
     with the sketch's advice; below it, nothing."""
     from mergeqp.config import load_config
     from mergeqp.run import plan as plan_module
+    from mergeqp.run import statistics_cost
 
     fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
     cfg = load_config(fam.write_config(tmp_path / "c.yml", ["model.layers.1.mlp.down_proj"],
                                        {"name": "qp", "mode": "sequential"}))
     assert not any("statistics cost" in n for n in plan_module.build_plan(cfg).notes)
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
     plan = plan_module.build_plan(cfg)
     (note,) = [n for n in plan.notes if "statistics cost" in n]
     n = plan.groups[0].n_variables

@@ -267,7 +267,7 @@ def test_the_dry_run_warns_of_a_first_batch_the_run_would_refuse(tiny_hf, fam, t
     warns with the run's memory model (statistics, the first batch's design and derivatives) at the
     plan's upper bounds."""
     from mergeqp.cli import main
-    from mergeqp.run.plan import qp_site_memory
+    from mergeqp.run.memory_estimate import qp_site_memory
 
     path = fam.write_config(tmp_path / "c.yml", "model.layers.1.mlp.down_proj",
                             {"name": "qp", "mode": "trust_region", "start": "soup"})
@@ -300,7 +300,7 @@ def test_the_dry_runs_qp_memory_is_the_runs_first_batch_check(tiny_hf, tmp_path,
     estimated 6.3 MiB where the run checked 10.3, now counts the unfolded logits; cross-entropy's
     top k counts the rest as one more logit)."""
     from mergeqp.merge import firstorder as fo
-    from mergeqp.run.plan import qp_site_memory
+    from mergeqp.run.memory_estimate import qp_site_memory
 
     fam = tiny_hf.make_family(tmp_path / arch, arch, K=2, scale=0.3, n_prompts=10)
     layer = {"llama": "model.layers.1.mlp.down_proj", "gpt2": "transformer.h.1.mlp.c_proj",

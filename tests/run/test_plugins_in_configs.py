@@ -20,7 +20,8 @@ from mergeqp.constraints import CONSTRAINT_SETS
 from mergeqp.errors import ConfigError
 from mergeqp.merge.modes import MERGE_MODES
 from mergeqp.io.memory import human_bytes
-from mergeqp.run.plan import DERIVATIVES, build_plan, qp_site_memory
+from mergeqp.run.memory_estimate import DERIVATIVES, qp_site_memory
+from mergeqp.run.plan import build_plan
 from mergeqp.stats.bases import BASES
 from mergeqp.stats.parametrisation import PARAMETRISATIONS
 

@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 from mergeqp.config import load_config
 from mergeqp.errors import ConfigError
 from mergeqp.run import plan as plan_module
+from mergeqp.run import statistics_cost
 from mergeqp.run.pipeline import run_merge
 
 LAYER = "model.layers.1.mlp.down_proj"
@@ -40,7 +41,7 @@ def test_below_the_budget_the_statistics_stay_exact_and_the_plan_says_so(fam, tm
 
 def test_a_sketch_not_below_the_prompts_outputs_is_not_taken(fam, tmp_path, monkeypatch):
     """Over the budget, but the prompt compares fewer numbers than the sketch (tiny: at most 12 x 8)."""
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
     plan = plan_module.build_plan(_cfg(fam, tmp_path, "b", "auto"))
     assert plan.sketch is None
     outputs = plan.batch_length * 8  # positions x k
@@ -51,8 +52,8 @@ def test_above_the_budget_it_merges_as_the_explicit_sketch_would(fam, tmp_path, 
     """Sketched: the plan's spec, its memory design item and the run take the sketch; the merged
     weights equal those of ``sketch: 5`` written out (the same seeded sketch), and differ from the
     exact statistics' merge."""
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
-    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "AUTO_SKETCH", 5)
     auto_cfg = _cfg(fam, tmp_path, "c", "auto")
     plan = plan_module.build_plan(auto_cfg)
     assert plan.sketch == 5 == plan.output_spec().sketch
@@ -89,9 +90,9 @@ def test_sketch_takes_a_positive_count_auto_or_null(fam, tmp_path, bad):
 def test_a_sketch_too_large_to_draw_is_not_taken(fam, tmp_path, monkeypatch):
     """A sketch whose matrices the run would refuse (prompts x s x outputs over the limit) is not
     chosen: exact statistics, and the note says what to change."""
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
-    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
-    monkeypatch.setattr(plan_module, "MAX_SKETCH_ENTRIES", 10)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "AUTO_SKETCH", 5)
+    monkeypatch.setattr(statistics_cost, "MAX_SKETCH_ENTRIES", 10)
     plan = plan_module.build_plan(_cfg(fam, tmp_path, "g", "auto"))
     assert plan.sketch is None
     assert any("entries per batch, above 10: restrict the output first" in n for n in plan.notes)
@@ -101,16 +102,16 @@ def test_the_run_decides_again_on_the_layers_it_merges(fam, tmp_path, monkeypatc
     """(stop 57 review) The plan sees two selected layers, the run merges the one the fine-tunes
     changed (block 1): a sketch chosen for the QP of both was kept for the QP of one, whose exact
     statistics are within the budget; the run now decides again, and says so."""
-    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
+    monkeypatch.setattr(statistics_cost, "AUTO_SKETCH", 5)
     layers = ["model.layers.0.mlp.down_proj", LAYER]
     cfg = load_config(fam.write_config(tmp_path / "two.yml", layers, {"name": "qp", "mode": "joint"},
                                        output={"restrict": "projection", "k": 8, "sketch": "auto"}))
-    exact = plan_module.statistics_work(plan_module.build_plan(cfg), None)
+    exact = statistics_cost.statistics_work(plan_module.build_plan(cfg), None)
     one_cfg = load_config(fam.write_config(tmp_path / "one.yml", [LAYER], {"name": "qp", "mode": "joint"},
                                            output={"restrict": "projection", "k": 8, "sketch": "auto"}))
-    one = plan_module.statistics_work(plan_module.build_plan(one_cfg), None)  # the QP of the changed layer alone
+    one = statistics_cost.statistics_work(plan_module.build_plan(one_cfg), None)  # the QP of the changed layer alone
     assert one.total < exact.total
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", (exact.total + one.total) / 2)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", (exact.total + one.total) / 2)
     plan = plan_module.build_plan(cfg)
     assert plan.sketch == 5 and plan.groups[0].n_variables == exact.n
     res = run_merge(cfg, tmp_path / "two", progress=False, plan=plan)
@@ -127,8 +128,8 @@ def test_outputs_the_plan_cannot_count_stay_exact(fam, tmp_path, monkeypatch, ou
     vocabulary per position) is not the output's width, and a sketch wider than the output was
     chosen; auto keeps such statistics exact, and says how to sketch them. (Until stop 58 also with
     `field: last_hidden_state`, which a causal LM does not return: the plan now refuses that field.)"""
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
-    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "AUTO_SKETCH", 5)
     plan = plan_module.build_plan(load_config(fam.write_config(tmp_path / "p.yml", LAYER, METHOD,
                                                                output={**output, "sketch": "auto"})))
     assert plan.sketch is None

@@ -1,4 +1,4 @@
-"""What the plan says a calibration batch's statistics cost (`plan.statistics_work`): forming H and
+"""What the plan says a calibration batch's statistics cost (`statistics_cost.statistics_work`): forming H and
 the derivative passes from each site to the compared output. Stop 57: the README's merge of four
 ``down_proj`` spent 214 s per trust-region step in VJPs through the blocks while H's formation, the
 one cost the plan counted, was a tenth of its note's threshold. The count is checked here against
@@ -12,6 +12,7 @@ from mergeqp.config import load_config
 from mergeqp.merge import multilayer
 from mergeqp.run import pipeline
 from mergeqp.run import plan as plan_module
+from mergeqp.run import statistics_cost
 
 LAYERS = {"llama": "model.layers.0.mlp.down_proj", "gpt2": "transformer.h.0.mlp.c_proj",
           "bert": "bert.encoder.layer.0.output.dense", "mixtral": "model.layers.0.self_attn.o_proj"}
@@ -38,7 +39,7 @@ def test_the_plans_count_agrees_with_a_flop_counter(tiny_hf, tmp_path, monkeypat
                                        output=output, calibration={"batch_size": 8},
                                        **({"dtype": "float32"} if arch == "mixtral" else {})))
     plan = plan_module.build_plan(cfg)
-    cost = plan_module.statistics_work(plan, plan.sketch)
+    cost = statistics_cost.statistics_work(plan, plan.sketch)
     assert cost is not None and cost.derivatives is not None and cost.derivatives > 0
     counted = []
     collect = multilayer.collect_first_order
@@ -59,7 +60,7 @@ def test_the_plans_count_agrees_with_a_flop_counter(tiny_hf, tmp_path, monkeypat
         cfg2 = load_config(fam.write_config(tmp_path / "d.yml", LAYERS[arch], {"name": "qp", "mode": "single",
                                                                               "jacobian_mode": other},
                                             calibration={"batch_size": 8}))
-        cost2 = plan_module.statistics_work(plan_module.build_plan(cfg2), None)
+        cost2 = statistics_cost.statistics_work(plan_module.build_plan(cfg2), None)
         reverse, forward = (cost, cost2) if mode == "reverse" else (cost2, cost)
         assert reverse.derivatives > 3 * forward.derivatives  # 10 positions x 32 logits VJPs vs 2 x 16 JVPs
 
@@ -70,9 +71,9 @@ def test_a_costly_derivative_pass_is_noted_where_h_is_cheap(tiny_hf, tmp_path, m
     fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=8)
     cfg = load_config(fam.write_config(tmp_path / "c.yml", LAYERS["llama"], {"name": "qp", "mode": "single",
                                                                             "jacobian_mode": "reverse"}))
-    cost = plan_module.statistics_work(plan_module.build_plan(cfg), None)
+    cost = statistics_cost.statistics_work(plan_module.build_plan(cfg), None)
     assert cost.derivatives > cost.work
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", (cost.work + cost.total) / 2)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", (cost.work + cost.total) / 2)
     plan = plan_module.build_plan(cfg)
     (note,) = [n for n in plan.notes if n.startswith("statistics cost:")]
     assert f"about {cost.total:.2g} multiply-adds" in note
@@ -85,8 +86,8 @@ def test_auto_does_not_sketch_where_the_sketch_would_not_halve_the_cost(tiny_hf,
     most of a batch's cost, `sketch: auto` keeps the statistics exact and says why; where the rows
     dominate (reverse mode, one VJP per compared output, which the sketch also cuts) it sketches."""
     fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=8)
-    monkeypatch.setattr(plan_module, "AUTO_SKETCH", 5)
-    monkeypatch.setattr(plan_module, "STATISTICS_BUDGET", 1.0)
+    monkeypatch.setattr(statistics_cost, "AUTO_SKETCH", 5)
+    monkeypatch.setattr(statistics_cost, "STATISTICS_BUDGET", 1.0)
 
     def plan_for(mode):
         cfg = load_config(fam.write_config(tmp_path / f"{mode}.yml", LAYERS["llama"],
@@ -95,7 +96,7 @@ def test_auto_does_not_sketch_where_the_sketch_would_not_halve_the_cost(tiny_hf,
         return plan_module.build_plan(cfg)
 
     forward = plan_for("forward")
-    exact, sketched = (plan_module.statistics_work(forward, s) for s in (None, 5))
+    exact, sketched = (statistics_cost.statistics_work(forward, s) for s in (None, 5))
     assert sketched.total > 0.5 * exact.total  # (the tiny model: JVPs most of the cost)
     assert forward.sketch is None
     assert any("would cut a batch's" in n and "do not shrink with it" in n for n in forward.notes)

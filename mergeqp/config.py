@@ -88,7 +88,28 @@ def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>",
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader with YAML 1.2's floats: ``1e-9`` and ``5E3`` are numbers (YAML 1.1, which
     PyYAML implements, reads an exponent without a dot as a string, and the strict schema then refused
-    ``tol: 1e-9``), as are ``.5``, ``1.``, ``.inf`` and ``.nan``; integers stay integers."""
+    ``tol: 1e-9``), as are ``.5``, ``1.``, ``.inf`` and ``.nan``; integers stay integers. A key written
+    twice in one mapping is an error naming both lines, as YAML 1.2 requires (PyYAML keeps the last
+    silently: stop 60 review, a second ``method:`` line replaced the QP block without a word); keys a
+    merge (``<<``) brings in may still be overridden."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, Any] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: PyYAML's own error follows
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} appears twice in one mapping (lines {first.start_mark.line + 1} and "
+                        f"{key_node.start_mark.line + 1}); YAML would keep only the last: write it once",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]
@@ -111,6 +132,8 @@ def read_yaml(text: str) -> Any:
 def load_config(path: str | Path) -> MergeConfig:
     """Read and validate a YAML config file (relative paths resolve against its folder)."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise ConfigError(f"config {p} is a folder; name the YAML file")
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:

@@ -125,7 +125,7 @@ def _register_lm(sub: Any) -> None:
 
 
 def run_lm(args: argparse.Namespace) -> int:
-    from ..experiments.lm import DEFAULT_DOMAINS, DOMAINS, run_lm_experiment
+    from ..experiments.lm import DEFAULT_DOMAINS, DOMAINS, check_base_folder, run_lm_experiment
     from ..experiments.lm_report import console_summary
 
     _check_threads(args)
@@ -141,6 +141,9 @@ def run_lm(args: argparse.Namespace) -> int:
         raise ConfigError(f"domain names must be distinct, got {every}")
     if len(every) < 2:
         raise ConfigError(f"the experiment needs two or more distinct domains (--domains, --domain-file), got {every}")
+    base = _base_folder(args.base)
+    if base is not None:
+        check_base_folder(base)  # before any text is read
     corpora = None
     if files:
         from ..experiments.corpora import file_corpus
@@ -152,7 +155,7 @@ def run_lm(args: argparse.Namespace) -> int:
                                 device=args.device, threads=args.threads, figures=not args.no_figures,
                                 progress=not args.quiet, overwrite=args.overwrite,
                                 multitask=not args.no_multitask, finetune_modules=args.finetune_modules,
-                                base_folder=_base_folder(args.base), command=_command(args))
+                                base_folder=base, command=_command(args))
     print(console_summary(results))
     _print_written(args.out, results)
     return 0

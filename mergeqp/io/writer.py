@@ -111,6 +111,25 @@ def check_tensor_finite(name: str, tensor: Any, model: str) -> None:
                            f"first at index {first}")
 
 
+def cast_checked(name: str, tensor: Any, dtype: Any, model: str) -> Any:
+    """``tensor`` cast to the torch ``dtype`` (``None``: as it is), refused with :class:`BadDataError` when
+    the result holds NaN or inf: where the cast made them from finite values, as an overflow of
+    ``dtype``'s range with the remedy (stop 60 review: a float16 output of values above 65,504 was
+    reported as NaN or inf in the merge itself, sending the user to look for them in the checkpoints)."""
+    import torch
+
+    out = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
+    if out is not tensor and out.numel() and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(tensor).all()):
+        count = int((~torch.isfinite(out)).sum())
+        largest = float(tensor.detach().abs().max())
+        kind = str(out.dtype).replace("torch.", "")
+        raise BadDataError(f"tensor {name!r} of {model}: {count} value(s) overflow {kind} when cast to it (largest "
+                           f"magnitude {largest:.4g}; {kind} holds up to {torch.finfo(out.dtype).max:.4g}): write a "
+                           f"wider output dtype (output_dtype: float32, or bfloat16, which keeps float32's range)")
+    check_tensor_finite(name, out, model)
+    return out
+
+
 def _config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
     cfg = dict(config)
     if dtype is None:
@@ -210,12 +229,8 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
         seen.add(name)
         if not isinstance(tensor, torch.Tensor):
             raise ValidationError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        t = tensor.detach()
-        if cast is not None and t.is_floating_point():
-            t = t.to(cast)
         # own, contiguous CPU storage (safetensors refuses shared or strided storage)
-        t = t.to("cpu").contiguous().clone()
-        check_tensor_finite(name, t, "the merged model")
+        t = cast_checked(name, tensor.detach(), cast, "the merged model").to("cpu").contiguous().clone()
         written_dtypes.add(str(t.dtype).replace("torch.", ""))
         nbytes = t.numel() * t.element_size()
         if current and current_bytes + nbytes > limit:

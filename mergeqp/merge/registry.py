@@ -22,7 +22,7 @@ from ..errors import (
     lookup,
     named_failure,
 )
-from ..io.writer import check_tensor_finite
+from ..io.writer import cast_checked, check_tensor_finite
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
@@ -131,7 +131,7 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], *, out_d
     for name in inputs.names:
         if name in merged:  # (detached: inputs that require grad must not give results holding their graph)
             dtype, device = ref.dtype_device(name)
-            out[name] = merged[name].detach().to(dtype=out_dtype or dtype, device=device)
+            out[name] = cast_checked(name, merged[name].detach(), out_dtype or dtype, f"the {spec.name} merge").to(device)
         elif unselected == "drop":
             continue
         elif unselected == "average" and name in float_names:

@@ -134,6 +134,9 @@ class MergePlan:
     #: what one calibration batch's statistics cost for the costliest QP, with the sketch the run takes
     #: (:func:`~.statistics_cost.count_statistics`; ``None``: no QP statistics, or not counted)
     statistics: StatisticsWork | None = None
+    #: the tensors the ``layers`` patterns match that a QP does not merge (not a linear layer's weight or bias:
+    #: norms, embeddings), which it keeps as the base's
+    qp_unmerged: list[str] = field(default_factory=list)
     #: the notes among :attr:`notes` that depend on the QPs (the sketch's choice, the statistics' cost):
     #: :func:`without_unchanged` removes exactly these and decides them again on the run's own QPs
     qp_notes: list[str] = field(default_factory=list)

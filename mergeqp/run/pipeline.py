@@ -47,7 +47,7 @@ from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_summary
 from ..io.progress import library_bars
 from ..io.memory import check_site_memory, estimate_site_memory, memory_limit
-from ..io.writer import WrittenModel, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
+from ..io.writer import WrittenModel, cast_checked, check_output_folder, parse_size, save_hf_folder
 from ..lm import teacher_forced_targets
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params
@@ -565,12 +565,7 @@ def _as_written(overrides: Mapping[str, Any], output_dtype: str | None) -> dict[
     cast = getattr(torch, output_dtype) if output_dtype else None
     out = {}
     for name, tensor in overrides.items():
-        t = tensor.detach()
-        if cast is not None and t.is_floating_point():
-            t = t.to(cast)
-        t = t.to("cpu").contiguous().clone()
-        check_tensor_finite(name, t, "the merged model")
-        out[name] = t
+        out[name] = cast_checked(name, tensor.detach(), cast, "the merged model").to("cpu").contiguous().clone()
     return out
 
 

@@ -124,9 +124,22 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
     fine-tune's stored dtype (a sample: a change elsewhere in a tensor is not seen). Meant for a
     merge that keeps the base's tensors outside its selection (a user who selected too few layers
     otherwise loses those changes without a word). Reads ``count`` entries per tensor."""
-    return [f"model {name!r} also changed {len(changed)} tensor(s) outside the merged layers "
-            f"({listing(changed, 4)}): the merged model keeps the base's there; select them in "
-            f"layers: to merge them too" for name, changed in _outside_changes(plan, count).items() if changed]
+    notes = []
+    matched = set(plan.qp_unmerged)
+    for name, changed in _outside_changes(plan, count).items():
+        chosen = [k for k in changed if k in matched]
+        other = [k for k in changed if k not in matched]
+        if other:
+            notes.append(f"model {name!r} also changed {len(other)} tensor(s) outside the merged layers "
+                         f"({listing(other, 4)}): the merged model keeps the base's there; select them in "
+                         f"layers: to merge them too")
+        if chosen:
+            notes.append(f"model {name!r} also changed {len(chosen)} tensor(s) that layers: selects but a QP does "
+                         f"not merge, since they are not a linear layer's weight or bias ({listing(chosen, 4)}): the "
+                         f"merged model keeps the base's there; to merge them too, start the QP from a baseline "
+                         f"merged on every tensor (mode: hybrid or trust_region with a start), or merge with a "
+                         f"baseline method")
+    return notes
 
 
 def start_outside(plan: MergePlan, count: int = 256) -> list[str]:
@@ -184,6 +197,14 @@ def _no_sites(base: Checkpoint, base_path: Path, model: Any) -> None:
                       f"e.g. {live[0] if live else '(none)'!r}")
 
 
+def _pattern_tensors(pattern: str, names: Sequence[str], site_keys: set[str]) -> list[str]:
+    """The checkpoint tensors other than linear layers' that the layer ``pattern`` matches (by name, or
+    by the module holding them)."""
+    p = pattern.removesuffix(".weight")
+    return [n for n in names if n not in site_keys
+            and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
+
+
 def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str],
             shared: Mapping[str, str] | None = None) -> tuple[list[LayerSite], list[str]]:
     """Sites (QP) or sites + other checkpoint tensors (baselines) matched by the layer patterns
@@ -196,8 +217,7 @@ def _select(cfg: MergeConfig, sites: list[LayerSite], names: list[str],
     for pattern in cfg.layers:
         p = pattern.removesuffix(".weight")
         hit_sites = [s for s in sites if site_matches(s, p)]
-        hit_tensors = [n for n in names if n not in site_keys
-                       and (fnmatch.fnmatchcase(n, pattern) or fnmatch.fnmatchcase(n.rsplit(".", 1)[0], p))]
+        hit_tensors = _pattern_tensors(pattern, names, site_keys)
         if not hit_sites and not hit_tensors:
             tied = tied_match(pattern, shared)
             if tied:  # (Gemma2's lm_head: the QP named the tie, a baseline said "matches no layer")
@@ -538,6 +558,9 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     fts = [stored_names(ck, base, model) for ck in fts]
     base, fts, align_notes = aligned_checkpoints(base, fts, model)
     config_notes = align_notes + check_architectures(base, list(zip(names, fts)))
+    config_notes += [f"model {n!r}: {ck.path} holds weights but no config.json: it is read into the base's "
+                     f"architecture, as a bare weight file is" for n, ck in zip(names, fts)
+                     if ck.is_hf_folder and ck.config is None]
     not_causal = _not_causal(base.config)
     if not_causal is not None and output_metric(cfg.output.metric).scores_data and cfg.output.pool == "none":
         raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "
@@ -619,6 +642,12 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if not all_sites:
         _no_sites(base, base_path, model)
     sites, extra = _select(cfg, all_sites, list(base.names()), shared_linear_layers(model))
+    site_keys = {k for s in all_sites for k in s.keys}
+    # what the patterns also match that a QP does not merge (stop 60 review: `layers: ["*"]` kept the norms
+    # as the base's, and the note said to select them, which the user had done)
+    qp_unmerged = ([] if not cfg.method.is_qp else
+                   list(dict.fromkeys(t for pattern in cfg.layers for t in _pattern_tensors(pattern, base.names(),
+                                                                                               site_keys))))
     _check_output_field(cfg, model)  # (after the layers: a config without architectures is named first)
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
@@ -666,7 +695,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     plan = MergePlan(cfg, base, fts, ((base.config or {}).get("architectures") or ["?"])[0],
                      (base.config or {}).get("model_type"), sites, extra, tasks, groups, vocab,
                      str(tok_folder) if has_tokenizer(tok_folder) else None, notes=notes, skeleton=model,
-                     output_matrix=matrix, heads=heads, not_causal=not_causal)
+                     output_matrix=matrix, heads=heads, not_causal=not_causal, qp_unmerged=qp_unmerged)
     if all_texts and has_tokenizer(tok_folder):
         plan.longest_prompt = _longest_prompt(tok_folder, all_texts, plan.max_length, owners)
     if cfg.method.is_qp and cfg.output.fold_head_flag is True:  # (found only after every target was computed)

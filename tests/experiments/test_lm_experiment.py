@@ -629,6 +629,18 @@ def test_inputs_are_never_overwritten_and_the_base_must_be_a_causal_lm(tiny_hf, 
     (encoder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
     with pytest.raises(ValidationError, match="not a causal language model .*bidirectional attention"):
         block_layout(encoder)
+    # (stop 60 review) refused before any text is read: a missing corpus was reported for an encoder base
+    monkeypatch.setitem(lm_mod.DOMAINS, "absent", lambda: (_ for _ in ()).throw(ValidationError("no texts here")))
+    with pytest.raises(ValidationError, match=f"base folder {encoder}: .* causal language model, and this one is not"):
+        run_lm_experiment(tmp_path / "o", domains=["absent", "code"], config=_config(), cache=tmp_path / "cache",
+                          base_folder=encoder, progress=False)
+    from mergeqp.cli import main
+
+    assert main(["experiment", "lm", "--domains", "absent", "code", "--base", str(encoder), "--out",
+                 str(tmp_path / "o")]) == 2
+    with pytest.raises(ValidationError, match="domain 'absent': no texts here; or use texts of your own instead: "
+                                              "--domain-file NAME=FILE"):
+        lm_mod.load_domains(["absent"])
     odd = [dataclasses.replace(c, name="../escape") for c in _corpora(tiny_hf)]
     with pytest.raises(ValidationError, match="domain names are letters"):
         run_lm_experiment(tmp_path / "o", corpora=odd, config=_config(), cache=tmp_path / "cache",

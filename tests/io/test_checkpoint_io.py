@@ -210,6 +210,28 @@ def test_writer_dtype_and_refusals(llama_dir, tmp_path):
         save_hf_folder(tmp_path / "dup", iter([("a", torch.zeros(2)), ("a", torch.ones(2))]))
 
 
+def test_an_overflow_of_the_output_dtype_is_named_as_one(tmp_path):
+    """(stop 60 review) Values above float16's 65,504 written as float16 were reported as NaN or inf in
+    the merge, which sent the user looking for them in the checkpoints: the writer, a baseline's cast and
+    the run's cast say that the cast overflowed, by how much, and what to write instead; a NaN that was
+    there before the cast is still reported as one."""
+    from mergeqp.errors import BadDataError
+    from mergeqp.io.writer import cast_checked
+    from mergeqp.merge.registry import merge_state_dicts
+
+    big = torch.tensor([[1.0, 7e5], [-9e4, 2.0]])
+    with pytest.raises(BadDataError, match=r"'w' of the merged model: 2 value\(s\) overflow float16 when cast to it "
+                                           r"\(largest magnitude 7e\+05; float16 holds up to 6\.55e\+04\)"):
+        save_hf_folder(tmp_path / "o", iter([("w", big)]), dtype="float16")
+    assert not (tmp_path / "o").exists()
+    assert torch.equal(cast_checked("w", big, torch.bfloat16, "m"), big.to(torch.bfloat16))  # float32's range
+    with pytest.raises(BadDataError, match="non-finite value"):
+        cast_checked("w", torch.tensor([float("nan"), 1.0]), torch.float16, "m")
+    base = {"w": torch.zeros(2, 2)}
+    with pytest.raises(BadDataError, match="of the task_arithmetic merge: 2 value.* overflow float16"):
+        merge_state_dicts("task_arithmetic", base, [{"w": big}, {"w": big}], out_dtype=torch.float16, scaling=1.0)
+
+
 def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9
     assert parse_size("200MiB") == 200 * 2**20

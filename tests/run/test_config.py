@@ -181,6 +181,24 @@ def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
         load_config(tmp_path / "list.yml")
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.yml")
+    (tmp_path / "dir.yaml").mkdir()  # (stop 60 review: "not found" for a path that exists)
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(tmp_path / "dir.yaml")
+
+
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    """(stop 60 review) YAML keeps the last of two equal keys: a second `method:` line replaced the QP
+    block without a word. Each mapping, at any depth, refuses a repeated key; a merge key may still be
+    overridden."""
+    from mergeqp.config import read_yaml
+
+    (tmp_path / "twice.yml").write_text("base: b\nmethod: {name: qp, mode: sequential}\nlayers: [x]\nmethod: ties\n")
+    with pytest.raises(ConfigError, match=r"key 'method' appears twice in one mapping \(lines 2 and 4\)"):
+        load_config(tmp_path / "twice.yml")
+    with pytest.raises(yaml.YAMLError, match="key 'k' appears twice"):
+        read_yaml("method:\n  name: qp\n  mode_options: {k: 1, k: 2}\n")
+    assert read_yaml("a: &x {p: 1, q: 2}\nb:\n  <<: *x\n  p: 3\n") == {"a": {"p": 1, "q": 2}, "b": {"p": 3, "q": 2}}
+    assert read_yaml("a: {p: 1}\nb: {p: 1}\n") == {"a": {"p": 1}, "b": {"p": 1}}  # equal keys in two mappings
 
 
 # ---------------------------------------------------------------------- against real checkpoints

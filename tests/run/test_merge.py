@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -394,6 +396,28 @@ def test_bare_state_dict_inputs_and_sharded_io(tiny_hf, families, tmp_path):
     ra, rb = open_checkpoint(ref.out_dir), open_checkpoint(res.out_dir)
     for n in ra.names():
         assert torch.allclose(ra.get(n), rb.get(n), atol=1e-7), n
+
+
+def test_a_fine_tune_folder_without_config_merges_as_its_bare_weight_file(tiny_hf, families, tmp_path):
+    """(stop 60 review) A fine-tune folder holding weights but no config.json passed the dry run, and
+    from_pretrained then built transformers' default-size model (a 7B Llama) and ran the machine out of
+    memory. It is read into the base's architecture, as the same weights in a bare file are, with a note."""
+    fam = families["llama"]
+    layer = tiny_hf.MLP_LAYER["llama"]
+    folder = tmp_path / "ft0_weights_only"
+    folder.mkdir()
+    shutil.copy(Path(fam.finetuned[0]) / "model.safetensors", folder / "model.safetensors")
+    bare = tmp_path / "ft0.safetensors"
+    shutil.copy(Path(fam.finetuned[0]) / "model.safetensors", bare)
+    results = {}
+    for name, first in (("folder", folder), ("bare", bare)):
+        alt = tiny_hf.Family(fam.root, "llama", fam.base, [first, *fam.finetuned[1:]], fam.prompts, fam.tasks)
+        results[name] = _merge(alt, tmp_path, layer, {"name": "qp", "mode": "single"}, name=name)
+    note = [n for n in results["folder"].report["notes"] if "no config.json" in n]
+    assert note and "read into the base's architecture" in note[0]
+    a, b = open_checkpoint(results["folder"].out_dir), open_checkpoint(results["bare"].out_dir)
+    for n in a.names():
+        assert torch.equal(a.get(n), b.get(n)), n
 
 
 def test_cli_merge_writes_folder_and_report(tiny_hf, families, tmp_path, capsys):
@@ -858,6 +882,26 @@ def test_changes_of_the_fine_tunes_outside_the_selection_are_noted(tiny_hf, fami
     from mergeqp.run.plan import keeps_base_outside
 
     assert keeps_base_outside(plan) and not keeps_base_outside(build_plan(hybrid))
+
+
+def test_tensors_a_qp_pattern_selects_but_cannot_merge_are_named_as_such(tiny_hf, families, tmp_path):
+    """(stop 60 review) With `layers: ["*"]` a QP kept the changed norms as the base's and the note said to
+    select them in layers:, which the pattern had done. Tensors the patterns match that are not a linear
+    layer's get their own note (a QP merges linear layers only; a start merged on every tensor, or a
+    baseline, merges them); those outside every pattern keep the old one."""
+    from mergeqp.run.plan import build_plan, changed_outside
+
+    fam = families["gpt2"]
+    every = build_plan(load_config(fam.write_config(tmp_path / "every.yml", ["*"], {"name": "qp"})))
+    assert any(k.endswith("ln_1.weight") for k in every.qp_unmerged)
+    assert not any(k in every.qp_unmerged for s in every.sites for k in s.keys)
+    notes = changed_outside(every)
+    assert notes and all("that layers: selects but a QP does not merge" in n and "ln_" in n for n in notes)
+    assert not any("select them in layers:" in n for n in notes)
+    one = build_plan(load_config(fam.write_config(tmp_path / "one.yml", [tiny_hf.MLP_LAYER["gpt2"]], {"name": "qp"})))
+    assert one.qp_unmerged == []
+    notes = changed_outside(one)
+    assert notes and all("select them in layers: to merge them too" in n for n in notes)
 
 
 def test_stored_values_compare_at_the_coarser_dtype(tmp_path):

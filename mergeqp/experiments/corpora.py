@@ -190,7 +190,8 @@ def wordnet_glosses(root: str | Path | None = None, parts: Sequence[str] = WORDN
     folder = Path(root) if root is not None else _first_dir(WORDNET_DIRS, "data.noun")
     if folder is None:
         raise ValidationError("WordNet glosses need the Debian package wordnet-base (apt-get install wordnet-base), "
-                              "or, from Python, wordnet_glosses(root=FOLDER) with a folder holding data.noun / data.verb / data.adj / data.adv")
+                              "or, from Python, wordnet_glosses(root=FOLDER) with a folder holding data.noun / "
+                              "data.verb / data.adj / data.adv")
     bad = [p for p in parts if p not in WORDNET_PARTS]
     if bad:
         raise ValidationError(f"unknown WordNet part(s) {bad}; valid: {', '.join(WORDNET_PARTS)}")

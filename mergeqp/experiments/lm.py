@@ -1035,6 +1035,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
 
 __all__ = ["BASELINES", "DEFAULT_CACHE", "DEFAULT_DOMAINS", "DOMAINS", "DomainSplit", "LmConfig", "LmMergeSettings",
-           "MERGEKIT_METHODS", "MODULE_OUTPUTS", "PeakRss", "RECOMMENDED_RUN", "check_base_folder", "default_cache", "load_domains",
-           "merge_config", "mergekit_yaml", "register_domain", "run_lm_experiment", "select_layers", "split_domains",
+           "MERGEKIT_METHODS", "MODULE_OUTPUTS", "PeakRss", "RECOMMENDED_RUN", "check_base_folder", "default_cache",
+           "load_domains", "merge_config", "mergekit_yaml", "register_domain", "run_lm_experiment", "select_layers", "split_domains",
            "with_overrides"]

@@ -22,7 +22,7 @@ from ..errors import (
     lookup,
     named_failure,
 )
-from ..io.writer import cast_checked, check_tensor_finite
+from ..io.writer import cast_checked
 from .calibration_statistics import FISHER_STATISTICS, REGMEAN_STATISTICS
 from .dare import DARE, DARE_LINEAR, DARE_TIES, ROW_DARE
 from .fisher import FISHER
@@ -129,18 +129,18 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], *, out_d
     ref = inputs.reference
     out: dict[str, Any] = {}
     for name in inputs.names:
+        # in the output's dtype, checked: a float16 overflow named as one, or a user method's NaN
         if name in merged:  # (detached: inputs that require grad must not give results holding their graph)
             dtype, device = ref.dtype_device(name)
-            out[name] = cast_checked(name, merged[name].detach(), out_dtype or dtype, f"the {spec.name} merge").to(device)
+            out[name] = cast_checked(name, merged[name].detach(), out_dtype or dtype,
+                                     f"the {spec.name} merge").to(device)
         elif unselected == "drop":
             continue
         elif unselected == "average" and name in float_names:
-            out[name] = _mean_of_finetuned(inputs, name).to(out_dtype or ref.dtype_device(name)[0])
+            out[name] = cast_checked(name, _mean_of_finetuned(inputs, name), out_dtype or ref.dtype_device(name)[0],
+                                     f"the {spec.name} merge")
         else:
-            out[name] = ref.get(name)
-            continue  # checked finite when read
-        # in the output's dtype: a float16 overflow, or a user method's bug
-        check_tensor_finite(name, out[name], f"the {spec.name} merge")
+            out[name] = ref.get(name)  # checked finite when read
     return out
 
 

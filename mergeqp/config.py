@@ -93,8 +93,12 @@ class _Loader(yaml.SafeLoader):
     silently: stop 60 review, a second ``method:`` line replaced the QP block without a word); keys a
     merge (``<<``) brings in may still be overridden."""
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
-        if isinstance(node, yaml.MappingNode):
+    def flatten_mapping(self, node: Any) -> None:
+        # checked as written, before the merge keys' entries join it (PyYAML flattens a mapping merged into
+        # another in place, possibly before its own turn: stop 60 review, a chain of merges was refused)
+        checked: set[int] = self.__dict__.setdefault("_checked_mappings", set())
+        if id(node) not in checked:
+            checked.add(id(node))
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":
@@ -109,7 +113,7 @@ class _Loader(yaml.SafeLoader):
                         None, None, f"key {key!r} appears twice in one mapping (lines {first.start_mark.line + 1} and "
                         f"{key_node.start_mark.line + 1}); YAML would keep only the last: write it once",
                         key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
+        super().flatten_mapping(node)
 
 
 _Loader.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:float"]

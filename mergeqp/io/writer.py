@@ -118,14 +118,19 @@ def cast_checked(name: str, tensor: Any, dtype: Any, model: str) -> Any:
     reported as NaN or inf in the merge itself, sending the user to look for them in the checkpoints)."""
     import torch
 
+    if dtype is not None and tensor.is_floating_point() and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValidationError(f"tensor {name!r} of {model}: the output dtype must be a floating-point torch dtype, got "
+                              f"{dtype!r} (a cast would truncate the merged values)")
     out = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)
     if out is not tensor and out.numel() and not bool(torch.isfinite(out).all()) and bool(torch.isfinite(tensor).all()):
         count = int((~torch.isfinite(out)).sum())
         largest = float(tensor.detach().abs().max())
         kind = str(out.dtype).replace("torch.", "")
+        wider = ("float32, or bfloat16, which keeps float32's range" if torch.finfo(out.dtype).max < 1e38
+                 else "float64")
         raise BadDataError(f"tensor {name!r} of {model}: {count} value(s) overflow {kind} when cast to it (largest "
                            f"magnitude {largest:.4g}; {kind} holds up to {torch.finfo(out.dtype).max:.4g}): write a "
-                           f"wider output dtype (output_dtype: float32, or bfloat16, which keeps float32's range)")
+                           f"wider output dtype ({wider})")
     check_tensor_finite(name, out, model)
     return out
 

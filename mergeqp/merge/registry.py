@@ -87,10 +87,17 @@ def merge_state_dicts(method: str, base: Any, finetuned: Sequence[Any], *, out_d
     Returns a new dict in the reference model's key order (base, else ``finetuned[0]``) and
     dtypes: merged tensors for the selected floating-point names; the others per
     ``unselected`` (tensors copied from the base are the base's own objects, not clones).
-    ``out_dtype`` (a ``torch.dtype``): the merged and averaged tensors' dtype instead of the
-    reference's (a bfloat16 base merged into float32 is rounded once, to float32, not to bfloat16 first).
+    ``out_dtype`` (a floating-point ``torch.dtype`` or its name, ``"float32"``): the merged and averaged
+    tensors' dtype instead of the reference's (a bfloat16 base merged into float32 is rounded once, to
+    float32, not to bfloat16 first).
     """
     import torch  # optional heavy dependency, imported on first use (importing mergeqp stays light)
+
+    if isinstance(out_dtype, str):
+        out_dtype = getattr(torch, out_dtype, out_dtype)
+    if out_dtype is not None and not (isinstance(out_dtype, torch.dtype) and out_dtype.is_floating_point):
+        raise ValidationError(f"out_dtype must be a floating-point torch dtype or its name (float32, bfloat16, ...), got "
+                              f"{out_dtype!r}")
 
     spec = get_merge_method(method)
     parsed = spec.parse(params)

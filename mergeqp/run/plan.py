@@ -150,14 +150,22 @@ def start_outside(plan: MergePlan, count: int = 256) -> list[str]:
     57 review: `auto` over two `down_proj` changed all twelve fine-tuned MLP tensors, with no word,
     beside baselines that kept ten of them as the base's). ``[]`` where no such tensor changed."""
     changed = sorted({k for keys in _outside_changes(plan, count).values() for k in keys})
-    if not changed:
-        return []
     start = plan.config.method.start
     name = "the chosen start" if start is None or is_auto_start(start) else start.name
-    return [f"{name} is merged on every tensor: the merged model also changes {len(changed)} tensor(s) outside the "
-            f"selected layers ({listing(changed, 4)}), as the start left them (the QP refines only the selected "
-            f"layers); a baseline over the same layers keeps the base's there: to compare like with like, run it "
-            f"with these tensors in layers too"]
+    matched = set(plan.qp_unmerged)
+    chosen, other = [k for k in changed if k in matched], [k for k in changed if k not in matched]
+    notes = []
+    if other:
+        notes.append(f"{name} is merged on every tensor: the merged model also changes {len(other)} tensor(s) outside "
+                     f"the selected layers ({listing(other, 4)}), as the start left them (the QP refines only the "
+                     f"selected layers); a baseline over the same layers keeps the base's there: to compare like with "
+                     f"like, run it with these tensors in layers too")
+    if chosen:  # (stop 60 review: these were called "outside the selected layers", which select them)
+        notes.append(f"{name} is merged on every tensor: {len(chosen)} changed tensor(s) that layers: selects but a QP "
+                     f"does not merge, since they are not a linear layer's weight or bias ({listing(chosen, 4)}), are "
+                     f"the start's in the merged model (the QP refines only the linear layers), as a baseline over the "
+                     f"same layers merges them")
+    return notes
 
 
 def _outside_changes(plan: MergePlan, count: int) -> dict[str, list[str]]:

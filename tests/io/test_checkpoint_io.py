@@ -228,8 +228,17 @@ def test_an_overflow_of_the_output_dtype_is_named_as_one(tmp_path):
     with pytest.raises(BadDataError, match="non-finite value"):
         cast_checked("w", torch.tensor([float("nan"), 1.0]), torch.float16, "m")
     base = {"w": torch.zeros(2, 2)}
-    with pytest.raises(BadDataError, match="of the task_arithmetic merge: 2 value.* overflow float16"):
-        merge_state_dicts("task_arithmetic", base, [{"w": big}, {"w": big}], out_dtype=torch.float16, scaling=1.0)
+    with pytest.raises(BadDataError, match=r"of the task_arithmetic merge: 2 value.* overflow float16.*\(float32, or bfloat16"):
+        merge_state_dicts("task_arithmetic", base, [{"w": big}, {"w": big}], out_dtype="float16", scaling=1.0)
+    huge = torch.tensor([1e39, 0.0], dtype=torch.float64)  # (review: float32's overflow was told to use float32)
+    for kind in (torch.float32, torch.bfloat16):
+        with pytest.raises(BadDataError, match=rf"overflow {str(kind)[6:]} .*: write a wider output dtype \(float64\)"):
+            cast_checked("w", huge, kind, "m")
+    with pytest.raises(ValidationError, match="must be a floating-point torch dtype"):  # never truncated silently
+        cast_checked("w", big, torch.int8, "m")
+    for bad in (torch.int8, "int8", "cuda", 3):
+        with pytest.raises(ValidationError, match="out_dtype must be a floating-point torch dtype"):
+            merge_state_dicts("task_arithmetic", base, [{"w": big}], out_dtype=bad, scaling=1.0)
 
 
 def test_parse_size():

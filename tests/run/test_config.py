@@ -199,6 +199,8 @@ def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
         read_yaml("method:\n  name: qp\n  mode_options: {k: 1, k: 2}\n")
     assert read_yaml("a: &x {p: 1, q: 2}\nb:\n  <<: *x\n  p: 3\n") == {"a": {"p": 1, "q": 2}, "b": {"p": 3, "q": 2}}
     assert read_yaml("a: {p: 1}\nb: {p: 1}\n") == {"a": {"p": 1}, "b": {"p": 1}}  # equal keys in two mappings
+    chain = "defs:\n  a: &a {x: 1}\n  b: &b\n    <<: *a\n    x: 2\nc:\n  <<: *b\n"  # (review: a chain of merges)
+    assert read_yaml(chain) == yaml.safe_load(chain)
 
 
 # ---------------------------------------------------------------------- against real checkpoints

@@ -902,6 +902,16 @@ def test_tensors_a_qp_pattern_selects_but_cannot_merge_are_named_as_such(tiny_hf
     assert one.qp_unmerged == []
     notes = changed_outside(one)
     assert notes and all("select them in layers: to merge them too" in n for n in notes)
+    from mergeqp.run.plan import start_outside
+
+    # a start merged on every tensor: what the patterns select is not called "outside the selected layers"
+    started = build_plan(load_config(fam.write_config(tmp_path / "tr.yml", ["*"], {
+        "name": "qp", "mode": "trust_region", "start": {"name": "task_arithmetic"}})))
+    (note,) = start_outside(started)
+    assert "that layers: selects but a QP does not merge" in note and "outside the selected layers" not in note
+    notes = start_outside(build_plan(load_config(fam.write_config(
+        tmp_path / "tr1.yml", [tiny_hf.MLP_LAYER["gpt2"]], {"name": "qp", "mode": "hybrid", "start": {"name": "soup"}}))))
+    assert notes and all("outside the selected layers" in n for n in notes)
 
 
 def test_stored_values_compare_at_the_coarser_dtype(tmp_path):

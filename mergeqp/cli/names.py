@@ -32,7 +32,7 @@ def _doc(obj: Any) -> str:
 def _constraints() -> list[dict[str, Any]]:
     from ..constraints.parse import CONSTRAINT_SETS, LAYER_CONSTRAINTS  # deferred: the CLI layer imports lazily
 
-    return [{"name": n, "description": _doc(p),
+    return [{"name": n, "description": _doc(p) or "(its parser has no docstring)",
              **({"note": "built per layer: not in a QP over several layers"} if n in LAYER_CONSTRAINTS else {})}
             for n, p in CONSTRAINT_SETS.items()]
 

@@ -1,6 +1,6 @@
 """Parametrisations of the merged update: which weight-space directions (atoms) the QP weights.
 
-Notation (DESIGN.md): the merge layer has weight ``W`` of shape ``(r, m)``; with a bias the
+Notation (the paper's, as in docs/statistics.md): the merge layer has weight ``W`` of shape ``(r, m)``; with a bias the
 layer input gets a constant 1 appended, so all weights here are *augmented*, ``(r, m1)`` with
 ``m1 = m + 1`` (last column = bias). ``deltas`` is ``(K, r, m1)``: ``delta_k = W_k - W_base``.
 

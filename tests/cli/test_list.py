@@ -49,6 +49,7 @@ def test_a_users_entries_are_listed_after_import(tmp_path, capsys):
         "import torch\nimport mergeqp\nfrom mergeqp.constraints import Box\n"
         "def cap(args, spec, context):\n    '''cap:C: every coefficient in [0, C].'''\n    return Box(0, float(args[0]))\n"
         "mergeqp.register_constraint('test_listed_cap', cap)\n"
+        "mergeqp.register_constraint('test_listed_lambda', lambda args, spec, context: Box(0, 1))\n"
         "mergeqp.register_output_metric(mergeqp.OutputMetric('test_listed_metric', 'my metric, listed',\n"
         "    distribution=lambda y: torch.softmax(y.double(), -1), whiten=lambda x, p: x * p.to(x.dtype)))\n")
     from mergeqp.constraints.parse import CONSTRAINT_SETS
@@ -59,9 +60,12 @@ def test_a_users_entries_are_listed_after_import(tmp_path, capsys):
         out = capsys.readouterr().out
     finally:
         CONSTRAINT_SETS.pop("test_listed_cap", None)
+        CONSTRAINT_SETS.pop("test_listed_lambda", None)
         OUTPUT_METRICS.pop("test_listed_metric", None)
     assert "constraints (method.constraints, --constraint):" in out and "metrics (output.metric):" in out
     assert "test_listed_cap" in out and "cap:C: every coefficient in [0, C]." in out
+    (line,) = [ln for ln in out.splitlines() if "test_listed_lambda" in ln]  # (stop 60 review: a blank line)
+    assert "(its parser has no docstring)" in line
     assert "test_listed_metric" in out and "my metric, listed" in out
     assert "solvers" not in out  # only the kinds asked for
 

@@ -118,7 +118,8 @@ def cast_checked(name: str, tensor: Any, dtype: Any, model: str) -> Any:
     reported as NaN or inf in the merge itself, sending the user to look for them in the checkpoints)."""
     import torch
 
-    if dtype is not None and tensor.is_floating_point() and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+    floating = isinstance(dtype, torch.dtype) and dtype.is_floating_point
+    if dtype is not None and tensor.is_floating_point() and not floating:
         raise ValidationError(f"tensor {name!r} of {model}: the output dtype must be a floating-point torch dtype, got "
                               f"{dtype!r} (a cast would truncate the merged values)")
     out = tensor if dtype is None or not tensor.is_floating_point() else tensor.to(dtype)

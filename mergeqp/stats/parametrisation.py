@@ -1,8 +1,8 @@
 """Parametrisations of the merged update: which weight-space directions (atoms) the QP weights.
 
-Notation (the paper's, as in docs/statistics.md): the merge layer has weight ``W`` of shape ``(r, m)``; with a bias the
-layer input gets a constant 1 appended, so all weights here are *augmented*, ``(r, m1)`` with
-``m1 = m + 1`` (last column = bias). ``deltas`` is ``(K, r, m1)``: ``delta_k = W_k - W_base``.
+Notation (the paper's, as in docs/statistics.md): the merge layer has weight ``W`` of shape
+``(r, m)``; with a bias the layer input gets a constant 1 appended, so all weights here are
+*augmented*, ``(r, m1)`` with ``m1 = m + 1`` (last column = bias). ``deltas`` is ``(K, r, m1)``: ``delta_k = W_k - W_base``.
 
 A parametrisation is a set of atoms ``B_(k, a)`` (each ``(r, m1)``), laid out ``(K, n_atoms)``
 like the QP decision ``d``; the merged weight is ``W_base + sum_(k,a) d[k, a] B_(k, a)``:

@@ -93,12 +93,15 @@ class _Loader(yaml.SafeLoader):
     silently: stop 60 review, a second ``method:`` line replaced the QP block without a word); keys a
     merge (``<<``) brings in may still be overridden."""
 
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._checked_mappings: set[int] = set()
+
     def flatten_mapping(self, node: Any) -> None:
         # checked as written, before the merge keys' entries join it (PyYAML flattens a mapping merged into
         # another in place, possibly before its own turn: stop 60 review, a chain of merges was refused)
-        checked: set[int] = self.__dict__.setdefault("_checked_mappings", set())
-        if id(node) not in checked:
-            checked.add(id(node))
+        if id(node) not in self._checked_mappings:
+            self._checked_mappings.add(id(node))
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":

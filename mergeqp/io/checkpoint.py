@@ -193,6 +193,14 @@ class Checkpoint:
         return self.kind.startswith("hf")
 
     @property
+    def configured(self) -> bool:
+        """A Hugging Face folder with its own ``config.json``, loaded as itself; a bare weight file, or
+        a folder of weights without a config, is read into the base's architecture. (Stop 60 review:
+        a fine-tune folder without ``config.json`` went to ``from_pretrained``, which built
+        transformers' default-size model, a 7B Llama, and ran the machine out of memory.)"""
+        return self.is_hf_folder and self.config is not None
+
+    @property
     def folder(self) -> Path | None:
         """The Hugging Face folder (for its config and tokenizer), ``None`` for bare files."""
         return self.path if self.path.is_dir() else None

@@ -136,6 +136,12 @@ def cast_checked(name: str, tensor: Any, dtype: Any, model: str) -> Any:
     return out
 
 
+def as_written(name: str, tensor: Any, dtype: Any, model: str) -> Any:
+    """``tensor`` as :func:`save_hf_folder` writes it: detached, cast to ``dtype`` (:func:`cast_checked`),
+    an own contiguous CPU copy (safetensors refuses shared or strided storage)."""
+    return cast_checked(name, tensor.detach(), dtype, model).to("cpu").contiguous().clone()
+
+
 def _config_with_dtype(config: Mapping[str, Any], dtype: str | None) -> dict[str, Any]:
     cfg = dict(config)
     if dtype is None:
@@ -235,8 +241,7 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
         seen.add(name)
         if not isinstance(tensor, torch.Tensor):
             raise ValidationError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        # own, contiguous CPU storage (safetensors refuses shared or strided storage)
-        t = cast_checked(name, tensor.detach(), cast, "the merged model").to("cpu").contiguous().clone()
+        t = as_written(name, tensor, cast, "the merged model")
         written_dtypes.add(str(t.dtype).replace("torch.", ""))
         nbytes = t.numel() * t.element_size()
         if current and current_bytes + nbytes > limit:

@@ -35,19 +35,10 @@ def resolve_device(name: str) -> tuple[str, str | None]:
     return name, None
 
 
-def own_folder(ckpt: Checkpoint) -> bool:
-    """Whether ``ckpt`` is loaded from its own Hugging Face folder (weights and a ``config.json``);
-    otherwise (a bare weight file, or a folder of weights without a config) the base's architecture
-    is built and filled with its tensors. (Stop 60 review: a fine-tune folder without ``config.json``
-    was loaded by ``from_pretrained``, which built transformers' default-size model, a 7B Llama, and
-    ran the machine out of memory.)"""
-    return ckpt.is_hf_folder and ckpt.config is not None
-
-
 def load_model(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str) -> Any:
     """A model in eval mode from a Hugging Face folder, or the base architecture filled from a
     bare safetensors / torch state dict (tied weights may be absent from the file)."""
-    own = own_folder(ckpt)
+    own = ckpt.configured
     cls = architecture_class((ckpt.config if own else None) or _read_cfg(base_folder), str(base_folder))
     try:
         if own:
@@ -88,7 +79,7 @@ def load_lazy(ckpt: Checkpoint, base_folder: Path, dtype: Any, device: str,
               blocks: Callable[[Any], Sequence[Any]]) -> LazyModel:
     """A model like :func:`load_model`'s whose blocks ``blocks(model)`` stay on disk until they
     run (:mod:`mergeqp.io.lazy_model`): only the rest is read now."""
-    own = own_folder(ckpt)
+    own = ckpt.configured
     config_dict = (ckpt.config if own else None) or _read_cfg(base_folder)
     folder = ckpt.path if own else base_folder
     cls = architecture_class(config_dict, str(folder))

@@ -47,7 +47,7 @@ from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_summary
 from ..io.progress import library_bars
 from ..io.memory import check_site_memory, estimate_site_memory, memory_limit
-from ..io.writer import WrittenModel, cast_checked, check_output_folder, parse_size, save_hf_folder
+from ..io.writer import WrittenModel, as_written, check_output_folder, parse_size, save_hf_folder
 from ..lm import teacher_forced_targets
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params
@@ -565,7 +565,7 @@ def _as_written(overrides: Mapping[str, Any], output_dtype: str | None) -> dict[
     cast = getattr(torch, output_dtype) if output_dtype else None
     out = {}
     for name, tensor in overrides.items():
-        out[name] = cast_checked(name, tensor.detach(), cast, "the merged model").to("cpu").contiguous().clone()
+        out[name] = as_written(name, tensor, cast, "the merged model")
     return out
 
 

@@ -125,10 +125,8 @@ def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
     merge that keeps the base's tensors outside its selection (a user who selected too few layers
     otherwise loses those changes without a word). Reads ``count`` entries per tensor."""
     notes = []
-    matched = set(plan.qp_unmerged)
     for name, changed in _outside_changes(plan, count).items():
-        chosen = [k for k in changed if k in matched]
-        other = [k for k in changed if k not in matched]
+        chosen, other = _selected_unmerged(plan, changed)
         if other:
             notes.append(f"model {name!r} also changed {len(other)} tensor(s) outside the merged layers "
                          f"({listing(other, 4)}): the merged model keeps the base's there; select them in "
@@ -152,8 +150,7 @@ def start_outside(plan: MergePlan, count: int = 256) -> list[str]:
     changed = sorted({k for keys in _outside_changes(plan, count).values() for k in keys})
     start = plan.config.method.start
     name = "the chosen start" if start is None or is_auto_start(start) else start.name
-    matched = set(plan.qp_unmerged)
-    chosen, other = [k for k in changed if k in matched], [k for k in changed if k not in matched]
+    chosen, other = _selected_unmerged(plan, changed)
     notes = []
     if other:
         notes.append(f"{name} is merged on every tensor: the merged model also changes {len(other)} tensor(s) outside "
@@ -166,6 +163,13 @@ def start_outside(plan: MergePlan, count: int = 256) -> list[str]:
                      f"the start's in the merged model (the QP refines only the linear layers), as a baseline over the "
                      f"same layers merges them")
     return notes
+
+
+def _selected_unmerged(plan: MergePlan, keys: list[str]) -> tuple[list[str], list[str]]:
+    """``keys`` split into those the ``layers`` patterns select but a QP does not merge
+    (:attr:`MergePlan.qp_unmerged`) and those outside every pattern."""
+    matched = set(plan.qp_unmerged)
+    return [k for k in keys if k in matched], [k for k in keys if k not in matched]
 
 
 def _outside_changes(plan: MergePlan, count: int) -> dict[str, list[str]]:
@@ -568,7 +572,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     config_notes = align_notes + check_architectures(base, list(zip(names, fts)))
     config_notes += [f"model {n!r}: {ck.path} holds weights but no config.json: it is read into the base's "
                      f"architecture, as a bare weight file is" for n, ck in zip(names, fts)
-                     if ck.is_hf_folder and ck.config is None]
+                     if ck.is_hf_folder and not ck.configured]
     not_causal = _not_causal(base.config)
     if not_causal is not None and output_metric(cfg.output.metric).scores_data and cfg.output.pool == "none":
         raise ConfigError(f"output.metric: cross_entropy scores next tokens (each position predicts the next "

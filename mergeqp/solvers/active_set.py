@@ -45,6 +45,11 @@ faces of the set, globalised by proximal-point regularisation when it cycles:
    steps move only where H is flat and never raise J, and the face of the optimum is found
    after a few subproblems.
 
+Before the engine runs, coordinates with zero rows of H (dead units) are fixed where the set
+says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
+groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
+face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
+
 The returned point is the best feasible point seen (lowest J; among values of J equal up to
 their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite sides),
 ``Simplex``, ``GlobalSimplex``, ``L1Ball``, ``Box & Simplex``, ``Box & GlobalSimplex``,
@@ -72,6 +77,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
+from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .unbounded import into_recession_cone, verified_claim
@@ -639,12 +645,21 @@ class ActiveSetSolver(QPSolver):
         if isinstance(st, str):
             raise SolverError(f"active_set: {st}")
         with blas_threads(opts["threads"]) as cap:
-            engine = _Engine(problem, constraints, st, opts)
+            assert problem.H is not None
+            split = decouple(problem.H, problem.g, problem.c, problem.shape, st, x0)
+            if split is None:
+                engine, x0_kept = _Engine(problem, constraints, st, opts), x0
+            else:  # coordinates with zero rows of H, fixed (active_set_presolve)
+                engine = _Engine(split.problem, constraints, split.structure, opts)
+                x0_kept = None if x0 is None else np.asarray(x0, dtype=np.float64).ravel()[split.keep]
             if x0 is not None:
                 engine.reuse_shared_factor()
             setup = time.perf_counter() - t0
-            x, status, it, info = engine.run(x0)
+            x, status, it, info = engine.run(x0_kept)
             engine.share_factor()
+        if split is not None:
+            x = split.expand(x)
+            info["decoupled"] = split.removed
         if cap is not None:
             info["blas_threads"] = cap
         if not st.bounded:

@@ -10,6 +10,8 @@ active-set solver work hard:
   H is singular when ``N c < n``);
 - ``at_bounds``: the fraction of coordinates on a bound at the optimum (at ``0`` / ``1`` of the
   box, at ``0`` of the simplex, at the centre of the L1 ball);
+- ``dead``: the fraction of rows (atoms) whose residual is zero in every model (dead units: zero
+  rows and columns of H, as in the real MNIST QP ``mnist_real640``, 13% of its coordinates);
 - the set: ``box`` (``[0, 1]``), ``simplex`` (per-atom: ``sum_k d[k, a] = 1``, ``d >= 0``),
   ``l1`` (``|d|_1 <= R``), ``sign`` (``[0, 1]`` box intersected with TIES sign consensus ``G d >= 0``).
 
@@ -43,7 +45,8 @@ class InstanceFamily:
     samples of the synthetic factors, ``cond`` the condition number set by the ridge (``inf``:
     none), ``at_bounds`` the fraction of coordinates on a bound at the planted optimum,
     ``set_type`` one of :data:`SET_TYPES`; ``planted`` False keeps the synthetic ``g`` (the
-    merge QP's own: no planted optimum, ``at_bounds`` unused)."""
+    merge QP's own: no planted optimum, ``at_bounds`` unused); ``dead`` the fraction of dead rows
+    (zero rows of H; with a finite ``cond`` its ridge makes them nonzero)."""
 
     name: str
     K: int
@@ -55,6 +58,7 @@ class InstanceFamily:
     N: int = 400
     planted: bool = True
     description: str = ""
+    dead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.set_type not in SET_TYPES:
@@ -62,6 +66,8 @@ class InstanceFamily:
                                   f"{', '.join(SET_TYPES)}")
         if not 0.0 <= self.at_bounds < 1.0:
             raise ValidationError(f"instance family {self.name!r}: at_bounds must lie in [0, 1), got {self.at_bounds}")
+        if not 0.0 <= self.dead < 1.0:
+            raise ValidationError(f"instance family {self.name!r}: dead must lie in [0, 1), got {self.dead}")
         if not self.cond > 1.0:
             raise ValidationError(f"instance family {self.name!r}: cond must be > 1, got {self.cond}")
         for what in ("K", "r", "c", "N"):
@@ -105,7 +111,7 @@ def register_family(family: InstanceFamily) -> None:
 
 #: the fields a family spelling may set, with their kinds (``FAMILY:key=value:key=value``)
 SPEC_FIELDS: dict[str, type] = {"K": int, "r": int, "c": int, "N": int, "cond": float, "at_bounds": float,
-                                "planted": bool, "set_type": str}
+                                "planted": bool, "set_type": str, "dead": float}
 
 
 def get_family(name: str) -> InstanceFamily:
@@ -205,7 +211,7 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
     if n is not None:
         fam = fam.with_n(int(n))
     rng = np.random.default_rng([seed, fam.K, fam.r, SET_TYPES.index(fam.set_type)])
-    factors = synthetic_factors(fam.K, fam.r, fam.c, fam.N, seed=int(rng.integers(2**31)))
+    factors = synthetic_factors(fam.K, fam.r, fam.c, fam.N, seed=int(rng.integers(2**31)), dead_rows=fam.dead)
     base = merge_qp_from_factors(factors)
     assert base.H is not None
     H = np.array(base.H)
@@ -217,7 +223,7 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
     # multipliers on the scale of a gradient entry at |d| ~ 1
     scale = np.sqrt(np.maximum(np.diag(H), 1e-300)) * float(np.sqrt(np.mean(np.diag(H))))
     meta: dict[str, Any] = {"family": fam.name, "seed": seed, "K": fam.K, "r": fam.r, "set": fam.set_type,
-                            "at_bounds": fam.at_bounds, "cond": fam.cond, "c": fam.c, "N": fam.N}
+                            "at_bounds": fam.at_bounds, "cond": fam.cond, "c": fam.c, "N": fam.N, "dead": fam.dead}
     if fam.set_type == "sign" or not fam.planted:
         if fam.set_type == "sign":
             deltas = rng.standard_normal((fam.K, fam.r, 4))
@@ -260,6 +266,10 @@ for _fam in (
                    description="box [0,1], the synthetic g, rank(H) <= 800 (N c < n): ~85% at a bound"),
     InstanceFamily("simplex_singular", 4, 768, "simplex", cond=float("inf"), c=8, N=100, planted=False,
                    description="per-atom simplex, the synthetic g, rank(H) <= 800"),
+    InstanceFamily("box_dead", 4, 768, "box", cond=float("inf"), planted=False, dead=0.15,
+                   description="box [0,1], the synthetic g, singular H with 15% dead rows (zero rows of H)"),
+    InstanceFamily("simplex_dead", 4, 768, "simplex", cond=float("inf"), planted=False, dead=0.15,
+                   description="per-atom simplex, the synthetic g, singular H with 15% dead atoms"),
     InstanceFamily("box_llama", 3, 4096, "box", 0.8,
                    description="box [0,1], 3 x 4096 (n = 12288, a Llama down_proj), 80% at a bound, cond 1e6"),
     InstanceFamily("sign", 4, 768, "sign", 0.0, description="box [0,1] and TIES sign consensus (no planted optimum)"),

@@ -74,8 +74,12 @@ def test_gap_bounds_the_suboptimality_of_any_feasible_point(cvxpy_solve, random_
     # at the (reference) optimum the gap is ~0 and the point is certified
     cert = certify(problem, cset, d_star, feas_tol=1e-8)
     assert cert.fw_gap >= -1e-12
-    assert cert.relative_gap <= 1e-6, cert.explain()
-    assert cert.certified()
+    # a user set's LP that Clarabel ends "optimal_inaccurate" (it does on degenerate costs, most of them
+    # ~1e-12 of the largest at an optimum: seed 5188) is charged SOLVER_MARGIN_INACCURATE = 1e-6 of
+    # 1 + |its value| by design, which alone can reach 1e-6 of J
+    limit = 1e-5 if "inaccurate" in cert.bound_method else 1e-6
+    assert cert.relative_gap <= limit, cert.explain()
+    assert cert.certified(limit)
 
 
 @settings(max_examples=10, deadline=None)

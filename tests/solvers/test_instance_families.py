@@ -56,6 +56,10 @@ def test_bad_family_parameters_are_named() -> None:
         InstanceFamily("x", 2, 3, "cube")
     with pytest.raises(ValidationError, match="at_bounds"):
         InstanceFamily("x", 2, 3, "box", at_bounds=1.0)
+    with pytest.raises(ValidationError, match="dead must lie in"):
+        InstanceFamily("x", 2, 3, "box", dead=1.0)
+    with pytest.raises(ValidationError, match="dead must be a number"):
+        get_family("box:dead=many")
     with pytest.raises(ValidationError, match="already"):
         register_family(FAMILIES["box"])
 

@@ -37,8 +37,12 @@ __all__ = ["Decoupled", "ReducedQP", "decouple", "PRESOLVE_MAX_N"]
 #: work arrays, which ``auto``'s memory model does not count)
 PRESOLVE_MAX_N = 8192
 #: the reduced H, kept with the values of the whole H (:mod:`mergeqp.matrix_cache`) so that the
-#: solves of a sequence on one H array share it, and with it the engine's own cached values
+#: solves of a sequence on one H array share it, and with it the engine's own cached values (its
+#: float32 copy and last face factor)
 REDUCED_KEY = "active_set.decoupled"
+#: ... up to this many variables (it stays while H does: 134 MB at most at n = 4096); above, each
+#: solve makes its own copy and frees it at its end
+REDUCED_SHARE_MAX_N = 4096
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,7 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
     keep = np.flatnonzero(~out)
     if keep.size == n or keep.size == 0:
         return None
-    shared = matrix_values(H)
+    shared = matrix_values(H) if n <= REDUCED_SHARE_MAX_N else None
     cached = None if shared is None else shared.get(REDUCED_KEY)
     if cached is not None and np.array_equal(cached[0], keep):
         H_kept = cached[1]

@@ -134,6 +134,16 @@ def test_solves_on_one_H_share_the_reduced_matrix() -> None:
     assert first.problem.H is second.problem.H
     assert matrix_values(problem.H)[P.REDUCED_KEY][1] is first.problem.H
     np.testing.assert_array_equal(first.problem.H, problem.H[np.ix_(first.keep, first.keep)])
+    old = P.REDUCED_SHARE_MAX_N
+    try:  # above the sharing size each solve makes its own copy (none kept while H lives)
+        P.REDUCED_SHARE_MAX_N = 29
+        big = dead_problem(rng, 3, 10, np.array([2, 12, 22]))
+        one = P.decouple(big.H, big.g, big.c, big.shape, st_, None)
+        two = P.decouple(big.H, big.g, big.c, big.shape, st_, None)
+        assert one is not None and two is not None and one.problem.H is not two.problem.H
+        assert P.REDUCED_KEY not in (matrix_values(big.H) or {})
+    finally:
+        P.REDUCED_SHARE_MAX_N = old
     # c carries the fixed coordinates' linear terms: J of the expansion is the reduced J
     y = rng.random(first.keep.size)
     x = first.expand(y)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,21 @@ class SetStructure:
     def bounds_only(self) -> bool:
         """Whether the set is just the bounds ``lo <= x <= hi`` (no sum, no ball)."""
         return self.group is None and self.center is None
+
+    @cached_property
+    def simplex_columns(self) -> int | None:
+        """``K`` when the set is per-column sums of the ``(K, n_groups)`` row-major view of ``d``
+        (``group[k * n_groups + a] = a``: the per-atom simplex, also after whole atoms were taken out)
+        with finite lower bounds and no upper ones; else ``None``. The kernels then sort each column's
+        ``K`` entries along an axis (:func:`_project_columns`, :func:`_lmo_columns`) instead of all
+        ``2n`` breakpoints by group and value: 3-4x faster at n = 560, the same points."""
+        if self.group is None or self.totals is None:
+            return None
+        n, G = self.group.size, self.totals.size
+        if G < 1 or n % G or not bool(np.all(np.isposinf(self.hi))) or not bool(np.all(np.isfinite(self.lo))):
+            return None
+        K = n // G
+        return K if bool(np.all(self.group.reshape(K, G) == np.arange(G))) else None
 
     @staticmethod
     def free(n: int) -> SetStructure:
@@ -158,6 +174,9 @@ def lmo_structure(st: SetStructure, grad: np.ndarray) -> tuple[float, np.ndarray
     lo, hi = st.lo, st.hi
     if st.group is not None:
         assert st.totals is not None
+        K = st.simplex_columns
+        if K is not None:
+            return _lmo_columns(st, grad, K)
         # start every variable at its lower bound, then fill each group's remaining budget in
         # increasing order of the gradient up to the upper bounds (a fractional knapsack)
         budget = st.totals - np.bincount(st.group, lo, minlength=st.totals.size)
@@ -195,6 +214,38 @@ def lmo_structure(st: SetStructure, grad: np.ndarray) -> tuple[float, np.ndarray
     if not np.all(np.isfinite(s)):
         return -math.inf, None
     return float(grad @ s), s
+
+
+def _lmo_columns(st: SetStructure, grad: np.ndarray, K: int) -> tuple[float, np.ndarray]:
+    """:func:`lmo_structure` for :attr:`SetStructure.simplex_columns`: every variable at its lower
+    bound and each column's budget on its smallest gradient entry (the first ``k`` among ties, as
+    the general knapsack fills them)."""
+    assert st.totals is not None
+    G = st.totals.size
+    lo = st.lo.reshape(K, G)
+    best = np.argmin(grad.reshape(K, G), axis=0) * G + np.arange(G)
+    s = st.lo.copy()
+    s[best] += st.totals - lo.sum(axis=0)
+    return float(grad @ s), s
+
+
+def _project_columns(st: SetStructure, x: np.ndarray, K: int) -> np.ndarray:
+    """:func:`project_structure` for :attr:`SetStructure.simplex_columns`: per column, ``y = x - lo``
+    onto ``{y >= 0, sum y = total - sum lo}`` by the sorted-threshold rule (Held, Wolfe & Crowder;
+    Duchi et al. 2008), all columns at once."""
+    assert st.totals is not None
+    G = st.totals.size
+    lo = st.lo.reshape(K, G)
+    y = x.reshape(K, G) - lo
+    t = st.totals - lo.sum(axis=0)
+    u = -np.sort(-y, axis=0)
+    css = np.cumsum(u, axis=0) - t
+    ind = np.arange(1, K + 1, dtype=np.float64)[:, None]
+    cond = u * ind > css  # u_j - css_j / (j + 1) > 0
+    # the last j where it holds; 0 when none does (a zero budget: tau = u_0 puts every entry at lo)
+    last = np.where(cond.any(axis=0), K - 1 - np.argmax(cond[::-1], axis=0), 0)
+    tau = css[last, np.arange(G)] / (last + 1.0)
+    return (np.maximum(y - tau, 0.0) + lo).ravel()
 
 
 # ---------------------------------------------------------------------- projection
@@ -243,10 +294,27 @@ def capped_shift(v: np.ndarray, lo: np.ndarray, hi: np.ndarray, group: np.ndarra
     return tau
 
 
+#: an input this many times larger than its projection is projected twice (see :func:`project_structure`)
+FAR_INPUT = 1e3
+
+
 def project_structure(st: SetStructure, x: np.ndarray) -> np.ndarray:
     """Euclidean projection of flat ``x`` ``(n,)`` onto the structure (exact; sorts instead of
     bisection). A point that is feasible up to rounding in the equations (``1e-14``
-    relative) is returned as it is."""
+    relative) is returned as it is. A sum or ball constraint's shift is computed in the units of
+    ``x``: from a point :data:`FAR_INPUT` times farther out than its projection (a face solve along
+    a direction of zero curvature ends at 1e9), the shift's rounding leaves the result off the set
+    by ``eps |x|`` (1.9e-7 of a radius 1.8 from 7e9, an active-set solve returned it); such a
+    result is projected once more, from where the rounding is that of the set's own scale."""
+    y = _project_once(st, x)
+    if st.bounds_only:
+        return y  # a clip is exact
+    if float(np.max(np.abs(x), initial=0.0)) > FAR_INPUT * (1.0 + float(np.max(np.abs(y), initial=0.0))):
+        y = _project_once(st, y)
+    return y
+
+
+def _project_once(st: SetStructure, x: np.ndarray) -> np.ndarray:
     lo, hi = st.lo, st.hi
     if st.group is not None:
         assert st.totals is not None
@@ -255,6 +323,9 @@ def project_structure(st: SetStructure, x: np.ndarray) -> np.ndarray:
             size = np.bincount(st.group, np.abs(x), minlength=st.totals.size)
             if float(np.max(np.abs(sums - st.totals) - 1e-14 * (size + np.abs(st.totals)))) <= 0:
                 return x
+        K = st.simplex_columns
+        if K is not None:
+            return _project_columns(st, x, K)
         tau = capped_shift(x, lo, hi, st.group, st.totals)
         return np.clip(x - tau[st.group], lo, hi)
     y = np.clip(x, lo, hi)

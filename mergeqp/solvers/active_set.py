@@ -190,6 +190,12 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             self.s_bound = float(np.sum(np.abs(st.center)) + st.radius)
         else:
             self.s_bound = float(np.sum(np.maximum(np.abs(st.lo), np.abs(st.hi))))
+        #: a bound on :meth:`rounding_floor` at every point of the set (``|x|_inf <= |x|_1 <= s_bound``
+        #: bounds the reach, ``|x - s|_1 <= 2 s_bound`` the width); ``inf`` on an unbounded set
+        top = float(np.max(self.sqrt_diag, initial=0.0))
+        self.floor_bound = 4.0 * GAP_ROUNDING_FACTOR * self.s_bound * gradient_rounding(
+            self.n, self.g_inf, top, top * self.s_bound) if math.isfinite(self.s_bound) and (
+                st.group is None or bool(np.all(np.isfinite(st.lo)))) else math.inf
 
     # -- basic pieces
     def project(self, x: np.ndarray) -> np.ndarray:
@@ -370,7 +376,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             face = new_face
 
         def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
-            return gap <= tol * self.certificate_scale(J, x, grad) or gap <= self.rounding_floor(x, grad)
+            # (the floor is computed only where the gap is below its bound over the whole set)
+            return gap <= tol * self.certificate_scale(J, x, grad) or (
+                gap <= self.floor_bound and gap <= self.rounding_floor(x, grad))
 
         if converged(best_J, last_gap, best_x, grad):
             return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)
@@ -408,12 +416,14 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 self.remember_gradient(xp, gp)
             Jp = self.objective(xp, gp)
             gap = self.gap(xp, gp)
-            verified = self.fine or not converged(Jp, gap, xp, gp)
+            conv = converged(Jp, gap, xp, gp)
+            verified = self.fine or not conv
             if not verified:  # gp was updated from nearby points: stop on a full product only
                 gp = H @ xp + g
                 Jp = self.objective(xp, gp)
                 gap = self.gap(xp, gp)
                 self.remember_gradient(xp, gp)
+                conv = converged(Jp, gap, xp, gp)
             T_p = self.term_scale(xp, gp)
             noise = 8.0 * np.finfo(float).eps * T_p  # rounding of J
             if Jp < best_J - 1e-13 * T_p or gap < 0.5 * low_gap:
@@ -426,7 +436,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 best_x, best_J, last_gap, best_T = xp, Jp, gap, T_p
             new_face = self.update_face(face, xf, gf)
             stable = new_face.key() == key
-            if converged(Jp, gap, xp, gp):
+            if conv:
                 best_x, best_J, last_gap = xp, Jp, gap
                 status = SolveStatus.OPTIMAL
                 break

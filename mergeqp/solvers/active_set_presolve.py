@@ -108,7 +108,7 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
     zero = np.zeros(n, dtype=bool)
     zero[cand[~np.any(np.take(H, cand, axis=0), axis=1)]] = True
     start = np.full(n, 1.0 / shape[0]) if x0 is None else np.asarray(x0, dtype=np.float64).ravel()
-    fixed = project_structure(st, start)
+    fixed = np.array(project_structure(st, start), copy=True)  # (a feasible start comes back as itself)
     out = np.zeros(n, dtype=bool)  # decoupled and fixed
     if st.group is not None:
         assert st.totals is not None

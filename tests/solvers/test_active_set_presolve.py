@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from mergeqp.constraints import Box, L1Ball, Simplex, intersect
+from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex, intersect
 from mergeqp.errors import UnboundedError
 from mergeqp.matrix_cache import matrix_values
 from mergeqp.problem import MergeQP
@@ -63,6 +63,25 @@ def test_a_warm_start_keeps_its_values_where_every_value_is_optimal() -> None:
     sol = solve(problem, Box(0.0, 1.0), solver="active_set", x0=x0)
     np.testing.assert_array_equal(sol.d.ravel()[dead], [0.9, 1.0, 0.0])
     assert sol.certificate.certified(1e-9)
+
+
+def test_the_warm_start_is_left_as_it_was() -> None:
+    """(a review's find) A feasible x0 came back from the projection as itself, and the dead groups'
+    minimisers were written into it: the caller's array (an earlier solution's d) changed, and a
+    read-only x0 failed."""
+    rng = np.random.default_rng(2)
+    K, m = 3, 4
+    problem = dead_problem(rng, K, m, np.array([0, 4, 8]), g_dead=np.array([1.0, -2.0, 0.5]))
+    x0 = np.full((K, m), 1 / K)
+    sol = solve(problem, Simplex(), solver="active_set", x0=x0)
+    np.testing.assert_array_equal(x0, np.full((K, m), 1 / K))
+    np.testing.assert_array_equal(sol.d[:, 0], [0.0, 1.0, 0.0])
+    x0.setflags(write=False)
+    again = solve(problem, Simplex(), solver="active_set", x0=x0)
+    assert again.solver == "active_set" and again.objective == pytest.approx(sol.objective, rel=1e-12)
+    first = sol.d.copy()
+    solve(problem.with_linear_term(-problem.g), Simplex(), solver="active_set", x0=sol.d)
+    np.testing.assert_array_equal(sol.d, first)
 
 
 def test_dead_simplex_groups_take_their_linear_minimiser_or_the_start() -> None:
@@ -204,3 +223,20 @@ def test_the_dead_families_have_the_zero_rows_they_say() -> None:
         assert sol.info["decoupled"] == zero.sum()
         assert sol.certificate.certified(1e-8)
     assert not np.any(np.all(draw("box_singular", 0, 96).problem.H == 0, axis=1))
+
+
+@pytest.mark.parametrize("cset", [L1Ball(2.0), GlobalSimplex(1.0)], ids=["l1", "global_simplex"])
+def test_a_face_solve_that_runs_off_along_a_linear_term_lands_on_the_set(cset) -> None:
+    """(a review's find, older than the presolve) Dead coordinates with g != 0 on one L1 ball or one
+    global sum: a face solve runs along the zero-curvature direction to ~1e10 and the projection of
+    that point lost the set's scale to its own (J = -1.1e61, "optimal"); far points are now projected
+    twice (constraints/kernels.py), and the solve is certified like Clarabel's."""
+    K, m = 3, 6
+    rng = np.random.default_rng(1)
+    B = rng.standard_normal((K * m, K * m))
+    B[[0, 4, 7, 11, 17]] = 0.0
+    problem = MergeQP(B @ B.T, rng.standard_normal(K * m), 0.0, shape=(K, m))
+    sol = solve(problem, cset, solver="active_set")
+    assert sol.certificate.certified(1e-8), sol.certificate.explain()
+    clarabel = solve(problem, cset, solver="clarabel")
+    assert sol.objective == pytest.approx(clarabel.objective, rel=1e-7, abs=1e-7)

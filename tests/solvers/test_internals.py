@@ -138,3 +138,30 @@ def test_bench_cli_rejects_unknown_names(capsys: pytest.CaptureFixture[str]) -> 
     assert main(["bench", "--problems", "nope"]) == 2
     assert "valid problems" in capsys.readouterr().err
     assert main(["bench", "--problems", "tiny96", "--solvers", "gurobi"]) == 2
+
+
+@pytest.mark.parametrize("which", range(6))
+def test_the_floor_bound_holds_at_every_point_of_the_set(which: int) -> None:
+    """``_Engine.floor_bound`` (converged() computes the rounding floor only below it) bounds
+    ``rounding_floor`` at feasible points of every bounded set, far corners included, and is
+    infinite where the set is unbounded."""
+    from mergeqp.constraints import GlobalSimplex, L1Ball
+
+    rng = np.random.default_rng(which)
+    K, m = 3, 8
+    n = K * m
+    B = rng.standard_normal((n, 6)) * np.exp(rng.standard_normal(n))[:, None]  # rank 6, spread diagonal
+    p = MergeQP(B @ B.T, 100 * rng.standard_normal(n), shape=(K, m))
+    cset = [Box(-2, 3), Simplex(2.0), Box(-1, np.inf) & Simplex(1.0), GlobalSimplex(4.0), L1Ball(5.0, 0.5),
+            Box(0, np.inf)][which]
+    e = A._Engine(p, cset, A.set_structure(cset, p.shape), dict(A.ActiveSetSolver.defaults))
+    if which == 5:
+        assert e.floor_bound == np.inf
+        return
+    assert 0 < e.floor_bound < np.inf
+    for scale in (1.0, 1e3, 1e6):
+        for _ in range(20):
+            x = e.project(scale * rng.standard_normal(n))
+            grad = p.H @ x + p.g
+            e.gap(x, grad)
+            assert e.rounding_floor(x, grad) <= e.floor_bound

@@ -139,9 +139,11 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
         H_kept = cached[1]
     else:
         H_kept = np.take(np.take(H, keep, axis=0), keep, axis=1)
-        H_kept.setflags(write=False)
-        if shared is not None:
+        if shared is not None:  # read-only: the engine's own values are then cached with it too
+            H_kept.setflags(write=False)
             shared[REDUCED_KEY] = (keep, H_kept)
+        # (a copy that is not kept stays writable: the cache takes no entry for it, which would push
+        # out H's own, e.g. the certificate's factorisation)
     rest = np.flatnonzero(out)
     reduced = ReducedQP(H_kept, np.ascontiguousarray(g[keep]), float(c + g[rest] @ fixed[rest]),
                         (shape[0], int(keep.size)))

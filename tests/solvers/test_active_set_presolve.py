@@ -161,6 +161,7 @@ def test_solves_on_one_H_share_the_reduced_matrix() -> None:
         two = P.decouple(big.H, big.g, big.c, big.shape, st_, None)
         assert one is not None and two is not None and one.problem.H is not two.problem.H
         assert P.REDUCED_KEY not in (matrix_values(big.H) or {})
+        assert one.problem.H.flags.writeable and matrix_values(one.problem.H) is None  # no cache entry
     finally:
         P.REDUCED_SHARE_MAX_N = old
     # c carries the fixed coordinates' linear terms: J of the expansion is the reduced J

@@ -259,8 +259,12 @@ class FaceFactorisation:
         self.factorisations += 1
         self._factor = None
         # float32 while the face still changes a lot; float64 (reusable by bordered updates
-        # without loss of accuracy) once the changes are few
-        tail = changed < float(self.opts["update_ratio"]) * N.size
+        # without loss of accuracy) once the changes are few on the plain problem. A proximal level's
+        # first solve repeats the face its centre was accepted on (no change) at a new rho, and the
+        # level then moves on to other faces: float32 there too (stop 61: a float64 factorisation at
+        # every level's start was a quarter of the low-rank instances' time)
+        plain = self.rho <= float(self.opts["prox_min"]) * self.eta * (1.0 + 1e-9)
+        tail = changed < float(self.opts["update_ratio"]) * N.size and plain
         self.inexact_ok = changed > 0.25 * N.size
         self._singular = False
         if self.use_mixed(N.size) and not tail and not known_ill:

@@ -728,7 +728,12 @@ class _Ipm:
         for low_now in ((True, False) if low else (False,)):
             solve_M = self.factorise(w, low_now)
             with np.errstate(over="ignore", invalid="ignore"):
-                schur = self._schur(solve_M) if F.E.shape[0] else None
+                try:
+                    schur = self._schur(solve_M) if F.E.shape[0] else None
+                except SolverError:
+                    if low_now:
+                        continue  # E M^-1 E' from a float32 factor of M: form it again in float64
+                    raise
 
             def newton(rc: np.ndarray, pure: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
                 # pure: the residuals rd, rp, re taken as 0 (a centrality corrector)

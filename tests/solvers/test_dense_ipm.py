@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex, SignConsensus
@@ -60,6 +60,10 @@ problems = st.tuples(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems)
+# (hypothesis's find, stop 61: coefficients fixed inside per-atom sums with sign rows; E M^-1 E' formed
+# from the float32 factor of M was not positive definite and the solve raised instead of forming it
+# again from a float64 factor)
+@example((3, 3, 0.5, 25, 10))
 def test_dense_ipm_agrees_with_clarabel_and_certifies(random_psd_problem, rel_diff, params) -> None:
     K, m, frac, seed, which = params
     rng = np.random.default_rng(seed)

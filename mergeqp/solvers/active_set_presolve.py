@@ -112,6 +112,8 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
     out = np.zeros(n, dtype=bool)  # decoupled and fixed
     if st.group is not None:
         assert st.totals is not None
+        if not bool(np.all(np.isfinite(st.lo))):
+            return None  # (a user's sum structure without lower bounds: its LPs may be unbounded)
         dead = np.bincount(st.group, weights=~zero, minlength=st.totals.size) == 0
         out = dead[st.group]
         if out.any():

@@ -241,3 +241,15 @@ def test_a_face_solve_that_runs_off_along_a_linear_term_lands_on_the_set(cset) -
     assert sol.certificate.certified(1e-8), sol.certificate.explain()
     clarabel = solve(problem, cset, solver="clarabel")
     assert sol.objective == pytest.approx(clarabel.objective, rel=1e-7, abs=1e-7)
+
+
+def test_a_sum_structure_without_lower_bounds_is_left_to_the_engine() -> None:
+    """A user's structure may declare sums over coordinates without lower bounds (the built-in simplices
+    have them): its dead groups' linear programs could be unbounded, so the presolve takes nothing out."""
+    from mergeqp.constraints.kernels import SetStructure
+
+    rng = np.random.default_rng(8)
+    problem = dead_problem(rng, 2, 3, np.array([0, 3]), g_dead=np.array([1.0, -1.0]))
+    n = 6
+    st_ = SetStructure(np.full(n, -np.inf), np.full(n, np.inf), np.tile(np.arange(3), 2), np.ones(3))
+    assert P.decouple(problem.H, problem.g, problem.c, problem.shape, st_, None) is None

@@ -129,7 +129,7 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
         out = zero & (g == 0)
         fixed[out] = st.center[out]
     else:
-        side = np.where(g > 0, st.lo, np.where(g < 0, st.hi, np.clip(fixed, st.lo, st.hi)))
+        side = np.where(g > 0, st.lo, np.where(g < 0, st.hi, fixed))  # (fixed: the start, clipped)
         out = zero & np.isfinite(side)
         fixed[out] = side[out]
     keep = np.flatnonzero(~out)
@@ -150,4 +150,3 @@ def decouple(H: np.ndarray, g: np.ndarray, c: float, shape: tuple[int, int], st:
     reduced = ReducedQP(H_kept, np.ascontiguousarray(g[keep]), float(c + g[rest] @ fixed[rest]),
                         (shape[0], int(keep.size)))
     return Decoupled(keep, fixed, reduced, _restrict(st, keep))
-

@@ -179,7 +179,6 @@ def test_a_proximal_level_solves_its_unchanged_face_in_float32() -> None:
     cset = Box(0, 1)
     face = A._Face(np.where(np.arange(n) < 40, A.LO, A.FREE).astype(np.int8), None, False)  # 600 free
     x0 = np.full(n, 0.5)
-    solutions = {}
     for rho in (0.0, 0.01):
         e = A._Engine(p, cset, A.set_structure(cset, p.shape), dict(A.ActiveSetSolver.defaults))
         e.xc = x0
@@ -188,13 +187,12 @@ def test_a_proximal_level_solves_its_unchanged_face_in_float32() -> None:
         e.face_solve(face, x0)  # the face at the previous level's rho (many changes: float32)
         e.rho = rho * e.eta
         e.solve_methods.clear()
-        solutions[rho] = e.face_solve(face, x0)[0]  # the same face at the new rho: no change
+        x = e.face_solve(face, x0)[0]  # the same face at the new rho: no change
         expected = "cholesky" if rho == 0 else "cholesky-float32+refinement"
         assert e.solve_methods == {expected}, (rho, e.solve_methods)
         F = face.status == A.FREE
         M = p.H[np.ix_(F, F)] + e.rho * np.eye(int(F.sum()))
-        x = solutions[rho]
         assert np.all(x[~F] == 0.0)  # the fixed coordinates at their lower bound
         rhs = -p.g[F] + e.rho * x0[F]
         ref = np.linalg.solve(M, rhs)
-        np.testing.assert_allclose(solutions[rho][F], ref, rtol=0, atol=1e-11 * np.max(np.abs(ref)))
+        np.testing.assert_allclose(x[F], ref, rtol=0, atol=1e-11 * np.max(np.abs(ref)))

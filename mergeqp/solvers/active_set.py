@@ -77,6 +77,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
+from .active_set_low_rank import LOW_RANK_MIN_N, ridge_low_rank, solve_ridge_low_rank
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
@@ -600,7 +601,7 @@ class ActiveSetSolver(QPSolver):
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
-                "start_face": "gradient", "prox_accept": 0.2, "threads": "auto"}
+                "start_face": "gradient", "prox_accept": 0.2, "threads": "auto", "low_rank": "auto"}
 
     #: up to this size ``auto`` takes active_set without asking the machine for memory; beyond it
     #: only while its work arrays fit in the memory available (see :meth:`auto_declines`)
@@ -642,6 +643,8 @@ class ActiveSetSolver(QPSolver):
             thread_cap(opts["threads"])
         except ValidationError as e:
             raise ValidationError(f"active_set: option {e}") from None
+        if opts["low_rank"] not in ("auto", "off"):
+            raise ValidationError(f"active_set: option low_rank={opts['low_rank']!r} must be 'auto' or 'off'")
         if opts["precision"] not in ("auto", "float64", "mixed"):
             raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")
@@ -662,11 +665,17 @@ class ActiveSetSolver(QPSolver):
             else:  # coordinates with zero rows of H, fixed (active_set_presolve)
                 engine = _Engine(split.problem, constraints, split.structure, opts)
                 x0_kept = None if x0 is None else np.asarray(x0, dtype=np.float64).ravel()[split.keep]
-            if x0 is not None:
+            low_rank = _low_rank_start(engine, opts)
+            if low_rank is not None and low_rank[0] is not None:
+                x0_kept = low_rank[0]
+                engine.opts = {**opts, "start_face": "point"}
+            elif x0 is not None:
                 engine.reuse_shared_factor()
             setup = time.perf_counter() - t0
             x, status, it, info = engine.run(x0_kept)
             engine.share_factor()
+            if low_rank is not None:
+                info["low_rank"] = low_rank[1]
         if split is not None:
             x = split.expand(x)
             info["decoupled"] = split.removed
@@ -678,6 +687,23 @@ class ActiveSetSolver(QPSolver):
                 raise verified_claim(
                     UnboundedError(f"active_set: the problem is unbounded below on {constraints.spec}: {why}"))
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
+
+
+def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray | None, dict[str, Any]] | None:
+    """Where H is a ridge plus a low-rank matrix (:mod:`.active_set_low_rank`), the dual path's
+    point (``None`` where neither its stages nor its face active set reached an optimum: the engine
+    then starts as usual, from the caller's start) and what it did, for the engine to start from (it
+    returns at once where the point meets its stopping test); ``None`` where the option is off, the
+    problem smaller than ``LOW_RANK_MIN_N``, the set not bounds only, or no such structure is found."""
+    if opts["low_rank"] == "off" or engine.n < LOW_RANK_MIN_N or not engine.st.bounds_only:
+        return None
+    lr = ridge_low_rank(engine.H)
+    if lr is None:
+        return None
+    # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most
+    # coordinates at a bound) its stages took 1.3-1.5x the Newton steps (docs/solvers.md, stop 62)
+    start = np.full(engine.n, 1.0 / engine.shape[0])
+    return solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, engine.project(start), engine.eta)
 
 
 #: at most this many (nearly) all-free first faces are approximated by ``cg_start`` CG steps

@@ -1,0 +1,478 @@
+"""A ridge plus a low-rank matrix: the active-set solver's dual path (:mod:`.active_set`).
+
+When a merge QP has fewer calibration samples times outputs than unknowns, ``H = A'A + sigma I``
+(a data term of rank ``r`` much below ``n`` and a ridge). Its faces larger than ``r`` are
+ill-conditioned (``cond ~ lambda_max / sigma``), and the primal active-set engine crawls along
+the flat directions in its proximal levels: 40 faces and 27 factorisations of 1,536 free
+coordinates on an n = 3072 box with ``r = 100`` and ``cond = 1e8`` (8.6x one Cholesky of H). The
+structure gives a problem of ``r`` unknowns instead:
+
+- **Detection** (:func:`ridge_low_rank`). The eigenvalues of a sampled principal submatrix
+  ``H_SS`` (``m = 384`` rows, one ``O(m^3)`` eigendecomposition) show a cluster at its smallest,
+  ``sigma`` (``H_SS = sigma I + U_S U_S'`` has ``m - r`` eigenvalues equal to ``sigma`` when
+  ``r < m``; a full-rank H shows none, and the test ends there). Then a pivoted partial Cholesky
+  of ``H - sigma I`` (``O(n r^2)``, reading ``r`` rows of H) must end within ``max_rank`` steps
+  with a residual diagonal below :data:`RESIDUAL` ``sigma``: ``H = sigma I + U U' + E`` with
+  ``trace E`` reported. Anything else (no cluster, a rank above the limit, a residual that does
+  not vanish, no ridge) declines, and the engine solves as before.
+- **The dual** (:func:`solve_ridge_low_rank`). ``1/2 x'U U'x = max_nu nu'U'x - 1/2 |nu|^2``, so
+  ``min_C J = max_nu min_{x in C} sigma/2 |x|^2 + (g + U nu)'x - 1/2 |nu|^2``, whose inner minimiser
+  is a projection, ``x(nu) = P_C(-(g + U nu) / sigma)`` (the shared exact kernel). The dual
+  function is concave with ``r`` unknowns; it is maximised by a semismooth Newton method (the
+  Newton matrix ``I + U'JU / sigma``, ``J`` the projection's generalised Jacobian: the free
+  coordinates, less each sum group's mean; an Armijo search on the dual, or on the residual
+  ``|nu - U'x(nu)|`` where the dual's decrease is below its rounding), which changes any number
+  of bounds per step. With a weak ridge the dual is as ill-conditioned as H, so it is solved on
+  proximal problems first (``rho/2 |x - xc|^2`` added, ``rho`` from ``1e-2 max diag H`` down by
+  :data:`DECREASE` per stage), the final stage on J itself; each stage starts at the ``nu`` that
+  reproduces the last stage's point on its free coordinates as far as ``U`` allows
+  (:func:`_restart`), and a stage that does not settle within :data:`STAGE_STEPS` Newton steps is
+  tried again from the last settled one with a smaller step down (:data:`RETRIES`).
+- **The face.** A primal-dual active set on ``sigma I + U U'`` (:func:`_face_pdas`) then starts from
+  the dual's point, each face solved by the Woodbury identity in ``O(|F| r^2)``: one face solve
+  confirms a settled dual; where the stages did not settle it may still finish the job.
+- **Polish.** ``x(nu)`` and the Woodbury solves divide by ``sigma``, which costs digits
+  (``eps |g| / sigma``), so the free coordinates are corrected by Newton steps on the face with
+  residuals computed from the true H, keeping the face's sums.
+
+The engine then starts at the result: where it meets the engine's stopping test (the
+certificate's gap) it returns at once, without a factorisation; else the engine continues from
+it (its face as the first guess). So the path never changes what is certified, only how fast.
+:mod:`.active_set` takes it for bounds-only sets: on per-atom simplices the dual's late stages
+do not settle on natural instances (their free sets flip by tens of coordinates per Newton step)
+and the failed attempt cost more than it saved (docs/solvers.md, "Stop 62"); the sum-group code
+is kept, and tested, for a later method to build on; the engine does not call it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
+from scipy import sparse
+
+from ..constraints.kernels import SetStructure, project_structure
+from ..matrix_cache import matrix_values
+
+__all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "LOW_RANK_KEY"]
+
+#: problems smaller than this are left to the engine (its faces cost little there)
+LOW_RANK_MIN_N = 1024
+#: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster
+SAMPLE = 384
+#: the largest rank handled, as a share of n (the dual's Newton steps cost ``O(n r^2)`` each)
+MAX_RANK_SHARE = 1.0 / 12.0
+#: a cluster: eigenvalues within this relative distance of the smallest (plus their rounding)
+CLUSTER = 1e-6
+#: the cluster must hold at least this share of the sample (else H is not a ridge plus low rank)
+CLUSTER_SHARE = 0.25
+#: ``sigma`` below this share of ``max diag H``: no usable ridge (``x(nu)`` would lose every digit)
+SIGMA_MIN = 1e-10
+#: the pivoted Cholesky of ``H - sigma I`` ends when its residual diagonal is below this times sigma
+RESIDUAL = 1e-4
+#: ``rho`` falls by this factor per proximal stage of the dual
+DECREASE = 10.0
+#: Newton steps per stage at most (a stage that needs more is tried again, :data:`RETRIES`; then
+#: the face active set, and where that fails the engine, take over)
+STAGE_STEPS = 60
+#: a stage that does not settle is tried again this many times in all, each from the last settled
+#: stage with the square root of the previous step down in rho
+RETRIES = 3
+#: face solves of the primal-dual active set that follows the dual at most
+PDAS_STEPS = 40
+#: the structure found for an H array, kept with its values (:mod:`mergeqp.matrix_cache`)
+LOW_RANK_KEY = "active_set.low_rank"
+EPS = float(np.finfo(float).eps)
+
+
+@dataclass(frozen=True)
+class RidgeLowRank:
+    """``H = sigma I + U U' + E``: ``U`` ``(n, r)``, ``sigma > 0``, ``residual`` = ``trace E``
+    (the pivoted Cholesky's remaining diagonal), ``rank`` = ``r``."""
+
+    U: np.ndarray
+    sigma: float
+    residual: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.U.shape[1])
+
+
+def ridge_low_rank(H: np.ndarray, *, sample: int | None = None, max_rank: int | None = None,
+                   seed: int = 0) -> RidgeLowRank | None:
+    """``H`` as ``sigma I + U U'`` (see the module doc), or ``None`` when it is not one: no
+    cluster of smallest eigenvalues in a sampled principal submatrix, no ridge, a rank above
+    ``max_rank`` (default ``n / 12``), or a residual that does not vanish. Deterministic in
+    ``seed``; ``sample`` rows are tested (default :data:`SAMPLE`). Kept with the values of a
+    read-only H (a sequence of solves on one H detects once)."""
+    n = int(H.shape[0])
+    sample = int(sample if sample is not None else SAMPLE)
+    max_rank = int(max_rank if max_rank is not None else n * MAX_RANK_SHARE)
+    shared = matrix_values(H)
+    key = (LOW_RANK_KEY, sample, max_rank, seed)
+    if shared is not None and key in shared:
+        return shared[key]
+    found = _detect(H, sample, max_rank, seed)
+    if shared is not None:
+        shared[key] = found
+    return found
+
+
+def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRank | None:
+    n = int(H.shape[0])
+    m = min(n, int(sample))
+    if m < 16 or max_rank < 1:
+        return None
+    idx = np.sort(np.random.default_rng([seed, n]).choice(n, m, replace=False))
+    try:
+        w = np.linalg.eigvalsh(H[np.ix_(idx, idx)])
+    except np.linalg.LinAlgError:
+        return None
+    top = float(w[-1])
+    if not (math.isfinite(top) and top > 0):
+        return None
+    sigma = float(w[0])
+    if not sigma > SIGMA_MIN * top:
+        return None
+    cluster = int(np.count_nonzero(w <= sigma * (1.0 + CLUSTER) + 1e3 * EPS * top))
+    if cluster < CLUSTER_SHARE * m or m - cluster > max_rank:
+        return None
+    return _pivoted_cholesky(H, sigma, max_rank, RESIDUAL * sigma)
+
+
+def _pivoted_cholesky(H: np.ndarray, sigma: float, max_rank: int, stop: float) -> RidgeLowRank | None:
+    """``H - sigma I = U U' + E`` by greedy diagonal pivoting, ending once the residual diagonal
+    is at most ``stop`` everywhere (``None`` if that takes more than ``max_rank`` steps or the
+    residual goes below ``-stop``: sigma is not the ridge)."""
+    n = int(H.shape[0])
+    d = np.diag(H).astype(np.float64) - sigma
+    L = np.zeros((max_rank, n))
+    j = 0
+    while True:
+        i = int(np.argmax(d))
+        if d[i] <= stop:
+            break
+        if j == max_rank:
+            return None
+        col = np.array(H[i], dtype=np.float64)
+        col[i] -= sigma
+        if j:
+            col -= L[:j, i] @ L[:j]
+        col /= math.sqrt(d[i])
+        L[j] = col
+        d -= col * col
+        d[i] = 0.0
+        j += 1
+    if float(np.min(d)) < -stop:
+        return None
+    return RidgeLowRank(np.ascontiguousarray(L[:j].T), sigma, float(np.sum(np.abs(d))))
+
+
+# ---------------------------------------------------------------------- faces
+def _group_sums(st: SetStructure, F: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per sum group, the sums of the rows of ``V`` (``(|F|,)`` or ``(|F|, k)``: values on the free
+    coordinates ``F``) and the count of its free coordinates."""
+    assert st.group is not None and st.totals is not None
+    G = int(st.totals.size)
+    grp = st.group[F]
+    cnt = np.bincount(grp, minlength=G).astype(np.float64)
+    member = sparse.csr_matrix((np.ones(F.size), (grp, np.arange(F.size))), shape=(G, F.size))
+    return np.asarray(member @ V), cnt
+
+
+def _null_space(st: SetStructure, F: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """The orthogonal projection onto the null space of the face's sum equations, for values on
+    the free coordinates ``F`` (each group's mean removed; the identity without sums)."""
+    if st.group is None:
+        return lambda v: v
+    grp = st.group[F]
+
+    def null(v: np.ndarray) -> np.ndarray:
+        B, cnt = _group_sums(st, F, v)
+        return v - (B / np.maximum(cnt, 1.0).reshape((-1,) + (1,) * (v.ndim - 1)))[grp]
+
+    return null
+
+
+def _free(st: SetStructure, x: np.ndarray) -> np.ndarray:
+    return (x > st.lo) & (x < st.hi)
+
+
+# ---------------------------------------------------------------------- the dual
+class _Jacobian:
+    """``U'JU`` for the projection's generalised Jacobian at a projected point (the free
+    coordinates, each sum group's mean removed), with the free coordinates' Gram matrix updated by
+    the rows that changed (recomputed when many did)."""
+
+    def __init__(self, U: np.ndarray, st: SetStructure):
+        self.U, self.st = U, st
+        self.free: np.ndarray | None = None
+        self.gram = np.zeros((U.shape[1], U.shape[1]))
+
+    def matrix(self, x: np.ndarray) -> np.ndarray:
+        U, st = self.U, self.st
+        free = _free(st, x)
+        changed = None if self.free is None else np.flatnonzero(free != self.free)
+        if changed is None or 3 * changed.size > max(int(np.count_nonzero(free)), 1):
+            Uf = U[free]
+            self.gram = Uf.T @ Uf
+        elif changed.size:
+            Uc = U[changed]
+            self.gram = self.gram + (Uc * np.where(free[changed], 1.0, -1.0)[:, None]).T @ Uc
+        self.free = free
+        M = self.gram.copy()
+        F = np.flatnonzero(free)
+        if st.group is not None and F.size:
+            B, cnt = _group_sums(st, F, U[F])
+            ok = cnt > 0
+            M -= (B[ok] / cnt[ok, None]).T @ B[ok]
+        return M
+
+
+def _stage(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, rho: float, xc: np.ndarray, nu: np.ndarray,
+           tol: float, jac: _Jacobian) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """Semismooth Newton on the dual of ``min_C J + rho/2 |x - xc|^2``, from ``nu``. Returns
+    ``(x, nu, steps, converged)``."""
+    U = lr.U
+    a = lr.sigma + rho
+    h = g - rho * xc if rho > 0 else g
+    r = U.shape[1]
+
+    def at(nu: np.ndarray) -> tuple[np.ndarray, float, float]:  # x(nu), the dual's value (negated), its size
+        q = h + U @ nu
+        x = project_structure(st, -q / a)
+        qx = q * x
+        half = 0.5 * float(nu @ nu)
+        sq = 0.5 * a * float(x @ x)
+        return x, half - (sq + float(np.sum(qx))), half + sq + float(np.sum(np.abs(qx)))
+
+    x, psi, terms = at(nu)
+    row = np.sqrt(np.einsum("ij,ij->i", U, U))
+    for step in range(STAGE_STEPS):
+        F = nu - U.T @ x
+        size = float(np.linalg.norm(F))
+        # the rounding of U'x(nu): each x_i = -(h_i + U_i nu) / a is off by eps (|h_i| + |U_i| |nu|) / a
+        floor = 16.0 * EPS * float(np.linalg.norm(row * (np.abs(h) + row * float(np.linalg.norm(nu))))) / a
+        if size <= max(tol * (1.0 + float(np.linalg.norm(nu))), floor):
+            return x, nu, step, True
+        M = np.eye(r) + jac.matrix(x) / a
+        try:
+            dnu = -sla.cho_solve(sla.cho_factor(M), F)
+        except (np.linalg.LinAlgError, ValueError):
+            return x, nu, step, False
+        slope = float(F @ dnu)
+        # the dual's values round at ~eps times its terms; where its Newton decrease is below
+        # that, the search asks for a smaller residual instead (a descent direction for |F|^2)
+        noisy = -slope < 1e4 * EPS * terms
+        t = 1.0
+        while True:
+            nu1 = nu + t * dnu
+            x1, psi1, terms1 = at(nu1)
+            if (psi1 <= psi + 1e-4 * t * slope) if not noisy else (
+                    float(np.linalg.norm(nu1 - U.T @ x1)) <= (1.0 - 1e-4 * t) * size):
+                break
+            t *= 0.5
+            if t < 1e-10:
+                return x, nu, step, False
+        nu, x, psi, terms = nu1, x1, psi1, terms1
+    return x, nu, STAGE_STEPS, False
+
+
+def _restart(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -> np.ndarray:
+    """The next stage's start: the ``nu`` at which its unprojected point equals ``x`` on ``x``'s free
+    coordinates (up to each sum group's shift), by least squares ``U_F nu = -(g + sigma x)_F`` on
+    the face's null space, so that the stage starts where the last one ended instead of a projected
+    gradient step of ``1 / (sigma + rho)`` away from it."""
+    U = lr.U
+    F = np.flatnonzero(_free(st, x))
+    nu = U.T @ x
+    if not F.size:
+        return nu
+    null = _null_space(st, F)
+    V = null(U[F])
+    res = null(-(g[F] + lr.sigma * x[F] + U[F] @ nu))
+    M = V.T @ V
+    M[np.diag_indices_from(M)] += 1e-12 * float(np.trace(M)) + np.finfo(float).tiny
+    try:
+        return nu + sla.cho_solve(sla.cho_factor(M), V.T @ res)
+    except (np.linalg.LinAlgError, ValueError):
+        return nu
+
+
+# ---------------------------------------------------------------------- the face
+def _face_point(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, free: np.ndarray,
+                at_hi: np.ndarray) -> np.ndarray | None:
+    """The minimiser of ``J`` with ``H = sigma I + U U'`` on a face: the fixed coordinates at their
+    bounds (``at_hi`` at ``hi``, the others at ``lo``), the free ones obeying their groups' sums;
+    by the Woodbury identity (``O(|F| r^2)``). ``None`` when the face's equations cannot be met."""
+    U, sigma = lr.U, lr.sigma
+    x = np.where(at_hi, st.hi, st.lo)
+    F = np.flatnonzero(free)
+    x[F] = 0.0
+    if not np.all(np.isfinite(x)):
+        return None
+    UF = U[F]
+    c = -(g[F] + UF @ (U.T @ x))
+    null = _null_space(st, F)
+    xp = np.zeros(F.size)
+    if st.group is not None:
+        assert st.totals is not None
+        fixed = ~free
+        need = st.totals - np.bincount(st.group[fixed], x[fixed], minlength=st.totals.size)
+        cnt = np.bincount(st.group[F], minlength=st.totals.size).astype(np.float64)
+        if bool(np.any((cnt == 0) & (np.abs(need) > 1e-12 * (1.0 + np.abs(st.totals))))):
+            return None
+        xp = need[st.group[F]] / np.maximum(cnt, 1.0)[st.group[F]]  # meets each group's sum
+    V = null(UF)
+    rhs = null(c - sigma * xp - UF @ (UF.T @ xp))
+    try:
+        cf = sla.cho_factor(sigma * np.eye(lr.rank) + V.T @ V)
+    except (np.linalg.LinAlgError, ValueError):
+        return None
+    x[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma  # (null again: the sums' rounding)
+    return x
+
+
+def _face_pdas(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -> tuple[np.ndarray | None, int]:
+    """Primal-dual active set (Hintermueller, Ito & Kunisch) on ``sigma I + U U'`` from the face of
+    the feasible ``x``, each face solved by :func:`_face_point`: a fixed coordinate is freed when its
+    multiplier (the gradient less its group's, on a sum) has the wrong sign, a free one fixed when
+    the face's minimiser leaves its bound. Returns the optimum (``None`` when a face repeats, cannot
+    be solved, or :data:`PDAS_STEPS` pass) and the face solves taken."""
+    U, sigma, lo, hi = lr.U, lr.sigma, st.lo, st.hi
+    at_lo, at_hi = x <= lo, x >= hi
+    free = ~(at_lo | at_hi)
+    seen: set[bytes] = set()
+    for step in range(1, PDAS_STEPS + 1):
+        seen.add(np.packbits(np.concatenate([at_lo, at_hi])).tobytes())
+        y = _face_point(lr, g, st, free, at_hi)
+        if y is None:
+            return None, step
+        grad = sigma * y + U @ (U.T @ y) + g
+        mu = grad
+        if st.group is not None:
+            assert st.totals is not None
+            G = st.totals.size
+            cnt = np.bincount(st.group[free], minlength=G)
+            mean = np.bincount(st.group[free], grad[free], minlength=G) / np.maximum(cnt, 1)
+            mu = grad - mean[st.group]  # a sum's multiplier is minus its free coordinates' gradient
+        new_lo = (free & (y < lo)) | (at_lo & (mu >= 0.0))
+        new_hi = (free & (y > hi)) | (at_hi & (mu <= 0.0))
+        if st.group is not None:
+            _free_one_per_unmet_group(st, new_lo, new_hi, mu)
+        if np.array_equal(new_lo, at_lo) and np.array_equal(new_hi, at_hi):
+            if bool(np.all(y >= lo)) and bool(np.all(y <= hi)):
+                return y, step
+            return None, step  # a fixed point of the rule that is not feasible: no optimum here
+        at_lo, at_hi = new_lo, new_hi
+        free = ~(at_lo | at_hi)
+        if np.packbits(np.concatenate([at_lo, at_hi])).tobytes() in seen:
+            return None, step
+    return None, PDAS_STEPS
+
+
+def _free_one_per_unmet_group(st: SetStructure, at_lo: np.ndarray, at_hi: np.ndarray, mu: np.ndarray) -> None:
+    """In place: a group whose members are all fixed and whose sum is not met frees one member that
+    can move the right way (at its lower bound when the sum falls short, else at its upper), the one
+    with the smallest multiplier."""
+    assert st.group is not None and st.totals is not None
+    G = st.totals.size
+    fixed = at_lo | at_hi
+    none_free = np.bincount(st.group[~fixed], minlength=G) == 0
+    if not bool(np.any(none_free)):
+        return
+    value = np.where(at_hi, st.hi, st.lo)
+    short = st.totals - np.bincount(st.group, np.where(fixed, value, 0.0), minlength=G)
+    unmet = none_free & (np.abs(short) > 1e-12 * (1.0 + np.abs(st.totals)))
+    if not bool(np.any(unmet)):
+        return
+    movable = np.where(short[st.group] > 0, at_lo, at_hi) & unmet[st.group]
+    score = np.where(movable, np.abs(mu), np.inf)
+    order = np.lexsort((score, st.group))
+    first = order[np.searchsorted(st.group[order], np.flatnonzero(unmet))]
+    first = first[np.isfinite(score[first])]
+    at_lo[first] = at_hi[first] = False
+
+
+def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray,
+            steps: int = 3) -> np.ndarray:
+    """Newton steps on the face of ``x`` (its free coordinates and their sums) with residuals from
+    the true H, solved with ``sigma I + U U'`` by the Woodbury identity."""
+    F = np.flatnonzero(_free(st, x))
+    if not F.size:
+        return x
+    null = _null_space(st, F)
+    V = null(lr.U[F])
+    try:
+        cf = sla.cho_factor(lr.sigma * np.eye(lr.rank) + V.T @ V)
+    except (np.linalg.LinAlgError, ValueError):
+        return x
+    y = x.copy()
+    for _ in range(steps):
+        res = null((H @ y)[F] + g[F])
+        y[F] -= null(res - V @ sla.cho_solve(cf, V.T @ res)) / lr.sigma  # (null again: the sums' rounding)
+    return y
+
+
+def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank,
+                         x0: np.ndarray, eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The dual path (module doc) on bounds and sum groups (no L1 ball) from the feasible start
+    ``x0``; ``eta`` = ``max diag H``. Returns the polished point (``None`` when neither the dual's
+    stages nor the face active set after them reached an optimum) and what it did.
+
+    :mod:`.active_set` passes ``1/K`` projected even for a warm-started solve: tried as the face
+    active set's first face, the last solution of a sequence (``g`` moved by 0.01-1% of its size)
+    freed hundreds of coordinates whose multipliers changed sign, and the unregularised face steps
+    oscillated between faces of 100 and 1,000 free coordinates without converging; as the first
+    stage's centre it cost 1.3-1.5x the Newton steps of ``1/K``."""
+    if st.center is not None:
+        raise ValueError("solve_ridge_low_rank: an L1 ball is not handled (bounds and sum groups only)")
+    jac = _Jacobian(lr.U, st)
+    xc = np.asarray(x0, dtype=np.float64)
+    nu = _restart(lr, g, st, xc)
+    rho, step_down = 1e-2 * eta, DECREASE
+    settled_rho: float | None = None  # rho of the last settled stage (its point is the centre xc)
+    stages = steps = retries = 0
+    settled = True
+    while True:
+        final = rho <= 1e-3 * lr.sigma
+        x, _, k, ok = _stage(lr, g, st, 0.0 if final else rho, xc, nu, 1e-13 if final else 1e-9, jac)
+        stages, steps = stages + 1, steps + k
+        if not ok and settled_rho is not None and retries < RETRIES:
+            retries += 1  # again from the last settled stage, with a smaller step down
+            step_down = math.sqrt(step_down)
+            rho = settled_rho / step_down
+            continue
+        if not ok:
+            settled = False
+            break
+        if final:
+            break
+        settled_rho, xc = rho, x
+        nu = _restart(lr, g, st, x)
+        rho /= step_down
+    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "stages": stages,
+                            "newton_steps": steps, "stage_retries": retries, "dual_settled": settled}
+    face, info["face_solves"] = _face_pdas(lr, g, st, x)
+    info["face_converged"] = face is not None
+    if face is not None:
+        x = face
+    elif not settled:
+        info["failed"] = True
+        return None, info
+    return _finish(H, g, lr, st, x), info
+
+
+def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray) -> np.ndarray:
+    """``x`` polished (:func:`_polish`) and put exactly on the set, or ``x`` itself where the polish
+    left the set (its face was not the optimum's: the engine goes on from ``x``)."""
+    y = _polish(H, g, lr, st, x)
+    yp = project_structure(st, y)  # the sums' rounding, or a face that was not the optimum's
+    if float(np.max(np.abs(yp - y), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y), initial=0.0))):
+        return x
+    return yp

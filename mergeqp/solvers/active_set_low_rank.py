@@ -8,7 +8,8 @@ coordinates on an n = 3072 box with ``r = 100`` and ``cond = 1e8`` (8.6x one Cho
 structure gives a problem of ``r`` unknowns instead:
 
 - **Detection** (:func:`ridge_low_rank`). The eigenvalues of a sampled principal submatrix
-  ``H_SS`` (``m = 384`` rows, one ``O(m^3)`` eigendecomposition) show a cluster at its smallest,
+  ``H_SS`` (``m`` rows, ``4/3`` of the rank limit, 64 to :data:`SAMPLE`; one ``O(m^3)``
+  eigendecomposition) show a cluster at its smallest,
   ``sigma`` (``H_SS = sigma I + U_S U_S'`` has ``m - r`` eigenvalues equal to ``sigma`` when
   ``r < m``; a full-rank H shows none, and the test ends there). Then a pivoted partial Cholesky
   of ``H - sigma I`` (``O(n r^2)``, reading ``r`` rows of H) must end within ``max_rank`` steps
@@ -61,8 +62,9 @@ from ..matrix_cache import matrix_values
 __all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there)
-LOW_RANK_MIN_N = 1024
-#: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster
+LOW_RANK_MIN_N = 256
+#: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster, at
+#: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64)
 SAMPLE = 384
 #: the largest rank handled, as a share of n (the dual's Newton steps cost ``O(n r^2)`` each)
 MAX_RANK_SHARE = 1.0 / 12.0
@@ -125,7 +127,8 @@ def ridge_low_rank(H: np.ndarray, *, sample: int | None = None, max_rank: int | 
 
 def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRank | None:
     n = int(H.shape[0])
-    m = min(n, int(sample))
+    # a rank up to max_rank leaves a quarter of the sample in the cluster once m >= 4/3 max_rank
+    m = min(n, int(sample), max(64, -(-4 * max_rank // 3) + 1))
     if m < 16 or max_rank < 1:
         return None
     idx = np.sort(np.random.default_rng([seed, n]).choice(n, m, replace=False))

@@ -212,11 +212,12 @@ def test_the_option_is_checked_by_name() -> None:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), K=st.sampled_from([2, 3, 4]), m=st.integers(20, 60),
        r=st.integers(1, 12), cond=st.sampled_from([1e3, 1e6, 1e9]),
-       kind=st.sampled_from(["box", "wide_box", "half_line", "simplex", "global_simplex", "capped_simplex"]))
+       kind=st.sampled_from(["box", "wide_box", "half_line", "pinned_box", "simplex", "global_simplex",
+                             "capped_simplex"]))
 def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.MonkeyPatch, seed: int, K: int, m: int,
                                                            r: int, cond: float, kind: str) -> None:
     """With the size gate lowered, every box solve through the dual path is certified and has
-    ``dense_ipm``'s certified objective (boxes finite, wide and one-sided); on per-atom, global and
+    ``dense_ipm``'s certified objective (boxes finite, wide, one-sided, with coinciding bounds); on per-atom, global and
     capped simplices the module's own solve returns a feasible point, optimal wherever its face active
     set converged. (The engine alone is not the reference: on seed 20, K = 2, m = 20, r = 1, cond 1e3,
     per-atom simplex it ends INACCURATE after 39 faces, a gap of 0.8%.)"""
@@ -229,7 +230,9 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     H, _ = ridge_low_rank_matrix(rng, n, r, cond)
     g = rng.standard_normal(n) * float(np.mean(np.diag(H))) * 3.0
     problem = MergeQP(H, g, 1.0, shape=(K, m))
+    pinned = rng.random((K, m)) < 0.1  # coordinates whose bounds coincide
     cset = {"box": Box(0.0, 1.0), "wide_box": Box(-5.0, 5.0), "half_line": Box(0.0, np.inf),
+            "pinned_box": Box(np.where(pinned, 0.5, 0.0), np.where(pinned, 0.5, 1.0)),
             "simplex": Simplex(1.0), "global_simplex": GlobalSimplex(float(m)),
             "capped_simplex": intersect([Box(0.0, 0.6), Simplex(1.0)])}[kind]
     reference = solve(problem, cset, solver="dense_ipm")

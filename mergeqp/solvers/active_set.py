@@ -49,6 +49,10 @@ Before the engine runs, coordinates with zero rows of H (dead units) are fixed w
 says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
 groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
+On bounds-only sets from n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``,
+rank at most n / 12), the problem is first solved through its dual with ``r`` unknowns
+(:mod:`.active_set_low_rank`, option ``low_rank``), and the engine starts at that point: it returns
+at once where the point meets its stopping test (3. above), and otherwise goes on from its face.
 
 The returned point is the best feasible point seen (lowest J; among values of J equal up to
 their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite sides),

@@ -257,18 +257,18 @@ def _stage(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, rho: float, xc: np
     x, psi, terms = at(nu)
     row = np.sqrt(np.einsum("ij,ij->i", U, U))
     for step in range(STAGE_STEPS):
-        F = nu - U.T @ x
-        size = float(np.linalg.norm(F))
+        res = nu - U.T @ x  # the dual's gradient (negated): zero at the stage's optimum
+        size = float(np.linalg.norm(res))
         # the rounding of U'x(nu): each x_i = -(h_i + U_i nu) / a is off by eps (|h_i| + |U_i| |nu|) / a
         floor = 16.0 * EPS * float(np.linalg.norm(row * (np.abs(h) + row * float(np.linalg.norm(nu))))) / a
         if size <= max(tol * (1.0 + float(np.linalg.norm(nu))), floor):
             return x, nu, step, True
         M = np.eye(r) + jac.matrix(x) / a
         try:
-            dnu = -sla.cho_solve(sla.cho_factor(M), F)
+            dnu = -sla.cho_solve(sla.cho_factor(M), res)
         except (np.linalg.LinAlgError, ValueError):
             return x, nu, step, False
-        slope = float(F @ dnu)
+        slope = float(res @ dnu)
         # the dual's values round at ~eps times its terms; where its Newton decrease is below
         # that, the search asks for a smaller residual instead (a descent direction for |F|^2)
         noisy = -slope < 1e4 * EPS * terms

@@ -15,6 +15,7 @@ from mergeqp.errors import ValidationError
 from mergeqp.problem import MergeQP
 from mergeqp.solvers import active_set as A
 from mergeqp.solvers import active_set_low_rank as LR
+from mergeqp.solvers.instance_families import draw
 from mergeqp.solvers.registry import solve
 
 
@@ -259,3 +260,17 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     assert J >= reference.objective - 1e-8 * abs(reference.objective) - scale
     if info["face_converged"]:
         assert J == pytest.approx(reference.objective, rel=1e-7, abs=scale)
+
+
+def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:
+    """``box_lowrank`` / ``simplex_lowrank`` (the benchmark's cells for this path): the detection finds
+    rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the engine."""
+    for name, path in (("box_lowrank", True), ("simplex_lowrank", False)):
+        inst = draw(name, 0, 1536)
+        lr = LR.ridge_low_rank(inst.problem.H)
+        fam = inst.family
+        assert lr is not None and lr.rank == fam.c * fam.N
+        sol = solve(inst.problem, inst.constraints, solver="active_set")
+        assert ("low_rank" in sol.info) == path
+        assert sol.certificate.certified(1e-8)
+        assert sol.objective == pytest.approx(inst.objective, rel=1e-8)

@@ -1,4 +1,4 @@
-"""A ridge plus a low-rank matrix: the active-set solver's dual path (:mod:`.active_set`).
+"""A ridge plus a low-rank matrix: the active-set solver's path through ``r`` unknowns (:mod:`.active_set`).
 
 When a merge QP has fewer calibration samples times outputs than unknowns, ``H = A'A + sigma I``
 (a data term of rank ``r`` much below ``n`` and a ridge). Its faces larger than ``r`` are
@@ -36,13 +36,18 @@ structure gives a problem of ``r`` unknowns instead:
   (``eps |g| / sigma``), so the free coordinates are corrected by Newton steps on the face with
   residuals computed from the true H, keeping the face's sums.
 
+On sets with sum groups (per-atom, global or capped simplices) the dual's late stages do not
+settle on natural instances (their free sets flip by tens of coordinates per Newton step), so
+there the proximal problems are solved in the primal instead (:func:`_proximal_faces`): the same
+face active set, each stage a ridge ``sigma + rho`` plus ``U U'`` whose faces the Woodbury identity
+solves, ``rho`` falling by :data:`PROX_DECREASE` per stage and rising again after a stage that does
+not converge. (On boxes that primal version failed on 6 of 18 natural instances where the dual
+did not; docs/solvers.md, "Stop 62".)
+
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
 it (its face as the first guess). So the path never changes what is certified, only how fast.
-:mod:`.active_set` takes it for bounds-only sets: on per-atom simplices the dual's late stages
-do not settle on natural instances (their free sets flip by tens of coordinates per Newton step)
-and the failed attempt cost more than it saved (docs/solvers.md, "Stop 62"); the sum-group code
-is kept, and tested, for a later method to build on; the engine does not call it.
+An L1 ball is not handled.
 """
 
 from __future__ import annotations
@@ -86,6 +91,10 @@ STAGE_STEPS = 60
 RETRIES = 3
 #: face solves of the primal-dual active set that follows the dual at most
 PDAS_STEPS = 40
+#: sets with sums: ``rho`` falls by this factor per proximal stage of the face active set
+PROX_DECREASE = 4.0
+#: ... and rises by it after a stage whose active set did not converge, at most this many times
+PROX_FAILS = 8
 #: the structure found for an H array, kept with its values (:mod:`mergeqp.matrix_cache`)
 LOW_RANK_KEY = "active_set.low_rank"
 EPS = float(np.finfo(float).eps)
@@ -424,9 +433,9 @@ def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x:
 
 def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank,
                          x0: np.ndarray, eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """The dual path (module doc) on bounds and sum groups (no L1 ball) from the feasible start
-    ``x0``; ``eta`` = ``max diag H``. Returns the polished point (``None`` when neither the dual's
-    stages nor the face active set after them reached an optimum) and what it did.
+    """The path (module doc) from the feasible start ``x0``; ``eta`` = ``max diag H``: the dual on
+    bounds only, the proximal faces (:func:`_proximal_faces`) on sum groups; no L1 ball. Returns the
+    polished point (``None`` where it reached no optimum) and what it did (``info["method"]``).
 
     :mod:`.active_set` passes ``1/K`` projected even for a warm-started solve: tried as the face
     active set's first face, the last solution of a sequence (``g`` moved by 0.01-1% of its size)
@@ -435,6 +444,8 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     stage's centre it cost 1.3-1.5x the Newton steps of ``1/K``."""
     if st.center is not None:
         raise ValueError("solve_ridge_low_rank: an L1 ball is not handled (bounds and sum groups only)")
+    if st.group is not None:
+        return _proximal_faces(H, g, st, lr, x0, eta)
     jac = _Jacobian(lr.U, st)
     xc = np.asarray(x0, dtype=np.float64)
     nu = _restart(lr, g, st, xc)
@@ -459,13 +470,49 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
         settled_rho, xc = rho, x
         nu = _restart(lr, g, st, x)
         rho /= step_down
-    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "stages": stages,
-                            "newton_steps": steps, "stage_retries": retries, "dual_settled": settled}
+    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "method": "dual",
+                            "stages": stages, "newton_steps": steps, "stage_retries": retries,
+                            "dual_settled": settled}
     face, info["face_solves"] = _face_pdas(lr, g, st, x)
     info["face_converged"] = face is not None
     if face is not None:
         x = face
     elif not settled:
+        info["failed"] = True
+        return None, info
+    return _finish(H, g, lr, st, x), info
+
+
+def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
+                    eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """Sets with sum groups: the face active set on the proximal problems ``min_C J + rho/2 |x - xc|^2``
+    (each a ridge ``sigma + rho`` plus ``U U'``, its faces solved by the Woodbury identity), ``rho``
+    from ``1e-2 eta`` down by :data:`PROX_DECREASE` per stage, each centred at the last stage's
+    optimum; a stage whose active set does not converge is tried again at ``rho`` that factor larger
+    (at most :data:`PROX_FAILS` times in all); the last stage is J itself. Returns the polished point
+    (``None`` when the last stage failed or the failures ran out) and what it did."""
+    x = np.asarray(x0, dtype=np.float64)
+    rho = 1e-2 * eta
+    stages = faces = fails = 0
+    while True:
+        final = rho <= 1e-3 * lr.sigma
+        shift = 0.0 if final else rho
+        y, k = _face_pdas(RidgeLowRank(lr.U, lr.sigma + shift, lr.residual), g - shift * x, st, x)
+        stages, faces = stages + 1, faces + k
+        if y is None:
+            fails += 1
+            if final or fails > PROX_FAILS:
+                break
+            rho *= PROX_DECREASE  # back up: a larger proximal term
+            continue
+        x = y
+        if final:
+            break
+        rho /= PROX_DECREASE
+    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "method": "proximal faces",
+                            "stages": stages, "face_solves": faces, "stage_failures": fails,
+                            "face_converged": y is not None}
+    if y is None:
         info["failed"] = True
         return None, info
     return _finish(H, g, lr, st, x), info

@@ -1,7 +1,7 @@
-"""The active-set solver's dual path for a ridge plus a low-rank H (solvers/active_set_low_rank.py):
-the detection finds ``H = sigma I + U U'`` exactly where it holds and declines elsewhere; the dual's
-point is checked against the same solve without the path, against Clarabel, and by the
-certificate; the path never writes into the caller's start."""
+"""The active-set solver's path for a ridge plus a low-rank H (solvers/active_set_low_rank.py): the
+detection finds ``H = sigma I + U U'`` exactly where it holds and declines elsewhere; the dual (boxes)
+and the proximal face active set (sums) are checked against the same solve without the path, against
+Clarabel and ``dense_ipm``, and by the certificate; the path never writes into the caller's start."""
 
 from __future__ import annotations
 
@@ -88,22 +88,20 @@ def test_active_set_takes_the_dual_path_on_a_box_and_agrees_with_the_engine_alon
     assert sol.objective <= clarabel.objective + 1e-7 * max(1.0, abs(clarabel.objective))
 
 
-def test_sum_groups_stay_with_the_engine() -> None:
-    """The engine does not take the path on a simplex (docs/solvers.md, stop 62: it cost more than it
-    saved on natural instances); the module's own solve handles sums and reaches the optimum here."""
+@pytest.mark.parametrize("cset", [Simplex(1.0), GlobalSimplex(300.0)], ids=["simplex", "global_simplex"])
+def test_sum_groups_take_the_proximal_face_path(cset) -> None:
+    """On a simplex the path is the face active set on proximal problems (Woodbury faces), and it ends
+    at the engine's own optimum, certified."""
     rng = np.random.default_rng(8)
     H, _ = ridge_low_rank_matrix(rng, 1200, 40, 1e6)
     problem = planted_box(rng, H, 4)
-    sol = solve(problem, Simplex(1.0), solver="active_set")
-    assert "low_rank" not in sol.info and sol.certificate.certified(1e-8)
-    lr = LR.ridge_low_rank(H)
-    assert lr is not None
-    st_ = A.set_structure(Simplex(1.0), problem.shape)
-    x, info = LR.solve_ridge_low_rank(H, problem.g, st_, lr, A.project_structure(st_, np.full(problem.n, 0.25)),
-                                      float(np.max(np.diag(H))))
-    assert x is not None and info["face_converged"]
-    np.testing.assert_array_equal(A.project_structure(st_, x), x)
-    assert problem.objective(x.reshape(problem.shape)) == pytest.approx(sol.objective, rel=1e-8, abs=1e-10)
+    sol = solve(problem, cset, solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["method"] == "proximal faces" and info["face_converged"] and info["stages"] >= 2
+    assert sol.certificate.certified(1e-8)
+    plain = solve(problem, cset, solver="active_set", low_rank="off")
+    assert "low_rank" not in plain.info
+    assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-10)
 
 
 @pytest.mark.parametrize("sums", [False, True], ids=["box", "per-atom sums"])
@@ -217,11 +215,11 @@ def test_the_option_is_checked_by_name() -> None:
                              "capped_simplex"]))
 def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.MonkeyPatch, seed: int, K: int, m: int,
                                                            r: int, cond: float, kind: str) -> None:
-    """With the size gate lowered, every box solve through the dual path is certified and has
-    ``dense_ipm``'s certified objective (boxes finite, wide, one-sided, with coinciding bounds); on per-atom, global and
-    capped simplices the module's own solve returns a feasible point, optimal wherever its face active
-    set converged. (The engine alone is not the reference: on seed 20, K = 2, m = 20, r = 1, cond 1e3,
-    per-atom simplex it ends INACCURATE after 39 faces, a gap of 0.8%.)"""
+    """With the size gate lowered, every solve through the path (the dual on boxes: finite, wide,
+    one-sided, with coinciding bounds; the proximal faces on per-atom, global and capped simplices) is
+    certified and has ``dense_ipm``'s certified objective. (The engine alone is not the reference: on
+    seed 20, K = 2, m = 20, r = 1, cond 1e3, per-atom simplex it ends INACCURATE after 39 faces, a gap
+    of 0.8%.)"""
     monkeypatch.setattr(A, "LOW_RANK_MIN_N", 1)
     monkeypatch.setattr(LR, "SAMPLE", 48)
     rng = np.random.default_rng(seed)
@@ -238,39 +236,21 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
             "capped_simplex": intersect([Box(0.0, 0.6), Simplex(1.0)])}[kind]
     reference = solve(problem, cset, solver="dense_ipm")
     assert reference.certificate.certified(1e-8)
-    scale = 1e-9 * float(np.abs(g).sum())
-    if "simplex" not in kind:
-        sol = solve(problem, cset, solver="active_set")
-        assert ("low_rank" in sol.info) == (r <= n // 12)  # the rank limit n / 12; else the engine alone
-        assert sol.certificate.certified(1e-8)
-        assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=scale)
-        return
-    lr = LR.ridge_low_rank(H)
-    if lr is None:
-        assert r > n // 12
-        return
-    st_ = A.set_structure(cset, problem.shape)
-    x0 = A.project_structure(st_, np.full(n, 1.0 / K))
-    x, info = LR.solve_ridge_low_rank(H, g, st_, lr, x0, float(np.max(np.diag(H))))
-    if x is None:
-        assert info["failed"]
-        return
-    np.testing.assert_allclose(A.project_structure(st_, x), x, rtol=0, atol=1e-12 * (1 + float(np.abs(x).max())))
-    J = problem.objective(x.reshape(problem.shape))
-    assert J >= reference.objective - 1e-8 * abs(reference.objective) - scale
-    if info["face_converged"]:
-        assert J == pytest.approx(reference.objective, rel=1e-7, abs=scale)
+    sol = solve(problem, cset, solver="active_set")
+    assert ("low_rank" in sol.info) == (r <= n // 12)  # the rank limit n / 12; else the engine alone
+    assert sol.certificate.certified(1e-8)
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=1e-9 * float(np.abs(g).sum()))
 
 
 def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:
     """``box_lowrank`` / ``simplex_lowrank`` (the benchmark's cells for this path): the detection finds
-    rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the engine."""
-    for name, path in (("box_lowrank", True), ("simplex_lowrank", False)):
+    rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the proximal faces."""
+    for name, method in (("box_lowrank", "dual"), ("simplex_lowrank", "proximal faces")):
         inst = draw(name, 0, 1536)
         lr = LR.ridge_low_rank(inst.problem.H)
         fam = inst.family
         assert lr is not None and lr.rank == fam.c * fam.N
         sol = solve(inst.problem, inst.constraints, solver="active_set")
-        assert ("low_rank" in sol.info) == path
+        assert sol.info["low_rank"]["method"] == method
         assert sol.certificate.certified(1e-8)
         assert sol.objective == pytest.approx(inst.objective, rel=1e-8)

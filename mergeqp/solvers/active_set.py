@@ -51,8 +51,8 @@ groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in,
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
 From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12),
 the problem is first solved with ``r``-dimensional algebra (:mod:`.active_set_low_rank`, option
-``low_rank``; not on an L1 ball): through its dual on bounds, by a proximal face active set with
-Woodbury face solves on sums. The engine starts at that point: it returns at once where the point
+``low_rank``): through its dual on bounds, by a proximal face active set with Woodbury face solves
+on sums and on an L1 ball. The engine starts at that point: it returns at once where the point
 meets its stopping test (3. above), and otherwise goes on from its face.
 
 The returned point is the best feasible point seen (lowest J; among values of J equal up to
@@ -699,8 +699,8 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     point (``None`` where neither its stages nor its face active set reached an optimum: the engine
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
-    problem smaller than ``LOW_RANK_MIN_N``, the set an L1 ball, or no such structure is found."""
-    if opts["low_rank"] == "off" or engine.n < LOW_RANK_MIN_N or engine.st.center is not None:
+    problem smaller than ``LOW_RANK_MIN_N``, or no such structure is found."""
+    if opts["low_rank"] == "off" or engine.n < LOW_RANK_MIN_N:
         return None
     lr = ridge_low_rank(engine.H)
     if lr is None:

@@ -47,7 +47,9 @@ did not; docs/solvers.md, "Stop 62".)
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
 it (its face as the first guess). So the path never changes what is certified, only how fast.
-An L1 ball is not handled.
+On an L1 ball (alone or with a box) the proximal faces use the engine's own face bookkeeping
+(:mod:`.active_set_faces`: centres, signs, the ball's activation and release) with the same
+Woodbury face solves (:func:`_ball_proximal_faces`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from scipy import sparse
 
 from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
+from .active_set_faces import FREE, FaceBookkeeping
 
 __all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "LOW_RANK_KEY"]
 
@@ -434,8 +437,9 @@ def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x:
 def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank,
                          x0: np.ndarray, eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
     """The path (module doc) from the feasible start ``x0``; ``eta`` = ``max diag H``: the dual on
-    bounds only, the proximal faces (:func:`_proximal_faces`) on sum groups; no L1 ball. Returns the
-    polished point (``None`` where it reached no optimum) and what it did (``info["method"]``).
+    bounds only, the proximal faces on sum groups (:func:`_proximal_faces`) and on an L1 ball
+    (:func:`_ball_proximal_faces`). Returns the polished point (``None`` where it reached no
+    optimum) and what it did (``info["method"]``).
 
     :mod:`.active_set` passes ``1/K`` projected even for a warm-started solve: tried as the face
     active set's first face, the last solution of a sequence (``g`` moved by 0.01-1% of its size)
@@ -443,7 +447,7 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     oscillated between faces of 100 and 1,000 free coordinates without converging; as the first
     stage's centre it cost 1.3-1.5x the Newton steps of ``1/K``."""
     if st.center is not None:
-        raise ValueError("solve_ridge_low_rank: an L1 ball is not handled (bounds and sum groups only)")
+        return _ball_proximal_faces(H, g, st, lr, x0, eta)
     if st.group is not None:
         return _proximal_faces(H, g, st, lr, x0, eta)
     jac = _Jacobian(lr.U, st)
@@ -516,6 +520,144 @@ def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLow
         info["failed"] = True
         return None, info
     return _finish(H, g, lr, st, x), info
+
+
+class _BallFaces(FaceBookkeeping):
+    """The engine's face bookkeeping (:mod:`.active_set_faces`: faces with an L1 ball's centre and
+    signs, its primal-dual update) without the engine, for the proximal faces on an L1 ball."""
+
+    def __init__(self, st: SetStructure, n: int):
+        self.st, self.n = st, n
+        self._pivot_of_group = None
+
+
+def _equation_null(F: np.ndarray, eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple[
+        Callable[[np.ndarray], np.ndarray], np.ndarray, np.ndarray]:
+    """For a face's free coordinates ``F`` and equations ``sum_G a_i x_i = t_G`` (``a = +-1`` on
+    them): the orthogonal projection onto the equations' null space, the count of free coordinates
+    per group and ``a`` on ``F`` (the identity, and empty arrays, without equations)."""
+    if eq is None:
+        return (lambda v: v), np.zeros(0), np.zeros(0)
+    group, a, totals = eq
+    G = totals.size
+    grp, aF = group[F], a[F]
+    cnt = np.bincount(grp, minlength=G).astype(np.float64)
+    member = sparse.csr_matrix((aF, (grp, np.arange(F.size))), shape=(G, F.size))
+
+    def null(v: np.ndarray) -> np.ndarray:
+        tail = (1,) * (v.ndim - 1)
+        mean = np.asarray(member @ v) / np.maximum(cnt, 1.0).reshape((-1,) + tail)
+        return v - aF.reshape((-1,) + tail) * mean[grp]
+
+    return null, cnt, aF
+
+
+def _ball_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.ndarray,
+                     eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+    """The minimiser of ``1/2 x'(sigma I + U U')x + h'x`` over the affine hull of a face given by its
+    free coordinates, the fixed values in ``x`` and its equations ``sum_G a_i x_i = t_G`` (``a = +-1``
+    on free coordinates; the active ball's), by the Woodbury identity. ``None`` where an equation
+    has no free coordinate and is not met."""
+    U, sigma = lr.U, lr.sigma
+    y = x.copy()
+    F = np.flatnonzero(free)
+    y[F] = 0.0
+    UF = U[F]
+    c = -(h[F] + UF @ (U.T @ y))
+    null, cnt, aF = _equation_null(F, eq)
+    xp = np.zeros(F.size)
+    if eq is not None:
+        group, a, totals = eq
+        fixed = ~free
+        need = totals - np.bincount(group[fixed], (a * y)[fixed], minlength=totals.size)
+        if bool(np.any((cnt == 0) & (np.abs(need) > 1e-12 * (1.0 + np.abs(totals))))):
+            return None
+        xp = aF * need[group[F]] / np.maximum(cnt, 1.0)[group[F]]
+    V = null(UF)
+    rhs = null(c - sigma * xp - UF @ (UF.T @ xp))
+    try:
+        cf = sla.cho_factor(sigma * np.eye(lr.rank) + V.T @ V)
+    except (np.linalg.LinAlgError, ValueError):
+        return None
+    y[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma
+    return y
+
+
+def _ball_polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, free: np.ndarray,
+                 eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None, x: np.ndarray, steps: int = 3) -> np.ndarray:
+    """:func:`_finish` on a face with the ball's equation: Newton steps on the free coordinates with
+    residuals from the true H, keeping the face's equations; ``x`` itself where that leaves the set."""
+    F = np.flatnonzero(free)
+    if not F.size:
+        return x
+    null = _equation_null(F, eq)[0]
+    V = null(lr.U[F])
+    try:
+        cf = sla.cho_factor(lr.sigma * np.eye(lr.rank) + V.T @ V)
+    except (np.linalg.LinAlgError, ValueError):
+        return x
+    y = x.copy()
+    for _ in range(steps):
+        res = null((H @ y)[F] + g[F])
+        y[F] -= null(res - V @ sla.cho_solve(cf, V.T @ res)) / lr.sigma
+    yp = project_structure(st, y)
+    if float(np.max(np.abs(yp - y), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y), initial=0.0))):
+        return x
+    return yp
+
+
+def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
+                         eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """:func:`_proximal_faces` on a set with an L1 ball: the engine's own face update
+    (:class:`_BallFaces`) with Woodbury face solves (:func:`_ball_face_point`)."""
+    book = _BallFaces(st, H.shape[0])
+    x = np.asarray(x0, dtype=np.float64)
+    rho = 1e-2 * eta
+    stages = faces = fails = 0
+    y: np.ndarray | None = None
+    while True:
+        final = rho <= 1e-3 * lr.sigma
+        shift = 0.0 if final else rho
+        lr_s = RidgeLowRank(lr.U, lr.sigma + shift, lr.residual)
+        h = g - shift * x
+        face = book.identify(x)
+        seen: set[bytes] = set()
+        y = None
+        for _ in range(PDAS_STEPS):
+            seen.add(face.key())
+            faces += 1
+            xf = _ball_face_point(lr_s, h, face.status == FREE, book.fixed_values(face, x), book.equations(face))
+            if xf is None:
+                break
+            gf = lr_s.sigma * xf + lr.U @ (lr.U.T @ xf) + h
+            new = book.update_face(face, xf, gf)
+            if new.key() == face.key():
+                xp = project_structure(st, xf)
+                if float(np.max(np.abs(xp - xf), initial=0.0)) <= 1e-12 * (1.0 + float(np.max(np.abs(xf)))):
+                    y = xp
+                break
+            if new.key() in seen:
+                break
+            face = new
+        stages += 1
+        if y is None:
+            fails += 1
+            if final or fails > PROX_FAILS:
+                break
+            rho *= PROX_DECREASE
+            continue
+        x = y
+        if final:
+            break
+        rho /= PROX_DECREASE
+    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "method": "proximal faces",
+                            "stages": stages, "face_solves": faces, "stage_failures": fails,
+                            "face_converged": y is not None}
+    if y is None:
+        info["failed"] = True
+        return None, info
+    face = book.identify(x)
+    return _ball_polish(H, g, lr, st, face.status == FREE, book.equations(face), x), info
 
 
 def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mergeqp.constraints import Box, GlobalSimplex, Simplex, intersect
+from mergeqp.constraints import Box, GlobalSimplex, L1Ball, Simplex, intersect
 from mergeqp.errors import ValidationError
 from mergeqp.problem import MergeQP
 from mergeqp.solvers import active_set as A
@@ -212,12 +212,12 @@ def test_the_option_is_checked_by_name() -> None:
 @given(seed=st.integers(0, 10_000), K=st.sampled_from([2, 3, 4]), m=st.integers(20, 60),
        r=st.integers(1, 12), cond=st.sampled_from([1e3, 1e6, 1e9]),
        kind=st.sampled_from(["box", "wide_box", "half_line", "pinned_box", "simplex", "global_simplex",
-                             "capped_simplex"]))
+                             "capped_simplex", "l1", "box_l1"]))
 def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.MonkeyPatch, seed: int, K: int, m: int,
                                                            r: int, cond: float, kind: str) -> None:
     """With the size gate lowered, every solve through the path (the dual on boxes: finite, wide,
-    one-sided, with coinciding bounds; the proximal faces on per-atom, global and capped simplices) is
-    certified and has ``dense_ipm``'s certified objective. (The engine alone is not the reference: on
+    one-sided, with coinciding bounds; the proximal faces on per-atom, global and capped simplices, an
+    L1 ball and a box with an L1 ball) is certified and has ``dense_ipm``'s certified objective. (The engine alone is not the reference: on
     seed 20, K = 2, m = 20, r = 1, cond 1e3, per-atom simplex it ends INACCURATE after 39 faces, a gap
     of 0.8%.)"""
     monkeypatch.setattr(A, "LOW_RANK_MIN_N", 1)
@@ -233,7 +233,8 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     cset = {"box": Box(0.0, 1.0), "wide_box": Box(-5.0, 5.0), "half_line": Box(0.0, np.inf),
             "pinned_box": Box(np.where(pinned, 0.5, 0.0), np.where(pinned, 0.5, 1.0)),
             "simplex": Simplex(1.0), "global_simplex": GlobalSimplex(float(m)),
-            "capped_simplex": intersect([Box(0.0, 0.6), Simplex(1.0)])}[kind]
+            "capped_simplex": intersect([Box(0.0, 0.6), Simplex(1.0)]),
+            "l1": L1Ball(0.2 * n), "box_l1": intersect([Box(-1.0, 1.0), L1Ball(0.1 * n)])}[kind]
     reference = solve(problem, cset, solver="dense_ipm")
     assert reference.certificate.certified(1e-8)
     sol = solve(problem, cset, solver="active_set")

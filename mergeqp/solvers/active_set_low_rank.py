@@ -322,35 +322,19 @@ def _restart(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -
 # ---------------------------------------------------------------------- the face
 def _face_point(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, free: np.ndarray,
                 at_hi: np.ndarray) -> np.ndarray | None:
-    """The minimiser of ``J`` with ``H = sigma I + U U'`` on a face: the fixed coordinates at their
-    bounds (``at_hi`` at ``hi``, the others at ``lo``), the free ones obeying their groups' sums;
-    by the Woodbury identity (``O(|F| r^2)``). ``None`` when the face's equations cannot be met."""
-    U, sigma = lr.U, lr.sigma
+    """The minimiser of ``J`` with ``H = sigma I + U U'`` on a face of a set of bounds and sums: the
+    fixed coordinates at their bounds (``at_hi`` at ``hi``, the others at ``lo``), the free ones
+    obeying their groups' sums (:func:`_affine_face_point`). ``None`` when the face's equations
+    cannot be met."""
     x = np.where(at_hi, st.hi, st.lo)
-    F = np.flatnonzero(free)
-    x[F] = 0.0
+    x[free] = 0.0
     if not np.all(np.isfinite(x)):
         return None
-    UF = U[F]
-    c = -(g[F] + UF @ (U.T @ x))
-    null = _null_space(st, F)
-    xp = np.zeros(F.size)
+    eq = None
     if st.group is not None:
         assert st.totals is not None
-        fixed = ~free
-        need = st.totals - np.bincount(st.group[fixed], x[fixed], minlength=st.totals.size)
-        cnt = np.bincount(st.group[F], minlength=st.totals.size).astype(np.float64)
-        if bool(np.any((cnt == 0) & (np.abs(need) > 1e-12 * (1.0 + np.abs(st.totals))))):
-            return None
-        xp = need[st.group[F]] / np.maximum(cnt, 1.0)[st.group[F]]  # meets each group's sum
-    V = null(UF)
-    rhs = null(c - sigma * xp - UF @ (UF.T @ xp))
-    try:
-        cf = sla.cho_factor(sigma * np.eye(lr.rank) + V.T @ V)
-    except (np.linalg.LinAlgError, ValueError):
-        return None
-    x[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma  # (null again: the sums' rounding)
-    return x
+        eq = (st.group, np.ones(x.size), st.totals)
+    return _affine_face_point(lr, g, free, x, eq)
 
 
 def _face_pdas(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -414,14 +398,13 @@ def _free_one_per_unmet_group(st: SetStructure, at_lo: np.ndarray, at_hi: np.nda
     at_lo[first] = at_hi[first] = False
 
 
-def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray,
-            steps: int = 3) -> np.ndarray:
-    """Newton steps on the face of ``x`` (its free coordinates and their sums) with residuals from
-    the true H, solved with ``sigma I + U U'`` by the Woodbury identity."""
-    F = np.flatnonzero(_free(st, x))
+def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, F: np.ndarray,
+            null: Callable[[np.ndarray], np.ndarray], x: np.ndarray, steps: int = 3) -> np.ndarray:
+    """Newton steps on the free coordinates ``F`` of ``x``'s face (``null``: the projection onto its
+    equations' null space) with residuals from the true H, solved with ``sigma I + U U'`` by the
+    Woodbury identity."""
     if not F.size:
         return x
-    null = _null_space(st, F)
     V = null(lr.U[F])
     try:
         cf = sla.cho_factor(lr.sigma * np.eye(lr.rank) + V.T @ V)
@@ -430,7 +413,7 @@ def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x:
     y = x.copy()
     for _ in range(steps):
         res = null((H @ y)[F] + g[F])
-        y[F] -= null(res - V @ sla.cho_solve(cf, V.T @ res)) / lr.sigma  # (null again: the sums' rounding)
+        y[F] -= null(res - V @ sla.cho_solve(cf, V.T @ res)) / lr.sigma  # (null again: the equations' rounding)
     return y
 
 
@@ -487,21 +470,22 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     return _finish(H, g, lr, st, x), info
 
 
-def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
-                    eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """Sets with sum groups: the face active set on the proximal problems ``min_C J + rho/2 |x - xc|^2``
-    (each a ridge ``sigma + rho`` plus ``U U'``, its faces solved by the Woodbury identity), ``rho``
-    from ``1e-2 eta`` down by :data:`PROX_DECREASE` per stage, each centred at the last stage's
-    optimum; a stage whose active set does not converge is tried again at ``rho`` that factor larger
-    (at most :data:`PROX_FAILS` times in all); the last stage is J itself. Returns the polished point
-    (``None`` when the last stage failed or the failures ran out) and what it did."""
+def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float,
+                     stage: Callable[[RidgeLowRank, np.ndarray, np.ndarray], tuple[np.ndarray | None, int]]
+                     ) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The proximal schedule shared by the face paths: ``stage(lr_s, h, x)`` minimises
+    ``1/2 y'(sigma_s I + U U')y + h'y`` (``sigma_s = sigma + rho``, ``h = g - rho x``: J plus
+    ``rho/2 |y - x|^2``) from the face of ``x`` and returns ``(y or None, face solves)``; ``rho`` from
+    ``1e-2 eta`` down by :data:`PROX_DECREASE` per stage, each centred at the last stage's optimum,
+    up by it after a stage that fails (at most :data:`PROX_FAILS` times), the last stage on J. Returns
+    the last stage's optimum (``None`` where it failed or the failures ran out) and what it did."""
     x = np.asarray(x0, dtype=np.float64)
     rho = 1e-2 * eta
     stages = faces = fails = 0
     while True:
         final = rho <= 1e-3 * lr.sigma
         shift = 0.0 if final else rho
-        y, k = _face_pdas(RidgeLowRank(lr.U, lr.sigma + shift, lr.residual), g - shift * x, st, x)
+        y, k = stage(RidgeLowRank(lr.U, lr.sigma + shift, lr.residual), g - shift * x, x)
         stages, faces = stages + 1, faces + k
         if y is None:
             fails += 1
@@ -518,8 +502,17 @@ def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLow
                             "face_converged": y is not None}
     if y is None:
         info["failed"] = True
-        return None, info
-    return _finish(H, g, lr, st, x), info
+    return y, info
+
+
+def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
+                    eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """Sets with sum groups: the face active set (:func:`_face_pdas`) on the proximal problems
+    (:func:`_proximal_stages`), each a ridge ``sigma + rho`` plus ``U U'`` whose faces the Woodbury
+    identity solves; then the polish. Returns the point (``None`` where the stages failed) and what
+    it did."""
+    x, info = _proximal_stages(lr, g, x0, eta, lambda lr_s, h, xc: _face_pdas(lr_s, h, st, xc))
+    return (None if x is None else _finish(H, g, lr, st, x)), info
 
 
 class _BallFaces(FaceBookkeeping):
@@ -552,8 +545,8 @@ def _equation_null(F: np.ndarray, eq: tuple[np.ndarray, np.ndarray, np.ndarray] 
     return null, cnt, aF
 
 
-def _ball_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.ndarray,
-                     eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> np.ndarray | None:
+def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.ndarray,
+                       eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> np.ndarray | None:
     """The minimiser of ``1/2 x'(sigma I + U U')x + h'x`` over the affine hull of a face given by its
     free coordinates, the fixed values in ``x`` and its equations ``sum_G a_i x_i = t_G`` (``a = +-1``
     on free coordinates; the active ball's), by the Woodbury identity. ``None`` where an equation
@@ -579,92 +572,51 @@ def _ball_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.nd
         cf = sla.cho_factor(sigma * np.eye(lr.rank) + V.T @ V)
     except (np.linalg.LinAlgError, ValueError):
         return None
-    y[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma
+    y[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma  # (null again: the equations' rounding)
     return y
-
-
-def _ball_polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, free: np.ndarray,
-                 eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None, x: np.ndarray, steps: int = 3) -> np.ndarray:
-    """:func:`_finish` on a face with the ball's equation: Newton steps on the free coordinates with
-    residuals from the true H, keeping the face's equations; ``x`` itself where that leaves the set."""
-    F = np.flatnonzero(free)
-    if not F.size:
-        return x
-    null = _equation_null(F, eq)[0]
-    V = null(lr.U[F])
-    try:
-        cf = sla.cho_factor(lr.sigma * np.eye(lr.rank) + V.T @ V)
-    except (np.linalg.LinAlgError, ValueError):
-        return x
-    y = x.copy()
-    for _ in range(steps):
-        res = null((H @ y)[F] + g[F])
-        y[F] -= null(res - V @ sla.cho_solve(cf, V.T @ res)) / lr.sigma
-    yp = project_structure(st, y)
-    if float(np.max(np.abs(yp - y), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y), initial=0.0))):
-        return x
-    return yp
 
 
 def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
                          eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
     """:func:`_proximal_faces` on a set with an L1 ball: the engine's own face update
-    (:class:`_BallFaces`) with Woodbury face solves (:func:`_ball_face_point`)."""
+    (:class:`_BallFaces`) with Woodbury face solves (:func:`_affine_face_point`)."""
     book = _BallFaces(st, H.shape[0])
-    x = np.asarray(x0, dtype=np.float64)
-    rho = 1e-2 * eta
-    stages = faces = fails = 0
-    y: np.ndarray | None = None
-    while True:
-        final = rho <= 1e-3 * lr.sigma
-        shift = 0.0 if final else rho
-        lr_s = RidgeLowRank(lr.U, lr.sigma + shift, lr.residual)
-        h = g - shift * x
-        face = book.identify(x)
-        seen: set[bytes] = set()
-        y = None
-        for _ in range(PDAS_STEPS):
+
+    def stage(lr_s: RidgeLowRank, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray | None, int]:
+        face, seen = book.identify(x), set()
+        for k in range(1, PDAS_STEPS + 1):
             seen.add(face.key())
-            faces += 1
-            xf = _ball_face_point(lr_s, h, face.status == FREE, book.fixed_values(face, x), book.equations(face))
+            xf = _affine_face_point(lr_s, h, face.status == FREE, book.fixed_values(face, x), book.equations(face))
             if xf is None:
-                break
-            gf = lr_s.sigma * xf + lr.U @ (lr.U.T @ xf) + h
-            new = book.update_face(face, xf, gf)
+                return None, k
+            new = book.update_face(face, xf, lr_s.sigma * xf + lr.U @ (lr.U.T @ xf) + h)
             if new.key() == face.key():
                 xp = project_structure(st, xf)
-                if float(np.max(np.abs(xp - xf), initial=0.0)) <= 1e-12 * (1.0 + float(np.max(np.abs(xf)))):
-                    y = xp
-                break
+                ok = float(np.max(np.abs(xp - xf), initial=0.0)) <= 1e-12 * (1.0 + float(np.max(np.abs(xf))))
+                return (xp if ok else None), k
             if new.key() in seen:
-                break
+                return None, k
             face = new
-        stages += 1
-        if y is None:
-            fails += 1
-            if final or fails > PROX_FAILS:
-                break
-            rho *= PROX_DECREASE
-            continue
-        x = y
-        if final:
-            break
-        rho /= PROX_DECREASE
-    info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "method": "proximal faces",
-                            "stages": stages, "face_solves": faces, "stage_failures": fails,
-                            "face_converged": y is not None}
-    if y is None:
-        info["failed"] = True
+        return None, PDAS_STEPS
+
+    x, info = _proximal_stages(lr, g, x0, eta, stage)
+    if x is None:
         return None, info
     face = book.identify(x)
-    return _ball_polish(H, g, lr, st, face.status == FREE, book.equations(face), x), info
+    F = np.flatnonzero(face.status == FREE)
+    return _finish(H, g, lr, st, x, (F, _equation_null(F, book.equations(face))[0])), info
 
 
-def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray) -> np.ndarray:
-    """``x`` polished (:func:`_polish`) and put exactly on the set, or ``x`` itself where the polish
-    left the set (its face was not the optimum's: the engine goes on from ``x``)."""
-    y = _polish(H, g, lr, st, x)
-    yp = project_structure(st, y)  # the sums' rounding, or a face that was not the optimum's
+def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray,
+            face: tuple[np.ndarray, Callable[[np.ndarray], np.ndarray]] | None = None) -> np.ndarray:
+    """``x`` polished (:func:`_polish`) on its face (``(F, null)``; by default its free coordinates
+    and their sums) and put exactly on the set, or ``x`` itself where the polish left the set (its
+    face was not the optimum's: the engine goes on from ``x``)."""
+    if face is None:
+        F = np.flatnonzero(_free(st, x))
+        face = (F, _null_space(st, F))
+    y = _polish(H, g, lr, face[0], face[1], x)
+    yp = project_structure(st, y)  # the equations' rounding, or a face that was not the optimum's
     if float(np.max(np.abs(yp - y), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y), initial=0.0))):
         return x
     return yp

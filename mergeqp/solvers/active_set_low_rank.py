@@ -1,4 +1,4 @@
-"""A ridge plus a low-rank matrix: the active-set solver's path through ``r`` unknowns (:mod:`.active_set`).
+"""A ridge plus a low-rank H: the active-set solver's path through ``r``-dimensional algebra (:mod:`.active_set`).
 
 When a merge QP has fewer calibration samples times outputs than unknowns, ``H = A'A + sigma I``
 (a data term of rank ``r`` much below ``n`` and a ridge). Its faces larger than ``r`` are
@@ -9,9 +9,9 @@ structure gives a problem of ``r`` unknowns instead:
 
 - **Detection** (:func:`ridge_low_rank`). The eigenvalues of a sampled principal submatrix
   ``H_SS`` (``m`` rows, ``4/3`` of the rank limit, 64 to :data:`SAMPLE`; one ``O(m^3)``
-  eigendecomposition) show a cluster at its smallest,
-  ``sigma`` (``H_SS = sigma I + U_S U_S'`` has ``m - r`` eigenvalues equal to ``sigma`` when
-  ``r < m``; a full-rank H shows none, and the test ends there). Then a pivoted partial Cholesky
+  eigendecomposition) show a cluster at its smallest, ``sigma`` (``H_SS = sigma I + U_S U_S'``
+  has ``m - r`` eigenvalues equal to ``sigma`` when ``r < m``; a full-rank H shows none, and the
+  test ends there). Then a pivoted partial Cholesky
   of ``H - sigma I`` (``O(n r^2)``, reading ``r`` rows of H) must end within ``max_rank`` steps
   with a residual diagonal below :data:`RESIDUAL` ``sigma``: ``H = sigma I + U U' + E`` with
   ``trace E`` reported. Anything else (no cluster, a rank above the limit, a residual that does

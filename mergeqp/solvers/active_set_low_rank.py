@@ -200,18 +200,14 @@ def _group_sums(st: SetStructure, F: np.ndarray, V: np.ndarray) -> tuple[np.ndar
     return np.asarray(member @ V), cnt
 
 
-def _null_space(st: SetStructure, F: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
-    """The orthogonal projection onto the null space of the face's sum equations, for values on
-    the free coordinates ``F`` (each group's mean removed; the identity without sums)."""
+def _sum_equations(st: SetStructure) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The set's sums as face equations ``sum_G a_i x_i = t_G`` (``a = 1``; ``None`` without sums),
+    in the form :func:`_equation_null` and :func:`_affine_face_point` take (the engine's
+    ``FaceBookkeeping.equations`` gives the same for a face of such a set)."""
     if st.group is None:
-        return lambda v: v
-    grp = st.group[F]
-
-    def null(v: np.ndarray) -> np.ndarray:
-        B, cnt = _group_sums(st, F, v)
-        return v - (B / np.maximum(cnt, 1.0).reshape((-1,) + (1,) * (v.ndim - 1)))[grp]
-
-    return null
+        return None
+    assert st.totals is not None
+    return st.group, np.ones(st.group.size), st.totals
 
 
 def _free(st: SetStructure, x: np.ndarray) -> np.ndarray:
@@ -308,7 +304,7 @@ def _restart(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -
     nu = U.T @ x
     if not F.size:
         return nu
-    null = _null_space(st, F)
+    null = _equation_null(F, _sum_equations(st))[0]
     V = null(U[F])
     res = null(-(g[F] + lr.sigma * x[F] + U[F] @ nu))
     M = V.T @ V
@@ -330,11 +326,7 @@ def _face_point(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, free: np.ndar
     x[free] = 0.0
     if not np.all(np.isfinite(x)):
         return None
-    eq = None
-    if st.group is not None:
-        assert st.totals is not None
-        eq = (st.group, np.ones(x.size), st.totals)
-    return _affine_face_point(lr, g, free, x, eq)
+    return _affine_face_point(lr, g, free, x, _sum_equations(st))
 
 
 def _face_pdas(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -521,7 +513,6 @@ class _BallFaces(FaceBookkeeping):
 
     def __init__(self, st: SetStructure, n: int):
         self.st, self.n = st, n
-        self._pivot_of_group = None
 
 
 def _equation_null(F: np.ndarray, eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None) -> tuple[
@@ -591,9 +582,7 @@ def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
                 return None, k
             new = book.update_face(face, xf, lr_s.sigma * xf + lr.U @ (lr.U.T @ xf) + h)
             if new.key() == face.key():
-                xp = project_structure(st, xf)
-                ok = float(np.max(np.abs(xp - xf), initial=0.0)) <= 1e-12 * (1.0 + float(np.max(np.abs(xf))))
-                return (xp if ok else None), k
+                return _on_set(st, xf), k
             if new.key() in seen:
                 return None, k
             face = new
@@ -614,9 +603,15 @@ def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x:
     face was not the optimum's: the engine goes on from ``x``)."""
     if face is None:
         F = np.flatnonzero(_free(st, x))
-        face = (F, _null_space(st, F))
-    y = _polish(H, g, lr, face[0], face[1], x)
-    yp = project_structure(st, y)  # the equations' rounding, or a face that was not the optimum's
+        face = (F, _equation_null(F, _sum_equations(st))[0])
+    yp = _on_set(st, _polish(H, g, lr, face[0], face[1], x))
+    return x if yp is None else yp
+
+
+def _on_set(st: SetStructure, y: np.ndarray) -> np.ndarray | None:
+    """``y`` put exactly on the set where it is off it by no more than rounding (``1e-12`` of its
+    size: the equations' rounding), else ``None`` (its face was not an optimum's)."""
+    yp = project_structure(st, y)
     if float(np.max(np.abs(yp - y), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y), initial=0.0))):
-        return x
+        return None
     return yp

@@ -55,16 +55,33 @@ def test_detection_recovers_sigma_and_the_factor() -> None:
     assert LR.ridge_low_rank(H) is lr  # kept with the read-only H's values
 
 
-@pytest.mark.parametrize("case", ["full_rank", "no_ridge", "rank_too_high", "uneven_diagonal"])
+def test_detection_finds_a_low_rank_h_without_a_ridge() -> None:
+    """``H = B B'`` (no ridge): ``sigma = 0`` and the factor to the rounding of H."""
+    rng = np.random.default_rng(1)
+    B = rng.standard_normal((1200, 40))
+    H = B @ B.T
+    lr = LR.ridge_low_rank(H)
+    assert lr is not None
+    assert lr.sigma == 0.0 and lr.rank == 40
+    top = float(np.max(np.diag(H)))
+    assert float(np.max(np.abs(H - lr.U @ lr.U.T))) <= LR.NO_RIDGE_RESIDUAL * top
+
+
+@pytest.mark.parametrize("case", ["full_rank", "no_ridge_rank_too_high", "rank_too_high", "uneven_diagonal",
+                                  "tiny_spectrum_tail"])
 def test_detection_declines_what_is_not_a_ridge_plus_low_rank(case: str) -> None:
     rng = np.random.default_rng(1)
     n = 1200
     if case == "full_rank":
         B = rng.standard_normal((n, n + 50))
         H = B @ B.T / n
-    elif case == "no_ridge":
-        B = rng.standard_normal((n, 40))
+    elif case == "no_ridge_rank_too_high":
+        B = rng.standard_normal((n, 300))  # 300 > n / 12 = 100
         H = B @ B.T
+    elif case == "tiny_spectrum_tail":  # rank 40 plus 500 directions at 1e-9 of the top: not low rank
+        B = rng.standard_normal((n, 40))
+        C = rng.standard_normal((n, 500))
+        H = B @ B.T + 1e-9 * float(np.linalg.norm(B, 2)) ** 2 * (C @ C.T) / float(np.linalg.norm(C, 2)) ** 2
     elif case == "rank_too_high":
         H, _ = ridge_low_rank_matrix(rng, n, 300, 1e6)  # 300 > n / 12 = 100
     else:
@@ -210,16 +227,19 @@ def test_the_option_is_checked_by_name() -> None:
 @settings(max_examples=25, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), K=st.sampled_from([2, 3, 4]), m=st.integers(20, 60),
-       r=st.integers(1, 12), cond=st.sampled_from([1e3, 1e6, 1e9]),
+       r=st.integers(1, 12), cond=st.sampled_from([1e3, 1e6, 1e9, np.inf]),
        kind=st.sampled_from(["box", "wide_box", "half_line", "pinned_box", "simplex", "global_simplex",
-                             "capped_simplex", "l1", "box_l1"]))
+                             "capped_simplex", "l1", "box_l1"]),
+       interpolating=st.booleans())
 def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.MonkeyPatch, seed: int, K: int, m: int,
-                                                           r: int, cond: float, kind: str) -> None:
+                                                           r: int, cond: float, kind: str, interpolating: bool) -> None:
     """With the size gate lowered, every solve through the path (the dual on boxes: finite, wide,
     one-sided, with coinciding bounds; the proximal faces on per-atom, global and capped simplices, an
-    L1 ball and a box with an L1 ball) is certified and has ``dense_ipm``'s certified objective. (The engine alone is not the reference: on
-    seed 20, K = 2, m = 20, r = 1, cond 1e3, per-atom simplex it ends INACCURATE after 39 faces, a gap
-    of 0.8%.)"""
+    L1 ball and a box with an L1 ball; with a ridge and without one, ``cond = inf``, where an
+    interpolating ``g = -H x*``, ``x*`` on the set, makes ``J* = 0``) is certified (or, at ``J* = 0``,
+    at its rounding floor) and has ``dense_ipm``'s objective. (The engine alone is not the
+    reference: on seed 20, K = 2, m = 20, r = 1, cond 1e3, per-atom simplex it ends INACCURATE after
+    39 faces, a gap of 0.8%.)"""
     monkeypatch.setattr(A, "LOW_RANK_MIN_N", 1)
     monkeypatch.setattr(LR, "SAMPLE", 48)
     rng = np.random.default_rng(seed)
@@ -227,20 +247,91 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     if kind == "half_line":  # its optimum lies at |g| / sigma: at cond 1e9 (x ~ 1e8) no solver certifies it
         cond = min(cond, 1e4)
     H, _ = ridge_low_rank_matrix(rng, n, r, cond)
-    g = rng.standard_normal(n) * float(np.mean(np.diag(H))) * 3.0
-    problem = MergeQP(H, g, 1.0, shape=(K, m))
+    interpolating = interpolating and not np.isfinite(cond)
+    g, c = rng.standard_normal(n) * float(np.mean(np.diag(H))) * 3.0, 1.0
     pinned = rng.random((K, m)) < 0.1  # coordinates whose bounds coincide
     cset = {"box": Box(0.0, 1.0), "wide_box": Box(-5.0, 5.0), "half_line": Box(0.0, np.inf),
             "pinned_box": Box(np.where(pinned, 0.5, 0.0), np.where(pinned, 0.5, 1.0)),
             "simplex": Simplex(1.0), "global_simplex": GlobalSimplex(float(m)),
             "capped_simplex": intersect([Box(0.0, 0.6), Simplex(1.0)]),
             "l1": L1Ball(0.2 * n), "box_l1": intersect([Box(-1.0, 1.0), L1Ball(0.1 * n)])}[kind]
+    if interpolating:
+        x_star = cset.project(rng.uniform(-1.0, 1.0, (K, m))).ravel()
+        g, c = -(H @ x_star), 0.5 * float(x_star @ (H @ x_star))
+    problem = MergeQP(H, g, c, shape=(K, m))
+
+    def optimal(sol) -> bool:
+        return bool(sol.certificate.certified(1e-8) or (interpolating and sol.certificate.at_rounding_floor))
+
     reference = solve(problem, cset, solver="dense_ipm")
-    assert reference.certificate.certified(1e-8)
+    assert optimal(reference)
     sol = solve(problem, cset, solver="active_set")
     assert ("low_rank" in sol.info) == (r <= n // 12)  # the rank limit n / 12; else the engine alone
+    assert optimal(sol)
+    scale = float(np.abs(g).sum()) + abs(c)
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=1e-9 * scale)
+
+
+def interpolating_qp(rng: np.random.Generator, K: int, m: int, r: int, x_star: np.ndarray) -> MergeQP:
+    """``J = 1/2 (x - x*)'H(x - x*)`` with ``H = B B'`` of rank ``r`` (no ridge): ``J* = 0`` at every
+    ``x`` with ``B'x = B'x*`` (a merge QP whose fine-tunes the calibration data cannot tell apart)."""
+    B = rng.standard_normal((K * m, r)) / np.sqrt(r)
+    H = B @ B.T
+    H.flags.writeable = False
+    return MergeQP(H, -(H @ x_star), 0.5 * float(x_star @ (H @ x_star)), shape=(K, m))
+
+
+@pytest.mark.parametrize("cset", [Box(0.0, 1.0), Simplex(1.0), L1Ball(300.0)], ids=["box", "simplex", "l1"])
+def test_an_interpolating_problem_without_a_ridge_ends_at_the_floor_without_a_face_solve(cset) -> None:
+    """J* = 0, H of rank 30 and no ridge: the path's point, polished, is optimal to float64 precision
+    (the engine accepts it at once: no face iteration), where the engine alone wanders (stop 58)."""
+    rng = np.random.default_rng(11)
+    K, m = 4, 300
+    x_star = rng.dirichlet(np.ones(K), size=m).T.ravel() if isinstance(cset, Simplex) else rng.uniform(0.0, 1.0, K * m)
+    if isinstance(cset, L1Ball):
+        x_star = x_star * (200.0 / float(np.abs(x_star).sum()))
+    problem = interpolating_qp(rng, K, m, 30, x_star)
+    sol = solve(problem, cset, solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["sigma"] == 0.0 and info["rank"] == 30
+    assert sol.info["face_iterations"] == 0
+    cert = sol.certificate
+    assert cert.feasible and (cert.certified(1e-8) or cert.at_rounding_floor)
+    assert abs(sol.objective) <= 1e-9 * float(problem.c)
+
+
+@pytest.mark.parametrize("cset", [Box(0.0, 1.0), Simplex(1.0)], ids=["box", "simplex"])
+def test_a_low_rank_problem_without_a_ridge_agrees_with_dense_ipm(cset) -> None:
+    """J* > 0 (g not reachable on the set), H of rank 40 and no ridge: the path's point is certified
+    with ``dense_ipm``'s objective."""
+    rng = np.random.default_rng(12)
+    K, m = 4, 300
+    B = rng.standard_normal((K * m, 40)) / np.sqrt(40)
+    H = B @ B.T
+    H.flags.writeable = False
+    problem = MergeQP(H, B @ (3.0 * rng.standard_normal(40)), 5.0, shape=(K, m))
+    sol = solve(problem, cset, solver="active_set")
+    assert sol.info["low_rank"]["sigma"] == 0.0
     assert sol.certificate.certified(1e-8)
-    assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=1e-9 * float(np.abs(g).sum()))
+    ref = solve(problem, cset, solver="dense_ipm")
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-8, abs=1e-9)
+
+
+def test_the_weighted_null_projection_keeps_the_equations_and_is_symmetric_in_its_weights() -> None:
+    rng = np.random.default_rng(13)
+    n, G = 40, 5
+    group = rng.integers(0, G, n)
+    a = rng.choice([-1.0, 1.0], n)
+    F = np.sort(rng.choice(n, 30, replace=False))
+    w = rng.uniform(0.01, 2.0, F.size)
+    null = LR._weighted_null(F, (group, a, np.ones(G)), w)
+    V = rng.standard_normal((F.size, 3))
+    A = np.zeros((G, F.size))
+    A[group[F], np.arange(F.size)] = a[F]
+    assert np.allclose(A @ null(V), 0.0, atol=1e-12)  # A N = 0
+    NW = null(np.diag(w))
+    assert np.allclose(NW, NW.T, atol=1e-12)  # N W symmetric: N W u is a weighted least-norm direction
+    assert np.allclose(null(null(V)), null(V), atol=1e-12)  # a projection
 
 
 def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:

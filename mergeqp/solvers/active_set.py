@@ -49,11 +49,12 @@ Before the engine runs, coordinates with zero rows of H (dead units) are fixed w
 says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
 groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
-From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12),
-the problem is first solved with ``r``-dimensional algebra (:mod:`.active_set_low_rank`, option
-``low_rank``): through its dual on bounds, by a proximal face active set with Woodbury face solves
-on sums and on an L1 ball. The engine starts at that point: it returns at once where the point
-meets its stopping test (3. above), and otherwise goes on from its face.
+From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12,
+``sigma = 0`` included: no ridge), the problem is first solved with ``r``-dimensional algebra
+(:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
+active set with Woodbury face solves on sums and on an L1 ball. The engine starts at that point: it
+returns at once where the point meets its stopping test (3. above; an interpolating problem's
+polished point meets it at the rounding floor), and otherwise goes on from its face.
 
 The returned point is the best feasible point seen (lowest J; among values of J equal up to
 their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite sides),
@@ -695,7 +696,7 @@ class ActiveSetSolver(QPSolver):
 
 
 def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray | None, dict[str, Any]] | None:
-    """Where H is a ridge plus a low-rank matrix (:mod:`.active_set_low_rank`), the path's
+    """Where H is a ridge (or none) plus a low-rank matrix (:mod:`.active_set_low_rank`), the path's
     point (``None`` where neither its stages nor its face active set reached an optimum: the engine
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the

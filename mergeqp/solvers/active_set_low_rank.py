@@ -56,9 +56,11 @@ steps on the last face, each the solution of ``V U_F' dx = -r`` (many solutions:
 there) of least norm weighted by each coordinate's room to its bound, so the face holds; on an
 interpolating problem (``J* = 0``, where the engine alone wanders for thousands of faces because
 its gap is relative to ``|J| ~ 0``) one or two steps bring the gradient to its rounding, which the
-engine's test (the certificate's floor) accepts. On sums the proximal faces run first, and where
-no stage of theirs converges (interpolating problems) the dual, which settles there; on an L1 ball
-the proximal faces' last converged stage is polished where the last one fails.
+engine's test (the certificate's floor) accepts. The proximal faces back up after a failed stage
+as with a ridge, except where the gradient already vanishes everywhere (``J* = 0``,
+:func:`_interpolating`): there they end and the last converged stage is polished; where no stage
+converged on sums the dual runs (it settles on interpolating simplices), and on boxes the proximal
+faces run where the dual does not settle.
 
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
@@ -110,6 +112,9 @@ NO_RIDGE_RHO = 1e-7
 NO_RIDGE_POLISH = 8
 #: ... and the dual's last stage repeated, centred at its point, while its face changes, at most
 NO_RIDGE_REPEATS = 10
+#: without a ridge, a gradient below this share of ``max |g|`` everywhere marks an interpolating
+#: problem (``J* = 0``): the proximal faces end at their first failed stage and polish the last one
+INTERPOLATING = 1e-6
 #: ``rho`` falls by this factor per proximal stage of the dual
 DECREASE = 10.0
 #: Newton steps per stage at most (a stage that needs more is tried again, :data:`RETRIES`; then
@@ -540,8 +545,11 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
     ``1/2 y'(sigma_s I + U U')y + h'y`` (``sigma_s = sigma + rho``, ``h = g - rho x``: J plus
     ``rho/2 |y - x|^2``) from the face of ``x`` and returns ``(y or None, face solves)``; ``rho`` from
     ``1e-2 eta`` down by :data:`PROX_DECREASE` per stage, each centred at the last stage's optimum,
-    up by it after a stage that fails (at most :data:`PROX_FAILS` times), the last stage on J. Returns
-    the last stage's optimum (``None`` where it failed or the failures ran out) and what it did."""
+    up by it after a stage that fails (at most :data:`PROX_FAILS` times), the last stage on J. Without
+    a ridge the schedule ends at :data:`NO_RIDGE_RHO` (a proximal stage), or at a stage that fails
+    once the gradient vanishes everywhere (:func:`_interpolating`), and where the failures run out
+    the last converged stage's point is returned. Returns the last stage's optimum (``None`` where
+    it failed or the failures ran out, or no stage converged) and what it did."""
     x = np.asarray(x0, dtype=np.float64)
     rho = 1e-2 * eta
     stages = faces = fails = 0
@@ -553,7 +561,7 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
         stages, faces = stages + 1, faces + k
         if y is None:
             fails += 1
-            if final or fails > PROX_FAILS:
+            if final or fails > PROX_FAILS or (lr.sigma == 0 and advanced and _interpolating(lr, g, x)):
                 break
             rho *= PROX_DECREASE  # back up: a larger proximal term
             continue
@@ -571,6 +579,15 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
     if y is None:
         info["failed"] = True
     return y, info
+
+
+def _interpolating(lr: RidgeLowRank, g: np.ndarray, x: np.ndarray) -> bool:
+    """Whether the gradient of J at ``x`` vanishes everywhere, bound coordinates included (to
+    :data:`INTERPOLATING` of ``g``): ``J* = 0`` without a ridge, where the proximal faces' late
+    stages wander over a flat set of optima and the polish is all that remains (on the cells
+    measured: 1e-8 to 1e-12 of ``g`` there, 5e-3 to 7e-3 where ``J* > 0``)."""
+    grad = lr.U @ (lr.U.T @ x) + g
+    return float(np.max(np.abs(grad), initial=0.0)) <= INTERPOLATING * float(np.max(np.abs(g), initial=0.0))
 
 
 def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
@@ -671,11 +688,10 @@ def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
 
 
 def _ball_face(book: _BallFaces, y: np.ndarray) -> Face:
-    """The face of ``y`` on a set with an L1 ball: its free coordinates and the null space of its
-    equations (the active ball's, its sums)."""
+    """The face of ``y`` on a set with an L1 ball: its free coordinates and its equations (the
+    active ball's)."""
     face = book.identify(y)
     return np.flatnonzero(face.status == FREE), book.equations(face)
-
 
 
 def _finish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStructure, x: np.ndarray,
@@ -740,8 +756,6 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
     y = x
     best, best_size = x, math.inf
     clean = 0
-    weighted = True
-    last = math.inf
     for step in range(NO_RIDGE_POLISH + 1):
         F, eq = face_of(y)
         null = _equation_null(F, eq)[0]
@@ -751,15 +765,12 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
             best, best_size = y, size
         if not F.size or clean >= 2 or step == NO_RIDGE_POLISH:
             break
-        if size > 1e-3 * last:
-            weighted = False
-        last = size
         UF = lr.U[F]
         Q, R = np.linalg.qr(null(UF))
         A, S, Bt = np.linalg.svd(R, full_matrices=False)
         keep = S > 1e-7 * float(S[0]) if S.size and S[0] > 0 else np.zeros(S.size, dtype=bool)
         z = Bt[keep].T @ ((A[:, keep].T @ (Q.T @ res)) / S[keep])  # U_F' dx must be -z: V z = r
-        w = _room(st, y, F) if weighted else np.ones(F.size)
+        w = _room(st, y, F)
         B = _weighted_null(F, eq, w)(w[:, None] * UF)
         Mw, Pw = np.linalg.eigh(UF.T @ B)
         ok = Mw > 1e-12 * float(Mw[-1]) if Mw.size and Mw[-1] > 0 else np.zeros(Mw.size, dtype=bool)

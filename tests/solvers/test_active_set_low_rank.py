@@ -317,6 +317,22 @@ def test_a_low_rank_problem_without_a_ridge_agrees_with_dense_ipm(cset) -> None:
     assert sol.objective == pytest.approx(ref.objective, rel=1e-8, abs=1e-9)
 
 
+def test_interpolation_is_told_by_a_gradient_that_vanishes_everywhere() -> None:
+    """``J* = 0`` (``g = -U U' x*``): the gradient vanishes at ``x*`` and at any ``x`` with the same
+    ``U'x``; a ``g`` with a component outside ``U``'s range leaves a gradient at every point."""
+    rng = np.random.default_rng(14)
+    U = rng.standard_normal((200, 10))
+    lr = LR.RidgeLowRank(U, 0.0, 0.0)
+    x_star = rng.uniform(0.0, 1.0, 200)
+    g = -(U @ (U.T @ x_star))
+    null_move = rng.standard_normal(200)
+    null_move -= U @ np.linalg.lstsq(U, null_move, rcond=None)[0]  # orthogonal to U's columns
+    assert LR._interpolating(lr, g, x_star)
+    assert LR._interpolating(lr, g, x_star + 0.1 * null_move)
+    assert not LR._interpolating(lr, g, x_star + 1e-3 * U[:, 0])
+    assert not LR._interpolating(lr, g + 1e-3 * float(np.abs(g).max()) * null_move / float(np.abs(null_move).max()), x_star)
+
+
 def test_the_weighted_null_projection_keeps_the_equations_and_is_symmetric_in_its_weights() -> None:
     rng = np.random.default_rng(13)
     n, G = 40, 5

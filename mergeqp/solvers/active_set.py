@@ -49,8 +49,8 @@ Before the engine runs, coordinates with zero rows of H (dead units) are fixed w
 says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
 groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
-From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12,
-``sigma = 0`` included: no ridge), the problem is first solved with ``r``-dimensional algebra
+From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12;
+``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
 active set with Woodbury face solves on sums and on an L1 ball. The engine starts at that point: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
@@ -83,7 +83,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .active_set_low_rank import LOW_RANK_MIN_N, ridge_low_rank, solve_ridge_low_rank
+from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, ridge_low_rank, solve_ridge_low_rank
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
@@ -700,11 +700,12 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     point (``None`` where neither its stages nor its face active set reached an optimum: the engine
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
-    problem smaller than ``LOW_RANK_MIN_N``, or no such structure is found."""
-    if opts["low_rank"] == "off" or engine.n < LOW_RANK_MIN_N:
+    problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
+    structure is found."""
+    if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
     lr = ridge_low_rank(engine.H)
-    if lr is None:
+    if lr is None or (lr.sigma > 0 and engine.n < LOW_RANK_MIN_N):
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most
     # coordinates at a bound) its stages took 1.3-1.5x the Newton steps (docs/solvers.md, stop 62)

@@ -60,7 +60,9 @@ engine's test (the certificate's floor) accepts. The proximal faces back up afte
 as with a ridge, except where the gradient already vanishes everywhere (``J* = 0``,
 :func:`_interpolating`): there they end and the last converged stage is polished; where no stage
 converged on sums the dual runs (it settles on interpolating simplices), and on boxes the proximal
-faces run where the dual does not settle.
+faces run where the dual does not settle. Such H takes the path from n = :data:`NO_RIDGE_MIN_N`
+(64; a ridge plus low rank from :data:`LOW_RANK_MIN_N`): below 256 the engine alone still ends
+uncertified on some of them.
 
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
@@ -85,10 +87,13 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "LOW_RANK_KEY"]
+__all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
-#: problems smaller than this are left to the engine (its faces cost little there)
+#: problems smaller than this are left to the engine (its faces cost little there) ...
 LOW_RANK_MIN_N = 256
+#: ... except H without a ridge, taken from this size: there the engine alone ended uncertified on
+#: 13 of 108 untuned instances at n = 120-240 (docs/solvers.md, "Stop 63"), the path on none
+NO_RIDGE_MIN_N = 64
 #: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster, at
 #: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64)
 SAMPLE = 384

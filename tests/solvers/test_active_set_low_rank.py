@@ -241,6 +241,7 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     reference: on seed 20, K = 2, m = 20, r = 1, cond 1e3, per-atom simplex it ends INACCURATE after
     39 faces, a gap of 0.8%.)"""
     monkeypatch.setattr(A, "LOW_RANK_MIN_N", 1)
+    monkeypatch.setattr(A, "NO_RIDGE_MIN_N", 1)
     monkeypatch.setattr(LR, "SAMPLE", 48)
     rng = np.random.default_rng(seed)
     n = K * m
@@ -315,6 +316,25 @@ def test_a_low_rank_problem_without_a_ridge_agrees_with_dense_ipm(cset) -> None:
     assert sol.certificate.certified(1e-8)
     ref = solve(problem, cset, solver="dense_ipm")
     assert sol.objective == pytest.approx(ref.objective, rel=1e-8, abs=1e-9)
+
+
+@pytest.mark.parametrize("ridge", [False, True], ids=["no ridge", "ridge"])
+def test_below_256_only_h_without_a_ridge_takes_the_path(ridge: bool) -> None:
+    """At n = 120 (the defaults: ``NO_RIDGE_MIN_N`` 64, ``LOW_RANK_MIN_N`` 256) an interpolating box
+    without a ridge takes the path and ends at the floor; with a ridge the engine solves alone."""
+    rng = np.random.default_rng(15)
+    K, m, r = 2, 60, 6
+    x_star = rng.uniform(0.0, 1.0, K * m)
+    problem = interpolating_qp(rng, K, m, r, x_star)
+    if ridge:
+        H = np.array(problem.H)
+        H[np.diag_indices_from(H)] += 1e-6 * float(np.max(np.diag(H)))
+        H.flags.writeable = False
+        problem = MergeQP(H, problem.g, problem.c, shape=(K, m))
+    sol = solve(problem, Box(0.0, 1.0), solver="active_set")
+    assert ("low_rank" in sol.info) == (not ridge)
+    cert = sol.certificate
+    assert cert.feasible and (cert.certified(1e-8) or cert.at_rounding_floor)
 
 
 def test_interpolation_is_told_by_a_gradient_that_vanishes_everywhere() -> None:

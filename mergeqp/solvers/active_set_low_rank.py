@@ -491,7 +491,7 @@ def _dual(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: 
     settled_rho: float | None = None  # rho of the last settled stage (its point is the centre xc)
     stages = steps = retries = repeats = 0
     settled = True
-    face: np.ndarray | None = None  # without a ridge: the last stage's free coordinates
+    last_free: np.ndarray | None = None  # without a ridge: the last stage's free coordinates
     while True:
         final = _last_stage(lr, rho, eta)
         x, _, k, ok = _stage(lr, g, st, _shift(lr, rho, final), xc, nu, 1e-13 if final else 1e-9, jac)
@@ -507,9 +507,10 @@ def _dual(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: 
         if final:
             # without a ridge the last stage is a proximal one: again, centred at its point, while
             # that changes its face (a face with a flat descent direction is not the optimum's)
-            if lr.sigma > 0 or repeats >= NO_RIDGE_REPEATS or (face is not None and np.array_equal(face, _free(st, x))):
+            free = _free(st, x)
+            if lr.sigma > 0 or repeats >= NO_RIDGE_REPEATS or (last_free is not None and np.array_equal(last_free, free)):
                 break
-            face, repeats = _free(st, x), repeats + 1
+            last_free, repeats = free, repeats + 1
         else:
             settled_rho = rho
             rho /= step_down
@@ -621,17 +622,8 @@ def _equation_null(F: np.ndarray, eq: tuple[np.ndarray, np.ndarray, np.ndarray] 
     if eq is None:
         return (lambda v: v), np.zeros(0), np.zeros(0)
     group, a, totals = eq
-    G = totals.size
-    grp, aF = group[F], a[F]
-    cnt = np.bincount(grp, minlength=G).astype(np.float64)
-    member = sparse.csr_matrix((aF, (grp, np.arange(F.size))), shape=(G, F.size))
-
-    def null(v: np.ndarray) -> np.ndarray:
-        tail = (1,) * (v.ndim - 1)
-        mean = np.asarray(member @ v) / np.maximum(cnt, 1.0).reshape((-1,) + tail)
-        return v - aF.reshape((-1,) + tail) * mean[grp]
-
-    return null, cnt, aF
+    cnt = np.bincount(group[F], minlength=totals.size).astype(np.float64)
+    return _weighted_null(F, eq, np.ones(F.size)), cnt, a[F]  # unit weights: the orthogonal projection
 
 
 def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.ndarray,
@@ -732,7 +724,8 @@ def _room(st: SetStructure, y: np.ndarray, F: np.ndarray) -> np.ndarray:
 def _weighted_null(F: np.ndarray, eq: Equations | None, w: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """``v -> v - W A'(A W A')^-1 A v`` for the face equations ``A`` (rows ``a`` on each group's free
     coordinates) and ``W = diag(w)``: ``N W`` is symmetric and ``A N = 0``, so ``N W u`` is the
-    ``W``-weighted least-norm direction along ``u`` that keeps the equations."""
+    ``W``-weighted least-norm direction along ``u`` that keeps the equations (unit weights: the
+    orthogonal projection of :func:`_equation_null`)."""
     if eq is None:
         return lambda v: v
     group, a, totals = eq
@@ -781,9 +774,9 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
         ok = Mw > 1e-12 * float(Mw[-1]) if Mw.size and Mw[-1] > 0 else np.zeros(Mw.size, dtype=bool)
         y1 = y.copy()
         y1[F] -= B @ (Pw[:, ok] @ ((Pw[:, ok].T @ z) / Mw[ok]))
-        y = project_structure(st, y1)
-        moved = float(np.max(np.abs(y - y1), initial=0.0)) > 1e-12 * (1.0 + float(np.max(np.abs(y1), initial=0.0)))
-        clean = 0 if moved else clean + 1
+        on_set = _on_set(st, y1)  # None: the step moved a coordinate off the set
+        clean = 0 if on_set is None else clean + 1
+        y = project_structure(st, y1) if on_set is None else on_set
     return best
 
 

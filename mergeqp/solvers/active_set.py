@@ -49,7 +49,8 @@ Before the engine runs, coordinates with zero rows of H (dead units) are fixed w
 says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
 groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
-From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 12;
+From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 8 on
+bounds and L1 balls, an eighth of the set's dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
 active set with Woodbury face solves on sums and on an L1 ball. The engine starts at that point: it
@@ -83,7 +84,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, ridge_low_rank, solve_ridge_low_rank
+from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, rank_limit, ridge_low_rank, solve_ridge_low_rank
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
@@ -704,7 +705,7 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     structure is found."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
-    lr = ridge_low_rank(engine.H)
+    lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st))
     if lr is None or (lr.sigma > 0 and engine.n < LOW_RANK_MIN_N):
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most

@@ -43,9 +43,15 @@ there the proximal problems are solved in the primal instead (:func:`_proximal_f
 face active set, each stage a ridge ``sigma + rho`` plus ``U U'`` whose faces the Woodbury identity
 solves, ``rho`` falling by :data:`PROX_DECREASE` per stage and rising again after a stage that does
 not converge. (On boxes that primal version failed on 6 of 18 natural instances where the dual
-did not; docs/solvers.md, "Stop 62".)
+did not; docs/solvers.md, "Stop 62"; it is tried there only where the dual reached no optimum.)
 
-**Without a ridge** (``H = U U'`` of rank ``r <= n / 12``: the merge QP with fewer calibration
+**The rank limit** (:func:`rank_limit`): an eighth of the set's dimension (n less one per sum
+group), at least ``n / 12``: ``n / 8`` on boxes and L1 balls, ``(K - 1) n / (8 K)`` on per-atom
+simplices of K coefficients, ``n / 12`` for K <= 3 (until stop 64 ``n / 12`` everywhere; from
+``n / 12`` to ``n / 8`` the path halved the time of untuned boxes, L1 balls and simplices of 8
+coefficients and was slower on 9 of 12 simplices of 2; docs/solvers.md, "Stop 64").
+
+**Without a ridge** (``H = U U'`` of rank ``r`` within the limit: the merge QP with fewer calibration
 samples times outputs than unknowns and no ridge; the sample's smallest eigenvalues then cluster at
 their rounding, and the pivoted Cholesky of H itself must end with a residual diagonal below
 :data:`NO_RIDGE_RESIDUAL` ``max diag H``), ``sigma = 0`` and every stage is a proximal one: the
@@ -87,7 +93,7 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
+__all__ = ["RidgeLowRank", "ridge_low_rank", "rank_limit", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there) ...
 LOW_RANK_MIN_N = 256
@@ -95,10 +101,14 @@ LOW_RANK_MIN_N = 256
 #: 13 of 108 untuned instances at n = 120-240 (docs/solvers.md, "Stop 63"), the path on none
 NO_RIDGE_MIN_N = 64
 #: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster, at
-#: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64)
-SAMPLE = 384
-#: the largest rank handled, as a share of n (the dual's Newton steps cost ``O(n r^2)`` each)
-MAX_RANK_SHARE = 1.0 / 12.0
+#: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64); it bounds the rank
+#: found at ``3/4`` of it (576) above n = 4,608
+SAMPLE = 768
+#: the largest rank handled, as a share of the set's dimension (n less one per sum group, whose
+#: equation takes a direction; the dual's Newton steps cost ``O(n r^2)`` each) ...
+MAX_RANK_SHARE = 1.0 / 8.0
+#: ... and never below this share of n (the limit on every set until stop 64)
+MIN_RANK_SHARE = 1.0 / 12.0
 #: a cluster: eigenvalues within this relative distance of the smallest (plus their rounding)
 CLUSTER = 1e-6
 #: the cluster must hold at least this share of the sample (else H is not a ridge plus low rank)
@@ -157,16 +167,27 @@ class RidgeLowRank:
         return int(self.U.shape[1])
 
 
+def rank_limit(n: int, st: SetStructure | None = None) -> int:
+    """The largest rank the path takes on ``n`` unknowns in the set ``st``: :data:`MAX_RANK_SHARE`
+    of the set's dimension (``n`` less one per sum group; ``n`` without ``st``), at least
+    :data:`MIN_RANK_SHARE` of ``n``. On boxes and L1 balls ``n / 8``; on per-atom simplices of K
+    coefficients ``(K - 1) n / (8 K)``, ``n / 12`` for K <= 3. (Stop 64: from rank ``n / 12`` to
+    ``n / 8`` the path cut the time of 84 untuned instances at n = 3072 by half, except on per-atom
+    simplices of two coefficients, where it was slower on 9 of 12; docs/solvers.md.)"""
+    groups = 0 if st is None or st.totals is None else int(st.totals.size)
+    return int(max(n * MIN_RANK_SHARE, (n - groups) * MAX_RANK_SHARE))
+
+
 def ridge_low_rank(H: np.ndarray, *, sample: int | None = None, max_rank: int | None = None,
                    seed: int = 0) -> RidgeLowRank | None:
     """``H`` as ``sigma I + U U'`` (see the module doc), or ``None`` when it is not one: no
     cluster of smallest eigenvalues in a sampled principal submatrix, no ridge, a rank above
-    ``max_rank`` (default ``n / 12``), or a residual that does not vanish. Deterministic in
-    ``seed``; ``sample`` rows are tested (default :data:`SAMPLE`). Kept with the values of a
-    read-only H (a sequence of solves on one H detects once)."""
+    ``max_rank`` (default :func:`rank_limit` of n: ``n / 8``), or a residual that does not
+    vanish. Deterministic in ``seed``; ``sample`` rows are tested (default :data:`SAMPLE`). Kept
+    with the values of a read-only H (a sequence of solves on one H detects once)."""
     n = int(H.shape[0])
     sample = int(sample if sample is not None else SAMPLE)
-    max_rank = int(max_rank if max_rank is not None else n * MAX_RANK_SHARE)
+    max_rank = int(max_rank if max_rank is not None else rank_limit(n))
     shared = matrix_values(H)
     key = (LOW_RANK_KEY, sample, max_rank, seed)
     if shared is not None and key in shared:
@@ -454,9 +475,9 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
                          x0: np.ndarray, eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
     """The path (module doc) from the feasible start ``x0``; ``eta`` = ``max diag H``: the dual on
     bounds only (:func:`_dual`), the proximal faces on sum groups (:func:`_proximal_faces`; without a
-    ridge, the dual where no stage of theirs converged) and on an L1 ball
-    (:func:`_ball_proximal_faces`). Returns the polished point (``None`` where it reached no
-    optimum) and what it did (``info["method"]``).
+    ridge, the dual where no stage of theirs converged; on bounds the proximal faces where the dual
+    reached no optimum) and on an L1 ball (:func:`_ball_proximal_faces`). Returns the polished point
+    (``None`` where it reached no optimum) and what it did (``info["method"]``).
 
     :mod:`.active_set` passes ``1/K`` projected even for a warm-started solve: tried as the face
     active set's first face, the last solution of a sequence (``g`` moved by 0.01-1% of its size)
@@ -467,10 +488,12 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
         return _ball_proximal_faces(H, g, st, lr, x0, eta)
     first, second = (_dual, _proximal_faces) if st.group is None else (_proximal_faces, _dual)
     x, info = first(H, g, st, lr, x0, eta)
-    if x is None and lr.sigma == 0:
-        # without a ridge each can fail where the other settles: the proximal faces on
-        # interpolating sums (J* ~ 0: their faces wander from the first stage on), the dual on
-        # boxes with a face much smaller than the rank (its last stages do not settle)
+    if x is None and (lr.sigma == 0 or st.group is None):
+        # each can fail where the other settles: the proximal faces on interpolating sums without
+        # a ridge (J* ~ 0: their faces wander from the first stage on), the dual on boxes whose
+        # face comes near the rank (its last stages do not settle: with a weak ridge at rank
+        # 276 / 336 of n = 3072 the fallback took 1.59 -> 1.41 s and 3.05 -> 1.95 s, stop 64; on
+        # sums with a ridge the dual is not tried, its late stages do not settle there)
         x, other = second(H, g, st, lr, x0, eta)
         info = {**info, **other, "method": f"{info['method']}, then {other['method']}",
                 "stages": info["stages"] + other["stages"],

@@ -105,6 +105,28 @@ def test_active_set_takes_the_dual_path_on_a_box_and_agrees_with_the_engine_alon
     assert sol.objective <= clarabel.objective + 1e-7 * max(1.0, abs(clarabel.objective))
 
 
+@pytest.mark.parametrize(("K", "kind", "taken"), [(4, "box", True), (2, "l1", True), (8, "simplex", True),
+                                                  (2, "simplex", False), (3, "simplex", False)])
+def test_the_rank_limit_is_an_eighth_of_the_sets_dimension(K: int, kind: str, taken: bool) -> None:
+    """Rank 120 at n = 1200 lies between n / 12 (100) and n / 8 (150): taken on a box and an L1 ball
+    (dimension n), on a per-atom simplex of 8 coefficients (dimension 7n / 8, limit 131), not on one of
+    2 or 3 (dimension n / 2 or 2n / 3: the limit stays n / 12). Either way the same optimum as the
+    engine alone, certified."""
+    rng = np.random.default_rng(21)
+    H, _ = ridge_low_rank_matrix(rng, 1200, 120, 1e8)
+    problem = planted_box(rng, H, K)
+    cset = {"box": Box(0.0, 1.0), "l1": L1Ball(300.0), "simplex": Simplex(1.0)}[kind]
+    groups = 1200 // K if kind == "simplex" else 0
+    assert LR.rank_limit(1200, A.set_structure(cset, (K, 1200 // K))) == max(100, (1200 - groups) // 8)
+    sol = solve(problem, cset, solver="active_set")
+    assert ("low_rank" in sol.info) == taken
+    if taken:
+        assert sol.info["low_rank"]["rank"] == 120
+    assert sol.certificate.certified(1e-8)
+    plain = solve(problem, cset, solver="active_set", low_rank="off")
+    assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-10)
+
+
 @pytest.mark.parametrize("cset", [Simplex(1.0), GlobalSimplex(300.0)], ids=["simplex", "global_simplex"])
 def test_sum_groups_take_the_proximal_face_path(cset) -> None:
     """On a simplex the path is the face active set on proximal problems (Woodbury faces), and it ends
@@ -267,7 +289,9 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     reference = solve(problem, cset, solver="dense_ipm")
     assert optimal(reference)
     sol = solve(problem, cset, solver="active_set")
-    assert ("low_rank" in sol.info) == (r <= n // 12)  # the rank limit n / 12; else the engine alone
+    groups = {"simplex": m, "capped_simplex": m, "global_simplex": 1}.get(kind, 0)
+    # the rank limit: an eighth of the set's dimension, at least n / 12; else the engine alone
+    assert ("low_rank" in sol.info) == (r <= max(n / 12, (n - groups) / 8))
     assert optimal(sol)
     scale = float(np.abs(g).sum()) + abs(c)
     assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=1e-9 * scale)

@@ -127,6 +127,34 @@ def test_the_rank_limit_is_an_eighth_of_the_sets_dimension(K: int, kind: str, ta
     assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-10)
 
 
+def test_a_box_whose_dual_fails_falls_back_to_the_proximal_faces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a ridge, where the dual reaches no optimum (made to here: every stage fails, and so does
+    the face active set that follows it, its first call), the proximal faces solve the box instead
+    of the engine from scratch, and the point is certified."""
+    rng = np.random.default_rng(23)
+    H, _ = ridge_low_rank_matrix(rng, 1200, 60, 1e8)
+    problem = planted_box(rng, H, 4)
+    face_pdas, calls = LR._face_pdas, []
+
+    def failing_stage(lr, g, st, rho, xc, nu, tol, jac):
+        return xc, nu, LR.STAGE_STEPS, False
+
+    def first_face_fails(lr, g, st, x):
+        calls.append(1)
+        return (None, LR.PDAS_STEPS) if len(calls) == 1 else face_pdas(lr, g, st, x)
+
+    monkeypatch.setattr(LR, "_stage", failing_stage)
+    monkeypatch.setattr(LR, "_face_pdas", first_face_fails)
+    sol = solve(problem, Box(0.0, 1.0), solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["method"] == "dual, then proximal faces" and not info["dual_settled"]
+    assert info["face_converged"] and "failed" not in info
+    assert sol.certificate.certified(1e-8)
+    assert sol.info["factorisations"] == 0  # the engine returned at the path's point
+    plain = solve(problem, Box(0.0, 1.0), solver="active_set", low_rank="off")
+    assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-12)
+
+
 @pytest.mark.parametrize("cset", [Simplex(1.0), GlobalSimplex(300.0)], ids=["simplex", "global_simplex"])
 def test_sum_groups_take_the_proximal_face_path(cset) -> None:
     """On a simplex the path is the face active set on proximal problems (Woodbury faces), and it ends

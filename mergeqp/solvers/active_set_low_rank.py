@@ -101,9 +101,11 @@ LOW_RANK_MIN_N = 256
 #: 13 of 108 untuned instances at n = 120-240 (docs/solvers.md, "Stop 63"), the path on none
 NO_RIDGE_MIN_N = 64
 #: rows of the sampled principal submatrix whose eigenvalues are tested for a ridge cluster, at
-#: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64); it bounds the rank
-#: found at ``3/4`` of it (576) above n = 4,608
-SAMPLE = 768
+#: most (fewer where the rank limit allows: ``4/3 max_rank + 1``, at least 64: 513 at n = 3072,
+#: 2,049 at n = 12288, about 4% of one Cholesky of H either way); it bounds the rank found at
+#: ``3/4`` of it (3,072) above n = 24,576. (Capped at 384 until stop 64, which left a rank-800 H at
+#: n = 12288 to the engine: 112.7 s = 7.9x one Cholesky, against 5.7 s = 0.40x through the path.)
+SAMPLE = 4096
 #: the largest rank handled, as a share of the set's dimension (n less one per sum group, whose
 #: equation takes a direction; the dual's Newton steps cost ``O(n r^2)`` each) ...
 MAX_RANK_SHARE = 1.0 / 8.0

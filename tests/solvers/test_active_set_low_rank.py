@@ -90,6 +90,19 @@ def test_detection_declines_what_is_not_a_ridge_plus_low_rank(case: str) -> None
     assert LR.ridge_low_rank(H) is None
 
 
+def test_the_sample_bounds_the_rank_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampled block shows a rank only below 3/4 of its rows: with 64 rows a rank of 60 is not
+    seen (declined, as a rank above 288 was at any n with the 384 rows of stops 62-63), with the
+    default (4/3 of the limit, here 201 rows) it is found."""
+    rng = np.random.default_rng(4)
+    H, sigma = ridge_low_rank_matrix(rng, 1200, 60, 1e8)
+    monkeypatch.setattr(LR, "SAMPLE", 64)
+    assert LR.ridge_low_rank(np.array(H)) is None
+    monkeypatch.undo()
+    lr = LR.ridge_low_rank(np.array(H))
+    assert lr is not None and lr.rank == 60 and lr.sigma == pytest.approx(sigma, rel=1e-6)
+
+
 def test_active_set_takes_the_dual_path_on_a_box_and_agrees_with_the_engine_alone() -> None:
     rng = np.random.default_rng(2)
     H, _ = ridge_low_rank_matrix(rng, 1200, 50, 1e8)

@@ -435,6 +435,21 @@ def test_the_weighted_null_projection_keeps_the_equations_and_is_symmetric_in_it
     assert np.allclose(null(null(V)), null(V), atol=1e-12)  # a projection
 
 
+def test_the_medium_rank_families_take_the_path_at_their_size() -> None:
+    """``box_midrank`` / ``l1_midrank`` (rank 336 at n = 3072: above n / 12, within n / 8, the
+    benchmark's cells for stop 64's limit): taken through the dual and the proximal faces, certified,
+    at the planted optimum."""
+    for name, method in (("box_midrank", "dual"), ("l1_midrank", "proximal faces")):
+        inst = draw(name, 0)
+        fam = inst.family
+        assert inst.problem.n == 3072 and 3072 // 12 < fam.c * fam.N <= 3072 // 8
+        sol = solve(inst.problem, inst.constraints, solver="active_set")
+        assert sol.info["low_rank"]["rank"] == fam.c * fam.N
+        assert sol.info["low_rank"]["method"] == method
+        assert sol.certificate.certified(1e-8)
+        assert sol.objective == pytest.approx(inst.objective, rel=1e-8)
+
+
 def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:
     """``box_lowrank`` / ``simplex_lowrank`` (the benchmark's cells for this path): the detection finds
     rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the proximal faces."""

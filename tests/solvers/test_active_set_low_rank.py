@@ -450,6 +450,21 @@ def test_the_medium_rank_families_take_the_path_at_their_size() -> None:
         assert sol.objective == pytest.approx(inst.objective, rel=1e-8)
 
 
+def test_without_a_ridge_the_last_proximal_stage_repeats_while_its_face_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``l1_midrank`` seed 0 (an L1 ball, rank 336, no ridge): the first last stage's face is not the
+    optimum's, and the engine had to go on from the polished point (faces factorised); repeating that
+    stage, centred at its point, until its face holds leaves the engine nothing to do. The same
+    optimum both ways."""
+    inst = draw("l1_midrank", 0)
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.certificate.certified(1e-8) and sol.info["factorisations"] == 0
+    monkeypatch.setattr(LR, "NO_RIDGE_REPEATS", 0)
+    once = solve(inst.problem, inst.constraints, solver="active_set")
+    assert once.info["low_rank"]["stages"] < sol.info["low_rank"]["stages"]
+    assert once.info["factorisations"] > 0 and once.certificate.certified(1e-8)
+    assert sol.objective == pytest.approx(once.objective, rel=1e-10)
+
+
 def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:
     """``box_lowrank`` / ``simplex_lowrank`` (the benchmark's cells for this path): the detection finds
     rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the proximal faces."""

@@ -435,21 +435,6 @@ def test_the_weighted_null_projection_keeps_the_equations_and_is_symmetric_in_it
     assert np.allclose(null(null(V)), null(V), atol=1e-12)  # a projection
 
 
-def test_the_medium_rank_families_take_the_path_at_their_size() -> None:
-    """``box_midrank`` / ``l1_midrank`` (rank 336 at n = 3072: above n / 12, within n / 8, the
-    benchmark's cells for stop 64's limit): taken through the dual and the proximal faces, certified,
-    at the planted optimum."""
-    for name, method in (("box_midrank", "dual"), ("l1_midrank", "proximal faces")):
-        inst = draw(name, 0)
-        fam = inst.family
-        assert inst.problem.n == 3072 and 3072 // 12 < fam.c * fam.N <= 3072 // 8
-        sol = solve(inst.problem, inst.constraints, solver="active_set")
-        assert sol.info["low_rank"]["rank"] == fam.c * fam.N
-        assert sol.info["low_rank"]["method"] == method
-        assert sol.certificate.certified(1e-8)
-        assert sol.objective == pytest.approx(inst.objective, rel=1e-8)
-
-
 def test_without_a_ridge_the_last_proximal_stage_repeats_while_its_face_moves(monkeypatch: pytest.MonkeyPatch) -> None:
     """``l1_midrank`` seed 0 (an L1 ball, rank 336, no ridge): the first last stage's face is not the
     optimum's, and the engine had to go on from the polished point (faces factorised); repeating that
@@ -465,15 +450,20 @@ def test_without_a_ridge_the_last_proximal_stage_repeats_while_its_face_moves(mo
     assert sol.objective == pytest.approx(once.objective, rel=1e-10)
 
 
-def test_the_low_rank_families_are_a_ridge_plus_rank_c_n() -> None:
-    """``box_lowrank`` / ``simplex_lowrank`` (the benchmark's cells for this path): the detection finds
-    rank ``c N`` and the ridge; the box is solved through the dual, the simplex by the proximal faces."""
-    for name, method in (("box_lowrank", "dual"), ("simplex_lowrank", "proximal faces")):
-        inst = draw(name, 0, 1536)
-        lr = LR.ridge_low_rank(inst.problem.H)
-        fam = inst.family
-        assert lr is not None and lr.rank == fam.c * fam.N
-        sol = solve(inst.problem, inst.constraints, solver="active_set")
-        assert sol.info["low_rank"]["method"] == method
-        assert sol.certificate.certified(1e-8)
-        assert sol.objective == pytest.approx(inst.objective, rel=1e-8)
+@pytest.mark.parametrize(("name", "method", "n"), [("box_lowrank", "dual", 1536), ("simplex_lowrank", "proximal faces", 1536),
+                                              ("box_midrank", "dual", 3072), ("l1_midrank", "proximal faces", 3072)])
+def test_the_low_rank_families_are_a_ridge_plus_rank_c_n(name: str, method: str, n: int) -> None:
+    """The benchmark's cells for this path: ``box_lowrank`` / ``simplex_lowrank`` (rank 100) and
+    ``box_midrank`` / ``l1_midrank`` (rank 336 at n = 3072: above n / 12, within n / 8, stop 64's
+    limit): the detection finds rank ``c N`` (and the ridge, or none); the boxes are solved through
+    the dual, the simplex and the L1 ball by the proximal faces, certified, at the planted optimum."""
+    inst = draw(name, 0, n)
+    fam = inst.family
+    assert (fam.c * fam.N > n // 12) == ("midrank" in name)
+    lr = LR.ridge_low_rank(inst.problem.H)
+    assert lr is not None and lr.rank == fam.c * fam.N
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.info["low_rank"]["rank"] == fam.c * fam.N
+    assert sol.info["low_rank"]["method"] == method
+    assert sol.certificate.certified(1e-8)
+    assert sol.objective == pytest.approx(inst.objective, rel=1e-8)

@@ -85,6 +85,7 @@ from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, rank_limit, ridge_low_rank, solve_ridge_low_rank
+from .active_set_pairs import pair_box
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
@@ -608,7 +609,8 @@ class ActiveSetSolver(QPSolver):
     defaults = {"tol": 1e-10, "max_iter": 500, "warm_steps": 0, "patience": 3, "prox_start": 3e-2,
                 "prox_decrease": 4.0, "prox_min": 1e-12, "prox_inner_max": 8, "ridge": 1e-10,
                 "refine_steps": 30, "precision": "auto", "update_ratio": 0.05, "cg_start": 40,
-                "start_face": "gradient", "prox_accept": 0.2, "threads": "auto", "low_rank": "auto"}
+                "start_face": "gradient", "prox_accept": 0.2, "threads": "auto", "low_rank": "auto",
+                "pairs": "auto"}
 
     #: up to this size ``auto`` takes active_set without asking the machine for memory; beyond it
     #: only while its work arrays fit in the memory available (see :meth:`auto_declines`)
@@ -650,8 +652,9 @@ class ActiveSetSolver(QPSolver):
             thread_cap(opts["threads"])
         except ValidationError as e:
             raise ValidationError(f"active_set: option {e}") from None
-        if opts["low_rank"] not in ("auto", "off"):
-            raise ValidationError(f"active_set: option low_rank={opts['low_rank']!r} must be 'auto' or 'off'")
+        for name in ("low_rank", "pairs"):
+            if opts[name] not in ("auto", "off"):
+                raise ValidationError(f"active_set: option {name}={opts[name]!r} must be 'auto' or 'off'")
         if opts["precision"] not in ("auto", "float64", "mixed"):
             raise ValidationError(f"active_set: option precision={opts['precision']!r} must be "
                                   "'auto', 'float64' or 'mixed'")
@@ -668,10 +671,17 @@ class ActiveSetSolver(QPSolver):
             assert problem.H is not None
             split = decouple(problem.H, problem.g, problem.c, problem.shape, st, x0)
             if split is None:
-                engine, x0_kept = _Engine(problem, constraints, st, opts), x0
+                kept, st_kept, x0_kept = problem, st, x0
             else:  # coordinates with zero rows of H, fixed (active_set_presolve)
-                engine = _Engine(split.problem, constraints, split.structure, opts)
+                kept, st_kept = split.problem, split.structure
                 x0_kept = None if x0 is None else np.asarray(x0, dtype=np.float64).ravel()[split.keep]
+            assert kept.H is not None
+            paired = None if opts["pairs"] == "off" else pair_box(kept.H, kept.g, kept.c, st_kept)
+            if paired is None:
+                engine = _Engine(kept, constraints, st_kept, opts)
+            else:  # sums of two coordinates: a box of half the size (active_set_pairs)
+                engine = _Engine(paired.problem, constraints, paired.structure, opts)
+                x0_kept = None if x0_kept is None else paired.start(x0_kept)
             low_rank = _low_rank_start(engine, opts)
             if low_rank is not None and low_rank[0] is not None:
                 x0_kept = low_rank[0]
@@ -683,6 +693,9 @@ class ActiveSetSolver(QPSolver):
             engine.share_factor()
             if low_rank is not None:
                 info["low_rank"] = low_rank[1]
+        if paired is not None:
+            x = paired.expand(x)
+            info["paired"] = paired.m
         if split is not None:
             x = split.expand(x)
             info["decoupled"] = split.removed

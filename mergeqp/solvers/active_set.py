@@ -49,6 +49,10 @@ Before the engine runs, coordinates with zero rows of H (dead units) are fixed w
 says their optimal value (:mod:`.active_set_presolve`: bounds by the sign of ``g``, dead sum
 groups by their linear minimiser, an L1 ball's centre where ``g = 0``): left in, they make every
 face on which they are free singular (a ridged solve with refinement instead of one Cholesky).
+Where every sum group then has two coordinates (a per-atom simplex of two models, capped or not),
+the set is a box in half as many unknowns, ``x_a = s``, ``x_b = T - s``, and the engine solves
+that box QP (:mod:`.active_set_pairs`, option ``pairs``; its ``H_s = P'HP`` formed once, where each
+face of the simplex gathered the same free pairs' ``Z'HZ`` again and took products with all of H).
 From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 8 on
 bounds and L1 balls, an eighth of the set's dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
@@ -597,7 +601,9 @@ class ActiveSetSolver(QPSolver):
     previous solution of a sequence of related QPs) and ``threads`` "auto" (the dense BLAS uses at
     most :data:`~mergeqp.solvers.blas_threads.AUTO_MAX_THREADS` threads during the solve: its many
     small operations ran 3-4x slower with 16; "all" leaves the pools as they are, an integer caps
-    them there).
+    them there), ``low_rank`` "auto" (the ``r``-dimensional path where H is a ridge, or none, plus a
+    low-rank matrix; "off": never) and ``pairs`` "auto" (sums of two coordinates solved as a box of
+    half the size; "off": never).
 
     Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
     warm-started one starts from the factor of the last face the previous solve ended on

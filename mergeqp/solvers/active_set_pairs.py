@@ -17,7 +17,12 @@ through the dual on bounds) instead of a simplex of ``n`` unknowns, whose faces 
 gathers of ``Z'HZ`` (the same free pairs' matrix, gathered again at every face) and products with
 all of H. ``H_s`` costs one pass over H (``H_s`` is formed as ``(H_aa + H_bb) - (H_ab + H_ba)``, so
 that it is exactly symmetric); a ridge stays a ridge (``P'P = 2 I``) and a rank stays at most what it
-was.
+was. Memory: ``H_s`` is a quarter of H (formed in blocks of rows, nothing else of its size) and the
+engine's float32 copy is then of ``H_s`` (an eighth of H) instead of H (a half): within ``auto``'s
+reserve of 2 H at every size, so there is no size limit (measured at n = 12288, H 1.2 GB, peak
+beyond H: 0.64 GB against 1.10 GB without the reduction on ``simplex:K=2``; 0.35 / 0.79 GB against
+0.11 / 0.40 GB on ``simplex_lowrank:K=2`` / ``simplex_singular:K=2``, where the low-rank path had
+taken the simplex without a copy of H).
 
 Exact: every feasible ``x`` is ``q + P s`` for one ``s`` of the box and ``J`` is the same function,
 so the Frank-Wolfe gaps are equal too (``P' grad_x = grad_s``); the certificate, computed on the
@@ -34,7 +39,7 @@ from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
 from .active_set_presolve import ReducedQP
 
-__all__ = ["Paired", "pair_box", "PAIRS_KEY", "PAIRS_SHARE_MAX_N", "PAIRS_MAX_N"]
+__all__ = ["Paired", "pair_box", "pair_matrix", "PAIRS_KEY", "PAIRS_SHARE_MAX_N"]
 
 #: ``H_s`` kept with the values of H (:mod:`mergeqp.matrix_cache`), so that the solves of a sequence
 #: on one H array (a warm-started sequence, a sweep over ``g``) share it and the engine's own values
@@ -42,10 +47,6 @@ __all__ = ["Paired", "pair_box", "PAIRS_KEY", "PAIRS_SHARE_MAX_N", "PAIRS_MAX_N"
 PAIRS_KEY = "active_set.pairs"
 #: ... up to this many variables (``H_s`` is a quarter of H: 34 MB at n = 4096)
 PAIRS_SHARE_MAX_N = 4096
-#: above this size no reduction (the engine's memory model, ``auto``'s reserve of 2 H, counts no copy
-#: of H besides its own; ``H_s`` and the float32 copy of it are less than the float32 copy of H that
-#: the engine would otherwise make, so the reduction is kept to the same sizes as the presolve)
-PAIRS_MAX_N = 8192
 #: rows of ``H_s`` formed per block (bounds the temporary rows of H that are gathered)
 _BLOCK = 256
 
@@ -95,35 +96,35 @@ def _pairs(st: SetStructure) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def pair_matrix(H: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``H_s = (H_aa + H_bb) - (H_ab + H_ba)`` (``(m, m)``, exactly symmetric when H is), in blocks
-    of rows; contiguous halves (the per-atom simplex of two models: ``a = 0..m-1``, ``b = m..2m-1``)
-    are read as slices."""
+    """``H_s = (H_aa + H_bb) - (H_ab + H_ba)`` (``(m, m)``, exactly symmetric when H is: both sums
+    are of the same two numbers at ``(j, k)`` and ``(k, j)``), in blocks of :data:`_BLOCK` rows, so that
+    beyond ``H_s`` only a block's rows are held; contiguous halves (the per-atom simplex of two models:
+    ``a = 0..m-1``, ``b = m..2m-1``) are read as slices."""
     m = a.size
-    if np.array_equal(a, np.arange(m)) and np.array_equal(b, np.arange(m, 2 * m)):
-        out = H[:m, :m] + H[m:, m:]
-        cross = H[:m, m:] + H[m:, :m]
-        out -= cross
-        return out
+    halves = bool(np.array_equal(a, np.arange(m)) and np.array_equal(b, np.arange(m, 2 * m)))
     out = np.empty((m, m))
     for lo in range(0, m, _BLOCK):
-        rows_a = np.take(H, a[lo:lo + _BLOCK], axis=0)
-        rows_b = np.take(H, b[lo:lo + _BLOCK], axis=0)
-        same = np.take(rows_a, a, axis=1)
-        same += np.take(rows_b, b, axis=1)
-        cross = np.take(rows_a, b, axis=1)
-        cross += np.take(rows_b, a, axis=1)
-        np.subtract(same, cross, out=out[lo:lo + _BLOCK])
+        hi = min(lo + _BLOCK, m)
+        if halves:
+            rows_a, rows_b = H[lo:hi], H[m + lo:m + hi]
+            same = rows_a[:, :m] + rows_b[:, m:]
+            cross = rows_a[:, m:] + rows_b[:, :m]
+        else:
+            rows_a, rows_b = np.take(H, a[lo:hi], axis=0), np.take(H, b[lo:hi], axis=0)
+            same = np.take(rows_a, a, axis=1)
+            same += np.take(rows_b, b, axis=1)
+            cross = np.take(rows_a, b, axis=1)
+            cross += np.take(rows_b, a, axis=1)
+        np.subtract(same, cross, out=out[lo:hi])
     return out
 
 
 def pair_box(H: np.ndarray, g: np.ndarray, c: float, st: SetStructure) -> Paired | None:
     """The box QP of a set whose sum groups all have two coordinates (see the module doc), or
-    ``None`` where the set is not one (a group of one or of three or more, a ball, bounds only),
-    above :data:`PAIRS_MAX_N`, or where a pair's box is empty (an infeasible set) or unbounded (a
+    ``None`` where the set is not one (a group of one or of three or more, a ball, bounds only), or
+    where a pair's box is empty (an infeasible set) or unbounded (a
     user's sum without a lower bound): those stay with the engine."""
     n = g.shape[0]
-    if n > PAIRS_MAX_N:
-        return None
     found = _pairs(st)
     if found is None:
         return None

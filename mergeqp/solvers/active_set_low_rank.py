@@ -148,6 +148,11 @@ PDAS_STEPS = 40
 PROX_DECREASE = 4.0
 #: ... and rises by it after a stage whose active set did not converge, at most this many times
 PROX_FAILS = 8
+#: ... and at most this many times at one level of rho: a level that fails again after the stage
+#: above it settled is a barrier the schedule does not pass (stop 65: the stages went on alternating
+#: between a settled level and the failed one below it until PROX_FAILS ran out, 26 stages where 12-16
+#: gave the same point, 0.43-0.91x the time on the 3 of 40 random cells where it happened)
+LEVEL_FAILS = 1
 #: the structure found for an H array, kept with its values (:mod:`mergeqp.matrix_cache`)
 LOW_RANK_KEY = "active_set.low_rank"
 EPS = float(np.finfo(float).eps)
@@ -578,7 +583,8 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
     ``1/2 y'(sigma_s I + U U')y + h'y`` (``sigma_s = sigma + rho``, ``h = g - rho x``: J plus
     ``rho/2 |y - x|^2``) from the face of ``x`` and returns ``(y or None, face solves)``; ``rho`` from
     ``1e-2 eta`` down by :data:`PROX_DECREASE` per stage, each centred at the last stage's optimum,
-    up by it after a stage that fails (at most :data:`PROX_FAILS` times), the last stage on J. Without
+    up by it after a stage that fails (at most :data:`PROX_FAILS` times, :data:`LEVEL_FAILS` at one
+    ``rho``: a level that fails again ends the schedule), the last stage on J. Without
     a ridge the schedule ends at :data:`NO_RIDGE_RHO` (a proximal stage), or at a stage that fails
     once the gradient vanishes everywhere (:func:`_interpolating`), and where the failures run out
     the last converged stage's point is returned; that last stage is repeated, centred at its point,
@@ -589,6 +595,8 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
     failures ran out, or no stage converged) and what it did."""
     x = np.asarray(x0, dtype=np.float64)
     rho = 1e-2 * eta
+    level = 0  # rho = 1e-2 eta / PROX_DECREASE ** level
+    failed_at: dict[int, int] = {}
     stages = faces = fails = 0
     advanced = False  # a stage has converged (without a ridge its point is the fallback)
     repeats = 0
@@ -599,9 +607,12 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
         stages, faces = stages + 1, faces + k
         if y is None:
             fails += 1
-            if final or fails > PROX_FAILS or (lr.sigma == 0 and advanced and _interpolating(lr, g, x)):
+            failed_at[level] = failed_at.get(level, 0) + 1
+            if (final or fails > PROX_FAILS or failed_at[level] > LEVEL_FAILS
+                    or (lr.sigma == 0 and advanced and _interpolating(lr, g, x))):
                 break
             rho *= PROX_DECREASE  # back up: a larger proximal term
+            level -= 1
             continue
         if (final and lr.sigma == 0 and face_of is not None and repeats < NO_RIDGE_REPEATS
                 and not np.array_equal(face_of(x)[0], face_of(y)[0]) and not _interpolating(lr, g, y)):
@@ -611,6 +622,7 @@ def _proximal_stages(lr: RidgeLowRank, g: np.ndarray, x0: np.ndarray, eta: float
         if final:
             break
         rho /= PROX_DECREASE
+        level += 1
     info: dict[str, Any] = {"rank": lr.rank, "sigma": lr.sigma, "residual": lr.residual, "method": "proximal faces",
                             "stages": stages, "face_solves": faces, "stage_failures": fails,
                             "face_converged": y is not None}

@@ -467,3 +467,27 @@ def test_the_low_rank_families_are_a_ridge_plus_rank_c_n(name: str, method: str,
     assert sol.info["low_rank"]["method"] == method
     assert sol.certificate.certified(1e-8)
     assert sol.objective == pytest.approx(inst.objective, rel=1e-8)
+
+
+@pytest.mark.parametrize("sigma", [1e-12, 0.0])
+def test_a_level_that_fails_again_ends_the_proximal_stages(sigma: float) -> None:
+    """Stop 65: the schedule backs up after a failed stage, and a level of rho that fails a second
+    time ends it (before, it alternated between the settled level and the failed one below until
+    PROX_FAILS ran out). A scripted stage: levels 0, 1, 2 settle, 3 fails, 2 settles, 3 fails again."""
+    n = 6
+    lr = LR.RidgeLowRank(np.ones((n, 1)), sigma, 0.0)
+    calls: list[float] = []
+    point = np.full(n, 0.5)
+
+    def stage(lr_s: LR.RidgeLowRank, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray | None, int]:
+        calls.append(lr_s.sigma - sigma)
+        return (None, 3) if len(calls) in (4, 6, 8, 10) else (point.copy(), 2)
+
+    x, info = LR._proximal_stages(lr, np.zeros(n), point, 1.0, stage)
+    assert info["stages"] == 6 and info["stage_failures"] == 2 and len(calls) == 6
+    rho = [1e-2 / LR.PROX_DECREASE ** k for k in (0, 1, 2, 3, 2, 3)]
+    np.testing.assert_allclose(calls, rho, rtol=1e-12)
+    if sigma > 0:
+        assert x is None and info["failed"]
+    else:  # without a ridge the last settled stage's point is the path's result
+        np.testing.assert_array_equal(x, point)

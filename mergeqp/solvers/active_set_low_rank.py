@@ -30,7 +30,9 @@ structure gives a problem of ``r`` unknowns instead:
   reproduces the last stage's point on its free coordinates as far as ``U`` allows
   (:func:`_restart`), and a stage that does not settle within :data:`STAGE_STEPS` Newton steps is
   tried again from the last settled one with a smaller step down (:data:`RETRIES`).
-- **The face.** A primal-dual active set on ``sigma I + U U'`` (:func:`_face_pdas`) then starts from
+- **The face.** A primal-dual active set on ``sigma I + U U'`` (:func:`_face_pdas`: the engine's own
+  face bookkeeping and update, :mod:`.active_set_faces`, since stop 65 on every set; a copy of
+  its rule for bounds and sums was here before) then starts from
   the dual's point, each face solved by the Woodbury identity in ``O(|F| r^2)``: one face solve
   confirms a settled dual; where the stages did not settle it may still finish the job.
 - **Polish.** ``x(nu)`` and the Woodbury solves divide by ``sigma``, which costs digits
@@ -387,78 +389,30 @@ def _restart(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -
 
 
 # ---------------------------------------------------------------------- the face
-def _face_point(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, free: np.ndarray,
-                at_hi: np.ndarray) -> np.ndarray | None:
-    """The minimiser of ``J`` with ``H = sigma I + U U'`` on a face of a set of bounds and sums: the
-    fixed coordinates at their bounds (``at_hi`` at ``hi``, the others at ``lo``), the free ones
-    obeying their groups' sums (:func:`_affine_face_point`). ``None`` when the face's equations
-    cannot be met."""
-    x = np.where(at_hi, st.hi, st.lo)
-    x[free] = 0.0
-    if not np.all(np.isfinite(x)):
-        return None
-    return _affine_face_point(lr, g, free, x, _sum_equations(st))
-
-
-def _face_pdas(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray) -> tuple[np.ndarray | None, int]:
+def _face_pdas(lr: RidgeLowRank, g: np.ndarray, st: SetStructure, x: np.ndarray,
+               book: FaceBookkeeping | None = None) -> tuple[np.ndarray | None, int]:
     """Primal-dual active set (Hintermueller, Ito & Kunisch) on ``sigma I + U U'`` from the face of
-    the feasible ``x``, each face solved by :func:`_face_point`: a fixed coordinate is freed when its
-    multiplier (the gradient less its group's, on a sum) has the wrong sign, a free one fixed when
-    the face's minimiser leaves its bound. Returns the optimum (``None`` when a face repeats, cannot
-    be solved, or :data:`PDAS_STEPS` pass) and the face solves taken."""
-    U, sigma, lo, hi = lr.U, lr.sigma, st.lo, st.hi
-    at_lo, at_hi = x <= lo, x >= hi
-    free = ~(at_lo | at_hi)
-    seen: set[bytes] = set()
-    for step in range(1, PDAS_STEPS + 1):
-        seen.add(np.packbits(np.concatenate([at_lo, at_hi])).tobytes())
-        y = _face_point(lr, g, st, free, at_hi)
+    the feasible ``x``, with the engine's own face bookkeeping and update (``book``; by default a
+    :class:`_PathFaces` of ``st``: bounds, sums, an L1 ball's centre and signs), each face solved by
+    the Woodbury identity (:func:`_affine_face_point`). Returns the optimum, put exactly on the set
+    (``None`` when a face repeats, cannot be solved, its fixed point is off the set, or
+    :data:`PDAS_STEPS` pass) and the face solves taken."""
+    if book is None:
+        book = _PathFaces(st, x.size)
+    U, sigma = lr.U, lr.sigma
+    face, seen = book.identify(x), set()
+    for k in range(1, PDAS_STEPS + 1):
+        seen.add(face.key())
+        y = _affine_face_point(lr, g, face.status == FREE, book.fixed_values(face, x), book.equations(face))
         if y is None:
-            return None, step
-        grad = sigma * y + U @ (U.T @ y) + g
-        mu = grad
-        if st.group is not None:
-            assert st.totals is not None
-            G = st.totals.size
-            cnt = np.bincount(st.group[free], minlength=G)
-            mean = np.bincount(st.group[free], grad[free], minlength=G) / np.maximum(cnt, 1)
-            mu = grad - mean[st.group]  # a sum's multiplier is minus its free coordinates' gradient
-        new_lo = (free & (y < lo)) | (at_lo & (mu >= 0.0))
-        new_hi = (free & (y > hi)) | (at_hi & (mu <= 0.0))
-        if st.group is not None:
-            _free_one_per_unmet_group(st, new_lo, new_hi, mu)
-        if np.array_equal(new_lo, at_lo) and np.array_equal(new_hi, at_hi):
-            if bool(np.all(y >= lo)) and bool(np.all(y <= hi)):
-                return y, step
-            return None, step  # a fixed point of the rule that is not feasible: no optimum here
-        at_lo, at_hi = new_lo, new_hi
-        free = ~(at_lo | at_hi)
-        if np.packbits(np.concatenate([at_lo, at_hi])).tobytes() in seen:
-            return None, step
+            return None, k
+        new = book.update_face(face, y, sigma * y + U @ (U.T @ y) + g)
+        if new.key() == face.key():
+            return _on_set(st, y), k
+        if new.key() in seen:
+            return None, k
+        face = new
     return None, PDAS_STEPS
-
-
-def _free_one_per_unmet_group(st: SetStructure, at_lo: np.ndarray, at_hi: np.ndarray, mu: np.ndarray) -> None:
-    """In place: a group whose members are all fixed and whose sum is not met frees one member that
-    can move the right way (at its lower bound when the sum falls short, else at its upper), the one
-    with the smallest multiplier."""
-    assert st.group is not None and st.totals is not None
-    G = st.totals.size
-    fixed = at_lo | at_hi
-    none_free = np.bincount(st.group[~fixed], minlength=G) == 0
-    if not bool(np.any(none_free)):
-        return
-    value = np.where(at_hi, st.hi, st.lo)
-    short = st.totals - np.bincount(st.group, np.where(fixed, value, 0.0), minlength=G)
-    unmet = none_free & (np.abs(short) > 1e-12 * (1.0 + np.abs(st.totals)))
-    if not bool(np.any(unmet)):
-        return
-    movable = np.where(short[st.group] > 0, at_lo, at_hi) & unmet[st.group]
-    score = np.where(movable, np.abs(mu), np.inf)
-    order = np.lexsort((score, st.group))
-    first = order[np.searchsorted(st.group[order], np.flatnonzero(unmet))]
-    first = first[np.isfinite(score[first])]
-    at_lo[first] = at_hi[first] = False
 
 
 def _polish(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, F: np.ndarray,
@@ -655,9 +609,10 @@ def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLow
     return (None if x is None else _finish(H, g, lr, st, x)), info
 
 
-class _BallFaces(FaceBookkeeping):
-    """The engine's face bookkeeping (:mod:`.active_set_faces`: faces with an L1 ball's centre and
-    signs, its primal-dual update) without the engine, for the proximal faces on an L1 ball."""
+class _PathFaces(FaceBookkeeping):
+    """The engine's face bookkeeping (:mod:`.active_set_faces`: faces of bounds, sums and an L1
+    ball's centre and signs, the primal-dual update) without the engine, for the path's face active
+    set (:func:`_face_pdas`)."""
 
     def __init__(self, st: SetStructure, n: int):
         self.st, self.n = st, n
@@ -709,23 +664,11 @@ def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.
 def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
                          eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
     """:func:`_proximal_faces` on a set with an L1 ball: the engine's own face update
-    (:class:`_BallFaces`) with Woodbury face solves (:func:`_affine_face_point`)."""
-    book = _BallFaces(st, H.shape[0])
+    (:class:`_PathFaces`) with Woodbury face solves (:func:`_affine_face_point`)."""
+    book = _PathFaces(st, H.shape[0])
 
     def stage(lr_s: RidgeLowRank, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray | None, int]:
-        face, seen = book.identify(x), set()
-        for k in range(1, PDAS_STEPS + 1):
-            seen.add(face.key())
-            xf = _affine_face_point(lr_s, h, face.status == FREE, book.fixed_values(face, x), book.equations(face))
-            if xf is None:
-                return None, k
-            new = book.update_face(face, xf, lr_s.sigma * xf + lr.U @ (lr.U.T @ xf) + h)
-            if new.key() == face.key():
-                return _on_set(st, xf), k
-            if new.key() in seen:
-                return None, k
-            face = new
-        return None, PDAS_STEPS
+        return _face_pdas(lr_s, h, st, x, book)
 
     x, info = _proximal_stages(lr, g, x0, eta, stage, lambda y: _ball_face(book, y))
     if x is None:
@@ -733,7 +676,7 @@ def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     return _finish(H, g, lr, st, x, lambda y: _ball_face(book, y)), info
 
 
-def _ball_face(book: _BallFaces, y: np.ndarray) -> Face:
+def _ball_face(book: _PathFaces, y: np.ndarray) -> Face:
     """The face of ``y`` on a set with an L1 ball: its free coordinates and its equations (the
     active ball's)."""
     face = book.identify(y)

@@ -278,6 +278,9 @@ for _fam in (
                    description="box [0,1], 60% at a bound, H of rank c N = 336 (n / 9 at n = 3072) plus a weak ridge"),
     InstanceFamily("l1_midrank", 4, 768, "l1", 0.6, cond=float("inf"), c=4, N=84,
                    description="L1 ball, 60% of coordinates at 0, H of rank 336 (n / 9 at n = 3072), no ridge"),
+    InstanceFamily("simplex_pair", 2, 1536, "simplex", 0.8, cond=1e8, c=4, N=100,
+                   description="per-atom simplex of two models (a merge of two fine-tunes), 80% of entries at 0, "
+                               "rank c N = 400 plus a weak ridge (cond 1e8)"),
     InstanceFamily("box_llama", 3, 4096, "box", 0.8,
                    description="box [0,1], 3 x 4096 (n = 12288, a Llama down_proj), 80% at a bound, cond 1e6"),
     InstanceFamily("sign", 4, 768, "sign", 0.0, description="box [0,1] and TIES sign consensus (no planted optimum)"),

@@ -24,7 +24,8 @@ from mergeqp.solvers.registry import solve
 
 def psd(rng: np.random.Generator, n: int, rank: int | None = None) -> np.ndarray:
     B = rng.standard_normal((n, rank or n + 3))
-    return B @ B.T / n
+    H = B @ B.T / n
+    return 0.5 * (H + H.T)  # exactly symmetric, whatever the BLAS
 
 
 def structure(problem: MergeQP, cset) -> SetStructure:
@@ -201,3 +202,23 @@ def test_the_two_model_family_takes_the_box_and_reaches_its_planted_optimum() ->
     np.testing.assert_allclose(sol.d, inst.d_star, atol=1e-6)
     off = solve(inst.problem, inst.constraints, solver="active_set", pairs="off")
     assert "paired" not in off.info and off.objective == pytest.approx(sol.objective, rel=1e-10)
+
+
+@pytest.mark.parametrize("scattered", [False, True])
+def test_the_pair_matrix_over_several_blocks_of_rows(scattered: bool) -> None:
+    """``pair_matrix`` forms ``H_s`` in blocks of rows: with more pairs than one block holds it is
+    still ``P'HP`` and exactly symmetric, for the two halves (slices) and for scattered pairs."""
+    rng = np.random.default_rng(9)
+    m = PR._BLOCK + 44
+    n = 2 * m
+    H = psd(rng, n, 40)
+    idx = rng.permutation(n) if scattered else np.arange(n)
+    a, b = np.sort(idx[:m]), np.sort(idx[m:])
+    if not scattered:
+        assert np.array_equal(a, np.arange(m)) and np.array_equal(b, np.arange(m, n))
+    Hs = PR.pair_matrix(H, a, b)
+    P = np.zeros((n, m))
+    P[a, np.arange(m)] = 1.0
+    P[b, np.arange(m)] = -1.0
+    np.testing.assert_array_equal(Hs, Hs.T)
+    np.testing.assert_allclose(Hs, P.T @ H @ P, rtol=1e-12, atol=1e-12)

@@ -89,7 +89,7 @@ from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, rank_limit, ridge_low_rank, solve_ridge_low_rank
-from .active_set_pairs import pair_box
+from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
@@ -625,12 +625,22 @@ class ActiveSetSolver(QPSolver):
     #: float32 copy of H and up to three float32 blocks of the free variables (measured: 1.05 H
     #: at n = 12288; docs/solvers.md)
     AUTO_MEMORY_FACTOR = 2.0
+    #: ... and for a set of pairs (:mod:`.active_set_pairs`), solved as a box of n / 2: ``H_s`` (a
+    #: quarter of H), its float32 copy (an eighth) and the free blocks of n / 2 (measured: 0.53 H at
+    #: n = 12288, docs/solvers.md stop 65)
+    AUTO_MEMORY_FACTOR_PAIRS = 1.0
 
     def auto_declines(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:
-        """Beyond :attr:`auto_max_n` variables, decline when the work arrays would not fit in the
-        machine's available memory (or it is unknown): ``auto`` then takes the matrix-free
-        torch_fista, which needs no copy of H but thousands of products with it."""
-        why = work_arrays_decline(problem.n, self.auto_max_n, self.AUTO_MEMORY_FACTOR)
+        """Beyond :attr:`auto_max_n` variables, decline when the work arrays (:attr:`AUTO_MEMORY_FACTOR`
+        times H, :attr:`AUTO_MEMORY_FACTOR_PAIRS` on a set of pairs) would not fit in the machine's
+        available memory (or it is unknown): ``auto`` then takes the matrix-free torch_fista, which
+        needs no copy of H but thousands of products with it."""
+        factor = self.AUTO_MEMORY_FACTOR
+        if problem.n > self.auto_max_n:
+            st = set_structure(constraints, problem.shape)
+            if not isinstance(st, str) and pairs_apply(st):
+                factor = self.AUTO_MEMORY_FACTOR_PAIRS
+        why = work_arrays_decline(problem.n, self.auto_max_n, factor)
         return None if why is None else f"{why}; auto prefers the matrix-free torch_fista"
 
     def supports(self, problem: MergeQP, constraints: ConstraintSet) -> str | None:

@@ -39,7 +39,7 @@ from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
 from .active_set_presolve import ReducedQP
 
-__all__ = ["Paired", "pair_box", "pair_matrix", "PAIRS_KEY", "PAIRS_SHARE_MAX_N"]
+__all__ = ["Paired", "pair_box", "pair_matrix", "pairs_apply", "PAIRS_KEY", "PAIRS_SHARE_MAX_N"]
 
 #: ``H_s`` kept with the values of H (:mod:`mergeqp.matrix_cache`), so that the solves of a sequence
 #: on one H array (a warm-started sequence, a sweep over ``g``) share it and the engine's own values
@@ -95,6 +95,28 @@ def _pairs(st: SetStructure) -> tuple[np.ndarray, np.ndarray] | None:
     return np.ascontiguousarray(order[:, 0]), np.ascontiguousarray(order[:, 1])
 
 
+def _pair_box_bounds(st: SetStructure) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """``(a, b, T, lo, hi)``: the pairs, their totals and the box of ``s = x_a``, or ``None`` where the
+    set is not pairs or a pair's box is empty or unbounded (see :func:`pair_box`)."""
+    found = _pairs(st)
+    if found is None:
+        return None
+    a, b = found
+    assert st.totals is not None and st.group is not None
+    T = np.asarray(st.totals, dtype=np.float64)[st.group[a]]
+    lo = np.maximum(st.lo[a], T - st.hi[b])
+    hi = np.minimum(st.hi[a], T - st.lo[b])
+    if not (bool(np.all(lo <= hi)) and bool(np.all(np.isfinite(lo))) and bool(np.all(np.isfinite(hi)))):
+        return None  # (an unbounded pair stays with the engine, whose unboundedness checks see the sums)
+    return a, b, T, lo, hi
+
+
+def pairs_apply(st: SetStructure) -> bool:
+    """Whether :func:`pair_box` reduces a problem on the set ``st`` (for ``auto``'s memory rule:
+    the reduced solve holds a quarter of H and its float32 copy instead of a float32 copy of H)."""
+    return _pair_box_bounds(st) is not None
+
+
 def pair_matrix(H: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``H_s = (H_aa + H_bb) - (H_ab + H_ba)`` (``(m, m)``, exactly symmetric when H is: both sums
     are of the same two numbers at ``(j, k)`` and ``(k, j)``), in blocks of :data:`_BLOCK` rows, so that
@@ -125,16 +147,10 @@ def pair_box(H: np.ndarray, g: np.ndarray, c: float, st: SetStructure) -> Paired
     where a pair's box is empty (an infeasible set) or unbounded (a
     user's sum without a lower bound): those stay with the engine."""
     n = g.shape[0]
-    found = _pairs(st)
+    found = _pair_box_bounds(st)
     if found is None:
         return None
-    a, b = found
-    assert st.totals is not None and st.group is not None
-    T = np.asarray(st.totals, dtype=np.float64)[st.group[a]]
-    lo = np.maximum(st.lo[a], T - st.hi[b])
-    hi = np.minimum(st.hi[a], T - st.lo[b])
-    if not (bool(np.all(lo <= hi)) and bool(np.all(np.isfinite(lo))) and bool(np.all(np.isfinite(hi)))):
-        return None  # (an unbounded pair stays with the engine, whose unboundedness checks see the sums)
+    a, b, T, lo, hi = found
     shared = matrix_values(H) if n <= PAIRS_SHARE_MAX_N else None
     cached = None if shared is None else shared.get(PAIRS_KEY)
     if cached is not None and np.array_equal(cached[0], a) and np.array_equal(cached[1], b):

@@ -222,3 +222,22 @@ def test_the_pair_matrix_over_several_blocks_of_rows(scattered: bool) -> None:
     P[b, np.arange(m)] = -1.0
     np.testing.assert_array_equal(Hs, Hs.T)
     np.testing.assert_allclose(Hs, P.T @ H @ P, rtol=1e-12, atol=1e-12)
+
+
+def test_auto_reserves_less_memory_for_a_set_of_pairs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beyond ``auto_max_n`` ``auto`` keeps active_set while its work arrays fit: 2 H in general,
+    1 H on a set of pairs (a box of n / 2: ``H_s`` and its float32 copy instead of a float32 H)."""
+    from mergeqp.solvers import base as solver_base
+    from mergeqp.solvers.registry import SOLVERS, choose_solver
+
+    monkeypatch.setattr(type(SOLVERS["active_set"]), "auto_max_n", 5)
+    rng = np.random.default_rng(2)
+    pair = MergeQP(psd(rng, 12), rng.standard_normal(12), 0.0, shape=(2, 6))
+    three = MergeQP(psd(rng, 12), rng.standard_normal(12), 0.0, shape=(3, 4))
+    one_h = 8 * 12 ** 2
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: 1.5 * one_h)
+    assert choose_solver(pair, Simplex()).name == "active_set"
+    assert choose_solver(three, Simplex()).name == "torch_fista"
+    assert choose_solver(pair, Box(0.0, 1.0)).name == "torch_fista"  # a box of n: its 2 H
+    monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: 0.5 * one_h)
+    assert "work arrays need up to" in SOLVERS["active_set"].auto_declines(pair, Simplex())

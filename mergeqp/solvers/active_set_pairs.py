@@ -144,8 +144,8 @@ def pair_matrix(H: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def pair_box(H: np.ndarray, g: np.ndarray, c: float, st: SetStructure) -> Paired | None:
     """The box QP of a set whose sum groups all have two coordinates (see the module doc), or
     ``None`` where the set is not one (a group of one or of three or more, a ball, bounds only), or
-    where a pair's box is empty (an infeasible set) or unbounded (a
-    user's sum without a lower bound): those stay with the engine."""
+    where a pair's box is empty (an infeasible set) or unbounded (a user's sum without a lower
+    bound): those stay with the engine."""
     n = g.shape[0]
     found = _pair_box_bounds(st)
     if found is None:
@@ -162,9 +162,10 @@ def pair_box(H: np.ndarray, g: np.ndarray, c: float, st: SetStructure) -> Paired
             shared[PAIRS_KEY] = (a, b, Hs)
     q = np.zeros(n)
     q[b] = T
-    grad_q = H @ q + g
+    Hq = H @ q
+    grad_q = Hq + g
     gs = np.ascontiguousarray(grad_q[a] - grad_q[b])
-    cs = float(0.5 * (q @ (grad_q - g)) + g @ q + c)
+    cs = float(0.5 * (q @ Hq) + g @ q + c)
     m = a.size
     box = SetStructure(np.ascontiguousarray(lo), np.ascontiguousarray(hi))
     # (shape (2, m): the engine's default start 1/K is then 1/2, the middle of a pair summing to 1)

@@ -241,3 +241,27 @@ def test_auto_reserves_less_memory_for_a_set_of_pairs(monkeypatch: pytest.Monkey
     assert choose_solver(pair, Box(0.0, 1.0)).name == "torch_fista"  # a box of n: its 2 H
     monkeypatch.setattr(solver_base, "available_memory_bytes", lambda: 0.5 * one_h)
     assert "work arrays need up to" in SOLVERS["active_set"].auto_declines(pair, Simplex())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), m=st.integers(1, 20), pinned=st.booleans())
+def test_property_pairs_with_bounds_of_their_own(seed: int, m: int, pinned: bool) -> None:
+    """Per-coordinate bounds (a box of arrays intersected with the per-atom simplex of two models),
+    some pairs pinned to one point (``lo = hi`` on one side): the pair's box is computed per pair, and
+    the solve through it is certified, in the set, and no worse than Clarabel's."""
+    rng = np.random.default_rng(seed)
+    n = 2 * m
+    lo = rng.uniform(0.0, 0.4, (2, m))
+    hi = lo + rng.uniform(0.0, 1.2, (2, m))
+    if pinned:
+        hi[0, : max(1, m // 3)] = lo[0, : max(1, m // 3)]
+    hi[1] = np.maximum(hi[1], 1.0 - hi[0] + 0.01)  # every pair feasible: lo_a + lo_b <= 1 <= hi_a + hi_b
+    cset = intersect([Box(lo, hi), Simplex()])
+    problem = MergeQP(psd(rng, n, max(1, n // 2)), rng.standard_normal(n), 0.0, shape=(2, m))
+    sol = solve(problem, cset, solver="active_set")
+    assert sol.info["paired"] == m
+    assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor
+    assert np.all(sol.d >= lo - 1e-12) and np.all(sol.d <= hi + 1e-12)
+    np.testing.assert_allclose(sol.d.sum(axis=0), 1.0, atol=1e-12)
+    ref = solve(problem, cset, solver="clarabel")
+    assert sol.objective <= ref.objective + 1e-7 * max(1.0, abs(ref.objective))

@@ -77,9 +77,10 @@ uncertified on some of them.
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
 it (its face as the first guess). So the path never changes what is certified, only how fast.
-On an L1 ball (alone or with a box) the proximal faces use the engine's own face bookkeeping
-(:mod:`.active_set_faces`: centres, signs, the ball's activation and release) with the same
-Woodbury face solves (:func:`_ball_proximal_faces`).
+On an L1 ball (alone or with a box) the proximal faces run as on sums (:func:`_proximal_faces`):
+the engine's own face bookkeeping (:mod:`.active_set_faces`: centres, signs, the ball's activation
+and release), which since stop 65 every set's face active set uses, with the same Woodbury face
+solves.
 """
 
 from __future__ import annotations
@@ -443,7 +444,7 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     """The path (module doc) from the feasible start ``x0``; ``eta`` = ``max diag H``: the dual on
     bounds only (:func:`_dual`), the proximal faces on sum groups (:func:`_proximal_faces`; without a
     ridge, the dual where no stage of theirs converged; on bounds the proximal faces where the dual
-    reached no optimum) and on an L1 ball (:func:`_ball_proximal_faces`). Returns the polished point
+    reached no optimum) and on an L1 ball (:func:`_proximal_faces` too). Returns the polished point
     (``None`` where it reached no optimum) and what it did (``info["method"]``).
 
     :mod:`.active_set` passes ``1/K`` projected even for a warm-started solve: tried as the face
@@ -452,7 +453,7 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
     oscillated between faces of 100 and 1,000 free coordinates without converging; as the first
     stage's centre it cost 1.3-1.5x the Newton steps of ``1/K``."""
     if st.center is not None:
-        return _ball_proximal_faces(H, g, st, lr, x0, eta)
+        return _proximal_faces(H, g, st, lr, x0, eta)
     first, second = (_dual, _proximal_faces) if st.group is None else (_proximal_faces, _dual)
     x, info = first(H, g, st, lr, x0, eta)
     if x is None and (lr.sigma == 0 or st.group is None):
@@ -610,13 +611,17 @@ def _interpolating(lr: RidgeLowRank, g: np.ndarray, x: np.ndarray) -> bool:
 
 def _proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
                     eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """Sets with sum groups: the face active set (:func:`_face_pdas`) on the proximal problems
-    (:func:`_proximal_stages`), each a ridge ``sigma + rho`` plus ``U U'`` whose faces the Woodbury
-    identity solves; then the polish. Returns the point (``None`` where the stages failed) and what
-    it did."""
-    x, info = _proximal_stages(lr, g, x0, eta, lambda lr_s, h, xc: _face_pdas(lr_s, h, st, xc),
-                               lambda y: _bounds_face(st, y))
-    return (None if x is None else _finish(H, g, lr, st, x)), info
+    """Sets with sum groups, boxes whose dual failed, and sets with an L1 ball: the face active set
+    (:func:`_face_pdas`, the engine's own face update with Woodbury face solves) on the proximal
+    problems (:func:`_proximal_stages`), each a ridge ``sigma + rho`` plus ``U U'``; then the polish
+    on the last face (its free coordinates and sums, :func:`_bounds_face`, or with an L1 ball the
+    active ball's equation, :func:`_ball_face`). Returns the point (``None`` where the stages failed)
+    and what it did."""
+    book = _PathFaces(st, H.shape[0])
+    face_of: Callable[[np.ndarray], Face] = (
+        (lambda y: _ball_face(book, y)) if st.center is not None else (lambda y: _bounds_face(st, y)))
+    x, info = _proximal_stages(lr, g, x0, eta, lambda lr_s, h, xc: _face_pdas(lr_s, h, st, xc, book), face_of)
+    return (None if x is None else _finish(H, g, lr, st, x, face_of)), info
 
 
 class _PathFaces(FaceBookkeeping):
@@ -669,21 +674,6 @@ def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.
         return None
     y[F] = xp + null(rhs - V @ sla.cho_solve(cf, V.T @ rhs)) / sigma  # (null again: the equations' rounding)
     return y
-
-
-def _ball_proximal_faces(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
-                         eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """:func:`_proximal_faces` on a set with an L1 ball: the engine's own face update
-    (:class:`_PathFaces`) with Woodbury face solves (:func:`_affine_face_point`)."""
-    book = _PathFaces(st, H.shape[0])
-
-    def stage(lr_s: RidgeLowRank, h: np.ndarray, x: np.ndarray) -> tuple[np.ndarray | None, int]:
-        return _face_pdas(lr_s, h, st, x, book)
-
-    x, info = _proximal_stages(lr, g, x0, eta, stage, lambda y: _ball_face(book, y))
-    if x is None:
-        return None, info
-    return _finish(H, g, lr, st, x, lambda y: _ball_face(book, y)), info
 
 
 def _ball_face(book: _PathFaces, y: np.ndarray) -> Face:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -340,27 +340,32 @@ def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
     return (not cert.feasible, not _settled(sol, rel_tol), cert.fw_gap)
 
 
-def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> tuple[list[str], list[str]]:
-    """The solvers ``auto`` tries after ``first_name``: ``(ranked, last)``. ``ranked``: those whose
-    :meth:`~mergeqp.solvers.base.QPSolver.auto_fallback` ranks them for this problem, in increasing
-    rank (registration order among equals), where available and supporting it (tried even where they
-    decline ``auto``: they take every set they support); ``last``: up to
-    :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` variables, every other registered solver that
-    is available, takes the problem and set and does not decline ``auto``, in registration order (a
-    user's solver for a set the fallbacks cannot take is tried too; these only while no point inside
-    the set was found)."""
+def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
+    """The solvers that rank themselves ``auto``'s fallbacks after ``first_name`` (their
+    :meth:`~mergeqp.solvers.base.QPSolver.auto_fallback` gives a number for this problem), in
+    increasing rank (registration order among equals), where available and supporting it (tried
+    even where they decline ``auto``: they take every set they support)."""
     ranked: list[tuple[float, int, str]] = []
-    last: list[str] = []
     for i, (name, solver) in enumerate(SOLVERS.items()):
         if name == first_name:
             continue
         rank = _fallback_rank(solver, problem, cset)
-        if rank is not None:
-            if _passes_over(solver, problem, cset, auto=False) is None:
-                ranked.append((rank, i, name))
-        elif problem.n <= base.AUTO_FALLBACK_MAX_N and _passes_over(solver, problem, cset) is None:
-            last.append(name)
-    return [name for _, _, name in sorted(ranked)], last
+        if rank is not None and _passes_over(solver, problem, cset, auto=False) is None:
+            ranked.append((rank, i, name))
+    return [name for _, _, name in sorted(ranked)]
+
+
+def _last_resort(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
+    """Up to :data:`~mergeqp.solvers.base.AUTO_FALLBACK_MAX_N` variables, every registered solver
+    other than ``first_name`` that ranks itself no fallback here, is available, takes the problem
+    and set and does not decline ``auto``, in registration order (a user's solver for a set the
+    fallbacks cannot take is tried too). Asked only when no solver found a point inside the set:
+    an availability check can be an import (CVXPY's took 0.8 s), paid only where these run."""
+    if problem.n > base.AUTO_FALLBACK_MAX_N:
+        return []
+    return [name for name, solver in SOLVERS.items()
+            if name != first_name and _fallback_rank(solver, problem, cset) is None
+            and _passes_over(solver, problem, cset) is None]
 
 
 def _fallback_rank(solver: QPSolver, problem: MergeQP, cset: ConstraintSet) -> float | None:
@@ -398,7 +403,8 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                    checked: bool = False) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try the solvers that rank
     themselves its fallbacks for this problem, then the other registered solvers that take the
-    problem and set (:func:`_fallback_order`) until one settles, and keep the best certificate;
+    problem and set where no point inside the set was found (:func:`_fallback_order`,
+    :func:`_last_resort`) until one settles, and keep the best certificate;
     ``info["auto_tried"]`` and a certificate note record what was tried."""
     tried: list[dict[str, Any]] = []
     candidates: list[Solution] = []
@@ -409,10 +415,18 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                       "certified": first.certificate.certified(rel_tol)})
     else:
         tried.append({"solver": first_name, "error": str(error)})
-    ranked, last = _fallback_order(problem, cset, first_name)
-    for name in [*ranked, *last]:
-        if name in last and any(c.certificate.feasible for c in candidates if c.certificate):
-            break  # the other solvers are the last resort for a point inside the set
+    def inside() -> bool:
+        return any(c.certificate.feasible for c in candidates if c.certificate)
+
+    def order() -> Iterator[str]:
+        yield from _fallback_order(problem, cset, first_name)
+        # the other solvers are the last resort for a point inside the set (asked only then)
+        for name in ([] if inside() else _last_resort(problem, cset, first_name)):
+            if inside():
+                return
+            yield name
+
+    for name in order():
         alt = SOLVERS[name]
         try:
             sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)

@@ -528,6 +528,53 @@ def test_a_users_solver_ranks_itself_among_autos_fallbacks(random_psd_problem, m
     assert sol.solver == expected[-1] and sol.certificate.certified()
 
 
+@pytest.mark.parametrize("fallbacks_fail", [False, True])
+def test_autos_last_resort_is_asked_only_when_no_point_inside_the_set_was_found(
+        random_psd_problem, monkeypatch, fallbacks_fail: bool) -> None:
+    """(stop 66) ``auto`` asked every registered solver whether it was available before its first
+    fallback ran, and CVXPY's check is an import (0.8 s of a 0.35 s fallback to dense_ipm on an
+    n = 768 L1 QP, in a fresh process). The last-resort solvers (no rank) are now asked only where
+    the ranked fallbacks found no point inside the set; then they run, in registration order."""
+    from mergeqp.solvers import register_solver
+    from mergeqp.solvers.base import QPSolver
+    from mergeqp.solvers.clarabel_solver import ClarabelSolver
+
+    asked: list[str] = []
+
+    class LastResort(QPSolver):
+        name = "user_last_resort"
+
+        def available(self):
+            asked.append("available")
+            return None
+
+        def supports(self, problem, constraints):
+            return None
+
+        def solve(self, problem, constraints, x0=None, **options):
+            return ClarabelSolver().solve(problem, constraints, x0)  # (the registered one may be broken)
+
+    def raises(problem, constraints, x0=None, **options):
+        raise SolverError("injected")
+
+    problem = random_psd_problem(np.random.default_rng(0), 3, 6, 18)
+    _broken_active_set(monkeypatch, "raise")
+    if fallbacks_fail:  # every registered solver fails
+        for solver in SOLVERS.values():
+            monkeypatch.setattr(solver, "solve", raises)
+    register_solver(LastResort())
+    try:
+        sol = solve(problem, Box(0.0, 1.0))
+    finally:
+        SOLVERS.pop("user_last_resort", None)
+    tried = [t["solver"] for t in sol.info["auto_tried"]]
+    if fallbacks_fail:
+        assert asked and tried[-1] == "user_last_resort" and sol.certificate.certified()
+        assert {"dense_ipm", "clarabel"} <= set(tried)
+    else:
+        assert tried == ["active_set", "clarabel"] and asked == []
+
+
 def test_auto_searches_for_a_ray_once_when_its_first_solvers_claim_was_refuted(monkeypatch) -> None:
     """A solver's unbounded claim that its own ray refutes already ran the search from H and g (an
     eigendecomposition); auto's fallback answer, still without a bound, is not searched again."""

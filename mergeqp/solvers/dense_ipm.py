@@ -96,7 +96,7 @@ from ..solution import SolveStatus
 from . import base
 from .base import QPSolver, RawResult, objective_sizes, unit_scaled, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from .ipm_linalg import HostLinalg, reduced_hessian
+from .ipm_linalg import HostLinalg, _unit_scaling, reduced_hessian
 from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -111,6 +111,11 @@ RIDGES = {"float32": (0.0, 1e-7, 1e-6, 1e-5), "float64": (0.0, 1e-14, 1e-12, 1e-
 ELIMINATE_MAX_SUPPORT = 64
 #: rows on many auxiliary variables (the L1 ball's sum) that :class:`_AuxBlock` takes by Woodbury
 AUX_MAX_DENSE = 16
+#: sparse rows on one auxiliary variable that :class:`_AuxBlock` takes (the L1 ball has two)
+AUX_MAX_ROWS = 8
+#: a float32 factor whose first refined solve leaves a residual above this fraction of the
+#: right-hand side is given up for float64 (:meth:`_Ipm._checked32`)
+FLOAT32_GUARD = 1e-4
 #: proximal weight (relative to max diag H) of a crossover face on which H is singular
 FACE_PROX = 1e-10
 #: primal-dual corrections of a crossover's face guess before it is given up
@@ -355,7 +360,17 @@ class _AuxBlock:
     comes from the sparse rows only. Then ``M_tt^-1 = D^-1 - V K^-1 V'`` (Woodbury, ``V =
     D^-1 U' W_d^1/2``, ``K = I + W_d^1/2 U D^-1 U' W_d^1/2``) and only the Schur complement
     ``S = M_xx - G M_tt^-1 G'`` (``n x n``: ``M_xx``, a sparse ``G D^-1 G'`` and a rank-``d``
-    term) is factorised, instead of the lifted ``2n x 2n`` M whose auxiliary block is H's zeros."""
+    term) is factorised, instead of the lifted ``2n x 2n`` M whose auxiliary block is H's zeros.
+
+    The sparse part ``A_x'W A_x - G D^-1 G'`` is formed without subtracting (:meth:`sparse_part`):
+    per auxiliary ``j`` with rows ``r`` (x part ``a_r``, coefficient ``b_r`` on ``t_j``) and the
+    rest of its diagonal ``e_j`` (``D_j = e_j + sum_r w_r b_r^2``), by Lagrange's identity
+    ``sum_r w_r a_r a_r' - (sum_r w_r b_r a_r)(...)' / D_j = (e_j sum_r w_r a_r a_r' + sum_{r<s} w_r
+    w_s (b_s a_r - b_r a_s)(...)') / D_j``, a sum of positive terms. Subtracted, the two sides of
+    a coordinate at the L1 ball's centre (both rows active, weights 1e8 and beyond) cancel to an
+    absolute error of ``eps w``, which can exceed H's smallest eigenvalues under a weak ridge
+    (stop 66: with the ball's sum row rotated, :meth:`_Ipm.aux_matrix`, 45 of 48 random L1 QPs
+    certified with the subtraction, 48 without it)."""
 
     nx: int
     sparse_rows: np.ndarray
@@ -363,6 +378,14 @@ class _AuxBlock:
     Ax_s: sp.csr_matrix  # the sparse rows' x and t columns
     At_s: sp.csr_matrix
     U: np.ndarray  # (d, n_aux): the dense rows' t columns
+    #: each sparse row's auxiliary (-1: none) and its coefficient there
+    row_aux: np.ndarray
+    row_b: np.ndarray
+    #: the pairs of sparse rows on one auxiliary (indices into the sparse rows) and, one row per
+    #: pair, ``b_s a_r - b_r a_s`` (x columns)
+    pair_r: np.ndarray
+    pair_s: np.ndarray
+    P: sp.csr_matrix
 
     @classmethod
     def detect(cls, F: _Form) -> _AuxBlock | None:
@@ -376,7 +399,45 @@ class _AuxBlock:
         if dense.size > AUX_MAX_DENSE or np.any(np.diff(Ax.indptr)[dense] > 0):
             return None  # (the general normal matrix)
         sparse_rows = np.flatnonzero(aux_per_row <= 1)
-        return cls(nx, sparse_rows, dense, Ax[sparse_rows], At[sparse_rows], At[dense].toarray())
+        Ax_s, At_s = Ax[sparse_rows], At[sparse_rows]
+        has = np.diff(At_s.indptr) > 0
+        row_aux = np.full(sparse_rows.size, -1)
+        row_b = np.zeros(sparse_rows.size)
+        row_aux[has] = At_s.indices[At_s.indptr[:-1][has]]
+        row_b[has] = At_s.data[At_s.indptr[:-1][has]]
+        # the pairs of rows on one auxiliary (the L1 ball's two sides of |x_i - c_i| <= t_i)
+        on = np.flatnonzero(row_aux >= 0)
+        order = on[np.argsort(row_aux[on], kind="stable")]
+        counts = np.bincount(row_aux[on], minlength=F.n_aux)
+        if counts.max(initial=0) > AUX_MAX_ROWS:
+            return None  # (many rows on one auxiliary: the general normal matrix)
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        pr: list[np.ndarray] = []
+        ps: list[np.ndarray] = []
+        for c in range(2, int(counts.max(initial=0)) + 1):
+            groups = np.flatnonzero(counts == c)
+            if groups.size == 0:
+                continue
+            rows = order[starts[groups][:, None] + np.arange(c)[None, :]]  # (groups, c)
+            i, j = np.triu_indices(c, 1)
+            pr.append(rows[:, i].ravel())
+            ps.append(rows[:, j].ravel())
+        pair_r = np.concatenate(pr) if pr else np.zeros(0, dtype=np.intp)
+        pair_s = np.concatenate(ps) if ps else np.zeros(0, dtype=np.intp)
+        P = (sp.diags(row_b[pair_s]) @ Ax_s[pair_r] - sp.diags(row_b[pair_r]) @ Ax_s[pair_s]).tocsr()
+        return cls(nx, sparse_rows, dense, Ax_s, At_s, At[dense].toarray(), row_aux, row_b, pair_r, pair_s, P)
+
+    def sparse_part(self, ws: np.ndarray, D: np.ndarray, e: np.ndarray) -> sp.coo_matrix:
+        """``A_x'W A_x - G D^-1 G'`` of the sparse rows (weights ``ws``), a sum of positive terms
+        (see the class doc; ``e``: the auxiliaries' diagonals without their sparse rows)."""
+        aux = self.row_aux
+        on = aux >= 0
+        c_row = ws.copy()
+        c_row[on] = ws[on] * e[aux[on]] / D[aux[on]]
+        c_pair = ws[self.pair_r] * ws[self.pair_s] / D[aux[self.pair_r]]
+        out = (self.Ax_s.T @ sp.diags(c_row) @ self.Ax_s + self.P.T @ sp.diags(c_pair) @ self.P).tocoo()
+        out.sum_duplicates()
+        return out
 
 
 @dataclass
@@ -428,6 +489,9 @@ class _Ipm:
         F = self.F
         self.eta = self.la.max_abs_diagonal() or 1.0
         self.float32_ok = True
+        #: float32 factors given up after their first solve (:meth:`_checked32`)
+        self.float32_rejected = 0
+        self._hd: np.ndarray | None = None
         #: index into :data:`RIDGES` of the ridge that last gave a factorisation, per dtype
         self._ridge_level: dict[str, int] = {}
         self.factorisations = {"float32": 0, "float64": 0}
@@ -446,44 +510,92 @@ class _Ipm:
     def _aux_parts(self, w: np.ndarray) -> tuple[Any, ...]:
         """The pieces of :class:`_AuxBlock`'s elimination at weights ``w``: ``D``, ``G`` (sparse,
         ``nx x n_aux``), ``V`` and the Cholesky factor of ``K`` (``None`` without dense rows), the
-        sparse rows' weights and the diagonal ``dw`` of the bounds (plus ``delta``)."""
+        sparse rows' weights, the diagonal ``dw`` of the bounds (plus ``delta``), the sparse rows'
+        part of the Schur complement (:meth:`_AuxBlock.sparse_part`) and, for the dense rows' term
+        ``Z Z'`` (``Z = G V Lk^-T``), the scaling ``dz`` of S to a unit diagonal and the Householder
+        rotation that takes ``dz Z`` to ``[R; 0]`` (:func:`_householder`): ``(dz, Vh, T, R)``,
+        ``None`` without dense rows."""
         F, ax = self.F, self.aux
         assert ax is not None
+        nx = ax.nx
         wA = w[:F.A.shape[0]]
         dw = F.diagonal(w) + self.delta
         ws = wA[ax.sparse_rows]
         D = dw[ax.nx:] + np.asarray(ax.At_s.multiply(ax.At_s).T @ ws).ravel()
         G = (ax.Ax_s.T @ sp.diags(ws) @ ax.At_s).tocsr()
-        V = Lk = None
+        sparse = ax.sparse_part(ws, D, dw[nx:])
+        V = Lk = rot = None
         if ax.dense_rows.size:
             wd = np.sqrt(wA[ax.dense_rows])
             V = (ax.U.T / D[:, None]) * wd[None, :]
             Lk = np.linalg.cholesky(np.eye(wd.size) + (wd[:, None] * ax.U) @ V)
-        return D, G, V, Lk, ws, dw
+            Z = sla.solve_triangular(Lk, np.asarray(G @ V).T, lower=True).T  # G V Lk^-T
+            if Z.shape[1] <= nx:
+                # the scaling to S's unit diagonal, then the rotation of the scaled Z
+                diag = self._h_diag() + dw[:nx] + _coo_diagonal(sparse, nx) + np.sum(Z * Z, axis=1)
+                dz = _unit_scaling(diag)
+                rot = (dz, *_householder(dz[:, None] * Z))
+            else:  # (more dense rows than variables: a tiny problem, Z Z' added as it is)
+                sparse = (sparse + sp.coo_matrix(Z @ Z.T)).tocoo()
+                sparse.sum_duplicates()
+        return D, G, V, Lk, ws, dw, sparse, rot
+
+    def _h_diag(self) -> np.ndarray:
+        """``diag(H)`` of the H the iteration runs on (float64; kept)."""
+        if self._hd is None:
+            self._hd = self.la.hessian_diagonal()
+        return self._hd
 
     def aux_matrix(self, parts: tuple[Any, ...], dtype: Any) -> np.ndarray:
-        """The Schur complement ``S = M_xx - G M_tt^-1 G'`` of :class:`_AuxBlock` in ``dtype``."""
+        """The Schur complement ``S = M_xx - G M_tt^-1 G'`` of :class:`_AuxBlock` in ``dtype``; with
+        dense rows, scaled and rotated: ``Q'(D S D)Q = Q'(D S0 D)Q + [R R', 0; 0, 0]`` (``S0``: S
+        without the dense rows' term ``Z Z'``; ``D``: S's unit-diagonal scaling; ``Q'D Z = [R;
+        0]``; :meth:`aux_solver` undoes both). Scaled first, the rotation mixes coordinates of
+        comparable size: rotated unscaled, a bound's weight of 1e8 spread over the rotated row
+        (a unit-diagonal condition number of 8e7 against 6e6 unrotated, random weights).
+
+        ``Z Z'`` is the L1 ball's sum row ``1't <= r`` seen from x: near the optimum its weight
+        grows like ``1 / s``, and along the signs of the nonzero coordinates it dwarfs H's smallest
+        eigenvalues there. Added as it is, it made S (scaled to a unit diagonal) as ill-conditioned
+        as their ratio: 3e8 in float32 and 4e15 in float64 where ``S0``'s stayed at 2e4 and 3e6,
+        so the Newton solves' residuals reached 1e-2 to 0.5 and the iteration stalled (stop 66:
+        n = 512, H of rank 120 plus a ridge at 1e-8 of its largest eigenvalue; a relative gap of
+        4e-7 after 100 iterations). Rotated onto the first ``d`` coordinates it is a diagonal
+        block, which the unit-diagonal scaling takes care of as it does a bound's weight."""
         ax = self.aux
         assert ax is not None
         nx = ax.nx
-        D, G, V, Lk, ws, dw = parts
+        D, G, V, Lk, ws, dw, sparse, rot = parts
         la = self.la
         S = la.base(dtype, nx)
         la.add_diagonal(S, dw[:nx])
-        sparse_part = (ax.Ax_s.T @ sp.diags(ws) @ ax.Ax_s - G @ sp.diags(1.0 / D) @ G.T).tocoo()
-        sparse_part.sum_duplicates()
-        la.add_entries(S, sparse_part.row, sparse_part.col, sparse_part.data)
-        if V is not None:
-            Z = sla.solve_triangular(Lk, np.asarray(G @ V).T, lower=True).T  # G V Lk^-T
-            la.add_outer(S, Z)
+        la.add_entries(S, sparse.row, sparse.col, sparse.data)
+        if rot is not None:
+            dz, Vh, T, R = rot
+            la.scale(S, dz)
+            la.rotate(S, Vh, T)
+            d = R.shape[0]
+            i, j = np.meshgrid(np.arange(d), np.arange(d), indexing="ij")
+            la.add_entries(S, i.ravel(), j.ravel(), (R @ R.T).ravel())
         return S
 
-    def aux_solver(self, solve_S: Any, parts: tuple[Any, ...]) -> Any:
-        """A solver of ``M y = r`` from one of ``S`` (block elimination of the auxiliaries)."""
+    def aux_solver(self, solve_QSQ: Any, parts: tuple[Any, ...]) -> Any:
+        """A solver of ``M y = r`` from one of :meth:`aux_matrix`'s (rotated and scaled back:
+        ``S^-1 = D Q (Q'DSDQ)^-1 Q'D``), by block elimination of the auxiliaries."""
         ax = self.aux
         assert ax is not None
         nx = ax.nx
-        D, G, V, Lk, _, _ = parts
+        D, G, V, Lk, _, _, _, rot = parts
+        if rot is None:
+            solve_S = solve_QSQ
+        else:
+            dz, Vh, T, _ = rot
+
+            def solve_S(r: np.ndarray) -> np.ndarray:
+                col = (slice(None),) + (None,) * (r.ndim - 1)
+                r = dz[col] * r
+                y = solve_QSQ(r - Vh @ (T.T @ (Vh.T @ r)))  # Q' D r
+                return dz[col] * (y - Vh @ (T @ (Vh.T @ y)))  # D Q y
 
         def tt_inverse(v: np.ndarray) -> np.ndarray:
             col = (slice(None),) + (None,) * (v.ndim - 1)
@@ -557,9 +669,7 @@ class _Ipm:
     def factorise(self, w: np.ndarray, low: bool) -> Any:
         """A solver of ``M y = r`` (``M`` from :meth:`normal_matrix`; ``r`` of shape ``(N,)`` or
         ``(N, k)``): float32 with one refinement step against the float64 M when ``low`` and M
-        allows it, else float64."""
-        F = self.F
-        mA = F.A.shape[0]
+        allows it (checked: :meth:`_checked32`), else float64."""
         solve_small = None
         parts = self._aux_parts(w) if self.aux is not None else None
         build = None if parts is None else (lambda dt: self.aux_matrix(parts, dt))
@@ -575,23 +685,53 @@ class _Ipm:
             self.float32_ok = solve_small is not None
         if solve_small is not None:
             self.factorisations["float32"] += 1
-            dw = F.diagonal(w) + self.delta
             first = full(solve_small)
 
             def solve32(r: np.ndarray) -> np.ndarray:
                 y = first(r)
-                col = (slice(None),) + (None,) * (y.ndim - 1)
-                My = self.hmul(y) + dw[col] * y
-                if mA:
-                    My += self.At @ (w[:mA][col] * (F.A @ y))
-                return y + first(r - My)
+                return y + first(r - self._matvec(w, y))
 
-            return solve32
+            return self._checked32(solve32, w)
         solve64 = self._cholesky(w, np.float64, build)
         if solve64 is None:
             raise SolverError(f"{self.name}: the normal matrix H + C'WC could not be factorised even with a ridge")
         self.factorisations["float64"] += 1
         return full(solve64)
+
+    def _matvec(self, w: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """``M y`` with the float64 M (its products: H, the bounds' diagonal, the rows)."""
+        F = self.F
+        mA = F.A.shape[0]
+        col = (slice(None),) + (None,) * (y.ndim - 1)
+        My = self.hmul(y) + (F.diagonal(w) + self.delta)[col] * y
+        if mA:
+            My += self.At @ (w[:mA][col] * (F.A @ y))
+        return My
+
+    def _checked32(self, solve32: Any, w: np.ndarray) -> Any:
+        """``solve32`` (from a float32 factor, refined once), its first answer checked: where the
+        residual is above :data:`FLOAT32_GUARD` of the right-hand side, float32 is given up (here
+        and for every later factorisation) and M factorised in float64 instead. The float32 factor
+        of a matrix too ill-conditioned for it can pass the pivot test of :meth:`_cholesky`: its
+        solves then left residuals of 1e-3 to 0.2 (stop 66, on the L1 ball's Schur complement
+        with a rank-2 H) where sound ones stay below 1e-5, and the iteration diverged."""
+        current: list[Any] = [solve32]
+        checked = [False]
+
+        def solve(r: np.ndarray) -> np.ndarray:
+            y = current[0](r)
+            if not checked[0]:
+                checked[0] = True
+                top = max(float(np.max(np.abs(r), initial=0.0)), np.finfo(float).tiny)
+                res = float(np.max(np.abs(r - self._matvec(w, y)), initial=0.0))
+                if not res <= FLOAT32_GUARD * top:
+                    self.float32_ok = False
+                    self.float32_rejected += 1
+                    current[0] = self.factorise(w, False)
+                    y = current[0](r)
+            return y
+
+        return solve
 
     # -- the iteration
     def run(self) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
@@ -697,6 +837,7 @@ class _Ipm:
                 f"scaled problem ({scale_note}): rescale H and g, or try solver='active_set' or 'osqp'")
         x = self._clip(x)
         info = {"ipm_iterations": it, "factorisations": dict(self.factorisations),
+                "float32_rejected": self.float32_rejected,
                 "crossover": list(self.crossovers), "crossover_face_solves": self.face_solves,
                 "crossover_faces_skipped": self.faces_skipped, "crossover_seconds": self.crossover_seconds,
                 "relative_gap": last[0], "dual_residual": last[1], "primal_residual": last[2]}
@@ -1117,6 +1258,28 @@ class _Ipm:
             at_U = at_U & ~np.isin(F.U, touched)
             at_L = at_L & ~np.isin(F.L, touched)
         return x, nu_A, at_U, at_L, r, rho > 0
+
+
+def _coo_diagonal(part: sp.coo_matrix, n: int) -> np.ndarray:
+    """The diagonal of a COO matrix (duplicates summed) of order ``n``."""
+    on = part.row == part.col
+    return np.bincount(part.row[on], weights=part.data[on], minlength=n)
+
+
+def _householder(Z: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``Z`` (``n x d``, ``d <= n``) as ``Q [R; 0]`` with ``Q = I - Vh T Vh'`` (LAPACK's Householder
+    QR in compact WY form: ``Vh`` unit lower trapezoidal ``n x d``, ``T`` upper triangular): ``(Vh,
+    T, R)``."""
+    (qr, tau), R = sla.qr(Z, mode="raw")
+    d = Z.shape[1]
+    Vh = np.tril(qr[:, :d], -1)
+    Vh[np.arange(d), np.arange(d)] = 1.0
+    T = np.zeros((d, d))
+    for i in range(d):  # (LAPACK's dlarft)
+        T[i, i] = tau[i]
+        if i:
+            T[:i, i] = -tau[i] * (T[:i, :i] @ (Vh[:, :i].T @ Vh[:, i]))
+    return Vh, T, np.asarray(R)[:d, :d]
 
 
 def _face_factor(M: np.ndarray, eta: float) -> tuple[np.ndarray, bool] | None:

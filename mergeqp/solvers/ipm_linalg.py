@@ -27,18 +27,27 @@ import scipy.linalg as sla
 from ..cholesky import cho_solve
 
 
-def add_outer(S: np.ndarray, Z: np.ndarray) -> None:
-    """``S += Z Z'`` in place (``S`` C-contiguous ``n x n``, ``Z`` ``n x d`` with small ``d``): one
-    BLAS rank-one update per column (``S`` is symmetric, so updating its transpose, the
-    Fortran-ordered view BLAS takes, is the same), without the ``n x n`` temporaries of
-    ``S += Z @ Z.T`` (at n = 3072 they cost as much as a third of the float32 Cholesky)."""
+def add_sym2(S: np.ndarray, U: np.ndarray, V: np.ndarray) -> None:
+    """``S += U V' + V U'`` in place (``S`` C-contiguous ``n x n``, ``U``, ``V`` ``n x d`` with small
+    ``d``): two BLAS rank-one updates per column (S's transpose, the Fortran-ordered view BLAS
+    takes, gets ``V U' + U V'``: the same), without the ``n x n`` temporaries of ``S += U @ V.T +
+    V @ U.T`` (at n = 3072 they cost as much as a third of the float32 Cholesky)."""
     ger = sla.get_blas_funcs("ger", (S,))
     St = S.T
-    for j in range(Z.shape[1]):
-        z = np.ascontiguousarray(Z[:, j], dtype=S.dtype)
-        out = ger(1.0, z, z, a=St, overwrite_a=True)
-        if not np.shares_memory(out, S):  # (BLAS made a copy: not expected for a contiguous S)
-            S[...] = out.T
+    for j in range(U.shape[1]):
+        u = np.ascontiguousarray(U[:, j], dtype=S.dtype)
+        v = np.ascontiguousarray(V[:, j], dtype=S.dtype)
+        for a, b in ((u, v), (v, u)):
+            out = ger(1.0, a, b, a=St, overwrite_a=True)
+            if not np.shares_memory(out, S):  # (not expected for a contiguous S)
+                S[...] = out.T
+
+
+def rotation_update(A: np.ndarray, Vh: np.ndarray, T: np.ndarray) -> np.ndarray:
+    """For ``Q = I - Vh T Vh'`` and ``A = M Vh`` (M symmetric), the ``U`` of ``Q'MQ = M + U Vh' +
+    Vh U'``: ``U = -A T + Vh C / 2`` with ``C = T'(Vh'A)T``."""
+    C = T.T @ (Vh.T @ A) @ T
+    return -A @ T + 0.5 * Vh @ (0.5 * (C + C.T))
 
 
 #: rows of the reduced Hessian formed at a time (on the host)
@@ -121,8 +130,10 @@ class HostLinalg:
         """``M[rows, cols] += data`` (pairs distinct)."""
         M[rows, cols] += data.astype(M.dtype)
 
-    def add_outer(self, M: np.ndarray, Z: np.ndarray) -> None:
-        add_outer(M, Z)
+    def rotate(self, M: np.ndarray, Vh: np.ndarray, T: np.ndarray) -> None:
+        """``M <- Q'MQ`` in place, ``Q = I - Vh T Vh'`` (compact Householder; ``Vh`` ``n x d``)."""
+        A = (M @ Vh.astype(M.dtype)).astype(np.float64)
+        add_sym2(M, rotation_update(A, Vh, T), Vh)
 
     def max_diagonal(self, M: np.ndarray) -> float:
         return float(np.max(np.diag(M)))
@@ -130,10 +141,18 @@ class HostLinalg:
     def scale_to_unit_diagonal(self, M: np.ndarray) -> np.ndarray:
         """``M <- D M D`` in place; returns ``diag(D)`` (float64)."""
         d = _unit_scaling(np.diag(M))
+        self.scale(M, d)
+        return d
+
+    def scale(self, M: np.ndarray, d: np.ndarray) -> None:
+        """``M <- diag(d) M diag(d)`` in place."""
         dl = d.astype(M.dtype)
         M *= dl[:, None]
         M *= dl[None, :]
-        return d
+
+    def hessian_diagonal(self) -> np.ndarray:
+        """``diag(H)`` (float64)."""
+        return np.diag(self.H).astype(np.float64)
 
     def cholesky(self, M: np.ndarray) -> Any:
         """The Cholesky factor of M (M may be overwritten), ``None`` when M is not positive definite."""
@@ -237,18 +256,26 @@ class TorchLinalg:
             idx = (self._tensor(rows, self.torch.long), self._tensor(cols, self.torch.long))
             M.index_put_(idx, self._tensor(np.asarray(data, dtype=np.float64), M.dtype), accumulate=True)
 
-    def add_outer(self, M: Any, Z: np.ndarray) -> None:
-        z = self._tensor(np.asarray(Z, dtype=np.float64), M.dtype)
-        M.addmm_(z, z.T)
+    def rotate(self, M: Any, Vh: np.ndarray, T: np.ndarray) -> None:
+        v = self._tensor(np.asarray(Vh, dtype=np.float64), M.dtype)
+        A = (M @ v).to(self.torch.float64).cpu().numpy()
+        u = self._tensor(rotation_update(A, Vh, T), M.dtype)
+        M.addmm_(u, v.T).addmm_(v, u.T)
 
     def max_diagonal(self, M: Any) -> float:
         return float(M.diagonal().max())
 
     def scale_to_unit_diagonal(self, M: Any) -> np.ndarray:
         d = _unit_scaling(M.diagonal().to(self.torch.float64).cpu().numpy())
+        self.scale(M, d)
+        return d
+
+    def scale(self, M: Any, d: np.ndarray) -> None:
         dl = self._tensor(d, M.dtype)
         M.mul_(dl[:, None]).mul_(dl[None, :])
-        return d
+
+    def hessian_diagonal(self) -> np.ndarray:
+        return self.H.diagonal().to(self.torch.float64).cpu().numpy().copy()
 
     def cholesky(self, M: Any) -> Any:
         L, info = self.torch.linalg.cholesky_ex(M)

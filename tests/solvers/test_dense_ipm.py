@@ -64,6 +64,7 @@ problems = st.tuples(
 # from the float32 factor of M was not positive definite and the solve raised instead of forming it
 # again from a float64 factor)
 @example((3, 3, 0.5, 25, 10))
+@example((2, 4, 0.375, 4605, 4))
 def test_dense_ipm_agrees_with_clarabel_and_certifies(random_psd_problem, rel_diff, params) -> None:
     K, m, frac, seed, which = params
     rng = np.random.default_rng(seed)
@@ -74,7 +75,19 @@ def test_dense_ipm_agrees_with_clarabel_and_certifies(random_psd_problem, rel_di
     assert sol.certificate.feasible, sol.certificate.explain()
     if ref.certificate.certified(1e-7):  # (on an unbounded set with J* = 0 neither may certify)
         assert sol.certificate.certified(1e-7) or sol.certificate.at_rounding_floor, sol.certificate.explain()
-    assert rel_diff(sol.objective, ref.objective) <= 1e-6, (sol.objective, ref.objective)
+    # (or within the float64 rounding of J at Clarabel's point: hypothesis found, stop 66, on
+    # box:0,inf & sign with J >= 0 and J* = 0, Clarabel's J = -2.3e-6 at |d| ~ 1e5 along a flat
+    # direction of H, where J's products are ~1e11; dense_ipm's J = -1e-14 at |d| ~ 6)
+    assert (rel_diff(sol.objective, ref.objective) <= 1e-6
+            or abs(sol.objective - ref.objective) <= 1e3 * np.finfo(float).eps * _terms(problem, ref.d)), \
+        (sol.objective, ref.objective)
+
+
+def _terms(problem, d) -> float:
+    """The scale of J's float64 rounding at ``d``: ``|c| + |d|'|H||d| / 2 + |g|'|d|`` (products of
+    magnitudes: along a flat direction of H, ``d'Hd`` is small while its rounding is not)."""
+    x = np.abs(np.asarray(d, dtype=float).ravel())
+    return abs(problem.c) + 0.5 * float(x @ (np.abs(problem.H) @ x)) + float(np.abs(problem.g) @ x)
 
 
 @pytest.mark.parametrize("options", [{}, {"precision": "float64"}, {"precision": "mixed"}, {"crossover": False},
@@ -365,23 +378,6 @@ def test_degenerate_parts_of_a_face_are_counted_per_component() -> None:
     # with t_0's bound inactive coordinate 0 has two constraints on two variables: not degenerate
     gA, _, gL = ipm._degenerate(act_A, np.zeros(0, dtype=bool), np.zeros(n, dtype=bool))
     assert not gA.any() and not gL.any()
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("d", [1, 3])
-def test_add_outer_updates_in_place(dtype, d: int) -> None:
-    """``S += Z Z'`` by BLAS rank-one updates, in place, equals the dense product."""
-    from mergeqp.solvers.ipm_linalg import add_outer as _add_outer
-
-    rng = np.random.default_rng(d)
-    B = rng.standard_normal((40, 40))
-    S = np.ascontiguousarray((B @ B.T).astype(dtype))
-    Z = rng.standard_normal((40, d))
-    expect = S + (Z @ Z.T).astype(dtype)
-    before = S.__array_interface__["data"][0]
-    _add_outer(S, Z)
-    assert S.__array_interface__["data"][0] == before
-    np.testing.assert_allclose(S, expect, rtol=1e-5 if dtype == np.float32 else 1e-13, atol=1e-4 if dtype == np.float32 else 1e-12)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -58,7 +58,13 @@ solve each, kept when it lengthens the step: 9-12 -> 7-9 iterations on the sign 
 
 - *Auxiliary variables* (the L1 ball's ``t``: zero rows of H) are eliminated from each
   Newton system in closed form (:class:`_AuxBlock`): only an ``n x n`` Schur complement is
-  factorised, not the lifted ``2n x 2n`` M.
+  factorised, not the lifted ``2n x 2n`` M. Its sparse part is formed as a sum of positive
+  terms, and the ball's sum row, a rank-one term that grows like ``1 / s``, is rotated onto the
+  first coordinate (S scaled to a unit diagonal first) so that it is a diagonal entry the
+  scaling takes care of (:meth:`_Ipm.aux_matrix`; stop 66).
+- *A float32 factor* is checked by its first solve (:meth:`_Ipm._checked32`): where the refined
+  residual is above :data:`FLOAT32_GUARD` of the right-hand side, the iteration goes on in
+  float64 (``info["float32_rejected"]``).
 - *Equality rows* of at most :data:`ELIMINATE_MAX_SUPPORT` variables with disjoint supports
   (per-atom simplex sums, coefficients with ``lo == hi``) are eliminated before the iteration
   (:func:`_eliminate`): each is solved for one pivot variable, whose bounds become inequality

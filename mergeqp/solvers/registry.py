@@ -415,6 +415,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
                       "certified": first.certificate.certified(rel_tol)})
     else:
         tried.append({"solver": first_name, "error": str(error)})
+
     def inside() -> bool:
         return any(c.certificate.feasible for c in candidates if c.certificate)
 

@@ -88,7 +88,8 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .active_set_low_rank import LOW_RANK_MIN_N, NO_RIDGE_MIN_N, rank_limit, ridge_low_rank, solve_ridge_low_rank
+from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, polish_at_zero, rank_limit, ridge_low_rank,
+                                  solve_ridge_low_rank)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
@@ -568,7 +569,23 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 x = self.xc
                 continue
             face, x = new_face, xf
+        if status != SolveStatus.OPTIMAL and at_zero_objective(best_J, best_T, last_gap):
+            # an interpolating problem left short of the certificate's floor: Newton steps on the
+            # best point's face (stop 66)
+            polished = polish_at_zero(H, g, self.st, best_x, self._face_and_equations)
+            if polished is not None:
+                gp = H @ polished + g
+                Jp, gap = self.objective(polished, gp), self.gap(polished, gp)
+                if gap < last_gap and Jp <= best_J + 8.0 * np.finfo(float).eps * self.term_scale(polished, gp):
+                    best_x, last_gap = polished, gap
+                    if converged(Jp, gap, polished, gp):
+                        status = SolveStatus.OPTIMAL
         return best_x, status, it, self._info(it, face, last_gap)
+
+    def _face_and_equations(self, y: np.ndarray) -> tuple[np.ndarray, Any]:
+        """The free coordinates of ``y``'s face and its group equations (:meth:`equations`)."""
+        face = self.identify(y)
+        return np.flatnonzero(face.status == FREE), self.equations(face)
 
     def _info(self, it: int, face: _Face, gap: float) -> dict[str, Any]:
         return {

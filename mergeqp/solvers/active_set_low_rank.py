@@ -98,7 +98,8 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "rank_limit", "solve_ridge_low_rank", "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
+__all__ = ["RidgeLowRank", "ridge_low_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero", "LOW_RANK_MIN_N",
+           "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there) ...
 LOW_RANK_MIN_N = 256
@@ -132,6 +133,10 @@ NO_RIDGE_RESIDUAL = 1e-11
 NO_RIDGE_RHO = 1e-7
 #: the polish without a ridge: least-norm Newton steps on the face at most
 NO_RIDGE_POLISH = 8
+#: Newton steps of :func:`polish_at_zero`, and the largest face it takes (an eigendecomposition of
+#: the free block per step)
+POLISH_STEPS = 6
+POLISH_MAX_FREE = 2048
 #: ... and the last stage (the dual's; since stop 64 the proximal faces' too) repeated, centred at
 #: its point, while its face differs from its centre's, at most (stop 65: the dual's repeated its
 #: first last stage always and then compared consecutive ones; on 30 random no-ridge boxes its rule
@@ -738,23 +743,13 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
     """Without a ridge (``H = U U' + E``): Newton steps on the face of ``x`` whose equation
     ``V U_F' dx = -r`` (``V = U_F`` in the face equations' null space, ``r`` the projected gradient
     from the true H) has many solutions: the one of least norm weighted by each coordinate's room
-    to its bound (:func:`_room`), so that coordinates near a bound hardly move and the face holds;
-    each step put back on the set, until two steps in a row move no coordinate off it (at most
-    :data:`NO_RIDGE_POLISH`). On an interpolating problem (``J* ~ 0``) this brings the gradient to
-    its rounding, where the engine's test (the certificate's floor) accepts it; a proximal stage
-    alone leaves it ``rho |x - xc|`` away. Returns the point with the smallest projected gradient."""
-    y = x
-    best, best_size = x, math.inf
-    clean = 0
-    for step in range(NO_RIDGE_POLISH + 1):
-        F, eq = face_of(y)
+    to its bound (:func:`_room`), so that coordinates near a bound hardly move and the face holds
+    (:func:`_newton_on_face`). On an interpolating problem (``J* ~ 0``) this brings the gradient to its
+    rounding, where the engine's test (the certificate's floor) accepts it; a proximal stage alone
+    leaves it ``rho |x - xc|`` away."""
+
+    def step(F: np.ndarray, eq: Equations | None, y: np.ndarray, res: np.ndarray) -> np.ndarray:
         null = _equation_null(F, eq)[0]
-        res = null((H @ y)[F] + g[F]) if F.size else np.zeros(0)
-        size = float(np.linalg.norm(res))
-        if size < best_size:
-            best, best_size = y, size
-        if not F.size or clean >= 2 or step == NO_RIDGE_POLISH:
-            break
         UF = lr.U[F]
         Q, R = np.linalg.qr(null(UF))
         A, S, Bt = np.linalg.svd(R, full_matrices=False)
@@ -764,8 +759,56 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
         B = _weighted_null(F, eq, w)(w[:, None] * UF)
         Mw, Pw = np.linalg.eigh(UF.T @ B)
         ok = Mw > 1e-12 * float(Mw[-1]) if Mw.size and Mw[-1] > 0 else np.zeros(Mw.size, dtype=bool)
+        return -(B @ (Pw[:, ok] @ ((Pw[:, ok].T @ z) / Mw[ok])))
+
+    return _newton_on_face(H, g, st, x, face_of, step, NO_RIDGE_POLISH)
+
+
+def polish_at_zero(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray,
+                   face_of: Callable[[np.ndarray], Face]) -> np.ndarray | None:
+    """The active-set engine's point on an interpolating problem (``J* ~ 0``: J at its rounding,
+    the gap not yet at the certificate's floor) polished by Newton steps on its face with the
+    explicit H: the least-norm solution of ``P H_FF P dx = -P grad_F`` (``P`` the projection onto
+    the face equations' null space; an eigendecomposition of the free block, so only up to
+    :data:`POLISH_MAX_FREE` free coordinates), each step put back on the set (:func:`_newton_on_face`);
+    ``None`` where the face is larger. Measured (stop 66): an L1 ball of n = 768 (rank 120 of 692,
+    no ridge) that the engine left at a gap of 2.9e-9, 1.4e4 times its floor, reached the floor in
+    four steps."""
+    if face_of(x)[0].size > POLISH_MAX_FREE:
+        return None
+
+    def step(F: np.ndarray, eq: Equations | None, y: np.ndarray, res: np.ndarray) -> np.ndarray:
+        null = _equation_null(F, eq)[0]
+        K = null(null(H[np.ix_(F, F)]).T)
+        w, V = np.linalg.eigh(0.5 * (K + K.T))
+        ok = w > 1e-12 * float(w[-1]) if w.size and w[-1] > 0 else np.zeros(w.size, dtype=bool)
+        return -null(V[:, ok] @ ((V[:, ok].T @ res) / w[ok]))
+
+    return _newton_on_face(H, g, st, x, face_of, step, POLISH_STEPS)
+
+
+def _newton_on_face(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray,
+            face_of: Callable[[np.ndarray], Face],
+            step: Callable[[np.ndarray, Equations | None, np.ndarray, np.ndarray], np.ndarray],
+            steps: int) -> np.ndarray:
+    """Newton steps ``y[F] += step(F, equations, y, r)`` on the face of the current point (``r``
+    the gradient projected onto the face equations' null space), each put back on the set, until
+    two steps in a row move no coordinate off it (at most ``steps``). Returns the point with the
+    smallest projected gradient."""
+    y = x
+    best, best_size = x, math.inf
+    clean = 0
+    for k in range(steps + 1):
+        F, eq = face_of(y)
+        null = _equation_null(F, eq)[0]
+        res = null((H @ y)[F] + g[F]) if F.size else np.zeros(0)
+        size = float(np.linalg.norm(res))
+        if size < best_size:
+            best, best_size = y, size
+        if not F.size or clean >= 2 or k == steps:
+            break
         y1 = y.copy()
-        y1[F] -= B @ (Pw[:, ok] @ ((Pw[:, ok].T @ z) / Mw[ok]))
+        y1[F] += step(F, eq, y, res)
         on_set = _on_set(st, y1)  # None: the step moved a coordinate off the set
         clean = 0 if on_set is None else clean + 1
         y = project_structure(st, y1) if on_set is None else on_set

@@ -1,8 +1,9 @@
 """Where ``dense_ipm``'s dense linear algebra runs: H, the normal matrices and their Cholesky factors.
 
 The interior point (:mod:`mergeqp.solvers.dense_ipm`) spends its time on ``n x n`` work: forming
-the normal matrix ``M = H + C'WC`` (a copy of H plus a diagonal, sparse entries of the per-atom
-rows and a few outer products), factorising it, solving with the factor and multiplying by H.
+the normal matrix ``M = H + C'WC`` (a copy of H plus a diagonal and sparse entries of the per-atom
+rows; with the L1 ball's sum row, a scaling and a Householder rotation, stop 66), factorising it,
+solving with the factor and multiplying by H.
 A backend does exactly these operations on its own arrays; everything else (the iteration, the
 crossover's face solves, the certificate) stays on the host in NumPy.
 

@@ -748,8 +748,8 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
     rounding, where the engine's test (the certificate's floor) accepts it; a proximal stage alone
     leaves it ``rho |x - xc|`` away."""
 
-    def step(F: np.ndarray, eq: Equations | None, y: np.ndarray, res: np.ndarray) -> np.ndarray:
-        null = _equation_null(F, eq)[0]
+    def step(F: np.ndarray, eq: Equations | None, null: Callable[[np.ndarray], np.ndarray], y: np.ndarray,
+             res: np.ndarray) -> np.ndarray:
         UF = lr.U[F]
         Q, R = np.linalg.qr(null(UF))
         A, S, Bt = np.linalg.svd(R, full_matrices=False)
@@ -777,8 +777,8 @@ def polish_at_zero(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray
     if face_of(x)[0].size > POLISH_MAX_FREE:
         return None
 
-    def step(F: np.ndarray, eq: Equations | None, y: np.ndarray, res: np.ndarray) -> np.ndarray:
-        null = _equation_null(F, eq)[0]
+    def step(F: np.ndarray, eq: Equations | None, null: Callable[[np.ndarray], np.ndarray], y: np.ndarray,
+             res: np.ndarray) -> np.ndarray:
         K = null(null(H[np.ix_(F, F)]).T)
         w, V = np.linalg.eigh(0.5 * (K + K.T))
         ok = w > 1e-12 * float(w[-1]) if w.size and w[-1] > 0 else np.zeros(w.size, dtype=bool)
@@ -788,11 +788,11 @@ def polish_at_zero(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray
 
 
 def _newton_on_face(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray,
-            face_of: Callable[[np.ndarray], Face],
-            step: Callable[[np.ndarray, Equations | None, np.ndarray, np.ndarray], np.ndarray],
-            steps: int) -> np.ndarray:
-    """Newton steps ``y[F] += step(F, equations, y, r)`` on the face of the current point (``r``
-    the gradient projected onto the face equations' null space), each put back on the set, until
+                    face_of: Callable[[np.ndarray], Face],
+                    step: Callable[..., np.ndarray], steps: int) -> np.ndarray:
+    """Newton steps ``y[F] += step(F, equations, null, y, r)`` on the face of the current point
+    (``null``: the projection onto the face equations' null space, :func:`_equation_null`; ``r``
+    the gradient projected by it), each put back on the set, until
     two steps in a row move no coordinate off it (at most ``steps``). Returns the point with the
     smallest projected gradient."""
     y = x
@@ -808,7 +808,7 @@ def _newton_on_face(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarra
         if not F.size or clean >= 2 or k == steps:
             break
         y1 = y.copy()
-        y1[F] += step(F, eq, y, res)
+        y1[F] += step(F, eq, null, y, res)
         on_set = _on_set(st, y1)  # None: the step moved a coordinate off the set
         clean = 0 if on_set is None else clean + 1
         y = project_structure(st, y1) if on_set is None else on_set

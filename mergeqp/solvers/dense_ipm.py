@@ -102,7 +102,7 @@ from ..solution import SolveStatus
 from . import base
 from .base import QPSolver, RawResult, objective_sizes, unit_scaled, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from .ipm_linalg import HostLinalg, _unit_scaling, reduced_hessian
+from .ipm_linalg import HostLinalg, reduced_hessian, unit_scaling
 from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -384,9 +384,8 @@ class _AuxBlock:
     Ax_s: sp.csr_matrix  # the sparse rows' x and t columns
     At_s: sp.csr_matrix
     U: np.ndarray  # (d, n_aux): the dense rows' t columns
-    #: each sparse row's auxiliary (-1: none) and its coefficient there
+    #: each sparse row's auxiliary (-1: none)
     row_aux: np.ndarray
-    row_b: np.ndarray
     #: the pairs of sparse rows on one auxiliary (indices into the sparse rows) and, one row per
     #: pair, ``b_s a_r - b_r a_s`` (x columns)
     pair_r: np.ndarray
@@ -431,7 +430,7 @@ class _AuxBlock:
         pair_r = np.concatenate(pr) if pr else np.zeros(0, dtype=np.intp)
         pair_s = np.concatenate(ps) if ps else np.zeros(0, dtype=np.intp)
         P = (sp.diags(row_b[pair_s]) @ Ax_s[pair_r] - sp.diags(row_b[pair_r]) @ Ax_s[pair_s]).tocsr()
-        return cls(nx, sparse_rows, dense, Ax_s, At_s, At[dense].toarray(), row_aux, row_b, pair_r, pair_s, P)
+        return cls(nx, sparse_rows, dense, Ax_s, At_s, At[dense].toarray(), row_aux, pair_r, pair_s, P)
 
     def sparse_part(self, ws: np.ndarray, D: np.ndarray, e: np.ndarray) -> sp.coo_matrix:
         """``A_x'W A_x - G D^-1 G'`` of the sparse rows (weights ``ws``), a sum of positive terms
@@ -539,7 +538,7 @@ class _Ipm:
             if Z.shape[1] <= nx:
                 # the scaling to S's unit diagonal, then the rotation of the scaled Z
                 diag = self._h_diag() + dw[:nx] + _coo_diagonal(sparse, nx) + np.sum(Z * Z, axis=1)
-                dz = _unit_scaling(diag)
+                dz = unit_scaling(diag)
                 rot = (dz, *_householder(dz[:, None] * Z))
             else:  # (more dense rows than variables: a tiny problem, Z Z' added as it is)
                 sparse = (sparse + sp.coo_matrix(Z @ Z.T)).tocoo()

@@ -75,7 +75,7 @@ def reduced_hessian(H: np.ndarray, keep: np.ndarray, owner: np.ndarray, coef: np
     return Hr
 
 
-def _unit_scaling(diag: np.ndarray) -> np.ndarray:
+def unit_scaling(diag: np.ndarray) -> np.ndarray:
     """``D = diag(M)^-1/2`` (float64) for scaling M to a unit diagonal."""
     return 1.0 / np.sqrt(np.maximum(np.asarray(diag, dtype=np.float64), np.finfo(float).tiny))
 
@@ -141,7 +141,7 @@ class HostLinalg:
 
     def scale_to_unit_diagonal(self, M: np.ndarray) -> np.ndarray:
         """``M <- D M D`` in place; returns ``diag(D)`` (float64)."""
-        d = _unit_scaling(np.diag(M))
+        d = unit_scaling(np.diag(M))
         self.scale(M, d)
         return d
 
@@ -267,7 +267,7 @@ class TorchLinalg:
         return float(M.diagonal().max())
 
     def scale_to_unit_diagonal(self, M: Any) -> np.ndarray:
-        d = _unit_scaling(M.diagonal().to(self.torch.float64).cpu().numpy())
+        d = unit_scaling(M.diagonal().to(self.torch.float64).cpu().numpy())
         self.scale(M, d)
         return d
 

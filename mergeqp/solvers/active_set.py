@@ -54,7 +54,8 @@ the set is a box in half as many unknowns, ``x_a = s``, ``x_b = T - s``, and the
 that box QP (:mod:`.active_set_pairs`, option ``pairs``; its ``H_s = P'HP`` formed once, where each
 face of the simplex gathered the same free pairs' ``Z'HZ`` again and took products with all of H).
 From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 8 on
-bounds and L1 balls, an eighth of the set's dimension and at least n / 12 on sums;
+bounds and L1 balls, n / 4 on an L1 ball alone with a weak ridge or none, an eighth of the set's
+dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
 active set with Woodbury face solves on sums and on an L1 ball. The engine starts at that point: it
@@ -88,8 +89,8 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, polish_at_zero, rank_limit, ridge_low_rank,
-                                  solve_ridge_low_rank)
+from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, ball_low_rank, polish_at_zero, rank_limit,
+                                  ridge_low_rank, solve_ridge_low_rank)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
@@ -752,6 +753,8 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
     lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st))
+    if lr is None:  # an L1 ball alone with a weak ridge or none: ranks up to n / 4 (stop 67)
+        lr = ball_low_rank(engine.H, engine.st)
     if lr is None or (lr.sigma > 0 and engine.n < LOW_RANK_MIN_N):
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most

@@ -51,7 +51,13 @@ did not; docs/solvers.md, "Stop 62"; it is tried there only where the dual reach
 group), at least ``n / 12``: ``n / 8`` on boxes and L1 balls, ``(K - 1) n / (8 K)`` on per-atom
 simplices of K coefficients, ``n / 12`` for K <= 3 (until stop 64 ``n / 12`` everywhere; from
 ``n / 12`` to ``n / 8`` the path halved the time of untuned boxes, L1 balls and simplices of 8
-coefficients and was slower on 9 of 12 simplices of 2; docs/solvers.md, "Stop 64").
+coefficients and was slower on 9 of 12 simplices of 2; docs/solvers.md, "Stop 64"). On an L1
+ball alone (no bounds) with a weak ridge (``sigma <=`` :data:`WEAK_RIDGE` ``max diag H``) or none,
+up to ``n / 4`` (:func:`ball_low_rank`, stop 67): there the engine crawls through its proximal
+levels on faces larger than the rank, and the path took 0.34-0.93x its time (median 0.61) on 16
+untuned instances at n = 640-3072; a pre-test (LAPACK's pivoted Cholesky of the sampled block,
+stopped at the weak ridge's level) keeps the cost of declining small: 0.5 ms at n = 640, 25 ms at
+n = 3072 (about 6% of one Cholesky of H).
 
 **Without a ridge** (``H = U U'`` of rank ``r`` within the limit: the merge QP with fewer calibration
 samples times outputs than unknowns and no ridge; the sample's smallest eigenvalues then cluster at
@@ -98,8 +104,8 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero", "LOW_RANK_MIN_N",
-           "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
+__all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero",
+           "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there) ...
 LOW_RANK_MIN_N = 256
@@ -117,6 +123,14 @@ SAMPLE = 4096
 MAX_RANK_SHARE = 1.0 / 8.0
 #: ... and never below this share of n (the limit on every set until stop 64)
 MIN_RANK_SHARE = 1.0 / 12.0
+#: on an L1 ball alone (no bounds) whose H has a weak ridge or none, the path takes ranks up to this
+#: share of n (:func:`ball_low_rank`; stop 67: from n / 8 to n / 4 it took 0.21-1.10x the engine's
+#: time on such balls, median about 0.55, where the engine crawls through its proximal levels;
+#: with a stronger ridge, on balls with a box and on boxes it lost as often as it won)
+BALL_RANK_SHARE = 1.0 / 4.0
+#: a weak ridge: ``sigma`` at most this share of ``max diag H`` (the sampled block's, for the
+#: pre-test: LAPACK's pivoted Cholesky ``dpstrf`` with this tolerance counts its rank)
+WEAK_RIDGE = 1e-7
 #: a cluster: eigenvalues within this relative distance of the smallest (plus their rounding)
 CLUSTER = 1e-6
 #: the cluster must hold at least this share of the sample (else H is not a ridge plus low rank)
@@ -167,6 +181,8 @@ PROX_FAILS = 8
 LEVEL_FAILS = 1
 #: the structure found for an H array, kept with its values (:mod:`mergeqp.matrix_cache`)
 LOW_RANK_KEY = "active_set.low_rank"
+#: ... and the wider limit's pre-test (:func:`ball_low_rank`)
+BALL_KEY = "active_set.low_rank.ball"
 EPS = float(np.finfo(float).eps)
 #: face equations ``sum_G a_i x_i = t_G``: each coordinate's group, ``a`` and the totals
 Equations = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -219,13 +235,58 @@ def ridge_low_rank(H: np.ndarray, *, sample: int | None = None, max_rank: int | 
     return found
 
 
-def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRank | None:
+def ball_low_rank(H: np.ndarray, st: SetStructure, *, seed: int = 0) -> RidgeLowRank | None:
+    """On an L1 ball alone (no finite bound), ``H`` as a weak ridge (``sigma <=`` :data:`WEAK_RIDGE`
+    ``max diag H``) or none plus a rank between :func:`rank_limit` and :data:`BALL_RANK_SHARE` of
+    n; ``None`` otherwise (other sets, a stronger ridge, a higher rank: the engine's case). A
+    pre-test decides cheaply: LAPACK's pivoted Cholesky of the sampled principal block that
+    :func:`ridge_low_rank` would take at this limit, stopped where its remaining diagonal falls to
+    the weak ridge's level, counts the block's rank, roughly (its trailing diagonal is its rounding
+    there, so a few pivots more than the rank: the count only has to be within the limit); a
+    full-rank block, the usual case, costs one pivoted Cholesky of ``n / 3`` rows (25 ms at n =
+    3072, about 6% of one Cholesky of H). Only where that count is within the limit does
+    :func:`ridge_low_rank` look (its eigenvalues and the pivoted Cholesky of H). Kept with the
+    values of a read-only H, as there."""
     n = int(H.shape[0])
+    max_rank = int(n * BALL_RANK_SHARE)
+    if st.center is None or max_rank <= rank_limit(n, st) or bool(np.any(np.isfinite(st.lo))) \
+            or bool(np.any(np.isfinite(st.hi))):
+        return None
+    shared = matrix_values(H)
+    key = (BALL_KEY, max_rank, seed)
+    if shared is not None and key in shared:
+        return shared[key]
+    found = None
+    idx = _sample(n, SAMPLE, max_rank, seed)
+    if idx is not None:
+        S = np.array(H[np.ix_(idx, idx)], dtype=np.float64)
+        top = float(np.max(np.diag(S)))
+        if math.isfinite(top) and top > 0:
+            _, _, rank, info = sla.lapack.dpstrf(S, tol=WEAK_RIDGE * top, overwrite_a=True)
+            # info 1: stopped early, the block has rank ``rank`` above the weak ridge
+            if info == 1 and rank <= max_rank and rank <= (1.0 - CLUSTER_SHARE) * idx.size:
+                found = ridge_low_rank(H, max_rank=max_rank, seed=seed)
+                if found is not None and found.sigma > WEAK_RIDGE * float(np.max(np.diag(H))):
+                    found = None
+    if shared is not None:
+        shared[key] = found
+    return found
+
+
+def _sample(n: int, sample: int, max_rank: int, seed: int) -> np.ndarray | None:
+    """The rows of the principal block tested for a rank up to ``max_rank`` (``None``: too few)."""
     # a rank up to max_rank leaves a quarter of the sample in the cluster once m >= 4/3 max_rank
     m = min(n, int(sample), max(64, -(-4 * max_rank // 3) + 1))
     if m < 16 or max_rank < 1:
         return None
-    idx = np.sort(np.random.default_rng([seed, n]).choice(n, m, replace=False))
+    return np.sort(np.random.default_rng([seed, n]).choice(n, m, replace=False))
+
+
+def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRank | None:
+    idx = _sample(int(H.shape[0]), sample, max_rank, seed)
+    if idx is None:
+        return None
+    m = idx.size
     try:
         w = np.linalg.eigvalsh(H[np.ix_(idx, idx)])
     except np.linalg.LinAlgError:

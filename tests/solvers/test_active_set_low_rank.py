@@ -498,3 +498,87 @@ def test_a_level_that_fails_again_ends_the_proximal_stages(sigma: float) -> None
         assert x is None and info["failed"]
     else:  # without a ridge the last settled stage's point is the path's result
         np.testing.assert_array_equal(x, point)
+
+
+def flat_low_rank(rng: np.random.Generator, n: int, r: int, cond: float) -> np.ndarray:
+    """``sigma I + B B'`` with ``B`` ``(n, r)`` i.i.d. (no ridge where ``cond`` is infinite),
+    ``sigma = lambda_max / cond``, read-only."""
+    B = rng.standard_normal((n, r)) / np.sqrt(r)
+    H = B @ B.T
+    if np.isfinite(cond):
+        H[np.diag_indices(n)] += float(np.linalg.norm(B, 2)) ** 2 / cond
+    H.flags.writeable = False
+    return H
+
+
+def planted_ball(rng: np.random.Generator, H: np.ndarray, K: int) -> tuple[MergeQP, L1Ball]:
+    """A merge QP on an L1 ball whose optimum has about 60% of its coordinates at the centre (0)."""
+    n = H.shape[0]
+    d = rng.uniform(0.05, 1.0, n) * rng.choice([-1.0, 1.0], n)
+    d[rng.random(n) < 0.6] = 0.0
+    nu = float(np.mean(np.diag(H)))
+    lam = np.where(d != 0, -nu * np.sign(d), nu * rng.uniform(-0.9, 0.9, n))
+    return MergeQP(H, lam - H @ d, 1.0, shape=(K, n // K)), L1Ball(float(np.sum(np.abs(d))))
+
+
+@pytest.mark.parametrize("cond", [1e9, np.inf])
+def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_a_quarter_of_n(cond: float) -> None:
+    """Rank 240 at n = 1200 lies between n / 8 (150) and n / 4 (300): on an L1 ball alone with a weak
+    ridge (or none) the path takes it (stop 67), and reaches the engine's optimum, certified."""
+    rng = np.random.default_rng(67)
+    H = flat_low_rank(rng, 1200, 240, cond)
+    problem, ball = planted_ball(rng, H, 4)
+    st = A.set_structure(ball, problem.shape)
+    assert LR.rank_limit(1200, st) == 150
+    lr = LR.ball_low_rank(H, st)
+    assert lr is not None and lr.rank == 240
+    assert (lr.sigma == 0.0) == (not np.isfinite(cond))
+    assert LR.ball_low_rank(H, st) is lr  # kept with the read-only H's values
+    sol = solve(problem, ball, solver="active_set")
+    assert sol.info["low_rank"]["rank"] == 240
+    assert sol.certificate.certified(1e-8)
+    plain = solve(problem, ball, solver="active_set", low_rank="off")
+    assert "low_rank" not in plain.info
+    assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-10)
+    clarabel = solve(problem, ball, solver="clarabel")
+    assert sol.objective <= clarabel.objective + 1e-7 * max(1.0, abs(clarabel.objective))
+
+
+@pytest.mark.parametrize("case", ["strong_ridge", "ball_and_box", "box", "rank_too_high", "full_rank"])
+def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> None:
+    """The pre-test declines a ridge above ``WEAK_RIDGE`` (there the engine was as fast), a ball
+    with a box and a box (where the path lost as often as it won), a rank above n / 4 and a
+    full-rank H; the solve then runs without the path, as before."""
+    rng = np.random.default_rng(68)
+    n, rank, cond = 1200, 240, 1e9
+    if case == "strong_ridge":
+        cond = 1e5
+    elif case == "rank_too_high":
+        rank = 360
+    H = flat_low_rank(rng, n, n + 50 if case == "full_rank" else rank, cond)
+    problem, ball = planted_ball(rng, H, 4)
+    cset = {"ball_and_box": intersect([ball, Box(-0.5, 0.5)]), "box": Box(-1.0, 1.0)}.get(case, ball)
+    st = A.set_structure(cset, problem.shape)
+    assert LR.ball_low_rank(H, st) is None
+    sol = solve(problem, cset, solver="active_set")
+    assert "low_rank" not in sol.info
+    assert sol.certificate.certified(1e-8)
+
+
+def test_the_pre_test_counts_the_rank_above_the_weak_ridge() -> None:
+    """LAPACK's pivoted Cholesky of the sampled block stops at the weak ridge's level: about rank 240
+    of a block of 401 rows (4/3 of the limit 300, plus one) with cond 1e9 (a few more pivots: its
+    trailing diagonal after 240 steps is its rounding, ~1e-7 of the largest, above sigma ~ 1e-8 of
+    it), so within the limit; the whole block with cond 1e5."""
+    import scipy.linalg as sla
+    rng = np.random.default_rng(69)
+    for cond, expected in ((1e9, 240), (1e5, None)):
+        H = flat_low_rank(rng, 1200, 240, cond)
+        idx = LR._sample(1200, LR.SAMPLE, 300, 0)
+        assert idx is not None and idx.size == 401
+        S = np.array(H[np.ix_(idx, idx)])
+        _, _, rank, info = sla.lapack.dpstrf(S, tol=LR.WEAK_RIDGE * float(np.max(np.diag(S))))
+        if expected:
+            assert info == 1 and expected <= rank <= 0.75 * idx.size
+        else:
+            assert (rank, info) == (401, 0)

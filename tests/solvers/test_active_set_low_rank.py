@@ -152,9 +152,9 @@ def test_a_box_whose_dual_fails_falls_back_to_the_proximal_faces(monkeypatch: py
     def failing_stage(lr, g, st, rho, xc, nu, tol, jac):
         return xc, nu, LR.STAGE_STEPS, False
 
-    def first_face_fails(lr, g, st, x, book=None):
+    def first_face_fails(lr, g, st, x, book=None, gram=None):
         calls.append(1)
-        return (None, LR.PDAS_STEPS) if len(calls) == 1 else face_pdas(lr, g, st, x, book)
+        return (None, LR.PDAS_STEPS) if len(calls) == 1 else face_pdas(lr, g, st, x, book, gram)
 
     monkeypatch.setattr(LR, "_stage", failing_stage)
     monkeypatch.setattr(LR, "_face_pdas", first_face_fails)
@@ -582,3 +582,60 @@ def test_the_pre_test_counts_the_rank_above_the_weak_ridge() -> None:
             assert info == 1 and expected <= rank <= 0.75 * idx.size
         else:
             assert (rank, info) == (401, 0)
+
+
+def test_the_free_rows_gram_follows_the_faces() -> None:
+    """``_FreeGram`` after any sequence of masks (a few rows changed, none, most of them) is the
+    Gram matrix of the current free rows, to the rounding of a fresh sum; it recomputes once its
+    updates reach its rows."""
+    rng = np.random.default_rng(70)
+    U = rng.standard_normal((400, 30))
+    gram = LR._FreeGram(U)
+    free = rng.random(400) < 0.5
+    for step in range(40):
+        flips = rng.choice(400, size=int(rng.choice([0, 3, 20, 300])), replace=False)
+        free = free.copy()
+        free[flips] = ~free[flips]
+        G = gram(free)
+        fresh = U[free].T @ U[free]
+        assert np.allclose(G, fresh, rtol=0.0, atol=1e-12 * float(np.max(np.abs(fresh))))
+        assert gram.updates <= max(int(np.count_nonzero(free)), 1)
+
+
+@pytest.mark.parametrize("kind", ["ball", "sums", "none"])
+def test_a_face_point_from_the_kept_gram_is_the_fresh_one(kind: str) -> None:
+    """The Woodbury face solve with the Gram matrix kept across faces gives the point of a fresh
+    one (the equations' correction ``B'(AA')^-1 B`` in place of forming ``V'V``), and both solve the
+    face's KKT system."""
+    rng = np.random.default_rng(71)
+    n, r, sigma = 300, 40, 1e-3
+    U = rng.standard_normal((n, r)) / np.sqrt(r)
+    lr = LR.RidgeLowRank(U, sigma, 0.0)
+    h = rng.standard_normal(n)
+    gram = LR._FreeGram(U)
+    for _ in range(3):
+        x = rng.uniform(0.1, 1.0, n) * rng.choice([-1.0, 1.0], n) * (rng.random(n) < 0.6)
+        free = x != 0
+        if kind == "ball":
+            a = np.where(x >= 0, 1.0, -1.0)
+            eq = (np.zeros(n, dtype=np.intp), a, np.array([float(np.sum(np.abs(x)))]))
+        elif kind == "sums":
+            group = np.arange(n) % 30
+            eq = (group, np.ones(n), np.bincount(group, x, minlength=30))
+        else:
+            eq = None
+        kept = LR._affine_face_point(lr, h, free, x, eq, gram)
+        fresh = LR._affine_face_point(lr, h, free, x, eq)
+        assert kept is not None and fresh is not None
+        assert np.allclose(kept, fresh, rtol=0.0, atol=1e-9 * float(np.max(np.abs(fresh))))
+        F = np.flatnonzero(free)
+        grad = sigma * kept + U @ (U.T @ kept) + h
+        if eq is None:
+            assert float(np.max(np.abs(grad[F]))) <= 1e-9 * float(np.max(np.abs(h)))
+        else:  # the gradient on the face is a combination of the equations' rows
+            group, a, totals = eq
+            Gf = group[F]
+            mult = np.bincount(Gf, a[F] * grad[F]) / np.maximum(np.bincount(Gf, a[F] ** 2), 1e-300)
+            assert float(np.max(np.abs(grad[F] - a[F] * mult[Gf]))) <= 1e-9 * float(np.max(np.abs(h)))
+            assert np.allclose(np.bincount(Gf, a[F] * kept[F], minlength=totals.size)
+                               + np.bincount(group[~free], (a * kept)[~free], minlength=totals.size), totals)

@@ -56,7 +56,7 @@ import numpy as np
 import scipy.linalg as sla
 
 from .cholesky import cho_solve
-from .constraints import ConstraintSet, SetStructure, as_constraint_set
+from .constraints import ConstraintSet, SetStructure, as_constraint_set, intersect
 from .constraints.base import linear_minimum_of, violation_of
 from .errors import UnsupportedError, ValidationError
 from .lower_bounds import LinearMinimum
@@ -894,11 +894,25 @@ def _charge_negative_curvature(floor: float, cset: ConstraintSet, D: np.ndarray,
 def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray] | None:
     """Finite ``(lo, hi)`` (flat) containing the set, from its separable structure: its bounds, a
     per-group sum with finite lower bounds (each variable at most the total less the others' lower
-    bounds), an L1 ball (centre +- radius); ``None`` when the set declares no structure or is
-    unbounded."""
-    st = cset.structure(shape) if cset.members() else None
+    bounds), an L1 ball (centre +- radius); for an intersection whose members do not all declare a
+    structure (sign consensus, a user's set), the box of those that do (the intersection lies in
+    it: ``box:0,1 & sign`` in ``[0, 1]``), else of each member that has one; ``None`` when no
+    member gives a finite box."""
+    members = cset.members()
+    st = cset.structure(shape) if members else None
     if st is None:
-        return None
+        if len(members) < 2:
+            return None
+        structured = [m for m in members if m.structure(shape) is not None]
+        if 0 < len(structured) < len(members):
+            sub = intersect(structured)
+            box = _bounding_box(sub, shape) if sub.structure(shape) is not None else None
+            if box is not None:
+                return box
+        boxes = [b for b in (_bounding_box(m, shape) for m in members if len(m.members()) == 1) if b is not None]
+        if not boxes:
+            return None
+        return np.max([b[0] for b in boxes], axis=0), np.min([b[1] for b in boxes], axis=0)
     lo, hi = np.array(st.lo, dtype=float), np.array(st.hi, dtype=float)
     if st.center is not None and st.radius is not None:
         lo = np.maximum(lo, st.center - st.radius)

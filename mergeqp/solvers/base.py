@@ -54,6 +54,11 @@ class QPSolver(ABC):
     #: numeric options that must be > 0 (``inf`` allowed: e.g. a time limit), checked by
     #: :meth:`check_options` so that a bad value is refused before the solver's own library sees it
     positive: tuple[str, ...] = ()
+    #: numeric options that must be >= 0 (e.g. OSQP's ``scaling``: 0 turns it off)
+    nonnegative: tuple[str, ...] = ()
+    #: string options and the values they take (a library's names, e.g. Clarabel's linear solvers):
+    #: another value is refused with the list, before the library reports "bad settings"
+    choices: Mapping[str, tuple[str, ...]] = {}
     #: benchmarked beyond ``mergeqp bench --max-n`` (a solver measured to scale to large n; the
     #: others are skipped there to keep a large benchmark's time bounded)
     large_n_benchmark: bool = False
@@ -85,6 +90,13 @@ class QPSolver(ABC):
             if key in self.positive and not float(value) > 0:
                 raise ValidationError(f"{self.name}: option {key}={value!r} is out of range: it must be > 0 "
                                       f"(default {default!r})")
+            if key in self.nonnegative and not float(value) >= 0:
+                raise ValidationError(f"{self.name}: option {key}={value!r} is out of range: it must be >= 0 "
+                                      f"(default {default!r})")
+        for key, allowed in self.choices.items():
+            if key in options and options[key] not in allowed:
+                raise ValidationError(f"{self.name}: option {key}={options[key]!r} is not one of "
+                                      f"{', '.join(map(repr, allowed))} (default {self.defaults[key]!r})")
         return {**self.defaults, **options}
 
     def check_ranges(self, opts: Mapping[str, Any], rules: Mapping[str, Any]) -> None:
@@ -93,9 +105,11 @@ class QPSolver(ABC):
         default."""
         for key, ok in rules.items():
             value = opts[key]
+            if not isinstance(value, (int, float, np.number)) or isinstance(value, (bool, np.bool_)):
+                raise ValidationError(f"{self.name}: option {key} must be a number (default "
+                                      f"{self.defaults[key]!r}), got {value!r}")
             try:
-                good = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_)) \
-                    and math.isfinite(float(value)) and bool(ok(float(value)))
+                good = math.isfinite(float(value)) and bool(ok(float(value)))
             except TypeError:
                 good = False
             if not good:

@@ -39,6 +39,7 @@ class ClarabelSolver(StandardFormSolver):
                 "direct_solve_method": "faer", "presolve_enable": True, "verbose": False,
                 "time_limit": math.inf}
     positive = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter", "time_limit")
+    choices = {"direct_solve_method": ("faer", "qdldl", "auto")}
 
     def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
         """``auto``'s fallback after ``dense_ipm`` from its ``auto_min_n`` (before it below), up to

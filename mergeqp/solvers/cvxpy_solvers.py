@@ -116,6 +116,7 @@ class CvxpyClarabelSolver(_CvxpySolver):
     defaults = {"tol_gap_abs": 1e-10, "tol_gap_rel": 1e-10, "tol_feas": 1e-10, "max_iter": 200,
                 "direct_solve_method": "faer", "verbose": False}
     positive = ("tol_gap_abs", "tol_gap_rel", "tol_feas", "max_iter")
+    choices = {"direct_solve_method": ("faer", "qdldl", "auto")}
 
 
 class CvxpyOSQPSolver(_CvxpySolver):

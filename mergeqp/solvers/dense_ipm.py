@@ -740,6 +740,10 @@ class _Ipm:
 
     # -- the iteration
     def run(self) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
+        fixed = self._fixed_point()
+        if fixed is not None:
+            return fixed, SolveStatus.OPTIMAL, 0, {"ipm_iterations": 0, "note": "every variable is fixed "
+                                                   "(lo == hi): the set's one point"}
         F, opts = self.F, self.opts
         P = self.problem
         tol = float(opts["tol"])
@@ -854,6 +858,31 @@ class _Ipm:
         if self.la.device is not None:
             info["device"] = str(self.la.device)
         return self.lift(x)[:P.n], status, it, info
+
+    def _fixed_point(self) -> np.ndarray | None:
+        """The set's one point where equality rows of one variable each fix every variable (a
+        box with ``lo == hi``: :func:`_eliminate` leaves that form as it is, and the iteration had
+        no interior to run in: on H with a zero row and a small scale it ended "no feasible point",
+        a review's find, stop 67); ``None`` otherwise, or where that point breaks an inequality
+        (the iteration then reports it)."""
+        F = self.F
+        if self.elimination is not None or F.n_aux or F.E.shape[0] < F.N:
+            return None
+        E = F.E.tocoo()
+        keep = E.data != 0
+        rows, cols, vals = E.row[keep], E.col[keep], E.data[keep]
+        if rows.size == 0 or np.bincount(rows, minlength=F.E.shape[0]).max() != 1:
+            return None
+        x = np.full(F.N, np.nan)
+        x[cols] = F.f[rows] / vals
+        if not bool(np.all(np.isfinite(x))):
+            return None
+        if not bool(np.allclose(F.E @ x, F.f, rtol=1e-12, atol=0.0)):
+            return None  # (two rows fixing one variable at different values)
+        slack = F.d() - F.Cx(x)
+        if slack.size and float(np.min(slack)) < -1e-12 * (1.0 + float(np.max(np.abs(F.d())))):
+            return None
+        return self.lift(self._clip(x))[:self.problem.n]
 
     def hmul(self, y: np.ndarray) -> np.ndarray:
         """``H y`` of the lifted H by the backend (:meth:`_Form.Hmul`)."""

@@ -35,6 +35,7 @@ class OSQPSolver(StandardFormSolver):
     defaults = {"eps_abs": 1e-9, "eps_rel": 1e-9, "polishing": True, "max_iter": 100000,
                 "adaptive_rho": True, "scaling": 10, "verbose": False, "time_limit": 1e10}
     positive = ("eps_abs", "eps_rel", "max_iter", "time_limit")
+    nonnegative = ("scaling",)
 
     def auto_fallback(self, problem: MergeQP, constraints: ConstraintSet) -> float | None:
         """``auto``'s last built-in fallback (after ``clarabel`` and ``dense_ipm``), up to

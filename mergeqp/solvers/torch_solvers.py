@@ -123,8 +123,14 @@ class _TorchQP:
         return x.detach().to("cpu", torch.float64).numpy().copy()
 
     def lipschitz(self, iters: int = 100, tol: float = 1e-6, seed: int = 0) -> float:
-        """``lambda_max(H)`` by power iteration (from a fixed random start)."""
+        """``lambda_max(H)`` by power iteration (from a fixed random start). Norms are taken with the
+        largest entry factored out: at H ~ 1e-170 (float64; 1e-25 in float32) the squares underflowed,
+        the estimate came back 0 and the solver ran all its iterations with a unit step."""
         import torch  # optional heavy dependency: deferred so mergeqp imports without torch
+
+        def norm(u: Any) -> float:
+            top = float(u.abs().max())
+            return top if top == 0.0 or not math.isfinite(top) else top * float((u / top).norm())
 
         gen = torch.Generator(device="cpu").manual_seed(seed)
         v = torch.randn(self.problem.n, generator=gen, dtype=torch.float64).to(self.device, self.dtype)
@@ -133,7 +139,7 @@ class _TorchQP:
         for _ in range(iters):
             w = self.hv(v)
             lam_new = float(torch.dot(v, w))
-            nw = float(w.norm())
+            nw = norm(w)
             if nw == 0:
                 return 0.0
             v = w / nw

@@ -36,6 +36,31 @@ def test_an_indefinite_h_within_psd_tol_is_charged_on_bounded_sets_and_never_cer
     assert p.regularised(1e-8).curvature_floor == 0.0
 
 
+def test_an_indefinite_h_is_charged_over_the_box_of_an_intersection_with_sign_consensus():
+    """Sign consensus declares no separable structure, so ``box:0,1 & sign`` had none either and the
+    charge for H's negative curvature was infinite: every solver uncertified (a review's find, stop
+    67). The intersection lies in the box: the charge is bounded by it, and the bound holds against
+    the global minimum over a grid of the set (two coordinates)."""
+    H = np.array([[2.0, 0.0], [0.0, -1e-9]])
+    g = np.array([-1.0, 0.3])
+    p = mq.MergeQP(H, g, shape=(2, 1))
+    assert p.curvature_floor < 0
+    sign = mq.SignConsensus(np.array([[1.0, -1.0]]), (2, 1))  # d0 >= d1
+    cset = mq.Box(0.0, 1.0) & sign
+    sol = mq.solve(p, cset, solver="clarabel")
+    cert = sol.certificate
+    assert math.isfinite(cert.fw_gap) and cert.certified(1e-6)
+    assert any("negative eigenvalue" in n and "includes" in n for n in cert.notes)
+    t = np.linspace(0.0, 1.0, 401)
+    X0, X1 = np.meshgrid(t, t)
+    inside = X0 >= X1
+    Z = 0.5 * (2.0 * X0 ** 2 - 1e-9 * X1 ** 2) + g[0] * X0 + g[1] * X1
+    assert sol.objective - cert.fw_gap <= float(np.min(Z[inside])) + 1e-12
+    # a set with no bounded member still has no box: no bound is proven
+    unbounded = mq.certify(p, mq.parse_constraints(["nonneg"]) & sign, sol.d)
+    assert math.isinf(unbounded.fw_gap)
+
+
 def test_a_kernel_component_of_the_gradient_above_rounding_is_never_called_round_off():
     """Two identical models: H v = 0 exactly for v = e0 - e1, and g.v = 6e-9 |g|: J falls without
     bound along -v. The old rule dropped components below 1e-8 of the scale and certified."""

@@ -338,8 +338,17 @@ def test_dual_path_matches_the_reference_on_small_problems(monkeypatch: pytest.M
     if "paired" in sol.info:  # sums of two coordinates: the engine's set is a box of n / 2 (stop 65)
         assert groups == n / 2
         n_set, groups = n // 2, 0
-    # the rank limit: an eighth of the set's dimension, at least n / 12; else the engine alone
-    assert ("low_rank" in sol.info) == (r <= max(n_set / 12, (n_set - groups) / 8))
+    # the rank limit: an eighth of the set's dimension, at least n / 12; else the engine alone, except
+    # on an L1 ball alone with a weak ridge or none, up to n / 4 (stop 67; there the pre-test's count
+    # of the sampled block's rank may run a few above r, so near n / 4 either is right)
+    base_limit = max(n_set / 12, (n_set - groups) / 8)
+    weak = not np.isfinite(cond) or float(np.min(np.linalg.eigvalsh(H))) <= LR.WEAK_RIDGE * float(np.max(np.diag(H)))
+    if r <= base_limit:
+        assert "low_rank" in sol.info
+    elif kind == "l1" and weak and r <= n / 4:
+        assert "low_rank" not in sol.info or sol.info["low_rank"]["rank"] == r
+    else:
+        assert "low_rank" not in sol.info
     assert optimal(sol)
     scale = float(np.abs(g).sum()) + abs(c)
     assert sol.objective == pytest.approx(reference.objective, rel=1e-8, abs=1e-9 * scale)

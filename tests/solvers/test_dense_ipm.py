@@ -535,3 +535,23 @@ def test_a_small_scale_is_raised_to_one_so_the_iteration_does_not_depend_on_it()
     assert sols[1e-3].iterations == sols[1e-6].iterations
     assert sols[1e-3].info["objective_scaled_by"] == pytest.approx(1e3 * sols[1e-6].info["objective_scaled_by"] / 1e6)
     np.testing.assert_allclose(sols[1e-3].d, sols[1e-6].d, atol=1e-7)
+
+
+@pytest.mark.parametrize("solver", ["dense_ipm", "torch_ipm"])
+@pytest.mark.parametrize("with_sign", [False, True])
+def test_a_set_of_one_point_returns_it(solver: str, with_sign: bool) -> None:
+    """A box with ``lo == hi`` everywhere is one point: the interior point had no interior to run in
+    and, on H with a zero row at a small scale, ended "no feasible point" (a review's find, stop 67);
+    now the point is returned without an iteration, certified as Clarabel certifies it."""
+    H = np.diag([0.0, 3e-5])
+    g = np.array([-1e-3, -6e-3])
+    problem = MergeQP(H, g, 0.0, shape=(1, 2))
+    point = np.array([[0.3, 0.2]])
+    cset = Box(point, point)
+    if with_sign:
+        cset = cset & SignConsensus(np.array([[1.0, -1.0]]), (1, 2))  # d0 >= d1 holds at the point
+    sol = solve(problem, cset, solver=solver)
+    assert sol.status == SolveStatus.OPTIMAL and sol.info["ipm_iterations"] == 0
+    np.testing.assert_array_equal(sol.d, point)
+    assert sol.certificate.certified()
+    assert sol.objective == pytest.approx(solve(problem, cset, solver="clarabel").objective, rel=1e-9)

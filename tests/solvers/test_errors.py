@@ -390,6 +390,26 @@ def test_solver_option_values_out_of_range_are_refused_before_the_library(solver
     assert solve(inner, "box:0,1", solver="clarabel", time_limit=float("inf")).certificate.certified()
 
 
+@pytest.mark.parametrize("solver, options, message", [
+    ("clarabel", {"direct_solve_method": "bogus"}, r"clarabel: option direct_solve_method='bogus' is not one of "
+                                                   r"'faer', 'qdldl', 'auto'"),
+    ("cvxpy_clarabel", {"direct_solve_method": "cholmod"}, r"is not one of 'faer', 'qdldl', 'auto'"),
+    ("osqp", {"scaling": -1}, r"osqp: option scaling=-1 is out of range: it must be >= 0"),
+    ("closed_form", {"rcond": "x"}, r"closed_form: option rcond must be a number \(default None\), got 'x'"),
+])
+def test_library_options_are_checked_before_the_library_sees_them(solver, options, message) -> None:
+    """A review's find (stop 67): these reached the library ("bad settings", a SolverError), or
+    called a string "out of range"."""
+    problem = MergeQP(np.eye(4), -0.5 * np.ones(4), shape=(2, 2))
+    with pytest.raises(ValidationError, match=message):
+        solve(problem, None if solver == "closed_form" else "box:0,1", solver=solver, **options)
+    if solver == "clarabel":  # each listed value works
+        for method in ("qdldl", "auto"):
+            assert solve(problem, "box:0,1", solver=solver, direct_solve_method=method).certificate.certified()
+    if solver == "osqp":
+        assert solve(problem, "box:0,1", solver=solver, scaling=0).certificate.certified()
+
+
 def _claims_empty(monkeypatch, name: str) -> None:
     def fake(problem, constraints, x0=None, **options):
         raise InfeasibleError(f"{name}: the constraint set {constraints.spec} is infeasible (injected)")

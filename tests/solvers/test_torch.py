@@ -139,9 +139,16 @@ def test_an_overflowing_iterate_is_the_solvers_not_the_sets():
 
     rng = np.random.default_rng(5)
     A, b = rng.standard_normal((12, 6)), rng.standard_normal(12)
+    # (since stop 67 the power iteration's norms do not overflow at 2e300, and the solve certifies
+    # there, at active_set's J; at 1e307 the iterate itself overflows)
     p = mq.MergeQP(2e300 * A.T @ A, 2e300 * A.T @ b, c=1e300 * float(b @ b), shape=(2, 3))
-    with pytest.raises(SolverError, match=r"iterate overflowed to NaN or inf before its projection onto nonneg"):
-        mq.solve(p, "nonneg", solver="torch_fista")
+    sol = mq.solve(p, "nonneg", solver="torch_fista")
+    assert sol.certificate.certified()
+    assert sol.objective == pytest.approx(mq.solve(p, "nonneg", solver="active_set").objective, rel=1e-9)
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = mq.MergeQP(1e307 * A.T @ A, 1e307 * A.T @ b, c=0.5e307 * float(b @ b), shape=(2, 3))
+        with pytest.raises(SolverError, match=r"iterate overflowed to NaN or inf before its projection onto nonneg"):
+            mq.solve(p, "nonneg", solver="torch_fista")
 
 
 def test_a_bad_dtype_option_names_the_solver_and_option():
@@ -152,3 +159,17 @@ def test_a_bad_dtype_option_names_the_solver_and_option():
     for solver in ("torch_fista", "torch_adam"):
         with pytest.raises(ValidationError, match=rf"^{solver}: option dtype='float16' must be one of float32, float64"):
             mq.solve(p, "box:0,1", solver=solver, dtype="float16")
+
+
+@pytest.mark.parametrize("scale", [1e-170, 1.0, 1e150])
+def test_fista_step_is_right_at_any_scale(scale: float) -> None:
+    """The power iteration's norms factor out the largest entry: at H ~ 1e-170 the squares
+    underflowed, lambda_max came back 0, the step was 1 (1e170 times too short) and the solver
+    returned its start after all its iterations (a review's find, stop 67)."""
+    rng = np.random.default_rng(2)
+    A = rng.normal(size=(8, 15))
+    p = MergeQP(A.T @ A * scale, rng.normal(size=15) * scale, 0.0, shape=(3, 5))
+    sol = solve(p, Box(0.0, 1.0), solver="torch_fista")
+    lam = float(np.linalg.eigvalsh(A.T @ A)[-1]) * scale
+    assert lam * (1.0 - 1e-6) <= sol.info["lipschitz"] <= 1.1 * lam  # (1.05 lambda_max: the step's margin)
+    assert sol.certificate.certified(1e-8)

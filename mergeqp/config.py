@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from .errors import ConfigError
+from .errors import ConfigError, MergeQPError
+from .io.text import read_text
 from .plugins import import_plugins
 from .run.schema import (
     BLOCK_SHAPES,
@@ -144,7 +145,13 @@ def load_config(path: str | Path) -> MergeConfig:
     if not p.is_file():
         raise ConfigError(f"config file not found: {p}")
     try:
-        data = read_yaml(p.read_text())
+        text = read_text(p, "config")
+    except MergeQPError as exc:  # not UTF-8 (a traceback until stop 67), unreadable
+        raise ConfigError(str(exc)) from None
+    try:
+        data = read_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
+    if data is None:
+        raise ConfigError(f"config {p} is empty (no YAML mapping in it; docs/hf.md shows one)")
     return parse_config(data, root=p.resolve().parent, source=str(p), config_file=p.resolve())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .text import read_text
 from ..errors import ValidationError
 from .checkpoint import torch_load
 
@@ -78,11 +79,9 @@ def read_records(path: str | Path, what: str = "prompt file") -> list[tuple[str,
         raise ValidationError(f"{p}: {what}s are {', '.join(TEXT_SUFFIXES)}{tensors}; got {p.suffix!r}")
     if p.is_dir():
         raise ValidationError(f"{p}: a folder, not a {what}")
-    try:
-        # utf-8-sig: a byte-order mark (written by some editors) is not part of the first text
-        text = p.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValidationError(f"cannot read {what} {p}: {exc}") from None
+    # UTF-8 (a byte-order mark, written by some editors, is not part of the first text); errors name
+    # the line and column of a byte that is not (a review's find, stop 67: a byte offset)
+    text = read_text(p, what)
     # lines end at "\n" only (read_text turns "\r\n" and "\r" into it): str.splitlines also splits at
     # U+2028, U+0085 and form feeds, which JSON strings may hold (a review's valid JSONL was refused,
     # a .txt prompt split in two)

@@ -465,8 +465,15 @@ def _check_baseline(name: str, params: dict[str, Any], where: str, K: int) -> No
             f"here: a merge config runs it as 'method: {name}'{among}"
         )
     if name not in MERGE_METHODS:
-        known = ["qp", AUTO, *method_names()] if where == "method" else ["qp", *MERGE_METHODS]
-        raise ConfigError(f"{where}: {unknown('merge method', name, known)}")
+        if where == "method":
+            known = ["qp", AUTO, *method_names()]
+        else:  # a start: the baselines a merge runs on tensors; as a candidate also the QP and the model
+            # methods with a start fit; as method.start the automatic choice (a review's find, stop 67:
+            # 'start: qp' was refused with a list that offered 'qp', and 'auto' was missing)
+            starts = [b for b in MERGE_METHODS if b not in MODEL_METHODS or get_merge_method(b).tensorwise]
+            known = ([AUTO, *starts] if where == "method.start"
+                     else [QP_CANDIDATE, *starts, *(e for e in MODEL_METHODS if start_method(e) is not None)])
+        raise ConfigError(f"{where}: {unknown('start' if where == 'method.start' else 'merge method', name, known)}")
     method = get_merge_method(name)
     weights = params.get("weights")
     if isinstance(weights, (list, tuple)) and len(weights) != K:

@@ -126,7 +126,7 @@ def test_sign_constraint_from_the_problem_file(cvxpy_solve, random_problem, tmp_
         (["solve", "{ok}", "--out", "{ok}/x.json"], "is a file, not a folder"),
         (["certify", "{ok}", "--point", "{junk_npy}"], "not a NumPy array file (.npy)"),
         (["certify", "{ok}", "--point", "{ragged}"], "not a rectangular array of numbers"),
-        (["solve", "{ok}", "--solver", "closed_form", "--option", "rcond=abc"], "option rcond='abc' is out of range"),
+        (["solve", "{ok}", "--solver", "closed_form", "--option", "rcond=abc"], "option rcond must be a number (default None), got 'abc'"),
         (["solve", "{ok}", "--constraint", "box:0,1", "--solver", "torch_fista", "--option", "lipschitz=-1"],
          "option lipschitz=-1 is out of range"),
     ],

@@ -186,6 +186,33 @@ def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
         load_config(tmp_path / "dir.yaml")
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"base: b\n# caf\xe9\nmodels: []\n", r"is not UTF-8 text: byte 0xe9 at line 2, column 6 \(save it as UTF-8\)"),
+    ("base: b\n".encode("utf-16"), r"is UTF-16 text .* save it as UTF-8"),
+    (b"", r"is empty \(no YAML mapping in it"),
+    (b"# only a comment\n", r"is empty"),
+])
+def test_a_config_that_is_not_utf8_or_empty_is_named(tmp_path, content, message):
+    """(stop 67 review) A Latin-1 or UTF-16 config raised a UnicodeDecodeError traceback (exit 1, the
+    code of an uncertified merge); an empty one was "got NoneType". A UTF-8 byte-order mark is fine."""
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path)
+    path.write_bytes(b"\xef\xbb\xbf" + yaml.safe_dump(MINIMAL).encode())
+    assert load_config(path).base == MINIMAL["base"]
+
+
+def test_a_prompt_file_that_is_not_utf8_names_its_line(tmp_path):
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.calibration import read_prompts
+
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"first\nsecond caf\xe9\n")
+    with pytest.raises(ValidationError, match=r"prompt file .*p.txt is not UTF-8 text: byte 0xe9 at line 2, column 11"):
+        read_prompts(path)
+
+
 def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
     """(stop 60 review) YAML keeps the last of two equal keys: a second `method:` line replaced the QP
     block without a word. Each mapping, at any depth, refuses a repeated key; a merge key may still be

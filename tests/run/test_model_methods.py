@@ -267,6 +267,23 @@ def test_a_model_method_as_a_start_says_how_to_run_it(llama, tmp_path):
         build_plan(cfg)
 
 
+def test_an_unknown_start_lists_the_starts(llama, tmp_path):
+    """(stop 67 review) ``start: qp`` was refused with a list of valid names that offered 'qp' and
+    'output_space' (both refused there) and left out 'auto' (valid); a candidate's list offers the
+    QP and the model methods with a start fit."""
+    for start, want, refused in (("qp", "auto", ("'qp'", "output_space")), ("aut", "did you mean 'auto'", ())):
+        cfg = _config(llama, tmp_path, {"name": "qp", "mode": "trust_region", "start": start}, f"start_{start}")
+        with pytest.raises(ConfigError, match=r"method.start: unknown start") as err:
+            build_plan(cfg)
+        listed = str(err.value).split("valid starts:")[1]
+        assert want in str(err.value) and "ties" in listed
+        assert not any(name in listed for name in refused)
+    cfg = _auto_cfg(llama, tmp_path, ["ties", "nonesuch"], name="unknown_candidate")
+    with pytest.raises(ConfigError, match=r"unknown merge method 'nonesuch'") as err:
+        build_plan(cfg)
+    assert "qp" in str(err.value).split("valid merge methods:")[1]
+
+
 # ---------------------------------------------------------------------- as start: auto candidates (stop 58)
 def _auto_cfg(fam, tmp_path, candidates, name="auto"):
     method = {"name": "qp", "mode": "trust_region", "mode_options": {"max_steps": 1},

@@ -295,13 +295,21 @@ def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRan
     if not (math.isfinite(top) and top > 0):
         return None
     sigma = float(w[0])
+    weak = 0.0  # a ridge too weak to use (below SIGMA_MIN): H is taken as low rank without one, and
+    # the weak ridge joins the null space's cluster (stop 67: between 1e3 eps and SIGMA_MIN of the
+    # top, it was neither, and such H went to the engine: an interpolating box at cond 1e12, n = 1536,
+    # ended INACCURATE there, and auto took 1.8x dense_ipm's time)
     if not sigma > SIGMA_MIN * top:
-        sigma = 0.0  # no ridge: the cluster is the sample's null space, at its rounding
-    cluster = int(np.count_nonzero(w <= sigma * (1.0 + CLUSTER) + 1e3 * EPS * top))
+        sigma, weak = 0.0, max(sigma, 0.0)
+    cluster = int(np.count_nonzero(w <= (sigma + weak) * (1.0 + CLUSTER) + 1e3 * EPS * top))
     if cluster < CLUSTER_SHARE * m or m - cluster > max_rank:
         return None
-    stop = RESIDUAL * sigma if sigma > 0 else NO_RIDGE_RESIDUAL * float(np.max(np.diag(H)))
-    return _pivoted_cholesky(H, sigma, max_rank, stop)
+    if sigma > 0:
+        return _pivoted_cholesky(H, sigma, max_rank, RESIDUAL * sigma)
+    # without a ridge; a weak one is taken out of the factor (H - weak I = U U': its Schur complement
+    # would otherwise be several times it on some rows, and those pivoted too) and left in the residual
+    found = _pivoted_cholesky(H, weak, max_rank, NO_RIDGE_RESIDUAL * float(np.max(np.diag(H))) + RESIDUAL * weak)
+    return None if found is None else RidgeLowRank(found.U, 0.0, found.residual + H.shape[0] * weak)
 
 
 def _pivoted_cholesky(H: np.ndarray, sigma: float, max_rank: int, stop: float) -> RidgeLowRank | None:

@@ -13,6 +13,7 @@ quantity the certificate reports. The certificate itself recomputes everything o
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -52,6 +53,11 @@ def cuda_auto_declines(n: int, min_n: int, min_n_started: int, need_bytes: int, 
     ``cpu``: why not on a machine without CUDA; ``held``: what the bytes hold)."""
     if n < min_n_started:  # first: no torch import for the common small problem
         return f"n = {n} < {min_n_started}: {below}"
+    if n < min_n and "torch" not in sys.modules:
+        # a process that has not imported torch has not started CUDA: asking would import it (1.6 s,
+        # more than the solve at this size: stop 67, auto at n = 1536 on a box, 1.7 s against 0.3 s)
+        return (f"n = {n} < {min_n} and this process has not started CUDA (torch is not imported): starting it "
+                f"costs more than the GPU saves at this size")
     import torch  # the solver's available() ran first: torch is importable here
 
     if not torch.cuda.is_available():

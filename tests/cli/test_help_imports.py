@@ -49,3 +49,30 @@ def test_quiet_experiments_silence_transformers_bars():
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()
+
+
+_SOLVE_PROBE = """
+import sys
+import numpy as np
+import mergeqp as mq
+rng = np.random.default_rng(0)
+B = rng.standard_normal((1536, 40))
+problem = mq.MergeQP(B @ B.T + np.eye(1536), rng.standard_normal(1536), shape=(2, 768))
+for cset in ("box:0,1", "box:0,1 & sign"):
+    spec = mq.parse_constraints(["box:0,1"]) if cset == "box:0,1" else None
+    if spec is None:
+        deltas = rng.standard_normal((2, 768, 3))
+        spec = mq.Box(0, 1) & mq.SignConsensus.from_deltas(deltas, "rows")
+    sol = mq.solve(problem, spec, solver="auto")
+    assert sol.certificate.certified(), cset
+print("LOADED", *[m for m in {heavy!r} if m in sys.modules])
+"""
+
+
+def test_auto_on_a_cpu_problem_loads_no_heavy_dependency() -> None:
+    """(stop 67) ``auto`` at n = 1536, from which its GPU solvers are taken once CUDA is started,
+    asked torch whether it was: the import (1.6 s) was 5x the solve of a box there. A process that
+    has not imported torch has not started CUDA."""
+    out = subprocess.run([sys.executable, "-c", _SOLVE_PROBE.format(heavy=HEAVY)],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "LOADED"

@@ -648,3 +648,23 @@ def test_a_face_point_from_the_kept_gram_is_the_fresh_one(kind: str) -> None:
             assert float(np.max(np.abs(grad[F] - a[F] * mult[Gf]))) <= 1e-9 * float(np.max(np.abs(h)))
             assert np.allclose(np.bincount(Gf, a[F] * kept[F], minlength=totals.size)
                                + np.bincount(group[~free], (a * kept)[~free], minlength=totals.size), totals)
+
+
+@pytest.mark.parametrize("cond", [1e11, 1e12, 1e13])
+def test_a_ridge_too_weak_to_use_is_taken_as_none(cond: float) -> None:
+    """A ridge below ``SIGMA_MIN`` of the sample's top eigenvalue but above the rounding cluster
+    (cond 1e11-1e13) was neither a ridge nor the null space's cluster, and the detection declined
+    (stop 67: such an interpolating box at n = 1536 ended INACCURATE in the engine, and ``auto`` took
+    1.8x ``dense_ipm``'s time). It joins the cluster: H is low rank without a ridge (the ridge left
+    in the residual), and the solve through the path is certified at ``dense_ipm``'s J."""
+    rng = np.random.default_rng(72)
+    H = flat_low_rank(rng, 1200, 100, cond)
+    lr = LR.ridge_low_rank(H)
+    assert lr is not None and lr.sigma == 0.0 and lr.rank == 100
+    assert lr.residual <= 3.0 * 1200 * float(np.linalg.eigvalsh(H)[0])  # the weak ridge, n sigma
+    problem = planted_box(rng, H, 4)
+    sol = solve(problem, Box(0.0, 1.0), solver="active_set")
+    assert sol.info["low_rank"]["rank"] == 100
+    assert sol.certificate.certified(1e-8)
+    ipm = solve(problem, Box(0.0, 1.0), solver="dense_ipm")
+    assert sol.objective == pytest.approx(ipm.objective, rel=1e-8, abs=1e-12)

@@ -125,8 +125,9 @@ MAX_RANK_SHARE = 1.0 / 8.0
 MIN_RANK_SHARE = 1.0 / 12.0
 #: on an L1 ball alone (no bounds) whose H has a weak ridge or none, the path takes ranks up to this
 #: share of n (:func:`ball_low_rank`; stop 67: from n / 8 to n / 4 it took 0.21-1.10x the engine's
-#: time on such balls, median about 0.55, where the engine crawls through its proximal levels;
-#: with a stronger ridge, on balls with a box and on boxes it lost as often as it won)
+#: time on the selection sweep's such balls, 0.34-0.93x on 16 validation cells, where the engine
+#: crawls through its proximal levels; with a stronger ridge, on balls with a box and on boxes it
+#: lost as often as it won)
 BALL_RANK_SHARE = 1.0 / 4.0
 #: a weak ridge: ``sigma`` at most this share of ``max diag H`` (the sampled block's, for the
 #: pre-test: LAPACK's pivoted Cholesky ``dpstrf`` with this tolerance counts its rank)
@@ -241,8 +242,9 @@ def ball_low_rank(H: np.ndarray, st: SetStructure, *, seed: int = 0) -> RidgeLow
     n; ``None`` otherwise (other sets, a stronger ridge, a higher rank: the engine's case). A
     pre-test decides cheaply: LAPACK's pivoted Cholesky of the sampled principal block that
     :func:`ridge_low_rank` would take at this limit, stopped where its remaining diagonal falls to
-    the weak ridge's level, counts the block's rank, roughly (its trailing diagonal is its rounding
-    there, so a few pivots more than the rank: the count only has to be within the limit); a
+    the weak ridge's level, counts the block's rank, roughly (its trailing diagonal there is the
+    ridge's Schur complement, several times the ridge on some rows, so a few pivots more than the
+    rank: the count only has to be within the limit); a
     full-rank block, the usual case, costs one pivoted Cholesky of ``n / 3`` rows (25 ms at n =
     3072, about 6% of one Cholesky of H). Only where that count is within the limit does
     :func:`ridge_low_rank` look (its eigenvalues and the pivoted Cholesky of H). Kept with the
@@ -297,8 +299,8 @@ def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRan
     sigma = float(w[0])
     weak = 0.0  # a ridge too weak to use (below SIGMA_MIN): H is taken as low rank without one, and
     # the weak ridge joins the null space's cluster (stop 67: between 1e3 eps and SIGMA_MIN of the
-    # top, it was neither, and such H went to the engine: an interpolating box at cond 1e12, n = 1536,
-    # ended INACCURATE there, and auto took 1.8x dense_ipm's time)
+    # top, it was neither, and such H went to the engine: an interpolating box at cond 1e12, n = 768,
+    # ended INACCURATE there, auto 0.38 s through dense_ipm; now 0.083 s)
     if not sigma > SIGMA_MIN * top:
         sigma, weak = 0.0, max(sigma, 0.0)
     cluster = int(np.count_nonzero(w <= (sigma + weak) * (1.0 + CLUSTER) + 1e3 * EPS * top))

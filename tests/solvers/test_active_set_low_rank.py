@@ -577,8 +577,8 @@ def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> 
 def test_the_pre_test_counts_the_rank_above_the_weak_ridge() -> None:
     """LAPACK's pivoted Cholesky of the sampled block stops at the weak ridge's level: about rank 240
     of a block of 401 rows (4/3 of the limit 300, plus one) with cond 1e9 (a few more pivots: its
-    trailing diagonal after 240 steps is its rounding, ~1e-7 of the largest, above sigma ~ 1e-8 of
-    it), so within the limit; the whole block with cond 1e5."""
+    trailing diagonal after 240 steps is the ridge's Schur complement, up to ~1e-7 of the largest on
+    some rows where sigma is ~1e-8 of it), so within the limit; the whole block with cond 1e5."""
     import scipy.linalg as sla
     rng = np.random.default_rng(69)
     for cond, expected in ((1e9, 240), (1e5, None)):
@@ -654,9 +654,10 @@ def test_a_face_point_from_the_kept_gram_is_the_fresh_one(kind: str) -> None:
 def test_a_ridge_too_weak_to_use_is_taken_as_none(cond: float) -> None:
     """A ridge below ``SIGMA_MIN`` of the sample's top eigenvalue but above the rounding cluster
     (cond 1e11-1e13) was neither a ridge nor the null space's cluster, and the detection declined
-    (stop 67: such an interpolating box at n = 1536 ended INACCURATE in the engine, and ``auto`` took
-    1.8x ``dense_ipm``'s time). It joins the cluster: H is low rank without a ridge (the ridge left
-    in the residual), and the solve through the path is certified at ``dense_ipm``'s J."""
+    (stop 67: such an interpolating box at n = 768 ended INACCURATE in the engine, and ``auto`` went
+    on to ``dense_ipm``). It joins the cluster and is taken out of the factor: H is low rank without
+    a ridge (the ridge left in the residual), and the solve through the path is certified at
+    ``dense_ipm``'s J."""
     rng = np.random.default_rng(72)
     H = flat_low_rank(rng, 1200, 100, cond)
     lr = LR.ridge_low_rank(H)

@@ -63,6 +63,7 @@ from .lower_bounds import LinearMinimum
 from .lower_bounds import lower_bound as linear_minimum_bound
 from .matrix_cache import forget_matrix, matrix_values
 from .problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_rounding
+from .problem import stable_norm as _norm
 
 DEFAULT_REL_TOL = 1e-6
 DEFAULT_FEAS_TOL = 1e-7
@@ -929,16 +930,6 @@ def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarr
     if not (np.all(np.isfinite(lo)) and np.all(np.isfinite(hi))):
         return None
     return lo, hi
-
-
-def _norm(x: np.ndarray) -> float:
-    """``||x||_2`` without overflow or underflow of the squares (entries near 1e200 or 1e-200): the
-    largest magnitude is factored out first."""
-    x = np.asarray(x, dtype=np.float64)
-    m = float(np.max(np.abs(x), initial=0.0))
-    if m == 0.0 or not math.isfinite(m):
-        return m
-    return m * float(np.linalg.norm(x / m))
 
 
 def check_point_shape(problem: MergeQP, d: np.ndarray) -> np.ndarray:

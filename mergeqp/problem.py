@@ -506,6 +506,16 @@ MATVEC_DENSE_CHECK_N = 512
 GAP_ROUNDING_FACTOR = 8.0
 
 
+def stable_norm(x: Any) -> float:
+    """``||x||_2`` without overflow or underflow of the squares (entries near 1e200 or 1e-200): the
+    largest magnitude is factored out first."""
+    x = np.asarray(x, dtype=np.float64)
+    m = float(np.max(np.abs(x), initial=0.0))
+    if m == 0.0 or not math.isfinite(m):
+        return m
+    return m * float(np.linalg.norm(x / m))
+
+
 def gradient_rounding(n: int, g_inf: float, curvature: float, x_inf: float) -> float:
     """Estimated float64 error of one entry of ``grad J = H x + g`` (units of the gradient):
     ``sqrt(n) eps (|g|_inf + curvature |x|_inf)``, with ``curvature |x|_inf`` a bound on every

@@ -85,7 +85,7 @@ from ..constraints import ConstraintSet, SetStructure
 from ..constraints.base import members_structure
 from ..constraints.kernels import lmo_structure, project_structure
 from ..errors import SolverError, UnboundedError, ValidationError
-from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_rounding
+from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_rounding, stable_norm
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
@@ -799,7 +799,7 @@ def unbounded_direction(problem: MergeQP, st: SetStructure, x: np.ndarray) -> st
     top = float(np.max(np.abs(problem.diagonal()), initial=0.0))
     flat = curv <= 1e-10 * max(top, 1e-300)
     beyond = curv <= 0 or -gv / curv > 1e3 * float(np.linalg.norm(x))
-    if gv < -1e-8 * max(float(np.linalg.norm(problem.g)), np.finfo(float).tiny) and flat and beyond:
+    if gv < -1e-8 * max(stable_norm(problem.g), np.finfo(float).tiny) and flat and beyond:
         return (f"J decreases without bound along the direction v (|v| = 1, inside the set's "
                 f"recession cone) with v'Hv = {curv:.2g} and g'v = {gv:.3g} < 0 (the iterates "
                 f"reached |d|_inf = {norm:.3g})")

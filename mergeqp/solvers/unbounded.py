@@ -34,7 +34,7 @@ import numpy as np
 
 from ..constraints import ConstraintSet, SetStructure
 from ..errors import MergeQPError, SolverError, UnboundedError
-from ..problem import MergeQP
+from ..problem import MergeQP, stable_norm
 from .unconstrained import unconstrained_minimiser
 
 #: a ray counts as flat when its curvature is at most this fraction of the largest diagonal of H
@@ -66,14 +66,15 @@ def descent_ray(problem: MergeQP, v: Any) -> str | None:
         return None
     v = v / nv
     gv = float(problem.g @ v)
-    if not gv < -1e-8 * max(float(np.linalg.norm(problem.g)), np.finfo(float).tiny):
+    if not gv < -1e-8 * max(stable_norm(problem.g), np.finfo(float).tiny):
         return None
     curv = float(v @ problem.matvec(v))
     top = _top_diag(problem)
     if curv > FLAT * max(top, np.finfo(float).tiny):
         return None
-    natural = abs(problem.c) + (float(problem.g @ problem.g) / top if top > 0 else 0.0)
-    drop = math.inf if curv <= 0 else gv * gv / (2.0 * curv)
+    # (as ratios before squaring: g'g and gv^2 overflowed at a scale of 1e200, and the ray was refused)
+    natural = abs(problem.c) + ((stable_norm(problem.g) / math.sqrt(top)) ** 2 if top > 0 else 0.0)
+    drop = math.inf if curv <= 0 else (gv / math.sqrt(2.0 * curv)) ** 2
     if drop <= RAY_RATIO * max(natural, np.finfo(float).tiny):
         return None
     return (f"J decreases without bound along a direction v (|v| = 1) with v'Hv = {curv:.2g} "

@@ -10,6 +10,7 @@ import numpy as np
 import scipy.linalg as sla
 
 from ..cholesky import cho_solve
+from ..problem import stable_norm
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ def unconstrained_minimiser(H: np.ndarray, g: np.ndarray, rcond: float | None = 
     keep = w > cut
     coef = V.T @ g
     x = -(V[:, keep] @ (coef[keep] / w[keep]))
-    outside = float(np.linalg.norm(coef[~keep])) / max(float(np.linalg.norm(g)), np.finfo(float).tiny)
+    outside = stable_norm(coef[~keep]) / max(stable_norm(g), np.finfo(float).tiny)  # (squares overflowed at 1e200)
     if outside == 0:
         return UnconstrainedMinimiser(x, "pseudo-inverse", kernel=V[:, ~keep])
     ray = -(V[:, ~keep] @ coef[~keep])

@@ -10,6 +10,7 @@ from mergeqp.constraints import Box, L1Ball, SignConsensus, Simplex, UserConstra
 from mergeqp.errors import (
     InfeasibleError,
     SolverError,
+    UnboundedError,
     UnknownNameError,
     UnsupportedError,
     ValidationError,
@@ -621,3 +622,17 @@ def test_auto_searches_for_a_ray_once_when_its_first_solvers_claim_was_refuted(m
     sol = solve(problem, None)  # auto picks closed_form here
     assert sol.solver != "closed_form" and not sol.certified  # the fallback's answer has no bound either
     assert len(calls) == 1, calls
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e200, 1e250, 1e-300])
+@pytest.mark.parametrize("solver", ["active_set", "auto"])
+def test_an_unbounded_problem_is_called_so_at_any_scale(scale: float, solver: str) -> None:
+    """(stop 67 review) At 1e200 the descent ray's tests squared ``g`` (``g'g``, ``(g'v)^2``) and
+    overflowed, and ``active_set`` returned OPTIMAL with an uncertified J of -1e213: the norms now
+    factor out their largest entry, and the ratio is taken before squaring."""
+    rng = np.random.default_rng(0)
+    A, g = rng.normal(size=(8, 15)), rng.normal(size=15)
+    with np.errstate(over="ignore"):
+        problem = MergeQP(A.T @ A * scale, g * scale, 0.0, shape=(3, 5))
+        with pytest.raises(UnboundedError, match="unbounded below"):
+            solve(problem, None, solver=solver)

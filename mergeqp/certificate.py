@@ -905,12 +905,9 @@ def _bounding_box(cset: ConstraintSet, shape: tuple[int, int]) -> tuple[np.ndarr
         if len(members) < 2:
             return None
         structured = [m for m in members if m.structure(shape) is not None]
-        if 0 < len(structured) < len(members):
-            sub = intersect(structured)
-            box = _bounding_box(sub, shape) if sub.structure(shape) is not None else None
-            if box is not None:
-                return box
-        boxes = [b for b in (_bounding_box(m, shape) for m in members if len(m.members()) == 1) if b is not None]
+        if 0 < len(structured) < len(members):  # (its box lies in each structured member's)
+            return _bounding_box(intersect(structured), shape)
+        boxes = [b for b in (_bounding_box(m, shape) for m in members) if b is not None]
         if not boxes:
             return None
         return np.max([b[0] for b in boxes], axis=0), np.min([b[1] for b in boxes], axis=0)

@@ -343,15 +343,16 @@ def _pivoted_cholesky(H: np.ndarray, sigma: float, max_rank: int, stop: float) -
 
 
 # ---------------------------------------------------------------------- faces
-def _group_sums(st: SetStructure, F: np.ndarray, V: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per sum group, the sums of the rows of ``V`` (``(|F|,)`` or ``(|F|, k)``: values on the free
-    coordinates ``F``) and the count of its free coordinates."""
-    assert st.group is not None and st.totals is not None
-    G = int(st.totals.size)
-    grp = st.group[F]
-    cnt = np.bincount(grp, minlength=G).astype(np.float64)
-    member = sparse.csr_matrix((np.ones(F.size), (grp, np.arange(F.size))), shape=(G, F.size))
-    return np.asarray(member @ V), cnt
+def _less_group_means(M: np.ndarray, UF: np.ndarray, grp: np.ndarray, a: np.ndarray, n_groups: int) -> None:
+    """``M -= B'(A A')^-1 B`` in place, ``B = A U_F``: the rows ``A`` of the equations ``sum_G a_i
+    x_i`` on the free coordinates (``grp``: each one's group, ``a`` its coefficient) projected out
+    of the free rows' Gram matrix ``M = U_F'U_F`` (``U_F'P U_F``, ``P`` the projection on their null
+    space; groups with no free coordinate skipped)."""
+    member = sparse.csr_matrix((a, (grp, np.arange(grp.size))), shape=(n_groups, grp.size))
+    B = np.asarray(member @ UF)
+    norm2 = np.bincount(grp, a * a, minlength=n_groups)  # A A' (the count where a = +-1)
+    ok = norm2 > 0
+    M -= (B[ok] / norm2[ok, None]).T @ B[ok]
 
 
 def _sum_equations(st: SetStructure) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -414,9 +415,8 @@ class _Jacobian:
         M = self.gram(free).copy()
         F = np.flatnonzero(free)
         if st.group is not None and F.size:
-            B, cnt = _group_sums(st, F, U[F])
-            ok = cnt > 0
-            M -= (B[ok] / cnt[ok, None]).T @ B[ok]
+            assert st.totals is not None
+            _less_group_means(M, U[F], st.group[F], np.ones(F.size), int(st.totals.size))
         return M
 
 
@@ -778,11 +778,7 @@ def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.
     rhs = null(c - sigma * xp - UF @ (UF.T @ xp))
     VV = (_FreeGram(U) if gram is None else gram)(free).copy()
     if eq is not None and F.size:
-        grp = eq[0][F]
-        B = np.asarray(sparse.csr_matrix((aF, (grp, np.arange(F.size))), shape=(eq[2].size, F.size)) @ UF)
-        norm2 = np.bincount(grp, aF * aF, minlength=eq[2].size)  # A A' (the count where a = +-1)
-        ok = norm2 > 0
-        VV -= (B[ok] / norm2[ok, None]).T @ B[ok]
+        _less_group_means(VV, UF, eq[0][F], aF, int(eq[2].size))
     try:
         cf = sla.cho_factor(sigma * np.eye(lr.rank) + VV)
     except (np.linalg.LinAlgError, ValueError):

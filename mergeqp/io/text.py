@@ -18,9 +18,10 @@ _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
 def read_text(path: str | Path, what: str) -> str:
-    """The text of ``path`` (UTF-8; a leading byte-order mark dropped), or a
-    :class:`~mergeqp.errors.ValidationError` naming ``what`` (e.g. ``"config"``), the file and,
-    for bytes that are not UTF-8, their line and column."""
+    """The text of ``path`` (UTF-8; a leading byte-order mark dropped; ``"\r\n"`` and ``"\r"``
+    read as ``"\n"``, as ``Path.read_text`` reads them), or a :class:`~mergeqp.errors.ValidationError`
+    naming ``what`` (e.g. ``"config"``), the file and, for bytes that are not UTF-8, their line
+    and column."""
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -29,7 +30,7 @@ def read_text(path: str | Path, what: str) -> str:
     if raw.startswith(_UTF16_BOMS):
         raise ValidationError(f"{what} {p} is UTF-16 text (it starts with a UTF-16 byte-order mark): save it as UTF-8")
     try:
-        return raw.decode("utf-8-sig")
+        return raw.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
         before = raw[:exc.start]
         line = before.count(b"\n") + 1

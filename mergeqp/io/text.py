@@ -32,8 +32,8 @@ def read_text(path: str | Path, what: str) -> str:
     try:
         return raw.decode("utf-8-sig").replace("\r\n", "\n").replace("\r", "\n")
     except UnicodeDecodeError as exc:
-        before = raw[:exc.start]
+        before = raw[:exc.start].replace(b"\r\n", b"\n").replace(b"\r", b"\n")  # (the lines read)
         line = before.count(b"\n") + 1
-        column = exc.start - (before.rfind(b"\n") + 1) + 1
+        column = len(before) - (before.rfind(b"\n") + 1) + 1
         raise ValidationError(f"{what} {p} is not UTF-8 text: byte 0x{raw[exc.start]:02x} at line {line}, column "
                               f"{column} (save it as UTF-8)") from None

@@ -211,9 +211,11 @@ def test_a_prompt_file_that_is_not_utf8_names_its_line(tmp_path):
     for ending in (b"\r\n", b"\r", b"\n"):  # lines end as Path.read_text reads them
         path.write_bytes(ending.join([b"first", "caf\u00e9".encode(), b"third", b""]))
         assert read_prompts(path) == ["first", "caf\u00e9", "third"]
-    path.write_bytes(b"first\nsecond caf\xe9\n")
-    with pytest.raises(ValidationError, match=r"prompt file .*p.txt is not UTF-8 text: byte 0xe9 at line 2, column 11"):
-        read_prompts(path)
+    for ending in (b"\n", b"\r\n", b"\r"):
+        path.write_bytes(b"first" + ending + b"second caf\xe9" + ending)
+        with pytest.raises(ValidationError, match=r"prompt file .*p.txt is not UTF-8 text: byte 0xe9 at line 2, "
+                                                  r"column 11"):
+            read_prompts(path)
 
 
 def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):

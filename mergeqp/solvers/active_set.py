@@ -90,7 +90,7 @@ from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
 from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, ball_low_rank, polish_at_zero, rank_limit,
-                                  ridge_low_rank, solve_ridge_low_rank)
+                                  ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
 from .base import QPSolver, RawResult, work_arrays_decline
@@ -316,6 +316,18 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             width = float(np.sum(np.abs(x))) + self.n * max(1.0, float(np.max(np.abs(x), initial=0.0)))
         return GAP_ROUNDING_FACTOR * err * width
 
+    def converged(self, J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
+        """The engine's stopping test at the feasible ``x`` (``grad`` its gradient, ``J`` and ``gap``
+        there): the gap within ``tol`` of the certificate's scale, or at its rounding floor."""
+        # (the floor is computed only where the gap is below its bound over the whole set)
+        return gap <= float(self.opts["tol"]) * self.certificate_scale(J, x, grad) or (
+            gap <= self.floor_bound and gap <= self.rounding_floor(x, grad))
+
+    def stops_at(self, x: np.ndarray) -> bool:
+        """Whether the feasible ``x`` meets the stopping test (:meth:`converged`): one product with H."""
+        grad = self.H @ x + self.g
+        return self.converged(self.objective(x, grad), self.gap(x, grad), x, grad)
+
     def lipschitz(self) -> float:
         if self._lipschitz is None:
             try:
@@ -369,7 +381,6 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         grad = H @ x + g
         best_x, best_J = x, self.objective(x, grad)
         best_T = self.term_scale(x, grad)  # the size of J's terms at the best point (its rounding unit)
-        tol = float(opts["tol"])
         patience = int(opts["patience"])
         status = SolveStatus.MAX_ITERATIONS
         last_gap = self.gap(best_x, grad)
@@ -390,11 +401,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 break  # stable: solve it exactly
             face = new_face
 
-        def converged(J: float, gap: float, x: np.ndarray, grad: np.ndarray) -> bool:
-            # (the floor is computed only where the gap is below its bound over the whole set)
-            return gap <= tol * self.certificate_scale(J, x, grad) or (
-                gap <= self.floor_bound and gap <= self.rounding_floor(x, grad))
-
+        converged = self.converged
         if converged(best_J, last_gap, best_x, grad):
             return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)
         rho_min = float(opts["prox_min"]) * self.eta
@@ -749,7 +756,9 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
     problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
-    structure is found."""
+    structure is found. Where a weak ridge was taken as none and decides the optimum
+    (``weak_ridge_decides``: an interpolating box) and the point does not meet the test, the path
+    runs again with the ridge (``solve_with_weak_ridge``) and the engine starts from that point."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
     lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st))
@@ -759,8 +768,18 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most
     # coordinates at a bound) its stages took 1.3-1.5x the Newton steps (docs/solvers.md, stop 62)
-    start = np.full(engine.n, 1.0 / engine.shape[0])
-    return solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, engine.project(start), engine.eta)
+    start = engine.project(np.full(engine.n, 1.0 / engine.shape[0]))
+    x, info = solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, start, engine.eta)
+    if weak_ridge_decides(lr, engine.st, engine.g, x) and (x is None or not engine.stops_at(x)):
+        # a weak ridge (below SIGMA_MIN) was taken as none, and the point does not meet the test: on
+        # an interpolating box the ridge is what decides the optimum among H's flat directions, so
+        # the path again with it (stop 68; the engine's faces there are ill-conditioned at the
+        # ridge's level, and it wandered until its wait ran out)
+        y, other = solve_with_weak_ridge(engine.H, engine.g, engine.st, lr, start, engine.eta)
+        info = {**info, "weak_ridge": {**other, "used": y is not None}}
+        if y is not None:
+            x = y
+    return x, info
 
 
 #: at most this many (nearly) all-free first faces are approximated by ``cg_start`` CG steps

@@ -80,6 +80,18 @@ faces run where the dual does not settle. Such H takes the path from n = :data:`
 (64; a ridge plus low rank from :data:`LOW_RANK_MIN_N`): below 256 the engine alone still ends
 uncertified on some of them.
 
+**A weak ridge** (between ``1e3 eps`` and :data:`SIGMA_MIN` of the sample's top eigenvalue: cond
+1e10-1e13) is taken as none (``H - weak I = U U'``, the ridge left in the residual and kept as
+``RidgeLowRank.weak``). Where the point of that path does not meet the engine's test on a set of
+bounds alone and the gradient of ``U U'`` vanishes there (:func:`weak_ridge_decides`: the low-rank
+part's minimum is reached on a flat set of points and the weak ridge is what picks the optimum among
+them, an interpolating problem with ``J* ~ 0``), the path runs again with the weak ridge as its ridge
+(:func:`solve_with_weak_ridge`: the dual on ``weak + rho``, whose late stages reach the ridge's
+level, its point polished as without the ridge) and the engine starts from that point. Stop 68: such boxes at n = 1536 (cond 1e11-1e12) went
+from 0.5-1.1 s uncertified (the engine's faces are ill-conditioned at the ridge's level, and it
+wandered until its wait ran out) to 0.08-0.18 s certified; on L1 balls and sums the retry did not help
+and is not taken.
+
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from
 it (its face as the first guess). So the path never changes what is certified, only how fast.
@@ -105,6 +117,7 @@ from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
 __all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero",
+           "weak_ridge_decides", "solve_with_weak_ridge",
            "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there) ...
@@ -194,15 +207,36 @@ Face = tuple[np.ndarray, "Equations | None"]
 @dataclass(frozen=True)
 class RidgeLowRank:
     """``H = sigma I + U U' + E``: ``U`` ``(n, r)``, ``sigma >= 0`` (0: no ridge, H of rank ``r``
-    up to E), ``residual`` = ``trace E`` (the pivoted Cholesky's remaining diagonal), ``rank`` = ``r``."""
+    up to E), ``residual`` = ``trace E`` (the pivoted Cholesky's remaining diagonal), ``rank`` = ``r``.
+    ``weak``: with ``sigma = 0``, a ridge too weak to use that was taken out of the factor (``H -
+    weak I = U U'``) and counted in ``residual``; 0 where there is none."""
 
     U: np.ndarray
     sigma: float
     residual: float
+    weak: float = 0.0
 
     @property
     def rank(self) -> int:
         return int(self.U.shape[1])
+
+    def with_weak_ridge(self) -> RidgeLowRank | None:
+        """The same factor with its weak ridge as the ridge (``sigma = weak``: the dual and the face
+        solves then divide by it), ``None`` where there is none."""
+        if not self.weak > 0:
+            return None
+        return RidgeLowRank(self.U, self.weak, max(self.residual - self.U.shape[0] * self.weak, 0.0))
+
+
+def weak_ridge_decides(lr: RidgeLowRank, st: SetStructure, g: np.ndarray, x: np.ndarray | None) -> bool:
+    """Whether the path taken without ``lr``'s weak ridge should run again with it
+    (:meth:`RidgeLowRank.with_weak_ridge`): on a set of bounds alone (the dual's case; on sums and L1
+    balls the retry was measured not to help, stop 68), where there is one and at the path's point
+    ``x`` the gradient of ``U U'`` vanishes everywhere (:func:`_interpolating`: the low-rank part's
+    minimum 0 is reached on a flat set of points, and the weak ridge is what picks the optimum among
+    them), or the path reached no point."""
+    return (lr.weak > 0 and st.group is None and st.center is None
+            and (x is None or _interpolating(lr, g, x)))
 
 
 def rank_limit(n: int, st: SetStructure | None = None) -> int:
@@ -311,7 +345,11 @@ def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRan
     # without a ridge; a weak one is taken out of the factor (H - weak I = U U': its Schur complement
     # would otherwise be several times it on some rows, and those pivoted too) and left in the residual
     found = _pivoted_cholesky(H, weak, max_rank, NO_RIDGE_RESIDUAL * float(np.max(np.diag(H))) + RESIDUAL * weak)
-    return None if found is None else RidgeLowRank(found.U, 0.0, found.residual + H.shape[0] * weak)
+    if found is None:
+        return None
+    # (kept as a ridge to retry with only where it is above the rounding of the sample's eigenvalues)
+    usable = weak if weak > 1e3 * EPS * top else 0.0
+    return RidgeLowRank(found.U, 0.0, found.residual + H.shape[0] * weak, usable)
 
 
 def _pivoted_cholesky(H: np.ndarray, sigma: float, max_rank: int, stop: float) -> RidgeLowRank | None:
@@ -569,6 +607,22 @@ def solve_ridge_low_rank(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Rid
         if x is not None:
             info.pop("failed", None)
     return x, info
+
+
+def solve_with_weak_ridge(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,
+                          eta: float) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The path (:func:`solve_ridge_low_rank`) from ``x0`` with ``lr``'s weak ridge as its ridge
+    (:meth:`RidgeLowRank.with_weak_ridge`; ``None`` and no info where it has none), its point then
+    polished as without the ridge (:func:`_polish_singular` on its face, with the true H). The dual's
+    ``x(nu)`` divides its rounding by the weak ridge, and ``U U'`` sees that error: where the face
+    active set after the dual did not converge, its point had a gap of 0.2-0.5 at ``J ~ 5e-10`` on
+    boxes at cond 1e12 (n = 1152-1536); the polish without the ridge, which divides by nothing that
+    small, brought them to the certificate's floor (stop 68)."""
+    ridged = lr.with_weak_ridge()
+    if ridged is None:
+        return None, {}
+    y, info = solve_ridge_low_rank(H, g, st, ridged, x0, eta)
+    return (None if y is None else _finish(H, g, lr, st, y)), info
 
 
 def _dual(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, x0: np.ndarray,

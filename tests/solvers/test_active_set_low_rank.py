@@ -669,3 +669,68 @@ def test_a_ridge_too_weak_to_use_is_taken_as_none(cond: float) -> None:
     assert sol.certificate.certified(1e-8)
     ipm = solve(problem, Box(0.0, 1.0), solver="dense_ipm")
     assert sol.objective == pytest.approx(ipm.objective, rel=1e-8, abs=1e-12)
+
+
+@pytest.mark.parametrize("cond", [1e11, 1e12, float("inf")])
+def test_the_weak_ridge_taken_as_none_is_kept_to_retry_with(cond: float) -> None:
+    """The detection takes a ridge below ``SIGMA_MIN`` as none and keeps it (``weak``: the sample's
+    smallest eigenvalue, here the ridge itself) for the retry; without a ridge (cond inf) there is
+    none to keep (the sample's smallest eigenvalue is rounding)."""
+    rng = np.random.default_rng(73)
+    H = flat_low_rank(rng, 1200, 100, cond)
+    lr = LR.ridge_low_rank(H)
+    assert lr is not None and lr.sigma == 0.0 and lr.rank == 100
+    if np.isfinite(cond):
+        true_sigma = float(np.linalg.eigvalsh(H)[0])
+        assert lr.weak == pytest.approx(true_sigma, rel=1e-3)
+        ridged = lr.with_weak_ridge()
+        assert ridged is not None and ridged.sigma == lr.weak and ridged.rank == 100
+        assert np.shares_memory(ridged.U, lr.U)  # the same factor: H - weak I = U U'
+        # the residual left is the factor's own, without the n weak that the no-ridge view counted
+        assert 0.0 <= ridged.residual <= 1e-3 * lr.residual
+    else:
+        assert lr.weak == 0.0 and lr.with_weak_ridge() is None
+
+
+def test_an_interpolating_box_with_a_weak_ridge_is_solved_with_the_ridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interpolating box (the synthetic merge QP's own g, rank c N = 100 of n = 1536, cond 1e12):
+    the path without the weak ridge ends on the flat set of optima of ``U U'``, where the ridge is
+    what decides ``J* ~ 5e-10``, and the engine's faces there are ill-conditioned at the ridge's
+    level: until stop 68 it wandered until its wait ran out (INACCURATE, ~0.6 s, and ``auto`` paid
+    for ``dense_ipm`` on top). The path again with the ridge as its ridge certifies it (0.08 s)."""
+    inst = draw("box_free:set_type=box:K=4:c=2:N=50:cond=1e12:at_bounds=0.5:planted=false", seed=3002, n=1536)
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.info["low_rank"]["sigma"] == 0.0
+    assert sol.info["low_rank"]["weak_ridge"]["used"]
+    # certified at the default 1e-6 and at the gap's rounding floor (J* ~ 5e-10 against terms of ~100:
+    # 1e-8 of the certificate's scale lies below the float64 rounding of the gap)
+    assert sol.certificate.certified() and sol.certificate.at_rounding_floor
+    # the same solve without the retry (the behaviour before stop 68) does not certify it
+    monkeypatch.setattr(A, "weak_ridge_decides", lambda lr, st, g, x: False)
+    again = draw("box_free:set_type=box:K=4:c=2:N=50:cond=1e12:at_bounds=0.5:planted=false", seed=3002, n=1536)
+    old = solve(again.problem, again.constraints, solver="active_set")
+    assert "weak_ridge" not in old.info["low_rank"]
+    assert not old.certificate.certified() and not old.certificate.at_rounding_floor
+    assert sol.objective < old.objective
+
+
+def test_the_retry_waits_for_an_interpolating_point() -> None:
+    """The retry runs only on bounds, where the gradient of ``U U'`` vanishes at the path's point (or
+    the path reached none): on a planted box (multipliers at its bounds, ``J*`` far from 0) the weak ridge
+    moves J by far less than the tolerance, and the engine finishes from the path's point."""
+    rng = np.random.default_rng(74)
+    H = flat_low_rank(rng, 1200, 100, 1e12)
+    lr = LR.ridge_low_rank(H)
+    assert lr is not None and lr.weak > 0
+    problem = planted_box(rng, H, 4)
+    box = A.set_structure(Box(0.0, 1.0), problem.shape)
+    x = np.clip(rng.uniform(-0.2, 1.2, 1200), 0.0, 1.0)
+    assert not LR.weak_ridge_decides(lr, box, problem.g, x)
+    assert LR.weak_ridge_decides(lr, box, problem.g, None)
+    interpolating = -(lr.U @ (lr.U.T @ x))  # g = -U U' x: the gradient of U U' vanishes at x
+    assert LR.weak_ridge_decides(lr, box, interpolating, x)
+    # bounds alone: not on sums or an L1 ball (measured not to help there)
+    for cset in (Simplex(), L1Ball(1.0)):
+        assert not LR.weak_ridge_decides(lr, A.set_structure(cset, problem.shape), interpolating, x)
+    sol = solve(problem, Box(0.0, 1.0), solver="active_set")
+    assert "weak_ridge" not in sol.info["low_rank"] and sol.certificate.certified(1e-8)

@@ -82,15 +82,19 @@ uncertified on some of them.
 
 **A weak ridge** (between ``1e3 eps`` and :data:`SIGMA_MIN` of the sample's top eigenvalue: cond
 1e10-1e13) is taken as none (``H - weak I = U U'``, the ridge left in the residual and kept as
-``RidgeLowRank.weak``). Where the point of that path does not meet the engine's test on a set of
-bounds alone and the gradient of ``U U'`` vanishes there (:func:`weak_ridge_decides`: the low-rank
+``RidgeLowRank.weak``). Where the point of that path has a gap not within the engine's ``tol`` (it
+fails the engine's test, or meets it at the rounding floor alone) on a set of bounds alone and the
+gradient of ``U U'`` vanishes there (:func:`weak_ridge_decides`: the low-rank
 part's minimum is reached on a flat set of points and the weak ridge is what picks the optimum among
 them, an interpolating problem with ``J* ~ 0``), the path runs again with the weak ridge as its ridge
 (:func:`solve_with_weak_ridge`: the dual on ``weak + rho``, whose late stages reach the ridge's
-level, its point polished as without the ridge) and the engine starts from that point. Stop 68: such boxes at n = 1536 (cond 1e11-1e12) went
-from 0.5-1.1 s uncertified (the engine's faces are ill-conditioned at the ridge's level, and it
-wandered until its wait ran out) to 0.08-0.18 s certified; on L1 balls and sums the retry did not help
-and is not taken.
+level, its point polished as without the ridge; kept where the first failed the test, or where its
+gap is within ``tol`` or its J lower) and the engine starts from the point kept. Stop 68: such
+boxes at n = 1152-2304 (cond 1e11-3e12) went from 0.2-1.6 s uncertified (the engine's faces are
+ill-conditioned at the ridge's level, and it wandered until its wait ran out) to 0.08-0.22 s,
+certified or at the certificate's floor, and boxes whose first point met the test at the floor alone
+(the floor's estimate is loose there) came to J up to 16% lower; on L1 balls and sums the retry did not
+help and is not taken.
 
 The engine then starts at the result: where it meets the engine's stopping test (the
 certificate's gap) it returns at once, without a factorisation; else the engine continues from

@@ -714,6 +714,26 @@ def test_an_interpolating_box_with_a_weak_ridge_is_solved_with_the_ridge(monkeyp
     assert sol.objective < old.objective
 
 
+def test_a_point_at_the_floor_alone_is_retried_with_the_weak_ridge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At cond 3e12 (n = 1800) the path without the ridge meets the engine's test only at the
+    gap's rounding floor, with J = 8.7e-11 where ``dense_ipm`` certifies 6.7e-11 (a QA review, stop
+    68): the rounding estimate is loose there, and the ridge still decides 30% of J. The retry runs
+    unless the gap is within ``tol``, and its point is kept where its gap is or its J is lower:
+    certified, at the lower J."""
+    spec = "box_free:set_type=box:K=6:c=10:N=12:cond=3e12:at_bounds=0.7:planted=false"
+    inst = draw(spec, seed=511, n=1800)
+    sol = solve(inst.problem, inst.constraints, solver="active_set")
+    assert sol.info["low_rank"]["weak_ridge"]["used"]
+    assert sol.certificate.certified()
+    monkeypatch.setattr(A, "weak_ridge_decides", lambda lr, st, g, x: False)
+    again = draw(spec, seed=511, n=1800)
+    old = solve(again.problem, again.constraints, solver="active_set")
+    assert old.certificate.at_rounding_floor and not old.certificate.certified()
+    assert sol.objective < 0.9 * old.objective
+    # the certified gap bounds how far the new point can be from J*: the old one lies beyond it
+    assert old.objective - sol.objective > sol.certificate.fw_gap
+
+
 def test_the_retry_waits_for_an_interpolating_point() -> None:
     """The retry runs only on bounds, where the gradient of ``U U'`` vanishes at the path's point (or
     the path reached none): on a planted box (multipliers at its bounds, ``J*`` far from 0) the weak ridge

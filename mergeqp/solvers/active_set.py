@@ -727,7 +727,7 @@ class ActiveSetSolver(QPSolver):
             else:  # sums of two coordinates: a box of half the size (active_set_pairs)
                 engine = _Engine(paired.problem, constraints, paired.structure, opts)
                 x0_kept = None if x0_kept is None else paired.start(x0_kept)
-            low_rank = _low_rank_start(engine, opts)
+            low_rank = _low_rank_start(engine, opts, x0_kept)
             if low_rank is not None and low_rank[0] is not None:
                 x0_kept = low_rank[0]
                 engine.opts = {**opts, "start_face": "point"}
@@ -754,7 +754,8 @@ class ActiveSetSolver(QPSolver):
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
 
-def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray | None, dict[str, Any]] | None:
+def _low_rank_start(engine: _Engine, opts: dict[str, Any],
+                    x0: np.ndarray | None = None) -> tuple[np.ndarray | None, dict[str, Any]] | None:
     """Where H is a ridge (or none) plus a low-rank matrix (:mod:`.active_set_low_rank`), the path's
     point (``None`` where neither its stages nor its face active set reached an optimum: the engine
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
@@ -763,7 +764,9 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     structure is found. Where a weak ridge was taken as none and decides the optimum
     (``weak_ridge_decides``: an interpolating box) and the point's gap is not within ``tol``, the
     path runs again with the ridge (``solve_with_weak_ridge``), whose point the engine starts from
-    where the first failed the test, or where its gap is within ``tol`` or its J lower."""
+    where the first failed the test, or where its gap is within ``tol`` or its J lower. A warm start
+    ``x0`` (in the engine's coordinates) that meets the stopping test within ``tol``, or at a lower J
+    than the path's point, is returned instead (the engine then returns it at once)."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
     lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st))
@@ -775,8 +778,26 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     # coordinates at a bound) its stages took 1.3-1.5x the Newton steps (docs/solvers.md, stop 62)
     start = engine.project(np.full(engine.n, 1.0 / engine.shape[0]))
     x, info = solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, start, engine.eta)
+    x = _weak_ridge_retry(engine, lr, start, x, info)
+    if x0 is not None and x is not None:
+        # a warm start that meets the stopping test at a lower J than the path's point, or within tol,
+        # is kept (the engine returns it at once): from 1/K the path can end elsewhere on a flat set
+        # of optima, at the floor with a higher J (a QA review, stop 68: warm-started at dense_ipm's
+        # certified point, the answer was the cold one, J 300x higher)
+        xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
+        J_w, within_w, stops_w = engine.test_point(xw)
+        if within_w or (stops_w and J_w < engine.test_point(x)[0]):
+            info["warm_start_kept"] = True
+            return xw, info
+    return x, info
+
+
+def _weak_ridge_retry(engine: _Engine, lr: Any, start: np.ndarray, x: np.ndarray | None,
+                      info: dict[str, Any]) -> np.ndarray | None:
+    """The path's point ``x``, or the point of the path run again with the weak ridge that the
+    detection took as none (``info["weak_ridge"]`` says what it did), where that decides the optimum."""
     if not weak_ridge_decides(lr, engine.st, engine.g, x):
-        return x, info
+        return x
     # a weak ridge (below SIGMA_MIN) was taken as none: on an interpolating box it is what decides
     # the optimum among H's flat directions (stop 68). Where the point does not meet the engine's
     # test, the engine's faces are ill-conditioned at the ridge's level and it wandered until its
@@ -784,7 +805,7 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
     # that dense_ipm certified. So the path again with the ridge, unless the gap is within tol
     J_x, within, stops = engine.test_point(x) if x is not None else (math.inf, False, False)
     if within:
-        return x, info
+        return x
     y, other = solve_with_weak_ridge(engine.H, engine.g, engine.st, lr, start, engine.eta)
     used = False
     if y is not None:
@@ -792,8 +813,8 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any]) -> tuple[np.ndarray |
         # (a point that failed the test: the retry's, which the engine then finishes; one at the floor:
         # the retry's where its gap is within tol or its J lower)
         used = not stops or within_y or J_y < J_x
-    info = {**info, "weak_ridge": {**other, "used": used}}
-    return (y if used else x), info
+    info["weak_ridge"] = {**other, "used": used}
+    return y if used else x
 
 
 #: at most this many (nearly) all-free first faces are approximated by ``cg_start`` CG steps

@@ -754,3 +754,36 @@ def test_the_retry_waits_for_an_interpolating_point() -> None:
         assert not LR.weak_ridge_decides(lr, A.set_structure(cset, problem.shape), interpolating, x)
     sol = solve(problem, Box(0.0, 1.0), solver="active_set")
     assert "weak_ridge" not in sol.info["low_rank"] and sol.certificate.certified(1e-8)
+
+
+def test_a_warm_start_at_a_better_point_than_the_paths_is_kept() -> None:
+    """A QA review (stop 68): on a low-rank box with a weak ridge below the kept level and dead rows,
+    the path from ``1/K`` ends at the rounding floor on a flat set of optima with J 300x above the
+    optimum that ``dense_ipm`` certifies, and a warm start at that certified point came back as the
+    cold answer (the path ignores ``x0``). A warm start that meets the stopping test at a lower J
+    than the path's point is now kept: the engine returns it at once."""
+    rng = np.random.default_rng(3)
+    n, r = 852, 90
+    U = rng.standard_normal((n, r)) * np.logspace(0, -rng.uniform(0, 3), r)
+    H = U @ U.T
+    H[np.diag_indices(n)] += 1e-13 * np.linalg.norm(U, 2) ** 2
+    dead = rng.choice(n, n // 10, replace=False)
+    H[dead] = 0.0
+    H[:, dead] = 0.0
+    H.flags.writeable = False
+    lo = rng.uniform(-1.0, 0.5, n)
+    hi = lo + rng.uniform(0.01, 2.0, n)
+    inside = rng.uniform(lo, hi) + 0.05 * rng.standard_normal(n)
+    problem = MergeQP(H, -H @ inside, 0.5 * inside @ H @ inside, shape=(1, n))
+    box = Box(lo[None], hi[None])
+    cold = solve(problem, box, solver="active_set")
+    ref = solve(problem, box, solver="dense_ipm")
+    assert ref.certificate.certified() and ref.objective < 0.1 * cold.objective
+    warm = solve(problem, box, solver="active_set", x0=ref.d)
+    assert warm.info["low_rank"]["warm_start_kept"]
+    assert warm.certificate.certified() and warm.objective <= ref.objective + ref.certificate.fw_gap
+    assert warm.info["face_iterations"] == 0
+    # a warm start worse than the path's point is not kept: the cold answer
+    worse = solve(problem, box, solver="active_set", x0=np.clip(ref.d + 0.3, lo[None], hi[None]))
+    assert "warm_start_kept" not in worse.info["low_rank"]
+    assert worse.objective == pytest.approx(cold.objective, rel=1e-12)

@@ -23,10 +23,10 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import Interrupted
+from ..io.held_signals import held_signals
 
 # top-level packages whose import runs native code that cannot take a Python exception
 NATIVE_PACKAGES: tuple[str, ...] = ("torch",)
-HELD_SIGNALS: frozenset[int] = frozenset({signal.SIGINT, signal.SIGTERM})
 
 
 @contextlib.contextmanager
@@ -45,20 +45,6 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
-
-
-@contextlib.contextmanager
-def held_signals(signums: Iterable[int] = HELD_SIGNALS) -> Iterator[None]:
-    """Block ``signums`` in this thread for the duration; one sent meanwhile is delivered (and its
-    handler runs) when they are unblocked. A no-op where the platform has no ``pthread_sigmask``."""
-    if not hasattr(signal, "pthread_sigmask"):  # pragma: no cover - Windows
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, set(signums))
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class _HeldLoader(importlib.abc.Loader):

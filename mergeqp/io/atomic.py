@@ -37,6 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 from ..errors import ConfigError, OutputError, ValidationError
+from .held_signals import held_signals
 
 TMP_MARK = ".tmp-mergeqp-"
 OLD_MARK = ".old-mergeqp-"
@@ -352,6 +353,11 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
     out_r = out_p.resolve()
     if out_r.exists() and not out_r.is_dir():
         raise ValidationError(f"{option} {os.fspath(out)} exists and is not a folder")
+    orphan = orphaned_previous(out_r)
+    if orphan is not None:
+        raise ValidationError(
+            f"{option} {os.fspath(out)} is missing, but {orphan} holds its previous contents (a run was killed "
+            f"while replacing it): rename that folder back to {out_r.name} (or delete it) and run again")
     if out_r.is_dir() and any(out_r.iterdir()):
         if not overwrite:
             raise ValidationError(f"{option} {os.fspath(out)} is not empty; pass --overwrite (overwrite=True from "
@@ -371,6 +377,25 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
         raise ValidationError(f"cannot create {option} {os.fspath(out)}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValidationError(f"cannot create {option} {os.fspath(out)}: folder {parent} is not writable")
+
+
+def orphaned_previous(out: str | os.PathLike[str]) -> Path | None:
+    """A hidden ``.NAME.old-mergeqp-*`` folder beside a missing ``out``: the previous output that a
+    hard kill (SIGKILL, power loss) left aside between :func:`atomic_folder`'s two renames, the only
+    copy of it (``None`` where ``out`` exists or there is none; the newest where there are several)."""
+    target = Path(out)
+    if target.exists() or not target.parent.is_dir():
+        return None
+    try:
+        found = [p for p in target.parent.glob(f".{glob_escape(target.name)}{OLD_MARK}*") if p.is_dir()]
+    except OSError:
+        return None
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def glob_escape(name: str) -> str:
+    """``name`` with glob's special characters taken literally."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 def check_free_space(path: str | os.PathLike[str], need_bytes: int, option: str = "the output") -> None:
@@ -418,21 +443,29 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
         if old is not None:  # a replaced folder keeps its permissions, as a replaced file does
             with contextlib.suppress(OSError):
                 os.chmod(staging, stat.S_IMODE(os.stat(target).st_mode))
+        swapped = False
         try:
-            if old is not None:
-                os.replace(target, old)
-            try:
-                os.replace(staging, target)
-                _committed(target)
-            except OSError:
-                if old is not None:
-                    os.replace(old, target)  # put the previous folder back
-                raise
-        except OSError as exc:
-            raise _output_error(target, exc) from None
+            # Ctrl-C or SIGTERM between the two renames would leave neither folder under its name
+            # (the previous one hidden aside, the new one removed with the staging folder): they are
+            # held until both renames are done, and taken after (a QA review, stop 68)
+            with held_signals():
+                try:
+                    if old is not None:
+                        os.replace(target, old)
+                    try:
+                        os.replace(staging, target)
+                        swapped = True
+                        _committed(target)
+                    except OSError:
+                        if old is not None:
+                            os.replace(old, target)  # put the previous folder back
+                        raise
+                except OSError as exc:
+                    raise _output_error(target, exc) from None
+        finally:
+            if swapped and old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         _fsync_folder(target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -440,7 +473,8 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed", "overlapping_input",
+    "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed", "orphaned_previous",
+    "overlapping_input",
     "refuse_to_replace", "replace_refusal", "save_npy_atomic",
     "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

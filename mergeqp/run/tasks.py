@@ -18,6 +18,7 @@ from ..io.calibration import (is_tensor_file, load_tokenizer, read_labelled_prom
                               split_holdout, tensor_batches, tensor_labels, tokenize_batches)
 from ..io.lazy_model import lazy_summary
 from ..io.memory import available_memory_bytes
+from ..io.writer import check_tensor_finite
 from ..lm import (
     OutputSpec,
     TargetBatch,
@@ -270,6 +271,11 @@ def baseline_merge(plan: MergePlan, name: str, params: dict[str, Any], keys: Seq
                 out[k] = base_sd[k]
         if floats:
             ft_sds = [ft.get_many(floats) for ft in plan.finetuned]
+            # NaN / inf named with the checkpoint that holds them (merge_state_dicts sees unlabelled state
+            # dicts: "finetuned[1]", a QA review of stop 68)
+            for ckpt, sd in ((plan.base, base_sd), *zip(plan.finetuned, ft_sds)):
+                for k in floats:
+                    check_tensor_finite(k, sd[k], f"checkpoint {ckpt.path}")
 
             @functools.cache
             def holds_base(i: int, k: str) -> bool:  # (each pair compared once for both uses below)

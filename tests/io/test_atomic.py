@@ -57,3 +57,63 @@ def test_overwrite_keeps_a_model_folder_mergeqp_did_not_write(tmp_path, weights)
         (staging / "config.json").write_text("{}")
     assert replace_refusal(ours) is None
     check_output_folder(ours, overwrite=True)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_signal_between_the_two_renames_is_taken_after_both(tmp_path, monkeypatch):
+    """(stop 68, a QA review) ``atomic_folder`` moves a previous output aside, then the new folder into
+    place. A signal between the two steps used to raise there: the previous folder stayed hidden aside,
+    the new one was removed with the staging folder, and the output was gone. The signals are now held
+    for the two renames: the new folder is in place, the previous one removed, and the signal is taken
+    after them (here SIGTERM, whose handler raises)."""
+    import os
+    import signal
+
+    import mergeqp.io.atomic as atomic
+
+    out = tmp_path / "out"
+    with atomic.atomic_folder(out) as staging:
+        (staging / "a.txt").write_text("old")
+    real_replace = os.replace
+
+    def replace_then_signal(src, dst):
+        real_replace(src, dst)
+        if atomic.OLD_MARK in os.fspath(dst):  # the previous folder is aside: signal now
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def handler(signum, frame):
+        raise _Stop("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        monkeypatch.setattr(atomic.os, "replace", replace_then_signal)
+        with pytest.raises(_Stop):
+            with atomic.atomic_folder(out, overwrite=True) as staging:
+                (staging / "a.txt").write_text("new")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert (out / "a.txt").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing aside, no staging folder
+
+
+def test_a_previous_output_left_aside_by_a_hard_kill_is_named_not_overwritten(tmp_path):
+    """A hard kill (SIGKILL) between the two renames cannot be held: the previous output is left in
+    ``.NAME.old-mergeqp-*`` with no ``NAME`` beside it, its only copy. The next run refuses, before any
+    work, naming that folder and how to get it back, instead of writing a new output beside it."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.atomic import OLD_MARK, check_output_folder, orphaned_previous
+
+    aside = tmp_path / f".out[1]{OLD_MARK}123-abcdef12"
+    aside.mkdir()
+    (aside / "model.safetensors").write_bytes(b"x")
+    out = tmp_path / "out[1]"
+    assert orphaned_previous(out) == aside
+    with pytest.raises(ValidationError, match=r"is missing, but .*old-mergeqp-123-abcdef12 holds its previous"):
+        check_output_folder(out, overwrite=True)
+    assert orphaned_previous(tmp_path / "other") is None
+    out.mkdir()  # restored: the leftover beside an existing output is an ordinary leftover
+    assert orphaned_previous(out) is None
+    check_output_folder(out)

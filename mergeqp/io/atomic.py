@@ -37,7 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 from ..errors import ConfigError, OutputError, ValidationError
-from .held_signals import held_signals
+from .held_signals import deferred_signals
 
 TMP_MARK = ".tmp-mergeqp-"
 OLD_MARK = ".old-mergeqp-"
@@ -447,8 +447,8 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
         try:
             # Ctrl-C or SIGTERM between the two renames would leave neither folder under its name
             # (the previous one hidden aside, the new one removed with the staging folder): they are
-            # held until both renames are done, and taken after (a QA review, stop 68)
-            with held_signals():
+            # deferred until both renames are done, and taken after (a QA review, stop 68)
+            with deferred_signals():
                 try:
                     if old is not None:
                         os.replace(target, old)

@@ -71,6 +71,7 @@ def test_a_signal_between_the_two_renames_is_taken_after_both(tmp_path, monkeypa
     after them (here SIGTERM, whose handler raises)."""
     import os
     import signal
+    import threading
 
     import mergeqp.io.atomic as atomic
 
@@ -87,6 +88,11 @@ def test_a_signal_between_the_two_renames_is_taken_after_both(tmp_path, monkeypa
     def handler(signum, frame):
         raise _Stop("SIGTERM")
 
+    # another thread of the process, as torch's and OpenMP's are (blocking the signals in this thread
+    # alone, the first version of the fix, let such a thread take them: CI showed it)
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         monkeypatch.setattr(atomic.os, "replace", replace_then_signal)
@@ -95,6 +101,8 @@ def test_a_signal_between_the_two_renames_is_taken_after_both(tmp_path, monkeypa
                 (staging / "a.txt").write_text("new")
     finally:
         signal.signal(signal.SIGTERM, previous)
+        idle.set()
+        other.join()
     assert (out / "a.txt").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing aside, no staging folder
 

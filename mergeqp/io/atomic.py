@@ -387,13 +387,13 @@ def orphaned_previous(out: str | os.PathLike[str]) -> Path | None:
     if target.exists() or not target.parent.is_dir():
         return None
     try:
-        found = [p for p in target.parent.glob(f".{glob_escape(target.name)}{OLD_MARK}*") if p.is_dir()]
+        found = [p for p in target.parent.glob(f".{_glob_escape(target.name)}{OLD_MARK}*") if p.is_dir()]
     except OSError:
         return None
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def glob_escape(name: str) -> str:
+def _glob_escape(name: str) -> str:
     """``name`` with glob's special characters taken literally."""
     return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 

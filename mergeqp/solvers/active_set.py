@@ -89,7 +89,7 @@ from ..problem import GAP_ROUNDING_FACTOR, MergeQP, curvature_reach, gradient_ro
 from ..solution import SolveStatus
 from .active_set_faces import CEN, FREE, HI, LO, FaceBookkeeping, _Face
 from .active_set_linalg import FaceFactorisation, solve_psd
-from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, ball_low_rank, polish_at_zero, rank_limit,
+from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, RidgeLowRank, ball_low_rank, polish_at_zero, rank_limit,
                                   ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
@@ -792,7 +792,7 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     return x, info
 
 
-def _weak_ridge_retry(engine: _Engine, lr: Any, start: np.ndarray, x: np.ndarray | None,
+def _weak_ridge_retry(engine: _Engine, lr: RidgeLowRank, start: np.ndarray, x: np.ndarray | None,
                       info: dict[str, Any]) -> np.ndarray | None:
     """The path's point ``x``, or the point of the path run again with the weak ridge that the
     detection took as none (``info["weak_ridge"]`` says what it did), where that decides the optimum."""

@@ -6,9 +6,12 @@
   torch's import calls C++ that runs Python code (``torch._C._autograd_init``); a Python exception
   raised there by a signal handler cannot cross the C++ frames and the process aborts
   (``terminate called after throwing an instance of 'pybind11::error_already_set'``, exit -6)
-  instead of exiting 130 with its outputs intact. :func:`signals_held_during_native_imports` blocks
-  the two signals while such a package imports; a signal sent meanwhile stays pending and is taken
-  as soon as the import ends, in Python code, where it stops the command cleanly.
+  instead of exiting 130 with its outputs intact. :func:`signals_held_during_native_imports` defers
+  the two signals while such a package imports (their handlers only record them,
+  :func:`~mergeqp.io.held_signals.deferred_signals`); a signal sent meanwhile is raised again as soon
+  as the import ends, in Python code, where it stops the command cleanly. (Until stop 68 they were
+  blocked with ``pthread_sigmask``, in the importing thread only: a signal sent to the process could
+  be taken by another of its threads, and its handler then ran in the import all the same.)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import types
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..errors import Interrupted
-from ..io.held_signals import held_signals
+from ..io.held_signals import deferred_signals
 
 # top-level packages whose import runs native code that cannot take a Python exception
 NATIVE_PACKAGES: tuple[str, ...] = ("torch",)
@@ -48,7 +51,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
 
 
 class _HeldLoader(importlib.abc.Loader):
-    """Runs another loader's ``exec_module`` with the signals held; the module keeps the real
+    """Runs another loader's ``exec_module`` with the signals deferred; the module keeps the real
     loader as its ``__loader__`` and ``__spec__.loader``."""
 
     def __init__(self, loader: importlib.abc.Loader) -> None:
@@ -61,7 +64,7 @@ class _HeldLoader(importlib.abc.Loader):
         module.__loader__ = self._loader
         if module.__spec__ is not None:
             module.__spec__.loader = self._loader
-        with held_signals():
+        with deferred_signals():
             self._loader.exec_module(module)
 
 

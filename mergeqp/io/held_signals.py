@@ -1,14 +1,16 @@
 """Signals held for a short critical section, and taken when it ends.
 
-* :func:`held_signals`: SIGINT and SIGTERM blocked in this thread (``pthread_sigmask``); used by the
-  command line while native packages import (:mod:`mergeqp.cli.signals`). A signal sent to the process
-  can still be taken by another thread (torch's and OpenMP's), whose C handler makes the main thread
-  run the Python handler at once.
+* :func:`held_signals`: SIGINT and SIGTERM blocked in this thread (``pthread_sigmask``). A signal sent
+  to the process can still be taken by another thread (torch's and OpenMP's), whose C handler makes
+  the main thread run the Python handler at once: what :func:`deferred_signals` falls back to outside
+  the main thread only.
 * :func:`deferred_signals`: their Python handlers replaced by one that records them, the previous
   handlers restored and the recorded signals raised again when the section ends; used where an
   interruption between two steps would lose data (:func:`mergeqp.io.atomic.atomic_folder` moves the old
-  output aside, then the new one into place). Only the main thread sets handlers; elsewhere it falls
-  back to :func:`held_signals`."""
+  output aside, then the new one into place) and by the command line while native packages import
+  (:mod:`mergeqp.cli.signals`: a handler that raises inside their C++ frames aborts the process). Only
+  the main thread sets handlers; elsewhere it falls back to :func:`held_signals`. Nested sections
+  work: an inner one raises its recorded signals to the outer one's recording handler."""
 
 from __future__ import annotations
 

@@ -125,3 +125,39 @@ def test_a_previous_output_left_aside_by_a_hard_kill_is_named_not_overwritten(tm
     out.mkdir()  # restored: the leftover beside an existing output is an ordinary leftover
     assert orphaned_previous(out) is None
     check_output_folder(out)
+
+
+def test_deferred_signals_nest_and_are_taken_after_the_outermost_section():
+    """``deferred_signals`` records SIGTERM instead of handling it, also in a nested section (the
+    native-import guard enters one per module that a package imports): the handler runs once, after
+    the outermost section, with another thread of the process running meanwhile."""
+    import os
+    import signal
+    import threading
+
+    from mergeqp.io.held_signals import deferred_signals
+
+    taken: list[str] = []
+
+    def handler(signum, frame):
+        taken.append("after" if state["done"] else "inside")
+
+    state = {"done": False}
+    idle = threading.Event()
+    other = threading.Thread(target=idle.wait, daemon=True)
+    other.start()
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        with deferred_signals():
+            with deferred_signals():
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # bytecode boundaries at which a pending handler would run
+                    pass
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded once
+            state["done"] = True
+        assert taken == ["after"]
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        idle.set()
+        other.join()

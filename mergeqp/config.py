@@ -143,6 +143,8 @@ def load_config(path: str | Path) -> MergeConfig:
     if p.is_dir():
         raise ConfigError(f"config {p} is a folder; name the YAML file")
     if not p.is_file():
+        if p.exists():  # /dev/null, a pipe, a socket: not "not found"
+            raise ConfigError(f"config {p} is not a regular file (a device, pipe or socket); name the YAML file")
         raise ConfigError(f"config file not found: {p}")
     try:
         text = read_text(p, "config")
@@ -151,7 +153,9 @@ def load_config(path: str | Path) -> MergeConfig:
     try:
         data = read_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config {p} is not valid YAML: {exc}") from None
+        # (PyYAML calls the text "<unicode string>": name the file in the positions it gives)
+        where = str(exc).replace('in "<unicode string>"', f'in "{p}"')
+        raise ConfigError(f"config {p} is not valid YAML: {where}") from None
     if data is None:
         raise ConfigError(f"config {p} is empty (no YAML mapping in it; docs/hf.md shows one)")
     return parse_config(data, root=p.resolve().parent, source=str(p), config_file=p.resolve())

@@ -29,6 +29,7 @@ import os
 import shutil
 import stat
 import struct
+import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -231,6 +232,23 @@ def overlapping_input(out: str | os.PathLike[str], inputs: Sequence[str | os.Pat
     return None
 
 
+def _write_refusal(folder: Path, kind: str) -> str | None:
+    """Why a ``kind`` ("file" or "folder") cannot be created in the existing ``folder``, tried for
+    real (a hidden probe created and removed at once), or ``None`` where it can. ``os.access``
+    alone says yes where the write then fails: as root on ``/proc`` or ``/sys`` (a merge ended with
+    exit 4 after its work, a QA review, stop 68)."""
+    try:
+        if kind == "folder":
+            os.rmdir(tempfile.mkdtemp(prefix=".mergeqp-probe-", dir=folder))
+        else:
+            fd, name = tempfile.mkstemp(prefix=".mergeqp-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(name)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def check_output_file(path: str | os.PathLike[str], option: str,
                       inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
     """Before any work: refuse an output file that is (or lies inside) an input, is a folder,
@@ -256,6 +274,10 @@ def check_output_file(path: str | os.PathLike[str], option: str,
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} {why}")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValidationError(f"cannot write {option} to {os.fspath(path)}: folder {folder} is not writable")
+    why = _write_refusal(folder, "file")
+    if why is not None:
+        raise ValidationError(f"cannot write {option} to {os.fspath(path)}: no file can be created in folder "
+                              f"{folder} ({why})")
 
 
 #: files that mark a folder as an earlier output of mergeqp, which ``--overwrite`` may replace: a
@@ -377,6 +399,10 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
         raise ValidationError(f"cannot create {option} {os.fspath(out)}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValidationError(f"cannot create {option} {os.fspath(out)}: folder {parent} is not writable")
+    why = _write_refusal(parent, "folder")
+    if why is not None:
+        raise ValidationError(f"cannot create {option} {os.fspath(out)}: no folder can be created in {parent} "
+                              f"({why})")
 
 
 def orphaned_previous(out: str | os.PathLike[str]) -> Path | None:
@@ -431,13 +457,21 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise ConfigError(f"output folder {os.fspath(out)} is not empty; pass --overwrite to replace its contents")
     staging = _tmp_name(target)
+    # the parents this call creates, removed again (where still empty) if it fails: a refused or
+    # interrupted run left empty folders behind (a QA review, stop 68)
+    created = [p for p in reversed(target.parents) if not p.exists()]
     try:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
             staging.mkdir()
         except OSError as exc:
             raise _output_error(target, exc) from None
-        yield staging
+        try:
+            yield staging
+        except OutputError as exc:
+            # a write inside the staging folder failed (a full disk): name the output the user asked
+            # for, not the hidden temporary folder that is about to be removed
+            raise _renamed(exc, staging, target) from None
         write_json_atomic(staging / MANIFEST, {"written_by": "mergeqp", "files": folder_files(staging)})
         old = _tmp_name(target, OLD_MARK) if target.exists() else None
         if old is not None:  # a replaced folder keeps its permissions, as a replaced file does
@@ -468,7 +502,20 @@ def atomic_folder(out: str | os.PathLike[str], overwrite: bool = False) -> Itera
         _fsync_folder(target.parent)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for p in reversed(created):
+            with contextlib.suppress(OSError):
+                p.rmdir()  # (only an empty folder goes)
         raise
+
+
+def _renamed(exc: OutputError, staging: Path, target: Path) -> OutputError:
+    """``exc`` with the staging folder's path in its message replaced by ``target``'s."""
+    msg = str(exc).replace(os.fspath(staging), os.fspath(target))
+    if msg == str(exc):
+        return exc
+    new = OutputError(msg)
+    new.errno = getattr(exc, "errno", None)
+    return new
 
 
 __all__ = [

@@ -208,6 +208,8 @@ EXPERIMENT_CASES = [
      "invalid choice: 'layer9'"),
     ("experiment-unknown", ["experiment", "cifar", "--out", f"{O}/e"], 2, "invalid choice: 'cifar'"),
     ("merge-config-missing", ["merge", f"{W}/nope.yml", "--dry-run"], 2, "nope.yml"),
+    ("merge-config-device", ["merge", "/dev/null", "--dry-run"], 2,
+     "config /dev/null is not a regular file (a device, pipe or socket)"),
 ]
 
 # the review of issue 14: links and '..' paths to inputs, infinite tolerances, damaged files

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -161,3 +163,70 @@ def test_deferred_signals_nest_and_are_taken_after_the_outermost_section():
         signal.signal(signal.SIGTERM, previous)
         idle.set()
         other.join()
+
+
+def test_a_failed_folder_write_removes_the_parents_it_created_and_names_the_output(tmp_path):
+    """A folder output whose write fails (a full disk inside the staging folder) leaves no empty
+    parent folders that the call created (a QA review, stop 68: ``--out new/a/b/out`` left
+    ``new/a/b`` behind), keeps those that existed (and anything in them), and its error names the
+    output the user asked for, not the hidden staging folder that is gone."""
+    import errno
+
+    from mergeqp.errors import OutputError
+    from mergeqp.io import atomic
+
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "note.txt").write_text("mine")
+    out = tmp_path / "kept" / "new" / "a" / "out"
+
+    def full_disk(path):
+        with atomic.atomic_file(path, "wb") as fh:
+            fh.write(b"half")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OutputError) as info, atomic.atomic_folder(out) as staging:
+        full_disk(staging / "model.safetensors")
+    msg = str(info.value)
+    assert f"cannot write {out / 'model.safetensors'}: No space left on device" in msg, msg
+    assert atomic.TMP_MARK not in msg and info.value.errno == errno.ENOSPC
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["note.txt"]
+    # a parent that something else filled meanwhile is kept
+    with pytest.raises(RuntimeError), atomic.atomic_folder(out) as staging:
+        (tmp_path / "kept" / "new" / "other.txt").write_text("another run's")
+        raise RuntimeError("the merge failed")
+    assert sorted(p.name for p in (tmp_path / "kept" / "new").iterdir()) == ["other.txt"]
+
+
+def test_an_output_where_nothing_can_be_created_is_refused_before_the_work(tmp_path, monkeypatch):
+    """``os.access`` says yes where the write then fails (as root on ``/proc``: a merge ended with exit 4
+    after its work, a QA review, stop 68): the checks create and remove a hidden probe first."""
+    import tempfile
+
+    from mergeqp.errors import ValidationError
+    from mergeqp.io import atomic
+
+    atomic.check_output_folder(tmp_path / "a" / "out")
+    atomic.check_output_file(tmp_path / "s.json", "--out")
+    assert list(tmp_path.iterdir()) == []  # the probes are gone
+
+    def refused(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refused)
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(ValidationError, match=r"no folder can be created in .* \(No such file or directory\)"):
+        atomic.check_output_folder(tmp_path / "a" / "out")
+    with pytest.raises(ValidationError, match=r"no file can be created in folder .* \(No such file"):
+        atomic.check_output_file(tmp_path / "s.json", "--out")
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0 or not os.path.isdir("/proc/self"),
+                    reason="as root on Linux: /proc passes os.access but refuses new entries")
+def test_proc_as_root_is_refused_before_the_work():
+    from mergeqp.errors import ValidationError
+    from mergeqp.io import atomic
+
+    with pytest.raises(ValidationError, match="no folder can be created in /proc"):
+        atomic.check_output_folder("/proc/mergeqp-out")
+    with pytest.raises(ValidationError, match="no file can be created in folder /proc"):
+        atomic.check_output_file("/proc/solution.json", "--out")

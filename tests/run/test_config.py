@@ -174,8 +174,9 @@ def test_load_config_resolves_relative_paths_and_reports_yaml_errors(tmp_path):
     except ConfigError as exc:  # every missing input is listed at once
         assert "base" in str(exc) and "models[x].path" in str(exc) and "models[x].calibration" in str(exc)
     (tmp_path / "bad.yml").write_text("base: [unclosed\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
+    with pytest.raises(ConfigError, match="not valid YAML") as info:
         load_config(tmp_path / "bad.yml")
+    assert f'in "{tmp_path / "bad.yml"}", line ' in str(info.value) and "<unicode string>" not in str(info.value)
     (tmp_path / "list.yml").write_text("- a\n- b\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(tmp_path / "list.yml")

@@ -58,9 +58,14 @@ bounds and L1 balls, n / 4 on an L1 ball alone with a weak ridge or none, an eig
 dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
-active set with Woodbury face solves on sums and on an L1 ball. The engine starts at that point: it
+active set with Woodbury face solves on sums and on an L1 ball. Where the rank lies above that
+limit and within n / 4, with a weak ridge (at most 1e-7 of the top eigenvalue: faces too
+ill-conditioned for the engine's proximal levels) on bounds or sums, an interior point on
+``sigma I + U U'`` takes its place (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Woodbury
+identity, ``n r^2`` flops each). The engine starts at that point: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
-polished point meets it at the rounding floor), and otherwise goes on from its face.
+polished point meets it at the rounding floor; tested before the first CG faces, whose work it
+would discard), and otherwise goes on from its face.
 
 The returned point is the best feasible point seen (lowest J; among values of J equal up to
 their rounding, the smallest gap). Supported sets: ``Box`` (finite or infinite sides),
@@ -93,6 +98,7 @@ from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, RidgeLowRank, 
                                   ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
+from .low_rank_ipm import ipm_low_rank, solve_low_rank_ipm
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .unbounded import into_recession_cone, verified_claim
@@ -392,6 +398,11 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             face = self._repair(self.identify(x), grad)  # the warm start's face: the guess
         else:
             face = self.identify(self.project(x - grad / self.eta))
+        converged = self.converged
+        if x0 is not None and converged(best_J, last_gap, best_x, grad):
+            # a warm start that already meets the test (the low-rank path's or interior point's point,
+            # the last QP's optimum) returns before the CG faces below, whose work it would discard
+            return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)
         for _ in range(CG_FACES):
             if not (int(opts["cg_start"]) and np.count_nonzero(face.status == FREE) > 0.9 * self.n):
                 break
@@ -405,7 +416,6 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 break  # stable: solve it exactly
             face = new_face
 
-        converged = self.converged
         if converged(best_J, last_gap, best_x, grad):
             return best_x, SolveStatus.OPTIMAL, 0, self._info(0, face, last_gap)
         rho_min = float(opts["prox_min"]) * self.eta
@@ -631,7 +641,7 @@ class ActiveSetSolver(QPSolver):
     most :data:`~mergeqp.solvers.blas_threads.AUTO_MAX_THREADS` threads during the solve: its many
     small operations ran 3-4x slower with 16; "all" leaves the pools as they are, an integer caps
     them there), ``low_rank`` "auto" (the ``r``-dimensional path where H is a ridge, or none, plus a
-    low-rank matrix; "off": never) and ``pairs`` "auto" (sums of two coordinates solved as a box of
+    low-rank matrix, or the interior point on it at medium ranks with a weak ridge; "off": never) and ``pairs`` "auto" (sums of two coordinates solved as a box of
     half the size; "off": never).
 
     Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
@@ -761,7 +771,8 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
     problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
-    structure is found. Where a weak ridge was taken as none and decides the optimum
+    structure is found. Above the path's rank limit, a weak ridge and a rank within n / 4 on bounds or
+    sums take the interior point of :mod:`.low_rank_ipm` instead (stop 69). Where a weak ridge was taken as none and decides the optimum
     (``weak_ridge_decides``: an interpolating box) and the point's gap is not within ``tol``, the
     path runs again with the ridge (``solve_with_weak_ridge``), whose point the engine starts from
     where the first failed the test, or where its gap is within ``tol`` or its J lower. A warm start
@@ -769,21 +780,33 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     than the path's point, is returned instead (the engine then returns it at once)."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
-    lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st))
+    notes: dict[str, Any] = {}
+    lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st), notes=notes)
     if lr is None:  # an L1 ball alone with a weak ridge or none: ranks up to n / 4 (stop 67)
         lr = ball_low_rank(engine.H, engine.st)
-    if lr is None or (lr.sigma > 0 and engine.n < LOW_RANK_MIN_N):
+    if lr is None:  # a weak ridge and a medium rank on bounds or sums: an interior point (stop 69)
+        lr_ipm = ipm_low_rank(engine.H, engine.st, notes)
+        if lr_ipm is None:
+            return None
+        x, info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr_ipm, c=engine.c)
+        return _kept_warm_start(engine, None if x is None else engine.project(x), info, x0)
+    if lr.sigma > 0 and engine.n < LOW_RANK_MIN_N:
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most
     # coordinates at a bound) its stages took 1.3-1.5x the Newton steps (docs/solvers.md, stop 62)
     start = engine.project(np.full(engine.n, 1.0 / engine.shape[0]))
     x, info = solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, start, engine.eta)
     x = _weak_ridge_retry(engine, lr, start, x, info)
+    return _kept_warm_start(engine, x, info, x0)
+
+
+def _kept_warm_start(engine: _Engine, x: np.ndarray | None, info: dict[str, Any],
+                     x0: np.ndarray | None) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """``(x, info)``, or the warm start ``x0`` where it meets the stopping test within tol, or at a
+    lower J than ``x``: from its own start the path (or the interior point) can end elsewhere on a flat
+    set of optima, at the floor with a higher J (a QA review, stop 68: warm-started at dense_ipm's
+    certified point, the answer was the cold one, J 300x higher); the engine then returns it at once."""
     if x0 is not None and x is not None:
-        # a warm start that meets the stopping test at a lower J than the path's point, or within tol,
-        # is kept (the engine returns it at once): from 1/K the path can end elsewhere on a flat set
-        # of optima, at the floor with a higher J (a QA review, stop 68: warm-started at dense_ipm's
-        # certified point, the answer was the cold one, J 300x higher)
         xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
         J_w, within_w, stops_w = engine.test_point(xw)
         if within_w or (stops_w and J_w < engine.test_point(x)[0]):

@@ -255,22 +255,32 @@ def rank_limit(n: int, st: SetStructure | None = None) -> int:
 
 
 def ridge_low_rank(H: np.ndarray, *, sample: int | None = None, max_rank: int | None = None,
-                   seed: int = 0) -> RidgeLowRank | None:
+                   seed: int = 0, notes: dict[str, Any] | None = None) -> RidgeLowRank | None:
     """``H`` as ``sigma I + U U'`` (see the module doc), or ``None`` when it is not one: no
     cluster of smallest eigenvalues in a sampled principal submatrix, no ridge, a rank above
     ``max_rank`` (default :func:`rank_limit` of n: ``n / 8``), or a residual that does not
     vanish. Deterministic in ``seed``; ``sample`` rows are tested (default :data:`SAMPLE`). Kept
-    with the values of a read-only H (a sequence of solves on one H detects once)."""
+    with the values of a read-only H (a sequence of solves on one H detects once). ``notes``, if
+    given, receives ``sample_ratio`` and ``sample_top``: the sampled block's smallest over largest
+    eigenvalue and its largest (absent where no block was sampled), which
+    :func:`~.low_rank_ipm.ipm_low_rank` reads."""
     n = int(H.shape[0])
     sample = int(sample if sample is not None else SAMPLE)
     max_rank = int(max_rank if max_rank is not None else rank_limit(n))
     shared = matrix_values(H)
     key = (LOW_RANK_KEY, sample, max_rank, seed)
+    note_key = (LOW_RANK_KEY + ".notes", sample, max_rank, seed)
     if shared is not None and key in shared:
+        if notes is not None:
+            notes.update(shared.get(note_key, {}))
         return shared[key]
-    found = _detect(H, sample, max_rank, seed)
+    local: dict[str, Any] = {}
+    found = _detect(H, sample, max_rank, seed, local)
     if shared is not None:
         shared[key] = found
+        shared[note_key] = local
+    if notes is not None:
+        notes.update(local)
     return found
 
 
@@ -322,7 +332,8 @@ def _sample(n: int, sample: int, max_rank: int, seed: int) -> np.ndarray | None:
     return np.sort(np.random.default_rng([seed, n]).choice(n, m, replace=False))
 
 
-def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRank | None:
+def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int,
+            notes: dict[str, Any] | None = None) -> RidgeLowRank | None:
     idx = _sample(int(H.shape[0]), sample, max_rank, seed)
     if idx is None:
         return None
@@ -334,6 +345,9 @@ def _detect(H: np.ndarray, sample: int, max_rank: int, seed: int) -> RidgeLowRan
     top = float(w[-1])
     if not (math.isfinite(top) and top > 0):
         return None
+    if notes is not None:
+        notes["sample_ratio"] = float(w[0]) / top
+        notes["sample_top"] = top
     sigma = float(w[0])
     weak = 0.0  # a ridge too weak to use (below SIGMA_MIN): H is taken as low rank without one, and
     # the weak ridge joins the null space's cluster (stop 67: between 1e3 eps and SIGMA_MIN of the

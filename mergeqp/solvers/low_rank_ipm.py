@@ -1,0 +1,340 @@
+"""An interior point on ``sigma I + U U'`` for the active-set solver's start (:mod:`.active_set`), where
+H is a weak ridge plus a low-rank matrix of medium rank.
+
+Where ``H = sigma I + U U' + E`` with ``r`` between the path's rank limit (``n / 8``,
+:mod:`.active_set_low_rank`) and ``n / 4``, and a ridge weak enough that the faces are
+ill-conditioned (``sigma <=`` :data:`IPM_RIDGE` of the top eigenvalue, cond >= 1e7), the primal
+active-set engine crawls through its proximal levels (38 factorisations on ``box_lowrank`` at
+n = 640), and the path's dual loses on natural instances at these ranks (docs/solvers.md, stops 64 and
+68). An interior point does not care how the faces are conditioned, and with H in that form each of
+its Newton systems ``(D + U U') dx = b`` (``D`` the ridge plus the bounds' weights ``z / s``, a
+diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'D^-1 U`` (a BLAS
+``syrk``, ``n r^2`` flops) and its Cholesky factor, instead of a Cholesky of an ``n x n`` matrix.
+
+- **Detection** (:func:`ipm_low_rank`): only where the sampled principal block that the path's
+  detection already took (:func:`~.active_set_low_rank.ridge_low_rank`; its eigenvalues are kept)
+  is ill-conditioned (smallest over largest eigenvalue at most :data:`SAMPLE_RATIO`: the block of a
+  well-conditioned H, e.g. every built-in family with ``cond <= 1e6``, shows 1e-5 or more and costs
+  nothing more), a pre-test counts the rank of a larger sampled block with LAPACK's pivoted Cholesky
+  stopped at :data:`PRETEST` of its top (as :func:`~.active_set_low_rank.ball_low_rank` does), and
+  only where that is within ``n / 4`` does :func:`~.active_set_low_rank.ridge_low_rank` look for
+  the factor at that limit. It must have a ridge (a Woodbury solve divides by ``D``, and without a
+  ridge ``D`` tends to 0 on the free coordinates) of at most :data:`IPM_RIDGE` of H's largest
+  diagonal entry.
+- **The iteration** (:func:`solve_low_rank_ipm`): Mehrotra's predictor-corrector on the bounds
+  (finite ones only) and the sum groups' equations (per-atom or global simplices: the identity is
+  applied to the whole Newton system, whose part without ``U U'`` the disjoint groups make solvable
+  in ``O(n)``; :class:`_Woodbury`), residuals from the true H (one product per iteration), Newton
+  systems on ``sigma I + U U'``, refined once against that model. It stops where the relative complementarity and residuals are below ``tol``, or where
+  they stop falling.
+
+Its point goes to the engine, which returns it at once where it meets the engine's stopping test
+(the certificate's gap) and otherwise continues from it: the interior point changes how fast, never
+what is certified. L1 balls are left to the path and the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import scipy.linalg as sla
+from scipy import sparse
+
+from ..cholesky import cho_solve
+from ..constraints.kernels import SetStructure
+from ..matrix_cache import matrix_values
+from .active_set_low_rank import EPS, SAMPLE, RidgeLowRank, _sample, rank_limit, ridge_low_rank
+
+__all__ = ["ipm_low_rank", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE", "IPM_MIN_N"]
+
+#: the largest rank taken, as a share of n (above the path's limit, ``n / 8``)
+IPM_RANK_SHARE = 1.0 / 4.0
+#: the largest ridge taken, relative to H's top eigenvalue (cond >= 1e7:
+#: below it the engine's faces are well enough conditioned, and it was as fast or faster on 10 of 12
+#: untuned cells, stop 69)
+IPM_RIDGE = 1e-7
+#: the path's sampled block must have a smallest / largest eigenvalue at most this for the pre-test to run
+SAMPLE_RATIO = 1e-5
+#: the pre-test's pivoted Cholesky stops where the remaining diagonal falls below this share of a lower
+#: bound on H's top eigenvalue (the ridge's Schur complement is several times the ridge, itself up to
+#: 1e-7 of the top eigenvalue); at 1e-4 it stopped below the rank of H's without a ridge whose
+#: spectrum decays (``box_singular``, n = 3072: 564 of 800), and their declining cost an eigenvalue
+#: decomposition of 1,024 rows (70 ms, 0.2x one Cholesky of H)
+PRETEST = 1e-6
+#: smaller problems are left to the engine
+IPM_MIN_N = 256
+#: the fraction of the step to the boundary taken
+STEP_FRACTION = 0.99
+#: iterations at most
+MAX_ITER = 60
+#: the iteration ends where its merit reached no new best in this many iterations
+STALL = 4
+IPM_KEY = "active_set.low_rank_ipm"
+
+
+def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
+                 seed: int = 0) -> RidgeLowRank | None:
+    """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: a set
+    with an L1 ball, n below :data:`IPM_MIN_N`, a well-conditioned sample (``notes``: what the path's
+    detection found in the block it sampled, :func:`~.active_set_low_rank.ridge_low_rank`'s
+    ``sample_ratio`` and ``sample_top``; empty: no block was sampled), a rank above ``n / 4`` or
+    within the path's limit (the path takes those), no ridge or one above :data:`IPM_RIDGE` of H's top
+    eigenvalue (the larger of the sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows
+    sees a tenth of it on some H). Kept with the values of a read-only H."""
+    n = int(H.shape[0])
+    if st.center is not None or n < IPM_MIN_N:
+        return None
+    ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
+    if ratio is None or top_eig is None or not ratio <= SAMPLE_RATIO:
+        return None
+    limit = rank_limit(n, st)
+    max_rank = int(n * IPM_RANK_SHARE)
+    if max_rank <= limit:
+        return None
+    shared = matrix_values(H)
+    key = (IPM_KEY, max_rank, limit, seed)  # (the limit depends on the set: a box's is not a simplex's)
+    if shared is not None and key in shared:
+        return shared[key]
+    found = None
+    idx = _sample(n, SAMPLE, max_rank, seed)
+    if idx is not None:
+        S = np.array(H[np.ix_(idx, idx)], dtype=np.float64)
+        # relative to a lower bound on H's top eigenvalue (the largest diagonal entry of the block, and
+        # the top eigenvalue of the path's smaller block, ten times the former on some H)
+        top = max(float(np.max(np.diag(S))), float(top_eig))
+        if math.isfinite(top) and top > 0:
+            _, _, rank, info = sla.lapack.dpstrf(S, tol=PRETEST * top, overwrite_a=True)
+            # info 1: stopped early at rank ``rank``; a few pivots above H's rank where the ridge's Schur
+            # complement is several times it on some rows
+            if info == 1 and limit < rank <= max_rank and rank <= 0.75 * idx.size:
+                lr = ridge_low_rank(H, max_rank=max_rank, seed=seed)
+                if lr is not None and 0 < lr.sigma and lr.rank > limit \
+                        and lr.sigma <= IPM_RIDGE * max(float(top_eig), _top_eigenvalue(lr.U, seed)):
+                    found = lr
+    if shared is not None:
+        shared[key] = found
+    return found
+
+
+def _top_eigenvalue(U: np.ndarray, seed: int, steps: int = 8) -> float:
+    """An estimate from below of ``U U'``'s largest eigenvalue: a few power steps (``O(n r)`` each)."""
+    v = np.random.default_rng([seed, U.shape[1]]).standard_normal(U.shape[1])
+    top = 0.0
+    for _ in range(steps):
+        w = U.T @ (U @ v)
+        top = float(np.linalg.norm(w))
+        if not top > 0:
+            return 0.0
+        v = w / top
+    return top
+
+
+class _Groups:
+    """The sum groups' equations ``A x = t`` (one row of ones per group, disjoint): products by
+    ``bincount`` and indexing, a sparse copy for the one matrix product per iteration."""
+
+    def __init__(self, group: np.ndarray, totals: np.ndarray, columns: int | None = None):
+        """``columns``: ``K`` where the groups are the columns of the ``(K, groups)`` row-major view
+        (:attr:`~mergeqp.constraints.kernels.SetStructure.simplex_columns`: sums by a reshape)."""
+        self.group = np.asarray(group, dtype=np.int64)
+        self.totals = np.asarray(totals, dtype=np.float64)
+        self.count = int(self.totals.size)
+        self.columns = columns
+        n = self.group.size
+        self.matrix = sparse.csr_matrix((np.ones(n), (self.group, np.arange(n))), shape=(self.count, n))
+
+    def sums(self, v: np.ndarray) -> np.ndarray:
+        """``A v`` for a vector."""
+        if self.columns is not None:
+            return v.reshape(self.columns, self.count).sum(axis=0)
+        return np.bincount(self.group, weights=v, minlength=self.count)
+
+    def sums_of_rows(self, V: np.ndarray) -> np.ndarray:
+        """``A V`` for an ``(n, r)`` matrix."""
+        if self.columns is not None:
+            return V.reshape(self.columns, self.count, V.shape[1]).sum(axis=0)
+        return np.asarray(self.matrix @ V)
+
+    def spread(self, y: np.ndarray) -> np.ndarray:
+        """``A' y``."""
+        if self.columns is not None:
+            return np.tile(y, self.columns)
+        return y[self.group]
+
+
+class _Woodbury:
+    """Solves the Newton system ``[M A'; A 0] [dx; dy] = [b; c]`` at one iterate, ``M = diag(D) + U U'``
+    and ``A`` the sum groups' rows (or none), by the Woodbury identity on the whole system: ``K0 = [D A';
+    A 0]`` is solved in ``O(n)`` (the groups are disjoint: its Schur complement ``A D^-1 A'`` is
+    diagonal), and ``U U'`` is a rank-``r`` update of it with the ``r x r`` capacitance ``I + U'PU``,
+    ``P = D^-1 - D^-1 A'(A D^-1 A')^-1 A D^-1`` (positive semidefinite: ``>= I``). No ``groups x groups``
+    matrix is formed (an explicit Schur complement ``A M^-1 A'`` cost 2.5x the box's iteration at
+    n = 3072 with 768 groups)."""
+
+    def __init__(self, U: np.ndarray, D: np.ndarray, groups: _Groups | None):
+        """``U`` Fortran-ordered (``syrk`` reads it so without a copy)."""
+        r = U.shape[1]
+        self.U, self.D = U, D
+        root = 1.0 / np.sqrt(D)
+        W = np.multiply(U, root[:, None], order="F")
+        C = sla.blas.dsyrk(1.0, W, trans=1, lower=True)  # W'W = U'D^-1 U, lower triangle
+        self.groups = groups
+        self.s0: np.ndarray | None = None
+        if groups is not None:
+            self.s0 = groups.sums(1.0 / D)  # A D^-1 A'
+            Vg = groups.sums_of_rows(W * root[:, None])  # A D^-1 U
+            Vs = np.asfortranarray(Vg / np.sqrt(self.s0)[:, None])
+            C = sla.blas.dsyrk(-1.0, Vs, beta=1.0, c=C, trans=1, lower=True, overwrite_c=True)
+        C[np.diag_indices(r)] += 1.0
+        self.fac = sla.cho_factor(C, lower=True, check_finite=False)
+
+    def _k0(self, p: np.ndarray, q: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``K0^-1 [p; q]`` (``q`` ``None``: 0)."""
+        if self.groups is None or self.s0 is None:
+            return p / self.D, None
+        rhs = self.groups.sums(p / self.D)
+        y = (rhs if q is None else rhs - q) / self.s0
+        return (p - self.groups.spread(y)) / self.D, y
+
+    def _solve(self, b: np.ndarray, c: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        x0, y0 = self._k0(b, c)
+        t = cho_solve(self.fac, self.U.T @ x0)
+        x1, y1 = self._k0(self.U @ t, None)
+        return x0 - x1, (None if y0 is None or y1 is None else y0 - y1)
+
+    def model(self, x: np.ndarray) -> np.ndarray:
+        """``M x``."""
+        return self.D * x + self.U @ (self.U.T @ x)
+
+    def solve(self, b: np.ndarray, c: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+        """``[M A'; A 0] [dx; dy] = [b; c]`` (``dy`` ``None`` without groups), refined once against the model."""
+        dx, dy = self._solve(b, c)
+        res_b = b - self.model(dx)
+        res_c = None
+        if dy is not None and self.groups is not None and c is not None:
+            res_b -= self.groups.spread(dy)
+            res_c = c - self.groups.sums(dx)
+        ex, ey = self._solve(res_b, res_c)
+        return dx + ex, (None if dy is None or ey is None else dy + ey)
+
+
+def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
+    """The largest ``a`` with ``v + a dv >= 0`` (``inf``: none)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = np.where(dv < 0, -v / dv, math.inf)
+    return float(np.min(ratios, initial=math.inf))
+
+
+def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, *, c: float = 0.0,
+                       tol: float = 1e-11, max_iter: int = MAX_ITER) -> tuple[np.ndarray | None, dict[str, Any]]:
+    """The best iterate (by the largest of the relative complementarity, dual and primal residuals;
+    ``J = x'Hx / 2 + g'x + c``) of the interior point on bounds and sum groups (see the module doc)
+    and what it did; ``None`` where the set is not one of those (an L1 ball), has no finite bound, or
+    the iteration broke down at its first iterate."""
+    n = int(g.size)
+    info: dict[str, Any] = {"method": "interior point", "rank": lr.rank}
+    if st.center is not None:
+        return None, info
+    lo, hi = np.asarray(st.lo, dtype=np.float64), np.asarray(st.hi, dtype=np.float64)
+    L, Uix = np.flatnonzero(np.isfinite(lo)), np.flatnonzero(np.isfinite(hi))
+    m = L.size + Uix.size
+    if m == 0:
+        return None, info
+    A = None if st.group is None or st.totals is None else _Groups(st.group, st.totals, st.simplex_columns)
+    # start: mid-box where both bounds are finite, one unit inside a single bound (in a sum group: the
+    # group's equal share of what its total leaves above the lower bounds)
+    x = np.zeros(n)
+    both = np.isfinite(lo) & np.isfinite(hi)
+    x[both] = 0.5 * (lo[both] + hi[both])
+    only_lo = np.isfinite(lo) & ~both
+    only_hi = np.isfinite(hi) & ~both
+    room = np.ones(n)  # how far inside a single bound
+    if A is not None:
+        # inside a lower bound by an equal share of what its group's total leaves above the lower
+        # bounds, so that a per-atom simplex starts on its sums
+        left = A.totals - A.sums(np.where(np.isfinite(lo), lo, 0.0))
+        share = A.spread(left / np.maximum(A.sums(np.ones(n)), 1.0))
+        room = np.where(share > 0, share, 1.0)
+    x[only_lo] = lo[only_lo] + room[only_lo]
+    x[only_hi] = hi[only_hi] - room[only_hi]
+    sl, su = x[L] - lo[L], hi[Uix] - x[Uix]
+    if np.any(sl <= 0) or np.any(su <= 0):
+        return None, info  # (lo == hi somewhere: the engine's case)
+    zl, zu = np.ones(L.size), np.ones(Uix.size)
+    y = np.zeros(0 if A is None else A.count)
+    # the iteration runs on J / scale (the same minimiser), scale = max(max |g|, max diag H): its start
+    # (multipliers 1) is then of the problem's size; unscaled, a problem times 1e8 took twice the
+    # iterations on a box and stalled on a simplex
+    scale = max(float(np.max(np.abs(g), initial=0.0)), lr.sigma + float(np.max(np.einsum("ij,ij->i", lr.U, lr.U))))
+    scale = scale if math.isfinite(scale) and scale > 0 else 1.0
+    g, c = g / scale, c / scale
+    sigma = lr.sigma / scale
+    U = np.asfortranarray(lr.U / math.sqrt(scale))
+    gscale = 1.0 + float(np.max(np.abs(g), initial=0.0))
+    bscale = 1.0 + float(np.max(np.abs(np.concatenate([lo[L], hi[Uix]])), initial=0.0))
+    best = (math.inf, x, 0)
+    it = 0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for it in range(max_iter + 1):
+            Hx = (H @ x) / scale
+            rd = Hx + g
+            rd[L] -= zl
+            rd[Uix] += zu
+            if A is not None:
+                rd += A.spread(y)
+            re = None if A is None else A.sums(x) - A.totals
+            J = float(0.5 * x @ Hx + g @ x) + c
+            terms = abs(c) + abs(0.5 * float(x @ Hx)) + abs(float(g @ x))
+            size = max(abs(J), 1e-8 * terms, EPS)
+            gap = float(sl @ zl + su @ zu)
+            err_d = float(np.max(np.abs(rd))) / (gscale + float(np.max(np.abs(Hx))))
+            err_p = 0.0 if re is None else float(np.max(np.abs(re), initial=0.0)) / bscale
+            merit = max(gap / size, err_d, err_p)
+            if not math.isfinite(merit):
+                break
+            if merit < best[0]:
+                best = (merit, x, it)
+            if merit <= tol or it == max_iter or (it - best[2] >= STALL):
+                break
+            mu = gap / m
+            w = np.full(n, sigma)
+            w[L] += zl / sl
+            w[Uix] += zu / su
+            try:
+                wb = _Woodbury(U, w, A)
+            except (np.linalg.LinAlgError, ValueError):
+                info["note"] = "a Newton system could not be factorised"
+                break
+
+            def newton(rcl: np.ndarray, rcu: np.ndarray) -> tuple[np.ndarray, ...]:
+                b = -rd.copy()
+                b[L] -= rcl / sl
+                b[Uix] += rcu / su
+                dx, dy = wb.solve(b, None if re is None else -re)
+                dzl = (-rcl - zl * dx[L]) / sl
+                dzu = (-rcu + zu * dx[Uix]) / su
+                return dx, dy, dzl, dzu
+
+            dx, dy, dzl, dzu = newton(sl * zl, su * zu)
+            a = min(1.0, _max_step(sl, dx[L]), _max_step(su, -dx[Uix]), _max_step(zl, dzl), _max_step(zu, dzu))
+            mu_aff = float((sl + a * dx[L]) @ (zl + a * dzl) + (su - a * dx[Uix]) @ (zu + a * dzu)) / m
+            sig = (mu_aff / mu) ** 3 if mu > 0 else 0.0
+            dx, dy, dzl, dzu = newton(sl * zl + dx[L] * dzl - sig * mu, su * zu - dx[Uix] * dzu - sig * mu)
+
+            if not all(bool(np.all(np.isfinite(v))) for v in (dx, dzl, dzu)):
+                info["note"] = "a Newton direction was not finite"
+                break
+            a = min(1.0, STEP_FRACTION * min(_max_step(sl, dx[L]), _max_step(su, -dx[Uix]),
+                                             _max_step(zl, dzl), _max_step(zu, dzu)))
+            x = x + a * dx
+            if dy is not None:
+                y = y + a * dy
+            zl, zu = zl + a * dzl, zu + a * dzu
+            sl, su = x[L] - lo[L], hi[Uix] - x[Uix]
+    merit, x, at = best
+    info.update(iterations=it, merit=merit, best_iteration=at, objective_scaled_by=scale)
+    if not math.isfinite(merit):
+        return None, info
+    return np.clip(x, lo, hi), info

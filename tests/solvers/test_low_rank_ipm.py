@@ -1,0 +1,234 @@
+"""The interior point on ``sigma I + U U'`` (solvers/low_rank_ipm.py) that starts ``active_set`` where H is a
+weak ridge plus a low-rank matrix of medium rank: when it is taken and when not, its point against
+``dense_ipm`` and Clarabel on boxes (two-sided and one-sided) and per-atom simplices, the engine returning
+it at once, and a hypothesis property against the engine alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mergeqp.constraints import Box, L1Ball, Simplex
+from mergeqp.problem import MergeQP
+from mergeqp.solvers import active_set as A
+from mergeqp.solvers import low_rank_ipm as M
+from mergeqp.solvers.registry import solve
+
+
+def weak_ridge_matrix(rng: np.random.Generator, n: int, r: int, cond: float) -> tuple[np.ndarray, float]:
+    """``sigma I + B B'`` with ``B`` ``(n, r)`` of decaying singular values and ``sigma = lambda_max / cond``,
+    read-only (as a problem keeps it)."""
+    B = rng.standard_normal((n, r)) * (1.0 / (1.0 + np.arange(r)))[None, :] / np.sqrt(r)
+    sigma = float(np.linalg.norm(B, 2)) ** 2 / cond
+    H = B @ B.T
+    H[np.diag_indices(n)] += sigma
+    H.flags.writeable = False
+    return H, sigma
+
+
+def planted(rng: np.random.Generator, H: np.ndarray, K: int, kind: str) -> tuple[MergeQP, object]:
+    """A QP whose optimum has about half its coordinates at a bound, on ``[0, 1]`` (``box``), ``x >= 0``
+    (``nonneg``) or the per-atom simplex (``simplex``), with multipliers over four decades."""
+    n = H.shape[0]
+    scale = float(np.mean(np.diag(H)))
+    if kind == "simplex":
+        m = n // K
+        d = rng.dirichlet(np.ones(K), size=m).T  # (K, m)
+        zero = rng.random((K, m)) < 0.5
+        zero[0] = False  # at least one positive per atom
+        d = np.where(zero, 0.0, d)
+        d /= d.sum(axis=0, keepdims=True)
+        x = d.ravel()
+        lam = np.where(zero.ravel(), 10.0 ** rng.uniform(-4, 0, n), 0.0) * scale
+        nu = rng.standard_normal(m) * scale
+        g = lam - H @ x - np.tile(nu, K)
+        return MergeQP(H, g, 1.0, shape=(K, m)), Simplex(1.0)
+    x = rng.uniform(0.05, 0.95, n)
+    at = rng.random(n) < 0.5
+    upper = (rng.random(n) < 0.5) & (kind == "box")
+    x[at] = np.where(upper[at], 1.0, 0.0)
+    lam = np.where(at, np.where(upper, -1.0, 1.0) * 10.0 ** rng.uniform(-4, 0, n), 0.0) * scale
+    cset = Box(0.0, 1.0) if kind == "box" else Box(0.0, np.inf)
+    return MergeQP(H, lam - H @ x, 1.0, shape=(K, n // K)), cset
+
+
+@pytest.mark.parametrize("kind", ["box", "nonneg", "simplex"])
+def test_a_weak_ridge_at_medium_rank_takes_the_interior_point_and_certifies(kind: str) -> None:
+    """Rank 200 at n = 1200 (above the path's n / 8 = 150, within n / 4), cond 1e9: ``active_set``
+    starts from the interior point, whose point meets the engine's test (no face solve), with the
+    optimum of ``dense_ipm`` and of the engine alone (``low_rank: off``)."""
+    rng = np.random.default_rng(3)
+    H, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
+    problem, cset = planted(rng, H, 4, kind)
+    sol = solve(problem, cset, solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["method"] == "interior point" and info["rank"] == 200
+    assert sol.info["face_iterations"] == 0
+    assert sol.certificate.certified(1e-8)
+    ref = solve(problem, cset, solver="dense_ipm")
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-9, abs=1e-10)
+    plain = solve(problem, cset, solver="active_set", low_rank="off")
+    assert plain.objective == pytest.approx(sol.objective, rel=1e-9, abs=1e-10)
+
+
+def test_the_iteration_alone_reaches_the_reference_on_a_small_problem() -> None:
+    """:func:`solve_low_rank_ipm` on its own (n = 300, rank 60, per-atom simplex and box): feasible to
+    rounding, J within 1e-9 of Clarabel's, complementarity and residuals below its tolerance."""
+    rng = np.random.default_rng(5)
+    H, sigma = weak_ridge_matrix(rng, 300, 60, 1e8)
+    for kind in ("box", "simplex"):
+        problem, cset = planted(rng, H, 3, kind)
+        structure = A.set_structure(cset, problem.shape)
+        from mergeqp.solvers.active_set_low_rank import ridge_low_rank
+
+        lr = ridge_low_rank(H, max_rank=75)
+        assert lr is not None and lr.sigma == pytest.approx(sigma, rel=1e-6)
+        x, info = M.solve_low_rank_ipm(H, problem.g, structure, lr, c=problem.c)
+        assert x is not None and info["merit"] <= 1e-10
+        assert cset.violation(x.reshape(problem.shape)) <= 1e-9
+        J = float(0.5 * x @ H @ x + problem.g @ x + problem.c)
+        ref = solve(problem, cset, solver="clarabel")
+        assert J == pytest.approx(ref.objective, rel=1e-9, abs=1e-9)
+
+
+@pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "no_ridge", "l1_ball", "small"])
+def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: str) -> None:
+    """Declined where the path takes the rank (<= n / 8), above n / 4, with a ridge above 1e-7 of the top
+    eigenvalue (cond 1e5: the engine's faces are well enough conditioned), without a ridge, on an L1
+    ball, below n = 256; the answer is certified either way."""
+    rng = np.random.default_rng(7)
+    n, r, cond, K = 1200, 200, 1e9, 4
+    if case == "path_rank":
+        r = 120
+    elif case == "rank_too_high":
+        r = 400
+    elif case == "strong_ridge":
+        cond = 1e5
+    elif case == "small":
+        n, r = 240, 40
+    H, _ = weak_ridge_matrix(rng, n, r, cond)
+    if case == "no_ridge":
+        B = rng.standard_normal((n, r)) / np.sqrt(r)
+        H = B @ B.T
+        H.flags.writeable = False
+    problem, cset = planted(rng, H, K, "box")
+    if case == "l1_ball":
+        cset = L1Ball(float(n) / 8)
+    notes: dict = {}
+    A.ridge_low_rank(H, max_rank=A.rank_limit(n, A.set_structure(cset, problem.shape)), notes=notes)
+    assert M.ipm_low_rank(H, A.set_structure(cset, problem.shape), notes) is None
+    sol = solve(problem, cset, solver="active_set")
+    assert sol.info.get("low_rank", {}).get("method") != "interior point"
+    assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor
+
+
+def test_a_well_conditioned_sample_costs_no_pre_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the block the path's detection sampled is well conditioned (smallest over largest eigenvalue
+    above 1e-5), the pre-test's pivoted Cholesky is not run at all: full-rank H, the usual case, pays
+    nothing for the interior point."""
+    rng = np.random.default_rng(9)
+    B = rng.standard_normal((800, 800)) / np.sqrt(800)
+    H = B @ B.T + 0.1 * np.eye(800)
+    H.flags.writeable = False
+    problem = MergeQP(H, rng.standard_normal(800), 0.0, shape=(4, 200))
+    called = []
+    real = M.sla.lapack.dpstrf
+    monkeypatch.setattr(M.sla.lapack, "dpstrf", lambda *a, **k: called.append(1) or real(*a, **k))
+    sol = solve(problem, Box(0.0, 1.0), solver="active_set")
+    assert called == [] and "low_rank" not in sol.info
+    assert sol.certificate.certified(1e-8)
+
+
+def test_a_warm_start_that_meets_the_test_is_returned_before_any_face() -> None:
+    """The engine tests a warm start before its CG faces, which a point strictly inside the bounds (an
+    interior point's) starts since its face is all free: a point that meets the test comes back as it
+    is, with no face solve and no CG face (before stop 69 the CG face ran and its work was discarded)."""
+    rng = np.random.default_rng(11)
+    H, _ = weak_ridge_matrix(rng, 600, 40, 1e4)
+    problem, cset = planted(rng, H, 3, "box")
+    first = solve(problem, cset, solver="active_set", low_rank="off")
+    inside = np.clip(first.d, 1e-13, 1.0 - 1e-13)
+    again = solve(problem, cset, solver="active_set", low_rank="off", x0=inside, start_face="point")
+    assert again.info["face_iterations"] == 0 and again.info["cg_faces"] == 0
+    assert np.array_equal(again.d, inside) and again.certificate.certified(1e-8)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), K=st.sampled_from([2, 3, 4]), share=st.floats(0.13, 0.25),
+       log_cond=st.floats(7.5, 10.0), kind=st.sampled_from(["box", "nonneg", "simplex"]))
+def test_the_interior_point_start_matches_the_engine_alone(seed: int, K: int, share: float, log_cond: float,
+                                                           kind: str) -> None:
+    """Random weak-ridge, medium-rank QPs at n = 288-384: whichever start ``active_set`` takes, its answer
+    is certified and equals the engine's alone (``low_rank: off``) to the certificate's tolerance."""
+    rng = np.random.default_rng(seed)
+    m = int(rng.integers(72, 97))
+    n = K * m
+    H, _ = weak_ridge_matrix(rng, n, max(2, int(share * n)), 10.0 ** log_cond)
+    problem, cset = planted(rng, H, K, kind)
+    sol = solve(problem, cset, solver="active_set")
+    plain = solve(problem, cset, solver="active_set", low_rank="off")
+    for s in (sol, plain):
+        assert s.certificate.certified(1e-8) or s.certificate.at_rounding_floor
+    slack = sol.certificate.fw_gap + plain.certificate.fw_gap + 1e-10 * max(1.0, abs(plain.objective))
+    assert abs(sol.objective - plain.objective) <= slack
+
+
+@pytest.mark.parametrize("kind", ["box", "simplex"])
+def test_the_iteration_does_not_depend_on_the_problems_scale(kind: str) -> None:
+    """The interior point runs on ``J / scale``: the same QP times 1e-8, 1 and 1e8 takes the same
+    iterations and is certified without a face solve (unscaled, times 1e8 it took twice the iterations on
+    a box and stalled on a simplex, whose engine then took 44 faces)."""
+    rng = np.random.default_rng(13)
+    H, _ = weak_ridge_matrix(rng, 800, 140, 1e9)
+    problem, cset = planted(rng, H, 4, kind)
+    runs = []
+    for factor in (1e-8, 1.0, 1e8):
+        Hs = np.array(H) * factor
+        Hs.flags.writeable = False
+        sol = solve(MergeQP(Hs, problem.g * factor, problem.c * factor, shape=problem.shape), cset, solver="active_set")
+        assert sol.info["low_rank"]["method"] == "interior point" and sol.info["face_iterations"] == 0
+        assert sol.certificate.certified(1e-8)
+        runs.append((sol.info["low_rank"]["iterations"], sol.objective / factor))
+    assert len({it for it, _ in runs}) == 1
+    assert runs[0][1] == pytest.approx(runs[1][1], rel=1e-9) and runs[2][1] == pytest.approx(runs[1][1], rel=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["capped", "global"])
+def test_sum_groups_without_the_column_layout_agree_with_dense_ipm(kind: str) -> None:
+    """A capped per-atom simplex (``[0, 0.6]`` and sums of 1: the groups' general path, not the columns'
+    reshape) and a global simplex (one group of every coordinate): the interior point's start is taken,
+    certified, at ``dense_ipm``'s J."""
+    from mergeqp.constraints import GlobalSimplex, intersect
+
+    rng = np.random.default_rng(17)
+    H, _ = weak_ridge_matrix(rng, 900, 160, 1e9)
+    K = 3
+    cset = intersect([Box(0.0, 0.6), Simplex(1.0)]) if kind == "capped" else GlobalSimplex(40.0)
+    problem = MergeQP(H, rng.standard_normal(900) * float(np.mean(np.diag(H))), 0.0, shape=(K, 300))
+    sol = solve(problem, cset, solver="active_set")
+    assert sol.info["low_rank"]["method"] == "interior point"
+    assert sol.certificate.certified(1e-8)
+    ref = solve(problem, cset, solver="dense_ipm")
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-9, abs=1e-10)
+
+
+def test_the_decision_kept_with_h_is_per_set() -> None:
+    """The decision kept with a read-only H depends on the set's rank limit: rank 130 of n = 1200 is the
+    path's on a box (limit 150) and the interior point's on a per-atom simplex of 2 (limit 100), in either
+    order of the two solves on the same H."""
+    rng = np.random.default_rng(19)
+    H, _ = weak_ridge_matrix(rng, 1200, 130, 1e9)
+    box, box_set = planted(rng, H, 2, "box")
+    simplex, simplex_set = planted(rng, H, 2, "simplex")
+    for order in ((box, box_set), (simplex, simplex_set)), ((simplex, simplex_set), (box, box_set)):
+        from mergeqp.matrix_cache import forget_matrix
+
+        forget_matrix(H)
+        methods = {}
+        for problem, cset in order:
+            sol = solve(problem, cset, solver="active_set", pairs="off")
+            assert sol.certificate.certified(1e-8)
+            methods[cset.spec] = sol.info["low_rank"].get("method")
+        assert methods[simplex_set.spec] == "interior point" and methods[box_set.spec] != "interior point"

@@ -60,9 +60,11 @@ dimension and at least n / 12 on sums;
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
 active set with Woodbury face solves on sums and on an L1 ball. Where the rank lies above that
 limit and within n / 4, with a weak ridge (at most 1e-7 of the top eigenvalue: faces too
-ill-conditioned for the engine's proximal levels) on bounds or sums, an interior point on
-``sigma I + U U'`` takes its place (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Woodbury
-identity, ``n r^2`` flops each). The engine starts at that point: it
+ill-conditioned for the engine's proximal levels) on a bounded set of bounds or sums, the engine
+first runs within a head start (a tenth of the interior point's estimated work), and where that is
+spent an interior point on ``sigma I + U U'`` gives the point it goes on from (:mod:`.low_rank_ipm`,
+stop 69: Newton systems by the Woodbury identity, ``n r^2`` flops each). A warm start that meets the
+stopping test is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
 polished point meets it at the rounding floor; tested before the first CG faces, whose work it
 would discard), and otherwise goes on from its face.
@@ -81,6 +83,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -98,7 +101,7 @@ from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, RidgeLowRank, 
                                   ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
-from .low_rank_ipm import ipm_low_rank, solve_low_rank_ipm
+from .low_rank_ipm import ipm_candidate, ipm_low_rank, ipm_work, solve_low_rank_ipm
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .unbounded import into_recession_cone, verified_claim
@@ -195,6 +198,11 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.rho = 0.0
         self.xc = np.zeros(self.n)
         self.proximal_restarts = 0
+        #: where set, :meth:`run` stops (status ``MAX_ITERATIONS``, ``budget_spent``) once its faces' work
+        #: (:func:`face_work`) exceeds it: the head start of :mod:`.low_rank_ipm`'s interior point
+        self.budget: float | None = None
+        self.work = 0.0
+        self.budget_spent = False
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
         #: recent ``(x, H x + g)`` pairs (:meth:`objective_gradient`)
         self._known: list[tuple[np.ndarray, np.ndarray]] = []
@@ -437,6 +445,12 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         low_gap = last_gap
         it = 0
         for it in range(1, int(opts["max_iter"]) + 1):
+            if self.budget is not None:
+                self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
+                if self.work > self.budget:
+                    self.budget_spent = True
+                    it -= 1
+                    break
             rho = self.rho
             key = face.key()
             seen.add(key)
@@ -591,7 +605,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 x = self.xc
                 continue
             face, x = new_face, xf
-        if status != SolveStatus.OPTIMAL and at_zero_objective(best_J, best_T, last_gap):
+        if status != SolveStatus.OPTIMAL and not self.budget_spent and at_zero_objective(best_J, best_T, last_gap):
             # an interpolating problem left short of the certificate's floor: Newton steps on the
             # best point's face (stop 66)
             polished = polish_at_zero(H, g, self.st, best_x, self._face_and_equations)
@@ -603,6 +617,14 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                     if converged(Jp, gap, polished, gp):
                         status = SolveStatus.OPTIMAL
         return best_x, status, it, self._info(it, face, last_gap)
+
+    def restart(self) -> None:
+        """Back to plain PDAS for another :meth:`run` on the same problem (after a spent budget): no
+        proximal term, no budget; what is cached about H stays."""
+        self.rho = 0.0
+        self.xc = np.zeros(self.n)
+        self.fine = False
+        self.budget, self.budget_spent = None, False
 
     def _face_and_equations(self, y: np.ndarray) -> tuple[np.ndarray, Any]:
         """The free coordinates of ``y``'s face and its group equations (:meth:`equations`)."""
@@ -738,16 +760,19 @@ class ActiveSetSolver(QPSolver):
                 engine = _Engine(paired.problem, constraints, paired.structure, opts)
                 x0_kept = None if x0_kept is None else paired.start(x0_kept)
             low_rank = _low_rank_start(engine, opts, x0_kept)
-            if low_rank is not None and low_rank[0] is not None:
-                x0_kept = low_rank[0]
+            if low_rank is not None and low_rank.x is not None:
+                x0_kept = low_rank.x
                 engine.opts = {**opts, "start_face": "point"}
             elif x0 is not None:
                 engine.reuse_shared_factor()
             setup = time.perf_counter() - t0
-            x, status, it, info = engine.run(x0_kept)
+            if low_rank is not None and low_rank.notes is not None:
+                x, status, it, info = _with_interior_point(engine, opts, low_rank, x0_kept)
+            else:
+                x, status, it, info = engine.run(x0_kept)
             engine.share_factor()
             if low_rank is not None:
-                info["low_rank"] = low_rank[1]
+                info["low_rank"] = low_rank.info
         if paired is not None:
             x = paired.expand(x)
             info["paired"] = paired.m
@@ -764,15 +789,74 @@ class ActiveSetSolver(QPSolver):
         return RawResult(problem.unflat(x), status, it, info, setup_seconds=setup)
 
 
+@dataclass
+class _LowRankStart:
+    """What :func:`_low_rank_start` found: the point for the engine to start from (``None``: its own
+    start), what was done (``info["low_rank"]``), and whether the interior point may apply (``notes``:
+    the engine then runs first, within a head start, :func:`_with_interior_point`)."""
+
+    x: np.ndarray | None
+    info: dict[str, Any]
+    #: where the interior point may apply: the path's detection notes, for its own detection after the
+    #: engine's head start
+    notes: dict[str, Any] | None = None
+
+
+#: the engine's head start before the interior point, as a share of the interior point's estimated work
+#: (:func:`~.low_rank_ipm.ipm_work`)
+IPM_HEAD_START = 0.1
+
+
+def face_work(n_free: int, n: int) -> float:
+    """The flops of a face solve with ``n_free`` free coordinates of ``n``: its factorisation and the
+    products with the free rows of H."""
+    return n_free ** 3 / 3.0 + 2.0 * n * n_free
+
+
+def _with_interior_point(engine: _Engine, opts: dict[str, Any], low_rank: _LowRankStart,
+                         x0: np.ndarray | None) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
+    """The engine first, within :data:`IPM_HEAD_START` of the interior point's work: where the optimum's
+    free set is small (most coordinates at a bound, one global sum, a warm start at the optimum) it
+    finishes there, at a fraction of the interior point's cost (a QA review, stop 69: the interior point
+    first cost 2-13x the engine alone on such QPs). Where it does not, the interior point's point and the
+    engine again from it (its face as the first guess); the caller's warm start where it meets the test
+    at a lower J (:func:`_kept_warm_start`)."""
+    assert low_rank.notes is not None
+    engine.budget = IPM_HEAD_START * ipm_work(engine.n, int(low_rank.info["rank_counted"]))
+    x, status, it, info = engine.run(x0)
+    spent = engine.budget_spent
+    engine.restart()
+    low_rank.info.update(taken=False, head_start_faces=it)
+    if not spent:
+        low_rank.info["note"] = "the engine finished within its head start"
+        return x, status, it, info
+    lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
+    xi = None
+    if lr is None:
+        low_rank.info["note"] = "no weak ridge plus a rank within n / 4: the engine goes on"
+    else:
+        xi, ipm_info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr, c=engine.c)
+        low_rank.info.update(ipm_info, rank=lr.rank, taken=xi is not None)
+        if xi is not None:
+            xi, _ = _kept_warm_start(engine, engine.project(xi), low_rank.info, x0)
+    # from the interior point's point, or where there is none from where the head start ended
+    engine.opts = {**opts, "start_face": "point"}
+    x, status, it2, info = engine.run(x if xi is None else xi)
+    info["face_iterations"] = it + it2
+    return x, status, it + it2, info
+
+
 def _low_rank_start(engine: _Engine, opts: dict[str, Any],
-                    x0: np.ndarray | None = None) -> tuple[np.ndarray | None, dict[str, Any]] | None:
+                    x0: np.ndarray | None = None) -> _LowRankStart | None:
     """Where H is a ridge (or none) plus a low-rank matrix (:mod:`.active_set_low_rank`), the path's
     point (``None`` where neither its stages nor its face active set reached an optimum: the engine
     then starts as usual, from the caller's start) and what it did, for the engine to start from (it
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
     problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
-    structure is found. Above the path's rank limit, a weak ridge and a rank within n / 4 on bounds or
-    sums take the interior point of :mod:`.low_rank_ipm` instead (stop 69). Where a weak ridge was taken as none and decides the optimum
+    structure is found. Above the path's rank limit, an ill-conditioned H on a bounded set of bounds or
+    sums whose pre-test counts a rank within n / 4 is a candidate for the interior point of
+    :mod:`.low_rank_ipm` (stop 69; ``notes`` set: the caller runs :func:`_with_interior_point`). A warm
+    start that meets the stopping test within tol is returned first, before any detection. Where a weak ridge was taken as none and decides the optimum
     (``weak_ridge_decides``: an interpolating box) and the point's gap is not within ``tol``, the
     path runs again with the ridge (``solve_with_weak_ridge``), whose point the engine starts from
     where the first failed the test, or where its gap is within ``tol`` or its J lower. A warm start
@@ -780,16 +864,21 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     than the path's point, is returned instead (the engine then returns it at once)."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
+    if x0 is not None:
+        # a warm start that meets the test within tol is returned at once, before any detection or path
+        # (a QA review, stop 69: at the optimum, the interior point's start cost 10-20x the engine's test)
+        xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
+        if engine.test_point(xw)[1]:
+            return _LowRankStart(xw, {"warm_start_kept": True})
     notes: dict[str, Any] = {}
     lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st), notes=notes)
     if lr is None:  # an L1 ball alone with a weak ridge or none: ranks up to n / 4 (stop 67)
         lr = ball_low_rank(engine.H, engine.st)
     if lr is None:  # a weak ridge and a medium rank on bounds or sums: an interior point (stop 69)
-        lr_ipm = ipm_low_rank(engine.H, engine.st, notes)
-        if lr_ipm is None:
+        rank = ipm_candidate(engine.H, engine.st, notes)
+        if rank is None:
             return None
-        x, info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr_ipm, c=engine.c)
-        return _kept_warm_start(engine, None if x is None else engine.project(x), info, x0)
+        return _LowRankStart(None, {"method": "interior point", "rank_counted": rank}, notes=notes)
     if lr.sigma > 0 and engine.n < LOW_RANK_MIN_N:
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most
@@ -797,7 +886,7 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     start = engine.project(np.full(engine.n, 1.0 / engine.shape[0]))
     x, info = solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, start, engine.eta)
     x = _weak_ridge_retry(engine, lr, start, x, info)
-    return _kept_warm_start(engine, x, info, x0)
+    return _LowRankStart(*_kept_warm_start(engine, x, info, x0))
 
 
 def _kept_warm_start(engine: _Engine, x: np.ndarray | None, info: dict[str, Any],

@@ -11,22 +11,32 @@ its Newton systems ``(D + U U') dx = b`` (``D`` the ridge plus the bounds' weigh
 diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'D^-1 U`` (a BLAS
 ``syrk``, ``n r^2`` flops) and its Cholesky factor, instead of a Cholesky of an ``n x n`` matrix.
 
-- **Detection** (:func:`ipm_low_rank`): only where the sampled principal block that the path's
-  detection already took (:func:`~.active_set_low_rank.ridge_low_rank`; its eigenvalues are kept)
-  is ill-conditioned (smallest over largest eigenvalue at most :data:`SAMPLE_RATIO`: the block of a
-  well-conditioned H, e.g. every built-in family with ``cond <= 1e6``, shows 1e-5 or more and costs
-  nothing more), a pre-test counts the rank of a larger sampled block with LAPACK's pivoted Cholesky
-  stopped at :data:`PRETEST` of its top (as :func:`~.active_set_low_rank.ball_low_rank` does), and
-  only where that is within ``n / 4`` does :func:`~.active_set_low_rank.ridge_low_rank` look for
-  the factor at that limit. It must have a ridge (a Woodbury solve divides by ``D``, and without a
-  ridge ``D`` tends to 0 on the free coordinates) of at most :data:`IPM_RIDGE` of H's largest
-  diagonal entry.
+- **Candidates** (:func:`ipm_candidate`): a bounded set of bounds and sum groups (finite boxes,
+  per-atom, global and capped simplices; not one-sided bounds, whose optimum can lie far from the
+  iteration's start, nor L1 balls), from n = :data:`IPM_MIN_N`, where the sampled principal block
+  that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
+  ``notes`` hand over its extreme eigenvalues) is ill-conditioned (smallest over largest eigenvalue
+  at most :data:`SAMPLE_RATIO`: the block of a well-conditioned H, e.g. every built-in family with
+  ``cond <= 1e6``, shows 1e-5 or more and costs nothing more), and a pre-test, LAPACK's pivoted
+  Cholesky of a larger sampled block stopped at :data:`PRETEST` of a lower bound on H's top
+  eigenvalue, counts a rank above the path's limit and within ``n / 4``.
+- **The engine's head start** (``active_set._with_interior_point``): the engine runs first, until its
+  faces' work (``n_F^3 / 3`` and the products per face) exceeds ``IPM_HEAD_START`` (0.1) of the
+  interior point's estimated work (:func:`ipm_work`). Where the optimum's free set is small (most
+  coordinates at a bound, one global sum, a warm start at the optimum) it finishes there: such QPs
+  cost 2-13x the engine alone with the interior point first (a QA review). Faces of many free
+  coordinates spend the head start within one or two faces.
+- **Detection** (:func:`ipm_low_rank`), only after a spent head start:
+  :func:`~.active_set_low_rank.ridge_low_rank` looks for the factor at the limit ``n / 4``, with a
+  ridge (a Woodbury solve divides by ``D``, and without a ridge ``D`` tends to 0 on the free
+  coordinates) of at most :data:`IPM_RIDGE` of H's top eigenvalue.
 - **The iteration** (:func:`solve_low_rank_ipm`): Mehrotra's predictor-corrector on the bounds
   (finite ones only) and the sum groups' equations (per-atom or global simplices: the identity is
   applied to the whole Newton system, whose part without ``U U'`` the disjoint groups make solvable
-  in ``O(n)``; :class:`_Woodbury`), residuals from the true H (one product per iteration), Newton
-  systems on ``sigma I + U U'``, refined once against that model. It stops where the relative complementarity and residuals are below ``tol``, or where
-  they stop falling.
+  in ``O(n)``; :class:`_Woodbury`), on ``J / scale`` (``scale = max(max |g|, max diag H)``), residuals
+  from the true H (one product per iteration), Newton systems on ``sigma I + U U'``, refined once
+  against that model. It stops where the complementarity relative to ``|J|`` and the residuals are
+  below ``tol``, at float64's rounding of the scaled problem, or where its absolute progress stops.
 
 Its point goes to the engine, which returns it at once where it meets the engine's stopping test
 (the certificate's gap) and otherwise continues from it: the interior point changes how fast, never
@@ -47,7 +57,7 @@ from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
 from .active_set_low_rank import EPS, SAMPLE, RidgeLowRank, _sample, rank_limit, ridge_low_rank
 
-__all__ = ["ipm_low_rank", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE", "IPM_MIN_N"]
+__all__ = ["ipm_candidate", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE", "IPM_MIN_N"]
 
 #: the largest rank taken, as a share of n (above the path's limit, ``n / 8``)
 IPM_RANK_SHARE = 1.0 / 4.0
@@ -69,22 +79,25 @@ IPM_MIN_N = 256
 STEP_FRACTION = 0.99
 #: iterations at most
 MAX_ITER = 60
-#: the iteration ends where its merit reached no new best in this many iterations
+#: the iteration ends where its progress (absolute complementarity and residuals) reached no new best in
+#: this many iterations
 STALL = 4
+#: ... or where that progress is at float64's rounding of the scaled problem
+PROGRESS_FLOOR = 1e-15
 IPM_KEY = "active_set.low_rank_ipm"
 
 
-def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
-                 seed: int = 0) -> RidgeLowRank | None:
-    """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: a set
-    with an L1 ball, n below :data:`IPM_MIN_N`, a well-conditioned sample (``notes``: what the path's
-    detection found in the block it sampled, :func:`~.active_set_low_rank.ridge_low_rank`'s
-    ``sample_ratio`` and ``sample_top``; empty: no block was sampled), a rank above ``n / 4`` or
-    within the path's limit (the path takes those), no ridge or one above :data:`IPM_RIDGE` of H's top
-    eigenvalue (the larger of the sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows
-    sees a tenth of it on some H). Kept with the values of a read-only H."""
+def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0) -> int | None:
+    """The rank that the pre-test counts (see the module doc) where the interior point may apply, else
+    ``None``: a set that is not bounded (one-sided or no bounds: the iteration's start is then far from
+    an optimum of the problem's own size, and it took 38-48 iterations where the engine needed 5 faces,
+    a QA review) or has an L1 ball, n below :data:`IPM_MIN_N`, a well-conditioned sample (``notes``:
+    what the path's detection found in the block it sampled,
+    :func:`~.active_set_low_rank.ridge_low_rank`'s ``sample_ratio`` and ``sample_top``; empty: no
+    block was sampled), a count within the path's limit or above ``n / 4``. Kept with the values of a
+    read-only H."""
     n = int(H.shape[0])
-    if st.center is not None or n < IPM_MIN_N:
+    if st.center is not None or not st.bounded or n < IPM_MIN_N:
         return None
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
     if ratio is None or top_eig is None or not ratio <= SAMPLE_RATIO:
@@ -94,7 +107,7 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
     if max_rank <= limit:
         return None
     shared = matrix_values(H)
-    key = (IPM_KEY, max_rank, limit, seed)  # (the limit depends on the set: a box's is not a simplex's)
+    key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:
         return shared[key]
     found = None
@@ -109,13 +122,46 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
             # info 1: stopped early at rank ``rank``; a few pivots above H's rank where the ridge's Schur
             # complement is several times it on some rows
             if info == 1 and limit < rank <= max_rank and rank <= 0.75 * idx.size:
-                lr = ridge_low_rank(H, max_rank=max_rank, seed=seed)
-                if lr is not None and 0 < lr.sigma and lr.rank > limit \
-                        and lr.sigma <= IPM_RIDGE * max(float(top_eig), _top_eigenvalue(lr.U, seed)):
-                    found = lr
+                found = int(rank)
     if shared is not None:
         shared[key] = found
     return found
+
+
+def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
+                 seed: int = 0) -> RidgeLowRank | None:
+    """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: no
+    candidate (:func:`ipm_candidate`), no such factor within ``n / 4`` or within the path's limit (the
+    path takes those), no ridge or one above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
+    sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows sees a tenth of it on some H).
+    Kept with the values of a read-only H."""
+    if ipm_candidate(H, st, notes, seed=seed) is None:
+        return None
+    n = int(H.shape[0])
+    limit = rank_limit(n, st)
+    max_rank = int(n * IPM_RANK_SHARE)
+    shared = matrix_values(H)
+    key = (IPM_KEY, max_rank, limit, seed)
+    if shared is not None and key in shared:
+        return shared[key]
+    found = None
+    lr = ridge_low_rank(H, max_rank=max_rank, seed=seed)
+    if lr is not None and 0 < lr.sigma and lr.rank > limit \
+            and lr.sigma <= IPM_RIDGE * max(float(notes["sample_top"]), _top_eigenvalue(lr.U, seed)):
+        found = lr
+    if shared is not None:
+        shared[key] = found
+    return found
+
+
+#: the iterations :func:`ipm_work` counts (the measured 12-22, stop 69)
+WORK_ITERATIONS = 16
+
+
+def ipm_work(n: int, rank: int) -> float:
+    """The interior point's estimated flops on ``n`` unknowns and rank ``rank``: :data:`WORK_ITERATIONS`
+    iterations of a Gram matrix (``n r^2``), a product with H and the solves."""
+    return WORK_ITERATIONS * (n * rank * rank + 2.0 * n * n + 8.0 * n * rank)
 
 
 def _top_eigenvalue(U: np.ndarray, seed: int, steps: int = 8) -> float:
@@ -208,9 +254,13 @@ class _Woodbury:
         """``M x``."""
         return self.D * x + self.U @ (self.U.T @ x)
 
-    def solve(self, b: np.ndarray, c: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-        """``[M A'; A 0] [dx; dy] = [b; c]`` (``dy`` ``None`` without groups), refined once against the model."""
+    def solve(self, b: np.ndarray, c: np.ndarray | None,
+              refine: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+        """``[M A'; A 0] [dx; dy] = [b; c]`` (``dy`` ``None`` without groups), refined once against the
+        model (``refine``)."""
         dx, dy = self._solve(b, c)
+        if not refine:
+            return dx, dy
         res_b = b - self.model(dx)
         res_c = None
         if dy is not None and self.groups is not None and c is not None:
@@ -229,8 +279,9 @@ def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
 
 def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, *, c: float = 0.0,
                        tol: float = 1e-11, max_iter: int = MAX_ITER) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """The best iterate (by the largest of the relative complementarity, dual and primal residuals;
-    ``J = x'Hx / 2 + g'x + c``) of the interior point on bounds and sum groups (see the module doc)
+    """The best iterate (by the largest of the complementarity and the dual and primal residuals, the
+    problem scaled to size 1; it stops where the complementarity relative to ``|J|``, ``J = x'Hx / 2 +
+    g'x + c``, and the residuals are below ``tol``) of the interior point on bounds and sum groups (see the module doc)
     and what it did; ``None`` where the set is not one of those (an L1 ball), has no finite bound, or
     the iteration broke down at its first iterate."""
     n = int(g.size)
@@ -274,7 +325,13 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
     U = np.asfortranarray(lr.U / math.sqrt(scale))
     gscale = 1.0 + float(np.max(np.abs(g), initial=0.0))
     bscale = 1.0 + float(np.max(np.abs(np.concatenate([lo[L], hi[Uix]])), initial=0.0))
+    # the relative gap's scale never falls below this (as dense_ipm's SCALE_FLOOR): where J* ~ 0 (an
+    # interpolating problem) the gap relative to |J| stalled while it fell, and the iteration ended at its
+    # 7th iterate (synthetic-g boxes at n = 288, a QA review)
+    floor = max(1e-8 * (abs(c) + float(np.max(np.abs(g), initial=0.0)) + lr.sigma / scale
+                        + float(np.max(np.einsum("ij,ij->i", U, U)))), EPS)
     best = (math.inf, x, 0)
+    best_merit = math.inf
     it = 0
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for it in range(max_iter + 1):
@@ -287,16 +344,21 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
             re = None if A is None else A.sums(x) - A.totals
             J = float(0.5 * x @ Hx + g @ x) + c
             terms = abs(c) + abs(0.5 * float(x @ Hx)) + abs(float(g @ x))
-            size = max(abs(J), 1e-8 * terms, EPS)
+            size = max(abs(J), 1e-8 * terms, floor)
             gap = float(sl @ zl + su @ zu)
             err_d = float(np.max(np.abs(rd))) / (gscale + float(np.max(np.abs(Hx))))
             err_p = 0.0 if re is None else float(np.max(np.abs(re), initial=0.0)) / bscale
             merit = max(gap / size, err_d, err_p)
-            if not math.isfinite(merit):
+            # progress in absolute terms (the scaled problem's g and H are of size 1): where J* ~ 0 the
+            # relative gap rose while the iteration converged (J fell faster than the gap), and choosing
+            # the best iterate by it ended the iteration at its 7th (a QA review: synthetic-g boxes, n = 288)
+            progress = max(gap / (1.0 + abs(c)), err_d, err_p)
+            if not (math.isfinite(merit) and math.isfinite(progress)):
                 break
-            if merit < best[0]:
-                best = (merit, x, it)
-            if merit <= tol or it == max_iter or (it - best[2] >= STALL):
+            if progress < best[0]:
+                best = (progress, x, it)
+                best_merit = merit
+            if merit <= tol or progress <= PROGRESS_FLOOR or it == max_iter or (it - best[2] >= STALL):
                 break
             mu = gap / m
             w = np.full(n, sigma)
@@ -308,16 +370,16 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
                 info["note"] = "a Newton system could not be factorised"
                 break
 
-            def newton(rcl: np.ndarray, rcu: np.ndarray) -> tuple[np.ndarray, ...]:
+            def newton(rcl: np.ndarray, rcu: np.ndarray, refine: bool = True) -> tuple[np.ndarray, ...]:
                 b = -rd.copy()
                 b[L] -= rcl / sl
                 b[Uix] += rcu / su
-                dx, dy = wb.solve(b, None if re is None else -re)
+                dx, dy = wb.solve(b, None if re is None else -re, refine)
                 dzl = (-rcl - zl * dx[L]) / sl
                 dzu = (-rcu + zu * dx[Uix]) / su
                 return dx, dy, dzl, dzu
 
-            dx, dy, dzl, dzu = newton(sl * zl, su * zu)
+            dx, dy, dzl, dzu = newton(sl * zl, su * zu, refine=False)  # (the predictor only sets sigma)
             a = min(1.0, _max_step(sl, dx[L]), _max_step(su, -dx[Uix]), _max_step(zl, dzl), _max_step(zu, dzu))
             mu_aff = float((sl + a * dx[L]) @ (zl + a * dzl) + (su - a * dx[Uix]) @ (zu + a * dzu)) / m
             sig = (mu_aff / mu) ** 3 if mu > 0 else 0.0
@@ -333,8 +395,8 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
                 y = y + a * dy
             zl, zu = zl + a * dzl, zu + a * dzu
             sl, su = x[L] - lo[L], hi[Uix] - x[Uix]
-    merit, x, at = best
-    info.update(iterations=it, merit=merit, best_iteration=at, objective_scaled_by=scale)
-    if not math.isfinite(merit):
+    progress, x, at = best
+    info.update(iterations=it, merit=best_merit, progress=progress, best_iteration=at, objective_scaled_by=scale)
+    if not math.isfinite(progress):
         return None, info
     return np.clip(x, lo, hi), info

@@ -54,18 +54,28 @@ def planted(rng: np.random.Generator, H: np.ndarray, K: int, kind: str) -> tuple
     return MergeQP(H, lam - H @ x, 1.0, shape=(K, n // K)), cset
 
 
-@pytest.mark.parametrize("kind", ["box", "nonneg", "simplex"])
+def took(sol) -> bool:
+    """Whether the interior point's point was what the engine went on from."""
+    return sol.info.get("low_rank", {}).get("taken") is True
+
+
+def no_face_after(sol) -> bool:
+    """The engine needed no face after the interior point (its faces were all in its head start)."""
+    return sol.info["face_iterations"] == sol.info["low_rank"]["head_start_faces"]
+
+
+@pytest.mark.parametrize("kind", ["box", "simplex"])
 def test_a_weak_ridge_at_medium_rank_takes_the_interior_point_and_certifies(kind: str) -> None:
-    """Rank 200 at n = 1200 (above the path's n / 8 = 150, within n / 4), cond 1e9: ``active_set``
-    starts from the interior point, whose point meets the engine's test (no face solve), with the
-    optimum of ``dense_ipm`` and of the engine alone (``low_rank: off``)."""
+    """Rank 200 at n = 1200 (above the path's n / 8 = 150, within n / 4), cond 1e9, half the optimum's
+    coordinates free: the engine's head start is spent, and it goes on from the interior point, whose
+    point meets its test (no face solve after it), with the optimum of ``dense_ipm`` and of the engine
+    alone (``low_rank: off``)."""
     rng = np.random.default_rng(3)
     H, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
     problem, cset = planted(rng, H, 4, kind)
     sol = solve(problem, cset, solver="active_set")
     info = sol.info["low_rank"]
-    assert info["method"] == "interior point" and info["rank"] == 200
-    assert sol.info["face_iterations"] == 0
+    assert info["method"] == "interior point" and info["rank"] == 200 and took(sol) and no_face_after(sol)
     assert sol.certificate.certified(1e-8)
     ref = solve(problem, cset, solver="dense_ipm")
     assert sol.objective == pytest.approx(ref.objective, rel=1e-9, abs=1e-10)
@@ -93,11 +103,12 @@ def test_the_iteration_alone_reaches_the_reference_on_a_small_problem() -> None:
         assert J == pytest.approx(ref.objective, rel=1e-9, abs=1e-9)
 
 
-@pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "no_ridge", "l1_ball", "small"])
+@pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "no_ridge", "l1_ball", "small",
+                                  "unbounded"])
 def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: str) -> None:
     """Declined where the path takes the rank (<= n / 8), above n / 4, with a ridge above 1e-7 of the top
     eigenvalue (cond 1e5: the engine's faces are well enough conditioned), without a ridge, on an L1
-    ball, below n = 256; the answer is certified either way."""
+    ball, below n = 256, on a set that is not bounded (``x >= 0``); the answer is certified either way."""
     rng = np.random.default_rng(7)
     n, r, cond, K = 1200, 200, 1e9, 4
     if case == "path_rank":
@@ -113,14 +124,14 @@ def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: 
         B = rng.standard_normal((n, r)) / np.sqrt(r)
         H = B @ B.T
         H.flags.writeable = False
-    problem, cset = planted(rng, H, K, "box")
+    problem, cset = planted(rng, H, K, "nonneg" if case == "unbounded" else "box")
     if case == "l1_ball":
         cset = L1Ball(float(n) / 8)
     notes: dict = {}
     A.ridge_low_rank(H, max_rank=A.rank_limit(n, A.set_structure(cset, problem.shape)), notes=notes)
     assert M.ipm_low_rank(H, A.set_structure(cset, problem.shape), notes) is None
     sol = solve(problem, cset, solver="active_set")
-    assert sol.info.get("low_rank", {}).get("method") != "interior point"
+    assert not took(sol)
     assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor
 
 
@@ -188,7 +199,7 @@ def test_the_iteration_does_not_depend_on_the_problems_scale(kind: str) -> None:
         Hs = np.array(H) * factor
         Hs.flags.writeable = False
         sol = solve(MergeQP(Hs, problem.g * factor, problem.c * factor, shape=problem.shape), cset, solver="active_set")
-        assert sol.info["low_rank"]["method"] == "interior point" and sol.info["face_iterations"] == 0
+        assert took(sol) and no_face_after(sol)
         assert sol.certificate.certified(1e-8)
         runs.append((sol.info["low_rank"]["iterations"], sol.objective / factor))
     assert len({it for it, _ in runs}) == 1
@@ -198,19 +209,25 @@ def test_the_iteration_does_not_depend_on_the_problems_scale(kind: str) -> None:
 @pytest.mark.parametrize("kind", ["capped", "global"])
 def test_sum_groups_without_the_column_layout_agree_with_dense_ipm(kind: str) -> None:
     """A capped per-atom simplex (``[0, 0.6]`` and sums of 1: the groups' general path, not the columns'
-    reshape) and a global simplex (one group of every coordinate): the interior point's start is taken,
-    certified, at ``dense_ipm``'s J."""
+    reshape) and a global simplex (one group of every coordinate): the interior point's point has
+    ``dense_ipm``'s J, and ``active_set`` (which takes it on the capped simplex; on the global one, whose
+    optimum has few free coordinates, it may finish within its head start) is certified there."""
     from mergeqp.constraints import GlobalSimplex, intersect
+    from mergeqp.solvers.active_set_low_rank import ridge_low_rank
 
     rng = np.random.default_rng(17)
     H, _ = weak_ridge_matrix(rng, 900, 160, 1e9)
     K = 3
     cset = intersect([Box(0.0, 0.6), Simplex(1.0)]) if kind == "capped" else GlobalSimplex(40.0)
     problem = MergeQP(H, rng.standard_normal(900) * float(np.mean(np.diag(H))), 0.0, shape=(K, 300))
-    sol = solve(problem, cset, solver="active_set")
-    assert sol.info["low_rank"]["method"] == "interior point"
-    assert sol.certificate.certified(1e-8)
     ref = solve(problem, cset, solver="dense_ipm")
+    lr = ridge_low_rank(H, max_rank=225)
+    x, _ = M.solve_low_rank_ipm(H, problem.g, A.set_structure(cset, problem.shape), lr, c=problem.c)
+    assert x is not None and cset.violation(x.reshape(problem.shape)) <= 1e-9
+    assert float(0.5 * x @ H @ x + problem.g @ x) == pytest.approx(ref.objective, rel=1e-8, abs=1e-9)
+    sol = solve(problem, cset, solver="active_set")
+    assert took(sol) or kind == "global"
+    assert sol.certificate.certified(1e-8)
     assert sol.objective == pytest.approx(ref.objective, rel=1e-9, abs=1e-10)
 
 
@@ -232,3 +249,43 @@ def test_the_decision_kept_with_h_is_per_set() -> None:
             assert sol.certificate.certified(1e-8)
             methods[cset.spec] = sol.info["low_rank"].get("method")
         assert methods[simplex_set.spec] == "interior point" and methods[box_set.spec] != "interior point"
+
+
+def test_the_engine_finishes_within_its_head_start_where_few_coordinates_are_free(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weak-ridge, medium-rank QP whose optimum has few free coordinates (a global simplex of total 1
+    over 800 coordinates, random g): the engine, run first, finishes within its head start, and the
+    interior point is never run (a QA review, stop 69: run first, it cost 7-13x the engine alone)."""
+    from mergeqp.constraints import GlobalSimplex
+
+    rng = np.random.default_rng(23)
+    H, _ = weak_ridge_matrix(rng, 800, 140, 1e9)
+    problem = MergeQP(H, rng.standard_normal(800) * 0.01, 0.0, shape=(4, 200))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the interior point ran")
+
+    monkeypatch.setattr(A, "solve_low_rank_ipm", never)
+    sol = solve(problem, GlobalSimplex(1.0), solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["method"] == "interior point" and info["taken"] is False
+    assert info["note"] == "the engine finished within its head start"
+    assert sol.certificate.certified(1e-8)
+
+
+def test_a_warm_start_at_the_optimum_skips_the_detections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm start that meets the stopping test is returned before the low-rank detections run (a QA
+    review, stop 69: 16 ms where the engine's test takes 1 ms)."""
+    rng = np.random.default_rng(29)
+    H, _ = weak_ridge_matrix(rng, 640, 120, 1e8)
+    problem, cset = planted(rng, H, 4, "box")
+    first = solve(problem, cset, solver="active_set")
+    assert first.certificate.certified(1e-8)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a detection ran")
+
+    monkeypatch.setattr(A, "ridge_low_rank", never)
+    again = solve(problem, cset, solver="active_set", x0=first.d)
+    assert again.info["low_rank"] == {"warm_start_kept": True} and again.info["face_iterations"] == 0
+    assert np.array_equal(again.d, first.d)

@@ -875,7 +875,9 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     if lr is None:  # an L1 ball alone with a weak ridge or none: ranks up to n / 4 (stop 67)
         lr = ball_low_rank(engine.H, engine.st)
     if lr is None:  # a weak ridge and a medium rank on bounds or sums: an interior point (stop 69)
-        rank = ipm_candidate(engine.H, engine.st, notes)
+        # (not warm-started: the interior point cannot use the start, and in 1%-step sequences on a
+        # per-atom simplex it ran at every step, 1.2-1.4x the engine from the last optimum, a QA review)
+        rank = None if x0 is not None else ipm_candidate(engine.H, engine.st, notes)
         if rank is None:
             return None
         return _LowRankStart(None, {"method": "interior point", "rank_counted": rank}, notes=notes)

@@ -55,7 +55,7 @@ from scipy import sparse
 from ..cholesky import cho_solve
 from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
-from .active_set_low_rank import EPS, SAMPLE, RidgeLowRank, _sample, rank_limit, ridge_low_rank
+from .active_set_low_rank import EPS, SAMPLE, SIGMA_MIN, RidgeLowRank, _sample, rank_limit, ridge_low_rank
 
 __all__ = ["ipm_candidate", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE", "IPM_MIN_N"]
 
@@ -100,7 +100,10 @@ def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, see
     if st.center is not None or not st.bounded or n < IPM_MIN_N:
         return None
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
-    if ratio is None or top_eig is None or not ratio <= SAMPLE_RATIO:
+    # (below SIGMA_MIN of the sample's top, H's ridge, at most the sample's smallest eigenvalue, is one
+    # the detection takes as none: it would decline after the head start, whose restart then cost more
+    # faces than the engine alone, a QA review)
+    if ratio is None or top_eig is None or not SIGMA_MIN < ratio <= SAMPLE_RATIO:
         return None
     limit = rank_limit(n, st)
     max_rank = int(n * IPM_RANK_SHARE)

@@ -289,3 +289,33 @@ def test_a_warm_start_at_the_optimum_skips_the_detections(monkeypatch: pytest.Mo
     again = solve(problem, cset, solver="active_set", x0=first.d)
     assert again.info["low_rank"] == {"warm_start_kept": True} and again.info["face_iterations"] == 0
     assert np.array_equal(again.d, first.d)
+
+
+def test_a_warm_started_solve_leaves_the_interior_point_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A warm start that does not meet the test (the last QP's optimum, g moved by 1%) goes to the engine
+    from that start: the interior point cannot use it, and in such sequences it ran at every step, 1.2-1.4x
+    the engine (a QA review, stop 69). Cold, the same QP takes the interior point's branch."""
+    rng = np.random.default_rng(31)
+    H, _ = weak_ridge_matrix(rng, 900, 160, 1e9)
+    problem, cset = planted(rng, H, 3, "box")
+    first = solve(problem, cset, solver="active_set")
+    assert first.info["low_rank"]["method"] == "interior point"
+    moved = problem.with_linear_term(problem.g + 0.01 * float(np.std(problem.g)) * rng.standard_normal(900))
+    again = solve(moved, cset, solver="active_set", x0=first.d)
+    assert "low_rank" not in again.info and again.certificate.certified(1e-8)
+    cold = solve(moved, cset, solver="active_set", low_rank="off")
+    assert again.objective == pytest.approx(cold.objective, rel=1e-9, abs=1e-10)
+
+
+def test_a_ridge_the_detection_would_take_as_none_is_no_candidate() -> None:
+    """Where the sampled block's smallest eigenvalue is below ``SIGMA_MIN`` of its largest, H's ridge (at
+    most that eigenvalue) is one the detection takes as none: no candidate, so no head start whose restart
+    cost more faces than the engine alone (a QA review, stop 69)."""
+    rng = np.random.default_rng(37)
+    H, _ = weak_ridge_matrix(rng, 900, 120, 1e13)
+    structure = A.set_structure(Box(0.0, 1.0), (3, 300))
+    notes: dict = {}
+    A.ridge_low_rank(H, max_rank=A.rank_limit(900, structure), notes=notes)
+    assert notes["sample_ratio"] <= M.SIGMA_MIN
+    assert M.ipm_candidate(H, structure, notes) is None
+    assert M.ipm_candidate(H, structure, {**notes, "sample_ratio": 1e-8}) is not None  # (the count alone passes)

@@ -663,8 +663,8 @@ class ActiveSetSolver(QPSolver):
     most :data:`~mergeqp.solvers.blas_threads.AUTO_MAX_THREADS` threads during the solve: its many
     small operations ran 3-4x slower with 16; "all" leaves the pools as they are, an integer caps
     them there), ``low_rank`` "auto" (the ``r``-dimensional path where H is a ridge, or none, plus a
-    low-rank matrix, or the interior point on it at medium ranks with a weak ridge; "off": never) and ``pairs`` "auto" (sums of two coordinates solved as a box of
-    half the size; "off": never).
+    low-rank matrix, or the interior point on it at medium ranks with a weak ridge; "off": never) and
+    ``pairs`` "auto" (sums of two coordinates solved as a box of half the size; "off": never).
 
     Solves on the same H array (``MergeQP.with_linear_term``) share its float32 copy, and a
     warm-started one starts from the factor of the last face the previous solve ended on
@@ -766,8 +766,8 @@ class ActiveSetSolver(QPSolver):
             elif x0 is not None:
                 engine.reuse_shared_factor()
             setup = time.perf_counter() - t0
-            if low_rank is not None and low_rank.notes is not None:
-                x, status, it, info = _with_interior_point(engine, opts, low_rank, x0_kept)
+            if low_rank is not None and low_rank.notes is not None:  # (never warm-started)
+                x, status, it, info = _with_interior_point(engine, opts, low_rank)
             else:
                 x, status, it, info = engine.run(x0_kept)
             engine.share_factor()
@@ -813,17 +813,16 @@ def face_work(n_free: int, n: int) -> float:
     return n_free ** 3 / 3.0 + 2.0 * n * n_free
 
 
-def _with_interior_point(engine: _Engine, opts: dict[str, Any], low_rank: _LowRankStart,
-                         x0: np.ndarray | None) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
-    """The engine first, within :data:`IPM_HEAD_START` of the interior point's work: where the optimum's
-    free set is small (most coordinates at a bound, one global sum, a warm start at the optimum) it
-    finishes there, at a fraction of the interior point's cost (a QA review, stop 69: the interior point
-    first cost 2-13x the engine alone on such QPs). Where it does not, the interior point's point and the
-    engine again from it (its face as the first guess); the caller's warm start where it meets the test
-    at a lower J (:func:`_kept_warm_start`)."""
+def _with_interior_point(engine: _Engine, opts: dict[str, Any],
+                         low_rank: _LowRankStart) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
+    """A cold solve: the engine first, within :data:`IPM_HEAD_START` of the interior point's work: where
+    the optimum's free set is small (most coordinates at a bound, one global sum) it finishes there, at a
+    fraction of the interior point's cost (a QA review, stop 69: the interior point first cost 2-13x the
+    engine alone on such QPs). Where it does not, the interior point's point and the engine again from it
+    (its face as the first guess), or from where the head start ended where there is no such point."""
     assert low_rank.notes is not None
     engine.budget = IPM_HEAD_START * ipm_work(engine.n, int(low_rank.info["rank_counted"]))
-    x, status, it, info = engine.run(x0)
+    x, status, it, info = engine.run(None)
     spent = engine.budget_spent
     engine.restart()
     low_rank.info.update(taken=False, head_start_faces=it)
@@ -837,8 +836,7 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any], low_rank: _LowRa
     else:
         xi, ipm_info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr, c=engine.c)
         low_rank.info.update(ipm_info, rank=lr.rank, taken=xi is not None)
-        if xi is not None:
-            xi, _ = _kept_warm_start(engine, engine.project(xi), low_rank.info, x0)
+        xi = None if xi is None else engine.project(xi)
     # from the interior point's point, or where there is none from where the head start ended
     engine.opts = {**opts, "start_face": "point"}
     x, status, it2, info = engine.run(x if xi is None else xi)
@@ -854,10 +852,11 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
     problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
     structure is found. Above the path's rank limit, an ill-conditioned H on a bounded set of bounds or
-    sums whose pre-test counts a rank within n / 4 is a candidate for the interior point of
-    :mod:`.low_rank_ipm` (stop 69; ``notes`` set: the caller runs :func:`_with_interior_point`). A warm
-    start that meets the stopping test within tol is returned first, before any detection. Where a weak ridge was taken as none and decides the optimum
-    (``weak_ridge_decides``: an interpolating box) and the point's gap is not within ``tol``, the
+    sums whose pre-test counts a rank within n / 4 is, in a cold solve, a candidate for the interior
+    point of :mod:`.low_rank_ipm` (stop 69; ``notes`` set: the caller runs :func:`_with_interior_point`).
+    A warm start that meets the stopping test within tol is returned first, before any detection.
+    Where a weak ridge was taken as none and decides the optimum (``weak_ridge_decides``: an
+    interpolating box) and the point's gap is not within ``tol``, the
     path runs again with the ridge (``solve_with_weak_ridge``), whose point the engine starts from
     where the first failed the test, or where its gap is within ``tol`` or its J lower. A warm start
     ``x0`` (in the engine's coordinates) that meets the stopping test within ``tol``, or at a lower J
@@ -894,9 +893,9 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
 def _kept_warm_start(engine: _Engine, x: np.ndarray | None, info: dict[str, Any],
                      x0: np.ndarray | None) -> tuple[np.ndarray | None, dict[str, Any]]:
     """``(x, info)``, or the warm start ``x0`` where it meets the stopping test within tol, or at a
-    lower J than ``x``: from its own start the path (or the interior point) can end elsewhere on a flat
-    set of optima, at the floor with a higher J (a QA review, stop 68: warm-started at dense_ipm's
-    certified point, the answer was the cold one, J 300x higher); the engine then returns it at once."""
+    lower J than ``x``: from its own start the path can end elsewhere on a flat set of optima, at the floor
+    with a higher J (a QA review, stop 68: warm-started at dense_ipm's certified point, the answer was the
+    cold one, J 300x higher); the engine then returns it at once."""
     if x0 is not None and x is not None:
         xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
         J_w, within_w, stops_w = engine.test_point(xw)

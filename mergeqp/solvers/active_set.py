@@ -863,12 +863,15 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     than the path's point, is returned instead (the engine then returns it at once)."""
     if opts["low_rank"] == "off" or engine.n < min(LOW_RANK_MIN_N, NO_RIDGE_MIN_N):
         return None
+    warm: tuple[np.ndarray, float, bool] | None = None  # the warm start, its J, whether it meets the test
     if x0 is not None:
         # a warm start that meets the test within tol is returned at once, before any detection or path
         # (a QA review, stop 69: at the optimum, the interior point's start cost 10-20x the engine's test)
         xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
-        if engine.test_point(xw)[1]:
+        J_w, within_w, stops_w = engine.test_point(xw)
+        if within_w:
             return _LowRankStart(xw, {"warm_start_kept": True})
+        warm = (xw, J_w, stops_w)
     notes: dict[str, Any] = {}
     lr = ridge_low_rank(engine.H, max_rank=rank_limit(engine.n, engine.st), notes=notes)
     if lr is None:  # an L1 ball alone with a weak ridge or none: ranks up to n / 4 (stop 67)
@@ -887,22 +890,13 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     start = engine.project(np.full(engine.n, 1.0 / engine.shape[0]))
     x, info = solve_ridge_low_rank(engine.H, engine.g, engine.st, lr, start, engine.eta)
     x = _weak_ridge_retry(engine, lr, start, x, info)
-    return _LowRankStart(*_kept_warm_start(engine, x, info, x0))
-
-
-def _kept_warm_start(engine: _Engine, x: np.ndarray | None, info: dict[str, Any],
-                     x0: np.ndarray | None) -> tuple[np.ndarray | None, dict[str, Any]]:
-    """``(x, info)``, or the warm start ``x0`` where it meets the stopping test within tol, or at a
-    lower J than ``x``: from its own start the path can end elsewhere on a flat set of optima, at the floor
-    with a higher J (a QA review, stop 68: warm-started at dense_ipm's certified point, the answer was the
-    cold one, J 300x higher); the engine then returns it at once."""
-    if x0 is not None and x is not None:
-        xw = engine.project(np.asarray(x0, dtype=np.float64).ravel())
-        J_w, within_w, stops_w = engine.test_point(xw)
-        if within_w or (stops_w and J_w < engine.test_point(x)[0]):
-            info["warm_start_kept"] = True
-            return xw, info
-    return x, info
+    if warm is not None and x is not None and warm[2] and warm[1] < engine.test_point(x)[0]:
+        # a warm start that meets the test (at the floor) at a lower J than the path's point is kept: from
+        # 1/K the path can end elsewhere on a flat set of optima, at the floor with a higher J (a QA review,
+        # stop 68: warm-started at dense_ipm's certified point, the answer was the cold one, J 300x higher)
+        info["warm_start_kept"] = True
+        return _LowRankStart(warm[0], info)
+    return _LowRankStart(x, info)
 
 
 def _weak_ridge_retry(engine: _Engine, lr: RidgeLowRank, start: np.ndarray, x: np.ndarray | None,

@@ -120,7 +120,7 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero",
+__all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "sampled_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero",
            "weak_ridge_decides", "solve_with_weak_ridge",
            "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
@@ -307,20 +307,34 @@ def ball_low_rank(H: np.ndarray, st: SetStructure, *, seed: int = 0) -> RidgeLow
     if shared is not None and key in shared:
         return shared[key]
     found = None
-    idx = _sample(n, SAMPLE, max_rank, seed)
-    if idx is not None:
-        S = np.array(H[np.ix_(idx, idx)], dtype=np.float64)
-        top = float(np.max(np.diag(S)))
-        if math.isfinite(top) and top > 0:
-            _, _, rank, info = sla.lapack.dpstrf(S, tol=WEAK_RIDGE * top, overwrite_a=True)
-            # info 1: stopped early, the block has rank ``rank`` above the weak ridge
-            if info == 1 and rank <= max_rank and rank <= (1.0 - CLUSTER_SHARE) * idx.size:
-                found = ridge_low_rank(H, max_rank=max_rank, seed=seed)
-                if found is not None and found.sigma > WEAK_RIDGE * float(np.max(np.diag(H))):
-                    found = None
+    if sampled_rank(H, max_rank, seed, WEAK_RIDGE) is not None:
+        found = ridge_low_rank(H, max_rank=max_rank, seed=seed)
+        if found is not None and found.sigma > WEAK_RIDGE * float(np.max(np.diag(H))):
+            found = None
     if shared is not None:
         shared[key] = found
     return found
+
+
+def sampled_rank(H: np.ndarray, max_rank: int, seed: int, share: float, top_at_least: float = 0.0) -> int | None:
+    """The rank LAPACK's pivoted Cholesky counts in the principal block that :func:`ridge_low_rank` would
+    sample at the limit ``max_rank``, stopped where the remaining diagonal falls below ``share`` of the
+    block's largest diagonal entry (or of ``top_at_least``, if larger); ``None`` where it did not stop
+    early, or counted above ``max_rank`` or above the share of the block that leaves a cluster to find.
+    The pre-test of :func:`ball_low_rank` and of :func:`~.low_rank_ipm.ipm_candidate`: a full-rank
+    block costs one pivoted Cholesky of its rows."""
+    idx = _sample(int(H.shape[0]), SAMPLE, max_rank, seed)
+    if idx is None:
+        return None
+    S = np.array(H[np.ix_(idx, idx)], dtype=np.float64)
+    top = max(float(np.max(np.diag(S))), float(top_at_least))
+    if not (math.isfinite(top) and top > 0):
+        return None
+    _, _, rank, info = sla.lapack.dpstrf(S, tol=share * top, overwrite_a=True)
+    # info 1: stopped early, the block has rank ``rank`` above the tolerance
+    if info == 1 and rank <= max_rank and rank <= (1.0 - CLUSTER_SHARE) * idx.size:
+        return int(rank)
+    return None
 
 
 def _sample(n: int, sample: int, max_rank: int, seed: int) -> np.ndarray | None:

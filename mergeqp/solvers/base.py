@@ -188,3 +188,16 @@ def unit_scaled(problem: MergeQP, sizes: tuple[float, float] | None = None,
     g = problem.g * f
     g.setflags(write=False)
     return problem._derived(H=H, g=g, c=problem.c * f, hessian_matvec=None), f
+
+
+def power_top_eigenvalue(apply: Any, v: np.ndarray, steps: int) -> float:
+    """The largest eigenvalue of a positive semidefinite operator ``apply`` (``v -> A v``) by ``steps``
+    power steps from ``v``: an estimate from below, 0 where an iterate vanishes."""
+    top = 0.0
+    for _ in range(steps):
+        w = apply(v)
+        top = float(np.linalg.norm(w))
+        if not top > 0:
+            return 0.0
+        v = w / top
+    return top

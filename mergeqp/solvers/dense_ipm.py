@@ -102,7 +102,7 @@ from ..solution import SolveStatus
 from . import base
 from .base import QPSolver, RawResult, objective_sizes, unit_scaled, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
-from .ipm_linalg import HostLinalg, reduced_hessian, unit_scaling
+from .ipm_linalg import HostLinalg, max_step, reduced_hessian, unit_scaling
 from ..cholesky import cho_solve, triangular_solve
 from .standard_form import standard_form_reason
 from .unbounded import unbounded_claim
@@ -1498,10 +1498,7 @@ def _definite_solve(S: np.ndarray, r: np.ndarray) -> np.ndarray | None:
 
 def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
     """The largest ``a <= 1`` with ``v + a dv >= 0`` (``v > 0``)."""
-    neg = dv < 0
-    if not np.any(neg):
-        return 1.0
-    return min(1.0, float(np.min(-v[neg] / dv[neg])))
+    return min(1.0, max_step(v, dv))
 
 
 class DenseIpmSolver(QPSolver):

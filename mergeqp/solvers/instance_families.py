@@ -32,6 +32,7 @@ import numpy as np
 from ..constraints import Box, ConstraintSet, L1Ball, SignConsensus, Simplex, intersect
 from ..errors import ValidationError, check_integer, check_new_name, did_you_mean, lookup
 from ..problem import MergeQP
+from .base import power_top_eigenvalue
 from .reference_problems import merge_qp_from_factors, synthetic_factors
 
 SET_TYPES = ("box", "simplex", "l1", "sign")
@@ -150,15 +151,7 @@ def get_family(name: str) -> InstanceFamily:
 
 def _top_eigenvalue(H: np.ndarray, rng: np.random.Generator, steps: int = 60) -> float:
     """``lambda_max(H)`` of a PSD ``H`` by power iteration (a few per cent is enough here)."""
-    v = rng.standard_normal(H.shape[0])
-    lam = 0.0
-    for _ in range(steps):
-        w = H @ v
-        lam = float(np.linalg.norm(w))
-        if lam == 0:
-            return 0.0
-        v = w / lam
-    return lam
+    return power_top_eigenvalue(lambda v: H @ v, rng.standard_normal(H.shape[0]), steps)
 
 
 def _spread(rng: np.random.Generator, size: Any) -> np.ndarray:

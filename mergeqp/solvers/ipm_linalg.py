@@ -75,6 +75,15 @@ def reduced_hessian(H: np.ndarray, keep: np.ndarray, owner: np.ndarray, coef: np
     return Hr
 
 
+def max_step(v: np.ndarray, dv: np.ndarray) -> float:
+    """The largest ``a`` with ``v + a dv >= 0`` for ``v > 0`` (``inf`` where no entry of ``dv`` is
+    negative): the step to the boundary of an interior point's slacks or multipliers."""
+    neg = dv < 0
+    if not np.any(neg):
+        return float("inf")
+    return float(np.min(-v[neg] / dv[neg]))
+
+
 def unit_scaling(diag: np.ndarray) -> np.ndarray:
     """``D = diag(M)^-1/2`` (float64) for scaling M to a unit diagonal."""
     return 1.0 / np.sqrt(np.maximum(np.asarray(diag, dtype=np.float64), np.finfo(float).tiny))

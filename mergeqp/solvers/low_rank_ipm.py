@@ -55,7 +55,9 @@ from scipy import sparse
 from ..cholesky import cho_solve
 from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
-from .active_set_low_rank import EPS, SAMPLE, SIGMA_MIN, RidgeLowRank, _sample, rank_limit, ridge_low_rank
+from .base import power_top_eigenvalue
+from .ipm_linalg import max_step
+from .active_set_low_rank import EPS, SIGMA_MIN, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
 
 __all__ = ["ipm_candidate", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE",
            "IPM_MIN_N"]
@@ -114,19 +116,11 @@ def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, see
     key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:
         return shared[key]
-    found = None
-    idx = _sample(n, SAMPLE, max_rank, seed)
-    if idx is not None:
-        S = np.array(H[np.ix_(idx, idx)], dtype=np.float64)
-        # relative to a lower bound on H's top eigenvalue (the largest diagonal entry of the block, and
-        # the top eigenvalue of the path's smaller block, ten times the former on some H)
-        top = max(float(np.max(np.diag(S))), float(top_eig))
-        if math.isfinite(top) and top > 0:
-            _, _, rank, info = sla.lapack.dpstrf(S, tol=PRETEST * top, overwrite_a=True)
-            # info 1: stopped early at rank ``rank``; a few pivots above H's rank where the ridge's Schur
-            # complement is several times it on some rows
-            if info == 1 and limit < rank <= max_rank and rank <= 0.75 * idx.size:
-                found = int(rank)
+    # relative to a lower bound on H's top eigenvalue (the largest diagonal entry of the block, and the
+    # top eigenvalue of the path's smaller block, ten times the former on some H); a few pivots above
+    # H's rank where the ridge's Schur complement is several times it on some rows
+    rank = sampled_rank(H, max_rank, seed, PRETEST, top_at_least=float(top_eig))
+    found = rank if rank is not None and rank > limit else None
     if shared is not None:
         shared[key] = found
     return found
@@ -169,21 +163,16 @@ def ipm_work(n: int, rank: int) -> float:
 
 
 def _top_eigenvalue(U: np.ndarray, seed: int, steps: int = 8) -> float:
-    """An estimate from below of ``U U'``'s largest eigenvalue: a few power steps (``O(n r)`` each)."""
+    """An estimate from below of ``U U'``'s largest eigenvalue (that of ``U'U``): a few power steps
+    (``O(n r)`` each)."""
     v = np.random.default_rng([seed, U.shape[1]]).standard_normal(U.shape[1])
-    top = 0.0
-    for _ in range(steps):
-        w = U.T @ (U @ v)
-        top = float(np.linalg.norm(w))
-        if not top > 0:
-            return 0.0
-        v = w / top
-    return top
+    return power_top_eigenvalue(lambda w: U.T @ (U @ w), v, steps)
 
 
 class _Groups:
     """The sum groups' equations ``A x = t`` (one row of ones per group, disjoint): products by
-    ``bincount`` and indexing, a sparse copy for the one matrix product per iteration."""
+    ``bincount`` and indexing (by a reshape in the columns' layout), a sparse copy for the one matrix
+    product per iteration (none in the columns' layout)."""
 
     def __init__(self, group: np.ndarray, totals: np.ndarray, columns: int | None = None):
         """``columns``: ``K`` where the groups are the columns of the ``(K, groups)`` row-major view
@@ -193,7 +182,8 @@ class _Groups:
         self.count = int(self.totals.size)
         self.columns = columns
         n = self.group.size
-        self.matrix = sparse.csr_matrix((np.ones(n), (self.group, np.arange(n))), shape=(self.count, n))
+        self.matrix = None if columns is not None else sparse.csr_matrix(
+            (np.ones(n), (self.group, np.arange(n))), shape=(self.count, n))
 
     def sums(self, v: np.ndarray) -> np.ndarray:
         """``A v`` for a vector."""
@@ -203,7 +193,7 @@ class _Groups:
 
     def sums_of_rows(self, V: np.ndarray) -> np.ndarray:
         """``A V`` for an ``(n, r)`` matrix."""
-        if self.columns is not None:
+        if self.matrix is None:
             return V.reshape(self.columns, self.count, V.shape[1]).sum(axis=0)
         return np.asarray(self.matrix @ V)
 
@@ -274,19 +264,12 @@ class _Woodbury:
         return dx + ex, (None if dy is None or ey is None else dy + ey)
 
 
-def _max_step(v: np.ndarray, dv: np.ndarray) -> float:
-    """The largest ``a`` with ``v + a dv >= 0`` (``inf``: none)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.where(dv < 0, -v / dv, math.inf)
-    return float(np.min(ratios, initial=math.inf))
-
-
 def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: RidgeLowRank, *, c: float = 0.0,
                        tol: float = 1e-11, max_iter: int = MAX_ITER) -> tuple[np.ndarray | None, dict[str, Any]]:
     """The best iterate (by the largest of the complementarity and the dual and primal residuals, the
     problem scaled to size 1; it stops where the complementarity relative to ``|J|``, ``J = x'Hx / 2 +
-    g'x + c``, and the residuals are below ``tol``) of the interior point on bounds and sum groups (see the module doc)
-    and what it did; ``None`` where the set is not one of those (an L1 ball), has no finite bound, or
+    g'x + c``, and the residuals are below ``tol``) of the interior point on bounds and sum groups (see
+    the module doc) and what it did; ``None`` where the set is not one of those (an L1 ball), has no finite bound, or
     the iteration broke down at its first iterate."""
     n = int(g.size)
     info: dict[str, Any] = {"method": "interior point", "rank": lr.rank}
@@ -322,7 +305,8 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
     # the iteration runs on J / scale (the same minimiser), scale = max(max |g|, max diag H): its start
     # (multipliers 1) is then of the problem's size; unscaled, a problem times 1e8 took twice the
     # iterations on a box and stalled on a simplex
-    scale = max(float(np.max(np.abs(g), initial=0.0)), lr.sigma + float(np.max(np.einsum("ij,ij->i", lr.U, lr.U))))
+    diag_top = lr.sigma + float(np.max(np.einsum("ij,ij->i", lr.U, lr.U)))  # max diag of sigma I + U U'
+    scale = max(float(np.max(np.abs(g), initial=0.0)), diag_top)
     scale = scale if math.isfinite(scale) and scale > 0 else 1.0
     g, c = g / scale, c / scale
     sigma = lr.sigma / scale
@@ -332,8 +316,7 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
     # the relative gap's scale never falls below this (as dense_ipm's SCALE_FLOOR): where J* ~ 0 (an
     # interpolating problem) the gap relative to |J| stalled while it fell, and the iteration ended at its
     # 7th iterate (synthetic-g boxes at n = 288, a QA review)
-    floor = max(1e-8 * (abs(c) + float(np.max(np.abs(g), initial=0.0)) + lr.sigma / scale
-                        + float(np.max(np.einsum("ij,ij->i", U, U)))), EPS)
+    floor = max(1e-8 * (abs(c) + float(np.max(np.abs(g), initial=0.0)) + diag_top / scale), EPS)
     best = (math.inf, x, 0)
     best_merit = math.inf
     it = 0
@@ -384,7 +367,7 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
                 return dx, dy, dzl, dzu
 
             dx, dy, dzl, dzu = newton(sl * zl, su * zu, refine=False)  # (the predictor only sets sigma)
-            a = min(1.0, _max_step(sl, dx[L]), _max_step(su, -dx[Uix]), _max_step(zl, dzl), _max_step(zu, dzu))
+            a = min(1.0, max_step(sl, dx[L]), max_step(su, -dx[Uix]), max_step(zl, dzl), max_step(zu, dzu))
             mu_aff = float((sl + a * dx[L]) @ (zl + a * dzl) + (su - a * dx[Uix]) @ (zu + a * dzu)) / m
             sig = (mu_aff / mu) ** 3 if mu > 0 else 0.0
             dx, dy, dzl, dzu = newton(sl * zl + dx[L] * dzl - sig * mu, su * zu - dx[Uix] * dzu - sig * mu)
@@ -392,8 +375,8 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
             if not all(bool(np.all(np.isfinite(v))) for v in (dx, dzl, dzu)):
                 info["note"] = "a Newton direction was not finite"
                 break
-            a = min(1.0, STEP_FRACTION * min(_max_step(sl, dx[L]), _max_step(su, -dx[Uix]),
-                                             _max_step(zl, dzl), _max_step(zu, dzu)))
+            a = min(1.0, STEP_FRACTION * min(max_step(sl, dx[L]), max_step(su, -dx[Uix]),
+                                             max_step(zl, dzl), max_step(zu, dzu)))
             x = x + a * dx
             if dy is not None:
                 y = y + a * dy

@@ -61,9 +61,11 @@ dimension and at least n / 12 on sums;
 active set with Woodbury face solves on sums and on an L1 ball. Where the rank lies above that
 limit and within n / 4, with a weak ridge (at most 1e-7 of the top eigenvalue: faces too
 ill-conditioned for the engine's proximal levels) on a bounded set of bounds or sums, the engine
-first runs within a head start (a tenth of the interior point's estimated work), and where that is
-spent an interior point on ``sigma I + U U'`` gives the point it goes on from (:mod:`.low_rank_ipm`,
-stop 69: Newton systems by the Woodbury identity, ``n r^2`` flops each). A warm start that meets the
+first runs within a head start (a tenth of the interior point's estimated work; the rank's pre-test
+and the factor's detection run only once its steps are spent, and where they decline the engine goes
+on without losing its work), and where that is spent an interior point on ``sigma I + U U'`` gives the
+point it goes on from (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Woodbury identity,
+``n r^2`` flops each). A warm start that meets the
 stopping test is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
 polished point meets it at the rounding floor; tested before the first CG faces, whose work it
@@ -84,6 +86,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -101,7 +104,7 @@ from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, RidgeLowRank, 
                                   ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
-from .low_rank_ipm import ipm_candidate, ipm_low_rank, ipm_work, solve_low_rank_ipm
+from .low_rank_ipm import ipm_candidate, ipm_low_rank, ipm_may_apply, ipm_work, solve_low_rank_ipm
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .unbounded import into_recession_cone, verified_claim
@@ -201,6 +204,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         #: where set, :meth:`run` stops (status ``MAX_ITERATIONS``, ``budget_spent``) once its faces' work
         #: (:func:`face_work`) exceeds it: the head start of :mod:`.low_rank_ipm`'s interior point
         self.budget: float | None = None
+        #: asked where the work first exceeds the budget: a larger budget (the run goes on while its work
+        #: is within it), or ``None`` (no budget: the run goes on as if it had none)
+        self.on_budget: Callable[[], float | None] | None = None
         self.work = 0.0
         self.budget_spent = False
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
@@ -447,7 +453,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         for it in range(1, int(opts["max_iter"]) + 1):
             if self.budget is not None:
                 self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
-                if self.work > self.budget:
+                if self.work > self.budget and self.on_budget is not None:
+                    self.budget = self.on_budget()
+                if self.budget is not None and self.work > self.budget:
                     self.budget_spent = True
                     it -= 1
                     break
@@ -624,7 +632,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.rho = 0.0
         self.xc = np.zeros(self.n)
         self.fine = False
-        self.budget, self.budget_spent = None, False
+        self.budget, self.budget_spent, self.on_budget = None, False, None
 
     def _face_and_equations(self, y: np.ndarray) -> tuple[np.ndarray, Any]:
         """The free coordinates of ``y``'s face and its group equations (:meth:`equations`)."""
@@ -818,30 +826,57 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     """A cold solve: the engine first, within :data:`IPM_HEAD_START` of the interior point's work: where
     the optimum's free set is small (most coordinates at a bound, one global sum) it finishes there, at a
     fraction of the interior point's cost (a QA review, stop 69: the interior point first cost 2-13x the
-    engine alone on such QPs). Where it does not, the interior point's point and the engine again from it
-    (its face as the first guess), or from where the head start ended where there is no such point."""
+    engine alone on such QPs). The head start grows in steps, each test run only where the engine's work
+    reached the step before (:func:`_head_start`): first that of the smallest rank above the path's limit,
+    then, after the pre-test, that of the rank it counts, after which the factor's detection decides.
+    Where the pre-test or the detection declines, the engine goes on as if it had no budget (no work
+    lost). Where the head start is spent, the interior point's point and the engine again from it (its
+    face as the first guess), or from where the head start ended where the iteration gave no point."""
     assert low_rank.notes is not None
-    engine.budget = IPM_HEAD_START * ipm_work(engine.n, int(low_rank.info["rank_counted"]))
+    found: list[RidgeLowRank] = []
+    engine.budget = IPM_HEAD_START * ipm_work(engine.n, rank_limit(engine.n, engine.st) + 1)
+    engine.on_budget = lambda: _head_start(engine, low_rank, found)
     x, status, it, info = engine.run(None)
     spent = engine.budget_spent
-    engine.restart()
     low_rank.info.update(taken=False, head_start_faces=it)
     if not spent:
-        low_rank.info["note"] = "the engine finished within its head start"
+        low_rank.info.setdefault("note", "the engine finished within its head start")
         return x, status, it, info
-    lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
-    xi = None
-    if lr is None:
-        low_rank.info["note"] = "no weak ridge plus a rank within n / 4: the engine goes on"
-    else:
-        xi, ipm_info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr, c=engine.c)
-        low_rank.info.update(ipm_info, rank=lr.rank, taken=xi is not None)
-        xi = None if xi is None else engine.project(xi)
+    engine.restart()
+    lr = found[-1]
+    xi, ipm_info = solve_low_rank_ipm(engine.H, engine.g, engine.st, lr, c=engine.c)
+    low_rank.info.update(ipm_info, rank=lr.rank, taken=xi is not None)
+    xi = None if xi is None else engine.project(xi)
     # from the interior point's point, or where there is none from where the head start ended
     engine.opts = {**opts, "start_face": "point"}
     x, status, it2, info = engine.run(x if xi is None else xi)
     info["face_iterations"] = it + it2
     return x, status, it + it2, info
+
+
+def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRank]) -> float | None:
+    """The engine's next budget where its work first exceeded the last (:attr:`_Engine.on_budget`): after
+    the first step, the pre-test's (:func:`~.low_rank_ipm.ipm_candidate`: a QA review, stop 69, measured
+    its pivoted Cholesky at +2-5 ms on solves of a few ms, which now end before it); after the second, the
+    detection (:func:`~.low_rank_ipm.ipm_low_rank`), whose factor, appended to ``found``, the interior
+    point then takes (the budget stays spent). ``None`` where either declines."""
+    info = low_rank.info
+    assert low_rank.notes is not None
+    if "rank_counted" not in info:
+        rank = ipm_candidate(engine.H, engine.st, low_rank.notes)
+        if rank is None:
+            info["note"] = "the pre-test counted no rank within n / 4: the engine goes on"
+            return None
+        info["rank_counted"] = rank
+        budget = IPM_HEAD_START * ipm_work(engine.n, rank)
+        if engine.work <= budget:
+            return budget
+    lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
+    if lr is None:
+        info["note"] = "no weak ridge plus a rank within n / 4: the engine goes on"
+        return None
+    found.append(lr)
+    return engine.budget
 
 
 def _low_rank_start(engine: _Engine, opts: dict[str, Any],
@@ -852,8 +887,8 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     returns at once where the point meets its stopping test); ``None`` where the option is off, the
     problem smaller than ``LOW_RANK_MIN_N`` (``NO_RIDGE_MIN_N`` where H has no ridge), or no such
     structure is found. Above the path's rank limit, an ill-conditioned H on a bounded set of bounds or
-    sums whose pre-test counts a rank within n / 4 is, in a cold solve, a candidate for the interior
-    point of :mod:`.low_rank_ipm` (stop 69; ``notes`` set: the caller runs :func:`_with_interior_point`).
+    sums is, in a cold solve, a candidate for the interior point of :mod:`.low_rank_ipm` (stop 69;
+    ``notes`` set: the caller runs :func:`_with_interior_point`, whose head start runs its pre-test).
     A warm start that meets the stopping test within tol is returned first, before any detection.
     Where a weak ridge was taken as none and decides the optimum (``weak_ridge_decides``: an
     interpolating box) and the point's gap is not within ``tol``, the
@@ -879,10 +914,10 @@ def _low_rank_start(engine: _Engine, opts: dict[str, Any],
     if lr is None:  # a weak ridge and a medium rank on bounds or sums: an interior point (stop 69)
         # (not warm-started: the interior point cannot use the start, and in 1%-step sequences on a
         # per-atom simplex it ran at every step, 1.2-1.4x the engine from the last optimum, a QA review)
-        rank = None if x0 is not None else ipm_candidate(engine.H, engine.st, notes)
-        if rank is None:
+        if x0 is not None or not ipm_may_apply(engine.H, engine.st, notes):
             return None
-        return _LowRankStart(None, {"method": "interior point", "rank_counted": rank}, notes=notes)
+        # (the pre-test and the detection run within the engine's head start, _with_interior_point)
+        return _LowRankStart(None, {"method": "interior point"}, notes=notes)
     if lr.sigma > 0 and engine.n < LOW_RANK_MIN_N:
         return None
     # the dual starts from 1/K even when warm-started: centred at the last QP's optimum (most

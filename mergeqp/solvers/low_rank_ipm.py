@@ -11,22 +11,25 @@ its Newton systems ``(D + U U') dx = b`` (``D`` the ridge plus the bounds' weigh
 diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'D^-1 U`` (a BLAS
 ``syrk``, ``n r^2`` flops) and its Cholesky factor, instead of a Cholesky of an ``n x n`` matrix.
 
-- **Candidates** (:func:`ipm_candidate`): a bounded set of bounds and sum groups (finite boxes,
-  per-atom, global and capped simplices; not one-sided bounds, whose optimum can lie far from the
-  iteration's start, nor L1 balls), from n = :data:`IPM_MIN_N`, where the sampled principal block
+- **Candidates** (:func:`ipm_may_apply`, at no cost): a bounded set of bounds and sum groups (finite
+  boxes, per-atom, global and capped simplices; not one-sided bounds, whose optimum can lie far from
+  the iteration's start, nor L1 balls), from n = :data:`IPM_MIN_N`, where the sampled principal block
   that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
   ``notes`` hand over its extreme eigenvalues) is ill-conditioned (smallest over largest eigenvalue
   at most :data:`SAMPLE_RATIO`: the block of a well-conditioned H, e.g. every built-in family with
-  ``cond <= 1e6``, shows 1e-5 or more and costs nothing more), and a pre-test, LAPACK's pivoted
-  Cholesky of a larger sampled block stopped at :data:`PRETEST` of a lower bound on H's top
-  eigenvalue, counts a rank above the path's limit and within ``n / 4``.
+  ``cond <= 1e6``, shows 1e-5 or more and costs nothing more).
 - **The engine's head start** (``active_set._with_interior_point``): the engine runs first, until its
   faces' work (``n_F^3 / 3`` and the products per face) exceeds ``IPM_HEAD_START`` (0.1) of the
-  interior point's estimated work (:func:`ipm_work`). Where the optimum's free set is small (most
-  coordinates at a bound, one global sum, a warm start at the optimum) it finishes there: such QPs
-  cost 2-13x the engine alone with the interior point first (a QA review). Faces of many free
-  coordinates spend the head start within one or two faces.
-- **Detection** (:func:`ipm_low_rank`), only after a spent head start:
+  interior point's estimated work (:func:`ipm_work`), at first for the smallest rank above the path's
+  limit. Where the optimum's free set is small (most coordinates at a bound, one global sum) it
+  finishes there: such QPs cost 2-13x the engine alone with the interior point first (a QA review).
+  Faces of many free coordinates spend the head start within one or two faces.
+- **Pre-test** (:func:`ipm_candidate`), only once that first head start is spent (it cost 2-5 ms on
+  solves of a few ms, a QA review): LAPACK's pivoted Cholesky of a larger sampled block, stopped at
+  :data:`PRETEST` of a lower bound on H's top eigenvalue, counts a rank above the path's limit and
+  within ``n / 4``; the head start then grows to that rank's share of the work.
+- **Detection** (:func:`ipm_low_rank`), only after the grown head start is spent too (where the
+  pre-test or the detection declines, the engine goes on as if it had no budget, losing no work):
   :func:`~.active_set_low_rank.ridge_low_rank` looks for the factor at the limit ``n / 4``, with a
   ridge (a Woodbury solve divides by ``D``, and without a ridge ``D`` tends to 0 on the free
   coordinates) of at most :data:`IPM_RIDGE` of H's top eigenvalue.
@@ -59,7 +62,7 @@ from .base import power_top_eigenvalue
 from .ipm_linalg import max_step
 from .active_set_low_rank import EPS, SIGMA_MIN, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
 
-__all__ = ["ipm_candidate", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE",
+__all__ = ["ipm_candidate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE",
            "IPM_MIN_N"]
 
 #: the largest rank taken, as a share of n (above the path's limit, ``n / 8``)
@@ -90,28 +93,35 @@ PROGRESS_FLOOR = 1e-15
 IPM_KEY = "active_set.low_rank_ipm"
 
 
-def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0) -> int | None:
-    """The rank that the pre-test counts (see the module doc) where the interior point may apply, else
-    ``None``: a set that is not bounded (one-sided or no bounds: the iteration's start is then far from
-    an optimum of the problem's own size, and it took 38-48 iterations where the engine needed 5 faces,
-    a QA review) or has an L1 ball, n below :data:`IPM_MIN_N`, a well-conditioned sample (``notes``:
-    what the path's detection found in the block it sampled,
-    :func:`~.active_set_low_rank.ridge_low_rank`'s ``sample_ratio`` and ``sample_top``; empty: no
-    block was sampled), a count within the path's limit or above ``n / 4``. Kept with the values of a
-    read-only H."""
+def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> bool:
+    """Whether the interior point may apply before its pre-test (:func:`ipm_candidate`): not where the
+    set is not bounded (one-sided or no bounds: the iteration's start is then far from an optimum of the
+    problem's own size, and it took 38-48 iterations where the engine needed 5 faces, a QA review) or
+    has an L1 ball, n is below :data:`IPM_MIN_N`, the sample is well-conditioned (``notes``: what the
+    path's detection found in the block it sampled, :func:`~.active_set_low_rank.ridge_low_rank`'s
+    ``sample_ratio`` and ``sample_top``; empty: no block was sampled), or ``n / 4`` is within the path's
+    limit. Costs nothing: the pre-test runs only once the engine's first head start is spent."""
     n = int(H.shape[0])
     if st.center is not None or not st.bounded or n < IPM_MIN_N:
-        return None
+        return False
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
     # (below SIGMA_MIN of the sample's top, H's ridge, at most the sample's smallest eigenvalue, is one
-    # the detection takes as none: it would decline after the head start, whose restart then cost more
-    # faces than the engine alone, a QA review)
+    # the detection takes as none: it would decline after the head start, a QA review)
     if ratio is None or top_eig is None or not SIGMA_MIN < ratio <= SAMPLE_RATIO:
+        return False
+    return int(n * IPM_RANK_SHARE) > rank_limit(n, st)
+
+
+def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0) -> int | None:
+    """The rank that the pre-test counts (see the module doc) where the interior point may apply
+    (:func:`ipm_may_apply`), else ``None`` (also for a count within the path's limit or above ``n /
+    4``). Kept with the values of a read-only H."""
+    if not ipm_may_apply(H, st, notes):
         return None
+    n = int(H.shape[0])
+    top_eig = notes["sample_top"]
     limit = rank_limit(n, st)
     max_rank = int(n * IPM_RANK_SHARE)
-    if max_rank <= limit:
-        return None
     shared = matrix_values(H)
     key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:

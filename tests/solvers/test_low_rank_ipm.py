@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mergeqp.constraints import Box, L1Ball, Simplex
+from mergeqp.matrix_cache import forget_matrix
 from mergeqp.problem import MergeQP
 from mergeqp.solvers import active_set as A
 from mergeqp.solvers import low_rank_ipm as M
@@ -240,8 +241,6 @@ def test_the_decision_kept_with_h_is_per_set() -> None:
     box, box_set = planted(rng, H, 2, "box")
     simplex, simplex_set = planted(rng, H, 2, "simplex")
     for order in ((box, box_set), (simplex, simplex_set)), ((simplex, simplex_set), (box, box_set)):
-        from mergeqp.matrix_cache import forget_matrix
-
         forget_matrix(H)
         methods = {}
         for problem, cset in order:
@@ -263,14 +262,39 @@ def test_the_engine_finishes_within_its_head_start_where_few_coordinates_are_fre
     problem = MergeQP(H, rng.standard_normal(800) * 0.01, 0.0, shape=(4, 200))
 
     def never(*args, **kwargs):
-        raise AssertionError("the interior point ran")
+        raise AssertionError("the interior point or its pre-test ran")
 
+    # (the pre-test, a pivoted Cholesky of n / 3 sampled rows, runs only once the first head start is spent)
     monkeypatch.setattr(A, "solve_low_rank_ipm", never)
+    monkeypatch.setattr(A, "ipm_candidate", never)
     sol = solve(problem, GlobalSimplex(1.0), solver="active_set")
     info = sol.info["low_rank"]
-    assert info["method"] == "interior point" and info["taken"] is False
+    assert info["method"] == "interior point" and info["taken"] is False and "rank_counted" not in info
     assert info["note"] == "the engine finished within its head start"
     assert sol.certificate.certified(1e-8)
+
+
+@pytest.mark.parametrize("declines", ["pre-test", "detection"])
+def test_a_declined_test_lets_the_engine_go_on_as_if_it_had_no_budget(declines: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the pre-test or the detection declines once the head start is spent, the engine goes on from
+    where it is, without a restart: the same faces and point as the engine alone (``low_rank: off``)."""
+    rng = np.random.default_rng(3)
+    H, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
+    problem, cset = planted(rng, H, 4, "box")
+    alone = solve(problem, cset, solver="active_set", low_rank="off")
+    if declines == "pre-test":
+        monkeypatch.setattr(A, "ipm_candidate", lambda *args, **kwargs: None)
+    else:
+        monkeypatch.setattr(A, "ipm_low_rank", lambda *args, **kwargs: None)
+    monkeypatch.setattr(A, "solve_low_rank_ipm", lambda *args, **kwargs: pytest.fail("the interior point ran"))
+    forget_matrix(H)
+    sol = solve(problem, cset, solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["taken"] is False and info["note"].endswith("the engine goes on")
+    assert ("rank_counted" in info) == (declines == "detection")
+    assert sol.info["face_iterations"] == alone.info["face_iterations"] == info["head_start_faces"]
+    assert np.array_equal(sol.d, alone.d) and sol.certificate.certified(1e-8)
 
 
 def test_a_warm_start_at_the_optimum_skips_the_detections(monkeypatch: pytest.MonkeyPatch) -> None:

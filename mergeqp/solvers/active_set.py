@@ -85,8 +85,8 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np

@@ -83,6 +83,7 @@ set that declares one is solved here too.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -204,9 +205,11 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         #: where set, :meth:`run` stops (status ``MAX_ITERATIONS``, ``budget_spent``) once its faces' work
         #: (:func:`face_work`) exceeds it: the head start of :mod:`.low_rank_ipm`'s interior point
         self.budget: float | None = None
-        #: asked where the work first exceeds the budget: a larger budget (the run goes on while its work
-        #: is within it), or ``None`` (no budget: the run goes on as if it had none)
-        self.on_budget: Callable[[], float | None] | None = None
+        #: asked, with the engine, where the work first exceeds the budget: a larger budget (the run goes on
+        #: while its work is within it), or ``None`` (no budget: the run goes on as if it had none). (Given
+        #: the engine as its argument, it holds no reference to it: a closure over the engine would keep it,
+        #: its H and its factors alive until the garbage collector's next cycle.)
+        self.on_budget: Callable[[_Engine], float | None] | None = None
         self.work = 0.0
         self.budget_spent = False
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
@@ -454,7 +457,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             if self.budget is not None:
                 self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
                 if self.work > self.budget and self.on_budget is not None:
-                    self.budget = self.on_budget()
+                    self.budget = self.on_budget(self)
                 if self.budget is not None and self.work > self.budget:
                     self.budget_spent = True
                     it -= 1
@@ -835,7 +838,7 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     assert low_rank.notes is not None
     found: list[RidgeLowRank] = []
     engine.budget = IPM_HEAD_START * ipm_work(engine.n, rank_limit(engine.n, engine.st) + 1)
-    engine.on_budget = lambda: _head_start(engine, low_rank, found)
+    engine.on_budget = functools.partial(_head_start, low_rank=low_rank, found=found)
     x, status, it, info = engine.run(None)
     spent = engine.budget_spent
     low_rank.info.update(taken=False, head_start_faces=it)

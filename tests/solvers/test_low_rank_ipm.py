@@ -343,3 +343,25 @@ def test_a_ridge_the_detection_would_take_as_none_is_no_candidate() -> None:
     assert notes["sample_ratio"] <= M.SIGMA_MIN
     assert M.ipm_candidate(H, structure, notes) is None
     assert M.ipm_candidate(H, structure, {**notes, "sample_ratio": 1e-8}) is not None  # (the count alone passes)
+
+
+@pytest.mark.parametrize("declines", [False, True])
+def test_no_engine_outlives_its_solve(declines: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head start's callback holds no reference to the engine: a cycle through it kept every engine
+    of the branch, with its H and factors, alive until the garbage collector's next cycle (found by the
+    matrix cache's own test, whose entries then went with the collector instead of with their array)."""
+    import gc
+
+    rng = np.random.default_rng(3)
+    H, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
+    problem, cset = planted(rng, H, 4, "box")
+    if declines:
+        monkeypatch.setattr(A, "ipm_candidate", lambda *args, **kwargs: None)
+    gc.collect()
+    gc.disable()
+    try:
+        sol = solve(problem, cset, solver="active_set")
+        assert sol.info["low_rank"]["method"] == "interior point"
+        assert not [o for o in gc.get_objects() if isinstance(o, A._Engine)]
+    finally:
+        gc.enable()

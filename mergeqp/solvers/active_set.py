@@ -868,7 +868,7 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
     if "rank_counted" not in info:
         rank = ipm_candidate(engine.H, engine.st, low_rank.notes)
         if rank is None:
-            info["note"] = "the pre-test counted no rank within n / 4: the engine goes on"
+            info["note"] = "the pre-test counted no rank above the path's limit and within n / 4: the engine goes on"
             return None
         info["rank_counted"] = rank
         budget = IPM_HEAD_START * ipm_work(engine.n, rank)

@@ -62,8 +62,8 @@ from .base import power_top_eigenvalue
 from .ipm_linalg import max_step
 from .active_set_low_rank import EPS, SIGMA_MIN, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
 
-__all__ = ["ipm_candidate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE", "IPM_RIDGE",
-           "IPM_MIN_N"]
+__all__ = ["ipm_candidate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE",
+           "IPM_RIDGE", "IPM_MIN_N"]
 
 #: the largest rank taken, as a share of n (above the path's limit, ``n / 8``)
 IPM_RANK_SHARE = 1.0 / 4.0

@@ -1,5 +1,5 @@
 """An interior point on ``sigma I + U U'`` for the active-set solver's start (:mod:`.active_set`), where
-H is a weak ridge plus a low-rank matrix of medium rank.
+H is a weak ridge (or none) plus a low-rank matrix of medium rank.
 
 Where ``H = sigma I + U U' + E`` with ``r`` between the path's rank limit (``n / 8``,
 :mod:`.active_set_low_rank`) and ``n / 4``, and a ridge weak enough that the faces are
@@ -31,8 +31,12 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
 - **Detection** (:func:`ipm_low_rank`), only after the grown head start is spent too (where the
   pre-test or the detection declines, the engine goes on as if it had no budget, losing no work):
   :func:`~.active_set_low_rank.ridge_low_rank` looks for the factor at the limit ``n / 4``, with a
-  ridge (a Woodbury solve divides by ``D``, and without a ridge ``D`` tends to 0 on the free
-  coordinates) of at most :data:`IPM_RIDGE` of H's top eigenvalue.
+  ridge of at most :data:`IPM_RIDGE` of H's top eigenvalue, or none (since stop 70: a Woodbury solve
+  divides by ``D``, which is then the bounds' weights alone, positive at every interior iterate where
+  every coordinate has a finite bound; they tend to 0 on the free coordinates, as a ridge's share of
+  ``D`` does at 1e-9 of the top, and the iteration converged alike on interpolating and singular
+  H, measured). A ridge that the path takes as none (below ``SIGMA_MIN`` of the top) is kept in the
+  model (``RidgeLowRank.with_weak_ridge``).
 - **The iteration** (:func:`solve_low_rank_ipm`): Mehrotra's predictor-corrector on the bounds
   (finite ones only) and the sum groups' equations (per-atom or global simplices: the identity is
   applied to the whole Newton system, whose part without ``U U'`` the disjoint groups make solvable
@@ -60,7 +64,7 @@ from ..constraints.kernels import SetStructure
 from ..matrix_cache import matrix_values
 from .base import power_top_eigenvalue
 from .ipm_linalg import max_step
-from .active_set_low_rank import EPS, SIGMA_MIN, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
+from .active_set_low_rank import EPS, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
 
 __all__ = ["ipm_candidate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE",
            "IPM_RIDGE", "IPM_MIN_N"]
@@ -105,9 +109,9 @@ def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> boo
     if st.center is not None or not st.bounded or n < IPM_MIN_N:
         return False
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
-    # (below SIGMA_MIN of the sample's top, H's ridge, at most the sample's smallest eigenvalue, is one
-    # the detection takes as none: it would decline after the head start, a QA review)
-    if ratio is None or top_eig is None or not SIGMA_MIN < ratio <= SAMPLE_RATIO:
+    # (a ratio at or below SIGMA_MIN, a ridge too weak for the path or none, is a candidate since stop 70:
+    # the interior point keeps a weak ridge in its model, and without one the bounds' weights are D)
+    if ratio is None or top_eig is None or not ratio <= SAMPLE_RATIO:
         return False
     return int(n * IPM_RANK_SHARE) > rank_limit(n, st)
 
@@ -140,8 +144,9 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
                  seed: int = 0) -> RidgeLowRank | None:
     """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: no
     candidate (:func:`ipm_candidate`), no such factor within ``n / 4`` or within the path's limit (the
-    path takes those), no ridge or one above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
+    path takes those), a ridge above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
     sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows sees a tenth of it on some H).
+    ``sigma`` is 0 where H has no ridge, the weak ridge where the detection took one as none.
     Kept with the values of a read-only H."""
     if ipm_candidate(H, st, notes, seed=seed) is None:
         return None
@@ -154,7 +159,9 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
         return shared[key]
     found = None
     lr = ridge_low_rank(H, max_rank=max_rank, seed=seed)
-    if lr is not None and 0 < lr.sigma and lr.rank > limit \
+    if lr is not None and lr.sigma == 0 and lr.weak > 0:
+        lr = lr.with_weak_ridge()  # (a ridge too weak for the path's algebra is kept in the model here)
+    if lr is not None and lr.rank > limit \
             and lr.sigma <= IPM_RIDGE * max(float(notes["sample_top"]), _top_eigenvalue(lr.U, seed)):
         found = lr
     if shared is not None:
@@ -288,8 +295,8 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
     lo, hi = np.asarray(st.lo, dtype=np.float64), np.asarray(st.hi, dtype=np.float64)
     L, Uix = np.flatnonzero(np.isfinite(lo)), np.flatnonzero(np.isfinite(hi))
     m = L.size + Uix.size
-    if m == 0:
-        return None, info
+    if m == 0 or (lr.sigma <= 0 and not bool(np.all(np.isfinite(lo) | np.isfinite(hi)))):
+        return None, info  # (without a ridge D is the bounds' weights alone: every coordinate needs one)
     A = None if st.group is None or st.totals is None else _Groups(st.group, st.totals, st.simplex_columns)
     # start: mid-box where both bounds are finite, one unit inside a single bound (in a sum group: the
     # group's equal share of what its total leaves above the lower bounds)

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mergeqp.constraints import Box, L1Ball, Simplex
+from mergeqp.constraints.kernels import SetStructure
 from mergeqp.matrix_cache import forget_matrix
 from mergeqp.problem import MergeQP
 from mergeqp.solvers import active_set as A
@@ -104,12 +105,12 @@ def test_the_iteration_alone_reaches_the_reference_on_a_small_problem() -> None:
         assert J == pytest.approx(ref.objective, rel=1e-9, abs=1e-9)
 
 
-@pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "no_ridge", "l1_ball", "small",
-                                  "unbounded"])
+@pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "l1_ball", "small", "unbounded"])
 def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: str) -> None:
     """Declined where the path takes the rank (<= n / 8), above n / 4, with a ridge above 1e-7 of the top
-    eigenvalue (cond 1e5: the engine's faces are well enough conditioned), without a ridge, on an L1
-    ball, below n = 256, on a set that is not bounded (``x >= 0``); the answer is certified either way."""
+    eigenvalue (cond 1e5: the engine's faces are well enough conditioned), on an L1 ball, below n = 256,
+    on a set that is not bounded (``x >= 0``); the answer is certified either way. (Without a ridge it is
+    taken since stop 70: the test below.)"""
     rng = np.random.default_rng(7)
     n, r, cond, K = 1200, 200, 1e9, 4
     if case == "path_rank":
@@ -121,10 +122,6 @@ def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: 
     elif case == "small":
         n, r = 240, 40
     H, _ = weak_ridge_matrix(rng, n, r, cond)
-    if case == "no_ridge":
-        B = rng.standard_normal((n, r)) / np.sqrt(r)
-        H = B @ B.T
-        H.flags.writeable = False
     problem, cset = planted(rng, H, K, "nonneg" if case == "unbounded" else "box")
     if case == "l1_ball":
         cset = L1Ball(float(n) / 8)
@@ -331,18 +328,52 @@ def test_a_warm_started_solve_leaves_the_interior_point_out(monkeypatch: pytest.
     assert again.objective == pytest.approx(cold.objective, rel=1e-9, abs=1e-10)
 
 
-def test_a_ridge_the_detection_would_take_as_none_is_no_candidate() -> None:
-    """Where the sampled block's smallest eigenvalue is below ``SIGMA_MIN`` of its largest, H's ridge (at
-    most that eigenvalue) is one the detection takes as none: no candidate, so no head start whose restart
-    cost more faces than the engine alone (a QA review, stop 69)."""
-    rng = np.random.default_rng(37)
-    H, _ = weak_ridge_matrix(rng, 900, 120, 1e13)
-    structure = A.set_structure(Box(0.0, 1.0), (3, 300))
+@pytest.mark.parametrize("ridge", ["none", "too weak for the path"])
+@pytest.mark.parametrize("kind", ["box", "simplex"])
+def test_without_a_usable_ridge_the_interior_point_is_taken_and_certifies(kind: str, ridge: str) -> None:
+    """H = B B' of rank 200 (box; 140 on the per-atom simplex, whose path limit is 112) at n = 1200 with no
+    ridge, or with one at 1e-13 of the top (below ``SIGMA_MIN``: the detection takes it as none, and the
+    interior point keeps it in its model): candidates since stop 70 (before, the engine alone wandered
+    through 29-77 faces on such planted QPs, some ending uncertified); the engine goes on from the
+    interior point's point and certifies at ``dense_ipm``'s J."""
+    rng = np.random.default_rng(41)
+    n, r = 1200, (200 if kind == "box" else 140)
+    if ridge == "none":
+        B = rng.standard_normal((n, r)) * np.exp(-np.linspace(0.0, 4.0, r))
+        H = B @ B.T
+        H.flags.writeable = False
+    else:
+        H, _ = weak_ridge_matrix(rng, n, r, 1e13)
+    problem, cset = planted(rng, H, 4, kind)
+    structure = A.set_structure(cset, problem.shape)
     notes: dict = {}
-    A.ridge_low_rank(H, max_rank=A.rank_limit(900, structure), notes=notes)
-    assert notes["sample_ratio"] <= M.SIGMA_MIN
-    assert M.ipm_candidate(H, structure, notes) is None
-    assert M.ipm_candidate(H, structure, {**notes, "sample_ratio": 1e-8}) is not None  # (the count alone passes)
+    A.ridge_low_rank(H, max_rank=A.rank_limit(n, structure), notes=notes)
+    lr = M.ipm_low_rank(H, structure, notes)
+    assert lr is not None and lr.rank == r
+    assert (lr.sigma == 0) if ridge == "none" else (0 < lr.sigma <= 1e-12 * float(notes["sample_top"]))
+    forget_matrix(H)
+    sol = solve(problem, cset, solver="active_set")
+    assert took(sol) and sol.certificate.certified(1e-8)
+    ref = solve(problem, cset, solver="dense_ipm")
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-8, abs=1e-9)
+
+
+def test_without_a_ridge_a_coordinate_without_a_finite_bound_declines_the_iteration() -> None:
+    """With ``sigma = 0`` the Newton systems' ``D`` is the bounds' weights alone: a coordinate with neither
+    bound finite would make it 0, so the iteration returns no point (the engine then goes on)."""
+    rng = np.random.default_rng(43)
+    n, r = 400, 70
+    B = rng.standard_normal((n, r))
+    lr = A.RidgeLowRank(np.asfortranarray(B), 0.0, 0.0)
+    lo = np.zeros(n)
+    lo[5] = -np.inf
+    hi = np.ones(n)
+    hi[5] = np.inf
+    x, _ = M.solve_low_rank_ipm(B @ B.T, rng.standard_normal(n), SetStructure(lo=lo, hi=hi), lr)
+    assert x is None
+    hi[5] = 1.0  # (one finite bound is enough)
+    x, _ = M.solve_low_rank_ipm(B @ B.T, rng.standard_normal(n), SetStructure(lo=lo, hi=hi), lr)
+    assert x is not None
 
 
 @pytest.mark.parametrize("declines", [False, True])

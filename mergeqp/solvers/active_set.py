@@ -59,7 +59,7 @@ dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face
 active set with Woodbury face solves on sums and on an L1 ball. Where the rank lies above that
-limit and within n / 4, with a weak ridge (at most 1e-7 of the top eigenvalue: faces too
+limit and within n / 4, with a weak ridge or none (at most 1e-7 of the top eigenvalue: faces too
 ill-conditioned for the engine's proximal levels) on a bounded set of bounds or sums, the engine
 first runs within a head start (a tenth of the interior point's estimated work; the rank's pre-test
 and the factor's detection run only once its steps are spent, and where they decline the engine goes

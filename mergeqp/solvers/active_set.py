@@ -876,7 +876,7 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
             return budget
     lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
     if lr is None:
-        info["note"] = "no weak ridge plus a rank within n / 4: the engine goes on"
+        info["note"] = "no ridge of at most 1e-7 of the top (or none) plus a rank within n / 4: the engine goes on"
         return None
     found.append(lr)
     return engine.budget

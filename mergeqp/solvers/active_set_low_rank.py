@@ -120,8 +120,8 @@ from ..constraints.kernels import SetStructure, project_structure
 from ..matrix_cache import matrix_values
 from .active_set_faces import FREE, FaceBookkeeping
 
-__all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "sampled_rank", "rank_limit", "solve_ridge_low_rank", "polish_at_zero",
-           "weak_ridge_decides", "solve_with_weak_ridge",
+__all__ = ["RidgeLowRank", "ridge_low_rank", "ball_low_rank", "sampled_rank", "rank_limit", "solve_ridge_low_rank",
+           "polish_at_zero", "weak_ridge_decides", "solve_with_weak_ridge",
            "LOW_RANK_MIN_N", "NO_RIDGE_MIN_N", "LOW_RANK_KEY"]
 
 #: problems smaller than this are left to the engine (its faces cost little there) ...

@@ -65,7 +65,10 @@ first runs within a head start (a tenth of the interior point's estimated work; 
 and the factor's detection run only once its steps are spent, and where they decline the engine goes
 on without losing its work), and where that is spent an interior point on ``sigma I + U U'`` gives the
 point it goes on from (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Woodbury identity,
-``n r^2`` flops each). A warm start that meets the
+``n r^2`` flops each). On a set of bounds alone whose H the path's sample sees as well-conditioned (a
+rank between the sample's n / 6 rows and n / 3, stop 71) the same runs late: the pre-test once the
+engine's work reached one Cholesky of H, the interior point once it reached the interior point's
+estimated work. A warm start that meets the
 stopping test is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
 polished point meets it at the rounding floor; tested before the first CG faces, whose work it
@@ -105,7 +108,7 @@ from .active_set_low_rank import (LOW_RANK_MIN_N, NO_RIDGE_MIN_N, RidgeLowRank, 
                                   ridge_low_rank, solve_ridge_low_rank, solve_with_weak_ridge, weak_ridge_decides)
 from .active_set_pairs import pair_box, pairs_apply
 from .active_set_presolve import decouple
-from .low_rank_ipm import ipm_candidate, ipm_low_rank, ipm_may_apply, ipm_work, solve_low_rank_ipm
+from .low_rank_ipm import LATE_WORK, ipm_candidate, ipm_gate, ipm_low_rank, ipm_may_apply, ipm_work, solve_low_rank_ipm
 from .base import QPSolver, RawResult, work_arrays_decline
 from .blas_threads import blas_threads, thread_cap
 from .unbounded import into_recession_cone, verified_claim
@@ -454,8 +457,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         low_gap = last_gap
         it = 0
         for it in range(1, int(opts["max_iter"]) + 1):
+            self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
             if self.budget is not None:
-                self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
                 if self.work > self.budget and self.on_budget is not None:
                     self.budget = self.on_budget(self)
                 if self.budget is not None and self.work > self.budget:
@@ -648,7 +651,7 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             "fista_steps": self.fista_steps, "cg_faces": self.cg_faces, "linear_solves": sorted(self.solve_methods),
             "n_free": int(np.sum(face.status == FREE)), "frank_wolfe_gap": gap,
             "tol": float(self.opts["tol"]), "proximal_restarts": self.proximal_restarts,
-            "final_rho": self.rho,
+            "final_rho": self.rho, "work": self.work,
         }
 
 
@@ -782,7 +785,7 @@ class ActiveSetSolver(QPSolver):
             else:
                 x, status, it, info = engine.run(x0_kept)
             engine.share_factor()
-            if low_rank is not None:
+            if low_rank is not None and low_rank.info:
                 info["low_rank"] = low_rank.info
         if paired is not None:
             x = paired.expand(x)
@@ -816,6 +819,8 @@ class _LowRankStart:
 #: the engine's head start before the interior point, as a share of the interior point's estimated work
 #: (:func:`~.low_rank_ipm.ipm_work`)
 IPM_HEAD_START = 0.1
+#: ... and where the path's sample was well-conditioned (a late candidate, :func:`~.low_rank_ipm.ipm_gate`)
+LATE_SHARE = 1.0
 
 
 def face_work(n_free: int, n: int) -> float:
@@ -832,15 +837,26 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     engine alone on such QPs). The head start grows in steps, each test run only where the engine's work
     reached the step before (:func:`_head_start`): first that of the smallest rank above the path's limit,
     then, after the pre-test, that of the rank it counts, after which the factor's detection decides.
+    A late candidate (:func:`~.low_rank_ipm.ipm_gate`: the path's sample was well-conditioned, a set of
+    bounds alone) waits until the engine's work reached :data:`~.low_rank_ipm.LATE_WORK` Cholesky
+    factorisations of H before the pre-test, then :data:`LATE_SHARE` of the interior point's work (where
+    it finishes before the pre-test, nothing is recorded: no test ran).
     Where the pre-test or the detection declines, the engine goes on as if it had no budget (no work
     lost). Where the head start is spent, the interior point's point and the engine again from it (its
     face as the first guess), or from where the head start ended where the iteration gave no point."""
     assert low_rank.notes is not None
     found: list[RidgeLowRank] = []
     engine.budget = IPM_HEAD_START * ipm_work(engine.n, rank_limit(engine.n, engine.st) + 1)
+    late = ipm_gate(engine.H, engine.st, low_rank.notes) == "late"
+    if late:  # a well-conditioned sample (stop 71): the pre-test only once the engine has worked that long
+        engine.budget = max(engine.budget, LATE_WORK * engine.n ** 3 / 3.0)
+        low_rank.info["late"] = True
     engine.on_budget = functools.partial(_head_start, low_rank=low_rank, found=found)
     x, status, it, info = engine.run(None)
     spent = engine.budget_spent
+    if not spent and late and "rank_counted" not in low_rank.info and "note" not in low_rank.info:
+        low_rank.info.clear()  # no test ran: nothing to say (the caller records no "low_rank")
+        return x, status, it, info
     low_rank.info.update(taken=False, head_start_faces=it)
     if not spent:
         low_rank.info.setdefault("note", "the engine finished within its head start")
@@ -868,15 +884,17 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
     if "rank_counted" not in info:
         rank = ipm_candidate(engine.H, engine.st, low_rank.notes)
         if rank is None:
-            info["note"] = "the pre-test counted no rank above the path's limit and within n / 4: the engine goes on"
+            info["note"] = (f"the pre-test counted no rank above the path's limit and within n / {3 if info.get('late') else 4}: "
+                            "the engine goes on")
             return None
         info["rank_counted"] = rank
-        budget = IPM_HEAD_START * ipm_work(engine.n, rank)
+        budget = (LATE_SHARE if info.get("late") else IPM_HEAD_START) * ipm_work(engine.n, rank)
         if engine.work <= budget:
             return budget
     lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
     if lr is None:
-        info["note"] = "no ridge of at most 1e-7 of the top (or none) plus a rank within n / 4: the engine goes on"
+        info["note"] = (f"no ridge of at most 1e-7 of the top (or none) plus a rank within n / {3 if info.get('late') else 4}: "
+                        "the engine goes on")
         return None
     found.append(lr)
     return engine.budget

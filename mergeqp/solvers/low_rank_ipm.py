@@ -11,13 +11,20 @@ its Newton systems ``(D + U U') dx = b`` (``D`` the ridge plus the bounds' weigh
 diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'D^-1 U`` (a BLAS
 ``syrk``, ``n r^2`` flops) and its Cholesky factor, instead of a Cholesky of an ``n x n`` matrix.
 
-- **Candidates** (:func:`ipm_may_apply`, at no cost): a bounded set of bounds and sum groups (finite
+- **Candidates** (:func:`ipm_gate`, at no cost): a bounded set of bounds and sum groups (finite
   boxes, per-atom, global and capped simplices; not one-sided bounds, whose optimum can lie far from
   the iteration's start, nor L1 balls), from n = :data:`IPM_MIN_N`, where the sampled principal block
   that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
   ``notes`` hand over its extreme eigenvalues) is ill-conditioned (smallest over largest eigenvalue
   at most :data:`SAMPLE_RATIO`: the block of a well-conditioned H, e.g. every built-in family with
-  ``cond <= 1e6``, shows 1e-5 or more and costs nothing more).
+  ``cond <= 1e6``, shows 1e-5 or more). **Late candidates** (stop 71): where that block is
+  well-conditioned, on a set of bounds alone, the pre-test waits until the engine's faces' work reached
+  :data:`LATE_WORK` (one) Cholesky factorisations of H, and the head start after it is the interior
+  point's whole estimated work (``active_set.LATE_SHARE``), and ranks up to n / 3
+  (:data:`LATE_RANK_SHARE`) are taken: a block of n / 6 rows is full rank where H's rank lies above
+  n / 6, so it cannot tell such an H from a full-rank one, and on interpolating boxes of that kind
+  (J* ~ 0, most coordinates free) the engine alone took ~35 faces of nearly all coordinates (4-9x
+  ``dense_ipm``). Solves that end before that work pay nothing.
 - **The engine's head start** (``active_set._with_interior_point``): the engine runs first, until its
   faces' work (``n_F^3 / 3`` and the products per face) exceeds ``IPM_HEAD_START`` (0.1) of the
   interior point's estimated work (:func:`ipm_work`), at first for the smallest rank above the path's
@@ -66,8 +73,8 @@ from .base import power_top_eigenvalue
 from .ipm_linalg import max_step
 from .active_set_low_rank import EPS, RidgeLowRank, rank_limit, ridge_low_rank, sampled_rank
 
-__all__ = ["ipm_candidate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm", "IPM_RANK_SHARE",
-           "IPM_RIDGE", "IPM_MIN_N"]
+__all__ = ["ipm_candidate", "ipm_gate", "ipm_may_apply", "ipm_low_rank", "ipm_work", "solve_low_rank_ipm",
+           "IPM_RANK_SHARE", "IPM_RIDGE", "IPM_MIN_N", "LATE_WORK", "LATE_RANK_SHARE"]
 
 #: the largest rank taken, as a share of n (above the path's limit, ``n / 8``)
 IPM_RANK_SHARE = 1.0 / 4.0
@@ -76,7 +83,14 @@ IPM_RANK_SHARE = 1.0 / 4.0
 #: 1e4-1e6, stop 69)
 IPM_RIDGE = 1e-7
 #: the path's sampled block must have a smallest / largest eigenvalue at most this for the pre-test to run
+#: after the engine's first head start; above it only after :data:`LATE_WORK`
 SAMPLE_RATIO = 1e-5
+#: where the sampled block is well-conditioned, the pre-test waits until the engine's faces' work
+#: (``active_set.face_work``) reached this many times the flops of one Cholesky of H (``n^3 / 3``)
+LATE_WORK = 1.0
+#: ... and the largest rank it takes is this share of n (interpolating boxes of rank n / 3: the engine alone
+#: 2.1 s, with the interior point 0.7-0.9 s, ``dense_ipm`` 0.5 s, n = 1536, stop 71)
+LATE_RANK_SHARE = 1.0 / 3.0
 #: the pre-test's pivoted Cholesky stops where the remaining diagonal falls below this share of a lower
 #: bound on H's top eigenvalue (the ridge's Schur complement is several times the ridge, itself up to
 #: 1e-7 of the top eigenvalue); at 1e-4 it stopped below the rank of H's without a ridge whose
@@ -97,35 +111,54 @@ PROGRESS_FLOOR = 1e-15
 IPM_KEY = "active_set.low_rank_ipm"
 
 
-def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> bool:
-    """Whether the interior point may apply before its pre-test (:func:`ipm_candidate`): not where the
-    set is not bounded (one-sided or no bounds: the iteration's start is then far from an optimum of the
-    problem's own size, and it took 38-48 iterations where the engine needed 5 faces, a QA review) or
-    has an L1 ball, n is below :data:`IPM_MIN_N`, the sample is well-conditioned (``notes``: what the
+def ipm_gate(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> str | None:
+    """When the interior point's pre-test (:func:`ipm_candidate`) may run: ``"early"`` where the path's
+    sampled block is ill-conditioned (smallest over largest eigenvalue at most :data:`SAMPLE_RATIO`; the
+    engine's first head start), ``"late"`` where it is not (only once the engine's faces' work reached
+    :data:`LATE_WORK` times one Cholesky of H: a block of n / 6 rows is full rank where H's rank lies
+    between n / 6 and n / 4, so it cannot tell such an H, stop 71), ``None`` where the interior point does
+    not apply: the set is not bounded (one-sided or no bounds: the iteration's start is then far from an
+    optimum of the problem's own size, and it took 38-48 iterations where the engine needed 5 faces, a QA
+    review) or has an L1 ball, n is below :data:`IPM_MIN_N`, no block was sampled (``notes``: what the
     path's detection found in the block it sampled, :func:`~.active_set_low_rank.ridge_low_rank`'s
-    ``sample_ratio`` and ``sample_top``; empty: no block was sampled), or ``n / 4`` is within the path's
-    limit. Costs nothing: the pre-test runs only once the engine's first head start is spent."""
+    ``sample_ratio`` and ``sample_top``), or ``n / 4`` is within the path's limit. Costs nothing."""
     n = int(H.shape[0])
     if st.center is not None or not st.bounded or n < IPM_MIN_N:
-        return False
+        return None
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
+    if ratio is None or top_eig is None or not int(n * IPM_RANK_SHARE) > rank_limit(n, st):
+        return None  # (LATE_RANK_SHARE is larger: a late candidate's limit is above the path's too)
     # (a ratio at or below SIGMA_MIN, a ridge too weak for the path or none, is a candidate since stop 70:
     # the interior point keeps a weak ridge in its model, and without one the bounds' weights are D)
-    if ratio is None or top_eig is None or not ratio <= SAMPLE_RATIO:
-        return False
-    return int(n * IPM_RANK_SHARE) > rank_limit(n, st)
+    if ratio <= SAMPLE_RATIO:
+        return "early"
+    # late: bounds alone (on per-atom simplices of rank n / 5 to n / 4 the engine needed as many faces after
+    # the interior point as without it: 2.1-2.7x the engine alone, stop 71)
+    return "late" if st.group is None else None
+
+
+def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> bool:
+    """Whether the interior point may apply before its pre-test (:func:`ipm_gate` is not ``None``)."""
+    return ipm_gate(H, st, notes) is not None
+
+
+def _max_rank(n: int, gate: str | None) -> int:
+    """The largest rank the pre-test counts and the detection takes: ``n / 4``, ``n / 3`` for a late
+    candidate (:data:`LATE_RANK_SHARE`)."""
+    return int(n * (LATE_RANK_SHARE if gate == "late" else IPM_RANK_SHARE))
 
 
 def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0) -> int | None:
     """The rank that the pre-test counts (see the module doc) where the interior point may apply
     (:func:`ipm_may_apply`), else ``None`` (also for a count within the path's limit or above ``n /
-    4``). Kept with the values of a read-only H."""
-    if not ipm_may_apply(H, st, notes):
+    4``, ``n / 3`` for a late candidate). Kept with the values of a read-only H."""
+    gate = ipm_gate(H, st, notes)
+    if gate is None:
         return None
     n = int(H.shape[0])
     top_eig = notes["sample_top"]
     limit = rank_limit(n, st)
-    max_rank = int(n * IPM_RANK_SHARE)
+    max_rank = _max_rank(n, gate)
     shared = matrix_values(H)
     key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:
@@ -143,8 +176,8 @@ def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, see
 def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
                  seed: int = 0) -> RidgeLowRank | None:
     """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: no
-    candidate (:func:`ipm_candidate`), no such factor within ``n / 4`` or within the path's limit (the
-    path takes those), a ridge above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
+    candidate (:func:`ipm_candidate`), no such factor within ``n / 4`` (``n / 3`` for a late candidate)
+    or within the path's limit (the path takes those), a ridge above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
     sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows sees a tenth of it on some H).
     ``sigma`` is 0 where H has no ridge, the weak ridge where the detection took one as none.
     Kept with the values of a read-only H."""
@@ -152,7 +185,7 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
         return None
     n = int(H.shape[0])
     limit = rank_limit(n, st)
-    max_rank = int(n * IPM_RANK_SHARE)
+    max_rank = _max_rank(n, ipm_gate(H, st, notes))
     shared = matrix_values(H)
     key = (IPM_KEY, max_rank, limit, seed)
     if shared is not None and key in shared:

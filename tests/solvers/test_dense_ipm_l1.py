@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from mergeqp import solve
@@ -115,10 +115,14 @@ def test_a_weak_ridge_l1_ball_certifies() -> None:
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 3), st.integers(2, 8), st.integers(0, 2**31 - 1))
+@example(3, 7, 14678)
 def test_rank_deficient_l1_and_sign_certify_without_crossover(K: int, m: int, seed: int) -> None:
     """Random problems with H of rank about half of n on an L1 ball & sign consensus (the kind
     that stalled before stop 66 and needed the crossover, or diverged in float32): the iteration
-    alone certifies at 1e-8, at Clarabel's objective or below."""
+    alone certifies at the default 1e-6, at Clarabel's objective or below, and with its crossover at
+    1e-8. (Stop 71: a random draw locally, ``K, m, seed = 3, 7, 14678``, J = -0.0144 with terms of ~130,
+    ended the iteration at a relative gap of 9.9e-8 with a dual residual of 1e-10; the crossover
+    certifies it at 9e-12. This test claimed 1e-8 without the crossover before.)"""
     rng = np.random.default_rng(seed)
     n = K * m
     B = rng.standard_normal((n, max(1, n // 2)))
@@ -126,8 +130,10 @@ def test_rank_deficient_l1_and_sign_certify_without_crossover(K: int, m: int, se
     cset = L1Ball(0.5 * m) & SignConsensus.from_deltas(rng.standard_normal((K, m, 3)), "rows")
     sol = solve(problem, cset, solver="dense_ipm", crossover=False)
     ref = solve(problem, cset, solver="clarabel")
-    assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor, sol.certificate.explain()
+    assert sol.certificate.certified() or sol.certificate.at_rounding_floor, sol.certificate.explain()
     assert sol.objective <= ref.objective + 1e-7 * max(1.0, abs(ref.objective))
+    full = solve(problem, cset, solver="dense_ipm")
+    assert full.certificate.certified(1e-8) or full.certificate.at_rounding_floor, full.certificate.explain()
 
 
 def test_a_float32_factor_whose_first_solve_is_poor_is_given_up(monkeypatch) -> None:

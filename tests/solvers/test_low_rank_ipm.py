@@ -135,8 +135,9 @@ def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: 
 
 def test_a_well_conditioned_sample_costs_no_pre_test(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the block the path's detection sampled is well conditioned (smallest over largest eigenvalue
-    above 1e-5), the pre-test's pivoted Cholesky is not run at all: full-rank H, the usual case, pays
-    nothing for the interior point."""
+    above 1e-5), the pre-test's pivoted Cholesky is not run while the engine's work is below one Cholesky
+    of H (the late gate, stop 71): full-rank H, the usual case, pays nothing for the interior point, and
+    nothing is recorded of it."""
     rng = np.random.default_rng(9)
     B = rng.standard_normal((800, 800)) / np.sqrt(800)
     H = B @ B.T + 0.1 * np.eye(800)
@@ -396,3 +397,57 @@ def test_no_engine_outlives_its_solve(declines: bool, monkeypatch: pytest.Monkey
         assert not [o for o in gc.get_objects() if isinstance(o, A._Engine)]
     finally:
         gc.enable()
+
+
+def flat_interpolating_box(n: int, r: int, seed: int) -> MergeQP:
+    """``H = U U'`` without a ridge, ``U`` Gaussian with column scales falling by ``e^-3`` over the rank
+    ``r`` (a spectrum too flat for the path's block of ``n / 6`` rows to see the rank, where ``r > n / 6``),
+    and ``g = -H t`` for a target ``t`` partly outside ``[0, 1]``: an interpolating box (J* ~ 0 on a flat
+    set of optima), the class where the engine alone wandered through ~35 faces of most coordinates free."""
+    rng = np.random.default_rng(seed)
+    U = rng.standard_normal((n, r)) * np.exp(-3.0 * np.arange(r) / r)
+    H = U @ U.T
+    H.flags.writeable = False
+    t = rng.uniform(-0.3, 1.3, n)
+    return MergeQP(H, -(H @ t), float(0.5 * t @ H @ t), shape=(4, n // 4))
+
+
+def test_the_gate_is_early_late_or_none() -> None:
+    """:func:`ipm_gate`: ``early`` where the path's sampled block is ill-conditioned (a weak ridge), ``late``
+    where it is well conditioned on a set of bounds alone (a rank above the block's n / 6 rows), ``None``
+    for the same H on a per-atom simplex (there the engine needed as many faces after the interior point
+    as without it, stop 71) or on an L1 ball."""
+    rng = np.random.default_rng(13)
+    weak, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
+    flat = flat_interpolating_box(1200, 240, 0).H
+    shape = (4, 300)
+    for H, cset, expected in [(weak, Box(0.0, 1.0), "early"), (flat, Box(0.0, 1.0), "late"),
+                              (flat, Simplex(1.0), None), (flat, L1Ball(10.0), None)]:
+        structure = A.set_structure(cset, shape)
+        notes: dict = {}
+        A.ridge_low_rank(H, max_rank=A.rank_limit(1200, structure), notes=notes)
+        assert M.ipm_gate(H, structure, notes) == expected, (cset, notes)
+        assert M.ipm_may_apply(H, structure, notes) == (expected is not None)
+
+
+@pytest.mark.parametrize(("n", "r", "seed"), [(768, 154, 0), (768, 192, 2), (768, 256, 3)])
+def test_a_late_candidate_takes_the_interior_point_after_one_cholesky_of_work(
+        n: int, r: int, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an interpolating box whose rank (n / 5, n / 4, n / 3) the path's sample cannot see, the engine's work
+    passes one Cholesky of H, the pre-test counts the rank, the interior point is taken, and the engine
+    (head start and after) needs 5-15 faces where alone it took about 35 (both end at the certificate's rounding
+    floor: J* ~ 0, so a gap relative to J is out of reach); the J reached is no higher than the engine
+    alone's, beyond rounding. Without the late gate (``LATE_WORK`` infinite) the old behaviour: no test."""
+    problem = flat_interpolating_box(n, r, seed)
+    cset = Box(0.0, 1.0)
+    sol = solve(problem, cset, solver="active_set")
+    info = sol.info["low_rank"]
+    assert info["late"] and took(sol) and info["rank"] == r
+    assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor
+    monkeypatch.setattr(A, "LATE_WORK", float("inf"))
+    forget_matrix(problem.H)
+    alone = solve(problem, cset, solver="active_set")
+    assert "low_rank" not in alone.info
+    assert sol.info["face_iterations"] * 2 < alone.info["face_iterations"]
+    size = float(abs(problem.c)) + 1.0
+    assert sol.objective <= alone.objective + 1e-12 * size

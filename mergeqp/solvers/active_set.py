@@ -68,7 +68,9 @@ point it goes on from (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Wood
 ``n r^2`` flops each). On a set of bounds alone whose H the path's sample sees as well-conditioned (a
 rank between the sample's n / 6 rows and n / 3, stop 71) the same runs late: the pre-test once the
 engine's work reached one Cholesky of H, the interior point once it reached the interior point's
-estimated work. A warm start that meets the
+estimated work, unless the engine is then within ``LATE_NEAR`` of its own test; and so, where J is then
+near 0 (interpolating), for an early candidate on bounds alone whose tests declined at n / 4. A warm
+start that meets the
 stopping test is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
 polished point meets it at the rounding floor; tested before the first CG faces, whose work it
@@ -215,6 +217,11 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.on_budget: Callable[[_Engine], float | None] | None = None
         self.work = 0.0
         self.budget_spent = False
+        #: the faces solved so far, and the last one's Frank-Wolfe gap relative to ``max(|J|, 1e-8 x its
+        #: terms)``, the measure of the stopping test (``tol``)
+        self.faces_done, self.last_rel_gap = 0, math.inf
+        #: ``|J|`` over the size of its terms at the last face's point (near 0: an interpolating problem)
+        self.last_J_share = math.inf
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
         #: recent ``(x, H x + g)`` pairs (:meth:`objective_gradient`)
         self._known: list[tuple[np.ndarray, np.ndarray]] = []
@@ -500,6 +507,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
                 best_x, best_J, last_gap, best_T = xp, Jp, gap, T_p
             new_face = self.update_face(face, xf, gf)
             stable = new_face.key() == key
+            # (for the late interior point's decision: how near the engine's own test this face's point is)
+            self.faces_done, self.last_rel_gap = it, gap / max(abs(Jp), 1e-8 * T_p, np.finfo(float).tiny)
+            self.last_J_share = abs(Jp) / max(T_p, np.finfo(float).tiny)
             if conv:
                 best_x, best_J, last_gap = xp, Jp, gap
                 status = SolveStatus.OPTIMAL
@@ -821,6 +831,14 @@ class _LowRankStart:
 IPM_HEAD_START = 0.1
 #: ... and where the path's sample was well-conditioned (a late candidate, :func:`~.low_rank_ipm.ipm_gate`)
 LATE_SHARE = 1.0
+#: a late candidate's interior point is not run where the engine's last face had a relative gap (the
+#: stopping test's measure, whose ``tol`` is 1e-10) at most this: it is about to finish
+LATE_NEAR = 1e-6
+#: an early candidate on bounds alone whose pre-test or detection declined at n / 4 is tried again as a
+#: late one (up to n / 3) only where, once the engine's work reached the late head start, ``|J|`` at its
+#: last point is at most this share of its terms (an interpolating problem, J* ~ 0: the class where the
+#: engine alone wanders; measured there 6e-6 to 6e-4 at that point, on planted boxes 0.3-0.5)
+INTERPOLATING = 1e-3
 
 
 def face_work(n_free: int, n: int) -> float:
@@ -857,7 +875,8 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     if not spent and late and "rank_counted" not in low_rank.info and "note" not in low_rank.info:
         low_rank.info.clear()  # no test ran: nothing to say (the caller records no "low_rank")
         return x, status, it, info
-    low_rank.info.update(taken=False, head_start_faces=it)
+    low_rank.info["taken"] = False
+    low_rank.info.setdefault("head_start_faces", it)  # (where a test declined: the faces before it)
     if not spent:
         low_rank.info.setdefault("note", "the engine finished within its head start")
         return x, status, it, info
@@ -878,22 +897,57 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
     the first step, the pre-test's (:func:`~.low_rank_ipm.ipm_candidate`: a QA review, stop 69, measured
     its pivoted Cholesky at +2-5 ms on solves of a few ms, which now end before it); after the second, the
     detection (:func:`~.low_rank_ipm.ipm_low_rank`), whose factor, appended to ``found``, the interior
-    point then takes (the budget stays spent). ``None`` where either declines."""
+    point then takes (the budget stays spent). ``None`` where either declines, or, for a late candidate,
+    where the engine's last face was within :data:`LATE_NEAR` of its own test (``head_start_faces`` then
+    counts the faces before the test)."""
     info = low_rank.info
     assert low_rank.notes is not None
+    late = bool(info.get("late"))
+    if info.get("converted") and engine.last_J_share > INTERPOLATING:
+        info["head_start_faces"] = engine.faces_done
+        info["note"] = (f"tried again as a late candidate, but |J| at the engine's point is {engine.last_J_share:.1e} of "
+                        f"its terms (above {INTERPOLATING:g}: not interpolating): the engine goes on")
+        return None
     if "rank_counted" not in info:
-        rank = ipm_candidate(engine.H, engine.st, low_rank.notes)
+        rank = ipm_candidate(engine.H, engine.st, low_rank.notes, late=late)
+        if rank is None and not late and engine.st.group is None:
+            # an early candidate on bounds alone whose count declined (a rank above n / 4, or none): counted
+            # again up to n / 3 as a late candidate once the engine's work reached LATE_WORK, where the
+            # problem then looks interpolating (a QA review, stop 71: interpolating boxes of rank n / 4 to
+            # n / 3 whose decaying spectrum made the sample ill-conditioned took 2.5-2.8x dense_ipm, neither
+            # gate taking them; on `simplex_pair`, a planted weak-ridge box of rank 0.26 n, the interior
+            # point then cost 1.2-1.3x the engine alone)
+            info["late"] = info["converted"] = True
+            info["note"] = ("the pre-test counted no rank within n / 4: counted again up to n / 3 once the engine's "
+                            "work reaches one Cholesky of H")
+            return max(LATE_WORK * engine.n ** 3 / 3.0, engine.work)
         if rank is None:
-            info["note"] = (f"the pre-test counted no rank above the path's limit and within n / {3 if info.get('late') else 4}: "
+            info["head_start_faces"] = engine.faces_done
+            info["note"] = (f"the pre-test counted no rank above the path's limit and within n / {3 if late else 4}: "
                             "the engine goes on")
             return None
         info["rank_counted"] = rank
-        budget = (LATE_SHARE if info.get("late") else IPM_HEAD_START) * ipm_work(engine.n, rank)
+        budget = (LATE_SHARE if late else IPM_HEAD_START) * ipm_work(engine.n, rank)
         if engine.work <= budget:
             return budget
-    lr = ipm_low_rank(engine.H, engine.st, low_rank.notes)
+    if late and engine.last_rel_gap <= LATE_NEAR:
+        # the engine's last point is within a few decades of its own test (a planted QP's last faces: a QA
+        # review, stop 71, measured 1.5-1.75x where the interior point ran there, and no face after it)
+        info["head_start_faces"] = engine.faces_done
+        info["note"] = (f"the engine's relative gap {engine.last_rel_gap:.1e} was within {LATE_NEAR:g}: it goes on")
+        return None
+    lr = ipm_low_rank(engine.H, engine.st, low_rank.notes, late=late)
+    if lr is None and not late and engine.st.group is None:
+        # the same for its detection (a decaying spectrum: the pre-test counted below n / 4, the factor lies
+        # above it): again up to n / 3, on the late schedule
+        info["late"] = info["converted"] = True
+        info["note"] = ("the detection found no factor within n / 4: tried again up to n / 3 once the engine's "
+                        "work reaches the late head start")
+        return max(LATE_WORK * engine.n ** 3 / 3.0, LATE_SHARE * ipm_work(engine.n, info["rank_counted"]),
+                   engine.work)
     if lr is None:
-        info["note"] = (f"no ridge of at most 1e-7 of the top (or none) plus a rank within n / {3 if info.get('late') else 4}: "
+        info["head_start_faces"] = engine.faces_done
+        info["note"] = (f"no ridge of at most 1e-7 of the top (or none) plus a rank within n / {3 if late else 4}: "
                         "the engine goes on")
         return None
     found.append(lr)

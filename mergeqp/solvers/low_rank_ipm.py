@@ -24,7 +24,10 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
   (:data:`LATE_RANK_SHARE`) are taken: a block of n / 6 rows is full rank where H's rank lies above
   n / 6, so it cannot tell such an H from a full-rank one, and on interpolating boxes of that kind
   (J* ~ 0, most coordinates free) the engine alone took ~35 faces of nearly all coordinates (4-9x
-  ``dense_ipm``). Solves that end before that work pay nothing.
+  ``dense_ipm``). Solves that end before that work pay nothing; where the engine's last face is within
+  ``active_set.LATE_NEAR`` of its own test, the interior point is not run (it is about to finish). An
+  early candidate on bounds alone whose pre-test or detection declines at n / 4 is tried again on this
+  schedule, up to n / 3, where the problem then looks interpolating (``active_set.INTERPOLATING``).
 - **The engine's head start** (``active_set._with_interior_point``): the engine runs first, until its
   faces' work (``n_F^3 / 3`` and the products per face) exceeds ``IPM_HEAD_START`` (0.1) of the
   interior point's estimated work (:func:`ipm_work`), at first for the smallest rank above the path's
@@ -142,23 +145,25 @@ def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> boo
     return ipm_gate(H, st, notes) is not None
 
 
-def _max_rank(n: int, gate: str | None) -> int:
+def _max_rank(n: int, late: bool) -> int:
     """The largest rank the pre-test counts and the detection takes: ``n / 4``, ``n / 3`` for a late
     candidate (:data:`LATE_RANK_SHARE`)."""
-    return int(n * (LATE_RANK_SHARE if gate == "late" else IPM_RANK_SHARE))
+    return int(n * (LATE_RANK_SHARE if late else IPM_RANK_SHARE))
 
 
-def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0) -> int | None:
+def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0,
+                  late: bool = False) -> int | None:
     """The rank that the pre-test counts (see the module doc) where the interior point may apply
     (:func:`ipm_may_apply`), else ``None`` (also for a count within the path's limit or above ``n /
-    4``, ``n / 3`` for a late candidate). Kept with the values of a read-only H."""
+    4``; ``n / 3`` for a late candidate, or with ``late`` on a set of bounds alone: an early candidate
+    whose first count declined, ``active_set._head_start``). Kept with the values of a read-only H."""
     gate = ipm_gate(H, st, notes)
     if gate is None:
         return None
     n = int(H.shape[0])
     top_eig = notes["sample_top"]
     limit = rank_limit(n, st)
-    max_rank = _max_rank(n, gate)
+    max_rank = _max_rank(n, gate == "late" or (late and st.group is None))
     shared = matrix_values(H)
     key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:
@@ -174,18 +179,18 @@ def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, see
 
 
 def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
-                 seed: int = 0) -> RidgeLowRank | None:
+                 seed: int = 0, late: bool = False) -> RidgeLowRank | None:
     """``H = sigma I + U U'`` for :func:`solve_low_rank_ipm` (see the module doc), or ``None``: no
     candidate (:func:`ipm_candidate`), no such factor within ``n / 4`` (``n / 3`` for a late candidate)
     or within the path's limit (the path takes those), a ridge above :data:`IPM_RIDGE` of H's top eigenvalue (the larger of the
     sample's and a power estimate of ``U U'``'s: a sample of n / 6 rows sees a tenth of it on some H).
     ``sigma`` is 0 where H has no ridge, the weak ridge where the detection took one as none.
     Kept with the values of a read-only H."""
-    if ipm_candidate(H, st, notes, seed=seed) is None:
+    if ipm_candidate(H, st, notes, seed=seed, late=late) is None:
         return None
     n = int(H.shape[0])
     limit = rank_limit(n, st)
-    max_rank = _max_rank(n, ipm_gate(H, st, notes))
+    max_rank = _max_rank(n, ipm_gate(H, st, notes) == "late" or (late and st.group is None))
     shared = matrix_values(H)
     key = (IPM_KEY, max_rank, limit, seed)
     if shared is not None and key in shared:

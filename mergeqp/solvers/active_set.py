@@ -869,7 +869,7 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     engine.budget = IPM_HEAD_START * ipm_work(engine.n, rank_limit(engine.n, engine.st) + 1)
     late = ipm_gate(engine.H, engine.st, low_rank.notes) == "late"
     if late:  # a well-conditioned sample (stop 71): the pre-test only once the engine has worked that long
-        engine.budget = max(engine.budget, LATE_WORK * engine.n ** 3 / 3.0)
+        engine.budget = max(engine.budget, _late_work(engine))
         low_rank.info["late"] = True
     engine.on_budget = functools.partial(_head_start, low_rank=low_rank, found=found)
     x, status, it, info = engine.run(None)
@@ -906,10 +906,8 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
     assert low_rank.notes is not None
     late = bool(info.get("late"))
     if info.get("converted") and engine.last_J_share > INTERPOLATING:
-        info["head_start_faces"] = engine.faces_done
-        info["note"] = (f"tried again as a late candidate, but |J| at the engine's point is {engine.last_J_share:.1e} of "
-                        f"its terms (above {INTERPOLATING:g}: not interpolating): the engine goes on")
-        return None
+        return _declined(engine, info, f"tried again as a late candidate, but |J| at the engine's point is "
+                         f"{engine.last_J_share:.1e} of its terms (above {INTERPOLATING:g}: not interpolating)")
     if "rank_counted" not in info:
         rank = ipm_candidate(engine.H, engine.st, low_rank.notes, late=late)
         if rank is None and not late and engine.st.group is None:
@@ -919,15 +917,11 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
             # n / 3 whose decaying spectrum made the sample ill-conditioned took 2.5-2.8x dense_ipm, neither
             # gate taking them; on `simplex_pair`, a planted weak-ridge box of rank 0.26 n, the interior
             # point then cost 1.2-1.3x the engine alone)
-            info["late"] = info["converted"] = True
-            info["note"] = ("the pre-test counted no rank within n / 4: counted again up to n / 3 once the engine's "
-                            "work reaches one Cholesky of H")
-            return max(LATE_WORK * engine.n ** 3 / 3.0, engine.work)
+            return _tried_late(engine, info, "the pre-test counted no rank within n / 4: counted again up to n / 3 "
+                               "once the engine's work reaches one Cholesky of H")
         if rank is None:
-            info["head_start_faces"] = engine.faces_done
-            info["note"] = (f"the pre-test counted no rank above the path's limit and within n / {3 if late else 4}: "
-                            "the engine goes on")
-            return None
+            return _declined(engine, info, "the pre-test counted no rank above the path's limit and within "
+                             f"n / {3 if late else 4}")
         info["rank_counted"] = rank
         budget = (LATE_SHARE if late else IPM_HEAD_START) * ipm_work(engine.n, rank)
         if engine.work <= budget:
@@ -935,25 +929,40 @@ def _head_start(engine: _Engine, low_rank: _LowRankStart, found: list[RidgeLowRa
     if late and engine.last_rel_gap <= LATE_NEAR:
         # the engine's last point is within a few decades of its own test (a planted QP's last faces: a QA
         # review, stop 71, measured 1.5-1.75x where the interior point ran there, and no face after it)
-        info["head_start_faces"] = engine.faces_done
-        info["note"] = (f"the engine's relative gap {engine.last_rel_gap:.1e} was within {LATE_NEAR:g}: it goes on")
-        return None
+        return _declined(engine, info, f"the engine's relative gap {engine.last_rel_gap:.1e} was within {LATE_NEAR:g}")
     lr = ipm_low_rank(engine.H, engine.st, low_rank.notes, late=late)
     if lr is None and not late and engine.st.group is None:
         # the same for its detection (a decaying spectrum: the pre-test counted below n / 4, the factor lies
         # above it): again up to n / 3, on the late schedule
-        info["late"] = info["converted"] = True
-        info["note"] = ("the detection found no factor within n / 4: tried again up to n / 3 once the engine's "
-                        "work reaches the late head start")
-        return max(LATE_WORK * engine.n ** 3 / 3.0, LATE_SHARE * ipm_work(engine.n, info["rank_counted"]),
-                   engine.work)
+        return _tried_late(engine, info, "the detection found no factor within n / 4: tried again up to n / 3 once "
+                           "the engine's work reaches the late head start",
+                           LATE_SHARE * ipm_work(engine.n, info["rank_counted"]))
     if lr is None:
-        info["head_start_faces"] = engine.faces_done
-        info["note"] = (f"no ridge of at most 1e-7 of the top (or none) plus a rank within n / {3 if late else 4}: "
-                        "the engine goes on")
-        return None
+        return _declined(engine, info, "no ridge of at most 1e-7 of the top (or none) plus a rank within "
+                         f"n / {3 if late else 4}")
     found.append(lr)
     return engine.budget
+
+
+def _late_work(engine: _Engine) -> float:
+    """The engine's work before a late candidate's pre-test: :data:`~.low_rank_ipm.LATE_WORK` Cholesky
+    factorisations of H."""
+    return LATE_WORK * engine.n ** 3 / 3.0
+
+
+def _declined(engine: _Engine, info: dict[str, Any], why: str) -> None:
+    """A declined test (:func:`_head_start`): recorded with the faces before it; the engine goes on as if it
+    had no budget."""
+    info["head_start_faces"] = engine.faces_done
+    info["note"] = f"{why}: the engine goes on"
+
+
+def _tried_late(engine: _Engine, info: dict[str, Any], note: str, at_least: float = 0.0) -> float:
+    """An early candidate whose test declined at n / 4 goes on as a late one (:func:`_head_start`): its next
+    budget, at least the late head start and ``at_least``."""
+    info["late"] = info["converted"] = True
+    info["note"] = note
+    return max(_late_work(engine), at_least, engine.work)
 
 
 def _low_rank_start(engine: _Engine, opts: dict[str, Any],

@@ -145,10 +145,10 @@ def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> boo
     return ipm_gate(H, st, notes) is not None
 
 
-def _max_rank(n: int, late: bool) -> int:
-    """The largest rank the pre-test counts and the detection takes: ``n / 4``, ``n / 3`` for a late
-    candidate (:data:`LATE_RANK_SHARE`)."""
-    return int(n * (LATE_RANK_SHARE if late else IPM_RANK_SHARE))
+def _max_rank(n: int, st: SetStructure, gate: str | None, late: bool) -> int:
+    """The largest rank the pre-test counts and the detection takes: ``n / 4``, ``n / 3``
+    (:data:`LATE_RANK_SHARE`) for a late candidate (``gate``) or, with ``late``, on a set of bounds alone."""
+    return int(n * (LATE_RANK_SHARE if gate == "late" or (late and st.group is None) else IPM_RANK_SHARE))
 
 
 def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, seed: int = 0,
@@ -163,7 +163,7 @@ def ipm_candidate(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *, see
     n = int(H.shape[0])
     top_eig = notes["sample_top"]
     limit = rank_limit(n, st)
-    max_rank = _max_rank(n, gate == "late" or (late and st.group is None))
+    max_rank = _max_rank(n, st, gate, late)
     shared = matrix_values(H)
     key = (IPM_KEY + ".pre_test", max_rank, limit, seed)  # (the limit depends on the set)
     if shared is not None and key in shared:
@@ -190,7 +190,7 @@ def ipm_low_rank(H: np.ndarray, st: SetStructure, notes: dict[str, Any], *,
         return None
     n = int(H.shape[0])
     limit = rank_limit(n, st)
-    max_rank = _max_rank(n, ipm_gate(H, st, notes) == "late" or (late and st.group is None))
+    max_rank = _max_rank(n, st, ipm_gate(H, st, notes), late)
     shared = matrix_values(H)
     key = (IPM_KEY, max_rank, limit, seed)
     if shared is not None and key in shared:

@@ -65,11 +65,13 @@ first runs within a head start (a tenth of the interior point's estimated work; 
 and the factor's detection run only once its steps are spent, and where they decline the engine goes
 on without losing its work), and where that is spent an interior point on ``sigma I + U U'`` gives the
 point it goes on from (:mod:`.low_rank_ipm`, stop 69: Newton systems by the Woodbury identity,
-``n r^2`` flops each). On a set of bounds alone whose H the path's sample sees as well-conditioned (a
-rank between the sample's n / 6 rows and n / 3, stop 71) the same runs late: the pre-test once the
-engine's work reached one Cholesky of H, the interior point once it reached the interior point's
-estimated work, unless the engine is then within ``LATE_NEAR`` of its own test; and so, where J is then
-near 0 (interpolating), for an early candidate on bounds alone whose tests declined at n / 4. A warm
+``n r^2`` flops each). On a bounded set of bounds or sums whose H the path's sample sees as
+well-conditioned (a rank between the sample's n / 6 rows and n / 3, stop 71; sums since stop 72, the
+engine's work then counted by the order of the matrices its faces factorise) the same runs late: the
+pre-test once the engine's work reached one Cholesky of H, the interior point once it reached the
+interior point's estimated work, unless the engine is then within ``LATE_NEAR`` of its own test; and so,
+where J is then near 0 (interpolating), for an early candidate on bounds alone whose tests declined at
+n / 4. A warm
 start that meets the
 stopping test is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
@@ -222,6 +224,9 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         self.faces_done, self.last_rel_gap = 0, math.inf
         #: ``|J|`` over the size of its terms at the last face's point (near 0: an interpolating problem)
         self.last_J_share = math.inf
+        #: the work counts a face by :meth:`face_order` (a late candidate's, stop 72) instead of its free
+        #: coordinates (the early head start's count, with which it was measured, stop 69)
+        self.count_order = False
         self.g_inf = float(np.max(np.abs(self.g), initial=0.0))
         #: recent ``(x, H x + g)`` pairs (:meth:`objective_gradient`)
         self._known: list[tuple[np.ndarray, np.ndarray]] = []
@@ -405,6 +410,15 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
             x = x_new
         return best
 
+    def face_order(self, face: _Face) -> int:
+        """The order of the matrix a face solve factorises: the free coordinates, less one per sum group
+        that has any (each group's equation pins its pivot)."""
+        free = face.status == FREE
+        size = int(np.count_nonzero(free))
+        if self.st.group is not None and size:
+            size -= int(np.count_nonzero(np.bincount(self.st.group[free])))
+        return size
+
     # -- main loop
     def run(self, x0: np.ndarray | None) -> tuple[np.ndarray, SolveStatus, int, dict[str, Any]]:
         """PDAS on J; on cycling or stalling, proximal PDAS (see the module doc). Returns the
@@ -464,7 +478,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         low_gap = last_gap
         it = 0
         for it in range(1, int(opts["max_iter"]) + 1):
-            self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n)
+            self.work += face_work(self.face_order(face) if self.count_order else
+                                   int(np.count_nonzero(face.status == FREE)), self.n)
             if self.budget is not None:
                 if self.work > self.budget and self.on_budget is not None:
                     self.budget = self.on_budget(self)
@@ -857,10 +872,11 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     engine alone on such QPs). The head start grows in steps, each test run only where the engine's work
     reached the step before (:func:`_head_start`): first that of the smallest rank above the path's limit,
     then, after the pre-test, that of the rank it counts, after which the factor's detection decides.
-    A late candidate (:func:`~.low_rank_ipm.ipm_gate`: the path's sample was well-conditioned, a set of
-    bounds alone) waits until the engine's work reached :data:`~.low_rank_ipm.LATE_WORK` Cholesky
+    A late candidate (:func:`~.low_rank_ipm.ipm_gate`: the path's sample was well-conditioned, a bounded
+    set of bounds or sums) waits until the engine's work reached :data:`~.low_rank_ipm.LATE_WORK` Cholesky
     factorisations of H before the pre-test, then :data:`LATE_SHARE` of the interior point's work (where
-    it finishes before the pre-test, nothing is recorded: no test ran).
+    it finishes before the pre-test, nothing is recorded: no test ran); its engine counts a face by the
+    order of the matrix it factorises (:meth:`_Engine.face_order`, stop 72).
     Where the pre-test or the detection declines, the engine goes on as if it had no budget (no work
     lost). Where the head start is spent, the interior point's point and the engine again from it (its
     face as the first guess), or from where the head start ended where the iteration gave no point."""
@@ -870,6 +886,10 @@ def _with_interior_point(engine: _Engine, opts: dict[str, Any],
     late = ipm_gate(engine.H, engine.st, low_rank.notes) == "late"
     if late:  # a well-conditioned sample (stop 71): the pre-test only once the engine has worked that long
         engine.budget = max(engine.budget, _late_work(engine))
+        # in the flops its faces' factorisations cost (stop 72: on per-atom simplices the free coordinates
+        # over-count them by (K / (K - 1))^3 or more, and the interior point ran where the engine was about to
+        # finish alone, `simplex_singular` n = 3072 seed 1 0.99 -> 1.74 s)
+        engine.count_order = True
         low_rank.info["late"] = True
     engine.on_budget = functools.partial(_head_start, low_rank=low_rank, found=found)
     x, status, it, info = engine.run(None)

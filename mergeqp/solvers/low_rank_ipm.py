@@ -17,14 +17,17 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
   that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
   ``notes`` hand over its extreme eigenvalues) is ill-conditioned (smallest over largest eigenvalue
   at most :data:`SAMPLE_RATIO`: the block of a well-conditioned H, e.g. every built-in family with
-  ``cond <= 1e6``, shows 1e-5 or more). **Late candidates** (stop 71): where that block is
-  well-conditioned, on a set of bounds alone, the pre-test waits until the engine's faces' work reached
+  ``cond <= 1e6``, shows 1e-5 or more). **Late candidates** (stop 71; on sum groups too since stop 72):
+  where that block is well-conditioned, the pre-test waits until the engine's faces' work reached
   :data:`LATE_WORK` (one) Cholesky factorisations of H, and the head start after it is the interior
   point's whole estimated work (``active_set.LATE_SHARE``), and ranks up to n / 3
   (:data:`LATE_RANK_SHARE`) are taken: a block of n / 6 rows is full rank where H's rank lies above
   n / 6, so it cannot tell such an H from a full-rank one, and on interpolating boxes of that kind
   (J* ~ 0, most coordinates free) the engine alone took ~35 faces of nearly all coordinates (4-9x
-  ``dense_ipm``). Solves that end before that work pay nothing; where the engine's last face is within
+  ``dense_ipm``; on per-atom simplices ~40 faces, 6-10x, stop 72). A late candidate's engine counts its
+  faces' work by the order of the matrices they factorise (on per-atom simplices one coordinate per atom
+  fewer than the free ones: ``active_set._Engine.face_order``), so that on planted simplices, whose faces
+  are cheap, it finishes within that work as before. Solves that end before that work pay nothing; where the engine's last face is within
   ``active_set.LATE_NEAR`` of its own test, the interior point is not run (it is about to finish). An
   early candidate on bounds alone whose pre-test or detection declines at n / 4 is tried again on this
   schedule, up to n / 3, where the problem then looks interpolating (``active_set.INTERPOLATING``).
@@ -53,7 +56,8 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
   in ``O(n)``; :class:`_Woodbury`), on ``J / scale`` (``scale = max(max |g|, max diag H)``), residuals
   from the true H (one product per iteration), Newton systems on ``sigma I + U U'``, refined once
   against that model. It stops where the complementarity relative to ``|J|`` and the residuals are
-  below ``tol``, at float64's rounding of the scaled problem, or where its absolute progress stops.
+  below ``tol``, at float64's rounding of the scaled problem, or where its absolute progress stops
+  (has not halved in :data:`STALL` iterations, since stop 72).
 
 Its point goes to the engine, which returns it at once where it meets the engine's stopping test
 (the certificate's gap) and otherwise continues from it: the interior point changes how fast, never
@@ -106,9 +110,13 @@ IPM_MIN_N = 256
 STEP_FRACTION = 0.99
 #: iterations at most
 MAX_ITER = 60
-#: the iteration ends where its progress (absolute complementarity and residuals) reached no new best in
-#: this many iterations
+#: the iteration ends where its progress (absolute complementarity and residuals) gained nothing in this
+#: many iterations
 STALL = 4
+#: ... where a gain is a progress below this share of the last gain's (since stop 72; before, any new
+#: best: at the rounding floor of interpolating boxes the best crept down by a few percent per
+#: iteration, and 20 of the iteration's 33 iterations went by after it had reached 1e-14)
+STALL_GAIN = 0.5
 #: ... or where that progress is at float64's rounding of the scaled problem
 PROGRESS_FLOOR = 1e-15
 IPM_KEY = "active_set.low_rank_ipm"
@@ -135,9 +143,10 @@ def ipm_gate(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> str | No
     # the interior point keeps a weak ridge in its model, and without one the bounds' weights are D)
     if ratio <= SAMPLE_RATIO:
         return "early"
-    # late: bounds alone (on per-atom simplices of rank n / 5 to n / 4 the engine needed as many faces after
-    # the interior point as without it: 2.1-2.7x the engine alone, stop 71)
-    return "late" if st.group is None else None
+    # late: on sum groups too since stop 72 (before, on planted per-atom simplices of rank n / 5 to n / 4
+    # the interior point ran where the engine was about to finish: 2.1-2.7x the engine alone, stop 71;
+    # the late engine now counts the order of what its faces factorise, and finishes first there)
+    return "late"
 
 
 def ipm_may_apply(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> bool:
@@ -374,6 +383,7 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
     floor = max(1e-8 * (abs(c) + float(np.max(np.abs(g), initial=0.0)) + diag_top / scale), EPS)
     best = (math.inf, x, 0)
     best_merit = math.inf
+    gained = (math.inf, 0)  # the progress and iteration of the last gain by STALL_GAIN
     it = 0
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for it in range(max_iter + 1):
@@ -400,7 +410,9 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
             if progress < best[0]:
                 best = (progress, x, it)
                 best_merit = merit
-            if merit <= tol or progress <= PROGRESS_FLOOR or it == max_iter or (it - best[2] >= STALL):
+            if progress < STALL_GAIN * gained[0]:
+                gained = (progress, it)
+            if merit <= tol or progress <= PROGRESS_FLOOR or it == max_iter or (it - gained[1] >= STALL):
                 break
             mu = gap / m
             w = np.full(n, sigma)

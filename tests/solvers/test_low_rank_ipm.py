@@ -416,15 +416,15 @@ def flat_interpolating_box(n: int, r: int, seed: int) -> MergeQP:
 
 def test_the_gate_is_early_late_or_none() -> None:
     """:func:`ipm_gate`: ``early`` where the path's sampled block is ill-conditioned (a weak ridge), ``late``
-    where it is well conditioned on a set of bounds alone (a rank above the block's n / 6 rows), ``None``
-    for the same H on a per-atom simplex (there the engine needed as many faces after the interior point
-    as without it, stop 71) or on an L1 ball."""
+    where it is well conditioned (a rank above the block's n / 6 rows) on a set of bounds or, since stop 72,
+    on a per-atom simplex (whose interior point then waits for large faces, ``LATE_FREE``), ``None`` on an
+    L1 ball."""
     rng = np.random.default_rng(13)
     weak, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
     flat = flat_interpolating_box(1200, 240, 0).H
     shape = (4, 300)
     for H, cset, expected in [(weak, Box(0.0, 1.0), "early"), (flat, Box(0.0, 1.0), "late"),
-                              (flat, Simplex(1.0), None), (flat, L1Ball(10.0), None)]:
+                              (flat, Simplex(1.0), "late"), (flat, L1Ball(10.0), None)]:
         structure = A.set_structure(cset, shape)
         notes: dict = {}
         A.ridge_low_rank(H, max_rank=A.rank_limit(1200, structure), notes=notes)
@@ -534,3 +534,91 @@ def test_an_early_candidate_declined_at_n_over_4_is_tried_again_late_where_inter
         assert not took(sol) and "not interpolating" in info["note"]
         assert sol.info["face_iterations"] == alone.info["face_iterations"] and np.array_equal(sol.d, alone.d)
         assert sol.certificate.certified(1e-8)
+
+
+def test_the_iteration_ends_once_its_progress_stops_halving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the rounding floor of an interpolating box (J* ~ 0) the best progress crept down by a few percent
+    per iteration and each such step counted as a new best, so the iteration ran on for up to twice as
+    long as it needed (n = 1024, rank n / 5: 33 iterations where 19 reach the same floor). Since stop 72 only
+    a progress below ``STALL_GAIN`` of the last gain's counts: the iteration stops within ``STALL`` of its
+    last halving, in fewer iterations than with any new best counting, at a progress at float64's
+    rounding of the scaled problem and the same J to rounding."""
+    problem = flat_interpolating_box(1024, 205, 4)
+    structure = A.set_structure(Box(0.0, 1.0), problem.shape)
+    lr = A.ridge_low_rank(problem.H, max_rank=1024 // 3)
+    assert lr is not None and lr.rank == 205
+    x, info = M.solve_low_rank_ipm(problem.H, problem.g, structure, lr, c=problem.c)
+    monkeypatch.setattr(M, "STALL_GAIN", 1.0)  # the rule before: any new best
+    x_old, old = M.solve_low_rank_ipm(problem.H, problem.g, structure, lr, c=problem.c)
+    assert x is not None and x_old is not None
+    assert info["iterations"] < old["iterations"]
+    assert info["progress"] <= 1e-14 and info["iterations"] - info["best_iteration"] <= M.STALL
+    size = abs(problem.c) + 1.0
+    J, J_old = (float(0.5 * v @ problem.H @ v + problem.g @ v + problem.c) for v in (x, x_old))
+    assert abs(J - J_old) <= 1e-10 * size
+
+
+def flat_simplex(n: int, K: int, r: int, seed: int, interpolating: bool) -> MergeQP:
+    """``H = U U'`` of :func:`flat_interpolating_box` on a per-atom simplex of ``K`` models: with ``g = -H t``
+    for a target ``t`` whose atoms sum to 1 with a few negative entries (``interpolating``: J* ~ 0, nearly
+    every coordinate free at the optimum), or for ``t`` uniform in [-0.3, 1.3] (atoms summing to ~K / 2:
+    about half the coordinates at 0 at the optimum, the planted kind of stop 71)."""
+    rng = np.random.default_rng(seed)
+    U = rng.standard_normal((n, r)) * np.exp(-3.0 * np.arange(r) / r)
+    H = U @ U.T
+    H.flags.writeable = False
+    if interpolating:
+        t = rng.uniform(-0.1, 0.6, (K, n // K))
+        t = (t / t.sum(axis=0, keepdims=True)).ravel()
+    else:
+        t = rng.uniform(-0.3, 1.3, n)
+    return MergeQP(H, -(H @ t), float(0.5 * t @ H @ t), shape=(K, n // K))
+
+
+@pytest.mark.parametrize("interpolating", [True, False])
+def test_a_late_candidate_on_a_simplex_takes_the_interior_point_where_the_engine_wanders(interpolating: bool) -> None:
+    """Stop 72: on a per-atom simplex whose flat rank n / 5 the path's sample cannot see, interpolating (the
+    optimum's face nearly every coordinate), the late interior point is taken, in under a third of the
+    engine alone's faces (which wandered through ~40 faces of nearly all coordinates, 4-7x the interior
+    point with its head start at n = 1536), at a J no higher beyond rounding, certified or at the floor.
+    Planted with about half the coordinates at 0 (cheap faces, counted by the order of what they factorise):
+    the engine finishes within the late schedule's head start, so no interior point runs, and the solve is
+    the engine alone's, face for face."""
+    problem = flat_simplex(768, 4, 154, 21, interpolating)
+    cset = Simplex(1.0)
+    sol = solve(problem, cset, solver="active_set")
+    alone = solve(problem, cset, solver="active_set", low_rank="off")
+    if interpolating:
+        info = sol.info["low_rank"]
+        assert info["late"] and took(sol) and info["rank"] == 154
+        assert sol.info["face_iterations"] * 3 < alone.info["face_iterations"]
+        assert sol.objective <= alone.objective + 1e-12 * (abs(problem.c) + 1.0)
+        assert sol.certificate.certified() or sol.certificate.at_rounding_floor
+    else:
+        assert not took(sol)
+        assert sol.info["face_iterations"] == alone.info["face_iterations"] and np.array_equal(sol.d, alone.d)
+        assert sol.certificate.certified(1e-8)
+
+
+def test_a_late_candidate_counts_the_order_of_the_matrix_its_faces_factorise() -> None:
+    """A late candidate's engine counts a face of a per-atom simplex by the order of the matrix its face
+    solve factorises, the free coordinates less one per atom that has any (its pivot), not by the free
+    coordinates (on four models that over-counted the flops by (4/3)^3 or more, and the interior point ran
+    where the engine was about to finish alone: ``simplex_singular`` n = 3072 seed 1, 0.99 -> 1.74 s); on a
+    box the two are the same. Off by default (the early head start was measured with the free count)."""
+    from mergeqp.solvers.active_set_faces import FREE, LO, _Face
+
+    problem = flat_simplex(48, 4, 10, 0, True)
+    engine = A._Engine(problem, Simplex(1.0), A.set_structure(Simplex(1.0), problem.shape),
+                       dict(A.ActiveSetSolver.defaults))
+    assert engine.count_order is False
+    group = np.asarray(engine.st.group)
+    status = np.full(48, LO, dtype=np.int8)
+    status[:12] = FREE  # the first model's 12 coordinates: 12 atoms with one free coordinate each
+    assert engine.face_order(_Face(status, None, False)) == 0
+    status[group == 0] = FREE  # and every coordinate of atom 0
+    free = int(np.count_nonzero(status == FREE))
+    assert engine.face_order(_Face(status, None, False)) == free - 12
+    box = A._Engine(problem, Box(0.0, 1.0), A.set_structure(Box(0.0, 1.0), problem.shape),
+                    dict(A.ActiveSetSolver.defaults))
+    assert box.face_order(_Face(status, None, False)) == free

@@ -843,6 +843,10 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     lo_i, hi_i = fin_lo[idx], fin_hi[idx]
     dist_lo = np.where(lo_i, x[idx] - np.where(lo_i, lo[idx], 0.0), 0.0)
     dist_hi = np.where(hi_i, np.where(hi_i, hi[idx], 0.0) - x[idx], 0.0)
+    top = max(1.0, float(np.max(np.abs(np.concatenate([dist_lo, dist_hi])), initial=0.0)))
+    quick = _absorb_at_bounds(N, v, idx, lo_i, hi_i, dist_lo, dist_hi, lam_lo, lam_hi, 1e-6 * top)
+    if quick is not None:
+        return quick
     # a tiny cost per unit moved breaks the ties of bounds at which x sits (distance 0): the least
     # move, which keeps 1/2 w'H^+w (not in the LP) from growing by arbitrary moves there
     # (1e-6 of the largest distance: above HiGHS's dual tolerance once the costs are scaled to 1)
@@ -868,6 +872,45 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     delta = np.zeros_like(v)
     delta[idx] = beta - alpha
     extra = float(np.sum(alpha * dist_lo) + np.sum(beta * dist_hi))
+    return v + delta, extra
+
+
+def _absorb_at_bounds(N: np.ndarray, v: np.ndarray, idx: np.ndarray, lo_i: np.ndarray, hi_i: np.ndarray,
+                      dist_lo: np.ndarray, dist_hi: np.ndarray, lam_lo: np.ndarray, lam_hi: np.ndarray,
+                      far: float) -> tuple[np.ndarray, float] | None:
+    """:func:`_absorb_kernel_component`'s answer without its LP, where the bounds ``d`` sits on can make it
+    (stop 72: the LP, dense in the kernel's ``k`` rows, took 15 s at n = 1536 with k = 736 on ``x >= 0``).
+    What the LP does at its optimum, made directly: the multipliers of bounds ``d`` is farther than ``far``
+    from (the LP's tie-breaking cost per unit moved) are dropped to 0, each gaining its multiplier times its
+    distance; then the kernel component left, ``r = N'(v + drop)``, is cancelled by the least-norm move of
+    the multipliers of the bounds ``d`` sits on (distance 0: free of cost), ``N_A' y = -r`` by least squares,
+    which must meet their caps exactly (down to 0 at most: ``y <= lam_lo`` at a lower bound, ``y >=
+    -lam_hi`` at an upper one) and leave no residual beyond rounding. Returns the new ``v`` and the change
+    of the complementarity term (<= 0), or ``None`` (the LP decides). Any multipliers of the right signs
+    give a valid dual bound; the caller's range test is repeated on the answer."""
+    at_lo, at_hi = lo_i & (dist_lo == 0), hi_i & (dist_hi == 0)
+    at = at_lo | at_hi
+    if int(np.count_nonzero(at)) < N.shape[1]:
+        return None
+    rows = idx
+    drop_lo = lo_i & (dist_lo > far) & (lam_lo[rows] > 0)
+    drop_hi = hi_i & (dist_hi > far) & (lam_hi[rows] > 0)
+    delta = np.zeros(N.shape[0])
+    delta[rows[drop_lo]] += lam_lo[rows[drop_lo]]   # a lower multiplier to 0: v = g - lam_lo + lam_hi rises
+    delta[rows[drop_hi]] -= lam_hi[rows[drop_hi]]
+    extra = -float(np.sum(lam_lo[rows[drop_lo]] * dist_lo[drop_lo]) + np.sum(lam_hi[rows[drop_hi]] * dist_hi[drop_hi]))
+    r = N.T @ (v + delta)
+    cols = rows[at]
+    M = N[cols].T
+    y, *_ = np.linalg.lstsq(M, -r, rcond=None)
+    if not bool(np.all(np.isfinite(y))):
+        return None
+    if float(np.linalg.norm(M @ y + r)) > 1e-10 * max(float(np.linalg.norm(r)), np.finfo(float).tiny):
+        return None
+    lower, upper = at_lo[at], at_hi[at]
+    if np.any(lower & (y > lam_lo[cols])) or np.any(upper & (y < -lam_hi[cols])):
+        return None
+    delta[cols] += y
     return v + delta, extra
 
 

@@ -478,8 +478,8 @@ class _Engine(FaceBookkeeping, FaceFactorisation):
         low_gap = last_gap
         it = 0
         for it in range(1, int(opts["max_iter"]) + 1):
-            self.work += face_work(self.face_order(face) if self.count_order else
-                                   int(np.count_nonzero(face.status == FREE)), self.n)
+            self.work += face_work(int(np.count_nonzero(face.status == FREE)), self.n,
+                                   self.face_order(face) if self.count_order else None)
             if self.budget is not None:
                 if self.work > self.budget and self.on_budget is not None:
                     self.budget = self.on_budget(self)
@@ -858,10 +858,12 @@ LATE_NEAR = 1e-4
 INTERPOLATING = 1e-3
 
 
-def face_work(n_free: int, n: int) -> float:
-    """The flops of a face solve with ``n_free`` free coordinates of ``n``: its factorisation and the
-    products with the free rows of H."""
-    return n_free ** 3 / 3.0 + 2.0 * n * n_free
+def face_work(n_free: int, n: int, order: int | None = None) -> float:
+    """The flops of a face solve with ``n_free`` free coordinates of ``n``: its factorisation (of order
+    ``order`` where given, :meth:`_Engine.face_order`, else ``n_free``) and the products with the free
+    rows of H."""
+    m = n_free if order is None else order
+    return m ** 3 / 3.0 + 2.0 * n * n_free
 
 
 def _with_interior_point(engine: _Engine, opts: dict[str, Any],

@@ -113,10 +113,14 @@ MAX_ITER = 60
 #: the iteration ends where its progress (absolute complementarity and residuals) gained nothing in this
 #: many iterations
 STALL = 4
-#: ... where a gain is a progress below this share of the last gain's (since stop 72; before, any new
-#: best: at the rounding floor of interpolating boxes the best crept down by a few percent per
-#: iteration, and 20 of the iteration's 33 iterations went by after it had reached 1e-14)
+#: ... where a gain is a progress below this share of the last gain's once the progress is at most
+#: :data:`STALL_SMALL` (since stop 72; before, and above it, any new best: at the rounding floor of
+#: interpolating boxes the best crept down by a few percent per iteration, and 20 of the iteration's 33
+#: iterations went by after it had reached 1e-14)
 STALL_GAIN = 0.5
+#: ... (above it any new best is a gain: on a wide capped simplex the progress fell by 30% over the first
+#: 4 iterations and then converged, a QA review, stop 72)
+STALL_SMALL = 1e-10
 #: ... or where that progress is at float64's rounding of the scaled problem
 PROGRESS_FLOOR = 1e-15
 IPM_KEY = "active_set.low_rank_ipm"
@@ -127,21 +131,25 @@ def ipm_gate(H: np.ndarray, st: SetStructure, notes: dict[str, Any]) -> str | No
     sampled block is ill-conditioned (smallest over largest eigenvalue at most :data:`SAMPLE_RATIO`; the
     engine's first head start), ``"late"`` where it is not (only once the engine's faces' work reached
     :data:`LATE_WORK` times one Cholesky of H: a block of n / 6 rows is full rank where H's rank lies
-    between n / 6 and n / 4, so it cannot tell such an H, stop 71), ``None`` where the interior point does
-    not apply: the set is not bounded (one-sided or no bounds: the iteration's start is then far from an
-    optimum of the problem's own size, and it took 38-48 iterations where the engine needed 5 faces, a QA
-    review) or has an L1 ball, n is below :data:`IPM_MIN_N`, no block was sampled (``notes``: what the
+    between n / 6 and n / 4, so it cannot tell such an H, stop 71; on a set with one-sided bounds, e.g.
+    ``nonneg``, only this, since stop 72: there the iteration's start can be far from an optimum of the
+    problem's own size, and as an early candidate it took 38-48 iterations where the engine needed 5 faces,
+    a QA review, stop 69), ``None`` where the interior point does not apply: a coordinate has no finite
+    bound, the set has an L1 ball, n is below :data:`IPM_MIN_N`, no block was sampled (``notes``: what the
     path's detection found in the block it sampled, :func:`~.active_set_low_rank.ridge_low_rank`'s
     ``sample_ratio`` and ``sample_top``), or ``n / 4`` is within the path's limit. Costs nothing."""
     n = int(H.shape[0])
-    if st.center is not None or not st.bounded or n < IPM_MIN_N:
+    if st.center is not None or n < IPM_MIN_N:
+        return None
+    one_sided = not st.bounded  # (then late only, where every coordinate has a finite bound)
+    if one_sided and not bool(np.all(np.isfinite(st.lo) | np.isfinite(st.hi))):
         return None
     ratio, top_eig = notes.get("sample_ratio"), notes.get("sample_top")
     if ratio is None or top_eig is None or not int(n * IPM_RANK_SHARE) > rank_limit(n, st):
         return None  # (LATE_RANK_SHARE is larger: a late candidate's limit is above the path's too)
     # (a ratio at or below SIGMA_MIN, a ridge too weak for the path or none, is a candidate since stop 70:
     # the interior point keeps a weak ridge in its model, and without one the bounds' weights are D)
-    if ratio <= SAMPLE_RATIO:
+    if ratio <= SAMPLE_RATIO and not one_sided:
         return "early"
     # late: on sum groups too since stop 72 (before, on planted per-atom simplices of rank n / 5 to n / 4
     # the interior point ran where the engine was about to finish: 2.1-2.7x the engine alone, stop 71;
@@ -410,7 +418,7 @@ def solve_low_rank_ipm(H: np.ndarray, g: np.ndarray, st: SetStructure, lr: Ridge
             if progress < best[0]:
                 best = (progress, x, it)
                 best_merit = merit
-            if progress < STALL_GAIN * gained[0]:
+            if progress < (STALL_GAIN if progress <= STALL_SMALL else 1.0) * gained[0]:
                 gained = (progress, it)
             if merit <= tol or progress <= PROGRESS_FLOOR or it == max_iter or (it - gained[1] >= STALL):
                 break

@@ -108,9 +108,10 @@ def test_the_iteration_alone_reaches_the_reference_on_a_small_problem() -> None:
 @pytest.mark.parametrize("case", ["path_rank", "rank_too_high", "strong_ridge", "l1_ball", "small", "unbounded"])
 def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: str) -> None:
     """Declined where the path takes the rank (<= n / 8), above n / 4, with a ridge above 1e-7 of the top
-    eigenvalue (cond 1e5: the engine's faces are well enough conditioned), on an L1 ball, below n = 256,
-    on a set that is not bounded (``x >= 0``); the answer is certified either way. (Without a ridge it is
-    taken since stop 70: the test below.)"""
+    eigenvalue (cond 1e5: the engine's faces are well enough conditioned), on an L1 ball, below n = 256;
+    on a set that is not bounded (``x >= 0``) not an early candidate (since stop 72 a late one: the engine
+    of this planted QP finishes within its late head start); the answer is certified either way. (Without a
+    ridge it is taken since stop 70: the test below.)"""
     rng = np.random.default_rng(7)
     n, r, cond, K = 1200, 200, 1e9, 4
     if case == "path_rank":
@@ -127,7 +128,10 @@ def test_the_interior_point_is_taken_only_for_a_weak_ridge_at_medium_rank(case: 
         cset = L1Ball(float(n) / 8)
     notes: dict = {}
     A.ridge_low_rank(H, max_rank=A.rank_limit(n, A.set_structure(cset, problem.shape)), notes=notes)
-    assert M.ipm_low_rank(H, A.set_structure(cset, problem.shape), notes) is None
+    if case == "unbounded":
+        assert M.ipm_gate(H, A.set_structure(cset, problem.shape), notes) == "late"
+    else:
+        assert M.ipm_low_rank(H, A.set_structure(cset, problem.shape), notes) is None
     sol = solve(problem, cset, solver="active_set")
     assert not took(sol)
     assert sol.certificate.certified(1e-8) or sol.certificate.at_rounding_floor
@@ -417,7 +421,7 @@ def flat_interpolating_box(n: int, r: int, seed: int) -> MergeQP:
 def test_the_gate_is_early_late_or_none() -> None:
     """:func:`ipm_gate`: ``early`` where the path's sampled block is ill-conditioned (a weak ridge), ``late``
     where it is well conditioned (a rank above the block's n / 6 rows) on a set of bounds or, since stop 72,
-    on a per-atom simplex (whose interior point then waits for large faces, ``LATE_FREE``), ``None`` on an
+    on a per-atom simplex (whose engine then counts the order of what its faces factorise), ``None`` on an
     L1 ball."""
     rng = np.random.default_rng(13)
     weak, _ = weak_ridge_matrix(rng, 1200, 200, 1e9)
@@ -622,3 +626,56 @@ def test_a_late_candidate_counts_the_order_of_the_matrix_its_faces_factorise() -
     box = A._Engine(problem, Box(0.0, 1.0), A.set_structure(Box(0.0, 1.0), problem.shape),
                     dict(A.ActiveSetSolver.defaults))
     assert box.face_order(_Face(status, None, False)) == free
+
+
+def test_a_slow_start_is_not_a_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The halving rule applies only once the progress is small (``STALL_SMALL``): on a wide capped simplex
+    (``box:0,30 & simplex:100``, random g) the progress fell by 30% over the first 4 iterations and then
+    converged, and halving required from the start ended the iteration at its 4th iterate, progress 2e4 (a
+    QA review, stop 72). Now it converges as with any new best counting, to the same iterate."""
+    from mergeqp.constraints import intersect
+
+    rng = np.random.default_rng(11)
+    n, r = 1024, 250
+    U = rng.standard_normal((n, r)) * np.exp(-3.0 * np.arange(r) / r)
+    H = U @ U.T
+    H.flags.writeable = False
+    lr = A.ridge_low_rank(H, max_rank=340)
+    structure = A.set_structure(intersect([Box(0.0, 30.0), Simplex(100.0)]), (4, n // 4))
+    g = rng.standard_normal(n) * float(np.mean(np.diag(H)))
+    x, info = M.solve_low_rank_ipm(H, g, structure, lr)
+    assert x is not None and info["progress"] <= 1e-6 and info["iterations"] > 10
+    monkeypatch.setattr(M, "STALL_GAIN", 1.0)
+    x_any, any_best = M.solve_low_rank_ipm(H, g, structure, lr)
+    assert info["iterations"] == any_best["iterations"] and np.array_equal(x, x_any)
+
+
+def test_a_one_sided_set_is_a_late_candidate_only() -> None:
+    """Since stop 72 a set with one-sided bounds (``nonneg``) whose coordinates all have a finite bound is a
+    late candidate (never an early one: from its start, one unit inside the bounds, the iteration took 38-48
+    iterations where the engine needed 5 faces, stop 69). On an interpolating ``nonneg`` QP of flat rank
+    n / 5 the engine alone wandered through ~36 faces; with the interior point after its head start, a few,
+    at a J no higher beyond rounding, certified or at the floor. A set with a coordinate free of bounds is
+    no candidate."""
+    from mergeqp.constraints import as_constraint_set
+
+    n, r = 768, 154
+    rng = np.random.default_rng(0)
+    U = rng.standard_normal((n, r)) * np.exp(-3.0 * np.arange(r) / r)
+    H = U @ U.T
+    H.flags.writeable = False
+    t = rng.uniform(-0.5, 1.5, n)
+    problem = MergeQP(H, -(H @ t), float(0.5 * t @ H @ t), shape=(4, n // 4))
+    cset = as_constraint_set("nonneg")
+    structure = A.set_structure(cset, problem.shape)
+    notes: dict = {}
+    A.ridge_low_rank(H, max_rank=A.rank_limit(n, structure), notes=notes)
+    assert M.ipm_gate(H, structure, notes) == "late"
+    free = SetStructure(np.where(np.arange(n) < n // 2, 0.0, -np.inf), np.full(n, np.inf), None, None, None, None)
+    assert M.ipm_gate(H, free, notes) is None
+    sol = solve(problem, cset, solver="active_set")
+    alone = solve(problem, cset, solver="active_set", low_rank="off")
+    assert took(sol) and sol.info["low_rank"]["late"]
+    assert sol.info["face_iterations"] * 3 < alone.info["face_iterations"]
+    assert sol.objective <= alone.objective + 1e-12 * (abs(problem.c) + 1.0)
+    assert sol.certificate.certified() or sol.certificate.at_rounding_floor

@@ -892,15 +892,15 @@ def _absorb_at_bounds(N: np.ndarray, v: np.ndarray, idx: np.ndarray, lo_i: np.nd
     at = at_lo | at_hi
     if int(np.count_nonzero(at)) < N.shape[1]:
         return None
-    rows = idx
-    drop_lo = lo_i & (dist_lo > far) & (lam_lo[rows] > 0)
-    drop_hi = hi_i & (dist_hi > far) & (lam_hi[rows] > 0)
+    drop_lo = lo_i & (dist_lo > far) & (lam_lo[idx] > 0)
+    drop_hi = hi_i & (dist_hi > far) & (lam_hi[idx] > 0)
     delta = np.zeros(N.shape[0])
-    delta[rows[drop_lo]] += lam_lo[rows[drop_lo]]   # a lower multiplier to 0: v = g - lam_lo + lam_hi rises
-    delta[rows[drop_hi]] -= lam_hi[rows[drop_hi]]
-    extra = -float(np.sum(lam_lo[rows[drop_lo]] * dist_lo[drop_lo]) + np.sum(lam_hi[rows[drop_hi]] * dist_hi[drop_hi]))
+    delta[idx[drop_lo]] += lam_lo[idx[drop_lo]]  # a lower multiplier to 0: v = g - lam_lo + lam_hi rises
+    delta[idx[drop_hi]] -= lam_hi[idx[drop_hi]]
+    extra = -float(np.sum(lam_lo[idx[drop_lo]] * dist_lo[drop_lo])
+                   + np.sum(lam_hi[idx[drop_hi]] * dist_hi[drop_hi]))
     r = N.T @ (v + delta)
-    cols = rows[at]
+    cols = idx[at]
     M = N[cols].T
     y, *_ = np.linalg.lstsq(M, -r, rcond=None)
     if not bool(np.all(np.isfinite(y))):

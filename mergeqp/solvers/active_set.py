@@ -71,9 +71,8 @@ engine's work then counted by the order of the matrices its faces factorise) the
 pre-test once the engine's work reached one Cholesky of H, the interior point once it reached the
 interior point's estimated work, unless the engine is then within ``LATE_NEAR`` of its own test; and so,
 where J is then near 0 (interpolating), for an early candidate on bounds alone whose tests declined at
-n / 4. A warm
-start that meets the
-stopping test is returned before any of this. The engine starts at the point found: it
+n / 4; on one-sided bounds (``nonneg``) only late (stop 72). A warm start that meets the stopping test
+is returned before any of this. The engine starts at the point found: it
 returns at once where the point meets its stopping test (3. above; an interpolating problem's
 polished point meets it at the rounding floor; tested before the first CG faces, whose work it
 would discard), and otherwise goes on from its face.

@@ -12,9 +12,9 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
 ``syrk``, ``n r^2`` flops) and its Cholesky factor, instead of a Cholesky of an ``n x n`` matrix.
 
 - **Candidates** (:func:`ipm_gate`, at no cost): a bounded set of bounds and sum groups (finite
-  boxes, per-atom, global and capped simplices; not one-sided bounds, whose optimum can lie far from
-  the iteration's start, nor L1 balls), from n = :data:`IPM_MIN_N`, where the sampled principal block
-  that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
+  boxes, per-atom, global and capped simplices; one-sided bounds, whose optimum can lie far from the
+  iteration's start, only late, since stop 72; not L1 balls), from n = :data:`IPM_MIN_N`, where the
+  sampled principal block that the path's detection already took (:func:`~.active_set_low_rank.ridge_low_rank`, whose
   ``notes`` hand over its extreme eigenvalues) is ill-conditioned (smallest over largest eigenvalue
   at most :data:`SAMPLE_RATIO`: the block of a well-conditioned H, e.g. every built-in family with
   ``cond <= 1e6``, shows 1e-5 or more). **Late candidates** (stop 71; on sum groups too since stop 72):
@@ -25,10 +25,11 @@ diagonal) is solved by the Woodbury identity: one ``r x r`` Gram matrix ``I + U'
   n / 6, so it cannot tell such an H from a full-rank one, and on interpolating boxes of that kind
   (J* ~ 0, most coordinates free) the engine alone took ~35 faces of nearly all coordinates (4-9x
   ``dense_ipm``; on per-atom simplices ~40 faces, 6-10x, stop 72). A late candidate's engine counts its
-  faces' work by the order of the matrices they factorise (on per-atom simplices one coordinate per atom
-  fewer than the free ones: ``active_set._Engine.face_order``), so that on planted simplices, whose faces
-  are cheap, it finishes within that work as before. Solves that end before that work pay nothing; where the engine's last face is within
-  ``active_set.LATE_NEAR`` of its own test, the interior point is not run (it is about to finish). An
+  faces' work by the order of the matrices they factorise (on per-atom simplices one coordinate per
+  atom fewer than the free ones: ``active_set._Engine.face_order``), so that on planted simplices, whose
+  faces are cheap, it finishes within that work as before. Solves that end before that work pay
+  nothing; where the engine's last face is within ``active_set.LATE_NEAR`` of its own test, the
+  interior point is not run (it is about to finish). An
   early candidate on bounds alone whose pre-test or detection declines at n / 4 is tried again on this
   schedule, up to n / 3, where the problem then looks interpolating (``active_set.INTERPOLATING``).
 - **The engine's head start** (``active_set._with_interior_point``): the engine runs first, until its

@@ -169,8 +169,14 @@ class Certificate:
     def at_rounding_floor(self) -> bool:
         """The gap is within twice its own float64 rounding error (``rounding``): ``d`` is
         optimal to float64 precision, even where that is above ``rel_tol * scale`` (``J* ~ 0``
-        on badly scaled problems). ``certified()`` does not relax for it."""
-        return bool(self.rounding > 0 and math.isfinite(self.fw_gap) and self.fw_gap <= 2.0 * self.rounding)
+        on badly scaled problems). ``certified()`` does not relax for it. Never where that precision is
+        above :data:`HONEST_GAP_FRACTION` of the problem's :attr:`natural_scale` (since stop 72: a point
+        2.6e8 out along a direction H barely curves, J 9% above the optimum, had a rounding of 6e8 and
+        counted as at the floor, so ``auto`` returned it without asking its fallbacks, a QA review; at
+        an interpolating optimum the rounding is ~1e-14 of that scale)."""
+        meaningful = not (self.natural_scale > 0 and self.rounding > HONEST_GAP_FRACTION * self.natural_scale)
+        return bool(self.rounding > 0 and math.isfinite(self.fw_gap) and self.fw_gap <= 2.0 * self.rounding
+                    and meaningful)
 
     @property
     def abs_tol_could_accept(self) -> bool:
@@ -753,8 +759,12 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
         # other multipliers of the bounds may absorb v's component in ker(H) (a point a little off
         # the optimum of a singular problem): any bound multipliers of the right sign give a valid
         # dual bound, so move them by the change that cancels it at the least cost, when signs allow
-        fixed = _absorb_kernel_component(ps, v, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), D.ravel(),
-                                         allowed)
+        # (what the direct move may add to the gap before the LP is asked instead: 1e-9 of J's size)
+        d_flat = D.ravel()
+        terms = abs(problem.c) + 0.5 * abs(float(d_flat @ (grad.ravel() - problem.g))) + abs(float(problem.g @ d_flat))
+        J = problem.c + 0.5 * float(d_flat @ (grad.ravel() + problem.g))
+        fixed = _absorb_kernel_component(ps, v, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), d_flat,
+                                         allowed, w=wf, allowance=DIRECT_ALLOWANCE * max(abs(J), 1e-8 * terms))
         if fixed is not None:
             v_new, extra = fixed
             wf = wf + (v_new - v)
@@ -816,7 +826,8 @@ def _kernel_terms(problem: MergeQP, ps: _PseudoInverse, d: np.ndarray, v: np.nda
 
 def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                              lam_lo: np.ndarray, lam_hi: np.ndarray, x: np.ndarray,
-                             slack: float) -> tuple[np.ndarray, float] | None:
+                             slack: float, w: np.ndarray | None = None,
+                             allowance: float = 0.0) -> tuple[np.ndarray, float] | None:
     """New bound multipliers for :func:`_lagrangian_gap` with which ``v = g - lam_lo + lam_hi`` has
     no component in the computed ``ker(H)`` (columns ``N``) beyond its rounding ``slack``:
     ``v + delta`` with ``|N'(v + delta)|_2 <= slack``, where
@@ -845,8 +856,15 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     dist_hi = np.where(hi_i, np.where(hi_i, hi[idx], 0.0) - x[idx], 0.0)
     top = max(1.0, float(np.max(np.abs(np.concatenate([dist_lo, dist_hi])), initial=0.0)))
     quick = _absorb_at_bounds(N, v, idx, lo_i, hi_i, dist_lo, dist_hi, lam_lo, lam_hi, 1e-6 * top)
-    if quick is not None:
-        return quick
+    if quick is not None and w is not None:
+        # kept where what it adds to the gap, its complementarity change plus 1/2 (w + delta)'H^+(w + delta)
+        # - 1/2 w'H^+w, is within the allowance (a QA review, stop 72: where the bounds' rows of the kernel
+        # are ill-conditioned, or a dropped multiplier put a large kernel component into v, the least-norm
+        # move grew 1/2 w'H^+w from 1e-13 to 7e-4 or 156 where the LP certified)
+        delta = quick[0] - v
+        added = quick[1] + float(delta @ ps.solve(w)[0]) + 0.5 * float(delta @ ps.solve(delta)[0])
+        if math.isfinite(added) and added <= allowance:
+            return quick
     # a tiny cost per unit moved breaks the ties of bounds at which x sits (distance 0): the least
     # move, which keeps 1/2 w'H^+w (not in the LP) from growing by arbitrary moves there
     # (1e-6 of the largest distance: above HiGHS's dual tolerance once the costs are scaled to 1)
@@ -873,6 +891,11 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     delta[idx] = beta - alpha
     extra = float(np.sum(alpha * dist_lo) + np.sum(beta * dist_hi))
     return v + delta, extra
+
+
+#: what the certificate's direct absorption of a kernel component (:func:`_absorb_at_bounds`) may add to the
+#: Lagrangian gap, as a share of ``max(|J|, 1e-8 x its terms)``, before the LP is asked instead
+DIRECT_ALLOWANCE = 1e-9
 
 
 def _absorb_at_bounds(N: np.ndarray, v: np.ndarray, idx: np.ndarray, lo_i: np.ndarray, hi_i: np.ndarray,

@@ -495,3 +495,57 @@ def test_the_kernel_component_is_absorbed_at_the_bounds_without_the_lp(seed, mon
     scale = abs(ref.objective) + 1.0
     assert cert.lower_bound <= ref.objective + 1e-12 * scale
     assert cert.lower_bound == pytest.approx(with_lp.lower_bound, abs=1e-9 * scale)
+
+
+@pytest.mark.parametrize("seed", [2, 3])
+def test_a_direct_absorption_that_would_loosen_the_gap_leaves_it_to_the_lp(seed, monkeypatch):
+    """Duplicated models (exact kernel directions), ``nonneg``, a planted optimum perturbed by 1e-8 on its
+    free coordinates: the least-norm move at the bounds cancels the kernel component but, where the bounds'
+    rows of the kernel are ill-conditioned, grows ``1/2 w'H^+w`` far beyond what the LP's move adds (a QA
+    review, stop 72: certified at 1e-13 before, 7e-4 with the direct move). What the direct move adds is
+    checked against ``DIRECT_ALLOWANCE`` of J's size, and the LP answers instead: certified at 1e-8, as with
+    the LP alone; accepting any direct move (an infinite allowance) leaves it uncertified."""
+    import mergeqp.certificate as certificate
+
+    rng = np.random.default_rng(seed)
+    base, k = 48, 16
+    C = rng.normal(size=(base, base)) / np.sqrt(base)
+    mp = np.concatenate([np.arange(base), rng.choice(base, k, replace=False)])
+    H = (C.T @ C)[np.ix_(mp, mp)].copy()  # k models' coordinates duplicated exactly
+    n = base + k
+    d = np.where(rng.random(n) < 0.5, 0.0, rng.uniform(0.5, 2.0, n))
+    g = -H @ d + np.where(d == 0, rng.uniform(0.1, 1.0, n), 0.0)
+    p = mq.MergeQP(H, g, shape=(4, n // 4))
+    x = d.copy()
+    x[d > 0] += 1e-8 * rng.normal(size=int(np.count_nonzero(d > 0)))
+    x = np.maximum(x, 0.0).reshape(p.shape)
+    assert p.objective(x) - p.objective(d.reshape(p.shape)) <= 1e-12
+    cert = mq.certify(p, "nonneg", x)
+    assert cert.certified(1e-8), cert.explain()
+    monkeypatch.setattr(certificate, "DIRECT_ALLOWANCE", math.inf)
+    assert not mq.certify(p, "nonneg", x).certified(1e-8)
+
+
+def test_a_point_far_out_is_not_at_the_rounding_floor():
+    """``at_rounding_floor`` ("optimal to float64 precision") never holds where that precision is above
+    ``HONEST_GAP_FRACTION`` of the problem's natural scale. A QA review (stop 72) found ``active_set``
+    ending a planted ``nonneg`` QP with a singular H (rank n / 5, no ridge) at a point 2.6e8 out along a
+    direction H barely curves, J = -692 where J* = -759.8: gap 3e-8 against a rounding of 6e8 counted as
+    the floor, and ``auto`` returned it without asking its fallbacks. Now the point is neither certified nor
+    at the floor, and ``auto`` answers with a certified optimum (the planted J*)."""
+    n, r = 384, 76
+    rng = np.random.default_rng(7008)
+    U = rng.standard_normal((n, r)) * np.exp(-3.0 * np.arange(r) / r)
+    H = U @ U.T
+    md = float(np.mean(np.diag(H)))
+    d = np.where(rng.uniform(size=n) < 0.5, 0.0, rng.uniform(0.1, 1.5, n))
+    mu = np.where(d == 0, md * rng.uniform(0.01, 0.5, n), 0.0)
+    p = mq.MergeQP(H, -(H @ d) + mu, shape=(4, n // 4))
+    J_star = p.objective(d.reshape(p.shape))
+    far = mq.solve(p, "nonneg", solver="active_set")
+    cert = far.certificate
+    assert far.objective > J_star + 1.0 and cert.beyond_float64  # (the engine's point on this draw)
+    assert not cert.at_rounding_floor and not cert.certified()
+    sol = mq.solve(p, "nonneg")
+    assert sol.certificate.certified()
+    assert sol.objective == pytest.approx(J_star, rel=1e-8)

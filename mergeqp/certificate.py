@@ -495,7 +495,7 @@ def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: floa
         gap_method = f"frank-wolfe, {lm.method}"
         bound_method = bound.method
     else:
-        fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes)
+        fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes, scale)
         bound_method = "lagrangian duality" if math.isfinite(fw_gap) else "none (unbounded set)"
     if (feasible and explicit and problem.curvature_floor >= 0 and math.isfinite(objective) and problem.n <= PINV_MAX_N
             and math.isfinite(fw_gap) and fw_gap > rel_tol * scale and s is not None
@@ -515,7 +515,7 @@ def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: floa
 
         if st is not None and st.bounds_only and definite() is not None:
             alt: list[str] = []
-            gap2, method2, rounding2 = _lagrangian_gap(problem, cset, D, grad, definite, alt, near=ACTIVE_BOUND)
+            gap2, method2, rounding2 = _lagrangian_gap(problem, cset, D, grad, definite, alt, scale, near=ACTIVE_BOUND)
             if math.isfinite(gap2) and max(gap2, 0.0) + rounding2 <= rel_tol * scale:
                 fw_gap, gap_method, rounding, bound_method = max(gap2, 0.0), method2, rounding2, "lagrangian duality"
                 notes.extend(alt)
@@ -695,9 +695,11 @@ def _gradient_rounding(problem: MergeQP, x: np.ndarray, grad: np.ndarray) -> flo
 
 
 def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: np.ndarray,
-                    pseudo: Any, notes: list[str], near: float | None = None) -> tuple[float, str, float]:
+                    pseudo: Any, notes: list[str], scale: float, near: float | None = None) -> tuple[float, str, float]:
     """Duality gap for a box with infinite sides or no constraint (see the module docstring),
-    the method's name, and the gap's estimated float64 rounding. ``near``: multipliers only on the
+    the method's name, and the gap's estimated float64 rounding. ``scale``: the certificate's
+    ``max(|J|, 1e-8 x its terms)``, in which what a direct kernel absorption may add is measured.
+    ``near``: multipliers only on the
     bounds ``d`` lies within ``near (1 + |bound|)`` of (any multipliers of the right sign give a valid
     dual bound; on a wide finite box the Frank-Wolfe gap charges every coordinate's gradient rounding
     times its distance to a bound, which these leave out).
@@ -760,11 +762,8 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
         # the optimum of a singular problem): any bound multipliers of the right sign give a valid
         # dual bound, so move them by the change that cancels it at the least cost, when signs allow
         # (what the direct move may add to the gap before the LP is asked instead: 1e-9 of J's size)
-        d_flat = D.ravel()
-        terms = abs(problem.c) + 0.5 * abs(float(d_flat @ (grad.ravel() - problem.g))) + abs(float(problem.g @ d_flat))
-        J = problem.c + 0.5 * float(d_flat @ (grad.ravel() + problem.g))
-        fixed = _absorb_kernel_component(ps, v, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), d_flat,
-                                         allowed, w=wf, allowance=DIRECT_ALLOWANCE * max(abs(J), 1e-8 * terms))
+        fixed = _absorb_kernel_component(ps, v, lo.ravel(), hi.ravel(), lam_lo.ravel(), lam_hi.ravel(), D.ravel(),
+                                         allowed, wf, DIRECT_ALLOWANCE * scale)
         if fixed is not None:
             v_new, extra = fixed
             wf = wf + (v_new - v)
@@ -826,8 +825,7 @@ def _kernel_terms(problem: MergeQP, ps: _PseudoInverse, d: np.ndarray, v: np.nda
 
 def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                              lam_lo: np.ndarray, lam_hi: np.ndarray, x: np.ndarray,
-                             slack: float, w: np.ndarray | None = None,
-                             allowance: float = 0.0) -> tuple[np.ndarray, float] | None:
+                             slack: float, w: np.ndarray, allowance: float) -> tuple[np.ndarray, float] | None:
     """New bound multipliers for :func:`_lagrangian_gap` with which ``v = g - lam_lo + lam_hi`` has
     no component in the computed ``ker(H)`` (columns ``N``) beyond its rounding ``slack``:
     ``v + delta`` with ``|N'(v + delta)|_2 <= slack``, where
@@ -836,7 +834,9 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     complementarity term ``alpha'(x - lo) + beta'(hi - x)`` (a small LP, HiGHS). Returns the new
     ``v`` and that increase, or ``None`` when no such multipliers exist (J may be unbounded below
     along a kernel direction the bounds do not stop). Any multipliers of the right signs give a
-    valid dual bound, so the LP's own accuracy only shows in the range test the caller repeats."""
+    valid dual bound, so the LP's own accuracy only shows in the range test the caller repeats. Before
+    the LP, :func:`_absorb_at_bounds` makes the move directly, kept where what it adds to the gap (with
+    ``w`` the gradient no bound absorbs) is at most ``allowance`` (stop 72)."""
     from scipy.optimize import linprog  # scipy is a dependency; deferred like the other LPs
 
     assert ps.eig is not None
@@ -856,7 +856,7 @@ def _absorb_kernel_component(ps: _PseudoInverse, v: np.ndarray, lo: np.ndarray, 
     dist_hi = np.where(hi_i, np.where(hi_i, hi[idx], 0.0) - x[idx], 0.0)
     top = max(1.0, float(np.max(np.abs(np.concatenate([dist_lo, dist_hi])), initial=0.0)))
     quick = _absorb_at_bounds(N, v, idx, lo_i, hi_i, dist_lo, dist_hi, lam_lo, lam_hi, 1e-6 * top)
-    if quick is not None and w is not None:
+    if quick is not None:
         # kept where what it adds to the gap, its complementarity change plus 1/2 (w + delta)'H^+(w + delta)
         # - 1/2 w'H^+w, is within the allowance (a QA review, stop 72: where the bounds' rows of the kernel
         # are ill-conditioned, or a dropped multiplier put a large kernel component into v, the least-norm

@@ -19,7 +19,8 @@ For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it re
   ``sum lam_lo (d - lo) + sum lam_hi (hi - d) + 1/2 w' H^+ w``, where ``w`` is the part of the
   gradient no finite bound can absorb (with no constraint this is the exact gap
   ``1/2 grad' H^+ grad``). ``gap_method`` says which;
-- ``lower_bound``: ``J(d) - fw_gap`` (a lower bound on ``J*`` when ``d`` is feasible);
+- ``lower_bound``: ``J(d) - fw_gap - rounding`` (a lower bound on ``J*`` when ``d`` is feasible; ``rounding``
+  is the gap's estimated float64 error);
 - ``kkt_residual``: the projected-gradient (natural) residual
   ``eta * ||d - P_C(d - grad/eta)||_inf`` with ``eta = max diag H``, where the projection is
   closed-form (``None`` otherwise);
@@ -30,7 +31,11 @@ For a point ``d`` of ``min_{d in C} J(d)`` (``J(d) = 1/2 d'Hd + g'd + c``) it re
 
 A point is ``certified(rel_tol)`` when it is feasible within ``feas_tol * max(1, ||d||_inf)`` and
 ``fw_gap <= max(rel_tol * scale, abs_tol)`` (``abs_tol`` 0 by default; set it where ``J* = 0``,
-which no relative test short of exactness passes), unless the gap's own float64 rounding exceeds
+which no relative test short of exactness passes) and the gap's own float64 rounding is within the
+same allowance or at most ``HONEST_GAP_FRACTION`` (1e-6) of the problem's natural scale (since stop 73:
+a point 6e6 out along a direction H barely curves, J 0.7% above the optimum, had a gap of 1e-30 and a
+rounding of 57% of |J|, and was certified at 1e-8; an interpolating optimum's rounding, ~1e-12 of
+that scale, still passes), unless the gap's own float64 rounding exceeds
 ``scale`` (``beyond_float64``: far out along a direction H barely curves no gap proves anything) with ``scale = max(|J(d)|, 1e-8 (|c| + |d'Hd|/2 + |g'd|))`` (the
 second term keeps the test meaningful when ``J(d)`` is ~0 by cancellation).
 
@@ -136,8 +141,9 @@ class Certificate:
     """How far from optimal a point provably is. All values float64; see the module doc.
 
     ``fw_gap`` (units of the objective) is an upper bound on ``J(d) - J*`` when ``d`` is
-    feasible; ``lower_bound = J(d) - fw_gap <= J*``; ``certified()`` tests feasibility and
-    ``fw_gap <= rel_tol * scale``.
+    feasible; ``lower_bound = J(d) - fw_gap - rounding <= J*``; ``certified()`` tests feasibility,
+    ``fw_gap <= rel_tol * scale`` and that the gap's rounding is within that or not material
+    (:attr:`rounding_material`).
     """
 
     objective: float
@@ -174,9 +180,16 @@ class Certificate:
         2.6e8 out along a direction H barely curves, J 9% above the optimum, had a rounding of 6e8 and
         counted as at the floor, so ``auto`` returned it without asking its fallbacks, a QA review; at
         an interpolating optimum the rounding is ~1e-14 of that scale)."""
-        meaningful = not (self.natural_scale > 0 and self.rounding > HONEST_GAP_FRACTION * self.natural_scale)
         return bool(self.rounding > 0 and math.isfinite(self.fw_gap) and self.fw_gap <= 2.0 * self.rounding
-                    and meaningful)
+                    and not self.rounding_material)
+
+    @property
+    def rounding_material(self) -> bool:
+        """The gap's float64 rounding exceeds :data:`HONEST_GAP_FRACTION` of the problem's
+        :attr:`natural_scale`: not the cancellation of an optimum where ``J* ~ 0`` (~1e-14 of that
+        scale) but a point far out along a direction H barely curves, where ``J(d)`` and its gap are
+        not computed to the problem's own size."""
+        return bool(self.natural_scale > 0 and self.rounding > HONEST_GAP_FRACTION * self.natural_scale)
 
     @property
     def abs_tol_could_accept(self) -> bool:
@@ -224,8 +237,9 @@ class Certificate:
         return Verdict(self)
 
     def _certified(self, rel_tol: float | None, abs_tol: float | None) -> bool:
+        allowed = self.allowed_gap(rel_tol, abs_tol)
         return bool(self.feasible and math.isfinite(self.fw_gap) and not self.beyond_float64
-                    and self.fw_gap <= self.allowed_gap(rel_tol, abs_tol))
+                    and self.fw_gap <= allowed and not (self.rounding > allowed and self.rounding_material))
 
     def reasons(self, rel_tol: float | None = None) -> list[str]:
         """Why the point is not certified (empty when it is)."""
@@ -242,6 +256,11 @@ class Certificate:
             out.append(f"the gap's own float64 rounding (~{self.rounding:.3g}) exceeds the objective's scale "
                        f"({self.scale:.3g}): J(d) cannot be computed to its own size at this point (|d|_inf = "
                        f"{self.d_norm:.3g}), so the gap {self.fw_gap:.3g} proves nothing")
+        elif self.fw_gap <= self.allowed_gap(tol) and self.rounding > self.allowed_gap(tol) and self.rounding_material:
+            out.append(f"the gap's own float64 rounding (~{self.rounding:.3g}) exceeds the gap that rel_tol "
+                       f"{tol:.3g} allows ({self.allowed_gap(tol):.3g}): the gap {self.fw_gap:.3g} cannot be "
+                       f"computed to that precision at this point (|d|_inf = {self.d_norm:.3g}); J(d) - J* <= "
+                       f"{self.fw_gap + self.rounding:.3g} is what float64 proves")
         elif self.fw_gap > self.allowed_gap(tol):
             out.append(
                 f"optimality gap {self.fw_gap:.3g} (relative {self.relative_gap:.3g}) exceeds "
@@ -498,7 +517,7 @@ def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: floa
         fw_gap, gap_method, rounding = _lagrangian_gap(problem, cset, D, grad, pseudo, notes, scale)
         bound_method = "lagrangian duality" if math.isfinite(fw_gap) else "none (unbounded set)"
     if (feasible and explicit and problem.curvature_floor >= 0 and math.isfinite(objective) and problem.n <= PINV_MAX_N
-            and math.isfinite(fw_gap) and fw_gap > rel_tol * scale and s is not None
+            and math.isfinite(fw_gap) and max(fw_gap, rounding) > rel_tol * scale and s is not None
             and float(np.max(np.abs(s - D), initial=0.0)) > WIDE_BOX * (1.0 + d_norm)):
         # a wide finite box (the linear minimum's vertex far beyond d): the gap above charges each
         # coordinate's gradient error times its distance to a bound (box:-1e9,1e9 around an interior
@@ -542,7 +561,9 @@ def _certify(problem: MergeQP, cset: ConstraintSet, x: np.ndarray, rel_tol: floa
         notes.append(f"taken on trust from your own set(s) {', '.join(own)}: their violation(d) and linear "
                      "minimum / support (or declared forms) are what this certificate rests on")
     # (a gap whose own rounding exceeds the objective's scale proves no bound: Certificate.beyond_float64)
-    lower_bound = objective - fw_gap if math.isfinite(fw_gap) and not rounding > scale else -math.inf
+    # (and the gap's own rounding is subtracted: a far point's gap of 9e-12 with a rounding of 1.8e3 gave a
+    # "lower bound" 1.4e-4 above J*, a QA review)
+    lower_bound = objective - fw_gap - rounding if math.isfinite(fw_gap) and not rounding > scale else -math.inf
 
     # ------------------------------------------------------------- projected gradient
     kkt = None
@@ -753,6 +774,13 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
     # remains means J may fall without bound. The float64 limit, documented: a slope along an
     # exact kernel direction within that rounding cannot be seen and is taken as zero
     v = (problem.g - lam_lo.ravel() + lam_hi.ravel())
+    dead = _dead_slope(problem, v)
+    if dead is not None:
+        k, a = divmod(dead, D.shape[1])
+        notes.append(f"coefficient [{k}, {a}] has no curvature (its row and column of H are exactly zero) and a slope "
+                     f"{float(v[dead]):.3g} that no finite bound absorbs: J is exactly linear along it and falls "
+                     "without bound on this set (no rounding excuses an exact slope)")
+        return math.inf, method, 0.0
     allowed = GAP_ROUNDING_FACTOR * problem.n * np.finfo(float).eps * (
         float(_norm(problem.g)) + float(_norm(lam_lo)) + float(_norm(lam_hi)))
     outside = ps.solve(v)[1]
@@ -792,6 +820,22 @@ def _lagrangian_gap(problem: MergeQP, cset: ConstraintSet, D: np.ndarray, grad: 
                          "(added to the gap)")
         rounding += dropped_rounding
     return gap, method + (" (pseudo-inverse)" if ps.eig is not None else ""), GAP_ROUNDING_FACTOR * rounding
+
+
+def _dead_slope(problem: MergeQP, v: np.ndarray) -> int | None:
+    """A coordinate whose row of the explicit H is exactly zero (a dead unit: ``e_i`` is an exact
+    kernel direction and its gradient entry is ``g_i`` exactly) where ``v`` (g less the bound
+    multipliers) is not zero, or ``None``. The kernel test below excuses a slope within ``v``'s
+    rounding, which is right for a computed null space but not here: on ``nonneg`` with ``g_i =
+    -1e-14`` every solver's point was certified although J falls without bound (a QA review)."""
+    H = problem.H
+    if H is None:
+        return None
+    cand = np.flatnonzero((np.diagonal(H) == 0) & (v != 0))
+    for i in cand[:256]:
+        if not np.any(H[i] != 0):
+            return int(i)
+    return None
 
 
 def _kernel_terms(problem: MergeQP, ps: _PseudoInverse, d: np.ndarray, v: np.ndarray) -> tuple[float, float]:

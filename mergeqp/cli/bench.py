@@ -78,8 +78,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
     p.add_argument("--sequence", type=int, default=0, metavar="T",
                    help="with --family: also solve T related QPs (same H, g perturbed by a random walk of "
-                        "1%% steps, as a trust region's sequence) cold and warm-started from the previous "
-                        "solution, and print both totals")
+                        "steps of --sequence-step times g's RMS, as a trust region's sequence) cold and "
+                        "warm-started from the previous solution, and print both totals and how far the "
+                        "optimum moved per step")
+    p.add_argument("--sequence-step", type=float, default=None, metavar="F",
+                   help="with --sequence: each step of the random walk of g, as a fraction of g's RMS "
+                        "(default 0.01)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="time by the wall clock (default) or by this process's CPU time "
                         "(steadier on a shared machine; equal to wall time when BLAS uses one thread)")
@@ -284,11 +288,15 @@ def family_rows(families: list[str], solvers: list[str], n: int | None = None, s
 
 def sequence_row(family: str, solver: str, steps: int, n: int | None = None, seed: int = 0,
                  rel_tol: float = 1e-8, options: dict[str, Any] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+                 clock: Callable[[], float] = time.perf_counter, step: float = 0.01) -> dict[str, Any]:
     """Solve ``steps`` related QPs of instance ``seed`` of ``family`` -- the same H and set, ``g``
-    moved by a random walk of steps of 1% of its RMS, as the trust region's sequence -- cold
-    and warm-started (``x0`` the previous solution). Seconds of each whole sequence (solve and
-    certificate), their ratio to one Cholesky of H, and whether every point certified."""
+    moved by a random walk of steps of ``step`` (default 1%) of its RMS, as the trust region's
+    sequence -- cold and warm-started (``x0`` the previous solution). Seconds of each whole
+    sequence (solve and certificate), their ratio to one Cholesky of H, whether every point
+    certified, and ``optimum_moves``: the median over the steps of ``|d_t - d_{t-1}| / |d_{t-1}|``
+    (Euclidean norms; the warm pass's points), i.e. how related the QPs are. (On the planted
+    families a 1% step moves the optimum by ~40%: their bound multipliers spread over four decades
+    and H's flat directions let a small change of g carry d across the box.)"""
     from ..certificate import forget_factorisation
     from ..solvers.instance_families import draw
     from ..solvers.registry import solve
@@ -297,12 +305,13 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     P = inst.problem
     assert P.H is not None
     rng = np.random.default_rng(seed)
-    step = 0.01 * float(np.sqrt(np.mean(P.g ** 2)))
-    gs = np.cumsum(step * rng.standard_normal((steps, P.n)), axis=0) + P.g
+    size = step * float(np.sqrt(np.mean(P.g ** 2)))
+    gs = np.cumsum(size * rng.standard_normal((steps, P.n)), axis=0) + P.g
     problems = [P.with_linear_term(gt) for gt in gs]  # one H array: what depends on H alone is reused
     chol = cholesky_seconds(P.H, clock=clock)
     row: dict[str, Any] = {"problem": family, "n": P.n, "constraint": inst.constraints.spec, "solver": solver,
-                           "steps": steps, "cholesky_seconds": chol}
+                           "steps": steps, "step": step, "cholesky_seconds": chol}
+    moves: list[float] = []
     for mode in ("cold", "warm"):
         for prob in problems:  # neither pass inherits factorisations from the other
             forget_factorisation(prob)
@@ -314,10 +323,13 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
             sol = solve(prob, inst.constraints, solver=solver, x0=x0, rel_tol=rel_tol, **(options or {}))
             assert sol.certificate is not None
             certified &= sol.certificate.certified(rel_tol)
+            if mode == "warm" and x0 is not None:
+                moves.append(float(np.linalg.norm(sol.d - x0) / max(np.linalg.norm(x0), np.finfo(float).tiny)))
             x0 = sol.d if mode == "warm" else None
         row[f"{mode}_seconds"] = clock() - t0
         row[f"{mode}_certified"] = certified
     row["warm_over_one_cold"] = row["warm_seconds"] / (row["cold_seconds"] / steps)
+    row["optimum_moves"] = float(np.median(moves)) if moves else None
     return row
 
 
@@ -372,8 +384,8 @@ def run(args: argparse.Namespace) -> int:
     options = parse_options(args.opt, SOLVERS, solvers)
     if args.json not in (None, "-"):  # fail before the run, not after it; never over a benchmarked instance
         check_json_output(args.json, _instance_files(problems))
-    if args.n is not None or args.seed != 0 or args.sequence:
-        raise ConfigError("--n, --seed and --sequence apply to --family only")
+    if args.n is not None or args.seed != 0 or args.sequence or args.sequence_step is not None:
+        raise ConfigError("--n, --seed, --sequence and --sequence-step apply to --family only")
     constraints = list(dict.fromkeys(constraints))
     for spec in constraints:  # a bad spec fails before the table starts (L1R: any radius parses)
         if spec != "none":
@@ -433,6 +445,11 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
 
     if args.sequence < 0:
         raise ConfigError(f"--sequence must be >= 0, got {args.sequence}")
+    if args.sequence_step is not None and not args.sequence:
+        raise ConfigError("--sequence-step applies with --sequence T only")
+    step = 0.01 if args.sequence_step is None else args.sequence_step
+    if not 0 < step < math.inf:  # (nan fails this too)
+        raise ConfigError(f"--sequence-step must be finite and > 0, got {step}")
     if args.n is not None:  # a bad size fails before the table starts
         for name in families:
             get_family(name).with_n(args.n)
@@ -453,15 +470,21 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         for solver in solvers:
             try:
                 row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver),
-                                   clock)
+                                   clock, step)
             except MergeQPError as exc:
                 print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             sequences.append(row)
             print(f"{name} {solver}: {args.sequence} related QPs: cold {row['cold_seconds']:.3f} s, warm "
                   f"{row['warm_seconds']:.3f} s = {row['warm_over_one_cold']:.2f} cold solves "
-                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']})", file=table, flush=True)
+                  f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']}; steps of "
+                  f"{step:g} x RMS(g) moved the optimum by a median {_share(row['optimum_moves'])})",
+                  file=table, flush=True)
     return _finish(args, rows, sequences)
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.3g}%"
 
 
 def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], sequences: list[dict[str, Any]] | None = None) -> int:

@@ -553,3 +553,64 @@ def test_a_point_far_out_is_not_at_the_rounding_floor():
     sol = mq.solve(p, "nonneg")
     assert sol.certificate.certified()
     assert sol.objective == pytest.approx(J_star, rel=1e-8)
+
+
+def _far_along_a_barely_curved_direction() -> tuple[mq.MergeQP, np.ndarray]:
+    """Two duplicated models with a 2e-15 ridge (H definite; the only optimum d* = 1, J* = -10) and a
+    point 6e6 out along the models' difference, where J is 0.72% above J* (a QA review, stop 73)."""
+    m = 10
+    eye = np.eye(m)
+    H = np.block([[(1 + 2e-15) * eye, eye], [eye, (1 + 2e-15) * eye]])
+    y = np.ones(2 * m)
+    p = mq.MergeQP(H, -H @ y, -10.0 + 0.5 * y @ H @ y, shape=(2, m))
+    d = np.ones((2, m))
+    d[0, 0] += 6e6
+    d[1, 0] -= 6e6
+    return p, d
+
+
+@pytest.mark.parametrize("cset", ["none", "box:-inf,inf"])
+def test_a_gap_whose_rounding_is_material_does_not_certify(cset):
+    """The curvature along the barely curved direction is below its own float64 rounding there, so the
+    certificate charges it to ``rounding`` (57% of |J|); the gap came out 1.6e-30 and the point was
+    certified at 1e-8 (and ``auto`` warm-started there returned it). A rounding above the allowed gap
+    and above ``HONEST_GAP_FRACTION`` of the natural scale now refuses the certificate, the lower bound
+    subtracts it, and ``auto`` falls back to a solver that finds d*."""
+    p, d = _far_along_a_barely_curved_direction()
+    cert = mq.certify(p, cset, d)
+    assert cert.fw_gap < 1e-20 and cert.rounding_material and cert.rounding > 1e-8 * cert.scale
+    assert not cert.certified(1e-8) and not cert.at_rounding_floor
+    assert cert.lower_bound <= -10.0  # J - gap alone, -9.927, was above J*
+    assert any("cannot be computed to that precision" in r for r in cert.reasons(1e-8))
+    sol = mq.solve(p, cset, x0=d, rel_tol=1e-8)
+    assert sol.certificate.certified(1e-8) and sol.objective == pytest.approx(-10.0, rel=1e-9)
+
+
+def test_an_interpolating_optimum_whose_rounding_exceeds_the_tolerance_still_certifies():
+    """The new rule leaves the optimum of an interpolating QP (J* ~ 0: the allowed gap, 1e-8 of a
+    tiny J, is below the rounding, which is ~1e-13 of the natural scale) certified, as before."""
+    rng = np.random.default_rng(5)
+    A = rng.standard_normal((6, 16))
+    t = rng.uniform(0.2, 0.8, 16)
+    H = 2.0 * A.T @ A
+    p = mq.MergeQP(H, -H @ t, float(t @ H @ t) / 2.0, shape=(2, 8))
+    cert = mq.certify(p, "box:0,1", t.reshape(2, 8))
+    assert cert.rounding > cert.allowed_gap(1e-8) and not cert.rounding_material
+    assert cert.certified(1e-8), cert.explain()
+
+
+def test_an_exactly_dead_coordinate_with_a_tiny_slope_is_unbounded_not_certified():
+    """A coefficient whose row and column of H are exactly zero has slope g_i exactly: on ``nonneg``
+    with g_i = -1e-14, J falls without bound along it. The kernel test excused the slope as within its
+    rounding and every solver's point was certified (a QA review); now the certificate's gap is
+    infinite there and ``solve`` reports the problem unbounded."""
+    p = mq.MergeQP(np.diag([0.0, 1.0, 2.0, 3.0]), np.array([-1e-14, -1.0, -1.0, -1.0]), 0.0, shape=(1, 4))
+    cert = mq.certify(p, "nonneg", np.array([[0.0, 1.0, 0.5, 1 / 3]]))
+    assert cert.fw_gap == math.inf and not cert.certified()
+    assert any("coefficient [0, 0] has no curvature" in n for n in cert.notes)
+    for solver in ("auto", "active_set", "dense_ipm", "clarabel"):
+        with pytest.raises(mq.UnboundedError, match=r"coefficient \[0, 0\]"):
+            mq.solve(p, "nonneg", solver=solver)
+    # a dead coordinate whose slope points at a finite bound is fine (its multiplier absorbs it)
+    q = mq.MergeQP(np.diag([0.0, 1.0, 2.0, 3.0]), np.array([1e-14, -1.0, -1.0, -1.0]), 0.0, shape=(1, 4))
+    assert mq.solve(q, "nonneg").certificate.certified()

@@ -29,6 +29,16 @@ def _named_file(path: str | Path, what: str, suffixes: tuple[str, ...], hint: st
     return p, ext
 
 
+def _unreadable(what: str, p: Path, exc: Exception) -> ValidationError:
+    """One line for a file numpy, torch or safetensors could not read; never numpy's advice to load
+    pickled data (``allow_pickle``), which would run the file's code (a QA review, stop 73: a text file
+    named ``heads.npy`` as ``output.matrix``)."""
+    if "allow_pickle" in str(exc):
+        return ValidationError(f"{what}: cannot read {p}: it is not an array of numbers in {p.suffix} format "
+                               f"(numpy reads it as pickled Python objects, which mergeqp never loads)")
+    return ValidationError(f"{what}: cannot read {p}: {type(exc).__name__}: {exc}")
+
+
 def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
     """The 2-D float64 array in ``path`` (formats above); an unreadable file, another shape or a
     non-finite entry is an error naming ``what`` and the file."""
@@ -59,7 +69,7 @@ def read_matrix(path: str | Path, what: str = "matrix") -> np.ndarray:
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file: one clear line
-        raise ValidationError(f"{what}: cannot read {p}: {type(exc).__name__}: {exc}") from None
+        raise _unreadable(what, p, exc) from None
     arr = np.asarray(arr)
     if arr.ndim != 2 or 0 in arr.shape or not np.issubdtype(arr.dtype, np.number):
         raise ValidationError(f"{what}: {p} holds an array of shape {arr.shape} and type {arr.dtype}; "
@@ -101,7 +111,7 @@ def read_head(path: str | Path, what: str = "head") -> tuple[np.ndarray, np.ndar
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - any unreadable file: one clear line
-        raise ValidationError(f"{what}: cannot read {p}: {type(exc).__name__}: {exc}") from None
+        raise _unreadable(what, p, exc) from None
     if "weight" not in tensors:
         raise ValidationError(f"{what}: {p} has no tensor 'weight' (tensors: {sorted(tensors)})")
     extra = sorted(set(tensors) - {"weight", "bias"})

@@ -229,6 +229,34 @@ def overlapping_input(out: str | os.PathLike[str], inputs: Sequence[str | os.Pat
         with contextlib.suppress(OSError):
             if out_r.exists() and pr.exists() and os.path.samefile(out_r, pr):  # hard links
                 return os.fspath(p)
+        if pr.is_dir() and out_r.exists():
+            linked = _link_into(Path(p).expanduser(), out_r)
+            if linked is not None:
+                return linked
+    return None
+
+
+#: :func:`_link_into` looks at up to this many entries of an input folder
+LINK_SCAN_MAX = 100_000
+
+
+def _link_into(folder: Path, out_r: Path) -> str | None:
+    """An entry of the input ``folder`` (at any depth, links not followed into) that is a link
+    resolving into ``out_r``, else ``None``: replacing ``out`` would delete the file the input
+    reads (a fine-tune folder whose ``model.safetensors`` links to an earlier merge's, or a hub
+    cache's snapshot linking to its blobs, merged with ``--out`` that merge and ``--overwrite``:
+    the input's weights were replaced, a QA review, stop 73)."""
+    seen = 0
+    for root, dirs, files in os.walk(folder):
+        for name in (*files, *dirs):
+            seen += 1
+            if seen > LINK_SCAN_MAX:
+                return None
+            entry = Path(root) / name
+            if entry.is_symlink():
+                with contextlib.suppress(OSError, RuntimeError):
+                    if _resolved(entry).is_relative_to(out_r):
+                        return os.fspath(entry)
     return None
 
 

@@ -277,6 +277,11 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
     sizes = {k: int(v.shape[0]) for k, v in data.items()}
     if len(set(sizes.values())) != 1:
         raise ValidationError(f"{p}: input tensors disagree on the number of samples: {sizes}")
+    mask = data.get("attention_mask")
+    if mask is not None and mask.numel() and not bool(mask.reshape(mask.shape[0], -1).ne(0).any()):
+        # (stop 73, a QA review: the run went on and a note blamed single-token prompts)
+        raise ValidationError(f"{p}: its attention_mask is 0 everywhere: no sample has a position the model "
+                              f"attends to, so nothing could be compared")
     return dict(data)
 
 

@@ -190,7 +190,7 @@ def save_hf_folder(
     cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with atomic_folder(out, overwrite=overwrite) as staging:
         written = _write_folder(staging, tensors, limit, cast, metadata, source_folder, config,
-                                tokenizer_folder, save_safetensors)
+                                tokenizer_folder, save_safetensors, final=out)
         written = replace(written, folder=out)
         for fname, text in (extra_files(written) if extra_files is not None else {}).items():
             write_text_atomic(staging / fname, text)
@@ -200,8 +200,10 @@ def save_hf_folder(
 def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cast: Any,
                   metadata: Mapping[str, str] | None, source_folder: str | Path | None,
                   config: Mapping[str, Any] | None, tokenizer_folder: str | Path | None,
-                  save_file: Callable[..., None]) -> WrittenModel:
-    """Write the shards, index, config and auxiliary files into ``out`` (the staging folder)."""
+                  save_file: Callable[..., None], final: Path | None = None) -> WrittenModel:
+    """Write the shards, index, config and auxiliary files into ``out`` (the staging folder);
+    ``final``: the output folder it becomes, which a failed write names (not the staging file's
+    internal name, a QA review, stop 73)."""
     import torch
 
     st_meta = {"format": "pt", "producer": "mergeqp"}
@@ -214,6 +216,10 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
     seen: set[str] = set()
     written_dtypes: set[str] = set()
 
+    def where() -> str:
+        folder = final if final is not None else out
+        return f"the merged model's weights in {folder} (shard {len(shards) + 1})"
+
     def flush() -> None:
         nonlocal current, current_bytes
         if not current:
@@ -222,13 +228,13 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
         try:
             save_file(current, str(out / tmp), metadata=st_meta)
         except OSError as exc:
-            raise OutputError(f"cannot write the model shard {tmp}: {exc.strerror or exc}; "
+            raise OutputError(f"cannot write {where()}: {exc.strerror or exc}; "
                               f"the output folder was not changed") from None
         except Exception as exc:  # noqa: BLE001 - safetensors reports a failed write as its own SafetensorError
             match = _SAFETENSORS_IO_ERROR.search(str(exc))
             if match is None:
                 raise
-            err = OutputError(f"cannot write the model shard {tmp}: {match.group(1)}; the output folder was not "
+            err = OutputError(f"cannot write {where()}: {match.group(1)}; the output folder was not "
                               f"changed")
             err.errno = int(match.group(2)) if match.group(2) else None
             raise err from None

@@ -168,25 +168,64 @@ class MergeMode:
         return f"{type(self).__name__}({self.name!r})"
 
 
-def _solve_one_by_one(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, relinearise: bool) -> list[LayerRecord]:
-    """Sites in model order; each solved at the current model and applied before the next."""
+class _KeepStart:
+    """``keep_start``: the exact calibration objective before each step, and the weights to restore
+    where the step raised it (the start's: a layer-wise mode from a start never ends above it there)."""
+
+    def __init__(self, ctx: MergeContext, on: bool):
+        self.ctx, self.on = ctx, on
+        self.before: float | None = None
+
+    def save(self, sites: Sequence[LayerSite]) -> list[Any]:
+        if not self.on:
+            return []
+        if self.before is None:
+            self.before = calibration_objective(self.ctx)  # the start's (later: the last step's, measured)
+        return [read_augmented(self.ctx.model, site) for site in sites]
+
+    def settle(self, sites: Sequence[LayerSite], saved: Sequence[Any], exact: float,
+               records: list[LayerRecord]) -> list[LayerRecord]:
+        """``records``, marked ``kept_start`` with the saved weights restored where ``exact`` rose above the
+        objective before the step."""
+        if not self.on:
+            return records
+        assert self.before is not None
+        if exact > self.before:
+            for site, weights in zip(sites, saved):
+                write_augmented(self.ctx.model, site, weights)
+            say(self.ctx, f"  the step raised the exact objective ({self.before:.6g} -> {exact:.6g}): "
+                          f"{', '.join(s.name for s in sites)} kept as before it")
+            return [dataclasses.replace(r, kept_start=True) for r in records]
+        self.before = exact
+        return records
+
+
+def _solve_one_by_one(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, relinearise: bool,
+                      keep_start: bool = False) -> list[LayerRecord]:
+    """Sites in model order; each solved at the current model and applied before the next
+    (``keep_start``: not where it raised the exact calibration objective, :class:`_KeepStart`)."""
     out: list[LayerRecord] = []
+    keep = _KeepStart(ctx, keep_start)
     for i, site in enumerate(sites):
         res = solve_group(ctx, [site], mode=mode, group=i, relinearise_offsets=relinearise)
+        saved = keep.save([site])
         apply_weights(ctx, [site], res.new_weights)
         t = time.perf_counter()
         exact = calibration_objective(ctx)
-        out.extend(with_exact(res.records, exact, time.perf_counter() - t))
-        r = out[-1]
+        records = with_exact(res.records, exact, time.perf_counter() - t)
+        r = records[-1]
         say(ctx, f"[{mode} {i + 1}/{len(sites)}] {site.name}: J {r.objective_before:.6g} -> "
                  f"{r.objective_after:.6g} (exact {exact:.6g}), gap {r.certificate.get('fw_gap')}")
+        out.extend(keep.settle([site], saved, exact, records))
     return out
 
 
-def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, relinearise: bool) -> list[LayerRecord]:
+def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, relinearise: bool,
+                    keep_start: bool = False) -> list[LayerRecord]:
     """Sites grouped by depth (:mod:`.depth`); the sites of one depth are each linearised at the
     model merged below that depth and solved on their own (spread over the ranks under
-    ``torchrun``, like ``single`` mode's sites), then applied together before the next depth."""
+    ``torchrun``, like ``single`` mode's sites), then applied together before the next depth
+    (``keep_start``: a depth whose steps together raised the exact objective is kept as before)."""
     first = ctx.tasks[0].batches[0]
     levels = depth_levels(sites, site_dependencies(ctx.model, sites,
                                                    lambda: forward(ctx.model, first.batch, ctx.device)))
@@ -194,6 +233,7 @@ def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, re
     say(ctx, f"[{mode} by depth] {len(levels)} depths: "
              + "; ".join(", ".join(s.name for s in level) for level in levels))
     out: list[LayerRecord] = []
+    keep = _KeepStart(ctx, keep_start)
     for depth, level in enumerate(levels):
         def solve_site(i: int, site: LayerSite) -> tuple[dict[str, Any], tuple[LayerRecord, ...]]:
             res = solve_group(ctx, [site], mode=mode, group=index[site.name], relinearise_offsets=relinearise)
@@ -201,14 +241,14 @@ def _solve_by_depth(ctx: MergeContext, sites: Sequence[LayerSite], mode: str, re
 
         results = (current_group().spread(level, solve_site) if len(level) > 1
                    else [solve_site(0, level[0])])
+        saved = keep.save(level)
         for site, (weights, _) in zip(level, results):
             apply_weights(ctx, [site], weights)
         t = time.perf_counter()
         exact = calibration_objective(ctx)
         seconds = time.perf_counter() - t
-        for _, records in results:
-            out.extend(with_exact(records, exact, seconds))
         say(ctx, f"[{mode} depth {depth + 1}/{len(levels)}] {len(level)} layer(s): exact objective {exact:.6g}")
+        out.extend(keep.settle(level, saved, exact, [r for _, records in results for r in with_exact(records, exact, seconds)]))
     return out
 
 
@@ -313,14 +353,28 @@ class SequentialMode(MergeMode):
         return _solve_one_by_one(ctx, sites, self.name, relinearise=False)
 
 
+class HybridOptions(DepthOptions):
+    """``method.mode_options`` of ``mode: hybrid``: ``by_depth`` (:class:`DepthOptions`) and
+    ``keep_start`` (default ``true``): where a layer's QP step (a depth's, with ``by_depth``) raised
+    the exact calibration objective, keep the weights it had before the step (the start's), so that
+    the refinement never ends above its start there. The step can raise it where the start is not a
+    point of the QP's parametrisation (TIES, DARE, Fisher, RegMean, ``output_space``: what ``start:
+    auto`` often picks) or through the linearisation error (a QA review, stop 73: base 3398 -> RegMean
+    start 757 -> hybrid 986 without it). The layer's record says ``kept_start``; ``false``: every step
+    is applied, as before stop 73."""
+
+    keep_start: bool = True
+
+
 class HybridMode(MergeMode):
     """A baseline merged on every tensor first (``start``), then the selected sites refined
-    sequentially, linearised at the baseline's weights (its offset accounted for)."""
+    sequentially, linearised at the baseline's weights (its offset accounted for); a step that
+    raised the exact calibration objective is not kept (:class:`HybridOptions`)."""
 
     name = "hybrid"
     description = "the 'start' baseline on all tensors, then the layers refined sequentially"
     uses_start = True
-    options = DepthOptions
+    options = HybridOptions
 
     def linearised_at(self, start: str | None) -> str:
         return f"the {start or ''} merge"
@@ -329,18 +383,25 @@ class HybridMode(MergeMode):
         return _depth_notes(self, settings)
 
     def run(self, ctx: MergeContext, sites: Sequence[LayerSite]) -> list[LayerRecord]:
+        o = self.check_options(ctx.settings.mode_options)
+        keep = bool(getattr(o, "keep_start", True))
         if _by_depth(self, ctx.settings):
-            return _solve_by_depth(ctx, sites, self.name, relinearise=True)
-        return _solve_one_by_one(ctx, sites, self.name, relinearise=True)
+            return _solve_by_depth(ctx, sites, self.name, relinearise=True, keep_start=keep)
+        return _solve_one_by_one(ctx, sites, self.name, relinearise=True, keep_start=keep)
 
     def notes(self, records: Sequence[LayerRecord], constraints: Sequence[str], start: str | None) -> list[str]:
-        worse = [r.layer for r in records if r.objective_after_exact > r.objective_before]
-        if not worse:
-            return []
-        return [f"hybrid: the QP step raised the exact calibration objective at {worse}: the QP's merged weight "
-                f"is W_base + sum_a d_a B_a, and the {start} weight of a layer is a feasible point "
-                f"only when it has that form (task arithmetic / soup with rows or scalar, not TIES, DARE, "
-                f"Fisher or RegMean); the linearisation error can do it too"]
+        kept = [r.layer for r in records if r.kept_start]
+        worse = [r.layer for r in records if not r.kept_start and r.objective_after_exact > r.objective_before]
+        why = (f"the QP's merged weight is W_base + sum_a d_a B_a, and the {start} weight of a layer is a feasible "
+               f"point only when it has that form (task arithmetic / soup with rows or scalar, not TIES, DARE, "
+               f"Fisher or RegMean); the linearisation error can do it too")
+        out = []
+        if kept:
+            out.append(f"hybrid: the QP step raised the exact calibration objective at {kept}, which keep the weights "
+                       f"they had before it (mode_options.keep_start): {why}")
+        if worse:
+            out.append(f"hybrid: the QP step raised the exact calibration objective at {worse}: {why}")
+        return out
 
 
 class JointOptions(BaseModel):
@@ -682,5 +743,5 @@ for _mode in (SingleMode(), SequentialMode(), HybridMode(), JointMode(), TrustRe
     register_merge_mode(_mode)
 del _mode
 
-__all__ = ["MERGE_MODES", "DepthOptions", "HybridMode", "JointMode", "MergeMode", "SequentialMode", "SingleMode",
+__all__ = ["MERGE_MODES", "DepthOptions", "HybridMode", "HybridOptions", "JointMode", "MergeMode", "SequentialMode", "SingleMode",
            "TrustRegionMode", "TrustRegionOptions", "get_merge_mode", "register_merge_mode", "run_mode"]

@@ -185,6 +185,9 @@ class LayerRecord:
     #: why ``fold_head: auto`` compared the vocabulary-size logits (``None``: folded, or not a
     #: foldable output; not in the JSON record: the run layer turns it into a report note)
     head_not_folded: str | None = None
+    #: the step raised the exact calibration objective and the layer kept its weights from before it
+    #: (``mode: hybrid``'s ``keep_start``); ``objective_after_exact`` is then the step's, not kept
+    kept_start: bool = False
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
@@ -192,6 +195,8 @@ class LayerRecord:
         if self.group_energy_fraction is not None:
             extra["group_energy_fraction"] = self.group_energy_fraction
         extra.update(self.atoms or {})
+        if self.kept_start:
+            extra["kept_start"] = True
         return {**extra,
             "layer": self.layer, "mode": self.mode, "group": self.group,
             "objective_before": self.objective_before, "objective_after": self.objective_after,

@@ -47,7 +47,7 @@ from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_summary
 from ..io.progress import library_bars
 from ..io.memory import check_site_memory, estimate_site_memory, memory_limit
-from ..io.writer import WrittenModel, as_written, check_output_folder, parse_size, save_hf_folder
+from ..io.writer import WrittenModel, as_written, check_output_folder, check_tensor_finite, parse_size, save_hf_folder
 from ..lm import teacher_forced_targets
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params
@@ -574,7 +574,11 @@ def _stream(plan: MergePlan, overrides: dict[str, Any]):
     without a memory map, so writing a large model does not map its whole file into memory)."""
     for name in plan.base.names():
         tensor = overrides.get(name)
-        yield name, (tensor if tensor is not None else plan.base.read(name))
+        if tensor is None:
+            tensor = plan.base.read(name)
+            # kept from the base: its NaN / inf are the base's, named so (not "the merged model's")
+            check_tensor_finite(name, tensor, f"the base ({plan.base.path})")
+        yield name, tensor
 
 
 __all__ = ["MergeResult", "baseline_merge", "load_model", "prepare_tasks", "resolve_device", "run_merge",

@@ -50,7 +50,7 @@ from ..io.calibration import (
 from ..io.checkpoint import Checkpoint, open_checkpoint
 from ..io.arrays import read_head, read_matrix
 from ..io.memory import human_bytes
-from ..io.writer import parse_size
+from ..io.writer import check_tensor_finite, parse_size
 from ..merge.calibrated import check_params, statistics_methods
 from ..merge.modes import get_merge_mode
 from ..lm import ClassifierHead
@@ -186,7 +186,13 @@ def _outside_changes(plan: MergePlan, count: int) -> dict[str, list[str]]:
                 continue
             if key not in base_samples:
                 base_samples[key] = plan.base.sample(key, count)
-            if not same_stored_value(base_samples[key], ft.sample(key, count)):
+                # the merged model keeps the base's tensor here: NaN / inf named as the base's now, not as
+                # the merged model's after the work (a QA review, stop 73)
+                check_tensor_finite(key, base_samples[key], f"the base ({plan.base.path})")
+            theirs = ft.sample(key, count)
+            # (NaN != NaN made such a tensor "changed" by every fine-tune)
+            check_tensor_finite(key, theirs, f"model {name!r} ({ft.path})")
+            if not same_stored_value(base_samples[key], theirs):
                 changed.append(key)
     return out
 

@@ -207,6 +207,10 @@ class CalibrationOptions(_Strict):
 
 
 def _check_holdout(v: float) -> float | int:
+    if isinstance(v, float) and v == 1.0:
+        # (stop 73, a QA review: read as the count 1 where a fraction of 1.0 was meant)
+        raise ValueError("holdout 1.0 is ambiguous: a fraction lies in (0, 1) (1.0 would hold every prompt out); "
+                         "write 1 for one prompt")
     if isinstance(v, float) and not v.is_integer() and not 0.0 < v < 1.0:
         raise ValueError("holdout is a count (integer >= 0) or a fraction in (0, 1)")
     if isinstance(v, (int, float)) and v < 0:
@@ -409,6 +413,10 @@ class MethodConfig(_Strict):
                 raise ValueError(f"compare_sequential is given twice with different values: "
                                  f"{self.compare_sequential} (method.compare_sequential) and {given} "
                                  f"(method.mode_options.compare_sequential); give it once, under mode_options")
+        if mode.regularises_toward is not None and "reference" in self.model_fields_set:
+            # (stop 73, a QA review: accepted and silently ignored, while other keys that do not apply are refused)
+            raise ValueError(f"reference is not used with mode: {self.mode}: its regularisation pulls toward "
+                             f"{mode.regularises_toward}; remove 'reference'")
         mode.check_options(self.effective_mode_options)
         param = PARAMETRISATIONS[self.parametrisation]
         options = self.parametrisation_options()

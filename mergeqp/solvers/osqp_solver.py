@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, SolverError
+from ..errors import InfeasibleError, MergeQPError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from . import base
@@ -49,7 +49,7 @@ class OSQPSolver(StandardFormSolver):
         scaled, factor = unit_scaled(problem, band=SCALE_UP_ONLY)
         qp = standard_form(scaled, constraints)
         form_seconds = time.perf_counter() - t0
-        res, setup, printed = self._run(qp, opts, x0)
+        res, setup, printed = self._run(qp, opts, _projected_start(problem, constraints, x0))
         dropped = None
         if "non convex" in str(res.info.status).lower() and x0 is not None:
             # OSQP's convexity test fails on iterates that overflow from a far warm start (|x0| ~ 1e300): H is
@@ -115,3 +115,22 @@ class OSQPSolver(StandardFormSolver):
         with contextlib.redirect_stdout(printed) if not opts["verbose"] else contextlib.nullcontext():
             res = solver.solve(raise_error=False)
         return res, setup, printed
+
+
+def _projected_start(problem: MergeQP, constraints: ConstraintSet, x0: np.ndarray | None) -> np.ndarray | None:
+    """``x0`` projected onto the set where it has a projection (OSQP's ADMM from a start far outside
+    the set, e.g. 1e15 on a box, ran all its iterations and returned a point infeasible by 0.1-11, a QA
+    review); ``None`` for a start that is not finite."""
+    if x0 is None:
+        return None
+    x = np.asarray(x0, dtype=np.float64).reshape(problem.shape)
+    if not np.all(np.isfinite(x)):
+        return None
+    if constraints.has_projection:
+        try:
+            y = np.asarray(constraints.project(x), dtype=np.float64)
+        except (NotImplementedError, MergeQPError):
+            return x
+        if y.shape == x.shape and np.all(np.isfinite(y)):
+            return y
+    return x

@@ -39,3 +39,30 @@ def test_merge_refuses_nan_checkpoint(digests, leftovers, tiny_hf, family, tmp_p
     assert "tensor 'model.layers.1.mlp.down_proj.weight'" in err and str(family.finetuned[1]) in err
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
     assert digests(family.root) == before
+
+
+@pytest.mark.parametrize("where", ["base", "finetune"])
+def test_nan_outside_the_merged_layers_names_the_checkpoint_that_holds_it(digests, leftovers, tiny_hf, tmp_path,
+                                                                         capsys, where):
+    """(stop 73, a QA review) a NaN in a tensor the merge keeps from the base was reported as the merged
+    model's (after the work), and NaN != NaN made every fine-tune "change" it; in a fine-tune's tensor
+    outside the merge it passed. Both are refused, naming the tensor and the checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
+    folder = fam.base if where == "base" else fam.finetuned[0]
+    key = "model.layers.0.self_attn.q_proj.weight"
+    for path in folder.glob("*.safetensors"):
+        sd = load_file(str(path))
+        if key in sd:
+            sd[key][0, 0] = float("nan")
+            save_file(sd, str(path), metadata={"format": "pt"})
+    cfg = fam.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["llama"]], {"name": "ties"}, evaluate=False)
+    before = digests(fam.root)
+    code = main(["merge", str(cfg), "--out", str(tmp_path / "o"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 3, err
+    who = "the base" if where == "base" else "model 'code'"
+    assert f"tensor '{key}' of {who} ({folder})" in err and "non-finite" in err and "merged model" not in err
+    assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
+    assert digests(fam.root) == before

@@ -144,6 +144,8 @@ def test_full_disk_while_merge_writes_keeps_the_old_folder(world, tiny_hf, diges
     err = capsys.readouterr().err
     assert code == 4, err
     assert "No space left on device; the output folder was not changed" in err and "Traceback" not in err
+    # the output the user asked for, not the staging file's internal name (a QA review, stop 73)
+    assert f"cannot write the merged model's weights in {out} (shard 1)" in err and "tmp-mergeqp" not in err
     assert digests(out) == before_out and digests(fam.root) == before_in
     assert leftovers(root) == []
 

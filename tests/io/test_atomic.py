@@ -230,3 +230,31 @@ def test_proc_as_root_is_refused_before_the_work():
         atomic.check_output_folder("/proc/mergeqp-out")
     with pytest.raises(ValidationError, match="no file can be created in folder /proc"):
         atomic.check_output_file("/proc/solution.json", "--out")
+
+
+def test_an_output_that_an_input_folder_links_into_is_refused(tmp_path):
+    """(stop 73, a QA review) a fine-tune folder whose ``model.safetensors`` is a link to an earlier
+    merge's file, merged with ``--out`` that merge and ``--overwrite``: the input's weights were
+    replaced. A link inside an input folder (at any depth) that resolves into the output is a clash,
+    named by its path; links elsewhere are not."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.atomic import check_output_folder, overlapping_input
+
+    earlier = tmp_path / "m1"
+    earlier.mkdir()
+    (earlier / "model.safetensors").write_bytes(b"weights")
+    (earlier / "report.json").write_text("{}")
+    ft = tmp_path / "ft_link"
+    (ft / "nested").mkdir(parents=True)
+    (ft / "config.json").write_text("{}")
+    (ft / "nested" / "model.safetensors").symlink_to(earlier / "model.safetensors")
+    other = tmp_path / "elsewhere.bin"
+    other.write_bytes(b"x")
+    (ft / "other.bin").symlink_to(other)
+    assert overlapping_input(earlier, [ft]) == os.fspath(ft / "nested" / "model.safetensors")
+    with pytest.raises(ValidationError, match=r"overlaps input .*ft_link/nested/model.safetensors"):
+        check_output_folder(earlier, [ft], overwrite=True, option="--out")
+    assert (earlier / "model.safetensors").read_bytes() == b"weights"
+    assert overlapping_input(tmp_path / "m2", [ft]) is None  # a new output: nothing links into it
+    (ft / "nested" / "model.safetensors").unlink()
+    assert overlapping_input(earlier, [ft]) is None

@@ -392,6 +392,15 @@ def test_head_and_label_files_of_every_kind(tmp_path):
     save_file(scalar, str(tmp_path / "s.safetensors"))
     with pytest.raises(ValidationError, match=r"tensor\(s\) \['y'\] have no sample dimension \(0-d\)"):
         read_tensor_inputs(tmp_path / "s.safetensors")
+    # (stop 73, a QA review) an attention mask of zeros only: refused naming it (a note blamed single tokens)
+    save_file({"input_ids": torch.ones(4, 3, dtype=torch.int64), "attention_mask": torch.zeros(4, 3, dtype=torch.int64)},
+              str(tmp_path / "m0.safetensors"))
+    with pytest.raises(ValidationError, match=r"m0.safetensors: its attention_mask is 0 everywhere"):
+        read_tensor_inputs(tmp_path / "m0.safetensors")
+    mask = torch.zeros(4, 3, dtype=torch.int64)
+    mask[2, 0] = 1  # one sample with a position: read as it is
+    save_file({"input_ids": torch.ones(4, 3, dtype=torch.int64), "attention_mask": mask}, str(tmp_path / "m1.safetensors"))
+    assert read_tensor_inputs(tmp_path / "m1.safetensors")["attention_mask"].sum() == 1
     for dtype in (torch.uint8, torch.uint32, torch.uint64, torch.int16):
         data = {"input_ids": torch.zeros(3, 2, dtype=torch.int64), "y": torch.tensor([0, 2, 1]).to(dtype)}
         labels = tensor_labels(data, "y", "f.safetensors")

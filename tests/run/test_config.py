@@ -93,6 +93,7 @@ def test_unknown_key_suggests_the_close_one():
     ({**MINIMAL, "models": [{"path": "x"}]}, "needs calibration prompts"),
     ({**MINIMAL, "models": [{"path": "a/x", "calibration": "c"}, {"path": "b/x", "calibration": "c"}]}, "must be unique"),
     ({**MINIMAL, "calibration": {"holdout": 1.5}}, "holdout"),
+    ({**MINIMAL, "calibration": {"holdout": 1.0}}, "holdout 1.0 is ambiguous"),  # (stop 73: read as one prompt)
     ({**MINIMAL, "device": "tpu"}, "device"),
     ({**MINIMAL, "models": []}, "models"),
     ({"models": [{"path": "x", "calibration": "c"}], "layers": "a"}, "base: required key is missing"),

@@ -194,6 +194,39 @@ def test_hybrid_refines_a_task_arithmetic_merge(tiny_hf, families, tmp_path, arc
     assert torch.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
 
 
+@pytest.mark.parametrize("by_depth", [False, True])
+def test_hybrid_keeps_the_start_where_its_step_raised_the_objective(families, tmp_path, by_depth):
+    """(stop 73, a QA review: a RegMean start 757 -> hybrid 986) ``keep_start`` (default): a layer whose
+    QP step raised the exact calibration objective keeps the start's weights, and the record says so;
+    ``keep_start: false`` applies the step as before. The point box ``[3, 3]`` forces the step to the
+    weights of task arithmetic at scaling 3, above the task-arithmetic start's objective."""
+    from mergeqp.merge import merge_state_dicts
+
+    fam = families["gpt2"]
+    mlp = "transformer.h.1.mlp.c_fc"
+    start = {"name": "task_arithmetic", "params": {"scaling": 1.0}}
+    method = {"name": "qp", "mode": "hybrid", "start": start, "constraints": ["box:3,3"]}
+    kept = _merge(fam, tmp_path, mlp, {**method, "mode_options": {"by_depth": by_depth}}, name="kept")
+    applied = _merge(fam, tmp_path, mlp, {**method, "mode_options": {"keep_start": False, "by_depth": by_depth}},
+                     name="applied")
+    ev_k, ev_a = kept.report["evaluation"], applied.report["evaluation"]
+    layer = kept.report["layers"][0]
+    assert layer["kept_start"] is True and layer["objective_after_exact"] > ev_k["start"]["calibration_objective"]
+    assert ev_k["merged"]["calibration_objective"] == pytest.approx(ev_k["start"]["calibration_objective"], rel=1e-9)
+    assert any("keep the weights they had before it" in n for n in kept.report["notes"])
+    assert "kept_start" not in applied.report["layers"][0]
+    assert ev_a["merged"]["calibration_objective"] > ev_a["start"]["calibration_objective"] * (1 + 1e-6)
+    base, fts = open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]
+    ta = merge_state_dicts("task_arithmetic", base.state_dict(), [f.state_dict() for f in fts], progress=False)
+    site_keys = kept.plan.sites[0].keys
+    k_out, a_out = open_checkpoint(kept.out_dir), open_checkpoint(applied.out_dir)
+    for key in site_keys:  # kept: the start's weights; applied: base + 3 sum of the residuals (d = 3)
+        assert torch.allclose(k_out.get(key).to(torch.float64), ta[key].to(torch.float64), atol=1e-6), key
+        want = base.get(key).to(torch.float64) + 3 * sum(f.get(key).to(torch.float64) - base.get(key).to(torch.float64)
+                                                          for f in fts)
+        assert torch.allclose(a_out.get(key).to(torch.float64), want, atol=1e-5), key
+
+
 # ---------------------------------------------------------------------- joint
 def test_joint_qp_and_its_comparison_with_sequential(families, tmp_path):
     fam = families["gpt2"]

@@ -129,6 +129,11 @@ def test_read_matrix_errors(tmp_path):
     (tmp_path / "m.json").write_text("[]")
     with pytest.raises(ValidationError, match="is not one of"):
         read_matrix(tmp_path / "m.json")
+    # (stop 73, a QA review) a text file named .npy: one plain line, never numpy's advice to unpickle it
+    (tmp_path / "heads.npy").write_text("hello\n")
+    with pytest.raises(ValidationError, match=r"not an array of numbers in \.npy format") as info:
+        read_matrix(tmp_path / "heads.npy", "output.matrix")
+    assert "allow_pickle" not in str(info.value) and str(info.value).startswith("output.matrix: cannot read")
 
 
 def test_merge_through_a_matrix_from_the_config(tiny_hf, tmp_path):

@@ -125,6 +125,9 @@ def test_trust_region_never_worse_on_random_networks(tiny_hf, tmp_path_factory, 
     ({"mode": "trust_region", "mode_options": {"radius": 1e-5}}, "must lie between"),
     ({"mode": "trust_region", "mode_options": {"max_steps": "3"}}, "max_steps"),
     ({"mode": "single", "mode_options": {"radius": 1.0}}, "takes no options.*trust_region"),
+    # (stop 73, a QA review: accepted and silently ignored)
+    ({"mode": "trust_region", "reference": "zero", "regularisation": 0.1}, "reference is not used with mode: "
+                                                                          "trust_region.*toward the start"),
     ({"mode": "sequential", "mode_options": {"radius": 1.0}}, "unknown key 'radius'.*valid keys: by_depth"),
     ({"mode": "hybrid", "start": {"name": "soup"}, "mode_options": {"radius": 1.0}}, "unknown key 'radius'"),
 ])

@@ -440,6 +440,17 @@ def test_warm_start_errors_name_the_warm_start(problem) -> None:
         solve(problem, Box(0.0, 1.0), x0=np.full((3, 4), np.nan))
 
 
+@pytest.mark.parametrize("cset", [Box(0.0, 1.0), "global_simplex"])
+def test_osqp_starts_from_the_warm_start_projected_onto_the_set(problem, cset) -> None:
+    """(stop 73, a QA review) OSQP warm-started at 1e15 on a box ran all 100,000 iterations and returned
+    a point infeasible by 0.1-11; the start is now projected onto the set first."""
+    pytest.importorskip("osqp")
+    reference = solve(problem, cset, solver="clarabel")
+    sol = solve(problem, cset, solver="osqp", x0=np.full(problem.shape, 1e15))
+    assert sol.status == SolveStatus.OPTIMAL and sol.certificate.feasible
+    assert sol.objective == pytest.approx(reference.objective, rel=1e-6, abs=1e-9)
+
+
 def test_simplex_sum_mismatch_is_printed_with_enough_digits() -> None:
     with pytest.raises(InfeasibleError, match=r"allows sums in \[1, 1\] but the simplex needs 1.000001"):
         solve(MergeQP(np.eye(4), np.ones(4), shape=(2, 2)), Box(0.5, 0.5) & Simplex(1 + 1e-6))

@@ -114,6 +114,8 @@ EXIT_USAGE = 2
 EXIT_BAD_DATA = 3
 EXIT_IO = 4
 EXIT_OTHER_PROCESS = 5
+#: an exception no check anticipated (sysexits' EX_SOFTWARE): a bug, or a plugin of the user's
+EXIT_UNEXPECTED = 70
 EXIT_INTERRUPTED = 130
 
 EXIT_CODES: tuple[tuple[int, str], ...] = (
@@ -129,6 +131,9 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
               "a folder output (`merge`, `experiment`, `sweep --out`) creates its missing parent folders"),
     (EXIT_OTHER_PROCESS, "under torchrun: another process of the job stopped (failed, killed or interrupted) "
                          "and this one could not go on; torchrun's report names that process and its message"),
+    (EXIT_UNEXPECTED, "an unexpected error (a bug in mergeqp, or in a module of yours it imported): one line "
+                      "names the exception and where it was raised (MERGEQP_TRACEBACK=1 prints the traceback); "
+                      "outputs not yet written keep their previous state"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),
 )
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from ..errors import (
     EXIT_INTERRUPTED,
     EXIT_IO,
+    EXIT_UNEXPECTED,
     EXIT_USAGE,
     ConfigError,
     Interrupted,
@@ -198,6 +199,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"mergeqp {args.command}: error: I/O error{where}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_IO
+    except RuntimeError as exc:
+        if not str(exc).startswith("Symlink loop"):
+            return _unexpected(args.command, exc)
+        # (pathlib's resolve() of a path whose links form a loop, a QA review, stop 73)
+        print(f"mergeqp {args.command}: error: {str(exc).replace('Symlink loop', 'a loop of symbolic links')}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - the last resort: one line, never a traceback
+        return _unexpected(args.command, exc)
+
+
+def _unexpected(command: str, exc: BaseException) -> int:
+    """An exception no check anticipated (a bug, or a user's plugin that raised): one line naming it and
+    the innermost place it was raised (the user's own file when the traceback passes through one), exit
+    :data:`~mergeqp.errors.EXIT_UNEXPECTED`; ``MERGEQP_TRACEBACK=1`` re-raises it for its traceback. Before
+    stop 73 such errors (a user's basis builder or domain loader that raised, a config.json holding a
+    list) printed Python's traceback and exited 1, which the exit codes say is "solved, not certified"."""
+    import traceback
+
+    if os.environ.get("MERGEQP_TRACEBACK"):
+        raise exc
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    own = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename
+           and not f.filename.startswith("<")]
+    where = own[-1] if own else (frames[-1] if frames else None)
+    place = "" if where is None else f" at {where.filename}:{where.lineno}"
+    whose = "in a module of yours" if own else "a bug in mergeqp, please report it"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    message = (f"mergeqp {command}: error: unexpected {type(exc).__name__}{place} ({whose}): {first}; "
+               f"MERGEQP_TRACEBACK=1 prints the traceback")
+    if not _other_rank():
+        print(message, file=sys.stderr)
+    return EXIT_UNEXPECTED
 
 
 def entry() -> None:

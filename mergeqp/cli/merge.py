@@ -166,8 +166,9 @@ def _print_summary(result: Any) -> None:
                  f"{', '.join(m.layer for m in members)} (one QP, n = {layer.n_variables})")
         energy = (f"{layer.energy_fraction:.3f}" if len(members) == 1 else
                   ", ".join(f"{m.energy_fraction:.3f}" for m in members) + " (per layer)")
+        kept = "; step not kept: the start's weights stay" if layer.kept_start else ""
         print(f"  {names}: J {layer.objective_before:.6g} -> {layer.objective_after:.6g} "
-              f"(exact {layer.objective_after_exact:.6g}); fw_gap {format_number(cert.get('fw_gap'), 4)}, "
+              f"(exact {layer.objective_after_exact:.6g}{kept}); fw_gap {format_number(cert.get('fw_gap'), 4)}, "
               f"certified {cert.get('certified')}; energy {energy}{extra}")
     ev = rep.evaluation
     if ev is not None:

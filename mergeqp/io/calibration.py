@@ -278,10 +278,18 @@ def read_tensor_inputs(path: str | Path) -> dict[str, Any]:
     if len(set(sizes.values())) != 1:
         raise ValidationError(f"{p}: input tensors disagree on the number of samples: {sizes}")
     mask = data.get("attention_mask")
-    if mask is not None and mask.numel() and not bool(mask.reshape(mask.shape[0], -1).ne(0).any()):
-        # (stop 73, a QA review: the run went on and a note blamed single-token prompts)
-        raise ValidationError(f"{p}: its attention_mask is 0 everywhere: no sample has a position the model "
-                              f"attends to, so nothing could be compared")
+    if mask is not None and mask.numel():
+        # (stop 73, QA reviews: an all-zero mask ran on and a note blamed single-token prompts; an all-zero row
+        # made Llama's outputs NaN, reported as a non-finite checkpoint)
+        live = mask.reshape(mask.shape[0], -1).ne(0).any(dim=1)
+        if not bool(live.any()):
+            raise ValidationError(f"{p}: its attention_mask is 0 everywhere: no sample has a position the model "
+                                  f"attends to, so nothing could be compared")
+        if not bool(live.all()):
+            dead = torch.nonzero(~live).flatten().tolist()
+            raise ValidationError(f"{p}: row(s) {dead[:8]}{' ...' if len(dead) > 8 else ''} ({len(dead)} of "
+                                  f"{int(live.numel())}) of its attention_mask are 0 everywhere: samples with no "
+                                  f"position the model attends to (its outputs there are undefined); remove them")
     return dict(data)
 
 

@@ -103,7 +103,10 @@ def check_tensor_finite(name: str, tensor: Any, model: str) -> None:
 
     if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.numel() == 0:
         return
-    bad = ~torch.isfinite(tensor)
+    try:
+        bad = ~torch.isfinite(tensor)
+    except (NotImplementedError, RuntimeError):  # float8 dtypes have no isfinite (a review, stop 73): upcast
+        bad = ~torch.isfinite(tensor.to(torch.float32))
     if bool(bad.any()):
         count = int(bad.sum())
         first = tuple(int(i) for i in torch.nonzero(bad)[0]) if tensor.ndim else ()
@@ -165,6 +168,7 @@ def save_hf_folder(
     overwrite: bool = False,
     metadata: Mapping[str, str] | None = None,
     extra_files: Callable[[WrittenModel], Mapping[str, str]] | None = None,
+    origin: Callable[[str], str] | None = None,
 ) -> WrittenModel:
     """Write ``tensors`` (an iterable of ``(name, torch.Tensor)``; consumed once, in order) as a
     Hugging Face folder.
@@ -177,6 +181,8 @@ def save_hf_folder(
     ``extra_files``: called with the result (its ``folder`` is the final ``out_dir``) before
     the folder is renamed into place; returns ``{file name: text}`` to write into it too (e.g.
     ``report.json`` / ``report.md``), so that the folder appears complete with them or not at all.
+    ``origin(name)``: what a non-finite tensor's error names as its model (default "the merged
+    model"; a merge names the base for the tensors it keeps from it).
     Raises :class:`~mergeqp.errors.BadDataError` for a non-finite tensor,
     :class:`~mergeqp.errors.OutputError` when the disk refuses a write; in both cases nothing
     changes at ``out_dir``.
@@ -190,7 +196,7 @@ def save_hf_folder(
     cast = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with atomic_folder(out, overwrite=overwrite) as staging:
         written = _write_folder(staging, tensors, limit, cast, metadata, source_folder, config,
-                                tokenizer_folder, save_safetensors, final=out)
+                                tokenizer_folder, save_safetensors, final=out, origin=origin)
         written = replace(written, folder=out)
         for fname, text in (extra_files(written) if extra_files is not None else {}).items():
             write_text_atomic(staging / fname, text)
@@ -200,7 +206,8 @@ def save_hf_folder(
 def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cast: Any,
                   metadata: Mapping[str, str] | None, source_folder: str | Path | None,
                   config: Mapping[str, Any] | None, tokenizer_folder: str | Path | None,
-                  save_file: Callable[..., None], final: Path | None = None) -> WrittenModel:
+                  save_file: Callable[..., None], final: Path | None = None,
+                  origin: Callable[[str], str] | None = None) -> WrittenModel:
     """Write the shards, index, config and auxiliary files into ``out`` (the staging folder);
     ``final``: the output folder it becomes, which a failed write names (not the staging file's
     internal name, a QA review, stop 73)."""
@@ -247,7 +254,7 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
         seen.add(name)
         if not isinstance(tensor, torch.Tensor):
             raise ValidationError(f"tensor {name!r}: expected a torch.Tensor, got {type(tensor).__name__}")
-        t = as_written(name, tensor, cast, "the merged model")
+        t = as_written(name, tensor, cast, "the merged model" if origin is None else origin(name))
         written_dtypes.add(str(t.dtype).replace("torch.", ""))
         nbytes = t.numel() * t.element_size()
         if current and current_bytes + nbytes > limit:

@@ -141,8 +141,10 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
             r, c = members[0], members[0].get("certificate", {})
             names = "<br>".join(f"`{m['layer']}`" for m in members)
             energy = " / ".join(format_number(m["energy_fraction"], 4) for m in members)
+            # (a hybrid layer that kept its start: the step's numbers, marked as not applied)
+            kept = " (step not kept: the start's weights stay)" if r.get("kept_start") else ""
             lines.append(f"| {names} | {r['mode']} | {format_number(r['objective_before'])} | {format_number(r['objective_after'])} | "
-                         f"{format_number(r['objective_after_exact'])} | {format_number(c.get('fw_gap'), 3)} | {format_number(c.get('certified'))} | "
+                         f"{format_number(r['objective_after_exact'])}{kept} | {format_number(c.get('fw_gap'), 3)} | {format_number(c.get('certified'))} | "
                          f"{energy} | {r.get('solver')} | {format_number(r['seconds'], 3)} |")
         lines += ["", ("QP objective at points of the same problem (soup and task arithmetic: the task vectors at 1/K and 1; start and result: "
                        "the merge's start and its result) and at the QP's optimum:"), "",

@@ -41,12 +41,14 @@ def test_merge_refuses_nan_checkpoint(digests, leftovers, tiny_hf, family, tmp_p
     assert digests(family.root) == before
 
 
-@pytest.mark.parametrize("where", ["base", "finetune"])
+@pytest.mark.parametrize("where, at", [("base", 0), ("finetune", 0), ("base", -1)])
 def test_nan_outside_the_merged_layers_names_the_checkpoint_that_holds_it(digests, leftovers, tiny_hf, tmp_path,
-                                                                         capsys, where):
+                                                                         capsys, where, at):
     """(stop 73, a QA review) a NaN in a tensor the merge keeps from the base was reported as the merged
     model's (after the work), and NaN != NaN made every fine-tune "change" it; in a fine-tune's tensor
-    outside the merge it passed. Both are refused, naming the tensor and the checkpoint."""
+    outside the merge it passed. Both are refused, naming the tensor and the checkpoint: before the work
+    where the NaN lies in the entries the plan samples (``at`` 0), else when the merged model is written
+    (the base's last entry)."""
     from safetensors.torch import load_file, save_file
 
     fam = tiny_hf.make_family(tmp_path / "llama", "llama", K=2, scale=0.3, n_prompts=6)
@@ -55,7 +57,7 @@ def test_nan_outside_the_merged_layers_names_the_checkpoint_that_holds_it(digest
     for path in folder.glob("*.safetensors"):
         sd = load_file(str(path))
         if key in sd:
-            sd[key][0, 0] = float("nan")
+            sd[key][at, at] = float("nan")
             save_file(sd, str(path), metadata={"format": "pt"})
     cfg = fam.write_config(tmp_path / "c.yml", [tiny_hf.MLP_LAYER["llama"]], {"name": "ties"}, evaluate=False)
     before = digests(fam.root)

@@ -614,3 +614,19 @@ def test_an_exactly_dead_coordinate_with_a_tiny_slope_is_unbounded_not_certified
     # a dead coordinate whose slope points at a finite bound is fine (its multiplier absorbs it)
     q = mq.MergeQP(np.diag([0.0, 1.0, 2.0, 3.0]), np.array([1e-14, -1.0, -1.0, -1.0]), 0.0, shape=(1, 4))
     assert mq.solve(q, "nonneg").certificate.certified()
+
+
+def test_a_far_but_well_computed_optimum_still_certifies():
+    """(stop 73, a second review of the rule above) ``problems/mnist_real640`` on ``box:-1e6,1e6``: its
+    optimum lies inside (|d| = 170), the gap 0.015 is below the allowed 0.019, and the rounding estimate
+    (1.6) is above it but ~1e-4 of |J|: not material, so it certifies as before (the first version of the
+    rule, measured against the natural scale, refused it and ``auto`` ended uncertified)."""
+    from pathlib import Path
+
+    from mergeqp.problem import load_problem_file
+
+    p, _ = load_problem_file(Path(__file__).resolve().parents[2] / "problems" / "mnist_real640.npz")
+    cert = mq.solve(p, "box:-1e6,1e6", solver="active_set").certificate
+    assert cert.rounding > cert.allowed_gap(1e-6) and not cert.rounding_material
+    assert cert.certified(1e-6)
+    assert mq.solve(p, "box:-1e6,1e6").certificate.certified(1e-6)

@@ -125,3 +125,16 @@ def test_tokenizers_are_compared_once_until_a_file_changes(fam, monkeypatch):
     vocab.write_text(vocab.read_text().replace('"lemma"', '"lemmas"'))
     with pytest.raises(ConfigError, match="tokenizer mismatch"):
         checkpoints_mod.check_tokenizers(fam.base, [("ft", ft)])
+
+
+def test_float8_tensors_are_checked_for_nan():
+    """(stop 73, a review) ``torch.isfinite`` is not implemented for float8 dtypes: the check raised a bare
+    NotImplementedError; it upcasts them."""
+    import torch
+
+    from mergeqp.errors import BadDataError
+    from mergeqp.io.writer import check_tensor_finite
+
+    check_tensor_finite("w", torch.zeros(4, dtype=torch.float8_e4m3fn), "model m")
+    with pytest.raises(BadDataError, match=r"tensor 'w' of model m has 1 non-finite"):
+        check_tensor_finite("w", torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn), "model m")

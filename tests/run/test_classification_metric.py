@@ -398,9 +398,13 @@ def test_head_and_label_files_of_every_kind(tmp_path):
     with pytest.raises(ValidationError, match=r"m0.safetensors: its attention_mask is 0 everywhere"):
         read_tensor_inputs(tmp_path / "m0.safetensors")
     mask = torch.zeros(4, 3, dtype=torch.int64)
-    mask[2, 0] = 1  # one sample with a position: read as it is
+    mask[:, 0] = 1  # padding: read as it is
     save_file({"input_ids": torch.ones(4, 3, dtype=torch.int64), "attention_mask": mask}, str(tmp_path / "m1.safetensors"))
-    assert read_tensor_inputs(tmp_path / "m1.safetensors")["attention_mask"].sum() == 1
+    assert read_tensor_inputs(tmp_path / "m1.safetensors")["attention_mask"].sum() == 4
+    mask[2, 0] = 0  # one sample with no position: refused naming its row
+    save_file({"input_ids": torch.ones(4, 3, dtype=torch.int64), "attention_mask": mask}, str(tmp_path / "m2.safetensors"))
+    with pytest.raises(ValidationError, match=r"row\(s\) \[2\] \(1 of 4\) of its attention_mask are 0 everywhere"):
+        read_tensor_inputs(tmp_path / "m2.safetensors")
     for dtype in (torch.uint8, torch.uint32, torch.uint64, torch.int16):
         data = {"input_ids": torch.zeros(3, 2, dtype=torch.int64), "y": torch.tensor([0, 2, 1]).to(dtype)}
         labels = tensor_labels(data, "y", "f.safetensors")

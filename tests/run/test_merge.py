@@ -214,6 +214,7 @@ def test_hybrid_keeps_the_start_where_its_step_raised_the_objective(families, tm
     assert layer["kept_start"] is True and layer["objective_after_exact"] > ev_k["start"]["calibration_objective"]
     assert ev_k["merged"]["calibration_objective"] == pytest.approx(ev_k["start"]["calibration_objective"], rel=1e-9)
     assert any("keep the weights they had before it" in n for n in kept.report["notes"])
+    assert "(step not kept: the start's weights stay)" in (kept.out_dir / "report.md").read_text()
     assert "kept_start" not in applied.report["layers"][0]
     assert ev_a["merged"]["calibration_objective"] > ev_a["start"]["calibration_objective"] * (1 + 1e-6)
     base, fts = open_checkpoint(fam.base), [open_checkpoint(p) for p in fam.finetuned]

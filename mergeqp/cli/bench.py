@@ -286,6 +286,11 @@ def family_rows(families: list[str], solvers: list[str], n: int | None = None, s
     return rows
 
 
+#: ``--sequence`` at most this many QPs, each step at most this many times g's RMS
+MAX_SEQUENCE = 100_000
+MAX_SEQUENCE_STEP = 1e3
+
+
 def sequence_row(family: str, solver: str, steps: int, n: int | None = None, seed: int = 0,
                  rel_tol: float = 1e-8, options: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.perf_counter, step: float = 0.01) -> dict[str, Any]:
@@ -443,13 +448,13 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         raise ConfigError("--family benchmarks drawn instances: --problems, --constraint and --max-n do not apply")
     from ..solvers.instance_families import get_family
 
-    if args.sequence < 0:
-        raise ConfigError(f"--sequence must be >= 0, got {args.sequence}")
+    if not 0 <= args.sequence <= MAX_SEQUENCE:  # (a billion ran out of memory, a QA review, stop 73)
+        raise ConfigError(f"--sequence must be between 0 and {MAX_SEQUENCE}, got {args.sequence}")
     if args.sequence_step is not None and not args.sequence:
         raise ConfigError("--sequence-step applies with --sequence T only")
     step = 0.01 if args.sequence_step is None else args.sequence_step
-    if not 0 < step < math.inf:  # (nan fails this too)
-        raise ConfigError(f"--sequence-step must be finite and > 0, got {step}")
+    if not 0 < step <= MAX_SEQUENCE_STEP:  # (nan fails this too; 1e308 overflowed g)
+        raise ConfigError(f"--sequence-step must be finite, > 0 and at most {MAX_SEQUENCE_STEP:g}, got {step}")
     if args.n is not None:  # a bad size fails before the table starts
         for name in families:
             get_family(name).with_n(args.n)

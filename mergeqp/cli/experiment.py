@@ -272,8 +272,10 @@ def _check_threads(args: argparse.Namespace) -> None:
 
 
 def _check_seed(args: argparse.Namespace) -> None:
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    # (every experiment: `lm` checked only the sign, and torch's seed overflowed, a QA review, stop 73)
+    max_seed = 2 ** 53
+    if not 0 <= args.seed <= max_seed:
+        raise ConfigError(f"--seed must be an integer in [0, {max_seed}], got {args.seed}")
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -50,6 +50,7 @@ import numpy as np
 from ..errors import ValidationError, check_integer, unknown
 from ..io.atomic import atomic_folder, write_json_atomic
 from ..io.progress import library_bars
+from ..io.atomic import check_writable_folder
 from ..io.workdir import work_folder
 from ..merge.modes import MERGE_MODES, TrustRegionMode
 from ..output_metrics import OUTPUT_METRICS
@@ -700,7 +701,16 @@ def check_base_folder(folder: str | os.PathLike[str]) -> Path:
     config = read_config(path)
     if config is None:
         raise ValidationError(f"base folder {path}: not a Hugging Face model folder (no config.json there)")
+    if not isinstance(config, dict):  # (a QA review, stop 73: a list raised AttributeError)
+        raise ValidationError(f"base folder {path}: its config.json holds a {type(config).__name__}, not an object "
+                              f"of settings")
     archs = config.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValidationError(f"base folder {path}: config.json's 'architectures' must be a list of class names, "
+                              f"got {archs!r}")
+    if not isinstance(config.get("model_type", ""), str):
+        raise ValidationError(f"base folder {path}: config.json's 'model_type' must be a string, got "
+                              f"{config.get('model_type')!r}")
     if archs and archs[0] in ARCHITECTURES:
         return path
     why = causal_lm_obstacle(config)
@@ -747,7 +757,8 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
                 raise ValidationError(f"corpora: each entry must be a Corpus, got {type(c).__name__}")
             check_corpus_name(c.name)
     # relative paths are the caller's (the run layer's configs are rooted in a temporary work folder)
-    cache_dir = (Path(cache).expanduser() if cache is not None else default_cache()).resolve()
+    cache_dir = check_writable_folder(Path(cache).expanduser() if cache is not None else default_cache(),
+                                      "the cache folder (--cache)")
     if base_folder is not None:
         base_folder = check_base_folder(base_folder)
     # never write over the cache (fine-tunes, the base), the base folder or a domain's text file
@@ -758,7 +769,12 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     old_threads = torch.get_num_threads()
     torch.set_num_threads(threads or min(2, os.cpu_count() or 1))
     try:  # (a killed run's work folder is removed by the next run in the same place)
-        with work_folder(".lm-work-", Path(out_dir).expanduser().resolve().parent) as work, library_bars(progress):
+        # the work folder in the output's nearest existing folder (its missing parents are made by the final
+        # atomic write only: `--out new/deeper/run` failed at the start, a QA review, stop 73)
+        near = Path(out_dir).expanduser().resolve().parent
+        while not near.exists() and near.parent != near:
+            near = near.parent
+        with work_folder(".lm-work-", near) as work, library_bars(progress):
             results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
                            device_note, quick, progress)
             results = {**results, "command": command}

@@ -43,7 +43,7 @@ import numpy as np
 import pydantic
 
 from ..errors import ValidationError, check_integer, unknown
-from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.atomic import atomic_folder, check_writable_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
 from ..merge.modes import MERGE_MODES
@@ -268,7 +268,8 @@ def run_text_experiment(out_dir: str, quick: bool = False, seed: int = 0, *, cac
     if not (base / "config.json").is_file():
         raise ValidationError(f"base model folder {base} has no config.json")
     check_encoder_folder(base)
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_text_cache()
+    cache = check_writable_folder(Path(cache_dir).expanduser() if cache_dir is not None else default_text_cache(),
+                                  "the cache folder (--cache)")
     given = list(tasks) if tasks is not None else []
     for c in given:
         if not isinstance(c, Corpus):

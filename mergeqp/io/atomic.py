@@ -277,6 +277,25 @@ def _write_refusal(folder: Path, kind: str) -> str | None:
     return None
 
 
+def check_writable_folder(path: str | os.PathLike[str], option: str) -> Path:
+    """Before any work: a folder that the run reads and adds files to (a cache), refused when it is a
+    file or when nothing can be created where it is (or would be made). Returns it resolved. (A QA
+    review, stop 73: ``--cache`` naming a file, or on a read-only file system, failed after the work,
+    as an I/O error that blamed the wrong thing.)"""
+    p = Path(path).expanduser()
+    if p.exists() and not p.is_dir():
+        raise ValidationError(f"{option} {os.fspath(path)} is a file, not a folder")
+    near = p
+    while not near.exists() and near.parent != near:
+        near = near.parent
+    if not near.is_dir():
+        raise ValidationError(f"{option} {os.fspath(path)}: {near} is a file, so the folder cannot be made")
+    why = _write_refusal(near, "folder")
+    if why is not None:
+        raise ValidationError(f"{option} {os.fspath(path)}: nothing can be written in {near} ({why})")
+    return p.resolve()
+
+
 def check_output_file(path: str | os.PathLike[str], option: str,
                       inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
     """Before any work: refuse an output file that is (or lies inside) an input, is a folder,
@@ -548,8 +567,7 @@ def _renamed(exc: OutputError, staging: Path, target: Path) -> OutputError:
 
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
-    "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed", "orphaned_previous",
-    "overlapping_input",
-    "refuse_to_replace", "replace_refusal", "save_npy_atomic",
+    "check_writable_folder", "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed",
+    "orphaned_previous", "overlapping_input", "refuse_to_replace", "replace_refusal", "save_npy_atomic",
     "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

@@ -58,8 +58,9 @@ def write_idx() -> Callable[[str, np.ndarray, bool], None]:
     return _write_idx
 
 
-class StopRun(Exception):
-    """Raised by :func:`capture_run`'s stand-in: the CLI got as far as calling the experiment."""
+class StopRun(BaseException):
+    """Raised by :func:`capture_run`'s stand-in: the CLI got as far as calling the experiment. (A
+    ``BaseException``: the CLI turns every ``Exception`` it did not anticipate into one line and exit 70.)"""
 
 
 @pytest.fixture

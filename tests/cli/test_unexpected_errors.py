@@ -1,0 +1,80 @@
+"""Errors no check anticipated end in one line and exit 70, never a traceback (stop 73, a QA review: a
+user's solver whose ``available()`` raised, a base folder whose config.json holds a list, an output
+path whose links form a loop, a seed torch cannot take, a cache that is a file)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from mergeqp.cli import main
+from mergeqp.errors import EXIT_UNEXPECTED, EXIT_USAGE
+
+
+def test_a_plugin_that_raises_is_one_line_naming_its_file(tmp_path, capsys, monkeypatch):
+    plugin = tmp_path / "badsolver.py"
+    plugin.write_text(
+        "import mergeqp\n"
+        "from mergeqp.solvers.base import QPSolver\n"
+        "class Bad(QPSolver):\n"
+        "    name = 'badsolver_s73'\n"
+        "    def available(self):\n"
+        "        raise RuntimeError('cannot probe')\n"
+        "    def supports(self, problem, constraints):\n"
+        "        return None\n"
+        "    def solve(self, problem, constraints, x0=None, **options):\n"
+        "        raise ValueError('no')\n"
+        "mergeqp.register_solver(Bad())\n")
+    monkeypatch.delenv("MERGEQP_TRACEBACK", raising=False)
+    try:
+        code = main(["--import", str(plugin), "list", "solvers"])
+    finally:
+        from mergeqp.solvers.registry import SOLVERS
+        SOLVERS.pop("badsolver_s73", None)
+    err = capsys.readouterr().err
+    assert code == EXIT_UNEXPECTED, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"unexpected RuntimeError at {plugin}:6 (in a module of yours): cannot probe" in err
+    assert "MERGEQP_TRACEBACK=1" in err
+
+
+def test_the_traceback_on_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("MERGEQP_TRACEBACK", "1")
+    lc = tmp_path / "lc"
+    lc.mkdir()
+    (lc / "config.json").write_text("[1, 2]")
+    monkeypatch.setattr("mergeqp.experiments.lm.check_base_folder", lambda folder: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["experiment", "lm", "--quick", "--base", str(lc), "--out", str(tmp_path / "o")])
+
+
+def test_an_output_whose_links_form_a_loop_is_a_usage_error(tmp_path, capsys):
+    from pathlib import Path
+
+    problem = Path(__file__).resolve().parents[2] / "problems" / "tiny96.npz"
+    os.symlink(tmp_path / "loopB", tmp_path / "loopA")
+    os.symlink(tmp_path / "loopA", tmp_path / "loopB")
+    assert main(["solve", str(problem), "--out", str(tmp_path / "loopA")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "a loop of symbolic links" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seed", "18446744073709551616"], "--seed must be an integer in [0, 9007199254740992]"),
+    (["--cache", "{file}"], "the cache folder (--cache) {file} is a file, not a folder"),
+    (["--base", "{lc}"], "its config.json holds a list, not an object of settings"),
+])
+def test_lm_experiment_refuses_before_any_work(tmp_path, capsys, argv, message):
+    afile = tmp_path / "afile.txt"
+    afile.write_text("x")
+    lc = tmp_path / "lc"
+    lc.mkdir()
+    (lc / "config.json").write_text("[1, 2]")
+    fill = {"file": str(afile), "lc": str(lc)}
+    argv = [a.format(**fill) for a in argv]
+    code = main(["experiment", "lm", "--quick", *argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE, err
+    assert message.format(**fill) in err and "Traceback" not in err
+    assert not (tmp_path / "o").exists()

@@ -145,7 +145,8 @@ class Certificate:
     """How far from optimal a point provably is. All values float64; see the module doc.
 
     ``fw_gap`` (units of the objective) is an upper bound on ``J(d) - J*`` when ``d`` is
-    feasible; ``lower_bound = J(d) - fw_gap - rounding <= J*``; ``certified()`` tests feasibility,
+    feasible; ``lower_bound = J(d) - fw_gap - rounding`` (less ``J(d)``'s own float64 error) ``<= J*``;
+    ``certified()`` tests feasibility,
     ``fw_gap <= rel_tol * scale`` and that the gap's rounding is within that or not material
     (:attr:`rounding_material`).
     """

@@ -428,15 +428,16 @@ def _instance_files(problems: list[str]) -> list[str]:
 FAMILY_H_COPIES = 4
 
 
-def _check_family_memory(n: int) -> None:
+def _check_family_memory(n: int, K: int = 1) -> None:
     """Refuse an ``--n`` whose instances cannot fit in the memory available (a raw numpy
-    allocation error otherwise, exit 1), naming the sizes."""
+    allocation error otherwise, exit 1), naming the sizes and the largest ``--n`` (a multiple of
+    the family's ``K``) that fits."""
     from ..io.memory import available_memory_bytes, human_bytes
 
     need = FAMILY_H_COPIES * 8 * n * n
     free = available_memory_bytes()
     if free is not None and need > free:
-        fits = int((free / (FAMILY_H_COPIES * 8)) ** 0.5)
+        fits = int((free / (FAMILY_H_COPIES * 8)) ** 0.5) // K * K  # (suggested 25141 for K = 4, a QA review)
         raise ConfigError(f"--n {n}: the instance's H and its copies need about {human_bytes(need)}, more than the "
                           f"{human_bytes(free)} available; --n {fits} fits")
 
@@ -456,9 +457,11 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     if not 0 < step <= MAX_SEQUENCE_STEP:  # (nan fails this too; 1e308 overflowed g)
         raise ConfigError(f"--sequence-step must be finite, > 0 and at most {MAX_SEQUENCE_STEP:g}, got {step}")
     if args.n is not None:  # a bad size fails before the table starts
+        multiple = 1
         for name in families:
             get_family(name).with_n(args.n)
-        _check_family_memory(args.n)
+            multiple = math.lcm(multiple, int(get_family(name).K))
+        _check_family_memory(args.n, multiple)
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS, solvers)

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import ValidationError
 from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
+from ..run.checkpoints import TOKENIZER_FILES, has_tokenizer
 from ..stats.prefix import block_stack
 from .finetune_lm import (FINETUNE_RECORD, block_arguments, check_training_settings, damaged_files, trainable_names,
                           training_step)
@@ -198,6 +199,10 @@ def check_encoder_folder(folder: str | Path) -> None:
     why = encoder_obstacle(config)
     if why is not None:
         raise ValidationError(f"{folder} is not a sentence encoder the text experiment can fine-tune: {why}")
+    if not has_tokenizer(Path(folder)):  # (a QA review, stop 73: a tokenizer of 5 tokens was built, every word
+        # became [UNK], and the run trained and cached before it stopped)
+        raise ValidationError(f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES[:4])}, ...): the text "
+                              f"experiment tokenizes its texts with the base's own tokenizer")
     if not any(Path(folder).glob("*.safetensors")):  # the fine-tunes are written as the base's safetensors, edited
         raise ValidationError(f"{folder} holds no .safetensors weights (a pytorch_model.bin only?): the text experiment "
                               f"writes each fine-tune as a copy of the base's safetensors; save the base with "

@@ -102,6 +102,9 @@ def test_a_family_size_beyond_memory_is_refused_with_what_fits(monkeypatch, caps
     assert main(["bench", "--family", "box", "--n", "1000000000", "--solvers", "active_set"]) == 2
     err = capsys.readouterr().err
     assert "--n 1000000000: the instance's H and its copies need about" in err and "--n 5792 fits" in err
+    # (stop 73, a QA review) the size suggested is a multiple of every family's K (box: 4, box_llama: 3)
+    assert main(["bench", "--family", "box,box_llama", "--n", "1200000000", "--solvers", "active_set"]) == 2
+    assert "--n 5784 fits" in capsys.readouterr().err
 
 
 def test_a_family_variant_runs_from_the_command_line(capsys: pytest.CaptureFixture[str], tmp_path) -> None:

@@ -71,6 +71,10 @@ def _corpus(counts: list[int]) -> Corpus:
        seed=st.integers(0, 2**32 - 1))
 def test_split_disjoint_stratified_seeded(counts, fracs, seed):
     c = _corpus(counts)
+    if sum(int(round(f * len(c))) for f in fracs) > len(c):  # (parts asking for more texts than there are)
+        with pytest.raises(ValidationError, match="ask for"):
+            c.split(fracs, seed=seed)
+        return
     parts = c.split(fracs, seed=seed)
     seen = [t for p in parts for t in p.texts]
     assert len(seen) == len(set(seen))  # disjoint

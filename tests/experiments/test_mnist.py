@@ -256,6 +256,10 @@ def test_cli_errors(tmp_path, capsys):
     assert "--threads" in capsys.readouterr().err
     assert main(["experiment", "mnist", "--solver", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown solver 'nope'" in capsys.readouterr().err
+    # (stop 73, a QA review: refused only after the training) a solver that declines the experiment's boxes
+    assert main(["experiment", "mnist", "--quick", "--solver", "closed_form", "--out", str(tmp_path / "c")]) == 2
+    assert "--solver closed_form cannot solve the experiment's QPs" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists()
     assert main(["experiment", "mnist", "--qp-tr-ridge", "0,x", "--out", str(tmp_path)]) == 2
     assert "--qp-tr-ridge expects comma-separated numbers" in capsys.readouterr().err
     assert main(["experiment", "mnist", "--qp-tr-ridge", "0,-1", "--out", str(tmp_path)]) == 2

@@ -430,6 +430,16 @@ def test_cli_errors(tmp_path, capsys, tiny_base, tiny_hf):
                             config=tiny_config())
     with pytest.raises(ValidationError, match="no config.json"):
         run_text_experiment(str(tmp_path / "x"), base_folder=tmp_path, config=tiny_config())
+    # (stop 73, a QA review) an encoder without tokenizer files: refused before any work (it trained on [UNK])
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_base, bare)
+    for f in bare.iterdir():
+        if f.name.startswith(("tokenizer", "vocab", "special_tokens", "merges")):
+            f.unlink()
+    with pytest.raises(ValidationError, match="has no tokenizer files"):
+        run_text_experiment(str(tmp_path / "x"), tasks=synthetic_tasks(tiny_hf), base_folder=bare, config=tiny_config())
     with pytest.raises(ValidationError, match="train_per_task"):
         TextConfig(train_per_task=0)
     with pytest.raises(ValidationError, match="not a run-layer output block"):

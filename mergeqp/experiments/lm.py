@@ -48,9 +48,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ValidationError, check_integer, unknown
-from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.atomic import atomic_folder, check_writable_folder, nearest_existing, write_json_atomic
 from ..io.progress import library_bars
-from ..io.atomic import check_writable_folder
 from ..io.workdir import work_folder
 from ..merge.modes import MERGE_MODES, TrustRegionMode
 from ..output_metrics import OUTPUT_METRICS
@@ -771,9 +770,7 @@ def run_lm_experiment(out_dir: str | os.PathLike[str], *, quick: bool = False, s
     try:  # (a killed run's work folder is removed by the next run in the same place)
         # the work folder in the output's nearest existing folder (its missing parents are made by the final
         # atomic write only: `--out new/deeper/run` failed at the start, a QA review, stop 73)
-        near = Path(out_dir).expanduser().resolve().parent
-        while not near.exists() and near.parent != near:
-            near = near.parent
+        near = nearest_existing(Path(out_dir).expanduser().resolve().parent)
         with work_folder(".lm-work-", near) as work, library_bars(progress):
             results = _run(config, Path(out_dir), work, cache_dir, seed, domains, corpora, base_folder, dev,
                            device_note, quick, progress)

@@ -277,6 +277,15 @@ def _write_refusal(folder: Path, kind: str) -> str | None:
     return None
 
 
+def nearest_existing(path: str | os.PathLike[str]) -> Path:
+    """``path`` or its nearest ancestor that exists (the root at worst): where a folder that is
+    still missing would be made."""
+    p = Path(path)
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
 def check_writable_folder(path: str | os.PathLike[str], option: str) -> Path:
     """Before any work: a folder that the run reads and adds files to (a cache), refused when it is a
     file or when nothing can be created where it is (or would be made). Returns it resolved. (A QA
@@ -285,9 +294,7 @@ def check_writable_folder(path: str | os.PathLike[str], option: str) -> Path:
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         raise ValidationError(f"{option} {os.fspath(path)} is a file, not a folder")
-    near = p
-    while not near.exists() and near.parent != near:
-        near = near.parent
+    near = nearest_existing(p)
     if not near.is_dir():
         raise ValidationError(f"{option} {os.fspath(path)}: {near} is a file, so the folder cannot be made")
     why = _write_refusal(near, "folder")
@@ -439,9 +446,7 @@ def check_output_folder(out: str | os.PathLike[str], inputs: Sequence[str | os.P
         if not os.access(out_r, os.W_OK | os.X_OK):
             raise ValidationError(f"{option} {os.fspath(out)} is not writable (read-only folder or file system); "
                                   f"it is kept as it is: choose another --out or change its permissions")
-    parent = out_r.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
+    parent = nearest_existing(out_r.parent)
     if not parent.is_dir():
         raise ValidationError(f"cannot create {option} {os.fspath(out)}: {parent} is not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -474,9 +479,7 @@ def _glob_escape(name: str) -> str:
 def check_free_space(path: str | os.PathLike[str], need_bytes: int, option: str = "the output") -> None:
     """Before any work: refuse when the file system holding ``path`` (or its nearest existing
     parent) has less than ``need_bytes`` plus a small margin free. Raises :class:`ConfigError`."""
-    p = Path(path).expanduser().resolve()
-    while not p.exists() and p != p.parent:
-        p = p.parent
+    p = nearest_existing(Path(path).expanduser().resolve())
     try:
         free = shutil.disk_usage(p).free
     except OSError:
@@ -568,6 +571,6 @@ def _renamed(exc: OutputError, staging: Path, target: Path) -> OutputError:
 __all__ = [
     "atomic_file", "atomic_folder", "check_free_space", "check_output_file", "check_output_folder",
     "check_writable_folder", "committed_outputs", "copy_file_atomic", "folder_files", "forget_committed",
-    "orphaned_previous", "overlapping_input", "refuse_to_replace", "replace_refusal", "save_npy_atomic",
-    "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
+    "nearest_existing", "orphaned_previous", "overlapping_input", "refuse_to_replace", "replace_refusal",
+    "save_npy_atomic", "save_npz_atomic", "savefig_atomic", "write_bytes_atomic", "write_json_atomic", "write_text_atomic",
 ]

@@ -96,6 +96,20 @@ def _architectures() -> list[dict[str, Any]]:
             for n, c in ARCHITECTURES.items()]
 
 
+def _families() -> list[dict[str, Any]]:
+    from ..solvers.instance_families import FAMILIES  # deferred: the CLI layer imports lazily
+
+    return [{"name": n, "description": f"n = {f.n} ({f.K} x {f.r}): {_first_line(f.description) or f.set_type}"}
+            for n, f in FAMILIES.items()]
+
+
+def _domains() -> list[dict[str, Any]]:
+    from ..experiments.lm import DEFAULT_DOMAINS, DOMAINS  # deferred: the CLI layer imports lazily
+
+    return [{"name": n, "description": _doc(loader) or "(its loader has no docstring)",
+             **({"note": "a default"} if n in DEFAULT_DOMAINS else {})} for n, loader in DOMAINS.items()]
+
+
 #: kind -> (where a config or command names it, the entries)
 KINDS: dict[str, tuple[str, Callable[[], list[dict[str, Any]]]]] = {
     "constraints": ("method.constraints, --constraint", _constraints),
@@ -106,6 +120,8 @@ KINDS: dict[str, tuple[str, Callable[[], list[dict[str, Any]]]]] = {
     "modes": ("method.mode", _modes),
     "metrics": ("output.metric", _metrics),
     "architectures": ("config.json's architectures, besides every class transformers knows", _architectures),
+    "families": ("bench --family, also as FAMILY:key=value:...", _families),
+    "domains": ("experiment lm --domains", _domains),
 }
 
 

@@ -13,7 +13,8 @@ printed); 2 for bad input (missing or malformed file, unknown constraint or solv
 infeasible constraints, an output path that is an input or cannot be written), with one line
 naming the problem; 3 for NaN / inf in the problem or the point; 4 when a write fails (the
 previous file is kept: every output is written atomically); 130 when interrupted.
-``--out`` and ``--save-d`` are checked before the solve and written exactly at the names given.
+``--out`` and ``--save-d`` are checked before the solve and written exactly at the names given;
+``--out -`` prints the JSON on standard output (the summary then goes to standard error).
 """
 
 from __future__ import annotations
@@ -24,12 +25,18 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import BadDataError, ConfigError, ValidationError
 from ..io.atomic import check_output_file, save_npy_atomic, write_json_atomic
+
+#: ``--out -``: the JSON on standard output
+STDOUT = "-"
+#: the outputs that may go to standard output (JSON); ``--save-d`` (binary .npy) may not
+STDOUT_OUTPUTS = ("the solution", "the certificate")
 
 CONSTRAINT_HELP = ("constraint set, repeatable (intersection): box:LO,HI | simplex[:TOTAL] | "
                    "global_simplex[:TOTAL] | l1:RADIUS[,CENTER] | nonneg | sign[:DENSITY] | none; "
@@ -54,7 +61,8 @@ def register(subparsers: Any) -> None:
                         "reads (e.g. an earlier 'mergeqp solve --out' file); active_set also takes its "
                         "face as the first active-set guess with --option start_face=point")
     p.add_argument("--out", default=None, metavar="SOL.json",
-                   help="write the solution as JSON (objective, d as K x n_atoms, solver, certificate)")
+                   help="write the solution as JSON (objective, d as K x n_atoms, solver, certificate); "
+                        "'-': standard output (the summary goes to standard error)")
     p.add_argument("--save-d", default=None, metavar="D.npy",
                    help="also write d (K x n_atoms) as .npy, exactly at this name (no suffix is added)")
     p.set_defaults(func=run_solve)
@@ -68,7 +76,8 @@ def register(subparsers: Any) -> None:
                    help="the point: .npy (K x n_atoms or flat), .npz (array 'd'), .json (a "
                         "'mergeqp solve --out' file or a nested list), or .txt/.csv")
     _common(c)
-    c.add_argument("--out", default=None, metavar="CERT.json", help="write the certificate as JSON")
+    c.add_argument("--out", default=None, metavar="CERT.json",
+                   help="write the certificate as JSON; '-': standard output (the summary goes to standard error)")
     c.set_defaults(func=run_certify)
 
 
@@ -98,8 +107,11 @@ def _check_outputs(args: argparse.Namespace, outputs: list[tuple[str | None, str
               if p]
     seen: dict[str, str] = {}
     for path, what in outputs:
-        if path is None:
+        if path is None or (path == STDOUT and what in STDOUT_OUTPUTS):
             continue
+        if path == STDOUT:  # (a file named '-' was written: stop 73)
+            raise ConfigError(f"{what} is binary and cannot go to standard output ('-'); give a file name, "
+                              f"e.g. ./d.npy")
         check_output_file(path, what, inputs)
         key = os.path.realpath(path)
         if key in seen:
@@ -209,8 +221,19 @@ def _point(problem: Any, path: str, what: str) -> np.ndarray:
         raise ValidationError(f"{what} {path}: {exc}") from None
 
 
-def _write_json(path: str, payload: dict[str, Any]) -> None:
+def _write_json(path: str, payload: dict[str, Any], say: Callable[[str], None]) -> None:
+    """``payload`` at ``path`` (atomically), or on standard output for ``-``."""
+    if path == STDOUT:
+        print(json.dumps(payload, indent=1))
+        return
     write_json_atomic(path, payload, indent=1)
+    say(f"wrote {path}")
+
+
+def _say(args: argparse.Namespace) -> Callable[[str], None]:
+    """Where the summary goes: standard output, or standard error when ``--out -`` takes standard output."""
+    stream = sys.stderr if args.out == STDOUT else sys.stdout
+    return lambda msg: print(msg, file=stream)
 
 
 def _not_certified(command: str, cert: Any, rel_tol: float) -> int:
@@ -224,6 +247,7 @@ def run_solve(args: argparse.Namespace) -> int:
     """Solve, print the summary and certificate, optionally write JSON; exit 0 iff certified."""
     from ..solvers.registry import solve
 
+    say = _say(args)
     _check_outputs(args, [(args.out, "the solution"), (args.save_d, "d (--save-d)")])
     options = _parse_options(args.option)
     problem, cset = _load(args)
@@ -233,19 +257,18 @@ def run_solve(args: argparse.Namespace) -> int:
     # Cholesky, up to n = 2048); solve() from Python skips them unless asked
     solution = solve(problem, cset, solver=args.solver, x0=x0, rel_tol=args.rel_tol,
                      feas_tol=args.feas_tol, abs_tol=args.abs_tol, pinv=True if args.pinv else None, **options)
-    print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
-    print(solution.summary())
+    say(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms)")
+    say(solution.summary())
     if options:
-        print(f"options {options} were passed to solver {solution.solver}")
+        say(f"options {options} were passed to solver {solution.solver}")
     if args.out:
         payload = solution.to_dict()
         payload["problem"] = os.path.abspath(args.problem)
         payload["constraint_specs"] = list(args.constraint)
-        _write_json(args.out, payload)
-        print(f"wrote {args.out}")
+        _write_json(args.out, payload, say)
     if args.save_d:
         save_npy_atomic(args.save_d, solution.d)
-        print(f"wrote {args.save_d}")
+        say(f"wrote {args.save_d}")
     cert = solution.certificate
     if cert is None or not cert.certified(args.rel_tol):
         return _not_certified("solve", cert, args.rel_tol) if cert is not None else 1
@@ -256,21 +279,21 @@ def run_certify(args: argparse.Namespace) -> int:
     """Certify ``--point``; print the certificate; exit 0 iff certified."""
     from ..certificate import certify
 
+    say = _say(args)
     _check_outputs(args, [(args.out, "the certificate")])
     problem, cset = _load(args)
     d = _point(problem, args.point, "point file")
     cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
                    pinv=True if args.pinv else None, abs_tol=args.abs_tol)
-    print(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
+    say(f"problem {args.problem}: n = {problem.n} ({problem.K} models x {problem.n_atoms} atoms); "
           f"point {args.point}")
-    print(cert.explain(args.rel_tol))
+    say(cert.explain(args.rel_tol))
     if args.out:
         payload = cert.to_dict()
         payload["certified"] = cert.certified(args.rel_tol)
         payload["problem"] = os.path.abspath(args.problem)
         payload["point"] = os.path.abspath(args.point)
-        _write_json(args.out, payload)
-        print(f"wrote {args.out}")
+        _write_json(args.out, payload, say)
     if not cert.certified(args.rel_tol):
         return _not_certified("certify", cert, args.rel_tol)
     return 0

@@ -18,10 +18,12 @@ def _listed(capsys, *argv):
 
 def test_every_registered_name_is_listed_with_a_line(capsys):
     from mergeqp.constraints.parse import CONSTRAINT_SETS
+    from mergeqp.experiments.lm import DOMAINS
     from mergeqp.merge.modes import MERGE_MODES
     from mergeqp.merge.registry import MERGE_METHODS
     from mergeqp.output_metrics import OUTPUT_METRICS
     from mergeqp.run.model_methods import MODEL_METHODS
+    from mergeqp.solvers.instance_families import FAMILIES
     from mergeqp.solvers.registry import SOLVERS
     from mergeqp.stats.bases import BASES
     from mergeqp.stats.parametrisation import PARAMETRISATIONS
@@ -37,6 +39,8 @@ def test_every_registered_name_is_listed_with_a_line(capsys):
     assert len(names["methods"]) == len(set(names["methods"]))  # output_space once: the model method
     assert names["modes"] == list(MERGE_MODES)
     assert names["metrics"] == list(OUTPUT_METRICS)
+    assert names["families"] == list(FAMILIES)  # bench --family (stop 73: not listed)
+    assert names["domains"] == list(DOMAINS)  # experiment lm --domains
     # every built-in entry says what it is, in one line without reST markup
     for kind, entries in listed.items():
         for e in entries:
@@ -68,6 +72,30 @@ def test_a_users_entries_are_listed_after_import(tmp_path, capsys):
     assert "(its parser has no docstring)" in line
     assert "test_listed_metric" in out and "my metric, listed" in out
     assert "solvers" not in out  # only the kinds asked for
+
+
+def test_a_users_family_and_domain_are_listed_after_import(tmp_path, capsys):
+    plugin = tmp_path / "listed_bench_plugin.py"
+    plugin.write_text(
+        "from mergeqp.experiments.lm import register_domain\n"
+        "from mergeqp.solvers.instance_families import InstanceFamily, register_family\n"
+        "def my_texts():\n    '''My own texts, one per line.'''\n    raise RuntimeError('not read by list')\n"
+        "register_domain('test_listed_domain', my_texts)\n"
+        "register_family(InstanceFamily('test_listed_family', K=3, r=5, set_type='box', description='my family'))\n")
+    from mergeqp.experiments.lm import DOMAINS
+    from mergeqp.solvers.instance_families import FAMILIES
+
+    try:
+        assert main(["--import", str(plugin), "list", "families", "domains"]) == 0
+        out = capsys.readouterr().out
+    finally:
+        DOMAINS.pop("test_listed_domain", None)
+        FAMILIES.pop("test_listed_family", None)
+    (line,) = [ln for ln in out.splitlines() if "test_listed_family" in ln]
+    assert "n = 15 (3 x 5): my family" in line
+    (line,) = [ln for ln in out.splitlines() if "test_listed_domain" in ln]
+    assert "My own texts, one per line." in line and "a default" not in line
+    assert "bbc_news" in out and "[a default]" in out
 
 
 def test_an_unknown_kind_is_a_usage_error(capsys):

@@ -407,3 +407,25 @@ def test_a_plugin_folder_is_named(tmp_path, capsys, monkeypatch, problem_file) -
     for name, message in (("myplugins", "a folder without __init__.py"), ("myplugins/", "is a folder; name a .py file")):
         code, _, err = run(capsys, "--import", name, "solve", path)
         assert code == 2 and message in err, err
+
+
+def test_out_dash_prints_the_json_on_stdout_and_the_summary_on_stderr(problem_file, tmp_path, capsys,
+                                                                      monkeypatch) -> None:
+    """``--out -`` wrote a file named ``-`` (stop 73); now the JSON is standard output, alone."""
+    monkeypatch.chdir(tmp_path)
+    path, problem = problem_file
+    code, stdout, stderr = run(capsys, "solve", path, "--constraint", "box:0,1", "--out", "-")
+    assert code == 0 and not (tmp_path / "-").exists()
+    sol = json.loads(stdout)  # nothing but the JSON
+    assert sol["certificate"]["certified"] is True and len(sol["d"]) == problem.K
+    assert "objective J(d)" in stderr and "wrote" not in stderr
+    np.save(tmp_path / "d.npy", np.array(sol["d"]))
+    code, stdout, stderr = run(capsys, "certify", path, "--constraint", "box:0,1", "--point", "d.npy", "--out", "-")
+    assert code == 0 and not (tmp_path / "-").exists()
+    cert = json.loads(stdout)
+    assert cert["certified"] is True and cert["objective"] == pytest.approx(sol["objective"], rel=1e-12)
+    assert "CERTIFIED" in stderr
+    # a binary output cannot go there: refused before the solve, and no file named '-'
+    code, stdout, stderr = run(capsys, "solve", path, "--save-d", "-")
+    assert code == 2 and "cannot go to standard output" in stderr and not stdout
+    assert not (tmp_path / "-").exists()

@@ -253,7 +253,7 @@ class Certificate:
 
     def reasons(self, rel_tol: float | None = None) -> list[str]:
         """Why the point is not certified (empty when it is)."""
-        tol = self.rel_tol if rel_tol is None else float(rel_tol)
+        tol = self.rel_tol if rel_tol is None else tolerance("rel_tol", rel_tol)
         out = []
         if not self.feasible:
             out.append(
@@ -293,7 +293,7 @@ class Certificate:
     def explain(self, rel_tol: float | None = None) -> str:
         """A readable account of the certificate."""
         ok = self.certified(rel_tol)
-        tol = self.rel_tol if rel_tol is None else float(rel_tol)
+        tol = self.rel_tol if rel_tol is None else tolerance("rel_tol", rel_tol)
         lines = [
             (f"certificate: {'CERTIFIED' if ok else 'NOT CERTIFIED'} (rel_tol {tol:.1g}, "
              + (f"abs_tol {self.abs_tol:.1g}, " if self.abs_tol > 0 else "")

@@ -28,6 +28,7 @@ from scipy.sparse.linalg import ArpackNoConvergence, LinearOperator, eigsh
 
 from .errors import BadDataError, NotConvexError, ValidationError
 from .io.atomic import save_npz_atomic
+from .jsonutil import to_jsonable
 
 Matvec = Callable[[np.ndarray], np.ndarray]
 
@@ -476,7 +477,8 @@ class MergeQP:
         arrays: dict[str, Any] = {
             "H": self.H, "g": self.g, "c": np.float64(self.c), "shape": np.array(self.shape),
             "model_names": np.array(self.model_names), "atom_names": np.array(self.atom_names),
-            "metadata": np.array(json.dumps(dict(self.metadata), default=str)),
+            # (numbers and arrays as JSON numbers and lists; numpy's were their text, stop 74)
+            "metadata": np.array(json.dumps(to_jsonable(dict(self.metadata), nonfinite="keep", other="string"))),
         }
         if self.psd_tol != 1e-8:  # a problem accepted with a looser tolerance loads with it again
             arrays["psd_tol"] = np.float64(self.psd_tol)

@@ -94,7 +94,7 @@ class Solution:
             "timings": dict(self.timings),
             "constraints": self.constraints,
             "certificate": None if self.certificate is None else self.certificate.to_dict(),
-            "info": to_jsonable(dict(self.info), nonfinite="keep"),
+            "info": to_jsonable(dict(self.info), nonfinite="keep", other="string"),
             **({} if self.parametrisation is None else {"parametrisation": to_jsonable(dict(self.parametrisation))}),
             **({} if self.layer is None else {"layer": self.layer}),
         }

@@ -74,7 +74,8 @@ def register(subparsers: Any) -> None:
     c.add_argument("problem", metavar="PROBLEM.npz", help="problem file (H, g, c, shape[, deltas])")
     c.add_argument("--point", required=True, metavar="D",
                    help="the point: .npy (K x n_atoms or flat), .npz (array 'd'), .json (a "
-                        "'mergeqp solve --out' file or a nested list), or .txt/.csv")
+                        "'mergeqp solve --out' file, whose recorded constraints are used when no "
+                        "--constraint is given, or a nested list), or .txt/.csv")
     _common(c)
     c.add_argument("--out", default=None, metavar="CERT.json",
                    help="write the certificate as JSON; '-': standard output (the summary goes to standard error)")
@@ -221,6 +222,49 @@ def _point(problem: Any, path: str, what: str) -> np.ndarray:
         raise ValidationError(f"{what} {path}: {exc}") from None
 
 
+def _recorded(path: str) -> dict[str, Any]:
+    """What a ``mergeqp solve --out`` file records beside its point: ``constraint_specs`` (a list of
+    strings) and ``problem`` (a path); ``{}`` for other point files, or where they are missing or
+    malformed (the point itself is read, and its errors reported, by :func:`load_point`)."""
+    if os.path.splitext(path)[1].lower() != ".json":
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            obj = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(obj, dict):
+        return {}
+    out: dict[str, Any] = {}
+    specs = obj.get("constraint_specs")
+    if isinstance(specs, list) and all(isinstance(x, str) for x in specs):
+        out["constraint_specs"] = specs
+    if isinstance(obj.get("problem"), str):
+        out["problem"] = obj["problem"]
+    return out
+
+
+def _with_recorded_constraints(args: argparse.Namespace, say: Callable[[str], None]) -> None:
+    """``certify --point SOL.json`` of a ``solve --out`` file: without ``--constraint``, the constraints
+    the file records are used (it was certified against none, "NOT CERTIFIED gap 11.6", stop 74); with
+    ``--constraint``, a note where they differ; a note where the file was solved for another problem."""
+    rec = _recorded(args.point)
+    specs = rec.get("constraint_specs")
+    if specs is not None and not args.constraint and specs:
+        args.constraint = list(specs)
+        say(f"constraints from the point file {args.point}: {' & '.join(specs)} (pass --constraint to choose others)")
+    elif specs is not None and list(args.constraint) != list(specs):
+        say(f"note: the point file {args.point} records the constraints {' & '.join(specs) or 'none'}; certifying "
+            f"against {' & '.join(args.constraint) or 'none'}, as given")
+    solved_for = rec.get("problem")
+    if solved_for is not None:
+        from ..problem import problem_file_path
+
+        given = problem_file_path(args.problem)
+        if os.path.realpath(solved_for) != os.path.realpath(given):
+            say(f"note: the point file {args.point} was solved for the problem {solved_for}, not {given}")
+
+
 def _write_json(path: str, payload: dict[str, Any], say: Callable[[str], None]) -> None:
     """``payload`` at ``path`` (atomically), or on standard output for ``-``."""
     if path == STDOUT:
@@ -281,6 +325,7 @@ def run_certify(args: argparse.Namespace) -> int:
 
     say = _say(args)
     _check_outputs(args, [(args.out, "the certificate")])
+    _with_recorded_constraints(args, say)
     problem, cset = _load(args)
     d = _point(problem, args.point, "point file")
     cert = certify(problem, cset, d, rel_tol=args.rel_tol, feas_tol=args.feas_tol,
@@ -293,6 +338,7 @@ def run_certify(args: argparse.Namespace) -> int:
         payload["certified"] = cert.certified(args.rel_tol)
         payload["problem"] = os.path.abspath(args.problem)
         payload["point"] = os.path.abspath(args.point)
+        payload["constraint_specs"] = list(args.constraint)
         _write_json(args.out, payload, say)
     if not cert.certified(args.rel_tol):
         return _not_certified("certify", cert, args.rel_tol)

@@ -43,7 +43,7 @@ from .kernels import (
     lmo_structure,
     project_structure,
 )
-from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_constraints, cvxpy_minimum, lp_method, lp_minimum
+from .lp import LMO_CVXPY, LMO_HIGHS, cvxpy_constraints, cvxpy_minimum, lp_method, lp_minimum, polyhedral_parts
 
 Shape = tuple[int, int]
 
@@ -480,6 +480,37 @@ class Intersection(ConstraintSet):
         for f in forms:
             out = out & f  # type: ignore[operator]
         return out
+
+    def auxiliary_form(self, shape: Shape) -> AuxiliaryForm | None:
+        """Where a member needs auxiliary variables (an L1 ball) and every other member is
+        polyhedral, the whole intersection in :class:`AuxiliaryForm`'s rows ``A_x x + A_t t <= b``:
+        the plain members' inequality rows, each equality row as two inequalities and each finite
+        bound of ``x`` as a row, then the auxiliary members' rows with their ``t`` blocks side by
+        side (a user's solver that reads ``linear_form`` / ``auxiliary_form`` declined ``simplex &
+        l1``, stop 74; the built-in solvers read the members, :func:`~.lp.polyhedral_parts`).
+        ``None`` where no member has auxiliary variables (:meth:`linear_form` then describes it)
+        or a member is not polyhedral."""
+        parts = polyhedral_parts(self.sets, shape)
+        if parts is None or not parts[1]:
+            return None
+        plain, lifted = parts
+        n = shape[0] * shape[1]
+        n_aux = sum(a.n_aux for a in lifted)
+        eye = sp.identity(n, format="csr")
+        upper, lower = np.isfinite(plain.ub), np.isfinite(plain.lb)
+        x_rows = [plain.A_ub, plain.A_eq, -plain.A_eq, eye[upper], -eye[lower]]
+        x_rhs = [plain.b_ub, plain.b_eq, -plain.b_eq, plain.ub[upper], -plain.lb[lower]]
+        rows_x = sp.vstack(x_rows).tocsr()
+        blocks_x, blocks_t, rhs = [rows_x], [sp.csr_matrix((rows_x.shape[0], n_aux))], list(x_rhs)
+        off = 0
+        for a in lifted:
+            blocks_x.append(a.A_x)
+            blocks_t.append(sp.hstack([sp.csr_matrix((a.A_x.shape[0], off)), a.A_t,
+                                       sp.csr_matrix((a.A_x.shape[0], n_aux - off - a.n_aux))]).tocsr())
+            rhs.append(a.b)
+            off += a.n_aux
+        return AuxiliaryForm(n_aux, sp.vstack(blocks_x).tocsr(), sp.vstack(blocks_t).tocsr(),
+                             np.concatenate(rhs), np.concatenate([a.t_lb for a in lifted]))
 
     def recession_violation(self, v: np.ndarray) -> float | None:
         if self.bounded:

@@ -43,7 +43,10 @@ class Batch:
     """One batch of model inputs: ``inputs`` (keyword arguments of the model's forward, e.g.
     ``input_ids`` and ``attention_mask`` of shape ``(B, T)``), and ``mask`` (``(B, T)`` of 0/1,
     the positions compared, or ``None`` when every position / the whole output counts);
-    ``labels``: ``(B,)`` int64 class indices of labelled prompts, else ``None``."""
+    ``labels``: ``(B,)`` int64 class indices of labelled prompts, else ``None``. A left-padded
+    batch of a model with absolute positions (GPT-2, OPT, BERT) needs ``position_ids`` among its
+    inputs (``(attention_mask.cumsum(1) - 1).clamp_min(0)``), or its prompts are read at shifted
+    positions (docs/statistics.md); mergeqp's own tokenisation pads on the right."""
 
     inputs: dict[str, Any]
     mask: Any = None

@@ -45,7 +45,10 @@ def register_solver(solver: QPSolver) -> None:
     """Add a solver to the registry (explicitly; nothing registers on import side effects)."""
     if not isinstance(solver, QPSolver):
         raise ValidationError(f"register_solver expects a QPSolver instance, got {type(solver).__name__}")
-    check_new_name("solver", solver.name, [*SOLVERS, "auto"])
+    if solver.name == "auto":
+        raise ValidationError("solver name 'auto' is reserved (solver='auto' chooses among the registered solvers); "
+                              "choose another name")
+    check_new_name("solver", solver.name, SOLVERS)
     if "," in solver.name:
         raise ValidationError(f"solver name {solver.name!r} contains a comma (lists of solvers are comma-separated)")
     if not isinstance(solver.defaults, Mapping):
@@ -177,7 +180,7 @@ def solve(
         return _with_abs_tol(sol, abs_tol)
     looked = _unbounded_gap(sol)  # before any fallback: a verified ray ends the solve at once
     sol = _unless_unbounded(problem, cset, sol)
-    if fallback and not _settled(sol, rel_tol, abs_tol):
+    if fallback and not _settled(sol, rel_tol, abs_tol, problem.n):
         sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
                              check_feasibility)
         if not looked:
@@ -281,6 +284,7 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
     if not isinstance(raw, RawResult):
         raise SolverError(f"solver {chosen.name!r} returned {type(raw).__name__}, not a RawResult(d, status, ...)")
     status = _status(chosen, raw.status)
+    iterations, info = _extras(chosen, raw)
     d = np.asarray(raw.d)
     if d.shape not in (tuple(problem.shape), (problem.n,)):
         raise SolverError(f"solver {chosen.name!r} returned d of shape {d.shape}, expected {tuple(problem.shape)} "
@@ -301,7 +305,7 @@ def _checked(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, raw: Any, 
     t3 = time.perf_counter()
     return Solution(
         d=d, objective=objective, status=status, solver=chosen.name,
-        iterations=raw.iterations, certificate=cert, constraints=cset.spec, info=raw.info,
+        iterations=iterations, certificate=cert, constraints=cset.spec, info=info,
         parametrisation=_recorded_parametrisation(problem),
         layer=problem.metadata.get("layer") if isinstance(problem.metadata.get("layer"), str) else None,
         timings={"setup": setup + raw.setup_seconds, "solve": t2 - t1 - raw.setup_seconds,
@@ -322,22 +326,50 @@ def _status(chosen: QPSolver, status: Any) -> SolveStatus:
                           f"{valid} (or its value, e.g. 'optimal')") from None
 
 
+def _extras(chosen: QPSolver, raw: RawResult) -> tuple[int, dict[str, Any]]:
+    """A solver's ``iterations`` (a whole number >= 0) and ``info`` (a mapping with string keys, whose
+    values ``Solution.to_dict`` writes as JSON: what JSON lacks is written as its text), checked where
+    they are received: a user's solver's ``iterations="many"`` or ``info=None`` failed later, in
+    ``to_dict`` or ``solve --out``, naming neither the solver nor the field (stop 74)."""
+    it = raw.iterations
+    if isinstance(it, bool) or not isinstance(it, (int, np.integer, float, np.floating)) \
+            or not math.isfinite(float(it)) or float(it) < 0 or float(it) != int(it):
+        raise SolverError(f"solver {chosen.name!r} returned iterations={it!r}; RawResult.iterations must be a "
+                          f"whole number >= 0")
+    info = raw.info
+    if not isinstance(info, Mapping):
+        raise SolverError(f"solver {chosen.name!r} returned info of type {type(info).__name__}; RawResult.info "
+                          f"must be a dict (use {{}} for none)")
+    bad = [k for k in info if not isinstance(k, str)]
+    if bad:
+        raise SolverError(f"solver {chosen.name!r} returned info with the non-string key {bad[0]!r}; "
+                          f"RawResult.info's keys must be strings")
+    return int(it), dict(info)
+
+
 def _recorded_parametrisation(problem: MergeQP) -> dict[str, Any] | None:
     """The parametrisation the problem's metadata names (``{"name": ..., ...}``), or ``None``."""
     rec = problem.metadata.get("parametrisation")  # (a Mapping: MergeQP validates it)
     return dict(rec) if isinstance(rec, Mapping) and isinstance(rec.get("name"), str) else None
 
 
-def _settled(sol: Solution, rel_tol: float, abs_tol: float = 0.0) -> bool:
+def _settled(sol: Solution, rel_tol: float, abs_tol: float = 0.0, n: int | None = None) -> bool:
+    """No fallback is needed after ``sol``: certified, or (for ``n`` above
+    :data:`~mergeqp.solvers.base.AUTO_FLOOR_FALLBACK_MAX_N`, or unknown) feasible at the float64
+    rounding floor."""
     cert = sol.certificate
-    return cert is None or cert.certified(rel_tol, abs_tol) or (cert.feasible and cert.at_rounding_floor)
+    if cert is None or cert.certified(rel_tol, abs_tol):
+        return True
+    floor_settles = n is None or n > base.AUTO_FLOOR_FALLBACK_MAX_N
+    return floor_settles and cert.feasible and cert.at_rounding_floor
 
 
-def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, float]:
-    """Sort key: feasible before infeasible, settled before not, then the smaller gap."""
+def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, bool, float]:
+    """Sort key: feasible before infeasible, certified before not (a point at the rounding floor with a
+    smaller gap was kept over a certified one, stop 74), settled before not, then the smaller gap."""
     cert = sol.certificate
     assert cert is not None
-    return (not cert.feasible, not _settled(sol, rel_tol), cert.fw_gap)
+    return (not cert.feasible, not cert.certified(rel_tol), not _settled(sol, rel_tol), cert.fw_gap)
 
 
 def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
@@ -440,7 +472,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
         tried.append({"solver": name, "fw_gap": sol.certificate.fw_gap,
                       "certified": sol.certificate.certified(rel_tol)})
         candidates.append(sol)
-        if _settled(sol, rel_tol):
+        if _settled(sol, rel_tol, n=problem.n):
             break
     if not candidates:
         assert error is not None

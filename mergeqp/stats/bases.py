@@ -26,7 +26,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..errors import ValidationError, check_callable, check_new_name, check_signature, lookup, unknown
+from ..errors import (
+    MergeQPError,
+    ValidationError,
+    check_callable,
+    check_new_name,
+    check_signature,
+    first_line,
+    lookup,
+    unknown,
+)
 from .basis import Basis
 
 BasisBuilder = Callable[..., Basis]
@@ -55,7 +64,27 @@ class BasisEntry:
     seeded: bool = False
 
     def __call__(self, stats: Any, p: int, **kwargs: Any) -> Basis:
-        return self.build(stats, p, **kwargs)
+        return self.make(stats, p, **kwargs)
+
+    def make(self, stats: Any, p: int, **kwargs: Any) -> Basis:
+        """``build(stats, p, **kwargs)``, checked: an exception inside the builder names the basis (one
+        line), and the result must be a :class:`Basis` of ``p`` directions in ``stats.r`` outputs (a
+        user's builder that returned more directions than asked was taken silently, stop 74)."""
+        where = f"basis {self.name!r} (p = {p})"
+        try:
+            made = self.build(stats, p, **kwargs)
+        except MergeQPError as exc:  # (a Basis it built that is not orthonormal, or not finite)
+            raise ValidationError(f"{where}: {exc}") from None
+        except (OSError, MemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a user's builder: named, one line
+            raise ValidationError(f"{where}: its builder failed: {type(exc).__name__}: {first_line(exc)}") from exc
+        r = getattr(stats, "r", None)
+        if not isinstance(made, Basis) or made.Q.shape[1] != p or (r is not None and made.Q.shape[0] != int(r)):
+            got = f"a Basis of shape {made.Q.shape}" if isinstance(made, Basis) else type(made).__name__
+            raise ValidationError(f"{where}: its builder returned {got}, not a Basis of shape "
+                                  f"({'r' if r is None else int(r)}, {p})")
+        return made
 
 
 @dataclass(frozen=True)
@@ -68,6 +97,9 @@ class SiteResiduals:
 
 
 BASES: dict[str, BasisEntry] = {}
+#: the registered parametrisations' names, which no basis may take (filled by
+#: :func:`mergeqp.stats.parametrisation.register_parametrisation`, which imports this module)
+PARAMETRISATION_NAMES: set[str] = set()
 
 
 def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: CheckpointSource = None,
@@ -77,6 +109,9 @@ def register_basis(name: str, builder: BasisBuilder, *, checkpoint_source: Check
     ``basis: NAME`` in a ``mergeqp merge`` config; ``seeded``: its ``seed`` changes the basis
     (``mergeqp sweep --seeds`` varies it, as for ``random``)."""
     check_new_name("basis", name, BASES)
+    if name in PARAMETRISATION_NAMES:  # ("rows:2" would then be read as this basis)
+        raise ValidationError(f"basis name {name!r} is a parametrisation name (a config's parametrisation: {name}); "
+                              f"choose another name")
     check_callable("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder)
     check_signature("basis", name, "the builder (stats, p, *, seed, task_weights) -> Basis", builder,
                     (None, 1), {"seed": 0, "task_weights": None})
@@ -103,7 +138,7 @@ def make_basis(name: str, stats: Any, p: int, *, seed: int = 0, task_weights: An
     """Build the registered basis ``name`` with ``p`` directions from ``stats``."""
     entry = get_basis(name)
     _check_p(p, stats.r)
-    return entry.build(stats, p, seed=seed, task_weights=task_weights)
+    return entry.make(stats, p, seed=seed, task_weights=task_weights)
 
 
 def parse_basis_spec(spec: str, stats: Any, *, seed: int = 0, task_weights: Any = None) -> Basis:

@@ -258,6 +258,8 @@ class OutputDerivatives:
         self.chunk_size = chunk_size
         self.vectorize = vectorize
         self._reverse_jacobian: Any = None
+        #: the forward-mode overflow warning was given (:meth:`_finite_or_reverse`)
+        self._warned_overflow = False
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -277,10 +279,30 @@ class OutputDerivatives:
 
         v = v.reshape(self.zero.shape)
         try:
-            return jvp(self.f, (self.zero,), (v,))[1]
+            out = jvp(self.f, (self.zero,), (v,))[1]
         except (RuntimeError, NotImplementedError):
             # some kernels (e.g. CPU flash attention) have no forward-mode AD: reverse mode
             return self.along(v.unsqueeze(0), "reverse")[0]
+        return self._finite_or_reverse(out, lambda: self.along(v.unsqueeze(0), "reverse")[0])
+
+    def _finite_or_reverse(self, forward: Any, reverse: Callable[[], Any]) -> Any:
+        """``forward`` (a forward-mode result) where it is finite; else ``reverse()`` where that is:
+        forward-mode derivatives can overflow where reverse mode does not (PyTorch's JVP of a float16
+        ``LayerNorm`` whose input's standard deviation is below ~0.05: a review's find, stop 74, that
+        was reported as NaN in the user's data), and a warning says so once."""
+        import torch  # deferred: torch is heavy
+
+        if bool(torch.isfinite(forward).all()):
+            return forward
+        backward = reverse()
+        if not bool(torch.isfinite(backward).all()):
+            return forward  # (non-finite either way: the caller names the data)
+        if not self._warned_overflow:
+            self._warned_overflow = True
+            warnings.warn(f"forward-mode derivatives were not finite ({forward.dtype}; e.g. the JVP of a half-"
+                          f"precision LayerNorm overflows) where reverse mode's are: reverse mode used",
+                          RuntimeWarning, stacklevel=4)
+        return backward
 
     def along(self, tangents: Any, mode: str = "forward") -> Any:
         """``(d f)[v_i]`` for tangents ``v`` (``(n, *zero.shape)``): ``(n, B, c)``.
@@ -299,7 +321,8 @@ class OutputDerivatives:
             try:
                 with warnings.catch_warnings():
                     _quiet_transforms()
-                    return vmap(push, chunk_size=self.chunk_size)(tangents)
+                    out = vmap(push, chunk_size=self.chunk_size)(tangents)
+                return self._finite_or_reverse(out, lambda: self.along(tangents, "reverse"))
             except (RuntimeError, NotImplementedError):
                 pass  # no forward-mode AD for some op (e.g. CPU flash attention): reverse mode
         jac = self._reverse_jacobian
@@ -315,7 +338,10 @@ class OutputDerivatives:
         if self.vectorize:
             try:
                 try:
-                    return self._vectorised(chosen)
+                    out = self._vectorised(chosen)
+                    if chosen == "forward":
+                        return self._finite_or_reverse(out, lambda: self._vectorised("reverse"))
+                    return out
                 except (RuntimeError, NotImplementedError):
                     if chosen != "forward":
                         raise

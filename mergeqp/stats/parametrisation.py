@@ -35,7 +35,7 @@ import numpy as np
 from ..errors import BadDataError, MergeQPError, ValidationError, check_new_name, first_line, lookup, unknown
 from ..formatting import format_number
 from ..solution import Solution
-from .bases import BASES, SiteResiduals, checkpoint_bases, random_basis, svd_basis
+from .bases import BASES, PARAMETRISATION_NAMES, SiteResiduals, checkpoint_bases, random_basis, svd_basis
 from .basis import ORTHONORMAL_TOL, Basis
 
 __all__ = ["ORTHONORMAL_TOL", "Basis", "BasisParametrisation", "ColumnsParametrisation", "PARAMETRISATIONS", "checked_design", "checked_tangents", "merged_update",
@@ -444,7 +444,7 @@ class BasisParametrisation(Parametrisation):
             if output_stats is None:
                 raise ValidationError(f"basis: {kind} at layer {site.name!r} needs its output-basis statistics")
             return BasisParametrisation(output_stats.basis(p, entry.build, seed=seed))
-        return BasisParametrisation(entry.build(SiteResiduals(int(site.r), deltas), p, seed=seed))
+        return BasisParametrisation(entry.make(SiteResiduals(int(site.r), deltas), p, seed=seed))
 
     def check_site(self, site: Any, options: Mapping[str, Any]) -> None:
         self.site_rank(site, options)
@@ -601,6 +601,7 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
         raise ValidationError(f"parametrisation name {param.name!r} is a basis name (a config's basis: {param.name}); "
                               f"choose another name")
     PARAMETRISATIONS[param.name] = param
+    PARAMETRISATION_NAMES.add(param.name)
     return param
 
 

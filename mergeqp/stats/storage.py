@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import BadDataError, MergeQPError, ValidationError
 from ..io.atomic import save_npz_atomic
+from ..jsonutil import to_jsonable
 from .parametrisation import PARAMETRISATIONS, Basis, BasisParametrisation, as_parametrisation
 from .records import CollectedProblem, SampleChunk
 
@@ -71,7 +72,9 @@ def save_stats(stats: Any, path: str, *, include_samples: bool = True) -> None:
         "samples": n_chunks if (include_samples and stats.samples is not None) else None,
         "metadata": dict(stats.metadata),
     }
-    arrays["meta"] = np.array(json.dumps(meta, default=str))
+    # numbers and arrays as JSON numbers and lists (numpy scalars were written as their text, arrays
+    # as numpy's abbreviated print: stop 74); other objects as their text
+    arrays["meta"] = np.array(json.dumps(to_jsonable(meta, nonfinite="keep", other="string")))
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValidationError(f"cannot write {path}: directory {directory} does not exist")
@@ -127,7 +130,12 @@ def read_stats(path: str) -> dict[str, Any]:
             raise ValidationError(f"{path}: corrupt metadata (a JSON {type(meta).__name__}, not an object)")
         if meta.get("format") != FORMAT:
             raise ValidationError(f"{path} is not a mergeqp statistics file (format {meta.get('format')!r})")
-        if int(meta.get("version", 0)) > VERSION:
+        try:
+            version = int(meta.get("version", 0))
+        except (TypeError, ValueError, OverflowError):
+            raise ValidationError(f"{path}: corrupt metadata (version {meta.get('version')!r} is not a whole "
+                                  f"number)") from None
+        if version > VERSION:
             raise ValidationError(f"{path} was written by a newer mergeqp (version {meta['version']})")
         try:
             fields = _fields(path, data, meta)
@@ -196,6 +204,16 @@ def _check_fields(path: str, fields: dict[str, Any]) -> None:
         if value is not None and tuple(np.shape(value)) != shape:
             raise ValidationError(f"{path}: damaged statistics file: {name!r} has shape {tuple(np.shape(value))}, "
                                   f"expected {shape} (K = {K} models, r = {r}, m1 = {m1}, c = {c})")
+    jac_sum = fields.get("task_jacobian_sum")
+    if jac_sum is not None:
+        shape = tuple(np.shape(jac_sum))
+        if len(shape) != 4 or shape[:2] != (K, c) or shape[3] != r:
+            raise ValidationError(f"{path}: damaged statistics file: 'task_jacobian_sum' has shape {shape}, expected "
+                                  f"({K}, {c}, T, {r}) (K = {K} models, c = {c} outputs, T positions, r = {r} rows)")
+    task_c = np.asarray(fields["task_c"])  # sums of squares: never negative (counts: checked with the problem)
+    if task_c.dtype.kind in "fiu" and task_c.size and float(np.min(task_c)) < 0:
+        raise BadDataError(f"{path}: damaged statistics file: 'task_c' holds a negative value "
+                           f"({float(np.min(task_c)):.6g}); it is a sum of squares per task")
     checked: list[tuple[str, Any]] = [(n, fields[n]) for n in ARRAY_FIELDS if fields.get(n) is not None]
     for i, (key, problem) in enumerate(fields["collected"].items()):
         H, g = np.shape(problem.H), np.shape(problem.g)

@@ -429,3 +429,23 @@ def test_out_dash_prints_the_json_on_stdout_and_the_summary_on_stderr(problem_fi
     code, stdout, stderr = run(capsys, "solve", path, "--save-d", "-")
     assert code == 2 and "cannot go to standard output" in stderr and not stdout
     assert not (tmp_path / "-").exists()
+
+
+def test_certify_a_solve_out_file_uses_its_recorded_constraints(problem_file, tmp_path, capsys) -> None:
+    """Stop 74 review: ``certify --point sol.json`` of a point solved on ``box:0,1 & simplex`` certified it
+    against no constraints ("NOT CERTIFIED gap 11.6") without a word about what the file records."""
+    path, problem = problem_file
+    sol = str(tmp_path / "sol.json")
+    code, _, _ = run(capsys, "solve", path, "--constraint", "box:0,1", "--constraint", "simplex", "--out", sol)
+    assert code == 0
+    code, stdout, _ = run(capsys, "certify", path, "--point", sol)
+    assert code == 0, stdout
+    assert "constraints from the point file" in stdout and "box:0,1 & simplex" in stdout
+    # given explicitly and different: as given, with a note
+    code, stdout, _ = run(capsys, "certify", path, "--point", sol, "--constraint", "box:0,1")
+    assert "note: the point file" in stdout and "records the constraints box:0,1 & simplex" in stdout
+    # solved for another problem: a note
+    other = str(tmp_path / "other.npz")
+    problem.save_npz(other)
+    code, stdout, _ = run(capsys, "certify", other, "--point", sol)
+    assert code == 0 and "was solved for the problem" in stdout

@@ -264,3 +264,31 @@ def test_the_certificate_checks_the_form_of_a_users_oracle_answer(random_problem
         certify(problem, _OracleAnswer(lambda v, s: LinearMinimum(v, s.ravel()[:-1], "closed form", exact=True)), d)
     with pytest.raises(ValidationError, match=r"must return a mergeqp.lower_bounds.LinearMinimum, got tuple"):
         certify(problem, _OracleAnswer(lambda v, s: (v, s)), d)
+
+
+@pytest.mark.parametrize("spec", ["simplex & l1:3.5", "box:-1,1 & global_simplex & l1:2", "box:0,1 & l1:0.5",
+                                  "nonneg & l1:1"])
+def test_an_intersection_with_an_l1_ball_declares_its_auxiliary_form(spec) -> None:
+    """Stop 74 review: ``simplex & l1`` and ``box & l1`` declared neither ``linear_form`` nor
+    ``auxiliary_form`` (capabilities without ``polyhedral``), so a user's solver following the protocol
+    declined them; now the intersection's auxiliary form, whose LP minimum equals the set's own oracle."""
+    import scipy.sparse as sp
+    from scipy.optimize import linprog
+
+    from mergeqp.constraints import capabilities, parse_constraint
+
+    shape = (2, 3)
+    cs = parse_constraint(spec)
+    assert "polyhedral" in capabilities(cs, shape)
+    aux = cs.auxiliary_form(shape)
+    assert aux is not None and aux.A_x.shape == (aux.b.size, 6) and aux.A_t.shape == (aux.b.size, aux.n_aux)
+    A = sp.hstack([aux.A_x, aux.A_t]).tocsr()
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        g = rng.standard_normal(6)
+        lp = linprog(np.concatenate([g, np.zeros(aux.n_aux)]), A_ub=A, b_ub=aux.b,
+                     bounds=[(None, None)] * 6 + [(lb, None) for lb in aux.t_lb], method="highs")
+        assert lp.status == 0
+        assert lp.fun == pytest.approx(cs.linear_minimum(g.reshape(shape)).value, rel=1e-9, abs=1e-9)
+        assert cs.violation(lp.x[:6].reshape(shape)) <= 1e-9
+    assert parse_constraint("box:0,1 & simplex").auxiliary_form(shape) is None  # (its linear_form describes it)

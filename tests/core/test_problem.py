@@ -352,3 +352,15 @@ def test_torch_bfloat16_hessian_and_array_mu(tmp_path) -> None:
         p.regularised(np.array([1.0, 2.0]))
     p.save_npz(str(tmp_path / "q"))  # numpy appends .npz; loading by the same name works
     assert MergeQP.load_npz(str(tmp_path / "q")).n == 2
+
+
+def test_metadata_numbers_and_arrays_survive_a_round_trip(tmp_path) -> None:
+    """Stop 74 review: numpy scalars came back as text ('1.5') and arrays as numpy's abbreviated print
+    ('[0 1 2]', '...' for large ones); now as numbers and lists."""
+    meta = {"f": np.float32(1.5), "i": np.int64(7), "arr": np.arange(3), "big": np.arange(2000.0),
+            "nested": {"a": (np.float64(0.25), 2)}}
+    problem = MergeQP(np.eye(4), np.ones(4), metadata=meta)
+    problem.save_npz(str(tmp_path / "m.npz"))
+    back = MergeQP.load_npz(str(tmp_path / "m.npz")).metadata
+    assert back["f"] == 1.5 and back["i"] == 7 and back["arr"] == [0, 1, 2]
+    assert back["big"] == list(np.arange(2000.0)) and back["nested"] == {"a": [0.25, 2]}

@@ -151,6 +151,65 @@ def test_a_status_given_as_its_value_is_read_and_another_is_named(cleanup) -> No
         mq.solve(problem, "box:0,1", solver="rev_bad_status")
 
 
+def test_a_solvers_extras_are_checked_when_received_and_written_as_json(cleanup) -> None:
+    """Stop 74 review: a user's solver's ``info`` holding a set made ``to_dict`` (and ``solve --out``,
+    exit 70) fail naming neither; ``iterations="many"`` and ``info=None`` failed later in ``to_dict``."""
+    import json
+
+    problem = _problem()
+    half = np.full(problem.shape, 0.5)
+    mq.register_solver(_solver("rev_set_info", lambda p, c: RawResult(
+        half, SolveStatus.OPTIMAL, info={"history": {2, 1}, "where": object(), "ok": np.float32(1.5)})))
+    sol = mq.solve(problem, "box:0,1", solver="rev_set_info")
+    written = json.loads(json.dumps(sol.to_dict()))
+    assert written["info"]["history"] == [1, 2] and written["info"]["ok"] == 1.5
+    assert written["info"]["where"].startswith("<object object")
+    for name, raw, match in [
+            ("rev_many", RawResult(half, SolveStatus.OPTIMAL, iterations="many"), r"iterations='many'.*whole number"),
+            ("rev_neg", RawResult(half, SolveStatus.OPTIMAL, iterations=-1), r"iterations=-1"),
+            ("rev_none_info", RawResult(half, SolveStatus.OPTIMAL, info=None), r"info of type NoneType.*must be a dict"),
+            ("rev_key", RawResult(half, SolveStatus.OPTIMAL, info={1: "a"}), r"info with the non-string key 1")]:
+        mq.register_solver(_solver(name, lambda p, c, raw=raw: raw))
+        with pytest.raises(SolverError, match=rf"solver '{name}' returned {match}"):
+            mq.solve(problem, "box:0,1", solver=name)
+    mq.register_solver(_solver("rev_float_it", lambda p, c: RawResult(half, SolveStatus.OPTIMAL, iterations=np.float64(7))))
+    assert mq.solve(problem, "box:0,1", solver="rev_float_it").to_dict()["iterations"] == 7
+
+
+def test_a_users_basis_builder_is_checked_when_called_and_may_not_take_a_parametrisation_name(cleanup) -> None:
+    """Stop 74 review: a builder returning p + 1 directions was taken silently, one that raised surfaced
+    its raw ZeroDivisionError, and a basis could be named ``rows`` (then "rows:2" read as it)."""
+    from mergeqp.stats import Basis
+    from mergeqp.stats.bases import SiteResiduals, make_basis
+
+    stats = SiteResiduals(6, np.random.default_rng(0).standard_normal((2, 6, 3)))
+    mq.register_basis("rev_wide", lambda st, p, *, seed=0, task_weights=None: Basis(np.eye(st.r)[:, :p + 1], name="w"))
+    mq.register_basis("rev_boom", lambda st, p, *, seed=0, task_weights=None: 1 / 0)
+    mq.register_basis("rev_none", lambda st, p, *, seed=0, task_weights=None: None)
+    mq.register_basis("rev_fine", lambda st, p, *, seed=0, task_weights=None: Basis(np.eye(st.r)[:, :p], name="f"))
+    with pytest.raises(ValidationError, match=r"basis 'rev_wide' \(p = 2\): its builder returned a Basis of shape "
+                                              r"\(6, 3\), not a Basis of shape \(6, 2\)"):
+        make_basis("rev_wide", stats, 2)
+    with pytest.raises(ValidationError, match=r"basis 'rev_boom' \(p = 2\): its builder failed: ZeroDivisionError"):
+        make_basis("rev_boom", stats, 2)
+    with pytest.raises(ValidationError, match=r"returned NoneType, not a Basis"):
+        make_basis("rev_none", stats, 2)
+    assert make_basis("rev_fine", stats, 2).Q.shape == (6, 2)
+    with pytest.raises(ValidationError, match="basis name 'rows' is a parametrisation name"):
+        mq.register_basis("rows", lambda st, p, *, seed=0, task_weights=None: None)
+
+
+def test_small_finds_of_the_stop_74_review(cleanup) -> None:
+    """'auto' is reserved (not "already registered"); reasons()/explain() name a bad rel_tol as
+    certified() does (a bare ValueError from float())."""
+    with pytest.raises(ValidationError, match="solver name 'auto' is reserved"):
+        mq.register_solver(_solver("auto", lambda p, c: None))
+    cert = mq.solve(_problem(), "box:0,1").certificate
+    for call in (cert.reasons, cert.explain, cert.certified):
+        with pytest.raises(ValidationError, match="rel_tol"):
+            call("x")
+
+
 class _WrongForm(ConstraintSet):
     name = "rev_wrongform"
     polyhedral = True

@@ -172,7 +172,11 @@ def test_auto_falls_back_when_its_choice_does_not_certify(random_psd_problem, mo
 
 def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) -> None:
     """J* = 0 on a badly scaled problem: the float64 gap cannot reach rel_tol * scale; the
-    certificate says the point is at the rounding floor and auto does not try other solvers."""
+    certificate says the point is at the rounding floor and auto (above its floor-fallback size,
+    lowered here to below this n = 24) does not try other solvers."""
+    from mergeqp.solvers import base
+
+    monkeypatch.setattr(base, "AUTO_FLOOR_FALLBACK_MAX_N", 16)
     rng = np.random.default_rng(1)
     K, m = 2, 12
     A = rng.standard_normal((6, K * m)) * 1e3
@@ -190,6 +194,42 @@ def test_auto_keeps_a_point_at_the_rounding_floor_without_fallback(monkeypatch) 
     bad = certify(problem, Box(0.0, 1.0), wrong)
     assert not bad.certified() and not bad.at_rounding_floor
     assert not any("rounding floor" in r for r in bad.reasons())
+
+
+def _interpolating(seed: int, K: int = 3, m: int = 5, rank: int = 6) -> MergeQP:
+    """J = |A d - b|^2 with fewer rows than unknowns: J* ~ 0 on sets that hold a solution of A d = b."""
+    rng = np.random.default_rng(seed)
+    A = rng.standard_normal((rank, K * m))
+    b = rng.standard_normal(rank)
+    return MergeQP(2 * A.T @ A, 2 * A.T @ b, c=float(b @ b), shape=(K, m))
+
+
+@pytest.mark.parametrize(("seed", "spec"), [(2, "nonneg"), (64, "box:-1,2"), (65, "box:-1,inf")])
+def test_auto_tries_its_fallbacks_after_a_floor_point_on_a_small_problem(seed, spec) -> None:
+    """A review's reproducers (stop 74): on small interpolating QPs ``active_set`` stopped at its
+    rounding floor uncertified and ``auto`` kept that point (``mergeqp solve`` exit 1), though
+    ``dense_ipm``'s point certifies; up to ``AUTO_FLOOR_FALLBACK_MAX_N`` the fallbacks are tried."""
+    problem = _interpolating(seed)
+    first = solve(problem, spec, solver="active_set")
+    assert not first.certified and first.certificate.at_rounding_floor  # (what auto starts from)
+    sol = solve(problem, spec)
+    assert sol.certified, sol.certificate.explain()
+    assert sol.info["auto_tried"][0]["solver"] == "active_set"
+    assert abs(sol.objective) <= 1e-9
+
+
+def test_auto_prefers_a_certified_fallback_to_a_smaller_gap_at_the_floor() -> None:
+    """Among the points it tried, ``auto`` kept the smallest gap among those "settled", and a point at
+    the rounding floor (not certified) counted as settled: Clarabel's uncertified point (gap 2.7e-21)
+    was kept over OSQP's certified one (2.3e-19) on this interpolating QP (stop 74)."""
+    problem = _interpolating(1, K=4, m=64, rank=85)
+    sol = solve(problem, "nonneg")
+    tried = sol.info["auto_tried"]
+    certified = [t for t in tried if t.get("certified")]
+    assert certified, tried  # (some fallback certifies here)
+    assert sol.certified and sol.solver in {t["solver"] for t in certified}
+    # the case the rule is for: an uncertified point with a smaller gap than the kept one was tried
+    assert any(not t.get("certified") and t.get("fw_gap", np.inf) < sol.certificate.fw_gap for t in tried)
 
 
 # ---------------------------------------------------------------------- unbounded problems

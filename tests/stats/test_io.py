@@ -302,6 +302,28 @@ def test_a_collected_problem_of_the_wrong_shape_is_a_damaged_file(small_stats, t
         CalibrationStats.load(str(path))
 
 
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda d: d.__setitem__("task_jacobian_sum", np.ones((3, 2, 2))), r"'task_jacobian_sum' has shape \(3, 2, 2\)"),
+    (lambda d: d.__setitem__("task_c", -np.abs(d["task_c"]) - 1.0), r"'task_c' holds a negative value"),
+    (lambda d: d.__setitem__("meta", np.array(str(d["meta"]).replace('"version": ', '"version": "x", "old": '))),
+     r"corrupt metadata \(version 'x' is not a whole number\)"),
+], ids=["jacobian-sum-shape", "negative-c", "version-text"])
+def test_more_damaged_statistics_files_are_named(small_stats, tmp_path, edit, match):
+    """(stop 74 review) a 'task_jacobian_sum' of the wrong shape loaded and failed in numpy's einsum
+    (optimal_basis; sweep exit 70), a text version raised a raw ValueError, a negative 'task_c' (a sum
+    of squares) gave a certified J of -9.5."""
+    stats, _ = small_stats
+    path = tmp_path / "s.npz"
+    stats.save(str(path))
+    data = dict(np.load(path, allow_pickle=False))
+    if "task_jacobian_sum" not in data and "jacobian" in match:
+        pytest.skip("these statistics keep no Jacobian sum")
+    edit(data)
+    np.savez(path, **data)
+    with pytest.raises(ValidationError, match=match):
+        CalibrationStats.load(str(path))
+
+
 def test_cli_collect_streams_a_users_parametrisation(collect_files, tmp_path, capsys):
     """(stop 49 architecture review) ``collect`` took only rows / scalar / columns by a hard-coded
     list, so a parametrisation registered through ``--import`` was refused (``sweep`` and the

@@ -183,3 +183,27 @@ def test_hugging_face_llama_with_dict_batches(finetuned_copies, weight_jacobian_
                             for b in batches])
     np.testing.assert_allclose(stats.linearised_change(d), brute, rtol=1e-8,
                                atol=1e-10 * np.abs(brute).max())
+
+
+def test_forward_mode_overflow_in_half_precision_falls_back_to_reverse_mode():
+    """Stop 74 review: PyTorch's JVP of a float16 LayerNorm whose input's standard deviation is below
+    ~0.05 overflows where reverse mode stays finite; the default (forward) mode then raised "NaN/inf in
+    the Jacobian" (a BadDataError, exit 3, blaming finite data). Now reverse mode, with a warning."""
+    import copy
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 8))
+    with torch.no_grad():
+        base[0].weight.mul_(0.02)
+        base[0].bias.mul_(0.02)
+    fts = [copy.deepcopy(base) for _ in range(2)]
+    for f in fts:
+        with torch.no_grad():
+            f[0].weight.add_(0.002 * torch.randn_like(f[0].weight))
+    base, fts = base.half(), [f.half() for f in fts]
+    cal = [torch.randn(6, 5).half() for _ in range(2)]
+    with pytest.warns(RuntimeWarning, match="forward-mode derivatives were not finite"):
+        forward = collect_statistics(base, fts, "0", cal, progress=False, jacobian_mode="forward").problem("rows")
+    reverse = collect_statistics(base, fts, "0", cal, progress=False, jacobian_mode="reverse").problem("rows")
+    assert np.all(np.isfinite(forward.H)) and np.array_equal(forward.H, reverse.H)
+    np.testing.assert_array_equal(forward.g, reverse.g)

@@ -44,7 +44,10 @@ OWN_ENTRY_HINT = ("an entry of your own is registered by importing its module fi
 
 
 def _plural(kind: str) -> str:
-    """``"solvers"``, ``"families"``."""
+    """``"solvers"``, ``"families"``; a trailing parenthesis stays last (``"basis names (--option)"``)."""
+    head, sep, tail = kind.partition(" (")
+    if sep and kind.endswith(")"):
+        return f"{_plural(head)} ({tail}"
     return kind[:-1] + "ies" if kind.endswith("y") and kind[-2:-1] not in "aeiou" else kind + "s"
 
 
@@ -247,17 +250,39 @@ def first_line(exc: BaseException, limit: int = 300) -> str:
     return (str(exc).splitlines() or [""])[0][:limit]
 
 
+def raised_at(exc: BaseException) -> tuple[str, bool]:
+    """Where ``exc`` was raised: ``(" at FILE:LINE", own)`` of the innermost frame of its traceback
+    outside mergeqp and installed packages (the user's own file, ``own`` true), else of its innermost
+    frame (``own`` false); ``("", False)`` without a traceback."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    package = os.path.dirname(os.path.abspath(__file__))
+    own = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename
+           and not f.filename.startswith("<")]
+    where = own[-1] if own else (frames[-1] if frames else None)
+    return ("" if where is None else f" at {where.filename}:{where.lineno}"), bool(own)
+
+
 @contextlib.contextmanager
 def named_failure(what: str, error: type[MergeQPError]) -> Iterator[None]:
     """Run a user's entry (a merge method's or mode's ``run``): an exception of ours, an I/O error
     (exit 4) or running out of memory passes as it is; any other becomes ``error`` in one line,
-    ``"{what} failed: {Type}: {first line}"`` (exit 2, no traceback)."""
+    ``"{what} failed: {Type}: {first line} (raised at FILE:LINE)"`` (the innermost place in the user's
+    own file; exit 2, no traceback)."""
     try:
         yield
     except (MergeQPError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a user's code (or a bug): named, one line
-        raise error(f"{what} failed: {type(exc).__name__}: {first_line(exc)}") from exc
+        place, _ = raised_at(exc)
+        raise error(f"{what} failed: {type(exc).__name__}: {first_line(exc)}{_raised(place)}") from exc
+
+
+def _raised(place: str) -> str:
+    """`` (raised at FILE:LINE)`` for :func:`raised_at`'s place, ``""`` for none."""
+    return f" (raised{place})" if place else ""
 
 
 def check_signature(kind: str, name: str, what: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

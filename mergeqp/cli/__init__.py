@@ -31,6 +31,7 @@ from ..errors import (
     exit_code,
     interruption,
     exit_code_epilog,
+    raised_at,
 )
 from ..plugins import IMPORT_ENV, import_plugins
 from .signals import signals_held_during_native_imports, sigterm_as_interrupt
@@ -127,6 +128,8 @@ def _failed(command: str, exc: MergeQPError) -> int:
     error file, so that one met by a rank other than 0 alone is in torchrun's report."""
     from ..io.distributed import own_error, record_for_launcher  # (deferred, as _other_rank)
 
+    if os.environ.get("MERGEQP_TRACEBACK") and exc.__cause__ is not None:  # a user's code's error, wrapped
+        raise exc
     message = f"mergeqp {command}: error: {exc}"
     if own_error(exc):
         record_for_launcher(message)
@@ -216,16 +219,9 @@ def _unexpected(command: str, exc: BaseException) -> int:
     :data:`~mergeqp.errors.EXIT_UNEXPECTED`; ``MERGEQP_TRACEBACK=1`` re-raises it for its traceback. Before
     stop 73 such errors (a user's basis builder or domain loader that raised, a config.json holding a
     list) printed Python's traceback and exited 1, which the exit codes say is "solved, not certified"."""
-    import traceback
-
     if os.environ.get("MERGEQP_TRACEBACK"):
         raise exc
-    frames = traceback.extract_tb(exc.__traceback__)
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    own = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename
-           and not f.filename.startswith("<")]
-    where = own[-1] if own else (frames[-1] if frames else None)
-    place = "" if where is None else f" at {where.filename}:{where.lineno}"
+    place, own = raised_at(exc)
     whose = "in a module of yours" if own else "a bug in mergeqp, please report it"
     first = (str(exc).strip().splitlines() or [""])[0]
     message = (f"mergeqp {command}: error: unexpected {type(exc).__name__}{place} ({whose}): {first}; "

@@ -4,8 +4,10 @@ Models come from a Python factory (``package.module:function`` or ``path/to/file
 called with ``--factory-kwargs`` as keyword arguments) into which the state dicts
 (``.safetensors``, or ``.pt``/``.pth``/``.bin`` torch state dicts) are loaded strictly.
 Calibration files hold one task each: ``.pt`` (a tensor of inputs, a tuple ``(inputs,
-labels)``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``) or ``.npz`` (arrays
-``inputs``/``x`` and optional ``labels``/``y``, or a single array).
+labels)`` with ``--targets labels``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``)
+or ``.npz`` (arrays ``inputs``/``x`` and optional ``labels``/``y``, or a single array); further
+entries of a dict / ``.npz`` (a mask, ...) are passed to the model as keywords, split into the
+batches where their first dimension is the number of samples.
 
 Every argument is checked before any model or data is loaded (:func:`validate_args`); the
 statistics and problem files may not be (or overwrite) an input, and are written atomically.
@@ -23,7 +25,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadDataError, ConfigError, ValidationError, unknown
+from ..errors import BadDataError, ConfigError, ValidationError, raised_at, unknown
 from ..io.atomic import check_free_space, check_output_file
 from ..io.checkpoint import torch_load
 from ..io.distributed import Ranks, agree_exit_code, agree_on, launch_requested, launched
@@ -48,7 +50,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--names", nargs="+", help="names of the fine-tuned models (default: file stems)")
     p.add_argument("--layer", required=True, help="name of the nn.Linear merge layer")
     p.add_argument("--calibration", required=True, nargs="+",
-                   help="calibration data files, one per fine-tuned model, same order (.pt/.npz)")
+                   help="calibration data files, one per fine-tuned model, same order (.pt/.npz): a tensor of "
+                        "inputs, or a dict / .npz with 'x' (or 'inputs'), optional 'labels' (or 'y'), and any further "
+                        "entries (a mask, ...), passed to the model as keywords")
     p.add_argument("--targets", choices=("finetuned", "labels"), default="finetuned")
     p.add_argument("--output-fn", help="module:function selecting the compared output")
     p.add_argument("--parametrisation", nargs="+", default=["rows", "scalar"],
@@ -64,7 +68,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--problem", help="merge QP file to write (default: OUT stem + _problem.npz)")
     p.add_argument("--problem-parametrisation", default="rows",
                    help="parametrisation of the written QP (rows, scalar, columns, NAME:P basis, or one registered with --import)")
-    p.add_argument("--task-weights", help="'mean' or comma-separated weights, one per task")
+    p.add_argument("--task-weights", help="'mean' or comma-separated weights, one per task: they weigh the "
+                                          "tasks in the problem file (--problem); the statistics file keeps each "
+                                          "task's statistics unweighted (mergeqp sweep --task-weights weighs them)")
     p.add_argument("--max-memory",
                    help="cap on the statistics' memory, e.g. 8GB; the layer is refused before its sums are "
                         "allocated when the estimate exceeds it (or the available memory)")
@@ -232,11 +238,16 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     fts = [build_model(factory, factory_kwargs, f, dtype, device) for f in args.finetuned]
     layer = dict(base.named_modules()).get(args.layer)
     if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
+        _check_basis_size(args.problem_parametrisation, int(layer.out_features))
         need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
         # rank 0 writes: its check is every rank's verdict (the others stop here too, with its code)
         agree_on(group, lambda: check_free_space(args.out, need, "the statistics and problem files"))
     names = args.names or [os.path.splitext(os.path.basename(f))[0] for f in args.finetuned]
-    calibration = [load_calibration(f, args.batch_size, dtype) for f in args.calibration]
+    # floating inputs in the model's dtype (np.savez writes float64: a float32 model then failed with
+    # "mat1 and mat2 must have the same dtype" unless --dtype was given; a review, stop 74)
+    model_dtype = dtype or next((p.dtype for p in base.parameters() if p.is_floating_point()), None)
+    calibration = [load_calibration(f, args.batch_size, model_dtype, uses_labels=args.targets == "labels")
+                   for f in args.calibration]
     stats = collect_statistics(
         base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
         parametrisations=streamed, keep_samples=keep_samples,
@@ -247,6 +258,7 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     made = []
 
     def write() -> None:  # rank 0 alone (the same statistics are on every rank); its failure stops them all
+        stats.save(args.out)  # first: a problem that cannot be built then keeps the collected statistics
         problem = stats.problem(args.problem_parametrisation, task_weights=task_weights)
         # the residuals (and parametrisation) let `mergeqp solve --constraint sign` build the
         # TIES-like sign-consensus set from the problem file alone
@@ -254,7 +266,6 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
         if args.problem_parametrisation in plain:
             extra = {"deltas": np.asarray(stats.deltas, dtype=np.float64),
                      "parametrisation": np.array(args.problem_parametrisation)}
-        stats.save(args.out)
         problem.save_npz(problem_path, extra=extra)
         made.append(problem)
 
@@ -262,9 +273,26 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     if not group.is_writer():
         return 0, ""
     problem = made[0]
+    weighted = "" if task_weights is None else f", tasks weighted {args.task_weights}: J(0) = {problem.c:.6g}"
     return 0, "\n".join([stats.summary(), f"collected in {stats.metadata['seconds']:.2f} s",
                           f"statistics -> {args.out}",
-                          f"merge QP ({args.problem_parametrisation}, n = {problem.n}) -> {problem_path}"])
+                          f"merge QP ({args.problem_parametrisation}, n = {problem.n}{weighted}) -> {problem_path}"])
+
+
+def _check_basis_size(spec: str, r: int) -> None:
+    """A ``--problem-parametrisation BASIS:P`` with ``P`` above the layer's ``r`` outputs, refused once
+    the layer is known, before the collection (it failed after it, and its statistics were lost: a
+    review, stop 74)."""
+    name, sep, rest = str(spec).partition(":")
+    if not sep:
+        return
+    try:
+        p = int(rest.split(":")[0])
+    except ValueError:
+        return  # (the basis parser names a malformed size)
+    if p > r:
+        raise ConfigError(f"--problem-parametrisation {spec}: {p} basis directions, but the layer has r = {r} outputs "
+                          f"(at most {r})")
 
 
 def check_device(name: str) -> str:
@@ -354,8 +382,10 @@ def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, dev
 
     try:
         model = factory(**kwargs)
-    except Exception as exc:  # noqa: BLE001 - user code
-        raise ConfigError(f"the model factory failed: {type(exc).__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - user code: named with where it raised (MERGEQP_TRACEBACK=1: its traceback)
+        place, _ = raised_at(exc)
+        raise ConfigError(f"the model factory failed: {type(exc).__name__}: {exc}"
+                          + (f" (raised{place})" if place else "")) from exc
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
     sd = load_state_dict(path)
@@ -377,11 +407,19 @@ def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, dev
     return model.to(device).eval()
 
 
-def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
-    """One task's calibration file -> a list of batches (``inputs`` or ``(inputs, labels)``)."""
+def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool = True) -> list[Any]:
+    """One task's calibration file -> a list of batches: ``inputs``, ``(inputs, labels)``, or, where
+    the file holds further entries beside them (a mask, ...), ``{"x": inputs, [labels,] **extras}``,
+    which calls the model with every entry as a keyword (as the Python API does; the extras were
+    dropped without a word before stop 74, and the model ran without its mask). An extra whose first
+    dimension is the number of samples is split into the batches with the inputs; any other (a
+    broadcast ``position_ids (1, T)``) goes whole into each. ``uses_labels``: ``--targets labels``;
+    without it a list ``[a, b]`` is refused (it was read as inputs and labels, and ``b``, unused,
+    was half the calibration lost)."""
     import numpy as np
     import torch
 
+    extras: dict[str, Any] = {}
     if path.endswith(".npz"):
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -394,6 +432,7 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
                 inputs = torch.from_numpy(data[key])
                 lkey = next((k for k in LABEL_KEYS if k in files), None)
                 labels = torch.from_numpy(data[lkey]) if lkey else None
+                extras = {k: torch.from_numpy(data[k]) for k in files if k not in (key, lkey)}
         except ValidationError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
@@ -408,8 +447,15 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
             if key is None:
                 raise ValidationError(f"{path}: expected a key {' or '.join(INPUT_KEYS)} (keys: {list(obj)})")
             inputs = obj[key]
-            labels = next((obj[k] for k in LABEL_KEYS if k in obj), None)
+            lkey = next((k for k in LABEL_KEYS if k in obj), None)
+            labels = obj[lkey] if lkey is not None else None
+            extras = {str(k): v for k, v in obj.items() if k not in (key, lkey)}
         elif isinstance(obj, (tuple, list)) and len(obj) == 2:
+            if not uses_labels:
+                raise ValidationError(
+                    f"{path}: a list of two is read as (inputs, labels), but --targets finetuned uses no labels: "
+                    f"for two batches, save one tensor (torch.cat) or {{'x': inputs}}; for inputs and labels, "
+                    f"{{'x': inputs, 'labels': labels}} with --targets labels")
             inputs, labels = obj
         else:
             raise ValidationError(f"{path}: expected a tensor, (inputs, labels) or a dict, got {type(obj).__name__}")
@@ -422,10 +468,27 @@ def load_calibration(path: str, batch_size: int, dtype: Any) -> list[Any]:
                            f"{int((~torch.isfinite(inputs)).sum())} non-finite value(s) (NaN or inf)")
     if labels is not None and len(labels) != inputs.shape[0]:
         raise ValidationError(f"{path}: {inputs.shape[0]} inputs but {len(labels)} labels")
+    n = int(inputs.shape[0])
+    for name, value in extras.items():
+        if not isinstance(value, torch.Tensor):
+            raise ValidationError(f"{path}: entry {name!r} is a {type(value).__name__}; every entry beside the inputs "
+                                  f"and labels is passed to the model as a keyword and must be a tensor")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise BadDataError(f"calibration file {path}: entry {name!r} holds non-finite value(s) (NaN or inf)")
     if dtype is not None and inputs.is_floating_point():
         inputs = inputs.to(dtype)
+    if dtype is not None:
+        extras = {k: v.to(dtype) if v.is_floating_point() else v for k, v in extras.items()}
     batches = []
-    for start in range(0, int(inputs.shape[0]), batch_size):
+    for start in range(0, n, batch_size):
         x = inputs[start:start + batch_size]
-        batches.append(x if labels is None else (x, labels[start:start + batch_size]))
+        y = None if labels is None else labels[start:start + batch_size]
+        if not extras:
+            batches.append(x if y is None else (x, y))
+            continue
+        batch = {INPUT_KEYS[1]: x, **({LABEL_KEYS[0]: y} if y is not None else {})}
+        for name, value in extras.items():
+            per_sample = value.ndim > 0 and int(value.shape[0]) == n
+            batch[name] = value[start:start + batch_size] if per_sample else value
+        batches.append(batch)
     return batches

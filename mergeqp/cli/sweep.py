@@ -37,6 +37,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--sizes", default="1,2,4,8,16", help="basis sizes p, comma-separated (default 1,2,4,8,16)")
     p.add_argument("--seeds", default="0", help="seeds of seeded bases (random, or one registered with seeded=True), comma-separated (default 0)")
     p.add_argument("--solver", default="auto", help="QP solver (default auto)")
+    p.add_argument("--task-weights", default=None,
+                   help="'mean' or comma-separated weights, one per task, as collect --task-weights (the "
+                        "statistics file holds each task's statistics unweighted; default: every task weighs 1)")
     p.add_argument("--no-figure", action="store_true", help="skip sweep.png")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -61,12 +64,18 @@ def run(args: argparse.Namespace) -> int:
     from ..io.atomic import check_output_folder
     from ..stats import load_stats
     from ..stats.bases import get_basis
+    from .collect import parse_task_weights
 
     sizes, seeds = _ints(args.sizes, "--sizes", 1), _ints(args.seeds, "--seeds", 0)
     parametrisations, bases, solver = check_sweep_names(args.parametrisations, args.bases, args.solver)
     constraints = list(dict.fromkeys(args.constraints))
     check_output_folder(args.out, [args.stats], overwrite=args.overwrite, option="--out")
+    task_weights = parse_task_weights(args.task_weights)
     stats = load_stats(args.stats)
+    tasks = len(stats.task_names)
+    if task_weights is not None and not isinstance(task_weights, str) and len(task_weights) != tasks:
+        raise ConfigError(f"--task-weights has {len(task_weights)} weight(s) but {args.stats} holds {tasks} task(s) "
+                          f"({', '.join(stats.task_names)})")
     notes = []
     above = [p for p in sizes if p > stats.r]
     if bases and above:
@@ -77,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"note: {note}")
     rows = sweep_statistics(stats, constraints=constraints, parametrisations=parametrisations, bases=bases,
-                            sizes=sizes, seeds=seeds, solver=solver, progress=not args.quiet)
+                            sizes=sizes, seeds=seeds, solver=solver, progress=not args.quiet,
+                            task_weights=task_weights)
     done = [r for r in rows if not r.skipped]
     for r in rows:
         if r.skipped:

@@ -72,7 +72,7 @@ from ..lm import (
 )
 from ..problem import MergeQP
 from ..stats.gauss_newton import GaussNewtonSums
-from ..stats.parametrisation import checked_design, checked_tangents
+from ..stats.parametrisation import checked_design, checked_tangents, tie_statistics
 from ..stats.hooks import hooked_layers
 from ..stats.linearise import (
     OutputDerivatives,
@@ -323,6 +323,25 @@ def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, 
         g = a.param.gradient(a.deltas.numpy(), cross.cpu().numpy())
         parts.append(torch.from_numpy(np.asarray(g, dtype=np.float64) / 2.0).reshape(K, a.n_atoms))
     return torch.cat(parts, dim=1).reshape(-1).to(b.device)
+
+
+def _atom_combinations(atoms: Sequence[SiteAtoms], K: int) -> np.ndarray | None:
+    """The joint QP's ``M`` (``(K N, K N)``, indices ``k * N + atom``) from each site's
+    :meth:`~mergeqp.stats.parametrisation.Parametrisation.atom_combinations`; ``None`` where no site
+    has combined atoms."""
+    parts = [a.param.atom_combinations(K, int(a.site.r), int(a.site.m1)) for a in atoms]
+    if all(p is None for p in parts):
+        return None
+    N = int(sum(a.n_atoms for a in atoms))
+    M = np.eye(K * N)
+    offset = 0
+    for a, part in zip(atoms, parts):
+        n = int(a.n_atoms)
+        if part is not None:
+            idx = np.array([k * N + offset + i for k in range(K) for i in range(n)])  # site order (k, atom)
+            M[np.ix_(idx, idx)] = part
+        offset += n
+    return M
 
 
 def _reverse_design(derivatives: OutputDerivatives, a: SiteAtoms, Z: Any) -> Any:
@@ -601,6 +620,9 @@ def collect_first_order(
                     for i in range(len(energies))]
     atom_names = tuple(f"{a.site.name}:{nm}" if len(atoms) > 1 else nm for a in atoms for nm in a.atom_names())
     H, g, c = sums.numpy()
+    tie = _atom_combinations(atoms, K)
+    if tie is not None:  # atoms that are exact combinations of others: their statistics made exact too
+        H, g = tie_statistics(H, g, tie)
     return FirstOrderStats(
         H=H, g=g, c=c, K=K,
         site_names=tuple(a.site.name for a in atoms), site_atoms=tuple(a.n_atoms for a in atoms),

@@ -20,7 +20,8 @@ fine-tuned models' outputs; only the linearisation point moves.
 
 For each solved group the record holds ``objective_before`` (the calibration objective of the
 model before the step; exact), ``objective_after`` (the QP objective at the solution: what the
-certificate bounds), ``objective_after_exact`` (the model's calibration objective after applying
+certificate bounds; with ``regularisation`` the objective without its penalty, the bounded one being
+``objective_regularised``), ``objective_after_exact`` (the model's calibration objective after applying
 the step: the gap to ``objective_after`` is the linearisation error), the certificate, the
 captured-energy fraction and timings.
 """
@@ -188,6 +189,9 @@ class LayerRecord:
     #: the step raised the exact calibration objective and the layer kept its weights from before it
     #: (``mode: hybrid``'s ``keep_start``); ``objective_after_exact`` is then the step's, not kept
     kept_start: bool = False
+    #: with ``regularisation`` (``mu > 0``): the solved QP's objective ``J + mu ||d - d_ref||^2`` at the
+    #: solution, which the certificate bounds (``objective_after`` is ``J`` alone); ``None`` without
+    objective_regularised: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         cert = self.certificate
@@ -197,6 +201,8 @@ class LayerRecord:
         extra.update(self.atoms or {})
         if self.kept_start:
             extra["kept_start"] = True
+        if self.objective_regularised is not None:
+            extra["objective_after_regularised"] = self.objective_regularised
         return {**extra,
             "layer": self.layer, "mode": self.mode, "group": self.group,
             "objective_before": self.objective_before, "objective_after": self.objective_after,
@@ -390,6 +396,7 @@ def solve_group(ctx: MergeContext, sites: Sequence[LayerSite], *, mode: str, gro
     cert = solution.certificate.to_dict() if solution.certificate is not None else {}
     common: dict[str, Any] = {
         "mode": mode, "objective_before": current, "objective_after": qp.objective(d), "certificate": cert,
+        "objective_regularised": solved_problem.objective(d) if solved_problem is not qp else None,
         "solver": solution.solver, "status": str(getattr(solution.status, "value", solution.status)),
         "n_variables": qp.n, "group": group, "points": points,
         "timings": {"weights": t1 - t0 - basis_seconds, **({"basis": basis_seconds} if basis_seconds else {}),

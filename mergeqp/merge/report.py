@@ -174,12 +174,14 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
         columns = [(key, label, t) for key, label in (("heldout_mse", "MSE"), ("heldout_kl", "KL"),
                                                       ("heldout_cross_entropy", "CE"), ("heldout_accuracy", "Acc"))
                    if any(isinstance(v, dict) and v.get(key) for v in ev.values()) for t in tasks]
-        lines.append("| model | calibration J | " + " | ".join(f"{label} {t}" for _, label, t in columns) + " |")
+        # (without held-out columns, `evaluate: false`, the header had a third, empty cell: not a table, stop 74)
+        lines.append("| " + " | ".join(["model", "calibration J", *(f"{label} {t}" for _, label, t in columns)]) + " |")
         lines.append("|---|---|" + "---|" * len(columns))
         for key, v in ev.items():
             label = f"{key} ({v.get('method')})" if v.get("method") else key
-            lines.append(f"| {label} | {format_number(v.get('calibration_objective'))} | "
-                         + " | ".join(format_number((v.get(k) or {}).get(t)) for k, _, t in columns) + " |")
+            cells = [label, format_number(v.get("calibration_objective")),
+                     *(format_number((v.get(k) or {}).get(t)) for k, _, t in columns)]
+            lines.append("| " + " | ".join(cells) + " |")
 
     for section in sections:  # the merge mode's own (MergeMode.report_markdown)
         lines += ["", *section.rstrip("\n").split("\n")]

@@ -31,7 +31,7 @@ from ..errors import ValidationError
 from ..formatting import format_number
 from .parametrisation import Parametrisation, RowsParametrisation, register_parametrisation
 
-__all__ = ["BaselineResiduals", "RowsBaselinesParametrisation"]
+__all__ = ["ROW_SPAN_TOL", "BaselineResiduals", "RowsBaselinesParametrisation", "snap_to_row_span"]
 
 #: ``provider(site, deltas, names) -> {name: U}``: the merged residuals ``U`` (``(r, m1)``
 #: float64) of the named baselines at one merge layer; a checkpoint merge passes one in the
@@ -71,6 +71,17 @@ class RowsBaselinesParametrisation(Parametrisation):
             raise ValidationError(f"rows+baselines: the merged residual of {bad} contains NaN or inf")
         U.setflags(write=False)
         self._names, self._U = names, U
+        #: per baseline that lies in the span of the rows atoms (:func:`snap_to_row_span`): its
+        #: coefficients ``(r, K)``, ``U[i] = sum_k coef[i, k] delta_k[i]``
+        self._span: dict[str, np.ndarray] = {}
+
+    def tie_to_rows(self, name: str, coef: np.ndarray) -> None:
+        """Declare baseline ``name``'s residual the rows' combination ``coef`` (``(r, K)``): its atoms'
+        statistics are then made exact along the tie (:meth:`atom_combinations`)."""
+        coef = np.array(coef, dtype=np.float64)
+        if name not in self._names or coef.ndim != 2 or coef.shape[0] != self.residuals.shape[1]:
+            raise ValidationError(f"rows+baselines: cannot tie {name!r} with coefficients of shape {coef.shape}")
+        self._span[name] = coef
 
     # ------------------------------------------------------------------ the atoms
     @property
@@ -165,6 +176,25 @@ class RowsBaselinesParametrisation(Parametrisation):
         K = rows.shape[2]
         return torch.cat([rows, base.unsqueeze(2).expand(-1, -1, K, -1)], dim=3)
 
+    def atom_combinations(self, K: int, r: int, m1: int) -> np.ndarray | None:
+        """Each baseline in the rows' span (the soup, task arithmetic: :func:`snap_to_row_span`) has
+        atoms ``(k, r + j)`` that are, for every ``k``, the rows atoms ``(k', i)`` times ``coef[i, k']``
+        (the module docstring's flat directions of ``H``, made exact)."""
+        if not self._span:
+            return None
+        n = r + len(self._names)
+        M = np.eye(K * n)
+        for j, name in enumerate(self._names):
+            coef = self._span.get(name)
+            if coef is None or coef.shape != (r, K):
+                continue
+            column = np.zeros(K * n)
+            for k2 in range(K):
+                column[k2 * n:k2 * n + r] = coef[:, k2]
+            for k in range(K):
+                M[:, k * n + r + j] = column
+        return M
+
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         r = deltas.shape[1]
         return _ROWS.update(d[:, :r], deltas) + np.einsum("j,jim->im", d[:, r:].sum(axis=0), self.residuals)
@@ -221,7 +251,12 @@ class RowsBaselinesParametrisation(Parametrisation):
             raise ValidationError(f"rows+baselines at layer {site.name!r}: nothing computes the baselines' merged "
                                   "residuals (options['baseline_residuals'])")
         residuals = provider(site, deltas, names)
-        return RowsBaselinesParametrisation({n: residuals[n] for n in names})
+        snapped = {n: snap_to_row_span(np.asarray(residuals[n], dtype=np.float64), deltas) for n in names}
+        param = RowsBaselinesParametrisation({n: fit for n, (fit, _) in snapped.items()})
+        for n, (_, coef) in snapped.items():
+            if coef is not None:
+                param.tie_to_rows(n, coef)
+        return param
 
     def describe(self, options: Mapping[str, Any]) -> str:
         return f"{self.name} ({', '.join(_baseline_names(options))})"
@@ -235,6 +270,40 @@ class RowsBaselinesParametrisation(Parametrisation):
             return "RowsBaselinesParametrisation(<built per layer>)"
         return f"RowsBaselinesParametrisation({', '.join(self._names)}; r={self._U.shape[1]}, m1={self._U.shape[2]})"
 
+
+
+#: a baseline's merged residual whose every row lies within this fraction of its norm of the span of the
+#: fine-tunes' same rows is that span's (the soup, task arithmetic: merged in float64 from the same
+#: residuals, they lie within ~1e-13 of it; TIES, RegMean, Fisher, DARE rows lie far off it)
+ROW_SPAN_TOL = 1e-8
+
+
+def snap_to_row_span(U: np.ndarray, deltas: np.ndarray,
+                     tol: float = ROW_SPAN_TOL) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(U, None)`` for ``U`` (``(r, m1)``), or, where each of its rows is a combination of the
+    fine-tunes' same rows (``deltas`` ``(K, r, m1)``) up to ``tol`` of its norm, ``(fit, coef)``:
+    those combinations computed in float64 and their coefficients ``(r, K)``.
+
+    A soup's or task arithmetic's residual is such a combination, so its atoms are exact combinations
+    of the rows atoms and ``H`` is singular along their difference; but their statistics, computed
+    apart, agree only to the model's rounding (transformers' RMSNorm computes in float32 even in a
+    float64 model), and ``g`` then had a component along that flat direction far above the
+    certificate's float64 rounding: with no constraint bounding it, the optimum went uncertified ("no
+    finite optimality bound", exit 1; a review, stop 74). The coefficients tie the statistics
+    (:meth:`RowsBaselinesParametrisation.atom_combinations`); a residual off the span (TIES,
+    RegMean, Fisher, DARE) is returned as it is."""
+    D = np.asarray(deltas, dtype=np.float64)
+    if U.ndim != 2 or D.ndim != 3 or D.shape[1:] != U.shape:
+        return U, None
+    G = np.einsum("kim,lim->ikl", D, D)  # (r, K, K): each row's Gram matrix of the fine-tunes' rows
+    b = np.einsum("kim,im->ik", D, U)
+    coef = np.einsum("ikl,il->ik", np.linalg.pinv(G, hermitian=True), b)
+    fit = np.einsum("ik,kim->im", coef, D)
+    off = np.linalg.norm(U - fit, axis=1)
+    size = np.linalg.norm(U, axis=1)
+    if not np.all(off <= tol * size):
+        return U, None
+    return fit, coef
 
 
 def _baseline_names(options: Mapping[str, Any]) -> tuple[str, ...]:

@@ -248,11 +248,16 @@ class CalibrationStats:
         available = self.sources(param)
         if source == "auto":
             if not available:
+                what = (f"basis {param.basis.name}:{param.basis.p}"
+                        if isinstance(param, BasisParametrisation) and not param.built_per_layer
+                        else f"{param.name} parametrisation")
+                # (a review, stop 74: it named the basis by its content hash and gave only the Python advice)
                 raise ValidationError(
-                    f"no statistics for the {param.key} parametrisation: it was not collected "
+                    f"no statistics for the {what}: it was not collected "
                     f"(collected: {', '.join(self.collected) or 'none'}), no per-sample data was "
-                    f"kept, and the Jacobian varies between samples; collect again with "
-                    f"parametrisations=[...] including it, or keep_samples=True"
+                    f"kept, and the Jacobian varies between samples; collect again keeping the samples "
+                    f"(mergeqp collect --keep-samples; Python: keep_samples=True) or, for a named "
+                    f"parametrisation, streaming it (collect --parametrisation NAME; parametrisations=[...])"
                 )
             source = available[0]
         elif source not in available:

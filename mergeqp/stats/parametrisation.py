@@ -247,6 +247,16 @@ class Parametrisation(ABC):
         from it for any parametrisation that gives one."""
         return None
 
+    def atom_combinations(self, K: int, r: int, m1: int) -> np.ndarray | None:
+        """``M`` (``(K n, K n)``, ``n = n_atoms``, indices ``k * n + a``) where some atoms are exact
+        linear combinations of others: each such atom's design column is the others' columns times
+        its column of ``M`` (the identity's column for every other atom, whose row is then all
+        zero for the combined atom), so that the statistics are made exact along their tie (``H <-
+        M'HM``, ``g <- M'g``: see :func:`tie_statistics`); ``None`` (the default) where no atom is.
+        Computed separately, a tie holds only to the model's own rounding (float32 in transformers'
+        RMSNorm even for a float64 model), and the QP's flat direction then has a slope."""
+        return None
+
     @property
     def built_per_layer(self) -> bool:
         """Whether this is a registry entry whose atoms are built for each layer (:meth:`for_site`)
@@ -603,6 +613,13 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
     PARAMETRISATIONS[param.name] = param
     PARAMETRISATION_NAMES.add(param.name)
     return param
+
+
+def tie_statistics(H: np.ndarray, g: np.ndarray, M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(M'HM, M'g)`` for :meth:`Parametrisation.atom_combinations`' ``M`` (``H`` ``(..., n, n)``,
+    ``g`` ``(..., n)``, a leading axis of tasks allowed)."""
+    H2 = np.einsum("ai,...ab,bj->...ij", M, H, M)
+    return 0.5 * (H2 + np.swapaxes(H2, -1, -2)), np.einsum("ai,...a->...i", M, g)
 
 
 def get_parametrisation(name: str) -> Parametrisation:

@@ -88,3 +88,19 @@ def test_a_cross_entropy_merge_that_left_the_fine_tunes_says_so_without_a_warnin
     closer = {**ev, "merged": {**ev["merged"], "heldout_mse": {"a": 0.1, "b": 0.2}}}
     assert heldout_regression_notes(closer, "cross_entropy") == []
     assert heldout_regression_notes(ev, "euclidean")[0].startswith("WORSE THAN THE BASE: the merged model's held-out MSE")
+
+
+@pytest.mark.parametrize("heldout", [False, True], ids=["evaluate-false", "with-heldout"])
+def test_the_evaluation_table_has_as_many_cells_as_its_header(heldout):
+    """Stop 74 review: with `evaluate: false` (no held-out columns) the header row had 3 cells and the
+    separator 2, which Markdown does not render as a table."""
+    from mergeqp.merge.report import render_markdown
+
+    extra = {"heldout_mse": {"code": 1.0}} if heldout else {}
+    report = {"plan": {}, "evaluation": {"base": {"calibration_objective": 10.0, **extra},
+                                         "merged": {"calibration_objective": 8.0, **extra}}}
+    md = render_markdown(report)
+    table = [ln for ln in md.split("## Evaluation")[1].splitlines() if ln.startswith("|")]
+    widths = {ln.count("|") for ln in table}
+    assert len(table) == 4 and len(widths) == 1, table
+    assert table[0] == ("| model | calibration J | MSE code |" if heldout else "| model | calibration J |")

@@ -45,6 +45,68 @@ def test_optimum_is_never_above_any_baseline(tiny_hf, llama, tmp_path):
     assert points["soup"] == pytest.approx(points["baseline:task_arithmetic"], rel=1e-8)
 
 
+@pytest.mark.parametrize("baseline", ["soup", {"name": "task_arithmetic", "params": {"scaling": 0.7}}],
+                         ids=["soup", "task_arithmetic"])
+def test_a_baseline_in_the_rows_span_is_certified_without_constraints(tiny_hf, llama, tmp_path, baseline):
+    """Stop 74 review: `rows+baselines` with `baselines: [soup]` and `constraints: []` reached the plain
+    rows optimum but reported "no finite optimality bound" (exit 1): the soup's atoms are combinations of
+    the rows atoms, H is flat along their difference, and the statistics (computed apart; transformers'
+    RMSNorm rounds to float32 even in a float64 model) gave g a slope there. Now the tie is exact."""
+    layer = tiny_hf.MLP_LAYER["llama"]
+    rows = {"name": "qp", "mode": "single", "parametrisation": "rows", "constraints": []}
+    both = {**rows, "parametrisation": "rows+baselines", "baselines": [baseline]}
+    reports = {}
+    for name, method in (("rows", rows), ("both", both)):
+        cfg = load_config(llama.write_config(tmp_path / f"{name}.yml", [layer], method))
+        run_merge(cfg, tmp_path / name, progress=False)
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())["layers"][0]
+    assert reports["both"]["certificate"]["certified"] is True, reports["both"]["certificate"]
+    assert reports["both"]["objective_after"] == pytest.approx(reports["rows"]["objective_after"], rel=1e-9)
+
+
+def test_snap_to_row_span_ties_only_a_residual_in_the_span():
+    import numpy as np
+
+    from mergeqp.stats.baseline_atoms import RowsBaselinesParametrisation, snap_to_row_span
+
+    rng = np.random.default_rng(0)
+    deltas = rng.standard_normal((3, 5, 7))
+    soup = deltas.mean(axis=0) * (1 + 1e-12)
+    fit, coef = snap_to_row_span(soup, deltas)
+    assert coef is not None and np.allclose(coef, 1 / 3 * (1 + 1e-12)) and np.abs(fit - soup).max() < 1e-14
+    ties_like = np.where(np.abs(deltas).argmax(axis=0) == 0, deltas[0], 0.0)  # elementwise: off the span
+    assert snap_to_row_span(ties_like, deltas)[1] is None
+    param = RowsBaselinesParametrisation({"soup": fit})
+    param.tie_to_rows("soup", coef)
+    M = param.atom_combinations(3, 5, 7)
+    n = 6
+    # the combined atom's column is the rows' columns times coef; every other column the identity's
+    expected = np.concatenate([np.append(coef[:, k2], 0.0) for k2 in range(3)])
+    assert M.shape == (18, 18) and all(np.array_equal(M[:, k * n + 5], expected) for k in range(3))
+    assert np.array_equal(np.delete(np.delete(M, [5, 11, 17], 1), [5, 11, 17], 0), np.eye(15))
+    design = rng.standard_normal((4, 18))  # any design whose soup columns ARE the combination:
+    for k in range(3):
+        design[:, k * n + 5] = sum(design[:, k2 * n:k2 * n + 5] @ coef[:, k2] for k2 in range(3))
+    assert np.allclose(design @ M, design)
+
+
+def test_a_regularised_layer_reports_the_objective_its_certificate_bounds(tiny_hf, llama, tmp_path):
+    """Stop 74 review: with `regularisation`, `objective_after` is J without the penalty while the
+    certificate bounds J + mu ||d - d_ref||^2, which no field showed; now `objective_after_regularised`."""
+    layer = tiny_hf.MLP_LAYER["llama"]
+    for mu in (0.0, 5.0):
+        method = {"name": "qp", "mode": "single", "parametrisation": "rows", "constraints": ["box:0,1"],
+                  "regularisation": mu, "reference": "soup"}
+        run_merge(load_config(llama.write_config(tmp_path / f"r{mu}.yml", [layer], method)), tmp_path / f"r{mu}",
+                  progress=False)
+        (record,) = json.loads((tmp_path / f"r{mu}" / "report.json").read_text())["layers"]
+        if mu == 0:
+            assert "objective_after_regularised" not in record
+        else:
+            assert record["objective_after_regularised"] > record["objective_after"]
+            assert record["certificate"]["certified"] is True
+
+
 def test_regularisation_toward_the_soup_is_toward_the_soup(tiny_hf, llama, tmp_path):
     """(stop 47) `regularisation` with `reference: soup` pulled rows+baselines toward 1/K on every
     atom, the soup plus every baseline's residual: with a strong weight the merge came out as soup +

@@ -296,6 +296,22 @@ def test_hybrid_start_from_regmean_and_fisher(tiny_hf, families, tmp_path):
         assert rep["layers"][0]["certificate"]["certified"] is True
 
 
+def test_a_soup_start_leaves_every_tensor_no_fine_tune_changed_byte_identical(tiny_hf, tmp_path):
+    """Stop 74 review: `mode: hybrid, start: soup` over three fine-tunes rewrote the tensors that every
+    fine-tune holds as the base's (3 x a/3 in float32 is a up to 6e-8), where `method: soup` left them."""
+    fam = tiny_hf.make_family(tmp_path / "llama3", "llama", K=3, scale=0.3, n_prompts=8)
+    res = _merge(fam, tmp_path, ["model.layers.1.mlp.down_proj"],
+                 {"name": "qp", "mode": "hybrid", "start": {"name": "soup"}}, name="hyb_soup")
+    base, out = open_checkpoint(fam.base), open_checkpoint(res.out_dir)
+    fts = [open_checkpoint(f) for f in fam.finetuned]
+    unchanged = [n for n in base.names() if all(torch.equal(base.get(n), f.get(n)) for f in fts)]
+    changed = [n for n in base.names() if n not in unchanged]
+    assert unchanged and changed
+    for n in unchanged:
+        assert torch.equal(out.get(n), base.get(n)), n
+    assert any(not torch.equal(out.get(n), base.get(n)) for n in changed)
+
+
 # ---------------------------------------------------------------------- config errors
 def test_fisher_regmean_config_errors_before_loading_weights(tiny_hf, families, tmp_path):
     fam = families["llama"]

@@ -387,3 +387,120 @@ def test_saved_statistics_of_a_users_parametrisation(finetuned_copies, linear_ne
     finally:
         PARAMETRISATIONS.pop("io_whole", None)
         PARAMETRISATIONS.pop("io_per_layer", None)
+
+
+MASKED_FACTORY = """
+import torch.nn as nn
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 4))
+    def forward(self, x, mask=None):
+        out = self.body(x)
+        return out if mask is None else out * mask
+
+def make():
+    return Masked()
+"""
+
+
+def test_cli_collect_passes_a_calibration_files_extra_entries_as_keywords(tmp_path, capsys):
+    """Stop 74 review: `{'x': x, 'mask': m}` ran the model without its mask (J(0) 0.2043 where the masked
+    model gives 0.0945), silently; and `[a, b]` (two batches) was read as inputs and labels, b unused."""
+    import importlib.util
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "masked.py").write_text(textwrap.dedent(MASKED_FACTORY))
+    spec = importlib.util.spec_from_file_location("masked_factory_for_test", tmp_path / "masked.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    base, fts = module.make(), [module.make() for _ in range(2)]
+    save_file(base.state_dict(), str(tmp_path / "base.safetensors"))
+    for i, ft in enumerate(fts):
+        with torch.no_grad():
+            ft.load_state_dict(base.state_dict())
+            ft.body[2].weight.add_(0.1 * torch.randn_like(ft.body[2].weight))
+        save_file(ft.state_dict(), str(tmp_path / f"ft{i}.safetensors"))
+    x, mask = torch.randn(8, 6), (torch.rand(8, 4) > 0.5).float()
+    torch.save({"x": x, "mask": mask}, tmp_path / "cal.pt")
+    common = ["collect", "--factory", f"{tmp_path / 'masked.py'}:make", "--base", str(tmp_path / "base.safetensors"),
+              "--finetuned", str(tmp_path / "ft0.safetensors"), str(tmp_path / "ft1.safetensors"), "--layer", "body.2",
+              "--quiet", "--batch-size", "3"]
+    assert main(common + ["--calibration", str(tmp_path / "cal.pt"), str(tmp_path / "cal.pt"),
+                          "--out", str(tmp_path / "s.npz")]) == 0
+    problem = MergeQP.load_npz(str(tmp_path / "s_problem.npz"))
+    with torch.no_grad():
+        masked = sum(float(((base(x, mask) - ft(x, mask)) ** 2).sum()) for ft in fts)
+        unmasked = sum(float(((base(x) - ft(x)) ** 2).sum()) for ft in fts)
+    assert problem.c == pytest.approx(masked, rel=1e-5) and abs(masked - unmasked) > 0.01 * unmasked
+    torch.save([x, x + 1], tmp_path / "two.pt")
+    capsys.readouterr()
+    assert main(common + ["--calibration", str(tmp_path / "two.pt"), str(tmp_path / "two.pt"),
+                          "--out", str(tmp_path / "t.npz")]) == 2
+    assert "a list of two is read as (inputs, labels)" in capsys.readouterr().err
+
+
+def test_sweep_task_weights_give_the_weighted_problem_of_collect(collect_files, tmp_path, capsys):
+    """Stop 74 review: `collect --task-weights mean` weighed only the problem file, its summary's J(0) was
+    unweighted, and `sweep` had no way to weigh the tasks (it solved the unweighted QP, 4.52 against
+    solve's 0.332). Now the summary says so, and `sweep --task-weights` solves the same QP."""
+    import csv
+
+    from mergeqp.solvers.registry import solve
+
+    common = collect_files(tmp_path)
+    assert main(common + ["--out", str(tmp_path / "s.npz"), "--task-weights", "mean"]) == 0
+    out = capsys.readouterr().out
+    problem = MergeQP.load_npz(str(tmp_path / "s_problem.npz"))
+    assert f"tasks weighted mean: J(0) = {problem.c:.6g}" in out
+    assert main(["sweep", str(tmp_path / "s.npz"), "--out", str(tmp_path / "sw"), "--task-weights", "mean",
+                 "--parametrisations", "rows", "--bases", "--constraints", "box:0,1", "--quiet", "--no-figure"]) == 0
+    with open(tmp_path / "sw" / "sweep.csv", newline="") as fh:
+        (row,) = [r for r in csv.DictReader(fh)]
+    expected = solve(problem, "box:0,1").objective
+    assert float(row["objective"]) == pytest.approx(expected, rel=1e-9)
+    assert main(["sweep", str(tmp_path / "s.npz"), "--out", str(tmp_path / "sw2"), "--task-weights", "1,2,3",
+                 "--parametrisations", "rows", "--bases", "--quiet", "--no-figure"]) == 2
+    assert "--task-weights has 3 weight(s)" in capsys.readouterr().err
+
+
+def test_a_basis_size_above_r_is_refused_before_the_collection(collect_files, tmp_path, capsys, monkeypatch):
+    """Stop 74 review: `--problem-parametrisation svd:9` on a layer of r = 5 ran the whole collection, then
+    failed, and the statistics were lost (the problem was built before they were saved)."""
+    import mergeqp.stats as stats_module
+
+    common = collect_files(tmp_path)
+
+    def never(*args, **kwargs):
+        raise AssertionError("collected before the basis size was checked")
+
+    monkeypatch.setattr(stats_module, "collect_statistics", never)
+    assert main(common + ["--out", str(tmp_path / "s.npz"), "--problem-parametrisation", "svd:99"]) == 2
+    assert "99 basis directions, but the layer has r = 8 outputs" in capsys.readouterr().err
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_sweeps_missing_statistics_name_the_basis_and_the_command_line_advice(collect_files, tmp_path, capsys):
+    """Stop 74 review: the skip reason named the basis by its content hash ('basis:5x1:1d9e...') and gave
+    only the Python API's advice (keep_samples=True)."""
+    assert main(collect_files(tmp_path) + ["--out", str(tmp_path / "s.npz")]) == 0
+    capsys.readouterr()
+    assert main(["sweep", str(tmp_path / "s.npz"), "--out", str(tmp_path / "sw"), "--parametrisations",
+                 "--bases", "optimal", "--sizes", "1", "--quiet", "--no-figure"]) == 2
+    out = capsys.readouterr().out
+    assert "no statistics for the basis optimal:1" in out and "mergeqp collect --keep-samples" in out
+
+
+def test_a_factory_that_raises_is_named_with_where_it_raised(collect_files, tmp_path, capsys):
+    """Stop 74 review: 'the model factory failed: RuntimeError: ...' named neither file nor line, and
+    MERGEQP_TRACEBACK=1 printed nothing more."""
+    common = collect_files(tmp_path)
+    (tmp_path / "boom.py").write_text("def make(hidden=16):\n    raise RuntimeError('factory exploded')\n")
+    at = common.index("--factory")
+    argv = common[:at + 1] + [f"{tmp_path / 'boom.py'}:make"] + common[at + 2:]
+    assert main(argv + ["--out", str(tmp_path / "s.npz")]) == 2
+    err = capsys.readouterr().err
+    assert f"factory exploded (raised at {tmp_path / 'boom.py'}:2)" in err

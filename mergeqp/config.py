@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -28,6 +29,7 @@ from .run.schema import (
     OutputConfig,
     PromptSource,
     check_paths,
+    default_model_name,
 )
 
 __all__ = ["BaselineSpec", "CalibrationOptions", "MergeConfig", "MethodConfig", "ModelEntry", "OutputConfig",
@@ -42,10 +44,34 @@ _MISSING_HINTS = {
 }
 
 
-def _format_errors(exc: ValidationError, source: str) -> ConfigError:
+def _model_label(data: Any, index: int) -> str:
+    """``models[NAME]`` for the ``index``-th entry of a config's ``models`` (its ``name``, else the name
+    its path gives it, as the run's other messages call it), ``models[#N]`` (counted from 1) otherwise;
+    schema errors said ``models.0`` (a review, stop 74)."""
+    models = data.get("models") if isinstance(data, dict) else None
+    entry = models[index] if isinstance(models, list) and 0 <= index < len(models) else None
+    if isinstance(entry, dict):
+        name = entry.get("name")
+        if isinstance(name, str) and name:
+            return f"models[{name}]"
+        if isinstance(entry.get("path"), str) and entry["path"]:
+            return f"models[{default_model_name(entry['path'])}]"
+    return f"models[#{index + 1}]"
+
+
+def _location(loc: Sequence[Any], data: Any) -> str:
+    """A pydantic error location as the config's keys: ``models[ft1].weight`` for ``models.1.weight``."""
+    parts = [str(x) for x in loc if not str(x).startswith("function-")]
+    if len(parts) >= 2 and parts[0] == "models" and parts[1].isdigit():
+        head = _model_label(data, int(parts[1]))
+        return head + "".join(f".{p}" for p in parts[2:])
+    return ".".join(parts)
+
+
+def _format_errors(exc: ValidationError, source: str, data: Any = None) -> ConfigError:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("function-"))
+        loc = _location(err.get("loc", ()), data)
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
         block = re.search(r"instance of (\w+)", msg)
@@ -83,7 +109,7 @@ def parse_config(data: Any, root: str | Path = ".", source: str = "<dict>",
     try:
         return MergeConfig.model_validate({**data, "root": str(root), **extra})
     except ValidationError as exc:
-        raise _format_errors(exc, source) from None
+        raise _format_errors(exc, source, data) from None
 
 
 class _Loader(yaml.SafeLoader):

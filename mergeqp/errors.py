@@ -255,12 +255,22 @@ def raised_at(exc: BaseException) -> tuple[str, bool]:
     outside mergeqp and installed packages (the user's own file, ``own`` true), else of its innermost
     frame (``own`` false); ``("", False)`` without a traceback."""
     import os
+    import sysconfig
     import traceback
 
     frames = traceback.extract_tb(exc.__traceback__)
-    package = os.path.dirname(os.path.abspath(__file__))
-    own = [f for f in frames if not f.filename.startswith(package) and "site-packages" not in f.filename
-           and not f.filename.startswith("<")]
+    # mergeqp's own folder, the standard library and installed packages are not the user's (a review of
+    # stop 74: a factory's json.loads was blamed on json/decoder.py, and mergeqp_plugins/ on mergeqp)
+    theirs = tuple(os.path.join(os.path.realpath(p), "") for p in
+                   (os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths().get("stdlib", ""),
+                    sysconfig.get_paths().get("platstdlib", "")) if p)
+
+    def users(filename: str) -> bool:
+        path = os.path.realpath(filename)
+        return not (filename.startswith("<") or path.startswith(theirs)
+                    or any(part in ("site-packages", "dist-packages") for part in path.split(os.sep)))
+
+    own = [f for f in frames if users(f.filename)]
     where = own[-1] if own else (frames[-1] if frames else None)
     return ("" if where is None else f" at {where.filename}:{where.lineno}"), bool(own)
 

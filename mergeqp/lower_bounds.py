@@ -20,10 +20,8 @@ import numpy as np
 #: in the HiGHS dual bound (they are round-off on basic variables)
 RC_TOL = 1e-9
 #: margin charged below a CVXPY (Clarabel) primal value, relative to ``1 + |value|``: ten times
-#: the duality-gap tolerance the LP was solved to (:attr:`LinearMinimum.solver_tol`; 1e-10 unless
-#: it ended ``inaccurate`` there), or 1e-6 for an ``inaccurate`` solve
-SOLVER_MARGIN_FACTOR = 10.0
-SOLVER_MARGIN = SOLVER_MARGIN_FACTOR * 1e-10
+#: the duality-gap tolerance the LP is solved to (1e-10), or 1e-6 for an ``inaccurate`` solve
+SOLVER_MARGIN = 1e-9
 SOLVER_MARGIN_INACCURATE = 1e-6
 
 BOUND_EXACT = "exact (closed form)"
@@ -53,8 +51,8 @@ class LinearMinimum:
     unbounded along ``-grad``); ``method``: how it was computed (``closed form``, ``LP (HiGHS
     dual bound)``, ``LP (CVXPY/Clarabel)``); ``exact``: ``value`` is the exact minimum (closed
     forms). Evidence for a bound otherwise: ``lp`` (HiGHS multipliers) or ``solver_status``
-    (a CVXPY solve to the tolerance ``solver_tol``, whose value on the scaled objective is
-    ``scaled_primal``); ``scale`` is the factor the LP's objective was divided by."""
+    (a CVXPY solve, whose value on the scaled objective is ``scaled_primal``); ``scale`` is the
+    factor the LP's objective was divided by."""
 
     value: float
     s: np.ndarray | None
@@ -64,8 +62,6 @@ class LinearMinimum:
     solver_status: str | None = None
     scale: float = 1.0
     scaled_primal: float = 0.0
-    #: the duality-gap tolerance the CVXPY solve was asked for (``None``: 1e-10)
-    solver_tol: float | None = None
 
 
 @dataclass(frozen=True)
@@ -190,8 +186,7 @@ def lower_bound(lm: LinearMinimum) -> Bound:
         return Bound(min(primal, value) * lm.scale if lm.scale > 0 else 0.0, BOUND_DUAL)
     if lm.solver_status is not None:
         primal = lm.scaled_primal
-        rel = (SOLVER_MARGIN_INACCURATE if "inaccurate" in lm.solver_status
-               else SOLVER_MARGIN if lm.solver_tol is None else max(SOLVER_MARGIN, SOLVER_MARGIN_FACTOR * lm.solver_tol))
+        rel = SOLVER_MARGIN_INACCURATE if "inaccurate" in lm.solver_status else SOLVER_MARGIN
         margin = rel * (1.0 + abs(primal))
         return Bound((primal - margin) * lm.scale if lm.scale > 0 else 0.0,
                      f"{BOUND_USER} {rel:g} ({lm.solver_status})")

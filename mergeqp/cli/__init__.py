@@ -128,8 +128,10 @@ def _failed(command: str, exc: MergeQPError) -> int:
     error file, so that one met by a rank other than 0 alone is in torchrun's report."""
     from ..io.distributed import own_error, record_for_launcher  # (deferred, as _other_rank)
 
-    if os.environ.get("MERGEQP_TRACEBACK") and exc.__cause__ is not None:  # a user's code's error, wrapped
-        raise exc
+    if os.environ.get("MERGEQP_TRACEBACK") and exc.__cause__ is not None:  # a user's code's error, wrapped:
+        import traceback  # its traceback, then the one line and the error's own exit code (re-raised, it was 1)
+
+        traceback.print_exception(exc.__cause__, file=sys.stderr)
     message = f"mergeqp {command}: error: {exc}"
     if own_error(exc):
         record_for_launcher(message)

@@ -4,10 +4,10 @@ Models come from a Python factory (``package.module:function`` or ``path/to/file
 called with ``--factory-kwargs`` as keyword arguments) into which the state dicts
 (``.safetensors``, or ``.pt``/``.pth``/``.bin`` torch state dicts) are loaded strictly.
 Calibration files hold one task each: ``.pt`` (a tensor of inputs, a tuple ``(inputs,
-labels)`` with ``--targets labels``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``)
-or ``.npz`` (arrays ``inputs``/``x`` and optional ``labels``/``y``, or a single array); further
-entries of a dict / ``.npz`` (a mask, ...) are passed to the model as keywords, split into the
-batches where their first dimension is the number of samples.
+labels)``, or a dict with ``inputs``/``x`` and optional ``labels``/``y``) or ``.npz`` (arrays
+``inputs``/``x`` and optional ``labels``/``y``, or a single array); further entries of a dict /
+``.npz`` that the model's forward takes by name (a mask, ...) are passed to it as keywords, split
+into the batches where their first dimension is the number of samples (:func:`load_calibration`).
 
 Every argument is checked before any model or data is loaded (:func:`validate_args`); the
 statistics and problem files may not be (or overwrite) an input, and are written atomically.
@@ -22,6 +22,8 @@ import importlib.util
 import json
 import math
 import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +53,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layer", required=True, help="name of the nn.Linear merge layer")
     p.add_argument("--calibration", required=True, nargs="+",
                    help="calibration data files, one per fine-tuned model, same order (.pt/.npz): a tensor of "
-                        "inputs, or a dict / .npz with 'x' (or 'inputs'), optional 'labels' (or 'y'), and any further "
-                        "entries (a mask, ...), passed to the model as keywords")
+                        "inputs, or a dict / .npz with 'x' (or 'inputs'), optional 'labels' (or 'y'), and further "
+                        "entries (a mask, ...) passed to the model as keywords where its forward takes them")
     p.add_argument("--targets", choices=("finetuned", "labels"), default="finetuned")
     p.add_argument("--output-fn", help="module:function selecting the compared output")
     p.add_argument("--parametrisation", nargs="+", default=["rows", "scalar"],
@@ -246,8 +248,10 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     # floating inputs in the model's dtype (np.savez writes float64: a float32 model then failed with
     # "mat1 and mat2 must have the same dtype" unless --dtype was given; a review, stop 74)
     model_dtype = dtype or next((p.dtype for p in base.parameters() if p.is_floating_point()), None)
-    calibration = [load_calibration(f, args.batch_size, model_dtype, uses_labels=args.targets == "labels")
-                   for f in args.calibration]
+    accepts, first = forward_keywords(base)
+    say = (lambda msg: None) if args.quiet or not group.is_writer() else (lambda msg: print(msg, file=sys.stderr))
+    calibration = [load_calibration(f, args.batch_size, model_dtype, uses_labels=args.targets == "labels",
+                                    accepts=accepts, log=say, input_name=first) for f in args.calibration]
     stats = collect_statistics(
         base, fts, args.layer, calibration, targets=args.targets, output_fn=output_fn,
         parametrisations=streamed, keep_samples=keep_samples,
@@ -293,6 +297,24 @@ def _check_basis_size(spec: str, r: int) -> None:
     if p > r:
         raise ConfigError(f"--problem-parametrisation {spec}: {p} basis directions, but the layer has r = {r} outputs "
                           f"(at most {r})")
+
+
+def forward_keywords(model: Any) -> tuple[Callable[[str], bool], str | None]:
+    """``(accepts, first)``: whether ``model``'s forward takes a keyword of that name (every name where
+    it takes ``**kwargs`` or its signature cannot be read), and the name of its first parameter (the
+    inputs' keyword when a batch passes further entries; ``None`` where it has none by name)."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return (lambda name: True), None
+    named = [n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                         inspect.Parameter.KEYWORD_ONLY)]
+    first = next((n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD), None)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return (lambda name: True), first
+    return (lambda name: name in named), first
 
 
 def check_device(name: str) -> str:
@@ -407,19 +429,25 @@ def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, dev
     return model.to(device).eval()
 
 
-def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool = True) -> list[Any]:
+def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool = True,
+                     accepts: Callable[[str], bool] | None = None,
+                     log: Callable[[str], None] | None = None, input_name: str | None = None) -> list[Any]:
     """One task's calibration file -> a list of batches: ``inputs``, ``(inputs, labels)``, or, where
-    the file holds further entries beside them (a mask, ...), ``{"x": inputs, [labels,] **extras}``,
-    which calls the model with every entry as a keyword (as the Python API does; the extras were
-    dropped without a word before stop 74, and the model ran without its mask). An extra whose first
-    dimension is the number of samples is split into the batches with the inputs; any other (a
-    broadcast ``position_ids (1, T)``) goes whole into each. ``uses_labels``: ``--targets labels``;
-    without it a list ``[a, b]`` is refused (it was read as inputs and labels, and ``b``, unused,
-    was half the calibration lost)."""
+    the file holds further entries the model's forward takes (``accepts(name)``; ``None``: every
+    entry), ``{KEY: inputs, [labels,] **extras}``, ``KEY`` the forward's first parameter
+    (``input_name``; else the file's own input key, ``x`` or ``inputs``), which calls the model with
+    every entry as a keyword, as the Python API does (such
+    entries were dropped without a word before stop 74, and the model ran without its mask). An extra
+    whose first dimension is the number of samples is split into the batches with the inputs; any
+    other (a broadcast ``position_ids (1, T)``) goes whole into each. Entries the forward does not take
+    are left out, named through ``log``. ``uses_labels``: ``--targets labels``; without it a list ``[a,
+    b]`` of two tensors of one shape is refused (read as inputs and labels, ``b`` was half the
+    calibration lost)."""
     import numpy as np
     import torch
 
-    extras: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    key = INPUT_KEYS[1]
     if path.endswith(".npz"):
         try:
             with np.load(path, allow_pickle=False) as data:
@@ -432,7 +460,7 @@ def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool =
                 inputs = torch.from_numpy(data[key])
                 lkey = next((k for k in LABEL_KEYS if k in files), None)
                 labels = torch.from_numpy(data[lkey]) if lkey else None
-                extras = {k: torch.from_numpy(data[k]) for k in files if k not in (key, lkey)}
+                raw = {k: data[k] for k in files if k not in (key, lkey)}
         except ValidationError:
             raise
         except Exception as exc:  # noqa: BLE001 - any unreadable file, one clear line
@@ -449,14 +477,15 @@ def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool =
             inputs = obj[key]
             lkey = next((k for k in LABEL_KEYS if k in obj), None)
             labels = obj[lkey] if lkey is not None else None
-            extras = {str(k): v for k, v in obj.items() if k not in (key, lkey)}
+            raw = {str(k): v for k, v in obj.items() if k not in (key, lkey)}
         elif isinstance(obj, (tuple, list)) and len(obj) == 2:
-            if not uses_labels:
-                raise ValidationError(
-                    f"{path}: a list of two is read as (inputs, labels), but --targets finetuned uses no labels: "
-                    f"for two batches, save one tensor (torch.cat) or {{'x': inputs}}; for inputs and labels, "
-                    f"{{'x': inputs, 'labels': labels}} with --targets labels")
             inputs, labels = obj
+            if (not uses_labels and isinstance(inputs, torch.Tensor) and isinstance(labels, torch.Tensor)
+                    and labels.shape == inputs.shape and labels.dtype == inputs.dtype):
+                raise ValidationError(
+                    f"{path}: a pair of two tensors of one shape {tuple(inputs.shape)} is read as (inputs, labels), "
+                    f"but --targets finetuned uses no labels: for two batches, save one tensor (torch.cat) or "
+                    f"{{'x': inputs}}; for inputs and labels, use --targets labels")
         else:
             raise ValidationError(f"{path}: expected a tensor, (inputs, labels) or a dict, got {type(obj).__name__}")
     if not isinstance(inputs, torch.Tensor) or inputs.ndim == 0:
@@ -469,12 +498,25 @@ def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool =
     if labels is not None and len(labels) != inputs.shape[0]:
         raise ValidationError(f"{path}: {inputs.shape[0]} inputs but {len(labels)} labels")
     n = int(inputs.shape[0])
-    for name, value in extras.items():
+    taken = [k for k in raw if (accepts is None or accepts(k)) and k != input_name]
+    left = [k for k in raw if k not in taken]
+    if left and log is not None:
+        log(f"note: {path}: {', '.join(map(repr, left))} left out (not a parameter of the model's forward)")
+    extras: dict[str, Any] = {}
+    for name in taken:
+        value = raw[name]
+        if isinstance(value, np.ndarray):
+            try:
+                value = torch.from_numpy(value)
+            except TypeError:
+                raise ValidationError(f"{path}: entry {name!r} (dtype {value.dtype}) cannot be passed to the model's "
+                                      f"forward as a tensor") from None
         if not isinstance(value, torch.Tensor):
-            raise ValidationError(f"{path}: entry {name!r} is a {type(value).__name__}; every entry beside the inputs "
-                                  f"and labels is passed to the model as a keyword and must be a tensor")
+            raise ValidationError(f"{path}: entry {name!r} is a {type(value).__name__}; an entry beside the inputs and "
+                                  f"labels that the model's forward takes is passed as a keyword and must be a tensor")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise BadDataError(f"calibration file {path}: entry {name!r} holds non-finite value(s) (NaN or inf)")
+        extras[name] = value
     if dtype is not None and inputs.is_floating_point():
         inputs = inputs.to(dtype)
     if dtype is not None:
@@ -486,7 +528,7 @@ def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool =
         if not extras:
             batches.append(x if y is None else (x, y))
             continue
-        batch = {INPUT_KEYS[1]: x, **({LABEL_KEYS[0]: y} if y is not None else {})}
+        batch = {input_name or key: x, **({LABEL_KEYS[0]: y} if y is not None else {})}
         for name, value in extras.items():
             per_sample = value.ndim > 0 and int(value.shape[0]) == n
             batch[name] = value[start:start + batch_size] if per_sample else value

@@ -572,7 +572,7 @@ GENERIC_STEMS = frozenset({"model", "pytorch_model", "adapter_model", "diffusion
 WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".npz"})
 
 
-def _default_name(path: str) -> str:
+def default_model_name(path: str) -> str:
     """A model's name when the config gives none: a folder's name; a file's stem (``ft_code.pt`` ->
     ``ft_code``), or its folder's name for a generic stem (``ft_code/model.safetensors`` -> ``ft_code``)."""
     p = Path(path)
@@ -689,7 +689,7 @@ class MergeConfig(_Strict):
 
     # ------------------------------------------------------------------ helpers
     def model_names(self) -> list[str]:
-        return [m.name or _default_name(m.path) or f"model{i}" for i, m in enumerate(self.models)]
+        return [m.name or default_model_name(m.path) or f"model{i}" for i, m in enumerate(self.models)]
 
     def resolve(self, path: str) -> Path:
         p = Path(path).expanduser()

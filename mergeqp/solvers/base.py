@@ -44,12 +44,13 @@ AUTO_FALLBACK_MAX_N = 4096
 #: certified it in 11 s)
 AUTO_DENSE_FALLBACK_MAX_N = 8192
 #: up to this many variables ``auto`` tries its fallbacks also after a point at its float64 rounding
-#: floor (where they cost milliseconds): on interpolating QPs (``J* ~ 0``) another solver's point often
-#: certifies where ``active_set``'s stopped at the floor (stop 74, a review: 25 of 450 rank-6 QPs at
-#: n = 15 uncertified, every one certified by ``dense_ipm``; at n = 256, 40-65 of 81-105 rescued by some
-#: fallback). Above it the point at the floor is kept: at n = 1024 the fallbacks took 1-5 s against
-#: ``active_set``'s 0.01-0.4 s and certified about half
-AUTO_FLOOR_FALLBACK_MAX_N = 256
+#: floor (where they cost a few milliseconds): on small interpolating QPs (``J* ~ 0``) another solver's
+#: point often certifies where ``active_set``'s stopped at the floor (stop 74, a review: 25 of 450 rank-6
+#: QPs at n = 15 uncertified, every one certified by ``dense_ipm``). Above it the point at the floor is
+#: kept: whether a point there certifies is rounding noise, and at n = 60-256 the fallbacks made
+#: ``auto`` 10x slower over 300 such QPs (up to 80x on one) for 62 rescued (none of 100 on boxes);
+#: at n = 1024 they took 1-5 s against ``active_set``'s 0.01-0.4 s
+AUTO_FLOOR_FALLBACK_MAX_N = 48
 
 
 class QPSolver(ABC):

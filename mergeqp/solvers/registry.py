@@ -22,6 +22,7 @@ from ..errors import (
     check_new_name,
     check_signature,
     first_line,
+    interruption,
     unknown,
 )
 from ..problem import MergeQP
@@ -174,7 +175,7 @@ def solve(
         if not fallback or isinstance(exc, UnboundedError):  # a proof of unboundedness is final
             raise
         sol = _auto_fallback(problem, cset, None, exc, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
-                             check_feasibility)
+                             check_feasibility, abs_tol)
         if not getattr(exc, "ray_searched", False):  # the refuted claim's own search found no ray
             sol = _unless_unbounded(problem, cset, sol)
         return _with_abs_tol(sol, abs_tol)
@@ -182,7 +183,7 @@ def solve(
     sol = _unless_unbounded(problem, cset, sol)
     if fallback and not _settled(sol, rel_tol, abs_tol, problem.n):
         sol = _auto_fallback(problem, cset, sol, None, chosen.name, x0, rel_tol, feas_tol, t0, pinv,
-                             check_feasibility)
+                             check_feasibility, abs_tol)
         if not looked:
             sol = _unless_unbounded(problem, cset, sol)
     return _with_abs_tol(sol, abs_tol)
@@ -364,12 +365,14 @@ def _settled(sol: Solution, rel_tol: float, abs_tol: float = 0.0, n: int | None 
     return floor_settles and cert.feasible and cert.at_rounding_floor
 
 
-def _rank(sol: Solution, rel_tol: float) -> tuple[bool, bool, bool, float]:
-    """Sort key: feasible before infeasible, certified before not (a point at the rounding floor with a
-    smaller gap was kept over a certified one, stop 74), settled before not, then the smaller gap."""
+def _rank(sol: Solution, rel_tol: float, abs_tol: float = 0.0) -> tuple[bool, bool, bool, float]:
+    """Sort key: feasible before infeasible, certified (at ``rel_tol`` or ``abs_tol``) before not (a point at
+    the rounding floor with a smaller gap was kept over a certified one, stop 74), settled before not, then
+    the smaller gap."""
     cert = sol.certificate
     assert cert is not None
-    return (not cert.feasible, not cert.certified(rel_tol), not _settled(sol, rel_tol), cert.fw_gap)
+    return (not cert.feasible, not cert.certified(rel_tol, abs_tol), not _settled(sol, rel_tol, abs_tol),
+            cert.fw_gap)
 
 
 def _fallback_order(problem: MergeQP, cset: ConstraintSet, first_name: str) -> list[str]:
@@ -432,7 +435,7 @@ def _passes_over(solver: QPSolver, problem: MergeQP, cset: ConstraintSet, auto: 
 def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None,
                    error: SolverError | None, first_name: str, x0: np.ndarray | None,
                    rel_tol: float, feas_tol: float, t0: float, pinv: bool | None = False,
-                   checked: bool = False) -> Solution:
+                   checked: bool = False, abs_tol: float = 0.0) -> Solution:
     """``auto``'s answer when its first choice failed or did not certify: try the solvers that rank
     themselves its fallbacks for this problem, then the other registered solvers that take the
     problem and set where no point inside the set was found (:func:`_fallback_order`,
@@ -444,7 +447,7 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
         candidates.append(first)
         assert first.certificate is not None
         tried.append({"solver": first_name, "fw_gap": first.certificate.fw_gap,
-                      "certified": first.certificate.certified(rel_tol)})
+                      "certified": first.certificate.certified(rel_tol, abs_tol)})
     else:
         tried.append({"solver": first_name, "error": str(error)})
 
@@ -465,19 +468,23 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
             sol = _run(alt, problem, cset, x0, True, rel_tol, feas_tol, 0.0, {}, pinv, checked)
         except UnboundedError:
             raise  # the first choice's point cannot be optimal: J has no minimum
-        except SolverError as exc:
+        except MergeQPError as exc:
+            if interruption(exc) is not None or (first is None and not isinstance(exc, SolverError)):
+                raise
+            # a fallback's own failure (a SolverError; after a first point, any error of a fallback, e.g. a
+            # user's solver's ValidationError) is recorded and the next one tried
             tried.append({"solver": name, "error": str(exc)})
             continue
         assert sol.certificate is not None
         tried.append({"solver": name, "fw_gap": sol.certificate.fw_gap,
-                      "certified": sol.certificate.certified(rel_tol)})
+                      "certified": sol.certificate.certified(rel_tol, abs_tol)})
         candidates.append(sol)
-        if _settled(sol, rel_tol, n=problem.n):
+        if _settled(sol, rel_tol, abs_tol, n=problem.n):
             break
     if not candidates:
         assert error is not None
         raise error
-    best = min(candidates, key=lambda s: _rank(s, rel_tol))
+    best = min(candidates, key=lambda s: _rank(s, rel_tol, abs_tol))
     assert best.certificate is not None
     summary = "; ".join(
         f"{t['solver']}: " + (f"error {t['error']}" if "error" in t else

@@ -79,7 +79,7 @@ MERGE_CASES = [
     ("merge-truncated-qp", "c12", {"name": "qp", "mode": "single"}, _model(1, "ft_trunc"), {"evaluate": True},
      ["--out", "{root}/m"], 2, "truncated or damaged safetensors file"),
     ("merge-weight-nan", "c13", None, lambda c, r: c["models"][0].update(weight=float("nan")), {}, ["--dry-run"],
-     2, "models.0.weight"),
+     2, "models[code].weight"),
     ("merge-scaling-inf", "c14", {"name": "task_arithmetic", "params": {"scaling": float("inf")}}, None, {},
      ["--dry-run"], 2, "parameter 'scaling': Input should be a finite number"),
     ("merge-ties-density-nan", "c15", {"name": "ties", "params": {"density": float("nan")}}, None, {},

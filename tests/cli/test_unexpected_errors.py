@@ -78,3 +78,17 @@ def test_lm_experiment_refuses_before_any_work(tmp_path, capsys, argv, message):
     assert code == EXIT_USAGE, err
     assert message.format(**fill) in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
+
+
+def test_traceback_variable_prints_a_wrapped_users_error_and_keeps_the_exit_code(tmp_path, capsys, monkeypatch):
+    """A review of stop 74: with MERGEQP_TRACEBACK=1 an error wrapping a user's exception (a factory that
+    raised: exit 2) was re-raised, and the exit code became 1 ("solved, not certified")."""
+    from mergeqp.cli import main
+
+    (tmp_path / "factory.py").write_text("def make():\n    raise RuntimeError('factory exploded')\n")
+    monkeypatch.setenv("MERGEQP_TRACEBACK", "1")
+    code = main(["collect", "--factory", f"{tmp_path / 'factory.py'}:make", "--base", str(tmp_path / "factory.py"),
+                 "--finetuned", str(tmp_path / "factory.py"), "--layer", "l", "--calibration",
+                 str(tmp_path / "factory.py"), "--out", str(tmp_path / "s.npz"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" in err and "factory exploded" in err, err

@@ -59,8 +59,8 @@ def test_joint_compare_sequential_is_a_mode_option_and_the_older_key_folds_into_
 @pytest.mark.parametrize("data, where, key", [
     ({**MINIMAL, "desnity": 1}, "(top level)", "desnity"),
     ({**MINIMAL, "method": {"name": "qp", "constraint": "box"}}, "method", "constraint"),
-    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "wieght": 2}]}, "models.0", "wieght"),
-    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "fild": "t"}}]}, "models.0.calibration", "fild"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": "c", "wieght": 2}]}, "models[x]", "wieght"),
+    ({**MINIMAL, "models": [{"path": "x", "calibration": {"path": "c", "fild": "t"}}]}, "models[x].calibration", "fild"),
     ({**MINIMAL, "calibration": {"max_len": 3}}, "calibration", "max_len"),
     ({**MINIMAL, "output": {"restrict": "topk", "k": 3, "kk": 1}}, "output", "kk"),
     ({**MINIMAL, "root": "/"}, "root", "root"),
@@ -470,7 +470,7 @@ def test_what_the_config_alone_shows_fails_in_the_dry_run(fam, tmp_path, no_weig
 
 
 @pytest.mark.parametrize("data, message", [
-    ({"base": "b", "models": ["./a", "./b"], "layers": ["x"]}, "models.0: expected a mapping {path, name"),
+    ({"base": "b", "models": ["./a", "./b"], "layers": ["x"]}, r"models\[#1\]: expected a mapping {path, name"),
     ({"base": "b", "models": [{"path": "a"}], "layers": ["x"], "calibration": "code.jsonl"},
      "under models\\[\\].calibration"),
     ({"base": "b", "models": [{"path": "a"}], "layers": ["x"], "method": None}, "method: expected a mapping"),

@@ -221,15 +221,36 @@ def test_auto_tries_its_fallbacks_after_a_floor_point_on_a_small_problem(seed, s
 def test_auto_prefers_a_certified_fallback_to_a_smaller_gap_at_the_floor() -> None:
     """Among the points it tried, ``auto`` kept the smallest gap among those "settled", and a point at
     the rounding floor (not certified) counted as settled: Clarabel's uncertified point (gap 2.7e-21)
-    was kept over OSQP's certified one (2.3e-19) on this interpolating QP (stop 74)."""
-    problem = _interpolating(1, K=4, m=64, rank=85)
-    sol = solve(problem, "nonneg")
+    was kept over OSQP's certified one (2.3e-19) on an interpolating QP (stop 74; here n = 48)."""
+    problem = _interpolating(14, K=3, m=16, rank=2)
+    sol = solve(problem, "box:-1,inf")
     tried = sol.info["auto_tried"]
     certified = [t for t in tried if t.get("certified")]
     assert certified, tried  # (some fallback certifies here)
     assert sol.certified and sol.solver in {t["solver"] for t in certified}
     # the case the rule is for: an uncertified point with a smaller gap than the kept one was tried
     assert any(not t.get("certified") and t.get("fw_gap", np.inf) < sol.certificate.fw_gap for t in tried)
+
+
+def test_auto_ranks_its_points_at_abs_tol_too() -> None:
+    """A review of stop 74: the ranking (and `auto_tried`'s flags) looked at rel_tol only, so with
+    `abs_tol` a point certified at it lost to an uncertified smaller gap."""
+    import dataclasses
+
+    from mergeqp.solvers.registry import _rank
+
+    problem = _interpolating(1)
+    sol = solve(problem, "nonneg", solver="dense_ipm")
+    scale = sol.certificate.scale
+    near = dataclasses.replace(sol, certificate=dataclasses.replace(sol.certificate, fw_gap=1e-3 * scale))
+    far = dataclasses.replace(sol, certificate=dataclasses.replace(sol.certificate, fw_gap=1e-2 * scale))
+    assert _rank(near, 1e-6) < _rank(far, 1e-6)  # (neither certifies at rel_tol: the smaller gap first)
+    certified_far = dataclasses.replace(far, certificate=dataclasses.replace(far.certificate, fw_gap=2e-2 * scale))
+    uncertified_near = dataclasses.replace(near, certificate=dataclasses.replace(near.certificate, rounding=1e3 * scale))
+    abs_tol = 0.05 * scale
+    assert certified_far.certificate.certified(1e-6, abs_tol)
+    assert not uncertified_near.certificate.certified(1e-6, abs_tol)  # (its rounding is beyond float64)
+    assert _rank(certified_far, 1e-6, abs_tol) < _rank(uncertified_near, 1e-6, abs_tol)
 
 
 # ---------------------------------------------------------------------- unbounded problems

@@ -34,13 +34,13 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import scipy.linalg as sla
 
-from ..errors import ConfigError, MergeQPError, unknown
+from ..errors import ConfigError, MergeQPError, interruption, unknown
 from ..io.atomic import check_output_file, write_json_atomic
 
 
@@ -72,7 +72,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--family", default=None, metavar="NAMES",
                    help="benchmark drawn instances of these instance families (comma-separated or 'all'; a "
                         "variant of one as FAMILY:key=value:..., keys K, r, c, N, cond, at_bounds, planted, "
-                        "set_type, e.g. box:K=8:r=80:cond=1e9:c=4:N=30:at_bounds=0.95) instead of --problems; "
+                        "set_type, dead, e.g. box:K=8:r=80:cond=1e9:c=4:N=30:at_bounds=0.95) instead of --problems; "
                         "times are also given as multiples of one Cholesky of H")
     p.add_argument("--n", type=int, default=None, help="unknowns of the family instances (default: the family's)")
     p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
@@ -144,10 +144,14 @@ def check_json_output(path: str, inputs: list[str] | tuple[str, ...] = ()) -> No
     if os.path.isfile(path) and os.path.getsize(path) > 0:  # (an empty file, e.g. from mktemp, is replaced)
         try:
             with open(path, encoding="utf-8") as fh:
-                json.load(fh)
+                earlier = json.load(fh)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             raise ConfigError(f"--json {path} exists and is not a JSON file; outputs never replace other files: "
                               f"choose another path (or remove it)") from None
+        if not (isinstance(earlier, dict) and "rows" in earlier):
+            # (a review, stop 74: --family ... --json problems/tiny96.json replaced the committed optima)
+            raise ConfigError(f"--json {path} exists and is not an earlier bench table (no 'rows'); outputs never "
+                              f"replace other files: choose another path (or remove it)")
 
 
 def bench_rows(problems: list[str], solvers: list[str], constraints: list[str], repeat: int = 1,
@@ -227,6 +231,8 @@ def bench_cell(problem: Any, cset: Any, base: dict[str, Any], solvers: list[str]
             try:
                 sol = solve(problem, cset, solver=solver, rel_tol=rel_tol, **(options or {}).get(solver, {}))
             except MergeQPError as exc:
+                if interruption(exc) is not None:  # Ctrl-C / SIGTERM stop the run (exit 130), not this cell
+                    raise
                 row.update(error=f"{type(exc).__name__}: {exc}")
                 break
             seconds = clock() - t0
@@ -442,6 +448,32 @@ def _check_family_memory(n: int, K: int = 1) -> None:
                           f"{human_bytes(free)} available; --n {fits} fits")
 
 
+def family_memory_bytes(family: Any) -> int:
+    """About what drawing and benchmarking one instance of ``family`` holds at once: the copies of
+    H (:data:`FAMILY_H_COPIES`), the generator's residual activations ``(K, N, r)`` and their flat
+    copy, the downstream map ``(c, r)``, the targets ``(N, c)`` and ``L'L`` ``(r, r)``."""
+    n = int(family.n)
+    return 8 * (FAMILY_H_COPIES * n * n + 2 * int(family.N) * n + int(family.c) * int(family.r)
+                + int(family.N) * int(family.c) + int(family.r) ** 2)
+
+
+def _check_variant_memory(families: Sequence[Any]) -> None:
+    """Refuse a family (a variant's ``r``, ``c`` or ``N``) whose instance cannot fit in the memory
+    available: only ``--n`` was checked, and ``box:r=60000`` or ``box:N=100000000`` ended in a numpy
+    MemoryError (exit 70) or the kernel's out-of-memory killer (a review, stop 74)."""
+    from ..io.memory import available_memory_bytes, human_bytes
+
+    free = available_memory_bytes()
+    if free is None:
+        return
+    for fam in families:
+        need = family_memory_bytes(fam)
+        if need > free:
+            raise ConfigError(f"--family {fam.name}: its instance (n = {fam.n}, K = {fam.K} x r = {fam.r}, c = {fam.c}, "
+                              f"N = {fam.N}) needs about {human_bytes(need)}, more than the {human_bytes(free)} "
+                              f"available; choose smaller r, c or N (or --n)")
+
+
 def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
     from ..solvers.registry import SOLVERS
 
@@ -462,6 +494,8 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
             get_family(name).with_n(args.n)
             multiple = math.lcm(multiple, int(get_family(name).K))
         _check_family_memory(args.n, multiple)
+    _check_variant_memory([get_family(name) if args.n is None else get_family(name).with_n(args.n)
+                           for name in families])
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS, solvers)
@@ -480,6 +514,8 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
                 row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver),
                                    clock, step)
             except MergeQPError as exc:
+                if interruption(exc) is not None:  # (a review, stop 74: SIGTERM ended one sequence, then the next ran)
+                    raise
                 print(f"{name} / {solver}: sequence failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             sequences.append(row)

@@ -310,6 +310,13 @@ def check_output_file(path: str | os.PathLike[str], option: str,
     (``"--out"``, ``"the solution"``...). Raises :class:`ValidationError`."""
     if not os.fspath(path):
         raise ValidationError(f"{option} is empty; give a file name")
+    text = os.fspath(path)
+    if text.endswith(("/", os.sep)):  # ("new/" wrote a file named new: a review, stop 74)
+        raise ValidationError(f"{option} {text} ends with a separator, so it names a folder; give a file name")
+    if text.startswith(("/dev/", "/proc/self/fd/")):
+        # (/dev/stdout redirected to a file resolves to that file, which the atomic write replaced)
+        raise ValidationError(f"{option} {text} is a device, not a file; outputs are written as files "
+                              f"(standard output: '-' where the command takes it)")
     p = Path(path).expanduser()
     if p.is_dir():  # (before the inputs: a folder holding an input is first of all not a file name)
         raise ValidationError(f"{option} {os.fspath(path)} is a folder; give a file name")

@@ -174,8 +174,10 @@ def _plant_box(rng: np.random.Generator, n: int, frac: float, scale: np.ndarray)
 
 def _plant_simplex(rng: np.random.Generator, K: int, r: int, frac: float,
                    scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-atom simplex ``d*`` (``(K, r)``, columns sum to 1) with about ``frac`` of its entries
-    at 0 (at least one positive entry per atom), and ``grad = nu_a + mu``, ``mu >= 0`` on zeros."""
+    """Per-atom simplex ``d*`` (``(K, r)``, columns sum to 1) with each entry at 0 with probability
+    ``frac``, but one positive entry per atom: about ``frac (K - 1) / K`` of its entries at 0 (the
+    families' descriptions said ``frac``: a review, stop 74), and ``grad = nu_a + mu``, ``mu >= 0`` on
+    zeros."""
     zero = rng.random((K, r)) < frac
     keep = rng.integers(0, K, r)
     zero[keep, np.arange(r)] = False
@@ -249,7 +251,7 @@ for _fam in (
     InstanceFamily("box", 4, 768, "box", 0.8, description="box [0,1], 80% at a bound, cond 1e6"),
     InstanceFamily("box_ill", 4, 768, "box", 0.7, cond=1e9, description="box [0,1], 70% at a bound, cond 1e9"),
     InstanceFamily("box_free", 4, 768, "box", 0.3, description="box [0,1], 30% at a bound, cond 1e6"),
-    InstanceFamily("simplex", 4, 768, "simplex", 0.6, description="per-atom simplex, 60% of entries at 0"),
+    InstanceFamily("simplex", 4, 768, "simplex", 0.6, description="per-atom simplex, about 45% of entries at 0 (at_bounds 0.6 x (K-1)/K)"),
     InstanceFamily("l1", 4, 768, "l1", 0.8, description="L1 ball, 80% of coordinates at 0"),
     InstanceFamily("box_natural", 4, 768, "box", cond=float("inf"), planted=False,
                    description="box [0,1], the synthetic merge QP's own g, singular H (no ridge)"),
@@ -266,13 +268,13 @@ for _fam in (
     InstanceFamily("box_lowrank", 4, 768, "box", 0.5, cond=1e8, c=2, N=50,
                    description="box [0,1], 50% at a bound, H of rank c N = 100 plus a weak ridge (cond 1e8)"),
     InstanceFamily("simplex_lowrank", 4, 768, "simplex", 0.5, cond=1e8, c=2, N=50,
-                   description="per-atom simplex, 50% of entries at 0, H of rank 100 plus a weak ridge (cond 1e8)"),
+                   description="per-atom simplex, about 38% of entries at 0, H of rank 100 plus a weak ridge (cond 1e8)"),
     InstanceFamily("box_midrank", 4, 768, "box", 0.6, cond=1e8, c=4, N=84,
                    description="box [0,1], 60% at a bound, H of rank c N = 336 (n / 9 at n = 3072) plus a weak ridge"),
     InstanceFamily("l1_midrank", 4, 768, "l1", 0.6, cond=float("inf"), c=4, N=84,
                    description="L1 ball, 60% of coordinates at 0, H of rank 336 (n / 9 at n = 3072), no ridge"),
     InstanceFamily("simplex_pair", 2, 1536, "simplex", 0.8, cond=1e8, c=4, N=100,
-                   description="per-atom simplex of two models (a merge of two fine-tunes), 80% of entries at 0, "
+                   description="per-atom simplex of two models (a merge of two fine-tunes), about 40% of entries at 0, "
                                "rank c N = 400 plus a weak ridge (cond 1e8)"),
     InstanceFamily("box_llama", 3, 4096, "box", 0.8,
                    description="box [0,1], 3 x 4096 (n = 12288, a Llama down_proj), 80% at a bound, cond 1e6"),

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..constraints import ConstraintSet
-from ..errors import InfeasibleError, MergeQPError, SolverError
+from ..errors import InfeasibleError, Interrupted, MergeQPError, SolverError
 from ..problem import MergeQP
 from ..solution import SolveStatus
 from . import base
@@ -57,6 +57,8 @@ class OSQPSolver(StandardFormSolver):
             dropped = f"dropped: OSQP reported {res.info.status!r} from it"
             res, setup, printed = self._run(qp, opts, None)
         status = str(res.info.status).lower()
+        if "interrupted" in status:  # OSQP catches Ctrl-C itself and returns: the run was stopped, not failed
+            raise Interrupted("stopped by signal SIGINT (OSQP returned 'interrupted')")
         info = {"osqp_status": res.info.status, "iterations": int(res.info.iter),
                 "polish_status": int(getattr(res.info, "status_polish", 0)),
                 "settings": dict(opts)}

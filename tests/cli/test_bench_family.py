@@ -131,3 +131,51 @@ def test_an_interpolating_instance_is_marked_at_its_rounding_floor(capsys: pytes
     assert not row["certified"] and row["at_rounding_floor"]
     assert abs(row["objective"]) <= 1e-12
     assert " flr " in capsys.readouterr().out
+
+
+def test_a_variant_beyond_memory_is_refused_before_any_work(monkeypatch, capsys):
+    """A review of stop 74: only --n was checked; `box:r=60000` or `box:N=100000000` ended in a numpy
+    MemoryError (exit 70, "a bug in mergeqp") or the kernel's out-of-memory killer."""
+    import mergeqp.io.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2**30)
+    for variant in ("box:r=60000", "box:N=100000000", "box:c=100000:N=100000"):
+        assert main(["bench", "--family", variant, "--solvers", "active_set"]) == 2
+        err = capsys.readouterr().err
+        assert f"--family {variant}: its instance" in err and "choose smaller r, c or N" in err
+
+
+def test_an_interrupt_stops_bench_with_exit_130_and_writes_nothing(monkeypatch, tmp_path, capsys):
+    """A review of stop 74: Ctrl-C / SIGTERM during a solve became that cell's error; the run went on,
+    wrote --json and exited 0."""
+    from mergeqp.errors import Interrupted
+    from mergeqp.solvers.registry import SOLVERS
+
+    def stopped(*args, **kwargs):
+        raise Interrupted("stopped by signal SIGTERM")
+
+    monkeypatch.setattr(SOLVERS["active_set"], "solve", stopped)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--family", "box,simplex", "--n", "48", "--solvers", "active_set",
+                 "--json", str(out)]) == 130
+    assert not out.exists()
+    assert main(["bench", "--family", "box", "--n", "48", "--solvers", "dense_ipm,active_set", "--sequence", "2",
+                 "--json", str(out)]) == 130
+    assert not out.exists()
+
+
+def test_json_never_replaces_another_json_file_a_device_or_a_folder_name(tmp_path, capsys):
+    """A review of stop 74: `--family ... --json problems/tiny96.json` replaced the committed optima (any JSON
+    passed), `--json new/` wrote a file named `new`, and `--json /dev/stdout` redirected to a file replaced it."""
+    other = tmp_path / "optima.json"
+    other.write_text('{"box:0,1": {"objective": 1.0}}')
+    common = ["bench", "--family", "box", "--n", "48", "--solvers", "active_set"]
+    assert main(common + ["--json", str(other)]) == 2
+    assert "is not an earlier bench table" in capsys.readouterr().err
+    assert other.read_text() == '{"box:0,1": {"objective": 1.0}}'
+    assert main(common + ["--json", str(tmp_path / "new") + "/"]) == 2
+    assert "ends with a separator" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert main(common + ["--json", "/dev/stdout"]) == 2
+    assert "is a device, not a file" in capsys.readouterr().err
+    table = tmp_path / "t.json"
+    assert main(common + ["--json", str(table)]) == 0 and main(common + ["--json", str(table)]) == 0  # its own: replaced

@@ -54,7 +54,7 @@ def _model_label(data: Any, index: int) -> str:
         name = entry.get("name")
         if isinstance(name, str) and name:
             return f"models[{name}]"
-        if isinstance(entry.get("path"), str) and entry["path"]:
+        if isinstance(entry.get("path"), str) and entry["path"] and default_model_name(entry["path"]):
             return f"models[{default_model_name(entry['path'])}]"
     return f"models[#{index + 1}]"
 

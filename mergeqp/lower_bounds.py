@@ -185,6 +185,10 @@ def lower_bound(lm: LinearMinimum) -> Bound:
         primal = float(lp.cost @ lp.z)
         return Bound(min(primal, value) * lm.scale if lm.scale > 0 else 0.0, BOUND_DUAL)
     if lm.solver_status is not None:
+        if not lm.solver_status.startswith("optimal"):
+            # (a solve stopped at its iteration limit, "user_limit", still fills in a point: its value proves
+            # nothing; it was charged the margin of a converged solve, a review of stop 74)
+            return Bound(None, BOUND_USER, f"the CVXPY LP ended {lm.solver_status!r}, not solved: no bound proven")
         primal = lm.scaled_primal
         rel = SOLVER_MARGIN_INACCURATE if "inaccurate" in lm.solver_status else SOLVER_MARGIN
         margin = rel * (1.0 + abs(primal))

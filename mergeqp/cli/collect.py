@@ -498,19 +498,21 @@ def load_calibration(path: str, batch_size: int, dtype: Any, uses_labels: bool =
     if labels is not None and len(labels) != inputs.shape[0]:
         raise ValidationError(f"{path}: {inputs.shape[0]} inputs but {len(labels)} labels")
     n = int(inputs.shape[0])
-    taken = [k for k in raw if (accepts is None or accepts(k)) and k != input_name]
-    left = [k for k in raw if k not in taken]
-    if left and log is not None:
-        log(f"note: {path}: {', '.join(map(repr, left))} left out (not a parameter of the model's forward)")
+    numeric = {k for k, v in raw.items()
+               if isinstance(v, torch.Tensor) or (isinstance(v, np.ndarray) and v.dtype.kind in "biuf")}
+    taken = [k for k in raw if (accepts is None or accepts(k)) and k != input_name and k in numeric]
+    if log is not None:
+        for why, names in (("not a parameter of the model's forward",
+                            [k for k in raw if k not in taken and k in numeric and k != input_name]),
+                           ("not numbers", [k for k in raw if k not in numeric]),
+                           (f"the inputs {key!r} are passed under that name", [k for k in raw if k == input_name])):
+            if names:
+                log(f"note: {path}: {', '.join(map(repr, names))} left out ({why})")
     extras: dict[str, Any] = {}
     for name in taken:
         value = raw[name]
         if isinstance(value, np.ndarray):
-            try:
-                value = torch.from_numpy(value)
-            except TypeError:
-                raise ValidationError(f"{path}: entry {name!r} (dtype {value.dtype}) cannot be passed to the model's "
-                                      f"forward as a tensor") from None
+            value = torch.from_numpy(value)
         if not isinstance(value, torch.Tensor):
             raise ValidationError(f"{path}: entry {name!r} is a {type(value).__name__}; an entry beside the inputs and "
                                   f"labels that the model's forward takes is passed as a keyword and must be a tensor")

@@ -26,6 +26,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import struct
@@ -313,7 +314,9 @@ def check_output_file(path: str | os.PathLike[str], option: str,
     text = os.fspath(path)
     if text.endswith(("/", os.sep)):  # ("new/" wrote a file named new: a review, stop 74)
         raise ValidationError(f"{option} {text} ends with a separator, so it names a folder; give a file name")
-    if text.startswith(("/dev/", "/proc/self/fd/")):
+    normal = os.path.normpath(text)
+    if ((normal.startswith("/dev/") and not normal.startswith("/dev/shm/"))
+            or re.match(r"^/proc/(self|\d+)/fd/", normal)):
         # (/dev/stdout redirected to a file resolves to that file, which the atomic write replaced)
         raise ValidationError(f"{option} {text} is a device, not a file; outputs are written as files "
                               f"(standard output: '-' where the command takes it)")

@@ -469,10 +469,10 @@ def _auto_fallback(problem: MergeQP, cset: ConstraintSet, first: Solution | None
         except UnboundedError:
             raise  # the first choice's point cannot be optimal: J has no minimum
         except MergeQPError as exc:
-            if interruption(exc) is not None or (first is None and not isinstance(exc, SolverError)):
-                raise
-            # a fallback's own failure (a SolverError; after a first point, any error of a fallback, e.g. a
-            # user's solver's ValidationError) is recorded and the next one tried
+            if interruption(exc) is not None or (isinstance(exc, InfeasibleError) and not checked and not candidates):
+                raise  # (a claim that the set is empty, where nothing showed it is not, is the answer)
+            # a fallback's own failure (a SolverError, or any other error of its own, e.g. a user's solver's
+            # ValidationError) is recorded and the next one tried, whether or not a point was found before
             tried.append({"solver": name, "error": str(exc)})
             continue
         assert sol.certificate is not None

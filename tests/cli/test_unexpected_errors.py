@@ -39,14 +39,16 @@ def test_a_plugin_that_raises_is_one_line_naming_its_file(tmp_path, capsys, monk
     assert "MERGEQP_TRACEBACK=1" in err
 
 
-def test_the_traceback_on_request(tmp_path, monkeypatch):
+def test_the_traceback_on_request(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MERGEQP_TRACEBACK", "1")
     lc = tmp_path / "lc"
     lc.mkdir()
     (lc / "config.json").write_text("[1, 2]")
     monkeypatch.setattr("mergeqp.experiments.lm.check_base_folder", lambda folder: 1 / 0)
-    with pytest.raises(ZeroDivisionError):
-        main(["experiment", "lm", "--quick", "--base", str(lc), "--out", str(tmp_path / "o")])
+    # (since stop 74 the traceback is printed and the exit code kept: re-raised, it was 1, "not certified")
+    assert main(["experiment", "lm", "--quick", "--base", str(lc), "--out", str(tmp_path / "o")]) == EXIT_UNEXPECTED
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError" in err
 
 
 def test_an_output_whose_links_form_a_loop_is_a_usage_error(tmp_path, capsys):

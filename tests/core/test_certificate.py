@@ -510,3 +510,14 @@ def test_extreme_scales_certify_without_overflow_warnings(scale):
         for spec in ("box:0,1", "simplex", "none", "l1:1"):
             sol = mergeqp.solve(problem, spec)
             assert sol.certificate.certified(), spec
+
+
+def test_a_user_sets_lp_stopped_at_its_iteration_limit_proves_no_bound() -> None:
+    """A review of stop 74: a CVXPY LP that ended 'user_limit' still fills in a point, and its value was
+    charged the margin of a converged solve (a 'bound' of -2.04 where the minimum is -4.60)."""
+    from mergeqp.lower_bounds import LinearMinimum, lower_bound
+
+    lm = LinearMinimum(-2.04, np.zeros((2, 3)), "LP (CVXPY/Clarabel)", solver_status="user_limit",
+                       scale=1.0, scaled_primal=-2.04)
+    bound = lower_bound(lm)
+    assert bound.value is None and "user_limit" in bound.reason

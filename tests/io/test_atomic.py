@@ -258,3 +258,18 @@ def test_an_output_that_an_input_folder_links_into_is_refused(tmp_path):
     assert overlapping_input(tmp_path / "m2", [ft]) is None  # a new output: nothing links into it
     (ft / "nested" / "model.safetensors").unlink()
     assert overlapping_input(earlier, [ft]) is None
+
+
+def test_device_paths_are_refused_but_not_dev_shm(tmp_path):
+    """A review of stop 74: '/dev/stdout' redirected to a file resolved to that file and was replaced; the
+    first guard refused /dev/shm too, an ordinary tmpfs folder."""
+    import os
+
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.atomic import check_output_file
+
+    for path in ("/dev/stdout", f"/proc/{os.getpid()}/fd/1", "/proc/self/fd/2", str(tmp_path / "new") + "/"):
+        with pytest.raises(ValidationError, match="is a device|ends with a separator"):
+            check_output_file(path, "--out")
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        check_output_file("/dev/shm/mergeqp-test-out.json", "--out")

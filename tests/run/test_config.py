@@ -677,3 +677,9 @@ def test_a_sketch_no_smaller_than_the_compared_outputs_is_left_out(fam, tmp_path
     T = plan.batch_length
     plan = build_plan(_cfg(fam, tmp_path, output={"sketch": T * 30}))
     assert not plan.sketch_dropped and plan.output_spec().sketch == T * 30
+
+
+def test_a_model_whose_path_gives_no_name_is_counted_in_errors():
+    """A review of stop 74: `path: "."` gave 'models[].weight'."""
+    with pytest.raises(ConfigError, match=r"models\[#1\]\.weight"):
+        parse_config({"base": "b", "models": [{"path": ".", "weight": -1}], "layers": ["x"]})

@@ -452,6 +452,19 @@ def test_cli_collect_passes_a_calibration_files_extra_entries_as_keywords(tmp_pa
         captured = capsys.readouterr()
         assert code == 0, captured.err
     assert MergeQP.load_npz(str(tmp_path / "o_cal.npz_problem.npz")).c == pytest.approx(masked, rel=1e-5)
+    # (the review of the second fix: a forward taking **kwargs, as every transformers model's, was handed
+    # the text column and collect failed; text is never passed, with a note)
+    (tmp_path / "kw.py").write_text(textwrap.dedent(MASKED_FACTORY).replace(
+        "def forward(self, inputs, mask=None):", "def forward(self, inputs, mask=None, **kwargs):"))
+    at = common.index("--factory")
+    kw = common[:at + 1] + [f"{tmp_path / 'kw.py'}:make"] + common[at + 2:]
+    kw = [a for a in kw if a != "--quiet"]
+    code = main([*kw, "--calibration", str(tmp_path / "cal.npz"), str(tmp_path / "cal.npz"),
+                 "--out", str(tmp_path / "kw.npz")])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "'names' left out (not numbers)" in captured.err
+    assert MergeQP.load_npz(str(tmp_path / "kw_problem.npz")).c == pytest.approx(masked, rel=1e-5)
 
 
 def test_sweep_task_weights_give_the_weighted_problem_of_collect(collect_files, tmp_path, capsys):

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, MergeQPError, first_line
+from .errors import ConfigError, MergeQPError, first_line, raised_at
 
 #: the environment variable holding modules the ``mergeqp`` command imports first (comma-separated)
 IMPORT_ENV = "MERGEQP_IMPORT"
@@ -100,9 +100,15 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
             if "is already registered" in msg:
                 msg += " (by mergeqp itself or by a module imported before this one)"
             raise ConfigError(msg) from None
-        except Exception as exc:  # noqa: BLE001 - the user's module: name it, one line
+        except Exception as exc:  # noqa: BLE001 - the user's module: name it and where, one line
             first = first_line(exc)
-            raise ConfigError(f"{prefix} {type(exc).__name__}: {first}") from None
+            if isinstance(exc, SyntaxError) and exc.filename:
+                place = f" at {exc.filename}:{exc.lineno}"
+            else:
+                place, _ = raised_at(exc)
+            # (where it raised, since stop 74; MERGEQP_TRACEBACK=1 prints the traceback)
+            raise ConfigError(f"{prefix} {type(exc).__name__}: {first}" + (f" (raised{place})" if place else "")) \
+                from exc
 
 
 def _imported(path: str) -> bool:

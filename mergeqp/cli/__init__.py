@@ -122,16 +122,22 @@ def _other_rank() -> bool:
     return other_rank()
 
 
+def _traceback_on_request(exc: BaseException | None) -> None:
+    """With ``MERGEQP_TRACEBACK=1``, ``exc``'s traceback on stderr (the one line and the command's exit code
+    follow: re-raised, the interpreter's exit code 1 read as "solved, not certified", a review of stop 74)."""
+    if exc is not None and os.environ.get("MERGEQP_TRACEBACK"):
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+
+
 def _failed(command: str, exc: MergeQPError) -> int:
     """Report the error that stopped ``command``: rank 0 prints it (under torchrun the ranks mostly
     meet the same error, or a copy of one rank's); a process's own error also goes to torchrun's
     error file, so that one met by a rank other than 0 alone is in torchrun's report."""
     from ..io.distributed import own_error, record_for_launcher  # (deferred, as _other_rank)
 
-    if os.environ.get("MERGEQP_TRACEBACK") and exc.__cause__ is not None:  # a user's code's error, wrapped:
-        import traceback  # its traceback, then the one line and the error's own exit code (re-raised, it was 1)
-
-        traceback.print_exception(exc.__cause__, file=sys.stderr)
+    _traceback_on_request(exc.__cause__)  # a user's code's error, wrapped
     message = f"mergeqp {command}: error: {exc}"
     if own_error(exc):
         record_for_launcher(message)
@@ -164,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        + [m for m in args.imports if m])
     except MergeQPError as exc:
         if not _other_rank():
+            _traceback_on_request(exc.__cause__)  # the module's own error
             print(f"mergeqp: error: {exc}", file=sys.stderr)
         return exit_code(exc)
     if not getattr(args, "func", None):
@@ -221,10 +228,7 @@ def _unexpected(command: str, exc: BaseException) -> int:
     :data:`~mergeqp.errors.EXIT_UNEXPECTED`; ``MERGEQP_TRACEBACK=1`` prints its traceback first. Before
     stop 73 such errors (a user's basis builder or domain loader that raised, a config.json holding a
     list) printed Python's traceback and exited 1, which the exit codes say is "solved, not certified"."""
-    if os.environ.get("MERGEQP_TRACEBACK"):  # the traceback, then the line and exit 70 (re-raised, the
-        import traceback  # interpreter's exit code 1 read as "not certified": a review, stop 74)
-
-        traceback.print_exception(exc, file=sys.stderr)
+    _traceback_on_request(exc)
     place, own = raised_at(exc)
     whose = "in a module of yours" if own else "a bug in mergeqp, please report it"
     first = (str(exc).strip().splitlines() or [""])[0]

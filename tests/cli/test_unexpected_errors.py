@@ -94,3 +94,22 @@ def test_traceback_variable_prints_a_wrapped_users_error_and_keeps_the_exit_code
                  str(tmp_path / "factory.py"), "--out", str(tmp_path / "s.npz"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" in err and "factory exploded" in err, err
+
+
+def test_a_plugin_that_fails_on_import_is_named_with_where(tmp_path, capsys, monkeypatch):
+    """A review of stop 74: an --import module that raised (or did not parse) was named without a file:line,
+    and MERGEQP_TRACEBACK=1 printed nothing more."""
+    from mergeqp.cli import main
+
+    raising = tmp_path / "raising_plugin_s74.py"
+    raising.write_text("import json\nX = json.loads('{x')\n")
+    broken = tmp_path / "broken_plugin_s74.py"
+    broken.write_text("def f(:\n    pass\n")
+    monkeypatch.delenv("MERGEQP_TRACEBACK", raising=False)
+    assert main(["--import", str(raising), "list", "solvers"]) == 2
+    assert "JSONDecodeError" in (err := capsys.readouterr().err) and f"(raised at {raising}:2)" in err
+    assert main(["--import", str(broken), "list", "solvers"]) == 2
+    assert "SyntaxError" in (err := capsys.readouterr().err) and f"(raised at {broken}:1)" in err
+    monkeypatch.setenv("MERGEQP_TRACEBACK", "1")
+    assert main(["--import", str(raising), "list", "solvers"]) == 2
+    assert "Traceback" in capsys.readouterr().err

@@ -457,21 +457,32 @@ def family_memory_bytes(family: Any) -> int:
                 + int(family.N) * int(family.c) + int(family.r) ** 2)
 
 
-def _check_variant_memory(families: Sequence[Any]) -> None:
+def _check_variant_memory(families: Sequence[Any], every: bool = False) -> list[str]:
     """Refuse a family (a variant's ``r``, ``c`` or ``N``) whose instance cannot fit in the memory
     available: only ``--n`` was checked, and ``box:r=60000`` or ``box:N=100000000`` ended in a numpy
-    MemoryError (exit 70) or the kernel's out-of-memory killer (a review, stop 74)."""
+    MemoryError (exit 70) or the kernel's out-of-memory killer (a review, stop 74). ``every``
+    (``--family all``): such a family is left out with a note instead (``box_llama`` alone refused the
+    whole run on a small machine); the names of those that fit."""
     from ..io.memory import available_memory_bytes, human_bytes
 
     free = available_memory_bytes()
     if free is None:
-        return
+        return [fam.name for fam in families]
+    kept = []
     for fam in families:
         need = family_memory_bytes(fam)
-        if need > free:
-            raise ConfigError(f"--family {fam.name}: its instance (n = {fam.n}, K = {fam.K} x r = {fam.r}, c = {fam.c}, "
-                              f"N = {fam.N}) needs about {human_bytes(need)}, more than the {human_bytes(free)} "
-                              f"available; choose smaller r, c or N (or --n)")
+        if need <= free:
+            kept.append(fam.name)
+            continue
+        what = (f"its instance (n = {fam.n}, K = {fam.K} x r = {fam.r}, c = {fam.c}, N = {fam.N}) needs about "
+                f"{human_bytes(need)}, more than the {human_bytes(free)} available")
+        if not every:
+            raise ConfigError(f"--family {fam.name}: {what}; choose smaller r, c or N (or --n)")
+        print(f"note: family {fam.name} left out: {what}", file=sys.stderr)
+    if not kept:
+        raise ConfigError(f"--family all: no family's instance fits in the {human_bytes(free)} available; give a "
+                          f"smaller --n")
+    return kept
 
 
 def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
@@ -494,8 +505,9 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
             get_family(name).with_n(args.n)
             multiple = math.lcm(multiple, int(get_family(name).K))
         _check_family_memory(args.n, multiple)
-    _check_variant_memory([get_family(name) if args.n is None else get_family(name).with_n(args.n)
-                           for name in families])
+    fitting = set(_check_variant_memory([get_family(name) if args.n is None else get_family(name).with_n(args.n)
+                                         for name in families], every=args.family.strip() == "all"))
+    families = [name for name in families if get_family(name).name in fitting]
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
     options = parse_options(args.opt, SOLVERS, solvers)

@@ -179,3 +179,19 @@ def test_json_never_replaces_another_json_file_a_device_or_a_folder_name(tmp_pat
     assert "is a device, not a file" in capsys.readouterr().err
     table = tmp_path / "t.json"
     assert main(common + ["--json", str(table)]) == 0 and main(common + ["--json", str(table)]) == 0  # its own: replaced
+
+
+def test_family_all_leaves_out_a_family_beyond_memory_with_a_note(monkeypatch, capsys):
+    """A review of stop 74: `--family all` without --n was refused whole on a small machine because of
+    box_llama alone; a family named explicitly is still refused."""
+    import mergeqp.io.memory as memory
+    from mergeqp.cli.bench import _check_variant_memory
+    from mergeqp.errors import ConfigError
+    from mergeqp.solvers.instance_families import get_family
+
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 2 * 2**30)
+    fams = [get_family("box"), get_family("box_llama")]
+    assert _check_variant_memory(fams, every=True) == ["box"]
+    assert "note: family box_llama left out" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--family box_llama: its instance"):
+        _check_variant_memory(fams)

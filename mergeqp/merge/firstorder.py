@@ -325,23 +325,25 @@ def _exact_gradient(sites: Sequence[tuple[SiteAtoms, Callable[[Any], Any], Any, 
     return torch.cat(parts, dim=1).reshape(-1).to(b.device)
 
 
-def _atom_combinations(atoms: Sequence[SiteAtoms], K: int) -> np.ndarray | None:
-    """The joint QP's ``M`` (``(K N, K N)``, indices ``k * N + atom``) from each site's
-    :meth:`~mergeqp.stats.parametrisation.Parametrisation.atom_combinations`; ``None`` where no site
-    has combined atoms."""
+def _atom_combinations(atoms: Sequence[SiteAtoms], K: int) -> dict[int, np.ndarray] | None:
+    """The joint QP's combined atoms (:meth:`~mergeqp.stats.parametrisation.Parametrisation.atom_combinations`
+    of each site, in the joint indices ``k * N + atom``); ``None`` where no site has any."""
     parts = [a.param.atom_combinations(K, int(a.site.r), int(a.site.m1)) for a in atoms]
-    if all(p is None for p in parts):
+    if all(not p for p in parts):
         return None
     N = int(sum(a.n_atoms for a in atoms))
-    M = np.eye(K * N)
+    out: dict[int, np.ndarray] = {}
     offset = 0
     for a, part in zip(atoms, parts):
         n = int(a.n_atoms)
-        if part is not None:
+        if part:
             idx = np.array([k * N + offset + i for k in range(K) for i in range(n)])  # site order (k, atom)
-            M[np.ix_(idx, idx)] = part
+            for t, column in part.items():
+                joint = np.zeros(K * N)
+                joint[idx] = column
+                out[int(idx[t])] = joint
         offset += n
-    return M
+    return out
 
 
 def _reverse_design(derivatives: OutputDerivatives, a: SiteAtoms, Z: Any) -> Any:

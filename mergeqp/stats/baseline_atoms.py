@@ -176,14 +176,14 @@ class RowsBaselinesParametrisation(Parametrisation):
         K = rows.shape[2]
         return torch.cat([rows, base.unsqueeze(2).expand(-1, -1, K, -1)], dim=3)
 
-    def atom_combinations(self, K: int, r: int, m1: int) -> np.ndarray | None:
+    def atom_combinations(self, K: int, r: int, m1: int) -> dict[int, np.ndarray] | None:
         """Each baseline in the rows' span (the soup, task arithmetic: :func:`snap_to_row_span`) has
         atoms ``(k, r + j)`` that are, for every ``k``, the rows atoms ``(k', i)`` times ``coef[i, k']``
         (the module docstring's flat directions of ``H``, made exact)."""
         if not self._span:
             return None
         n = r + len(self._names)
-        M = np.eye(K * n)
+        out: dict[int, np.ndarray] = {}
         for j, name in enumerate(self._names):
             coef = self._span.get(name)
             if coef is None or coef.shape != (r, K):
@@ -192,8 +192,8 @@ class RowsBaselinesParametrisation(Parametrisation):
             for k2 in range(K):
                 column[k2 * n:k2 * n + r] = coef[:, k2]
             for k in range(K):
-                M[:, k * n + r + j] = column
-        return M
+                out[k * n + r + j] = column
+        return out or None
 
     def update(self, d: np.ndarray, deltas: np.ndarray) -> np.ndarray:
         r = deltas.shape[1]

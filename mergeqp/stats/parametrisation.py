@@ -247,14 +247,14 @@ class Parametrisation(ABC):
         from it for any parametrisation that gives one."""
         return None
 
-    def atom_combinations(self, K: int, r: int, m1: int) -> np.ndarray | None:
-        """``M`` (``(K n, K n)``, ``n = n_atoms``, indices ``k * n + a``) where some atoms are exact
-        linear combinations of others: each such atom's design column is the others' columns times
-        its column of ``M`` (the identity's column for every other atom, whose row is then all
-        zero for the combined atom), so that the statistics are made exact along their tie (``H <-
-        M'HM``, ``g <- M'g``: see :func:`tie_statistics`); ``None`` (the default) where no atom is.
-        Computed separately, a tie holds only to the model's own rounding (float32 in transformers'
-        RMSNorm even for a float64 model), and the QP's flat direction then has a slope."""
+    def atom_combinations(self, K: int, r: int, m1: int) -> dict[int, np.ndarray] | None:
+        """The atoms that are exact linear combinations of others: ``{t: m_t}`` with ``t`` an index
+        ``k * n + a`` (``n = n_atoms``) and ``m_t`` (``(K n,)``, zero at every combined atom) the
+        coefficients of the others whose design columns make atom ``t``'s; ``None`` (the default) where
+        no atom is. The statistics are then made exact along the tie (:func:`tie_statistics`: ``H <-
+        M'HM``, ``g <- M'g`` with ``M`` the identity whose columns ``t`` are ``m_t``). Computed
+        separately, a tie holds only to the model's own rounding (float32 in transformers' RMSNorm even
+        for a float64 model), and the QP's flat direction then has a slope."""
         return None
 
     @property
@@ -615,11 +615,25 @@ def register_parametrisation(param: Parametrisation) -> Parametrisation:
     return param
 
 
-def tie_statistics(H: np.ndarray, g: np.ndarray, M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(M'HM, M'g)`` for :meth:`Parametrisation.atom_combinations`' ``M`` (``H`` ``(..., n, n)``,
-    ``g`` ``(..., n)``, a leading axis of tasks allowed)."""
-    H2 = np.einsum("ai,...ab,bj->...ij", M, H, M)
-    return 0.5 * (H2 + np.swapaxes(H2, -1, -2)), np.einsum("ai,...a->...i", M, g)
+def tie_statistics(H: np.ndarray, g: np.ndarray, columns: Mapping[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``(M'HM, M'g)`` for ``M`` the identity whose columns ``t`` are ``columns[t]`` (zero at every
+    ``t``; :meth:`Parametrisation.atom_combinations`), ``H`` ``(..., n, n)`` and ``g`` ``(..., n)`` with
+    a leading axis of tasks allowed: the combined atoms' rows and columns replaced, ``O(len(columns)
+    n^2)`` (a dense ``M`` cost ``n^3`` per task, and its ``n x n`` memory)."""
+    H = np.array(H, dtype=np.float64, copy=True)
+    g = np.array(g, dtype=np.float64, copy=True)
+    tied = list(columns)
+    if not tied:
+        return H, g
+    C = np.stack([np.asarray(columns[t], dtype=np.float64) for t in tied], axis=1)  # (n, T)
+    HC = H @ C  # (..., n, T): the combined columns of H M (rows of the combined atoms not yet replaced)
+    idx = np.asarray(tied)
+    H[..., :, idx] = HC
+    H[..., idx, :] = np.swapaxes(HC, -1, -2)
+    block = C.T @ HC  # (..., T, T)
+    H[..., idx[:, None], idx[None, :]] = 0.5 * (block + np.swapaxes(block, -1, -2))
+    g[..., idx] = g @ C
+    return H, g
 
 
 def get_parametrisation(name: str) -> Parametrisation:

@@ -78,16 +78,26 @@ def test_snap_to_row_span_ties_only_a_residual_in_the_span():
     assert snap_to_row_span(ties_like, deltas)[1] is None
     param = RowsBaselinesParametrisation({"soup": fit})
     param.tie_to_rows("soup", coef)
-    M = param.atom_combinations(3, 5, 7)
+    columns = param.atom_combinations(3, 5, 7)
     n = 6
-    # the combined atom's column is the rows' columns times coef; every other column the identity's
+    # the combined atom's column is the rows' columns times coef (the identity's for every other atom)
     expected = np.concatenate([np.append(coef[:, k2], 0.0) for k2 in range(3)])
-    assert M.shape == (18, 18) and all(np.array_equal(M[:, k * n + 5], expected) for k in range(3))
-    assert np.array_equal(np.delete(np.delete(M, [5, 11, 17], 1), [5, 11, 17], 0), np.eye(15))
+    assert sorted(columns) == [5, 11, 17] and all(np.array_equal(c, expected) for c in columns.values())
+    M = np.eye(18)
+    for t, c in columns.items():
+        M[:, t] = c
     design = rng.standard_normal((4, 18))  # any design whose soup columns ARE the combination:
     for k in range(3):
         design[:, k * n + 5] = sum(design[:, k2 * n:k2 * n + 5] @ coef[:, k2] for k2 in range(3))
     assert np.allclose(design @ M, design)
+    # tie_statistics is M'HM, M'g (two tasks), without forming M
+    from mergeqp.stats.parametrisation import tie_statistics
+
+    A = rng.standard_normal((2, 30, 18))
+    H, g = np.einsum("tpa,tpb->tab", A, A), rng.standard_normal((2, 18))
+    H2, g2 = tie_statistics(H, g, columns)
+    np.testing.assert_allclose(H2, M.T @ H @ M, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(g2, g @ M, rtol=1e-12, atol=1e-12)
 
 
 def test_a_regularised_layer_reports_the_objective_its_certificate_bounds(tiny_hf, llama, tmp_path):

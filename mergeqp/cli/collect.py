@@ -97,6 +97,8 @@ class CollectArgs:
     task_weights: Any
     problem_path: str
     max_memory: int | None = None
+    #: ``P`` of a basis ``--problem-parametrisation NAME:P``, checked against the layer once it is known
+    basis_size: int | None = None
 
 
 def validate_args(args: argparse.Namespace) -> CollectArgs:
@@ -137,7 +139,7 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     for name in args.parametrisation:
         if name not in names:
             raise ConfigError(f"--parametrisation: {unknown('parametrisation', name, names)}")
-    check_problem_parametrisation(args.problem_parametrisation)
+    basis_size = check_problem_parametrisation(args.problem_parametrisation)
     task_weights = parse_task_weights(args.task_weights, len(args.finetuned))
     device = check_device(args.device)
     max_memory = None
@@ -159,7 +161,7 @@ def validate_args(args: argparse.Namespace) -> CollectArgs:
     check_output_file(problem_path, "--problem", protected)
     if os.path.realpath(problem_path) == os.path.realpath(args.out):
         raise ConfigError(f"--out and --problem are the same file {args.out}; give two paths")
-    return CollectArgs(factory_kwargs, device, task_weights, problem_path, max_memory)
+    return CollectArgs(factory_kwargs, device, task_weights, problem_path, max_memory, basis_size)
 
 
 def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisations: list[str]) -> int:
@@ -178,12 +180,13 @@ def estimate_output_bytes(rows: int, columns: int, n_models: int, parametrisatio
     return total + 2 * 8 * n_models * rows * columns
 
 
-def check_problem_parametrisation(spec: str) -> None:
+def check_problem_parametrisation(spec: str) -> int | None:
     """``rows`` / ``scalar`` / ``columns`` (or another registered parametrisation not built per layer)
-    or a basis ``NAME:P[:SEED]`` with a registered NAME and integers P >= 1, SEED >= 0 (P <= r is
-    checked once the layer is known)."""
+    or a basis ``NAME:P[:SEED]`` with a registered NAME and integers P >= 1, SEED >= 0; returns P
+    (``None`` for a named parametrisation), which :func:`_check_basis_size` compares with the layer's
+    outputs once the layer is known."""
     if spec in streamable():
-        return
+        return None
     from ..stats.bases import BASES  # deferred: the stats package imports torch
 
     parts = spec.split(":")
@@ -198,6 +201,7 @@ def check_problem_parametrisation(spec: str) -> None:
         raise ConfigError(f"--problem-parametrisation {spec!r}: P (and SEED) must be integers") from None
     if numbers[0] < 1 or (len(numbers) == 2 and numbers[1] < 0):
         raise ConfigError(f"--problem-parametrisation {spec!r}: P must be >= 1 and SEED >= 0")
+    return numbers[0]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,7 +244,7 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
     fts = [build_model(factory, factory_kwargs, f, dtype, device) for f in args.finetuned]
     layer = dict(base.named_modules()).get(args.layer)
     if isinstance(layer, torch.nn.Linear):  # else collect_statistics names the bad layer
-        _check_basis_size(args.problem_parametrisation, int(layer.out_features))
+        _check_basis_size(args.problem_parametrisation, checked.basis_size, int(layer.out_features))
         need = estimate_output_bytes(layer.out_features, layer.in_features + 1, len(fts), streamed)
         # rank 0 writes: its check is every rank's verdict (the others stop here too, with its code)
         agree_on(group, lambda: check_free_space(args.out, need, "the statistics and problem files"))
@@ -283,18 +287,11 @@ def _collect(args: argparse.Namespace, checked: CollectArgs, group: Ranks) -> tu
                           f"merge QP ({args.problem_parametrisation}, n = {problem.n}{weighted}) -> {problem_path}"])
 
 
-def _check_basis_size(spec: str, r: int) -> None:
-    """A ``--problem-parametrisation BASIS:P`` with ``P`` above the layer's ``r`` outputs, refused once
-    the layer is known, before the collection (it failed after it, and its statistics were lost: a
-    review, stop 74)."""
-    name, sep, rest = str(spec).partition(":")
-    if not sep:
-        return
-    try:
-        p = int(rest.split(":")[0])
-    except ValueError:
-        return  # (the basis parser names a malformed size)
-    if p > r:
+def _check_basis_size(spec: str, p: int | None, r: int) -> None:
+    """A ``--problem-parametrisation BASIS:P`` with ``P`` (:func:`check_problem_parametrisation`'s)
+    above the layer's ``r`` outputs, refused once the layer is known, before the collection (it failed
+    after it, and its statistics were lost: a review, stop 74)."""
+    if p is not None and p > r:
         raise ConfigError(f"--problem-parametrisation {spec}: {p} basis directions, but the layer has r = {r} outputs "
                           f"(at most {r})")
 

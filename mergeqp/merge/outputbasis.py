@@ -42,10 +42,10 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from ..errors import MergeQPError, ValidationError, first_line
+from ..errors import ValidationError
 from ..io.memory import ACTIVATION_COPIES, TANGENT_COPIES, device_free_bytes, human_bytes, memory_budget
 from ..lm import OutputSpec
-from ..stats.bases import complete_basis, optimal_basis, optimal_basis_from
+from ..stats.bases import checked_build, complete_basis, optimal_basis, optimal_basis_from
 from ..stats.basis import Basis
 from ..stats.diagnostics import range_basis
 from ..stats.hooks import hooked_layers
@@ -137,22 +137,10 @@ class OutputBasisStats:
         if not 1 <= p <= self.r:
             raise ValidationError(f"basis rank {p} must be in [1, {self.r}] for layer {self.site!r}")
         if build is not None and build is not optimal_basis:
-            where = f"basis builder {getattr(build, '__name__', build)!r} at layer {self.site!r}"
-            try:
-                made = build(JacobianView(self), p, seed=seed)
-            except AttributeError as exc:
-                raise ValidationError(f"{where}: {exc}; an output_jacobian builder sees r, mean_jacobian(task_weights) "
-                                      f"and S(task_weights) (mergeqp.merge.outputbasis.JacobianView)") from None
-            except MergeQPError as exc:  # (a Basis it built that is not orthonormal, or not finite)
-                raise ValidationError(f"{where}: {exc}") from None
-            except (OSError, MemoryError):
-                raise
-            except Exception as exc:  # noqa: BLE001 - a user's builder: named, one line
-                raise ValidationError(f"{where} failed: {type(exc).__name__}: {first_line(exc)}") from exc
-            if not isinstance(made, Basis) or made.Q.shape != (self.r, p):
-                raise ValidationError(f"{where} returned {type(made).__name__}"
-                                      f"{'' if not isinstance(made, Basis) else f' of shape {made.Q.shape}'}, "
-                                      f"not a Basis of shape ({self.r}, {p})")
+            made = checked_build(build, JacobianView(self), p,
+                                 f"basis builder {getattr(build, '__name__', build)!r} at layer {self.site!r}",
+                                 attribute_hint="an output_jacobian builder sees r, mean_jacobian(task_weights) and "
+                                                "S(task_weights) (mergeqp.merge.outputbasis.JacobianView)", seed=seed)
             return Basis(made.Q, name=made.name,
                          info={**made.info, "jacobian": JACOBIAN, "output_size": self.c, "samples": self.n_samples})
         if self.rank == 0:

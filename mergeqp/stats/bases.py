@@ -67,24 +67,35 @@ class BasisEntry:
         return self.make(stats, p, **kwargs)
 
     def make(self, stats: Any, p: int, **kwargs: Any) -> Basis:
-        """``build(stats, p, **kwargs)``, checked: an exception inside the builder names the basis (one
-        line), and the result must be a :class:`Basis` of ``p`` directions in ``stats.r`` outputs (a
-        user's builder that returned more directions than asked was taken silently, stop 74)."""
-        where = f"basis {self.name!r} (p = {p})"
-        try:
-            made = self.build(stats, p, **kwargs)
-        except MergeQPError as exc:  # (a Basis it built that is not orthonormal, or not finite)
-            raise ValidationError(f"{where}: {exc}") from None
-        except (OSError, MemoryError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a user's builder: named, one line
-            raise ValidationError(f"{where}: its builder failed: {type(exc).__name__}: {first_line(exc)}") from exc
-        r = getattr(stats, "r", None)
-        if not isinstance(made, Basis) or made.Q.shape[1] != p or (r is not None and made.Q.shape[0] != int(r)):
-            got = f"a Basis of shape {made.Q.shape}" if isinstance(made, Basis) else type(made).__name__
-            raise ValidationError(f"{where}: its builder returned {got}, not a Basis of shape "
-                                  f"({'r' if r is None else int(r)}, {p})")
-        return made
+        """``build(stats, p, **kwargs)`` checked by :func:`checked_build` (a user's builder that returned
+        more directions than asked was taken silently, stop 74)."""
+        return checked_build(self.build, stats, p, f"basis {self.name!r} (p = {p}): its builder", **kwargs)
+
+
+def checked_build(build: BasisBuilder, stats: Any, p: int, where: str, *, attribute_hint: str = "",
+                  **kwargs: Any) -> Basis:
+    """``build(stats, p, **kwargs)``: an exception inside the builder is one line naming ``where`` (an
+    ``AttributeError`` followed by ``attribute_hint``, what the builder may read, where given), and the
+    result must be a :class:`Basis` of ``p`` directions in ``stats.r`` outputs. Shared by
+    :meth:`BasisEntry.make` and the merge's output-Jacobian bases
+    (:meth:`mergeqp.merge.outputbasis.OutputBasisStats.basis`)."""
+    try:
+        made = build(stats, p, **kwargs)
+    except AttributeError as exc:
+        if not attribute_hint:
+            raise ValidationError(f"{where} failed: {type(exc).__name__}: {first_line(exc)}") from exc
+        raise ValidationError(f"{where}: {exc}; {attribute_hint}") from None
+    except MergeQPError as exc:  # (a Basis it built that is not orthonormal, or not finite)
+        raise ValidationError(f"{where}: {exc}") from None
+    except (OSError, MemoryError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's builder: named, one line
+        raise ValidationError(f"{where} failed: {type(exc).__name__}: {first_line(exc)}") from exc
+    r = getattr(stats, "r", None)
+    if not isinstance(made, Basis) or made.Q.shape[1] != p or (r is not None and made.Q.shape[0] != int(r)):
+        got = f"a Basis of shape {made.Q.shape}" if isinstance(made, Basis) else type(made).__name__
+        raise ValidationError(f"{where} returned {got}, not a Basis of shape ({'r' if r is None else int(r)}, {p})")
+    return made
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,17 @@ def test_every_registered_name_is_listed_with_a_line(capsys):
             assert e["description"] and "\n" not in e["description"] and "``" not in e["description"], (kind, e)
 
 
+def _listed_with(plugin, capsys, kinds, registered):
+    """``mergeqp --import PLUGIN list KINDS``'s output; the ``(registry, name)`` entries the plugin
+    registers are removed after."""
+    try:
+        assert main(["--import", str(plugin), "list", *kinds]) == 0
+        return capsys.readouterr().out
+    finally:
+        for registry, name in registered:
+            registry.pop(name, None)
+
+
 def test_a_users_entries_are_listed_after_import(tmp_path, capsys):
     plugin = tmp_path / "listed_plugin.py"
     plugin.write_text(
@@ -59,13 +70,9 @@ def test_a_users_entries_are_listed_after_import(tmp_path, capsys):
     from mergeqp.constraints.parse import CONSTRAINT_SETS
     from mergeqp.output_metrics import OUTPUT_METRICS
 
-    try:
-        assert main(["--import", str(plugin), "list", "constraints", "metrics"]) == 0
-        out = capsys.readouterr().out
-    finally:
-        CONSTRAINT_SETS.pop("test_listed_cap", None)
-        CONSTRAINT_SETS.pop("test_listed_lambda", None)
-        OUTPUT_METRICS.pop("test_listed_metric", None)
+    out = _listed_with(plugin, capsys, ["constraints", "metrics"], [
+        (CONSTRAINT_SETS, "test_listed_cap"), (CONSTRAINT_SETS, "test_listed_lambda"),
+        (OUTPUT_METRICS, "test_listed_metric")])
     assert "constraints (method.constraints, --constraint):" in out and "metrics (output.metric):" in out
     assert "test_listed_cap" in out and "cap:C: every coefficient in [0, C]." in out
     (line,) = [ln for ln in out.splitlines() if "test_listed_lambda" in ln]  # (stop 60 review: a blank line)
@@ -85,12 +92,8 @@ def test_a_users_family_and_domain_are_listed_after_import(tmp_path, capsys):
     from mergeqp.experiments.lm import DOMAINS
     from mergeqp.solvers.instance_families import FAMILIES
 
-    try:
-        assert main(["--import", str(plugin), "list", "families", "domains"]) == 0
-        out = capsys.readouterr().out
-    finally:
-        DOMAINS.pop("test_listed_domain", None)
-        FAMILIES.pop("test_listed_family", None)
+    out = _listed_with(plugin, capsys, ["families", "domains"],
+                       [(DOMAINS, "test_listed_domain"), (FAMILIES, "test_listed_family")])
     (line,) = [ln for ln in out.splitlines() if "test_listed_family" in ln]
     assert "n = 15 (3 x 5): my family" in line
     (line,) = [ln for ln in out.splitlines() if "test_listed_domain" in ln]

@@ -4,13 +4,18 @@
     mergeqp bench --problems vit3072 --solvers active_set,clarabel --constraint box:0,1
     mergeqp bench --problems all --json bench.json
     mergeqp bench --family box,simplex --n 3072 --solvers auto,active_set,clarabel
+    mergeqp bench --untuned 30 --seed 7 --solvers auto --clock cpu
 
 ``--family NAME`` (comma-separated, or ``all``) benchmarks drawn instances of the seeded
 families of :mod:`mergeqp.solvers.instance_families` instead of the reference problems
 (``--n`` unknowns, ``--seed`` the draw) and adds a column ``x chol``: each solver's time over
 the time of one dense Cholesky factorisation of H measured in the same process (of
 ``H + 1e-10 max diag H I``, so that a singular H factorises; the same flops). ``auto`` is a
-valid solver name for both.
+valid solver name for both. ``--untuned COUNT`` draws COUNT variants of the box, simplex and L1
+families from ``--seed`` (:func:`~mergeqp.solvers.instance_families.untuned_variants`: the number of
+models, the rank and conditioning of H, the share of the optimum at a bound; ``--n`` unknowns,
+default 3072), names each row by its variant (``--family`` reruns one) and ends with a line per
+solver: how many variants it certified within 3 Choleskys of H, the median and the largest ratio.
 
 Columns: problem, n, constraint set, solver, seconds (wall clock of ``solve``, or CPU time with
 ``--clock cpu``; setup + solve + certificate), objective, certified relative gap (the certificate's Frank-Wolfe / duality gap
@@ -74,6 +79,11 @@ def register(subparsers: Any) -> None:
                         "variant of one as FAMILY:key=value:..., keys K, r, c, N, cond, at_bounds, planted, "
                         "set_type, dead, e.g. box:K=8:r=80:cond=1e9:c=4:N=30:at_bounds=0.95) instead of --problems; "
                         "times are also given as multiples of one Cholesky of H")
+    p.add_argument("--untuned", type=int, default=None, metavar="COUNT",
+                   help="benchmark COUNT variants of the box, simplex and L1 families drawn at random (from --seed; "
+                        "models, rank, conditioning, share at a bound: instances nobody tuned a solver for) with "
+                        "--n unknowns (default 3072) instead of --problems, and summarise each solver's ratios to "
+                        "one Cholesky; each row names its variant, which --family reruns")
     p.add_argument("--n", type=int, default=None, help="unknowns of the family instances (default: the family's)")
     p.add_argument("--seed", type=int, default=0, help="which instance of each family (default 0)")
     p.add_argument("--sequence", type=int, default=0, metavar="T",
@@ -344,11 +354,17 @@ def sequence_row(family: str, solver: str, steps: int, n: int | None = None, see
     return row
 
 
-HEADER = f"{'problem':16s} {'n':>6s} {'constraint':24s} {'solver':15s} {'seconds':>9s} {'objective':>18s} {'rel. gap':>9s} {'cert':>4s} {'vs ref':>9s}"
+def header(width: int = 16) -> str:
+    """The table's header, its problem column ``width`` wide (the longest name: variants are long)."""
+    return (f"{'problem':{width}s} {'n':>6s} {'constraint':24s} {'solver':15s} {'seconds':>9s} {'objective':>18s} "
+            f"{'rel. gap':>9s} {'cert':>4s} {'vs ref':>9s}")
 
 
-def format_row(row: dict[str, Any]) -> str:
-    head = f"{row['problem']:16s} {row['n']:6d} {row['constraint']:24s} {row['solver']:15s}"
+HEADER = header()
+
+
+def format_row(row: dict[str, Any], width: int = 16) -> str:
+    head = f"{row['problem']:{width}s} {row['n']:6d} {row['constraint']:24s} {row['solver']:15s}"
     if "skipped" in row:
         return f"{head} {'-':>9s}  (not run: {row['skipped']})"
     if "error" in row:
@@ -385,8 +401,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-n must be >= 1, got {args.max_n}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.untuned is not None:
+        if args.family is not None:
+            raise ConfigError("--untuned draws its own variants: give --family or --untuned, not both")
+        if not 1 <= args.untuned <= MAX_UNTUNED:
+            raise ConfigError(f"--untuned must be between 1 and {MAX_UNTUNED}, got {args.untuned}")
+        from ..solvers.instance_families import UNTUNED_CHOICES, untuned_variants
+
+        n = UNTUNED_N if args.n is None else args.n
+        if n < 2:
+            raise ConfigError(f"--n must be >= 2, got {n}")
+        _check_family_memory(n, math.lcm(*UNTUNED_CHOICES["K"]))  # (a size it suggests suits every K)
+        variants = untuned_variants(args.untuned, n, args.seed)  # (each spelling carries its r = n / K)
+        return _run_families(args, variants, solvers, n=None, untuned=True)
     if args.family is not None:
-        return _run_families(args, _names(args.family, FAMILIES, "family"), solvers)
+        return _run_families(args, _names(args.family, FAMILIES, "family"), solvers, n=args.n)
     problems = _names(args.problems, REFERENCE_SPECS, "problem")
     constraints = args.constraint or ["box:0,1", "simplex"]
     if args.solvers == "all":  # every available solver (closed_form only for 'none')
@@ -480,16 +509,23 @@ def _check_variant_memory(families: Sequence[Any], every: bool = False) -> list[
             raise ConfigError(f"--family {fam.name}: {what}; choose smaller r, c or N (or --n)")
         print(f"note: family {fam.name} left out: {what}", file=sys.stderr)
     if not kept:
-        raise ConfigError(f"--family all: no family's instance fits in the {human_bytes(free)} available; give a "
-                          f"smaller --n")
+        raise ConfigError(f"no family's instance fits in the {human_bytes(free)} available; give a smaller --n")
     return kept
 
 
-def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str]) -> int:
+#: ``--untuned``: at most this many variants; their unknowns without ``--n`` (the goal's size, issue 17)
+MAX_UNTUNED = 10_000
+UNTUNED_N = 3072
+#: ``--untuned``'s summary counts the variants a solver certified within this many Choleskys (issue 17's goal)
+UNTUNED_GOAL = 3.0
+
+
+def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str], n: int | None,
+                  untuned: bool = False) -> int:
     from ..solvers.registry import SOLVERS
 
     if args.problems != "committed" or args.constraint or args.max_n is not None:
-        raise ConfigError("--family benchmarks drawn instances: --problems, --constraint and --max-n do not apply")
+        raise ConfigError("--family and --untuned benchmark drawn instances: --problems, --constraint and --max-n do not apply")
     from ..solvers.instance_families import get_family
 
     if not 0 <= args.sequence <= MAX_SEQUENCE:  # (a billion ran out of memory, a QA review, stop 73)
@@ -499,14 +535,15 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     step = 0.01 if args.sequence_step is None else args.sequence_step
     if not 0 < step <= MAX_SEQUENCE_STEP:  # (nan fails this too; 1e308 overflowed g)
         raise ConfigError(f"--sequence-step must be finite, > 0 and at most {MAX_SEQUENCE_STEP:g}, got {step}")
-    if args.n is not None:  # a bad size fails before the table starts
+    if n is not None:  # a bad size fails before the table starts
         multiple = 1
         for name in families:
-            get_family(name).with_n(args.n)
+            get_family(name).with_n(n)
             multiple = math.lcm(multiple, int(get_family(name).K))
-        _check_family_memory(args.n, multiple)
-    fitting = set(_check_variant_memory([get_family(name) if args.n is None else get_family(name).with_n(args.n)
-                                         for name in families], every=args.family.strip() == "all"))
+        _check_family_memory(n, multiple)
+    every = untuned or (args.family or "").strip() == "all"
+    fitting = set(_check_variant_memory([get_family(name) if n is None else get_family(name).with_n(n)
+                                         for name in families], every=every))
     families = [name for name in families if get_family(name).name in fitting]
     if args.solvers == "all":  # every available solver that can take a constrained problem
         solvers = [s for s in solvers if s == "auto" or (SOLVERS[s].available() is None and s != "closed_form")]
@@ -514,16 +551,17 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
     if args.json not in (None, "-"):
         check_json_output(args.json)
     table = _table_stream(args)
-    print(HEADER + f" {'x chol':>7s}", file=table)
-    print("-" * (len(HEADER) + 8), file=table)
+    width = max(16, *(len(name) for name in families))
+    print(header(width) + f" {'x chol':>7s}", file=table)
+    print("-" * (len(header(width)) + 8), file=table)
     clock = CLOCKS[args.clock]
-    rows = family_rows(families, solvers, n=args.n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
-                       echo=lambda r: print(format_row(r), file=table, flush=True), options=options, clock=clock)
+    rows = family_rows(families, solvers, n=n, seed=args.seed, repeat=args.repeat, rel_tol=args.rel_tol,
+                       echo=lambda r: print(format_row(r, width), file=table, flush=True), options=options, clock=clock)
     sequences: list[dict[str, Any]] = []
     for name in families if args.sequence > 0 else []:
         for solver in solvers:
             try:
-                row = sequence_row(name, solver, args.sequence, args.n, args.seed, args.rel_tol, options.get(solver),
+                row = sequence_row(name, solver, args.sequence, n, args.seed, args.rel_tol, options.get(solver),
                                    clock, step)
             except MergeQPError as exc:
                 if interruption(exc) is not None:  # (a review, stop 74: SIGTERM ended one sequence, then the next ran)
@@ -536,7 +574,34 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
                   f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']}; steps of "
                   f"{step:g} x RMS(g) moved the optimum by a median {_share(row['optimum_moves'])})",
                   file=table, flush=True)
+    if untuned:
+        for line in untuned_summary(rows, args.rel_tol):
+            print(line, file=table)
     return _finish(args, rows, sequences)
+
+
+def untuned_summary(rows: list[dict[str, Any]], rel_tol: float = 1e-8, goal: float = UNTUNED_GOAL) -> list[str]:
+    """``--untuned``'s lines, one per solver: of the variants it ran on, how many it certified (at
+    ``rel_tol``), how many of those within ``goal`` Choleskys of H, the median and the largest ratio,
+    and the variant of the largest (to rerun with ``--family``)."""
+    lines = []
+    for solver in dict.fromkeys(r["solver"] for r in rows):
+        ran = [r for r in rows if r["solver"] == solver and "error" not in r and "skipped" not in r]
+        if not ran:
+            continue
+        ratios = np.array([r["vs_cholesky"] for r in ran])
+        seconds = np.array([r["seconds"] for r in ran])
+        certified = [r for r in ran if r["certified"]]
+        within = sum(1 for r in certified if r["vs_cholesky"] <= goal)
+        worst = ran[int(np.argmax(ratios))]
+        floor = sum(1 for r in ran if not r["certified"] and r.get("at_rounding_floor"))
+        at_floor = f", {floor} more at the rounding floor (flr)" if floor else ""
+        lines.append(f"untuned {solver}: {within} of {len(ran)} variants certified at {rel_tol:g} within {goal:g} "
+                     f"Choleskys of H ({len(certified)} certified{at_floor}); time / one Cholesky: median "
+                     f"{float(np.median(ratios)):.2f}, largest {float(ratios.max()):.2f} ({worst['problem']}, "
+                     f"seed {worst.get('seed', 0)}); seconds: median {float(np.median(seconds)):.3g}, largest "
+                     f"{float(seconds.max()):.3g}")
+    return lines
 
 
 def _share(x: float | None) -> str:

@@ -24,6 +24,7 @@ diagonal times ``|d*|``), so ``d*`` is the unique minimiser when ``H`` is defini
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -146,7 +147,8 @@ def get_family(name: str) -> InstanceFamily:
             what = {int: "a whole number", float: "a number", bool: "true or false"}.get(kind, "a name")
             raise ValidationError(f"instance family {name!r}: {key} must be {what}, got {raw!r}") from None
         changes[key] = value
-    return replace(family, name=str(name), **changes)
+    described = ", ".join(f"{key} = {value}" for key, value in changes.items())
+    return replace(family, name=str(name), description=f"a variant of {base}: {described}", **changes)
 
 
 def _top_eigenvalue(H: np.ndarray, rng: np.random.Generator, steps: int = 60) -> float:
@@ -244,6 +246,47 @@ def draw(family: InstanceFamily | str, seed: int = 0, n: int | None = None) -> F
     c = float(0.5 * d @ (H @ d)) + 1.0  # J(d*) = c - 1/2 d'Hd + lam'd: keep J* away from 0
     problem = MergeQP(H, g, c, shape=shape, metadata=meta)
     return FamilyInstance(fam, seed, problem, cset, d.reshape(shape), problem.objective(d.reshape(shape)))
+
+
+#: what :func:`untuned_variants` draws each variant's fields from (uniformly; ``planted`` true with
+#: probability :data:`UNTUNED_PLANTED`): the sizes, conditionings and shares of coordinates at a bound
+#: that real merge QPs span, none of them chosen for a solver (stop 75)
+UNTUNED_CHOICES: dict[str, tuple[Any, ...]] = {
+    "K": (2, 3, 4, 6, 8), "set_type": ("box", "simplex", "l1"), "cond": (1e4, 1e6, 1e8, 1e10, float("inf")),
+    "at_bounds": (0.3, 0.5, 0.7, 0.85, 0.95), "c": (4, 8, 16), "N": (30, 60, 100, 200, 400),
+}
+UNTUNED_PLANTED = 0.6
+
+
+def untuned_variants(count: int, n: int, seed: int = 0) -> list[str]:
+    """``count`` variants of the box, simplex and L1 families with ``n`` unknowns, each field drawn from
+    :data:`UNTUNED_CHOICES` (``K`` among the choices that divide ``n``), spelt ``FAMILY:key=value:...``
+    (:func:`get_family` reads them back; ``mergeqp bench --family SPELLING`` reruns one). Deterministic
+    in ``(count, n, seed)``: instances nobody tuned a solver for, to measure how it does in general
+    (``mergeqp bench --untuned COUNT``)."""
+    check_integer("untuned variants: count", count)
+    check_integer("untuned variants: n", n)
+    if n < 2:
+        raise ValidationError(f"untuned variants: n must be >= 2, got {n}")
+    ks = [k for k in UNTUNED_CHOICES["K"] if n % k == 0]
+    if not ks:
+        raise ValidationError(f"untuned variants: n = {n} must be a multiple of one of "
+                              f"{', '.join(str(k) for k in UNTUNED_CHOICES['K'])} (the number of models K)")
+    rng = np.random.default_rng([seed, n, 75])
+    out = []
+    for _ in range(count):
+        K = int(rng.choice(ks))
+        st = str(rng.choice(UNTUNED_CHOICES["set_type"]))
+        cond = float(rng.choice(UNTUNED_CHOICES["cond"]))
+        at = float(rng.choice(UNTUNED_CHOICES["at_bounds"]))
+        c = int(rng.choice(UNTUNED_CHOICES["c"]))
+        N = int(rng.choice(UNTUNED_CHOICES["N"]))
+        planted = bool(rng.random() < UNTUNED_PLANTED)
+        cond_s = "inf" if math.isinf(cond) else f"{cond:.0e}".replace("e+0", "e").replace("e+", "e")
+        # (at_bounds only where an optimum is planted: the synthetic g's optimum is whatever it is)
+        shares = f":at_bounds={at:g}" if planted else ":planted=false"
+        out.append(f"{st}:K={K}:r={n // K}:c={c}:N={N}:cond={cond_s}{shares}")
+    return out
 
 
 #: the built-in families (n = 3072 = 4 x 768 but box_llama, 3 x 4096; ``mergeqp bench --family NAME --n N`` rescales them)

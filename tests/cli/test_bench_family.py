@@ -195,3 +195,54 @@ def test_family_all_leaves_out_a_family_beyond_memory_with_a_note(monkeypatch, c
     assert "note: family box_llama left out" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--family box_llama: its instance"):
         _check_variant_memory(fams)
+
+
+def test_untuned_variants_are_named_rows_and_summarised(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """``--untuned COUNT`` (stop 75): COUNT drawn variants, each row named by a spelling that
+    ``--family`` reruns to the same instance, and one summary line per solver."""
+    from mergeqp.solvers.instance_families import untuned_variants
+
+    out = tmp_path / "u.json"
+    assert main(["bench", "--untuned", "3", "--n", "48", "--seed", "5", "--solvers", "active_set,dense_ipm",
+                 "--clock", "cpu", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    names = untuned_variants(3, 48, 5)
+    assert [r["problem"] for r in rows] == [v for v in names for _ in range(2)]
+    assert all(r["n"] == 48 and r["certified"] for r in rows)
+    for solver in ("active_set", "dense_ipm"):
+        line = next(x for x in text.splitlines() if x.startswith(f"untuned {solver}:"))
+        within = sum(1 for r in rows if r["solver"] == solver and r["vs_cholesky"] <= 3.0)
+        assert line.startswith(f"untuned {solver}: {within} of 3 variants") and "(3 certified)" in line
+    # a row reruns by its name: the same objective
+    first = rows[0]
+    rerun = tmp_path / "r.json"
+    assert main(["bench", "--family", first["problem"], "--seed", "5", "--solvers", "active_set", "--json",
+                 str(rerun)]) == 0
+    (again,) = json.loads(rerun.read_text())["rows"]
+    assert again["objective"] == pytest.approx(first["objective"], rel=1e-12, abs=1e-12)
+
+
+def test_untuned_summary_counts_only_certified_runs_within_the_goal() -> None:
+    from mergeqp.cli.bench import untuned_summary
+
+    rows = [{"problem": "a", "solver": "s", "vs_cholesky": 2.0, "certified": True, "seconds": 0.2},
+            {"problem": "b", "solver": "s", "vs_cholesky": 2.5, "certified": False, "seconds": 0.25},  # not certified
+            {"problem": "b2", "solver": "s", "vs_cholesky": 1.0, "certified": False, "at_rounding_floor": True,
+             "seconds": 0.1},
+            {"problem": "c", "solver": "s", "vs_cholesky": 9.0, "certified": True, "seconds": 0.9},
+            {"problem": "d", "solver": "s", "error": "x"}, {"problem": "e", "solver": "t", "skipped": "y"}]
+    (line,) = untuned_summary(rows)
+    assert line.startswith("untuned s: 1 of 4 variants") and "(2 certified, 1 more at the rounding floor (flr))" in line
+    assert "median 2.25, largest 9.00 (c, seed 0); seconds: median 0.225, largest 0.9" in line
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--untuned", "2", "--family", "box"], "not both"),
+    (["--untuned", "0"], "between 1 and"),
+    (["--untuned", "2", "--n", "7"], "multiple of one of 2, 3, 4, 6, 8"),
+    (["--untuned", "2", "--problems", "tiny96"], "do not apply"),
+])
+def test_untuned_arguments_are_checked(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from mergeqp.errors import UnknownNameError, ValidationError
-from mergeqp.solvers.instance_families import FAMILIES, InstanceFamily, draw, get_family, register_family
+from mergeqp.solvers.instance_families import (FAMILIES, UNTUNED_CHOICES, InstanceFamily, draw, get_family, register_family,
+                                              untuned_variants)
 from mergeqp.solvers.registry import solve
 
 
@@ -82,7 +83,8 @@ def test_a_variant_is_spelt_from_a_registered_family() -> None:
     spec = "box:K=8:r=20:cond=1e9:c=4:N=30:at_bounds=0.95"
     fam = get_family(spec)
     assert fam == InstanceFamily(spec, 8, 20, "box", 0.95, cond=1e9, c=4, N=30,
-                                 description=FAMILIES["box"].description)
+                                 description="a variant of box: K = 8, r = 20, cond = 1000000000.0, c = 4, N = 30, "
+                                             "at_bounds = 0.95")
     a, b = draw(spec, 3), draw(InstanceFamily("other", 8, 20, "box", 0.95, cond=1e9, c=4, N=30), 3)
     np.testing.assert_array_equal(a.problem.H, b.problem.H)
     np.testing.assert_array_equal(a.problem.g, b.problem.g)
@@ -95,3 +97,23 @@ def test_a_variant_is_spelt_from_a_registered_family() -> None:
             get_family(bad)
     with pytest.raises(UnknownNameError, match="did you mean 'box'"):
         get_family("boxx:K=2")
+
+
+def test_untuned_variants_are_seeded_spellings_of_every_choice() -> None:
+    """(stop 75) ``untuned_variants``: deterministic in (count, n, seed); each a spelling ``get_family``
+    reads back with n unknowns (K dividing n); over many draws every choice of every field occurs."""
+    a = untuned_variants(200, 48, 1)
+    assert a == untuned_variants(200, 48, 1) and a != untuned_variants(200, 48, 2)
+    assert untuned_variants(5, 48, 1) == a[:5]  # (a longer list extends a shorter one)
+    fams = [get_family(v) for v in a]
+    assert all(f.n == 48 and f.set_type in ("box", "simplex", "l1") for f in fams)
+    for field in ("K", "set_type", "cond", "c", "N"):
+        assert {getattr(f, field) for f in fams} == set(UNTUNED_CHOICES[field]), field
+    planted = [f for f in fams if f.planted]
+    assert 0.4 < len(planted) / len(fams) < 0.8
+    assert {f.at_bounds for f in planted} == set(UNTUNED_CHOICES["at_bounds"])
+    assert all(":at_bounds=" not in v for v, f in zip(a, fams) if not f.planted)  # (unused there: not spelt)
+    assert {f.K for f in (get_family(v) for v in untuned_variants(50, 40, 0))} == {2, 4, 8}  # 3, 6 do not divide 40
+    for count, n, message in ((0, 48, "count must be an integer >= 1"), (3, 35, "multiple of one of"), (3, 1, "n must be >= 2")):
+        with pytest.raises(ValidationError, match=message):
+            untuned_variants(count, n)

@@ -8,8 +8,9 @@ Run (seeded, reproducible up to timing noise)::
 What it does, on a Llama-style Hugging Face causal LM (float32):
 
 1. Three fake fine-tunes: the base with seeded Gaussian noise (``--noise`` x each weight's std)
-   on the last two blocks' MLP weights, written as HF folders under ``--work`` (reused when
-   present; the statistics swap those weights into one live model instead of loading copies).
+   on the MLP weights of the ``--layers`` blocks (default the last two), written as HF folders under
+   ``--work``/``blocks-...`` (reused when present; the statistics swap those weights into one live
+   model instead of loading copies).
 2. ``--prompts`` calibration prompts of at most ``--tokens`` tokens (paragraphs of this
    repository's docs), in batches of ``--batch``.
 3. Per site (per-row atoms, K = 3 -> 3 r atoms): the time of one forward pass and of one
@@ -168,7 +169,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--noise", type=float, default=0.05)
-    ap.add_argument("--layers", type=int, nargs="+", default=[29, 28])
+    ap.add_argument("--layers", type=int, nargs="+", default=None,
+                    help="the blocks whose down_proj is a site, and whose MLPs the fake fine-tunes perturb "
+                         "(default: the model's last two, last first; 29 28 on SmolLM2-135M)")
     ap.add_argument("--before-batches", type=int, default=1)
     ap.add_argument("--before-tokens", type=int, default=16)
     ap.add_argument("--chunk", type=int, default=128)
@@ -192,7 +195,15 @@ def main() -> None:
     for p in model.parameters():
         p.requires_grad_(False)
     tok = load_tokenizer(Path(args.model))
-    fts = fake_finetunes(model, work, [28, 29], args.noise)
+    blocks = int(model.config.num_hidden_layers)
+    if args.layers is None:
+        args.layers = [blocks - 1, blocks - 2] if blocks >= 2 else [0]
+    bad = [i for i in args.layers if not 0 <= i < blocks]
+    if bad:  # (a review of stop 75: the blocks were 28 and 29 whatever the model, a KeyError on smaller ones)
+        ap.error(f"--layers {bad}: the model has {blocks} blocks (0 to {blocks - 1})")
+    # (the fine-tunes' folder names the perturbed blocks: folders made for other blocks are not reused)
+    fts = fake_finetunes(model, work / ("blocks-" + "-".join(str(i) for i in sorted(set(args.layers)))),
+                         sorted(set(args.layers)), args.noise)
     base = {n: p.detach().clone() for n, p in model.named_parameters() if n in fts[0]}
     texts = prompts_from_docs(args.prompts)
     batches = tokenize_batches(tok, texts, args.tokens, args.batch)

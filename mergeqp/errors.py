@@ -125,7 +125,9 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success (solved and certified; the output was written)"),
     (EXIT_NOT_CERTIFIED, "solved (and written), but the answer is not certified"),
     (EXIT_USAGE, "usage or configuration error: a bad argument or config value, an unknown name, "
-                 "a missing or malformed input file, an output that would overwrite an input"),
+                 "a missing or malformed input file, an output that would overwrite an input; also a module of "
+                 "yours (`--import`, `imports:`) that fails to load, or an entry of yours (a solver, merge method, "
+                 "mode, metric, ...) that raises: one line names the exception and where in your file it was raised"),
     (EXIT_BAD_DATA, "bad input data: NaN or inf in a checkpoint, statistics or problem file, or a "
                     "merge that would produce non-finite weights"),
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "
@@ -134,7 +136,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
               "a folder output (`merge`, `experiment`, `sweep --out`) creates its missing parent folders"),
     (EXIT_OTHER_PROCESS, "under torchrun: another process of the job stopped (failed, killed or interrupted) "
                          "and this one could not go on; torchrun's report names that process and its message"),
-    (EXIT_UNEXPECTED, "an unexpected error (a bug in mergeqp, or in a module of yours it imported): one line "
+    (EXIT_UNEXPECTED, "an unexpected error (a bug in mergeqp, or in your code where it is not called as one of "
+                      "your entries): one line "
                       "names the exception and where it was raised (MERGEQP_TRACEBACK=1 prints the traceback); "
                       "outputs not yet written keep their previous state"),
     (EXIT_INTERRUPTED, "interrupted (Ctrl-C or SIGTERM); outputs not yet written keep their previous state"),

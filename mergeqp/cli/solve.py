@@ -13,8 +13,8 @@ printed); 2 for bad input (missing or malformed file, unknown constraint or solv
 infeasible constraints, an output path that is an input or cannot be written), with one line
 naming the problem; 3 for NaN / inf in the problem or the point; 4 when a write fails (the
 previous file is kept: every output is written atomically); 130 when interrupted.
-``--out`` and ``--save-d`` are checked before the solve and written exactly at the names given;
-``--out -`` prints the JSON on standard output (the summary then goes to standard error).
+The outputs (``--out``; ``solve``'s ``--save-d``) are checked before any work and written exactly at the names
+given; ``--out -`` prints the JSON on standard output (the summary then goes to standard error).
 """
 
 from __future__ import annotations

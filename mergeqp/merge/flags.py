@@ -51,15 +51,20 @@ def heldout_regression_notes(evaluation: Mapping[str, Any], metric: str = "eucli
     if worse:
         notes.append(f"WORSE THAN THE BASE: the merged model's {what} than the base model's "
                      f"on {len(worse)} of {len(b_val)} task(s): {'; '.join(worse)}")
-    if key == "heldout_cross_entropy":  # the prompts' own tokens judged it: say where it left the fine-tunes
+    classifier_ce = key == "heldout_accuracy" and metric == "cross_entropy"
+    if key == "heldout_cross_entropy" or classifier_ce:
+        # the data (next tokens, or a classifier's labels) judged it: say where it left the fine-tunes (a classifier's
+        # merge had no such note, a review of stop 75)
         bm, mm = base.get("heldout_mse") or {}, merged.get("heldout_mse") or {}
         apart = [t for t in bm if _finite(bm[t]) is not None and _finite(mm.get(t)) is not None
                  and float(mm[t]) > float(bm[t])]
         if apart:
+            fits, judge, other = (("the calibration labels through each task's head", "accuracy", "euclidean")
+                                  if classifier_ce else ("the prompts' own next tokens", "cross-entropy", "kl"))
             notes.append(f"the merged model's held-out MSE to the fine-tunes is above the base's on {len(apart)} of "
-                         f"{len(bm)} task(s) ({', '.join(apart)}): metric cross_entropy fits the prompts' own next "
-                         f"tokens, not the fine-tunes' outputs, and may move the model away from them (judge it "
-                         f"by the held-out cross-entropy, or use metric kl to stay near the fine-tunes)")
+                         f"{len(bm)} task(s) ({', '.join(apart)}): metric cross_entropy fits {fits}, not the "
+                         f"fine-tunes' outputs, and may move the model away from them (judge it by the held-out "
+                         f"{judge}, or use metric {other} to stay near the fine-tunes)")
     bj, mj = _finite(base.get("calibration_objective")), _finite(merged.get("calibration_objective"))
     if bj is not None and mj is not None and mj > bj:
         notes.append(f"WORSE THAN THE BASE: the merged model's calibration objective is higher than the base "

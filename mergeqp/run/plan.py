@@ -767,20 +767,39 @@ def _longest_prompt(folder: Path, texts: Sequence[str], max_length: int, owners:
 
 
 def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
-    """``start: auto`` with folds needs two calibration batches per task: refused by the plan (so by
-    ``--dry-run`` too), not after the models and the candidates' statistics were loaded."""
+    """``start: auto`` with folds needs two calibration batches per task, and a split that holds batches
+    out (``start: auto`` with ``folds: 1``, a mode's early stopping such as ``trust_region``'s
+    ``holdout``) a task with two or more: refused by the plan (so by ``--dry-run`` too), not after the
+    models and the candidates' statistics were loaded (a review of stop 75: ``folds: 1``, which the
+    first refusal suggested, and ``holdout`` passed the dry run and failed minutes into the run)."""
     m = cfg.method
-    if not is_auto_start(m.start):
-        return
-    assert m.start is not None
-    folds = parse_auto_params(m.start.params).folds
     B = cfg.calibration.batch_size
-    for t in tasks:
-        n = too_few_batches(folds, t.n_calibration, B)
-        if n is not None:
-            held = (f", after calibration.holdout kept {t.n_heldout} of its prompts for the held-out evaluation"
-                    if t.n_heldout else "")
-            raise ConfigError(f"start: auto with {folds} folds: task {t.name!r} has {n} calibration batch(es) "
-                              f"({t.n_calibration} prompts in batches of {B}{held}), at least {MIN_FOLD_BATCHES} are "
-                              f"needed (more prompts, a smaller calibration.batch_size"
-                              f"{' or calibration.holdout' if held else ''}, or folds: 1)")
+    batches = {t.name: -(-int(t.n_calibration) // int(B)) for t in tasks}
+    if not tasks:
+        return
+    some_two = max(batches.values()) >= 2
+
+    def single(what: str, fraction: float) -> ConfigError:
+        return ConfigError(f"{what} {fraction:g}: every task has a single calibration batch (at most {B} prompts "
+                           f"each in batches of calibration.batch_size {B}), so none can be held out; use more "
+                           f"prompts or a smaller calibration.batch_size")
+
+    if is_auto_start(m.start):
+        assert m.start is not None
+        params = parse_auto_params(m.start.params)
+        folds = params.folds
+        for t in tasks:
+            n = too_few_batches(folds, t.n_calibration, B)
+            if n is not None:
+                held = (f", after calibration.holdout kept {t.n_heldout} of its prompts for the held-out evaluation"
+                        if t.n_heldout else "")
+                raise ConfigError(f"start: auto with {folds} folds: task {t.name!r} has {n} calibration batch(es) "
+                                  f"({t.n_calibration} prompts in batches of {B}{held}), at least {MIN_FOLD_BATCHES} "
+                                  f"are needed (more prompts, a smaller calibration.batch_size"
+                                  f"{' or calibration.holdout' if held else ''}"
+                                  f"{', or folds: 1' if some_two else ''})")
+        if folds == 1 and not some_two:
+            raise single("start: auto holdout", params.holdout)
+    fraction = get_merge_mode(m.mode).selection_holdout(m.mode_options) if m.name == "qp" else 0.0
+    if fraction > 0 and not some_two:
+        raise single(f"mode_options.holdout of mode: {m.mode}:", fraction)

@@ -54,7 +54,7 @@ the set is a box in half as many unknowns, ``x_a = s``, ``x_b = T - s``, and the
 that box QP (:mod:`.active_set_pairs`, option ``pairs``; its ``H_s = P'HP`` formed once, where each
 face of the simplex gathered the same free pairs' ``Z'HZ`` again and took products with all of H).
 From n = 256, where H is a ridge plus a low-rank matrix (``sigma I + U U'``, rank at most n / 8 on
-bounds and L1 balls, n / 4 on an L1 ball alone with a weak ridge or none, an eighth of the set's
+bounds and L1 balls, 0.4 n on an L1 ball alone with a weak ridge or none, an eighth of the set's
 dimension and at least n / 12 on sums;
 ``sigma = 0``, no ridge, from n = 64), the problem is first solved with ``r``-dimensional algebra
 (:mod:`.active_set_low_rank`, option ``low_rank``): through its dual on bounds, by a proximal face

@@ -53,11 +53,13 @@ simplices of K coefficients, ``n / 12`` for K <= 3 (until stop 64 ``n / 12`` eve
 ``n / 12`` to ``n / 8`` the path halved the time of untuned boxes, L1 balls and simplices of 8
 coefficients and was slower on 9 of 12 simplices of 2; docs/solvers.md, "Stop 64"). On an L1
 ball alone (no bounds) with a weak ridge (``sigma <=`` :data:`WEAK_RIDGE` ``max diag H``) or none,
-up to ``n / 4`` (:func:`ball_low_rank`, stop 67): there the engine crawls through its proximal
-levels on faces larger than the rank, and the path took 0.34-0.93x its time (median 0.61) on 16
-untuned instances at n = 640-3072; a pre-test (LAPACK's pivoted Cholesky of the sampled block,
-stopped at the weak ridge's level) keeps the cost of declining small: 0.5 ms at n = 640, 25 ms at
-n = 3072 (about 6% of one Cholesky of H).
+up to ``n / 4`` (:func:`ball_low_rank`, stop 67; ``0.4 n`` since stop 75): there the engine crawls
+through its proximal levels on faces larger than the rank, and the path took 0.34-0.93x its time
+(median 0.61) on 16 untuned instances at n = 640-3072 (stop 75, ranks n / 4 to 0.4 n: 0.37-1.53x,
+median 0.80, on 36); a pre-test (LAPACK's pivoted Cholesky of the sampled block, stopped at the weak
+ridge's level) keeps the cost of declining small: 0.5 ms at n = 640, 25 ms at n = 3072 at the limit
+n / 4 (about 6% of one Cholesky of H), 73 ms at 0.4 n. A face whose free coordinates number at most
+half the rank is solved in its own coordinates rather than by the Woodbury identity (stop 75).
 
 **Without a ridge** (``H = U U'`` of rank ``r`` within the limit: the merge QP with fewer calibration
 samples times outputs than unknowns and no ridge; the sample's smallest eigenvalues then cluster at
@@ -144,8 +146,10 @@ MIN_RANK_SHARE = 1.0 / 12.0
 #: share of n (:func:`ball_low_rank`; stop 67: from n / 8 to n / 4 it took 0.21-1.10x the engine's
 #: time on the selection sweep's such balls, 0.34-0.93x on 16 validation cells, where the engine
 #: crawls through its proximal levels; with a stronger ridge, on balls with a box and on boxes it
-#: lost as often as it won)
-BALL_RANK_SHARE = 1.0 / 4.0
+#: lost as often as it won; stop 75: from n / 4 to 0.4 n, with faces below half the rank solved in
+#: their own coordinates (:data:`SMALL_FACE_SHARE`), 0.37-1.53x on 36 untuned balls of ranks n / 4
+#: to 0.4 n at n = 640-3072, median 0.80, a third less time in all; docs/solvers.md "Stop 75")
+BALL_RANK_SHARE = 0.4
 #: a weak ridge: ``sigma`` at most this share of ``max diag H`` (the sampled block's, for the
 #: pre-test: LAPACK's pivoted Cholesky ``dpstrf`` with this tolerance counts its rank)
 WEAK_RIDGE = 1e-7
@@ -832,13 +836,20 @@ def _equation_null(F: np.ndarray, eq: tuple[np.ndarray, np.ndarray, np.ndarray] 
     return _weighted_null(F, eq, np.ones(F.size)), cnt, a[F]  # unit weights: the orthogonal projection
 
 
+#: a face with at most this share of the rank free coordinates is solved in its own coordinates (its
+#: ``|F| x |F|`` system) instead of by the Woodbury identity's ``r x r`` capacitance (stop 75: an L1 ball
+#: of rank 960 with 154 free coordinates at its optimum paid an ``r x r`` Cholesky per face)
+SMALL_FACE_SHARE = 0.5
+
+
 def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.ndarray,
                        eq: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
                        gram: _FreeGram | None = None) -> np.ndarray | None:
     """The minimiser of ``1/2 x'(sigma I + U U')x + h'x`` over the affine hull of a face given by its
     free coordinates, the fixed values in ``x`` and its equations ``sum_G a_i x_i = t_G`` (``a = +-1``
-    on free coordinates; the active ball's), by the Woodbury identity. ``None`` where an equation
-    has no free coordinate and is not met. With ``P`` the orthogonal projection on the equations'
+    on free coordinates; the active ball's), by the Woodbury identity, or where the face has at most
+    :data:`SMALL_FACE_SHARE` of the rank free coordinates by its own ``|F| x |F|`` system (stop 75).
+    ``None`` where an equation has no free coordinate and is not met. With ``P`` the orthogonal projection on the equations'
     null space and ``V = P U_F``, the capacitance ``V'V`` is ``U_F'U_F - B'(A A')^-1 B`` with
     ``B = A U_F`` the groups' sums of those rows; ``U_F'U_F`` from ``gram`` where given (updated
     from the last face: the ``O(|F| r^2)`` product was most of a face solve, stop 67), else afresh.
@@ -862,6 +873,18 @@ def _affine_face_point(lr: RidgeLowRank, h: np.ndarray, free: np.ndarray, x: np.
         xp = aF * need[group[F]] / np.maximum(cnt, 1.0)[group[F]]
     V = null(UF)
     rhs = null(c - sigma * xp - UF @ (UF.T @ xp))
+    if SMALL_FACE_SHARE * lr.rank >= F.size:
+        # a face smaller than the rank: its own |F| x |F| system, sigma P + (I - P) + V V' (P the equations'
+        # projection; the (I - P) term makes it definite off their null space, where rhs is 0 and so is z)
+        P = null(np.eye(F.size))
+        M = V @ V.T + sigma * P
+        M += np.eye(F.size) - P
+        try:
+            cf = sla.cho_factor(M)
+        except (np.linalg.LinAlgError, ValueError):
+            return None
+        y[F] = xp + null(sla.cho_solve(cf, rhs))
+        return y
     VV = (_FreeGram(U) if gram is None else gram)(free).copy()
     if eq is not None and F.size:
         _less_group_means(VV, UF, eq[0][F], aF, int(eq[2].size))
@@ -944,16 +967,61 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
              res: np.ndarray) -> np.ndarray:
         UF = lr.U[F]
         Q, R = np.linalg.qr(null(UF))
-        A, S, Bt = np.linalg.svd(R, full_matrices=False)
-        keep = S > 1e-7 * float(S[0]) if S.size and S[0] > 0 else np.zeros(S.size, dtype=bool)
-        z = Bt[keep].T @ ((A[:, keep].T @ (Q.T @ res)) / S[keep])  # U_F' dx must be -z: V z = r
+        z = _triangular_if_definite(R, Q.T @ res)  # U_F' dx must be -z: V z = r
+        if z is None:
+            A, S, Bt = np.linalg.svd(R, full_matrices=False)
+            keep = S > 1e-7 * float(S[0]) if S.size and S[0] > 0 else np.zeros(S.size, dtype=bool)
+            z = Bt[keep].T @ ((A[:, keep].T @ (Q.T @ res)) / S[keep])
         w = _room(st, y, F)
         B = _weighted_null(F, eq, w)(w[:, None] * UF)
-        Mw, Pw = np.linalg.eigh(UF.T @ B)
+        M = UF.T @ B
+        u = _cholesky_if_definite(M, z)
+        if u is not None:
+            return -(B @ u)
+        Mw, Pw = np.linalg.eigh(M)
         ok = Mw > 1e-12 * float(Mw[-1]) if Mw.size and Mw[-1] > 0 else np.zeros(Mw.size, dtype=bool)
         return -(B @ (Pw[:, ok] @ ((Pw[:, ok].T @ z) / Mw[ok])))
 
     return _newton_on_face(H, g, st, x, face_of, step, NO_RIDGE_POLISH)
+
+
+#: the polish's triangular solve and Cholesky replace its SVD and eigendecomposition (a tenth of the flops;
+#: most of the polish's time at ranks of n / 4 and above, stop 75) where LAPACK's estimate of the reciprocal
+#: 1-norm condition number is at least these: then every singular value lies above the truncations (1e-7 of
+#: the largest for ``R``, 1e-12 for ``M``; the 2-norm condition number is at most ``r`` times the 1-norm one),
+#: so both give the same answer up to rounding
+POLISH_TRIANGULAR_RCOND = 1e-4
+POLISH_CHOLESKY_RCOND = 1e-9
+
+
+def _triangular_if_definite(R: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``R^-1 b`` for the upper triangular ``R``, or ``None`` where ``R`` is near singular (a condition
+    estimate below :data:`POLISH_TRIANGULAR_RCOND` or a non-finite answer)."""
+    if R.shape[0] != R.shape[1] or not R.size:
+        return None
+    rcond, info = sla.lapack.dtrcon(R, norm="1", uplo="U", diag="N")
+    if info != 0 or not rcond >= POLISH_TRIANGULAR_RCOND:
+        return None
+    x = sla.solve_triangular(R, b, lower=False, check_finite=False)
+    return x if bool(np.all(np.isfinite(x))) else None
+
+
+def _cholesky_if_definite(M: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """``M^-1 b`` for the symmetric ``M`` by Cholesky, or ``None`` where it fails or ``M`` is near singular
+    (a condition estimate below :data:`POLISH_CHOLESKY_RCOND`)."""
+    if not M.size:
+        return None
+    Ms = 0.5 * (M + M.T)
+    anorm = float(np.max(np.sum(np.abs(Ms), axis=0)))
+    try:
+        c, low = sla.cho_factor(Ms, lower=False, check_finite=False)
+    except (np.linalg.LinAlgError, ValueError):
+        return None
+    rcond, info = sla.lapack.dpocon(c, anorm, uplo="U")
+    if info != 0 or not rcond >= POLISH_CHOLESKY_RCOND:
+        return None
+    x = sla.cho_solve((c, low), b, check_finite=False)
+    return x if bool(np.all(np.isfinite(x))) else None
 
 
 def polish_at_zero(H: np.ndarray, g: np.ndarray, st: SetStructure, x: np.ndarray,

@@ -23,6 +23,7 @@ from ..errors import (
     check_signature,
     first_line,
     interruption,
+    raised_at,
     unknown,
 )
 from ..problem import MergeQP
@@ -273,7 +274,10 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
         except MergeQPError:
             raise
         except Exception as exc:
-            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {exc}") from exc
+            # (one line, and where: a user's solver's bug is named in the user's file, a review of stop 75)
+            place, _ = raised_at(exc)
+            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {first_line(exc)}"
+                              f"{' (raised' + place + ')' if place else ''}") from exc
         t2 = time.perf_counter()
         return _checked(chosen, problem, cset, raw, certify_result, rel_tol, feas_tol, pinv, setup, t1, t2)
 

@@ -399,10 +399,10 @@ class TorchActiveSetSolver(QPSolver):
         if problem.H is None:
             return "needs an explicit H (use torch_fista for a matvec-only problem)"
         st = set_structure(constraints, problem.shape)
-        if isinstance(st, str):
-            return st
-        if not st.bounds_only:
-            return f"handles boxes only, not {constraints.spec} (use active_set)"
+        if isinstance(st, str) or not st.bounds_only:
+            # (not active_set's wording, which lists the sets that solver takes: a review of stop 75)
+            other = "dense_ipm or torch_ipm" if isinstance(st, str) else "active_set"
+            return f"handles boxes only, not {constraints.spec} (use {other})"
         if not (np.all(np.isfinite(st.lo)) and np.all(np.isfinite(st.hi))):
             return f"needs finite bounds, {constraints.spec} has an infinite side (use active_set)"
         return st.lo, st.hi

@@ -246,3 +246,13 @@ def test_untuned_summary_counts_only_certified_runs_within_the_goal() -> None:
 def test_untuned_arguments_are_checked(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_family_all_leaves_out_a_family_whose_models_do_not_divide_n(capsys: pytest.CaptureFixture[str]) -> None:
+    """A review of stop 75: ``--family all --n 640`` was refused as a whole (box_llama has K = 3)."""
+    assert main(["bench", "--family", "all", "--n", "8", "--solvers", "active_set", "--clock", "cpu"]) == 0
+    captured = capsys.readouterr()
+    assert "family box_llama left out: n = 8 is not a multiple of its K = 3" in captured.err
+    assert "box_llama" not in captured.out and "box_free" in captured.out
+    assert main(["bench", "--family", "all", "--n", "7", "--solvers", "active_set"]) == 2
+    assert "no family's number of models divides it" in capsys.readouterr().err

@@ -113,3 +113,27 @@ def test_a_plugin_that_fails_on_import_is_named_with_where(tmp_path, capsys, mon
     monkeypatch.setenv("MERGEQP_TRACEBACK", "1")
     assert main(["--import", str(raising), "list", "solvers"]) == 2
     assert "Traceback" in capsys.readouterr().err
+
+
+def test_a_users_solver_that_raises_is_named_with_where(tmp_path, capsys, monkeypatch):
+    """A review of stop 75: a registered solver whose ``solve`` raised was named without a file:line (a merge
+    method's failure had one); exit 2, as for every entry of the user's that raises."""
+    from pathlib import Path
+
+    import mergeqp
+    from mergeqp.solvers.registry import SOLVERS
+
+    plugin = tmp_path / "buggy_solver_s75.py"
+    plugin.write_text("from mergeqp.solvers.base import QPSolver\nfrom mergeqp.solvers.registry import register_solver\n"
+                      "class Buggy(QPSolver):\n    name = 'buggy_s75'\n    def supports(self, problem, constraints):\n"
+                      "        return None\n    def solve(self, problem, constraints, x0=None, **options):\n"
+                      "        return {}['nope']\nregister_solver(Buggy())\n")
+    problem = Path(mergeqp.__file__).resolve().parent.parent / "problems" / "tiny96.npz"
+    monkeypatch.delenv("MERGEQP_TRACEBACK", raising=False)
+    monkeypatch.delitem(SOLVERS, "buggy_s75", raising=False)
+    try:
+        code = main(["--import", str(plugin), "solve", str(problem), "--solver", "buggy_s75", "--constraint", "box:0,1"])
+    finally:
+        SOLVERS.pop("buggy_s75", None)
+    err = capsys.readouterr().err
+    assert code == 2 and "solver 'buggy_s75' failed: KeyError: 'nope'" in err and f"(raised at {plugin}:8)" in err, err

@@ -75,6 +75,11 @@ def test_classifiers_are_flagged_by_accuracy_not_mse():
                   "merged": {"heldout_mse": {"a": 3.0, "b": 3.0}, "heldout_accuracy": {"a": 0.75, "b": 0.8}}}
     (note,) = heldout_regression_notes(evaluation)
     assert "held-out accuracy is lower" in note and "on 1 of 2 task(s): b 0.9 -> 0.8" in note and "MSE" not in note
+    # (a review of stop 75) a classifier merged on its labels (metric cross_entropy) that left the fine-tunes says so
+    warning, note = heldout_regression_notes(evaluation, "cross_entropy")
+    assert warning.startswith("WORSE THAN THE BASE: the merged model's held-out accuracy is lower")
+    assert note.startswith("the merged model's held-out MSE to the fine-tunes is above the base's on 2 of 2 task(s)")
+    assert "fits the calibration labels through each task's head" in note and "held-out accuracy" in note
 
 
 def test_a_cross_entropy_merge_that_left_the_fine_tunes_says_so_without_a_warning():

@@ -203,9 +203,13 @@ def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
     # (refused by the plan, before any weight is loaded: docs/hf.md, and tests/run/test_config.py for --dry-run)
     with pytest.raises((ConfigError, ValidationError), match="start: auto with 4 folds: task 'code' has 1 calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto"}}, "one", calibration=one)
-    with pytest.raises(ValidationError, match="start: auto holdout 0.25: every task has a single calibration batch"):
+    # (refused by the plan too since stop 75: it failed after the models were loaded)
+    with pytest.raises(ConfigError, match="start: auto holdout 0.25: every task has a single calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto", "params": {"folds": 1}}},
                "one1", calibration=one)
+    with pytest.raises(ConfigError, match="mode_options.holdout of mode: trust_region: 0.25: every task has a single"):
+        _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "mode_options": {"holdout": 0.25}}, "one2",
+               calibration=one)
 
 
 @pytest.mark.parametrize("method, collector", [("regmean", "gram_rows"), ("fisher", "compute_fisher")])

@@ -617,7 +617,16 @@ def test_dry_run_refuses_auto_folds_without_batches(fam, tmp_path, no_weights, c
     err = capsys.readouterr().err
     assert "start: auto with 4 folds: task" in err and "has 1 calibration batch(es) (2 prompts in batches of 4" in err
     # (stop 52 review) the holdout that took the prompts is named, and what to change
-    assert "after calibration.holdout kept 4 of its prompts" in err and "or calibration.holdout, or folds: 1" in err
+    assert "after calibration.holdout kept 4 of its prompts" in err and "or calibration.holdout)" in err
+    assert "folds: 1" not in err  # (a review of stop 75: every task has one batch, so folds: 1 would fail too)
+    for method, fragment in (({"name": "auto", "params": {"folds": 1}}, "start: auto holdout 0.25: every task has a "
+                                                                         "single calibration batch"),
+                             ({"name": "qp", "mode": "trust_region", "mode_options": {"holdout": 0.25}},
+                              "mode_options.holdout of mode: trust_region: 0.25: every task has a single calibration")):
+        # (the same review: both passed the dry run and failed after the models were loaded)
+        other = fam.write_config(tmp_path / "held.yml", fam.mlp_layer, method)
+        assert main(["merge", str(other), "--dry-run"]) == 2
+        assert fragment in capsys.readouterr().err
     data = yaml.safe_load(path.read_text())
     data["calibration"]["batch_size"] = 1  # two batches of one prompt: the plan passes
     path.write_text(yaml.safe_dump(data))

@@ -184,10 +184,15 @@ def test_sum_groups_take_the_proximal_face_path(cset) -> None:
     assert sol.objective == pytest.approx(plain.objective, rel=1e-9, abs=1e-10)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["woodbury", "own coordinates"])
 @pytest.mark.parametrize("sums", [False, True], ids=["box", "per-atom sums"])
-def test_a_face_solve_is_the_face_kkt_solution(sums: bool) -> None:
-    """``_affine_face_point`` (Woodbury) against the dense KKT system of the same face."""
+def test_a_face_solve_is_the_face_kkt_solution(sums: bool, direct: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_affine_face_point`` (Woodbury; or, stop 75, the face's own ``|F| x |F|`` system, which it takes
+    for faces of at most ``SMALL_FACE_SHARE`` of the rank free coordinates) against the dense KKT system
+    of the same face."""
     from mergeqp.constraints.kernels import SetStructure
+
+    monkeypatch.setattr(LR, "SMALL_FACE_SHARE", 1e9 if direct else 0.0)
 
     rng = np.random.default_rng(6)
     K, m, r = 3, 30, 5
@@ -530,21 +535,23 @@ def planted_ball(rng: np.random.Generator, H: np.ndarray, K: int) -> tuple[Merge
     return MergeQP(H, lam - H @ d, 1.0, shape=(K, n // K)), L1Ball(float(np.sum(np.abs(d))))
 
 
+@pytest.mark.parametrize("rank", [240, 420])
 @pytest.mark.parametrize("cond", [1e9, np.inf])
-def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_a_quarter_of_n(cond: float) -> None:
-    """Rank 240 at n = 1200 lies between n / 8 (150) and n / 4 (300): on an L1 ball alone with a weak
-    ridge (or none) the path takes it (stop 67), and reaches the engine's optimum, certified."""
+def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_0_4_n(cond: float, rank: int) -> None:
+    """Rank 240 at n = 1200 lies between n / 8 (150) and n / 4 (300), 420 between n / 4 and 0.4 n (480,
+    stop 75): on an L1 ball alone with a weak ridge (or none) the path takes it (stop 67), and reaches
+    the engine's optimum, certified."""
     rng = np.random.default_rng(67)
-    H = flat_low_rank(rng, 1200, 240, cond)
+    H = flat_low_rank(rng, 1200, rank, cond)
     problem, ball = planted_ball(rng, H, 4)
     st = A.set_structure(ball, problem.shape)
     assert LR.rank_limit(1200, st) == 150
     lr = LR.ball_low_rank(H, st)
-    assert lr is not None and lr.rank == 240
+    assert lr is not None and lr.rank == rank
     assert (lr.sigma == 0.0) == (not np.isfinite(cond))
     assert LR.ball_low_rank(H, st) is lr  # kept with the read-only H's values
     sol = solve(problem, ball, solver="active_set")
-    assert sol.info["low_rank"]["rank"] == 240
+    assert sol.info["low_rank"]["rank"] == rank
     assert sol.certificate.certified(1e-8)
     plain = solve(problem, ball, solver="active_set", low_rank="off")
     assert "low_rank" not in plain.info
@@ -556,7 +563,7 @@ def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_a_quarter_of_n(cond: 
 @pytest.mark.parametrize("case", ["strong_ridge", "ball_and_box", "box", "rank_too_high", "full_rank"])
 def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> None:
     """The pre-test declines a ridge above ``WEAK_RIDGE`` (there the engine was as fast), a ball
-    with a box and a box (where the path lost as often as it won), a rank above n / 4 and a
+    with a box and a box (where the path lost as often as it won), a rank above 0.4 n (n / 4 until stop 75) and a
     full-rank H; the solve then runs without the path, as before. (The box, whose flat spectrum the
     path's sample cannot see, is a late candidate of the interior point since stop 71: its pre-test runs
     once the engine's work passes one Cholesky of H, and here the engine finishes within the head start
@@ -566,7 +573,7 @@ def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> 
     if case == "strong_ridge":
         cond = 1e5
     elif case == "rank_too_high":
-        rank = 360
+        rank = 540
     H = flat_low_rank(rng, n, n + 50 if case == "full_rank" else rank, cond)
     problem, ball = planted_ball(rng, H, 4)
     cset = {"ball_and_box": intersect([ball, Box(-0.5, 0.5)]), "box": Box(-1.0, 1.0)}.get(case, ball)
@@ -793,3 +800,22 @@ def test_a_warm_start_at_a_better_point_than_the_paths_is_kept() -> None:
     worse = solve(problem, box, solver="active_set", x0=np.clip(ref.d + 0.3, lo[None], hi[None]))
     assert "warm_start_kept" not in worse.info["low_rank"]
     assert worse.objective == pytest.approx(cold.objective, rel=1e-12)
+
+
+def test_the_polishs_triangular_and_cholesky_solves_decline_near_singular_matrices() -> None:
+    """(stop 75) The no-ridge polish's triangular solve and Cholesky, which replace its SVD and
+    eigendecomposition where the matrices are well conditioned: the same answers there, ``None`` (the
+    truncated decompositions then) where a singular value falls below the truncation."""
+    rng = np.random.default_rng(75)
+    Q, R = np.linalg.qr(rng.standard_normal((80, 40)))  # (tall, as the polish's V: well conditioned)
+    b = rng.standard_normal(40)
+    np.testing.assert_allclose(LR._triangular_if_definite(R, b), np.linalg.solve(R, b), rtol=1e-10, atol=1e-12)
+    near = R.copy()
+    near[-1, -1] = 1e-12 * abs(R[0, 0])
+    assert LR._triangular_if_definite(near, b) is None
+    M = R.T @ R
+    np.testing.assert_allclose(LR._cholesky_if_definite(M, b), np.linalg.solve(M, b), rtol=1e-9, atol=1e-12)
+    V = rng.standard_normal((40, 40))
+    graded = (V * np.logspace(0, -12, 40)) @ V.T  # eigenvalues down to ~1e-12 of the largest
+    assert LR._cholesky_if_definite(graded, b) is None
+    assert LR._cholesky_if_definite(-M, b) is None  # (not definite: Cholesky fails)

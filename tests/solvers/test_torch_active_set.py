@@ -173,3 +173,15 @@ def test_out_of_device_memory_is_a_clear_solver_error(load_case, monkeypatch) ->
     problem, cset, _ = load_case("mnist640", "box:-1,2")
     with pytest.raises(SolverError, match=r"out of memory on cpu: n = 640 needs up to .* GB.*active_set"):
         solve(problem, cset, solver="torch_active_set", device="cpu", cg_start=0)
+
+
+def test_refusals_name_what_it_takes_and_what_to_use() -> None:
+    """A review of stop 75: on sign consensus it gave active_set's wording (the sets *that* solver takes)."""
+    from mergeqp.solvers.instance_families import draw
+    from mergeqp.solvers.registry import get_solver
+
+    solver = get_solver("torch_active_set")
+    sign, simplex = draw("sign", 0, n=48), draw("simplex", 0, n=48)
+    assert solver.supports(sign.problem, sign.constraints) == \
+        "handles boxes only, not box:0,1 & sign (use dense_ipm or torch_ipm)"
+    assert solver.supports(simplex.problem, simplex.constraints) == "handles boxes only, not simplex (use active_set)"

@@ -774,15 +774,14 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
     first refusal suggested, and ``holdout`` passed the dry run and failed minutes into the run)."""
     m = cfg.method
     B = cfg.calibration.batch_size
-    batches = {t.name: -(-int(t.n_calibration) // int(B)) for t in tasks}
     if not tasks:
         return
-    some_two = max(batches.values()) >= 2
+    some_two = any(-(-int(t.n_calibration) // int(B)) >= 2 for t in tasks)
 
     def single(what: str, fraction: float) -> ConfigError:
-        return ConfigError(f"{what} {fraction:g}: every task has a single calibration batch (at most {B} prompts "
-                           f"each in batches of calibration.batch_size {B}), so none can be held out; use more "
-                           f"prompts or a smaller calibration.batch_size")
+        return ConfigError(f"{what} {fraction:g}: every task has a single calibration batch (at most "
+                           f"calibration.batch_size = {B} prompts), so none can be held out; use more prompts or a "
+                           f"smaller calibration.batch_size")
 
     if is_auto_start(m.start):
         assert m.start is not None

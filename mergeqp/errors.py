@@ -127,7 +127,8 @@ EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_USAGE, "usage or configuration error: a bad argument or config value, an unknown name, "
                  "a missing or malformed input file, an output that would overwrite an input; also a module of "
                  "yours (`--import`, `imports:`) that fails to load, or an entry of yours (a solver, merge method, "
-                 "mode, metric, ...) that raises: one line names the exception and where in your file it was raised"),
+                 "mode, metric, ...) that raises: one line names the exception and where in your file it was raised; "
+                 "so is a solver, built-in or yours, that fails on the problem (`auto` first tries another)"),
     (EXIT_BAD_DATA, "bad input data: NaN or inf in a checkpoint, statistics or problem file, or a "
                     "merge that would produce non-finite weights"),
     (EXIT_IO, "I/O error while writing (disk full, no permission, read-only file system); the "

@@ -412,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
         if n < 2:
             raise ConfigError(f"--n must be >= 2, got {n}")
         _check_family_memory(n, math.lcm(*UNTUNED_CHOICES["K"]))  # (a size it suggests suits every K)
+        if not any(n % k == 0 for k in UNTUNED_CHOICES["K"]):
+            raise ConfigError(f"--n {n} must be a multiple of one of {', '.join(map(str, UNTUNED_CHOICES['K']))} "
+                              f"(the number of models of a variant)")
         variants = untuned_variants(args.untuned, n, args.seed)  # (each spelling carries its r = n / K)
         return _run_families(args, variants, solvers, n=None, untuned=True)
     if args.family is not None:
@@ -537,19 +540,23 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
         raise ConfigError(f"--sequence-step must be finite, > 0 and at most {MAX_SEQUENCE_STEP:g}, got {step}")
     every = untuned or (args.family or "").strip() == "all"
     if n is not None:  # a bad size fails before the table starts
-        if every:  # (a review of stop 75: box_llama's K = 3 refused --family all --n 640 as a whole)
-            odd = [name for name in families if n % int(get_family(name).K)]
-            for name in odd:
-                print(f"note: family {name} left out: n = {n} is not a multiple of its K = {get_family(name).K}",
-                      file=sys.stderr)
-            families = [name for name in families if name not in odd]
-            if not families:
-                raise ConfigError(f"--n {n}: no family's number of models divides it")
+        if n < 1:
+            raise ConfigError(f"--n must be a positive number of unknowns, got {n}")
         multiple = 1
         for name in families:
-            get_family(name).with_n(n)
             multiple = math.lcm(multiple, int(get_family(name).K))
-        _check_family_memory(n, multiple)
+        odd = [name for name in families if n % int(get_family(name).K)] if every else []
+        if len(odd) == len(families):
+            raise ConfigError(f"--n {n}: no family's number of models divides it (a multiple of {multiple} suits "
+                              f"every one)")
+        _check_family_memory(n, multiple)  # (a size it suggests suits every family)
+        # (a review of stop 75: box_llama's K = 3 refused --family all --n 640 as a whole)
+        for name in odd:
+            print(f"note: family {name} left out: n = {n} is not a multiple of its K = {get_family(name).K}",
+                  file=sys.stderr)
+        families = [name for name in families if name not in odd]
+        for name in families:
+            get_family(name).with_n(n)
     fitting = set(_check_variant_memory([get_family(name) if n is None else get_family(name).with_n(n)
                                          for name in families], every=every))
     families = [name for name in families if get_family(name).name in fitting]
@@ -582,10 +589,14 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
                   f"(certified: cold {row['cold_certified']}, warm {row['warm_certified']}; steps of "
                   f"{step:g} x RMS(g) moved the optimum by a median {_share(row['optimum_moves'])})",
                   file=table, flush=True)
+    extra: dict[str, Any] = {}
     if untuned:
-        for line in untuned_summary(rows, args.rel_tol):
+        summary = untuned_summary(rows, args.rel_tol)
+        for line in summary:
             print(line, file=table)
-    return _finish(args, rows, sequences)
+        extra["untuned"] = {"count": args.untuned, "n": UNTUNED_N if args.n is None else args.n, "seed": args.seed,
+                            "goal_choleskys": UNTUNED_GOAL, "summary": summary}
+    return _finish(args, rows, sequences, extra)
 
 
 def untuned_summary(rows: list[dict[str, Any]], rel_tol: float = 1e-8, goal: float = UNTUNED_GOAL) -> list[str]:
@@ -616,13 +627,15 @@ def _share(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.3g}%"
 
 
-def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], sequences: list[dict[str, Any]] | None = None) -> int:
+def _finish(args: argparse.Namespace, rows: list[dict[str, Any]], sequences: list[dict[str, Any]] | None = None,
+            extra: dict[str, Any] | None = None) -> int:
     """Write ``--json`` (``-``: standard output), list failed cells on stderr; an error when nothing
     was measured."""
     if args.json:
         payload: dict[str, Any] = {"rel_tol": args.rel_tol, "rows": rows}
         if sequences is not None:
             payload["sequences"] = sequences
+        payload.update(extra or {})
         if args.json == "-":
             print(json.dumps(payload, indent=1, default=str), flush=True)
         else:

@@ -778,10 +778,14 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
         return
     some_two = any(-(-int(t.n_calibration) // int(B)) >= 2 for t in tasks)
 
-    def single(what: str, fraction: float) -> ConfigError:
-        return ConfigError(f"{what} {fraction:g}: every task has a single calibration batch (at most "
-                           f"calibration.batch_size = {B} prompts), so none can be held out; use more prompts or a "
-                           f"smaller calibration.batch_size")
+    held = max((int(t.n_heldout) for t in tasks), default=0)
+
+    def single(what: str) -> ConfigError:
+        after = (f", after calibration.holdout kept up to {held} of each task's prompts for the held-out evaluation"
+                 if held else "")
+        return ConfigError(f"{what}: every task has a single calibration batch (at most calibration.batch_size = {B} "
+                           f"prompts{after}), so none can be held out; use more prompts, a smaller "
+                           f"calibration.batch_size{' or calibration.holdout' if held else ''}")
 
     if is_auto_start(m.start):
         assert m.start is not None
@@ -798,7 +802,7 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
                                   f"{' or calibration.holdout' if held else ''}"
                                   f"{', or folds: 1' if some_two else ''})")
         if folds == 1 and not some_two:
-            raise single("start: auto holdout", params.holdout)
+            raise single(f"start: auto holdout {params.holdout:g}")
     fraction = get_merge_mode(m.mode).selection_holdout(m.mode_options) if m.name == "qp" else 0.0
     if fraction > 0 and not some_two:
-        raise single(f"mode_options.holdout of mode: {m.mode}:", fraction)
+        raise single(f"mode {m.mode}'s mode_options.holdout {fraction:g}")

@@ -53,13 +53,14 @@ simplices of K coefficients, ``n / 12`` for K <= 3 (until stop 64 ``n / 12`` eve
 ``n / 12`` to ``n / 8`` the path halved the time of untuned boxes, L1 balls and simplices of 8
 coefficients and was slower on 9 of 12 simplices of 2; docs/solvers.md, "Stop 64"). On an L1
 ball alone (no bounds) with a weak ridge (``sigma <=`` :data:`WEAK_RIDGE` ``max diag H``) or none,
-up to ``n / 4`` (:func:`ball_low_rank`, stop 67; ``0.4 n`` since stop 75): there the engine crawls
-through its proximal levels on faces larger than the rank, and the path took 0.34-0.93x its time
-(median 0.61) on 16 untuned instances at n = 640-3072 (stop 75, ranks n / 4 to 0.4 n: 0.37-1.53x,
-median 0.80, on 36); a pre-test (LAPACK's pivoted Cholesky of the sampled block, stopped at the weak
-ridge's level) keeps the cost of declining small: 0.5 ms at n = 640, 25 ms at n = 3072 at the limit
-n / 4 (about 6% of one Cholesky of H), 73 ms at 0.4 n. A face whose free coordinates number at most
-half the rank is solved in its own coordinates rather than by the Woodbury identity (stop 75).
+up to ``n / 4`` (:func:`ball_low_rank`, stop 67): there the engine crawls through its proximal
+levels on faces larger than the rank, and the path took 0.34-0.93x its time (median 0.61) on 16
+untuned instances at n = 640-3072 (stop 75 tried 0.4 n and went back: docs/solvers.md "Stop 75"); a
+pre-test (LAPACK's pivoted Cholesky of the sampled block, stopped at the weak ridge's level) keeps the
+cost of declining small: 0.5 ms at n = 640, 25 ms at n = 3072 (about 6% of one Cholesky of H). A face
+whose free coordinates number at most half the rank is solved in its own coordinates rather than by
+the Woodbury identity (stop 75). Where the engine, started at the path's point, ends short of its
+test, it runs again from its own start (:func:`~.active_set._from_own_start`, stop 75).
 
 **Without a ridge** (``H = U U'`` of rank ``r`` within the limit: the merge QP with fewer calibration
 samples times outputs than unknowns and no ridge; the sample's smallest eigenvalues then cluster at
@@ -146,10 +147,10 @@ MIN_RANK_SHARE = 1.0 / 12.0
 #: share of n (:func:`ball_low_rank`; stop 67: from n / 8 to n / 4 it took 0.21-1.10x the engine's
 #: time on the selection sweep's such balls, 0.34-0.93x on 16 validation cells, where the engine
 #: crawls through its proximal levels; with a stronger ridge, on balls with a box and on boxes it
-#: lost as often as it won; stop 75: from n / 4 to 0.4 n, with faces below half the rank solved in
-#: their own coordinates (:data:`SMALL_FACE_SHARE`), 0.37-1.53x on 36 untuned balls of ranks n / 4
-#: to 0.4 n at n = 640-3072, median 0.80, a third less time in all; docs/solvers.md "Stop 75")
-BALL_RANK_SHARE = 0.4
+#: lost as often as it won; stop 75 tried 0.4 n: a third less time on 36 balls of the untuned families,
+#: but a review's balls of a flat spectrum were slower (median 2.5x) and, with a ridge of 1e-11 of the
+#: top, ended uncertified at twice the optimum: back to n / 4; docs/solvers.md "Stop 75")
+BALL_RANK_SHARE = 1.0 / 4.0
 #: a weak ridge: ``sigma`` at most this share of ``max diag H`` (the sampled block's, for the
 #: pre-test: LAPACK's pivoted Cholesky ``dpstrf`` with this tolerance counts its rank)
 WEAK_RIDGE = 1e-7
@@ -986,21 +987,21 @@ def _polish_singular(H: np.ndarray, g: np.ndarray, lr: RidgeLowRank, st: SetStru
 
 
 #: the polish's triangular solve and Cholesky replace its SVD and eigendecomposition (a tenth of the flops;
-#: most of the polish's time at ranks of n / 4 and above, stop 75) where LAPACK's estimate of the reciprocal
-#: 1-norm condition number is at least these: then every singular value lies above the truncations (1e-7 of
-#: the largest for ``R``, 1e-12 for ``M``; the 2-norm condition number is at most ``r`` times the 1-norm one),
-#: so both give the same answer up to rounding
-POLISH_TRIANGULAR_RCOND = 1e-4
-POLISH_CHOLESKY_RCOND = 1e-9
+#: most of the polish's time at high ranks, stop 75) where LAPACK's estimate of the reciprocal 1-norm
+#: condition number is at least these times the order ``r``: the 2-norm condition number is at most ``r``
+#: times the 1-norm one, so, with a factor 10 for the estimate, every singular value then lies above the
+#: truncations (1e-7 of the largest for ``R``, 1e-12 for ``M``) and both give the same answer up to rounding
+POLISH_TRIANGULAR_RCOND = 1e-6
+POLISH_CHOLESKY_RCOND = 1e-11
 
 
 def _triangular_if_definite(R: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """``R^-1 b`` for the upper triangular ``R``, or ``None`` where ``R`` is near singular (a condition
-    estimate below :data:`POLISH_TRIANGULAR_RCOND` or a non-finite answer)."""
+    estimate below :data:`POLISH_TRIANGULAR_RCOND` times its order, or a non-finite answer)."""
     if R.shape[0] != R.shape[1] or not R.size:
         return None
     rcond, info = sla.lapack.dtrcon(R, norm="1", uplo="U", diag="N")
-    if info != 0 or not rcond >= POLISH_TRIANGULAR_RCOND:
+    if info != 0 or not rcond >= POLISH_TRIANGULAR_RCOND * R.shape[0]:
         return None
     x = sla.solve_triangular(R, b, lower=False, check_finite=False)
     return x if bool(np.all(np.isfinite(x))) else None
@@ -1008,7 +1009,7 @@ def _triangular_if_definite(R: np.ndarray, b: np.ndarray) -> np.ndarray | None:
 
 def _cholesky_if_definite(M: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     """``M^-1 b`` for the symmetric ``M`` by Cholesky, or ``None`` where it fails or ``M`` is near singular
-    (a condition estimate below :data:`POLISH_CHOLESKY_RCOND`)."""
+    (a condition estimate below :data:`POLISH_CHOLESKY_RCOND` times its order)."""
     if not M.size:
         return None
     Ms = 0.5 * (M + M.T)
@@ -1018,7 +1019,7 @@ def _cholesky_if_definite(M: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     except (np.linalg.LinAlgError, ValueError):
         return None
     rcond, info = sla.lapack.dpocon(c, anorm, uplo="U")
-    if info != 0 or not rcond >= POLISH_CHOLESKY_RCOND:
+    if info != 0 or not rcond >= POLISH_CHOLESKY_RCOND * M.shape[0]:
         return None
     x = sla.cho_solve((c, low), b, check_finite=False)
     return x if bool(np.all(np.isfinite(x))) else None

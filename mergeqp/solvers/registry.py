@@ -276,7 +276,8 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
         except Exception as exc:
             # (one line, and where: a user's solver's bug is named in the user's file, a review of stop 75)
             place, _ = raised_at(exc)
-            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}: {first_line(exc)}"
+            said = first_line(exc)
+            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}{': ' + said if said else ''}"
                               f"{' (raised' + place + ')' if place else ''}") from exc
         t2 = time.perf_counter()
         return _checked(chosen, problem, cset, raw, certify_result, rel_tol, feas_tol, pinv, setup, t1, t2)

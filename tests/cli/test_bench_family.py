@@ -206,8 +206,13 @@ def test_untuned_variants_are_named_rows_and_summarised(capsys: pytest.CaptureFi
     assert main(["bench", "--untuned", "3", "--n", "48", "--seed", "5", "--solvers", "active_set,dense_ipm",
                  "--clock", "cpu", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    rows = json.loads(out.read_text())["rows"]
+    payload = json.loads(out.read_text())
+    rows = payload["rows"]
     names = untuned_variants(3, 48, 5)
+    # (the review of the fixes: the summary and the draw were on the terminal only)
+    assert {k: payload["untuned"][k] for k in ("count", "n", "seed", "goal_choleskys")} == {
+        "count": 3, "n": 48, "seed": 5, "goal_choleskys": 3.0}
+    assert [line.split(":")[0] for line in payload["untuned"]["summary"]] == ["untuned active_set", "untuned dense_ipm"]
     assert [r["problem"] for r in rows] == [v for v in names for _ in range(2)]
     assert all(r["n"] == 48 and r["certified"] for r in rows)
     for solver in ("active_set", "dense_ipm"):
@@ -240,7 +245,7 @@ def test_untuned_summary_counts_only_certified_runs_within_the_goal() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["--untuned", "2", "--family", "box"], "not both"),
     (["--untuned", "0"], "between 1 and"),
-    (["--untuned", "2", "--n", "7"], "multiple of one of 2, 3, 4, 6, 8"),
+    (["--untuned", "2", "--n", "7"], "--n 7 must be a multiple of one of 2, 3, 4, 6, 8"),
     (["--untuned", "2", "--problems", "tiny96"], "do not apply"),
 ])
 def test_untuned_arguments_are_checked(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -255,4 +260,7 @@ def test_family_all_leaves_out_a_family_whose_models_do_not_divide_n(capsys: pyt
     assert "family box_llama left out: n = 8 is not a multiple of its K = 3" in captured.err
     assert "box_llama" not in captured.out and "box_free" in captured.out
     assert main(["bench", "--family", "all", "--n", "7", "--solvers", "active_set"]) == 2
-    assert "no family's number of models divides it" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (the review of the fixes: 18 notes came before the error)
+    assert "no family's number of models divides it (a multiple of 12 suits every one)" in err and "note:" not in err
+    assert main(["bench", "--family", "all", "--n", "-4", "--solvers", "active_set"]) == 2
+    assert "--n must be a positive number of unknowns, got -4" in capsys.readouterr().err

@@ -207,7 +207,7 @@ def test_one_batch_per_task_cannot_hold_out(llama, tmp_path):
     with pytest.raises(ConfigError, match="start: auto holdout 0.25: every task has a single calibration batch"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "hybrid", "start": {"name": "auto", "params": {"folds": 1}}},
                "one1", calibration=one)
-    with pytest.raises(ConfigError, match="mode_options.holdout of mode: trust_region: 0.25: every task has a single"):
+    with pytest.raises(ConfigError, match="mode trust_region's mode_options.holdout 0.25: every task has a single"):
         _merge(llama, tmp_path, {"name": "qp", "mode": "trust_region", "mode_options": {"holdout": 0.25}}, "one2",
                calibration=one)
 

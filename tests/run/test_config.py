@@ -622,11 +622,13 @@ def test_dry_run_refuses_auto_folds_without_batches(fam, tmp_path, no_weights, c
     for method, fragment in (({"name": "auto", "params": {"folds": 1}}, "start: auto holdout 0.25: every task has a "
                                                                          "single calibration batch"),
                              ({"name": "qp", "mode": "trust_region", "mode_options": {"holdout": 0.25}},
-                              "mode_options.holdout of mode: trust_region: 0.25: every task has a single calibration")):
+                              "mode trust_region's mode_options.holdout 0.25: every task has a single calibration")):
         # (the same review: both passed the dry run and failed after the models were loaded)
         other = fam.write_config(tmp_path / "held.yml", fam.mlp_layer, method)
         assert main(["merge", str(other), "--dry-run"]) == 2
-        assert fragment in capsys.readouterr().err
+        err = capsys.readouterr().err
+        # (the review of the fixes: the calibration.holdout that took the prompts is named here too)
+        assert fragment in err and "after calibration.holdout kept up to 4 of each task's prompts" in err, err
     data = yaml.safe_load(path.read_text())
     data["calibration"]["batch_size"] = 1  # two batches of one prompt: the plan passes
     path.write_text(yaml.safe_dump(data))

@@ -535,12 +535,12 @@ def planted_ball(rng: np.random.Generator, H: np.ndarray, K: int) -> tuple[Merge
     return MergeQP(H, lam - H @ d, 1.0, shape=(K, n // K)), L1Ball(float(np.sum(np.abs(d))))
 
 
-@pytest.mark.parametrize("rank", [240, 420])
+@pytest.mark.parametrize("rank", [240])
 @pytest.mark.parametrize("cond", [1e9, np.inf])
-def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_0_4_n(cond: float, rank: int) -> None:
-    """Rank 240 at n = 1200 lies between n / 8 (150) and n / 4 (300), 420 between n / 4 and 0.4 n (480,
-    stop 75): on an L1 ball alone with a weak ridge (or none) the path takes it (stop 67), and reaches
-    the engine's optimum, certified."""
+def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_a_quarter_of_n(cond: float, rank: int) -> None:
+    """Rank 240 at n = 1200 lies between n / 8 (150) and n / 4 (300): on an L1 ball alone with a weak
+    ridge (or none) the path takes it (stop 67), and reaches the engine's optimum, certified. (Stop 75
+    took it to 0.4 n and went back: a review's balls of that rank were slower and some ended uncertified.)"""
     rng = np.random.default_rng(67)
     H = flat_low_rank(rng, 1200, rank, cond)
     problem, ball = planted_ball(rng, H, 4)
@@ -563,7 +563,7 @@ def test_an_l1_ball_with_a_weak_ridge_takes_the_path_up_to_0_4_n(cond: float, ra
 @pytest.mark.parametrize("case", ["strong_ridge", "ball_and_box", "box", "rank_too_high", "full_rank"])
 def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> None:
     """The pre-test declines a ridge above ``WEAK_RIDGE`` (there the engine was as fast), a ball
-    with a box and a box (where the path lost as often as it won), a rank above 0.4 n (n / 4 until stop 75) and a
+    with a box and a box (where the path lost as often as it won), a rank above n / 4 and a
     full-rank H; the solve then runs without the path, as before. (The box, whose flat spectrum the
     path's sample cannot see, is a late candidate of the interior point since stop 71: its pre-test runs
     once the engine's work passes one Cholesky of H, and here the engine finishes within the head start
@@ -573,7 +573,7 @@ def test_the_wider_limit_is_only_for_an_l1_ball_with_a_weak_ridge(case: str) -> 
     if case == "strong_ridge":
         cond = 1e5
     elif case == "rank_too_high":
-        rank = 540
+        rank = 360
     H = flat_low_rank(rng, n, n + 50 if case == "full_rank" else rank, cond)
     problem, ball = planted_ball(rng, H, 4)
     cset = {"ball_and_box": intersect([ball, Box(-0.5, 0.5)]), "box": Box(-1.0, 1.0)}.get(case, ball)
@@ -724,7 +724,9 @@ def test_an_interpolating_box_with_a_weak_ridge_is_solved_with_the_ridge(monkeyp
     old = solve(again.problem, again.constraints, solver="active_set")
     assert "weak_ridge" not in old.info["low_rank"]
     assert not old.certificate.certified() and not old.certificate.at_rounding_floor
-    assert sol.objective < old.objective
+    # (since stop 75 the engine that failed from the path's point runs again from its own start, which
+    # here ends within J's rounding of the certified point, ~1e-14 against terms of ~100, still uncertified)
+    assert "from_own_start" in old.info and sol.objective <= old.objective + 1e-13
 
 
 def test_a_point_at_the_floor_alone_is_retried_with_the_weak_ridge(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -819,3 +821,28 @@ def test_the_polishs_triangular_and_cholesky_solves_decline_near_singular_matric
     graded = (V * np.logspace(0, -12, 40)) @ V.T  # eigenvalues down to ~1e-12 of the largest
     assert LR._cholesky_if_definite(graded, b) is None
     assert LR._cholesky_if_definite(-M, b) is None  # (not definite: Cholesky fails)
+
+
+def test_where_the_engine_fails_from_the_paths_point_it_runs_from_its_own_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(a review of stop 75) On L1 balls with a ridge of 1e-11 of the top (taken as none) and J* near 0 the
+    engine, started at the path's point, stopped uncertified at twice the optimum where from its own
+    start it certified: where the run from the path's point ends short of the engine's test, the engine
+    runs again from its own start and the better point is kept. Here the first run is made to fail."""
+    rng = np.random.default_rng(67)
+    H = flat_low_rank(rng, 1200, 240, 1e9)
+    problem, ball = planted_ball(rng, H, 4)
+    real_run = A._Engine.run
+    calls = []
+
+    def run(self, x0):
+        calls.append(self.opts["start_face"])
+        x, status, it, info = real_run(self, x0)
+        if len(calls) == 1:  # the run from the path's point: cut short, as on the review's balls
+            return x, A.SolveStatus.INACCURATE, it, info
+        return x, status, it, info
+
+    monkeypatch.setattr(A._Engine, "run", run)
+    sol = solve(problem, ball, solver="active_set")
+    assert calls == ["point", "gradient"]  # the path's face, then the engine's own first face
+    assert sol.info["from_own_start"]["after_path_start"]["status"] == "inaccurate"
+    assert sol.info["low_rank"]["rank"] == 240 and sol.certificate.certified(1e-8)

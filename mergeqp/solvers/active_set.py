@@ -842,11 +842,14 @@ def _from_own_start(engine: _Engine, opts: dict[str, Any], start: np.ndarray | N
     engine.restart()
     engine.opts = opts
     x2, status2, it2, info2 = engine.run(start)
-    info2["from_own_start"] = {"after_path_start": {"status": status1.value, "face_iterations": it1}}
     J1, J2 = (float(x @ (0.5 * (engine.H @ x) + engine.g)) for x in (x1, x2))
-    if status2 == SolveStatus.OPTIMAL or (status1 != SolveStatus.OPTIMAL and J2 < J1):
+    runs = {"after_path_start": {"status": status1.value, "face_iterations": it1},
+            "own_start": {"status": status2.value, "face_iterations": it2}}
+    if status2 == SolveStatus.OPTIMAL or J2 < J1:
+        info2["from_own_start"] = {**runs, "kept": "own_start"}
         return x2, status2, it1 + it2, info2
-    return first
+    info1["from_own_start"] = {**runs, "kept": "after_path_start"}
+    return x1, status1, it1 + it2, info1
 
 
 @dataclass

@@ -844,5 +844,7 @@ def test_where_the_engine_fails_from_the_paths_point_it_runs_from_its_own_start(
     monkeypatch.setattr(A._Engine, "run", run)
     sol = solve(problem, ball, solver="active_set")
     assert calls == ["point", "gradient"]  # the path's face, then the engine's own first face
-    assert sol.info["from_own_start"]["after_path_start"]["status"] == "inaccurate"
+    runs = sol.info["from_own_start"]
+    assert runs["after_path_start"]["status"] == "inaccurate" and runs["kept"] == "own_start"
+    assert runs["own_start"]["status"] == "optimal"
     assert sol.info["low_rank"]["rank"] == 240 and sol.certificate.certified(1e-8)

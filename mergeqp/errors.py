@@ -290,13 +290,20 @@ def named_failure(what: str, error: type[MergeQPError]) -> Iterator[None]:
     except (MergeQPError, OSError, MemoryError):
         raise
     except Exception as exc:  # noqa: BLE001 - a user's code (or a bug): named, one line
+        raise error(f"{what} failed: {failure_text(exc)}") from exc
+
+
+def failure_text(exc: BaseException) -> str:
+    """``"{Type}: {first line} (raised at FILE:LINE)"`` for a user's code (or a solver) that raised: the
+    message's first line (:func:`first_line`; left out where empty) and :func:`raised_at`'s place (a
+    ``SyntaxError``'s own file and line), the form of every such one-line error (the merge's entries,
+    ``--import`` modules, solvers, ``collect``'s model factory)."""
+    said = first_line(exc)
+    if isinstance(exc, SyntaxError) and exc.filename:
+        place = f" at {exc.filename}:{exc.lineno}"
+    else:
         place, _ = raised_at(exc)
-        raise error(f"{what} failed: {type(exc).__name__}: {first_line(exc)}{_raised(place)}") from exc
-
-
-def _raised(place: str) -> str:
-    """`` (raised at FILE:LINE)`` for :func:`raised_at`'s place, ``""`` for none."""
-    return f" (raised{place})" if place else ""
+    return f"{type(exc).__name__}{': ' + said if said else ''}{f' (raised{place})' if place else ''}"
 
 
 def check_signature(kind: str, name: str, what: str, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any],

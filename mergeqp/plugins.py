@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, MergeQPError, first_line, raised_at
+from .errors import ConfigError, MergeQPError, failure_text
 
 #: the environment variable holding modules the ``mergeqp`` command imports first (comma-separated)
 IMPORT_ENV = "MERGEQP_IMPORT"
@@ -101,14 +101,8 @@ def import_plugins(names: Sequence[str], *, label: str = "--import", root: str |
                 msg += " (by mergeqp itself or by a module imported before this one)"
             raise ConfigError(msg) from None
         except Exception as exc:  # noqa: BLE001 - the user's module: name it and where, one line
-            first = first_line(exc)
-            if isinstance(exc, SyntaxError) and exc.filename:
-                place = f" at {exc.filename}:{exc.lineno}"
-            else:
-                place, _ = raised_at(exc)
             # (where it raised, since stop 74; MERGEQP_TRACEBACK=1 prints the traceback)
-            raise ConfigError(f"{prefix} {type(exc).__name__}: {first}" + (f" (raised{place})" if place else "")) \
-                from exc
+            raise ConfigError(f"{prefix} {failure_text(exc)}") from exc
 
 
 def _imported(path: str) -> bool:

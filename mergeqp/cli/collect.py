@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import BadDataError, ConfigError, ValidationError, raised_at, unknown
+from ..errors import BadDataError, ConfigError, ValidationError, failure_text, unknown
 from ..io.atomic import check_free_space, check_output_file
 from ..io.checkpoint import torch_load
 from ..io.distributed import Ranks, agree_exit_code, agree_on, launch_requested, launched
@@ -402,9 +402,7 @@ def build_model(factory: Any, kwargs: dict[str, Any], path: str, dtype: Any, dev
     try:
         model = factory(**kwargs)
     except Exception as exc:  # noqa: BLE001 - user code: named with where it raised (MERGEQP_TRACEBACK=1: its traceback)
-        place, _ = raised_at(exc)
-        raise ConfigError(f"the model factory failed: {type(exc).__name__}: {exc}"
-                          + (f" (raised{place})" if place else "")) from exc
+        raise ConfigError(f"the model factory failed: {failure_text(exc)}") from exc
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"the model factory returned a {type(model).__name__}, not an nn.Module")
     sd = load_state_dict(path)

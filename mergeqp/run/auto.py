@@ -290,8 +290,13 @@ def too_few_batches(folds: int, n_calibration: int, batch_size: int) -> int | No
     where ``start: auto`` with ``folds`` cannot cross-validate on them (folds >= 2, fewer than
     :data:`MIN_FOLD_BATCHES` batches), else ``None``: the rule the plan and ``mergeqp experiment
     lm`` check before any work."""
-    batches = -(-int(n_calibration) // int(batch_size))
+    batches = calibration_batches(n_calibration, batch_size)
     return batches if folds > 1 and batches < MIN_FOLD_BATCHES else None
+
+
+def calibration_batches(n_calibration: int, batch_size: int) -> int:
+    """How many calibration batches ``n_calibration`` prompts make in batches of ``batch_size``."""
+    return -(-int(n_calibration) // int(batch_size))
 
 
 def batch_splits(n: int, params: AutoStartParams) -> list[tuple[list[int], list[int]]]:

@@ -26,6 +26,7 @@ from .auto import (
     AUTO,
     MIN_FOLD_BATCHES,
     QP_CANDIDATE,
+    calibration_batches,
     candidate_where,
     is_auto_start,
     parse_auto_params,
@@ -776,7 +777,7 @@ def _check_auto_batches(cfg: MergeConfig, tasks: Sequence[Any]) -> None:
     B = cfg.calibration.batch_size
     if not tasks:
         return
-    some_two = any(-(-int(t.n_calibration) // int(B)) >= 2 for t in tasks)
+    some_two = any(calibration_batches(t.n_calibration, B) >= 2 for t in tasks)
 
     held = max((int(t.n_heldout) for t in tasks), default=0)
 

@@ -22,8 +22,8 @@ from ..errors import (
     check_new_name,
     check_signature,
     first_line,
+    failure_text,
     interruption,
-    raised_at,
     unknown,
 )
 from ..problem import MergeQP
@@ -275,10 +275,7 @@ def _run(chosen: QPSolver, problem: MergeQP, cset: ConstraintSet, x0: np.ndarray
             raise
         except Exception as exc:
             # (one line, and where: a user's solver's bug is named in the user's file, a review of stop 75)
-            place, _ = raised_at(exc)
-            said = first_line(exc)
-            raise SolverError(f"solver {chosen.name!r} failed: {type(exc).__name__}{': ' + said if said else ''}"
-                              f"{' (raised' + place + ')' if place else ''}") from exc
+            raise SolverError(f"solver {chosen.name!r} failed: {failure_text(exc)}") from exc
         t2 = time.perf_counter()
         return _checked(chosen, problem, cset, raw, certify_result, rel_tol, feas_tol, pinv, setup, t1, t2)
 

@@ -248,10 +248,19 @@ def check_callable(kind: str, name: str, what: str, value: object,
         raise error(f"{kind} {name!r}: {what} must be callable, got {type(value).__name__}")
 
 
-def first_line(exc: BaseException, limit: int = 300) -> str:
-    """The first line of ``exc``'s message, at most ``limit`` characters (for one-line errors that
-    name a user's code and what it raised)."""
-    return (str(exc).splitlines() or [""])[0][:limit]
+def first_line(exc: BaseException | str, limit: int = 300) -> str:
+    """The first line of ``exc``'s message (an exception or the text itself), and the lines after it
+    where it ends with ``:`` (what it introduces: "Couldn't instantiate the backend tokenizer from one
+    of:" said nothing alone), as one line of at most ``limit`` characters, cut at a space with ``...``
+    (for one-line errors that name a user's code and what it raised; a cut mid-word read "Check the logs
+    of the re)", a QA review, stop 76)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = (" ".join(lines) if lines and lines[0].endswith(":") else lines[0]) if lines else ""
+    if len(text) <= limit:
+        return text
+    cut = text[: max(1, limit - 4)]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + " ..."
 
 
 def raised_at(exc: BaseException) -> tuple[str, bool]:

@@ -521,6 +521,8 @@ MAX_UNTUNED = 10_000
 UNTUNED_N = 3072
 #: ``--untuned``'s summary counts the variants a solver certified within this many Choleskys (issue 17's goal)
 UNTUNED_GOAL = 3.0
+#: issue 17's rule for ``auto``: never more than this times the fastest solver that certifies the same instance
+AUTO_GOAL = 1.5
 
 
 def _run_families(args: argparse.Namespace, families: list[str], solvers: list[str], n: int | None,
@@ -602,7 +604,8 @@ def _run_families(args: argparse.Namespace, families: list[str], solvers: list[s
 def untuned_summary(rows: list[dict[str, Any]], rel_tol: float = 1e-8, goal: float = UNTUNED_GOAL) -> list[str]:
     """``--untuned``'s lines, one per solver: of the variants it ran on, how many it certified (at
     ``rel_tol``), how many of those within ``goal`` Choleskys of H, the median and the largest ratio,
-    and the variant of the largest (to rerun with ``--family``)."""
+    and the variant of the largest (to rerun with ``--family``); where ``auto`` ran beside other solvers, also
+    :func:`auto_summary`'s line (issue 17's rule for ``auto``)."""
     lines = []
     for solver in dict.fromkeys(r["solver"] for r in rows):
         ran = [r for r in rows if r["solver"] == solver and "error" not in r and "skipped" not in r]
@@ -620,7 +623,36 @@ def untuned_summary(rows: list[dict[str, Any]], rel_tol: float = 1e-8, goal: flo
                      f"{float(np.median(ratios)):.2f}, largest {float(ratios.max()):.2f} ({worst['problem']}, "
                      f"seed {worst.get('seed', 0)}); seconds: median {float(np.median(seconds)):.3g}, largest "
                      f"{float(seconds.max()):.3g}")
-    return lines
+    auto = auto_summary(rows, rel_tol)
+    return lines + ([auto] if auto else [])
+
+
+def auto_summary(rows: list[dict[str, Any]], rel_tol: float = 1e-8, goal: float = AUTO_GOAL) -> str | None:
+    """``auto`` against the fastest solver that certified the same variant (rows of one variant share
+    its ``problem`` and ``seed``): on how many of the variants where some solver certified ``auto`` did
+    too within ``goal`` times that solver's seconds, and the largest ratio (infinite where ``auto`` did
+    not certify). ``None`` where no other solver ran beside ``auto``."""
+    variants: dict[tuple[Any, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        if "error" not in r and "skipped" not in r:
+            variants.setdefault((r["problem"], r.get("seed", 0)), []).append(r)
+    counted, within, worst = 0, 0, (0.0, None)
+    for (problem, seed), cell in variants.items():
+        autos = [r for r in cell if r["solver"] == "auto"]
+        certified = [r for r in cell if r["certified"]]
+        if not autos or len(cell) < 2 or not certified:
+            continue
+        counted += 1
+        fastest = min(r["seconds"] for r in certified)
+        ratio = autos[0]["seconds"] / fastest if autos[0]["certified"] and fastest > 0 else math.inf
+        within += ratio <= goal
+        if ratio >= worst[0]:
+            worst = (ratio, f"{problem}, seed {seed}")
+    if not counted:
+        return None
+    largest = f"{worst[0]:.2f}x" if math.isfinite(worst[0]) else "auto not certified"
+    return (f"untuned auto against the fastest certifying solver: within {goal:g}x on {within} of {counted} variants; "
+            f"largest {largest} ({worst[1]})")
 
 
 def _share(x: float | None) -> str:

@@ -35,6 +35,7 @@ from typing import Any
 
 from ..errors import ValidationError, first_line
 from ..io.atomic import atomic_folder, write_json_atomic
+from ..io.checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_INDEX, TORCH_SINGLE, read_config
 from ..merge.sites import model_sites
 from ..run.architectures import causal_lm_obstacle
 from ..stats.prefix import block_stack
@@ -128,7 +129,9 @@ class BlockLayout:
     def patterns(self, modules: Sequence[str], last: int) -> tuple[str, ...]:
         """Globs for ``modules`` (names inside a block) of the last ``last`` blocks; a module that the
         blocks lack is an error naming the ones they have, and so is one holding parameters outside
-        linear layers (a norm: the merges of the experiment change linear layers only)."""
+        linear layers (a norm: the merges of the experiment change linear layers only). A module named
+        twice counts once (its fine-tunes were trained again under another cache key: a QA review, stop 76)."""
+        modules = tuple(dict.fromkeys(modules))
         missing = [m for m in modules if m not in self.modules]
         if missing:
             raise ValidationError(f"fine-tuned module(s) {missing} are not modules of the model's blocks "
@@ -141,6 +144,10 @@ class BlockLayout:
                                   f"({', '.join(other[:4])}); the merges change linear layers only, so name modules "
                                   f"made of linear layers, e.g. {', '.join(self.linear[:6])}")
         return tuple(p for m in modules for p in last_mlp_patterns(self.blocks, last, f"{self.prefix}.{{i}}.{m}.*"))
+
+
+#: the weight files transformers loads a folder from
+WEIGHT_FILES = (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX)
 
 
 def block_layout(folder: str | Path) -> BlockLayout:
@@ -164,9 +171,16 @@ def block_layout(folder: str | Path) -> BlockLayout:
         raise ValidationError(f"cannot build the causal LM of {folder}: {exc}") from None
     stack = block_stack(model)
     prefix = next((n for n, m in model.named_modules() if m is stack), None) if stack is not None else None
+    layers = getattr(config, "num_hidden_layers", None)  # (GPT-2's n_layer too, through the config's attribute map)
+    if not prefix and isinstance(layers, int) and layers < 2:
+        raise ValidationError(f"{type(model).__name__} ({folder}) has {layers} block (num_hidden_layers {layers}); "
+                              f"the language experiment fine-tunes the last blocks of a stack of at least 2")
     if not prefix:
         raise ValidationError(f"{type(model).__name__} ({folder}) has no stack of blocks (an nn.ModuleList of one "
                               "block class) whose last blocks could be fine-tuned")
+    if not any((Path(folder) / f).is_file() for f in WEIGHT_FILES):
+        raise ValidationError(f"{folder}: no weights found; a model folder holds {', '.join(WEIGHT_FILES[:-1])} "
+                              f"or {WEIGHT_FILES[-1]}")
     last = stack[len(stack) - 1]
     modules = tuple(n for n, m in last.named_modules() if n and any(True for _ in m.parameters()))
     inside = f"{prefix}.{len(stack) - 1}."
@@ -183,7 +197,7 @@ def load_tokenizer_of(folder: str | Path) -> Any:
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
         raise ValidationError(f"cannot load a tokenizer from {folder}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:300]}") from None
+                              f"{first_line(exc)}") from None
     try:
         probe = tokenizer("The quick brown fox jumps over the lazy dog.")["input_ids"]
     except Exception as exc:  # noqa: BLE001 - a tokenizer that cannot encode a sentence
@@ -194,6 +208,17 @@ def load_tokenizer_of(folder: str | Path) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_vocabulary(folder: str | Path) -> None:
+    """A tokenizer in ``folder`` whose ids reach beyond the model's embedding (``vocab_size`` of its
+    config) is an error naming both sizes (the fine-tunes failed with an index error deep in torch)."""
+    tokenizer = load_tokenizer_of(folder)
+    rows = (read_config(Path(folder)) or {}).get("vocab_size")
+    if isinstance(rows, int) and not isinstance(rows, bool) and len(tokenizer) > rows:
+        raise ValidationError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding "
+                              f"{rows} rows (config.json vocab_size): its token ids would fall outside the "
+                              f"embedding; save the model with the tokenizer it was trained with")
 
 
 def smollm2_folder(cache_dir: str | Path, log: Callable[[str], None] | None = None) -> Path:
@@ -492,6 +517,19 @@ def trainable_names(model: Any, patterns: Sequence[str]) -> list[str]:
     return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
 
 
+def dropout_of(model: Any) -> str | None:
+    """The model's dropout in words (its dropout modules' largest ``p`` and its config's positive
+    ``*drop*`` values), or ``None`` where it has none: in training mode such a model's outputs are random."""
+    import torch  # optional heavy dependency (experiment extra)
+
+    ps = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    config = getattr(model, "config", None)
+    keys = sorted(k for k, v in (config.to_dict() if config is not None else {}).items()
+                  if "drop" in k and isinstance(v, float) and v > 0)
+    parts = ([f"p = {max(ps):g} in {len(ps)} dropout modules"] if ps else []) + ([f"config {', '.join(keys)}"] if keys else [])
+    return "; ".join(parts) or None
+
+
 def _split_matches(model: Any, input_ids: Any, attention_mask: Any, split_logits: Any) -> bool:
     """Whether the split forward's logits equal the full model's on this batch (real tokens)."""
     import torch  # optional heavy dependency (experiment extra)
@@ -556,6 +594,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     split = DecoderSplit.of(model, first) if first is not None else None
     t0 = time.perf_counter()
     states = lower_states(split, ids, settings.batch_size, device) if split is not None else None
+    full_passes = None if split is not None else "the trained tensors are not all inside decoder blocks"
     losses: list[float] = []
     bar = tqdm(range(settings.steps), desc=f"fine-tune {out.name}", leave=False, disable=None if progress else True)
     for step in bar:
@@ -566,8 +605,11 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
             logits = split.upper(hidden, mask)
             if step == 0 and not _split_matches(model, batch_ids, mask, logits):
                 split = None  # this architecture's backbone does not split cleanly: full passes
+                dropout = dropout_of(model)
+                full_passes = (f"the model has dropout ({dropout}): the frozen blocks' outputs differ at every step"
+                               if dropout else "the split forward differs from the full model")
                 if log is not None:
-                    log(f"fine-tune {out.name}: the split forward differs from the full model; full passes")
+                    log(f"fine-tune {out.name}: {full_passes}; every step runs the whole model")
         if split is None:
             batch_ids = pad_ids([ids[i] for i in idx], pad_id).to(device)
             mask = pad_ids([t.new_ones(t.shape) for t in (ids[i] for i in idx)], 0).to(device)
@@ -580,7 +622,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     model.eval()
     record = {"key": key, "base": str(base), "trained": trained, "losses": losses, "seconds": seconds,
               "texts": len(texts), "settings": asdict(settings),
-              "split_block": split.first if split is not None else None}
+              "split_block": split.first if split is not None else None, "full_passes": full_passes}
     with atomic_folder(out, overwrite=True) as staging:  # a stale fine-tune of another key is replaced
         model.save_pretrained(str(staging))
         tokenizer.save_pretrained(str(staging))
@@ -591,7 +633,7 @@ def finetune_causal_lm(base_folder: str | Path, texts: Sequence[str], out_folder
     return FinetuneResult(out, tuple(trained), tuple(losses), seconds, False, key, asdict(settings))
 
 
-__all__ = ["BlockLayout", "DecoderSplit", "FinetuneResult", "block_arguments", "block_layout", "load_tokenizer_of", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
+__all__ = ["BlockLayout", "DecoderSplit", "FINETUNE_RECORD", "WEIGHT_FILES", "check_vocabulary", "dropout_of", "FinetuneResult", "block_arguments", "block_layout", "load_tokenizer_of", "FinetuneSettings", "check_training_settings", "finetune_causal_lm",
            "finetune_key",
            "last_mlp_patterns", "lower_states", "next_token_loss", "pad_hidden", "pad_ids", "smollm2_folder",
            "split_block", "tokenize_each", "trainable_names", "training_step"]

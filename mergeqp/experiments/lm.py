@@ -57,10 +57,13 @@ from ..jsonutil import to_jsonable
 from ..io.checkpoint import read_config
 from ..run.architectures import ARCHITECTURES, causal_lm_obstacle
 from ..run.auto import AUTO_MODE_OPTIONS
+from ..run.merge_plan import context_length
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
 from .finetune_lm import (
+    FINETUNE_RECORD,
     FinetuneSettings,
     block_layout,
+    check_vocabulary,
     finetune_causal_lm,
     finetune_key,
     load_tokenizer_of,
@@ -788,6 +791,27 @@ def _takes_option(entry: Any, name: str) -> bool:
     return entry.options is not None and name in entry.options.model_fields
 
 
+def _within_context(config: LmConfig, base: Path, notes: list[str], say: Callable[[str], None]) -> LmConfig:
+    """``config`` with its token lengths (fine-tuning, evaluation, calibration) cut to the base's
+    context where that is shorter (positions beyond it index past the position embedding), and a note
+    saying so (``mergeqp merge`` truncates its calibration prompts alike)."""
+    found = context_length(read_config(base) or {})
+    lengths = (config.finetune_max_length, config.eval_max_length, config.merge.calibration_max_length)
+    if found is None or max(lengths) <= found[1]:
+        return config
+    key, positions = found
+    if positions < 2:
+        raise ValidationError(f"the base's context ({key} {positions} in {base / 'config.json'}) holds fewer than "
+                              f"2 tokens: there is no next token to predict")
+    note = (f"the base's context ({key} {positions}) is shorter than the experiment's texts (fine-tuning "
+            f"{lengths[0]}, evaluation {lengths[1]}, calibration {lengths[2]} tokens): every text is cut to "
+            f"{positions} tokens")
+    notes.append(note)
+    say(note)
+    return replace(config, finetune_max_length=min(lengths[0], positions), eval_max_length=min(lengths[1], positions),
+                   merge=replace(config.merge, calibration_max_length=min(lengths[2], positions)))
+
+
 def _check_auto_folds(config: LmConfig) -> None:
     """A QP run with ``start: auto`` cross-validates over each domain's calibration batches: with
     folds, two or more per domain are needed (the run layer's rule, checked before any work)."""
@@ -810,10 +834,15 @@ def _check_auto_folds(config: LmConfig) -> None:
 
 
 def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:
-    """What the results say of one fine-tune (a :class:`FinetuneResult`)."""
+    """What the results say of one fine-tune (a :class:`FinetuneResult`), with why it ran the whole model
+    at every step where its record says so (``full_passes``; records before stop 76 do not)."""
+    try:
+        full_passes = json.loads((folder / FINETUNE_RECORD).read_text()).get("full_passes")
+    except (OSError, ValueError, AttributeError):
+        full_passes = None
     return {"folder": str(folder), "cached": res.cached, "seconds": res.seconds,
             "loss_first": float(np.mean(res.losses[:5])), "loss_last": float(np.mean(res.losses[-5:])),
-            "steps": len(res.losses), "key": res.key}
+            "steps": len(res.losses), "key": res.key, "full_passes": full_passes}
 
 
 def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int, domain_names: Sequence[str] | None,
@@ -846,6 +875,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     t = time.perf_counter()
     base = Path(base_folder).expanduser() if base_folder is not None else smollm2_folder(cache_dir, log=say)
     layout = block_layout(base)
+    check_vocabulary(base)
+    config = _within_context(config, base, notes, say)
     if config.finetune_blocks > layout.blocks:
         raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {layout.blocks} blocks")
     patterns = layout.patterns(config.finetune_modules, config.finetune_blocks)

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError
+from ..errors import ValidationError, first_line
 from ..io.atomic import atomic_file, atomic_folder, save_safetensors, write_json_atomic
 from ..run.checkpoints import TOKENIZER_FILES, has_tokenizer
 from ..stats.prefix import block_stack
@@ -195,7 +195,7 @@ def check_encoder_folder(folder: str | Path) -> None:
         config = AutoConfig.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
         raise ValidationError(f"cannot read the model config of {folder}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:300]}") from None
+                              f"{first_line(exc)}") from None
     why = encoder_obstacle(config)
     if why is not None:
         raise ValidationError(f"{folder} is not a sentence encoder the text experiment can fine-tune: {why}")
@@ -222,7 +222,7 @@ def load_encoder(folder: str | Path, device: str = "cpu") -> Any:
             model = AutoModel.from_pretrained(str(folder))
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
         raise ValidationError(f"cannot load an encoder from {folder}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:300]}") from None
+                              f"{first_line(exc)}") from None
     model.to(device).eval()
     for p in model.parameters():
         p.requires_grad_(False)

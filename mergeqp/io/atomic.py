@@ -218,11 +218,13 @@ def _resolved(p: str | os.PathLike[str]) -> Path:
 
 
 def overlapping_input(out: str | os.PathLike[str], inputs: Sequence[str | os.PathLike[str]]) -> str | None:
-    """The first input that ``out`` is, contains or lies inside (links resolved), else ``None``."""
+    """The first input that ``out`` is, contains or lies inside (links resolved), else ``None``. An input
+    that does not exist yet (a cache folder made on first use) counts as a folder: ``out`` inside it was
+    accepted once and refused on the next run, when the folder existed (a QA review, stop 76)."""
     out_r = _resolved(out)
     for p in inputs:
         pr = _resolved(p)
-        if out_r == pr or pr.is_relative_to(out_r) or (pr.is_dir() and out_r.is_relative_to(pr)):
+        if out_r == pr or pr.is_relative_to(out_r) or ((pr.is_dir() or not pr.exists()) and out_r.is_relative_to(pr)):
             return os.fspath(p)
         # a link inside ``out`` to a file elsewhere: replacing ``out`` would delete the path the user gave
         if (_resolved(Path(p).expanduser().parent) / Path(p).name).is_relative_to(out_r):

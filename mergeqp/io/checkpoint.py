@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
-from ..errors import ValidationError
+from ..errors import ValidationError, first_line
 
 #: safetensors dtype codes -> torch dtype names
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -369,8 +369,16 @@ def torch_load(path: str | os.PathLike[str], what: str, **kwargs: Any) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            return torch.load(str(path), map_location=kwargs.pop("map_location", "cpu"), weights_only=True,
-                              **kwargs)
+            try:
+                return torch.load(str(path), map_location=kwargs.pop("map_location", "cpu"), weights_only=True,
+                                  **kwargs)
+            except RuntimeError as exc:
+                if not (kwargs.get("mmap") and "mmap can only be used" in str(exc)):
+                    raise
+                # not a zip file: torch's legacy format, which loads without a memory map, or not a torch file
+                # at all, which the second try says (torch's first message advised saving it again: a review,
+                # stop 76)
+                return torch.load(str(path), map_location="cpu", weights_only=True, **{**kwargs, "mmap": False})
     except Exception as exc:  # noqa: BLE001 - a corrupt / pickled-code file: report, don't leak
         text = str(exc)
         if "Weights only load failed" in text:
@@ -379,7 +387,7 @@ def torch_load(path: str | os.PathLike[str], what: str, **kwargs: Any) -> Any:
                       "(never loaded: that would run code from the file)"
                       + (f"; {detail.rstrip(':')}" if detail and not detail.endswith(":") else ""))
         else:
-            reason = f"{type(exc).__name__}: {(text.splitlines() or [''])[0][:300]}"
+            reason = f"{type(exc).__name__}: {first_line(exc)}"
         raise ValidationError(f"cannot read {what} {path}: {reason}") from None
 
 

@@ -69,6 +69,36 @@ def _custom_code(folder: Path | None, config: Mapping[str, Any] | None) -> tuple
     return tuple(sorted(p.name for p in folder.glob("*.py") if p.is_file()))
 
 
+#: a sentence-transformers folder's own files (beside ``modules.json``'s module folders)
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
+    """The files that make ``folder`` a sentence-transformers model, relative to it: its own
+    (:data:`SENTENCE_TRANSFORMERS_FILES`) and every file of the module folders ``modules.json`` names
+    (pooling, normalisation, dense layers: the base's, which a merge of the transformer does not
+    change); none where it has no ``modules.json``. Without them ``SentenceTransformer(out)`` built a
+    model without the base's Normalize step, whose embeddings were no longer unit vectors (a QA review,
+    stop 76). A module path outside the folder is left out."""
+    if folder is None or not (folder / "modules.json").is_file():
+        return ()
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    names = [f for f in SENTENCE_TRANSFORMERS_FILES if (folder / f).is_file()]
+    root = folder.resolve()
+    for module in modules if isinstance(modules, list) else []:
+        path = module.get("path") if isinstance(module, Mapping) else None
+        if not isinstance(path, str) or not path.strip("/."):
+            continue  # ("": the transformer itself, written above)
+        sub = (folder / path).resolve()
+        if not sub.is_dir() or not sub.is_relative_to(root) or sub == root:
+            continue
+        names.extend(str(p.relative_to(root)) for p in sorted(sub.rglob("*")) if p.is_file())
+    return tuple(dict.fromkeys(names))
+
+
 def parse_size(value: int | str) -> int:
     """``"5GB"`` / ``"200MiB"`` / ``1000`` -> bytes (decimal units for KB/MB/GB, binary for KiB...)."""
     if isinstance(value, int):
@@ -299,13 +329,14 @@ def _write_folder(out: Path, tensors: Iterable[tuple[str, Any]], limit: int, cas
     tok = Path(tokenizer_folder).expanduser() if tokenizer_folder is not None else src
     for folder, names in ((src, ("generation_config.json", "preprocessor_config.json",
                                  *(_custom_code(src, cfg) if cfg is not None else ()))),
-                          (tok, AUX_FILES), (tok, _custom_code(tok, None))):
+                          (tok, AUX_FILES), (tok, _custom_code(tok, None)), (src, _sentence_transformers(src))):
         if folder is None or not folder.is_dir():
             continue
         for fname in names:
             if fname in copied:
                 continue
             if (folder / fname).is_file():
+                (out / fname).parent.mkdir(parents=True, exist_ok=True)  # (a module folder's files)
                 copy_file_atomic(folder / fname, out / fname)
                 copied.append(fname)
     return WrittenModel(out, tuple(files), total, len(seen), tuple(copied), index_name)

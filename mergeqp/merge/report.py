@@ -89,7 +89,8 @@ def render_markdown(report: dict[str, Any], sections: Sequence[str] = (), layer_
                      f"constraints `{', '.join(method.get('constraints') or []) or 'none'}`, solver `{method.get('solver')}`, "
                      f"regularisation {method.get('regularisation')}")
         out = plan.get("output", {})
-        restrict = "all logits" if out.get("restrict") == "none" else f"{out.get('restrict')} (k = {out.get('k')})"
+        every = "all logits" if out.get("field", "logits") == "logits" else "every feature"
+        restrict = every if out.get("restrict") == "none" else f"{out.get('restrict')} (k = {out.get('k')})"
         if out.get("metric", "euclidean") != "euclidean":
             restrict += f", metric `{out['metric']}`"
         if out.get("pool", "none") != "none":

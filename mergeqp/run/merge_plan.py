@@ -177,11 +177,18 @@ class MergePlan:
 
     @property
     def per_position(self) -> int:
-        """Numbers compared per position: the vocabulary / features, a restriction's k, or the output
-        matrix's columns."""
+        """Numbers compared per position: a restriction's k or the output matrix's columns; else the
+        vocabulary for logits, and for another field its width where the plan can tell
+        (:func:`compared_width`; a QA review, stop 76: ``last_hidden_state`` of a BERT was counted as its
+        30,522-word vocabulary, 80x its 384 features, and the dry run asked for 33 GiB)."""
         out = self.config.output
-        return ((self.vocab_size or 1) if out.restrict == "none" else
-                int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k))
+        if out.restrict != "none":
+            return int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k)
+        if out.field != "logits":
+            width = compared_width(self)
+            if width is not None:
+                return width[0]
+        return self.vocab_size or 1
 
     @property
     def widest(self) -> int:
@@ -364,7 +371,8 @@ class MergePlan:
                 auto = parse_auto_params(m.start.params)
                 lines.extend(f"  {m.mode} {line}" for line in candidate_notes(auto, self.start_skips))
             elif m.start is not None:
-                lines.append(f"  {m.mode} start: {m.start.name} {m.start.params or ''} on every tensor")
+                params = f" {m.start.params}" if m.start.params else ""
+                lines.append(f"  {m.mode} start: {m.start.name}{params} on every tensor")
                 spec = statistics_of(m.start.name)
                 if spec is not None:
                     lines.append(f"    {spec.plan_line}")

@@ -147,6 +147,10 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
+    group = current_group()
+    if group.world_size > 1:  # (the report of a torchrun launch says so: a QA review, stop 76)
+        notes.append(f"{group.world_size} processes (torchrun, {group.backend} backend) shared the calibration "
+                     f"batches and the sites")
     # a fine-tune's changes outside the selection: not merged, or merged by the start alone: said
     outside = changed_outside(plan) if keeps_base_outside(plan) else start_outside(plan)
     notes.extend(outside)

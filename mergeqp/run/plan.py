@@ -119,6 +119,16 @@ def keeps_base_outside(plan: MergePlan) -> bool:
     return not (m.is_qp and plan.mode.uses_start and m.start is not None)
 
 
+def _check_sample_finite(checkpoint: Any, key: str, sample: Any, model: str) -> None:
+    """NaN / inf in a flat ``sample`` of the tensor ``key`` named with its index in the whole tensor (read
+    only then: the sample's own index, "(0,)" for a matrix, was named before; a QA review, stop 76)."""
+    import torch
+
+    if not bool(torch.isfinite(sample).all()):
+        check_tensor_finite(key, checkpoint.get(key), model)
+    check_tensor_finite(key, sample, model)  # (a tensor the whole read found finite: still the sample's word)
+
+
 def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:
     """Notes naming, per fine-tuned model, the floating-point tensors outside the merged ones that it
     changed: their first ``count`` entries differ from the base's, beyond the rounding to the
@@ -189,10 +199,10 @@ def _outside_changes(plan: MergePlan, count: int) -> dict[str, list[str]]:
                 base_samples[key] = plan.base.sample(key, count)
                 # the merged model keeps the base's tensor here: NaN / inf named as the base's now, not as
                 # the merged model's after the work (a QA review, stop 73)
-                check_tensor_finite(key, base_samples[key], f"the base ({plan.base.path})")
+                _check_sample_finite(plan.base, key, base_samples[key], f"the base ({plan.base.path})")
             theirs = ft.sample(key, count)
             # (NaN != NaN made such a tensor "changed" by every fine-tune)
-            check_tensor_finite(key, theirs, f"model {name!r} ({ft.path})")
+            _check_sample_finite(ft, key, theirs, f"model {name!r} ({ft.path})")
             if not same_stored_value(base_samples[key], theirs):
                 changed.append(key)
     return out
@@ -594,6 +604,12 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
                           f"fine-tunes' outputs instead (metric: euclidean or kl), or, for a classifier with a head "
                           f"per task, use pool: mean")
 
+    if output_metric(cfg.output.metric).whitens and "logits" not in cfg.output.field.lower():
+        # (a QA review, stop 76: kl on last_hidden_state ran, a softmax over 384 hidden features, and said nothing)
+        config_notes.append(f"output.metric {cfg.output.metric} compares softmax distributions, taken here over "
+                            f"{cfg.output.field!r}'s features as if they were logits; for hidden states the "
+                            f"metric is euclidean (docs/hf.md)")
+
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
     needs_text = uses_prompts(cfg) and any(not is_tensor_file(m.prompts().path) for m in cfg.models if m.prompts())
     if needs_text and not has_tokenizer(tok_folder):
@@ -705,7 +721,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
                          f"{vocab} compared values per position: it compares as many or more numbers than all of "
                          f"them (restrict: none is exact, and no larger)")
-        if cfg.output.restrict == "none" and cfg.output.sketch is None and vocab and vocab > 4096:
+        if (cfg.output.field == "logits" and cfg.output.restrict == "none" and cfg.output.sketch is None and vocab
+                and vocab > 4096):
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
     if (matrix is not None and cfg.output.field == "logits" and cfg.output.pool == "none" and not any(heads)
@@ -713,6 +730,13 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
                           f"'logits' has {vocab} numbers per position (vocab_size in the base's config.json); the "
                           f"matrix needs one row per logit")
+    hidden = next((v for k in ("hidden_size", "n_embd", "d_model") if isinstance(v := (base.config or {}).get(k), int)),
+                  None)
+    if (matrix is not None and cfg.output.field in ("last_hidden_state", "pooler_output") and hidden
+            and matrix.shape[0] != hidden):  # (the run refused it after loading every model: a QA review, stop 76)
+        raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
+                          f"{cfg.output.field!r} has {hidden} features per position (the hidden width in the base's "
+                          f"config.json); the matrix needs one row per feature")
     _check_auto_batches(cfg, tasks)
     context = context_length(base.config or {})
     if context is not None and cfg.calibration.max_length > context[1]:

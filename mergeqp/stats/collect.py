@@ -258,6 +258,8 @@ def collect_statistics(
             n: differing_tensors(base_model, m, layer) for n, m in zip(names, finetuned_models)
         },
         "reference": "reference_model" if reference_model is not None else "base_model",
+        # how many processes shared the batches (under torchrun; the sums are the same to rounding)
+        "processes": int(group.world_size),
     }
     return acc.finish(layer=layer, names=names, tasks=tasks, base_weight=base_weight,
                       ref_weight=ref_weight, deltas=deltas, metadata=meta)

@@ -242,6 +242,27 @@ def test_untuned_summary_counts_only_certified_runs_within_the_goal() -> None:
     assert "median 2.25, largest 9.00 (c, seed 0); seconds: median 0.225, largest 0.9" in line
 
 
+def test_auto_summary_compares_auto_with_the_fastest_certifying_solver_of_each_variant() -> None:
+    from mergeqp.cli.bench import auto_summary, untuned_summary
+
+    def row(problem: str, solver: str, seconds: float, certified: bool = True) -> dict:
+        return {"problem": problem, "seed": 3, "solver": solver, "seconds": seconds, "certified": certified,
+                "vs_cholesky": seconds}
+
+    rows = [row("a", "auto", 1.4), row("a", "x", 1.0), row("a", "y", 0.9, certified=False),  # 1.4x the fastest certifying
+            row("b", "auto", 2.0), row("b", "x", 1.0),  # 2x
+            row("c", "auto", 0.5, certified=False), row("c", "x", 1.0),  # auto uncertified: a miss
+            row("d", "auto", 1.0, certified=False), row("d", "x", 1.0, certified=False),  # nobody certified: not counted
+            {"problem": "e", "seed": 3, "solver": "x", "error": "boom"}, row("e", "auto", 1.0)]  # auto alone: not counted
+    line = auto_summary(rows)
+    assert line == ("untuned auto against the fastest certifying solver: within 1.5x on 1 of 3 variants; "
+                    "largest auto not certified (c, seed 3)")
+    assert auto_summary(rows[:5]).endswith("within 1.5x on 1 of 2 variants; largest 2.00x (b, seed 3)")
+    assert untuned_summary(rows)[-1] == line
+    assert auto_summary([row("a", "auto", 1.0), row("b", "auto", 1.0)]) is None  # no other solver
+    assert all(not s.startswith("untuned auto against") for s in untuned_summary([row("a", "auto", 1.0)]))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--untuned", "2", "--family", "box"], "not both"),
     (["--untuned", "0"], "between 1 and"),

@@ -66,5 +66,7 @@ def test_nan_outside_the_merged_layers_names_the_checkpoint_that_holds_it(digest
     assert code == 3, err
     who = "the base" if where == "base" else "model 'code'"
     assert f"tensor '{key}' of {who} ({folder})" in err and "non-finite" in err and "merged model" not in err
+    if at == 0:  # its index in the tensor, not in the plan's flat sample ("(0,)" until a QA review, stop 76)
+        assert "first at index (0, 0)" in err
     assert not (tmp_path / "o").exists() and leftovers(tmp_path) == []
     assert digests(fam.root) == before

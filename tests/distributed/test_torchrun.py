@@ -157,6 +157,8 @@ def test_two_process_collection_equals_one_process(runs):
             if name == "meta":
                 a, b = json.loads(str(two[name])), json.loads(str(one[name]))
                 a["metadata"].pop("seconds"), b["metadata"].pop("seconds")
+                # the statistics say how many processes shared the batches (a QA review, stop 76)
+                assert (a["metadata"].pop("processes"), b["metadata"].pop("processes")) == (2, 1)
                 assert a == b
             else:
                 _close(two[name], one[name], name)
@@ -183,6 +185,8 @@ def test_two_process_merge_equals_one_process(runs):
         assert abs(a - b) <= 1e-10 * abs(b), key
     assert r2["evaluation"]["merged"]["calibration_objective"] == pytest.approx(
         r1["evaluation"]["merged"]["calibration_objective"], rel=1e-10)
+    shared = "2 processes (torchrun, gloo backend) shared the calibration batches and the sites"
+    assert shared in r2["notes"] and not any("processes (torchrun" in n for n in r1["notes"])
 
 
 @pytest.mark.parametrize("name", ["two_sites", "by_depth"])

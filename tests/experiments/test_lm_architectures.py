@@ -194,3 +194,73 @@ def test_a_folder_without_a_usable_tokenizer_is_named(tiny_hf, tmp_path):
     tiny_hf.build_tokenizer(tmp_path / "bare")
     tok = load_tokenizer_of(tmp_path / "bare")
     assert tok.pad_token is not None and tok("one two")["input_ids"]
+
+
+def test_a_base_the_experiment_cannot_use_is_named_before_any_fine_tune(tiny_hf, tmp_path):
+    """A QA review, stop 76: a base without weights ended with exit 4 (an I/O error), a one-block base
+    was said to have no stack of blocks, and a tokenizer larger than the embedding failed inside torch
+    (exit 70, "a bug in mergeqp")."""
+    import json
+
+    from mergeqp.experiments.finetune_lm import check_vocabulary
+
+    base = tmp_path / "base"
+    tiny_hf.build_base(base, "llama", seed=0)
+    layout = block_layout(base)
+    assert layout.blocks >= 2
+    check_vocabulary(base)  # the kit's tokenizer fits its model
+    assert layout.patterns(["mlp", "mlp"], 1) == layout.patterns(["mlp"], 1)  # a module named twice: once
+
+    weightless = tmp_path / "weightless"
+    weightless.mkdir()
+    for f in base.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (weightless / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(ValidationError, match=r"weightless: no weights found; a model folder holds model.safetensors"):
+        block_layout(weightless)
+
+    one = tmp_path / "one"
+    config = json.loads((base / "config.json").read_text())
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**config, "num_hidden_layers": 1})
+                                                  ).save_pretrained(str(one))
+    with pytest.raises(ValidationError, match=r"has 1 block \(num_hidden_layers 1\); .* a stack of at least 2"):
+        block_layout(one)
+
+    small = tmp_path / "small_vocab"
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**config, "vocab_size": 8})
+                                                  ).save_pretrained(str(small))
+    tiny_hf.build_tokenizer(small)
+    with pytest.raises(ValidationError, match=r"tokenizer in .*small_vocab has \d+ tokens but the model's embedding "
+                                              r"8 rows"):
+        check_vocabulary(small)
+
+
+def test_texts_are_cut_to_a_base_context_shorter_than_the_presets(tmp_path):
+    from mergeqp.experiments.lm import _within_context
+
+    folder = tmp_path / "short"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_positions": 8}')
+    notes: list[str] = []
+    config = LmConfig.quick()
+    cut = _within_context(config, folder, notes, lambda msg: None)
+    assert (cut.finetune_max_length, cut.eval_max_length, cut.merge.calibration_max_length) == (8, 8, 8)
+    assert cut.merge.ta_scalings == config.merge.ta_scalings and cut.train_texts == config.train_texts
+    assert notes == [f"the base's context (n_positions 8) is shorter than the experiment's texts (fine-tuning "
+                     f"{config.finetune_max_length}, evaluation {config.eval_max_length}, calibration "
+                     f"{config.merge.calibration_max_length} tokens): every text is cut to 8 tokens"]
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_positions": 1024}')
+    assert _within_context(config, folder, notes, lambda msg: None) is config and len(notes) == 1
+    (folder / "config.json").write_text('{"model_type": "gpt2", "n_positions": 1}')
+    with pytest.raises(ValidationError, match="holds fewer than 2 tokens"):
+        _within_context(config, folder, notes, lambda msg: None)
+
+
+def test_dropout_is_named():
+    from mergeqp.experiments.finetune_lm import dropout_of
+
+    assert dropout_of(_model("llama")) is None
+    config_class, settings, _, _ = ARCHITECTURES["gpt2"]
+    gpt2 = transformers.AutoModelForCausalLM.from_config(getattr(transformers, config_class)(
+        **settings, **SMALL, resid_pdrop=0.1))
+    assert dropout_of(gpt2).startswith("p = 0.1 in 10 dropout modules; config ") and "resid_pdrop" in dropout_of(gpt2)

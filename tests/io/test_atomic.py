@@ -238,6 +238,7 @@ def test_an_output_that_an_input_folder_links_into_is_refused(tmp_path):
     replaced. A link inside an input folder (at any depth) that resolves into the output is a clash,
     named by its path; links elsewhere are not."""
     from mergeqp.errors import ValidationError
+    from mergeqp.errors import ValidationError
     from mergeqp.io.atomic import check_output_folder, overlapping_input
 
     earlier = tmp_path / "m1"
@@ -273,3 +274,20 @@ def test_device_paths_are_refused_but_not_dev_shm(tmp_path):
             check_output_file(path, "--out")
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         check_output_file("/dev/shm/mergeqp-test-out.json", "--out")
+
+
+def test_an_output_inside_an_input_folder_not_made_yet_is_refused_as_it_is_once_made(tmp_path):
+    """A QA review, stop 76: ``experiment lm --out`` inside a cache folder that did not exist yet was
+    accepted (the results written into the cache) and the same command refused once the cache existed."""
+    from mergeqp.errors import ValidationError
+    from mergeqp.io.atomic import check_output_folder, overlapping_input
+
+    cache = tmp_path / "cache" / "mergeqp"
+    out = cache / "run"
+    assert overlapping_input(out, [cache]) == str(cache)
+    with pytest.raises(ValidationError, match="overlaps input"):
+        check_output_folder(out, [cache])
+    cache.mkdir(parents=True)
+    with pytest.raises(ValidationError, match="overlaps input"):
+        check_output_folder(out, [cache])
+    assert overlapping_input(tmp_path / "elsewhere", [tmp_path / "missing"]) is None  # beside it: fine

@@ -164,6 +164,13 @@ def test_bare_safetensors_and_torch_files(tiny_hf, llama_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValidationError, match="no weights found"):
         open_checkpoint(tmp_path / "empty")
+    # torch's legacy (non-zip) format loads without the memory map; random bytes are named as what they are,
+    # not met with torch's advice to save them again with the zip format (a QA review, stop 76)
+    torch.save({"w": torch.ones(2)}, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    assert torch.equal(open_checkpoint(tmp_path / "legacy.bin").get("w"), torch.ones(2))
+    (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 20)
+    with pytest.raises(ValidationError, match=r"cannot read torch checkpoint .*garbage.bin: (?!.*torch.save)"):
+        open_checkpoint(tmp_path / "garbage.bin")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -208,6 +215,43 @@ def test_writer_dtype_and_refusals(llama_dir, tmp_path):
         check_output_folder(llama_dir.parent, [llama_dir], overwrite=True)
     with pytest.raises(ValidationError, match="given twice"):
         save_hf_folder(tmp_path / "dup", iter([("a", torch.zeros(2)), ("a", torch.ones(2))]))
+
+
+def test_a_sentence_transformers_folder_keeps_its_modules(llama_dir, tmp_path):
+    """A QA review, stop 76: a merged all-MiniLM-L6-v2 lost ``modules.json`` and its pooling and
+    Normalize modules; ``SentenceTransformer(out)`` then built Transformer + Pooling, and the embeddings
+    were no longer unit vectors. The module folders' files (the base's: the merge changes the
+    transformer) are copied; a module path outside the folder is not followed."""
+    import shutil
+
+    src = tmp_path / "st"
+    shutil.copytree(llama_dir, src)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+               {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"},
+               {"idx": 4, "name": "4", "path": "../outside", "type": "x"}]
+    (src / "modules.json").write_text(json.dumps(modules))
+    (src / "sentence_bert_config.json").write_text('{"max_seq_length": 256}')
+    (src / "1_Pooling").mkdir()
+    (src / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (src / "2_Dense" / "sub").mkdir(parents=True)
+    (src / "2_Dense" / "config.json").write_text('{"in_features": 8}')
+    (src / "2_Dense" / "sub" / "model.safetensors").write_bytes(b"dense weights")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_text("not the model's")
+    ck = open_checkpoint(src)
+    out = tmp_path / "out"
+    written = save_hf_folder(out, ((n, ck.get(n)) for n in ck.names()), source_folder=src)
+    for rel in ("modules.json", "sentence_bert_config.json", "1_Pooling/config.json", "2_Dense/config.json",
+                "2_Dense/sub/model.safetensors"):
+        assert (out / rel).read_bytes() == (src / rel).read_bytes(), rel
+        assert rel in written.copied
+    assert not (out / "3_Normalize").exists()  # (no files: sentence-transformers needs none for it)
+    assert not any("secret" in p.name or p.name == "outside" for p in out.rglob("*"))
+    plain = tmp_path / "plain"
+    save_hf_folder(plain, ((n, ck.get(n)) for n in ck.names()), source_folder=llama_dir)
+    assert not (plain / "modules.json").exists() and not (plain / "1_Pooling").exists()
 
 
 def test_an_overflow_of_the_output_dtype_is_named_as_one(tmp_path):

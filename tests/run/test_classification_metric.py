@@ -441,3 +441,45 @@ def test_plan_json_names_each_models_head_and_labels(encoder, tmp_path):
     models = build_plan(cfg).to_json()["models"]
     assert [(m["classes"], m["label_field"]) for m in models] == [(3, "label"), (4, "label")]
     assert models[0]["head"].endswith("head_code.safetensors")
+
+
+def test_hidden_states_are_counted_as_their_width_and_kl_on_them_is_said(encoder, tmp_path):
+    """A QA review, stop 76: the dry run of a merge comparing ``last_hidden_state`` counted each position
+    as the vocabulary (a BERT's 30,522 words: 33 GiB for 384 features), advised ``restrict`` for it, and
+    ``metric: kl`` on hidden states ran without a word."""
+    from mergeqp.run.plan import build_plan
+
+    _, models = encoder
+    plain = [{**{k: v for k, v in m.items() if k not in ("head", "calibration")},
+              "calibration": m["calibration"]["path"]} for m in models]
+    cfg = write(encoder, tmp_path / "c.yml", {"name": "qp", "mode": "single"}, models=plain,
+                output={"field": "last_hidden_state"})
+    plan = build_plan(cfg)
+    hidden = json.loads((encoder[0] / "base" / "config.json").read_text())["hidden_size"]
+    assert plan.vocab_size > hidden and plan.per_position == hidden
+    assert not any("vocabulary" in n for n in plan.notes) and not any("softmax" in n for n in plan.notes)
+    kl = build_plan(write(encoder, tmp_path / "k.yml", {"name": "qp", "mode": "single"}, models=plain,
+                          output={"field": "last_hidden_state", "metric": "kl"}))
+    assert any(n.startswith("output.metric kl compares softmax distributions, taken here over 'last_hidden_state'")
+               for n in kl.notes)
+
+
+def test_an_output_matrix_without_a_row_per_hidden_feature_is_refused_by_the_plan(encoder, tmp_path):
+    """A QA review, stop 76: a matrix of 5 rows against 384 hidden features passed ``--dry-run`` and the
+    run refused it after loading every model, without naming ``output.matrix``."""
+    from mergeqp.run.plan import build_plan
+
+    _, models = encoder
+    plain = [{**{k: v for k, v in m.items() if k not in ("head", "calibration")},
+              "calibration": m["calibration"]["path"]} for m in models]
+    hidden = json.loads((encoder[0] / "base" / "config.json").read_text())["hidden_size"]
+    for rows in (hidden - 1, hidden):
+        np.save(tmp_path / f"m{rows}.npy", np.random.default_rng(0).standard_normal((rows, 3)))
+    bad = write(encoder, tmp_path / "c.yml", {"name": "qp", "mode": "single"}, models=plain,
+                output={"field": "last_hidden_state", "restrict": "projection", "matrix": str(tmp_path / f"m{hidden - 1}.npy")})
+    with pytest.raises(ConfigError, match=rf"output.matrix .*m{hidden - 1}.npy: it has {hidden - 1} rows, but the "
+                                          rf"compared output 'last_hidden_state' has {hidden} features per position"):
+        build_plan(bad)
+    ok = write(encoder, tmp_path / "d.yml", {"name": "qp", "mode": "single"}, models=plain,
+               output={"field": "last_hidden_state", "restrict": "projection", "matrix": str(tmp_path / f"m{hidden}.npy")})
+    assert build_plan(ok).per_position == 3

@@ -238,7 +238,6 @@ def test_an_output_that_an_input_folder_links_into_is_refused(tmp_path):
     replaced. A link inside an input folder (at any depth) that resolves into the output is a clash,
     named by its path; links elsewhere are not."""
     from mergeqp.errors import ValidationError
-    from mergeqp.errors import ValidationError
     from mergeqp.io.atomic import check_output_folder, overlapping_input
 
     earlier = tmp_path / "m1"

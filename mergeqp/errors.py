@@ -255,9 +255,12 @@ def first_line(exc: BaseException | str, limit: int = 300) -> str:
     (for one-line errors that name a user's code and what it raised; a cut mid-word read "Check the logs
     of the re)", a QA review, stop 76)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = (" ".join(lines) if lines and lines[0].endswith(":") else lines[0]) if lines else ""
+    joined = lines and lines[0].endswith(":") and not any(line.startswith("Traceback (most recent") for line in lines)
+    text = (" ".join(lines) if joined else lines[0]) if lines else ""  # (a traceback stays out: a review of the fix)
     if len(text) <= limit:
         return text
+    if limit < 8:
+        return text[:limit]
     cut = text[: max(1, limit - 4)]
     space = cut.rfind(" ")
     return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + " ..."

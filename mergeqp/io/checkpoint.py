@@ -21,6 +21,7 @@ import json
 import os
 import struct
 import sys
+import zipfile
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -386,6 +387,10 @@ def torch_load(path: str | os.PathLike[str], what: str, **kwargs: Any) -> Any:
             reason = ("it is not a PyTorch tensor file, or it holds pickled Python objects besides tensors "
                       "(never loaded: that would run code from the file)"
                       + (f"; {detail.rstrip(':')}" if detail and not detail.endswith(":") else ""))
+        elif not zipfile.is_zipfile(str(path)):
+            # (an empty file said "EOFError: ", a text file "KeyError: 101": a review, stop 76)
+            said = first_line(exc)
+            reason = f"it is not a PyTorch tensor file (torch.load: {type(exc).__name__}{': ' + said if said else ''})"
         else:
             reason = f"{type(exc).__name__}: {first_line(exc)}"
         raise ValidationError(f"cannot read {what} {path}: {reason}") from None

@@ -79,7 +79,9 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
     (pooling, normalisation, dense layers: the base's, which a merge of the transformer does not
     change); none where it has no ``modules.json``. Without them ``SentenceTransformer(out)`` built a
     model without the base's Normalize step, whose embeddings were no longer unit vectors (a QA review,
-    stop 76). A module path outside the folder is left out."""
+    stop 76). A module path outside the folder, and a link, are left out; and none at all where the
+    transformer module lies in a folder of its own (the merged weights are written at the top: its
+    folder would bring the base's back into ``SentenceTransformer(out)``, a review of the fix)."""
     if folder is None or not (folder / "modules.json").is_file():
         return ()
     try:
@@ -92,10 +94,13 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
         path = module.get("path") if isinstance(module, Mapping) else None
         if not isinstance(path, str) or not path.strip("/."):
             continue  # ("": the transformer itself, written above)
+        if str(module.get("type", "")).endswith(".Transformer"):
+            return ()
         sub = (folder / path).resolve()
         if not sub.is_dir() or not sub.is_relative_to(root) or sub == root:
             continue
-        names.extend(str(p.relative_to(root)) for p in sorted(sub.rglob("*")) if p.is_file())
+        names.extend(str(p.relative_to(root)) for p in sorted(sub.rglob("*"))
+                     if p.is_file() and not p.is_symlink() and p.resolve().is_relative_to(sub))
     return tuple(dict.fromkeys(names))
 
 

@@ -207,8 +207,9 @@ class OutputSpec:
         if key not in self._cache:
             if self.matrix is not None:
                 if self.matrix.shape[0] != vocab:
-                    raise ValidationError(f"the output matrix has {self.matrix.shape[0]} rows but the compared output "
-                                          f"{self.field!r} has {vocab} features")
+                    raise ValidationError(f"output.matrix: the matrix has {self.matrix.shape[0]} rows but the compared "
+                                          f"output {self.field!r} has {vocab} features per position; it needs one "
+                                          f"row per feature")
                 P = torch.from_numpy(self.matrix)
             else:
                 gen = torch.Generator().manual_seed(int(self.seed))

@@ -184,7 +184,7 @@ class MergePlan:
         out = self.config.output
         if out.restrict != "none":
             return int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k)
-        if out.field != "logits":
+        if not counts_outputs(self):  # (a classifier's labels, hidden states, a pooled output: their width)
             width = compared_width(self)
             if width is not None:
                 return width[0]
@@ -446,13 +446,13 @@ def compared_width(plan: MergePlan) -> tuple[int, bool] | None:
         classes = max((t.classes or 0 for t in plan.tasks), default=0)
         return (classes, False) if classes else None
     bcfg = plan.base.config or {}
-    hidden = bcfg.get("hidden_size") or bcfg.get("n_embd") or bcfg.get("d_model")
+    hidden = bcfg.get("hidden_size") or bcfg.get("n_embd") or bcfg.get("d_model") or bcfg.get("dim")  # (DistilBERT: dim)
     if out.field in ("last_hidden_state", "pooler_output"):
         return (int(hidden), out.field == "pooler_output") if hidden else None
     arch = ((bcfg.get("architectures") or [""])[0]) or ""
     if out.field == "logits" and arch.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")) and plan.vocab_size:
         return plan.vocab_size, False
-    if out.field == "logits" and arch.endswith(("ForSequenceClassification", "ForTokenClassification")):
+    if out.field == "logits" and arch.endswith(CLASSIFIER_SUFFIXES[:2]):
         labels = bcfg.get("num_labels") or len(bcfg.get("id2label") or {})
         return (int(labels), arch.endswith("ForSequenceClassification")) if labels else None
     return None
@@ -520,8 +520,11 @@ def planned_skips(plan: MergePlan, auto: Any) -> dict[str, str]:
     return skipped
 
 
-#: configuration keys that hold a model's context length (positions it was built for)
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+#: configuration keys that hold a model's context length (positions it was built for; MPT's max_seq_len)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length", "max_seq_len")
+#: architectures whose logits are labels, not a vocabulary
+CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForMultipleChoice",
+                       "ForQuestionAnswering")
 
 
 def context_length(config: dict[str, Any]) -> tuple[str, int] | None:

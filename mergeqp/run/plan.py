@@ -74,7 +74,7 @@ from ..stats.parametrisation import Parametrisation, get_parametrisation
 from .model_methods import (MODEL_METHODS, baseline_clash, entry_call, method_names, model_method_of, parse_candidate,
                             start_method)
 from .memory_estimate import OPTIMAL_JACOBIAN, estimate_memory
-from .merge_plan import GroupPlan, MergePlan, TaskPlan, context_length
+from .merge_plan import CLASSIFIER_SUFFIXES, GroupPlan, MergePlan, TaskPlan, context_length
 from .settings import evaluates_baseline, planned_atoms, qp_settings, statistics_method
 from .statistics_cost import choose_sketch, count_statistics, drop_a_useless_sketch
 
@@ -607,7 +607,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if output_metric(cfg.output.metric).whitens and "logits" not in cfg.output.field.lower():
         # (a QA review, stop 76: kl on last_hidden_state ran, a softmax over 384 hidden features, and said nothing)
         config_notes.append(f"output.metric {cfg.output.metric} compares softmax distributions, taken here over "
-                            f"{cfg.output.field!r}'s features as if they were logits; for hidden states the "
+                            f"the features of {cfg.output.field!r} as if they were logits; for hidden states the "
                             f"metric is euclidean (docs/hf.md)")
 
     tok_folder = cfg.resolve(cfg.tokenizer) if cfg.tokenizer else base_path
@@ -721,8 +721,9 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
             notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
                          f"{vocab} compared values per position: it compares as many or more numbers than all of "
                          f"them (restrict: none is exact, and no larger)")
+        arch = ((base.config or {}).get("architectures") or [""])[0] or ""
         if (cfg.output.field == "logits" and cfg.output.restrict == "none" and cfg.output.sketch is None and vocab
-                and vocab > 4096):
+                and vocab > 4096 and not arch.endswith(CLASSIFIER_SUFFIXES)):  # (a classifier's logits are its labels)
             notes.append(f"vocabulary {vocab}: consider output.restrict projection|topk with k ~ 64..512 to keep "
                          f"the statistics tractable")
     if (matrix is not None and cfg.output.field == "logits" and cfg.output.pool == "none" and not any(heads)
@@ -730,13 +731,6 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
                           f"'logits' has {vocab} numbers per position (vocab_size in the base's config.json); the "
                           f"matrix needs one row per logit")
-    hidden = next((v for k in ("hidden_size", "n_embd", "d_model") if isinstance(v := (base.config or {}).get(k), int)),
-                  None)
-    if (matrix is not None and cfg.output.field in ("last_hidden_state", "pooler_output") and hidden
-            and matrix.shape[0] != hidden):  # (the run refused it after loading every model: a QA review, stop 76)
-        raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
-                          f"{cfg.output.field!r} has {hidden} features per position (the hidden width in the base's "
-                          f"config.json); the matrix needs one row per feature")
     _check_auto_batches(cfg, tasks)
     context = context_length(base.config or {})
     if context is not None and cfg.calibration.max_length > context[1]:

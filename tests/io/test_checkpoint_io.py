@@ -171,6 +171,11 @@ def test_bare_safetensors_and_torch_files(tiny_hf, llama_dir, tmp_path):
     (tmp_path / "garbage.bin").write_bytes(bytes(range(256)) * 20)
     with pytest.raises(ValidationError, match=r"cannot read torch checkpoint .*garbage.bin: (?!.*torch.save)"):
         open_checkpoint(tmp_path / "garbage.bin")
+    (tmp_path / "empty.bin").write_bytes(b"")
+    (tmp_path / "text.bin").write_text("hello text")
+    for name, why in (("empty.bin", "EOFError"), ("text.bin", "KeyError: 101")):
+        with pytest.raises(ValidationError, match=rf"{name}: it is not a PyTorch tensor file \(torch.load: {why}\)$"):
+            open_checkpoint(tmp_path / name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
@@ -252,6 +257,21 @@ def test_a_sentence_transformers_folder_keeps_its_modules(llama_dir, tmp_path):
     plain = tmp_path / "plain"
     save_hf_folder(plain, ((n, ck.get(n)) for n in ck.names()), source_folder=llama_dir)
     assert not (plain / "modules.json").exists() and not (plain / "1_Pooling").exists()
+    # a link inside a module folder is not followed out of it
+    (src / "1_Pooling" / "linked.txt").symlink_to(tmp_path / "outside" / "secret.txt")
+    linked = tmp_path / "linked"
+    save_hf_folder(linked, ((n, ck.get(n)) for n in ck.names()), source_folder=src)
+    assert (linked / "1_Pooling" / "config.json").is_file() and not (linked / "1_Pooling" / "linked.txt").exists()
+    # the transformer in a folder of its own: that folder holds the base's weights, which would come back
+    # into SentenceTransformer(out) over the merged ones at the top (a review of the fix): nothing of
+    # sentence-transformers is copied then, as before stop 76
+    (src / "0_Transformer").mkdir()
+    (src / "0_Transformer" / "model.safetensors").write_bytes(b"the base's weights")
+    modules[0]["path"] = "0_Transformer"
+    (src / "modules.json").write_text(json.dumps(modules))
+    sub = tmp_path / "sub"
+    save_hf_folder(sub, ((n, ck.get(n)) for n in ck.names()), source_folder=src)
+    assert not (sub / "modules.json").exists() and not (sub / "0_Transformer").exists()
 
 
 def test_an_overflow_of_the_output_dtype_is_named_as_one(tmp_path):

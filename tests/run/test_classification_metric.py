@@ -460,26 +460,33 @@ def test_hidden_states_are_counted_as_their_width_and_kl_on_them_is_said(encoder
     assert not any("vocabulary" in n for n in plan.notes) and not any("softmax" in n for n in plan.notes)
     kl = build_plan(write(encoder, tmp_path / "k.yml", {"name": "qp", "mode": "single"}, models=plain,
                           output={"field": "last_hidden_state", "metric": "kl"}))
-    assert any(n.startswith("output.metric kl compares softmax distributions, taken here over 'last_hidden_state'")
+    assert any(n.startswith("output.metric kl compares softmax distributions, taken here over the features of 'last_hidden_state'")
                for n in kl.notes)
 
 
-def test_an_output_matrix_without_a_row_per_hidden_feature_is_refused_by_the_plan(encoder, tmp_path):
-    """A QA review, stop 76: a matrix of 5 rows against 384 hidden features passed ``--dry-run`` and the
-    run refused it after loading every model, without naming ``output.matrix``."""
-    from mergeqp.run.plan import build_plan
+def test_the_plan_leaves_a_hidden_state_matrix_to_the_run_and_counts_each_fields_width():
+    """A review of stop 76's fixes: the plan refused an output matrix whose rows did not match the config's
+    hidden width, but that is not always the output's (OPT's word_embed_proj_dim, Reformer, Perceiver):
+    no matrix could pass. The run checks it against the output it sees, naming output.matrix. The plan's
+    per-position width: a classifier's labels, DistilBERT's ``dim``, a language model's vocabulary."""
+    from types import SimpleNamespace
 
-    _, models = encoder
-    plain = [{**{k: v for k, v in m.items() if k not in ("head", "calibration")},
-              "calibration": m["calibration"]["path"]} for m in models]
-    hidden = json.loads((encoder[0] / "base" / "config.json").read_text())["hidden_size"]
-    for rows in (hidden - 1, hidden):
-        np.save(tmp_path / f"m{rows}.npy", np.random.default_rng(0).standard_normal((rows, 3)))
-    bad = write(encoder, tmp_path / "c.yml", {"name": "qp", "mode": "single"}, models=plain,
-                output={"field": "last_hidden_state", "restrict": "projection", "matrix": str(tmp_path / f"m{hidden - 1}.npy")})
-    with pytest.raises(ConfigError, match=rf"output.matrix .*m{hidden - 1}.npy: it has {hidden - 1} rows, but the "
-                                          rf"compared output 'last_hidden_state' has {hidden} features per position"):
-        build_plan(bad)
-    ok = write(encoder, tmp_path / "d.yml", {"name": "qp", "mode": "single"}, models=plain,
-               output={"field": "last_hidden_state", "restrict": "projection", "matrix": str(tmp_path / f"m{hidden}.npy")})
-    assert build_plan(ok).per_position == 3
+    from mergeqp.lm import OutputSpec
+    from mergeqp.run.merge_plan import MergePlan
+
+    spec = OutputSpec("last_hidden_state", "projection", matrix=np.ones((8, 3)))
+    with pytest.raises(ValidationError, match=r"output.matrix: the matrix has 8 rows but the compared output "
+                                              r"'last_hidden_state' has 16 features per position"):
+        spec.projection(16, torch.float64, "cpu")
+
+    def width(field, config, vocab=30522, not_causal="an encoder"):
+        output = SimpleNamespace(restrict="none", field=field, pool="none", k=None)
+        plan = SimpleNamespace(config=SimpleNamespace(output=output), vocab_size=vocab, heads=(), tasks=(),
+                               not_causal=not_causal, base=SimpleNamespace(config=config), output_matrix=None)
+        return MergePlan.per_position.fget(plan)
+
+    assert width("last_hidden_state", {"dim": 384, "vocab_size": 30522}) == 384  # DistilBERT
+    assert width("logits", {"architectures": ["BertForSequenceClassification"], "num_labels": 2}) == 2
+    assert width("logits", {"architectures": ["BertForMaskedLM"], "hidden_size": 384}) == 30522
+    assert width("logits", {"architectures": ["LlamaForCausalLM"]}, vocab=49152, not_causal=None) == 49152
+

@@ -177,10 +177,11 @@ class MergePlan:
 
     @property
     def per_position(self) -> int:
-        """Numbers compared per position: a restriction's k or the output matrix's columns; else the
-        vocabulary for logits, and for another field its width where the plan can tell
-        (:func:`compared_width`; a QA review, stop 76: ``last_hidden_state`` of a BERT was counted as its
-        30,522-word vocabulary, 80x its 384 features, and the dry run asked for 33 GiB)."""
+        """Numbers compared per position: a restriction's k or the output matrix's columns; else a
+        language model's vocabulary (:func:`counts_outputs`), and otherwise the width the plan can tell
+        (:func:`compared_width`: a classifier's labels, a hidden state's features), the vocabulary where it
+        cannot (a QA review, stop 76: ``last_hidden_state`` of a BERT was counted as its 30,522-word
+        vocabulary, 80x its 384 features, and the dry run asked for 33 GiB)."""
         out = self.config.output
         if out.restrict != "none":
             return int(self.output_matrix.shape[1]) if self.output_matrix is not None else int(out.k)

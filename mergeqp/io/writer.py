@@ -94,7 +94,7 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
         path = module.get("path") if isinstance(module, Mapping) else None
         if not isinstance(path, str) or not path.strip("/."):
             continue  # ("": the transformer itself, written above)
-        if str(module.get("type", "")).endswith(".Transformer"):
+        if _own_folder_transformer(module):
             return ()
         sub = (folder / path).resolve()
         if not sub.is_dir() or not sub.is_relative_to(root) or sub == root:
@@ -102,6 +102,31 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
         names.extend(str(p.relative_to(root)) for p in sorted(sub.rglob("*"))
                      if p.is_file() and not p.is_symlink() and p.resolve().is_relative_to(sub))
     return tuple(dict.fromkeys(names))
+
+
+def _own_folder_transformer(module: Any) -> bool:
+    """Whether a ``modules.json`` entry is the transformer module in a folder of its own."""
+    path = module.get("path") if isinstance(module, Mapping) else None
+    return (isinstance(path, str) and bool(path.strip("/.")) and str(module.get("type", "")).endswith(".Transformer"))
+
+
+def sentence_transformers_note(folder: str | Path | None) -> str | None:
+    """What the written folder lacks where the base is a sentence-transformers model whose transformer
+    module lies in a folder of its own (:func:`_sentence_transformers` copies nothing of it then), else
+    ``None``."""
+    f = Path(folder).expanduser() if folder is not None else None
+    if f is None or not (f / "modules.json").is_file():
+        return None
+    try:
+        modules = json.loads((f / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    inner = next((m["path"] for m in modules if _own_folder_transformer(m)), None) if isinstance(modules, list) else None
+    if inner is None:
+        return None
+    return (f"the base is a sentence-transformers model whose transformer lies in {inner}/: the merged model is "
+            f"written at the top of the folder, as a transformers model, without modules.json and the other "
+            f"modules (SentenceTransformer(out) builds a transformer and a mean pooling, not the base's pipeline)")
 
 
 def parse_size(value: int | str) -> int:

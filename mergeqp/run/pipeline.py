@@ -47,7 +47,8 @@ from ..io.distributed import agree_everywhere, agree_on, current_group
 from ..io.lazy_model import LazyModel, lazy_summary
 from ..io.progress import library_bars
 from ..io.memory import check_site_memory, estimate_site_memory, memory_limit
-from ..io.writer import WrittenModel, as_written, check_output_folder, parse_size, save_hf_folder
+from ..io.writer import (WrittenModel, as_written, check_output_folder, parse_size, save_hf_folder,
+                         sentence_transformers_note)
 from ..lm import teacher_forced_targets
 from ..merge.baseline_residuals import statistics_baselines
 from ..merge.calibrated import StatisticsCollector, needs_statistics, run_params
@@ -147,6 +148,9 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
+    st_note = sentence_transformers_note(cfg.resolve(cfg.base))
+    if st_note is not None and write:
+        notes.append(st_note)
     group = current_group()
     if group.world_size > 1:  # (the report of a torchrun launch says so: a QA review, stop 76)
         notes.append(f"{group.world_size} processes (torchrun, {group.backend} backend) shared the calibration "

@@ -272,6 +272,15 @@ def test_a_sentence_transformers_folder_keeps_its_modules(llama_dir, tmp_path):
     sub = tmp_path / "sub"
     save_hf_folder(sub, ((n, ck.get(n)) for n in ck.names()), source_folder=src)
     assert not (sub / "modules.json").exists() and not (sub / "0_Transformer").exists()
+    # ... and the merge's report says so (mergeqp.run.pipeline adds the note)
+    from mergeqp.io.writer import sentence_transformers_note
+
+    assert sentence_transformers_note(src).startswith("the base is a sentence-transformers model whose transformer "
+                                                      "lies in 0_Transformer/")
+    assert sentence_transformers_note(llama_dir) is None and sentence_transformers_note(None) is None
+    modules[0]["path"] = ""
+    (src / "modules.json").write_text(json.dumps(modules))
+    assert sentence_transformers_note(src) is None
 
 
 def test_an_overflow_of_the_output_dtype_is_named_as_one(tmp_path):

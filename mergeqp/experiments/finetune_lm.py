@@ -152,7 +152,8 @@ WEIGHT_FILES = (SAFETENSORS_SINGLE, SAFETENSORS_INDEX, TORCH_SINGLE, TORCH_INDEX
 
 def block_layout(folder: str | Path) -> BlockLayout:
     """The :class:`BlockLayout` of the causal LM in ``folder``, read from the model built on the
-    meta device (no weights are loaded)."""
+    meta device (no weights are loaded); a folder without weight files, or a model of one block, is an
+    error saying so (stop 76)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

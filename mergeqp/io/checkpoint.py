@@ -370,16 +370,16 @@ def torch_load(path: str | os.PathLike[str], what: str, **kwargs: Any) -> Any:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
+            where = kwargs.pop("map_location", "cpu")
             try:
-                return torch.load(str(path), map_location=kwargs.pop("map_location", "cpu"), weights_only=True,
-                                  **kwargs)
+                return torch.load(str(path), map_location=where, weights_only=True, **kwargs)
             except RuntimeError as exc:
                 if not (kwargs.get("mmap") and "mmap can only be used" in str(exc)):
                     raise
                 # not a zip file: torch's legacy format, which loads without a memory map, or not a torch file
                 # at all, which the second try says (torch's first message advised saving it again: a review,
                 # stop 76)
-                return torch.load(str(path), map_location="cpu", weights_only=True, **{**kwargs, "mmap": False})
+                return torch.load(str(path), map_location=where, weights_only=True, **{**kwargs, "mmap": False})
     except Exception as exc:  # noqa: BLE001 - a corrupt / pickled-code file: report, don't leak
         text = str(exc)
         if "Weights only load failed" in text:

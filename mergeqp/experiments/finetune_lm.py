@@ -211,10 +211,10 @@ def load_tokenizer_of(folder: str | Path) -> Any:
     return tokenizer
 
 
-def check_vocabulary(folder: str | Path) -> None:
-    """A tokenizer in ``folder`` whose ids reach beyond the model's embedding (``vocab_size`` of its
-    config) is an error naming both sizes (the fine-tunes failed with an index error deep in torch)."""
-    tokenizer = load_tokenizer_of(folder)
+def check_vocabulary(folder: str | Path, tokenizer: Any) -> None:
+    """``tokenizer`` (the one in ``folder``, :func:`load_tokenizer_of`) whose ids reach beyond the model's
+    embedding (``vocab_size`` of its config) is an error naming both sizes (the fine-tunes failed with an
+    index error deep in torch)."""
     rows = (read_config(Path(folder)) or {}).get("vocab_size")
     if isinstance(rows, int) and not isinstance(rows, bool) and len(tokenizer) > rows:
         raise ValidationError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding "

@@ -875,7 +875,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     t = time.perf_counter()
     base = Path(base_folder).expanduser() if base_folder is not None else smollm2_folder(cache_dir, log=say)
     layout = block_layout(base)
-    check_vocabulary(base)
+    tokenizer = load_tokenizer_of(base)
+    check_vocabulary(base, tokenizer)
     config = _within_context(config, base, notes, say)
     if config.finetune_blocks > layout.blocks:
         raise ValidationError(f"finetune_blocks {config.finetune_blocks} exceeds the model's {layout.blocks} blocks")
@@ -905,7 +906,6 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 3. evaluators (held-out test texts, calibration texts) on the base model
     t = time.perf_counter()
-    tokenizer = load_tokenizer_of(base)
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).to(device).eval()
     first = split_block(model, trained)
     if first is None:

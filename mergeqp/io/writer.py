@@ -82,20 +82,14 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
     stop 76). A module path outside the folder, and a link, are left out; and none at all where the
     transformer module lies in a folder of its own (the merged weights are written at the top: its
     folder would bring the base's back into ``SentenceTransformer(out)``, a review of the fix)."""
-    if folder is None or not (folder / "modules.json").is_file():
-        return ()
-    try:
-        modules = json.loads((folder / "modules.json").read_text())
-    except (OSError, ValueError):
+    modules = _modules_json(folder)
+    if folder is None or modules is None or _own_folder_transformer(modules) is not None:
         return ()
     names = [f for f in SENTENCE_TRANSFORMERS_FILES if (folder / f).is_file()]
     root = folder.resolve()
-    for module in modules if isinstance(modules, list) else []:
-        path = module.get("path") if isinstance(module, Mapping) else None
-        if not isinstance(path, str) or not path.strip("/."):
+    for path in (_module_folder(m) for m in modules):
+        if path is None:
             continue  # ("": the transformer itself, written above)
-        if _own_folder_transformer(module):
-            return ()
         sub = (folder / path).resolve()
         if not sub.is_dir() or not sub.is_relative_to(root) or sub == root:
             continue
@@ -104,24 +98,36 @@ def _sentence_transformers(folder: Path | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _own_folder_transformer(module: Any) -> bool:
-    """Whether a ``modules.json`` entry is the transformer module in a folder of its own."""
-    path = module.get("path") if isinstance(module, Mapping) else None
-    return (isinstance(path, str) and bool(path.strip("/.")) and str(module.get("type", "")).endswith(".Transformer"))
+def _modules_json(folder: Path | None) -> list[Mapping[str, Any]] | None:
+    """The entries (mappings) of ``folder``'s ``modules.json``, or ``None`` where it has none or it
+    cannot be read (a file that is not a list: no entries)."""
+    if folder is None or not (folder / "modules.json").is_file():
+        return None
+    try:
+        modules = json.loads((folder / "modules.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return [m for m in modules if isinstance(m, Mapping)] if isinstance(modules, list) else []
+
+
+def _module_folder(module: Mapping[str, Any]) -> str | None:
+    """A ``modules.json`` entry's folder, ``None`` for the top of the model folder ("" or "." ...)."""
+    path = module.get("path")
+    return path if isinstance(path, str) and path.strip("/.") else None
+
+
+def _own_folder_transformer(modules: list[Mapping[str, Any]]) -> str | None:
+    """The folder of the transformer module where it lies in a folder of its own, else ``None``."""
+    return next((_module_folder(m) for m in modules
+                 if _module_folder(m) is not None and str(m.get("type", "")).endswith(".Transformer")), None)
 
 
 def sentence_transformers_note(folder: str | Path | None) -> str | None:
     """What the written folder lacks where the base is a sentence-transformers model whose transformer
     module lies in a folder of its own (:func:`_sentence_transformers` copies nothing of it then), else
     ``None``."""
-    f = Path(folder).expanduser() if folder is not None else None
-    if f is None or not (f / "modules.json").is_file():
-        return None
-    try:
-        modules = json.loads((f / "modules.json").read_text())
-    except (OSError, ValueError):
-        return None
-    inner = next((m["path"] for m in modules if _own_folder_transformer(m)), None) if isinstance(modules, list) else None
+    modules = _modules_json(Path(folder).expanduser() if folder is not None else None)
+    inner = None if modules is None else _own_folder_transformer(modules)
     if inner is None:
         return None
     return (f"the base is a sentence-transformers model whose transformer lies in {inner}/: the merged model is "

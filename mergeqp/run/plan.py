@@ -126,7 +126,7 @@ def _check_sample_finite(checkpoint: Any, key: str, sample: Any, model: str) -> 
 
     if not bool(torch.isfinite(sample).all()):
         check_tensor_finite(key, checkpoint.get(key), model)
-    check_tensor_finite(key, sample, model)  # (a tensor the whole read found finite: still the sample's word)
+        check_tensor_finite(key, sample, model)  # (a tensor the whole read found finite: still the sample's word)
 
 
 def changed_outside(plan: MergePlan, count: int = 256) -> list[str]:

@@ -202,13 +202,13 @@ def test_a_base_the_experiment_cannot_use_is_named_before_any_fine_tune(tiny_hf,
     (exit 70, "a bug in mergeqp")."""
     import json
 
-    from mergeqp.experiments.finetune_lm import check_vocabulary
+    from mergeqp.experiments.finetune_lm import check_vocabulary, load_tokenizer_of
 
     base = tmp_path / "base"
     tiny_hf.build_base(base, "llama", seed=0)
     layout = block_layout(base)
     assert layout.blocks >= 2
-    check_vocabulary(base)  # the kit's tokenizer fits its model
+    check_vocabulary(base, load_tokenizer_of(base))  # the kit's tokenizer fits its model
     assert layout.patterns(["mlp", "mlp"], 1) == layout.patterns(["mlp"], 1)  # a module named twice: once
 
     weightless = tmp_path / "weightless"
@@ -232,7 +232,7 @@ def test_a_base_the_experiment_cannot_use_is_named_before_any_fine_tune(tiny_hf,
     tiny_hf.build_tokenizer(small)
     with pytest.raises(ValidationError, match=r"tokenizer in .*small_vocab has \d+ tokens but the model's embedding "
                                               r"8 rows"):
-        check_vocabulary(small)
+        check_vocabulary(small, load_tokenizer_of(small))
 
 
 def test_texts_are_cut_to_a_base_context_shorter_than_the_presets(tmp_path):

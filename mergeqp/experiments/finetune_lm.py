@@ -35,7 +35,8 @@ from typing import Any
 
 from ..errors import ValidationError, first_line
 from ..io.atomic import atomic_folder, write_json_atomic
-from ..io.checkpoint import SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_INDEX, TORCH_SINGLE, read_config
+from ..io.checkpoint import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_INDEX, TORCH_SINGLE, config_int, config_setting,
+                             read_config)
 from ..merge.sites import model_sites
 from ..run.architectures import causal_lm_obstacle
 from ..stats.prefix import block_stack
@@ -215,10 +216,12 @@ def check_vocabulary(folder: str | Path, tokenizer: Any) -> None:
     """``tokenizer`` (the one in ``folder``, :func:`load_tokenizer_of`) whose ids reach beyond the model's
     embedding (``vocab_size`` of its config) is an error naming both sizes (the fine-tunes failed with an
     index error deep in torch)."""
-    rows = (read_config(Path(folder)) or {}).get("vocab_size")
-    if isinstance(rows, int) and not isinstance(rows, bool) and len(tokenizer) > rows:
+    config = read_config(Path(folder))
+    rows = config_int(config, "vocab_size")  # (a composite model's in its text_config)
+    if rows is not None and len(tokenizer) > rows:
+        where = config_setting(config, "vocab_size")[0]  # type: ignore[index]
         raise ValidationError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding "
-                              f"{rows} rows (config.json vocab_size): its token ids would fall outside the "
+                              f"{rows} rows (config.json {where}): its token ids would fall outside the "
                               f"embedding; save the model with the tokenizer it was trained with")
 
 

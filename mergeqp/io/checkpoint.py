@@ -426,6 +426,32 @@ def read_config(folder: Path) -> dict[str, Any] | None:
         raise ValidationError(f"{cfg}: not valid JSON ({exc})") from None
 
 
+#: sub-configs in which a composite model (Llava, Gemma 3, Qwen2-VL, ...) keeps its language model's settings
+TEXT_SUBCONFIGS = ("text_config", "llm_config", "language_config")
+
+
+def config_setting(config: Mapping[str, Any] | None, key: str) -> tuple[str, Any] | None:
+    """``(where, value)`` of a Hugging Face config's setting ``key``: at its top level, else in the
+    language model's sub-config of a composite model (:data:`TEXT_SUBCONFIGS`; ``where`` is then the
+    dotted name, e.g. ``text_config.vocab_size``); ``None`` where neither holds it (or it is null)."""
+    if not isinstance(config, Mapping):
+        return None
+    if config.get(key) is not None:
+        return key, config[key]
+    for sub in TEXT_SUBCONFIGS:
+        inner = config.get(sub)
+        if isinstance(inner, Mapping) and inner.get(key) is not None:
+            return f"{sub}.{key}", inner[key]
+    return None
+
+
+def config_int(config: Mapping[str, Any] | None, key: str) -> int | None:
+    """:func:`config_setting`'s value where it is a positive integer (not a bool), else ``None``."""
+    found = config_setting(config, key)
+    value = None if found is None else found[1]
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def _read_index(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]

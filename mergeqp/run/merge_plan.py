@@ -14,7 +14,7 @@ from .auto import candidate_notes, is_auto_start, lazy_skipped, parse_auto_param
 from .schema import MergeConfig
 from .settings import evaluates_baseline
 from ..errors import ConfigError
-from ..io.checkpoint import Checkpoint
+from ..io.checkpoint import Checkpoint, config_int, config_setting
 from ..io.memory import human_bytes
 from ..lm import OutputSpec, backbone, linear_head
 from ..merge.calibrated import statistics_of
@@ -530,9 +530,9 @@ CLASSIFIER_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "F
 
 def context_length(config: dict[str, Any]) -> tuple[str, int] | None:
     """``(key, positions)`` of a Hugging Face config's context length, or ``None`` when it names
-    none (:data:`CONTEXT_KEYS`, the first positive integer found)."""
+    none (:data:`CONTEXT_KEYS`, the first positive integer found; a composite model's in its language
+    sub-config, the key then dotted: ``text_config.max_position_embeddings``)."""
     for key in CONTEXT_KEYS:
-        value = config.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return key, value
+        if config_int(config, key) is not None:
+            return config_setting(config, key)
     return None

@@ -48,7 +48,7 @@ from ..io.calibration import (
     split_holdout,
     tensor_labels,
 )
-from ..io.checkpoint import Checkpoint, open_checkpoint
+from ..io.checkpoint import Checkpoint, config_int, config_setting, open_checkpoint
 from ..io.arrays import read_head, read_matrix
 from ..io.memory import human_bytes
 from ..io.writer import check_tensor_finite, parse_size
@@ -694,7 +694,8 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
         entry_call(model_method, "check_sites", model_method.check_sites, sites)
-    vocab = (base.config or {}).get("vocab_size")
+    vocab = config_int(base.config, "vocab_size")  # (a composite model's in its text_config)
+    vocab_key = (config_setting(base.config, "vocab_size") or ("vocab_size",))[0]
     groups: list[GroupPlan] = []
     notes: list[str] = [*config_notes, *holdout_notes]
     unprompted = _without_prompts(cfg)
@@ -715,7 +716,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
         if (cfg.output.field == "logits" and cfg.output.restrict == "topk" and cfg.output.k is not None
                 and isinstance(vocab, int) and cfg.output.k > vocab):
             raise ConfigError(f"output.k {cfg.output.k}: restrict topk keeps the k largest of the {vocab} logits per "
-                              f"position (vocab_size in the base's config.json): k must be at most {vocab}")
+                              f"position ({vocab_key} in the base's config.json): k must be at most {vocab}")
         if (cfg.output.field == "logits" and cfg.output.restrict != "none" and cfg.output.k is not None and vocab
                 and cfg.output.k >= vocab):
             notes.append(f"output.restrict {cfg.output.restrict} with k = {cfg.output.k} is not below the "
@@ -729,7 +730,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     if (matrix is not None and cfg.output.field == "logits" and cfg.output.pool == "none" and not any(heads)
             and not_causal is None and isinstance(vocab, int) and matrix.shape[0] != vocab):
         raise ConfigError(f"output.matrix {cfg.output.matrix}: it has {matrix.shape[0]} rows, but the compared output "
-                          f"'logits' has {vocab} numbers per position (vocab_size in the base's config.json); the "
+                          f"'logits' has {vocab} numbers per position ({vocab_key} in the base's config.json); the "
                           f"matrix needs one row per logit")
     _check_auto_batches(cfg, tasks)
     context = context_length(base.config or {})

@@ -233,6 +233,12 @@ def test_a_base_the_experiment_cannot_use_is_named_before_any_fine_tune(tiny_hf,
     with pytest.raises(ValidationError, match=r"tokenizer in .*small_vocab has \d+ tokens but the model's embedding "
                                               r"8 rows"):
         check_vocabulary(small, load_tokenizer_of(small))
+    composite = tmp_path / "composite"  # (stop 77: a composite model's vocabulary sits in its text_config)
+    composite.mkdir()
+    (composite / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"vocab_size": 8}}))
+    with pytest.raises(ValidationError, match=r"has 50 tokens but the model's embedding 8 rows \(config.json "
+                                              r"text_config.vocab_size\)"):
+        check_vocabulary(composite, ["t"] * 50)
 
 
 def test_texts_are_cut_to_a_base_context_shorter_than_the_presets(tmp_path):

@@ -219,7 +219,7 @@ def check_vocabulary(folder: str | Path, tokenizer: Any) -> None:
     config = read_config(Path(folder))
     rows = config_int(config, "vocab_size")  # (a composite model's in its text_config)
     if rows is not None and len(tokenizer) > rows:
-        where = config_setting(config, "vocab_size")[0]  # type: ignore[index]
+        where = (config_setting(config, "vocab_size") or ("vocab_size",))[0]
         raise ValidationError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding "
                               f"{rows} rows (config.json {where}): its token ids would fall outside the "
                               f"embedding; save the model with the tokenizer it was trained with")

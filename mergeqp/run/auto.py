@@ -56,14 +56,18 @@ AUTO = "auto"
 OUTPUT_SPACE_STEPS = 60
 
 #: the candidates of ``start: auto`` when none are given: the tensor-wise baselines at their
-#: defaults (task arithmetic at three weights), RegMean, Fisher and the full-matrix output-space
-#: merge at three relative ridges (so its ridge, too, is chosen on the held-out batches)
+#: defaults (task arithmetic at three weights), RegMean at three ``alpha`` across its range (the
+#: RegMean paper tunes it on validation data; one fixed 0.9 before stop 77), Fisher and the
+#: full-matrix output-space merge at three relative ridges (so these, too, are chosen on the
+#: held-out batches)
 DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "soup"},
     {"name": "task_arithmetic", "params": {"scaling": 0.3}},
     {"name": "task_arithmetic", "params": {"scaling": 0.5}},
     {"name": "task_arithmetic", "params": {"scaling": 1.0}},
     {"name": "ties"},
+    {"name": "regmean", "params": {"alpha": 0.1}},
+    {"name": "regmean", "params": {"alpha": 0.5}},
     {"name": "regmean", "params": {"alpha": 0.9}},
     {"name": "fisher"},
     {"name": "output_space", "params": {"ridge": 0.01, "steps": OUTPUT_SPACE_STEPS}},

@@ -17,8 +17,8 @@ unknowns, ``qNNN.npz`` (:meth:`~mergeqp.problem.MergeQP.save_npz`) and ``qNNN.pk
 set, the starting point ``x0`` the run passed, the other options, and the solver, time and
 objective seen in the run; a pickle: read only folders you wrote). The experiment's own outputs go to
 ``OUT/run``. ``time`` solves each QP with ``auto`` (best of ``--repeat``, CPU time, certificate
-included), cold and, where the run passed one, from its ``x0``, and one float64 Cholesky of
-``H + 1e-9 mean(diag H) I`` (best of 3) in the same process; prints one line per QP and a summary
+included), cold and, where the run passed one, from its ``x0``, and times the Cholesky that
+``mergeqp bench`` times (:func:`mergeqp.cli.bench.cholesky_seconds`, best of 3) in the same process; prints one line per QP and a summary
 per size. A measurement, not a test: run with ``OMP_NUM_THREADS=1`` for the goal's one-thread
 figures.
 """
@@ -111,23 +111,11 @@ def record(experiment: str, out: Path, full: bool, min_n: int, threads: int) -> 
     print(f"{len(records)} QPs of at least {min_n} unknowns recorded in {out}")
 
 
-def _cholesky_seconds(H: np.ndarray, repeat: int = 3) -> float:
-    import scipy.linalg as sla
-
-    shift = 1e-9 * float(np.trace(H)) / H.shape[0]
-    best = np.inf
-    for _ in range(repeat):
-        A = H + shift * np.eye(H.shape[0])
-        t0 = time.process_time()
-        sla.cho_factor(A, overwrite_a=True, check_finite=False)
-        best = min(best, time.process_time() - t0)
-    return best
-
-
 def time_folder(folder: str | Path, repeat: int = 3, rel_tol: float = 1e-8) -> list[dict[str, Any]]:
     """Solve every recorded QP of ``folder`` again with ``auto`` (cold, and from the run's ``x0``
     where it passed one) and time one Cholesky of its H; one row per QP."""
     from mergeqp.certificate import forget_factorisation
+    from mergeqp.cli.bench import cholesky_seconds
     from mergeqp.problem import MergeQP
     from mergeqp.solvers.registry import solve
 
@@ -143,7 +131,7 @@ def time_folder(folder: str | Path, repeat: int = 3, rel_tol: float = 1e-8) -> l
         # a run's options belong to the solver it named; auto takes its own
         options = rec["options"] if rec["meta"]["solver"] == "auto" else {}
         options = {k: v for k, v in options.items() if k != "rel_tol"}
-        row: dict[str, Any] = {"file": path.name, "n": P.n, "cholesky_seconds": _cholesky_seconds(P.H),
+        row: dict[str, Any] = {"file": path.name, "n": P.n, "cholesky_seconds": cholesky_seconds(P.H, repeat=3, clock=time.process_time),
                                "constraints": str(rec["constraints"])[:60]}
         starts = [("cold", None)] + ([("warm", rec["x0"])] if rec["x0"] is not None else [])
         for label, x0 in starts:

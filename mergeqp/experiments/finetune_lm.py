@@ -35,7 +35,7 @@ from typing import Any
 
 from ..errors import ValidationError, first_line
 from ..io.atomic import atomic_folder, write_json_atomic
-from ..io.checkpoint import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_INDEX, TORCH_SINGLE, config_int, config_setting,
+from ..io.checkpoint import (SAFETENSORS_INDEX, SAFETENSORS_SINGLE, TORCH_INDEX, TORCH_SINGLE, config_int,
                              read_config)
 from ..merge.sites import model_sites
 from ..run.architectures import causal_lm_obstacle
@@ -216,10 +216,9 @@ def check_vocabulary(folder: str | Path, tokenizer: Any) -> None:
     """``tokenizer`` (the one in ``folder``, :func:`load_tokenizer_of`) whose ids reach beyond the model's
     embedding (``vocab_size`` of its config) is an error naming both sizes (the fine-tunes failed with an
     index error deep in torch)."""
-    config = read_config(Path(folder))
-    rows = config_int(config, "vocab_size")  # (a composite model's in its text_config)
-    if rows is not None and len(tokenizer) > rows:
-        where = (config_setting(config, "vocab_size") or ("vocab_size",))[0]
+    found = config_int(read_config(Path(folder)), "vocab_size")  # (a composite model's in its text_config)
+    if found is not None and len(tokenizer) > found[1]:
+        where, rows = found
         raise ValidationError(f"the tokenizer in {folder} has {len(tokenizer)} tokens but the model's embedding "
                               f"{rows} rows (config.json {where}): its token ids would fall outside the "
                               f"embedding; save the model with the tokenizer it was trained with")

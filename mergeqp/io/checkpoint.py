@@ -445,11 +445,12 @@ def config_setting(config: Mapping[str, Any] | None, key: str) -> tuple[str, Any
     return None
 
 
-def config_int(config: Mapping[str, Any] | None, key: str) -> int | None:
-    """:func:`config_setting`'s value where it is a positive integer (not a bool), else ``None``."""
+def config_int(config: Mapping[str, Any] | None, key: str) -> tuple[str, int] | None:
+    """:func:`config_setting` (``(where, value)``) where its value is a positive integer (not a bool),
+    else ``None``."""
     found = config_setting(config, key)
     value = None if found is None else found[1]
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return found if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _read_index(index: Path) -> dict[str, str]:

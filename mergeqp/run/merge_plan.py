@@ -14,7 +14,7 @@ from .auto import candidate_notes, is_auto_start, lazy_skipped, parse_auto_param
 from .schema import MergeConfig
 from .settings import evaluates_baseline
 from ..errors import ConfigError
-from ..io.checkpoint import Checkpoint, config_int, config_setting
+from ..io.checkpoint import Checkpoint, config_int
 from ..io.memory import human_bytes
 from ..lm import OutputSpec, backbone, linear_head
 from ..merge.calibrated import statistics_of
@@ -532,7 +532,4 @@ def context_length(config: dict[str, Any]) -> tuple[str, int] | None:
     """``(key, positions)`` of a Hugging Face config's context length, or ``None`` when it names
     none (:data:`CONTEXT_KEYS`, the first positive integer found; a composite model's in its language
     sub-config, the key then dotted: ``text_config.max_position_embeddings``)."""
-    for key in CONTEXT_KEYS:
-        if config_int(config, key) is not None:
-            return config_setting(config, key)
-    return None
+    return next((found for key in CONTEXT_KEYS if (found := config_int(config, key)) is not None), None)

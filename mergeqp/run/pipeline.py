@@ -148,8 +148,8 @@ def run_merge(cfg: MergeConfig, out_dir: str | Path | None, *, overwrite: bool =
     plan, cfg = reduced, reduced.config
     device, device_note = resolve_device(cfg.device)
     notes = list(plan.notes) + ([device_note] if device_note else [])
-    st_note = sentence_transformers_note(cfg.resolve(cfg.base))
-    if st_note is not None and write:
+    st_note = sentence_transformers_note(cfg.resolve(cfg.base)) if write else None  # (about the written folder)
+    if st_note is not None:
         notes.append(st_note)
     group = current_group()
     if group.world_size > 1:  # (the report of a torchrun launch says so: a QA review, stop 76)

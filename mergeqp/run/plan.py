@@ -48,7 +48,7 @@ from ..io.calibration import (
     split_holdout,
     tensor_labels,
 )
-from ..io.checkpoint import Checkpoint, config_int, config_setting, open_checkpoint
+from ..io.checkpoint import Checkpoint, config_int, open_checkpoint
 from ..io.arrays import read_head, read_matrix
 from ..io.memory import human_bytes
 from ..io.writer import check_tensor_finite, parse_size
@@ -694,8 +694,7 @@ def build_plan(cfg: MergeConfig) -> MergePlan:
     model_method = model_method_of(cfg)
     if model_method is not None and model_method.check_sites is not None:
         entry_call(model_method, "check_sites", model_method.check_sites, sites)
-    vocab = config_int(base.config, "vocab_size")  # (a composite model's in its text_config)
-    vocab_key = (config_setting(base.config, "vocab_size") or ("vocab_size",))[0]
+    vocab_key, vocab = config_int(base.config, "vocab_size") or ("vocab_size", None)  # (or in a text_config)
     groups: list[GroupPlan] = []
     notes: list[str] = [*config_notes, *holdout_notes]
     unprompted = _without_prompts(cfg)

@@ -535,13 +535,13 @@ def test_config_settings_of_composite_models_are_found_in_their_language_config(
               "vision_config": {"max_position_embeddings": 577, "vocab_size": 3}}
     assert config_setting(flat, "vocab_size") == ("vocab_size", 100)  # the top level first
     assert config_setting(nested, "vocab_size") == ("text_config.vocab_size", 32064)  # never the vision tower's
-    assert config_int(nested, "vocab_size") == 32064
+    assert config_int(nested, "vocab_size") == ("text_config.vocab_size", 32064)
     assert context_length(nested) == ("text_config.max_position_embeddings", 4096)
     assert context_length(flat) == ("max_position_embeddings", 64)
     assert config_setting({"llm_config": {"n_positions": 9}}, "n_positions") == ("llm_config.n_positions", 9)
     assert config_setting(nested, "hidden_size") is None and config_setting(None, "vocab_size") is None
     # null, boolean, zero or non-integer values are not sizes
-    assert config_int({"vocab_size": None, "text_config": {"vocab_size": 5}}, "vocab_size") == 5
+    assert config_int({"vocab_size": None, "text_config": {"vocab_size": 5}}, "vocab_size") == ("text_config.vocab_size", 5)
     for bad in (True, 0, -3, 2.5, "8"):
         assert config_int({"vocab_size": bad}, "vocab_size") is None
     assert context_length({"n_positions": True, "text_config": {"n_ctx": 16}}) == ("text_config.n_ctx", 16)

@@ -447,7 +447,7 @@ def compared_width(plan: MergePlan) -> tuple[int, bool] | None:
         classes = max((t.classes or 0 for t in plan.tasks), default=0)
         return (classes, False) if classes else None
     bcfg = plan.base.config or {}
-    hidden = bcfg.get("hidden_size") or bcfg.get("n_embd") or bcfg.get("d_model") or bcfg.get("dim")  # (DistilBERT: dim)
+    hidden = hidden_width(bcfg)
     if out.field in ("last_hidden_state", "pooler_output"):
         return (int(hidden), out.field == "pooler_output") if hidden else None
     arch = ((bcfg.get("architectures") or [""])[0]) or ""
@@ -457,6 +457,22 @@ def compared_width(plan: MergePlan) -> tuple[int, bool] | None:
         labels = bcfg.get("num_labels") or len(bcfg.get("id2label") or {})
         return (int(labels), arch.endswith("ForSequenceClassification")) if labels else None
     return None
+
+
+#: the config keys of a model's hidden width, in the order read (DistilBERT: ``dim``)
+HIDDEN_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def hidden_width(config: dict[str, Any]) -> int | None:
+    """A model's hidden width from its config: the first of :data:`HIDDEN_WIDTH_KEYS` at the top
+    level, else in the language model's sub-config of a composite model (``text_config``, ...,
+    :func:`mergeqp.io.checkpoint.config_int`); ``None`` where none holds a positive integer."""
+    top = next((config[k] for k in HIDDEN_WIDTH_KEYS
+                if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and config[k] > 0), None)
+    if top is not None:
+        return int(top)
+    found = next((f for k in HIDDEN_WIDTH_KEYS if (f := config_int(config, k)) is not None), None)
+    return None if found is None else found[1]
 
 
 def counts_outputs(plan: MergePlan) -> bool:
@@ -473,7 +489,7 @@ def hidden_and_folds(plan: MergePlan, spec: OutputSpec) -> tuple[int, bool]:
     """The final hidden width, and whether a language model's head folds into it (docs/lm-statistics.md:
     its width is then compared, and no logits' tangents are formed)."""
     bcfg = plan.base.config or {}
-    hidden = int(bcfg.get("hidden_size") or bcfg.get("n_embd") or max((s.r for s in plan.sites), default=1))
+    hidden = hidden_width(bcfg) or max((s.r for s in plan.sites), default=1)
     return hidden, bool(plan.vocab_size) and spec.fold_obstacle() is None and plan.structure_folds
 
 

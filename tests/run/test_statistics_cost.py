@@ -103,3 +103,23 @@ def test_auto_does_not_sketch_where_the_sketch_would_not_halve_the_cost(tiny_hf,
     reverse = plan_for("reverse")
     assert reverse.sketch == 5
     assert any(n.startswith("output.sketch auto: a sketch of 5 per prompt") for n in reverse.notes)
+
+
+@pytest.mark.parametrize("config, width", [
+    ({"hidden_size": 64, "vocab_size": 100}, 64),
+    ({"n_embd": 48}, 48),
+    ({"dim": 32, "hidden_dim": 128}, 32),                                     # DistilBERT
+    ({"d_model": 24, "text_config": {"hidden_size": 99}}, 24),                # the top level first
+    ({"model_type": "llava", "vision_config": {"hidden_size": 1024},
+      "text_config": {"hidden_size": 4096}}, 4096),                           # never the vision tower's
+    ({"llm_config": {"n_embd": 16}}, 16),
+    ({"hidden_size": True}, None),                                            # a bool is no width
+    ({"hidden_size": 0}, None),
+    ({"hidden_size": "64"}, None),
+    ({}, None),
+])
+def test_the_hidden_width_is_read_also_from_a_composite_models_text_config(config, width):
+    """(Stop 78: the dry run's width of a composite model's hidden states was read at the top level only.)"""
+    from mergeqp.run.merge_plan import hidden_width
+
+    assert hidden_width(config) == width

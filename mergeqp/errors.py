@@ -241,6 +241,15 @@ def check_integer(what: str, value: object, minimum: int = 1) -> None:
         raise ValidationError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
+def unit_grid(what: str, values: object) -> tuple[float, ...]:
+    """``values`` (one or more numbers in [0, 1], not bools) as a tuple of floats; else a
+    :class:`ValidationError` naming ``what`` (e.g. ``regmean_alphas``)."""
+    if (isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values
+            or any(isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0 <= v <= 1 for v in values)):
+        raise ValidationError(f"{what} must be one or more numbers in [0, 1], got {values!r}")
+    return tuple(float(v) for v in values)
+
+
 def check_callable(kind: str, name: str, what: str, value: object,
                    error: type[MergeQPError] = ValidationError) -> None:
     """``error`` unless ``value`` (the ``what`` of a ``kind`` being registered) is callable."""

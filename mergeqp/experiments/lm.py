@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ValidationError, check_integer, unknown
+from ..errors import ValidationError, check_integer, unit_grid, unknown
 from ..io.atomic import atomic_folder, check_writable_folder, nearest_existing, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
@@ -160,7 +160,9 @@ class LmMergeSettings:
     alike); ``trust_region`` (``mode_options`` of ``trust_region``); the hybrid mode
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
     arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
-    (of :data:`BASELINES`) with ``ties_density``, ``dare_density``, ``regmean_alpha``;
+    (of :data:`BASELINES`) with ``ties_density``, ``dare_density`` and ``regmean_alphas`` (RegMean's
+    ``alpha``, chosen among them by the mean calibration cross-entropy as task arithmetic's scaling:
+    the RegMean paper tunes it on validation data; one value: no choice);
     ``mergekit`` methods (run when mergekit is importable).
     ``solver``: the QP solver (``auto``). ``extra_runs`` (of :data:`EXTRA_RUNS`): ``qp_atoms``
     (``atoms``: the ``rows+baselines`` trust region, the recommended run's layers, metric and mode
@@ -186,7 +188,7 @@ class LmMergeSettings:
     baselines: tuple[str, ...] = BASELINES
     ties_density: float = 0.5
     dare_density: float = 0.5
-    regmean_alpha: float = 0.9
+    regmean_alphas: tuple[float, ...] = (0.1, 0.5, 0.9)
     mergekit: tuple[str, ...] = MERGEKIT_METHODS
     solver: str = "auto"
     extra_runs: tuple[str, ...] = EXTRA_RUNS
@@ -233,6 +235,7 @@ class LmMergeSettings:
                 raise unknown("mergekit method", m, list(MERGEKIT_METHODS))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
+        object.__setattr__(self, "regmean_alphas", unit_grid("regmean_alphas (RegMean's alpha)", self.regmean_alphas))
         if self.balance not in ("none", "tokens"):
             raise unknown("calibration balance", self.balance, ["none", "tokens"])
         for m in self.extra_runs:
@@ -643,17 +646,24 @@ def run_mergekit(ctx: _Context, command: str, methods: Sequence[str], ta_scaling
 # the experiment
 
 
-def baseline_params(mset: LmMergeSettings, seed: int) -> dict[str, dict[str, Any]]:
-    """The run-layer parameters of each of :data:`BASELINES` in this experiment."""
+def baseline_params(mset: LmMergeSettings, seed: int, regmean_alpha: float | None = None) -> dict[str, dict[str, Any]]:
+    """The run-layer parameters of each of :data:`BASELINES` in this experiment (RegMean's ``alpha``:
+    ``regmean_alpha``, the one chosen on the calibration texts; default the first of ``regmean_alphas``)."""
+    alpha = mset.regmean_alphas[0] if regmean_alpha is None else regmean_alpha
     return {"soup": {}, "ties": {"density": mset.ties_density},
             "dare_ties": {"density": mset.dare_density, "seed": seed}, "fisher": {},
-            "regmean": {"alpha": mset.regmean_alpha}}
+            "regmean": {"alpha": float(alpha)}}
 
 
-def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str]
-                ) -> list[tuple[str, dict[str, Any], list[str], str, str]]:
+#: a baseline's setting chosen on the calibration texts: (results key, record key, the grid's setting name)
+TUNED_BASELINES = {"task_arithmetic": ("task_arithmetic_tuning", "scaling", "scalings"),
+                   "regmean": ("regmean_tuning", "alpha", "alphas")}
+
+
+def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str],
+                regmean_alpha: float | None = None) -> list[tuple[str, dict[str, Any], list[str], str, str]]:
     """``(label, run-layer method, layers, metric, kind)`` of each of ``mset.extra_runs``."""
-    params = {**baseline_params(mset, seed), "task_arithmetic": {"scaling": float(best_scaling)}}
+    params = {**baseline_params(mset, seed, regmean_alpha), "task_arithmetic": {"scaling": float(best_scaling)}}
     out = []
     if "qp_atoms" in mset.extra_runs:
         a = mset.atoms
@@ -939,27 +949,43 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 4. task arithmetic: the scaling chosen by the mean calibration cross-entropy
     t = time.perf_counter()
-    ta_models, ta_records = {}, {}
-    for scaling in mset.ta_scalings:
-        tensors, rec = run_layer_merge(ctx, f"ta_{scaling:g}", {"name": "task_arithmetic",
-                                                                "params": {"scaling": float(scaling)}}, linear_layers)
-        ta_models[scaling], ta_records[scaling] = tensors, rec
-    ta_calib = calib_eval.evaluate({f"{s:g}": m for s, m in ta_models.items()}, references)
-    ta_ce = {s: float(np.mean([ta_calib[f"{s:g}"][d]["ce"] for d in names])) for s in mset.ta_scalings}
-    best_scaling = min(mset.ta_scalings, key=lambda s: (ta_ce[s], s))
-    models["task_arithmetic"] = ta_models[best_scaling]
-    records["task_arithmetic"] = {"kind": "baseline", **ta_records[best_scaling], "scaling": best_scaling}
-    timings["task_arithmetic_tuning"] = time.perf_counter() - t
-    say(f"task arithmetic scaling {best_scaling:g} (mean calibration CE "
-        + ", ".join(f"{s:g}: {ta_ce[s]:.4f}" for s in mset.ta_scalings) + ")")
+    tunings: dict[str, dict[str, Any]] = {}
+    tuned_calib: dict[str, dict[str, Any]] = {}  # a tuned baseline's calibration scores (its choice's)
 
-    # 5. baselines through the run layer
+    def tune(label: str, grid: Sequence[float], params_of: Any) -> float:
+        """A baseline's setting chosen among ``grid`` by the mean calibration cross-entropy (ties: the
+        smaller); its model and record are the chosen setting's."""
+        key, setting, plural = TUNED_BASELINES[label]
+        tried, recs = {}, {}
+        for value in grid:
+            tried[value], recs[value] = run_layer_merge(ctx, f"{label}_{value:g}", {"name": label, "params": params_of(value)},
+                                                        linear_layers)
+        scores = calib_eval.evaluate({f"{v:g}": m for v, m in tried.items()}, references)
+        ce = {v: float(np.mean([scores[f"{v:g}"][d]["ce"] for d in names])) for v in grid}
+        best = min(grid, key=lambda v: (ce[v], v))
+        models[label] = tried[best]
+        records[label] = {"kind": "baseline", **recs[best], setting: best}
+        tuned_calib[label] = scores[f"{best:g}"]
+        tunings[key] = {plural: {f"{v:g}": ce[v] for v in grid}, "chosen": best,
+                        "criterion": "mean calibration cross-entropy"}
+        say(f"{label.replace('_', ' ')} {setting} {best:g} (mean calibration CE "
+            + ", ".join(f"{v:g}: {ce[v]:.4f}" for v in grid) + ")")
+        return best
+
+    best_scaling = tune("task_arithmetic", mset.ta_scalings, lambda s: {"scaling": float(s)})
+    timings["task_arithmetic_tuning"] = time.perf_counter() - t
+
+    # 5. baselines through the run layer (RegMean's alpha chosen as task arithmetic's scaling)
     t = time.perf_counter()
     params = baseline_params(mset, seed)
     for label in mset.baselines:
+        if label == "regmean" and len(mset.regmean_alphas) > 1:
+            params = baseline_params(mset, seed, tune("regmean", mset.regmean_alphas,
+                                                      lambda a: baseline_params(mset, seed, a)["regmean"]))
+            continue
         method = {"name": label, **({"params": params[label]} if params[label] else {})}
         models[label], rec = run_layer_merge(ctx, label, method, linear_layers)
-        records[label] = {"kind": "baseline", **rec}
+        records[label] = {"kind": "baseline", **rec, **({"alpha": params[label]["alpha"]} if label == "regmean" else {})}
     timings["baselines"] = time.perf_counter() - t
 
     # 6. QP runs (mode x metric)
@@ -987,7 +1013,8 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     # 6b. baselines as feasible points of the trust region's QPs; the output-space merge
     t = time.perf_counter()
-    for label, method, layers, metric, kind in _extra_runs(mset, best_scaling, seed, linear_layers):
+    for label, method, layers, metric, kind in _extra_runs(mset, best_scaling, seed, linear_layers,
+                                                               params["regmean"]["alpha"]):
         try:  # reference rows: one this model cannot run is said, and the experiment goes on
             models[label], rec = run_layer_merge(ctx, label, method, layers, metric)
         except ValidationError as exc:
@@ -1033,10 +1060,9 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     # paired bootstrap intervals (lm_claims, uncertainty)
     per_text = {name: {d: {"nll": test[name][d].pop("text_nll"), "predicted": test[name][d].pop("text_predicted")}
                        for d in test[name]} for name in test}
-    # the chosen task arithmetic was scored on the calibration texts already (its scaling's choice)
-    calib = calib_eval.evaluate({k: v for k, v in unique.items() if k != "task_arithmetic"}, references)
-    if "task_arithmetic" in unique:
-        calib["task_arithmetic"] = ta_calib[f"{best_scaling:g}"]
+    # a tuned baseline was scored on the calibration texts already (its setting's choice)
+    calib = calib_eval.evaluate({k: v for k, v in unique.items() if k not in tuned_calib}, references)
+    calib.update({k: v for k, v in tuned_calib.items() if k in unique})
     for name in models:
         if name not in unique:
             twin = records[name]["evaluated_as"]["model"]
@@ -1063,8 +1089,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         "finetuned_tensors": list(trained),
         "merged_layers": linear_layers,
         "finetunes": ft_records,
-        "task_arithmetic_tuning": {"scalings": {f"{s:g}": ta_ce[s] for s in mset.ta_scalings},
-                                   "chosen": best_scaling, "criterion": "mean calibration cross-entropy"},
+        **tunings,
         "methods": records,
         "per_text_test": per_text,
         "notes": notes,

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import pydantic
 
-from ..errors import ValidationError, check_integer, unknown
+from ..errors import ValidationError, check_integer, unit_grid, unknown
 from ..io.atomic import atomic_folder, check_writable_folder, write_json_atomic
 from ..io.progress import library_bars
 from ..io.workdir import work_folder
@@ -113,6 +113,8 @@ class TextConfig:
     last block of an encoder of any depth);
     ``geometry_layers``: glob of the layer(s) the geometry experiment merges (default ``None``:
     every trained layer); ``ta_scalings``: the task-arithmetic weights tried on calibration data;
+    ``regmean_alphas``: RegMean's ``alpha`` tried on calibration data the same way (the RegMean paper
+    tunes it on validation data; one value: no choice);
     ``ranks``: basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
     ``output``: the run layer's ``output`` block of every merge QP (default: the mean-pooled
     ``last_hidden_state``, one ``H``-vector per text: exactly the embedding that the task heads
@@ -136,6 +138,7 @@ class TextConfig:
     lr: float = 1e-3
     head_lr: float = 1e-2
     ta_scalings: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+    regmean_alphas: tuple[float, ...] = (0.1, 0.5, 0.9)
     ranks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     bases: tuple[str, ...] = BASES
     geometry_layers: str | None = None
@@ -154,6 +157,7 @@ class TextConfig:
             check_integer(f"text experiment {name}", getattr(self, name))
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive finite numbers, got {self.ta_scalings}")
+        object.__setattr__(self, "regmean_alphas", unit_grid("regmean_alphas (RegMean's alpha)", self.regmean_alphas))
         for name in ("lr", "head_lr"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
@@ -549,20 +553,24 @@ class _Run:
                                                 for m in ("accuracy", "mse")}} for p in ("calibration", "test")}
         self.lap("references")
         methods: dict[str, Any] = {}
-        ta_grid = {}
-        for s in cfg.ta_scalings:
-            ta_grid[s] = self.merge(f"task_arithmetic_{s:g}", {"name": "task_arithmetic", "params": {"scaling": s}})
-        best_s = max(cfg.ta_scalings, key=lambda s: (ta_grid[s]["calibration"]["mean"]["accuracy"],
-                                                     -ta_grid[s]["calibration"]["mean"]["mse"]))
-        methods["task_arithmetic"] = {**ta_grid[best_s], "tuned_scaling": best_s}
-        selection: dict[str, Any] = {
-            "task_arithmetic": {"criterion": "highest mean calibration accuracy (ties: lower calibration MSE)",
-                                "chosen": best_s,
-                                "grid": {f"{s:g}": ta_grid[s]["calibration"]["mean"] for s in cfg.ta_scalings}}}
-        params = {"soup": {}, "ties": {"density": cfg.ties_density}, "dare_ties": {"density": cfg.ties_density},
-                  "regmean": {}}
+        selection: dict[str, Any] = {}
+
+        def tune(name: str, setting: str, grid: Sequence[float], record: str) -> float:
+            """A baseline's ``setting`` chosen among ``grid`` by the highest mean calibration accuracy
+            (ties: the lower calibration MSE); its row is the chosen one's, with ``record``."""
+            tried = {v: self.merge(f"{name}_{v:g}", {"name": name, "params": {setting: v}}) for v in grid}
+            best = max(grid, key=lambda v: (tried[v]["calibration"]["mean"]["accuracy"],
+                                            -tried[v]["calibration"]["mean"]["mse"]))
+            methods[name] = {**tried[best], record: best}
+            selection[name] = {"criterion": "highest mean calibration accuracy (ties: lower calibration MSE)",
+                               "chosen": best, "grid": {f"{v:g}": tried[v]["calibration"]["mean"] for v in grid}}
+            return best
+
+        best_s = tune("task_arithmetic", "scaling", cfg.ta_scalings, "tuned_scaling")
+        params = {"soup": {}, "ties": {"density": cfg.ties_density}, "dare_ties": {"density": cfg.ties_density}}
         for name, p in params.items():
             methods[name] = self.merge(name, {"name": name, "params": p})
+        alpha = tune("regmean", "alpha", cfg.regmean_alphas, "tuned_alpha")
         methods["fisher"] = self.fisher_merge()
         self.lap("baselines")
         single = {"name": "qp", "mode": "single", "parametrisation": "rows"}
@@ -591,7 +599,7 @@ class _Run:
                                             "pool: mean)")
         # every baseline (RegMean with its statistics, TIES, the tuned task arithmetic) a feasible point
         methods["qp_atoms"] = self.merge("qp_atoms", {**single, "parametrisation": "rows+baselines", "baselines": [
-            {"name": "regmean"}, {"name": "ties", "params": {"density": cfg.ties_density}},
+            {"name": "regmean", "params": {"alpha": alpha}}, {"name": "ties", "params": {"density": cfg.ties_density}},
             {"name": "task_arithmetic", "params": {"scaling": best_s}}]})
         methods["output_space"] = self.merge("output_space", {"name": "output_space",
                                                               "params": dict(cfg.output_space)})

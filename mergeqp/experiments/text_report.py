@@ -262,6 +262,8 @@ def render_text_report(results: dict[str, Any]) -> str:
                tasks), "",
         "## Methods (mean over tasks)", "", methods_table(results), "",
         f"Task arithmetic's weight: {sel['task_arithmetic']['chosen']} ({sel['task_arithmetic']['criterion']}).  ",
+        *([f"RegMean's alpha: {sel['regmean']['chosen']:g} ({sel['regmean']['criterion']}; the RegMean paper tunes "
+           f"it on validation data).  "] if "regmean" in sel else []),
         f"Recommended merge: `{sel['recommended']['chosen']}` ({sel['recommended']['criterion']}).", "",
         *start_selection_lines(results["methods"].get(sel["recommended"]["chosen"], {})),
         goal_line(results["goal"]), "",

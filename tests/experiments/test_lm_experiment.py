@@ -47,7 +47,8 @@ def _config(**merge):
     settings = {"calibration_max_length": 16, "calibration_batch_size": 4, "ta_scalings": (0.5, 1.0),
                 "outputs": {"euclidean": {"restrict": "none"}, "kl": {"restrict": "topk", "k": 8},
                             "cross_entropy": {"restrict": "topk", "k": 8, "sketch": 16}},
-                "modes": ("single", "sequential"), "metrics": ("euclidean",), "baselines": ("ties",),
+                "modes": ("single", "sequential"), "metrics": ("euclidean",), "baselines": ("ties", "regmean"),
+                "regmean_alphas": (0.1, 0.9),
                 "mergekit": ("ties",) if importlib.util.find_spec("mergekit") else (), **merge}
     return LmConfig(train_texts=16, calibration_texts=6, test_texts=6, min_chars=5, finetune_blocks=1,
                     finetune_steps=12, finetune_batch=4, finetune_max_length=16, finetune_lr=1e-2,
@@ -78,7 +79,8 @@ def test_pipeline_end_to_end(lm_run):
         assert (out / name).is_file()
     assert not list(root.glob(".lm-work-*"))  # the work folder (merged models, prompt files) is removed
     methods = results["methods"]
-    expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "multitask", "task_arithmetic", "ties", "qp_single_euclidean",
+    expected = {"base", *(f"finetune:{d}" for d in DOMAINS), "multitask", "task_arithmetic", "ties", "regmean",
+                "qp_single_euclidean",
                 "qp_sequential_euclidean", "qp_atoms", "output_space"}
     if importlib.util.find_spec("mergekit"):
         expected.add("mergekit_ties")
@@ -131,6 +133,7 @@ def test_pipeline_end_to_end(lm_run):
     assert atoms["kind"] == "qp" and atoms["method"]["parametrisation"] == "rows+baselines"
     assert [b["name"] for b in atoms["method"]["baselines"]] == ["regmean", "fisher", "ties", "task_arithmetic"]
     assert atoms["method"]["baselines"][3]["params"]["scaling"] == results["task_arithmetic_tuning"]["chosen"]
+    assert atoms["method"]["baselines"][0]["params"]["alpha"] == results["regmean_tuning"]["chosen"]
     assert atoms["layers"] == ["model.layers.1.mlp.down_proj"] and atoms["metric"] == "cross_entropy"
     # the output-space merge of the same layer, fitted to the fine-tunes' top-k outputs
     space = methods["output_space"]
@@ -148,6 +151,14 @@ def test_choices_use_calibration_texts_only(lm_run):
     # the tuning criterion is the calibration evaluation of the chosen merge, not its test evaluation
     assert ce[tuning["chosen"]] == pytest.approx(ta["mean_calibration_ce"], rel=1e-9)
     assert ce[tuning["chosen"]] != pytest.approx(ta["mean_test"]["ce"], rel=1e-6)
+    # RegMean's alpha alike (stop 78: the RegMean paper tunes it on validation data)
+    tuning = results["regmean_tuning"]
+    ce = {float(k): v for k, v in tuning["alphas"].items()}
+    assert set(ce) == {0.1, 0.9} and tuning["chosen"] == min(ce, key=ce.get)
+    regmean = results["methods"]["regmean"]
+    assert regmean["method"]["params"]["alpha"] == regmean["alpha"] == tuning["chosen"]
+    assert ce[tuning["chosen"]] == pytest.approx(regmean["mean_calibration_ce"], rel=1e-9)
+    assert ce[0.1] != pytest.approx(ce[0.9], rel=1e-9)  # two merges, not one twice
     rec = results["recommended"]
     qps = {n: m for n, m in results["methods"].items() if m["kind"] == "qp"}
     assert rec["method"] == min(qps, key=lambda n: qps[n]["mean_calibration_ce"])
@@ -415,6 +426,10 @@ def test_settings_validation():
         LmMergeSettings(mergekit=("slerp",))
     with pytest.raises(ValidationError, match="ta_scalings"):
         LmMergeSettings(ta_scalings=(0.0,))
+    for bad in ((1.5,), (), 0.5, (True,), ("0.5",), (-0.1,)):
+        with pytest.raises(ValidationError, match=r"regmean_alphas \(RegMean's alpha\) must be one or more numbers"):
+            LmMergeSettings(regmean_alphas=bad)
+    assert LmMergeSettings(regmean_alphas=[0, 1]).regmean_alphas == (0.0, 1.0)
     with pytest.raises(UnknownNameError, match="unknown extra run 'slerp'"):
         LmMergeSettings(extra_runs=("slerp",))
     with pytest.raises(ValidationError, match="atoms: metric 'cross_entropy' has no 'outputs' entry"):

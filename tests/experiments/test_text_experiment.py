@@ -36,7 +36,7 @@ LAYER = "encoder.layer.1.output.dense"
 def tiny_config() -> TextConfig:
     return TextConfig(train_per_task=48, calibration_per_task=12, test_per_task=16, max_length=10, batch_size=16,
                       train_patterns=(LAYER + ".*",), epochs=2, ta_scalings=(0.5, 1.0), ranks=(1, 2),
-                      trust_region={"max_steps": 1}, merge_batch_size=4)
+                      regmean_alphas=(0.1, 0.9), trust_region={"max_steps": 1}, merge_batch_size=4)
 
 
 def synthetic_tasks(tiny_hf, n: int = 90) -> list[Corpus]:
@@ -309,6 +309,14 @@ def test_choices_follow_calibration_numbers_only(cli_run):
     best = max(grid, key=lambda s: (grid[s]["accuracy"], -grid[s]["mse"]))
     assert float(best) == sel["task_arithmetic"]["chosen"] == results["methods"]["task_arithmetic"]["tuned_scaling"]
     assert results["methods"]["task_arithmetic"]["calibration"]["mean"] == grid[best]
+    grid = sel["regmean"]["grid"]  # RegMean's alpha alike (stop 78)
+    best = max(grid, key=lambda a: (grid[a]["accuracy"], -grid[a]["mse"]))
+    assert set(grid) == {"0.1", "0.9"} and grid["0.1"] != grid["0.9"]
+    assert float(best) == sel["regmean"]["chosen"] == results["methods"]["regmean"]["tuned_alpha"]
+    assert results["methods"]["regmean"]["method"]["params"] == {"alpha": sel["regmean"]["chosen"]}
+    assert results["methods"]["regmean"]["calibration"]["mean"] == grid[best]
+    assert results["methods"]["qp_atoms"]["method"]["baselines"][0] == {"name": "regmean",
+                                                                       "params": {"alpha": sel["regmean"]["chosen"]}}
     cal = sel["recommended"]["calibration"]
     assert sel["recommended"]["chosen"] == "auto"  # method: auto, fixed in advance
     assert results["methods"]["auto"]["method"] == {"name": "auto"}
@@ -547,7 +555,8 @@ def test_patterns_that_train_a_norm_and_odd_settings_are_refused_first(tiny_hf, 
                             cache_dir=str(cache))
     assert not (cache / "finetunes").exists() and not (tmp_path / "o").exists()
     for bad in ({"ta_scalings": (-1.0,)}, {"lr": float("nan")}, {"train_patterns": ()}, {"epochs": 2.5},
-                {"ties_density": 0.0}):
+                {"ties_density": 0.0}, {"regmean_alphas": (1.5,)}, {"regmean_alphas": ()}, {"regmean_alphas": 0.5},
+                {"regmean_alphas": (True,)}):
         with pytest.raises(ValidationError):
             TextConfig(**bad)
     assert TextConfig(train_patterns=LAYER + ".*").train_patterns == (LAYER + ".*",)

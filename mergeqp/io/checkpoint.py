@@ -445,12 +445,16 @@ def config_setting(config: Mapping[str, Any] | None, key: str) -> tuple[str, Any
     return None
 
 
+def positive_int(value: Any) -> bool:
+    """Whether a config value is a positive integer (a bool is not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def config_int(config: Mapping[str, Any] | None, key: str) -> tuple[str, int] | None:
     """:func:`config_setting` (``(where, value)``) where its value is a positive integer (not a bool),
     else ``None``."""
     found = config_setting(config, key)
-    value = None if found is None else found[1]
-    return found if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return found if found is not None and positive_int(found[1]) else None
 
 
 def _read_index(index: Path) -> dict[str, str]:

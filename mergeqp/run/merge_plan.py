@@ -14,7 +14,7 @@ from .auto import candidate_notes, is_auto_start, lazy_skipped, parse_auto_param
 from .schema import MergeConfig
 from .settings import evaluates_baseline
 from ..errors import ConfigError
-from ..io.checkpoint import Checkpoint, config_int
+from ..io.checkpoint import Checkpoint, config_int, positive_int
 from ..io.memory import human_bytes
 from ..lm import OutputSpec, backbone, linear_head
 from ..merge.calibrated import statistics_of
@@ -449,7 +449,7 @@ def compared_width(plan: MergePlan) -> tuple[int, bool] | None:
     bcfg = plan.base.config or {}
     hidden = hidden_width(bcfg)
     if out.field in ("last_hidden_state", "pooler_output"):
-        return (int(hidden), out.field == "pooler_output") if hidden else None
+        return (hidden, out.field == "pooler_output") if hidden else None
     arch = ((bcfg.get("architectures") or [""])[0]) or ""
     if out.field == "logits" and arch.endswith(("ForMaskedLM", "ForCausalLM", "LMHeadModel")) and plan.vocab_size:
         return plan.vocab_size, False
@@ -467,10 +467,9 @@ def hidden_width(config: dict[str, Any]) -> int | None:
     """A model's hidden width from its config: the first of :data:`HIDDEN_WIDTH_KEYS` at the top
     level, else in the language model's sub-config of a composite model (``text_config``, ...,
     :func:`mergeqp.io.checkpoint.config_int`); ``None`` where none holds a positive integer."""
-    top = next((config[k] for k in HIDDEN_WIDTH_KEYS
-                if isinstance(config.get(k), int) and not isinstance(config.get(k), bool) and config[k] > 0), None)
+    top = next((config[k] for k in HIDDEN_WIDTH_KEYS if positive_int(config.get(k))), None)
     if top is not None:
-        return int(top)
+        return top
     found = next((f for k in HIDDEN_WIDTH_KEYS if (f := config_int(config, k)) is not None), None)
     return None if found is None else found[1]
 

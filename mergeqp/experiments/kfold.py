@@ -44,6 +44,25 @@ class KFoldSelection:
         return asdict(self)
 
 
+def contiguous_folds(n: int, folds: int) -> list[tuple[list[int], list[int]]]:
+    """``(fit, held)`` indices of ``n`` items in ``k = min(folds, n)`` contiguous parts (the first
+    ``n % k`` one item longer, as ``numpy.array_split``), each part held out once: the folds that
+    ``method: auto`` cuts each task's calibration batches into, here over any items (texts). Needs
+    ``n >= 2`` (something to fit on and something to score) and ``folds >= 2``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        raise ValidationError(f"k-fold selection needs two or more items, got {n!r}")
+    if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
+        raise ValidationError(f"k-fold selection needs folds >= 2, got {folds!r}")
+    k = min(folds, n)
+    q, r = divmod(n, k)
+    out, start = [], 0
+    for i in range(k):
+        stop = start + q + (1 if i < r else 0)
+        out.append(([j for j in range(n) if not start <= j < stop], list(range(start, stop))))
+        start = stop
+    return out
+
+
 def kfold_calibration(calibration: Sequence[Any], folds: int, seed: int = 0,
                       batch_size: int = 256) -> list[tuple[list[Any], list[Any]]]:
     """``folds`` pairs ``(fit, held)`` of K-lists of input tensors: each task's samples permuted

@@ -56,7 +56,7 @@ from ..output_metrics import OUTPUT_METRICS
 from ..jsonutil import to_jsonable
 from ..io.checkpoint import read_config
 from ..run.architectures import ARCHITECTURES, causal_lm_obstacle
-from ..run.auto import AUTO_MODE_OPTIONS
+from ..run.auto import AUTO_FOLDS, AUTO_MODE_OPTIONS
 from ..run.merge_plan import context_length
 from .corpora import Corpus, bbc_news, check_corpus_name, corpus_files, fortunes, wordnet_glosses
 from .finetune_lm import (
@@ -70,6 +70,7 @@ from .finetune_lm import (
     smollm2_folder,
     split_block,
 )
+from .kfold import contiguous_folds
 from .lm_claims import MULTITASK, evaluate_lm_claims, lm_goal, recommended_merge
 from .lm_eval import ModelTensors, UpperEvaluator, file_names, same_model
 from .lm_report import write_lm_outputs
@@ -161,8 +162,11 @@ class LmMergeSettings:
     starts from the calibration-tuned task arithmetic. Baselines: ``ta_scalings`` (task
     arithmetic's scaling, chosen by the mean calibration cross-entropy), the other ``baselines``
     (of :data:`BASELINES`) with ``ties_density``, ``dare_density`` and ``regmean_alphas`` (RegMean's
-    ``alpha``, chosen among them by the mean calibration cross-entropy as task arithmetic's scaling:
-    the RegMean paper tunes it on validation data; one value: no choice);
+    ``alpha``, chosen among them by the mean cross-entropy of calibration texts that the RegMean it
+    scores was not fitted to, ``tuning_folds``-fold: each domain's calibration texts cut into that many
+    contiguous folds, as ``method: auto`` cuts its batches; the RegMean paper tunes alpha on validation
+    data; ``tuning_folds: 1`` scores each RegMean on the texts it was fitted to, the rule of stop 78;
+    one value: no choice);
     ``mergekit`` methods (run when mergekit is importable).
     ``solver``: the QP solver (``auto``). ``extra_runs`` (of :data:`EXTRA_RUNS`): ``qp_atoms``
     (``atoms``: the ``rows+baselines`` trust region, the recommended run's layers, metric and mode
@@ -189,6 +193,7 @@ class LmMergeSettings:
     ties_density: float = 0.5
     dare_density: float = 0.5
     regmean_alphas: tuple[float, ...] = (0.1, 0.5, 0.9)
+    tuning_folds: int = AUTO_FOLDS
     mergekit: tuple[str, ...] = MERGEKIT_METHODS
     solver: str = "auto"
     extra_runs: tuple[str, ...] = EXTRA_RUNS
@@ -236,6 +241,7 @@ class LmMergeSettings:
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive numbers, got {self.ta_scalings}")
         object.__setattr__(self, "regmean_alphas", unit_grid("regmean_alphas (RegMean's alpha)", self.regmean_alphas))
+        check_integer("tuning_folds", self.tuning_folds, 1)
         if self.balance not in ("none", "tokens"):
             raise unknown("calibration balance", self.balance, ["none", "tokens"])
         for m in self.extra_runs:
@@ -658,6 +664,10 @@ def baseline_params(mset: LmMergeSettings, seed: int, regmean_alpha: float | Non
 #: a baseline's setting chosen on the calibration texts: (results key, record key, the grid's setting name)
 TUNED_BASELINES = {"task_arithmetic": ("task_arithmetic_tuning", "scaling", "scalings"),
                    "regmean": ("regmean_tuning", "alpha", "alphas")}
+#: tuned baselines fitted to the calibration texts: their setting is scored on texts the fit did not
+#: see (``LmMergeSettings.tuning_folds``); task arithmetic is data-free, so its calibration score is
+#: already a held-out one
+FITTED_BASELINES = frozenset({"regmean"})
 
 
 def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str],
@@ -954,23 +964,69 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
 
     def tune(label: str, grid: Sequence[float], params_of: Any) -> float:
         """A baseline's setting chosen among ``grid`` by the mean calibration cross-entropy (ties: the
-        smaller); its model and record are the chosen setting's."""
+        smaller); its model and record are the chosen setting's. A baseline fitted to the calibration
+        texts (RegMean) is scored on texts its fit did not see (``mset.tuning_folds``-fold) and then
+        fitted on all of them at the chosen setting; a data-free one (task arithmetic) on every text."""
         key, setting, plural = TUNED_BASELINES[label]
-        tried, recs = {}, {}
-        for value in grid:
-            tried[value], recs[value] = run_layer_merge(ctx, f"{label}_{value:g}", {"name": label, "params": params_of(value)},
-                                                        linear_layers)
-        scores = calib_eval.evaluate({f"{v:g}": m for v, m in tried.items()}, references)
-        ce = {v: float(np.mean([scores[f"{v:g}"][d]["ce"] for d in names])) for v in grid}
-        best = min(grid, key=lambda v: (ce[v], v))
-        models[label] = tried[best]
-        records[label] = {"kind": "baseline", **recs[best], setting: best}
+        folds = mset.tuning_folds if label in FITTED_BASELINES and len(grid) > 1 else 1  # (one value: no choice)
+        if folds > 1:
+            ce, held = cross_validated_ce(label, grid, params_of, folds)
+            best = min(grid, key=lambda v: (ce[v], v))
+            merged, rec = run_layer_merge(ctx, label, {"name": label, "params": params_of(best)}, linear_layers)
+            scores = calib_eval.evaluate({f"{best:g}": merged}, references)
+            criterion = (f"mean cross-entropy of held-out calibration texts, {len(held)}-fold (each fold of "
+                         f"every domain's calibration texts scored by the fit on the others)")
+        else:
+            tried, recs = {}, {}
+            for value in grid:
+                tried[value], recs[value] = run_layer_merge(ctx, f"{label}_{value:g}",
+                                                            {"name": label, "params": params_of(value)}, linear_layers)
+            scores = calib_eval.evaluate({f"{v:g}": m for v, m in tried.items()}, references)
+            ce = {v: float(np.mean([scores[f"{v:g}"][d]["ce"] for d in names])) for v in grid}
+            best = min(grid, key=lambda v: (ce[v], v))
+            merged, rec = tried[best], recs[best]
+            criterion, held = "mean calibration cross-entropy", None
+        models[label] = merged
+        records[label] = {"kind": "baseline", **rec, setting: best}
         tuned_calib[label] = scores[f"{best:g}"]
-        tunings[key] = {plural: {f"{v:g}": ce[v] for v in grid}, "chosen": best,
-                        "criterion": "mean calibration cross-entropy"}
-        say(f"{label.replace('_', ' ')} {setting} {best:g} (mean calibration CE "
+        tunings[key] = {plural: {f"{v:g}": ce[v] for v in grid}, "chosen": best, "criterion": criterion,
+                        **({"held_out_texts": held} if held is not None else {})}
+        say(f"{label.replace('_', ' ')} {setting} {best:g} ({criterion}: "
             + ", ".join(f"{v:g}: {ce[v]:.4f}" for v in grid) + ")")
         return best
+
+    def cross_validated_ce(label: str, grid: Sequence[float], params_of: Any,
+                           folds: int) -> tuple[dict[float, float], list[dict[str, int]]]:
+        """Each setting's mean over domains of the cross-entropy per token of every calibration text,
+        each text scored by the merge fitted on the other folds of the calibration texts (contiguous
+        folds per domain, the fit's prompt files written to the work folder); and per fold the
+        held-out texts of each domain."""
+        per_domain = [contiguous_folds(len(s.calibration), folds) for s in splits]
+        k = min(len(p) for p in per_domain)  # a domain with fewer texts than folds: fewer folds for all
+        per_domain = [contiguous_folds(len(s.calibration), k) for s in splits]
+        nll = {v: {d: 0.0 for d in names} for v in grid}
+        predicted = {v: {d: 0 for d in names} for v in grid}
+        held_counts = []
+        for i in range(k):
+            files = []
+            for s, parts in zip(splits, per_domain):
+                f = work / f"calibration_{s.name}_fold{i}.jsonl"
+                f.write_text("".join(json.dumps({"text": s.calibration[j]}) + "\n" for j in parts[i][0]))
+                files.append(f)
+            held = {s.name: [s.calibration[j] for j in parts[i][1]] for s, parts in zip(splits, per_domain)}
+            held_counts.append({d: len(t) for d, t in held.items()})
+            fold_eval = UpperEvaluator(model, tokenizer, first, held, base_state=test_eval.base_state, **kw)
+            fold_ctx = replace(ctx, calibration_files=files)
+            tried = {f"{v:g}": run_layer_merge(fold_ctx, f"{label}_{v:g} (fold {i + 1} of {k})",
+                                               {"name": label, "params": params_of(v)}, linear_layers)[0]
+                     for v in grid}
+            scores = fold_eval.evaluate(tried, references, per_text=True)
+            for v in grid:
+                for d in names:
+                    nll[v][d] += float(np.sum(scores[f"{v:g}"][d]["text_nll"]))
+                    predicted[v][d] += int(np.sum(scores[f"{v:g}"][d]["text_predicted"]))
+        ce = {v: float(np.mean([nll[v][d] / max(predicted[v][d], 1) for d in names])) for v in grid}
+        return ce, held_counts
 
     best_scaling = tune("task_arithmetic", mset.ta_scalings, lambda s: {"scaling": float(s)})
     timings["task_arithmetic_tuning"] = time.perf_counter() - t

@@ -49,12 +49,14 @@ from ..io.workdir import work_folder
 from ..merge.modes import MERGE_MODES
 from ..jsonutil import to_jsonable
 from ..merge.registry import merge_state_dicts
+from ..run.auto import AUTO_FOLDS
 from ..run.pipeline import resolve_device, run_merge
 from ..run.schema import MergeConfig, OutputConfig
 from . import text_report
 from .corpora import Corpus, check_corpus_name, corpus_files
 from .mnist import MAX_SEED, prepare_out_dir
 from .finetune_lm import load_tokenizer_of, trainable_names
+from .kfold import contiguous_folds
 from .text_encoder import (HEAD_FILE, EncoderSettings, block_prefix, cached_block_inputs, check_encoder_folder,
                            encoder_blocks, finetune_encoder, finetune_key as encoder_finetune_key,
                            first_trained_block, load_encoder, pooled_embeddings, run_top)
@@ -71,6 +73,9 @@ LAST_BLOCK = "{last}"
 #: full mode's geometry experiment: the last block's MLP output projection (the paper's layer)
 FULL_GEOMETRY_LAYERS = "encoder.layer.{last}.output.dense"
 BASELINES = ("soup", "task_arithmetic", "ties", "dare_ties", "fisher", "regmean")
+#: tuned baselines fitted to the calibration texts: their setting is scored on texts the fit did not
+#: see (``TextConfig.tuning_folds``); task arithmetic is data-free
+FITTED_BASELINES = frozenset({"regmean"})
 BASES = ("svd", "random", "optimal")
 DEFAULT_CACHE = os.path.join("~", ".cache", "mergeqp", "text")
 
@@ -113,8 +118,11 @@ class TextConfig:
     last block of an encoder of any depth);
     ``geometry_layers``: glob of the layer(s) the geometry experiment merges (default ``None``:
     every trained layer); ``ta_scalings``: the task-arithmetic weights tried on calibration data;
-    ``regmean_alphas``: RegMean's ``alpha`` tried on calibration data the same way (the RegMean paper
-    tunes it on validation data; one value: no choice);
+    ``regmean_alphas``: RegMean's ``alpha`` tried on calibration data the same way, but each RegMean
+    scored on calibration texts it was not fitted to (``tuning_folds``-fold: each task's calibration
+    texts cut into that many contiguous folds, as ``method: auto`` cuts its batches; 1: scored on the
+    texts it was fitted to, the rule of stop 78; the RegMean paper tunes alpha on validation data; one
+    value: no choice);
     ``ranks``: basis dimensions ``p`` of the geometry experiment; ``trust_region``: its ``mode_options``;
     ``output``: the run layer's ``output`` block of every merge QP (default: the mean-pooled
     ``last_hidden_state``, one ``H``-vector per text: exactly the embedding that the task heads
@@ -139,6 +147,7 @@ class TextConfig:
     head_lr: float = 1e-2
     ta_scalings: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
     regmean_alphas: tuple[float, ...] = (0.1, 0.5, 0.9)
+    tuning_folds: int = AUTO_FOLDS
     ranks: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     bases: tuple[str, ...] = BASES
     geometry_layers: str | None = None
@@ -158,6 +167,7 @@ class TextConfig:
         if not self.ta_scalings or any(not np.isfinite(s) or s <= 0 for s in self.ta_scalings):
             raise ValidationError(f"ta_scalings must be positive finite numbers, got {self.ta_scalings}")
         object.__setattr__(self, "regmean_alphas", unit_grid("regmean_alphas (RegMean's alpha)", self.regmean_alphas))
+        check_integer("text experiment tuning_folds", self.tuning_folds)
         for name in ("lr", "head_lr"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0 < value < math.inf):
@@ -495,6 +505,50 @@ class _Run:
                  f"MSE {entry['test']['mean']['mse']:.4g} ({seconds:.0f} s)")
         return entry
 
+    def cross_validated(self, name: str, setting: str, grid: Sequence[float]
+                        ) -> tuple[dict[float, dict[str, float]], list[dict[str, int]]]:
+        """Per value of ``grid``: the mean over tasks of the ``accuracy`` and ``mse`` of every calibration
+        text, each scored by the merge ``{name, params: {setting: value}}`` fitted on the other folds of
+        the calibration texts (``cfg.tuning_folds`` contiguous folds per task, fewer when a task has fewer
+        texts; the fit's prompt files written to the work folder); and per fold the held-out texts of
+        each task. The test texts are not touched."""
+        import torch
+
+        k = min(self.cfg.tuning_folds, min(len(t.splits.calibration) for t in self.tasks))
+        parts = [contiguous_folds(len(t.splits.calibration), k) for t in self.tasks]
+        correct = {v: [0.0] * len(self.tasks) for v in grid}
+        squared = {v: [0.0] * len(self.tasks) for v in grid}
+        held_counts = []
+        every_file = self.prompt_files
+        try:
+            for i in range(k):
+                self.prompt_files = []
+                for t, p in zip(self.tasks, parts):
+                    cal = t.splits.calibration
+                    path = self.work / f"{t.splits.name}.fold{i}.jsonl"
+                    path.write_text("".join(json.dumps({"text": cal.texts[j], "label": int(cal.labels[j])}) + "\n"
+                                            for j in p[i][0]))
+                    self.prompt_files.append(path)
+                held_counts.append({t.splits.name: len(p[i][1]) for t, p in zip(self.tasks, parts)})
+                for v in grid:
+                    out = self.work / f"{name}_{v:g}_fold{i}"
+                    run_merge(self.merge_config({"name": name, "params": {setting: v}}, self.layers), out,
+                              progress=False, log=lambda _m: None)
+                    self.load(read_tensors(out, self.trained))
+                    shutil.rmtree(out, ignore_errors=True)
+                    for j, (t, (w, b), p) in enumerate(zip(self.tasks, self.head, parts)):
+                        emb, labels = pooled_embeddings(self.top, t.features["calibration"], self.first)
+                        rows = torch.as_tensor(p[i][1], dtype=torch.long)
+                        correct[v][j] += float(((emb[rows] @ w.T + b).argmax(1) == labels[rows]).sum())
+                        squared[v][j] += float(((emb[rows] - t.target["calibration"][rows]) ** 2).mean(1).sum())
+                    self.load(self.base_tensors)
+                self.log(f"{name}: fold {i + 1} of {k} scored")
+        finally:
+            self.prompt_files = every_file
+        sizes = [len(t.splits.calibration) for t in self.tasks]
+        return ({v: {"accuracy": float(np.mean([c / n for c, n in zip(correct[v], sizes)])),
+                     "mse": float(np.mean([q / n for q, n in zip(squared[v], sizes)]))} for v in grid}, held_counts)
+
     def fisher_merge(self) -> dict[str, Any]:
         """Fisher merging with each task's classifier (encoder + its head): the run layer's Fisher
         needs logits, which a bare encoder does not output. Per calibration text of a task, the
@@ -557,7 +611,18 @@ class _Run:
 
         def tune(name: str, setting: str, grid: Sequence[float], record: str) -> float:
             """A baseline's ``setting`` chosen among ``grid`` by the highest mean calibration accuracy
-            (ties: the lower calibration MSE); its row is the chosen one's, with ``record``."""
+            (ties: the lower calibration MSE); its row is the chosen one's, with ``record``. A baseline
+            fitted to the calibration texts (RegMean) is scored on texts its fit did not see
+            (``cfg.tuning_folds``-fold) and then fitted on all of them at the chosen setting."""
+            if name in FITTED_BASELINES and cfg.tuning_folds > 1 and len(grid) > 1:  # (one value: no choice)
+                scores, held = self.cross_validated(name, setting, grid)
+                best = max(grid, key=lambda v: (scores[v]["accuracy"], -scores[v]["mse"]))
+                methods[name] = {**self.merge(name, {"name": name, "params": {setting: best}}), record: best}
+                selection[name] = {"criterion": f"highest mean accuracy of held-out calibration texts, {len(held)}-fold "
+                                                f"(each fold of every task's calibration texts scored by the fit on the "
+                                                f"others; ties: lower held-out MSE)",
+                                   "chosen": best, "grid": {f"{v:g}": scores[v] for v in grid}, "held_out_texts": held}
+                return best
             tried = {v: self.merge(f"{name}_{v:g}", {"name": name, "params": {setting: v}}) for v in grid}
             best = max(grid, key=lambda v: (tried[v]["calibration"]["mean"]["accuracy"],
                                             -tried[v]["calibration"]["mean"]["mse"]))

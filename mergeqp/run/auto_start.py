@@ -198,9 +198,11 @@ class AutoStart:
         fit, _ = split_tasks(ctx.tasks, self.mode_holdout)
         tensors = self._fitted(ctx, chosen, self.held_out_index, fit)
         self.load(ctx.model, selection.overrides)
+        # (folds: 1 keeps the winner as fitted for its score, on all but the split's held-out batches)
+        final = "fitted on every batch" if self.params.folds > 1 else "as fitted for its score (folds: 1)"
         self.notes.append(f"start auto: the trust region's early stopping ran from {chosen.label} fitted without "
                           f"its held-out batches (the last {self.mode_holdout:g} of each task's); the result from "
-                          f"{chosen.label} fitted on every batch")
+                          f"{chosen.label} {final}")
         return HeldOutStart(chosen.label, lambda: self.load(ctx.model, tensors),
                             lambda: self.load(ctx.model, selection.overrides))
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from mergeqp.constraints import Box
 from mergeqp.errors import ValidationError
-from mergeqp.experiments.kfold import kfold_calibration, select_by_kfold
+from mergeqp.experiments.kfold import contiguous_folds, kfold_calibration, select_by_kfold
 from mergeqp.experiments.trust_region import (
     TrustRegionConfig,
     calibration_error,
@@ -95,6 +95,28 @@ def test_kfold_splits_and_selection():
         kfold_calibration(cal, 7)
     with pytest.raises(ValidationError, match="non-empty list"):
         select_by_kfold(cal, [], score)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 40), st.integers(2, 9))
+def test_contiguous_folds_are_numpys_array_split_and_autos_folds(n, folds):
+    """The experiments' folds of calibration texts (stop 79) are ``method: auto``'s folds of batches, over items."""
+    from mergeqp.run.auto import AutoStartParams, batch_splits
+
+    parts = contiguous_folds(n, folds)
+    k = min(n, folds)
+    assert [held for _, held in parts] == [list(a) for a in np.array_split(np.arange(n), k)]
+    for fit, held in parts:
+        assert held and fit and sorted(fit + held) == list(range(n)) and not set(fit) & set(held)
+    assert sorted(j for _, held in parts for j in held) == list(range(n))  # each item held out once
+    if n >= folds:  # the same cut as auto's over n batches
+        assert parts == batch_splits(n, AutoStartParams(folds=folds))
+
+
+def test_contiguous_folds_refuse_what_cannot_be_cross_validated():
+    for n, folds in ((1, 4), (0, 2), (True, 2), (5, 1), (5, True), (5, 2.0)):
+        with pytest.raises(ValidationError, match="k-fold selection needs"):
+            contiguous_folds(n, folds)
 
 
 def test_default_start_and_ridge_are_the_soup_of_rows_baselines():

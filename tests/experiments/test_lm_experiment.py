@@ -151,17 +151,79 @@ def test_choices_use_calibration_texts_only(lm_run):
     # the tuning criterion is the calibration evaluation of the chosen merge, not its test evaluation
     assert ce[tuning["chosen"]] == pytest.approx(ta["mean_calibration_ce"], rel=1e-9)
     assert ce[tuning["chosen"]] != pytest.approx(ta["mean_test"]["ce"], rel=1e-6)
-    # RegMean's alpha alike (stop 78: the RegMean paper tunes it on validation data)
+    # RegMean's alpha alike (stop 78: the RegMean paper tunes it on validation data), but scored on calibration
+    # texts its fit did not see (stop 79: in-sample scores favour the least shrinkage), 4-fold by default
     tuning = results["regmean_tuning"]
     ce = {float(k): v for k, v in tuning["alphas"].items()}
     assert set(ce) == {0.1, 0.9} and tuning["chosen"] == min(ce, key=ce.get)
+    assert "held-out" in tuning["criterion"] and "4-fold" in tuning["criterion"]
+    assert len(tuning["held_out_texts"]) == 4
+    for d in DOMAINS:  # 6 calibration texts: contiguous folds of 2, 2, 1, 1, every text held out once
+        assert [f[d] for f in tuning["held_out_texts"]] == [2, 2, 1, 1]
     regmean = results["methods"]["regmean"]
     assert regmean["method"]["params"]["alpha"] == regmean["alpha"] == tuning["chosen"]
-    assert ce[tuning["chosen"]] == pytest.approx(regmean["mean_calibration_ce"], rel=1e-9)
+    # the row is the chosen alpha fitted on every calibration text: its calibration CE is in-sample, not the score
+    assert ce[tuning["chosen"]] != pytest.approx(regmean["mean_calibration_ce"], rel=1e-6)
     assert ce[0.1] != pytest.approx(ce[0.9], rel=1e-9)  # two merges, not one twice
     rec = results["recommended"]
     qps = {n: m for n, m in results["methods"].items() if m["kind"] == "qp"}
     assert rec["method"] == min(qps, key=lambda n: qps[n]["mean_calibration_ce"])
+
+
+def test_regmeans_alpha_is_scored_on_texts_its_fit_did_not_see(tiny_hf, tiny_base, lm_run, tmp_path, monkeypatch):
+    """Every fold's RegMean is fitted on prompt files without the texts that fold scores, every calibration
+    text is scored once, and the row is refitted on all of them; ``tuning_folds: 1`` is the in-sample rule."""
+    import mergeqp.experiments.lm as lm_module
+
+    results, _, root = lm_run
+    fitted, scored = [], []
+    merge, evaluator = lm_module.run_layer_merge, lm_module.UpperEvaluator
+
+    def recording_merge(ctx, label, method, layers, metric="euclidean"):
+        if method["name"] == "regmean":
+            fitted.append((label, {f.name: [json.loads(x)["text"] for x in f.read_text().splitlines()]
+                                   for f in ctx.calibration_files}))
+        return merge(ctx, label, method, layers, metric)
+
+    class RecordingEvaluator(evaluator):
+        def __init__(self, base, tokenizer, first, domains, **kw):
+            scored.append({d: list(t) for d, t in domains.items()})
+            super().__init__(base, tokenizer, first, domains, **kw)
+
+    monkeypatch.setattr(lm_module, "run_layer_merge", recording_merge)
+    monkeypatch.setattr(lm_module, "UpperEvaluator", RecordingEvaluator)
+    small = _config(modes=("single",), metrics=("euclidean",), baselines=("regmean",), mergekit=(), extra_runs=(),
+                    ta_scalings=(1.0,), regmean_alphas=(0.1, 0.9), tuning_folds=3)
+    run = run_lm_experiment(tmp_path / "cv", corpora=_corpora(tiny_hf), cache=root / "cache", base_folder=tiny_base,
+                            config=small, threads=1, progress=False, multitask=False)
+    test_texts, calibration = scored[0], scored[1]  # the run's two evaluators, then one per fold
+    folds = scored[2:]
+    assert len(folds) == 3 and len(fitted) == 3 * 2 + 1
+    for i, held in enumerate(folds):
+        fits = [f for label, f in fitted if f"(fold {i + 1} of 3)" in label]
+        assert len(fits) == 2  # both alphas fitted on the same texts
+        for d in DOMAINS:
+            fit_texts = next(t for name, t in fits[0].items() if name.startswith(f"calibration_{d}_"))
+            assert not set(fit_texts) & set(held[d])  # nothing the fold scores was fitted on
+            assert sorted(fit_texts + held[d]) == sorted(calibration[d])
+    for d in DOMAINS:
+        assert sorted(x for held in folds for x in held[d]) == sorted(calibration[d])  # each text scored once
+        assert not set(calibration[d]) & set(test_texts[d])
+    label, final = fitted[-1]
+    assert label == "regmean" and all(sorted(final[f"calibration_{d}.jsonl"]) == sorted(calibration[d])
+                                      for d in DOMAINS)
+    assert run["methods"]["regmean"]["alpha"] == run["regmean_tuning"]["chosen"]
+    # one fold: each alpha fitted on every calibration text and scored on them (stop 78's rule)
+    fitted.clear()
+    insample = run_lm_experiment(tmp_path / "in", corpora=_corpora(tiny_hf), cache=root / "cache",
+                                 base_folder=tiny_base, config=dataclasses.replace(
+                                     small, merge=dataclasses.replace(small.merge, tuning_folds=1)),
+                                 threads=1, progress=False, multitask=False)
+    tuning = insample["regmean_tuning"]
+    ce = {float(k): v for k, v in tuning["alphas"].items()}
+    assert tuning["criterion"] == "mean calibration cross-entropy" and "held_out_texts" not in tuning
+    assert ce[tuning["chosen"]] == pytest.approx(insample["methods"]["regmean"]["mean_calibration_ce"], rel=1e-9)
+    assert [label for label, _ in fitted] == ["regmean_0.1", "regmean_0.9"]
 
 
 def test_report_and_claims_render(lm_run):
@@ -429,6 +491,9 @@ def test_settings_validation():
     for bad in ((1.5,), (), 0.5, (True,), ("0.5",), (-0.1,)):
         with pytest.raises(ValidationError, match=r"regmean_alphas \(RegMean's alpha\) must be one or more numbers"):
             LmMergeSettings(regmean_alphas=bad)
+    for bad in (0, 2.0, True, "4"):
+        with pytest.raises(ValidationError, match=r"tuning_folds must be an integer >= 1"):
+            LmMergeSettings(tuning_folds=bad)
     assert LmMergeSettings(regmean_alphas=[0, 1]).regmean_alphas == (0.0, 1.0)
     with pytest.raises(UnknownNameError, match="unknown extra run 'slerp'"):
         LmMergeSettings(extra_runs=("slerp",))

@@ -238,17 +238,56 @@ def test_a_users_registered_mode_runs_beside_the_five(tiny_hf, tiny_base, tmp_pa
         description = "the single mode under another name"
 
     register_merge_mode(Mine())
-    try:
-        cfg = replace(tiny_config(), extra_modes=("mine_text_test",), ranks=(1,), bases=("svd",))
+    try:  # (and RegMean's alpha by the in-sample rule of stop 78: tuning_folds 1)
+        cfg = replace(tiny_config(), extra_modes=("mine_text_test",), ranks=(1,), bases=("svd",), tuning_folds=1)
         results = run_text_experiment(str(tmp_path / "out"), config=cfg, tasks=synthetic_tasks(tiny_hf),
                                       base_folder=tiny_base, cache_dir=str(tmp_path / "cache"), threads=1,
                                       figures=False, progress=False)
     finally:
         MERGE_MODES.pop("mine_text_test", None)
+    regmean = results["selection"]["regmean"]
+    assert regmean["criterion"].startswith("highest mean calibration accuracy") and "held_out_texts" not in regmean
+    assert results["methods"]["regmean"]["calibration"]["mean"] == regmean["grid"][f"{regmean['chosen']:g}"]
     mine, single = results["methods"]["qp_mine_text_test"], results["methods"]["qp_single"]
     assert mine["method"]["mode"] == "mine_text_test"
     assert mine["test"]["mean"]["mse"] == pytest.approx(single["test"]["mean"]["mse"], rel=1e-9)  # the same QP
     assert "qp_mine_text_test" in results["selection"]["recommended"]["calibration"]
+
+
+def test_regmeans_alpha_is_scored_on_texts_its_fit_did_not_see(tiny_hf, tiny_base, tmp_path, monkeypatch):
+    """Each fold's RegMean is fitted on prompt files without one contiguous fold of every task's calibration
+    texts, the folds cover every text once, and the row is refitted on all of them (stop 79)."""
+    fitted: list[tuple[str, dict[str, list[str]]]] = []
+    real = text_mod.run_merge
+
+    def recording(mc, out, **kw):
+        if mc.method.name == "regmean":
+            fitted.append((Path(out).name, {Path(m.calibration.path).name: [
+                json.loads(x)["text"] for x in Path(m.calibration.path).read_text().splitlines()] for m in mc.models}))
+        return real(mc, out, **kw)
+
+    monkeypatch.setattr(text_mod, "run_merge", recording)
+    cfg = replace(tiny_config(), ranks=(1,), bases=("svd",), tuning_folds=3)
+    results = run_text_experiment(str(tmp_path / "out"), config=cfg, tasks=synthetic_tasks(tiny_hf),
+                                  base_folder=tiny_base, cache_dir=str(tmp_path / "cache"), threads=1,
+                                  figures=False, progress=False)
+    sel = results["selection"]["regmean"]
+    assert "3-fold" in sel["criterion"] and sel["held_out_texts"] == [{"a": 4, "b": 4, "c": 4}] * 3
+    final = [f for name, f in fitted if name == "regmean"]
+    assert len(final) == 1 and len(fitted) == 3 * 2 + 1  # three folds of two alphas, then the row
+    every = final[0]
+    for task in ("a", "b", "c"):
+        texts = every[f"{task}.jsonl"]
+        assert len(texts) == 12
+        held_out = []
+        for i in range(3):
+            fits = [f[f"{task}.fold{i}.jsonl"] for name, f in fitted if name.endswith(f"_fold{i}")]
+            assert len(fits) == 2 and fits[0] == fits[1]  # both alphas fitted on the same texts
+            held = [x for x in texts if x not in fits[0]]
+            assert held == texts[4 * i: 4 * i + 4] and fits[0] == texts[:4 * i] + texts[4 * i + 4:]
+            held_out += held
+        assert held_out == texts  # every calibration text scored once, by a fit that did not see it
+    assert results["methods"]["regmean"]["tuned_alpha"] == sel["chosen"]
 
 
 def test_last_block_in_patterns_follows_the_encoders_depth():
@@ -309,12 +348,15 @@ def test_choices_follow_calibration_numbers_only(cli_run):
     best = max(grid, key=lambda s: (grid[s]["accuracy"], -grid[s]["mse"]))
     assert float(best) == sel["task_arithmetic"]["chosen"] == results["methods"]["task_arithmetic"]["tuned_scaling"]
     assert results["methods"]["task_arithmetic"]["calibration"]["mean"] == grid[best]
-    grid = sel["regmean"]["grid"]  # RegMean's alpha alike (stop 78)
+    grid = sel["regmean"]["grid"]  # RegMean's alpha alike (stop 78), scored on texts its fit did not see (stop 79)
     best = max(grid, key=lambda a: (grid[a]["accuracy"], -grid[a]["mse"]))
     assert set(grid) == {"0.1", "0.9"} and grid["0.1"] != grid["0.9"]
+    assert "held-out" in sel["regmean"]["criterion"] and "4-fold" in sel["regmean"]["criterion"]
+    assert sel["regmean"]["held_out_texts"] == [{"a": 3, "b": 3, "c": 3}] * 4  # 12 calibration texts a task
     assert float(best) == sel["regmean"]["chosen"] == results["methods"]["regmean"]["tuned_alpha"]
     assert results["methods"]["regmean"]["method"]["params"] == {"alpha": sel["regmean"]["chosen"]}
-    assert results["methods"]["regmean"]["calibration"]["mean"] == grid[best]
+    # the row is the chosen alpha fitted on every calibration text: its calibration MSE is in-sample, not the score
+    assert results["methods"]["regmean"]["calibration"]["mean"]["mse"] != pytest.approx(grid[best]["mse"], rel=1e-6)
     assert results["methods"]["qp_atoms"]["method"]["baselines"][0] == {"name": "regmean",
                                                                        "params": {"alpha": sel["regmean"]["chosen"]}}
     cal = sel["recommended"]["calibration"]
@@ -556,7 +598,7 @@ def test_patterns_that_train_a_norm_and_odd_settings_are_refused_first(tiny_hf, 
     assert not (cache / "finetunes").exists() and not (tmp_path / "o").exists()
     for bad in ({"ta_scalings": (-1.0,)}, {"lr": float("nan")}, {"train_patterns": ()}, {"epochs": 2.5},
                 {"ties_density": 0.0}, {"regmean_alphas": (1.5,)}, {"regmean_alphas": ()}, {"regmean_alphas": 0.5},
-                {"regmean_alphas": (True,)}):
+                {"regmean_alphas": (True,)}, {"tuning_folds": 0}, {"tuning_folds": 2.0}, {"tuning_folds": True}):
         with pytest.raises(ValidationError):
             TextConfig(**bad)
     assert TextConfig(train_patterns=LAYER + ".*").train_patterns == (LAYER + ".*",)

@@ -853,6 +853,19 @@ def _check_auto_folds(config: LmConfig) -> None:
                 f"{MIN_FOLD_BATCHES * mset.calibration_batch_size} or lower calibration_batch_size")
 
 
+def _check_tuning_folds(config: LmConfig) -> None:
+    """RegMean's alpha chosen by cross-validation over each domain's calibration texts needs two or more
+    of them (something to fit on, something to score), checked before any work."""
+    mset = config.merge
+    if ("regmean" in mset.baselines and len(mset.regmean_alphas) > 1 and mset.tuning_folds > 1
+            and config.calibration_texts < 2):
+        raise ValidationError(
+            f"RegMean's alpha is chosen among {list(mset.regmean_alphas)} by {mset.tuning_folds}-fold cross-validation "
+            f"over each domain's calibration texts, which needs two or more (calibration_texts is "
+            f"{config.calibration_texts}); raise calibration_texts, give one alpha, or set tuning_folds=1 (scored on "
+            f"the texts each RegMean was fitted to)")
+
+
 def _finetune_record(folder: Path, res: Any) -> dict[str, Any]:
     """What the results say of one fine-tune (a :class:`FinetuneResult`), with why it ran the whole model
     at every step where its record says so (``full_passes``; records before stop 76 do not)."""
@@ -887,6 +900,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         raise ValidationError(f"a domain is named {MULTITASK!r}, the name of the reference fine-tuned on every "
                               f"domain; rename the domain, or pass --no-multitask (LmConfig.multitask=False)")
     _check_auto_folds(config)  # before the fine-tunes (it stopped the run after them and the baselines)
+    _check_tuning_folds(config)
     timings["data"] = time.perf_counter() - t
     say(f"domains {', '.join(names)}: train/calibration/test = {config.train_texts}/{config.calibration_texts}/"
         f"{config.test_texts} texts each")
@@ -1001,8 +1015,7 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
         each text scored by the merge fitted on the other folds of the calibration texts (contiguous
         folds per domain, the fit's prompt files written to the work folder); and per fold the
         held-out texts of each domain."""
-        per_domain = [contiguous_folds(len(s.calibration), folds) for s in splits]
-        k = min(len(p) for p in per_domain)  # a domain with fewer texts than folds: fewer folds for all
+        k = min(folds, config.calibration_texts)  # fewer texts than folds: a fold per text (two or more: checked)
         per_domain = [contiguous_folds(len(s.calibration), k) for s in splits]
         nll = {v: {d: 0.0 for d in names} for v in grid}
         predicted = {v: {d: 0 for d in names} for v in grid}

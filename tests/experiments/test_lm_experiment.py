@@ -330,6 +330,21 @@ def test_too_few_calibration_texts_for_autos_folds_are_refused_before_the_fine_t
     assert not (tmp_path / "cache" / "lm-finetunes").exists()
 
 
+def test_one_calibration_text_cannot_cross_validate_regmeans_alpha_and_is_refused_first(tiny_hf, tiny_base, tmp_path):
+    """(stop 79) The k-fold choice of RegMean's alpha needs a text to fit on and one to score, per domain."""
+    config = dataclasses.replace(_config(modes=("single",), baselines=("regmean",), mergekit=(), extra_runs=()),
+                                 calibration_texts=1)
+    with pytest.raises(ValidationError, match=r"RegMean's alpha is chosen among \[0.1, 0.9\] by 4-fold "
+                                              r"cross-validation .* \(calibration_texts is 1\); .* tuning_folds=1"):
+        run_lm_experiment(tmp_path / "o", corpora=_corpora(tiny_hf), config=config, cache=tmp_path / "cache",
+                          base_folder=tiny_base, threads=1, progress=False)
+    assert not (tmp_path / "cache" / "lm-finetunes").exists()
+    import mergeqp.experiments.lm as lm_module
+
+    for ok in (dataclasses.replace(config.merge, tuning_folds=1), dataclasses.replace(config.merge, regmean_alphas=(0.5,))):
+        lm_module._check_tuning_folds(dataclasses.replace(config, merge=ok))  # no choice, or the in-sample rule
+
+
 def test_a_users_registered_mode_runs_in_the_experiment(tiny_hf, tiny_base, lm_run, tmp_path):
     """(stop 50) The experiment's modes were a fixed list: a mode registered by a user was refused."""
     from mergeqp.merge.modes import MERGE_MODES, SingleMode, register_merge_mode

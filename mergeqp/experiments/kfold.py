@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import ValidationError
+from ..run.auto import contiguous_parts
 from ..stats.data import iterate_batches, split_batch
 
 #: ``score(fit, held, value)``: the held-out error of the merge fitted on ``fit`` with ``value``
@@ -53,14 +54,7 @@ def contiguous_folds(n: int, folds: int) -> list[tuple[list[int], list[int]]]:
         raise ValidationError(f"k-fold selection needs two or more items, got {n!r}")
     if isinstance(folds, bool) or not isinstance(folds, int) or folds < 2:
         raise ValidationError(f"k-fold selection needs folds >= 2, got {folds!r}")
-    k = min(folds, n)
-    q, r = divmod(n, k)
-    out, start = [], 0
-    for i in range(k):
-        stop = start + q + (1 if i < r else 0)
-        out.append(([j for j in range(n) if not start <= j < stop], list(range(start, stop))))
-        start = stop
-    return out
+    return [([j for j in range(n) if j not in part], list(part)) for part in contiguous_parts(n, min(folds, n))]
 
 
 def kfold_calibration(calibration: Sequence[Any], folds: int, seed: int = 0,

@@ -314,11 +314,12 @@ def batch_splits(n: int, params: AutoStartParams) -> list[tuple[list[int], list[
     if params.folds <= 1:
         m = holdout_count(n, params.holdout)
         return [(idx[:n - m], idx[n - m:])]
-    return [([j for j in idx if j not in part], list(part)) for part in _array_split(n, params.folds)]
+    return [([j for j in idx if j not in part], list(part)) for part in contiguous_parts(n, params.folds)]
 
 
-def _array_split(n: int, k: int) -> list[range]:
-    """``numpy.array_split(range(n), k)`` as ranges: the first ``n % k`` parts one longer."""
+def contiguous_parts(n: int, k: int) -> list[range]:
+    """``numpy.array_split(range(n), k)`` as ranges: the first ``n % k`` parts one longer (the folds of
+    :func:`batch_splits`; :func:`mergeqp.experiments.kfold.contiguous_folds` cuts texts the same way)."""
     q, r = divmod(n, k)
     out, start = [], 0
     for i in range(k):

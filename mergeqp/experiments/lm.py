@@ -99,7 +99,10 @@ MULTITASK_SEED = 999
 #: full mode runs every mode with every metric
 QUICK_RUNS = ("single:euclidean", "sequential:euclidean", "hybrid:euclidean", "joint:kl", RECOMMENDED_RUN)
 #: baselines besides task arithmetic (which always runs: it is tuned and starts the hybrid mode)
-BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean")
+BASELINES = ("soup", "ties", "dare_ties", "fisher", "regmean", "regmean_sequential")
+#: baselines that can be atoms of the ``rows+baselines`` trust region (merged tensor-wise or from
+#: calibration statistics; ``regmean_sequential`` is a model method of the run layer)
+ATOM_BASELINES = ("task_arithmetic", "soup", "ties", "dare_ties", "fisher", "regmean")
 #: merges besides the mode x metric grid (issue #16's): ``qp_atoms``, the recommended merge's trust
 #: region with every baseline's merged residual as an atom (``rows+baselines``: RegMean, Fisher,
 #: TIES and the tuned task arithmetic are feasible points of each step's QP); ``output_space``,
@@ -166,7 +169,8 @@ class LmMergeSettings:
     scores was not fitted to, ``tuning_folds``-fold: each domain's calibration texts cut into that many
     contiguous folds, as ``method: auto`` cuts its batches; the RegMean paper tunes alpha on validation
     data; ``tuning_folds: 1`` scores each RegMean on the texts it was fitted to, the rule of stop 78;
-    one value: no choice);
+    one value: no choice; ``regmean_sequential``, RegMean with each layer's Gram matrices at the merged
+    model's inputs (RegMean++, also in FusionBench), chooses its alpha among the same values the same way);
     ``mergekit`` methods (run when mergekit is importable).
     ``solver``: the QP solver (``auto``). ``extra_runs`` (of :data:`EXTRA_RUNS`): ``qp_atoms``
     (``atoms``: the ``rows+baselines`` trust region, the recommended run's layers, metric and mode
@@ -248,8 +252,8 @@ class LmMergeSettings:
             if m not in EXTRA_RUNS:
                 raise unknown("extra run", m, list(EXTRA_RUNS))
         for m in self.atoms.get("baselines", ()):
-            if m != "task_arithmetic" and m not in BASELINES:
-                raise unknown("atoms baseline", m, ["task_arithmetic", *BASELINES])
+            if m not in ATOM_BASELINES:
+                raise unknown("atoms baseline", m, list(ATOM_BASELINES))
         runs = {"qp_atoms": ("atoms", self.atoms), "output_space": ("output_space", self.output_space)}
         for name, block in (runs[r] for r in self.extra_runs):
             if block.get("metric") not in self.outputs:
@@ -658,16 +662,17 @@ def baseline_params(mset: LmMergeSettings, seed: int, regmean_alpha: float | Non
     alpha = mset.regmean_alphas[0] if regmean_alpha is None else regmean_alpha
     return {"soup": {}, "ties": {"density": mset.ties_density},
             "dare_ties": {"density": mset.dare_density, "seed": seed}, "fisher": {},
-            "regmean": {"alpha": float(alpha)}}
+            "regmean": {"alpha": float(alpha)}, "regmean_sequential": {"alpha": float(alpha)}}
 
 
 #: a baseline's setting chosen on the calibration texts: (results key, record key, the grid's setting name)
 TUNED_BASELINES = {"task_arithmetic": ("task_arithmetic_tuning", "scaling", "scalings"),
-                   "regmean": ("regmean_tuning", "alpha", "alphas")}
+                   "regmean": ("regmean_tuning", "alpha", "alphas"),
+                   "regmean_sequential": ("regmean_sequential_tuning", "alpha", "alphas")}
 #: tuned baselines fitted to the calibration texts: their setting is scored on texts the fit did not
 #: see (``LmMergeSettings.tuning_folds``); task arithmetic is data-free, so its calibration score is
 #: already a held-out one
-FITTED_BASELINES = frozenset({"regmean"})
+FITTED_BASELINES = frozenset({"regmean", "regmean_sequential"})
 
 
 def _extra_runs(mset: LmMergeSettings, best_scaling: float, seed: int, linear_layers: Sequence[str],
@@ -857,8 +862,8 @@ def _check_tuning_folds(config: LmConfig) -> None:
     """RegMean's alpha chosen by cross-validation over each domain's calibration texts needs two or more
     of them (something to fit on, something to score), checked before any work."""
     mset = config.merge
-    if ("regmean" in mset.baselines and len(mset.regmean_alphas) > 1 and mset.tuning_folds > 1
-            and config.calibration_texts < 2):
+    if (any(b in FITTED_BASELINES for b in mset.baselines) and len(mset.regmean_alphas) > 1
+            and mset.tuning_folds > 1 and config.calibration_texts < 2):
         raise ValidationError(
             f"RegMean's alpha is chosen among {list(mset.regmean_alphas)} by {mset.tuning_folds}-fold cross-validation "
             f"over each domain's calibration texts, which needs two or more (calibration_texts is "
@@ -1048,9 +1053,9 @@ def _run(config: LmConfig, out_dir: Path, work: Path, cache_dir: Path, seed: int
     t = time.perf_counter()
     params = baseline_params(mset, seed)
     for label in mset.baselines:
-        if label == "regmean":  # (one alpha: the grid of one, as in the text experiment)
-            params = baseline_params(mset, seed, tune("regmean", mset.regmean_alphas,
-                                                      lambda a: baseline_params(mset, seed, a)["regmean"]))
+        if label in FITTED_BASELINES:  # RegMean's alpha chosen (one alpha: the grid of one, as in the text experiment)
+            alpha = tune(label, mset.regmean_alphas, lambda a: {"alpha": float(a)})
+            params[label] = {"alpha": float(alpha)}
             continue
         method = {"name": label, **({"params": params[label]} if params[label] else {})}
         models[label], rec = run_layer_merge(ctx, label, method, linear_layers)

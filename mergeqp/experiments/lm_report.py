@@ -86,9 +86,12 @@ def render_report(results: dict[str, Any]) -> str:
         "## Settings", "",
         f"Task arithmetic scaling {ta['chosen']:g}, chosen by the {ta['criterion']} among "
         + ", ".join(f"{k} ({_f(v)})" for k, v in ta["scalings"].items()) + ".", "",
-        *([f"RegMean alpha {rm['chosen']:g}, chosen by the {rm['criterion']} among "
-           + ", ".join(f"{k} ({_f(v)})" for k, v in rm["alphas"].items()) + " (the RegMean paper tunes alpha on "
-           "validation data).", ""] if (rm := results.get("regmean_tuning")) else []),
+        *[line for key, what in (("regmean_tuning", "RegMean"),
+                                 ("regmean_sequential_tuning", "Sequential RegMean (RegMean++)"))
+          if (rm := results.get(key))
+          for line in (f"{what} alpha {rm['chosen']:g}, chosen by the {rm['criterion']} among "
+                       + ", ".join(f"{k} ({_f(v)})" for k, v in rm["alphas"].items()) + " (the RegMean paper tunes "
+                       "alpha on validation data).", "")],
         _table(["domain", "fine-tune loss (first 5 steps)", "(last 5 steps)", "cached", "seconds"], ft_rows), "",
         "```", _settings_text(results["config"]), "```", "",
         "Timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in timings.items()) + ".",

@@ -43,7 +43,7 @@ import numpy as np
 
 from ..certificate import certify
 from ..constraints import Box
-from ..errors import ValidationError
+from ..errors import ValidationError, unit_grid
 from ..io.atomic import atomic_folder, check_output_folder, write_json_atomic
 from ..jsonutil import to_jsonable
 from ..merge import merge_state_dicts
@@ -91,7 +91,11 @@ class MnistConfig:
     for the exact QP (``auto``: the dense active-set solver here; any registered exact solver,
     e.g. ``clarabel``, gives the same certified optimum),
     ``adam_lr`` / ``adam_steps`` (the paper's solver), ``ta_lambda``, ``dare_p``,
-    ``ties_density``, ``regmean_alpha``, ``trust_region``, ``qp_tr_ridge_select`` (relative ridge
+    ``ties_density``, ``regmean_alpha`` (RegMean's alpha, for the baseline and for every merge
+    started from RegMean; ``None``, the default: chosen among ``regmean_alphas`` by the mean
+    held-out calibration error of ``kfold``-fold splits, RegMean refitted without each fold, as
+    the RegMean paper tunes it on validation data and ``method: auto`` chooses among RegMean at
+    those alphas), ``trust_region``, ``qp_tr_ridge_select`` (relative ridge
     weights toward the soup for ``qp_tr``, chosen on a held-out quarter of the calibration
     samples; ``None``: ``trust_region.ridge`` as given). Baselines as feasible points:
     ``atom_baselines`` (the baselines whose merged residuals are atoms of ``rows+baselines``
@@ -121,7 +125,8 @@ class MnistConfig:
     ta_lambda: float = 1.0
     dare_p: float = 0.5
     ties_density: float = 0.2
-    regmean_alpha: float = 0.9
+    regmean_alpha: float | None = None
+    regmean_alphas: tuple[float, ...] = (0.1, 0.5, 0.9)
     trust_region: TrustRegionConfig = field(default_factory=TrustRegionConfig)
     qp_tr_ridge_select: tuple[float, ...] | None = None
     atom_baselines: tuple[str, ...] = ("regmean", "fisher", "ties", "dare")
@@ -136,6 +141,10 @@ class MnistConfig:
     random_seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "regmean_alphas", unit_grid("regmean_alphas (RegMean's alpha)", self.regmean_alphas))
+        if self.regmean_alpha is not None:
+            object.__setattr__(self, "regmean_alpha", unit_grid("regmean_alpha (RegMean's alpha)",
+                                                                (self.regmean_alpha,))[0])
         if not self.geometry_p or any(p < 1 for p in self.geometry_p):
             raise ValidationError(f"geometry_p must be positive basis dimensions, got {self.geometry_p}")
         bad = [b for b in self.geometry_bases if b not in BASES]
@@ -330,6 +339,16 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
     }
     models: dict[str, Any] = {name: apply_merge(base, fts, MERGE_LAYER, d) for name, d in d_points.items()}
 
+    # RegMean's alpha (unless given): k-fold held-out calibration error, RegMean refitted without each fold
+    asked = cfg
+    regmean_selection = _regmean_alpha(cfg, base, fts, calib_x, seed)
+    cfg = replace(cfg, regmean_alpha=regmean_selection["chosen"])
+    if regmean_selection.get("mean_errors"):
+        _log(progress, f"regmean: alpha {cfg.regmean_alpha:g} chosen by {cfg.kfold}-fold (mean held-out errors "
+                       + ", ".join(f"{a:g}: {e:.6g}" for a, e in zip(regmean_selection["candidates"],
+                                                                   regmean_selection["mean_errors"], strict=True))
+                       + ")")
+
     # baselines on state dicts, restricted to the merge layer (the rest from the base)
     models.update(_state_dict_baselines(cfg, base, fts, tasks, seed))
     soup_sd = _soup_state_dict_difference(base, fts, models["soup"])
@@ -415,7 +434,8 @@ def _run(cfg: MnistConfig, out_dir: str, seed: int, idx_dir: str | None, finetun
         "command": command,
         "seed": seed,
         "finetune": finetune_mode,
-        "config": cfg.to_dict(),
+        "config": asked.to_dict(),
+        "regmean_selection": regmean_selection,
         "data": {
             "source": data.source, "n_classes": n_classes, "n_features": data.n_features,
             "tasks": {s.name: {"classes": list(s.classes), "train": len(s.train),
@@ -605,6 +625,28 @@ def _held_out_comparison(cfg: MnistConfig, base: Any, fts: Sequence[Any], models
                                                          targets))
     means = {n: float(np.mean(e)) for n, e in errors.items()}
     return {"folds": cfg.kfold, "fold_errors": errors, "mean_errors": means, "lowest": min(means, key=means.get)}
+
+
+def _regmean_alpha(cfg: MnistConfig, base: Any, fts: Sequence[Any], calib_x: Sequence[Any],
+                   seed: int) -> dict[str, Any]:
+    """RegMean's alpha for the run: ``cfg.regmean_alpha`` when given; else among
+    ``cfg.regmean_alphas`` the one whose RegMean, fitted on the other folds (the ``kfold`` splits of
+    :func:`select_by_kfold` with the run's seed, the folds of ``output_space``'s ridge), has the
+    lowest mean true calibration error on the held-out fold (the first listed on a tie; one value:
+    no folds). The test set is never used."""
+    if cfg.regmean_alpha is not None:
+        return {"chosen": cfg.regmean_alpha, "criterion": "given (regmean_alpha)"}
+    if len(cfg.regmean_alphas) == 1:
+        return {"chosen": cfg.regmean_alphas[0], "criterion": "the only value of regmean_alphas"}
+
+    def heldout_error(fit: list[Any], held: list[Any], alpha: float) -> float:
+        merged = _regmean_model(replace(cfg, regmean_alpha=alpha), base, fts, [[x] for x in fit])
+        return calibration_error(merged, held, calibration_targets(fts, held))
+
+    selection = select_by_kfold(calib_x, cfg.regmean_alphas, heldout_error, folds=cfg.kfold, seed=seed,
+                                parameter="RegMean alpha")
+    return {**selection.to_dict(), "criterion": (f"mean true calibration error of held-out samples, "
+                                                 f"{cfg.kfold}-fold (RegMean refitted without each fold)")}
 
 
 def _regmean_model(cfg: MnistConfig, base: Any, fts: Sequence[Any], calibration: Sequence[Any]) -> Any:

@@ -60,6 +60,19 @@ def methods_table(results: dict[str, Any]) -> str:
                    "calibration J(d) (linearised)", "calibration true error"], rows)
 
 
+def regmean_lines(results: dict[str, Any]) -> list[str]:
+    """How RegMean's alpha was set (the baseline's and every RegMean-started merge's): given, or
+    chosen by k-fold held-out calibration error (each candidate's mean), when the run recorded it."""
+    sel = results.get("regmean_selection")
+    if not sel:
+        return []
+    if not sel.get("mean_errors"):
+        return ["", f"RegMean's alpha: {_f(sel['chosen'])} ({sel['criterion']})."]
+    scores = ", ".join(f"{_f(a)}: {_f(e, 7)}" for a, e in zip(sel["candidates"], sel["mean_errors"], strict=True))
+    return ["", (f"RegMean's alpha (the baseline's and that of every merge started from RegMean): "
+                 f"**{_f(sel['chosen'])}**, chosen by the {sel['criterion']}: {scores}.")]
+
+
 def per_task_table(results: dict[str, Any], metric: str) -> str:
     tasks = list(results["methods"]["qp"]["tasks"])
     rows = []
@@ -266,6 +279,7 @@ def render_report(results: dict[str, Any]) -> str:
         ),
         "",
         methods_table(results),
+        *regmean_lines(results),
         "",
         "### Per-task MSE",
         "",

@@ -2,7 +2,9 @@
 
 A start-using mode (``trust_region``, ``hybrid``) begins from a baseline merged on every tensor.
 With ``start: auto`` the run layer merges each candidate in turn (by default the soup, task
-arithmetic at three weights, TIES, RegMean, Fisher and the full-matrix ``output_space`` merge at
+arithmetic at three weights, TIES, RegMean at three alphas, RegMean with each layer's Gram matrices at
+the merged model's inputs (``regmean_sequential``) at the same alphas where it has at most
+:data:`SEQUENTIAL_MAX_STAGES` stages, Fisher and the full-matrix ``output_space`` merge at
 three ridges, by damped Gauss-Newton steps) and scores it by the merge's own objective (the configured ``output:`` block and metric)
 on calibration batches it was not fitted to; the lowest score is the start. No test data is
 involved. Listing one method at several settings (the defaults do so for task arithmetic's
@@ -55,11 +57,18 @@ AUTO = "auto"
 #: networks (docs/mnist.md), the damped steps are not
 OUTPUT_SPACE_STEPS = 60
 
+#: the ``max_stages`` of the default ``regmean_sequential`` candidates: about four transformer
+#: blocks' linear layers (each block's attention input and output projections, its MLP's input and
+#: output ones); a merge of more is skipped unless the candidates are listed (each stage is a pass of
+#: every calibration batch up to it)
+SEQUENTIAL_MAX_STAGES = 16
+
 #: the candidates of ``start: auto`` when none are given: the tensor-wise baselines at their
 #: defaults (task arithmetic at three weights), RegMean at three ``alpha`` across its range (the
-#: RegMean paper tunes it on validation data; one fixed 0.9 before stop 77), Fisher and the
-#: full-matrix output-space merge at three relative ridges (so these, too, are chosen on the
-#: held-out batches)
+#: RegMean paper tunes it on validation data; one fixed 0.9 before stop 77), RegMean with each layer's
+#: Gram matrices at the merged model's inputs (``regmean_sequential``, stop 80) at the same alphas,
+#: Fisher and the full-matrix output-space merge at three relative ridges (so these, too, are chosen
+#: on the held-out batches)
 DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "soup"},
     {"name": "task_arithmetic", "params": {"scaling": 0.3}},
@@ -69,6 +78,9 @@ DEFAULT_CANDIDATES: tuple[dict[str, Any], ...] = (
     {"name": "regmean", "params": {"alpha": 0.1}},
     {"name": "regmean", "params": {"alpha": 0.5}},
     {"name": "regmean", "params": {"alpha": 0.9}},
+    {"name": "regmean_sequential", "params": {"alpha": 0.1, "max_stages": SEQUENTIAL_MAX_STAGES}},
+    {"name": "regmean_sequential", "params": {"alpha": 0.5, "max_stages": SEQUENTIAL_MAX_STAGES}},
+    {"name": "regmean_sequential", "params": {"alpha": 0.9, "max_stages": SEQUENTIAL_MAX_STAGES}},
     {"name": "fisher"},
     {"name": "output_space", "params": {"ridge": 0.01, "steps": OUTPUT_SPACE_STEPS}},
     {"name": "output_space", "params": {"ridge": 0.1, "steps": OUTPUT_SPACE_STEPS}},

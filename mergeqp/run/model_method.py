@@ -43,6 +43,10 @@ class RunContext(Protocol):
         """Each task's calibration batches and targets (every fine-tune loaded once, in turn);
         ``visit``: a statistics collector fed while each fine-tune is loaded."""
 
+    def calibration_batches(self) -> list[list[Any]]:
+        """Each model's task's calibration batches (:class:`~mergeqp.io.calibration.Batch`, in the models'
+        order), without loading any model or computing targets (for a method that needs the prompts only)."""
+
     def statistics_collector(self, name: str, params: dict[str, Any], keys: Sequence[str]) -> Any:
         """A collector of the calibration statistics of the registered method ``name``."""
 

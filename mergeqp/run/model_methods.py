@@ -1,7 +1,8 @@
 """The registry of model methods: ``method:`` names that ``mergeqp merge`` runs on the live models.
 
-``MODEL_METHODS`` maps a name to its :class:`~.model_method.ModelMethod`; the built-in one,
-``output_space`` (:mod:`.output_space_method`), is registered explicitly below.
+``MODEL_METHODS`` maps a name to its :class:`~.model_method.ModelMethod`; the built-in ones,
+``output_space`` (:mod:`.output_space_method`) and ``regmean_sequential``
+(:mod:`.regmean_sequential_method`), are registered explicitly below.
 :func:`register_model_method` adds one (a user's too); :func:`model_method_of` is how the plan and
 the pipeline ask whether a config's method is one. A model method may share its name only with a
 merge method of :data:`mergeqp.MERGE_METHODS` that is for Python alone (``output_space`` is both: the
@@ -20,6 +21,7 @@ from ..merge.registry import MERGE_METHODS
 from .auto import Candidate, candidate_where
 from .model_method import ModelMethod, StartFit
 from .output_space_method import OUTPUT_SPACE_RUN
+from .regmean_sequential_method import REGMEAN_SEQUENTIAL_RUN
 
 MODEL_METHODS: dict[str, ModelMethod] = {}
 
@@ -137,3 +139,4 @@ def model_method_of(cfg: Any) -> ModelMethod | None:
 
 
 register_model_method(OUTPUT_SPACE_RUN)
+register_model_method(REGMEAN_SEQUENTIAL_RUN)

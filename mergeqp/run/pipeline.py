@@ -83,6 +83,7 @@ from .tasks import (
     TaskData,
     baseline_merge,
     calibration_batches,
+    task_calibration_batches,
     evaluate,
     heldout_metrics,
     prepare_tasks,
@@ -533,6 +534,9 @@ class _Run:
     def prepare_tasks(self, visit: Any = None) -> list[TaskData]:
         return prepare_tasks(self.plan, self.spec, self.eval_spec, self.dtype, self.device, self.say, visit=visit,
                              notes=self.notes)
+
+    def calibration_batches(self) -> list[list[Any]]:
+        return task_calibration_batches(self.plan)
 
     def statistics_collector(self, name: str, params: dict[str, Any], keys: Sequence[str]) -> StatisticsCollector:
         return statistics_collector(self.plan, name, params, keys, self.say)

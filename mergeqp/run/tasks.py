@@ -107,6 +107,24 @@ def _targets_memory_check(name: str, part: str, cfg: MergeConfig, plan: MergePla
     return check
 
 
+def task_calibration_batches(plan: MergePlan) -> list[list[Any]]:
+    """Each model's task's calibration batches (:class:`~mergeqp.io.calibration.Batch`, in the models'
+    order) as :func:`prepare_tasks` makes them, without loading any model or computing targets."""
+    tok = load_tokenizer(plan.tokenizer_folder) if plan.tokenizer_folder else None
+    return [_model_batches(plan, i, tok)[0] for i in range(len(plan.config.models))]
+
+
+def _model_batches(plan: MergePlan, index: int, tokenizer: Any) -> tuple[list[Any], list[Any]]:
+    """:func:`calibration_batches` of model ``index``, an error naming the model's calibration entry."""
+    cfg = plan.config
+    try:
+        return calibration_batches(cfg, index, tokenizer, plan.max_length)
+    except ValidationError as exc:
+        name, src = cfg.model_names()[index], cfg.models[index].prompts()
+        raise ValidationError(f"models[{name}].calibration" + (f" ({src.path})" if src is not None else "")
+                              + f": {exc}") from None
+
+
 def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtype: Any, device: str,
                   log: Callable[[str], None], *, targets: bool = True,
                   visit: Callable[[int, str, Any, list[Any]], None] | None = None,
@@ -125,12 +143,7 @@ def prepare_tasks(plan: MergePlan, spec: OutputSpec, eval_spec: OutputSpec, dtyp
     tasks: list[TaskData] = []
     counts: list[int] = []
     for i, (name, entry, ck) in enumerate(zip(cfg.model_names(), cfg.models, plan.finetuned)):
-        try:
-            calib, held = calibration_batches(cfg, i, tok, plan.max_length)
-        except ValidationError as exc:
-            src = entry.prompts()
-            raise ValidationError(f"models[{name}].calibration" + (f" ({src.path})" if src is not None else "")
-                                  + f": {exc}") from None
+        calib, held = _model_batches(plan, i, tok)
         t = time.perf_counter()
         loaded = models.load_lazy(ck, base_folder, dtype, device, every_block) if lazy is not None else None
         model = loaded.model if loaded is not None else models.load_model(ck, base_folder, dtype, device)

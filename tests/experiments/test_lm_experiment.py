@@ -226,6 +226,46 @@ def test_regmeans_alpha_is_scored_on_texts_its_fit_did_not_see(tiny_hf, tiny_bas
     assert [label for label, _ in fitted] == ["regmean_0.1", "regmean_0.9"]
 
 
+def test_sequential_regmean_is_a_cross_validated_rival(tiny_hf, tiny_base, lm_run, tmp_path, monkeypatch):
+    """(stop 80) RegMean with each layer's Grams at the merged model (RegMean++, in FusionBench too) is a
+    baseline row: its alpha chosen by the same held-out folds as RegMean's (every fold fitted without the
+    texts it scores), run through the run layer's model method, counted among the goal's rivals and named
+    in the report's settings; it cannot be an atom of the rows+baselines trust region."""
+    import mergeqp.experiments.lm as lm_module
+
+    results, _, root = lm_run
+    fitted = []
+    merge = lm_module.run_layer_merge
+
+    def recording_merge(ctx, label, method, layers, metric="euclidean"):
+        if method["name"] == "regmean_sequential":
+            fitted.append((label, dict(method["params"]), len(ctx.calibration_files)))
+        return merge(ctx, label, method, layers, metric)
+
+    monkeypatch.setattr(lm_module, "run_layer_merge", recording_merge)
+    small = _config(modes=("single",), metrics=("euclidean",), baselines=("regmean_sequential",), mergekit=(),
+                    extra_runs=(), ta_scalings=(1.0,), regmean_alphas=(0.1, 0.9), tuning_folds=2)
+    run = run_lm_experiment(tmp_path / "seq", corpora=_corpora(tiny_hf), cache=root / "cache", base_folder=tiny_base,
+                            config=small, threads=1, progress=False, multitask=False)
+    tuning = run["regmean_sequential_tuning"]
+    ce = {float(k): v for k, v in tuning["alphas"].items()}
+    assert tuning["chosen"] == min(ce, key=ce.get) and "2-fold" in tuning["criterion"]
+    assert [(label, p["alpha"]) for label, p, _ in fitted] == [
+        ("regmean_sequential_0.1 (fold 1 of 2)", 0.1), ("regmean_sequential_0.9 (fold 1 of 2)", 0.9),
+        ("regmean_sequential_0.1 (fold 2 of 2)", 0.1), ("regmean_sequential_0.9 (fold 2 of 2)", 0.9),
+        ("regmean_sequential", tuning["chosen"])]
+    row = run["methods"]["regmean_sequential"]
+    assert row["kind"] == "baseline" and row["alpha"] == tuning["chosen"]
+    assert row["method"] == {"name": "regmean_sequential", "params": {"alpha": tuning["chosen"]}}
+    assert "regmean_sequential" in {n for n, m in run["methods"].items() if m["kind"] == "baseline"}
+    goal = lm_goal(run)
+    rivals = {n: m["mean_test"]["ce"] for n, m in run["methods"].items() if m["kind"] in ("baseline", "mergekit")}
+    assert goal["best_rival"] == min(rivals, key=rivals.get)
+    assert "Sequential RegMean (RegMean++) alpha" in render_report(run)
+    with pytest.raises(UnknownNameError, match="unknown atoms baseline 'regmean_sequential'"):
+        LmMergeSettings(atoms={"baselines": ("regmean_sequential",), "metric": "cross_entropy"})
+
+
 def test_report_and_claims_render(lm_run):
     results, out, _ = lm_run
     text = (out / "report.md").read_text()

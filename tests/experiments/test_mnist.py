@@ -303,3 +303,79 @@ def test_a_claims_rounded_zero_prints_without_a_sign():
     from mergeqp.experiments.claims import _claim
 
     assert str(_claim("i", "s", True, round(-1e-9, 6), "d")["value"]) == "0.0"
+
+
+def test_regmean_alpha_is_chosen_on_held_out_folds_and_used_by_every_regmean_merge(run):
+    """(stop 80) RegMean's alpha, left unset, is chosen among ``regmean_alphas`` by the k-fold held-out
+    calibration error, as ``method: auto`` chooses among RegMean at those alphas: the chosen alpha has
+    the lowest mean; the merges started from RegMean use it (the held-out comparison refits RegMean on
+    the same folds with the run's alpha, so its fold errors are the selection's at the chosen alpha, to
+    the last bit); ``config`` keeps what was asked; the report says it."""
+    out, results = run
+    sel = results["regmean_selection"]
+    assert results["config"]["regmean_alpha"] is None and sel["candidates"] == [0.1, 0.5, 0.9]
+    assert sel["folds"] == 3 and "held-out" in sel["criterion"]
+    i = sel["candidates"].index(sel["chosen"])
+    assert sel["mean_errors"][i] == min(sel["mean_errors"])
+    assert sel["fold_errors"][i] == results["held_out_comparison"]["fold_errors"]["regmean"]
+    assert len(set(sel["mean_errors"])) == 3  # the alphas make different merges
+    with open(os.path.join(out, "report.md")) as fh:
+        assert f"RegMean's alpha (the baseline's and that of every merge started from RegMean): " \
+               f"**{sel['chosen']:g}**, chosen by the mean true calibration error of held-out samples, 3-fold" in fh.read()
+
+
+def test_regmean_alpha_selection_fits_without_the_scored_fold(monkeypatch):
+    """The selection's RegMean fits never see the samples they are scored on, every calibration sample
+    is scored once per alpha, each score is the true error of RegMean at that alpha on the held-out
+    fold (recomputed here); a given alpha or a grid of one runs no fold."""
+    import torch
+
+    from mergeqp.experiments.mnist import MnistConfig, _regmean_alpha
+    from mergeqp.experiments.models import MLP
+    from mergeqp.experiments.trust_region import calibration_error, calibration_targets
+
+    torch.manual_seed(0)
+    base = MLP(d_in=12, h1=10, h2=8, n_classes=3).double().eval()
+    fts = []
+    for _ in range(3):
+        m = MLP(d_in=12, h1=10, h2=8, n_classes=3).double().eval()
+        m.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            m.layer2.weight.add_(0.4 * torch.randn_like(m.layer2.weight))
+        fts.append(m)
+    gen = torch.Generator().manual_seed(1)
+    calib = [torch.randn(9, 12, generator=gen, dtype=torch.float64) + 0.5 * k for k in range(3)]
+    fits = []
+    real = mnist_mod._regmean_model
+
+    def recording(cfg, base_, fts_, calibration):
+        fits.append((cfg.regmean_alpha, [torch.cat(list(c)) for c in calibration]))
+        return real(cfg, base_, fts_, calibration)
+
+    monkeypatch.setattr(mnist_mod, "_regmean_model", recording)
+    cfg = MnistConfig(kfold=3, regmean_alphas=(0.2, 0.7))
+    sel = _regmean_alpha(cfg, base, fts, calib, seed=4)
+    assert [a for a, _ in fits] == [0.2] * 3 + [0.7] * 3
+    scored = [[] for _ in calib]
+    for fold, (alpha, fit) in enumerate(fits[:3]):
+        for t, x in enumerate(fit):
+            held = [row for row in calib[t] if not any(torch.equal(row, f) for f in x)]
+            assert len(held) == 3 and len(x) == 6  # 9 samples, 3 folds: nothing held out is fitted
+            scored[t] += held
+        held_x = [torch.stack([row for row in calib[t] if not any(torch.equal(row, f) for f in fit[t])])
+                  for t in range(3)]
+        expected = calibration_error(real(MnistConfig(regmean_alpha=alpha), base, fts, [[x] for x in fit]),
+                                     held_x, calibration_targets(fts, held_x))
+        assert sel["fold_errors"][0][fold] == pytest.approx(expected, rel=1e-12)
+    for t in range(3):  # every sample scored once
+        assert sorted(map(tuple, torch.stack(scored[t]).tolist())) == sorted(map(tuple, calib[t].tolist()))
+    assert sel["chosen"] == (0.2, 0.7)[int(np.argmin(sel["mean_errors"]))]
+    fits.clear()
+    assert _regmean_alpha(MnistConfig(regmean_alpha=0.3), base, fts, calib, seed=4) == {
+        "chosen": 0.3, "criterion": "given (regmean_alpha)"}
+    assert _regmean_alpha(MnistConfig(regmean_alphas=(0.6,)), base, fts, calib, seed=4)["chosen"] == 0.6
+    assert fits == []
+    for bad in ({"regmean_alphas": ()}, {"regmean_alphas": (1.5,)}, {"regmean_alpha": -0.1},
+                {"regmean_alpha": True}):
+        with pytest.raises(mnist_mod.ValidationError, match="regmean_alpha"):
+            MnistConfig(**bad)

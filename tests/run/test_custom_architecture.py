@@ -82,7 +82,7 @@ def test_soup_of_a_registered_architecture(mlps):
 def test_damped_output_space_equals_the_experiments_levenberg_marquardt(mlps):
     base, fts, calib = mlps
     names = ["a", "b", "c"]
-    reference = _regmean_model(MnistConfig(), base, fts, calib)
+    reference = _regmean_model(MnistConfig(regmean_alpha=0.9), base, fts, calib)  # (the run layer's default alpha)
     expected = output_space_merge(reference, fts, "layer2", calib, OutputSpaceConfig(ridge=0.1, steps=8))
     assert sum(s.accepted for s in expected.steps) >= 2  # the damped steps do something here
     res = auto_merge(base, fts, names, calib, ["layer2"], batch_size=4,

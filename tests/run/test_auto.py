@@ -370,6 +370,23 @@ def test_a_winner_whose_fit_on_every_batch_cannot_run_gives_way_to_the_next():
                         loaded.append).chosen.name == "dare_ties"
 
 
+def test_scores_equal_to_rounding_are_a_tie_won_by_the_first_listed():
+    """(stop 80) Two candidates that make the same merge score the same to rounding (the text experiment:
+    regmean_sequential on one layer is RegMean, 780.57 and 780.57 - 1e-13): the first listed wins, as on an
+    exact tie; a real difference (1e-6 relative) still decides; NaN still sorts last."""
+    from mergeqp.run.auto import TIE_RTOL, AutoStartParams, ranked_order, select_start
+
+    params = AutoStartParams(candidates=["soup", "ties", "dare_ties"])
+    for scores, chosen in (({"soup": 900.0, "ties": 780.57, "dare_ties": 780.57 * (1 - 1e-13)}, "ties"),
+                           ({"soup": 2.0, "ties": 1.0, "dare_ties": 1.0 - 1e-6}, "dare_ties"),
+                           ({"soup": 780.57 * (1 + TIE_RTOL / 2), "ties": 780.57, "dare_ties": 900.0}, "soup"),
+                           ({"soup": -5.0 * (1 - TIE_RTOL / 2), "ties": -5.0, "dare_ties": 1.0}, "soup")):
+        sel = select_start(params, lambda c, s=scores: (s[c.name], lambda: {"w": c.name}), lambda t: None)
+        assert sel.chosen.name == chosen, scores
+    order = ranked_order([(3.0, 0, "a"), (float("nan"), 1, "b"), (1.0, 2, "c"), (1.0 + 1e-12, 3, "d"), (1.0, 4, "e")])
+    assert [r[2] for r in order] == ["c", "d", "e", "a", "b"]
+
+
 def test_the_plan_names_an_output_space_candidate_whose_jacobians_cannot_fit(llama, tmp_path):
     """(stop 57 review) The dry run listed `auto`'s output_space candidates, and the run on a real
     language model skipped each for its per-sample Jacobians (82,674 MiB against 64 MiB): the plan

@@ -111,6 +111,10 @@ def _model_layers(model: Any) -> list[_Layer]:
     return layers
 
 
+class _InputsSeen(Exception):
+    """Raised by :func:`gram_rows`'s hooks with ``stop_early`` once every chosen layer has its input."""
+
+
 def compute_grams(
     model: Any,
     batches: Iterable[Any],
@@ -132,10 +136,13 @@ def gram_rows(
     state_dict: Any = None,
     layers: Sequence[str] | None = None,
     label: str = "model",
+    stop_early: bool = False,
 ) -> tuple[dict[str, Any], dict[str, int]]:
     """:func:`compute_grams` and, per layer, the number of rows ``N`` of ``X`` its Gram matrix
     averages over (every position of every input: real tokens for unpadded text), so that the
-    Grams of disjoint batch sets pool exactly: ``G = sum_j N_j G_j / sum_j N_j``."""
+    Grams of disjoint batch sets pool exactly: ``G = sum_j N_j G_j / sum_j N_j``. ``stop_early``:
+    each pass stops once every chosen layer has seen its input (the model's output is not needed;
+    a layer called more than once per pass counts its first call only)."""
     import torch
 
     model = check_model(model, "regmean")
@@ -151,15 +158,22 @@ def gram_rows(
             raise ValidationError(f"module {name!r} is not a linear layer of the model")
     sums: dict[str, Any] = {}
     rows: dict[str, int] = {name: 0 for name in chosen}
+    seen: set[str] = set()  # (stop_early) the chosen layers that have seen this pass's input
 
     def hook_for(name: str, has_bias: bool) -> Any:
         def hook(module: Any, args: tuple, kwargs: dict | None = None) -> None:
+            if name in seen:
+                return
             x = args[0] if args else next(iter((kwargs or {}).values()))
             X = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
             if has_bias:
                 X = torch.cat([X, X.new_ones(X.shape[0], 1)], dim=1)
             sums[name] = sums.get(name, 0) + X.T @ X
             rows[name] += X.shape[0]
+            if stop_early:
+                seen.add(name)
+                if len(seen) == len(chosen):
+                    raise _InputsSeen
         return hook
 
     handles = [model.get_submodule(n).register_forward_pre_hook(hook_for(n, found[n].has_bias))
@@ -169,7 +183,11 @@ def gram_rows(
             for b, batch in enumerate(batches):
                 where = f"{label} calibration batch {b}"
                 inputs, _ = split_batch(batch, where)
-                run_model(model, weights, map_tensors(inputs, lambda t: t.to(device)), where)
+                seen.clear()
+                try:
+                    run_model(model, weights, map_tensors(inputs, lambda t: t.to(device)), where)
+                except _InputsSeen:
+                    pass
     finally:
         for h in handles:
             h.remove()

@@ -37,9 +37,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import ValidationError, parse_params
 from ..io.calibration import unpadded_inputs
-from ..merge.batches import map_tensors, model_device, run_model, split_batch
+from ..merge.batches import map_tensors, model_device, run_model
 from ..merge.calibrated import StatisticsCollector
 from ..merge.calibration_statistics import GRAM_ROWS
+from ..merge.regmean import gram_rows
 from ..merge.sites import LayerSite, model_sites, site_module
 from ..stats.prefix import frozen_prefix
 from .auto import SEQUENTIAL_MAX_STAGES, CandidateSkipped
@@ -66,10 +67,6 @@ class RegMeanSequentialParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     alpha: float = Field(0.9, ge=0.0, le=1.0)
     max_stages: int | None = Field(None, ge=1)
-
-
-class _Seen(Exception):
-    """Raised by a stage's hook once it has its input: the rest of the forward pass is not needed."""
 
 
 @dataclass(frozen=True)
@@ -142,54 +139,13 @@ def stages_of(model: Any, sites: Sequence[LayerSite], inputs_per_task: Sequence[
 
 
 def stage_grams(model: Any, stage: Stage, inputs: Sequence[Mapping[str, Any]], where: str) -> dict[str, Any]:
-    """RegMean's statistics of ``stage``'s layers on ``inputs`` as the live ``model`` computes them:
-    per layer the Gram matrix ``X'X / N`` of its inputs (float64 on the CPU, a constant-1 column
-    appended for a layer with a bias, as :func:`mergeqp.merge.regmean.gram_rows`) and its row count
-    under ``name + "#rows"``. Each pass stops at the stage's input."""
+    """RegMean's statistics of ``stage``'s layers on ``inputs`` as the live ``model`` computes them
+    (:func:`mergeqp.merge.regmean.gram_rows`, each pass stopped at the stage's input): per layer the
+    Gram matrix and its row count under ``name + "#rows"``, as the run layer's RegMean collects them."""
     import torch
 
-    device = model_device(model)
-    total: dict[str, Any] = {"xx": None, "x1": None, "n": 0}
-
-    def hook(module: Any, args: tuple, kwargs: dict | None = None) -> None:
-        x = args[0] if args else next(iter((kwargs or {}).values()))
-        X = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-        xx, x1 = X.T @ X, X.sum(dim=0)
-        total["xx"] = xx if total["xx"] is None else total["xx"] + xx
-        total["x1"] = x1 if total["x1"] is None else total["x1"] + x1
-        total["n"] += X.shape[0]
-        raise _Seen
-
-    handle = site_module(model, stage.sites[0]).register_forward_pre_hook(hook)
-    try:
-        with torch.no_grad():
-            for b, batch in enumerate(inputs):
-                batch_inputs, _ = split_batch(batch, f"{where} batch {b}")
-                try:
-                    run_model(model, None, map_tensors(batch_inputs, lambda t: t.to(device)), f"{where} batch {b}")
-                except _Seen:
-                    continue
-                raise ValidationError(f"{where} batch {b}: layer {stage.sites[0].name!r} did not run")
-    finally:
-        handle.remove()
-    n = total["n"]
-    if n == 0:
-        raise ValidationError(f"{where}: layer {stage.sites[0].name!r} saw no input on the calibration data")
-    xx, x1 = total["xx"].cpu(), total["x1"].cpu()
-    out: dict[str, Any] = {}
-    for s in stage.sites:
-        if s.has_bias:
-            m = xx.shape[0]
-            G = torch.empty(m + 1, m + 1, dtype=torch.float64)
-            G[:m, :m], G[:m, m], G[m, :m], G[m, m] = xx, x1, x1, float(n)
-            out[s.name] = G / n
-        else:
-            out[s.name] = xx / n
-        if not bool(torch.isfinite(out[s.name]).all()):
-            raise ValidationError(f"{where}: the inputs of layer {s.name!r} contain NaN or inf (its Gram matrix is "
-                                  f"not finite): check the calibration batches")
-        out[s.name + GRAM_ROWS] = torch.tensor(float(n), dtype=torch.float64)
-    return out
+    grams, rows = gram_rows(model, inputs, layers=[s.name for s in stage.sites], label=where, stop_early=True)
+    return {**grams, **{n + GRAM_ROWS: torch.tensor(float(r), dtype=torch.float64) for n, r in rows.items()}}
 
 
 def too_many_stages(stages: Sequence[Stage], max_stages: int | None) -> str | None:
@@ -305,10 +261,6 @@ def _start_fit(ctx: CandidateContext, p: RegMeanSequentialParams, fit: Sequence[
     return merged
 
 
-def _start_skip(plan: Any, p: RegMeanSequentialParams, auto: Any) -> str | None:
-    return None
-
-
 REGMEAN_SEQUENTIAL_RUN = ModelMethod(
     name=NAME,
     summary="RegMean layer by layer, each layer's Gram matrices at the inputs of the model merged below it "
@@ -319,7 +271,7 @@ REGMEAN_SEQUENTIAL_RUN = ModelMethod(
     memory=_memory,
     fits_outputs=False,
     report_markdown=_report_markdown,
-    start=StartFit(fit=_start_fit, skip=_start_skip),
+    start=StartFit(fit=_start_fit),
 )
 
 __all__ = ["DEFAULT_MAX_STAGES", "NAME", "REGMEAN_SEQUENTIAL_RUN", "RegMeanSequentialParams", "Stage", "sequential_statistics", "stage_grams",
